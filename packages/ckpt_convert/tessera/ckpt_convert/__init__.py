@@ -1,0 +1,1 @@
+"""tessera-ckpt: reshard, export to Hugging Face / TensorRT-LLM, import, verify and describe checkpoints."""

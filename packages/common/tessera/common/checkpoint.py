@@ -1,0 +1,184 @@
+"""The checkpoint artifact: layout on disk, sidecar, pointer, and single-process model access.
+
+    <run>/checkpoints/
+        latest_checkpointed_iteration.txt   step number of the newest complete checkpoint
+        iter_0000100/
+            .metadata, __*_*.distcp          torch.distributed.checkpoint (DCP) files
+            tessera_checkpoint.json          the sidecar (CheckpointSidecar)
+            tokenizer/                       tokenizer.json + tokenizer_config.json
+
+DCP state-dict keys: `model.<parameter name>` for every model tensor, as global (unsharded)
+tensors whatever the layout they were saved from, named as in `tessera.common.model` with global
+layer numbers; training state under `optimizer.`, `scheduler`, `rng`, `train_state`, etc. (the
+trainer owns those). A checkpoint directory is complete only once its sidecar exists, and the
+pointer file is replaced (atomically) only after that.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from tessera.common import __version__
+from tessera.common.errors import ArtifactError
+from tessera.common.fileio import atomic_write_json, atomic_write_text, read_json, sha256_file
+from tessera.common.layout import ParallelLayout
+from tessera.common.model_config import ModelConfig
+
+CHECKPOINT_FORMAT = "tessera-checkpoint"
+CHECKPOINT_FORMAT_VERSION = 1
+SIDECAR = "tessera_checkpoint.json"
+POINTER = "latest_checkpointed_iteration.txt"
+TOKENIZER_DIR = "tokenizer"
+MODEL_PREFIX = "model."
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+class CheckpointSidecar(BaseModel):
+    """Contents of `tessera_checkpoint.json`."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+    format: str = CHECKPOINT_FORMAT
+    format_version: int = CHECKPOINT_FORMAT_VERSION
+    model: ModelConfig
+    tokenizer_fingerprint: str | None = None
+    layout: ParallelLayout = Field(default_factory=ParallelLayout, description="Layout it was saved from (informational).")
+    step: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    mixture_fingerprint: str | None = None
+    params_dtype: str = "float32"
+    contents: list[str] = Field(default_factory=lambda: ["model"], description="Top-level state groups present.")
+    checksums: dict[str, str] = Field(default_factory=dict, description="File name (DCP files) -> sha256 hex.")
+    created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    tessera_version: str = __version__
+
+
+def iter_dir_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The DCP payload files of a checkpoint directory (not the sidecar or tokenizer)."""
+    return sorted(p for p in directory.iterdir() if p.is_file() and p.name != SIDECAR)
+
+
+def finalize_checkpoint(directory: str | os.PathLike, sidecar: CheckpointSidecar) -> None:
+    """Checksum the payload and write the sidecar last: the marker that the directory is whole."""
+    directory = Path(directory)
+    sidecar.checksums = {p.name: sha256_file(p) for p in checkpoint_files(directory)}
+    atomic_write_json(directory / SIDECAR, sidecar.model_dump(mode="json"))
+
+
+def write_pointer(checkpoints_root: str | os.PathLike, step: int) -> None:
+    atomic_write_text(Path(checkpoints_root) / POINTER, f"{step}\n")
+
+
+def read_pointer(checkpoints_root: str | os.PathLike) -> int | None:
+    path = Path(checkpoints_root) / POINTER
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    if not text.isdigit():
+        raise ArtifactError(f"{path}: expected a step number, found {text[:40]!r}")
+    return int(text)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """Accept an iteration directory, a checkpoints directory with a pointer, or a run directory."""
+    path = Path(path)
+    if not path.exists():
+        raise ArtifactError(f"{path}: checkpoint not found")
+    if (path / SIDECAR).is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        step = read_pointer(root) if root.is_dir() else None
+        if step is not None:
+            target = root / iter_dir_name(step)
+            if not (target / SIDECAR).is_file():
+                raise ArtifactError(f"{root / POINTER}: points to {target.name}, which is missing or incomplete")
+            return target
+    if _ITER_RE.match(path.name):
+        raise ArtifactError(f"{path}: checkpoint is incomplete (no {SIDECAR}); it was interrupted while saving")
+    raise ArtifactError(f"{path}: not a Tessera checkpoint (no {SIDECAR} and no {POINTER})")
+
+
+def read_sidecar(directory: str | os.PathLike) -> CheckpointSidecar:
+    directory = Path(directory)
+    data: Any = read_json(directory / SIDECAR, "checkpoint sidecar")
+    if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:
+        raise ArtifactError(f"{directory / SIDECAR}: not a Tessera checkpoint sidecar")
+    if data.get("format_version") != CHECKPOINT_FORMAT_VERSION:
+        raise ArtifactError(f"{directory / SIDECAR}: checkpoint format version {data.get('format_version')} "
+                            f"is not supported (expected {CHECKPOINT_FORMAT_VERSION})")
+    try:
+        return CheckpointSidecar.model_validate(data)
+    except Exception as exc:
+        raise ArtifactError(f"{directory / SIDECAR}: invalid sidecar ({str(exc).splitlines()[0]})") from None
+
+
+def verify_checksums(directory: str | os.PathLike, sidecar: CheckpointSidecar | None = None) -> None:
+    directory = Path(directory)
+    sidecar = sidecar or read_sidecar(directory)
+    for name, digest in sidecar.checksums.items():
+        path = directory / name
+        if not path.is_file():
+            raise ArtifactError(f"{path}: checkpoint file missing")
+        if sha256_file(path) != digest:
+            raise ArtifactError(f"{path}: checksum mismatch; the checkpoint file is corrupt or truncated")
+
+
+def _dcp_metadata(directory: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(str(directory)).read_metadata()
+    except Exception as exc:
+        raise ArtifactError(f"{directory}: unreadable DCP metadata ({str(exc).splitlines()[0]})") from None
+
+
+def model_tensor_specs(directory: str | os.PathLike) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Name (without the `model.` prefix) -> (global shape, dtype) of every stored model tensor."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = _dcp_metadata(Path(directory))
+    specs = {}
+    for key, md in meta.state_dict_metadata.items():
+        if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata):
+            specs[key[len(MODEL_PREFIX):]] = (md.size, md.properties.dtype)
+    return specs
+
+
+def load_model_tensors(directory: str | os.PathLike, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Load model tensors (all, or `names`) as full tensors in one process, no process group needed.
+
+    Reading a subset at a time keeps memory bounded for converters that stream tensor by tensor.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    directory = Path(directory)
+    specs = model_tensor_specs(directory)
+    wanted = names if names is not None else list(specs)
+    missing = [n for n in wanted if n not in specs]
+    if missing:
+        raise ArtifactError(f"{directory}: checkpoint has no tensor {missing[0]!r}")
+    state = {MODEL_PREFIX + n: torch.empty(specs[n][0], dtype=specs[n][1]) for n in wanted}
+    try:
+        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+    except Exception as exc:
+        raise ArtifactError(f"{directory}: failed to read checkpoint tensors ({str(exc).splitlines()[0]}); "
+                            "the checkpoint is corrupt or truncated") from None
+    return {k[len(MODEL_PREFIX):]: v for k, v in state.items()}
+
+
+def save_model_tensors(directory: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    """Write model tensors as a single-process DCP checkpoint payload (no sidecar; see finalize)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({MODEL_PREFIX + k: v for k, v in tensors.items()}, checkpoint_id=str(directory), no_dist=True)

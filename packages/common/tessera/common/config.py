@@ -1,0 +1,104 @@
+"""Typed configs: YAML files plus dotted command-line overrides, validated before any work.
+
+Configs are pydantic models whose every field carries a description (so `--help` and the docs
+can list them). `load_config` reads a YAML file, applies `a.b.c=value` overrides (values parsed as
+YAML, so `true`, `3`, `1e-4` and `[1,2]` have their natural types) and validates; any problem
+becomes a one-line UserError naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tessera.common.errors import UserError
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class StrictModel(BaseModel):
+    """Base for all Tessera configs: unknown fields are errors, assignment is validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `dotted.key=value` overrides to a nested dict (in place; also returned)."""
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"override {item!r}: expected KEY=VALUE, e.g. optim.lr=3e-4")
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("-")
+        if not key:
+            raise UserError(f"override {item!r}: empty key")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UserError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    problems = []
+    for err in exc.errors()[:3]:
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        problems.append(f"{loc}: {err['msg']}")
+    more = f" (and {exc.error_count() - 3} more)" if exc.error_count() > 3 else ""
+    return f"{source}: invalid config: " + "; ".join(problems) + more
+
+
+def validate_config(model_cls: type[T], data: dict[str, Any], source: str = "config") -> T:
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(format_validation_error(exc, source)) from None
+
+
+def load_config(
+    model_cls: type[T], path: str | os.PathLike | None = None, overrides: list[str] | None = None
+) -> T:
+    data = read_yaml(path) if path is not None else {}
+    apply_overrides(data, overrides or [])
+    return validate_config(model_cls, data, str(path) if path is not None else "config")
+
+
+def describe_fields(model_cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, description) for every field, recursing into nested configs."""
+    rows = []
+    for name, field in model_cls.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(describe_fields(ann, f"{prefix}{name}."))
+        else:
+            default = "" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            rows.append((f"{prefix}{name}", default, field.description or ""))
+    return rows

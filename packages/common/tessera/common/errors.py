@@ -1,0 +1,43 @@
+"""User-facing errors and the CLI wrapper that turns them into one line and exit code 2.
+
+A `UserError` is a problem the user can fix (bad argument, missing or corrupt file, wrong
+tokenizer). CLIs print its message on one line to stderr, without a traceback, and exit 2.
+Anything else is a bug or an environment failure: exit 1 with the traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """A problem with the user's input: message names the file or field and what to do."""
+
+
+class ArtifactError(UserError):
+    """An artifact on disk is missing, malformed, corrupt, or incompatible with another."""
+
+
+def fail(message: str) -> NoReturn:
+    raise UserError(message)
+
+
+def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> NoReturn:
+    """Run a CLI entry point, mapping UserError to a single stderr line and exit code 2."""
+    prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv else "tessera"
+    try:
+        code = main(argv)
+    except UserError as exc:
+        message = " ".join(str(exc).split("\n")).strip()
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(int(code or 0))

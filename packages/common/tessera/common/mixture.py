@@ -1,0 +1,164 @@
+"""The mixture artifact: which tokens make up each training sample, decided once, offline.
+
+Built by `tessera-data blend`, read by the trainer (memory-mapped; the trainer never rebuilds it).
+
+Directory layout (format version 1):
+
+    manifest.json                       every parameter, the shards and their fingerprints
+    <split>/dataset_index.npy           uint16 [N]  dataset of global sample n
+    <split>/dataset_sample_index.npy    int64  [N]  sample number within that dataset's stream
+    <split>/d<k>_document_index.npy     int32  [E*D_k]  document ids of dataset k, shuffled per epoch
+    <split>/d<k>_sample_index.npy       int64  [M_k+1, 2]  (position in document_index, token offset)
+    <split>/d<k>_shuffle_index.npy      int64  [M_k]  order in which dataset k's samples are drawn
+
+Sample j of dataset k (Megatron's GPT dataset semantics): i = shuffle_index[j]; it starts at
+document_index[sample_index[i, 0]], token sample_index[i, 1], and ends at
+document_index[sample_index[i+1, 0]], token sample_index[i+1, 1], inclusive: seq_length + 1
+tokens, packed across document boundaries. Consecutive samples overlap by that one token, which is
+the last label of one and the first input of the next.
+
+Dataset paths in the manifest are relative to the mixture directory when they can be.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from tessera.common.errors import ArtifactError
+from tessera.common.fileio import read_json, sha256_file
+from tessera.common.indexed_dataset import IndexedDataset
+from tessera.common.shard import shard_fingerprint
+
+MIXTURE_FORMAT = "tessera-mixture"
+MIXTURE_FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "valid", "test")
+
+
+class MixtureDatasetEntry(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    prefix: str = Field(description="Shard prefix, relative to the mixture directory when possible.")
+    weight: float = Field(description="Normalised blending weight.")
+    fingerprint: str = Field(description="Fingerprint of the shard (sha256 of its manifest).")
+    num_documents: int
+    num_tokens: int
+
+
+class MixtureSplitInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    num_samples: int
+    documents: list[list[int]] = Field(default_factory=list, description="Per dataset, [first, last) document range of this split.")
+
+
+class MixtureManifest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    format: str = MIXTURE_FORMAT
+    format_version: int = MIXTURE_FORMAT_VERSION
+    seq_length: int
+    seed: int
+    split: list[float]
+    tokenizer_fingerprint: str
+    vocab_size: int
+    datasets: list[MixtureDatasetEntry]
+    splits: dict[str, MixtureSplitInfo]
+    checksums: dict[str, str] = Field(default_factory=dict, description="Relative path of every .npy file -> sha256 hex.")
+
+
+def split_file(split: str, name: str) -> str:
+    return f"{split}/{name}.npy"
+
+
+def dataset_file(split: str, k: int, kind: str) -> str:
+    """kind: document_index | sample_index | shuffle_index."""
+    return f"{split}/d{k}_{kind}.npy"
+
+
+def mixture_fingerprint(directory: str | os.PathLike) -> str:
+    return "sha256:" + sha256_file(Path(directory) / MANIFEST)
+
+
+def read_mixture_manifest(directory: str | os.PathLike) -> MixtureManifest:
+    path = Path(directory) / MANIFEST
+    if not Path(directory).is_dir():
+        raise ArtifactError(f"{directory}: mixture directory not found; build it with `tessera-data blend`")
+    data: Any = read_json(path, "mixture manifest")
+    if not isinstance(data, dict) or data.get("format") != MIXTURE_FORMAT:
+        raise ArtifactError(f"{path}: not a Tessera mixture manifest (format should be {MIXTURE_FORMAT!r})")
+    if data.get("format_version") != MIXTURE_FORMAT_VERSION:
+        raise ArtifactError(f"{path}: mixture format version {data.get('format_version')} is not supported")
+    try:
+        return MixtureManifest.model_validate(data)
+    except Exception as exc:
+        raise ArtifactError(f"{path}: invalid mixture manifest ({str(exc).splitlines()[0]})") from None
+
+
+def resolve_prefix(directory: Path, prefix: str) -> Path:
+    p = Path(prefix)
+    return p if p.is_absolute() else (directory / p)
+
+
+class MixtureSplit:
+    """Random access to the samples of one split: `split[n]` -> int64 array of seq_length + 1 tokens."""
+
+    def __init__(self, directory: str | os.PathLike, split: str = "train", check_fingerprints: bool = True):
+        self.directory = Path(directory)
+        self.manifest = read_mixture_manifest(self.directory)
+        if split not in self.manifest.splits:
+            raise ArtifactError(f"{self.directory / MANIFEST}: mixture has no {split!r} split "
+                                f"(it has {', '.join(self.manifest.splits)})")
+        self.split = split
+        self.seq_length = self.manifest.seq_length
+        self.datasets: list[IndexedDataset] = []
+        for entry in self.manifest.datasets:
+            prefix = resolve_prefix(self.directory, entry.prefix)
+            if check_fingerprints:
+                actual = shard_fingerprint(prefix)
+                if actual != entry.fingerprint:
+                    raise ArtifactError(f"{prefix}.json: shard changed since the mixture was built "
+                                        f"(fingerprint {actual[:19]}… != {entry.fingerprint[:19]}…); rebuild the mixture")
+            self.datasets.append(IndexedDataset(prefix))
+        self.num_samples = self.manifest.splits[split].num_samples
+        self.dataset_index = self._load(split_file(split, "dataset_index"))
+        self.dataset_sample_index = self._load(split_file(split, "dataset_sample_index"))
+        if len(self.dataset_index) != self.num_samples or len(self.dataset_sample_index) != self.num_samples:
+            raise ArtifactError(f"{self.directory / split}: index arrays do not hold {self.num_samples} samples; corrupt mixture")
+        self.document_index, self.sample_index, self.shuffle_index = [], [], []
+        for k in range(len(self.datasets)):
+            self.document_index.append(self._load(dataset_file(split, k, "document_index")))
+            self.sample_index.append(self._load(dataset_file(split, k, "sample_index")))
+            self.shuffle_index.append(self._load(dataset_file(split, k, "shuffle_index")))
+
+    def _load(self, rel: str) -> np.ndarray:
+        path = self.directory / rel
+        if not path.is_file():
+            raise ArtifactError(f"{path}: mixture index file missing; rebuild the mixture")
+        try:
+            return np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as exc:
+            raise ArtifactError(f"{path}: unreadable .npy ({exc})") from None
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def dataset_sample(self, k: int, j: int) -> np.ndarray:
+        """Sample j of dataset k's stream in this split."""
+        ds, doc_index, sample_index = self.datasets[k], self.document_index[k], self.sample_index[k]
+        i = int(self.shuffle_index[k][j])
+        p0, o0 = (int(x) for x in sample_index[i])
+        p1, o1 = (int(x) for x in sample_index[i + 1])
+        if p0 == p1:
+            return ds.document_tokens(int(doc_index[p0]))[o0:o1 + 1].astype(np.int64)
+        parts = [ds.document_tokens(int(doc_index[p0]))[o0:]]
+        parts.extend(ds.document_tokens(int(doc_index[p])) for p in range(p0 + 1, p1))
+        parts.append(ds.document_tokens(int(doc_index[p1]))[:o1 + 1])
+        return np.concatenate(parts).astype(np.int64)
+
+    def __getitem__(self, n: int) -> np.ndarray:
+        if not 0 <= n < self.num_samples:
+            raise IndexError(f"sample {n} out of range [0, {self.num_samples})")
+        return self.dataset_sample(int(self.dataset_index[n]), int(self.dataset_sample_index[n]))

@@ -1,0 +1,312 @@
+"""The decoder-only transformer: GPT-2 and Llama 2/3 from one config.
+
+Read top to bottom: norms, rotary embeddings, attention, MLP, block, model. This file is the
+single-device model; parallelism (tensor, sequence, pipeline, data) is applied to it by functions
+elsewhere, which swap layers or drop modules, never by branches in here.
+
+Parameter names are the checkpoint contract (see docs/formats/checkpoint.md): they do not depend
+on any parallel layout. Projections are stored split (q/k/v, gate/up) so a tensor-parallel shard
+of each is a contiguous slice, and layers live in a ModuleDict keyed by global layer number, so a
+pipeline stage keeps the names it would have in the full model.
+
+Two hooks serve the other stages: `positions` (explicit token positions for packed or cached
+sequences) and `attention_fn` (replaces the attention core, e.g. with paged attention over a KV
+cache in the server).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.common.model_config import ModelConfig
+from tessera.kernels import rms_norm
+
+# attention_fn(layer_idx, q, k, v) -> out; q: [B, T, Hq, D], k/v: [B, T, Hkv, D], out: [B, T, Hq, D]
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+# ---- rotary position embeddings ------------------------------------------------------------
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama-3 scaling applied when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    # Between the two wavelengths, interpolate smoothly between scaled and unscaled.
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions [0, max_seq_len); rotate-half layout (as HF Llama)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+        if not self.cos.is_meta:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        device = self.cos.device
+        inv_freq = rope_inv_freq(self.cfg).to(device)
+        t = torch.arange(self.cfg.max_seq_len, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos.copy_(emb.cos())
+        self.sin.copy_(emb.sin())
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        # The tables stay fp32 whatever dtype the model is cast to: recompute rather than round.
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32:
+            self.cos = self.cos.to(torch.float32)
+            self.sin = self.sin.to(torch.float32)
+            if not self.cos.is_meta:
+                self.reset_parameters()
+        return self
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [B or 1, T, 1, D] for integer positions [B or 1, T]."""
+        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+# ---- attention and MLP ---------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.kv_heads
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.attention_dropout
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_fn: AttentionFn | None = None,
+    ) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # Head counts come from the projection widths, so a tensor-parallel shard (fewer local
+        # heads) runs this same code.
+        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim)
+        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim)
+        v = self.v_proj(x).view(bsz, seq, -1, self.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if attention_fn is not None:
+            out = attention_fn(self.layer_idx, q, k, v)
+        else:
+            out = self.core(q, k, v)
+        return self.o_proj(out.reshape(bsz, seq, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal scaled-dot-product attention; [B, T, H, D] in and out. Selective recompute wraps this."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, k, v,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return out.transpose(1, 2)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.activation == "swiglu"
+        if self.gated:
+            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.bias)
+        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = F.gelu(self.up_proj(x), approximate="tanh")
+        return self.down_proj(h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg, layer_idx)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_fn: AttentionFn | None = None,
+    ) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope, attention_fn))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+# ---- the model -----------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    """Embedding -> blocks -> final norm -> output head.
+
+    A pipeline stage is this model with some modules set to None (embedding on later stages,
+    head on earlier ones) and some layers deleted; forward skips what is absent, so a stage
+    without an embedding takes hidden states, and one without a head returns them.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos_embed: nn.Embedding | None = (
+            nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if cfg.position == "learned" else None
+        )
+        self.rotary = RotaryEmbedding(cfg) if cfg.position == "rope" else None
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
+        self.final_norm: nn.Module | None = make_norm(cfg)
+        self.lm_head: nn.Linear | None = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        # Whether this module produces logits (a pipeline stage may hold the head but not the
+        # embedding, with tied weights kept in sync by the pipeline runtime).
+        self.has_head = True
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Initialise every parameter in place (after `to_empty` when built on the meta device).
+
+        Normal(0, init_std) for embeddings and linear weights, scaled by 1/sqrt(2 L) for the
+        projections that write into the residual stream (o_proj, down_proj); zero biases; unit
+        norms. Parameters are visited in name order so a given generator seed gives the same
+        weights whatever device or pipeline split.
+        """
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)
+        for name, module in sorted(self.named_modules(), key=lambda kv: kv[0]):
+            if isinstance(module, nn.Linear):
+                s = out_std if name.endswith(("o_proj", "down_proj")) else std
+                nn.init.normal_(module.weight, 0.0, s, generator=generator)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std, generator=generator)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm, RotaryEmbedding)):
+                module.reset_parameters()
+
+    def output_weight(self) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        assert self.embed_tokens is not None, "tied head needs the embedding on this stage"
+        return self.embed_tokens.weight
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_fn: AttentionFn | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """tokens [B, T] (or hidden states [B, T, d] on a later pipeline stage) -> logits [B, T, V].
+
+        `positions` [B or 1, T] defaults to 0..T-1. With `return_hidden` the final-normed hidden
+        states are returned instead of logits (for a fused or vocab-parallel loss).
+        """
+        if self.embed_tokens is not None:
+            seq = tokens.shape[1]
+            h = self.embed_tokens(tokens)
+        else:
+            h = tokens
+            seq = h.shape[1]
+        if positions is None:
+            positions = torch.arange(seq, device=h.device).unsqueeze(0)
+        if self.pos_embed is not None and self.embed_tokens is not None:
+            h = h + self.pos_embed(positions)
+        if self.embed_tokens is not None:
+            h = self.dropout(h)
+        rope = self.rotary(positions) if self.rotary is not None else None
+        for block in self.layers.values():
+            h = block(h, rope, attention_fn)
+        if self.final_norm is None:
+            return h
+        h = self.final_norm(h)
+        if return_hidden or not self.has_head:
+            return h
+        return F.linear(h, self.output_weight())
+
+
+def build_model(
+    cfg: ModelConfig,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = 0,
+) -> Transformer:
+    """Build on the meta device, materialise on `device`, and initialise (seeded) in place.
+
+    No memory is allocated twice: parameters exist only once, on the target device. With
+    seed=None the weights are left uninitialised (for loading a checkpoint over them).
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        model.init_weights(generator)
+    elif model.rotary is not None:
+        model.rotary.reset_parameters()
+    return model.to(dtype=dtype) if dtype != torch.float32 else model

@@ -1,0 +1,120 @@
+"""Loading a Hugging Face tokenizer directory, and its fingerprint.
+
+A tokenizer artifact is a directory with `tokenizer.json` (the `tokenizers` library's format)
+and `tokenizer_config.json` (special tokens, chat template, as transformers writes it). Its
+fingerprint is the SHA-256 of `tokenizer.json`; shards, mixtures and checkpoints record it and
+stages refuse to combine artifacts with different fingerprints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tessera.common.errors import ArtifactError
+from tessera.common.fileio import sha256_file
+
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, "special_tokens_map.json")
+
+
+def tokenizer_fingerprint(directory: str | os.PathLike) -> str:
+    path = Path(directory) / TOKENIZER_JSON
+    if not path.is_file():
+        raise ArtifactError(f"{path}: tokenizer.json not found; pass a Hugging Face tokenizer directory")
+    return "sha256:" + sha256_file(path)
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+@dataclass
+class Tokenizer:
+    """A loaded tokenizer plus the special-token facts every stage needs."""
+
+    directory: Path
+    backend: Any  # tokenizers.Tokenizer
+    fingerprint: str
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def eos_token(self) -> str | None:
+        return _token_content(self.config.get("eos_token"))
+
+    @property
+    def bos_token(self) -> str | None:
+        return _token_content(self.config.get("bos_token"))
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.token_id(self.eos_token)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.token_id(self.bos_token)
+
+    @property
+    def pad_id(self) -> int | None:
+        return self.token_id(_token_content(self.config.get("pad_token")))
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.config.get("chat_template")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without special tokens (callers add BOS/EOD explicitly)."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Copy the tokenizer files into `directory` (used by checkpoints and exports)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            src = self.directory / name
+            if src.is_file():
+                shutil.copyfile(src, directory / name)
+
+
+def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
+    """Load a tokenizer directory; any problem is a one-line ArtifactError naming the file."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"{directory}: tokenizer directory not found")
+    path = directory / TOKENIZER_JSON
+    fingerprint = tokenizer_fingerprint(directory)
+    try:
+        backend = HFTokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust library raises plain Exceptions
+        raise ArtifactError(f"{path}: not a valid Hugging Face tokenizer.json ({str(exc).splitlines()[0]})") from None
+    config: dict[str, Any] = {}
+    cfg_path = directory / TOKENIZER_CONFIG
+    if cfg_path.is_file():
+        try:
+            config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ArtifactError(f"{cfg_path}: not valid JSON ({exc.msg})") from None
+    return Tokenizer(directory=directory, backend=backend, fingerprint=fingerprint, config=config)

@@ -1,0 +1,1 @@
+"""tessera-serve: KV-cached, continuously batching text generation, OpenAI-compatible HTTP server."""
