@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +171,9 @@ def load_model_tensors(directory: str | os.PathLike, names: list[str] | None = N
         raise ArtifactError(f"{directory}: checkpoint has no tensor {missing[0]!r}")
     state = {MODEL_PREFIX + n: torch.empty(specs[n][0], dtype=specs[n][1]) for n in wanted}
     try:
-        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(state, checkpoint_id=str(directory), no_dist=True)
     except Exception as exc:
         raise ArtifactError(f"{directory}: failed to read checkpoint tensors ({str(exc).splitlines()[0]}); "
                             "the checkpoint is corrupt or truncated") from None
@@ -181,4 +184,6 @@ def save_model_tensors(directory: str | os.PathLike, tensors: dict[str, torch.Te
     """Write model tensors as a single-process DCP checkpoint payload (no sidecar; see finalize)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({MODEL_PREFIX + k: v for k, v in tensors.items()}, checkpoint_id=str(directory), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.save({MODEL_PREFIX + k: v for k, v in tensors.items()}, checkpoint_id=str(directory), no_dist=True)

@@ -106,16 +106,23 @@ class ModelConfig(StrictModel):
             total += v * d
         return total
 
+    def matmul_params(self) -> int:
+        """Weights that take part in matrix multiplies: projections, MLP and the output head.
+
+        Excludes embedding lookups, norms and biases; the head counts even when tied.
+        """
+        d, f = self.hidden_size, self.ffn_hidden_size
+        attn = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
+        mlp = (3 if self.activation == "swiglu" else 2) * d * f
+        return self.num_layers * (attn + mlp) + self.vocab_size * d
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), PaLM convention.
 
-        6 x (parameters taking part in matmuls, i.e. all but the embedding lookups, with the
-        output head counted even when tied) + 12 x layers x query width x seq_len for the
-        attention scores and weighted sum (not halved for causal masking, as is customary).
+        6 x matmul_params() + 12 x layers x query width x seq_len for the attention scores and
+        weighted sum (not halved for causal masking, as is customary).
         """
-        d, v = self.hidden_size, self.vocab_size
-        matmul_params = self.num_params(include_embedding=False) + (v * d if self.tie_embeddings else 0)
-        return 6.0 * matmul_params + 12.0 * self.num_layers * self.q_size * seq_len
+        return 6.0 * self.matmul_params() + 12.0 * self.num_layers * self.q_size * seq_len
 
 
 PRESETS: dict[str, dict[str, Any]] = {
