@@ -72,10 +72,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Dispatch to the Triton paged-attention kernel on CUDA, the reference elsewhere."""
     if use_triton(q):
-        try:
-            from tessera.kernels.paged_attention_triton import paged_attention_triton
-        except ImportError:
-            pass
-        else:
-            return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        # Imported here so CPU-only installs without Triton never import it.
+        from tessera.kernels.paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

@@ -21,9 +21,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Dispatch to the fused Triton kernel (forward and backward) or the reference."""
     if use_triton(x):
-        try:
-            from tessera.kernels.rmsnorm_triton import rms_norm_triton
-        except ImportError:
-            return rms_norm_reference(x, weight, eps)
+        # Imported here so CPU-only installs without Triton never import it.
+        from tessera.kernels.rmsnorm_triton import rms_norm_triton
+
         return rms_norm_triton(x, weight, eps)
     return rms_norm_reference(x, weight, eps)

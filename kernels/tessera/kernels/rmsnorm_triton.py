@@ -1,0 +1,146 @@
+"""Fused RMSNorm in Triton: forward and backward, one row of the hidden dimension per program.
+
+Semantics are those of `rms_norm_reference` (and Hugging Face's LlamaRMSNorm):
+    n = (x.float() * rstd).to(x.dtype),  rstd = 1 / sqrt(mean(x.float()^2) + eps)
+    y = weight * n                       (dtype: torch.promote_types(x.dtype, weight.dtype))
+The forward saves only rstd (fp32, one value per row) for the backward, which recomputes the
+normalised row from x rather than storing it: that is the "fused" saving over the reference, whose
+autograd graph keeps several full-size fp32 intermediates.
+
+Backward, with g = dy * weight and xhat = x * rstd (all in fp32):
+    dx      = rstd * (g - xhat * mean(g * xhat))
+    dweight = sum over rows of dy * n
+dweight is a reduction over every row; each program accumulates its rows into an fp32 partial
+sum, and the few partial rows are then summed by torch (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# A row is held in registers whole; beyond this many elements a single program would spill.
+MAX_FUSED_HIDDEN = 65536
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, w_ptr, y_ptr, rstd_ptr,
+    stride_x, stride_y,
+    n_cols, eps,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    tl.store(rstd_ptr + row, rstd)
+    # Round the normalised row to x's dtype before scaling, as the reference does.
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = normed * w
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
+    stride_x, stride_dy, stride_dx,
+    n_rows, n_cols, rows_per_program,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    for row in range(row_start, row_end):
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        xf = x.to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        xhat = xf * rstd
+        # dweight sees the normalised row after its rounding to x's dtype, as in the forward.
+        dw_acc += dy * xhat.to(x.dtype).to(tl.float32)
+        g = dy * w
+        c = tl.sum(g * xhat, axis=0) / n_cols
+        dx = rstd * (g - xhat * c)
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_partial_ptr + pid * n_cols + cols, dw_acc, mask=mask)
+
+
+def _launch_params(n_cols: int) -> tuple[int, int]:
+    block_n = triton.next_power_of_2(n_cols)
+    # Enough warps that each thread holds a handful of elements of the row.
+    num_warps = min(max(block_n // 256, 1), 16)
+    return block_n, num_warps
+
+
+def _num_bwd_programs(n_rows: int, device: torch.device) -> int:
+    """A few programs per SM on CUDA so the dweight partials stay few; fewer on the interpreter."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(n_rows, 4 * sms))
+    return max(1, min(n_rows, 4))
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        n_cols = x.shape[-1]
+        if weight.shape != (n_cols,):
+            raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {n_cols}")
+        if n_cols > MAX_FUSED_HIDDEN:
+            raise ValueError(f"rms_norm_triton: hidden size {n_cols} exceeds {MAX_FUSED_HIDDEN}")
+        x2d = x.reshape(-1, n_cols)
+        if x2d.stride(-1) != 1:
+            x2d = x2d.contiguous()
+        weight_c = weight.contiguous()
+        n_rows = x2d.shape[0]
+        out_dtype = torch.promote_types(x.dtype, weight.dtype)
+        y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+        rstd = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
+        block_n, num_warps = _launch_params(n_cols)
+        if n_rows > 0:
+            _rms_norm_fwd_kernel[(n_rows,)](
+                x2d, weight_c, y, rstd,
+                x2d.stride(0), y.stride(0),
+                n_cols, eps,
+                BLOCK_N=block_n, num_warps=num_warps,
+            )
+        ctx.save_for_backward(x2d, weight_c, rstd)
+        ctx.x_shape = x.shape
+        return y.reshape(*x.shape[:-1], n_cols)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2d, weight, rstd = ctx.saved_tensors
+        n_rows, n_cols = x2d.shape
+        dy2d = dy.reshape(-1, n_cols)
+        if dy2d.stride(-1) != 1:
+            dy2d = dy2d.contiguous()
+        dx = torch.empty_like(x2d)
+        n_programs = _num_bwd_programs(n_rows, x2d.device)
+        rows_per_program = triton.cdiv(n_rows, n_programs) if n_rows else 0
+        dw_partial = torch.zeros((n_programs, n_cols), dtype=torch.float32, device=x2d.device)
+        block_n, num_warps = _launch_params(n_cols)
+        if n_rows > 0:
+            _rms_norm_bwd_kernel[(n_programs,)](
+                x2d, weight, dy2d, rstd, dx, dw_partial,
+                x2d.stride(0), dy2d.stride(0), dx.stride(0),
+                n_rows, n_cols, rows_per_program,
+                BLOCK_N=block_n, num_warps=num_warps,
+            )
+        dweight = dw_partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        dx_out = dx.reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        return dx_out, dweight, None
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of `x` (any leading dims), differentiable in x and weight."""
+    return _RMSNormFunction.apply(x, weight, eps)
