@@ -1,0 +1,158 @@
+"""`tessera-ckpt`: reshard, export, import, verify and describe Tessera checkpoints.
+
+Every verb validates its arguments and inputs before writing anything, writes its output under a
+temporary name renamed into place when complete, and exits 0 on success, 2 on bad input (one
+line on stderr), 1 on anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tessera.ckpt_convert.options import DTYPE_CHOICES, parse_dtype, parse_size
+from tessera.common.errors import UserError, run_cli
+
+CKPT_HELP = ("checkpoint: an iteration directory (iter_NNNNNNN/), a checkpoints directory with "
+             "latest_checkpointed_iteration.txt, or a run directory containing checkpoints/")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # usage errors: one line, exit 2 (via UserError)
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="tessera-ckpt", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="Formats: docs/formats/checkpoint.md, docs/formats/exports.md. CLI: docs/cli/tessera-ckpt.md")
+    sub = p.add_subparsers(dest="verb", metavar="VERB", required=True, parser_class=_Parser)
+
+    def common(sp: argparse.ArgumentParser, overwrite: bool = True) -> None:
+        if overwrite:
+            sp.add_argument("--overwrite", action="store_true",
+                            help="replace OUTPUT if it exists (the old one is removed only after the new one is complete)")
+        sp.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    r = sub.add_parser("reshard", help="rewrite a checkpoint partitioned for another parallel layout",
+                       description="Rewrite a checkpoint so that its DCP payload has one file per rank of the target "
+                                   "layout, each holding that rank's slices (model and optimizer state). Offline, one "
+                                   "process, tensor by tensor. OUTPUT becomes a checkpoints directory (iter_NNNNNNN/ + "
+                                   "latest_checkpointed_iteration.txt) that the trainer resumes from.")
+    r.add_argument("--checkpoint", required=True, help=CKPT_HELP)
+    r.add_argument("--output", required=True, help="new checkpoints directory to create")
+    r.add_argument("--tensor-parallel", type=int, required=True, metavar="T", help="target tensor-parallel size")
+    r.add_argument("--pipeline-parallel", type=int, required=True, metavar="P", help="target pipeline-parallel size")
+    r.add_argument("--data-parallel", type=int, default=1, metavar="D",
+                   help="target data-parallel size (optimizer state is split across it; default 1)")
+    r.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="model chunks per pipeline rank, interleaved schedule (default 1)")
+    common(r)
+
+    e = sub.add_parser("export", help="export to Hugging Face (hf) or TensorRT-LLM (trtllm)",
+                       description="hf: a transformers LlamaForCausalLM / GPT2LMHeadModel directory (safetensors, "
+                                   "config.json, generation_config.json, tokenizer). trtllm: a TensorRT-LLM checkpoint "
+                                   "(config.json + rank{R}.safetensors) for trtllm-build.")
+    e.add_argument("--format", required=True, choices=("hf", "trtllm"), help="output format")
+    e.add_argument("--checkpoint", required=True, help=CKPT_HELP)
+    e.add_argument("--output", required=True, help="output directory to create")
+    e.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                   help="weight dtype of the export (default: as stored; trtllm default bf16 when stored fp32)")
+    e.add_argument("--max-shard-size", default="5GB",
+                   help="hf: largest safetensors file before splitting into shards with an index (default 5GB)")
+    e.add_argument("--tensor-parallel", type=int, default=1, metavar="T", help="trtllm: tensor-parallel size (default 1)")
+    e.add_argument("--pipeline-parallel", type=int, default=1, metavar="P", help="trtllm: pipeline-parallel size (default 1)")
+    common(e)
+
+    i = sub.add_parser("import", help="import a Hugging Face Llama or GPT-2 directory as a checkpoint",
+                       description="Convert a transformers LlamaForCausalLM or GPT2LMHeadModel directory (model.safetensors "
+                                   "or sharded with model.safetensors.index.json) into a Tessera checkpoint: OUTPUT becomes "
+                                   "a checkpoints directory (iter_0000000/ + pointer) with sidecar and tokenizer.")
+    i.add_argument("--format", required=True, choices=("hf",), help="input format (hf)")
+    i.add_argument("--input", required=True, help="Hugging Face model directory")
+    i.add_argument("--output", required=True, help="new checkpoints directory to create")
+    i.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="stored dtype (default: as in the input)")
+    common(i)
+
+    v = sub.add_parser("verify", help="check a checkpoint's integrity",
+                       description="Check checksums of every payload file, that every tensor the model config needs is "
+                                   "present with the right shape and no unknown model tensor is, and that every tensor reads.")
+    v.add_argument("checkpoint", help=CKPT_HELP)
+    v.add_argument("--no-read", action="store_true", help="skip reading every tensor (checksums and index only)")
+    common(v, overwrite=False)
+
+    n = sub.add_parser("info", help="summarise a checkpoint",
+                       description="Print model, parameter count, parallel layout, step, tokens seen and size on disk.")
+    n.add_argument("checkpoint", help=CKPT_HELP)
+    n.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    return p
+
+
+def _positive(name: str, value: int) -> int:
+    if value < 1:
+        raise UserError(f"{name} {value}: must be a positive integer")
+    return value
+
+
+def run(argv: list[str] | None = None) -> int:
+    """The CLI body; raises UserError for bad input (tests call this directly)."""
+    args = build_parser().parse_args(argv)
+    if args.verb == "export" and args.format == "hf":
+        from tessera.ckpt_convert.export_hf import ExportOptions, export_hf
+
+        if args.tensor_parallel != 1 or args.pipeline_parallel != 1:
+            raise UserError("--tensor-parallel/--pipeline-parallel apply to --format trtllm only; "
+                            "a Hugging Face export is always unpartitioned")
+        out = export_hf(args.checkpoint, args.output, ExportOptions(
+            dtype=parse_dtype(args.dtype), max_shard_size=parse_size(args.max_shard_size),
+            overwrite=args.overwrite, quiet=args.quiet))
+        print(out)
+    elif args.verb == "export":
+        from tessera.ckpt_convert.export_trtllm import TrtllmOptions, export_trtllm
+
+        out = export_trtllm(args.checkpoint, args.output, TrtllmOptions(
+            tp=_positive("--tensor-parallel", args.tensor_parallel),
+            pp=_positive("--pipeline-parallel", args.pipeline_parallel),
+            dtype=parse_dtype(args.dtype), overwrite=args.overwrite, quiet=args.quiet))
+        print(out)
+    elif args.verb == "reshard":
+        from tessera.ckpt_convert.reshard import reshard
+        from tessera.common.layout import ParallelLayout
+
+        layout = ParallelLayout(tensor=_positive("--tensor-parallel", args.tensor_parallel),
+                                pipeline=_positive("--pipeline-parallel", args.pipeline_parallel),
+                                data=_positive("--data-parallel", args.data_parallel),
+                                virtual_stages=_positive("--virtual-stages", args.virtual_stages))
+        out = reshard(args.checkpoint, args.output, layout, overwrite=args.overwrite, quiet=args.quiet)
+        print(out)
+    elif args.verb == "import":
+        from tessera.ckpt_convert.import_hf import import_hf
+
+        out = import_hf(args.input, args.output, dtype=parse_dtype(args.dtype),
+                        overwrite=args.overwrite, quiet=args.quiet)
+        print(out)
+    elif args.verb == "verify":
+        from tessera.ckpt_convert.inspect import verify
+
+        report = verify(args.checkpoint, read_tensors=not args.no_read, quiet=args.quiet)
+        print(report)
+    elif args.verb == "info":
+        from tessera.ckpt_convert.inspect import info, info_text
+
+        summary = info(args.checkpoint)
+        if args.json:
+            import json
+
+            print(json.dumps(summary, indent=2))
+        else:
+            print(info_text(summary))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: user errors become one stderr line and exit 2."""
+    run_cli(run, argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

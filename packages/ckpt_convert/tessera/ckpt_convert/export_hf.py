@@ -1,0 +1,132 @@
+"""`tessera-ckpt export --format hf`: a checkpoint -> a Hugging Face transformers model directory.
+
+Output (see docs/formats/exports.md): config.json, generation_config.json, model.safetensors (or
+model-0000i-of-0000n.safetensors + model.safetensors.index.json when larger than the shard
+limit), tokenizer.json, tokenizer_config.json. Written into a temporary directory that is renamed
+to the output only when complete. Memory: one output tensor (plus its inputs) at a time.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tessera.ckpt_convert.hf_mapping import Rule, export_rules, hf_config
+from tessera.ckpt_convert.progress import Progress
+from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, file_size, fsync
+from tessera.ckpt_convert.source import CheckpointSource
+from tessera.ckpt_convert.tokenizer_files import write_hf_tokenizer
+from tessera.common.errors import ArtifactError, UserError
+from tessera.common.fileio import atomic_directory, atomic_write_json
+from tessera.common.model_config import ModelConfig
+from tessera.common.tokenizer import Tokenizer, load_tokenizer
+
+ST_METADATA = {"format": "pt"}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    dtype: torch.dtype | None = None  # None: the stored dtype
+    max_shard_size: int = 5 * 10**9
+    overwrite: bool = False
+    quiet: bool = False
+
+
+def check_model_tensors(src: CheckpointSource, rules: list[Rule], names_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor the rules read exists with the shape the config implies (before any writing)."""
+    for rule in rules:
+        for name in rule.sources:
+            spec = src.model_specs.get(name)
+            if spec is None:
+                raise ArtifactError(f"{src.directory}: model tensor {name!r} missing from the checkpoint")
+            if spec.shape != names_shapes[name]:
+                raise ArtifactError(f"{src.directory}: model tensor {name!r} has shape {list(spec.shape)}, "
+                                    f"the sidecar's model config implies {list(names_shapes[name])}")
+
+
+def expected_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the Tessera model for `cfg`, from the model itself (meta device)."""
+    from tessera.common.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def plan_shards(tensors: list[PlannedTensor], max_shard_size: int) -> list[list[PlannedTensor]]:
+    """Greedy split in order; a tensor larger than the limit gets a shard of its own (as transformers does)."""
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def shard_names(n: int) -> list[str]:
+    if n == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -> Path:
+    src = CheckpointSource(checkpoint)
+    output = Path(output)
+    if output.exists() and not opts.overwrite:
+        raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
+    cfg = src.sidecar.model
+    rules = export_rules(cfg)
+    check_model_tensors(src, rules, expected_model_shapes(cfg))
+    tok = load_tokenizer(src.tokenizer_dir) if src.tokenizer_dir else None
+    if tok is None:
+        print(f"warning: {src.directory} has no tokenizer/; exporting the model without tokenizer files",
+              file=sys.stderr)
+
+    first_source = next(r.sources[0] for r in rules if r.sources)
+    dtype = opts.dtype or src.model_specs[first_source].dtype
+    planned = [PlannedTensor(r.target, r.shape, dtype) for r in rules]
+    shards = plan_shards(planned, opts.max_shard_size)
+    names = shard_names(len(shards))
+    by_name = {r.target: r for r in rules}
+    total = sum(file_size(s, ST_METADATA) for s in shards)
+
+    with atomic_directory(output, overwrite=opts.overwrite) as tmp, \
+            Progress(total, len(rules), f"export hf -> {output.name}", opts.quiet) as bar:
+        for shard, fname in zip(shards, names):
+            with open(tmp / fname, "wb") as f:
+                writer = SafetensorsStreamWriter(f, shard, ST_METADATA)
+                for t in shard:
+                    rule = by_name[t.name]
+                    inputs = src.load_model(list(rule.sources)) if rule.sources else {}
+                    out = rule.apply([inputs[s] for s in rule.sources]).to(dtype)
+                    writer.write(t.name, out)
+                    del inputs, out
+                    bar.update(t.nbytes)
+                writer.close()
+                fsync(f)
+        if len(shards) > 1:
+            atomic_write_json(tmp / INDEX_FILE, {
+                "metadata": {"total_size": sum(t.nbytes for t in planned)},
+                "weight_map": {t.name: fname for shard, fname in zip(shards, names) for t in shard},
+            })
+        write_config_files(tmp, cfg, dtype, tok)
+    return output
+
+
+def write_config_files(out: Path, cfg: ModelConfig, dtype: torch.dtype, tok: Tokenizer | None) -> None:
+    bos = tok.bos_id if tok else None
+    eos = tok.eos_id if tok else None
+    pad = tok.pad_id if tok else None
+    atomic_write_json(out / "config.json", hf_config(cfg, dtype, bos, eos, pad))
+    gen = {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos}
+    if pad is not None:
+        gen["pad_token_id"] = pad
+    atomic_write_json(out / "generation_config.json", gen)
+    if tok is not None:
+        write_hf_tokenizer(tok, out)

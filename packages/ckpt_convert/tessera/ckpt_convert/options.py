@@ -1,0 +1,36 @@
+"""Parsing of command-line values shared by the verbs: dtypes and byte sizes."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from tessera.common.errors import UserError
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_dtype(value: str | None, flag: str = "--dtype") -> torch.dtype | None:
+    if value is None:
+        return None
+    if value.lower() not in DTYPES:
+        raise UserError(f"{flag} {value!r}: choose one of {', '.join(DTYPE_CHOICES)}")
+    return DTYPES[value.lower()]
+
+
+def parse_size(value: str, flag: str = "--max-shard-size") -> int:
+    """'5GB' (10^9, as transformers counts), '500MiB', '1048576' -> bytes."""
+    m = _SIZE_RE.match(value)
+    unit = (m.group(2) or "").upper() if m else ""
+    if not m or unit not in _UNITS:
+        raise UserError(f"{flag} {value!r}: expected a size such as 5GB, 500MB or 2GiB")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise UserError(f"{flag} {value!r}: must be positive")
+    return size
