@@ -1,0 +1,44 @@
+"""Engine configuration: KV-cache capacity, batching limits, dtype and device.
+
+One typed config drives the engine whether it runs behind the HTTP server or offline
+(`tessera-generate`); the CLIs map their flags onto it and it is validated before the model loads.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tessera.common.config import StrictModel
+
+
+class EngineConfig(StrictModel):
+    """How the engine sizes its KV cache and forms batches."""
+
+    block_size: int = Field(16, gt=0, le=1024, description="Tokens per KV-cache block.")
+    num_kv_blocks: int | None = Field(None, gt=0, description="Blocks in the KV pool. Overrides kv_cache_memory and kv_cache_tokens.")
+    kv_cache_tokens: int | None = Field(None, gt=0, description="KV pool capacity in tokens (rounded up to whole blocks). Overrides kv_cache_memory.")
+    kv_cache_memory: int = Field(
+        512 * 2**20, gt=0,
+        description="Bytes for the KV pool (K and V of every layer) when neither num_kv_blocks nor kv_cache_tokens is set.",
+    )
+    max_num_batched_tokens: int = Field(512, gt=0, description="Token budget of one engine step (prefill chunks + decodes).")
+    max_num_seqs: int = Field(64, gt=0, description="Most sequences running at once.")
+    max_model_len: int | None = Field(None, gt=0, description="Longest prompt + completion; defaults to the model's max_seq_len.")
+    max_waiting: int = Field(1024, gt=0, description="Requests allowed to wait for a slot; more are refused (HTTP 429).")
+    enable_prefix_caching: bool = Field(True, description="Share full KV blocks of identical prompt prefixes between requests.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights/activations/KV dtype; auto = float32 on CPU, bfloat16 on CUDA."
+    )
+    device: str = Field("auto", description="Torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
+    seed: int | None = Field(None, description="Seed for requests that bring none (None: fresh OS entropy per request).")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running sequence must be able to decode one token per step.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        return self

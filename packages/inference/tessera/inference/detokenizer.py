@@ -1,0 +1,80 @@
+"""Turning generated ids into text one token at a time, with stop strings and streaming hold-back.
+
+Decoding token by token is wrong for byte-level BPE (a character can span tokens) and for
+SentencePiece-style decoders (leading spaces depend on context), so each step decodes a short
+window twice — up to the last emitted token, and through the new one — and takes the difference,
+holding it back while it ends in an incomplete UTF-8 sequence (U+FFFD).
+
+Stop strings: the text is searched from just before the new piece (a stop string may straddle
+tokens) and cut before the first match. While streaming, the last (longest stop - 1) characters
+are withheld, since they might turn out to start a stop string.
+"""
+
+from __future__ import annotations
+
+from tessera.common.tokenizer import Tokenizer
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+        self.emitted = 0
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.finished = False
+        self._len_before_last = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _delta(self, flush: bool = False) -> str:
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and (flush or not full.endswith(_REPLACEMENT)):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+    def append(self, token: int, check_stop: bool = True) -> str | None:
+        """Add a token; returns the stop string it completed (text is then cut before it)."""
+        self.ids.append(token)
+        self._len_before_last = len(self.text)
+        delta = self._delta()
+        if not delta:
+            return None
+        start = max(0, len(self.text) - self.holdback)
+        self.text += delta
+        if not (check_stop and self.stop):
+            return None
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        self.text = self.text[:best[0]]
+        return best[1]
+
+    def finish(self, drop_last_token: bool = False, flush: bool = True) -> None:
+        """No more tokens: drop the stop token's own text if asked, and release what was held
+        (a partial character is flushed as U+FFFD, except after a stop string cut the text)."""
+        if drop_last_token:
+            self.text = self.text[:self._len_before_last]
+        elif flush:
+            self.text += self._delta(flush=True)
+        self.finished = True
+
+    def take_new_text(self) -> str:
+        """Text not yet handed out, minus what must be held back while still generating."""
+        end = len(self.text) if self.finished else max(self.emitted, len(self.text) - self.holdback)
+        piece = self.text[self.emitted:end]
+        self.emitted = end
+        return piece

@@ -1,0 +1,87 @@
+"""Load what the server serves: a Tessera checkpoint or a Hugging Face export, plus its tokenizer."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tessera.common.checkpoint import (
+    SIDECAR,
+    TOKENIZER_DIR,
+    load_model_tensors,
+    read_sidecar,
+    resolve_checkpoint,
+)
+from tessera.common.errors import ArtifactError, UserError
+from tessera.common.model import Transformer, build_model
+from tessera.common.model_config import ModelConfig
+from tessera.common.tokenizer import Tokenizer, load_tokenizer
+from tessera.inference.hf_import import is_hf_directory, load_hf_export
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    config: ModelConfig
+    tokenizer: Tokenizer
+    name: str  # served model id (/v1/models)
+    eos_ids: list[int]  # every id that ends generation unless ignore_eos
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"--device {device!r}: not a torch device (use auto, cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Accepts a checkpoint (iteration dir, checkpoints dir with pointer, or run dir) or an HF export dir."""
+    path = Path(path)
+    if not path.exists():
+        raise ArtifactError(f"{path}: checkpoint not found")
+    if path.is_dir() and is_hf_directory(path) and not (path / SIDECAR).is_file():
+        cfg, tensors, eos = load_hf_export(path)
+        tokenizer = load_tokenizer(path)
+    else:
+        ckpt = resolve_checkpoint(path)
+        sidecar = read_sidecar(ckpt)
+        cfg = sidecar.model
+        tensors = load_model_tensors(ckpt)
+        tokenizer = load_tokenizer(ckpt / TOKENIZER_DIR)
+        eos = []
+        path = ckpt
+    model = build_model(cfg, device=device, dtype=torch.float32, seed=None)
+    expected = dict(model.state_dict())
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        what = f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}"
+        raise ArtifactError(f"{path}: weights do not match the model config ({what})")
+    for name, t in tensors.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise ArtifactError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, "
+                                f"expected {tuple(expected[name].shape)}")
+    model.load_state_dict(tensors, strict=True)
+    model = model.to(dtype=dtype).eval()
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ArtifactError(f"{tokenizer.directory}: tokenizer has {tokenizer.vocab_size} tokens but the model "
+                            f"only {cfg.vocab_size}; they do not belong together")
+    eos_ids = sorted(set(eos) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
+    return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, name=path.resolve().name, eos_ids=eos_ids)

@@ -1,0 +1,107 @@
+"""Runs one engine step through the model: packs every scheduled sequence's new tokens into a
+single [1, T] batch, writes their keys/values into the paged cache, and attends over it.
+
+The shared model is used as is, through its two hooks: `positions` (each token's position in its
+own sequence) and `attention_fn`, which here scatters the new K/V into their cache slots and calls
+`tessera.kernels.paged_attention` (Triton on CUDA, the PyTorch reference on CPU). Only the rows
+that are sampled (the last token of each sequence that finished its prompt, and prompt positions
+of requests that asked for prompt logprobs) go through the output head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tessera.common.model import Transformer
+from tessera.common.model_config import ModelConfig
+from tessera.inference.scheduler import ScheduledBatch
+from tessera.kernels import paged_attention
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.kv_heads * cfg.head_dim * itemsize
+
+
+@dataclass
+class StepInputs:
+    tokens: torch.Tensor  # [1, T]
+    positions: torch.Tensor  # [1, T]
+    slot_mapping: torch.Tensor  # [T] flat slot of each new token in the pool
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    seq_lens: torch.Tensor  # int32 [S]
+    query_start_loc: torch.Tensor  # int32 [S + 1]
+    logits_rows: torch.Tensor  # [R] rows of the packed batch that go through the head
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype):
+        cfg = model.cfg
+        self.model = model
+        self.cfg = cfg
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # One allocation for the whole pool: [layer, K/V, block, slot, kv_head, head_dim].
+        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
+                              device=device, dtype=dtype)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self._step: StepInputs | None = None
+
+    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        step = self._step
+        assert step is not None
+        k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]
+        flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+        flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+        flat_k.index_copy_(0, step.slot_mapping, k[0].to(flat_k.dtype))
+        flat_v.index_copy_(0, step.slot_mapping, v[0].to(flat_v.dtype))
+        out = paged_attention(q[0], k_cache, v_cache, step.block_tables, step.seq_lens,
+                              step.query_start_loc, self.scale)
+        return out.unsqueeze(0)
+
+    def prepare(self, batch: ScheduledBatch, logits_rows: list[int]) -> StepInputs:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_new):
+            start = seq.num_computed
+            tokens.extend(seq.tokens(start, start + n))
+            table = seq.block_table
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            seq_lens.append(start + n)
+            starts.append(starts[-1] + n)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        dev = self.device
+        return StepInputs(
+            tokens=torch.tensor([tokens], dtype=torch.long, device=dev),
+            positions=torch.tensor([positions], dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, logits_rows: list[int]) -> torch.Tensor:
+        """Forward the step; returns fp32 logits [len(logits_rows), vocab]."""
+        self._step = self.prepare(batch, logits_rows)
+        try:
+            hidden = self.model(self._step.tokens, positions=self._step.positions,
+                                attention_fn=self._attention, return_hidden=True)
+        finally:
+            step, self._step = self._step, None
+        rows = hidden[0].index_select(0, step.logits_rows)
+        return torch.nn.functional.linear(rows, self.model.output_weight()).float()

@@ -1,0 +1,89 @@
+"""Choosing each sequence's next token from its logits, with its own settings and generator.
+
+Order (as in vLLM/transformers): penalties on the raw logits, min_tokens masking, then greedy
+argmax, or temperature -> top-k -> top-p -> min-p -> a draw from the request's own
+torch.Generator. The draw depends only on that request's logits and generator, never on its
+batch mates, so a seeded request reproduces. Logprobs are reported from the model's raw
+distribution (log_softmax of the unprocessed logits), as vLLM does by default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.inference.sequence import Sequence, TokenLogprob
+
+
+def apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
+    """In place on one row [V]."""
+    p = seq.params
+    dev = logits.device
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(seq.prompt_ids + seq.output_ids, device=dev).unique()
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
+        ids, counts = torch.tensor(seq.output_ids, device=dev).unique(return_counts=True)
+        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens top-k, top-p and min-p exclude; one row [V], already tempered."""
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __call__(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """logits [N, V] fp32 (row i for seqs[i]); returns the chosen token ids and records
+        logprobs on the sequences that asked for them."""
+        raw_logprobs = None
+        if any(s.params.logprobs is not None for s in seqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        processed = logits
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            needs_mask = len(seq.output_ids) < p.min_tokens
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or needs_mask:
+                if processed is logits:
+                    processed = logits.clone()
+                apply_penalties(processed[i], seq)
+                if needs_mask:
+                    banned = list(seq.eos_ids | set(p.stop_token_ids))
+                    if banned:
+                        processed[i, banned] = float("-inf")
+        chosen = processed.argmax(dim=-1).tolist()  # greedy rows; sampled rows overwritten below
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.greedy:
+                continue
+            row = filter_logits(processed[i] / p.temperature, p.top_k, p.top_p, p.min_p)
+            chosen[i] = int(torch.multinomial(row.softmax(-1), 1, generator=seq.generator).item())
+        if raw_logprobs is not None:
+            for i, seq in enumerate(seqs):
+                n = seq.params.logprobs
+                if n is None:
+                    continue
+                seq.new_logprobs.append(token_logprob(raw_logprobs[i], chosen[i], n))
+        return chosen
+
+
+def token_logprob(row_logprobs: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        vals, ids = torch.topk(row_logprobs, top_n)
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprob(token_id=token, logprob=float(row_logprobs[token]), top=top)

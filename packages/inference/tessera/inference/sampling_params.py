@@ -1,0 +1,42 @@
+"""Per-request generation settings (OpenAI + vLLM extensions), validated once at the door."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from tessera.common.config import StrictModel
+
+
+class SamplingParams(StrictModel):
+    """How one request picks its tokens and when it stops."""
+
+    max_tokens: int = Field(16, ge=0, description="Most tokens to generate (0 only with prompt_logprobs).")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop token ids are suppressed until this many tokens exist.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy; otherwise logits are divided by it.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0 = all).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set of tokens whose probability mass reaches p.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens whose probability is below min_p x the top probability.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="Divide positive (multiply negative) logits of tokens already in prompt or output (CTRL/HF).")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtract from logits of tokens present in the output (OpenAI).")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtract count x this from logits of tokens in the output (OpenAI).")
+    seed: int | None = Field(None, description="Seed of this request's own generator: same seed, same tokens, whatever the batch.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings; the output ends before the first match.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end generation (not included in the text).")
+    ignore_eos: bool = Field(False, description="Keep generating past EOS (vLLM extension; for benchmarks).")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Return the sampled token's logprob and the top-n alternatives.")
+    prompt_logprobs: bool = Field(False, description="Also return the logprob of every prompt token after the first (disables prefix-cache reuse for it).")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the returned text.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingParams:
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.max_tokens == 0 and not self.prompt_logprobs:
+            raise ValueError("max_tokens must be >= 1")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

@@ -1,0 +1,112 @@
+"""Iteration-level (continuous) batching: which sequences run in the next step, and how many
+of their tokens.
+
+Each step has a token budget. Running sequences go first, in arrival order: a decoding one takes
+one token, one still in prefill takes the next chunk of its prompt (chunked prefill), as the
+budget allows. If the pool cannot hold a running sequence's next tokens, the newest running
+sequence is preempted by recompute (its blocks are freed, it goes back to the head of the queue
+and later re-prefills prompt + output so far) until the older one fits. Waiting requests are
+then admitted first-come first-served while budget, sequence slots and blocks last, starting
+past any prefix already in the prefix cache. Nothing is admitted in a step that preempted,
+which keeps a short pool from thrashing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tessera.inference.block_manager import BlockManager
+from tessera.inference.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new: list[int]  # tokens each sequence computes this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.blocks = blocks
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free_seq(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        num_new: list[int] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.allocate(seq, seq.num_computed + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
+            i += 1
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.blocks.lookup_prefix(seq) if seq.num_computed == 0 and not seq.block_table else []
+            start = len(hits) * self.blocks.block_size
+            n = min(seq.num_tokens - start, budget)
+            if not self.blocks.allocate(seq, start + n, prefix_hits=hits):
+                break
+            self.blocks.record_lookup(seq.num_tokens, start)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = start
+            seq.num_computed = start
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, num_new)
+
+    def remove_finished(self) -> list[Sequence]:
+        done = [s for s in self.running if s.is_finished]
+        if done:
+            self.running = [s for s in self.running if not s.is_finished]
+            for s in done:
+                self.blocks.free_seq(s)
+        return done
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a request wherever it is and release its blocks now."""
+        seq.abort()
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_seq(seq)

@@ -1,0 +1,73 @@
+"""Fixtures: a tiny Llama checkpoint (random weights) with a BPE tokenizer trained in tmp."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, save_model_tensors, write_pointer
+from tessera.common.model import build_model
+from tessera.common.model_config import ModelConfig
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def corpus() -> list[str]:
+    import inspect
+    import json as _json
+    import textwrap
+
+    # Real text from the standard library's own sources: small, present everywhere.
+    return [inspect.getsource(m) for m in (textwrap, _json.decoder, _json.encoder)]
+
+
+def train_tokenizer(directory: Path, vocab_size: int = 512) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|bos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "bos_token": "<|bos|>", "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }))
+
+
+def tiny_config(**over) -> ModelConfig:
+    base = dict(arch="llama", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                ffn_hidden_size=128, max_seq_len=256)
+    base.update(over)
+    return ModelConfig(**base)
+
+
+def make_checkpoint(root: Path, cfg: ModelConfig, seed: int = 0) -> Path:
+    """A complete Tessera checkpoint: run/checkpoints/iter_0000001 + pointer + tokenizer."""
+    model = build_model(cfg, seed=seed)
+    # Random init gives near-uniform logits; scale the head so greedy choices are well separated
+    # (ties would make token-for-token parity depend on float rounding).
+    with torch.no_grad():
+        model.output_weight().mul_(20.0)
+    ckpt_root = root / "checkpoints"
+    it = ckpt_root / "iter_0000001"
+    it.mkdir(parents=True)
+    save_model_tensors(it, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    train_tokenizer(it / "tokenizer")
+    finalize_checkpoint(it, CheckpointSidecar(model=cfg, step=1))
+    write_pointer(ckpt_root, 1)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("run"), tiny_config())
