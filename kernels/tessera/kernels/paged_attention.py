@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from tessera.kernels._dispatch import use_triton
 
 

@@ -1,0 +1,189 @@
+"""Benchmark Tessera's Triton kernels against the PyTorch paths they replace, on one GPU.
+
+    python benchmarks/kernels.py [--dtype bf16|fp16] [--only rmsnorm|paged]
+
+RMSNorm (tokens x hidden): the fused Triton kernel vs the eager reference (`rms_norm_reference`)
+and torch's own `F.rms_norm`, forward and forward+backward; ms and effective GB/s (bytes that
+must move: x, y and weight forward; x, dy, dx, weight and dweight backward).
+
+Paged attention: the Triton kernel vs (a) the reference (per-sequence gather + SDPA, what runs on
+CPU) and (b) one batched SDPA call on KV gathered from the block pool into a padded dense tensor
+(the usual way to run attention on a paged cache without a paged kernel), timed with the gather
+and without it. GB/s counts the KV-cache bytes each sequence must read once.
+
+Prints a table; exits 0 with a note on a machine without CUDA (there is nothing to measure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bench_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100)
+
+
+def row(name: str, ms: float, nbytes: float, baseline_ms: float | None = None) -> str:
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    ratio = f"{baseline_ms / ms:6.2f}x" if baseline_ms else "      "
+    return f"  {name:<34} {ms:9.4f} ms  {gbps:8.1f} GB/s  {ratio}"
+
+
+def bench_rmsnorm(dtype: torch.dtype) -> None:
+    print("RMSNorm (speedup column: vs the eager reference)")
+    for tokens, hidden in [(4096, 2048), (8192, 4096), (16384, 8192), (4096, 5120)]:
+        _bench_rmsnorm_shape(tokens, hidden, dtype)
+
+
+def _bench_rmsnorm_shape(tokens: int, hidden: int, dtype: torch.dtype) -> None:
+    from tessera.kernels.rmsnorm import rms_norm_reference
+    from tessera.kernels.rmsnorm_triton import rms_norm_triton
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.randn(hidden, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    elem = x.element_size()
+    fwd_bytes = 2 * x.numel() * elem + hidden * elem
+    bwd_bytes = 3 * x.numel() * elem + 2 * hidden * elem
+    impls = {
+        "reference (eager)": lambda x, w: rms_norm_reference(x, w, 1e-6),
+        "torch F.rms_norm": lambda x, w: F.rms_norm(x, (hidden,), w, 1e-6),
+        "triton fused": lambda x, w: rms_norm_triton(x, w, 1e-6),
+    }
+    err = (rms_norm_triton(x, w, 1e-6) - rms_norm_reference(x, w, 1e-6)).abs().max().item()
+    print(f" tokens={tokens} hidden={hidden} {str(dtype).removeprefix('torch.')}  "
+          f"(max |triton - reference| = {err:.2e})")
+    base_f = base_fb = None
+    for name, fn in impls.items():
+        with torch.no_grad():
+            ms_f = bench_ms(lambda fn=fn: fn(x, w))
+
+        def fwd_bwd(fn=fn):
+            x.grad = w.grad = None
+            fn(x, w).backward(dy)
+
+        ms_fb = bench_ms(fwd_bwd)
+        base_f = base_f or ms_f
+        base_fb = base_fb or ms_fb
+        print(row(f"{name} fwd", ms_f, fwd_bytes, base_f))
+        print(row(f"{name} fwd+bwd", ms_fb, fwd_bytes + bwd_bytes, base_fb))
+
+
+def _paged_batch(q_lens, kv_lens, heads, kv_heads, head_dim, block_size, dtype, device="cuda"):
+    """Inputs in the documented paged layout, blocks handed out in shuffled order."""
+    blocks_per_seq = [-(-kv // block_size) for kv in kv_lens]
+    num_blocks = sum(blocks_per_seq)
+    perm = torch.randperm(num_blocks).to(torch.int32)
+    tables = torch.zeros(len(kv_lens), max(blocks_per_seq), dtype=torch.int32)
+    start = 0
+    for s, n in enumerate(blocks_per_seq):
+        tables[s, :n] = perm[start:start + n]
+        start += n
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype, device=device)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, tables.to(device), seq_lens, qsl, head_dim**-0.5
+
+
+class DenseSDPA:
+    """The peer: gather each sequence's KV from the pool into [B, max_kv, Hkv, D] and run one
+    batched SDPA with a causal-offset mask. Mask and query padding index are built once, outside
+    the timed call, so only the gather and the attention are measured."""
+
+    def __init__(self, q_lens, kv_lens, device):
+        num_seqs, max_q, self.max_kv = len(q_lens), max(q_lens), max(kv_lens)
+        total = sum(q_lens)
+        self.q_index = torch.full((num_seqs, max_q), total, dtype=torch.long)  # `total` = a zero row
+        self.mask = torch.zeros(num_seqs, 1, max_q, self.max_kv, dtype=torch.bool)
+        self.out_index = []
+        start = 0
+        for s, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+            self.q_index[s, :ql] = torch.arange(start, start + ql)
+            q_pos = torch.arange(kl - ql, kl)
+            self.mask[s, 0, :ql, :kl] = torch.arange(kl)[None, :] <= q_pos[:, None]
+            self.mask[s, 0, ql:, 0] = True  # padded query rows: keep their softmax finite
+            start += ql
+        self.q_index, self.mask = self.q_index.to(device), self.mask.to(device)
+        self.valid = (self.q_index < total).flatten()
+
+    def gather(self, k_cache, v_cache, tables):
+        n = tables.shape[0]
+        k = k_cache[tables.long()].reshape(n, -1, *k_cache.shape[2:])[:, : self.max_kv]
+        v = v_cache[tables.long()].reshape(n, -1, *v_cache.shape[2:])[:, : self.max_kv]
+        return k, v
+
+    def __call__(self, q, k_cache, v_cache, tables, scale, gathered=None):
+        k, v = gathered if gathered is not None else self.gather(k_cache, v_cache, tables)
+        qp = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[self.q_index]  # [B, max_q, H, D]
+        o = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=self.mask, scale=scale,
+            enable_gqa=q.shape[1] != k_cache.shape[2],
+        )
+        return o.transpose(1, 2).flatten(0, 1)[self.valid]  # back to the packed [tokens, H, D]
+
+
+def bench_paged(dtype: torch.dtype) -> None:
+    print("Paged attention, 32 query heads / 8 KV heads, head_dim 128, block 16 "
+          "(speedup column: vs batched SDPA including the gather)")
+    gen = torch.Generator().manual_seed(0)
+    scenarios = {
+        "decode 64 seqs x ctx~2k": ([1] * 64, torch.randint(1024, 3072, (64,), generator=gen).tolist()),
+        "decode 8 seqs x ctx 8k": ([1] * 8, [8192] * 8),
+        "chunked prefill 4x512 + 28 decode": (
+            [512] * 4 + [1] * 28, [1024, 512, 2048, 768] + torch.randint(256, 2048, (28,), generator=gen).tolist()),
+    }
+    for name, (q_lens, kv_lens) in scenarios.items():
+        _bench_paged_scenario(name, q_lens, kv_lens, dtype)
+
+
+def _bench_paged_scenario(name: str, q_lens: list[int], kv_lens: list[int], dtype: torch.dtype) -> None:
+    from tessera.kernels.paged_attention import paged_attention_reference
+    from tessera.kernels.paged_attention_triton import paged_attention_triton
+
+    args = _paged_batch(q_lens, kv_lens, 32, 8, 128, 16, dtype)
+    q, k_cache, v_cache, tables, seq_lens, qsl, scale = args
+    kv_bytes = 2 * sum(kv_lens) * 8 * 128 * q.element_size()
+    dense = DenseSDPA(q_lens, kv_lens, q.device)
+    gathered = dense.gather(k_cache, v_cache, tables)
+    err = (paged_attention_triton(*args).float() - dense(q, k_cache, v_cache, tables, scale).float()).abs().max()
+    print(f" {name} ({str(dtype).removeprefix('torch.')})  (max |triton - SDPA| = {err.item():.2e})")
+    ms_sdpa_gather = bench_ms(lambda: dense(q, k_cache, v_cache, tables, scale))
+    ms_sdpa = bench_ms(lambda: dense(q, k_cache, v_cache, tables, scale, gathered))
+    ms_ref = bench_ms(lambda: paged_attention_reference(*args))
+    ms_tri = bench_ms(lambda: paged_attention_triton(*args))
+    print(row("reference (per-seq gather+SDPA)", ms_ref, kv_bytes, ms_sdpa_gather))
+    print(row("batched SDPA incl. gather", ms_sdpa_gather, kv_bytes, ms_sdpa_gather))
+    print(row("batched SDPA, KV pre-gathered", ms_sdpa, kv_bytes, ms_sdpa_gather))
+    print(row("triton paged", ms_tri, kv_bytes, ms_sdpa_gather))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/cache dtype")
+    parser.add_argument("--only", choices=["rmsnorm", "paged"], help="run one of the two benchmarks")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py: a CUDA GPU is required (the kernels' CPU path is Triton's "
+              "interpreter, for tests only); nothing measured.")
+        return 0
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    dtype = DTYPES[args.dtype]
+    if args.only in (None, "rmsnorm"):
+        bench_rmsnorm(dtype)
+    if args.only in (None, "paged"):
+        bench_paged(dtype)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
