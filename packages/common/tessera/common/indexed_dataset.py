@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
-
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import atomic_file, tmp_name
 
@@ -52,7 +52,9 @@ def bin_path(prefix: str | os.PathLike) -> Path:
 class IndexedDatasetWriter:
     """Stream documents into `<prefix>.bin/.idx`, written under temporary names until `finalize`.
 
-    Use as a context manager: on an exception nothing is left under the final names.
+    Use as a context manager: on an exception nothing is left under the final names. Sequence
+    lengths are spilled to a temporary file rather than kept in a Python list, so memory stays
+    flat however many documents a shard holds; the index is then written in chunks.
     """
 
     def __init__(self, prefix: str | os.PathLike, dtype: np.dtype | type):
@@ -62,47 +64,66 @@ class IndexedDatasetWriter:
             raise ValueError(f"unsupported token dtype {self.dtype}")
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         self._bin_tmp = tmp_name(bin_path(self.prefix))
+        self._len_tmp = tmp_name(Path(f"{self.prefix}.lengths"))
         self._bin = open(self._bin_tmp, "wb")
-        self._lengths: list[int] = []
-        self._doc_idx: list[int] = [0]
+        self._len = open(self._len_tmp, "wb")
+        self._num_seqs = 0
+        self._num_tokens = 0
         self._finalized = False
 
     def add_document(self, tokens: np.ndarray | list[int]) -> None:
         """Append one document as one sequence."""
         arr = np.asarray(tokens, dtype=self.dtype)
-        self._bin.write(arr.tobytes(order="C"))
-        self._lengths.append(int(arr.size))
-        self._doc_idx.append(len(self._lengths))
+        self.add_raw(arr.tobytes(order="C"), np.asarray([arr.size], dtype=np.int32))
 
-    def add_raw(self, token_bytes: bytes, lengths: np.ndarray) -> None:
+    def add_raw(self, token_bytes: bytes | memoryview, lengths: np.ndarray) -> None:
         """Append many documents at once: their tokens already in this dtype, and their lengths."""
+        lengths = np.asarray(lengths, dtype="<i4")
+        n_tokens = int(lengths.sum(dtype=np.int64))
+        if n_tokens * self.dtype.itemsize != len(memoryview(token_bytes).cast("B")):
+            raise ValueError("token bytes do not match the sum of the lengths")
         self._bin.write(token_bytes)
-        start = len(self._lengths)
-        self._lengths.extend(int(n) for n in lengths)
-        self._doc_idx.extend(range(start + 1, len(self._lengths) + 1))
+        self._len.write(lengths.tobytes())
+        self._num_seqs += len(lengths)
+        self._num_tokens += n_tokens
 
     @property
     def num_documents(self) -> int:
-        return len(self._doc_idx) - 1
+        return self._num_seqs
 
     @property
     def num_tokens(self) -> int:
-        return int(sum(self._lengths))
+        return self._num_tokens
 
     def finalize(self) -> None:
-        self._bin.flush()
-        os.fsync(self._bin.fileno())
-        self._bin.close()
-        write_index(idx_path(self.prefix), self.dtype, np.asarray(self._lengths, dtype=np.int32),
-                    np.asarray(self._doc_idx, dtype=np.int64))
+        for f in (self._bin, self._len):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        n = self._num_seqs
+        lengths = np.memmap(self._len_tmp, dtype="<i4", mode="r") if n else np.zeros(0, "<i4")
+
+        def length_chunks(lengths: np.ndarray = lengths) -> Iterator[np.ndarray]:
+            for i in range(0, n, _CHUNK):
+                yield np.asarray(lengths[i:i + _CHUNK])
+
+        def doc_chunks() -> Iterator[np.ndarray]:
+            yield np.zeros(1, dtype=np.int64)
+            for i in range(0, n, _CHUNK):
+                yield np.arange(i + 1, min(i + _CHUNK, n) + 1, dtype=np.int64)
+
+        write_index_chunks(idx_path(self.prefix), self.dtype, n, n + 1, length_chunks, doc_chunks())
+        del lengths
+        self._len_tmp.unlink()
         os.replace(self._bin_tmp, bin_path(self.prefix))
         self._finalized = True
 
     def abort(self) -> None:
-        if not self._bin.closed:
-            self._bin.close()
-        if self._bin_tmp.exists():
-            self._bin_tmp.unlink()
+        for f, p in ((self._bin, self._bin_tmp), (self._len, self._len_tmp)):
+            if not f.closed:
+                f.close()
+            if p.exists():
+                p.unlink()
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self
@@ -114,21 +135,49 @@ class IndexedDatasetWriter:
             self.abort()
 
 
+_CHUNK = 1 << 20  # sequences per chunk when streaming an index
+
+
 def write_index(path: Path, dtype: np.dtype, lengths: np.ndarray, doc_idx: np.ndarray) -> None:
-    """Write an `.idx` file atomically from sequence lengths and document indices."""
+    """Write an `.idx` file atomically from sequence lengths and document indices (in memory)."""
+    lengths = np.asarray(lengths)
+    doc_idx = np.asarray(doc_idx)
+    write_index_chunks(path, dtype, len(lengths), len(doc_idx), lambda: iter([lengths]), iter([doc_idx]))
+
+
+def write_index_chunks(path: Path, dtype: np.dtype, num_seqs: int, num_docs1: int,
+                       length_chunks: Callable[[], Iterator[np.ndarray]],
+                       doc_idx_chunks: Iterable[np.ndarray]) -> None:
+    """Write an `.idx` file atomically from chunks, so an index of any size needs little memory.
+
+    `length_chunks` is called twice (lengths, then the byte pointers derived from them) and must
+    yield the same chunks each time.
+    """
     itemsize = np.dtype(dtype).itemsize
-    pointers = np.zeros(len(lengths), dtype=np.int64)
-    if len(lengths) > 1:
-        np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=pointers[1:])
     with atomic_file(path) as f:
         f.write(MAGIC)
         f.write(struct.pack("<Q", VERSION))
         f.write(struct.pack("<B", CODE_OF_DTYPE[np.dtype(dtype)]))
-        f.write(struct.pack("<Q", len(lengths)))
-        f.write(struct.pack("<Q", len(doc_idx)))
-        f.write(lengths.astype("<i4").tobytes())
-        f.write(pointers.astype("<i8").tobytes())
-        f.write(doc_idx.astype("<i8").tobytes())
+        f.write(struct.pack("<Q", num_seqs))
+        f.write(struct.pack("<Q", num_docs1))
+        written = 0
+        for chunk in length_chunks():
+            f.write(np.asarray(chunk).astype("<i4").tobytes())
+            written += len(chunk)
+        if written != num_seqs:
+            raise ValueError(f"index expected {num_seqs} sequence lengths, got {written}")
+        offset = 0  # byte pointer of the next sequence: a running sum carried across chunks
+        for chunk in length_chunks():
+            nbytes = np.asarray(chunk).astype(np.int64) * itemsize
+            pointers = np.cumsum(nbytes) - nbytes + offset
+            f.write(pointers.astype("<i8").tobytes())
+            offset += int(nbytes.sum())
+        written = 0
+        for chunk in doc_idx_chunks:
+            f.write(np.asarray(chunk).astype("<i8").tobytes())
+            written += len(chunk)
+        if written != num_docs1:
+            raise ValueError(f"index expected {num_docs1} document indices, got {written}")
 
 
 class IndexedDataset:

@@ -1,0 +1,164 @@
+"""Batch tokenization: texts in, raw token arrays out, in input order for any number of workers.
+
+The Rust tokenizer's `encode_batch_fast` already spreads one batch over all cores (and releases
+the GIL while it works), so the Python side does as little per document as it can: one list of
+ids per document, one `np.fromiter` over all of them, and the bytes go to disk unchanged.
+
+`--workers 1` runs batches on a background thread so reading the next batch overlaps encoding
+this one; `--workers N` runs them in N spawned processes. Either way results come back in
+submission order and the batches are cut the same way, so the output is byte-identical.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+
+import numpy as np
+
+
+@dataclass
+class EncodedBatch:
+    """Tokens of a batch of documents, concatenated, with per-document lengths."""
+
+    tokens: np.ndarray  # token dtype, all documents back to back
+    lengths: np.ndarray  # int64 [documents]
+    bad: dict[int, str] = field(default_factory=dict)  # document index in the batch -> reason
+
+    def without(self, drop: set[int]) -> EncodedBatch:
+        """The batch minus documents `drop` (records rejected by another key's encoding)."""
+        keep = np.ones(len(self.lengths), dtype=bool)
+        keep[sorted(drop)] = False
+        token_keep = np.repeat(keep, self.lengths)
+        return EncodedBatch(self.tokens[token_keep], self.lengths[keep])
+
+
+class BatchEncoder:
+    """Encodes lists of texts with one tokenizer; picklable by path so workers can rebuild it."""
+
+    def __init__(self, tokenizer_json: str, dtype: str, bos_id: int | None, eod_id: int | None):
+        self.tokenizer_json = tokenizer_json
+        self.dtype = np.dtype(dtype)
+        self.bos_id = bos_id
+        self.eod_id = eod_id
+        self._tok = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tok": None}
+
+    @property
+    def tokenizer(self):
+        if self._tok is None:
+            from tokenizers import Tokenizer
+
+            self._tok = Tokenizer.from_file(self.tokenizer_json)
+        return self._tok
+
+    def _encode_ids(self, texts: list[str]) -> tuple[list[list[int]], dict[int, str]]:
+        tok = self.tokenizer
+        encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast skips offsets (tokenizers>=0.20)
+        try:
+            return [e.ids for e in encode(texts, add_special_tokens=False)], {}
+        except Exception:
+            pass
+        # Some text in the batch cannot be encoded (e.g. a lone UTF-16 surrogate from a JSON
+        # "\\udXXX" escape, which is not valid Unicode text): find which, one by one.
+        ids: list[list[int]] = []
+        bad: dict[int, str] = {}
+        for i, text in enumerate(texts):
+            try:
+                ids.append(tok.encode(text, add_special_tokens=False).ids)
+            except Exception as exc:
+                ids.append([])
+                msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                bad[i] = "invalid UTF-8 (lone surrogate)" if "surrogate" in msg else f"cannot be tokenized ({msg})"
+        return ids, bad
+
+    def __call__(self, texts: list[str]) -> EncodedBatch:
+        ids, bad = self._encode_ids(texts)
+        if bad:
+            ids = [x for i, x in enumerate(ids) if i not in bad]
+        if self.bos_id is not None:
+            bos = self.bos_id
+            for x in ids:
+                x.insert(0, bos)
+        if self.eod_id is not None:
+            eod = self.eod_id
+            for x in ids:
+                x.append(eod)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        total = int(lengths.sum())
+        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.dtype, count=total)
+        if bad:
+            # Re-insert the rejected documents as empty so indices still match the batch.
+            full = np.zeros(len(texts), dtype=np.int64)
+            full[[i for i in range(len(texts)) if i not in bad]] = lengths
+            lengths = full
+        return EncodedBatch(tokens, lengths, bad)
+
+    def encode_keys(self, texts_per_key: list[list[str]]) -> list[EncodedBatch]:
+        return [self(texts) for texts in texts_per_key]
+
+
+_WORKER_ENCODER: BatchEncoder | None = None  # one per worker process, set by its initializer
+
+
+def _init_worker(encoder: BatchEncoder) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = encoder
+
+
+def _encode_in_worker(texts_per_key: list[list[str]]) -> list[EncodedBatch]:
+    assert _WORKER_ENCODER is not None
+    return _WORKER_ENCODER.encode_keys(texts_per_key)
+
+
+class OrderedEncoder:
+    """Submit batches, get results back in submission order, with a bounded number in flight."""
+
+    def __init__(self, encoder: BatchEncoder, workers: int):
+        self.encoder = encoder
+        self.workers = workers
+        self.max_in_flight = 2 if workers <= 1 else 2 * workers
+        self._executor: Executor
+        if workers <= 1:
+            self._executor = ThreadPoolExecutor(max_workers=1)
+        else:
+            # spawn, not fork: a forked child would inherit the Rust thread pool's state.
+            self._executor = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
+                                                 initializer=_init_worker, initargs=(encoder,))
+        self._pending: deque[tuple[object, Future]] = deque()
+
+    def submit(self, tag: object, texts_per_key: list[list[str]]) -> Iterator[tuple[object, list[EncodedBatch]]]:
+        """Queue a batch; yields the finished results that had to be collected to make room."""
+        if self.workers <= 1:
+            future = self._executor.submit(self.encoder.encode_keys, texts_per_key)
+        else:
+            future = self._executor.submit(_encode_in_worker, texts_per_key)
+        self._pending.append((tag, future))
+        while len(self._pending) > self.max_in_flight:
+            yield self._pop()
+
+    def drain(self) -> Iterator[tuple[object, list[EncodedBatch]]]:
+        while self._pending:
+            yield self._pop()
+
+    def _pop(self) -> tuple[object, list[EncodedBatch]]:
+        tag, future = self._pending.popleft()
+        return tag, future.result()
+
+    def close(self) -> None:
+        for _, future in self._pending:
+            future.cancel()
+        self._pending.clear()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> OrderedEncoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,117 @@
+"""`tessera-data merge`: concatenate shards (same tokenizer, same dtype) into one shard.
+
+Tokens are stream-copied; the index is rebuilt in chunks (document indices offset by the
+sequences before them), so Megatron multi-sequence documents survive and memory stays flat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from tessera.common.errors import UserError
+from tessera.common.fileio import atomic_write_json, sha256_file, tmp_name
+from tessera.common.indexed_dataset import IndexedDataset, bin_path, idx_path, write_index_chunks
+from tessera.common.shard import ShardManifest, manifest_path, read_shard_manifest, shard_fingerprint
+
+_CHUNK = 1 << 20
+
+
+def expand_prefixes(args: list[str]) -> list[Path]:
+    """Prefixes as given, or globs over prefixes (matched against their `.idx` files)."""
+    out: list[Path] = []
+    for a in args:
+        if glob.has_magic(a):
+            matches = sorted(glob.glob(a if a.endswith(".idx") else a + ".idx"))
+            if not matches:
+                raise UserError(f"{a}: no shard matches (looked for {a}.idx)")
+            out += [Path(m[:-4]) for m in matches]
+        else:
+            out.append(Path(a[:-4]) if a.endswith((".idx", ".bin")) else Path(a))
+    return out
+
+
+def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: bool = False) -> Path:
+    if len(inputs) < 1:
+        raise UserError("--inputs: give at least one shard prefix")
+    for suffix in (".bin", ".idx", ".json"):
+        if Path(f"{output}{suffix}").exists() and not overwrite:
+            raise UserError(f"{output}{suffix}: already exists; choose another --output-prefix or pass --overwrite")
+    manifests = [read_shard_manifest(p) for p in inputs]
+    datasets = [IndexedDataset(p) for p in inputs]
+    first = manifests[0]
+    for p, m, ds in zip(inputs, manifests, datasets):
+        if m.tokenizer_fingerprint != first.tokenizer_fingerprint:
+            raise UserError(f"{p}.json: tokenizer {m.tokenizer_fingerprint[:19]}… differs from {inputs[0]}'s "
+                            f"{first.tokenizer_fingerprint[:19]}…; only shards of one tokenizer can be merged")
+        if m.dtype != first.dtype or ds.dtype.name != first.dtype:
+            raise UserError(f"{p}: token dtype {ds.dtype.name} differs from {inputs[0]}'s {first.dtype}")
+        if m.append_eod != first.append_eod:
+            raise UserError(f"{p}.json: append_eod={m.append_eod} differs from {inputs[0]}'s; refusing to mix")
+    dtype = datasets[0].dtype
+    num_seqs = sum(len(ds) for ds in datasets)
+    num_docs = sum(ds.num_documents for ds in datasets)
+
+    def length_chunks() -> Iterator[np.ndarray]:
+        for ds in datasets:
+            for s in range(0, len(ds), _CHUNK):
+                yield np.asarray(ds.lengths[s:s + _CHUNK])
+
+    def doc_chunks() -> Iterator[np.ndarray]:
+        yield np.zeros(1, dtype=np.int64)
+        base = 0
+        for ds in datasets:
+            for s in range(1, len(ds.doc_idx), _CHUNK):
+                yield np.asarray(ds.doc_idx[s:s + _CHUNK], dtype=np.int64) + base
+            base += len(ds)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.with_name(f".{output.name}.staging-{tmp_name(output).name[-8:]}")
+    try:
+        with open(bin_path(staging), "wb") as out:
+            for p in inputs:
+                with open(bin_path(p), "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 24)
+            out.flush()
+            os.fsync(out.fileno())
+        write_index_chunks(idx_path(staging), dtype, num_seqs, num_docs + 1, length_chunks, doc_chunks())
+        checksums = {"bin": sha256_file(bin_path(staging)), "idx": sha256_file(idx_path(staging))}
+        inputs_seen: dict[tuple, dict] = {}
+        for m in manifests:
+            for inp in m.inputs:
+                d = inp.model_dump(mode="json")
+                inputs_seen.setdefault((d.get("path"), d.get("sha256")), d)
+        keys = {m.json_key for m in manifests}
+        manifest = ShardManifest(
+            tokenizer_fingerprint=first.tokenizer_fingerprint, vocab_size=first.vocab_size, dtype=dtype.name,
+            num_documents=num_docs, num_tokens=sum(ds.num_tokens for ds in datasets), append_eod=first.append_eod,
+            json_key=keys.pop() if len(keys) == 1 else None, inputs=list(inputs_seen.values()),
+            checksums=checksums, created_by="tessera-data merge",
+            tokenizer=_tokenizer_rel(inputs[0], first, output),
+            merged_from=[{"prefix": str(p), "fingerprint": shard_fingerprint(p), "num_documents": ds.num_documents}
+                         for p, ds in zip(inputs, datasets)])
+        for old in (manifest_path(output),):
+            with contextlib.suppress(FileNotFoundError):
+                old.unlink()  # the manifest goes last; never leave an old one beside new data
+        os.replace(bin_path(staging), bin_path(output))
+        os.replace(idx_path(staging), idx_path(output))
+        atomic_write_json(manifest_path(output), manifest.model_dump(mode="json"))
+    finally:
+        for p in (bin_path(staging), idx_path(staging)):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+    if not quiet:
+        print(f"merged {len(inputs)} shards into {output}: {num_docs:,} documents", flush=True)
+    return output
+
+
+def _tokenizer_rel(prefix: Path, manifest: ShardManifest, output: Path) -> str | None:
+    tok = (manifest.model_extra or {}).get("tokenizer")
+    if not tok:
+        return None
+    return os.path.relpath((prefix.resolve().parent / tok).resolve(), output.resolve().parent)

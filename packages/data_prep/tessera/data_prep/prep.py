@@ -1,0 +1,316 @@
+"""`tessera-data prep`: corpus -> (tokenizer) -> `<prefix>_<key>_document` shards with manifests.
+
+One pass over the inputs (two when a tokenizer is trained first). Records stream from the
+readers into batches; batches are tokenized in order (see `encode`); tokens go straight to the
+shard writers. Bad records are counted and located (file and line) and, with `--on-error fail`,
+stop the run before anything is published.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from tessera.common.config import StrictModel
+from tessera.common.errors import UserError
+from tessera.common.indexed_dataset import token_dtype_for_vocab
+from tessera.common.shard import ShardInput
+from tessera.common.tokenizer import TOKENIZER_JSON, Tokenizer, load_tokenizer
+from tessera.data_prep.encode import BatchEncoder, EncodedBatch, OrderedEncoder
+from tessera.data_prep.shard_writer import ShardSetWriter, output_prefixes, parse_max_shard_size
+from tessera.data_prep.sources import (
+    InputFile,
+    Record,
+    check_inputs,
+    hf_fingerprint,
+    read_records,
+    resolve_inputs,
+)
+from tessera.data_prep.tokenizer_train import EOD_TOKEN, save_tokenizer, train_bpe
+from tqdm import tqdm
+
+MAX_EXAMPLES_IN_MANIFEST = 1000  # exact counts always; locations of the first this many skips
+
+
+class PrepConfig(StrictModel):
+    """Everything `tessera-data prep` does, validated before any work starts."""
+
+    inputs: list[str] = Field(min_length=1, description="Input files, folders or globs (JSONL[.gz|.zst], Parquet, "
+                              "plain text, Hugging Face datasets folders).")
+    json_keys: list[str] = Field(["text"], min_length=1, description="Keys (columns) holding the text; one output "
+                                 "shard set per key, named <prefix>_<key>_document.")
+    output_prefix: Path = Field(description="Output prefix; shards are <prefix>_<key>_document.bin/.idx/.json.")
+    tokenizer: Path | None = Field(None, description="Existing Hugging Face tokenizer directory (tokenizer.json).")
+    train_tokenizer: bool = Field(False, description="Train a byte-level BPE tokenizer on the inputs first.")
+    vocab_size: int = Field(32000, ge=258, description="Vocabulary size of a trained tokenizer (with special tokens).")
+    tokenizer_output: Path | None = Field(None, description="Where a trained tokenizer is written; default "
+                                          "<output-prefix dir>/tokenizer.")
+    tokenizer_train_docs: int | None = Field(None, ge=1, description="Train the tokenizer on at most this many "
+                                             "documents (default: all).")
+    model_max_length: int = Field(8192, ge=1, description="model_max_length written to a trained tokenizer's config.")
+    append_eod: bool = Field(True, description="Append the end-of-document token (eos) to every document.")
+    append_bos: bool = Field(False, description="Prepend the beginning-of-text token (bos) to every document.")
+    max_shard_size: str | None = Field(None, description="Split output into shards of at most this many tokens "
+                                       "(50M) or bytes of .bin (500MB, 2GiB); shards are numbered _00000, ….")
+    workers: int = Field(1, ge=1, description="Tokenizer processes; 1 = a background thread (the tokenizer is "
+                         "itself multi-threaded). Output is identical for any value.")
+    batch_chars: int = Field(4_000_000, ge=1, description="Characters of text per tokenization batch.")
+    on_error: Literal["skip", "fail"] = Field("skip", description="What to do with a bad record: skip it (counted "
+                                              "and reported) or fail the run.")
+    skipped_log: Path | None = Field(None, description="Also write every skipped record (file, line, reason) here "
+                                     "as JSON lines.")
+    hf_split: str | None = Field(None, description="Split of a Hugging Face DatasetDict input (default train).")
+    overwrite: bool = Field(False, description="Replace existing output shards and trained tokenizer.")
+    quiet: bool = Field(False, description="No progress bars.")
+
+    @field_validator("json_keys")
+    @classmethod
+    def _distinct_keys(cls, keys: list[str]) -> list[str]:
+        if len(set(keys)) != len(keys) or any(not k for k in keys):
+            raise ValueError("keys must be non-empty and distinct")
+        return keys
+
+
+class SkipReport:
+    """Every rejected record, counted by reason and by file; locations kept for the first few."""
+
+    def __init__(self, on_error: str, log_path: Path | None):
+        self.on_error = on_error
+        self.by_reason: Counter[str] = Counter()
+        self.by_file: Counter[str] = Counter()
+        self.examples: list[dict[str, Any]] = []
+        self._log = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115
+
+    def add(self, path: Path, line: int, reason: str) -> None:
+        if self.on_error == "fail":
+            raise UserError(f"{path}:{line}: {reason}; fix the record or pass --on-error skip")
+        reason_kind = reason.split(" (")[0]
+        self.by_reason[reason_kind] += 1
+        self.by_file[str(path)] += 1
+        entry = {"file": str(path), "line": line, "reason": reason}
+        if len(self.examples) < MAX_EXAMPLES_IN_MANIFEST:
+            self.examples.append(entry)
+        if self._log:
+            import json
+
+            self._log.write(json.dumps(entry) + "\n")
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_file.values())
+
+    def as_manifest(self) -> dict[str, Any]:
+        return {"total": self.total, "by_reason": dict(sorted(self.by_reason.items())),
+                "by_file": dict(sorted(self.by_file.items())), "examples": self.examples}
+
+    def close(self) -> None:
+        if self._log:
+            self._log.close()
+
+
+def shard_base(output_prefix: Path, key: str) -> Path:
+    return Path(f"{output_prefix}_{key}_document")
+
+
+def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
+    """All checks that need no reading of the data. Returns the inputs and the tokenizer dir to write."""
+    if cfg.train_tokenizer == (cfg.tokenizer is not None):
+        raise UserError("give exactly one of --tokenizer DIR (use an existing tokenizer) or --train-tokenizer")
+    if cfg.tokenizer_output is not None and not cfg.train_tokenizer:
+        raise UserError("--tokenizer-output only applies with --train-tokenizer")
+    inputs = resolve_inputs(cfg.inputs)
+    check_inputs(inputs, cfg.json_keys, cfg.hf_split)
+    for key in cfg.json_keys:
+        existing = output_prefixes(shard_base(cfg.output_prefix, key))
+        if existing and not cfg.overwrite:
+            raise UserError(f"{existing[0]}: output already exists; choose another --output-prefix or pass --overwrite")
+    tok_out = None
+    if cfg.train_tokenizer:
+        tok_out = cfg.tokenizer_output or cfg.output_prefix.parent / "tokenizer"
+        if tok_out.exists() and not cfg.overwrite:
+            raise UserError(f"{tok_out}: tokenizer directory already exists; reuse it with --tokenizer {tok_out}, "
+                            "choose --tokenizer-output, or pass --overwrite")
+        if cfg.vocab_size >= 2**31:
+            raise UserError(f"--vocab-size {cfg.vocab_size}: too large")
+    if cfg.max_shard_size is not None:
+        parse_max_shard_size(cfg.max_shard_size, 2)
+    return inputs, tok_out
+
+
+def _bar(total: int, desc: str, quiet: bool) -> tqdm:
+    return tqdm(total=total or None, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=quiet, dynamic_ncols=True, mininterval=0.5)
+
+
+def _train(cfg: PrepConfig, inputs: list[InputFile], out: Path) -> Tokenizer:
+    total = sum(i.size for i in inputs)
+    bar = _bar(total, "training tokenizer (reading)", cfg.quiet)
+
+    def texts() -> Iterator[str]:
+        n = 0
+        for inp in inputs:
+            for rec in read_records(inp, cfg.json_keys, cfg.hf_split, bar.update):
+                if rec.values is None:
+                    continue  # counted and reported in the tokenization pass
+                yield from rec.values
+                n += 1
+                if cfg.tokenizer_train_docs is not None and n >= cfg.tokenizer_train_docs:
+                    return
+
+    with bar:
+        backend = train_bpe(texts(), cfg.vocab_size)
+    save_tokenizer(backend, out, cfg.model_max_length, overwrite=cfg.overwrite)
+    return load_tokenizer(out)
+
+
+def _batches(inputs: list[InputFile], cfg: PrepConfig, skips: SkipReport,
+             progress) -> Iterator[tuple[list[tuple[Path, int]], list[list[str]]]]:
+    """Good records grouped into batches of about `batch_chars` characters: (locations, texts per key)."""
+    nkeys = len(cfg.json_keys)
+    locs: list[tuple[Path, int]] = []
+    texts: list[list[str]] = [[] for _ in range(nkeys)]
+    chars = 0
+    for inp in inputs:
+        rec: Record
+        for rec in read_records(inp, cfg.json_keys, cfg.hf_split, progress):
+            inp.records += 1
+            if rec.values is None:
+                skips.add(inp.path, rec.line, rec.error or "unusable record")
+                continue
+            locs.append((inp.path, rec.line))
+            for k in range(nkeys):
+                texts[k].append(rec.values[k])
+                chars += len(rec.values[k])
+            if chars >= cfg.batch_chars:
+                yield locs, texts
+                locs, texts, chars = [], [[] for _ in range(nkeys)], 0
+    if locs:
+        yield locs, texts
+
+
+def run_prep(cfg: PrepConfig) -> list[Path]:
+    """Run the whole prep; returns the published shard prefixes."""
+    inputs, tok_out = validate(cfg)
+    made_tokenizer = tok_out is not None and not tok_out.exists()
+    try:
+        published = _prep(cfg, inputs, tok_out)
+    except BaseException:
+        if made_tokenizer and tok_out is not None:
+            shutil.rmtree(tok_out, ignore_errors=True)  # a failed run leaves nothing it created
+        raise
+    return published
+
+
+def _prep(cfg: PrepConfig, inputs: list[InputFile], tok_out: Path | None) -> list[Path]:
+    tokenizer = _train(cfg, inputs, tok_out) if tok_out is not None else load_tokenizer(cfg.tokenizer)
+    for inp in inputs:
+        inp.sha256, inp.records = None, 0
+    eod_id = bos_id = None
+    if cfg.append_eod:
+        eod_id = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.token_id(EOD_TOKEN)
+        if eod_id is None:
+            raise UserError(f"{tokenizer.directory}: tokenizer has no eos token (tokenizer_config.json eos_token) "
+                            "to append as end of document; fix it or pass --no-append-eod")
+    if cfg.append_bos:
+        bos_id = tokenizer.bos_id
+        if bos_id is None:
+            raise UserError(f"{tokenizer.directory}: tokenizer has no bos token (tokenizer_config.json bos_token); "
+                            "fix it or drop --append-bos")
+    vocab_size = tokenizer.vocab_size
+    dtype = token_dtype_for_vocab(vocab_size)
+    max_tokens = parse_max_shard_size(cfg.max_shard_size, dtype.itemsize) if cfg.max_shard_size else None
+    writers = [ShardSetWriter(shard_base(cfg.output_prefix, key), dtype, max_tokens) for key in cfg.json_keys]
+    encoder = BatchEncoder(str(tokenizer.directory / TOKENIZER_JSON), dtype.name, bos_id, eod_id)
+    skips = SkipReport(cfg.on_error, cfg.skipped_log)
+    total_bytes = sum(i.size for i in inputs)
+    bar = _bar(total_bytes, "tokenizing", cfg.quiet)
+    started = time.perf_counter()
+    docs = tokens = 0
+
+    def consume(locs: list[tuple[Path, int]], batches: list[EncodedBatch]) -> None:
+        nonlocal docs, tokens
+        bad: dict[int, str] = {}
+        for b in batches:
+            for i, reason in b.bad.items():
+                bad.setdefault(i, reason)
+        if bad:  # drop the record from every key so the shards stay aligned record by record
+            for i in sorted(bad):
+                skips.add(locs[i][0], locs[i][1], bad[i])
+            batches = [b.without(set(bad)) for b in batches]
+        for w, b in zip(writers, batches):
+            w.add(b.tokens, b.lengths)
+        docs += len(batches[0].lengths)
+        tokens += sum(int(b.lengths.sum()) for b in batches)
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        bar.set_postfix(docs=docs, tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
+
+    try:
+        with bar, OrderedEncoder(encoder, cfg.workers) as pool:
+            for locs, texts in _batches(inputs, cfg, skips, bar.update):
+                for done_locs, result in pool.submit(locs, texts):
+                    consume(done_locs, result)  # type: ignore[arg-type]
+            for done_locs, result in pool.drain():
+                consume(done_locs, result)  # type: ignore[arg-type]
+        if docs == 0:
+            raise UserError(f"{cfg.inputs[0]}: no usable documents in the input ({skips.total} records skipped)")
+        fields = _manifest_fields(cfg, tokenizer, inputs, skips)
+        published: list[Path] = []
+        for key, w in zip(cfg.json_keys, writers):
+            published += w.commit({**fields, "json_key": key})
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    finally:
+        skips.close()
+    _summary(cfg, published, docs, tokens, skips, time.perf_counter() - started, tok_out)
+    return published
+
+
+def _manifest_fields(cfg: PrepConfig, tokenizer: Tokenizer, inputs: list[InputFile], skips: SkipReport) -> dict:
+    input_entries = []
+    for inp in inputs:
+        entry = ShardInput(path=str(inp.path), sha256=inp.sha256, format=inp.kind, records=inp.records)
+        if inp.kind == "hf":
+            entry = ShardInput(path=str(inp.path), sha256=None, format="hf", records=inp.records,
+                               hf_fingerprint=hf_fingerprint(inp, cfg.hf_split))
+        input_entries.append(entry.model_dump(mode="json"))
+    tok_rel = os.path.relpath(tokenizer.directory.resolve(), cfg.output_prefix.parent.resolve())
+    return {
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+        "tokenizer": tok_rel,
+        "vocab_size": tokenizer.vocab_size,
+        "append_eod": cfg.append_eod,
+        "append_bos": cfg.append_bos,
+        "eod_id": tokenizer.eos_id if cfg.append_eod else None,
+        "inputs": input_entries,
+        "skipped": skips.as_manifest(),
+        "created_by": "tessera-data prep",
+    }
+
+
+def _summary(cfg: PrepConfig, published: list[Path], docs: int, tokens: int, skips: SkipReport,
+             seconds: float, tok_out: Path | None) -> None:
+    import sys
+
+    out = sys.stderr
+    if tok_out is not None:
+        print(f"tokenizer: {tok_out}", file=out)
+    for p in published:
+        print(f"shard: {p}.bin/.idx/.json", file=out)
+    print(f"{docs:,} documents, {tokens:,} tokens in {seconds:.1f}s ({tokens / max(seconds, 1e-9):,.0f} tokens/s)",
+          file=out)
+    if skips.total:
+        print(f"skipped {skips.total:,} records: " + ", ".join(f"{r}: {n}" for r, n in skips.by_reason.most_common()),
+              file=out)
+        for e in skips.examples[:20]:
+            print(f"  {e['file']}:{e['line']}: {e['reason']}", file=out)
+        if skips.total > 20:
+            print(f"  … {skips.total - 20} more (see 'skipped' in the manifest"
+                  + (f" and {cfg.skipped_log})" if cfg.skipped_log else ")"), file=out)

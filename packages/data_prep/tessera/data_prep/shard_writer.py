@@ -1,0 +1,158 @@
+"""Writing one output stream (one JSON key) as one or several shards, published all at once.
+
+Shards are written under hidden staging names. Only when the whole run has succeeded are they
+renamed to `<base>.bin/.idx` (or `<base>_00000.bin/.idx`, … with a size limit), and each
+manifest `<…>.json` is written last, after its `.bin` and `.idx` are in place: a shard without its
+manifest is not finished, and a failed run removes everything it staged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tessera.common.errors import UserError
+from tessera.common.fileio import atomic_write_json, sha256_file
+from tessera.common.indexed_dataset import IndexedDatasetWriter, bin_path, idx_path
+from tessera.common.shard import ShardManifest, manifest_path
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_max_shard_size(text: str, itemsize: int) -> int:
+    """Tokens per shard from `1000000`, `50M` (tokens) or `500MB` / `2GiB` (bytes of `.bin`)."""
+    m = _SIZE.match(text)
+    if not m or (m.group(3).lower() == "i"):
+        raise UserError(f"--max-shard-size {text!r}: expected a token count (e.g. 50M) or a size in bytes "
+                        "(e.g. 500MB, 2GiB)")
+    number, scale, unit = float(m.group(1)), m.group(2).lower(), m.group(3).lower()
+    base = 1024 if unit == "ib" else 1000
+    value = number * base ** "_kmgt".index(scale or "_") if scale else number
+    tokens = int(value) // itemsize if unit.endswith("b") else int(value)
+    if tokens < 1:
+        raise UserError(f"--max-shard-size {text!r}: must allow at least one token per shard")
+    return tokens
+
+
+def output_prefixes(base: Path) -> list[Path]:
+    """Existing shards (finished or not) at `base` or `base_NNNNN`, for overwrite checks."""
+    pattern = re.compile(re.escape(base.name) + r"(_\d{5})?\.(bin|idx|json)$")
+    if not base.parent.is_dir():
+        return []
+    return sorted(p for p in base.parent.iterdir() if pattern.fullmatch(p.name))
+
+
+@dataclass
+class _Staged:
+    staging: Path  # hidden prefix the shard was written to
+    final: Path  # prefix it will be published under
+    num_documents: int
+    num_tokens: int
+    bin_sha256: str
+
+
+class ShardSetWriter:
+    """Writes the documents of one key into shards of at most `max_tokens` tokens each."""
+
+    def __init__(self, base: Path, dtype: np.dtype, max_tokens: int | None):
+        self.base = Path(base)
+        self.dtype = np.dtype(dtype)
+        self.max_tokens = max_tokens
+        self._tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._staged: list[_Staged] = []
+        self._writer: IndexedDatasetWriter | None = None
+        self._hash = hashlib.sha256()
+        self.num_documents = 0
+        self.num_tokens = 0
+
+    def _final_prefix(self, index: int) -> Path:
+        if self.max_tokens is None:
+            return self.base
+        return self.base.with_name(f"{self.base.name}_{index:05d}")
+
+    def _open(self) -> IndexedDatasetWriter:
+        if self._writer is None:
+            staging = self.base.with_name(f".{self.base.name}.staging-{self._tag}-{len(self._staged):05d}")
+            self._writer = IndexedDatasetWriter(staging, self.dtype)
+            self._hash = hashlib.sha256()
+        return self._writer
+
+    def _close_current(self) -> None:
+        w = self._writer
+        if w is None:
+            return
+        w.finalize()
+        self._staged.append(_Staged(w.prefix, self._final_prefix(len(self._staged)), w.num_documents,
+                                    w.num_tokens, self._hash.hexdigest()))
+        self._writer = None
+
+    def _write(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        w = self._open()
+        data = memoryview(np.ascontiguousarray(tokens, dtype=self.dtype)).cast("B")
+        self._hash.update(data)
+        w.add_raw(data, lengths)
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents (tokens back to back, and their lengths), cutting shards at document ends."""
+        self.num_documents += len(lengths)
+        self.num_tokens += int(lengths.sum())
+        if self.max_tokens is None:
+            self._write(tokens, lengths)
+            return
+        ends = np.cumsum(lengths)
+        doc, tok = 0, 0
+        while doc < len(lengths):
+            held = self._writer.num_tokens if self._writer is not None else 0
+            room = self.max_tokens - held
+            # documents [doc, cut) fit in the room left in the current shard
+            cut = int(np.searchsorted(ends, tok + room, side="right"))
+            if cut == doc:
+                if held == 0:
+                    cut = doc + 1  # one document longer than the limit gets a shard of its own
+                else:
+                    self._close_current()
+                    continue
+            end_tok = int(ends[cut - 1])
+            self._write(tokens[tok:end_tok], lengths[doc:cut])
+            doc, tok = cut, end_tok
+            if self._writer is not None and self._writer.num_tokens >= self.max_tokens:
+                self._close_current()
+
+    def commit(self, manifest_fields: dict[str, Any]) -> list[Path]:
+        """Finish the last shard, publish every shard, then write each manifest. Returns prefixes."""
+        if self._writer is not None or not self._staged:
+            self._open()  # an empty output still gets one (empty) shard
+            self._close_current()
+        for old in output_prefixes(self.base):
+            old.unlink()  # leftovers of an earlier run (only reachable with --overwrite)
+        published = []
+        for i, s in enumerate(self._staged):
+            os.replace(bin_path(s.staging), bin_path(s.final))
+            os.replace(idx_path(s.staging), idx_path(s.final))
+            fields = dict(manifest_fields)
+            fields.update(num_documents=s.num_documents, num_tokens=s.num_tokens, dtype=self.dtype.name,
+                          checksums={"bin": s.bin_sha256, "idx": sha256_file(idx_path(s.final))})
+            if self.max_tokens is not None:
+                fields.update(shard_index=i, num_shards=len(self._staged))
+            manifest = ShardManifest.model_validate(fields)
+            atomic_write_json(manifest_path(s.final), manifest.model_dump(mode="json"))
+            published.append(s.final)
+        self._staged = []
+        return published
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+        for s in self._staged:
+            for p in (bin_path(s.staging), idx_path(s.staging)):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+        self._staged = []

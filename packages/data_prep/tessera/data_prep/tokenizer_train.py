@@ -1,0 +1,87 @@
+"""Training a byte-level BPE tokenizer with Hugging Face `tokenizers`, saved as transformers expects.
+
+The directory it writes loads with `tokenizers.Tokenizer.from_file`, with transformers'
+`AutoTokenizer.from_pretrained` (PreTrainedTokenizerFast) and with `tessera.common.tokenizer`:
+
+    tokenizer.json           the tokenizer itself (byte-level pre-tokenizer and decoder, BPE model)
+    tokenizer_config.json    special tokens, tokenizer_class, model_max_length, chat_template
+    special_tokens_map.json  the special tokens again, for older transformers readers
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from tessera.common.fileio import atomic_directory
+
+EOD_TOKEN = "<|endoftext|>"  # end of document; also eos and pad
+BOS_TOKEN = "<|begin_of_text|>"
+SPECIAL_TOKENS = (EOD_TOKEN, BOS_TOKEN)
+
+# A plain role-tagged transcript. Each turn ends with eos, so a model trained on such text stops
+# after its answer; `add_generation_prompt` opens the assistant's turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2, length: int | None = None):
+    """Train a byte-level BPE on `texts`; returns a `tokenizers.Tokenizer`.
+
+    The 256 byte symbols are always in the vocabulary, so any input, in any language or binary
+    junk, encodes without unknown tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
+    return tokenizer
+
+
+def tokenizer_config(model_max_length: int) -> dict:
+    added = {}
+    for i, token in enumerate(SPECIAL_TOKENS):
+        added[str(i)] = {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
+                         "single_word": False, "special": True}
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOD_TOKEN,
+        "pad_token": EOD_TOKEN,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": added,
+    }
+
+
+def save_tokenizer(tokenizer, directory: str | os.PathLike, model_max_length: int, overwrite: bool = False) -> Path:
+    """Write the tokenizer directory atomically (a half-written tokenizer never appears)."""
+    directory = Path(directory)
+    config = tokenizer_config(model_max_length)
+    special_map = {"bos_token": BOS_TOKEN, "eos_token": EOD_TOKEN, "pad_token": EOD_TOKEN}
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2, sort_keys=True) + "\n")
+    return directory
