@@ -82,6 +82,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     cfg = src.sidecar.model
     rules = export_rules(cfg)
+    src.check_integrity()
     check_model_tensors(src, rules, expected_model_shapes(cfg))
     tok = load_tokenizer(src.tokenizer_dir) if src.tokenizer_dir else None
     if tok is None:

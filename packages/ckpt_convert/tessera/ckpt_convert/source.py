@@ -22,8 +22,10 @@ from tessera.common.checkpoint import (
     CheckpointSidecar,
     read_sidecar,
     resolve_checkpoint,
+    verify_checksums,
 )
 from tessera.common.errors import ArtifactError
+from torch.distributed.checkpoint.api import CheckpointException
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,22 @@ class CheckpointSource:
         d = self.directory / TOKENIZER_DIR
         return d if (d / "tokenizer.json").is_file() else None
 
+    def check_integrity(self) -> None:
+        """Checksums of every payload file (as recorded in the sidecar) and every indexed item
+        inside its file; run before converting so a corrupt or truncated input fails up front."""
+        if self.sidecar.checksums:
+            verify_checksums(self.directory, self.sidecar)
+        sizes: dict[str, int] = {}
+        for index, info in (self.metadata.storage_data or {}).items():
+            path = self.directory / info.relative_path
+            if info.relative_path not in sizes:
+                if not path.is_file():
+                    raise ArtifactError(f"{path}: checkpoint file missing (listed in .metadata)")
+                sizes[info.relative_path] = path.stat().st_size
+            if info.offset + info.length > sizes[info.relative_path]:
+                raise ArtifactError(f"{path}: truncated ({index.fqn} ends at byte {info.offset + info.length}, "
+                                    f"the file has {sizes[info.relative_path]})")
+
     def payload_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.directory.iterdir() if p.is_file() and p.name != SIDECAR)
 
@@ -102,7 +120,7 @@ class CheckpointSource:
         state = {k: torch.empty(self.tensor_specs[k].shape, dtype=self.tensor_specs[k].dtype) for k in keys}
         try:
             dcp.load(state, checkpoint_id=str(self.directory), no_dist=True)
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ArtifactError(f"{self.directory}: failed to read {keys[0]!r} ({first[:200]}); "
                                 "the checkpoint is corrupt or truncated (run `tessera-ckpt verify`)") from None

@@ -1,0 +1,116 @@
+"""Which rank of a parallel layout owns which block of each global tensor.
+
+This is the contract `reshard` writes to (docs/formats/checkpoint.md, "Partitioned payloads"):
+
+- Rank order: tensor fastest, then data, then pipeline (context and expert are 1 here), i.e.
+  rank = tp + T * (dp + D * pp).
+- Pipeline: the L layers form P x V consecutive chunks of L / (P V) layers; chunk c lives on
+  pipeline rank c mod P (interleaved schedule; V = 1 is plain contiguous stages). The embedding
+  (and learned positions) live on the first stage, the final norm and lm_head on the last; a tied
+  head is stored once, with the embedding.
+- Tensor parallel: column-parallel weights and biases (q/k/v, gate/up; the vocab-parallel
+  embedding and lm_head) split along dim 0; row-parallel weights (o_proj, down_proj) along dim 1;
+  norms, row-parallel biases and learned positions are replicated and stored by tp rank 0.
+- Data parallel: model tensors are replicas, stored by dp rank 0. Optimizer state of a parameter
+  takes the parameter's block and is further split along dim 0 across the D data-parallel ranks
+  (as a distributed optimizer shards it) when that dimension divides; otherwise dp rank 0 keeps it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tessera.ckpt_convert.dcp_writer import Chunk
+from tessera.common.errors import UserError
+from tessera.common.layout import ParallelLayout
+from tessera.common.model_config import ModelConfig
+
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
+_COLUMN = ("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")
+_ROW = ("attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def validate_layout(cfg: ModelConfig, layout: ParallelLayout) -> None:
+    """A layout that does not divide the model is a UserError naming the quantity."""
+    t, p, v = layout.tensor, layout.pipeline, layout.virtual_stages
+    if layout.context != 1 or layout.expert != 1:
+        raise UserError("context- and expert-parallel resharding is not supported (use 1)")
+    checks = [("num_heads", cfg.num_heads, t, "--tensor-parallel"),
+              ("num_kv_heads", cfg.kv_heads, t, "--tensor-parallel"),
+              ("ffn_hidden_size", cfg.ffn_hidden_size, t, "--tensor-parallel"),
+              ("vocab_size", cfg.vocab_size, t, "--tensor-parallel"),
+              ("num_layers", cfg.num_layers, p * v, "--pipeline-parallel x --virtual-stages")]
+    for field, value, by, flag in checks:
+        if value % by:
+            raise UserError(f"layout {layout.short()}: {flag} = {by} does not divide model {field} = {value}; "
+                            f"choose a size that divides {value}")
+    if v > 1 and p == 1:
+        raise UserError("--virtual-stages > 1 needs --pipeline-parallel > 1")
+
+
+def rank_of(layout: ParallelLayout, tp: int, dp: int, pp: int) -> int:
+    return tp + layout.tensor * (dp + layout.data * pp)
+
+
+def pipeline_rank(name: str, cfg: ModelConfig, layout: ParallelLayout) -> int:
+    m = _LAYER_RE.match(name)
+    if m:
+        per_chunk = cfg.num_layers // (layout.pipeline * layout.virtual_stages)
+        return (int(m.group(1)) // per_chunk) % layout.pipeline
+    if name.startswith(("embed_tokens.", "pos_embed.")):
+        return 0
+    return layout.pipeline - 1  # final_norm, lm_head
+
+
+def tp_dim(name: str) -> int | None:
+    """Dimension split across tensor-parallel ranks, or None when replicated."""
+    local = _LAYER_RE.sub("", name)
+    if local.startswith(_COLUMN) or name in ("embed_tokens.weight", "lm_head.weight"):
+        return 0
+    if local in _ROW:
+        return 1
+    return None
+
+
+def _split(offsets: tuple[int, ...], sizes: tuple[int, ...], dim: int, n: int, i: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    step = sizes[dim] // n
+    return (offsets[:dim] + (offsets[dim] + i * step,) + offsets[dim + 1:],
+            sizes[:dim] + (step,) + sizes[dim + 1:])
+
+
+def model_chunks(name: str, shape: tuple[int, ...], cfg: ModelConfig, layout: ParallelLayout) -> list[Chunk]:
+    pp = pipeline_rank(name, cfg, layout)
+    dim = tp_dim(name)
+    zero = (0,) * len(shape)
+    if dim is None or layout.tensor == 1:
+        return [Chunk(rank_of(layout, 0, 0, pp), zero, tuple(shape))]
+    return [Chunk(rank_of(layout, tp, 0, pp), *_split(zero, tuple(shape), dim, layout.tensor, tp))
+            for tp in range(layout.tensor)]
+
+
+def state_chunks(param: str, shape: tuple[int, ...], cfg: ModelConfig, layout: ParallelLayout) -> list[Chunk]:
+    """Optimizer state shaped like `param`: the parameter's blocks, split over data-parallel ranks."""
+    chunks = model_chunks(param, shape, cfg, layout)
+    d = layout.data
+    if d == 1 or not shape or chunks[0].sizes[0] % d:
+        return chunks
+    out = []
+    for c in chunks:
+        tp = c.rank % layout.tensor
+        pp = c.rank // (layout.tensor * d)
+        for dp in range(d):
+            offs, sizes = _split(c.offsets, c.sizes, 0, d, dp)
+            out.append(Chunk(rank_of(layout, tp, dp, pp), offs, sizes))
+    return out
+
+
+def match_param(key: str, shapes: dict[str, tuple[int, ...]], shape: tuple[int, ...]) -> str | None:
+    """The model parameter a training-state tensor belongs to: its name appears as a dotted
+    component run of `key` and the shapes agree (e.g. `optimizer.state.layers.0.attn.q_proj.weight.exp_avg`)."""
+    best = None
+    for name, pshape in shapes.items():
+        if pshape != shape:
+            continue
+        if f".{name}." in f".{key}." and (best is None or len(name) > len(best)):
+            best = name
+    return best

@@ -1,0 +1,94 @@
+"""`tessera-ckpt reshard`: rewrite a checkpoint partitioned for another parallel layout.
+
+Stored tensors are global and layout-invariant, so the *values* never change; what changes is
+which file holds which block. The output has one DCP file per rank of the target layout holding
+exactly that rank's blocks (partition.py), so at load time each rank reads only its own file,
+and the sidecar records the new layout. Training state travels too: optimizer tensors shaped like
+a parameter are partitioned like it (and split over data-parallel ranks); everything else (scalars,
+pickled scheduler/RNG state) is copied byte for byte into rank 0's file.
+
+One process, no process group, one global tensor in memory at a time.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tessera.ckpt_convert.dcp_writer import Chunk, ShardedDcpWriter, whole
+from tessera.ckpt_convert.export_hf import expected_model_shapes
+from tessera.ckpt_convert.partition import match_param, model_chunks, state_chunks, validate_layout
+from tessera.ckpt_convert.progress import Progress
+from tessera.ckpt_convert.source import CheckpointSource
+from tessera.common.checkpoint import (
+    MODEL_PREFIX,
+    TOKENIZER_DIR,
+    finalize_checkpoint,
+    iter_dir_name,
+    write_pointer,
+)
+from tessera.common.errors import UserError
+from tessera.common.fileio import atomic_directory
+from tessera.common.layout import ParallelLayout
+
+
+def plan(src: CheckpointSource, layout: ParallelLayout) -> dict[str, list[Chunk]]:
+    """DCP key -> the chunks each target rank stores, for every tensor in the checkpoint."""
+    cfg = src.sidecar.model
+    expected = expected_model_shapes(cfg)
+    for name, shape in expected.items():
+        have = src.model_specs.get(name)
+        if have is None:
+            raise UserError(f"{src.directory}: model tensor {name!r} missing; run `tessera-ckpt verify`")
+        if have.shape != shape:
+            raise UserError(f"{src.directory}: model tensor {name!r} has shape {list(have.shape)}, "
+                            f"the sidecar's model config implies {list(shape)}")
+    out: dict[str, list[Chunk]] = {}
+    for key, spec in src.tensor_specs.items():
+        if key.startswith(MODEL_PREFIX) and key[len(MODEL_PREFIX):] in expected:
+            out[key] = model_chunks(key[len(MODEL_PREFIX):], spec.shape, cfg, layout)
+            continue
+        param = match_param(key, expected, spec.shape) if not key.startswith(MODEL_PREFIX) else None
+        out[key] = state_chunks(param, spec.shape, cfg, layout) if param else whole(spec.shape)
+    return out
+
+
+def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, overwrite: bool = False,
+            quiet: bool = False) -> Path:
+    src = CheckpointSource(checkpoint)
+    output = Path(output)
+    if output.exists() and not overwrite:
+        raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
+    validate_layout(src.sidecar.model, layout)
+    src.check_integrity()
+    chunks = plan(src, layout)
+    planner_data = src.metadata.planner_data if isinstance(src.metadata.planner_data, dict) else {}
+    step = src.sidecar.step
+    total = sum(s.nbytes for s in src.tensor_specs.values())
+
+    with atomic_directory(output, overwrite=overwrite) as tmp, \
+            Progress(total, len(chunks) + len(src.bytes_keys), f"reshard -> {layout.short()}", quiet) as bar:
+        target = tmp / iter_dir_name(step)
+        writer = ShardedDcpWriter(target, layout.world_size)
+        try:
+            for key, key_chunks in chunks.items():
+                tensor = src.load([key])[key]
+                writer.write_tensor(key, tensor, key_chunks, planner_data.get(key))
+                bar.update(src.tensor_specs[key].nbytes)
+                del tensor
+            for key in src.bytes_keys:
+                data, info = src.raw_bytes_item(key)
+                writer.write_bytes(key, data, 0, info.transform_descriptors, planner_data.get(key))
+                bar.update(0)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+        if src.tokenizer_dir is not None:
+            shutil.copytree(src.directory / TOKENIZER_DIR, target / TOKENIZER_DIR)
+        sidecar = src.sidecar.model_copy(deep=True)
+        sidecar.layout = layout
+        sidecar.resharded_from = src.sidecar.layout.short()  # type: ignore[attr-defined]  # extra field
+        finalize_checkpoint(target, sidecar)
+        write_pointer(tmp, step)
+    return output
