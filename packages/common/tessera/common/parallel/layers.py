@@ -1,0 +1,150 @@
+"""Tensor-parallel layers: column/row-parallel linear and vocab-parallel embedding.
+
+They subclass nn.Linear / nn.Embedding with the *local* shapes, so the model's own
+`init_weights` and parameter names work on them unchanged. Each parameter carries two tags
+read by the data-parallel, clipping and checkpoint code:
+
+    tp_shard_dim            dim along which the global tensor is split over tensor ranks
+                            (None: replicated on every tensor rank)
+    sequence_parallel_partial  True when each tensor rank computes only part of its gradient
+                            (norms and row biases under sequence parallel): the gradient is
+                            all-reduced over the tensor group before the data-parallel reduce
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.common.parallel.mappings import (
+    copy_to_tp,
+    gather_seq,
+    reduce_from_tp,
+    reduce_scatter_seq,
+)
+
+
+def tag(param: torch.Tensor, shard_dim: int | None, partial: bool = False) -> None:
+    param.tp_shard_dim = shard_dim  # type: ignore[attr-defined]
+    param.sequence_parallel_partial = partial  # type: ignore[attr-defined]
+
+
+def shard_dim_of(param: torch.Tensor) -> int | None:
+    return getattr(param, "tp_shard_dim", None)
+
+
+def _local_slice(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    return full.chunk(world, dim=dim)[rank]
+
+
+class ColumnParallelLinear(nn.Linear):
+    """y = x A^T with A split by output rows; each rank produces its slice of the features.
+
+    Input: replicated [B, T, in] (or sequence-parallel [B, T/tp, in], gathered first).
+    Output: [B, T, out/tp], not gathered (the next row-parallel layer consumes it).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: dist.ProcessGroup,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        world = dist.get_world_size(group)
+        if out_features % world:
+            raise ValueError(f"output features {out_features} not divisible by tensor-parallel size {world}")
+        super().__init__(in_features, out_features // world, bias=bias, device=device, dtype=dtype)
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        tag(self.weight, 0)
+        if self.bias is not None:
+            tag(self.bias, 0)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, group: dist.ProcessGroup, sequence_parallel: bool) -> ColumnParallelLinear:
+        new = cls(lin.in_features, lin.out_features, lin.bias is not None, group, sequence_parallel,
+                  device=lin.weight.device, dtype=lin.weight.dtype)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if not lin.weight.is_meta:
+            with torch.no_grad():
+                new.weight.copy_(_local_slice(lin.weight, 0, rank, world))
+                if lin.bias is not None:
+                    new.bias.copy_(_local_slice(lin.bias, 0, rank, world))
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Linear):
+    """y = x A^T with A split by input columns; partial sums are reduced across tensor ranks.
+
+    Input: [B, T, in/tp] (a column-parallel output). Output: replicated [B, T, out] after an
+    all-reduce, or sequence-parallel [B, T/tp, out] after a reduce-scatter. The bias is added
+    after the reduction, once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: dist.ProcessGroup,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        world = dist.get_world_size(group)
+        if in_features % world:
+            raise ValueError(f"input features {in_features} not divisible by tensor-parallel size {world}")
+        super().__init__(in_features // world, out_features, bias=bias, device=device, dtype=dtype)
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        tag(self.weight, 1)
+        if self.bias is not None:
+            tag(self.bias, None, partial=sequence_parallel)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, group: dist.ProcessGroup, sequence_parallel: bool) -> RowParallelLinear:
+        new = cls(lin.in_features, lin.out_features, lin.bias is not None, group, sequence_parallel,
+                  device=lin.weight.device, dtype=lin.weight.dtype)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if not lin.weight.is_meta:
+            with torch.no_grad():
+                new.weight.copy_(_local_slice(lin.weight, 1, rank, world))
+                if lin.bias is not None:
+                    new.bias.copy_(lin.bias)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_seq(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Embedding with the vocabulary split in contiguous row ranges across tensor ranks.
+
+    Each rank looks up the tokens in its range (others give zero rows) and the partial results
+    are summed: all-reduce, or reduce-scatter onto sequence shards under sequence parallel.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: dist.ProcessGroup,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        world = dist.get_world_size(group)
+        if num_embeddings % world:
+            raise ValueError(f"vocab size {num_embeddings} not divisible by tensor-parallel size {world}")
+        super().__init__(num_embeddings // world, embedding_dim, device=device, dtype=dtype)
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.vocab_start = dist.get_rank(group) * (num_embeddings // world)
+        tag(self.weight, 0)
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, group: dist.ProcessGroup,
+                       sequence_parallel: bool) -> VocabParallelEmbedding:
+        new = cls(emb.num_embeddings, emb.embedding_dim, group, sequence_parallel,
+                  device=emb.weight.device, dtype=emb.weight.dtype)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if not emb.weight.is_meta:
+            with torch.no_grad():
+                new.weight.copy_(_local_slice(emb.weight, 0, rank, world))
+        return new
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_seq(out, self.group) if self.sequence_parallel else reduce_from_tp(out, self.group)

@@ -1,0 +1,131 @@
+"""Autograd-aware collectives between tensor-parallel ranks.
+
+Each function is a pair (forward op, backward op) that are adjoint to each other:
+
+    copy_to_tp         identity        | all-reduce      (input to a column-parallel layer)
+    reduce_from_tp     all-reduce      | identity        (output of a row-parallel layer)
+    gather_seq         all-gather seq  | reduce-scatter  (sequence parallel -> column-parallel)
+    reduce_scatter_seq reduce-scatter  | all-gather seq  (row-parallel -> sequence parallel)
+    scatter_seq        take own chunk  | all-gather seq  (replicated -> sequence parallel)
+
+Sequence-parallel tensors are [B, T/tp, ...] (dim 1 split, rank r holding chunk r).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+SEQ_DIM = 1
+
+
+def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    # all_gather_into_tensor concatenates along dim 0: move the sequence there and back.
+    xt = x.transpose(0, SEQ_DIM).contiguous()
+    out = torch.empty((world * xt.shape[0],) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, xt, group=group)
+    return out.transpose(0, SEQ_DIM).contiguous()
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    xt = x.transpose(0, SEQ_DIM).contiguous()
+    if xt.shape[0] % world:
+        raise ValueError(f"sequence length {xt.shape[0]} is not divisible by the tensor-parallel size {world}")
+    out = torch.empty((xt.shape[0] // world,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, xt, group=group)
+    return out.transpose(0, SEQ_DIM).contiguous()
+
+
+def _split_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    return x.chunk(world, dim=SEQ_DIM)[dist.get_rank(group)].contiguous()
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_seq(g, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_seq(g, ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_seq(g, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _GatherSeq.apply(x, group)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _ReduceScatterSeq.apply(x, group)
+
+
+def scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _ScatterSeq.apply(x, group)

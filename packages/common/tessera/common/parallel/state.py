@@ -1,0 +1,161 @@
+"""Process groups: the one place that holds distributed state.
+
+`init_distributed()` joins the job torchrun started (or makes a one-process group when run
+plainly), and `build_groups(layout)` lays the ranks out on a DeviceMesh in the project's rank
+order (tensor fastest, then context, expert, data, pipeline) and returns a `ParallelGroups`
+object. Every other parallel function takes that object as an argument; nothing else keeps
+process groups. `set_groups` / `get_groups` exist for code far from the entry point (a
+metrics hook, say) that cannot have the object passed in.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from tessera.common.errors import UserError
+from tessera.common.layout import ParallelLayout
+
+# Mesh dimensions, slowest-varying first, so the flat rank = ((pp*dp + d)*ep + e)*cp + c)*tp + t.
+MESH_DIMS = ("pp", "dp", "ep", "cp", "tp")
+
+
+def init_distributed(timeout_s: float = 600.0) -> torch.device:
+    """Join the process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
+
+    Without that environment a one-process group is made, so single-process runs take the same
+    code path. NCCL on GPUs, gloo on CPUs. Returns this rank's device.
+    """
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if dist.is_initialized():
+        return device
+    backend = "nccl" if use_cuda else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return device
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's place in the layout and the groups of each dimension.
+
+    `embedding_group` joins the first and last pipeline stage of the same (tensor, data)
+    coordinates; it carries the gradient all-reduce of tied embeddings (None when the pipeline
+    has one stage).
+    """
+
+    layout: ParallelLayout
+    mesh: DeviceMesh
+    device: torch.device
+    rank: int
+    world_size: int
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    embedding_group: dist.ProcessGroup | None = None
+    _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self._groups["tp"]
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self._groups["dp"]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self._groups["pp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tensor
+
+    @property
+    def dp(self) -> int:
+        return self.layout.data
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pipeline
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pipeline - 1
+
+
+def build_groups(layout: ParallelLayout, device: torch.device | None = None) -> ParallelGroups:
+    """Build the mesh and every group for `layout`. Collective: every rank must call it."""
+    if not dist.is_initialized():
+        raise RuntimeError("call init_distributed() before build_groups()")
+    world = dist.get_world_size()
+    if layout.world_size != world:
+        raise UserError(
+            f"parallel layout {layout.short()} needs {layout.world_size} processes but the job has {world}; "
+            "set --nproc-per-node/--nnodes so that tensor x context x expert x data x pipeline = world size"
+        )
+    if layout.context > 1 or layout.expert > 1:
+        raise UserError("layout: context and expert parallel sizes above 1 are not supported yet; set them to 1")
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                        else torch.device("cpu"))
+    shape = (layout.pipeline, layout.data, layout.expert, layout.context, layout.tensor)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    groups = {name: mesh[name].get_group() for name in MESH_DIMS}
+    rank = dist.get_rank()
+    coords = mesh.get_coordinate()
+    assert coords is not None
+    pp_rank, dp_rank, _, _, tp_rank = coords
+    embedding_group = None
+    if layout.pipeline > 1:
+        # Every rank creates every group (new_group is collective), then keeps its own.
+        stride = world // layout.pipeline
+        for base in range(stride):
+            members = [base, base + (layout.pipeline - 1) * stride]
+            g = dist.new_group(members)
+            if rank in members:
+                embedding_group = g
+    return ParallelGroups(layout=layout, mesh=mesh, device=device, rank=rank, world_size=world,
+                          tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
+                          embedding_group=embedding_group, _groups=groups)
+
+
+_CURRENT: ParallelGroups | None = None
+
+
+def set_groups(groups: ParallelGroups | None) -> None:
+    global _CURRENT
+    _CURRENT = groups
+
+
+def get_groups() -> ParallelGroups:
+    if _CURRENT is None:
+        raise RuntimeError("no parallel groups set; call set_groups(build_groups(layout)) first")
+    return _CURRENT
+
+
+def destroy_distributed() -> None:
+    set_groups(None)
+    if dist.is_initialized():
+        dist.destroy_process_group()

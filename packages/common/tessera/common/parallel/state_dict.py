@@ -1,0 +1,39 @@
+"""Layout-free checkpoint tensors: local shards presented as global DTensors.
+
+A parameter split over tensor ranks along dim d becomes DTensor(Shard(d)) on the tensor mesh, a
+replicated one DTensor(Replicate()). torch.distributed.checkpoint then stores each tensor by
+its global coordinates, once (replicas across data or tensor ranks are de-duplicated), and a
+load at any other layout reads exactly the slice each rank needs. Names are the plain model's
+(`model.layers.<global layer>.attn.q_proj.weight`...), so what is on disk does not depend on the
+layout it was written from.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from tessera.common.parallel.layers import shard_dim_of
+from tessera.common.parallel.state import ParallelGroups
+
+MODEL_PREFIX = "model."
+
+
+def to_global(local: torch.Tensor, like: torch.Tensor, groups: ParallelGroups) -> DTensor:
+    """Wrap `local` (shaped as parameter `like`'s shard) as a global DTensor with like's placement."""
+    dim = shard_dim_of(like)
+    placement = Shard(dim) if dim is not None else Replicate()
+    return DTensor.from_local(local, groups.tp_mesh, [placement], run_check=False)
+
+
+def model_state_dict(named_params: dict[str, torch.Tensor], groups: ParallelGroups) -> dict[str, DTensor]:
+    """{'model.<global name>': DTensor} over this rank's parameters (copies, safe to hand to DCP)."""
+    return {MODEL_PREFIX + n: to_global(p.detach().clone(), p, groups) for n, p in named_params.items()}
+
+
+def load_model_state_dict(named_params: dict[str, torch.Tensor], state: dict[str, DTensor]) -> None:
+    """Copy loaded global tensors (as built by `model_state_dict`, then filled by DCP) into the
+    local parameters, in place (parameters may be views into flat data-parallel buffers)."""
+    with torch.no_grad():
+        for n, p in named_params.items():
+            p.copy_(state[MODEL_PREFIX + n].to_local())

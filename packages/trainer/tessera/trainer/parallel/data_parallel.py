@@ -1,0 +1,206 @@
+"""Data-parallel gradient reduction in buckets that overlap the backward pass.
+
+Parameters are packed into flat per-bucket buffers (`param.data` and `param.grad` become views
+into them), so one collective reduces a whole bucket. A post-accumulate-grad hook counts each
+parameter's gradient contributions; when every parameter of a bucket has received all of this
+step's micro-batches, the bucket's reduction is launched asynchronously while backward goes on
+with earlier layers. Counting contributions (rather than asking the schedule which micro-batch
+is last) works for any schedule, pipelined or not.
+
+Two reductions:
+  * sharded (ZeRO-1, used by the distributed optimizer): reduce-scatter, so data-parallel rank r
+    receives the summed gradient of slice r of each bucket; after the optimizer step the
+    updated slices are all-gathered back into the parameters.
+  * replicated: all-reduce of the whole bucket.
+
+Some gradients need a tensor- or pipeline-group reduction first (norms and row biases under
+sequence parallel; the tied embedding on the first and last pipeline stage). They go into
+"deferred" buckets, reduced in `finish()` after those reductions, never from a hook: a hook
+blocking on a pipeline peer while the schedule still owes that peer a message would deadlock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.common.parallel.state import ParallelGroups
+
+
+def _needs_presync(p: nn.Parameter) -> bool:
+    return bool(getattr(p, "sequence_parallel_partial", False) or getattr(p, "tied_embedding", False))
+
+
+@dataclass
+class Bucket:
+    """A contiguous group of parameters with one flat parameter and one flat gradient buffer."""
+
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int  # padded to a multiple of the shard count
+    shards: int
+    deferred: bool
+    weight_decay: bool
+    param_buf: torch.Tensor
+    grad_buf: torch.Tensor
+    grad_shard: torch.Tensor  # this rank's reduced slice (aliases grad_buf when not sharded)
+    norm_mask: torch.Tensor  # 1 where this rank's shard elements count towards the global grad norm
+    ready: int = 0
+    handle: object | None = None
+    launched: bool = False
+    counts: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.shards
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def param_shard(self, rank: int) -> torch.Tensor:
+        lo, hi = self.shard_range(rank)
+        return self.param_buf[lo:hi]
+
+
+class GradientBuckets:
+    """Owns the flat buffers, the backward hooks and the data-parallel reductions."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        groups: ParallelGroups,
+        *,
+        shard: bool,
+        bucket_numel: int = 40_000_000,
+        no_decay: Callable[[str, nn.Parameter], bool] | None = None,
+    ):
+        self.groups = groups
+        self.sharded = shard and groups.dp > 1
+        self.shards = groups.dp if self.sharded else 1
+        self.num_microbatches = 1
+        no_decay = no_decay or (lambda _n, p: p.ndim < 2)
+        params = [(n, p) for n, p in named_params if p.requires_grad]
+        # Gradients arrive roughly in reverse order of the forward pass: bucket in that order.
+        params.reverse()
+        self.buckets: list[Bucket] = []
+        current: list[tuple[str, nn.Parameter]] = []
+        key = None
+        for n, p in params:
+            k = (_needs_presync(p), not no_decay(n, p))
+            size = sum(q.numel() for _, q in current)
+            if current and (k != key or size + p.numel() > bucket_numel):
+                self._add_bucket(current, key)
+                current = []
+            current.append((n, p))
+            key = k
+        if current:
+            self._add_bucket(current, key)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for b in self.buckets for p in b.params]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+
+    # ---- construction -----------------------------------------------------------------------
+    def _add_bucket(self, items: list[tuple[str, nn.Parameter]], key) -> None:
+        deferred, decay = key
+        dtype, device = items[0][1].dtype, items[0][1].device
+        offsets, off = [], 0
+        for _, p in items:
+            offsets.append(off)
+            off += p.numel()
+        numel = -(-off // self.shards) * self.shards
+        param_buf = torch.zeros(numel, dtype=dtype, device=device)
+        grad_buf = torch.zeros(numel, dtype=dtype, device=device)
+        mask = torch.zeros(numel, dtype=torch.float32, device=device)
+        g = self.groups
+        for (_, p), o in zip(items, offsets):
+            n = p.numel()
+            param_buf[o:o + n].copy_(p.data.reshape(-1))
+            p.data = param_buf[o:o + n].view_as(p)
+            p.grad = grad_buf[o:o + n].view_as(p)
+            # Count each distinct element once in the global norm: replicated tensor-parallel
+            # parameters on tensor rank 0 only, the tied embedding on the first stage only,
+            # replicated (unsharded) buckets on data-parallel rank 0 only.
+            counted = True
+            if getattr(p, "tp_shard_dim", None) is None and g.tp_rank != 0:
+                counted = False
+            if getattr(p, "tied_embedding", False) and not g.is_first_stage:
+                counted = False
+            if not self.sharded and g.dp_rank != 0:
+                counted = False
+            if counted:
+                mask[o:o + n] = 1.0
+        rank = g.dp_rank if self.sharded else 0
+        lo, hi = rank * (numel // self.shards), (rank + 1) * (numel // self.shards)
+        grad_shard = torch.zeros(hi - lo, dtype=dtype, device=device) if self.sharded else grad_buf
+        self.buckets.append(Bucket(
+            names=[n for n, _ in items], params=[p for _, p in items], offsets=offsets, numel=numel,
+            shards=self.shards, deferred=deferred, weight_decay=decay, param_buf=param_buf,
+            grad_buf=grad_buf, grad_shard=grad_shard, norm_mask=mask[lo:hi].clone(),
+        ))
+
+    # ---- per step ---------------------------------------------------------------------------
+    def start_step(self, num_microbatches: int) -> None:
+        """Zero the gradients and arm the hooks for a step of `num_microbatches` micro-batches."""
+        self.num_microbatches = num_microbatches
+        for b in self.buckets:
+            b.grad_buf.zero_()
+            b.ready, b.handle, b.launched = 0, None, False
+            b.counts.clear()
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        b = self._bucket_of[id(p)]
+        c = b.counts.get(id(p), 0) + 1
+        b.counts[id(p)] = c
+        if c == self.num_microbatches:
+            b.ready += 1
+            if b.ready == len(b.params) and not b.deferred:
+                self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        b.launched = True
+        g = self.groups
+        if g.dp == 1:
+            return
+        # Average over replicas: each holds the mean over its own micro-batches.
+        b.grad_buf.div_(g.dp)
+        if self.sharded:
+            b.handle = dist.reduce_scatter_tensor(b.grad_shard, b.grad_buf, group=g.dp_group, async_op=True)
+        else:
+            b.handle = dist.all_reduce(b.grad_buf, group=g.dp_group, async_op=True)
+
+    def finish(self) -> None:
+        """Reduce the deferred buckets, then wait until every bucket's reduction is done."""
+        g = self.groups
+        for b in self.buckets:
+            if not b.deferred:
+                continue
+            for p in b.params:
+                if getattr(p, "sequence_parallel_partial", False) and g.tp > 1:
+                    dist.all_reduce(p.grad, group=g.tp_group)
+                if getattr(p, "tied_embedding", False) and g.embedding_group is not None:
+                    dist.all_reduce(p.grad, group=g.embedding_group)
+        for b in self.buckets:
+            if not b.launched:
+                self._launch(b)
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()  # type: ignore[attr-defined]
+                b.handle = None
+
+    def all_gather_params(self) -> None:
+        """After the sharded optimizer updated its slices, give every replica the whole bucket."""
+        if not self.sharded:
+            return
+        for b in self.buckets:
+            own = b.param_shard(self.groups.dp_rank).clone()
+            dist.all_gather_into_tensor(b.param_buf, own, group=self.groups.dp_group)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

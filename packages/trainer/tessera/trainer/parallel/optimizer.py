@@ -1,0 +1,161 @@
+"""The distributed optimizer: AdamW over data-parallel shards of flat buckets (ZeRO stage 1).
+
+Each data-parallel rank keeps fp32 master weights and Adam moments only for its slice of each
+gradient bucket (1/DP of the model's optimizer state), steps them with torch.optim.AdamW (one
+flat tensor per bucket slice: AdamW is elementwise, so this is the same arithmetic as per
+parameter), writes the result into its slice of the parameters and all-gathers the slices.
+With `shard=False` the same class is plain data parallel: all-reduced gradients, full state on
+every rank.
+
+The gradient norm for clipping is computed over every distinct element exactly once across
+tensor, pipeline and data ranks (see GradientBuckets.norm_mask), matching
+torch.nn.utils.clip_grad_norm_ on the single-process model.
+
+Checkpoint state is layout-free: per parameter, under its global name, as global tensors
+(DTensor over the tensor mesh) whatever the data-parallel sharding: see `state_dict`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.common.parallel.state import ParallelGroups
+from tessera.common.parallel.state_dict import to_global
+from tessera.trainer.parallel.data_parallel import Bucket, GradientBuckets
+
+OPTIM_PREFIX = "optimizer."
+
+
+class DistributedOptimizer:
+    """AdamW on data-parallel shards. Call `step()` after the backward passes of a step."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        groups: ParallelGroups,
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        shard: bool = True,
+        bucket_numel: int = 40_000_000,
+        no_decay: Callable[[str, nn.Parameter], bool] | None = None,
+    ):
+        self.groups = groups
+        self.max_grad_norm = max_grad_norm
+        self.buckets = GradientBuckets(named_params, groups, shard=shard, bucket_numel=bucket_numel,
+                                       no_decay=no_decay)
+        self._rank = groups.dp_rank if self.buckets.sharded else 0
+        self.masters: list[nn.Parameter] = []
+        for b in self.buckets.buckets:
+            self.masters.append(nn.Parameter(b.param_shard(self._rank).detach().clone().float()))
+        decay = [m for m, b in zip(self.masters, self.buckets.buckets) if b.weight_decay]
+        nodecay = [m for m, b in zip(self.masters, self.buckets.buckets) if not b.weight_decay]
+        param_groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                                    {"params": nodecay, "weight_decay": 0.0}) if g["params"]]
+        self.inner = torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's groups: set `lr` here (or wrap `self.inner` in an LR scheduler)."""
+        return self.inner.param_groups
+
+    def zero_grad(self, num_microbatches: int = 1) -> None:
+        """Zero gradients and arm the bucket hooks for a step of `num_microbatches` micro-batches."""
+        self.buckets.start_step(num_microbatches)
+
+    @torch.no_grad()
+    def clip_grad_norm(self) -> float:
+        """Finish the reductions, compute the global L2 norm, and clip (if max_grad_norm is set)."""
+        self.buckets.finish()
+        sq = torch.zeros((), dtype=torch.float32, device=self.groups.device)
+        for b in self.buckets.buckets:
+            g = b.grad_shard.float()
+            sq += (g * g * b.norm_mask).sum()
+        dist.all_reduce(sq)  # world group: every distinct element was counted on exactly one rank
+        norm = math.sqrt(sq.item())
+        if self.max_grad_norm is not None:
+            coef = self.max_grad_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for b in self.buckets.buckets:
+                    b.grad_shard.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """Clip, update the local shards, all-gather the parameters. Returns the pre-clip norm."""
+        norm = self.clip_grad_norm()
+        for m, b in zip(self.masters, self.buckets.buckets):
+            m.grad = b.grad_shard if b.grad_shard.dtype == torch.float32 else b.grad_shard.float()
+        self.inner.step()
+        for m, b in zip(self.masters, self.buckets.buckets):
+            b.param_shard(self._rank).copy_(m)
+            m.grad = None
+        self.buckets.all_gather_params()
+        return norm
+
+    # ---- checkpoint state -------------------------------------------------------------------
+    def _full_bucket(self, b: Bucket, shard: torch.Tensor) -> torch.Tensor:
+        if not self.buckets.sharded:
+            return shard
+        full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
+        dist.all_gather_into_tensor(full, shard.contiguous(), group=self.groups.dp_group)
+        return full
+
+    def _state_keys(self, dtype: torch.dtype) -> list[str]:
+        keys = ["exp_avg", "exp_avg_sq"]
+        if dtype != torch.float32:
+            keys.append("master")
+        return keys
+
+    def state_dict(self, global_names: dict[int, str]) -> dict[str, object]:
+        """{'optimizer.state.<global name>.<exp_avg|exp_avg_sq|master>': DTensor, 'optimizer.step': t}.
+
+        `global_names` maps id(parameter) to its checkpoint name (tied copies share a name; DCP
+        stores it once). Collective over the data-parallel group.
+        """
+        out: dict[str, object] = {}
+        step = 0.0
+        for m, b in zip(self.masters, self.buckets.buckets):
+            st = self.inner.state.get(m, {})
+            if "step" in st:
+                step = float(st["step"])
+            for key in self._state_keys(b.param_buf.dtype):
+                if key == "master":
+                    shard = m.detach()
+                else:
+                    shard = st[key] if key in st else torch.zeros_like(m)
+                full = self._full_bucket(b, shard)
+                for p, o in zip(b.params, b.offsets):
+                    local = full[o:o + p.numel()].view(p.shape).clone()
+                    out[f"{OPTIM_PREFIX}state.{global_names[id(p)]}.{key}"] = to_global(local, p, self.groups)
+        out[f"{OPTIM_PREFIX}step"] = torch.tensor(step, dtype=torch.float64)
+        return out
+
+    def load_state_dict(self, state: dict[str, object], global_names: dict[int, str]) -> None:
+        """Inverse of `state_dict` (same keys, filled by DCP). Masters are re-read from parameters
+        when the checkpoint has none (fp32 models: the parameters are the masters)."""
+        step = float(state[f"{OPTIM_PREFIX}step"])  # type: ignore[arg-type]
+        with torch.no_grad():
+            for m, b in zip(self.masters, self.buckets.buckets):
+                lo, hi = b.shard_range(self._rank)
+                st: dict[str, torch.Tensor] = {"step": torch.tensor(step, dtype=torch.float32)}
+                m.copy_(b.param_buf[lo:hi].float())
+                for key in self._state_keys(b.param_buf.dtype):
+                    full = torch.zeros(b.numel, dtype=torch.float32, device=b.param_buf.device)
+                    for p, o in zip(b.params, b.offsets):
+                        t = state[f"{OPTIM_PREFIX}state.{global_names[id(p)]}.{key}"]
+                        local = t.to_local() if hasattr(t, "to_local") else t
+                        full[o:o + p.numel()].copy_(local.reshape(-1))
+                    if key == "master":
+                        m.copy_(full[lo:hi])
+                    else:
+                        st[key] = full[lo:hi].clone()
+                self.inner.state[m] = st

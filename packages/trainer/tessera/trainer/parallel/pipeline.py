@@ -1,0 +1,148 @@
+"""Pipeline stages of the plain model, and the torch.distributed.pipelining schedules that run them.
+
+A stage (a "chunk" when interleaved) is the model with the layers of other stages deleted
+(ModuleDict keyed by global layer number, so names stay global), the embedding only on stage 0
+and the final norm and head only on the last. Stage s of S lives on pipeline rank s % pp
+(looped placement, as interleaved 1F1B expects).
+
+Tied embeddings with more than one stage: the last stage holds its own copy of the embedding
+matrix as the head (`tied_head`), initialised from the same weights; both copies are tagged
+`tied_embedding`, their gradients are summed over the embedding group before the optimizer
+step (GradientBuckets), so they stay equal. The checkpoint stores it once, as
+`embed_tokens.weight`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+from tessera.common.model import Transformer
+from tessera.common.parallel.layers import tag
+from tessera.common.parallel.loss import vocab_parallel_cross_entropy
+from tessera.common.parallel.random import TensorParallelRNG
+from tessera.common.parallel.state import ParallelGroups
+from tessera.common.parallel.tensor_parallel import parallel_logits, parallelize_model
+
+TIED_NAME = "embed_tokens.weight"
+
+
+class StageModule(nn.Module):
+    """One pipeline chunk: tokens or hidden states in; hidden states, or local-vocab logits, out."""
+
+    def __init__(self, model: Transformer, stage: int, num_stages: int, seq_len: int,
+                 tied_head: nn.Parameter | None = None):
+        super().__init__()
+        self.model = model
+        self.stage = stage
+        self.num_stages = num_stages
+        self.seq_len = seq_len
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        self.tied_head = tied_head
+        self.register_buffer("positions", torch.arange(seq_len).unsqueeze(0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Positions are explicit: under sequence parallel a later stage sees T/tp rows.
+        h = self.model(x, positions=self.positions, return_hidden=True)
+        if not self.is_last:
+            return h
+        weight = self.tied_head if self.tied_head is not None else self.model.output_weight()
+        return parallel_logits(h, weight, self.model)
+
+    def global_params(self) -> dict[str, nn.Parameter]:
+        """Checkpoint name -> parameter (the tied head under the embedding's name)."""
+        out = {n.removeprefix("model."): p for n, p in self.named_parameters() if n != "tied_head"}
+        if self.tied_head is not None:
+            out[TIED_NAME] = self.tied_head
+        return out
+
+
+def stage_layer_ranges(counts: list[int]) -> list[range]:
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(range(start, start + c))
+        start += c
+    return ranges
+
+
+def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups, layer_counts: list[int],
+                 seq_len: int, sequence_parallel: bool = False,
+                 rng: TensorParallelRNG | None = None) -> list[StageModule]:
+    """This rank's chunks. `build_model()` returns the full plain model (on meta or a device); it
+    is called once per chunk, the chunk's layers are kept, the rest dropped, and weights are
+    sliced for tensor parallel on the way (meta stays meta: materialise and initialise or load
+    afterwards)."""
+    pp, v = groups.pp, groups.layout.virtual_stages
+    num_stages = pp * v
+    ranges = stage_layer_ranges(layer_counts)
+    stages = []
+    mine = [groups.pp_rank + k * pp for k in range(v)]
+    for s in mine:
+        model = build_model()
+        tied = model.cfg.tie_embeddings and num_stages > 1
+        keep = {str(i) for i in ranges[s]}
+        for name in list(model.layers.keys()):
+            if name not in keep:
+                del model.layers[name]
+        first, last = s == 0, s == num_stages - 1
+        if not last:
+            model.final_norm = None
+            model.lm_head = None
+        if not first and not (last and tied):
+            model.embed_tokens = None
+            model.pos_embed = None
+        parallelize_model(model, groups, sequence_parallel, rng)
+        tied_head = None
+        if tied and last:
+            # Keep the embedding (now a vocab-parallel slice) as this stage's head, then drop the
+            # lookup so the stage takes hidden states.
+            assert model.embed_tokens is not None
+            tied_head = nn.Parameter(model.embed_tokens.weight.detach().clone())
+            tag(tied_head, 0)
+            tied_head.tied_embedding = True  # type: ignore[attr-defined]
+            if not first:
+                model.embed_tokens = None
+                model.pos_embed = None
+        if tied and first and model.embed_tokens is not None:
+            model.embed_tokens.weight.tied_embedding = True  # type: ignore[attr-defined]
+        model.has_head = last
+        stages.append(StageModule(model, s, num_stages, seq_len, tied_head).to(groups.device))
+    return stages
+
+
+def make_schedule(stages: list[StageModule], groups: ParallelGroups, num_microbatches: int,
+                  micro_batch: int, hidden_size: int, vocab_size: int, dtype: torch.dtype,
+                  sequence_parallel: bool):
+    """A Schedule1F1B (one chunk per rank) or ScheduleInterleaved1F1B (several) over the stages.
+
+    Loss per micro-batch is the mean token loss divided by the number of micro-batches, so the
+    accumulated gradient is the gradient of the batch mean (scale_grads is off: gradients live
+    in flat buffers whose reduction may already be under way when the schedule ends).
+    Input/output shapes are given explicitly: shape inference would run the forward on meta
+    tensors, through tensor-parallel collectives that cannot take them.
+    """
+    tp = groups.tp
+    seq = stages[0].seq_len
+    local_seq = seq // tp if (sequence_parallel and tp > 1) else seq
+    meta = torch.device("meta")
+    hidden = torch.empty(micro_batch, local_seq, hidden_size, dtype=dtype, device=meta)
+    logits = torch.empty(micro_batch, seq, vocab_size // tp, dtype=dtype, device=meta)
+    tokens = torch.empty(micro_batch, seq, dtype=torch.long, device=meta)
+    pipe_stages = []
+    for st in stages:
+        inp = tokens if st.is_first else hidden
+        out = logits if st.is_last else hidden
+        pipe_stages.append(PipelineStage(st, st.stage, st.num_stages, groups.device, input_args=(inp,),
+                                         output_args=(out,), group=groups.pp_group))
+    tp_group = groups.tp_group
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(out, target, tp_group).mean() / num_microbatches
+
+    if len(stages) == 1:
+        return Schedule1F1B(pipe_stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return ScheduleInterleaved1F1B(pipe_stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)

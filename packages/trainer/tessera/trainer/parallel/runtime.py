@@ -1,0 +1,169 @@
+"""The parallel training step: stages + schedule + distributed optimizer, composed.
+
+    groups  = build_groups(layout)                       # tessera.common.parallel.state
+    rt      = ParallelRuntime.build(cfg, groups, ParallelConfig(...), OptimConfig(...),
+                                    build_model=lambda: build_model(cfg, seed=seed))
+    result  = rt.train_step(tokens, targets)             # this data-parallel rank's rows
+    rt.save(dir) / rt.load(dir)                          # DCP, layout-free names
+
+`train_step` takes this data-parallel rank's share of the global batch ([n_micro * micro, T]
+tokens and targets, identical on every tensor and pipeline rank of the replica) and returns
+the global mean loss (the same on every rank) and the pre-clip global gradient norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from pydantic import Field
+
+from tessera.common.config import StrictModel
+from tessera.common.model import Transformer
+from tessera.common.model_config import ModelConfig
+from tessera.common.parallel.loss import vocab_parallel_cross_entropy
+from tessera.common.parallel.random import TensorParallelRNG
+from tessera.common.parallel.state import ParallelGroups
+from tessera.common.parallel.state_dict import load_model_state_dict, model_state_dict
+from tessera.common.parallel.validate import validate_layout
+from tessera.trainer.parallel.optimizer import DistributedOptimizer
+from tessera.trainer.parallel.pipeline import StageModule, build_stages, make_schedule
+
+
+class ParallelConfig(StrictModel):
+    """How the step is parallelised (the layout itself is a ParallelLayout)."""
+
+    seq_len: int = Field(..., gt=0, description="Tokens per sample.")
+    global_batch: int = Field(..., gt=0, description="Samples per optimizer step over all data-parallel ranks.")
+    micro_batch: int = Field(..., gt=0, description="Samples per micro-batch on one data-parallel rank.")
+    sequence_parallel: bool = Field(True, description="Split norms/dropout along the sequence across tensor ranks (tensor > 1).")
+    distributed_optimizer: bool = Field(True, description="Shard optimizer state and master weights across data-parallel ranks (ZeRO-1).")
+    pipeline_layers: list[int] | None = Field(None, description="Layers per pipeline stage in stage order (pipeline x virtual stages values); automatic when unset.")
+    bucket_numel: int = Field(40_000_000, gt=0, description="Elements per gradient bucket (one data-parallel collective each).")
+    seed: int = Field(1234, description="Dropout seed (tensor-parallel regions get per-rank streams).")
+
+
+class OptimConfig(StrictModel):
+    """AdamW hyper-parameters (the learning rate schedule sets param_groups[i]['lr'] per step)."""
+
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas.")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay on matrices (not norms or biases).")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Global gradient-norm clip; None disables it.")
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+
+
+class ParallelRuntime:
+    """Runs training steps of one model under one layout. Build with `ParallelRuntime.build`."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, pcfg: ParallelConfig,
+                 stages: list[StageModule], optimizer: DistributedOptimizer, rng: TensorParallelRNG):
+        self.cfg, self.groups, self.pcfg = cfg, groups, pcfg
+        self.stages = stages
+        self.optimizer = optimizer
+        self.rng = rng
+        self.num_microbatches = pcfg.global_batch // (pcfg.micro_batch * groups.dp)
+        self.schedule = None
+        if groups.pp > 1:
+            dtype = next(stages[0].parameters()).dtype
+            self.schedule = make_schedule(stages, groups, self.num_microbatches, pcfg.micro_batch,
+                                          cfg.hidden_size, cfg.vocab_size, dtype, stages[0].model.sequence_parallel)
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, groups: ParallelGroups, pcfg: ParallelConfig, ocfg: OptimConfig,
+              build_model: Callable[[], Transformer]) -> ParallelRuntime:
+        counts = validate_layout(cfg, groups.layout, seq_len=pcfg.seq_len, global_batch=pcfg.global_batch,
+                                 micro_batch=pcfg.micro_batch, sequence_parallel=pcfg.sequence_parallel,
+                                 pipeline_layers=pcfg.pipeline_layers, world_size=groups.world_size)
+        rng = TensorParallelRNG(pcfg.seed, groups.tp_rank, groups.pp_rank, groups.device)
+        rng.seed_default()
+        stages = build_stages(build_model, groups, counts, pcfg.seq_len, pcfg.sequence_parallel, rng)
+        named = [(f"{s.stage}.{n}", p) for s in stages for n, p in s.global_params().items()]
+        optimizer = DistributedOptimizer(
+            named, groups, lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps, weight_decay=ocfg.weight_decay,
+            max_grad_norm=ocfg.max_grad_norm, shard=pcfg.distributed_optimizer, bucket_numel=pcfg.bucket_numel,
+            no_decay=lambda _n, p: p.ndim < 2,
+        )
+        return cls(cfg, groups, pcfg, stages, optimizer, rng)
+
+    # ---- training ---------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> None:
+        for s in self.stages:
+            s.train(mode)
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        g, n, mb = self.groups, self.num_microbatches, self.pcfg.micro_batch
+        if tokens.shape[0] != n * mb:
+            raise ValueError(f"expected {n * mb} rows on this data-parallel rank, got {tokens.shape[0]}")
+        tokens, targets = tokens.to(g.device), targets.to(g.device)
+        self.optimizer.zero_grad(n)
+        total = torch.zeros((), dtype=torch.float32, device=g.device)
+        if self.schedule is None:
+            stage = self.stages[0]
+            for i in range(n):
+                rows = slice(i * mb, (i + 1) * mb)
+                logits = stage(tokens[rows])
+                loss = vocab_parallel_cross_entropy(logits, targets[rows], g.tp_group).mean() / n
+                loss.backward()
+                total += loss.detach()
+        else:
+            losses: list[torch.Tensor] = []
+            has_first = any(s.is_first for s in self.stages)
+            has_last = any(s.is_last for s in self.stages)
+            args = (tokens,) if has_first else ()
+            self.schedule.step(*args, target=targets if has_last else None, losses=losses, return_outputs=False)
+            if has_last:
+                total += torch.stack([x.detach().float() for x in losses]).sum()
+            dist.all_reduce(total, group=g.pp_group)  # only the last stage contributed
+        if g.dp > 1:
+            dist.all_reduce(total, group=g.dp_group)
+            total /= g.dp
+        norm = self.optimizer.step()
+        return StepResult(loss=float(total), grad_norm=norm)
+
+    # ---- checkpoint state -------------------------------------------------------------------
+    def named_global_params(self) -> dict[str, torch.nn.Parameter]:
+        out: dict[str, torch.nn.Parameter] = {}
+        for s in self.stages:
+            out.update(s.global_params())
+        return out
+
+    def _global_names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.named_global_params().items()}
+
+    def model_state_dict(self) -> dict[str, object]:
+        """`model.<name>` -> global DTensor for every parameter on this rank (DCP-ready)."""
+        return model_state_dict(self.named_global_params(), self.groups)
+
+    def optimizer_state_dict(self) -> dict[str, object]:
+        """`optimizer.state.<name>.<key>` -> global DTensor, plus `optimizer.step` (collective)."""
+        return self.optimizer.state_dict(self._global_names())
+
+    def state_dict(self) -> dict[str, object]:
+        return {**self.model_state_dict(), **self.optimizer_state_dict()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        load_model_state_dict(self.named_global_params(), state)  # type: ignore[arg-type]
+        if any(k.startswith("optimizer.") for k in state):
+            self.optimizer.load_state_dict(state, self._global_names())
+
+    def save(self, directory: str) -> None:
+        """Write model and optimizer state with DCP (collective over all ranks)."""
+        dcp.save(self.state_dict(), checkpoint_id=directory)
+
+    def load(self, directory: str, optimizer: bool = True) -> None:
+        """Read a checkpoint saved under any layout (collective over all ranks)."""
+        state = self.model_state_dict()
+        if optimizer:
+            state.update(self.optimizer_state_dict())
+        dcp.load(state, checkpoint_id=directory)
+        self.load_state_dict(state)

@@ -1,0 +1,58 @@
+"""Shared pieces of the parallel parity tests: the tiny model, the data, the single-process reference.
+
+The reference is the plain model with torch.optim.AdamW and clip_grad_norm_, one process, the
+whole global batch at once: what every parallel layout must reproduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tessera.common.model import build_model
+from tessera.common.model_config import ModelConfig
+
+MODEL = dict(arch="llama", vocab_size=128, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+             ffn_hidden_size=64, max_seq_len=32, tie_embeddings=True)
+OPTIM = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=0.5)
+SEQ = 16
+GLOBAL_BATCH = 8
+DATA_SEED = 99
+MODEL_SEED = 0
+
+
+def model_config(**overrides) -> ModelConfig:
+    return ModelConfig(**{**MODEL, **overrides})
+
+
+def batch(step: int, cfg: ModelConfig, global_batch: int = GLOBAL_BATCH, seq: int = SEQ):
+    """Tokens and targets [global_batch, seq] of step `step` (deterministic)."""
+    g = torch.Generator().manual_seed(DATA_SEED + step)
+    x = torch.randint(0, cfg.vocab_size, (global_batch, seq + 1), generator=g)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def reference_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    nodecay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM["weight_decay"]},
+                              {"params": nodecay, "weight_decay": 0.0}],
+                             lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"])
+
+
+def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=None):
+    """Losses of `steps` single-process steps from step `start`; returns (losses, model, optimizer)."""
+    torch.manual_seed(0)
+    model = model if model is not None else build_model(cfg, seed=MODEL_SEED)
+    opt = opt if opt is not None else reference_optimizer(model)
+    losses = []
+    for step in range(start, start + steps):
+        tokens, targets = batch(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["max_grad_norm"])
+        opt.step()
+        losses.append(loss.item())
+    return losses, model, opt

@@ -1,0 +1,65 @@
+"""Runs parallel training jobs under torchrun for the parity tests (one launch, several jobs).
+
+    torchrun --nproc-per-node N tests/parallel/worker.py spec.json
+
+spec: {"model": {...overrides}, "jobs": [{"name", "layout": {...}, "parallel": {...}, "start": 0,
+"steps": 10, "load": dir|null, "save": dir|null, "out": path}]}. Each job builds its groups,
+trains, optionally saves (DCP, layout-free), and rank 0 writes {"losses": [...]} to `out`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+
+from tessera.common.layout import ParallelLayout  # noqa: E402
+from tessera.common.model import build_model  # noqa: E402
+from tessera.common.parallel.state import build_groups, destroy_distributed, init_distributed  # noqa: E402
+from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime  # noqa: E402
+
+
+def run_job(job: dict, cfg) -> None:
+    layout = ParallelLayout(**job["layout"])
+    groups = build_groups(layout)
+    pcfg = ParallelConfig(seq_len=harness.SEQ, global_batch=harness.GLOBAL_BATCH,
+                          **{"micro_batch": 1, **job.get("parallel", {})})
+    ocfg = OptimConfig(**harness.OPTIM)
+    rt = ParallelRuntime.build(cfg, groups, pcfg, ocfg, build_model=lambda: build_model(cfg, seed=harness.MODEL_SEED))
+    if job.get("load"):
+        rt.load(job["load"])
+    losses, norms = [], []
+    rows = harness.GLOBAL_BATCH // layout.data
+    for step in range(job.get("start", 0), job.get("start", 0) + job["steps"]):
+        tokens, targets = harness.batch(step, cfg)
+        sl = slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows)
+        r = rt.train_step(tokens[sl], targets[sl])
+        losses.append(r.loss)
+        norms.append(r.grad_norm)
+    if job.get("save"):
+        rt.save(job["save"])
+    if groups.rank == 0 and job.get("out"):
+        with open(job["out"], "w") as f:
+            json.dump({"losses": losses, "grad_norms": norms}, f)
+    torch.distributed.barrier()
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    cfg = harness.model_config(**spec.get("model", {}))
+    init_distributed()
+    for job in spec["jobs"]:
+        run_job(job, cfg)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
