@@ -1,0 +1,289 @@
+"""Saving and resuming the whole training state with torch.distributed.checkpoint (DCP).
+
+State-dict layout (flattened by DCP with dots; every leaf is a tensor, so loading never unpickles):
+
+    model.<param name>                          global tensors, plain-model names (the contract
+                                                 in tessera.common.checkpoint)
+    optimizer.state.<param name>.<key>          AdamW exp_avg / exp_avg_sq / step, keyed by the
+                                                 parameter's name, not its position
+    scaler.scale, scaler.growth_tracker          fp16 loss scaler (fp16 runs only)
+    rng.torch_cpu, rng.torch_cuda, rng.numpy_*,  every RNG the run touches
+    rng.python_state, rng.python_gauss
+    train_state.step, .consumed_samples, .consumed_tokens
+
+The LR schedule is a pure function of train_state.step (tessera.trainer.schedule), so the step is
+its whole state. Hyper-parameters of the optimizer groups come from the config, not the file.
+
+Save sequence (a crash at any point leaves the previous checkpoint and the pointer intact):
+write DCP files into `.iter_NNNNNNN.partial/`, write the sidecar there last (finalize), rename
+to `iter_NNNNNNN/`, then replace the pointer file, then delete checkpoints beyond keep_last.
+The temporary name is fixed (not per-process) so that every rank writes into the same directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from tessera.common.checkpoint import (
+    MODEL_PREFIX,
+    SIDECAR,
+    TOKENIZER_DIR,
+    CheckpointSidecar,
+    finalize_checkpoint,
+    iter_dir_name,
+    read_pointer,
+    read_sidecar,
+    write_pointer,
+)
+from tessera.common.errors import ArtifactError
+from tessera.common.tokenizer import Tokenizer
+from tessera.trainer.optim import named_parameters_of
+from tessera.trainer.precision import Precision
+from torch import nn
+
+PARTIAL_SUFFIX = ".partial"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+@dataclass
+class TrainState:
+    """Where the run is: the loop's counters, checkpointed with everything else."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: torch.tensor(v, dtype=torch.int64) for k, v in vars(self).items()}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> TrainState:
+        return cls(**{k: int(v) for k, v in t.items()})
+
+
+# ---- RNG states as tensors ---------------------------------------------------------------------
+
+
+def rng_state_tensors() -> dict[str, torch.Tensor]:
+    py_version, py_state, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "torch_cpu": torch.get_rng_state(),
+        "python_state": torch.tensor(py_state, dtype=torch.int64),
+        "python_gauss": torch.tensor([float("nan") if py_gauss is None else py_gauss], dtype=torch.float64),
+        "numpy_keys": torch.from_numpy(np_keys.astype(np.int64)),
+        "numpy_pos": torch.tensor([np_pos, np_has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([np_gauss], dtype=torch.float64),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state_tensors(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    gauss = float(state["python_gauss"][0])
+    random.setstate((3, tuple(int(x) for x in state["python_state"].tolist()), None if gauss != gauss else gauss))
+    pos, has_gauss = (int(x) for x in state["numpy_pos"].tolist())
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss,
+                         float(state["numpy_gauss"][0])))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
+
+
+# ---- optimizer state by parameter name ---------------------------------------------------------
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for name, p in named_parameters_of(optimizer):
+        st = optimizer.state.get(p)
+        if st:
+            out[name] = {k: v for k, v in st.items() if torch.is_tensor(v)}
+    return out
+
+
+def _optimizer_template(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """Empty AdamW state of the right shapes, to load into (a fresh optimizer has no state yet)."""
+    step_dtype = torch.float32
+    out = {}
+    for name, p in named_parameters_of(optimizer):
+        out[name] = {"step": torch.zeros((), dtype=step_dtype, device=p.device if optimizer.defaults.get("fused") else "cpu"),
+                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    return out
+
+
+def _load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    sd = optimizer.state_dict()
+    names = [n for n, _ in named_parameters_of(optimizer)]
+    sd["state"] = {i: state[n] for i, n in enumerate(names) if n in state}
+    optimizer.load_state_dict(sd)
+
+
+# ---- save ---------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that it 'assumes' a single process even when no_dist says so; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(
+    root: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    train_state: TrainState,
+    sidecar: CheckpointSidecar,
+    tokenizer: Tokenizer,
+    keep_last: int,
+) -> Path:
+    """Write iter_<step>/ completely, then point the pointer at it; returns the directory."""
+    root = Path(root)
+    final = root / iter_dir_name(train_state.step)
+    partial = root / f".{final.name}{PARTIAL_SUFFIX}"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    _barrier()
+    state = {
+        "model": model.state_dict(),
+        "optimizer": {"state": optimizer_state_tensors(optimizer)},
+        "rng": rng_state_tensors(),
+        "train_state": train_state.tensors(),
+    }
+    if precision.scaler is not None:
+        state["scaler"] = precision.state_tensors()
+    with _quiet_single_process():
+        dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
+    _barrier()
+    if _rank() == 0:
+        tokenizer.save(partial / TOKENIZER_DIR)
+        sidecar.step = train_state.step
+        sidecar.consumed_samples = train_state.consumed_samples
+        sidecar.consumed_tokens = train_state.consumed_tokens
+        sidecar.contents = sorted(state)
+        finalize_checkpoint(partial, sidecar)  # sidecar last: marks the directory complete
+        if final.exists():  # a stale checkpoint of the same step (e.g. from a run that was rewound)
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _fsync_dir(root)
+        write_pointer(root, train_state.step)
+        prune_checkpoints(root, keep_last)
+    _barrier()
+    return final
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(root: Path) -> list[int]:
+    """Steps of the complete checkpoints (with a sidecar) under root, ascending."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for p in root.iterdir():
+        m = _ITER_RE.match(p.name)
+        if m and (p / SIDECAR).is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def prune_checkpoints(root: Path, keep_last: int) -> None:
+    """Delete all but the newest keep_last complete checkpoints (never the one the pointer names)."""
+    pointed = read_pointer(root)
+    steps = list_checkpoints(root)
+    for step in steps[:-keep_last]:
+        if step != pointed:
+            shutil.rmtree(root / iter_dir_name(step), ignore_errors=True)
+
+
+def remove_partial_saves(root: Path) -> list[Path]:
+    """Remove leftovers of saves that were interrupted (never complete, never pointed to)."""
+    removed = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".iter_") and p.name.endswith(PARTIAL_SUFFIX):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+# ---- load ---------------------------------------------------------------------------------------
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    step = read_pointer(root)
+    if step is None:
+        return None
+    directory = Path(root) / iter_dir_name(step)
+    if not (directory / SIDECAR).is_file():
+        raise ArtifactError(f"{Path(root) / 'latest_checkpointed_iteration.txt'}: points to {directory.name}, "
+                            "which is missing or incomplete; fix the pointer or delete it to start over")
+    return directory
+
+
+def load_checkpoint(
+    directory: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+) -> tuple[TrainState, CheckpointSidecar]:
+    """Restore model, optimizer, scaler and RNG states in place; return the train state and sidecar."""
+    sidecar = read_sidecar(directory)
+    state = {
+        "model": model.state_dict(),
+        "optimizer": {"state": _optimizer_template(optimizer)},
+        "rng": rng_state_tensors(),
+        "train_state": TrainState().tensors(),
+    }
+    if precision.scaler is not None:
+        state["scaler"] = {"scale": torch.zeros((), dtype=torch.float64), "growth_tracker": torch.zeros((), dtype=torch.int64)}
+    if not torch.cuda.is_available():
+        state["rng"].pop("torch_cuda", None)
+    try:
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+    except Exception as exc:
+        raise ArtifactError(f"{directory}: cannot restore training state ({str(exc).splitlines()[0][:200]}); "
+                            "was it written by a different model or precision?") from None
+    # model.state_dict() returned views of the parameters, so the model is already loaded.
+    _load_optimizer_state(optimizer, state["optimizer"]["state"])
+    precision.load_state_tensors(state.get("scaler", {}))
+    set_rng_state_tensors(state["rng"])
+    return TrainState.from_tensors(state["train_state"]), sidecar
+
+
+__all__ = ["MODEL_PREFIX", "TrainState", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+           "list_checkpoints", "prune_checkpoints", "remove_partial_saves"]

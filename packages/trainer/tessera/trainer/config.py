@@ -1,0 +1,139 @@
+"""TrainConfig: everything a training run needs, typed, documented and validated before any work.
+
+Loaded from YAML with dotted command-line overrides (tessera.common.config.load_config). Shape
+checks that need only the config happen here (pydantic validators, so the error names the field);
+checks that need the mixture or the world size happen in `tessera.trainer.setup` before the model
+is built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from tessera.common.config import StrictModel
+from tessera.common.model_config import ModelConfig
+
+# Stand-in vocabulary used only to validate the model section before the mixture (which supplies
+# the real vocab_size) has been read; no shape check depends on it.
+_PLACEHOLDER_VOCAB = 1
+
+
+class DataConfig(StrictModel):
+    """Where the tokens come from."""
+
+    mixture: Path = Field(..., description="Mixture directory built by `tessera-data blend` (manifest.json + .npy indices).")
+    tokenizer: Path = Field(..., description="Tokenizer directory (tokenizer.json); must match the mixture's tokenizer fingerprint. Copied into every checkpoint.")
+    train_split: str = Field("train", description="Mixture split to train on.")
+    valid_split: str | None = Field("valid", description="Mixture split for evaluation; null disables evaluation.")
+    check_fingerprints: bool = Field(True, description="Verify at start that the shards are the ones the mixture was built from (hashes their small manifests).")
+
+
+class OptimConfig(StrictModel):
+    """AdamW with Megatron-style weight-decay groups (no decay on biases and norm weights)."""
+
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (reached at the end of warmup).")
+    min_lr: float = Field(3e-5, ge=0, description="Floor the decay phase ends at (cosine, linear, wsd).")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay on matrices and embeddings; biases and norms get none.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient L2 norm to this; 0 disables clipping (the norm is still logged).")
+    impl: Literal["auto", "fused", "foreach", "for-loop"] = Field(
+        "auto", description="AdamW implementation: fused kernel, multi-tensor foreach, or per-parameter loop; auto picks fused when supported.")
+
+
+class ScheduleConfig(StrictModel):
+    """Learning rate: linear warmup from 0, then the chosen decay to min_lr."""
+
+    kind: Literal["cosine", "linear", "constant", "wsd"] = Field("cosine", description="Decay after warmup: cosine or linear to min_lr over the remaining steps; constant at lr; wsd = warmup-stable-decay (constant, then linear decay over the last decay_fraction of steps).")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from 0 to lr.")
+    decay_steps: int | None = Field(None, gt=0, description="Steps (from the end of warmup) over which cosine/linear decay to min_lr; default: the rest of training.")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd only: fraction of all steps spent in the final linear decay.")
+
+
+class TrainingConfig(StrictModel):
+    """Batch shape, length of the run, precision and speed options, intervals."""
+
+    global_batch_size: int = Field(8, gt=0, description="Sequences per optimizer step, over all data-parallel ranks.")
+    micro_batch_size: int = Field(4, gt=0, description="Sequences per forward/backward; global / (micro x data-parallel) micro-batches are accumulated.")
+    seq_length: int = Field(128, gt=0, description="Tokens per training sequence; at most the mixture's seq_length and the model's max_seq_len.")
+    steps: int = Field(100, gt=0, description="Optimizer steps to train (the run ends when the step counter reaches this).")
+    seed: int = Field(1234, description="Seed for weight init and every RNG (python, numpy, torch).")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged).")
+    fp16_initial_scale: float = Field(2.0**16, gt=0, description="fp16 only: starting loss scale.")
+    fp16_growth_interval: int = Field(1000, gt=0, description="fp16 only: steps without overflow before the loss scale doubles.")
+    recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute: none; selective = attention core; full = every transformer block.")
+    compile: bool = Field(False, description="torch.compile each transformer block (compile time is logged separately from step time).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
+    threads: int | None = Field(None, gt=0, description="torch intra-op threads on CPU (default: torch's choice).")
+    log_interval: int = Field(1, gt=0, description="Log a metrics line every N steps.")
+    eval_interval: int = Field(0, ge=0, description="Evaluate on the valid split every N steps (and at the end); 0 disables.")
+    eval_iters: int = Field(4, gt=0, description="Micro-batches per evaluation (always the first ones of the valid split, so evaluations compare).")
+    save_interval: int = Field(0, ge=0, description="Save a checkpoint every N steps; one is always saved at the end. 0 = only at the end.")
+    peak_tflops: float | None = Field(None, gt=0, description="Peak TFLOP/s for MFU; default: table of known GPUs, or a matmul measured at start on CPU.")
+
+
+class CheckpointConfig(StrictModel):
+    dir: Path | None = Field(None, description="Checkpoints root (iter_NNNNNNN/ + pointer); default <run_dir>/checkpoints.")
+    keep_last: int = Field(2, ge=1, description="Keep this many newest checkpoints; older ones are deleted after a save completes.")
+
+
+class LoggingConfig(StrictModel):
+    jsonl: bool = Field(True, description="Write metrics.jsonl (one JSON object per logged step / evaluation) in the run directory.")
+    tensorboard: bool = Field(True, description="Write TensorBoard scalars under <run_dir>/tensorboard (skipped silently when tensorboard is not installed).")
+
+
+class TrainConfig(StrictModel):
+    """A complete `tessera-train` run."""
+
+    run_dir: Path = Field(Path("runs/default"), description="Run directory: metrics.jsonl, tensorboard/, config.yaml, checkpoints/.")
+    model: dict[str, Any] = Field(
+        default_factory=lambda: {"preset": "tiny"},
+        description="Model: `preset: NAME` and/or any ModelConfig field (see docs); vocab_size defaults to the mixture's.")
+    data: DataConfig = Field(..., description="Mixture and tokenizer.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Loop settings.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metric sinks.")
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, value: dict[str, Any]) -> dict[str, Any]:
+        probe = dict(value)
+        probe.setdefault("vocab_size", _PLACEHOLDER_VOCAB)
+        try:
+            ModelConfig.model_validate(probe)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"])
+            raise ValueError(f"{loc + ': ' if loc else ''}{err['msg'].removeprefix('Value error, ')}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> TrainConfig:
+        t = self.training
+        if t.global_batch_size % t.micro_batch_size:
+            raise ValueError(f"training.micro_batch_size ({t.micro_batch_size}) must divide "
+                             f"training.global_batch_size ({t.global_batch_size})")
+        max_seq = self.resolve_model(_PLACEHOLDER_VOCAB).max_seq_len
+        if t.seq_length > max_seq:
+            raise ValueError(f"training.seq_length ({t.seq_length}) exceeds model.max_seq_len ({max_seq})")
+        if self.optim.min_lr > self.optim.lr:
+            raise ValueError(f"optim.min_lr ({self.optim.min_lr}) exceeds optim.lr ({self.optim.lr})")
+        return self
+
+    def resolve_model(self, vocab_size: int | None = None) -> ModelConfig:
+        """The ModelConfig, with vocab_size from the config or else `vocab_size` (the mixture's)."""
+        data = dict(self.model)
+        if "vocab_size" not in data:
+            if vocab_size is None:
+                raise ValueError("model.vocab_size unknown: give it or read it from the mixture")
+            data["vocab_size"] = vocab_size
+        return ModelConfig.model_validate(data)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.checkpoint.dir if self.checkpoint.dir is not None else self.run_dir / "checkpoints"

@@ -1,0 +1,67 @@
+"""Batches from a mixture split: global batch -> this rank's share -> micro-batches.
+
+The data position is one integer, `consumed_samples` (global samples used so far), so resume is
+exact and independent of the layout: optimizer step s reads global samples
+[s * global_batch, (s + 1) * global_batch); data-parallel rank r of W takes the r-th contiguous
+slice of global_batch / W samples, cut into micro-batches. Sample numbers past the end of the
+split wrap around (another epoch over the mixture, in the same order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from tessera.common.mixture import MixtureSplit
+
+
+class MicroBatchPlan:
+    """How one global batch is divided among data-parallel ranks and micro-batches."""
+
+    def __init__(self, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
+        if global_batch_size % (micro_batch_size * dp_size):
+            raise ValueError(f"micro_batch_size ({micro_batch_size}) x data-parallel size ({dp_size}) must divide "
+                             f"global_batch_size ({global_batch_size})")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.per_rank = global_batch_size // dp_size
+        self.num_micro_batches = self.per_rank // micro_batch_size
+
+    def sample_ids(self, consumed_samples: int) -> list[np.ndarray]:
+        """Global sample numbers of each of this rank's micro-batches for the step starting at consumed_samples."""
+        start = consumed_samples + self.dp_rank * self.per_rank
+        return [np.arange(start + i * self.micro_batch_size, start + (i + 1) * self.micro_batch_size)
+                for i in range(self.num_micro_batches)]
+
+
+class MixtureBatches:
+    """Token tensors for training or evaluation, read from a memory-mapped mixture split."""
+
+    def __init__(self, split: MixtureSplit, seq_length: int):
+        if seq_length > split.seq_length:
+            raise ValueError(f"seq_length {seq_length} longer than the mixture's {split.seq_length}")
+        self.split = split
+        self.seq_length = seq_length
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def batch(self, sample_ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """inputs, labels: int64 [len(sample_ids), seq_length], labels shifted by one token.
+
+        A mixture built for a longer sequence serves a shorter one by taking the first
+        seq_length + 1 tokens of each sample.
+        """
+        n = len(self.split)
+        rows = [self.split[int(i) % n][: self.seq_length + 1] for i in sample_ids]
+        tokens = torch.from_numpy(np.stack(rows))
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def micro_batches(self, plan: MicroBatchPlan, consumed_samples: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for ids in plan.sample_ids(consumed_samples):
+            yield self.batch(ids)

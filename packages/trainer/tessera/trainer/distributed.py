@@ -1,0 +1,69 @@
+"""Process-group setup for `torchrun` launches, and the plain data-parallel gradient average.
+
+`tessera-train` run directly is one process with no process group. Under torchrun (WORLD_SIZE in
+the environment) it joins a group: NCCL on GPUs, gloo on CPUs. Until tessera.trainer.parallel
+supplies bucketed/overlapped data parallelism, every rank is a data-parallel replica and
+gradients are averaged with one all-reduce per parameter after the last micro-batch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_runtime(requested_device: str) -> Runtime:
+    """Join the torchrun process group when launched by torchrun; otherwise a single process."""
+    if "WORLD_SIZE" not in os.environ:
+        return Runtime(0, 1, 0, pick_device(requested_device, 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(requested_device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def shutdown_runtime() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def average_gradients(params: list[torch.Tensor], world_size: int) -> None:
+    """Average gradients over the data-parallel replicas (no-op in one process)."""
+    if world_size == 1:
+        return
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad.div_(world_size)
+
+
+def average_scalar(value: torch.Tensor, world_size: int) -> torch.Tensor:
+    if world_size == 1:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / world_size

@@ -1,0 +1,129 @@
+"""Training metrics: throughput and MFU arithmetic, memory, and the three sinks.
+
+Every logged step produces one record that goes, unchanged, to the console (one line), to
+`<run_dir>/metrics.jsonl` and to TensorBoard scalars. TensorBoard is an optional dependency: when
+`torch.utils.tensorboard` cannot be imported (tensorboard not installed) that sink is skipped
+without a message, as documented.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets.
+GPU_PEAK_TFLOPS: dict[str, float] = {
+    "H200": 989.0,
+    "H100 SXM": 989.0,
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,
+    "GH200": 989.0,
+    "A100": 312.0,
+    "A10G": 125.0,
+    "A10": 125.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "V100": 125.0,
+    "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
+}
+
+
+def gpu_peak_tflops(device_name: str) -> float | None:
+    """Peak for a CUDA device name such as 'NVIDIA H100 80GB HBM3'; longest matching key wins."""
+    name = device_name.upper()
+    matches = [k for k in GPU_PEAK_TFLOPS if k.upper() in name]
+    if "H100" in name and ("PCIE" in name):
+        return GPU_PEAK_TFLOPS["H100 PCIe"]
+    return GPU_PEAK_TFLOPS[max(matches, key=len)] if matches else None
+
+
+def measure_matmul_tflops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 8) -> float:
+    """Achieved TFLOP/s of a square matmul on this CPU: the MFU reference when no peak is known."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    a @ b  # warm up the BLAS threads
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    elapsed = time.perf_counter() - start
+    return 2.0 * size**3 * repeats / elapsed / 1e12
+
+
+def resolve_peak_tflops(device: torch.device, configured: float | None) -> tuple[float | None, str]:
+    """(peak, where it came from) for MFU."""
+    if configured is not None:
+        return configured, "configured"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak_tflops(name)
+        return peak, (f"table ({name})" if peak is not None else f"unknown GPU {name}; set --peak-tflops")
+    return measure_matmul_tflops(), "measured fp32 matmul on this CPU"
+
+
+def memory_gib(device: torch.device) -> float:
+    """Max allocated GPU memory on CUDA; resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def format_record(rec: dict[str, Any]) -> str:
+    if rec.get("kind") == "eval":
+        return f"eval  step {rec['step']:>6} | valid loss {rec['valid_loss']:.4f} | valid ppl {rec['valid_ppl']:.2f}"
+    parts = [f"step {rec['step']:>6}/{rec['total_steps']}", f"loss {rec['loss']:.4f}", f"grad norm {rec['grad_norm']:.3f}",
+             f"lr {rec['lr']:.3e}", f"tokens/s {rec['tokens_per_s']:,.0f}", f"TFLOP/s {rec['tflops']:.3f}"]
+    if rec.get("mfu") is not None:
+        parts.append(f"MFU {100 * rec['mfu']:.1f}%")
+    parts.append(f"mem {rec['memory_gib']:.2f} GiB")
+    if rec.get("loss_scale") is not None:
+        parts.append(f"loss scale {rec['loss_scale']:g}")
+    return " | ".join(parts)
+
+
+class MetricsSink:
+    """Console + JSON lines + TensorBoard; only rank 0 writes."""
+
+    def __init__(self, run_dir: Path, jsonl: bool, tensorboard: bool, write, enabled: bool = True):
+        self.write = write
+        self.enabled = enabled
+        self.jsonl = None
+        self.tb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if jsonl:
+            self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # optional dependency, documented
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, rec: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.write(format_record(rec))
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(rec) + "\n")
+            self.jsonl.flush()
+        if self.tb is not None:
+            prefix = "eval/" if rec.get("kind") == "eval" else "train/"
+            for key, value in rec.items():
+                if isinstance(value, (int, float)) and key not in ("step", "total_steps") and value is not None:
+                    self.tb.add_scalar(prefix + key, value, rec["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

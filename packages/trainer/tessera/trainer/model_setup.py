@@ -1,0 +1,70 @@
+"""From config to a trainable module: build, parallelize, recompute, compile — each a function.
+
+The order matters and mirrors torchtitan: the plain model is built (on the meta device, then
+materialised and initialised by tessera.common.model.build_model); a parallelize step transforms
+it for the layout (identity in one process; tessera.trainer.parallel replaces it); activation
+recompute wraps blocks or attention cores; torch.compile compiles each block. None of these change
+parameter names, so checkpoints stay layout-invariant.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from tessera.common.model import Transformer, build_model
+from tessera.common.model_config import ModelConfig
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def build_train_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
+    """fp32 master weights on `device`, initialised from `seed`."""
+    return build_model(cfg, device=device, dtype=torch.float32, seed=seed)
+
+
+def parallelize(model: Transformer) -> Transformer:
+    """Single process: the model as it is. Parallel layouts substitute their own transform."""
+    return model
+
+
+def _checkpointed(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    return wrapper
+
+
+def apply_recompute(model: Transformer, mode: str) -> None:
+    """Recompute activations in backward instead of storing them.
+
+    selective: only the attention core (scores/softmax/weighted sum: the largest activations per
+    FLOP); full: each whole block, keeping only block inputs. Implemented by wrapping the bound
+    `forward`/`core` of each module instance, so no wrapper module changes parameter names.
+    """
+    if mode == "none":
+        return
+    for block in model.layers.values():
+        if mode == "full":
+            block.forward = _checkpointed(block.forward)
+        elif mode == "selective":
+            block.attn.core = _checkpointed(block.attn.core)
+        else:
+            raise ValueError(f"unknown recompute mode {mode!r}")
+
+
+def apply_compile(model: Transformer) -> None:
+    """torch.compile each transformer block in place (nn.Module.compile keeps parameter names)."""
+    for block in model.layers.values():
+        block.compile()
+
+
+def prepare_model(cfg: ModelConfig, device: torch.device, seed: int, recompute: str = "none",
+                  compile: bool = False) -> nn.Module:
+    model = build_train_model(cfg, device, seed)
+    model = parallelize(model)
+    apply_recompute(model, recompute)
+    if compile:
+        apply_compile(model)
+    model.train()
+    return model

@@ -1,0 +1,69 @@
+"""Mixed precision: autocast over fp32 master weights, and dynamic loss scaling for fp16.
+
+Choice (documented in docs/cli/tessera-train.md): parameters, gradients and optimizer state stay
+fp32 in every mode; bf16/fp16 runs wrap the forward in torch.autocast, which computes matmuls and
+attention in the low precision from fp32 weights. That gives "fp32 master weights and fp32
+grads" without keeping a second copy of the model. fp16 adds torch.amp.GradScaler: the loss is
+multiplied by the scale before backward, gradients are unscaled before clipping, and a step whose
+gradients hold inf/nan is skipped and the scale halved (the loop logs it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    def __init__(self, mode: str, device: torch.device, initial_scale: float = 2.0**16, growth_interval: int = 1000):
+        self.mode = mode
+        self.device = device
+        self.scaler: torch.amp.GradScaler | None = None
+        if mode == "fp16":
+            self.scaler = torch.amp.GradScaler(device.type, init_scale=initial_scale, growth_interval=growth_interval)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.mode == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=_DTYPES[self.mode])
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Take the optimizer step unless fp16 gradients overflowed; True when the step was taken."""
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        # GradScaler halves the scale exactly when it skipped the step for inf/nan gradients.
+        return self.scaler.get_scale() >= before
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.scaler.get_scale() if self.scaler is not None else None
+
+    # Checkpointed as tensors only (no pickled objects in checkpoints).
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        if self.scaler is None:
+            return {}
+        sd = self.scaler.state_dict()
+        return {"scale": torch.tensor(float(sd["scale"]), dtype=torch.float64),
+                "growth_tracker": torch.tensor(int(sd["_growth_tracker"]), dtype=torch.int64)}
+
+    def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
+        if self.scaler is None or not state:
+            return
+        sd = self.scaler.state_dict()
+        sd["scale"] = float(state["scale"])
+        sd["_growth_tracker"] = int(state["growth_tracker"])
+        self.scaler.load_state_dict(sd)

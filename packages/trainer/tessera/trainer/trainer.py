@@ -1,0 +1,284 @@
+"""The training loop, assembled from the pieces of this package.
+
+`check_inputs` validates everything that can be validated without building the model (config vs
+mixture vs tokenizer vs world size vs the checkpoint being resumed) and raises UserError with one
+line. `Trainer` then builds model, optimizer, precision, data and sinks, and `Trainer.train` runs
+optimizer steps: micro-batches with gradient accumulation, gradient average over data-parallel
+replicas, unscale + clip, step (skipped on fp16 overflow), logging, evaluation, checkpointing, and
+a graceful stop on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+from tessera.common.checkpoint import CheckpointSidecar, read_sidecar
+from tessera.common.errors import ArtifactError, UserError
+from tessera.common.fileio import atomic_write_text
+from tessera.common.layout import ParallelLayout
+from tessera.common.mixture import (
+    MANIFEST,
+    MixtureManifest,
+    MixtureSplit,
+    mixture_fingerprint,
+    read_mixture_manifest,
+)
+from tessera.common.model_config import ModelConfig
+from tessera.common.tokenizer import Tokenizer, load_tokenizer
+from tessera.trainer.checkpointing import (
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_partial_saves,
+    save_checkpoint,
+)
+from tessera.trainer.clip import clip_grad_norm
+from tessera.trainer.config import TrainConfig
+from tessera.trainer.data import MicroBatchPlan, MixtureBatches
+from tessera.trainer.distributed import Runtime, average_gradients, average_scalar
+from tessera.trainer.loss import cross_entropy_loss
+from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops
+from tessera.trainer.model_setup import prepare_model
+from tessera.trainer.optim import build_optimizer, set_lr
+from tessera.trainer.precision import Precision
+from tessera.trainer.schedule import LRSchedule
+from tessera.trainer.signals import StopRequest
+from tqdm import tqdm
+
+
+@dataclass
+class CheckedInputs:
+    """What check_inputs learned, so nothing is read twice."""
+
+    model: ModelConfig
+    manifest: MixtureManifest
+    mixture_fingerprint: str
+    tokenizer: Tokenizer
+    resume_from: Path | None
+
+
+def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) -> CheckedInputs:
+    """Every check that needs files or the world size; raises UserError before any work."""
+    t = cfg.training
+    if t.global_batch_size % (t.micro_batch_size * world_size):
+        raise UserError(f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                        f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({world_size})")
+    manifest = read_mixture_manifest(cfg.data.mixture)
+    manifest_path = Path(cfg.data.mixture) / MANIFEST
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if tokenizer.fingerprint != manifest.tokenizer_fingerprint:
+        raise ArtifactError(f"{manifest_path}: mixture was built with another tokenizer "
+                            f"({manifest.tokenizer_fingerprint[:19]}…) than data.tokenizer {cfg.data.tokenizer} "
+                            f"({tokenizer.fingerprint[:19]}…); use the tokenizer the data was prepared with")
+    if manifest.seq_length < t.seq_length:
+        raise ArtifactError(f"{manifest_path}: mixture was built for seq_length {manifest.seq_length}, shorter than "
+                            f"training.seq_length {t.seq_length}; rebuild it with `tessera-data blend --seq-length "
+                            f"{t.seq_length}` or lower training.seq_length")
+    for split in [cfg.data.train_split] + ([cfg.data.valid_split] if t.eval_interval and cfg.data.valid_split else []):
+        info = manifest.splits.get(split)
+        if info is None or info.num_samples == 0:
+            raise ArtifactError(f"{manifest_path}: mixture has no samples in split {split!r} "
+                                f"(needed by data.{'train' if split == cfg.data.train_split else 'valid'}_split)")
+    model = cfg.resolve_model(manifest.vocab_size)
+    if model.vocab_size < manifest.vocab_size:
+        raise UserError(f"model.vocab_size ({model.vocab_size}) is smaller than the mixture's vocabulary "
+                        f"({manifest.vocab_size}, {manifest_path})")
+    resume_from = latest_checkpoint(cfg.checkpoint_dir) if resume else None
+    fingerprint = mixture_fingerprint(cfg.data.mixture)
+    if resume_from is not None:
+        sidecar = read_sidecar(resume_from)
+        if sidecar.model != model:
+            raise ArtifactError(f"{resume_from}: checkpoint holds a different model than the config "
+                                "(compare model sections); resume with the config it was trained with")
+        if sidecar.mixture_fingerprint not in (None, fingerprint):
+            raise ArtifactError(f"{resume_from}: checkpoint was trained on another mixture than {cfg.data.mixture}; "
+                                "exact resume needs the same mixture")
+    return CheckedInputs(model, manifest, fingerprint, tokenizer, resume_from)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime, quiet: bool = False):
+        self.cfg = cfg
+        self.inputs = inputs
+        self.rt = runtime
+        self.quiet = quiet
+        t = cfg.training
+        if t.threads is not None and runtime.device.type == "cpu":
+            torch.set_num_threads(t.threads)
+        self.model_cfg = inputs.model
+        self.model = prepare_model(inputs.model, runtime.device, t.seed, t.recompute, t.compile)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.precision = Precision(t.precision, runtime.device, t.fp16_initial_scale, t.fp16_growth_interval)
+        self.schedule = LRSchedule(cfg.schedule, cfg.optim, t.steps)
+        self.plan = MicroBatchPlan(t.global_batch_size, t.micro_batch_size, runtime.rank, runtime.world_size)
+        check = cfg.data.check_fingerprints
+        self.train_data = MixtureBatches(MixtureSplit(cfg.data.mixture, cfg.data.train_split, check), t.seq_length)
+        self.valid_data = None
+        if t.eval_interval and cfg.data.valid_split:
+            self.valid_data = MixtureBatches(MixtureSplit(cfg.data.mixture, cfg.data.valid_split, check), t.seq_length)
+        self.state = TrainState()
+        self.flops_per_token = inputs.model.flops_per_token(t.seq_length)
+        self.sink = MetricsSink(cfg.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, self.say, runtime.is_main)
+        self.peak_tflops: float | None = None
+
+    # ---- output ------------------------------------------------------------------------------
+    def say(self, line: str) -> None:
+        if self.rt.is_main:
+            tqdm.write(line, file=sys.stdout)
+            sys.stdout.flush()
+
+    # ---- steps -------------------------------------------------------------------------------
+    def train_step(self) -> tuple[float, float, bool]:
+        """One optimizer step over a global batch; returns (mean loss, grad norm, step taken)."""
+        step = self.state.step
+        set_lr(self.optimizer, self.schedule(step))
+        self.optimizer.zero_grad(set_to_none=True)
+        n = self.plan.num_micro_batches
+        loss_sum = torch.zeros((), device=self.rt.device)
+        for inputs, labels in self.train_data.micro_batches(self.plan, self.state.consumed_samples):
+            inputs, labels = inputs.to(self.rt.device), labels.to(self.rt.device)
+            with self.precision.autocast():
+                logits = self.model(inputs)
+            # Equal token counts per micro-batch: the mean of means is the global mean.
+            loss = cross_entropy_loss(logits, labels) / n
+            self.precision.scale(loss).backward()
+            loss_sum += loss.detach()
+        average_gradients(self.params, self.rt.world_size)
+        self.precision.unscale_(self.optimizer)
+        grad_norm = clip_grad_norm(self.params, self.cfg.optim.grad_clip)
+        stepped = self.precision.step(self.optimizer)
+        self.state.step += 1
+        self.state.consumed_samples += self.cfg.training.global_batch_size
+        self.state.consumed_tokens += self.cfg.training.global_batch_size * self.cfg.training.seq_length
+        loss_value = float(average_scalar(loss_sum, self.rt.world_size))
+        return loss_value, float(grad_norm), stepped
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss over the first eval_iters micro-batches of the valid split (same ones every time)."""
+        assert self.valid_data is not None
+        self.model.eval()
+        t = self.cfg.training
+        mb = t.micro_batch_size
+        total = torch.zeros((), device=self.rt.device)
+        for i in range(t.eval_iters):
+            first = (i * self.rt.world_size + self.rt.rank) * mb
+            ids = torch.arange(first, first + mb).numpy()
+            inputs, labels = self.valid_data.batch(ids)
+            with self.precision.autocast():
+                logits = self.model(inputs.to(self.rt.device))
+            total += cross_entropy_loss(logits, labels.to(self.rt.device))
+        self.model.train()
+        loss = float(average_scalar(total / t.eval_iters, self.rt.world_size))
+        return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
+
+    def save(self) -> Path:
+        sidecar = CheckpointSidecar(
+            model=self.model_cfg,
+            tokenizer_fingerprint=self.inputs.tokenizer.fingerprint,
+            layout=ParallelLayout(data=self.rt.world_size),
+            mixture_fingerprint=self.inputs.mixture_fingerprint,
+            params_dtype="float32",
+            precision=self.cfg.training.precision,
+        )
+        start = time.perf_counter()
+        path = save_checkpoint(self.cfg.checkpoint_dir, self.model, self.optimizer, self.precision, self.state,
+                               sidecar, self.inputs.tokenizer, self.cfg.checkpoint.keep_last)
+        self.say(f"saved checkpoint {path} ({time.perf_counter() - start:.1f}s)")
+        return path
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def train(self) -> TrainState:
+        cfg, t = self.cfg, self.cfg.training
+        if self.rt.is_main:
+            cfg.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(cfg.run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+            for stale in remove_partial_saves(cfg.checkpoint_dir):
+                self.say(f"removed {stale} (left by a save that was interrupted)")
+        if self.inputs.resume_from is not None:
+            self.state, _ = load_checkpoint(self.inputs.resume_from, self.model, self.optimizer, self.precision)
+            self.say(f"resumed from {self.inputs.resume_from} at step {self.state.step} "
+                     f"({self.state.consumed_samples} samples consumed)")
+        else:
+            torch.manual_seed(t.seed)
+        n_params = self.model_cfg.num_params()
+        self.say(f"model: {n_params / 1e6:.2f}M parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token at "
+                 f"seq {t.seq_length}; {self.plan.num_micro_batches} micro-batch(es) of {t.micro_batch_size} x "
+                 f"{self.rt.world_size} rank(s) per step; precision {t.precision}; device {self.rt.device}")
+        self.peak_tflops, peak_source = resolve_peak_tflops(self.rt.device, t.peak_tflops)
+        if self.peak_tflops is not None:
+            self.say(f"MFU reference: {self.peak_tflops:.3f} TFLOP/s ({peak_source})")
+        if self.state.step >= t.steps:
+            self.say(f"nothing to do: already at step {self.state.step} of {t.steps}")
+            return self.state
+
+        stop = StopRequest().install()
+        show_bar = self.rt.is_main and not self.quiet and sys.stderr.isatty()
+        bar = tqdm(total=t.steps, initial=self.state.step, disable=not show_bar, unit="step", dynamic_ncols=True)
+        last_saved = -1
+        try:
+            window_start, window_steps = time.perf_counter(), 0
+            first_step = True
+            while self.state.step < t.steps:
+                step_start = time.perf_counter()
+                loss, grad_norm, stepped = self.train_step()
+                step_time = time.perf_counter() - step_start
+                if first_step and t.compile:
+                    self.say(f"first step (includes torch.compile): {step_time:.1f}s")
+                    window_start = time.perf_counter()
+                    window_steps = -1
+                first_step = False
+                window_steps += 1
+                bar.update(1)
+                if not stepped:
+                    self.say(f"step {self.state.step}: fp16 gradients overflowed; step skipped, "
+                             f"loss scale lowered to {self.precision.loss_scale:g}")
+                if self.state.step % t.log_interval == 0 or self.state.step == t.steps:
+                    elapsed = time.perf_counter() - window_start
+                    steps_timed = max(window_steps, 1)
+                    tokens_per_s = steps_timed * t.global_batch_size * t.seq_length / max(elapsed, 1e-9)
+                    tflops = tokens_per_s * self.flops_per_token / 1e12
+                    self.sink.log({
+                        "kind": "train", "step": self.state.step, "total_steps": t.steps, "loss": loss,
+                        "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+                        "tokens_per_s": tokens_per_s, "tflops": tflops,
+                        "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+                        "memory_gib": memory_gib(self.rt.device), "loss_scale": self.precision.loss_scale,
+                        "step_skipped": not stepped, "consumed_samples": self.state.consumed_samples,
+                        "consumed_tokens": self.state.consumed_tokens, "step_time_s": step_time,
+                    })
+                    bar.set_postfix(loss=f"{loss:.3f}")
+                    window_start, window_steps = time.perf_counter(), 0
+                if self.valid_data is not None and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
+                    self.sink.log({"kind": "eval", "step": self.state.step, **self.evaluate()})
+                    window_start, window_steps = time.perf_counter(), 0
+                stop_now = self._agree_on_stop(stop.requested)
+                if (t.save_interval and self.state.step % t.save_interval == 0) or self.state.step == t.steps or stop_now:
+                    self.save()
+                    last_saved = self.state.step
+                    window_start, window_steps = time.perf_counter(), 0
+                if stop_now:
+                    self.say(f"received {stop.signal_name or 'a stop signal'}: saved at step {self.state.step}, exiting")
+                    break
+        finally:
+            bar.close()
+            stop.restore()
+            self.sink.close()
+        assert last_saved == self.state.step
+        return self.state
+
+    def _agree_on_stop(self, local: bool) -> bool:
+        """All ranks stop together (a signal may reach only some of them)."""
+        if self.rt.world_size == 1:
+            return local
+        flag = torch.tensor([1.0 if local else 0.0], device=self.rt.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
