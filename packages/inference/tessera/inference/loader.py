@@ -54,6 +54,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """Accepts a checkpoint (iteration dir, checkpoints dir with pointer, or run dir) or an HF export dir."""
     path = Path(path)
+    given_name = path.resolve().name
     if not path.exists():
         raise ArtifactError(f"{path}: checkpoint not found")
     if path.is_dir() and is_hf_directory(path) and not (path / SIDECAR).is_file():
@@ -67,6 +68,8 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
         tokenizer = load_tokenizer(ckpt / TOKENIZER_DIR)
         eos = []
         path = ckpt
+        if given_name in ("checkpoints",):
+            given_name = ckpt.parent.parent.name
     model = build_model(cfg, device=device, dtype=torch.float32, seed=None)
     expected = dict(model.state_dict())
     missing = sorted(set(expected) - set(tensors))
@@ -84,4 +87,4 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
         raise ArtifactError(f"{tokenizer.directory}: tokenizer has {tokenizer.vocab_size} tokens but the model "
                             f"only {cfg.vocab_size}; they do not belong together")
     eos_ids = sorted(set(eos) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
-    return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, name=path.resolve().name, eos_ids=eos_ids)
+    return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids)

@@ -1,0 +1,202 @@
+"""The engine behind the HTTP server: a background thread steps `LLMEngine` while the asyncio
+event loop keeps serving; each request reads its outputs from its own asyncio queue.
+
+Requests and aborts reach the thread through an inbox under a lock; outputs go back with
+`loop.call_soon_threadsafe`. The thread sleeps when there is nothing to do. A request whose
+consumer goes away (client disconnect, cancelled task) is aborted and its blocks freed at the
+start of the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tessera.inference.engine import LLMEngine, RequestOutput
+from tessera.inference.metrics import ServingMetrics
+from tessera.inference.sampling_params import SamplingParams
+
+log = logging.getLogger("tessera.inference")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the server accepts (HTTP 429)."""
+
+
+class EngineDead(Exception):
+    """The engine thread failed; the request cannot complete (HTTP 500)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class RequestHandle:
+    """The consumer side of one request: read its outputs; close() aborts it if unfinished."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue):
+        self.engine = engine
+        self.request_id = request_id
+        self.queue = queue
+        self.finished = False
+
+    async def get(self, timeout: float | None = None) -> RequestOutput:
+        """Next output; raises TimeoutError after `timeout` s without one, EngineDead on failure."""
+        item = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise EngineDead(f"the engine failed: {item}") from item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self._cv = threading.Condition()
+        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
+        self._counter = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Let running requests finish (up to `timeout` s), then stop the thread."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.num_active() and self._thread.is_alive():
+            time.sleep(0.05)
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=5.0)
+
+    def num_active(self) -> int:
+        with self._cv:
+            return len(self._streams)
+
+    @property
+    def healthy(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    def next_request_id(self, prefix: str) -> str:
+        with self._cv:
+            self._counter += 1
+            return f"{prefix}-{self._counter}"
+
+    # ---- requests --------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request (validated here, so errors reach the caller); call from the event loop."""
+        if not self.healthy:
+            raise EngineDead("the engine has stopped")
+        self.engine.validate(prompt_ids, params)
+        stream = _Stream(loop=asyncio.get_running_loop(), queue=asyncio.Queue())
+        with self._cv:
+            waiting = len(self._adds) + len(self.engine.scheduler.waiting)
+            if waiting >= self.engine.cfg.max_waiting:
+                raise QueueFull(f"{waiting} requests are already waiting; retry later")
+            self._streams[request_id] = stream
+            self._adds.append((request_id, prompt_ids, params))
+            self._cv.notify()
+        return RequestHandle(self, request_id, stream.queue)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Submit and yield outputs until finished; leaving early (break, cancel) aborts."""
+        handle = self.submit(request_id, prompt_ids, params)
+        try:
+            while True:
+                out = await handle.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            handle.close()
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            if self._streams.pop(request_id, None) is not None:
+                self._aborts.append(request_id)
+                self._cv.notify()
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stop or self._adds or self._aborts or engine.has_unfinished()):
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    adds, self._adds = self._adds, []
+                    aborts, self._aborts = self._aborts, []
+                for rid in aborts:
+                    engine.abort(rid)
+                for rid, prompt, params in adds:
+                    if rid in aborts:
+                        continue
+                    try:
+                        engine.add_request(rid, prompt, params)
+                    except Exception as exc:  # validated already; anything here is a bug
+                        self._deliver(rid, exc)
+                outputs = engine.step()
+                now = time.monotonic()
+                for out in outputs:
+                    self._deliver(out.request_id, out, now)
+                if self.metrics is not None:
+                    self.metrics.update_engine(engine.stats())
+        except BaseException as exc:  # a bug or an OOM: fail every request rather than hang them
+            log.exception("engine thread failed")
+            self._error = exc
+            with self._cv:
+                streams = list(self._streams)
+            for rid in streams:
+                self._deliver(rid, exc)
+
+    def _deliver(self, request_id: str, item, now: float | None = None) -> None:
+        with self._cv:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                return  # aborted meanwhile
+            if isinstance(item, RequestOutput) and item.finished or isinstance(item, BaseException):
+                del self._streams[request_id]
+        if isinstance(item, RequestOutput) and self.metrics is not None and now is not None:
+            self._observe(stream, item, now)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
+        m, name = self.metrics, self.metrics.model_name
+        n = len(out.new_token_ids)
+        if n:
+            if stream.first_token is None:
+                stream.first_token = now
+                m.ttft.labels(name).observe(now - stream.arrival)
+            elif stream.last_token is not None:
+                m.itl.labels(name).observe(now - stream.last_token)
+            stream.last_token = now
+            m.generation_tokens.labels(name).inc(n)
+        if out.finished:
+            m.e2e.labels(name).observe(now - stream.arrival)
+            m.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
+            m.requests_finished.labels(name, out.finish_reason or "unknown").inc()

@@ -1,0 +1,101 @@
+"""tessera-serve: serve a checkpoint or Hugging Face export over HTTP (OpenAI-compatible API,
+Megatron PUT /api, Prometheus /metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from tessera.common.errors import UserError, run_cli
+
+EPILOG = """\
+endpoints:
+  POST /v1/completions        OpenAI completions (stream, stream_options.include_usage, logprobs, echo, n)
+  POST /v1/chat/completions   OpenAI chat completions (chat template from tokenizer_config.json)
+  GET  /v1/models             the served model
+  PUT  /api                   Megatron-LM text generation API (prompts, tokens_to_generate, ...)
+  GET  /health                200 when the engine runs
+  GET  /metrics               Prometheus metrics
+sampling extensions (request body, as vLLM): top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, skip_special_tokens. Docs: docs/cli/tessera-serve.md
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tessera.inference.engine_args import add_engine_args
+
+    p = argparse.ArgumentParser(
+        prog="tessera-serve", description=__doc__, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="Address to bind (default: %(default)s; 0.0.0.0 exposes it).")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s).")
+    s.add_argument("--served-model-name", default=None, help="Model id in the API (default: the checkpoint dir name).")
+    s.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"),
+                   help="Require 'Authorization: Bearer KEY' on /v1 and /api (default: $TESSERA_API_KEY, else open).")
+    s.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="Longest prompt accepted, in tokens (default: max-model-len).")
+    s.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="Largest max_tokens a request may ask for (default: max-model-len).")
+    s.add_argument("--max-prompts-per-request", type=int, default=64,
+                   help="Most prompts x n in one request (default: %(default)s).")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="Largest request body (default: 4 MiB).")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="On shutdown, seconds to let running requests finish (default: %(default)s).")
+    s.add_argument("--quiet", action="store_true", help="Log warnings only (no access log).")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from tessera.inference.engine_args import engine_config_from_args
+
+    cfg = engine_config_from_args(args)
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port {args.port}: must be between 1 and 65535")
+    for flag in ("max_prompt_tokens", "max_tokens_limit", "max_prompts_per_request", "max_body_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} {value}: must be positive")
+    if not os.path.exists(args.checkpoint):
+        raise UserError(f"{args.checkpoint}: checkpoint not found (pass a run dir, checkpoints dir, "
+                        "iter_NNNNNNN dir or Hugging Face export dir)")
+
+    import uvicorn
+
+    from tessera.inference.async_engine import AsyncEngine
+    from tessera.inference.engine import LLMEngine
+    from tessera.inference.loader import load_for_serving, resolve_device, resolve_dtype
+    from tessera.inference.metrics import ServingMetrics
+    from tessera.inference.server import OpenAIServer, ServerLimits
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if device.type == "cpu" and str(dtype) == "torch.float16":
+        raise UserError("--dtype float16 is not supported on CPU; use float32")
+    loaded = load_for_serving(args.checkpoint, device, dtype)
+    engine = LLMEngine(loaded, cfg, device, dtype)
+    name = args.served_model_name or loaded.name
+    metrics = ServingMetrics(name)
+    limits = ServerLimits(
+        max_prompt_tokens=args.max_prompt_tokens or engine.max_model_len,
+        max_tokens=args.max_tokens_limit or engine.max_model_len,
+        max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout,
+    )
+    app = OpenAIServer(AsyncEngine(engine, metrics), name, limits, metrics).build_app(api_key=args.api_key)
+    level = logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(f"tessera-serve: model {name!r} ({loaded.config.arch}, {dtype}, {device}), "
+          f"{engine.blocks.num_blocks} KV blocks x {cfg.block_size} tokens, max_model_len {engine.max_model_len}; "
+          f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+                access_log=not args.quiet, timeout_graceful_shutdown=int(args.drain_timeout) or None)
+    return 0
+
+
+def entry() -> None:
+    run_cli(main)

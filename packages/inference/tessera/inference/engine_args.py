@@ -1,0 +1,65 @@
+"""Command-line flags shared by tessera-serve and tessera-generate, mapped onto EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from pydantic import ValidationError
+
+from tessera.common.config import format_validation_error
+from tessera.common.errors import UserError
+from tessera.inference.config import EngineConfig
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'536870912', '512MiB', '2GB', '1.5GiB' -> bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 512MiB, 2GB, 1073741824)")
+    unit = (m.group(2) or "").upper().removesuffix("B")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--checkpoint", required=True,
+                   help="Tessera checkpoint (run dir, checkpoints dir with pointer, or iter_NNNNNNN dir) "
+                        "or Hugging Face export dir (config.json + safetensors + tokenizer.json).")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="Model and KV-cache dtype (auto: float32 on CPU, bfloat16 on CUDA).")
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: auto).")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block (default: %(default)s).")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
+                   help="Bytes for the KV-cache pool, e.g. 512MiB or 4GB (default: 512MiB).")
+    g.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="Size the KV pool in tokens instead of bytes.")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="Size the KV pool in blocks (overrides both above).")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="Token budget per engine step, prefill chunks and decodes together (default: %(default)s).")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="Most sequences in the running batch (default: %(default)s).")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="Longest prompt + completion in tokens (default: the model's max_seq_len).")
+    g.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="Requests allowed to queue; more get HTTP 429 (default: %(default)s).")
+    g.add_argument("--no-prefix-caching", action="store_true", help="Disable sharing of prompt-prefix KV blocks.")
+    g.add_argument("--seed", type=int, default=None,
+                   help="Seed for requests without their own (default: OS entropy, i.e. not reproducible).")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    try:
+        return EngineConfig(
+            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_tokens=args.kv_cache_tokens,
+            kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
+            enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device, seed=args.seed,
+        )
+    except ValidationError as exc:
+        msg = format_validation_error(exc, "engine flags")
+        raise UserError(msg.replace("_", "-")) from None
