@@ -135,12 +135,14 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         attention_fn: AttentionFn | None = None,
     ) -> torch.Tensor:
-        bsz, seq, _ = x.shape
         # Head counts come from the projection widths, so a tensor-parallel shard (fewer local
-        # heads) runs this same code.
-        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim)
-        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim)
-        v = self.v_proj(x).view(bsz, seq, -1, self.head_dim)
+        # heads) runs this same code; the sequence length too, since under sequence parallel the
+        # projections gather a sequence-sharded input to the full sequence.
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        bsz, seq = q.shape[0], q.shape[1]
+        q = q.view(bsz, seq, -1, self.head_dim)
+        k = k.view(bsz, seq, -1, self.head_dim)
+        v = v.view(bsz, seq, -1, self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if attention_fn is not None:

@@ -129,8 +129,9 @@ def make_schedule(stages: list[StageModule], groups: ParallelGroups, num_microba
     seq = stages[0].seq_len
     local_seq = seq // tp if (sequence_parallel and tp > 1) else seq
     meta = torch.device("meta")
-    hidden = torch.empty(micro_batch, local_seq, hidden_size, dtype=dtype, device=meta)
-    logits = torch.empty(micro_batch, seq, vocab_size // tp, dtype=dtype, device=meta)
+    # requires_grad on the metadata is what tells the stage to send/receive gradients.
+    hidden = torch.empty(micro_batch, local_seq, hidden_size, dtype=dtype, device=meta, requires_grad=True)
+    logits = torch.empty(micro_batch, seq, vocab_size // tp, dtype=dtype, device=meta, requires_grad=True)
     tokens = torch.empty(micro_batch, seq, dtype=torch.long, device=meta)
     pipe_stages = []
     for st in stages:
