@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", required=True, help=CKPT_HELP)
     e.add_argument("--output", required=True, help="output directory to create")
     e.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
-                   help="weight dtype of the export (default: as stored; trtllm default bf16 when stored fp32)")
+                   help="weight dtype of the export (default: as stored)")
     e.add_argument("--max-shard-size", default="5GB",
                    help="hf: largest safetensors file before splitting into shards with an index (default 5GB)")
     e.add_argument("--tensor-parallel", type=int, default=1, metavar="T", help="trtllm: tensor-parallel size (default 1)")

@@ -1,0 +1,262 @@
+"""`tessera-ckpt export --format trtllm`: a checkpoint -> a TensorRT-LLM checkpoint directory.
+
+The "TensorRT-LLM checkpoint" (unified format, TensorRT-LLM 0.8 and later; consumed by
+`trtllm-build --checkpoint_dir`) is config.json plus one rank{R}.safetensors per rank of
+mapping = (tp_size, pp_size), R = pp_rank * tp_size + tp_rank. The names and splits below follow
+TensorRT-LLM's own converters (tensorrt_llm/models/llama/convert.py, models/gpt/convert.py):
+
+    transformer.vocab_embedding.weight      full table, first pipeline rank (no parallel embedding)
+    transformer.position_embedding.weight   GPT: learned positions, first pipeline rank
+    transformer.layers.{j}.input_layernorm.weight (.bias for GPT)
+    transformer.layers.{j}.attention.qkv.weight   per tp rank [Q_r; K_r; V_r] rows (+ .bias likewise)
+    transformer.layers.{j}.attention.dense.weight o_proj split along its input dim (bias replicated)
+    transformer.layers.{j}.post_layernorm.weight (.bias for GPT)
+    transformer.layers.{j}.mlp.fc.weight          Llama: gate_proj (the SiLU input); GPT: c_fc (up)
+    transformer.layers.{j}.mlp.gate.weight        Llama: up_proj (the multiplier)
+    transformer.layers.{j}.mlp.proj.weight        down projection split along its input dim
+    transformer.ln_f.weight (.bias)         last pipeline rank
+    lm_head.weight                          last pipeline rank; vocab rows zero-padded to a
+                                            multiple of tp_size, then split by rows (a tied
+                                            model writes the embedding here)
+
+j is the layer number local to the pipeline rank (layers are split contiguously). When KV heads
+are fewer than tp_size, each KV head is repeated tp_size / num_kv_heads times (consecutively)
+before the split, so every rank holds one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tessera.ckpt_convert.export_hf import check_model_tensors, expected_model_shapes
+from tessera.ckpt_convert.hf_mapping import HF_DTYPE_NAMES, Rule, check_exportable
+from tessera.ckpt_convert.progress import Progress
+from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, fsync
+from tessera.ckpt_convert.source import CheckpointSource
+from tessera.common.errors import UserError
+from tessera.common.fileio import atomic_directory, atomic_write_json
+from tessera.common.model_config import ModelConfig
+
+Make = Callable[[list[torch.Tensor], int], torch.Tensor]  # (inputs, tp_rank) -> this rank's tensor
+
+
+@dataclass(frozen=True)
+class TrtllmOptions:
+    tp: int = 1
+    pp: int = 1
+    dtype: torch.dtype | None = None
+    overwrite: bool = False
+    quiet: bool = False
+
+
+@dataclass(frozen=True)
+class Item:
+    """One TensorRT-LLM tensor name on one pipeline rank, produced for each tensor-parallel rank."""
+
+    name: str
+    pp_rank: int
+    sources: tuple[str, ...]
+    shape: tuple[int, ...]  # per tensor-parallel rank
+    make: Make
+
+
+def rank_of(tp_rank: int, pp_rank: int, tp: int) -> int:
+    return pp_rank * tp + tp_rank
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    return -(-vocab // tp) * tp
+
+
+def validate(cfg: ModelConfig, tp: int, pp: int) -> None:
+    check_exportable(cfg)
+    kv = cfg.kv_heads
+    problems = [
+        (cfg.num_heads % tp, f"--tensor-parallel {tp} does not divide num_heads {cfg.num_heads}"),
+        ((kv % tp) if kv >= tp else (tp % kv),
+         f"--tensor-parallel {tp} and num_kv_heads {kv}: one must be a multiple of the other"),
+        (cfg.ffn_hidden_size % tp, f"--tensor-parallel {tp} does not divide ffn_hidden_size {cfg.ffn_hidden_size}"),
+        (cfg.num_layers % pp, f"--pipeline-parallel {pp} does not divide num_layers {cfg.num_layers}"),
+    ]
+    for bad, message in problems:
+        if bad:
+            raise UserError(message)
+
+
+# ---- per-rank tensor makers --------------------------------------------------------------------
+
+
+def _split(t: torch.Tensor, tp: int, r: int, dim: int = 0) -> torch.Tensor:
+    return t.chunk(tp, dim=dim)[r]
+
+
+def _dup_kv(t: torch.Tensor, kv_heads: int, tp: int) -> torch.Tensor:
+    """Repeat each KV head (rows, or bias entries) tp/kv_heads times in place, when kv_heads < tp."""
+    if kv_heads >= tp:
+        return t
+    reps = tp // kv_heads
+    heads = t.reshape(kv_heads, -1, *t.shape[1:])
+    return heads.repeat_interleave(reps, dim=0).reshape(-1, *t.shape[1:])
+
+
+def _qkv(cfg: ModelConfig, tp: int) -> Make:
+    def make(ts: list[torch.Tensor], r: int) -> torch.Tensor:
+        q, k, v = ts
+        k, v = _dup_kv(k, cfg.kv_heads, tp), _dup_kv(v, cfg.kv_heads, tp)
+        return torch.cat([_split(q, tp, r), _split(k, tp, r), _split(v, tp, r)], dim=0).contiguous()
+    return make
+
+
+def _col(tp: int) -> Make:
+    return lambda ts, r: _split(ts[0], tp, r, 0).contiguous()
+
+
+def _row(tp: int) -> Make:
+    return lambda ts, r: _split(ts[0], tp, r, 1).contiguous()
+
+
+def _rep(ts: list[torch.Tensor], r: int) -> torch.Tensor:
+    return ts[0]
+
+
+def _lm_head(cfg: ModelConfig, tp: int) -> Make:
+    def make(ts: list[torch.Tensor], r: int) -> torch.Tensor:
+        w = ts[0]
+        pad = padded_vocab(cfg.vocab_size, tp) - cfg.vocab_size
+        if pad:
+            w = torch.nn.functional.pad(w, (0, 0, 0, pad))
+        return _split(w, tp, r, 0).contiguous()
+    return make
+
+
+def items(cfg: ModelConfig, tp: int, pp: int) -> list[Item]:
+    """Every TensorRT-LLM tensor, in writing order, with its pipeline rank and per-rank maker."""
+    d, f, v, hd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.head_dim
+    llama = cfg.arch == "llama"
+    q_rows = cfg.num_heads // tp * hd
+    kv_rows = max(cfg.kv_heads // tp, 1) * hd
+    qkv_rows = q_rows + 2 * kv_rows
+    per_stage = cfg.num_layers // pp
+    norm_suffixes = ("weight",) if llama else ("weight", "bias")
+    has_bias = cfg.bias
+    out = [Item("transformer.vocab_embedding.weight", 0, ("embed_tokens.weight",), (v, d), _rep)]
+    if not llama:
+        out.append(Item("transformer.position_embedding.weight", 0, ("pos_embed.weight",), (cfg.max_seq_len, d), _rep))
+    for i in range(cfg.num_layers):
+        stage, j = divmod(i, per_stage)
+        t, n = f"layers.{i}.", f"transformer.layers.{j}."
+        for s in norm_suffixes:
+            out.append(Item(n + f"input_layernorm.{s}", stage, (t + f"attn_norm.{s}",), (d,), _rep))
+        qkv = tuple(t + f"attn.{p}_proj" for p in "qkv")
+        out.append(Item(n + "attention.qkv.weight", stage, tuple(x + ".weight" for x in qkv), (qkv_rows, d), _qkv(cfg, tp)))
+        if has_bias:
+            out.append(Item(n + "attention.qkv.bias", stage, tuple(x + ".bias" for x in qkv), (qkv_rows,), _qkv(cfg, tp)))
+        out.append(Item(n + "attention.dense.weight", stage, (t + "attn.o_proj.weight",), (d, cfg.q_size // tp), _row(tp)))
+        if has_bias:
+            out.append(Item(n + "attention.dense.bias", stage, (t + "attn.o_proj.bias",), (d,), _rep))
+        for s in norm_suffixes:
+            out.append(Item(n + f"post_layernorm.{s}", stage, (t + f"mlp_norm.{s}",), (d,), _rep))
+        mlp = [("fc", "gate_proj"), ("gate", "up_proj")] if llama else [("fc", "up_proj")]
+        for theirs, ours in mlp:
+            out.append(Item(n + f"mlp.{theirs}.weight", stage, (t + f"mlp.{ours}.weight",), (f // tp, d), _col(tp)))
+            if has_bias:
+                out.append(Item(n + f"mlp.{theirs}.bias", stage, (t + f"mlp.{ours}.bias",), (f // tp,), _col(tp)))
+        out.append(Item(n + "mlp.proj.weight", stage, (t + "mlp.down_proj.weight",), (d, f // tp), _row(tp)))
+        if has_bias:
+            out.append(Item(n + "mlp.proj.bias", stage, (t + "mlp.down_proj.bias",), (d,), _rep))
+    last = pp - 1
+    for s in norm_suffixes:
+        out.append(Item(f"transformer.ln_f.{s}", last, (f"final_norm.{s}",), (d,), _rep))
+    head = "embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+    out.append(Item("lm_head.weight", last, (head,), (padded_vocab(v, tp) // tp, d), _lm_head(cfg, tp)))
+    return out
+
+
+def trtllm_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int) -> dict[str, Any]:
+    llama = cfg.arch == "llama"
+    c: dict[str, Any] = {
+        "architecture": "LlamaForCausalLM" if llama else "GPTForCausalLM",
+        "dtype": HF_DTYPE_NAMES[dtype],
+        "logits_dtype": "float32",
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_size": cfg.head_dim,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "hidden_act": "silu" if llama else "gelu_new",
+        "norm_epsilon": cfg.norm_eps,
+        "position_embedding_type": "rope_gpt_neox" if llama else "learned_absolute",
+        "use_parallel_embedding": False,
+        "embedding_sharding_dim": 0,
+        "share_embedding_table": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "mapping": {"world_size": tp * pp, "tp_size": tp, "pp_size": pp},
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
+    }
+    if llama:
+        c["rotary_base"] = cfg.rope_theta
+        s = cfg.rope_scaling
+        c["rotary_scaling"] = None if s is None else {"type": "llama3", "rope_type": "llama3", "factor": s.factor,
+                                                      "low_freq_factor": s.low_freq_factor,
+                                                      "high_freq_factor": s.high_freq_factor,
+                                                      "original_max_position_embeddings": s.original_max_position_embeddings}
+        c["attn_bias"] = cfg.bias
+        c["mlp_bias"] = cfg.bias
+    else:
+        c["bias"] = True
+        if not cfg.bias:
+            raise UserError("model config: a bias-free GPT-2 cannot be exported to TensorRT-LLM's GPT "
+                            "(its converter expects biases); export --format hf instead")
+    return c
+
+
+def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOptions) -> Path:
+    src = CheckpointSource(checkpoint)
+    output = Path(output)
+    if output.exists() and not opts.overwrite:
+        raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
+    cfg = src.sidecar.model
+    tp, pp = opts.tp, opts.pp
+    validate(cfg, tp, pp)
+    all_items = items(cfg, tp, pp)
+    check_model_tensors(src, [Rule(i.name, i.sources, i.shape) for i in all_items], expected_model_shapes(cfg))
+    src.check_integrity()
+    dtype = opts.dtype or src.model_specs["embed_tokens.weight"].dtype
+    config = trtllm_config(cfg, dtype, tp, pp)
+
+    plans: list[list[PlannedTensor]] = [[] for _ in range(tp * pp)]
+    for it in all_items:
+        for r in range(tp):
+            plans[rank_of(r, it.pp_rank, tp)].append(PlannedTensor(it.name, it.shape, dtype))
+    total = sum(t.nbytes for plan in plans for t in plan)
+
+    with atomic_directory(output, overwrite=opts.overwrite) as tmp, \
+            Progress(total, len(all_items), f"export trtllm tp{tp} pp{pp}", opts.quiet) as bar:
+        files = [open(tmp / f"rank{r}.safetensors", "wb") for r in range(tp * pp)]
+        try:
+            writers = [SafetensorsStreamWriter(f, plan) for f, plan in zip(files, plans)]
+            # Tensor-major: each source tensor is read once and cut into its tp pieces.
+            for it in all_items:
+                loaded = src.load_model(list(it.sources))
+                inputs = [loaded[s] for s in it.sources]
+                for r in range(tp):
+                    piece = it.make(inputs, r).to(dtype)
+                    writers[rank_of(r, it.pp_rank, tp)].write(it.name, piece)
+                    bar.update(piece.numel() * piece.element_size(), tensors=0)
+                bar.update(0)
+                del loaded, inputs
+            for w, f in zip(writers, files):
+                w.close()
+                fsync(f)
+        finally:
+            for f in files:
+                f.close()
+        atomic_write_json(tmp / "config.json", config)
+    return output
