@@ -71,11 +71,17 @@ class BatchEncoder:
         bad: dict[int, str] = {}
         for i, text in enumerate(texts):
             try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                ids.append([])
+                bad[i] = f"invalid UTF-8 (lone surrogate at character {exc.start})"
+                continue
+            try:
                 ids.append(tok.encode(text, add_special_tokens=False).ids)
             except Exception as exc:
                 ids.append([])
                 msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                bad[i] = "invalid UTF-8 (lone surrogate)" if "surrogate" in msg else f"cannot be tokenized ({msg})"
+                bad[i] = f"cannot be tokenized ({msg})"
         return ids, bad
 
     def __call__(self, texts: list[str]) -> EncodedBatch:
