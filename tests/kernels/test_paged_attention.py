@@ -105,6 +105,21 @@ def test_triton_matches_reference_on_cpu(triton_cpu, spy_triton, name):
     assert spy_triton.get("paged_attention_triton") == 1, "dispatcher did not run the Triton kernel"
 
 
+@pytest.mark.parametrize("dtype,splits", [(torch.float32, 3), (torch.float32, 7), (torch.bfloat16, 3)])
+def test_split_kv_matches_reference(triton_cpu, dtype, splits):
+    """Flash-decoding path: each sequence's KV range split over several programs and combined.
+    The prefill's tile spans positions 120..135 and the third split starts at 128, so early rows
+    see nothing in that split (their partial max stays -inf), which must not produce NaN; with 7
+    splits some splits are empty."""
+    from tessera.kernels.paged_attention_triton import paged_attention_triton
+
+    batch = make_batch([1, 16, 1], [150, 136, 40], 4, 1, 16, 16, dtype, seed=5)
+    out = paged_attention_triton(*batch.args(), num_kv_splits=splits)
+    assert not out.isnan().any()
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, paged_attention_reference(*batch.args()), atol=atol, rtol=rtol)
+
+
 def test_interleaved_kv_allocation(triton_cpu):
     """K and V views of one allocation (block stride twice the block size) are read by stride."""
     _check(make_batch([2, 1], [18, 7], 4, 2, 16, 8, torch.float32, interleaved_cache=True))
@@ -141,6 +156,8 @@ GPU_CASES = {
     "decode-batch-bf16": ([1] * 64, torch.randint(1, 2048, (64,), generator=torch.Generator().manual_seed(0)).tolist(),
                           32, 8, 128, 16, torch.bfloat16),
     "prefill-chunk-fp16": ([512, 256, 1, 1], [1024, 256, 700, 5], 32, 8, 128, 16, torch.float16),
+    # Few sequences, long contexts: too few programs to fill the GPU, so KV splits are chosen.
+    "decode-few-long-split-bf16": ([1] * 4, [4000, 3000, 8000, 100], 32, 8, 128, 16, torch.bfloat16),
 }
 
 

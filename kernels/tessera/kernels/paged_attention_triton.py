@@ -23,6 +23,8 @@ softmax) with fp32 accumulation.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -50,12 +52,15 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, qk_scale_log2,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    num_seqs, num_splits, qk_scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh,
     stride_bt,
+    stride_ps, stride_pt, stride_ph,
+    stride_ms, stride_mt,
     block_size, head_dim,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -63,9 +68,11 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     seq = _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     q_begin = tl.load(query_start_loc_ptr + seq)
@@ -95,9 +102,15 @@ def _paged_attention_kernel(
 
     # The last row of this tile sees positions up to context_len + last token; nothing beyond.
     kv_end = tl.minimum(kv_len, context_len + (local_tile + 1) * BLOCK_Q)
+    kv_lo = 0
+    if SPLIT_KV:
+        # This program's share of [0, kv_end): whole BLOCK_N tiles, the last share possibly empty.
+        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = split * chunk
+        kv_end = tl.minimum(kv_end, kv_lo + chunk)
     cols = tl.arange(0, BLOCK_N)
     table_row = block_tables_ptr + seq * stride_bt
-    for kv_start in range(0, kv_end, BLOCK_N):
+    for kv_start in range(kv_lo, kv_end, BLOCK_N):
         k_pos = kv_start + cols
         k_valid = k_pos < kv_end
         block = tl.load(table_row + k_pos // block_size, mask=k_valid, other=0).to(tl.int64)
@@ -112,10 +125,12 @@ def _paged_attention_kernel(
         visible = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
 
-        # Every row sees position 0 in the first tile, so m_new is finite from then on.
+        # A row that has seen nothing yet (a later KV split under a causal mask) keeps m = -inf;
+        # subtract 0 instead so that alpha and p are 0 rather than exp2(-inf + inf) = NaN.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_sub)
+        p = tl.math.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         v_offs = block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
@@ -128,9 +143,47 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    out = acc / l_i[:, None]
-    o_offs = q_row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    out_mask = row_valid[:, None] & dim_valid[None, :]
+    if SPLIT_KV:
+        # Unnormalised partial results (a row may have seen nothing in this split: l = 0).
+        acc_offs = split * stride_ps + q_row * stride_pt + head * stride_ph
+        tl.store(part_acc_ptr + acc_offs[:, None] + dims[None, :], acc, mask=out_mask)
+        ml_offs = split * stride_ms + q_row * stride_mt + head
+        tl.store(part_m_ptr + ml_offs, m_i, mask=row_valid)
+        tl.store(part_l_ptr + ml_offs, l_i, mask=row_valid)
+    else:
+        out = acc / l_i[:, None]
+        o_offs = q_row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
+    num_splits, head_dim,
+    stride_ps, stride_pt, stride_ph,
+    stride_ms, stride_mt,
+    stride_ot, stride_oh,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, with M = max_s m_s."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_valid = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_dim
+    ml_offs = splits * stride_ms + token * stride_mt + head
+    m = tl.load(part_m_ptr + ml_offs, mask=split_valid, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + ml_offs, mask=split_valid, other=0.0)
+    m_max = tl.max(m, axis=0)  # finite: the first split holds position 0, visible to every row
+    w = tl.math.exp2(m - m_max)
+    acc_offs = splits[:, None] * stride_ps + token * stride_pt + head * stride_ph + dims[None, :]
+    acc = tl.load(part_acc_ptr + acc_offs, mask=split_valid[:, None] & dim_valid[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dim_valid)
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
@@ -175,6 +228,21 @@ def _tile_shape(total_tokens: int, num_seqs: int, group: int, head_dim: int) -> 
     return block_m, block_q, block_n
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _choose_kv_splits(programs: int, max_kv_len: int, device: torch.device) -> int:
+    """KV splits per query tile: enough programs for about two waves over the GPU's SMs, but
+    no split shorter than 512 positions (below that the combine pass costs more than it saves).
+    `max_kv_len` is the block table's capacity, known without reading seq_lens back."""
+    if device.type != "cuda" or programs == 0:
+        return 1
+    want = triton.cdiv(2 * _sm_count(device.index or 0), programs)
+    return max(1, min(want, max_kv_len // 512, 16))
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -183,8 +251,15 @@ def paged_attention_triton(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    num_kv_splits: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as `paged_attention_reference`; returns [total_q_tokens, num_heads, head_dim]."""
+    """Same contract as `paged_attention_reference`; returns [total_q_tokens, num_heads, head_dim].
+
+    `num_kv_splits` (default: chosen from the batch shape and the GPU) divides each sequence's
+    KV range among that many programs whose partial results a second kernel combines
+    (flash-decoding), for batches with too few (sequence, KV head) pairs to fill the GPU.
+    """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     total_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -208,24 +283,51 @@ def paged_attention_triton(
     block_m, block_q, block_n = _tile_shape(total_tokens, num_seqs, group, head_dim)
     # Upper bound on sum over sequences of cdiv(q_len, BLOCK_Q); see the module docstring.
     num_tiles = total_tokens // block_q + num_seqs
-    grid = (num_tiles, num_kv_heads)
+    if num_kv_splits is None:
+        num_kv_splits = _choose_kv_splits(num_tiles * num_kv_heads, block_tables.shape[1] * block_size, q.device)
+    if num_kv_splits < 1:
+        raise ValueError(f"paged_attention: num_kv_splits must be >= 1, got {num_kv_splits}")
+    split_kv = num_kv_splits > 1
+    if split_kv:
+        part_acc = torch.empty((num_kv_splits, total_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_kv_splits, total_tokens, num_heads), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:  # unused by the kernel; any tensor will do for the pointer arguments
+        part_acc = part_m = part_l = out
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    grid = (num_tiles, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
-        num_seqs, scale * _LOG2E,
+        part_acc, part_m, part_l,
+        num_seqs, num_kv_splits, scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
+        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+        part_m.stride(0), part_m.stride(1),
         block_size, head_dim,
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
+        BLOCK_D=block_d,
         DOT_FP32=_dot_in_fp32(q.dtype),
+        SPLIT_KV=split_kv,
         num_warps=4 if block_m <= 16 else 8 if head_dim > 128 else 4,
         num_stages=2,
     )
+    if split_kv:
+        _combine_splits_kernel[(total_tokens, num_heads)](
+            part_acc, part_m, part_l, out,
+            num_kv_splits, head_dim,
+            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+            part_m.stride(0), part_m.stride(1),
+            out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(num_kv_splits),
+            BLOCK_D=block_d,
+            num_warps=1 if block_d <= 64 else 2,
+        )
     return out
