@@ -1,0 +1,129 @@
+"""Throughput and peak memory of tessera-ckpt reshard / export / import on a >= 1 GB checkpoint.
+
+Builds a random Llama checkpoint (default: d=2048, ffn=8192, 6 layers, vocab 16000, untied, fp32:
+~1.9 GB, largest tensor 128 MiB), then runs each conversion in a fresh process and reports wall
+time, throughput (payload bytes / s), peak RSS, and, as the peer, `cp -r` of the same checkpoint
+directory. Peak memory is compared with the model size and the largest tensor: the target is
+"largest tensor x small constant + fixed overhead", not the model size; throughput target >= 0.5x cp.
+
+    .venv/bin/python benchmarks/ckpt_convert.py [--workdir DIR] [--layers 6] [--keep]
+
+The page cache is warm for every run (the checkpoint was just written or read), the same for cp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WRAPPER = r"""
+import resource, sys, time
+from tessera.ckpt_convert.cli import run
+t0 = time.perf_counter()
+code = run(sys.argv[1:]) if len(sys.argv) > 1 else 0
+dt = time.perf_counter() - t0
+print("BENCH", dt, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)
+"""
+
+
+def make_checkpoint(root: Path, layers: int, hidden: int, ffn: int, vocab: int) -> Path:
+    import torch
+
+    from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, save_model_tensors, write_pointer
+    from tessera.common.model import build_model
+    from tessera.common.model_config import ModelConfig
+
+    cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=16,
+                      num_kv_heads=8, ffn_hidden_size=ffn, max_seq_len=2048)
+    model = build_model(cfg, seed=None)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02, generator=gen)
+    directory = root / "iter_0000001"
+    save_model_tensors(directory, {k: v for k, v in model.state_dict().items()})
+    finalize_checkpoint(directory, CheckpointSidecar(model=cfg, step=1))
+    write_pointer(root, 1)
+    return directory
+
+
+def timed(cmd: list[str]) -> tuple[float, int]:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("BENCH")][-1].split()
+    return float(line[1]), int(line[2])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", default=None, help="where to build the checkpoint (default: a temp dir)")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--ffn", type=int, default=8192)
+    ap.add_argument("--vocab", type=int, default=16000)
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="tessera-ckpt-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    try:
+        t0 = time.perf_counter()
+        ck = make_checkpoint(work / "ckpt", args.layers, args.hidden, args.ffn, args.vocab)
+        payload = sum(p.stat().st_size for p in ck.iterdir() if p.is_file())
+        from tessera.ckpt_convert.source import CheckpointSource
+
+        src = CheckpointSource(ck)
+        largest = max(s.nbytes for s in src.tensor_specs.values())
+        model_bytes = sum(s.nbytes for s in src.tensor_specs.values())
+        print(f"checkpoint: {payload / 2**30:.2f} GiB payload, {len(src.tensor_specs)} tensors, largest tensor "
+              f"{largest / 2**20:.0f} MiB (built in {time.perf_counter() - t0:.0f}s)")
+
+        results = {}
+        # Fixed overhead: the same interpreter with torch and tessera imported, doing nothing.
+        _, base_rss = timed([py, "-c", WRAPPER])
+        results["baseline (imports only)"] = (0.0, base_rss)
+        t = time.perf_counter()
+        subprocess.run(["cp", "-r", str(ck), str(work / "cp_copy")], check=True)
+        cp_s = time.perf_counter() - t
+        shutil.rmtree(work / "cp_copy")
+        ops = {
+            "reshard tp1pp1 -> tp2pp2": ["reshard", "--checkpoint", str(work / "ckpt"), "--output",
+                                         str(work / "resharded"), "--tensor-parallel", "2", "--pipeline-parallel", "2"],
+            "export hf (fp32, 1 file)": ["export", "--format", "hf", "--checkpoint", str(work / "ckpt"),
+                                         "--output", str(work / "hf")],
+            "import hf (fp32)": ["import", "--format", "hf", "--input", str(work / "hf"), "--output",
+                                 str(work / "imported")],
+            "export trtllm tp2 (fp32)": ["export", "--format", "trtllm", "--checkpoint", str(work / "ckpt"),
+                                         "--output", str(work / "trt"), "--tensor-parallel", "2"],
+        }
+        for name, argv in ops.items():
+            results[name] = timed([py, "-c", WRAPPER, *argv, "--quiet"])
+        rows = [f"| operation | wall s | GiB/s | vs cp | peak RSS MiB | RSS - baseline MiB |",
+                "|---|---|---|---|---|---|",
+                f"| cp -r (peer) | {cp_s:.2f} | {payload / cp_s / 2**30:.2f} | 1.00x | - | - |"]
+        for name, (secs, rss) in results.items():
+            if secs == 0.0:
+                rows.append(f"| {name} | - | - | - | {rss / 2**20:.0f} | 0 |")
+                continue
+            rows.append(f"| {name} | {secs:.2f} | {payload / secs / 2**30:.2f} | {cp_s / secs:.2f}x | "
+                        f"{rss / 2**20:.0f} | {(rss - base_rss) / 2**20:.0f} |")
+        print("\n".join(rows))
+        print(json.dumps({"payload_bytes": payload, "model_bytes": model_bytes, "largest_tensor_bytes": largest,
+                          "cp_seconds": cp_s, "results": {k: {"seconds": v[0], "peak_rss": v[1]}
+                                                          for k, v in results.items()}}))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    main()
