@@ -71,3 +71,54 @@ def make_checkpoint(root: Path, cfg: ModelConfig, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("run"), tiny_config())
+
+
+def hf_llama_from(model_cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    """transformers' LlamaForCausalLM holding our weights (names mapped by hand, as the brief says)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = model_cfg
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.kv_heads,
+        max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
+        tie_word_embeddings=c.tie_embeddings, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        attn_implementation="eager"))
+    state = {}
+    for name, t in tensors.items():
+        n = name.replace("layers.", "model.layers.").replace(".attn.", ".self_attn.")
+        n = n.replace("attn_norm", "input_layernorm").replace("mlp_norm", "post_attention_layernorm")
+        n = {"embed_tokens.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight"}.get(n, n)
+        state[n] = t
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return hf.eval()
+
+
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def make_engine(ckpt: Path, **cfg):
+    from tessera.inference.config import EngineConfig
+    from tessera.inference.engine import LLMEngine
+    from tessera.inference.loader import load_for_serving
+
+    loaded = load_for_serving(ckpt, torch.device("cpu"), torch.float32)
+    return LLMEngine(loaded, EngineConfig(**cfg), torch.device("cpu"), torch.float32)
+
+
+def run_all(engine, requests: dict[str, tuple[list[int], object]]) -> dict[str, list]:
+    """Add every request, step to completion; returns request id -> list of outputs."""
+    outs: dict[str, list] = {rid: [] for rid in requests}
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params)
+    engine.run_to_completion(lambda o: outs[o.request_id].append(o))
+    return outs
+
+
+def token_ids(outputs: list) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
