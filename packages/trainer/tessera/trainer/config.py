@@ -71,6 +71,7 @@ class TrainingConfig(StrictModel):
     log_interval: int = Field(1, gt=0, description="Log a metrics line every N steps.")
     eval_interval: int = Field(0, ge=0, description="Evaluate on the valid split every N steps (and at the end); 0 disables.")
     eval_iters: int = Field(4, gt=0, description="Micro-batches per evaluation (always the first ones of the valid split, so evaluations compare).")
+    exit_after_steps: int | None = Field(None, gt=0, description="Stop after this many steps in this invocation (saving first, exit 0), e.g. to fit a fixed-length job slot; `--resume` continues. The schedule still spans training.steps.")
     save_interval: int = Field(0, ge=0, description="Save a checkpoint every N steps; one is always saved at the end. 0 = only at the end.")
     peak_tflops: float | None = Field(None, gt=0, description="Peak TFLOP/s for MFU; default: table of known GPUs, or a matmul measured at start on CPU.")
 

@@ -46,8 +46,9 @@ def gpu_peak_tflops(device_name: str) -> float | None:
 
 def measure_matmul_tflops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 8) -> float:
     """Achieved TFLOP/s of a square matmul on this CPU: the MFU reference when no peak is known."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)  # a private generator: the run's RNG streams stay untouched
+    a = torch.randn(size, size, generator=gen).to(dtype)
+    b = torch.randn(size, size, generator=gen).to(dtype)
     a @ b  # warm up the BLAS threads
     start = time.perf_counter()
     for _ in range(repeats):

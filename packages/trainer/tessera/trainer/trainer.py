@@ -224,6 +224,7 @@ class Trainer:
         show_bar = self.rt.is_main and not self.quiet and sys.stderr.isatty()
         bar = tqdm(total=t.steps, initial=self.state.step, disable=not show_bar, unit="step", dynamic_ncols=True)
         last_saved = -1
+        exit_at = self.state.step + t.exit_after_steps if t.exit_after_steps else None
         try:
             window_start, window_steps = time.perf_counter(), 0
             first_step = True
@@ -260,13 +261,14 @@ class Trainer:
                 if self.valid_data is not None and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
                     self.sink.log({"kind": "eval", "step": self.state.step, **self.evaluate()})
                     window_start, window_steps = time.perf_counter(), 0
-                stop_now = self._agree_on_stop(stop.requested)
+                stop_now = self._agree_on_stop(stop.requested) or self.state.step == exit_at
                 if (t.save_interval and self.state.step % t.save_interval == 0) or self.state.step == t.steps or stop_now:
                     self.save()
                     last_saved = self.state.step
                     window_start, window_steps = time.perf_counter(), 0
                 if stop_now:
-                    self.say(f"received {stop.signal_name or 'a stop signal'}: saved at step {self.state.step}, exiting")
+                    reason = f"received {stop.signal_name}" if stop.requested else f"training.exit_after_steps={t.exit_after_steps} reached"
+                    self.say(f"{reason}: saved at step {self.state.step}, exiting")
                     break
         finally:
             bar.close()

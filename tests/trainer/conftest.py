@@ -1,0 +1,53 @@
+"""Shared fixtures: one tiny tokenizer + shard + mixture per session, and config writers."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from trainer_fixtures import build_mixture
+
+SEQ = 32
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory) -> dict[str, Path]:
+    return build_mixture(tmp_path_factory.mktemp("data"), seq_length=SEQ, vocab_size=384)
+
+
+def base_config(artifacts: dict[str, Path], run_dir: Path) -> dict:
+    """A small run: tiny preset at d=32, 4 sequences of 32 tokens per step, 2 micro-batches."""
+    return {
+        "run_dir": str(run_dir),
+        "model": {"preset": "tiny", "hidden_size": 32, "ffn_hidden_size": 64, "max_seq_len": 64},
+        "data": {"mixture": str(artifacts["mixture"]), "tokenizer": str(artifacts["tokenizer"])},
+        "optim": {"lr": 3e-3, "min_lr": 3e-4},
+        "schedule": {"kind": "cosine", "warmup_steps": 2},
+        "training": {"global_batch_size": 4, "micro_batch_size": 2, "seq_length": SEQ, "steps": 6,
+                     "log_interval": 1, "threads": 1},
+        "logging": {"tensorboard": False},
+    }
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture
+def make_config(artifacts, tmp_path):
+    """make_config(**sections) -> path of a YAML config; sections are merged into base_config."""
+    counter = iter(range(1000))
+
+    def make(run_name: str = "run", **sections) -> Path:
+        cfg = copy.deepcopy(base_config(artifacts, tmp_path / run_name))
+        for key, value in sections.items():
+            if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+                cfg[key].update(value)
+            else:
+                cfg[key] = value
+        return write_config(tmp_path / f"config{next(counter)}.yaml", cfg)
+
+    return make

@@ -1,0 +1,77 @@
+"""Impossible or inconsistent configs are refused before any work: one line on stderr, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from tessera.common.errors import run_cli
+from tessera.trainer.cli import main
+from trainer_fixtures import build_mixture
+
+
+def run_expect_usage_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.num_heads=3"], "num_heads (3) must divide hidden_size (32)"),
+    (["model.num_kv_heads=3"], "num_kv_heads (3) must divide num_heads (4)"),
+    (["training.seq_length=128"], "training.seq_length (128) exceeds model.max_seq_len (64)"),
+    (["training.micro_batch_size=3"], "training.micro_batch_size (3) must divide training.global_batch_size (4)"),
+    (["model.preset=nope"], "unknown preset 'nope'"),
+    (["training.precision=fp8"], "training.precision"),
+    (["optim.lr=-1"], "optim.lr"),
+    (["training.bogus=1"], "training.bogus"),
+])
+def test_impossible_config_is_refused(make_config, capsys, tmp_path, overrides, expected):
+    err = run_expect_usage_error(["--config", str(make_config()), *overrides], capsys)
+    assert expected in err
+    assert not (tmp_path / "run").exists()  # nothing was written
+
+
+def test_mixture_built_for_shorter_sequence_is_refused(make_config, capsys, artifacts, tmp_path):
+    # The session mixture has seq_length 32; ask for 48 (the model allows 64).
+    err = run_expect_usage_error(["--config", str(make_config()), "training.seq_length=48"], capsys)
+    assert "manifest.json" in err and "seq_length 32" in err and "48" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_mixture_of_another_tokenizer_is_refused(make_config, capsys, artifacts, tmp_path):
+    other = build_mixture(tmp_path / "other", seq_length=32, vocab_size=300)
+    err = run_expect_usage_error(
+        ["--config", str(make_config()), f"data.tokenizer={other['tokenizer']}"], capsys)
+    assert "another tokenizer" in err and "manifest.json" in err
+
+
+def test_missing_mixture_is_refused(make_config, capsys, tmp_path):
+    err = run_expect_usage_error(["--config", str(make_config()), f"data.mixture={tmp_path / 'none'}"], capsys)
+    assert "mixture directory not found" in err
+
+
+def test_missing_config_file(capsys, tmp_path):
+    err = run_expect_usage_error(["--config", str(tmp_path / "absent.yaml")], capsys)
+    assert "absent.yaml" in err and "not found" in err
+
+
+def test_resume_with_a_different_model_is_refused(make_config, capsys, tmp_path):
+    cfg = make_config(training={"steps": 1})
+    assert main(["--config", str(cfg), "--quiet"]) == 0
+    err = run_expect_usage_error(["--config", str(cfg), "--resume", "model.num_layers=3"], capsys)
+    assert "different model" in err
+
+
+def test_cli_subprocess_exit_code_and_one_line(make_config, tmp_path):
+    """The installed console script: exit 2, one line, no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "tessera.trainer.cli", "--config", str(make_config()),
+                           "model.num_heads=5"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "num_heads (5) must divide hidden_size (32)" in lines[0], proc.stderr

@@ -1,0 +1,103 @@
+"""The loop's numerics: accumulation, recompute, precision modes, and learning."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tessera.common.config import load_config
+from tessera.trainer.cli import main
+from tessera.trainer.config import TrainConfig
+from tessera.trainer.distributed import init_runtime
+from tessera.trainer.trainer import Trainer, check_inputs
+
+
+def make_trainer(path, *overrides) -> Trainer:
+    cfg = load_config(TrainConfig, path, list(overrides))
+    return Trainer(cfg, check_inputs(cfg), init_runtime("cpu"), quiet=True)
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def run_steps(trainer: Trainer, n: int) -> list[float]:
+    torch.manual_seed(0)
+    return [trainer.train_step()[0] for _ in range(n)]
+
+
+def test_gradient_accumulation_equals_one_big_batch(make_config):
+    path = make_config()
+    one = make_trainer(path, "training.micro_batch_size=4")
+    four = make_trainer(path, "training.micro_batch_size=1")
+    assert four.plan.num_micro_batches == 4
+    loss_one, loss_four = run_steps(one, 3), run_steps(four, 3)
+    assert loss_one == pytest.approx(loss_four, rel=1e-5)
+    for (name, a), b in zip(weights(one).items(), weights(four).values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_gives_the_same_gradients(make_config, mode):
+    path = make_config()
+    ref = make_trainer(path)
+    rec = make_trainer(path, f"training.recompute={mode}")
+    assert run_steps(ref, 2) == run_steps(rec, 2)
+    for (name, a), b in zip(weights(ref).items(), weights(rec).values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_bf16_autocast_tracks_fp32_with_fp32_master_weights(make_config):
+    path = make_config()
+    ref = make_trainer(path)
+    bf16 = make_trainer(path, "training.precision=bf16")
+    losses_ref, losses_bf16 = run_steps(ref, 3), run_steps(bf16, 3)
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    assert all(p.grad.dtype == torch.float32 for p in bf16.model.parameters())
+    assert losses_bf16 == pytest.approx(losses_ref, rel=2e-2)
+    assert losses_bf16 != losses_ref  # it really computed in bf16
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale(make_config):
+    trainer = make_trainer(make_config(), "training.precision=fp16", "training.fp16_initial_scale=1e38")
+    before = weights(trainer)
+    loss, _, stepped = trainer.train_step()
+    assert not stepped and trainer.precision.loss_scale == pytest.approx(5e37, rel=1e-6)
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert trainer.state.step == 1  # the step counts (its data is consumed), only the update is skipped
+
+
+def test_fp16_with_a_sane_scale_trains(make_config):
+    trainer = make_trainer(make_config(), "training.precision=fp16", "training.fp16_initial_scale=1024")
+    results = [trainer.train_step() for _ in range(3)]
+    assert all(stepped for _, _, stepped in results)
+    assert all(torch.isfinite(torch.tensor(loss)) for loss, _, _ in results)
+
+
+def test_cli_run_learns_and_writes_metrics(make_config, tmp_path):
+    path = make_config(training={"steps": 30, "eval_interval": 15, "log_interval": 5},
+                       schedule={"warmup_steps": 3}, logging={"tensorboard": True})
+    assert main(["--config", str(path), "--quiet"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]
+    assert [r["step"] for r in evals] == [15, 30]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    for key in ("grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "memory_gib", "consumed_samples"):
+        assert key in train[0], key
+    assert train[-1]["consumed_samples"] == 30 * 4
+    assert evals[-1]["valid_ppl"] == pytest.approx(2.718281828 ** evals[-1]["valid_loss"], rel=1e-6)
+    event_files = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert event_files and event_files[0].stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager(make_config):
+    path = make_config()
+    eager = make_trainer(path, "model.num_layers=1")
+    compiled = make_trainer(path, "training.compile=true", "model.num_layers=1")
+    assert run_steps(compiled, 2) == pytest.approx(run_steps(eager, 2), rel=1e-4)
+    assert sorted(n for n, _ in compiled.model.named_parameters()) == sorted(n for n, _ in eager.model.named_parameters())
