@@ -37,6 +37,11 @@ class ServingMetrics:
         self.e2e = Histogram("tessera:e2e_request_latency_seconds", "Arrival to last token.",
                              labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.model_name = model_name
+        # Create every labelled child now so scrapers see zeros before the first request.
+        for metric in (self.running, self.waiting, self.kv_usage, self.prefix_hit_rate, self.prefix_queries,
+                       self.prefix_hits, self.prompt_tokens, self.generation_tokens, self.preemptions,
+                       self.ttft, self.itl, self.e2e):
+            metric.labels(model_name)
         self._last_preemptions = 0
         self._last_queries = 0
         self._last_hits = 0
