@@ -17,15 +17,40 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import harness  # noqa: E402
+import parallel_harness as harness  # noqa: E402
 
 from tessera.common.layout import ParallelLayout  # noqa: E402
 from tessera.common.model import build_model  # noqa: E402
+from tessera.common.parallel.random import TensorParallelRNG  # noqa: E402
 from tessera.common.parallel.state import build_groups, destroy_distributed, init_distributed  # noqa: E402
 from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime  # noqa: E402
 
 
+def rng_job(job: dict) -> None:
+    """Dropout streams: equal across tensor ranks outside tensor-parallel regions, distinct inside."""
+    groups = build_groups(ParallelLayout(**job["layout"]))
+    rng = TensorParallelRNG(7, groups.tp_rank, groups.pp_rank, groups.device)
+    rng.seed_default()
+    before = torch.rand(8)
+    with rng.fork():
+        inside = torch.rand(8)
+    after = torch.rand(8)
+    draws = torch.stack([before, inside, after])
+    gathered = [torch.empty_like(draws) for _ in range(groups.tp)]
+    torch.distributed.all_gather(gathered, draws, group=groups.tp_group)
+    torch.manual_seed(7)
+    plain = torch.rand(16)
+    if groups.rank == 0:
+        with open(job["out"], "w") as f:
+            json.dump({"draws": [g.tolist() for g in gathered], "plain": plain.tolist()}, f)
+    torch.distributed.barrier()
+
+
 def run_job(job: dict, cfg) -> None:
+    if job.get("kind") == "rng":
+        return rng_job(job)
+    if job.get("model"):
+        cfg = harness.model_config(**job["model"])
     layout = ParallelLayout(**job["layout"])
     groups = build_groups(layout)
     pcfg = ParallelConfig(seq_len=harness.SEQ, global_batch=harness.GLOBAL_BATCH,

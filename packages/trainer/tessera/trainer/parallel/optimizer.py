@@ -116,17 +116,18 @@ class DistributedOptimizer:
         return keys
 
     def state_dict(self, global_names: dict[int, str]) -> dict[str, object]:
-        """{'optimizer.state.<global name>.<exp_avg|exp_avg_sq|master>': DTensor, 'optimizer.step': t}.
+        """{'optimizer.state.<global name>.<exp_avg|exp_avg_sq|step|master>': tensor}.
 
-        `global_names` maps id(parameter) to its checkpoint name (tied copies share a name; DCP
-        stores it once). Collective over the data-parallel group.
+        The same keys as the single-process trainer's checkpoints (tessera.trainer.checkpointing),
+        so either can resume the other. Moments are global DTensors over the tensor mesh whatever
+        the data-parallel sharding; `step` a scalar. `global_names` maps id(parameter) to its
+        checkpoint name (tied copies share a name; DCP stores it once). Collective over the
+        data-parallel group.
         """
         out: dict[str, object] = {}
-        step = 0.0
         for m, b in zip(self.masters, self.buckets.buckets):
             st = self.inner.state.get(m, {})
-            if "step" in st:
-                step = float(st["step"])
+            step = float(st["step"]) if "step" in st else 0.0
             for key in self._state_keys(b.param_buf.dtype):
                 if key == "master":
                     shard = m.detach()
@@ -136,16 +137,17 @@ class DistributedOptimizer:
                 for p, o in zip(b.params, b.offsets):
                     local = full[o:o + p.numel()].view(p.shape).clone()
                     out[f"{OPTIM_PREFIX}state.{global_names[id(p)]}.{key}"] = to_global(local, p, self.groups)
-        out[f"{OPTIM_PREFIX}step"] = torch.tensor(step, dtype=torch.float64)
+            for p in b.params:
+                out[f"{OPTIM_PREFIX}state.{global_names[id(p)]}.step"] = torch.tensor(step, dtype=torch.float32)
         return out
 
     def load_state_dict(self, state: dict[str, object], global_names: dict[int, str]) -> None:
         """Inverse of `state_dict` (same keys, filled by DCP). Masters are re-read from parameters
         when the checkpoint has none (fp32 models: the parameters are the masters)."""
-        step = float(state[f"{OPTIM_PREFIX}step"])  # type: ignore[arg-type]
         with torch.no_grad():
             for m, b in zip(self.masters, self.buckets.buckets):
                 lo, hi = b.shard_range(self._rank)
+                step = float(state[f"{OPTIM_PREFIX}state.{global_names[id(b.params[0])]}.step"])  # type: ignore[arg-type]
                 st: dict[str, torch.Tensor] = {"step": torch.tensor(step, dtype=torch.float32)}
                 m.copy_(b.param_buf[lo:hi].float())
                 for key in self._state_keys(b.param_buf.dtype):
