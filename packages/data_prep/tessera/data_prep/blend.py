@@ -12,7 +12,7 @@ Megatron GPT-dataset semantics, per dataset k and split:
 
 The blend then assigns global sample n to the dataset with the largest deficit
 weight_k * (n + 1) - count_k (ties to the lower k), which keeps every dataset within one sample
-of weight_k * n after every n. Everything is seeded from (seed, split, dataset, epoch), so the
+of weight_k * n after every n. Every shuffle is seeded from (seed, split, dataset), epochs drawing successive permutations, so the
 same inputs and parameters give byte-identical files.
 """
 
@@ -91,8 +91,12 @@ def split_ranges(fractions: list[float], num_documents: int) -> list[tuple[int, 
     return [(bounds[i], bounds[i + 1]) for i in range(len(fractions))]
 
 
-def _rng(seed: int, split: int, dataset: int, epoch: int, kind: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, split, dataset, epoch, kind])))
+DOCUMENTS, SAMPLES = 0, 1  # the two shuffles of a dataset, each from its own random stream
+
+
+def _rng(seed: int, split: int, dataset: int, kind: int) -> np.random.Generator:
+    """One stream per (seed, split, dataset, shuffle); epochs draw successive permutations from it."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, split, dataset, kind])))
 
 
 def document_lengths(ds: IndexedDataset) -> np.ndarray:
@@ -102,20 +106,28 @@ def document_lengths(ds: IndexedDataset) -> np.ndarray:
 
 
 def blend_assignment(weights: list[float], num_samples: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """(dataset_index, dataset_sample_index, per-dataset counts) by largest deficit."""
-    k = len(weights)
-    dataset_index = np.zeros(num_samples, dtype=np.uint16)
+    """(dataset_index, dataset_sample_index, per-dataset counts) by largest deficit.
+
+    `deficit[k]` is weight_k * (n + 1) - count_k for the step n about to be decided; the loop
+    keeps it up to date by adding the weights once per step, so each step is a handful of
+    C-level list operations (max, index, a comprehension) rather than K Python-level ones.
+    """
+    weights = [float(w) for w in weights]
+    deficit = list(weights)  # n = 0: weight_k * 1 - 0
+    choices = bytearray() if len(weights) <= 256 else []
+    for _ in range(num_samples):
+        k = deficit.index(max(deficit))  # first maximum: ties go to the lower dataset number
+        choices.append(k)
+        deficit[k] -= 1.0
+        deficit = [d + w for d, w in zip(deficit, weights)]
+    dataset_index = np.frombuffer(bytes(choices), dtype=np.uint8).astype(np.uint16) if isinstance(
+        choices, bytearray) else np.asarray(choices, dtype=np.uint16)
     dataset_sample_index = np.zeros(num_samples, dtype=np.int64)
-    counts = [0] * k
-    for n in range(num_samples):
-        best, best_deficit = 0, -float("inf")
-        for j in range(k):
-            deficit = weights[j] * (n + 1) - counts[j]
-            if deficit > best_deficit:
-                best, best_deficit = j, deficit
-        dataset_index[n] = best
-        dataset_sample_index[n] = counts[best]
-        counts[best] += 1
+    counts = []
+    for k in range(len(weights)):
+        mask = dataset_index == k
+        counts.append(int(mask.sum()))
+        dataset_sample_index[mask] = np.arange(counts[-1], dtype=np.int64)
     return dataset_index, dataset_sample_index, counts
 
 
@@ -126,20 +138,19 @@ def build_dataset_indices(doc_lengths: np.ndarray, first: int, last: int, num_sa
     tokens_per_epoch = int(doc_lengths[first:last].sum())
     needed = num_samples * seq_length + 1  # the last sample's final token must exist
     epochs = -(-needed // tokens_per_epoch)
-    document_index = np.concatenate([
-        first + _rng(seed, split_id, dataset_id, e, 0).permutation(num_docs) for e in range(epochs)
-    ]).astype(np.int32)
+    rng = _rng(seed, split_id, dataset_id, DOCUMENTS)
+    document_index = np.concatenate([first + rng.permutation(num_docs) for _ in range(epochs)]).astype(np.int32)
     ends = np.cumsum(doc_lengths[document_index], dtype=np.int64)
     starts_tok = np.arange(num_samples + 1, dtype=np.int64) * seq_length
     pos = np.searchsorted(ends, starts_tok, side="right")
     offset = starts_tok - (ends[pos] - doc_lengths[document_index[pos]])
     sample_index = np.stack([pos, offset], axis=1).astype(np.int64)
-    # Shuffle samples within the epoch their first token belongs to.
+    # Shuffle samples within the epoch their first token belongs to. Sample starts only move
+    # forward, so each epoch's samples are one contiguous run [bounds[g], bounds[g + 1]).
     sample_epoch = pos[:-1] // num_docs
-    shuffle_index = np.empty(num_samples, dtype=np.int64)
-    for e in np.unique(sample_epoch):
-        members = np.flatnonzero(sample_epoch == e)
-        shuffle_index[members] = members[_rng(seed, split_id, dataset_id, int(e), 1).permutation(len(members))]
+    bounds = np.concatenate([[0], np.flatnonzero(np.diff(sample_epoch)) + 1, [num_samples]])
+    rng = _rng(seed, split_id, dataset_id, SAMPLES)
+    shuffle_index = np.concatenate([lo + rng.permutation(hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:])])
     return document_index, sample_index, shuffle_index
 
 
