@@ -13,11 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import parallel_harness as H
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-import parallel_harness as H
 from tessera.common.checkpoint import load_model_tensors
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

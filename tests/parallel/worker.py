@@ -9,6 +9,7 @@ trains, optionally saves (DCP, layout-free), and rank 0 writes {"losses": [...]}
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -18,11 +19,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import parallel_harness as harness  # noqa: E402
-
 from tessera.common.layout import ParallelLayout  # noqa: E402
 from tessera.common.model import build_model  # noqa: E402
 from tessera.common.parallel.random import TensorParallelRNG  # noqa: E402
 from tessera.common.parallel.state import build_groups, destroy_distributed, init_distributed  # noqa: E402
+from tessera.trainer.parallel.launch import add_parallel_arguments, layout_from_args, parse_pipeline_layers  # noqa: E402
 from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime  # noqa: E402
 
 
@@ -51,7 +52,17 @@ def run_job(job: dict, cfg) -> None:
         return rng_job(job)
     if job.get("model"):
         cfg = harness.model_config(**job["model"])
-    layout = ParallelLayout(**job["layout"])
+    if "argv" in job:
+        # As the trainer CLI would: flags -> layout (data parallel implied by the world size).
+        parser = argparse.ArgumentParser()
+        add_parallel_arguments(parser)
+        args = parser.parse_args(job["argv"])
+        layout = layout_from_args(args, torch.distributed.get_world_size())
+        job = {**job, "parallel": {**job.get("parallel", {}), "sequence_parallel": args.sequence_parallel,
+                                   "distributed_optimizer": args.distributed_optimizer,
+                                   "pipeline_layers": parse_pipeline_layers(args.pipeline_layers)}}
+    else:
+        layout = ParallelLayout(**job["layout"])
     groups = build_groups(layout)
     pcfg = ParallelConfig(seq_len=harness.SEQ, global_batch=harness.GLOBAL_BATCH,
                           **{"micro_batch": 1, **job.get("parallel", {})})

@@ -16,14 +16,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
 from tessera.common.parallel.mappings import (
     copy_to_tp,
     gather_seq,
     reduce_from_tp,
     reduce_scatter_seq,
 )
+from torch import nn
 
 
 def tag(param: torch.Tensor, shard_dim: int | None, partial: bool = False) -> None:

@@ -15,7 +15,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup):
         ctx.in_dtype = logits.dtype
-        logits = logits.float()
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the softmax statistics need fp32 range and precision
         local_vocab = logits.shape[-1]
         start = dist.get_rank(group) * local_vocab
         world = dist.get_world_size(group)

@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from tessera.common.parallel.state import ParallelGroups
+from torch import nn
 
 
 def _needs_presync(p: nn.Parameter) -> bool:

@@ -17,15 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-
 from tessera.common.model import Transformer
 from tessera.common.parallel.layers import tag
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.tensor_parallel import parallel_logits, parallelize_model
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 TIED_NAME = "embed_tokens.weight"
 

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import Field
-
 from tessera.common.config import StrictModel
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig

@@ -1,0 +1,67 @@
+"""Command-line flags and process-group set-up for parallel launches.
+
+    torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
+        -m tessera.trainer train ... --tensor-parallel 2 --pipeline-parallel 2 --virtual-stages 2
+
+Data parallel is implied: world size / (tensor x pipeline). The trainer CLI adds these flags with
+`add_parallel_arguments`, turns them into a layout with `layout_from_args` (validating before
+any work), and joins the job with `setup_parallel`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from tessera.common.errors import UserError
+from tessera.common.layout import ParallelLayout
+from tessera.common.parallel.state import ParallelGroups, build_groups, init_distributed, set_groups
+
+
+def parse_pipeline_layers(text: str | None) -> list[int] | None:
+    """'5,4,4,3' -> [5, 4, 4, 3]; None or '' or 'auto' -> None (automatic split)."""
+    if text is None or text.strip() in ("", "auto"):
+        return None
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"--pipeline-layers {text!r}: expected comma-separated layer counts, e.g. 5,4,4,3") from None
+    return counts
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism (data parallel = world size / (tensor x pipeline))")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="Tensor-parallel size: must divide heads, kv heads, ffn size and vocab (default 1).")
+    g.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
+                   help="Pipeline stages across ranks; 1F1B schedule (default 1).")
+    g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="Model chunks per pipeline rank; above 1 uses interleaved 1F1B (default 1).")
+    g.add_argument("--pipeline-layers", default=None, metavar="L1,L2,...",
+                   help="Layers per stage in stage order (pipeline x virtual-stages values), e.g. 5,4,4,3; "
+                        "automatic when omitted.")
+    g.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="Keep norms/dropout replicated across tensor ranks (default: sequence parallel on).")
+    g.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false",
+                   help="Keep full optimizer state on every data-parallel rank (default: ZeRO-1 sharding).")
+
+
+def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> ParallelLayout:
+    """The layout the flags ask for on `world_size` processes (default: torchrun's WORLD_SIZE)."""
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    tp, pp, v = args.tensor_parallel, args.pipeline_parallel, args.virtual_stages
+    for flag, value in (("--tensor-parallel", tp), ("--pipeline-parallel", pp), ("--virtual-stages", v)):
+        if value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
+    if world % (tp * pp):
+        raise UserError(f"world size {world} is not divisible by --tensor-parallel {tp} x --pipeline-parallel {pp}; "
+                        "launch a multiple of tensor x pipeline processes")
+    return ParallelLayout(tensor=tp, pipeline=pp, virtual_stages=v, data=world // (tp * pp))
+
+
+def setup_parallel(layout: ParallelLayout) -> ParallelGroups:
+    """Join the torchrun job (or a one-process group), build and register the groups."""
+    device = init_distributed()
+    groups = build_groups(layout, device)
+    set_groups(groups)
+    return groups
