@@ -251,7 +251,7 @@ class Trainer:
                         "kind": "train", "step": self.state.step, "total_steps": t.steps, "loss": loss,
                         "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
                         "tokens_per_s": tokens_per_s, "tflops": tflops,
-                        "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+                        "mfu": tflops / (self.peak_tflops * self.rt.world_size) if self.peak_tflops else None,
                         "memory_gib": memory_gib(self.rt.device), "loss_scale": self.precision.loss_scale,
                         "step_skipped": not stepped, "consumed_samples": self.state.consumed_samples,
                         "consumed_tokens": self.state.consumed_tokens, "step_time_s": step_time,
