@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import os
 
 import torch
 
+# Whether Triton is installed, found without importing it (importing it fixes its interpreter
+# mode for the process; see docs/kernels.md). A broken install then fails loudly at first use.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
-@functools.cache
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return _TRITON_INSTALLED
 
 
 def interpret_mode() -> bool:

@@ -3,6 +3,8 @@
 Semantics are those of `rms_norm_reference` (and Hugging Face's LlamaRMSNorm):
     n = (x.float() * rstd).to(x.dtype),  rstd = 1 / sqrt(mean(x.float()^2) + eps)
     y = weight * n                       (dtype: torch.promote_types(x.dtype, weight.dtype))
+Both passes are registered as torch custom ops (tessera::rms_norm_fwd / rms_norm_bwd) with
+autograd and fake-tensor rules, so torch.compile treats them as opaque ops.
 The forward saves only rstd (fp32, one value per row) for the backward, which recomputes the
 normalised row from x rather than storing it: that is the "fused" saving over the reference, whose
 autograd graph keeps several full-size fp32 intermediates.
@@ -89,58 +91,86 @@ def _num_bwd_programs(n_rows: int, device: torch.device) -> int:
     return max(1, min(n_rows, 4))
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        n_cols = x.shape[-1]
-        if weight.shape != (n_cols,):
-            raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {n_cols}")
-        if n_cols > MAX_FUSED_HIDDEN:
-            raise ValueError(f"rms_norm_triton: hidden size {n_cols} exceeds {MAX_FUSED_HIDDEN}")
-        x2d = x.reshape(-1, n_cols)
-        if x2d.stride(-1) != 1:
-            x2d = x2d.contiguous()
-        weight_c = weight.contiguous()
-        n_rows = x2d.shape[0]
-        out_dtype = torch.promote_types(x.dtype, weight.dtype)
-        y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
-        rstd = torch.empty((n_rows,), dtype=torch.float32, device=x.device)
-        block_n, num_warps = _launch_params(n_cols)
-        if n_rows > 0:
-            _rms_norm_fwd_kernel[(n_rows,)](
-                x2d, weight_c, y, rstd,
-                x2d.stride(0), y.stride(0),
-                n_cols, eps,
-                BLOCK_N=block_n, num_warps=num_warps,
-            )
-        ctx.save_for_backward(x2d, weight_c, rstd)
-        ctx.x_shape = x.shape
-        return y.reshape(*x.shape[:-1], n_cols)
+# The kernels are wrapped as torch custom ops with autograd and fake-tensor rules, so that
+# torch.compile (the trainer's --compile) treats them as opaque ops instead of tracing into the
+# launch code, and autograd sees one node for the whole norm.
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x2d, weight, rstd = ctx.saved_tensors
-        n_rows, n_cols = x2d.shape
-        dy2d = dy.reshape(-1, n_cols)
-        if dy2d.stride(-1) != 1:
-            dy2d = dy2d.contiguous()
-        dx = torch.empty_like(x2d)
-        n_programs = _num_bwd_programs(n_rows, x2d.device)
-        rows_per_program = triton.cdiv(n_rows, n_programs) if n_rows else 0
-        dw_partial = torch.zeros((n_programs, n_cols), dtype=torch.float32, device=x2d.device)
-        block_n, num_warps = _launch_params(n_cols)
-        if n_rows > 0:
-            _rms_norm_bwd_kernel[(n_programs,)](
-                x2d, weight, dy2d, rstd, dx, dw_partial,
-                x2d.stride(0), dy2d.stride(0), dx.stride(0),
-                n_rows, n_cols, rows_per_program,
-                BLOCK_N=block_n, num_warps=num_warps,
-            )
-        dweight = dw_partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        dx_out = dx.reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        return dx_out, dweight, None
+
+@torch.library.custom_op("tessera::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd(x2d: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2d [rows, hidden] -> (y [rows, hidden] in promote(x, weight) dtype, rstd fp32 [rows])."""
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    n_rows, n_cols = x2d.shape
+    y = torch.empty((n_rows, n_cols), dtype=torch.promote_types(x2d.dtype, weight.dtype), device=x2d.device)
+    rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device)
+    block_n, num_warps = _launch_params(n_cols)
+    if n_rows > 0:
+        _rms_norm_fwd_kernel[(n_rows,)](
+            x2d, weight.contiguous(), y, rstd,
+            x2d.stride(0), y.stride(0),
+            n_cols, eps,
+            BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return y, rstd
+
+
+@_rms_norm_fwd.register_fake
+def _(x2d, weight, eps):
+    y = x2d.new_empty(x2d.shape, dtype=torch.promote_types(x2d.dtype, weight.dtype))
+    return y, x2d.new_empty((x2d.shape[0],), dtype=torch.float32)
+
+
+@torch.library.custom_op("tessera::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd(
+    dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [rows, hidden] in x's dtype, dweight [hidden] in weight's dtype)."""
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    if dy2d.stride(-1) != 1:
+        dy2d = dy2d.contiguous()
+    n_rows, n_cols = x2d.shape
+    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
+    n_programs = _num_bwd_programs(n_rows, x2d.device)
+    dw_partial = torch.zeros((n_programs, n_cols), dtype=torch.float32, device=x2d.device)
+    block_n, num_warps = _launch_params(n_cols)
+    if n_rows > 0:
+        _rms_norm_bwd_kernel[(n_programs,)](
+            x2d, weight.contiguous(), dy2d, rstd, dx, dw_partial,
+            x2d.stride(0), dy2d.stride(0), dx.stride(0),
+            n_rows, n_cols, triton.cdiv(n_rows, n_programs),
+            BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return dx, dw_partial.sum(0).to(weight.dtype)
+
+
+@_rms_norm_bwd.register_fake
+def _(dy2d, x2d, weight, rstd):
+    return x2d.new_empty(x2d.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x2d, weight, _eps = inputs
+    _y, rstd = output
+    ctx.save_for_backward(x2d, weight, rstd)
+
+
+def _backward(ctx, dy2d, _drstd):
+    x2d, weight, rstd = ctx.saved_tensors
+    dx, dweight = torch.ops.tessera.rms_norm_bwd(dy2d, x2d, weight, rstd)
+    return (dx if ctx.needs_input_grad[0] else None), (dweight if ctx.needs_input_grad[1] else None), None
+
+
+_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of `x` (any leading dims), differentiable in x and weight."""
-    return _RMSNormFunction.apply(x, weight, eps)
+    n_cols = x.shape[-1]
+    if weight.shape != (n_cols,):
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {n_cols}")
+    if n_cols > MAX_FUSED_HIDDEN:
+        raise ValueError(f"rms_norm_triton: hidden size {n_cols} exceeds {MAX_FUSED_HIDDEN}")
+    y, _rstd = torch.ops.tessera.rms_norm_fwd(x.reshape(-1, n_cols), weight, eps)
+    return y.reshape(x.shape[:-1] + (n_cols,))
