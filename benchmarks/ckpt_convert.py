@@ -23,13 +23,16 @@ import tempfile
 import time
 from pathlib import Path
 
+# Peak RSS is VmHWM of the converting process itself (ru_maxrss would include the parent's peak,
+# which survives fork + exec on Linux).
 WRAPPER = r"""
-import resource, sys, time
+import sys, time
 from tessera.ckpt_convert.cli import run
 t0 = time.perf_counter()
 code = run(sys.argv[1:]) if len(sys.argv) > 1 else 0
 dt = time.perf_counter() - t0
-print("BENCH", dt, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)
+hwm = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM")][0].split()[1]
+print("BENCH", dt, int(hwm) * 1024, file=sys.stderr)
 """
 
 

@@ -69,8 +69,10 @@ class ShardedDcpWriter:
             piece = tensor
             for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
                 piece = piece.narrow(dim, off, size)
-            # clone(): torch.save writes a view's whole storage; a chunk must store only itself.
-            piece = piece.contiguous().clone()
+            piece = piece.contiguous()
+            if piece.untyped_storage().nbytes() != piece.nbytes:
+                # torch.save writes a view's whole storage; a chunk must store only itself.
+                piece = piece.clone()
             f = self.files[chunk.rank]
             offset = f.tell()
             torch.save(piece, f)

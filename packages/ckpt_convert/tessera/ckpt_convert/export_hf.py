@@ -82,7 +82,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     cfg = src.sidecar.model
     rules = export_rules(cfg)
-    src.check_integrity()
+    checksums = src.check_integrity(background=True)
     check_model_tensors(src, rules, expected_model_shapes(cfg))
     tok = load_tokenizer(src.tokenizer_dir) if src.tokenizer_dir else None
     if tok is None:
@@ -117,6 +117,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
                 "weight_map": {t.name: fname for shard, fname in zip(shards, names) for t in shard},
             })
         write_config_files(tmp, cfg, dtype, tok)
+        checksums.result()  # the input's checksums must match before the output is committed
     return output
 
 

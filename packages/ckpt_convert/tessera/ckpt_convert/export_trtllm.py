@@ -227,7 +227,7 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
     validate(cfg, tp, pp)
     all_items = items(cfg, tp, pp)
     check_model_tensors(src, [Rule(i.name, i.sources, i.shape) for i in all_items], expected_model_shapes(cfg))
-    src.check_integrity()
+    checksums = src.check_integrity(background=True)
     dtype = opts.dtype or src.model_specs["embed_tokens.weight"].dtype
     config = trtllm_config(cfg, dtype, tp, pp)
 
@@ -259,4 +259,5 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
             for f in files:
                 f.close()
         atomic_write_json(tmp / "config.json", config)
+        checksums.result()  # the input's checksums must match before the output is committed
     return output

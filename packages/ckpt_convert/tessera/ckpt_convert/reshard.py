@@ -60,7 +60,7 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     validate_layout(src.sidecar.model, layout)
-    src.check_integrity()
+    checksums = src.check_integrity(background=True)
     chunks = plan(src, layout)
     planner_data = src.metadata.planner_data if isinstance(src.metadata.planner_data, dict) else {}
     step = src.sidecar.step
@@ -91,4 +91,5 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
         sidecar.resharded_from = src.sidecar.layout.short()  # type: ignore[attr-defined]  # extra field
         finalize_checkpoint(target, sidecar)
         write_pointer(tmp, step)
+        checksums.result()  # the input's checksums must match before the output is committed
     return output
