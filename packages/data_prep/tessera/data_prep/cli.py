@@ -24,7 +24,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors through UserError (one line, exit 2)."""
 
     def error(self, message: str):  # type: ignore[override]
-        raise UserError(f"{self.prog}: {message} (see --help)")
+        verb = self.prog.removeprefix("tessera-data").strip()  # run_cli already names the program
+        raise UserError(f"{verb + ': ' if verb else ''}{message} (see --help)")
 
 
 def _add_prep(sub) -> None:
