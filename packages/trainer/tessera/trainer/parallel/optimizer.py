@@ -1,7 +1,8 @@
 """The distributed optimizer: AdamW over data-parallel shards of flat buckets (ZeRO stage 1).
 
-Each data-parallel rank keeps fp32 master weights and Adam moments only for its slice of each
-gradient bucket (1/DP of the model's optimizer state), steps them with torch.optim.AdamW (one
+Each data-parallel rank keeps fp32 master weights (for fp32 models: the parameters themselves)
+and Adam moments only for its slice of each gradient bucket (1/DP of the model's optimizer
+state), steps them with torch.optim.AdamW (one
 flat tensor per bucket slice: AdamW is elementwise, so this is the same arithmetic as per
 parameter), writes the result into its slice of the parameters and all-gathers the slices.
 With `shard=False` the same class is plain data parallel: all-reduced gradients, full state on
@@ -54,7 +55,11 @@ class DistributedOptimizer:
         self._rank = groups.dp_rank if self.buckets.sharded else 0
         self.masters: list[nn.Parameter] = []
         for b in self.buckets.buckets:
-            self.masters.append(nn.Parameter(b.param_shard(self._rank).detach().clone().float()))
+            shard = b.param_shard(self._rank).detach()
+            # fp32 parameters are their own master weights: the optimizer updates this rank's
+            # slice of the flat parameter buffer in place (no copy). Lower precision keeps an
+            # fp32 master shard and copies back after each step.
+            self.masters.append(nn.Parameter(shard if shard.dtype == torch.float32 else shard.clone().float()))
         decay = [m for m, b in zip(self.masters, self.buckets.buckets) if b.weight_decay]
         nodecay = [m for m, b in zip(self.masters, self.buckets.buckets) if not b.weight_decay]
         param_groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
@@ -95,7 +100,9 @@ class DistributedOptimizer:
             m.grad = b.grad_shard if b.grad_shard.dtype == torch.float32 else b.grad_shard.float()
         self.inner.step()
         for m, b in zip(self.masters, self.buckets.buckets):
-            b.param_shard(self._rank).copy_(m)
+            shard = b.param_shard(self._rank)
+            if m.data_ptr() != shard.data_ptr():
+                shard.copy_(m)
             m.grad = None
         self.buckets.all_gather_params()
         return norm
@@ -148,7 +155,8 @@ class DistributedOptimizer:
                 lo, hi = b.shard_range(self._rank)
                 step = float(state[f"{OPTIM_PREFIX}state.{global_names[id(b.params[0])]}.step"])  # type: ignore[arg-type]
                 st: dict[str, torch.Tensor] = {"step": torch.tensor(step, dtype=torch.float32)}
-                m.copy_(b.param_buf[lo:hi].float())
+                if m.data_ptr() != b.param_buf[lo:hi].data_ptr():
+                    m.copy_(b.param_buf[lo:hi].float())
                 for key in self._state_keys(b.param_buf.dtype):
                     full = torch.zeros(b.numel, dtype=torch.float32, device=b.param_buf.device)
                     for p, o in zip(b.params, b.offsets):
