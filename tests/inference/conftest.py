@@ -7,8 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, save_model_tensors, write_pointer
+from tessera.common.checkpoint import (
+    CheckpointSidecar,
+    finalize_checkpoint,
+    save_model_tensors,
+    write_pointer,
+)
 from tessera.common.model import build_model
 from tessera.common.model_config import ModelConfig
 

@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
 from tessera.inference.scheduler import ScheduledBatch

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pydantic import Field, model_validator
-
 from tessera.common.config import StrictModel
 
 

@@ -1,0 +1,220 @@
+"""Serving benchmark, after vLLM's benchmark_serving: our server vs transformers peers, same model.
+
+Starts `tessera-serve` as a subprocess on a randomly initialised Llama (default: ~20M parameters,
+a scaled-down llama-160m; `--preset llama-160m` for the real shape), sends N requests with a
+fixed concurrency (default 32) over streaming /v1/completions, and reports request throughput,
+output tokens/s, TTFT, TPOT and ITL (mean, median, p99). Then, in the same run, on the same
+weights and the same prompts/output lengths:
+  - naive:  transformers `generate`, one request at a time (a server without batching);
+  - static: transformers `generate` on padded static batches of `concurrency` requests
+            (each batch runs until its longest request is done; only requested tokens count).
+Requests use ignore_eos so every engine produces exactly the requested number of tokens.
+
+    .venv/bin/python benchmarks/serving.py --num-requests 64 --concurrency 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def build_checkpoint(root: Path, preset: str) -> tuple[Path, object]:
+    import inspect
+    import json as _json
+    import textwrap
+
+    from tessera.common.checkpoint import (
+        CheckpointSidecar,
+        finalize_checkpoint,
+        save_model_tensors,
+        write_pointer,
+    )
+    from tessera.common.model import build_model
+    from tessera.common.model_config import ModelConfig
+    from tessera.common.model_config import preset as model_preset
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if preset == "llama-160m":
+        cfg = model_preset("llama-160m", vocab_size=8192, max_seq_len=1024)
+    else:  # llama-20m: llama-160m's recipe scaled down for a 2-core CPU
+        cfg = ModelConfig(arch="llama", vocab_size=8192, hidden_size=384, num_layers=6, num_heads=6,
+                          num_kv_heads=6, ffn_hidden_size=1024, max_seq_len=1024)
+    it = root / "checkpoints" / "iter_0000001"
+    it.mkdir(parents=True)
+    model = build_model(cfg, seed=0)
+    save_model_tensors(it, dict(model.state_dict()))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=2048, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([inspect.getsource(m) for m in (textwrap, _json.decoder, _json.encoder)], trainer)
+    (it / "tokenizer").mkdir()
+    tok.save(str(it / "tokenizer" / "tokenizer.json"))
+    (it / "tokenizer" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    finalize_checkpoint(it, CheckpointSidecar(model=cfg, step=1))
+    write_pointer(root / "checkpoints", 1)
+    return root, model
+
+
+def hf_model_from(model) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = model.cfg
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.kv_heads,
+        max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0))
+    state = {}
+    for name, t in model.state_dict().items():
+        n = name.replace("layers.", "model.layers.").replace(".attn.", ".self_attn.")
+        n = n.replace("attn_norm", "input_layernorm").replace("mlp_norm", "post_attention_layernorm")
+        n = {"embed_tokens.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight"}.get(n, n)
+        state[n] = t
+    hf.load_state_dict(state, strict=False)
+    return hf.eval()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+async def run_client(url: str, workload, concurrency: int) -> dict:
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    ttft, itl, tpot, e2e, out_tokens = [], [], [], [], 0
+
+    async def one(client, prompt, n_out):
+        nonlocal out_tokens
+        async with sem:
+            t0 = time.perf_counter()
+            times = []
+            body = {"prompt": prompt, "max_tokens": n_out, "temperature": 0, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        times.append(time.perf_counter())
+            # one chunk per token here except held-back partial characters; count tokens exactly
+            end = time.perf_counter()
+            ttft.append(times[0] - t0)
+            itl.extend(b - a for a, b in zip(times, times[1:]))
+            if n_out > 1:
+                tpot.append((end - times[0]) / (n_out - 1))
+            e2e.append(end - t0)
+            out_tokens += n_out
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(client, p, n) for p, n in workload))
+        dur = time.perf_counter() - t0
+    return {"duration": dur, "requests_per_s": len(workload) / dur, "output_tok_per_s": out_tokens / dur,
+            "ttft": ttft, "itl": itl, "tpot": tpot, "e2e": e2e}
+
+
+def run_naive(hf, workload, limit: int) -> dict:
+    tokens, t0 = 0, time.perf_counter()
+    for prompt, n_out in workload[:limit]:
+        with torch.no_grad():
+            hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                        max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, pad_token_id=0)
+        tokens += n_out
+    dur = time.perf_counter() - t0
+    return {"duration": dur, "output_tok_per_s": tokens / dur, "requests": limit}
+
+
+def run_static(hf, workload, batch: int) -> dict:
+    tokens, t0 = 0, time.perf_counter()
+    for i in range(0, len(workload), batch):
+        chunk = workload[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        n_max = max(n for _, n in chunk)
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=n_max, min_new_tokens=n_max, do_sample=False,
+                        pad_token_id=0)
+        tokens += sum(n for _, n in chunk)
+    dur = time.perf_counter() - t0
+    return {"duration": dur, "output_tok_per_s": tokens / dur}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=["llama-20m", "llama-160m"], default="llama-20m")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--input-len", type=int, nargs=2, default=[16, 96], help="prompt length range (uniform)")
+    ap.add_argument("--output-len", type=int, nargs=2, default=[16, 96], help="output length range (uniform)")
+    ap.add_argument("--naive-requests", type=int, default=8, help="requests the naive peer runs (it is slow)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    rng = random.Random(args.seed)
+    workdir = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
+    ckpt, model = build_checkpoint(workdir / "run", args.preset)
+    workload = [([rng.randrange(1, 8192) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len))
+                for _ in range(args.num_requests)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "tessera.inference.cli_main", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
+           "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", "512", "--kv-cache-tokens", "65536"]
+    env = {**os.environ}
+    server = subprocess.Popen(cmd, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline or server.poll() is not None:
+                raise SystemExit("server failed to start")
+            time.sleep(0.3)
+        asyncio.run(run_client(url, workload[:4], 4))  # warm-up
+        ours = asyncio.run(run_client(url, workload, args.concurrency))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    hf = hf_model_from(model)
+    naive = run_naive(hf, workload, args.naive_requests)
+    static = run_static(hf, workload, args.concurrency)
+
+    ms = lambda xs: f"mean {1e3 * statistics.mean(xs):7.1f}  median {1e3 * statistics.median(xs):7.1f}  p99 {1e3 * pct(xs, 99):7.1f} ms"  # noqa: E731
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {args.preset} (random weights, {n_params / 1e6:.1f}M params), fp32, CPU, torch threads {torch.get_num_threads()}")
+    print(f"workload: {args.num_requests} requests, concurrency {args.concurrency}, input {args.input_len}, "
+          f"output {args.output_len} tokens (ignore_eos)")
+    print(f"tessera-serve : {ours['requests_per_s']:.2f} req/s, {ours['output_tok_per_s']:.1f} output tok/s "
+          f"({ours['duration']:.1f} s)")
+    print(f"  TTFT {ms(ours['ttft'])}\n  TPOT {ms(ours['tpot'])}\n  ITL  {ms(ours['itl'])}\n  E2E  {ms(ours['e2e'])}")
+    print(f"HF naive (1 at a time, {naive['requests']} requests): {naive['output_tok_per_s']:.1f} output tok/s")
+    print(f"HF static batch ({args.concurrency}, padded): {static['output_tok_per_s']:.1f} output tok/s "
+          f"({static['duration']:.1f} s)")
+    print(f"ratio vs naive: {ours['output_tok_per_s'] / naive['output_tok_per_s']:.2f}x   "
+          f"vs static batch: {ours['output_tok_per_s'] / static['output_tok_per_s']:.2f}x   "
+          f"TTFT p50 {1e3 * statistics.median(ours['ttft']):.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
