@@ -28,21 +28,33 @@ def test_help_lists_every_verb_and_flag():
 
 
 @pytest.mark.slow
-def test_usage_errors_are_one_line_exit_2(tmp_path, tokenizer_dir):
+def test_console_script_error_and_success(tmp_path, tokenizer_dir):
+    """The installed script maps a user error to one line + exit 2 and succeeds on good input
+    (the other error cases run in-process in the other test files)."""
     make_checkpoint(tmp_path / "ck", tiny_llama(), tokenizer_dir)
-    cases = [
-        (["export", "--format", "onnx", "--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "o")], "invalid choice"),
-        (["export", "--format", "hf", "--checkpoint", str(tmp_path / "missing"), "--output", str(tmp_path / "o")], "not found"),
-        (["export", "--format", "hf", "--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "o"),
-          "--max-shard-size", "lots"], "--max-shard-size"),
-        (["export", "--format", "hf", "--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "ck")],
-         "already exists"),
-    ]
-    for argv, message in cases:
-        proc = cli(*argv)
-        assert proc.returncode == 2, (argv, proc.stderr)
-        assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-        assert "Traceback" not in proc.stderr
+    bad = cli("export", "--format", "hf", "--checkpoint", str(tmp_path / "missing"), "--output", str(tmp_path / "o"))
+    assert bad.returncode == 2 and "not found" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
     assert not (tmp_path / "o").exists()
-    ok = cli("export", "--format", "hf", "--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "hf"))
+    ok = cli("export", "--format", "hf", "--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "hf"),
+             "--quiet")
     assert ok.returncode == 0 and ok.stdout.strip().endswith("hf") and (tmp_path / "hf" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["export", "--format", "onnx", "--checkpoint", "x", "--output", "y"], "invalid choice"),
+    (["export", "--format", "hf", "--checkpoint", "CK", "--output", "y", "--max-shard-size", "lots"], "--max-shard-size"),
+    (["export", "--format", "hf", "--checkpoint", "CK", "--output", "CK"], "already exists"),
+    (["export", "--format", "hf", "--checkpoint", "CK", "--output", "y", "--tensor-parallel", "2"], "trtllm only"),
+    (["reshard", "--checkpoint", "CK", "--output", "y"], "required"),
+])
+def test_usage_errors_in_process(tmp_path, tokenizer_dir, capsys, argv, message):
+    from tessera.ckpt_convert.cli import main
+
+    make_checkpoint(tmp_path / "ck", tiny_llama(num_layers=1), tokenizer_dir)
+    argv = [str(tmp_path / "ck") if a == "CK" else str(tmp_path / a) if a in ("x", "y") else a for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "y").exists()

@@ -45,6 +45,12 @@ def test_reshard_round_trip_bit_identical(tmp_path, tokenizer_dir):
         assert (side.layout.tensor, side.layout.pipeline) == (t, p)
         assert side.step == 10 and side.consumed_tokens == 10 * 8 * 64
         prev = tmp_path / name
+    # Exporting from a partitioned payload (DCP assembles the chunks) gives the same bytes.
+    for name in ("c11", "c22"):
+        run(["export", "--format", "hf", "--checkpoint", str(tmp_path / name), "--output",
+             str(tmp_path / f"hf-{name}"), "--quiet"])
+    assert (tmp_path / "hf-c11" / "model.safetensors").read_bytes() == \
+        (tmp_path / "hf-c22" / "model.safetensors").read_bytes()
     after = all_tensors(prev)
     assert before.keys() == after.keys()
     for k in before:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
 from tessera.common.errors import UserError
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# Names only: torch is imported when a dtype is parsed, so `--help` answers without loading it.
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -21,7 +25,9 @@ def parse_dtype(value: str | None, flag: str = "--dtype") -> torch.dtype | None:
         return None
     if value.lower() not in DTYPES:
         raise UserError(f"{flag} {value!r}: choose one of {', '.join(DTYPE_CHOICES)}")
-    return DTYPES[value.lower()]
+    import torch
+
+    return getattr(torch, DTYPES[value.lower()])
 
 
 def parse_size(value: str, flag: str = "--max-shard-size") -> int:
