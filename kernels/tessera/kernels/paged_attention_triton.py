@@ -218,14 +218,18 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and interpret_mode())
 
 
-def _tile_shape(total_tokens: int, num_seqs: int, group: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_Q, BLOCK_N): small query tiles for decode batches, large ones for prefill."""
+def _tile_shape(total_tokens: int, num_seqs: int, group: int, head_dim: int,
+                dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_Q, BLOCK_N): small query tiles for decode batches, large ones for prefill.
+    fp32 caches get half-size tiles: their shared-memory footprint would otherwise exceed what
+    GPUs with ~100 KB per SM (sm_86/89) can give one program."""
     decode_only = total_tokens <= num_seqs
     rows = 16 if decode_only else 64
-    block_m = max(rows, triton.next_power_of_2(group))
-    block_q = block_m // group
     block_n = 32 if head_dim > 128 else 64
-    return block_m, block_q, block_n
+    if dtype == torch.float32:
+        rows, block_n = max(16, rows // 2), 32
+    block_m = max(rows, triton.next_power_of_2(group))
+    return block_m, block_m // group, block_n
 
 
 @functools.cache
@@ -280,7 +284,7 @@ def paged_attention_triton(
     seq_lens = seq_lens.to(torch.int32).contiguous()
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
 
-    block_m, block_q, block_n = _tile_shape(total_tokens, num_seqs, group, head_dim)
+    block_m, block_q, block_n = _tile_shape(total_tokens, num_seqs, group, head_dim, q.dtype)
     # Upper bound on sum over sequences of cdiv(q_len, BLOCK_Q); see the module docstring.
     num_tiles = total_tokens // block_q + num_seqs
     if num_kv_splits is None:
