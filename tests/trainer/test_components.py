@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from tessera.common.config import load_config
 from tessera.common.mixture import MixtureSplit
 from tessera.common.model import build_model
 from tessera.common.model_config import PRESETS, preset
-from tessera.trainer.config import OptimConfig, ScheduleConfig
+from tessera.trainer.config import OptimConfig, ScheduleConfig, TrainConfig
 from tessera.trainer.data import MicroBatchPlan, MixtureBatches
 from tessera.trainer.metrics import gpu_peak_tflops
 from tessera.trainer.optim import build_optimizer, decay_groups
@@ -110,3 +112,23 @@ def test_batches_are_mixture_samples_shifted_by_one(artifacts):
     # Past the end of the split the order repeats (another epoch).
     wrapped, _ = full.batch(np.array([len(split) + 5]))
     assert torch.equal(wrapped[0], inputs[1])
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[2].joinpath("examples", "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_example_configs_validate(path):
+    cfg = load_config(TrainConfig, path)
+    model = cfg.resolve_model(vocab_size=32000)
+    assert cfg.training.seq_length <= model.max_seq_len
+
+
+def test_help_lists_every_config_key(capsys):
+    from tessera.trainer.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for key in ("training.exit_after_steps", "optim.weight_decay", "schedule.decay_fraction", "checkpoint.keep_last",
+                "logging.tensorboard", "data.check_fingerprints", "--resume", "--peak-tflops"):
+        assert key in out, key

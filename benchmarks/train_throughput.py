@@ -1,0 +1,170 @@
+"""Training throughput: Tessera's train step vs Hugging Face transformers' LlamaForCausalLM.
+
+Both train the same Llama-shaped model (same config, weights initialised identically by copying
+Tessera's into the HF model), on the same random token batches, with the same optimizer
+(torch.optim.AdamW, fused where available, identical hyper-parameters), the same loss
+(mean next-token cross-entropy in fp32), gradient clipping, fp32, and the same number of threads.
+Tessera's step is built from the trainer's own pieces (prepare_model -> parallelize -> compile,
+build_optimizer, cross_entropy_loss, clip_grad_norm). Compile time is measured separately and
+excluded from the steady-state figures; it is reported.
+
+    python benchmarks/train_throughput.py                       # CPU-sized defaults
+    python benchmarks/train_throughput.py --preset llama-160m --seq 1024 --batch 8 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+from tessera.common.model_config import ModelConfig, preset
+from tessera.trainer.clip import clip_grad_norm
+from tessera.trainer.config import OptimConfig
+from tessera.trainer.loss import cross_entropy_loss
+from tessera.trainer.model_setup import prepare_model
+from tessera.trainer.optim import build_optimizer
+
+
+def hf_llama(cfg: ModelConfig, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.bias, mlp_bias=cfg.bias,
+        attn_implementation="sdpa", torch_dtype=torch.float32,
+    )
+    return LlamaForCausalLM(hf_cfg).to(device)
+
+
+def copy_weights_to_hf(ours: torch.nn.Module, hf: torch.nn.Module, cfg: ModelConfig) -> None:
+    """Same starting point for both (names map 1:1 for the Llama family)."""
+    src = dict(ours.named_parameters())
+    mapping = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "final_norm.weight"}
+    if not cfg.tie_embeddings:
+        mapping["lm_head.weight"] = "lm_head.weight"
+    for i in range(cfg.num_layers):
+        for hf_name, our_name in (("self_attn.q_proj", "attn.q_proj"), ("self_attn.k_proj", "attn.k_proj"),
+                                  ("self_attn.v_proj", "attn.v_proj"), ("self_attn.o_proj", "attn.o_proj"),
+                                  ("mlp.gate_proj", "mlp.gate_proj"), ("mlp.up_proj", "mlp.up_proj"),
+                                  ("mlp.down_proj", "mlp.down_proj"), ("input_layernorm", "attn_norm"),
+                                  ("post_attention_layernorm", "mlp_norm")):
+            mapping[f"model.layers.{i}.{hf_name}.weight"] = f"layers.{i}.{our_name}.weight"
+    with torch.no_grad():
+        for hf_name, p in hf.named_parameters():
+            p.copy_(src[mapping[hf_name]])
+
+
+def time_interleaved(steps_by_name: dict, batches, warmup: int, steps: int, sync) -> dict[str, dict]:
+    """Warm each up (timing its first step, which includes any compilation), then alternate timed steps.
+
+    Alternating A, B, A, B... means load from other jobs on a shared machine hits both alike.
+    """
+    out = {name: {"step_times_s": []} for name in steps_by_name}
+    for name, step_fn in steps_by_name.items():
+        start = time.perf_counter()
+        step_fn(*batches[0])
+        sync()
+        out[name]["first_step_s"] = time.perf_counter() - start
+        for i in range(1, warmup):
+            step_fn(*batches[i % len(batches)])
+        sync()
+    for i in range(steps):
+        for name, step_fn in steps_by_name.items():
+            t0 = time.perf_counter()
+            loss = step_fn(*batches[(warmup + i) % len(batches)])
+            sync()
+            out[name]["step_times_s"].append(time.perf_counter() - t0)
+            out[name]["final_loss"] = float(loss)
+    return out
+
+
+def make_step(model, logits_fn, optimizer, grad_clip: float):
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = cross_entropy_loss(logits_fn(inputs), labels)
+        loss.backward()
+        clip_grad_norm(params, grad_clip)
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama-160m", help="Model preset to start from (Llama family).")
+    ap.add_argument("--hidden", type=int, default=256, help="Override hidden_size (CPU default: 256).")
+    ap.add_argument("--layers", type=int, default=4, help="Override num_layers.")
+    ap.add_argument("--heads", type=int, default=4, help="Override num_heads.")
+    ap.add_argument("--kv-heads", type=int, default=4, help="Override num_kv_heads.")
+    ap.add_argument("--ffn", type=int, default=1024, help="Override ffn_hidden_size.")
+    ap.add_argument("--vocab", type=int, default=8192, help="Override vocab_size.")
+    ap.add_argument("--full-size", action="store_true", help="Use the preset exactly (ignore the overrides above).")
+    ap.add_argument("--seq", type=int, default=256, help="Sequence length.")
+    ap.add_argument("--batch", type=int, default=4, help="Sequences per step.")
+    ap.add_argument("--steps", type=int, default=10, help="Timed steps per framework.")
+    ap.add_argument("--warmup", type=int, default=3, help="Untimed steps first (the first includes compilation).")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's).")
+    ap.add_argument("--no-compile", action="store_true", help="Run Tessera eager (no torch.compile of blocks).")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", default=None, help="Also write the figures to this JSON file.")
+    args = ap.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    overrides = {} if args.full_size else dict(
+        hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+        ffn_hidden_size=args.ffn, vocab_size=args.vocab)
+    cfg = preset(args.preset, **overrides, max_seq_len=max(args.seq, 64))
+    assert cfg.arch == "llama", "the transformers peer here is LlamaForCausalLM"
+    optim_cfg = OptimConfig(lr=3e-4, weight_decay=0.1, grad_clip=1.0)
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen)
+        batches.append((tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tokens_per_step = args.batch * args.seq
+
+    ours = prepare_model(cfg, device, seed=0, compile=not args.no_compile)
+    hf = hf_llama(cfg, device)
+    copy_weights_to_hf(ours, hf, cfg)
+    hf.train()
+    step_fns = {}
+    # HF first: its warm-up does not benefit from Tessera's compile.
+    for name, model, logits_fn in (("transformers", hf, lambda x: hf(input_ids=x).logits),
+                                   ("tessera", ours, lambda x: ours(x))):
+        opt = build_optimizer(model, optim_cfg)  # same AdamW construction (decay groups, fused) for both
+        step_fns[name] = make_step(model, logits_fn, opt, optim_cfg.grad_clip)
+    results = time_interleaved(step_fns, batches, args.warmup, args.steps, sync)
+    for r in results.values():
+        r["median_step_s"] = statistics.median(r["step_times_s"])
+        r["tokens_per_s"] = tokens_per_step / r["median_step_s"]
+    ratio = results["tessera"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
+    flops = cfg.flops_per_token(args.seq)
+    print(f"model: {cfg.num_params() / 1e6:.1f}M params (d={cfg.hidden_size}, L={cfg.num_layers}, "
+          f"H={cfg.num_heads}/{cfg.kv_heads}, ffn={cfg.ffn_hidden_size}, V={cfg.vocab_size}); "
+          f"batch {args.batch} x seq {args.seq}; fp32; threads {torch.get_num_threads()}; device {device}; "
+          f"tessera compile={'off' if args.no_compile else 'on'}")
+    print(f"{'':14}{'tokens/s':>12}{'TFLOP/s':>10}{'median step':>14}{'first step':>13}{'loss after':>12}")
+    for name, r in results.items():
+        print(f"{name:14}{r['tokens_per_s']:>12,.0f}{r['tokens_per_s'] * flops / 1e12:>10.4f}"
+              f"{r['median_step_s'] * 1e3:>11.1f} ms{r['first_step_s']:>11.1f} s{r['final_loss']:>12.4f}")
+    print(f"ratio tessera/transformers: {ratio:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "machine": platform.platform(), "torch": torch.__version__,
+                       "results": results, "ratio": ratio}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
