@@ -16,12 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tessera.common.parallel.mappings import (
-    copy_to_tp,
-    gather_seq,
-    reduce_from_tp,
-    reduce_scatter_seq,
-)
+from tessera.common.parallel.mappings import copy_to_tp, reduce_from_tp, reduce_scatter_seq
 from torch import nn
 
 
@@ -41,7 +36,11 @@ def _local_slice(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.T
 class ColumnParallelLinear(nn.Linear):
     """y = x A^T with A split by output rows; each rank produces its slice of the features.
 
-    Input: replicated [B, T, in] (or sequence-parallel [B, T/tp, in], gathered first).
+    Input: replicated [B, T, in]. Without sequence parallel it enters through `copy_to_tp`
+    (backward: all-reduce of the partial input gradients). With sequence parallel the caller has
+    already all-gathered the sequence once for all projections reading it (see
+    tensor_parallel.parallelize_model), and that gather's backward reduce-scatters the partial
+    gradients, so the input is used as is.
     Output: [B, T, out/tp], not gathered (the next row-parallel layer consumes it).
     """
 
@@ -70,7 +69,8 @@ class ColumnParallelLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        if not self.sequence_parallel:
+            x = copy_to_tp(x, self.group)
         return F.linear(x, self.weight, self.bias)
 
 

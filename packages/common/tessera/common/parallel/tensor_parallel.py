@@ -10,9 +10,10 @@ h*KV/tp..(h+1)*KV/tp-1, so contiguous slices of q_proj and k_proj/v_proj rows li
 refused (replicating kv heads would store them in a layout-dependent way).
 
 With sequence parallel, the residual stream between blocks is split along the sequence
-([B, T/tp, d]); column layers all-gather it, row layers reduce-scatter back, and norms run on
-the local chunk (their weight gradients are then partial and all-reduced over the tensor group
-by the gradient code, which reads the `sequence_parallel_partial` tag).
+([B, T/tp, d]); each norm's output is all-gathered once for the column layers reading it, row
+layers reduce-scatter back, and norms run on the local chunk (their weight gradients are then
+partial and all-reduced over the tensor group by the gradient code, which reads the
+`sequence_parallel_partial` tag).
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ def parallelize_model(model: Transformer, groups: ParallelGroups, sequence_paral
         mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group, sp)
         _tag_replicated(block.attn_norm, sp)
         _tag_replicated(block.mlp_norm, sp)
+        if sp:
+            # One all-gather of the normed chunk feeds q/k/v (or gate/up): one collective and
+            # one saved full-sequence activation instead of one per projection.
+            block.attn_norm.register_forward_hook(lambda _m, _i, out: gather_seq(out, group))
+            block.mlp_norm.register_forward_hook(lambda _m, _i, out: gather_seq(out, group))
         if rng is not None and groups.tp > 1:
             # Attention dropout acts on this rank's heads; residual dropout (under SP) on its chunk.
             attn.core = _forked_core(attn.core, rng)

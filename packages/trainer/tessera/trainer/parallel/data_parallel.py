@@ -148,6 +148,10 @@ class GradientBuckets:
         self.num_microbatches = num_microbatches
         for b in self.buckets:
             b.grad_buf.zero_()
+            for p, o in zip(b.params, b.offsets):
+                # Someone may have called module.zero_grad() (set_to_none): re-attach the views.
+                if p.grad is None or p.grad.data_ptr() != b.grad_buf[o:].data_ptr():
+                    p.grad = b.grad_buf[o:o + p.numel()].view_as(p)
             b.ready, b.handle, b.launched = 0, None, False
             b.counts.clear()
 
