@@ -4,8 +4,9 @@ The Rust tokenizer's `encode_batch_fast` already spreads one batch over all core
 the GIL while it works), so the Python side does as little per document as it can: one list of
 ids per document, one `np.fromiter` over all of them, and the bytes go to disk unchanged.
 
-`--workers 1` runs batches on a background thread so reading the next batch overlaps encoding
-this one; `--workers N` runs them in N spawned processes. Either way results come back in
+`--workers 1` runs the tokenizer on a background thread, so reading the next batch and packing
+the previous one into arrays overlap the encoding of this one; `--workers N` runs whole batches
+(encode and pack) in N spawned processes. Either way results come back in
 submission order and the batches are cut the same way, so the output is byte-identical.
 """
 
@@ -58,11 +59,12 @@ class BatchEncoder:
             self._tok = Tokenizer.from_file(self.tokenizer_json)
         return self._tok
 
-    def _encode_ids(self, texts: list[str]) -> tuple[list[list[int]], dict[int, str]]:
+    def encode(self, texts: list[str]) -> tuple[list, dict[int, str]]:
+        """Run the Rust tokenizer (GIL released) -> (Encoding objects or id lists, rejected docs)."""
         tok = self.tokenizer
         encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast skips offsets (tokenizers>=0.20)
         try:
-            return [e.ids for e in encode(texts, add_special_tokens=False)], {}
+            return encode(texts, add_special_tokens=False), {}
         except Exception:
             pass
         # Some text in the batch cannot be encoded (e.g. a lone UTF-16 surrogate from a JSON
@@ -84,10 +86,10 @@ class BatchEncoder:
                 bad[i] = f"cannot be tokenized ({msg})"
         return ids, bad
 
-    def __call__(self, texts: list[str]) -> EncodedBatch:
-        ids, bad = self._encode_ids(texts)
-        if bad:
-            ids = [x for i, x in enumerate(ids) if i not in bad]
+    def pack(self, encoded: list, bad: dict[int, str]) -> EncodedBatch:
+        """Id lists -> one token array plus lengths, with BOS/EOD added (needs the GIL)."""
+        n = len(encoded)
+        ids = [x for i, x in enumerate(encoded) if i not in bad] if bad else [e.ids for e in encoded]
         if self.bos_id is not None:
             bos = self.bos_id
             for x in ids:
@@ -101,12 +103,18 @@ class BatchEncoder:
         tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.dtype, count=total)
         if bad:
             # Re-insert the rejected documents as empty so indices still match the batch.
-            full = np.zeros(len(texts), dtype=np.int64)
-            full[[i for i in range(len(texts)) if i not in bad]] = lengths
+            full = np.zeros(n, dtype=np.int64)
+            full[[i for i in range(n) if i not in bad]] = lengths
             lengths = full
         return EncodedBatch(tokens, lengths, bad)
 
-    def encode_keys(self, texts_per_key: list[list[str]]) -> list[EncodedBatch]:
+    def __call__(self, texts: list[str]) -> EncodedBatch:
+        return self.pack(*self.encode(texts))
+
+    def encode_keys(self, texts_per_key: list[list[str]]) -> list[tuple[list, dict[int, str]]]:
+        return [self.encode(texts) for texts in texts_per_key]
+
+    def encode_and_pack_keys(self, texts_per_key: list[list[str]]) -> list[EncodedBatch]:
         return [self(texts) for texts in texts_per_key]
 
 
@@ -120,7 +128,7 @@ def _init_worker(encoder: BatchEncoder) -> None:
 
 def _encode_in_worker(texts_per_key: list[list[str]]) -> list[EncodedBatch]:
     assert _WORKER_ENCODER is not None
-    return _WORKER_ENCODER.encode_keys(texts_per_key)
+    return _WORKER_ENCODER.encode_and_pack_keys(texts_per_key)
 
 
 class OrderedEncoder:
@@ -155,7 +163,12 @@ class OrderedEncoder:
 
     def _pop(self) -> tuple[object, list[EncodedBatch]]:
         tag, future = self._pending.popleft()
-        return tag, future.result()
+        if self.workers > 1:
+            return tag, future.result()
+        # Thread mode: the encoder thread only runs the Rust tokenizer; turning its output into
+        # arrays happens here, on the caller's thread, while the encoder thread (and the Rust
+        # thread pool) already works on the next batch.
+        return tag, [self.encoder.pack(encoded, bad) for encoded, bad in future.result()]
 
     def close(self) -> None:
         for _, future in self._pending:
