@@ -93,8 +93,9 @@ def serve_and_generate(checkpoint: Path) -> str:
                 if time.time() > deadline:
                     raise SystemExit("tessera-serve did not become healthy within 120 s") from None
                 time.sleep(0.5)
+        model = http("GET", f"http://127.0.0.1:{port}/v1/models")["data"][0]["id"]
         reply = http("POST", f"http://127.0.0.1:{port}/v1/completions",
-                     {"model": "tessera", "prompt": PROMPT, "max_tokens": 48, "temperature": 0.0})
+                     {"model": model, "prompt": PROMPT, "max_tokens": 48, "temperature": 0.0})
         return reply["choices"][0]["text"]
     finally:
         server.send_signal(signal.SIGTERM)
@@ -131,7 +132,7 @@ def main() -> None:
     banner("4/6 tessera-train: the tiny Llama on CPU")
     run_dir = WORK / "run"
     run(BIN / "tessera-train", "--config", ROOT / "examples" / "configs" / "tiny.yaml",
-        f"data.mixture={mixture}", f"checkpoint.dir={run_dir}")
+        f"data.mixture={mixture}", f"data.tokenizer={prefix.parent / 'tokenizer'}", f"run_dir={run_dir}")
     checkpoint = run_dir / "checkpoints"
     print(f"checkpoint: {checkpoint} (latest_checkpointed_iteration.txt names the newest)")
 
