@@ -193,6 +193,11 @@ def load_blend_config(path: str | None, cli: dict) -> BlendConfig:
 def _open_sources(cfg: BlendConfig) -> tuple[list[IndexedDataset], list[ShardManifest], list[str]]:
     datasets, manifests, fingerprints = [], [], []
     for src in cfg.data:
+        if not Path(f"{src.prefix}.json").is_file():
+            candidates = sorted(Path(src.prefix).parent.glob(f"{Path(src.prefix).name}_*_document.json"))
+            if candidates:
+                raise UserError(f"{src.prefix}.json: shard manifest not found; did you mean the shard prefix "
+                                f"{str(candidates[0])[:-5]} (prep writes <output-prefix>_<key>_document)?")
         manifest = read_shard_manifest(src.prefix)
         ds = IndexedDataset(src.prefix)
         if ds.num_documents != manifest.num_documents or ds.num_tokens != manifest.num_tokens:

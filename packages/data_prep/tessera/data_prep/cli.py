@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -176,7 +177,11 @@ def _inspect(args: argparse.Namespace) -> int:
         docs = [int(x) for x in args.docs.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"--docs {args.docs!r}: expected comma-separated document numbers, e.g. 0,5") from None
-    print(inspect_shard(args.prefix, docs, args.tokenizer, args.top, args.max_chars))
+    report = inspect_shard(args.prefix, docs, args.tokenizer, args.top, args.max_chars)
+    try:
+        print(report, flush=True)
+    except BrokenPipeError:  # e.g. piped into `head`: not an error
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the interpreter's flush at exit
     return 0
 
 

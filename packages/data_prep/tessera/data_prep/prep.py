@@ -74,6 +74,8 @@ class PrepConfig(StrictModel):
     def _distinct_keys(cls, keys: list[str]) -> list[str]:
         if len(set(keys)) != len(keys) or any(not k for k in keys):
             raise ValueError("keys must be non-empty and distinct")
+        if any("/" in k or k.startswith(".") for k in keys):
+            raise ValueError("a key becomes part of the output file name: no '/' and no leading '.'")
         return keys
 
 
