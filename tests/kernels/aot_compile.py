@@ -33,7 +33,8 @@ TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
 FLOAT_SCALARS = {"eps", "qk_scale_log2"}
 
 
-def compile_kernel(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, cc: int) -> None:
+def compile_kernel(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, cc: int,
+                   num_stages: int = 3) -> None:
     """Compile `fn` with the given pointer element types; other arguments are i32 or fp32."""
     signature = {}
     for name in fn.arg_names:
@@ -44,10 +45,11 @@ def compile_kernel(fn, pointers: dict[str, str], constexprs: dict, num_warps: in
         else:
             signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
     kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
-                            options={"num_warps": num_warps})
+                            options={"num_warps": num_warps, "num_stages": num_stages})
     assert kernel.asm.get("cubin"), f"{fn.__name__}: no cubin"
     shown = ", ".join(f"{k}={v}" for k, v in constexprs.items())
-    print(f"ok sm_{cc} {fn.__name__}[{shown}] warps={num_warps} shared={kernel.metadata.shared}B", flush=True)
+    print(f"ok sm_{cc} {fn.__name__}[{shown}] warps={num_warps} stages={num_stages} "
+          f"shared={kernel.metadata.shared}B", flush=True)
 
 
 def rmsnorm_variants(dtype: torch.dtype, hidden: int, cc: int) -> None:
@@ -71,8 +73,8 @@ def paged_variant(dtype: torch.dtype, decode: bool, group: int, head_dim: int, s
     pointers |= {name: "*fp32" for name in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
     constexprs = dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                       DOT_FP32=dtype == torch.float32, SPLIT_KV=split)
-    num_warps = 4 if block_m <= 16 else 8 if head_dim > 128 else 4
-    compile_kernel(pa._paged_attention_kernel, pointers, constexprs, num_warps, cc)
+    num_warps, num_stages = pa._launch_config(dtype, block_m, head_dim)
+    compile_kernel(pa._paged_attention_kernel, pointers, constexprs, num_warps, cc, num_stages)
     if split:
         compile_kernel(pa._combine_splits_kernel,
                        {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "out_ptr": f"*{t}"},

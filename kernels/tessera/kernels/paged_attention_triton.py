@@ -232,6 +232,12 @@ def _tile_shape(total_tokens: int, num_seqs: int, group: int, head_dim: int,
     return block_m, block_m // group, block_n
 
 
+def _launch_config(dtype: torch.dtype, block_m: int, head_dim: int) -> tuple[int, int]:
+    """(num_warps, num_stages). fp32 tiles take twice the shared memory per stage: one stage."""
+    num_warps = 4 if block_m <= 16 else 8 if head_dim > 128 else 4
+    return num_warps, 1 if dtype == torch.float32 else 2
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -299,6 +305,7 @@ def paged_attention_triton(
     else:  # unused by the kernel; any tensor will do for the pointer arguments
         part_acc = part_m = part_l = out
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    num_warps, num_stages = _launch_config(q.dtype, block_m, head_dim)
     grid = (num_tiles, num_kv_heads, num_kv_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
@@ -320,8 +327,8 @@ def paged_attention_triton(
         BLOCK_D=block_d,
         DOT_FP32=_dot_in_fp32(q.dtype),
         SPLIT_KV=split_kv,
-        num_warps=4 if block_m <= 16 else 8 if head_dim > 128 else 4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if split_kv:
         _combine_splits_kernel[(total_tokens, num_heads)](
