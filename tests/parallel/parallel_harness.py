@@ -18,6 +18,7 @@ SEQ = 16
 GLOBAL_BATCH = 8
 DATA_SEED = 99
 MODEL_SEED = 0
+EVAL_STEP = 1000  # data index of the held-out batch used for eval parity
 
 
 def model_config(**overrides) -> ModelConfig:
@@ -55,3 +56,10 @@ def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=
         opt.step()
         losses.append(loss.item())
     return losses, model, opt
+
+
+@torch.no_grad()
+def reference_eval(model, cfg: ModelConfig) -> float:
+    tokens, targets = batch(EVAL_STEP, cfg)
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1)).item()

@@ -84,9 +84,9 @@ def test_two_process_layouts(tmp_path, reference):
                 num_kv_heads=4, tie_embeddings=True)
     jobs = {
         "tp2": dict(layout=dict(tensor=2), parallel=dict(micro_batch=4, sequence_parallel=False)),
-        "tp2_sp": dict(layout=dict(tensor=2), parallel=dict(micro_batch=4, sequence_parallel=True)),
+        "tp2_sp": dict(layout=dict(tensor=2), parallel=dict(micro_batch=4, sequence_parallel=True), eval=True),
         "pp2": dict(layout=dict(pipeline=2), parallel=dict(micro_batch=2, pipeline_layers=[3, 1])),
-        "pp2x2": dict(layout=dict(pipeline=2, virtual_stages=2), parallel=dict(micro_batch=2)),
+        "pp2x2": dict(layout=dict(pipeline=2, virtual_stages=2), parallel=dict(micro_batch=2), eval=True),
         "dp2_zero": dict(layout=dict(data=2), parallel=dict(micro_batch=2, bucket_numel=2000)),
         "dp2_allreduce": dict(layout=dict(data=2), parallel=dict(micro_batch=4, distributed_optimizer=False)),
         "gpt2_tp2_sp": dict(layout=dict(tensor=2), model=gpt2, parallel=dict(micro_batch=4)),
@@ -103,6 +103,9 @@ def test_two_process_layouts(tmp_path, reference):
             want, model = ref_losses, ref_model
         assert_close_seq(got, want, name)
         assert_weights(tmp_path / name, model, name)
+        if job.get("eval"):
+            got_eval = json.loads((tmp_path / f"{name}.json").read_text())["eval_loss"]
+            assert_close_seq([got_eval], [H.reference_eval(model, H.model_config())], f"{name} eval")
 
     rng = json.loads((tmp_path / "rng.json").read_text())
     r0, r1 = (torch.tensor(d) for d in rng["draws"])

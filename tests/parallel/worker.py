@@ -78,11 +78,15 @@ def run_job(job: dict, cfg) -> None:
         r = rt.train_step(tokens[sl], targets[sl])
         losses.append(r.loss)
         norms.append(r.grad_norm)
+    result = {"losses": losses, "grad_norms": norms}
+    if job.get("eval"):
+        tokens, targets = harness.batch(harness.EVAL_STEP, cfg)
+        result["eval_loss"] = rt.eval_step(tokens[sl], targets[sl])
     if job.get("save"):
         rt.save(job["save"])
     if groups.rank == 0 and job.get("out"):
         with open(job["out"], "w") as f:
-            json.dump({"losses": losses, "grad_norms": norms}, f)
+            json.dump(result, f)
     torch.distributed.barrier()
 
 

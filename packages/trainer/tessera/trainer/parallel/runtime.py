@@ -129,6 +129,38 @@ class ParallelRuntime:
         norm = self.optimizer.step()
         return StepResult(loss=float(total), grad_norm=norm)
 
+    @torch.no_grad()
+    def eval_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """Mean token loss of a batch shaped as for `train_step`, forward only (no state change)."""
+        g, n, mb = self.groups, self.num_microbatches, self.pcfg.micro_batch
+        if tokens.shape[0] != n * mb:
+            raise ValueError(f"expected {n * mb} rows on this data-parallel rank, got {tokens.shape[0]}")
+        tokens, targets = tokens.to(g.device), targets.to(g.device)
+        was_training = self.stages[0].training
+        self.train(False)
+        total = torch.zeros((), dtype=torch.float32, device=g.device)
+        try:
+            if self.schedule is None:
+                for i in range(n):
+                    rows = slice(i * mb, (i + 1) * mb)
+                    logits = self.stages[0](tokens[rows])
+                    total += vocab_parallel_cross_entropy(logits, targets[rows], g.tp_group).mean() / n
+            else:
+                losses: list[torch.Tensor] = []
+                has_first = any(s.is_first for s in self.stages)
+                has_last = any(s.is_last for s in self.stages)
+                self.schedule.eval(*((tokens,) if has_first else ()), target=targets if has_last else None,
+                                   losses=losses)
+                if has_last:
+                    total += torch.stack([x.float() for x in losses]).sum()
+                dist.all_reduce(total, group=g.pp_group)
+        finally:
+            self.train(was_training)
+        if g.dp > 1:
+            dist.all_reduce(total, group=g.dp_group)
+            total /= g.dp
+        return float(total)
+
     # ---- checkpoint state -------------------------------------------------------------------
     def named_global_params(self) -> dict[str, torch.nn.Parameter]:
         out: dict[str, torch.nn.Parameter] = {}
