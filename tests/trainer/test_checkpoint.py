@@ -150,3 +150,11 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(make_config, tmp_path):
     assert step is not None and 3 <= step < 100000
     assert f"saved at step {step}" in out
     assert read_sidecar(resolve_checkpoint(root)).step == step
+
+
+def test_resume_after_only_skipped_fp16_steps(make_config, tmp_path):
+    """A checkpoint taken before any update (all fp16 steps overflowed) has no optimizer state; it still resumes."""
+    path = make_config(training={"steps": 2, "precision": "fp16", "fp16_initial_scale": 1e38})
+    assert main(["--config", str(path), "--quiet", "training.exit_after_steps=1"]) == 0
+    assert main(["--config", str(path), "--quiet", "--resume"]) == 0
+    assert read_pointer(tmp_path / "run" / "checkpoints") == 2

@@ -115,12 +115,15 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> dict[str, dict[
     return out
 
 
-def _optimizer_template(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """Empty AdamW state of the right shapes, to load into (a fresh optimizer has no state yet)."""
-    step_dtype = torch.float32
+def _optimizer_template(optimizer: torch.optim.Optimizer, stored: set[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Empty AdamW state of the right shapes to load into (a fresh optimizer has none yet), for
+    the parameters the checkpoint has state for (none, e.g., when every fp16 step so far was skipped)."""
+    step_device = None if optimizer.defaults.get("fused") else "cpu"
     out = {}
     for name, p in named_parameters_of(optimizer):
-        out[name] = {"step": torch.zeros((), dtype=step_dtype, device=p.device if optimizer.defaults.get("fused") else "cpu"),
+        if f"optimizer.state.{name}.exp_avg" not in stored:
+            continue
+        out[name] = {"step": torch.zeros((), dtype=torch.float32, device=step_device or p.device),
                      "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                      "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
     return out
@@ -262,9 +265,15 @@ def load_checkpoint(
 ) -> tuple[TrainState, CheckpointSidecar]:
     """Restore model, optimizer, scaler and RNG states in place; return the train state and sidecar."""
     sidecar = read_sidecar(directory)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        stored = set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
+    except Exception as exc:
+        raise ArtifactError(f"{directory}: unreadable DCP metadata ({str(exc).splitlines()[0][:200]})") from None
     state = {
         "model": model.state_dict(),
-        "optimizer": {"state": _optimizer_template(optimizer)},
+        "optimizer": {"state": _optimizer_template(optimizer, stored)},
         "rng": rng_state_tensors(),
         "train_state": TrainState().tensors(),
     }
