@@ -107,6 +107,12 @@ def test_two_process_layouts(tmp_path, reference):
             got_eval = json.loads((tmp_path / f"{name}.json").read_text())["eval_loss"]
             assert_close_seq([got_eval], [H.reference_eval(model, H.model_config())], f"{name} eval")
 
+    # Overlap: every bucket that needs no tensor/pipeline pre-reduction was launched by a backward
+    # hook, before backward finished; small buckets make several.
+    stats = json.loads((tmp_path / "dp2_zero.json").read_text())
+    assert stats["buckets"] >= 4
+    assert stats["launched_during_backward"] == stats["buckets"] - stats["deferred_buckets"] > 0
+
     rng = json.loads((tmp_path / "rng.json").read_text())
     r0, r1 = (torch.tensor(d) for d in rng["draws"])
     assert torch.equal(r0[0], r1[0]) and torch.equal(r0[2], r1[2]), "outside TP regions ranks must draw alike"

@@ -78,7 +78,10 @@ def run_job(job: dict, cfg) -> None:
         r = rt.train_step(tokens[sl], targets[sl])
         losses.append(r.loss)
         norms.append(r.grad_norm)
-    result = {"losses": losses, "grad_norms": norms}
+    buckets = rt.optimizer.buckets
+    result = {"losses": losses, "grad_norms": norms, "buckets": len(buckets.buckets),
+              "deferred_buckets": sum(b.deferred for b in buckets.buckets),
+              "launched_during_backward": buckets.launched_during_backward}
     if job.get("eval"):
         tokens, targets = harness.batch(harness.EVAL_STEP, cfg)
         result["eval_loss"] = rt.eval_step(tokens[sl], targets[sl])

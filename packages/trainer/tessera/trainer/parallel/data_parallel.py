@@ -82,6 +82,7 @@ class GradientBuckets:
         self.sharded = shard and groups.dp > 1
         self.shards = groups.dp if self.sharded else 1
         self.num_microbatches = 1
+        self.launched_during_backward = 0
         no_decay = no_decay or (lambda _n, p: p.ndim < 2)
         params = [(n, p) for n, p in named_params if p.requires_grad]
         # Gradients arrive roughly in reverse order of the forward pass: bucket in that order.
@@ -146,6 +147,7 @@ class GradientBuckets:
     def start_step(self, num_microbatches: int) -> None:
         """Zero the gradients and arm the hooks for a step of `num_microbatches` micro-batches."""
         self.num_microbatches = num_microbatches
+        self.launched_during_backward = 0  # buckets whose reduction a hook started (overlap)
         for b in self.buckets:
             b.grad_buf.zero_()
             for p, o in zip(b.params, b.offsets):
@@ -163,6 +165,7 @@ class GradientBuckets:
             b.ready += 1
             if b.ready == len(b.params) and not b.deferred:
                 self._launch(b)
+                self.launched_during_backward += 1
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
