@@ -150,9 +150,9 @@ def worker(spec_path: str) -> None:
     spec = json.load(open(spec_path))
     init_distributed()
     results = []
+    cfg = ModelConfig(**MODEL)
     for name, layout_kw, pkw in spec["layouts"]:
         base = rss_mb()
-        cfg = ModelConfig(**MODEL)
         groups = build_groups(ParallelLayout(**layout_kw))
         pcfg = ParallelConfig(seq_len=SEQ, global_batch=GLOBAL_BATCH, micro_batch=MICRO, **pkw)
         rt = ParallelRuntime.build(cfg, groups, pcfg, OptimConfig(lr=1e-4), lambda: build_model(cfg, seed=0))
