@@ -30,9 +30,12 @@ $(STAMP): Makefile requirements-dev.txt packages/*/pyproject.toml kernels/pyproj
 	@$(PY) -c "import tessera.common, tessera.kernels, tessera.data_prep, tessera.trainer, tessera.ckpt_convert, tessera.inference"
 	@touch $(STAMP)
 
+# Without CUDA, Triton kernels run in Triton's interpreter (tests force them onto CPU tensors).
+TRITON_ENV := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo TRITON_INTERPRET=1)
+
 test: $(STAMP)
 	@$(MAKE) --no-print-directory lint-imports
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -p no:cacheprovider --timeout=600 $(PYTEST_ARGS)
+	$(TRITON_ENV) $(VENV)/bin/pytest -q -p no:cacheprovider --timeout=600 $(PYTEST_ARGS)
 
 lint-imports: $(STAMP)
 	@$(VENV)/bin/lint-imports --no-cache
