@@ -152,9 +152,10 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(make_config, tmp_path):
     assert read_sidecar(resolve_checkpoint(root)).step == step
 
 
-def test_resume_after_only_skipped_fp16_steps(make_config, tmp_path):
+def test_resume_after_only_skipped_fp16_steps(make_config, tmp_path, capsys):
     """A checkpoint taken before any update (all fp16 steps overflowed) has no optimizer state; it still resumes."""
     path = make_config(training={"steps": 2, "precision": "fp16", "fp16_initial_scale": 1e38})
     assert main(["--config", str(path), "--quiet", "training.exit_after_steps=1"]) == 0
+    assert "step 1: fp16 gradients overflowed; step skipped, loss scale lowered to 5e+37" in capsys.readouterr().out
     assert main(["--config", str(path), "--quiet", "--resume"]) == 0
     assert read_pointer(tmp_path / "run" / "checkpoints") == 2

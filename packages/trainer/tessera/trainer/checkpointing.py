@@ -279,8 +279,8 @@ def load_checkpoint(
     }
     if precision.scaler is not None:
         state["scaler"] = {"scale": torch.zeros((), dtype=torch.float64), "growth_tracker": torch.zeros((), dtype=torch.int64)}
-    if not torch.cuda.is_available():
-        state["rng"].pop("torch_cuda", None)
+    # A CPU-saved run resumed on a GPU (or the reverse) restores the RNGs both sides have.
+    state["rng"] = {k: v for k, v in state["rng"].items() if f"rng.{k}" in stored}
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())

@@ -11,11 +11,13 @@ a graceful stop on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import math
+import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
@@ -101,6 +103,13 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
             raise ArtifactError(f"{resume_from}: checkpoint was trained on another mixture than {cfg.data.mixture}; "
                                 "exact resume needs the same mixture")
     return CheckedInputs(model, manifest, fingerprint, tokenizer, resume_from)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every RNG a run may draw from (dropout uses torch's; python's and numpy's for user code)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 class Trainer:
@@ -208,7 +217,7 @@ class Trainer:
             self.say(f"resumed from {self.inputs.resume_from} at step {self.state.step} "
                      f"({self.state.consumed_samples} samples consumed)")
         else:
-            torch.manual_seed(t.seed)
+            seed_everything(t.seed)
         n_params = self.model_cfg.num_params()
         self.say(f"model: {n_params / 1e6:.2f}M parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token at "
                  f"seq {t.seq_length}; {self.plan.num_micro_batches} micro-batch(es) of {t.micro_batch_size} x "
@@ -218,6 +227,7 @@ class Trainer:
             self.say(f"MFU reference: {self.peak_tflops:.3f} TFLOP/s ({peak_source})")
         if self.state.step >= t.steps:
             self.say(f"nothing to do: already at step {self.state.step} of {t.steps}")
+            self.sink.close()
             return self.state
 
         stop = StopRequest().install()
