@@ -163,7 +163,10 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, nargs=2, default=[16, 96], help="output length range (uniform)")
     ap.add_argument("--naive-requests", type=int, default=8, help="requests the naive peer runs (it is slow)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads for the server and the peers alike (1 suits a shared machine)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     rng = random.Random(args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
@@ -174,7 +177,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "tessera.inference.cli_main", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
-           "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", "512", "--kv-cache-tokens", "65536"]
+           "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", "512", "--kv-cache-tokens", "65536",
+           "--torch-threads", str(args.threads)]
     env = {**os.environ}
     server = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"

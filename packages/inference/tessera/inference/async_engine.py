@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -34,7 +35,8 @@ class EngineDead(Exception):
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue  # receives (tag, RequestOutput | exception)
+    tag: int = 0
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
@@ -51,7 +53,7 @@ class RequestHandle:
 
     async def get(self, timeout: float | None = None) -> RequestOutput:
         """Next output; raises TimeoutError after `timeout` s without one, EngineDead on failure."""
-        item = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
+        _, item = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
         if isinstance(item, BaseException):
             self.finished = True
             raise EngineDead(f"the engine failed: {item}") from item
@@ -80,6 +82,10 @@ class AsyncEngine:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
+        # The engine thread drops the GIL inside every torch op and must win it back quickly:
+        # at Python's default 5 ms switch interval a busy event loop holds it up to 5 ms each
+        # time, hundreds of times per step (a GIL convoy). 0.1 ms keeps the model fed.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 1e-4))
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -106,12 +112,17 @@ class AsyncEngine:
             return f"{prefix}-{self._counter}"
 
     # ---- requests --------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
-        """Queue a request (validated here, so errors reach the caller); call from the event loop."""
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               queue: asyncio.Queue | None = None, tag: int = 0) -> RequestHandle:
+        """Queue a request (validated here, so errors reach the caller); call from the event loop.
+
+        Outputs arrive as (tag, output) on `queue` (a new one by default): several requests can
+        share one queue, which is how a multi-prompt HTTP request reads all its choices.
+        """
         if not self.healthy:
             raise EngineDead("the engine has stopped")
         self.engine.validate(prompt_ids, params)
-        stream = _Stream(loop=asyncio.get_running_loop(), queue=asyncio.Queue())
+        stream = _Stream(loop=asyncio.get_running_loop(), queue=queue or asyncio.Queue(), tag=tag)
         with self._cv:
             waiting = len(self._adds) + len(self.engine.scheduler.waiting)
             if waiting >= self.engine.cfg.max_waiting:
@@ -183,7 +194,7 @@ class AsyncEngine:
                 del self._streams[request_id]
         if isinstance(item, RequestOutput) and self.metrics is not None and now is not None:
             self._observe(stream, item, now)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (stream.tag, item))
 
     def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
         m, name = self.metrics, self.metrics.model_name

@@ -47,11 +47,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="Requests allowed to queue; more get HTTP 429 (default: %(default)s).")
     g.add_argument("--no-prefix-caching", action="store_true", help="Disable sharing of prompt-prefix KV blocks.")
+    g.add_argument("--torch-threads", type=int, default=None,
+                   help="CPU threads for torch ops (torch.set_num_threads; default: torch's choice). "
+                        "On a machine shared with other jobs, 1 avoids OpenMP threads spinning against each other.")
     g.add_argument("--seed", type=int, default=None,
                    help="Seed for requests without their own (default: OS entropy, i.e. not reproducible).")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Validate the engine flags (and apply --torch-threads, a process-wide setting)."""
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            raise UserError(f"--torch-threads {args.torch_threads}: must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     try:
         return EngineConfig(
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_tokens=args.kv_cache_tokens,

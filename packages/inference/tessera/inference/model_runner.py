@@ -3,7 +3,11 @@ single [1, T] batch, writes their keys/values into the paged cache, and attends 
 
 The shared model is used as is, through its two hooks: `positions` (each token's position in its
 own sequence) and `attention_fn`, which here scatters the new K/V into their cache slots and calls
-`tessera.kernels.paged_attention` (Triton on CUDA, the PyTorch reference on CPU). Only the rows
+`tessera.kernels.paged_attention` (Triton on CUDA, the PyTorch reference on CPU). On CPU the
+reference handles one sequence per call, which makes a 32-sequence decode step 32 x layers tiny
+SDPA calls; there, single-token (decode) sequences instead go through `batched_decode_attention`
+(one gather + one SDPA for all of them, tested against the reference) and only prefill chunks
+use the reference. Only the rows
 that are sampled (the last token of each sequence that finished its prompt, and prompt positions
 of requests that asked for prompt logprobs) go through the output head.
 """
@@ -14,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
 from tessera.inference.scheduler import ScheduledBatch
@@ -26,6 +31,41 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     return 2 * cfg.num_layers * block_size * cfg.kv_heads * cfg.head_dim * itemsize
 
 
+def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached keys/values, for all at once.
+
+    q [S, H, D]; caches [blocks, block_size, Hkv, D]; block_tables [S, >= W]; seq_lens [S] (the new
+    token included, its K/V already written). Gathers each sequence's blocks into a padded
+    [S, W*block_size] window and masks the padding. Returns [S, H, D].
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    width = -(-int(seq_lens.max()) // block_size)
+    tables = block_tables[:, :width].long()
+    k = k_cache[tables].reshape(num_seqs, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[tables].reshape(num_seqs, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    visible = torch.arange(width * block_size, device=q.device)[None, :] < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=visible[:, None, None, :], scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.squeeze(2)
+
+
+@dataclass
+class DecodeSplit:
+    """Which packed rows are decode tokens (batched path) and which are prefill chunks (kernel)."""
+
+    decode_rows: torch.Tensor
+    decode_tables: torch.Tensor
+    decode_lens: torch.Tensor
+    prefill_rows: torch.Tensor
+    prefill_tables: torch.Tensor
+    prefill_lens: torch.Tensor
+    prefill_starts: torch.Tensor
+
+
 @dataclass
 class StepInputs:
     tokens: torch.Tensor  # [1, T]
@@ -35,6 +75,7 @@ class StepInputs:
     seq_lens: torch.Tensor  # int32 [S]
     query_start_loc: torch.Tensor  # int32 [S + 1]
     logits_rows: torch.Tensor  # [R] rows of the packed batch that go through the head
+    split: DecodeSplit | None = None  # CPU only, when the step mixes decodes and prefills
 
 
 class ModelRunner:
@@ -51,6 +92,8 @@ class ModelRunner:
                               device=device, dtype=dtype)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self._step: StepInputs | None = None
+        # The Triton kernel handles mixed batches in one launch; only CPU needs the split.
+        self.batch_decodes = device.type == "cpu"
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         step = self._step
@@ -60,9 +103,39 @@ class ModelRunner:
         flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
         flat_k.index_copy_(0, step.slot_mapping, k[0].to(flat_k.dtype))
         flat_v.index_copy_(0, step.slot_mapping, v[0].to(flat_v.dtype))
-        out = paged_attention(q[0], k_cache, v_cache, step.block_tables, step.seq_lens,
-                              step.query_start_loc, self.scale)
+        split = step.split
+        if split is None:
+            out = paged_attention(q[0], k_cache, v_cache, step.block_tables, step.seq_lens,
+                                  step.query_start_loc, self.scale)
+            return out.unsqueeze(0)
+        out = torch.empty_like(q[0])
+        if split.decode_rows.numel():
+            out[split.decode_rows] = batched_decode_attention(
+                q[0, split.decode_rows], k_cache, v_cache, split.decode_tables, split.decode_lens, self.scale)
+        if split.prefill_rows.numel():
+            out[split.prefill_rows] = paged_attention(
+                q[0, split.prefill_rows], k_cache, v_cache, split.prefill_tables, split.prefill_lens,
+                split.prefill_starts, self.scale)
         return out.unsqueeze(0)
+
+    def _split(self, num_new: list[int], starts: list[int], tables: torch.Tensor, lens: torch.Tensor) -> DecodeSplit:
+        dev = self.device
+        dec = [i for i, n in enumerate(num_new) if n == 1]
+        pre = [i for i, n in enumerate(num_new) if n != 1]
+        pre_rows: list[int] = []
+        pre_starts = [0]
+        for i in pre:
+            pre_rows.extend(range(starts[i], starts[i + 1]))
+            pre_starts.append(len(pre_rows))
+        dec_t = torch.tensor(dec, dtype=torch.long, device=dev)
+        pre_t = torch.tensor(pre, dtype=torch.long, device=dev)
+        return DecodeSplit(
+            decode_rows=torch.tensor([starts[i] for i in dec], dtype=torch.long, device=dev),
+            decode_tables=tables[dec_t], decode_lens=lens[dec_t],
+            prefill_rows=torch.tensor(pre_rows, dtype=torch.long, device=dev),
+            prefill_tables=tables[pre_t], prefill_lens=lens[pre_t],
+            prefill_starts=torch.tensor(pre_starts, dtype=torch.int32, device=dev),
+        )
 
     def prepare(self, batch: ScheduledBatch, logits_rows: list[int]) -> StepInputs:
         tokens: list[int] = []
@@ -83,7 +156,7 @@ class ModelRunner:
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
         dev = self.device
-        return StepInputs(
+        inputs = StepInputs(
             tokens=torch.tensor([tokens], dtype=torch.long, device=dev),
             positions=torch.tensor([positions], dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -92,6 +165,9 @@ class ModelRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
+        if self.batch_decodes and sum(1 for n in batch.num_new if n == 1) > 1:
+            inputs.split = self._split(batch.num_new, starts, inputs.block_tables, inputs.seq_lens)
+        return inputs
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, logits_rows: list[int]) -> torch.Tensor:

@@ -152,50 +152,48 @@ class OpenAIServer:
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def _submit_all(self, prefix: str, jobs: list[tuple[list[int], SamplingParams]]) -> list[RequestHandle]:
+    def _submit_all(self, prefix: str, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[list[RequestHandle], asyncio.Queue]:
+        """Submit every job with one shared output queue (tagged by job index)."""
+        queue: asyncio.Queue = asyncio.Queue()
         handles: list[RequestHandle] = []
         try:
-            for ids, params in jobs:
-                handles.append(self.engine.submit(self.engine.next_request_id(prefix), ids, params))
+            for i, (ids, params) in enumerate(jobs):
+                handles.append(self.engine.submit(self.engine.next_request_id(prefix), ids, params, queue=queue, tag=i))
         except BaseException:
             for h in handles:
                 h.close()
             raise
-        return handles
+        return handles, queue
 
-    async def _merged(self, handles: list[RequestHandle], request: Request) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(self, submitted: tuple[list[RequestHandle], asyncio.Queue],
+                      request: Request) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several requests as they come, as (index, output); stops (and aborts all)
         when the client disconnects or the consumer stops iterating."""
-        queue: asyncio.Queue = asyncio.Queue()
+        handles, queue = submitted
+        gone = object()
 
-        async def pump(i: int, h: RequestHandle) -> None:
-            try:
-                while True:
-                    out = await h.get()
-                    queue.put_nowait((i, out))
-                    if out.finished:
-                        return
-            except Exception as exc:
-                queue.put_nowait((i, exc))
+        async def watch() -> None:
+            # Polls for a client disconnect so a request still queued (no output to send yet)
+            # is cancelled too.
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            queue.put_nowait((-1, gone))
 
-        tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+        watcher = asyncio.create_task(watch())
         remaining = len(handles)
         try:
             while remaining:
-                try:
-                    i, item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
-                if isinstance(item, Exception):
-                    raise item
-                yield i, item
+                i, item = await queue.get()
+                if item is gone:
+                    return
+                if isinstance(item, BaseException):
+                    raise EngineDead(f"the engine failed: {item}") from item
                 if item.finished:
+                    handles[i].finished = True
                     remaining -= 1
+                yield i, item
         finally:
-            for t in tasks:
-                t.cancel()
+            watcher.cancel()
             for h in handles:
                 h.close()
 
@@ -250,7 +248,7 @@ class OpenAIServer:
                 if body.echo and body.logprobs is not None:
                     params = params.model_copy(update={"prompt_logprobs": True})
                 jobs.append((ids, params))
-        handles = self._submit_all("cmpl", jobs)
+        submitted = self._submit_all("cmpl", jobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = _now()
         n = body.n
@@ -264,7 +262,7 @@ class OpenAIServer:
                 offsets = [0] * len(jobs)
                 started = [False] * len(jobs)
                 prompt_tokens = completion_tokens = 0
-                async for i, out in self._merged(handles, request):
+                async for i, out in self._merged(submitted, request):
                     text = out.new_text
                     lp_lists: list[TokenLogprob | None] = list(out.new_logprobs)
                     if not started[i]:
@@ -296,7 +294,7 @@ class OpenAIServer:
         texts = [echo_text(i) for i in range(len(jobs))]
         lps: list[list[TokenLogprob | None]] = [[] for _ in jobs]
         final: list[RequestOutput | None] = [None] * len(jobs)
-        async for i, out in self._merged(handles, request):
+        async for i, out in self._merged(submitted, request):
             texts[i] += out.new_text
             lps[i].extend(out.new_logprobs)
             if out.finished:
@@ -342,7 +340,7 @@ class OpenAIServer:
         max_tokens = self._resolve_max_tokens(body.max_completion_tokens or body.max_tokens, len(ids))
         top = body.top_logprobs or 0 if body.logprobs else None
         jobs = [(ids, body.sampling_params(max_tokens, top, index=j)) for j in range(body.n)]
-        handles = self._submit_all("chat", jobs)
+        submitted = self._submit_all("chat", jobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = _now()
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -355,7 +353,7 @@ class OpenAIServer:
                 for i in range(len(jobs)):
                     yield self._sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                           "logprobs": None, "finish_reason": None}], **extra})
-                async for i, out in self._merged(handles, request):
+                async for i, out in self._merged(submitted, request):
                     if out.finished:
                         completion_tokens += out.num_output_tokens
                     if not (out.new_text or out.finished or out.new_logprobs):
@@ -374,7 +372,7 @@ class OpenAIServer:
         texts = [""] * len(jobs)
         lps: list[list[TokenLogprob]] = [[] for _ in jobs]
         final: list[RequestOutput | None] = [None] * len(jobs)
-        async for i, out in self._merged(handles, request):
+        async for i, out in self._merged(submitted, request):
             texts[i] += out.new_text
             lps[i].extend(out.new_logprobs)
             if out.finished:
@@ -429,11 +427,11 @@ class OpenAIServer:
                 return JSONResponse(_validation_message(exc)[0], status_code=400)
             jobs.append((ids, params))
         try:
-            handles = self._submit_all("api", jobs)
+            submitted = self._submit_all("api", jobs)
         except RequestRejected as exc:
             return JSONResponse(str(exc), status_code=400)
         outputs: list[list[RequestOutput]] = [[] for _ in jobs]
-        async for i, out in self._merged(handles, request):
+        async for i, out in self._merged(submitted, request):
             outputs[i].append(out)
         if any(not o or not o[-1].finished for o in outputs):
             return Response(status_code=499)
