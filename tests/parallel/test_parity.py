@@ -91,8 +91,13 @@ def test_two_process_layouts(tmp_path, reference):
         "dp2_allreduce": dict(layout=dict(data=2), parallel=dict(micro_batch=4, distributed_optimizer=False)),
         "gpt2_tp2_sp": dict(layout=dict(tensor=2), model=gpt2, parallel=dict(micro_batch=4)),
     }
-    spec = {"jobs": [{**j, "name": n, "steps": STEPS, "save": str(tmp_path / n), "out": str(tmp_path / f"{n}.json")}
-                     for n, j in jobs.items()]}
+    meta_jobs = {  # built on the meta device: only local shards are allocated and initialised
+        "meta_gpt2_tp2_sp": dict(layout=dict(tensor=2), model=gpt2, parallel=dict(micro_batch=4), meta=True),
+        "meta_pp2_tied": dict(layout=dict(pipeline=2), parallel=dict(micro_batch=2), meta=True),
+    }
+    spec = {"jobs": [{**j, "name": n, "steps": 3, "out": str(tmp_path / f"{n}.json")} for n, j in meta_jobs.items()]}
+    spec["jobs"] += [{**j, "name": n, "steps": STEPS, "save": str(tmp_path / n), "out": str(tmp_path / f"{n}.json")}
+                     for n, j in jobs.items()]
     spec["jobs"].append({"kind": "rng", "layout": dict(tensor=2), "out": str(tmp_path / "rng.json")})
     torchrun(2, spec, tmp_path)
     for name, job in jobs.items():
@@ -106,6 +111,14 @@ def test_two_process_layouts(tmp_path, reference):
         if job.get("eval"):
             got_eval = json.loads((tmp_path / f"{name}.json").read_text())["eval_loss"]
             assert_close_seq([got_eval], [H.reference_eval(model, H.model_config())], f"{name} eval")
+
+    for name in list(jobs) + list(meta_jobs):
+        div = json.loads((tmp_path / f"{name}.json").read_text())["divergence"]
+        assert div == [0.0, 0.0], f"{name}: replicas diverged {div}"
+    for name in meta_jobs:
+        losses = json.loads((tmp_path / f"{name}.json").read_text())["losses"]
+        # Fresh init on vocab 128: loss near ln(128) = 4.85, finite, and training moves it.
+        assert all(abs(x - 4.85) < 0.2 for x in losses) and losses[0] != losses[-1], (name, losses)
 
     # Overlap: every bucket that needs no tensor/pipeline pre-reduction was launched by a backward
     # hook, before backward finished; small buckets make several.

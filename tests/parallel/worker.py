@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import parallel_harness as harness  # noqa: E402
 from tessera.common.layout import ParallelLayout  # noqa: E402
-from tessera.common.model import build_model  # noqa: E402
+from tessera.common.model import Transformer, build_model  # noqa: E402
 from tessera.common.parallel.random import TensorParallelRNG  # noqa: E402
 from tessera.common.parallel.state import build_groups, destroy_distributed, init_distributed  # noqa: E402
 from tessera.trainer.parallel.launch import add_parallel_arguments, layout_from_args, parse_pipeline_layers  # noqa: E402
@@ -67,7 +67,15 @@ def run_job(job: dict, cfg) -> None:
     pcfg = ParallelConfig(seq_len=harness.SEQ, global_batch=harness.GLOBAL_BATCH,
                           **{"micro_batch": 1, **job.get("parallel", {})})
     ocfg = OptimConfig(**harness.OPTIM)
-    rt = ParallelRuntime.build(cfg, groups, pcfg, ocfg, build_model=lambda: build_model(cfg, seed=harness.MODEL_SEED))
+    if job.get("meta"):
+        def builder():
+            with torch.device("meta"):
+                return Transformer(cfg)
+    else:
+        def builder():
+            return build_model(cfg, seed=harness.MODEL_SEED)
+    rt = ParallelRuntime.build(cfg, groups, pcfg, ocfg, build_model=builder)
+    divergence = [rt.replica_divergence()]
     if job.get("load"):
         rt.load(job["load"])
     losses, norms = [], []
@@ -79,7 +87,8 @@ def run_job(job: dict, cfg) -> None:
         losses.append(r.loss)
         norms.append(r.grad_norm)
     buckets = rt.optimizer.buckets
-    result = {"losses": losses, "grad_norms": norms, "buckets": len(buckets.buckets),
+    divergence.append(rt.replica_divergence())
+    result = {"losses": losses, "grad_norms": norms, "divergence": divergence, "buckets": len(buckets.buckets),
               "deferred_buckets": sum(b.deferred for b in buckets.buckets),
               "launched_during_backward": buckets.launched_during_backward}
     if job.get("eval"):

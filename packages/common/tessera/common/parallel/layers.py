@@ -16,8 +16,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tessera.common.parallel.mappings import copy_to_tp, reduce_from_tp, reduce_scatter_seq
 from torch import nn
+
+from tessera.common.parallel.mappings import copy_to_tp, reduce_from_tp, reduce_scatter_seq
+
+# Every attribute the parallel code reads off a parameter (carried over when parameters are
+# re-created, e.g. by Module.to_empty). `tied_embedding` is set by the pipeline code.
+PARALLEL_TAGS = ("tp_shard_dim", "sequence_parallel_partial", "tied_embedding")
 
 
 def tag(param: torch.Tensor, shard_dim: int | None, partial: bool = False) -> None:

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # Mesh dimensions, slowest-varying first, so the flat rank = ((pp*dp + d)*ep + e)*cp + c)*tp + t.
 MESH_DIMS = ("pp", "dp", "ep", "cp", "tp")

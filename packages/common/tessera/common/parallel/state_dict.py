@@ -11,9 +11,10 @@ layout it was written from.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
 from tessera.common.parallel.layers import shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 MODEL_PREFIX = "model."
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from tessera.common.model import Transformer
 from tessera.common.parallel.layers import (
     ColumnParallelLinear,
@@ -30,7 +32,6 @@ from tessera.common.parallel.layers import (
 from tessera.common.parallel.mappings import copy_to_tp, gather_seq, scatter_seq
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
-from torch import nn
 
 
 class _ForkedDropout(nn.Dropout):

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from tessera.common.parallel.state import ParallelGroups
 from torch import nn
+
+from tessera.common.parallel.state import ParallelGroups
 
 
 def _needs_presync(p: nn.Parameter) -> bool:

@@ -23,10 +23,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import to_global
 from tessera.trainer.parallel.data_parallel import Bucket, GradientBuckets
-from torch import nn
 
 OPTIM_PREFIX = "optimizer."
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import Field
+
 from tessera.common.config import StrictModel
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
@@ -85,7 +86,8 @@ class ParallelRuntime:
                                  pipeline_layers=pcfg.pipeline_layers, world_size=groups.world_size)
         rng = TensorParallelRNG(pcfg.seed, groups.tp_rank, groups.pp_rank, groups.device)
         rng.seed_default()
-        stages = build_stages(build_model, groups, counts, pcfg.seq_len, pcfg.sequence_parallel, rng)
+        stages = build_stages(build_model, groups, counts, pcfg.seq_len, pcfg.sequence_parallel, rng,
+                              init_seed=pcfg.seed)
         named = [(f"{s.stage}.{n}", p) for s in stages for n, p in s.global_params().items()]
         optimizer = DistributedOptimizer(
             named, groups, lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps, weight_decay=ocfg.weight_decay,
@@ -160,6 +162,34 @@ class ParallelRuntime:
             dist.all_reduce(total, group=g.dp_group)
             total /= g.dp
         return float(total)
+
+    @torch.no_grad()
+    def replica_divergence(self) -> float:
+        """Largest difference between copies that must stay equal (0.0 when healthy): replicated
+        parameters across tensor ranks, every parameter across data-parallel ranks, and the two
+        copies of a tied embedding. Collective; for tests and debugging."""
+        g = self.groups
+        worst = torch.zeros((), dtype=torch.float32, device=g.device)
+
+        def spread(t: torch.Tensor, group, size: int) -> None:
+            copies = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(copies, t.contiguous(), group=group)
+            for c in copies:
+                worst.copy_(torch.maximum(worst, (c - t).abs().max().float()))
+
+        for p in self.named_global_params().values():
+            if g.tp > 1 and getattr(p, "tp_shard_dim", None) is None:
+                spread(p.data, g.tp_group, g.tp)
+            if g.dp > 1:
+                spread(p.data, g.dp_group, g.dp)
+        if g.embedding_group is not None:
+            for s in self.stages:
+                if s.is_first and s.model.embed_tokens is not None:
+                    spread(s.model.embed_tokens.weight.data, g.embedding_group, 2)
+                if s.is_last and s.tied_head is not None:
+                    spread(s.tied_head.data, g.embedding_group, 2)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return float(worst)
 
     # ---- checkpoint state -------------------------------------------------------------------
     def named_global_params(self) -> dict[str, torch.nn.Parameter]:
