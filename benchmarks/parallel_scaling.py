@@ -98,6 +98,7 @@ def peer(steps: int) -> dict:
     """Single process: plain model + torch AdamW."""
     import torch
     import torch.nn.functional as F
+
     from tessera.common.model import build_model
     from tessera.common.model_config import ModelConfig
 
@@ -140,6 +141,7 @@ def peer(steps: int) -> dict:
 def worker(spec_path: str) -> None:
     import torch
     import torch.distributed as dist
+
     from tessera.common.layout import ParallelLayout
     from tessera.common.model import build_model
     from tessera.common.model_config import ModelConfig

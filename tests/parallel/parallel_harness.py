@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from tessera.common.model import build_model
 from tessera.common.model_config import ModelConfig
 

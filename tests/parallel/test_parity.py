@@ -17,6 +17,7 @@ import parallel_harness as H
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+
 from tessera.common.checkpoint import load_model_tensors
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout
 from tessera.common.model_config import ModelConfig

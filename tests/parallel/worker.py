@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import parallel_harness as harness  # noqa: E402
+
 from tessera.common.layout import ParallelLayout  # noqa: E402
 from tessera.common.model import Transformer, build_model  # noqa: E402
 from tessera.common.parallel.random import TensorParallelRNG  # noqa: E402
