@@ -23,23 +23,34 @@ import tempfile
 import time
 from pathlib import Path
 
-# Peak RSS is VmHWM of the converting process itself (ru_maxrss would include the parent's peak,
+# One process per operation: first the same operation on a tiny checkpoint (warm-up: every lazy
+# import and one-time allocation happens there; its peak RSS is the fixed overhead), then the
+# measured run. Peak RSS is VmHWM of this process (ru_maxrss would include the parent's peak,
 # which survives fork + exec on Linux).
 WRAPPER = r"""
-import sys, time
+import json, os, sys, time
 from tessera.ckpt_convert.cli import run
-t0 = time.perf_counter()
-code = run(sys.argv[1:]) if len(sys.argv) > 1 else 0
-dt = time.perf_counter() - t0
-hwm = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM")][0].split()[1]
-print("BENCH", dt, int(hwm) * 1024, file=sys.stderr)
+def hwm():
+    return int([ln for ln in open("/proc/self/status") if ln.startswith("VmHWM")][0].split()[1]) * 1024
+warm, real = json.loads(sys.argv[1])
+run(warm)
+fixed = hwm()
+t0, c0 = time.perf_counter(), os.times()
+run(real)
+dt, c1 = time.perf_counter() - t0, os.times()
+print("BENCH", dt, hwm(), (c1.user + c1.system) - (c0.user + c0.system), fixed, file=sys.stderr)
 """
 
 
 def make_checkpoint(root: Path, layers: int, hidden: int, ffn: int, vocab: int) -> Path:
     import torch
 
-    from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, save_model_tensors, write_pointer
+    from tessera.common.checkpoint import (
+        CheckpointSidecar,
+        finalize_checkpoint,
+        save_model_tensors,
+        write_pointer,
+    )
     from tessera.common.model import build_model
     from tessera.common.model_config import ModelConfig
 
@@ -57,12 +68,14 @@ def make_checkpoint(root: Path, layers: int, hidden: int, ffn: int, vocab: int) 
     return directory
 
 
-def timed(cmd: list[str]) -> tuple[float, int]:
+def timed(py: str, warm: list[str], real: list[str]) -> tuple[float, int, float, int]:
+    """(wall s, peak RSS bytes, CPU s incl. helper threads, fixed RSS bytes) of the measured run."""
+    cmd = [py, "-c", WRAPPER, json.dumps([warm, real])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
     line = [ln for ln in proc.stderr.splitlines() if ln.startswith("BENCH")][-1].split()
-    return float(line[1]), int(line[2])
+    return float(line[1]), int(line[2]), float(line[3]), int(line[4])
 
 
 def main() -> None:
@@ -89,39 +102,43 @@ def main() -> None:
         print(f"checkpoint: {payload / 2**30:.2f} GiB payload, {len(src.tensor_specs)} tensors, largest tensor "
               f"{largest / 2**20:.0f} MiB (built in {time.perf_counter() - t0:.0f}s)")
 
-        results = {}
-        # Fixed overhead: the same interpreter with torch and tessera imported, doing nothing.
-        _, base_rss = timed([py, "-c", WRAPPER])
-        results["baseline (imports only)"] = (0.0, base_rss)
+        tiny = make_checkpoint(work / "tiny", 2, 64, 128, 256).parent
+        before = os.times()
         t = time.perf_counter()
         subprocess.run(["cp", "-r", str(ck), str(work / "cp_copy")], check=True)
         cp_s = time.perf_counter() - t
+        after = os.times()
+        cp_cpu = (after.children_user + after.children_system) - (before.children_user + before.children_system)
         shutil.rmtree(work / "cp_copy")
-        ops = {
-            "reshard tp1pp1 -> tp2pp2": ["reshard", "--checkpoint", str(work / "ckpt"), "--output",
-                                         str(work / "resharded"), "--tensor-parallel", "2", "--pipeline-parallel", "2"],
-            "export hf (fp32, 1 file)": ["export", "--format", "hf", "--checkpoint", str(work / "ckpt"),
-                                         "--output", str(work / "hf")],
-            "import hf (fp32)": ["import", "--format", "hf", "--input", str(work / "hf"), "--output",
-                                 str(work / "imported")],
-            "export trtllm tp2 (fp32)": ["export", "--format", "trtllm", "--checkpoint", str(work / "ckpt"),
-                                         "--output", str(work / "trt"), "--tensor-parallel", "2"],
-        }
-        for name, argv in ops.items():
-            results[name] = timed([py, "-c", WRAPPER, *argv, "--quiet"])
-        rows = [f"| operation | wall s | GiB/s | vs cp | peak RSS MiB | RSS - baseline MiB |",
-                "|---|---|---|---|---|---|",
-                f"| cp -r (peer) | {cp_s:.2f} | {payload / cp_s / 2**30:.2f} | 1.00x | - | - |"]
-        for name, (secs, rss) in results.items():
-            if secs == 0.0:
-                rows.append(f"| {name} | - | - | - | {rss / 2**20:.0f} | 0 |")
-                continue
-            rows.append(f"| {name} | {secs:.2f} | {payload / secs / 2**30:.2f} | {cp_s / secs:.2f}x | "
-                        f"{rss / 2**20:.0f} | {(rss - base_rss) / 2**20:.0f} |")
+
+        def ops(src: Path, tag: str) -> dict[str, list[str]]:
+            return {
+                "reshard tp1pp1 -> tp2pp2": ["reshard", "--checkpoint", str(src), "--output", str(work / f"resharded{tag}"),
+                                             "--tensor-parallel", "2", "--pipeline-parallel", "2"],
+                "export hf (fp32, 1 file)": ["export", "--format", "hf", "--checkpoint", str(src),
+                                             "--output", str(work / f"hf{tag}")],
+                "import hf (fp32)": ["import", "--format", "hf", "--input", str(work / f"hf{tag}"), "--output",
+                                     str(work / f"imported{tag}")],
+                "export trtllm tp2 (fp32)": ["export", "--format", "trtllm", "--checkpoint", str(src),
+                                             "--output", str(work / f"trt{tag}"), "--tensor-parallel", "2"],
+            }
+
+        warm, real = ops(tiny, "-tiny"), ops(work / "ckpt", "")
+        results = {name: timed(py, warm[name] + ["--quiet"], real[name] + ["--quiet"]) for name in real}
+        print(f"model {model_bytes / 2**20:.0f} MiB; largest tensor {largest / 2**20:.0f} MiB")
+        rows = ["| operation | wall s | GiB/s | wall vs cp | CPU s | peak RSS MiB | fixed (tiny model) MiB "
+                "| RSS - fixed | (RSS - fixed) / largest tensor |",
+                "|---|---|---|---|---|---|---|---|---|",
+                f"| cp -r (peer) | {cp_s:.2f} | {payload / cp_s / 2**30:.2f} | 1.00x | {cp_cpu:.2f} | - | - | - | - |"]
+        for name, (secs, rss, cpu, base) in results.items():
+            rows.append(f"| {name} | {secs:.2f} | {payload / secs / 2**30:.2f} | {cp_s / secs:.2f}x | {cpu:.2f} | "
+                        f"{rss / 2**20:.0f} | {base / 2**20:.0f} | {(rss - base) / 2**20:.0f} MiB | "
+                        f"{(rss - base) / largest:.1f}x |")
         print("\n".join(rows))
         print(json.dumps({"payload_bytes": payload, "model_bytes": model_bytes, "largest_tensor_bytes": largest,
-                          "cp_seconds": cp_s, "results": {k: {"seconds": v[0], "peak_rss": v[1]}
-                                                          for k, v in results.items()}}))
+                          "cp_seconds": cp_s, "cp_cpu_seconds": cp_cpu,
+                          "results": {k: {"seconds": v[0], "peak_rss": v[1], "cpu_seconds": v[2], "fixed_rss": v[3]}
+                                      for k, v in results.items()}}))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

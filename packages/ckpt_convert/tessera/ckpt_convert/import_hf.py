@@ -10,7 +10,6 @@ weights, the server loads it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -51,8 +50,7 @@ class SafetensorsDir:
         for path in set(self.where.values()):
             if not path.is_file():
                 raise ArtifactError(f"{path}: listed in {INDEX_FILE} but missing")
-        self._handles: dict[Path, Any] = {}
-        self._stack = contextlib.ExitStack()
+        self._shapes: dict[Path, dict[str, tuple[int, ...]]] = {}
 
     @staticmethod
     def _open(path: Path) -> Any:
@@ -68,19 +66,17 @@ class SafetensorsDir:
         return {k for k in self.where if not k.endswith(_IGNORED_SUFFIXES)}
 
     def get(self, name: str) -> torch.Tensor:
-        path = self.where[name]
-        if path not in self._handles:
-            self._handles[path] = self._stack.enter_context(self._open(path))
-        return self._handles[path].get_tensor(name)
+        # Opened per tensor: a handle maps its whole file, and pages touched through the map
+        # stay resident while anything references it; per tensor, only this tensor's pages are.
+        with self._open(self.where[name]) as f:
+            return f.get_tensor(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         path = self.where[name]
-        if path not in self._handles:
-            self._handles[path] = self._stack.enter_context(self._open(path))
-        return tuple(self._handles[path].get_slice(name).get_shape())
-
-    def close(self) -> None:
-        self._stack.close()
+        if path not in self._shapes:
+            with self._open(path) as f:
+                self._shapes[path] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        return self._shapes[path][name]
 
 
 def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | None = None,
@@ -97,46 +93,43 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     cfg = model_config_from_hf(hf_cfg, str(config_path))
     weights = SafetensorsDir(input_dir)
     tok = load_tokenizer(input_dir) if (input_dir / "tokenizer.json").is_file() else None
-    try:
-        names = weights.names()
-        rules = import_rules(cfg, names)
-        # Validate every input tensor before writing anything.
-        for rule in rules:
-            for s in rule.sources:
-                if s not in names:
-                    raise ArtifactError(f"{input_dir}: tensor {s!r} missing from the safetensors weights")
-            if rule.combine is None and weights.shape(rule.sources[0]) != rule.shape:
-                raise ArtifactError(f"{input_dir}: tensor {rule.sources[0]!r} has shape "
-                                    f"{list(weights.shape(rule.sources[0]))}, config.json implies {list(rule.shape)}")
-        first = weights.get(rules[0].sources[0])
-        out_dtype = dtype or first.dtype
-        itemsize = torch.empty((), dtype=out_dtype).element_size()
-        total = sum(itemsize * _numel(r.shape) for r in rules)
+    names = weights.names()
+    rules = import_rules(cfg, names)
+    # Validate every input tensor before writing anything.
+    for rule in rules:
+        for s in rule.sources:
+            if s not in names:
+                raise ArtifactError(f"{input_dir}: tensor {s!r} missing from the safetensors weights")
+        if rule.combine is None and weights.shape(rule.sources[0]) != rule.shape:
+            raise ArtifactError(f"{input_dir}: tensor {rule.sources[0]!r} has shape "
+                                f"{list(weights.shape(rule.sources[0]))}, config.json implies {list(rule.shape)}")
+    first = weights.get(rules[0].sources[0])
+    out_dtype = dtype or first.dtype
+    itemsize = torch.empty((), dtype=out_dtype).element_size()
+    total = sum(itemsize * _numel(r.shape) for r in rules)
 
-        with atomic_directory(output, overwrite=overwrite) as tmp, \
-                Progress(total, len(rules), f"import hf -> {output.name}", quiet) as bar:
-            target = tmp / iter_dir_name(0)
-            writer = ShardedDcpWriter(target, 1)
-            try:
-                for rule in rules:
-                    tensor = rule.apply([weights.get(s) for s in rule.sources]).to(out_dtype).contiguous()
-                    writer.write_tensor("model." + rule.target, tensor, whole(rule.shape))
-                    bar.update(tensor.numel() * itemsize)
-            except BaseException:
-                writer.abort()
-                raise
-            writer.close()
-            if tok is not None:
-                tok.save(target / "tokenizer")
-            sidecar = CheckpointSidecar(model=cfg, tokenizer_fingerprint=tok.fingerprint if tok else None,
-                                        params_dtype=str(out_dtype).removeprefix("torch."))
-            sidecar.imported_from = {  # type: ignore[attr-defined]  # extra field, kept by the sidecar model
-                "path": str(input_dir.resolve()), "format": "hf",
-                "config_sha256": hashlib.sha256(config_path.read_bytes()).hexdigest()}
-            finalize_checkpoint(target, sidecar)
-            write_pointer(tmp, 0)
-    finally:
-        weights.close()
+    with atomic_directory(output, overwrite=overwrite) as tmp, \
+            Progress(total, len(rules), f"import hf -> {output.name}", quiet) as bar:
+        target = tmp / iter_dir_name(0)
+        writer = ShardedDcpWriter(target, 1)
+        try:
+            for rule in rules:
+                tensor = rule.apply([weights.get(s) for s in rule.sources]).to(out_dtype).contiguous()
+                writer.write_tensor("model." + rule.target, tensor, whole(rule.shape))
+                bar.update(tensor.numel() * itemsize)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+        if tok is not None:
+            tok.save(target / "tokenizer")
+        sidecar = CheckpointSidecar(model=cfg, tokenizer_fingerprint=tok.fingerprint if tok else None,
+                                    params_dtype=str(out_dtype).removeprefix("torch."))
+        sidecar.imported_from = {  # type: ignore[attr-defined]  # extra field, kept by the sidecar model
+            "path": str(input_dir.resolve()), "format": "hf",
+            "config_sha256": hashlib.sha256(config_path.read_bytes()).hexdigest()}
+        finalize_checkpoint(target, sidecar)
+        write_pointer(tmp, 0)
     return output
 
 
