@@ -64,3 +64,29 @@ def reference_eval(model, cfg: ModelConfig) -> float:
     tokens, targets = batch(EVAL_STEP, cfg)
     logits = model(tokens)
     return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1)).item()
+
+
+def reference_run_bf16(cfg: ModelConfig, steps: int):
+    """bf16 parameters, fp32 master weights and gradients, one process: (losses, model)."""
+    model = build_model(cfg, seed=MODEL_SEED, dtype=torch.bfloat16)
+    params = list(model.parameters())
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    opt = torch.optim.AdamW([{"params": [m for m in masters if m.ndim >= 2], "weight_decay": OPTIM["weight_decay"]},
+                             {"params": [m for m in masters if m.ndim < 2], "weight_decay": 0.0}],
+                            lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"])
+    losses = []
+    for step in range(steps):
+        tokens, targets = batch(step, cfg)
+        model.zero_grad(set_to_none=True)
+        logits = model(tokens).float()
+        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+        loss.backward()
+        for m, p in zip(masters, params):
+            m.grad = p.grad.float()
+        torch.nn.utils.clip_grad_norm_(masters, OPTIM["max_grad_norm"])
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, params):
+                p.copy_(m)
+        losses.append(loss.item())
+    return losses, model

@@ -73,8 +73,10 @@ def run_job(job: dict, cfg) -> None:
             with torch.device("meta"):
                 return Transformer(cfg)
     else:
+        dtype = getattr(torch, job.get("dtype", "float32"))
+
         def builder():
-            return build_model(cfg, seed=harness.MODEL_SEED)
+            return build_model(cfg, seed=harness.MODEL_SEED, dtype=dtype)
     rt = ParallelRuntime.build(cfg, groups, pcfg, ocfg, build_model=builder)
     divergence = [rt.replica_divergence()]
     if job.get("load"):

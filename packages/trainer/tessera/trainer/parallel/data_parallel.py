@@ -13,6 +13,11 @@ Two reductions:
     updated slices are all-gathered back into the parameters.
   * replicated: all-reduce of the whole bucket.
 
+Gradients are kept in fp32 whatever the parameter dtype. For fp32 parameters `param.grad` is
+simply a view of the fp32 buffer (autograd accumulates into it); for bf16/fp16 parameters the
+hook adds each micro-batch's gradient into the fp32 buffer and frees `param.grad` (Megatron's
+"main grads"), so accumulation, reduction, clipping and the optimizer never round to 16 bits.
+
 Some gradients need a tensor- or pipeline-group reduction first (norms and row biases under
 sequence parallel; the tied embedding on the first and last pipeline stage). They go into
 "deferred" buckets, reduced in `finish()` after those reductions, never from a hook: a hook
@@ -104,6 +109,7 @@ class GradientBuckets:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for b in self.buckets for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._offset_of = {id(p): o for b in self.buckets for p, o in zip(b.params, b.offsets)}
 
     # ---- construction -----------------------------------------------------------------------
     def _add_bucket(self, items: list[tuple[str, nn.Parameter]], key) -> None:
@@ -115,14 +121,15 @@ class GradientBuckets:
             off += p.numel()
         numel = -(-off // self.shards) * self.shards
         param_buf = torch.zeros(numel, dtype=dtype, device=device)
-        grad_buf = torch.zeros(numel, dtype=dtype, device=device)
+        grad_buf = torch.zeros(numel, dtype=torch.float32, device=device)
         mask = torch.zeros(numel, dtype=torch.float32, device=device)
         g = self.groups
         for (_, p), o in zip(items, offsets):
             n = p.numel()
             param_buf[o:o + n].copy_(p.data.reshape(-1))
             p.data = param_buf[o:o + n].view_as(p)
-            p.grad = grad_buf[o:o + n].view_as(p)
+            if dtype == torch.float32:
+                p.grad = grad_buf[o:o + n].view_as(p)
             # Count each distinct element once in the global norm: replicated tensor-parallel
             # parameters on tensor rank 0 only, the tied embedding on the first stage only,
             # replicated (unsharded) buckets on data-parallel rank 0 only.
@@ -137,7 +144,7 @@ class GradientBuckets:
                 mask[o:o + n] = 1.0
         rank = g.dp_rank if self.sharded else 0
         lo, hi = rank * (numel // self.shards), (rank + 1) * (numel // self.shards)
-        grad_shard = torch.zeros(hi - lo, dtype=dtype, device=device) if self.sharded else grad_buf
+        grad_shard = torch.zeros(hi - lo, dtype=torch.float32, device=device) if self.sharded else grad_buf
         self.buckets.append(Bucket(
             names=[n for n, _ in items], params=[p for _, p in items], offsets=offsets, numel=numel,
             shards=self.shards, deferred=deferred, weight_decay=decay, param_buf=param_buf,
@@ -152,14 +159,20 @@ class GradientBuckets:
         for b in self.buckets:
             b.grad_buf.zero_()
             for p, o in zip(b.params, b.offsets):
+                if p.dtype != torch.float32:
+                    p.grad = None
                 # Someone may have called module.zero_grad() (set_to_none): re-attach the views.
-                if p.grad is None or p.grad.data_ptr() != b.grad_buf[o:].data_ptr():
+                elif p.grad is None or p.grad.data_ptr() != b.grad_buf[o:].data_ptr():
                     p.grad = b.grad_buf[o:o + p.numel()].view_as(p)
             b.ready, b.handle, b.launched = 0, None, False
             b.counts.clear()
 
     def _on_grad(self, p: nn.Parameter) -> None:
         b = self._bucket_of[id(p)]
+        if p.dtype != torch.float32:
+            o = self._offset_of[id(p)]
+            b.grad_buf[o:o + p.numel()].add_(p.grad.reshape(-1))
+            p.grad = None
         c = b.counts.get(id(p), 0) + 1
         b.counts[id(p)] = c
         if c == self.num_microbatches:
@@ -186,11 +199,12 @@ class GradientBuckets:
         for b in self.buckets:
             if not b.deferred:
                 continue
-            for p in b.params:
+            for p, o in zip(b.params, b.offsets):
+                grad = b.grad_buf[o:o + p.numel()]
                 if getattr(p, "sequence_parallel_partial", False) and g.tp > 1:
-                    dist.all_reduce(p.grad, group=g.tp_group)
+                    dist.all_reduce(grad, group=g.tp_group)
                 if getattr(p, "tied_embedding", False) and g.embedding_group is not None:
-                    dist.all_reduce(p.grad, group=g.embedding_group)
+                    dist.all_reduce(grad, group=g.embedding_group)
         for b in self.buckets:
             if not b.launched:
                 self._launch(b)

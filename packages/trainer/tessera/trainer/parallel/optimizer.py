@@ -98,7 +98,7 @@ class DistributedOptimizer:
         """Clip, update the local shards, all-gather the parameters. Returns the pre-clip norm."""
         norm = self.clip_grad_norm()
         for m, b in zip(self.masters, self.buckets.buckets):
-            m.grad = b.grad_shard if b.grad_shard.dtype == torch.float32 else b.grad_shard.float()
+            m.grad = b.grad_shard  # fp32 (GradientBuckets keeps main grads in fp32)
         self.inner.step()
         for m, b in zip(self.masters, self.buckets.buckets):
             shard = b.param_shard(self._rank)
