@@ -7,6 +7,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+
 from tessera.data_prep.cli import entry, main
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from dp_helpers import run, user_error, write_jsonl
+
 from tessera.common.indexed_dataset import IndexedDataset
 from tessera.common.mixture import MixtureSplit, read_mixture_manifest
 from tessera.data_prep.blend import blend_assignment, split_ranges

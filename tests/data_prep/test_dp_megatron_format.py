@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from tessera.common.errors import ArtifactError
 from tessera.common.indexed_dataset import IndexedDataset, IndexedDatasetWriter, write_index
 

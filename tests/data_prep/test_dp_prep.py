@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from dp_helpers import run, user_error, write_jsonl
+from tokenizers import Tokenizer as HFTokenizer
+
 from tessera.common.fileio import sha256_file
 from tessera.common.indexed_dataset import IndexedDataset
 from tessera.common.shard import read_shard_manifest
 from tessera.common.tokenizer import tokenizer_fingerprint
 from tessera.data_prep.shard_writer import parse_max_shard_size
 from tessera.data_prep.tokenizer_train import BOS_TOKEN, EOD_TOKEN, save_tokenizer, train_bpe
-from tokenizers import Tokenizer as HFTokenizer
 
 
 def _ref_tokens(tokenizer_dir: Path, text: str) -> list[int]:
@@ -228,3 +229,17 @@ def test_parse_max_shard_size():
     assert parse_max_shard_size("500MB", 2) == 250_000_000
     assert parse_max_shard_size("1GiB", 4) == 2**30 // 4
 
+
+
+def test_hf_dataset_dict_split(tmp_path, tokenizer_dir, capsys):
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"train": Dataset.from_dict({"text": ["a b c"]}),
+                 "validation": Dataset.from_dict({"text": ["one", "two", None]})}).save_to_disk(str(tmp_path / "dd"))
+    run(["prep", "--input", tmp_path / "dd", "--hf-split", "validation", "--tokenizer", tokenizer_dir,
+         "--output-prefix", tmp_path / "o", "--quiet"])
+    m = read_shard_manifest(tmp_path / "o_text_document")
+    assert m.num_documents == 2 and m.model_extra["skipped"]["examples"][0]["line"] == 3  # the null row
+    assert m.inputs[0].model_extra["hf_fingerprint"]
+    assert "no split 'test'" in user_error(["prep", "--input", tmp_path / "dd", "--hf-split", "test", "--tokenizer",
+                                           tokenizer_dir, "--output-prefix", tmp_path / "p"], capsys)

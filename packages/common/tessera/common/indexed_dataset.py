@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import atomic_file, tmp_name
 

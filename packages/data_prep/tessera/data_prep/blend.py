@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 from pydantic import Field, field_validator
+from tqdm import tqdm
+
 from tessera.common.config import StrictModel, read_yaml, validate_config
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, atomic_write_json, sha256_file
@@ -38,7 +40,6 @@ from tessera.common.mixture import (
     split_file,
 )
 from tessera.common.shard import ShardManifest, read_shard_manifest, shard_fingerprint
-from tqdm import tqdm
 
 
 class BlendSource(StrictModel):

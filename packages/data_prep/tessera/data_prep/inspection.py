@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
 from tessera.common.errors import UserError
 from tessera.common.indexed_dataset import IndexedDataset
 from tessera.common.shard import manifest_path, read_shard_manifest

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_write_json, sha256_file, tmp_name
 from tessera.common.indexed_dataset import IndexedDataset, bin_path, idx_path, write_index_chunks

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
+from tqdm import tqdm
+
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.indexed_dataset import token_dtype_for_vocab
@@ -33,7 +35,6 @@ from tessera.data_prep.sources import (
     resolve_inputs,
 )
 from tessera.data_prep.tokenizer_train import EOD_TOKEN, save_tokenizer, train_bpe
-from tqdm import tqdm
 
 MAX_EXAMPLES_IN_MANIFEST = 1000  # exact counts always; locations of the first this many skips
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_write_json, sha256_file
 from tessera.common.indexed_dataset import IndexedDatasetWriter, bin_path, idx_path

@@ -240,6 +240,7 @@ def _column_records(columns: list[list[Any]], first_row: int, keys: list[str]) -
 
 def _read_parquet(inp: InputFile, keys: list[str], progress: Progress | None) -> Iterator[Record]:
     import pyarrow.parquet as pq
+
     from tessera.common.fileio import sha256_file
 
     inp.sha256 = sha256_file(inp.path)

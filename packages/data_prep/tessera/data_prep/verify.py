@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import sha256_file
 from tessera.common.indexed_dataset import bin_path, idx_path, read_index
