@@ -13,6 +13,7 @@ submission order and the batches are cut the same way, so the output is byte-ide
 from __future__ import annotations
 
 import itertools
+import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -121,8 +122,11 @@ class BatchEncoder:
 _WORKER_ENCODER: BatchEncoder | None = None  # one per worker process, set by its initializer
 
 
-def _init_worker(encoder: BatchEncoder) -> None:
+def _init_worker(encoder: BatchEncoder, threads: int) -> None:
     global _WORKER_ENCODER
+    # Share the cores between the workers instead of giving each a full-size Rust thread pool
+    # (read when the pool starts, i.e. at the first encode; a user's own setting wins).
+    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
     _WORKER_ENCODER = encoder
 
 
@@ -144,7 +148,8 @@ class OrderedEncoder:
         else:
             # spawn, not fork: a forked child would inherit the Rust thread pool's state.
             self._executor = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
-                                                 initializer=_init_worker, initargs=(encoder,))
+                                                 initializer=_init_worker,
+                                                 initargs=(encoder, max(1, (os.cpu_count() or 1) // workers)))
         self._pending: deque[tuple[object, Future]] = deque()
 
     def submit(self, tag: object, texts_per_key: list[list[str]]) -> Iterator[tuple[object, list[EncodedBatch]]]:
