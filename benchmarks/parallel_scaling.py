@@ -178,7 +178,8 @@ def worker(spec_path: str) -> None:
         params = sum(p.numel() * p.element_size() for s in rt.stages for p in s.parameters())
         buckets = rt.optimizer.buckets.buckets
         grads = sum(b.grad_buf.numel() * b.grad_buf.element_size() for b in buckets)
-        grads += sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in buckets if b.grad_shard is not b.grad_buf)
+        grads += sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in buckets
+                     if b.grad_shard.untyped_storage().data_ptr() != b.grad_buf.untyped_storage().data_ptr())
         optim = sum(t.numel() * t.element_size() for st in rt.optimizer.inner.state.values()
                     for t in st.values() if t.ndim > 0)
         # Master weights count only where they are a separate copy (not for fp32 parameters).

@@ -53,7 +53,7 @@ class Bucket:
     weight_decay: bool
     param_buf: torch.Tensor
     grad_buf: torch.Tensor
-    grad_shard: torch.Tensor  # this rank's reduced slice (aliases grad_buf when not sharded)
+    grad_shard: torch.Tensor  # this rank's reduced slice: a view of grad_buf (all of it when not sharded)
     norm_mask: torch.Tensor  # 1 where this rank's shard elements count towards the global grad norm
     ready: int = 0
     handle: object | None = None
@@ -144,7 +144,9 @@ class GradientBuckets:
                 mask[o:o + n] = 1.0
         rank = g.dp_rank if self.sharded else 0
         lo, hi = rank * (numel // self.shards), (rank + 1) * (numel // self.shards)
-        grad_shard = torch.zeros(hi - lo, dtype=torch.float32, device=device) if self.sharded else grad_buf
+        # In-place reduce-scatter (NCCL documents it; gloo handles it): the reduced slice lands in
+        # this rank's own slice of the bucket, so no second gradient buffer is needed.
+        grad_shard = grad_buf[lo:hi]
         self.buckets.append(Bucket(
             names=[n for n, _ in items], params=[p for _, p in items], offsets=offsets, numel=numel,
             shards=self.shards, deferred=deferred, weight_decay=decay, param_buf=param_buf,
