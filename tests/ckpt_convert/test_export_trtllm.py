@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import make_checkpoint, tiny_gpt2, tiny_llama
 from safetensors.torch import load_file
+
 from tessera.ckpt_convert.cli import run
 from tessera.ckpt_convert.source import CheckpointSource
 

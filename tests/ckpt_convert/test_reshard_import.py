@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from conftest import make_checkpoint, tiny_gpt2, tiny_llama
+
 from tessera.ckpt_convert.cli import run
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.checkpoint import read_sidecar, resolve_checkpoint
@@ -43,6 +44,7 @@ def test_reshard_round_trip_bit_identical(tmp_path, tokenizer_dir):
                     "--tensor-parallel", str(t), "--pipeline-parallel", str(p), *extra, "--quiet"]) == 0
         side = read_sidecar(resolve_checkpoint(tmp_path / name))
         assert (side.layout.tensor, side.layout.pipeline) == (t, p)
+        assert side.model_extra["resharded_from"] == read_sidecar(resolve_checkpoint(prev)).layout.short()
         assert side.step == 10 and side.consumed_tokens == 10 * 8 * 64
         prev = tmp_path / name
     # Exporting from a partitioned payload (DCP assembles the chunks) gives the same bytes.
@@ -146,9 +148,10 @@ def run_verify(path):
 
 def test_import_from_transformers_save_pretrained(tmp_path):
     """A directory written by transformers itself (GPT-2, sharded) imports and gives the same logits."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     from tessera.common.checkpoint import load_model_tensors
     from tessera.common.model import build_model
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=64, n_embd=64, n_layer=2, n_head=4)).eval()
@@ -184,6 +187,9 @@ def test_verify_and_info(tmp_path, tokenizer_dir, capsys):
     assert run(["verify", str(tmp_path / "ck"), "--quiet"]) == 0
     assert run(["info", str(tmp_path / "ck"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().split("\n", 1)[1])
+    assert run(["info", str(tmp_path / "ck")]) == 0
+    text = capsys.readouterr().out
+    assert "tokens seen  5,120" in text and "step         10" in text
     assert summary["step"] == 10 and summary["consumed_tokens"] == 10 * 8 * 64
     assert summary["parameters"] == tiny_llama().num_params() and summary["layout_short"].startswith("tp1")
     # Truncate the payload: verify (and any converter) refuses with one line, exit 2.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from tessera.ckpt_convert.hf_mapping import Rule, export_rules, hf_config
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, file_size, fsync

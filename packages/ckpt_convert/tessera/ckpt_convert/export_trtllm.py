@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from tessera.ckpt_convert.export_hf import check_model_tensors, expected_model_shapes
 from tessera.ckpt_convert.hf_mapping import HF_DTYPE_NAMES, Rule, check_exportable
 from tessera.ckpt_convert.progress import Progress

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from tessera.common.errors import UserError
 from tessera.common.model_config import ModelConfig, RopeScaling
 
@@ -150,8 +151,8 @@ def _gpt2_export(cfg: ModelConfig) -> list[Rule]:
 def import_rules(cfg: ModelConfig, hf_names: set[str]) -> list[Rule]:
     """Inverse of `export_rules`. `hf_names` (tensors present) decides GPT-2's optional prefix."""
     if cfg.arch == "llama":
-        rules = [Rule(r.sources[0], (r.target,), _shape_of_source(r, cfg)) for r in _llama_export(cfg)]
-        return rules
+        # Llama names map one to one with identical shapes: invert the export rules.
+        return [Rule(r.sources[0], (r.target,), r.shape) for r in _llama_export(cfg)]
     prefix = "transformer." if any(n.startswith("transformer.") for n in hf_names) else ""
     d, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
 
@@ -181,10 +182,6 @@ def import_rules(cfg: ModelConfig, hf_names: set[str]) -> list[Rule]:
     if not cfg.tie_embeddings:
         rules.append(Rule("lm_head.weight", ("lm_head.weight",), (v, d)))
     return rules
-
-
-def _shape_of_source(rule: Rule, cfg: ModelConfig) -> tuple[int, ...]:
-    return rule.shape  # Llama names map one to one with identical shapes
 
 
 # ---- config.json ---------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
 from tessera.ckpt_convert.hf_mapping import import_rules, model_config_from_hf
 from tessera.ckpt_convert.progress import Progress

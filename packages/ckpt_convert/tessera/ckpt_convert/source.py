@@ -1,9 +1,10 @@
 """Read access to a Tessera checkpoint: its sidecar, its DCP index, and tensors one group at a time.
 
 Converters never hold a whole model: they ask this reader for the few tensors one output tensor
-needs, write the result, and drop them. Reading goes through `torch.distributed.checkpoint` in a
-single process (no process group), so a payload saved under any parallel layout reads the same:
-DCP assembles global tensors from whatever chunks the files hold.
+needs, write the result, and drop them. A tensor stored as one whole chunk is read straight from
+its DCP file entry; a tensor split over chunks (a payload partitioned for some parallel layout)
+goes through `torch.distributed.checkpoint.load` in a single process (no process group), which
+assembles the global tensor from whatever chunks the files hold.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
 from tessera.common.checkpoint import (
     MODEL_PREFIX,
-    SIDECAR,
     TOKENIZER_DIR,
     CheckpointSidecar,
     read_sidecar,
@@ -27,7 +29,6 @@ from tessera.common.checkpoint import (
     verify_checksums,
 )
 from tessera.common.errors import ArtifactError
-from torch.distributed.checkpoint.api import CheckpointException
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,6 @@ class CheckpointSource:
             if info.offset + info.length > sizes[info.relative_path]:
                 raise ArtifactError(f"{path}: truncated ({index.fqn} ends at byte {info.offset + info.length}, "
                                     f"the file has {sizes[info.relative_path]})")
-
-    def payload_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.directory.iterdir() if p.is_file() and p.name != SIDECAR)
 
     # ---- reading ---------------------------------------------------------------------------
     def load(self, keys: list[str]) -> dict[str, torch.Tensor]:

@@ -72,8 +72,13 @@ def checkpoint_files(directory: Path) -> list[Path]:
 
 def finalize_checkpoint(directory: str | os.PathLike, sidecar: CheckpointSidecar) -> None:
     """Checksum the payload and write the sidecar last: the marker that the directory is whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
     directory = Path(directory)
-    sidecar.checksums = {p.name: sha256_file(p) for p in checkpoint_files(directory)}
+    files = checkpoint_files(directory)
+    # One file per rank: hash them in parallel (hashlib releases the GIL on large blocks).
+    with ThreadPoolExecutor(max_workers=max(1, min(len(files), os.cpu_count() or 1, 8))) as pool:
+        sidecar.checksums = dict(zip((p.name for p in files), pool.map(sha256_file, files)))
     atomic_write_json(directory / SIDECAR, sidecar.model_dump(mode="json"))
 
 
