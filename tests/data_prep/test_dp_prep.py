@@ -243,3 +243,25 @@ def test_hf_dataset_dict_split(tmp_path, tokenizer_dir, capsys):
     assert m.inputs[0].model_extra["hf_fingerprint"]
     assert "no split 'test'" in user_error(["prep", "--input", tmp_path / "dd", "--hf-split", "test", "--tokenizer",
                                            tokenizer_dir, "--output-prefix", tmp_path / "p"], capsys)
+
+
+def test_compressed_inputs_multi_frame_and_truncated(tmp_path, tokenizer_dir, corpus_texts, capsys):
+    import zstandard
+
+    lines = [json.dumps({"text": t}).encode() + b"\n" for t in corpus_texts[:6]]
+    plain = tmp_path / "p.jsonl"
+    plain.write_bytes(b"".join(lines))
+    c = zstandard.ZstdCompressor()
+    (tmp_path / "m.jsonl.zst").write_bytes(c.compress(b"".join(lines[:2])) + c.compress(b"".join(lines[2:])))
+    for name in ("p.jsonl", "m.jsonl.zst"):
+        run(["prep", "--input", tmp_path / name, "--tokenizer", tokenizer_dir, "--output-prefix", tmp_path / name,
+             "--quiet"])
+    assert Path(f"{tmp_path}/m.jsonl.zst_text_document.bin").read_bytes() == \
+        Path(f"{tmp_path}/p.jsonl_text_document.bin").read_bytes()
+    (tmp_path / "t.jsonl.zst").write_bytes(c.compress(b"".join(lines))[:-40])
+    (tmp_path / "t.jsonl.gz").write_bytes(gzip.compress(b"".join(lines))[:-40])
+    for name in ("t.jsonl.zst", "t.jsonl.gz"):
+        err = user_error(["prep", "--input", tmp_path / name, "--tokenizer", tokenizer_dir, "--output-prefix",
+                          tmp_path / "out" / "t", "--quiet"], capsys)
+        assert f"{name}: cannot read" in err and "truncated" in err
+        assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())

@@ -156,6 +156,49 @@ class _HashingReader(io.RawIOBase):
         super().close()
 
 
+class _ZstdReader(io.RawIOBase):
+    """Zstandard decompression over any number of concatenated frames, refusing a truncated file.
+
+    (zstandard's own stream reader treats a file cut mid-frame as a clean end of data, which
+    would turn a truncated corpus into a silently shorter one.)
+    """
+
+    def __init__(self, raw: io.BufferedIOBase):
+        import zstandard
+
+        self._zstd = zstandard
+        self._raw = raw
+        self._obj = zstandard.ZstdDecompressor().decompressobj()
+        self._pending = b""
+        self._pos = 0  # read position in _pending
+        self._fed = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while self._pos == len(self._pending):
+            self._pending, self._pos = b"", 0
+            chunk = self._raw.read(1 << 20)
+            if not chunk:
+                if self._fed and not self._obj.eof:
+                    raise EOFError("the last zstd frame is incomplete")
+                return 0
+            while chunk:
+                if self._obj.eof:  # the previous frame ended: the rest starts a new one
+                    self._obj = self._zstd.ZstdDecompressor().decompressobj()
+                self._fed = True
+                try:
+                    self._pending += self._obj.decompress(chunk)
+                except self._zstd.ZstdError as exc:
+                    raise OSError(str(exc)) from None
+                chunk = self._obj.unused_data if self._obj.eof else b""
+        n = min(len(b), len(self._pending) - self._pos)
+        b[:n] = self._pending[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
 def _open_stream(path: Path, progress: Progress | None) -> tuple[io.BufferedReader, _HashingReader]:
     hashing = _HashingReader(open(path, "rb"), progress)  # noqa: SIM115 - closed by the caller
     raw: Any = io.BufferedReader(hashing, buffer_size=1 << 20)
@@ -163,9 +206,7 @@ def _open_stream(path: Path, progress: Progress | None) -> tuple[io.BufferedRead
     if name.endswith(".gz"):
         raw = gzip.GzipFile(fileobj=raw, mode="rb")
     elif name.endswith(".zst"):
-        import zstandard
-
-        raw = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        raw = _ZstdReader(raw)
     return io.BufferedReader(raw, buffer_size=1 << 20), hashing
 
 
@@ -205,12 +246,8 @@ def _read_jsonl(inp: InputFile, keys: list[str], progress: Progress | None) -> I
                 values, error = _extract(obj, keys)
                 yield Record(line_no, values, error)
         except (OSError, EOFError) as exc:  # gzip/zstd corruption or truncation
-            raise UserError(f"{inp.path}: cannot decompress ({str(exc).splitlines()[0]}); "
+            raise UserError(f"{inp.path}: cannot read ({str(exc).splitlines()[0]}); "
                             "the file is corrupt or truncated") from None
-        except Exception as exc:
-            if type(exc).__module__.startswith("zstd"):
-                raise UserError(f"{inp.path}: cannot decompress ({exc}); the file is corrupt or truncated") from None
-            raise
         inp.sha256 = hashing.digest.hexdigest()
     finally:
         stream.close()
