@@ -21,12 +21,14 @@ import statistics
 import time
 
 import torch
+
 from tessera.common.model_config import ModelConfig, preset
 from tessera.trainer.clip import clip_grad_norm
 from tessera.trainer.config import OptimConfig
 from tessera.trainer.loss import cross_entropy_loss
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer
+from tessera.trainer.precision import Precision
 
 
 def hf_llama(cfg: ModelConfig, device: torch.device):
@@ -84,12 +86,14 @@ def time_interleaved(steps_by_name: dict, batches, warmup: int, steps: int, sync
     return out
 
 
-def make_step(model, logits_fn, optimizer, grad_clip: float):
+def make_step(model, logits_fn, optimizer, grad_clip: float, precision: Precision):
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss = cross_entropy_loss(logits_fn(inputs), labels)
+        with precision.autocast():
+            logits = logits_fn(inputs)
+        loss = cross_entropy_loss(logits, labels)
         loss.backward()
         clip_grad_norm(params, grad_clip)
         optimizer.step()
@@ -115,6 +119,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's).")
     ap.add_argument("--no-compile", action="store_true", help="Run Tessera eager (no torch.compile of blocks).")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16 = autocast over fp32 weights for both frameworks (the trainer's bf16 mode).")
     ap.add_argument("--json", default=None, help="Also write the figures to this JSON file.")
     args = ap.parse_args()
 
@@ -144,7 +150,7 @@ def main() -> None:
     for name, model, logits_fn in (("transformers", hf, lambda x: hf(input_ids=x).logits),
                                    ("tessera", ours, lambda x: ours(x))):
         opt = build_optimizer(model, optim_cfg)  # same AdamW construction (decay groups, fused) for both
-        step_fns[name] = make_step(model, logits_fn, opt, optim_cfg.grad_clip)
+        step_fns[name] = make_step(model, logits_fn, opt, optim_cfg.grad_clip, Precision(args.precision, device))
     results = time_interleaved(step_fns, batches, args.warmup, args.steps, sync)
     for r in results.values():
         r["median_step_s"] = statistics.median(r["step_times_s"])
@@ -153,13 +159,20 @@ def main() -> None:
     flops = cfg.flops_per_token(args.seq)
     print(f"model: {cfg.num_params() / 1e6:.1f}M params (d={cfg.hidden_size}, L={cfg.num_layers}, "
           f"H={cfg.num_heads}/{cfg.kv_heads}, ffn={cfg.ffn_hidden_size}, V={cfg.vocab_size}); "
-          f"batch {args.batch} x seq {args.seq}; fp32; threads {torch.get_num_threads()}; device {device}; "
+          f"batch {args.batch} x seq {args.seq}; {args.precision}; threads {torch.get_num_threads()}; device {device}; "
           f"tessera compile={'off' if args.no_compile else 'on'}")
     print(f"{'':14}{'tokens/s':>12}{'TFLOP/s':>10}{'median step':>14}{'first step':>13}{'loss after':>12}")
     for name, r in results.items():
         print(f"{name:14}{r['tokens_per_s']:>12,.0f}{r['tokens_per_s'] * flops / 1e12:>10.4f}"
               f"{r['median_step_s'] * 1e3:>11.1f} ms{r['first_step_s']:>11.1f} s{r['final_loss']:>12.4f}")
     print(f"ratio tessera/transformers: {ratio:.2f}x")
+    if device.type == "cuda":
+        from tessera.trainer.metrics import gpu_peak_tflops
+
+        peak = gpu_peak_tflops(torch.cuda.get_device_name(device))
+        if peak:
+            for name, r in results.items():
+                print(f"MFU {name}: {100 * r['tokens_per_s'] * flops / 1e12 / peak:.1f}% of {peak:g} TFLOP/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "machine": platform.platform(), "torch": torch.__version__,
