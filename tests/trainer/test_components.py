@@ -69,14 +69,17 @@ def test_optimizer_is_fused_adamw_on_cpu_and_keeps_names():
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
-def test_flops_per_token_matches_torch_flop_counter(name):
-    """Count real forward+backward FLOPs (math SDPA, so attention is visible to the counter)."""
-    cfg = preset(name, num_layers=1, vocab_size=512, max_seq_len=64)
-    model = build_model(cfg, device="meta", seed=None)  # meta: shapes only, no memory
-    tokens = torch.randint(0, cfg.vocab_size, (1, 64), device="meta")
+def test_params_and_flops_per_token_match_the_real_module(name):
+    """Full-size presets on the meta device (shapes only, no memory): parameters counted from the
+    module, FLOPs of a real forward+backward counted by torch (math SDPA, so attention is visible)."""
+    cfg = preset(name)
+    model = build_model(cfg, device="meta", seed=None)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    seq = 128
+    tokens = torch.randint(0, cfg.vocab_size, (1, seq), device="meta")
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(tokens).float().sum().backward()
-    assert counter.get_total_flops() / 64 == pytest.approx(cfg.flops_per_token(64), rel=1e-9)
+    assert counter.get_total_flops() / seq == pytest.approx(cfg.flops_per_token(seq), rel=1e-9)
 
 
 def test_gpu_peak_table():

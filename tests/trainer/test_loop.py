@@ -101,3 +101,16 @@ def test_compiled_blocks_match_eager(make_config):
     compiled = make_trainer(path, "training.compile=true", "model.num_layers=1")
     assert run_steps(compiled, 2) == pytest.approx(run_steps(eager, 2), rel=1e-4)
     assert sorted(n for n, _ in compiled.model.named_parameters()) == sorted(n for n, _ in eager.model.named_parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_training_and_resume_on_cuda(make_config, tmp_path):
+    path = make_config(training={"steps": 20, "log_interval": 5, "device": "cuda", "precision": "bf16",
+                                 "exit_after_steps": 10})
+    assert main(["--config", str(path), "--quiet"]) == 0
+    assert main(["--config", str(path), "--quiet", "--resume"]) == 0
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [5, 10, 15, 20]
+    assert train[-1]["loss"] < train[0]["loss"] and train[-1]["memory_gib"] > 0
