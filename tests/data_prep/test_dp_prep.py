@@ -128,7 +128,7 @@ def test_on_error_fail_leaves_no_finished_looking_file(tmp_path, corpus_texts, c
     # Small batches and shards: several shards are already staged when the bad record is met.
     err = user_error(["prep", "--input", corpus, "--train-tokenizer", "--vocab-size", 300, "--output-prefix",
                        out / "x", "--quiet", "--on-error", "fail", "--batch-chars", 5000,
-                       "--max-shard-size", 3000], capsys)
+                       "--max-shard-size", 3000, "--skipped-log", out / "skipped.jsonl"], capsys)
     assert f"{corpus}:19: malformed JSON" in err and "--on-error skip" in err
     leftovers = sorted(p.name for p in out.rglob("*")) if out.exists() else []
     assert leftovers == []  # no shards, no manifests, no staged or temporary files, no tokenizer

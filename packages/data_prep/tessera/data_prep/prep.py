@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
+from tessera.common.fileio import tmp_name
 from tessera.common.indexed_dataset import token_dtype_for_vocab
 from tessera.common.shard import ShardInput
 from tessera.common.tokenizer import TOKENIZER_JSON, Tokenizer, load_tokenizer
@@ -88,7 +89,11 @@ class SkipReport:
         self.by_reason: Counter[str] = Counter()
         self.by_file: Counter[str] = Counter()
         self.examples: list[dict[str, Any]] = []
-        self._log = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115
+        self._log_path = log_path
+        self._log_tmp = tmp_name(log_path) if log_path else None
+        if log_path:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self._log_tmp, "w", encoding="utf-8") if self._log_tmp else None  # noqa: SIM115
 
     def add(self, path: Path, line: int, reason: str) -> None:
         if self.on_error == "fail":
@@ -112,9 +117,14 @@ class SkipReport:
         return {"total": self.total, "by_reason": dict(sorted(self.by_reason.items())),
                 "by_file": dict(sorted(self.by_file.items())), "examples": self.examples}
 
-    def close(self) -> None:
-        if self._log:
+    def close(self, success: bool) -> None:
+        """Publish the log under its name only if the run succeeded (like every other output)."""
+        if self._log and self._log_tmp and self._log_path:
             self._log.close()
+            if success:
+                os.replace(self._log_tmp, self._log_path)
+            else:
+                self._log_tmp.unlink(missing_ok=True)
 
 
 def shard_base(output_prefix: Path, key: str) -> Path:
@@ -253,6 +263,7 @@ def _prep(cfg: PrepConfig, inputs: list[InputFile], tok_out: Path | None) -> lis
         elapsed = max(time.perf_counter() - started, 1e-9)
         bar.set_postfix(docs=docs, tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
 
+    success = False
     try:
         with bar, OrderedEncoder(encoder, cfg.workers) as pool:
             for locs, texts in _batches(inputs, cfg, skips, bar.update):
@@ -266,12 +277,13 @@ def _prep(cfg: PrepConfig, inputs: list[InputFile], tok_out: Path | None) -> lis
         published: list[Path] = []
         for key, w in zip(cfg.json_keys, writers):
             published += w.commit({**fields, "json_key": key})
+        success = True
     except BaseException:
         for w in writers:
             w.abort()
         raise
     finally:
-        skips.close()
+        skips.close(success)
     _summary(cfg, published, docs, tokens, skips, time.perf_counter() - started, tok_out)
     return published
 
