@@ -6,9 +6,10 @@ import subprocess
 import sys
 
 import pytest
+from trainer_fixtures import build_mixture
+
 from tessera.common.errors import run_cli
 from tessera.trainer.cli import main
-from trainer_fixtures import build_mixture
 
 
 def run_expect_usage_error(argv, capsys) -> str:

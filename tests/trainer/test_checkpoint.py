@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tessera.common.checkpoint import (
     MODEL_PREFIX,
     SIDECAR,

@@ -8,6 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
 from tessera.common.config import load_config
 from tessera.common.mixture import MixtureSplit
 from tessera.common.model import build_model
@@ -17,8 +20,6 @@ from tessera.trainer.data import MicroBatchPlan, MixtureBatches
 from tessera.trainer.metrics import gpu_peak_tflops
 from tessera.trainer.optim import build_optimizer, decay_groups
 from tessera.trainer.schedule import LRSchedule
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
 OPT = OptimConfig(lr=1.0, min_lr=0.1)
 

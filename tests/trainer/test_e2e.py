@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
 from trainer_fixtures import stdlib_documents
+
+from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
 
 BIN = Path(sys.executable).parent
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+
 from tessera.common.config import load_config
 from tessera.trainer.cli import main
 from tessera.trainer.config import TrainConfig

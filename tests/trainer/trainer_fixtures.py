@@ -13,6 +13,7 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+
 from tessera.common.fileio import sha256_file
 from tessera.common.indexed_dataset import IndexedDatasetWriter, token_dtype_for_vocab
 from tessera.common.mixture import MIXTURE_FORMAT, MIXTURE_FORMAT_VERSION, dataset_file, split_file

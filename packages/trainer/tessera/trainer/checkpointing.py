@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
+
 from tessera.common.checkpoint import (
     MODEL_PREFIX,
     SIDECAR,
@@ -51,7 +53,6 @@ from tessera.common.errors import ArtifactError
 from tessera.common.tokenizer import Tokenizer
 from tessera.trainer.optim import named_parameters_of
 from tessera.trainer.precision import Precision
-from torch import nn
 
 PARTIAL_SUFFIX = ".partial"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
+
 from tessera.common.config import StrictModel
 from tessera.common.model_config import ModelConfig
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+
 from tessera.common.mixture import MixtureSplit
 
 

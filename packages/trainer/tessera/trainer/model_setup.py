@@ -12,10 +12,11 @@ from __future__ import annotations
 import functools
 
 import torch
-from tessera.common.model import Transformer, build_model
-from tessera.common.model_config import ModelConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from tessera.common.model import Transformer, build_model
+from tessera.common.model_config import ModelConfig
 
 
 def build_train_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:

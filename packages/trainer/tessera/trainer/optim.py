@@ -8,8 +8,9 @@ this torch supports it for the parameters' device, else the multi-tensor (foreac
 from __future__ import annotations
 
 import torch
-from tessera.trainer.config import OptimConfig
 from torch import nn
+
+from tessera.trainer.config import OptimConfig
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
+from tqdm import tqdm
+
 from tessera.common.checkpoint import CheckpointSidecar, read_sidecar
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import atomic_write_text
@@ -52,7 +54,6 @@ from tessera.trainer.optim import build_optimizer, set_lr
 from tessera.trainer.precision import Precision
 from tessera.trainer.schedule import LRSchedule
 from tessera.trainer.signals import StopRequest
-from tqdm import tqdm
 
 
 @dataclass
@@ -236,48 +237,36 @@ class Trainer:
         last_saved = -1
         exit_at = self.state.step + t.exit_after_steps if t.exit_after_steps else None
         try:
-            window_start, window_steps = time.perf_counter(), 0
-            first_step = True
+            window_steps, window_time = 0, 0.0  # steps and their wall time since the last log line
+            compiling = t.compile
             while self.state.step < t.steps:
                 step_start = time.perf_counter()
                 loss, grad_norm, stepped = self.train_step()
                 step_time = time.perf_counter() - step_start
-                if first_step and t.compile:
+                if compiling:  # the first step compiles: report it, keep it out of throughput
                     self.say(f"first step (includes torch.compile): {step_time:.1f}s")
-                    window_start = time.perf_counter()
-                    window_steps = -1
-                first_step = False
-                window_steps += 1
+                    compiling = False
+                else:
+                    window_steps, window_time = window_steps + 1, window_time + step_time
                 bar.update(1)
                 if not stepped:
                     self.say(f"step {self.state.step}: fp16 gradients overflowed; step skipped, "
                              f"loss scale lowered to {self.precision.loss_scale:g}")
                 if self.state.step % t.log_interval == 0 or self.state.step == t.steps:
-                    elapsed = time.perf_counter() - window_start
-                    steps_timed = max(window_steps, 1)
-                    tokens_per_s = steps_timed * t.global_batch_size * t.seq_length / max(elapsed, 1e-9)
-                    tflops = tokens_per_s * self.flops_per_token / 1e12
-                    self.sink.log({
-                        "kind": "train", "step": self.state.step, "total_steps": t.steps, "loss": loss,
-                        "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
-                        "tokens_per_s": tokens_per_s, "tflops": tflops,
-                        "mfu": tflops / (self.peak_tflops * self.rt.world_size) if self.peak_tflops else None,
-                        "memory_gib": memory_gib(self.rt.device), "loss_scale": self.precision.loss_scale,
-                        "step_skipped": not stepped, "consumed_samples": self.state.consumed_samples,
-                        "consumed_tokens": self.state.consumed_tokens, "step_time_s": step_time,
-                    })
+                    if window_steps == 0:
+                        window_steps, window_time = 1, step_time
+                    self._log_train(loss, grad_norm, stepped, window_steps, window_time)
                     bar.set_postfix(loss=f"{loss:.3f}")
-                    window_start, window_steps = time.perf_counter(), 0
+                    window_steps, window_time = 0, 0.0
                 if self.valid_data is not None and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
                     self.sink.log({"kind": "eval", "step": self.state.step, **self.evaluate()})
-                    window_start, window_steps = time.perf_counter(), 0
                 stop_now = self._agree_on_stop(stop.requested) or self.state.step == exit_at
                 if (t.save_interval and self.state.step % t.save_interval == 0) or self.state.step == t.steps or stop_now:
                     self.save()
                     last_saved = self.state.step
-                    window_start, window_steps = time.perf_counter(), 0
                 if stop_now:
-                    reason = f"received {stop.signal_name}" if stop.requested else f"training.exit_after_steps={t.exit_after_steps} reached"
+                    reason = (f"received {stop.signal_name}" if stop.requested
+                              else f"training.exit_after_steps={t.exit_after_steps} reached")
                     self.say(f"{reason}: saved at step {self.state.step}, exiting")
                     break
         finally:
@@ -286,6 +275,21 @@ class Trainer:
             self.sink.close()
         assert last_saved == self.state.step
         return self.state
+
+    def _log_train(self, loss: float, grad_norm: float, stepped: bool, steps: int, seconds: float) -> None:
+        """Throughput over the training steps since the last log line (evaluation and saving excluded)."""
+        t = self.cfg.training
+        tokens_per_s = steps * t.global_batch_size * t.seq_length / max(seconds, 1e-9)
+        tflops = tokens_per_s * self.flops_per_token / 1e12
+        self.sink.log({
+            "kind": "train", "step": self.state.step, "total_steps": t.steps, "loss": loss,
+            "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+            "tokens_per_s": tokens_per_s, "tflops": tflops,
+            "mfu": tflops / (self.peak_tflops * self.rt.world_size) if self.peak_tflops else None,
+            "memory_gib": memory_gib(self.rt.device), "loss_scale": self.precision.loss_scale,
+            "step_skipped": not stepped, "consumed_samples": self.state.consumed_samples,
+            "consumed_tokens": self.state.consumed_tokens, "step_time_s": seconds / steps,
+        })
 
     def _agree_on_stop(self, local: bool) -> bool:
         """All ranks stop together (a signal may reach only some of them)."""
