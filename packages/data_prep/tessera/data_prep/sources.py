@@ -61,6 +61,17 @@ class InputFile:
         return self.path.stat().st_size
 
 
+def _optional(module: str, extra: str, path: Path) -> Any:
+    """Import a reader's library, or say which extra to install (these formats are optional)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"{path}: reading this format needs {module.split('.')[0]}; "
+                        f"pip install 'tessera-data-prep[{extra}]'") from None
+
+
 def _kind_of(path: Path) -> str:
     name = path.name.lower()
     for comp in COMPRESSION_SUFFIXES:
@@ -115,8 +126,7 @@ def check_inputs(inputs: list[InputFile], keys: list[str], hf_split: str | None)
             raise UserError(f"{inp.path}: plain-text input provides only the key 'text', but --json-keys is "
                             f"{','.join(keys)}; use --json-keys text or convert it to JSONL")
         if inp.kind == "parquet":
-            import pyarrow.parquet as pq
-
+            pq = _optional("pyarrow.parquet", "parquet", inp.path)
             try:
                 schema = pq.ParquetFile(inp.path).schema_arrow
             except Exception as exc:
@@ -163,9 +173,8 @@ class _ZstdReader(io.RawIOBase):
     would turn a truncated corpus into a silently shorter one.)
     """
 
-    def __init__(self, raw: io.BufferedIOBase):
-        import zstandard
-
+    def __init__(self, raw: io.BufferedIOBase, path: Path):
+        zstandard = _optional("zstandard", "zstd", path)
         self._zstd = zstandard
         self._raw = raw
         self._obj = zstandard.ZstdDecompressor().decompressobj()
@@ -206,7 +215,7 @@ def _open_stream(path: Path, progress: Progress | None) -> tuple[io.BufferedRead
     if name.endswith(".gz"):
         raw = gzip.GzipFile(fileobj=raw, mode="rb")
     elif name.endswith(".zst"):
-        raw = _ZstdReader(raw)
+        raw = _ZstdReader(raw, path)
     return io.BufferedReader(raw, buffer_size=1 << 20), hashing
 
 
@@ -276,9 +285,9 @@ def _column_records(columns: list[list[Any]], first_row: int, keys: list[str]) -
 
 
 def _read_parquet(inp: InputFile, keys: list[str], progress: Progress | None) -> Iterator[Record]:
-    import pyarrow.parquet as pq
-
     from tessera.common.fileio import sha256_file
+
+    pq = _optional("pyarrow.parquet", "parquet", inp.path)
 
     inp.sha256 = sha256_file(inp.path)
     pf = pq.ParquetFile(inp.path)
@@ -294,7 +303,7 @@ def _read_parquet(inp: InputFile, keys: list[str], progress: Progress | None) ->
 
 
 def _open_hf(path: Path, keys: list[str], hf_split: str | None) -> Any:
-    import datasets
+    datasets = _optional("datasets", "hf", path)
 
     try:
         ds = datasets.load_from_disk(str(path))
