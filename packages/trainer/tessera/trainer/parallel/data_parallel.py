@@ -54,7 +54,7 @@ class Bucket:
     param_buf: torch.Tensor
     grad_buf: torch.Tensor
     grad_shard: torch.Tensor  # this rank's reduced slice: a view of grad_buf (all of it when not sharded)
-    norm_mask: torch.Tensor  # 1 where this rank's shard elements count towards the global grad norm
+    norm_ranges: list[tuple[int, int]]  # slices of grad_shard this rank counts in the global grad norm
     ready: int = 0
     handle: object | None = None
     launched: bool = False
@@ -122,7 +122,7 @@ class GradientBuckets:
         numel = -(-off // self.shards) * self.shards
         param_buf = torch.zeros(numel, dtype=dtype, device=device)
         grad_buf = torch.zeros(numel, dtype=torch.float32, device=device)
-        mask = torch.zeros(numel, dtype=torch.float32, device=device)
+        counted_ranges: list[tuple[int, int]] = []
         g = self.groups
         for (_, p), o in zip(items, offsets):
             n = p.numel()
@@ -141,16 +141,26 @@ class GradientBuckets:
             if not self.sharded and g.dp_rank != 0:
                 counted = False
             if counted:
-                mask[o:o + n] = 1.0
+                counted_ranges.append((o, o + n))
         rank = g.dp_rank if self.sharded else 0
         lo, hi = rank * (numel // self.shards), (rank + 1) * (numel // self.shards)
+        # The counted ranges that fall in this rank's shard, relative to the shard, merged.
+        norm_ranges: list[tuple[int, int]] = []
+        for a, z in counted_ranges:
+            a, z = max(a, lo) - lo, min(z, hi) - lo
+            if a >= z:
+                continue
+            if norm_ranges and norm_ranges[-1][1] == a:
+                norm_ranges[-1] = (norm_ranges[-1][0], z)
+            else:
+                norm_ranges.append((a, z))
         # In-place reduce-scatter (NCCL documents it; gloo handles it): the reduced slice lands in
         # this rank's own slice of the bucket, so no second gradient buffer is needed.
         grad_shard = grad_buf[lo:hi]
         self.buckets.append(Bucket(
             names=[n for n, _ in items], params=[p for _, p in items], offsets=offsets, numel=numel,
             shards=self.shards, deferred=deferred, weight_decay=decay, param_buf=param_buf,
-            grad_buf=grad_buf, grad_shard=grad_shard, norm_mask=mask[lo:hi].clone(),
+            grad_buf=grad_buf, grad_shard=grad_shard, norm_ranges=norm_ranges,
         ))
 
     # ---- per step ---------------------------------------------------------------------------

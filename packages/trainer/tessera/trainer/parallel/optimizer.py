@@ -9,7 +9,7 @@ With `shard=False` the same class is plain data parallel: all-reduced gradients,
 every rank.
 
 The gradient norm for clipping is computed over every distinct element exactly once across
-tensor, pipeline and data ranks (see GradientBuckets.norm_mask), matching
+tensor, pipeline and data ranks (see Bucket.norm_ranges), matching
 torch.nn.utils.clip_grad_norm_ on the single-process model.
 
 Checkpoint state is layout-free: per parameter, under its global name, as global tensors
@@ -82,8 +82,8 @@ class DistributedOptimizer:
         self.buckets.finish()
         sq = torch.zeros((), dtype=torch.float32, device=self.groups.device)
         for b in self.buckets.buckets:
-            g = b.grad_shard.float()
-            sq += (g * g * b.norm_mask).sum()
+            for a, z in b.norm_ranges:
+                sq += b.grad_shard[a:z].pow(2).sum()
         dist.all_reduce(sq)  # world group: every distinct element was counted on exactly one rank
         norm = math.sqrt(sq.item())
         if self.max_grad_norm is not None:
