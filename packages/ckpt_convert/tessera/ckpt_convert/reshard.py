@@ -60,8 +60,8 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     validate_layout(src.sidecar.model, layout)
-    checksums = src.check_integrity(background=True)
     chunks = plan(src, layout)
+    checksums = src.check_integrity(background=True)
     planner_data = src.metadata.planner_data if isinstance(src.metadata.planner_data, dict) else {}
     step = src.sidecar.step
     total = sum(s.nbytes for s in src.tensor_specs.values())
