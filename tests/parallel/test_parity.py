@@ -100,7 +100,13 @@ def test_two_process_layouts(tmp_path, reference):
         "bf16_pp2": dict(layout=dict(pipeline=2), parallel=dict(micro_batch=2), dtype="bfloat16"),
         "bf16_tp2_sp": dict(layout=dict(tensor=2), parallel=dict(micro_batch=2), dtype="bfloat16"),
     }
-    spec = {"jobs": [{**j, "name": n, "steps": 3, "out": str(tmp_path / f"{n}.json")} for n, j in meta_jobs.items()]}
+    dropout = dict(dropout=0.1, attention_dropout=0.1)
+    dropout_jobs = {  # replicated activations must draw identical masks on all tensor ranks
+        "dropout_tp2": dict(layout=dict(tensor=2), model=dropout, parallel=dict(micro_batch=4, sequence_parallel=False)),
+        "dropout_tp2_sp": dict(layout=dict(tensor=2), model=dropout, parallel=dict(micro_batch=4)),
+    }
+    spec = {"jobs": [{**j, "name": n, "steps": 3, "out": str(tmp_path / f"{n}.json")}
+                     for n, j in {**meta_jobs, **dropout_jobs}.items()]}
     spec["jobs"] += [{**j, "name": n, "steps": 5, "save": str(tmp_path / n), "out": str(tmp_path / f"{n}.json")}
                      for n, j in bf16_jobs.items()]
     spec["jobs"] += [{**j, "name": n, "steps": STEPS, "save": str(tmp_path / n), "out": str(tmp_path / f"{n}.json")}
@@ -119,7 +125,9 @@ def test_two_process_layouts(tmp_path, reference):
             got_eval = json.loads((tmp_path / f"{name}.json").read_text())["eval_loss"]
             assert_close_seq([got_eval], [H.reference_eval(model, H.model_config())], f"{name} eval")
 
-    for name in list(jobs) + list(meta_jobs):
+    # Without sequence parallel, a residual-dropout mask differing across tensor ranks would give
+    # the replicated norms different gradients, and this check would see them drift apart.
+    for name in list(jobs) + list(meta_jobs) + list(dropout_jobs):
         div = json.loads((tmp_path / f"{name}.json").read_text())["divergence"]
         assert div == [0.0, 0.0], f"{name}: replicas diverged {div}"
     for name in meta_jobs:
