@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from trainer_fixtures import build_mixture
 
 from tessera.common.errors import run_cli
@@ -31,7 +32,7 @@ def run_expect_usage_error(argv, capsys) -> str:
     (["training.precision=fp8"], "training.precision"),
     (["optim.lr=-1"], "optim.lr"),
     (["training.bogus=1"], "training.bogus"),
-])
+] + ([] if torch.cuda.is_available() else [(["training.device=cuda"], "no usable CUDA device")]))
 def test_impossible_config_is_refused(make_config, capsys, tmp_path, overrides, expected):
     err = run_expect_usage_error(["--config", str(make_config()), *overrides], capsys)
     assert expected in err

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tessera.common.errors import UserError
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -28,6 +30,8 @@ class Runtime:
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("training.device=cuda but this torch has no usable CUDA device; use training.device=auto or cpu")
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
