@@ -115,3 +115,12 @@ def test_bf16_training_and_resume_on_cuda(make_config, tmp_path):
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [5, 10, 15, 20]
     assert train[-1]["loss"] < train[0]["loss"] and train[-1]["memory_gib"] > 0
+
+
+def test_chunked_cross_entropy_matches_full_logits(make_config):
+    path = make_config()
+    full = make_trainer(path)
+    chunked = make_trainer(path, "training.loss_chunk_tokens=24")  # 64 tokens per micro-batch: 24 + 24 + 16
+    assert run_steps(full, 2) == pytest.approx(run_steps(chunked, 2), rel=1e-6)
+    for (name, a), b in zip(weights(full).items(), weights(chunked).values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

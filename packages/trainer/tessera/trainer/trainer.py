@@ -47,7 +47,7 @@ from tessera.trainer.clip import clip_grad_norm
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.data import MicroBatchPlan, MixtureBatches
 from tessera.trainer.distributed import Runtime, average_gradients, average_scalar
-from tessera.trainer.loss import cross_entropy_loss
+from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss
 from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer, set_lr
@@ -155,10 +155,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.rt.device)
         for inputs, labels in self.train_data.micro_batches(self.plan, self.state.consumed_samples):
             inputs, labels = inputs.to(self.rt.device), labels.to(self.rt.device)
-            with self.precision.autocast():
-                logits = self.model(inputs)
             # Equal token counts per micro-batch: the mean of means is the global mean.
-            loss = cross_entropy_loss(logits, labels) / n
+            loss = self.loss(inputs, labels) / n
             self.precision.scale(loss).backward()
             loss_sum += loss.detach()
         average_gradients(self.params, self.rt.world_size)
@@ -183,12 +181,19 @@ class Trainer:
             first = (i * self.rt.world_size + self.rt.rank) * mb
             ids = torch.arange(first, first + mb).numpy()
             inputs, labels = self.valid_data.batch(ids)
-            with self.precision.autocast():
-                logits = self.model(inputs.to(self.rt.device))
-            total += cross_entropy_loss(logits, labels.to(self.rt.device))
+            total += self.loss(inputs.to(self.rt.device), labels.to(self.rt.device))
         self.model.train()
         loss = float(average_scalar(total / t.eval_iters, self.rt.world_size))
         return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
+
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward (under the precision's autocast) and mean cross-entropy, chunked when configured."""
+        chunk = self.cfg.training.loss_chunk_tokens
+        with self.precision.autocast():
+            if chunk is None:
+                return cross_entropy_loss(self.model(inputs), labels)
+            hidden = self.model(inputs, return_hidden=True)
+            return chunked_cross_entropy(hidden, self.model.output_weight(), labels, chunk)
 
     def save(self) -> Path:
         sidecar = CheckpointSidecar(
