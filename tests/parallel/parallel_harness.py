@@ -41,8 +41,11 @@ def reference_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
                              lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"])
 
 
-def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=None):
-    """Losses of `steps` single-process steps from step `start`; returns (losses, model, optimizer)."""
+def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=None, autocast_bf16: bool = False):
+    """Losses of `steps` single-process steps from step `start`; returns (losses, model, optimizer).
+
+    With `autocast_bf16` the forward runs under torch.autocast(bf16) over the fp32 model (the
+    trainer's bf16 mode)."""
     torch.manual_seed(0)
     model = model if model is not None else build_model(cfg, seed=MODEL_SEED)
     opt = opt if opt is not None else reference_optimizer(model)
@@ -50,8 +53,9 @@ def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=
     for step in range(start, start + steps):
         tokens, targets = batch(step, cfg)
         opt.zero_grad(set_to_none=True)
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+            logits = model(tokens)
+        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), targets.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["max_grad_norm"])
         opt.step()

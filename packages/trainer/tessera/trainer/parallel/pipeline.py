@@ -166,7 +166,7 @@ def _sync_replicas(stages: list[StageModule], groups: ParallelGroups) -> None:
 
 def make_schedule(stages: list[StageModule], groups: ParallelGroups, num_microbatches: int,
                   micro_batch: int, hidden_size: int, vocab_size: int, dtype: torch.dtype,
-                  sequence_parallel: bool):
+                  sequence_parallel: bool, logits_dtype: torch.dtype | None = None):
     """A Schedule1F1B (one chunk per rank) or ScheduleInterleaved1F1B (several) over the stages.
 
     Loss per micro-batch is the mean token loss divided by the number of micro-batches, so the
@@ -181,7 +181,8 @@ def make_schedule(stages: list[StageModule], groups: ParallelGroups, num_microba
     meta = torch.device("meta")
     # requires_grad on the metadata is what tells the stage to send/receive gradients.
     hidden = torch.empty(micro_batch, local_seq, hidden_size, dtype=dtype, device=meta, requires_grad=True)
-    logits = torch.empty(micro_batch, seq, vocab_size // tp, dtype=dtype, device=meta, requires_grad=True)
+    logits = torch.empty(micro_batch, seq, vocab_size // tp, dtype=logits_dtype or dtype, device=meta,
+                         requires_grad=True)
     tokens = torch.empty(micro_batch, seq, dtype=torch.long, device=meta)
     pipe_stages = []
     for st in stages:

@@ -13,6 +13,7 @@ the global mean loss (the same on every rank) and the pre-clip global gradient n
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ class ParallelConfig(StrictModel):
     pipeline_layers: list[int] | None = Field(None, description="Layers per pipeline stage in stage order (pipeline x virtual stages values); automatic when unset.")
     bucket_numel: int = Field(40_000_000, gt=0, description="Elements per gradient bucket (one data-parallel collective each).")
     seed: int = Field(1234, description="Dropout seed (tensor-parallel regions get per-rank streams).")
+    autocast_bf16: bool = Field(False, description="Run forward passes under torch.autocast(bf16) over fp32 parameters (the trainer's bf16 mode); gradients, reductions and optimizer stay fp32.")
 
 
 class OptimConfig(StrictModel):
@@ -75,8 +77,12 @@ class ParallelRuntime:
         self.schedule = None
         if groups.pp > 1:
             dtype = next(stages[0].parameters()).dtype
+            # Under bf16 autocast the head's logits come out in bf16; the residual stream stays
+            # in the parameter dtype (fp32 + bf16 promotes to fp32).
+            logits_dtype = torch.bfloat16 if pcfg.autocast_bf16 else dtype
             self.schedule = make_schedule(stages, groups, self.num_microbatches, pcfg.micro_batch,
-                                          cfg.hidden_size, cfg.vocab_size, dtype, stages[0].model.sequence_parallel)
+                                          cfg.hidden_size, cfg.vocab_size, dtype, stages[0].model.sequence_parallel,
+                                          logits_dtype=logits_dtype)
 
     @classmethod
     def build(cls, cfg: ModelConfig, groups: ParallelGroups, pcfg: ParallelConfig, ocfg: OptimConfig,
@@ -108,6 +114,22 @@ class ParallelRuntime:
         tokens, targets = tokens.to(g.device), targets.to(g.device)
         self.optimizer.zero_grad(n)
         total = torch.zeros((), dtype=torch.float32, device=g.device)
+        with self._autocast():
+            self._forward_backward(tokens, targets, total)
+        if g.dp > 1:
+            dist.all_reduce(total, group=g.dp_group)
+            total /= g.dp
+        norm = self.optimizer.step()
+        return StepResult(loss=float(total), grad_norm=norm)
+
+    def _autocast(self):
+        if self.pcfg.autocast_bf16:
+            return torch.autocast(self.groups.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, total: torch.Tensor) -> None:
+        """All micro-batches of one step; adds the (micro-batch-scaled) losses into `total`."""
+        g, n, mb = self.groups, self.num_microbatches, self.pcfg.micro_batch
         if self.schedule is None:
             stage = self.stages[0]
             for i in range(n):
@@ -125,11 +147,6 @@ class ParallelRuntime:
             if has_last:
                 total += torch.stack([x.detach().float() for x in losses]).sum()
             dist.all_reduce(total, group=g.pp_group)  # only the last stage contributed
-        if g.dp > 1:
-            dist.all_reduce(total, group=g.dp_group)
-            total /= g.dp
-        norm = self.optimizer.step()
-        return StepResult(loss=float(total), grad_norm=norm)
 
     @torch.no_grad()
     def eval_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
@@ -142,20 +159,21 @@ class ParallelRuntime:
         self.train(False)
         total = torch.zeros((), dtype=torch.float32, device=g.device)
         try:
-            if self.schedule is None:
-                for i in range(n):
-                    rows = slice(i * mb, (i + 1) * mb)
-                    logits = self.stages[0](tokens[rows])
-                    total += vocab_parallel_cross_entropy(logits, targets[rows], g.tp_group).mean() / n
-            else:
-                losses: list[torch.Tensor] = []
-                has_first = any(s.is_first for s in self.stages)
-                has_last = any(s.is_last for s in self.stages)
-                self.schedule.eval(*((tokens,) if has_first else ()), target=targets if has_last else None,
-                                   losses=losses)
-                if has_last:
-                    total += torch.stack([x.float() for x in losses]).sum()
-                dist.all_reduce(total, group=g.pp_group)
+            with self._autocast():
+                if self.schedule is None:
+                    for i in range(n):
+                        rows = slice(i * mb, (i + 1) * mb)
+                        logits = self.stages[0](tokens[rows])
+                        total += vocab_parallel_cross_entropy(logits, targets[rows], g.tp_group).mean() / n
+                else:
+                    losses: list[torch.Tensor] = []
+                    has_first = any(s.is_first for s in self.stages)
+                    has_last = any(s.is_last for s in self.stages)
+                    self.schedule.eval(*((tokens,) if has_first else ()), target=targets if has_last else None,
+                                       losses=losses)
+                    if has_last:
+                        total += torch.stack([x.float() for x in losses]).sum()
+                    dist.all_reduce(total, group=g.pp_group)
         finally:
             self.train(was_training)
         if g.dp > 1:
