@@ -11,6 +11,7 @@ weights, the server loads it.
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,9 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     cfg = model_config_from_hf(hf_cfg, str(config_path))
     weights = SafetensorsDir(input_dir)
     tok = load_tokenizer(input_dir) if (input_dir / "tokenizer.json").is_file() else None
+    if tok is None:
+        print(f"warning: {input_dir} has no tokenizer.json; the checkpoint will have no tokenizer/ "
+              "(needed to serve it: add one from the original model)", file=sys.stderr)
     names = weights.names()
     rules = import_rules(cfg, names)
     # Validate every input tensor before writing anything.
