@@ -16,7 +16,7 @@ import torch
 
 from tessera.ckpt_convert.hf_mapping import Rule, export_rules, hf_config
 from tessera.ckpt_convert.progress import Progress
-from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, file_size, fsync
+from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, fsync
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.ckpt_convert.tokenizer_files import write_hf_tokenizer
 from tessera.common.errors import ArtifactError, UserError
@@ -96,7 +96,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
     shards = plan_shards(planned, opts.max_shard_size)
     names = shard_names(len(shards))
     by_name = {r.target: r for r in rules}
-    total = sum(file_size(s, ST_METADATA) for s in shards)
+    total = sum(t.nbytes for t in planned)
 
     with atomic_directory(output, overwrite=opts.overwrite) as tmp, \
             Progress(total, len(rules), f"export hf -> {output.name}", opts.quiet) as bar:

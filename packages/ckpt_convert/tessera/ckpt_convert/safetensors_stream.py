@@ -69,15 +69,6 @@ class SafetensorsStreamWriter:
             raise AssertionError(f"safetensors writer: {len(self.plan) - self.next} planned tensors never written")
 
 
-def file_size(plan: list[PlannedTensor], metadata: dict[str, str] | None = None) -> int:
-    """Bytes the file will take (used to plan shards and progress bars)."""
-    import io
-
-    buf = io.BytesIO()
-    SafetensorsStreamWriter(buf, plan, metadata)
-    return buf.tell() + sum(t.nbytes for t in plan)
-
-
 def fsync(f: BinaryIO) -> None:
     f.flush()
     os.fsync(f.fileno())
