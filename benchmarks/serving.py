@@ -36,6 +36,8 @@ def build_checkpoint(root: Path, preset: str) -> tuple[Path, object]:
     import json as _json
     import textwrap
 
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     from tessera.common.checkpoint import (
         CheckpointSidecar,
         finalize_checkpoint,
@@ -45,23 +47,23 @@ def build_checkpoint(root: Path, preset: str) -> tuple[Path, object]:
     from tessera.common.model import build_model
     from tessera.common.model_config import ModelConfig
     from tessera.common.model_config import preset as model_preset
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if preset == "llama-160m":
-        cfg = model_preset("llama-160m", vocab_size=8192, max_seq_len=1024)
-    else:  # llama-20m: llama-160m's recipe scaled down for a 2-core CPU
-        cfg = ModelConfig(arch="llama", vocab_size=8192, hidden_size=384, num_layers=6, num_heads=6,
-                          num_kv_heads=6, ffn_hidden_size=1024, max_seq_len=1024)
-    it = root / "checkpoints" / "iter_0000001"
-    it.mkdir(parents=True)
-    model = build_model(cfg, seed=0)
-    save_model_tensors(it, dict(model.state_dict()))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=2048, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([inspect.getsource(m) for m in (textwrap, _json.decoder, _json.encoder)], trainer)
+    vocab = tok.get_vocab_size()  # every id the model can emit decodes to text
+    if preset == "llama-160m":
+        cfg = model_preset("llama-160m", vocab_size=vocab, max_seq_len=1024)
+    else:  # llama-20m: llama-160m's recipe scaled down for a 2-core CPU
+        cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=384, num_layers=6, num_heads=6,
+                          num_kv_heads=6, ffn_hidden_size=1024, max_seq_len=1024)
+    it = root / "checkpoints" / "iter_0000001"
+    it.mkdir(parents=True)
+    model = build_model(cfg, seed=0)
+    save_model_tensors(it, dict(model.state_dict()))
     (it / "tokenizer").mkdir()
     tok.save(str(it / "tokenizer" / "tokenizer.json"))
     (it / "tokenizer" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
@@ -157,11 +159,13 @@ def run_static(hf, workload, batch: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=["llama-20m", "llama-160m"], default="llama-20m")
-    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--input-len", type=int, nargs=2, default=[16, 96], help="prompt length range (uniform)")
-    ap.add_argument("--output-len", type=int, nargs=2, default=[16, 96], help="output length range (uniform)")
+    ap.add_argument("--input-len", type=int, nargs=2, default=[16, 64], help="prompt length range (uniform)")
+    ap.add_argument("--output-len", type=int, nargs=2, default=[8, 128], help="output length range (uniform)")
     ap.add_argument("--naive-requests", type=int, default=8, help="requests the naive peer runs (it is slow)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256, help="server step token budget")
+    ap.add_argument("--rounds", type=int, default=2, help="alternate the three systems this many times")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads for the server and the peers alike (1 suits a shared machine)")
@@ -171,13 +175,14 @@ def main() -> None:
     rng = random.Random(args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
     ckpt, model = build_checkpoint(workdir / "run", args.preset)
-    workload = [([rng.randrange(1, 8192) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len))
+    vocab = model.cfg.vocab_size
+    workload = [([rng.randrange(1, vocab) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len))
                 for _ in range(args.num_requests)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "tessera.inference.cli_main", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
-           "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", "512", "--kv-cache-tokens", "65536",
+           "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-tokens", "65536",
            "--torch-threads", str(args.threads)]
     env = {**os.environ}
     server = subprocess.Popen(cmd, env=env)
@@ -196,29 +201,39 @@ def main() -> None:
                 raise SystemExit("server failed to start")
             time.sleep(0.3)
         asyncio.run(run_client(url, workload[:4], 4))  # warm-up
-        ours = asyncio.run(run_client(url, workload, args.concurrency))
+        hf = hf_model_from(model)
+        # The machine is shared: load changes by the minute. Alternate the systems in rounds so
+        # each comparison is between runs taken close together.
+        rounds = []
+        for r in range(args.rounds):
+            ours = asyncio.run(run_client(url, workload, args.concurrency))
+            static = run_static(hf, workload, args.concurrency)
+            naive = run_naive(hf, workload, args.naive_requests)
+            rounds.append((ours, static, naive))
+            print(f"round {r + 1}: tessera-serve {ours['output_tok_per_s']:.1f} tok/s, "
+                  f"HF static batch {static['output_tok_per_s']:.1f} tok/s, "
+                  f"HF naive {naive['output_tok_per_s']:.1f} tok/s", flush=True)
     finally:
         server.terminate()
         server.wait(timeout=60)
-    hf = hf_model_from(model)
-    naive = run_naive(hf, workload, args.naive_requests)
-    static = run_static(hf, workload, args.concurrency)
 
     ms = lambda xs: f"mean {1e3 * statistics.mean(xs):7.1f}  median {1e3 * statistics.median(xs):7.1f}  p99 {1e3 * pct(xs, 99):7.1f} ms"  # noqa: E731
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {args.preset} (random weights, {n_params / 1e6:.1f}M params), fp32, CPU, torch threads {torch.get_num_threads()}")
+    print(f"model: {args.preset} (random weights, {n_params / 1e6:.1f}M params), fp32, CPU, torch threads {args.threads}")
+    print(f"command: {' '.join(sys.argv)}")
     print(f"workload: {args.num_requests} requests, concurrency {args.concurrency}, input {args.input_len}, "
-          f"output {args.output_len} tokens (ignore_eos)")
-    print(f"tessera-serve : {ours['requests_per_s']:.2f} req/s, {ours['output_tok_per_s']:.1f} output tok/s "
-          f"({ours['duration']:.1f} s)")
-    print(f"  TTFT {ms(ours['ttft'])}\n  TPOT {ms(ours['tpot'])}\n  ITL  {ms(ours['itl'])}\n  E2E  {ms(ours['e2e'])}")
-    print(f"HF naive (1 at a time, {naive['requests']} requests): {naive['output_tok_per_s']:.1f} output tok/s")
-    print(f"HF static batch ({args.concurrency}, padded): {static['output_tok_per_s']:.1f} output tok/s "
-          f"({static['duration']:.1f} s)")
-    print(f"ratio vs naive: {ours['output_tok_per_s'] / naive['output_tok_per_s']:.2f}x   "
-          f"vs static batch: {ours['output_tok_per_s'] / static['output_tok_per_s']:.2f}x   "
-          f"TTFT p50 {1e3 * statistics.median(ours['ttft']):.0f} ms")
-
+          f"output {args.output_len} tokens (ignore_eos); naive peer runs the first {args.naive_requests}")
+    for r, (ours, static, naive) in enumerate(rounds, 1):
+        print(f"--- round {r}")
+        print(f"tessera-serve : {ours['requests_per_s']:.2f} req/s, {ours['output_tok_per_s']:.1f} output tok/s "
+              f"({ours['duration']:.1f} s)")
+        print(f"  TTFT {ms(ours['ttft'])}\n  TPOT {ms(ours['tpot'])}\n  ITL  {ms(ours['itl'])}\n  E2E  {ms(ours['e2e'])}")
+        print(f"HF naive (1 at a time): {naive['output_tok_per_s']:.1f} output tok/s")
+        print(f"HF static batch ({args.concurrency}, padded): {static['output_tok_per_s']:.1f} output tok/s "
+              f"({static['duration']:.1f} s)")
+        print(f"ratio vs naive: {ours['output_tok_per_s'] / naive['output_tok_per_s']:.2f}x   "
+              f"vs static batch: {ours['output_tok_per_s'] / static['output_tok_per_s']:.2f}x   "
+              f"TTFT p50 {1e3 * statistics.median(ours['ttft']):.0f} ms")
 
 if __name__ == "__main__":
     main()

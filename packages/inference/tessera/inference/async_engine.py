@@ -85,7 +85,7 @@ class AsyncEngine:
         # The engine thread drops the GIL inside every torch op and must win it back quickly:
         # at Python's default 5 ms switch interval a busy event loop holds it up to 5 ms each
         # time, hundreds of times per step (a GIL convoy). 0.1 ms keeps the model fed.
-        sys.setswitchinterval(min(sys.getswitchinterval(), 1e-4))
+        sys.setswitchinterval(min(sys.getswitchinterval(), 1e-5))
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
