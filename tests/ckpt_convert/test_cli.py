@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_checkpoint, tiny_llama
+from ckpt_helpers import make_checkpoint, tiny_llama
 
 EXE = shutil.which("tessera-ckpt") or str(__import__("pathlib").Path(sys.executable).parent / "tessera-ckpt")
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_checkpoint, tiny_gpt2, tiny_llama
+from ckpt_helpers import make_checkpoint, tiny_gpt2, tiny_llama
 
 from tessera.ckpt_convert.cli import run
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint

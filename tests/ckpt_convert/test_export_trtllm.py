@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_checkpoint, tiny_gpt2, tiny_llama
+from ckpt_helpers import make_checkpoint, tiny_gpt2, tiny_llama
 from safetensors.torch import load_file
 
 from tessera.ckpt_convert.cli import run

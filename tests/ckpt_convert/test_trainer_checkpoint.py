@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tokenizer, tiny_llama
+from ckpt_helpers import make_tokenizer, tiny_llama
 
 trainer_ckpt = pytest.importorskip("tessera.trainer.checkpointing")
 
