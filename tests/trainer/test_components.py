@@ -134,5 +134,6 @@ def test_help_lists_every_config_key(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for key in ("training.exit_after_steps", "optim.weight_decay", "schedule.decay_fraction", "checkpoint.keep_last",
-                "logging.tensorboard", "data.check_fingerprints", "--resume", "--peak-tflops"):
+                "logging.tensorboard", "data.check_fingerprints", "model.num_kv_heads", "model.rope_theta",
+                "training.loss_chunk_tokens", "--resume", "--peak-tflops"):
         assert key in out, key

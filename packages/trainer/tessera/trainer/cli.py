@@ -11,14 +11,19 @@ import textwrap
 
 from tessera.common.config import describe_fields, load_config
 from tessera.common.errors import run_cli
+from tessera.common.model_config import ModelConfig
 from tessera.trainer.config import TrainConfig
 
 
 def _config_reference() -> str:
-    lines = ["config keys (YAML sections; override any with KEY=VALUE):"]
+    rows = []
     for name, default, description in describe_fields(TrainConfig):
-        head = f"  {name}" + (f" = {default}" if default else "")
-        lines.append(head)
+        rows.append((name, default, description))
+        if name == "model":  # the model section is a ModelConfig (plus `preset`): list its fields too
+            rows.extend((f"model.{n}", d, desc) for n, d, desc in describe_fields(ModelConfig))
+    lines = ["config keys (YAML sections; override any with KEY=VALUE):"]
+    for name, default, description in rows:
+        lines.append(f"  {name}" + (f" = {default}" if default else ""))
         lines.extend(textwrap.wrap(description, width=96, initial_indent="      ", subsequent_indent="      "))
     return "\n".join(lines)
 
@@ -26,10 +31,12 @@ def _config_reference() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tessera-train",
-        description="Train a GPT/Llama-family decoder from a mixture artifact (built by `tessera-data blend`). "
-                    "Logs loss, grad norm, lr, tokens/s, TFLOP/s, MFU and memory per step (console, "
-                    "<run_dir>/metrics.jsonl, TensorBoard), saves DCP checkpoints under <run_dir>/checkpoints, "
-                    "and stops cleanly (save, exit 0) on SIGTERM/SIGINT. Launch with torchrun for several processes.",
+        description=textwrap.fill(
+            "Train a GPT/Llama-family decoder from a mixture artifact (built by `tessera-data blend`). "
+            "Logs loss, grad norm, lr, tokens/s, TFLOP/s, MFU and memory per step (console, "
+            "<run_dir>/metrics.jsonl, TensorBoard), saves DCP checkpoints under <run_dir>/checkpoints, "
+            "and stops cleanly (save, exit 0) on SIGTERM/SIGINT. Launch with torchrun for several processes.",
+            width=100),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_config_reference() + "\n\nexample:\n  tessera-train --config examples/configs/tiny.yaml "
                "training.steps=50 optim.lr=1e-3\n\nexit codes: 0 success, 2 bad config/input, 1 other failure.",
