@@ -213,3 +213,23 @@ def test_not_a_checkpoint_exit_2(tmp_path, capsys):
         main(["info", str(tmp_path / "empty")])
     assert exc.value.code == 2
     assert "not a Tessera checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", ["export", "reshard", "trtllm"])
+def test_corrupt_payload_same_size_exit_2_no_output(tmp_path, tokenizer_dir, capsys, verb):
+    """A flipped byte inside tensor data reads fine; only the checksum catches it, and the
+    converters must then refuse with one line and leave no output."""
+    from tessera.ckpt_convert.cli import main
+
+    make_checkpoint(tmp_path / "ck", tiny_llama(num_layers=2), tokenizer_dir)
+    payload = next(resolve_checkpoint(tmp_path / "ck").glob("*.distcp"))
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    payload.write_bytes(bytes(data))
+    argv = {"export": ["export", "--format", "hf"], "trtllm": ["export", "--format", "trtllm"],
+            "reshard": ["reshard", "--tensor-parallel", "2", "--pipeline-parallel", "1"]}[verb]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "checksum mismatch" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

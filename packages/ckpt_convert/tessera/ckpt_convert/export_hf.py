@@ -83,7 +83,6 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     cfg = src.sidecar.model
     rules = export_rules(cfg)
-    checksums = src.check_integrity(background=True)
     check_model_tensors(src, rules, expected_model_shapes(cfg))
     tok = load_tokenizer(src.tokenizer_dir) if src.tokenizer_dir else None
     if tok is None:
@@ -98,7 +97,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
     by_name = {r.target: r for r in rules}
     total = sum(t.nbytes for t in planned)
 
-    with atomic_directory(output, overwrite=opts.overwrite) as tmp, \
+    with src.checksum_check() as checksums, atomic_directory(output, overwrite=opts.overwrite) as tmp, \
             Progress(total, len(rules), f"export hf -> {output.name}", opts.quiet) as bar:
         for shard, fname in zip(shards, names):
             with open(tmp / fname, "wb") as f:
@@ -118,7 +117,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
                 "weight_map": {t.name: fname for shard, fname in zip(shards, names) for t in shard},
             })
         write_config_files(tmp, cfg, dtype, tok)
-        checksums.result()  # the input's checksums must match before the output is committed
+        checksums.wait()  # the input's checksums must match before the output is committed
     return output
 
 

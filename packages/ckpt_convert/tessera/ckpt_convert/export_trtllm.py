@@ -228,7 +228,6 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
     validate(cfg, tp, pp)
     all_items = items(cfg, tp, pp)
     check_model_tensors(src, [Rule(i.name, i.sources, i.shape) for i in all_items], expected_model_shapes(cfg))
-    checksums = src.check_integrity(background=True)
     dtype = opts.dtype or src.model_specs["embed_tokens.weight"].dtype
     config = trtllm_config(cfg, dtype, tp, pp)
 
@@ -238,7 +237,7 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
             plans[rank_of(r, it.pp_rank, tp)].append(PlannedTensor(it.name, it.shape, dtype))
     total = sum(t.nbytes for plan in plans for t in plan)
 
-    with atomic_directory(output, overwrite=opts.overwrite) as tmp, \
+    with src.checksum_check() as checksums, atomic_directory(output, overwrite=opts.overwrite) as tmp, \
             Progress(total, len(all_items), f"export trtllm tp{tp} pp{pp}", opts.quiet) as bar:
         files = [open(tmp / f"rank{r}.safetensors", "wb") for r in range(tp * pp)]
         try:
@@ -260,5 +259,5 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
             for f in files:
                 f.close()
         atomic_write_json(tmp / "config.json", config)
-        checksums.result()  # the input's checksums must match before the output is committed
+        checksums.wait()  # the input's checksums must match before the output is committed
     return output

@@ -61,12 +61,11 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     validate_layout(src.sidecar.model, layout)
     chunks = plan(src, layout)
-    checksums = src.check_integrity(background=True)
     planner_data = src.metadata.planner_data if isinstance(src.metadata.planner_data, dict) else {}
     step = src.sidecar.step
     total = sum(s.nbytes for s in src.tensor_specs.values())
 
-    with atomic_directory(output, overwrite=overwrite) as tmp, \
+    with src.checksum_check() as checksums, atomic_directory(output, overwrite=overwrite) as tmp, \
             Progress(total, len(chunks) + len(src.bytes_keys), f"reshard -> {layout.short()}", quiet) as bar:
         target = tmp / iter_dir_name(step)
         writer = ShardedDcpWriter(target, layout.world_size)
@@ -91,5 +90,5 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
         sidecar.resharded_from = src.sidecar.layout.short()  # type: ignore[attr-defined]  # extra field
         finalize_checkpoint(target, sidecar)
         write_pointer(tmp, step)
-        checksums.result()  # the input's checksums must match before the output is committed
+        checksums.wait()  # the input's checksums must match before the output is committed
     return output

@@ -9,9 +9,10 @@ assembles the global tensor from whatever chunks the files hold.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -26,7 +27,6 @@ from tessera.common.checkpoint import (
     CheckpointSidecar,
     read_sidecar,
     resolve_checkpoint,
-    verify_checksums,
 )
 from tessera.common.errors import ArtifactError
 
@@ -93,22 +93,20 @@ class CheckpointSource:
         d = self.directory / TOKENIZER_DIR
         return d if (d / "tokenizer.json").is_file() else None
 
-    def check_integrity(self, background: bool = False) -> Future[None]:
-        """Every indexed item lies inside its file (checked now: catches truncation before any
-        work) and every payload file matches its recorded SHA-256.
+    def check_integrity(self) -> None:
+        """Every indexed item lies inside its file and every payload file matches its SHA-256."""
+        with self.checksum_check() as check:
+            check.wait()
 
-        With `background`, the hashing runs in a thread (hashlib releases the GIL) while the
-        conversion proceeds; the caller must call `.result()` on the returned future before it
-        commits its output, so a corrupt input still leaves nothing behind.
-        """
+    def checksum_check(self) -> ChecksumCheck:
+        """Check extents now (catches truncation before any work) and start hashing the payload
+        files in a background thread (hashlib releases the GIL) while the conversion runs.
+
+        Use as a context manager around the conversion and call `.wait()` before committing the
+        output, so a corrupt input still leaves nothing behind; leaving the block on an error
+        cancels the hashing."""
         self._check_extents()
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum")
-        future = pool.submit(verify_checksums, self.directory, self.sidecar) if self.sidecar.checksums \
-            else pool.submit(lambda: None)
-        pool.shutdown(wait=False)
-        if not background:
-            future.result()
-        return future
+        return ChecksumCheck(self.directory, dict(self.sidecar.checksums))
 
     def _check_extents(self) -> None:
         sizes: dict[str, int] = {}
@@ -231,3 +229,50 @@ class _FileSlice(io.RawIOBase):
         got = self.f.readinto(view[:n])
         self.pos += got or 0
         return got or 0
+
+
+class ChecksumCheck:
+    """SHA-256 of each payload file against the sidecar, in a cancellable background thread."""
+
+    def __init__(self, directory: Path, checksums: dict[str, str]):
+        self.directory, self.checksums = directory, checksums
+        self._cancel = threading.Event()
+        self._error: BaseException | None = None
+        # Daemon: an interrupted conversion must not wait for the hashing of a large input.
+        self._thread = threading.Thread(target=self._run, name="checksum", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for name, digest in self.checksums.items():
+                path = self.directory / name
+                if not path.is_file():
+                    raise ArtifactError(f"{path}: checkpoint file missing")
+                h = hashlib.sha256()
+                with open(path, "rb") as f:
+                    while block := f.read(1 << 22):
+                        if self._cancel.is_set():
+                            return
+                        h.update(block)
+                if h.hexdigest() != digest:
+                    raise ArtifactError(f"{path}: checksum mismatch; the checkpoint file is corrupt or truncated")
+        except BaseException as exc:  # reported to the caller by wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def __enter__(self) -> ChecksumCheck:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is None:
+            return
+        if issubclass(exc_type, ArtifactError):
+            # A read failed: a checksum mismatch, if there is one, says more precisely what is wrong.
+            self._thread.join()
+            if isinstance(self._error, ArtifactError):
+                raise self._error
+        self._cancel.set()
