@@ -7,7 +7,6 @@ corpus.jsonl -> tessera-data prep -> blend -> tessera-train -> tessera-ckpt expo
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess

@@ -24,10 +24,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from tessera.kernels import paged_attention_triton as pa  # noqa: E402
-from tessera.kernels import rmsnorm_triton as rms  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+
+from tessera.kernels import paged_attention_triton as pa  # noqa: E402
+from tessera.kernels import rmsnorm_triton as rms  # noqa: E402
 
 TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 FLOAT_SCALARS = {"eps", "qk_scale_log2"}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from tessera.kernels import paged_attention, paged_attention_reference
 
 TOLERANCES = {

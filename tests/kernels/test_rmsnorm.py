@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tessera.kernels import rms_norm, rms_norm_reference
 
 # (atol, rtol) per dtype. bf16/fp16 references round intermediates to the low-precision dtype

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from tessera.kernels._dispatch import use_triton
 
 

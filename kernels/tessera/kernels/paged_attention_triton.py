@@ -28,6 +28,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
 from tessera.kernels._dispatch import interpret_mode
 
 _LOG2E = 1.4426950408889634

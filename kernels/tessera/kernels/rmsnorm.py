@@ -7,6 +7,7 @@ to the input dtype, then scale), which is what parity with exported models needs
 from __future__ import annotations
 
 import torch
+
 from tessera.kernels._dispatch import use_triton
 
 
