@@ -28,7 +28,7 @@ def test_build_on_meta_is_seeded_and_materialised():
     cfg = preset("tiny", vocab_size=128)
     a, b = build_model(cfg, seed=3), build_model(cfg, seed=3)
     c = build_model(cfg, seed=4)
-    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert not pa.is_meta
         assert torch.equal(pa, pb), n
     assert not torch.equal(a.layers["0"].attn.q_proj.weight, c.layers["0"].attn.q_proj.weight)
