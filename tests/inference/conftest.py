@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tessera.common.checkpoint import (
     CheckpointSidecar,
     finalize_checkpoint,

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 from conftest import make_engine
+
 from tessera.inference.async_engine import AsyncEngine
 from tessera.inference.metrics import ServingMetrics
 from tessera.inference.server import OpenAIServer, ServerLimits
@@ -204,6 +205,7 @@ def test_api_key_and_queue_full(tiny_ckpt):
 
 def test_seed_reproducible_regardless_of_batch(tiny_ckpt):
     from conftest import run_all, token_ids
+
     from tessera.inference.sampling_params import SamplingParams
 
     p = SamplingParams(max_tokens=12, temperature=1.5, top_p=0.95, seed=1234, ignore_eos=True)

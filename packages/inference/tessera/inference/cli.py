@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                         "iter_NNNNNNN dir or Hugging Face export dir)")
 
     import uvicorn
+
     from tessera.inference.async_engine import AsyncEngine
     from tessera.inference.engine import LLMEngine
     from tessera.inference.loader import load_for_serving, resolve_device, resolve_dtype

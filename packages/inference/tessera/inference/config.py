@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, model_validator
+
 from tessera.common.config import StrictModel
 
 

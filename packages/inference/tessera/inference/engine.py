@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from tessera.common.errors import UserError
 from tessera.inference.block_manager import BlockManager
 from tessera.inference.config import EngineConfig

@@ -6,6 +6,7 @@ import argparse
 import re
 
 from pydantic import ValidationError
+
 from tessera.common.config import format_validation_error
 from tessera.common.errors import UserError
 from tessera.inference.config import EngineConfig

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+
 from tessera.common.errors import UserError, run_cli
 
 
@@ -92,12 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     if out_path.is_dir():
         raise UserError(f"{out_path}: is a directory; pass a file path for --output")
 
+    from tqdm import tqdm
+
     from tessera.common.fileio import atomic_file
     from tessera.inference.chat_template import ChatTemplateError, render_chat
     from tessera.inference.engine import LLMEngine, RequestRejected
     from tessera.inference.loader import load_for_serving, resolve_device, resolve_dtype
     from tessera.inference.sampling_params import SamplingParams
-    from tqdm import tqdm
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)

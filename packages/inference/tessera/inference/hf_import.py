@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from tessera.common.errors import ArtifactError
 from tessera.common.model_config import ModelConfig
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from tessera.common.checkpoint import (
     SIDECAR,
     TOKENIZER_DIR,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
 from tessera.inference.scheduler import ScheduledBatch

@@ -10,6 +10,7 @@ distribution (log_softmax of the unprocessed logits), as vLLM does by default.
 from __future__ import annotations
 
 import torch
+
 from tessera.inference.sequence import Sequence, TokenLogprob
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pydantic import Field, model_validator
+
 from tessera.common.config import StrictModel
 
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from tessera.inference.detokenizer import IncrementalDetokenizer
 from tessera.inference.sampling_params import SamplingParams
 

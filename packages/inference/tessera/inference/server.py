@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from tessera.inference.async_engine import AsyncEngine, EngineDead, QueueFull, RequestHandle
 from tessera.inference.chat_template import ChatTemplateError, render_chat
 from tessera.inference.engine import RequestOutput, RequestRejected
