@@ -123,6 +123,11 @@ def test_megatron_api(server):
     assert body["text"][0].startswith("import os")
     for segs, lps in zip(body["segments"], body["logprobs"]):
         assert len(lps) == len(segs) - 1
+    # tokens_to_generate=0 scores the prompt only
+    score = httpx.put(server.url + "/api", json={"prompts": ["import os, sys"], "tokens_to_generate": 0,
+                                                "logprobs": True}, timeout=30).json()
+    assert score["text"] == ["import os, sys"]
+    assert len(score["logprobs"][0]) == len(score["segments"][0]) - 1 > 0
     bad = httpx.put(server.url + "/api", json={"prompts": ["a"], "top_k": 5, "top_p": 0.5}, timeout=30)
     assert bad.status_code == 400 and "top-k" in bad.json()
     assert httpx.put(server.url + "/api", json={"tokens_to_generate": 2}, timeout=30).status_code == 400
