@@ -168,6 +168,29 @@ def save_checkpoint(
     keep_last: int,
 ) -> Path:
     """Write iter_<step>/ completely, then point the pointer at it; returns the directory."""
+    state = {
+        "model": model.state_dict(),
+        "optimizer": {"state": optimizer_state_tensors(optimizer)},
+        "rng": rng_state_tensors(),
+    }
+    if precision.scaler is not None:
+        state["scaler"] = precision.state_tensors()
+    return write_checkpoint(root, state, train_state, sidecar, tokenizer, keep_last)
+
+
+def write_checkpoint(
+    root: Path,
+    state: dict,
+    train_state: TrainState,
+    sidecar: CheckpointSidecar,
+    tokenizer: Tokenizer,
+    keep_last: int,
+) -> Path:
+    """The save sequence for any state dict (nested, or flat with dotted keys; tensors or DTensors).
+
+    Collective under a process group: every rank passes its part of the state; DCP stores
+    each global tensor once. `train_state` is added here; rank 0 writes tokenizer, sidecar
+    and pointer."""
     root = Path(root)
     final = root / iter_dir_name(train_state.step)
     partial = root / f".{final.name}{PARTIAL_SUFFIX}"
@@ -176,14 +199,7 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
     _barrier()
-    state = {
-        "model": model.state_dict(),
-        "optimizer": {"state": optimizer_state_tensors(optimizer)},
-        "rng": rng_state_tensors(),
-        "train_state": train_state.tensors(),
-    }
-    if precision.scaler is not None:
-        state["scaler"] = precision.state_tensors()
+    state = {**state, "train_state": train_state.tensors()}
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
     _barrier()
@@ -192,7 +208,7 @@ def save_checkpoint(
         sidecar.step = train_state.step
         sidecar.consumed_samples = train_state.consumed_samples
         sidecar.consumed_tokens = train_state.consumed_tokens
-        sidecar.contents = sorted(state)
+        sidecar.contents = sorted({key.split(".")[0] for key in state})
         finalize_checkpoint(partial, sidecar)  # sidecar last: marks the directory complete
         if final.exists():  # a stale checkpoint of the same step (e.g. from a run that was rewound)
             shutil.rmtree(final)
@@ -258,20 +274,38 @@ def latest_checkpoint(root: Path) -> Path | None:
     return directory
 
 
+def stored_keys(directory: Path) -> set[str]:
+    """Flat names of every tensor in a DCP checkpoint (e.g. 'model.norm.weight')."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
+    except Exception as exc:
+        raise ArtifactError(f"{directory}: unreadable DCP metadata ({str(exc).splitlines()[0][:200]})") from None
+
+
+def read_checkpoint(directory: Path, state: dict) -> None:
+    """Fill `state` (templates of the right shapes and placements) from the checkpoint, in place."""
+    try:
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+    except Exception as exc:
+        raise ArtifactError(f"{directory}: cannot restore training state ({str(exc).splitlines()[0][:200]}); "
+                            "was it written by a different model or precision?") from None
+
+
 def load_checkpoint(
     directory: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     precision: Precision,
 ) -> tuple[TrainState, CheckpointSidecar]:
-    """Restore model, optimizer, scaler and RNG states in place; return the train state and sidecar."""
-    sidecar = read_sidecar(directory)
-    from torch.distributed.checkpoint import FileSystemReader
+    """Restore model, optimizer, scaler and RNG states in place; return the train state and sidecar.
 
-    try:
-        stored = set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
-    except Exception as exc:
-        raise ArtifactError(f"{directory}: unreadable DCP metadata ({str(exc).splitlines()[0][:200]})") from None
+    RNG states are restored when the checkpoint has this process's kind of them (one saved by a
+    parallel run keeps per-rank streams under other names: the RNGs then stay as seeded)."""
+    sidecar = read_sidecar(directory)
+    stored = stored_keys(directory)
     state = {
         "model": model.state_dict(),
         "optimizer": {"state": _optimizer_template(optimizer, stored)},
@@ -282,18 +316,15 @@ def load_checkpoint(
         state["scaler"] = {"scale": torch.zeros((), dtype=torch.float64), "growth_tracker": torch.zeros((), dtype=torch.int64)}
     # A CPU-saved run resumed on a GPU (or the reverse) restores the RNGs both sides have.
     state["rng"] = {k: v for k, v in state["rng"].items() if f"rng.{k}" in stored}
-    try:
-        with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
-    except Exception as exc:
-        raise ArtifactError(f"{directory}: cannot restore training state ({str(exc).splitlines()[0][:200]}); "
-                            "was it written by a different model or precision?") from None
+    read_checkpoint(directory, state)
     # model.state_dict() returned views of the parameters, so the model is already loaded.
     _load_optimizer_state(optimizer, state["optimizer"]["state"])
     precision.load_state_tensors(state.get("scaler", {}))
-    set_rng_state_tensors(state["rng"])
+    if "torch_cpu" in state["rng"]:
+        set_rng_state_tensors(state["rng"])
     return TrainState.from_tensors(state["train_state"]), sidecar
 
 
-__all__ = ["MODEL_PREFIX", "TrainState", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+__all__ = ["MODEL_PREFIX", "TrainState", "save_checkpoint", "load_checkpoint", "write_checkpoint", "read_checkpoint",
+           "stored_keys", "latest_checkpoint",
            "list_checkpoints", "prune_checkpoints", "remove_partial_saves"]

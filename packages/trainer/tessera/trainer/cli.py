@@ -1,7 +1,8 @@
 """`tessera-train`: train a model from a mixture artifact, as configured by a YAML file.
 
     tessera-train --config CONFIG.yaml [dotted.key=value ...] [--resume] [--compile] [--quiet]
-    torchrun --nproc-per-node N -m tessera.trainer.cli --config CONFIG.yaml ...
+    torchrun --nproc-per-node N -m tessera.trainer --config CONFIG.yaml [--tensor-parallel T]
+        [--pipeline-parallel P] [--virtual-stages V] [--pipeline-layers L1,L2,...] ...
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from tessera.common.config import describe_fields, load_config
 from tessera.common.errors import run_cli
 from tessera.common.model_config import ModelConfig
 from tessera.trainer.config import TrainConfig
+from tessera.trainer.parallel.launch import add_parallel_arguments, parallel_overrides
 
 
 def _config_reference() -> str:
@@ -39,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
             width=100),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_config_reference() + "\n\nexample:\n  tessera-train --config examples/configs/tiny.yaml "
-               "training.steps=50 optim.lr=1e-3\n\nexit codes: 0 success, 2 bad config/input, 1 other failure.",
+               "training.steps=50 optim.lr=1e-3\n"
+               "  torchrun --nproc-per-node 4 -m tessera.trainer --config run.yaml --tensor-parallel 2 "
+               "--pipeline-parallel 2\n\nexit codes: 0 success, 2 bad config/input, 1 other failure.",
     )
     parser.add_argument("--config", required=True, metavar="CONFIG.yaml", help="YAML file with the run's TrainConfig.")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -51,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOPS",
                         help="Peak TFLOP/s for MFU (= training.peak_tflops); default: known-GPU table, or a measured CPU matmul.")
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
+    add_parallel_arguments(parser, defaults=False)
     return parser
 
 
@@ -61,18 +66,19 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append("training.compile=true")
     if args.peak_tflops is not None:
         overrides.append(f"training.peak_tflops={args.peak_tflops}")
+    overrides.extend(parallel_overrides(args))  # flags win over the config's parallel section
     cfg = load_config(TrainConfig, args.config, overrides)
 
     # Heavy imports after argument validation keeps `--help` and bad-usage errors fast.
     from tessera.trainer.distributed import init_runtime, shutdown_runtime
-    from tessera.trainer.trainer import Trainer, check_inputs
+    from tessera.trainer.trainer import build_trainer, check_inputs
 
     runtime = init_runtime(cfg.training.device)
     try:
         inputs = check_inputs(cfg, runtime.world_size, resume=args.resume)
         if args.resume and inputs.resume_from is None and runtime.is_main:
             print(f"--resume: no checkpoint in {cfg.checkpoint_dir} yet; starting from step 0", flush=True)
-        Trainer(cfg, inputs, runtime, quiet=args.quiet).train()
+        build_trainer(cfg, inputs, runtime, quiet=args.quiet).train()
     finally:
         shutdown_runtime()
     return 0

@@ -2,7 +2,7 @@
 
 Loaded from YAML with dotted command-line overrides (tessera.common.config.load_config). Shape
 checks that need only the config happen here (pydantic validators, so the error names the field);
-checks that need the mixture or the world size happen in `tessera.trainer.setup` before the model
+checks that need the mixture or the world size happen in `tessera.trainer.trainer.check_inputs` before the model
 is built.
 """
 
@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tessera.common.config import StrictModel
+from tessera.common.errors import UserError
+from tessera.common.layout import ParallelLayout
 from tessera.common.model_config import ModelConfig
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
@@ -78,6 +80,35 @@ class TrainingConfig(StrictModel):
     peak_tflops: float | None = Field(None, gt=0, description="Peak TFLOP/s for MFU; default: table of known GPUs, or a matmul measured at start on CPU.")
 
 
+class ParallelConfigSection(StrictModel):
+    """The parallel layout. Data parallel is implied: world size / (tensor x pipeline).
+
+    Any layout other than one plain process runs the step through
+    tessera.trainer.parallel.runtime.ParallelRuntime (see docs/parallelism.md).
+    """
+
+    tensor: int = Field(1, ge=1, description="Tensor-parallel size (= --tensor-parallel); must divide heads, kv heads, ffn size and vocab.")
+    pipeline: int = Field(1, ge=1, description="Pipeline-parallel stages across ranks (= --pipeline-parallel); 1F1B schedule.")
+    virtual_stages: int = Field(1, ge=1, description="Model chunks per pipeline rank (= --virtual-stages); above 1 selects interleaved 1F1B.")
+    pipeline_layers: list[int] | None = Field(None, description="Layers per pipeline stage in stage order, pipeline x virtual_stages values (= --pipeline-layers 5,4,4,3); null = automatic (extra layers to the middle stages).")
+    sequence_parallel: bool = Field(True, description="With tensor > 1: split norms/dropout along the sequence across tensor ranks (all-gather/reduce-scatter instead of all-reduce).")
+    distributed_optimizer: bool = Field(True, description="With data parallel: shard AdamW state (ZeRO-1) across data-parallel ranks with reduce-scatter/all-gather; false = all-reduce, full state per rank.")
+    bucket_numel: int = Field(40_000_000, gt=0, description="Elements per gradient bucket (one data-parallel collective each, overlapped with backward).")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor * self.pipeline
+
+    def layout(self, world_size: int) -> ParallelLayout:
+        """The full layout on `world_size` processes; UserError when it does not divide."""
+        if world_size % self.model_parallel_size:
+            raise UserError(f"parallel.tensor ({self.tensor}) x parallel.pipeline ({self.pipeline}) = "
+                            f"{self.model_parallel_size} does not divide the {world_size} launched process(es); "
+                            f"launch a multiple of {self.model_parallel_size} (torchrun --nproc-per-node)")
+        return ParallelLayout(tensor=self.tensor, pipeline=self.pipeline, virtual_stages=self.virtual_stages,
+                              data=world_size // self.model_parallel_size)
+
+
 class CheckpointConfig(StrictModel):
     dir: Path | None = Field(None, description="Checkpoints root (iter_NNNNNNN/ + pointer); default <run_dir>/checkpoints.")
     keep_last: int = Field(2, ge=1, description="Keep this many newest checkpoints; older ones are deleted after a save completes.")
@@ -99,6 +130,7 @@ class TrainConfig(StrictModel):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Loop settings.")
+    parallel: ParallelConfigSection = Field(default_factory=ParallelConfigSection, description="Parallel layout.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metric sinks.")
 
@@ -124,6 +156,12 @@ class TrainConfig(StrictModel):
         max_seq = self.resolve_model(_PLACEHOLDER_VOCAB).max_seq_len
         if t.seq_length > max_seq:
             raise ValueError(f"training.seq_length ({t.seq_length}) exceeds model.max_seq_len ({max_seq})")
+        p = self.parallel
+        if p.virtual_stages > 1 and p.pipeline == 1:
+            raise ValueError("parallel.virtual_stages above 1 needs parallel.pipeline above 1")
+        if p.pipeline_layers is not None and len(p.pipeline_layers) != p.pipeline * p.virtual_stages:
+            raise ValueError(f"parallel.pipeline_layers has {len(p.pipeline_layers)} values but the layout has "
+                             f"{p.pipeline * p.virtual_stages} stages (pipeline x virtual_stages); give one per stage")
         if self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr ({self.optim.min_lr}) exceeds optim.lr ({self.optim.lr})")
         return self

@@ -1,9 +1,9 @@
-"""Process-group setup for `torchrun` launches, and the plain data-parallel gradient average.
+"""Joining the job: device choice and the default process group.
 
 `tessera-train` run directly is one process with no process group. Under torchrun (WORLD_SIZE in
-the environment) it joins a group: NCCL on GPUs, gloo on CPUs. Until tessera.trainer.parallel
-supplies bucketed/overlapped data parallelism, every rank is a data-parallel replica and
-gradients are averaged with one all-reduce per parameter after the last micro-batch.
+the environment) it joins a group: NCCL on GPUs, gloo on CPUs. The parallel layout's groups are
+then built on it by tessera.common.parallel.state (tessera.trainer.parallel.trainer); every
+reduction (data-parallel gradients, losses) is the parallel runtime's.
 """
 
 from __future__ import annotations
@@ -53,21 +53,3 @@ def init_runtime(requested_device: str) -> Runtime:
 def shutdown_runtime() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def average_gradients(params: list[torch.Tensor], world_size: int) -> None:
-    """Average gradients over the data-parallel replicas (no-op in one process)."""
-    if world_size == 1:
-        return
-    for p in params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad.div_(world_size)
-
-
-def average_scalar(value: torch.Tensor, world_size: int) -> torch.Tensor:
-    if world_size == 1:
-        return value
-    value = value.clone()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value / world_size

@@ -1,11 +1,16 @@
 """The training loop, assembled from the pieces of this package.
 
 `check_inputs` validates everything that can be validated without building the model (config vs
-mixture vs tokenizer vs world size vs the checkpoint being resumed) and raises UserError with one
-line. `Trainer` then builds model, optimizer, precision, data and sinks, and `Trainer.train` runs
-optimizer steps: micro-batches with gradient accumulation, gradient average over data-parallel
-replicas, unscale + clip, step (skipped on fp16 overflow), logging, evaluation, checkpointing, and
-a graceful stop on SIGTERM/SIGINT.
+mixture vs tokenizer vs world size and parallel layout vs the checkpoint being resumed) and raises
+UserError with one line. `Trainer` then builds model, optimizer, precision, data and sinks, and
+`Trainer.train` runs optimizer steps: micro-batches with gradient accumulation, unscale + clip,
+step (skipped on fp16 overflow), logging, evaluation, checkpointing, and a graceful stop on
+SIGTERM/SIGINT.
+
+One plain process runs the step itself (this module). Every other layout (torchrun, data,
+tensor or pipeline parallel) uses `tessera.trainer.parallel.trainer.ParallelTrainer`, which
+keeps this loop and replaces the step, evaluation and checkpoint state with the parallel
+runtime's; `build_trainer` picks one.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from tessera.common.mixture import (
     read_mixture_manifest,
 )
 from tessera.common.model_config import ModelConfig
+from tessera.common.parallel.validate import validate_layout
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
 from tessera.trainer.checkpointing import (
     TrainState,
@@ -46,7 +52,7 @@ from tessera.trainer.checkpointing import (
 from tessera.trainer.clip import clip_grad_norm
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.data import MicroBatchPlan, MixtureBatches
-from tessera.trainer.distributed import Runtime, average_gradients, average_scalar
+from tessera.trainer.distributed import Runtime
 from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss
 from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops
 from tessera.trainer.model_setup import prepare_model
@@ -65,14 +71,24 @@ class CheckedInputs:
     mixture_fingerprint: str
     tokenizer: Tokenizer
     resume_from: Path | None
+    layout: ParallelLayout
+    pipeline_layers: list[int] | None = None  # layers per stage (parallel runs)
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the run needs the parallel runtime (anything but one plain process)."""
+        return self.layout.world_size > 1
 
 
 def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) -> CheckedInputs:
     """Every check that needs files or the world size; raises UserError before any work."""
     t = cfg.training
-    if t.global_batch_size % (t.micro_batch_size * world_size):
+    layout = cfg.parallel.layout(world_size)
+    if t.global_batch_size % (t.micro_batch_size * layout.data):
         raise UserError(f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                        f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({world_size})")
+                        f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({layout.data})")
+    if layout.world_size > 1:
+        check_parallel_options(cfg)
     manifest = read_mixture_manifest(cfg.data.mixture)
     manifest_path = Path(cfg.data.mixture) / MANIFEST
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -103,7 +119,38 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
         if sidecar.mixture_fingerprint not in (None, fingerprint):
             raise ArtifactError(f"{resume_from}: checkpoint was trained on another mixture than {cfg.data.mixture}; "
                                 "exact resume needs the same mixture")
-    return CheckedInputs(model, manifest, fingerprint, tokenizer, resume_from)
+    counts = None
+    if layout.world_size > 1:
+        counts = validate_layout(model, layout, seq_len=t.seq_length, global_batch=t.global_batch_size,
+                                 micro_batch=t.micro_batch_size, sequence_parallel=cfg.parallel.sequence_parallel,
+                                 pipeline_layers=cfg.parallel.pipeline_layers, world_size=world_size)
+    return CheckedInputs(model, manifest, fingerprint, tokenizer, resume_from, layout, counts)
+
+
+def check_parallel_options(cfg: TrainConfig) -> None:
+    """Options of the one-process step that the parallel runtime does not have (one line each)."""
+    t = cfg.training
+    if t.precision == "fp16":
+        raise UserError("training.precision=fp16 is supported in one process only: the parallel runtime has no "
+                        "dynamic loss scaling; use training.precision=bf16 (or fp32) with torchrun")
+    if t.compile:
+        raise UserError("training.compile (--compile) is supported in one process only; drop it under torchrun")
+    if t.loss_chunk_tokens is not None:
+        raise UserError("training.loss_chunk_tokens is for one process; under torchrun the loss is vocab-parallel "
+                        "(use parallel.tensor to split the logits) — set training.loss_chunk_tokens=null")
+
+
+def eval_record(loss: float) -> dict[str, float]:
+    return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
+
+
+def build_trainer(cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime, quiet: bool = False) -> Trainer:
+    """The one-process Trainer, or the ParallelTrainer for any other layout."""
+    if not inputs.parallel:
+        return Trainer(cfg, inputs, runtime, quiet)
+    from tessera.trainer.parallel.trainer import ParallelTrainer
+
+    return ParallelTrainer(cfg, inputs, runtime, quiet)
 
 
 def seed_everything(seed: int) -> None:
@@ -123,12 +170,9 @@ class Trainer:
         if t.threads is not None and runtime.device.type == "cpu":
             torch.set_num_threads(t.threads)
         self.model_cfg = inputs.model
-        self.model = prepare_model(inputs.model, runtime.device, t.seed, t.recompute, t.compile)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.precision = Precision(t.precision, runtime.device, t.fp16_initial_scale, t.fp16_growth_interval)
+        self.build_step()
         self.schedule = LRSchedule(cfg.schedule, cfg.optim, t.steps)
-        self.plan = MicroBatchPlan(t.global_batch_size, t.micro_batch_size, runtime.rank, runtime.world_size)
+        self.plan = MicroBatchPlan(t.global_batch_size, t.micro_batch_size, self.dp_rank, inputs.layout.data)
         check = cfg.data.check_fingerprints
         self.train_data = MixtureBatches(MixtureSplit(cfg.data.mixture, cfg.data.train_split, check), t.seq_length)
         self.valid_data = None
@@ -138,6 +182,20 @@ class Trainer:
         self.flops_per_token = inputs.model.flops_per_token(t.seq_length)
         self.sink = MetricsSink(cfg.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, self.say, runtime.is_main)
         self.peak_tflops: float | None = None
+
+    def build_step(self) -> None:
+        """Model, optimizer and precision of the one-process step."""
+        if self.inputs.parallel:
+            raise ValueError("Trainer runs one plain process; use build_trainer for parallel layouts")
+        t = self.cfg.training
+        self.model = prepare_model(self.model_cfg, self.rt.device, t.seed, t.recompute, t.compile)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, self.cfg.optim)
+        self.precision = Precision(t.precision, self.rt.device, t.fp16_initial_scale, t.fp16_growth_interval)
+
+    @property
+    def dp_rank(self) -> int:
+        return 0
 
     # ---- output ------------------------------------------------------------------------------
     def say(self, line: str) -> None:
@@ -159,15 +217,18 @@ class Trainer:
             loss = self.loss(inputs, labels) / n
             self.precision.scale(loss).backward()
             loss_sum += loss.detach()
-        average_gradients(self.params, self.rt.world_size)
         self.precision.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.params, self.cfg.optim.grad_clip)
         stepped = self.precision.step(self.optimizer)
+        self.advance()
+        return float(loss_sum), float(grad_norm), stepped
+
+    def advance(self) -> None:
+        """Count a finished step and the data it consumed (the whole data position)."""
+        t = self.cfg.training
         self.state.step += 1
-        self.state.consumed_samples += self.cfg.training.global_batch_size
-        self.state.consumed_tokens += self.cfg.training.global_batch_size * self.cfg.training.seq_length
-        loss_value = float(average_scalar(loss_sum, self.rt.world_size))
-        return loss_value, float(grad_norm), stepped
+        self.state.consumed_samples += t.global_batch_size
+        self.state.consumed_tokens += t.global_batch_size * t.seq_length
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -178,13 +239,10 @@ class Trainer:
         mb = t.micro_batch_size
         total = torch.zeros((), device=self.rt.device)
         for i in range(t.eval_iters):
-            first = (i * self.rt.world_size + self.rt.rank) * mb
-            ids = torch.arange(first, first + mb).numpy()
-            inputs, labels = self.valid_data.batch(ids)
+            inputs, labels = self.valid_data.batch(np.arange(i * mb, (i + 1) * mb))
             total += self.loss(inputs.to(self.rt.device), labels.to(self.rt.device))
         self.model.train()
-        loss = float(average_scalar(total / t.eval_iters, self.rt.world_size))
-        return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
+        return eval_record(float(total / t.eval_iters))
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward (under the precision's autocast) and mean cross-entropy, chunked when configured."""
@@ -195,20 +253,32 @@ class Trainer:
             hidden = self.model(inputs, return_hidden=True)
             return chunked_cross_entropy(hidden, self.model.output_weight(), labels, chunk)
 
-    def save(self) -> Path:
-        sidecar = CheckpointSidecar(
+    def sidecar(self) -> CheckpointSidecar:
+        return CheckpointSidecar(
             model=self.model_cfg,
             tokenizer_fingerprint=self.inputs.tokenizer.fingerprint,
-            layout=ParallelLayout(data=self.rt.world_size),
+            layout=self.inputs.layout,
             mixture_fingerprint=self.inputs.mixture_fingerprint,
             params_dtype="float32",
             precision=self.cfg.training.precision,
         )
+
+    def save(self) -> Path:
         start = time.perf_counter()
-        path = save_checkpoint(self.cfg.checkpoint_dir, self.model, self.optimizer, self.precision, self.state,
-                               sidecar, self.inputs.tokenizer, self.cfg.checkpoint.keep_last)
+        path = self.write_checkpoint()
         self.say(f"saved checkpoint {path} ({time.perf_counter() - start:.1f}s)")
         return path
+
+    def write_checkpoint(self) -> Path:
+        return save_checkpoint(self.cfg.checkpoint_dir, self.model, self.optimizer, self.precision, self.state,
+                               self.sidecar(), self.inputs.tokenizer, self.cfg.checkpoint.keep_last)
+
+    def load(self, directory: Path) -> None:
+        self.state, _ = load_checkpoint(directory, self.model, self.optimizer, self.precision)
+
+    def seed(self) -> None:
+        """Seed a fresh run's RNGs (after the model is built: init does not shift the dropout stream)."""
+        seed_everything(self.cfg.training.seed)
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> TrainState:
@@ -219,15 +289,17 @@ class Trainer:
             for stale in remove_partial_saves(cfg.checkpoint_dir):
                 self.say(f"removed {stale} (left by a save that was interrupted)")
         if self.inputs.resume_from is not None:
-            self.state, _ = load_checkpoint(self.inputs.resume_from, self.model, self.optimizer, self.precision)
+            self.seed()  # for RNGs the checkpoint does not hold; the ones it holds are restored
+            self.load(self.inputs.resume_from)
             self.say(f"resumed from {self.inputs.resume_from} at step {self.state.step} "
                      f"({self.state.consumed_samples} samples consumed)")
         else:
-            seed_everything(t.seed)
+            self.seed()
         n_params = self.model_cfg.num_params()
         self.say(f"model: {n_params / 1e6:.2f}M parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token at "
                  f"seq {t.seq_length}; {self.plan.num_micro_batches} micro-batch(es) of {t.micro_batch_size} x "
-                 f"{self.rt.world_size} rank(s) per step; precision {t.precision}; device {self.rt.device}")
+                 f"{self.inputs.layout.data} data-parallel rank(s) per step; layout {self.inputs.layout.short()}; "
+                 f"precision {t.precision}; device {self.rt.device}")
         self.peak_tflops, peak_source = resolve_peak_tflops(self.rt.device, t.peak_tflops)
         if self.peak_tflops is not None:
             self.say(f"MFU reference: {self.peak_tflops:.3f} TFLOP/s ({peak_source})")

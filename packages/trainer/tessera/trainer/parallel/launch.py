@@ -1,7 +1,7 @@
 """Command-line flags and process-group set-up for parallel launches.
 
     torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
-        -m tessera.trainer train ... --tensor-parallel 2 --pipeline-parallel 2 --virtual-stages 2
+        -m tessera.trainer --config run.yaml --tensor-parallel 2 --pipeline-parallel 2 --virtual-stages 2
 
 Data parallel is implied: world size / (tensor x pipeline). The trainer CLI adds these flags with
 `add_parallel_arguments`, turns them into a layout with `layout_from_args` (validating before
@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout
-from tessera.common.parallel.state import ParallelGroups, build_groups, init_distributed, set_groups
+
+if TYPE_CHECKING:  # torch.distributed is imported only when a job is joined (keeps `--help` fast)
+    from tessera.common.parallel.state import ParallelGroups
 
 
 def parse_pipeline_layers(text: str | None) -> list[int] | None:
@@ -29,21 +32,42 @@ def parse_pipeline_layers(text: str | None) -> list[int] | None:
     return counts
 
 
-def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+def add_parallel_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """The layout flags. With `defaults=False` every flag defaults to None (unset), so a caller
+    that also reads the layout from a config file can tell given flags apart (see
+    `parallel_overrides`)."""
+    one = 1 if defaults else None
     g = parser.add_argument_group("parallelism (data parallel = world size / (tensor x pipeline))")
-    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+    g.add_argument("--tensor-parallel", type=int, default=one, metavar="N",
                    help="Tensor-parallel size: must divide heads, kv heads, ffn size and vocab (default 1).")
-    g.add_argument("--pipeline-parallel", type=int, default=1, metavar="N",
+    g.add_argument("--pipeline-parallel", type=int, default=one, metavar="N",
                    help="Pipeline stages across ranks; 1F1B schedule (default 1).")
-    g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+    g.add_argument("--virtual-stages", type=int, default=one, metavar="V",
                    help="Model chunks per pipeline rank; above 1 uses interleaved 1F1B (default 1).")
     g.add_argument("--pipeline-layers", default=None, metavar="L1,L2,...",
                    help="Layers per stage in stage order (pipeline x virtual-stages values), e.g. 5,4,4,3; "
                         "automatic when omitted.")
     g.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   default=True if defaults else None,
                    help="Keep norms/dropout replicated across tensor ranks (default: sequence parallel on).")
     g.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false",
+                   default=True if defaults else None,
                    help="Keep full optimizer state on every data-parallel rank (default: ZeRO-1 sharding).")
+
+
+def parallel_overrides(args: argparse.Namespace, section: str = "parallel") -> list[str]:
+    """Dotted config overrides (`parallel.tensor=2`, ...) for the flags that were given."""
+    out = []
+    for flag, key in (("tensor_parallel", "tensor"), ("pipeline_parallel", "pipeline"),
+                      ("virtual_stages", "virtual_stages"), ("sequence_parallel", "sequence_parallel"),
+                      ("distributed_optimizer", "distributed_optimizer")):
+        value = getattr(args, flag)
+        if value is not None:
+            out.append(f"{section}.{key}={str(value).lower() if isinstance(value, bool) else value}")
+    if args.pipeline_layers is not None:
+        counts = parse_pipeline_layers(args.pipeline_layers)
+        out.append(f"{section}.pipeline_layers={'null' if counts is None else counts}")
+    return out
 
 
 def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> ParallelLayout:
@@ -61,6 +85,8 @@ def layout_from_args(args: argparse.Namespace, world_size: int | None = None) ->
 
 def setup_parallel(layout: ParallelLayout) -> ParallelGroups:
     """Join the torchrun job (or a one-process group), build and register the groups."""
+    from tessera.common.parallel.state import build_groups, init_distributed, set_groups
+
     device = init_distributed()
     groups = build_groups(layout, device)
     set_groups(groups)
