@@ -51,3 +51,17 @@ def make_config(artifacts, tmp_path):
         return write_config(tmp_path / f"config{next(counter)}.yaml", cfg)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """Data made by the real `tessera-data` CLIs (tok/, data/, mix/), for the end-to-end tests."""
+    import shutil
+    import sys
+
+    from trainer_fixtures import prepare_with_cli
+
+    bin_dir = Path(sys.executable).parent
+    if shutil.which("tessera-data", path=str(bin_dir)) is None:
+        pytest.skip("tessera-data is not installed")
+    return prepare_with_cli(tmp_path_factory.mktemp("e2e"), bin_dir)

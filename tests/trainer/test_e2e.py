@@ -3,40 +3,17 @@
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from trainer_fixtures import stdlib_documents
+from trainer_fixtures import run_tool as run
 
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
 
 BIN = Path(sys.executable).parent
-
-
-def run(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{cmd[0]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    return proc
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    if shutil.which("tessera-data", path=str(BIN)) is None:
-        pytest.skip("tessera-data is not installed")
-    root = tmp_path_factory.mktemp("e2e")
-    with open(root / "corpus.jsonl", "w") as f:
-        for text in stdlib_documents():
-            f.write(json.dumps({"text": text}) + "\n")
-    run([str(BIN / "tessera-data"), "prep", "--input", "corpus.jsonl", "--train-tokenizer", "--vocab-size", "512",
-         "--output-prefix", "data/stdlib", "--tokenizer-output", "tok", "--quiet"], root)
-    run([str(BIN / "tessera-data"), "blend", "--data", "1.0", "data/stdlib_text_document", "--seq-length", "32",
-         "--split", "8,2,0", "--train-samples", "400", "--valid-samples", "16", "--output", "mix", "--quiet"], root)
-    return root
 
 
 def write(root: Path, name: str, **training) -> Path:

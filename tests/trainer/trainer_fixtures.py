@@ -118,3 +118,25 @@ def build_mixture(root: Path, seq_length: int = 64, vocab_size: int = 384, valid
     }
     (mix / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return {"tokenizer": tokenizer_dir, "shard": prefix, "mixture": mix}
+
+
+def run_tool(cmd: list[str], cwd: Path, timeout: int = 300, env: dict | None = None):
+    """Run a CLI; assert it exits 0 (showing the tail of its output when not)."""
+    import subprocess
+
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, f"{cmd[0]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def prepare_with_cli(root: Path, bin_dir: Path) -> Path:
+    """A real tokenizer + shard + mixture under root, made by `tessera-data prep` and `blend`."""
+    with open(root / "corpus.jsonl", "w") as f:
+        for text in stdlib_documents():
+            f.write(json.dumps({"text": text}) + "\n")
+    run_tool([str(bin_dir / "tessera-data"), "prep", "--input", "corpus.jsonl", "--train-tokenizer", "--vocab-size",
+              "512", "--output-prefix", "data/stdlib", "--tokenizer-output", "tok", "--quiet"], root)
+    run_tool([str(bin_dir / "tessera-data"), "blend", "--data", "1.0", "data/stdlib_text_document", "--seq-length",
+              "32", "--split", "8,2,0", "--train-samples", "400", "--valid-samples", "16", "--output", "mix",
+              "--quiet"], root)
+    return root

@@ -1,0 +1,174 @@
+"""`tessera-train` under torchrun with parallel layouts: parity with one process, cross-layout resume.
+
+The method is parity. One module-scoped single-process run (`tessera-train`, fp32, real mixture
+from `tessera-data prep` + `blend`) is the reference; each layout runs the same config and seed
+through torchrun and must log the same per-step losses (1e-5 relative). A checkpoint saved at
+TP=2 x PP=2 (4 processes, stopped by training.exit_after_steps) resumes in one plain process and
+under DP=2 and continues with the reference's losses. torchrun launches are the expensive part
+on a 2-core machine (several seconds each), so each layout is one launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from trainer_fixtures import run_tool
+
+from tessera.common.checkpoint import read_pointer, read_sidecar, resolve_checkpoint
+from tessera.common.config import load_config
+from tessera.common.errors import UserError
+from tessera.trainer.cli import main
+from tessera.trainer.config import TrainConfig
+from tessera.trainer.trainer import check_inputs
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+BIN = Path(sys.executable).parent
+STEPS = 4
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def write(root: Path, name: str, **training) -> Path:
+    """4 steps of 8 sequences (micro-batch 2) on the tiny Llama at d=32, clipping active, eval at the end."""
+    cfg = {
+        "run_dir": str(root / name),
+        "model": {"preset": "tiny", "hidden_size": 32, "ffn_hidden_size": 64, "max_seq_len": 64, "vocab_size": 512},
+        "data": {"mixture": str(root / "mix"), "tokenizer": str(root / "tok")},
+        "optim": {"lr": 3e-3, "min_lr": 3e-4, "grad_clip": 0.5},
+        "schedule": {"warmup_steps": 2},
+        "training": {"global_batch_size": 8, "micro_batch_size": 2, "seq_length": 32, "steps": STEPS,
+                     "log_interval": 1, "eval_interval": STEPS, "eval_iters": 4, "threads": 1, **training},
+        "logging": {"tensorboard": False},
+    }
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def records(run_dir: Path, kind: str) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == kind}
+
+
+def torchrun(nproc: int, config: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return run_tool([str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m", "tessera.trainer",
+                     "--config", str(config), "--quiet", *args], cwd, timeout=300, env=ENV)
+
+
+def assert_losses_match(got: dict[int, dict], want: dict[int, dict], steps: range) -> None:
+    assert sorted(got) == list(steps), got.keys()
+    for s in steps:
+        assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-5), (s, got[s]["loss"], want[s]["loss"])
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir) -> Path:
+    """The single-process run every layout must reproduce."""
+    assert main(["--config", str(write(data_dir, "ref1")), "--quiet"]) == 0
+    return data_dir / "ref1"
+
+
+@pytest.mark.parametrize("name, nproc, flags, layout", [
+    ("tp2", 2, ["--tensor-parallel", "2"], {"tensor": 2}),
+    ("pp2", 2, ["--pipeline-parallel", "2", "--pipeline-layers", "1,1"], {"pipeline": 2}),
+    ("dp2", 2, [], {"data": 2}),  # data parallel implied by the world size; ZeRO-1 by default
+])
+def test_layout_matches_one_process(data_dir, reference, name, nproc, flags, layout):
+    torchrun(nproc, write(data_dir, name), *flags, cwd=data_dir)
+    run = data_dir / name
+    assert_losses_match(records(run, "train"), records(reference, "train"), range(1, STEPS + 1))
+    got_norms = [r["grad_norm"] for r in records(run, "train").values()]
+    want_norms = [r["grad_norm"] for r in records(reference, "train").values()]
+    assert got_norms == pytest.approx(want_norms, rel=1e-4)
+    if layout.get("data", 1) == 1:  # same evaluation samples as one process (eval_iters per data rank)
+        assert records(run, "eval")[STEPS]["valid_loss"] == pytest.approx(
+            records(reference, "eval")[STEPS]["valid_loss"], rel=1e-5)
+    sidecar = read_sidecar(resolve_checkpoint(run / "checkpoints"))
+    assert sidecar.layout.model_dump(include=set(layout)) == layout and sidecar.step == STEPS
+    assert (resolve_checkpoint(run / "checkpoints") / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_checkpoint_from_tp2_pp2_resumes_in_one_process_and_under_dp2(data_dir, reference):
+    config = write(data_dir, "tp2pp2")
+    torchrun(4, config, "--tensor-parallel", "2", "--pipeline-parallel", "2", "training.exit_after_steps=2",
+             cwd=data_dir)
+    saved = data_dir / "tp2pp2"
+    assert read_pointer(saved / "checkpoints") == 2
+    sidecar = read_sidecar(resolve_checkpoint(saved / "checkpoints"))
+    assert (sidecar.layout.tensor, sidecar.layout.pipeline, sidecar.layout.data) == (2, 2, 1)
+    assert_losses_match(records(saved, "train"), records(reference, "train"), range(1, 3))
+
+    for name in ("resume1", "resume_dp2"):
+        shutil.copytree(saved, data_dir / name)
+    # One plain process (the single-process Trainer reading the layout-free checkpoint).
+    assert main(["--config", str(config), "--quiet", "--resume", f"run_dir={data_dir / 'resume1'}"]) == 0
+    assert_losses_match({s: r for s, r in records(data_dir / "resume1", "train").items() if s > 2},
+                        records(reference, "train"), range(3, STEPS + 1))
+    # DP=2 with the distributed optimizer (moments re-sliced into ZeRO shards).
+    torchrun(2, config, "--resume", f"run_dir={data_dir / 'resume_dp2'}", cwd=data_dir)
+    assert_losses_match({s: r for s, r in records(data_dir / "resume_dp2", "train").items() if s > 2},
+                        records(reference, "train"), range(3, STEPS + 1))
+
+
+def test_sigterm_to_torchrun_saves_and_workers_exit_cleanly(data_dir):
+    """torchrun forwards SIGTERM to its workers: they finish the step, agree, save and exit 0
+    (torchrun itself then reports the signal with a non-zero status: torch elastic's behaviour)."""
+    run = data_dir / "sigterm"
+    proc = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "tessera.trainer",
+                             "--config", str(write(data_dir, "sigterm", steps=100_000)), "--quiet"],
+                            cwd=data_dir, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size):
+            assert proc.poll() is None and time.monotonic() < deadline, "run did not start"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    step = read_pointer(run / "checkpoints")
+    assert step is not None and step >= 1, out[-3000:]
+    assert f"received SIGTERM: saved at step {step}, exiting" in out
+    assert "exitcode" not in out  # no worker failed (torchrun lists failed workers' exit codes)
+    assert max(records(run, "train")) == step
+
+
+@pytest.mark.parametrize("overrides, world, expected", [
+    (["parallel.tensor=2"], 1, "parallel.tensor (2) x parallel.pipeline (1) = 2 does not divide the 1 launched"),
+    (["parallel.tensor=3"], 3, "must divide num_heads (4)"),
+    (["parallel.pipeline=2", "parallel.virtual_stages=2"], 2, "4 pipeline stages"),
+    (["parallel.tensor=2", "training.precision=fp16"], 2, "training.precision=fp16 is supported in one process only"),
+    (["parallel.pipeline=2", "training.global_batch_size=2"], 2, "1F1B needs at least as many micro-batches"),
+    (["training.global_batch_size=6", "training.micro_batch_size=2"], 2, "data-parallel size (2)"),
+])
+def test_bad_layouts_are_refused_before_any_work(data_dir, overrides, world, expected):
+    cfg = load_config(TrainConfig, write(data_dir, "bad"), overrides)
+    with pytest.raises(UserError) as exc:
+        check_inputs(cfg, world_size=world)
+    assert expected in str(exc.value) and "\n" not in str(exc.value)
+    assert not (data_dir / "bad").exists()
+
+
+def test_flags_override_the_parallel_section(data_dir, capsys):
+    """`--tensor-parallel 2` in one process is refused with the layout line (exit 2), naming the flag's value."""
+    from tessera.common.errors import run_cli
+
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--config", str(write(data_dir, "flags")), "--tensor-parallel", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "parallel.tensor (2)" in err, err
+    with pytest.raises(SystemExit) as exc:  # --pipeline-layers is checked against the flags' layout
+        run_cli(main, ["--config", str(write(data_dir, "flags")), "--pipeline-parallel", "2", "--pipeline-layers", "1"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "parallel.pipeline_layers has 1 values but the layout has 2 stages" in err, err
