@@ -1,76 +1,11 @@
-"""Fixtures: a tiny Llama checkpoint (random weights) with a BPE tokenizer trained in tmp."""
+"""Fixtures for the inference tests; plain helpers live in inference_helpers.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
-
-from tessera.common.checkpoint import (
-    CheckpointSidecar,
-    finalize_checkpoint,
-    save_model_tensors,
-    write_pointer,
-)
-from tessera.common.model import build_model
-from tessera.common.model_config import ModelConfig
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def corpus() -> list[str]:
-    import inspect
-    import json as _json
-    import textwrap
-
-    # Real text from the standard library's own sources: small, present everywhere.
-    return [inspect.getsource(m) for m in (textwrap, _json.decoder, _json.encoder)]
-
-
-def train_tokenizer(directory: Path, vocab_size: int = 512) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|bos|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(), trainer)
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|endoftext|>", "bos_token": "<|bos|>", "chat_template": CHAT_TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }))
-
-
-def tiny_config(**over) -> ModelConfig:
-    base = dict(arch="llama", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                ffn_hidden_size=128, max_seq_len=256)
-    base.update(over)
-    return ModelConfig(**base)
-
-
-def make_checkpoint(root: Path, cfg: ModelConfig, seed: int = 0) -> Path:
-    """A complete Tessera checkpoint: run/checkpoints/iter_0000001 + pointer + tokenizer."""
-    model = build_model(cfg, seed=seed)
-    # Random init gives near-uniform logits; scale the head so greedy choices are well separated
-    # (ties would make token-for-token parity depend on float rounding).
-    with torch.no_grad():
-        model.output_weight().mul_(20.0)
-    ckpt_root = root / "checkpoints"
-    it = ckpt_root / "iter_0000001"
-    it.mkdir(parents=True)
-    save_model_tensors(it, {k: v.detach().clone() for k, v in model.state_dict().items()})
-    train_tokenizer(it / "tokenizer")
-    finalize_checkpoint(it, CheckpointSidecar(model=cfg, step=1))
-    write_pointer(ckpt_root, 1)
-    return root
+from inference_helpers import make_checkpoint, tiny_config
 
 
 @pytest.fixture(scope="session")
@@ -78,52 +13,3 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("run"), tiny_config())
 
 
-def hf_llama_from(model_cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
-    """transformers' LlamaForCausalLM holding our weights (names mapped by hand, as the brief says)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    c = model_cfg
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.kv_heads,
-        max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
-        tie_word_embeddings=c.tie_embeddings, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-        attn_implementation="eager"))
-    state = {}
-    for name, t in tensors.items():
-        n = name.replace("layers.", "model.layers.").replace(".attn.", ".self_attn.")
-        n = n.replace("attn_norm", "input_layernorm").replace("mlp_norm", "post_attention_layernorm")
-        n = {"embed_tokens.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight"}.get(n, n)
-        state[n] = t
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
-    return hf.eval()
-
-
-def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def make_engine(ckpt: Path, **cfg):
-    from tessera.inference.config import EngineConfig
-    from tessera.inference.engine import LLMEngine
-    from tessera.inference.loader import load_for_serving
-
-    loaded = load_for_serving(ckpt, torch.device("cpu"), torch.float32)
-    return LLMEngine(loaded, EngineConfig(**cfg), torch.device("cpu"), torch.float32)
-
-
-def run_all(engine, requests: dict[str, tuple[list[int], object]]) -> dict[str, list]:
-    """Add every request, step to completion; returns request id -> list of outputs."""
-    outs: dict[str, list] = {rid: [] for rid in requests}
-    for rid, (ids, params) in requests.items():
-        engine.add_request(rid, ids, params)
-    engine.run_to_completion(lambda o: outs[o.request_id].append(o))
-    return outs
-
-
-def token_ids(outputs: list) -> list[int]:
-    return [t for o in outputs for t in o.new_token_ids]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, hf_llama_from, make_engine, run_all, token_ids
+from inference_helpers import hf_greedy, hf_llama_from, make_engine, run_all, token_ids
 
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
 from tessera.inference.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_engine, run_all, token_ids
+from inference_helpers import make_engine, run_all, token_ids
 
 from tessera.inference.detokenizer import IncrementalDetokenizer
 from tessera.inference.sampler import filter_logits

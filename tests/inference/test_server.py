@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import make_engine
+from inference_helpers import make_engine
 
 from tessera.inference.async_engine import AsyncEngine
 from tessera.inference.metrics import ServingMetrics
@@ -209,7 +209,7 @@ def test_api_key_and_queue_full(tiny_ckpt):
 
 
 def test_seed_reproducible_regardless_of_batch(tiny_ckpt):
-    from conftest import run_all, token_ids
+    from inference_helpers import run_all, token_ids
 
     from tessera.inference.sampling_params import SamplingParams
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, hf_llama_from, run_all, token_ids
+from inference_helpers import hf_greedy, hf_llama_from, run_all, token_ids
 
 from tessera.common.checkpoint import load_model_tensors, read_sidecar, resolve_checkpoint
 from tessera.inference.config import EngineConfig
