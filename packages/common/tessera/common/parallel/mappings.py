@@ -18,6 +18,11 @@ import torch.distributed as dist
 
 SEQ_DIM = 1
 
+# Flat (dim-0) all-gather / reduce-scatter: the current names where this torch has them (the
+# older ones warn as deprecated on every first call site), else the older ones; same signature.
+all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     world = dist.get_world_size(group)
@@ -26,7 +31,7 @@ def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     # all_gather_into_tensor concatenates along dim 0: move the sequence there and back.
     xt = x.transpose(0, SEQ_DIM).contiguous()
     out = torch.empty((world * xt.shape[0],) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, xt, group=group)
+    all_gather_flat(out, xt, group=group)
     return out.transpose(0, SEQ_DIM).contiguous()
 
 
@@ -38,7 +43,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     if xt.shape[0] % world:
         raise ValueError(f"sequence length {xt.shape[0]} is not divisible by the tensor-parallel size {world}")
     out = torch.empty((xt.shape[0] // world,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, xt, group=group)
+    reduce_scatter_flat(out, xt, group=group)
     return out.transpose(0, SEQ_DIM).contiguous()
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.common.parallel.mappings import all_gather_flat, reduce_scatter_flat
 from tessera.common.parallel.state import ParallelGroups
 
 
@@ -201,7 +202,7 @@ class GradientBuckets:
         # Average over replicas: each holds the mean over its own micro-batches.
         b.grad_buf.div_(g.dp)
         if self.sharded:
-            b.handle = dist.reduce_scatter_tensor(b.grad_shard, b.grad_buf, group=g.dp_group, async_op=True)
+            b.handle = reduce_scatter_flat(b.grad_shard, b.grad_buf, group=g.dp_group, async_op=True)
         else:
             b.handle = dist.all_reduce(b.grad_buf, group=g.dp_group, async_op=True)
 
@@ -231,7 +232,7 @@ class GradientBuckets:
             return
         for b in self.buckets:
             own = b.param_shard(self.groups.dp_rank).clone()
-            dist.all_gather_into_tensor(b.param_buf, own, group=self.groups.dp_group)
+            all_gather_flat(b.param_buf, own, group=self.groups.dp_group)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.common.parallel.mappings import all_gather_flat
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import to_global
 from tessera.trainer.parallel.data_parallel import Bucket, GradientBuckets
@@ -113,7 +114,7 @@ class DistributedOptimizer:
         if not self.buckets.sharded:
             return shard
         full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=self.groups.dp_group)
+        all_gather_flat(full, shard.contiguous(), group=self.groups.dp_group)
         return full
 
     def _state_keys(self, dtype: torch.dtype) -> list[str]:
