@@ -11,6 +11,11 @@ State-dict layout (flattened by DCP with dots; every leaf is a tensor, so loadin
     rng.python_state, rng.python_gauss
     train_state.step, .consumed_samples, .consumed_tokens
 
+A parallel run (tessera.trainer.parallel.trainer) writes the same `model.*`, `optimizer.*` and
+`train_state.*` keys (global tensors, so any layout or one process reads them) and its RNG
+streams per rank as `rng.rank<R>.*`; a one-process resume of such a checkpoint keeps its seeded
+RNGs (load_checkpoint restores `rng.*` only when present).
+
 The LR schedule is a pure function of train_state.step (tessera.trainer.schedule), so the step is
 its whole state. Hyper-parameters of the optimizer groups come from the config, not the file.
 
