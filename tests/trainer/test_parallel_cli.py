@@ -2,7 +2,8 @@
 
 The method is parity. One module-scoped single-process run (`tessera-train`, fp32, real mixture
 from `tessera-data prep` + `blend`) is the reference; each layout runs the same config and seed
-through torchrun and must log the same per-step losses (1e-5 relative). A checkpoint saved at
+through torchrun (TP=2, PP=2 1F1B with an uneven split, interleaved PP=2x2, DP=2 with ZeRO-1)
+and must log the same per-step losses (1e-5 relative). A checkpoint saved at
 TP=2 x PP=2 (4 processes, stopped by training.exit_after_steps) resumes in one plain process and
 under DP=2 and continues with the reference's losses. torchrun launches are the expensive part
 on a 2-core machine (several seconds each), so each layout is one launch.
@@ -38,10 +39,11 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def write(root: Path, name: str, **training) -> Path:
-    """4 steps of 8 sequences (micro-batch 2) on the tiny Llama at d=32, clipping active, eval at the end."""
+    """4 steps of 8 sequences (micro-batch 2) on a 4-layer tiny Llama at d=32, clipping active, eval at the end."""
     cfg = {
         "run_dir": str(root / name),
-        "model": {"preset": "tiny", "hidden_size": 32, "ffn_hidden_size": 64, "max_seq_len": 64, "vocab_size": 512},
+        "model": {"preset": "tiny", "hidden_size": 32, "ffn_hidden_size": 64, "max_seq_len": 64, "vocab_size": 512,
+                  "num_layers": 4},
         "data": {"mixture": str(root / "mix"), "tokenizer": str(root / "tok")},
         "optim": {"lr": 3e-3, "min_lr": 3e-4, "grad_clip": 0.5},
         "schedule": {"warmup_steps": 2},
@@ -79,7 +81,8 @@ def reference(data_dir) -> Path:
 
 @pytest.mark.parametrize("name, nproc, flags, layout", [
     ("tp2", 2, ["--tensor-parallel", "2"], {"tensor": 2}),
-    ("pp2", 2, ["--pipeline-parallel", "2", "--pipeline-layers", "1,1"], {"pipeline": 2}),
+    ("pp2", 2, ["--pipeline-parallel", "2", "--pipeline-layers", "3,1"], {"pipeline": 2}),  # 1F1B, uneven
+    ("pp2x2", 2, ["--pipeline-parallel", "2", "--virtual-stages", "2"], {"pipeline": 2, "virtual_stages": 2}),
     ("dp2", 2, [], {"data": 2}),  # data parallel implied by the world size; ZeRO-1 by default
 ])
 def test_layout_matches_one_process(data_dir, reference, name, nproc, flags, layout):
@@ -146,7 +149,7 @@ def test_sigterm_to_torchrun_saves_and_workers_exit_cleanly(data_dir):
 @pytest.mark.parametrize("overrides, world, expected", [
     (["parallel.tensor=2"], 1, "parallel.tensor (2) x parallel.pipeline (1) = 2 does not divide the 1 launched"),
     (["parallel.tensor=3"], 3, "must divide num_heads (4)"),
-    (["parallel.pipeline=2", "parallel.virtual_stages=2"], 2, "4 pipeline stages"),
+    (["parallel.pipeline=2", "parallel.virtual_stages=4"], 2, "8 pipeline stages"),
     (["parallel.tensor=2", "training.precision=fp16"], 2, "training.precision=fp16 is supported in one process only"),
     (["parallel.pipeline=2", "training.global_batch_size=2"], 2, "1F1B needs at least as many micro-batches"),
     (["training.global_batch_size=6", "training.micro_batch_size=2"], 2, "data-parallel size (2)"),
@@ -169,6 +172,6 @@ def test_flags_override_the_parallel_section(data_dir, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "parallel.tensor (2)" in err, err
     with pytest.raises(SystemExit) as exc:  # --pipeline-layers is checked against the flags' layout
-        run_cli(main, ["--config", str(write(data_dir, "flags")), "--pipeline-parallel", "2", "--pipeline-layers", "1"])
+        run_cli(main, ["--config", str(write(data_dir, "flags")), "--pipeline-parallel", "2", "--pipeline-layers", "4"])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and "parallel.pipeline_layers has 1 values but the layout has 2 stages" in err, err
