@@ -175,3 +175,15 @@ def test_flags_override_the_parallel_section(data_dir, capsys):
         run_cli(main, ["--config", str(write(data_dir, "flags")), "--pipeline-parallel", "2", "--pipeline-layers", "4"])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and "parallel.pipeline_layers has 1 values but the layout has 2 stages" in err, err
+
+
+def test_one_process_checkpoint_resumes_under_tp2(data_dir, reference):
+    """The other direction: a plain `tessera-train` checkpoint continued by TP=2 (+SP) under torchrun."""
+    config = write(data_dir, "one_then_tp2")
+    assert main(["--config", str(config), "--quiet", "training.exit_after_steps=2"]) == 0
+    proc = torchrun(2, config, "--resume", "--tensor-parallel", "2", cwd=data_dir)
+    assert "RNG streams re-seeded" in proc.stdout  # saved under another layout: said, not hidden
+    run = data_dir / "one_then_tp2"
+    assert_losses_match({s: r for s, r in records(run, "train").items() if s > 2},
+                        records(reference, "train"), range(3, STEPS + 1))
+    assert read_sidecar(resolve_checkpoint(run / "checkpoints")).layout.tensor == 2
