@@ -37,7 +37,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, defaults: bool = Tru
     that also reads the layout from a config file can tell given flags apart (see
     `parallel_overrides`)."""
     one = 1 if defaults else None
-    g = parser.add_argument_group("parallelism (data parallel = world size / (tensor x pipeline))")
+    title = "parallelism (data parallel = world size / (tensor x pipeline))"
+    if not defaults:
+        title += "; each flag overrides the config's parallel.* key of the same name"
+    g = parser.add_argument_group(title)
     g.add_argument("--tensor-parallel", type=int, default=one, metavar="N",
                    help="Tensor-parallel size: must divide heads, kv heads, ffn size and vocab (default 1).")
     g.add_argument("--pipeline-parallel", type=int, default=one, metavar="N",
