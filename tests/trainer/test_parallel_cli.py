@@ -150,7 +150,7 @@ def test_sigterm_to_torchrun_saves_and_workers_exit_cleanly(data_dir):
     (["parallel.tensor=2"], 1, "parallel.tensor (2) x parallel.pipeline (1) = 2 does not divide the 1 launched"),
     (["parallel.tensor=3"], 3, "must divide num_heads (4)"),
     (["parallel.pipeline=2", "parallel.virtual_stages=4"], 2, "8 pipeline stages"),
-    (["parallel.tensor=2", "training.precision=fp16"], 2, "training.precision=fp16 is supported in one process only"),
+    (["parallel.tensor=2", "training.compile=true"], 2, "training.compile (--compile) is supported in one process"),
     (["parallel.pipeline=2", "training.global_batch_size=2"], 2, "1F1B needs at least as many micro-batches"),
     (["training.global_batch_size=6", "training.micro_batch_size=2"], 2, "data-parallel size (2)"),
 ])
@@ -187,3 +187,23 @@ def test_one_process_checkpoint_resumes_under_tp2(data_dir, reference):
     assert_losses_match({s: r for s, r in records(run, "train").items() if s > 2},
                         records(reference, "train"), range(3, STEPS + 1))
     assert read_sidecar(resolve_checkpoint(run / "checkpoints")).layout.tensor == 2
+
+
+@pytest.mark.parametrize("name, flags, fp16", [
+    # Clean steps: the loss scale doubles every 2 steps (1024 -> 4096 by step 4) exactly as GradScaler's does.
+    ("fp16_tp2", ["--tensor-parallel", "2"], {"fp16_initial_scale": 1024.0, "fp16_growth_interval": 2}),
+    # Every step overflows: skipped (weights untouched, data consumed), scale halved each time.
+    ("fp16_pp2_overflow", ["--pipeline-parallel", "2"], {"fp16_initial_scale": 1e38, "steps": 2}),
+])
+def test_fp16_dynamic_loss_scaling_matches_one_process(data_dir, name, flags, fp16):
+    assert main(["--config", str(write(data_dir, name + "_ref", precision="fp16", **fp16)), "--quiet"]) == 0
+    torchrun(2, write(data_dir, name, precision="fp16", **fp16), *flags, cwd=data_dir)
+    got, want = records(data_dir / name, "train"), records(data_dir / (name + "_ref"), "train")
+    assert sorted(got) == sorted(want)
+    for s in want:
+        assert (got[s]["step_skipped"], got[s]["loss_scale"]) == (want[s]["step_skipped"], want[s]["loss_scale"]), s
+        assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-4), s
+    if "overflow" in name:
+        assert all(r["step_skipped"] for r in got.values()) and got[2]["loss_scale"] == pytest.approx(2.5e37)
+    else:
+        assert not any(r["step_skipped"] for r in got.values()) and got[STEPS]["loss_scale"] == 4096.0

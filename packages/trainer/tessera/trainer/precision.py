@@ -67,3 +67,51 @@ class Precision:
         sd["scale"] = float(state["scale"])
         sd["_growth_tracker"] = int(state["growth_tracker"])
         self.scaler.load_state_dict(sd)
+
+
+def _float32(x: float) -> float:
+    """GradScaler keeps its scale in a float32 tensor: round the same way for identical scales."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+class DynamicLossScale:
+    """torch.amp.GradScaler's policy, for a runtime that unscales and checks gradients itself.
+
+    The parallel runtime keeps gradients in flat buffers sharded over data-parallel ranks, and
+    its global gradient norm already tells every rank whether any gradient overflowed; what it
+    needs from the caller is only the scale to multiply the loss by, and the policy: halve it
+    on overflow (the step is skipped), double it after `growth_interval` clean steps. Same
+    defaults, same checkpoint keys (`scaler.scale`, `scaler.growth_tracker`) as `Precision`, so
+    fp16 runs resume across the one-process and parallel paths.
+    """
+
+    def __init__(self, initial_scale: float = 2.0**16, growth_interval: int = 1000,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5):
+        self.scale = _float32(initial_scale)
+        self.growth_interval = growth_interval
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_tracker = 0
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scale
+
+    def update(self, overflowed: bool) -> None:
+        if overflowed:
+            self.scale = _float32(self.scale * self.backoff_factor)
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            self.scale = _float32(self.scale * self.growth_factor)
+            self.growth_tracker = 0
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"scale": torch.tensor(self.scale, dtype=torch.float64),
+                "growth_tracker": torch.tensor(self.growth_tracker, dtype=torch.int64)}
+
+    def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            self.scale = float(state["scale"])
+            self.growth_tracker = int(state["growth_tracker"])

@@ -130,9 +130,6 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
 def check_parallel_options(cfg: TrainConfig) -> None:
     """Options of the one-process step that the parallel runtime does not have (one line each)."""
     t = cfg.training
-    if t.precision == "fp16":
-        raise UserError("training.precision=fp16 is supported in one process only: the parallel runtime has no "
-                        "dynamic loss scaling; use training.precision=bf16 (or fp32) with torchrun")
     if t.compile:
         raise UserError("training.compile (--compile) is supported in one process only; drop it under torchrun")
     if t.loss_chunk_tokens is not None:

@@ -78,16 +78,20 @@ class DistributedOptimizer:
         self.buckets.start_step(num_microbatches)
 
     @torch.no_grad()
-    def clip_grad_norm(self) -> float:
-        """Finish the reductions, compute the global L2 norm, and clip (if max_grad_norm is set)."""
+    def clip_grad_norm(self, inv_scale: float = 1.0) -> float:
+        """Finish the reductions, unscale (fp16 loss scaling), compute the global L2 norm, and clip
+        (if max_grad_norm is set). A non-finite norm (overflow) is returned without clipping."""
         self.buckets.finish()
+        if inv_scale != 1.0:
+            for b in self.buckets.buckets:
+                b.grad_shard.mul_(inv_scale)
         sq = torch.zeros((), dtype=torch.float32, device=self.groups.device)
         for b in self.buckets.buckets:
             for a, z in b.norm_ranges:
                 sq += b.grad_shard[a:z].pow(2).sum()
         dist.all_reduce(sq)  # world group: every distinct element was counted on exactly one rank
-        norm = math.sqrt(sq.item())
-        if self.max_grad_norm is not None:
+        norm = math.sqrt(sq.item()) if math.isfinite(sq.item()) else float(sq.item())
+        if self.max_grad_norm is not None and math.isfinite(norm):
             coef = self.max_grad_norm / (norm + 1e-6)
             if coef < 1.0:
                 for b in self.buckets.buckets:
@@ -95,9 +99,13 @@ class DistributedOptimizer:
         return norm
 
     @torch.no_grad()
-    def step(self) -> float:
-        """Clip, update the local shards, all-gather the parameters. Returns the pre-clip norm."""
-        norm = self.clip_grad_norm()
+    def step(self, inv_scale: float = 1.0, skip_nonfinite: bool = False) -> float:
+        """Unscale, clip, update the local shards, all-gather the parameters. Returns the pre-clip
+        norm. With `skip_nonfinite`, a non-finite norm (the same on every rank: it is global)
+        skips the update, leaving parameters and optimizer state untouched."""
+        norm = self.clip_grad_norm(inv_scale)
+        if skip_nonfinite and not math.isfinite(norm):
+            return norm
         for m, b in zip(self.masters, self.buckets.buckets):
             m.grad = b.grad_shard  # fp32 (GradientBuckets keeps main grads in fp32)
         self.inner.step()

@@ -166,14 +166,16 @@ def _sync_replicas(stages: list[StageModule], groups: ParallelGroups) -> None:
 
 def make_schedule(stages: list[StageModule], groups: ParallelGroups, num_microbatches: int,
                   micro_batch: int, hidden_size: int, vocab_size: int, dtype: torch.dtype,
-                  sequence_parallel: bool, logits_dtype: torch.dtype | None = None):
+                  sequence_parallel: bool, logits_dtype: torch.dtype | None = None,
+                  loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None):
     """A Schedule1F1B (one chunk per rank) or ScheduleInterleaved1F1B (several) over the stages.
 
     Loss per micro-batch is the mean token loss divided by the number of micro-batches, so the
     accumulated gradient is the gradient of the batch mean (scale_grads is off: gradients live
     in flat buffers whose reduction may already be under way when the schedule ends).
     Input/output shapes are given explicitly: shape inference would run the forward on meta
-    tensors, through tensor-parallel collectives that cannot take them.
+    tensors, through tensor-parallel collectives that cannot take them. `loss_hook(loss)`, when given,
+    sees each micro-batch's loss and returns what the schedule backpropagates (fp16 loss scaling).
     """
     tp = groups.tp
     seq = stages[0].seq_len
@@ -193,7 +195,8 @@ def make_schedule(stages: list[StageModule], groups: ParallelGroups, num_microba
     tp_group = groups.tp_group
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(out, target, tp_group).mean() / num_microbatches
+        loss = vocab_parallel_cross_entropy(out, target, tp_group).mean() / num_microbatches
+        return loss_hook(loss) if loss_hook is not None else loss
 
     if len(stages) == 1:
         return Schedule1F1B(pipe_stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -14,13 +14,14 @@ the global mean loss (the same on every rank) and the pre-clip global gradient n
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tessera.common.config import StrictModel
 from tessera.common.model import Transformer
@@ -46,6 +47,13 @@ class ParallelConfig(StrictModel):
     bucket_numel: int = Field(40_000_000, gt=0, description="Elements per gradient bucket (one data-parallel collective each).")
     seed: int = Field(1234, description="Dropout seed (tensor-parallel regions get per-rank streams).")
     autocast_bf16: bool = Field(False, description="Run forward passes under torch.autocast(bf16) over fp32 parameters (the trainer's bf16 mode); gradients, reductions and optimizer stay fp32.")
+    autocast_fp16: bool = Field(False, description="Run forward passes under torch.autocast(fp16) over fp32 parameters (the trainer's fp16 mode); pass a loss scale to train_step (dynamic loss scaling is the caller's policy).")
+
+    @model_validator(mode="after")
+    def _one_autocast(self) -> ParallelConfig:
+        if self.autocast_bf16 and self.autocast_fp16:
+            raise ValueError("autocast_bf16 and autocast_fp16 are exclusive")
+        return self
 
 
 class OptimConfig(StrictModel):
@@ -60,8 +68,9 @@ class OptimConfig(StrictModel):
 
 @dataclass
 class StepResult:
-    loss: float
-    grad_norm: float
+    loss: float  # global mean loss (unscaled)
+    grad_norm: float  # pre-clip global norm of the unscaled gradients (inf/nan on fp16 overflow)
+    stepped: bool = True  # False: a scaled step overflowed and was skipped (parameters unchanged)
 
 
 class ParallelRuntime:
@@ -75,14 +84,16 @@ class ParallelRuntime:
         self.rng = rng
         self.num_microbatches = pcfg.global_batch // (pcfg.micro_batch * groups.dp)
         self.schedule = None
+        self._loss_scale = 1.0  # multiplies the loss before backward (fp16 loss scaling)
+        self._micro_losses: list[torch.Tensor] = []  # unscaled, as the pipeline's last stage computed them
         if groups.pp > 1:
             dtype = next(stages[0].parameters()).dtype
-            # Under bf16 autocast the head's logits come out in bf16; the residual stream stays
-            # in the parameter dtype (fp32 + bf16 promotes to fp32).
-            logits_dtype = torch.bfloat16 if pcfg.autocast_bf16 else dtype
+            # Under autocast the head's logits come out in the autocast dtype; the residual
+            # stream stays in the parameter dtype (fp32 + bf16/fp16 promotes to fp32).
+            logits_dtype = self._autocast_dtype() or dtype
             self.schedule = make_schedule(stages, groups, self.num_microbatches, pcfg.micro_batch,
                                           cfg.hidden_size, cfg.vocab_size, dtype, stages[0].model.sequence_parallel,
-                                          logits_dtype=logits_dtype)
+                                          logits_dtype=logits_dtype, loss_hook=self._scale_loss)
 
     @classmethod
     def build(cls, cfg: ModelConfig, groups: ParallelGroups, pcfg: ParallelConfig, ocfg: OptimConfig,
@@ -107,24 +118,40 @@ class ParallelRuntime:
         for s in self.stages:
             s.train(mode)
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> StepResult:
+        """One optimizer step. With `loss_scale` != 1 (fp16) the loss is multiplied by it before
+        backward, gradients are divided by it before clipping, and a step whose gradients are not
+        finite (the global norm is inf/nan, so every rank agrees) is skipped."""
         g, n, mb = self.groups, self.num_microbatches, self.pcfg.micro_batch
         if tokens.shape[0] != n * mb:
             raise ValueError(f"expected {n * mb} rows on this data-parallel rank, got {tokens.shape[0]}")
         tokens, targets = tokens.to(g.device), targets.to(g.device)
         self.optimizer.zero_grad(n)
+        self._loss_scale = loss_scale
         total = torch.zeros((), dtype=torch.float32, device=g.device)
         with self._autocast():
             self._forward_backward(tokens, targets, total)
         if g.dp > 1:
             dist.all_reduce(total, group=g.dp_group)
             total /= g.dp
-        norm = self.optimizer.step()
-        return StepResult(loss=float(total), grad_norm=norm)
+        scaled = loss_scale != 1.0
+        norm = self.optimizer.step(inv_scale=1.0 / loss_scale, skip_nonfinite=scaled)
+        return StepResult(loss=float(total), grad_norm=norm, stepped=not scaled or math.isfinite(norm))
+
+    def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Record a micro-batch's loss, return the one to backpropagate (scaled for fp16)."""
+        self._micro_losses.append(loss.detach().float())
+        return loss * self._loss_scale if self._loss_scale != 1.0 else loss
+
+    def _autocast_dtype(self) -> torch.dtype | None:
+        if self.pcfg.autocast_bf16:
+            return torch.bfloat16
+        return torch.float16 if self.pcfg.autocast_fp16 else None
 
     def _autocast(self):
-        if self.pcfg.autocast_bf16:
-            return torch.autocast(self.groups.device.type, dtype=torch.bfloat16)
+        dtype = self._autocast_dtype()
+        if dtype is not None:
+            return torch.autocast(self.groups.device.type, dtype=dtype)
         return contextlib.nullcontext()
 
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, total: torch.Tensor) -> None:
@@ -136,16 +163,16 @@ class ParallelRuntime:
                 rows = slice(i * mb, (i + 1) * mb)
                 logits = stage(tokens[rows])
                 loss = vocab_parallel_cross_entropy(logits, targets[rows], g.tp_group).mean() / n
-                loss.backward()
+                (loss * self._loss_scale if self._loss_scale != 1.0 else loss).backward()
                 total += loss.detach()
         else:
-            losses: list[torch.Tensor] = []
             has_first = any(s.is_first for s in self.stages)
             has_last = any(s.is_last for s in self.stages)
             args = (tokens,) if has_first else ()
-            self.schedule.step(*args, target=targets if has_last else None, losses=losses, return_outputs=False)
+            self._micro_losses.clear()
+            self.schedule.step(*args, target=targets if has_last else None, return_outputs=False)
             if has_last:
-                total += torch.stack([x.detach().float() for x in losses]).sum()
+                total += torch.stack(self._micro_losses).sum()
             dist.all_reduce(total, group=g.pp_group)  # only the last stage contributed
 
     @torch.no_grad()
@@ -166,13 +193,12 @@ class ParallelRuntime:
                         logits = self.stages[0](tokens[rows])
                         total += vocab_parallel_cross_entropy(logits, targets[rows], g.tp_group).mean() / n
                 else:
-                    losses: list[torch.Tensor] = []
                     has_first = any(s.is_first for s in self.stages)
                     has_last = any(s.is_last for s in self.stages)
-                    self.schedule.eval(*((tokens,) if has_first else ()), target=targets if has_last else None,
-                                       losses=losses)
+                    self._micro_losses.clear()
+                    self.schedule.eval(*((tokens,) if has_first else ()), target=targets if has_last else None)
                     if has_last:
-                        total += torch.stack([x.float() for x in losses]).sum()
+                        total += torch.stack(self._micro_losses).sum()
                     dist.all_reduce(total, group=g.pp_group)
         finally:
             self.train(was_training)

@@ -36,7 +36,7 @@ from tessera.trainer.checkpointing import (
 )
 from tessera.trainer.model_setup import apply_recompute, build_train_model
 from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime
-from tessera.trainer.precision import Precision
+from tessera.trainer.precision import DynamicLossScale, Precision
 from tessera.trainer.trainer import Trainer, eval_record
 
 
@@ -58,13 +58,16 @@ class ParallelTrainer(Trainer):
             ParallelConfig(seq_len=t.seq_length, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                            sequence_parallel=p.sequence_parallel, distributed_optimizer=p.distributed_optimizer,
                            pipeline_layers=p.pipeline_layers, bucket_numel=p.bucket_numel, seed=t.seed,
-                           autocast_bf16=t.precision == "bf16"),
+                           autocast_bf16=t.precision == "bf16", autocast_fp16=t.precision == "fp16"),
             OptimConfig(lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
                         weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.grad_clip or None),
             build_model=builder)
         self.optimizer = self.runtime.optimizer  # param_groups: the LR schedule and the log read them
-        # No loss scaler (fp16 is refused in check_inputs); autocast is the runtime's.
-        self.precision = Precision("fp32", self.rt.device)
+        # Autocast is the runtime's; fp16 adds the loss-scale policy (the runtime unscales,
+        # detects overflow from the global gradient norm and skips the step).
+        self.scaler = (DynamicLossScale(t.fp16_initial_scale, t.fp16_growth_interval)
+                       if t.precision == "fp16" else None)
+        self.precision = self.scaler or Precision("fp32", self.rt.device)  # .loss_scale for the log
 
     @property
     def dp_rank(self) -> int:
@@ -81,9 +84,11 @@ class ParallelTrainer(Trainer):
         for group in self.optimizer.param_groups:
             group["lr"] = self.schedule(self.state.step)
         tokens, labels = self._rows(self.train_data, self.state.consumed_samples)
-        result = self.runtime.train_step(tokens, labels)
-        self.advance()
-        return result.loss, result.grad_norm, True
+        result = self.runtime.train_step(tokens, labels, self.scaler.scale if self.scaler else 1.0)
+        if self.scaler is not None:
+            self.scaler.update(overflowed=not result.stepped)
+        self.advance()  # a skipped step still consumes its data, as in one process
+        return result.loss, result.grad_norm, result.stepped
 
     def evaluate(self) -> dict[str, float]:
         """Mean loss over the first whole global batches of the valid split covering eval_iters
@@ -108,6 +113,8 @@ class ParallelTrainer(Trainer):
     def write_checkpoint(self) -> Path:
         state = dict(self.runtime.state_dict())  # collective: gathers ZeRO shards per parameter
         state.update({self._rng_prefix() + k: v for k, v in self._rng_state().items()})
+        if self.scaler is not None:
+            state.update({f"scaler.{k}": v for k, v in self.scaler.state_tensors().items()})
         return write_checkpoint(self.cfg.checkpoint_dir, state, self.state, self.sidecar(), self.inputs.tokenizer,
                                 self.cfg.checkpoint.keep_last)
 
@@ -126,7 +133,13 @@ class ParallelTrainer(Trainer):
             rng_keys = {self._rng_prefix() + k: v for k, v in self._rng_state().items()
                         if self._rng_prefix() + k in stored}
         state.update(rng_keys)
+        scaler_keys = {}
+        if self.scaler is not None and "scaler.scale" in stored:  # else: fp16 resumed from fp32/bf16
+            scaler_keys = {f"scaler.{k}": v for k, v in self.scaler.state_tensors().items()}
+        state.update(scaler_keys)
         read_checkpoint(directory, state)
+        if scaler_keys:
+            self.scaler.load_state_tensors({k.removeprefix("scaler."): state[k] for k in scaler_keys})
         self.runtime.load_state_dict(state)
         self.state = TrainState.from_tensors({k.removeprefix("train_state."): v for k, v in state.items()
                                               if k.startswith("train_state.")})
