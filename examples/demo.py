@@ -126,7 +126,7 @@ def main() -> None:
     banner("3/6 tessera-data blend: the train/valid mixture")
     mixture = WORK / "mixture"
     run(BIN / "tessera-data", "blend", "--data", "1.0", shard, "--seq-length", "128", "--split", "98,2,0",
-        "--train-samples", "4096", "--valid-samples", "64", "--seed", "1234", "--output", mixture)
+        "--train-samples", "9600", "--valid-samples", "64", "--seed", "1234", "--output", mixture)
     print(f"mixture: {mixture}")
 
     banner("4/6 tessera-train: the tiny Llama on CPU")
