@@ -21,7 +21,8 @@ setup: $(STAMP)
 $(STAMP): Makefile requirements-dev.txt packages/*/pyproject.toml kernels/pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "[setup] installing torch ($(TORCH_SPEC))"
-	@$(PIP) install -q --disable-pip-version-check "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
+	@$(PIP) install -q --disable-pip-version-check "$(TORCH_SPEC)" $(TORCH_PIP_ARGS) > $(VENV)/install-torch.log 2>&1 \
+		|| { grep -v "is ignored: it is neither" $(VENV)/install-torch.log; exit 1; }
 	@$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/torch-constraint.txt
 	@echo "[setup] installing tessera packages and dev tools (torch pinned to $$(cat $(VENV)/torch-constraint.txt))"
 	@$(PIP) install -q --disable-pip-version-check -c $(VENV)/torch-constraint.txt \
