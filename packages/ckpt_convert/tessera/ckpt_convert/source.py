@@ -27,6 +27,7 @@ from tessera.common.checkpoint import (
     CheckpointSidecar,
     read_sidecar,
     resolve_checkpoint,
+    single_process_dcp,
 )
 from tessera.common.errors import ArtifactError
 
@@ -167,7 +168,8 @@ class CheckpointSource:
 
         state = {k: torch.empty(self.tensor_specs[k].shape, dtype=self.tensor_specs[k].dtype) for k in keys}
         try:
-            dcp.load(state, checkpoint_id=str(self.directory), no_dist=True)
+            with single_process_dcp():
+                dcp.load(state, checkpoint_id=str(self.directory), no_dist=True)
         except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ArtifactError(f"{self.directory}: failed to read {keys[0]!r} ({first[:200]}); "

@@ -16,10 +16,12 @@ pointer file is replaced (atomically) only after that.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +142,14 @@ def verify_checksums(directory: str | os.PathLike, sidecar: CheckpointSidecar | 
             raise ArtifactError(f"{path}: checksum mismatch; the checkpoint file is corrupt or truncated")
 
 
+@contextlib.contextmanager
+def single_process_dcp() -> Iterator[None]:
+    """Silence DCP's warning that it 'assumes' a single process: with no_dist that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _dcp_metadata(directory: Path) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -176,8 +186,7 @@ def load_model_tensors(directory: str | os.PathLike, names: list[str] | None = N
         raise ArtifactError(f"{directory}: checkpoint has no tensor {missing[0]!r}")
     state = {MODEL_PREFIX + n: torch.empty(specs[n][0], dtype=specs[n][1]) for n in wanted}
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*single process.*")
+        with single_process_dcp():
             dcp.load(state, checkpoint_id=str(directory), no_dist=True)
     except Exception as exc:
         raise ArtifactError(f"{directory}: failed to read checkpoint tensors ({str(exc).splitlines()[0]}); "
@@ -189,6 +198,5 @@ def save_model_tensors(directory: str | os.PathLike, tensors: dict[str, torch.Te
     """Write model tensors as a single-process DCP checkpoint payload (no sidecar; see finalize)."""
     import torch.distributed.checkpoint as dcp
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*")
+    with single_process_dcp():
         dcp.save({MODEL_PREFIX + k: v for k, v in tensors.items()}, checkpoint_id=str(directory), no_dist=True)

@@ -27,13 +27,10 @@ The temporary name is fixed (not per-process) so that every rank writes into the
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import re
 import shutil
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +49,7 @@ from tessera.common.checkpoint import (
     iter_dir_name,
     read_pointer,
     read_sidecar,
+    single_process_dcp,
     write_pointer,
 )
 from tessera.common.errors import ArtifactError
@@ -145,14 +143,6 @@ def _load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, dic
 # ---- save ---------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """DCP warns that it 'assumes' a single process even when no_dist says so; that is intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -205,7 +195,7 @@ def write_checkpoint(
         partial.mkdir()
     _barrier()
     state = {**state, "train_state": train_state.tensors()}
-    with _quiet_single_process():
+    with single_process_dcp():
         dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
     _barrier()
     if _rank() == 0:
@@ -292,7 +282,7 @@ def stored_keys(directory: Path) -> set[str]:
 def read_checkpoint(directory: Path, state: dict) -> None:
     """Fill `state` (templates of the right shapes and placements) from the checkpoint, in place."""
     try:
-        with _quiet_single_process():
+        with single_process_dcp():
             dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
     except Exception as exc:
         raise ArtifactError(f"{directory}: cannot restore training state ({str(exc).splitlines()[0][:200]}); "
