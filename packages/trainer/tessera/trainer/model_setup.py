@@ -3,7 +3,7 @@
 The order matters and mirrors torchtitan: the plain model is built (on the meta device, then
 materialised and initialised by tessera.common.model.build_model); a parallelize step transforms
 it for the layout (identity in one process; tessera.trainer.parallel replaces it); activation
-recompute wraps blocks or attention cores; torch.compile compiles each block. None of these change
+recompute wraps blocks or attention cores; torch.compile compiles the whole forward. None of these change
 parameter names, so checkpoints stay layout-invariant.
 """
 
@@ -55,9 +55,13 @@ def apply_recompute(model: Transformer, mode: str) -> None:
 
 
 def apply_compile(model: Transformer) -> None:
-    """torch.compile each transformer block in place (nn.Module.compile keeps parameter names)."""
-    for block in model.layers.values():
-        block.compile()
+    """torch.compile the whole model forward in place (nn.Module.compile keeps parameter names).
+
+    One graph from embedding through final norm and head, rather than one per block: fewer graph
+    boundaries and Python dispatch per step; measured on 2 CPU cores (benchmarks/train_throughput.py,
+    8.4M-param Llama, batch 4x256, fp32) at about 1.10x transformers vs 1.07x with per-block compile.
+    """
+    model.compile()
 
 
 def prepare_model(cfg: ModelConfig, device: torch.device, seed: int, recompute: str = "none",
