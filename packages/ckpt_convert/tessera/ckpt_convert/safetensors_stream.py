@@ -10,6 +10,7 @@ read back by `safetensors.safe_open` in the tests.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -32,10 +33,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class SafetensorsStreamWriter:
