@@ -166,6 +166,22 @@ class OpenAIServer:
             raise
         return handles, queue
 
+    async def _collect(self, submitted: tuple[list[RequestHandle], asyncio.Queue], request: Request,
+                       n: int) -> tuple[list[str], list[list[Any]], list[RequestOutput]] | None:
+        """Run n requests to the end for a non-streamed reply: (texts, logprobs, final outputs),
+        or None when the client went away first."""
+        texts = [""] * n
+        lps: list[list[Any]] = [[] for _ in range(n)]
+        final: list[RequestOutput | None] = [None] * n
+        async for i, out in self._merged(submitted, request):
+            texts[i] += out.new_text
+            lps[i].extend(out.new_logprobs)
+            if out.finished:
+                final[i] = out
+        if any(f is None for f in final):
+            return None
+        return texts, lps, final  # type: ignore[return-value]
+
     async def _merged(self, submitted: tuple[list[RequestHandle], asyncio.Queue],
                       request: Request) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several requests as they come, as (index, output); stops (and aborts all)
@@ -292,27 +308,20 @@ class OpenAIServer:
 
             return StreamingResponse(self._sse_guard(events()), media_type="text/event-stream")
 
-        texts = [echo_text(i) for i in range(len(jobs))]
-        lps: list[list[TokenLogprob | None]] = [[] for _ in jobs]
-        final: list[RequestOutput | None] = [None] * len(jobs)
-        async for i, out in self._merged(submitted, request):
-            texts[i] += out.new_text
-            lps[i].extend(out.new_logprobs)
-            if out.finished:
-                final[i] = out
-                if out.prompt_logprobs is not None and body.echo:
-                    lps[i] = [None, *out.prompt_logprobs, *lps[i]]
-        if any(f is None for f in final):
+        collected = await self._collect(submitted, request, len(jobs))
+        if collected is None:
             return Response(status_code=499)  # client went away; nobody reads this
+        texts, lps, final = collected
         choices = []
         for i, out in enumerate(final):
-            assert out is not None
+            if body.echo and out.prompt_logprobs is not None:
+                lps[i] = [None, *out.prompt_logprobs, *lps[i]]
             choices.append({
-                "index": i, "text": texts[i], "finish_reason": out.finish_reason,
+                "index": i, "text": echo_text(i) + texts[i], "finish_reason": out.finish_reason,
                 "logprobs": self._completion_logprobs(lps[i], 0)[0] if body.logprobs is not None else None,
             })
-        prompt_tokens = sum(f.num_prompt_tokens for f in final)  # type: ignore[union-attr]
-        completion_tokens = sum(f.num_output_tokens for f in final)  # type: ignore[union-attr]
+        prompt_tokens = sum(f.num_prompt_tokens for f in final)
+        completion_tokens = sum(f.num_output_tokens for f in final)
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
 
@@ -370,21 +379,15 @@ class OpenAIServer:
 
             return StreamingResponse(self._sse_guard(events()), media_type="text/event-stream")
 
-        texts = [""] * len(jobs)
-        lps: list[list[TokenLogprob]] = [[] for _ in jobs]
-        final: list[RequestOutput | None] = [None] * len(jobs)
-        async for i, out in self._merged(submitted, request):
-            texts[i] += out.new_text
-            lps[i].extend(out.new_logprobs)
-            if out.finished:
-                final[i] = out
-        if any(f is None for f in final):
+        collected = await self._collect(submitted, request, len(jobs))
+        if collected is None:
             return Response(status_code=499)
+        texts, lps, final = collected
         choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
                     "logprobs": self._chat_logprobs(lps[i]) if body.logprobs else None,
-                    "finish_reason": f.finish_reason}  # type: ignore[union-attr]
+                    "finish_reason": f.finish_reason}
                    for i, f in enumerate(final)]
-        completion_tokens = sum(f.num_output_tokens for f in final)  # type: ignore[union-attr]
+        completion_tokens = sum(f.num_output_tokens for f in final)
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": _usage(len(ids) * len(jobs), completion_tokens)}
 
