@@ -5,19 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.inference.model_runner import batched_decode_attention
+from tessera.inference.model_runner import DECODE_GROUP, batched_decode_attention
 from tessera.kernels.paged_attention import paged_attention_reference
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 def test_batched_decode_matches_reference(heads, kv_heads):
     g = torch.Generator().manual_seed(0)
-    num_blocks, block_size, dim = 40, 4, 16
+    num_blocks, block_size, dim = 200, 4, 16
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
-    lens = [1, 7, 16, 23]
+    # More sequences than one decode group (8), unsorted, so groups of different widths form.
+    lens = [1, 7, 16, 23, 40, 2, 33, 9, 17, 39, 4, 28, 12, 31, 5, 24, 36, 8, 20]
+    assert len(lens) > 2 * DECODE_GROUP
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.zeros(len(lens), 8, dtype=torch.int32)
+    tables = torch.zeros(len(lens), 10, dtype=torch.int32)
     used = 0
     for s, n in enumerate(lens):
         nb = -(-n // block_size)
