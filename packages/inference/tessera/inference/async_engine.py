@@ -1,10 +1,14 @@
-"""The engine behind the HTTP server: a background thread steps `LLMEngine` while the asyncio
-event loop keeps serving; each request reads its outputs from its own asyncio queue.
+"""The engine behind the HTTP server, seen from the asyncio event loop: submit a request, read
+its outputs from an asyncio queue, abort it when the consumer goes away.
 
-Requests and aborts reach the thread through an inbox under a lock; outputs go back with
-`loop.call_soon_threadsafe`. The thread sleeps when there is nothing to do. A request whose
-consumer goes away (client disconnect, cancelled task) is aborted and its blocks freed at the
-start of the next step.
+`EngineFrontend` is the part every backend shares: per-request streams, request ids, the queue
+limit, metrics and delivery to the event loop (one `call_soon_threadsafe` per engine step).
+Two backends step the engine:
+  - `AsyncEngine` (here): a background thread in the server process (tests, `--no-engine-process`);
+  - `engine_process.ProcessEngine`: the engine in its own process (tessera-serve's default), so
+    the model never shares a GIL with the HTTP layer.
+A request whose consumer goes away (client disconnect, cancelled task) is aborted and its
+blocks freed at the start of the next step.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tessera.inference.engine import LLMEngine, RequestOutput
+from tessera.inference.engine import LLMEngine, RequestOutput, validate_request
 from tessera.inference.metrics import ServingMetrics
 from tessera.inference.sampling_params import SamplingParams
 
@@ -45,7 +49,7 @@ class _Stream:
 class RequestHandle:
     """The consumer side of one request: read its outputs; close() aborts it if unfinished."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue):
+    def __init__(self, engine: EngineFrontend, request_id: str, queue: asyncio.Queue):
         self.engine = engine
         self.request_id = request_id
         self.queue = queue
@@ -67,51 +71,46 @@ class RequestHandle:
             self.engine.abort(self.request_id)
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None):
-        self.engine = engine
+class EngineFrontend:
+    """Streams, ids, limits and metrics; a backend implements `_send_add`, `_send_abort`,
+    `_num_waiting`, `healthy`, `start` and `shutdown`."""
+
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_ids, max_waiting: int,
+                 metrics: ServingMetrics | None = None):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_ids = frozenset(eos_ids)
+        self.max_waiting = max_waiting
         self.metrics = metrics
         self._cv = threading.Condition()
-        self._adds: list[tuple[str, list[int], SamplingParams]] = []
-        self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
-        self._stop = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
         self._counter = 0
 
-    # ---- lifecycle -------------------------------------------------------------------------
-    def start(self) -> None:
-        # The engine thread drops the GIL inside every torch op and must win it back quickly:
-        # at Python's default 5 ms switch interval a busy event loop holds it up to 5 ms each
-        # time, hundreds of times per step (a GIL convoy). 0.1 ms keeps the model fed.
-        sys.setswitchinterval(min(sys.getswitchinterval(), 1e-5))
-        self._thread.start()
+    # ---- backend hooks (called with self._cv held) -----------------------------------------
+    def _send_add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        raise NotImplementedError
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Let running requests finish (up to `timeout` s), then stop the thread."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.num_active() and self._thread.is_alive():
-            time.sleep(0.05)
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        self._thread.join(timeout=5.0)
+    def _send_abort(self, request_id: str) -> None:
+        raise NotImplementedError
 
-    def num_active(self) -> int:
-        with self._cv:
-            return len(self._streams)
+    def _num_waiting(self) -> int:
+        raise NotImplementedError
 
     @property
     def healthy(self) -> bool:
-        return self._error is None and self._thread.is_alive()
+        raise NotImplementedError
+
+    # ---- shared ----------------------------------------------------------------------------
+    def num_active(self) -> int:
+        with self._cv:
+            return len(self._streams)
 
     def next_request_id(self, prefix: str) -> str:
         with self._cv:
             self._counter += 1
             return f"{prefix}-{self._counter}"
 
-    # ---- requests --------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                queue: asyncio.Queue | None = None, tag: int = 0) -> RequestHandle:
         """Queue a request (validated here, so errors reach the caller); call from the event loop.
@@ -121,15 +120,14 @@ class AsyncEngine:
         """
         if not self.healthy:
             raise EngineDead("the engine has stopped")
-        self.engine.validate(prompt_ids, params)
+        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
         stream = _Stream(loop=asyncio.get_running_loop(), queue=queue or asyncio.Queue(), tag=tag)
         with self._cv:
-            waiting = len(self._adds) + len(self.engine.scheduler.waiting)
-            if waiting >= self.engine.cfg.max_waiting:
+            waiting = self._num_waiting()
+            if waiting >= self.max_waiting:
                 raise QueueFull(f"{waiting} requests are already waiting; retry later")
             self._streams[request_id] = stream
-            self._adds.append((request_id, prompt_ids, params))
-            self._cv.notify()
+            self._send_add(request_id, prompt_ids, params)
         return RequestHandle(self, request_id, stream.queue)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -147,54 +145,31 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         with self._cv:
             if self._streams.pop(request_id, None) is not None:
-                self._aborts.append(request_id)
-                self._cv.notify()
+                self._send_abort(request_id)
 
-    # ---- the engine thread -----------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                with self._cv:
-                    while not (self._stop or self._adds or self._aborts or engine.has_unfinished()):
-                        self._cv.wait()
-                    if self._stop:
-                        break
-                    adds, self._adds = self._adds, []
-                    aborts, self._aborts = self._aborts, []
-                for rid in aborts:
-                    engine.abort(rid)
-                for rid, prompt, params in adds:
-                    if rid in aborts:
-                        continue
-                    try:
-                        engine.add_request(rid, prompt, params)
-                    except Exception as exc:  # validated already; anything here is a bug
-                        self._deliver(rid, exc)
-                outputs = engine.step()
-                now = time.monotonic()
-                for out in outputs:
-                    self._deliver(out.request_id, out, now)
-                if self.metrics is not None:
-                    self.metrics.update_engine(engine.stats())
-        except BaseException as exc:  # a bug or an OOM: fail every request rather than hang them
-            log.exception("engine thread failed")
-            self._error = exc
-            with self._cv:
-                streams = list(self._streams)
-            for rid in streams:
-                self._deliver(rid, exc)
-
-    def _deliver(self, request_id: str, item, now: float | None = None) -> None:
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]], now: float | None = None) -> None:
+        """Route one step's outputs (or failures) to their streams: one wake-up per event loop."""
+        routed: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple]]] = {}
         with self._cv:
-            stream = self._streams.get(request_id)
-            if stream is None:
-                return  # aborted meanwhile
-            if isinstance(item, RequestOutput) and item.finished or isinstance(item, BaseException):
-                del self._streams[request_id]
-        if isinstance(item, RequestOutput) and self.metrics is not None and now is not None:
-            self._observe(stream, item, now)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (stream.tag, item))
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is None:
+                    continue  # aborted meanwhile
+                if isinstance(item, BaseException) or item.finished:
+                    del self._streams[request_id]
+                if isinstance(item, RequestOutput) and self.metrics is not None and now is not None:
+                    self._observe(stream, item, now)
+                routed.setdefault(stream.loop, []).append((stream.queue, (stream.tag, item)))
+        for loop, puts in routed.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:
+                pass  # that event loop has closed: nobody is listening any more
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cv:
+            ids = list(self._streams)
+        self._deliver([(rid, exc) for rid in ids])
 
     def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
         m, name = self.metrics, self.metrics.model_name
@@ -211,3 +186,91 @@ class AsyncEngine:
             m.e2e.labels(name).observe(now - stream.arrival)
             m.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
             m.requests_finished.labels(name, out.finish_reason or "unknown").inc()
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for queue, item in puts:
+        queue.put_nowait(item)
+
+
+class AsyncEngine(EngineFrontend):
+    """The engine stepped by a background thread of the server process.
+
+    Requests and aborts reach the thread through an inbox under the lock; the thread sleeps
+    when there is nothing to do.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None):
+        super().__init__(engine.tokenizer, engine.max_model_len, engine.loaded.config.vocab_size, engine.eos_ids,
+                         engine.cfg.max_waiting, metrics)
+        self.engine = engine
+        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        # The engine thread drops the GIL inside every torch op and must win it back quickly:
+        # at Python's default 5 ms switch interval a busy event loop holds it up to 5 ms each
+        # time, hundreds of times per step (a GIL convoy). 0.01 ms keeps the model fed.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 1e-5))
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Let running requests finish (up to `timeout` s), then stop the thread."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.num_active() and self._thread.is_alive():
+            time.sleep(0.05)
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=5.0)
+
+    @property
+    def healthy(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    # ---- backend hooks ---------------------------------------------------------------------
+    def _send_add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self._adds.append((request_id, prompt_ids, params))
+        self._cv.notify()
+
+    def _send_abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+        self._cv.notify()
+
+    def _num_waiting(self) -> int:
+        return len(self._adds) + len(self.engine.scheduler.waiting)
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stop or self._adds or self._aborts or engine.has_unfinished()):
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    adds, self._adds = self._adds, []
+                    aborts, self._aborts = self._aborts, []
+                for rid in aborts:
+                    engine.abort(rid)
+                failed: list[tuple[str, RequestOutput | BaseException]] = []
+                for rid, prompt, params in adds:
+                    if rid in aborts:
+                        continue
+                    try:
+                        engine.add_request(rid, prompt, params)
+                    except Exception as exc:  # validated already; anything here is a bug
+                        failed.append((rid, exc))
+                outputs = engine.step()
+                self._deliver(failed + [(out.request_id, out) for out in outputs], time.monotonic())
+                if self.metrics is not None:
+                    self.metrics.update_engine(engine.stats())
+        except BaseException as exc:  # a bug or an OOM: fail every request rather than hang them
+            log.exception("engine thread failed")
+            self._error = exc
+            self._fail_all(exc)

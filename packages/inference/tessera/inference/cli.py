@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="On shutdown, seconds to let running requests finish (default: %(default)s).")
     s.add_argument("--quiet", action="store_true", help="Log warnings only (no access log).")
+    s.add_argument("--no-engine-process", action="store_true",
+                   help="Run the engine in a thread of the HTTP process instead of its own process "
+                        "(slower under load: the two then share one GIL; for debugging).")
     return p
 
 
@@ -66,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from tessera.inference.async_engine import AsyncEngine
-    from tessera.inference.engine import LLMEngine
-    from tessera.inference.loader import load_for_serving, resolve_device, resolve_dtype
+    from tessera.inference.loader import resolve_device, resolve_dtype
     from tessera.inference.metrics import ServingMetrics
     from tessera.inference.server import OpenAIServer, ServerLimits
 
@@ -76,24 +77,41 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(cfg.dtype, device)
     if device.type == "cpu" and str(dtype) == "torch.float16":
         raise UserError("--dtype float16 is not supported on CPU; use float32")
-    loaded = load_for_serving(args.checkpoint, device, dtype)
-    engine = LLMEngine(loaded, cfg, device, dtype)
-    name = args.served_model_name or loaded.name
+    if args.no_engine_process:
+        from tessera.inference.async_engine import AsyncEngine
+        from tessera.inference.engine import LLMEngine
+        from tessera.inference.loader import load_for_serving
+
+        loaded = load_for_serving(args.checkpoint, device, dtype)
+        frontend = AsyncEngine(LLMEngine(loaded, cfg, device, dtype))
+        facts = {"name": loaded.name, "arch": loaded.config.arch, "num_blocks": frontend.engine.blocks.num_blocks,
+                 "where": "engine thread"}
+    else:
+        from tessera.inference.engine_process import ProcessEngine
+
+        frontend = ProcessEngine.launch(args.checkpoint, cfg, args.torch_threads)
+        facts = {**frontend.info, "where": f"engine process {frontend.pid}"}
+    name = args.served_model_name or facts["name"]
     metrics = ServingMetrics(name)
+    frontend.metrics = metrics
     limits = ServerLimits(
-        max_prompt_tokens=args.max_prompt_tokens or engine.max_model_len,
-        max_tokens=args.max_tokens_limit or engine.max_model_len,
+        max_prompt_tokens=args.max_prompt_tokens or frontend.max_model_len,
+        max_tokens=args.max_tokens_limit or frontend.max_model_len,
         max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
     )
-    app = OpenAIServer(AsyncEngine(engine, metrics), name, limits, metrics).build_app(api_key=args.api_key)
+    app = OpenAIServer(frontend, name, limits, metrics).build_app(api_key=args.api_key)
     level = logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    print(f"tessera-serve: model {name!r} ({loaded.config.arch}, {dtype}, {device}), "
-          f"{engine.blocks.num_blocks} KV blocks x {cfg.block_size} tokens, max_model_len {engine.max_model_len}; "
+    print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}, {device}; {facts['where']}), "
+          f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, max_model_len {frontend.max_model_len}; "
           f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
-                access_log=not args.quiet, timeout_graceful_shutdown=int(args.drain_timeout) or None)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+                    access_log=not args.quiet, timeout_graceful_shutdown=int(args.drain_timeout) or None)
+    finally:
+        if frontend.healthy:  # uvicorn never got to its shutdown (e.g. the port was taken)
+            frontend.shutdown(timeout=0)
     return 0
 
 

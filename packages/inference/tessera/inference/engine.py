@@ -70,6 +70,20 @@ def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> i
     return max(1, cfg.kv_cache_memory // kv_block_bytes(loaded.config, cfg.block_size, dtype))
 
 
+def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """Raise RequestRejected if the request can never be served (the HTTP process checks this
+    before a request reaches the engine, wherever the engine runs)."""
+    if not prompt_ids:
+        raise RequestRejected("the prompt is empty; send at least one token", "prompt")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    if len(prompt_ids) + params.max_tokens > max_model_len:
+        raise RequestRejected(
+            f"this model's maximum context length is {max_model_len} tokens, but the request "
+            f"has {len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens}; shorten the "
+            "prompt or lower max_tokens", "max_tokens")
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
         self.loaded = loaded
@@ -98,16 +112,7 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected if the request can never be served; safe from any thread."""
-        if not prompt_ids:
-            raise RequestRejected("the prompt is empty; send at least one token", "prompt")
-        vocab = self.loaded.config.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise RequestRejected(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
-                f"has {len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens}; shorten the "
-                "prompt or lower max_tokens", "max_tokens")
+        validate_request(prompt_ids, params, self.loaded.config.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:

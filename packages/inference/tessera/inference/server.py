@@ -1,5 +1,5 @@
 """The HTTP server: OpenAI-compatible completions and chat (with SSE streaming), Megatron's
-PUT /api, model list, health and Prometheus metrics, over one AsyncEngine.
+PUT /api, model list, health and Prometheus metrics, over one engine frontend (async_engine.EngineFrontend).
 
 Every error is returned in OpenAI's shape {"error": {"message", "type", "param", "code"}}
 (Megatron's /api keeps its own: a JSON string and status 400). Leaving a request early — client
@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tessera.inference.async_engine import AsyncEngine, EngineDead, QueueFull, RequestHandle
+from tessera.inference.async_engine import EngineDead, EngineFrontend, QueueFull, RequestHandle
 from tessera.inference.chat_template import ChatTemplateError, render_chat
 from tessera.inference.engine import RequestOutput, RequestRejected
 from tessera.inference.metrics import ServingMetrics
@@ -115,13 +115,13 @@ def _now() -> int:
 class OpenAIServer:
     """Builds the FastAPI app; holds what the handlers share (no module-level state)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits, metrics: ServingMetrics):
+    def __init__(self, engine: EngineFrontend, model_name: str, limits: ServerLimits, metrics: ServingMetrics):
         self.engine = engine
         self.model_name = model_name
         self.limits = limits
         self.metrics = metrics
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
 
     # ---- shared helpers --------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -440,7 +440,7 @@ class OpenAIServer:
         if any(not o or not o[-1].finished for o in outputs):
             return Response(status_code=499)
         texts, segments, logprobs = [], [], []
-        eos = self.engine.engine.eos_ids
+        eos = self.engine.eos_ids
         for (ids, _), outs in zip(jobs, outputs):
             gen = [t for o in outs for t in o.new_token_ids]
             gen_lps = [lp for o in outs for lp in o.new_logprobs]

@@ -1,0 +1,114 @@
+"""The engine process (`python -m tessera.inference.engine_core FD`): loads the model, then steps
+`LLMEngine` in a loop, reading requests from and writing each step's outputs to one pipe (an
+inherited socket, fd FD) shared with the HTTP process. See engine_wire.py for the messages.
+
+Why a process: in the server process the engine thread and the asyncio event loop take turns
+on one GIL, and every torch op the engine runs gives the loop a chance to keep it; here the
+engine has an interpreter to itself (vLLM V1 splits its server the same way).
+
+It ignores SIGINT/SIGTERM: the HTTP process decides when to stop (after draining) and says so;
+if that process dies, the pipe closes and this one exits at its next read.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+from tessera.common.errors import UserError
+from tessera.inference.engine_wire import decode, encode, output_to_wire, stats_to_wire
+
+log = logging.getLogger("tessera.inference")
+
+
+def _load(init: dict):
+    import torch
+
+    from tessera.inference.config import EngineConfig
+    from tessera.inference.engine import LLMEngine
+    from tessera.inference.loader import load_for_serving, resolve_device, resolve_dtype
+
+    if init.get("torch_threads"):
+        torch.set_num_threads(int(init["torch_threads"]))
+    cfg = EngineConfig.model_validate(init["engine"])
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    loaded = load_for_serving(init["checkpoint"], device, dtype)
+    return LLMEngine(loaded, cfg, device, dtype), device, dtype
+
+
+def serve(conn: Connection) -> int:
+    init = decode(conn.recv_bytes())
+    try:
+        engine, device, dtype = _load(init)
+    except UserError as exc:
+        conn.send_bytes(encode({"t": "error", "user": True, "message": str(exc)}))
+        return 2
+    except Exception as exc:
+        traceback.print_exc()
+        conn.send_bytes(encode({"t": "error", "user": False, "message": f"{type(exc).__name__}: {exc}"}))
+        return 1
+    loaded = engine.loaded
+    conn.send_bytes(encode({
+        "t": "ready", "name": loaded.name, "arch": loaded.config.arch, "dtype": str(dtype), "device": str(device),
+        "max_model_len": engine.max_model_len, "vocab_size": loaded.config.vocab_size,
+        "eos_ids": sorted(engine.eos_ids), "num_blocks": engine.blocks.num_blocks,
+        "tokenizer_dir": str(loaded.tokenizer.directory),
+    }))
+    try:
+        _loop(conn, engine)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return 0  # the HTTP process went away: nobody is left to serve
+    except Exception as exc:  # a bug or an OOM: tell the HTTP process so it fails requests, not hangs them
+        traceback.print_exc()
+        try:
+            conn.send_bytes(encode({"t": "failed", "message": f"{type(exc).__name__}: {exc}"}))
+        except OSError:
+            pass
+        return 1
+    return 0
+
+
+def _loop(conn: Connection, engine) -> None:
+    from tessera.inference.sampling_params import SamplingParams
+
+    adds_seen = 0
+    while True:
+        # Block for input only when idle; otherwise take what has arrived and step.
+        frames = [] if engine.has_unfinished() else [conn.recv_bytes()]
+        while conn.poll():
+            frames.append(conn.recv_bytes())
+        failed: list[list[str]] = []
+        for frame in frames:
+            msg = decode(frame)
+            kind = msg["t"]
+            if kind == "add":
+                adds_seen += 1
+                try:
+                    engine.add_request(msg["id"], msg["prompt"], SamplingParams.model_validate(msg["params"]))
+                except Exception as exc:  # validated by the HTTP process already; a bug if it fails here
+                    failed.append([msg["id"], f"{type(exc).__name__}: {exc}"])
+            elif kind == "abort":
+                for rid in msg["ids"]:
+                    engine.abort(rid)
+            elif kind == "stop":
+                return
+        outputs = engine.step() if engine.has_unfinished() else []
+        conn.send_bytes(encode({"t": "step", "outs": [output_to_wire(o) for o in outputs], "failed": failed,
+                                "stats": stats_to_wire(engine.stats()), "adds_seen": adds_seen}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with Connection(int(argv[0])) as conn:
+        return serve(conn)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""tessera-serve's default: the engine in its own process. The same answers as the in-process
+engine (greedy tokens, logprobs) after the trip through the pipe; a client hanging up mid-stream
+frees the child's blocks; metrics come from the child; a child that dies fails requests with
+500 and /health with 503 instead of hanging; a bad checkpoint is one line and exit 2."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from inference_helpers import make_engine, run_all
+
+from tessera.common.checkpoint import resolve_checkpoint
+from tessera.inference.config import EngineConfig
+from tessera.inference.engine_process import ProcessEngine
+from tessera.inference.metrics import ServingMetrics
+from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.server import OpenAIServer, ServerLimits
+
+pytestmark = pytest.mark.slow
+
+
+class ProcessServer:
+    def __init__(self, ckpt, **engine_cfg):
+        import uvicorn
+
+        self.engine = ProcessEngine.launch(str(ckpt), EngineConfig(**engine_cfg), torch_threads=1)
+        self.engine.metrics = ServingMetrics("tiny")
+        limits = ServerLimits(max_prompt_tokens=64, max_tokens=200, max_prompts=4)
+        app = OpenAIServer(self.engine, "tiny", limits, self.engine.metrics).build_app()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + "{")))
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_ckpt):
+    s = ProcessServer(tiny_ckpt, block_size=8, num_kv_blocks=256)
+    yield s
+    s.stop()
+    assert s.engine._proc.poll() is not None  # shutdown stopped the engine process
+
+
+def test_same_tokens_and_logprobs_as_in_process_engine(served, tiny_ckpt):
+    prompts = [[5, 6, 7, 8], [40, 41], [100, 101, 102, 103, 104, 105]]
+    ref_engine = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=256)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    ref = run_all(ref_engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    body = {"prompt": prompts, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    got = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()
+    for i, choice in enumerate(sorted(got["choices"], key=lambda c: c["index"])):
+        outs = ref[str(i)]
+        assert choice["text"] == "".join(o.new_text for o in outs)
+        want_lps = [lp.logprob for o in outs for lp in o.new_logprobs]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(want_lps, abs=1e-5)
+        spell = lambda t: ref_engine.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        want_top = [{spell(t): v for t, v in lp.top} for o in outs for lp in o.new_logprobs]
+        for top, want in zip(choice["logprobs"]["top_logprobs"], want_top, strict=True):
+            assert top == pytest.approx(want, abs=1e-5)
+
+
+def test_disconnect_frees_blocks_in_the_engine_process(served):
+    body = {"prompt": "def f(x):", "max_tokens": 150, "temperature": 0, "stream": True, "ignore_eos": True}
+    before = served.metric("tessera:generation_tokens_total")
+    for _ in range(3):
+        with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as r:
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: {")
+                if got == 3:
+                    break  # hang up mid-stream
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if (served.engine.num_active() == 0 and served.metric("tessera:kv_cache_usage_perc") == 0.0
+                and served.metric("tessera:num_requests_running") == 0.0):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("blocks or requests still held in the engine process")
+    assert 0 < served.metric("tessera:generation_tokens_total") - before < 3 * 150
+
+
+def test_engine_process_death_fails_requests_not_hangs(tiny_ckpt):
+    s = ProcessServer(tiny_ckpt, block_size=8, num_kv_blocks=64)
+    try:
+        body = {"prompt": "a", "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
+        lines = []
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:
+                    os.kill(s.engine.pid, signal.SIGKILL)
+        assert lines[-1] == "data: [DONE]"
+        assert any('"server_error"' in line for line in lines)
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 503
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    finally:
+        s.stop()
+
+
+def test_serve_cli_bad_checkpoint_is_one_line(tiny_ckpt, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(resolve_checkpoint(tiny_ckpt), bad)
+    (bad / "tessera_checkpoint.json").write_text("{oops")  # the child fails to load it
+    code = "from tessera.inference.cli import entry; entry()"
+    r = subprocess.run([sys.executable, "-c", code, "--checkpoint", str(bad), "--port", "1"],
+                       capture_output=True, text=True, timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "tessera_checkpoint.json" in lines[0]
