@@ -169,6 +169,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads for the server and the peers alike (1 suits a shared machine)")
+    ap.add_argument("--engine-thread", action="store_true",
+                    help="serve with --no-engine-process (engine thread in the HTTP process) to compare")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -183,7 +185,7 @@ def main() -> None:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "tessera.inference.cli_main", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
            "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-tokens", "65536",
-           "--torch-threads", str(args.threads)]
+           "--torch-threads", str(args.threads)] + (["--no-engine-process"] if args.engine_thread else [])
     env = {**os.environ}
     server = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -219,7 +221,8 @@ def main() -> None:
 
     ms = lambda xs: f"mean {1e3 * statistics.mean(xs):7.1f}  median {1e3 * statistics.median(xs):7.1f}  p99 {1e3 * pct(xs, 99):7.1f} ms"  # noqa: E731
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {args.preset} (random weights, {n_params / 1e6:.1f}M params), fp32, CPU, torch threads {args.threads}")
+    print(f"model: {args.preset} (random weights, {n_params / 1e6:.1f}M params), fp32, CPU, torch threads {args.threads}, "
+          f"engine {'thread in the HTTP process' if args.engine_thread else 'in its own process'}")
     print(f"command: {' '.join(sys.argv)}")
     print(f"workload: {args.num_requests} requests, concurrency {args.concurrency}, input {args.input_len}, "
           f"output {args.output_len} tokens (ignore_eos); naive peer runs the first {args.naive_requests}")
