@@ -33,7 +33,7 @@ class QueueFull(Exception):
 
 
 class EngineDead(Exception):
-    """The engine thread failed; the request cannot complete (HTTP 500)."""
+    """The engine failed or stopped; the request cannot complete (HTTP 500)."""
 
 
 @dataclass
@@ -72,8 +72,9 @@ class RequestHandle:
 
 
 class EngineFrontend:
-    """Streams, ids, limits and metrics; a backend implements `_send_add`, `_send_abort`,
-    `_num_waiting`, `healthy`, `start` and `shutdown`."""
+    """Streams, ids, limits and metrics; a backend implements `_send_add`, `_send_abort`
+    (called without the lock: a send may block, and delivery must not wait on it),
+    `_num_waiting` (called with the lock held), `healthy`, `start` and `shutdown`."""
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_ids, max_waiting: int,
                  metrics: ServingMetrics | None = None):
@@ -87,7 +88,7 @@ class EngineFrontend:
         self._streams: dict[str, _Stream] = {}
         self._counter = 0
 
-    # ---- backend hooks (called with self._cv held) -----------------------------------------
+    # ---- backend hooks ---------------------------------------------------------------------
     def _send_add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         raise NotImplementedError
 
@@ -127,7 +128,12 @@ class EngineFrontend:
             if waiting >= self.max_waiting:
                 raise QueueFull(f"{waiting} requests are already waiting; retry later")
             self._streams[request_id] = stream
+        try:
             self._send_add(request_id, prompt_ids, params)
+        except BaseException:
+            with self._cv:
+                self._streams.pop(request_id, None)
+            raise
         return RequestHandle(self, request_id, stream.queue)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -144,8 +150,9 @@ class EngineFrontend:
 
     def abort(self, request_id: str) -> None:
         with self._cv:
-            if self._streams.pop(request_id, None) is not None:
-                self._send_abort(request_id)
+            known = self._streams.pop(request_id, None) is not None
+        if known:
+            self._send_abort(request_id)
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]], now: float | None = None) -> None:
         """Route one step's outputs (or failures) to their streams: one wake-up per event loop."""
@@ -234,12 +241,14 @@ class AsyncEngine(EngineFrontend):
 
     # ---- backend hooks ---------------------------------------------------------------------
     def _send_add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self._adds.append((request_id, prompt_ids, params))
-        self._cv.notify()
+        with self._cv:
+            self._adds.append((request_id, prompt_ids, params))
+            self._cv.notify()
 
     def _send_abort(self, request_id: str) -> None:
-        self._aborts.append(request_id)
-        self._cv.notify()
+        with self._cv:
+            self._aborts.append(request_id)
+            self._cv.notify()
 
     def _num_waiting(self) -> int:
         return len(self._adds) + len(self.engine.scheduler.waiting)

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 
 from tessera.common.errors import UserError
 from tessera.common.tokenizer import load_tokenizer
-from tessera.inference.async_engine import EngineFrontend
+from tessera.inference.async_engine import EngineDead, EngineFrontend
 from tessera.inference.config import EngineConfig
 from tessera.inference.engine_wire import decode, encode, output_from_wire, stats_from_wire
 from tessera.inference.sampling_params import SamplingParams
@@ -29,7 +29,7 @@ from tessera.inference.sampling_params import SamplingParams
 log = logging.getLogger("tessera.inference")
 
 
-class EngineProcessError(RuntimeError):
+class EngineProcessError(EngineDead):
     """The engine process failed or exited; requests in flight fail with HTTP 500."""
 
 
@@ -44,6 +44,7 @@ class ProcessEngine(EngineFrontend):
         self._adds_seen = 0
         self._engine_waiting = 0
         self._stopping = False
+        self._send_lock = threading.Lock()
         self._error: BaseException | None = None
         self._reader = threading.Thread(target=self._read, name="tessera-engine-reader", daemon=True)
         self._reader.start()
@@ -83,12 +84,11 @@ class ProcessEngine(EngineFrontend):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.num_active() and self.healthy:
             time.sleep(0.05)
-        with self._cv:
-            self._stopping = True
-            try:
-                self._conn.send_bytes(encode({"t": "stop"}))
-            except OSError:
-                pass
+        self._stopping = True
+        try:
+            self._send({"t": "stop"})
+        except EngineProcessError:
+            pass
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -105,16 +105,20 @@ class ProcessEngine(EngineFrontend):
     def pid(self) -> int:
         return self._proc.pid
 
-    # ---- backend hooks (self._cv held) -----------------------------------------------------
+    # ---- backend hooks ---------------------------------------------------------------------
     def _send(self, msg: dict) -> None:
+        # A lock of its own, not self._cv: a send can block while the pipe is full, and the
+        # reader thread must still be able to deliver (and so drain the other direction).
         try:
-            self._conn.send_bytes(encode(msg))
+            with self._send_lock:
+                self._conn.send_bytes(encode(msg))
         except OSError as exc:
             raise EngineProcessError(f"the engine process is gone: {exc}") from None
 
     def _send_add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        with self._cv:
+            self._adds_sent += 1
         self._send({"t": "add", "id": request_id, "prompt": prompt_ids, "params": params.model_dump(mode="json")})
-        self._adds_sent += 1
 
     def _send_abort(self, request_id: str) -> None:
         try:
