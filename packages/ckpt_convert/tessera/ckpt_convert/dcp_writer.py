@@ -9,7 +9,14 @@ layout, or a single process loading full tensors) then reads it as if DCP had wr
 The bytes follow DCP's own FileSystemWriter exactly: each chunk is `torch.save`d at the current
 end of its rank's file and recorded as a `_StorageInfo(relative_path, offset, length)`; the index
 is written by `FileSystemWriter.finish`. Tensors arrive one at a time, so memory holds one global
-tensor and one chunk copy.
+tensor and at most one staged chunk.
+
+Speed: a chunk that is a contiguous block of its tensor (anything split along dim 0) is written
+straight from the tensor's memory (for a converter, the input file's memory map), never cloned;
+other chunks (dim-1 splits) are copied into one reused staging buffer. Each entry starts at a
+64-byte boundary of its file (DCP readers go by offset and length, so the padding is invisible),
+which keeps the tensor bytes aligned for memory-mapped reading. Every byte is hashed as it is
+written, so the sidecar's checksums need no second pass over the output.
 """
 
 from __future__ import annotations
@@ -34,6 +41,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
+from tessera.ckpt_convert.mapped import Staging, exact
+from tessera.common.checkpoint import CHECKSUM_ALGORITHM
+from tessera.common.fileio import HashingWriter
+
+ENTRY_ALIGNMENT = 64
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -47,7 +60,7 @@ class Chunk:
 @contextlib.contextmanager
 def _without_crc32() -> Iterator[None]:
     """torch.save computes a CRC-32 per record by default, which doubles its cost; here it is
-    redundant (the sidecar's SHA-256 covers every byte of every file), so it is switched off for
+    redundant (the sidecar's checksum covers every byte of every file), so it is switched off for
     our own writes only and restored afterwards. Readers do not need it."""
     previous = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
@@ -55,6 +68,12 @@ def _without_crc32() -> Iterator[None]:
         yield
     finally:
         torch.serialization.set_crc32_options(previous)
+
+
+def _block(tensor: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
+        tensor = tensor.narrow(dim, off, size)
+    return tensor
 
 
 def whole(shape: tuple[int, ...], rank: int = 0) -> list[Chunk]:
@@ -71,25 +90,33 @@ class ShardedDcpWriter:
     def __init__(self, directory: Path, world_size: int):
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
-        self.files: list[BinaryIO] = [open(directory / rank_file(r), "wb") for r in range(world_size)]
+        self.raw: list[BinaryIO] = [open(directory / rank_file(r), "wb") for r in range(world_size)]
+        self.files = [HashingWriter(f, CHECKSUM_ALGORITHM) for f in self.raw]
+        self.staging = Staging()
         self.state_md: dict[str, Any] = {}
         self.planner_data: dict[str, Any] = {}
         self.results: list[WriteResult] = []
 
-    def write_tensor(self, key: str, tensor: torch.Tensor, chunks: list[Chunk], path: Any = None) -> int:
-        """Store `chunks` of the global `tensor` under `key`; returns bytes written."""
-        md = TensorStorageMetadata(properties=TensorProperties(dtype=tensor.dtype), size=tensor.shape, chunks=[])
+    def _start_entry(self, rank: int) -> int:
+        f = self.files[rank]
+        pad = -f.tell() % ENTRY_ALIGNMENT
+        if pad:
+            f.write(bytes(pad))
+        return f.tell()
+
+    def write_tensor(self, key: str, tensor: torch.Tensor, chunks: list[Chunk], path: Any = None,
+                     dtype: torch.dtype | None = None) -> int:
+        """Store `chunks` of the global `tensor` (converted to `dtype` if given) under `key`;
+        returns bytes written."""
+        dtype = dtype or tensor.dtype
+        md = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=tensor.shape, chunks=[])
         written = 0
         for chunk in chunks:
-            piece = tensor
-            for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
-                piece = piece.narrow(dim, off, size)
-            piece = piece.contiguous()
-            if piece.untyped_storage().nbytes() != piece.nbytes:
-                # torch.save writes a view's whole storage; a chunk must store only itself.
-                piece = piece.clone()
+            piece = _block(tensor, chunk)
+            # torch.save writes a tensor's whole storage: give it one of exactly the chunk's bytes.
+            piece = exact(self.staging.ready(piece, dtype))
             f = self.files[chunk.rank]
-            offset = f.tell()
+            offset = self._start_entry(chunk.rank)
             with _without_crc32():
                 torch.save(piece, f)
             length = f.tell() - offset
@@ -106,7 +133,7 @@ class ShardedDcpWriter:
                     path: Any = None) -> int:
         """Store an already-serialised non-tensor entry verbatim (never unpickled here)."""
         f = self.files[rank]
-        offset = f.tell()
+        offset = self._start_entry(rank)
         f.write(data)
         self.state_md[key] = BytesStorageMetadata()
         self.planner_data[key] = path if path is not None else (key,)
@@ -115,14 +142,17 @@ class ShardedDcpWriter:
                                                                   transform_descriptors=transform_descriptors)))
         return len(data)
 
-    def close(self) -> None:
-        for f in self.files:
+    def close(self) -> dict[str, str]:
+        """fsync and close the rank files, write `.metadata`; returns the rank files' checksums
+        (file name -> CHECKSUM_ALGORITHM hex digest) for `finalize_checkpoint`."""
+        for f in self.raw:
             f.flush()
             os.fsync(f.fileno())
             f.close()
         metadata = Metadata(state_dict_metadata=self.state_md, planner_data=self.planner_data)
         FileSystemWriter(str(self.directory)).finish(metadata, [self.results])
+        return {rank_file(r): f.hexdigest() for r, f in enumerate(self.files)}
 
     def abort(self) -> None:
-        for f in self.files:
+        for f in self.raw:
             f.close()

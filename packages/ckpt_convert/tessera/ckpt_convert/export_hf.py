@@ -3,7 +3,8 @@
 Output (see docs/formats/exports.md): config.json, generation_config.json, model.safetensors (or
 model-0000i-of-0000n.safetensors + model.safetensors.index.json when larger than the shard
 limit), tokenizer.json, tokenizer_config.json. Written into a temporary directory that is renamed
-to the output only when complete. Memory: one output tensor (plus its inputs) at a time.
+to the output only when complete. Memory: one output tensor (plus its inputs) at a time; a tensor
+that needs no change is written straight from the checkpoint's memory-mapped file.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from pathlib import Path
 import torch
 
 from tessera.ckpt_convert.hf_mapping import Rule, export_rules, hf_config
+from tessera.ckpt_convert.mapped import Staging
 from tessera.ckpt_convert.progress import Progress
-from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, fsync
+from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.ckpt_convert.tokenizer_files import write_hf_tokenizer
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import atomic_directory, atomic_write_json
+from tessera.common.fileio import BackgroundFsync, atomic_directory, atomic_write_json
 from tessera.common.model_config import ModelConfig
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
 
@@ -98,19 +100,27 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
     total = sum(t.nbytes for t in planned)
 
     with src.checksum_check() as checksums, atomic_directory(output, overwrite=opts.overwrite) as tmp, \
+            BackgroundFsync() as syncer, \
             Progress(total, len(rules), f"export hf -> {output.name}", opts.quiet) as bar:
+        staging = Staging()
         for shard, fname in zip(shards, names):
-            with open(tmp / fname, "wb") as f:
-                writer = SafetensorsStreamWriter(f, shard, ST_METADATA)
+            f = open(tmp / fname, "wb")
+            try:
+                writer = SafetensorsStreamWriter(f, shard, ST_METADATA, staging=staging)
                 for t in shard:
                     rule = by_name[t.name]
-                    inputs = src.load_model(list(rule.sources)) if rule.sources else {}
-                    out = rule.apply([inputs[s] for s in rule.sources]).to(dtype)
-                    writer.write(t.name, out)
+                    # A rule that only renames passes its input straight to the writer: raw (mapped) is fine.
+                    inputs = src.load_model(list(rule.sources), raw=rule.combine is None) if rule.sources else {}
+                    out = rule.apply([inputs[s] for s in rule.sources])
+                    writer.write(t.name, out)  # converts to `dtype` on the way when needed
                     del inputs, out
                     bar.update(t.nbytes)
                 writer.close()
-                fsync(f)
+            except BaseException:
+                f.close()
+                raise
+            syncer.submit(f)  # fsynced and closed in the background while the next shard is written
+        syncer.wait()  # every shard durable before the directory is published
         if len(shards) > 1:
             atomic_write_json(tmp / INDEX_FILE, {
                 "metadata": {"total_size": sum(t.nbytes for t in planned)},

@@ -26,6 +26,7 @@ before the split, so every rank holds one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ import torch
 
 from tessera.ckpt_convert.export_hf import check_model_tensors, expected_model_shapes
 from tessera.ckpt_convert.hf_mapping import HF_DTYPE_NAMES, Rule, check_exportable
+from tessera.ckpt_convert.mapped import Staging, aligned
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, fsync
 from tessera.ckpt_convert.source import CheckpointSource
@@ -42,7 +44,10 @@ from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, atomic_write_json
 from tessera.common.model_config import ModelConfig
 
-Make = Callable[[list[torch.Tensor], int], torch.Tensor]  # (inputs, tp_rank) -> this rank's tensor
+# (inputs, tp_rank) -> this rank's tensor, or its parts along dim 0 (written one after the other,
+# never concatenated in memory). Makers return views where they can: the safetensors writer
+# materialises non-contiguous ones in its reused staging buffer.
+Make = Callable[[list[torch.Tensor], int], "torch.Tensor | list[torch.Tensor]"]
 
 
 @dataclass(frozen=True)
@@ -100,24 +105,24 @@ def _dup_kv(t: torch.Tensor, kv_heads: int, tp: int) -> torch.Tensor:
     if kv_heads >= tp:
         return t
     reps = tp // kv_heads
-    heads = t.reshape(kv_heads, -1, *t.shape[1:])
+    heads = aligned(t).reshape(kv_heads, -1, *t.shape[1:])
     return heads.repeat_interleave(reps, dim=0).reshape(-1, *t.shape[1:])
 
 
 def _qkv(cfg: ModelConfig, tp: int) -> Make:
-    def make(ts: list[torch.Tensor], r: int) -> torch.Tensor:
+    def make(ts: list[torch.Tensor], r: int) -> list[torch.Tensor]:
         q, k, v = ts
         k, v = _dup_kv(k, cfg.kv_heads, tp), _dup_kv(v, cfg.kv_heads, tp)
-        return torch.cat([_split(q, tp, r), _split(k, tp, r), _split(v, tp, r)], dim=0).contiguous()
+        return [_split(q, tp, r), _split(k, tp, r), _split(v, tp, r)]  # rows [Q_r; K_r; V_r]
     return make
 
 
 def _col(tp: int) -> Make:
-    return lambda ts, r: _split(ts[0], tp, r, 0).contiguous()
+    return lambda ts, r: _split(ts[0], tp, r, 0)
 
 
 def _row(tp: int) -> Make:
-    return lambda ts, r: _split(ts[0], tp, r, 1).contiguous()
+    return lambda ts, r: _split(ts[0], tp, r, 1)
 
 
 def _rep(ts: list[torch.Tensor], r: int) -> torch.Tensor:
@@ -129,8 +134,8 @@ def _lm_head(cfg: ModelConfig, tp: int) -> Make:
         w = ts[0]
         pad = padded_vocab(cfg.vocab_size, tp) - cfg.vocab_size
         if pad:
-            w = torch.nn.functional.pad(w, (0, 0, 0, pad))
-        return _split(w, tp, r, 0).contiguous()
+            w = torch.nn.functional.pad(aligned(w), (0, 0, 0, pad))
+        return _split(w, tp, r, 0)
     return make
 
 
@@ -241,15 +246,18 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
             Progress(total, len(all_items), f"export trtllm tp{tp} pp{pp}", opts.quiet) as bar:
         files = [open(tmp / f"rank{r}.safetensors", "wb") for r in range(tp * pp)]
         try:
-            writers = [SafetensorsStreamWriter(f, plan) for f, plan in zip(files, plans)]
-            # Tensor-major: each source tensor is read once and cut into its tp pieces.
+            staging = Staging()  # one reused buffer for every rank's non-contiguous pieces
+            writers = [SafetensorsStreamWriter(f, plan, staging=staging) for f, plan in zip(files, plans)]
+            # Tensor-major: each source tensor is read once (memory-mapped) and cut into its tp pieces.
             for it in all_items:
-                loaded = src.load_model(list(it.sources))
+                # Raw (mapped) inputs: makers take views (the writer realigns what it copies) or
+                # call aligned() before computing (KV-head duplication, vocab padding).
+                loaded = src.load_model(list(it.sources), raw=True)
                 inputs = [loaded[s] for s in it.sources]
+                nbytes = math.prod(it.shape) * dtype.itemsize
                 for r in range(tp):
-                    piece = it.make(inputs, r).to(dtype)
-                    writers[rank_of(r, it.pp_rank, tp)].write(it.name, piece)
-                    bar.update(piece.numel() * piece.element_size(), tensors=0)
+                    writers[rank_of(r, it.pp_rank, tp)].write(it.name, it.make(inputs, r))  # -> dtype
+                    bar.update(nbytes, tensors=0)
                 bar.update(0)
                 del loaded, inputs
             for w, f in zip(writers, files):

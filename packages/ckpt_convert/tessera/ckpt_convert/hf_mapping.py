@@ -2,6 +2,8 @@
 
 A conversion is a list of `Rule`s, one per output tensor: which input tensors it needs and how
 they combine. Converters stream through the rules, so memory holds one rule's tensors at a time.
+A rule may return a view (a transpose, a row range): the writers materialise non-contiguous
+results in a reused staging buffer, so no rule allocates a copy of its own.
 
 Facts encoded here (transformers' own modelling code is the reference; the parity tests load the
 result with transformers and compare logits):
@@ -42,11 +44,11 @@ class Rule:
 
 
 def _transpose(ts: list[torch.Tensor]) -> torch.Tensor:
-    return ts[0].t().contiguous()
+    return ts[0].t()
 
 
 def _cat_rows_t(ts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(ts, dim=0).t().contiguous()
+    return torch.cat(ts, dim=0).t()
 
 
 def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -60,7 +62,7 @@ def _zeros(shape: tuple[int, ...]) -> Combine:
 def _rows(lo: int, hi: int, transpose: bool) -> Combine:
     def take(ts: list[torch.Tensor]) -> torch.Tensor:
         t = ts[0].t() if transpose else ts[0]
-        return t[lo:hi].contiguous()
+        return t[lo:hi]
     return take
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 import hashlib
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
 from tessera.ckpt_convert.hf_mapping import import_rules, model_config_from_hf
 from tessera.ckpt_convert.progress import Progress
+from tessera.ckpt_convert.safetensors_stream import SafetensorsFile
 from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, iter_dir_name, write_pointer
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import atomic_directory, read_json
@@ -30,10 +30,12 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  
 
 
 class SafetensorsDir:
-    """Lazy, per-tensor access to an HF directory's safetensors weights (memory-mapped)."""
+    """Per-tensor access to an HF directory's safetensors weights, each tensor memory-mapped
+    (mapped only while it is in use, so resident memory follows the tensors in use)."""
 
     def __init__(self, directory: Path):
         self.directory = directory
+        self._files: dict[Path, SafetensorsFile] = {}  # parsed headers, one per file
         index = directory / INDEX_FILE
         if index.is_file():
             weight_map = read_json(index, "safetensors index").get("weight_map")
@@ -41,9 +43,8 @@ class SafetensorsDir:
                 raise ArtifactError(f"{index}: no weight_map; the index is corrupt")
             self.where = {k: directory / v for k, v in weight_map.items()}
         elif (directory / "model.safetensors").is_file():
-            self.where = {}
-            with self._open(directory / "model.safetensors") as f:
-                self.where = {k: directory / "model.safetensors" for k in f.keys()}
+            single = directory / "model.safetensors"
+            self.where = {k: single for k in self._file(single).tensors}
         elif any(directory.glob("pytorch_model*.bin")):
             raise UserError(f"{directory}: only pickled pytorch_model*.bin weights found; tessera-ckpt reads "
                             "safetensors only (never unpickles); re-save with save_pretrained(safe_serialization=True)")
@@ -52,33 +53,26 @@ class SafetensorsDir:
         for path in set(self.where.values()):
             if not path.is_file():
                 raise ArtifactError(f"{path}: listed in {INDEX_FILE} but missing")
-        self._shapes: dict[Path, dict[str, tuple[int, ...]]] = {}
+        for name, path in self.where.items():
+            if name not in self._file(path).tensors:
+                raise ArtifactError(f"{path}: has no tensor {name!r}, which {INDEX_FILE} places there")
 
-    @staticmethod
-    def _open(path: Path) -> Any:
-        from safetensors import safe_open
-
-        try:
-            return safe_open(str(path), framework="pt")
-        except Exception as exc:
-            raise ArtifactError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0]}); "
-                                "it is corrupt or truncated") from None
+    def _file(self, path: Path) -> SafetensorsFile:
+        if path not in self._files:
+            self._files[path] = SafetensorsFile(path)
+        return self._files[path]
 
     def names(self) -> set[str]:
         return {k for k in self.where if not k.endswith(_IGNORED_SUFFIXES)}
 
     def get(self, name: str) -> torch.Tensor:
-        # Opened per tensor: a handle maps its whole file, and pages touched through the map
-        # stay resident while anything references it; per tensor, only this tensor's pages are.
-        with self._open(self.where[name]) as f:
-            return f.get_tensor(name)
+        return self._file(self.where[name]).get(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        path = self.where[name]
-        if path not in self._shapes:
-            with self._open(path) as f:
-                self._shapes[path] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        return self._shapes[path][name]
+        return self._file(self.where[name]).tensors[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._file(self.where[name]).tensors[name].dtype
 
 
 def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | None = None,
@@ -108,9 +102,8 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
         if rule.combine is None and weights.shape(rule.sources[0]) != rule.shape:
             raise ArtifactError(f"{input_dir}: tensor {rule.sources[0]!r} has shape "
                                 f"{list(weights.shape(rule.sources[0]))}, config.json implies {list(rule.shape)}")
-    first = weights.get(rules[0].sources[0])
-    out_dtype = dtype or first.dtype
-    itemsize = torch.empty((), dtype=out_dtype).element_size()
+    out_dtype = dtype or weights.dtype(rules[0].sources[0])
+    itemsize = out_dtype.itemsize
     total = sum(itemsize * _numel(r.shape) for r in rules)
 
     with atomic_directory(output, overwrite=overwrite) as tmp, \
@@ -119,13 +112,15 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
         writer = ShardedDcpWriter(target, 1)
         try:
             for rule in rules:
-                tensor = rule.apply([weights.get(s) for s in rule.sources]).to(out_dtype).contiguous()
-                writer.write_tensor("model." + rule.target, tensor, whole(rule.shape))
+                # A view or another dtype is materialised by the writer in its reused staging buffer.
+                tensor = rule.apply([weights.get(s) for s in rule.sources])
+                writer.write_tensor("model." + rule.target, tensor, whole(rule.shape), dtype=out_dtype)
                 bar.update(tensor.numel() * itemsize)
+                del tensor
         except BaseException:
             writer.abort()
             raise
-        writer.close()
+        checksums = writer.close()
         if tok is not None:
             tok.save(target / "tokenizer")
         sidecar = CheckpointSidecar(model=cfg, tokenizer_fingerprint=tok.fingerprint if tok else None,
@@ -133,7 +128,7 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
         sidecar.imported_from = {  # type: ignore[attr-defined]  # extra field, kept by the sidecar model
             "path": str(input_dir.resolve()), "format": "hf",
             "config_sha256": hashlib.sha256(config_path.read_bytes()).hexdigest()}
-        finalize_checkpoint(target, sidecar)
+        finalize_checkpoint(target, sidecar, checksums)  # rank files hashed as written; .metadata here
         write_pointer(tmp, 0)
     return output
 

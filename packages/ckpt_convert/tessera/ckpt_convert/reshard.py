@@ -71,7 +71,8 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
         writer = ShardedDcpWriter(target, layout.world_size)
         try:
             for key, key_chunks in chunks.items():
-                tensor = src.load([key])[key]
+                # Memory-mapped when stored whole; only written (the writer realigns what it computes on).
+                tensor = src.load([key], raw=True)[key]
                 writer.write_tensor(key, tensor, key_chunks, planner_data.get(key))
                 bar.update(src.tensor_specs[key].nbytes)
                 del tensor
@@ -82,13 +83,13 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
         except BaseException:
             writer.abort()
             raise
-        writer.close()
+        written = writer.close()
         if src.tokenizer_dir is not None:
             shutil.copytree(src.directory / TOKENIZER_DIR, target / TOKENIZER_DIR)
         sidecar = src.sidecar.model_copy(deep=True)
         sidecar.layout = layout
         sidecar.resharded_from = src.sidecar.layout.short()  # type: ignore[attr-defined]  # extra field
-        finalize_checkpoint(target, sidecar)
+        finalize_checkpoint(target, sidecar, written)  # rank files hashed as written; .metadata here
         write_pointer(tmp, step)
         checksums.wait()  # the input's checksums must match before the output is committed
     return output

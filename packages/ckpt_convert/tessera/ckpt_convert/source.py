@@ -1,15 +1,15 @@
 """Read access to a Tessera checkpoint: its sidecar, its DCP index, and tensors one group at a time.
 
 Converters never hold a whole model: they ask this reader for the few tensors one output tensor
-needs, write the result, and drop them. A tensor stored as one whole chunk is read straight from
-its DCP file entry; a tensor split over chunks (a payload partitioned for some parallel layout)
-goes through `torch.distributed.checkpoint.load` in a single process (no process group), which
-assembles the global tensor from whatever chunks the files hold.
+needs, write the result, and drop them. A tensor stored as one whole chunk is its DCP file entry
+memory-mapped (mapped.py: no read buffer, no copy; the map goes when the tensor does). A tensor
+split over chunks (a payload partitioned for some parallel layout) is assembled here from its
+mapped chunks with one copy each, following the DCP index; entries DCP stored with a transform
+(e.g. compression) go through `torch.distributed.checkpoint.load` in a single process.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import math
 import os
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tessera.ckpt_convert.mapped import aligned, load_saved_tensor
 from tessera.common.checkpoint import (
     MODEL_PREFIX,
     TOKENIZER_DIR,
@@ -31,6 +32,7 @@ from tessera.common.checkpoint import (
     single_process_dcp,
 )
 from tessera.common.errors import ArtifactError
+from tessera.common.fileio import file_digest
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class CheckpointSource:
         return d if (d / "tokenizer.json").is_file() else None
 
     def check_integrity(self) -> None:
-        """Every indexed item lies inside its file and every payload file matches its SHA-256."""
+        """Every indexed item lies inside its file and every payload file matches its checksum."""
         with self.checksum_check() as check:
             check.wait()
 
@@ -105,7 +107,7 @@ class CheckpointSource:
         output, so a corrupt input still leaves nothing behind; leaving the block on an error
         cancels the hashing."""
         self._check_extents()
-        return ChecksumCheck(self.directory, dict(self.sidecar.checksums))
+        return ChecksumCheck(self.directory, dict(self.sidecar.checksums), self.sidecar.checksum_algorithm)
 
     def _check_extents(self) -> None:
         sizes: dict[str, int] = {}
@@ -120,8 +122,12 @@ class CheckpointSource:
                                     f"the file has {sizes[info.relative_path]})")
 
     # ---- reading ---------------------------------------------------------------------------
-    def load(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        """Full global tensors for DCP keys (model or training state)."""
+    def load(self, keys: list[str], raw: bool = False) -> dict[str, torch.Tensor]:
+        """Full global tensors for DCP keys (model or training state).
+
+        raw=True: tensors stored whole come back exactly as mapped, possibly misaligned (see
+        mapped.py): fit to be written (through `raw()` or `Staging.ready`) or passed through
+        `aligned()`, not to compute on. raw=False makes every tensor safe to compute on."""
         missing = [k for k in keys if k not in self.tensor_specs]
         if missing:
             raise ArtifactError(f"{self.directory}: checkpoint has no tensor {missing[0]!r}")
@@ -130,36 +136,76 @@ class CheckpointSource:
         for k in keys:
             direct = self._load_whole_chunk(k)
             if direct is None:
+                direct = self._assemble(k)
+            if direct is None:
                 rest.append(k)
             else:
                 out[k] = direct
         if rest:
             out.update(self._load_dcp(rest))
-        return {k: out[k] for k in keys}
+        return {k: out[k] if raw else aligned(out[k]) for k in keys}
 
     def _load_whole_chunk(self, key: str) -> torch.Tensor | None:
-        """Fast path: a tensor stored as one untransformed chunk is read straight from its file
-        (one copy, page cache -> tensor) instead of through DCP's load-then-copy. Returns None
-        when the tensor is split over chunks, so DCP assembles it."""
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
+        """A tensor stored as one untransformed chunk: its file entry, memory-mapped (no copy).
+        Returns None when the tensor is split over chunks."""
         md = self.metadata.state_dict_metadata[key]
         if len(md.chunks) != 1 or tuple(md.chunks[0].sizes) != tuple(md.size):
             return None
-        info = self.metadata.storage_data[MetadataIndex(key, md.chunks[0].offsets)]
+        return self._read_chunk(key, 0)
+
+    def _read_chunk(self, key: str, index: int) -> torch.Tensor | None:
+        """Chunk `index` of a stored tensor as a tensor over its mapped file entry; None if DCP
+        stored it with a transform (then DCP must read it)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        md = self.metadata.state_dict_metadata[key]
+        chunk = md.chunks[index]
+        info = self.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
         if info.transform_descriptors:
             return None
         path = self.directory / info.relative_path
         try:
-            with open(path, "rb", buffering=0) as f:
-                tensor = torch.load(_FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise ArtifactError(f"{path}: failed to read {key!r} ({str(exc).strip().splitlines()[0][:160]}); "
-                                "the checkpoint is corrupt or truncated (run `tessera-ckpt verify`)") from None
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(md.size) \
+            tensor = load_saved_tensor(path, info.offset, info.length)
+        except Exception:
+            # Not readable in place (or torch's loader internals changed): read it the plain way,
+            # which also produces the error message when the entry is corrupt.
+            tensor = self._read_entry_copy(path, key, info)
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(chunk.sizes) \
                 or tensor.dtype != md.properties.dtype:
             raise ArtifactError(f"{path}: entry {key!r} does not match the DCP index; the checkpoint is corrupt")
         return tensor
+
+    @staticmethod
+    def _read_entry_copy(path: Path, key: str, info: Any) -> Any:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                return torch.load(_FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise ArtifactError(f"{path}: failed to read {key!r} ({str(exc).strip().splitlines()[0][:160]}); "
+                                "the checkpoint is corrupt or truncated (run `tessera-ckpt verify`)") from None
+
+    def _assemble(self, key: str) -> torch.Tensor | None:
+        """A tensor split over chunks: each chunk mapped and copied once into the global tensor.
+        None when a chunk needs DCP (a transform), or the chunks do not tile the tensor exactly
+        (then DCP, which knows every layout it writes, assembles it)."""
+        md = self.metadata.state_dict_metadata[key]
+        shape = tuple(md.size)
+        if sum(math.prod(c.sizes) for c in md.chunks) != math.prod(shape):
+            return None
+        out = torch.empty(shape, dtype=md.properties.dtype)
+        for index, chunk in enumerate(md.chunks):
+            piece = self._read_chunk(key, index)
+            if piece is None:
+                return None
+            region = out
+            for dim, (off, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                if off + size > shape[dim]:
+                    raise ArtifactError(f"{self.directory}: chunk of {key!r} at {list(chunk.offsets)} lies outside "
+                                        f"its shape {list(shape)}; the DCP index is corrupt")
+                region = region.narrow(dim, off, size)
+            region.copy_(aligned(piece))
+            del piece
+        return out
 
     def _load_dcp(self, keys: list[str]) -> dict[str, torch.Tensor]:
         import torch.distributed.checkpoint as dcp
@@ -174,9 +220,9 @@ class CheckpointSource:
                                 "the checkpoint is corrupt or truncated (run `tessera-ckpt verify`)") from None
         return state
 
-    def load_model(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Model tensors by parameter name."""
-        loaded = self.load([MODEL_PREFIX + n for n in names])
+    def load_model(self, names: list[str], raw: bool = False) -> dict[str, torch.Tensor]:
+        """Model tensors by parameter name (`raw` as for `load`)."""
+        loaded = self.load([MODEL_PREFIX + n for n in names], raw)
         return {k[len(MODEL_PREFIX):]: v for k, v in loaded.items()}
 
     def raw_bytes_item(self, key: str) -> tuple[bytes, Any]:
@@ -232,10 +278,10 @@ class _FileSlice(io.RawIOBase):
 
 
 class ChecksumCheck:
-    """SHA-256 of each payload file against the sidecar, in a cancellable background thread."""
+    """Each payload file's checksum against the sidecar, in a cancellable background thread."""
 
-    def __init__(self, directory: Path, checksums: dict[str, str]):
-        self.directory, self.checksums = directory, checksums
+    def __init__(self, directory: Path, checksums: dict[str, str], algorithm: str):
+        self.directory, self.checksums, self.algorithm = directory, checksums, algorithm
         self._cancel = threading.Event()
         self._error: BaseException | None = None
         # Daemon: an interrupted conversion must not wait for the hashing of a large input.
@@ -248,13 +294,10 @@ class ChecksumCheck:
                 path = self.directory / name
                 if not path.is_file():
                     raise ArtifactError(f"{path}: checkpoint file missing")
-                h = hashlib.sha256()
-                with open(path, "rb") as f:
-                    while block := f.read(1 << 22):
-                        if self._cancel.is_set():
-                            return
-                        h.update(block)
-                if h.hexdigest() != digest:
+                got = file_digest(path, self.algorithm, self._cancel)
+                if got is None:  # cancelled
+                    return
+                if got != digest:
                     raise ArtifactError(f"{path}: checksum mismatch; the checkpoint file is corrupt or truncated")
         except BaseException as exc:  # reported to the caller by wait()
             self._error = exc

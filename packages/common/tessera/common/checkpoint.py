@@ -4,7 +4,7 @@
         latest_checkpointed_iteration.txt   step number of the newest complete checkpoint
         iter_0000100/
             .metadata, __*_*.distcp          torch.distributed.checkpoint (DCP) files
-            tessera_checkpoint.json          the sidecar (CheckpointSidecar)
+            tessera_checkpoint.json          the sidecar (CheckpointSidecar), with a checksum per payload file
             tokenizer/                       tokenizer.json + tokenizer_config.json
 
 DCP state-dict keys: `model.<parameter name>` for every model tensor, as global (unsharded)
@@ -26,16 +26,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tessera.common import __version__
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import atomic_write_json, atomic_write_text, read_json, sha256_file
+from tessera.common.fileio import (
+    CHECKSUM_ALGORITHMS,
+    SHA256,
+    XXH3_128,
+    atomic_write_json,
+    atomic_write_text,
+    file_digest,
+    read_json,
+)
 from tessera.common.layout import ParallelLayout
 from tessera.common.model_config import ModelConfig
 
 CHECKPOINT_FORMAT = "tessera-checkpoint"
-CHECKPOINT_FORMAT_VERSION = 1
+# Version 2: the sidecar names its checksum algorithm (`checksum_algorithm`, XXH3-128 when
+# written by this version). Version 1 sidecars have SHA-256 checksums and no such field; they are
+# read as before. An older Tessera refuses a version 2 sidecar by its version (a clear message)
+# instead of reporting every XXH3 digest as a SHA-256 mismatch.
+CHECKPOINT_FORMAT_VERSION = 2
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
+CHECKSUM_ALGORITHM = XXH3_128  # what finalize_checkpoint writes
 SIDECAR = "tessera_checkpoint.json"
 POINTER = "latest_checkpointed_iteration.txt"
 TOKENIZER_DIR = "tokenizer"
@@ -58,9 +72,19 @@ class CheckpointSidecar(BaseModel):
     mixture_fingerprint: str | None = None
     params_dtype: str = "float32"
     contents: list[str] = Field(default_factory=lambda: ["model"], description="Top-level state groups present.")
-    checksums: dict[str, str] = Field(default_factory=dict, description="File name (DCP files) -> sha256 hex.")
+    checksum_algorithm: str = Field(default=CHECKSUM_ALGORITHM,
+                                    description="Algorithm of `checksums`: xxh3-128, or sha256 (format version 1).")
+    checksums: dict[str, str] = Field(default_factory=dict, description="File name (DCP files) -> hex digest.")
     created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     tessera_version: str = __version__
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_checksums(cls, data: Any) -> Any:
+        # Format version 1 had no checksum_algorithm field: its checksums are SHA-256.
+        if isinstance(data, dict) and "checksum_algorithm" not in data and data.get("format_version") == 1:
+            data = {**data, "checksum_algorithm": SHA256}
+        return data
 
 
 def iter_dir_name(step: int) -> str:
@@ -72,15 +96,35 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if p.is_file() and p.name != SIDECAR)
 
 
-def finalize_checkpoint(directory: str | os.PathLike, sidecar: CheckpointSidecar) -> None:
-    """Checksum the payload and write the sidecar last: the marker that the directory is whole."""
+def _digest(path: Path) -> str:
+    digest = file_digest(path, CHECKSUM_ALGORITHM)
+    assert digest is not None  # not cancellable here
+    return digest
+
+
+def finalize_checkpoint(directory: str | os.PathLike, sidecar: CheckpointSidecar,
+                        checksums: dict[str, str] | None = None) -> None:
+    """Checksum the payload and write the sidecar last: the marker that the directory is whole.
+
+    `checksums`: CHECKSUM_ALGORITHM digests of payload files the caller already hashed while
+    writing them (file name -> hex); only the files not listed are read back and hashed. The
+    sidecar is upgraded to the current format version (its checksums are recomputed)."""
     from concurrent.futures import ThreadPoolExecutor
 
     directory = Path(directory)
     files = checkpoint_files(directory)
-    # One file per rank: hash them in parallel (hashlib releases the GIL on large blocks).
-    with ThreadPoolExecutor(max_workers=max(1, min(len(files), os.cpu_count() or 1, 8))) as pool:
-        sidecar.checksums = dict(zip((p.name for p in files), pool.map(sha256_file, files)))
+    known = dict(checksums or {})
+    stray = sorted(set(known) - {p.name for p in files})
+    if stray:
+        raise ValueError(f"finalize_checkpoint: checksums given for files not in {directory}: {stray}")
+    todo = [p for p in files if p.name not in known]
+    if todo:
+        # One file per rank: hash them in parallel (the hashers release the GIL on large blocks).
+        with ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1, 8))) as pool:
+            known.update(zip((p.name for p in todo), pool.map(_digest, todo)))
+    sidecar.format_version = CHECKPOINT_FORMAT_VERSION
+    sidecar.checksum_algorithm = CHECKSUM_ALGORITHM
+    sidecar.checksums = {p.name: known[p.name] for p in files}
     atomic_write_json(directory / SIDECAR, sidecar.model_dump(mode="json"))
 
 
@@ -122,23 +166,32 @@ def read_sidecar(directory: str | os.PathLike) -> CheckpointSidecar:
     data: Any = read_json(directory / SIDECAR, "checkpoint sidecar")
     if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:
         raise ArtifactError(f"{directory / SIDECAR}: not a Tessera checkpoint sidecar")
-    if data.get("format_version") != CHECKPOINT_FORMAT_VERSION:
+    if data.get("format_version") not in SUPPORTED_FORMAT_VERSIONS:
         raise ArtifactError(f"{directory / SIDECAR}: checkpoint format version {data.get('format_version')} "
-                            f"is not supported (expected {CHECKPOINT_FORMAT_VERSION})")
+                            f"is not supported (this Tessera reads versions "
+                            f"{', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); upgrade Tessera")
     try:
-        return CheckpointSidecar.model_validate(data)
+        sidecar = CheckpointSidecar.model_validate(data)
     except Exception as exc:
         raise ArtifactError(f"{directory / SIDECAR}: invalid sidecar ({str(exc).splitlines()[0]})") from None
+    if sidecar.checksum_algorithm not in CHECKSUM_ALGORITHMS:
+        raise ArtifactError(f"{directory / SIDECAR}: checksum_algorithm {sidecar.checksum_algorithm!r} is not "
+                            f"supported (known: {', '.join(CHECKSUM_ALGORITHMS)}); upgrade Tessera")
+    return sidecar
 
 
 def verify_checksums(directory: str | os.PathLike, sidecar: CheckpointSidecar | None = None) -> None:
+    """Every payload file listed in the sidecar exists and matches its checksum (either algorithm)."""
     directory = Path(directory)
     sidecar = sidecar or read_sidecar(directory)
+    if sidecar.checksum_algorithm not in CHECKSUM_ALGORITHMS:
+        raise ArtifactError(f"{directory / SIDECAR}: checksum_algorithm {sidecar.checksum_algorithm!r} is not "
+                            f"supported (known: {', '.join(CHECKSUM_ALGORITHMS)})")
     for name, digest in sidecar.checksums.items():
         path = directory / name
         if not path.is_file():
             raise ArtifactError(f"{path}: checkpoint file missing")
-        if sha256_file(path) != digest:
+        if file_digest(path, sidecar.checksum_algorithm) != digest:
             raise ArtifactError(f"{path}: checksum mismatch; the checkpoint file is corrupt or truncated")
 
 

@@ -2,6 +2,11 @@
 
 Every artifact is written under a temporary name and renamed into place only when complete, so
 an interrupted run never leaves a file or directory that looks finished.
+
+Checksums: SHA-256 (fingerprints, shard and mixture manifests, checkpoints before format 2) and
+XXH3-128 (checkpoint payloads from format 2 on: an integrity check against corruption and
+truncation, not a security boundary, at ~30 GB/s per core instead of SHA-256's ~1.8 GB/s, so
+hashing a multi-GB checkpoint no longer costs more than writing it).
 """
 
 from __future__ import annotations
@@ -9,14 +14,21 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 _CHUNK = 1 << 22  # 4 MiB
+_WINDOW = 1 << 24  # 16 MiB: hashing maps a file window by window (bounded resident memory)
+
+SHA256 = "sha256"
+XXH3_128 = "xxh3-128"
+CHECKSUM_ALGORITHMS = (SHA256, XXH3_128)
 
 
 def sha256_file(path: str | os.PathLike, chunk_size: int = _CHUNK) -> str:
@@ -30,6 +42,106 @@ def sha256_file(path: str | os.PathLike, chunk_size: int = _CHUNK) -> str:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def new_hasher(algorithm: str) -> Any:
+    """A streaming hasher (`update(buffer)`, `hexdigest()`) for one of CHECKSUM_ALGORITHMS."""
+    if algorithm == SHA256:
+        return hashlib.sha256()
+    if algorithm == XXH3_128:
+        import xxhash
+
+        return xxhash.xxh3_128()
+    raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {', '.join(CHECKSUM_ALGORITHMS)})")
+
+
+def file_digest(path: str | os.PathLike, algorithm: str, cancel: threading.Event | None = None) -> str | None:
+    """Hex digest of a file. The file is hashed straight from the page cache through a memory
+    map (no copy into a read buffer), one window at a time so resident memory stays bounded.
+    Both hashers release the GIL on large buffers, so files can be hashed on threads. Returns
+    None if `cancel` is set before the end."""
+    hasher = new_hasher(algorithm)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        for offset in range(0, size, _WINDOW):
+            if cancel is not None and cancel.is_set():
+                return None
+            length = min(_WINDOW, size - offset)
+            with mmap.mmap(f.fileno(), length, offset=offset, access=mmap.ACCESS_READ) as window:
+                hasher.update(window)
+    return hasher.hexdigest()
+
+
+class HashingWriter:
+    """A binary file wrapper that hashes every byte as it is written, so a file's checksum is
+    known when it is closed without reading it back. Writes are handed to the file unchanged
+    (memoryviews of tensors included: no copy)."""
+
+    def __init__(self, f: BinaryIO, algorithm: str = XXH3_128):
+        self.f = f
+        self.algorithm = algorithm
+        self.hasher = new_hasher(algorithm)
+        self.position = f.tell()
+
+    def write(self, data: Any) -> int:
+        n = self.f.write(data)
+        # Hash after writing, not before: when `data` is a memory map, letting write() fault its
+        # pages in and then hashing them is ~1 s per GB cheaper on the dev VM than touching them
+        # from user space first (measured: 1.0 s vs 2.1-3.3 s for 1.2 GB).
+        self.hasher.update(data)
+        self.position += n
+        return n
+
+    def tell(self) -> int:
+        return self.position
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+    def hexdigest(self) -> str:
+        return self.hasher.hexdigest()
+
+
+class BackgroundFsync:
+    """fsync + close finished files on a background thread while the caller writes the next one
+    (the disk works while the CPU does), then `wait()` before the output is committed: it
+    re-raises the first fsync error. Use as a context manager; leaving it waits too."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync")
+        self._pending: list[Any] = []
+
+    @staticmethod
+    def _fsync_close(f: BinaryIO) -> None:
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            f.close()
+
+    def submit(self, f: BinaryIO) -> None:
+        """Take ownership of an open file: it is flushed, fsynced and closed in the background."""
+        self._pending.append(self._pool.submit(self._fsync_close, f))
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def __enter__(self) -> BackgroundFsync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if exc[0] is None:
+                self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
 
 
 def tmp_name(path: str | os.PathLike) -> Path:

@@ -1,0 +1,192 @@
+"""Tensor bytes without staging copies: memory-mapped reads, exact-storage views, a reused buffer.
+
+Why: a converter moves every byte of a checkpoint once. Reading each tensor into a fresh buffer
+costs a copy plus a page fault per 4 KiB of new memory (on the dev VM first-touch faults cost more
+than the copy), and `torch.save` of a slice writes its whole storage unless the slice is cloned.
+Here instead:
+
+- `map_bytes` / `map_tensor`: a region of a file as a private (copy-on-write) memory map: the
+  pages are the page cache's own, nothing is allocated or copied, and a converter that wrote into
+  an input tensor would change only its private copy, never the file. The map lives as long as
+  the tensor over it (then it is unmapped), so resident memory follows the live tensors.
+- `load_saved_tensor`: a `torch.save` archive stored inside a larger file (a DCP entry) loaded
+  over such a map, through torch's own loader (`torch.serialization._load` with the mapped bytes
+  as its storage, which is what `torch.load(mmap=True)` does for a whole file) and torch's
+  weights-only unpickler, so strides, storage offsets and byte order are handled as torch does.
+- `exact`: a tensor over the same memory whose storage is exactly its own bytes (what
+  `torch.save` writes), instead of `clone()`.
+- `Staging`: one buffer, grown to the largest request and reused, for the tensors that must be
+  materialised (non-contiguous slices, dtype conversions): its pages are faulted in once.
+
+Alignment: a mapped tensor's address modulo its element size is its file offset's. Files written
+by tessera-ckpt keep tensor bytes 64-byte aligned, but DCP itself packs entries back to back, so
+a tensor in a trainer-written checkpoint may start at an odd address. Writing such a tensor's
+bytes is fine; computing on it is not (vectorised kernels may assume element alignment). So:
+`aligned()` before any arithmetic on a tensor that came from `load(raw=True)`; `Staging.ready`
+realigns by itself (a byte copy into a second reused buffer), and `raw()` needs no alignment.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def map_bytes(path: str | os.PathLike, offset: int, length: int) -> memoryview:
+    """Bytes [offset, offset + length) of a file as a private memory map (ValueError if the file
+    is shorter). The map is unmapped when the last view of it goes away."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as f:
+        if offset + length > os.fstat(f.fileno()).st_size:
+            raise ValueError(f"{path}: bytes {offset}..{offset + length} lie past the end of the file")
+        mapped = mmap.mmap(f.fileno(), length + offset - start, offset=start, access=mmap.ACCESS_COPY)
+    return memoryview(mapped)[offset - start:]
+
+
+def map_tensor(path: str | os.PathLike, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous tensor stored raw at `offset` of a file (e.g. a safetensors entry), mapped."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    data = map_bytes(path, offset, nbytes)
+    if (_address(data) % dtype.itemsize) != 0:  # misaligned elements: copy rather than risk it
+        return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    return torch.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+
+
+def is_aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % t.element_size() == 0
+
+
+def _bytes_of_storage(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under `t` as a uint8 tensor (byte operations are safe at any address)."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+def _rebuild(t: torch.Tensor, storage_bytes: torch.Tensor) -> torch.Tensor:
+    """`t`'s view (shape, strides, offset) over another copy of its storage."""
+    return torch.empty(0, dtype=t.dtype).set_(storage_bytes.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or, when its elements are misaligned, the same view over a fresh aligned copy of its
+    storage (copied as bytes, so no arithmetic ever touches the misaligned memory)."""
+    if is_aligned(t):
+        return t
+    return _rebuild(t, _bytes_of_storage(t).clone())
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable, read-only file over a memoryview, for torch's zip reader (it reads only the
+    zip directory and the small pickle record; tensor bytes are never read through it)."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self.view, self.pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence]
+        self.pos = max(0, min(len(self.view), base + offset))
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(0, min(len(out), len(self.view) - self.pos))
+        out[:n] = self.view[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+def load_saved_tensor(path: str | os.PathLike, offset: int, length: int) -> Any:
+    """The object `torch.save`d at [offset, offset + length) of a file, its tensors over a memory
+    map of those bytes (weights-only unpickling, as `torch.load(weights_only=True)`). Raises on
+    anything torch.load would reject."""
+    from torch import _weights_only_unpickler
+    from torch.serialization import _load, _open_zipfile_reader
+
+    data = map_bytes(path, offset, length)
+    storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+    with _open_zipfile_reader(_ViewReader(data)) as archive:  # type: ignore[arg-type]
+        return _load(archive, "cpu", _weights_only_unpickler, overall_storage=storage, encoding="utf-8")
+
+
+def exact(t: torch.Tensor) -> torch.Tensor:
+    """`t` (contiguous) over the same memory but with a storage of exactly its bytes, so
+    `torch.save` writes only `t`, not the larger buffer or file map it is a slice of."""
+    if not t.is_contiguous():
+        raise ValueError("exact() needs a contiguous tensor")
+    if t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    if t.numel() == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    as_bytes = t.reshape(-1).view(torch.uint8).numpy()  # shares memory; numpy has no bfloat16
+    return torch.from_numpy(as_bytes).view(t.dtype).reshape(t.shape)
+
+
+def raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, shared (for file.write)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _grow(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+    if nbytes <= buffer.numel():
+        return buffer
+    del buffer  # free the old one before allocating the larger one
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class Staging:
+    """Reusable buffers for the tensors that must be materialised before writing."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.realign_buffer = torch.empty(0, dtype=torch.uint8)
+        # The storage last realigned, kept alive so that its address cannot be reused by another
+        # while it is remembered: the pieces of one tensor (one per rank) share one realignment.
+        self._realigned: tuple[torch.Tensor, tuple[int, int]] | None = None
+
+    def ready(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`t` as a contiguous tensor of `dtype`: `t` itself when it already is one (aligned or
+        not: it is only written), else a copy (converting) into the reused buffer, valid until
+        the next call."""
+        dtype = dtype or t.dtype
+        if t.dtype == dtype and t.is_contiguous():
+            return t
+        t = self.aligned(t)
+        nbytes = t.numel() * dtype.itemsize
+        self.buffer = _grow(self.buffer, nbytes)
+        out = self.buffer[:nbytes].view(dtype).view(t.shape)
+        out.copy_(t)
+        return out
+
+    def aligned(self, t: torch.Tensor) -> torch.Tensor:
+        """Like `aligned()`, but the copy goes to a reused buffer, valid until the next call."""
+        if is_aligned(t):
+            return t
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if self._realigned is None or self._realigned[1] != key:
+            self._realigned = None
+            self.realign_buffer = _grow(self.realign_buffer, key[1])
+            self.realign_buffer[:key[1]].copy_(_bytes_of_storage(t))
+            self._realigned = (t, key)
+        return _rebuild(t, self.realign_buffer[:key[1]])
