@@ -2,11 +2,23 @@
 
 Both train the same Llama-shaped model (same config, weights initialised identically by copying
 Tessera's into the HF model), on the same random token batches, with the same optimizer
-(torch.optim.AdamW, fused where available, identical hyper-parameters), the same loss
-(mean next-token cross-entropy in fp32), gradient clipping, fp32, and the same number of threads.
-Tessera's step is built from the trainer's own pieces (prepare_model -> parallelize -> compile,
-build_optimizer, cross_entropy_loss, clip_grad_norm). Compile time is measured separately and
-excluded from the steady-state figures; it is reported.
+hyper-parameters (AdamW, fused where available, no decay on 1-D parameters), mean next-token
+cross-entropy in fp32, gradient clipping at 1.0, fp32, and the same number of threads.
+
+- Tessera runs the trainer's own step: prepare_model, build_optimizer and
+  tessera.trainer.step.TrainStep (forward + loss compiled as one graph, clip folded into the
+  fused AdamW), the object `Trainer.train_step` calls.
+- transformers runs the standard recipe: `model(input_ids=...).logits`, F.cross_entropy on fp32
+  logits, `torch.nn.utils.clip_grad_norm_(foreach=True)`, `torch.optim.AdamW(fused=True)`,
+  `zero_grad(set_to_none=True)`.
+
+By default both run in this one process, alternating steps (load from other jobs hits both
+alike). The trainer's host-memory setting (tessera.trainer.host_memory, on by default in
+tessera-train on CPU) is process-wide, so here it applies to both: the ratio is then the
+framework's alone. `--default-malloc` leaves glibc's defaults for both. `--separate-processes`
+runs each framework in its own process as a user would get it: Tessera with the trainer's
+setting, transformers with glibc's defaults (needs a quiet machine: steps no longer alternate).
+Compile time is measured separately (first step) and excluded from the steady-state figures.
 
     python benchmarks/train_throughput.py                       # CPU-sized defaults
     python benchmarks/train_throughput.py --preset llama-160m --seq 1024 --batch 8 --device cuda
@@ -18,17 +30,22 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from tessera.common.model_config import ModelConfig, preset
-from tessera.trainer.clip import clip_grad_norm
 from tessera.trainer.config import OptimConfig
-from tessera.trainer.loss import cross_entropy_loss
+from tessera.trainer.host_memory import retain_freed_memory
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer
 from tessera.trainer.precision import Precision
+from tessera.trainer.step import TrainStep
 
 
 def hf_llama(cfg: ModelConfig, device: torch.device):
@@ -86,18 +103,36 @@ def time_interleaved(steps_by_name: dict, batches, warmup: int, steps: int, sync
     return out
 
 
-def make_step(model, logits_fn, optimizer, grad_clip: float, precision: Precision):
-    params = [p for p in model.parameters() if p.requires_grad]
+def hf_standard_step(model, optim_cfg: OptimConfig, precision: Precision):
+    """The usual PyTorch loop around a transformers model (what a user would write)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    fused = {"fused": True} if next(model.parameters()).device.type in ("cpu", "cuda") else {}
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": optim_cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps, **fused)
+    params = list(model.parameters())
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         with precision.autocast():
-            logits = logits_fn(inputs)
-        loss = cross_entropy_loss(logits, labels)
+            logits = model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         loss.backward()
-        clip_grad_norm(params, grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, optim_cfg.grad_clip, foreach=True)
         optimizer.step()
         return loss.detach()
+
+    return step
+
+
+def tessera_step(model, optim_cfg: OptimConfig, precision: Precision, compile: bool):
+    """The trainer's step object, fed one micro-batch per step."""
+    train_step = TrainStep(model, build_optimizer(model, optim_cfg), precision, optim_cfg.grad_clip, compile=compile)
+
+    def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss, _, _ = train_step([(inputs, labels)], 1, inputs.device)
+        return loss
 
     return step
 
@@ -117,15 +152,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="Timed steps per framework.")
     ap.add_argument("--warmup", type=int, default=3, help="Untimed steps first (the first includes compilation).")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's).")
-    ap.add_argument("--no-compile", action="store_true", help="Run Tessera eager (no torch.compile of blocks).")
+    ap.add_argument("--no-compile", action="store_true", help="Run Tessera eager (no torch.compile of forward + loss).")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="Leave glibc malloc's defaults (no tessera.trainer.host_memory setting; it would apply to both).")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                     help="bf16 = autocast over fp32 weights for both frameworks (the trainer's bf16 mode).")
     ap.add_argument("--json", default=None, help="Also write the figures to this JSON file.")
+    ap.add_argument("--only", choices=["tessera", "transformers"], default=None, help="Run one framework only.")
+    ap.add_argument("--separate-processes", action="store_true",
+                    help="Each framework in its own process with its own defaults (Tessera: the trainer's "
+                         "host-memory setting; transformers: glibc's), then the ratio.")
     args = ap.parse_args()
+    if args.separate_processes:
+        return run_separately(args)
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    retained = False if args.default_malloc or args.device != "cpu" else retain_freed_memory()
     device = torch.device(args.device)
     overrides = {} if args.full_size else dict(
         hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
@@ -141,31 +185,60 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tokens_per_step = args.batch * args.seq
 
-    ours = prepare_model(cfg, device, seed=0, compile=not args.no_compile)
+    ours = prepare_model(cfg, device, seed=0)
     hf = hf_llama(cfg, device)
     copy_weights_to_hf(ours, hf, cfg)
     hf.train()
-    step_fns = {}
     # HF first: its warm-up does not benefit from Tessera's compile.
-    for name, model, logits_fn in (("transformers", hf, lambda x: hf(input_ids=x).logits),
-                                   ("tessera", ours, lambda x: ours(x))):
-        opt = build_optimizer(model, optim_cfg)  # same AdamW construction (decay groups, fused) for both
-        step_fns[name] = make_step(model, logits_fn, opt, optim_cfg.grad_clip, Precision(args.precision, device))
+    step_fns = {"transformers": hf_standard_step(hf, optim_cfg, Precision(args.precision, device)),
+                "tessera": tessera_step(ours, optim_cfg, Precision(args.precision, device), not args.no_compile)}
+    if args.only:
+        step_fns = {args.only: step_fns[args.only]}
     results = time_interleaved(step_fns, batches, args.warmup, args.steps, sync)
     for r in results.values():
         r["median_step_s"] = statistics.median(r["step_times_s"])
         r["tokens_per_s"] = tokens_per_step / r["median_step_s"]
-    ratio = results["tessera"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
-    flops = cfg.flops_per_token(args.seq)
+        r["malloc"] = "retains freed memory" if retained else "glibc defaults"
     print(f"model: {cfg.num_params() / 1e6:.1f}M params (d={cfg.hidden_size}, L={cfg.num_layers}, "
           f"H={cfg.num_heads}/{cfg.kv_heads}, ffn={cfg.ffn_hidden_size}, V={cfg.vocab_size}); "
           f"batch {args.batch} x seq {args.seq}; {args.precision}; threads {torch.get_num_threads()}; device {device}; "
-          f"tessera compile={'off' if args.no_compile else 'on'}")
+          f"tessera compile={'off' if args.no_compile else 'on'}; one process, "
+          f"malloc {'retains freed memory (both)' if retained else 'glibc defaults'}")
+    report(args, cfg, results, device)
+
+
+def run_separately(args: argparse.Namespace) -> None:
+    """Each framework in a fresh process of this script, one after the other; then one table."""
+    argv = [a for a in sys.argv[1:] if a not in ("--separate-processes", "--default-malloc")]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("transformers", ["--default-malloc"]), ("tessera", [])):
+            out = Path(tmp) / f"{name}.json"
+            subprocess.run([sys.executable, __file__, *argv, "--only", name, "--json", str(out), *extra],
+                           check=True, stdout=subprocess.DEVNULL)
+            results[name] = json.loads(out.read_text())["results"][name]
+    overrides = {} if args.full_size else dict(
+        hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+        ffn_hidden_size=args.ffn, vocab_size=args.vocab)
+    cfg = preset(args.preset, **overrides, max_seq_len=max(args.seq, 64))
+    print(f"model: {cfg.num_params() / 1e6:.1f}M params (d={cfg.hidden_size}, L={cfg.num_layers}, "
+          f"H={cfg.num_heads}/{cfg.kv_heads}, ffn={cfg.ffn_hidden_size}, V={cfg.vocab_size}); "
+          f"batch {args.batch} x seq {args.seq}; {args.precision}; threads {args.threads or 'default'}; "
+          f"device {args.device}; tessera compile={'off' if args.no_compile else 'on'}; separate processes: "
+          + "; ".join(f"{n} malloc {r['malloc']}" for n, r in results.items()))
+    report(args, cfg, results, torch.device(args.device))
+
+
+def report(args: argparse.Namespace, cfg: ModelConfig, results: dict[str, dict], device: torch.device) -> None:
+    flops = cfg.flops_per_token(args.seq)
     print(f"{'':14}{'tokens/s':>12}{'TFLOP/s':>10}{'median step':>14}{'first step':>13}{'loss after':>12}")
     for name, r in results.items():
         print(f"{name:14}{r['tokens_per_s']:>12,.0f}{r['tokens_per_s'] * flops / 1e12:>10.4f}"
               f"{r['median_step_s'] * 1e3:>11.1f} ms{r['first_step_s']:>11.1f} s{r['final_loss']:>12.4f}")
-    print(f"ratio tessera/transformers: {ratio:.2f}x")
+    ratio = None
+    if len(results) == 2:
+        ratio = results["tessera"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
+        print(f"ratio tessera/transformers: {ratio:.2f}x")
     if device.type == "cuda":
         from tessera.trainer.metrics import gpu_peak_tflops
 

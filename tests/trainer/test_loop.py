@@ -96,12 +96,15 @@ def test_cli_run_learns_and_writes_metrics(make_config, tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_blocks_match_eager(make_config):
+def test_compiled_step_matches_eager(make_config):
+    """training.compile compiles forward + loss as one graph: same losses and weights as eager."""
     path = make_config()
     eager = make_trainer(path, "model.num_layers=1")
     compiled = make_trainer(path, "training.compile=true", "model.num_layers=1")
     assert run_steps(compiled, 2) == pytest.approx(run_steps(eager, 2), rel=1e-4)
     assert sorted(n for n, _ in compiled.model.named_parameters()) == sorted(n for n, _ in eager.model.named_parameters())
+    for name, w in weights(eager).items():
+        torch.testing.assert_close(weights(compiled)[name], w, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.gpu

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="Continue from the checkpoint the pointer in the checkpoint directory names "
                              "(starts fresh, saying so, when there is none yet).")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block (= training.compile=true).")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the forward and loss as one graph (= training.compile=true).")
     parser.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOPS",
                         help="Peak TFLOP/s for MFU (= training.peak_tflops); default: known-GPU table, or a measured CPU matmul.")
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")

@@ -3,7 +3,8 @@
 The order matters and mirrors torchtitan: the plain model is built (on the meta device, then
 materialised and initialised by tessera.common.model.build_model); a parallelize step transforms
 it for the layout (identity in one process; tessera.trainer.parallel replaces it); activation
-recompute wraps blocks or attention cores; torch.compile compiles the whole forward. None of these change
+recompute wraps blocks or attention cores; torch.compile (optional here: the trainer's step
+compiles forward and loss together instead) compiles the whole forward. None of these change
 parameter names, so checkpoints stay layout-invariant.
 """
 
@@ -57,9 +58,9 @@ def apply_recompute(model: Transformer, mode: str) -> None:
 def apply_compile(model: Transformer) -> None:
     """torch.compile the whole model forward in place (nn.Module.compile keeps parameter names).
 
-    One graph from embedding through final norm and head, rather than one per block: fewer graph
-    boundaries and Python dispatch per step; measured on 2 CPU cores (benchmarks/train_throughput.py,
-    8.4M-param Llama, batch 4x256, fp32) at about 1.10x transformers vs 1.07x with per-block compile.
+    One graph from embedding through final norm and head, rather than one per block. The trainer
+    itself goes one further and compiles forward + loss together (tessera.trainer.step.TrainStep);
+    this is for callers that only run the model.
     """
     model.compile()
 

@@ -49,17 +49,17 @@ from tessera.trainer.checkpointing import (
     remove_partial_saves,
     save_checkpoint,
 )
-from tessera.trainer.clip import clip_grad_norm
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.data import MicroBatchPlan, MixtureBatches
 from tessera.trainer.distributed import Runtime
-from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss
+from tessera.trainer.host_memory import retain_freed_memory
 from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer, set_lr
 from tessera.trainer.precision import Precision
 from tessera.trainer.schedule import LRSchedule
 from tessera.trainer.signals import StopRequest
+from tessera.trainer.step import TrainStep
 
 
 @dataclass
@@ -166,6 +166,8 @@ class Trainer:
         t = cfg.training
         if t.threads is not None and runtime.device.type == "cpu":
             torch.set_num_threads(t.threads)
+        if t.retain_host_memory and runtime.device.type == "cpu":
+            retain_freed_memory()
         self.model_cfg = inputs.model
         self.build_step()
         self.schedule = LRSchedule(cfg.schedule, cfg.optim, t.steps)
@@ -185,10 +187,12 @@ class Trainer:
         if self.inputs.parallel:
             raise ValueError("Trainer runs one plain process; use build_trainer for parallel layouts")
         t = self.cfg.training
-        self.model = prepare_model(self.model_cfg, self.rt.device, t.seed, t.recompute, t.compile)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # Compilation is the step's (forward and loss in one graph), not the model's.
+        self.model = prepare_model(self.model_cfg, self.rt.device, t.seed, t.recompute)
         self.optimizer = build_optimizer(self.model, self.cfg.optim)
         self.precision = Precision(t.precision, self.rt.device, t.fp16_initial_scale, t.fp16_growth_interval)
+        self.step = TrainStep(self.model, self.optimizer, self.precision, self.cfg.optim.grad_clip,
+                              t.loss_chunk_tokens, t.compile)
 
     @property
     def dp_rank(self) -> int:
@@ -205,18 +209,8 @@ class Trainer:
         """One optimizer step over a global batch; returns (mean loss, grad norm, step taken)."""
         step = self.state.step
         set_lr(self.optimizer, self.schedule(step))
-        self.optimizer.zero_grad(set_to_none=True)
-        n = self.plan.num_micro_batches
-        loss_sum = torch.zeros((), device=self.rt.device)
-        for inputs, labels in self.train_data.micro_batches(self.plan, self.state.consumed_samples):
-            inputs, labels = inputs.to(self.rt.device), labels.to(self.rt.device)
-            # Equal token counts per micro-batch: the mean of means is the global mean.
-            loss = self.loss(inputs, labels) / n
-            self.precision.scale(loss).backward()
-            loss_sum += loss.detach()
-        self.precision.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.params, self.cfg.optim.grad_clip)
-        stepped = self.precision.step(self.optimizer)
+        micro_batches = self.train_data.micro_batches(self.plan, self.state.consumed_samples)
+        loss_sum, grad_norm, stepped = self.step(micro_batches, self.plan.num_micro_batches, self.rt.device)
         self.advance()
         return float(loss_sum), float(grad_norm), stepped
 
@@ -243,12 +237,7 @@ class Trainer:
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward (under the precision's autocast) and mean cross-entropy, chunked when configured."""
-        chunk = self.cfg.training.loss_chunk_tokens
-        with self.precision.autocast():
-            if chunk is None:
-                return cross_entropy_loss(self.model(inputs), labels)
-            hidden = self.model(inputs, return_hidden=True)
-            return chunked_cross_entropy(hidden, self.model.output_weight(), labels, chunk)
+        return self.step.loss(inputs, labels)
 
     def sidecar(self) -> CheckpointSidecar:
         return CheckpointSidecar(
