@@ -12,7 +12,15 @@ import torch
 from ckpt_helpers import make_checkpoint, tiny_llama
 
 from tessera.ckpt_convert.cli import main, run
-from tessera.ckpt_convert.mapped import Staging, aligned, is_aligned, load_saved_tensor
+from tessera.ckpt_convert.mapped import (
+    Staging,
+    aligned,
+    file_region,
+    is_aligned,
+    load_saved_tensor,
+    map_bytes,
+    write_bytes,
+)
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.checkpoint import SIDECAR, read_sidecar, resolve_checkpoint
 
@@ -52,9 +60,11 @@ def test_staging_realigns_and_materialises():
     assert not is_aligned(odd) and torch.equal(aligned(odd), values.view(6, 10))
     staging = Staging()
     assert staging.ready(odd) is odd  # contiguous, same dtype: written as it is
-    for cols in (slice(0, 5), slice(5, 10)):  # the two tp pieces of a column split share one realignment
+    for cols in (slice(0, 5), slice(5, 10)):  # the tp pieces of a column split: copied row by row as bytes
         piece = staging.ready(odd[:, cols])
         assert piece.is_contiguous() and torch.equal(piece, values.view(6, 10)[:, cols])
+    # A transpose and a dtype conversion compute on the elements: realigned first (once per tensor).
+    assert torch.equal(staging.ready(odd.t()), values.view(6, 10).t())
     bf16 = staging.ready(odd.t(), torch.bfloat16)
     assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, values.view(6, 10).t().to(torch.bfloat16))
 
@@ -128,3 +138,45 @@ def test_truncated_safetensors_import_exit_2_no_output(tmp_path, tokenizer_dir, 
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and "truncated" in err and str(weights) in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_write_bytes_copies_mapped_regions_in_the_kernel(tmp_path):
+    blob = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    (tmp_path / "in").write_bytes(bytes(blob.numpy()))
+    view = map_bytes(tmp_path / "in", 12345, 2 << 20)  # odd offset: not page aligned
+    assert file_region(view) == (str(tmp_path / "in"), 12345)
+    assert file_region(view[100:200]) == (str(tmp_path / "in"), 12445)
+    assert file_region(bytearray(10)) is None
+    with open(tmp_path / "out", "wb") as f:
+        f.write(b"head")
+        assert write_bytes(f, view) == 2 << 20  # kernel copy
+        write_bytes(f, b"tail")  # plain write, after it
+        assert f.tell() == 4 + (2 << 20) + 4
+    expect = b"head" + bytes(blob[12345:12345 + (2 << 20)].numpy()) + b"tail"
+    assert (tmp_path / "out").read_bytes() == expect
+
+
+def test_large_tensors_round_trip_through_kernel_copies(tmp_path, tokenizer_dir):
+    """Tensors over the kernel-copy threshold (embedding 2 MiB): reshard and export carry them exactly."""
+    from safetensors.torch import load_file
+
+    cfg = tiny_llama(num_layers=2, vocab_size=2048, hidden_size=256, num_heads=4, num_kv_heads=2,
+                     ffn_hidden_size=512)
+    make_checkpoint(tmp_path / "ck", cfg, tokenizer_dir)
+    before = CheckpointSource(tmp_path / "ck").load_model(["embed_tokens.weight", "lm_head.weight"])
+    assert before["embed_tokens.weight"].nbytes >= 2 << 20
+    run(["reshard", "--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "tp2"),
+         "--tensor-parallel", "2", "--pipeline-parallel", "1", "--quiet"])
+    after = CheckpointSource(tmp_path / "tp2").load_model(list(before))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert "OK" in run_verify(tmp_path / "tp2")
+    run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "tp2"), "--output", str(tmp_path / "hf"),
+         "--quiet"])
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    assert torch.equal(hf["model.embed_tokens.weight"], before["embed_tokens.weight"])
+    assert torch.equal(hf["lm_head.weight"], before["lm_head.weight"])
+    run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "back"),
+         "--quiet"])
+    back = CheckpointSource(tmp_path / "back").load_model(list(before))
+    assert all(torch.equal(before[k], back[k]) for k in before)
+    assert "OK" in run_verify(tmp_path / "back")

@@ -12,7 +12,8 @@ is written by `FileSystemWriter.finish`. Tensors arrive one at a time, so memory
 tensor and at most one staged chunk.
 
 Speed: a chunk that is a contiguous block of its tensor (anything split along dim 0) is written
-straight from the tensor's memory (for a converter, the input file's memory map), never cloned;
+straight from the tensor's memory, never cloned (from a mapped input file: file to file in the
+kernel, see mapped.write_bytes);
 other chunks (dim-1 splits) are copied into one reused staging buffer. Each entry starts at a
 64-byte boundary of its file (DCP readers go by offset and length, so the padding is invisible),
 which keeps the tensor bytes aligned for memory-mapped reading. Every byte is hashed as it is
@@ -22,6 +23,7 @@ written, so the sidecar's checksums need no second pass over the output.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from tessera.ckpt_convert.mapped import Staging, exact
+from tessera.ckpt_convert.mapped import Staging, exact, write_bytes
 from tessera.common.checkpoint import CHECKSUM_ALGORITHM
 from tessera.common.fileio import HashingWriter
 
@@ -91,7 +93,7 @@ class ShardedDcpWriter:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self.raw: list[BinaryIO] = [open(directory / rank_file(r), "wb") for r in range(world_size)]
-        self.files = [HashingWriter(f, CHECKSUM_ALGORITHM) for f in self.raw]
+        self.files = [HashingWriter(f, CHECKSUM_ALGORITHM, write=functools.partial(write_bytes, f)) for f in self.raw]
         self.staging = Staging()
         self.state_md: dict[str, Any] = {}
         self.planner_data: dict[str, Any] = {}

@@ -26,7 +26,7 @@ from typing import BinaryIO
 
 import torch
 
-from tessera.ckpt_convert.mapped import Staging, map_tensor, raw
+from tessera.ckpt_convert.mapped import Staging, map_tensor, raw, write_bytes
 from tessera.common.errors import ArtifactError
 
 ST_DTYPES = {
@@ -79,7 +79,8 @@ class SafetensorsStreamWriter:
             raise AssertionError(f"safetensors writer expected {want}, got {name} {[tuple(p.shape) for p in parts]}")
         for part in parts:
             if part.numel():
-                self.f.write(raw(self.staging.ready(part.detach(), want.dtype)))
+                # Bytes of a mapped input go file to file in the kernel; the rest with write().
+                write_bytes(self.f, raw(self.staging.ready(part.detach(), want.dtype)))
         self.next += 1
 
     def close(self) -> None:
