@@ -12,12 +12,12 @@ cross-entropy in fp32, gradient clipping at 1.0, fp32, and the same number of th
   logits, `torch.nn.utils.clip_grad_norm_(foreach=True)`, `torch.optim.AdamW(fused=True)`,
   `zero_grad(set_to_none=True)`.
 
-By default both run in this one process, alternating steps (load from other jobs hits both
-alike). The trainer's host-memory setting (tessera.trainer.host_memory, on by default in
-tessera-train on CPU) is process-wide, so here it applies to both: the ratio is then the
-framework's alone. `--default-malloc` leaves glibc's defaults for both. `--separate-processes`
-runs each framework in its own process as a user would get it: Tessera with the trainer's
-setting, transformers with glibc's defaults (needs a quiet machine: steps no longer alternate).
+By default both run in this one process with glibc's malloc defaults, alternating steps (load
+from other jobs hits both alike). The trainer's host-memory setting (tessera.trainer.host_memory,
+on by default in tessera-train on CPU) is process-wide: `--retain-host-memory` applies it here,
+to both. `--separate-processes` runs each framework in its own process as a user would get it:
+Tessera with the trainer's setting, transformers with glibc's defaults (needs a quiet machine:
+steps no longer alternate, so drift in machine speed lands on one framework).
 Compile time is measured separately (first step) and excluded from the steady-state figures.
 
     python benchmarks/train_throughput.py                       # CPU-sized defaults
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def time_interleaved(steps_by_name: dict, batches, warmup: int, steps: int, sync
 
     Alternating A, B, A, B... means load from other jobs on a shared machine hits both alike.
     """
-    out = {name: {"step_times_s": []} for name in steps_by_name}
+    out = {name: {"step_times_s": [], "minor_faults": []} for name in steps_by_name}
     for name, step_fn in steps_by_name.items():
         start = time.perf_counter()
         step_fn(*batches[0])
@@ -95,10 +96,13 @@ def time_interleaved(steps_by_name: dict, batches, warmup: int, steps: int, sync
         sync()
     for i in range(steps):
         for name, step_fn in steps_by_name.items():
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             loss = step_fn(*batches[(warmup + i) % len(batches)])
             sync()
             out[name]["step_times_s"].append(time.perf_counter() - t0)
+            # Pages touched for the first time (the kernel zero-fills each): allocator churn.
+            out[name]["minor_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
             out[name]["final_loss"] = float(loss)
     return out
 
@@ -153,8 +157,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="Untimed steps first (the first includes compilation).")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's).")
     ap.add_argument("--no-compile", action="store_true", help="Run Tessera eager (no torch.compile of forward + loss).")
-    ap.add_argument("--default-malloc", action="store_true",
-                    help="Leave glibc malloc's defaults (no tessera.trainer.host_memory setting; it would apply to both).")
+    ap.add_argument("--retain-host-memory", action="store_true",
+                    help="Apply the trainer's host-memory setting (tessera.trainer.host_memory) to this process: both.")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                     help="bf16 = autocast over fp32 weights for both frameworks (the trainer's bf16 mode).")
@@ -169,7 +173,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    retained = False if args.default_malloc or args.device != "cpu" else retain_freed_memory()
+    retained = args.retain_host_memory and args.device == "cpu" and retain_freed_memory()
     device = torch.device(args.device)
     overrides = {} if args.full_size else dict(
         hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
@@ -198,6 +202,7 @@ def main() -> None:
     for r in results.values():
         r["median_step_s"] = statistics.median(r["step_times_s"])
         r["tokens_per_s"] = tokens_per_step / r["median_step_s"]
+        r["page_faults_per_step"] = statistics.median(r["minor_faults"])
         r["malloc"] = "retains freed memory" if retained else "glibc defaults"
     print(f"model: {cfg.num_params() / 1e6:.1f}M params (d={cfg.hidden_size}, L={cfg.num_layers}, "
           f"H={cfg.num_heads}/{cfg.kv_heads}, ffn={cfg.ffn_hidden_size}, V={cfg.vocab_size}); "
@@ -209,10 +214,10 @@ def main() -> None:
 
 def run_separately(args: argparse.Namespace) -> None:
     """Each framework in a fresh process of this script, one after the other; then one table."""
-    argv = [a for a in sys.argv[1:] if a not in ("--separate-processes", "--default-malloc")]
+    argv = [a for a in sys.argv[1:] if a not in ("--separate-processes", "--retain-host-memory")]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (("transformers", ["--default-malloc"]), ("tessera", [])):
+        for name, extra in (("transformers", []), ("tessera", ["--retain-host-memory"])):
             out = Path(tmp) / f"{name}.json"
             subprocess.run([sys.executable, __file__, *argv, "--only", name, "--json", str(out), *extra],
                            check=True, stdout=subprocess.DEVNULL)
@@ -231,10 +236,12 @@ def run_separately(args: argparse.Namespace) -> None:
 
 def report(args: argparse.Namespace, cfg: ModelConfig, results: dict[str, dict], device: torch.device) -> None:
     flops = cfg.flops_per_token(args.seq)
-    print(f"{'':14}{'tokens/s':>12}{'TFLOP/s':>10}{'median step':>14}{'first step':>13}{'loss after':>12}")
+    print(f"{'':14}{'tokens/s':>12}{'TFLOP/s':>10}{'median step':>14}{'first step':>13}{'loss after':>12}"
+          f"{'page faults/step':>18}")
     for name, r in results.items():
         print(f"{name:14}{r['tokens_per_s']:>12,.0f}{r['tokens_per_s'] * flops / 1e12:>10.4f}"
-              f"{r['median_step_s'] * 1e3:>11.1f} ms{r['first_step_s']:>11.1f} s{r['final_loss']:>12.4f}")
+              f"{r['median_step_s'] * 1e3:>11.1f} ms{r['first_step_s']:>11.1f} s{r['final_loss']:>12.4f}"
+              f"{r['page_faults_per_step']:>18,.0f}")
     ratio = None
     if len(results) == 2:
         ratio = results["tessera"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
