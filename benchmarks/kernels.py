@@ -31,10 +31,28 @@ def bench_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100)
 
 
-def row(name: str, ms: float, nbytes: float, baseline_ms: float | None = None) -> str:
+def device_ms(fn, iters: int = 20) -> float:
+    """GPU time per call: the kernels' own durations summed by the profiler (no launch gaps).
+
+    do_bench's wall time includes the host's launch and dispatch cost, which dominates small
+    shapes; this column says how long the device itself was busy.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / iters / 1e3
+
+
+def row(name: str, ms: float, nbytes: float, baseline_ms: float | None = None, gpu_ms: float | None = None) -> str:
     gbps = nbytes / (ms * 1e-3) / 1e9
     ratio = f"{baseline_ms / ms:6.2f}x" if baseline_ms else "      "
-    return f"  {name:<34} {ms:9.4f} ms  {gbps:8.1f} GB/s  {ratio}"
+    gpu = f"   GPU busy {gpu_ms:8.4f} ms ({nbytes / (gpu_ms * 1e-3) / 1e9:7.1f} GB/s)" if gpu_ms else ""
+    return f"  {name:<34} {ms:9.4f} ms  {gbps:8.1f} GB/s  {ratio}{gpu}"
 
 
 def bench_rmsnorm(dtype: torch.dtype) -> None:
@@ -65,16 +83,18 @@ def _bench_rmsnorm_shape(tokens: int, hidden: int, dtype: torch.dtype) -> None:
     for name, fn in impls.items():
         with torch.no_grad():
             ms_f = bench_ms(lambda fn=fn: fn(x, w))
+            gpu_f = device_ms(lambda fn=fn: fn(x, w))
 
         def fwd_bwd(fn=fn):
             x.grad = w.grad = None
             fn(x, w).backward(dy)
 
         ms_fb = bench_ms(fwd_bwd)
+        gpu_fb = device_ms(fwd_bwd)
         base_f = base_f or ms_f
         base_fb = base_fb or ms_fb
-        print(row(f"{name} fwd", ms_f, fwd_bytes, base_f))
-        print(row(f"{name} fwd+bwd", ms_fb, fwd_bytes + bwd_bytes, base_fb))
+        print(row(f"{name} fwd", ms_f, fwd_bytes, base_f, gpu_f))
+        print(row(f"{name} fwd+bwd", ms_fb, fwd_bytes + bwd_bytes, base_fb, gpu_fb))
 
 
 def _paged_batch(q_lens, kv_lens, heads, kv_heads, head_dim, block_size, dtype, device="cuda"):
@@ -167,10 +187,40 @@ def _bench_paged_scenario(name: str, q_lens: list[int], kv_lens: list[int], dtyp
     print(row("triton paged", ms_tri, kv_bytes, ms_sdpa_gather))
 
 
+def host_profile(dtype: torch.dtype, calls: int = 200) -> None:
+    """Where the host's time goes in the Triton RMSNorm's forward + backward (cProfile, top 25)."""
+    import cProfile
+    import pstats
+
+    from tessera.kernels.rmsnorm_triton import rms_norm_triton
+
+    x = torch.randn(4096, 5120, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.randn(5120, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        x.grad = w.grad = None
+        rms_norm_triton(x, w, 1e-6).backward(dy)
+
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    print(f"host profile: {calls} x (triton RMSNorm fwd+bwd, 4096x5120)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/cache dtype")
     parser.add_argument("--only", choices=["rmsnorm", "paged"], help="run one of the two benchmarks")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="profile the host side of the Triton RMSNorm (cProfile) instead of timing")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py: a CUDA GPU is required (the kernels' CPU path is Triton's "
@@ -178,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     dtype = DTYPES[args.dtype]
+    if args.host_profile:
+        host_profile(dtype)
+        return 0
     if args.only in (None, "rmsnorm"):
         bench_rmsnorm(dtype)
     if args.only in (None, "paged"):

@@ -129,13 +129,20 @@ async def run_client(url: str, workload, concurrency: int) -> dict:
             "ttft": ttft, "itl": itl, "tpot": tpot, "e2e": e2e}
 
 
+def _sync(hf) -> None:
+    if hf.device.type == "cuda":
+        torch.cuda.synchronize(hf.device)
+
+
 def run_naive(hf, workload, limit: int) -> dict:
     tokens, t0 = 0, time.perf_counter()
     for prompt, n_out in workload[:limit]:
         with torch.no_grad():
-            hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            hf.generate(torch.tensor([prompt], device=hf.device),
+                        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device),
                         max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, pad_token_id=0)
         tokens += n_out
+    _sync(hf)
     dur = time.perf_counter() - t0
     return {"duration": dur, "output_tok_per_s": tokens / dur, "requests": limit}
 
@@ -149,9 +156,10 @@ def run_static(hf, workload, batch: int) -> dict:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
         n_max = max(n for _, n in chunk)
         with torch.no_grad():
-            hf.generate(ids, attention_mask=mask, max_new_tokens=n_max, min_new_tokens=n_max, do_sample=False,
-                        pad_token_id=0)
+            hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device), max_new_tokens=n_max,
+                        min_new_tokens=n_max, do_sample=False, pad_token_id=0)
         tokens += sum(n for _, n in chunk)
+    _sync(hf)
     dur = time.perf_counter() - t0
     return {"duration": dur, "output_tok_per_s": tokens / dur}
 
@@ -169,11 +177,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads for the server and the peers alike (1 suits a shared machine)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu or cuda: the server and the transformers peers alike (fp32 on CPU, bf16 on CUDA)")
     ap.add_argument("--engine-thread", action="store_true",
                     help="serve with --no-engine-process (engine thread in the HTTP process) to compare")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     rng = random.Random(args.seed)
     workdir = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
     ckpt, model = build_checkpoint(workdir / "run", args.preset)
@@ -185,7 +196,8 @@ def main() -> None:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "tessera.inference.cli_main", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
            "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-tokens", "65536",
-           "--torch-threads", str(args.threads)] + (["--no-engine-process"] if args.engine_thread else [])
+           "--torch-threads", str(args.threads), "--device", args.device,
+           "--dtype", "bfloat16" if dtype == torch.bfloat16 else "float32"] + (["--no-engine-process"] if args.engine_thread else [])
     env = {**os.environ}
     server = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -203,7 +215,7 @@ def main() -> None:
                 raise SystemExit("server failed to start")
             time.sleep(0.3)
         asyncio.run(run_client(url, workload[:4], 4))  # warm-up
-        hf = hf_model_from(model)
+        hf = hf_model_from(model).to(device=args.device, dtype=dtype)
         # The machine is shared: load changes by the minute. Alternate the systems in rounds so
         # each comparison is between runs taken close together.
         rounds = []
@@ -221,7 +233,7 @@ def main() -> None:
 
     ms = lambda xs: f"mean {1e3 * statistics.mean(xs):7.1f}  median {1e3 * statistics.median(xs):7.1f}  p99 {1e3 * pct(xs, 99):7.1f} ms"  # noqa: E731
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {args.preset} (random weights, {n_params / 1e6:.1f}M params), fp32, CPU, torch threads {args.threads}, "
+    print(f"model: {args.preset} (random weights, {n_params / 1e6:.1f}M params), {str(dtype).removeprefix('torch.')}, {args.device}, torch threads {args.threads}, "
           f"engine {'thread in the HTTP process' if args.engine_thread else 'in its own process'}")
     print(f"command: {' '.join(sys.argv)}")
     print(f"workload: {args.num_requests} requests, concurrency {args.concurrency}, input {args.input_len}, "

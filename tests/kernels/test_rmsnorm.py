@@ -105,13 +105,27 @@ def test_custom_ops_pass_opcheck_and_compile(triton_cpu):
     torch.library.opcheck(torch.ops.tessera.rms_norm_fwd, (x, w, 1e-6))
     torch.library.opcheck(torch.ops.tessera.rms_norm_bwd, (torch.randn_like(y), x.detach(), w.detach(), rstd.detach()))
 
-    compiled = torch.compile(lambda x, w: rms_norm(x, w, 1e-6), backend="aot_eager", fullgraph=True)
+    from tessera.kernels.rmsnorm_triton import rms_norm_triton
+
+    compiled = torch.compile(lambda x, w: rms_norm_triton(x, w, 1e-6), backend="aot_eager", fullgraph=True)
     dy = torch.randn(5, 40)
     _, dx, dw = _forward_backward(compiled, x, w, dy, None)
     y_ref, dx_ref, dw_ref = _forward_backward(rms_norm_reference, x, w, dy, 1e-6)
     torch.testing.assert_close(compiled(x, w), y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dx, dx_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dw, dw_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_dispatcher_leaves_the_norm_to_torch_compile(triton_cpu, spy_triton):
+    """Under torch.compile the dispatcher traces the PyTorch expression (inductor fuses it with
+    its neighbours); eager calls still take the kernel."""
+    x = torch.randn(3, 40)
+    w = torch.randn(40)
+    compiled = torch.compile(lambda x, w: rms_norm(x, w, 1e-6), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, w), rms_norm_reference(x, w, 1e-6))
+    assert spy_triton.get("rms_norm_triton", 0) == 0
+    rms_norm(x, w, 1e-6)
+    assert spy_triton["rms_norm_triton"] == 1
 
 
 def test_model_forward_backward_with_triton_norms(triton_cpu, spy_triton, monkeypatch):

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One lease on a lent GPU machine: install Tessera into the machine's Python (which already has
+# CUDA PyTorch and Triton), run the GPU tests, then the GPU benchmarks. Every step writes its
+# log under $OUT (or ./gpu-out) and a failed step does not stop the later ones.
+#
+#   bash benchmarks/gpu_session.sh [STEP...]   steps: tests kernels host-profile train train1b serve
+#                                              (default: tests kernels train serve)
+#
+# Python packages the machine's image lacks (pydantic 2 and pydantic-core, annotated-types,
+# typing-inspection, typing-extensions, fastapi, starlette, uvicorn, opentelemetry-api) travel as
+# cp312 manylinux wheels in .whl/, fetched on a machine with a registry:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 -d .whl pydantic==2.14.3 pydantic_core==2.50.4 ...
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+STEPS=${*:-tests kernels train serve}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+unset TRITON_INTERPRET
+
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, report the status
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "[gpu-session] $name: exit $rc in $((SECONDS - t0)) s"
+    tail -n 25 "$OUT/$name.log"
+}
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+    python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+} 2>&1 | tee "$OUT/machine.txt"
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade .whl/*.whl || exit 1
+fi
+for pkg in packages/common kernels packages/data_prep packages/trainer packages/ckpt_convert packages/inference; do
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e "$pkg" || exit 1
+done
+
+for s in $STEPS; do
+    case $s in
+    tests)
+        step tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests ;;
+    kernels)
+        step kernels 120 python3 benchmarks/kernels.py --dtype bf16 ;;
+    host-profile)
+        step host-profile 120 python3 benchmarks/kernels.py --host-profile ;;
+    train)
+        step train-160m 240 python3 benchmarks/train_throughput.py --device cuda --precision bf16 \
+            --preset llama-160m --full-size --seq 2048 --batch 8 --steps 20 --warmup 5 \
+            --json "$OUT/train-160m.json" ;;
+    train1b)
+        step train-1b 400 python3 benchmarks/train_throughput.py --device cuda --precision bf16 \
+            --preset llama-1b --full-size --seq 2048 --batch 4 --steps 10 --warmup 4 \
+            --json "$OUT/train-1b.json" ;;
+    serve)
+        step serve 300 python3 benchmarks/serving.py --device cuda --preset llama-160m \
+            --num-requests 256 --concurrency 64 --naive-requests 16 --rounds 1 \
+            --max-num-batched-tokens 2048 ;;
+    *) echo "gpu_session.sh: unknown step $s (steps: tests kernels host-profile train train1b serve)"; exit 2 ;;
+    esac
+done
