@@ -1,8 +1,9 @@
 """Serving benchmark, after vLLM's benchmark_serving: our server vs transformers peers, same model.
 
 Starts `tessera-serve` as a subprocess on a randomly initialised Llama (default: ~20M parameters,
-a scaled-down llama-160m; `--preset llama-160m` for the real shape), sends N requests with a
-fixed concurrency (default 32) over streaming /v1/completions, and reports request throughput,
+a scaled-down llama-160m; `--preset llama-160m` for the real shape), sends N requests over
+streaming /v1/completions with at most `--concurrency` in flight (default 32), all at once or as
+Poisson arrivals (`--request-rate`, requests/s, as vLLM's benchmark), and reports request throughput,
 output tokens/s, TTFT, TPOT and ITL (mean, median, p99). Then, in the same run, on the same
 weights and the same prompts/output lengths:
   - naive:  transformers `generate`, one request at a time (a server without batching);
@@ -96,14 +97,17 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-async def run_client(url: str, workload, concurrency: int) -> dict:
+async def run_client(url: str, workload, concurrency: int, arrivals: list[float] | None = None) -> dict:
+    """Send every request of `workload`, at most `concurrency` in flight; with `arrivals` (seconds
+    from the start, one per request) a request is not sent before its arrival time."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
     ttft, itl, tpot, e2e, out_tokens = [], [], [], [], 0
 
-    async def one(client, prompt, n_out):
+    async def one(client, prompt, n_out, arrival):
         nonlocal out_tokens
+        await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
         async with sem:
             t0 = time.perf_counter()
             times = []
@@ -122,8 +126,9 @@ async def run_client(url: str, workload, concurrency: int) -> dict:
             out_tokens += n_out
 
     async with httpx.AsyncClient(timeout=600) as client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(client, p, n) for p, n in workload))
+        start = t0 = time.perf_counter()
+        offsets = arrivals or [0.0] * len(workload)
+        await asyncio.gather(*(one(client, p, n, a) for (p, n), a in zip(workload, offsets)))
         dur = time.perf_counter() - t0
     return {"duration": dur, "requests_per_s": len(workload) / dur, "output_tok_per_s": out_tokens / dur,
             "ttft": ttft, "itl": itl, "tpot": tpot, "e2e": e2e}
@@ -171,6 +176,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input-len", type=int, nargs=2, default=[16, 64], help="prompt length range (uniform)")
     ap.add_argument("--output-len", type=int, nargs=2, default=[8, 128], help="output length range (uniform)")
+    ap.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="Poisson arrivals at this many requests/s (default inf: all at once, "
+                         "bounded by --concurrency)")
     ap.add_argument("--naive-requests", type=int, default=8, help="requests the naive peer runs (it is slow)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256, help="server step token budget")
     ap.add_argument("--rounds", type=int, default=2, help="alternate the three systems this many times")
@@ -191,6 +199,12 @@ def main() -> None:
     vocab = model.cfg.vocab_size
     workload = [([rng.randrange(1, vocab) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len))
                 for _ in range(args.num_requests)]
+    arrivals = None
+    if args.request_rate != float("inf"):
+        arrivals, t = [], 0.0
+        for _ in workload:
+            t += rng.expovariate(args.request_rate)
+            arrivals.append(t)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -220,7 +234,7 @@ def main() -> None:
         # each comparison is between runs taken close together.
         rounds = []
         for r in range(args.rounds):
-            ours = asyncio.run(run_client(url, workload, args.concurrency))
+            ours = asyncio.run(run_client(url, workload, args.concurrency, arrivals))
             static = run_static(hf, workload, args.concurrency)
             naive = run_naive(hf, workload, args.naive_requests)
             rounds.append((ours, static, naive))
@@ -236,7 +250,8 @@ def main() -> None:
     print(f"model: {args.preset} (random weights, {n_params / 1e6:.1f}M params), {str(dtype).removeprefix('torch.')}, {args.device}, torch threads {args.threads}, "
           f"engine {'thread in the HTTP process' if args.engine_thread else 'in its own process'}")
     print(f"command: {' '.join(sys.argv)}")
-    print(f"workload: {args.num_requests} requests, concurrency {args.concurrency}, input {args.input_len}, "
+    rate = "all at once" if arrivals is None else f"Poisson arrivals at {args.request_rate:g} req/s"
+    print(f"workload: {args.num_requests} requests ({rate}), concurrency {args.concurrency}, input {args.input_len}, "
           f"output {args.output_len} tokens (ignore_eos); naive peer runs the first {args.naive_requests}")
     for r, (ours, static, naive) in enumerate(rounds, 1):
         print(f"--- round {r}")
