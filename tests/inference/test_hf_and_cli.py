@@ -62,6 +62,8 @@ def test_cli_bad_input(tiny_ckpt, tmp_path):
     assert r.returncode == 2 and "missing" in r.stderr and "Traceback" not in r.stderr
     r = _cli("cli", "--checkpoint", str(tiny_ckpt), "--max-num-seqs", "100", "--max-num-batched-tokens", "10")
     assert r.returncode == 2 and "max-num-batched-tokens" in r.stderr
+    r = _cli("cli", "--checkpoint", str(tiny_ckpt), "--drain-timeout", "-1")
+    assert r.returncode == 2 and "--drain-timeout" in r.stderr and "Traceback" not in r.stderr
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a"}\n{"text": "b"}\n')
     r = _cli("generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"))

@@ -143,6 +143,10 @@ def test_errors_are_openai_shaped(server):
         (json.dumps({"prompt": "a", "temperature": -1}).encode(), 400),
         (json.dumps({"prompt": "a", "model": "other"}).encode(), 404),
         (json.dumps({"prompt": "a", "pad": "x" * 30_000}).encode(), 400),  # body size
+        (json.dumps({"prompt": "a", "logit_bias": {"abc": 1}}).encode(), 400),  # key not a token id
+        (json.dumps({"prompt": "a", "logit_bias": {"99999999": 1}}).encode(), 400),  # id out of vocabulary
+        (json.dumps({"prompt": "a", "logit_bias": {"1": 500}}).encode(), 400),  # bias out of range
+        (json.dumps({"prompt": "a", "n": 1, "best_of": 3}).encode(), 400),  # candidate ranking
     ]
     for body, status in cases:
         r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise UserError(f"--{flag.replace('_', '-')} {value}: must be positive")
+    if not (args.drain_timeout >= 0 and math.isfinite(args.drain_timeout)):
+        raise UserError(f"--drain-timeout {args.drain_timeout}: must be a number of seconds >= 0")
     if not os.path.exists(args.checkpoint):
         raise UserError(f"{args.checkpoint}: checkpoint not found (pass a run dir, checkpoints dir, "
                         "iter_NNNNNNN dir or Hugging Face export dir)")
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
           f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
-                    access_log=not args.quiet, timeout_graceful_shutdown=int(args.drain_timeout) or None)
+                    access_log=not args.quiet, timeout_graceful_shutdown=math.ceil(args.drain_timeout))
     finally:
         if frontend.healthy:  # uvicorn never got to its shutdown (e.g. the port was taken)
             frontend.shutdown(timeout=0)

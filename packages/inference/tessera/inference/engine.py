@@ -77,6 +77,8 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: 
         raise RequestRejected("the prompt is empty; send at least one token", "prompt")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    if params.logit_bias and (min(params.logit_bias) < 0 or max(params.logit_bias) >= vocab_size):
+        raise RequestRejected(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
     if len(prompt_ids) + params.max_tokens > max_model_len:
         raise RequestRejected(
             f"this model's maximum context length is {max_model_len} tokens, but the request "

@@ -40,6 +40,8 @@ class _SamplingFields(_Body):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     user: str | None = None
+    # JSON object keys are strings; pydantic turns "50256" into 50256 and refuses "abc".
+    logit_bias: dict[int, float] | None = Field(None, description="Token id -> bias in [-100, 100] (OpenAI).")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0) -> SamplingParams:
         """Build (and validate) the engine's SamplingParams; pydantic errors surface as 400s.
@@ -54,7 +56,7 @@ class _SamplingFields(_Body):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=seed, stop=stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
         )
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
@@ -65,8 +67,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
+    best_of: int | None = Field(None, description="Accepted only equal to n (no candidate ranking).")
 
 
 class ChatMessage(_Body):
@@ -93,7 +94,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
 
 
 class MegatronRequest(_Body):

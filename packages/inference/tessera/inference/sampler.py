@@ -1,6 +1,6 @@
 """Choosing each sequence's next token from its logits, with its own settings and generator.
 
-Order (as in vLLM/transformers): penalties on the raw logits, min_tokens masking, then greedy
+Order (as in vLLM/transformers): penalties and logit_bias on the raw logits, min_tokens masking, then greedy
 argmax, or temperature -> top-k -> top-p -> min-p -> a draw from the request's own
 torch.Generator. The draw depends only on that request's logits and generator, never on its
 batch mates, so a seeded request reproduces. Logprobs are reported from the model's raw
@@ -57,10 +57,14 @@ class Sampler:
         for i, seq in enumerate(seqs):
             p = seq.params
             needs_mask = len(seq.output_ids) < p.min_tokens
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or needs_mask:
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or needs_mask or p.logit_bias:
                 if processed is logits:
                     processed = logits.clone()
                 apply_penalties(processed[i], seq)
+                if p.logit_bias:
+                    ids = torch.tensor(list(p.logit_bias), device=logits.device)
+                    processed[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device,
+                                                      dtype=logits.dtype)
                 if needs_mask:
                     banned = list(seq.eos_ids | set(p.stop_token_ids))
                     if banned:

@@ -26,6 +26,9 @@ class SamplingParams(StrictModel):
     logprobs: int | None = Field(None, ge=0, le=20, description="Return the sampled token's logprob and the top-n alternatives.")
     prompt_logprobs: bool = Field(False, description="Also return the logprob of every prompt token after the first (disables prefix-cache reuse for it).")
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the returned text.")
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict,
+        description="Token id -> value in [-100, 100] added to its logit before sampling (OpenAI).")
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
@@ -35,6 +38,8 @@ class SamplingParams(StrictModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.max_tokens == 0 and not self.prompt_logprobs:
             raise ValueError("max_tokens must be >= 1")
+        if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         return self
 
     @property

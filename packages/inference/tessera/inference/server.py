@@ -245,6 +245,9 @@ class OpenAIServer:
         self._check_model(body.model)
         if body.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise ApiError(400, "best_of is supported only equal to n (this server does not rank candidates)",
+                           param="best_of")
         raw = body.prompt
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             prompts = [raw]
@@ -347,7 +350,8 @@ class OpenAIServer:
             raise ApiError(400, str(exc), param="messages") from None
         ids = self.tokenizer.encode(text)  # the template already placed any special tokens
         self._check_prompt(ids)
-        max_tokens = self._resolve_max_tokens(body.max_completion_tokens or body.max_tokens, len(ids))
+        max_tokens = self._resolve_max_tokens(
+            body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens, len(ids))
         top = body.top_logprobs or 0 if body.logprobs else None
         jobs = [(ids, body.sampling_params(max_tokens, top, index=j)) for j in range(body.n)]
         submitted = self._submit_all("chat", jobs)
