@@ -83,6 +83,22 @@ def test_same_tokens_and_logprobs_as_in_process_engine(served, tiny_ckpt):
             assert top == pytest.approx(want, abs=1e-5)
 
 
+def test_logit_bias_crosses_the_pipe(served, tiny_ckpt):
+    """logit_bias (int keys, JSON string keys on the wire) reaches the engine process."""
+    ref_engine = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=256)
+    prompt = [5, 6, 7, 8]
+    texts = {}
+    for bias in ({}, {50: 100.0}):
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logit_bias=bias)
+        want = "".join(o.new_text for o in run_all(ref_engine, {"r": (prompt, params)})["r"])
+        body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                "logit_bias": {str(k): v for k, v in bias.items()}}
+        got = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == want
+        texts[bool(bias)] = want
+    assert texts[True] != texts[False]
+
+
 def test_disconnect_frees_blocks_in_the_engine_process(served):
     body = {"prompt": "def f(x):", "max_tokens": 150, "temperature": 0, "stream": True, "ignore_eos": True}
     before = served.metric("tessera:generation_tokens_total")
