@@ -8,7 +8,7 @@ durable: fsynced before the rename that publishes it; cp's is not). Peak memory 
 the model size and the largest tensor: the target is "largest tensor x small constant + fixed
 overhead", not the model size; throughput target >= 0.5x cp.
 
-    .venv/bin/python benchmarks/ckpt_convert.py [--workdir DIR] [--layers 6] [--reps 3] [--keep]
+    .venv/bin/python benchmarks/ckpt_convert.py [--workdir DIR] [--layers 6] [--reps 3] [--keep] [--ab-writeback]
 
 Every timed run, peer or converter, starts from the same clean state: the previous run's output
 is deleted, `sync` flushes every dirty page (so no run pays for its predecessor's writeback) and
@@ -37,7 +37,10 @@ import json, os, sys, time
 from tessera.ckpt_convert.cli import run
 def hwm():
     return int([ln for ln in open("/proc/self/status") if ln.startswith("VmHWM")][0].split()[1]) * 1024
-warm, real, settle = json.loads(sys.argv[1])
+warm, real, settle, no_writeback = json.loads(sys.argv[1])
+if no_writeback:  # A/B: the converters as they were before early writeback (mapped.early_writeback)
+    import tessera.ckpt_convert.mapped as mapped
+    mapped.WRITEBACK_STEP = 1 << 62
 run(warm)
 fixed = hwm()
 os.sync()  # start from a clean state: nothing dirty left by the warm-up or an earlier run
@@ -81,9 +84,10 @@ def clean_state(settle: float) -> None:
     time.sleep(settle)
 
 
-def timed(py: str, warm: list[str], real: list[str], settle: float) -> tuple[float, int, float, int]:
+def timed(py: str, warm: list[str], real: list[str], settle: float,
+          no_writeback: bool = False) -> tuple[float, int, float, int]:
     """(wall s, peak RSS bytes, CPU s incl. helper threads, fixed RSS bytes) of the measured run."""
-    cmd = [py, "-c", WRAPPER, json.dumps([warm, real, settle])]
+    cmd = [py, "-c", WRAPPER, json.dumps([warm, real, settle, no_writeback])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
@@ -118,6 +122,8 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait after sync before each timed run")
     ap.add_argument("--only", default=None, help="comma-separated operation names to run (default: all)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--ab-writeback", action="store_true",
+                    help="also run each operation with early writeback off (alternating), for a before/after")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tessera-ckpt-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -156,6 +162,11 @@ def main() -> None:
         warm, real = ops(tiny, "-tiny"), ops(work / "ckpt", "")
         warm["import hf (fp32)"][4] = str(work / "hf-input-tiny")
         names = [n for n in real if args.only is None or any(o.strip() in n for o in args.only.split(","))]
+        off = " [no early writeback]"
+        if args.ab_writeback:
+            for n in list(names):
+                warm[n + off], real[n + off] = warm[n], real[n]
+            names = [m for n in names for m in (n + off, n)]
         cp_runs: list[tuple[float, float]] = []
         sync_runs: list[float] = []
         runs: dict[str, list[tuple[float, int, float, int]]] = {n: [] for n in names}
@@ -164,11 +175,12 @@ def main() -> None:
             cp_runs.append(cp_run(ck, work / "cp_copy", False, args.settle))
             sync_runs.append(cp_run(ck, work / "cp_copy", True, args.settle)[0])
             for name in names:
-                runs[name].append(timed(py, warm[name] + ["--quiet"], real[name] + ["--quiet"], args.settle))
+                runs[name].append(timed(py, warm[name] + ["--quiet"], real[name] + ["--quiet"], args.settle,
+                                        name.endswith(off)))
                 shutil.rmtree(Path(real[name][real[name].index("--output") + 1]))
                 shutil.rmtree(Path(warm[name][warm[name].index("--output") + 1]))
             print(f"rep {rep + 1}: cp {cp_runs[-1][0]:.2f}s, cp+sync {sync_runs[-1]:.2f}s, "
-                  + ", ".join(f"{n.split(' (')[0]} {runs[n][-1][0]:.2f}s" for n in names), flush=True)
+                  + ", ".join(f"{n.split(' (')[0]}{'[off]' if n.endswith(off) else ''} {runs[n][-1][0]:.2f}s" for n in names), flush=True)
         cp_s = median([r[0] for r in cp_runs])
         cp_cpu = median([r[1] for r in cp_runs])
         cp_sync_s = median(sync_runs)

@@ -21,6 +21,9 @@ Here instead:
   (`copy_file_range`, what `cp` does) instead of through write() from the map: on the dev VM,
   1.2 GB take 0.3-0.4 s that way against 0.65-0.8 s (measured), the difference being the page
   faults on the map. Everything else is written with write().
+- `early_writeback`: after each 64 MiB written to an output, asynchronous writeback of it is
+  started (sync_file_range), so the disk writes while the converter still produces; the final
+  fsync still makes the output durable.
 
 Alignment: a mapped tensor's address modulo its element size is its file offset's. Files written
 by tessera-ckpt keep tensor bytes 64-byte aligned, but DCP itself packs entries back to back, so
@@ -32,6 +35,7 @@ realigns by itself (a byte copy into a second reused buffer), and `raw()` needs 
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import mmap
@@ -90,7 +94,48 @@ def write_bytes(f: BinaryIO, data: Any) -> int:
         f.seek(0, os.SEEK_END)  # the kernel moved the file position: let the buffered file know
     if done < view.nbytes:  # no kernel copy, or it stopped (unsupported here): write the rest
         f.write(view[done:])
+    early_writeback(f)
     return view.nbytes
+
+
+# Early writeback: every output is fsynced before it is published, and with nothing else said the
+# kernel leaves a converter's output dirty in the page cache until that fsync (1.2 GB is under the
+# background-writeback threshold), so the disk idles while the CPU writes, then the CPU idles while
+# the disk writes. Asking for asynchronous writeback of each finished 64 MiB of a file
+# (sync_file_range(SYNC_FILE_RANGE_WRITE): starts I/O, waits for nothing, durability still comes
+# from the fsync) overlaps the two. Ranges this large keep ext4's allocations large (an earlier
+# attempt with smaller ranges was measured ~3x slower; see benchmarks/results/ckpt_convert.md).
+WRITEBACK_STEP = 64 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+_written_back: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # file -> bytes handed to writeback
+
+
+def early_writeback(f: BinaryIO) -> None:
+    """Start writeback of `f`'s bytes not yet handed to it, once there are WRITEBACK_STEP of them.
+    A hint only: where the call is unavailable or fails, nothing happens (the fsync does it all)."""
+    end = f.tell()
+    start = _written_back.get(f, 0)
+    if end - start < WRITEBACK_STEP:
+        return
+    f.flush()
+    _written_back[f] = end
+    sync_file_range = _sync_file_range()
+    if sync_file_range is not None:
+        sync_file_range(f.fileno(), start, end - start, _SYNC_FILE_RANGE_WRITE)  # errors ignored: a hint
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    """libc's sync_file_range (Linux), or None."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):
+        return None
 
 
 def _kernel_copy(path: str, offset: int, fd_out: int, count: int) -> int:
