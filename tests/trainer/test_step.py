@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tessera.common.model_config import preset
 from tessera.trainer.config import OptimConfig
 from tessera.trainer.host_memory import retain_freed_memory
+from tessera.trainer.loss import cross_entropy_loss, logsumexp_cross_entropy
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer
 from tessera.trainer.precision import Precision
@@ -78,3 +79,20 @@ def test_retain_freed_memory_on_glibc():
     assert retain_freed_memory() == took  # idempotent
     x = torch.ones(16 * 2**20)  # 64 MiB, served from the heap now; still an ordinary tensor
     assert float(x.sum()) == 16 * 2**20
+
+
+def test_logsumexp_cross_entropy_matches_f_cross_entropy():
+    """The compiled step's loss form: same value and gradient as F.cross_entropy, ignore_index included."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 9, 37, generator=gen) * 3).requires_grad_()
+    labels = torch.randint(0, 37, (2, 9), generator=gen)
+    labels[0, :3] = -100
+    for lab in (labels, labels.clamp(min=0)):
+        ref = cross_entropy_loss(logits, lab)
+        (g_ref,) = torch.autograd.grad(ref, logits)
+        got = logsumexp_cross_entropy(logits, lab)
+        (g_got,) = torch.autograd.grad(got, logits)
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(g_got, g_ref, rtol=1e-5, atol=1e-7)
+    assert torch.isnan(logsumexp_cross_entropy(logits, torch.full_like(labels, -100)))  # as F.cross_entropy
+
