@@ -136,6 +136,21 @@ def test_stop_request_catches_sigint_and_sigterm():
     assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
+def test_second_sigint_interrupts_at_once():
+    from tessera.trainer.signals import StopRequest
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopRequest().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is before
+    finally:
+        stop.restore()
+
+
 @pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits_zero(make_config, tmp_path):
     sig = signal.SIGTERM

@@ -48,10 +48,10 @@ class OptimConfig(StrictModel):
 
 
 class ScheduleConfig(StrictModel):
-    """Learning rate: linear warmup from 0, then the chosen decay to min_lr."""
+    """Learning rate: linear warmup (lr / warmup_steps, 2 lr / warmup_steps, ... lr), then the chosen decay to min_lr."""
 
     kind: Literal["cosine", "linear", "constant", "wsd"] = Field("cosine", description="Decay after warmup: cosine or linear to min_lr over the remaining steps; constant at lr; wsd = warmup-stable-decay (constant, then linear decay over the last decay_fraction of steps).")
-    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from 0 to lr.")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup to lr: step i (0-based) uses lr * (i + 1) / warmup_steps.")
     decay_steps: int | None = Field(None, gt=0, description="Steps (from the end of warmup) over which cosine/linear decay to min_lr; default: the rest of training.")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd only: fraction of all steps spent in the final linear decay.")
 

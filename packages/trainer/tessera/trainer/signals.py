@@ -1,7 +1,8 @@
 """Graceful stop on SIGTERM/SIGINT: the loop finishes its current step, saves, and exits 0.
 
-A preempted job (SLURM and Kubernetes send SIGTERM) thus loses nothing. A second SIGINT restores
-the default behaviour, so Ctrl-C twice still interrupts a run that hangs.
+A preempted job (SLURM and Kubernetes send SIGTERM) thus loses nothing. A second SIGINT raises
+KeyboardInterrupt at once (the handlers in place before are restored first), so Ctrl-C twice still
+interrupts a run that hangs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signal_name is not None and signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.restore()
+            raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
 
     def install(self) -> StopRequest:
