@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tessera.ckpt_convert.options import DTYPE_CHOICES, parse_dtype, parse_size
+from tessera.ckpt_convert.options import DTYPE_CHOICES, NO_SYNC_HELP, parse_dtype, parse_size
 from tessera.common.errors import UserError, run_cli
 
 CKPT_HELP = ("checkpoint: an iteration directory (iter_NNNNNNN/), a checkpoints directory with "
@@ -29,9 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", metavar="VERB", required=True, parser_class=_Parser)
 
     def common(sp: argparse.ArgumentParser, overwrite: bool = True) -> None:
-        if overwrite:
+        if overwrite:  # the verbs that write an output
             sp.add_argument("--overwrite", action="store_true",
                             help="replace OUTPUT if it exists (the old one is removed only after the new one is complete)")
+            sp.add_argument("--no-sync", dest="sync", action="store_false", help=NO_SYNC_HELP)
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
 
     r = sub.add_parser("reshard", help="rewrite a checkpoint partitioned for another parallel layout",
@@ -105,7 +106,7 @@ def run(argv: list[str] | None = None) -> int:
                             "a Hugging Face export is always unpartitioned")
         out = export_hf(args.checkpoint, args.output, ExportOptions(
             dtype=parse_dtype(args.dtype), max_shard_size=parse_size(args.max_shard_size),
-            overwrite=args.overwrite, quiet=args.quiet))
+            overwrite=args.overwrite, quiet=args.quiet, sync=args.sync))
         print(out)
     elif args.verb == "export":
         from tessera.ckpt_convert.export_trtllm import TrtllmOptions, export_trtllm
@@ -113,7 +114,7 @@ def run(argv: list[str] | None = None) -> int:
         out = export_trtllm(args.checkpoint, args.output, TrtllmOptions(
             tp=_positive("--tensor-parallel", args.tensor_parallel),
             pp=_positive("--pipeline-parallel", args.pipeline_parallel),
-            dtype=parse_dtype(args.dtype), overwrite=args.overwrite, quiet=args.quiet))
+            dtype=parse_dtype(args.dtype), overwrite=args.overwrite, quiet=args.quiet, sync=args.sync))
         print(out)
     elif args.verb == "reshard":
         from tessera.ckpt_convert.reshard import reshard
@@ -123,13 +124,14 @@ def run(argv: list[str] | None = None) -> int:
                                 pipeline=_positive("--pipeline-parallel", args.pipeline_parallel),
                                 data=_positive("--data-parallel", args.data_parallel),
                                 virtual_stages=_positive("--virtual-stages", args.virtual_stages))
-        out = reshard(args.checkpoint, args.output, layout, overwrite=args.overwrite, quiet=args.quiet)
+        out = reshard(args.checkpoint, args.output, layout, overwrite=args.overwrite, quiet=args.quiet,
+                      sync=args.sync)
         print(out)
     elif args.verb == "import":
         from tessera.ckpt_convert.import_hf import import_hf
 
         out = import_hf(args.input, args.output, dtype=parse_dtype(args.dtype),
-                        overwrite=args.overwrite, quiet=args.quiet)
+                        overwrite=args.overwrite, quiet=args.quiet, sync=args.sync)
         print(out)
     elif args.verb == "verify":
         from tessera.ckpt_convert.inspect import verify

@@ -44,8 +44,16 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tessera.ckpt_convert.mapped import Staging, exact, write_bytes
-from tessera.common.checkpoint import CHECKSUM_ALGORITHM
-from tessera.common.fileio import HashingWriter
+from tessera.common.checkpoint import (
+    CHECKPOINT_FORMAT_VERSION,
+    CHECKSUM_ALGORITHM,
+    POINTER,
+    SIDECAR,
+    checkpoint_files,
+    finalize_checkpoint,
+    write_pointer,
+)
+from tessera.common.fileio import HashingWriter, atomic_write_json, atomic_write_text, file_digest
 
 ENTRY_ALIGNMENT = 64
 
@@ -89,11 +97,14 @@ def rank_file(rank: int) -> str:
 class ShardedDcpWriter:
     """Streams tensors into per-rank DCP files; `close()` writes the `.metadata` index."""
 
-    def __init__(self, directory: Path, world_size: int):
+    def __init__(self, directory: Path, world_size: int, sync: bool = True):
+        """`sync`: fsync every file at close (early writeback while writing); False: neither."""
         self.directory = directory
+        self.sync = sync
         directory.mkdir(parents=True, exist_ok=True)
         self.raw: list[BinaryIO] = [open(directory / rank_file(r), "wb") for r in range(world_size)]
-        self.files = [HashingWriter(f, CHECKSUM_ALGORITHM, write=functools.partial(write_bytes, f)) for f in self.raw]
+        self.files = [HashingWriter(f, CHECKSUM_ALGORITHM, write=functools.partial(write_bytes, f, writeback=sync))
+                      for f in self.raw]
         self.staging = Staging()
         self.state_md: dict[str, Any] = {}
         self.planner_data: dict[str, Any] = {}
@@ -145,16 +156,45 @@ class ShardedDcpWriter:
         return len(data)
 
     def close(self) -> dict[str, str]:
-        """fsync and close the rank files, write `.metadata`; returns the rank files' checksums
-        (file name -> CHECKSUM_ALGORITHM hex digest) for `finalize_checkpoint`."""
+        """fsync (unless sync=False) and close the rank files, write `.metadata`; returns the rank
+        files' checksums (file name -> CHECKSUM_ALGORITHM hex digest) for `finalize_checkpoint`."""
         for f in self.raw:
             f.flush()
-            os.fsync(f.fileno())
+            if self.sync:
+                os.fsync(f.fileno())
             f.close()
         metadata = Metadata(state_dict_metadata=self.state_md, planner_data=self.planner_data)
-        FileSystemWriter(str(self.directory)).finish(metadata, [self.results])
+        FileSystemWriter(str(self.directory), sync_files=self.sync).finish(metadata, [self.results])
         return {rank_file(r): f.hexdigest() for r, f in enumerate(self.files)}
 
     def abort(self) -> None:
         for f in self.raw:
             f.close()
+
+
+def finalize_output(directory: Path, sidecar: Any, checksums: dict[str, str], sync: bool = True) -> None:
+    """`finalize_checkpoint` (sidecar written last, fsynced), or with sync=False the same sidecar
+    written without any fsync. The non-durable branch mirrors finalize_checkpoint (which always
+    fsyncs); the tests compare both outputs byte for byte, so a drift between the two shows."""
+    if sync:
+        finalize_checkpoint(directory, sidecar, checksums)
+        return
+    files = checkpoint_files(directory)
+    known = dict(checksums)
+    for p in files:
+        if p.name not in known:  # .metadata (small): hashed here, as finalize_checkpoint does
+            digest = file_digest(p, CHECKSUM_ALGORITHM)
+            assert digest is not None  # not cancellable here
+            known[p.name] = digest
+    sidecar.format_version = CHECKPOINT_FORMAT_VERSION
+    sidecar.checksum_algorithm = CHECKSUM_ALGORITHM
+    sidecar.checksums = {p.name: known[p.name] for p in files}
+    atomic_write_json(directory / SIDECAR, sidecar.model_dump(mode="json"), sync=False)
+
+
+def write_pointer_file(checkpoints_root: Path, step: int, sync: bool = True) -> None:
+    """`write_pointer`, or with sync=False the same file written without fsync."""
+    if sync:
+        write_pointer(checkpoints_root, step)
+    else:
+        atomic_write_text(checkpoints_root / POINTER, f"{step}\n", sync=False)

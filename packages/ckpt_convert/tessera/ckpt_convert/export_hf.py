@@ -36,6 +36,7 @@ class ExportOptions:
     max_shard_size: int = 5 * 10**9
     overwrite: bool = False
     quiet: bool = False
+    sync: bool = True  # False: no fsync of the output (options.NO_SYNC_HELP); still renamed when whole
 
 
 def check_model_tensors(src: CheckpointSource, rules: list[Rule], names_shapes: dict[str, tuple[int, ...]]) -> None:
@@ -99,14 +100,14 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
     by_name = {r.target: r for r in rules}
     total = sum(t.nbytes for t in planned)
 
-    with src.checksum_check() as checksums, atomic_directory(output, overwrite=opts.overwrite) as tmp, \
-            BackgroundFsync() as syncer, \
+    with src.checksum_check() as checksums, atomic_directory(output, overwrite=opts.overwrite, sync=opts.sync) as tmp, \
+            BackgroundFsync(sync=opts.sync) as syncer, \
             Progress(total, len(rules), f"export hf -> {output.name}", opts.quiet) as bar:
         staging = Staging()
         for shard, fname in zip(shards, names):
             f = open(tmp / fname, "wb")
             try:
-                writer = SafetensorsStreamWriter(f, shard, ST_METADATA, staging=staging)
+                writer = SafetensorsStreamWriter(f, shard, ST_METADATA, staging=staging, sync=opts.sync)
                 for t in shard:
                     rule = by_name[t.name]
                     # A rule that only renames passes its input straight to the writer: raw (mapped) is fine.
@@ -125,20 +126,21 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
             atomic_write_json(tmp / INDEX_FILE, {
                 "metadata": {"total_size": sum(t.nbytes for t in planned)},
                 "weight_map": {t.name: fname for shard, fname in zip(shards, names) for t in shard},
-            })
-        write_config_files(tmp, cfg, dtype, tok)
+            }, sync=opts.sync)
+        write_config_files(tmp, cfg, dtype, tok, sync=opts.sync)
         checksums.wait()  # the input's checksums must match before the output is committed
     return output
 
 
-def write_config_files(out: Path, cfg: ModelConfig, dtype: torch.dtype, tok: Tokenizer | None) -> None:
+def write_config_files(out: Path, cfg: ModelConfig, dtype: torch.dtype, tok: Tokenizer | None,
+                       sync: bool = True) -> None:
     bos = tok.bos_id if tok else None
     eos = tok.eos_id if tok else None
     pad = tok.pad_id if tok else None
-    atomic_write_json(out / "config.json", hf_config(cfg, dtype, bos, eos, pad))
+    atomic_write_json(out / "config.json", hf_config(cfg, dtype, bos, eos, pad), sync=sync)
     gen = {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos}
     if pad is not None:
         gen["pad_token_id"] = pad
-    atomic_write_json(out / "generation_config.json", gen)
+    atomic_write_json(out / "generation_config.json", gen, sync=sync)
     if tok is not None:
-        write_hf_tokenizer(tok, out)
+        write_hf_tokenizer(tok, out, sync=sync)

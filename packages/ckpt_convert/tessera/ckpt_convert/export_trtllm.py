@@ -57,6 +57,7 @@ class TrtllmOptions:
     dtype: torch.dtype | None = None
     overwrite: bool = False
     quiet: bool = False
+    sync: bool = True  # False: no fsync of the output (options.NO_SYNC_HELP); still renamed when whole
 
 
 @dataclass(frozen=True)
@@ -242,12 +243,12 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
             plans[rank_of(r, it.pp_rank, tp)].append(PlannedTensor(it.name, it.shape, dtype))
     total = sum(t.nbytes for plan in plans for t in plan)
 
-    with src.checksum_check() as checksums, atomic_directory(output, overwrite=opts.overwrite) as tmp, \
+    with src.checksum_check() as checksums, atomic_directory(output, overwrite=opts.overwrite, sync=opts.sync) as tmp, \
             Progress(total, len(all_items), f"export trtllm tp{tp} pp{pp}", opts.quiet) as bar:
         files = [open(tmp / f"rank{r}.safetensors", "wb") for r in range(tp * pp)]
         try:
             staging = Staging()  # one reused buffer for every rank's non-contiguous pieces
-            writers = [SafetensorsStreamWriter(f, plan, staging=staging) for f, plan in zip(files, plans)]
+            writers = [SafetensorsStreamWriter(f, plan, staging=staging, sync=opts.sync) for f, plan in zip(files, plans)]
             # Tensor-major: each source tensor is read once (memory-mapped) and cut into its tp pieces.
             for it in all_items:
                 # Raw (mapped) inputs: makers take views (the writer realigns what it copies) or
@@ -262,10 +263,11 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
                 del loaded, inputs
             for w, f in zip(writers, files):
                 w.close()
-                fsync(f)
+                if opts.sync:
+                    fsync(f)
         finally:
             for f in files:
                 f.close()
-        atomic_write_json(tmp / "config.json", config)
+        atomic_write_json(tmp / "config.json", config, sync=opts.sync)
         checksums.wait()  # the input's checksums must match before the output is committed
     return output

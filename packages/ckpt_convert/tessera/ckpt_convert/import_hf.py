@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
-from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
+from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, finalize_output, whole, write_pointer_file
 from tessera.ckpt_convert.hf_mapping import import_rules, model_config_from_hf
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import SafetensorsFile
-from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, iter_dir_name, write_pointer
+from tessera.ckpt_convert.tokenizer_files import fsync_tree
+from tessera.common.checkpoint import CheckpointSidecar, iter_dir_name
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import atomic_directory, read_json
 from tessera.common.tokenizer import load_tokenizer
@@ -76,7 +77,8 @@ class SafetensorsDir:
 
 
 def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | None = None,
-              overwrite: bool = False, quiet: bool = False) -> Path:
+              overwrite: bool = False, quiet: bool = False, sync: bool = True) -> Path:
+    """`sync=False`: no fsync of the output (see options.NO_SYNC_HELP); still renamed when whole."""
     input_dir, output = Path(input_dir), Path(output)
     if not input_dir.is_dir():
         raise UserError(f"{input_dir}: input directory not found")
@@ -106,10 +108,10 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     itemsize = out_dtype.itemsize
     total = sum(itemsize * _numel(r.shape) for r in rules)
 
-    with atomic_directory(output, overwrite=overwrite) as tmp, \
+    with atomic_directory(output, overwrite=overwrite, sync=sync) as tmp, \
             Progress(total, len(rules), f"import hf -> {output.name}", quiet) as bar:
         target = tmp / iter_dir_name(0)
-        writer = ShardedDcpWriter(target, 1)
+        writer = ShardedDcpWriter(target, 1, sync=sync)
         try:
             for rule in rules:
                 # A view or another dtype is materialised by the writer in its reused staging buffer.
@@ -123,13 +125,15 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
         checksums = writer.close()
         if tok is not None:
             tok.save(target / "tokenizer")
+            if sync:
+                fsync_tree(target / "tokenizer")
         sidecar = CheckpointSidecar(model=cfg, tokenizer_fingerprint=tok.fingerprint if tok else None,
                                     params_dtype=str(out_dtype).removeprefix("torch."))
         sidecar.imported_from = {  # type: ignore[attr-defined]  # extra field, kept by the sidecar model
             "path": str(input_dir.resolve()), "format": "hf",
             "config_sha256": hashlib.sha256(config_path.read_bytes()).hexdigest()}
-        finalize_checkpoint(target, sidecar, checksums)  # rank files hashed as written; .metadata here
-        write_pointer(tmp, 0)
+        finalize_output(target, sidecar, checksums, sync)  # rank files hashed as written; .metadata here
+        write_pointer_file(tmp, 0, sync)
     return output
 
 

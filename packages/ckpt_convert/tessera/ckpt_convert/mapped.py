@@ -79,9 +79,10 @@ def file_region(data: Any) -> tuple[str, int] | None:
     return None
 
 
-def write_bytes(f: BinaryIO, data: Any) -> int:
+def write_bytes(f: BinaryIO, data: Any, writeback: bool = True) -> int:
     """Append a buffer to an open binary file: file to file in the kernel when the bytes are
-    pages of a mapped input, else write(). Returns the byte count.
+    pages of a mapped input, else write(). Returns the byte count. `writeback`: start early
+    writeback of the file (for an output that will be fsynced; off for a non-durable one).
 
     The kernel copies the file's bytes, not the map's: callers never modify mapped inputs (the
     converters only slice and copy them), so the two are the same."""
@@ -94,7 +95,8 @@ def write_bytes(f: BinaryIO, data: Any) -> int:
         f.seek(0, os.SEEK_END)  # the kernel moved the file position: let the buffered file know
     if done < view.nbytes:  # no kernel copy, or it stopped (unsupported here): write the rest
         f.write(view[done:])
-    early_writeback(f)
+    if writeback:
+        early_writeback(f)
     return view.nbytes
 
 

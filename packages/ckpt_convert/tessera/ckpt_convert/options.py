@@ -1,4 +1,4 @@
-"""Parsing of command-line values shared by the verbs: dtypes and byte sizes."""
+"""Parsing of command-line values shared by the verbs: dtypes and byte sizes; the durability choice."""
 
 from __future__ import annotations
 
@@ -18,6 +18,19 @@ DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+# Every writing verb takes `sync: bool` (default True) in its typed options or signature, and the
+# CLI's --no-sync sets it False. True: every output file is fsynced (with early writeback while it
+# is written), then the output directory is renamed into place and its parent fsynced: the output
+# survives a power loss once the command returns. False: no fsync, no early writeback, no directory
+# fsync (what torch.distributed.checkpoint's FileSystemWriter(sync_files=False) and `cp` do); the
+# output is still built under a temporary name and renamed only when whole, so a crash or kill of
+# the process never leaves a partial output under the final name, but a power loss or kernel crash
+# in the next seconds (until the kernel writes the pages back) can lose or truncate it.
+NO_SYNC_HELP = ("do not fsync the output (faster; as cp or DCP's sync_files=False): it is still renamed into "
+                "place only when complete, so a crash of this process never leaves a partial output, but a "
+                "power loss or OS crash shortly after can lose it. Default: fsync every file before the rename")
 
 
 def parse_dtype(value: str | None, flag: str = "--dtype") -> torch.dtype | None:

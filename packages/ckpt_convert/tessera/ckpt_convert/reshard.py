@@ -15,18 +15,19 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tessera.ckpt_convert.dcp_writer import Chunk, ShardedDcpWriter, whole
+from tessera.ckpt_convert.dcp_writer import (
+    Chunk,
+    ShardedDcpWriter,
+    finalize_output,
+    whole,
+    write_pointer_file,
+)
 from tessera.ckpt_convert.export_hf import expected_model_shapes
 from tessera.ckpt_convert.partition import match_param, model_chunks, state_chunks, validate_layout
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
-from tessera.common.checkpoint import (
-    MODEL_PREFIX,
-    TOKENIZER_DIR,
-    finalize_checkpoint,
-    iter_dir_name,
-    write_pointer,
-)
+from tessera.ckpt_convert.tokenizer_files import fsync_tree
+from tessera.common.checkpoint import MODEL_PREFIX, TOKENIZER_DIR, iter_dir_name
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory
 from tessera.common.layout import ParallelLayout
@@ -54,7 +55,8 @@ def plan(src: CheckpointSource, layout: ParallelLayout) -> dict[str, list[Chunk]
 
 
 def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, overwrite: bool = False,
-            quiet: bool = False) -> Path:
+            quiet: bool = False, sync: bool = True) -> Path:
+    """`sync=False`: no fsync of the output (see options.NO_SYNC_HELP); still renamed when whole."""
     src = CheckpointSource(checkpoint)
     output = Path(output)
     if output.exists() and not overwrite:
@@ -65,10 +67,10 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
     step = src.sidecar.step
     total = sum(s.nbytes for s in src.tensor_specs.values())
 
-    with src.checksum_check() as checksums, atomic_directory(output, overwrite=overwrite) as tmp, \
+    with src.checksum_check() as checksums, atomic_directory(output, overwrite=overwrite, sync=sync) as tmp, \
             Progress(total, len(chunks) + len(src.bytes_keys), f"reshard -> {layout.short()}", quiet) as bar:
         target = tmp / iter_dir_name(step)
-        writer = ShardedDcpWriter(target, layout.world_size)
+        writer = ShardedDcpWriter(target, layout.world_size, sync=sync)
         try:
             for key, key_chunks in chunks.items():
                 # Memory-mapped when stored whole; only written (the writer realigns what it computes on).
@@ -86,10 +88,12 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
         written = writer.close()
         if src.tokenizer_dir is not None:
             shutil.copytree(src.directory / TOKENIZER_DIR, target / TOKENIZER_DIR)
+            if sync:
+                fsync_tree(target / TOKENIZER_DIR)
         sidecar = src.sidecar.model_copy(deep=True)
         sidecar.layout = layout
         sidecar.resharded_from = src.sidecar.layout.short()  # type: ignore[attr-defined]  # extra field
-        finalize_checkpoint(target, sidecar, written)  # rank files hashed as written; .metadata here
-        write_pointer(tmp, step)
+        finalize_output(target, sidecar, written, sync)  # rank files hashed as written; .metadata here
+        write_pointer_file(tmp, step, sync)
         checksums.wait()  # the input's checksums must match before the output is committed
     return output

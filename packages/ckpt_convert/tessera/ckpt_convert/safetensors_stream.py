@@ -53,8 +53,10 @@ class SafetensorsStreamWriter:
     """Writes exactly the planned tensors, in plan order, to an open binary file."""
 
     def __init__(self, f: BinaryIO, plan: list[PlannedTensor], metadata: dict[str, str] | None = None,
-                 staging: Staging | None = None):
+                 staging: Staging | None = None, sync: bool = True):
+        """`sync`: the file will be fsynced by the caller, so start early writeback while writing."""
         self.f = f
+        self.sync = sync
         self.plan = plan
         self.next = 0
         self.staging = staging or Staging()
@@ -80,7 +82,7 @@ class SafetensorsStreamWriter:
         for part in parts:
             if part.numel():
                 # Bytes of a mapped input go file to file in the kernel; the rest with write().
-                write_bytes(self.f, raw(self.staging.ready(part.detach(), want.dtype)))
+                write_bytes(self.f, raw(self.staging.ready(part.detach(), want.dtype)), writeback=self.sync)
         self.next += 1
 
     def close(self) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from tessera.common.fileio import atomic_write_json
-from tessera.common.tokenizer import TOKENIZER_CONFIG, Tokenizer
+from tessera.common.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILES, Tokenizer
 
 
-def write_hf_tokenizer(tok: Tokenizer, out: Path) -> None:
+def write_hf_tokenizer(tok: Tokenizer, out: Path, sync: bool = True) -> None:
     """tokenizer.json + tokenizer_config.json (chat template and special tokens kept as they are).
 
     transformers needs `tokenizer_class` to pick the fast tokenizer when no slow-tokenizer files
@@ -20,4 +21,22 @@ def write_hf_tokenizer(tok: Tokenizer, out: Path) -> None:
     config = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
     if "tokenizer_class" not in config:
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        atomic_write_json(cfg_path, config)
+        atomic_write_json(cfg_path, config, sync=sync)
+    if sync:
+        fsync_tree(out, [p for p in out.iterdir() if p.name in TOKENIZER_FILES])
+
+
+def fsync_tree(directory: Path, files: list[Path] | None = None) -> None:
+    """fsync `files` (default: every file under `directory`) and `directory` itself: copied
+    tokenizer files are part of a durable output too (shutil.copyfile does not fsync)."""
+    for p in files if files is not None else [p for p in directory.rglob("*") if p.is_file()]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

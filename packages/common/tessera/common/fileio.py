@@ -111,11 +111,15 @@ class HashingWriter:
 class BackgroundFsync:
     """fsync + close finished files on a background thread while the caller writes the next one
     (the disk works while the CPU does), then `wait()` before the output is committed: it
-    re-raises the first fsync error. Use as a context manager; leaving it waits too."""
+    re-raises the first fsync error. Use as a context manager; leaving it waits too.
 
-    def __init__(self) -> None:
+    `sync=False` (a caller's explicit non-durable mode): files are only flushed and closed, at
+    once, in the caller's thread; nothing is fsynced."""
+
+    def __init__(self, sync: bool = True) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
+        self.sync = sync
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync")
         self._pending: list[Any] = []
 
@@ -128,7 +132,11 @@ class BackgroundFsync:
             f.close()
 
     def submit(self, f: BinaryIO) -> None:
-        """Take ownership of an open file: it is flushed, fsynced and closed in the background."""
+        """Take ownership of an open file: it is flushed, fsynced and closed in the background
+        (with sync=False: flushed and closed now, no fsync)."""
+        if not self.sync:
+            f.close()
+            return
         self._pending.append(self._pool.submit(self._fsync_close, f))
 
     def wait(self) -> None:
@@ -163,8 +171,13 @@ def _fsync_dir(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
-    """Open a temporary sibling of `path` for writing; rename it to `path` on success."""
+def atomic_file(path: str | os.PathLike, mode: str = "wb", sync: bool = True) -> Iterator[Any]:
+    """Open a temporary sibling of `path` for writing; rename it to `path` on success.
+
+    `sync` (default): the file is fsynced before the rename and the directory after it, so the
+    new content is durable when this returns. `sync=False`: still renamed only when whole (a
+    crash of the process never leaves a partial file under `path`), but nothing is fsynced, so a
+    power loss may lose it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_name(path)
@@ -172,34 +185,38 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb") -> Iterator[Any]:
         with open(tmp, mode) as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        if sync:
+            _fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    with atomic_file(path, "wb") as f:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, sync: bool = True) -> None:
+    with atomic_file(path, "wb", sync=sync) as f:
         f.write(data)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: str | os.PathLike, text: str, sync: bool = True) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), sync=sync)
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+def atomic_write_json(path: str | os.PathLike, obj: Any, sync: bool = True) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", sync=sync)
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(path: str | os.PathLike, overwrite: bool = False, sync: bool = True) -> Iterator[Path]:
     """Yield a temporary directory that becomes `path` when the block completes.
 
     On any exception the temporary directory is removed and `path` is untouched. With
-    `overwrite`, an existing `path` is replaced only after the new one is complete.
+    `overwrite`, an existing `path` is replaced only after the new one is complete. `sync`
+    (default): the parent directory is fsynced after the rename; the caller fsyncs the files it
+    wrote. `sync=False`: no fsync (the rename still happens only when the block completes).
     """
     path = Path(path)
     if path.exists() and not overwrite:
@@ -216,7 +233,8 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterat
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        if sync:
+            _fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
