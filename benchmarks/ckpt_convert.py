@@ -3,12 +3,15 @@
 Builds a random Llama checkpoint (default: d=2048, ffn=8192, 6 layers, vocab 16000, untied, fp32:
 ~1.9 GB, largest tensor 128 MiB), then runs each conversion in a fresh process and reports wall
 time, throughput (payload bytes / s), CPU time, peak RSS and, as the peers, `cp -r` of the same
-checkpoint directory and `cp -r` followed by `sync` of the copies (the converters' output is
-durable: fsynced before the rename that publishes it; cp's is not). Peak memory is compared with
+checkpoint directory and `cp -r` followed by `sync` of the copies. Each converter runs in two
+modes per rep: durable (the default: every output file fsynced before the rename that publishes
+it), whose like-for-like peer is `cp -r + sync`, and `--no-sync` (no fsync, as cp), whose peer is
+`cp -r`. Peak memory is compared with
 the model size and the largest tensor: the target is "largest tensor x small constant + fixed
 overhead", not the model size; throughput target >= 0.5x cp.
 
     .venv/bin/python benchmarks/ckpt_convert.py [--workdir DIR] [--layers 6] [--reps 3] [--keep] [--ab-writeback]
+        [--modes durable,no-sync] [--only reshard,...]
 
 Every timed run, peer or converter, starts from the same clean state: the previous run's output
 is deleted, `sync` flushes every dirty page (so no run pays for its predecessor's writeback) and
@@ -122,6 +125,9 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait after sync before each timed run")
     ap.add_argument("--only", default=None, help="comma-separated operation names to run (default: all)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--modes", default="durable,no-sync",
+                    help="converter modes: durable (the default output; peer cp -r + sync) and no-sync "
+                         "(--no-sync; peer cp -r), comma-separated (default both)")
     ap.add_argument("--ab-writeback", action="store_true",
                     help="also run each operation with early writeback off (alternating), for a before/after")
     args = ap.parse_args()
@@ -167,6 +173,15 @@ def main() -> None:
             for n in list(names):
                 warm[n + off], real[n + off] = warm[n], real[n]
             names = [m for n in names for m in (n + off, n)]
+        modes = {m.strip() for m in args.modes.split(",")}
+        if not modes or not modes <= {"durable", "no-sync"}:
+            sys.exit(f"--modes {args.modes!r}: choose from durable, no-sync")
+        nosync = " --no-sync"
+        for n in list(names):
+            if not n.endswith(off):  # --no-sync has no early writeback to A/B
+                warm[n + nosync], real[n + nosync] = warm[n] + ["--no-sync"], real[n] + ["--no-sync"]
+        names = [m for n in names for m in ([n] if "durable" in modes else [])
+                 + ([n + nosync] if "no-sync" in modes and not n.endswith(off) else [])]
         cp_runs: list[tuple[float, float]] = []
         sync_runs: list[float] = []
         runs: dict[str, list[tuple[float, int, float, int]]] = {n: [] for n in names}
@@ -180,27 +195,30 @@ def main() -> None:
                 shutil.rmtree(Path(real[name][real[name].index("--output") + 1]))
                 shutil.rmtree(Path(warm[name][warm[name].index("--output") + 1]))
             print(f"rep {rep + 1}: cp {cp_runs[-1][0]:.2f}s, cp+sync {sync_runs[-1]:.2f}s, "
-                  + ", ".join(f"{n.split(' (')[0]}{'[off]' if n.endswith(off) else ''} {runs[n][-1][0]:.2f}s" for n in names), flush=True)
+                  + ", ".join(f"{n.removesuffix(nosync).split(' (')[0]}{'[off]' if n.endswith(off) else ''}"
+                              f"{'[no-sync]' if n.endswith(nosync) else ''} {runs[n][-1][0]:.2f}s" for n in names),
+                  flush=True)
         cp_s = median([r[0] for r in cp_runs])
         cp_cpu = median([r[1] for r in cp_runs])
         cp_sync_s = median(sync_runs)
         print(f"model {model_bytes / 2**20:.0f} MiB; largest tensor {largest / 2**20:.0f} MiB")
-        rows = ["| operation | wall s (runs) | GiB/s | vs cp | vs cp+sync | CPU s | peak RSS MiB | fixed (tiny model) MiB "
-                "| RSS - fixed | (RSS - fixed) / largest tensor |",
-                "|---|---|---|---|---|---|---|---|---|---|",
-                f"| cp -r (peer) | {cp_s:.2f} ({', '.join(f'{r[0]:.2f}' for r in cp_runs)}) | "
-                f"{payload / cp_s / 2**30:.2f} | 1.00x | - | {cp_cpu:.2f} | - | - | - | - |",
-                f"| cp -r + sync (peer) | {cp_sync_s:.2f} ({', '.join(f'{r:.2f}' for r in sync_runs)}) | "
-                f"{payload / cp_sync_s / 2**30:.2f} | - | 1.00x | - | - | - | - | - |"]
+        rows = ["| operation | wall s (runs) | GiB/s | vs its peer | vs cp | vs cp+sync | CPU s | peak RSS MiB "
+                "| fixed (tiny model) MiB | RSS - fixed | (RSS - fixed) / largest tensor |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
+                f"| cp -r (peer of --no-sync) | {cp_s:.2f} ({', '.join(f'{r[0]:.2f}' for r in cp_runs)}) | "
+                f"{payload / cp_s / 2**30:.2f} | - | 1.00x | - | {cp_cpu:.2f} | - | - | - | - |",
+                f"| cp -r + sync (peer of durable) | {cp_sync_s:.2f} ({', '.join(f'{r:.2f}' for r in sync_runs)}) | "
+                f"{payload / cp_sync_s / 2**30:.2f} | - | - | 1.00x | - | - | - | - | - |"]
         summary = {}
         for name, rs in runs.items():
             secs = median([r[0] for r in rs])
             cpu = median([r[2] for r in rs])
             rss, base = max(r[1] for r in rs), max(r[3] for r in rs)  # the worst run's memory
+            peer = cp_s if name.endswith(nosync) else cp_sync_s  # like for like: durable or not
             summary[name] = {"seconds": secs, "runs": [r[0] for r in rs], "peak_rss": rss, "cpu_seconds": cpu,
-                             "fixed_rss": base}
+                             "cpu_runs": [r[2] for r in rs], "fixed_rss": base, "vs_peer": peer / secs}
             rows.append(f"| {name} | {secs:.2f} ({', '.join(f'{r[0]:.2f}' for r in rs)}) | "
-                        f"{payload / secs / 2**30:.2f} | {cp_s / secs:.2f}x | "
+                        f"{payload / secs / 2**30:.2f} | **{peer / secs:.2f}x** | {cp_s / secs:.2f}x | "
                         f"{cp_sync_s / secs:.2f}x | {cpu:.2f} | "
                         f"{rss / 2**20:.0f} | {base / 2**20:.0f} | {(rss - base) / 2**20:.0f} MiB | "
                         f"{(rss - base) / largest:.1f}x |")
