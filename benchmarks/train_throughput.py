@@ -167,6 +167,9 @@ def main() -> None:
     ap.add_argument("--separate-processes", action="store_true",
                     help="Each framework in its own process with its own defaults (Tessera: the trainer's "
                          "host-memory setting; transformers: glibc's), then the ratio.")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="With --separate-processes: run the pair this many times, alternating which goes first "
+                         "(ABBA...), and report the median over all rounds' steps plus each round's ratio.")
     args = ap.parse_args()
     if args.separate_processes:
         return run_separately(args)
@@ -213,15 +216,36 @@ def main() -> None:
 
 
 def run_separately(args: argparse.Namespace) -> None:
-    """Each framework in a fresh process of this script, one after the other; then one table."""
+    """Each framework in a fresh process of this script, one after the other; then one table.
+
+    With --rounds N the pair runs N times in ABBA order, so slow drift in the machine's speed (which
+    on a shared VM moves a step by 20% within minutes) lands on both frameworks alike; the table
+    pools all rounds' timed steps (median) and each round's own ratio is printed too.
+    """
     argv = [a for a in sys.argv[1:] if a not in ("--separate-processes", "--retain-host-memory")]
-    results = {}
+    argv = [a for i, a in enumerate(argv) if a != "--rounds" and (i == 0 or argv[i - 1] != "--rounds")]
+    frameworks = (("transformers", []), ("tessera", ["--retain-host-memory"]))
+    rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (("transformers", []), ("tessera", ["--retain-host-memory"])):
-            out = Path(tmp) / f"{name}.json"
-            subprocess.run([sys.executable, __file__, *argv, "--only", name, "--json", str(out), *extra],
-                           check=True, stdout=subprocess.DEVNULL)
-            results[name] = json.loads(out.read_text())["results"][name]
+        for r in range(args.rounds):
+            this_round = {}
+            for name, extra in (frameworks if r % 2 == 0 else frameworks[::-1]):
+                out = Path(tmp) / f"{name}-{r}.json"
+                subprocess.run([sys.executable, __file__, *argv, "--only", name, "--json", str(out), *extra],
+                               check=True, stdout=subprocess.DEVNULL)
+                this_round[name] = json.loads(out.read_text())["results"][name]
+            rounds.append(this_round)
+    results = {}
+    for name, _ in frameworks:
+        runs = [rnd[name] for rnd in rounds]
+        pooled = dict(runs[-1])
+        pooled["step_times_s"] = [t for run in runs for t in run["step_times_s"]]
+        pooled["minor_faults"] = [f for run in runs for f in run["minor_faults"]]
+        pooled["median_step_s"] = statistics.median(pooled["step_times_s"])
+        pooled["tokens_per_s"] = args.batch * args.seq / pooled["median_step_s"]
+        pooled["page_faults_per_step"] = statistics.median(pooled["minor_faults"])
+        pooled["first_step_s"] = statistics.median(run["first_step_s"] for run in runs)
+        results[name] = pooled
     overrides = {} if args.full_size else dict(
         hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
         ffn_hidden_size=args.ffn, vocab_size=args.vocab)
@@ -231,6 +255,10 @@ def run_separately(args: argparse.Namespace) -> None:
           f"batch {args.batch} x seq {args.seq}; {args.precision}; threads {args.threads or 'default'}; "
           f"device {args.device}; tessera compile={'off' if args.no_compile else 'on'}; separate processes: "
           + "; ".join(f"{n} malloc {r['malloc']}" for n, r in results.items()))
+    if args.rounds > 1:
+        per_round = [rnd["transformers"]["median_step_s"] / rnd["tessera"]["median_step_s"] for rnd in rounds]
+        print(f"{args.rounds} rounds (ABBA order); per-round ratio: " + ", ".join(f"{x:.2f}x" for x in per_round)
+              + f"; median {statistics.median(per_round):.2f}x")
     report(args, cfg, results, torch.device(args.device))
 
 
