@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import platform
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from tessera.common.model_config import preset
 from tessera.trainer.config import OptimConfig
 from tessera.trainer.host_memory import retain_freed_memory
-from tessera.trainer.loss import cross_entropy_loss, logsumexp_cross_entropy
+from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss, logsumexp_cross_entropy
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer
 from tessera.trainer.precision import Precision
@@ -96,3 +97,48 @@ def test_logsumexp_cross_entropy_matches_f_cross_entropy():
         torch.testing.assert_close(g_got, g_ref, rtol=1e-5, atol=1e-7)
     assert torch.isnan(logsumexp_cross_entropy(logits, torch.full_like(labels, -100)))  # as F.cross_entropy
 
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 64])  # 18 tokens: uneven chunks, one chunk, exact multiple not needed
+def test_chunked_cross_entropy_matches_linear_then_cross_entropy(chunk):
+    """Gradients computed chunk by chunk in forward equal autograd's through F.linear + F.cross_entropy,
+    ignored labels included, and the backward scales them by the incoming gradient (loss * 3)."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 9, 12, generator=gen, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(37, 12, generator=gen, dtype=torch.float64).requires_grad_()
+    labels = torch.randint(0, 37, (2, 9), generator=gen)
+    labels[1, 4:] = -100
+    ref = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), labels.flatten())  # fp64 throughout
+    ref_grads = torch.autograd.grad(ref * 3, (hidden, weight))
+    got = chunked_cross_entropy(hidden, weight, labels, chunk)
+    got_grads = torch.autograd.grad(got * 3, (hidden, weight))
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for g, r in zip(got_grads, ref_grads):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_cross_entropy_edge_cases():
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(1, 6, 8, generator=gen).requires_grad_()
+    weight = torch.randn(11, 8, generator=gen).requires_grad_()
+    # Every label ignored: zero loss and zero gradients (the mean over no positions), not nan.
+    loss = chunked_cross_entropy(hidden, weight, torch.full((1, 6), -100), 4)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and not hidden.grad.any() and not weight.grad.any()
+    # A frozen head: no weight gradient is produced, the hidden-state gradient still is.
+    frozen = weight.detach()
+    hidden.grad = None
+    chunked_cross_entropy(hidden, frozen, torch.randint(0, 11, (1, 6), generator=gen), 4).backward()
+    assert hidden.grad.abs().sum() > 0 and frozen.grad is None
+    # Under bf16 autocast: matmuls in bf16, softmax in fp32, like F.linear under autocast + fp32 loss.
+    labels = torch.randint(0, 11, (1, 6), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = cross_entropy_loss(F.linear(hidden, weight), labels)
+        got = chunked_cross_entropy(hidden, weight, labels, 4)
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+    ref_grads = torch.autograd.grad(ref, (hidden, weight))
+    got_grads = torch.autograd.grad(got, (hidden, weight))
+    for g, r in zip(got_grads, ref_grads):
+        assert g.dtype == r.dtype == torch.float32
+        torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-3)

@@ -68,7 +68,7 @@ class TrainingConfig(StrictModel):
     fp16_initial_scale: float = Field(2.0**16, gt=0, description="fp16 only: starting loss scale.")
     fp16_growth_interval: int = Field(1000, gt=0, description="fp16 only: steps without overflow before the loss scale doubles.")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute: none; selective = attention core; full = every transformer block.")
-    loss_chunk_tokens: int | None = Field(None, gt=0, description="Compute the output head and cross-entropy this many tokens at a time (recomputed in backward), so full-vocabulary logits never exist at once; null = in one piece. For large vocabularies.")
+    loss_chunk_tokens: int | None = Field(None, gt=0, description="Compute the output head and cross-entropy this many tokens at a time, their gradients in the same pass, so full-vocabulary logits never exist at once (nothing is recomputed); null = in one piece. For large vocabularies.")
     compile: bool = Field(False, description="torch.compile the model forward and the loss as one graph (compile time is logged separately from step time).")
     retain_host_memory: bool = Field(True, description="CPU only: keep freed memory in the process (glibc malloc without mmap or trimming) so each step reuses mapped pages instead of page-faulting new ones; resident memory stays at its peak.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")

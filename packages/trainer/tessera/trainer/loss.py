@@ -5,16 +5,19 @@ the model can hand over hidden states instead of logits.
 
 `chunked_cross_entropy` is for large vocabularies: full logits for a micro-batch are
 tokens x vocab fp32 values (8192 tokens x 128256 vocab = 4.2 GB), and the softmax backward
-needs as much again. It takes the final hidden states and the output weight, computes logits
-and loss for one chunk of tokens at a time under activation checkpointing, so only one chunk's
-logits exist at once, in forward and in backward (which recomputes them: one extra head matmul).
+needs as much again. It takes the final hidden states and the output weight and, one chunk of
+tokens at a time, computes the logits, the loss and at once their gradients (softmax minus
+one-hot, then grad_hidden = g @ W and grad_W += g^T @ h), so only one chunk's logits ever exist
+and nothing is recomputed: three head matmuls per chunk, as without chunking, where activation
+checkpointing would take four. The gradients are held from forward to backward; since the head
+is the last op of forward and the first of backward, that costs no extra peak memory (backward
+would allocate them at once anyway).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -44,23 +47,65 @@ def logsumexp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_i
     return torch.where(valid, per_token, 0.0).sum() / valid.sum()
 
 
-def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    logits = F.linear(hidden, weight)
-    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Head matmul + mean cross-entropy whose gradients are computed chunk by chunk in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # type: ignore[override]
+                chunk_tokens: int, ignore_index: int, compute_dtype: torch.dtype) -> torch.Tensor:
+        # hidden [N, d], weight [V, d], labels [N]. Autocast is switched off in here and its choice
+        # (compute_dtype) applied by hand: the matmuls run in it, softmax and loss in fp32 (or
+        # fp64 for fp64 inputs), as F.linear under autocast followed by an fp32 cross-entropy would.
+        with torch.autocast(hidden.device.type, enabled=False):
+            acc = torch.promote_types(compute_dtype, torch.float32)  # softmax, loss, grad_W sums
+            valid = labels != ignore_index
+            inv_count = 1.0 / valid.sum().clamp(min=1).to(acc)
+            w = weight.to(compute_dtype)
+            want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            grad_hidden = torch.empty_like(hidden) if want_hidden else None
+            grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_weight else None
+            vocab_index = torch.arange(weight.shape[0], device=weight.device)
+            total = torch.zeros((), dtype=acc, device=hidden.device)
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                h = hidden[start:start + chunk_tokens].to(compute_dtype)
+                y = labels[start:start + chunk_tokens]
+                logits = (h @ w.t()).to(acc)
+                lse = torch.logsumexp(logits, dim=1)
+                hit = vocab_index == y.unsqueeze(1)  # the one-hot target (no row for ignored labels)
+                row_valid = (y != ignore_index).to(acc)
+                total += ((lse - torch.where(hit, logits, 0.0).sum(dim=1)) * row_valid).sum()
+                # d(sum of valid losses)/d(logits) = softmax - one-hot, zero on ignored rows; then
+                # scaled by 1/count for the mean. Built in place over the chunk's logits.
+                g = logits.sub_(lse.unsqueeze(1)).exp_().sub_(hit.to(acc))
+                g.mul_((row_valid * inv_count).unsqueeze(1))
+                g = g.to(compute_dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start:start + chunk_tokens] = g @ w
+                if grad_weight is not None:
+                    grad_weight.add_(g.t() @ h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total * inv_count
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):  # type: ignore[override]
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
                           ignore_index: int = -100) -> torch.Tensor:
     """Same value as cross_entropy_loss(F.linear(hidden, weight), labels), chunk_tokens rows at a time.
 
-    hidden [B, T, d] (final-normed), weight [V, d] (the output head), labels [B, T].
+    hidden [B, T, d] (final-normed), weight [V, d] (the output head), labels [B, T]. Under autocast
+    the head matmuls run in the autocast dtype and the softmax in fp32, as in the unchunked path.
+    Mean over non-ignored positions; 0 (with zero gradients) when every label is ignored.
     """
-    h = hidden.flatten(0, 1)
-    y = labels.flatten()
-    total = h.new_zeros((), dtype=torch.float32)
-    for start in range(0, h.shape[0], chunk_tokens):
-        end = start + chunk_tokens
-        total = total + checkpoint(_chunk_loss_sum, h[start:end], weight, y[start:end], ignore_index,
-                                   use_reentrant=False)
-    count = (y != ignore_index).sum().clamp(min=1)
-    return total / count
+    device_type = hidden.device.type
+    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    return _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, 1), weight, labels.flatten(), chunk_tokens,
+                                            ignore_index, compute_dtype)

@@ -48,7 +48,8 @@ class TrainStep:
             on_cpu = next(model.parameters()).device.type == "cpu"
             self._loss = torch.compile(self._cpu_loss if on_cpu else self._full_loss) if compile else self._full_loss
         else:
-            # The chunked loss checkpoints each chunk; only the model forward is compiled.
+            # The chunked loss takes its own gradients chunk by chunk (loss.py); only the model forward
+            # is compiled.
             self._hidden = torch.compile(self._final_hidden) if compile else self._final_hidden
 
     def _full_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
