@@ -257,8 +257,9 @@ def run_separately(args: argparse.Namespace) -> None:
           + "; ".join(f"{n} malloc {r['malloc']}" for n, r in results.items()))
     if args.rounds > 1:
         per_round = [rnd["transformers"]["median_step_s"] / rnd["tessera"]["median_step_s"] for rnd in rounds]
-        print(f"{args.rounds} rounds (ABBA order); per-round ratio: " + ", ".join(f"{x:.2f}x" for x in per_round)
-              + f"; median {statistics.median(per_round):.2f}x")
+        print(f"{args.rounds} rounds (ABBA order); per-round ratio: " + ", ".join(
+            f"{x:.2f}x ({rnd['transformers']['median_step_s'] * 1e3:.0f}/{rnd['tessera']['median_step_s'] * 1e3:.0f} ms)"
+            for x, rnd in zip(per_round, rounds)) + f"; median {statistics.median(per_round):.2f}x")
     report(args, cfg, results, torch.device(args.device))
 
 
