@@ -44,16 +44,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tessera.ckpt_convert.mapped import Staging, exact, write_bytes
-from tessera.common.checkpoint import (
-    CHECKPOINT_FORMAT_VERSION,
-    CHECKSUM_ALGORITHM,
-    POINTER,
-    SIDECAR,
-    checkpoint_files,
-    finalize_checkpoint,
-    write_pointer,
-)
-from tessera.common.fileio import HashingWriter, atomic_write_json, atomic_write_text, file_digest
+from tessera.common.checkpoint import CHECKSUM_ALGORITHM
+from tessera.common.fileio import HashingWriter
 
 ENTRY_ALIGNMENT = 64
 
@@ -170,31 +162,3 @@ class ShardedDcpWriter:
     def abort(self) -> None:
         for f in self.raw:
             f.close()
-
-
-def finalize_output(directory: Path, sidecar: Any, checksums: dict[str, str], sync: bool = True) -> None:
-    """`finalize_checkpoint` (sidecar written last, fsynced), or with sync=False the same sidecar
-    written without any fsync. The non-durable branch mirrors finalize_checkpoint (which always
-    fsyncs); the tests compare both outputs byte for byte, so a drift between the two shows."""
-    if sync:
-        finalize_checkpoint(directory, sidecar, checksums)
-        return
-    files = checkpoint_files(directory)
-    known = dict(checksums)
-    for p in files:
-        if p.name not in known:  # .metadata (small): hashed here, as finalize_checkpoint does
-            digest = file_digest(p, CHECKSUM_ALGORITHM)
-            assert digest is not None  # not cancellable here
-            known[p.name] = digest
-    sidecar.format_version = CHECKPOINT_FORMAT_VERSION
-    sidecar.checksum_algorithm = CHECKSUM_ALGORITHM
-    sidecar.checksums = {p.name: known[p.name] for p in files}
-    atomic_write_json(directory / SIDECAR, sidecar.model_dump(mode="json"), sync=False)
-
-
-def write_pointer_file(checkpoints_root: Path, step: int, sync: bool = True) -> None:
-    """`write_pointer`, or with sync=False the same file written without fsync."""
-    if sync:
-        write_pointer(checkpoints_root, step)
-    else:
-        atomic_write_text(checkpoints_root / POINTER, f"{step}\n", sync=False)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, finalize_output, whole, write_pointer_file
+from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
 from tessera.ckpt_convert.hf_mapping import import_rules, model_config_from_hf
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import SafetensorsFile
 from tessera.ckpt_convert.tokenizer_files import fsync_tree
-from tessera.common.checkpoint import CheckpointSidecar, iter_dir_name
+from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, iter_dir_name, write_pointer
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import atomic_directory, read_json
 from tessera.common.tokenizer import load_tokenizer
@@ -132,8 +132,8 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
         sidecar.imported_from = {  # type: ignore[attr-defined]  # extra field, kept by the sidecar model
             "path": str(input_dir.resolve()), "format": "hf",
             "config_sha256": hashlib.sha256(config_path.read_bytes()).hexdigest()}
-        finalize_output(target, sidecar, checksums, sync)  # rank files hashed as written; .metadata here
-        write_pointer_file(tmp, 0, sync)
+        finalize_checkpoint(target, sidecar, checksums, sync=sync)  # rank files hashed as written; .metadata here
+        write_pointer(tmp, 0, sync=sync)
     return output
 
 

@@ -15,19 +15,19 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tessera.ckpt_convert.dcp_writer import (
-    Chunk,
-    ShardedDcpWriter,
-    finalize_output,
-    whole,
-    write_pointer_file,
-)
+from tessera.ckpt_convert.dcp_writer import Chunk, ShardedDcpWriter, whole
 from tessera.ckpt_convert.export_hf import expected_model_shapes
 from tessera.ckpt_convert.partition import match_param, model_chunks, state_chunks, validate_layout
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.ckpt_convert.tokenizer_files import fsync_tree
-from tessera.common.checkpoint import MODEL_PREFIX, TOKENIZER_DIR, iter_dir_name
+from tessera.common.checkpoint import (
+    MODEL_PREFIX,
+    TOKENIZER_DIR,
+    finalize_checkpoint,
+    iter_dir_name,
+    write_pointer,
+)
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory
 from tessera.common.layout import ParallelLayout
@@ -93,7 +93,7 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
         sidecar = src.sidecar.model_copy(deep=True)
         sidecar.layout = layout
         sidecar.resharded_from = src.sidecar.layout.short()  # type: ignore[attr-defined]  # extra field
-        finalize_output(target, sidecar, written, sync)  # rank files hashed as written; .metadata here
-        write_pointer_file(tmp, step, sync)
+        finalize_checkpoint(target, sidecar, written, sync=sync)  # rank files hashed as written; .metadata here
+        write_pointer(tmp, step, sync=sync)
         checksums.wait()  # the input's checksums must match before the output is committed
     return output

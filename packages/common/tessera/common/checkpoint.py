@@ -103,12 +103,13 @@ def _digest(path: Path) -> str:
 
 
 def finalize_checkpoint(directory: str | os.PathLike, sidecar: CheckpointSidecar,
-                        checksums: dict[str, str] | None = None) -> None:
+                        checksums: dict[str, str] | None = None, sync: bool = True) -> None:
     """Checksum the payload and write the sidecar last: the marker that the directory is whole.
 
     `checksums`: CHECKSUM_ALGORITHM digests of payload files the caller already hashed while
     writing them (file name -> hex); only the files not listed are read back and hashed. The
-    sidecar is upgraded to the current format version (its checksums are recomputed)."""
+    sidecar is upgraded to the current format version (its checksums are recomputed). With
+    sync=False the sidecar is renamed into place without fsync (tessera-ckpt --no-sync)."""
     from concurrent.futures import ThreadPoolExecutor
 
     directory = Path(directory)
@@ -125,11 +126,11 @@ def finalize_checkpoint(directory: str | os.PathLike, sidecar: CheckpointSidecar
     sidecar.format_version = CHECKPOINT_FORMAT_VERSION
     sidecar.checksum_algorithm = CHECKSUM_ALGORITHM
     sidecar.checksums = {p.name: known[p.name] for p in files}
-    atomic_write_json(directory / SIDECAR, sidecar.model_dump(mode="json"))
+    atomic_write_json(directory / SIDECAR, sidecar.model_dump(mode="json"), sync=sync)
 
 
-def write_pointer(checkpoints_root: str | os.PathLike, step: int) -> None:
-    atomic_write_text(Path(checkpoints_root) / POINTER, f"{step}\n")
+def write_pointer(checkpoints_root: str | os.PathLike, step: int, sync: bool = True) -> None:
+    atomic_write_text(Path(checkpoints_root) / POINTER, f"{step}\n", sync=sync)
 
 
 def read_pointer(checkpoints_root: str | os.PathLike) -> int | None:
