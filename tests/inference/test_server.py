@@ -156,6 +156,32 @@ def test_errors_are_openai_shaped(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # still alive
 
 
+
+def test_lone_surrogate_huge_seed_and_reserved_template_kwargs_are_400(server):
+    """Found by QA: these were 500s (tokenizer TypeError, engine overflow, render_chat TypeError)."""
+    headers = {"content-type": "application/json"}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [
+        ("/v1/completions", {"prompt": "a\udc80b", "max_tokens": 2}, "surrogate"),
+        ("/v1/completions", {"prompt": ["ok", "\ud800"], "max_tokens": 2}, "surrogate"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "\udc80"}]}, "surrogate"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 2, "seed": 10**23}, "seed"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 2, "seed": 2**63 - 1, "n": 2}, "seed"),  # seed + 1 overflows
+        ("/v1/chat/completions", {**chat, "seed": -(10**23)}, "seed"),
+        ("/v1/chat/completions", {**chat, "chat_template_kwargs": {"messages": 5}}, "chat_template_kwargs"),
+    ]
+    for path, body, needle in cases:
+        r = httpx.post(server.url + path, content=json.dumps(body), headers=headers, timeout=30)  # escapes surrogates
+        assert r.status_code == 400, (body, r.text)
+        assert needle in r.json()["error"]["message"], r.text
+    for body, needle in [({"prompts": ["\udc80"], "tokens_to_generate": 2}, "surrogate"),
+                         ({"prompts": ["a"], "tokens_to_generate": 2, "random_seed": 10**23}, "seed")]:
+        r = httpx.put(server.url + "/api", content=json.dumps(body), headers=headers, timeout=30)
+        assert r.status_code == 400 and needle in r.json(), r.text
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "seed": 2**63 - 1}, timeout=30)
+    assert r.status_code == 200, r.text  # the largest 64-bit seed still works
+
 def test_metrics_exposed(server):
     httpx.post(server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}, timeout=30)
     text = httpx.get(server.url + "/metrics", timeout=10).text

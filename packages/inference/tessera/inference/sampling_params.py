@@ -19,7 +19,8 @@ class SamplingParams(StrictModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="Divide positive (multiply negative) logits of tokens already in prompt or output (CTRL/HF).")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtract from logits of tokens present in the output (OpenAI).")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtract count x this from logits of tokens in the output (OpenAI).")
-    seed: int | None = Field(None, description="Seed of this request's own generator: same seed, same tokens, whatever the batch.")
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1,
+                             description="Seed of this request's own generator (a 64-bit integer): same seed, same tokens, whatever the batch.")
     stop: list[str] = Field(default_factory=list, description="Stop strings; the output ends before the first match.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end generation (not included in the text).")
     ignore_eos: bool = Field(False, description="Keep generating past EOS (vLLM extension; for benchmarks).")

@@ -108,6 +108,15 @@ class _GuardMiddleware:
         return await self.app(scope, counted_receive, send)
 
 
+def _check_text(text: str, what: str) -> None:
+    """JSON can carry a lone surrogate escape (\\udc80) that is no Unicode text; the tokenizer cannot take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{what} is not valid Unicode: lone surrogate {text[exc.start]!r} at character "
+                       f"{exc.start}; send UTF-8 text", param=what.split()[0]) from None
+
+
 def _now() -> int:
     return int(time.time())
 
@@ -131,6 +140,7 @@ class OpenAIServer:
 
     def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            _check_text(prompt, "prompt")
             # With the tokenizer's post-processor (BOS for Llama tokenizers), as vLLM and HF do.
             return self.tokenizer.backend.encode(prompt, add_special_tokens=True).ids
         return list(prompt)
@@ -344,10 +354,16 @@ class OpenAIServer:
                         for m in body.messages]
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
+        kwargs = body.chat_template_kwargs or {}
+        reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs must not set {', '.join(reserved)} (give it as a request field)",
+                           param="chat_template_kwargs")
         try:
-            text = render_chat(self.tokenizer, messages, body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+            text = render_chat(self.tokenizer, messages, body.add_generation_prompt, **kwargs)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages") from None
+        _check_text(text, "messages")
         ids = self.tokenizer.encode(text)  # the template already placed any special tokens
         self._check_prompt(ids)
         max_tokens = self._resolve_max_tokens(
@@ -416,6 +432,10 @@ class OpenAIServer:
         stop = ["\n\n"] if body.stop_on_double_eol else ["\n"] if body.stop_on_eol else []
         jobs = []
         for i, prompt in enumerate(body.prompts):
+            try:
+                _check_text(prompt, f"prompt {i}")
+            except ApiError as exc:
+                return JSONResponse(exc.message, status_code=400)
             ids = self.tokenizer.encode(prompt)
             if body.add_BOS and self.tokenizer.bos_id is not None:
                 ids = [self.tokenizer.bos_id, *ids]
