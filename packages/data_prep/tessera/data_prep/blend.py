@@ -40,6 +40,7 @@ from tessera.common.mixture import (
     split_file,
 )
 from tessera.common.shard import ShardManifest, read_shard_manifest, shard_fingerprint
+from tessera.data_prep.shard_writer import ensure_output_dir
 
 
 class BlendSource(StrictModel):
@@ -180,7 +181,10 @@ def parse_data_args(values: list[str]) -> list[BlendSource]:
 
 def load_blend_config(path: str | None, cli: dict) -> BlendConfig:
     """YAML file (if any) with command-line values on top; validated as a whole."""
-    data = read_yaml(path) if path else {}
+    try:
+        data = read_yaml(path) if path else {}
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text; --config takes a YAML file") from None
     if isinstance(data.get("data"), list):  # YAML may use [{prefix, weight}] or [weight, prefix, ...]
         items = data["data"]
         if items and not isinstance(items[0], dict):
@@ -221,6 +225,10 @@ def run_blend(cfg: BlendConfig) -> Path:
     """Validate everything, then build and atomically publish the mixture directory."""
     if cfg.output.exists() and not cfg.overwrite:
         raise UserError(f"{cfg.output}: already exists; choose another --output or pass --overwrite")
+    if cfg.output.exists() and not cfg.output.is_dir():
+        raise UserError(f"{cfg.output}: exists and is not a mixture directory; --overwrite replaces only a "
+                        "mixture, choose another --output")
+    ensure_output_dir(cfg.output.parent, "--output")
     fractions = parse_split(cfg.split)
     datasets, manifests, fingerprints = _open_sources(cfg)
     total_w = sum(s.weight for s in cfg.data)

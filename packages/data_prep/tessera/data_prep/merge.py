@@ -19,6 +19,7 @@ from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_write_json, sha256_file, tmp_name
 from tessera.common.indexed_dataset import IndexedDataset, bin_path, idx_path, write_index_chunks
 from tessera.common.shard import ShardManifest, manifest_path, read_shard_manifest, shard_fingerprint
+from tessera.data_prep.shard_writer import ensure_output_dir
 
 _CHUNK = 1 << 20
 
@@ -43,6 +44,7 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
     for suffix in (".bin", ".idx", ".json"):
         if Path(f"{output}{suffix}").exists() and not overwrite:
             raise UserError(f"{output}{suffix}: already exists; choose another --output-prefix or pass --overwrite")
+    ensure_output_dir(output.parent, "--output-prefix")
     manifests = [read_shard_manifest(p) for p in inputs]
     datasets = [IndexedDataset(p) for p in inputs]
     first = manifests[0]

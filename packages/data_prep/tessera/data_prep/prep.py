@@ -26,7 +26,12 @@ from tessera.common.indexed_dataset import token_dtype_for_vocab
 from tessera.common.shard import ShardInput
 from tessera.common.tokenizer import TOKENIZER_JSON, Tokenizer, load_tokenizer
 from tessera.data_prep.encode import BatchEncoder, EncodedBatch, OrderedEncoder
-from tessera.data_prep.shard_writer import ShardSetWriter, output_prefixes, parse_max_shard_size
+from tessera.data_prep.shard_writer import (
+    ShardSetWriter,
+    ensure_output_dir,
+    output_prefixes,
+    parse_max_shard_size,
+)
 from tessera.data_prep.sources import (
     InputFile,
     Record,
@@ -139,6 +144,11 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
         raise UserError("--tokenizer-output only applies with --train-tokenizer")
     inputs = resolve_inputs(cfg.inputs)
     check_inputs(inputs, cfg.json_keys, cfg.hf_split)
+    if cfg.skipped_log is not None and cfg.skipped_log.is_dir():
+        raise UserError(f"--skipped-log {cfg.skipped_log}: is a folder; give a file name")
+    ensure_output_dir(cfg.output_prefix.parent, "--output-prefix")
+    if cfg.skipped_log is not None:
+        ensure_output_dir(cfg.skipped_log.parent, "--skipped-log")
     for key in cfg.json_keys:
         existing = output_prefixes(shard_base(cfg.output_prefix, key))
         if existing and not cfg.overwrite:
