@@ -11,7 +11,7 @@ import argparse
 import textwrap
 
 from tessera.common.config import describe_fields, load_config
-from tessera.common.errors import run_cli
+from tessera.common.errors import UserError, run_cli
 from tessera.common.model_config import ModelConfig
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.parallel.launch import add_parallel_arguments, parallel_overrides
@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.peak_tflops is not None:
         overrides.append(f"training.peak_tflops={args.peak_tflops}")
     overrides.extend(parallel_overrides(args))  # flags win over the config's parallel section
-    cfg = load_config(TrainConfig, args.config, overrides)
+    try:
+        cfg = load_config(TrainConfig, args.config, overrides)
+    except UnicodeDecodeError:
+        raise UserError(f"{args.config}: not UTF-8 text; --config takes a YAML file") from None
 
     # Heavy imports after argument validation keeps `--help` and bad-usage errors fast.
     from tessera.trainer.distributed import init_runtime, shutdown_runtime
@@ -76,12 +79,23 @@ def main(argv: list[str] | None = None) -> int:
     runtime = init_runtime(cfg.training.device)
     try:
         inputs = check_inputs(cfg, runtime.world_size, resume=args.resume)
+        _check_output_dirs(cfg)
         if args.resume and inputs.resume_from is None and runtime.is_main:
             print(f"--resume: no checkpoint in {cfg.checkpoint_dir} yet; starting from step 0", flush=True)
         build_trainer(cfg, inputs, runtime, quiet=args.quiet).train()
     finally:
         shutdown_runtime()
     return 0
+
+
+def _check_output_dirs(cfg: TrainConfig) -> None:
+    """The run and checkpoint folders must be creatable: one line naming the field, not a traceback later."""
+    for field, path in (("run_dir", cfg.run_dir), ("checkpoint.dir", cfg.checkpoint_dir)):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"{field} {path}: cannot create the folder ({exc.strerror}); choose a writable "
+                            "location") from None
 
 
 def entry() -> None:

@@ -8,6 +8,7 @@ is built.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,6 +46,13 @@ class OptimConfig(StrictModel):
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient L2 norm to this; 0 disables clipping (the norm is still logged).")
     impl: Literal["auto", "fused", "foreach", "for-loop"] = Field(
         "auto", description="AdamW implementation: fused kernel, multi-tensor foreach, or per-parameter loop; auto picks fused when supported.")
+
+    @field_validator("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
 
 
 class ScheduleConfig(StrictModel):
