@@ -40,10 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_prompts(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any]]:
     """(id, sampling fields, prompt-or-messages) per line, all validated before any work."""
-    from tessera.inference.sampling_params import SamplingParams
-
     if not path.is_file():
         raise UserError(f"{path}: prompts file not found")
+    try:
+        jobs = _read_lines(path, defaults)
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text; --prompts takes a JSONL file") from None
+    if not jobs:
+        raise UserError(f"{path}: no prompts found")
+    return jobs
+
+
+def _read_lines(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any]]:
+    from tessera.inference.sampling_params import SamplingParams
+
     jobs = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -56,6 +66,11 @@ def read_prompts(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[s
                 raise UserError(f"{where}: not valid JSON ({exc.msg})") from None
             if not isinstance(obj, dict):
                 raise UserError(f"{where}: expected a JSON object with 'prompt' or 'messages'")
+            try:
+                json.dumps(obj, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise UserError(f"{where}: holds a lone surrogate escape (such as \\udc80), which is not Unicode "
+                                "text; fix the line") from None
             rid = str(obj.pop("id", lineno))
             if "prompt" in obj:
                 source = ("prompt", obj.pop("prompt"))
@@ -76,8 +91,6 @@ def read_prompts(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[s
                 loc = ".".join(str(x) for x in err["loc"]) or "sampling"
                 raise UserError(f"{where}: {loc}: {err['msg']}") from None
             jobs.append((rid, fields, source))
-    if not jobs:
-        raise UserError(f"{path}: no prompts found")
     return jobs
 
 
@@ -92,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     out_path = Path(args.output)
     if out_path.is_dir():
         raise UserError(f"{out_path}: is a directory; pass a file path for --output")
+    if out_path.exists() and out_path.resolve() == Path(args.prompts).resolve():
+        raise UserError(f"{out_path}: --output is the --prompts file; write the completions elsewhere")
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--output {out_path}: cannot create its folder ({exc.strerror}); choose a writable "
+                        "location") from None
 
     from tqdm import tqdm
 

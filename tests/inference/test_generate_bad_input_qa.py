@@ -1,0 +1,42 @@
+"""Adversarial QA of tessera-generate's input checks (in process: all fail before the model loads).
+Each case was a traceback (exit 1), or, for --output equal to --prompts, overwrote the prompts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.common.errors import run_cli
+from tessera.inference.generate_cli import main
+
+
+def _usage_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, [str(a) for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b'{"prompt": "a\\udc80b", "max_tokens": 2}\n', ":1: holds a lone surrogate"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}\n', ":1: holds a lone surrogate"),
+    (b'{"prompt": "ok"}\n\xff\xfe\x00\x01garbage\n', "not UTF-8 text"),
+])
+def test_bad_prompts_file(tmp_path, capsys, content, expected):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(content)
+    err = _usage_error(["--checkpoint", tmp_path, "--prompts", prompts, "--output", tmp_path / "o.jsonl"], capsys)
+    assert str(prompts) in err and expected in err
+
+
+def test_bad_output_path(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    err = _usage_error(["--checkpoint", tmp_path, "--prompts", prompts, "--output", prompts], capsys)
+    assert "--output is the --prompts file" in err
+    assert prompts.read_text() == '{"prompt": "hi"}\n'
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    err = _usage_error(["--checkpoint", tmp_path, "--prompts", prompts, "--output", blocker / "o.jsonl"], capsys)
+    assert "cannot create its folder" in err
