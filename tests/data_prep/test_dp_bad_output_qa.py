@@ -47,3 +47,8 @@ def test_merge_output_folder_that_cannot_be_created(tmp_path, base_shard, capsys
     blocker.write_text("x")
     err = user_error(["merge", "--inputs", base_shard, "--output-prefix", blocker / "m"], capsys)
     assert "cannot create the output folder" in err
+
+
+def test_inspect_negative_counts(base_shard, capsys):
+    assert "--top -1: must be 0 or more" in user_error(["inspect", base_shard, "--top", -1], capsys)
+    assert "--max-chars -5" in user_error(["inspect", base_shard, "--max-chars", -5], capsys)

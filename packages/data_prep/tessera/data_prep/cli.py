@@ -177,6 +177,9 @@ def _inspect(args: argparse.Namespace) -> int:
         docs = [int(x) for x in args.docs.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"--docs {args.docs!r}: expected comma-separated document numbers, e.g. 0,5") from None
+    for flag, value in (("--top", args.top), ("--max-chars", args.max_chars)):
+        if value < 0:
+            raise UserError(f"{flag} {value}: must be 0 or more")
     report = inspect_shard(args.prefix, docs, args.tokenizer, args.top, args.max_chars)
     try:
         print(report, flush=True)
