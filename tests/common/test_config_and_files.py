@@ -42,6 +42,10 @@ def test_config_errors_are_one_line_user_errors(tmp_path):
         load_config(_Outer, None, ["optim.lr"])
     with pytest.raises(UserError, match="optim.nope"):
         load_config(_Outer, None, ["optim.nope=1"])
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("name: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(UserError, match="latin1.yaml: not UTF-8"):
+        load_config(_Outer, latin1)
 
 
 def test_describe_fields_lists_nested_fields():

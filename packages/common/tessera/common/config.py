@@ -34,6 +34,8 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text (byte {exc.start}); save the config as UTF-8") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
