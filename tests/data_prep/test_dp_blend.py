@@ -134,6 +134,9 @@ def test_blend_refuses_bad_requests(tmp_path, shards, corpus_texts, capsys):
     assert "split" in user_error(["blend", "--data", a, "--split", "9,x,1", *base], capsys)
     assert "train_samples" in user_error(["blend", "--data", a, "--seq-length", SEQ, "--train-samples", 0,
                                            "--output", tmp_path / "m"], capsys)
+    err = user_error(["blend", "--data", a, "--seq-length", SEQ, "--train-samples", 10**14,
+                      "--output", tmp_path / "m"], capsys)
+    assert "--train/valid/test-samples" in err and "GiB of index" in err and "request fewer samples" in err
     assert "no tokens in the valid split" in user_error(
         ["blend", "--data", a, "--split", "100,0,0", "--valid-samples", 5, *base], capsys)
     assert "WEIGHT PREFIX" in user_error(["blend", "--data", 0.5, a, b, *base], capsys)

@@ -19,6 +19,7 @@ same inputs and parameters give byte-identical files.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -221,6 +222,24 @@ def _open_sources(cfg: BlendConfig) -> tuple[list[IndexedDataset], list[ShardMan
     return datasets, manifests, fingerprints
 
 
+# Index bytes per requested sample, at least: dataset_index (uint16) + dataset_sample_index
+# (int64) + sample_index (2 x int64) + shuffle_index (int64); document indices come on top.
+INDEX_BYTES_PER_SAMPLE = 2 + 8 + 16 + 8
+
+
+def check_index_fits(num_samples: int, output_parent: Path) -> None:
+    """Refuse at once a request whose index cannot be built: it is held in memory, then written
+    under --output (a typo of a few zeros would otherwise run for hours before failing)."""
+    need = num_samples * INDEX_BYTES_PER_SAMPLE
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else None
+    parent = output_parent if output_parent.exists() else Path(".")
+    free_disk = shutil.disk_usage(parent).free
+    for what, have in (("memory", memory), (f"free space under {parent}", free_disk)):
+        if have is not None and need > have:
+            raise UserError(f"--train/valid/test-samples: {num_samples:,} samples need at least {need / 2**30:,.1f} "
+                            f"GiB of index, more than the {have / 2**30:,.1f} GiB of {what}; request fewer samples")
+
+
 def run_blend(cfg: BlendConfig) -> Path:
     """Validate everything, then build and atomically publish the mixture directory."""
     if cfg.output.exists() and not cfg.overwrite:
@@ -234,6 +253,7 @@ def run_blend(cfg: BlendConfig) -> Path:
     total_w = sum(s.weight for s in cfg.data)
     weights = [s.weight / total_w for s in cfg.data]
     requested = {"train": cfg.train_samples, "valid": cfg.valid_samples, "test": cfg.test_samples}
+    check_index_fits(sum(requested.values()), cfg.output.parent)
     doc_lengths = [document_lengths(ds) for ds in datasets]
     ranges = [split_ranges(fractions, ds.num_documents) for ds in datasets]
 
