@@ -182,10 +182,7 @@ def parse_data_args(values: list[str]) -> list[BlendSource]:
 
 def load_blend_config(path: str | None, cli: dict) -> BlendConfig:
     """YAML file (if any) with command-line values on top; validated as a whole."""
-    try:
-        data = read_yaml(path) if path else {}
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not UTF-8 text; --config takes a YAML file") from None
+    data = read_yaml(path) if path else {}  # a non-UTF-8 file is a UserError there
     if isinstance(data.get("data"), list):  # YAML may use [{prefix, weight}] or [weight, prefix, ...]
         items = data["data"]
         if items and not isinstance(items[0], dict):

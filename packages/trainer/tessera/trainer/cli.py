@@ -67,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.peak_tflops is not None:
         overrides.append(f"training.peak_tflops={args.peak_tflops}")
     overrides.extend(parallel_overrides(args))  # flags win over the config's parallel section
-    try:
-        cfg = load_config(TrainConfig, args.config, overrides)
-    except UnicodeDecodeError:
-        raise UserError(f"{args.config}: not UTF-8 text; --config takes a YAML file") from None
+    cfg = load_config(TrainConfig, args.config, overrides)  # a non-UTF-8 file is a UserError (read_yaml)
 
     # Heavy imports after argument validation keeps `--help` and bad-usage errors fast.
     from tessera.trainer.distributed import init_runtime, shutdown_runtime
