@@ -39,4 +39,4 @@ def test_bad_output_path(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     err = _usage_error(["--checkpoint", tmp_path, "--prompts", prompts, "--output", blocker / "o.jsonl"], capsys)
-    assert "cannot create its folder" in err
+    assert "cannot create the output folder" in err

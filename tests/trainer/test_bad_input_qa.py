@@ -21,7 +21,7 @@ def test_run_dir_that_cannot_be_created(make_config, capsys, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     err = run_expect_usage_error(["--config", str(make_config()), f"run_dir={blocker}"], capsys)
-    assert "run_dir" in err and "cannot create the folder" in err
+    assert "run_dir" in err and "cannot create the output folder" in err
     err = run_expect_usage_error(["--config", str(make_config()), f"checkpoint.dir={blocker}/ckpt"], capsys)
-    assert "checkpoint.dir" in err and "cannot create the folder" in err
+    assert "checkpoint.dir" in err and "cannot create the output folder" in err
     assert blocker.read_text() == "x"

@@ -20,10 +20,9 @@ from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
 from tessera.ckpt_convert.hf_mapping import import_rules, model_config_from_hf
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import SafetensorsFile
-from tessera.ckpt_convert.tokenizer_files import fsync_tree
 from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, iter_dir_name, write_pointer
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import atomic_directory, read_json
+from tessera.common.fileio import atomic_directory, fsync_tree, read_json
 from tessera.common.tokenizer import load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"

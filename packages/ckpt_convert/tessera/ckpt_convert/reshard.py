@@ -20,7 +20,6 @@ from tessera.ckpt_convert.export_hf import expected_model_shapes
 from tessera.ckpt_convert.partition import match_param, model_chunks, state_chunks, validate_layout
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
-from tessera.ckpt_convert.tokenizer_files import fsync_tree
 from tessera.common.checkpoint import (
     MODEL_PREFIX,
     TOKENIZER_DIR,
@@ -29,7 +28,7 @@ from tessera.common.checkpoint import (
     write_pointer,
 )
 from tessera.common.errors import UserError
-from tessera.common.fileio import atomic_directory
+from tessera.common.fileio import atomic_directory, fsync_tree
 from tessera.common.layout import ParallelLayout
 
 

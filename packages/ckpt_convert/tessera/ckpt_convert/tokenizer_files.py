@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from tessera.common.fileio import atomic_write_json
+from tessera.common.fileio import atomic_write_json, fsync_tree
 from tessera.common.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILES, Tokenizer
 
 
@@ -25,18 +24,3 @@ def write_hf_tokenizer(tok: Tokenizer, out: Path, sync: bool = True) -> None:
     if sync:
         fsync_tree(out, [p for p in out.iterdir() if p.name in TOKENIZER_FILES])
 
-
-def fsync_tree(directory: Path, files: list[Path] | None = None) -> None:
-    """fsync `files` (default: every file under `directory`) and `directory` itself: copied
-    tokenizer files are part of a durable output too (shutil.copyfile does not fsync)."""
-    for p in files if files is not None else [p for p in directory.rglob("*") if p.is_file()]:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -161,6 +161,31 @@ def tmp_name(path: str | os.PathLike) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
+def ensure_output_dir(directory: str | os.PathLike, what: str) -> None:
+    """Create an output's folder before any work, or fail with one line naming `what` (the flag
+    or config field that chose it) and the folder (exit 2 through run_cli)."""
+    from tessera.common.errors import UserError
+
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{what} {directory}: cannot create the output folder ({exc.strerror}); "
+                        "choose a writable location") from None
+
+
+def fsync_tree(directory: Path, files: list[Path] | None = None) -> None:
+    """fsync `files` (default: every file under `directory`) and `directory` itself, e.g. files
+    copied into a durable output (shutil.copyfile does not fsync)."""
+    for p in files if files is not None else [p for p in directory.rglob("*") if p.is_file()]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _fsync_dir(directory)
+
+
 def _fsync_dir(directory: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from tessera.common.config import StrictModel, read_yaml, validate_config
 from tessera.common.errors import UserError
-from tessera.common.fileio import atomic_directory, atomic_write_json, sha256_file
+from tessera.common.fileio import atomic_directory, atomic_write_json, ensure_output_dir, sha256_file
 from tessera.common.indexed_dataset import IndexedDataset
 from tessera.common.mixture import (
     MANIFEST,
@@ -41,7 +41,6 @@ from tessera.common.mixture import (
     split_file,
 )
 from tessera.common.shard import ShardManifest, read_shard_manifest, shard_fingerprint
-from tessera.data_prep.shard_writer import ensure_output_dir
 
 
 class BlendSource(StrictModel):

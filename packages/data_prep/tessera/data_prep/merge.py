@@ -16,10 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from tessera.common.errors import UserError
-from tessera.common.fileio import atomic_write_json, sha256_file, tmp_name
+from tessera.common.fileio import atomic_write_json, ensure_output_dir, sha256_file, tmp_name
 from tessera.common.indexed_dataset import IndexedDataset, bin_path, idx_path, write_index_chunks
 from tessera.common.shard import ShardManifest, manifest_path, read_shard_manifest, shard_fingerprint
-from tessera.data_prep.shard_writer import ensure_output_dir
 
 _CHUNK = 1 << 20
 

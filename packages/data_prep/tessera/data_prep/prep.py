@@ -21,17 +21,12 @@ from tqdm import tqdm
 
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
-from tessera.common.fileio import tmp_name
+from tessera.common.fileio import ensure_output_dir, tmp_name
 from tessera.common.indexed_dataset import token_dtype_for_vocab
 from tessera.common.shard import ShardInput
 from tessera.common.tokenizer import TOKENIZER_JSON, Tokenizer, load_tokenizer
 from tessera.data_prep.encode import BatchEncoder, EncodedBatch, OrderedEncoder
-from tessera.data_prep.shard_writer import (
-    ShardSetWriter,
-    ensure_output_dir,
-    output_prefixes,
-    parse_max_shard_size,
-)
+from tessera.data_prep.shard_writer import ShardSetWriter, output_prefixes, parse_max_shard_size
 from tessera.data_prep.sources import (
     InputFile,
     Record,

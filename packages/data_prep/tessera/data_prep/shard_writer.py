@@ -158,11 +158,3 @@ class ShardSetWriter:
                     p.unlink()
         self._staged = []
 
-
-def ensure_output_dir(directory: Path, flag: str) -> None:
-    """Create an output's folder before any work, or fail with one line naming it (exit 2)."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"{flag} {directory}: cannot create the output folder ({exc.strerror}); "
-                        "choose a writable location") from None

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tessera.common.errors import UserError, run_cli
+from tessera.common.fileio import ensure_output_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,11 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"{out_path}: is a directory; pass a file path for --output")
     if out_path.exists() and out_path.resolve() == Path(args.prompts).resolve():
         raise UserError(f"{out_path}: --output is the --prompts file; write the completions elsewhere")
-    try:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--output {out_path}: cannot create its folder ({exc.strerror}); choose a writable "
-                        "location") from None
+    ensure_output_dir(out_path.parent, "--output")
 
     from tqdm import tqdm
 

@@ -11,7 +11,8 @@ import argparse
 import textwrap
 
 from tessera.common.config import describe_fields, load_config
-from tessera.common.errors import UserError, run_cli
+from tessera.common.errors import run_cli
+from tessera.common.fileio import ensure_output_dir
 from tessera.common.model_config import ModelConfig
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.parallel.launch import add_parallel_arguments, parallel_overrides
@@ -88,11 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 def _check_output_dirs(cfg: TrainConfig) -> None:
     """The run and checkpoint folders must be creatable: one line naming the field, not a traceback later."""
     for field, path in (("run_dir", cfg.run_dir), ("checkpoint.dir", cfg.checkpoint_dir)):
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"{field} {path}: cannot create the folder ({exc.strerror}); choose a writable "
-                            "location") from None
+        ensure_output_dir(path, field)
 
 
 def entry() -> None:
