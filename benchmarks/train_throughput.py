@@ -20,6 +20,14 @@ Tessera with the trainer's setting, transformers with glibc's defaults (needs a 
 steps no longer alternate, so drift in machine speed lands on one framework).
 Compile time is measured separately (first step) and excluded from the steady-state figures.
 
+`--breakdown` then profiles a few more steps of each framework (torch.profiler, CPU time) and
+splits each step into the kernels both frameworks share (GEMMs, the SDPA attention kernels,
+clipping and the fused AdamW: the same ATen kernels, called the same number of times) and the
+rest, which is each framework's own (norms, RoPE, SwiGLU, residuals, loss, allocator, Python).
+In one process (same allocator for both, steps alternating) transformers' step over its
+shared-kernel time is the ceiling: the ratio Tessera would reach if everything else it does took
+no time at all.
+
     python benchmarks/train_throughput.py                       # CPU-sized defaults
     python benchmarks/train_throughput.py --preset llama-160m --seq 1024 --batch 8 --device cuda
 """
@@ -107,6 +115,72 @@ def time_interleaved(steps_by_name: dict, batches, warmup: int, steps: int, sync
     return out
 
 
+# Kernels both frameworks run identically (same ATen ops, same shapes, same count per step):
+# self time of the GEMMs and the attention kernels, total time of the clip and optimizer ops (their
+# CPU fallbacks call per-tensor children, counted once through the parent).
+SHARED_SELF = {"aten::mm": "gemm", "aten::bmm": "gemm", "aten::addmm": "gemm", "aten::baddbmm": "gemm"}
+SHARED_TOTAL = {"aten::_foreach_norm": "clip+optimizer", "aten::_foreach_mul_": "clip+optimizer",
+                "aten::_fused_adamw_": "clip+optimizer"}
+
+
+def profile_step(step_fn, batch, sync) -> dict:
+    """Profile one step; return its wall time and the shared kernels' time by kind (ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        step_fn(*batch)
+        sync()
+        wall = time.perf_counter() - start
+    shared = {"gemm": 0.0, "attention": 0.0, "clip+optimizer": 0.0}
+    for event in prof.key_averages():
+        if event.key in SHARED_SELF:
+            shared[SHARED_SELF[event.key]] += event.self_cpu_time_total / 1e3
+        elif event.key in SHARED_TOTAL:
+            shared[SHARED_TOTAL[event.key]] += event.cpu_time_total / 1e3
+        elif "scaled_dot_product" in event.key or "flash_attention" in event.key:
+            shared["attention"] += event.self_cpu_time_total / 1e3
+    return {"wall_ms": wall * 1e3, "shared_ms": shared}
+
+
+def breakdown(steps_by_name: dict, batches, steps: int, sync) -> dict[str, dict]:
+    """Profile `steps` more steps of each framework, alternating; per-framework medians.
+
+    The ceiling is taken within each profiled transformers step (its wall time over its own
+    shared-kernel time), so drift in the machine's speed between steps cancels out of it.
+    """
+    per_step = {name: [] for name in steps_by_name}
+    for i in range(steps):
+        for name, step_fn in steps_by_name.items():
+            per_step[name].append(profile_step(step_fn, batches[i % len(batches)], sync))
+    return {name: summarize_profiles(profiles) for name, profiles in per_step.items()}
+
+
+def summarize_profiles(profiles: list[dict]) -> dict:
+    return {"wall_ms": statistics.median(p["wall_ms"] for p in profiles),
+            "shared_ms": {kind: statistics.median(p["shared_ms"][kind] for p in profiles)
+                          for kind in profiles[0]["shared_ms"]},
+            # A round's summary (separate processes) carries its own per-step median.
+            "wall_over_shared": statistics.median(p.get("wall_over_shared", p["wall_ms"] / sum(p["shared_ms"].values()))
+                                                  for p in profiles)}
+
+
+def print_breakdown(breakdowns: dict[str, dict], same_process: bool) -> None:
+    print("breakdown (profiled steps, median ms per step; shared = the same ATen kernels in both frameworks):")
+    for name, b in breakdowns.items():
+        shared = sum(b["shared_ms"].values())
+        kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in b["shared_ms"].items())
+        print(f"  {name:13}step {b['wall_ms']:6.1f} = shared {shared:6.1f} ({kinds}) + own {b['wall_ms'] - shared:6.1f}"
+              f"  (step / shared {b['wall_over_shared']:.2f})")
+    if not same_process:
+        print("  (no ceiling across processes: with glibc's defaults transformers' GEMMs also pay page faults on "
+              "their fresh output buffers, so its shared kernels are not Tessera's; run without "
+              "--separate-processes for it)")
+    elif "transformers" in breakdowns:
+        print(f"  ceiling {breakdowns['transformers']['wall_over_shared']:.2f}x: the ratio Tessera would reach if "
+              "everything besides the shared kernels took no time (transformers' step / its shared kernels)")
+
+
 def hf_standard_step(model, optim_cfg: OptimConfig, precision: Precision):
     """The usual PyTorch loop around a transformers model (what a user would write)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -162,6 +236,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                     help="bf16 = autocast over fp32 weights for both frameworks (the trainer's bf16 mode).")
+    ap.add_argument("--breakdown", type=int, nargs="?", const=5, default=0, metavar="STEPS",
+                    help="After timing, profile STEPS more steps (default 5) of each framework and split them into "
+                         "shared kernels and each framework's own time, with the ceiling ratio (see above).")
     ap.add_argument("--json", default=None, help="Also write the figures to this JSON file.")
     ap.add_argument("--only", choices=["tessera", "transformers"], default=None, help="Run one framework only.")
     ap.add_argument("--separate-processes", action="store_true",
@@ -171,6 +248,8 @@ def main() -> None:
                     help="With --separate-processes: run the pair this many times, alternating which goes first "
                          "(ABBA...), and report the median over all rounds' steps plus each round's ratio.")
     args = ap.parse_args()
+    if args.breakdown and args.device != "cpu":
+        ap.error("--breakdown measures CPU time and is for --device cpu (on a GPU use benchmarks/kernels.py)")
     if args.separate_processes:
         return run_separately(args)
 
@@ -202,6 +281,9 @@ def main() -> None:
     if args.only:
         step_fns = {args.only: step_fns[args.only]}
     results = time_interleaved(step_fns, batches, args.warmup, args.steps, sync)
+    if args.breakdown:
+        for name, summary in breakdown(step_fns, batches, args.breakdown, sync).items():
+            results[name]["breakdown"] = summary
     for r in results.values():
         r["median_step_s"] = statistics.median(r["step_times_s"])
         r["tokens_per_s"] = tokens_per_step / r["median_step_s"]
@@ -245,6 +327,8 @@ def run_separately(args: argparse.Namespace) -> None:
         pooled["tokens_per_s"] = args.batch * args.seq / pooled["median_step_s"]
         pooled["page_faults_per_step"] = statistics.median(pooled["minor_faults"])
         pooled["first_step_s"] = statistics.median(run["first_step_s"] for run in runs)
+        if args.breakdown:
+            pooled["breakdown"] = summarize_profiles([run["breakdown"] for run in runs])
         results[name] = pooled
     overrides = {} if args.full_size else dict(
         hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
@@ -271,6 +355,8 @@ def report(args: argparse.Namespace, cfg: ModelConfig, results: dict[str, dict],
         print(f"{name:14}{r['tokens_per_s']:>12,.0f}{r['tokens_per_s'] * flops / 1e12:>10.4f}"
               f"{r['median_step_s'] * 1e3:>11.1f} ms{r['first_step_s']:>11.1f} s{r['final_loss']:>12.4f}"
               f"{r['page_faults_per_step']:>18,.0f}")
+    if all("breakdown" in r for r in results.values()):
+        print_breakdown({name: r["breakdown"] for name, r in results.items()}, not args.separate_processes)
     ratio = None
     if len(results) == 2:
         ratio = results["tessera"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
