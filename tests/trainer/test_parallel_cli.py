@@ -86,8 +86,13 @@ def reference(data_dir) -> Path:
     ("dp2", 2, [], {"data": 2}),  # data parallel implied by the world size; ZeRO-1 by default
 ])
 def test_layout_matches_one_process(data_dir, reference, name, nproc, flags, layout):
-    torchrun(nproc, write(data_dir, name), *flags, cwd=data_dir)
+    # The pipeline run is also profiled on every rank (steps 2-3): traces per rank, same losses.
+    profiled = ["profiling.start_step=2", "profiling.ranks=null"] if name == "pp2" else []
+    torchrun(nproc, write(data_dir, name), *flags, *profiled, cwd=data_dir)
     run = data_dir / name
+    if profiled:
+        traces = sorted(p.name for p in (run / "profile" / "steps_0000002-0000003").glob("*.trace.json.gz"))
+        assert traces == ["rank00000.trace.json.gz", "rank00001.trace.json.gz"]
     assert_losses_match(records(run, "train"), records(reference, "train"), range(1, STEPS + 1))
     got_norms = [r["grad_norm"] for r in records(run, "train").values()]
     want_norms = [r["grad_norm"] for r in records(reference, "train").values()]

@@ -88,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_output_dirs(cfg: TrainConfig) -> None:
     """The run and checkpoint folders must be creatable: one line naming the field, not a traceback later."""
-    for field, path in (("run_dir", cfg.run_dir), ("checkpoint.dir", cfg.checkpoint_dir)):
+    outputs = [("run_dir", cfg.run_dir), ("checkpoint.dir", cfg.checkpoint_dir)]
+    if cfg.profiling.start_step is not None:
+        outputs.append(("profiling.dir", cfg.profile_dir))
+    for field, path in outputs:
         ensure_output_dir(path, field)
 
 

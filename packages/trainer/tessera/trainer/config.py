@@ -128,6 +128,18 @@ class LoggingConfig(StrictModel):
     tensorboard: bool = Field(True, description="Write TensorBoard scalars under <run_dir>/tensorboard (skipped silently when tensorboard is not installed).")
 
 
+class ProfilingConfig(StrictModel):
+    """torch.profiler traces of a window of steps (Megatron's --profile-step-start/end, torchtitan's [profiling])."""
+
+    start_step: int | None = Field(None, ge=1, description="First step to profile (numbered as logged: 1 = the first step); null = no profiling. Skip the first step under compile (it compiles).")
+    num_steps: int = Field(2, ge=1, description="Steps in the profiled window.")
+    ranks: list[int] | None = Field([0], description="Global ranks that profile and write traces; null = every rank.")
+    record_shapes: bool = Field(True, description="Record operator input shapes (op table grouped by shape as well).")
+    profile_memory: bool = Field(False, description="Record tensor allocations and frees (memory timeline in the trace).")
+    with_stack: bool = Field(False, description="Record Python stacks per operator (larger traces, slower profiled steps).")
+    dir: Path | None = Field(None, description="Trace folder; default <run_dir>/profile. Each window writes steps_<first>-<last>/rank<r>.trace.json.gz (Chrome trace: Perfetto or chrome://tracing) and rank<r>.ops.txt (operators by self time).")
+
+
 class TrainConfig(StrictModel):
     """A complete `tessera-train` run."""
 
@@ -142,6 +154,7 @@ class TrainConfig(StrictModel):
     parallel: ParallelConfigSection = Field(default_factory=ParallelConfigSection, description="Parallel layout.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metric sinks.")
+    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig, description="Profiler traces of chosen steps.")
 
     @field_validator("model")
     @classmethod
@@ -171,6 +184,12 @@ class TrainConfig(StrictModel):
         if p.pipeline_layers is not None and len(p.pipeline_layers) != p.pipeline * p.virtual_stages:
             raise ValueError(f"parallel.pipeline_layers has {len(p.pipeline_layers)} values but the layout has "
                              f"{p.pipeline * p.virtual_stages} stages (pipeline x virtual_stages); give one per stage")
+        prof = self.profiling
+        if prof.start_step is not None and prof.start_step > t.steps:
+            raise ValueError(f"profiling.start_step ({prof.start_step}) is after the last step (training.steps = "
+                             f"{t.steps}); lower it or set it to null")
+        if prof.ranks is not None and any(r < 0 for r in prof.ranks):
+            raise ValueError(f"profiling.ranks ({prof.ranks}) must be global ranks (0 or more) or null for every rank")
         if self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr ({self.optim.min_lr}) exceeds optim.lr ({self.optim.lr})")
         return self
@@ -187,3 +206,7 @@ class TrainConfig(StrictModel):
     @property
     def checkpoint_dir(self) -> Path:
         return self.checkpoint.dir if self.checkpoint.dir is not None else self.run_dir / "checkpoints"
+
+    @property
+    def profile_dir(self) -> Path:
+        return self.profiling.dir if self.profiling.dir is not None else self.run_dir / "profile"

@@ -57,6 +57,7 @@ from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer, set_lr
 from tessera.trainer.precision import Precision
+from tessera.trainer.profiling import StepProfiler
 from tessera.trainer.schedule import LRSchedule
 from tessera.trainer.signals import StopRequest
 from tessera.trainer.step import TrainStep
@@ -204,6 +205,12 @@ class Trainer:
             tqdm.write(line, file=sys.stdout)
             sys.stdout.flush()
 
+    def say_any_rank(self, line: str) -> None:
+        """For lines about this rank only (e.g. its profiler trace), printed by whichever rank has them."""
+        prefix = f"[rank {self.rt.rank}] " if self.rt.world_size > 1 else ""
+        tqdm.write(prefix + line, file=sys.stdout)
+        sys.stdout.flush()
+
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float, bool]:
         """One optimizer step over a global batch; returns (mean loss, grad norm, step taken)."""
@@ -297,15 +304,18 @@ class Trainer:
         stop = StopRequest().install()
         show_bar = self.rt.is_main and not self.quiet and sys.stderr.isatty()
         bar = tqdm(total=t.steps, initial=self.state.step, disable=not show_bar, unit="step", dynamic_ncols=True)
+        profiler = StepProfiler(cfg.profiling, cfg.profile_dir, self.rt.rank, self.rt.device, self.say_any_rank)
         last_saved = -1
         exit_at = self.state.step + t.exit_after_steps if t.exit_after_steps else None
         try:
             window_steps, window_time = 0, 0.0  # steps and their wall time since the last log line
             compiling = t.compile
             while self.state.step < t.steps:
+                profiler.before_step(self.state.step + 1)
                 step_start = time.perf_counter()
                 loss, grad_norm, stepped = self.train_step()
                 step_time = time.perf_counter() - step_start
+                profiler.after_step(self.state.step)
                 if compiling:  # the first step compiles: report it, keep it out of throughput
                     self.say(f"first step (includes torch.compile): {step_time:.1f}s")
                     compiling = False
@@ -333,6 +343,7 @@ class Trainer:
                     self.say(f"{reason}: saved at step {self.state.step}, exiting")
                     break
         finally:
+            profiler.finish()  # a window cut short by a stop still writes what it recorded
             bar.close()
             stop.restore()
             self.sink.close()
