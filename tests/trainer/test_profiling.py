@@ -76,3 +76,22 @@ def test_profiling_does_not_touch_weights(make_config):
     prof.train()
     for (name, a), b in zip(weights(ref).items(), weights(prof).values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_memory_snapshot_on_cpu_is_a_note_not_a_file(make_config, tmp_path, capsys):
+    path = make_config()
+    assert main(["--config", str(path), "--quiet", "profiling.start_step=2", "profiling.num_steps=1",
+                 "profiling.memory_snapshot=true"]) == 0
+    assert "this run is on CPU, so none is written" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "run" / "profile" / "steps_0000002-0000002").iterdir()] != []
+    assert not list((tmp_path / "run" / "profile").rglob("*.pickle"))
+
+
+@pytest.mark.gpu
+def test_cuda_trace_and_memory_snapshot(make_config, tmp_path):
+    path = make_config()
+    assert main(["--config", str(path), "--quiet", "training.device=cuda", "profiling.start_step=2",
+                 "profiling.memory_snapshot=true"]) == 0
+    folder = tmp_path / "run" / "profile" / "steps_0000002-0000003"
+    assert (folder / "rank00000.memory_snapshot.pickle").stat().st_size > 0
+    assert "CUDA" in (folder / "rank00000.ops.txt").read_text()  # device-time columns

@@ -137,6 +137,7 @@ class ProfilingConfig(StrictModel):
     record_shapes: bool = Field(True, description="Record operator input shapes (op table grouped by shape as well).")
     profile_memory: bool = Field(False, description="Record tensor allocations and frees (memory timeline in the trace).")
     with_stack: bool = Field(False, description="Record Python stacks per operator (larger traces, slower profiled steps).")
+    memory_snapshot: bool = Field(False, description="CUDA only: also record the caching allocator's history over the window and write rank<r>.memory_snapshot.pickle (drag into pytorch.org/memory_viz); ignored, with a note, on CPU.")
     dir: Path | None = Field(None, description="Trace folder; default <run_dir>/profile. Each window writes steps_<first>-<last>/rank<r>.trace.json.gz (Chrome trace: Perfetto or chrome://tracing) and rank<r>.ops.txt (operators by self time).")
 
 

@@ -5,6 +5,7 @@ configured window and stops it after the last, then writes, per profiling rank,
 
     <profile_dir>/steps_<first>-<last>/rank<r>.trace.json.gz   Chrome trace (Perfetto, chrome://tracing)
     <profile_dir>/steps_<first>-<last>/rank<r>.ops.txt         operators by self time (device time on GPU)
+    <profile_dir>/steps_<first>-<last>/rank<r>.memory_snapshot.pickle   CUDA allocator history (memory_snapshot)
 
 both under temporary names renamed when whole. A run stopped inside the window (SIGTERM,
 exit_after_steps) still writes what it profiled. Profiling is off unless profiling.start_step is
@@ -24,6 +25,8 @@ from tessera.common.fileio import atomic_write_text, tmp_name
 from tessera.trainer.config import ProfilingConfig
 
 TOP_OPS = 40
+# Allocator events kept for a memory snapshot (torchtitan and the PyTorch docs use 100k).
+MEMORY_HISTORY_ENTRIES = 100_000
 
 
 class StepProfiler:
@@ -38,7 +41,11 @@ class StepProfiler:
         self.first = cfg.start_step or 0
         self.last = self.first + cfg.num_steps - 1
         self._prof: profile | None = None
+        self._window_start = 0
         self._last_profiled = 0
+        self.memory_snapshot = cfg.memory_snapshot and device.type == "cuda"
+        if self.enabled and cfg.memory_snapshot and not self.memory_snapshot:
+            say("profiling.memory_snapshot records the CUDA allocator; this run is on CPU, so none is written")
 
     def before_step(self, step: int) -> None:
         """`step` is the number the step about to run will be logged with (1-based)."""
@@ -48,6 +55,8 @@ class StepProfiler:
                 activities.append(ProfilerActivity.CUDA)
             self._prof = profile(activities=activities, record_shapes=self.cfg.record_shapes,
                                  profile_memory=self.cfg.profile_memory, with_stack=self.cfg.with_stack)
+            if self.memory_snapshot:
+                torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
             self._prof.start()
             self._window_start = step
 
@@ -66,10 +75,25 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         prof.stop()
-        if self._last_profiled < self._window_start:  # stopped before a profiled step finished
-            return
+        try:
+            if self._last_profiled < self._window_start:  # stopped before a profiled step finished
+                return
+            self._write(prof)
+        finally:
+            if self.memory_snapshot:
+                torch.cuda.memory._record_memory_history(enabled=None)
+
+    def _write(self, prof: profile) -> None:
         folder = self.out_dir / f"steps_{self._window_start:07d}-{self._last_profiled:07d}"
         folder.mkdir(parents=True, exist_ok=True)
+        if self.memory_snapshot:
+            snapshot = folder / f"rank{self.rank:05d}.memory_snapshot.pickle"
+            partial = tmp_name(snapshot)
+            try:
+                torch.cuda.memory._dump_snapshot(str(partial))
+                os.replace(partial, snapshot)
+            finally:
+                partial.unlink(missing_ok=True)
         trace = folder / f"rank{self.rank:05d}.trace.json.gz"
         # A temporary name that still ends in .gz: export_chrome_trace compresses by the suffix.
         partial = folder / f"{tmp_name(trace).name}.gz"
