@@ -1,7 +1,8 @@
-"""User-facing errors and the CLI wrapper that turns them into one line and exit code 2.
+"""User-facing errors and the CLI wrapper that turns them into one line and an exit code.
 
 A `UserError` is a problem the user can fix (bad argument, missing or corrupt file, wrong
 tokenizer). CLIs print its message on one line to stderr, without a traceback, and exit 2.
+A `RunError` is a run that had to stop (training diverged): one line, exit 1.
 Anything else is a bug or an environment failure: exit 1 with the traceback.
 """
 
@@ -24,6 +25,11 @@ class ArtifactError(UserError):
     """An artifact on disk is missing, malformed, corrupt, or incompatible with another."""
 
 
+class RunError(Exception):
+    """A run that cannot go on for a reason the user must act on (e.g. training diverged): the
+    message says what happened and what to do; CLIs print it on one line and exit 1."""
+
+
 def fail(message: str) -> NoReturn:
     raise UserError(message)
 
@@ -37,6 +43,10 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
         message = " ".join(str(exc).split("\n")).strip()
         print(f"{prog}: error: {message}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
+    except RunError as exc:
+        message = " ".join(str(exc).split("\n")).strip()
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_FAILURE)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)

@@ -29,7 +29,7 @@ import yaml
 from tqdm import tqdm
 
 from tessera.common.checkpoint import CheckpointSidecar, read_sidecar
-from tessera.common.errors import ArtifactError, UserError
+from tessera.common.errors import ArtifactError, RunError, UserError
 from tessera.common.fileio import atomic_write_text
 from tessera.common.layout import ParallelLayout
 from tessera.common.mixture import (
@@ -322,6 +322,9 @@ class Trainer:
                 else:
                     window_steps, window_time = window_steps + 1, window_time + step_time
                 bar.update(1)
+                if t.check_nonfinite and t.precision != "fp16" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                    self._log_train(loss, grad_norm, stepped, max(window_steps, 1), window_time or step_time)
+                    raise self._diverged(loss, grad_norm)
                 if not stepped:
                     self.say(f"step {self.state.step}: fp16 gradients overflowed; step skipped, "
                              f"loss scale lowered to {self.precision.loss_scale:g}")
@@ -349,6 +352,17 @@ class Trainer:
             self.sink.close()
         assert last_saved == self.state.step
         return self.state
+
+    def _diverged(self, loss: float, grad_norm: float) -> RunError:
+        """The error for a non-finite step: nothing is saved, so the newest checkpoint is the last good one."""
+        newest = latest_checkpoint(self.cfg.checkpoint_dir)
+        where = f"the newest checkpoint is {newest}" if newest is not None else "no checkpoint was saved yet"
+        first = self.state.consumed_samples - self.cfg.training.global_batch_size
+        return RunError(f"step {self.state.step}: loss {loss:.6g}, gradient norm {grad_norm:.6g} (not finite); stopped "
+                        f"without saving, {where}. Lower optim.lr or raise schedule.warmup_steps, or look at this "
+                        f"step's batch (samples {first}-{self.state.consumed_samples - 1} of the mixture's "
+                        f"{self.cfg.data.train_split} split); then --resume "
+                        "(training.check_nonfinite=false trains on regardless)")
 
     def _log_train(self, loss: float, grad_norm: float, stepped: bool, steps: int, seconds: float) -> None:
         """Throughput over the training steps since the last log line (evaluation and saving excluded)."""
