@@ -85,6 +85,7 @@ class TrainingConfig(StrictModel):
     eval_interval: int = Field(0, ge=0, description="Evaluate on the valid split every N steps (and at the end); 0 disables.")
     eval_iters: int = Field(4, gt=0, description="Micro-batches per evaluation (always the first ones of the valid split, so evaluations compare).")
     exit_after_steps: int | None = Field(None, gt=0, description="Stop after this many steps in this invocation (saving first, exit 0), e.g. to fit a fixed-length job slot; `--resume` continues. The schedule still spans training.steps.")
+    exit_after_minutes: float | None = Field(None, gt=0, description="Stop at the first step that ends this many minutes after the trainer started (saving first, exit 0; every rank stops at the same step), e.g. to fit a job's time limit with room for the save; `--resume` continues (Megatron's --exit-duration-in-mins).")
     save_interval: int = Field(0, ge=0, description="Save a checkpoint every N steps; one is always saved at the end. 0 = only at the end.")
     check_nonfinite: bool = Field(True, description="Stop with a one-line error (exit 1) at the first step whose loss or gradient norm is inf/nan, saving nothing, so the newest checkpoint stays the last good one (Megatron's --check-for-nan-in-loss-and-grad). fp32/bf16; fp16 skips such steps by its loss scaling instead.")
     peak_tflops: float | None = Field(None, gt=0, description="Peak TFLOP/s for MFU; default: table of known GPUs, or a matmul measured at start on CPU.")

@@ -182,6 +182,7 @@ class Trainer:
         self.flops_per_token = inputs.model.flops_per_token(t.seq_length)
         self.sink = MetricsSink(cfg.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, self.say, runtime.is_main)
         self.peak_tflops: float | None = None
+        self.started = time.monotonic()  # training.exit_after_minutes counts from here
 
     def build_step(self) -> None:
         """Model, optimizer and precision of the one-process step."""
@@ -336,13 +337,19 @@ class Trainer:
                     window_steps, window_time = 0, 0.0
                 if self.valid_data is not None and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
                     self.sink.log({"kind": "eval", "step": self.state.step, **self.evaluate()})
-                stop_now = self._agree_on_stop(stop.requested) or self.state.step == exit_at
+                time_up = (t.exit_after_minutes is not None
+                           and time.monotonic() - self.started >= 60 * t.exit_after_minutes)
+                stop_now = self._agree_on_stop(stop.requested or time_up) or self.state.step == exit_at
                 if (t.save_interval and self.state.step % t.save_interval == 0) or self.state.step == t.steps or stop_now:
                     self.save()
                     last_saved = self.state.step
                 if stop_now:
-                    reason = (f"received {stop.signal_name}" if stop.requested
-                              else f"training.exit_after_steps={t.exit_after_steps} reached")
+                    if stop.requested:
+                        reason = f"received {stop.signal_name}"
+                    elif self.state.step == exit_at:
+                        reason = f"training.exit_after_steps={t.exit_after_steps} reached"
+                    else:  # the time limit, on this rank or another
+                        reason = f"training.exit_after_minutes={t.exit_after_minutes:g} reached"
                     self.say(f"{reason}: saved at step {self.state.step}, exiting")
                     break
         finally:
