@@ -194,6 +194,21 @@ def test_one_process_checkpoint_resumes_under_tp2(data_dir, reference):
     assert read_sidecar(resolve_checkpoint(run / "checkpoints")).layout.tensor == 2
 
 
+def test_init_from_a_one_process_checkpoint_under_tp2_pp2(data_dir, reference):
+    """checkpoint.init_from under torchrun (TP=2 x PP=2): a new run from the reference's weights
+    trains exactly like the same new run in one process."""
+    source = f"checkpoint.init_from={reference}"
+    assert main(["--config", str(write(data_dir, "init_one")), "--quiet", source]) == 0
+    proc = torchrun(4, write(data_dir, "init_tp2pp2"), source, "--tensor-parallel", "2", "--pipeline-parallel", "2",
+                    cwd=data_dir)
+    assert "initialized the model from" in proc.stdout
+    assert_losses_match(records(data_dir / "init_tp2pp2", "train"), records(data_dir / "init_one", "train"),
+                        range(1, STEPS + 1))
+    # Starting from trained weights, not from init: the first loss is the reference's last, not its first.
+    first = records(data_dir / "init_one", "train")[1]["loss"]
+    assert first < records(reference, "train")[1]["loss"] - 0.1
+
+
 @pytest.mark.parametrize("name, flags, fp16", [
     # Clean steps: the loss scale doubles every 2 steps (1024 -> 4096 by step 4) exactly as GradScaler's does.
     ("fp16_tp2", ["--tensor-parallel", "2"], {"fp16_initial_scale": 1024.0, "fp16_growth_interval": 2}),

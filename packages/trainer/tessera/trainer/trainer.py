@@ -28,7 +28,7 @@ import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
-from tessera.common.checkpoint import CheckpointSidecar, read_sidecar
+from tessera.common.checkpoint import CheckpointSidecar, read_sidecar, resolve_checkpoint
 from tessera.common.errors import ArtifactError, RunError, UserError
 from tessera.common.fileio import atomic_write_text
 from tessera.common.layout import ParallelLayout
@@ -46,6 +46,7 @@ from tessera.trainer.checkpointing import (
     TrainState,
     latest_checkpoint,
     load_checkpoint,
+    read_checkpoint,
     remove_partial_saves,
     save_checkpoint,
 )
@@ -74,6 +75,7 @@ class CheckedInputs:
     resume_from: Path | None
     layout: ParallelLayout
     pipeline_layers: list[int] | None = None  # layers per stage (parallel runs)
+    init_from: Path | None = None  # checkpoint.init_from, resolved; None when resuming this run's own
 
     @property
     def parallel(self) -> bool:
@@ -120,12 +122,31 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
         if sidecar.mixture_fingerprint not in (None, fingerprint):
             raise ArtifactError(f"{resume_from}: checkpoint was trained on another mixture than {cfg.data.mixture}; "
                                 "exact resume needs the same mixture")
+    init_from = None
+    if cfg.checkpoint.init_from is not None and resume_from is None:
+        init_from = check_init_from(cfg.checkpoint.init_from, model, tokenizer)
     counts = None
     if layout.world_size > 1:
         counts = validate_layout(model, layout, seq_len=t.seq_length, global_batch=t.global_batch_size,
                                  micro_batch=t.micro_batch_size, sequence_parallel=cfg.parallel.sequence_parallel,
                                  pipeline_layers=cfg.parallel.pipeline_layers, world_size=world_size)
-    return CheckedInputs(model, manifest, fingerprint, tokenizer, resume_from, layout, counts)
+    return CheckedInputs(model, manifest, fingerprint, tokenizer, resume_from, layout, counts, init_from)
+
+
+def check_init_from(path: Path, model: ModelConfig, tokenizer: Tokenizer) -> Path:
+    """The checkpoint directory checkpoint.init_from names, if its model and tokenizer fit this run."""
+    directory = resolve_checkpoint(path)  # one-line ArtifactError when missing or incomplete
+    sidecar = read_sidecar(directory)
+    if sidecar.model != model:
+        ours, theirs = model.model_dump(), sidecar.model.model_dump()
+        diff = ", ".join(f"{k} {theirs[k]} vs {ours[k]}" for k in ours if ours[k] != theirs.get(k))
+        raise ArtifactError(f"{directory}: checkpoint.init_from holds another model than the config "
+                            f"(checkpoint vs config: {diff}); set the model section to the checkpoint's")
+    if sidecar.tokenizer_fingerprint not in (None, tokenizer.fingerprint):
+        raise ArtifactError(f"{directory}: checkpoint.init_from was trained with another tokenizer than "
+                            f"data.tokenizer; prepare the data with the checkpoint's tokenizer "
+                            f"({directory / 'tokenizer'} when it was saved with one)")
+    return directory
 
 
 def check_parallel_options(cfg: TrainConfig) -> None:
@@ -270,6 +291,11 @@ class Trainer:
     def load(self, directory: Path) -> None:
         self.state, _ = load_checkpoint(directory, self.model, self.optimizer, self.precision)
 
+    def load_weights(self, directory: Path) -> None:
+        """Model tensors only (checkpoint.init_from): the optimizer, RNGs and step stay fresh."""
+        state = {"model": self.model.state_dict()}
+        read_checkpoint(directory, state)  # into the parameters' own storage (state_dict views)
+
     def seed(self) -> None:
         """Seed a fresh run's RNGs (after the model is built: init does not shift the dropout stream)."""
         seed_everything(self.cfg.training.seed)
@@ -289,6 +315,11 @@ class Trainer:
                      f"({self.state.consumed_samples} samples consumed)")
         else:
             self.seed()
+            if self.inputs.init_from is not None:
+                self.load_weights(self.inputs.init_from)
+                self.say(f"initialized the model from {self.inputs.init_from} (step "
+                         f"{read_sidecar(self.inputs.init_from).step} of that run); optimizer, schedule and data "
+                         "start at step 0")
         n_params = self.model_cfg.num_params()
         self.say(f"model: {n_params / 1e6:.2f}M parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token at "
                  f"seq {t.seq_length}; {self.plan.num_micro_batches} micro-batch(es) of {t.micro_batch_size} x "

@@ -151,6 +151,12 @@ class ParallelTrainer(Trainer):
             self.say(f"note: {directory} was saved under layout {sidecar.layout.short()}; RNG streams re-seeded "
                      f"for {self.inputs.layout.short()} (only dropout draws differ from an uninterrupted run)")
 
+    def load_weights(self, directory: Path) -> None:
+        """Model tensors only, from a checkpoint of any layout (checkpoint.init_from)."""
+        state = dict(self.runtime.model_state_dict())
+        read_checkpoint(directory, state)
+        self.runtime.load_state_dict(state)
+
     def seed(self) -> None:
         super().seed()
         self.runtime.rng.seed_default()  # the default stream of this pipeline stage (same on tensor ranks)
