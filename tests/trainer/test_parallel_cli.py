@@ -24,7 +24,13 @@ import pytest
 import yaml
 from trainer_fixtures import run_tool
 
-from tessera.common.checkpoint import read_pointer, read_sidecar, resolve_checkpoint
+from tessera.common.checkpoint import (
+    read_pointer,
+    read_sidecar,
+    resolve_checkpoint,
+    verify_checksums,
+    write_pointer,
+)
 from tessera.common.config import load_config
 from tessera.common.errors import UserError
 from tessera.trainer.cli import main
@@ -88,8 +94,22 @@ def reference(data_dir) -> Path:
 def test_layout_matches_one_process(data_dir, reference, name, nproc, flags, layout):
     # The pipeline run is also profiled on every rank (steps 2-3): traces per rank, same losses.
     profiled = ["profiling.start_step=2", "profiling.ranks=null"] if name == "pp2" else []
-    torchrun(nproc, write(data_dir, name), *flags, *profiled, cwd=data_dir)
+    # The tensor-parallel run saves step 2 in the background (its own gloo group, DTensor state).
+    async_save = ["checkpoint.async_save=true", "training.save_interval=2"] if name == "tp2" else []
+    torchrun(nproc, write(data_dir, name), *flags, *profiled, *async_save, cwd=data_dir)
     run = data_dir / name
+    if async_save:
+        background = run / "checkpoints" / "iter_0000002"
+        verify_checksums(background)
+        assert read_sidecar(background).step == 2
+        # Resumed in one process, the background-saved step 2 continues exactly like the reference.
+        copy = data_dir / f"{name}_step2" / "checkpoints"
+        shutil.copytree(background, copy / background.name)
+        write_pointer(copy, 2)
+        config = write(data_dir, f"{name}_step2")
+        assert main(["--config", str(config), "--quiet", "--resume", f"checkpoint.dir={copy}"]) == 0
+        assert_losses_match({s: r for s, r in records(data_dir / f"{name}_step2", "train").items()},
+                            records(reference, "train"), range(3, STEPS + 1))
     if profiled:
         traces = sorted(p.name for p in (run / "profile" / "steps_0000002-0000003").glob("*.trace.json.gz"))
         assert traces == ["rank00000.trace.json.gz", "rank00001.trace.json.gz"]

@@ -23,16 +23,23 @@ Save sequence (a crash at any point leaves the previous checkpoint and the point
 write DCP files into `.iter_NNNNNNN.partial/`, write the sidecar there last (finalize), rename
 to `iter_NNNNNNN/`, then replace the pointer file, then delete checkpoints beyond keep_last.
 The temporary name is fixed (not per-process) so that every rank writes into the same directory.
+With checkpoint.async_save the same sequence runs on a thread after DCP has copied the state to
+CPU memory (AsyncCheckpointer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
 import shutil
+import threading
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -147,9 +154,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def save_checkpoint(
@@ -161,6 +168,7 @@ def save_checkpoint(
     sidecar: CheckpointSidecar,
     tokenizer: Tokenizer,
     keep_last: int,
+    background: AsyncCheckpointer | None = None,
 ) -> Path:
     """Write iter_<step>/ completely, then point the pointer at it; returns the directory."""
     state = {
@@ -170,7 +178,7 @@ def save_checkpoint(
     }
     if precision.scaler is not None:
         state["scaler"] = precision.state_tensors()
-    return write_checkpoint(root, state, train_state, sidecar, tokenizer, keep_last)
+    return write_checkpoint(root, state, train_state, sidecar, tokenizer, keep_last, background)
 
 
 def write_checkpoint(
@@ -180,39 +188,154 @@ def write_checkpoint(
     sidecar: CheckpointSidecar,
     tokenizer: Tokenizer,
     keep_last: int,
+    background: AsyncCheckpointer | None = None,
 ) -> Path:
     """The save sequence for any state dict (nested, or flat with dotted keys; tensors or DTensors).
 
     Collective under a process group: every rank passes its part of the state; DCP stores
     each global tensor once. `train_state` is added here; rank 0 writes tokenizer, sidecar
-    and pointer."""
-    root = Path(root)
-    final = root / iter_dir_name(train_state.step)
+    and pointer. With `background`, this returns once the state is copied to CPU memory and the
+    rest happens on that checkpointer's thread (see AsyncCheckpointer)."""
+    train_state = dataclasses.replace(train_state)  # a snapshot: the loop advances its own while a thread saves
+    final, partial = _start_save(Path(root), train_state.step)
+    state = {**state, "train_state": train_state.tensors()}
+    job = _Finalize(Path(root), final, partial, sorted({key.split(".")[0] for key in state}), train_state,
+                    sidecar, tokenizer, keep_last)
+    if background is not None:
+        background.start(state, job)
+        return final
+    with single_process_dcp():
+        dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
+    job.run()
+    return final
+
+
+def _start_save(root: Path, step: int) -> tuple[Path, Path]:
+    """The final and temporary directory of the checkpoint for `step`, the latter created empty."""
+    final = root / iter_dir_name(step)
     partial = root / f".{final.name}{PARTIAL_SUFFIX}"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
     _barrier()
-    state = {**state, "train_state": train_state.tensors()}
-    with single_process_dcp():
-        dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
-    _barrier()
-    if _rank() == 0:
-        tokenizer.save(partial / TOKENIZER_DIR)
-        sidecar.step = train_state.step
-        sidecar.consumed_samples = train_state.consumed_samples
-        sidecar.consumed_tokens = train_state.consumed_tokens
-        sidecar.contents = sorted({key.split(".")[0] for key in state})
-        finalize_checkpoint(partial, sidecar)  # sidecar last: marks the directory complete
-        if final.exists():  # a stale checkpoint of the same step (e.g. from a run that was rewound)
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        _fsync_dir(root)
-        write_pointer(root, train_state.step)
-        prune_checkpoints(root, keep_last)
-    _barrier()
-    return final
+    return final, partial
+
+
+@dataclass
+class _Finalize:
+    """What follows the DCP payload: rank 0 adds tokenizer and sidecar, renames, points, prunes."""
+
+    root: Path
+    final: Path
+    partial: Path
+    contents: list[str]
+    train_state: TrainState
+    sidecar: CheckpointSidecar
+    tokenizer: Tokenizer
+    keep_last: int
+
+    def run(self, group: dist.ProcessGroup | None = None) -> None:
+        _barrier(group)  # every rank's payload files are written
+        if _rank() == 0:
+            self.tokenizer.save(self.partial / TOKENIZER_DIR)
+            sidecar = self.sidecar.model_copy()
+            sidecar.step = self.train_state.step
+            sidecar.consumed_samples = self.train_state.consumed_samples
+            sidecar.consumed_tokens = self.train_state.consumed_tokens
+            sidecar.contents = self.contents
+            finalize_checkpoint(self.partial, sidecar)  # sidecar last: marks the directory complete
+            if self.final.exists():  # a stale checkpoint of the same step (e.g. from a run that was rewound)
+                shutil.rmtree(self.final)
+            os.replace(self.partial, self.final)
+            _fsync_dir(self.root)
+            write_pointer(self.root, self.train_state.step)
+            prune_checkpoints(self.root, self.keep_last)
+        _barrier(group)
+
+
+class AsyncCheckpointer:
+    """checkpoint.async_save: saves that overlap training (Megatron's --async-save).
+
+    `start` returns once DCP's async_save has copied the state into CPU memory (so training may
+    change the parameters at once); a thread then writes the payload and finalizes exactly like a
+    synchronous save: same files, same crash safety (the pointer moves only when the checkpoint is
+    whole). At most one save is in flight: the next `start` (or `wait`) waits for the previous.
+    Under torchrun the thread's collectives run on a gloo group of their own, created here (a
+    collective: every rank builds its AsyncCheckpointer at the same point), so they never
+    interleave with the training's. A failed write is raised by the next `wait`/`poll`.
+    """
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        if self.group is None:
+            # DCP warns on its writer thread (out of single_process_dcp's reach) that it assumes one
+            # process: that is the intent here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._job: _Finalize | None = None
+        self._started = 0.0
+        self._seconds = 0.0
+
+    def start(self, state: dict, job: _Finalize) -> None:
+        self.wait()
+        self._started = time.perf_counter()
+        with single_process_dcp():
+            future = dcp.async_save(state, checkpoint_id=str(job.partial), process_group=self.group,
+                                    no_dist=not dist.is_initialized())
+        self._job = job
+        self._thread = threading.Thread(target=self._finish, args=(future, job), name="tessera-async-save")
+        self._thread.start()
+
+    def _finish(self, future: Any, job: _Finalize) -> None:
+        error: BaseException | None = None
+        try:
+            future.result()
+        except BaseException as exc:  # reported to the training thread by wait()/poll()
+            error = exc
+        try:
+            if not _all_ranks_ok(error is None, self.group):
+                raise error or RuntimeError(f"another rank failed to write its part of {job.final.name}")
+            job.run(self.group)
+        except BaseException as exc:
+            self._error = exc
+        self._seconds = time.perf_counter() - self._started
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def poll(self) -> Path | None:
+        """The checkpoint that finished since the last call (None while writing or idle); raises its error."""
+        if self._thread is None or self._thread.is_alive():
+            return None
+        return self.wait()
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight is complete; return its directory (None if none); raise its error."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread = None
+        job, self._job = self._job, None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"background save of {job.final if job else 'a checkpoint'} failed: {error}") from error
+        return job.final if job else None
+
+    @property
+    def last_seconds(self) -> float:
+        """Wall time of the last finished save, from start to pointer."""
+        return self._seconds
+
+
+def _all_ranks_ok(ok: bool, group: dist.ProcessGroup | None) -> bool:
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -320,6 +443,6 @@ def load_checkpoint(
     return TrainState.from_tensors(state["train_state"]), sidecar
 
 
-__all__ = ["MODEL_PREFIX", "TrainState", "save_checkpoint", "load_checkpoint", "write_checkpoint", "read_checkpoint",
+__all__ = ["MODEL_PREFIX", "TrainState", "AsyncCheckpointer", "save_checkpoint", "load_checkpoint", "write_checkpoint", "read_checkpoint",
            "stored_keys", "latest_checkpoint",
            "list_checkpoints", "prune_checkpoints", "remove_partial_saves"]

@@ -43,6 +43,7 @@ from tessera.common.model_config import ModelConfig
 from tessera.common.parallel.validate import validate_layout
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
 from tessera.trainer.checkpointing import (
+    AsyncCheckpointer,
     TrainState,
     latest_checkpoint,
     load_checkpoint,
@@ -204,6 +205,7 @@ class Trainer:
         self.sink = MetricsSink(cfg.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, self.say, runtime.is_main)
         self.peak_tflops: float | None = None
         self.started = time.monotonic()  # training.exit_after_minutes counts from here
+        self.async_saver: AsyncCheckpointer | None = None  # checkpoint.async_save, built in train()
 
     def build_step(self) -> None:
         """Model, optimizer and precision of the one-process step."""
@@ -278,15 +280,26 @@ class Trainer:
             precision=self.cfg.training.precision,
         )
 
-    def save(self) -> Path:
+    def save(self, background: bool = False) -> Path:
+        """Save now; with `background` (checkpoint.async_save) only the copy to CPU memory blocks."""
+        saver = self.async_saver
+        if saver is not None:
+            self._report_background_save(saver.wait())  # at most one in flight: the previous one completes first
         start = time.perf_counter()
-        path = self.write_checkpoint()
-        self.say(f"saved checkpoint {path} ({time.perf_counter() - start:.1f}s)")
+        path = self.write_checkpoint(saver if background else None)
+        if background:
+            self.say(f"saving checkpoint {path} in the background (state copied in {time.perf_counter() - start:.2f}s)")
+        else:
+            self.say(f"saved checkpoint {path} ({time.perf_counter() - start:.1f}s)")
         return path
 
-    def write_checkpoint(self) -> Path:
+    def _report_background_save(self, path: Path | None) -> None:
+        if path is not None and self.async_saver is not None:
+            self.say(f"saved checkpoint {path} (in the background, {self.async_saver.last_seconds:.1f}s)")
+
+    def write_checkpoint(self, background: AsyncCheckpointer | None = None) -> Path:
         return save_checkpoint(self.cfg.checkpoint_dir, self.model, self.optimizer, self.precision, self.state,
-                               self.sidecar(), self.inputs.tokenizer, self.cfg.checkpoint.keep_last)
+                               self.sidecar(), self.inputs.tokenizer, self.cfg.checkpoint.keep_last, background)
 
     def load(self, directory: Path) -> None:
         self.state, _ = load_checkpoint(directory, self.model, self.optimizer, self.precision)
@@ -333,6 +346,8 @@ class Trainer:
             self.sink.close()
             return self.state
 
+        if cfg.checkpoint.async_save:
+            self.async_saver = AsyncCheckpointer()  # a collective under torchrun: same point on every rank
         stop = StopRequest().install()
         show_bar = self.rt.is_main and not self.quiet and sys.stderr.isatty()
         bar = tqdm(total=t.steps, initial=self.state.step, disable=not show_bar, unit="step", dynamic_ncols=True)
@@ -371,8 +386,11 @@ class Trainer:
                 time_up = (t.exit_after_minutes is not None
                            and time.monotonic() - self.started >= 60 * t.exit_after_minutes)
                 stop_now = self._agree_on_stop(stop.requested or time_up) or self.state.step == exit_at
-                if (t.save_interval and self.state.step % t.save_interval == 0) or self.state.step == t.steps or stop_now:
-                    self.save()
+                if self.async_saver is not None:
+                    self._report_background_save(self.async_saver.poll())
+                last_step = self.state.step == t.steps or stop_now
+                if (t.save_interval and self.state.step % t.save_interval == 0) or last_step:
+                    self.save(background=self.async_saver is not None and not last_step)
                     last_saved = self.state.step
                 if stop_now:
                     if stop.requested:
@@ -385,11 +403,24 @@ class Trainer:
                     break
         finally:
             profiler.finish()  # a window cut short by a stop still writes what it recorded
+            self._finish_background_save()
             bar.close()
             stop.restore()
             self.sink.close()
         assert last_saved == self.state.step
         return self.state
+
+    def _finish_background_save(self) -> None:
+        """Let a save in flight complete (it is a good checkpoint) before the loop returns or raises."""
+        if self.async_saver is None or not self.async_saver.in_flight:
+            return
+        loop_failed = sys.exc_info()[0] is not None  # called from `finally`: the exception unwinding, if any
+        try:
+            self._report_background_save(self.async_saver.wait())
+        except Exception as exc:
+            if not loop_failed:  # nothing else is failing: this is the error to report
+                raise
+            self.say(f"the background save failed as well: {exc}")
 
     def _diverged(self, loss: float, grad_norm: float) -> RunError:
         """The error for a non-finite step: nothing is saved, so the newest checkpoint is the last good one."""

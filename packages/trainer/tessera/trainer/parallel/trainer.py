@@ -27,6 +27,7 @@ import torch
 from tessera.common.checkpoint import read_sidecar
 from tessera.common.parallel.state import build_groups, set_groups
 from tessera.trainer.checkpointing import (
+    AsyncCheckpointer,
     TrainState,
     read_checkpoint,
     rng_state_tensors,
@@ -110,13 +111,13 @@ class ParallelTrainer(Trainer):
     def _rng_state(self) -> dict[str, torch.Tensor]:
         return {**rng_state_tensors(), **self.runtime.rng.state_dict()}
 
-    def write_checkpoint(self) -> Path:
+    def write_checkpoint(self, background: AsyncCheckpointer | None = None) -> Path:
         state = dict(self.runtime.state_dict())  # collective: gathers ZeRO shards per parameter
         state.update({self._rng_prefix() + k: v for k, v in self._rng_state().items()})
         if self.scaler is not None:
             state.update({f"scaler.{k}": v for k, v in self.scaler.state_tensors().items()})
         return write_checkpoint(self.cfg.checkpoint_dir, state, self.state, self.sidecar(), self.inputs.tokenizer,
-                                self.cfg.checkpoint.keep_last)
+                                self.cfg.checkpoint.keep_last, background)
 
     def load(self, directory: Path) -> None:
         """Model and optimizer from a checkpoint of any layout (or of one process); the RNG
