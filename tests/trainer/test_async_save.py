@@ -3,11 +3,18 @@ save holds, finish before the run ends, and a failed background write is reporte
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from test_loop import make_trainer, weights
 
 from tessera.common.checkpoint import read_pointer, read_sidecar, verify_checksums
+from tessera.common.errors import run_cli
 from tessera.trainer import checkpointing
 from tessera.trainer.checkpointing import list_checkpoints
 from tessera.trainer.cli import main
@@ -55,3 +62,47 @@ def test_a_failed_background_save_is_raised_and_the_pointer_stays(make_config, t
         trainer.train()
     root = tmp_path / "run" / "checkpoints"
     assert read_pointer(root) == 2 and list_checkpoints(root) == [2]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_rank_0_failing_to_finish_fails_every_rank_alike(artifacts, tmp_path, mode):
+    """Rank 0 writes tokenizer, sidecar and pointer: when that fails, the other ranks learn it at
+    once and raise the same error (they used to wait in a barrier until gloo's timeout)."""
+    worker = Path(__file__).with_name("finalize_failure_worker.py")
+    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2",
+                           str(worker), str(tmp_path / "ckpt"), str(artifacts["tokenizer"]), mode],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2, proc.stdout
+    assert "disk full (simulated)" in lines[0]
+    assert "rank 0 could not finish iter_0000001: OSError: disk full (simulated)" in lines[1]
+    assert read_pointer(tmp_path / "ckpt") is None
+
+
+def test_divergence_during_a_background_save_names_the_checkpoint_it_lands(make_config, tmp_path, monkeypatch, capsys):
+    """The one-line error says which checkpoint to resume from: the background save of step 1 (slowed
+    down here) must have landed before the message is written."""
+    real = checkpointing.finalize_checkpoint
+
+    def slow(directory, sidecar, *args, **kwargs):
+        time.sleep(1.0)
+        return real(directory, sidecar, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "finalize_checkpoint", slow)
+    path = make_config()
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--config", str(path), "--quiet", "checkpoint.async_save=true", "training.save_interval=1",
+                       "optim.lr=1e30", "optim.min_lr=0", "schedule.warmup_steps=0"])
+    assert exc.value.code == 1
+    assert "the newest checkpoint is" in capsys.readouterr().err and read_pointer(tmp_path / "run" / "checkpoints") == 1
+
+
+def test_a_stop_agreed_because_of_another_rank_exits_cleanly(make_config, tmp_path, monkeypatch, capsys):
+    """Under torchrun a signal may reach only some ranks; the others stop at the same step with a
+    clean save and a reason that says so."""
+    trainer = make_trainer(make_config())
+    monkeypatch.setattr(trainer, "_agree_on_stop", lambda local: trainer.state.step == 2)
+    trainer.train()
+    assert trainer.state.step == 2 and read_pointer(tmp_path / "run" / "checkpoints") == 2
+    assert "another rank was asked to stop: saved at step 2, exiting" in capsys.readouterr().out

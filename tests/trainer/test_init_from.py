@@ -59,6 +59,12 @@ def test_from_a_hugging_face_round_trip(make_config, trained, tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+def test_dropout_and_init_scale_are_the_new_runs_choice(make_config, trained):
+    path = make_config("new")
+    assert main(["--config", str(path), "--quiet", f"checkpoint.init_from={trained}", "training.steps=1",
+                 "model.dropout=0.1", "model.init_std=0.01"]) == 0
+
+
 def test_resume_prefers_the_runs_own_checkpoint(make_config, trained, tmp_path, capsys):
     path = make_config("new")
     args = ["--config", str(path), "--quiet", f"checkpoint.init_from={trained}"]

@@ -11,6 +11,8 @@ from test_bad_input import run_expect_usage_error
 from test_loop import make_trainer, weights
 
 from tessera.trainer.cli import main
+from tessera.trainer.config import ProfilingConfig
+from tessera.trainer.profiling import StepProfiler
 
 
 def read_trace(path) -> dict:
@@ -52,9 +54,10 @@ def test_no_profiling_by_default_and_rank_filter(make_config, tmp_path):
     assert trainer.cfg.profiling.start_step is None
     trainer.train()
     assert not (tmp_path / "run" / "profile").exists()
-    other_rank_only = make_trainer(path, "profiling.start_step=1", "profiling.ranks=[1]")
-    other_rank_only.train()
-    assert not (tmp_path / "run" / "profile").exists()
+    # Rank filter: a rank not listed does not profile (under torchrun; one process has only rank 0).
+    cfg = ProfilingConfig(start_step=1, ranks=[1])
+    assert not StepProfiler(cfg, tmp_path, 0, torch.device("cpu"), print).enabled
+    assert StepProfiler(cfg, tmp_path, 1, torch.device("cpu"), print).enabled
 
 
 @pytest.mark.parametrize("override, message", [
@@ -62,9 +65,11 @@ def test_no_profiling_by_default_and_rank_filter(make_config, tmp_path):
     ("profiling.start_step=0", "profiling.start_step"),
     ("profiling.num_steps=0", "profiling.num_steps"),
     ("profiling.ranks=[-1]", "profiling.ranks"),
+    ("profiling.ranks=[0,3]", "profiling.ranks [3] are not ranks of this run (world size 1)"),
 ])
 def test_bad_profiling_settings_are_one_line_errors(make_config, capsys, tmp_path, override, message):
-    assert message in run_expect_usage_error(["--config", str(make_config()), override], capsys)
+    argv = ["--config", str(make_config()), "profiling.start_step=1", override]  # the override wins
+    assert message in run_expect_usage_error(argv, capsys)
     assert not (tmp_path / "run").exists()
 
 

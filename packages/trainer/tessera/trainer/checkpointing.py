@@ -237,21 +237,35 @@ class _Finalize:
 
     def run(self, group: dist.ProcessGroup | None = None) -> None:
         _barrier(group)  # every rank's payload files are written
+        error: BaseException | None = None
         if _rank() == 0:
-            self.tokenizer.save(self.partial / TOKENIZER_DIR)
-            sidecar = self.sidecar.model_copy()
-            sidecar.step = self.train_state.step
-            sidecar.consumed_samples = self.train_state.consumed_samples
-            sidecar.consumed_tokens = self.train_state.consumed_tokens
-            sidecar.contents = self.contents
-            finalize_checkpoint(self.partial, sidecar)  # sidecar last: marks the directory complete
-            if self.final.exists():  # a stale checkpoint of the same step (e.g. from a run that was rewound)
-                shutil.rmtree(self.final)
-            os.replace(self.partial, self.final)
-            _fsync_dir(self.root)
-            write_pointer(self.root, self.train_state.step)
-            prune_checkpoints(self.root, self.keep_last)
-        _barrier(group)
+            try:
+                self._finish_on_rank_0()
+            except BaseException as exc:
+                error = exc
+        # Instead of a bare barrier: every rank learns whether rank 0 finished, and fails alike if not.
+        outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+        if dist.is_initialized():
+            dist.broadcast_object_list(outcome, src=0, group=group)
+        if error is not None:
+            raise error
+        if outcome[0] is not None:
+            raise RuntimeError(f"rank 0 could not finish {self.final.name}: {outcome[0]}")
+
+    def _finish_on_rank_0(self) -> None:
+        self.tokenizer.save(self.partial / TOKENIZER_DIR)
+        sidecar = self.sidecar.model_copy()
+        sidecar.step = self.train_state.step
+        sidecar.consumed_samples = self.train_state.consumed_samples
+        sidecar.consumed_tokens = self.train_state.consumed_tokens
+        sidecar.contents = self.contents
+        finalize_checkpoint(self.partial, sidecar)  # sidecar last: marks the directory complete
+        if self.final.exists():  # a stale checkpoint of the same step (e.g. from a run that was rewound)
+            shutil.rmtree(self.final)
+        os.replace(self.partial, self.final)
+        _fsync_dir(self.root)
+        write_pointer(self.root, self.train_state.step)
+        prune_checkpoints(self.root, self.keep_last)
 
 
 class AsyncCheckpointer:
@@ -285,7 +299,10 @@ class AsyncCheckpointer:
             future = dcp.async_save(state, checkpoint_id=str(job.partial), process_group=self.group,
                                     no_dist=not dist.is_initialized())
         self._job = job
-        self._thread = threading.Thread(target=self._finish, args=(future, job), name="tessera-async-save")
+        # A daemon: a second Ctrl-C must be able to end the process mid-save (the next run removes the
+        # partial directory); every normal path joins it.
+        self._thread = threading.Thread(target=self._finish, args=(future, job), name="tessera-async-save",
+                                        daemon=True)
         self._thread.start()
 
     def _finish(self, future: Any, job: _Finalize) -> None:

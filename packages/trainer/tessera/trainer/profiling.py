@@ -79,6 +79,8 @@ class StepProfiler:
             if self._last_profiled < self._window_start:  # stopped before a profiled step finished
                 return
             self._write(prof)
+        except OSError as exc:  # a diagnostic: training goes on without it
+            self.say(f"note: could not write the profile of steps {self._window_start}-{self._last_profiled}: {exc}")
         finally:
             if self.memory_snapshot:
                 torch.cuda.memory._record_memory_history(enabled=None)

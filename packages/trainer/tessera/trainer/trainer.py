@@ -123,6 +123,10 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
         if sidecar.mixture_fingerprint not in (None, fingerprint):
             raise ArtifactError(f"{resume_from}: checkpoint was trained on another mixture than {cfg.data.mixture}; "
                                 "exact resume needs the same mixture")
+    outside = [r for r in cfg.profiling.ranks or [] if r >= layout.world_size]
+    if cfg.profiling.start_step is not None and outside:
+        raise UserError(f"profiling.ranks {outside} are not ranks of this run (world size {layout.world_size}); "
+                        "use ranks below it, or null for every rank")
     init_from = None
     if cfg.checkpoint.init_from is not None and resume_from is None:
         init_from = check_init_from(cfg.checkpoint.init_from, model, tokenizer)
@@ -134,12 +138,17 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
     return CheckedInputs(model, manifest, fingerprint, tokenizer, resume_from, layout, counts, init_from)
 
 
+TRAINING_ONLY_MODEL_FIELDS = {"dropout", "attention_dropout", "init_std"}
+
+
 def check_init_from(path: Path, model: ModelConfig, tokenizer: Tokenizer) -> Path:
     """The checkpoint directory checkpoint.init_from names, if its model and tokenizer fit this run."""
     directory = resolve_checkpoint(path)  # one-line ArtifactError when missing or incomplete
     sidecar = read_sidecar(directory)
-    if sidecar.model != model:
-        ours, theirs = model.model_dump(), sidecar.model.model_dump()
+    # Dropout and the init scale are the new run's choices, not properties of the weights.
+    ours = model.model_dump(exclude=TRAINING_ONLY_MODEL_FIELDS)
+    theirs = sidecar.model.model_dump(exclude=TRAINING_ONLY_MODEL_FIELDS)
+    if ours != theirs:
         diff = ", ".join(f"{k} {theirs[k]} vs {ours[k]}" for k in ours if ours[k] != theirs.get(k))
         raise ArtifactError(f"{directory}: checkpoint.init_from holds another model than the config "
                             f"(checkpoint vs config: {diff}); set the model section to the checkpoint's")
@@ -397,24 +406,32 @@ class Trainer:
                         reason = f"received {stop.signal_name}"
                     elif self.state.step == exit_at:
                         reason = f"training.exit_after_steps={t.exit_after_steps} reached"
-                    else:  # the time limit, on this rank or another
+                    elif time_up:
                         reason = f"training.exit_after_minutes={t.exit_after_minutes:g} reached"
+                    else:  # the signal or time limit reached another rank first
+                        reason = "another rank was asked to stop"
                     self.say(f"{reason}: saved at step {self.state.step}, exiting")
                     break
         finally:
-            profiler.finish()  # a window cut short by a stop still writes what it recorded
-            self._finish_background_save()
-            bar.close()
-            stop.restore()
-            self.sink.close()
+            try:
+                profiler.finish()  # a window cut short by a stop still writes what it recorded
+                self._finish_background_save()
+            finally:
+                bar.close()
+                stop.restore()
+                self.sink.close()
         assert last_saved == self.state.step
         return self.state
 
-    def _finish_background_save(self) -> None:
-        """Let a save in flight complete (it is a good checkpoint) before the loop returns or raises."""
+    def _finish_background_save(self, failing: bool = False) -> None:
+        """Let a save in flight complete (it is a good checkpoint) before the loop returns or raises;
+        `failing`: the run is stopping on another error, so a failed save is noted, not raised."""
         if self.async_saver is None or not self.async_saver.in_flight:
             return
-        loop_failed = sys.exc_info()[0] is not None  # called from `finally`: the exception unwinding, if any
+        unwinding = sys.exc_info()[0]  # called from `finally`: the exception unwinding, if any
+        if unwinding is not None and issubclass(unwinding, KeyboardInterrupt):
+            return  # a second Ctrl-C means now: the partial save is removed by the next run
+        loop_failed = failing or unwinding is not None
         try:
             self._report_background_save(self.async_saver.wait())
         except Exception as exc:
@@ -424,6 +441,7 @@ class Trainer:
 
     def _diverged(self, loss: float, grad_norm: float) -> RunError:
         """The error for a non-finite step: nothing is saved, so the newest checkpoint is the last good one."""
+        self._finish_background_save(failing=True)  # a save in flight is of an earlier, good step: let it land
         newest = latest_checkpoint(self.cfg.checkpoint_dir)
         where = f"the newest checkpoint is {newest}" if newest is not None else "no checkpoint was saved yet"
         first = self.state.consumed_samples - self.cfg.training.global_batch_size

@@ -1,0 +1,46 @@
+"""torchrun worker for test_async_save: rank 0 fails to finish a checkpoint; every rank must fail alike.
+
+    torchrun --nproc-per-node 2 finalize_failure_worker.py ROOT TOKENIZER_DIR {sync|async}
+
+Prints one line per rank: `rank R: <error>` (or `rank R: saved`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tessera.common.checkpoint import CheckpointSidecar
+from tessera.common.model_config import preset
+from tessera.common.tokenizer import load_tokenizer
+from tessera.trainer import checkpointing
+from tessera.trainer.checkpointing import AsyncCheckpointer, TrainState, write_checkpoint
+
+
+def main() -> None:
+    root, tokenizer_dir, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 0:
+        def disk_full(*args, **kwargs):
+            raise OSError("disk full (simulated)")
+        checkpointing.finalize_checkpoint = disk_full
+    saver = AsyncCheckpointer() if mode == "async" else None
+    sidecar = CheckpointSidecar(model=preset("tiny", vocab_size=384))
+    state = {"model": {"w": torch.full((4,), float(rank))}} if rank == 0 else {"model": {}}
+    try:
+        write_checkpoint(root, state, TrainState(step=1), sidecar, load_tokenizer(tokenizer_dir), 2, saver)
+        if saver is not None:
+            saver.wait()
+        print(f"rank {rank}: saved", flush=True)
+    except Exception as exc:
+        print(f"rank {rank}: {exc}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
