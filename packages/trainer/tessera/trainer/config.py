@@ -31,6 +31,7 @@ class DataConfig(StrictModel):
     tokenizer: Path = Field(..., description="Tokenizer directory (tokenizer.json); must match the mixture's tokenizer fingerprint. Copied into every checkpoint.")
     train_split: str = Field("train", description="Mixture split to train on.")
     valid_split: str | None = Field("valid", description="Mixture split for evaluation; null disables evaluation.")
+    test_split: str | None = Field("test", description="Mixture split evaluated once when training completes (eval_iters micro-batches, logged as kind test), when evaluation is on (training.eval_interval > 0) and the split has samples; null disables.")
     check_fingerprints: bool = Field(True, description="Verify at start that the shards are the ones the mixture was built from (hashes their small manifests).")
 
 

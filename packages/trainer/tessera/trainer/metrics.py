@@ -78,6 +78,8 @@ def memory_gib(device: torch.device) -> float:
 def format_record(rec: dict[str, Any]) -> str:
     if rec.get("kind") == "eval":
         return f"eval  step {rec['step']:>6} | valid loss {rec['valid_loss']:.4f} | valid ppl {rec['valid_ppl']:.2f}"
+    if rec.get("kind") == "test":
+        return f"test  step {rec['step']:>6} | test loss {rec['test_loss']:.4f} | test ppl {rec['test_ppl']:.2f}"
     parts = [f"step {rec['step']:>6}/{rec['total_steps']}", f"loss {rec['loss']:.4f}", f"grad norm {rec['grad_norm']:.3f}",
              f"lr {rec['lr']:.3e}", f"tokens/s {rec['tokens_per_s']:,.0f}", f"TFLOP/s {rec['tflops']:.3f}"]
     if rec.get("mfu") is not None:
@@ -117,7 +119,7 @@ class MetricsSink:
             self.jsonl.write(json.dumps(rec) + "\n")
             self.jsonl.flush()
         if self.tb is not None:
-            prefix = "eval/" if rec.get("kind") == "eval" else "train/"
+            prefix = {"eval": "eval/", "test": "test/"}.get(rec.get("kind"), "train/")
             for key, value in rec.items():
                 if isinstance(value, (int, float)) and key not in ("step", "total_steps") and value is not None:
                     self.tb.add_scalar(prefix + key, value, rec["step"])

@@ -169,8 +169,8 @@ def check_parallel_options(cfg: TrainConfig) -> None:
                         "(use parallel.tensor to split the logits) — set training.loss_chunk_tokens=null")
 
 
-def eval_record(loss: float) -> dict[str, float]:
-    return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
+def eval_record(loss: float, split: str = "valid") -> dict[str, float]:
+    return {f"{split}_loss": loss, f"{split}_ppl": math.exp(min(loss, 50.0))}
 
 
 def build_trainer(cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime, quiet: bool = False) -> Trainer:
@@ -209,6 +209,10 @@ class Trainer:
         self.valid_data = None
         if t.eval_interval and cfg.data.valid_split:
             self.valid_data = MixtureBatches(MixtureSplit(cfg.data.mixture, cfg.data.valid_split, check), t.seq_length)
+        self.test_data = None  # evaluated once, when training completes (Megatron's test-set evaluation)
+        test = inputs.manifest.splits.get(cfg.data.test_split) if cfg.data.test_split else None
+        if t.eval_interval and test is not None and test.num_samples > 0:
+            self.test_data = MixtureBatches(MixtureSplit(cfg.data.mixture, cfg.data.test_split, check), t.seq_length)
         self.state = TrainState()
         self.flops_per_token = inputs.model.flops_per_token(t.seq_length)
         self.sink = MetricsSink(cfg.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, self.say, runtime.is_main)
@@ -262,18 +266,20 @@ class Trainer:
         self.state.consumed_tokens += t.global_batch_size * t.seq_length
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Mean loss over the first eval_iters micro-batches of the valid split (same ones every time)."""
-        assert self.valid_data is not None
+    def evaluate(self, data: MixtureBatches | None = None) -> float:
+        """Mean loss over the first eval_iters micro-batches of `data` (default: the valid split; the
+        same micro-batches every time)."""
+        data = data if data is not None else self.valid_data
+        assert data is not None
         self.model.eval()
         t = self.cfg.training
         mb = t.micro_batch_size
         total = torch.zeros((), device=self.rt.device)
         for i in range(t.eval_iters):
-            inputs, labels = self.valid_data.batch(np.arange(i * mb, (i + 1) * mb))
+            inputs, labels = data.batch(np.arange(i * mb, (i + 1) * mb))
             total += self.loss(inputs.to(self.rt.device), labels.to(self.rt.device))
         self.model.train()
-        return eval_record(float(total / t.eval_iters))
+        return float(total / t.eval_iters)
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward (under the precision's autocast) and mean cross-entropy, chunked when configured."""
@@ -391,7 +397,10 @@ class Trainer:
                     bar.set_postfix(loss=f"{loss:.3f}")
                     window_steps, window_time = 0, 0.0
                 if self.valid_data is not None and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
-                    self.sink.log({"kind": "eval", "step": self.state.step, **self.evaluate()})
+                    self.sink.log({"kind": "eval", "step": self.state.step, **eval_record(self.evaluate())})
+                if self.test_data is not None and self.state.step == t.steps:
+                    self.sink.log({"kind": "test", "step": self.state.step,
+                                   **eval_record(self.evaluate(self.test_data), "test")})
                 time_up = (t.exit_after_minutes is not None
                            and time.monotonic() - self.started >= 60 * t.exit_after_minutes)
                 stop_now = self._agree_on_stop(stop.requested or time_up) or self.state.step == exit_at

@@ -35,10 +35,11 @@ from tessera.trainer.checkpointing import (
     stored_keys,
     write_checkpoint,
 )
+from tessera.trainer.data import MixtureBatches
 from tessera.trainer.model_setup import apply_recompute, build_train_model
 from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime
 from tessera.trainer.precision import DynamicLossScale, Precision
-from tessera.trainer.trainer import Trainer, eval_record
+from tessera.trainer.trainer import Trainer
 
 
 class ParallelTrainer(Trainer):
@@ -91,16 +92,17 @@ class ParallelTrainer(Trainer):
         self.advance()  # a skipped step still consumes its data, as in one process
         return result.loss, result.grad_norm, result.stepped
 
-    def evaluate(self) -> dict[str, float]:
-        """Mean loss over the first whole global batches of the valid split covering eval_iters
-        micro-batches per data-parallel rank (the same samples every time)."""
-        assert self.valid_data is not None
+    def evaluate(self, data: MixtureBatches | None = None) -> float:
+        """Mean loss over the first whole global batches of `data` (default: the valid split) covering
+        eval_iters micro-batches per data-parallel rank (the same samples every time)."""
+        data = data if data is not None else self.valid_data
+        assert data is not None
         calls = math.ceil(self.cfg.training.eval_iters / self.plan.num_micro_batches)
         total = 0.0
         for c in range(calls):
-            tokens, labels = self._rows(self.valid_data, c * self.cfg.training.global_batch_size)
+            tokens, labels = self._rows(data, c * self.cfg.training.global_batch_size)
             total += self.runtime.eval_step(tokens, labels)
-        return eval_record(total / calls)
+        return total / calls
 
     # ---- checkpoint state --------------------------------------------------------------------
     def _rng_prefix(self) -> str:
