@@ -75,3 +75,40 @@ def test_no_test_split_or_disabled_means_no_test_record(data_dir, mixture_with_t
     for run in ("off", "none"):
         kinds = {json.loads(line)["kind"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()}
         assert kinds == {"train", "eval"}
+
+
+def test_eval_only_reports_the_checkpoints_losses_and_writes_nothing(data_dir, mixture_with_test, tmp_path, capsys):
+    path = config(data_dir, mixture_with_test, tmp_path / "run")
+    assert main(["--config", str(path), "--quiet"]) == 0
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    trained = [json.loads(line) for line in metrics.read_text().splitlines()]
+    config_yaml = (tmp_path / "run" / "config.yaml").read_text()
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    capsys.readouterr()
+
+    # --resume --eval-only: the same losses the run logged at its last step, appended; nothing else written.
+    assert main(["--config", str(path), "--quiet", "--resume", "--eval-only"]) == 0
+    after = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert after[:len(trained)] == trained and [r["kind"] for r in after[len(trained):]] == ["eval", "test"]
+    for kind, key in (("eval", "valid_loss"), ("test", "test_loss")):
+        logged = [r for r in trained if r["kind"] == kind][-1]
+        again = [r for r in after[len(trained):] if r["kind"] == kind][0]
+        assert again["step"] == 4 and again[key] == logged[key]
+    assert (tmp_path / "run" / "config.yaml").read_text() == config_yaml
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == checkpoints
+
+    # init_from + --eval-only in a new run directory: step 0, the source's weights.
+    fresh = config(data_dir, mixture_with_test, tmp_path / "eval")
+    assert main(["--config", str(fresh), "--quiet", "--eval-only", f"checkpoint.init_from={tmp_path / 'run'}"]) == 0
+    evals = [json.loads(line) for line in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in evals] == [("eval", 0), ("test", 0)]
+    assert evals[0]["valid_loss"] == [r for r in trained if r["kind"] == "eval"][-1]["valid_loss"]
+    assert not (tmp_path / "eval" / "checkpoints").exists()
+
+
+def test_eval_only_with_nothing_to_evaluate_is_one_line(data_dir, tmp_path, capsys):
+    from test_bad_input import run_expect_usage_error
+
+    path = config(data_dir, data_dir / "mix", tmp_path / "run")  # no test samples; valid switched off
+    err = run_expect_usage_error(["--config", str(path), "--eval-only", "data.valid_split=null"], capsys)
+    assert "training.eval_only has nothing to evaluate" in err

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Continue from the checkpoint the pointer in the checkpoint directory names "
                              "(starts fresh, saying so, when there is none yet).")
     parser.add_argument("--compile", action="store_true", help="torch.compile the forward and loss as one graph (= training.compile=true).")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="Evaluate the model on the valid and test splits and exit; train and save nothing "
+                             "(= training.eval_only=true). Combine with --resume or checkpoint.init_from=CKPT.")
     parser.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOPS",
                         help="Peak TFLOP/s for MFU (= training.peak_tflops); default: known-GPU table, or a measured CPU matmul.")
     parser.add_argument("--quiet", action="store_true", help="No progress bar.")
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.compile:
         overrides.append("training.compile=true")
+    if args.eval_only:
+        overrides.append("training.eval_only=true")
     if args.peak_tflops is not None:
         overrides.append(f"training.peak_tflops={args.peak_tflops}")
     overrides.extend(parallel_overrides(args))  # flags win over the config's parallel section
@@ -88,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_output_dirs(cfg: TrainConfig) -> None:
     """The run and checkpoint folders must be creatable: one line naming the field, not a traceback later."""
-    outputs = [("run_dir", cfg.run_dir), ("checkpoint.dir", cfg.checkpoint_dir)]
+    outputs = [("run_dir", cfg.run_dir)]
+    if not cfg.training.eval_only:  # an evaluation saves no checkpoint
+        outputs.append(("checkpoint.dir", cfg.checkpoint_dir))
     if cfg.profiling.start_step is not None:
         outputs.append(("profiling.dir", cfg.profile_dir))
     for field, path in outputs:

@@ -85,6 +85,7 @@ class TrainingConfig(StrictModel):
     log_interval: int = Field(1, gt=0, description="Log a metrics line every N steps.")
     eval_interval: int = Field(0, ge=0, description="Evaluate on the valid split every N steps (and at the end); 0 disables.")
     eval_iters: int = Field(4, gt=0, description="Micro-batches per evaluation (always the first ones of the valid split, so evaluations compare).")
+    eval_only: bool = Field(False, description="Evaluate and exit (= --eval-only; Megatron's --skip-train): load the model (the checkpoint --resume finds, else checkpoint.init_from, else a fresh init), log the loss on eval_iters micro-batches of the valid split and of the test split (those with samples), train and save nothing. E.g. the validation perplexity of an imported Hugging Face model on your data.")
     exit_after_steps: int | None = Field(None, gt=0, description="Stop after this many steps in this invocation (saving first, exit 0), e.g. to fit a fixed-length job slot; `--resume` continues. The schedule still spans training.steps.")
     exit_after_minutes: float | None = Field(None, gt=0, description="Stop at the first step that ends this many minutes after the trainer started (saving first, exit 0; every rank stops at the same step), e.g. to fit a job's time limit with room for the save; `--resume` continues (Megatron's --exit-duration-in-mins).")
     save_interval: int = Field(0, ge=0, description="Save a checkpoint every N steps; one is always saved at the end. 0 = only at the end.")

@@ -104,11 +104,16 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
         raise ArtifactError(f"{manifest_path}: mixture was built for seq_length {manifest.seq_length}, shorter than "
                             f"training.seq_length {t.seq_length}; rebuild it with `tessera-data blend --seq-length "
                             f"{t.seq_length}` or lower training.seq_length")
-    for split in [cfg.data.train_split] + ([cfg.data.valid_split] if t.eval_interval and cfg.data.valid_split else []):
+    evaluating = bool(t.eval_interval or t.eval_only)
+    for split in [cfg.data.train_split] + ([cfg.data.valid_split] if evaluating and cfg.data.valid_split else []):
         info = manifest.splits.get(split)
         if info is None or info.num_samples == 0:
             raise ArtifactError(f"{manifest_path}: mixture has no samples in split {split!r} "
                                 f"(needed by data.{'train' if split == cfg.data.train_split else 'valid'}_split)")
+    if t.eval_only and not any(split and manifest.splits.get(split) and manifest.splits[split].num_samples
+                               for split in (cfg.data.valid_split, cfg.data.test_split)):
+        raise ArtifactError(f"{manifest_path}: training.eval_only has nothing to evaluate: no samples in "
+                            f"data.valid_split ({cfg.data.valid_split}) or data.test_split ({cfg.data.test_split})")
     model = cfg.resolve_model(manifest.vocab_size)
     if model.vocab_size < manifest.vocab_size:
         raise UserError(f"model.vocab_size ({model.vocab_size}) is smaller than the mixture's vocabulary "
@@ -207,11 +212,12 @@ class Trainer:
         check = cfg.data.check_fingerprints
         self.train_data = MixtureBatches(MixtureSplit(cfg.data.mixture, cfg.data.train_split, check), t.seq_length)
         self.valid_data = None
-        if t.eval_interval and cfg.data.valid_split:
+        evaluating = bool(t.eval_interval or t.eval_only)
+        if evaluating and cfg.data.valid_split:
             self.valid_data = MixtureBatches(MixtureSplit(cfg.data.mixture, cfg.data.valid_split, check), t.seq_length)
         self.test_data = None  # evaluated once, when training completes (Megatron's test-set evaluation)
         test = inputs.manifest.splits.get(cfg.data.test_split) if cfg.data.test_split else None
-        if t.eval_interval and test is not None and test.num_samples > 0:
+        if evaluating and test is not None and test.num_samples > 0:
             self.test_data = MixtureBatches(MixtureSplit(cfg.data.mixture, cfg.data.test_split, check), t.seq_length)
         self.state = TrainState()
         self.flops_per_token = inputs.model.flops_per_token(t.seq_length)
@@ -331,7 +337,7 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> TrainState:
         cfg, t = self.cfg, self.cfg.training
-        if self.rt.is_main:
+        if self.rt.is_main and not t.eval_only:  # an evaluation leaves the training run's config.yaml alone
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(cfg.run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
             for stale in remove_partial_saves(cfg.checkpoint_dir):
@@ -356,6 +362,8 @@ class Trainer:
         self.peak_tflops, peak_source = resolve_peak_tflops(self.rt.device, t.peak_tflops)
         if self.peak_tflops is not None:
             self.say(f"MFU reference: {self.peak_tflops:.3f} TFLOP/s ({peak_source})")
+        if t.eval_only:
+            return self.evaluate_only()
         if self.state.step >= t.steps:
             self.say(f"nothing to do: already at step {self.state.step} of {t.steps}")
             self.sink.close()
@@ -430,6 +438,16 @@ class Trainer:
                 stop.restore()
                 self.sink.close()
         assert last_saved == self.state.step
+        return self.state
+
+    def evaluate_only(self) -> TrainState:
+        """training.eval_only: log the valid and test losses of the loaded model at its step; nothing else."""
+        assert self.valid_data is not None or self.test_data is not None  # check_inputs made sure
+        if self.valid_data is not None:
+            self.sink.log({"kind": "eval", "step": self.state.step, **eval_record(self.evaluate())})
+        if self.test_data is not None:
+            self.sink.log({"kind": "test", "step": self.state.step, **eval_record(self.evaluate(self.test_data), "test")})
+        self.sink.close()
         return self.state
 
     def _finish_background_save(self, failing: bool = False) -> None:
