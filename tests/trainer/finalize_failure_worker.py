@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node 2 finalize_failure_worker.py ROOT TOKENIZER_DIR {sync|async}
 
-Prints one line per rank: `rank R: <error>` (or `rank R: saved`).
+Writes ROOT/../rank<R>.txt per rank: `rank R: <error>` (or `rank R: saved`); files, because the
+ranks' printed lines can interleave on torchrun's shared stdout.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def main() -> None:
         write_checkpoint(root, state, TrainState(step=1), sidecar, load_tokenizer(tokenizer_dir), 2, saver)
         if saver is not None:
             saver.wait()
-        print(f"rank {rank}: saved", flush=True)
+        outcome = f"rank {rank}: saved"
     except Exception as exc:
-        print(f"rank {rank}: {exc}", flush=True)
+        outcome = f"rank {rank}: {exc}"
+    (root.parent / f"rank{rank}.txt").write_text(outcome)
     dist.barrier()
     dist.destroy_process_group()
 
