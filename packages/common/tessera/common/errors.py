@@ -35,18 +35,14 @@ def fail(message: str) -> NoReturn:
 
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> NoReturn:
-    """Run a CLI entry point, mapping UserError to a single stderr line and exit code 2."""
+    """Run a CLI entry point: a UserError is one stderr line and exit 2, a RunError one line and exit 1."""
     prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv else "tessera"
     try:
         code = main(argv)
-    except UserError as exc:
+    except (UserError, RunError) as exc:
         message = " ".join(str(exc).split("\n")).strip()
         print(f"{prog}: error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-    except RunError as exc:
-        message = " ".join(str(exc).split("\n")).strip()
-        print(f"{prog}: error: {message}", file=sys.stderr)
-        sys.exit(EXIT_FAILURE)
+        sys.exit(EXIT_USAGE if isinstance(exc, UserError) else EXIT_FAILURE)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
