@@ -29,6 +29,12 @@ def stdlib_documents(max_docs: int = len(STDLIB_FILES)) -> list[str]:
     return [(root / name).read_text(encoding="utf-8") for name in STDLIB_FILES[:max_docs]]
 
 
+def stdlib_lines(max_docs: int = 2000) -> list[str]:
+    """Short documents (a few to a few dozen tokens): the non-blank lines of the stdlib files."""
+    lines = [line for text in stdlib_documents() for line in text.splitlines() if line.strip()]
+    return lines[:max_docs]
+
+
 def train_tokenizer(out_dir: Path, texts: list[str], vocab_size: int = 384) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -79,9 +85,11 @@ def megatron_sample_index(sizes: np.ndarray, doc_index: np.ndarray, seq_length: 
 
 
 def build_mixture(root: Path, seq_length: int = 64, vocab_size: int = 384, valid_docs: int = 2,
-                  seed: int = 0, tokenizer_dir: Path | None = None) -> dict[str, Path]:
-    """tokenizer/, shard/stdlib.{bin,idx,json} and mixture/ under root; returns their paths."""
-    texts = stdlib_documents()
+                  seed: int = 0, tokenizer_dir: Path | None = None, texts: list[str] | None = None) -> dict[str, Path]:
+    """tokenizer/, shard/stdlib.{bin,idx,json} and mixture/ under root; returns their paths.
+
+    `texts` (default: stdlib_documents()) are the documents, each ended by the EOD token."""
+    texts = texts if texts is not None else stdlib_documents()
     tokenizer_dir = tokenizer_dir or train_tokenizer(root / "tokenizer", texts, vocab_size)
     tok = load_tokenizer(tokenizer_dir)
     eod = tok.eos_id

@@ -9,8 +9,9 @@ on any parallel layout. Projections are stored split (q/k/v, gate/up) so a tenso
 of each is a contiguous slice, and layers live in a ModuleDict keyed by global layer number, so a
 pipeline stage keeps the names it would have in the full model.
 
-Two hooks serve the other stages: `positions` (explicit token positions for packed or cached
-sequences) and `attention_fn` (replaces the attention core, e.g. with paged attention over a KV
+Three hooks serve the other stages: `positions` (explicit token positions for packed or cached
+sequences), `document_ids` (several documents packed in one sample attend only within their own
+document) and `attention_fn` (replaces the attention core, e.g. with paged attention over a KV
 cache in the server).
 """
 
@@ -134,6 +135,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         attention_fn: AttentionFn | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Head counts come from the projection widths, so a tensor-parallel shard (fewer local
         # heads) runs this same code; the sequence length too, since under sequence parallel the
@@ -148,16 +150,22 @@ class Attention(nn.Module):
         if attention_fn is not None:
             out = attention_fn(self.layer_idx, q, k, v)
         else:
-            out = self.core(q, k, v)
+            out = self.core(q, k, v, attn_mask)
         return self.o_proj(out.reshape(bsz, seq, -1))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal scaled-dot-product attention; [B, T, H, D] in and out. Selective recompute wraps this."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal scaled-dot-product attention; [B, T, H, D] in and out. Selective recompute wraps this.
+
+        `attn_mask` (bool [B, 1, T, T], True = may attend) replaces the plain causal mask; it is
+        causal itself (see `document_attention_mask`).
+        """
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q, k, v,
+            attn_mask=attn_mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
+            is_causal=attn_mask is None,
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out.transpose(1, 2)
@@ -194,12 +202,25 @@ class Block(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         attention_fn: AttentionFn | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope, attention_fn))
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope, attention_fn, attn_mask))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
 # ---- the model -----------------------------------------------------------------------------
+
+
+def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """bool [B, 1, T, T] from document_ids [B, T]: causal, and only within the same document.
+
+    Every row allows at least its diagonal, so no softmax row is empty.
+    """
+    seq = document_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    same_document = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
+    return (same_document & causal).unsqueeze(1)
+
 
 
 class Transformer(nn.Module):
@@ -262,12 +283,21 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         attention_fn: AttentionFn | None = None,
         return_hidden: bool = False,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] (or hidden states [B, T, d] on a later pipeline stage) -> logits [B, T, V].
 
         `positions` [B or 1, T] defaults to 0..T-1. With `return_hidden` the final-normed hidden
         states are returned instead of logits (for a fused or vocab-parallel loss).
+        `document_ids` [B, T] (full sequence, non-decreasing along it) restricts attention to tokens
+        of the same document: packed documents do not see each other (Megatron's
+        reset_attention_mask). Pair it with per-document `positions` to also restart positions.
         """
+        attn_mask = None
+        if document_ids is not None:
+            if attention_fn is not None:
+                raise ValueError("document_ids and attention_fn are exclusive (the attention_fn owns masking)")
+            attn_mask = document_attention_mask(document_ids)
         if self.embed_tokens is not None:
             seq = tokens.shape[1]
             h = self.embed_tokens(tokens)
@@ -282,7 +312,7 @@ class Transformer(nn.Module):
             h = self.dropout(h)
         rope = self.rotary(positions) if self.rotary is not None else None
         for block in self.layers.values():
-            h = block(h, rope, attention_fn)
+            h = block(h, rope, attention_fn, attn_mask)
         if self.final_norm is None:
             return h
         h = self.final_norm(h)

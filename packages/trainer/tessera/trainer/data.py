@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tessera.common.mixture import MixtureSplit
+from tessera.trainer.documents import DocumentMasking
 
 
 class MicroBatchPlan:
@@ -43,11 +44,12 @@ class MicroBatchPlan:
 class MixtureBatches:
     """Token tensors for training or evaluation, read from a memory-mapped mixture split."""
 
-    def __init__(self, split: MixtureSplit, seq_length: int):
+    def __init__(self, split: MixtureSplit, seq_length: int, documents: DocumentMasking | None = None):
         if seq_length > split.seq_length:
             raise ValueError(f"seq_length {seq_length} longer than the mixture's {split.seq_length}")
         self.split = split
         self.seq_length = seq_length
+        self.documents = documents
 
     def __len__(self) -> int:
         return len(self.split)
@@ -56,12 +58,16 @@ class MixtureBatches:
         """inputs, labels: int64 [len(sample_ids), seq_length], labels shifted by one token.
 
         A mixture built for a longer sequence serves a shorter one by taking the first
-        seq_length + 1 tokens of each sample.
+        seq_length + 1 tokens of each sample. With data.eod_mask_loss, labels whose input token is
+        the end-of-document token are IGNORE_INDEX (documents.py).
         """
         n = len(self.split)
         rows = [self.split[int(i) % n][: self.seq_length + 1] for i in sample_ids]
         tokens = torch.from_numpy(np.stack(rows))
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        if self.documents is not None:
+            labels = self.documents.mask_labels(inputs, labels)
+        return inputs, labels
 
     def micro_batches(self, plan: MicroBatchPlan, consumed_samples: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for ids in plan.sample_ids(consumed_samples):

@@ -29,14 +29,20 @@ import torch
 from torch import nn
 
 from tessera.trainer.clip import clip_grad_norm
+from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss, logsumexp_cross_entropy
 from tessera.trainer.precision import Precision
 
 
 class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,
-                 loss_chunk_tokens: int | None = None, compile: bool = False):
+                 loss_chunk_tokens: int | None = None, compile: bool = False,
+                 documents: DocumentMasking | None = None):
         self.model = model
+        # Packed-document options: positions / document ids for the forward, and (eod_mask_loss)
+        # a loss averaged over the counted tokens of the whole batch.
+        self.documents = documents
+        self.per_token_loss = documents is not None and documents.eod_mask_loss
         self.optimizer = optimizer
         self.precision = precision
         self.grad_clip = grad_clip
@@ -52,22 +58,24 @@ class TrainStep:
             # is compiled.
             self._hidden = torch.compile(self._final_hidden) if compile else self._final_hidden
 
-    def _full_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_loss(self.model(inputs), labels)
+    def _full_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_inputs: dict) -> torch.Tensor:
+        return cross_entropy_loss(self.model(inputs, **model_inputs), labels)
 
-    def _cpu_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _cpu_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_inputs: dict) -> torch.Tensor:
         # The same loss in the form inductor compiles to fewer passes over the logits (loss.py).
-        return logsumexp_cross_entropy(self.model(inputs), labels)
+        return logsumexp_cross_entropy(self.model(inputs, **model_inputs), labels)
 
-    def _final_hidden(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.model(inputs, return_hidden=True)
+    def _final_hidden(self, inputs: torch.Tensor, model_inputs: dict) -> torch.Tensor:
+        return self.model(inputs, return_hidden=True, **model_inputs)
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward (under the precision's autocast) and mean cross-entropy, chunked when configured."""
+        """Forward (under the precision's autocast) and mean cross-entropy over the labels that count,
+        chunked when configured."""
+        model_inputs = self.documents.model_inputs(inputs) if self.documents is not None else {}
         with self.precision.autocast():
             if self.loss_chunk_tokens is None:
-                return self._loss(inputs, labels)
-            return chunked_cross_entropy(self._hidden(inputs), self.model.output_weight(), labels,
+                return self._loss(inputs, labels, model_inputs)
+            return chunked_cross_entropy(self._hidden(inputs, model_inputs), self.model.output_weight(), labels,
                                          self.loss_chunk_tokens)
 
     def __call__(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], num_micro_batches: int,
@@ -79,10 +87,21 @@ class TrainStep:
         """
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
-        for inputs, labels in micro_batches:
+        if self.per_token_loss:
+            # Counted on the host before the copy, so no device sync: each micro-batch's mean is
+            # weighted by its share of the batch's counted tokens, which gives the global mean.
+            micro_batches = list(micro_batches)
+            counts = [int(loss_token_count(labels)) for _, labels in micro_batches]
+            total = max(sum(counts), 1)
+        for i, (inputs, labels) in enumerate(micro_batches):
+            if self.per_token_loss and counts[i] == 0:
+                continue  # every label masked: no loss, no gradient (its mean would be nan)
             inputs, labels = inputs.to(device), labels.to(device)
-            # Equal token counts per micro-batch: the mean of means is the global mean.
-            loss = self.loss(inputs, labels) / num_micro_batches
+            if self.per_token_loss:
+                loss = self.loss(inputs, labels) * (counts[i] / total)
+            else:
+                # Equal token counts per micro-batch: the mean of means is the global mean.
+                loss = self.loss(inputs, labels) / num_micro_batches
             self.precision.scale(loss).backward()
             loss_sum += loss.detach()
         grad_norm, stepped = self.clip_and_step()

@@ -54,6 +54,7 @@ from tessera.trainer.checkpointing import (
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.data import MicroBatchPlan, MixtureBatches
 from tessera.trainer.distributed import Runtime
+from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.host_memory import retain_freed_memory
 from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops
 from tessera.trainer.model_setup import prepare_model
@@ -77,6 +78,7 @@ class CheckedInputs:
     layout: ParallelLayout
     pipeline_layers: list[int] | None = None  # layers per stage (parallel runs)
     init_from: Path | None = None  # checkpoint.init_from, resolved; None when resuming this run's own
+    documents: DocumentMasking | None = None  # data.reset_position_ids / reset_attention_mask / eod_mask_loss
 
     @property
     def parallel(self) -> bool:
@@ -135,12 +137,20 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
     init_from = None
     if cfg.checkpoint.init_from is not None and resume_from is None:
         init_from = check_init_from(cfg.checkpoint.init_from, model, tokenizer)
+    documents = None
+    if cfg.data.document_options:
+        if tokenizer.eos_id is None:
+            raise ArtifactError(f"{cfg.data.tokenizer}: tokenizer has no eos token, which data.reset_position_ids, "
+                                "reset_attention_mask and eod_mask_loss use as the end-of-document token; "
+                                "switch them off or use a tokenizer with an eos_token")
+        d = cfg.data
+        documents = DocumentMasking(tokenizer.eos_id, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
     counts = None
     if layout.world_size > 1:
         counts = validate_layout(model, layout, seq_len=t.seq_length, global_batch=t.global_batch_size,
                                  micro_batch=t.micro_batch_size, sequence_parallel=cfg.parallel.sequence_parallel,
                                  pipeline_layers=cfg.parallel.pipeline_layers, world_size=world_size)
-    return CheckedInputs(model, manifest, fingerprint, tokenizer, resume_from, layout, counts, init_from)
+    return CheckedInputs(model, manifest, fingerprint, tokenizer, resume_from, layout, counts, init_from, documents)
 
 
 TRAINING_ONLY_MODEL_FIELDS = {"dropout", "attention_dropout", "init_std"}
@@ -210,15 +220,19 @@ class Trainer:
         self.schedule = LRSchedule(cfg.schedule, cfg.optim, t.steps)
         self.plan = MicroBatchPlan(t.global_batch_size, t.micro_batch_size, self.dp_rank, inputs.layout.data)
         check = cfg.data.check_fingerprints
-        self.train_data = MixtureBatches(MixtureSplit(cfg.data.mixture, cfg.data.train_split, check), t.seq_length)
+
+        def split_batches(split: str) -> MixtureBatches:
+            return MixtureBatches(MixtureSplit(cfg.data.mixture, split, check), t.seq_length, inputs.documents)
+
+        self.train_data = split_batches(cfg.data.train_split)
         self.valid_data = None
         evaluating = bool(t.eval_interval or t.eval_only)
         if evaluating and cfg.data.valid_split:
-            self.valid_data = MixtureBatches(MixtureSplit(cfg.data.mixture, cfg.data.valid_split, check), t.seq_length)
+            self.valid_data = split_batches(cfg.data.valid_split)
         self.test_data = None  # evaluated once, when training completes (Megatron's test-set evaluation)
         test = inputs.manifest.splits.get(cfg.data.test_split) if cfg.data.test_split else None
         if evaluating and test is not None and test.num_samples > 0:
-            self.test_data = MixtureBatches(MixtureSplit(cfg.data.mixture, cfg.data.test_split, check), t.seq_length)
+            self.test_data = split_batches(cfg.data.test_split)
         self.state = TrainState()
         self.flops_per_token = inputs.model.flops_per_token(t.seq_length)
         self.sink = MetricsSink(cfg.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, self.say, runtime.is_main)
@@ -236,7 +250,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, self.cfg.optim)
         self.precision = Precision(t.precision, self.rt.device, t.fp16_initial_scale, t.fp16_growth_interval)
         self.step = TrainStep(self.model, self.optimizer, self.precision, self.cfg.optim.grad_clip,
-                              t.loss_chunk_tokens, t.compile)
+                              t.loss_chunk_tokens, t.compile, self.inputs.documents)
 
     @property
     def dp_rank(self) -> int:
@@ -281,11 +295,19 @@ class Trainer:
         t = self.cfg.training
         mb = t.micro_batch_size
         total = torch.zeros((), device=self.rt.device)
+        per_token = self.step.per_token_loss
+        tokens = 0
         for i in range(t.eval_iters):
             inputs, labels = data.batch(np.arange(i * mb, (i + 1) * mb))
-            total += self.loss(inputs.to(self.rt.device), labels.to(self.rt.device))
+            count = int(loss_token_count(labels)) if per_token else 0
+            if per_token and count == 0:
+                continue  # every label masked: nothing to average (its mean would be nan)
+            loss = self.loss(inputs.to(self.rt.device), labels.to(self.rt.device))
+            # With eod_mask_loss: the mean over all counted tokens, not of per-micro-batch means.
+            total += loss * count if per_token else loss
+            tokens += count
         self.model.train()
-        return float(total / t.eval_iters)
+        return float(total / max(tokens, 1)) if per_token else float(total / t.eval_iters)
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward (under the precision's autocast) and mean cross-entropy, chunked when configured."""

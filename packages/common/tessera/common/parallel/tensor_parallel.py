@@ -49,9 +49,9 @@ class _ForkedDropout(nn.Dropout):
 
 
 def _forked_core(core, rng: TensorParallelRNG):
-    def run(q, k, v):
+    def run(q, k, v, attn_mask=None):
         with rng.fork():
-            return core(q, k, v)
+            return core(q, k, v, attn_mask)
     return run
 
 

@@ -23,7 +23,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 
 from tessera.common.model import Transformer
 from tessera.common.parallel.layers import PARALLEL_TAGS, tag
-from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.tensor_parallel import parallel_logits, parallelize_model
@@ -46,9 +45,13 @@ class StageModule(nn.Module):
         self.tied_head = tied_head
         self.register_buffer("positions", torch.arange(seq_len).unsqueeze(0), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` / `document_ids` [B, T] (whole sequence) for packed documents; the pipeline
+        schedule hands every stage its micro-batch's rows of them."""
         # Positions are explicit: under sequence parallel a later stage sees T/tp rows.
-        h = self.model(x, positions=self.positions, return_hidden=True)
+        positions = self.positions if positions is None else positions
+        h = self.model(x, positions=positions, return_hidden=True, document_ids=document_ids)
         if not self.is_last:
             return h
         weight = self.tied_head if self.tied_head is not None else self.model.output_weight()
@@ -166,13 +169,15 @@ def _sync_replicas(stages: list[StageModule], groups: ParallelGroups) -> None:
 
 def make_schedule(stages: list[StageModule], groups: ParallelGroups, num_microbatches: int,
                   micro_batch: int, hidden_size: int, vocab_size: int, dtype: torch.dtype,
-                  sequence_parallel: bool, logits_dtype: torch.dtype | None = None,
+                  sequence_parallel: bool, micro_batch_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  logits_dtype: torch.dtype | None = None,
                   loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None):
     """A Schedule1F1B (one chunk per rank) or ScheduleInterleaved1F1B (several) over the stages.
 
-    Loss per micro-batch is the mean token loss divided by the number of micro-batches, so the
-    accumulated gradient is the gradient of the batch mean (scale_grads is off: gradients live
-    in flat buffers whose reduction may already be under way when the schedule ends).
+    `micro_batch_loss(logits, targets)` is a micro-batch's share of the batch loss (e.g. its mean
+    token loss divided by the number of micro-batches), so the accumulated gradient is the
+    gradient of the batch loss (scale_grads is off: gradients live in flat buffers whose
+    reduction may already be under way when the schedule ends).
     Input/output shapes are given explicitly: shape inference would run the forward on meta
     tensors, through tensor-parallel collectives that cannot take them. `loss_hook(loss)`, when given,
     sees each micro-batch's loss and returns what the schedule backpropagates (fp16 loss scaling).
@@ -192,10 +197,9 @@ def make_schedule(stages: list[StageModule], groups: ParallelGroups, num_microba
         out = logits if st.is_last else hidden
         pipe_stages.append(PipelineStage(st, st.stage, st.num_stages, groups.device, input_args=(inp,),
                                          output_args=(out,), group=groups.pp_group))
-    tp_group = groups.tp_group
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = vocab_parallel_cross_entropy(out, target, tp_group).mean() / num_microbatches
+        loss = micro_batch_loss(out, target)
         return loss_hook(loss) if loss_hook is not None else loss
 
     if len(stages) == 1:

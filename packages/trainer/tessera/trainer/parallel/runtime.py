@@ -31,6 +31,7 @@ from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import load_model_state_dict, model_state_dict
 from tessera.common.parallel.validate import validate_layout
+from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, make_schedule
 
@@ -48,6 +49,7 @@ class ParallelConfig(StrictModel):
     seed: int = Field(1234, description="Dropout seed (tensor-parallel regions get per-rank streams).")
     autocast_bf16: bool = Field(False, description="Run forward passes under torch.autocast(bf16) over fp32 parameters (the trainer's bf16 mode); gradients, reductions and optimizer stay fp32.")
     autocast_fp16: bool = Field(False, description="Run forward passes under torch.autocast(fp16) over fp32 parameters (the trainer's fp16 mode); pass a loss scale to train_step (dynamic loss scaling is the caller's policy).")
+    per_token_loss: bool = Field(False, description="Targets equal to -100 are ignored and the loss is the mean over the other tokens of the global batch (one all-reduce of the count over data-parallel ranks); for data.eod_mask_loss. Off: every token counts and the loss is the mean of equal-sized micro-batch means.")
 
     @model_validator(mode="after")
     def _one_autocast(self) -> ParallelConfig:
@@ -86,6 +88,7 @@ class ParallelRuntime:
         self.schedule = None
         self._loss_scale = 1.0  # multiplies the loss before backward (fp16 loss scaling)
         self._micro_losses: list[torch.Tensor] = []  # unscaled, as the pipeline's last stage computed them
+        self._token_weight = 0.0  # per_token_loss: dp / counted tokens of this step's global batch
         if groups.pp > 1:
             dtype = next(stages[0].parameters()).dtype
             # Under autocast the head's logits come out in the autocast dtype; the residual
@@ -93,7 +96,8 @@ class ParallelRuntime:
             logits_dtype = self._autocast_dtype() or dtype
             self.schedule = make_schedule(stages, groups, self.num_microbatches, pcfg.micro_batch,
                                           cfg.hidden_size, cfg.vocab_size, dtype, stages[0].model.sequence_parallel,
-                                          logits_dtype=logits_dtype, loss_hook=self._scale_loss)
+                                          self._micro_batch_loss, logits_dtype=logits_dtype,
+                                          loss_hook=self._scale_loss)
 
     @classmethod
     def build(cls, cfg: ModelConfig, groups: ParallelGroups, pcfg: ParallelConfig, ocfg: OptimConfig,
@@ -118,25 +122,50 @@ class ParallelRuntime:
         for s in self.stages:
             s.train(mode)
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0) -> StepResult:
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0,
+                   model_inputs: dict[str, torch.Tensor] | None = None) -> StepResult:
         """One optimizer step. With `loss_scale` != 1 (fp16) the loss is multiplied by it before
         backward, gradients are divided by it before clipping, and a step whose gradients are not
-        finite (the global norm is inf/nan, so every rank agrees) is skipped."""
+        finite (the global norm is inf/nan, so every rank agrees) is skipped. `model_inputs`
+        (`positions`, `document_ids`: [rows, T], rows as `tokens`) go to every stage's forward."""
         g, n, mb = self.groups, self.num_microbatches, self.pcfg.micro_batch
         if tokens.shape[0] != n * mb:
             raise ValueError(f"expected {n * mb} rows on this data-parallel rank, got {tokens.shape[0]}")
+        self._set_token_weight(targets)
         tokens, targets = tokens.to(g.device), targets.to(g.device)
+        model_inputs = {k: v.to(g.device) for k, v in (model_inputs or {}).items()}
         self.optimizer.zero_grad(n)
         self._loss_scale = loss_scale
         total = torch.zeros((), dtype=torch.float32, device=g.device)
         with self._autocast():
-            self._forward_backward(tokens, targets, total)
+            self._forward_backward(tokens, targets, model_inputs, total)
         if g.dp > 1:
             dist.all_reduce(total, group=g.dp_group)
             total /= g.dp
         scaled = loss_scale != 1.0
         norm = self.optimizer.step(inv_scale=1.0 / loss_scale, skip_nonfinite=scaled)
         return StepResult(loss=float(total), grad_norm=norm, stepped=not scaled or math.isfinite(norm))
+
+    def _set_token_weight(self, targets: torch.Tensor) -> None:
+        """per_token_loss: the weight turning a micro-batch's summed token loss into its share of the
+        global mean, dp / (counted tokens over all data-parallel ranks), so that the data-parallel
+        average of the ranks' sums is the global mean. Collective over the data-parallel group."""
+        if not self.pcfg.per_token_loss:
+            return
+        g = self.groups
+        count = (targets != IGNORE_INDEX).sum().to(device=g.device, dtype=torch.float64)
+        if g.dp > 1:
+            dist.all_reduce(count, group=g.dp_group)
+        self._token_weight = g.dp / max(float(count), 1.0)
+
+    def _micro_batch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's share of the batch loss, from local-vocab logits."""
+        if not self.pcfg.per_token_loss:
+            return vocab_parallel_cross_entropy(logits, targets, self.groups.tp_group).mean() / self.num_microbatches
+        counted = targets != IGNORE_INDEX
+        # Ignored positions get a valid id (their loss is zeroed, so their gradient is zero too).
+        per_token = vocab_parallel_cross_entropy(logits, targets.masked_fill(~counted, 0), self.groups.tp_group)
+        return (per_token * counted).sum() * self._token_weight
 
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Record a micro-batch's loss, return the one to backpropagate (scaled for fp16)."""
@@ -154,15 +183,16 @@ class ParallelRuntime:
             return torch.autocast(self.groups.device.type, dtype=dtype)
         return contextlib.nullcontext()
 
-    def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, total: torch.Tensor) -> None:
+    def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, model_inputs: dict[str, torch.Tensor],
+                          total: torch.Tensor) -> None:
         """All micro-batches of one step; adds the (micro-batch-scaled) losses into `total`."""
         g, n, mb = self.groups, self.num_microbatches, self.pcfg.micro_batch
         if self.schedule is None:
             stage = self.stages[0]
             for i in range(n):
                 rows = slice(i * mb, (i + 1) * mb)
-                logits = stage(tokens[rows])
-                loss = vocab_parallel_cross_entropy(logits, targets[rows], g.tp_group).mean() / n
+                logits = stage(tokens[rows], **{k: v[rows] for k, v in model_inputs.items()})
+                loss = self._micro_batch_loss(logits, targets[rows])
                 (loss * self._loss_scale if self._loss_scale != 1.0 else loss).backward()
                 total += loss.detach()
         else:
@@ -170,18 +200,22 @@ class ParallelRuntime:
             has_last = any(s.is_last for s in self.stages)
             args = (tokens,) if has_first else ()
             self._micro_losses.clear()
-            self.schedule.step(*args, target=targets if has_last else None, return_outputs=False)
+            # model_inputs are split into micro-batches and given to every stage (kwargs).
+            self.schedule.step(*args, target=targets if has_last else None, return_outputs=False, **model_inputs)
             if has_last:
                 total += torch.stack(self._micro_losses).sum()
             dist.all_reduce(total, group=g.pp_group)  # only the last stage contributed
 
     @torch.no_grad()
-    def eval_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def eval_step(self, tokens: torch.Tensor, targets: torch.Tensor,
+                  model_inputs: dict[str, torch.Tensor] | None = None) -> float:
         """Mean token loss of a batch shaped as for `train_step`, forward only (no state change)."""
         g, n, mb = self.groups, self.num_microbatches, self.pcfg.micro_batch
         if tokens.shape[0] != n * mb:
             raise ValueError(f"expected {n * mb} rows on this data-parallel rank, got {tokens.shape[0]}")
+        self._set_token_weight(targets)
         tokens, targets = tokens.to(g.device), targets.to(g.device)
+        model_inputs = {k: v.to(g.device) for k, v in (model_inputs or {}).items()}
         was_training = self.stages[0].training
         self.train(False)
         total = torch.zeros((), dtype=torch.float32, device=g.device)
@@ -190,13 +224,14 @@ class ParallelRuntime:
                 if self.schedule is None:
                     for i in range(n):
                         rows = slice(i * mb, (i + 1) * mb)
-                        logits = self.stages[0](tokens[rows])
-                        total += vocab_parallel_cross_entropy(logits, targets[rows], g.tp_group).mean() / n
+                        logits = self.stages[0](tokens[rows], **{k: v[rows] for k, v in model_inputs.items()})
+                        total += self._micro_batch_loss(logits, targets[rows])
                 else:
                     has_first = any(s.is_first for s in self.stages)
                     has_last = any(s.is_last for s in self.stages)
                     self._micro_losses.clear()
-                    self.schedule.eval(*((tokens,) if has_first else ()), target=targets if has_last else None)
+                    self.schedule.eval(*((tokens,) if has_first else ()), target=targets if has_last else None,
+                                       **model_inputs)
                     if has_last:
                         total += torch.stack(self._micro_losses).sum()
                     dist.all_reduce(total, group=g.pp_group)

@@ -60,7 +60,8 @@ class ParallelTrainer(Trainer):
             ParallelConfig(seq_len=t.seq_length, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                            sequence_parallel=p.sequence_parallel, distributed_optimizer=p.distributed_optimizer,
                            pipeline_layers=p.pipeline_layers, bucket_numel=p.bucket_numel, seed=t.seed,
-                           autocast_bf16=t.precision == "bf16", autocast_fp16=t.precision == "fp16"),
+                           autocast_bf16=t.precision == "bf16", autocast_fp16=t.precision == "fp16",
+                           per_token_loss=self.inputs.documents is not None and self.inputs.documents.eod_mask_loss),
             OptimConfig(lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
                         weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.grad_clip or None),
             build_model=builder)
@@ -81,12 +82,18 @@ class ParallelTrainer(Trainer):
         start = first_sample + self.dp_rank * per_rank
         return data.batch(np.arange(start, start + per_rank))
 
+    def _model_inputs(self, tokens: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Positions / document ids of packed documents (data.reset_*), else None."""
+        documents = self.inputs.documents
+        return documents.model_inputs(tokens) if documents is not None else None
+
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float, bool]:
         for group in self.optimizer.param_groups:
             group["lr"] = self.schedule(self.state.step)
         tokens, labels = self._rows(self.train_data, self.state.consumed_samples)
-        result = self.runtime.train_step(tokens, labels, self.scaler.scale if self.scaler else 1.0)
+        result = self.runtime.train_step(tokens, labels, self.scaler.scale if self.scaler else 1.0,
+                                         self._model_inputs(tokens))
         if self.scaler is not None:
             self.scaler.update(overflowed=not result.stepped)
         self.advance()  # a skipped step still consumes its data, as in one process
@@ -101,7 +108,7 @@ class ParallelTrainer(Trainer):
         total = 0.0
         for c in range(calls):
             tokens, labels = self._rows(data, c * self.cfg.training.global_batch_size)
-            total += self.runtime.eval_step(tokens, labels)
+            total += self.runtime.eval_step(tokens, labels, self._model_inputs(tokens))
         return total / calls
 
     # ---- checkpoint state --------------------------------------------------------------------
