@@ -28,6 +28,13 @@ In one process (same allocator for both, steps alternating) transformers' step o
 shared-kernel time is the ceiling: the ratio Tessera would reach if everything else it does took
 no time at all.
 
+`--packed-documents MEAN` packs documents of random length (mean MEAN tokens) into each sample,
+separated by an end-of-document token (id 0), and trains both frameworks on them document-aware:
+Tessera with the trainer's data.reset_position_ids, reset_attention_mask and eod_mask_loss;
+transformers the way it trains packed sequences (position_ids restarting per document, from which
+it builds a block-causal mask; labels -100 where the input is end-of-document). Same model, same
+data, same loss, so "loss after" must agree here too.
+
     python benchmarks/train_throughput.py                       # CPU-sized defaults
     python benchmarks/train_throughput.py --preset llama-160m --seq 1024 --batch 8 --device cuda
 """
@@ -50,6 +57,7 @@ import torch.nn.functional as F
 
 from tessera.common.model_config import ModelConfig, preset
 from tessera.trainer.config import OptimConfig
+from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
 from tessera.trainer.host_memory import retain_freed_memory
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer
@@ -191,11 +199,14 @@ def hf_standard_step(model, optim_cfg: OptimConfig, precision: Precision):
                                   lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps, **fused)
     params = list(model.parameters())
 
-    def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(inputs: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         with precision.autocast():
-            logits = model(input_ids=inputs).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            # Packed documents: position_ids restarting per document make transformers mask
+            # attention across them (masking_utils' packed-sequence detection); no KV cache.
+            kwargs = {} if position_ids is None else {"position_ids": position_ids, "use_cache": False}
+            logits = model(input_ids=inputs, **kwargs).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, optim_cfg.grad_clip, foreach=True)
         optimizer.step()
@@ -204,11 +215,14 @@ def hf_standard_step(model, optim_cfg: OptimConfig, precision: Precision):
     return step
 
 
-def tessera_step(model, optim_cfg: OptimConfig, precision: Precision, compile: bool):
-    """The trainer's step object, fed one micro-batch per step."""
-    train_step = TrainStep(model, build_optimizer(model, optim_cfg), precision, optim_cfg.grad_clip, compile=compile)
+def tessera_step(model, optim_cfg: OptimConfig, precision: Precision, compile: bool,
+                 documents: DocumentMasking | None = None):
+    """The trainer's step object, fed one micro-batch per step (positions and masks, when packing
+    documents, derived inside from the tokens as in the trainer)."""
+    train_step = TrainStep(model, build_optimizer(model, optim_cfg), precision, optim_cfg.grad_clip, compile=compile,
+                           documents=documents)
 
-    def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(inputs: torch.Tensor, labels: torch.Tensor, _position_ids: torch.Tensor | None = None) -> torch.Tensor:
         loss, _, _ = train_step([(inputs, labels)], 1, inputs.device)
         return loss
 
@@ -239,6 +253,8 @@ def main() -> None:
     ap.add_argument("--breakdown", type=int, nargs="?", const=5, default=0, metavar="STEPS",
                     help="After timing, profile STEPS more steps (default 5) of each framework and split them into "
                          "shared kernels and each framework's own time, with the ceiling ratio (see above).")
+    ap.add_argument("--packed-documents", type=int, default=0, metavar="MEAN",
+                    help="Pack documents of about MEAN tokens per sample and train both document-aware (see above).")
     ap.add_argument("--json", default=None, help="Also write the figures to this JSON file.")
     ap.add_argument("--only", choices=["tessera", "transformers"], default=None, help="Run one framework only.")
     ap.add_argument("--separate-processes", action="store_true",
@@ -264,10 +280,18 @@ def main() -> None:
     assert cfg.arch == "llama", "the transformers peer here is LlamaForCausalLM"
     optim_cfg = OptimConfig(lr=3e-4, weight_decay=0.1, grad_clip=1.0)
     gen = torch.Generator().manual_seed(0)
+    documents = DocumentMasking(0, True, True, True) if args.packed_documents else None
     batches = []
     for _ in range(4):
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen)
-        batches.append((tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)))
+        if documents is None:
+            batches.append((tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)))
+            continue
+        tokens[tokens == 0] = 1  # id 0 is the end-of-document token: only where placed below
+        tokens[torch.rand(tokens.shape, generator=gen) < 1.0 / args.packed_documents] = 0
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        positions = documents.model_inputs(inputs)["positions"]
+        batches.append((inputs.to(device), documents.mask_labels(inputs, labels).to(device), positions.to(device)))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tokens_per_step = args.batch * args.seq
 
@@ -277,7 +301,8 @@ def main() -> None:
     hf.train()
     # HF first: its warm-up does not benefit from Tessera's compile.
     step_fns = {"transformers": hf_standard_step(hf, optim_cfg, Precision(args.precision, device)),
-                "tessera": tessera_step(ours, optim_cfg, Precision(args.precision, device), not args.no_compile)}
+                "tessera": tessera_step(ours, optim_cfg, Precision(args.precision, device), not args.no_compile,
+                                        documents)}
     if args.only:
         step_fns = {args.only: step_fns[args.only]}
     results = time_interleaved(step_fns, batches, args.warmup, args.steps, sync)
@@ -292,7 +317,8 @@ def main() -> None:
     print(f"model: {cfg.num_params() / 1e6:.1f}M params (d={cfg.hidden_size}, L={cfg.num_layers}, "
           f"H={cfg.num_heads}/{cfg.kv_heads}, ffn={cfg.ffn_hidden_size}, V={cfg.vocab_size}); "
           f"batch {args.batch} x seq {args.seq}; {args.precision}; threads {torch.get_num_threads()}; device {device}; "
-          f"tessera compile={'off' if args.no_compile else 'on'}; one process, "
+          f"tessera compile={'off' if args.no_compile else 'on'}; "
+          f"{f'packed documents of ~{args.packed_documents} tokens; ' if args.packed_documents else ''}one process, "
           f"malloc {'retains freed memory (both)' if retained else 'glibc defaults'}")
     report(args, cfg, results, device)
 

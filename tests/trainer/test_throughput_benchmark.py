@@ -57,3 +57,12 @@ def test_separate_processes_pool_rounds_and_breakdowns(tmp_path):
     for result in results.values():
         check_breakdown(result)
     assert "2 rounds (ABBA order)" in figures["stdout"] and "no ceiling across processes" in figures["stdout"]
+
+
+def test_packed_documents_train_like_transformers(tmp_path):
+    """--packed-documents: Tessera's data.reset_* / eod_mask_loss step and transformers' packed-sequence
+    recipe (restarting position_ids, labels -100 on end-of-document inputs) end at the same loss."""
+    figures = run_benchmark(tmp_path, "--steps", "2", "--packed-documents", "8")
+    results = figures["results"]
+    assert results["tessera"]["final_loss"] == pytest.approx(results["transformers"]["final_loss"], rel=1e-5)
+    assert "packed documents of ~8 tokens" in figures["stdout"]
