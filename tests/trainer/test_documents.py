@@ -86,9 +86,11 @@ def test_packed_documents_get_the_logits_they_get_alone(arch):
     assert (plain[0, 5:] - together[0, 5:]).abs().max() > 1e-3
 
 
-def test_per_token_loss_over_micro_batches_equals_the_whole_batch():
+@pytest.mark.parametrize("recompute, chunk", [("none", None), ("selective", None), ("full", 16)])
+def test_per_token_loss_over_micro_batches_equals_the_whole_batch(recompute, chunk):
     """eod_mask_loss: 4 rows as 2 micro-batches with different counted tokens give the same loss and
-    the same accumulated gradients as 1 micro-batch of 4 rows (a mean of micro-batch means would not)."""
+    the same accumulated gradients as 1 micro-batch of 4 rows (a mean of micro-batch means would not),
+    with the mask through recomputed attention or blocks and through the chunked loss too."""
     cfg = preset("tiny", vocab_size=61)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, cfg.vocab_size, (4, 25), generator=gen)
@@ -98,8 +100,9 @@ def test_per_token_loss_over_micro_batches_equals_the_whole_batch():
     optim_cfg = OptimConfig(lr=1e-3, grad_clip=0.0)
     results = []
     for split in ([slice(0, 4)], [slice(0, 2), slice(2, 4)]):
-        model = prepare_model(cfg, CPU, seed=0)
-        step = TrainStep(model, build_optimizer(model, optim_cfg), Precision("fp32", CPU), 0.0, documents=ALL)
+        model = prepare_model(cfg, CPU, seed=0, recompute=recompute)
+        step = TrainStep(model, build_optimizer(model, optim_cfg), Precision("fp32", CPU), 0.0,
+                         loss_chunk_tokens=chunk, documents=ALL)
         loss, _, _ = step([(inputs[s], labels[s]) for s in split], len(split), CPU)
         results.append((float(loss), [p.grad.clone() for p in model.parameters()]))
     (loss_whole, grads_whole), (loss_split, grads_split) = results
@@ -174,9 +177,10 @@ def _records(run_dir: Path, kind: str) -> dict[int, dict]:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_parallel_layouts_match_one_process_with_document_options(make_config, short_documents, tmp_path):
-    """TP=2 (sequence parallel: positions and masks over the gathered sequence, vocab-parallel loss
-    with ignored labels) and DP=2 x PP=2 (per-stage positions and document ids through the 1F1B
-    schedule, counted tokens all-reduced over data ranks) log the one-process losses."""
+    """TP=2 x PP=2 interleaved (sequence parallel: positions and masks over the gathered sequence;
+    vocab-parallel loss with ignored labels; per-chunk positions and document ids through the
+    interleaved schedule) and DP=2 x PP=2 (1F1B; counted tokens all-reduced over data ranks) log
+    the one-process losses."""
     sections = dict(data={"mixture": str(short_documents["mixture"]), "reset_position_ids": True,
                           "reset_attention_mask": True, "eod_mask_loss": True},
                     model={"num_layers": 4},
@@ -185,7 +189,8 @@ def test_parallel_layouts_match_one_process_with_document_options(make_config, s
     assert main(["--config", str(reference), "--quiet"]) == 0
     want = _records(tmp_path / "reference", "train")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name, nproc, flags in [("tp2", 2, ["--tensor-parallel", "2"]),
+    for name, nproc, flags in [("tp2pp2x2", 4, ["--tensor-parallel", "2", "--pipeline-parallel", "2",
+                                                "--virtual-stages", "2"]),
                                ("dp2pp2", 4, ["--pipeline-parallel", "2"])]:
         config = make_config(name, **sections)
         run_tool([str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m", "tessera.trainer",
@@ -195,7 +200,7 @@ def test_parallel_layouts_match_one_process_with_document_options(make_config, s
         for step in got:
             assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), (name, step)
             assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-4), (name, step)
-    # TP=2 evaluates the same valid samples as one process (one data rank, eval_iters = its micro-batches),
+    # With one data rank the same valid samples as one process (eval_iters = its micro-batches),
     # token-weighted in both.
-    assert _records(tmp_path / "tp2", "eval")[3]["valid_loss"] == pytest.approx(
+    assert _records(tmp_path / "tp2pp2x2", "eval")[3]["valid_loss"] == pytest.approx(
         _records(tmp_path / "reference", "eval")[3]["valid_loss"], rel=1e-5)
