@@ -169,6 +169,8 @@ def test_max_shard_size_then_merge_equals_single_shard(tmp_path, tokenizer_dir, 
         assert Path(f"{tmp_path}/merged{suffix}").read_bytes() == Path(f"{base_shard}{suffix}").read_bytes()
     run(["verify", tmp_path / "merged"])
     assert "OK" in capsys.readouterr().out
+    eod = HFTokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(EOD_TOKEN)
+    assert read_shard_manifest(tmp_path / "merged").eod_id == read_shard_manifest(base_shard).eod_id == eod
     # A shard from another tokenizer cannot be merged in.
     other = tmp_path / "tok2"
     save_tokenizer(train_bpe(corpus_texts[:3], 300), other, 512)
@@ -189,7 +191,25 @@ def test_json_keys_bos_and_no_eod(tmp_path, tokenizer_dir):
         got = [ds.document_tokens(i).tolist() for i in range(ds.num_documents)]
         assert got == [[bos] + _ref_tokens(tokenizer_dir, t) for t in want]
         m = read_shard_manifest(tmp_path / f"o_{key}_document")
-        assert m.json_key == key and m.append_eod is False
+        assert m.json_key == key and m.append_eod is False and m.eod_id is None
+
+
+def test_eod_id_records_the_appended_token_without_an_eos_token(tmp_path, tokenizer_dir):
+    """A tokenizer without eos_token gets <|endoftext|> appended; the manifest records that id (the
+    trainer's packed-document options read it)."""
+    import shutil
+
+    tok = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config.pop("eos_token")
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "a"}, {"text": "b"}])
+    run(["prep", "--input", corpus, "--tokenizer", tok, "--output-prefix", tmp_path / "o", "--quiet"])
+    eod = HFTokenizer.from_file(str(tok / "tokenizer.json")).token_to_id(EOD_TOKEN)
+    ds = IndexedDataset(tmp_path / "o_text_document")
+    assert [ds.document_tokens(i).tolist()[-1] for i in range(2)] == [eod, eod]
+    assert read_shard_manifest(tmp_path / "o_text_document").eod_id == eod
 
 
 def test_prep_refuses_bad_input_with_one_line(tmp_path, tokenizer_dir, capsys):

@@ -84,6 +84,10 @@ def test_packed_documents_get_the_logits_they_get_alone(arch):
                 start += len(doc)
     # Without the options the later documents see the earlier ones: the logits differ.
     assert (plain[0, 5:] - together[0, 5:]).abs().max() > 1e-3
+    # Under bf16 autocast the mask is built in bf16 (SDPA needs q's dtype): same logits to bf16 precision.
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model(packed, **ALL.model_inputs(packed))
+    torch.testing.assert_close(low.float(), together, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize("recompute, chunk", [("none", None), ("selective", None), ("full", 16)])
@@ -169,6 +173,40 @@ def test_document_options_need_an_eos_token(make_config, artifacts, tmp_path, ca
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_batch_without_counted_tokens_steps_on_zero_gradients(precision):
+    """Every label masked: loss 0 and zero gradients (not nan, no fp16 scaler crash), like a parallel run."""
+    cfg = preset("tiny", vocab_size=61)
+    model = prepare_model(cfg, CPU, seed=0)
+    step = TrainStep(model, build_optimizer(model, OptimConfig(lr=1e-3)), Precision(precision, CPU), 1.0,
+                     documents=ALL)
+    tokens = torch.full((2, 9), EOD)
+    inputs, labels = tokens[:, :-1], ALL.mask_labels(tokens[:, :-1], tokens[:, 1:])
+    assert (labels == IGNORE_INDEX).all()
+    loss, norm, stepped = step([(inputs[:1], labels[:1]), (inputs[1:], labels[1:])], 2, CPU)
+    assert float(loss) == 0.0 and float(norm) == 0.0 and stepped
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_end_of_document_token_comes_from_the_shards(make_config, short_documents, tmp_path, capsys):
+    """The id tessera-data prep recorded as eod_id wins over the tokenizer's eos; a shard prepared
+    with --no-append-eod is refused (one line, exit 2)."""
+    root = tmp_path / "copy"
+    shutil.copytree(short_documents["mixture"].parent, root)
+    shard_json = root / "shard" / "stdlib.json"
+    shard = json.loads(shard_json.read_text())
+    options = {"mixture": str(root / "mixture"), "reset_attention_mask": True, "check_fingerprints": False}
+    shard_json.write_text(json.dumps({**shard, "eod_id": 7}))
+    cfg = load_config(TrainConfig, make_config(data=options))
+    assert check_inputs(cfg).documents.eod_id == 7
+    shard_json.write_text(json.dumps({**shard, "append_eod": False}))
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--config", str(make_config(data=options)), "--quiet"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--no-append-eod" in err[0] and "shard/stdlib.json" in err[0]
+
+
 def _records(run_dir: Path, kind: str) -> dict[int, dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r for r in map(json.loads, lines) if r["kind"] == kind}
@@ -184,7 +222,7 @@ def test_parallel_layouts_match_one_process_with_document_options(make_config, s
     sections = dict(data={"mixture": str(short_documents["mixture"]), "reset_position_ids": True,
                           "reset_attention_mask": True, "eod_mask_loss": True},
                     model={"num_layers": 4},
-                    training={"global_batch_size": 8, "steps": 3, "eval_interval": 3, "eval_iters": 4})
+                    training={"global_batch_size": 8, "steps": 3, "eval_interval": 3, "eval_iters": 8})
     reference = make_config("reference", **sections)
     assert main(["--config", str(reference), "--quiet"]) == 0
     want = _records(tmp_path / "reference", "train")
@@ -200,7 +238,7 @@ def test_parallel_layouts_match_one_process_with_document_options(make_config, s
         for step in got:
             assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), (name, step)
             assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-4), (name, step)
-    # With one data rank the same valid samples as one process (eval_iters = its micro-batches),
-    # token-weighted in both.
+    # With one data rank the same valid samples as one process (eval_iters = 2 global batches), token-
+    # weighted across the batches in both (a mean of the two batches' means is ~6e-6 off here).
     assert _records(tmp_path / "tp2pp2x2", "eval")[3]["valid_loss"] == pytest.approx(
-        _records(tmp_path / "reference", "eval")[3]["valid_loss"], rel=1e-5)
+        _records(tmp_path / "reference", "eval")[3]["valid_loss"], rel=1e-6)

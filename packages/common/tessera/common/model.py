@@ -157,8 +157,8 @@ class Attention(nn.Module):
              attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal scaled-dot-product attention; [B, T, H, D] in and out. Selective recompute wraps this.
 
-        `attn_mask` (bool [B, 1, T, T], True = may attend) replaces the plain causal mask; it is
-        causal itself (see `document_attention_mask`).
+        `attn_mask` (additive [B, 1, T, T] in q's dtype) replaces the plain causal mask; it is causal
+        itself (see `document_attention_mask`).
         """
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = F.scaled_dot_product_attention(
@@ -211,15 +211,19 @@ class Block(nn.Module):
 # ---- the model -----------------------------------------------------------------------------
 
 
-def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """bool [B, 1, T, T] from document_ids [B, T]: causal, and only within the same document.
+def document_attention_mask(document_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, T, T] in `dtype` from document_ids [B, T]: 0 where a query may attend
+    (causal, same document), -inf elsewhere.
 
-    Every row allows at least its diagonal, so no softmax row is empty.
+    Additive and in the attention's dtype on purpose: SDPA converts a boolean mask to a new float
+    tensor on every call, which autograd then keeps once per layer; this one tensor is shared by
+    every layer. Every row allows at least its diagonal, so no softmax row is empty.
     """
     seq = document_ids.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    same_document = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
-    return (same_document & causal).unsqueeze(1)
+    allowed = (document_ids.unsqueeze(2) == document_ids.unsqueeze(1)) & causal
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=document_ids.device)
+    return mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
 
@@ -293,11 +297,6 @@ class Transformer(nn.Module):
         of the same document: packed documents do not see each other (Megatron's
         reset_attention_mask). Pair it with per-document `positions` to also restart positions.
         """
-        attn_mask = None
-        if document_ids is not None:
-            if attention_fn is not None:
-                raise ValueError("document_ids and attention_fn are exclusive (the attention_fn owns masking)")
-            attn_mask = document_attention_mask(document_ids)
         if self.embed_tokens is not None:
             seq = tokens.shape[1]
             h = self.embed_tokens(tokens)
@@ -311,6 +310,14 @@ class Transformer(nn.Module):
         if self.embed_tokens is not None:
             h = self.dropout(h)
         rope = self.rotary(positions) if self.rotary is not None else None
+        attn_mask = None
+        if document_ids is not None:
+            if attention_fn is not None:
+                raise ValueError("document_ids and attention_fn are exclusive (the attention_fn owns masking)")
+            # In the dtype attention runs in: autocast's, else the residual stream's.
+            device_type = h.device.type
+            dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
+            attn_mask = document_attention_mask(document_ids, dtype)
         for block in self.layers.values():
             h = block(h, rope, attention_fn, attn_mask)
         if self.final_norm is None:

@@ -39,6 +39,7 @@ class ShardManifest(BaseModel):
     num_documents: int
     num_tokens: int
     append_eod: bool = True
+    eod_id: int | None = Field(None, description="Token id appended after every document (append_eod); null when none was or it was not recorded.")
     json_key: str | None = None
     inputs: list[ShardInput] = Field(default_factory=list)
     checksums: dict[str, str] = Field(default_factory=dict, description="'bin' and 'idx' -> sha256 hex.")

@@ -55,6 +55,9 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
             raise UserError(f"{p}: token dtype {ds.dtype.name} differs from {inputs[0]}'s {first.dtype}")
         if m.append_eod != first.append_eod:
             raise UserError(f"{p}.json: append_eod={m.append_eod} differs from {inputs[0]}'s; refusing to mix")
+        if m.eod_id != first.eod_id:
+            raise UserError(f"{p}.json: eod_id={m.eod_id} differs from {inputs[0]}'s ({first.eod_id}); "
+                            "refusing to mix documents ended by different tokens")
     dtype = datasets[0].dtype
     num_seqs = sum(len(ds) for ds in datasets)
     num_docs = sum(ds.num_documents for ds in datasets)
@@ -92,7 +95,7 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
         manifest = ShardManifest(
             tokenizer_fingerprint=first.tokenizer_fingerprint, vocab_size=first.vocab_size, dtype=dtype.name,
             num_documents=num_docs, num_tokens=sum(ds.num_tokens for ds in datasets), append_eod=first.append_eod,
-            json_key=keys.pop() if len(keys) == 1 else None, inputs=list(inputs_seen.values()),
+            eod_id=first.eod_id, json_key=keys.pop() if len(keys) == 1 else None, inputs=list(inputs_seen.values()),
             checksums=checksums, created_by="tessera-data merge",
             tokenizer=_tokenizer_rel(inputs[0], first, output),
             merged_from=[{"prefix": str(p), "fingerprint": shard_fingerprint(p), "num_documents": ds.num_documents}

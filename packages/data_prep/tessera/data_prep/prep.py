@@ -231,7 +231,7 @@ def _prep(cfg: PrepConfig, inputs: list[InputFile], tok_out: Path | None) -> lis
         inp.sha256, inp.records = None, 0
     eod_id = bos_id = None
     if cfg.append_eod:
-        eod_id = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.token_id(EOD_TOKEN)
+        eod_id = end_of_document_id(tokenizer)
         if eod_id is None:
             raise UserError(f"{tokenizer.directory}: tokenizer has no eos token (tokenizer_config.json eos_token) "
                             "to append as end of document; fix it or pass --no-append-eod")
@@ -293,6 +293,11 @@ def _prep(cfg: PrepConfig, inputs: list[InputFile], tok_out: Path | None) -> lis
     return published
 
 
+def end_of_document_id(tokenizer: Tokenizer) -> int | None:
+    """The token appended after each document: the tokenizer's eos, else <|endoftext|> if it has one."""
+    return tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.token_id(EOD_TOKEN)
+
+
 def _manifest_fields(cfg: PrepConfig, tokenizer: Tokenizer, inputs: list[InputFile], skips: SkipReport) -> dict:
     input_entries = []
     for inp in inputs:
@@ -308,7 +313,7 @@ def _manifest_fields(cfg: PrepConfig, tokenizer: Tokenizer, inputs: list[InputFi
         "vocab_size": tokenizer.vocab_size,
         "append_eod": cfg.append_eod,
         "append_bos": cfg.append_bos,
-        "eod_id": tokenizer.eos_id if cfg.append_eod else None,
+        "eod_id": end_of_document_id(tokenizer) if cfg.append_eod else None,
         "inputs": input_entries,
         "skipped": skips.as_manifest(),
         "created_by": "tessera-data prep",

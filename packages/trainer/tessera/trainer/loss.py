@@ -20,12 +20,16 @@ import torch
 import torch.nn.functional as F
 
 
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy over all label positions; logits [B, T, V] in any dtype, computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index)
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                       reduction: str = "mean") -> torch.Tensor:
+    """Mean (or, reduction="sum", summed) cross-entropy over the non-ignored label positions; logits
+    [B, T, V] in any dtype, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index,
+                           reduction=reduction)
 
 
-def logsumexp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def logsumexp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                            reduction: str = "mean") -> torch.Tensor:
     """Same value as cross_entropy_loss, written as mean(logsumexp(logits) - logits[label]).
 
     For torch.compile: inductor lowers F.cross_entropy through log_softmax + nll_loss. Here the
@@ -43,8 +47,9 @@ def logsumexp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_i
     target = torch.where(hit, x, 0.0).sum(dim=1)
     per_token = torch.logsumexp(x, dim=1) - target
     valid = y != ignore_index
+    total = torch.where(valid, per_token, 0.0).sum()
     # Like F.cross_entropy's mean with ignore_index: over the non-ignored positions (nan if none).
-    return torch.where(valid, per_token, 0.0).sum() / valid.sum()
+    return total if reduction == "sum" else total / valid.sum()
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -52,14 +57,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # type: ignore[override]
-                chunk_tokens: int, ignore_index: int, compute_dtype: torch.dtype) -> torch.Tensor:
+                chunk_tokens: int, ignore_index: int, compute_dtype: torch.dtype, mean: bool) -> torch.Tensor:
         # hidden [N, d], weight [V, d], labels [N]. Autocast is switched off in here and its choice
         # (compute_dtype) applied by hand: the matmuls run in it, softmax and loss in fp32 (or
         # fp64 for fp64 inputs), as F.linear under autocast followed by an fp32 cross-entropy would.
         with torch.autocast(hidden.device.type, enabled=False):
             acc = torch.promote_types(compute_dtype, torch.float32)  # softmax, loss, grad_W sums
             valid = labels != ignore_index
-            inv_count = 1.0 / valid.sum().clamp(min=1).to(acc)
+            inv_count = 1.0 / valid.sum().clamp(min=1).to(acc) if mean else torch.ones((), dtype=acc,
+                                                                                        device=hidden.device)
             w = weight.to(compute_dtype)
             want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -94,18 +100,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                          ignore_index: int = -100) -> torch.Tensor:
+                          ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
     """Same value as cross_entropy_loss(F.linear(hidden, weight), labels), chunk_tokens rows at a time.
 
     hidden [B, T, d] (final-normed), weight [V, d] (the output head), labels [B, T]. Under autocast
     the head matmuls run in the autocast dtype and the softmax in fp32, as in the unchunked path.
-    Mean over non-ignored positions; 0 (with zero gradients) when every label is ignored.
+    Mean over non-ignored positions (reduction="sum": their sum); 0 (with zero gradients) when every
+    label is ignored.
     """
     device_type = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     return _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, 1), weight, labels.flatten(), chunk_tokens,
-                                            ignore_index, compute_dtype)
+                                            ignore_index, compute_dtype, reduction == "mean")

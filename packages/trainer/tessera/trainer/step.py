@@ -58,25 +58,28 @@ class TrainStep:
             # is compiled.
             self._hidden = torch.compile(self._final_hidden) if compile else self._final_hidden
 
-    def _full_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_inputs: dict) -> torch.Tensor:
-        return cross_entropy_loss(self.model(inputs, **model_inputs), labels)
+    def _full_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_inputs: dict,
+                   reduction: str) -> torch.Tensor:
+        return cross_entropy_loss(self.model(inputs, **model_inputs), labels, reduction=reduction)
 
-    def _cpu_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_inputs: dict) -> torch.Tensor:
+    def _cpu_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_inputs: dict,
+                  reduction: str) -> torch.Tensor:
         # The same loss in the form inductor compiles to fewer passes over the logits (loss.py).
-        return logsumexp_cross_entropy(self.model(inputs, **model_inputs), labels)
+        return logsumexp_cross_entropy(self.model(inputs, **model_inputs), labels, reduction=reduction)
 
     def _final_hidden(self, inputs: torch.Tensor, model_inputs: dict) -> torch.Tensor:
         return self.model(inputs, return_hidden=True, **model_inputs)
 
-    def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward (under the precision's autocast) and mean cross-entropy over the labels that count,
-        chunked when configured."""
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Forward (under the precision's autocast) and cross-entropy over the labels that count: their
+        mean, or (reduction="sum") their sum, which is 0 with zero gradients when none count. Chunked
+        when configured."""
         model_inputs = self.documents.model_inputs(inputs) if self.documents is not None else {}
         with self.precision.autocast():
             if self.loss_chunk_tokens is None:
-                return self._loss(inputs, labels, model_inputs)
+                return self._loss(inputs, labels, model_inputs, reduction)
             return chunked_cross_entropy(self._hidden(inputs, model_inputs), self.model.output_weight(), labels,
-                                         self.loss_chunk_tokens)
+                                         self.loss_chunk_tokens, reduction=reduction)
 
     def __call__(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], num_micro_batches: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -88,17 +91,15 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
         if self.per_token_loss:
-            # Counted on the host before the copy, so no device sync: each micro-batch's mean is
-            # weighted by its share of the batch's counted tokens, which gives the global mean.
+            # Counted on the host before the copy, so no device sync: each micro-batch contributes its
+            # summed token loss over the batch's count, which adds up to the global per-token mean (a
+            # micro-batch without counted tokens contributes 0 and zero gradients, as in parallel runs).
             micro_batches = list(micro_batches)
-            counts = [int(loss_token_count(labels)) for _, labels in micro_batches]
-            total = max(sum(counts), 1)
-        for i, (inputs, labels) in enumerate(micro_batches):
-            if self.per_token_loss and counts[i] == 0:
-                continue  # every label masked: no loss, no gradient (its mean would be nan)
+            total = max(sum(int(loss_token_count(labels)) for _, labels in micro_batches), 1)
+        for inputs, labels in micro_batches:
             inputs, labels = inputs.to(device), labels.to(device)
             if self.per_token_loss:
-                loss = self.loss(inputs, labels) * (counts[i] / total)
+                loss = self.loss(inputs, labels, reduction="sum") / total
             else:
                 # Equal token counts per micro-batch: the mean of means is the global mean.
                 loss = self.loss(inputs, labels) / num_micro_batches

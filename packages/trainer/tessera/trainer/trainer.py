@@ -38,9 +38,11 @@ from tessera.common.mixture import (
     MixtureSplit,
     mixture_fingerprint,
     read_mixture_manifest,
+    resolve_prefix,
 )
 from tessera.common.model_config import ModelConfig
 from tessera.common.parallel.validate import validate_layout
+from tessera.common.shard import read_shard_manifest
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
 from tessera.trainer.checkpointing import (
     AsyncCheckpointer,
@@ -139,18 +141,45 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
         init_from = check_init_from(cfg.checkpoint.init_from, model, tokenizer)
     documents = None
     if cfg.data.document_options:
-        if tokenizer.eos_id is None:
-            raise ArtifactError(f"{cfg.data.tokenizer}: tokenizer has no eos token, which data.reset_position_ids, "
-                                "reset_attention_mask and eod_mask_loss use as the end-of-document token; "
-                                "switch them off or use a tokenizer with an eos_token")
         d = cfg.data
-        documents = DocumentMasking(tokenizer.eos_id, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+        documents = DocumentMasking(end_of_document_id(cfg, manifest, tokenizer), d.reset_position_ids,
+                                    d.reset_attention_mask, d.eod_mask_loss)
     counts = None
     if layout.world_size > 1:
         counts = validate_layout(model, layout, seq_len=t.seq_length, global_batch=t.global_batch_size,
                                  micro_batch=t.micro_batch_size, sequence_parallel=cfg.parallel.sequence_parallel,
                                  pipeline_layers=cfg.parallel.pipeline_layers, world_size=world_size)
     return CheckedInputs(model, manifest, fingerprint, tokenizer, resume_from, layout, counts, init_from, documents)
+
+
+DOCUMENT_OPTIONS = "data.reset_position_ids, reset_attention_mask and eod_mask_loss"
+
+
+def end_of_document_id(cfg: TrainConfig, manifest: MixtureManifest, tokenizer: Tokenizer) -> int:
+    """The token ending documents in the mixture's shards: the `eod_id` their manifests record (the one
+    `tessera-data prep` appended), else the tokenizer's eos. Refuses shards without end-of-document tokens."""
+    mixture = Path(cfg.data.mixture)
+    recorded = {}
+    for entry in manifest.datasets:
+        prefix = resolve_prefix(mixture, entry.prefix)
+        shard = read_shard_manifest(prefix)
+        if not shard.append_eod:
+            raise ArtifactError(f"{prefix}.json: shard was prepared with --no-append-eod, so its documents carry no "
+                                f"end-of-document token for {DOCUMENT_OPTIONS}; prepare it again without "
+                                "--no-append-eod or switch those options off")
+        if shard.eod_id is not None:
+            recorded[shard.eod_id] = prefix
+    if len(recorded) > 1:
+        raise ArtifactError(f"{mixture / MANIFEST}: its shards end documents with different tokens "
+                            f"({', '.join(f'{i} in {p}' for i, p in recorded.items())}); {DOCUMENT_OPTIONS} need one "
+                            "end-of-document token: prepare the shards with one tokenizer configuration")
+    if recorded:
+        return next(iter(recorded))
+    if tokenizer.eos_id is None:
+        raise ArtifactError(f"{cfg.data.tokenizer}: tokenizer has no eos token and the shards record no eod_id, so "
+                            f"{DOCUMENT_OPTIONS} have no end-of-document token; switch them off or use a tokenizer "
+                            "with an eos_token")
+    return tokenizer.eos_id
 
 
 TRAINING_ONLY_MODEL_FIELDS = {"dropout", "attention_dropout", "init_std"}
@@ -295,23 +324,21 @@ class Trainer:
         t = self.cfg.training
         mb = t.micro_batch_size
         total = torch.zeros((), device=self.rt.device)
+        # With eod_mask_loss: the mean over all counted tokens, not of per-micro-batch means.
         per_token = self.step.per_token_loss
         tokens = 0
         for i in range(t.eval_iters):
             inputs, labels = data.batch(np.arange(i * mb, (i + 1) * mb))
-            count = int(loss_token_count(labels)) if per_token else 0
-            if per_token and count == 0:
-                continue  # every label masked: nothing to average (its mean would be nan)
-            loss = self.loss(inputs.to(self.rt.device), labels.to(self.rt.device))
-            # With eod_mask_loss: the mean over all counted tokens, not of per-micro-batch means.
-            total += loss * count if per_token else loss
-            tokens += count
+            tokens += int(loss_token_count(labels)) if per_token else 0
+            total += self.loss(inputs.to(self.rt.device), labels.to(self.rt.device),
+                               reduction="sum" if per_token else "mean")
         self.model.train()
         return float(total / max(tokens, 1)) if per_token else float(total / t.eval_iters)
 
-    def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward (under the precision's autocast) and mean cross-entropy, chunked when configured."""
-        return self.step.loss(inputs, labels)
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Forward (under the precision's autocast) and cross-entropy over the counted labels (mean or
+        sum), chunked when configured."""
+        return self.step.loss(inputs, labels, reduction)
 
     def sidecar(self) -> CheckpointSidecar:
         return CheckpointSidecar(

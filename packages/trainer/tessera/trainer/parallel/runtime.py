@@ -89,6 +89,7 @@ class ParallelRuntime:
         self._loss_scale = 1.0  # multiplies the loss before backward (fp16 loss scaling)
         self._micro_losses: list[torch.Tensor] = []  # unscaled, as the pipeline's last stage computed them
         self._token_weight = 0.0  # per_token_loss: dp / counted tokens of this step's global batch
+        self.token_count = 0  # per_token_loss: counted label tokens of the last train/eval global batch
         if groups.pp > 1:
             dtype = next(stages[0].parameters()).dtype
             # Under autocast the head's logits come out in the autocast dtype; the residual
@@ -156,7 +157,8 @@ class ParallelRuntime:
         count = (targets != IGNORE_INDEX).sum().to(device=g.device, dtype=torch.float64)
         if g.dp > 1:
             dist.all_reduce(count, group=g.dp_group)
-        self._token_weight = g.dp / max(float(count), 1.0)
+        self.token_count = int(count)
+        self._token_weight = g.dp / max(self.token_count, 1)
 
     def _micro_batch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the batch loss, from local-vocab logits."""

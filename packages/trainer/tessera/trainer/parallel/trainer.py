@@ -105,11 +105,16 @@ class ParallelTrainer(Trainer):
         data = data if data is not None else self.valid_data
         assert data is not None
         calls = math.ceil(self.cfg.training.eval_iters / self.plan.num_micro_batches)
-        total = 0.0
+        per_token = self.runtime.pcfg.per_token_loss
+        total, counted = 0.0, 0
         for c in range(calls):
             tokens, labels = self._rows(data, c * self.cfg.training.global_batch_size)
-            total += self.runtime.eval_step(tokens, labels, self._model_inputs(tokens))
-        return total / calls
+            loss = self.runtime.eval_step(tokens, labels, self._model_inputs(tokens))
+            # eod_mask_loss: each batch's per-token mean weighted by its counted tokens (the global
+            # per-token mean, as in one process).
+            total += loss * self.runtime.token_count if per_token else loss
+            counted += self.runtime.token_count if per_token else 0
+        return total / max(counted, 1) if per_token else total / calls
 
     # ---- checkpoint state --------------------------------------------------------------------
     def _rng_prefix(self) -> str:
