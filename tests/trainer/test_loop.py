@@ -127,3 +127,16 @@ def test_chunked_cross_entropy_matches_full_logits(make_config):
     assert run_steps(full, 2) == pytest.approx(run_steps(chunked, 2), rel=1e-6)
     for (name, a), b in zip(weights(full).items(), weights(chunked).values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_params_norm_is_logged_and_is_the_weights_norm(make_config):
+    """logging.params_norm: the logged value at the last step is the L2 norm of the final weights."""
+    path = make_config(training={"steps": 2}, logging={"tensorboard": False, "params_norm": True})
+    cfg = load_config(TrainConfig, path)
+    trainer = Trainer(cfg, check_inputs(cfg), init_runtime("cpu"), quiet=True)
+    trainer.train()
+    want = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).norm().item()
+    records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["params_norm"] for r in records if r["kind"] == "train"]
+    assert len(logged) == 2 and logged[0] != logged[1]
+    assert logged[-1] == pytest.approx(want, rel=1e-6)

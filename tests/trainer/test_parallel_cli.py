@@ -55,7 +55,7 @@ def write(root: Path, name: str, **training) -> Path:
         "schedule": {"warmup_steps": 2},
         "training": {"global_batch_size": 8, "micro_batch_size": 2, "seq_length": 32, "steps": STEPS,
                      "log_interval": 1, "eval_interval": STEPS, "eval_iters": 4, "threads": 1, **training},
-        "logging": {"tensorboard": False},
+        "logging": {"tensorboard": False, "params_norm": True},
     }
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -117,6 +117,10 @@ def test_layout_matches_one_process(data_dir, reference, name, nproc, flags, lay
     got_norms = [r["grad_norm"] for r in records(run, "train").values()]
     want_norms = [r["grad_norm"] for r in records(reference, "train").values()]
     assert got_norms == pytest.approx(want_norms, rel=1e-4)
+    # logging.params_norm: each parameter element counted once across tensor/pipeline/data ranks.
+    got_params = [r["params_norm"] for r in records(run, "train").values()]
+    want_params = [r["params_norm"] for r in records(reference, "train").values()]
+    assert got_params == pytest.approx(want_params, rel=1e-6)
     if layout.get("data", 1) == 1:  # same evaluation samples as one process (eval_iters per data rank)
         assert records(run, "eval")[STEPS]["valid_loss"] == pytest.approx(
             records(reference, "eval")[STEPS]["valid_loss"], rel=1e-5)

@@ -141,6 +141,7 @@ class CheckpointConfig(StrictModel):
 class LoggingConfig(StrictModel):
     jsonl: bool = Field(True, description="Write metrics.jsonl (one JSON object per logged step / evaluation) in the run directory.")
     tensorboard: bool = Field(True, description="Write TensorBoard scalars under <run_dir>/tensorboard (skipped silently when tensorboard is not installed).")
+    params_norm: bool = Field(False, description="Also log the global L2 norm of the parameters at each log step (Megatron's --log-params-norm): one extra pass over the weights, collective under torchrun.")
 
 
 class ProfilingConfig(StrictModel):

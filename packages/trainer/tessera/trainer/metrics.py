@@ -84,6 +84,8 @@ def format_record(rec: dict[str, Any]) -> str:
              f"lr {rec['lr']:.3e}", f"tokens/s {rec['tokens_per_s']:,.0f}", f"TFLOP/s {rec['tflops']:.3f}"]
     if rec.get("mfu") is not None:
         parts.append(f"MFU {100 * rec['mfu']:.1f}%")
+    if rec.get("params_norm") is not None:
+        parts.append(f"params norm {rec['params_norm']:.3f}")
     parts.append(f"mem {rec['memory_gib']:.2f} GiB")
     if rec.get("loss_scale") is not None:
         parts.append(f"loss scale {rec['loss_scale']:g}")

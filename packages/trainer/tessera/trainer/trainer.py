@@ -540,7 +540,14 @@ class Trainer:
             "memory_gib": memory_gib(self.rt.device), "loss_scale": self.precision.loss_scale,
             "step_skipped": not stepped, "consumed_samples": self.state.consumed_samples,
             "consumed_tokens": self.state.consumed_tokens, "step_time_s": seconds / steps,
+            **({"params_norm": self.params_norm()} if self.cfg.logging.params_norm else {}),
         })
+
+    @torch.no_grad()
+    def params_norm(self) -> float:
+        """Global L2 norm of the parameters (logging.params_norm)."""
+        norms = torch._foreach_norm([p.detach() for p in self.model.parameters()])
+        return float(torch.linalg.vector_norm(torch.stack(norms)))
 
     def _agree_on_stop(self, local: bool) -> bool:
         """All ranks stop together (a signal may reach only some of them)."""

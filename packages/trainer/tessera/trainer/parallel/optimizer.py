@@ -99,6 +99,18 @@ class DistributedOptimizer:
         return norm
 
     @torch.no_grad()
+    def param_norm(self) -> float:
+        """Global L2 norm of the model parameters, every distinct element counted once across tensor,
+        pipeline and data ranks (the grad norm's ranges over the parameter buffers). Collective."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.groups.device)
+        for b in self.buckets.buckets:
+            shard = b.param_shard(self._rank)
+            for a, z in b.norm_ranges:
+                sq += shard[a:z].float().pow(2).sum()
+        dist.all_reduce(sq)
+        return math.sqrt(sq.item())
+
+    @torch.no_grad()
     def step(self, inv_scale: float = 1.0, skip_nonfinite: bool = False) -> float:
         """Unscale, clip, update the local shards, all-gather the parameters. Returns the pre-clip
         norm. With `skip_nonfinite`, a non-finite norm (the same on every rank: it is global)

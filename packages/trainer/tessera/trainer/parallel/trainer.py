@@ -99,6 +99,10 @@ class ParallelTrainer(Trainer):
         self.advance()  # a skipped step still consumes its data, as in one process
         return result.loss, result.grad_norm, result.stepped
 
+    def params_norm(self) -> float:
+        """Global L2 norm of the parameters, counted once across ranks (collective)."""
+        return self.runtime.optimizer.param_norm()
+
     def evaluate(self, data: MixtureBatches | None = None) -> float:
         """Mean loss over the first whole global batches of `data` (default: the valid split) covering
         eval_iters micro-batches per data-parallel rank (the same samples every time)."""
