@@ -80,6 +80,7 @@ class TrainingConfig(StrictModel):
     global_batch_size: int = Field(8, gt=0, description="Sequences per optimizer step, over all data-parallel ranks.")
     micro_batch_size: int = Field(4, gt=0, description="Sequences per forward/backward; global / (micro x data-parallel) micro-batches are accumulated.")
     seq_length: int = Field(128, gt=0, description="Tokens per training sequence; at most the mixture's seq_length and the model's max_seq_len.")
+    rampup_batch_size: tuple[int, int, int] | None = Field(None, description="Megatron's --rampup-batch-size [start, increment, samples]: the global batch starts at `start` sequences and grows by `increment` at even intervals over the first `samples` consumed samples, up to global_batch_size (tessera.trainer.data.global_batch_size_at). Every size must be a multiple of micro_batch_size x data-parallel size.")
     steps: int = Field(100, gt=0, description="Optimizer steps to train (the run ends when the step counter reaches this).")
     seed: int = Field(1234, description="Seed for weight init and every RNG (python, numpy, torch).")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged).")
@@ -192,6 +193,14 @@ class TrainConfig(StrictModel):
         if t.global_batch_size % t.micro_batch_size:
             raise ValueError(f"training.micro_batch_size ({t.micro_batch_size}) must divide "
                              f"training.global_batch_size ({t.global_batch_size})")
+        if t.rampup_batch_size is not None:
+            start, increment, samples = t.rampup_batch_size
+            if min(start, increment, samples) <= 0 or start >= t.global_batch_size:
+                raise ValueError(f"training.rampup_batch_size {list(t.rampup_batch_size)}: start, increment and "
+                                 f"samples must be positive and start below global_batch_size ({t.global_batch_size})")
+            if (t.global_batch_size - start) % increment:
+                raise ValueError(f"training.rampup_batch_size {list(t.rampup_batch_size)}: global_batch_size "
+                                 f"({t.global_batch_size}) minus start must be a multiple of the increment")
         max_seq = self.resolve_model(_PLACEHOLDER_VOCAB).max_seq_len
         if t.seq_length > max_seq:
             raise ValueError(f"training.seq_length ({t.seq_length}) exceeds model.max_seq_len ({max_seq})")

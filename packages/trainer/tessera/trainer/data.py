@@ -18,6 +18,24 @@ from tessera.common.mixture import MixtureSplit
 from tessera.trainer.documents import DocumentMasking
 
 
+def global_batch_size_at(consumed_samples: int, global_batch_size: int,
+                         rampup: tuple[int, int, int] | None = None) -> int:
+    """Global batch of the step starting at `consumed_samples` (Megatron's batch-size ramp-up).
+
+    With rampup = (start, increment, samples): the (global_batch_size - start) / increment
+    increments are spread evenly over the first `samples` consumed samples, so the batch is
+    start + increment * floor(consumed / (samples / increments)), and global_batch_size once more
+    than `samples` have been consumed. A function of the data position alone, so resume is exact.
+    """
+    if rampup is None:
+        return global_batch_size
+    start, increment, samples = rampup
+    if consumed_samples > samples:
+        return global_batch_size
+    samples_per_increment = samples / ((global_batch_size - start) // increment)
+    return min(start + increment * int(consumed_samples / samples_per_increment), global_batch_size)
+
+
 class MicroBatchPlan:
     """How one global batch is divided among data-parallel ranks and micro-batches."""
 

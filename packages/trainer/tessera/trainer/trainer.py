@@ -54,7 +54,7 @@ from tessera.trainer.checkpointing import (
     save_checkpoint,
 )
 from tessera.trainer.config import TrainConfig
-from tessera.trainer.data import MicroBatchPlan, MixtureBatches
+from tessera.trainer.data import MicroBatchPlan, MixtureBatches, global_batch_size_at
 from tessera.trainer.distributed import Runtime
 from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.host_memory import retain_freed_memory
@@ -95,6 +95,14 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
     if t.global_batch_size % (t.micro_batch_size * layout.data):
         raise UserError(f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
                         f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({layout.data})")
+    if t.rampup_batch_size is not None:
+        start, increment, _ = t.rampup_batch_size
+        sizes = range(start, t.global_batch_size, increment)
+        bad = [b for b in sizes if b % (t.micro_batch_size * layout.data)]
+        if bad:
+            raise UserError(f"training.rampup_batch_size {list(t.rampup_batch_size)}: batch sizes {bad} are not "
+                            f"multiples of training.micro_batch_size ({t.micro_batch_size}) x data-parallel size "
+                            f"({layout.data}); pick a start and increment that are")
     if layout.world_size > 1:
         check_parallel_options(cfg)
     manifest = read_mixture_manifest(cfg.data.mixture)
@@ -149,6 +157,14 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
         counts = validate_layout(model, layout, seq_len=t.seq_length, global_batch=t.global_batch_size,
                                  micro_batch=t.micro_batch_size, sequence_parallel=cfg.parallel.sequence_parallel,
                                  pipeline_layers=cfg.parallel.pipeline_layers, world_size=world_size)
+        if t.rampup_batch_size is not None:  # the pipeline's micro-batch rules hold at every ramp size too
+            for batch in range(t.rampup_batch_size[0], t.global_batch_size, t.rampup_batch_size[1]):
+                try:
+                    validate_layout(model, layout, seq_len=t.seq_length, global_batch=batch,
+                                    micro_batch=t.micro_batch_size, sequence_parallel=cfg.parallel.sequence_parallel,
+                                    pipeline_layers=cfg.parallel.pipeline_layers, world_size=world_size)
+                except UserError as exc:
+                    raise UserError(f"training.rampup_batch_size: at global batch {batch}: {exc}") from None
     return CheckedInputs(model, manifest, fingerprint, tokenizer, resume_from, layout, counts, init_from, documents)
 
 
@@ -248,6 +264,8 @@ class Trainer:
         self.build_step()
         self.schedule = LRSchedule(cfg.schedule, cfg.optim, t.steps)
         self.plan = MicroBatchPlan(t.global_batch_size, t.micro_batch_size, self.dp_rank, inputs.layout.data)
+        self._plans = {t.global_batch_size: self.plan}  # one per batch size of a ramp-up
+        self.last_step_samples = t.global_batch_size  # global batch of the latest step
         check = cfg.data.check_fingerprints
 
         def split_batches(split: str) -> MixtureBatches:
@@ -302,17 +320,28 @@ class Trainer:
         """One optimizer step over a global batch; returns (mean loss, grad norm, step taken)."""
         step = self.state.step
         set_lr(self.optimizer, self.schedule(step))
-        micro_batches = self.train_data.micro_batches(self.plan, self.state.consumed_samples)
-        loss_sum, grad_norm, stepped = self.step(micro_batches, self.plan.num_micro_batches, self.rt.device)
+        plan = self.plan_at(self.state.consumed_samples)
+        micro_batches = self.train_data.micro_batches(plan, self.state.consumed_samples)
+        loss_sum, grad_norm, stepped = self.step(micro_batches, plan.num_micro_batches, self.rt.device)
         self.advance()
         return float(loss_sum), float(grad_norm), stepped
+
+    def plan_at(self, consumed_samples: int) -> MicroBatchPlan:
+        """The micro-batch plan of the step starting at `consumed_samples` (training.rampup_batch_size)."""
+        t = self.cfg.training
+        batch = global_batch_size_at(consumed_samples, t.global_batch_size, t.rampup_batch_size)
+        if batch not in self._plans:
+            self._plans[batch] = MicroBatchPlan(batch, t.micro_batch_size, self.dp_rank, self.inputs.layout.data)
+        return self._plans[batch]
 
     def advance(self) -> None:
         """Count a finished step and the data it consumed (the whole data position)."""
         t = self.cfg.training
+        batch = global_batch_size_at(self.state.consumed_samples, t.global_batch_size, t.rampup_batch_size)
         self.state.step += 1
-        self.state.consumed_samples += t.global_batch_size
-        self.state.consumed_tokens += t.global_batch_size * t.seq_length
+        self.state.consumed_samples += batch
+        self.state.consumed_tokens += batch * t.seq_length
+        self.last_step_samples = batch
 
     @torch.no_grad()
     def evaluate(self, data: MixtureBatches | None = None) -> float:
@@ -427,7 +456,8 @@ class Trainer:
         last_saved = -1
         exit_at = self.state.step + t.exit_after_steps if t.exit_after_steps else None
         try:
-            window_steps, window_time = 0, 0.0  # steps and their wall time since the last log line
+            # Steps, their wall time and their samples since the last log line.
+            window_steps, window_time, window_samples = 0, 0.0, 0
             compiling = t.compile
             while self.state.step < t.steps:
                 profiler.before_step(self.state.step + 1)
@@ -440,19 +470,21 @@ class Trainer:
                     compiling = False
                 else:
                     window_steps, window_time = window_steps + 1, window_time + step_time
+                    window_samples += self.last_step_samples
                 bar.update(1)
                 if t.check_nonfinite and t.precision != "fp16" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                    self._log_train(loss, grad_norm, stepped, max(window_steps, 1), window_time or step_time)
+                    self._log_train(loss, grad_norm, stepped, window_samples or self.last_step_samples,
+                                    window_time or step_time, max(window_steps, 1))
                     raise self._diverged(loss, grad_norm)
                 if not stepped:
                     self.say(f"step {self.state.step}: fp16 gradients overflowed; step skipped, "
                              f"loss scale lowered to {self.precision.loss_scale:g}")
                 if self.state.step % t.log_interval == 0 or self.state.step == t.steps:
                     if window_steps == 0:
-                        window_steps, window_time = 1, step_time
-                    self._log_train(loss, grad_norm, stepped, window_steps, window_time)
+                        window_steps, window_time, window_samples = 1, step_time, self.last_step_samples
+                    self._log_train(loss, grad_norm, stepped, window_samples, window_time, window_steps)
                     bar.set_postfix(loss=f"{loss:.3f}")
-                    window_steps, window_time = 0, 0.0
+                    window_steps, window_time, window_samples = 0, 0.0, 0
                 if self.valid_data is not None and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
                     self.sink.log({"kind": "eval", "step": self.state.step, **eval_record(self.evaluate())})
                 if self.test_data is not None and self.state.step == t.steps:
@@ -520,17 +552,19 @@ class Trainer:
         self._finish_background_save(failing=True)  # a save in flight is of an earlier, good step: let it land
         newest = latest_checkpoint(self.cfg.checkpoint_dir)
         where = f"the newest checkpoint is {newest}" if newest is not None else "no checkpoint was saved yet"
-        first = self.state.consumed_samples - self.cfg.training.global_batch_size
+        first = self.state.consumed_samples - self.last_step_samples
         return RunError(f"step {self.state.step}: loss {loss:.6g}, gradient norm {grad_norm:.6g} (not finite); stopped "
                         f"without saving, {where}. Lower optim.lr or raise schedule.warmup_steps, or look at this "
                         f"step's batch (samples {first}-{self.state.consumed_samples - 1} of the mixture's "
                         f"{self.cfg.data.train_split} split); then --resume "
                         "(training.check_nonfinite=false trains on regardless)")
 
-    def _log_train(self, loss: float, grad_norm: float, stepped: bool, steps: int, seconds: float) -> None:
-        """Throughput over the training steps since the last log line (evaluation and saving excluded)."""
+    def _log_train(self, loss: float, grad_norm: float, stepped: bool, samples: int, seconds: float,
+                   steps: int = 1) -> None:
+        """Throughput over the `steps` training steps (`samples` sequences) since the last log line
+        (evaluation and saving excluded)."""
         t = self.cfg.training
-        tokens_per_s = steps * t.global_batch_size * t.seq_length / max(seconds, 1e-9)
+        tokens_per_s = samples * t.seq_length / max(seconds, 1e-9)
         tflops = tokens_per_s * self.flops_per_token / 1e12
         self.sink.log({
             "kind": "train", "step": self.state.step, "total_steps": t.steps, "loss": loss,
@@ -540,6 +574,7 @@ class Trainer:
             "memory_gib": memory_gib(self.rt.device), "loss_scale": self.precision.loss_scale,
             "step_skipped": not stepped, "consumed_samples": self.state.consumed_samples,
             "consumed_tokens": self.state.consumed_tokens, "step_time_s": seconds / steps,
+            "global_batch_size": self.last_step_samples,
             **({"params_norm": self.params_norm()} if self.cfg.logging.params_norm else {}),
         })
 

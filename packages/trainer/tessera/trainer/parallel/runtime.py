@@ -85,20 +85,37 @@ class ParallelRuntime:
         self.optimizer = optimizer
         self.rng = rng
         self.num_microbatches = pcfg.global_batch // (pcfg.micro_batch * groups.dp)
-        self.schedule = None
+        self._schedules: dict[int, object] = {}  # pipeline schedule per micro-batch count (batch ramp-up)
         self._loss_scale = 1.0  # multiplies the loss before backward (fp16 loss scaling)
         self._micro_losses: list[torch.Tensor] = []  # unscaled, as the pipeline's last stage computed them
         self._token_weight = 0.0  # per_token_loss: dp / counted tokens of this step's global batch
         self.token_count = 0  # per_token_loss: counted label tokens of the last train/eval global batch
-        if groups.pp > 1:
-            dtype = next(stages[0].parameters()).dtype
+        self.schedule = self._schedule_for(self.num_microbatches)
+
+    def _schedule_for(self, num_microbatches: int):
+        """The pipeline schedule for steps of `num_microbatches` (None without pipeline), built once
+        per count: a batch-size ramp-up changes the count, a schedule's is fixed."""
+        if self.groups.pp == 1:
+            return None
+        if num_microbatches not in self._schedules:
+            dtype = next(self.stages[0].parameters()).dtype
             # Under autocast the head's logits come out in the autocast dtype; the residual
             # stream stays in the parameter dtype (fp32 + bf16/fp16 promotes to fp32).
             logits_dtype = self._autocast_dtype() or dtype
-            self.schedule = make_schedule(stages, groups, self.num_microbatches, pcfg.micro_batch,
-                                          cfg.hidden_size, cfg.vocab_size, dtype, stages[0].model.sequence_parallel,
-                                          self._micro_batch_loss, logits_dtype=logits_dtype,
-                                          loss_hook=self._scale_loss)
+            self._schedules[num_microbatches] = make_schedule(
+                self.stages, self.groups, num_microbatches, self.pcfg.micro_batch, self.cfg.hidden_size,
+                self.cfg.vocab_size, dtype, self.stages[0].model.sequence_parallel, self._micro_batch_loss,
+                logits_dtype=logits_dtype, loss_hook=self._scale_loss)
+        return self._schedules[num_microbatches]
+
+    def _use_microbatches(self, rows: int) -> None:
+        """Set the step's micro-batch count from this rank's rows (a multiple of micro_batch)."""
+        mb = self.pcfg.micro_batch
+        if rows % mb or rows == 0:
+            raise ValueError(f"expected a positive multiple of micro_batch ({mb}) rows on this data-parallel rank, "
+                             f"got {rows}")
+        self.num_microbatches = rows // mb
+        self.schedule = self._schedule_for(self.num_microbatches)
 
     @classmethod
     def build(cls, cfg: ModelConfig, groups: ParallelGroups, pcfg: ParallelConfig, ocfg: OptimConfig,
@@ -129,9 +146,8 @@ class ParallelRuntime:
         backward, gradients are divided by it before clipping, and a step whose gradients are not
         finite (the global norm is inf/nan, so every rank agrees) is skipped. `model_inputs`
         (`positions`, `document_ids`: [rows, T], rows as `tokens`) go to every stage's forward."""
-        g, n, mb = self.groups, self.num_microbatches, self.pcfg.micro_batch
-        if tokens.shape[0] != n * mb:
-            raise ValueError(f"expected {n * mb} rows on this data-parallel rank, got {tokens.shape[0]}")
+        self._use_microbatches(tokens.shape[0])
+        g, n = self.groups, self.num_microbatches
         self._set_token_weight(targets)
         tokens, targets = tokens.to(g.device), targets.to(g.device)
         model_inputs = {k: v.to(g.device) for k, v in (model_inputs or {}).items()}
@@ -212,9 +228,8 @@ class ParallelRuntime:
     def eval_step(self, tokens: torch.Tensor, targets: torch.Tensor,
                   model_inputs: dict[str, torch.Tensor] | None = None) -> float:
         """Mean token loss of a batch shaped as for `train_step`, forward only (no state change)."""
+        self._use_microbatches(tokens.shape[0])
         g, n, mb = self.groups, self.num_microbatches, self.pcfg.micro_batch
-        if tokens.shape[0] != n * mb:
-            raise ValueError(f"expected {n * mb} rows on this data-parallel rank, got {tokens.shape[0]}")
         self._set_token_weight(targets)
         tokens, targets = tokens.to(g.device), targets.to(g.device)
         model_inputs = {k: v.to(g.device) for k, v in (model_inputs or {}).items()}

@@ -76,9 +76,10 @@ class ParallelTrainer(Trainer):
     def dp_rank(self) -> int:
         return self.groups.dp_rank
 
-    def _rows(self, data, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This data-parallel rank's rows of the global batch starting at `first_sample`."""
-        per_rank = self.plan.per_rank
+    def _rows(self, data, first_sample: int, per_rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This data-parallel rank's rows of the global batch starting at `first_sample` (per_rank rows
+        each; default: the full global batch's share)."""
+        per_rank = per_rank or self.plan.per_rank
         start = first_sample + self.dp_rank * per_rank
         return data.batch(np.arange(start, start + per_rank))
 
@@ -91,7 +92,8 @@ class ParallelTrainer(Trainer):
     def train_step(self) -> tuple[float, float, bool]:
         for group in self.optimizer.param_groups:
             group["lr"] = self.schedule(self.state.step)
-        tokens, labels = self._rows(self.train_data, self.state.consumed_samples)
+        plan = self.plan_at(self.state.consumed_samples)
+        tokens, labels = self._rows(self.train_data, self.state.consumed_samples, plan.per_rank)
         result = self.runtime.train_step(tokens, labels, self.scaler.scale if self.scaler else 1.0,
                                          self._model_inputs(tokens))
         if self.scaler is not None:
