@@ -100,13 +100,13 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def param_norm(self) -> float:
-        """Global L2 norm of the model parameters, every distinct element counted once across tensor,
-        pipeline and data ranks (the grad norm's ranges over the parameter buffers). Collective."""
+        """Global L2 norm of the fp32 master parameters (the parameters themselves when they are fp32),
+        every distinct element counted once across tensor, pipeline and data ranks (the grad norm's
+        ranges over this rank's shards). Collective."""
         sq = torch.zeros((), dtype=torch.float32, device=self.groups.device)
-        for b in self.buckets.buckets:
-            shard = b.param_shard(self._rank)
+        for master, b in zip(self.masters, self.buckets.buckets):
             for a, z in b.norm_ranges:
-                sq += shard[a:z].float().pow(2).sum()
+                sq += master[a:z].float().pow(2).sum()
         dist.all_reduce(sq)
         return math.sqrt(sq.item())
 

@@ -93,10 +93,14 @@ class ParallelRuntime:
         self.schedule = self._schedule_for(self.num_microbatches)
 
     def _schedule_for(self, num_microbatches: int):
-        """The pipeline schedule for steps of `num_microbatches` (None without pipeline), built once
-        per count: a batch-size ramp-up changes the count, a schedule's is fixed."""
+        """The pipeline schedule for steps of `num_microbatches` (None without pipeline): a batch-size
+        ramp-up changes the count, a schedule's is fixed. Only this count's and the full batch's (used
+        by evaluation) are kept: each holds receive buffers per micro-batch, and a ramp only grows."""
         if self.groups.pp == 1:
             return None
+        full = self.pcfg.global_batch // (self.pcfg.micro_batch * self.groups.dp)
+        for stale in [n for n in self._schedules if n not in (num_microbatches, full)]:
+            del self._schedules[stale]
         if num_microbatches not in self._schedules:
             dtype = next(self.stages[0].parameters()).dtype
             # Under autocast the head's logits come out in the autocast dtype; the residual
