@@ -34,7 +34,8 @@ class DataConfig(StrictModel):
     test_split: str | None = Field("test", description="Mixture split evaluated once when training completes (eval_iters micro-batches, logged as kind test), when evaluation is on (training.eval_interval > 0) and the split has samples; null disables.")
     check_fingerprints: bool = Field(True, description="Verify at start that the shards are the ones the mixture was built from (hashes their small manifests).")
     # Document boundaries inside packed samples (Megatron's flags of the same names); the
-    # end-of-document token is the tokenizer's eos token. See tessera.trainer.documents.
+    # end-of-document token is the shards' recorded eod_id, else the tokenizer's eos token
+    # (trainer.end_of_document_id). See tessera.trainer.documents.
     reset_position_ids: bool = Field(False, description="Positions restart at 0 on the token after each end-of-document token.")
     reset_attention_mask: bool = Field(False, description="Tokens attend only to earlier tokens of their own document, not across end-of-document tokens.")
     eod_mask_loss: bool = Field(False, description="No loss where the input token is end-of-document; the loss is the mean over the remaining tokens of the global batch.")
