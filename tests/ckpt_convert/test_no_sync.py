@@ -19,7 +19,8 @@ from tessera.common.checkpoint import SIDECAR
 def tree(root: Path) -> dict[str, object]:
     """Every file under root (relative path -> bytes), except what differs between any two runs,
     durable or not: DCP's `.metadata` records a random save id and the (temporary) directory it was
-    written to, so it is compared unpickled without those, and the sidecar without its checksum."""
+    written to, so it is compared unpickled without those, and the sidecar without its checksum and
+    its creation time (seconds: two runs can straddle a second)."""
     out: dict[str, object] = {}
     for p in sorted(root.rglob("*")):
         if not p.is_file():
@@ -34,6 +35,7 @@ def tree(root: Path) -> dict[str, object]:
         elif p.name == SIDECAR:
             side = json.loads(p.read_text())
             assert side["checksums"].pop(".metadata")
+            assert side.pop("created_at")
             out[name] = side
         else:
             out[name] = p.read_bytes()
