@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from trainer_fixtures import assert_weights_close
 
 from tessera.common.config import load_config
 from tessera.trainer.cli import main
@@ -35,8 +36,7 @@ def test_gradient_accumulation_equals_one_big_batch(make_config):
     assert four.plan.num_micro_batches == 4
     loss_one, loss_four = run_steps(one, 3), run_steps(four, 3)
     assert loss_one == pytest.approx(loss_four, rel=1e-5)
-    for (name, a), b in zip(weights(one).items(), weights(four).values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert_weights_close(weights(four), weights(one), "4 micro-batches vs 1")
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
@@ -102,9 +102,7 @@ def test_compiled_step_matches_eager(make_config):
     eager = make_trainer(path, "model.num_layers=1")
     compiled = make_trainer(path, "training.compile=true", "model.num_layers=1")
     assert run_steps(compiled, 2) == pytest.approx(run_steps(eager, 2), rel=1e-4)
-    assert sorted(n for n, _ in compiled.engine.model.named_parameters()) == sorted(n for n, _ in eager.engine.model.named_parameters())
-    for name, w in weights(eager).items():
-        torch.testing.assert_close(weights(compiled)[name], w, rtol=1e-4, atol=1e-5, msg=name)
+    assert_weights_close(weights(compiled), weights(eager), "compiled vs eager")
 
 
 @pytest.mark.gpu
@@ -125,8 +123,7 @@ def test_chunked_cross_entropy_matches_full_logits(make_config):
     full = make_trainer(path)
     chunked = make_trainer(path, "training.loss_chunk_tokens=24")  # 64 tokens per micro-batch: 24 + 24 + 16
     assert run_steps(full, 2) == pytest.approx(run_steps(chunked, 2), rel=1e-6)
-    for (name, a), b in zip(weights(full).items(), weights(chunked).values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert_weights_close(weights(chunked), weights(full), "chunked vs full logits")
 
 
 def test_params_norm_is_logged_and_is_the_weights_norm(make_config):
