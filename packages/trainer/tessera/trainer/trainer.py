@@ -351,12 +351,11 @@ class Trainer:
             self.load(self.inputs.resume_from)
             self.say(f"resumed from {self.inputs.resume_from} at step {self.state.step} "
                      f"({self.state.consumed_samples} samples consumed)")
-        else:
-            if self.inputs.init_from is not None:
-                self.checkpoints.load_weights(self.inputs.init_from)
-                self.say(f"initialized the model from {self.inputs.init_from} (step "
-                         f"{read_sidecar(self.inputs.init_from).step} of that run); optimizer, schedule and data "
-                         "start at step 0")
+        elif self.inputs.init_from is not None:
+            self.checkpoints.load_weights(self.inputs.init_from)
+            self.say(f"initialized the model from {self.inputs.init_from} (step "
+                     f"{read_sidecar(self.inputs.init_from).step} of that run); optimizer, schedule and data "
+                     "start at step 0")
         n_params = self.model_cfg.num_params()
         self.say(f"model: {n_params / 1e6:.2f}M parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token at "
                  f"seq {t.seq_length}; {self.plan.num_micro_batches} micro-batch(es) of {t.micro_batch_size} x "
