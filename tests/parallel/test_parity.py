@@ -86,7 +86,7 @@ def test_two_process_layouts(tmp_path, reference):
     jobs = {
         "tp2": dict(layout=dict(tensor=2), parallel=dict(micro_batch=4, sequence_parallel=False)),
         "tp2_sp": dict(layout=dict(tensor=2), parallel=dict(micro_batch=4, sequence_parallel=True), eval=True),
-        "pp2": dict(layout=dict(pipeline=2), parallel=dict(micro_batch=2, pipeline_layers=[3, 1])),
+        "pp2": dict(layout=dict(pipeline=2, pipeline_layers=[3, 1]), parallel=dict(micro_batch=2)),
         "pp2x2": dict(layout=dict(pipeline=2, virtual_stages=2), parallel=dict(micro_batch=2), eval=True),
         "dp2_zero": dict(layout=dict(data=2), parallel=dict(micro_batch=2, bucket_numel=2000)),
         "dp2_allreduce": dict(layout=dict(data=2), parallel=dict(micro_batch=4, distributed_optimizer=False)),
