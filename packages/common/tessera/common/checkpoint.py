@@ -67,7 +67,10 @@ class CheckpointSidecar(BaseModel):
     format_version: int = CHECKPOINT_FORMAT_VERSION
     model: ModelConfig
     tokenizer_fingerprint: str | None = None
-    layout: ParallelLayout = Field(default_factory=ParallelLayout, description="Layout it was saved from (informational).")
+    layout: ParallelLayout = Field(default_factory=ParallelLayout, description=(
+        "Layout it was saved from, with the layer split it ran (pipeline_layers, one count per pipeline stage; "
+        "null in sidecars written before the split was recorded). Informational: the stored tensors do not "
+        "depend on it; the trainer restores per-rank RNG streams only under an equal layout."))
     step: int = 0
     consumed_samples: int = 0
     consumed_tokens: int = 0
