@@ -49,8 +49,10 @@ CHECKPOINT_FORMAT = "tessera-checkpoint"
 # written by this version). Version 1 sidecars have SHA-256 checksums and no such field; they are
 # read as before. An older Tessera refuses a version 2 sidecar by its version (a clear message)
 # instead of reporting every XXH3 digest as a SHA-256 mismatch.
-CHECKPOINT_FORMAT_VERSION = 2
-SUPPORTED_FORMAT_VERSIONS = (1, 2)
+# Version 3: `layout.pipeline_layers` records the per-stage layer split the checkpoint was saved
+# with (a field a version-2 reader would reject as unknown, so the version says it first).
+CHECKPOINT_FORMAT_VERSION = 3
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
 CHECKSUM_ALGORITHM = XXH3_128  # what finalize_checkpoint writes
 SIDECAR = "tessera_checkpoint.json"
 POINTER = "latest_checkpointed_iteration.txt"
