@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import atomic_file, tmp_name
+from tessera.common.fileio import atomic_file, name_os_error, tmp_name
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -83,8 +83,12 @@ class IndexedDatasetWriter:
         n_tokens = int(lengths.sum(dtype=np.int64))
         if n_tokens * self.dtype.itemsize != len(memoryview(token_bytes).cast("B")):
             raise ValueError("token bytes do not match the sum of the lengths")
-        self._bin.write(token_bytes)
-        self._len.write(lengths.tobytes())
+        try:
+            self._bin.write(token_bytes)
+            self._len.write(lengths.tobytes())
+        except OSError as exc:
+            name_os_error(exc, bin_path(self.prefix))
+            raise
         self._num_seqs += len(lengths)
         self._num_tokens += n_tokens
 
@@ -97,6 +101,13 @@ class IndexedDatasetWriter:
         return self._num_tokens
 
     def finalize(self) -> None:
+        try:
+            self._finalize()
+        except OSError as exc:
+            name_os_error(exc, bin_path(self.prefix))
+            raise
+
+    def _finalize(self) -> None:
         for f in (self._bin, self._len):
             f.flush()
             os.fsync(f.fileno())

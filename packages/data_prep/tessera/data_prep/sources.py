@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import glob
 import gzip
-import zlib
 import hashlib
 import io
 import json
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
