@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 from pydantic import Field, field_validator
-from tqdm import tqdm
 
 from tessera.common.config import StrictModel, read_yaml, validate_config
 from tessera.common.errors import UserError
@@ -40,6 +39,7 @@ from tessera.common.mixture import (
     dataset_file,
     split_file,
 )
+from tessera.common.progress import progress
 from tessera.common.shard import ShardManifest, open_shard, read_shard_manifest, shard_fingerprint
 
 
@@ -279,7 +279,7 @@ def run_blend(cfg: BlendConfig) -> Path:
             checksums[rel] = sha256_file(path)
 
         work = [(s, k) for s in plans for k in range(len(datasets))]
-        for split, k in tqdm(work, desc="building indices", unit="index", disable=cfg.quiet):
+        for split, k in progress(work, desc="building indices", unit="index", quiet=cfg.quiet):
             split_id, dataset_index, dataset_sample_index, counts = plans[split]
             if k == 0:
                 save(split_file(split, "dataset_index"), dataset_index)
