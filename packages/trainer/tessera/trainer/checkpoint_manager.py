@@ -89,7 +89,8 @@ class CheckpointManager:
     # ---- load ---------------------------------------------------------------------------------
     def load(self, directory: Path) -> TrainState:
         """Every component from a checkpoint of any layout (or of one process); the data position."""
-        saved_under = read_sidecar(directory).layout
+        sidecar = read_sidecar(directory)
+        saved_under = sidecar.layout.resolved(sidecar.model.num_layers)  # older sidecars leave the split implicit
         components = dict(self.components)
         if saved_under != self.layout and "rng" in components:
             del components["rng"]
