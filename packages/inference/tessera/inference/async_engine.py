@@ -36,6 +36,11 @@ class EngineDead(Exception):
     """The engine failed or stopped; the request cannot complete (HTTP 500)."""
 
 
+class RequestFailed(Exception):
+    """Computing this one request failed inside the engine (HTTP 500 for it); the engine and
+    every other request go on."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -58,6 +63,9 @@ class RequestHandle:
     async def get(self, timeout: float | None = None) -> RequestOutput:
         """Next output; raises TimeoutError after `timeout` s without one, EngineDead on failure."""
         _, item = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
+        if isinstance(item, RequestFailed):
+            self.finished = True
+            raise item
         if isinstance(item, BaseException):
             self.finished = True
             raise EngineDead(f"the engine failed: {item}") from item
@@ -121,7 +129,7 @@ class EngineFrontend:
         """
         if not self.healthy:
             raise EngineDead("the engine has stopped")
-        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
+        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.eos_ids)
         stream = _Stream(loop=asyncio.get_running_loop(), queue=queue or asyncio.Queue(), tag=tag)
         with self._cv:
             waiting = self._num_waiting()
@@ -162,6 +170,8 @@ class EngineFrontend:
                 stream = self._streams.get(request_id)
                 if stream is None:
                     continue  # aborted meanwhile
+                if isinstance(item, RequestOutput) and item.error is not None:
+                    item = RequestFailed(item.error)
                 if isinstance(item, BaseException) or item.finished:
                     del self._streams[request_id]
                 if isinstance(item, RequestOutput) and self.metrics is not None and now is not None:

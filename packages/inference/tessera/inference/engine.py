@@ -8,6 +8,7 @@ for the sequences whose prompt is fully in the cache, and reports what each requ
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -22,8 +23,10 @@ from tessera.inference.loader import LoadedModel
 from tessera.inference.model_runner import ModelRunner, kv_block_bytes
 from tessera.inference.sampler import Sampler, token_logprob
 from tessera.inference.sampling_params import SamplingParams
-from tessera.inference.scheduler import Scheduler
+from tessera.inference.scheduler import ScheduledBatch, Scheduler
 from tessera.inference.sequence import Sequence, TokenLogprob
+
+log = logging.getLogger("tessera.inference")
 
 
 class RequestRejected(UserError):
@@ -48,6 +51,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the final output, when asked
+    error: str | None = None  # set (with finished) when computing this request failed; the others go on
     time: float = field(default_factory=time.monotonic)
 
 
@@ -70,15 +74,24 @@ def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> i
     return max(1, cfg.kv_cache_memory // kv_block_bytes(loaded.config, cfg.block_size, dtype))
 
 
-def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                     eos_ids: frozenset[int] = frozenset()) -> None:
     """Raise RequestRejected if the request can never be served (the HTTP process checks this
-    before a request reaches the engine, wherever the engine runs)."""
+    before a request reaches the engine, wherever the engine runs; the engine checks again)."""
     if not prompt_ids:
         raise RequestRejected("the prompt is empty; send at least one token", "prompt")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     if params.logit_bias and (min(params.logit_bias) < 0 or max(params.logit_bias) >= vocab_size):
         raise RequestRejected(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+    if params.stop_token_ids and (min(params.stop_token_ids) < 0 or max(params.stop_token_ids) >= vocab_size):
+        raise RequestRejected(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    if params.min_tokens and params.max_tokens:
+        banned = set(params.stop_token_ids) | set(eos_ids)  # the sampler masks EOS even with ignore_eos
+        if len(banned) >= vocab_size:
+            # min_tokens masks every stop id until it is reached: nothing would be left to sample.
+            raise RequestRejected("min_tokens with stop_token_ids (and EOS) covering the whole vocabulary leaves "
+                                  "no token to generate; drop min_tokens or some stop_token_ids", "stop_token_ids")
     if len(prompt_ids) + params.max_tokens > max_model_len:
         raise RequestRejected(
             f"this model's maximum context length is {max_model_len} tokens, but the request "
@@ -114,7 +127,7 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected if the request can never be served; safe from any thread."""
-        validate_request(prompt_ids, params, self.loaded.config.vocab_size, self.max_model_len)
+        validate_request(prompt_ids, params, self.loaded.config.vocab_size, self.max_model_len, self.eos_ids)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
@@ -156,6 +169,33 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        try:
+            outputs = self._run(batch)
+        except Exception:
+            if len(batch.seqs) == 1:
+                log.exception("request %s failed", batch.seqs[0].request_id)
+                outputs = [self._fail(batch.seqs[0])]
+            else:
+                # The forward is batched: find the request that fails by running each alone
+                # (nothing was committed yet; a retry rewrites the same KV slots).
+                outputs = []
+                for seq, n in zip(batch.seqs, batch.num_new):
+                    try:
+                        outputs += self._run(ScheduledBatch([seq], [n]))
+                    except Exception:
+                        log.exception("request %s failed", seq.request_id)
+                        outputs.append(self._fail(seq))
+        for seq in self.scheduler.remove_finished():
+            self.requests.pop(seq.request_id, None)
+        return outputs
+
+    def _fail(self, seq: Sequence, error: str = "internal error while computing this request") -> RequestOutput:
+        seq.fail(error)
+        return self._output(seq)
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Forward, sample and update the sequences of one batch; raises before changing any
+        sequence if the forward fails."""
         rows: list[int] = []
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
@@ -191,16 +231,18 @@ class LLMEngine:
                 for p in range(first, last):
                     seq.prompt_logprobs.append(token_logprob(logprobs[row + p - first], seq.prompt_ids[p + 1],
                                                              seq.params.logprobs or 0))
+        failed: dict[int, Exception] = {}
         if sample_seqs:
-            tokens = self.sampler(sample_seqs, logits[sample_rows])
-            for seq, tok in zip(sample_seqs, tokens):
-                seq.append_token(tok)
+            tokens, failed = self.sampler(sample_seqs, logits[sample_rows])
+            for i, (seq, tok) in enumerate(zip(sample_seqs, tokens)):
+                if i in failed:
+                    log.error("request %s: sampling failed: %s", seq.request_id, failed[i])
+                    seq.fail("internal error while sampling this request")
+                else:
+                    seq.append_token(tok)
         for seq in done_without_sampling:
             seq._finish("length", None)
-        outputs = [self._output(seq) for seq in sample_seqs + done_without_sampling]
-        for seq in self.scheduler.remove_finished():
-            self.requests.pop(seq.request_id, None)
-        return outputs
+        return [self._output(seq) for seq in sample_seqs + done_without_sampling]
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new_logprobs, seq.new_logprobs = seq.new_logprobs, []
@@ -218,6 +260,7 @@ class LLMEngine:
             num_output_tokens=len(seq.output_ids),
             num_cached_tokens=seq.num_cached_tokens,
             prompt_logprobs=list(seq.prompt_logprobs) if finished and seq.params.prompt_logprobs else None,
+            error=seq.error,
         )
 
     # ---- offline ---------------------------------------------------------------------------

@@ -51,6 +51,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # since the last output
     num_preemptions: int = 0
+    error: str | None = None  # why computing this request failed (finish_reason "error")
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +94,13 @@ class Sequence:
         self.status = Status.FINISHED
         # EOS and stop ids never reach the text; the held-back tail is released.
         self.detokenizer.finish(drop_last_token=isinstance(stop, int), flush=stop is None)
+
+    def fail(self, error: str) -> None:
+        """Computing this request raised: it ends here with an error, its batch mates go on."""
+        self.error = error
+        self.finish_reason = "error"
+        self.status = Status.FINISHED
+        self.new_logprobs = []
 
     def abort(self) -> None:
         if not self.is_finished:

@@ -14,6 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tessera.inference.async_engine import EngineDead, EngineFrontend, QueueFull, RequestHandle
+from tessera.inference.async_engine import EngineDead, EngineFrontend, QueueFull, RequestFailed, RequestHandle
 from tessera.inference.chat_template import ChatTemplateError, render_chat
 from tessera.inference.engine import RequestOutput, RequestRejected
 from tessera.inference.metrics import ServingMetrics
@@ -43,6 +44,8 @@ class ServerLimits:
     max_prompts: int = 64
     max_body_bytes: int = 4 * 2**20
     drain_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0  # a request body must arrive within this (a stalled one is dropped)
+    tokenizer_threads: int = 2  # prompts are tokenized and templates rendered here, off the event loop
 
 
 class ApiError(Exception):
@@ -58,8 +61,8 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
@@ -72,40 +75,68 @@ def _validation_message(exc: ValidationError | RequestValidationError) -> tuple[
 
 
 class _GuardMiddleware:
-    """Pure ASGI: API-key check on /v1 and /api, and a cap on request body size."""
+    """Pure ASGI, in front of every route: the API-key check on /v1 and /api, then the whole
+    request body read here, bounded in size (400) and in time (408, connection closed: a client
+    that stalls mid-body cannot hold a connection open), before any handler runs."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout_s: float):
+        self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body_bytes, body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
+        headers = dict(scope.get("headers") or [])
         if self.api_key and (path.startswith("/v1") or path == "/api"):
-            headers = dict(scope.get("headers") or [])
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 resp = error_response(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
                                       "authentication_error", code="invalid_api_key")
                 return await resp(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
+        too_big = error_response(400, f"request body exceeds {self.max_body} bytes", code="request_too_large",
+                                 headers={"connection": "close"})
         length = headers.get(b"content-length")
-        too_big = error_response(400, f"request body exceeds {self.max_body} bytes", param=None,
-                                 code="request_too_large")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return await too_big(scope, receive, send)
+        try:
+            body, disconnected = await asyncio.wait_for(self._read_body(receive), self.body_timeout)
+        except TimeoutError:
+            slow = error_response(408, f"request body not received within {self.body_timeout:g} s",
+                                  code="request_timeout", headers={"connection": "close"})
+            return await slow(scope, receive, send)
+        except _BodyTooLarge:
+            return await too_big(scope, receive, send)
+        if disconnected:
+            return None
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: only http.disconnect comes
+
+        return await self.app(scope, replay, send)
+
+    async def _read_body(self, receive) -> tuple[bytes, bool]:
+        chunks: list[bytes] = []
         seen = 0
-
-        async def counted_receive():
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body:
-                    raise ApiError(400, f"request body exceeds {self.max_body} bytes", code="request_too_large")
-            return message
+            if message["type"] == "http.disconnect":
+                return b"", True
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_body:
+                raise _BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), False
 
-        return await self.app(scope, counted_receive, send)
+
+class _BodyTooLarge(Exception):
+    pass
 
 
 def _check_text(text: str, what: str) -> None:
@@ -131,6 +162,14 @@ class OpenAIServer:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        # Tokenizing a 4 MiB prompt takes seconds: it runs on these threads, never on the event
+        # loop (/health and every open stream keep going meanwhile), and only after a length
+        # check in characters that needs no tokenizer.
+        self._tokenize_pool = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="tessera-tokenize")
+        vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+        # A token spells at most this many characters of text (byte-level BPE: bytes; a
+        # normalizer may fold a few characters into one, hence the factor 2 below).
+        self.max_prompt_chars = limits.max_prompt_tokens * max(map(len, vocab), default=1) * 2
 
     # ---- shared helpers --------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -138,12 +177,33 @@ class OpenAIServer:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found", type_="NotFoundError")
 
+    async def _off_loop(self, fn, *args):
+        """Run a tokenizer/template call on the tokenizer threads; its ApiError comes back here."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch, not encode: the tokenizers library's single encode holds the GIL for its
+        # whole run (a 1 MB prompt: 1.7-4 s with no other thread running), encode_batch lets go.
+        return self.tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _check_chars(self, text: str, what: str) -> None:
+        """Refuse text that cannot fit --max-prompt-tokens before spending time tokenizing it."""
+        if len(text) > self.max_prompt_chars:
+            raise ApiError(400, f"{what} has {len(text)} characters, more than a prompt of at most "
+                           f"{self.limits.max_prompt_tokens} tokens can hold", param=what.split()[0],
+                           code="prompt_too_long")
+
     def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of one prompt, length-checked; on a tokenizer thread (see _off_loop)."""
         if isinstance(prompt, str):
+            self._check_chars(prompt, "prompt")
             _check_text(prompt, "prompt")
             # With the tokenizer's post-processor (BOS for Llama tokenizers), as vLLM and HF do.
-            return self.tokenizer.backend.encode(prompt, add_special_tokens=True).ids
-        return list(prompt)
+            ids = self._encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+        self._check_prompt(ids)
+        return ids
 
     def _check_prompt(self, ids: list[int]) -> None:
         if len(ids) > self.limits.max_prompt_tokens:
@@ -213,6 +273,8 @@ class OpenAIServer:
                 i, item = await queue.get()
                 if item is gone:
                     return
+                if isinstance(item, RequestFailed):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDead(f"the engine failed: {item}") from item
                 if item.finished:
@@ -233,8 +295,9 @@ class OpenAIServer:
         try:
             async for e in events:
                 yield e
-        except (EngineDead, RequestRejected) as exc:
-            yield self._sse(error_body(str(exc), "server_error" if isinstance(exc, EngineDead) else "invalid_request_error"))
+        except (EngineDead, RequestFailed, RequestRejected) as exc:
+            kind = "invalid_request_error" if isinstance(exc, RequestRejected) else "server_error"
+            yield self._sse(error_body(str(exc), kind))
             yield "data: [DONE]\n\n"
 
     # ---- /v1/completions -------------------------------------------------------------------
@@ -253,6 +316,7 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
+        self._check_supported(body)
         if body.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -268,10 +332,9 @@ class OpenAIServer:
         if len(prompts) * body.n > self.limits.max_prompts:
             raise ApiError(400, f"{len(prompts)} prompts x n={body.n} exceeds this server's limit of "
                            f"{self.limits.max_prompts} per request", param="prompt")
-        ids_list = [self._encode_prompt(p) for p in prompts]
+        ids_list = await self._off_loop(lambda: [self._encode_prompt(p) for p in prompts])
         jobs = []
         for ids in ids_list:
-            self._check_prompt(ids)
             max_tokens = self._resolve_max_tokens(body.max_tokens, len(ids))
             for j in range(body.n):
                 params = body.sampling_params(max_tokens, body.logprobs, index=j)
@@ -347,25 +410,44 @@ class OpenAIServer:
         return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                             for lp in lps]}
 
+    def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     kwargs: dict[str, Any]) -> list[int]:
+        """Render the chat template and tokenize it; on a tokenizer thread (see _off_loop)."""
+        try:
+            text = render_chat(self.tokenizer, messages, add_generation_prompt, **kwargs)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        self._check_chars(text, "messages")
+        _check_text(text, "messages")
+        ids = self._encode(text, add_special_tokens=False)  # the template already placed any special tokens
+        self._check_prompt(ids)
+        return ids
+
+    def _check_supported(self, body: Any) -> None:
+        field = body.unsupported_field()
+        if field is not None:
+            raise ApiError(400, f"{field} is not supported by this server; leave it out", param=field)
+
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
+        self._check_supported(body)
         try:
             messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                         for m in body.messages]
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
+        for i, m in enumerate(body.messages):
+            for field in ("tool_calls", "function_call"):
+                if (m.model_extra or {}).get(field):
+                    raise ApiError(400, f"messages[{i}].{field}: tool calls are not supported by this server",
+                                   param=f"messages.{i}.{field}")
         kwargs = body.chat_template_kwargs or {}
         reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
         if reserved:
             raise ApiError(400, f"chat_template_kwargs must not set {', '.join(reserved)} (give it as a request field)",
                            param="chat_template_kwargs")
-        try:
-            text = render_chat(self.tokenizer, messages, body.add_generation_prompt, **kwargs)
-        except ChatTemplateError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-        _check_text(text, "messages")
-        ids = self.tokenizer.encode(text)  # the template already placed any special tokens
-        self._check_prompt(ids)
+        self._check_chars("".join(m["content"] for m in messages), "messages")
+        ids = await self._off_loop(self._encode_chat, messages, body.add_generation_prompt, kwargs)
         max_tokens = self._resolve_max_tokens(
             body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens, len(ids))
         top = body.top_logprobs or 0 if body.logprobs else None
@@ -430,20 +512,12 @@ class OpenAIServer:
             return JSONResponse(problem, status_code=400)
         greedy = body.temperature == 0.0 or body.top_k == 1
         stop = ["\n\n"] if body.stop_on_double_eol else ["\n"] if body.stop_on_eol else []
+        try:
+            encoded = await self._off_loop(self._encode_megatron, body)
+        except ApiError as exc:
+            return JSONResponse(exc.message, status_code=400)
         jobs = []
-        for i, prompt in enumerate(body.prompts):
-            try:
-                _check_text(prompt, f"prompt {i}")
-            except ApiError as exc:
-                return JSONResponse(exc.message, status_code=400)
-            ids = self.tokenizer.encode(prompt)
-            if body.add_BOS and self.tokenizer.bos_id is not None:
-                ids = [self.tokenizer.bos_id, *ids]
-            if not ids:
-                return JSONResponse(f"prompt {i} is empty", status_code=400)
-            if len(ids) > self.limits.max_prompt_tokens:
-                return JSONResponse(f"prompt {i} has {len(ids)} tokens; the limit is {self.limits.max_prompt_tokens}",
-                                    status_code=400)
+        for i, ids in enumerate(encoded):
             try:
                 params = SamplingParams(
                     max_tokens=body.tokens_to_generate, temperature=0.0 if greedy else body.temperature,
@@ -476,6 +550,21 @@ class OpenAIServer:
                 prompt_lps = outs[-1].prompt_logprobs or []
                 logprobs.append([lp.logprob for lp in prompt_lps if lp is not None] + [lp.logprob for lp in gen_lps])
         return {"text": texts, "segments": segments, "logprobs": logprobs if body.logprobs else None}
+
+    def _encode_megatron(self, body: MegatronRequest) -> list[list[int]]:
+        out = []
+        for i, prompt in enumerate(body.prompts):
+            self._check_chars(prompt, f"prompt {i}")
+            _check_text(prompt, f"prompt {i}")
+            ids = self._encode(prompt, add_special_tokens=False)
+            if body.add_BOS and self.tokenizer.bos_id is not None:
+                ids = [self.tokenizer.bos_id, *ids]
+            if not ids:
+                raise ApiError(400, f"prompt {i} is empty")
+            if len(ids) > self.limits.max_prompt_tokens:
+                raise ApiError(400, f"prompt {i} has {len(ids)} tokens; the limit is {self.limits.max_prompt_tokens}")
+            out.append(ids)
+        return out
 
     def _megatron_problem(self, body: MegatronRequest) -> str | None:
         if not body.prompts:
@@ -512,6 +601,7 @@ class OpenAIServer:
             finally:
                 # uvicorn has stopped accepting and waited for open requests; finish the rest.
                 await asyncio.to_thread(engine.shutdown, self.limits.drain_timeout_s)
+                self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
         app = FastAPI(title="tessera-serve", lifespan=lifespan)
 
@@ -540,6 +630,10 @@ class OpenAIServer:
         @app.exception_handler(EngineDead)
         async def _dead(request: Request, exc: EngineDead):
             return error_response(500, str(exc), "server_error")
+
+        @app.exception_handler(RequestFailed)
+        async def _failed(request: Request, exc: RequestFailed):
+            return error_response(500, f"this request failed in the engine: {exc}", "server_error")
 
         @app.exception_handler(StarletteHTTPException)
         async def _http(request: Request, exc: StarletteHTTPException):
@@ -572,7 +666,7 @@ class OpenAIServer:
         async def megatron_api(request: Request):
             return await self.megatron(request)
 
-        return _GuardMiddleware(app, api_key, self.limits.max_body_bytes)  # type: ignore[return-value]
+        return _GuardMiddleware(app, api_key, self.limits.max_body_bytes, self.limits.body_timeout_s)  # type: ignore[return-value]
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
