@@ -165,33 +165,32 @@ def test_sampling_a_degenerate_row_never_raises():
 
 
 def test_a_request_that_fails_in_the_engine_fails_alone(tiny_ckpt):
-    """A batch whose forward raises is retried one request at a time: only the request that
+    """A plan whose execution raises is executed one request at a time: only the request that
     fails alone gets an error; its batch mate's tokens equal a run without it."""
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     alone = token_ids(run_all(make_engine(tiny_ckpt, num_kv_blocks=64), {"good": ([5, 6, 7, 8], greedy)})["good"])
     engine = make_engine(tiny_ckpt, num_kv_blocks=64)
-    execute = engine.runner.execute
+    execute = engine.runner.forward
 
     def faulty(batch, rows):
-        if any(s.request_id == "bad" for s in batch.seqs) and any(s.num_computed > 0 for s in batch.seqs
-                                                                   if s.request_id == "bad"):
+        if any(s.seq.request_id == "bad" and s.start > 0 for s in batch.scheduled):
             raise RuntimeError("injected fault")
         return execute(batch, rows)
 
-    engine.runner.execute = faulty
+    engine.runner.forward = faulty
     outs = run_all(engine, {"good": ([5, 6, 7, 8], greedy), "bad": ([9, 10, 11], greedy)})
     assert outs["bad"][-1].finished and outs["bad"][-1].error and outs["bad"][-1].finish_reason == "error"
     assert token_ids(outs["good"]) == alone and outs["good"][-1].error is None
     assert engine.blocks.num_used == 0 and not engine.has_unfinished()
     # A failure while sampling one row stays with that row too.
-    sampler_call = engine.sampler._process
+    sampler_call = engine.runner.sampler._process
 
     def faulty_process(row, seq, needs_mask):
         if seq.request_id == "bad2":
             raise RuntimeError("injected sampling fault")
         return sampler_call(row, seq, needs_mask)
 
-    engine.sampler._process = faulty_process
+    engine.runner.sampler._process = faulty_process
     penalized = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=1.5)
     outs = run_all(engine, {"good2": ([5, 6, 7, 8], greedy), "bad2": ([9, 10, 11], penalized)})
     assert outs["bad2"][-1].error and token_ids(outs["good2"]) == alone
@@ -200,14 +199,14 @@ def test_a_request_that_fails_in_the_engine_fails_alone(tiny_ckpt):
 def test_a_failing_request_over_http_is_a_500_and_health_stays_200(tiny_ckpt):
     s = LiveServer(tiny_ckpt, block_size=8, num_kv_blocks=64)
     try:
-        execute = s.engine.runner.execute
+        execute = s.engine.runner.forward
 
         def faulty(batch, rows):
             if any(seq.params.seed == 666 for seq in batch.seqs):
                 raise RuntimeError("injected fault")
             return execute(batch, rows)
 
-        s.engine.runner.execute = faulty
+        s.engine.runner.forward = faulty
         bad = _post(s, "/v1/completions", {"prompt": "a", "max_tokens": 3, "seed": 666})
         assert bad.status_code == 500 and "injected" not in bad.text, bad.text  # no internals leak
         assert bad.json()["error"]["type"] == "server_error"
@@ -226,14 +225,14 @@ def test_the_engine_process_loop_isolates_a_failing_request(tiny_ckpt):
     from tessera.inference.engine_process import ProcessEngine
 
     engine = make_engine(tiny_ckpt, num_kv_blocks=64)
-    execute = engine.runner.execute
+    execute = engine.runner.forward
 
     def faulty(batch, rows):
         if any(seq.params.seed == 666 for seq in batch.seqs):
             raise RuntimeError("injected fault")
         return execute(batch, rows)
 
-    engine.runner.execute = faulty
+    engine.runner.forward = faulty
     ours, theirs = socket.socketpair()
     child_conn, parent_conn = Connection(theirs.detach()), Connection(ours.detach())
     loop_thread = threading.Thread(target=engine_core._loop, args=(child_conn, engine), daemon=True)

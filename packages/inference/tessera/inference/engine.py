@@ -1,17 +1,19 @@
 """The engine: requests in, tokens out, one batched model step at a time.
 
-`LLMEngine` is synchronous and single-threaded: `add_request`, `abort`, `step`. The HTTP server
-drives it from a background thread (`async_engine.AsyncEngine`); `tessera-generate` drives it
-directly. Each `step` asks the scheduler for a batch, runs it through the model runner, samples
-for the sequences whose prompt is fully in the cache, and reports what each request gained.
+`LLMEngine` is synchronous and single-threaded: `add_request`, `abort`, `step`. The server drives
+it with `engine_loop.run_engine_loop` (in a thread or in its own process); `tessera-generate`
+drives it directly. Each `step` is vLLM v1's three parts: the scheduler returns a plan
+(`SchedulerOutput`), the model runner executes it (`ModelRunnerOutput`: sampled tokens,
+logprobs), and the output processor applies the results to the sequences and reports what
+each request gained (`RequestOutput`). If executing a plan raises, each of its sequences is
+executed alone, and only those that still fail end (with an error); the engine goes on.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -20,11 +22,14 @@ from tessera.inference.block_manager import BlockManager
 from tessera.inference.config import EngineConfig
 from tessera.inference.detokenizer import IncrementalDetokenizer
 from tessera.inference.loader import LoadedModel
-from tessera.inference.model_runner import ModelRunner, kv_block_bytes
-from tessera.inference.sampler import Sampler, token_logprob
+from tessera.inference.model_runner import ModelRunner, ModelRunnerOutput, kv_block_bytes
+from tessera.inference.output_processor import OutputProcessor, RequestOutput
 from tessera.inference.sampling_params import SamplingParams
-from tessera.inference.scheduler import ScheduledBatch, Scheduler
-from tessera.inference.sequence import Sequence, TokenLogprob
+from tessera.inference.scheduler import Scheduler, SchedulerOutput
+from tessera.inference.sequence import Sequence
+
+__all__ = ["EngineStats", "LLMEngine", "RequestOutput", "RequestRejected", "validate_request"]
+COMPUTE_FAILED = "internal error while computing this request"
 
 log = logging.getLogger("tessera.inference")
 
@@ -35,24 +40,6 @@ class RequestRejected(UserError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
-
-
-@dataclass
-class RequestOutput:
-    """What one request gained in one step (deltas), plus totals."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[TokenLogprob]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the final output, when asked
-    error: str | None = None  # set (with finished) when computing this request failed; the others go on
-    time: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -119,7 +106,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.runner = ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype)
-        self.sampler = Sampler()
+        self.processor = OutputProcessor(self.scheduler, self.blocks)
         self.eos_ids = frozenset(loaded.eos_ids)
         self.requests: dict[str, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds for requests that bring none
@@ -166,102 +153,31 @@ class LLMEngine:
 
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
             return []
-        try:
-            outputs = self._run(batch)
-        except Exception:
-            if len(batch.seqs) == 1:
-                log.exception("request %s failed", batch.seqs[0].request_id)
-                outputs = [self._fail(batch.seqs[0])]
-            else:
-                # The forward is batched: find the request that fails by running each alone
-                # (nothing was committed yet; a retry rewrites the same KV slots).
-                outputs = []
-                for seq, n in zip(batch.seqs, batch.num_new):
-                    try:
-                        outputs += self._run(ScheduledBatch([seq], [n]))
-                    except Exception:
-                        log.exception("request %s failed", seq.request_id)
-                        outputs.append(self._fail(seq))
-        for seq in self.scheduler.remove_finished():
+        outputs, finished = self.processor.update(plan, self._execute(plan))
+        for seq in finished:
             self.requests.pop(seq.request_id, None)
         return outputs
 
-    def _fail(self, seq: Sequence, error: str = "internal error while computing this request") -> RequestOutput:
-        seq.fail(error)
-        return self._output(seq)
-
-    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """Forward, sample and update the sequences of one batch; raises before changing any
-        sequence if the forward fails."""
-        rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        sample_rows: list[int] = []
-        prompt_lp: list[tuple[Sequence, int, int]] = []  # (seq, first position, first row)
-        done_without_sampling: list[Sequence] = []
-        offset = 0
-        for seq, n in zip(batch.seqs, batch.num_new):
-            start, end = seq.num_computed, seq.num_computed + n
-            if seq.params.prompt_logprobs:
-                # Position p predicts prompt token p+1; record each position once (recompute
-                # after preemption must not duplicate).
-                first = max(start, len(seq.prompt_logprobs))
-                last = min(end, len(seq.prompt_ids) - 1)
-                if first < last:
-                    prompt_lp.append((seq, first, len(rows)))
-                    rows.extend(range(offset + first - start, offset + last - start))
-            if end == seq.num_tokens:
-                if seq.params.max_tokens == 0:
-                    done_without_sampling.append(seq)
-                else:
-                    sample_seqs.append(seq)
-                    sample_rows.append(len(rows))
-                    rows.append(offset + n - 1)
-            offset += n
-        logits = self.runner.execute(batch, rows)
-        for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed += n
-            self.blocks.commit_full_blocks(seq)
-        if prompt_lp:
-            logprobs = torch.log_softmax(logits, dim=-1)
-            for seq, first, row in prompt_lp:
-                last = min(seq.num_computed, len(seq.prompt_ids) - 1)
-                for p in range(first, last):
-                    seq.prompt_logprobs.append(token_logprob(logprobs[row + p - first], seq.prompt_ids[p + 1],
-                                                             seq.params.logprobs or 0))
-        failed: dict[int, Exception] = {}
-        if sample_seqs:
-            tokens, failed = self.sampler(sample_seqs, logits[sample_rows])
-            for i, (seq, tok) in enumerate(zip(sample_seqs, tokens)):
-                if i in failed:
-                    log.error("request %s: sampling failed: %s", seq.request_id, failed[i])
-                    seq.fail("internal error while sampling this request")
-                else:
-                    seq.append_token(tok)
-        for seq in done_without_sampling:
-            seq._finish("length", None)
-        return [self._output(seq) for seq in sample_seqs + done_without_sampling]
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        new_logprobs, seq.new_logprobs = seq.new_logprobs, []
-        finished = seq.is_finished
-        # As in vLLM, an EOS/stop token is part of the ids (and usage) but not of the text.
-        new_ids = seq.output_ids[-1:] if seq.output_ids and seq.params.max_tokens else []
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=new_ids,
-            new_text=seq.detokenizer.take_new_text(),
-            new_logprobs=new_logprobs,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=len(seq.prompt_ids),
-            num_output_tokens=len(seq.output_ids),
-            num_cached_tokens=seq.num_cached_tokens,
-            prompt_logprobs=list(seq.prompt_logprobs) if finished and seq.params.prompt_logprobs else None,
-            error=seq.error,
-        )
+    def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            return self.runner.execute(plan)
+        except Exception:
+            if len(plan.scheduled) == 1:
+                log.exception("request %s failed", plan.scheduled[0].seq.request_id)
+                return ModelRunnerOutput(failed={plan.scheduled[0].seq.request_id: COMPUTE_FAILED})
+        # The forward is batched: find the request that fails by executing each alone (the
+        # runner changed no sequence; a retry rewrites the same KV slots).
+        result = ModelRunnerOutput()
+        for i, s in enumerate(plan.scheduled):
+            try:
+                result.update(self.runner.execute(plan.only(i)))
+            except Exception:
+                log.exception("request %s failed", s.seq.request_id)
+                result.failed[s.seq.request_id] = COMPUTE_FAILED
+        return result
 
     # ---- offline ---------------------------------------------------------------------------
     def run_to_completion(self, on_output=None) -> None:

@@ -58,11 +58,12 @@ def draw(row: torch.Tensor, generator: torch.Generator) -> int:
 
 
 class Sampler:
-    def __call__(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], dict[int, Exception]]:
-        """logits [N, V] fp32 (row i for seqs[i]); returns the chosen token ids and the rows
-        whose sampling failed (index -> error; their token is meaningless). A failure stays
-        with its own request: the batch mates still get their tokens. Records logprobs on the
-        sequences that asked for them."""
+    def __call__(self, seqs: list[Sequence], logits: torch.Tensor
+                 ) -> tuple[list[int], list[TokenLogprob | None], dict[int, Exception]]:
+        """logits [N, V] fp32 (row i for seqs[i]); returns the chosen token ids, the logprobs of
+        the rows that asked for them (else None), and the rows whose sampling failed (index ->
+        error; their token is meaningless). A failure stays with its own request: the batch
+        mates still get their tokens. Reads the sequences, never changes them."""
         failed: dict[int, Exception] = {}
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
@@ -87,13 +88,13 @@ class Sampler:
                 chosen[i] = draw(filter_logits(processed[i] / p.temperature, p.top_k, p.top_p, p.min_p), seq.generator)
             except Exception as exc:
                 failed[i] = exc
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if raw_logprobs is not None:
             for i, seq in enumerate(seqs):
                 n = seq.params.logprobs
-                if n is None or i in failed:
-                    continue
-                seq.new_logprobs.append(token_logprob(raw_logprobs[i], chosen[i], n))
-        return chosen, failed
+                if n is not None and i not in failed:
+                    logprobs[i] = token_logprob(raw_logprobs[i], chosen[i], n)
+        return chosen, logprobs, failed
 
     @staticmethod
     def _process(row: torch.Tensor, seq: Sequence, needs_mask: bool) -> None:

@@ -1,4 +1,5 @@
-"""One request's state inside the engine: its tokens, KV blocks, progress and stop state."""
+"""One request's state inside the engine: its tokens, progress and stop state (its KV blocks are
+the block manager's: `BlockManager.tables`)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,6 @@ class Sequence:
     # Tokens whose K/V are in the cache. Recompute-preemption resets it to 0; chunked prefill
     # advances it by the chunk; a prefix-cache hit starts it past the shared blocks.
     num_computed: int = 0
-    block_table: list[int] = field(default_factory=list)
-    num_hashed_blocks: int = 0  # leading full blocks already offered to the prefix cache
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     finish_reason: str | None = None
