@@ -104,9 +104,16 @@ def test_reshard_files_hold_each_ranks_blocks(tmp_path, tokenizer_dir):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tensor-parallel", "3", "--pipeline-parallel", "1"], "does not divide model num_heads"),
-    (["--tensor-parallel", "4", "--pipeline-parallel", "1"], "does not divide model num_kv_heads"),
-    (["--tensor-parallel", "1", "--pipeline-parallel", "3"], "does not divide model num_layers"),
+    (["--tensor-parallel", "3", "--pipeline-parallel", "1"], "--tensor-parallel 3 must divide num_heads (4)"),
+    (["--tensor-parallel", "4", "--pipeline-parallel", "1"], "--tensor-parallel 4 must divide num_kv_heads (2)"),
+    (["--tensor-parallel", "1", "--pipeline-parallel", "5"], "5 pipeline stages (pipeline x virtual-stages) but the "
+                                                             "model has only 4 layers"),
+    (["--tensor-parallel", "1", "--pipeline-parallel", "1", "--virtual-stages", "2"], "needs --pipeline-parallel"),
+    (["--tensor-parallel", "1", "--pipeline-parallel", "3", "--pipeline-layers", "2,2"], "2 values given"),
+    (["--tensor-parallel", "1", "--pipeline-parallel", "2", "--pipeline-layers", "2,1"], "counts sum to 3 but the "
+                                                                                         "model has 4 layers"),
+    (["--tensor-parallel", "1", "--pipeline-parallel", "2", "--pipeline-layers", "4,0"], "at least one layer"),
+    (["--tensor-parallel", "1", "--pipeline-parallel", "2", "--pipeline-layers", "3;1"], "comma-separated"),
     (["--tensor-parallel", "0", "--pipeline-parallel", "1"], "must be a positive integer"),
 ])
 def test_reshard_bad_layout_exit_2_no_output(tmp_path, tokenizer_dir, capsys, args, message):

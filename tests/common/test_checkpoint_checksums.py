@@ -40,7 +40,7 @@ def _flip_byte(path):
 def test_new_sidecar_names_xxh3_and_verify_catches_a_flipped_byte(tmp_path):
     it = _checkpoint(tmp_path)
     raw = json.loads((it / ckpt.SIDECAR).read_text())
-    assert raw["format_version"] == 2 and raw["checksum_algorithm"] == "xxh3-128"
+    assert raw["format_version"] == 3 and raw["checksum_algorithm"] == "xxh3-128"
     assert set(raw["checksums"]) == {p.name for p in ckpt.checkpoint_files(it)}
     for name, digest in raw["checksums"].items():
         assert digest == xxhash.xxh3_128((it / name).read_bytes()).hexdigest()
@@ -76,12 +76,12 @@ def test_refinalizing_a_format_1_sidecar_upgrades_it(tmp_path):
     side = ckpt.read_sidecar(it)
     ckpt.finalize_checkpoint(it, side)
     again = ckpt.read_sidecar(it)
-    assert again.format_version == 2 and again.checksum_algorithm == "xxh3-128"
+    assert again.format_version == 3 and again.checksum_algorithm == "xxh3-128"
     ckpt.verify_checksums(it)
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("format_version", 3, "format version 3 is not supported"),
+    ("format_version", 4, "format version 4 is not supported"),
     ("checksum_algorithm", "md5", "checksum_algorithm 'md5' is not supported"),
 ])
 def test_unknown_version_or_algorithm_is_refused(tmp_path, field, value, message):

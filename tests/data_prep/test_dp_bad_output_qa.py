@@ -3,7 +3,9 @@ decided before any work (they were tracebacks, and --skipped-log DIR failed afte
 
 from __future__ import annotations
 
-from dp_helpers import user_error, write_jsonl
+from dp_helpers import run, user_error, write_jsonl
+
+from tessera.common.shard import read_shard_manifest
 
 
 def test_prep_output_folder_that_cannot_be_created(tmp_path, tokenizer_dir, capsys):
@@ -52,3 +54,30 @@ def test_merge_output_folder_that_cannot_be_created(tmp_path, base_shard, capsys
 def test_inspect_negative_counts(base_shard, capsys):
     assert "--top -1: must be 0 or more" in user_error(["inspect", base_shard, "--top", -1], capsys)
     assert "--max-chars -5" in user_error(["inspect", base_shard, "--max-chars", -5], capsys)
+
+
+def test_prep_deeply_nested_json_record_is_a_bad_record_not_a_traceback(tmp_path, tokenizer_dir, capsys):
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "hello world"}, {"text": "after"}],
+                         raw_lines={1: b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"})
+    err = user_error(["prep", "--input", corpus, "--tokenizer", tokenizer_dir, "--output-prefix", tmp_path / "o/x",
+                      "--on-error", "fail", "--quiet"], capsys)
+    assert "c.jsonl:2" in err and "nested too deeply" in err
+    assert not list((tmp_path / "o").glob("x*.bin"))
+    assert run(["prep", "--input", corpus, "--tokenizer", tokenizer_dir, "--output-prefix", tmp_path / "s/x",
+                "--on-error", "skip", "--quiet"]) == 0
+    assert read_shard_manifest(tmp_path / "s" / "x_text_document").num_documents == 2
+
+
+def test_prep_corrupt_gzip_is_one_line_in_both_error_modes(tmp_path, tokenizer_dir, capsys):
+    import gzip
+
+    data = bytearray(gzip.compress(b"".join(b'{"text": "doc %d xyz"}\n' % i for i in range(20_000))))
+    data[len(data) // 2] ^= 0xFF
+    data[len(data) // 2 + 1] ^= 0xFF
+    corpus = tmp_path / "c.jsonl.gz"
+    corpus.write_bytes(bytes(data))
+    for mode in ("fail", "skip"):
+        err = user_error(["prep", "--input", corpus, "--tokenizer", tokenizer_dir,
+                          "--output-prefix", tmp_path / mode / "x", "--on-error", mode, "--quiet"], capsys)
+        assert "c.jsonl.gz" in err and "corrupt or truncated" in err
+        assert not list((tmp_path / mode).glob("x*.bin"))

@@ -86,7 +86,7 @@ def test_two_process_layouts(tmp_path, reference):
     jobs = {
         "tp2": dict(layout=dict(tensor=2), parallel=dict(micro_batch=4, sequence_parallel=False)),
         "tp2_sp": dict(layout=dict(tensor=2), parallel=dict(micro_batch=4, sequence_parallel=True), eval=True),
-        "pp2": dict(layout=dict(pipeline=2), parallel=dict(micro_batch=2, pipeline_layers=[3, 1])),
+        "pp2": dict(layout=dict(pipeline=2, pipeline_layers=[3, 1]), parallel=dict(micro_batch=2)),
         "pp2x2": dict(layout=dict(pipeline=2, virtual_stages=2), parallel=dict(micro_batch=2), eval=True),
         "dp2_zero": dict(layout=dict(data=2), parallel=dict(micro_batch=2, bucket_numel=2000)),
         "dp2_allreduce": dict(layout=dict(data=2), parallel=dict(micro_batch=4, distributed_optimizer=False)),
@@ -231,3 +231,50 @@ def test_resume_across_layouts(tmp_path, reference):
     assert_close_seq(second, ref_losses[5:], "dp4 (resumed)")
     assert_weights(tmp_path / "ck_dp4", ref_model, "dp4 (resumed)")
     assert_close_seq(_plain_resume(ck, H.model_config(), 5, 5), ref_losses[5:], "tp1pp1 (resumed)")
+
+
+def test_resume_from_resharded_uneven_checkpoints(tmp_path, reference):
+    """4 layers on 3 pipeline stages (the automatic [1, 2, 1]) for 5 steps; `tessera-ckpt reshard`
+    takes the checkpoint to PP=2 split [3, 1], and from there to PP=3 as [1, 2, 1] and as [2, 1, 1];
+    the runtime resumes each under PP=3 with that split and continues exactly like one process."""
+    from tessera.ckpt_convert.cli import run as tessera_ckpt
+    from tessera.common.checkpoint import (
+        CheckpointSidecar,
+        finalize_checkpoint,
+        iter_dir_name,
+        read_sidecar,
+        resolve_checkpoint,
+        write_pointer,
+    )
+    from tessera.common.layout import ParallelLayout
+
+    ref_losses, ref_model = reference
+    cfg = H.model_config()
+    src = tmp_path / "pp3"
+    first = dict(name="pp3", layout=dict(pipeline=3), parallel=dict(micro_batch=2), steps=5,
+                 save=str(src / iter_dir_name(5)), out=str(tmp_path / "a.json"))
+    torchrun(3, {"jobs": [first]}, tmp_path)
+    finalize_checkpoint(src / iter_dir_name(5), CheckpointSidecar(
+        model=cfg, layout=ParallelLayout(pipeline=3).resolved(cfg.num_layers), step=5, contents=["model", "optimizer"]))
+    write_pointer(src, 5)
+
+    def reshard(source: Path, name: str, *flags: str) -> Path:
+        assert tessera_ckpt(["reshard", "--checkpoint", str(source), "--output", str(tmp_path / name),
+                             "--tensor-parallel", "1", *flags, "--quiet"]) == 0
+        return tmp_path / name
+
+    pp2 = reshard(src, "pp2_31", "--pipeline-parallel", "2", "--pipeline-layers", "3,1")
+    back = reshard(pp2, "pp3_121", "--pipeline-parallel", "3")
+    other = reshard(pp2, "pp3_211", "--pipeline-parallel", "3", "--pipeline-layers", "2,1,1")
+    assert read_sidecar(resolve_checkpoint(back)).layout == read_sidecar(resolve_checkpoint(src)).layout
+    assert read_sidecar(resolve_checkpoint(other)).layout.pipeline_layers == [2, 1, 1]
+    jobs = [dict(name=f"resume_{n}", layout=dict(pipeline=3, pipeline_layers=split), parallel=dict(micro_batch=2),
+                 start=5, steps=5, load=str(resolve_checkpoint(ck)), save=str(tmp_path / f"final_{n}"),
+                 out=str(tmp_path / f"{n}.json"))
+            for n, ck, split in (("121", back, None), ("211", other, [2, 1, 1]))]
+    torchrun(3, {"jobs": jobs}, tmp_path)
+    assert_close_seq(json.loads((tmp_path / "a.json").read_text())["losses"], ref_losses[:5], "pp3 (before save)")
+    for n in ("121", "211"):
+        assert_close_seq(json.loads((tmp_path / f"{n}.json").read_text())["losses"], ref_losses[5:],
+                         f"pp3 [{n}] resumed from a resharded checkpoint")
+        assert_weights(tmp_path / f"final_{n}", ref_model, f"pp3 [{n}] (resumed)")

@@ -10,10 +10,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera.common.errors import UserError
-from tessera.common.layout import ParallelLayout
+from tessera.common.layout import ParallelLayout, split_layers, validate_layout
 from tessera.common.model_config import ModelConfig
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
-from tessera.common.parallel.validate import split_layers, validate_layout
 from tessera.trainer.parallel.launch import add_parallel_arguments, layout_from_args, parse_pipeline_layers
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, num_layers=8, num_heads=8, num_kv_heads=2, ffn_hidden_size=96,
@@ -33,9 +32,9 @@ def check(layout: ParallelLayout, **kw):
     (ParallelLayout(data=3), {}, "global batch (8) must be a multiple"),
     (ParallelLayout(pipeline=4), {"global_batch": 2}, "at least as many micro-batches"),
     (ParallelLayout(pipeline=2, virtual_stages=2), {"global_batch": 3}, "multiple of --pipeline-parallel"),
-    (ParallelLayout(pipeline=2), {"pipeline_layers": [4, 3]}, "sum to 7"),
-    (ParallelLayout(pipeline=2), {"pipeline_layers": [8]}, "1 values given"),
-    (ParallelLayout(pipeline=2), {"pipeline_layers": [8, 0]}, "at least one layer"),
+    (ParallelLayout(pipeline=2, pipeline_layers=[4, 3]), {}, "sum to 7"),
+    (ParallelLayout(pipeline=2, pipeline_layers=[8]), {}, "1 values given"),
+    (ParallelLayout(pipeline=2, pipeline_layers=[8, 0]), {}, "at least one layer"),
     (ParallelLayout(tensor=2), {"seq_len": 31, "sequence_parallel": True}, "seq_len (31) must be divisible"),
     (ParallelLayout(tensor=2), {"seq_len": 65}, "exceeds the model's max_seq_len"),
     (ParallelLayout(virtual_stages=2), {}, "needs --pipeline-parallel above 1"),
@@ -59,7 +58,7 @@ def test_layer_splits():
     assert check(ParallelLayout(pipeline=2, virtual_stages=2)) == [2, 2, 2, 2]
     assert split_layers(15, 4) == [4, 4, 4, 3]  # extra layers to the middle stages first
     assert split_layers(14, 4) == [3, 4, 4, 3]
-    assert check(ParallelLayout(pipeline=2), pipeline_layers=[5, 3]) == [5, 3]
+    assert check(ParallelLayout(pipeline=2, pipeline_layers=[5, 3])) == [5, 3]
 
 
 def test_flags_to_layout():
@@ -69,6 +68,7 @@ def test_flags_to_layout():
                               "--pipeline-layers", "5,4,4,3"])
     layout = layout_from_args(args, world_size=8)
     assert (layout.tensor, layout.pipeline, layout.virtual_stages, layout.data) == (2, 2, 2, 2)
+    assert layout.pipeline_layers == [5, 4, 4, 3]  # the split is part of the layout
     assert parse_pipeline_layers(args.pipeline_layers) == [5, 4, 4, 3]
     assert parse_pipeline_layers("auto") is None
     with pytest.raises(UserError, match="not divisible"):

@@ -24,7 +24,7 @@ from tessera.common.layout import ParallelLayout  # noqa: E402
 from tessera.common.model import Transformer, build_model  # noqa: E402
 from tessera.common.parallel.random import TensorParallelRNG  # noqa: E402
 from tessera.common.parallel.state import build_groups, destroy_distributed, init_distributed  # noqa: E402
-from tessera.trainer.parallel.launch import add_parallel_arguments, layout_from_args, parse_pipeline_layers  # noqa: E402
+from tessera.trainer.parallel.launch import add_parallel_arguments, layout_from_args  # noqa: E402
 from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime  # noqa: E402
 
 
@@ -60,8 +60,7 @@ def run_job(job: dict, cfg) -> None:
         args = parser.parse_args(job["argv"])
         layout = layout_from_args(args, torch.distributed.get_world_size())
         job = {**job, "parallel": {**job.get("parallel", {}), "sequence_parallel": args.sequence_parallel,
-                                   "distributed_optimizer": args.distributed_optimizer,
-                                   "pipeline_layers": parse_pipeline_layers(args.pipeline_layers)}}
+                                   "distributed_optimizer": args.distributed_optimizer}}
     else:
         layout = ParallelLayout(**job["layout"])
     groups = build_groups(layout)

@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target data-parallel size (optimizer state is split across it; default 1)")
     r.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="model chunks per pipeline rank, interleaved schedule (default 1)")
+    r.add_argument("--pipeline-layers", default=None, metavar="L1,L2,...",
+                   help="layers per pipeline stage in stage order (pipeline x virtual-stages values), as the trainer's "
+                        "--pipeline-layers, e.g. 1,2,1; default: the trainer's automatic split (as even as possible, "
+                        "extra layers to the middle stages)")
     common(r)
 
     e = sub.add_parser("export", help="export to Hugging Face (hf) or TensorRT-LLM (trtllm)",
@@ -118,12 +122,13 @@ def run(argv: list[str] | None = None) -> int:
         print(out)
     elif args.verb == "reshard":
         from tessera.ckpt_convert.reshard import reshard
-        from tessera.common.layout import ParallelLayout
+        from tessera.common.layout import ParallelLayout, parse_pipeline_layers
 
         layout = ParallelLayout(tensor=_positive("--tensor-parallel", args.tensor_parallel),
                                 pipeline=_positive("--pipeline-parallel", args.pipeline_parallel),
                                 data=_positive("--data-parallel", args.data_parallel),
-                                virtual_stages=_positive("--virtual-stages", args.virtual_stages))
+                                virtual_stages=_positive("--virtual-stages", args.virtual_stages),
+                                pipeline_layers=parse_pipeline_layers(args.pipeline_layers))
         out = reshard(args.checkpoint, args.output, layout, overwrite=args.overwrite, quiet=args.quiet,
                       sync=args.sync)
         print(out)

@@ -4,10 +4,12 @@ This is the contract `reshard` writes to (docs/formats/checkpoint.md, "Partition
 
 - Rank order: tensor fastest, then data, then pipeline (context and expert are 1 here), i.e.
   rank = tp + T * (dp + D * pp).
-- Pipeline: the L layers form P x V consecutive chunks of L / (P V) layers; chunk c lives on
-  pipeline rank c mod P (interleaved schedule; V = 1 is plain contiguous stages). The embedding
-  (and learned positions) live on the first stage, the final norm and lm_head on the last; a tied
-  head is stored once, with the embedding.
+- Pipeline: the trainer's rule (tessera.common.layout): the L layers form S = P x V consecutive
+  stages of `layout.stage_layers(L)` layers (the explicit `pipeline_layers` split, else as even as
+  possible with the extra layers in the middle stages); stage s lives on pipeline rank s mod P
+  (interleaved schedule; V = 1 is plain contiguous stages). The embedding (and learned positions)
+  live on the first stage, the final norm and lm_head on the last; a tied head is stored once,
+  with the embedding.
 - Tensor parallel: column-parallel weights and biases (q/k/v, gate/up; the vocab-parallel
   embedding and lm_head) split along dim 0; row-parallel weights (o_proj, down_proj) along dim 1;
   norms, row-parallel biases and learned positions are replicated and stored by tp rank 0.
@@ -21,31 +23,12 @@ from __future__ import annotations
 import re
 
 from tessera.ckpt_convert.dcp_writer import Chunk
-from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout
 from tessera.common.model_config import ModelConfig
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 _COLUMN = ("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")
 _ROW = ("attn.o_proj.weight", "mlp.down_proj.weight")
-
-
-def validate_layout(cfg: ModelConfig, layout: ParallelLayout) -> None:
-    """A layout that does not divide the model is a UserError naming the quantity."""
-    t, p, v = layout.tensor, layout.pipeline, layout.virtual_stages
-    if layout.context != 1 or layout.expert != 1:
-        raise UserError("context- and expert-parallel resharding is not supported (use 1)")
-    checks = [("num_heads", cfg.num_heads, t, "--tensor-parallel"),
-              ("num_kv_heads", cfg.kv_heads, t, "--tensor-parallel"),
-              ("ffn_hidden_size", cfg.ffn_hidden_size, t, "--tensor-parallel"),
-              ("vocab_size", cfg.vocab_size, t, "--tensor-parallel"),
-              ("num_layers", cfg.num_layers, p * v, "--pipeline-parallel x --virtual-stages")]
-    for field, value, by, flag in checks:
-        if value % by:
-            raise UserError(f"layout {layout.short()}: {flag} = {by} does not divide model {field} = {value}; "
-                            f"choose a size that divides {value}")
-    if v > 1 and p == 1:
-        raise UserError("--virtual-stages > 1 needs --pipeline-parallel > 1")
 
 
 def rank_of(layout: ParallelLayout, tp: int, dp: int, pp: int) -> int:
@@ -55,8 +38,7 @@ def rank_of(layout: ParallelLayout, tp: int, dp: int, pp: int) -> int:
 def pipeline_rank(name: str, cfg: ModelConfig, layout: ParallelLayout) -> int:
     m = _LAYER_RE.match(name)
     if m:
-        per_chunk = cfg.num_layers // (layout.pipeline * layout.virtual_stages)
-        return (int(m.group(1)) // per_chunk) % layout.pipeline
+        return layout.stage_of_layer(int(m.group(1)), cfg.num_layers) % layout.pipeline
     if name.startswith(("embed_tokens.", "pos_embed.")):
         return 0
     return layout.pipeline - 1  # final_norm, lm_head

@@ -1,14 +1,14 @@
-"""Progress bars by bytes, with the tensor count alongside; `--quiet` turns them off."""
+"""Progress by bytes, with the tensor count alongside (a bar on a terminal, periodic lines in a log);
+`--quiet` turns it off."""
 
 from __future__ import annotations
 
-from tqdm import tqdm
+from tessera.common.progress import progress
 
 
 class Progress:
     def __init__(self, total_bytes: int, total_tensors: int, desc: str, quiet: bool):
-        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-                        disable=quiet, dynamic_ncols=True)
+        self.bar = progress(total=total_bytes, unit="B", unit_scale=True, desc=desc, quiet=quiet)
         self.total_tensors = total_tensors
         self.tensors = 0
 

@@ -3,7 +3,8 @@
 Stored tensors are global and layout-invariant, so the *values* never change; what changes is
 which file holds which block. The output has one DCP file per rank of the target layout holding
 exactly that rank's blocks (partition.py), so at load time each rank reads only its own file,
-and the sidecar records the new layout. Training state travels too: optimizer tensors shaped like
+and the sidecar records the new layout with its layer split (`pipeline_layers`, resolved by the
+trainer's rule, so any split the trainer runs, uneven, explicit or interleaved, is accepted). Training state travels too: optimizer tensors shaped like
 a parameter are partitioned like it (and split over data-parallel ranks); everything else (scalars,
 pickled scheduler/RNG state) is copied byte for byte into rank 0's file.
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from tessera.ckpt_convert.dcp_writer import Chunk, ShardedDcpWriter, whole
 from tessera.ckpt_convert.export_hf import expected_model_shapes
-from tessera.ckpt_convert.partition import match_param, model_chunks, state_chunks, validate_layout
+from tessera.ckpt_convert.partition import match_param, model_chunks, state_chunks
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.checkpoint import (
@@ -29,7 +30,7 @@ from tessera.common.checkpoint import (
 )
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, fsync_tree
-from tessera.common.layout import ParallelLayout
+from tessera.common.layout import ParallelLayout, validate_layout
 
 
 def plan(src: CheckpointSource, layout: ParallelLayout) -> dict[str, list[Chunk]]:
@@ -60,7 +61,8 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
     output = Path(output)
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
-    validate_layout(src.sidecar.model, layout)
+    validate_layout(src.sidecar.model, layout)  # the trainer's check, without its batch and world-size parts
+    layout = layout.resolved(src.sidecar.model.num_layers)
     chunks = plan(src, layout)
     planner_data = src.metadata.planner_data if isinstance(src.metadata.planner_data, dict) else {}
     step = src.sidecar.step

@@ -3,11 +3,16 @@
 A `UserError` is a problem the user can fix (bad argument, missing or corrupt file, wrong
 tokenizer). CLIs print its message on one line to stderr, without a traceback, and exit 2.
 A `RunError` is a run that had to stop (training diverged): one line, exit 1.
+A full disk or quota (ENOSPC, EDQUOT) or a read-only file system, however deep it is raised
+(DCP wraps each rank's error), is one line naming the file, exit 1: every writer writes under a
+temporary name, so nothing half-written is left under a final name.
 Anything else is a bug or an environment failure: exit 1 with the traceback.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -46,4 +51,34 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
+    except BaseException as exc:
+        full = storage_exhausted(exc)
+        if full is None:
+            raise
+        where = full.filename or "writing output"
+        print(f"{prog}: error: {where}: {os.strerror(full.errno or 0)}; nothing half-written was left under a final "
+              "name; free space (or fix the mount) and run again", file=sys.stderr)
+        sys.exit(EXIT_FAILURE)
     sys.exit(int(code or 0))
+
+
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+def storage_exhausted(exc: BaseException, depth: int = 0) -> OSError | None:
+    """The OSError meaning "the disk is full / read-only" inside `exc`, if there is one: itself, its
+    cause or context, or one of the per-rank failures DCP's CheckpointException carries."""
+    if depth > 8 or exc is None:
+        return None
+    if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
+        return exc
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException) and (found := storage_exhausted(inner, depth + 1)) is not None:
+                return found
+    for linked in (exc.__cause__, exc.__context__):
+        if linked is not None and (found := storage_exhausted(linked, depth + 1)) is not None:
+            return found
+    return None

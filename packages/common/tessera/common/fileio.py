@@ -215,10 +215,18 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", sync: bool = True) ->
         os.replace(tmp, path)
         if sync:
             _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        name_os_error(exc, path)
         raise
+
+
+def name_os_error(exc: BaseException, path: str | os.PathLike) -> None:
+    """Give an OSError raised by a write (which carries no file name) the path the user knows, so
+    `run_cli`'s one line for a full disk names the file."""
+    if isinstance(exc, OSError) and exc.filename is None:
+        exc.filename = str(path)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, sync: bool = True) -> None:

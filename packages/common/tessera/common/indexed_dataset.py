@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import atomic_file, tmp_name
+from tessera.common.fileio import atomic_file, name_os_error, tmp_name
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -83,8 +83,12 @@ class IndexedDatasetWriter:
         n_tokens = int(lengths.sum(dtype=np.int64))
         if n_tokens * self.dtype.itemsize != len(memoryview(token_bytes).cast("B")):
             raise ValueError("token bytes do not match the sum of the lengths")
-        self._bin.write(token_bytes)
-        self._len.write(lengths.tobytes())
+        try:
+            self._bin.write(token_bytes)
+            self._len.write(lengths.tobytes())
+        except OSError as exc:
+            name_os_error(exc, bin_path(self.prefix))
+            raise
         self._num_seqs += len(lengths)
         self._num_tokens += n_tokens
 
@@ -97,6 +101,13 @@ class IndexedDatasetWriter:
         return self._num_tokens
 
     def finalize(self) -> None:
+        try:
+            self._finalize()
+        except OSError as exc:
+            name_os_error(exc, bin_path(self.prefix))
+            raise
+
+    def _finalize(self) -> None:
         for f in (self._bin, self._len):
             f.flush()
             os.fsync(f.fileno())
@@ -192,11 +203,10 @@ class IndexedDataset:
                 raise ArtifactError(f"{p}: shard file not found (expected {self.prefix}.bin and .idx)")
         self.dtype, self.lengths, self.pointers, self.doc_idx = read_index(ipath)
         bin_size = bpath.stat().st_size
-        expected = int(self.lengths.astype(np.int64).sum()) * self.dtype.itemsize
-        if bin_size != expected:
-            raise ArtifactError(f"{bpath}: size {bin_size} bytes but the index describes {expected}; "
-                                "the shard is truncated or does not belong to this index")
+        validate_index(ipath, self.dtype, self.lengths, self.pointers, self.doc_idx, bin_size, bpath)
         self._bin = np.memmap(bpath, dtype=self.dtype, mode="r") if bin_size else np.zeros(0, self.dtype)
+        # Called with (first token, count) before tokens are handed out; see tessera.common.shard.open_shard.
+        self.verifier: Callable[[int, int], None] | None = None
 
     def __len__(self) -> int:
         """Number of sequences (documents, for data written by Tessera)."""
@@ -222,6 +232,8 @@ class IndexedDataset:
         """Tokens of sequence i, optionally a slice [offset, offset + length)."""
         start = int(self.pointers[i]) // self.dtype.itemsize + offset
         n = int(self.lengths[i]) - offset if length is None else length
+        if self.verifier is not None:
+            self.verifier(start, n)
         return self._bin[start:start + n]
 
     def document_tokens(self, doc: int) -> np.ndarray:
@@ -231,6 +243,8 @@ class IndexedDataset:
             return self._bin[0:0]
         start = int(self.pointers[first]) // self.dtype.itemsize
         n = int(self.lengths[first:last].astype(np.int64).sum())
+        if self.verifier is not None:
+            self.verifier(start, n)
         return self._bin[start:start + n]
 
 
@@ -261,3 +275,46 @@ def read_index(path: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray
     pointers = np.frombuffer(mm, dtype="<i8", count=num_seqs, offset=HEADER_SIZE + 4 * num_seqs)
     doc_idx = np.frombuffer(mm, dtype="<i8", count=num_docs1, offset=HEADER_SIZE + 12 * num_seqs)
     return dtype, lengths, pointers, doc_idx
+
+
+_CHECK_CHUNK = 1 << 24  # elements per chunk, so validating any shard's index keeps memory flat
+
+
+def validate_index(ipath: Path, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray, doc_idx: np.ndarray,
+                   bin_size: int, bpath: Path) -> int:
+    """Check an index's structure and that `.bin` holds exactly what it describes; returns its token count.
+
+    lengths >= 0; pointers start at 0 and equal the running sum of byte lengths (so no sequence
+    overlaps or skips bytes); the document index starts at 0, never decreases and ends at the
+    sequence count. One vectorised pass, chunked: ~0.1 s per 10 million sequences. A swapped
+    length, a shifted pointer or a decreasing document entry is refused here, before any read."""
+    n, itemsize, offset = len(lengths), dtype.itemsize, 0
+    for start in range(0, n, _CHECK_CHUNK):
+        chunk = np.asarray(lengths[start:start + _CHECK_CHUNK], dtype=np.int64)
+        if (chunk < 0).any():
+            bad = start + int(np.flatnonzero(chunk < 0)[0])
+            raise ArtifactError(f"{ipath}: sequence {bad} has negative length {int(lengths[bad])}; the index is corrupt")
+        nbytes = chunk * itemsize
+        expected = np.cumsum(nbytes) - nbytes + offset
+        got = np.asarray(pointers[start:start + _CHECK_CHUNK], dtype=np.int64)
+        if not np.array_equal(got, expected):
+            bad = start + int(np.flatnonzero(got != expected)[0])
+            raise ArtifactError(f"{ipath}: pointer of sequence {bad} is {int(pointers[bad])}, expected "
+                                f"{int(expected[bad - start])} (pointers must be the running sum of lengths); "
+                                "the index is corrupt")
+        offset += int(nbytes.sum())
+    if len(doc_idx) == 0 or int(doc_idx[0]) != 0:
+        raise ArtifactError(f"{ipath}: document index must start at 0; the index is corrupt")
+    if int(doc_idx[-1]) != n:
+        raise ArtifactError(f"{ipath}: document index ends at {int(doc_idx[-1])}, expected the sequence count {n}; "
+                            "the index is corrupt")
+    for start in range(0, len(doc_idx), _CHECK_CHUNK):
+        chunk = np.asarray(doc_idx[max(start - 1, 0):start + _CHECK_CHUNK], dtype=np.int64)
+        if (np.diff(chunk) < 0).any():
+            raise ArtifactError(f"{ipath}: document index decreases (at entry "
+                                f"{max(start - 1, 0) + int(np.flatnonzero(np.diff(chunk) < 0)[0]) + 1}); "
+                                "the index is corrupt")
+    if bin_size != offset:
+        raise ArtifactError(f"{bpath}: {bin_size} bytes but the index describes {offset} "
+                            f"({offset // itemsize} tokens of {dtype.name}); truncated or mismatched")
+    return offset // itemsize

@@ -1,8 +1,20 @@
-"""The parallel layout: how many ways each dimension is split.
+"""The parallel layout: how many ways each dimension is split, and which layers each pipeline stage holds.
 
 Rank order (fastest-varying first): tensor, context, expert, data, pipeline. The process-group
-module (tessera.common.parallel) builds groups from this; checkpoints record the layout they were
-saved from (for information only: what is stored does not depend on it).
+module (tessera.common.parallel.state) builds groups from this; the trainer cuts pipeline stages
+by `stage_layers`, `tessera-ckpt reshard` places each layer's tensors by the same rule, and
+checkpoints record the layout they were saved from, split included (for information and for
+exact resume of per-rank RNG streams: what is stored does not depend on it).
+
+Pipeline stages: the L layers form S = pipeline x virtual_stages consecutive stages in layer
+order, stage s holding `stage_layers(L)[s]` layers; stage s runs on pipeline rank s mod pipeline
+(virtual_stages = 1: contiguous stages; above 1: interleaved 1F1B, model chunk s // pipeline of
+that rank). The embedding lives on stage 0, the final norm and head on stage S - 1.
+
+`validate_layout` is the one check of a layout against a model (and, for training, the batch
+and the launched world size); every problem is one UserError line naming the flag and what to
+change. The trainer and `tessera-ckpt reshard` both call it, so reshard accepts exactly the
+layer splits the trainer runs.
 """
 
 from __future__ import annotations
@@ -10,6 +22,47 @@ from __future__ import annotations
 from pydantic import Field
 
 from tessera.common.config import StrictModel
+from tessera.common.errors import UserError
+from tessera.common.model_config import ModelConfig
+
+
+def parse_pipeline_layers(text: str | None) -> list[int] | None:
+    """The --pipeline-layers flag (trainer and reshard): '5,4,4,3' -> [5, 4, 4, 3]; None or '' or
+    'auto' -> None (automatic split)."""
+    if text is None or text.strip() in ("", "auto"):
+        return None
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"--pipeline-layers {text!r}: expected comma-separated layer counts, e.g. 5,4,4,3") from None
+    return counts
+
+
+def split_layers(num_layers: int, num_stages: int, explicit: list[int] | None = None) -> list[int]:
+    """Layers per pipeline stage (stage = virtual stage when interleaved), in stage order.
+
+    Automatic: as even as possible, the remainder going to the middle stages, since the first
+    stage also holds the embedding and the last the head and loss.
+    """
+    if explicit is not None:
+        if len(explicit) != num_stages:
+            raise UserError(f"--pipeline-layers: {len(explicit)} values given but the layout has {num_stages} "
+                            "stages (pipeline x virtual-stages); give one count per stage")
+        if any(n < 1 for n in explicit):
+            raise UserError("--pipeline-layers: every stage needs at least one layer")
+        if sum(explicit) != num_layers:
+            raise UserError(f"--pipeline-layers: counts sum to {sum(explicit)} but the model has {num_layers} layers")
+        return list(explicit)
+    if num_layers < num_stages:
+        raise UserError(f"layout: {num_stages} pipeline stages (pipeline x virtual-stages) but the model has only "
+                        f"{num_layers} layers; lower --pipeline-parallel or --virtual-stages")
+    base, extra = divmod(num_layers, num_stages)
+    counts = [base] * num_stages
+    # Hand the extra layers to the stages nearest the middle.
+    order = sorted(range(num_stages), key=lambda s: (abs(s - (num_stages - 1) / 2), s))
+    for s in order[:extra]:
+        counts[s] += 1
+    return counts
 
 
 class ParallelLayout(StrictModel):
@@ -19,11 +72,99 @@ class ParallelLayout(StrictModel):
     data: int = Field(1, ge=1, description="Data-parallel size (replicas; sharded optimizer with the distributed optimizer).")
     pipeline: int = Field(1, ge=1, description="Pipeline-parallel size (stages).")
     virtual_stages: int = Field(1, ge=1, description="Model chunks per pipeline rank (interleaved 1F1B).")
+    pipeline_layers: list[int] | None = Field(
+        None, description="Layers per pipeline stage in stage order (pipeline x virtual_stages values; stage s runs "
+                          "on pipeline rank s mod pipeline); null = automatic (split_layers: as even as possible, "
+                          "extra layers to the middle stages). Checkpoints record the resolved split.")
 
     @property
     def world_size(self) -> int:
         return self.tensor * self.context * self.expert * self.data * self.pipeline
 
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages over all ranks: pipeline x virtual_stages."""
+        return self.pipeline * self.virtual_stages
+
     def short(self) -> str:
         return (f"tp{self.tensor}-cp{self.context}-ep{self.expert}-dp{self.data}-pp{self.pipeline}"
-                + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+                + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
+                + (f"[{','.join(map(str, self.pipeline_layers))}]"
+                   if self.pipeline_layers is not None and self.num_stages > 1 else ""))
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers per stage for a model of `num_layers` layers: the explicit split, checked, or the automatic one."""
+        if self.virtual_stages > 1 and self.pipeline == 1:
+            raise UserError("--virtual-stages above 1 needs --pipeline-parallel above 1")
+        return split_layers(num_layers, self.num_stages, self.pipeline_layers)
+
+    def stage_ranges(self, num_layers: int) -> list[range]:
+        """Global layer numbers of each stage, in stage order."""
+        ranges, start = [], 0
+        for count in self.stage_layers(num_layers):
+            ranges.append(range(start, start + count))
+            start += count
+        return ranges
+
+    def stage_of_layer(self, layer: int, num_layers: int) -> int:
+        """The stage holding global layer `layer` (its pipeline rank is this mod `pipeline`)."""
+        for stage, layers in enumerate(self.stage_ranges(num_layers)):
+            if layer in layers:
+                return stage
+        raise ValueError(f"layer {layer} is outside a model of {num_layers} layers")
+
+    def resolved(self, num_layers: int) -> ParallelLayout:
+        """This layout with `pipeline_layers` set to the split it runs (what checkpoints record)."""
+        return self.model_copy(update={"pipeline_layers": self.stage_layers(num_layers)})
+
+
+def validate_layout(
+    cfg: ModelConfig,
+    layout: ParallelLayout,
+    *,
+    world_size: int | None = None,
+    seq_len: int | None = None,
+    global_batch: int | None = None,
+    micro_batch: int | None = None,
+    sequence_parallel: bool = False,
+) -> list[int]:
+    """Raise UserError on the first size that does not divide; return the layers per stage.
+
+    The model and the layout alone decide the shapes (what `reshard` checks); the trainer also
+    passes the launched world size, the sequence length and the batch (micro-batch counts the
+    pipeline schedules need)."""
+    tp, pp, dp, v = layout.tensor, layout.pipeline, layout.data, layout.virtual_stages
+    if world_size is not None and layout.world_size != world_size:
+        raise UserError(f"layout: tensor x context x expert x data x pipeline = {layout.world_size} but "
+                        f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
+    if layout.context > 1 or layout.expert > 1:
+        raise UserError("layout: context and expert parallel are not supported yet; set them to 1")
+    if cfg.num_heads % tp:
+        raise UserError(f"--tensor-parallel {tp} must divide num_heads ({cfg.num_heads})")
+    if cfg.kv_heads % tp:
+        raise UserError(f"--tensor-parallel {tp} must divide num_kv_heads ({cfg.kv_heads}); key/value heads are "
+                        "split, not replicated, so tensor parallel cannot exceed them")
+    if cfg.ffn_hidden_size % tp:
+        raise UserError(f"--tensor-parallel {tp} must divide ffn_hidden_size ({cfg.ffn_hidden_size})")
+    if cfg.vocab_size % tp:
+        raise UserError(f"--tensor-parallel {tp} must divide vocab_size ({cfg.vocab_size}); pad the vocabulary "
+                        f"to a multiple of {tp}")
+    if seq_len is not None:
+        if sequence_parallel and tp > 1 and seq_len % tp:
+            raise UserError(f"sequence parallel: seq_len ({seq_len}) must be divisible by --tensor-parallel {tp}")
+        if seq_len > cfg.max_seq_len:
+            raise UserError(f"seq_len ({seq_len}) exceeds the model's max_seq_len ({cfg.max_seq_len})")
+    counts = layout.stage_layers(cfg.num_layers)
+    if global_batch is None:
+        return counts
+    if micro_batch is None or micro_batch < 1 or global_batch % (micro_batch * dp):
+        raise UserError(f"global batch ({global_batch}) must be a multiple of micro batch ({micro_batch}) x "
+                        f"data parallel ({dp})")
+    n_micro = global_batch // (micro_batch * dp)
+    if pp > 1 and n_micro < pp:
+        raise UserError(f"pipeline: {n_micro} micro-batches per step but {pp} stages; 1F1B needs at least as many "
+                        "micro-batches as stages (raise the global batch or lower the micro batch)")
+    if v > 1 and n_micro % pp:
+        raise UserError(f"interleaved pipeline: micro-batches per step ({n_micro}) must be a multiple of "
+                        f"--pipeline-parallel ({pp})")
+    return counts

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import read_json, sha256_file
 from tessera.common.indexed_dataset import IndexedDataset
-from tessera.common.shard import shard_fingerprint
+from tessera.common.shard import open_shard, shard_fingerprint
 
 MIXTURE_FORMAT = "tessera-mixture"
 MIXTURE_FORMAT_VERSION = 1
@@ -105,7 +105,11 @@ def resolve_prefix(directory: Path, prefix: str) -> Path:
 class MixtureSplit:
     """Random access to the samples of one split: `split[n]` -> int64 array of seq_length + 1 tokens."""
 
-    def __init__(self, directory: str | os.PathLike, split: str = "train", check_fingerprints: bool = True):
+    def __init__(self, directory: str | os.PathLike, split: str = "train", check_fingerprints: bool = True,
+                 verify: str = "first-read"):
+        """`verify`: how shard tokens are checked (tessera.common.shard.open_shard): `first-read`
+        (each block's checksum and ids the first time it is read), `full` (every block now), `off`.
+        Unless `off`, this split's index arrays are checked against the manifest's checksums now."""
         self.directory = Path(directory)
         self.manifest = read_mixture_manifest(self.directory)
         if split not in self.manifest.splits:
@@ -121,8 +125,10 @@ class MixtureSplit:
                 if actual != entry.fingerprint:
                     raise ArtifactError(f"{prefix}.json: shard changed since the mixture was built "
                                         f"(fingerprint {actual[:19]}… != {entry.fingerprint[:19]}…); rebuild the mixture")
-            self.datasets.append(IndexedDataset(prefix))
+            self.datasets.append(open_shard(prefix, verify, vocab_size=self.manifest.vocab_size))
         self.num_samples = self.manifest.splits[split].num_samples
+        if verify != "off":
+            self._verify_index_files()
         self.dataset_index = self._load(split_file(split, "dataset_index"))
         self.dataset_sample_index = self._load(split_file(split, "dataset_sample_index"))
         if len(self.dataset_index) != self.num_samples or len(self.dataset_sample_index) != self.num_samples:
@@ -132,6 +138,23 @@ class MixtureSplit:
             self.document_index.append(self._load(dataset_file(split, k, "document_index")))
             self.sample_index.append(self._load(dataset_file(split, k, "sample_index")))
             self.shuffle_index.append(self._load(dataset_file(split, k, "shuffle_index")))
+
+    def _verify_index_files(self) -> None:
+        """This split's .npy files match the manifest's checksums (a flipped index entry would point a
+        sample at the wrong tokens, or past the end): hashed on threads, ~2 GB/s each."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        prefix = f"{self.split}/"
+        files = sorted(rel for rel in self.manifest.checksums if rel.startswith(prefix))
+        missing = [rel for rel in files if not (self.directory / rel).is_file()]
+        if missing:
+            raise ArtifactError(f"{self.directory / missing[0]}: mixture index file missing; rebuild the mixture")
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+            digests = pool.map(lambda rel: sha256_file(self.directory / rel), files)
+            for rel, digest in zip(files, digests):
+                if digest != self.manifest.checksums[rel]:
+                    raise ArtifactError(f"{self.directory / rel}: sha256 does not match {MANIFEST}'s; the mixture index "
+                                        "is corrupt or was changed after blending; rebuild the mixture")
 
     def _load(self, rel: str) -> np.ndarray:
         path = self.directory / rel
@@ -161,4 +184,8 @@ class MixtureSplit:
     def __getitem__(self, n: int) -> np.ndarray:
         if not 0 <= n < self.num_samples:
             raise IndexError(f"sample {n} out of range [0, {self.num_samples})")
-        return self.dataset_sample(int(self.dataset_index[n]), int(self.dataset_sample_index[n]))
+        try:
+            return self.dataset_sample(int(self.dataset_index[n]), int(self.dataset_sample_index[n]))
+        except IndexError:
+            raise ArtifactError(f"{self.directory / self.split}: sample {n} points outside the mixture's index arrays "
+                                "or its shards; the mixture is corrupt or its shards changed; rebuild it") from None

@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from tessera.common.errors import UserError
+from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import atomic_write_json, ensure_output_dir, sha256_file, tmp_name
 from tessera.common.indexed_dataset import IndexedDataset, bin_path, idx_path, write_index_chunks
-from tessera.common.shard import ShardManifest, manifest_path, read_shard_manifest, shard_fingerprint
+from tessera.common.shard import (
+    BLOCK_SIZE,
+    BlockHasher,
+    ShardManifest,
+    manifest_path,
+    read_shard_manifest,
+    shard_fingerprint,
+)
 
 _CHUNK = 1 << 20
 
@@ -78,14 +85,14 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.with_name(f".{output.name}.staging-{tmp_name(output).name[-8:]}")
     try:
+        blocks, whole = BlockHasher(), hashlib.sha256()
         with open(bin_path(staging), "wb") as out:
-            for p in inputs:
-                with open(bin_path(p), "rb") as f:
-                    shutil.copyfileobj(f, out, 1 << 24)
+            for p, m in zip(inputs, manifests):
+                _copy_verified(p, m, dtype, out, (blocks, whole))
             out.flush()
             os.fsync(out.fileno())
         write_index_chunks(idx_path(staging), dtype, num_seqs, num_docs + 1, length_chunks, doc_chunks())
-        checksums = {"bin": sha256_file(bin_path(staging)), "idx": sha256_file(idx_path(staging))}
+        checksums = {"bin": whole.hexdigest(), "idx": sha256_file(idx_path(staging))}
         inputs_seen: dict[tuple, dict] = {}
         for m in manifests:
             for inp in m.inputs:
@@ -96,7 +103,8 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
             tokenizer_fingerprint=first.tokenizer_fingerprint, vocab_size=first.vocab_size, dtype=dtype.name,
             num_documents=num_docs, num_tokens=sum(ds.num_tokens for ds in datasets), append_eod=first.append_eod,
             eod_id=first.eod_id, json_key=keys.pop() if len(keys) == 1 else None, inputs=list(inputs_seen.values()),
-            checksums=checksums, created_by="tessera-data merge",
+            checksums=checksums, block_size=BLOCK_SIZE, block_checksums=blocks.finish(),
+            created_by="tessera-data merge",
             tokenizer=_tokenizer_rel(inputs[0], first, output),
             merged_from=[{"prefix": str(p), "fingerprint": shard_fingerprint(p), "num_documents": ds.num_documents}
                          for p, ds in zip(inputs, datasets)])
@@ -113,6 +121,30 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
     if not quiet:
         print(f"merged {len(inputs)} shards into {output}: {num_docs:,} documents", flush=True)
     return output
+
+
+def _copy_verified(prefix: Path, manifest: ShardManifest, dtype: np.dtype, out, hashers) -> None:
+    """Append an input's tokens to `out`, checking them on the way: its `.bin` and `.idx` must match
+    the manifest's checksums and every id must be inside the vocabulary, so merge never launders a
+    corrupt shard into one with fresh checksums. The bytes are read once, for copying and hashing."""
+    mpath = manifest_path(prefix)
+    if sha256_file(idx_path(prefix)) != manifest.checksums.get("idx"):
+        raise ArtifactError(f"{idx_path(prefix)}: sha256 does not match {mpath.name}'s; the index is corrupt or was "
+                            "changed after prep")
+    copied = hashlib.sha256()
+    with open(bin_path(prefix), "rb") as f:
+        while chunk := f.read(1 << 24):
+            tokens = np.frombuffer(chunk, dtype=dtype)
+            if len(tokens) and (int(tokens.max()) >= manifest.vocab_size or int(tokens.min()) < 0):
+                raise ArtifactError(f"{bin_path(prefix)}: token ids outside the vocabulary [0, {manifest.vocab_size}); "
+                                    "the shard is corrupt")
+            copied.update(chunk)
+            for h in hashers:
+                h.update(chunk)
+            out.write(chunk)
+    if copied.hexdigest() != manifest.checksums.get("bin"):
+        raise ArtifactError(f"{bin_path(prefix)}: sha256 does not match {mpath.name}'s; the shard is corrupt or was "
+                            "changed after prep")
 
 
 def _tokenizer_rel(prefix: Path, manifest: ShardManifest, output: Path) -> str | None:

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
-from tqdm import tqdm
 
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.fileio import ensure_output_dir, tmp_name
 from tessera.common.indexed_dataset import token_dtype_for_vocab
+from tessera.common.progress import progress
 from tessera.common.shard import ShardInput
 from tessera.common.tokenizer import TOKENIZER_JSON, Tokenizer, load_tokenizer
 from tessera.data_prep.encode import BatchEncoder, EncodedBatch, OrderedEncoder
@@ -161,9 +161,8 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
     return inputs, tok_out
 
 
-def _bar(total: int, desc: str, quiet: bool) -> tqdm:
-    return tqdm(total=total or None, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=quiet, dynamic_ncols=True, mininterval=0.5)
+def _bar(total: int, desc: str, quiet: bool) -> Any:
+    return progress(total=total or None, desc=desc, unit="B", unit_scale=True, quiet=quiet, mininterval=0.5)
 
 
 def _train(cfg: PrepConfig, inputs: list[InputFile], out: Path) -> Tokenizer:

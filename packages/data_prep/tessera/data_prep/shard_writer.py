@@ -22,7 +22,7 @@ import numpy as np
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_write_json, sha256_file
 from tessera.common.indexed_dataset import IndexedDatasetWriter, bin_path, idx_path
-from tessera.common.shard import ShardManifest, manifest_path
+from tessera.common.shard import BLOCK_SIZE, BlockHasher, ShardManifest, manifest_path
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -57,6 +57,7 @@ class _Staged:
     num_documents: int
     num_tokens: int
     bin_sha256: str
+    block_checksums: list[str]
 
 
 class ShardSetWriter:
@@ -70,6 +71,7 @@ class ShardSetWriter:
         self._staged: list[_Staged] = []
         self._writer: IndexedDatasetWriter | None = None
         self._hash = hashlib.sha256()
+        self._blocks = BlockHasher()
         self.num_documents = 0
         self.num_tokens = 0
 
@@ -83,6 +85,7 @@ class ShardSetWriter:
             staging = self.base.with_name(f".{self.base.name}.staging-{self._tag}-{len(self._staged):05d}")
             self._writer = IndexedDatasetWriter(staging, self.dtype)
             self._hash = hashlib.sha256()
+            self._blocks = BlockHasher()
         return self._writer
 
     def _close_current(self) -> None:
@@ -91,13 +94,14 @@ class ShardSetWriter:
             return
         w.finalize()
         self._staged.append(_Staged(w.prefix, self._final_prefix(len(self._staged)), w.num_documents,
-                                    w.num_tokens, self._hash.hexdigest()))
+                                    w.num_tokens, self._hash.hexdigest(), self._blocks.finish()))
         self._writer = None
 
     def _write(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         w = self._open()
         data = memoryview(np.ascontiguousarray(tokens, dtype=self.dtype)).cast("B")
         self._hash.update(data)
+        self._blocks.update(data)
         w.add_raw(data, lengths)
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
@@ -139,7 +143,8 @@ class ShardSetWriter:
             os.replace(idx_path(s.staging), idx_path(s.final))
             fields = dict(manifest_fields)
             fields.update(num_documents=s.num_documents, num_tokens=s.num_tokens, dtype=self.dtype.name,
-                          checksums={"bin": s.bin_sha256, "idx": sha256_file(idx_path(s.final))})
+                          checksums={"bin": s.bin_sha256, "idx": sha256_file(idx_path(s.final))},
+                          block_size=BLOCK_SIZE, block_checksums=s.block_checksums)
             if self.max_tokens is not None:
                 fields.update(shard_index=i, num_shards=len(self._staged))
             manifest = ShardManifest.model_validate(fields)

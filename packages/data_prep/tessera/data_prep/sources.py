@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,9 +253,12 @@ def _read_jsonl(inp: InputFile, keys: list[str], progress: Progress | None) -> I
                 except ValueError as exc:
                     yield Record(line_no, None, f"malformed JSON ({getattr(exc, 'msg', exc)})")
                     continue
+                except RecursionError:  # json's decoder recurses once per nesting level
+                    yield Record(line_no, None, "JSON nested too deeply")
+                    continue
                 values, error = _extract(obj, keys)
                 yield Record(line_no, values, error)
-        except (OSError, EOFError) as exc:  # gzip/zstd corruption or truncation
+        except (OSError, EOFError, zlib.error) as exc:  # gzip/zstd corruption or truncation
             raise UserError(f"{inp.path}: cannot read ({str(exc).splitlines()[0]}); "
                             "the file is corrupt or truncated") from None
         inp.sha256 = hashing.digest.hexdigest()

@@ -19,7 +19,7 @@ import numpy as np
 
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import sha256_file
-from tessera.common.indexed_dataset import bin_path, idx_path, read_index
+from tessera.common.indexed_dataset import bin_path, idx_path, read_index, validate_index
 from tessera.common.shard import manifest_path, read_shard_manifest
 
 _CHUNK = 1 << 24  # elements per chunk, so verification memory stays flat for any shard size
@@ -43,34 +43,8 @@ def verify_shard(prefix: str | Path, vocab_size: int | None = None, check_checks
         if not p.is_file():
             raise ArtifactError(f"{p}: not found (expected {prefix}.bin and {prefix}.idx)")
     dtype, lengths, pointers, doc_idx = read_index(ipath)
-    n = len(lengths)
-    itemsize = dtype.itemsize
-    offset = 0
-    for start in range(0, n, _CHUNK):
-        chunk = np.asarray(lengths[start:start + _CHUNK], dtype=np.int64)
-        if (chunk < 0).any():
-            bad = start + int(np.flatnonzero(chunk < 0)[0])
-            raise ArtifactError(f"{ipath}: sequence {bad} has negative length {int(lengths[bad])}")
-        nbytes = chunk * itemsize
-        expected = np.cumsum(nbytes) - nbytes + offset
-        got = np.asarray(pointers[start:start + _CHUNK], dtype=np.int64)
-        if not np.array_equal(got, expected):
-            bad = start + int(np.flatnonzero(got != expected)[0])
-            raise ArtifactError(f"{ipath}: pointer of sequence {bad} is {int(pointers[bad])}, expected "
-                                f"{int(expected[bad - start])} (pointers must be the running sum of lengths)")
-        offset += int(nbytes.sum())
-    if len(doc_idx) == 0 or int(doc_idx[0]) != 0:
-        raise ArtifactError(f"{ipath}: document index must start at 0")
-    if int(doc_idx[-1]) != n:
-        raise ArtifactError(f"{ipath}: document index ends at {int(doc_idx[-1])}, expected the sequence count {n}")
-    for start in range(0, len(doc_idx), _CHUNK):
-        chunk = np.asarray(doc_idx[max(start - 1, 0):start + _CHUNK], dtype=np.int64)
-        if (np.diff(chunk) < 0).any():
-            raise ArtifactError(f"{ipath}: document index decreases (at entry {start + int(np.flatnonzero(np.diff(chunk) < 0)[0])})")
-    bin_size = bpath.stat().st_size
-    if bin_size != offset:
-        raise ArtifactError(f"{bpath}: {bin_size} bytes but the index describes {offset} "
-                            f"({offset // itemsize} tokens of {dtype.name}); truncated or mismatched")
+    n, itemsize = len(lengths), dtype.itemsize
+    offset = validate_index(ipath, dtype, lengths, pointers, doc_idx, bpath.stat().st_size, bpath) * itemsize
     has_manifest = manifest_path(prefix).is_file()
     if has_manifest:
         m = read_shard_manifest(prefix)

@@ -130,7 +130,7 @@ class ParallelConfigSection(StrictModel):
                             f"{self.model_parallel_size} does not divide the {world_size} launched process(es); "
                             f"launch a multiple of {self.model_parallel_size} (torchrun --nproc-per-node)")
         return ParallelLayout(tensor=self.tensor, pipeline=self.pipeline, virtual_stages=self.virtual_stages,
-                              data=world_size // self.model_parallel_size)
+                              data=world_size // self.model_parallel_size, pipeline_layers=self.pipeline_layers)
 
 
 class CheckpointConfig(StrictModel):
@@ -202,15 +202,14 @@ class TrainConfig(StrictModel):
             if (t.global_batch_size - start) % increment:
                 raise ValueError(f"training.rampup_batch_size {list(t.rampup_batch_size)}: global_batch_size "
                                  f"({t.global_batch_size}) minus start must be a multiple of the increment")
-        max_seq = self.resolve_model(_PLACEHOLDER_VOCAB).max_seq_len
+        model = self.resolve_model(_PLACEHOLDER_VOCAB)
+        max_seq = model.max_seq_len
         if t.seq_length > max_seq:
             raise ValueError(f"training.seq_length ({t.seq_length}) exceeds model.max_seq_len ({max_seq})")
-        p = self.parallel
-        if p.virtual_stages > 1 and p.pipeline == 1:
-            raise ValueError("parallel.virtual_stages above 1 needs parallel.pipeline above 1")
-        if p.pipeline_layers is not None and len(p.pipeline_layers) != p.pipeline * p.virtual_stages:
-            raise ValueError(f"parallel.pipeline_layers has {len(p.pipeline_layers)} values but the layout has "
-                             f"{p.pipeline * p.virtual_stages} stages (pipeline x virtual_stages); give one per stage")
+        try:  # the layer split needs only the model's depth: checked now, by the one rule in tessera.common.layout
+            self.parallel.layout(self.parallel.model_parallel_size).stage_layers(model.num_layers)
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
         prof = self.profiling
         if prof.start_step is not None and prof.start_step > t.steps:
             raise ValueError(f"profiling.start_step ({prof.start_step}) is after the last step (training.steps = "

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from tessera.common.checkpoint import CheckpointSidecar, read_sidecar, resolve_checkpoint
 from tessera.common.errors import ArtifactError, RunError, UserError
 from tessera.common.fileio import atomic_write_text
-from tessera.common.layout import ParallelLayout
+from tessera.common.layout import ParallelLayout, validate_layout
 from tessera.common.mixture import (
     MANIFEST,
     MixtureManifest,
@@ -41,7 +41,6 @@ from tessera.common.mixture import (
     resolve_prefix,
 )
 from tessera.common.model_config import ModelConfig
-from tessera.common.parallel.validate import validate_layout
 from tessera.common.shard import read_shard_manifest
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
 from tessera.trainer.checkpointing import (
@@ -156,15 +155,16 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
     if layout.world_size > 1:
         counts = validate_layout(model, layout, seq_len=t.seq_length, global_batch=t.global_batch_size,
                                  micro_batch=t.micro_batch_size, sequence_parallel=cfg.parallel.sequence_parallel,
-                                 pipeline_layers=cfg.parallel.pipeline_layers, world_size=world_size)
+                                 world_size=world_size)
         if t.rampup_batch_size is not None:  # the pipeline's micro-batch rules hold at every ramp size too
             for batch in range(t.rampup_batch_size[0], t.global_batch_size, t.rampup_batch_size[1]):
                 try:
                     validate_layout(model, layout, seq_len=t.seq_length, global_batch=batch,
                                     micro_batch=t.micro_batch_size, sequence_parallel=cfg.parallel.sequence_parallel,
-                                    pipeline_layers=cfg.parallel.pipeline_layers, world_size=world_size)
+                                    world_size=world_size)
                 except UserError as exc:
                     raise UserError(f"training.rampup_batch_size: at global batch {batch}: {exc}") from None
+    layout = layout.resolved(model.num_layers)  # the sidecar records the layer split it runs
     return CheckedInputs(model, manifest, fingerprint, tokenizer, resume_from, layout, counts, init_from, documents)
 
 

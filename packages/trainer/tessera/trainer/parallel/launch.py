@@ -15,21 +15,10 @@ import os
 from typing import TYPE_CHECKING
 
 from tessera.common.errors import UserError
-from tessera.common.layout import ParallelLayout
+from tessera.common.layout import ParallelLayout, parse_pipeline_layers
 
 if TYPE_CHECKING:  # torch.distributed is imported only when a job is joined (keeps `--help` fast)
     from tessera.common.parallel.state import ParallelGroups
-
-
-def parse_pipeline_layers(text: str | None) -> list[int] | None:
-    """'5,4,4,3' -> [5, 4, 4, 3]; None or '' or 'auto' -> None (automatic split)."""
-    if text is None or text.strip() in ("", "auto"):
-        return None
-    try:
-        counts = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise UserError(f"--pipeline-layers {text!r}: expected comma-separated layer counts, e.g. 5,4,4,3") from None
-    return counts
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -83,7 +72,8 @@ def layout_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     if world % (tp * pp):
         raise UserError(f"world size {world} is not divisible by --tensor-parallel {tp} x --pipeline-parallel {pp}; "
                         "launch a multiple of tensor x pipeline processes")
-    return ParallelLayout(tensor=tp, pipeline=pp, virtual_stages=v, data=world // (tp * pp))
+    return ParallelLayout(tensor=tp, pipeline=pp, virtual_stages=v, data=world // (tp * pp),
+                          pipeline_layers=parse_pipeline_layers(args.pipeline_layers))
 
 
 def setup_parallel(layout: ParallelLayout) -> ParallelGroups:

@@ -24,27 +24,27 @@ import torch.distributed.checkpoint as dcp
 from pydantic import Field, model_validator
 
 from tessera.common.config import StrictModel
+from tessera.common.layout import validate_layout
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import load_model_state_dict, model_state_dict
-from tessera.common.parallel.validate import validate_layout
+from tessera.common.safe_dcp import dcp_load
 from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, make_schedule
 
 
 class ParallelConfig(StrictModel):
-    """How the step is parallelised (the layout itself is a ParallelLayout)."""
+    """How the step is parallelised (the layout itself, layer split included, is the groups' ParallelLayout)."""
 
     seq_len: int = Field(..., gt=0, description="Tokens per sample.")
     global_batch: int = Field(..., gt=0, description="Samples per optimizer step over all data-parallel ranks.")
     micro_batch: int = Field(..., gt=0, description="Samples per micro-batch on one data-parallel rank.")
     sequence_parallel: bool = Field(True, description="Split norms/dropout along the sequence across tensor ranks (tensor > 1).")
     distributed_optimizer: bool = Field(True, description="Shard optimizer state and master weights across data-parallel ranks (ZeRO-1).")
-    pipeline_layers: list[int] | None = Field(None, description="Layers per pipeline stage in stage order (pipeline x virtual stages values); automatic when unset.")
     bucket_numel: int = Field(40_000_000, gt=0, description="Elements per gradient bucket (one data-parallel collective each).")
     seed: int = Field(1234, description="Dropout seed (tensor-parallel regions get per-rank streams).")
     autocast_bf16: bool = Field(False, description="Run forward passes under torch.autocast(bf16) over fp32 parameters (the trainer's bf16 mode); gradients, reductions and optimizer stay fp32.")
@@ -126,7 +126,7 @@ class ParallelRuntime:
               build_model: Callable[[], Transformer]) -> ParallelRuntime:
         counts = validate_layout(cfg, groups.layout, seq_len=pcfg.seq_len, global_batch=pcfg.global_batch,
                                  micro_batch=pcfg.micro_batch, sequence_parallel=pcfg.sequence_parallel,
-                                 pipeline_layers=pcfg.pipeline_layers, world_size=groups.world_size)
+                                 world_size=groups.world_size)
         rng = TensorParallelRNG(pcfg.seed, groups.tp_rank, groups.pp_rank, groups.device)
         rng.seed_default()
         stages = build_stages(build_model, groups, counts, pcfg.seq_len, pcfg.sequence_parallel, rng,
@@ -326,5 +326,5 @@ class ParallelRuntime:
         state = self.model_state_dict()
         if optimizer:
             state.update(self.optimizer_state_dict())
-        dcp.load(state, checkpoint_id=directory)
+        dcp_load(state, directory)
         self.load_state_dict(state)

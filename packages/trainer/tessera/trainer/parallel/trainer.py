@@ -59,7 +59,7 @@ class ParallelTrainer(Trainer):
             self.model_cfg, self.groups,
             ParallelConfig(seq_len=t.seq_length, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                            sequence_parallel=p.sequence_parallel, distributed_optimizer=p.distributed_optimizer,
-                           pipeline_layers=p.pipeline_layers, bucket_numel=p.bucket_numel, seed=t.seed,
+                           bucket_numel=p.bucket_numel, seed=t.seed,
                            autocast_bf16=t.precision == "bf16", autocast_fp16=t.precision == "fp16",
                            per_token_loss=self.inputs.documents is not None and self.inputs.documents.eod_mask_loss),
             OptimConfig(lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,

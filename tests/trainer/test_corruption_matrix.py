@@ -1,0 +1,181 @@
+"""The corruption matrix: every (corruption, command) pair is detected with one line and exit 2.
+
+Each case copies a real prepared shard + mixture (made by the `tessera-data` CLIs, so the shard
+manifest carries block checksums), damages one thing, and runs one command in process. Silent
+acceptance (exit 0), a traceback, or anything but exactly one error line fails the case.
+Training must refuse before any step: flipped token bytes inside the vocabulary are caught by the
+block checksums on first read, index damage by the structural check at open, and a damaged
+mixture index by the manifest's checksums of its arrays.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import base_config
+
+from tessera.common.errors import run_cli
+from tessera.common.indexed_dataset import HEADER_SIZE, read_index
+from tessera.data_prep.cli import entry as data_entry
+from tessera.trainer.cli import main as train_main
+
+pytestmark = pytest.mark.slow
+SHARD = "data/stdlib_text_document"
+
+
+def _idx_arrays(root: Path) -> tuple[np.memmap, int, int]:
+    """The .idx bytes (writable map) with its sequence count and document-entry count."""
+    path = root / f"{SHARD}.idx"
+    _, lengths, _, doc_idx = read_index(path)
+    return np.memmap(path, dtype=np.uint8, mode="r+"), len(lengths), len(doc_idx)
+
+
+def _tokens(root: Path) -> np.memmap:
+    return np.memmap(root / f"{SHARD}.bin", dtype=np.uint16, mode="r+")
+
+
+def flip_token_inside_vocabulary(root: Path) -> None:
+    t = _tokens(root)
+    t[100] = (int(t[100]) + 1) % 512  # still a valid id: only a checksum can tell
+    t.flush()
+
+
+def token_outside_vocabulary(root: Path) -> None:
+    t = _tokens(root)
+    t[100] = 600  # vocab is 512
+    t.flush()
+
+
+def swapped_lengths(root: Path) -> None:
+    raw, s, _ = _idx_arrays(root)
+    lengths = raw[HEADER_SIZE:HEADER_SIZE + 4 * s].view("<i4")
+    j = int(np.flatnonzero(lengths[1:] != lengths[0])[0]) + 1
+    lengths[0], lengths[j] = int(lengths[j]), int(lengths[0])
+    raw.flush()
+
+
+def shifted_pointer(root: Path) -> None:
+    raw, s, _ = _idx_arrays(root)
+    pointers = raw[HEADER_SIZE + 4 * s:HEADER_SIZE + 12 * s].view("<i8")
+    pointers[1] += 2
+    raw.flush()
+
+
+def decreasing_document_index(root: Path) -> None:
+    raw, s, d = _idx_arrays(root)
+    doc_idx = raw[HEADER_SIZE + 12 * s:HEADER_SIZE + 12 * s + 8 * d].view("<i8")
+    doc_idx[2] = 0
+    raw.flush()
+
+
+def empty_bin(root: Path) -> None:
+    (root / f"{SHARD}.bin").write_bytes(b"")
+
+
+def empty_idx(root: Path) -> None:
+    (root / f"{SHARD}.idx").write_bytes(b"")
+
+
+def truncated_bin(root: Path) -> None:
+    path = root / f"{SHARD}.bin"
+    path.write_bytes(path.read_bytes()[:-2])
+
+
+SHARD_CORRUPTIONS: list[Callable[[Path], None]] = [
+    flip_token_inside_vocabulary, token_outside_vocabulary, swapped_lengths, shifted_pointer,
+    decreasing_document_index, empty_bin, empty_idx, truncated_bin,
+]
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def flipped_dataset_index(root: Path) -> None:
+    _flip_last_byte(root / "mix" / "train" / "dataset_sample_index.npy")
+
+
+def flipped_shuffle_index(root: Path) -> None:
+    _flip_last_byte(root / "mix" / "train" / "d0_shuffle_index.npy")
+
+
+def missing_sample_index(root: Path) -> None:
+    (root / "mix" / "train" / "d0_sample_index.npy").unlink()
+
+
+MIXTURE_CORRUPTIONS = [flipped_dataset_index, flipped_shuffle_index, missing_sample_index]
+
+
+def _train_config(root: Path, artifacts) -> Path:
+    cfg = base_config(artifacts, root / "run")
+    cfg["data"] = {"mixture": str(root / "mix"), "tokenizer": str(root / "tok")}
+    cfg["model"]["vocab_size"] = 512
+    cfg["training"]["steps"] = 1
+    path = root / "train.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _commands(root: Path, artifacts) -> dict[str, Callable[[], None]]:
+    shard = str(root / SHARD)
+    return {
+        "verify": lambda: run_cli(data_entry, ["verify", shard]),
+        "inspect": lambda: run_cli(data_entry, ["inspect", shard]),
+        "merge": lambda: run_cli(data_entry, ["merge", "--inputs", shard, "--output-prefix",
+                                              str(root / "merged"), "--quiet"]),
+        "blend": lambda: run_cli(data_entry, ["blend", "--data", "1.0", shard, "--seq-length", "32", "--split",
+                                              "8,2,0", "--train-samples", "40", "--valid-samples", "4",
+                                              "--output", str(root / "mix2"), "--quiet"]),
+        "train": lambda: run_cli(train_main, ["--config", str(_train_config(root, artifacts)), "--quiet"]),
+    }
+
+
+def _expect_one_line_exit_2(command: Callable[[], None], capsys) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        command()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert exc.value.code == 2, f"exit {exc.value.code}; stderr:\n{err[-2000:]}"
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+@pytest.fixture
+def damaged(data_dir, tmp_path) -> Path:
+    root = tmp_path / "copy"
+    shutil.copytree(data_dir, root, ignore=shutil.ignore_patterns("run*", "merged*", "mix2"))
+    return root
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect", "merge", "blend", "train"])
+@pytest.mark.parametrize("corruption", SHARD_CORRUPTIONS, ids=lambda f: f.__name__)
+def test_every_shard_corruption_is_refused_by_every_command(corruption, command, damaged, artifacts, capsys):
+    corruption(damaged)
+    line = _expect_one_line_exit_2(_commands(damaged, artifacts)[command], capsys)
+    assert "stdlib_text_document" in line, line  # names the file
+    assert not (damaged / "merged.bin").exists() and not (damaged / "mix2").exists()
+    assert not list((damaged / "run").glob("checkpoints/iter_*"))  # refused before any step
+
+
+@pytest.mark.parametrize("corruption", MIXTURE_CORRUPTIONS, ids=lambda f: f.__name__)
+def test_every_mixture_corruption_is_refused_by_training(corruption, damaged, artifacts, capsys):
+    corruption(damaged)
+    line = _expect_one_line_exit_2(_commands(damaged, artifacts)["train"], capsys)
+    assert "mix" in line, line
+    assert not list((damaged / "run").glob("checkpoints/iter_*"))  # refused before any step
+
+
+def test_the_undamaged_copy_passes_every_command(damaged, artifacts, capsys):
+    """The control: the same commands on the same copy, undamaged, succeed (so refusals above mean damage)."""
+    for name, command in _commands(damaged, artifacts).items():
+        with pytest.raises(SystemExit) as exc:
+            command()
+        assert exc.value.code == 0, (name, capsys.readouterr().err[-2000:])
