@@ -75,12 +75,12 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     config_path = input_dir / CONFIG
     cfg, _ = read_hf_config(input_dir)  # the one HF adapter, shared with tessera-serve
     weights = SafetensorsDir(input_dir)
+    rules, optional = import_rules(cfg, weights.names())
+    check_import(rules, weights, str(input_dir), optional)  # every input tensor, before writing anything
     tok = load_tokenizer(input_dir) if (input_dir / "tokenizer.json").is_file() else None
     if tok is None:
         print(f"warning: {input_dir} has no tokenizer.json; the checkpoint will have no tokenizer/ "
               "(needed to serve it: add one from the original model)", file=sys.stderr)
-    rules, optional = import_rules(cfg, weights.names())
-    check_import(rules, weights, str(input_dir), optional)  # every input tensor, before writing anything
     # The stored dtype; where tensors differ (rare), float32 holds every one of them exactly.
     stored = {weights.dtype(s) for r in rules for s in r.sources}
     out_dtype = dtype or (stored.pop() if len(stored) == 1 else torch.float32)
