@@ -33,6 +33,7 @@ from tessera.common.checkpoint import (
 )
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import file_digest
+from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,7 @@ class CheckpointSource:
     # ---- the DCP index -------------------------------------------------------------------
     @cached_property
     def metadata(self) -> Any:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        if not (self.directory / ".metadata").is_file():
-            raise ArtifactError(f"{self.directory}: DCP index .metadata missing; the checkpoint is incomplete")
-        try:
-            return FileSystemReader(str(self.directory)).read_metadata()
-        except Exception as exc:
-            raise ArtifactError(f"{self.directory / '.metadata'}: unreadable DCP index "
-                                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        return read_dcp_metadata(self.directory)
 
     @cached_property
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -208,12 +201,12 @@ class CheckpointSource:
         return out
 
     def _load_dcp(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        import torch.distributed.checkpoint as dcp
-
         state = {k: torch.empty(self.tensor_specs[k].shape, dtype=self.tensor_specs[k].dtype) for k in keys}
         try:
             with single_process_dcp():
-                dcp.load(state, checkpoint_id=str(self.directory), no_dist=True)
+                dcp_load(state, self.directory, no_dist=True)
+        except ArtifactError:
+            raise
         except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ArtifactError(f"{self.directory}: failed to read {keys[0]!r} ({first[:200]}); "

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tessera.common import __version__
 from tessera.common.errors import ArtifactError
@@ -41,6 +42,7 @@ from tessera.common.fileio import (
 )
 from tessera.common.layout import ParallelLayout
 from tessera.common.model_config import ModelConfig
+from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 
 CHECKPOINT_FORMAT = "tessera-checkpoint"
 # Version 2: the sidecar names its checksum algorithm (`checksum_algorithm`, XXH3-128 when
@@ -204,20 +206,11 @@ def single_process_dcp() -> Iterator[None]:
         yield
 
 
-def _dcp_metadata(directory: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        return FileSystemReader(str(directory)).read_metadata()
-    except Exception as exc:
-        raise ArtifactError(f"{directory}: unreadable DCP metadata ({str(exc).splitlines()[0]})") from None
-
-
 def model_tensor_specs(directory: str | os.PathLike) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Name (without the `model.` prefix) -> (global shape, dtype) of every stored model tensor."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = _dcp_metadata(Path(directory))
+    meta = read_dcp_metadata(Path(directory))
     specs = {}
     for key, md in meta.state_dict_metadata.items():
         if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata):
@@ -230,8 +223,6 @@ def load_model_tensors(directory: str | os.PathLike, names: list[str] | None = N
 
     Reading a subset at a time keeps memory bounded for converters that stream tensor by tensor.
     """
-    import torch.distributed.checkpoint as dcp
-
     directory = Path(directory)
     specs = model_tensor_specs(directory)
     wanted = names if names is not None else list(specs)
@@ -241,8 +232,10 @@ def load_model_tensors(directory: str | os.PathLike, names: list[str] | None = N
     state = {MODEL_PREFIX + n: torch.empty(specs[n][0], dtype=specs[n][1]) for n in wanted}
     try:
         with single_process_dcp():
-            dcp.load(state, checkpoint_id=str(directory), no_dist=True)
-    except Exception as exc:
+            dcp_load(state, directory, no_dist=True)
+    except ArtifactError:
+        raise
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         raise ArtifactError(f"{directory}: failed to read checkpoint tensors ({str(exc).splitlines()[0]}); "
                             "the checkpoint is corrupt or truncated") from None
     return {k[len(MODEL_PREFIX):]: v for k, v in state.items()}

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tessera.common.checkpoint import (
     MODEL_PREFIX,
@@ -60,6 +61,7 @@ from tessera.common.checkpoint import (
     write_pointer,
 )
 from tessera.common.errors import ArtifactError
+from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import Tokenizer
 from tessera.trainer.optim import named_parameters_of
 from tessera.trainer.precision import Precision
@@ -411,20 +413,17 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def stored_keys(directory: Path) -> set[str]:
     """Flat names of every tensor in a DCP checkpoint (e.g. 'model.norm.weight')."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        return set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
-    except Exception as exc:
-        raise ArtifactError(f"{directory}: unreadable DCP metadata ({str(exc).splitlines()[0][:200]})") from None
+    return set(read_dcp_metadata(directory).state_dict_metadata)
 
 
 def read_checkpoint(directory: Path, state: dict) -> None:
     """Fill `state` (templates of the right shapes and placements) from the checkpoint, in place."""
     try:
         with single_process_dcp():
-            dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
-    except Exception as exc:
+            dcp_load(state, directory, no_dist=not dist.is_initialized())
+    except ArtifactError:
+        raise
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         raise ArtifactError(f"{directory}: cannot restore training state ({str(exc).splitlines()[0][:200]}); "
                             "was it written by a different model or precision?") from None
 

@@ -31,6 +31,7 @@ from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import load_model_state_dict, model_state_dict
 from tessera.common.parallel.validate import validate_layout
+from tessera.common.safe_dcp import dcp_load
 from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, make_schedule
@@ -326,5 +327,5 @@ class ParallelRuntime:
         state = self.model_state_dict()
         if optimizer:
             state.update(self.optimizer_state_dict())
-        dcp.load(state, checkpoint_id=directory)
+        dcp_load(state, directory)
         self.load_state_dict(state)
