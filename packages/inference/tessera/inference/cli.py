@@ -14,7 +14,7 @@ from tessera.common.errors import UserError, run_cli
 EPILOG = """\
 endpoints:
   POST /v1/completions        OpenAI completions (stream, stream_options.include_usage, logprobs, echo, n)
-  POST /v1/chat/completions   OpenAI chat completions (chat template from tokenizer_config.json)
+  POST /v1/chat/completions   OpenAI chat completions (the tokenizer's chat template)
   GET  /v1/models             the served model
   PUT  /api                   Megatron-LM text generation API (prompts, tokens_to_generate, ...)
   GET  /health                200 when the engine runs
