@@ -88,3 +88,31 @@ def test_export_files_and_config(tmp_path, tokenizer_dir):
     assert emb.dtype == torch.bfloat16
     ref = load_model_tensors(resolve_checkpoint(tmp_path / "ckpts"), ["embed_tokens.weight"])["embed_tokens.weight"]
     assert torch.equal(emb, ref.to(torch.bfloat16))
+
+
+def test_chat_template_jinja_survives_import_and_export(tmp_path, tokenizer_dir):
+    """A directory saved by current transformers keeps its chat template only in
+    chat_template.jinja: import carries it into the checkpoint (where the server reads it) and
+    export writes it where transformers reads it."""
+    import shutil
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tessera.common.tokenizer import load_tokenizer
+
+    hf_dir = tmp_path / "hf"
+    LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, max_position_embeddings=64)).save_pretrained(hf_dir)
+    shutil.copy(tokenizer_dir / "tokenizer.json", hf_dir / "tokenizer.json")
+    tok_cfg = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    assert tok_cfg.pop("chat_template") != template
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    (hf_dir / "chat_template.jinja").write_text(template)
+    assert AutoTokenizer.from_pretrained(hf_dir).chat_template == template
+
+    assert run(["import", "--format", "hf", "--input", str(hf_dir), "--output", str(tmp_path / "ck"), "--quiet"]) == 0
+    assert load_tokenizer(resolve_checkpoint(tmp_path / "ck") / "tokenizer").chat_template == template
+    assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "out"),
+                "--quiet"]) == 0
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == template

@@ -2,8 +2,9 @@
 
 Output (see docs/formats/exports.md): config.json, generation_config.json, model.safetensors (or
 model-0000i-of-0000n.safetensors + model.safetensors.index.json when larger than the shard
-limit), tokenizer.json, tokenizer_config.json. Written into a temporary directory that is renamed
-to the output only when complete. Memory: one output tensor (plus its inputs) at a time; a tensor
+limit), tokenizer.json, tokenizer_config.json (+ chat_template.jinja when the checkpoint has
+one). Names, layouts and config.json come from the one HF adapter (tessera.common.hf). Written
+into a temporary directory that is renamed to the output only when complete. Memory: one output tensor (plus its inputs) at a time; a tensor
 that needs no change is written straight from the checkpoint's memory-mapped file.
 """
 
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from tessera.ckpt_convert.hf_mapping import Rule, export_rules, hf_config
 from tessera.ckpt_convert.mapped import Staging
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter
@@ -23,6 +23,7 @@ from tessera.ckpt_convert.source import CheckpointSource
 from tessera.ckpt_convert.tokenizer_files import write_hf_tokenizer
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import BackgroundFsync, atomic_directory, atomic_write_json
+from tessera.common.hf import Rule, export_rules, hf_config
 from tessera.common.model_config import ModelConfig
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
 

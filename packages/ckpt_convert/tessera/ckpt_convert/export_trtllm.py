@@ -35,13 +35,13 @@ from typing import Any
 import torch
 
 from tessera.ckpt_convert.export_hf import check_model_tensors, expected_model_shapes
-from tessera.ckpt_convert.hf_mapping import HF_DTYPE_NAMES, Rule, check_exportable
 from tessera.ckpt_convert.mapped import Staging, aligned
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, fsync
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, atomic_write_json
+from tessera.common.hf import HF_DTYPE_NAMES, Rule, check_exportable
 from tessera.common.model_config import ModelConfig
 
 # (inputs, tp_rank) -> this rank's tensor, or its parts along dim 0 (written one after the other,

@@ -2,10 +2,11 @@
 
 Reads config.json (-> ModelConfig, unsupported architectures refused) and the safetensors
 weights (one file, or shards listed in model.safetensors.index.json; pickled `.bin` weights are
-refused, never unpickled), maps names and layouts back (hf_mapping.import_rules), and writes a
-single-rank DCP payload tensor by tensor, the sidecar, and the tokenizer when the directory has
-one. The output is a checkpoints directory (iter_0000000/ + pointer): the trainer resumes from its
-weights, the server loads it.
+refused, never unpickled), maps names and layouts back (the one HF adapter, tessera.common.hf,
+which the server uses too), and writes a single-rank DCP payload tensor by tensor, the sidecar,
+and the tokenizer when the directory has one (chat_template.jinja included). The output is a
+checkpoints directory (iter_0000000/ + pointer): the trainer resumes from its weights, the server
+loads it.
 """
 
 from __future__ import annotations
@@ -17,45 +18,33 @@ from pathlib import Path
 import torch
 
 from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
-from tessera.ckpt_convert.hf_mapping import import_rules, model_config_from_hf
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import SafetensorsFile
 from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, iter_dir_name, write_pointer
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import atomic_directory, fsync_tree, read_json
+from tessera.common.fileio import atomic_directory, fsync_tree
+from tessera.common.hf import (
+    CONFIG,
+    SAFETENSORS_INDEX,
+    check_import,
+    import_rules,
+    read_hf_config,
+    weight_files,
+)
 from tessera.common.tokenizer import load_tokenizer
-
-INDEX_FILE = "model.safetensors.index.json"
-_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # buffers, not weights
 
 
 class SafetensorsDir:
-    """Per-tensor access to an HF directory's safetensors weights, each tensor memory-mapped
-    (mapped only while it is in use, so resident memory follows the tensors in use)."""
+    """A `WeightSource` (tessera.common.hf) over an HF directory's safetensors weights, each tensor
+    memory-mapped (mapped only while it is in use, so resident memory follows the tensors in use)."""
 
     def __init__(self, directory: Path):
         self.directory = directory
+        self.where = weight_files(directory)  # refuses pickled .bin weights
         self._files: dict[Path, SafetensorsFile] = {}  # parsed headers, one per file
-        index = directory / INDEX_FILE
-        if index.is_file():
-            weight_map = read_json(index, "safetensors index").get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ArtifactError(f"{index}: no weight_map; the index is corrupt")
-            self.where = {k: directory / v for k, v in weight_map.items()}
-        elif (directory / "model.safetensors").is_file():
-            single = directory / "model.safetensors"
-            self.where = {k: single for k in self._file(single).tensors}
-        elif any(directory.glob("pytorch_model*.bin")):
-            raise UserError(f"{directory}: only pickled pytorch_model*.bin weights found; tessera-ckpt reads "
-                            "safetensors only (never unpickles); re-save with save_pretrained(safe_serialization=True)")
-        else:
-            raise ArtifactError(f"{directory}: no model.safetensors or {INDEX_FILE}; not a Hugging Face model directory")
-        for path in set(self.where.values()):
-            if not path.is_file():
-                raise ArtifactError(f"{path}: listed in {INDEX_FILE} but missing")
         for name, path in self.where.items():
             if name not in self._file(path).tensors:
-                raise ArtifactError(f"{path}: has no tensor {name!r}, which {INDEX_FILE} places there")
+                raise ArtifactError(f"{path}: has no tensor {name!r}, which {SAFETENSORS_INDEX} places there")
 
     def _file(self, path: Path) -> SafetensorsFile:
         if path not in self._files:
@@ -63,7 +52,7 @@ class SafetensorsDir:
         return self._files[path]
 
     def names(self) -> set[str]:
-        return {k for k in self.where if not k.endswith(_IGNORED_SUFFIXES)}
+        return set(self.where)
 
     def get(self, name: str) -> torch.Tensor:
         return self._file(self.where[name]).get(name)
@@ -83,27 +72,18 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
         raise UserError(f"{input_dir}: input directory not found")
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
-    config_path = input_dir / "config.json"
-    hf_cfg = read_json(config_path, "Hugging Face config.json")
-    if not isinstance(hf_cfg, dict):
-        raise ArtifactError(f"{config_path}: expected a JSON object")
-    cfg = model_config_from_hf(hf_cfg, str(config_path))
+    config_path = input_dir / CONFIG
+    cfg, _ = read_hf_config(input_dir)  # the one HF adapter, shared with tessera-serve
     weights = SafetensorsDir(input_dir)
+    rules, optional = import_rules(cfg, weights.names())
+    check_import(rules, weights, str(input_dir), optional)  # every input tensor, before writing anything
     tok = load_tokenizer(input_dir) if (input_dir / "tokenizer.json").is_file() else None
     if tok is None:
         print(f"warning: {input_dir} has no tokenizer.json; the checkpoint will have no tokenizer/ "
               "(needed to serve it: add one from the original model)", file=sys.stderr)
-    names = weights.names()
-    rules = import_rules(cfg, names)
-    # Validate every input tensor before writing anything.
-    for rule in rules:
-        for s in rule.sources:
-            if s not in names:
-                raise ArtifactError(f"{input_dir}: tensor {s!r} missing from the safetensors weights")
-        if rule.combine is None and weights.shape(rule.sources[0]) != rule.shape:
-            raise ArtifactError(f"{input_dir}: tensor {rule.sources[0]!r} has shape "
-                                f"{list(weights.shape(rule.sources[0]))}, config.json implies {list(rule.shape)}")
-    out_dtype = dtype or weights.dtype(rules[0].sources[0])
+    # The stored dtype; where tensors differ (rare), float32 holds every one of them exactly.
+    stored = {weights.dtype(s) for r in rules for s in r.sources}
+    out_dtype = dtype or (stored.pop() if len(stored) == 1 else torch.float32)
     itemsize = out_dtype.itemsize
     total = sum(itemsize * _numel(r.shape) for r in rules)
 

@@ -10,7 +10,8 @@ from tessera.common.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILES, Tokenize
 
 
 def write_hf_tokenizer(tok: Tokenizer, out: Path, sync: bool = True) -> None:
-    """tokenizer.json + tokenizer_config.json (chat template and special tokens kept as they are).
+    """tokenizer.json + tokenizer_config.json, and chat_template.jinja when the tokenizer has one
+    (chat template and special tokens kept as they are, where transformers reads them).
 
     transformers needs `tokenizer_class` to pick the fast tokenizer when no slow-tokenizer files
     exist; a config written by plain `tokenizers` training lacks it, so it is added, nothing else.

@@ -65,12 +65,18 @@ def manifest_path(prefix: str | os.PathLike) -> Path:
 def shard_fingerprint(prefix: str | os.PathLike) -> str:
     path = manifest_path(prefix)
     if not path.is_file():
-        raise ArtifactError(f"{path}: shard manifest not found; was {prefix} written by `tessera-data prep`?")
+        raise ArtifactError(f"{path}: shard manifest not found; {_NO_MANIFEST_HINT.format(prefix=prefix)}")
     return "sha256:" + sha256_file(path)
+
+
+_NO_MANIFEST_HINT = ("for a shard made by another tool (Megatron), run `tessera-data adopt {prefix} --tokenizer DIR`; "
+                     "otherwise check the prefix")
 
 
 def read_shard_manifest(prefix: str | os.PathLike) -> ShardManifest:
     path = manifest_path(prefix)
+    if not path.is_file() and bin_path(prefix).is_file():
+        raise ArtifactError(f"{path}: shard manifest not found; {_NO_MANIFEST_HINT.format(prefix=prefix)}")
     data: Any = read_json(path, "shard manifest")
     if not isinstance(data, dict) or data.get("format") != SHARD_FORMAT:
         raise ArtifactError(f"{path}: not a Tessera shard manifest (format should be {SHARD_FORMAT!r})")

@@ -1,7 +1,10 @@
 """Loading a Hugging Face tokenizer directory, and its fingerprint.
 
 A tokenizer artifact is a directory with `tokenizer.json` (the `tokenizers` library's format)
-and `tokenizer_config.json` (special tokens, chat template, as transformers writes it). Its
+and `tokenizer_config.json` (special tokens, chat template, as transformers writes it). The chat
+template is read from either place transformers keeps it: `chat_template.jinja` (what
+transformers >= 4.50 saves) or `tokenizer_config.json`'s `chat_template` (older saves); the
+file wins when both exist, as in transformers. Its
 fingerprint is the SHA-256 of `tokenizer.json`; shards, mixtures and checkpoints record it and
 stages refuse to combine artifacts with different fingerprints.
 """
@@ -20,7 +23,8 @@ from tessera.common.fileio import sha256_file
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
-TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, "special_tokens_map.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, "special_tokens_map.json", CHAT_TEMPLATE_FILE)
 
 
 def tokenizer_fingerprint(directory: str | os.PathLike) -> str:
@@ -45,6 +49,7 @@ class Tokenizer:
     backend: Any  # tokenizers.Tokenizer
     fingerprint: str
     config: dict[str, Any] = field(default_factory=dict)
+    chat_template_file: str | None = None  # the text of chat_template.jinja, when the directory has one
 
     @property
     def vocab_size(self) -> int:
@@ -74,8 +79,9 @@ class Tokenizer:
         return self.token_id(_token_content(self.config.get("pad_token")))
 
     @property
-    def chat_template(self) -> str | None:
-        return self.config.get("chat_template")
+    def chat_template(self) -> str | list[dict[str, str]] | None:
+        """The template source (or tokenizer_config.json's list of named templates)."""
+        return self.chat_template_file or self.config.get("chat_template")
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without special tokens (callers add BOS/EOD explicitly)."""
@@ -117,4 +123,14 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
             config = json.loads(cfg_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise ArtifactError(f"{cfg_path}: not valid JSON ({exc.msg})") from None
-    return Tokenizer(directory=directory, backend=backend, fingerprint=fingerprint, config=config)
+        if not isinstance(config, dict):
+            raise ArtifactError(f"{cfg_path}: expected a JSON object")
+    template_path = directory / CHAT_TEMPLATE_FILE
+    template = None
+    if template_path.is_file():
+        try:
+            template = template_path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ArtifactError(f"{template_path}: not UTF-8 text; a chat template is a Jinja text file") from None
+    return Tokenizer(directory=directory, backend=backend, fingerprint=fingerprint, config=config,
+                     chat_template_file=template)

@@ -18,6 +18,7 @@ Turn corpora into verified, blended, Megatron-compatible token shards.
   merge    concatenate shards of one tokenizer into one shard
   verify   check shards' format invariants, checksums and token ids
   inspect  counts, document-length summary, top tokens, decoded documents
+  adopt    check a shard built elsewhere (Megatron) and write its manifest
 """
 
 
@@ -110,6 +111,22 @@ def _add_verify(sub) -> None:
     p.add_argument("--no-checksums", action="store_true", help="Skip the sha256 checks (faster).")
 
 
+def _add_adopt(sub) -> None:
+    p = sub.add_parser("adopt", help="check a shard built elsewhere (e.g. Megatron) and give it a manifest",
+                       description="Check a .bin/.idx shard made by another tool (Megatron-LM's preprocess_data.py, "
+                       "Megatron-Core's IndexedDatasetBuilder) against a tokenizer (index structure, every id "
+                       "inside the vocabulary) and write <prefix>.json beside it, so blend, merge and the trainer "
+                       "accept it. The .bin/.idx are not modified.")
+    p.add_argument("prefix", type=Path, help="Shard prefix (<prefix>.bin and <prefix>.idx).")
+    p.add_argument("--tokenizer", type=Path, required=True, metavar="DIR",
+                   help="Tokenizer directory (tokenizer.json) the shard was made with.")
+    p.add_argument("--eod-id", default="auto",
+                   help="End-of-document id: auto (default: the tokenizer's, if every document ends with it), "
+                   "none, or an id every document must end with.")
+    p.add_argument("--overwrite", action="store_true", help="Replace an existing manifest.")
+    p.add_argument("--quiet", action="store_true", help="No progress or summary line.")
+
+
 def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="counts, length summary, top tokens, decoded documents",
                        description="Print what a shard holds and decode chosen documents.")
@@ -125,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tessera-data", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     sub.required = True
-    for add in (_add_prep, _add_blend, _add_merge, _add_verify, _add_inspect):
+    for add in (_add_prep, _add_blend, _add_merge, _add_verify, _add_inspect, _add_adopt):
         add(sub)
     return parser
 
@@ -188,7 +205,14 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-VERBS = {"prep": _prep, "blend": _blend, "merge": _merge, "verify": _verify, "inspect": _inspect}
+def _adopt(args: argparse.Namespace) -> int:
+    from tessera.data_prep.adopt import run_adopt
+
+    run_adopt(args.prefix, args.tokenizer, args.eod_id, args.overwrite, args.quiet)
+    return 0
+
+
+VERBS = {"prep": _prep, "blend": _blend, "merge": _merge, "verify": _verify, "inspect": _inspect, "adopt": _adopt}
 
 
 def entry(argv: list[str] | None = None) -> int:

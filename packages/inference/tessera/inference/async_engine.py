@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tessera.inference.engine import LLMEngine, RequestOutput, validate_request
+from tessera.inference.engine_loop import run_engine_loop
 from tessera.inference.metrics import ServingMetrics
 from tessera.inference.sampling_params import SamplingParams
 
@@ -34,6 +35,11 @@ class QueueFull(Exception):
 
 class EngineDead(Exception):
     """The engine failed or stopped; the request cannot complete (HTTP 500)."""
+
+
+class RequestFailed(Exception):
+    """Computing this one request failed inside the engine (HTTP 500 for it); the engine and
+    every other request go on."""
 
 
 @dataclass
@@ -58,6 +64,9 @@ class RequestHandle:
     async def get(self, timeout: float | None = None) -> RequestOutput:
         """Next output; raises TimeoutError after `timeout` s without one, EngineDead on failure."""
         _, item = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
+        if isinstance(item, RequestFailed):
+            self.finished = True
+            raise item
         if isinstance(item, BaseException):
             self.finished = True
             raise EngineDead(f"the engine failed: {item}") from item
@@ -121,7 +130,7 @@ class EngineFrontend:
         """
         if not self.healthy:
             raise EngineDead("the engine has stopped")
-        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
+        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.eos_ids)
         stream = _Stream(loop=asyncio.get_running_loop(), queue=queue or asyncio.Queue(), tag=tag)
         with self._cv:
             waiting = self._num_waiting()
@@ -162,6 +171,8 @@ class EngineFrontend:
                 stream = self._streams.get(request_id)
                 if stream is None:
                     continue  # aborted meanwhile
+                if isinstance(item, RequestOutput) and item.error is not None:
+                    item = RequestFailed(item.error)
                 if isinstance(item, BaseException) or item.finished:
                     del self._streams[request_id]
                 if isinstance(item, RequestOutput) and self.metrics is not None and now is not None:
@@ -211,8 +222,8 @@ class AsyncEngine(EngineFrontend):
         super().__init__(engine.tokenizer, engine.max_model_len, engine.loaded.config.vocab_size, engine.eos_ids,
                          engine.cfg.max_waiting, metrics)
         self.engine = engine
-        self._adds: list[tuple[str, list[int], SamplingParams]] = []
-        self._aborts: list[str] = []
+        self._inbox: list[tuple] = []  # commands for the engine loop, in arrival order
+        self._num_adds_queued = 0
         self._stop = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
@@ -242,43 +253,38 @@ class AsyncEngine(EngineFrontend):
     # ---- backend hooks ---------------------------------------------------------------------
     def _send_add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         with self._cv:
-            self._adds.append((request_id, prompt_ids, params))
+            self._inbox.append(("add", request_id, prompt_ids, params))
+            self._num_adds_queued += 1
             self._cv.notify()
 
     def _send_abort(self, request_id: str) -> None:
         with self._cv:
-            self._aborts.append(request_id)
+            self._inbox.append(("abort", request_id))
             self._cv.notify()
 
     def _num_waiting(self) -> int:
-        return len(self._adds) + len(self.engine.scheduler.waiting)
+        return self._num_adds_queued + len(self.engine.scheduler.waiting)
 
     # ---- the engine thread -----------------------------------------------------------------
+    def _receive(self, block: bool) -> list[tuple]:
+        with self._cv:
+            while block and not (self._stop or self._inbox):
+                self._cv.wait()
+            if self._stop:
+                return [("stop",)]
+            commands, self._inbox = self._inbox, []
+            self._num_adds_queued = 0
+        return commands
+
+    def _emit(self, outputs: list[RequestOutput], failed: list[tuple[str, str]], stats, num_adds: int) -> None:
+        items: list[tuple[str, RequestOutput | BaseException]] = [(rid, EngineDead(msg)) for rid, msg in failed]
+        self._deliver(items + [(out.request_id, out) for out in outputs], time.monotonic())
+        if self.metrics is not None:
+            self.metrics.update_engine(stats)
+
     def _run(self) -> None:
-        engine = self.engine
         try:
-            while True:
-                with self._cv:
-                    while not (self._stop or self._adds or self._aborts or engine.has_unfinished()):
-                        self._cv.wait()
-                    if self._stop:
-                        break
-                    adds, self._adds = self._adds, []
-                    aborts, self._aborts = self._aborts, []
-                for rid in aborts:
-                    engine.abort(rid)
-                failed: list[tuple[str, RequestOutput | BaseException]] = []
-                for rid, prompt, params in adds:
-                    if rid in aborts:
-                        continue
-                    try:
-                        engine.add_request(rid, prompt, params)
-                    except Exception as exc:  # validated already; anything here is a bug
-                        failed.append((rid, exc))
-                outputs = engine.step()
-                self._deliver(failed + [(out.request_id, out) for out in outputs], time.monotonic())
-                if self.metrics is not None:
-                    self.metrics.update_engine(engine.stats())
+            run_engine_loop(self.engine, self._receive, self._emit)
         except BaseException as exc:  # a bug or an OOM: fail every request rather than hang them
             log.exception("engine thread failed")
             self._error = exc

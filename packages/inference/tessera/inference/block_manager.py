@@ -1,5 +1,6 @@
-"""The paged KV cache's bookkeeping: a fixed pool of blocks, per-sequence block tables, and a
-prefix cache of full blocks shared between sequences.
+"""The paged KV cache's bookkeeping: a fixed pool of blocks, the block table of every request
+(kept here, by request id, not on the sequences), and a prefix cache of full blocks shared
+between sequences.
 
 A block is free when no sequence references it (refcount 0). Free blocks sit in an LRU list;
 a free block that still holds a full, hashed block of some earlier prompt stays findable in the
@@ -23,6 +24,8 @@ class BlockManager:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # block key -> block id
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.tables: dict[str, list[int]] = {}  # request id -> its blocks, in position order
+        self.num_hashed: dict[str, int] = {}  # request id -> leading full blocks offered to the prefix cache
         # Prefix-cache statistics (tokens), for the hit-rate metric.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -38,6 +41,10 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def table(self, seq: Sequence) -> list[int]:
+        """seq's block table (empty when it holds no blocks)."""
+        return self.tables.get(seq.request_id, [])
 
     # ---- prefix cache ----------------------------------------------------------------------
     def _block_key(self, seq: Sequence, index: int) -> int:
@@ -70,30 +77,36 @@ class BlockManager:
         """Offer seq's newly completed full blocks (all tokens computed) to the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed // self.block_size, len(seq.block_table))
-        for i in range(seq.num_hashed_blocks, full):
+        table = self.table(seq)
+        full = min(seq.num_computed // self.block_size, len(table))
+        hashed = self.num_hashed.get(seq.request_id, 0)
+        for i in range(hashed, full):
             key = self._block_key(seq, i)
-            block = seq.block_table[i]
+            block = table[i]
             if key not in self.cached and self.block_hash[block] is None:
                 self.cached[key] = block
                 self.block_hash[block] = key
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+        if table:
+            self.num_hashed[seq.request_id] = max(hashed, full)
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_tokens: int, prefix_hits: list[int] | None = None) -> bool:
         """Grow seq's block table to hold `num_tokens`, first adopting `prefix_hits` (an empty
         table only). All or nothing: returns False and changes nothing when the pool is short."""
         hits = prefix_hits or []
-        have = len(seq.block_table) + len(hits)
+        table = self.tables.setdefault(seq.request_id, [])
+        have = len(table) + len(hits)
         need = max(0, self.blocks_needed(num_tokens) - have)
         reclaim = sum(1 for b in hits if self.refcount[b] == 0)  # hits sitting in the free list
         if need > len(self.free) - reclaim:
+            if not table:
+                del self.tables[seq.request_id]
             return False
         for b in hits:
             if self.refcount[b] == 0:
                 del self.free[b]
             self.refcount[b] += 1
-        seq.block_table.extend(hits)
+        table.extend(hits)
         for _ in range(need):
             b, _ = self.free.popitem(last=False)  # least recently used first
             key = self.block_hash[b]
@@ -102,17 +115,16 @@ class BlockManager:
                     del self.cached[key]
                 self.block_hash[b] = None
             self.refcount[b] = 1
-            seq.block_table.append(b)
+            table.append(b)
         return True
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop seq's references; blocks nobody else uses return to the free list."""
         # Tail blocks are released first so that they are evicted before the shared heads.
-        for b in reversed(seq.block_table):
+        for b in reversed(self.tables.pop(seq.request_id, [])):
             self.refcount[b] -= 1
             if self.refcount[b] == 0:
                 self.free[b] = None
                 if self.block_hash[b] is None:
                     self.free.move_to_end(b, last=False)  # nothing worth keeping: reuse first
-        seq.block_table = []
-        seq.num_hashed_blocks = 0
+        self.num_hashed.pop(seq.request_id, None)

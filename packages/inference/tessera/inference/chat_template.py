@@ -1,5 +1,5 @@
-"""Rendering a chat into a prompt with the tokenizer's own template (tokenizer_config.json),
-in the same sandboxed Jinja2 environment transformers' apply_chat_template uses."""
+"""Rendering a chat into a prompt with the tokenizer's own template (chat_template.jinja or
+tokenizer_config.json's chat_template, as `tessera.common.tokenizer` reads it), in the same sandboxed Jinja2 environment transformers' apply_chat_template uses."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_genera
     if isinstance(source, list):  # named templates: take "default"
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
     if not source:
-        raise ChatTemplateError("this model's tokenizer_config.json has no chat_template; use /v1/completions")
+        raise ChatTemplateError("this model's tokenizer has no chat template (no chat_template.jinja, no "
+                                "chat_template in tokenizer_config.json); use /v1/completions")
     special = {k: v.get("content") if isinstance(v, dict) else v
                for k, v in tokenizer.config.items() if k.endswith("_token") and isinstance(v, (str, dict))}
     try:

@@ -14,7 +14,7 @@ from tessera.common.errors import UserError, run_cli
 EPILOG = """\
 endpoints:
   POST /v1/completions        OpenAI completions (stream, stream_options.include_usage, logprobs, echo, n)
-  POST /v1/chat/completions   OpenAI chat completions (chat template from tokenizer_config.json)
+  POST /v1/chat/completions   OpenAI chat completions (the tokenizer's chat template)
   GET  /v1/models             the served model
   PUT  /api                   Megatron-LM text generation API (prompts, tokens_to_generate, ...)
   GET  /health                200 when the engine runs
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prompts-per-request", type=int, default=64,
                    help="Most prompts x n in one request (default: %(default)s).")
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="Largest request body (default: 4 MiB).")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="Seconds a client has to send its whole request body; a stalled one gets 408 and "
+                        "its connection is closed (default: %(default)s).")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="On shutdown, seconds to let running requests finish (default: %(default)s).")
     s.add_argument("--quiet", action="store_true", help="Log warnings only (no access log).")
@@ -66,6 +69,14 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--{flag.replace('_', '-')} {value}: must be positive")
     if not (args.drain_timeout >= 0 and math.isfinite(args.drain_timeout)):
         raise UserError(f"--drain-timeout {args.drain_timeout}: must be a number of seconds >= 0")
+    if not (args.body_timeout > 0 and math.isfinite(args.body_timeout)):
+        raise UserError(f"--body-timeout {args.body_timeout}: must be a number of seconds > 0")
+    if args.api_key is not None and not args.api_key.strip():
+        # The README's `--api-key "$KEY"` with KEY unset would otherwise start an open server.
+        given = argv if argv is not None else sys.argv[1:]
+        on_line = any(a == "--api-key" or a.startswith("--api-key=") for a in given)
+        source = "--api-key" if on_line else "$TESSERA_API_KEY"
+        raise UserError(f"{source} is empty: give a non-empty key, or leave it out for a server without one")
     if not os.path.exists(args.checkpoint):
         raise UserError(f"{args.checkpoint}: checkpoint not found (pass a run dir, checkpoints dir, "
                         "iter_NNNNNNN dir or Hugging Face export dir)")
@@ -101,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         max_prompt_tokens=args.max_prompt_tokens or frontend.max_model_len,
         max_tokens=args.max_tokens_limit or frontend.max_model_len,
         max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_body_bytes,
-        drain_timeout_s=args.drain_timeout,
+        drain_timeout_s=args.drain_timeout, body_timeout_s=args.body_timeout,
     )
     app = OpenAIServer(frontend, name, limits, metrics).build_app(api_key=args.api_key)
     level = logging.WARNING if args.quiet else logging.INFO

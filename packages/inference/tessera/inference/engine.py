@@ -1,16 +1,19 @@
 """The engine: requests in, tokens out, one batched model step at a time.
 
-`LLMEngine` is synchronous and single-threaded: `add_request`, `abort`, `step`. The HTTP server
-drives it from a background thread (`async_engine.AsyncEngine`); `tessera-generate` drives it
-directly. Each `step` asks the scheduler for a batch, runs it through the model runner, samples
-for the sequences whose prompt is fully in the cache, and reports what each request gained.
+`LLMEngine` is synchronous and single-threaded: `add_request`, `abort`, `step`. The server drives
+it with `engine_loop.run_engine_loop` (in a thread or in its own process); `tessera-generate`
+drives it directly. Each `step` is vLLM v1's three parts: the scheduler returns a plan
+(`SchedulerOutput`), the model runner executes it (`ModelRunnerOutput`: sampled tokens,
+logprobs), and the output processor applies the results to the sequences and reports what
+each request gained (`RequestOutput`). If executing a plan raises, each of its sequences is
+executed alone, and only those that still fail end (with an error); the engine goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import random
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -19,11 +22,16 @@ from tessera.inference.block_manager import BlockManager
 from tessera.inference.config import EngineConfig
 from tessera.inference.detokenizer import IncrementalDetokenizer
 from tessera.inference.loader import LoadedModel
-from tessera.inference.model_runner import ModelRunner, kv_block_bytes
-from tessera.inference.sampler import Sampler, token_logprob
+from tessera.inference.model_runner import ModelRunner, ModelRunnerOutput, kv_block_bytes
+from tessera.inference.output_processor import OutputProcessor, RequestOutput
 from tessera.inference.sampling_params import SamplingParams
-from tessera.inference.scheduler import Scheduler
-from tessera.inference.sequence import Sequence, TokenLogprob
+from tessera.inference.scheduler import Scheduler, SchedulerOutput
+from tessera.inference.sequence import Sequence
+
+__all__ = ["EngineStats", "LLMEngine", "RequestOutput", "RequestRejected", "validate_request"]
+COMPUTE_FAILED = "internal error while computing this request"
+
+log = logging.getLogger("tessera.inference")
 
 
 class RequestRejected(UserError):
@@ -32,23 +40,6 @@ class RequestRejected(UserError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
-
-
-@dataclass
-class RequestOutput:
-    """What one request gained in one step (deltas), plus totals."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[TokenLogprob]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the final output, when asked
-    time: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -70,15 +61,24 @@ def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> i
     return max(1, cfg.kv_cache_memory // kv_block_bytes(loaded.config, cfg.block_size, dtype))
 
 
-def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                     eos_ids: frozenset[int] = frozenset()) -> None:
     """Raise RequestRejected if the request can never be served (the HTTP process checks this
-    before a request reaches the engine, wherever the engine runs)."""
+    before a request reaches the engine, wherever the engine runs; the engine checks again)."""
     if not prompt_ids:
         raise RequestRejected("the prompt is empty; send at least one token", "prompt")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     if params.logit_bias and (min(params.logit_bias) < 0 or max(params.logit_bias) >= vocab_size):
         raise RequestRejected(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+    if params.stop_token_ids and (min(params.stop_token_ids) < 0 or max(params.stop_token_ids) >= vocab_size):
+        raise RequestRejected(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    if params.min_tokens and params.max_tokens:
+        banned = set(params.stop_token_ids) | set(eos_ids)  # the sampler masks EOS even with ignore_eos
+        if len(banned) >= vocab_size:
+            # min_tokens masks every stop id until it is reached: nothing would be left to sample.
+            raise RequestRejected("min_tokens with stop_token_ids (and EOS) covering the whole vocabulary leaves "
+                                  "no token to generate; drop min_tokens or some stop_token_ids", "stop_token_ids")
     if len(prompt_ids) + params.max_tokens > max_model_len:
         raise RequestRejected(
             f"this model's maximum context length is {max_model_len} tokens, but the request "
@@ -106,7 +106,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.runner = ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype)
-        self.sampler = Sampler()
+        self.processor = OutputProcessor(self.scheduler, self.blocks)
         self.eos_ids = frozenset(loaded.eos_ids)
         self.requests: dict[str, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds for requests that bring none
@@ -114,7 +114,7 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected if the request can never be served; safe from any thread."""
-        validate_request(prompt_ids, params, self.loaded.config.vocab_size, self.max_model_len)
+        validate_request(prompt_ids, params, self.loaded.config.vocab_size, self.max_model_len, self.eos_ids)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
@@ -153,72 +153,31 @@ class LLMEngine:
 
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
             return []
-        rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        sample_rows: list[int] = []
-        prompt_lp: list[tuple[Sequence, int, int]] = []  # (seq, first position, first row)
-        done_without_sampling: list[Sequence] = []
-        offset = 0
-        for seq, n in zip(batch.seqs, batch.num_new):
-            start, end = seq.num_computed, seq.num_computed + n
-            if seq.params.prompt_logprobs:
-                # Position p predicts prompt token p+1; record each position once (recompute
-                # after preemption must not duplicate).
-                first = max(start, len(seq.prompt_logprobs))
-                last = min(end, len(seq.prompt_ids) - 1)
-                if first < last:
-                    prompt_lp.append((seq, first, len(rows)))
-                    rows.extend(range(offset + first - start, offset + last - start))
-            if end == seq.num_tokens:
-                if seq.params.max_tokens == 0:
-                    done_without_sampling.append(seq)
-                else:
-                    sample_seqs.append(seq)
-                    sample_rows.append(len(rows))
-                    rows.append(offset + n - 1)
-            offset += n
-        logits = self.runner.execute(batch, rows)
-        for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed += n
-            self.blocks.commit_full_blocks(seq)
-        if prompt_lp:
-            logprobs = torch.log_softmax(logits, dim=-1)
-            for seq, first, row in prompt_lp:
-                last = min(seq.num_computed, len(seq.prompt_ids) - 1)
-                for p in range(first, last):
-                    seq.prompt_logprobs.append(token_logprob(logprobs[row + p - first], seq.prompt_ids[p + 1],
-                                                             seq.params.logprobs or 0))
-        if sample_seqs:
-            tokens = self.sampler(sample_seqs, logits[sample_rows])
-            for seq, tok in zip(sample_seqs, tokens):
-                seq.append_token(tok)
-        for seq in done_without_sampling:
-            seq._finish("length", None)
-        outputs = [self._output(seq) for seq in sample_seqs + done_without_sampling]
-        for seq in self.scheduler.remove_finished():
+        outputs, finished = self.processor.update(plan, self._execute(plan))
+        for seq in finished:
             self.requests.pop(seq.request_id, None)
         return outputs
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        new_logprobs, seq.new_logprobs = seq.new_logprobs, []
-        finished = seq.is_finished
-        # As in vLLM, an EOS/stop token is part of the ids (and usage) but not of the text.
-        new_ids = seq.output_ids[-1:] if seq.output_ids and seq.params.max_tokens else []
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=new_ids,
-            new_text=seq.detokenizer.take_new_text(),
-            new_logprobs=new_logprobs,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=len(seq.prompt_ids),
-            num_output_tokens=len(seq.output_ids),
-            num_cached_tokens=seq.num_cached_tokens,
-            prompt_logprobs=list(seq.prompt_logprobs) if finished and seq.params.prompt_logprobs else None,
-        )
+    def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            return self.runner.execute(plan)
+        except Exception:
+            if len(plan.scheduled) == 1:
+                log.exception("request %s failed", plan.scheduled[0].seq.request_id)
+                return ModelRunnerOutput(failed={plan.scheduled[0].seq.request_id: COMPUTE_FAILED})
+        # The forward is batched: find the request that fails by executing each alone (the
+        # runner changed no sequence; a retry rewrites the same KV slots).
+        result = ModelRunnerOutput()
+        for i, s in enumerate(plan.scheduled):
+            try:
+                result.update(self.runner.execute(plan.only(i)))
+            except Exception:
+                log.exception("request %s failed", s.seq.request_id)
+                result.failed[s.seq.request_id] = COMPUTE_FAILED
+        return result
 
     # ---- offline ---------------------------------------------------------------------------
     def run_to_completion(self, on_output=None) -> None:

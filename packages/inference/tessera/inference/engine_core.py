@@ -73,32 +73,31 @@ def serve(conn: Connection) -> int:
 
 
 def _loop(conn: Connection, engine) -> None:
+    """The shared engine loop (engine_loop.py) with this pipe as its inbox and outbox."""
+    from tessera.inference.engine_loop import run_engine_loop
     from tessera.inference.sampling_params import SamplingParams
 
-    adds_seen = 0
-    while True:
-        # Block for input only when idle; otherwise take what has arrived and step.
-        frames = [] if engine.has_unfinished() else [conn.recv_bytes()]
+    def receive(block: bool) -> list[tuple]:
+        frames = [conn.recv_bytes()] if block else []
         while conn.poll():
             frames.append(conn.recv_bytes())
-        failed: list[list[str]] = []
+        commands: list[tuple] = []
         for frame in frames:
             msg = decode(frame)
-            kind = msg["t"]
-            if kind == "add":
-                adds_seen += 1
-                try:
-                    engine.add_request(msg["id"], msg["prompt"], SamplingParams.model_validate(msg["params"]))
-                except Exception as exc:  # validated by the HTTP process already; a bug if it fails here
-                    failed.append([msg["id"], f"{type(exc).__name__}: {exc}"])
-            elif kind == "abort":
-                for rid in msg["ids"]:
-                    engine.abort(rid)
-            elif kind == "stop":
-                return
-        outputs = engine.step() if engine.has_unfinished() else []
-        conn.send_bytes(encode({"t": "step", "outs": [output_to_wire(o) for o in outputs], "failed": failed,
-                                "stats": stats_to_wire(engine.stats()), "adds_seen": adds_seen}))
+            if msg["t"] == "add":
+                commands.append(("add", msg["id"], msg["prompt"], SamplingParams.model_validate(msg["params"])))
+            elif msg["t"] == "abort":
+                commands.extend(("abort", rid) for rid in msg["ids"])
+            elif msg["t"] == "stop":
+                commands.append(("stop",))
+        return commands
+
+    def emit(outputs, failed, stats, num_adds) -> None:
+        conn.send_bytes(encode({"t": "step", "outs": [output_to_wire(o) for o in outputs],
+                                "failed": [list(f) for f in failed], "stats": stats_to_wire(stats),
+                                "adds_seen": num_adds}))
+
+    run_engine_loop(engine, receive, emit)
 
 
 def main(argv: list[str] | None = None) -> int:

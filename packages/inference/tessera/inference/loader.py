@@ -16,10 +16,10 @@ from tessera.common.checkpoint import (
     resolve_checkpoint,
 )
 from tessera.common.errors import ArtifactError, UserError
+from tessera.common.hf import eos_token_ids, is_hf_directory, load_hf_weights, read_hf_config
 from tessera.common.model import Transformer, build_model
 from tessera.common.model_config import ModelConfig
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
-from tessera.inference.hf_import import is_hf_directory, load_hf_export
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,7 +58,9 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
     if not path.exists():
         raise ArtifactError(f"{path}: checkpoint not found")
     if path.is_dir() and is_hf_directory(path) and not (path / SIDECAR).is_file():
-        cfg, tensors, eos = load_hf_export(path)
+        cfg, hf_config = read_hf_config(path)  # the one HF adapter, shared with tessera-ckpt import
+        tensors = load_hf_weights(path, cfg)
+        eos = eos_token_ids(path, hf_config)
         tokenizer = load_tokenizer(path)
     else:
         ckpt = resolve_checkpoint(path)

@@ -1,5 +1,9 @@
-"""Runs one engine step through the model: packs every scheduled sequence's new tokens into a
-single [1, T] batch, writes their keys/values into the paged cache, and attends over it.
+"""Executes one step's plan (`scheduler.SchedulerOutput`) through the model and samples:
+packs every scheduled sequence's new tokens into a single [1, T] batch, writes their
+keys/values into the paged cache, attends over it, and returns a `ModelRunnerOutput` (sampled
+token ids, logprobs, prompt logprobs). It reads the sequences and never changes them; the output
+processor applies the results. So a failed execution leaves nothing half-applied and can be
+retried (the KV slots it wrote are rewritten with the same values).
 
 The shared model is used as is, through its two hooks: `positions` (each token's position in its
 own sequence) and `attention_fn`, which here scatters the new K/V into their cache slots and calls
@@ -15,16 +19,21 @@ of requests that asked for prompt logprobs) go through the output head.
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
-from tessera.inference.scheduler import ScheduledBatch
+from tessera.inference.sampler import Sampler, token_logprob
+from tessera.inference.scheduler import SchedulerOutput
+from tessera.inference.sequence import TokenLogprob
 from tessera.kernels import paged_attention
+
+log = logging.getLogger("tessera.inference")
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -107,6 +116,21 @@ class DecodeSplit:
 
 
 @dataclass
+class ModelRunnerOutput:
+    """What one executed plan produced, by request id."""
+
+    sampled: dict[str, int] = field(default_factory=dict)  # the next token of each sequence that sampled
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # for those that asked
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # new prompt positions
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its computation failed
+
+    def update(self, other: ModelRunnerOutput) -> None:
+        for mine, theirs in ((self.sampled, other.sampled), (self.logprobs, other.logprobs),
+                             (self.prompt_logprobs, other.prompt_logprobs), (self.failed, other.failed)):
+            mine.update(theirs)
+
+
+@dataclass
 class StepInputs:
     tokens: torch.Tensor  # [1, T]
     positions: torch.Tensor  # [1, T]
@@ -134,6 +158,7 @@ class ModelRunner:
         self._step: StepInputs | None = None
         # The Triton kernel handles mixed batches in one launch; only CPU needs the split.
         self.batch_decodes = device.type == "cpu"
+        self.sampler = Sampler()
 
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         step = self._step
@@ -176,24 +201,23 @@ class ModelRunner:
             prefill_starts=torch.tensor(pre_starts, dtype=torch.int32, device=dev),
         )
 
-    def prepare(self, batch: ScheduledBatch, logits_rows: list[int]) -> StepInputs:
+    def prepare(self, batch: SchedulerOutput, logits_rows: list[int]) -> StepInputs:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
         starts = [0]
         bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_new):
-            start = seq.num_computed
+        for s in batch.scheduled:
+            seq, start, n, table = s.seq, s.start, s.num_new, s.block_table
             tokens.extend(seq.tokens(start, start + n))
-            table = seq.block_table
             for pos in range(start, start + n):
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
             seq_lens.append(start + n)
             starts.append(starts[-1] + n)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        width = max(len(s.block_table) for s in batch.scheduled)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.scheduled]
         dev = self.device
         inputs = StepInputs(
             tokens=torch.tensor([tokens], dtype=torch.long, device=dev),
@@ -209,7 +233,50 @@ class ModelRunner:
         return inputs
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, logits_rows: list[int]) -> torch.Tensor:
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Forward the plan, then sample each sequence that reached its last token and compute
+        the prompt logprobs asked for."""
+        rows: list[int] = []
+        sample: list[tuple[int, int]] = []  # (index in plan, logits row)
+        prompt_lp: list[tuple[int, int, int, int]] = []  # (index in plan, first position, last, first row)
+        offset = 0
+        for i, s in enumerate(plan.scheduled):
+            seq = s.seq
+            if seq.params.prompt_logprobs:
+                # Position p predicts prompt token p+1; record each position once (recompute
+                # after preemption must not duplicate).
+                first = max(s.start, len(seq.prompt_logprobs))
+                last = min(s.end, len(seq.prompt_ids) - 1)
+                if first < last:
+                    prompt_lp.append((i, first, last, len(rows)))
+                    rows.extend(range(offset + first - s.start, offset + last - s.start))
+            if s.completes_prompt and seq.params.max_tokens > 0:
+                sample.append((i, len(rows)))
+                rows.append(offset + s.num_new - 1)
+            offset += s.num_new
+        out = ModelRunnerOutput()
+        logits = self.forward(plan, rows)
+        if prompt_lp:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            for i, first, last, row in prompt_lp:
+                seq = plan.scheduled[i].seq
+                out.prompt_logprobs[seq.request_id] = [
+                    token_logprob(logprobs[row + p - first], seq.prompt_ids[p + 1], seq.params.logprobs or 0)
+                    for p in range(first, last)]
+        if sample:
+            seqs = [plan.scheduled[i].seq for i, _ in sample]
+            tokens, lps, failed = self.sampler(seqs, logits[[r for _, r in sample]])
+            for j, seq in enumerate(seqs):
+                if j in failed:
+                    log.error("request %s: sampling failed: %s: %s", seq.request_id, type(failed[j]).__name__, failed[j])
+                    out.failed[seq.request_id] = "internal error while sampling this request"
+                    continue
+                out.sampled[seq.request_id] = tokens[j]
+                if lps[j] is not None:
+                    out.logprobs[seq.request_id] = lps[j]
+        return out
+
+    def forward(self, batch: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
         """Forward the step; returns fp32 logits [len(logits_rows), vocab]."""
         self._step = self.prepare(batch, logits_rows)
         try:

@@ -1,47 +1,87 @@
 """Request bodies of the HTTP API: OpenAI completions/chat (with vLLM's sampling extensions) and
 Megatron's PUT /api. Responses are plain dicts built in server.py, in OpenAI's exact shapes.
 
-Unknown fields are ignored (as OpenAI-compatible servers do) so newer clients keep working.
+Types are strict: a boolean is no integer (`prompt: [true]` is a 400) and a string is no
+boolean (`stream: "yes"` is a 400); an integer is accepted where a number is expected. Unknown
+fields are ignored (as OpenAI-compatible servers do) so newer clients keep working, except the
+fields of features this server does not have (UNSUPPORTED_FIELDS), which are refused rather than
+silently dropped.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
 from tessera.inference.sampling_params import SamplingParams
 
+Int = Annotated[int, Strict()]
+Bool = Annotated[bool, Strict()]
+Float = Annotated[float, Strict()]  # strict still takes an integer, never a bool or a string
+
+# Request fields of features not implemented here: a request that sets one (to anything but
+# its "off" value) gets a 400 naming the field. Value: the values that mean "off".
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "structured_outputs": (None,),
+    "use_beam_search": (None, False),
+    "prompt_logprobs": (None,),
+    "logits_processors": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+}
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    # Unknown fields are kept (not validated, not used) so that unsupported_field can see them.
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    def unsupported_field(self) -> str | None:
+        """The first field set that asks for a feature this server does not have, if any."""
+        extra = self.model_extra or {}
+        for name, off in UNSUPPORTED_FIELDS.items():
+            if name in extra and not any(extra[name] == v and type(extra[name]) is type(v) for v in off):
+                return name
+        return None
 
 
 class StreamOptions(_Body):
-    include_usage: bool = Field(False, description="Send a last chunk with token usage.")
+    include_usage: Bool = Field(False, description="Send a last chunk with token usage.")
 
 
 class _SamplingFields(_Body):
     model: str | None = None
-    n: int = Field(1, ge=1, le=16, description="Completions per prompt.")
-    stream: bool = False
+    n: Int = Field(1, ge=1, le=16, description="Completions per prompt.")
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, description="Default 1.0; 0 = greedy.")
-    top_p: float | None = None
-    top_k: int | None = Field(None, description="vLLM extension; -1 or 0 = off.")
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
+    temperature: Float | None = Field(None, description="Default 1.0; 0 (or below 1e-5) = greedy.")
+    top_p: Float | None = None
+    top_k: Int | None = Field(None, ge=-1, description="vLLM extension; -1 or 0 = off.")
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: Bool = False
+    min_tokens: Int = Field(0, ge=0)
+    skip_special_tokens: Bool = True
     user: str | None = None
     # JSON object keys are strings; pydantic turns "50256" into 50256 and refuses "abc".
-    logit_bias: dict[int, float] | None = Field(None, description="Token id -> bias in [-100, 100] (OpenAI).")
+    logit_bias: dict[int, Float] | None = Field(None, description="Token id -> bias in [-100, 100] (OpenAI).")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0) -> SamplingParams:
         """Build (and validate) the engine's SamplingParams; pydantic errors surface as 400s.
@@ -62,12 +102,21 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, description="Most tokens to generate per choice.")
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(16, description="Most tokens to generate per choice.")
+    logprobs: Int | None = Field(None, ge=0, le=20)
+    echo: Bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, description="Accepted only equal to n (no candidate ranking).")
+    best_of: Int | None = Field(None, description="Accepted only equal to n (no candidate ranking).")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_bool_ids(cls, v: Any) -> Any:
+        # Without this, pydantic's error for [true] names the first union member ("prompt.str").
+        if isinstance(v, list) and any(isinstance(x, bool) or (isinstance(x, list) and any(isinstance(y, bool) for y in x))
+                                       for x in v):
+            raise ValueError("token ids must be integers, not booleans")
+        return v
 
 
 class ChatMessage(_Body):
@@ -88,11 +137,11 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool = True
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -100,15 +149,15 @@ class MegatronRequest(_Body):
     """PUT /api as Megatron-LM's text generation server takes it."""
 
     prompts: list[str]
-    tokens_to_generate: int = 64
-    logprobs: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 0.0
-    add_BOS: bool = False
-    random_seed: int = -1
-    stop_on_eol: bool = False
-    stop_on_double_eol: bool = False
+    tokens_to_generate: Int = 64
+    logprobs: Bool = False
+    temperature: Float = 1.0
+    top_k: Int = 0
+    top_p: Float = 0.0
+    add_BOS: Bool = False
+    random_seed: Int = -1
+    stop_on_eol: Bool = False
+    stop_on_double_eol: Bool = False
 
 
 Role = Literal["system", "user", "assistant", "tool"]

@@ -46,10 +46,25 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return logits
 
 
+def draw(row: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a row of (tempered, filtered) logits, never raising on a degenerate row:
+    NaN counts as excluded and +inf as the largest finite logit; a row with nothing left
+    (which request validation rules out) falls back to its argmax."""
+    row = row.nan_to_num(nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
+    probs = row.softmax(-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return int(row.argmax())
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
 class Sampler:
-    def __call__(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """logits [N, V] fp32 (row i for seqs[i]); returns the chosen token ids and records
-        logprobs on the sequences that asked for them."""
+    def __call__(self, seqs: list[Sequence], logits: torch.Tensor
+                 ) -> tuple[list[int], list[TokenLogprob | None], dict[int, Exception]]:
+        """logits [N, V] fp32 (row i for seqs[i]); returns the chosen token ids, the logprobs of
+        the rows that asked for them (else None), and the rows whose sampling failed (index ->
+        error; their token is meaningless). A failure stays with its own request: the batch
+        mates still get their tokens. Reads the sequences, never changes them."""
+        failed: dict[int, Exception] = {}
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -60,29 +75,39 @@ class Sampler:
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or needs_mask or p.logit_bias:
                 if processed is logits:
                     processed = logits.clone()
-                apply_penalties(processed[i], seq)
-                if p.logit_bias:
-                    ids = torch.tensor(list(p.logit_bias), device=logits.device)
-                    processed[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device,
-                                                      dtype=logits.dtype)
-                if needs_mask:
-                    banned = list(seq.eos_ids | set(p.stop_token_ids))
-                    if banned:
-                        processed[i, banned] = float("-inf")
+                try:
+                    self._process(processed[i], seq, needs_mask)
+                except Exception as exc:
+                    failed[i] = exc
         chosen = processed.argmax(dim=-1).tolist()  # greedy rows; sampled rows overwritten below
         for i, seq in enumerate(seqs):
             p = seq.params
-            if p.greedy:
+            if p.greedy or i in failed:
                 continue
-            row = filter_logits(processed[i] / p.temperature, p.top_k, p.top_p, p.min_p)
-            chosen[i] = int(torch.multinomial(row.softmax(-1), 1, generator=seq.generator).item())
+            try:
+                chosen[i] = draw(filter_logits(processed[i] / p.temperature, p.top_k, p.top_p, p.min_p), seq.generator)
+            except Exception as exc:
+                failed[i] = exc
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if raw_logprobs is not None:
             for i, seq in enumerate(seqs):
                 n = seq.params.logprobs
-                if n is None:
-                    continue
-                seq.new_logprobs.append(token_logprob(raw_logprobs[i], chosen[i], n))
-        return chosen
+                if n is not None and i not in failed:
+                    logprobs[i] = token_logprob(raw_logprobs[i], chosen[i], n)
+        return chosen, logprobs, failed
+
+    @staticmethod
+    def _process(row: torch.Tensor, seq: Sequence, needs_mask: bool) -> None:
+        """Penalties, logit_bias and the min_tokens mask, in place on one row."""
+        p = seq.params
+        apply_penalties(row, seq)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=row.device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device, dtype=row.dtype)
+        if needs_mask:
+            banned = list(seq.eos_ids | set(p.stop_token_ids))
+            if banned:
+                row[banned] = float("-inf")
 
 
 def token_logprob(row_logprobs: torch.Tensor, token: int, top_n: int) -> TokenLogprob:

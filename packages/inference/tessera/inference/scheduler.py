@@ -9,6 +9,11 @@ and later re-prefills prompt + output so far) until the older one fits. Waiting 
 then admitted first-come first-served while budget, sequence slots and blocks last, starting
 past any prefix already in the prefix cache. Nothing is admitted in a step that preempted,
 which keeps a short pool from thrashing.
+
+`schedule` returns a plan (`SchedulerOutput`): for each scheduled sequence the token range it
+computes this step (a prefill chunk or one decode token) and its block table. The model runner
+executes the plan without touching any sequence; `output_processor.OutputProcessor` then applies
+the results (vLLM v1's schedule -> execute -> update).
 """
 
 from __future__ import annotations
@@ -21,13 +26,53 @@ from tessera.inference.sequence import Sequence, Status
 
 
 @dataclass
-class ScheduledBatch:
-    seqs: list[Sequence]
-    num_new: list[int]  # tokens each sequence computes this step
+class ScheduledSequence:
+    seq: Sequence
+    start: int  # first position computed this step (tokens before it are in the cache)
+    num_new: int  # tokens computed this step: positions [start, start + num_new)
+    block_table: list[int]  # its blocks (a copy of the block manager's table), covering start + num_new
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when this step reaches the last known token: the step then samples the next one."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan, in batch order."""
+
+    scheduled: list[ScheduledSequence]
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s.seq for s in self.scheduled]
+
+    @property
+    def num_new(self) -> list[int]:
+        return [s.num_new for s in self.scheduled]
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.num_new)
+        return sum(s.num_new for s in self.scheduled)
+
+    @property
+    def decodes(self) -> list[ScheduledSequence]:
+        """Sequences computing just their newest token (one generated after the prompt)."""
+        return [s for s in self.scheduled if s.num_new == 1 and s.start >= len(s.seq.prompt_ids)]
+
+    @property
+    def prefills(self) -> list[ScheduledSequence]:
+        """Sequences computing a chunk of their prompt (or of prompt + output after a preemption)."""
+        return [s for s in self.scheduled if not (s.num_new == 1 and s.start >= len(s.seq.prompt_ids))]
+
+    def only(self, i: int) -> SchedulerOutput:
+        """The plan for the i-th sequence alone (to find which request of a failed step fails)."""
+        return SchedulerOutput([self.scheduled[i]])
 
 
 class Scheduler:
@@ -54,7 +99,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         num_new: list[int] = []
@@ -77,7 +122,7 @@ class Scheduler:
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.blocks.lookup_prefix(seq) if seq.num_computed == 0 and not seq.block_table else []
+            hits = self.blocks.lookup_prefix(seq) if seq.num_computed == 0 and not self.blocks.table(seq) else []
             start = len(hits) * self.blocks.block_size
             n = min(seq.num_tokens - start, budget)
             if not self.blocks.allocate(seq, start + n, prefix_hits=hits):
@@ -92,7 +137,8 @@ class Scheduler:
             seqs.append(seq)
             num_new.append(n)
             budget -= n
-        return ScheduledBatch(seqs, num_new)
+        return SchedulerOutput([ScheduledSequence(seq, seq.num_computed, n, list(self.blocks.table(seq)))
+                                for seq, n in zip(seqs, num_new)])
 
     def remove_finished(self) -> list[Sequence]:
         done = [s for s in self.running if s.is_finished]

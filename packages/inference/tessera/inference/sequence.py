@@ -1,4 +1,5 @@
-"""One request's state inside the engine: its tokens, KV blocks, progress and stop state."""
+"""One request's state inside the engine: its tokens, progress and stop state (its KV blocks are
+the block manager's: `BlockManager.tables`)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,6 @@ class Sequence:
     # Tokens whose K/V are in the cache. Recompute-preemption resets it to 0; chunked prefill
     # advances it by the chunk; a prefix-cache hit starts it past the shared blocks.
     num_computed: int = 0
-    block_table: list[int] = field(default_factory=list)
-    num_hashed_blocks: int = 0  # leading full blocks already offered to the prefix cache
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     finish_reason: str | None = None
@@ -51,6 +50,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # since the last output
     num_preemptions: int = 0
+    error: str | None = None  # why computing this request failed (finish_reason "error")
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +93,13 @@ class Sequence:
         self.status = Status.FINISHED
         # EOS and stop ids never reach the text; the held-back tail is released.
         self.detokenizer.finish(drop_last_token=isinstance(stop, int), flush=stop is None)
+
+    def fail(self, error: str) -> None:
+        """Computing this request raised: it ends here with an error, its batch mates go on."""
+        self.error = error
+        self.finish_reason = "error"
+        self.status = Status.FINISHED
+        self.new_logprobs = []
 
     def abort(self) -> None:
         if not self.is_finished:

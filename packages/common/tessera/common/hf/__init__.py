@@ -1,0 +1,42 @@
+"""The one Hugging Face adapter: config.json and tensor-name mapping per architecture, both
+directions, used by `tessera-ckpt import/export` and by the server loading an HF directory.
+
+- `registry`: the supported architectures (add one there) and the mapping entry points.
+- `architecture`: what an architecture provides, and the typed config.json reader.
+- `llama`, `gpt2`: the architectures.
+- `rules`: tensor mapping rules and the validation of weights against them.
+- `directory`: reading an HF directory (config, safetensors weights, EOS ids).
+"""
+
+from tessera.common.hf.architecture import HEAD, HF_DTYPE_NAMES, HFArchitecture, HFConfig
+from tessera.common.hf.directory import (
+    CONFIG,
+    GENERATION_CONFIG,
+    SAFETENSORS,
+    SAFETENSORS_INDEX,
+    SafetensorsWeights,
+    eos_token_ids,
+    is_hf_directory,
+    load_hf_weights,
+    read_hf_config,
+    weight_files,
+)
+from tessera.common.hf.registry import (
+    ARCHITECTURES,
+    architecture_for,
+    architecture_of,
+    check_exportable,
+    export_rules,
+    hf_config,
+    import_rules,
+    model_config_from_hf,
+)
+from tessera.common.hf.rules import WEIGHT_DTYPES, Combine, Rule, WeightSource, check_import
+
+__all__ = [
+    "ARCHITECTURES", "CONFIG", "GENERATION_CONFIG", "HEAD", "HF_DTYPE_NAMES", "SAFETENSORS", "SAFETENSORS_INDEX",
+    "WEIGHT_DTYPES", "Combine", "HFArchitecture", "HFConfig", "Rule", "SafetensorsWeights", "WeightSource",
+    "architecture_for", "architecture_of", "check_exportable", "check_import", "eos_token_ids", "export_rules",
+    "hf_config", "import_rules", "is_hf_directory", "load_hf_weights", "model_config_from_hf", "read_hf_config",
+    "weight_files",
+]

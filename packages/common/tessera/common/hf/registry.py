@@ -1,0 +1,97 @@
+"""The architectures Tessera maps to Hugging Face transformers, and the mapping entry points.
+
+To add an architecture: write its `HFArchitecture` subclass in a module of this package and list
+it in `ARCHITECTURES`. Import, export and serving all go through the functions below.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from tessera.common.errors import ArtifactError, UserError
+from tessera.common.hf.architecture import HEAD, HF_DTYPE_NAMES, HFArchitecture, HFConfig
+from tessera.common.hf.gpt2 import GPT2
+from tessera.common.hf.llama import Llama
+from tessera.common.hf.rules import Rule
+from tessera.common.model_config import ModelConfig
+
+ARCHITECTURES: tuple[HFArchitecture, ...] = (Llama(), GPT2())
+
+
+def _supported() -> str:
+    return ", ".join(f"{a.model_type} ({a.hf_class})" for a in ARCHITECTURES)
+
+
+def architecture_of(data: dict[str, Any], source: str) -> HFArchitecture:
+    """The architecture a config.json describes (by `model_type`), or a one-line ArtifactError."""
+    model_type = HFConfig(data, source).text("model_type")
+    for a in ARCHITECTURES:
+        if a.model_type == model_type:
+            return a
+    archs = data.get("architectures") or []
+    named = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else "no architectures"
+    raise ArtifactError(f"{source}: unsupported architecture {model_type!r} ({named}); Tessera reads {_supported()}")
+
+
+def architecture_for(cfg: ModelConfig) -> HFArchitecture:
+    for a in ARCHITECTURES:
+        if a.arch == cfg.arch:
+            return a
+    raise UserError(f"model config: arch={cfg.arch} has no Hugging Face mapping (supported: {_supported()})")
+
+
+def model_config_from_hf(data: dict[str, Any], source: str) -> ModelConfig:
+    """The ModelConfig equivalent to an HF config.json; anything Tessera's model cannot express
+    exactly (an unknown architecture, an unsupported option, a malformed field) is an ArtifactError."""
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{source}: expected a JSON object")
+    arch = architecture_of(data, source)
+    fields = arch.config_fields(HFConfig(data, source))
+    try:
+        return ModelConfig(arch=arch.arch, **fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(map(str, err["loc"]))
+        raise ArtifactError(f"{source}: {'model ' + where + ': ' if where else ''}{err['msg']}") from None
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype, bos_id: int | None, eos_id: int | None,
+              pad_id: int | None = None) -> dict[str, Any]:
+    """config.json for `cfg`, with every field transformers, vLLM and TensorRT-LLM read."""
+    arch = architecture_for(cfg)
+    out: dict[str, Any] = {"architectures": [arch.hf_class], "model_type": arch.model_type, **arch.hf_fields(cfg)}
+    out.update({
+        "vocab_size": cfg.vocab_size,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "dtype": HF_DTYPE_NAMES[dtype],  # transformers >= 5
+        "torch_dtype": HF_DTYPE_NAMES[dtype],  # older readers
+        "use_cache": True,
+    })
+    if pad_id is not None:
+        out["pad_token_id"] = pad_id
+    return out
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Raise a UserError if `cfg` has no exact Hugging Face equivalent."""
+    architecture_for(cfg).check_exportable(cfg)
+
+
+def export_rules(cfg: ModelConfig) -> list[Rule]:
+    """Tessera parameter names -> transformers tensors, one rule per transformers tensor."""
+    arch = architecture_for(cfg)
+    arch.check_exportable(cfg)
+    return arch.export_rules(cfg)
+
+
+def import_rules(cfg: ModelConfig, hf_names: set[str]) -> tuple[list[Rule], frozenset[str]]:
+    """(rules producing every Tessera parameter, names that may be present unread: a tied model's
+    lm_head, which transformers ignores too)."""
+    optional = frozenset({HEAD}) if cfg.tie_embeddings else frozenset()
+    return architecture_for(cfg).import_rules(cfg, hf_names), optional

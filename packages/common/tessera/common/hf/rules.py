@@ -1,0 +1,114 @@
+"""Tensor mapping rules between Tessera's parameter names and a Hugging Face checkpoint's.
+
+A conversion is a list of `Rule`s, one per output tensor: which input tensors it needs and how
+they combine. Converters stream through the rules, so memory holds one rule's tensors at a time.
+A rule may return a view (a transpose, a row range): the writers materialise non-contiguous
+results in a reused staging buffer, so no rule allocates a copy of its own.
+
+`check_import` validates a set of import rules against the weights actually present (names,
+shapes, dtypes, and no tensor left unused) before anything is converted or written, so a
+directory whose config.json and weights disagree is refused instead of silently half-loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tessera.common.errors import ArtifactError
+
+Combine = Callable[[list[torch.Tensor]], torch.Tensor]
+
+# dtypes a model's weights may have on disk. Anything else (int8, a quantised export, float64) is
+# refused: converting it to a float type here would silently produce a different model.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Buffers some exports include beside the weights; recomputed by the model, never read.
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One output tensor: `target` = combine(inputs named `sources`), of global `shape`."""
+
+    target: str
+    sources: tuple[str, ...]
+    shape: tuple[int, ...]
+    combine: Combine | None = None  # None: the single source, unchanged
+    source_shapes: tuple[tuple[int, ...], ...] = ()  # of the inputs, when they differ from `shape`
+
+    def input_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return self.source_shapes or tuple(self.shape for _ in self.sources)
+
+    def apply(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        out = inputs[0] if self.combine is None else self.combine(inputs)
+        if tuple(out.shape) != self.shape:
+            raise AssertionError(f"{self.target}: produced shape {tuple(out.shape)}, expected {self.shape}")
+        return out
+
+
+class WeightSource(Protocol):
+    """Named tensors of an HF directory: their headers without loading, and the tensors."""
+
+    def names(self) -> set[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def dtype(self, name: str) -> torch.dtype: ...
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+def transpose(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0].t()
+
+
+def cat_rows_t(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(ts, dim=0).t()
+
+
+def cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(ts, dim=0)
+
+
+def zeros(shape: tuple[int, ...]) -> Combine:
+    return lambda _ts: torch.zeros(shape)
+
+
+def rows(lo: int, hi: int, transposed: bool) -> Combine:
+    """Rows [lo, hi) of the input (of its transpose when `transposed`), as a view."""
+    def take(ts: list[torch.Tensor]) -> torch.Tensor:
+        t = ts[0].t() if transposed else ts[0]
+        return t[lo:hi]
+    return take
+
+
+def inverse(rules: list[Rule]) -> list[Rule]:
+    """The import rules of an export made only of renames (same shapes, no combine)."""
+    assert all(r.combine is None and len(r.sources) == 1 for r in rules)
+    return [Rule(r.sources[0], (r.target,), r.shape) for r in rules]
+
+
+def check_import(rules: list[Rule], weights: WeightSource, where: str, optional: frozenset[str] = frozenset()) -> None:
+    """Every tensor the rules read exists with the right shape and a float dtype, and every tensor
+    present is read (`optional` names may be present unread: a tied head transformers also ignores)."""
+    names = weights.names()
+    used: set[str] = set()
+    for rule in rules:
+        for s in rule.sources:
+            if s not in names:
+                raise ArtifactError(f"{where}: tensor {s!r} missing from the safetensors weights "
+                                    "(config.json describes a model that has it)")
+            dtype = weights.dtype(s)
+            if dtype not in WEIGHT_DTYPES:
+                raise ArtifactError(f"{where}: tensor {s!r} is {str(dtype).removeprefix('torch.')}; only float32, "
+                                    "bfloat16 and float16 weights are supported (quantised weights are not)")
+            used.add(s)
+        for s, want in zip(rule.sources, rule.input_shapes()):
+            if tuple(weights.shape(s)) != want:
+                raise ArtifactError(f"{where}: tensor {s!r} has shape {list(weights.shape(s))}, "
+                                    f"config.json implies {list(want)}")
+    unused = sorted(n for n in names - used - optional if not n.endswith(IGNORED_SUFFIXES))
+    if unused:
+        raise ArtifactError(f"{where}: tensor {unused[0]!r} is not part of the model config.json describes "
+                            f"({len(unused)} such); config.json and the weights do not belong together")
+

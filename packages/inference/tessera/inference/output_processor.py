@@ -1,0 +1,86 @@
+"""The update step: applies what the model runner produced for one plan to the sequences.
+
+For each scheduled sequence: its computed-token count advances and its newly full blocks are
+offered to the prefix cache; new prompt logprobs are appended; a sampled token is appended
+(stop strings, stop ids, EOS and length checked there, `Sequence.append_token`); a request whose
+computation failed ends with its error. Then finished sequences leave the scheduler (freeing their
+blocks) and each sequence that produced something gets a `RequestOutput` (deltas since the last).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tessera.inference.block_manager import BlockManager
+from tessera.inference.model_runner import ModelRunnerOutput
+from tessera.inference.scheduler import Scheduler, SchedulerOutput
+from tessera.inference.sequence import Sequence, TokenLogprob
+
+
+@dataclass
+class RequestOutput:
+    """What one request gained in one step (deltas), plus totals."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the final output, when asked
+    error: str | None = None  # set (with finished) when computing this request failed; the others go on
+    time: float = field(default_factory=time.monotonic)
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, blocks: BlockManager):
+        self.scheduler = scheduler
+        self.blocks = blocks
+
+    def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> tuple[list[RequestOutput], list[Sequence]]:
+        """Apply one executed plan; returns the step's outputs and the sequences that finished."""
+        reporting: list[Sequence] = []
+        for s in plan.scheduled:
+            seq = s.seq
+            rid = seq.request_id
+            if rid in result.failed:
+                seq.fail(result.failed[rid])
+                reporting.append(seq)
+                continue
+            seq.num_computed = s.end
+            self.blocks.commit_full_blocks(seq)
+            seq.prompt_logprobs.extend(result.prompt_logprobs.get(rid, []))
+            if rid in result.sampled:
+                if rid in result.logprobs:
+                    seq.new_logprobs.append(result.logprobs[rid])
+                seq.append_token(result.sampled[rid])
+                reporting.append(seq)
+            elif s.completes_prompt and seq.params.max_tokens == 0:  # prompt scoring only
+                seq._finish("length", None)
+                reporting.append(seq)
+        outputs = [self.output(seq) for seq in reporting]
+        return outputs, self.scheduler.remove_finished()
+
+    @staticmethod
+    def output(seq: Sequence) -> RequestOutput:
+        new_logprobs, seq.new_logprobs = seq.new_logprobs, []
+        finished = seq.is_finished
+        # As in vLLM, an EOS/stop token is part of the ids (and usage) but not of the text.
+        new_ids = seq.output_ids[-1:] if seq.output_ids and seq.params.max_tokens and seq.error is None else []
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            new_text=seq.detokenizer.take_new_text(),
+            new_logprobs=new_logprobs,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_output_tokens=len(seq.output_ids),
+            num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=list(seq.prompt_logprobs) if finished and seq.params.prompt_logprobs else None,
+            error=seq.error,
+        )
