@@ -135,14 +135,15 @@ def test_import_export_identity(tmp_path, tokenizer_dir, cfg):
     make_checkpoint(tmp_path / "orig", cfg, tokenizer_dir)
     run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "orig"), "--output", str(tmp_path / "hf"),
          "--max-shard-size", "50KB", "--quiet"])
+    # The original is unpadded: import without vocabulary padding (test_vocab_padding covers padding).
     assert run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "back"),
-                "--quiet"]) == 0
+                "--quiet", "--vocab-size-divisible-by", "1"]) == 0
     a, b = all_tensors(tmp_path / "orig"), all_tensors(tmp_path / "back")
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
     side = read_sidecar(resolve_checkpoint(tmp_path / "back"))
-    assert side.model == cfg
+    assert side.model == cfg.model_copy(update={"vocab_size_divisible_by": 1})  # the padding rule it was given
     assert side.tokenizer_fingerprint == read_sidecar(resolve_checkpoint(tmp_path / "orig")).tokenizer_fingerprint
     assert "OK" in run_verify(tmp_path / "back")
 
@@ -170,7 +171,9 @@ def test_import_from_transformers_save_pretrained(tmp_path):
     model.load_state_dict(load_model_tensors(directory))
     tokens = torch.randint(0, 300, (2, 32))
     with torch.no_grad():
-        assert (model.eval()(tokens) - hf(tokens).logits).abs().max().item() < 1e-4
+        logits = model.eval()(tokens)  # imported padded to 384 rows (vocab_size_divisible_by 128)
+        assert logits.shape[-1] == 384 and torch.isneginf(logits[..., 300:]).all()
+        assert (logits[..., :300] - hf(tokens).logits).abs().max().item() < 1e-4
 
 
 def test_import_unsupported_architecture_exit_2(tmp_path, capsys):

@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--input", required=True, help="Hugging Face model directory")
     i.add_argument("--output", required=True, help="new checkpoints directory to create")
     i.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="stored dtype (default: as in the input)")
+    i.add_argument("--vocab-size-divisible-by", type=int, default=128, metavar="N",
+                   help="pad the embedding and head rows with zeros to a multiple of N (Megatron's "
+                        "--make-vocab-size-divisible-by; the padded rows' logits are -inf, exports cut them off; "
+                        "`reshard` re-pads to N x its tensor-parallel size when needed; default 128, 1 = no padding)")
     common(i)
 
     v = sub.add_parser("verify", help="check a checkpoint's integrity",
@@ -136,6 +140,7 @@ def run(argv: list[str] | None = None) -> int:
         from tessera.ckpt_convert.import_hf import import_hf
 
         out = import_hf(args.input, args.output, dtype=parse_dtype(args.dtype),
+                        vocab_size_divisible_by=_positive("--vocab-size-divisible-by", args.vocab_size_divisible_by),
                         overwrite=args.overwrite, quiet=args.quiet, sync=args.sync)
         print(out)
     elif args.verb == "verify":

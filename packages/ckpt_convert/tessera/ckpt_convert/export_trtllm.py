@@ -132,7 +132,7 @@ def _rep(ts: list[torch.Tensor], r: int) -> torch.Tensor:
 
 def _lm_head(cfg: ModelConfig, tp: int) -> Make:
     def make(ts: list[torch.Tensor], r: int) -> torch.Tensor:
-        w = ts[0]
+        w = ts[0][:cfg.vocab_size]  # Tessera's own vocabulary padding off; TensorRT-LLM pads to tp
         pad = padded_vocab(cfg.vocab_size, tp) - cfg.vocab_size
         if pad:
             w = torch.nn.functional.pad(aligned(w), (0, 0, 0, pad))
@@ -150,7 +150,8 @@ def items(cfg: ModelConfig, tp: int, pp: int) -> list[Item]:
     per_stage = cfg.num_layers // pp
     norm_suffixes = ("weight",) if llama else ("weight", "bias")
     has_bias = cfg.bias
-    out = [Item("transformer.vocab_embedding.weight", 0, ("embed_tokens.weight",), (v, d), _rep)]
+    out = [Item("transformer.vocab_embedding.weight", 0, ("embed_tokens.weight",), (v, d),
+                lambda ts, r: ts[0][:v])]  # without Tessera's vocabulary padding
     if not llama:
         out.append(Item("transformer.position_embedding.weight", 0, ("pos_embed.weight",), (cfg.max_seq_len, d), _rep))
     for i in range(cfg.num_layers):

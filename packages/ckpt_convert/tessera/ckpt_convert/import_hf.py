@@ -65,7 +65,7 @@ class SafetensorsDir:
 
 
 def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | None = None,
-              overwrite: bool = False, quiet: bool = False, sync: bool = True) -> Path:
+              vocab_size_divisible_by: int = 128, overwrite: bool = False, quiet: bool = False, sync: bool = True) -> Path:
     """`sync=False`: no fsync of the output (see options.NO_SYNC_HELP); still renamed when whole."""
     input_dir, output = Path(input_dir), Path(output)
     if not input_dir.is_dir():
@@ -74,6 +74,8 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     config_path = input_dir / CONFIG
     cfg, _ = read_hf_config(input_dir)  # the one HF adapter, shared with tessera-serve
+    # Megatron's vocabulary padding at tensor parallel 1 (zero rows; reshard re-pads for larger sizes).
+    cfg = cfg.model_copy(update={"vocab_size_divisible_by": vocab_size_divisible_by}).padded_for(1)
     weights = SafetensorsDir(input_dir)
     rules, optional = import_rules(cfg, weights.names())
     check_import(rules, weights, str(input_dir), optional)  # every input tensor, before writing anything

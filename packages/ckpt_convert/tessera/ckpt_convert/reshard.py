@@ -16,6 +16,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import torch
+
 from tessera.ckpt_convert.dcp_writer import Chunk, ShardedDcpWriter, whole
 from tessera.ckpt_convert.export_hf import expected_model_shapes
 from tessera.ckpt_convert.partition import match_param, model_chunks, state_chunks
@@ -30,12 +32,18 @@ from tessera.common.checkpoint import (
 )
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, fsync_tree
+from tessera.common.hf import VOCAB_PARAMS
 from tessera.common.layout import ParallelLayout, validate_layout
+from tessera.common.model_config import ModelConfig
 
 
-def plan(src: CheckpointSource, layout: ParallelLayout) -> dict[str, list[Chunk]]:
-    """DCP key -> the chunks each target rank stores, for every tensor in the checkpoint."""
+def plan(src: CheckpointSource, layout: ParallelLayout,
+         target: ModelConfig | None = None) -> tuple[dict[str, list[Chunk]], dict[str, int]]:
+    """(DCP key -> the chunks each target rank stores, for every tensor in the checkpoint; DCP key ->
+    new row count for the vocabulary tensors, and their optimizer state, when `target` re-pads the
+    vocabulary)."""
     cfg = src.sidecar.model
+    target = target or cfg
     expected = expected_model_shapes(cfg)
     for name, shape in expected.items():
         have = src.model_specs.get(name)
@@ -45,13 +53,30 @@ def plan(src: CheckpointSource, layout: ParallelLayout) -> dict[str, list[Chunk]
             raise UserError(f"{src.directory}: model tensor {name!r} has shape {list(have.shape)}, "
                             f"the sidecar's model config implies {list(shape)}")
     out: dict[str, list[Chunk]] = {}
+    resize: dict[str, int] = {}
+
+    def shape_of(key: str, param: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if param in VOCAB_PARAMS and target.vocab_rows != cfg.vocab_rows:
+            resize[key] = target.vocab_rows
+            return (target.vocab_rows, *shape[1:])
+        return shape
+
     for key, spec in src.tensor_specs.items():
         if key.startswith(MODEL_PREFIX) and key[len(MODEL_PREFIX):] in expected:
-            out[key] = model_chunks(key[len(MODEL_PREFIX):], spec.shape, cfg, layout)
+            name = key[len(MODEL_PREFIX):]
+            out[key] = model_chunks(name, shape_of(key, name, spec.shape), target, layout)
             continue
         param = match_param(key, expected, spec.shape) if not key.startswith(MODEL_PREFIX) else None
-        out[key] = state_chunks(param, spec.shape, cfg, layout) if param else whole(spec.shape)
-    return out
+        out[key] = state_chunks(param, shape_of(key, param, spec.shape), target, layout) if param \
+            else whole(spec.shape)
+    return out, resize
+
+
+def repad_rows(tensor: torch.Tensor, vocab_size: int, rows: int) -> torch.Tensor:
+    """A vocabulary tensor (or its optimizer state) cut to its vocab_size real rows and zero-padded
+    to `rows`: the padding is zero wherever it comes from (init, import, training: no gradient)."""
+    real = tensor[:vocab_size]
+    return torch.cat([real, real.new_zeros(rows - vocab_size, *real.shape[1:])])
 
 
 def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, overwrite: bool = False,
@@ -61,9 +86,12 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
     output = Path(output)
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
-    validate_layout(src.sidecar.model, layout)  # the trainer's check, without its batch and world-size parts
-    layout = layout.resolved(src.sidecar.model.num_layers)
-    chunks = plan(src, layout)
+    # Megatron re-pads the vocabulary for each tensor-parallel size; here the rows are kept wherever
+    # the new size divides them (a checkpoint stays layout-free) and re-padded when it does not.
+    target_cfg = src.sidecar.model.refit_for(layout.tensor)
+    validate_layout(target_cfg, layout)  # the trainer's check, without its batch and world-size parts
+    layout = layout.resolved(target_cfg.num_layers)
+    chunks, resize = plan(src, layout, target_cfg)
     planner_data = src.metadata.planner_data if isinstance(src.metadata.planner_data, dict) else {}
     step = src.sidecar.step
     total = sum(s.nbytes for s in src.tensor_specs.values())
@@ -76,6 +104,8 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
             for key, key_chunks in chunks.items():
                 # Memory-mapped when stored whole; only written (the writer realigns what it computes on).
                 tensor = src.load([key], raw=True)[key]
+                if key in resize:
+                    tensor = repad_rows(tensor, target_cfg.vocab_size, resize[key])
                 writer.write_tensor(key, tensor, key_chunks, planner_data.get(key))
                 bar.update(src.tensor_specs[key].nbytes)
                 del tensor
@@ -93,6 +123,7 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
                 fsync_tree(target / TOKENIZER_DIR)
         sidecar = src.sidecar.model_copy(deep=True)
         sidecar.layout = layout
+        sidecar.model = target_cfg
         sidecar.resharded_from = src.sidecar.layout.short()  # type: ignore[attr-defined]  # extra field
         finalize_checkpoint(target, sidecar, written, sync=sync)  # rank files hashed as written; .metadata here
         write_pointer(tmp, step, sync=sync)

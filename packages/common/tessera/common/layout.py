@@ -146,9 +146,9 @@ def validate_layout(
                         "split, not replicated, so tensor parallel cannot exceed them")
     if cfg.ffn_hidden_size % tp:
         raise UserError(f"--tensor-parallel {tp} must divide ffn_hidden_size ({cfg.ffn_hidden_size})")
-    if cfg.vocab_size % tp:
-        raise UserError(f"--tensor-parallel {tp} must divide vocab_size ({cfg.vocab_size}); pad the vocabulary "
-                        f"to a multiple of {tp}")
+    if cfg.vocab_rows % tp:
+        raise UserError(f"--tensor-parallel {tp} must divide the vocabulary rows ({cfg.vocab_rows}); pad the vocabulary "
+                        f"(model.vocab_size_divisible_by; `tessera-ckpt reshard` re-pads a checkpoint)")
     if seq_len is not None:
         if sequence_parallel and tp > 1 and seq_len % tp:
             raise UserError(f"sequence parallel: seq_len ({seq_len}) must be divisible by --tensor-parallel {tp}")

@@ -226,6 +226,15 @@ def document_attention_mask(document_ids: torch.Tensor, dtype: torch.dtype) -> t
     return mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
+def mask_vocab_padding(logits: torch.Tensor, vocab_size: int, vocab_start: int = 0) -> torch.Tensor:
+    """`logits` [..., V_local] for vocabulary rows vocab_start.. with columns of ids >= vocab_size
+    (padding, see ModelConfig.padded_vocab_size) set to -inf; unchanged (no copy) without padding."""
+    local = logits.shape[-1]
+    if vocab_start + local <= vocab_size:
+        return logits
+    padded = torch.arange(vocab_start, vocab_start + local, device=logits.device) >= vocab_size
+    return logits.masked_fill(padded, float("-inf"))
+
 
 class Transformer(nn.Module):
     """Embedding -> blocks -> final norm -> output head.
@@ -238,7 +247,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_rows, cfg.hidden_size)
         self.pos_embed: nn.Embedding | None = (
             nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if cfg.position == "learned" else None
         )
@@ -247,7 +256,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
         self.final_norm: nn.Module | None = make_norm(cfg)
         self.lm_head: nn.Linear | None = (
-            None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_rows, bias=False)
         )
         # Whether this module produces logits (a pipeline stage may hold the head but not the
         # embedding, with tied weights kept in sync by the pipeline runtime).
@@ -260,20 +269,37 @@ class Transformer(nn.Module):
         Normal(0, init_std) for embeddings and linear weights, scaled by 1/sqrt(2 L) for the
         projections that write into the residual stream (o_proj, down_proj); zero biases; unit
         norms. Parameters are visited in name order so a given generator seed gives the same
-        weights whatever device or pipeline split.
+        weights whatever device or pipeline split. Padded vocabulary rows are zero and draw nothing from
+        the generator, so the real weights do not depend on the padding (nor on the tensor-parallel size
+        that chose it).
         """
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
         for name, module in sorted(self.named_modules(), key=lambda kv: kv[0]):
             if isinstance(module, nn.Linear):
                 s = out_std if name.endswith(("o_proj", "down_proj")) else std
-                nn.init.normal_(module.weight, 0.0, s, generator=generator)
+                nn.init.normal_(self._real_rows(name, module.weight), 0.0, s, generator=generator)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, std, generator=generator)
+                nn.init.normal_(self._real_rows(name, module.weight), 0.0, std, generator=generator)
+            if name in ("embed_tokens", "lm_head") and self.cfg.vocab_rows > self.cfg.vocab_size:
+                module.weight[self.cfg.vocab_size:].zero_()
             elif isinstance(module, (nn.LayerNorm, RMSNorm, RotaryEmbedding)):
                 module.reset_parameters()
+
+    def _real_rows(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        return weight[: self.cfg.vocab_size] if name in ("embed_tokens", "lm_head") else weight
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, vocab_start: int = 0) -> torch.Tensor:
+        """The output head: hidden @ weight.T, with the padded vocabulary rows' logits at -inf.
+
+        The one place padding is masked: forward, the tensor-parallel head (`weight` a vocab slice
+        starting at row `vocab_start`) and the server's sampler all come here, so no loss, softmax,
+        evaluation or sample ever sees a padded row.
+        """
+        out = F.linear(hidden, self.output_weight() if weight is None else weight)
+        return mask_vocab_padding(out, self.cfg.vocab_size, vocab_start)
 
     def output_weight(self) -> torch.Tensor:
         if self.lm_head is not None:
@@ -325,7 +351,7 @@ class Transformer(nn.Module):
         h = self.final_norm(h)
         if return_hidden or not self.has_head:
             return h
-        return F.linear(h, self.output_weight())
+        return self.logits(h)
 
 
 def build_model(

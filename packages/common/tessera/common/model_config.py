@@ -29,7 +29,9 @@ class ModelConfig(StrictModel):
     """Shape and flavour of a decoder-only transformer."""
 
     arch: Literal["llama", "gpt2"] = Field("llama", description="Family, which decides export names (LlamaForCausalLM or GPT2LMHeadModel).")
-    vocab_size: int = Field(..., gt=0, description="Rows of the embedding and the output head (tokenizer vocab, possibly padded).")
+    vocab_size: int = Field(..., gt=0, description="Token ids the model reads and predicts: the tokenizer's vocabulary (what exports show).")
+    padded_vocab_size: int | None = Field(None, gt=0, description="Rows of the embedding and the output head when more than vocab_size (set by `padded_for`); the rows past vocab_size are zero-initialised and their logits are -inf. null = vocab_size rows.")
+    vocab_size_divisible_by: int = Field(128, gt=0, description="Vocabulary padding rule (Megatron's --make-vocab-size-divisible-by): a new model's rows are vocab_size rounded up to a multiple of this x tensor-parallel size.")
     hidden_size: int = Field(..., gt=0, description="Model width d.")
     num_layers: int = Field(..., gt=0, description="Number of transformer blocks.")
     num_heads: int = Field(..., gt=0, description="Query heads.")
@@ -65,6 +67,8 @@ class ModelConfig(StrictModel):
             raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
         if self.num_heads % self.kv_heads:
             raise ValueError(f"num_kv_heads ({self.kv_heads}) must divide num_heads ({self.num_heads})")
+        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size ({self.padded_vocab_size}) is below vocab_size ({self.vocab_size})")
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}")
         return self
@@ -73,6 +77,25 @@ class ModelConfig(StrictModel):
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding and the head: the vocabulary plus its padding."""
+        return self.padded_vocab_size or self.vocab_size
+
+    def padded_for(self, tensor_parallel: int) -> ModelConfig:
+        """This config with Megatron's padding for a new model at `tensor_parallel`: rows = vocab_size
+        rounded up to a multiple of vocab_size_divisible_by x tensor_parallel.
+
+        A model that exists already (a checkpoint) keeps its rows at every layout they divide, so
+        checkpoints stay layout-free; `refit_for` re-pads only when the rows do not divide."""
+        multiple = self.vocab_size_divisible_by * tensor_parallel
+        rows = -(-self.vocab_size // multiple) * multiple
+        return self.model_copy(update={"padded_vocab_size": rows if rows != self.vocab_size else None})
+
+    def refit_for(self, tensor_parallel: int) -> ModelConfig:
+        """Itself when `tensor_parallel` divides its rows, else re-padded by `padded_for`."""
+        return self if self.vocab_rows % tensor_parallel == 0 else self.padded_for(tensor_parallel)
 
     @property
     def head_dim(self) -> int:
@@ -89,7 +112,7 @@ class ModelConfig(StrictModel):
     # ---- accounting ----------------------------------------------------------------------
     def num_params(self, include_embedding: bool = True) -> int:
         """Exact parameter count of `Transformer(self)` (tested against the real module)."""
-        d, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
+        d, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_rows
         norm_params = d * (2 if self.norm == "layernorm" else 1)
         attn = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
         mlp = (3 if self.activation == "swiglu" else 2) * d * f
@@ -114,7 +137,7 @@ class ModelConfig(StrictModel):
         d, f = self.hidden_size, self.ffn_hidden_size
         attn = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
         mlp = (3 if self.activation == "swiglu" else 2) * d * f
-        return self.num_layers * (attn + mlp) + self.vocab_size * d
+        return self.num_layers * (attn + mlp) + self.vocab_rows * d
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), PaLM convention.

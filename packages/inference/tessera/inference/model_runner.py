@@ -285,4 +285,4 @@ class ModelRunner:
         finally:
             step, self._step = self._step, None
         rows = hidden[0].index_select(0, step.logits_rows)
-        return torch.nn.functional.linear(rows, self.model.output_weight()).float()
+        return self.model.logits(rows).float()  # padded vocabulary rows at -inf: never sampled

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tessera.common.model import mask_vocab_padding
+
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
                        reduction: str = "mean") -> torch.Tensor:
@@ -57,7 +59,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # type: ignore[override]
-                chunk_tokens: int, ignore_index: int, compute_dtype: torch.dtype, mean: bool) -> torch.Tensor:
+                chunk_tokens: int, ignore_index: int, compute_dtype: torch.dtype, mean: bool,
+                vocab_size: int) -> torch.Tensor:
         # hidden [N, d], weight [V, d], labels [N]. Autocast is switched off in here and its choice
         # (compute_dtype) applied by hand: the matmuls run in it, softmax and loss in fp32 (or
         # fp64 for fp64 inputs), as F.linear under autocast followed by an fp32 cross-entropy would.
@@ -75,7 +78,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk_tokens):
                 h = hidden[start:start + chunk_tokens].to(compute_dtype)
                 y = labels[start:start + chunk_tokens]
-                logits = (h @ w.t()).to(acc)
+                logits = mask_vocab_padding((h @ w.t()).to(acc), vocab_size)  # padded rows: -inf, zero grads
                 lse = torch.logsumexp(logits, dim=1)
                 hit = vocab_index == y.unsqueeze(1)  # the one-hot target (no row for ignored labels)
                 row_valid = (y != ignore_index).to(acc)
@@ -100,19 +103,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                          ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+                          ignore_index: int = -100, reduction: str = "mean",
+                          vocab_size: int | None = None) -> torch.Tensor:
     """Same value as cross_entropy_loss(F.linear(hidden, weight), labels), chunk_tokens rows at a time.
 
     hidden [B, T, d] (final-normed), weight [V, d] (the output head), labels [B, T]. Under autocast
     the head matmuls run in the autocast dtype and the softmax in fp32, as in the unchunked path.
     Mean over non-ignored positions (reduction="sum": their sum); 0 (with zero gradients) when every
-    label is ignored.
+    label is ignored. Rows of `weight` from `vocab_size` on (vocabulary padding) get -inf logits, as
+    the model's head gives them.
     """
     device_type = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     return _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, 1), weight, labels.flatten(), chunk_tokens,
-                                            ignore_index, compute_dtype, reduction == "mean")
+                                            ignore_index, compute_dtype, reduction == "mean",
+                                            weight.shape[0] if vocab_size is None else vocab_size)

@@ -79,7 +79,8 @@ class TrainStep:
             if self.loss_chunk_tokens is None:
                 return self._loss(inputs, labels, model_inputs, reduction)
             return chunked_cross_entropy(self._hidden(inputs, model_inputs), self.model.output_weight(), labels,
-                                         self.loss_chunk_tokens, reduction=reduction)
+                                         self.loss_chunk_tokens, reduction=reduction,
+                                         vocab_size=self.model.cfg.vocab_size)
 
     def __call__(self, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], num_micro_batches: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:

@@ -119,8 +119,16 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
                         f"({manifest.vocab_size}, {manifest_path})")
     resume_from = latest_checkpoint(cfg.checkpoint_dir) if resume else None
     fingerprint = mixture_fingerprint(cfg.data.mixture)
+    existing = resume_from or (cfg.checkpoint.init_from if cfg.checkpoint.init_from is not None else None)
+    model = pad_vocabulary(model, cfg, layout.tensor, read_sidecar(resolve_checkpoint(existing)).model
+                           if existing is not None else None)
     if resume_from is not None:
         sidecar = read_sidecar(resume_from)
+        if sidecar.model != model and sidecar.model == model.model_copy(
+                update={"padded_vocab_size": sidecar.model.padded_vocab_size}):
+            raise ArtifactError(f"{resume_from}: checkpoint's {sidecar.model.vocab_rows} vocabulary rows do not divide "
+                                f"tensor parallel {layout.tensor}; `tessera-ckpt reshard` it to this layout (which "
+                                "re-pads them) and resume from that")
         if sidecar.model != model:
             raise ArtifactError(f"{resume_from}: checkpoint holds a different model than the config "
                                 "(compare model sections); resume with the config it was trained with")
@@ -187,6 +195,17 @@ def end_of_document_id(cfg: TrainConfig, manifest: MixtureManifest, tokenizer: T
 
 
 TRAINING_ONLY_MODEL_FIELDS = {"dropout", "attention_dropout", "init_std"}
+
+
+def pad_vocabulary(model: ModelConfig, cfg: TrainConfig, tp: int, saved: ModelConfig | None) -> ModelConfig:
+    """The embedding/head rows: model.padded_vocab_size when given; else a checkpoint's (resume,
+    init_from) whenever this tensor-parallel size divides them, so checkpoints stay layout-free; else
+    Megatron's rule for a new model (ModelConfig.padded_for)."""
+    if "padded_vocab_size" in cfg.model:
+        return model
+    if saved is not None and saved.vocab_size == model.vocab_size and saved.vocab_rows % tp == 0:
+        return model.model_copy(update={"padded_vocab_size": saved.padded_vocab_size})
+    return model.padded_for(tp)
 
 
 def check_init_from(path: Path, model: ModelConfig, tokenizer: Tokenizer) -> Path:

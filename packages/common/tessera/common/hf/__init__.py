@@ -23,6 +23,7 @@ from tessera.common.hf.directory import (
 )
 from tessera.common.hf.registry import (
     ARCHITECTURES,
+    VOCAB_PARAMS,
     architecture_for,
     architecture_of,
     check_exportable,
@@ -34,7 +35,7 @@ from tessera.common.hf.registry import (
 from tessera.common.hf.rules import WEIGHT_DTYPES, Combine, Rule, WeightSource, check_import
 
 __all__ = [
-    "ARCHITECTURES", "CONFIG", "GENERATION_CONFIG", "HEAD", "HF_DTYPE_NAMES", "SAFETENSORS", "SAFETENSORS_INDEX",
+    "ARCHITECTURES", "CONFIG", "GENERATION_CONFIG", "HEAD", "HF_DTYPE_NAMES", "SAFETENSORS", "SAFETENSORS_INDEX", "VOCAB_PARAMS",
     "WEIGHT_DTYPES", "Combine", "HFArchitecture", "HFConfig", "Rule", "SafetensorsWeights", "WeightSource",
     "architecture_for", "architecture_of", "check_exportable", "check_import", "eos_token_ids", "export_rules",
     "hf_config", "import_rules", "is_hf_directory", "load_hf_weights", "model_config_from_hf", "read_hf_config",

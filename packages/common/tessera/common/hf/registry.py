@@ -6,6 +6,7 @@ it in `ARCHITECTURES`. Import, export and serving all go through the functions b
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,8 +16,11 @@ from tessera.common.errors import ArtifactError, UserError
 from tessera.common.hf.architecture import HEAD, HF_DTYPE_NAMES, HFArchitecture, HFConfig
 from tessera.common.hf.gpt2 import GPT2
 from tessera.common.hf.llama import Llama
-from tessera.common.hf.rules import Rule
+from tessera.common.hf.rules import Rule, rows, zero_rows
 from tessera.common.model_config import ModelConfig
+
+# Tessera parameters with one row per vocabulary entry (and padding rows past the vocabulary).
+VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 
 ARCHITECTURES: tuple[HFArchitecture, ...] = (Llama(), GPT2())
 
@@ -84,14 +88,36 @@ def check_exportable(cfg: ModelConfig) -> None:
 
 
 def export_rules(cfg: ModelConfig) -> list[Rule]:
-    """Tessera parameter names -> transformers tensors, one rule per transformers tensor."""
+    """Tessera parameter names -> transformers tensors, one rule per transformers tensor. Vocabulary
+    padding is cut off: transformers sees the tokenizer's vocab_size rows."""
     arch = architecture_for(cfg)
     arch.check_exportable(cfg)
-    return arch.export_rules(cfg)
+    rules = arch.export_rules(cfg)
+    if cfg.vocab_rows == cfg.vocab_size:
+        return rules
+    out = []
+    for r in rules:
+        if r.sources and r.sources[0] in VOCAB_PARAMS:
+            assert r.combine is None and len(r.sources) == 1, r
+            r = replace(r, combine=rows(0, cfg.vocab_size, transposed=False),
+                        source_shapes=((cfg.vocab_rows, *r.shape[1:]),))
+        out.append(r)
+    return out
 
 
 def import_rules(cfg: ModelConfig, hf_names: set[str]) -> tuple[list[Rule], frozenset[str]]:
     """(rules producing every Tessera parameter, names that may be present unread: a tied model's
-    lm_head, which transformers ignores too)."""
+    lm_head, which transformers ignores too). With `cfg` padded (ModelConfig.padded_for), the
+    embedding and head get zero rows up to its vocab_rows."""
     optional = frozenset({HEAD}) if cfg.tie_embeddings else frozenset()
-    return architecture_for(cfg).import_rules(cfg, hf_names), optional
+    rules = architecture_for(cfg).import_rules(cfg, hf_names)
+    if cfg.vocab_rows == cfg.vocab_size:
+        return rules, optional
+    out = []
+    for r in rules:
+        if r.target in VOCAB_PARAMS:
+            assert r.combine is None and len(r.sources) == 1, r
+            r = replace(r, shape=(cfg.vocab_rows, *r.shape[1:]), combine=zero_rows(cfg.vocab_rows - cfg.vocab_size),
+                        source_shapes=(r.shape,))
+        out.append(r)
+    return out, optional

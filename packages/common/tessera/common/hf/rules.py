@@ -82,6 +82,13 @@ def rows(lo: int, hi: int, transposed: bool) -> Combine:
     return take
 
 
+def zero_rows(n: int) -> Combine:
+    """The input with `n` zero rows appended (vocabulary padding on import)."""
+    def pad(ts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([ts[0], ts[0].new_zeros(n, *ts[0].shape[1:])])
+    return pad
+
+
 def inverse(rules: list[Rule]) -> list[Rule]:
     """The import rules of an export made only of renames (same shapes, no combine)."""
     assert all(r.combine is None and len(r.sources) == 1 for r in rules)

@@ -19,7 +19,7 @@ partial and all-reduced over the tensor group by the gradient code, which reads 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from torch import nn
 
 from tessera.common.model import Transformer
@@ -120,4 +120,5 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, model: Transform
         hidden = gather_seq(hidden, group)
     else:
         hidden = copy_to_tp(hidden, group)
-    return F.linear(hidden, weight)
+    # The model's head masks this slice's padded vocabulary rows (ids >= vocab_size) to -inf.
+    return model.logits(hidden, weight, vocab_start=dist.get_rank(group) * weight.shape[0])

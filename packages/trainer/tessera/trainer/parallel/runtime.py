@@ -102,7 +102,7 @@ class ParallelRuntime:
             logits_dtype = self._autocast_dtype() or dtype
             self._schedules[num_microbatches] = make_schedule(
                 self.stages, self.groups, num_microbatches, self.pcfg.micro_batch, self.cfg.hidden_size,
-                self.cfg.vocab_size, dtype, self.stages[0].model.sequence_parallel, self._micro_batch_loss,
+                self.cfg.vocab_rows, dtype, self.stages[0].model.sequence_parallel, self._micro_batch_loss,
                 logits_dtype=logits_dtype, loss_hook=self._scale_loss)
         return self._schedules[num_microbatches]
 
