@@ -76,7 +76,8 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 120) 
         return json.loads(resp.read())
 
 
-def serve_and_generate(checkpoint: Path) -> str:
+def serve_and_generate(checkpoint: Path, path: str = "/v1/completions", body: dict | None = None) -> dict:
+    """Start tessera-serve on `checkpoint`, POST `body` (with the served model's name) to `path`, stop it."""
     port = free_port()
     cmd = [str(BIN / "tessera-serve"), "--checkpoint", str(checkpoint), "--port", str(port)]
     print("$ " + " ".join(cmd), flush=True)
@@ -94,9 +95,8 @@ def serve_and_generate(checkpoint: Path) -> str:
                     raise SystemExit("tessera-serve did not become healthy within 120 s") from None
                 time.sleep(0.5)
         model = http("GET", f"http://127.0.0.1:{port}/v1/models")["data"][0]["id"]
-        reply = http("POST", f"http://127.0.0.1:{port}/v1/completions",
-                     {"model": model, "prompt": PROMPT, "max_tokens": 48, "temperature": 0.0})
-        return reply["choices"][0]["text"]
+        body = body or {"prompt": PROMPT, "max_tokens": 48, "temperature": 0.0}
+        return http("POST", f"http://127.0.0.1:{port}{path}", {"model": model, **body})
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -142,7 +142,7 @@ def main() -> None:
     print(f"hf export: {hf_dir}")
 
     banner("6/6 tessera-serve: completion over HTTP")
-    text = serve_and_generate(checkpoint)
+    text = serve_and_generate(checkpoint)["choices"][0]["text"]
     print(f"prompt:     {PROMPT!r}\ncompletion: {text!r}")
     print(f"\ndemo finished in {time.time() - start:.0f} s; artifacts under {WORK}")
 

@@ -236,14 +236,18 @@ class IndexedDataset:
             self.verifier(start, n)
         return self._bin[start:start + n]
 
-    def document_tokens(self, doc: int) -> np.ndarray:
-        """All tokens of document `doc` (its sequences back to back)."""
+    def document_range(self, doc: int) -> tuple[int, int]:
+        """(first token, number of tokens) of document `doc` in `.bin` (and in a parallel array such
+        as the loss mask)."""
         first, last = int(self.doc_idx[doc]), int(self.doc_idx[doc + 1])
         if first == last:
-            return self._bin[0:0]
-        start = int(self.pointers[first]) // self.dtype.itemsize
-        n = int(self.lengths[first:last].astype(np.int64).sum())
-        if self.verifier is not None:
+            return 0, 0
+        return int(self.pointers[first]) // self.dtype.itemsize, int(self.lengths[first:last].astype(np.int64).sum())
+
+    def document_tokens(self, doc: int) -> np.ndarray:
+        """All tokens of document `doc` (its sequences back to back)."""
+        start, n = self.document_range(doc)
+        if n and self.verifier is not None:
             self.verifier(start, n)
         return self._bin[start:start + n]
 

@@ -23,6 +23,7 @@ Dataset paths in the manifest are relative to the mixture directory when they ca
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import read_json, sha256_file
 from tessera.common.indexed_dataset import IndexedDataset
-from tessera.common.shard import open_shard, shard_fingerprint
+from tessera.common.shard import open_loss_mask, open_shard, shard_fingerprint
 
 MIXTURE_FORMAT = "tessera-mixture"
 MIXTURE_FORMAT_VERSION = 1
@@ -118,6 +119,7 @@ class MixtureSplit:
         self.split = split
         self.seq_length = self.manifest.seq_length
         self.datasets: list[IndexedDataset] = []
+        self.masks: list[np.ndarray | None] = []
         for entry in self.manifest.datasets:
             prefix = resolve_prefix(self.directory, entry.prefix)
             if check_fingerprints:
@@ -126,6 +128,10 @@ class MixtureSplit:
                     raise ArtifactError(f"{prefix}.json: shard changed since the mixture was built "
                                         f"(fingerprint {actual[:19]}… != {entry.fingerprint[:19]}…); rebuild the mixture")
             self.datasets.append(open_shard(prefix, verify, vocab_size=self.manifest.vocab_size))
+            self.masks.append(open_loss_mask(prefix, self.datasets[-1].num_tokens, verify))
+        # Fine-tuning data: a loss mask per token (tessera.common.shard); a dataset without one, blended
+        # with masked ones, counts every token.
+        self.has_loss_mask = any(m is not None for m in self.masks)
         self.num_samples = self.manifest.splits[split].num_samples
         if verify != "off":
             self._verify_index_files()
@@ -168,18 +174,32 @@ class MixtureSplit:
     def __len__(self) -> int:
         return self.num_samples
 
-    def dataset_sample(self, k: int, j: int) -> np.ndarray:
-        """Sample j of dataset k's stream in this split."""
+    def dataset_sample(self, k: int, j: int, document: Callable[[int], np.ndarray] | None = None) -> np.ndarray:
+        """Sample j of dataset k's stream in this split: its tokens, or what `document(doc)` gives
+        per document (the loss mask)."""
         ds, doc_index, sample_index = self.datasets[k], self.document_index[k], self.sample_index[k]
+        document = document or ds.document_tokens
         i = int(self.shuffle_index[k][j])
         p0, o0 = (int(x) for x in sample_index[i])
         p1, o1 = (int(x) for x in sample_index[i + 1])
         if p0 == p1:
-            return ds.document_tokens(int(doc_index[p0]))[o0:o1 + 1].astype(np.int64)
-        parts = [ds.document_tokens(int(doc_index[p0]))[o0:]]
-        parts.extend(ds.document_tokens(int(doc_index[p])) for p in range(p0 + 1, p1))
-        parts.append(ds.document_tokens(int(doc_index[p1]))[:o1 + 1])
+            return document(int(doc_index[p0]))[o0:o1 + 1].astype(np.int64)
+        parts = [document(int(doc_index[p0]))[o0:]]
+        parts.extend(document(int(doc_index[p])) for p in range(p0 + 1, p1))
+        parts.append(document(int(doc_index[p1]))[:o1 + 1])
         return np.concatenate(parts).astype(np.int64)
+
+    def loss_mask(self, n: int) -> np.ndarray:
+        """Sample n's loss mask (int64 0/1, aligned with `self[n]`); all ones for a dataset without one."""
+        k, j = int(self.dataset_index[n]), int(self.dataset_sample_index[n])
+        ds, mask = self.datasets[k], self.masks[k]
+        if mask is None:
+            return np.ones(len(self[n]), dtype=np.int64)
+
+        def document(doc: int) -> np.ndarray:
+            start, count = ds.document_range(doc)
+            return mask[start:start + count]
+        return self.dataset_sample(k, j, document)
 
     def __getitem__(self, n: int) -> np.ndarray:
         if not 0 <= n < self.num_samples:

@@ -10,6 +10,12 @@ and merge) let a reader verify exactly what it reads, the first time it reads it
 hashing a whole shard up front: `open_shard` attaches a `BlockVerifier` that hashes a block and
 checks its token ids against the vocabulary before the first token of that block is handed out.
 Measured cost, and the rejected alternative of per-sample checks, in docs/operations.md.
+
+Loss masks (fine-tuning data, `tessera-data prep --format chat|prompt-completion`) are a fourth
+file, `<prefix>.mask.bin`: one uint8 per token of `.bin`, in the same order, 1 where the token is
+a target the loss counts (an answer token) and 0 where it is context (system, user, template
+text). The manifest says `loss_mask: true` and records its sha256 as `checksums["mask"]`. Megatron's
+readers never open it, so to them the shard is plain tokens.
 """
 
 from __future__ import annotations
@@ -56,10 +62,38 @@ class ShardManifest(BaseModel):
     block_size: int | None = Field(None, description="Bytes per block of `.bin` covered by one entry of block_checksums (null: none recorded).")
     block_checksum_algorithm: str = Field(BLOCK_ALGORITHM, description="Algorithm of block_checksums.")
     block_checksums: list[str] = Field(default_factory=list, description="Hex digest of each block of `.bin` in order (the last block may be short).")
+    loss_mask: bool = Field(False, description="`<prefix>.mask.bin` holds a uint8 per token: 1 where the loss counts the token as a target (sha256 in checksums['mask']).")
 
 
 def manifest_path(prefix: str | os.PathLike) -> Path:
     return Path(f"{prefix}.json")
+
+
+MASK_SUFFIX = ".mask.bin"
+
+
+def mask_path(prefix: str | os.PathLike) -> Path:
+    return Path(f"{prefix}{MASK_SUFFIX}")
+
+
+def open_loss_mask(prefix: str | os.PathLike, num_tokens: int, verify: str = "first-read") -> np.ndarray | None:
+    """The shard's loss mask, memory-mapped (uint8 per token), or None when its manifest has none.
+    Unless `verify` is `off` its size and sha256 are checked now (one byte per token: cheap)."""
+    path = manifest_path(prefix)
+    manifest = read_shard_manifest(prefix) if path.is_file() else None
+    if manifest is None or not manifest.loss_mask:
+        return None
+    mpath = mask_path(prefix)
+    if not mpath.is_file():
+        raise ArtifactError(f"{mpath}: loss mask missing ({path.name} says the shard has one); copy it with the "
+                            "shard or prepare the shard again")
+    if mpath.stat().st_size != num_tokens:
+        raise ArtifactError(f"{mpath}: {mpath.stat().st_size} bytes for {num_tokens} tokens; the loss mask is "
+                            "truncated or belongs to another shard")
+    if verify != "off" and sha256_file(mpath) != manifest.checksums.get("mask"):
+        raise ArtifactError(f"{mpath}: sha256 does not match checksums['mask'] in {path.name}; the loss mask is "
+                            "corrupt or was changed after prep")
+    return np.memmap(mpath, dtype=np.uint8, mode="r") if num_tokens else np.zeros(0, dtype=np.uint8)
 
 
 def shard_fingerprint(prefix: str | os.PathLike) -> str:

@@ -37,6 +37,11 @@ def _add_prep(sub) -> None:
     p.add_argument("--input", "--inputs", dest="inputs", nargs="+", action="extend", required=True, metavar="PATH",
                    help="Input files, folders or globs (quote globs): *.jsonl[.gz|.zst], *.parquet, plain-text files "
                    "(one document per file), folders, Hugging Face datasets folders (save_to_disk). Repeatable.")
+    p.add_argument("--format", choices=["text", "chat", "prompt-completion"], default="text",
+                   help="text (default): pretraining text under --json-keys. chat: JSONL records with 'messages' "
+                   "rendered by the tokenizer's chat template; prompt-completion: 'prompt' + 'completion' (strings, "
+                   "or lists of messages). Both write <prefix>_<messages|completion>_document with a loss mask "
+                   "(<prefix>.mask.bin: the answer tokens) that the trainer applies.")
     p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                    help="Keys/columns holding the text; one shard set per key (default: text).")
     p.add_argument("--output-prefix", required=True, type=Path,

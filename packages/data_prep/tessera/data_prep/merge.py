@@ -23,6 +23,8 @@ from tessera.common.shard import (
     BlockHasher,
     ShardManifest,
     manifest_path,
+    mask_path,
+    open_loss_mask,
     read_shard_manifest,
     shard_fingerprint,
 )
@@ -93,6 +95,9 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
             os.fsync(out.fileno())
         write_index_chunks(idx_path(staging), dtype, num_seqs, num_docs + 1, length_chunks, doc_chunks())
         checksums = {"bin": whole.hexdigest(), "idx": sha256_file(idx_path(staging))}
+        loss_mask = any(m.loss_mask for m in manifests)
+        if loss_mask:  # fine-tuning shards: their masks in the same order; an unmasked input counts every token
+            checksums["mask"] = _merge_masks(inputs, datasets, mask_path(staging))
         inputs_seen: dict[tuple, dict] = {}
         for m in manifests:
             for inp in m.inputs:
@@ -103,7 +108,7 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
             tokenizer_fingerprint=first.tokenizer_fingerprint, vocab_size=first.vocab_size, dtype=dtype.name,
             num_documents=num_docs, num_tokens=sum(ds.num_tokens for ds in datasets), append_eod=first.append_eod,
             eod_id=first.eod_id, json_key=keys.pop() if len(keys) == 1 else None, inputs=list(inputs_seen.values()),
-            checksums=checksums, block_size=BLOCK_SIZE, block_checksums=blocks.finish(),
+            checksums=checksums, block_size=BLOCK_SIZE, block_checksums=blocks.finish(), loss_mask=loss_mask,
             created_by="tessera-data merge",
             tokenizer=_tokenizer_rel(inputs[0], first, output),
             merged_from=[{"prefix": str(p), "fingerprint": shard_fingerprint(p), "num_documents": ds.num_documents}
@@ -113,14 +118,33 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
                 old.unlink()  # the manifest goes last; never leave an old one beside new data
         os.replace(bin_path(staging), bin_path(output))
         os.replace(idx_path(staging), idx_path(output))
+        if loss_mask:
+            os.replace(mask_path(staging), mask_path(output))
         atomic_write_json(manifest_path(output), manifest.model_dump(mode="json"))
     finally:
-        for p in (bin_path(staging), idx_path(staging)):
+        for p in (bin_path(staging), idx_path(staging), mask_path(staging)):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
     if not quiet:
         print(f"merged {len(inputs)} shards into {output}: {num_docs:,} documents", flush=True)
     return output
+
+
+def _merge_masks(inputs: list[Path], datasets: list, out_path: Path) -> str:
+    """Concatenate the inputs' loss masks (each checked against its manifest) into `out_path`; returns
+    the sha256 of what was written."""
+    digest = hashlib.sha256()
+    with open(out_path, "wb") as out:
+        for p, ds in zip(inputs, datasets):
+            mask = open_loss_mask(p, ds.num_tokens)
+            for s in range(0, ds.num_tokens, 1 << 24):
+                chunk = (np.ones(min(1 << 24, ds.num_tokens - s), dtype=np.uint8) if mask is None
+                         else np.asarray(mask[s:s + (1 << 24)])).tobytes()
+                digest.update(chunk)
+                out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    return digest.hexdigest()
 
 
 def _copy_verified(prefix: Path, manifest: ShardManifest, dtype: np.dtype, out, hashers) -> None:

@@ -26,6 +26,7 @@ from tessera.common.progress import progress
 from tessera.common.shard import ShardInput
 from tessera.common.tokenizer import TOKENIZER_JSON, Tokenizer, load_tokenizer
 from tessera.data_prep.encode import BatchEncoder, EncodedBatch, OrderedEncoder
+from tessera.data_prep.sft import OUTPUT_KEY, write_sft_shards
 from tessera.data_prep.shard_writer import ShardSetWriter, output_prefixes, parse_max_shard_size
 from tessera.data_prep.sources import (
     InputFile,
@@ -43,6 +44,9 @@ MAX_EXAMPLES_IN_MANIFEST = 1000  # exact counts always; locations of the first t
 class PrepConfig(StrictModel):
     """Everything `tessera-data prep` does, validated before any work starts."""
 
+    format: Literal["text", "chat", "prompt-completion"] = Field("text", description="Input records: text "
+                                                                 "under --json-keys (pretraining), or fine-tuning "
+                                                                 "data with a loss mask (tessera.data_prep.sft).")
     inputs: list[str] = Field(min_length=1, description="Input files, folders or globs (JSONL[.gz|.zst], Parquet, "
                               "plain text, Hugging Face datasets folders).")
     json_keys: list[str] = Field(["text"], min_length=1, description="Keys (columns) holding the text; one output "
@@ -131,20 +135,29 @@ def shard_base(output_prefix: Path, key: str) -> Path:
     return Path(f"{output_prefix}_{key}_document")
 
 
+def output_keys(cfg: PrepConfig) -> list[str]:
+    """The <key> of each output shard set: --json-keys, or the fine-tuning format's one."""
+    return cfg.json_keys if cfg.format == "text" else [OUTPUT_KEY[cfg.format]]
+
+
 def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
     """All checks that need no reading of the data. Returns the inputs and the tokenizer dir to write."""
     if cfg.train_tokenizer == (cfg.tokenizer is not None):
         raise UserError("give exactly one of --tokenizer DIR (use an existing tokenizer) or --train-tokenizer")
+    if cfg.format != "text" and (cfg.train_tokenizer or cfg.json_keys != ["text"]):
+        raise UserError(f"--format {cfg.format}: give the model's --tokenizer (its chat template renders the records); "
+                        "--train-tokenizer and --json-keys apply to --format text")
     if cfg.tokenizer_output is not None and not cfg.train_tokenizer:
         raise UserError("--tokenizer-output only applies with --train-tokenizer")
     inputs = resolve_inputs(cfg.inputs)
-    check_inputs(inputs, cfg.json_keys, cfg.hf_split)
+    if cfg.format == "text":
+        check_inputs(inputs, cfg.json_keys, cfg.hf_split)
     if cfg.skipped_log is not None and cfg.skipped_log.is_dir():
         raise UserError(f"--skipped-log {cfg.skipped_log}: is a folder; give a file name")
     ensure_output_dir(cfg.output_prefix.parent, "--output-prefix")
     if cfg.skipped_log is not None:
         ensure_output_dir(cfg.skipped_log.parent, "--skipped-log")
-    for key in cfg.json_keys:
+    for key in output_keys(cfg):
         existing = output_prefixes(shard_base(cfg.output_prefix, key))
         if existing and not cfg.overwrite:
             raise UserError(f"{existing[0]}: output already exists; choose another --output-prefix or pass --overwrite")
@@ -239,6 +252,8 @@ def _prep(cfg: PrepConfig, inputs: list[InputFile], tok_out: Path | None) -> lis
         if bos_id is None:
             raise UserError(f"{tokenizer.directory}: tokenizer has no bos token (tokenizer_config.json bos_token); "
                             "fix it or drop --append-bos")
+    if cfg.format != "text":
+        return _prep_sft(cfg, inputs, tokenizer, bos_id, eod_id)
     vocab_size = tokenizer.vocab_size
     dtype = token_dtype_for_vocab(vocab_size)
     max_tokens = parse_max_shard_size(cfg.max_shard_size, dtype.itemsize) if cfg.max_shard_size else None
@@ -289,6 +304,32 @@ def _prep(cfg: PrepConfig, inputs: list[InputFile], tok_out: Path | None) -> lis
     finally:
         skips.close(success)
     _summary(cfg, published, docs, tokens, skips, time.perf_counter() - started, tok_out)
+    return published
+
+
+def _prep_sft(cfg: PrepConfig, inputs: list[InputFile], tokenizer: Tokenizer, bos_id: int | None,
+              eod_id: int | None) -> list[Path]:
+    """Fine-tuning data (tessera.data_prep.sft): one loss-masked shard set, same manifest and summary."""
+    key = output_keys(cfg)[0]
+    skips = SkipReport(cfg.on_error, cfg.skipped_log)
+    started = time.perf_counter()
+    success = False
+    try:
+        writer, docs, tokens = write_sft_shards(cfg, inputs, tokenizer, skips, shard_base(cfg.output_prefix, key),
+                                                bos_id, eod_id)
+        try:
+            if docs == 0:
+                raise UserError(f"{cfg.inputs[0]}: no usable {cfg.format} records in the input "
+                                f"({skips.total} records skipped)")
+            fields = {**_manifest_fields(cfg, tokenizer, inputs, skips), "json_key": key, "sft_format": cfg.format}
+            published = writer.commit(fields)
+        except BaseException:
+            writer.abort()
+            raise
+        success = True
+    finally:
+        skips.close(success)
+    _summary(cfg, published, docs, tokens, skips, time.perf_counter() - started, None)
     return published
 
 

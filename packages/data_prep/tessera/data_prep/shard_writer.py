@@ -22,7 +22,7 @@ import numpy as np
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_write_json, sha256_file
 from tessera.common.indexed_dataset import IndexedDatasetWriter, bin_path, idx_path
-from tessera.common.shard import BLOCK_SIZE, BlockHasher, ShardManifest, manifest_path
+from tessera.common.shard import BLOCK_SIZE, BlockHasher, ShardManifest, manifest_path, mask_path
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -44,7 +44,7 @@ def parse_max_shard_size(text: str, itemsize: int) -> int:
 
 def output_prefixes(base: Path) -> list[Path]:
     """Existing shards (finished or not) at `base` or `base_NNNNN`, for overwrite checks."""
-    pattern = re.compile(re.escape(base.name) + r"(_\d{5})?\.(bin|idx|json)$")
+    pattern = re.compile(re.escape(base.name) + r"(_\d{5})?\.(bin|idx|json|mask\.bin)$")
     if not base.parent.is_dir():
         return []
     return sorted(p for p in base.parent.iterdir() if pattern.fullmatch(p.name))
@@ -58,13 +58,18 @@ class _Staged:
     num_tokens: int
     bin_sha256: str
     block_checksums: list[str]
+    mask_sha256: str | None = None
 
 
 class ShardSetWriter:
-    """Writes the documents of one key into shards of at most `max_tokens` tokens each."""
+    """Writes the documents of one key into shards of at most `max_tokens` tokens each; with
+    `loss_mask`, a uint8 per token into `<prefix>.mask.bin` beside each (tessera.common.shard)."""
 
-    def __init__(self, base: Path, dtype: np.dtype, max_tokens: int | None):
+    def __init__(self, base: Path, dtype: np.dtype, max_tokens: int | None, loss_mask: bool = False):
         self.base = Path(base)
+        self.loss_mask = loss_mask
+        self._mask_file: Any = None
+        self._mask_hash = hashlib.sha256()
         self.dtype = np.dtype(dtype)
         self.max_tokens = max_tokens
         self._tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -86,6 +91,9 @@ class ShardSetWriter:
             self._writer = IndexedDatasetWriter(staging, self.dtype)
             self._hash = hashlib.sha256()
             self._blocks = BlockHasher()
+            if self.loss_mask:
+                self._mask_file = open(mask_path(staging), "wb")  # noqa: SIM115 - closed with the shard
+                self._mask_hash = hashlib.sha256()
         return self._writer
 
     def _close_current(self) -> None:
@@ -93,23 +101,37 @@ class ShardSetWriter:
         if w is None:
             return
         w.finalize()
+        mask_sha = None
+        if self._mask_file is not None:
+            self._mask_file.flush()
+            os.fsync(self._mask_file.fileno())
+            self._mask_file.close()
+            self._mask_file, mask_sha = None, self._mask_hash.hexdigest()
         self._staged.append(_Staged(w.prefix, self._final_prefix(len(self._staged)), w.num_documents,
-                                    w.num_tokens, self._hash.hexdigest(), self._blocks.finish()))
+                                    w.num_tokens, self._hash.hexdigest(), self._blocks.finish(), mask_sha))
         self._writer = None
 
-    def _write(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def _write(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None) -> None:
         w = self._open()
         data = memoryview(np.ascontiguousarray(tokens, dtype=self.dtype)).cast("B")
         self._hash.update(data)
         self._blocks.update(data)
         w.add_raw(data, lengths)
+        if self._mask_file is not None:
+            assert mask is not None and len(mask) == len(tokens)
+            raw = np.ascontiguousarray(mask, dtype=np.uint8).tobytes()
+            self._mask_hash.update(raw)
+            self._mask_file.write(raw)
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Append documents (tokens back to back, and their lengths), cutting shards at document ends."""
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Append documents (tokens back to back, and their lengths; with loss_mask their mask, one
+        value per token), cutting shards at document ends."""
+        if self.loss_mask and mask is None:
+            raise ValueError("this writer stores a loss mask: give one per token")
         self.num_documents += len(lengths)
         self.num_tokens += int(lengths.sum())
         if self.max_tokens is None:
-            self._write(tokens, lengths)
+            self._write(tokens, lengths, mask)
             return
         ends = np.cumsum(lengths)
         doc, tok = 0, 0
@@ -125,7 +147,7 @@ class ShardSetWriter:
                     self._close_current()
                     continue
             end_tok = int(ends[cut - 1])
-            self._write(tokens[tok:end_tok], lengths[doc:cut])
+            self._write(tokens[tok:end_tok], lengths[doc:cut], None if mask is None else mask[tok:end_tok])
             doc, tok = cut, end_tok
             if self._writer is not None and self._writer.num_tokens >= self.max_tokens:
                 self._close_current()
@@ -141,10 +163,14 @@ class ShardSetWriter:
         for i, s in enumerate(self._staged):
             os.replace(bin_path(s.staging), bin_path(s.final))
             os.replace(idx_path(s.staging), idx_path(s.final))
+            checksums = {"bin": s.bin_sha256, "idx": sha256_file(idx_path(s.final))}
+            if s.mask_sha256 is not None:
+                os.replace(mask_path(s.staging), mask_path(s.final))
+                checksums["mask"] = s.mask_sha256
             fields = dict(manifest_fields)
             fields.update(num_documents=s.num_documents, num_tokens=s.num_tokens, dtype=self.dtype.name,
-                          checksums={"bin": s.bin_sha256, "idx": sha256_file(idx_path(s.final))},
-                          block_size=BLOCK_SIZE, block_checksums=s.block_checksums)
+                          checksums=checksums, block_size=BLOCK_SIZE, block_checksums=s.block_checksums,
+                          loss_mask=s.mask_sha256 is not None)
             if self.max_tokens is not None:
                 fields.update(shard_index=i, num_shards=len(self._staged))
             manifest = ShardManifest.model_validate(fields)
@@ -154,11 +180,16 @@ class ShardSetWriter:
         return published
 
     def abort(self) -> None:
+        if self._mask_file is not None:
+            self._mask_file.close()
+            self._mask_file = None
         if self._writer is not None:
+            with contextlib.suppress(FileNotFoundError):
+                mask_path(self._writer.prefix).unlink()
             self._writer.abort()
             self._writer = None
         for s in self._staged:
-            for p in (bin_path(s.staging), idx_path(s.staging)):
+            for p in (bin_path(s.staging), idx_path(s.staging), mask_path(s.staging)):
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
         self._staged = []

@@ -238,6 +238,17 @@ def _extract(obj: Any, keys: list[str]) -> tuple[tuple[str, ...] | None, str | N
 
 
 def _read_jsonl(inp: InputFile, keys: list[str], progress: Progress | None) -> Iterator[Record]:
+    for line_no, obj, error in read_json_objects(inp, progress):
+        if error is not None:
+            yield Record(line_no, None, error)
+            continue
+        values, error = _extract(obj, keys)
+        yield Record(line_no, values, error)
+
+
+def read_json_objects(inp: InputFile, progress: Progress | None = None) -> Iterator[tuple[int, Any, str | None]]:
+    """(line, parsed JSON value, None) or (line, None, why it is unreadable) for every non-blank line of
+    a JSON Lines input (plain, .gz or .zst); the file's sha256 is set on `inp` once it is read whole."""
     stream, hashing = _open_stream(inp.path, progress)
     loads = json.loads
     try:
@@ -248,16 +259,15 @@ def _read_jsonl(inp: InputFile, keys: list[str], progress: Progress | None) -> I
                 try:
                     obj = loads(line)
                 except UnicodeDecodeError:
-                    yield Record(line_no, None, "invalid UTF-8")
+                    yield line_no, None, "invalid UTF-8"
                     continue
                 except ValueError as exc:
-                    yield Record(line_no, None, f"malformed JSON ({getattr(exc, 'msg', exc)})")
+                    yield line_no, None, f"malformed JSON ({getattr(exc, 'msg', exc)})"
                     continue
                 except RecursionError:  # json's decoder recurses once per nesting level
-                    yield Record(line_no, None, "JSON nested too deeply")
+                    yield line_no, None, "JSON nested too deeply"
                     continue
-                values, error = _extract(obj, keys)
-                yield Record(line_no, values, error)
+                yield line_no, obj, None
         except (OSError, EOFError, zlib.error) as exc:  # gzip/zstd corruption or truncation
             raise UserError(f"{inp.path}: cannot read ({str(exc).splitlines()[0]}); "
                             "the file is corrupt or truncated") from None

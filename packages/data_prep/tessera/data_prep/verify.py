@@ -6,6 +6,7 @@ Checks, in order (the first failure is reported with the file and what is wrong)
            document index starts at 0, never decreases, ends at the sequence count
   sizes    `.bin` holds exactly the tokens the index describes
   manifest dtype, document and token counts agree; sha256 of `.bin` and `.idx` match
+  mask     a fine-tuning shard's `.mask.bin`: present, one byte per token, its sha256 matches
   tokens   every id is >= 0 and < vocab_size (from the manifest, or --vocab-size)
 Works on Megatron-made shards without a manifest too (manifest checks are then skipped).
 """
@@ -20,7 +21,7 @@ import numpy as np
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import sha256_file
 from tessera.common.indexed_dataset import bin_path, idx_path, read_index, validate_index
-from tessera.common.shard import manifest_path, read_shard_manifest
+from tessera.common.shard import manifest_path, open_loss_mask, read_shard_manifest
 
 _CHUNK = 1 << 24  # elements per chunk, so verification memory stays flat for any shard size
 
@@ -62,6 +63,8 @@ def verify_shard(prefix: str | Path, vocab_size: int | None = None, check_checks
                 if sha256_file(path) != want:
                     raise ArtifactError(f"{path}: sha256 does not match the manifest's; the file is corrupt or was "
                                         "changed after prep")
+        # A fine-tuning shard's loss mask: present, one byte per token, matching checksums["mask"].
+        open_loss_mask(prefix, offset // itemsize, "first-read" if check_checksums else "off")
         vocab_size = vocab_size if vocab_size is not None else m.vocab_size
     max_token = None
     total = offset // itemsize

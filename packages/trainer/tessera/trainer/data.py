@@ -82,14 +82,19 @@ class MixtureBatches:
 
         A mixture built for a longer sequence serves a shorter one by taking the first
         seq_length + 1 tokens of each sample. With data.eod_mask_loss, labels whose input token is
-        the end-of-document token are IGNORE_INDEX (documents.py).
+        the end-of-document token are IGNORE_INDEX (documents.py); with a loss-masked mixture
+        (fine-tuning data), so are labels whose token the mask excludes.
         """
         n = len(self.split)
         rows = [self.split[int(i) % n][: self.seq_length + 1] for i in sample_ids]
         tokens = torch.from_numpy(np.stack(rows))
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         if self.documents is not None:
-            labels = self.documents.mask_labels(inputs, labels)
+            label_mask = None
+            if self.documents.loss_mask:
+                masks = [self.split.loss_mask(int(i) % n)[: self.seq_length + 1] for i in sample_ids]
+                label_mask = torch.from_numpy(np.stack(masks))[:, 1:]
+            labels = self.documents.mask_labels(inputs, labels, label_mask)
         return inputs, labels
 
     def micro_batches(self, plan: MicroBatchPlan, consumed_samples: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -12,6 +12,10 @@ default the model sees the sample as one text. These options make it see the doc
   the whole global batch (not a mean of micro-batch means, which would weight a token by how
   many others its micro-batch lost).
 
+Fine-tuning data carries a loss mask per token (tessera.common.shard: 1 on answer tokens); with
+`loss_mask` the labels whose target token the mask excludes are ignored, and the loss is the same
+per-token mean over the whole global batch as with eod_mask_loss (`per_token_loss`).
+
 The EOD token ends its document: tokens up to and including an EOD belong to one document, the
 token after it starts the next. Everything here is a pure function of the input tokens, so every
 rank and every layout derives the same positions, masks and labels.
@@ -28,10 +32,16 @@ IGNORE_INDEX = -100  # label value the losses skip (F.cross_entropy's default ig
 
 @dataclass(frozen=True)
 class DocumentMasking:
-    eod_id: int
+    eod_id: int | None  # None: only the loss mask is used (no document options)
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    loss_mask: bool = False  # the mixture carries loss masks (fine-tuning data)
+
+    @property
+    def per_token_loss(self) -> bool:
+        """The loss is the mean over the counted tokens of the global batch."""
+        return self.eod_mask_loss or self.loss_mask
 
     def model_inputs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Keyword arguments for the model's forward: `positions` and/or `document_ids`, [B, T]."""
@@ -49,11 +59,15 @@ class DocumentMasking:
             out["positions"] = index - last_start
         return out
 
-    def mask_labels(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Labels with IGNORE_INDEX where the input token is EOD (when eod_mask_loss)."""
-        if not self.eod_mask_loss:
-            return labels
-        return labels.masked_fill(inputs == self.eod_id, IGNORE_INDEX)
+    def mask_labels(self, inputs: torch.Tensor, labels: torch.Tensor,
+                    label_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Labels with IGNORE_INDEX where the input token is EOD (when eod_mask_loss) and where
+        `label_mask` (the loss mask of the label tokens, [B, T]) is 0 (when loss_mask)."""
+        if self.eod_mask_loss:
+            labels = labels.masked_fill(inputs == self.eod_id, IGNORE_INDEX)
+        if self.loss_mask and label_mask is not None:
+            labels = labels.masked_fill(label_mask == 0, IGNORE_INDEX)
+        return labels
 
 
 def loss_token_count(labels: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ class TrainStep:
         # Packed-document options: positions / document ids for the forward, and (eod_mask_loss)
         # a loss averaged over the counted tokens of the whole batch.
         self.documents = documents
-        self.per_token_loss = documents is not None and documents.eod_mask_loss
+        self.per_token_loss = documents is not None and documents.per_token_loss
         self.optimizer = optimizer
         self.precision = precision
         self.grad_clip = grad_clip

@@ -143,10 +143,11 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
     if cfg.checkpoint.init_from is not None and resume_from is None:
         init_from = check_init_from(cfg.checkpoint.init_from, model, tokenizer)
     documents = None
-    if cfg.data.document_options:
+    loss_mask = mixture_has_loss_mask(Path(cfg.data.mixture), manifest)
+    if cfg.data.document_options or loss_mask:
         d = cfg.data
-        documents = DocumentMasking(end_of_document_id(cfg, manifest, tokenizer), d.reset_position_ids,
-                                    d.reset_attention_mask, d.eod_mask_loss)
+        eod = end_of_document_id(cfg, manifest, tokenizer) if d.document_options else None
+        documents = DocumentMasking(eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss, loss_mask)
     counts = None
     if layout.world_size > 1:
         counts = validate_layout(model, layout, seq_len=t.seq_length, global_batch=t.global_batch_size,
@@ -165,6 +166,12 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
 
 
 DOCUMENT_OPTIONS = "data.reset_position_ids, reset_attention_mask and eod_mask_loss"
+
+
+def mixture_has_loss_mask(mixture: Path, manifest: MixtureManifest) -> bool:
+    """Whether any shard of the mixture is fine-tuning data with a loss mask (then the loss counts
+    only its answer tokens, per token over the global batch: tessera.trainer.documents)."""
+    return any(read_shard_manifest(resolve_prefix(mixture, e.prefix)).loss_mask for e in manifest.datasets)
 
 
 def end_of_document_id(cfg: TrainConfig, manifest: MixtureManifest, tokenizer: Tokenizer) -> int:

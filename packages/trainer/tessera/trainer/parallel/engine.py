@@ -53,7 +53,7 @@ class ParallelEngine:
                            sequence_parallel=p.sequence_parallel, distributed_optimizer=p.distributed_optimizer,
                            bucket_numel=p.bucket_numel, seed=t.seed,
                            autocast_bf16=t.precision == "bf16", autocast_fp16=t.precision == "fp16",
-                           per_token_loss=documents is not None and documents.eod_mask_loss),
+                           per_token_loss=documents is not None and documents.per_token_loss),
             OptimConfig(lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
                         weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.grad_clip or None),
             build_model=builder)
