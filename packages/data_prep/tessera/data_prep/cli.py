@@ -47,13 +47,17 @@ def _add_prep(sub) -> None:
     p.add_argument("--output-prefix", required=True, type=Path,
                    help="Output prefix: writes <prefix>_<key>_document.{bin,idx,json}.")
     tok = p.add_argument_group("tokenizer (exactly one of --tokenizer / --train-tokenizer)")
-    tok.add_argument("--tokenizer", type=Path, metavar="DIR", help="Existing Hugging Face tokenizer directory.")
+    tok.add_argument("--tokenizer", type=Path, metavar="DIR|FILE",
+                     help="Existing Hugging Face tokenizer directory, or a SentencePiece .model / tiktoken BPE file "
+                     "(converted with transformers' converters into --tokenizer-output first).")
+    tok.add_argument("--tiktoken-pattern", metavar="REGEX",
+                     help="Split pattern of a tiktoken --tokenizer file (default: cl100k's, as Llama 3).")
     tok.add_argument("--train-tokenizer", action="store_true",
                      help="Train a byte-level BPE on the inputs first (special tokens <|endoftext|> = eos/pad/EOD, "
                      "<|begin_of_text|> = bos).")
     tok.add_argument("--vocab-size", type=int, default=32000, help="Vocabulary size to train (default 32000).")
     tok.add_argument("--tokenizer-output", type=Path, metavar="DIR",
-                     help="Where the trained tokenizer goes (default: <output-prefix dir>/tokenizer).")
+                     help="Where the trained or converted tokenizer goes (default: <output-prefix dir>/tokenizer).")
     tok.add_argument("--tokenizer-train-docs", type=int, metavar="N",
                      help="Train on at most the first N documents (default: all).")
     tok.add_argument("--model-max-length", type=int, default=8192,

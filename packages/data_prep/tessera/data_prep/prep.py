@@ -36,6 +36,7 @@ from tessera.data_prep.sources import (
     read_records,
     resolve_inputs,
 )
+from tessera.data_prep.tokenizer_convert import convert_tokenizer
 from tessera.data_prep.tokenizer_train import EOD_TOKEN, save_tokenizer, train_bpe
 
 MAX_EXAMPLES_IN_MANIFEST = 1000  # exact counts always; locations of the first this many skips
@@ -52,7 +53,11 @@ class PrepConfig(StrictModel):
     json_keys: list[str] = Field(["text"], min_length=1, description="Keys (columns) holding the text; one output "
                                  "shard set per key, named <prefix>_<key>_document.")
     output_prefix: Path = Field(description="Output prefix; shards are <prefix>_<key>_document.bin/.idx/.json.")
-    tokenizer: Path | None = Field(None, description="Existing Hugging Face tokenizer directory (tokenizer.json).")
+    tokenizer: Path | None = Field(None, description="Existing Hugging Face tokenizer directory (tokenizer.json), or "
+                                   "a SentencePiece .model / tiktoken BPE file, converted into --tokenizer-output "
+                                   "first (tessera.data_prep.tokenizer_convert).")
+    tiktoken_pattern: str | None = Field(None, description="Split regex of a tiktoken --tokenizer file (default: "
+                                         "cl100k's, which Llama 3 uses).")
     train_tokenizer: bool = Field(False, description="Train a byte-level BPE tokenizer on the inputs first.")
     vocab_size: int = Field(32000, ge=258, description="Vocabulary size of a trained tokenizer (with special tokens).")
     tokenizer_output: Path | None = Field(None, description="Where a trained tokenizer is written; default "
@@ -147,8 +152,11 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
     if cfg.format != "text" and (cfg.train_tokenizer or cfg.json_keys != ["text"]):
         raise UserError(f"--format {cfg.format}: give the model's --tokenizer (its chat template renders the records); "
                         "--train-tokenizer and --json-keys apply to --format text")
-    if cfg.tokenizer_output is not None and not cfg.train_tokenizer:
-        raise UserError("--tokenizer-output only applies with --train-tokenizer")
+    converting = cfg.tokenizer is not None and cfg.tokenizer.is_file()
+    if cfg.tokenizer_output is not None and not (cfg.train_tokenizer or converting):
+        raise UserError("--tokenizer-output only applies with --train-tokenizer or a --tokenizer file to convert")
+    if cfg.tiktoken_pattern is not None and not converting:
+        raise UserError("--tiktoken-pattern only applies to a tiktoken --tokenizer file")
     inputs = resolve_inputs(cfg.inputs)
     if cfg.format == "text":
         check_inputs(inputs, cfg.json_keys, cfg.hf_split)
@@ -162,7 +170,7 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
         if existing and not cfg.overwrite:
             raise UserError(f"{existing[0]}: output already exists; choose another --output-prefix or pass --overwrite")
     tok_out = None
-    if cfg.train_tokenizer:
+    if cfg.train_tokenizer or converting:
         tok_out = cfg.tokenizer_output or cfg.output_prefix.parent / "tokenizer"
         if tok_out.exists() and not cfg.overwrite:
             raise UserError(f"{tok_out}: tokenizer directory already exists; reuse it with --tokenizer {tok_out}, "
@@ -238,7 +246,14 @@ def run_prep(cfg: PrepConfig) -> list[Path]:
 
 
 def _prep(cfg: PrepConfig, inputs: list[InputFile], tok_out: Path | None) -> list[Path]:
-    tokenizer = _train(cfg, inputs, tok_out) if tok_out is not None else load_tokenizer(cfg.tokenizer)
+    if tok_out is None:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    elif cfg.train_tokenizer:
+        tokenizer = _train(cfg, inputs, tok_out)
+    else:  # a SentencePiece / tiktoken file, converted by transformers' converters
+        assert cfg.tokenizer is not None
+        tokenizer = load_tokenizer(convert_tokenizer(cfg.tokenizer, tok_out, cfg.model_max_length,
+                                                     cfg.tiktoken_pattern))
     for inp in inputs:
         inp.sha256, inp.records = None, 0
     eod_id = bos_id = None

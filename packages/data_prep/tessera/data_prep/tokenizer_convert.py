@@ -1,0 +1,133 @@
+"""SentencePiece `.model` and tiktoken BPE files -> a Hugging Face tokenizer directory, at prep time.
+
+Tessera's stages load `tokenizer.json` only (tessera.common.tokenizer). Tokenizers released in the
+original formats — a SentencePiece model (Llama 2, T5, Gemma) or a tiktoken BPE file (Llama 3's
+original `tokenizer.model`, OpenAI encodings) — are converted once, when `tessera-data prep
+--tokenizer FILE` is given a file instead of a directory, with the converters transformers
+maintains for its own fast tokenizers (`transformers.convert_slow_tokenizer`): `SpmConverter`
+(`LlamaConverter` for models with byte fallback) and `TikTokenConverter`. No conversion code of
+our own: those converters are what every HF tokenizer of these models was made with.
+
+The format is decided by the content, not the name (Llama 3's tiktoken file is called
+`tokenizer.model`): lines of `<base64 token> <rank>` are tiktoken, anything else must parse as a
+SentencePiece model. A tiktoken file holds no split pattern and no special tokens: the pattern is
+the cl100k / Llama 3 one unless `--tiktoken-pattern` gives another, and `<|endoftext|>` is added
+after the ranks as end-of-document (eos) token.
+
+Needs `sentencepiece` (and protobuf) or `tiktoken`, and transformers: the extras
+`tessera-data-prep[spm]` / `[tiktoken]`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import importlib
+import json
+from pathlib import Path
+
+from tessera.common.errors import UserError
+from tessera.common.fileio import ensure_output_dir
+
+EOD_TOKEN = "<|endoftext|>"
+CL100K_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def _need(module: str, extra: str, path: Path):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"{path}: converting this tokenizer needs {module.split('.')[0]}; install "
+                        f"tessera-data-prep[{extra}]") from None
+
+
+def is_tiktoken_file(path: Path) -> bool:
+    """True when the first lines are `<base64 bytes> <int rank>` (tiktoken's BPE format)."""
+    with open(path, "rb") as f:
+        head = f.read(4096).splitlines()[:8]
+    if not head:
+        return False
+    for line in head:
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            return False
+        try:
+            base64.b64decode(parts[0], validate=True)
+        except (binascii.Error, ValueError):
+            return False
+    return True
+
+
+class _SentencePieceSource:
+    """What transformers' SentencePiece converters read of a slow tokenizer: the model file, its
+    pieces, and Llama's legacy flags (prepend a space, as sentencepiece's add_dummy_prefix does)."""
+
+    def __init__(self, path: Path, processor):
+        self.vocab_file = str(path)
+        self.sp = processor
+        self.legacy = True
+        self.add_prefix_space = True
+
+    def convert_ids_to_tokens(self, index: int) -> str:
+        return self.sp.id_to_piece(index)
+
+
+def convert_sentencepiece(path: Path):
+    """(tokenizers.Tokenizer, config fields) from a SentencePiece `.model`."""
+    spm = _need("sentencepiece", "spm", path)
+    _need("google.protobuf", "spm", path)
+    hf = importlib.import_module("transformers.convert_slow_tokenizer")  # the package re-exports a function by that name
+
+    class Extractor(hf.SentencePieceExtractor):
+        # transformers 5's SpmConverter calls `extract(vocab_scores)` on its extractor, whose base
+        # class now takes a model type instead (a mismatch inside transformers 5.x): this is the
+        # Gemma extractor's body (merges ordered by piece score), without its tab workaround.
+        def extract(self, vocab_scores=None):  # type: ignore[override]
+            vocab = {p.piece: i for i, p in enumerate(self.proto.pieces)}
+            return vocab, hf.generate_merges(vocab, vocab_scores)
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(path))
+    except Exception as exc:
+        raise UserError(f"{path}: neither a tiktoken BPE file nor a SentencePiece model "
+                        f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    source = _SentencePieceSource(path, sp)
+    base = hf.SpmConverter
+    if sp.IsByte(sp.piece_to_id("<0x00>")) if sp.get_piece_size() > 3 else False:
+        base = hf.LlamaConverter  # byte fallback (Llama 2 style): unknown bytes become <0xNN> pieces
+    backend = type("Converter", (base,), {"SpmExtractor": Extractor})(source).converted()
+    fields = {}
+    for key, index in (("unk_token", sp.unk_id()), ("bos_token", sp.bos_id()), ("eos_token", sp.eos_id()),
+                       ("pad_token", sp.pad_id())):
+        if 0 <= index < sp.get_piece_size():
+            fields[key] = sp.id_to_piece(index)
+    return backend, fields
+
+
+def convert_tiktoken(path: Path, pattern: str):
+    _need("tiktoken", "tiktoken", path)
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    backend = TikTokenConverter(vocab_file=str(path), pattern=pattern, extra_special_tokens=[EOD_TOKEN]).converted()
+    return backend, {"eos_token": EOD_TOKEN, "pad_token": EOD_TOKEN}
+
+
+def convert_tokenizer(source: Path, out: Path, model_max_length: int, pattern: str | None = None) -> Path:
+    """Write `out/` (tokenizer.json + tokenizer_config.json) converted from the file `source`."""
+    if not source.is_file():
+        raise UserError(f"{source}: tokenizer file not found")
+    if is_tiktoken_file(source):
+        backend, fields = convert_tiktoken(source, pattern or CL100K_PATTERN)
+        kind = "tiktoken"
+    else:
+        if pattern is not None:
+            raise UserError(f"--tiktoken-pattern: {source} is not a tiktoken BPE file")
+        backend, fields = convert_sentencepiece(source)
+        kind = "sentencepiece"
+    ensure_output_dir(out, "--tokenizer-output")
+    backend.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length, **fields,
+        "converted_from": {"path": str(source), "format": kind}}, indent=2, sort_keys=True) + "\n")
+    return out
