@@ -137,6 +137,7 @@ class CheckpointConfig(StrictModel):
     dir: Path | None = Field(None, description="Checkpoints root (iter_NNNNNNN/ + pointer); default <run_dir>/checkpoints.")
     keep_last: int = Field(2, ge=1, description="Keep this many newest checkpoints; older ones are deleted after a save completes.")
     async_save: bool = Field(False, description="Write the periodic checkpoints (save_interval) in the background: training waits only while DCP copies the state into CPU memory, a thread writes and finalizes it (same files and crash safety; at most one in flight). The final save and a save on SIGTERM/SIGINT or exit_after_* stay synchronous. Costs CPU memory for one copy of model + optimizer state (Megatron's --async-save).")
+    verify_on_load: bool = Field(True, description="Before --resume or init_from reads a checkpoint, check every payload file against the sidecar's checksums (the ranks split the files; XXH3 on threads; the time is printed). A corrupt checkpoint is refused with one line, exit 2, instead of training on flipped bytes.")
     init_from: Path | None = Field(None, description="Start a new run from the model weights of this checkpoint (an iter_N directory, a checkpoints directory with a pointer, or a run directory; any parallel layout; e.g. from `tessera-ckpt import`): step 0, fresh optimizer, this config's schedule and data. The model section must match the checkpoint's. Once this run has a checkpoint of its own, --resume continues from that instead (Megatron's --finetune with --load; torchtitan's initial_load_path).")
 
 

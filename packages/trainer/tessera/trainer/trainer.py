@@ -270,7 +270,8 @@ class Trainer:
                                     layout=inputs.layout, mixture_fingerprint=inputs.mixture_fingerprint,
                                     params_dtype="float32", precision=t.precision)
         self.checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last, inputs.tokenizer, sidecar,
-                                             inputs.layout, self.engine.components(), self.say)
+                                             inputs.layout, self.engine.components(), self.say,
+                                             verify_on_load=cfg.checkpoint.verify_on_load)
 
     # ---- output ------------------------------------------------------------------------------
     def say(self, line: str) -> None:
