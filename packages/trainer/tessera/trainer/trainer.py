@@ -54,8 +54,9 @@ from tessera.trainer.checkpointing import (
 )
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.data import MicroBatchPlan, MixtureBatches, global_batch_size_at
-from tessera.trainer.distributed import Runtime
+from tessera.trainer.distributed import Runtime, pick_device
 from tessera.trainer.documents import DocumentMasking, loss_token_count
+from tessera.trainer.fp8 import apply_float8, fp8_device_problem
 from tessera.trainer.host_memory import retain_freed_memory
 from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops
 from tessera.trainer.model_setup import prepare_model
@@ -104,6 +105,8 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
                             f"({layout.data}); pick a start and increment that are")
     if layout.world_size > 1:
         check_parallel_options(cfg)
+    if t.precision == "fp8" and (problem := fp8_device_problem(pick_device(t.device, 0))):
+        raise UserError(problem)
     manifest = read_mixture_manifest(cfg.data.mixture)
     manifest_path = Path(cfg.data.mixture) / MANIFEST
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -224,6 +227,8 @@ def check_parallel_options(cfg: TrainConfig) -> None:
     t = cfg.training
     if t.compile:
         raise UserError("training.compile (--compile) is supported in one process only; drop it under torchrun")
+    if t.precision == "fp8":
+        raise UserError("training.precision=fp8 is supported in one process only so far; use bf16 under torchrun")
     if t.loss_chunk_tokens is not None:
         raise UserError("training.loss_chunk_tokens is for one process; under torchrun the loss is vocab-parallel "
                         "(use parallel.tensor to split the logits) — set training.loss_chunk_tokens=null")
@@ -294,6 +299,8 @@ class Trainer:
         t = self.cfg.training
         # Compilation is the step's (forward and loss in one graph), not the model's.
         self.model = prepare_model(self.model_cfg, self.rt.device, t.seed, t.recompute)
+        if t.precision == "fp8":
+            apply_float8(self.model, t.fp8_recipe, self.rt.device)
         self.optimizer = build_optimizer(self.model, self.cfg.optim)
         self.precision = Precision(t.precision, self.rt.device, t.fp16_initial_scale, t.fp16_growth_interval)
         self.step = TrainStep(self.model, self.optimizer, self.precision, self.cfg.optim.grad_clip,
