@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Heavy imports after argument validation keeps `--help` and bad-usage errors fast.
     from tessera.trainer.distributed import init_runtime, shutdown_runtime
-    from tessera.trainer.trainer import build_trainer, check_inputs
+    from tessera.trainer.trainer import Trainer, check_inputs
 
     runtime = init_runtime(cfg.training.device)
     try:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_output_dirs(cfg)
         if args.resume and inputs.resume_from is None and runtime.is_main:
             print(f"--resume: no checkpoint in {cfg.checkpoint_dir} yet; starting from step 0", flush=True)
-        build_trainer(cfg, inputs, runtime, quiet=args.quiet).train()
+        Trainer(cfg, inputs, runtime, quiet=args.quiet).train()
     finally:
         shutdown_runtime()
     return 0

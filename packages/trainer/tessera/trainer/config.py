@@ -31,7 +31,7 @@ class DataConfig(StrictModel):
     tokenizer: Path = Field(..., description="Tokenizer directory (tokenizer.json); must match the mixture's tokenizer fingerprint. Copied into every checkpoint.")
     train_split: str = Field("train", description="Mixture split to train on.")
     valid_split: str | None = Field("valid", description="Mixture split for evaluation; null disables evaluation.")
-    test_split: str | None = Field("test", description="Mixture split evaluated once when training completes (eval_iters micro-batches, logged as kind test), when evaluation is on (training.eval_interval > 0) and the split has samples; null disables.")
+    test_split: str | None = Field("test", description="Mixture split evaluated once when training completes (eval_iters global batches, logged as kind test), when evaluation is on (training.eval_interval > 0) and the split has samples; null disables.")
     check_fingerprints: bool = Field(True, description="Verify at start that the shards are the ones the mixture was built from (hashes their small manifests).")
     # Document boundaries inside packed samples (Megatron's flags of the same names); the
     # end-of-document token is the shards' recorded eod_id, else the tokenizer's eos token
@@ -96,8 +96,8 @@ class TrainingConfig(StrictModel):
     threads: int | None = Field(None, gt=0, description="torch intra-op threads on CPU (default: torch's choice).")
     log_interval: int = Field(1, gt=0, description="Log a metrics line every N steps.")
     eval_interval: int = Field(0, ge=0, description="Evaluate on the valid split every N steps (and at the end); 0 disables.")
-    eval_iters: int = Field(4, gt=0, description="Micro-batches per evaluation (always the first ones of the valid split, so evaluations compare).")
-    eval_only: bool = Field(False, description="Evaluate and exit (= --eval-only; Megatron's --skip-train): load the model (the checkpoint --resume finds, else checkpoint.init_from, else a fresh init), log the loss on eval_iters micro-batches of the valid split and of the test split (those with samples), train and save nothing. E.g. the validation perplexity of an imported Hugging Face model on your data.")
+    eval_iters: int = Field(4, gt=0, description="Global batches per evaluation (Megatron's --eval-iters): always the first eval_iters x global_batch_size samples of the valid split, whatever the parallel layout, so evaluations compare.")
+    eval_only: bool = Field(False, description="Evaluate and exit (= --eval-only; Megatron's --skip-train): load the model (the checkpoint --resume finds, else checkpoint.init_from, else a fresh init), log the loss on eval_iters global batches of the valid split and of the test split (those with samples), train and save nothing. E.g. the validation perplexity of an imported Hugging Face model on your data.")
     exit_after_steps: int | None = Field(None, gt=0, description="Stop after this many steps in this invocation (saving first, exit 0), e.g. to fit a fixed-length job slot; `--resume` continues. The schedule still spans training.steps.")
     exit_after_minutes: float | None = Field(None, gt=0, description="Stop at the first step that ends this many minutes after the trainer started (saving first, exit 0; every rank stops at the same step), e.g. to fit a job's time limit with room for the save; `--resume` continues (Megatron's --exit-duration-in-mins).")
     save_interval: int = Field(0, ge=0, description="Save a checkpoint every N steps; one is always saved at the end. 0 = only at the end.")
