@@ -143,9 +143,27 @@ class CheckpointConfig(StrictModel):
     init_from: Path | None = Field(None, description="Start a new run from the model weights of this checkpoint (an iter_N directory, a checkpoints directory with a pointer, or a run directory; any parallel layout; e.g. from `tessera-ckpt import`): step 0, fresh optimizer, this config's schedule and data. The model section must match the checkpoint's. Once this run has a checkpoint of its own, --resume continues from that instead (Megatron's --finetune with --load; torchtitan's initial_load_path).")
 
 
+class WandbConfig(StrictModel):
+    """Weights & Biases (the trainer's `trackers` extra)."""
+
+    project: str = Field(description="W&B project name.")
+    name: str | None = Field(None, description="Run name; default W&B's.")
+    mode: Literal["offline", "online"] = Field("offline", description="offline (default): write under <run_dir>/wandb, upload later with `wandb sync`; online needs the network and a login.")
+
+
+class MlflowConfig(StrictModel):
+    """MLflow (the trainer's `trackers` extra)."""
+
+    tracking_uri: str | None = Field(None, description="Tracking store; default a local file store at <run_dir>/mlruns.")
+    experiment: str = Field("tessera", description="Experiment name (created when missing).")
+    run_name: str | None = Field(None, description="Run name; default MLflow's.")
+
+
 class LoggingConfig(StrictModel):
     jsonl: bool = Field(True, description="Write metrics.jsonl (one JSON object per logged step / evaluation) in the run directory.")
-    tensorboard: bool = Field(True, description="Write TensorBoard scalars under <run_dir>/tensorboard (skipped silently when tensorboard is not installed).")
+    tensorboard: bool = Field(True, description="Write TensorBoard scalars under <run_dir>/tensorboard (when tensorboard is not installed: one notice, then skipped).")
+    wandb: WandbConfig | None = Field(None, description="Also log to Weights & Biases (e.g. logging.wandb.project=NAME); offline by default.")
+    mlflow: MlflowConfig | None = Field(None, description="Also log to MLflow (e.g. logging.mlflow.experiment=NAME); a local file store under the run directory by default.")
     params_norm: bool = Field(False, description="Also log the global L2 norm of the parameters at each log step (Megatron's --log-params-norm): one extra pass over the weights, collective under torchrun.")
 
 

@@ -133,9 +133,11 @@ def format_record(rec: dict[str, Any]) -> str:
 class MetricsSink:
     """Console + JSON lines + TensorBoard; only rank 0 writes."""
 
-    def __init__(self, run_dir: Path, jsonl: bool, tensorboard: bool, write, enabled: bool = True):
+    def __init__(self, run_dir: Path, jsonl: bool, tensorboard: bool, write, enabled: bool = True,
+                 trackers: list | None = None):
         self.write = write
         self.enabled = enabled
+        self.trackers = trackers or []  # tessera.trainer.trackers (W&B, MLflow)
         self.started = time.monotonic()
         self.jsonl = None
         self.tb = None
@@ -172,9 +174,14 @@ class MetricsSink:
                         and key not in ("step", "total_steps"):
                     self.tb.add_scalar(prefix + key, value, rec["step"])
             self.tb.flush()
+        for tracker in self.trackers:
+            tracker.log(rec)
 
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []

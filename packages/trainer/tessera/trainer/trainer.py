@@ -55,6 +55,7 @@ from tessera.trainer.profiling import StepProfiler
 from tessera.trainer.schedule import LRSchedule
 from tessera.trainer.signals import StopRequest
 from tessera.trainer.stateful import TrainState
+from tessera.trainer.trackers import open_trackers
 from tessera.trainer.watchdog import StepWatchdog
 
 
@@ -270,7 +271,10 @@ class Trainer:
             self.test_data = split_batches(cfg.data.test_split)
         self.state = TrainState()
         self.flops_per_token = inputs.model.flops_per_token(t.seq_length)
-        self.sink = MetricsSink(cfg.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, self.say, runtime.is_main)
+        trackers = (open_trackers(cfg.logging, cfg.run_dir, cfg.model_dump(mode="json"), self.say)
+                    if runtime.is_main else [])
+        self.sink = MetricsSink(cfg.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, self.say, runtime.is_main,
+                                trackers)
         self.peak_tflops: float | None = None
         self.started = time.monotonic()  # training.exit_after_minutes counts from here
         sidecar = CheckpointSidecar(model=self.model_cfg, tokenizer_fingerprint=inputs.tokenizer.fingerprint,
