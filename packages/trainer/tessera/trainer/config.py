@@ -84,7 +84,8 @@ class TrainingConfig(StrictModel):
     rampup_batch_size: tuple[int, int, int] | None = Field(None, description="Megatron's --rampup-batch-size [start, increment, samples]: the global batch starts at `start` sequences and grows by `increment` at even intervals over the first `samples` consumed samples, up to global_batch_size (tessera.trainer.data.global_batch_size_at). Every size must be a multiple of micro_batch_size x data-parallel size.")
     steps: int = Field(100, gt=0, description="Optimizer steps to train (the run ends when the step counter reaches this).")
     seed: int = Field(1234, description="Seed for weight init and every RNG (python, numpy, torch).")
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged).")
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged); fp8 = bf16 with the linear layers' matmuls in float8 through torchao (one process, GPUs of compute capability 8.9+; tessera.trainer.fp8).")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field("tensorwise", description="fp8 only: torchao Float8 scaling, one scale per tensor (tensorwise, fastest) or per row (rowwise, robust to outliers).")
     fp16_initial_scale: float = Field(2.0**16, gt=0, description="fp16 only: starting loss scale.")
     fp16_growth_interval: int = Field(1000, gt=0, description="fp16 only: steps without overflow before the loss scale doubles.")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute: none; selective = attention core; full = every transformer block.")
@@ -142,6 +143,7 @@ class CheckpointConfig(StrictModel):
     dir: Path | None = Field(None, description="Checkpoints root (iter_NNNNNNN/ + pointer); default <run_dir>/checkpoints.")
     keep_last: int = Field(2, ge=1, description="Keep this many newest checkpoints; older ones are deleted after a save completes.")
     async_save: bool = Field(False, description="Write the periodic checkpoints (save_interval) in the background: training waits only while DCP copies the state into CPU memory, a thread writes and finalizes it (same files and crash safety; at most one in flight). The final save and a save on SIGTERM/SIGINT or exit_after_* stay synchronous. Costs CPU memory for one copy of model + optimizer state (Megatron's --async-save).")
+    verify_on_load: bool = Field(True, description="Before --resume or init_from reads a checkpoint, check every payload file against the sidecar's checksums (the ranks split the files; XXH3 on threads; the time is printed). A corrupt checkpoint is refused with one line, exit 2, instead of training on flipped bytes.")
     init_from: Path | None = Field(None, description="Start a new run from the model weights of this checkpoint (an iter_N directory, a checkpoints directory with a pointer, or a run directory; any parallel layout; e.g. from `tessera-ckpt import`): step 0, fresh optimizer, this config's schedule and data. The model section must match the checkpoint's. Once this run has a checkpoint of its own, --resume continues from that instead (Megatron's --finetune with --load; torchtitan's initial_load_path).")
 
 

@@ -43,9 +43,10 @@ from tessera.trainer.checkpoint_manager import CheckpointManager
 from tessera.trainer.checkpointing import latest_checkpoint, remove_partial_saves
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.data import MicroBatchPlan, MixtureBatches, global_batch_size_at
-from tessera.trainer.distributed import Runtime
+from tessera.trainer.distributed import Runtime, pick_device
 from tessera.trainer.documents import DocumentMasking
 from tessera.trainer.engine import Engine, LocalEngine
+from tessera.trainer.fp8 import fp8_device_problem
 from tessera.trainer.host_memory import retain_freed_memory
 from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops
 from tessera.trainer.parallel.engine import ParallelEngine
@@ -92,6 +93,8 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
                             f"({layout.data}); pick a start and increment that are")
     if layout.world_size > 1:
         check_parallel_options(cfg)
+    if t.precision == "fp8" and (problem := fp8_device_problem(pick_device(t.device, 0))):
+        raise UserError(problem)
     manifest = read_mixture_manifest(cfg.data.mixture)
     manifest_path = Path(cfg.data.mixture) / MANIFEST
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -212,6 +215,8 @@ def check_parallel_options(cfg: TrainConfig) -> None:
     t = cfg.training
     if t.compile:
         raise UserError("training.compile (--compile) is supported in one process only; drop it under torchrun")
+    if t.precision == "fp8":
+        raise UserError("training.precision=fp8 is supported in one process only so far; use bf16 under torchrun")
     if t.loss_chunk_tokens is not None:
         raise UserError("training.loss_chunk_tokens is for one process; under torchrun the loss is vocab-parallel "
                         "(use parallel.tensor to split the logits) — set training.loss_chunk_tokens=null")
@@ -270,7 +275,8 @@ class Trainer:
                                     layout=inputs.layout, mixture_fingerprint=inputs.mixture_fingerprint,
                                     params_dtype="float32", precision=t.precision)
         self.checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last, inputs.tokenizer, sidecar,
-                                             inputs.layout, self.engine.components(), self.say)
+                                             inputs.layout, self.engine.components(), self.say,
+                                             verify_on_load=cfg.checkpoint.verify_on_load)
 
     # ---- output ------------------------------------------------------------------------------
     def say(self, line: str) -> None:
