@@ -41,11 +41,12 @@ def reference_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
                              lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"])
 
 
-def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=None, autocast_bf16: bool = False):
+def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=None, autocast_bf16: bool = False,
+                  grad_norms: list[float] | None = None):
     """Losses of `steps` single-process steps from step `start`; returns (losses, model, optimizer).
 
     With `autocast_bf16` the forward runs under torch.autocast(bf16) over the fp32 model (the
-    trainer's bf16 mode)."""
+    trainer's bf16 mode). The pre-clip gradient norms are appended to `grad_norms` when given."""
     torch.manual_seed(0)
     model = model if model is not None else build_model(cfg, seed=MODEL_SEED)
     opt = opt if opt is not None else reference_optimizer(model)
@@ -57,7 +58,9 @@ def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=
             logits = model(tokens)
         loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), targets.reshape(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["max_grad_norm"])
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["max_grad_norm"])
+        if grad_norms is not None:
+            grad_norms.append(norm.item())
         opt.step()
         losses.append(loss.item())
     return losses, model, opt

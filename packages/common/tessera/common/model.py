@@ -269,18 +269,25 @@ class Transformer(nn.Module):
         norms. Parameters are visited in name order so a given generator seed gives the same
         weights whatever device or pipeline split.
         """
+        for name, module in sorted(self.named_modules(), key=lambda kv: kv[0]):
+            self.init_module(name, module, generator)
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module, generator: torch.Generator | None = None) -> None:
+        """Initialise one module's own parameters, `name` being its name in the whole model.
+        `init_weights` applies this in name order; sharded initialisation replays the same sequence
+        one global module at a time (tessera.trainer.parallel.sharded_init)."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
-        for name, module in sorted(self.named_modules(), key=lambda kv: kv[0]):
-            if isinstance(module, nn.Linear):
-                s = out_std if name.endswith(("o_proj", "down_proj")) else std
-                nn.init.normal_(module.weight, 0.0, s, generator=generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, std, generator=generator)
-            elif isinstance(module, (nn.LayerNorm, RMSNorm, RotaryEmbedding)):
-                module.reset_parameters()
+        if isinstance(module, nn.Linear):
+            s = out_std if name.endswith(("o_proj", "down_proj")) else std
+            nn.init.normal_(module.weight, 0.0, s, generator=generator)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, std, generator=generator)
+        elif isinstance(module, (nn.LayerNorm, RMSNorm, RotaryEmbedding)):
+            module.reset_parameters()
 
     def output_weight(self) -> torch.Tensor:
         if self.lm_head is not None:

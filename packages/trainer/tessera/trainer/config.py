@@ -120,6 +120,10 @@ class ParallelConfigSection(StrictModel):
     sequence_parallel: bool = Field(True, description="With tensor > 1: split norms/dropout along the sequence across tensor ranks (all-gather/reduce-scatter instead of all-reduce).")
     distributed_optimizer: bool = Field(True, description="With data parallel: shard AdamW state (ZeRO-1) across data-parallel ranks with reduce-scatter/all-gather; false = all-reduce, full state per rank.")
     bucket_numel: int = Field(40_000_000, gt=0, description="Elements per gradient bucket (one data-parallel collective each, overlapped with backward).")
+    data_shard: int = Field(1, ge=1, description="Fully sharded data parallel (= --data-shard): data-parallel ranks sharding parameters, gradients and optimizer state (FSDP2 fully_shard); must divide the data-parallel size, whose quotient is the number of HSDP replicas. 1 = off.")
+    fsdp_param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: dtype of the all-gathered compute parameters; bfloat16 = bf16 parameters over fp32 sharded master weights.")
+    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: dtype of the gradient reduction.")
+    fsdp_cpu_offload: bool = Field(False, description="With data_shard > 1, GPU runs: sharded parameters, gradients and optimizer state in host memory (AdamW steps on the CPU).")
 
     @property
     def model_parallel_size(self) -> int:
@@ -132,7 +136,8 @@ class ParallelConfigSection(StrictModel):
                             f"{self.model_parallel_size} does not divide the {world_size} launched process(es); "
                             f"launch a multiple of {self.model_parallel_size} (torchrun --nproc-per-node)")
         return ParallelLayout(tensor=self.tensor, pipeline=self.pipeline, virtual_stages=self.virtual_stages,
-                              data=world_size // self.model_parallel_size, pipeline_layers=self.pipeline_layers)
+                              data=world_size // self.model_parallel_size, data_shard=self.data_shard,
+                              pipeline_layers=self.pipeline_layers)
 
 
 class CheckpointConfig(StrictModel):

@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import Field, model_validator
+from torch.distributed.tensor import DTensor
 
 from tessera.common.config import StrictModel
 from tessera.common.layout import validate_layout
@@ -34,6 +36,7 @@ from tessera.common.parallel.state_dict import load_model_state_dict, model_stat
 from tessera.common.safe_dcp import dcp_load
 from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.engine import StepResult
+from tessera.trainer.parallel.fsdp import FullyShardedOptimizer, shard_stages
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, make_schedule
 
@@ -50,6 +53,10 @@ class ParallelConfig(StrictModel):
     seed: int = Field(1234, description="Dropout seed (tensor-parallel regions get per-rank streams).")
     autocast_bf16: bool = Field(False, description="Run forward passes under torch.autocast(bf16) over fp32 parameters (the trainer's bf16 mode); gradients, reductions and optimizer stay fp32.")
     autocast_fp16: bool = Field(False, description="Run forward passes under torch.autocast(fp16) over fp32 parameters (the trainer's fp16 mode); pass a loss scale to train_step (dynamic loss scaling is the caller's policy).")
+    fsdp_param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1 (FSDP): the dtype parameters are all-gathered in for compute; the sharded fp32 parameters stay the optimizer's master weights (bfloat16: bf16 parameters with fp32 masters).")
+    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: the dtype of the gradient reduce-scatter / all-reduce.")
+    fsdp_cpu_offload: bool = Field(False, description="With data_shard > 1, on GPUs: keep sharded parameters, gradients and optimizer state in host memory; AdamW steps on the CPU.")
+    fsdp_reshard_after_forward: bool = Field(True, description="With data_shard > 1: free each block's gathered parameters after its forward and gather them again in backward (ZeRO-3); false keeps them (ZeRO-2-like: more memory, one all-gather less).")
     per_token_loss: bool = Field(False, description="Targets equal to -100 are ignored and the loss is the mean over the other tokens of the global batch (one all-reduce of the count over data-parallel ranks); for data.eod_mask_loss. Off: every token counts and the loss is the mean of equal-sized micro-batch means.")
 
     @model_validator(mode="after")
@@ -125,6 +132,13 @@ class ParallelRuntime:
         rng.seed_default()
         stages = build_stages(build_model, groups, counts, pcfg.seq_len, pcfg.sequence_parallel, rng,
                               init_seed=pcfg.seed)
+        if groups.dp_shard > 1:
+            shard_stages(stages, groups, param_dtype=pcfg.fsdp_param_dtype, reduce_dtype=pcfg.fsdp_reduce_dtype,
+                         cpu_offload=pcfg.fsdp_cpu_offload, reshard_after_forward=pcfg.fsdp_reshard_after_forward)
+            named = [(n, p) for s in stages for n, p in s.global_params().items()]
+            fsdp_opt = FullyShardedOptimizer(named, groups, lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps,
+                                             weight_decay=ocfg.weight_decay, max_grad_norm=ocfg.max_grad_norm)
+            return cls(cfg, groups, pcfg, stages, fsdp_opt, rng)  # type: ignore[arg-type]
         named = [(f"{s.stage}.{n}", p) for s in stages for n, p in s.global_params().items()]
         optimizer = DistributedOptimizer(
             named, groups, lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps, weight_decay=ocfg.weight_decay,
@@ -272,10 +286,13 @@ class ParallelRuntime:
                 worst.copy_(torch.maximum(worst, (c - t).abs().max().float()))
 
         for p in self.named_global_params().values():
+            local = p.data.to_local() if isinstance(p.data, DTensor) else p.data
             if g.tp > 1 and getattr(p, "tp_shard_dim", None) is None:
-                spread(p.data, g.tp_group, g.tp)
-            if g.dp > 1:
-                spread(p.data, g.dp_group, g.dp)
+                spread(local, g.tp_group, g.tp)
+            if g.dp_shard == 1 and g.dp > 1:
+                spread(local, g.dp_group, g.dp)
+            elif g.layout.data_replicate > 1:  # fully sharded: the copies are the HSDP replicas
+                spread(local, g.dp_replicate_group, g.layout.data_replicate)
         if g.embedding_group is not None:
             for s in self.stages:
                 if s.is_first and s.model.embed_tokens is not None:
