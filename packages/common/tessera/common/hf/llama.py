@@ -19,7 +19,7 @@ from tessera.common.errors import UserError
 from tessera.common.hf.architecture import HEAD, HFArchitecture, HFConfig, prefix_of
 import torch
 
-from tessera.common.hf.rules import Rule, inverse
+from tessera.common.hf.rules import Rule, inverse, zeros
 from tessera.common.model_config import (
     DynamicRopeScaling,
     LinearRopeScaling,
@@ -223,6 +223,10 @@ class LlamaFamily(HFArchitecture):
         for target, parts in by_target.items():
             rules.append(Rule(target, tuple(p.target for p in parts), parts[0].source_shapes[0], _stack,
                               tuple(p.shape for p in parts)))
+        for i in range(cfg.num_layers):  # the balancing bias: none in transformers (export refuses one)
+            if cfg.is_moe_layer(i) and cfg.moe is not None:
+                shape = (cfg.moe.num_experts,)
+                rules.append(Rule(f"layers.{i}.mlp.expert_bias", (), shape, zeros(shape)))
         if prefix_of(hf_names, "model."):
             return rules
         return [replace(r, sources=tuple(s.removeprefix("model.") for s in r.sources)) for r in rules]
