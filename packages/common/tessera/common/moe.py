@@ -185,3 +185,41 @@ class MoE(nn.Module):
         if self.moe.bias_balancing:
             load = load.float()
             self.expert_bias.add_(self.moe.bias_update_rate * torch.sign(load.mean() - load))
+
+
+class RouterStats:
+    """Router statistics accumulated over the forwards of one optimizer step (all micro-batches)
+    of the MoE layers of `model`, and the balancing-bias update made from them."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = [m for m in model.modules() if isinstance(m, MoE)]
+        self._hooks = [m.register_forward_hook(self._record) for m in self.layers]
+        self.reset()
+
+    def reset(self) -> None:
+        self.load = {id(m): torch.zeros(m.moe.num_experts, dtype=torch.long) for m in self.layers}
+        self.dropped = 0
+        self.aux = []  # per layer forward
+
+    def _record(self, module: nn.Module, _inputs: Any, _out: Any) -> None:
+        if module.training:
+            self.load[id(module)] += module.stats["load"].cpu()
+            self.dropped += int(module.stats["dropped"])
+            self.aux.append(float(module.stats["aux_loss"]))
+
+    def step(self) -> dict[str, float]:
+        """Apply the balancing-bias update (DeepSeek-V3) and return the metrics of the step:
+        aux loss (mean over layers and micro-batches), dropped assignments, and the busiest
+        expert's load over the mean (1.0 = balanced), worst layer."""
+        if not self.layers or not self.aux:
+            self.reset()
+            return {}
+        imbalance = 0.0
+        for m in self.layers:
+            load = self.load[id(m)]
+            m.update_bias(load.to(m.expert_bias.device))
+            imbalance = max(imbalance, float(load.max()) / max(float(load.float().mean()), 1e-9))
+        out = {"moe_aux_loss": sum(self.aux) / len(self.aux), "moe_dropped": float(self.dropped),
+               "moe_max_load": imbalance}
+        self.reset()
+        return out

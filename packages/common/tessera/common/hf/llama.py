@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from tessera.common.errors import UserError
-from tessera.common.hf.architecture import HEAD, HFArchitecture, HFConfig, prefix_of
 import torch
 
+from tessera.common.errors import UserError
+from tessera.common.hf.architecture import HEAD, HFArchitecture, HFConfig, prefix_of
 from tessera.common.hf.rules import Rule, inverse, zeros
 from tessera.common.model_config import (
     DynamicRopeScaling,
