@@ -29,7 +29,7 @@ from torch import nn
 from tessera.common.model_config import ModelConfig
 from tessera.common.moe import MoE
 from tessera.common.rope import RotaryEmbedding, apply_rope, rope_inv_freq
-from tessera.kernels import rms_norm
+from tessera.kernels import add_rms_norm, rms_norm, rope_qk, swiglu
 
 __all__ = ["AttentionFn", "Attention", "Block", "MLP", "MoE", "RMSNorm", "RotaryEmbedding", "Transformer",
            "apply_rope", "build_model", "document_attention_mask", "rope_inv_freq"]
@@ -51,7 +51,16 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:  # noqa: D103
+def add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, norm(x + h)): one fused kernel on CUDA for a plain RMSNorm. A norm with hooks
+    (sequence parallel gathers its output) or a LayerNorm is called as a module after the add."""
+    if type(norm) is RMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks):
+        return add_rms_norm(x, h, norm.weight, norm.eps)
+    x = x + h
+    return x, norm(x)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return RMSNorm(cfg.hidden_size, cfg.norm_eps)
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
@@ -96,7 +105,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = rope_qk(q, k, *rope)
         if attention_fn is not None:
             out = attention_fn(self.layer_idx, q, k, v)
         else:
@@ -132,7 +141,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+            h = swiglu(self.gate_proj(x), self.up_proj(x))
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")
         return self.down_proj(h)
@@ -154,8 +163,9 @@ class Block(nn.Module):
         attention_fn: AttentionFn | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope, attention_fn, attn_mask))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        h = self.dropout(self.attn(self.attn_norm(x), rope, attention_fn, attn_mask))
+        x, normed = add_norm(self.mlp_norm, x, h)
+        return x + self.dropout(self.mlp(normed))
 
 
 # ---- the model -----------------------------------------------------------------------------

@@ -21,6 +21,9 @@ import torch
 from torch import nn
 
 from tessera.common.model_config import ModelConfig
+from tessera.kernels import apply_rope
+
+__all__ = ["RotaryEmbedding", "apply_rope", "rope_inv_freq"]  # apply_rope lives beside its kernel
 
 
 def _plain_inv_freq(dim: int, theta: float) -> torch.Tensor:
@@ -133,9 +136,3 @@ class RotaryEmbedding(nn.Module):
                 cos, sin = _tables(inv_freq.to(positions.device), factor, positions)
                 return cos.unsqueeze(2), sin.unsqueeze(2)
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)

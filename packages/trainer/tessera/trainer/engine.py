@@ -27,6 +27,7 @@ from tessera.common.model_config import ModelConfig
 from tessera.trainer.checkpointing import local_components
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.documents import DocumentMasking, loss_token_count
+from tessera.trainer.fp8 import apply_float8
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer, set_lr
 from tessera.trainer.precision import Precision
@@ -84,6 +85,8 @@ class LocalEngine:
         self.micro_batch = t.micro_batch_size
         # Compilation is the step's (forward and loss in one graph), not the model's.
         self.model = prepare_model(model, device, t.seed, t.recompute)
+        if t.precision == "fp8":
+            apply_float8(self.model, t.fp8_recipe, device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.precision = Precision(t.precision, device, t.fp16_initial_scale, t.fp16_growth_interval)
         self.step = TrainStep(self.model, self.optimizer, self.precision, cfg.optim.grad_clip,
