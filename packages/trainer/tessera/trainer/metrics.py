@@ -120,6 +120,9 @@ def format_record(rec: dict[str, Any]) -> str:
         parts.append(f"MFU{'~' if rec.get('mfu_estimate') else ''} {100 * rec['mfu']:.1f}%")
     if rec.get("params_norm") is not None:
         parts.append(f"params norm {rec['params_norm']:.3f}")
+    if rec.get("moe_aux_loss") is not None:
+        parts.append(f"moe aux {rec['moe_aux_loss']:.4f} max load {rec['moe_max_load']:.2f}x "
+                     f"dropped {rec['moe_dropped']:.0f}")
     parts.append(f"mem {rec['memory_gib']:.2f} GiB")
     if rec.get("loss_scale") is not None:
         parts.append(f"loss scale {rec['loss_scale']:g}")
