@@ -69,7 +69,10 @@ def test_completion_logprobs_and_echo(server):
         "prompt": "x = 1", "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True}, timeout=30).json()
     lp = r["choices"][0]["logprobs"]
     prompt_len = r["usage"]["prompt_tokens"]
-    assert len(lp["tokens"]) == prompt_len - 1 + 3
+    # Every prompt token comes back, the first with a null logprob (OpenAI and vLLM do so).
+    assert len(lp["tokens"]) == prompt_len + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v is not None for v in lp["token_logprobs"][1:])
     assert r["choices"][0]["text"].startswith("x = 1")
     # greedy: the chosen token is the top-1 alternative
     assert max(lp["top_logprobs"][-1].values()) == pytest.approx(lp["token_logprobs"][-1], abs=1e-5)

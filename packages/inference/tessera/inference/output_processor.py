@@ -31,7 +31,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the final output, when asked
+    # When asked: the logprob of every prompt token after the first, on the request's first output
+    # (the step that completed its prompt), so a stream can send them before the generated tokens.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # set (with finished) when computing this request failed; the others go on
     time: float = field(default_factory=time.monotonic)
 
@@ -71,6 +73,10 @@ class OutputProcessor:
         finished = seq.is_finished
         # As in vLLM, an EOS/stop token is part of the ids (and usage) but not of the text.
         new_ids = seq.output_ids[-1:] if seq.output_ids and seq.params.max_tokens and seq.error is None else []
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs and not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs_sent = True
+            prompt_logprobs = list(seq.prompt_logprobs)
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_ids,
@@ -81,6 +87,6 @@ class OutputProcessor:
             num_prompt_tokens=len(seq.prompt_ids),
             num_output_tokens=len(seq.output_ids),
             num_cached_tokens=seq.num_cached_tokens,
-            prompt_logprobs=list(seq.prompt_logprobs) if finished and seq.params.prompt_logprobs else None,
+            prompt_logprobs=prompt_logprobs,
             error=seq.error,
         )

@@ -83,7 +83,8 @@ class _SamplingFields(_Body):
     # JSON object keys are strings; pydantic turns "50256" into 50256 and refuses "abc".
     logit_bias: dict[int, Float] | None = Field(None, description="Token id -> bias in [-100, 100] (OpenAI).")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0,
+                        prompt_logprobs: bool = False) -> SamplingParams:
         """Build (and validate) the engine's SamplingParams; pydantic errors surface as 400s.
 
         With n > 1 and a seed, completion i uses seed + i so the n choices differ reproducibly.
@@ -96,7 +97,7 @@ class _SamplingFields(_Body):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=seed, stop=stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias, prompt_logprobs=prompt_logprobs,
         )
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
@@ -161,3 +162,30 @@ class MegatronRequest(_Body):
 
 
 Role = Literal["system", "user", "assistant", "tool"]
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize as vLLM takes it: a `prompt` (completions form) or `messages` (chat form)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: Bool | None = Field(None, description="Default true for a prompt, false for messages (vLLM).")
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: Bool = False
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize as vLLM takes it."""
+
+    model: str | None = None
+    tokens: list[Int]
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _no_bool_ids(cls, v: Any) -> Any:
+        if isinstance(v, list) and any(isinstance(x, bool) for x in v):
+            raise ValueError("token ids must be integers, not booleans")
+        return v

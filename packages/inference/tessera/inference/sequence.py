@@ -48,6 +48,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_token: int | str | None = None
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # handed out with the first output
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # since the last output
     num_preemptions: int = 0
     error: str | None = None  # why computing this request failed (finish_reason "error")

@@ -78,14 +78,15 @@ class ServerBase:
             raise ApiError(400, f"prompt has {len(ids)} tokens; this server accepts at most "
                            f"{self.limits.max_prompt_tokens}", param="prompt", code="prompt_too_long")
 
-    def _resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
+    def _resolve_max_tokens(self, requested: int | None, prompt_len: int, allow_zero: bool = False) -> int:
         if requested is None:
             return max(1, min(self.limits.max_tokens, self.max_model_len - prompt_len))
         if requested > self.limits.max_tokens:
             raise ApiError(400, f"max_tokens {requested} exceeds this server's limit of {self.limits.max_tokens}",
                            param="max_tokens")
-        if requested < 1:
-            raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
+        if requested < (0 if allow_zero else 1):
+            raise ApiError(400, "max_tokens must be at least 0" if allow_zero else
+                           "max_tokens must be at least 1 (0, to score the prompt only, needs echo)", param="max_tokens")
         return requested
 
     def _token_text(self, token: int) -> str:
@@ -106,18 +107,23 @@ class ServerBase:
 
     async def _collect(self, submitted: tuple[list[RequestHandle], asyncio.Queue], request: Request,
                        n: int) -> tuple[list[str], list[list[Any]], list[RequestOutput]] | None:
-        """Run n requests to the end for a non-streamed reply: (texts, logprobs, final outputs),
-        or None when the client went away first."""
+        """Run n requests to the end for a non-streamed reply: (texts, logprobs, final outputs,
+        each carrying its request's prompt logprobs), or None when the client went away first."""
         texts = [""] * n
         lps: list[list[Any]] = [[] for _ in range(n)]
         final: list[RequestOutput | None] = [None] * n
+        prompt_lps: list[Any] = [None] * n
         async for i, out in self._merged(submitted, request):
             texts[i] += out.new_text
             lps[i].extend(out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                prompt_lps[i] = out.prompt_logprobs
             if out.finished:
                 final[i] = out
         if any(f is None for f in final):
             return None
+        for f, p in zip(final, prompt_lps):
+            f.prompt_logprobs = p  # type: ignore[union-attr]  # the final output carries them all
         return texts, lps, final  # type: ignore[return-value]
 
     async def _merged(self, submitted: tuple[list[RequestHandle], asyncio.Queue],

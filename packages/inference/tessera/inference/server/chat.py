@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from tessera.inference.chat_template import ChatTemplateError, render_chat
-from tessera.inference.protocol import ChatCompletionRequest
+from tessera.inference.protocol import ChatCompletionRequest, ChatMessage
 from tessera.inference.sequence import TokenLogprob
 from tessera.inference.server.base import ServerBase
 from tessera.inference.server.errors import ApiError, _check_text, _now, _usage
@@ -24,8 +24,31 @@ def _chat_logprobs(srv: ServerBase, lps: list[TokenLogprob]) -> dict[str, Any]:
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in lps]}
 
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The request's messages as the chat template sees them."""
+    try:
+        out = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    for i, m in enumerate(messages):
+        for field in ("tool_calls", "function_call"):
+            if (m.model_extra or {}).get(field):
+                raise ApiError(400, f"messages[{i}].{field}: tool calls are not supported by this server",
+                               param=f"messages.{i}.{field}")
+    return out
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    kwargs = kwargs or {}
+    reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs must not set {', '.join(reserved)} (give it as a request field)",
+                       param="chat_template_kwargs")
+    return kwargs
+
+
 def _encode_chat(srv: ServerBase, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                 kwargs: dict[str, Any]) -> list[int]:
+                 kwargs: dict[str, Any], add_special_tokens: bool = False) -> list[int]:
     """Render the chat template and tokenize it; on a tokenizer thread (see _off_loop)."""
     try:
         text = render_chat(srv.tokenizer, messages, add_generation_prompt, **kwargs)
@@ -33,28 +56,15 @@ def _encode_chat(srv: ServerBase, messages: list[dict[str, Any]], add_generation
         raise ApiError(400, str(exc), param="messages") from None
     srv._check_chars(text, "messages")
     _check_text(text, "messages")
-    ids = srv._encode(text, add_special_tokens=False)  # the template already placed any special tokens
+    ids = srv._encode(text, add_special_tokens)  # the template already placed any special tokens
     srv._check_prompt(ids)
     return ids
 
 async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
     srv._check_model(body.model)
     srv._check_supported(body)
-    try:
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="messages") from None
-    for i, m in enumerate(body.messages):
-        for field in ("tool_calls", "function_call"):
-            if (m.model_extra or {}).get(field):
-                raise ApiError(400, f"messages[{i}].{field}: tool calls are not supported by this server",
-                               param=f"messages.{i}.{field}")
-    kwargs = body.chat_template_kwargs or {}
-    reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
-    if reserved:
-        raise ApiError(400, f"chat_template_kwargs must not set {', '.join(reserved)} (give it as a request field)",
-                       param="chat_template_kwargs")
+    messages = chat_messages(body.messages)
+    kwargs = template_kwargs(body.chat_template_kwargs)
     srv._check_chars("".join(m["content"] for m in messages), "messages")
     ids = await srv._off_loop(_encode_chat, srv, messages, body.add_generation_prompt, kwargs)
     max_tokens = srv._resolve_max_tokens(
