@@ -101,7 +101,7 @@ def test_logit_bias_crosses_the_pipe(served, tiny_ckpt):
 
 def test_disconnect_frees_blocks_in_the_engine_process(served):
     body = {"prompt": "def f(x):", "max_tokens": 150, "temperature": 0, "stream": True, "ignore_eos": True}
-    before = served.metric("tessera:generation_tokens_total")
+    before = served.metric("vllm:generation_tokens_total")
     for _ in range(3):
         with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as r:
             got = 0
@@ -111,13 +111,13 @@ def test_disconnect_frees_blocks_in_the_engine_process(served):
                     break  # hang up mid-stream
     deadline = time.time() + 30
     while time.time() < deadline:
-        if (served.engine.num_active() == 0 and served.metric("tessera:kv_cache_usage_perc") == 0.0
-                and served.metric("tessera:num_requests_running") == 0.0):
+        if (served.engine.num_active() == 0 and served.metric("vllm:kv_cache_usage_perc") == 0.0
+                and served.metric("vllm:num_requests_running") == 0.0):
             break
         time.sleep(0.1)
     else:
         pytest.fail("blocks or requests still held in the engine process")
-    assert 0 < served.metric("tessera:generation_tokens_total") - before < 3 * 150
+    assert 0 < served.metric("vllm:generation_tokens_total") - before < 3 * 150
 
 
 def test_engine_process_death_fails_requests_not_hangs(tiny_ckpt):

@@ -119,12 +119,12 @@ def test_top_k_minus_one_means_off(server):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/chat/completions", "tool_choice", "auto"),
-    ("/v1/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("/v1/completions", "guided_json", {"type": "object"}),
-    ("/v1/chat/completions", "guided_regex", "a+"),
+    ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+    ("/v1/completions", "use_beam_search", True),
+    ("/v1/completions", "prompt_logprobs", 1),
+    ("/v1/chat/completions", "guided_whitespace_pattern", " "),
 ])
 def test_unsupported_features_are_refused_naming_the_field(server, path, field, value):
     body = {"prompt": "a"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}

@@ -7,6 +7,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import sys
 
 from tessera.common.errors import UserError, run_cli
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "its connection is closed (default: %(default)s).")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="On shutdown, seconds to let running requests finish (default: %(default)s).")
+    s.add_argument("--metrics-prefix", default="vllm:",
+                   help="Prefix of the /metrics names (default: %(default)s, so vLLM dashboards read them; "
+                        "e.g. tessera: beside a vLLM server in the same Prometheus).")
     s.add_argument("--quiet", action="store_true", help="Log warnings only (no access log).")
     s.add_argument("--no-engine-process", action="store_true",
                    help="Run the engine in a thread of the HTTP process instead of its own process "
@@ -69,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--{flag.replace('_', '-')} {value}: must be positive")
     if not (args.drain_timeout >= 0 and math.isfinite(args.drain_timeout)):
         raise UserError(f"--drain-timeout {args.drain_timeout}: must be a number of seconds >= 0")
+    if not re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)?", args.metrics_prefix):
+        raise UserError(f"--metrics-prefix {args.metrics_prefix!r}: letters, digits, _ and : only, not starting "
+                        "with a digit (a Prometheus metric name prefix)")
     if not (args.body_timeout > 0 and math.isfinite(args.body_timeout)):
         raise UserError(f"--body-timeout {args.body_timeout}: must be a number of seconds > 0")
     if args.api_key is not None and not args.api_key.strip():
@@ -106,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         frontend = ProcessEngine.launch(args.checkpoint, cfg, args.torch_threads)
         facts = {**frontend.info, "where": f"engine process {frontend.pid}"}
     name = args.served_model_name or facts["name"]
-    metrics = ServingMetrics(name)
+    metrics = ServingMetrics(name, args.metrics_prefix, frontend.max_model_len)
     frontend.metrics = metrics
     limits = ServerLimits(
         max_prompt_tokens=args.max_prompt_tokens or frontend.max_model_len,

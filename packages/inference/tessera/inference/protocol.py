@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
 from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.structured import StructuredSpec
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -23,18 +24,12 @@ Float = Annotated[float, Strict()]  # strict still takes an integer, never a boo
 # Request fields of features not implemented here: a request that sets one (to anything but
 # its "off" value) gets a 400 naming the field. Value: the values that mean "off".
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
-    "structured_outputs": (None,),
+    "guided_whitespace_pattern": (None,),
     "use_beam_search": (None, False),
     "prompt_logprobs": (None,),
     "logits_processors": (None,),
@@ -55,6 +50,21 @@ class _Body(BaseModel):
             if name in extra and not any(extra[name] == v and type(extra[name]) is type(v) for v in off):
                 return name
         return None
+
+
+class FieldError(ValueError):
+    """A request field that is well-typed but cannot be served as given (HTTP 400 naming it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+# vLLM's names of the grammar backends it can use; this server has one (llguidance, which vLLM
+# calls "guidance"), so "auto" or that one is accepted and any other is refused.
+GRAMMAR_BACKENDS = (None, "auto", "guidance", "llguidance")
+_STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
 
 
 class StreamOptions(_Body):
@@ -82,9 +92,45 @@ class _SamplingFields(_Body):
     user: str | None = None
     # JSON object keys are strings; pydantic turns "50256" into 50256 and refuses "abc".
     logit_bias: dict[int, Float] | None = Field(None, description="Token id -> bias in [-100, 100] (OpenAI).")
+    # Structured output (structured.py): OpenAI's response_format and vLLM's extras.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_spec(self) -> tuple[StructuredSpec, str] | None:
+        """The grammar the request asks for and the field that asked, or None; FieldError if the
+        fields are malformed or more than one asks."""
+        if self.guided_decoding_backend not in GRAMMAR_BACKENDS:
+            raise FieldError("guided_decoding_backend", f"{self.guided_decoding_backend!r} is not available; this "
+                             "server's grammar engine is llguidance (\"guidance\"); leave it out or use \"auto\"")
+        found: list[tuple[StructuredSpec, str]] = []
+        if self.response_format is not None:
+            spec = _response_format(self.response_format)
+            if spec is not None:
+                found.append((spec, "response_format"))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((StructuredSpec(kind=kind, value=getattr(self, name)), name))
+        if self.structured_outputs is not None:
+            asked = {k: v for k, v in self.structured_outputs.items() if v is not None and v is not False}
+            unknown = sorted(set(asked) - set(_STRUCTURED_KEYS))
+            if unknown:
+                raise FieldError("structured_outputs", f"{', '.join(unknown)} not supported; use one of "
+                                 f"{', '.join(_STRUCTURED_KEYS)}")
+            for key, value in asked.items():
+                found.append((StructuredSpec(kind=_STRUCTURED_KEYS[key], value=None if key == "json_object" else value),
+                              "structured_outputs"))
+        if len(found) > 1:
+            raise FieldError(found[1][1], f"only one structured output constraint per request ({found[0][1]} is set too)")
+        return found[0] if found else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0,
-                        prompt_logprobs: bool = False) -> SamplingParams:
+                        prompt_logprobs: bool = False, structured: StructuredSpec | None = None) -> SamplingParams:
         """Build (and validate) the engine's SamplingParams; pydantic errors surface as 400s.
 
         With n > 1 and a seed, completion i uses seed + i so the n choices differ reproducibly.
@@ -98,8 +144,28 @@ class _SamplingFields(_Body):
             frequency_penalty=self.frequency_penalty, seed=seed, stop=stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias, prompt_logprobs=prompt_logprobs,
+            structured=structured,
         )
         return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+
+
+def _response_format(fmt: dict[str, Any]) -> StructuredSpec | None:
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredSpec(kind="json_object")
+    if kind == "json_schema":
+        inner = fmt.get("json_schema")
+        if not isinstance(inner, dict):
+            raise FieldError("response_format", "json_schema must be an object with a schema")
+        schema = inner.get("schema")
+        if schema is None:
+            return StructuredSpec(kind="json_object")
+        if not isinstance(schema, dict):
+            raise FieldError("response_format", "json_schema.schema must be a JSON schema object")
+        return StructuredSpec(kind="json", value=schema)
+    raise FieldError("response_format", f"type {kind!r} is not supported; use text, json_object or json_schema")
 
 
 class CompletionRequest(_SamplingFields):

@@ -13,8 +13,10 @@ from fastapi import Request
 from tessera.inference.async_engine import EngineDead, EngineFrontend, RequestFailed, RequestHandle
 from tessera.inference.engine import RequestOutput, RequestRejected
 from tessera.inference.metrics import ServingMetrics
+from tessera.inference.protocol import FieldError
 from tessera.inference.sampling_params import SamplingParams
 from tessera.inference.server.errors import ApiError, ServerLimits, _check_text, error_body
+from tessera.inference.structured import StructuredSpec, check_spec
 
 DISCONNECT_POLL_S = 0.5
 
@@ -173,6 +175,21 @@ class ServerBase:
             kind = "invalid_request_error" if isinstance(exc, RequestRejected) else "server_error"
             yield self._sse(error_body(str(exc), kind))
             yield "data: [DONE]\n\n"
+
+    async def _structured_spec(self, body: Any) -> StructuredSpec | None:
+        """The request's structured-output constraint, checked (a bad schema, regex or grammar
+        is a 400 naming its field), or None."""
+        try:
+            found = body.structured_spec()
+        except FieldError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        if found is None:
+            return None
+        spec, field = found
+        problem = await self._off_loop(check_spec, spec)
+        if problem:
+            raise ApiError(400, f"{field}: {problem}", param=field)
+        return spec
 
     def _check_supported(self, body: Any) -> None:
         field = body.unsupported_field()

@@ -70,7 +70,8 @@ async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
     max_tokens = srv._resolve_max_tokens(
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens, len(ids))
     top = body.top_logprobs or 0 if body.logprobs else None
-    jobs = [(ids, body.sampling_params(max_tokens, top, index=j)) for j in range(body.n)]
+    structured = await srv._structured_spec(body)
+    jobs = [(ids, body.sampling_params(max_tokens, top, index=j, structured=structured)) for j in range(body.n)]
     submitted = srv._submit_all("chat", jobs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = _now()

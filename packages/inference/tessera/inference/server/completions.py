@@ -69,13 +69,15 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
                           for ids in ids_list]
 
     ids_list, echoed = await srv._off_loop(encode)
+    structured = await srv._structured_spec(body)
     jobs = []
     for ids in ids_list:
         # max_tokens 0 with echo scores the prompt only (vLLM accepts it; evaluation harnesses use it).
         max_tokens = srv._resolve_max_tokens(body.max_tokens, len(ids), allow_zero=body.echo)
         for j in range(body.n):
             params = body.sampling_params(max_tokens, body.logprobs, index=j,
-                                          prompt_logprobs=body.echo and (body.logprobs is not None or max_tokens == 0))
+                                          prompt_logprobs=body.echo and (body.logprobs is not None or max_tokens == 0),
+                                          structured=structured)
             jobs.append((ids, params))
     submitted = srv._submit_all("cmpl", jobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
