@@ -119,8 +119,7 @@ def test_top_k_minus_one_means_off(server):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", "auto"),
+    ("/v1/chat/completions", "function_call", "auto"),
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "prompt_logprobs", 1),
@@ -133,15 +132,15 @@ def test_unsupported_features_are_refused_naming_the_field(server, path, field, 
     assert field in r.json()["error"]["message"]
 
 
-def test_the_off_values_of_unsupported_features_are_accepted_and_tool_call_history_is_refused(server):
+def test_the_off_values_of_unsupported_features_are_accepted_and_function_call_history_is_refused(server):
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    ok = _post(server, "/v1/chat/completions", {**chat, "response_format": {"type": "text"}, "tool_choice": "none"})
+    ok = _post(server, "/v1/chat/completions", {**chat, "response_format": {"type": "text"}, "tool_choice": "none",
+                                                "functions": [], "use_beam_search": False})
     assert ok.status_code == 200, ok.text
     history = [{"role": "user", "content": "hi"},
-               {"role": "assistant", "content": None,
-                "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+               {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]
     r = _post(server, "/v1/chat/completions", {**chat, "messages": history})
-    assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "function_call" in r.json()["error"]["message"], r.text
 
 
 def test_stop_lists_are_bounded_in_count_and_length(server):

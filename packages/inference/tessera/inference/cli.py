@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-prefix", default="vllm:",
                    help="Prefix of the /metrics names (default: %(default)s, so vLLM dashboards read them; "
                         "e.g. tessera: beside a vLLM server in the same Prometheus).")
+    s.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+                   help="How tool calls are read from text under tool_choice auto: Hermes <tool_call> JSON, "
+                        "Llama-3 JSON, or auto (hermes when the chat template teaches <tool_call>).")
     s.add_argument("--quiet", action="store_true", help="Log warnings only (no access log).")
     s.add_argument("--no-engine-process", action="store_true",
                    help="Run the engine in a thread of the HTTP process instead of its own process "
@@ -121,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout, body_timeout_s=args.body_timeout,
     )
-    app = OpenAIServer(frontend, name, limits, metrics).build_app(api_key=args.api_key)
+    server = OpenAIServer(frontend, name, limits, metrics)
+    server.tool_call_parser = args.tool_call_parser
+    app = server.build_app(api_key=args.api_key)
     level = logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}, {device}; {facts['where']}), "

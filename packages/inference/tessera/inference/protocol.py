@@ -24,11 +24,8 @@ Float = Annotated[float, Strict()]  # strict still takes an integer, never a boo
 # Request fields of features not implemented here: a request that sets one (to anything but
 # its "off" value) gets a 400 naming the field. Value: the values that mean "off".
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
     "guided_whitespace_pattern": (None,),
     "use_beam_search": (None, False),
     "prompt_logprobs": (None,),
@@ -190,6 +187,8 @@ class ChatMessage(_Body):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -210,6 +209,40 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int | None = Field(None, ge=0, le=20)
     add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = None
+
+    def tool_mode(self) -> tuple[str, str | None]:
+        """("none" | "auto" | "required" | "named", the named function); FieldError when the
+        tools or the choice are malformed."""
+        from tessera.inference.tools import valid_function_name
+
+        tools = self.tools or []
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+                raise FieldError("tools", f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+            if not valid_function_name(fn.get("name")):
+                raise FieldError("tools", f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise FieldError("tools", f"tools[{i}].function.parameters must be a JSON schema object")
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) != len(names):
+            raise FieldError("tools", "function names must be unique")
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
+        if choice == "none":
+            return "none", None
+        if not tools:
+            raise FieldError("tool_choice", "needs tools")
+        if choice in ("auto", "required"):
+            return choice, None  # type: ignore[return-value]
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+            name = choice["function"].get("name")
+            if name not in names:
+                raise FieldError("tool_choice", f"function {name!r} is not among the tools")
+            return "named", name
+        raise FieldError("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name"}}')
 
 
 class MegatronRequest(_Body):
@@ -240,6 +273,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: Bool = False
 
 

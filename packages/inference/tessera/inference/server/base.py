@@ -32,6 +32,9 @@ class ServerBase:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        # How "auto" tool calls are read from generated text (tools.py): hermes, llama3_json, or
+        # auto (from the chat template: hermes when it teaches <tool_call>).
+        self.tool_call_parser = "auto"
         # Tokenizing a 4 MiB prompt takes seconds: it runs on these threads, never on the event
         # loop (/health and every open stream keep going meanwhile), and only after a length
         # check in characters that needs no tokenizer.

@@ -37,6 +37,8 @@ async def tokenize(srv: ServerBase, body: TokenizeRequest) -> dict[str, Any]:
     else:
         messages = chat_messages(body.messages or [])
         kwargs = template_kwargs(body.chat_template_kwargs)
+        if body.tools:
+            kwargs = {**kwargs, "tools": body.tools}
         ids = await srv._off_loop(_encode_chat, srv, messages, body.add_generation_prompt, kwargs,
                                   bool(body.add_special_tokens))
     strs = [srv.tokenizer.backend.id_to_token(t) for t in ids] if body.return_token_strs else None
