@@ -124,6 +124,10 @@ def test_top_k_minus_one_means_off(server):
     ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "prompt_logprobs", 1),
     ("/v1/chat/completions", "guided_whitespace_pattern", " "),
+    ("/v1/chat/completions", "reasoning_effort", "high"),
+    ("/v1/completions", "include_stop_str_in_output", True),
+    ("/v1/chat/completions", "chat_template", "{{ messages }}"),
+    ("/v1/completions", "length_penalty", 0.5),
 ])
 def test_unsupported_features_are_refused_naming_the_field(server, path, field, value):
     body = {"prompt": "a"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
@@ -317,10 +321,10 @@ def test_health_is_answered_while_a_prompt_is_being_tokenized(tiny_ckpt):
         answered = threading.Event()
         encode = s.openai._encode_prompt
 
-        def blocking_encode(prompt):
+        def blocking_encode(prompt, *args):
             if prompt == "block me":
                 assert answered.wait(30), "/health was not answered while a prompt was being tokenized"
-            return encode(prompt)
+            return encode(prompt, *args)
 
         s.openai._encode_prompt = blocking_encode
         result = {}
@@ -405,3 +409,13 @@ def test_an_empty_api_key_is_refused_at_start(tiny_ckpt, how):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "is empty" in lines[0] and "Traceback" not in r.stderr
     assert ("TESSERA_API_KEY" in lines[0]) == (how == "env")
+
+
+def test_the_docs_list_every_refused_field():
+    from pathlib import Path
+
+    from tessera.inference.protocol import UNSUPPORTED_FIELDS
+
+    doc = (Path(__file__).parents[2] / "docs" / "cli" / "tessera-serve.md").read_text()
+    table = doc[doc.index("| endpoint | honoured |"):]
+    assert [f for f in UNSUPPORTED_FIELDS if f"`{f}`" not in table] == []

@@ -23,16 +23,42 @@ Float = Annotated[float, Strict()]  # strict still takes an integer, never a boo
 
 # Request fields of features not implemented here: a request that sets one (to anything but
 # its "off" value) gets a 400 naming the field. Value: the values that mean "off".
+# docs/cli/tessera-serve.md lists every request field: honoured, accepted and ignored (`user`,
+# `metadata`: labels that change nothing), or refused here.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    # OpenAI
     "functions": (None, []),
     "function_call": (None, "none"),
-    "guided_whitespace_pattern": (None,),
-    "use_beam_search": (None, False),
-    "prompt_logprobs": (None,),
-    "logits_processors": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+    # vLLM extensions
+    "guided_whitespace_pattern": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0, 1),
+    "prompt_logprobs": (None,),
+    "logits_processors": (None,),
+    "include_stop_str_in_output": (None, False),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "chat_template": (None,),
+    "continue_final_message": (None, False),
+    "documents": (None,),
+    "mm_processor_kwargs": (None,),
+    "priority": (None, 0),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "structural_tag": (None,),
 }
 
 
@@ -170,6 +196,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Int | None = Field(16, description="Most tokens to generate per choice.")
     logprobs: Int | None = Field(None, ge=0, le=20)
     echo: Bool = False
+    add_special_tokens: Bool = Field(True, description="Tokenize text prompts with the tokenizer's special tokens (BOS), as vLLM.")
     suffix: str | None = None
     best_of: Int | None = Field(None, description="Accepted only equal to n (no candidate ranking).")
 
@@ -208,6 +235,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: Bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=20)
     add_generation_prompt: Bool = True
+    add_special_tokens: Bool = Field(False, description="Add the tokenizer's special tokens on top of the template's (vLLM).")
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

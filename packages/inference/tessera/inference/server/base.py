@@ -66,13 +66,13 @@ class ServerBase:
                            f"{self.limits.max_prompt_tokens} tokens can hold", param=what.split()[0],
                            code="prompt_too_long")
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def _encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of one prompt, length-checked; on a tokenizer thread (see _off_loop)."""
         if isinstance(prompt, str):
             self._check_chars(prompt, "prompt")
             _check_text(prompt, "prompt")
             # With the tokenizer's post-processor (BOS for Llama tokenizers), as vLLM and HF do.
-            ids = self._encode(prompt, add_special_tokens=True)
+            ids = self._encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
         self._check_prompt(ids)

@@ -97,7 +97,7 @@ async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
     if body.tools:
         kwargs = {**kwargs, "tools": body.tools}
     srv._check_chars("".join(m["content"] or "" for m in messages), "messages")
-    ids = await srv._off_loop(_encode_chat, srv, messages, body.add_generation_prompt, kwargs)
+    ids = await srv._off_loop(_encode_chat, srv, messages, body.add_generation_prompt, kwargs, body.add_special_tokens)
     max_tokens = srv._resolve_max_tokens(
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens, len(ids))
     top = body.top_logprobs or 0 if body.logprobs else None

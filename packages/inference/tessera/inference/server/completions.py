@@ -63,7 +63,7 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
     skip_special = body.skip_special_tokens
 
     def encode() -> tuple[list[list[int]], list[tuple[str, list[int]]]]:
-        ids_list = [srv._encode_prompt(p) for p in prompts]
+        ids_list = [srv._encode_prompt(p, body.add_special_tokens) for p in prompts]
         # The echoed prompt: its text and where each of its tokens starts in it.
         return ids_list, [decode_with_offsets(srv.tokenizer, ids, skip_special) if body.echo else ("", [])
                           for ids in ids_list]
