@@ -23,7 +23,7 @@ SAVES = ["training.save_interval=2", "checkpoint.keep_last=3"]  # 6 steps: saves
 
 
 def optimizer_state(trainer) -> list[torch.Tensor]:
-    return [t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return [t for s in trainer.engine.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
 
 
 def test_background_checkpoints_equal_synchronous_ones(make_config, tmp_path, capsys):

@@ -218,11 +218,11 @@ def test_parallel_layouts_match_one_process_with_document_options(make_config, s
     """TP=2 x PP=2 interleaved (sequence parallel: positions and masks over the gathered sequence;
     vocab-parallel loss with ignored labels; per-chunk positions and document ids through the
     interleaved schedule) and DP=2 x PP=2 (1F1B; counted tokens all-reduced over data ranks) log
-    the one-process losses."""
+    the one-process training and validation losses."""
     sections = dict(data={"mixture": str(short_documents["mixture"]), "reset_position_ids": True,
                           "reset_attention_mask": True, "eod_mask_loss": True},
                     model={"num_layers": 4},
-                    training={"global_batch_size": 8, "steps": 3, "eval_interval": 3, "eval_iters": 8})
+                    training={"global_batch_size": 8, "steps": 3, "eval_interval": 3, "eval_iters": 2})
     reference = make_config("reference", **sections)
     assert main(["--config", str(reference), "--quiet"]) == 0
     want = _records(tmp_path / "reference", "train")
@@ -238,7 +238,9 @@ def test_parallel_layouts_match_one_process_with_document_options(make_config, s
         for step in got:
             assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), (name, step)
             assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-4), (name, step)
-    # With one data rank the same valid samples as one process (eval_iters = 2 global batches), token-
-    # weighted across the batches in both (a mean of the two batches' means is ~6e-6 off here).
-    assert _records(tmp_path / "tp2pp2x2", "eval")[3]["valid_loss"] == pytest.approx(
-        _records(tmp_path / "reference", "eval")[3]["valid_loss"], rel=1e-6)
+    # Every layout evaluates the same valid samples as one process (eval_iters = 2 global batches; the
+    # data-parallel ranks take their rows of each), token-weighted across the batches in all (a mean
+    # of the two batches' means is ~6e-6 off here).
+    for name in ("tp2pp2x2", "dp2pp2"):
+        assert _records(tmp_path / name, "eval")[3]["valid_loss"] == pytest.approx(
+            _records(tmp_path / "reference", "eval")[3]["valid_loss"], rel=1e-6), name

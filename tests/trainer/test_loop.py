@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from trainer_fixtures import assert_weights_close
 
 from tessera.common.config import load_config
 from tessera.trainer.cli import main
@@ -20,7 +21,7 @@ def make_trainer(path, *overrides) -> Trainer:
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}
 
 
 def run_steps(trainer: Trainer, n: int) -> list[float]:
@@ -35,8 +36,7 @@ def test_gradient_accumulation_equals_one_big_batch(make_config):
     assert four.plan.num_micro_batches == 4
     loss_one, loss_four = run_steps(one, 3), run_steps(four, 3)
     assert loss_one == pytest.approx(loss_four, rel=1e-5)
-    for (name, a), b in zip(weights(one).items(), weights(four).values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert_weights_close(weights(four), weights(one), "4 micro-batches vs 1")
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
@@ -54,8 +54,8 @@ def test_bf16_autocast_tracks_fp32_with_fp32_master_weights(make_config):
     ref = make_trainer(path)
     bf16 = make_trainer(path, "training.precision=bf16")
     losses_ref, losses_bf16 = run_steps(ref, 3), run_steps(bf16, 3)
-    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
-    assert all(p.grad.dtype == torch.float32 for p in bf16.model.parameters())
+    assert all(p.dtype == torch.float32 for p in bf16.engine.model.parameters())
+    assert all(p.grad.dtype == torch.float32 for p in bf16.engine.model.parameters())
     assert losses_bf16 == pytest.approx(losses_ref, rel=2e-2)
     assert losses_bf16 != losses_ref  # it really computed in bf16
 
@@ -64,8 +64,8 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(make_config):
     trainer = make_trainer(make_config(), "training.precision=fp16", "training.fp16_initial_scale=1e38")
     before = weights(trainer)
     loss, _, stepped = trainer.train_step()
-    assert not stepped and trainer.precision.loss_scale == pytest.approx(5e37, rel=1e-6)
-    for name, p in trainer.model.named_parameters():
+    assert not stepped and trainer.engine.loss_scale == pytest.approx(5e37, rel=1e-6)
+    for name, p in trainer.engine.model.named_parameters():
         assert torch.equal(p, before[name]), name
     assert trainer.state.step == 1  # the step counts (its data is consumed), only the update is skipped
 
@@ -102,9 +102,7 @@ def test_compiled_step_matches_eager(make_config):
     eager = make_trainer(path, "model.num_layers=1")
     compiled = make_trainer(path, "training.compile=true", "model.num_layers=1")
     assert run_steps(compiled, 2) == pytest.approx(run_steps(eager, 2), rel=1e-4)
-    assert sorted(n for n, _ in compiled.model.named_parameters()) == sorted(n for n, _ in eager.model.named_parameters())
-    for name, w in weights(eager).items():
-        torch.testing.assert_close(weights(compiled)[name], w, rtol=1e-4, atol=1e-5, msg=name)
+    assert_weights_close(weights(compiled), weights(eager), "compiled vs eager")
 
 
 @pytest.mark.gpu
@@ -125,8 +123,7 @@ def test_chunked_cross_entropy_matches_full_logits(make_config):
     full = make_trainer(path)
     chunked = make_trainer(path, "training.loss_chunk_tokens=24")  # 64 tokens per micro-batch: 24 + 24 + 16
     assert run_steps(full, 2) == pytest.approx(run_steps(chunked, 2), rel=1e-6)
-    for (name, a), b in zip(weights(full).items(), weights(chunked).values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert_weights_close(weights(chunked), weights(full), "chunked vs full logits")
 
 
 def test_params_norm_is_logged_and_is_the_weights_norm(make_config):
@@ -135,7 +132,7 @@ def test_params_norm_is_logged_and_is_the_weights_norm(make_config):
     cfg = load_config(TrainConfig, path)
     trainer = Trainer(cfg, check_inputs(cfg), init_runtime("cpu"), quiet=True)
     trainer.train()
-    want = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).norm().item()
+    want = torch.cat([p.detach().flatten() for p in trainer.engine.model.parameters()]).norm().item()
     records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     logged = [r["params_norm"] for r in records if r["kind"] == "train"]
     assert len(logged) == 2 and logged[0] != logged[1]

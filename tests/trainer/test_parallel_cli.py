@@ -54,7 +54,7 @@ def write(root: Path, name: str, **training) -> Path:
         "optim": {"lr": 3e-3, "min_lr": 3e-4, "grad_clip": 0.5},
         "schedule": {"warmup_steps": 2},
         "training": {"global_batch_size": 8, "micro_batch_size": 2, "seq_length": 32, "steps": STEPS,
-                     "log_interval": 1, "eval_interval": STEPS, "eval_iters": 4, "threads": 1, **training},
+                     "log_interval": 1, "eval_interval": STEPS, "eval_iters": 2, "threads": 1, **training},
         "logging": {"tensorboard": False, "params_norm": True},
     }
     path = root / f"{name}.yaml"
@@ -121,9 +121,11 @@ def test_layout_matches_one_process(data_dir, reference, name, nproc, flags, lay
     got_params = [r["params_norm"] for r in records(run, "train").values()]
     want_params = [r["params_norm"] for r in records(reference, "train").values()]
     assert got_params == pytest.approx(want_params, rel=1e-6)
-    if layout.get("data", 1) == 1:  # same evaluation samples as one process (eval_iters per data rank)
-        assert records(run, "eval")[STEPS]["valid_loss"] == pytest.approx(
-            records(reference, "eval")[STEPS]["valid_loss"], rel=1e-5)
+    # The same validation samples as one process in every layout (eval_iters global batches, the
+    # data-parallel ranks taking their rows of each): under DP=2 the old definition (eval_iters
+    # micro-batches per data rank, rounded up to global batches) evaluated twice the samples.
+    assert records(run, "eval")[STEPS]["valid_loss"] == pytest.approx(
+        records(reference, "eval")[STEPS]["valid_loss"], rel=1e-5)
     sidecar = read_sidecar(resolve_checkpoint(run / "checkpoints"))
     assert sidecar.layout.model_dump(include=set(layout)) == layout and sidecar.step == STEPS
     assert (resolve_checkpoint(run / "checkpoints") / "tokenizer" / "tokenizer.json").is_file()

@@ -50,19 +50,18 @@ def test_test_split_is_evaluated_once_at_the_end_on_its_own_samples(data_dir, mi
     tests = [r for r in records if r["kind"] == "test"]
     assert [r["step"] for r in tests] == [4] and [r["step"] for r in records if r["kind"] == "eval"] == [2, 4]
 
-    # The same loss, computed outside the trainer: the final weights on the first eval_iters
-    # micro-batches of the test split.
+    # The same loss, computed outside the trainer: the final weights on the first eval_iters global
+    # batches of the test split (3 x 4 samples; the layout-free definition: under the old one, 3
+    # micro-batches of 2 samples, this fails).
     cfg = load_config(TrainConfig, path, [])
     trainer = Trainer(cfg, check_inputs(cfg), init_runtime("cpu"), quiet=True)
     trainer.load(latest_checkpoint(tmp_path / "run" / "checkpoints"))
     test = MixtureBatches(MixtureSplit(mixture_with_test, "test"), 32)
-    losses = []
     with torch.no_grad():
-        for i in range(3):
-            inputs, labels = test.batch(np.arange(2 * i, 2 * i + 2))
-            logits = trainer.model(inputs)
-            losses.append(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).item())
-    assert tests[0]["test_loss"] == pytest.approx(sum(losses) / 3, rel=1e-5)
+        inputs, labels = test.batch(np.arange(3 * 4))
+        logits = trainer.engine.model(inputs)
+        want = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()).item()
+    assert tests[0]["test_loss"] == pytest.approx(want, rel=1e-5)
     valid = [r for r in records if r["kind"] == "eval"][-1]["valid_loss"]
     assert tests[0]["test_loss"] != pytest.approx(valid, rel=1e-6)  # really another split
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.common.model_config import ModelConfig
-from tessera.kernels import rms_norm
+from tessera.kernels import add_rms_norm, rms_norm, rope_qk, swiglu
 
 # attention_fn(layer_idx, q, k, v) -> out; q: [B, T, Hq, D], k/v: [B, T, Hkv, D], out: [B, T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -42,6 +42,15 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+
+def add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, norm(x + h)): one fused kernel on CUDA for a plain RMSNorm. A norm with hooks
+    (sequence parallel gathers its output) or a LayerNorm is called as a module after the add."""
+    if type(norm) is RMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks):
+        return add_rms_norm(x, h, norm.weight, norm.eps)
+    x = x + h
+    return x, norm(x)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -108,10 +117,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+# apply_rope(x, cos, sin), the rotation itself, lives in tessera.kernels.rope beside its kernel.
 
 
 # ---- attention and MLP ---------------------------------------------------------------------
@@ -146,7 +152,7 @@ class Attention(nn.Module):
         k = k.view(bsz, seq, -1, self.head_dim)
         v = v.view(bsz, seq, -1, self.head_dim)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = rope_qk(q, k, *rope)
         if attention_fn is not None:
             out = attention_fn(self.layer_idx, q, k, v)
         else:
@@ -182,7 +188,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+            h = swiglu(self.gate_proj(x), self.up_proj(x))
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")
         return self.down_proj(h)
@@ -204,8 +210,9 @@ class Block(nn.Module):
         attention_fn: AttentionFn | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope, attention_fn, attn_mask))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        h = self.dropout(self.attn(self.attn_norm(x), rope, attention_fn, attn_mask))
+        x, normed = add_norm(self.mlp_norm, x, h)
+        return x + self.dropout(self.mlp(normed))
 
 
 # ---- the model -----------------------------------------------------------------------------

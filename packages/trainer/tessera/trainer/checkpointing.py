@@ -11,13 +11,17 @@ State-dict layout (flattened by DCP with dots; every leaf is a tensor, so loadin
     rng.python_state, rng.python_gauss
     train_state.step, .consumed_samples, .consumed_tokens
 
-A parallel run (tessera.trainer.parallel.trainer) writes the same `model.*`, `optimizer.*` and
+A parallel run (tessera.trainer.parallel.engine) writes the same `model.*`, `optimizer.*` and
 `train_state.*` keys (global tensors, so any layout or one process reads them) and its RNG
-streams per rank as `rng.rank<R>.*`; a one-process resume of such a checkpoint keeps its seeded
-RNGs (load_checkpoint restores `rng.*` only when present).
+streams per rank as `rng.rank<R>.*`. Each group of keys belongs to one stateful component
+(tessera.trainer.stateful); `state_of` and `restore` save and load any set of them, and the
+checkpoint manager (tessera.trainer.checkpoint_manager) decides which, for every layout.
 
 The LR schedule is a pure function of train_state.step (tessera.trainer.schedule), so the step is
 its whole state. Hyper-parameters of the optimizer groups come from the config, not the file.
+
+Reads go through two functions only: `stored_keys` (the DCP metadata) and `read_checkpoint`
+(dcp.load into templates); nothing else here or in the parallel runtime reads a checkpoint.
 
 Save sequence (a crash at any point leaves the previous checkpoint and the pointer intact):
 write DCP files into `.iter_NNNNNNN.partial/`, write the sidecar there last (finalize), rename
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import re
 import shutil
 import threading
@@ -41,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -61,92 +63,14 @@ from tessera.common.checkpoint import (
     write_pointer,
 )
 from tessera.common.errors import ArtifactError
+from tessera.common.faults import fault_point
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import Tokenizer
-from tessera.trainer.optim import named_parameters_of
 from tessera.trainer.precision import Precision
+from tessera.trainer.stateful import ModuleState, OptimizerState, RNGState, ScalerState, Stateful, TrainState
 
 PARTIAL_SUFFIX = ".partial"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
-
-
-@dataclass
-class TrainState:
-    """Where the run is: the loop's counters, checkpointed with everything else."""
-
-    step: int = 0
-    consumed_samples: int = 0
-    consumed_tokens: int = 0
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {k: torch.tensor(v, dtype=torch.int64) for k, v in vars(self).items()}
-
-    @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor]) -> TrainState:
-        return cls(**{k: int(v) for k, v in t.items()})
-
-
-# ---- RNG states as tensors ---------------------------------------------------------------------
-
-
-def rng_state_tensors() -> dict[str, torch.Tensor]:
-    py_version, py_state, py_gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state = {
-        "torch_cpu": torch.get_rng_state(),
-        "python_state": torch.tensor(py_state, dtype=torch.int64),
-        "python_gauss": torch.tensor([float("nan") if py_gauss is None else py_gauss], dtype=torch.float64),
-        "numpy_keys": torch.from_numpy(np_keys.astype(np.int64)),
-        "numpy_pos": torch.tensor([np_pos, np_has_gauss], dtype=torch.int64),
-        "numpy_gauss": torch.tensor([np_gauss], dtype=torch.float64),
-    }
-    if torch.cuda.is_available():
-        state["torch_cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state_tensors(state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["torch_cpu"])
-    gauss = float(state["python_gauss"][0])
-    random.setstate((3, tuple(int(x) for x in state["python_state"].tolist()), None if gauss != gauss else gauss))
-    pos, has_gauss = (int(x) for x in state["numpy_pos"].tolist())
-    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss,
-                         float(state["numpy_gauss"][0])))
-    if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["torch_cuda"])
-
-
-# ---- optimizer state by parameter name ---------------------------------------------------------
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    out = {}
-    for name, p in named_parameters_of(optimizer):
-        st = optimizer.state.get(p)
-        if st:
-            out[name] = {k: v for k, v in st.items() if torch.is_tensor(v)}
-    return out
-
-
-def _optimizer_template(optimizer: torch.optim.Optimizer, stored: set[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """Empty AdamW state of the right shapes to load into (a fresh optimizer has none yet), for
-    the parameters the checkpoint has state for (none, e.g., when every fp16 step so far was skipped)."""
-    step_device = None if optimizer.defaults.get("fused") else "cpu"
-    out = {}
-    for name, p in named_parameters_of(optimizer):
-        if f"optimizer.state.{name}.exp_avg" not in stored:
-            continue
-        out[name] = {"step": torch.zeros((), dtype=torch.float32, device=step_device or p.device),
-                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-    return out
-
-
-def _load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, dict[str, torch.Tensor]]) -> None:
-    sd = optimizer.state_dict()
-    names = [n for n, _ in named_parameters_of(optimizer)]
-    sd["state"] = {i: state[n] for i, n in enumerate(names) if n in state}
-    optimizer.load_state_dict(sd)
 
 
 # ---- save ---------------------------------------------------------------------------------------
@@ -172,15 +96,26 @@ def save_checkpoint(
     keep_last: int,
     background: AsyncCheckpointer | None = None,
 ) -> Path:
-    """Write iter_<step>/ completely, then point the pointer at it; returns the directory."""
-    state = {
-        "model": model.state_dict(),
-        "optimizer": {"state": optimizer_state_tensors(optimizer)},
-        "rng": rng_state_tensors(),
-    }
+    """Write iter_<step>/ of a one-process model completely, then point the pointer at it."""
+    return write_checkpoint(root, state_of(local_components(model, optimizer, precision)), train_state, sidecar,
+                            tokenizer, keep_last, background)
+
+
+def local_components(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision) -> dict[str, Stateful]:
+    """The stateful components of a one-process run (tessera.trainer.engine.LocalEngine's)."""
+    components: dict[str, Stateful] = {"model": ModuleState(model), "optimizer": OptimizerState(optimizer),
+                                       "rng": RNGState()}
     if precision.scaler is not None:
-        state["scaler"] = precision.state_tensors()
-    return write_checkpoint(root, state, train_state, sidecar, tokenizer, keep_last, background)
+        components["scaler"] = ScalerState(precision)
+    return components
+
+
+def state_of(components: dict[str, Stateful]) -> dict:
+    """One flat state dict (dotted keys) of every component, to save (collective under a process group)."""
+    state: dict = {}
+    for component in components.values():
+        state.update(component.state_dict())
+    return state
 
 
 def write_checkpoint(
@@ -205,9 +140,11 @@ def write_checkpoint(
                     sidecar, tokenizer, keep_last)
     if background is not None:
         background.start(state, job)
+        fault_point("save.state_staged")
         return final
     with single_process_dcp():
         dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
+    fault_point("save.payload_written")
     job.run()
     return final
 
@@ -220,6 +157,7 @@ def _start_save(root: Path, step: int) -> tuple[Path, Path]:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
+        fault_point("save.partial_created")
     _barrier()
     return final, partial
 
@@ -256,18 +194,24 @@ class _Finalize:
 
     def _finish_on_rank_0(self) -> None:
         self.tokenizer.save(self.partial / TOKENIZER_DIR)
+        fault_point("save.tokenizer_written")
         sidecar = self.sidecar.model_copy()
         sidecar.step = self.train_state.step
         sidecar.consumed_samples = self.train_state.consumed_samples
         sidecar.consumed_tokens = self.train_state.consumed_tokens
         sidecar.contents = self.contents
         finalize_checkpoint(self.partial, sidecar)  # sidecar last: marks the directory complete
+        fault_point("save.sidecar_written")
         if self.final.exists():  # a stale checkpoint of the same step (e.g. from a run that was rewound)
             shutil.rmtree(self.final)
+            fault_point("save.stale_removed")
         os.replace(self.partial, self.final)
         _fsync_dir(self.root)
+        fault_point("save.renamed")
         write_pointer(self.root, self.train_state.step)
+        fault_point("save.pointer_written")
         prune_checkpoints(self.root, self.keep_last)
+        fault_point("save.pruned")
 
 
 class AsyncCheckpointer:
@@ -311,6 +255,7 @@ class AsyncCheckpointer:
         error: BaseException | None = None
         try:
             future.result()
+            fault_point("save.payload_written")
         except BaseException as exc:  # reported to the training thread by wait()/poll()
             error = exc
         try:
@@ -428,37 +373,33 @@ def read_checkpoint(directory: Path, state: dict) -> None:
                             "was it written by a different model or precision?") from None
 
 
+def restore(directory: Path, components: dict[str, Stateful], position: bool = True) -> TrainState | None:
+    """Restore the components from `directory` (each takes what the checkpoint holds of it) and,
+    with `position`, return the data position it was saved at. Collective under a process group."""
+    stored = stored_keys(directory)
+    templates = {name: c.load_template(stored) for name, c in components.items()}
+    state = {k: v for t in templates.values() for k, v in t.items()}
+    counters = {f"train_state.{k}": v for k, v in TrainState().tensors().items()} if position else {}
+    state.update(counters)
+    read_checkpoint(directory, state)
+    for name, component in components.items():
+        if templates[name]:
+            component.load_state_dict({k: state[k] for k in templates[name]})
+    return TrainState.from_tensors({k.removeprefix("train_state."): state[k] for k in counters}) if position else None
+
+
 def load_checkpoint(
     directory: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     precision: Precision,
 ) -> tuple[TrainState, CheckpointSidecar]:
-    """Restore model, optimizer, scaler and RNG states in place; return the train state and sidecar.
-
-    RNG states are restored when the checkpoint has this process's kind of them (one saved by a
-    parallel run keeps per-rank streams under other names: the RNGs then stay as seeded)."""
+    """Restore a one-process model, optimizer, scaler and RNG states in place; return the train state
+    and sidecar (RNG states only when the checkpoint holds this process's kind of them)."""
     sidecar = read_sidecar(directory)
-    stored = stored_keys(directory)
-    state = {
-        "model": model.state_dict(),
-        "optimizer": {"state": _optimizer_template(optimizer, stored)},
-        "rng": rng_state_tensors(),
-        "train_state": TrainState().tensors(),
-    }
-    if precision.scaler is not None:
-        state["scaler"] = {"scale": torch.zeros((), dtype=torch.float64), "growth_tracker": torch.zeros((), dtype=torch.int64)}
-    # A CPU-saved run resumed on a GPU (or the reverse) restores the RNGs both sides have.
-    state["rng"] = {k: v for k, v in state["rng"].items() if f"rng.{k}" in stored}
-    read_checkpoint(directory, state)
-    # model.state_dict() returned views of the parameters, so the model is already loaded.
-    _load_optimizer_state(optimizer, state["optimizer"]["state"])
-    precision.load_state_tensors(state.get("scaler", {}))
-    if "torch_cpu" in state["rng"]:
-        set_rng_state_tensors(state["rng"])
-    return TrainState.from_tensors(state["train_state"]), sidecar
+    return restore(directory, local_components(model, optimizer, precision)), sidecar
 
 
-__all__ = ["MODEL_PREFIX", "TrainState", "AsyncCheckpointer", "save_checkpoint", "load_checkpoint", "write_checkpoint", "read_checkpoint",
-           "stored_keys", "latest_checkpoint",
+__all__ = ["MODEL_PREFIX", "TrainState", "AsyncCheckpointer", "save_checkpoint", "load_checkpoint", "write_checkpoint",
+           "read_checkpoint", "restore", "state_of", "local_components", "stored_keys", "latest_checkpoint",
            "list_checkpoints", "prune_checkpoints", "remove_partial_saves"]

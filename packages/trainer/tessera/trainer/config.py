@@ -31,7 +31,7 @@ class DataConfig(StrictModel):
     tokenizer: Path = Field(..., description="Tokenizer directory (tokenizer.json); must match the mixture's tokenizer fingerprint. Copied into every checkpoint.")
     train_split: str = Field("train", description="Mixture split to train on.")
     valid_split: str | None = Field("valid", description="Mixture split for evaluation; null disables evaluation.")
-    test_split: str | None = Field("test", description="Mixture split evaluated once when training completes (eval_iters micro-batches, logged as kind test), when evaluation is on (training.eval_interval > 0) and the split has samples; null disables.")
+    test_split: str | None = Field("test", description="Mixture split evaluated once when training completes (eval_iters global batches, logged as kind test), when evaluation is on (training.eval_interval > 0) and the split has samples; null disables.")
     check_fingerprints: bool = Field(True, description="Verify at start that the shards are the ones the mixture was built from (hashes their small manifests).")
     # Document boundaries inside packed samples (Megatron's flags of the same names); the
     # end-of-document token is the shards' recorded eod_id, else the tokenizer's eos token
@@ -84,7 +84,8 @@ class TrainingConfig(StrictModel):
     rampup_batch_size: tuple[int, int, int] | None = Field(None, description="Megatron's --rampup-batch-size [start, increment, samples]: the global batch starts at `start` sequences and grows by `increment` at even intervals over the first `samples` consumed samples, up to global_batch_size (tessera.trainer.data.global_batch_size_at). Every size must be a multiple of micro_batch_size x data-parallel size.")
     steps: int = Field(100, gt=0, description="Optimizer steps to train (the run ends when the step counter reaches this).")
     seed: int = Field(1234, description="Seed for weight init and every RNG (python, numpy, torch).")
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged).")
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged); fp8 = bf16 with the linear layers' matmuls in float8 through torchao (one process, GPUs of compute capability 8.9+; tessera.trainer.fp8).")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field("tensorwise", description="fp8 only: torchao Float8 scaling, one scale per tensor (tensorwise, fastest) or per row (rowwise, robust to outliers).")
     fp16_initial_scale: float = Field(2.0**16, gt=0, description="fp16 only: starting loss scale.")
     fp16_growth_interval: int = Field(1000, gt=0, description="fp16 only: steps without overflow before the loss scale doubles.")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute: none; selective = attention core; full = every transformer block.")
@@ -95,9 +96,10 @@ class TrainingConfig(StrictModel):
     threads: int | None = Field(None, gt=0, description="torch intra-op threads on CPU (default: torch's choice).")
     log_interval: int = Field(1, gt=0, description="Log a metrics line every N steps.")
     eval_interval: int = Field(0, ge=0, description="Evaluate on the valid split every N steps (and at the end); 0 disables.")
-    eval_iters: int = Field(4, gt=0, description="Micro-batches per evaluation (always the first ones of the valid split, so evaluations compare).")
-    eval_only: bool = Field(False, description="Evaluate and exit (= --eval-only; Megatron's --skip-train): load the model (the checkpoint --resume finds, else checkpoint.init_from, else a fresh init), log the loss on eval_iters micro-batches of the valid split and of the test split (those with samples), train and save nothing. E.g. the validation perplexity of an imported Hugging Face model on your data.")
+    eval_iters: int = Field(4, gt=0, description="Global batches per evaluation (Megatron's --eval-iters): always the first eval_iters x global_batch_size samples of the valid split, whatever the parallel layout, so evaluations compare.")
+    eval_only: bool = Field(False, description="Evaluate and exit (= --eval-only; Megatron's --skip-train): load the model (the checkpoint --resume finds, else checkpoint.init_from, else a fresh init), log the loss on eval_iters global batches of the valid split and of the test split (those with samples), train and save nothing. E.g. the validation perplexity of an imported Hugging Face model on your data.")
     exit_after_steps: int | None = Field(None, gt=0, description="Stop after this many steps in this invocation (saving first, exit 0), e.g. to fit a fixed-length job slot; `--resume` continues. The schedule still spans training.steps.")
+    step_timeout_minutes: float | None = Field(None, gt=0, description="Watchdog: a rank that makes no progress for this long (a step, an evaluation or a save; armed after the first step) prints the Python stack of every thread and exits 1, so a hung rank shows where it hangs within the timeout instead of the process group's (10 minutes by default, silent); under torchrun --max-restarts the job then restarts from its last checkpoint. Null: off.")
     exit_after_minutes: float | None = Field(None, gt=0, description="Stop at the first step that ends this many minutes after the trainer started (saving first, exit 0; every rank stops at the same step), e.g. to fit a job's time limit with room for the save; `--resume` continues (Megatron's --exit-duration-in-mins).")
     save_interval: int = Field(0, ge=0, description="Save a checkpoint every N steps; one is always saved at the end. 0 = only at the end.")
     check_nonfinite: bool = Field(True, description="Stop with a one-line error (exit 1) at the first step whose loss or gradient norm is inf/nan, saving nothing, so the newest checkpoint stays the last good one (Megatron's --check-for-nan-in-loss-and-grad). fp32/bf16; fp16 skips such steps by its loss scaling instead.")
@@ -137,6 +139,7 @@ class CheckpointConfig(StrictModel):
     dir: Path | None = Field(None, description="Checkpoints root (iter_NNNNNNN/ + pointer); default <run_dir>/checkpoints.")
     keep_last: int = Field(2, ge=1, description="Keep this many newest checkpoints; older ones are deleted after a save completes.")
     async_save: bool = Field(False, description="Write the periodic checkpoints (save_interval) in the background: training waits only while DCP copies the state into CPU memory, a thread writes and finalizes it (same files and crash safety; at most one in flight). The final save and a save on SIGTERM/SIGINT or exit_after_* stay synchronous. Costs CPU memory for one copy of model + optimizer state (Megatron's --async-save).")
+    verify_on_load: bool = Field(True, description="Before --resume or init_from reads a checkpoint, check every payload file against the sidecar's checksums (the ranks split the files; XXH3 on threads; the time is printed). A corrupt checkpoint is refused with one line, exit 2, instead of training on flipped bytes.")
     init_from: Path | None = Field(None, description="Start a new run from the model weights of this checkpoint (an iter_N directory, a checkpoints directory with a pointer, or a run directory; any parallel layout; e.g. from `tessera-ckpt import`): step 0, fresh optimizer, this config's schedule and data. The model section must match the checkpoint's. Once this run has a checkpoint of its own, --resume continues from that instead (Megatron's --finetune with --load; torchtitan's initial_load_path).")
 
 

@@ -52,6 +52,11 @@ class MicroBatchPlan:
         self.per_rank = global_batch_size // dp_size
         self.num_micro_batches = self.per_rank // micro_batch_size
 
+    def rank_sample_ids(self, consumed_samples: int) -> np.ndarray:
+        """Global sample numbers of this rank's rows of the step starting at consumed_samples."""
+        start = consumed_samples + self.dp_rank * self.per_rank
+        return np.arange(start, start + self.per_rank)
+
     def sample_ids(self, consumed_samples: int) -> list[np.ndarray]:
         """Global sample numbers of each of this rank's micro-batches for the step starting at consumed_samples."""
         start = consumed_samples + self.dp_rank * self.per_rank

@@ -2,7 +2,7 @@
 
 `tessera-train` run directly is one process with no process group. Under torchrun (WORLD_SIZE in
 the environment) it joins a group: NCCL on GPUs, gloo on CPUs. The parallel layout's groups are
-then built on it by tessera.common.parallel.state (tessera.trainer.parallel.trainer); every
+then built on it by tessera.common.parallel.state (tessera.trainer.parallel.engine); every
 reduction (data-parallel gradients, losses) is the parallel runtime's.
 """
 

@@ -2,7 +2,9 @@
 
 A preempted job (SLURM and Kubernetes send SIGTERM) thus loses nothing. A second SIGINT raises
 KeyboardInterrupt at once (the handlers in place before are restored first), so Ctrl-C twice still
-interrupts a run that hangs.
+interrupts a run that hangs (exit 130, one line, also when it lands inside a checkpoint write).
+Further SIGTERMs once a stop was requested are ignored to the end of the process: schedulers
+repeat SIGTERM before the kill, and the save under way must finish (exit 0), not die with -15.
 """
 
 from __future__ import annotations
@@ -33,5 +35,6 @@ class StopRequest:
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            keep_ignoring = sig == signal.SIGTERM and self.signal_name is not None
+            signal.signal(sig, signal.SIG_IGN if keep_ignoring else handler)
         self._previous.clear()

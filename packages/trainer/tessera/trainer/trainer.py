@@ -2,34 +2,31 @@
 
 `check_inputs` validates everything that can be validated without building the model (config vs
 mixture vs tokenizer vs world size and parallel layout vs the checkpoint being resumed) and raises
-UserError with one line. `Trainer` then builds model, optimizer, precision, data and sinks, and
-`Trainer.train` runs optimizer steps: micro-batches with gradient accumulation, unscale + clip,
-step (skipped on fp16 overflow), logging, evaluation, checkpointing, and a graceful stop on
+UserError with one line. `Trainer` then builds the execution engine for the layout, data, metrics
+and the checkpoint manager, and `Trainer.train` runs optimizer steps: the engine's step over this
+rank's rows of each global batch, logging, evaluation, checkpointing, and a graceful stop on
 SIGTERM/SIGINT.
 
-One plain process runs the step itself (this module). Every other layout (torchrun, data,
-tensor or pipeline parallel) uses `tessera.trainer.parallel.trainer.ParallelTrainer`, which
-keeps this loop and replaces the step, evaluation and checkpoint state with the parallel
-runtime's; `build_trainer` picks one.
+The loop is one, for every layout. What depends on the layout is the engine's
+(tessera.trainer.engine.Engine): `LocalEngine` for one plain process, `ParallelEngine`
+(tessera.trainer.parallel.engine) for torchrun with tensor, pipeline or data parallelism.
 """
 
 from __future__ import annotations
 
 import math
-import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
 from tessera.common.checkpoint import CheckpointSidecar, read_sidecar, resolve_checkpoint
 from tessera.common.errors import ArtifactError, RunError, UserError
+from tessera.common.faults import fault_point
 from tessera.common.fileio import atomic_write_text
 from tessera.common.layout import ParallelLayout, validate_layout
 from tessera.common.mixture import (
@@ -43,28 +40,22 @@ from tessera.common.mixture import (
 from tessera.common.model_config import ModelConfig
 from tessera.common.shard import read_shard_manifest
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
-from tessera.trainer.checkpointing import (
-    AsyncCheckpointer,
-    TrainState,
-    latest_checkpoint,
-    load_checkpoint,
-    read_checkpoint,
-    remove_partial_saves,
-    save_checkpoint,
-)
+from tessera.trainer.checkpoint_manager import CheckpointManager
+from tessera.trainer.checkpointing import latest_checkpoint, remove_partial_saves
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.data import MicroBatchPlan, MixtureBatches, global_batch_size_at
-from tessera.trainer.distributed import Runtime
-from tessera.trainer.documents import DocumentMasking, loss_token_count
+from tessera.trainer.distributed import Runtime, pick_device
+from tessera.trainer.documents import DocumentMasking
+from tessera.trainer.engine import Engine, LocalEngine
+from tessera.trainer.fp8 import fp8_device_problem
 from tessera.trainer.host_memory import retain_freed_memory
-from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops
-from tessera.trainer.model_setup import prepare_model
-from tessera.trainer.optim import build_optimizer, set_lr
-from tessera.trainer.precision import Precision
+from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops, step_time_spread
+from tessera.trainer.parallel.engine import ParallelEngine
 from tessera.trainer.profiling import StepProfiler
 from tessera.trainer.schedule import LRSchedule
 from tessera.trainer.signals import StopRequest
-from tessera.trainer.step import TrainStep
+from tessera.trainer.stateful import TrainState
+from tessera.trainer.watchdog import StepWatchdog
 
 
 @dataclass
@@ -104,6 +95,8 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
                             f"({layout.data}); pick a start and increment that are")
     if layout.world_size > 1:
         check_parallel_options(cfg)
+    if t.precision == "fp8" and (problem := fp8_device_problem(pick_device(t.device, 0))):
+        raise UserError(problem)
     manifest = read_mixture_manifest(cfg.data.mixture)
     manifest_path = Path(cfg.data.mixture) / MANIFEST
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -224,6 +217,8 @@ def check_parallel_options(cfg: TrainConfig) -> None:
     t = cfg.training
     if t.compile:
         raise UserError("training.compile (--compile) is supported in one process only; drop it under torchrun")
+    if t.precision == "fp8":
+        raise UserError("training.precision=fp8 is supported in one process only so far; use bf16 under torchrun")
     if t.loss_chunk_tokens is not None:
         raise UserError("training.loss_chunk_tokens is for one process; under torchrun the loss is vocab-parallel "
                         "(use parallel.tensor to split the logits) — set training.loss_chunk_tokens=null")
@@ -233,24 +228,18 @@ def eval_record(loss: float, split: str = "valid") -> dict[str, float]:
     return {f"{split}_loss": loss, f"{split}_ppl": math.exp(min(loss, 50.0))}
 
 
-def build_trainer(cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime, quiet: bool = False) -> Trainer:
-    """The one-process Trainer, or the ParallelTrainer for any other layout."""
-    if not inputs.parallel:
-        return Trainer(cfg, inputs, runtime, quiet)
-    from tessera.trainer.parallel.trainer import ParallelTrainer
-
-    return ParallelTrainer(cfg, inputs, runtime, quiet)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed every RNG a run may draw from (dropout uses torch's; python's and numpy's for user code)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+def build_engine(cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime) -> Engine:
+    """The execution engine for the run's layout: one plain process, or the parallel runtime."""
+    if inputs.parallel:
+        return ParallelEngine(cfg, inputs.model, inputs.layout, inputs.documents, runtime.device)
+    return LocalEngine(cfg, inputs.model, inputs.documents, runtime.device)
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime, quiet: bool = False):
+    """The training loop, the same under every layout; the layout is the engine's business."""
+
+    def __init__(self, cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime, quiet: bool = False,
+                 engine: Engine | None = None):
         self.cfg = cfg
         self.inputs = inputs
         self.rt = runtime
@@ -261,10 +250,9 @@ class Trainer:
         if t.retain_host_memory and runtime.device.type == "cpu":
             retain_freed_memory()
         self.model_cfg = inputs.model
-        self.build_step()
+        self.engine = engine if engine is not None else build_engine(cfg, inputs, runtime)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim, t.steps)
-        self.plan = MicroBatchPlan(t.global_batch_size, t.micro_batch_size, self.dp_rank, inputs.layout.data)
-        self._plans = {t.global_batch_size: self.plan}  # one per batch size of a ramp-up
+        self.plan = self._plan(t.global_batch_size)  # the full global batch (evaluation's)
         self.last_step_samples = t.global_batch_size  # global batch of the latest step
         check = cfg.data.check_fingerprints
 
@@ -285,23 +273,12 @@ class Trainer:
         self.sink = MetricsSink(cfg.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, self.say, runtime.is_main)
         self.peak_tflops: float | None = None
         self.started = time.monotonic()  # training.exit_after_minutes counts from here
-        self.async_saver: AsyncCheckpointer | None = None  # checkpoint.async_save, built in train()
-
-    def build_step(self) -> None:
-        """Model, optimizer and precision of the one-process step."""
-        if self.inputs.parallel:
-            raise ValueError("Trainer runs one plain process; use build_trainer for parallel layouts")
-        t = self.cfg.training
-        # Compilation is the step's (forward and loss in one graph), not the model's.
-        self.model = prepare_model(self.model_cfg, self.rt.device, t.seed, t.recompute)
-        self.optimizer = build_optimizer(self.model, self.cfg.optim)
-        self.precision = Precision(t.precision, self.rt.device, t.fp16_initial_scale, t.fp16_growth_interval)
-        self.step = TrainStep(self.model, self.optimizer, self.precision, self.cfg.optim.grad_clip,
-                              t.loss_chunk_tokens, t.compile, self.inputs.documents)
-
-    @property
-    def dp_rank(self) -> int:
-        return 0
+        sidecar = CheckpointSidecar(model=self.model_cfg, tokenizer_fingerprint=inputs.tokenizer.fingerprint,
+                                    layout=inputs.layout, mixture_fingerprint=inputs.mixture_fingerprint,
+                                    params_dtype="float32", precision=t.precision)
+        self.checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last, inputs.tokenizer, sidecar,
+                                             inputs.layout, self.engine.components(), self.say,
+                                             verify_on_load=cfg.checkpoint.verify_on_load)
 
     # ---- output ------------------------------------------------------------------------------
     def say(self, line: str) -> None:
@@ -316,23 +293,21 @@ class Trainer:
         sys.stdout.flush()
 
     # ---- steps -------------------------------------------------------------------------------
-    def train_step(self) -> tuple[float, float, bool]:
-        """One optimizer step over a global batch; returns (mean loss, grad norm, step taken)."""
-        step = self.state.step
-        set_lr(self.optimizer, self.schedule(step))
-        plan = self.plan_at(self.state.consumed_samples)
-        micro_batches = self.train_data.micro_batches(plan, self.state.consumed_samples)
-        loss_sum, grad_norm, stepped = self.step(micro_batches, plan.num_micro_batches, self.rt.device)
-        self.advance()
-        return float(loss_sum), float(grad_norm), stepped
+    def _plan(self, batch: int) -> MicroBatchPlan:
+        return MicroBatchPlan(batch, self.cfg.training.micro_batch_size, self.engine.dp_rank, self.engine.dp_size)
 
     def plan_at(self, consumed_samples: int) -> MicroBatchPlan:
         """The micro-batch plan of the step starting at `consumed_samples` (training.rampup_batch_size)."""
         t = self.cfg.training
-        batch = global_batch_size_at(consumed_samples, t.global_batch_size, t.rampup_batch_size)
-        if batch not in self._plans:
-            self._plans[batch] = MicroBatchPlan(batch, t.micro_batch_size, self.dp_rank, self.inputs.layout.data)
-        return self._plans[batch]
+        return self._plan(global_batch_size_at(consumed_samples, t.global_batch_size, t.rampup_batch_size))
+
+    def train_step(self) -> tuple[float, float, bool]:
+        """One optimizer step over a global batch; returns (mean loss, grad norm, step taken)."""
+        self.engine.set_lr(self.schedule(self.state.step))
+        plan = self.plan_at(self.state.consumed_samples)
+        result = self.engine.train_step(*self.train_data.batch(plan.rank_sample_ids(self.state.consumed_samples)))
+        self.advance()  # a skipped step (fp16 overflow) still consumes its data
+        return result.loss, result.grad_norm, result.stepped
 
     def advance(self) -> None:
         """Count a finished step and the data it consumed (the whole data position)."""
@@ -343,74 +318,31 @@ class Trainer:
         self.state.consumed_tokens += batch * t.seq_length
         self.last_step_samples = batch
 
-    @torch.no_grad()
     def evaluate(self, data: MixtureBatches | None = None) -> float:
-        """Mean loss over the first eval_iters micro-batches of `data` (default: the valid split; the
-        same micro-batches every time)."""
+        """Mean token loss over the first eval_iters global batches of `data` (default: the valid split):
+        the same samples every time and under every layout (data-parallel ranks take their rows of
+        each batch, as in training); batches weighted by their counted tokens (equal without
+        data.eod_mask_loss), so the result is the mean over every counted token."""
         data = data if data is not None else self.valid_data
         assert data is not None
-        self.model.eval()
         t = self.cfg.training
-        mb = t.micro_batch_size
-        total = torch.zeros((), device=self.rt.device)
-        # With eod_mask_loss: the mean over all counted tokens, not of per-micro-batch means.
-        per_token = self.step.per_token_loss
-        tokens = 0
+        total, counted = 0.0, 0
         for i in range(t.eval_iters):
-            inputs, labels = data.batch(np.arange(i * mb, (i + 1) * mb))
-            tokens += int(loss_token_count(labels)) if per_token else 0
-            total += self.loss(inputs.to(self.rt.device), labels.to(self.rt.device),
-                               reduction="sum" if per_token else "mean")
-        self.model.train()
-        return float(total / max(tokens, 1)) if per_token else float(total / t.eval_iters)
+            loss, tokens = self.engine.eval_batch(*data.batch(self.plan.rank_sample_ids(i * t.global_batch_size)))
+            total += loss * tokens
+            counted += tokens
+        return total / max(counted, 1)
 
-    def loss(self, inputs: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """Forward (under the precision's autocast) and cross-entropy over the counted labels (mean or
-        sum), chunked when configured."""
-        return self.step.loss(inputs, labels, reduction)
+    def params_norm(self) -> float:
+        """Global L2 norm of the parameters (logging.params_norm; a collective under torchrun)."""
+        return self.engine.params_norm()
 
-    def sidecar(self) -> CheckpointSidecar:
-        return CheckpointSidecar(
-            model=self.model_cfg,
-            tokenizer_fingerprint=self.inputs.tokenizer.fingerprint,
-            layout=self.inputs.layout,
-            mixture_fingerprint=self.inputs.mixture_fingerprint,
-            params_dtype="float32",
-            precision=self.cfg.training.precision,
-        )
-
+    # ---- checkpoints -------------------------------------------------------------------------
     def save(self, background: bool = False) -> Path:
-        """Save now; with `background` (checkpoint.async_save) only the copy to CPU memory blocks."""
-        saver = self.async_saver
-        if saver is not None:
-            self._report_background_save(saver.wait())  # at most one in flight: the previous one completes first
-        start = time.perf_counter()
-        path = self.write_checkpoint(saver if background else None)
-        if background:
-            self.say(f"saving checkpoint {path} in the background (state copied in {time.perf_counter() - start:.2f}s)")
-        else:
-            self.say(f"saved checkpoint {path} ({time.perf_counter() - start:.1f}s)")
-        return path
-
-    def _report_background_save(self, path: Path | None) -> None:
-        if path is not None and self.async_saver is not None:
-            self.say(f"saved checkpoint {path} (in the background, {self.async_saver.last_seconds:.1f}s)")
-
-    def write_checkpoint(self, background: AsyncCheckpointer | None = None) -> Path:
-        return save_checkpoint(self.cfg.checkpoint_dir, self.model, self.optimizer, self.precision, self.state,
-                               self.sidecar(), self.inputs.tokenizer, self.cfg.checkpoint.keep_last, background)
+        return self.checkpoints.save(self.state, background)
 
     def load(self, directory: Path) -> None:
-        self.state, _ = load_checkpoint(directory, self.model, self.optimizer, self.precision)
-
-    def load_weights(self, directory: Path) -> None:
-        """Model tensors only (checkpoint.init_from): the optimizer, RNGs and step stay fresh."""
-        state = {"model": self.model.state_dict()}
-        read_checkpoint(directory, state)  # into the parameters' own storage (state_dict views)
-
-    def seed(self) -> None:
-        """Seed a fresh run's RNGs (after the model is built: init does not shift the dropout stream)."""
-        seed_everything(self.cfg.training.seed)
+        self.state = self.checkpoints.load(directory)
 
     # ---- the loop ----------------------------------------------------------------------------
     def train(self) -> TrainState:
@@ -420,18 +352,18 @@ class Trainer:
             atomic_write_text(cfg.run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
             for stale in remove_partial_saves(cfg.checkpoint_dir):
                 self.say(f"removed {stale} (left by a save that was interrupted)")
+        # Seeded after the model is built (init does not shift the dropout stream); on resume for the
+        # RNGs the checkpoint does not restore.
+        self.engine.seed(t.seed)
         if self.inputs.resume_from is not None:
-            self.seed()  # for RNGs the checkpoint does not hold; the ones it holds are restored
             self.load(self.inputs.resume_from)
             self.say(f"resumed from {self.inputs.resume_from} at step {self.state.step} "
                      f"({self.state.consumed_samples} samples consumed)")
-        else:
-            self.seed()
-            if self.inputs.init_from is not None:
-                self.load_weights(self.inputs.init_from)
-                self.say(f"initialized the model from {self.inputs.init_from} (step "
-                         f"{read_sidecar(self.inputs.init_from).step} of that run); optimizer, schedule and data "
-                         "start at step 0")
+        elif self.inputs.init_from is not None:
+            self.checkpoints.load_weights(self.inputs.init_from)
+            self.say(f"initialized the model from {self.inputs.init_from} (step "
+                     f"{read_sidecar(self.inputs.init_from).step} of that run); optimizer, schedule and data "
+                     "start at step 0")
         n_params = self.model_cfg.num_params()
         self.say(f"model: {n_params / 1e6:.2f}M parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token at "
                  f"seq {t.seq_length}; {self.plan.num_micro_batches} micro-batch(es) of {t.micro_batch_size} x "
@@ -441,6 +373,7 @@ class Trainer:
                  + f"; layout {self.inputs.layout.short()}; "
                  f"precision {t.precision}; device {self.rt.device}")
         self.peak_tflops, peak_source = resolve_peak_tflops(self.rt.device, t.peak_tflops)
+        self.peak_estimated = peak_source.startswith("measured")  # CPU: raised to the best seen (metrics.py)
         if self.peak_tflops is not None:
             self.say(f"MFU reference: {self.peak_tflops:.3f} TFLOP/s ({peak_source})")
         if t.eval_only:
@@ -451,18 +384,22 @@ class Trainer:
             return self.state
 
         if cfg.checkpoint.async_save:
-            self.async_saver = AsyncCheckpointer()  # a collective under torchrun: same point on every rank
+            self.checkpoints.start_async()  # a collective under torchrun: same point on every rank
         stop = StopRequest().install()
         show_bar = self.rt.is_main and not self.quiet and sys.stderr.isatty()
         bar = tqdm(total=t.steps, initial=self.state.step, disable=not show_bar, unit="step", dynamic_ncols=True)
         profiler = StepProfiler(cfg.profiling, cfg.profile_dir, self.rt.rank, self.rt.device, self.say_any_rank)
         last_saved = -1
         exit_at = self.state.step + t.exit_after_steps if t.exit_after_steps else None
+        watchdog, first_step = StepWatchdog(t.step_timeout_minutes, self.rt.rank), self.state.step
         try:
             # Steps, their wall time and their samples since the last log line.
             window_steps, window_time, window_samples = 0, 0.0, 0
             compiling = t.compile
             while self.state.step < t.steps:
+                if self.state.step > first_step:  # armed after the first step, which may compile
+                    watchdog.beat(f"in step {self.state.step + 1}")
+                fault_point("train.step")
                 profiler.before_step(self.state.step + 1)
                 step_start = time.perf_counter()
                 loss, grad_norm, stepped = self.train_step()
@@ -481,7 +418,7 @@ class Trainer:
                     raise self._diverged(loss, grad_norm)
                 if not stepped:
                     self.say(f"step {self.state.step}: fp16 gradients overflowed; step skipped, "
-                             f"loss scale lowered to {self.precision.loss_scale:g}")
+                             f"loss scale lowered to {self.engine.loss_scale:g}")
                 if self.state.step % t.log_interval == 0 or self.state.step == t.steps:
                     if window_steps == 0:
                         window_steps, window_time, window_samples = 1, step_time, self.last_step_samples
@@ -489,6 +426,7 @@ class Trainer:
                     bar.set_postfix(loss=f"{loss:.3f}")
                     window_steps, window_time, window_samples = 0, 0.0, 0
                 if self.valid_data is not None and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
+                    watchdog.beat(f"evaluating at step {self.state.step}")
                     self.sink.log({"kind": "eval", "step": self.state.step, **eval_record(self.evaluate())})
                 if self.test_data is not None and self.state.step == t.steps:
                     self.sink.log({"kind": "test", "step": self.state.step,
@@ -496,11 +434,11 @@ class Trainer:
                 time_up = (t.exit_after_minutes is not None
                            and time.monotonic() - self.started >= 60 * t.exit_after_minutes)
                 stop_now = self._agree_on_stop(stop.requested or time_up) or self.state.step == exit_at
-                if self.async_saver is not None:
-                    self._report_background_save(self.async_saver.poll())
+                self.checkpoints.poll()
                 last_step = self.state.step == t.steps or stop_now
                 if (t.save_interval and self.state.step % t.save_interval == 0) or last_step:
-                    self.save(background=self.async_saver is not None and not last_step)
+                    watchdog.beat(f"saving step {self.state.step}")
+                    self.save(background=cfg.checkpoint.async_save and not last_step)
                     last_saved = self.state.step
                 if stop_now:
                     if stop.requested:
@@ -514,9 +452,10 @@ class Trainer:
                     self.say(f"{reason}: saved at step {self.state.step}, exiting")
                     break
         finally:
+            watchdog.stop()
             try:
                 profiler.finish()  # a window cut short by a stop still writes what it recorded
-                self._finish_background_save()
+                self.checkpoints.finish()
             finally:
                 bar.close()
                 stop.restore()
@@ -534,25 +473,9 @@ class Trainer:
         self.sink.close()
         return self.state
 
-    def _finish_background_save(self, failing: bool = False) -> None:
-        """Let a save in flight complete (it is a good checkpoint) before the loop returns or raises;
-        `failing`: the run is stopping on another error, so a failed save is noted, not raised."""
-        if self.async_saver is None or not self.async_saver.in_flight:
-            return
-        unwinding = sys.exc_info()[0]  # called from `finally`: the exception unwinding, if any
-        if unwinding is not None and issubclass(unwinding, KeyboardInterrupt):
-            return  # a second Ctrl-C means now: the partial save is removed by the next run
-        loop_failed = failing or unwinding is not None
-        try:
-            self._report_background_save(self.async_saver.wait())
-        except Exception as exc:
-            if not loop_failed:  # nothing else is failing: this is the error to report
-                raise
-            self.say(f"the background save failed as well: {exc}")
-
     def _diverged(self, loss: float, grad_norm: float) -> RunError:
         """The error for a non-finite step: nothing is saved, so the newest checkpoint is the last good one."""
-        self._finish_background_save(failing=True)  # a save in flight is of an earlier, good step: let it land
+        self.checkpoints.finish(failing=True)  # a save in flight is of an earlier, good step: let it land
         newest = latest_checkpoint(self.cfg.checkpoint_dir)
         where = f"the newest checkpoint is {newest}" if newest is not None else "no checkpoint was saved yet"
         first = self.state.consumed_samples - self.last_step_samples
@@ -569,28 +492,22 @@ class Trainer:
         t = self.cfg.training
         tokens_per_s = samples * t.seq_length / max(seconds, 1e-9)
         tflops = tokens_per_s * self.flops_per_token / 1e12
+        if self.peak_tflops and self.peak_estimated:
+            self.peak_tflops = max(self.peak_tflops, tflops / self.rt.world_size)
+        spread = step_time_spread(seconds / steps, self.rt.world_size, self.rt.device)
         self.sink.log({
             "kind": "train", "step": self.state.step, "total_steps": t.steps, "loss": loss,
-            "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm, "lr": self.engine.lr,
             "tokens_per_s": tokens_per_s, "tflops": tflops,
             "mfu": tflops / (self.peak_tflops * self.rt.world_size) if self.peak_tflops else None,
-            "memory_gib": memory_gib(self.rt.device), "loss_scale": self.precision.loss_scale,
+            **({"mfu_estimate": True} if self.peak_estimated else {}), **spread,
+            "memory_gib": memory_gib(self.rt.device), "loss_scale": self.engine.loss_scale,
             "step_skipped": not stepped, "consumed_samples": self.state.consumed_samples,
             "consumed_tokens": self.state.consumed_tokens, "step_time_s": seconds / steps,
             "global_batch_size": self.last_step_samples,
             **({"params_norm": self.params_norm()} if self.cfg.logging.params_norm else {}),
         })
 
-    @torch.no_grad()
-    def params_norm(self) -> float:
-        """Global L2 norm of the parameters (logging.params_norm)."""
-        norms = torch._foreach_norm([p.detach() for p in self.model.parameters()])
-        return float(torch.linalg.vector_norm(torch.stack(norms)))
-
     def _agree_on_stop(self, local: bool) -> bool:
         """All ranks stop together (a signal may reach only some of them)."""
-        if self.rt.world_size == 1:
-            return local
-        flag = torch.tensor([1.0 if local else 0.0], device=self.rt.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return self.engine.any_rank(local)

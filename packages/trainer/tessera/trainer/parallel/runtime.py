@@ -4,7 +4,8 @@
     rt      = ParallelRuntime.build(cfg, groups, ParallelConfig(...), OptimConfig(...),
                                     build_model=lambda: build_model(cfg, seed=seed))
     result  = rt.train_step(tokens, targets)             # this data-parallel rank's rows
-    rt.save(dir) / rt.load(dir)                          # DCP, layout-free names
+    rt.save(dir) / rt.load(dir)                          # DCP, layout-free names (tests, benchmarks;
+                                                         # the trainer checkpoints through its engine)
 
 `train_step` takes this data-parallel rank's share of the global batch ([n_micro * micro, T]
 tokens and targets, identical on every tensor and pipeline rank of the replica) and returns
@@ -16,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import load_model_state_dict, model_state_dict
 from tessera.common.safe_dcp import dcp_load
 from tessera.trainer.documents import IGNORE_INDEX
+from tessera.trainer.engine import StepResult
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, make_schedule
 
@@ -66,13 +67,6 @@ class OptimConfig(StrictModel):
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay on matrices (not norms or biases).")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Global gradient-norm clip; None disables it.")
-
-
-@dataclass
-class StepResult:
-    loss: float  # global mean loss (unscaled)
-    grad_norm: float  # pre-clip global norm of the unscaled gradients (inf/nan on fp16 overflow)
-    stepped: bool = True  # False: a scaled step overflowed and was skipped (parameters unchanged)
 
 
 class ParallelRuntime:
@@ -315,7 +309,11 @@ class ParallelRuntime:
     def load_state_dict(self, state: dict[str, object]) -> None:
         load_model_state_dict(self.named_global_params(), state)  # type: ignore[arg-type]
         if any(k.startswith("optimizer.") for k in state):
-            self.optimizer.load_state_dict(state, self._global_names())
+            self.load_optimizer_state_dict(state)
+
+    def load_optimizer_state_dict(self, state: dict[str, object]) -> None:
+        """The `optimizer.*` entries of `state` (after the model's: masters are re-read from it)."""
+        self.optimizer.load_state_dict(state, self._global_names())
 
     def save(self, directory: str) -> None:
         """Write model and optimizer state with DCP (collective over all ranks)."""
