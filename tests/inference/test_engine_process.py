@@ -150,3 +150,19 @@ def test_serve_cli_bad_checkpoint_is_one_line(tiny_ckpt, tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "tessera_checkpoint.json" in lines[0]
+
+
+def test_structured_output_echo_logprobs_and_request_timings_cross_the_engine_process(served):
+    import json as _json
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": "x", "max_tokens": 30, "temperature": 1.0,
+                                                         "seed": 4, "guided_json": schema}, timeout=60).json()
+    assert 0 <= _json.loads(r["choices"][0]["text"])["n"] <= 9 and r["choices"][0]["finish_reason"] == "stop"
+    echo = httpx.post(served.url + "/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 0, "echo": True,
+                                                            "logprobs": 1}, timeout=60).json()
+    assert echo["choices"][0]["logprobs"]["token_logprobs"][0] is None
+    assert len(echo["choices"][0]["logprobs"]["token_logprobs"]) == 4
+    assert served.metric("vllm:request_queue_time_seconds_count") >= 2
+    assert served.metric("vllm:request_prefill_time_seconds_count") >= 2
