@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from tessera.common.model import Transformer
+from tessera.common.moe import MoE
 from tessera.common.parallel.layers import PARALLEL_TAGS, shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
 
@@ -54,6 +55,9 @@ def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: in
         st.positions.copy_(torch.arange(st.seq_len, device=device).unsqueeze(0))
         if st.model.rotary is not None:
             st.model.rotary.reset_parameters()
+        for m in st.modules():
+            if isinstance(m, MoE):
+                m.expert_bias.zero_()  # model state, not a parameter: starts at zero as in init_weights
         for name, p in st.global_params().items():
             held.setdefault(name, []).append(p)
     cfg = stages[0].model.cfg
