@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from tessera.common.model import build_model
 from tessera.common.model_config import ModelConfig
+from tessera.common.moe import RouterStats
 
 MODEL = dict(arch="llama", vocab_size=128, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
              ffn_hidden_size=64, max_seq_len=32, tie_embeddings=True)
@@ -19,6 +20,10 @@ SEQ = 16
 GLOBAL_BATCH = 8
 DATA_SEED = 99
 MODEL_SEED = 0
+# A mixture of experts (first layer dense, shared expert, balancing bias): aux loss off, since it is
+# a per-micro-batch quantity (a layout that splits the batch differently trains on another mean).
+MOE = dict(moe=dict(num_experts=4, top_k=2, ffn_hidden_size=32, first_k_dense=1, num_shared_experts=1,
+                    aux_loss_coef=0.0, bias_balancing=True, bias_update_rate=0.01))
 EVAL_STEP = 1000  # data index of the held-out batch used for eval parity
 
 
@@ -50,6 +55,7 @@ def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=
     torch.manual_seed(0)
     model = model if model is not None else build_model(cfg, seed=MODEL_SEED)
     opt = opt if opt is not None else reference_optimizer(model)
+    router = RouterStats(model) if cfg.moe is not None else None  # balancing bias, after each step
     losses = []
     for step in range(start, start + steps):
         tokens, targets = batch(step, cfg)
@@ -62,6 +68,8 @@ def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=
         if grad_norms is not None:
             grad_norms.append(norm.item())
         opt.step()
+        if router is not None:
+            router.step()
         losses.append(loss.item())
     return losses, model, opt
 

@@ -50,6 +50,15 @@ def test_bad_layouts_refused_with_one_line(layout, kw, fragment):
     assert "\n" not in str(exc.value)
 
 
+def test_expert_parallel_that_does_not_divide_the_experts_is_refused_naming_the_field():
+    moe = ModelConfig(**{**CFG.model_dump(), "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}})
+    for cfg, layout, fragment in ((moe, ParallelLayout(expert=3), "must divide model.moe.num_experts (4)"),
+                                  (CFG, ParallelLayout(expert=2), "no mixture-of-experts layers (model.moe)")):
+        with pytest.raises(UserError) as exc:
+            validate_layout(cfg, layout)
+        assert fragment in str(exc.value) and "\n" not in str(exc.value)
+
+
 def test_vocab_not_divisible():
     cfg = CFG.model_copy(update={"vocab_size": 127})
     with pytest.raises(UserError, match="pad the vocabulary"):

@@ -95,7 +95,7 @@ def run_job(job: dict, cfg) -> None:
         losses.append(r.loss)
         norms.append(r.grad_norm)
     divergence.append(rt.replica_divergence())
-    result = {"losses": losses, "grad_norms": norms, "divergence": divergence}
+    result = {"losses": losses, "grad_norms": norms, "divergence": divergence, "router": rt.router_metrics}
     buckets = getattr(rt.optimizer, "buckets", None)  # absent under FSDP (data_shard > 1)
     if buckets is not None:
         result.update({"buckets": len(buckets.buckets), "deferred_buckets": sum(b.deferred for b in buckets.buckets),

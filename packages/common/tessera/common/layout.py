@@ -147,6 +147,13 @@ def validate_layout(
     if world_size is not None and layout.world_size != world_size:
         raise UserError(f"layout: tensor x context x expert x data x pipeline = {layout.world_size} but "
                         f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
+    if layout.expert > 1:
+        if cfg.moe is None:
+            raise UserError(f"--expert-parallel {layout.expert}: the model has no mixture-of-experts layers "
+                            "(model.moe); set it to 1")
+        if cfg.moe.num_experts % layout.expert:
+            raise UserError(f"--expert-parallel {layout.expert} must divide model.moe.num_experts "
+                            f"({cfg.moe.num_experts}); each rank holds num_experts / expert_parallel experts")
     if layout.context > 1 or layout.expert > 1:
         raise UserError("layout: context and expert parallel are not supported yet; set them to 1")
     if dp % layout.data_shard:

@@ -36,6 +36,7 @@ experts as one dense SwiGLU MLP.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -189,12 +190,28 @@ class MoE(nn.Module):
 
 class RouterStats:
     """Router statistics accumulated over the forwards of one optimizer step (all micro-batches)
-    of the MoE layers of `model`, and the balancing-bias update made from them."""
+    of the MoE layers of `model` (a module, or a list of them: a parallel run's pipeline chunks),
+    and the balancing-bias update made from them.
 
-    def __init__(self, model: nn.Module):
-        self.layers = [m for m in model.modules() if isinstance(m, MoE)]
+    `reduce(t)` sums a tensor in place over the ranks that routed other tokens through the same
+    layers (data-parallel ranks; tensor ranks under sequence parallel; expert-parallel ranks),
+    so that every rank updates the bias alike and the bias equals the one-process bias."""
+
+    def __init__(self, model: nn.Module | list[nn.Module],
+                 reduce: Callable[[torch.Tensor], None] | None = None):
+        modules = model if isinstance(model, list) else [model]
+        self.layers = [m for mod in modules for m in mod.modules() if isinstance(m, MoE)]
+        self.reduce = reduce
         self._hooks = [m.register_forward_hook(self._record) for m in self.layers]
         self.reset()
+
+    def prepare(self, num_microbatches: int) -> None:
+        """Before a step of `num_microbatches` micro-batches (on this rank): each layer's aux loss
+        gets the gradient coefficient / micro-batches, so the step trains on the mean aux loss of
+        its micro-batches; averaged over data-parallel ranks that is the mean over all of them,
+        whatever the layout."""
+        for m in self.layers:
+            m.aux_loss_scale = m.moe.aux_loss_coef / num_microbatches
 
     def reset(self) -> None:
         self.load = {id(m): torch.zeros(m.moe.num_experts, dtype=torch.long) for m in self.layers}
@@ -210,16 +227,23 @@ class RouterStats:
     def step(self) -> dict[str, float]:
         """Apply the balancing-bias update (DeepSeek-V3) and return the metrics of the step:
         aux loss (mean over layers and micro-batches), dropped assignments, and the busiest
-        expert's load over the mean (1.0 = balanced), worst layer."""
+        expert's load over the mean (1.0 = balanced), worst layer. Collective when `reduce` is
+        set (every rank of the reduction must call it, layers or not)."""
         if not self.layers or not self.aux:
             self.reset()
             return {}
+        loads = torch.stack([self.load[id(m)] for m in self.layers]).double()
+        # One reduction for everything: loads [layers, E], then dropped, aux sum, aux count.
+        flat = torch.cat([loads.flatten(), torch.tensor([self.dropped, sum(self.aux), len(self.aux)],
+                                                        dtype=torch.float64)])
+        if self.reduce is not None:
+            flat = self.reduce(flat)
+        loads = flat[: loads.numel()].view_as(loads)
+        dropped, aux_sum, aux_count = flat[loads.numel():].tolist()
         imbalance = 0.0
-        for m in self.layers:
-            load = self.load[id(m)]
+        for m, load in zip(self.layers, loads):
             m.update_bias(load.to(m.expert_bias.device))
-            imbalance = max(imbalance, float(load.max()) / max(float(load.float().mean()), 1e-9))
-        out = {"moe_aux_loss": sum(self.aux) / len(self.aux), "moe_dropped": float(self.dropped),
-               "moe_max_load": imbalance}
+            imbalance = max(imbalance, float(load.max()) / max(float(load.mean()), 1e-9))
+        out = {"moe_aux_loss": aux_sum / aux_count, "moe_dropped": dropped, "moe_max_load": imbalance}
         self.reset()
         return out

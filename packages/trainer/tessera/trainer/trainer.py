@@ -38,7 +38,6 @@ from tessera.common.mixture import (
     resolve_prefix,
 )
 from tessera.common.model_config import ModelConfig
-from tessera.common.moe import RouterStats
 from tessera.common.shard import read_shard_manifest
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
 from tessera.trainer.checkpoint_manager import CheckpointManager
@@ -253,11 +252,7 @@ class Trainer:
             retain_freed_memory()
         self.model_cfg = inputs.model
         self.engine = engine if engine is not None else build_engine(cfg, inputs, runtime)
-        # Router statistics and balancing-bias updates of MoE layers (one-process engine; the
-        # parallel engine's stages are not yet read here).
-        model = getattr(self.engine, "model", None)
-        self.router_stats = RouterStats(model) if isinstance(model, torch.nn.Module) and getattr(getattr(model, "cfg", None), "moe", None) else None
-        self.router_metrics: dict[str, float] = {}
+        self.router_metrics: dict[str, float] = {}  # MoE router statistics of the last step (the engine's)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim, t.steps)
         self.plan = self._plan(t.global_batch_size)  # the full global batch (evaluation's)
         self.last_step_samples = t.global_batch_size  # global batch of the latest step
@@ -316,7 +311,7 @@ class Trainer:
         self.engine.set_lr(self.schedule(self.state.step))
         plan = self.plan_at(self.state.consumed_samples)
         result = self.engine.train_step(*self.train_data.batch(plan.rank_sample_ids(self.state.consumed_samples)))
-        self.router_metrics = self.router_stats.step() if self.router_stats is not None else {}
+        self.router_metrics = getattr(self.engine, "router_metrics", {})
         self.advance()  # a skipped step (fp16 overflow) still consumes its data
         return result.loss, result.grad_norm, result.stepped
 

@@ -63,6 +63,7 @@ class ParallelEngine:
             OptimConfig(lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
                         weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.grad_clip or None),
             build_model=builder)
+        self.router_metrics: dict[str, float] = {}  # MoE router statistics of the last step
         self.scaler = (DynamicLossScale(t.fp16_initial_scale, t.fp16_growth_interval)
                        if t.precision == "fp16" else None)
 
@@ -75,6 +76,7 @@ class ParallelEngine:
                                          self._model_inputs(tokens))
         if self.scaler is not None:
             self.scaler.update(overflowed=not result.stepped)
+        self.router_metrics = self.runtime.router_metrics
         return result
 
     def eval_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
@@ -132,7 +134,7 @@ class ModelShards:
         return self.runtime.model_state_dict()
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        load_model_state_dict(self.runtime.named_global_params(), state)  # type: ignore[arg-type]
+        load_model_state_dict(self.runtime.named_global_state(), state)  # type: ignore[arg-type]
 
 
 class OptimizerShards:

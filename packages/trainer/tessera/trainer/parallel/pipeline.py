@@ -57,6 +57,12 @@ class StageModule(nn.Module):
         weight = self.tied_head if self.tied_head is not None else self.model.output_weight()
         return parallel_logits(h, weight, self.model)
 
+    def global_buffers(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> persistent buffer (model state that is not trained: the MoE balancing bias)."""
+        persistent = {f"{n}.{b}" if n else b for n, m in self.named_modules()
+                      for b in m._buffers if b not in m._non_persistent_buffers_set}
+        return {n.removeprefix("model."): b for n, b in self.named_buffers() if n in persistent}
+
     def global_params(self) -> dict[str, nn.Parameter]:
         """Checkpoint name -> parameter (the tied head under the embedding's name)."""
         out = {n.removeprefix("model."): p for n, p in self.named_parameters() if n != "tied_head"}

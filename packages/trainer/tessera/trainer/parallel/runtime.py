@@ -29,6 +29,7 @@ from tessera.common.config import StrictModel
 from tessera.common.layout import validate_layout
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
+from tessera.common.moe import RouterStats
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
@@ -92,6 +93,21 @@ class ParallelRuntime:
         self._token_weight = 0.0  # per_token_loss: dp / counted tokens of this step's global batch
         self.token_count = 0  # per_token_loss: counted label tokens of the last train/eval global batch
         self.schedule = self._schedule_for(self.num_microbatches)
+        # MoE: router statistics and the balancing-bias update, loads summed over the ranks that
+        # routed other tokens through the same layers.
+        self.router_stats = RouterStats(list(stages), reduce=self._reduce_router) if cfg.moe is not None else None
+        self.router_metrics: dict[str, float] = {}
+
+    def _reduce_router(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over data-parallel ranks, and tensor ranks under sequence parallel (each routes its
+        own chunk of the sequence; without it they route the same tokens)."""
+        g = self.groups
+        t = t.to(g.device)
+        if g.dp > 1:
+            dist.all_reduce(t, group=g.dp_group)
+        if g.tp > 1 and self.stages[0].model.sequence_parallel:
+            dist.all_reduce(t, group=g.tp_group)
+        return t.cpu()
 
     def _schedule_for(self, num_microbatches: int):
         """The pipeline schedule for steps of `num_microbatches` (None without pipeline): a batch-size
@@ -164,6 +180,8 @@ class ParallelRuntime:
         tokens, targets = tokens.to(g.device), targets.to(g.device)
         model_inputs = {k: v.to(g.device) for k, v in (model_inputs or {}).items()}
         self.optimizer.zero_grad(n)
+        if self.router_stats is not None:
+            self.router_stats.prepare(n)
         self._loss_scale = loss_scale
         total = torch.zeros((), dtype=torch.float32, device=g.device)
         with self._autocast():
@@ -173,6 +191,7 @@ class ParallelRuntime:
             total /= g.dp
         scaled = loss_scale != 1.0
         norm = self.optimizer.step(inv_scale=1.0 / loss_scale, skip_nonfinite=scaled)
+        self.router_metrics = self.router_stats.step() if self.router_stats is not None else {}
         return StepResult(loss=float(total), grad_norm=norm, stepped=not scaled or math.isfinite(norm))
 
     def _set_token_weight(self, targets: torch.Tensor) -> None:
@@ -309,12 +328,20 @@ class ParallelRuntime:
             out.update(s.global_params())
         return out
 
+    def named_global_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint stores of the model: the parameters and the persistent buffers (the
+        MoE balancing bias), under their one-process names."""
+        out: dict[str, torch.Tensor] = dict(self.named_global_params())
+        for s in self.stages:
+            out.update(s.global_buffers())
+        return out
+
     def _global_names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.named_global_params().items()}
 
     def model_state_dict(self) -> dict[str, object]:
-        """`model.<name>` -> global DTensor for every parameter on this rank (DCP-ready)."""
-        return model_state_dict(self.named_global_params(), self.groups)
+        """`model.<name>` -> global DTensor for every parameter and persistent buffer on this rank (DCP-ready)."""
+        return model_state_dict(self.named_global_state(), self.groups)
 
     def optimizer_state_dict(self) -> dict[str, object]:
         """`optimizer.state.<name>.<key>` -> global DTensor, plus `optimizer.step` (collective)."""
@@ -324,7 +351,7 @@ class ParallelRuntime:
         return {**self.model_state_dict(), **self.optimizer_state_dict()}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        load_model_state_dict(self.named_global_params(), state)  # type: ignore[arg-type]
+        load_model_state_dict(self.named_global_state(), state)  # type: ignore[arg-type]
         if any(k.startswith("optimizer.") for k in state):
             self.load_optimizer_state_dict(state)
 

@@ -11,7 +11,8 @@ holds; the tied head takes the embedding's slice) and drops the rest. So:
 * any layout (TP, PP, interleaved, data replicas) starts from exactly the one-process weights,
   bit for bit, and replicas agree without a broadcast;
 * peak extra memory is the largest single global tensor (the embedding), never the model.
-  For Llama 3 70B that is 128256 x 8192 fp32 = 4.2 GB, transiently.
+  For Llama 3 70B that is 128256 x 8192 fp32 = 4.2 GB, transiently. An MoE layer is replayed
+  as one unit (MoE.init_weights draws its stacked experts), so there it is one layer's experts.
 
 Cost: every rank draws every random number of the model (a rank must advance the generator
 past tensors it does not hold, and a CPU Mersenne-Twister stream cannot skip ahead). On a GPU
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from tessera.common.model import Transformer
+from tessera.common.moe import Experts, MoE
 from tessera.common.parallel.layers import PARALLEL_TAGS, shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
 
@@ -54,6 +56,9 @@ def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: in
         st.positions.copy_(torch.arange(st.seq_len, device=device).unsqueeze(0))
         if st.model.rotary is not None:
             st.model.rotary.reset_parameters()
+        for m in st.modules():
+            if isinstance(m, MoE):
+                m.expert_bias.zero_()  # model state, not a parameter: starts at zero as in init_weights
         for name, p in st.global_params().items():
             held.setdefault(name, []).append(p)
     cfg = stages[0].model.cfg
@@ -62,13 +67,18 @@ def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: in
     generator = torch.Generator(device=device).manual_seed(seed)
     written: set[str] = set()
     for mod_name, module in sorted(whole.named_modules(), key=lambda kv: kv[0]):
-        own = dict(module.named_parameters(recurse=False))
+        if isinstance(module, Experts):
+            continue  # drawn by its MoE layer (MoE.init_weights), which comes first in name order
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        if isinstance(module, MoE):
+            own = [f"experts.{n}" for n, _ in module.experts.named_parameters()]
         if not own:
             continue
         tmp = copy.deepcopy(module)  # still meta: a fresh module to allocate at global shape
         tmp.to_empty(device=device)
         whole.init_module(mod_name, tmp, generator)
-        for pname, value in tmp.named_parameters(recurse=False):
+        for pname in own:
+            value = tmp.get_parameter(pname)
             full_name = f"{mod_name}.{pname}" if mod_name else pname
             for local in held.get(full_name, []):
                 dim = shard_dim_of(local)
