@@ -198,6 +198,47 @@ def run_static(hf, workload, batch: int) -> dict:
     return {"duration": dur, "output_tok_per_s": tokens / dur}
 
 
+def physical_floor(model, dtype: torch.dtype, device: str, batch: int, context: float) -> dict:
+    """The shortest a decode step of `batch` sequences at mean `context` tokens can take on this device.
+
+    Bytes read per step: every weight the step multiplies by (all parameters except an untied input
+    embedding, of which only `batch` rows are read) plus the K and V of every cached token, all layers.
+    FLOPs per step: 2 per weight per sequence, plus attention's QK^T and AV (4 * context * q_size per
+    layer per sequence). Measured here, with the benchmark's thread count: bandwidth as the best of 5
+    copies of a 256 MiB tensor (read + write bytes / time), peak as the best of 5 square matmuls in the
+    serving dtype (2 n^3 FLOPs, n = 2048). Floor = max(bytes / bandwidth, FLOPs / peak): TPOT can not
+    beat it, so TPOT / floor is how far the engine is from the hardware's limit.
+    """
+    cfg, esize = model.cfg, torch.finfo(dtype).bits // 8
+
+    def best(fn, n=5) -> float:
+        times = []
+        for _ in range(n):
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    src = torch.empty(2**28 // esize, dtype=dtype, device=device)
+    dst = torch.empty_like(src)
+    src.fill_(1)
+    bandwidth = 2 * src.numel() * esize / best(lambda: dst.copy_(src))
+    a = torch.randn(2048, 2048, device=device).to(dtype)
+    peak = 2 * 2048**3 / best(lambda: a @ a)
+    weights = sum(p.numel() for p in model.parameters())
+    if not cfg.tie_embeddings:
+        weights -= model.embed_tokens.weight.numel()
+    kv = batch * context * cfg.num_layers * 2 * cfg.kv_size
+    read = (weights + kv) * esize
+    flops = batch * (2 * weights + 4 * context * cfg.q_size * cfg.num_layers)
+    return {"bandwidth": bandwidth, "peak": peak, "bytes": read, "flops": flops,
+            "floor": max(read / bandwidth, flops / peak)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=["llama-20m", "llama-160m"], default="llama-20m")
@@ -288,11 +329,17 @@ def main() -> None:
     rate = "all at once" if arrivals is None else f"Poisson arrivals at {args.request_rate:g} req/s"
     print(f"workload: {args.num_requests} requests ({rate}), concurrency {args.concurrency}, input {args.input_len}, "
           f"output {args.output_len} tokens (ignore_eos); naive peer runs the first {args.naive_requests}")
+    ctx = statistics.mean(len(p) for p, _ in workload) + statistics.mean(n for _, n in workload) / 2
+    lim = physical_floor(model, dtype, args.device, args.concurrency, ctx)
+    print(f"physical floor of a decode step ({args.concurrency} seqs x {ctx:.0f} tokens of context): "
+          f"{lim['bytes'] / 2**20:.1f} MiB / {lim['bandwidth'] / 1e9:.1f} GB/s (copy) and "
+          f"{lim['flops'] / 1e9:.2f} GFLOP / {lim['peak'] / 1e9:.1f} GFLOP/s (matmul) -> {1e3 * lim['floor']:.2f} ms")
     for r, (ours, static, naive) in enumerate(rounds, 1):
         print(f"--- round {r}")
         print(f"tessera-serve : {ours['requests_per_s']:.2f} req/s, {ours['output_tok_per_s']:.1f} output tok/s "
               f"({ours['duration']:.1f} s)")
         print(f"  TTFT {ms(ours['ttft'])}\n  TPOT {ms(ours['tpot'])}\n  ITL  {ms(ours['itl'])}\n  E2E  {ms(ours['e2e'])}")
+        print(f"  TPOT median / physical floor: {statistics.median(ours['tpot']) / lim['floor']:.1f}x")
         print(f"HF naive (1 at a time): {naive['output_tok_per_s']:.1f} output tok/s")
         print(f"HF static batch ({args.concurrency}, padded): {static['output_tok_per_s']:.1f} output tok/s "
               f"({static['duration']:.1f} s)")

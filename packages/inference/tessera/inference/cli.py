@@ -101,12 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(cfg.dtype, device)
     if device.type == "cpu" and str(dtype) == "torch.float16":
         raise UserError("--dtype float16 is not supported on CPU; use float32")
+    from tessera.inference.quantization import check_quantization
+
+    check_quantization(cfg.quantization, device)  # before the engine process reads any weight
     if args.no_engine_process:
         from tessera.inference.async_engine import AsyncEngine
         from tessera.inference.engine import LLMEngine
         from tessera.inference.loader import load_for_serving
 
-        loaded = load_for_serving(args.checkpoint, device, dtype)
+        loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization)
         frontend = AsyncEngine(LLMEngine(loaded, cfg, device, dtype))
         facts = {"name": loaded.name, "arch": loaded.config.arch, "num_blocks": frontend.engine.blocks.num_blocks,
                  "where": "engine thread"}
@@ -129,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     app = server.build_app(api_key=args.api_key)
     level = logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}, {device}; {facts['where']}), "
+    quant = f", {cfg.quantization} weights" if cfg.quantization else ""
+    print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
           f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, max_model_len {frontend.max_model_len}; "
           f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     try:

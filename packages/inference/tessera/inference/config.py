@@ -34,6 +34,9 @@ class EngineConfig(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights/activations/KV dtype; auto = float32 on CPU, bfloat16 on CUDA."
     )
+    quantization: Literal["int8", "fp8"] | None = Field(
+        None, description="Quantized Linear weights: int8 weight-only (CPU, CUDA) or fp8 (CUDA, compute capability 8.9+)."
+    )
     device: str = Field("auto", description="Torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     seed: int | None = Field(None, description="Seed for requests that bring none (None: fresh OS entropy per request).")
 

@@ -32,6 +32,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "or Hugging Face export dir (config.json + safetensors + tokenizer.json).")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="Model and KV-cache dtype (auto: float32 on CPU, bfloat16 on CUDA).")
+    g.add_argument("--quantization", default=d.quantization, choices=["int8", "fp8"],
+                   help="Quantize the Linear weights after loading: int8 weight-only (per-channel scales; CPU and CUDA) "
+                        "or fp8 (float8 weights and activations; CUDA GPUs of compute capability 8.9+). "
+                        "Default: none, weights in --dtype.")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: auto).")
     g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block (default: %(default)s).")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
@@ -72,6 +76,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching, prefix_cache_hash=args.prefix_cache_hash, dtype=args.dtype, device=args.device, seed=args.seed,
+            quantization=args.quantization,
         )
     except ValidationError as exc:
         msg = format_validation_error(exc, "engine flags")
