@@ -7,8 +7,9 @@
 #                                              (default: tests kernels train serve)
 #
 # Python packages the machine's image lacks (pydantic 2 and pydantic-core, annotated-types,
-# typing-inspection, typing-extensions, fastapi, starlette, uvicorn, opentelemetry-api) travel as
-# cp312 manylinux wheels in .whl/, fetched on a machine with a registry:
+# typing-inspection, typing-extensions, fastapi, starlette, uvicorn, opentelemetry-api, and torchao
+# for the FP8 tests: tests/trainer/test_fp8.py) travel as cp312 manylinux wheels in .whl/, fetched
+# on a machine with a registry:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl pydantic==2.14.3 pydantic_core==2.50.4 ...
 set -u
@@ -43,8 +44,8 @@ for s in $STEPS; do
     case $s in
     tests)
         step tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests ;;
-    kernels)
-        step kernels 120 python3 benchmarks/kernels.py --dtype bf16 ;;
+    kernels)  # RMSNorm, paged attention, then the fused kernels vs eager and vs inductor (compiles)
+        step kernels 300 python3 benchmarks/kernels.py --dtype bf16 ;;
     host-profile)
         step host-profile 120 python3 benchmarks/kernels.py --host-profile ;;
     train)

@@ -1,6 +1,6 @@
 """Benchmark Tessera's Triton kernels against the PyTorch paths they replace, on one GPU.
 
-    python benchmarks/kernels.py [--dtype bf16|fp16] [--only rmsnorm|paged]
+    python benchmarks/kernels.py [--dtype bf16|fp16] [--only rmsnorm|paged|fused] [--hbm-gbps N]
 
 RMSNorm (tokens x hidden): the fused Triton kernel vs the eager reference (`rms_norm_reference`)
 and torch's own `F.rms_norm`, forward and forward+backward; ms and effective GB/s (bytes that
@@ -10,6 +10,14 @@ Paged attention: the Triton kernel vs (a) the reference (per-sequence gather + S
 CPU) and (b) one batched SDPA call on KV gathered from the block pool into a padded dense tensor
 (the usual way to run attention on a paged cache without a paged kernel), timed with the gather
 and without it. GB/s counts the KV-cache bytes each sequence must read once.
+
+Fused elementwise kernels (llama-1b shapes: 8192 tokens = batch 2 x seq 4096, hidden 2048, 32/8
+heads of 64, ffn 8192, vocab 128256): RMSNorm with the residual add, RoPE on q/k, SwiGLU, and the
+chunked loss's per-chunk cross-entropy + gradient. Each against the eager reference and against
+inductor's own fusion of the same reference expression (torch.compile), which is what the
+trainer's compiled step runs: a kernel earns its place only where it beats inductor or where no
+compile happens (inference, eager training). Device time (profiler), achieved bandwidth from the
+bytes the op must move, and that bandwidth as a fraction of the GPU's HBM peak.
 
 Prints a table; exits 0 with a note on a machine without CUDA (there is nothing to measure).
 """
@@ -187,6 +195,99 @@ def _bench_paged_scenario(name: str, q_lens: list[int], kv_lens: list[int], dtyp
     print(row("triton paged", ms_tri, kv_bytes, ms_sdpa_gather))
 
 
+# HBM bandwidth peaks (GB/s) from the vendors' data sheets, matched by substring of the device name.
+HBM_PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350,
+                 "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935, "A100": 1555, "L40S": 864, "L4": 300,
+                 "A10G": 600, "RTX 4090": 1008}
+
+
+def hbm_peak_gbps(configured: float | None) -> float | None:
+    if configured:
+        return configured
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in HBM_PEAK_GBPS.items() if k in name), None)
+
+
+def fused_cases(dtype: torch.dtype):
+    """(name, reference, triton entry, make inputs, bytes fwd, bytes fwd+bwd or None) per kernel."""
+    from tessera.kernels.cross_entropy import cross_entropy_with_grad_reference
+    from tessera.kernels.cross_entropy_triton import cross_entropy_with_grad_triton
+    from tessera.kernels.rmsnorm import add_rms_norm_reference
+    from tessera.kernels.rmsnorm_triton import add_rms_norm_triton
+    from tessera.kernels.rope import rope_qk_reference
+    from tessera.kernels.rope_triton import rope_qk_triton
+    from tessera.kernels.swiglu import swiglu_reference
+    from tessera.kernels.swiglu_triton import swiglu_triton
+
+    tokens, hidden, heads, kv_heads, head_dim, ffn, vocab, chunk = 8192, 2048, 32, 8, 64, 8192, 128256, 4096
+    e = torch.finfo(dtype).bits // 8
+    dev = "cuda"
+
+    def grad(*shape):
+        return torch.randn(*shape, device=dev, dtype=dtype, requires_grad=True)
+
+    def rope_inputs():
+        pos = torch.arange(4096, device=dev, dtype=torch.float32)
+        inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=dev).float() / head_dim))
+        emb = torch.cat([torch.outer(pos, inv)] * 2, dim=-1)
+        return (grad(2, 4096, heads, head_dim), grad(2, 4096, kv_heads, head_dim),
+                emb.cos()[None, :, None], emb.sin()[None, :, None])
+
+    labels = torch.randint(0, vocab, (chunk,), device=dev)
+    scale = torch.tensor(1.0 / chunk, device=dev)
+    qk = 2 * tokens * (heads + kv_heads) * head_dim * e
+    return [
+        ("add + RMSNorm", lambda x, r, w: add_rms_norm_reference(x, r, w, 1e-5),
+         lambda x, r, w: add_rms_norm_triton(x, r, w, 1e-5),
+         lambda: (grad(tokens, hidden), grad(tokens, hidden), grad(hidden)), 4 * tokens * hidden * e,
+         8 * tokens * hidden * e),
+        ("RoPE q+k", rope_qk_reference, rope_qk_triton, rope_inputs, qk, 2 * qk),
+        ("SwiGLU", swiglu_reference, swiglu_triton, lambda: (grad(tokens, ffn), grad(tokens, ffn)),
+         3 * tokens * ffn * e, 8 * tokens * ffn * e),
+        (f"cross-entropy+grad chunk {chunk}x{vocab}",
+         lambda x: cross_entropy_with_grad_reference(x, labels, scale, -100),
+         lambda x: cross_entropy_with_grad_triton(x, labels, scale, -100),
+         lambda: (torch.randn(chunk, vocab, device=dev, dtype=dtype),), 3 * chunk * vocab * e, None),
+    ]
+
+
+def _outputs(out):
+    return [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+
+
+def bench_fused(dtype: torch.dtype, hbm_gbps: float | None) -> None:
+    peak = hbm_peak_gbps(hbm_gbps)
+    print(f"Fused kernels, llama-1b shapes (GPU busy time; speedup vs eager reference; "
+          f"HBM peak {peak or 'unknown, pass --hbm-gbps'} GB/s)")
+    for name, ref, tri, make, fwd_bytes, fb_bytes in fused_cases(dtype):
+        print(f" {name} ({str(dtype).removeprefix('torch.')})")
+        impls = {"reference (eager)": ref, "inductor (compiled reference)": torch.compile(ref, dynamic=False),
+                 "triton fused": tri}
+        base = {}
+        for label, fn in impls.items():
+            inputs = make()
+            for phase, nbytes in (("fwd", fwd_bytes), ("fwd+bwd", fb_bytes)):
+                if nbytes is None:
+                    continue
+                # The cross-entropy step overwrites its logits with the gradient; timing does not
+                # depend on the values, so the same buffer is reused.
+                if phase == "fwd":
+                    def call(fn=fn, inputs=inputs):
+                        with torch.no_grad():
+                            fn(*inputs)
+                else:
+                    upstream = [torch.randn_like(o) for o in _outputs(fn(*inputs))]
+
+                    def call(fn=fn, inputs=inputs, upstream=upstream):
+                        torch.autograd.backward(_outputs(fn(*inputs)), upstream)
+                ms = device_ms(call)
+                base.setdefault(phase, ms)
+                gbps = nbytes / (ms * 1e-3) / 1e9
+                of_peak = f"  {100 * gbps / peak:5.1f}% of HBM peak" if peak else ""
+                print(f"  {label + ' ' + phase:<40} {ms:9.4f} ms  {gbps:8.1f} GB/s  "
+                      f"{base[phase] / ms:6.2f}x{of_peak}")
+
+
 def host_profile(dtype: torch.dtype, calls: int = 200) -> None:
     """Where the host's time goes in the Triton RMSNorm's forward + backward (cProfile, top 25)."""
     import cProfile
@@ -218,7 +319,9 @@ def host_profile(dtype: torch.dtype, calls: int = 200) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation/cache dtype")
-    parser.add_argument("--only", choices=["rmsnorm", "paged"], help="run one of the two benchmarks")
+    parser.add_argument("--only", choices=["rmsnorm", "paged", "fused"], help="run one of the benchmarks")
+    parser.add_argument("--hbm-gbps", type=float, help="HBM peak bandwidth for the %%-of-peak column "
+                        "(default: from a table of data-sheet figures by device name)")
     parser.add_argument("--host-profile", action="store_true",
                         help="profile the host side of the Triton RMSNorm (cProfile) instead of timing")
     args = parser.parse_args(argv)
@@ -235,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_rmsnorm(dtype)
     if args.only in (None, "paged"):
         bench_paged(dtype)
+    if args.only in (None, "fused"):
+        bench_fused(dtype, args.hbm_gbps)
     return 0
 
 

@@ -27,8 +27,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from tessera.kernels import cross_entropy_triton as ce  # noqa: E402
 from tessera.kernels import paged_attention_triton as pa  # noqa: E402
 from tessera.kernels import rmsnorm_triton as rms  # noqa: E402
+from tessera.kernels import rope_triton as rope  # noqa: E402
+from tessera.kernels import swiglu_triton as swiglu  # noqa: E402
 
 TRITON_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 FLOAT_SCALARS = {"eps", "qk_scale_log2"}
@@ -54,14 +57,38 @@ def compile_kernel(fn, pointers: dict[str, str], constexprs: dict, num_warps: in
 
 
 def rmsnorm_variants(dtype: torch.dtype, hidden: int, cc: int) -> None:
+    """Plain and fused-residual RMSNorm (the residual and the sum in `dtype` too)."""
     t = TRITON_DTYPE[dtype]
     block_n, num_warps = rms._launch_params(hidden)
-    compile_kernel(rms._rms_norm_fwd_kernel, {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "y_ptr": f"*{t}", "rstd_ptr": "*fp32"},
-                   {"BLOCK_N": block_n}, num_warps, cc)
-    compile_kernel(rms._rms_norm_bwd_kernel,
-                   {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "dy_ptr": f"*{t}", "rstd_ptr": "*fp32", "dx_ptr": f"*{t}",
-                    "dw_partial_ptr": "*fp32"},
-                   {"BLOCK_N": block_n}, num_warps, cc)
+    for residual in (False, True):
+        compile_kernel(rms._rms_norm_fwd_kernel,
+                       {"x_ptr": f"*{t}", "r_ptr": f"*{t}", "s_ptr": f"*{t}", "w_ptr": f"*{t}", "y_ptr": f"*{t}",
+                        "rstd_ptr": "*fp32"},
+                       {"HAS_RESIDUAL": residual, "BLOCK_N": block_n}, num_warps, cc)
+        compile_kernel(rms._rms_norm_bwd_kernel,
+                       {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "dy_ptr": f"*{t}", "ds_ptr": f"*{t}", "rstd_ptr": "*fp32",
+                        "dx_ptr": f"*{t}", "dw_partial_ptr": "*fp32"},
+                       {"HAS_RESIDUAL": residual, "BLOCK_N": block_n}, num_warps, cc)
+
+
+def elementwise_variants(dtype: torch.dtype, cc: int, q_heads: int = 32, kv_heads: int = 8,
+                         head_dim: int = 128) -> None:
+    """RoPE on q/k (forward and its transpose), SwiGLU forward/backward, cross-entropy's chunk step."""
+    t = TRITON_DTYPE[dtype]
+    for backward in (False, True):
+        compile_kernel(rope._rope_qk_kernel,
+                       {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                        "qo_ptr": f"*{t}", "ko_ptr": f"*{t}"},
+                       {"BACKWARD": backward, "BLOCK_HQ": triton.next_power_of_2(q_heads),
+                        "BLOCK_HK": triton.next_power_of_2(kv_heads), "BLOCK_HALF": head_dim // 2}, 4, cc)
+    compile_kernel(swiglu._swiglu_fwd_kernel, {"g_ptr": f"*{t}", "u_ptr": f"*{t}", "h_ptr": f"*{t}"},
+                   {"BLOCK": swiglu.BLOCK}, 4, cc)
+    compile_kernel(swiglu._swiglu_bwd_kernel,
+                   {name: f"*{t}" for name in ("dh_ptr", "g_ptr", "u_ptr", "dg_ptr", "du_ptr")},
+                   {"BLOCK": swiglu.BLOCK}, 4, cc)
+    compile_kernel(ce._cross_entropy_grad_kernel,
+                   {"logits_ptr": f"*{t}", "labels_ptr": "*i64", "scale_ptr": "*fp32", "loss_ptr": "*fp32"},
+                   {"BLOCK_V": 4096}, 8, cc)
 
 
 def paged_variant(dtype: torch.dtype, decode: bool, group: int, head_dim: int, split: bool, cc: int) -> None:
@@ -89,11 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.all:
         rmsnorm_variants(torch.bfloat16, 4096, args.cc)
+        elementwise_variants(torch.bfloat16, args.cc)
         paged_variant(torch.bfloat16, decode=True, group=4, head_dim=128, split=True, cc=args.cc)
         return 0
     for cc in (80, 90):
         for dtype in TRITON_DTYPE:
             rmsnorm_variants(dtype, 5120, cc)
+            elementwise_variants(dtype, cc)
+            elementwise_variants(dtype, cc, q_heads=12, kv_heads=12, head_dim=64)
             for decode, group, head_dim, split in [(True, 4, 128, False), (True, 4, 128, True), (False, 1, 128, False),
                                                    (False, 8, 256, False), (False, 7, 64, False)]:
                 paged_variant(dtype, decode, group, head_dim, split, cc)

@@ -23,7 +23,13 @@ if "triton" not in sys.modules:
     else:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
-KERNEL_MODULES = ("tessera.kernels.rmsnorm_triton", "tessera.kernels.paged_attention_triton")
+KERNEL_MODULES = (
+    "tessera.kernels.rmsnorm_triton",
+    "tessera.kernels.paged_attention_triton",
+    "tessera.kernels.rope_triton",
+    "tessera.kernels.swiglu_triton",
+    "tessera.kernels.cross_entropy_triton",
+)
 
 
 def _triton_interpreting() -> bool:
@@ -87,5 +93,9 @@ def spy_triton(monkeypatch):
 
     pytest.importorskip("triton")
     wrap("tessera.kernels.rmsnorm_triton", "rms_norm_triton")
+    wrap("tessera.kernels.rmsnorm_triton", "add_rms_norm_triton")
+    wrap("tessera.kernels.rope_triton", "rope_qk_triton")
+    wrap("tessera.kernels.swiglu_triton", "swiglu_triton")
+    wrap("tessera.kernels.cross_entropy_triton", "cross_entropy_with_grad_triton")
     wrap("tessera.kernels.paged_attention_triton", "paged_attention_triton")
     return calls

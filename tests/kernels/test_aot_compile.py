@@ -28,4 +28,5 @@ def test_kernels_compile_for_sm90(tmp_path):
     compiled = [line for line in proc.stdout.splitlines() if line.startswith("ok sm_90")]
     names = {line.split()[2].split("[")[0] for line in compiled}
     assert names == {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_paged_attention_kernel",
-                     "_combine_splits_kernel"}, proc.stdout
+                     "_combine_splits_kernel", "_rope_qk_kernel", "_swiglu_fwd_kernel", "_swiglu_bwd_kernel",
+                     "_cross_entropy_grad_kernel"}, proc.stdout

@@ -128,8 +128,9 @@ def test_dispatcher_leaves_the_norm_to_torch_compile(triton_cpu, spy_triton):
     assert spy_triton["rms_norm_triton"] == 1
 
 
-def test_model_forward_backward_with_triton_norms(triton_cpu, spy_triton, monkeypatch):
-    """The shared model (tiny preset) gives the same loss and grads with the kernel as without."""
+def test_model_forward_backward_with_triton_kernels(triton_cpu, spy_triton, monkeypatch):
+    """The shared model (tiny preset) gives the same loss and grads with every kernel it dispatches
+    to (RMSNorm, RMSNorm fused with the residual add, RoPE on q/k, SwiGLU) as without."""
     from tessera.common.model import build_model
     from tessera.common.model_config import preset
 
@@ -140,13 +141,16 @@ def test_model_forward_backward_with_triton_norms(triton_cpu, spy_triton, monkey
         logits = model(tokens)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
         loss.backward()
-        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if "norm" in n}
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
+    layers = cfg.num_layers
+    expected_calls = {"rms_norm_triton": layers + 1, "add_rms_norm_triton": layers, "rope_qk_triton": layers,
+                      "swiglu_triton": layers}
     loss_k, grads_k = loss_and_grads(build_model(cfg, seed=0))
-    assert spy_triton.get("rms_norm_triton", 0) == 2 * cfg.num_layers + 1
-    monkeypatch.setenv("TESSERA_FORCE_TRITON", "0")  # same model through the reference
+    assert spy_triton == expected_calls
+    monkeypatch.setenv("TESSERA_FORCE_TRITON", "0")  # same model through the references
     loss_r, grads_r = loss_and_grads(build_model(cfg, seed=0))
-    assert spy_triton["rms_norm_triton"] == 2 * cfg.num_layers + 1
+    assert spy_triton == expected_calls
     torch.testing.assert_close(loss_k, loss_r, atol=1e-5, rtol=1e-5)
     assert grads_k.keys() == grads_r.keys() and grads_k
     for name in grads_k:

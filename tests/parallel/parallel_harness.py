@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from tessera.common.model import build_model
 from tessera.common.model_config import ModelConfig
+from tessera.common.moe import RouterStats
 
 MODEL = dict(arch="llama", vocab_size=128, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
              ffn_hidden_size=64, max_seq_len=32, tie_embeddings=True)
@@ -19,6 +20,10 @@ SEQ = 16
 GLOBAL_BATCH = 8
 DATA_SEED = 99
 MODEL_SEED = 0
+# A mixture of experts (first layer dense, shared expert, balancing bias): aux loss off, since it is
+# a per-micro-batch quantity (a layout that splits the batch differently trains on another mean).
+MOE = dict(moe=dict(num_experts=4, top_k=2, ffn_hidden_size=32, first_k_dense=1, num_shared_experts=1,
+                    aux_loss_coef=0.0, bias_balancing=True, bias_update_rate=0.01))
 EVAL_STEP = 1000  # data index of the held-out batch used for eval parity
 
 
@@ -41,14 +46,16 @@ def reference_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
                              lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"])
 
 
-def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=None, autocast_bf16: bool = False):
+def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=None, autocast_bf16: bool = False,
+                  grad_norms: list[float] | None = None):
     """Losses of `steps` single-process steps from step `start`; returns (losses, model, optimizer).
 
     With `autocast_bf16` the forward runs under torch.autocast(bf16) over the fp32 model (the
-    trainer's bf16 mode)."""
+    trainer's bf16 mode). The pre-clip gradient norms are appended to `grad_norms` when given."""
     torch.manual_seed(0)
     model = model if model is not None else build_model(cfg, seed=MODEL_SEED)
     opt = opt if opt is not None else reference_optimizer(model)
+    router = RouterStats(model) if cfg.moe is not None else None  # balancing bias, after each step
     losses = []
     for step in range(start, start + steps):
         tokens, targets = batch(step, cfg)
@@ -57,8 +64,12 @@ def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=
             logits = model(tokens)
         loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), targets.reshape(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["max_grad_norm"])
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["max_grad_norm"])
+        if grad_norms is not None:
+            grad_norms.append(norm.item())
         opt.step()
+        if router is not None:
+            router.step()
         losses.append(loss.item())
     return losses, model, opt
 

@@ -40,12 +40,23 @@ def check(layout: ParallelLayout, **kw):
     (ParallelLayout(virtual_stages=2), {}, "needs --pipeline-parallel above 1"),
     (ParallelLayout(context=2), {}, "not supported yet"),
     (ParallelLayout(tensor=2), {"world_size": 4}, "processes were launched"),
+    (ParallelLayout(data=4, data_shard=3), {}, "--data-shard 3 must divide the data-parallel size (4"),
+    (ParallelLayout(data=2, data_shard=2, pipeline=2), {}, "with --pipeline-parallel above 1 is not supported"),
 ])
 def test_bad_layouts_refused_with_one_line(layout, kw, fragment):
     with pytest.raises(UserError) as exc:
         check(layout, **kw)
     assert fragment in str(exc.value)
     assert "\n" not in str(exc.value)
+
+
+def test_expert_parallel_that_does_not_divide_the_experts_is_refused_naming_the_field():
+    moe = ModelConfig(**{**CFG.model_dump(), "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}})
+    for cfg, layout, fragment in ((moe, ParallelLayout(expert=3), "must divide model.moe.num_experts (4)"),
+                                  (CFG, ParallelLayout(expert=2), "no mixture-of-experts layers (model.moe)")):
+        with pytest.raises(UserError) as exc:
+            validate_layout(cfg, layout)
+        assert fragment in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_vocab_not_divisible():
@@ -75,6 +86,11 @@ def test_flags_to_layout():
         layout_from_args(args, world_size=6)
     with pytest.raises(UserError, match="comma-separated"):
         parse_pipeline_layers("5;4")
+    fsdp = parser.parse_args(["--tensor-parallel", "2", "--data-shard", "2"])
+    layout = layout_from_args(fsdp, world_size=8)
+    assert (layout.data, layout.data_shard, layout.data_replicate) == (4, 2, 2)  # HSDP 2 x 2 under TP=2
+    with pytest.raises(UserError, match="--data-shard 3 must divide the data-parallel size 4"):
+        layout_from_args(parser.parse_args(["--tensor-parallel", "2", "--data-shard", "3"]), world_size=8)
 
 
 @pytest.fixture

@@ -64,8 +64,10 @@ def run_job(job: dict, cfg) -> None:
     else:
         layout = ParallelLayout(**job["layout"])
     groups = build_groups(layout)
+    # A meta build is initialised from ParallelConfig.seed (as the trainer passes training.seed to both).
+    seed = {"seed": harness.MODEL_SEED} if job.get("meta") else {}
     pcfg = ParallelConfig(seq_len=harness.SEQ, global_batch=harness.GLOBAL_BATCH,
-                          **{"micro_batch": 1, **job.get("parallel", {})})
+                          **{"micro_batch": 1, **seed, **job.get("parallel", {})})
     ocfg = OptimConfig(**harness.OPTIM)
     if job.get("meta"):
         def builder():
@@ -78,8 +80,12 @@ def run_job(job: dict, cfg) -> None:
             return build_model(cfg, seed=harness.MODEL_SEED, dtype=dtype)
     rt = ParallelRuntime.build(cfg, groups, pcfg, ocfg, build_model=builder)
     divergence = [rt.replica_divergence()]
+    if job.get("save_init"):
+        rt.save(job["save_init"])  # the initial weights (meta builds: sharded initialisation)
     if job.get("load"):
         rt.load(job["load"])
+        if job.get("save_loaded"):
+            rt.save(job["save_loaded"])  # what this layout holds right after loading (bit-exact transfer)
     losses, norms = [], []
     rows = harness.GLOBAL_BATCH // layout.data
     for step in range(job.get("start", 0), job.get("start", 0) + job["steps"]):
@@ -88,11 +94,12 @@ def run_job(job: dict, cfg) -> None:
         r = rt.train_step(tokens[sl], targets[sl])
         losses.append(r.loss)
         norms.append(r.grad_norm)
-    buckets = rt.optimizer.buckets
     divergence.append(rt.replica_divergence())
-    result = {"losses": losses, "grad_norms": norms, "divergence": divergence, "buckets": len(buckets.buckets),
-              "deferred_buckets": sum(b.deferred for b in buckets.buckets),
-              "launched_during_backward": buckets.launched_during_backward}
+    result = {"losses": losses, "grad_norms": norms, "divergence": divergence, "router": rt.router_metrics}
+    buckets = getattr(rt.optimizer, "buckets", None)  # absent under FSDP (data_shard > 1)
+    if buckets is not None:
+        result.update({"buckets": len(buckets.buckets), "deferred_buckets": sum(b.deferred for b in buckets.buckets),
+                       "launched_during_backward": buckets.launched_during_backward})
     if job.get("eval"):
         tokens, targets = harness.batch(harness.EVAL_STEP, cfg)
         result["eval_loss"] = rt.eval_step(tokens[sl], targets[sl])

@@ -29,6 +29,8 @@ def run_expect_usage_error(argv, capsys) -> str:
     (["training.seq_length=128"], "training.seq_length (128) exceeds model.max_seq_len (64)"),
     (["training.micro_batch_size=3"], "training.micro_batch_size (3) must divide training.global_batch_size (4)"),
     (["model.preset=nope"], "unknown preset 'nope'"),
+    (["model.moe.num_experts=4", "model.moe.top_k=5", "model.moe.ffn_hidden_size=32"],
+     "top_k (5) must not exceed num_experts (4)"),
     (["training.precision=fp8"], "training.precision"),
     (["optim.lr=-1"], "optim.lr"),
     (["training.bogus=1"], "training.bogus"),

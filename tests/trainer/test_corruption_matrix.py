@@ -179,3 +179,22 @@ def test_the_undamaged_copy_passes_every_command(damaged, artifacts, capsys):
         with pytest.raises(SystemExit) as exc:
             command()
         assert exc.value.code == 0, (name, capsys.readouterr().err[-2000:])
+
+
+@pytest.mark.parametrize("reader", ["resume", "init_from"])
+def test_a_flipped_checkpoint_payload_byte_is_refused_before_training(reader, artifacts, tmp_path, capsys):
+    cfg = base_config(artifacts, tmp_path / "run")
+    cfg["training"]["steps"] = 2
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    assert train_main(["--config", str(config), "--quiet"]) == 0
+    ckpt = tmp_path / "run" / "checkpoints" / "iter_0000002"
+    payload = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    payload.write_bytes(bytes(data))
+    argv = (["--config", str(config), "--quiet", "--resume", "training.steps=3"] if reader == "resume" else
+            ["--config", str(config), "--quiet", f"run_dir={tmp_path / 'new'}", f"checkpoint.init_from={ckpt}"])
+    line = _expect_one_line_exit_2(lambda: run_cli(train_main, argv), capsys)
+    assert payload.name in line and "checksum mismatch" in line, line
+    assert not (tmp_path / "run" / "checkpoints" / "iter_0000003").exists()

@@ -95,3 +95,17 @@ def test_a_full_disk_is_recognised_inside_dcp_and_chained_errors():
         assert storage_exhausted(chained) is full
     assert storage_exhausted(OSError(2, "No such file")) is None
     assert storage_exhausted(ValueError("x")) is None
+
+
+def test_a_ctrl_c_inside_a_dcp_save_is_interrupted_exit_130(capsys):
+    class CheckpointException(BaseException):  # DCP wraps the KeyboardInterrupt raised in its writer
+        def __init__(self, failures):
+            self.failures = failures
+
+    def main(argv):
+        raise CheckpointException({0: (KeyboardInterrupt(), None)})
+
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, [])
+    assert exc.value.code == 130
+    assert capsys.readouterr().err.strip().endswith(": interrupted")

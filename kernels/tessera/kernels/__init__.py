@@ -5,7 +5,16 @@ when TESSERA_FORCE_TRITON=1, which with TRITON_INTERPRET=1 runs the kernel on CP
 and the reference otherwise. Callers import only the dispatchers below.
 """
 
+from tessera.kernels.cross_entropy import cross_entropy_with_grad, cross_entropy_with_grad_reference
 from tessera.kernels.paged_attention import paged_attention, paged_attention_reference
-from tessera.kernels.rmsnorm import rms_norm, rms_norm_reference
+from tessera.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from tessera.kernels.rope import apply_rope, rope_qk, rope_qk_reference
+from tessera.kernels.swiglu import swiglu, swiglu_reference
 
-__all__ = ["rms_norm", "rms_norm_reference", "paged_attention", "paged_attention_reference"]
+__all__ = [
+    "rms_norm", "rms_norm_reference", "add_rms_norm", "add_rms_norm_reference",
+    "rope_qk", "rope_qk_reference", "apply_rope",
+    "swiglu", "swiglu_reference",
+    "cross_entropy_with_grad", "cross_entropy_with_grad_reference",
+    "paged_attention", "paged_attention_reference",
+]

@@ -7,7 +7,8 @@ Layout (shared with the inference engine):
 - seq_lens:     int32 [num_seqs]: tokens in the cache for each sequence, the new ones included.
 - query_start_loc: int32 [num_seqs + 1]: offsets of each sequence's queries in `q`.
 The new tokens' keys and values must already be written to the cache. Query i of sequence s
-sits at position seq_lens[s] - q_len[s] + i and attends causally to positions <= its own.
+sits at position seq_lens[s] - q_len[s] + i and attends causally to positions <= its own; with a
+sliding `window` (Mistral), only to the last `window` of them (positions > its own - window).
 Grouped-query attention: query head h uses KV head h // (num_heads // num_kv_heads).
 Returns [total_q_tokens, num_heads, head_dim] in q's dtype.
 """
@@ -28,6 +29,7 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch: gather each sequence's blocks and run SDPA with a causal offset mask."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -54,6 +56,8 @@ def paged_attention_reference(
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
         k_pos = torch.arange(kv_len, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
         o = F.scaled_dot_product_attention(
             qs.float(), k.float(), v.float(), attn_mask=mask, scale=scale
         )
@@ -69,11 +73,13 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Dispatch to the Triton paged-attention kernel on CUDA, the reference elsewhere."""
     if use_triton(q):
         # Imported here so CPU-only installs without Triton never import it.
         from tessera.kernels.paged_attention_triton import paged_attention_triton
 
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                      window=window)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window)

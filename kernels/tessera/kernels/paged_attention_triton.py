@@ -62,7 +62,7 @@ def _paged_attention_kernel(
     stride_bt,
     stride_ps, stride_pt, stride_ph,
     stride_ms, stride_mt,
-    block_size, head_dim,
+    block_size, head_dim, window,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -124,6 +124,9 @@ def _paged_attention_kernel(
             s = tl.dot(q, k)
         s = s * qk_scale_log2
         visible = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        # Sliding window (window > 0): only the last `window` positions, the query's own included.
+        # Tiles wholly before every row's window are still visited (masked): correctness first.
+        visible = visible & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
 
         # A row that has seen nothing yet (a later KV split under a causal mask) keeps m = -inf;
@@ -263,9 +266,11 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,
     scale: float,
     *,
+    window: int | None = None,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as `paged_attention_reference`; returns [total_q_tokens, num_heads, head_dim].
+    """Same contract as `paged_attention_reference` (`window` included); returns
+    [total_q_tokens, num_heads, head_dim].
 
     `num_kv_splits` (default: chosen from the batch shape and the GPU) divides each sequence's
     KV range among that many programs whose partial results a second kernel combines
@@ -320,7 +325,7 @@ def paged_attention_triton(
         block_tables.stride(0),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         part_m.stride(0), part_m.stride(1),
-        block_size, head_dim,
+        block_size, head_dim, window or 0,
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,

@@ -33,3 +33,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
         return rms_norm_triton(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm block's `s = x + residual; n = norm(s)`: returns (s, n)."""
+    s = x + residual
+    return s, rms_norm_reference(s, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual)), one Triton kernel each way on CUDA.
+
+    Eager only, as `rms_norm`: under torch.compile inductor fuses the reference's add and norm
+    itself. The kernel saves the add's separate pass over the residual stream (one read and one
+    write of [tokens, hidden]) and one launch in each direction.
+    """
+    if use_triton(x) and not torch.compiler.is_compiling():
+        from tessera.kernels.rmsnorm_triton import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_reference(x, residual, weight, eps)

@@ -5,6 +5,11 @@ Semantics are those of `rms_norm_reference` (and Hugging Face's LlamaRMSNorm):
     y = weight * n                       (dtype: torch.promote_types(x.dtype, weight.dtype))
 Both passes are registered as torch custom ops (tessera::rms_norm_fwd / rms_norm_bwd) with
 autograd and fake-tensor rules, so torch.compile treats them as opaque ops.
+
+The same kernels, with HAS_RESIDUAL set, fuse the pre-norm block's residual add
+(tessera::add_rms_norm_fwd / add_rms_norm_bwd): s = x + residual is written once and normalised
+from registers, and the backward adds the gradient arriving at s from later in the residual stream
+(ds) to the norm's input gradient in fp32 before a single store.
 The forward saves only rstd (fp32, one value per row) for the backward, which recomputes the
 normalised row from x rather than storing it: that is the "fused" saving over the reference, whose
 autograd graph keeps several full-size fp32 intermediates.
@@ -28,15 +33,21 @@ MAX_FUSED_HIDDEN = 65536
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x_ptr, w_ptr, y_ptr, rstd_ptr,
-    stride_x, stride_y,
+    x_ptr, r_ptr, s_ptr, w_ptr, y_ptr, rstd_ptr,
+    stride_x, stride_r, stride_s, stride_y,
     n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # s = x + residual, rounded to s's dtype as torch's add does; the norm reads the rounded s.
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * stride_s + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     tl.store(rstd_ptr + row, rstd)
@@ -49,9 +60,10 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
-    stride_x, stride_dy, stride_dx,
+    x_ptr, w_ptr, dy_ptr, ds_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
+    stride_x, stride_dy, stride_ds, stride_dx,
     n_rows, n_cols, rows_per_program,
+    HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -72,6 +84,8 @@ def _rms_norm_bwd_kernel(
         g = dy * w
         c = tl.sum(g * xhat, axis=0) / n_cols
         dx = rstd * (g - xhat * c)
+        if HAS_RESIDUAL:
+            dx += tl.load(ds_ptr + row * stride_ds + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     tl.store(dw_partial_ptr + pid * n_cols + cols, dw_acc, mask=mask)
 
@@ -91,6 +105,52 @@ def _num_bwd_programs(n_rows: int, device: torch.device) -> int:
     return max(1, min(n_rows, 4))
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch_fwd(x2d, r2d, weight, eps):
+    """(s or None, y, rstd); s = x + r when r2d is given, and the norm is over s."""
+    x2d = _rows(x2d)
+    n_rows, n_cols = x2d.shape
+    s = None
+    if r2d is not None:
+        r2d = _rows(r2d)
+        s = torch.empty((n_rows, n_cols), dtype=torch.promote_types(x2d.dtype, r2d.dtype), device=x2d.device)
+    normed_dtype = x2d.dtype if s is None else s.dtype
+    y = torch.empty((n_rows, n_cols), dtype=torch.promote_types(normed_dtype, weight.dtype), device=x2d.device)
+    rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device)
+    block_n, num_warps = _launch_params(n_cols)
+    if n_rows > 0:
+        _rms_norm_fwd_kernel[(n_rows,)](
+            x2d, x2d if r2d is None else r2d, x2d if s is None else s, weight.contiguous(), y, rstd,
+            x2d.stride(0), 0 if r2d is None else r2d.stride(0), 0 if s is None else s.stride(0), y.stride(0),
+            n_cols, eps,
+            HAS_RESIDUAL=r2d is not None, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return s, y, rstd
+
+
+def _launch_bwd(dy2d, ds2d, x2d, weight, rstd):
+    """(dx in x's dtype, dweight in weight's dtype); dx includes ds2d when given."""
+    x2d, dy2d = _rows(x2d), _rows(dy2d)
+    n_rows, n_cols = x2d.shape
+    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
+    n_programs = _num_bwd_programs(n_rows, x2d.device)
+    dw_partial = torch.zeros((n_programs, n_cols), dtype=torch.float32, device=x2d.device)
+    block_n, num_warps = _launch_params(n_cols)
+    if ds2d is not None:
+        ds2d = _rows(ds2d)
+    if n_rows > 0:
+        _rms_norm_bwd_kernel[(n_programs,)](
+            x2d, weight.contiguous(), dy2d, dy2d if ds2d is None else ds2d, rstd, dx, dw_partial,
+            x2d.stride(0), dy2d.stride(0), 0 if ds2d is None else ds2d.stride(0), dx.stride(0),
+            n_rows, n_cols, triton.cdiv(n_rows, n_programs),
+            HAS_RESIDUAL=ds2d is not None, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return dx, dw_partial.sum(0).to(weight.dtype)
+
+
 # The kernels are wrapped as torch custom ops with autograd and fake-tensor rules, so that
 # torch.compile (the trainer's --compile) treats them as opaque ops instead of tracing into the
 # launch code, and autograd sees one node for the whole norm.
@@ -99,19 +159,7 @@ def _num_bwd_programs(n_rows: int, device: torch.device) -> int:
 @torch.library.custom_op("tessera::rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd(x2d: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x2d [rows, hidden] -> (y [rows, hidden] in promote(x, weight) dtype, rstd fp32 [rows])."""
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    n_rows, n_cols = x2d.shape
-    y = torch.empty((n_rows, n_cols), dtype=torch.promote_types(x2d.dtype, weight.dtype), device=x2d.device)
-    rstd = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device)
-    block_n, num_warps = _launch_params(n_cols)
-    if n_rows > 0:
-        _rms_norm_fwd_kernel[(n_rows,)](
-            x2d, weight.contiguous(), y, rstd,
-            x2d.stride(0), y.stride(0),
-            n_cols, eps,
-            BLOCK_N=block_n, num_warps=num_warps,
-        )
+    _s, y, rstd = _launch_fwd(x2d, None, weight, eps)
     return y, rstd
 
 
@@ -126,23 +174,7 @@ def _rms_norm_bwd(
     dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [rows, hidden] in x's dtype, dweight [hidden] in weight's dtype)."""
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    if dy2d.stride(-1) != 1:
-        dy2d = dy2d.contiguous()
-    n_rows, n_cols = x2d.shape
-    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
-    n_programs = _num_bwd_programs(n_rows, x2d.device)
-    dw_partial = torch.zeros((n_programs, n_cols), dtype=torch.float32, device=x2d.device)
-    block_n, num_warps = _launch_params(n_cols)
-    if n_rows > 0:
-        _rms_norm_bwd_kernel[(n_programs,)](
-            x2d, weight.contiguous(), dy2d, rstd, dx, dw_partial,
-            x2d.stride(0), dy2d.stride(0), dx.stride(0),
-            n_rows, n_cols, triton.cdiv(n_rows, n_programs),
-            BLOCK_N=block_n, num_warps=num_warps,
-        )
-    return dx, dw_partial.sum(0).to(weight.dtype)
+    return _launch_bwd(dy2d, None, x2d, weight, rstd)
 
 
 @_rms_norm_bwd.register_fake
@@ -165,12 +197,81 @@ def _backward(ctx, dy2d, _drstd):
 _rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of `x` (any leading dims), differentiable in x and weight."""
+@torch.library.custom_op("tessera::add_rms_norm_fwd", mutates_args=())
+def _add_rms_norm_fwd(
+    x2d: torch.Tensor, r2d: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s = x + r in promote(x, r) dtype, y = rms_norm(s) in promote(s, weight) dtype, rstd fp32 [rows])."""
+    s, y, rstd = _launch_fwd(x2d, r2d, weight, eps)
+    return s, y, rstd
+
+
+@_add_rms_norm_fwd.register_fake
+def _(x2d, r2d, weight, eps):
+    s = x2d.new_empty(x2d.shape, dtype=torch.promote_types(x2d.dtype, r2d.dtype))
+    y = x2d.new_empty(x2d.shape, dtype=torch.promote_types(s.dtype, weight.dtype))
+    return s, y, x2d.new_empty((x2d.shape[0],), dtype=torch.float32)
+
+
+@torch.library.custom_op("tessera::add_rms_norm_bwd", mutates_args=())
+def _add_rms_norm_bwd(
+    dy2d: torch.Tensor, ds2d: torch.Tensor, s2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d(x + r) [rows, hidden] in s's dtype: ds plus the norm's input gradient, dweight)."""
+    return _launch_bwd(dy2d, ds2d, s2d, weight, rstd)
+
+
+@_add_rms_norm_bwd.register_fake
+def _(dy2d, ds2d, s2d, weight, rstd):
+    return s2d.new_empty(s2d.shape), weight.new_empty(weight.shape)
+
+
+def _add_setup_context(ctx, inputs, output) -> None:
+    x2d, r2d, weight, _eps = inputs
+    s, _y, rstd = output
+    ctx.save_for_backward(s, weight, rstd)
+    ctx.dtypes = (x2d.dtype, r2d.dtype)
+
+
+def _add_backward(ctx, ds2d, dy2d, _drstd):
+    s, weight, rstd = ctx.saved_tensors
+    dsum, dweight = torch.ops.tessera.add_rms_norm_bwd(dy2d, ds2d, s, weight, rstd)
+    x_dtype, r_dtype = ctx.dtypes
+    return (
+        dsum.to(x_dtype) if ctx.needs_input_grad[0] else None,
+        dsum.to(r_dtype) if ctx.needs_input_grad[1] else None,
+        dweight if ctx.needs_input_grad[2] else None,
+        None,
+    )
+
+
+_add_rms_norm_fwd.register_autograd(_add_backward, setup_context=_add_setup_context)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
     n_cols = x.shape[-1]
     if weight.shape != (n_cols,):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {n_cols}")
     if n_cols > MAX_FUSED_HIDDEN:
         raise ValueError(f"rms_norm_triton: hidden size {n_cols} exceeds {MAX_FUSED_HIDDEN}")
+    return n_cols
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of `x` (any leading dims), differentiable in x and weight."""
+    n_cols = _check(x, weight)
     y, _rstd = torch.ops.tessera.rms_norm_fwd(x.reshape(-1, n_cols), weight, eps)
     return y.reshape(x.shape[:-1] + (n_cols,))
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s)) with s = x + residual, one pass; differentiable in x, residual and weight."""
+    n_cols = _check(x, weight)
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} differs from {tuple(x.shape)}")
+    s, y, _rstd = torch.ops.tessera.add_rms_norm_fwd(
+        x.reshape(-1, n_cols), residual.reshape(-1, n_cols), weight, eps
+    )
+    return s.reshape(x.shape), y.reshape(x.shape)

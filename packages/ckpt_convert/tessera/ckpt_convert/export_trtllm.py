@@ -186,6 +186,11 @@ def items(cfg: ModelConfig, tp: int, pp: int) -> list[Item]:
 
 def trtllm_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int) -> dict[str, Any]:
     llama = cfg.arch == "llama"
+    plain = dict(qk_norm=False, sliding_window=None, moe=None, attention_bias=None, head_dim=cfg.hidden_size // cfg.num_heads)
+    wrong = {k: getattr(cfg, k) for k, v in plain.items() if getattr(cfg, k) != v}
+    if cfg.arch not in ("llama", "gpt2") or wrong or (cfg.rope_scaling and cfg.rope_scaling.rope_type != "llama3"):
+        raise UserError(f"model config: arch={cfg.arch} {wrong or ''} is not exported to TensorRT-LLM by Tessera (Llama "
+                        "and GPT-2 only); export --format hf, which current TensorRT-LLM reads")
     c: dict[str, Any] = {
         "architecture": "LlamaForCausalLM" if llama else "GPTForCausalLM",
         "dtype": HF_DTYPE_NAMES[dtype],

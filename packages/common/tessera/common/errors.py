@@ -52,6 +52,9 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
     except BaseException as exc:
+        if _find(exc, lambda e: isinstance(e, KeyboardInterrupt)) is not None:  # e.g. inside a DCP save
+            print(f"{prog}: interrupted", file=sys.stderr)
+            sys.exit(130)
         full = storage_exhausted(exc)
         if full is None:
             raise
@@ -65,20 +68,26 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 
-def storage_exhausted(exc: BaseException, depth: int = 0) -> OSError | None:
-    """The OSError meaning "the disk is full / read-only" inside `exc`, if there is one: itself, its
-    cause or context, or one of the per-rank failures DCP's CheckpointException carries."""
+def storage_exhausted(exc: BaseException) -> OSError | None:
+    """The OSError meaning "the disk is full / read-only" inside `exc`, if there is one."""
+    found = _find(exc, lambda e: isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS)
+    return found if isinstance(found, OSError) else None
+
+
+def _find(exc: BaseException | None, wanted: Callable[[BaseException], bool], depth: int = 0) -> BaseException | None:
+    """`exc` itself, its cause or context, or one of the per-rank failures DCP's CheckpointException
+    carries, whichever first satisfies `wanted`."""
     if depth > 8 or exc is None:
         return None
-    if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
+    if wanted(exc):
         return exc
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):
         for failure in failures.values():
             inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, BaseException) and (found := storage_exhausted(inner, depth + 1)) is not None:
+            if isinstance(inner, BaseException) and (found := _find(inner, wanted, depth + 1)) is not None:
                 return found
     for linked in (exc.__cause__, exc.__context__):
-        if linked is not None and (found := storage_exhausted(linked, depth + 1)) is not None:
+        if (found := _find(linked, wanted, depth + 1)) is not None:
             return found
     return None

@@ -1,6 +1,7 @@
 """The parallel layout: how many ways each dimension is split, and which layers each pipeline stage holds.
 
-Rank order (fastest-varying first): tensor, context, expert, data, pipeline. The process-group
+Rank order (fastest-varying first): tensor, context, expert, data, pipeline; within data, the
+shard index (FSDP, `data_shard`) varies faster than the replica index (HSDP, `data_replicate`). The process-group
 module (tessera.common.parallel.state) builds groups from this; the trainer cuts pipeline stages
 by `stage_layers`, `tessera-ckpt reshard` places each layer's tensors by the same rule, and
 checkpoints record the layout they were saved from, split included (for information and for
@@ -70,6 +71,9 @@ class ParallelLayout(StrictModel):
     context: int = Field(1, ge=1, description="Context-parallel size (sequence split across ranks in attention).")
     expert: int = Field(1, ge=1, description="Expert-parallel size (MoE experts split across ranks).")
     data: int = Field(1, ge=1, description="Data-parallel size (replicas; sharded optimizer with the distributed optimizer).")
+    data_shard: int = Field(1, ge=1, description="Of the data-parallel ranks, how many shard parameters, gradients and "
+                            "optimizer state among themselves (FSDP / ZeRO-3); data / data_shard copies of each shard "
+                            "(HSDP). 1: parameters replicated (ZeRO-1 or plain data parallel).")
     pipeline: int = Field(1, ge=1, description="Pipeline-parallel size (stages).")
     virtual_stages: int = Field(1, ge=1, description="Model chunks per pipeline rank (interleaved 1F1B).")
     pipeline_layers: list[int] | None = Field(
@@ -82,12 +86,18 @@ class ParallelLayout(StrictModel):
         return self.tensor * self.context * self.expert * self.data * self.pipeline
 
     @property
+    def data_replicate(self) -> int:
+        """Copies of each fully-sharded group (HSDP); data when parameters are not sharded."""
+        return self.data // self.data_shard if self.data % self.data_shard == 0 else 0
+
+    @property
     def num_stages(self) -> int:
         """Pipeline stages over all ranks: pipeline x virtual_stages."""
         return self.pipeline * self.virtual_stages
 
     def short(self) -> str:
-        return (f"tp{self.tensor}-cp{self.context}-ep{self.expert}-dp{self.data}-pp{self.pipeline}"
+        return (f"tp{self.tensor}-cp{self.context}-ep{self.expert}-dp{self.data}"
+                + (f"s{self.data_shard}" if self.data_shard > 1 else "") + f"-pp{self.pipeline}"
                 + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
                 + (f"[{','.join(map(str, self.pipeline_layers))}]"
                    if self.pipeline_layers is not None and self.num_stages > 1 else ""))
@@ -137,8 +147,21 @@ def validate_layout(
     if world_size is not None and layout.world_size != world_size:
         raise UserError(f"layout: tensor x context x expert x data x pipeline = {layout.world_size} but "
                         f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
+    if layout.expert > 1:
+        if cfg.moe is None:
+            raise UserError(f"--expert-parallel {layout.expert}: the model has no mixture-of-experts layers "
+                            "(model.moe); set it to 1")
+        if cfg.moe.num_experts % layout.expert:
+            raise UserError(f"--expert-parallel {layout.expert} must divide model.moe.num_experts "
+                            f"({cfg.moe.num_experts}); each rank holds num_experts / expert_parallel experts")
     if layout.context > 1 or layout.expert > 1:
         raise UserError("layout: context and expert parallel are not supported yet; set them to 1")
+    if dp % layout.data_shard:
+        raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({dp} = world size / "
+                        "(tensor x context x expert x pipeline)); data / data_shard is the number of HSDP replicas")
+    if layout.data_shard > 1 and pp > 1:
+        raise UserError("--data-shard above 1 (FSDP) with --pipeline-parallel above 1 is not supported; "
+                        "use the distributed optimizer (ZeRO-1) with pipeline parallel")
     if cfg.num_heads % tp:
         raise UserError(f"--tensor-parallel {tp} must divide num_heads ({cfg.num_heads})")
     if cfg.kv_heads % tp:

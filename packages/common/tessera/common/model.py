@@ -1,6 +1,8 @@
-"""The decoder-only transformer: GPT-2 and Llama 2/3 from one config.
+"""The decoder-only transformer: GPT-2, Llama 2/3, Mistral, Qwen2/3 and their mixtures of experts
+(Mixtral, Qwen3-MoE) from one config.
 
-Read top to bottom: norms, rotary embeddings, attention, MLP, block, model. This file is the
+Read top to bottom: norms, attention, MLP, block, model (rotary embeddings live in
+`tessera.common.rope`, the mixture-of-experts MLP in `tessera.common.moe`). This file is the
 single-device model; parallelism (tensor, sequence, pipeline, data) is applied to it by functions
 elsewhere, which swap layers or drop modules, never by branches in here.
 
@@ -25,7 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.common.model_config import ModelConfig
-from tessera.kernels import rms_norm
+from tessera.common.moe import MoE
+from tessera.common.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from tessera.kernels import add_rms_norm, rms_norm, rope_qk, swiglu
+
+__all__ = ["AttentionFn", "Attention", "Block", "MLP", "MoE", "RMSNorm", "RotaryEmbedding", "Transformer",
+           "apply_rope", "build_model", "document_attention_mask", "rope_inv_freq"]
 
 # attention_fn(layer_idx, q, k, v) -> out; q: [B, T, Hq, D], k/v: [B, T, Hkv, D], out: [B, T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -44,74 +51,19 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+def add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, norm(x + h)): one fused kernel on CUDA for a plain RMSNorm. A norm with hooks
+    (sequence parallel gathers its output) or a LayerNorm is called as a module after the add."""
+    if type(norm) is RMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks):
+        return add_rms_norm(x, h, norm.weight, norm.eps)
+    x = x + h
+    return x, norm(x)
+
+
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return RMSNorm(cfg.hidden_size, cfg.norm_eps)
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-
-
-# ---- rotary position embeddings ------------------------------------------------------------
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with Llama-3 scaling applied when configured."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = cfg.rope_scaling
-    if s is None:
-        return inv_freq
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    # Between the two wavelengths, interpolate smoothly between scaled and unscaled.
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions [0, max_seq_len); rotate-half layout (as HF Llama)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.register_buffer("cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
-        if not self.cos.is_meta:
-            self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        device = self.cos.device
-        inv_freq = rope_inv_freq(self.cfg).to(device)
-        t = torch.arange(self.cfg.max_seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos.copy_(emb.cos())
-        self.sin.copy_(emb.sin())
-
-    def _apply(self, fn, recurse=True):  # type: ignore[override]
-        # The tables stay fp32 whatever dtype the model is cast to: recompute rather than round.
-        super()._apply(fn, recurse)
-        if self.cos.dtype != torch.float32:
-            self.cos = self.cos.to(torch.float32)
-            self.sin = self.sin.to(torch.float32)
-            if not self.cos.is_meta:
-                self.reset_parameters()
-        return self
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [B or 1, T, 1, D] for integer positions [B or 1, T]."""
-        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 # ---- attention and MLP ---------------------------------------------------------------------
@@ -125,10 +77,15 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
         self.dropout = cfg.attention_dropout
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.bias)
+        self.window = cfg.window(layer_idx)  # sliding window (None: full causal attention)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.attn_bias("q"))
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attn_bias("k"))
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attn_bias("v"))
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attn_bias("o"))
+        # Qwen3: RMSNorm over each head's query and key (one weight of head_dim, shared by the
+        # heads, so a tensor-parallel shard keeps it whole).
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -145,8 +102,10 @@ class Attention(nn.Module):
         q = q.view(bsz, seq, -1, self.head_dim)
         k = k.view(bsz, seq, -1, self.head_dim)
         v = v.view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = rope_qk(q, k, *rope)
         if attention_fn is not None:
             out = attention_fn(self.layer_idx, q, k, v)
         else:
@@ -158,7 +117,7 @@ class Attention(nn.Module):
         """Causal scaled-dot-product attention; [B, T, H, D] in and out. Selective recompute wraps this.
 
         `attn_mask` (additive [B, 1, T, T] in q's dtype) replaces the plain causal mask; it is causal
-        itself (see `document_attention_mask`).
+        itself, and carries this layer's sliding window (see `attention_mask`).
         """
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = F.scaled_dot_product_attention(
@@ -182,7 +141,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+            h = swiglu(self.gate_proj(x), self.up_proj(x))
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")
         return self.down_proj(h)
@@ -194,7 +153,7 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, layer_idx)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(
@@ -204,25 +163,32 @@ class Block(nn.Module):
         attention_fn: AttentionFn | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope, attention_fn, attn_mask))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        h = self.dropout(self.attn(self.attn_norm(x), rope, attention_fn, attn_mask))
+        x, normed = add_norm(self.mlp_norm, x, h)
+        return x + self.dropout(self.mlp(normed))
 
 
 # ---- the model -----------------------------------------------------------------------------
 
 
-def document_attention_mask(document_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [B, 1, T, T] in `dtype` from document_ids [B, T]: 0 where a query may attend
-    (causal, same document), -inf elsewhere.
+def attention_mask(seq: int, dtype: torch.dtype, device: torch.device, document_ids: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor:
+    """Additive mask [B or 1, 1, T, T] in `dtype`: 0 where a query may attend (causal, same document
+    when `document_ids` [B, T] is given, at most `window - 1` tokens back when `window` is), -inf
+    elsewhere.
 
     Additive and in the attention's dtype on purpose: SDPA converts a boolean mask to a new float
     tensor on every call, which autograd then keeps once per layer; this one tensor is shared by
-    every layer. Every row allows at least its diagonal, so no softmax row is empty.
+    every layer with the same window. Every row allows at least its diagonal, so no softmax row is
+    empty.
     """
-    seq = document_ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    allowed = (document_ids.unsqueeze(2) == document_ids.unsqueeze(1)) & causal
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=document_ids.device)
+    q_idx = torch.arange(seq, device=device)
+    allowed = (q_idx[None, :] <= q_idx[:, None]).unsqueeze(0)
+    if window is not None:  # transformers' sliding window: k > q - window
+        allowed = allowed & (q_idx[None, :] > q_idx[:, None] - window)
+    if document_ids is not None:
+        allowed = allowed & (document_ids.unsqueeze(2) == document_ids.unsqueeze(1))
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     return mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
@@ -234,6 +200,11 @@ def mask_vocab_padding(logits: torch.Tensor, vocab_size: int, vocab_start: int =
         return logits
     padded = torch.arange(vocab_start, vocab_start + local, device=logits.device) >= vocab_size
     return logits.masked_fill(padded, float("-inf"))
+
+
+def document_attention_mask(document_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Causal same-document mask [B, 1, T, T] (see `attention_mask`)."""
+    return attention_mask(document_ids.shape[1], dtype, document_ids.device, document_ids)
 
 
 class Transformer(nn.Module):
@@ -273,20 +244,29 @@ class Transformer(nn.Module):
         the generator, so the real weights do not depend on the padding (nor on the tensor-parallel size
         that chose it).
         """
+        for name, module in sorted(self.named_modules(), key=lambda kv: kv[0]):
+            self.init_module(name, module, generator)
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module, generator: torch.Generator | None = None) -> None:
+        """Initialise one module's own parameters, `name` being its name in the whole model.
+        `init_weights` applies this in name order; sharded initialisation replays the same sequence
+        one global module at a time (tessera.trainer.parallel.sharded_init)."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
-        for name, module in sorted(self.named_modules(), key=lambda kv: kv[0]):
-            if isinstance(module, nn.Linear):
-                s = out_std if name.endswith(("o_proj", "down_proj")) else std
-                nn.init.normal_(self._real_rows(name, module.weight), 0.0, s, generator=generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(self._real_rows(name, module.weight), 0.0, std, generator=generator)
-            if name in ("embed_tokens", "lm_head") and self.cfg.vocab_rows > self.cfg.vocab_size:
-                module.weight[self.cfg.vocab_size:].zero_()
-            elif isinstance(module, (nn.LayerNorm, RMSNorm, RotaryEmbedding)):
-                module.reset_parameters()
+        if isinstance(module, nn.Linear):
+            s = out_std if name.endswith(("o_proj", "down_proj")) else std
+            nn.init.normal_(self._real_rows(name, module.weight), 0.0, s, generator=generator)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(self._real_rows(name, module.weight), 0.0, std, generator=generator)
+        elif isinstance(module, (nn.LayerNorm, RMSNorm, RotaryEmbedding)):
+            module.reset_parameters()
+        elif isinstance(module, MoE):
+            module.init_weights(std, out_std, generator)
+        if name in ("embed_tokens", "lm_head") and self.cfg.vocab_rows > self.cfg.vocab_size:
+            module.weight[self.cfg.vocab_size:].zero_()  # padding rows: zero, drawing nothing
 
     def _real_rows(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         return weight[: self.cfg.vocab_size] if name in ("embed_tokens", "lm_head") else weight
@@ -336,16 +316,22 @@ class Transformer(nn.Module):
         if self.embed_tokens is not None:
             h = self.dropout(h)
         rope = self.rotary(positions) if self.rotary is not None else None
-        attn_mask = None
-        if document_ids is not None:
-            if attention_fn is not None:
-                raise ValueError("document_ids and attention_fn are exclusive (the attention_fn owns masking)")
-            # In the dtype attention runs in: autocast's, else the residual stream's.
-            device_type = h.device.type
-            dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
-            attn_mask = document_attention_mask(document_ids, dtype)
+        if document_ids is not None and attention_fn is not None:
+            raise ValueError("document_ids and attention_fn are exclusive (the attention_fn owns masking)")
+        # One mask per distinct sliding window (None: plain causal, left to SDPA's is_causal
+        # unless documents are packed); the attention_fn owns masking, windows included.
+        masks: dict[int | None, torch.Tensor | None] = {}
         for block in self.layers.values():
-            h = block(h, rope, attention_fn, attn_mask)
+            window = block.attn.window
+            if window not in masks:
+                masks[window] = None
+                if attention_fn is None and (document_ids is not None or window is not None):
+                    # In the dtype attention runs in: autocast's, else the residual stream's.
+                    device_type = h.device.type
+                    autocast = torch.is_autocast_enabled(device_type)
+                    dtype = torch.get_autocast_dtype(device_type) if autocast else h.dtype
+                    masks[window] = attention_mask(positions.shape[1], dtype, h.device, document_ids, window)
+            h = block(h, rope, attention_fn, masks[window])
         if self.final_norm is None:
             return h
         h = self.final_norm(h)

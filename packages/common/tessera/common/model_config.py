@@ -1,14 +1,16 @@
 """The model config: one typed description of every supported decoder, with named presets.
 
-A single config covers GPT-2 (LayerNorm, learned positions, GELU, biases, tied embeddings) and
-Llama 2/3 (RMSNorm, RoPE with theta and Llama-3 scaling, SwiGLU, grouped/multi-query attention,
-untied head). The trainer, the converter and the server all build the model from this config,
-and checkpoints and exports carry it in their sidecars.
+A single config covers GPT-2 (LayerNorm, learned positions, GELU, biases, tied embeddings),
+Llama 2/3 (RMSNorm, RoPE with theta and scaling, SwiGLU, grouped/multi-query attention, untied
+head), Mistral (sliding-window attention), Qwen2 (q/k/v biases), Qwen3 (q/k norm, explicit head
+dimension) and mixtures of experts (Mixtral, Qwen3-MoE, DeepSeek-style routing; `moe`). Every
+field defaults to the plain Llama behaviour. The trainer, the converter and the server all build
+the model from this config, and checkpoints and exports carry it in their sidecars.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, model_validator
 
@@ -16,19 +18,94 @@ from tessera.common.config import StrictModel
 
 
 class RopeScaling(StrictModel):
-    """Llama-3 style frequency-dependent RoPE scaling (HF `rope_type: llama3`)."""
+    """Llama-3 style frequency-dependent RoPE scaling (HF `rope_type: llama3`); the default kind
+    when `rope_scaling` names none (see tessera.common.rope for every kind)."""
 
-    rope_type: Literal["llama3"] = Field("llama3", description="Scaling method; only llama3 is supported.")
+    rope_type: Literal["llama3"] = Field("llama3", description="Llama-3.1 wavelength-dependent scaling.")
     factor: float = Field(8.0, gt=0, description="Wavelength stretch applied to low frequencies.")
     low_freq_factor: float = Field(1.0, gt=0, description="Wavelengths above original/low_freq_factor are scaled fully.")
     high_freq_factor: float = Field(4.0, gt=0, description="Wavelengths below original/high_freq_factor are kept.")
     original_max_position_embeddings: int = Field(8192, gt=0, description="Context length the base model was trained at.")
 
 
+class LinearRopeScaling(StrictModel):
+    """Position interpolation (HF `rope_type: linear`): every frequency divided by `factor`."""
+
+    rope_type: Literal["linear"] = Field(..., description="Linear scaling.")
+    factor: float = Field(..., gt=0, description="Divisor of every frequency.")
+
+
+class DynamicRopeScaling(StrictModel):
+    """Dynamic NTK (HF `rope_type: dynamic`): the base grows once a call goes past the original length."""
+
+    rope_type: Literal["dynamic"] = Field(..., description="Dynamic NTK scaling.")
+    factor: float = Field(..., gt=0, description="Scaling factor.")
+    original_max_position_embeddings: int = Field(..., gt=0, description="Length up to which RoPE is unscaled (HF max_position_embeddings).")
+
+
+class YarnRopeScaling(StrictModel):
+    """YaRN (HF `rope_type: yarn`), as transformers computes it."""
+
+    rope_type: Literal["yarn"] = Field(..., description="YaRN scaling.")
+    factor: float = Field(..., gt=0, description="Context extension factor.")
+    original_max_position_embeddings: int = Field(..., gt=0, description="Context length the base model was trained at.")
+    beta_fast: float = Field(32.0, gt=0, description="Rotations above which a dimension is extrapolated.")
+    beta_slow: float = Field(1.0, gt=0, description="Rotations below which a dimension is interpolated.")
+    attention_factor: float | None = Field(None, gt=0, description="Scale of cos/sin; default 0.1 ln(factor) + 1.")
+    mscale: float | None = Field(None, description="DeepSeek mscale (with mscale_all_dim sets the attention factor).")
+    mscale_all_dim: float | None = Field(None, description="DeepSeek mscale_all_dim.")
+    truncate: bool = Field(True, description="Round the correction range to whole dimensions (transformers' default).")
+
+
+AnyRopeScaling = Annotated[
+    Union[RopeScaling, LinearRopeScaling, DynamicRopeScaling, YarnRopeScaling], Field(discriminator="rope_type")
+]
+
+
+class MoEConfig(StrictModel):
+    """A mixture-of-experts MLP in place of the dense one (see tessera.common.moe)."""
+
+    num_experts: int = Field(..., gt=0, description="Routed experts per MoE layer.")
+    top_k: int = Field(..., gt=0, description="Experts each token is routed to.")
+    ffn_hidden_size: int = Field(..., gt=0, description="Inner width of one routed expert (SwiGLU).")
+    score: Literal["softmax", "sigmoid"] = Field("softmax", description="Router scoring (sigmoid: DeepSeek-V3).")
+    norm_topk_prob: bool = Field(True, description="Renormalise the top-k weights to sum to 1 (Mixtral, Qwen3-MoE).")
+    routed_scaling_factor: float = Field(1.0, gt=0, description="Multiplier on the routed weights (DeepSeek-V3).")
+    num_shared_experts: int = Field(0, ge=0, description="Shared experts every token goes through (DeepSeek).")
+    shared_ffn_hidden_size: int | None = Field(None, gt=0, description="Inner width of the shared MLP; default num_shared_experts x ffn_hidden_size.")
+    num_groups: int = Field(1, gt=0, description="Expert groups for grouped routing (DeepSeek n_group); 1 = off.")
+    topk_groups: int = Field(1, gt=0, description="Groups a token may route into (DeepSeek topk_group).")
+    aux_loss_coef: float = Field(0.0, ge=0, description="Coefficient of the Switch/Mixtral load-balancing loss added to the training loss.")
+    bias_balancing: bool = Field(False, description="Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for selection only, updated after each step.")
+    bias_update_rate: float = Field(1e-3, ge=0, description="Step of the bias update: bias += rate * sign(mean load - load).")
+    capacity_factor: float | None = Field(None, gt=0, description="Tokens per expert capped at factor x tokens x top_k / experts (overflow dropped); None = dropless.")
+    first_k_dense: int = Field(0, ge=0, description="The first k layers keep a dense MLP.")
+    layer_freq: int = Field(1, gt=0, description="After the first k, layer i is MoE when i % layer_freq == 0.")
+
+    @model_validator(mode="after")
+    def _check(self) -> MoEConfig:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})")
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"num_groups ({self.num_groups}) must divide num_experts ({self.num_experts})")
+        if self.topk_groups > self.num_groups:
+            raise ValueError(f"topk_groups ({self.topk_groups}) must not exceed num_groups ({self.num_groups})")
+        if self.topk_groups * (self.num_experts // self.num_groups) < self.top_k:
+            raise ValueError(f"topk_groups ({self.topk_groups}) groups hold fewer than top_k ({self.top_k}) experts")
+        return self
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense and layer % self.layer_freq == 0
+
+    @property
+    def shared_size(self) -> int:
+        return self.shared_ffn_hidden_size or self.num_shared_experts * self.ffn_hidden_size
+
+
 class ModelConfig(StrictModel):
     """Shape and flavour of a decoder-only transformer."""
 
-    arch: Literal["llama", "gpt2"] = Field("llama", description="Family, which decides export names (LlamaForCausalLM or GPT2LMHeadModel).")
+    arch: Literal["llama", "gpt2", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"] = Field("llama", description="Family, which decides the Hugging Face class exports are written as (see docs/model.md).")
     vocab_size: int = Field(..., gt=0, description="Token ids the model reads and predicts: the tokenizer's vocabulary (what exports show).")
     padded_vocab_size: int | None = Field(None, gt=0, description="Rows of the embedding and the output head when more than vocab_size (set by `padded_for`); the rows past vocab_size are zero-initialised and their logits are -inf. null = vocab_size rows.")
     vocab_size_divisible_by: int = Field(128, gt=0, description="Vocabulary padding rule (Megatron's --make-vocab-size-divisible-by): a new model's rows are vocab_size rounded up to a multiple of this x tensor-parallel size.")
@@ -43,8 +120,14 @@ class ModelConfig(StrictModel):
     activation: Literal["swiglu", "gelu"] = Field("swiglu", description="MLP: SwiGLU (gate/up/down) or GELU (up/down, tanh approximation as GPT-2).")
     position: Literal["rope", "learned"] = Field("rope", description="Rotary embeddings or learned absolute positions.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
-    rope_scaling: RopeScaling | None = Field(None, description="Optional Llama-3 RoPE scaling.")
+    rope_scaling: AnyRopeScaling | None = Field(None, description="Optional RoPE scaling: llama3 (the default kind), linear, dynamic or yarn.")
     bias: bool = Field(False, description="Biases on the attention and MLP linear layers (GPT-2: true).")
+    attention_bias: list[Literal["q", "k", "v", "o"]] | None = Field(None, description="Attention projections with a bias (Qwen2: [q, k, v]); None = all four when `bias`, else none.")
+    qk_norm: bool = Field(False, description="RMSNorm over each query and key head before RoPE (Qwen3).")
+    head_dim: int = Field(None, gt=0, description="Width of one attention head; default hidden_size / num_heads (Qwen3 sets it).")  # type: ignore[assignment]
+    sliding_window: int | None = Field(None, gt=0, description="Each query sees only the last `sliding_window` positions, itself included (Mistral).")
+    sliding_window_layers: list[int] | None = Field(None, description="Global layer numbers that use the sliding window; None = every layer (Gemma-style interleaving lists some).")
+    moe: MoEConfig | None = Field(None, description="Mixture-of-experts MLP on the layers it selects; None = dense everywhere.")
     tie_embeddings: bool = Field(False, description="Output head shares the input embedding matrix.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on embeddings and residual branches.")
     attention_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on attention probabilities.")
@@ -59,18 +142,35 @@ class ModelConfig(StrictModel):
             if name not in PRESETS:
                 raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
             data = {**PRESETS[name], **data}
+        if isinstance(data, dict):
+            data = dict(data)
+            scaling = data.get("rope_scaling")
+            if isinstance(scaling, dict) and "rope_type" not in scaling:
+                data["rope_scaling"] = {"rope_type": "llama3", **scaling}  # the one kind before others existed
+            hidden, heads = data.get("hidden_size"), data.get("num_heads")
+            if data.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+                if hidden % heads:
+                    raise ValueError(f"num_heads ({heads}) must divide hidden_size ({hidden}) unless head_dim is given")
+                data["head_dim"] = hidden // heads
         return data
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
         if self.num_heads % self.kv_heads:
             raise ValueError(f"num_kv_heads ({self.kv_heads}) must divide num_heads ({self.num_heads})")
         if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"padded_vocab_size ({self.padded_vocab_size}) is below vocab_size ({self.vocab_size})")
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {self.head_dim}")
+        if self.sliding_window_layers is not None and self.sliding_window is None:
+            raise ValueError("sliding_window_layers needs sliding_window")
+        bad = [i for i in self.sliding_window_layers or [] if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"sliding_window_layers: layer {bad[0]} is not in 0..{self.num_layers - 1}")
+        if self.attention_bias is not None and len(set(self.attention_bias)) != len(self.attention_bias):
+            raise ValueError("attention_bias lists a projection twice")
+        if self.moe is not None and self.activation != "swiglu":
+            raise ValueError("moe needs activation=swiglu (experts are SwiGLU MLPs)")
         return self
 
     # ---- derived shape -------------------------------------------------------------------
@@ -97,9 +197,18 @@ class ModelConfig(StrictModel):
         """Itself when `tensor_parallel` divides its rows, else re-padded by `padded_for`."""
         return self if self.vocab_rows % tensor_parallel == 0 else self.padded_for(tensor_parallel)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def attn_bias(self, proj: str) -> bool:
+        """Whether attention projection `proj` (q, k, v or o) has a bias."""
+        return self.bias if self.attention_bias is None else proj in self.attention_bias
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of global layer `layer`, or None for full causal attention."""
+        if self.sliding_window is None or (self.sliding_window_layers is not None and layer not in self.sliding_window_layers):
+            return None
+        return self.sliding_window
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer)
 
     @property
     def q_size(self) -> int:
@@ -110,17 +219,31 @@ class ModelConfig(StrictModel):
         return self.kv_heads * self.head_dim
 
     # ---- accounting ----------------------------------------------------------------------
+    def _mlp_params(self, layer: int, active: bool) -> int:
+        """MLP weights of one layer (all experts, or those one token uses when `active`)."""
+        d, f = self.hidden_size, self.ffn_hidden_size
+        if not self.is_moe_layer(layer):
+            return (3 if self.activation == "swiglu" else 2) * d * f
+        moe = self.moe
+        assert moe is not None
+        experts = moe.top_k if active else moe.num_experts
+        return d * moe.num_experts + 3 * d * (experts * moe.ffn_hidden_size + moe.shared_size)
+
     def num_params(self, include_embedding: bool = True) -> int:
         """Exact parameter count of `Transformer(self)` (tested against the real module)."""
         d, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_rows
         norm_params = d * (2 if self.norm == "layernorm" else 1)
         attn = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
-        mlp = (3 if self.activation == "swiglu" else 2) * d * f
-        if self.bias:
-            attn += self.q_size + 2 * self.kv_size + d
-            mlp += (2 * f if self.activation == "swiglu" else f) + d
-        per_layer = attn + mlp + 2 * norm_params
-        total = self.num_layers * per_layer + norm_params
+        attn += sum(n for p, n in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size), ("o", d))
+                    if self.attn_bias(p))
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        total = norm_params
+        for layer in range(self.num_layers):
+            mlp = self._mlp_params(layer, active=False)
+            if self.bias and not self.is_moe_layer(layer):
+                mlp += (2 * f if self.activation == "swiglu" else f) + d
+            total += attn + mlp + 2 * norm_params
         if include_embedding:
             total += v * d
             if self.position == "learned":
@@ -132,12 +255,12 @@ class ModelConfig(StrictModel):
     def matmul_params(self) -> int:
         """Weights that take part in matrix multiplies: projections, MLP and the output head.
 
-        Excludes embedding lookups, norms and biases; the head counts even when tied.
+        Excludes embedding lookups, norms and biases; the head counts even when tied. For MoE
+        layers, only what one token uses: the router, top_k routed experts and the shared ones.
         """
-        d, f = self.hidden_size, self.ffn_hidden_size
+        d = self.hidden_size
         attn = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
-        mlp = (3 if self.activation == "swiglu" else 2) * d * f
-        return self.num_layers * (attn + mlp) + self.vocab_rows * d
+        return sum(attn + self._mlp_params(i, active=True) for i in range(self.num_layers)) + self.vocab_rows * d
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), PaLM convention.
@@ -162,6 +285,25 @@ PRESETS: dict[str, dict[str, Any]] = {
                      rope_scaling=dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                        original_max_position_embeddings=8192),
                      tie_embeddings=True),
+    # Mixtures of experts for CPU tests and the MoE demo.
+    "mixtral-tiny": dict(arch="mixtral", vocab_size=8192, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                         ffn_hidden_size=96, max_seq_len=256, rope_theta=1000000.0,
+                         moe=dict(num_experts=4, top_k=2, ffn_hidden_size=96, aux_loss_coef=0.01)),
+    "qwen3-moe-tiny": dict(arch="qwen3_moe", vocab_size=8192, hidden_size=64, num_layers=3, num_heads=4,
+                           num_kv_heads=2, head_dim=32, qk_norm=True, ffn_hidden_size=192, max_seq_len=256,
+                           norm_eps=1e-6, rope_theta=1000000.0,
+                           moe=dict(num_experts=8, top_k=2, ffn_hidden_size=48, first_k_dense=1, aux_loss_coef=0.001)),
+    # Published shapes (Qwen3-8B, Mixtral-8x7B, Qwen3-30B-A3B config.json).
+    "qwen3-8b": dict(arch="qwen3", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+                     head_dim=128, qk_norm=True, ffn_hidden_size=12288, max_seq_len=40960, norm_eps=1e-6,
+                     rope_theta=1000000.0),
+    "mixtral-8x7b": dict(arch="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                         num_kv_heads=8, ffn_hidden_size=14336, max_seq_len=32768, rope_theta=1000000.0,
+                         moe=dict(num_experts=8, top_k=2, ffn_hidden_size=14336, aux_loss_coef=0.02)),
+    "qwen3-30b-a3b": dict(arch="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+                          num_kv_heads=4, head_dim=128, qk_norm=True, ffn_hidden_size=6144, max_seq_len=40960,
+                          norm_eps=1e-6, rope_theta=1000000.0,
+                          moe=dict(num_experts=128, top_k=8, ffn_hidden_size=768, aux_loss_coef=0.001)),
     "llama3-8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
                       num_kv_heads=8, ffn_hidden_size=14336, max_seq_len=8192, rope_theta=500000.0),
 }

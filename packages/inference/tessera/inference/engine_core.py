@@ -36,7 +36,7 @@ def _load(init: dict):
     cfg = EngineConfig.model_validate(init["engine"])
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    loaded = load_for_serving(init["checkpoint"], device, dtype)
+    loaded = load_for_serving(init["checkpoint"], device, dtype, cfg.quantization)
     return LLMEngine(loaded, cfg, device, dtype), device, dtype
 
 

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    loaded = load_for_serving(args.checkpoint, device, dtype)
+    loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization)
     engine = LLMEngine(loaded, cfg, device, dtype)
     tok = loaded.tokenizer
     results: dict[str, dict[str, Any]] = {}

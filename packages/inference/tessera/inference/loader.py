@@ -20,6 +20,7 @@ from tessera.common.hf import eos_token_ids, is_hf_directory, load_hf_weights, r
 from tessera.common.model import Transformer, build_model
 from tessera.common.model_config import ModelConfig
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
+from tessera.inference.quantization import check_quantization, quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,8 +52,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Accepts a checkpoint (iteration dir, checkpoints dir with pointer, or run dir) or an HF export dir."""
+def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch.dtype,
+                     quantization: str | None = None) -> LoadedModel:
+    """Accepts a checkpoint (iteration dir, checkpoints dir with pointer, or run dir) or an HF export dir.
+
+    With `quantization` ("int8", "fp8") the Linear weights are quantized after they load
+    (tessera.inference.quantization); one the device cannot run is refused before any weight is read.
+    """
+    check_quantization(quantization, device)
     path = Path(path)
     given_name = path.resolve().name
     if not path.exists():
@@ -84,7 +91,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
             raise ArtifactError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, "
                                 f"expected {tuple(expected[name].shape)}")
     model.load_state_dict(tensors, strict=True)
-    model = model.to(dtype=dtype).eval()
+    model = quantize_model(model.to(dtype=dtype).eval(), quantization)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ArtifactError(f"{tokenizer.directory}: tokenizer has {tokenizer.vocab_size} tokens but the model "
                             f"only {cfg.vocab_size}; they do not belong together")

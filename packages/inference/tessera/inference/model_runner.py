@@ -5,6 +5,9 @@ token ids, logprobs, prompt logprobs). It reads the sequences and never changes 
 processor applies the results. So a failed execution leaves nothing half-applied and can be
 retried (the KV slots it wrote are rewritten with the same values).
 
+Sliding-window layers (Mistral, Qwen) pass their window to every attention path; blocks wholly
+outside every window stay allocated for now (correct, not yet economical).
+
 The shared model is used as is, through its two hooks: `positions` (each token's position in its
 own sequence) and `attention_fn`, which here scatters the new K/V into their cache slots and calls
 `tessera.kernels.paged_attention` (Triton on CUDA, the PyTorch reference on CPU). On CPU the
@@ -58,30 +61,37 @@ class DecodeGroup:
     blocks: torch.Tensor  # long [S * width]: pool blocks, row-major by sequence
     width: int  # blocks per sequence in the window
     visible: torch.Tensor  # bool [S, 1, 1, width * block_size]: cached positions (not padding)
+    seq_lens: torch.Tensor | None = None  # [S], for sliding-window layers
 
 
 def decode_group(rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodeGroup:
     width = -(-int(seq_lens.max()) // block_size)
     blocks = block_tables[:, :width].reshape(-1).long()
     visible = torch.arange(width * block_size, device=seq_lens.device)[None, :] < seq_lens[:, None]
-    return DecodeGroup(rows=rows, blocks=blocks, width=width, visible=visible[:, None, None, :])
+    return DecodeGroup(rows=rows, blocks=blocks, width=width, visible=visible[:, None, None, :], seq_lens=seq_lens)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
-                     scale: float) -> torch.Tensor:
+                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its cached keys/values (a group at once).
 
     q [S, H, D]; caches [blocks, block_size, Hkv, D]. Gathers each sequence's blocks into a padded
     [S, width*block_size] window (index_select on the flat block list is ~3x faster on CPU than
-    advanced indexing by the table) and masks the padding. Returns [S, H, D].
+    advanced indexing by the table) and masks the padding, and with a sliding `window` the
+    positions before each sequence's last `sliding_window`. Returns [S, H, D].
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     window = group.width * block_size
     k = k_cache.index_select(0, group.blocks).view(num_seqs, window, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.index_select(0, group.blocks).view(num_seqs, window, num_kv_heads, head_dim).transpose(1, 2)
+    visible = group.visible
+    if sliding_window is not None:
+        assert group.seq_lens is not None
+        start = (group.seq_lens - sliding_window)[:, None, None, None]
+        visible = visible & (torch.arange(visible.shape[-1], device=q.device) >= start)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=group.visible, scale=scale, enable_gqa=num_heads != num_kv_heads,
+        q.unsqueeze(2), k, v, attn_mask=visible, scale=scale, enable_gqa=num_heads != num_kv_heads,
     )
     return out.squeeze(2)
 
@@ -169,17 +179,18 @@ class ModelRunner:
         flat_k.index_copy_(0, step.slot_mapping, k[0].to(flat_k.dtype))
         flat_v.index_copy_(0, step.slot_mapping, v[0].to(flat_v.dtype))
         split = step.split
+        window = self.cfg.window(layer)
         if split is None:
             out = paged_attention(q[0], k_cache, v_cache, step.block_tables, step.seq_lens,
-                                  step.query_start_loc, self.scale)
+                                  step.query_start_loc, self.scale, window)
             return out.unsqueeze(0)
         out = torch.empty_like(q[0])
         for group in split.decode_groups:
-            out[group.rows] = decode_attention(q[0, group.rows], k_cache, v_cache, group, self.scale)
+            out[group.rows] = decode_attention(q[0, group.rows], k_cache, v_cache, group, self.scale, window)
         if split.prefill_rows.numel():
             out[split.prefill_rows] = paged_attention(
                 q[0, split.prefill_rows], k_cache, v_cache, split.prefill_tables, split.prefill_lens,
-                split.prefill_starts, self.scale)
+                split.prefill_starts, self.scale, window)
         return out.unsqueeze(0)
 
     def _split(self, num_new: list[int], starts: list[int], tables: torch.Tensor, lens: torch.Tensor) -> DecodeSplit:

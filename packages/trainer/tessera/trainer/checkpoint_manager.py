@@ -24,7 +24,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tessera.common.checkpoint import CheckpointSidecar, read_sidecar
+import torch.distributed as dist
+
+from tessera.common.checkpoint import CheckpointSidecar, read_sidecar, verify_checksums
+from tessera.common.errors import ArtifactError
 from tessera.common.layout import ParallelLayout
 from tessera.common.tokenizer import Tokenizer
 from tessera.trainer.checkpointing import AsyncCheckpointer, restore, state_of, write_checkpoint
@@ -33,12 +36,14 @@ from tessera.trainer.stateful import Stateful, TrainState
 
 class CheckpointManager:
     def __init__(self, root: Path, keep_last: int, tokenizer: Tokenizer, sidecar: CheckpointSidecar,
-                 layout: ParallelLayout, components: dict[str, Stateful], say: Callable[[str], None]):
+                 layout: ParallelLayout, components: dict[str, Stateful], say: Callable[[str], None],
+                 verify_on_load: bool = True):
         self.root, self.keep_last = Path(root), keep_last
         self.tokenizer, self.sidecar, self.layout = tokenizer, sidecar, layout
         self.components = components
         self.say = say
         self.async_saver: AsyncCheckpointer | None = None
+        self.verify_on_load = verify_on_load
 
     # ---- save ---------------------------------------------------------------------------------
     def start_async(self) -> None:
@@ -87,8 +92,33 @@ class CheckpointManager:
             self.say(f"the background save failed as well: {exc}")
 
     # ---- load ---------------------------------------------------------------------------------
+    def verify(self, directory: Path) -> None:
+        """The payload's checksums against the sidecar before anything is read (checkpoint.verify_on_load):
+        the ranks split the files, hash on threads, and all fail alike if any file is corrupt. The cost
+        is printed."""
+        start = time.perf_counter()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        error, checked = None, 0
+        try:
+            checked = verify_checksums(directory, share=(rank, world))
+        except ArtifactError as exc:
+            error = str(exc)
+        outcomes: list = [(error, checked)]
+        if world > 1:
+            outcomes = [None] * world
+            dist.all_gather_object(outcomes, (error, checked))
+        errors = [e for e, _ in outcomes if e is not None]
+        if errors:
+            raise ArtifactError(errors[0] + "; refusing to resume from it (an older checkpoint can be chosen by "
+                                "editing the pointer file)")
+        total = sum(n for _, n in outcomes)
+        self.say(f"verified {directory.name}: {total / 2**20:.1f} MiB checksummed in "
+                 f"{time.perf_counter() - start:.2f}s over {world} rank(s)")
+
     def load(self, directory: Path) -> TrainState:
         """Every component from a checkpoint of any layout (or of one process); the data position."""
+        if self.verify_on_load:
+            self.verify(directory)
         sidecar = read_sidecar(directory)
         saved_under = sidecar.layout.resolved(sidecar.model.num_layers)  # older sidecars leave the split implicit
         components = dict(self.components)
@@ -103,4 +133,6 @@ class CheckpointManager:
     def load_weights(self, directory: Path) -> None:
         """Model tensors only, from a checkpoint of any layout (checkpoint.init_from): the optimizer,
         RNGs and data position stay fresh."""
+        if self.verify_on_load:
+            self.verify(directory)
         restore(directory, {"model": self.components["model"]}, position=False)

@@ -63,6 +63,7 @@ from tessera.common.checkpoint import (
     write_pointer,
 )
 from tessera.common.errors import ArtifactError
+from tessera.common.faults import fault_point
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import Tokenizer
 from tessera.trainer.precision import Precision
@@ -139,9 +140,11 @@ def write_checkpoint(
                     sidecar, tokenizer, keep_last)
     if background is not None:
         background.start(state, job)
+        fault_point("save.state_staged")
         return final
     with single_process_dcp():
         dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
+    fault_point("save.payload_written")
     job.run()
     return final
 
@@ -154,6 +157,7 @@ def _start_save(root: Path, step: int) -> tuple[Path, Path]:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
+        fault_point("save.partial_created")
     _barrier()
     return final, partial
 
@@ -190,18 +194,24 @@ class _Finalize:
 
     def _finish_on_rank_0(self) -> None:
         self.tokenizer.save(self.partial / TOKENIZER_DIR)
+        fault_point("save.tokenizer_written")
         sidecar = self.sidecar.model_copy()
         sidecar.step = self.train_state.step
         sidecar.consumed_samples = self.train_state.consumed_samples
         sidecar.consumed_tokens = self.train_state.consumed_tokens
         sidecar.contents = self.contents
         finalize_checkpoint(self.partial, sidecar)  # sidecar last: marks the directory complete
+        fault_point("save.sidecar_written")
         if self.final.exists():  # a stale checkpoint of the same step (e.g. from a run that was rewound)
             shutil.rmtree(self.final)
+            fault_point("save.stale_removed")
         os.replace(self.partial, self.final)
         _fsync_dir(self.root)
+        fault_point("save.renamed")
         write_pointer(self.root, self.train_state.step)
+        fault_point("save.pointer_written")
         prune_checkpoints(self.root, self.keep_last)
+        fault_point("save.pruned")
 
 
 class AsyncCheckpointer:
@@ -245,6 +255,7 @@ class AsyncCheckpointer:
         error: BaseException | None = None
         try:
             future.result()
+            fault_point("save.payload_written")
         except BaseException as exc:  # reported to the training thread by wait()/poll()
             error = exc
         try:

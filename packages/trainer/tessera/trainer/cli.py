@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import textwrap
 
 from tessera.common.config import describe_fields, load_config
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Dotted overrides applied on top of the file, e.g. training.steps=20 model.num_layers=4.")
     parser.add_argument("--resume", action="store_true",
                         help="Continue from the checkpoint the pointer in the checkpoint directory names "
-                             "(starts fresh, saying so, when there is none yet).")
+                             "(starts fresh, saying so, when there is none yet). Implied in a job torchrun "
+                             "restarted (--max-restarts).")
     parser.add_argument("--compile", action="store_true", help="torch.compile the forward and loss as one graph (= training.compile=true).")
     parser.add_argument("--eval-only", action="store_true",
                         help="Evaluate the model on the valid and test splits and exit; train and save nothing "
@@ -80,8 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.trainer.trainer import Trainer, check_inputs
 
     runtime = init_runtime(cfg.training.device)
+    # torchrun --max-restarts re-runs this same command after a rank died: the restarted attempt
+    # continues from the newest checkpoint (Megatron and torchtitan resume the same way).
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    resume = args.resume or restart > 0
     try:
-        inputs = check_inputs(cfg, runtime.world_size, resume=args.resume)
+        inputs = check_inputs(cfg, runtime.world_size, resume=resume)
+        if restart and runtime.is_main:
+            print(f"torchrun restart {restart}: resuming from "
+                  f"{inputs.resume_from or 'step 0 (no checkpoint yet)'}", flush=True)
         _check_output_dirs(cfg)
         if args.resume and inputs.resume_from is None and runtime.is_main:
             print(f"--resume: no checkpoint in {cfg.checkpoint_dir} yet; starting from step 0", flush=True)

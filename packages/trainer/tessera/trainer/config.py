@@ -84,7 +84,8 @@ class TrainingConfig(StrictModel):
     rampup_batch_size: tuple[int, int, int] | None = Field(None, description="Megatron's --rampup-batch-size [start, increment, samples]: the global batch starts at `start` sequences and grows by `increment` at even intervals over the first `samples` consumed samples, up to global_batch_size (tessera.trainer.data.global_batch_size_at). Every size must be a multiple of micro_batch_size x data-parallel size.")
     steps: int = Field(100, gt=0, description="Optimizer steps to train (the run ends when the step counter reaches this).")
     seed: int = Field(1234, description="Seed for weight init and every RNG (python, numpy, torch).")
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged).")
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged); fp8 = bf16 with the linear layers' matmuls in float8 through torchao (one process, GPUs of compute capability 8.9+; tessera.trainer.fp8).")
+    fp8_recipe: Literal["tensorwise", "rowwise"] = Field("tensorwise", description="fp8 only: torchao Float8 scaling, one scale per tensor (tensorwise, fastest) or per row (rowwise, robust to outliers).")
     fp16_initial_scale: float = Field(2.0**16, gt=0, description="fp16 only: starting loss scale.")
     fp16_growth_interval: int = Field(1000, gt=0, description="fp16 only: steps without overflow before the loss scale doubles.")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute: none; selective = attention core; full = every transformer block.")
@@ -98,6 +99,7 @@ class TrainingConfig(StrictModel):
     eval_iters: int = Field(4, gt=0, description="Global batches per evaluation (Megatron's --eval-iters): always the first eval_iters x global_batch_size samples of the valid split, whatever the parallel layout, so evaluations compare.")
     eval_only: bool = Field(False, description="Evaluate and exit (= --eval-only; Megatron's --skip-train): load the model (the checkpoint --resume finds, else checkpoint.init_from, else a fresh init), log the loss on eval_iters global batches of the valid split and of the test split (those with samples), train and save nothing. E.g. the validation perplexity of an imported Hugging Face model on your data.")
     exit_after_steps: int | None = Field(None, gt=0, description="Stop after this many steps in this invocation (saving first, exit 0), e.g. to fit a fixed-length job slot; `--resume` continues. The schedule still spans training.steps.")
+    step_timeout_minutes: float | None = Field(None, gt=0, description="Watchdog: a rank that makes no progress for this long (a step, an evaluation or a save; armed after the first step) prints the Python stack of every thread and exits 1, so a hung rank shows where it hangs within the timeout instead of the process group's (10 minutes by default, silent); under torchrun --max-restarts the job then restarts from its last checkpoint. Null: off.")
     exit_after_minutes: float | None = Field(None, gt=0, description="Stop at the first step that ends this many minutes after the trainer started (saving first, exit 0; every rank stops at the same step), e.g. to fit a job's time limit with room for the save; `--resume` continues (Megatron's --exit-duration-in-mins).")
     save_interval: int = Field(0, ge=0, description="Save a checkpoint every N steps; one is always saved at the end. 0 = only at the end.")
     check_nonfinite: bool = Field(True, description="Stop with a one-line error (exit 1) at the first step whose loss or gradient norm is inf/nan, saving nothing, so the newest checkpoint stays the last good one (Megatron's --check-for-nan-in-loss-and-grad). fp32/bf16; fp16 skips such steps by its loss scaling instead.")
@@ -118,6 +120,10 @@ class ParallelConfigSection(StrictModel):
     sequence_parallel: bool = Field(True, description="With tensor > 1: split norms/dropout along the sequence across tensor ranks (all-gather/reduce-scatter instead of all-reduce).")
     distributed_optimizer: bool = Field(True, description="With data parallel: shard AdamW state (ZeRO-1) across data-parallel ranks with reduce-scatter/all-gather; false = all-reduce, full state per rank.")
     bucket_numel: int = Field(40_000_000, gt=0, description="Elements per gradient bucket (one data-parallel collective each, overlapped with backward).")
+    data_shard: int = Field(1, ge=1, description="Fully sharded data parallel (= --data-shard): data-parallel ranks sharding parameters, gradients and optimizer state (FSDP2 fully_shard); must divide the data-parallel size, whose quotient is the number of HSDP replicas. 1 = off.")
+    fsdp_param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: dtype of the all-gathered compute parameters; bfloat16 = bf16 parameters over fp32 sharded master weights.")
+    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: dtype of the gradient reduction.")
+    fsdp_cpu_offload: bool = Field(False, description="With data_shard > 1, GPU runs: sharded parameters, gradients and optimizer state in host memory (AdamW steps on the CPU).")
 
     @property
     def model_parallel_size(self) -> int:
@@ -130,19 +136,39 @@ class ParallelConfigSection(StrictModel):
                             f"{self.model_parallel_size} does not divide the {world_size} launched process(es); "
                             f"launch a multiple of {self.model_parallel_size} (torchrun --nproc-per-node)")
         return ParallelLayout(tensor=self.tensor, pipeline=self.pipeline, virtual_stages=self.virtual_stages,
-                              data=world_size // self.model_parallel_size, pipeline_layers=self.pipeline_layers)
+                              data=world_size // self.model_parallel_size, data_shard=self.data_shard,
+                              pipeline_layers=self.pipeline_layers)
 
 
 class CheckpointConfig(StrictModel):
     dir: Path | None = Field(None, description="Checkpoints root (iter_NNNNNNN/ + pointer); default <run_dir>/checkpoints.")
     keep_last: int = Field(2, ge=1, description="Keep this many newest checkpoints; older ones are deleted after a save completes.")
     async_save: bool = Field(False, description="Write the periodic checkpoints (save_interval) in the background: training waits only while DCP copies the state into CPU memory, a thread writes and finalizes it (same files and crash safety; at most one in flight). The final save and a save on SIGTERM/SIGINT or exit_after_* stay synchronous. Costs CPU memory for one copy of model + optimizer state (Megatron's --async-save).")
+    verify_on_load: bool = Field(True, description="Before --resume or init_from reads a checkpoint, check every payload file against the sidecar's checksums (the ranks split the files; XXH3 on threads; the time is printed). A corrupt checkpoint is refused with one line, exit 2, instead of training on flipped bytes.")
     init_from: Path | None = Field(None, description="Start a new run from the model weights of this checkpoint (an iter_N directory, a checkpoints directory with a pointer, or a run directory; any parallel layout; e.g. from `tessera-ckpt import`): step 0, fresh optimizer, this config's schedule and data. The model section must match the checkpoint's. Once this run has a checkpoint of its own, --resume continues from that instead (Megatron's --finetune with --load; torchtitan's initial_load_path).")
+
+
+class WandbConfig(StrictModel):
+    """Weights & Biases (the trainer's `trackers` extra)."""
+
+    project: str = Field(description="W&B project name.")
+    name: str | None = Field(None, description="Run name; default W&B's.")
+    mode: Literal["offline", "online"] = Field("offline", description="offline (default): write under <run_dir>/wandb, upload later with `wandb sync`; online needs the network and a login.")
+
+
+class MlflowConfig(StrictModel):
+    """MLflow (the trainer's `trackers` extra)."""
+
+    tracking_uri: str | None = Field(None, description="Tracking store; default a local file store at <run_dir>/mlruns.")
+    experiment: str = Field("tessera", description="Experiment name (created when missing).")
+    run_name: str | None = Field(None, description="Run name; default MLflow's.")
 
 
 class LoggingConfig(StrictModel):
     jsonl: bool = Field(True, description="Write metrics.jsonl (one JSON object per logged step / evaluation) in the run directory.")
-    tensorboard: bool = Field(True, description="Write TensorBoard scalars under <run_dir>/tensorboard (skipped silently when tensorboard is not installed).")
+    tensorboard: bool = Field(True, description="Write TensorBoard scalars under <run_dir>/tensorboard (when tensorboard is not installed: one notice, then skipped).")
+    wandb: WandbConfig | None = Field(None, description="Also log to Weights & Biases (e.g. logging.wandb.project=NAME); offline by default.")
+    mlflow: MlflowConfig | None = Field(None, description="Also log to MLflow (e.g. logging.mlflow.experiment=NAME); a local file store under the run directory by default.")
     params_norm: bool = Field(False, description="Also log the global L2 norm of the parameters at each log step (Megatron's --log-params-norm): one extra pass over the weights, collective under torchrun.")
 
 

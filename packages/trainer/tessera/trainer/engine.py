@@ -24,9 +24,11 @@ from typing import Protocol
 import torch
 
 from tessera.common.model_config import ModelConfig
+from tessera.common.moe import RouterStats
 from tessera.trainer.checkpointing import local_components
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.documents import DocumentMasking, loss_token_count
+from tessera.trainer.fp8 import apply_float8
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer, set_lr
 from tessera.trainer.precision import Precision
@@ -84,14 +86,22 @@ class LocalEngine:
         self.micro_batch = t.micro_batch_size
         # Compilation is the step's (forward and loss in one graph), not the model's.
         self.model = prepare_model(model, device, t.seed, t.recompute)
+        if t.precision == "fp8":
+            apply_float8(self.model, t.fp8_recipe, device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.precision = Precision(t.precision, device, t.fp16_initial_scale, t.fp16_growth_interval)
         self.step = TrainStep(self.model, self.optimizer, self.precision, cfg.optim.grad_clip,
                               t.loss_chunk_tokens, t.compile, documents)
+        # MoE: router statistics of each step, and the balancing-bias update after it.
+        self.router_stats = RouterStats(self.model) if model.moe is not None else None
+        self.router_metrics: dict[str, float] = {}
 
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> StepResult:
         batches = micro_batches(tokens, labels, self.micro_batch)
+        if self.router_stats is not None:
+            self.router_stats.prepare(len(batches))
         loss_sum, grad_norm, stepped = self.step(batches, len(batches), self.device)
+        self.router_metrics = self.router_stats.step() if self.router_stats is not None else {}
         return StepResult(float(loss_sum), float(grad_norm), stepped)
 
     @torch.no_grad()

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.common.model import mask_vocab_padding
+from tessera.kernels import cross_entropy_with_grad
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
@@ -73,21 +74,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             grad_hidden = torch.empty_like(hidden) if want_hidden else None
             grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_weight else None
-            vocab_index = torch.arange(weight.shape[0], device=weight.device)
             total = torch.zeros((), dtype=acc, device=hidden.device)
             for start in range(0, hidden.shape[0], chunk_tokens):
                 h = hidden[start:start + chunk_tokens].to(compute_dtype)
                 y = labels[start:start + chunk_tokens]
-                logits = mask_vocab_padding((h @ w.t()).to(acc), vocab_size)  # padded rows: -inf, zero grads
-                lse = torch.logsumexp(logits, dim=1)
-                hit = vocab_index == y.unsqueeze(1)  # the one-hot target (no row for ignored labels)
-                row_valid = (y != ignore_index).to(acc)
-                total += ((lse - torch.where(hit, logits, 0.0).sum(dim=1)) * row_valid).sum()
-                # d(sum of valid losses)/d(logits) = softmax - one-hot, zero on ignored rows; then
-                # scaled by 1/count for the mean. Built in place over the chunk's logits.
-                g = logits.sub_(lse.unsqueeze(1)).exp_().sub_(hit.to(acc))
-                g.mul_((row_valid * inv_count).unsqueeze(1))
-                g = g.to(compute_dtype)
+                # Sum of the valid rows' losses and d(it)/d(logits) = softmax - one-hot, zero on
+                # ignored rows, times 1/count for the mean (on CUDA one Triton kernel, in place).
+                # Padded vocabulary rows: -inf logits, so zero probability and zero gradient.
+                chunk_loss, g = cross_entropy_with_grad(mask_vocab_padding(h @ w.t(), vocab_size), y, inv_count,
+                                                        ignore_index)
+                total += chunk_loss
                 if grad_hidden is not None:
                     grad_hidden[start:start + chunk_tokens] = g @ w
                 if grad_weight is not None:

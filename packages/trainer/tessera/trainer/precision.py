@@ -14,7 +14,8 @@ import contextlib
 
 import torch
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 autocasts to bf16; its Linear layers are torchao Float8Linear (tessera.trainer.fp8).
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 class Precision:

@@ -2,7 +2,9 @@
 
 A preempted job (SLURM and Kubernetes send SIGTERM) thus loses nothing. A second SIGINT raises
 KeyboardInterrupt at once (the handlers in place before are restored first), so Ctrl-C twice still
-interrupts a run that hangs.
+interrupts a run that hangs (exit 130, one line, also when it lands inside a checkpoint write).
+Further SIGTERMs once a stop was requested are ignored to the end of the process: schedulers
+repeat SIGTERM before the kill, and the save under way must finish (exit 0), not die with -15.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ class StopRequest:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def restore(self) -> None:
+    def restore(self, after_stop: bool = False) -> None:
+        """Put the previous handlers back. `after_stop` (the training loop's exit): when a stop was
+        requested, SIGTERM stays ignored until the process exits instead (see the module docstring)."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            keep_ignoring = after_stop and sig == signal.SIGTERM and self.signal_name is not None
+            signal.signal(sig, signal.SIG_IGN if keep_ignoring else handler)
         self._previous.clear()

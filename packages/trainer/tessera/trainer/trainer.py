@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from tessera.common.checkpoint import CheckpointSidecar, read_sidecar, resolve_checkpoint
 from tessera.common.errors import ArtifactError, RunError, UserError
+from tessera.common.faults import fault_point
 from tessera.common.fileio import atomic_write_text
 from tessera.common.layout import ParallelLayout, validate_layout
 from tessera.common.mixture import (
@@ -43,16 +44,19 @@ from tessera.trainer.checkpoint_manager import CheckpointManager
 from tessera.trainer.checkpointing import latest_checkpoint, remove_partial_saves
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.data import MicroBatchPlan, MixtureBatches, global_batch_size_at
-from tessera.trainer.distributed import Runtime
+from tessera.trainer.distributed import Runtime, pick_device
 from tessera.trainer.documents import DocumentMasking
 from tessera.trainer.engine import Engine, LocalEngine
+from tessera.trainer.fp8 import fp8_device_problem
 from tessera.trainer.host_memory import retain_freed_memory
-from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops
+from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops, step_time_spread
 from tessera.trainer.parallel.engine import ParallelEngine
 from tessera.trainer.profiling import StepProfiler
 from tessera.trainer.schedule import LRSchedule
 from tessera.trainer.signals import StopRequest
 from tessera.trainer.stateful import TrainState
+from tessera.trainer.trackers import open_trackers
+from tessera.trainer.watchdog import StepWatchdog
 
 
 @dataclass
@@ -92,6 +96,8 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
                             f"({layout.data}); pick a start and increment that are")
     if layout.world_size > 1:
         check_parallel_options(cfg)
+    if t.precision == "fp8" and (problem := fp8_device_problem(pick_device(t.device, 0))):
+        raise UserError(problem)
     manifest = read_mixture_manifest(cfg.data.mixture)
     manifest_path = Path(cfg.data.mixture) / MANIFEST
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -238,6 +244,8 @@ def check_parallel_options(cfg: TrainConfig) -> None:
     t = cfg.training
     if t.compile:
         raise UserError("training.compile (--compile) is supported in one process only; drop it under torchrun")
+    if t.precision == "fp8":
+        raise UserError("training.precision=fp8 is supported in one process only so far; use bf16 under torchrun")
     if t.loss_chunk_tokens is not None:
         raise UserError("training.loss_chunk_tokens is for one process; under torchrun the loss is vocab-parallel "
                         "(use parallel.tensor to split the logits) — set training.loss_chunk_tokens=null")
@@ -270,6 +278,7 @@ class Trainer:
             retain_freed_memory()
         self.model_cfg = inputs.model
         self.engine = engine if engine is not None else build_engine(cfg, inputs, runtime)
+        self.router_metrics: dict[str, float] = {}  # MoE router statistics of the last step (the engine's)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim, t.steps)
         self.plan = self._plan(t.global_batch_size)  # the full global batch (evaluation's)
         self.last_step_samples = t.global_batch_size  # global batch of the latest step
@@ -289,14 +298,18 @@ class Trainer:
             self.test_data = split_batches(cfg.data.test_split)
         self.state = TrainState()
         self.flops_per_token = inputs.model.flops_per_token(t.seq_length)
-        self.sink = MetricsSink(cfg.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, self.say, runtime.is_main)
+        trackers = (open_trackers(cfg.logging, cfg.run_dir, cfg.model_dump(mode="json"), self.say)
+                    if runtime.is_main else [])
+        self.sink = MetricsSink(cfg.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, self.say, runtime.is_main,
+                                trackers)
         self.peak_tflops: float | None = None
         self.started = time.monotonic()  # training.exit_after_minutes counts from here
         sidecar = CheckpointSidecar(model=self.model_cfg, tokenizer_fingerprint=inputs.tokenizer.fingerprint,
                                     layout=inputs.layout, mixture_fingerprint=inputs.mixture_fingerprint,
                                     params_dtype="float32", precision=t.precision)
         self.checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last, inputs.tokenizer, sidecar,
-                                             inputs.layout, self.engine.components(), self.say)
+                                             inputs.layout, self.engine.components(), self.say,
+                                             verify_on_load=cfg.checkpoint.verify_on_load)
 
     # ---- output ------------------------------------------------------------------------------
     def say(self, line: str) -> None:
@@ -324,6 +337,7 @@ class Trainer:
         self.engine.set_lr(self.schedule(self.state.step))
         plan = self.plan_at(self.state.consumed_samples)
         result = self.engine.train_step(*self.train_data.batch(plan.rank_sample_ids(self.state.consumed_samples)))
+        self.router_metrics = getattr(self.engine, "router_metrics", {})
         self.advance()  # a skipped step (fp16 overflow) still consumes its data
         return result.loss, result.grad_norm, result.stepped
 
@@ -391,6 +405,7 @@ class Trainer:
                  + f"; layout {self.inputs.layout.short()}; "
                  f"precision {t.precision}; device {self.rt.device}")
         self.peak_tflops, peak_source = resolve_peak_tflops(self.rt.device, t.peak_tflops)
+        self.peak_estimated = peak_source.startswith("measured")  # CPU: raised to the best seen (metrics.py)
         if self.peak_tflops is not None:
             self.say(f"MFU reference: {self.peak_tflops:.3f} TFLOP/s ({peak_source})")
         if t.eval_only:
@@ -408,11 +423,15 @@ class Trainer:
         profiler = StepProfiler(cfg.profiling, cfg.profile_dir, self.rt.rank, self.rt.device, self.say_any_rank)
         last_saved = -1
         exit_at = self.state.step + t.exit_after_steps if t.exit_after_steps else None
+        watchdog, first_step = StepWatchdog(t.step_timeout_minutes, self.rt.rank), self.state.step
         try:
             # Steps, their wall time and their samples since the last log line.
             window_steps, window_time, window_samples = 0, 0.0, 0
             compiling = t.compile
             while self.state.step < t.steps:
+                if self.state.step > first_step:  # armed after the first step, which may compile
+                    watchdog.beat(f"in step {self.state.step + 1}")
+                fault_point("train.step")
                 profiler.before_step(self.state.step + 1)
                 step_start = time.perf_counter()
                 loss, grad_norm, stepped = self.train_step()
@@ -439,6 +458,7 @@ class Trainer:
                     bar.set_postfix(loss=f"{loss:.3f}")
                     window_steps, window_time, window_samples = 0, 0.0, 0
                 if self.valid_data is not None and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
+                    watchdog.beat(f"evaluating at step {self.state.step}")
                     self.sink.log({"kind": "eval", "step": self.state.step, **eval_record(self.evaluate())})
                 if self.test_data is not None and self.state.step == t.steps:
                     self.sink.log({"kind": "test", "step": self.state.step,
@@ -449,6 +469,7 @@ class Trainer:
                 self.checkpoints.poll()
                 last_step = self.state.step == t.steps or stop_now
                 if (t.save_interval and self.state.step % t.save_interval == 0) or last_step:
+                    watchdog.beat(f"saving step {self.state.step}")
                     self.save(background=cfg.checkpoint.async_save and not last_step)
                     last_saved = self.state.step
                 if stop_now:
@@ -463,12 +484,13 @@ class Trainer:
                     self.say(f"{reason}: saved at step {self.state.step}, exiting")
                     break
         finally:
+            watchdog.stop()
             try:
                 profiler.finish()  # a window cut short by a stop still writes what it recorded
                 self.checkpoints.finish()
             finally:
                 bar.close()
-                stop.restore()
+                stop.restore(after_stop=True)
                 self.sink.close()
         assert last_saved == self.state.step
         return self.state
@@ -502,16 +524,21 @@ class Trainer:
         t = self.cfg.training
         tokens_per_s = samples * t.seq_length / max(seconds, 1e-9)
         tflops = tokens_per_s * self.flops_per_token / 1e12
+        if self.peak_tflops and self.peak_estimated:
+            self.peak_tflops = max(self.peak_tflops, tflops / self.rt.world_size)
+        spread = step_time_spread(seconds / steps, self.rt.world_size, self.rt.device)
         self.sink.log({
             "kind": "train", "step": self.state.step, "total_steps": t.steps, "loss": loss,
             "grad_norm": grad_norm, "lr": self.engine.lr,
             "tokens_per_s": tokens_per_s, "tflops": tflops,
             "mfu": tflops / (self.peak_tflops * self.rt.world_size) if self.peak_tflops else None,
+            **({"mfu_estimate": True} if self.peak_estimated else {}), **spread,
             "memory_gib": memory_gib(self.rt.device), "loss_scale": self.engine.loss_scale,
             "step_skipped": not stepped, "consumed_samples": self.state.consumed_samples,
             "consumed_tokens": self.state.consumed_tokens, "step_time_s": seconds / steps,
             "global_batch_size": self.last_step_samples,
             **({"params_norm": self.params_norm()} if self.cfg.logging.params_norm else {}),
+            **self.router_metrics,
         })
 
     def _agree_on_stop(self, local: bool) -> bool:

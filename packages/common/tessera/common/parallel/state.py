@@ -3,7 +3,7 @@
 `init_distributed()` joins the job torchrun started (or makes a one-process group when run
 plainly), and `build_groups(layout)` lays the ranks out on a DeviceMesh in the project's rank
 order (tensor fastest, then context, expert, data, pipeline) and returns a `ParallelGroups`
-object. Every other parallel function takes that object as an argument; nothing else keeps
+object (data parallel is two mesh dimensions, `dp_replicate` x `dp_shard`, flattened to `dp`). Every other parallel function takes that object as an argument; nothing else keeps
 process groups. `set_groups` / `get_groups` exist for code far from the entry point (a
 metrics hook, say) that cannot have the object passed in.
 """
@@ -21,8 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout
 
-# Mesh dimensions, slowest-varying first, so the flat rank = ((pp*dp + d)*ep + e)*cp + c)*tp + t.
-MESH_DIMS = ("pp", "dp", "ep", "cp", "tp")
+# Mesh dimensions, slowest-varying first, so the flat rank = ((pp*dp + d)*ep + e)*cp + c)*tp + t,
+# with the data index d = dp_replicate_rank * dp_shard + dp_shard_rank ("dp" is their flattening).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 
 
 def init_distributed(timeout_s: float = 600.0) -> torch.device:
@@ -86,6 +87,33 @@ class ParallelGroups:
         return self.mesh["tp"]
 
     @property
+    def dp_shard(self) -> int:
+        """Data ranks sharing one copy of the parameters (FSDP); 1 without parameter sharding."""
+        return self.layout.data_shard
+
+    @property
+    def dp_shard_rank(self) -> int:
+        return self.dp_rank % self.layout.data_shard
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        return self.dp_rank // self.layout.data_shard
+
+    @property
+    def dp_replicate_group(self) -> dist.ProcessGroup:
+        return self._groups["dp_replicate"]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """fully_shard's mesh: ("dp_shard",), or ("dp_replicate", "dp_shard") for HSDP."""
+        return self.mesh["dp_shard"] if self.layout.data_replicate == 1 else self.mesh["dp_replicate", "dp_shard"]
+
+    @property
+    def fsdp_state_mesh(self) -> DeviceMesh:
+        """The mesh a fully-sharded parameter's checkpoint tensor lives on: data replicas, data shards, tensor."""
+        return self.mesh["dp_replicate", "dp_shard", "tp"]
+
+    @property
     def tp(self) -> int:
         return self.layout.tensor
 
@@ -120,13 +148,17 @@ def build_groups(layout: ParallelLayout, device: torch.device | None = None) -> 
         raise UserError("layout: context and expert parallel sizes above 1 are not supported yet; set them to 1")
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                         else torch.device("cpu"))
-    shape = (layout.pipeline, layout.data, layout.expert, layout.context, layout.tensor)
+    if layout.data % layout.data_shard:
+        raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({layout.data})")
+    shape = (layout.pipeline, layout.data_replicate, layout.data_shard, layout.expert, layout.context, layout.tensor)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
-    groups = {name: mesh[name].get_group() for name in MESH_DIMS}
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    groups = {name: mesh[name].get_group() for name in (*MESH_DIMS, "dp")}
     rank = dist.get_rank()
     coords = mesh.get_coordinate()
     assert coords is not None
-    pp_rank, dp_rank, _, _, tp_rank = coords
+    pp_rank, rep_rank, shard_rank, _, _, tp_rank = coords
+    dp_rank = rep_rank * layout.data_shard + shard_rank
     embedding_group = None
     if layout.pipeline > 1:
         # Every rank creates every group (new_group is collective), then keeps its own.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from tessera.common.parallel.layers import shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
@@ -20,10 +21,28 @@ MODEL_PREFIX = "model."
 
 
 def to_global(local: torch.Tensor, like: torch.Tensor, groups: ParallelGroups) -> DTensor:
-    """Wrap `local` (shaped as parameter `like`'s shard) as a global DTensor with like's placement."""
+    """Wrap `local` (shaped as parameter `like`'s shard) as a global DTensor with like's placement.
+
+    `like` may be a fully-sharded (FSDP) parameter, a DTensor sharded over the data ranks whose
+    local piece is itself a piece of the tensor-parallel shard: the result then lives on the
+    (dp_replicate, dp_shard, tp) mesh, replicated over replicas, sharded over data shards along
+    FSDP's dim and over tensor ranks along the tensor-parallel dim. When both split the same
+    dim (a tensor-sharded bias) the tensor chunk comes first and the data chunk within it,
+    which is `_StridedShard(dim, split_factor=tp)` on the data dim."""
     dim = shard_dim_of(like)
-    placement = Shard(dim) if dim is not None else Replicate()
-    return DTensor.from_local(local, groups.tp_mesh, [placement], run_check=False)
+    tp_placement = Shard(dim) if dim is not None else Replicate()
+    if isinstance(local, DTensor):
+        local = local.to_local()
+    if not isinstance(like, DTensor):
+        return DTensor.from_local(local, groups.tp_mesh, [tp_placement], run_check=False)
+    fsdp_dim = like.placements[-1].dim  # type: ignore[attr-defined]
+    dp_placement = _StridedShard(fsdp_dim, split_factor=groups.tp) if fsdp_dim == dim else Shard(fsdp_dim)
+    shape = list(like.shape)
+    if dim is not None:
+        shape[dim] *= groups.tp
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, groups.fsdp_state_mesh, [Replicate(), dp_placement, tp_placement],
+                              run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 def model_state_dict(named_params: dict[str, torch.Tensor], groups: ParallelGroups) -> dict[str, DTensor]:
@@ -36,4 +55,4 @@ def load_model_state_dict(named_params: dict[str, torch.Tensor], state: dict[str
     local parameters, in place (parameters may be views into flat data-parallel buffers)."""
     with torch.no_grad():
         for n, p in named_params.items():
-            p.copy_(state[MODEL_PREFIX + n].to_local())
+            (p.to_local() if isinstance(p, DTensor) else p).copy_(state[MODEL_PREFIX + n].to_local())

@@ -2,7 +2,14 @@
 
 Per block: q/k/v, gate and up become column-parallel (split by output rows: whole query heads,
 and the key/value heads of the same query groups, go to one rank), o and down row-parallel. The
-token embedding and an untied head are split by vocabulary rows. Norms stay replicated.
+token embedding and an untied head are split by vocabulary rows. Norms stay replicated; the
+per-head q/k norms (Qwen3) too: each rank normalises whole heads, so only their weight gradients
+are partial (summed over the tensor group like sequence-parallel norms').
+
+Mixture-of-experts MLPs are not split over tensor ranks (experts' own tensor size is 1; expert
+parallel shards them instead). Without sequence parallel every tensor rank runs the MoE on the
+full (replicated) sequence; with it, on its own sequence chunk (routing is per token), so the
+norm's output is not gathered and the MoE's weight gradients are partial.
 
 Grouped-query attention: query heads h*H/tp..(h+1)*H/tp-1 on rank h use exactly key/value heads
 h*KV/tp..(h+1)*KV/tp-1, so contiguous slices of q_proj and k_proj/v_proj rows line up. This needs
@@ -22,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.common.model import Transformer
+from tessera.common.model import MoE, Transformer
 from tessera.common.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -78,17 +85,26 @@ def parallelize_model(model: Transformer, groups: ParallelGroups, sequence_paral
         attn.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, group, sp)
         attn.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, group, sp)
         attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, sp)
-        if mlp.gated:
-            mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group, sp)
-        mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group, sp)
-        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group, sp)
+        for norm in (attn.q_norm, attn.k_norm):
+            if norm is not None:
+                _tag_replicated(norm, groups.tp > 1)
+        moe = isinstance(mlp, MoE)
+        if moe:
+            for p in mlp.parameters():
+                tag(p, None, partial=sp)
+        else:
+            if mlp.gated:
+                mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group, sp)
+            mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group, sp)
+            mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group, sp)
         _tag_replicated(block.attn_norm, sp)
         _tag_replicated(block.mlp_norm, sp)
         if sp:
             # One all-gather of the normed chunk feeds q/k/v (or gate/up): one collective and
             # one saved full-sequence activation instead of one per projection.
             block.attn_norm.register_forward_hook(lambda _m, _i, out: gather_seq(out, group))
-            block.mlp_norm.register_forward_hook(lambda _m, _i, out: gather_seq(out, group))
+            if not moe:
+                block.mlp_norm.register_forward_hook(lambda _m, _i, out: gather_seq(out, group))
         if rng is not None and groups.tp > 1:
             # Attention dropout acts on this rank's heads; residual dropout (under SP) on its chunk.
             attn.core = _forked_core(attn.core, rng)

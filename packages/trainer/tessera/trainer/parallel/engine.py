@@ -1,7 +1,8 @@
 """The execution engine of every layout but one plain process (tessera.trainer.engine.Engine).
 
-* building: process groups for the layout, then the runtime cuts the plain model (built from
-  the run's seed, so every layout starts from the single-process weights) into pipeline chunks,
+* building: process groups for the layout, then the runtime cuts the plain model (built on the
+  meta device; only this rank's shards are allocated, initialised to the single-process weights
+  of the run's seed) into pipeline chunks,
   swaps in tensor-parallel layers and wraps the parameters in data-parallel buckets with the
   (ZeRO-1) AdamW;
 * the step: this data-parallel rank's rows of the global batch go to `runtime.train_step`, which
@@ -19,13 +20,14 @@ import torch
 import torch.distributed as dist
 
 from tessera.common.layout import ParallelLayout
+from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
 from tessera.common.parallel.state import build_groups, set_groups
 from tessera.common.parallel.state_dict import load_model_state_dict
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.engine import StepResult
-from tessera.trainer.model_setup import apply_recompute, build_train_model
+from tessera.trainer.model_setup import apply_recompute
 from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime
 from tessera.trainer.precision import DynamicLossScale
 from tessera.trainer.stateful import RNGState, ScalerState, Stateful, seed_everything
@@ -43,7 +45,10 @@ class ParallelEngine:
         self.documents = documents
 
         def builder():
-            module = build_train_model(model, device, t.seed)
+            # On the meta device: the runtime allocates only this rank's shards and fills them
+            # with the weights build_train_model(model, device, t.seed) would have (sharded_init).
+            with torch.device("meta"):
+                module = Transformer(model)
             apply_recompute(module, t.recompute)  # wraps bound forwards; survives the stage cut
             return module
 
@@ -51,12 +56,14 @@ class ParallelEngine:
             model, self.groups,
             ParallelConfig(seq_len=t.seq_length, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
                            sequence_parallel=p.sequence_parallel, distributed_optimizer=p.distributed_optimizer,
-                           bucket_numel=p.bucket_numel, seed=t.seed,
+                           bucket_numel=p.bucket_numel, seed=t.seed, fsdp_param_dtype=p.fsdp_param_dtype,
+                           fsdp_reduce_dtype=p.fsdp_reduce_dtype, fsdp_cpu_offload=p.fsdp_cpu_offload,
                            autocast_bf16=t.precision == "bf16", autocast_fp16=t.precision == "fp16",
                            per_token_loss=documents is not None and documents.per_token_loss),
             OptimConfig(lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
                         weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.grad_clip or None),
             build_model=builder)
+        self.router_metrics: dict[str, float] = {}  # MoE router statistics of the last step
         self.scaler = (DynamicLossScale(t.fp16_initial_scale, t.fp16_growth_interval)
                        if t.precision == "fp16" else None)
 
@@ -69,6 +76,7 @@ class ParallelEngine:
                                          self._model_inputs(tokens))
         if self.scaler is not None:
             self.scaler.update(overflowed=not result.stepped)
+        self.router_metrics = self.runtime.router_metrics
         return result
 
     def eval_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
@@ -126,7 +134,7 @@ class ModelShards:
         return self.runtime.model_state_dict()
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        load_model_state_dict(self.runtime.named_global_params(), state)  # type: ignore[arg-type]
+        load_model_state_dict(self.runtime.named_global_state(), state)  # type: ignore[arg-type]
 
 
 class OptimizerShards:

@@ -39,6 +39,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, defaults: bool = Tru
     g.add_argument("--pipeline-layers", default=None, metavar="L1,L2,...",
                    help="Layers per stage in stage order (pipeline x virtual-stages values), e.g. 5,4,4,3; "
                         "automatic when omitted.")
+    g.add_argument("--data-shard", type=int, default=one, metavar="N",
+                   help="Fully sharded data parallel: shard parameters, gradients and optimizer state over N "
+                        "data-parallel ranks (FSDP2); N must divide the data-parallel size, the quotient being "
+                        "HSDP replicas (default 1: off).")
     g.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    default=True if defaults else None,
                    help="Keep norms/dropout replicated across tensor ranks (default: sequence parallel on).")
@@ -51,7 +55,8 @@ def parallel_overrides(args: argparse.Namespace, section: str = "parallel") -> l
     """Dotted config overrides (`parallel.tensor=2`, ...) for the flags that were given."""
     out = []
     for flag, key in (("tensor_parallel", "tensor"), ("pipeline_parallel", "pipeline"),
-                      ("virtual_stages", "virtual_stages"), ("sequence_parallel", "sequence_parallel"),
+                      ("virtual_stages", "virtual_stages"), ("data_shard", "data_shard"),
+                      ("sequence_parallel", "sequence_parallel"),
                       ("distributed_optimizer", "distributed_optimizer")):
         value = getattr(args, flag)
         if value is not None:
@@ -65,14 +70,18 @@ def parallel_overrides(args: argparse.Namespace, section: str = "parallel") -> l
 def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> ParallelLayout:
     """The layout the flags ask for on `world_size` processes (default: torchrun's WORLD_SIZE)."""
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    tp, pp, v = args.tensor_parallel, args.pipeline_parallel, args.virtual_stages
-    for flag, value in (("--tensor-parallel", tp), ("--pipeline-parallel", pp), ("--virtual-stages", v)):
+    tp, pp, v, ds = args.tensor_parallel, args.pipeline_parallel, args.virtual_stages, args.data_shard
+    for flag, value in (("--tensor-parallel", tp), ("--pipeline-parallel", pp), ("--virtual-stages", v),
+                        ("--data-shard", ds)):
         if value < 1:
             raise UserError(f"{flag} must be at least 1, got {value}")
     if world % (tp * pp):
         raise UserError(f"world size {world} is not divisible by --tensor-parallel {tp} x --pipeline-parallel {pp}; "
                         "launch a multiple of tensor x pipeline processes")
-    return ParallelLayout(tensor=tp, pipeline=pp, virtual_stages=v, data=world // (tp * pp),
+    if (world // (tp * pp)) % ds:
+        raise UserError(f"--data-shard {ds} must divide the data-parallel size {world // (tp * pp)} (world size "
+                        f"{world} / (tensor x pipeline)); the quotient is the number of HSDP replicas")
+    return ParallelLayout(tensor=tp, pipeline=pp, virtual_stages=v, data=world // (tp * pp), data_shard=ds,
                           pipeline_layers=parse_pipeline_layers(args.pipeline_layers))
 
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from tessera.common.model import Transformer
-from tessera.common.parallel.layers import PARALLEL_TAGS, tag
+from tessera.common.parallel.layers import tag
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.tensor_parallel import parallel_logits, parallelize_model
+from tessera.trainer.parallel.sharded_init import materialize_stages
 
 TIED_NAME = "embed_tokens.weight"
 
@@ -57,6 +57,12 @@ class StageModule(nn.Module):
         weight = self.tied_head if self.tied_head is not None else self.model.output_weight()
         return parallel_logits(h, weight, self.model)
 
+    def global_buffers(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> persistent buffer (model state that is not trained: the MoE balancing bias)."""
+        persistent = {f"{n}.{b}" if n else b for n, m in self.named_modules()
+                      for b in m._buffers if b not in m._non_persistent_buffers_set}
+        return {n.removeprefix("model."): b for n, b in self.named_buffers() if n in persistent}
+
     def global_params(self) -> dict[str, nn.Parameter]:
         """Checkpoint name -> parameter (the tied head under the embedding's name)."""
         out = {n.removeprefix("model."): p for n, p in self.named_parameters() if n != "tied_head"}
@@ -79,8 +85,9 @@ def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups,
     """This rank's chunks. `build_model()` returns the full plain model (on meta or a device); it
     is called once per chunk, the chunk's layers are kept, the rest dropped, and weights are
     sliced for tensor parallel on the way. A materialised model gives exactly the single-process
-    weights; a meta model is allocated only for the local shards and initialised there (see
-    `_materialize`), for models too large to build whole on each rank."""
+    weights; so does a meta model, allocated only for the local shards and initialised there to
+    the weights `build_model(cfg, seed=init_seed)` would have (sharded_init.materialize_stages),
+    for models too large to build whole on each rank."""
     pp, v = groups.pp, groups.layout.virtual_stages
     num_stages = pp * v
     ranges = stage_layer_ranges(layer_counts)
@@ -116,55 +123,12 @@ def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups,
             model.embed_tokens.weight.tied_embedding = True  # type: ignore[attr-defined]
         model.has_head = last
         stage = StageModule(model, s, num_stages, seq_len, tied_head)
-        if any(p.is_meta for p in stage.parameters()):
-            _materialize(stage, groups, init_seed)
-        else:
+        if not any(p.is_meta for p in stage.parameters()):
             stage.to(groups.device)
         stages.append(stage)
-    if any(getattr(st, "materialized_here", False) for st in stages):
-        _sync_replicas(stages, groups)
+    if any(p.is_meta for st in stages for p in st.parameters()):
+        materialize_stages(stages, groups, init_seed)
     return stages
-
-
-def _materialize(stage: StageModule, groups: ParallelGroups, init_seed: int) -> None:
-    """Allocate a meta-built chunk on the device and initialise its shards in place.
-
-    Each (stage, tensor rank) draws from its own generator, so no rank ever holds the full
-    model; the initial weights have the model's init distribution but are not the ones a
-    single process would draw from the same seed (exact parity needs a materialised builder or
-    a checkpoint). Replicated parameters are made equal across ranks by `_sync_replicas`.
-    """
-    # to_empty replaces meta parameters with new objects: carry the parallel tags across.
-    tags = {n: {k: getattr(p, k) for k in PARALLEL_TAGS if hasattr(p, k)} for n, p in stage.named_parameters()}
-    stage.to_empty(device=groups.device)
-    for n, p in stage.named_parameters():
-        for k, v in tags[n].items():
-            setattr(p, k, v)
-    gen = torch.Generator(device=groups.device)
-    gen.manual_seed(init_seed + 7919 * stage.stage + 104729 * groups.tp_rank)
-    stage.model.init_weights(gen)
-    with torch.no_grad():
-        stage.positions.copy_(torch.arange(stage.seq_len, device=groups.device).unsqueeze(0))
-    stage.materialized_here = True
-
-
-@torch.no_grad()
-def _sync_replicas(stages: list[StageModule], groups: ParallelGroups) -> None:
-    """After independent initialisation: tensor-replicated parameters take tensor rank 0's values,
-    the last stage's tied head takes the first stage's embedding slice. Collective."""
-    if groups.tp > 1:
-        src = groups.rank - groups.tp_rank  # tensor rank 0 of this group (tensor is fastest)
-        for st in stages:
-            for p in st.parameters():
-                if getattr(p, "tp_shard_dim", None) is None:
-                    dist.broadcast(p.data, src=src, group=groups.tp_group)
-    if groups.embedding_group is not None:
-        src = groups.rank - groups.pp_rank * (groups.world_size // groups.pp)  # first stage, same coordinates
-        for st in stages:
-            if st.is_first and st.model.embed_tokens is not None:
-                dist.broadcast(st.model.embed_tokens.weight.data, src=src, group=groups.embedding_group)
-            if st.is_last and st.tied_head is not None:
-                dist.broadcast(st.tied_head.data, src=src, group=groups.embedding_group)
 
 
 def make_schedule(stages: list[StageModule], groups: ParallelGroups, num_microbatches: int,

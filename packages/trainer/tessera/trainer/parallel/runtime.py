@@ -17,16 +17,19 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import Field, model_validator
+from torch.distributed.tensor import DTensor
 
 from tessera.common.config import StrictModel
 from tessera.common.layout import validate_layout
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
+from tessera.common.moe import RouterStats
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
@@ -34,6 +37,7 @@ from tessera.common.parallel.state_dict import load_model_state_dict, model_stat
 from tessera.common.safe_dcp import dcp_load
 from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.engine import StepResult
+from tessera.trainer.parallel.fsdp import FullyShardedOptimizer, shard_stages
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, make_schedule
 
@@ -50,6 +54,10 @@ class ParallelConfig(StrictModel):
     seed: int = Field(1234, description="Dropout seed (tensor-parallel regions get per-rank streams).")
     autocast_bf16: bool = Field(False, description="Run forward passes under torch.autocast(bf16) over fp32 parameters (the trainer's bf16 mode); gradients, reductions and optimizer stay fp32.")
     autocast_fp16: bool = Field(False, description="Run forward passes under torch.autocast(fp16) over fp32 parameters (the trainer's fp16 mode); pass a loss scale to train_step (dynamic loss scaling is the caller's policy).")
+    fsdp_param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1 (FSDP): the dtype parameters are all-gathered in for compute; the sharded fp32 parameters stay the optimizer's master weights (bfloat16: bf16 parameters with fp32 masters).")
+    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: the dtype of the gradient reduce-scatter / all-reduce.")
+    fsdp_cpu_offload: bool = Field(False, description="With data_shard > 1, on GPUs: keep sharded parameters, gradients and optimizer state in host memory; AdamW steps on the CPU.")
+    fsdp_reshard_after_forward: bool = Field(True, description="With data_shard > 1: free each block's gathered parameters after its forward and gather them again in backward (ZeRO-3); false keeps them (ZeRO-2-like: more memory, one all-gather less).")
     per_token_loss: bool = Field(False, description="Targets equal to -100 are ignored and the loss is the mean over the other tokens of the global batch (one all-reduce of the count over data-parallel ranks); for data.eod_mask_loss. Off: every token counts and the loss is the mean of equal-sized micro-batch means.")
 
     @model_validator(mode="after")
@@ -85,6 +93,21 @@ class ParallelRuntime:
         self._token_weight = 0.0  # per_token_loss: dp / counted tokens of this step's global batch
         self.token_count = 0  # per_token_loss: counted label tokens of the last train/eval global batch
         self.schedule = self._schedule_for(self.num_microbatches)
+        # MoE: router statistics and the balancing-bias update, loads summed over the ranks that
+        # routed other tokens through the same layers.
+        self.router_stats = RouterStats(list(stages), reduce=self._reduce_router) if cfg.moe is not None else None
+        self.router_metrics: dict[str, float] = {}
+
+    def _reduce_router(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over data-parallel ranks, and tensor ranks under sequence parallel (each routes its
+        own chunk of the sequence; without it they route the same tokens)."""
+        g = self.groups
+        t = t.to(g.device)
+        if g.dp > 1:
+            dist.all_reduce(t, group=g.dp_group)
+        if g.tp > 1 and self.stages[0].model.sequence_parallel:
+            dist.all_reduce(t, group=g.tp_group)
+        return t.cpu()
 
     def _schedule_for(self, num_microbatches: int):
         """The pipeline schedule for steps of `num_microbatches` (None without pipeline): a batch-size
@@ -125,6 +148,13 @@ class ParallelRuntime:
         rng.seed_default()
         stages = build_stages(build_model, groups, counts, pcfg.seq_len, pcfg.sequence_parallel, rng,
                               init_seed=pcfg.seed)
+        if groups.dp_shard > 1:
+            shard_stages(stages, groups, param_dtype=pcfg.fsdp_param_dtype, reduce_dtype=pcfg.fsdp_reduce_dtype,
+                         cpu_offload=pcfg.fsdp_cpu_offload, reshard_after_forward=pcfg.fsdp_reshard_after_forward)
+            named = [(n, p) for s in stages for n, p in s.global_params().items()]
+            fsdp_opt = FullyShardedOptimizer(named, groups, lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps,
+                                             weight_decay=ocfg.weight_decay, max_grad_norm=ocfg.max_grad_norm)
+            return cls(cfg, groups, pcfg, stages, fsdp_opt, rng)  # type: ignore[arg-type]
         named = [(f"{s.stage}.{n}", p) for s in stages for n, p in s.global_params().items()]
         optimizer = DistributedOptimizer(
             named, groups, lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps, weight_decay=ocfg.weight_decay,
@@ -150,6 +180,8 @@ class ParallelRuntime:
         tokens, targets = tokens.to(g.device), targets.to(g.device)
         model_inputs = {k: v.to(g.device) for k, v in (model_inputs or {}).items()}
         self.optimizer.zero_grad(n)
+        if self.router_stats is not None:
+            self.router_stats.prepare(n)
         self._loss_scale = loss_scale
         total = torch.zeros((), dtype=torch.float32, device=g.device)
         with self._autocast():
@@ -159,6 +191,7 @@ class ParallelRuntime:
             total /= g.dp
         scaled = loss_scale != 1.0
         norm = self.optimizer.step(inv_scale=1.0 / loss_scale, skip_nonfinite=scaled)
+        self.router_metrics = self.router_stats.step() if self.router_stats is not None else {}
         return StepResult(loss=float(total), grad_norm=norm, stepped=not scaled or math.isfinite(norm))
 
     def _set_token_weight(self, targets: torch.Tensor) -> None:
@@ -272,10 +305,13 @@ class ParallelRuntime:
                 worst.copy_(torch.maximum(worst, (c - t).abs().max().float()))
 
         for p in self.named_global_params().values():
+            local = p.data.to_local() if isinstance(p.data, DTensor) else p.data
             if g.tp > 1 and getattr(p, "tp_shard_dim", None) is None:
-                spread(p.data, g.tp_group, g.tp)
-            if g.dp > 1:
-                spread(p.data, g.dp_group, g.dp)
+                spread(local, g.tp_group, g.tp)
+            if g.dp_shard == 1 and g.dp > 1:
+                spread(local, g.dp_group, g.dp)
+            elif g.layout.data_replicate > 1:  # fully sharded: the copies are the HSDP replicas
+                spread(local, g.dp_replicate_group, g.layout.data_replicate)
         if g.embedding_group is not None:
             for s in self.stages:
                 if s.is_first and s.model.embed_tokens is not None:
@@ -292,12 +328,20 @@ class ParallelRuntime:
             out.update(s.global_params())
         return out
 
+    def named_global_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint stores of the model: the parameters and the persistent buffers (the
+        MoE balancing bias), under their one-process names."""
+        out: dict[str, torch.Tensor] = dict(self.named_global_params())
+        for s in self.stages:
+            out.update(s.global_buffers())
+        return out
+
     def _global_names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.named_global_params().items()}
 
     def model_state_dict(self) -> dict[str, object]:
-        """`model.<name>` -> global DTensor for every parameter on this rank (DCP-ready)."""
-        return model_state_dict(self.named_global_params(), self.groups)
+        """`model.<name>` -> global DTensor for every parameter and persistent buffer on this rank (DCP-ready)."""
+        return model_state_dict(self.named_global_state(), self.groups)
 
     def optimizer_state_dict(self) -> dict[str, object]:
         """`optimizer.state.<name>.<key>` -> global DTensor, plus `optimizer.step` (collective)."""
@@ -307,7 +351,7 @@ class ParallelRuntime:
         return {**self.model_state_dict(), **self.optimizer_state_dict()}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        load_model_state_dict(self.named_global_params(), state)  # type: ignore[arg-type]
+        load_model_state_dict(self.named_global_state(), state)  # type: ignore[arg-type]
         if any(k.startswith("optimizer.") for k in state):
             self.load_optimizer_state_dict(state)
 

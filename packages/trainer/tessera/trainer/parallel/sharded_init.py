@@ -1,0 +1,92 @@
+"""Sharded initialisation: allocate only this rank's shards, fill them with the one-process weights.
+
+The stages are cut from a model built on the meta device (no memory), then `to_empty` allocates
+the local shards. To make the weights those a single process would draw from the same seed
+(`build_model(cfg, seed=seed)`), the one-process initialisation is *replayed*: one generator,
+seeded as `build_model` seeds it, visits the global model's modules in the same (name) order
+through `Transformer.init_module`, each module materialised alone, at its global shape, on the
+device; every rank copies out the slice it holds (its tensor-parallel shard of the stages it
+holds; the tied head takes the embedding's slice) and drops the rest. So:
+
+* any layout (TP, PP, interleaved, data replicas) starts from exactly the one-process weights,
+  bit for bit, and replicas agree without a broadcast;
+* peak extra memory is the largest single global tensor (the embedding), never the model.
+  For Llama 3 70B that is 128256 x 8192 fp32 = 4.2 GB, transiently. An MoE layer is replayed
+  as one unit (MoE.init_weights draws its stacked experts), so there it is one layer's experts.
+
+Cost: every rank draws every random number of the model (a rank must advance the generator
+past tensors it does not hold, and a CPU Mersenne-Twister stream cannot skip ahead). On a GPU
+this is a few seconds even at 70B. Rejected alternative: a generator seeded per parameter name
+(each rank draws only what it holds, but the one-process weights of every existing run would
+change, and with them every recorded loss curve); a counter-based (Philox) skip-ahead would give
+both, on CUDA only.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from tessera.common.model import Transformer
+from tessera.common.moe import Experts, MoE
+from tessera.common.parallel.layers import PARALLEL_TAGS, shard_dim_of
+from tessera.common.parallel.state import ParallelGroups
+
+
+def _allocate(module: nn.Module, device: torch.device) -> None:
+    """`to_empty` on `module`, keeping the parallel tags (to_empty makes new parameter objects)."""
+    tags = {n: {k: getattr(p, k) for k in PARALLEL_TAGS if hasattr(p, k)} for n, p in module.named_parameters()}
+    module.to_empty(device=device)
+    for n, p in module.named_parameters():
+        for k, v in tags[n].items():
+            setattr(p, k, v)
+
+
+@torch.no_grad()
+def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: int) -> None:
+    """Allocate meta-built stages (StageModule) on the device and initialise every local shard to
+    the one-process weights of `build_model(cfg, seed=seed)`. Not collective: every rank computes
+    the same numbers."""
+    device = groups.device
+    held: dict[str, list[torch.Tensor]] = {}
+    for st in stages:
+        _allocate(st, device)
+        st.positions.copy_(torch.arange(st.seq_len, device=device).unsqueeze(0))
+        if st.model.rotary is not None:
+            st.model.rotary.reset_parameters()
+        for m in st.modules():
+            if isinstance(m, MoE):
+                m.expert_bias.zero_()  # model state, not a parameter: starts at zero as in init_weights
+        for name, p in st.global_params().items():
+            held.setdefault(name, []).append(p)
+    cfg = stages[0].model.cfg
+    with torch.device("meta"):
+        whole = Transformer(cfg)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    written: set[str] = set()
+    for mod_name, module in sorted(whole.named_modules(), key=lambda kv: kv[0]):
+        if isinstance(module, Experts):
+            continue  # drawn by its MoE layer (MoE.init_weights), which comes first in name order
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        if isinstance(module, MoE):
+            own = [f"experts.{n}" for n, _ in module.experts.named_parameters()]
+        if not own:
+            continue
+        tmp = copy.deepcopy(module)  # still meta: a fresh module to allocate at global shape
+        tmp.to_empty(device=device)
+        whole.init_module(mod_name, tmp, generator)
+        for pname in own:
+            value = tmp.get_parameter(pname)
+            full_name = f"{mod_name}.{pname}" if mod_name else pname
+            for local in held.get(full_name, []):
+                dim = shard_dim_of(local)
+                part = value if dim is None else value.chunk(groups.tp, dim=dim)[groups.tp_rank]
+                local.copy_(part.to(local.dtype))
+                written.add(full_name)
+        del tmp
+    missing = sorted(set(held) - written)
+    if missing:
+        raise RuntimeError(f"sharded init: no initialisation rule reached {missing[:3]}; "
+                           "extend Transformer.init_module")
