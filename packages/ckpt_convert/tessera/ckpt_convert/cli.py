@@ -58,14 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
                        description="hf: a transformers LlamaForCausalLM / GPT2LMHeadModel directory (safetensors, "
                                    "config.json, generation_config.json, tokenizer). trtllm: a TensorRT-LLM checkpoint "
                                    "(config.json + rank{R}.safetensors) for trtllm-build.")
-    e.add_argument("--format", required=True, choices=("hf", "trtllm"), help="output format")
+    e.add_argument("--format", required=True, choices=("hf", "trtllm", "megatron"),
+                   help="output format (megatron: a Megatron-Core torch_dist checkpoint)")
     e.add_argument("--checkpoint", required=True, help=CKPT_HELP)
     e.add_argument("--output", required=True, help="output directory to create")
     e.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
                    help="weight dtype of the export (default: as stored)")
     e.add_argument("--max-shard-size", default="5GB",
                    help="hf: largest safetensors file before splitting into shards with an index (default 5GB)")
-    e.add_argument("--tensor-parallel", type=int, default=1, metavar="T", help="trtllm: tensor-parallel size (default 1)")
+    e.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                   help="trtllm: tensor-parallel size; megatron: the size whose vocabulary padding the export gets "
+                        "(default 1)")
     e.add_argument("--pipeline-parallel", type=int, default=1, metavar="P", help="trtllm: pipeline-parallel size (default 1)")
     common(e)
 
@@ -73,8 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Convert a transformers LlamaForCausalLM or GPT2LMHeadModel directory (model.safetensors "
                                    "or sharded with model.safetensors.index.json) into a Tessera checkpoint: OUTPUT becomes "
                                    "a checkpoints directory (iter_0000000/ + pointer) with sidecar and tokenizer.")
-    i.add_argument("--format", required=True, choices=("hf",), help="input format (hf)")
-    i.add_argument("--input", required=True, help="Hugging Face model directory")
+    i.add_argument("--format", required=True, choices=("hf", "megatron"),
+                   help="input format: hf, or megatron (a Megatron-Core torch_dist checkpoint directory)")
+    i.add_argument("--input", required=True, help="Hugging Face model directory, or Megatron iter_NNNNNNN directory")
+    i.add_argument("--model-config", metavar="FILE",
+                   help="megatron: the model as a Tessera ModelConfig (YAML/JSON; a torch_dist checkpoint holds none "
+                        "that can be read without unpickling)")
+    i.add_argument("--tokenizer", metavar="DIR", help="megatron: tokenizer directory to store with the checkpoint")
     i.add_argument("--output", required=True, help="new checkpoints directory to create")
     i.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="stored dtype (default: as in the input)")
     i.add_argument("--vocab-size-divisible-by", type=int, default=128, metavar="N",
@@ -116,6 +124,15 @@ def run(argv: list[str] | None = None) -> int:
             dtype=parse_dtype(args.dtype), max_shard_size=parse_size(args.max_shard_size),
             overwrite=args.overwrite, quiet=args.quiet, sync=args.sync))
         print(out)
+    elif args.verb == "export" and args.format == "megatron":
+        from tessera.ckpt_convert.export_megatron import export_megatron
+
+        if args.pipeline_parallel != 1:
+            raise UserError("--pipeline-parallel: a torch_dist checkpoint holds global tensors that load at any "
+                            "pipeline size; drop the flag")
+        out = export_megatron(args.checkpoint, args.output, tp=_positive("--tensor-parallel", args.tensor_parallel),
+                              dtype=parse_dtype(args.dtype), overwrite=args.overwrite, quiet=args.quiet, sync=args.sync)
+        print(out)
     elif args.verb == "export":
         from tessera.ckpt_convert.export_trtllm import TrtllmOptions, export_trtllm
 
@@ -136,8 +153,19 @@ def run(argv: list[str] | None = None) -> int:
         out = reshard(args.checkpoint, args.output, layout, overwrite=args.overwrite, quiet=args.quiet,
                       sync=args.sync)
         print(out)
+    elif args.verb == "import" and args.format == "megatron":
+        from tessera.ckpt_convert.import_megatron import import_megatron
+
+        if args.model_config is None:
+            raise UserError("--format megatron needs --model-config FILE (the model the checkpoint holds)")
+        out = import_megatron(args.input, args.output, args.model_config, args.tokenizer, dtype=parse_dtype(args.dtype),
+                              overwrite=args.overwrite, quiet=args.quiet, sync=args.sync)
+        print(out)
     elif args.verb == "import":
         from tessera.ckpt_convert.import_hf import import_hf
+
+        if args.model_config is not None or args.tokenizer is not None:
+            raise UserError("--model-config/--tokenizer apply to --format megatron; an HF directory has both")
 
         out = import_hf(args.input, args.output, dtype=parse_dtype(args.dtype),
                         vocab_size_divisible_by=_positive("--vocab-size-divisible-by", args.vocab_size_divisible_by),

@@ -48,6 +48,11 @@ _ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
     (_DCP_MODULE, "ChunkStorageMetadata"),
     (_DCP_MODULE, "_MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # Megatron-Core's torch_dist index also keeps its save plans (dataclasses and an Enum).
+    ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
     ("pathlib", "PosixPath"),

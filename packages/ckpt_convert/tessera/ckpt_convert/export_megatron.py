@@ -1,0 +1,111 @@
+"""`tessera-ckpt export --format megatron`: a Tessera checkpoint -> a Megatron-Core `torch_dist` checkpoint.
+
+The inverse of import_megatron (names and layouts there): global tensors with layers stacked along
+a leading axis, fused QKV in Megatron's grouped order, fused [gate; up] for SwiGLU, plus
+`metadata.json` (`sharded_backend: torch_dist`) and an empty `common.pt` (megatron-core reads
+both). Because torch_dist stores global tensors, one export loads at any tensor/pipeline layout;
+the only layout-dependent part is Megatron's vocabulary padding, so the embedding and output
+layer get the rows Megatron computes for `--tensor-parallel T` (vocab_size rounded up to
+vocab_size_divisible_by x T; padding rows zero). The `_extra_state` entries Megatron's linear
+layers keep are written as `[None]` per layer (what its local, non-Transformer-Engine layers write).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import torch
+
+from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
+from tessera.ckpt_convert.export_hf import expected_model_shapes
+from tessera.ckpt_convert.progress import Progress
+from tessera.ckpt_convert.source import CheckpointSource
+from tessera.common.errors import UserError
+from tessera.common.fileio import atomic_directory
+from tessera.common.model_config import ModelConfig
+
+EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def tessera_to_megatron(cfg: ModelConfig, t: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """Megatron-Core tensors (global, layers stacked) from Tessera parameters `t`."""
+    if cfg.moe is not None or cfg.qk_norm or cfg.sliding_window is not None:
+        raise UserError("model config: MoE, qk_norm and sliding-window models have no Megatron-Core GPT mapping here")
+
+    def vocab(w: torch.Tensor) -> torch.Tensor:
+        real = w[:cfg.vocab_size]
+        return torch.cat([real, real.new_zeros(rows - cfg.vocab_size, *real.shape[1:])])
+
+    out = {"embedding.word_embeddings.weight": vocab(t["embed_tokens.weight"])}
+    if cfg.position == "learned":
+        out["embedding.position_embeddings.weight"] = t["pos_embed.weight"]
+    L, hd, per_group = cfg.num_layers, cfg.head_dim, cfg.num_heads // cfg.kv_heads
+    layer = "decoder.layers."
+
+    def stack(fn) -> torch.Tensor:
+        return torch.stack([fn(f"layers.{i}.") for i in range(L)])
+
+    for suffix in ("weight", "bias"):
+        if f"layers.0.attn_norm.{suffix}" in t:
+            out[layer + "self_attention.linear_qkv.layer_norm_" + suffix] = stack(lambda p, suffix=suffix: t[p + "attn_norm." + suffix])
+            out[layer + "mlp.linear_fc1.layer_norm_" + suffix] = stack(lambda p, suffix=suffix: t[p + "mlp_norm." + suffix])
+        if f"layers.0.attn.q_proj.{suffix}" in t:
+            def qkv(p: str, suffix: str = suffix) -> torch.Tensor:
+                q, k, v = (t[p + f"attn.{n}_proj." + suffix] for n in "qkv")
+                rest = q.shape[1:]
+                q = q.reshape(cfg.kv_heads, per_group * hd, *rest)
+                k, v = k.reshape(cfg.kv_heads, hd, *rest), v.reshape(cfg.kv_heads, hd, *rest)
+                return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+            out[layer + "self_attention.linear_qkv." + suffix] = stack(qkv)
+        if f"layers.0.attn.o_proj.{suffix}" in t:
+            out[layer + "self_attention.linear_proj." + suffix] = stack(lambda p, suffix=suffix: t[p + "attn.o_proj." + suffix])
+        if f"layers.0.mlp.up_proj.{suffix}" in t:
+            if cfg.activation == "swiglu":
+                fc1 = stack(lambda p, suffix=suffix: torch.cat([t[p + "mlp.gate_proj." + suffix], t[p + "mlp.up_proj." + suffix]]))
+            else:
+                fc1 = stack(lambda p, suffix=suffix: t[p + "mlp.up_proj." + suffix])
+            out[layer + "mlp.linear_fc1." + suffix] = fc1
+            out[layer + "mlp.linear_fc2." + suffix] = stack(lambda p, suffix=suffix: t[p + "mlp.down_proj." + suffix])
+        if f"final_norm.{suffix}" in t:
+            out["decoder.final_layernorm." + suffix] = t["final_norm." + suffix]
+    if not cfg.tie_embeddings:
+        out["output_layer.weight"] = vocab(t["lm_head.weight"])
+    return out
+
+
+def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dtype: torch.dtype | None = None,
+                    overwrite: bool = False, quiet: bool = False, sync: bool = True) -> Path:
+    src = CheckpointSource(checkpoint)
+    output = Path(output)
+    if output.exists() and not overwrite:
+        raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
+    cfg = src.sidecar.model
+    rows = cfg.padded_for(tp).vocab_rows  # Megatron's padded vocabulary at --tensor-parallel T
+    names = list(expected_model_shapes(cfg))
+    tensors = tessera_to_megatron(cfg, src.load_model(names), rows)
+    none = io.BytesIO()
+    torch.save([None], none)  # what megatron-core writes for a local layer's extra state (a one-shard list)
+    with src.checksum_check() as checksums, atomic_directory(output, overwrite=overwrite, sync=sync) as tmp, \
+            Progress(sum(t.numel() * t.element_size() for t in tensors.values()), len(tensors),
+                     f"export megatron -> {output.name}", quiet) as bar:
+        writer = ShardedDcpWriter(tmp, 1, sync=sync)
+        try:
+            for key, tensor in tensors.items():
+                writer.write_tensor(key, tensor, whole(tuple(tensor.shape)), dtype=dtype)
+                bar.update(tensor.numel() * tensor.element_size())
+            for i in range(cfg.num_layers):
+                for module in EXTRA_STATE_MODULES:
+                    writer.write_bytes(f"decoder.layers.{module}._extra_state/shard_{i}_{cfg.num_layers}",
+                                       none.getvalue())
+        except BaseException:
+            writer.abort()
+            raise
+        writer.planner_data = None  # none, as megatron-core writes it: its loader maps keys itself
+        writer.close()
+        torch.save({}, tmp / "common.pt")
+        (tmp / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                      "common_backend": "torch", "common_backend_version": 1}))
+        checksums.wait()
+    return output

@@ -1,0 +1,183 @@
+"""`tessera-ckpt import --format megatron`: a Megatron-Core `torch_dist` checkpoint -> a Tessera checkpoint.
+
+Megatron-Core's distributed checkpoint (`metadata.json` says `sharded_backend: torch_dist`) is a
+torch.distributed.checkpoint directory of global tensors, so the tensor-parallel and pipeline
+layout it was saved from does not matter here. Layers are stacked along a leading layer axis
+(`decoder.layers.<module>` of shape [L, ...]). Names and layouts (GPTModel, local or Transformer
+Engine layer spec, which store the same keys):
+
+    embedding.word_embeddings.weight                         embed_tokens.weight  (rows: Megatron's padded vocab)
+    embedding.position_embeddings.weight                     pos_embed.weight     (learned positions)
+    decoder.layers.self_attention.linear_qkv.layer_norm_{weight,bias}  layers.i.attn_norm
+    decoder.layers.self_attention.linear_qkv.{weight,bias}   q/k/v_proj: rows grouped per query group g
+                                                             as [q heads of g | k_g | v_g], head_dim each
+    decoder.layers.self_attention.linear_proj.{weight,bias}  o_proj
+    decoder.layers.mlp.linear_fc1.layer_norm_{weight,bias}   layers.i.mlp_norm
+    decoder.layers.mlp.linear_fc1.{weight,bias}              SwiGLU: [gate; up] (stored in that global order
+                                                             whatever the TP size); GELU: up_proj
+    decoder.layers.mlp.linear_fc2.{weight,bias}              down_proj
+    decoder.final_layernorm.{weight,bias}                    final_norm
+    output_layer.weight                                      lm_head.weight (absent when tied)
+
+A torch_dist checkpoint has no model description Tessera can read without unpickling
+(`common.pt` is a torch pickle; it is never opened), so the model is given as a ModelConfig file
+(`--model-config`, YAML or JSON: the shapes must match the tensors, which is checked). The index
+(`.metadata`) is read by the restricted unpickler of tessera.common.safe_dcp. Legacy
+`mp_rank_XX/model_optim_rng.pt` checkpoints are whole pickles and are refused with a line saying
+how to convert them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
+from tessera.ckpt_convert.progress import Progress
+from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, iter_dir_name, write_pointer
+from tessera.common.errors import ArtifactError, UserError
+from tessera.common.fileio import atomic_directory, fsync_tree
+from tessera.common.model_config import ModelConfig
+from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
+from tessera.common.tokenizer import load_tokenizer
+
+LEGACY_HINT = ("legacy Megatron checkpoints (mp_rank_XX/model_optim_rng.pt) are pickles, which Tessera never loads; "
+               "convert it to torch_dist with Megatron-LM (load it with --ckpt-format torch --ckpt-convert-format "
+               "torch_dist --ckpt-convert-save DIR) and import DIR")
+
+
+def check_torch_dist(directory: Path) -> None:
+    if any(directory.glob("mp_rank_*")) or any(directory.glob("*/mp_rank_*")):
+        raise ArtifactError(f"{directory}: {LEGACY_HINT}")
+    meta = directory / "metadata.json"
+    if not meta.is_file():
+        raise ArtifactError(f"{directory}: no metadata.json; not a Megatron-Core distributed checkpoint (give the "
+                            "iter_NNNNNNN directory)")
+    try:
+        backend = json.loads(meta.read_text()).get("sharded_backend")
+    except (ValueError, AttributeError):
+        raise ArtifactError(f"{meta}: not valid JSON") from None
+    if backend != "torch_dist":
+        raise ArtifactError(f"{meta}: sharded_backend {backend!r}; only torch_dist checkpoints are read")
+
+
+def megatron_to_tessera(cfg: ModelConfig, get) -> dict[str, torch.Tensor]:
+    """Tessera parameters from Megatron tensors (`get(name)` -> global tensor, None when absent)."""
+    out: dict[str, torch.Tensor] = {"embed_tokens.weight": get("embedding.word_embeddings.weight")}
+    if cfg.position == "learned":
+        out["pos_embed.weight"] = get("embedding.position_embeddings.weight")
+    L, hd = cfg.num_layers, cfg.head_dim
+    per_group = cfg.num_heads // cfg.kv_heads
+    f = cfg.ffn_hidden_size
+    layer = "decoder.layers."
+    names = {"attn_norm": "self_attention.linear_qkv.layer_norm_", "mlp_norm": "mlp.linear_fc1.layer_norm_"}
+    stacked = {}
+    for suffix in ("weight", "bias"):
+        for ours, theirs in names.items():
+            stacked[f"{ours}.{suffix}"] = get(layer + theirs + suffix)
+        stacked[f"qkv.{suffix}"] = get(layer + "self_attention.linear_qkv." + suffix)
+        stacked[f"o.{suffix}"] = get(layer + "self_attention.linear_proj." + suffix)
+        stacked[f"fc1.{suffix}"] = get(layer + "mlp.linear_fc1." + suffix)
+        stacked[f"fc2.{suffix}"] = get(layer + "mlp.linear_fc2." + suffix)
+    for i in range(L):
+        t = f"layers.{i}."
+        for suffix in ("weight", "bias"):
+            for ours in ("attn_norm", "mlp_norm"):
+                if stacked[f"{ours}.{suffix}"] is not None:
+                    out[t + f"{ours}.{suffix}"] = stacked[f"{ours}.{suffix}"][i]
+            qkv = stacked[f"qkv.{suffix}"]
+            if qkv is not None:
+                groups = qkv[i].reshape(cfg.kv_heads, (per_group + 2) * hd, *qkv.shape[2:])
+                out[t + f"attn.q_proj.{suffix}"] = groups[:, :per_group * hd].reshape(cfg.q_size, *qkv.shape[2:])
+                out[t + f"attn.k_proj.{suffix}"] = groups[:, per_group * hd:(per_group + 1) * hd].reshape(
+                    cfg.kv_size, *qkv.shape[2:])
+                out[t + f"attn.v_proj.{suffix}"] = groups[:, (per_group + 1) * hd:].reshape(cfg.kv_size, *qkv.shape[2:])
+            if stacked[f"o.{suffix}"] is not None:
+                out[t + f"attn.o_proj.{suffix}"] = stacked[f"o.{suffix}"][i]
+            fc1 = stacked[f"fc1.{suffix}"]
+            if fc1 is not None:
+                if cfg.activation == "swiglu":
+                    out[t + f"mlp.gate_proj.{suffix}"], out[t + f"mlp.up_proj.{suffix}"] = fc1[i][:f], fc1[i][f:]
+                else:
+                    out[t + f"mlp.up_proj.{suffix}"] = fc1[i]
+            if stacked[f"fc2.{suffix}"] is not None:
+                out[t + f"mlp.down_proj.{suffix}"] = stacked[f"fc2.{suffix}"][i]
+    for suffix in ("weight", "bias"):
+        norm = get("decoder.final_layernorm." + suffix)
+        if norm is not None:
+            out["final_norm." + suffix] = norm
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = get("output_layer.weight")
+    return out
+
+
+def import_megatron(input_dir: str | Path, output: str | Path, model_config: str | Path,
+                    tokenizer: str | Path | None = None, dtype: torch.dtype | None = None, overwrite: bool = False,
+                    quiet: bool = False, sync: bool = True) -> Path:
+    from tessera.ckpt_convert.export_hf import expected_model_shapes
+    from tessera.common.config import load_config
+
+    input_dir, output = Path(input_dir), Path(output)
+    if not input_dir.is_dir():
+        raise UserError(f"{input_dir}: input directory not found")
+    if output.exists() and not overwrite:
+        raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
+    check_torch_dist(input_dir)
+    cfg = model_config if isinstance(model_config, ModelConfig) else load_config(ModelConfig, model_config)
+    metadata = read_dcp_metadata(input_dir)  # restricted unpickler: refuses anything but DCP's index classes
+    specs = {k: v for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
+    rows = specs["embedding.word_embeddings.weight"].size[0] if "embedding.word_embeddings.weight" in specs else None
+    if rows is None:
+        raise ArtifactError(f"{input_dir}: no embedding.word_embeddings.weight; not a Megatron-Core GPT checkpoint")
+    if rows < cfg.vocab_size:
+        raise UserError(f"--model-config: vocab_size {cfg.vocab_size} exceeds the checkpoint's {rows} embedding rows")
+    cfg = cfg.model_copy(update={"padded_vocab_size": rows if rows > cfg.vocab_size else None})  # Megatron's padding
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in specs.items()}
+    dcp_load(state, input_dir, no_dist=True)
+    tensors = megatron_to_tessera(cfg, state.get)
+    expected = expected_model_shapes(cfg)
+    for name, shape in expected.items():
+        got = tensors.get(name)
+        if got is None:
+            raise ArtifactError(f"{input_dir}: no Megatron tensor for {name} (the --model-config describes a model "
+                                "this checkpoint is not)")
+        if tuple(got.shape) != shape:
+            raise ArtifactError(f"{input_dir}: {name} has shape {list(got.shape)} but --model-config implies "
+                                f"{list(shape)}; fix the config (heads, kv heads, sizes)")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise ArtifactError(f"{input_dir}: {extra[0]} is in the checkpoint but not in the --model-config's model "
+                            "(bias or norm flags differ)")
+    if cfg.vocab_rows > cfg.vocab_size:
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            if name in tensors:  # Megatron's padding rows are never used (logits -inf): stored as zeros
+                tensors[name] = tensors[name].clone()
+                tensors[name][cfg.vocab_size:] = 0
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
+    out_dtype = dtype or tensors["embed_tokens.weight"].dtype
+    with atomic_directory(output, overwrite=overwrite, sync=sync) as tmp, \
+            Progress(sum(t.numel() for t in tensors.values()) * out_dtype.itemsize, len(tensors),
+                     f"import megatron -> {output.name}", quiet) as bar:
+        target = tmp / iter_dir_name(0)
+        writer = ShardedDcpWriter(target, 1, sync=sync)
+        try:
+            for name in expected:
+                t = tensors[name]
+                writer.write_tensor("model." + name, t, whole(tuple(t.shape)), dtype=out_dtype)
+                bar.update(t.numel() * out_dtype.itemsize)
+        except BaseException:
+            writer.abort()
+            raise
+        checksums = writer.close()
+        if tok is not None:
+            tok.save(target / "tokenizer")
+            if sync:
+                fsync_tree(target / "tokenizer")
+        sidecar = CheckpointSidecar(model=cfg, tokenizer_fingerprint=tok.fingerprint if tok else None,
+                                    params_dtype=str(out_dtype).removeprefix("torch."))
+        sidecar.imported_from = {"path": str(input_dir.resolve()), "format": "megatron"}  # type: ignore[attr-defined]
+        finalize_checkpoint(target, sidecar, checksums, sync=sync)
+        write_pointer(tmp, 0, sync=sync)
+    return output
