@@ -89,9 +89,13 @@ def run_job(job: dict, cfg) -> None:
     losses, norms = [], []
     rows = harness.GLOBAL_BATCH // layout.data
     for step in range(job.get("start", 0), job.get("start", 0) + job["steps"]):
-        tokens, targets = harness.batch(step, cfg)
+        inputs: dict = {}
+        if job.get("documents"):
+            tokens, targets, inputs = harness.documents_batch(step, cfg)
+        else:
+            tokens, targets = harness.batch(step, cfg)
         sl = slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows)
-        r = rt.train_step(tokens[sl], targets[sl])
+        r = rt.train_step(tokens[sl], targets[sl], model_inputs={k: v[sl] for k, v in inputs.items()})
         losses.append(r.loss)
         norms.append(r.grad_norm)
     divergence.append(rt.replica_divergence())
