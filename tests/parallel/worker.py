@@ -104,6 +104,9 @@ def run_job(job: dict, cfg) -> None:
     if buckets is not None:
         result.update({"buckets": len(buckets.buckets), "deferred_buckets": sum(b.deferred for b in buckets.buckets),
                        "launched_during_backward": buckets.launched_during_backward})
+    if job.get("compiled"):  # frames torch.compile turned into graphs (0 if compile did nothing)
+        from torch._dynamo.utils import counters
+        result["compiled_blocks"] = counters["stats"]["unique_graphs"]
     if job.get("eval"):
         tokens, targets = harness.batch(harness.EVAL_STEP, cfg)
         result["eval_loss"] = rt.eval_step(tokens[sl], targets[sl])

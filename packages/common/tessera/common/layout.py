@@ -174,8 +174,8 @@ def validate_layout(
             raise UserError(f"--context-parallel {cp}: seq_len ({seq_len}) must be divisible by 2 x {cp} = {2 * cp} "
                             "(each context rank holds two of 2 x context equal chunks: i and 2C-1-i)")
         if sequence_parallel and tp > 1 and (seq_len // cp) % tp:
-            raise UserError(f"sequence parallel: seq_len ({seq_len}) / context parallel ({cp}) must be divisible by "
-                            f"--tensor-parallel {tp}")
+            by = f"--tensor-parallel {tp}" if cp == 1 else f"--context-parallel {cp} x --tensor-parallel {tp}"
+            raise UserError(f"sequence parallel: seq_len ({seq_len}) must be divisible by {by}")
         if seq_len > cfg.max_seq_len:
             raise UserError(f"seq_len ({seq_len}) exceeds the model's max_seq_len ({cfg.max_seq_len})")
     counts = layout.stage_layers(cfg.num_layers)
