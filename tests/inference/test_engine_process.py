@@ -101,7 +101,7 @@ def test_logit_bias_crosses_the_pipe(served, tiny_ckpt):
 
 def test_disconnect_frees_blocks_in_the_engine_process(served):
     body = {"prompt": "def f(x):", "max_tokens": 150, "temperature": 0, "stream": True, "ignore_eos": True}
-    before = served.metric("tessera:generation_tokens_total")
+    before = served.metric("vllm:generation_tokens_total")
     for _ in range(3):
         with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=30) as r:
             got = 0
@@ -111,13 +111,13 @@ def test_disconnect_frees_blocks_in_the_engine_process(served):
                     break  # hang up mid-stream
     deadline = time.time() + 30
     while time.time() < deadline:
-        if (served.engine.num_active() == 0 and served.metric("tessera:kv_cache_usage_perc") == 0.0
-                and served.metric("tessera:num_requests_running") == 0.0):
+        if (served.engine.num_active() == 0 and served.metric("vllm:kv_cache_usage_perc") == 0.0
+                and served.metric("vllm:num_requests_running") == 0.0):
             break
         time.sleep(0.1)
     else:
         pytest.fail("blocks or requests still held in the engine process")
-    assert 0 < served.metric("tessera:generation_tokens_total") - before < 3 * 150
+    assert 0 < served.metric("vllm:generation_tokens_total") - before < 3 * 150
 
 
 def test_engine_process_death_fails_requests_not_hangs(tiny_ckpt):
@@ -150,3 +150,19 @@ def test_serve_cli_bad_checkpoint_is_one_line(tiny_ckpt, tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "tessera_checkpoint.json" in lines[0]
+
+
+def test_structured_output_echo_logprobs_and_request_timings_cross_the_engine_process(served):
+    import json as _json
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": "x", "max_tokens": 30, "temperature": 1.0,
+                                                         "seed": 4, "guided_json": schema}, timeout=60).json()
+    assert 0 <= _json.loads(r["choices"][0]["text"])["n"] <= 9 and r["choices"][0]["finish_reason"] == "stop"
+    echo = httpx.post(served.url + "/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 0, "echo": True,
+                                                            "logprobs": 1}, timeout=60).json()
+    assert echo["choices"][0]["logprobs"]["token_logprobs"][0] is None
+    assert len(echo["choices"][0]["logprobs"]["token_logprobs"]) == 4
+    assert served.metric("vllm:request_queue_time_seconds_count") >= 2
+    assert served.metric("vllm:request_prefill_time_seconds_count") >= 2

@@ -69,7 +69,10 @@ def test_completion_logprobs_and_echo(server):
         "prompt": "x = 1", "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True}, timeout=30).json()
     lp = r["choices"][0]["logprobs"]
     prompt_len = r["usage"]["prompt_tokens"]
-    assert len(lp["tokens"]) == prompt_len - 1 + 3
+    # Every prompt token comes back, the first with a null logprob (OpenAI and vLLM do so).
+    assert len(lp["tokens"]) == prompt_len + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v is not None for v in lp["token_logprobs"][1:])
     assert r["choices"][0]["text"].startswith("x = 1")
     # greedy: the chosen token is the top-1 alternative
     assert max(lp["top_logprobs"][-1].values()) == pytest.approx(lp["token_logprobs"][-1], abs=1e-5)
@@ -145,10 +148,10 @@ def test_lone_surrogate_huge_seed_and_reserved_template_kwargs_are_400(server):
 def test_metrics_exposed(server):
     httpx.post(server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}, timeout=30)
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    for name in ("tessera:num_requests_running", "tessera:num_requests_waiting", "tessera:kv_cache_usage_perc",
-                 "tessera:prefix_cache_hit_rate", "tessera:prompt_tokens_total", "tessera:generation_tokens_total",
-                 "tessera:time_to_first_token_seconds_bucket", "tessera:inter_token_latency_seconds_bucket",
-                 "tessera:e2e_request_latency_seconds_bucket", "tessera:num_preemptions_total"):
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_hit_rate", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:num_preemptions_total"):
         assert name in text, name
 
 
@@ -156,7 +159,7 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
     def generated() -> float:
         text = httpx.get(server.url + "/metrics", timeout=10).text
         return float(next(line.split()[-1] for line in text.splitlines()
-                          if line.startswith("tessera:generation_tokens_total")))
+                          if line.startswith("vllm:generation_tokens_total")))
 
     before = generated()
     body = {"prompt": "def f(x):", "max_tokens": 100, "temperature": 0, "stream": True, "ignore_eos": True}

@@ -119,12 +119,15 @@ def test_top_k_minus_one_means_off(server):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", "auto"),
-    ("/v1/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("/v1/completions", "guided_json", {"type": "object"}),
-    ("/v1/chat/completions", "guided_regex", "a+"),
+    ("/v1/chat/completions", "function_call", "auto"),
+    ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+    ("/v1/completions", "use_beam_search", True),
+    ("/v1/completions", "prompt_logprobs", 1),
+    ("/v1/chat/completions", "guided_whitespace_pattern", " "),
+    ("/v1/chat/completions", "reasoning_effort", "high"),
+    ("/v1/completions", "include_stop_str_in_output", True),
+    ("/v1/chat/completions", "chat_template", "{{ messages }}"),
+    ("/v1/completions", "length_penalty", 0.5),
 ])
 def test_unsupported_features_are_refused_naming_the_field(server, path, field, value):
     body = {"prompt": "a"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
@@ -133,15 +136,15 @@ def test_unsupported_features_are_refused_naming_the_field(server, path, field, 
     assert field in r.json()["error"]["message"]
 
 
-def test_the_off_values_of_unsupported_features_are_accepted_and_tool_call_history_is_refused(server):
+def test_the_off_values_of_unsupported_features_are_accepted_and_function_call_history_is_refused(server):
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    ok = _post(server, "/v1/chat/completions", {**chat, "response_format": {"type": "text"}, "tool_choice": "none"})
+    ok = _post(server, "/v1/chat/completions", {**chat, "response_format": {"type": "text"}, "tool_choice": "none",
+                                                "functions": [], "use_beam_search": False})
     assert ok.status_code == 200, ok.text
     history = [{"role": "user", "content": "hi"},
-               {"role": "assistant", "content": None,
-                "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+               {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]
     r = _post(server, "/v1/chat/completions", {**chat, "messages": history})
-    assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "function_call" in r.json()["error"]["message"], r.text
 
 
 def test_stop_lists_are_bounded_in_count_and_length(server):
@@ -318,10 +321,10 @@ def test_health_is_answered_while_a_prompt_is_being_tokenized(tiny_ckpt):
         answered = threading.Event()
         encode = s.openai._encode_prompt
 
-        def blocking_encode(prompt):
+        def blocking_encode(prompt, *args):
             if prompt == "block me":
                 assert answered.wait(30), "/health was not answered while a prompt was being tokenized"
-            return encode(prompt)
+            return encode(prompt, *args)
 
         s.openai._encode_prompt = blocking_encode
         result = {}
@@ -406,3 +409,13 @@ def test_an_empty_api_key_is_refused_at_start(tiny_ckpt, how):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "is empty" in lines[0] and "Traceback" not in r.stderr
     assert ("TESSERA_API_KEY" in lines[0]) == (how == "env")
+
+
+def test_the_docs_list_every_refused_field():
+    from pathlib import Path
+
+    from tessera.inference.protocol import UNSUPPORTED_FIELDS
+
+    doc = (Path(__file__).parents[2] / "docs" / "cli" / "tessera-serve.md").read_text()
+    table = doc[doc.index("| endpoint | honoured |"):]
+    assert [f for f in UNSUPPORTED_FIELDS if f"`{f}`" not in table] == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -158,8 +159,8 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(make_config, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "tessera.trainer.cli", "--config", str(path), "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for line in proc.stdout:
-        if line.startswith("step") and "/100000" in line and int(line.split()[1].split("/")[0]) >= 3:
+    for line in proc.stdout:  # log lines: "<date> <time> step      3/100000 | loss …"
+        if (m := re.search(r"\bstep +(\d+)/100000", line)) and int(m.group(1)) >= 3:
             proc.send_signal(sig)
             break
     out, err = proc.communicate(timeout=120)

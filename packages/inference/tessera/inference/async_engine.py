@@ -190,20 +190,18 @@ class EngineFrontend:
         self._deliver([(rid, exc) for rid in ids])
 
     def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
-        m, name = self.metrics, self.metrics.model_name
+        m = self.metrics
         n = len(out.new_token_ids)
         if n:
             if stream.first_token is None:
                 stream.first_token = now
-                m.ttft.labels(name).observe(now - stream.arrival)
+                m.observe_token(True, now - stream.arrival)
             elif stream.last_token is not None:
-                m.itl.labels(name).observe(now - stream.last_token)
+                m.observe_token(False, now - stream.last_token)
             stream.last_token = now
-            m.generation_tokens.labels(name).inc(n)
+            m.child(m.generation_tokens).inc(n)
         if out.finished:
-            m.e2e.labels(name).observe(now - stream.arrival)
-            m.prompt_tokens.labels(name).inc(out.num_prompt_tokens)
-            m.requests_finished.labels(name, out.finish_reason or "unknown").inc()
+            m.observe_finished(out, now - stream.arrival)
 
 
 def _put_all(puts: list[tuple[asyncio.Queue, tuple]]) -> None:

@@ -5,24 +5,34 @@ between sequences.
 A block is free when no sequence references it (refcount 0). Free blocks sit in an LRU list;
 a free block that still holds a full, hashed block of some earlier prompt stays findable in the
 prefix cache until the pool has to reuse it (it is evicted oldest-first). A full block's key is
-hash(parent block's key, its token ids), so equal keys mean equal whole prefixes.
+hash(parent block's key, its token ids), so equal keys mean equal whole prefixes. The hash is
+Python's 64-bit `hash` by default; a collision (which someone who can send prompts can search
+for) would let one request attend over another's cached keys/values, so a server shared by
+tenants sets `prefix_cache_hash="sha256"` (`--prefix-cache-hash sha256`): 32-byte SHA-256 keys
+over the parent key and the tokens as little-endian int64.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 
 from tessera.inference.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 prefix_cache_hash: str = "builtin"):
+        if prefix_cache_hash not in ("builtin", "sha256"):
+            raise ValueError(f"prefix_cache_hash must be builtin or sha256, not {prefix_cache_hash!r}")
+        self.sha256 = prefix_cache_hash == "sha256"
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.refcount = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block key -> block id
+        self.block_hash: list[int | bytes | None] = [None] * num_blocks
+        self.cached: dict[int | bytes, int] = {}  # block key -> block id
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.tables: dict[str, list[int]] = {}  # request id -> its blocks, in position order
         self.num_hashed: dict[str, int] = {}  # request id -> leading full blocks offered to the prefix cache
@@ -47,13 +57,18 @@ class BlockManager:
         return self.tables.get(seq.request_id, [])
 
     # ---- prefix cache ----------------------------------------------------------------------
-    def _block_key(self, seq: Sequence, index: int) -> int:
+    def _block_key(self, seq: Sequence, index: int) -> int | bytes:
         """Key of the seq's full block `index`, computed once and remembered on the sequence."""
         while len(seq.block_hashes) <= index:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[i - 1] if i else 0
             bs = self.block_size
-            seq.block_hashes.append(hash((parent, tuple(seq.tokens(i * bs, (i + 1) * bs)))))
+            tokens = seq.tokens(i * bs, (i + 1) * bs)
+            if self.sha256:
+                parent = seq.block_hashes[i - 1] if i else b""
+                seq.block_hashes.append(hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest())
+            else:
+                parent = seq.block_hashes[i - 1] if i else 0
+                seq.block_hashes.append(hash((parent, tuple(tokens))))
         return seq.block_hashes[index]
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:

@@ -7,6 +7,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import sys
 
 from tessera.common.errors import UserError, run_cli
@@ -49,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "its connection is closed (default: %(default)s).")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="On shutdown, seconds to let running requests finish (default: %(default)s).")
+    s.add_argument("--metrics-prefix", default="vllm:",
+                   help="Prefix of the /metrics names (default: %(default)s, so vLLM dashboards read them; "
+                        "e.g. tessera: beside a vLLM server in the same Prometheus).")
+    s.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+                   help="How tool calls are read from text under tool_choice auto: Hermes <tool_call> JSON, "
+                        "Llama-3 JSON, or auto (hermes when the chat template teaches <tool_call>).")
     s.add_argument("--quiet", action="store_true", help="Log warnings only (no access log).")
     s.add_argument("--no-engine-process", action="store_true",
                    help="Run the engine in a thread of the HTTP process instead of its own process "
@@ -69,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--{flag.replace('_', '-')} {value}: must be positive")
     if not (args.drain_timeout >= 0 and math.isfinite(args.drain_timeout)):
         raise UserError(f"--drain-timeout {args.drain_timeout}: must be a number of seconds >= 0")
+    if not re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)?", args.metrics_prefix):
+        raise UserError(f"--metrics-prefix {args.metrics_prefix!r}: letters, digits, _ and : only, not starting "
+                        "with a digit (a Prometheus metric name prefix)")
     if not (args.body_timeout > 0 and math.isfinite(args.body_timeout)):
         raise UserError(f"--body-timeout {args.body_timeout}: must be a number of seconds > 0")
     if args.api_key is not None and not args.api_key.strip():
@@ -106,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         frontend = ProcessEngine.launch(args.checkpoint, cfg, args.torch_threads)
         facts = {**frontend.info, "where": f"engine process {frontend.pid}"}
     name = args.served_model_name or facts["name"]
-    metrics = ServingMetrics(name)
+    metrics = ServingMetrics(name, args.metrics_prefix, frontend.max_model_len)
     frontend.metrics = metrics
     limits = ServerLimits(
         max_prompt_tokens=args.max_prompt_tokens or frontend.max_model_len,
@@ -114,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout, body_timeout_s=args.body_timeout,
     )
-    app = OpenAIServer(frontend, name, limits, metrics).build_app(api_key=args.api_key)
+    server = OpenAIServer(frontend, name, limits, metrics)
+    server.tool_call_parser = args.tool_call_parser
+    app = server.build_app(api_key=args.api_key)
     level = logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}, {device}; {facts['where']}), "

@@ -28,6 +28,9 @@ class EngineConfig(StrictModel):
     max_model_len: int | None = Field(None, gt=0, description="Longest prompt + completion; defaults to the model's max_seq_len.")
     max_waiting: int = Field(1024, gt=0, description="Requests allowed to wait for a slot; more are refused (HTTP 429).")
     enable_prefix_caching: bool = Field(True, description="Share full KV blocks of identical prompt prefixes between requests.")
+    prefix_cache_hash: Literal["builtin", "sha256"] = Field(
+        "builtin", description="Key of a cached block: Python's 64-bit hash (fast; two prefixes can collide) or "
+                               "SHA-256 (for servers shared by tenants who must not read each other's KV).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights/activations/KV dtype; auto = float32 on CPU, bfloat16 on CUDA."
     )

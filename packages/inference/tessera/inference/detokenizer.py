@@ -78,3 +78,18 @@ class IncrementalDetokenizer:
         piece = self.text[self.emitted:end]
         self.emitted = end
         return piece
+
+
+def decode_with_offsets(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = True) -> tuple[str, list[int]]:
+    """The text of `ids` and, for each token, the character offset in that text where its piece
+    starts (OpenAI's `text_offset`). Decoded incrementally (linear in len(ids)), so the offsets
+    are exactly aligned with the returned text: a token whose bytes complete a character started
+    by an earlier one starts where that character does, and a skipped special token has an empty
+    piece at the offset where it stands."""
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens)
+    offsets = []
+    for token in ids:
+        offsets.append(len(detok.text))
+        detok.append(token, check_stop=False)
+    detok.finish()
+    return detok.text, offsets

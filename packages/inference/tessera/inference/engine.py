@@ -27,6 +27,7 @@ from tessera.inference.output_processor import OutputProcessor, RequestOutput
 from tessera.inference.sampling_params import SamplingParams
 from tessera.inference.scheduler import Scheduler, SchedulerOutput
 from tessera.inference.sequence import Sequence
+from tessera.inference.structured import Grammars
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "RequestRejected", "validate_request"]
 COMPUTE_FAILED = "internal error while computing this request"
@@ -51,6 +52,7 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     num_preemptions: int
+    step_tokens: int = 0  # tokens computed by the last step
 
 
 def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> int:
@@ -103,13 +105,16 @@ class LLMEngine:
                 f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one sequence of "
                 f"max_model_len={self.max_model_len} tokens ({need} blocks); raise --kv-cache-memory / "
                 "--num-kv-blocks or lower --max-model-len")
-        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.runner = ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype)
         self.processor = OutputProcessor(self.scheduler, self.blocks)
         self.eos_ids = frozenset(loaded.eos_ids)
         self.requests: dict[str, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds for requests that bring none
+        self._step_tokens = 0
+        self.grammars = Grammars((loaded.tokenizer.directory / "tokenizer.json").read_text(),
+                                 loaded.config.vocab_size, sorted(self.eos_ids))
 
     # ---- requests --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -130,6 +135,11 @@ class LLMEngine:
             eos_ids=self.eos_ids,
             max_model_len=self.max_model_len,
         )
+        if params.structured is not None:
+            try:
+                seq.matcher = self.grammars.matcher(params.structured)
+            except ValueError as exc:
+                raise RequestRejected(f"the structured output grammar is invalid: {exc}", "response_format") from None
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -148,12 +158,13 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
             prefix_queries=self.blocks.prefix_queries, prefix_hits=self.blocks.prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions,
+            num_preemptions=self.scheduler.num_preemptions, step_tokens=self._step_tokens,
         )
 
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self._step_tokens = plan.num_tokens
         if not plan.scheduled:
             return []
         outputs, finished = self.processor.update(plan, self._execute(plan))

@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="Requests allowed to queue; more get HTTP 429 (default: %(default)s).")
     g.add_argument("--no-prefix-caching", action="store_true", help="Disable sharing of prompt-prefix KV blocks.")
+    g.add_argument("--prefix-cache-hash", default=d.prefix_cache_hash, choices=["builtin", "sha256"],
+                   help="Prefix-cache block keys: Python's 64-bit hash (default) or SHA-256 (collision-safe; "
+                        "for a server shared by tenants).")
     g.add_argument("--torch-threads", type=int, default=None,
                    help="CPU threads for torch ops (torch.set_num_threads; default: torch's choice). "
                         "On a machine shared with other jobs, 1 avoids OpenMP threads spinning against each other.")
@@ -68,7 +71,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_tokens=args.kv_cache_tokens,
             kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
-            enable_prefix_caching=not args.no_prefix_caching, dtype=args.dtype, device=args.device, seed=args.seed,
+            enable_prefix_caching=not args.no_prefix_caching, prefix_cache_hash=args.prefix_cache_hash, dtype=args.dtype, device=args.device, seed=args.seed,
         )
     except ValidationError as exc:
         msg = format_validation_error(exc, "engine flags")

@@ -31,8 +31,13 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the final output, when asked
+    # When asked: the logprob of every prompt token after the first, on the request's first output
+    # (the step that completed its prompt), so a stream can send them before the generated tokens.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # set (with finished) when computing this request failed; the others go on
+    # On the final output: the engine's intervals in seconds (queue, prefill, decode, inference),
+    # vLLM's definitions (metrics.py).
+    timings: dict[str, float] | None = None
     time: float = field(default_factory=time.monotonic)
 
 
@@ -57,7 +62,16 @@ class OutputProcessor:
             if rid in result.sampled:
                 if rid in result.logprobs:
                     seq.new_logprobs.append(result.logprobs[rid])
-                seq.append_token(result.sampled[rid])
+                token = result.sampled[rid]
+                if seq.matcher is not None and not seq.matcher.consume_token(token):
+                    seq.fail("internal error: the structured output grammar rejected the sampled token")
+                    reporting.append(seq)
+                    continue
+                seq.append_token(token)
+                if seq.matcher is not None and not seq.is_finished and seq.matcher.is_stopped():
+                    seq._finish("stop", None)  # the grammar is complete: nothing may follow
+                if seq.first_token_time is None:
+                    seq.first_token_time = time.monotonic()
                 reporting.append(seq)
             elif s.completes_prompt and seq.params.max_tokens == 0:  # prompt scoring only
                 seq._finish("length", None)
@@ -71,6 +85,10 @@ class OutputProcessor:
         finished = seq.is_finished
         # As in vLLM, an EOS/stop token is part of the ids (and usage) but not of the text.
         new_ids = seq.output_ids[-1:] if seq.output_ids and seq.params.max_tokens and seq.error is None else []
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs and not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs_sent = True
+            prompt_logprobs = list(seq.prompt_logprobs)
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_ids,
@@ -81,6 +99,15 @@ class OutputProcessor:
             num_prompt_tokens=len(seq.prompt_ids),
             num_output_tokens=len(seq.output_ids),
             num_cached_tokens=seq.num_cached_tokens,
-            prompt_logprobs=list(seq.prompt_logprobs) if finished and seq.params.prompt_logprobs else None,
+            prompt_logprobs=prompt_logprobs,
             error=seq.error,
+            timings=_timings(seq) if finished else None,
         )
+
+
+def _timings(seq: Sequence) -> dict[str, float]:
+    now = time.monotonic()
+    scheduled = seq.scheduled_time if seq.scheduled_time is not None else now
+    first = seq.first_token_time if seq.first_token_time is not None else now
+    return {"queue": scheduled - seq.arrival_time, "prefill": first - scheduled, "decode": now - first,
+            "inference": now - scheduled}

@@ -1,6 +1,7 @@
 """Choosing each sequence's next token from its logits, with its own settings and generator.
 
-Order (as in vLLM/transformers): penalties and logit_bias on the raw logits, min_tokens masking, then greedy
+Order (as in vLLM/transformers): penalties and logit_bias on the raw logits, min_tokens masking,
+the structured-output grammar masks (all constrained rows in one masked fill), then greedy
 argmax, or temperature -> top-k -> top-p -> min-p -> a draw from the request's own
 torch.Generator. The draw depends only on that request's logits and generator, never on its
 batch mates, so a seeded request reproduces. Logprobs are reported from the model's raw
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from tessera.inference.sequence import Sequence, TokenLogprob
+from tessera.inference.structured import apply_bitmask, fill_bitmask
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
@@ -79,6 +81,16 @@ class Sampler:
                     self._process(processed[i], seq, needs_mask)
                 except Exception as exc:
                     failed[i] = exc
+        constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None and i not in failed]
+        if constrained:
+            # Structured output: one bitmask for every constrained row, one masked fill.
+            if processed is logits:
+                processed = logits.clone()
+            try:
+                bitmask = fill_bitmask([seqs[i].matcher for i in constrained], logits.shape[1])
+                apply_bitmask(processed, torch.tensor(constrained, device=logits.device), bitmask)
+            except Exception as exc:
+                failed.update({i: exc for i in constrained})
         chosen = processed.argmax(dim=-1).tolist()  # greedy rows; sampled rows overwritten below
         for i, seq in enumerate(seqs):
             p = seq.params

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from tessera.common.config import StrictModel
+from tessera.inference.structured import StructuredSpec
 
 # A temperature below this samples greedily (vLLM's _SAMPLING_EPS): dividing logits by a smaller
 # one overflows float32 (5e-324 is a float64 denormal; 1e-45 is float32's smallest), and well
@@ -46,6 +47,8 @@ class SamplingParams(StrictModel):
     logprobs: int | None = Field(None, ge=0, le=20, description="Return the sampled token's logprob and the top-n alternatives.")
     prompt_logprobs: bool = Field(False, description="Also return the logprob of every prompt token after the first (disables prefix-cache reuse for it).")
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the returned text.")
+    structured: StructuredSpec | None = Field(
+        None, description="A grammar the output must match (JSON schema, any JSON object, regex, choice, Lark).")
     logit_bias: dict[int, float] = Field(
         default_factory=dict,
         description="Token id -> value in [-100, 100] added to its logit before sampling (OpenAI).")
@@ -62,6 +65,9 @@ class SamplingParams(StrictModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.max_tokens == 0 and not self.prompt_logprobs:
             raise ValueError("max_tokens must be >= 1")
+        if self.structured is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured output (the grammar decides where "
+                             "the output ends)")
         if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
         return self

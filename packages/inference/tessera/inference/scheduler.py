@@ -18,6 +18,7 @@ the results (vLLM v1's schedule -> execute -> update).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -130,6 +131,8 @@ class Scheduler:
             self.blocks.record_lookup(seq.num_tokens, start)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = start
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.monotonic()
             seq.num_computed = start
             self.waiting.popleft()
             seq.status = Status.RUNNING

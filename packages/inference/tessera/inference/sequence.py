@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,19 +39,23 @@ class Sequence:
     eos_ids: frozenset[int]
     max_model_len: int
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first scheduled (the end of its queue time)
+    first_token_time: float | None = None
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     # Tokens whose K/V are in the cache. Recompute-preemption resets it to 0; chunked prefill
     # advances it by the chunk; a prefix-cache hit starts it past the shared blocks.
     num_computed: int = 0
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list = field(default_factory=list)  # prefix-cache keys of its full blocks (int or bytes)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     finish_reason: str | None = None
     stop_token: int | str | None = None
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # handed out with the first output
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # since the last output
     num_preemptions: int = 0
     error: str | None = None  # why computing this request failed (finish_reason "error")
+    matcher: Any = None  # llguidance LLMatcher of a structured-output request (structured.py)
 
     @property
     def num_tokens(self) -> int:

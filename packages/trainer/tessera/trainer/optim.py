@@ -27,6 +27,15 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
+def adamw_with_decay(decay: list, no_decay: list, weight_decay: float, lr: float, betas: tuple[float, float],
+                     eps: float) -> torch.optim.AdamW:
+    """AdamW over parameters already split by the decay rule (the parallel optimizers' flat master
+    shards), empty groups left out."""
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+              if g["params"]]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
 def _fused_supported(params: list[torch.Tensor]) -> bool:
     try:  # private helper; without it, fall back to the foreach path rather than guess
         from torch.optim.optimizer import _get_fused_kernels_supported_devices

@@ -33,8 +33,10 @@ class StopRequest:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def restore(self) -> None:
+    def restore(self, after_stop: bool = False) -> None:
+        """Put the previous handlers back. `after_stop` (the training loop's exit): when a stop was
+        requested, SIGTERM stays ignored until the process exits instead (see the module docstring)."""
         for sig, handler in self._previous.items():
-            keep_ignoring = sig == signal.SIGTERM and self.signal_name is not None
+            keep_ignoring = after_stop and sig == signal.SIGTERM and self.signal_name is not None
             signal.signal(sig, signal.SIG_IGN if keep_ignoring else handler)
         self._previous.clear()

@@ -467,7 +467,7 @@ class Trainer:
                 self.checkpoints.finish()
             finally:
                 bar.close()
-                stop.restore()
+                stop.restore(after_stop=True)
                 self.sink.close()
         assert last_saved == self.state.step
         return self.state

@@ -14,10 +14,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tessera.inference.async_engine import EngineDead, QueueFull, RequestFailed
 from tessera.inference.engine import RequestRejected
-from tessera.inference.protocol import ChatCompletionRequest, CompletionRequest
+from tessera.inference.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from tessera.inference.server import chat as chat_api
 from tessera.inference.server import completions as completions_api
 from tessera.inference.server import megatron as megatron_api
+from tessera.inference.server import tokenize as tokenize_api
 from tessera.inference.server.base import ServerBase
 from tessera.inference.server.errors import ApiError, _now, _validation_message, error_response
 from tessera.inference.server.guard import _GuardMiddleware
@@ -97,6 +103,14 @@ class OpenAIServer(ServerBase):
         @app.post("/v1/chat/completions")
         async def chat_route(body: ChatCompletionRequest, request: Request):
             return await chat_api.chat(self, body, request)
+
+        @app.post("/tokenize")
+        async def tokenize_route(body: TokenizeRequest):
+            return await tokenize_api.tokenize(self, body)
+
+        @app.post("/detokenize")
+        async def detokenize_route(body: DetokenizeRequest):
+            return await tokenize_api.detokenize(self, body)
 
         @app.put("/api")
         async def megatron_route(request: Request):

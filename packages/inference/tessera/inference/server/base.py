@@ -13,8 +13,10 @@ from fastapi import Request
 from tessera.inference.async_engine import EngineDead, EngineFrontend, RequestFailed, RequestHandle
 from tessera.inference.engine import RequestOutput, RequestRejected
 from tessera.inference.metrics import ServingMetrics
+from tessera.inference.protocol import FieldError
 from tessera.inference.sampling_params import SamplingParams
 from tessera.inference.server.errors import ApiError, ServerLimits, _check_text, error_body
+from tessera.inference.structured import StructuredSpec, check_spec
 
 DISCONNECT_POLL_S = 0.5
 
@@ -30,6 +32,9 @@ class ServerBase:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        # How "auto" tool calls are read from generated text (tools.py): hermes, llama3_json, or
+        # auto (from the chat template: hermes when it teaches <tool_call>).
+        self.tool_call_parser = "auto"
         # Tokenizing a 4 MiB prompt takes seconds: it runs on these threads, never on the event
         # loop (/health and every open stream keep going meanwhile), and only after a length
         # check in characters that needs no tokenizer.
@@ -61,13 +66,13 @@ class ServerBase:
                            f"{self.limits.max_prompt_tokens} tokens can hold", param=what.split()[0],
                            code="prompt_too_long")
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def _encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of one prompt, length-checked; on a tokenizer thread (see _off_loop)."""
         if isinstance(prompt, str):
             self._check_chars(prompt, "prompt")
             _check_text(prompt, "prompt")
             # With the tokenizer's post-processor (BOS for Llama tokenizers), as vLLM and HF do.
-            ids = self._encode(prompt, add_special_tokens=True)
+            ids = self._encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = list(prompt)
         self._check_prompt(ids)
@@ -78,14 +83,15 @@ class ServerBase:
             raise ApiError(400, f"prompt has {len(ids)} tokens; this server accepts at most "
                            f"{self.limits.max_prompt_tokens}", param="prompt", code="prompt_too_long")
 
-    def _resolve_max_tokens(self, requested: int | None, prompt_len: int) -> int:
+    def _resolve_max_tokens(self, requested: int | None, prompt_len: int, allow_zero: bool = False) -> int:
         if requested is None:
             return max(1, min(self.limits.max_tokens, self.max_model_len - prompt_len))
         if requested > self.limits.max_tokens:
             raise ApiError(400, f"max_tokens {requested} exceeds this server's limit of {self.limits.max_tokens}",
                            param="max_tokens")
-        if requested < 1:
-            raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
+        if requested < (0 if allow_zero else 1):
+            raise ApiError(400, "max_tokens must be at least 0" if allow_zero else
+                           "max_tokens must be at least 1 (0, to score the prompt only, needs echo)", param="max_tokens")
         return requested
 
     def _token_text(self, token: int) -> str:
@@ -106,18 +112,23 @@ class ServerBase:
 
     async def _collect(self, submitted: tuple[list[RequestHandle], asyncio.Queue], request: Request,
                        n: int) -> tuple[list[str], list[list[Any]], list[RequestOutput]] | None:
-        """Run n requests to the end for a non-streamed reply: (texts, logprobs, final outputs),
-        or None when the client went away first."""
+        """Run n requests to the end for a non-streamed reply: (texts, logprobs, final outputs,
+        each carrying its request's prompt logprobs), or None when the client went away first."""
         texts = [""] * n
         lps: list[list[Any]] = [[] for _ in range(n)]
         final: list[RequestOutput | None] = [None] * n
+        prompt_lps: list[Any] = [None] * n
         async for i, out in self._merged(submitted, request):
             texts[i] += out.new_text
             lps[i].extend(out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                prompt_lps[i] = out.prompt_logprobs
             if out.finished:
                 final[i] = out
         if any(f is None for f in final):
             return None
+        for f, p in zip(final, prompt_lps):
+            f.prompt_logprobs = p  # type: ignore[union-attr]  # the final output carries them all
         return texts, lps, final  # type: ignore[return-value]
 
     async def _merged(self, submitted: tuple[list[RequestHandle], asyncio.Queue],
@@ -167,6 +178,21 @@ class ServerBase:
             kind = "invalid_request_error" if isinstance(exc, RequestRejected) else "server_error"
             yield self._sse(error_body(str(exc), kind))
             yield "data: [DONE]\n\n"
+
+    async def _structured_spec(self, body: Any) -> StructuredSpec | None:
+        """The request's structured-output constraint, checked (a bad schema, regex or grammar
+        is a 400 naming its field), or None."""
+        try:
+            found = body.structured_spec()
+        except FieldError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        if found is None:
+            return None
+        spec, field = found
+        problem = await self._off_loop(check_spec, spec)
+        if problem:
+            raise ApiError(400, f"{field}: {problem}", param=field)
+        return spec
 
     def _check_supported(self, body: Any) -> None:
         field = body.unsupported_field()

@@ -9,7 +9,7 @@ from tessera.inference.server.errors import error_response
 
 
 class _GuardMiddleware:
-    """Pure ASGI, in front of every route: the API-key check on /v1 and /api, then the whole
+    """Pure ASGI, in front of every route: the API-key check on /v1, /api, /tokenize and /detokenize, then the whole
     request body read here, bounded in size (400) and in time (408, connection closed: a client
     that stalls mid-body cannot hold a connection open), before any handler runs."""
 
@@ -21,7 +21,7 @@ class _GuardMiddleware:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
-        if self.api_key and (path.startswith("/v1") or path == "/api"):
+        if self.api_key and (path.startswith("/v1") or path in ("/api", "/tokenize", "/detokenize")):
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 resp = error_response(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",

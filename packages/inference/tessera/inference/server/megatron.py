@@ -66,7 +66,7 @@ async def megatron(srv: ServerBase, request: Request):
         texts.append(srv.tokenizer.decode(ids) + "".join(o.new_text for o in outs))
         segments.append([srv._token_text(t) for t in ids + gen])
         if body.logprobs:
-            prompt_lps = outs[-1].prompt_logprobs or []
+            prompt_lps = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), [])
             logprobs.append([lp.logprob for lp in prompt_lps if lp is not None] + [lp.logprob for lp in gen_lps])
     return {"text": texts, "segments": segments, "logprobs": logprobs if body.logprobs else None}
 

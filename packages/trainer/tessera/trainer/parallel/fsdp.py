@@ -43,6 +43,7 @@ from tessera.common.errors import UserError
 from tessera.common.parallel.layers import PARALLEL_TAGS, shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import to_global
+from tessera.trainer.optim import adamw_with_decay
 
 OPTIM_PREFIX = "optimizer."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -102,9 +103,7 @@ class FullyShardedOptimizer:
         self.params = [p for _, p in named_params]
         decay = [p for p in self.params if p.ndim >= 2]
         nodecay = [p for p in self.params if p.ndim < 2]
-        param_groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
-                                    {"params": nodecay, "weight_decay": 0.0}) if g["params"]]
-        self.inner = torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps)
+        self.inner = adamw_with_decay(decay, nodecay, weight_decay, lr, betas, eps)
 
     @property
     def param_groups(self) -> list[dict]:

@@ -28,6 +28,7 @@ from torch import nn
 from tessera.common.parallel.mappings import all_gather_flat
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import to_global
+from tessera.trainer.optim import adamw_with_decay
 from tessera.trainer.parallel.data_parallel import Bucket, GradientBuckets
 
 OPTIM_PREFIX = "optimizer."
@@ -64,9 +65,7 @@ class DistributedOptimizer:
             self.masters.append(nn.Parameter(shard if shard.dtype == torch.float32 else shard.clone().float()))
         decay = [m for m, b in zip(self.masters, self.buckets.buckets) if b.weight_decay]
         nodecay = [m for m, b in zip(self.masters, self.buckets.buckets) if not b.weight_decay]
-        param_groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
-                                    {"params": nodecay, "weight_decay": 0.0}) if g["params"]]
-        self.inner = torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps)
+        self.inner = adamw_with_decay(decay, nodecay, weight_decay, lr, betas, eps)
 
     @property
     def param_groups(self) -> list[dict]:
