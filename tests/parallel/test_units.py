@@ -38,7 +38,7 @@ def check(layout: ParallelLayout, **kw):
     (ParallelLayout(tensor=2), {"seq_len": 31, "sequence_parallel": True}, "seq_len (31) must be divisible"),
     (ParallelLayout(tensor=2), {"seq_len": 65}, "exceeds the model's max_seq_len"),
     (ParallelLayout(virtual_stages=2), {}, "needs --pipeline-parallel above 1"),
-    (ParallelLayout(expert=2), {}, "not supported yet"),
+    (ParallelLayout(expert=2), {}, "has no mixture-of-experts layers"),
     (ParallelLayout(context=2), {"seq_len": 18}, "--context-parallel 2: seq_len (18) must be divisible by 2 x 2"),
     (ParallelLayout(tensor=2), {"world_size": 4}, "processes were launched"),
     (ParallelLayout(data=4, data_shard=3), {}, "--data-shard 3 must divide the data-parallel size (4"),
