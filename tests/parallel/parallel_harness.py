@@ -38,6 +38,24 @@ def batch(step: int, cfg: ModelConfig, global_batch: int = GLOBAL_BATCH, seq: in
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
+EOD = 0  # the end-of-document token of the packed-documents batches
+DOCUMENTS = dict(eod_id=EOD, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+
+
+def documents_batch(step: int, cfg: ModelConfig, global_batch: int = GLOBAL_BATCH, seq: int = SEQ):
+    """Packed documents: (tokens, targets, model_inputs) of step `step`; about one token in five
+    is an end-of-document, so every sample holds several documents (positions restart after
+    each, attention stays inside each, no loss where the input is EOD)."""
+    from tessera.trainer.documents import DocumentMasking
+
+    g = torch.Generator().manual_seed(DATA_SEED + step)
+    x = torch.randint(1, cfg.vocab_size, (global_batch, seq + 1), generator=g)
+    x[torch.rand(x.shape, generator=g) < 0.2] = EOD
+    tokens, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    masking = DocumentMasking(**DOCUMENTS)
+    return tokens, masking.mask_labels(tokens, targets), masking.model_inputs(tokens)
+
+
 def reference_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     nodecay = [p for p in model.parameters() if p.ndim < 2]
@@ -47,21 +65,27 @@ def reference_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
 
 
 def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=None, autocast_bf16: bool = False,
-                  grad_norms: list[float] | None = None):
+                  grad_norms: list[float] | None = None, documents: bool = False):
     """Losses of `steps` single-process steps from step `start`; returns (losses, model, optimizer).
 
     With `autocast_bf16` the forward runs under torch.autocast(bf16) over the fp32 model (the
-    trainer's bf16 mode). The pre-clip gradient norms are appended to `grad_norms` when given."""
+    trainer's bf16 mode). The pre-clip gradient norms are appended to `grad_norms` when given.
+    With `documents` the batches are `documents_batch`'s packed documents (loss: mean over the
+    counted tokens of the batch)."""
     torch.manual_seed(0)
     model = model if model is not None else build_model(cfg, seed=MODEL_SEED)
     opt = opt if opt is not None else reference_optimizer(model)
     router = RouterStats(model) if cfg.moe is not None else None  # balancing bias, after each step
     losses = []
     for step in range(start, start + steps):
-        tokens, targets = batch(step, cfg)
+        inputs: dict = {}
+        if documents:
+            tokens, targets, inputs = documents_batch(step, cfg)
+        else:
+            tokens, targets = batch(step, cfg)
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
-            logits = model(tokens)
+            logits = model(tokens, **inputs)
         loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), targets.reshape(-1))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["max_grad_norm"])

@@ -89,9 +89,13 @@ def run_job(job: dict, cfg) -> None:
     losses, norms = [], []
     rows = harness.GLOBAL_BATCH // layout.data
     for step in range(job.get("start", 0), job.get("start", 0) + job["steps"]):
-        tokens, targets = harness.batch(step, cfg)
+        inputs: dict = {}
+        if job.get("documents"):
+            tokens, targets, inputs = harness.documents_batch(step, cfg)
+        else:
+            tokens, targets = harness.batch(step, cfg)
         sl = slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows)
-        r = rt.train_step(tokens[sl], targets[sl])
+        r = rt.train_step(tokens[sl], targets[sl], model_inputs={k: v[sl] for k, v in inputs.items()})
         losses.append(r.loss)
         norms.append(r.grad_norm)
     divergence.append(rt.replica_divergence())
@@ -100,6 +104,9 @@ def run_job(job: dict, cfg) -> None:
     if buckets is not None:
         result.update({"buckets": len(buckets.buckets), "deferred_buckets": sum(b.deferred for b in buckets.buckets),
                        "launched_during_backward": buckets.launched_during_backward})
+    if job.get("compiled"):  # frames torch.compile turned into graphs (0 if compile did nothing)
+        from torch._dynamo.utils import counters
+        result["compiled_blocks"] = counters["stats"]["unique_graphs"]
     if job.get("eval"):
         tokens, targets = harness.batch(harness.EVAL_STEP, cfg)
         result["eval_loss"] = rt.eval_step(tokens[sl], targets[sl])

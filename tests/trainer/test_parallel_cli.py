@@ -178,10 +178,11 @@ def test_sigterm_to_torchrun_saves_and_workers_exit_cleanly(data_dir):
 
 
 @pytest.mark.parametrize("overrides, world, expected", [
-    (["parallel.tensor=2"], 1, "parallel.tensor (2) x parallel.pipeline (1) = 2 does not divide the 1 launched"),
+    (["parallel.tensor=2"], 1, "parallel.tensor (2) x parallel.context (1) x parallel.pipeline (1) = 2 does not divide "
+                               "the 1 launched"),
     (["parallel.tensor=3"], 3, "must divide num_heads (4)"),
     (["parallel.pipeline=2", "parallel.virtual_stages=4"], 2, "8 pipeline stages"),
-    (["parallel.tensor=2", "training.compile=true"], 2, "training.compile (--compile) is supported in one process"),
+    (["parallel.context=3"], 3, "--context-parallel 3: seq_len (32) must be divisible by 2 x 3 = 6"),
     (["parallel.pipeline=2", "training.global_batch_size=2"], 2, "1F1B needs at least as many micro-batches"),
     (["training.global_batch_size=6", "training.micro_batch_size=2"], 2, "data-parallel size (2)"),
 ])

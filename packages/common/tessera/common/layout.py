@@ -154,8 +154,12 @@ def validate_layout(
         if cfg.moe.num_experts % layout.expert:
             raise UserError(f"--expert-parallel {layout.expert} must divide model.moe.num_experts "
                             f"({cfg.moe.num_experts}); each rank holds num_experts / expert_parallel experts")
-    if layout.context > 1 or layout.expert > 1:
-        raise UserError("layout: context and expert parallel are not supported yet; set them to 1")
+        raise UserError("layout: expert parallel is not supported by the trainer yet (the expert dispatch is "
+                        "built, its wiring into the runtime is not); set it to 1")
+    cp = layout.context
+    if cp > 1 and layout.data_shard > 1:
+        raise UserError("--context-parallel above 1 with --data-shard above 1 (FSDP) is not supported; "
+                        "use the distributed optimizer (ZeRO-1) with context parallel")
     if dp % layout.data_shard:
         raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({dp} = world size / "
                         "(tensor x context x expert x pipeline)); data / data_shard is the number of HSDP replicas")
@@ -173,8 +177,12 @@ def validate_layout(
         raise UserError(f"--tensor-parallel {tp} must divide the vocabulary rows ({cfg.vocab_rows}); pad the vocabulary "
                         f"(model.vocab_size_divisible_by; `tessera-ckpt reshard` re-pads a checkpoint)")
     if seq_len is not None:
-        if sequence_parallel and tp > 1 and seq_len % tp:
-            raise UserError(f"sequence parallel: seq_len ({seq_len}) must be divisible by --tensor-parallel {tp}")
+        if cp > 1 and seq_len % (2 * cp):
+            raise UserError(f"--context-parallel {cp}: seq_len ({seq_len}) must be divisible by 2 x {cp} = {2 * cp} "
+                            "(each context rank holds two of 2 x context equal chunks: i and 2C-1-i)")
+        if sequence_parallel and tp > 1 and (seq_len // cp) % tp:
+            by = f"--tensor-parallel {tp}" if cp == 1 else f"--context-parallel {cp} x --tensor-parallel {tp}"
+            raise UserError(f"sequence parallel: seq_len ({seq_len}) must be divisible by {by}")
         if seq_len > cfg.max_seq_len:
             raise UserError(f"seq_len ({seq_len}) exceeds the model's max_seq_len ({cfg.max_seq_len})")
     counts = layout.stage_layers(cfg.num_layers)

@@ -115,6 +115,7 @@ class ParallelConfigSection(StrictModel):
 
     tensor: int = Field(1, ge=1, description="Tensor-parallel size (= --tensor-parallel); must divide heads, kv heads, ffn size and vocab.")
     pipeline: int = Field(1, ge=1, description="Pipeline-parallel stages across ranks (= --pipeline-parallel); 1F1B schedule.")
+    context: int = Field(1, ge=1, description="Context-parallel size (= --context-parallel): the sequence split into 2 x context chunks, rank i holding chunks i and 2C-1-i; attention all-gathers keys/values. 2 x context must divide data.seq_len.")
     virtual_stages: int = Field(1, ge=1, description="Model chunks per pipeline rank (= --virtual-stages); above 1 selects interleaved 1F1B.")
     pipeline_layers: list[int] | None = Field(None, description="Layers per pipeline stage in stage order, pipeline x virtual_stages values (= --pipeline-layers 5,4,4,3); null = automatic (extra layers to the middle stages).")
     sequence_parallel: bool = Field(True, description="With tensor > 1: split norms/dropout along the sequence across tensor ranks (all-gather/reduce-scatter instead of all-reduce).")
@@ -127,15 +128,17 @@ class ParallelConfigSection(StrictModel):
 
     @property
     def model_parallel_size(self) -> int:
-        return self.tensor * self.pipeline
+        return self.tensor * self.context * self.pipeline
 
     def layout(self, world_size: int) -> ParallelLayout:
         """The full layout on `world_size` processes; UserError when it does not divide."""
         if world_size % self.model_parallel_size:
-            raise UserError(f"parallel.tensor ({self.tensor}) x parallel.pipeline ({self.pipeline}) = "
+            raise UserError(f"parallel.tensor ({self.tensor}) x parallel.context ({self.context}) x parallel.pipeline "
+                            f"({self.pipeline}) = "
                             f"{self.model_parallel_size} does not divide the {world_size} launched process(es); "
                             f"launch a multiple of {self.model_parallel_size} (torchrun --nproc-per-node)")
-        return ParallelLayout(tensor=self.tensor, pipeline=self.pipeline, virtual_stages=self.virtual_stages,
+        return ParallelLayout(tensor=self.tensor, context=self.context, pipeline=self.pipeline,
+                              virtual_stages=self.virtual_stages,
                               data=world_size // self.model_parallel_size, data_shard=self.data_shard,
                               pipeline_layers=self.pipeline_layers)
 

@@ -242,8 +242,6 @@ def check_init_from(path: Path, model: ModelConfig, tokenizer: Tokenizer) -> Pat
 def check_parallel_options(cfg: TrainConfig) -> None:
     """Options of the one-process step that the parallel runtime does not have (one line each)."""
     t = cfg.training
-    if t.compile:
-        raise UserError("training.compile (--compile) is supported in one process only; drop it under torchrun")
     if t.precision == "fp8":
         raise UserError("training.precision=fp8 is supported in one process only so far; use bf16 under torchrun")
     if t.loss_chunk_tokens is not None:

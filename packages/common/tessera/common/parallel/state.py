@@ -68,6 +68,7 @@ class ParallelGroups:
     dp_rank: int
     pp_rank: int
     embedding_group: dist.ProcessGroup | None = None
+    cp_rank: int = 0
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
 
     @property
@@ -81,6 +82,14 @@ class ParallelGroups:
     @property
     def pp_group(self) -> dist.ProcessGroup:
         return self._groups["pp"]
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self._groups["cp"]
+
+    @property
+    def cp(self) -> int:
+        return self.layout.context
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -144,8 +153,8 @@ def build_groups(layout: ParallelLayout, device: torch.device | None = None) -> 
             f"parallel layout {layout.short()} needs {layout.world_size} processes but the job has {world}; "
             "set --nproc-per-node/--nnodes so that tensor x context x expert x data x pipeline = world size"
         )
-    if layout.context > 1 or layout.expert > 1:
-        raise UserError("layout: context and expert parallel sizes above 1 are not supported yet; set them to 1")
+    if layout.expert > 1:
+        raise UserError("layout: expert parallel sizes above 1 are not supported yet; set them to 1")
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                         else torch.device("cpu"))
     if layout.data % layout.data_shard:
@@ -157,7 +166,7 @@ def build_groups(layout: ParallelLayout, device: torch.device | None = None) -> 
     rank = dist.get_rank()
     coords = mesh.get_coordinate()
     assert coords is not None
-    pp_rank, rep_rank, shard_rank, _, _, tp_rank = coords
+    pp_rank, rep_rank, shard_rank, _, cp_rank, tp_rank = coords
     dp_rank = rep_rank * layout.data_shard + shard_rank
     embedding_group = None
     if layout.pipeline > 1:
@@ -170,7 +179,7 @@ def build_groups(layout: ParallelLayout, device: torch.device | None = None) -> 
                 embedding_group = g
     return ParallelGroups(layout=layout, mesh=mesh, device=device, rank=rank, world_size=world,
                           tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
-                          embedding_group=embedding_group, _groups=groups)
+                          embedding_group=embedding_group, cp_rank=cp_rank, _groups=groups)
 
 
 _CURRENT: ParallelGroups | None = None

@@ -18,6 +18,9 @@ simply a view of the fp32 buffer (autograd accumulates into it); for bf16/fp16 p
 hook adds each micro-batch's gradient into the fp32 buffer and frees `param.grad` (Megatron's
 "main grads"), so accumulation, reduction, clipping and the optimizer never round to 16 bits.
 
+Under context parallel every gradient is first summed over the context group (each context rank
+saw only its chunks of the sequence), in the same launch.
+
 Some gradients need a tensor- or pipeline-group reduction first (norms and row biases under
 sequence parallel; the tied embedding on the first and last pipeline stage). They go into
 "deferred" buckets, reduced in `finish()` after those reductions, never from a hook: a hook
@@ -141,6 +144,8 @@ class GradientBuckets:
                 counted = False
             if not self.sharded and g.dp_rank != 0:
                 counted = False
+            if g.cp_rank != 0:  # replicated over context ranks
+                counted = False
             if counted:
                 counted_ranges.append((o, o + n))
         rank = g.dp_rank if self.sharded else 0
@@ -197,6 +202,11 @@ class GradientBuckets:
     def _launch(self, b: Bucket) -> None:
         b.launched = True
         g = self.groups
+        if g.cp > 1:
+            # Context ranks hold the same parameters, each the gradient of its tokens' share of
+            # the loss: sum them (blocking; context peers run identical backward passes, so the
+            # hooks fire in the same order on each), then reduce over data ranks as usual.
+            dist.all_reduce(b.grad_buf, group=g.cp_group)
         if g.dp == 1:
             return
         # Average over replicas: each holds the mean over its own micro-batches.

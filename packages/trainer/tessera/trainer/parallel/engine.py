@@ -59,7 +59,8 @@ class ParallelEngine:
                            bucket_numel=p.bucket_numel, seed=t.seed, fsdp_param_dtype=p.fsdp_param_dtype,
                            fsdp_reduce_dtype=p.fsdp_reduce_dtype, fsdp_cpu_offload=p.fsdp_cpu_offload,
                            autocast_bf16=t.precision == "bf16", autocast_fp16=t.precision == "fp16",
-                           per_token_loss=documents is not None and documents.per_token_loss),
+                           per_token_loss=documents is not None and documents.per_token_loss,
+                           compile=t.compile),
             OptimConfig(lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
                         weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.grad_clip or None),
             build_model=builder)

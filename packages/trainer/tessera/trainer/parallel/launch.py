@@ -3,7 +3,7 @@
     torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
         -m tessera.trainer --config run.yaml --tensor-parallel 2 --pipeline-parallel 2 --virtual-stages 2
 
-Data parallel is implied: world size / (tensor x pipeline). The trainer CLI adds these flags with
+Data parallel is implied: world size / (tensor x context x pipeline). The trainer CLI adds these flags with
 `add_parallel_arguments`, turns them into a layout with `layout_from_args` (validating before
 any work), and joins the job with `setup_parallel`.
 """
@@ -26,12 +26,15 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, defaults: bool = Tru
     that also reads the layout from a config file can tell given flags apart (see
     `parallel_overrides`)."""
     one = 1 if defaults else None
-    title = "parallelism (data parallel = world size / (tensor x pipeline))"
+    title = "parallelism (data parallel = world size / (tensor x context x pipeline))"
     if not defaults:
         title += "; each flag overrides the config's parallel.* key of the same name"
     g = parser.add_argument_group(title)
     g.add_argument("--tensor-parallel", type=int, default=one, metavar="N",
                    help="Tensor-parallel size: must divide heads, kv heads, ffn size and vocab (default 1).")
+    g.add_argument("--context-parallel", type=int, default=one, metavar="C",
+                   help="Context-parallel size: the sequence split into 2C chunks, rank i holding chunks i and "
+                        "2C-1-i, attention over all-gathered keys/values; 2C must divide the sequence (default 1).")
     g.add_argument("--pipeline-parallel", type=int, default=one, metavar="N",
                    help="Pipeline stages across ranks; 1F1B schedule (default 1).")
     g.add_argument("--virtual-stages", type=int, default=one, metavar="V",
@@ -54,7 +57,7 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, defaults: bool = Tru
 def parallel_overrides(args: argparse.Namespace, section: str = "parallel") -> list[str]:
     """Dotted config overrides (`parallel.tensor=2`, ...) for the flags that were given."""
     out = []
-    for flag, key in (("tensor_parallel", "tensor"), ("pipeline_parallel", "pipeline"),
+    for flag, key in (("tensor_parallel", "tensor"), ("context_parallel", "context"), ("pipeline_parallel", "pipeline"),
                       ("virtual_stages", "virtual_stages"), ("data_shard", "data_shard"),
                       ("sequence_parallel", "sequence_parallel"),
                       ("distributed_optimizer", "distributed_optimizer")):
@@ -71,17 +74,19 @@ def layout_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     """The layout the flags ask for on `world_size` processes (default: torchrun's WORLD_SIZE)."""
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     tp, pp, v, ds = args.tensor_parallel, args.pipeline_parallel, args.virtual_stages, args.data_shard
-    for flag, value in (("--tensor-parallel", tp), ("--pipeline-parallel", pp), ("--virtual-stages", v),
-                        ("--data-shard", ds)):
+    cp = getattr(args, "context_parallel", 1) or 1
+    for flag, value in (("--tensor-parallel", tp), ("--context-parallel", cp), ("--pipeline-parallel", pp),
+                        ("--virtual-stages", v), ("--data-shard", ds)):
         if value < 1:
             raise UserError(f"{flag} must be at least 1, got {value}")
-    if world % (tp * pp):
-        raise UserError(f"world size {world} is not divisible by --tensor-parallel {tp} x --pipeline-parallel {pp}; "
-                        "launch a multiple of tensor x pipeline processes")
-    if (world // (tp * pp)) % ds:
-        raise UserError(f"--data-shard {ds} must divide the data-parallel size {world // (tp * pp)} (world size "
-                        f"{world} / (tensor x pipeline)); the quotient is the number of HSDP replicas")
-    return ParallelLayout(tensor=tp, pipeline=pp, virtual_stages=v, data=world // (tp * pp), data_shard=ds,
+    model = tp * cp * pp
+    if world % model:
+        raise UserError(f"world size {world} is not divisible by --tensor-parallel {tp} x --context-parallel {cp} x "
+                        f"--pipeline-parallel {pp}; launch a multiple of tensor x context x pipeline processes")
+    if (world // model) % ds:
+        raise UserError(f"--data-shard {ds} must divide the data-parallel size {world // model} (world size "
+                        f"{world} / (tensor x context x pipeline)); the quotient is the number of HSDP replicas")
+    return ParallelLayout(tensor=tp, context=cp, pipeline=pp, virtual_stages=v, data=world // model, data_shard=ds,
                           pipeline_layers=parse_pipeline_layers(args.pipeline_layers))
 
 

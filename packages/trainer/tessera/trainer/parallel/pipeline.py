@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from tessera.common.model import Transformer
+from tessera.common.parallel.context_parallel import ContextParallel, ContextParallelAttention
 from tessera.common.parallel.layers import tag
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
@@ -31,27 +32,53 @@ TIED_NAME = "embed_tokens.weight"
 
 
 class StageModule(nn.Module):
-    """One pipeline chunk: tokens or hidden states in; hidden states, or local-vocab logits, out."""
+    """One pipeline chunk: tokens or hidden states in; hidden states, or local-vocab logits, out.
+
+    Under context parallel (`cp` of size C > 1) the chunk sees this rank's T/C tokens (chunks i
+    and 2C-1-i of the sequence, cut by the runtime): `seq_len` is that local length, the default
+    positions are those tokens' global positions, and attention runs through
+    `ContextParallelAttention` (all-gathered keys/values, mask by global token index)."""
 
     def __init__(self, model: Transformer, stage: int, num_stages: int, seq_len: int,
-                 tied_head: nn.Parameter | None = None):
+                 tied_head: nn.Parameter | None = None, cp: ContextParallel | None = None):
         super().__init__()
         self.model = model
         self.stage = stage
         self.num_stages = num_stages
-        self.seq_len = seq_len
+        self.cp = cp if cp is not None and cp.enabled else None
+        self.seq_len = seq_len // cp.size if self.cp is not None else seq_len
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
         self.tied_head = tied_head
-        self.register_buffer("positions", torch.arange(seq_len).unsqueeze(0), persistent=False)
+        self.full_seq_len = seq_len
+        self.register_buffer("positions", torch.empty(1, self.seq_len, dtype=torch.long), persistent=False)
+        self.register_buffer("key_index", torch.empty(seq_len if self.cp else 0, dtype=torch.long), persistent=False)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Default positions (this rank's tokens' global positions) and, under context parallel,
+        the global indices of the gathered keys; again after `to_empty` (sharded initialisation)."""
+        device = self.positions.device
+        if self.cp is None:
+            self.positions.copy_(torch.arange(self.seq_len, device=device).unsqueeze(0))
+        else:
+            self.positions.copy_(self.cp.local_index(self.full_seq_len, device).unsqueeze(0))
+            self.key_index.copy_(self.cp.key_index(self.full_seq_len, device))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`positions` / `document_ids` [B, T] (whole sequence) for packed documents; the pipeline
         schedule hands every stage its micro-batch's rows of them."""
         # Positions are explicit: under sequence parallel a later stage sees T/tp rows.
-        positions = self.positions if positions is None else positions
-        h = self.model(x, positions=positions, return_hidden=True, document_ids=document_ids)
+        if self.cp is not None:
+            # The local queries' global indices order causality (positions restart per document).
+            attention = ContextParallelAttention(self.cp, self.model, self.positions[0], self.key_index, document_ids)
+            positions = self.positions if positions is None else positions
+            h = self.model(x, positions=positions, return_hidden=True, attention_fn=attention)
+        else:
+            positions = self.positions if positions is None else positions
+            h = self.model(x, positions=positions, return_hidden=True, document_ids=document_ids)
         if not self.is_last:
             return h
         weight = self.tied_head if self.tied_head is not None else self.model.output_weight()
@@ -122,7 +149,8 @@ def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups,
         if tied and first and model.embed_tokens is not None:
             model.embed_tokens.weight.tied_embedding = True  # type: ignore[attr-defined]
         model.has_head = last
-        stage = StageModule(model, s, num_stages, seq_len, tied_head)
+        cp = ContextParallel(groups.cp_group if groups.cp > 1 else None, groups.cp, groups.cp_rank)
+        stage = StageModule(model, s, num_stages, seq_len, tied_head, cp)
         if not any(p.is_meta for p in stage.parameters()):
             stage.to(groups.device)
         stages.append(stage)

@@ -58,6 +58,7 @@ class ParallelConfig(StrictModel):
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: the dtype of the gradient reduce-scatter / all-reduce.")
     fsdp_cpu_offload: bool = Field(False, description="With data_shard > 1, on GPUs: keep sharded parameters, gradients and optimizer state in host memory; AdamW steps on the CPU.")
     fsdp_reshard_after_forward: bool = Field(True, description="With data_shard > 1: free each block's gathered parameters after its forward and gather them again in backward (ZeRO-3); false keeps them (ZeRO-2-like: more memory, one all-gather less).")
+    compile: bool = Field(False, description="torch.compile each transformer block's forward (per block, as torchtitan does: one graph per block, reused by every layer of the same shape; tensor-parallel collectives and FSDP hooks stay outside or at graph breaks). Parameter names are unchanged.")
     per_token_loss: bool = Field(False, description="Targets equal to -100 are ignored and the loss is the mean over the other tokens of the global batch (one all-reduce of the count over data-parallel ranks); for data.eod_mask_loss. Off: every token counts and the loss is the mean of equal-sized micro-batch means.")
 
     @model_validator(mode="after")
@@ -75,6 +76,16 @@ class OptimConfig(StrictModel):
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay on matrices (not norms or biases).")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Global gradient-norm clip; None disables it.")
+
+
+def compile_blocks(stages: list[StageModule]) -> None:
+    """torch.compile every transformer block's forward in place. The bound forward (recompute's
+    wrapper when recompute is on) is replaced by its compiled version, so module names, hooks
+    (sequence-parallel gathers on norms, FSDP's per-block all-gathers) and state dicts are as
+    without compile."""
+    for stage in stages:
+        for block in stage.model.layers.values():
+            block.forward = torch.compile(block.forward)
 
 
 class ParallelRuntime:
@@ -148,6 +159,8 @@ class ParallelRuntime:
         rng.seed_default()
         stages = build_stages(build_model, groups, counts, pcfg.seq_len, pcfg.sequence_parallel, rng,
                               init_seed=pcfg.seed)
+        if pcfg.compile:
+            compile_blocks(stages)
         if groups.dp_shard > 1:
             shard_stages(stages, groups, param_dtype=pcfg.fsdp_param_dtype, reduce_dtype=pcfg.fsdp_reduce_dtype,
                          cpu_offload=pcfg.fsdp_cpu_offload, reshard_after_forward=pcfg.fsdp_reshard_after_forward)
@@ -177,8 +190,7 @@ class ParallelRuntime:
         self._use_microbatches(tokens.shape[0])
         g, n = self.groups, self.num_microbatches
         self._set_token_weight(targets)
-        tokens, targets = tokens.to(g.device), targets.to(g.device)
-        model_inputs = {k: v.to(g.device) for k, v in (model_inputs or {}).items()}
+        tokens, targets, model_inputs = self._local(tokens, targets, model_inputs)
         self.optimizer.zero_grad(n)
         if self.router_stats is not None:
             self.router_stats.prepare(n)
@@ -186,6 +198,8 @@ class ParallelRuntime:
         total = torch.zeros((), dtype=torch.float32, device=g.device)
         with self._autocast():
             self._forward_backward(tokens, targets, model_inputs, total)
+        if g.cp > 1:  # each context rank's loss covers its share of the tokens
+            dist.all_reduce(total, group=g.cp_group)
         if g.dp > 1:
             dist.all_reduce(total, group=g.dp_group)
             total /= g.dp
@@ -193,6 +207,16 @@ class ParallelRuntime:
         norm = self.optimizer.step(inv_scale=1.0 / loss_scale, skip_nonfinite=scaled)
         self.router_metrics = self.router_stats.step() if self.router_stats is not None else {}
         return StepResult(loss=float(total), grad_norm=norm, stepped=not scaled or math.isfinite(norm))
+
+    def _local(self, tokens: torch.Tensor, targets: torch.Tensor, model_inputs: dict[str, torch.Tensor] | None):
+        """On this rank's device; under context parallel, cut to this rank's sequence chunks
+        (tokens, targets, positions and document ids alike: they travel together)."""
+        g, cp = self.groups, self.stages[0].cp
+        inputs = {k: v.to(g.device) for k, v in (model_inputs or {}).items()}
+        tokens, targets = tokens.to(g.device), targets.to(g.device)
+        if cp is None:
+            return tokens, targets, inputs
+        return cp.split(tokens), cp.split(targets), {k: cp.split(v) for k, v in inputs.items()}
 
     def _set_token_weight(self, targets: torch.Tensor) -> None:
         """per_token_loss: the weight turning a micro-batch's summed token loss into its share of the
@@ -210,7 +234,9 @@ class ParallelRuntime:
     def _micro_batch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the batch loss, from local-vocab logits."""
         if not self.pcfg.per_token_loss:
-            return vocab_parallel_cross_entropy(logits, targets, self.groups.tp_group).mean() / self.num_microbatches
+            # Under context parallel each rank's mean covers 1/C of the tokens: its share is mean / C.
+            share = self.num_microbatches * self.groups.cp
+            return vocab_parallel_cross_entropy(logits, targets, self.groups.tp_group).mean() / share
         counted = targets != IGNORE_INDEX
         # Ignored positions get a valid id (their loss is zeroed, so their gradient is zero too).
         per_token = vocab_parallel_cross_entropy(logits, targets.masked_fill(~counted, 0), self.groups.tp_group)
@@ -262,8 +288,7 @@ class ParallelRuntime:
         self._use_microbatches(tokens.shape[0])
         g, n, mb = self.groups, self.num_microbatches, self.pcfg.micro_batch
         self._set_token_weight(targets)
-        tokens, targets = tokens.to(g.device), targets.to(g.device)
-        model_inputs = {k: v.to(g.device) for k, v in (model_inputs or {}).items()}
+        tokens, targets, model_inputs = self._local(tokens, targets, model_inputs)
         was_training = self.stages[0].training
         self.train(False)
         total = torch.zeros((), dtype=torch.float32, device=g.device)
@@ -285,6 +310,8 @@ class ParallelRuntime:
                     dist.all_reduce(total, group=g.pp_group)
         finally:
             self.train(was_training)
+        if g.cp > 1:
+            dist.all_reduce(total, group=g.cp_group)
         if g.dp > 1:
             dist.all_reduce(total, group=g.dp_group)
             total /= g.dp
@@ -308,6 +335,8 @@ class ParallelRuntime:
             local = p.data.to_local() if isinstance(p.data, DTensor) else p.data
             if g.tp > 1 and getattr(p, "tp_shard_dim", None) is None:
                 spread(local, g.tp_group, g.tp)
+            if g.cp > 1:
+                spread(local, g.cp_group, g.cp)
             if g.dp_shard == 1 and g.dp > 1:
                 spread(local, g.dp_group, g.dp)
             elif g.layout.data_replicate > 1:  # fully sharded: the copies are the HSDP replicas

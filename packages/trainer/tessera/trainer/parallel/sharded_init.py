@@ -53,7 +53,7 @@ def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: in
     held: dict[str, list[torch.Tensor]] = {}
     for st in stages:
         _allocate(st, device)
-        st.positions.copy_(torch.arange(st.seq_len, device=device).unsqueeze(0))
+        st.reset_buffers()
         if st.model.rotary is not None:
             st.model.rotary.reset_parameters()
         for m in st.modules():

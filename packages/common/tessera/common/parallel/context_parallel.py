@@ -1,0 +1,116 @@
+"""Context parallel: the sequence split over a group of ranks, attention by all-gather of K/V.
+
+The sequence of T tokens is cut into 2C equal chunks; context rank i holds chunks i and 2C-1-i
+(load balance under the causal mask: an early chunk attends to few keys, a late one to many, so
+every rank gets the same amount of attention work). Everything outside attention is per token
+and runs on the local 2T/(2C) = T/C tokens unchanged: embeddings, norms, MLPs, the head, the loss.
+Inside attention each rank all-gathers the keys and values of the whole sequence (autograd:
+backward reduce-scatters their gradients, so a key's gradient sums the contributions of every
+rank's queries) and attends its local queries to them under a mask built from the *global token
+indices* of both sides (causal: key index <= query index) and, for packed documents, the document
+ids, gathered alongside (same document only), and a sliding window when the layer has one. This
+is exact: every query sees the same keys with the same mask as in one process, only the key
+order inside the softmax differs (float reassociation). Megatron offers the same all-gather
+variant ("a2a"/"allgather" CP) beside ring attention; all-gather is simpler, exact, and costs
+one [B, T, kv_heads, head_dim] K and V per layer in memory (ring attention would avoid that).
+
+Positions travel with the chunks: a rank's rotary/learned positions are the global positions of
+its tokens (or, for packed documents, the per-document positions of those tokens), so rotary
+embeddings are applied before the gather and need no further care.
+
+Parameters are replicated over the context group; each rank's gradient covers only its tokens,
+so gradients are summed over the group (the trainer's GradientBuckets) with each rank's loss
+scaled by 1/C (its share of the tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tessera.common.parallel.mappings import gather_seq
+
+
+def local_token_index(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """Global token indices [seq_len / cp] held by `cp_rank`: chunk cp_rank, then chunk 2C-1-cp_rank."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"seq_len {seq_len} is not divisible into 2 x {cp} chunks")
+    n = seq_len // (2 * cp)
+    first = torch.arange(cp_rank * n, (cp_rank + 1) * n)
+    last = torch.arange((2 * cp - 1 - cp_rank) * n, (2 * cp - cp_rank) * n)
+    return torch.cat([first, last])
+
+
+@dataclass
+class ContextParallel:
+    """This rank's place in the context-parallel group; slices full-sequence tensors to its chunks."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def local_index(self, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+        return local_token_index(seq_len, self.size, self.rank).to(device)
+
+    def key_index(self, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+        """Global token indices of the all-gathered keys, in gather (rank) order: [seq_len]."""
+        return torch.cat([local_token_index(seq_len, self.size, r) for r in range(self.size)]).to(device)
+
+    def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's chunks of a full-sequence tensor (sequence along `dim`)."""
+        if not self.enabled:
+            return x
+        return x.index_select(dim, self.local_index(x.shape[dim], x.device)).contiguous()
+
+    def gather_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """All-gather a local [B, T/C] integer tensor (document ids) in rank order, no autograd."""
+        parts = [torch.empty_like(ids) for _ in range(self.size)]
+        dist.all_gather(parts, ids.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+
+class ContextParallelAttention:
+    """An `attention_fn` for `Transformer.forward`: local queries against all-gathered keys/values.
+
+    Built once per forward (the masks are shared by every layer with the same sliding window).
+    `query_index` [Tl] and `key_index` [T] are global token indices; `document_ids` [B, Tl] the
+    local queries' documents (None: one document per sample)."""
+
+    def __init__(self, cp: ContextParallel, model, query_index: torch.Tensor, key_index: torch.Tensor,
+                 document_ids: torch.Tensor | None = None):
+        self.cp = cp
+        self.query_index, self.key_index = query_index, key_index
+        self.query_docs = document_ids
+        self.key_docs = cp.gather_ids(document_ids) if document_ids is not None else None
+        self.attn = {int(name): block.attn for name, block in model.layers.items()}
+        self._masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
+
+    def mask(self, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Additive [B or 1, 1, Tl, T] mask: causal by global index, same document, within the window."""
+        key = (window, dtype)
+        if key not in self._masks:
+            q, k = self.query_index[:, None], self.key_index[None, :]
+            allowed = (k <= q).unsqueeze(0)
+            if window is not None:
+                allowed = allowed & (k > q - window)
+            if self.query_docs is not None and self.key_docs is not None:
+                allowed = allowed & (self.query_docs.unsqueeze(2) == self.key_docs.unsqueeze(1))
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+            self._masks[key] = mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+        return self._masks[key]
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        attn = self.attn[layer_idx]
+        k, v = gather_seq(k, self.cp.group), gather_seq(v, self.cp.group)  # [B, T, Hkv, D]
+        mask = self.mask(attn.window, q.dtype, q.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            dropout_p=attn.dropout if attn.training else 0.0, enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
