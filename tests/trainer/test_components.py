@@ -72,12 +72,19 @@ def test_optimizer_is_fused_adamw_on_cpu_and_keeps_names():
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_params_and_flops_per_token_match_the_real_module(name):
     """Full-size presets on the meta device (shapes only, no memory): parameters counted from the
-    module, FLOPs of a real forward+backward counted by torch (math SDPA, so attention is visible)."""
+    module, FLOPs of a real forward+backward counted by torch (math SDPA, so attention is visible).
+    MoE routing is data-dependent (bincount has no meta kernel): its FLOPs are counted on a real
+    CPU forward, which only the tiny MoE presets can afford; the large ones check parameters."""
     cfg = preset(name)
     model = build_model(cfg, device="meta", seed=None)
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    device = "meta"
+    if cfg.moe is not None:
+        if cfg.num_params() > 50e6:
+            return
+        model, device = build_model(cfg, seed=0), "cpu"
     seq = 128
-    tokens = torch.randint(0, cfg.vocab_size, (1, seq), device="meta")
+    tokens = torch.randint(0, cfg.vocab_size, (1, seq), device=device)
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(tokens).float().sum().backward()
     assert counter.get_total_flops() / seq == pytest.approx(cfg.flops_per_token(seq), rel=1e-9)

@@ -41,7 +41,9 @@ def test_a_rank_killed_mid_run_restarts_and_finishes_like_an_uninterrupted_run(d
     reference = _torchrun(write(data_dir, "dp2_ref", save_interval=1), env={})
     assert reference.returncode == 0, reference.stderr[-3000:]
     # Rank 1 is SIGKILLed as it starts step 3 (after step 2's checkpoint); torchrun restarts both ranks once.
-    faulty = _torchrun(write(data_dir, "dp2_killed", save_interval=1), restarts=1,
+    # The watchdog turns a hang of the restarted attempt into every rank's stack (seen once under a
+    # full suite's load: the restarted job did not finish in 300 s; not reproduced since).
+    faulty = _torchrun(write(data_dir, "dp2_killed", save_interval=1, step_timeout_minutes=1.5), restarts=1,
                        env={"TESSERA_FAULT": "train.step@3", "TESSERA_FAULT_RANK": "1"})
     assert faulty.returncode == 0, faulty.stderr[-3000:]
     assert "torchrun restart 1: resuming from" in faulty.stdout + faulty.stderr
@@ -96,7 +98,7 @@ def test_a_second_sigterm_during_the_stop_still_exits_0_with_the_checkpoint(data
     assert read_pointer(data_dir / "term2" / "checkpoints") is not None
 
 
-def test_a_second_ctrl_c_during_a_save_exits_130_with_one_line(data_dir):
+def test_a_second_ctrl_c_exits_130_with_one_line_or_0_after_the_stops_save(data_dir):
     # save_interval=1 keeps the run inside DCP writes much of the time: the second SIGINT lands in one.
     config = write(data_dir, "int2", steps=400, save_interval=1)
     proc = _start_one_process(config)
@@ -105,8 +107,12 @@ def test_a_second_ctrl_c_during_a_save_exits_130_with_one_line(data_dir):
     time.sleep(0.15)  # two signals sent back to back reach the Python handler as one
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
-    assert "Traceback" not in err and err.strip().splitlines()[-1] == "tessera-train: interrupted", err[-2000:]
+    # Mid-step or mid-save: interrupted at once (130). After the stop's save: the run is already
+    # exiting 0 and ignores it. Never a traceback, never a death by SIGINT (-2).
+    assert proc.returncode in (0, 130), err[-2000:]
+    assert "Traceback" not in err
+    if proc.returncode == 130:
+        assert err.strip().splitlines()[-1] == "tessera-train: interrupted", err[-2000:]
     for d in (data_dir / "int2" / "checkpoints").glob("iter_*"):
         assert (d / "tessera_checkpoint.json").is_file()
 

@@ -78,7 +78,7 @@ def test_resume_prefers_the_runs_own_checkpoint(make_config, trained, tmp_path, 
 @pytest.mark.parametrize("overrides, expected", [
     (["model.hidden_size=64", "model.ffn_hidden_size=128"],
      "checkpoint.init_from holds another model than the config (checkpoint vs config: hidden_size 32 vs 64, "
-     "ffn_hidden_size 64 vs 128)"),
+     "ffn_hidden_size 64 vs 128, head_dim 8 vs 16)"),
     (["checkpoint.init_from=/nonexistent/ckpt"], "/nonexistent/ckpt: checkpoint not found"),
 ])
 def test_mismatched_or_missing_source_is_one_line(make_config, trained, tmp_path, capsys, overrides, expected):

@@ -3,8 +3,10 @@
 A preempted job (SLURM and Kubernetes send SIGTERM) thus loses nothing. A second SIGINT raises
 KeyboardInterrupt at once (the handlers in place before are restored first), so Ctrl-C twice still
 interrupts a run that hangs (exit 130, one line, also when it lands inside a checkpoint write).
-Further SIGTERMs once a stop was requested are ignored to the end of the process: schedulers
-repeat SIGTERM before the kill, and the save under way must finish (exit 0), not die with -15.
+Once a stop was requested and its save is done, the loop's exit leaves SIGTERM and SIGINT ignored
+to the end of the process: schedulers repeat SIGTERM before the kill, and a second Ctrl-C that
+arrives while the process is already tearing down must not turn the finished stop (exit 0) into a
+death by signal (-15, -2).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ class StopRequest:
 
     def restore(self, after_stop: bool = False) -> None:
         """Put the previous handlers back. `after_stop` (the training loop's exit): when a stop was
-        requested, SIGTERM stays ignored until the process exits instead (see the module docstring)."""
+        requested, both signals stay ignored until the process exits instead (module docstring)."""
         for sig, handler in self._previous.items():
-            keep_ignoring = after_stop and sig == signal.SIGTERM and self.signal_name is not None
+            keep_ignoring = after_stop and self.signal_name is not None
             signal.signal(sig, signal.SIG_IGN if keep_ignoring else handler)
         self._previous.clear()
