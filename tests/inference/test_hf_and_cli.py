@@ -93,6 +93,11 @@ def test_generate_cli_end_to_end(tiny_ckpt, tmp_path):
     assert [row["id"] for row in rows] == ["a", "2", "3"]
     assert rows[0]["completion_tokens"] == 4 and rows[1]["completion_tokens"] == 6
     assert len(rows[1]["logprobs"]) == 6
+    # Without --quiet into a file (a batch job's log): whole progress lines, no \r frames.
+    r = _cli("generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output",
+             str(tmp_path / "out2.jsonl"), "--max-tokens", "6", "--num-kv-blocks", "64")
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr and "generating: 3/3 prompt (100%)" in r.stderr, r.stderr[-500:]
 
 
 @pytest.mark.slow

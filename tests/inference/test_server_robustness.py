@@ -342,12 +342,13 @@ def test_health_is_answered_while_a_prompt_is_being_tokenized(tiny_ckpt):
         s.stop()
 
 
-def test_health_answers_in_under_100_ms_while_a_maximum_size_prompt_is_processed(tiny_ckpt):
+def test_health_keeps_answering_while_a_maximum_size_prompt_is_processed(tiny_ckpt):
     """A 3.9 MB prompt just under the 4 MiB body limit, with a token limit high enough that the
     server must tokenize it (seconds of work, then a 400 for its token count). /health is polled
     meanwhile. Every poll must answer, at least one while the prompt is in flight, each within a
-    generous 2 s (the bug froze /health 4-12 s; on an idle machine polls take a few ms, the
-    100 ms of the acceptance criterion; a 2-core machine shared by several jobs needs slack)."""
+    generous 2 s (the bug froze /health 4-12 s). Measured (printed with -s): max 247 ms over 70
+    polls on the 2-core box with nothing else running, 0.5 s under load; the issue's 100 ms is
+    not met yet (tokenizers' encode_batch still takes the GIL in parts)."""
     limits = ServerLimits(max_prompt_tokens=100_000, max_tokens=100, max_prompts=4, max_body_bytes=4 * 2**20)
     s = LiveServer(tiny_ckpt, limits=limits, block_size=8, num_kv_blocks=64)
     try:

@@ -110,9 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"{out_path}: --output is the --prompts file; write the completions elsewhere")
     ensure_output_dir(out_path.parent, "--output")
 
-    from tqdm import tqdm
-
     from tessera.common.fileio import atomic_file
+    from tessera.common.progress import progress
     from tessera.inference.chat_template import ChatTemplateError, render_chat
     from tessera.inference.engine import LLMEngine, RequestRejected
     from tessera.inference.loader import load_for_serving, resolve_device, resolve_dtype
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"{args.prompts}: prompt {rid}: {exc}") from None
         results[key] = {"id": rid, "text": "", "token_ids": [], "logprobs": [] if fields.get("logprobs") is not None else None}
 
-    bar = tqdm(total=len(jobs), desc="generating", unit="prompt", disable=args.quiet)
+    bar = progress(total=len(jobs), desc="generating", unit="prompt", quiet=args.quiet)
 
     def collect(out) -> None:
         r = results[out.request_id]
