@@ -162,3 +162,35 @@ class ShardedDcpWriter:
     def abort(self) -> None:
         for f in self.raw:
             f.close()
+
+
+def write_imported_checkpoint(tmp: Path, tensors: Iterator[tuple[str, torch.Tensor]], cfg: Any, tokenizer: Any,
+                              out_dtype: torch.dtype, imported_from: dict, bar: Any, sync: bool) -> None:
+    """An imported model as a one-rank checkpoints directory under `tmp` (renamed by the caller's
+    atomic_directory): every (name, global tensor) written as `model.<name>` in `out_dtype`, hashed as
+    written, then the tokenizer, the sidecar (last; `imported_from` recorded) and the pointer. Shared by
+    `import --format hf` and `--format megatron`."""
+    from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, iter_dir_name, write_pointer
+    from tessera.common.fileio import fsync_tree
+
+    target = tmp / iter_dir_name(0)
+    writer = ShardedDcpWriter(target, 1, sync=sync)
+    try:
+        for name, tensor in tensors:
+            # A view or another dtype is materialised by the writer in its reused staging buffer.
+            writer.write_tensor("model." + name, tensor, whole(tuple(tensor.shape)), dtype=out_dtype)
+            bar.update(tensor.numel() * out_dtype.itemsize)
+            del tensor
+    except BaseException:
+        writer.abort()
+        raise
+    checksums = writer.close()
+    if tokenizer is not None:
+        tokenizer.save(target / "tokenizer")
+        if sync:
+            fsync_tree(target / "tokenizer")
+    sidecar = CheckpointSidecar(model=cfg, tokenizer_fingerprint=tokenizer.fingerprint if tokenizer else None,
+                                params_dtype=str(out_dtype).removeprefix("torch."))
+    sidecar.imported_from = imported_from  # type: ignore[attr-defined]  # extra field, kept by the sidecar model
+    finalize_checkpoint(target, sidecar, checksums, sync=sync)  # rank files hashed as written; .metadata here
+    write_pointer(tmp, 0, sync=sync)

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import torch
 
-from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
+from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import SafetensorsFile
-from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, iter_dir_name, write_pointer
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import atomic_directory, fsync_tree
+from tessera.common.fileio import atomic_directory
 from tessera.common.hf import (
     CONFIG,
     SAFETENSORS_INDEX,
@@ -91,30 +90,10 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
 
     with atomic_directory(output, overwrite=overwrite, sync=sync) as tmp, \
             Progress(total, len(rules), f"import hf -> {output.name}", quiet) as bar:
-        target = tmp / iter_dir_name(0)
-        writer = ShardedDcpWriter(target, 1, sync=sync)
-        try:
-            for rule in rules:
-                # A view or another dtype is materialised by the writer in its reused staging buffer.
-                tensor = rule.apply([weights.get(s) for s in rule.sources])
-                writer.write_tensor("model." + rule.target, tensor, whole(rule.shape), dtype=out_dtype)
-                bar.update(tensor.numel() * itemsize)
-                del tensor
-        except BaseException:
-            writer.abort()
-            raise
-        checksums = writer.close()
-        if tok is not None:
-            tok.save(target / "tokenizer")
-            if sync:
-                fsync_tree(target / "tokenizer")
-        sidecar = CheckpointSidecar(model=cfg, tokenizer_fingerprint=tok.fingerprint if tok else None,
-                                    params_dtype=str(out_dtype).removeprefix("torch."))
-        sidecar.imported_from = {  # type: ignore[attr-defined]  # extra field, kept by the sidecar model
+        tensors = ((rule.target, rule.apply([weights.get(s) for s in rule.sources])) for rule in rules)
+        write_imported_checkpoint(tmp, tensors, cfg, tok, out_dtype, {
             "path": str(input_dir.resolve()), "format": "hf",
-            "config_sha256": hashlib.sha256(config_path.read_bytes()).hexdigest()}
-        finalize_checkpoint(target, sidecar, checksums, sync=sync)  # rank files hashed as written; .metadata here
-        write_pointer(tmp, 0, sync=sync)
+            "config_sha256": hashlib.sha256(config_path.read_bytes()).hexdigest()}, bar, sync)
     return output
 
 

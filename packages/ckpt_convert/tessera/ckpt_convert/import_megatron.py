@@ -34,11 +34,10 @@ from pathlib import Path
 
 import torch
 
-from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
+from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
 from tessera.ckpt_convert.progress import Progress
-from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, iter_dir_name, write_pointer
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import atomic_directory, fsync_tree
+from tessera.common.fileio import atomic_directory
 from tessera.common.model_config import ModelConfig
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import load_tokenizer
@@ -160,24 +159,6 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
     with atomic_directory(output, overwrite=overwrite, sync=sync) as tmp, \
             Progress(sum(t.numel() for t in tensors.values()) * out_dtype.itemsize, len(tensors),
                      f"import megatron -> {output.name}", quiet) as bar:
-        target = tmp / iter_dir_name(0)
-        writer = ShardedDcpWriter(target, 1, sync=sync)
-        try:
-            for name in expected:
-                t = tensors[name]
-                writer.write_tensor("model." + name, t, whole(tuple(t.shape)), dtype=out_dtype)
-                bar.update(t.numel() * out_dtype.itemsize)
-        except BaseException:
-            writer.abort()
-            raise
-        checksums = writer.close()
-        if tok is not None:
-            tok.save(target / "tokenizer")
-            if sync:
-                fsync_tree(target / "tokenizer")
-        sidecar = CheckpointSidecar(model=cfg, tokenizer_fingerprint=tok.fingerprint if tok else None,
-                                    params_dtype=str(out_dtype).removeprefix("torch."))
-        sidecar.imported_from = {"path": str(input_dir.resolve()), "format": "megatron"}  # type: ignore[attr-defined]
-        finalize_checkpoint(target, sidecar, checksums, sync=sync)
-        write_pointer(tmp, 0, sync=sync)
+        write_imported_checkpoint(tmp, ((name, tensors[name]) for name in expected), cfg, tok, out_dtype,
+                                  {"path": str(input_dir.resolve()), "format": "megatron"}, bar, sync)
     return output
