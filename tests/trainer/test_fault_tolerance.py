@@ -121,8 +121,6 @@ def test_a_second_ctrl_c_exits_130_with_one_line_or_0_after_the_stops_save(data_
 
 
 def test_training_log_lines_carry_time_elapsed_eta_and_a_bounded_cpu_mfu(data_dir):
-    from tessera.trainer.cli import main
-
     run_dir = data_dir / "clock"
     with open(data_dir / "clock.log", "w") as log:
         proc = subprocess.run([str(BIN / "tessera-train"), "--config", str(write(data_dir, "clock"))],
@@ -138,4 +136,3 @@ def test_training_log_lines_carry_time_elapsed_eta_and_a_bounded_cpu_mfu(data_di
     for rec in records(run_dir, "train").values():
         assert rec["time"] and rec["elapsed_s"] >= 0 and rec["eta_s"] >= 0
         assert 0 < rec["mfu"] <= 1.0 and rec["mfu_estimate"] is True
-    assert main is not None
