@@ -50,6 +50,12 @@ def read_all(ckpt: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def expert_blocks(ckpt: Path, name: str = "model.layers.1.mlp.experts.gate_proj") -> list[tuple[int, int]]:
+    """(first expert, experts) of each stored chunk of an expert tensor, in expert order."""
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    return sorted((c.offsets[0], c.sizes[0]) for c in meta.state_dict_metadata[name].chunks)
+
+
 def test_expert_parallel_alone_and_with_tensor_pipeline_and_data_parallel_trains_like_one_process(tmp_path):
     torch.set_num_threads(1)
     want, want_norms, model = _reference(STEPS)
@@ -76,8 +82,8 @@ def test_expert_parallel_alone_and_with_tensor_pipeline_and_data_parallel_trains
         assert_moe_weights(tmp_path / name, model, name)
         assert out["divergence"] == [0.0, 0.0], f"{name}: replicas diverged {out['divergence']}"
         assert out["router"]["moe_max_load"] >= 1.0 and out["router"]["moe_dropped"] == 0
-    # One bucket kind per reduction group: dense (data x expert) and expert (data) weights apart.
-    assert _out(tmp_path, "ep2_dp2")["buckets"] > _out(tmp_path, "ep2_dp2")["deferred_buckets"]
+    # Each expert rank stored its own experts (Shard(0) over the expert mesh), once.
+    assert expert_blocks(tmp_path / "ep2_dp2") == [(0, 2), (2, 2)]
 
 
 def test_checkpoints_are_layout_free_across_expert_parallel_sizes(tmp_path):
@@ -152,6 +158,8 @@ def test_offline_reshard_across_expert_parallel_sizes_round_trips_bit_identicall
     ep1 = reshard(src, "ep1_dp2", "--expert-parallel", "1", "--data-parallel", "2")
     back = reshard(tmp_path / "ep1_dp2", "ep2_back", "--expert-parallel", "2")
     assert read_sidecar(ep1).layout.expert == 1 and read_sidecar(back).layout.expert == 2
+    # Partitioned for the target: one block of experts per expert rank, whole for EP1.
+    assert expert_blocks(ep1) == [(0, 4)] and expert_blocks(back) == [(0, 2), (2, 2)]
     original = read_all(resolve_checkpoint(src))
     for ck in (ep1, back):
         got = read_all(ck)
