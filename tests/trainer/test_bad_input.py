@@ -31,7 +31,7 @@ def run_expect_usage_error(argv, capsys) -> str:
     (["model.preset=nope"], "unknown preset 'nope'"),
     (["model.moe.num_experts=4", "model.moe.top_k=5", "model.moe.ffn_hidden_size=32"],
      "top_k (5) must not exceed num_experts (4)"),
-    (["model.moe.num_experts=4", "model.moe.ffn_hidden_size=32", "--expert-parallel", "3"],
+    (["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=32", "--expert-parallel", "3"],
      "--expert-parallel 3 must divide model.moe.num_experts (4)"),
     (["parallel.expert=2"], "--expert-parallel 2: the model has no mixture-of-experts layers (model.moe)"),
     (["training.precision=fp8"], "training.precision"),
