@@ -29,6 +29,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,26 +53,27 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     base = preset(PRESETS[args.family])
     moe = base.moe.model_copy(update={"num_experts": args.experts, "top_k": args.top_k,
                                       "ffn_hidden_size": args.expert_ffn, "aux_loss_coef": 0.0})
+    # Mixtral's experts are as wide as its (unused) dense MLP: intermediate_size is both.
+    dense = {"ffn_hidden_size": args.expert_ffn} if args.family == "mixtral" else {}
     return preset(PRESETS[args.family], hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                   num_kv_heads=args.kv_heads, vocab_size=args.vocab, max_seq_len=max(args.seq, 64),
-                  moe=moe.model_dump())
+                  moe=moe.model_dump(), **dense)
 
 
 def hf_model(cfg: ModelConfig, ours: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """transformers' model of `cfg`'s family from the config Tessera exports, with Tessera's weights."""
+    """transformers' model of `cfg`'s family with Tessera's weights, loaded the way a user loads an
+    export: config.json + model.safetensors (the adapter's names, one tensor per expert) through
+    `from_pretrained`, which converts them to its in-memory layout (fused experts in transformers 5)."""
     import transformers
+    from safetensors.torch import save_file
 
-    data = hf_config(cfg, torch.float32, None, None)
-    config = transformers.AutoConfig.for_model(**data)
-    config._attn_implementation = "sdpa"
-    hf = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).to(device)
     src = dict(ours.named_parameters())
-    want = dict(hf.named_parameters())
-    with torch.no_grad():
-        for rule in export_rules(cfg):
-            if rule.target in want:  # a tied model's lm_head is the embedding
-                want[rule.target].copy_(rule.apply([src[s] for s in rule.sources]))
-    hf.train()
+    tensors = {r.target: r.apply([src[s].detach() for s in r.sources]).contiguous() for r in export_rules(cfg)}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(hf_config(cfg, torch.float32, None, None)))
+        save_file(tensors, str(Path(tmp) / "model.safetensors"))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa")
+    hf.to(device).train()
     return hf
 
 
@@ -152,6 +154,14 @@ def main() -> None:
 
     ours = prepare_model(cfg, device, seed=0)
     hf = hf_model(cfg, ours, device)
+    with torch.no_grad():  # the same model: same logits before any step
+        ours.eval()
+        hf.eval()
+        a, b = ours(batches[0][0]), hf(input_ids=batches[0][0]).logits
+        ours.train()
+        hf.train()
+    print(f"same model check: max |logits difference| {float((a - b).abs().max()):.2e} "
+          f"(logits up to {float(b.abs().max()):.2f})")
     precision = Precision(args.precision, device)
     step_fns = {"transformers": hf_standard_step(hf, optim_cfg, precision),
                 "tessera": tessera_step(ours, optim_cfg, precision, not args.no_compile)}
