@@ -1,5 +1,5 @@
-"""Expert parallel in the training runtime: EP2 alone and with tensor, pipeline and data parallel
-trains like one process (gloo/CPU, fp32: losses 1e-5 relative, pre-clip gradient norms 1e-4),
+"""Expert parallel in the training runtime: EP2 alone and with tensor, pipeline, data and context
+parallel trains like one process (gloo/CPU, fp32: losses 1e-5 relative, pre-clip gradient norms 1e-4),
 and checkpoints are layout-free across expert-parallel sizes (online on resume, offline with
 `tessera-ckpt reshard --expert-parallel`), the balancing bias included.
 
@@ -67,6 +67,7 @@ def test_expert_parallel_alone_and_with_tensor_pipeline_and_data_parallel_trains
         "ep2_tp2": dict(layout=dict(tensor=2, expert=2), parallel=dict(micro_batch=2, sequence_parallel=True)),
         "ep2_pp2": dict(layout=dict(expert=2, pipeline=2), parallel=dict(micro_batch=1), meta=True),
         "ep2_dp2": dict(layout=dict(expert=2, data=2), parallel=dict(micro_batch=1)),
+        "ep2_cp2": dict(layout=dict(expert=2, context=2), parallel=dict(micro_batch=2)),
     }
     for nproc, jobs in ((2, two), (4, four)):
         spec = {"model": H.MOE, "jobs": [_job(tmp_path, n, steps=STEPS, save=str(tmp_path / n), **j)

@@ -143,9 +143,6 @@ def check_expert_parallel(cfg: ModelConfig, layout: ParallelLayout) -> None:
     if layout.data_shard > 1:
         raise UserError("--expert-parallel above 1 with --data-shard above 1 (FSDP) is not supported; "
                         "use the distributed optimizer (ZeRO-1) with expert parallel")
-    if layout.context > 1:
-        raise UserError("--expert-parallel above 1 with --context-parallel above 1 is not supported; "
-                        "set one of them to 1")
 
 
 def validate_layout(
