@@ -365,6 +365,8 @@ def structured_rounds(url: str, workload, args, arrivals) -> None:
                 res = asyncio.run(run_client(url, workload, args.concurrency, arrivals, extra_body=STRUCTURED_BODY))
                 if free_workload is None:
                     free_workload = [(p, n) for (p, _), n in zip(workload, res["completion_tokens"])]
+                    if min(res["completion_tokens"]) < 1:
+                        raise SystemExit("a constrained request produced no tokens (see the server log)")
             else:
                 res = asyncio.run(run_client(url, free_workload, args.concurrency, arrivals))
             results[name].append(res)
