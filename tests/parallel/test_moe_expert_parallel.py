@@ -62,6 +62,9 @@ def test_expert_parallel_alone_and_with_tensor_pipeline_and_data_parallel_trains
     two = {  # global batch 8: each expert rank reads 4 rows
         "ep2": dict(layout=dict(expert=2), parallel=dict(micro_batch=2)),
         "ep2_allreduce": dict(layout=dict(expert=2), parallel=dict(micro_batch=2, distributed_optimizer=False)),
+        # Packed documents, loss over the counted tokens of the whole batch (counted over data x expert).
+        "ep2_documents": dict(layout=dict(expert=2), parallel=dict(micro_batch=2, per_token_loss=True),
+                              documents=True),
     }
     four = {
         "ep2_tp2": dict(layout=dict(tensor=2, expert=2), parallel=dict(micro_batch=2, sequence_parallel=True)),
@@ -73,14 +76,17 @@ def test_expert_parallel_alone_and_with_tensor_pipeline_and_data_parallel_trains
         spec = {"model": H.MOE, "jobs": [_job(tmp_path, n, steps=STEPS, save=str(tmp_path / n), **j)
                                          for n, j in jobs.items()]}
         torchrun(nproc, spec, tmp_path, timeout=400)
+    doc_norms: list[float] = []
+    doc_want, doc_model, _ = H.reference_run(H.model_config(**H.MOE), STEPS, grad_norms=doc_norms, documents=True)
     for name in (*two, *four):
         out = _out(tmp_path, name)
-        assert_close_seq(out["losses"], want, name)
-        for i, (g, w) in enumerate(zip(out["grad_norms"], want_norms)):
+        ref = (doc_want, doc_norms, doc_model) if name == "ep2_documents" else (want, want_norms, model)
+        assert_close_seq(out["losses"], ref[0], name)
+        for i, (g, w) in enumerate(zip(out["grad_norms"], ref[1])):
             assert abs(g - w) <= NORM_RTOL * w, f"{name}: step {i}: grad norm {g} vs reference {w}"
         # Saved global expert tensors (and everything else, the balancing bias exactly) are the
         # one-process ones: each expert rank's slice in its place.
-        assert_moe_weights(tmp_path / name, model, name)
+        assert_moe_weights(tmp_path / name, ref[2], name)
         assert out["divergence"] == [0.0, 0.0], f"{name}: replicas diverged {out['divergence']}"
         assert out["router"]["moe_max_load"] >= 1.0 and out["router"]["moe_dropped"] == 0
     # Each expert rank stored its own experts (Shard(0) over the expert mesh), once.
