@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import json
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
-import weakref
-
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
-from torch.distributed.tensor import DTensor
 
 from tessera.common.layout import ParallelLayout
 from tessera.common.model import Transformer

@@ -95,7 +95,7 @@ def measure_block(cfg_json: str, layer: int, batch: int, seq: int, autocast_bf16
     return live
 
 
-def _resid_bytes(spec: PlanSpec) -> float:
+def resid_bytes(spec: PlanSpec) -> float:
     return 4.0  # the residual stream stays in the parameter dtype (fp32; bf16 parameters: 2)
 
 
@@ -107,7 +107,7 @@ def layer_activation_bytes(spec: PlanSpec, layer: int = 0) -> float:
     b, s = spec.micro_batch, spec.seq_len // cp
     bf16 = spec.precision != "fp32"
     total = float(measure_block(local.model_dump_json(), layer, b, s, bf16, spec.recompute))
-    rb = 2.0 if spec.precision in ("bf16-master", "fp8") else _resid_bytes(spec)
+    rb = 2.0 if spec.precision in ("bf16-master", "fp8") else resid_bytes(spec)
     if spec.precision in ("bf16-master", "fp8"):  # measured with fp32 residual under autocast: halve it
         total -= (2 if spec.recompute != "full" else 1) * b * s * cfg.hidden_size * 2.0
     if tp > 1 and spec.sequence_parallel:

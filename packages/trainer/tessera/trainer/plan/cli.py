@@ -137,7 +137,7 @@ def _print_one(spec: PlanSpec, mem: MemoryPlan, tp: TimePlan, device: DeviceSpec
           f"per rank); {spec.precision}, recompute {spec.recompute}")
     print(f"layout: {d['layout']} ({d['world']} ranks); device: {device.name}, {device.memory_gib:.1f} GiB")
     print(f"per-rank memory (pipeline rank {mem.pp_rank}, the largest), GiB:")
-    for key in ("weights", "grads", "optimizer", "activations", "buffers", "optimizer_temp"):
+    for key in ("weights", "grads", "optimizer", "activations", "buffers", "optimizer_temp", "init"):
         print(f"  {key:<15} {_gib(getattr(mem, key))}")
     print(f"  {'peak':<15} {_gib(mem.peak)}  ({'fits' if d['fits'] else 'does NOT fit'} in {device.memory_gib:.1f})")
     print(f"step: {tp.step_s:.3f} s (compute {tp.compute_s:.3f}, bubble {tp.bubble_s:.3f}, exposed communication "

@@ -24,8 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tessera.common.model_config import ModelConfig
-from tessera.trainer.plan.activations import (_resid_bytes, head_loss_bytes, layer_activation_bytes,
-                                              recompute_buffer_bytes, saved_head_bytes)
+from tessera.trainer.plan.activations import (
+    head_loss_bytes,
+    layer_activation_bytes,
+    recompute_buffer_bytes,
+    resid_bytes,
+    saved_head_bytes,
+)
 from tessera.trainer.plan.spec import PlanSpec
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by rows (weight and bias)
@@ -116,6 +121,7 @@ class MemoryPlan:
     activations: float  # saved for backward at the peak (all micro-batches in flight)
     buffers: float  # loss/logits buffers, FSDP gathered blocks and unsharded grads, comm scratch
     optimizer_temp: float  # the optimizer step's temporaries
+    init: float = 0.0  # while the model is initialised (before the first step)
     pp_rank: int = 0
     grads_in_backward: bool = True  # False: gradients appear only as activations are freed
     notes: list[str] = field(default_factory=list)
@@ -127,11 +133,12 @@ class MemoryPlan:
     @property
     def peak(self) -> float:
         backward = self.static - (0.0 if self.grads_in_backward else self.grads) + self.activations + self.buffers
-        return max(backward, self.static + self.optimizer_temp)
+        return max(backward, self.static + self.optimizer_temp, self.init)
 
     def as_dict(self) -> dict[str, float]:
         return dict(weights=self.weights, grads=self.grads, optimizer=self.optimizer, activations=self.activations,
-                    buffers=self.buffers, optimizer_temp=self.optimizer_temp, peak=self.peak, pp_rank=self.pp_rank)
+                    buffers=self.buffers, optimizer_temp=self.optimizer_temp, init=self.init, peak=self.peak,
+                    pp_rank=self.pp_rank)
 
 
 def _bytes_per_param(spec: PlanSpec) -> tuple[float, float, float]:
@@ -184,7 +191,7 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
         # schedule holds a receive buffer per micro-batch for every stage input and output gradient.
         tokens = spec.micro_batch * spec.seq_len // lay.context
         sp = lay.tensor if spec.sequence_parallel and lay.tensor > 1 else 1
-        hidden = tokens // sp * spec.model.hidden_size * _resid_bytes(spec)
+        hidden = tokens // sp * spec.model.hidden_size * resid_bytes(spec)
         chunks = [s for s in range(lay.num_stages) if s % lay.pipeline == pp_rank]
         acts += flight * lay.virtual_stages * hidden
         recv = sum((s > 0) + (s < lay.num_stages - 1) for s in chunks)
@@ -196,8 +203,19 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
         buffers += head_loss_bytes(spec)
     if spec.precision == "bf16":  # autocast keeps a bf16 copy of every weight used, forward to backward
         buffers += params.total * 2.0
+    # Sharded initialisation (tessera.trainer.parallel.sharded_init) allocates this rank's tensor x
+    # pipeline share of the model in fp32 and replays the initialisation one global module at a
+    # time (the largest: the embedding, or one MoE layer's experts); FSDP shards afterwards.
+    cfg = spec.model
+    largest = cfg.vocab_rows * cfg.hidden_size
+    if cfg.moe is not None:
+        largest = max(largest, 3 * cfg.moe.num_experts * cfg.moe.ffn_hidden_size * cfg.hidden_size)
+    init = (params.total + largest) * 4.0
+    if spec.fsdp:
+        notes.append(f"initialisation holds this rank's unsharded tensor x pipeline share in fp32 "
+                     f"({init / 2**30:.2f} GiB) before FSDP shards it")
     return MemoryPlan(weights=weights, grads=grads, optimizer=optimizer, activations=acts, buffers=buffers,
-                      optimizer_temp=opt_temp, pp_rank=pp_rank, notes=notes,
+                      optimizer_temp=opt_temp, init=init, pp_rank=pp_rank, notes=notes,
                       # FSDP frees the sharded gradients at zero_grad and reduce-scatters new ones
                       # block by block in backward: with one micro-batch none exist at the peak.
                       grads_in_backward=not (spec.fsdp and spec.num_microbatches == 1))
