@@ -121,3 +121,10 @@ def test_bad_layouts_and_devices_are_refused_with_one_line(tmp_path, flags, word
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if "Warning" not in ln and "_conversion_method" not in ln]
     assert len(lines) == 1 and words in lines[0], proc.stderr
+
+
+def test_a_mixture_of_experts_model_is_planned_though_its_routing_cannot_run_on_fake_tensors():
+    cfg = preset("mixtral-tiny")
+    moe = plan_memory(spec(model=cfg)).activations
+    dense = plan_memory(spec(model=cfg.model_copy(update={"moe": None}))).activations
+    assert moe > dense  # top_k experts' widths, dispatched copies and router outputs per token

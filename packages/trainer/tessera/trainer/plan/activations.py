@@ -17,7 +17,12 @@ Corrections the single-device block cannot show, analytic:
 * context parallel: keys and values are all-gathered to the full sequence and kept, plus one
   additive [T/C, T] mask per micro-batch (ContextParallelAttention);
 * full recompute: during backward one block's activations are rebuilt (a transient counted with
-  the buffers).
+  the buffers);
+* mixture-of-experts layers: routing has data-dependent shapes, which fake tensors cannot run, so
+  an MoE block is measured as a dense block whose SwiGLU width is what one token passes through
+  (top_k x expert width + shared experts), plus each token's top_k dispatched copies of its
+  hidden state and the router's [tokens, experts] logits and probabilities (an estimate, not
+  validated against a measured MoE run).
 """
 
 from __future__ import annotations
@@ -76,6 +81,12 @@ def measure_block(cfg_json: str, layer: int, batch: int, seq: int, autocast_bf16
     from tessera.trainer.model_setup import apply_recompute
 
     cfg = ModelConfig.model_validate_json(cfg_json)
+    moe_extra = 0
+    if cfg.moe is not None:
+        moe = cfg.moe
+        tokens = batch * seq
+        moe_extra = tokens * (moe.top_k * cfg.hidden_size + 2 * moe.num_experts) * (2 if autocast_bf16 else 4)
+        cfg = cfg.model_copy(update=dict(moe=None, ffn_hidden_size=moe.top_k * moe.ffn_hidden_size + moe.shared_size))
     with FakeTensorMode():
         block = Block(cfg, 0)
         block.train()
@@ -92,7 +103,7 @@ def measure_block(cfg_json: str, layer: int, batch: int, seq: int, autocast_bf16
         keep.add(StorageWeakRef(y.untyped_storage()).cdata)
         live = tracker.live_bytes(keep) + x.untyped_storage().nbytes()
         del y
-    return live
+    return live + moe_extra
 
 
 def resid_bytes(spec: PlanSpec) -> float:
@@ -106,7 +117,9 @@ def layer_activation_bytes(spec: PlanSpec, layer: int = 0) -> float:
     local = _local_config(cfg, tp, lay.expert)
     b, s = spec.micro_batch, spec.seq_len // cp
     bf16 = spec.precision != "fp32"
-    total = float(measure_block(local.model_dump_json(), layer, b, s, bf16, spec.recompute))
+    if local.moe is not None and not local.is_moe_layer(layer):
+        local = local.model_copy(update={"moe": None})
+    total = float(measure_block(local.model_dump_json(), 0, b, s, bf16, spec.recompute))
     rb = 2.0 if spec.precision in ("bf16-master", "fp8") else resid_bytes(spec)
     if spec.precision in ("bf16-master", "fp8"):  # measured with fp32 residual under autocast: halve it
         total -= (2 if spec.recompute != "full" else 1) * b * s * cfg.hidden_size * 2.0

@@ -185,7 +185,9 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
         bucket = min(n, spec.bucket_numel)
         opt_temp = bucket * 4.0 / shards
     flight = in_flight(spec, pp_rank)
-    acts = layer_activation_bytes(spec) * params.num_layers * flight
+    ranges = lay.stage_ranges(spec.model.num_layers)
+    held = [i for st in range(lay.num_stages) if st % lay.pipeline == pp_rank for i in ranges[st]]
+    acts = sum(layer_activation_bytes(spec, i) for i in held) * flight
     if lay.pipeline > 1:
         # Each chunk-forward in flight keeps its stage output for the stage's backward, and the
         # schedule holds a receive buffer per micro-batch for every stage input and output gradient.
