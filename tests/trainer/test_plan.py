@@ -58,7 +58,7 @@ def test_fsdp_shards_weights_grads_and_optimizer_state_by_the_shard_count():
     assert zero1.weights == full.weights and zero1.optimizer * 4 == pytest.approx(full.optimizer)
 
 
-def test_bf16_with_fp32_masters_holds_two_byte_weights_and_sixteen_bytes_in_all():
+def test_bf16_with_fp32_masters_holds_two_byte_weights_and_eighteen_bytes_in_all():
     m = plan_memory(spec(precision="bf16-master"))
     n = rank_params(spec()).total
     assert m.weights == 2 * n and m.static == 18 * n

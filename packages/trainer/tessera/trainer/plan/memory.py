@@ -179,8 +179,7 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
         shards = lay.data if spec.distributed_optimizer else 1
         weights = n * wb
         grads = n * gb
-        master = 0.0 if wb == 4.0 else 4.0
-        optimizer = n * (ob - master) / shards + n * master / shards
+        optimizer = n * ob / shards  # moments, and fp32 masters when the weights are bf16
         # The update runs on one flat bucket shard at a time: its temporaries are one shard.
         bucket = min(n, spec.bucket_numel)
         opt_temp = bucket * 4.0 / shards
