@@ -164,7 +164,7 @@ def main(spec_path: str) -> None:
     cfg = ModelConfig(**spec["model"])
     results = []
     for job in spec["jobs"]:
-        mine = run_job(job, cfg)
+        mine = run_job(job, ModelConfig(**job["model"]) if "model" in job else cfg)
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         results.append(dict(name=job["name"], ranks=gathered))

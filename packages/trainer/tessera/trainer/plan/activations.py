@@ -21,8 +21,8 @@ Corrections the single-device block cannot show, analytic:
 * mixture-of-experts layers: routing has data-dependent shapes, which fake tensors cannot run, so
   an MoE block is measured as a dense block whose SwiGLU width is what one token passes through
   (top_k x expert width + shared experts), plus each token's top_k dispatched copies of its
-  hidden state and the router's [tokens, experts] logits and probabilities (an estimate, not
-  validated against a measured MoE run).
+  hidden state and the router's [tokens, experts] logits and probabilities (an estimate; checked
+  against one measured run: 4 experts, top 2, one process, peak -5.6%).
 """
 
 from __future__ import annotations
