@@ -6,8 +6,9 @@ the planner and in the training log. `intra_node_gbps` is the per-GPU one-direct
 bandwidth a collective inside a node sees (bus bandwidth), `inter_node_gbps` the per-GPU network
 bandwidth (one 400 Gb/s NIC per GPU, as on DGX H100/H200 and most published clusters).
 
-`cpu` describes this machine (memory from psutil; FLOP/s from an fp32 matmul measured when the
-plan is made, as the trainer's MFU on CPU does); `custom` takes every figure from the command line.
+`cpu` describes this machine (memory from psutil; FLOP/s from an fp32 matmul and bandwidths from
+a memory copy, measured when the plan is made, as the trainer's MFU on CPU measures its peak);
+`custom` takes every figure from the command line.
 """
 
 from __future__ import annotations
@@ -48,18 +49,34 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 
 
+def measure_copy_gbps(mib: int = 64, repeats: int = 4) -> float:
+    """Achieved GB/s of copying a tensor on this CPU (bytes read + written per second)."""
+    import time
+
+    import torch
+
+    src = torch.ones(mib * 2**18)  # fp32
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    return 2 * src.nbytes * repeats / (time.perf_counter() - start) / 1e9
+
+
 def cpu_device(memory_gib: float | None = None, peak_tflops: float | None = None) -> DeviceSpec:
-    """This machine as a device: its memory (or `memory_gib`) and a measured fp32 matmul peak.
-    Ranks on one host share memory and cores; gloo collectives are memory copies (`hbm_gbps`
-    stands in for them: 10 GB/s is a typical gloo all-reduce bus bandwidth on one host)."""
+    """This machine as a device: its memory (or `memory_gib`), a measured fp32 matmul peak, and a
+    measured memory-copy bandwidth for memory and for collectives (gloo between ranks of one
+    host moves bytes through shared memory: a copy bound)."""
     import psutil
 
     from tessera.trainer.metrics import measure_matmul_tflops
 
     mem = memory_gib if memory_gib is not None else psutil.virtual_memory().total / GIB
     peak = peak_tflops if peak_tflops is not None else measure_matmul_tflops()
+    copy = measure_copy_gbps()
     return DeviceSpec(name="this CPU (fp32 matmul measured)" if peak_tflops is None else "CPU",
-                      memory_gib=mem, peak_tflops=peak, hbm_gbps=10, intra_node_gbps=10, inter_node_gbps=10,
+                      memory_gib=mem, peak_tflops=peak, hbm_gbps=copy, intra_node_gbps=copy, inter_node_gbps=copy,
                       devices_per_node=1 << 16)
 
 
