@@ -62,9 +62,9 @@ def output_from_wire(x: list, now: float) -> RequestOutput:
     )
 
 
-def stats_to_wire(stats: EngineStats) -> dict[str, int]:
+def stats_to_wire(stats: EngineStats) -> dict[str, int | list[int]]:
     return asdict(stats)
 
 
-def stats_from_wire(x: dict[str, int]) -> EngineStats:
-    return EngineStats(**{k: int(v) for k, v in x.items()})
+def stats_from_wire(x: dict[str, int | list[int]]) -> EngineStats:
+    return EngineStats(**{k: [int(a) for a in v] if isinstance(v, list) else int(v) for k, v in x.items()})

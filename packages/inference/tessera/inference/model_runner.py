@@ -18,6 +18,13 @@ reference; the groups are formed once per step, not per layer) and only prefill 
 reference. Only the rows
 that are sampled (the last token of each sequence that finished its prompt, and prompt positions
 of requests that asked for prompt logprobs) go through the output head.
+
+Speculative decoding: a sequence scheduled with draft tokens computes its newest token and the k
+drafts in one row of 1 + k tokens (through the prefill path, which is causal within the row);
+its k + 1 logits rows go to `sampler.verify`, which accepts a prefix of the drafts and adds one
+token. The K/V written for rejected drafts stay in slots past the sequence's computed length,
+where nothing reads them, until later tokens overwrite them (the output processor rolls the
+computed length back and returns blocks that only held rejected drafts).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import torch.nn.functional as F
 
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
-from tessera.inference.sampler import Sampler, token_logprob
+from tessera.inference.sampler import Sampler, token_logprob, verify
 from tessera.inference.scheduler import SchedulerOutput
 from tessera.inference.sequence import TokenLogprob
 from tessera.kernels import paged_attention
@@ -129,8 +136,10 @@ class DecodeSplit:
 class ModelRunnerOutput:
     """What one executed plan produced, by request id."""
 
-    sampled: dict[str, int] = field(default_factory=dict)  # the next token of each sequence that sampled
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # for those that asked
+    # The new tokens of each sequence that sampled: one, or with speculation the accepted drafts
+    # and one more.
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # for those that asked, per token
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # new prompt positions
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its computation failed
 
@@ -220,8 +229,8 @@ class ModelRunner:
         starts = [0]
         bs = self.block_size
         for s in batch.scheduled:
-            seq, start, n, table = s.seq, s.start, s.num_new, s.block_table
-            tokens.extend(seq.tokens(start, start + n))
+            start, n, table = s.start, s.num_new, s.block_table
+            tokens.extend(s.tokens())
             for pos in range(start, start + n):
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
@@ -250,6 +259,7 @@ class ModelRunner:
         rows: list[int] = []
         sample: list[tuple[int, int]] = []  # (index in plan, logits row)
         prompt_lp: list[tuple[int, int, int, int]] = []  # (index in plan, first position, last, first row)
+        speculative: list[tuple[int, int]] = []  # (index in plan, first of its k + 1 logits rows)
         offset = 0
         for i, s in enumerate(plan.scheduled):
             seq = s.seq
@@ -261,7 +271,11 @@ class ModelRunner:
                 if first < last:
                     prompt_lp.append((i, first, last, len(rows)))
                     rows.extend(range(offset + first - s.start, offset + last - s.start))
-            if s.completes_prompt and seq.params.max_tokens > 0:
+            if s.spec_token_ids:
+                k = len(s.spec_token_ids)
+                speculative.append((i, len(rows)))
+                rows.extend(range(offset + s.num_new - k - 1, offset + s.num_new))
+            elif s.completes_prompt and seq.params.max_tokens > 0:
                 sample.append((i, len(rows)))
                 rows.append(offset + s.num_new - 1)
             offset += s.num_new
@@ -282,9 +296,23 @@ class ModelRunner:
                     log.error("request %s: sampling failed: %s: %s", seq.request_id, type(failed[j]).__name__, failed[j])
                     out.failed[seq.request_id] = "internal error while sampling this request"
                     continue
-                out.sampled[seq.request_id] = tokens[j]
+                out.sampled[seq.request_id] = [tokens[j]]
                 if lps[j] is not None:
-                    out.logprobs[seq.request_id] = lps[j]
+                    out.logprobs[seq.request_id] = [lps[j]]
+        for i, row in speculative:
+            s = plan.scheduled[i]
+            seq = s.seq
+            block = logits[row:row + len(s.spec_token_ids) + 1]
+            try:
+                new = verify(seq, s.spec_token_ids, s.spec_probs, block)
+            except Exception as exc:
+                log.error("request %s: verifying draft tokens failed: %s: %s", seq.request_id, type(exc).__name__, exc)
+                out.failed[seq.request_id] = "internal error while sampling this request"
+                continue
+            out.sampled[seq.request_id] = new
+            if seq.params.logprobs is not None:
+                lp = torch.log_softmax(block[:len(new)], dim=-1)
+                out.logprobs[seq.request_id] = [token_logprob(lp[j], t, seq.params.logprobs) for j, t in enumerate(new)]
         return out
 
     def forward(self, batch: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
