@@ -86,7 +86,8 @@ def main() -> int:
         prompts = make_prompts(loaded.tokenizer, args.num_prompts, args.prompt_len, args.repeats)
         spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.num_speculative_tokens,
                                  prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
-        base = dict(kv_cache_tokens=args.num_prompts * (args.prompt_len * args.repeats + args.max_tokens + 64),
+        max_len = args.prompt_len * args.repeats + args.max_tokens
+        base = dict(kv_cache_tokens=args.num_prompts * (max_len + 64), max_model_len=max_len + 16,
                     max_num_seqs=max(args.num_prompts, 1), max_num_batched_tokens=2048,
                     enable_prefix_caching=False)
         engines = {"plain": LLMEngine(loaded, EngineConfig(**base), dev, dtype),

@@ -302,3 +302,28 @@ def _generate_error(tmp_path, capsys, ckpt, extra) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0], err
     return err[0]
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+
+def test_speculative_counts_reach_prometheus_under_vllms_names_and_the_log(tiny_ckpt, caplog):
+    from tessera.inference.engine_wire import stats_from_wire, stats_to_wire
+    from tessera.inference.metrics import ServingMetrics
+
+    engine = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=128, speculative=SpeculativeConfig(**NGRAM))
+    run(engine, {"r": (prompts()["rand1"], greedy(48))})
+    stats = stats_from_wire(json.loads(json.dumps(stats_to_wire(engine.stats()))))  # as from the engine process
+    assert stats == engine.stats() and stats.spec_num_accepted_tokens > 0
+    metrics = ServingMetrics("m")
+    with caplog.at_level("INFO", logger="tessera.inference"):
+        metrics.update_engine(stats)
+    text = metrics.render().decode()
+    assert f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {float(stats.spec_num_drafts)}' in text
+    assert f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {float(stats.spec_num_draft_tokens)}' in text
+    assert (f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} '
+            f'{float(stats.spec_num_accepted_tokens)}') in text
+    for pos, count in enumerate(stats.spec_accepted_per_pos):
+        assert (f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{pos}"}} '
+                f'{float(count)}') in text
+    rate = 100 * stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+    assert f"acceptance rate {rate:.1f}%" in caplog.text

@@ -59,7 +59,7 @@ class ScheduledSequence:
         known = self.seq.num_tokens
         out = self.seq.tokens(self.start, min(self.end, known)) if self.start < known else []
         first = max(self.start, known) - known
-        return out + self.spec_token_ids[first:first + self.end - max(self.start, known)]
+        return out + self.spec_token_ids[first:first + max(0, self.end - max(self.start, known))]
 
 
 @dataclass
