@@ -141,14 +141,14 @@ def test_speculating_and_plain_rows_share_batches_under_a_small_budget(tiny_ckpt
                          speculative=SpeculativeConfig(**NGRAM))
     reference = make_engine(tiny_ckpt, block_size=4, num_kv_blocks=160, max_num_batched_tokens=12, max_num_seqs=6)
     ps = prompts()
-    reqs = {rid: (ids, greedy()) for rid, ids in ps.items()}
-    reqs["pen"] = (ps["repeat"], greedy(repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=20))
-    reqs["lp"] = (ps["repeat_long"], greedy(logprobs=2))
-    reqs["short"] = (ps["repeat"], greedy(n=3))
+    loop = ps["rand1"] + plain["rand1"]  # ends in a loop of the model's own: drafts are accepted
+    reqs = {rid: (ps[rid], greedy(12)) for rid in ("rand0", "rand2")}
+    reqs["pen"] = (loop, greedy(16, repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=14))
+    reqs["lp"] = (loop, greedy(16, logprobs=2))
+    reqs["short"] = (loop, greedy(n=3))
     got, outs = run(engine, reqs)
     want, ref_outs = run(reference, reqs)
     assert got == want
-    assert {rid: got[rid] for rid in ps} == plain
     for a, b in zip([lp for o in outs["lp"] for lp in o.new_logprobs], [lp for o in ref_outs["lp"] for lp in o.new_logprobs]):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
@@ -195,7 +195,7 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("draft", ["ngram", "draft_model"])
 def test_rejection_sampling_emits_the_target_distribution(draft):
-    vocab, n = 5, 6000
+    vocab, n = 5, 4000
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, vocab, generator=g)  # target rows at the newest token and two drafts
     drafts = [2, 3]
