@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.inference.model_runner import DECODE_GROUP, batched_decode_attention, decode_attention, decode_groups
+from tessera.inference.model_runner import (
+    DECODE_GROUP,
+    batched_decode_attention,
+    decode_attention,
+    decode_groups,
+)
 from tessera.kernels.paged_attention import paged_attention_reference
 
 

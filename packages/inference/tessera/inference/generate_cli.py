@@ -116,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.inference.engine import LLMEngine, RequestRejected
     from tessera.inference.loader import load_for_serving, resolve_device, resolve_dtype
     from tessera.inference.sampling_params import SamplingParams
-
     from tessera.inference.spec_decode import check_draft_model, format_spec_stats
 
     check_draft_model(cfg.speculative, args.checkpoint)  # before any weight is read
