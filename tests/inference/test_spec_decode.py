@@ -327,3 +327,32 @@ def test_speculative_counts_reach_prometheus_under_vllms_names_and_the_log(tiny_
                 f'{float(count)}') in text
     rate = 100 * stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
     assert f"acceptance rate {rate:.1f}%" in caplog.text
+
+
+@pytest.mark.slow
+def test_served_from_the_engine_process_with_speculation_the_answers_are_the_same(tiny_ckpt, plain):
+    import httpx
+    from test_engine_process import ProcessServer
+
+    loop = prompts()["rand1"] + plain["rand1"]
+    server = ProcessServer(tiny_ckpt, block_size=8, num_kv_blocks=256, speculative=SpeculativeConfig(**NGRAM))
+    try:
+        body = {"prompt": [loop, prompts()["rand0"]], "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+                "logprobs": 1}
+        got = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        reference = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=256)
+        want = run_all(reference, {"0": (loop, greedy(20, logprobs=1)), "1": (prompts()["rand0"], greedy(20, logprobs=1))})
+        for choice in got["choices"]:
+            outs = want[str(choice["index"])]
+            assert choice["text"] == "".join(o.new_text for o in outs)
+            assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+                [lp.logprob for o in outs for lp in o.new_logprobs], abs=1e-4)
+        # Structured output decodes without drafts, in the same engine.
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 30, "temperature": 1.0,
+                                                              "seed": 4, "guided_json": schema}, timeout=60).json()
+        assert isinstance(json.loads(r["choices"][0]["text"])["n"], int)
+        assert server.metric("vllm:spec_decode_num_accepted_tokens_total") > 0
+        assert server.metric("vllm:spec_decode_num_drafts_total") > 0
+    finally:
+        server.stop()

@@ -82,13 +82,15 @@ class SchedulerOutput:
 
     @property
     def decodes(self) -> list[ScheduledSequence]:
-        """Sequences computing just their newest token (one generated after the prompt)."""
-        return [s for s in self.scheduled if s.num_new == 1 and s.start >= len(s.seq.prompt_ids)]
+        """Sequences computing just their newest token (one generated after the prompt), with
+        any draft tokens after it."""
+        return [s for s in self.scheduled if s.num_new == 1 + len(s.spec_token_ids) and s.start >= len(s.seq.prompt_ids)]
 
     @property
     def prefills(self) -> list[ScheduledSequence]:
         """Sequences computing a chunk of their prompt (or of prompt + output after a preemption)."""
-        return [s for s in self.scheduled if not (s.num_new == 1 and s.start >= len(s.seq.prompt_ids))]
+        decodes = {id(s) for s in self.decodes}
+        return [s for s in self.scheduled if id(s) not in decodes]
 
     def only(self, i: int) -> SchedulerOutput:
         """The plan for the i-th sequence alone (to find which request of a failed step fails)."""
