@@ -6,8 +6,9 @@ drives it directly. Each `step` is vLLM v1's three parts: the scheduler returns 
 (`SchedulerOutput`), the model runner executes it (`ModelRunnerOutput`: sampled tokens,
 logprobs), and the output processor applies the results to the sequences and reports what
 each request gained (`RequestOutput`). With speculative decoding (`EngineConfig.speculative`,
-spec_decode.py) a proposer then drafts tokens for the next step to verify. If executing a plan raises, each of its sequences is
-executed alone, and only those that still fail end (with an error); the engine goes on.
+spec_decode.py) a proposer then drafts tokens for the next step to verify. If executing a plan
+raises, each of its sequences is executed alone, and only those that still fail end (with an
+error); the engine goes on.
 """
 
 from __future__ import annotations

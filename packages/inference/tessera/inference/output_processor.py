@@ -5,8 +5,8 @@ offered to the prefix cache; new prompt logprobs are appended; sampled tokens ar
 at a time (stop strings, stop ids, EOS and length checked there, `Sequence.append_token`; with
 speculation the accepted drafts and one more token, up to the first that stops the sequence, and
 the computed count rolled back past the rejected drafts); a request whose computation failed ends
-with its error. Then finished sequences leave the scheduler (freeing their
-blocks) and each sequence that produced something gets a `RequestOutput` (deltas since the last).
+with its error. Then finished sequences leave the scheduler (freeing their blocks) and each
+sequence that produced something gets a `RequestOutput` (deltas since the last).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ dropped (the sequence decodes one token) when the pool cannot hold them.
 
 `schedule` returns a plan (`SchedulerOutput`): for each scheduled sequence the token range it
 computes this step (a prefill chunk, one decode token, or a decode token and its drafts) and its
-block table. The model runner
-executes the plan without touching any sequence; `output_processor.OutputProcessor` then applies
-the results (vLLM v1's schedule -> execute -> update).
+block table. The model runner executes the plan without touching any sequence;
+`output_processor.OutputProcessor` then applies the results (vLLM v1's schedule -> execute ->
+update).
 """
 
 from __future__ import annotations
