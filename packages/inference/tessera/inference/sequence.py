@@ -61,6 +61,7 @@ class Sequence:
     # ([k, vocab]; None for n-gram proposals, a point mass, and for greedy requests).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
+    ahead_mask: Any = None  # its next-token mask computed during the forward (structured.AheadMask)
 
     @property
     def num_tokens(self) -> int:
