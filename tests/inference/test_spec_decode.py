@@ -356,3 +356,22 @@ def test_served_from_the_engine_process_with_speculation_the_answers_are_the_sam
         assert server.metric("vllm:spec_decode_num_drafts_total") > 0
     finally:
         server.stop()
+
+
+def test_tessera_generate_writes_the_same_completions_with_speculation_and_reports_acceptance(tiny_ckpt, plain,
+                                                                                             tmp_path, capsys):
+    from tessera.inference.generate_cli import main
+
+    loop = prompts()["rand1"] + plain["rand1"]
+    lines = [{"prompt": loop, "ignore_eos": True}, {"prompt": prompts()["rand0"], "max_tokens": 5},
+             {"prompt": "def f(x):", "temperature": 0.8, "seed": 3, "max_tokens": 6, "ignore_eos": True}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    common = ["--checkpoint", str(tiny_ckpt), "--prompts", str(tmp_path / "p.jsonl"), "--max-tokens", "16",
+              "--num-kv-blocks", "64", "--block-size", "8"]
+    assert main([*common, "--output", str(tmp_path / "plain.jsonl"), "--quiet"]) == 0
+    assert main([*common, "--output", str(tmp_path / "spec.jsonl"), "--speculative-config", json.dumps(NGRAM)]) == 0
+    plain_out = [json.loads(x) for x in (tmp_path / "plain.jsonl").read_text().splitlines()]
+    spec_out = [json.loads(x) for x in (tmp_path / "spec.jsonl").read_text().splitlines()]
+    assert spec_out[:2] == plain_out[:2]  # greedy: identical; the sampled line has the same length
+    assert spec_out[2]["completion_tokens"] == plain_out[2]["completion_tokens"] == 6
+    assert "speculative decoding: acceptance rate" in capsys.readouterr().out
