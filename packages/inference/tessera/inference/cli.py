@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         from tessera.inference.engine import LLMEngine
         from tessera.inference.loader import load_for_serving
 
-        loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization)
+        loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization, cfg.tensor_parallel)
         frontend = AsyncEngine(LLMEngine(loaded, cfg, device, dtype))
         facts = {"name": loaded.name, "arch": loaded.config.arch, "num_blocks": frontend.engine.blocks.num_blocks,
                  "where": "engine thread"}

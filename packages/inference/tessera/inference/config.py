@@ -74,6 +74,9 @@ class EngineConfig(StrictModel):
     quantization: Literal["int8", "fp8"] | None = Field(
         None, description="Quantized Linear weights: int8 weight-only (CPU, CUDA) or fp8 (CUDA, compute capability 8.9+)."
     )
+    tensor_parallel: int = Field(
+        1, ge=1, le=64, description="Tensor-parallel size: worker processes (one per rank, gloo on CPU, NCCL on GPU) "
+                                    "each holding its shard of the weights and of the KV heads; 1 = in the engine.")
     device: str = Field("auto", description="Torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     seed: int | None = Field(None, description="Seed for requests that bring none (None: fresh OS entropy per request).")
     speculative: SpeculativeConfig | None = Field(

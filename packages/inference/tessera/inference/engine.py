@@ -23,6 +23,7 @@ from tessera.common.errors import UserError
 from tessera.inference.block_manager import BlockManager
 from tessera.inference.config import EngineConfig
 from tessera.inference.detokenizer import IncrementalDetokenizer
+from tessera.inference.executor import WorkerDied
 from tessera.inference.loader import LoadedModel
 from tessera.inference.model_runner import ModelRunner, ModelRunnerOutput, kv_block_bytes
 from tessera.inference.output_processor import OutputProcessor, RequestOutput
@@ -68,7 +69,9 @@ def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> i
         return cfg.num_kv_blocks
     if cfg.kv_cache_tokens is not None:
         return -(-cfg.kv_cache_tokens // cfg.block_size)
-    return max(1, cfg.kv_cache_memory // kv_block_bytes(loaded.config, cfg.block_size, dtype))
+    # Under tensor parallel kv_cache_memory is per rank, which holds 1/tp of the key/value heads.
+    per_rank = kv_block_bytes(loaded.config, cfg.block_size, dtype) // cfg.tensor_parallel
+    return max(1, cfg.kv_cache_memory // per_rank)
 
 
 def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
@@ -115,7 +118,7 @@ class LLMEngine:
                 "--num-kv-blocks or lower --max-model-len")
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        self.runner = ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype)
+        self.runner = self._runner(loaded, cfg, num_blocks, device, dtype)
         self.processor = OutputProcessor(self.scheduler, self.blocks)
         self.proposer = None
         if cfg.speculative is not None:
@@ -127,6 +130,25 @@ class LLMEngine:
         self._step_tokens = 0
         self.grammars = Grammars((loaded.tokenizer.directory / "tokenizer.json").read_text(),
                                  loaded.config.vocab_size, sorted(self.eos_ids))
+
+    @staticmethod
+    def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,
+                dtype: torch.dtype) -> ModelRunner:
+        if cfg.tensor_parallel == 1:
+            assert loaded.model is not None
+            return ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype)
+        from tessera.inference.executor import TensorParallelExecutor, TensorParallelRunner
+
+        assert loaded.path is not None
+        executor = TensorParallelExecutor(loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, num_blocks,
+                                          cfg.block_size, device, dtype)
+        return TensorParallelRunner(executor, device)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine is unusable afterwards)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     # ---- requests --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -199,6 +221,8 @@ class LLMEngine:
     def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         try:
             return self.runner.execute(plan)
+        except WorkerDied:
+            raise  # no request is to blame, and no retry can succeed: the engine ends
         except Exception:
             if len(plan.scheduled) == 1:
                 log.exception("request %s failed", plan.scheduled[0].seq.request_id)
@@ -209,6 +233,8 @@ class LLMEngine:
         for i, s in enumerate(plan.scheduled):
             try:
                 result.update(self.runner.execute(plan.only(i)))
+            except WorkerDied:
+                raise
             except Exception:
                 log.exception("request %s failed", s.seq.request_id)
                 result.failed[s.seq.request_id] = COMPUTE_FAILED

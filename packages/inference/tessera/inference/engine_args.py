@@ -38,6 +38,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "or fp8 (float8 weights and activations; CUDA GPUs of compute capability 8.9+). "
                         "Default: none, weights in --dtype.")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: auto).")
+    g.add_argument("--tensor-parallel", "--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel,
+                   dest="tensor_parallel", metavar="N",
+                   help="Split the model over N worker processes (one per rank: gloo on CPU, NCCL on GPU, worker r "
+                        "on cuda:r), each loading only its shard of the weights and holding its share of the "
+                        "key/value heads; N must divide the attention heads, key/value heads and vocabulary "
+                        "(default: 1, no workers).")
     g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block (default: %(default)s).")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
                    help="Bytes for the KV-cache pool, e.g. 512MiB or 4GB (default: 512MiB).")
@@ -105,7 +111,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching, prefix_cache_hash=args.prefix_cache_hash, dtype=args.dtype, device=args.device, seed=args.seed,
-            quantization=args.quantization, speculative=speculative,
+            quantization=args.quantization, speculative=speculative, tensor_parallel=args.tensor_parallel,
         )
     except ValidationError as exc:
         msg = format_validation_error(exc, "engine flags")

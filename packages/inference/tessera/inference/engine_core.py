@@ -36,7 +36,7 @@ def _load(init: dict):
     cfg = EngineConfig.model_validate(init["engine"])
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    loaded = load_for_serving(init["checkpoint"], device, dtype, cfg.quantization)
+    loaded = load_for_serving(init["checkpoint"], device, dtype, cfg.quantization, cfg.tensor_parallel)
     return LLMEngine(loaded, cfg, device, dtype), device, dtype
 
 
@@ -69,6 +69,8 @@ def serve(conn: Connection) -> int:
         except OSError:
             pass
         return 1
+    finally:
+        engine.close()  # stops tensor-parallel workers
     return 0
 
 

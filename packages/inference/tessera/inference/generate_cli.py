@@ -121,52 +121,55 @@ def main(argv: list[str] | None = None) -> int:
     check_draft_model(cfg.speculative, args.checkpoint)  # before any weight is read
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization)
+    loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization, cfg.tensor_parallel)
     engine = LLMEngine(loaded, cfg, device, dtype)
-    tok = loaded.tokenizer
-    results: dict[str, dict[str, Any]] = {}
-    for n, (rid, fields, (kind, value)) in enumerate(jobs):
-        if kind == "prompt":
-            ids = tok.backend.encode(value, add_special_tokens=True).ids if isinstance(value, str) else value
-        else:
+    try:
+        tok = loaded.tokenizer
+        results: dict[str, dict[str, Any]] = {}
+        for n, (rid, fields, (kind, value)) in enumerate(jobs):
+            if kind == "prompt":
+                ids = tok.backend.encode(value, add_special_tokens=True).ids if isinstance(value, str) else value
+            else:
+                try:
+                    ids = tok.encode(render_chat(tok, value))
+                except ChatTemplateError as exc:
+                    raise UserError(f"{args.prompts}: prompt {rid}: {exc}") from None
+            key = f"{n}:{rid}"
             try:
-                ids = tok.encode(render_chat(tok, value))
-            except ChatTemplateError as exc:
+                engine.add_request(key, ids, SamplingParams(**fields))
+            except RequestRejected as exc:
                 raise UserError(f"{args.prompts}: prompt {rid}: {exc}") from None
-        key = f"{n}:{rid}"
-        try:
-            engine.add_request(key, ids, SamplingParams(**fields))
-        except RequestRejected as exc:
-            raise UserError(f"{args.prompts}: prompt {rid}: {exc}") from None
-        results[key] = {"id": rid, "text": "", "token_ids": [], "logprobs": [] if fields.get("logprobs") is not None else None}
+            results[key] = {"id": rid, "text": "", "token_ids": [], "logprobs": [] if fields.get("logprobs") is not None else None}
 
-    bar = progress(total=len(jobs), desc="generating", unit="prompt", quiet=args.quiet)
+        bar = progress(total=len(jobs), desc="generating", unit="prompt", quiet=args.quiet)
 
-    def collect(out) -> None:
-        r = results[out.request_id]
-        r["text"] += out.new_text
-        r["token_ids"].extend(out.new_token_ids)
-        if r["logprobs"] is not None:
-            r["logprobs"].extend({"token_id": lp.token_id, "logprob": lp.logprob,
-                                  "top": [[t, v] for t, v in lp.top]} for lp in out.new_logprobs)
-        if out.finished:
-            r.update(finish_reason=out.finish_reason, prompt_tokens=out.num_prompt_tokens,
-                     completion_tokens=out.num_output_tokens)
-            bar.update(1)
+        def collect(out) -> None:
+            r = results[out.request_id]
+            r["text"] += out.new_text
+            r["token_ids"].extend(out.new_token_ids)
+            if r["logprobs"] is not None:
+                r["logprobs"].extend({"token_id": lp.token_id, "logprob": lp.logprob,
+                                      "top": [[t, v] for t, v in lp.top]} for lp in out.new_logprobs)
+            if out.finished:
+                r.update(finish_reason=out.finish_reason, prompt_tokens=out.num_prompt_tokens,
+                         completion_tokens=out.num_output_tokens)
+                bar.update(1)
 
-    engine.run_to_completion(collect)
-    bar.close()
-    with atomic_file(out_path, "w") as f:
-        for r in results.values():
-            if r["logprobs"] is None:
-                del r["logprobs"]
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    if not args.quiet:
-        print(f"tessera-generate: wrote {len(results)} completions to {out_path}")
-        st = engine.stats()
-        if cfg.speculative is not None:
-            print("tessera-generate: " + format_spec_stats(st.spec_num_drafts, st.spec_num_draft_tokens,
-                                                          st.spec_num_accepted_tokens, st.spec_accepted_per_pos))
+        engine.run_to_completion(collect)
+        bar.close()
+        with atomic_file(out_path, "w") as f:
+            for r in results.values():
+                if r["logprobs"] is None:
+                    del r["logprobs"]
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        if not args.quiet:
+            print(f"tessera-generate: wrote {len(results)} completions to {out_path}")
+            st = engine.stats()
+            if cfg.speculative is not None:
+                print("tessera-generate: " + format_spec_stats(st.spec_num_drafts, st.spec_num_draft_tokens,
+                                                              st.spec_num_accepted_tokens, st.spec_accepted_per_pos))
+    finally:
+        engine.close()  # stops tensor-parallel workers
     return 0
 
 

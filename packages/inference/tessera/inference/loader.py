@@ -27,11 +27,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class LoadedModel:
-    model: Transformer
+    model: Transformer | None  # None under tensor parallel: the workers load their shards
     config: ModelConfig
     tokenizer: Tokenizer
     name: str  # served model id (/v1/models)
     eos_ids: list[int]  # every id that ends generation unless ignore_eos
+    path: Path | None = None  # the resolved checkpoint iteration dir or HF dir the weights come from
+    hf: bool = False  # path is an HF directory
 
 
 def resolve_device(device: str) -> torch.device:
@@ -53,32 +55,45 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch.dtype,
-                     quantization: str | None = None) -> LoadedModel:
+                     quantization: str | None = None, tensor_parallel: int = 1) -> LoadedModel:
     """Accepts a checkpoint (iteration dir, checkpoints dir with pointer, or run dir) or an HF export dir.
 
     With `quantization` ("int8", "fp8") the Linear weights are quantized after they load
     (tessera.inference.quantization); one the device cannot run is refused before any weight is read.
+    With `tensor_parallel` > 1 no weight is read here: the config, tokenizer and source are
+    checked and returned (model None), and the tensor-parallel workers load their shards
+    (executor.py); a size the model cannot be split by is refused first.
     """
     check_quantization(quantization, device)
     path = Path(path)
     given_name = path.resolve().name
     if not path.exists():
         raise ArtifactError(f"{path}: checkpoint not found")
-    if path.is_dir() and is_hf_directory(path) and not (path / SIDECAR).is_file():
+    hf = path.is_dir() and is_hf_directory(path) and not (path / SIDECAR).is_file()
+    if hf:
         cfg, hf_config = read_hf_config(path)  # the one HF adapter, shared with tessera-ckpt import
-        tensors = load_hf_weights(path, cfg)
         eos = eos_token_ids(path, hf_config)
         tokenizer = load_tokenizer(path)
     else:
         ckpt = resolve_checkpoint(path)
         sidecar = read_sidecar(ckpt)
         cfg = sidecar.model
-        tensors = load_model_tensors(ckpt)
         tokenizer = load_tokenizer(ckpt / TOKENIZER_DIR)
         eos = []
         path = ckpt
         if given_name in ("checkpoints",):
             given_name = ckpt.parent.parent.name
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ArtifactError(f"{tokenizer.directory}: tokenizer has {tokenizer.vocab_size} tokens but the model "
+                            f"only {cfg.vocab_size}; they do not belong together")
+    eos_ids = sorted(set(eos) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
+    if tensor_parallel > 1:
+        from tessera.inference.executor import check_tensor_parallel
+
+        check_tensor_parallel(tensor_parallel, cfg, str(path), quantization)
+        return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids,
+                           path=path, hf=hf)
+    tensors = load_hf_weights(path, cfg) if hf else load_model_tensors(path)
     model = build_model(cfg, device=device, dtype=torch.float32, seed=None)
     expected = dict(model.state_dict())
     missing = sorted(set(expected) - set(tensors))
@@ -92,8 +107,5 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
                                 f"expected {tuple(expected[name].shape)}")
     model.load_state_dict(tensors, strict=True)
     model = quantize_model(model.to(dtype=dtype).eval(), quantization)
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ArtifactError(f"{tokenizer.directory}: tokenizer has {tokenizer.vocab_size} tokens but the model "
-                            f"only {cfg.vocab_size}; they do not belong together")
-    eos_ids = sorted(set(eos) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
-    return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids)
+    return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids,
+                       path=path, hf=hf)

@@ -172,17 +172,44 @@ class StepInputs:
     split: DecodeSplit | None = None  # CPU only, when the step mixes decodes and prefills
 
 
+@dataclass
+class BatchSeq:
+    """What the forward needs of one scheduled sequence (all a tensor-parallel worker is sent):
+    its new tokens, the position of the first, its block table, and `num_q`: its new tokens when
+    it decodes (1, or 1 + k drafts), 0 for a prefill chunk."""
+
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+    num_q: int
+
+    @property
+    def num_new(self) -> int:
+        return len(self.tokens)
+
+
+def batch_seqs(plan: SchedulerOutput) -> list[BatchSeq]:
+    return [BatchSeq(s.tokens(), s.start, s.block_table, s.num_new if s.num_new == 1 or s.spec_token_ids else 0)
+            for s in plan.scheduled]
+
+
 class ModelRunner:
+    """Executes plans on one device (`forward`); under tensor parallel the engine uses
+    `executor.TensorParallelRunner`, which keeps `execute` (sampling on the driver) and sends
+    `forward` to the workers, each of which runs a ModelRunner over its shard."""
+
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
         cfg = model.cfg
         self.model = model
         self.cfg = cfg
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # One allocation for the whole pool: [layer, K/V, block, slot, kv_head, head_dim].
-        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        # One allocation for the whole pool: [layer, K/V, block, slot, kv_head, head_dim]; under
+        # tensor parallel this rank's key/value heads only (those of its query heads).
+        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.kv_heads // tp_size, cfg.head_dim,
                               device=device, dtype=dtype)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self._step: StepInputs | None = None
@@ -236,23 +263,23 @@ class ModelRunner:
             prefill_starts=torch.tensor(pre_starts, dtype=torch.int32, device=dev),
         )
 
-    def prepare(self, batch: SchedulerOutput, logits_rows: list[int]) -> StepInputs:
+    def prepare(self, batch: list[BatchSeq], logits_rows: list[int]) -> StepInputs:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
         starts = [0]
         bs = self.block_size
-        for s in batch.scheduled:
+        for s in batch:
             start, n, table = s.start, s.num_new, s.block_table
-            tokens.extend(s.tokens())
+            tokens.extend(s.tokens)
             for pos in range(start, start + n):
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
             seq_lens.append(start + n)
             starts.append(starts[-1] + n)
-        width = max(len(s.block_table) for s in batch.scheduled)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.scheduled]
+        width = max(len(s.block_table) for s in batch)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
         dev = self.device
         inputs = StepInputs(
             tokens=torch.tensor([tokens], dtype=torch.long, device=dev),
@@ -263,7 +290,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
-        num_q = [s.num_new if s.num_new == 1 or s.spec_token_ids else 0 for s in batch.scheduled]
+        num_q = [s.num_q for s in batch]
         if self.batch_decodes and sum(1 for n in num_q if n) > 1:
             inputs.split = self._split(num_q, starts, inputs.block_tables, inputs.seq_lens)
         return inputs
@@ -331,8 +358,13 @@ class ModelRunner:
                 out.logprobs[seq.request_id] = [token_logprob(lp[j], t, seq.params.logprobs) for j, t in enumerate(new)]
         return out
 
-    def forward(self, batch: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
+    def forward(self, plan: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
         """Forward the step; returns fp32 logits [len(logits_rows), vocab]."""
+        return self.forward_batch(batch_seqs(plan), logits_rows)
+
+    def forward_batch(self, batch: list[BatchSeq], logits_rows: list[int]) -> torch.Tensor:
+        """fp32 logits [len(logits_rows), vocab rows]; under tensor parallel this rank's vocabulary
+        slice [len(logits_rows), vocab rows / tp] (the worker gathers them)."""
         self._step = self.prepare(batch, logits_rows)
         try:
             hidden = self.model(self._step.tokens, positions=self._step.positions,
@@ -340,4 +372,6 @@ class ModelRunner:
         finally:
             step, self._step = self._step, None
         rows = hidden[0].index_select(0, step.logits_rows)
-        return self.model.logits(rows).float()  # padded vocabulary rows at -inf: never sampled
+        weight = self.model.output_weight()
+        # Padded vocabulary rows at -inf: never sampled.
+        return self.model.logits(rows, weight, vocab_start=self.tp_rank * weight.shape[0]).float()

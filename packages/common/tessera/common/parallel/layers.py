@@ -35,6 +35,15 @@ def shard_dim_of(param: torch.Tensor) -> int | None:
     return getattr(param, "tp_shard_dim", None)
 
 
+def allocate(module: nn.Module, device: torch.device) -> None:
+    """`to_empty` on `module`, keeping the parallel tags (to_empty makes new parameter objects)."""
+    tags = {n: {k: getattr(p, k) for k in PARALLEL_TAGS if hasattr(p, k)} for n, p in module.named_parameters()}
+    module.to_empty(device=device)
+    for n, p in module.named_parameters():
+        for k, v in tags[n].items():
+            setattr(p, k, v)
+
+
 def _local_slice(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     return full.chunk(world, dim=dim)[rank]
 

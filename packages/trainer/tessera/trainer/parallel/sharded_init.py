@@ -31,17 +31,9 @@ from torch import nn
 
 from tessera.common.model import Transformer
 from tessera.common.moe import Experts, MoE
-from tessera.common.parallel.layers import PARALLEL_TAGS, shard_dim_of
+from tessera.common.parallel.layers import allocate as _allocate
+from tessera.common.parallel.layers import shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
-
-
-def _allocate(module: nn.Module, device: torch.device) -> None:
-    """`to_empty` on `module`, keeping the parallel tags (to_empty makes new parameter objects)."""
-    tags = {n: {k: getattr(p, k) for k in PARALLEL_TAGS if hasattr(p, k)} for n, p in module.named_parameters()}
-    module.to_empty(device=device)
-    for n, p in module.named_parameters():
-        for k, v in tags[n].items():
-            setattr(p, k, v)
 
 
 @torch.no_grad()

@@ -1,0 +1,244 @@
+"""Tensor-parallel serving (`--tensor-parallel N`, executor.py): worker processes on gloo, each
+holding its shard of the weights and of the KV heads, give the same tokens as one process and as
+transformers' `generate`; seeded sampling picks the same tokens; bad sizes are refused before any
+weight is read; a dead worker ends the engine instead of hanging it."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from inference_helpers import hf_greedy, hf_llama_from, make_checkpoint, run_all, tiny_config, token_ids
+from test_hf_serving import _gpt2, _llama, _save
+
+from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
+from tessera.common.errors import UserError
+from tessera.inference.config import EngineConfig
+from tessera.inference.engine import LLMEngine
+from tessera.inference.executor import WorkerDied
+from tessera.inference.loader import load_for_serving
+from tessera.inference.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+CPU = torch.device("cpu")
+PROMPTS = {"a": [4, 9, 200, 31, 77, 5, 6, 7, 8, 120, 3], "b": [17, 300, 2, 2, 45, 1, 99], "c": [5] * 21}
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def engine_for(path, tp: int, **cfg) -> LLMEngine:
+    cfg = {"num_kv_blocks": 64, "block_size": 4, **cfg}
+    loaded = load_for_serving(path, CPU, torch.float32, tensor_parallel=tp)
+    return LLMEngine(loaded, EngineConfig(tensor_parallel=tp, **cfg), CPU, torch.float32)
+
+
+def generate(path, tp: int, requests: dict, **cfg) -> dict[str, list[int]]:
+    engine = engine_for(path, tp, **cfg)
+    try:
+        return {rid: token_ids(o) for rid, o in run_all(engine, requests).items()}
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def gqa_ckpt(tmp_path_factory):
+    """Llama with grouped-query attention: 8 query heads over 4 key/value heads (TP2 and TP4)."""
+    return make_checkpoint(tmp_path_factory.mktemp("gqa"), tiny_config(num_heads=8, num_kv_heads=4))
+
+
+def test_tp2_and_tp4_llama_gqa_checkpoint_greedy_equals_one_process_and_transformers(gqa_ckpt):
+    requests = {rid: (p, GREEDY) for rid, p in PROMPTS.items()}
+    one = generate(gqa_ckpt, 1, requests)
+    it = resolve_checkpoint(gqa_ckpt)
+    hf = hf_llama_from(tiny_config(num_heads=8, num_kv_heads=4), load_model_tensors(it))
+    for rid, prompt in PROMPTS.items():
+        assert one[rid] == hf_greedy(hf, prompt, 10), rid
+    assert generate(gqa_ckpt, 2, requests) == one
+    assert generate(gqa_ckpt, 4, requests) == one
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "gpt2"])
+def test_tp2_serves_an_hf_directory_token_for_token_like_transformers(tiny_ckpt, tmp_path, family):
+    """Each worker reads its slices of the safetensors (GPT-2's fused c_attn split into q/k/v)."""
+    hf = _llama(num_key_value_heads=2) if family == "llama-gqa" else _gpt2()
+    export = _save(hf, tiny_ckpt, tmp_path / "hf")
+    got = generate(export, 2, {rid: (p, GREEDY) for rid, p in PROMPTS.items()})
+    for rid, prompt in PROMPTS.items():
+        assert got[rid] == hf_greedy(hf, prompt, 10), rid
+
+
+def test_tp2_seeded_sampling_and_logprobs_equal_one_process(gqa_ckpt):
+    """Sampling runs on the driver over the gathered logits, with each request's own generator."""
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True,
+                             logprobs=3)
+    requests = {"s": (PROMPTS["a"], sampled), "g": (PROMPTS["b"], GREEDY)}
+    outs = {}
+    for tp in (1, 2):
+        engine = engine_for(gqa_ckpt, tp)
+        try:
+            outs[tp] = run_all(engine, requests)
+        finally:
+            engine.close()
+    assert token_ids(outs[2]["s"]) == token_ids(outs[1]["s"])
+    assert token_ids(outs[2]["g"]) == token_ids(outs[1]["g"])
+    lp1 = [lp.logprob for o in outs[1]["s"] for lp in o.new_logprobs]
+    lp2 = [lp.logprob for o in outs[2]["s"] for lp in o.new_logprobs]
+    assert lp2 == pytest.approx(lp1, abs=1e-4)
+
+
+def test_tp2_with_ngram_speculation_gives_the_greedy_tokens(gqa_ckpt):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    requests = {rid: (p, GREEDY) for rid, p in PROMPTS.items()}
+    assert generate(gqa_ckpt, 2, requests, speculative=spec) == generate(gqa_ckpt, 1, requests)
+
+
+@pytest.mark.parametrize(("tp", "over", "quantization", "message"), [
+    (4, {}, None, "2 key/value heads, fewer than the tensor-parallel size"),
+    (3, {"num_heads": 6, "num_kv_heads": 3, "hidden_size": 96}, None, "must divide the 512 vocabulary rows"),
+    (2, {}, "int8", "--quantization int8 with --tensor-parallel 2: not supported"),
+])
+def test_a_tensor_parallel_size_the_model_cannot_be_split_by_is_refused_before_loading(
+        tmp_path, monkeypatch, tp, over, quantization, message):
+    ckpt = make_checkpoint(tmp_path / "run", tiny_config(**over))
+    monkeypatch.setattr("tessera.inference.loader.load_model_tensors", lambda *a, **k: pytest.fail("weights read"))
+    with pytest.raises(UserError, match=message):
+        load_for_serving(ckpt, CPU, torch.float32, quantization, tensor_parallel=tp)
+
+
+def test_a_worker_that_dies_ends_the_engine_and_shutdown_leaves_no_worker(gqa_ckpt):
+    engine = engine_for(gqa_ckpt, 2)
+    procs = list(engine.runner.executor.procs)
+    try:
+        run_all(engine, {"a": (PROMPTS["a"], GREEDY)})
+        os.kill(procs[1].pid, signal.SIGKILL)
+        engine.add_request("b", PROMPTS["b"], GREEDY)
+        with pytest.raises(WorkerDied, match="worker 1"):
+            engine.step()
+    finally:
+        engine.close()
+    assert not any(p.is_alive() for p in procs)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def tp2_server(gqa_ckpt):
+    """`tessera-serve --tensor-parallel 2`: HTTP process -> engine process -> two workers."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.cli import entry; entry()",
+                             "--checkpoint", str(gqa_ckpt), "--port", str(port), "--quiet", "--num-kv-blocks", "64",
+                             "--tensor-parallel", "2", "--torch-threads", "1", "--served-model-name", "tiny"],
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.2)
+    try:
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_openai_client_works_unchanged_against_a_tp2_server_and_sigterm_leaves_no_orphans(tp2_server, gqa_ckpt):
+    import subprocess
+
+    from openai import OpenAI
+
+    proc, url = tp2_server
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    r = client.completions.create(model="tiny", prompt=PROMPTS["a"], max_tokens=10, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 10
+    one = generate(gqa_ckpt, 1, {"a": (PROMPTS["a"], GREEDY)})["a"]
+    tok = load_for_serving(gqa_ckpt, CPU, torch.float32, tensor_parallel=2).tokenizer
+    assert r.choices[0].text == tok.decode(one)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=PROMPTS["a"], max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        if c.choices)
+    assert streamed == r.choices[0].text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=5, temperature=0)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0, stream=True)
+        if c.choices)
+    assert streamed == chat.choices[0].message.content
+    below = _descendants(proc.pid)
+    assert len(below) >= 3  # the engine process and two workers (and maybe a resource tracker)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("tessera-serve did not exit on SIGTERM")
+    import time
+
+    deadline = time.time() + 30
+    while any(_alive(p) for p in below) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in below if _alive(p)]
+
+
+def test_a_dead_worker_fails_requests_and_health_instead_of_hanging(tp2_server):
+    """As when the engine process dies (test_engine_process): requests 500 server_error, /health 503."""
+    import httpx
+
+    proc, url = tp2_server
+    workers = [p for p in _descendants(proc.pid) if "spawn_main" in _cmdline(p)]
+    assert len(workers) == 2, workers
+    os.kill(workers[-1], signal.SIGKILL)
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS["a"], "max_tokens": 4}, timeout=60)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    assert httpx.get(url + "/health", timeout=10).status_code == 503
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS["a"], "max_tokens": 4}, timeout=60)
+    assert r.status_code == 500, r.text
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
