@@ -257,9 +257,13 @@ class TensorParallelExecutor:
             if not ready:
                 raise WorkerDied(f"tensor-parallel worker {rank} did not answer within {timeout:.0f} s")
             dead = [r for r, p in enumerate(self.procs) if p.sentinel in ready]
-            for r in dead:  # a worker that failed says why before it exits
-                if self.conns[r].poll():
-                    self._raise_error(r, json.loads(self.conns[r].recv_bytes()))
+            for r in dead:  # a worker that failed says why before it exits (a killed one cannot)
+                try:
+                    msg = json.loads(self.conns[r].recv_bytes()) if self.conns[r].poll() else None
+                except (EOFError, OSError):
+                    msg = None
+                if msg is not None and msg.get("t") == "error":
+                    self._raise_error(r, msg)
             self.procs[dead[0]].join(1)
             raise WorkerDied(f"tensor-parallel worker {dead[0]} exited (code {self.procs[dead[0]].exitcode})")
         try:
