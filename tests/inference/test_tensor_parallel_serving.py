@@ -94,6 +94,51 @@ def test_tp2_with_ngram_speculation_gives_the_greedy_tokens(gqa_ckpt):
     assert generate(gqa_ckpt, 2, requests, speculative=spec) == generate(gqa_ckpt, 1, requests)
 
 
+def test_tp2_serves_a_mixture_of_experts_model_like_transformers(tiny_ckpt, tmp_path):
+    """Mixtral (sliding window, 4 experts): attention is split over the ranks, the MoE MLPs are
+    replicated on each (the shared layers do not split experts over tensor ranks)."""
+    from hf_families import build
+
+    hf = build("mixtral", sliding_window=7)
+    export = _save(hf, tiny_ckpt, tmp_path / "hf")
+    got = generate(export, 2, {rid: (p, GREEDY) for rid, p in PROMPTS.items()})
+    for rid, prompt in PROMPTS.items():
+        assert got[rid] == hf_greedy(hf, prompt, 10), rid
+
+
+def test_tessera_generate_with_tensor_parallel_writes_the_one_process_tokens(gqa_ckpt, tmp_path, capsys):
+    import json
+
+    from tessera.common.errors import run_cli
+    from tessera.inference.generate_cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": rid, "prompt": p, "ignore_eos": True}) + "\n" for rid, p in PROMPTS.items()))
+    out = tmp_path / "o.jsonl"
+    argv = ["--checkpoint", str(gqa_ckpt), "--prompts", str(prompts), "--output", str(out), "--max-tokens", "10",
+            "--num-kv-blocks", "64", "--tensor-parallel", "2", "--quiet"]
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, argv)
+    assert exc.value.code == 0
+    got = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    assert got == generate(gqa_ckpt, 1, {rid: (p, GREEDY) for rid, p in PROMPTS.items()})
+
+
+def test_tessera_generate_refuses_a_tensor_parallel_size_above_the_kv_heads_in_one_line(tiny_ckpt, tmp_path, capsys):
+    from tessera.common.errors import run_cli
+    from tessera.inference.generate_cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output",
+                       str(tmp_path / "o.jsonl"), "--tensor-parallel", "4"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tensor-parallel 4" in err[0] and "2 key/value heads" in err[0], err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 @pytest.mark.parametrize(("tp", "over", "quantization", "message"), [
     (4, {}, None, "2 key/value heads, fewer than the tensor-parallel size"),
     (3, {"num_heads": 6, "num_kv_heads": 3, "hidden_size": 96}, None, "must divide the 512 vocabulary rows"),
