@@ -287,3 +287,17 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_tessera_serve_refuses_a_tensor_parallel_size_above_the_kv_heads_in_one_line(tiny_ckpt):
+    """From the engine process, before any weight is read or any worker started."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", "from tessera.inference.cli import entry; entry()", "--checkpoint",
+                        str(tiny_ckpt), "--port", "18931", "--tensor-parallel", "4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    err = [line for line in r.stderr.splitlines() if line.startswith("tessera-serve")]
+    assert len(err) == 1 and "--tensor-parallel 4" in err[0] and "2 key/value heads" in err[0], r.stderr
+    assert "Traceback" not in r.stderr

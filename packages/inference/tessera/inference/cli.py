@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quant = f", {cfg.quantization} weights" if cfg.quantization else ""
+    quant += f", tensor parallel {cfg.tensor_parallel}" if cfg.tensor_parallel > 1 else ""
     print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
           f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, max_model_len {frontend.max_model_len}; "
           f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if frontend.healthy:  # uvicorn never got to its shutdown (e.g. the port was taken)
             frontend.shutdown(timeout=0)
+        if args.no_engine_process:
+            frontend.engine.close()  # stops tensor-parallel workers (the engine process does so itself)
     return 0
 
 
