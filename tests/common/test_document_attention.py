@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tessera.common.attention import MaskedAttention, attention_mask, document_segments
 from tessera.common.model import build_model
 from tessera.common.model_config import preset
+from tessera.common.parallel.context_parallel import local_token_index
 
 T = 48
 
@@ -176,3 +177,32 @@ def test_long_packed_sequence_allocates_no_t_by_t_buffer():
     assert dense.largest >= dense_bytes
     # The largest tensors left are per-token: logits / MLP activations, a few MB.
     assert ours.largest < dense_bytes // 32
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_context_parallel_queries_equal_their_rows_of_the_dense_mask(window):
+    """Context parallel's document path: a rank's queries (chunks r and 2C-1-r of the sequence)
+    against every key in global order equal those queries' rows of the one-process attention,
+    output and gradients, on the segment path (CPU) and, forward, the FlexAttention path."""
+    cp = 2
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, T, 4, 16, generator=gen, requires_grad=True)
+    k = torch.randn(2, T, 2, 16, generator=gen, requires_grad=True)
+    v = torch.randn(2, T, 2, 16, generator=gen, requires_grad=True)
+    document_ids = ids_from_lengths(PACKED)
+    mask = attention_mask(T, q.dtype, q.device, document_ids, window)
+    full = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    for rank in range(cp):
+        index = local_token_index(T, cp, rank)
+        masked = MaskedAttention(document_ids, window, 2, T, q.device, query_index=index)
+        got = masked(q[:, index], k, v)
+        want = full[:, index]
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+        weight = torch.randn(got.shape, generator=gen)
+        got_grads = torch.autograd.grad((got * weight).sum(), (q, k, v))
+        want_grads = torch.autograd.grad((want * weight).sum(), (q, k, v), retain_graph=True)
+        for a, b in zip(got_grads, want_grads):
+            assert ((a - b).norm() / b.norm()).item() < 1e-5
+        flex = masked.flex(q[:, index].detach(), k.detach(), v.detach())
+        assert ((flex - want).norm() / want.norm()).item() < 1e-5

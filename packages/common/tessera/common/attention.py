@@ -100,14 +100,21 @@ class MaskedAttention:
     Built once per forward per distinct window and shared by every layer with that window (and by
     selective recompute, which calls it again in backward). `document_ids` [B or 1, T] or None;
     `window` None for full causal. Call with q [B, T, Hq, D], k/v [B, T, Hkv, D]; returns [B, T, Hq, D].
+
+    `query_index` [Tq] (context parallel): the queries are only the tokens at these positions of
+    the T keys (q [B, Tq, Hq, D], out likewise), in any order. FlexAttention looks each query's
+    position up in the mask_mod (no extra work); the segment path scatters the queries into a
+    zero [B, T] sequence and attends only the segments holding at least one of them (a zero
+    query's output is discarded, so it costs work, not exactness).
     """
 
     def __init__(self, document_ids: torch.Tensor | None, window: int | None, batch: int, seq: int,
-                 device: torch.device):
+                 device: torch.device, query_index: torch.Tensor | None = None):
         self.document_ids, self.window = document_ids, window
         self.batch, self.seq, self.device = batch, seq, device
+        self.query_index = query_index
         self._groups: list[_Group] | None = None
-        self._inverse: torch.Tensor | None = None
+        self._take: torch.Tensor | None = None
         self._bands: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._block_mask = None
 
@@ -119,9 +126,11 @@ class MaskedAttention:
     # ---- CUDA: FlexAttention ----------------------------------------------------------------
 
     def mask_mod(self) -> Callable:
-        docs, window = self.document_ids, self.window
+        docs, window, query_index = self.document_ids, self.window, self.query_index
 
         def mask_mod(b, h, q_idx, kv_idx):
+            if query_index is not None:
+                q_idx = query_index[q_idx]
             allowed = kv_idx <= q_idx
             if window is not None:
                 allowed = allowed & (kv_idx > q_idx - window)
@@ -136,7 +145,8 @@ class MaskedAttention:
 
         if self._block_mask is None:
             rows = self.document_ids.shape[0] if self.document_ids is not None else 1
-            self._block_mask = create_block_mask(self.mask_mod(), rows, None, self.seq, self.seq,
+            queries = self.seq if self.query_index is None else len(self.query_index)
+            self._block_mask = create_block_mask(self.mask_mod(), rows, None, queries, self.seq,
                                                  device=device, _compile=device.type == "cuda")
         return self._block_mask
 
@@ -152,33 +162,47 @@ class MaskedAttention:
 
     def plan(self) -> tuple[list[_Group], torch.Tensor]:
         """Group the segments by shape (once per forward): index tensors into the flattened
-        [B * T] tokens, and the permutation that puts the concatenated outputs back in order."""
+        [B * T] tokens, and the index that takes each query's output from the concatenated
+        outputs of the groups, in query order."""
         if self._groups is None:
+            local = [True] * self.seq
+            if self.query_index is not None:
+                local = [False] * self.seq
+                for i in self.query_index.tolist():
+                    local[i] = True
             shapes: dict[tuple[int, int, bool], tuple[list[int], list[int]]] = {}
+
+            def add(b: int, qs: int, lq: int, ks: int, lk: int, band: bool) -> None:
+                if any(local[qs:qs + lq]):  # a segment without queries of ours is skipped
+                    q_starts, k_starts = shapes.setdefault((lq, lk, band), ([], []))
+                    q_starts.append(b * self.seq + qs)
+                    k_starts.append(b * self.seq + ks)
+
             w = self.window
             for b, start, length in document_segments(self.document_ids, self.batch, self.seq):
-                base = b * self.seq + start
                 if w is None or length <= w:
-                    shapes.setdefault((length, length, False), ([], []))[0].append(base)
+                    add(b, start, length, start, length, False)
                     continue
                 # Query blocks of w: the first is plain causal; block j >= 1 (r <= w queries from
                 # qs) sees keys qs - w .. qs + r - 1 under the band k' in (q', q' + w].
-                shapes.setdefault((w, w, False), ([], []))[0].append(base)
-                for qs in range(w, length, w):
-                    r = min(w, length - qs)
-                    qs_list, ks_list = shapes.setdefault((r, w + r, True), ([], []))
-                    qs_list.append(base + qs)
-                    ks_list.append(base + qs - w)
+                add(b, start, w, start, w, False)
+                for qs in range(start + w, start + length, w):
+                    r = min(w, start + length - qs)
+                    add(b, qs, r, qs - w, w + r, True)
             groups, order = [], []
             for (lq, lk, band), (q_starts, k_starts) in shapes.items():
                 q_index = torch.tensor(q_starts)[:, None] + torch.arange(lq)
                 k_index = torch.tensor(k_starts)[:, None] + torch.arange(lk) if band else q_index
                 groups.append(_Group(q_index.to(self.device), k_index.to(self.device), band))
                 order.append(q_index.flatten())
-            self._groups = groups
-            self._inverse = torch.argsort(torch.cat(order)).to(self.device)
-        assert self._inverse is not None
-        return self._groups, self._inverse
+            flat = torch.cat(order)
+            where = torch.empty(self.batch * self.seq, dtype=torch.long)
+            where[flat] = torch.arange(len(flat))
+            queries = torch.arange(self.seq) if self.query_index is None else self.query_index.cpu()
+            wanted = (torch.arange(self.batch)[:, None] * self.seq + queries).flatten()
+            self._groups, self._take = groups, where[wanted].to(self.device)
+        assert self._take is not None
+        return self._groups, self._take
 
     def band(self, queries: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Additive [r, w + r] mask of a window block: query q' sees keys k' with q' < k' <= q' + w."""
@@ -193,8 +217,10 @@ class MaskedAttention:
         return self._bands[key]
 
     def segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-        groups, inverse = self.plan()
-        bsz, seq = q.shape[0], q.shape[1]
+        groups, take = self.plan()
+        bsz, queries = q.shape[0], q.shape[1]
+        if self.query_index is not None:  # our queries at their places in a zero sequence
+            q = q.new_zeros(bsz, self.seq, *q.shape[2:]).index_copy(1, self.query_index, q)
         qf, kf, vf = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # [B * T, H, D]
         outs = []
         for g in groups:
@@ -204,7 +230,7 @@ class MaskedAttention:
             out = F.scaled_dot_product_attention(gq, gk, gv, attn_mask=mask, dropout_p=dropout_p,
                                                  is_causal=not g.band, enable_gqa=gq.shape[1] != gk.shape[1])
             outs.append(out.transpose(1, 2).flatten(0, 1))  # [n * Lq, H, D]
-        return torch.cat(outs)[inverse].view(bsz, seq, *q.shape[2:])
+        return torch.cat(outs)[take].view(bsz, queries, *q.shape[2:])
 
 
 def _attention_dtype(q: torch.Tensor) -> torch.dtype:
