@@ -139,8 +139,10 @@ class MaskedAttention:
             return allowed
         return mask_mod
 
+    @torch.compiler.disable
     def block_mask(self, device: torch.device):
-        """The BlockMask for this forward (built once, shared by the layers)."""
+        """The BlockMask for this forward (built once, shared by the layers; outside any compiled
+        graph, as torchtitan builds it, so a compiled forward takes it as an input)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         if self._block_mask is None:
@@ -216,7 +218,11 @@ class MaskedAttention:
             self._bands[key] = mask.masked_fill_(~allowed, float("-inf"))
         return self._bands[key]
 
+    @torch.compiler.disable
     def segments(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+        """Eager even inside a compiled forward (a graph break per layer): the plan reads the
+        document boundaries on the host, and its shapes change every batch, so tracing it would
+        recompile per batch."""
         groups, take = self.plan()
         bsz, queries = q.shape[0], q.shape[1]
         if self.query_index is not None:  # our queries at their places in a zero sequence
