@@ -175,7 +175,7 @@ def test_long_packed_sequence_allocates_no_t_by_t_buffer():
     with LargestTensor() as dense:
         attention_mask(seq, torch.float32, torch.device("cpu"), ids_from_lengths(rows))
     assert dense.largest >= dense_bytes
-    # The largest tensors left are per-token: logits / MLP activations, a few MB.
+    # The largest tensors left are per-token: measured 2 MiB (the [T, 64] logits) against 256 MiB.
     assert ours.largest < dense_bytes // 32
 
 
