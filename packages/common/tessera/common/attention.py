@@ -43,7 +43,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MaskedAttention", "attention_mask", "document_attention_mask", "document_segments"]
+__all__ = ["MaskedAttention", "attention_mask", "document_segments"]
 
 
 def attention_mask(seq: int, dtype: torch.dtype, device: torch.device, document_ids: torch.Tensor | None = None,
@@ -64,11 +64,6 @@ def attention_mask(seq: int, dtype: torch.dtype, device: torch.device, document_
         allowed = allowed & (document_ids.unsqueeze(2) == document_ids.unsqueeze(1))
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     return mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
-
-
-def document_attention_mask(document_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Causal same-document mask [B, 1, T, T] (see `attention_mask`)."""
-    return attention_mask(document_ids.shape[1], dtype, document_ids.device, document_ids)
 
 
 def document_segments(document_ids: torch.Tensor | None, batch: int, seq: int) -> list[tuple[int, int, int]]:

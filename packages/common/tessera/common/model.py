@@ -26,14 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.common.attention import MaskedAttention, document_attention_mask
+from tessera.common.attention import MaskedAttention
 from tessera.common.model_config import ModelConfig
 from tessera.common.moe import MoE
 from tessera.common.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from tessera.kernels import add_rms_norm, rms_norm, rope_qk, swiglu
 
 __all__ = ["AttentionFn", "Attention", "Block", "MLP", "MoE", "RMSNorm", "RotaryEmbedding", "Transformer",
-           "apply_rope", "build_model", "document_attention_mask", "rope_inv_freq"]
+           "apply_rope", "build_model", "rope_inv_freq"]
 
 # attention_fn(layer_idx, q, k, v) -> out; q: [B, T, Hq, D], k/v: [B, T, Hkv, D], out: [B, T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -93,7 +93,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         attention_fn: AttentionFn | None = None,
-        attn_mask: MaskedAttention | torch.Tensor | None = None,
+        attn_mask: MaskedAttention | None = None,
     ) -> torch.Tensor:
         # Head counts come from the projection widths, so a tensor-parallel shard (fewer local
         # heads) runs this same code; the sequence length too, since under sequence parallel the
@@ -114,23 +114,20 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(bsz, seq, -1))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             attn_mask: MaskedAttention | torch.Tensor | None = None) -> torch.Tensor:
+             attn_mask: MaskedAttention | None = None) -> torch.Tensor:
         """Causal scaled-dot-product attention; [B, T, H, D] in and out. Selective recompute wraps this.
 
-        `attn_mask` replaces the plain causal mask: a `MaskedAttention` (packed documents and/or
-        this layer's sliding window, no T x T tensor; what the model passes), or a dense additive
-        [B, 1, T, T] mask in q's dtype (`tessera.common.attention.attention_mask`, the tests'
-        reference), causal itself.
+        `attn_mask`, when given, attends instead: packed documents and/or this layer's sliding
+        window, without a T x T mask (`tessera.common.attention`).
         """
         dropout_p = self.dropout if self.training else 0.0
-        if isinstance(attn_mask, MaskedAttention):
+        if attn_mask is not None:
             return attn_mask(q, k, v, dropout_p)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q, k, v,
-            attn_mask=attn_mask,
             dropout_p=dropout_p,
-            is_causal=attn_mask is None,
+            is_causal=True,
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out.transpose(1, 2)
@@ -167,7 +164,7 @@ class Block(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         attention_fn: AttentionFn | None = None,
-        attn_mask: MaskedAttention | torch.Tensor | None = None,
+        attn_mask: MaskedAttention | None = None,
     ) -> torch.Tensor:
         h = self.dropout(self.attn(self.attn_norm(x), rope, attention_fn, attn_mask))
         x, normed = add_norm(self.mlp_norm, x, h)
