@@ -152,8 +152,12 @@ def test_a_tensor_parallel_size_the_model_cannot_be_split_by_is_refused_before_l
         load_for_serving(ckpt, CPU, torch.float32, quantization, tensor_parallel=tp)
 
 
-def test_a_worker_that_dies_ends_the_engine_and_shutdown_leaves_no_worker(gqa_ckpt):
+def test_each_worker_holds_only_its_shard_and_one_that_dies_ends_the_engine(gqa_ckpt):
     engine = engine_for(gqa_ckpt, 2)
+    cfg = tiny_config(num_heads=8, num_kv_heads=4)
+    total = sum(t.numel() for t in load_model_tensors(resolve_checkpoint(gqa_ckpt)).values())
+    norms = cfg.hidden_size * (2 * cfg.num_layers + 1)  # replicated on both ranks
+    assert engine.runner.executor.shard_numel == [(total - norms) // 2 + norms] * 2
     procs = list(engine.runner.executor.procs)
     try:
         run_all(engine, {"a": (PROMPTS["a"], GREEDY)})
@@ -298,6 +302,6 @@ def test_tessera_serve_refuses_a_tensor_parallel_size_above_the_kv_heads_in_one_
                         str(tiny_ckpt), "--port", "18931", "--tensor-parallel", "4"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
-    err = [line for line in r.stderr.splitlines() if line.startswith("tessera-serve")]
+    err = [line for line in r.stderr.splitlines() if "error:" in line]
     assert len(err) == 1 and "--tensor-parallel 4" in err[0] and "2 key/value heads" in err[0], r.stderr
     assert "Traceback" not in r.stderr

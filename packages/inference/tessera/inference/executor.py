@@ -197,7 +197,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
     dtype = DTYPES[init["dtype"]]
     model = load_shard(Path(init["path"]), init["hf"], cfg, groups, device, dtype)
     runner = ModelRunner(model, init["num_blocks"], init["block_size"], device, dtype, rank, world)
-    _reply(conn, {"t": "ready"})
+    _reply(conn, {"t": "ready", "numel": sum(p.numel() for p in model.parameters())})
     tp_group = groups.tp_group
     while True:
         msg = json.loads(conn.recv_bytes())
@@ -241,10 +241,12 @@ class TensorParallelExecutor:
                 theirs.close()
                 self.conns.append(ours)
                 self.procs.append(proc)
+            self.shard_numel: list[int] = []  # parameter elements each worker holds
             for rank in range(tp):
                 msg = self._recv(rank, READY_TIMEOUT_S)
                 if msg.get("t") != "ready":
                     raise WorkerDied(f"tensor-parallel worker {rank}: unexpected message {msg.get('t')!r}")
+                self.shard_numel.append(int(msg["numel"]))
         except BaseException:
             self.shutdown()
             raise
