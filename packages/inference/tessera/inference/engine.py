@@ -118,7 +118,6 @@ class LLMEngine:
                 "--num-kv-blocks or lower --max-model-len")
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        self.runner = self._runner(loaded, cfg, num_blocks, device, dtype)
         self.processor = OutputProcessor(self.scheduler, self.blocks)
         self.proposer = None
         if cfg.speculative is not None:
@@ -130,6 +129,9 @@ class LLMEngine:
         self._step_tokens = 0
         self.grammars = Grammars((loaded.tokenizer.directory / "tokenizer.json").read_text(),
                                  loaded.config.vocab_size, sorted(self.eos_ids))
+        # Last: under tensor parallel this starts the workers, so nothing after it can fail and
+        # leave them running.
+        self.runner = self._runner(loaded, cfg, num_blocks, device, dtype)
 
     @staticmethod
     def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,

@@ -124,14 +124,10 @@ def _load_dcp_shard(path: Path, params: dict, buffers: dict, groups) -> None:
 
 
 def _load_hf_shard(path: Path, cfg: ModelConfig, params: dict, buffers: dict, rank: int, world: int) -> None:
-    from tessera.common.hf.directory import SafetensorsWeights
-    from tessera.common.hf.registry import import_rules
-    from tessera.common.hf.rules import check_import
+    from tessera.common.hf.directory import checked_hf_weights
     from tessera.common.parallel.layers import shard_dim_of
 
-    weights = SafetensorsWeights(path)
-    rules, optional = import_rules(cfg, weights.names())
-    check_import(rules, weights, str(path), optional)
+    weights, rules = checked_hf_weights(path, cfg)
     local = {**params, **buffers}
     with torch.no_grad():
         for rule in rules:  # one full tensor (memory-mapped sources, converted) at a time

@@ -17,6 +17,7 @@ from tessera.common.checkpoint import (
 )
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.hf import eos_token_ids, is_hf_directory, load_hf_weights, read_hf_config
+from tessera.common.hf.directory import checked_hf_weights
 from tessera.common.model import Transformer, build_model
 from tessera.common.model_config import ModelConfig
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
@@ -72,6 +73,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
     hf = path.is_dir() and is_hf_directory(path) and not (path / SIDECAR).is_file()
     if hf:
         cfg, hf_config = read_hf_config(path)  # the one HF adapter, shared with tessera-ckpt import
+        checked_hf_weights(path, cfg)  # headers only: bad weights are refused before anything else
         eos = eos_token_ids(path, hf_config)
         tokenizer = load_tokenizer(path)
     else:

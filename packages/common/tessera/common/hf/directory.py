@@ -159,12 +159,19 @@ class SafetensorsWeights:
         return self._file(self.where[name]).get(name)
 
 
-def load_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every parameter of `Transformer(cfg)`, in Tessera names, from an HF directory (validated
-    first: names, shapes, float dtypes, no tensor left unused)."""
+def checked_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> tuple[SafetensorsWeights, list]:
+    """The directory's weights and the rules that import them, validated from the headers alone
+    (names, shapes, float dtypes, no tensor left unused); no tensor data is read."""
     weights = SafetensorsWeights(directory)
     rules, optional = import_rules(cfg, weights.names())
     check_import(rules, weights, str(directory), optional)
+    return weights, rules
+
+
+def load_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every parameter of `Transformer(cfg)`, in Tessera names, from an HF directory (validated
+    first: names, shapes, float dtypes, no tensor left unused)."""
+    weights, rules = checked_hf_weights(directory, cfg)
     return {r.target: r.apply([weights.get(s) for s in r.sources]).contiguous() for r in rules}
 
 
