@@ -59,10 +59,12 @@ def test_tp2_and_tp4_llama_gqa_checkpoint_greedy_equals_one_process_and_transfor
     assert generate(gqa_ckpt, 4, requests) == one
 
 
-@pytest.mark.parametrize("family", ["llama-gqa", "gpt2"])
+@pytest.mark.parametrize("family", ["llama-gqa", "gpt2", "gpt2-odd-vocabulary"])
 def test_tp2_serves_an_hf_directory_token_for_token_like_transformers(tiny_ckpt, tmp_path, family):
-    """Each worker reads its slices of the safetensors (GPT-2's fused c_attn split into q/k/v)."""
-    hf = _llama(num_key_value_heads=2) if family == "llama-gqa" else _gpt2()
+    """Each worker reads its slices of the safetensors (GPT-2's fused c_attn split into q/k/v); a
+    vocabulary TP does not divide (513) is padded with zero rows whose logits are -inf."""
+    hf = {"llama-gqa": lambda: _llama(num_key_value_heads=2), "gpt2": _gpt2,
+          "gpt2-odd-vocabulary": lambda: _gpt2(vocab_size=513)}[family]()
     export = _save(hf, tiny_ckpt, tmp_path / "hf")
     got = generate(export, 2, {rid: (p, GREEDY) for rid, p in PROMPTS.items()})
     for rid, prompt in PROMPTS.items():
