@@ -106,20 +106,16 @@ def test_fsdp_weights_grads_and_optimizer_per_rank_are_within_15_percent_of_one_
             assert abs(rank["state"] / (unsharded / n) - 1) < 0.15, (name, rank["state"], unsharded)
 
 
-def test_the_planner_predicts_what_initialisation_holds_before_fsdp_shards(measured):
-    """Sharded initialisation allocates the tensor x pipeline share of the model, then FSDP shards
-    it: the build's measured peak is that share in fp32 plus the largest replayed global tensor."""
+def test_the_planner_predicts_what_sharded_initialisation_holds(measured):
+    """Sharded initialisation allocates this rank's FSDP shard of its tensor x pipeline share (FSDP
+    is applied to the meta model first): the build's measured peak is that shard in fp32 plus the
+    largest replayed global tensor."""
     for name in ("fsdp4", "fsdp2 x tp2 + sp, full recompute"):
         predicted = plan_memory(_spec(measured[name])).init
         for rank in measured[name]["ranks"]:
             assert abs(rank["build_peak"] / predicted - 1) < 0.10, (name, rank["build_peak"], predicted)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sharded_init.materialize_stages allocates each rank's whole tensor x pipeline share in fp32 before "
-    "fsdp.shard_stages shards it, so under FSDP without TP a rank transiently holds the full model "
-    "(measured: build peak 6.1 MB against 5.05 MB of fp32 weights, FSDP 4); allocating only the FSDP shard "
-    "(materialising after fully_shard) would make this pass"))
 def test_no_fsdp4_rank_ever_holds_the_whole_models_fp32_weights(measured):
     """Issue 17's acceptance: the budget is one full fp32 copy of the weights; under FSDP 4 every
     rank must stay below it through initialisation and training, so a model whose full copy

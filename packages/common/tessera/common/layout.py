@@ -172,9 +172,6 @@ def validate_layout(
     if dp % layout.data_shard:
         raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({dp} = world size / "
                         "(tensor x context x expert x pipeline)); data / data_shard is the number of HSDP replicas")
-    if layout.data_shard > 1 and pp > 1:
-        raise UserError("--data-shard above 1 (FSDP) with --pipeline-parallel above 1 is not supported; "
-                        "use the distributed optimizer (ZeRO-1) with pipeline parallel")
     if cfg.num_heads % tp:
         raise UserError(f"--tensor-parallel {tp} must divide num_heads ({cfg.num_heads})")
     if cfg.kv_heads % tp:
