@@ -41,8 +41,9 @@ def test_a_sequence_that_2c_chunks_do_not_divide_is_refused_in_one_line():
     with pytest.raises(UserError) as e:
         validate_layout(cfg, ParallelLayout(context=3), seq_len=16)
     assert "--context-parallel 3" in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(UserError):
-        validate_layout(cfg, ParallelLayout(context=2, data=2, data_shard=2), seq_len=16)
+    with pytest.raises(UserError) as e:  # with FSDP, as without
+        validate_layout(cfg, ParallelLayout(context=2, data=2, data_shard=2), seq_len=18)
+    assert "--context-parallel 2: seq_len (18)" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.slow

@@ -166,9 +166,6 @@ def validate_layout(
                         f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
     check_expert_parallel(cfg, layout)
     cp = layout.context
-    if cp > 1 and layout.data_shard > 1:
-        raise UserError("--context-parallel above 1 with --data-shard above 1 (FSDP) is not supported; "
-                        "use the distributed optimizer (ZeRO-1) with context parallel")
     if dp % layout.data_shard:
         raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({dp} = world size / "
                         "(tensor x context x expert x pipeline)); data / data_shard is the number of HSDP replicas")

@@ -25,10 +25,11 @@ needed; the checkpoint alone presents parameters as 2-D global tensors (`state_d
   memory and AdamW steps there (FSDP2's CPUOffloadPolicy).
 * Gradients: FSDP averages over all data ranks (reduce-scatter over shards, all-reduce over
   replicas). Then, as in the bucketed path, sequence-parallel-partial gradients (norms under
-  SP) are summed over the tensor group, a tied embedding's two copies (first and last pipeline
-  stage) over the embedding group, and the global norm counts each element once: on tensor
-  rank 0 for tensor-replicated parameters, on replica 0 for data replicas, on the first stage
-  for the tied embedding.
+  SP) are summed over the tensor group, every gradient over the context group (each context
+  rank back-propagated its part of the sequence into the same shards), a tied embedding's two
+  copies (first and last pipeline stage) over the embedding group, and the global norm counts
+  each element once: on tensor rank 0 for tensor-replicated parameters, on replica 0 for data
+  replicas, on context rank 0, on the first stage for the tied embedding.
 * Pipeline: each stage (chunk) is its own FSDP root, blocks inside it units, as torchtitan
   composes them; the pipeline schedule runs FSDP's gradient sync on the last micro-batch only.
   Under pipeline parallel `reshard_after_forward` is off (torchtitan's default for PP): with
@@ -125,7 +126,7 @@ class FullyShardedOptimizer:
         g = self.groups
         if getattr(p, "tied_embedding", False) and not g.is_first_stage:
             return False  # the last stage's copy of a tied embedding (the first stage counts it)
-        return (shard_dim_of(p) is not None or g.tp_rank == 0) and g.dp_replicate_rank == 0
+        return (shard_dim_of(p) is not None or g.tp_rank == 0) and g.dp_replicate_rank == 0 and g.cp_rank == 0
 
     def _global_sq(self, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=self.groups.device)
@@ -143,6 +144,9 @@ class FullyShardedOptimizer:
             for p, grad in grads:
                 if getattr(p, "sequence_parallel_partial", False):
                     dist.all_reduce(_local(grad), group=g.tp_group)
+        if g.cp > 1:  # context ranks hold the same shards, each the gradient of its part of the sequence
+            for _, grad in grads:
+                dist.all_reduce(_local(grad), group=g.cp_group)
         if g.embedding_group is not None:  # tied embedding under pipeline: the two copies' gradients
             for p, grad in grads:  # (same shape and FSDP chunk on both stages) are summed
                 if getattr(p, "tied_embedding", False):
