@@ -204,15 +204,16 @@ def test_a_layout_that_cannot_work_is_refused_by_the_cli_in_one_line_before_any_
                                                                                        expected):
     """`tessera-train` (under torchrun for 2 ranks): context parallel whose 2C chunks do not divide
     the sequence, and FSDP data_shard not dividing the data ranks (one process included, where
-    the flag would otherwise be ignored): every rank exits 2 with the one line, no traceback of
-    ours (torchrun adds its own report), no run folder."""
+    the flag would otherwise be ignored): a rank exits 2 with the one line, no traceback of ours
+    (torchrun adds its own report), no run folder."""
     name = f"refused{nproc}_{flags[0].strip('-')}"
     cmd = ([str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m", "tessera.trainer"]
            if nproc > 1 else [str(BIN / "tessera-train")])
     proc = subprocess.run([*cmd, "--config", str(write(data_dir, name)), "--quiet", *flags], cwd=data_dir,
                           capture_output=True, text=True, timeout=300, env=ENV)
     lines = [line for line in proc.stderr.splitlines() if expected in line]
-    assert proc.returncode != 0 and len(lines) == nproc, proc.stderr[-3000:]  # one line per rank
+    # One line per rank that got to print it (torchrun stops the others once the first exits).
+    assert proc.returncode != 0 and 1 <= len(lines) <= nproc, proc.stderr[-3000:]
     assert "/tessera/" not in proc.stderr, proc.stderr[-3000:]  # no worker traceback (torchrun prints its own)
     if nproc == 1:
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
