@@ -43,6 +43,7 @@ def check(layout: ParallelLayout, **kw):
     (ParallelLayout(tensor=2), {"world_size": 4}, "processes were launched"),
     (ParallelLayout(data=4, data_shard=3), {}, "--data-shard 3 must divide the data-parallel size (4"),
     (ParallelLayout(context=2, data=2, data_shard=4), {"seq_len": 16}, "--data-shard 4 must divide the data-parallel size (2"),
+    (ParallelLayout(tensor=2, data=3, data_shard=3), {}, "--data-shard 3 with --tensor-parallel 2 must divide hidden_size"),
 ])
 def test_bad_layouts_refused_with_one_line(layout, kw, fragment):
     with pytest.raises(UserError) as exc:

@@ -169,6 +169,11 @@ def validate_layout(
     if dp % layout.data_shard:
         raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({dp} = world size / "
                         "(tensor x context x expert x pipeline)); data / data_shard is the number of HSDP replicas")
+    if layout.data_shard > 1 and tp > 1 and cfg.hidden_size % layout.data_shard:
+        # A tensor-split weight is fully sharded along its other dim, the hidden size; FSDP2 shards
+        # a non-leading dim only evenly.
+        raise UserError(f"--data-shard {layout.data_shard} with --tensor-parallel {tp} must divide hidden_size "
+                        f"({cfg.hidden_size}): FSDP splits each tensor-parallel weight along the hidden dim, evenly")
     if cfg.num_heads % tp:
         raise UserError(f"--tensor-parallel {tp} must divide num_heads ({cfg.num_heads})")
     if cfg.kv_heads % tp:
