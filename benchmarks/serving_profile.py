@@ -141,12 +141,13 @@ def engine_profile(ckpt: Path, args, workload) -> None:
             engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         while engine.scheduler.waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
             engine.step()  # every prompt prefilled: the profiled steps are decode steps
+        running = len(engine.scheduler.running)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(args.torch_profile):
                 engine.step()
         while engine.has_unfinished():
             engine.step()
-        print(f"torch profiler, {args.torch_profile} decode steps of {len(engine.scheduler.running)} sequences:")
+        print(f"torch profiler, {args.torch_profile} decode steps of {running} sequences:")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
