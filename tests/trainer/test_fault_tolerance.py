@@ -37,9 +37,6 @@ def _final(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_model_tensors(checkpoints / iter_dir_name(STEPS))
 
 
-@pytest.mark.skip(reason="intermittent: the restarted attempt's gloo init_process_group sometimes connects to the "
-                         "dead rank's address from the first attempt (stale rendezvous key) and fails or hangs; "
-                         "passed 3 of 3 runs before the last merges, 1 of 3 after; see docs/operations.md")
 def test_a_rank_killed_mid_run_restarts_and_finishes_like_an_uninterrupted_run(data_dir):
     reference = _torchrun(write(data_dir, "dp2_ref", save_interval=1), env={})
     assert reference.returncode == 0, reference.stderr[-3000:]
