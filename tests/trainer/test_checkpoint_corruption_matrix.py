@@ -55,11 +55,13 @@ def deleted_payload(ckpt: Path) -> str:
 
 
 def sidecar_model_edited(ckpt: Path) -> str:
-    """The sidecar's model config no longer matches the stored tensors (hidden size doubled)."""
+    """The sidecar's model config no longer matches the stored tensors (hidden size doubled). The
+    damage is a disagreement between two files, so the line names the checkpoint directory (and
+    the tensor whose shape disagrees) rather than one of them."""
     sidecar = json.loads((ckpt / SIDECAR).read_text())
     sidecar["model"]["hidden_size"] *= 2
     (ckpt / SIDECAR).write_text(json.dumps(sidecar))
-    return SIDECAR
+    return ckpt.name
 
 
 def sidecar_not_json(ckpt: Path) -> str:
@@ -164,7 +166,13 @@ def _command(reader: str, cfg: dict, run: Path, out: Path, pointer: bool) -> Cal
 
 
 def _outputs(run: Path, out: Path) -> list[Path]:
-    made = [out / name for name in ("hf", "tp2", "out.jsonl", "new") if (out / name).exists()]
+    """What a refused command must not have written: an export, a reshard, generations, a new
+    checkpoint, or a metrics record. (init_from's new run gets its folders, config.yaml and an
+    empty metrics.jsonl before the checkpoint is read: the record of a run that did not start.)"""
+    made = [out / name for name in ("hf", "tp2", "out.jsonl") if (out / name).exists()]
+    made += [p for p in (out / "new").rglob("*") if p.is_file() and p.name not in ("config.yaml", "metrics.jsonl")]
+    made += [p for p in (out / "new").glob("metrics.jsonl") if p.read_text().strip()]
+    made += list((out / "new").glob("checkpoints/iter_*"))
     return made + [p for p in (run / "checkpoints").glob("iter_*") if p.name != ITER]
 
 
