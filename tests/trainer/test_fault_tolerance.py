@@ -53,6 +53,44 @@ def test_a_rank_killed_mid_run_restarts_and_finishes_like_an_uninterrupted_run(d
     assert records(data_dir / "dp2_killed", "train")[STEPS]["loss"] == records(data_dir / "dp2_ref", "train")[STEPS]["loss"]
 
 
+_RESTARTED_JOIN = """
+import os, sys, time
+import torch.distributed as dist
+from tessera.common.parallel.state import join_torchrun_job
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+if attempt == 1 and rank == 1:
+    time.sleep(2)  # rank 0 of the new attempt reaches the store first, where attempt 0's keys still are
+if sys.argv[1] == "plain":
+    dist.init_process_group("gloo")
+else:
+    join_torchrun_job("gloo")
+if attempt == 0 and rank == 1:
+    os._exit(1)  # dies after the group was made: its address stays in the job's store
+dist.barrier()
+print(f"attempt {attempt} rank {rank} joined", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("init", ["join_torchrun_job", "plain"])
+def test_a_restarted_attempt_joins_its_own_ranks_not_the_dead_ones(init, tmp_path):
+    """The cause of the restart test's intermittent failures, made certain: torchrun's agent keeps one
+    store for the whole job, and gloo's group keys carry no attempt number, so a restarted rank 0
+    that reads before the new rank 1 has written gets the dead rank's address. Plain
+    `init_process_group` then fails to connect (the control, pinning the cause); ours, with keys
+    under the attempt's prefix, joins."""
+    script = tmp_path / "join.py"
+    script.write_text(_RESTARTED_JOIN)
+    proc = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+                           str(script), init], capture_output=True, text=True, timeout=240, env=ENV)
+    joined = {line for line in proc.stdout.splitlines() if line.startswith("attempt 1")}
+    if init == "plain":
+        assert proc.returncode != 0 and "connectFullMesh failed" in proc.stderr, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert joined == {"attempt 1 rank 0 joined", "attempt 1 rank 1 joined"}
+
+
 def test_a_hung_rank_makes_every_rank_dump_its_stack_within_the_timeout(data_dir):
     config = write(data_dir, "hang", step_timeout_minutes=0.1)  # 6 s
     start = time.monotonic()
