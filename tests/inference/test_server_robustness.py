@@ -356,10 +356,11 @@ def test_health_keeps_answering_while_a_maximum_size_prompt_is_processed(tiny_ck
     try:
         prompt = ("def f(x):\n    return x + 1\n" * 200_000)[:3_900_000]
         assert len(prompt) < s.openai.max_prompt_chars
+        poll = httpx.Client(timeout=30)  # one client: a fresh one per poll costs ~20 ms of CPU (its SSL context)
         baseline = []  # the same polls with nothing in flight: what the machine's load alone costs
         for _ in range(40):
             start = time.perf_counter()
-            assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+            assert poll.get(s.url + "/health").status_code == 200
             baseline.append(time.perf_counter() - start)
             time.sleep(0.02)
         result = {}
@@ -369,12 +370,13 @@ def test_health_keeps_answering_while_a_maximum_size_prompt_is_processed(tiny_ck
         latencies, during = [], 0
         while t.is_alive():
             start = time.perf_counter()
-            r = httpx.get(s.url + "/health", timeout=30)
+            r = poll.get(s.url + "/health")
             latencies.append(time.perf_counter() - start)
             assert r.status_code == 200
             during += t.is_alive()
             time.sleep(0.02)
         t.join()
+        poll.close()
         for name, xs in (("idle", baseline), (f"during a {len(prompt)}-char prompt", latencies)):
             print(f"/health {name}: {len(xs)} polls, max {max(xs) * 1e3:.0f} ms, "
                   f"median {sorted(xs)[len(xs) // 2] * 1e3:.0f} ms")
@@ -409,7 +411,7 @@ def test_a_stuck_tokenizer_process_ends_its_request_and_is_replaced(tiny_ckpt):
         procs.timeout_s = 0.0  # no job can finish in no time: the child counts as stuck
         with pytest.raises(TokenizerUnavailable, match="took longer than 0 s"):
             procs.encode(text * 20, True)
-        assert not first.is_alive()
+        assert first.poll() is not None  # killed
         procs.timeout_s = 30
         assert procs.encode(text, True) == want  # a fresh child answers
     finally:

@@ -11,68 +11,93 @@ per character they hold it for at most a few milliseconds, less than a round tri
 
 Bounded: as many processes as the server has tokenizer threads (each thread waits on at most
 one job); a job that outlasts `timeout_s`, or a child that dies, ends that request with
-`TokenizerUnavailable` and the child is replaced. This module imports only the standard
-library and `tokenizers`, so a spawned child starts in a fraction of a second.
+`TokenizerUnavailable` and the child is replaced.
+
+A child is `python -m tessera.inference.tokenizer_process FD`, talking over a socket pair in
+plain bytes (UTF-8 text in, little-endian int32 ids out), as the engine process talks JSON: no
+pickle crosses, so a child that misbehaves on hostile text cannot run code in the server. Not
+multiprocessing: its spawn re-runs the parent's main script in the child (any program that
+embeds the server without a `__main__` guard would start itself again) and unpickles what it
+is sent. This module imports only the standard library (and `tokenizers` in the child), so a
+child starts in a fraction of a second.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import array
+import os
 import queue
+import socket
+import struct
+import subprocess
+import sys
 from multiprocessing.connection import Connection
 
 LONG_TEXT_CHARS = 65_536
+_REQUEST = struct.Struct("<?q")  # add_special_tokens, limit (-1: none); the UTF-8 text follows
+_COUNT = struct.Struct("<q")  # the number of ids; the ids follow unless there are more than the limit
 
 
 class TokenizerUnavailable(Exception):
     """No tokenizer process answered in time (busy, stuck, or dead)."""
 
 
-def _serve(conn: Connection, tokenizer_json: str) -> None:
-    """The child's loop: (text, add_special_tokens, limit) in, ids (or their count if > limit) out."""
+def _serve(conn: Connection) -> None:
+    """The child's loop: the tokenizer's JSON first, then one answer per request."""
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer = Tokenizer.from_str(conn.recv_bytes().decode())
     while True:
         try:
-            text, add_special_tokens, limit = conn.recv()
+            message = conn.recv_bytes()
         except (EOFError, OSError):  # the server went away
             return
-        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        conn.send(ids if limit is None or len(ids) <= limit else len(ids))
+        add_special_tokens, limit = _REQUEST.unpack_from(message)
+        ids = tokenizer.encode(message[_REQUEST.size:].decode(), add_special_tokens=add_special_tokens).ids
+        within = limit < 0 or len(ids) <= limit
+        conn.send_bytes(_COUNT.pack(len(ids)) + (array.array("i", ids).tobytes() if within else b""))
 
 
 class _Child:
-    def __init__(self, ctx, tokenizer_json: str):
-        self.conn, child_end = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child_end, tokenizer_json), daemon=True,
-                                   name="tessera-tokenizer")
-        self.process.start()
-        child_end.close()
+    def __init__(self, tokenizer_json: bytes):
+        ours, theirs = socket.socketpair()
+        # One thread per child (tokenizers would otherwise spread one encode over every core and
+        # take them from the server process and the engine).
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
+        self.process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
+                                        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, env=env)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send_bytes(tokenizer_json)
 
     def encode(self, text: str, add_special_tokens: bool, limit: int | None, timeout_s: float) -> list[int] | int:
-        self.conn.send((text, add_special_tokens, limit))  # the pipe write releases the GIL
+        # The socket write releases the GIL; so does the wait.
+        self.conn.send_bytes(_REQUEST.pack(add_special_tokens, -1 if limit is None else limit) + text.encode())
         if not self.conn.poll(timeout_s):
             raise TimeoutError
-        return self.conn.recv()
+        answer = self.conn.recv_bytes()
+        (count,) = _COUNT.unpack_from(answer)
+        if len(answer) == _COUNT.size and count:
+            return count
+        return array.array("i", answer[_COUNT.size:]).tolist()
 
     def close(self) -> None:
         self.conn.close()
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.process.kill()
-        self.process.join(timeout=5)
+        self.process.wait(timeout=5)
 
 
 class TokenizerProcesses:
     """A fixed set of tokenizer child processes, started at once and used one job at a time each."""
 
     def __init__(self, tokenizer_json: str, processes: int, timeout_s: float):
-        self._ctx = mp.get_context("spawn")  # no fork of a threaded server process
-        self._json = tokenizer_json
+        self._json = tokenizer_json.encode()
         self.timeout_s = timeout_s
         self._idle: queue.Queue[_Child] = queue.Queue()
         for _ in range(processes):
-            self._idle.put(_Child(self._ctx, tokenizer_json))
+            self._idle.put(_Child(self._json))
 
     def encode(self, text: str, add_special_tokens: bool, limit: int | None = None) -> list[int] | int:
         """The ids of `text`, or their count when it exceeds `limit`. Blocks the calling thread (not
@@ -85,7 +110,7 @@ class TokenizerProcesses:
             return child.encode(text, add_special_tokens, limit, self.timeout_s)
         except (TimeoutError, EOFError, OSError) as exc:
             child.close()  # stuck or dead: replace it so the next request finds a working one
-            child = _Child(self._ctx, self._json)
+            child = _Child(self._json)
             what = f"took longer than {self.timeout_s:g} s" if isinstance(exc, TimeoutError) else "failed"
             raise TokenizerUnavailable(f"tokenizing the text {what}") from None
         finally:
@@ -97,3 +122,7 @@ class TokenizerProcesses:
                 self._idle.get_nowait().close()
             except queue.Empty:
                 return
+
+
+if __name__ == "__main__":
+    _serve(Connection(int(sys.argv[1])))
