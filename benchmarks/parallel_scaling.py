@@ -15,7 +15,9 @@ peer, in the same run, is the single-process plain model with torch.optim.AdamW 
 parity tests compare against). Expected: weights/grads ~1/TP and ~1/PP, optimizer state ~1/DP
 with the distributed optimizer, activations ~1/TP with sequence parallel, and params + grads +
 optimizer ~1/N under FSDP data_shard=N (counted from the local shards; the gathered parameters
-of the block being computed are transient and show only in the peak RSS).
+of the block being computed are transient and show only in the peak RSS). A last table checks
+issue 17's acceptance on those bytes: for data_shard N = 2 and 4 (and HSDP's N = 2), the worst
+rank's weights + grads + optimizer state within 15% of 1/N of the single-process figure.
 """
 
 from __future__ import annotations
@@ -270,8 +272,30 @@ def main() -> None:
               f"{mib(worst['optim'])} | {mib(worst['act'])} | {worst['rss']:.0f} | {worst['step_s']:.3f} | "
               f"{worst['params'] / ref['params']:.2f} | {worst['optim'] / ref['optim']:.2f} | "
               f"{worst['act'] / max(1, ref['act']):.2f} |")
+    fsdp_acceptance(rows)
     if args.out:
         json.dump(rows, open(args.out, "w"), indent=1)
+
+
+def fsdp_acceptance(rows: list[dict]) -> None:
+    """Issue 17's memory acceptance: under FSDP data_shard=N, each rank's weights + grads +
+    optimizer state (exact bytes of its local shards) within 15% of 1/N of the unsharded figure
+    (the single-process peer). Bytes are deterministic: the same check is a test
+    (tests/trainer/test_plan_validation.py)."""
+    ref = rows[0]["ranks"][0]
+    unsharded = ref["params"] + ref["grads"] + ref["optim"]
+    print("\nFSDP: per-rank weights + grads + optimizer state against 1/N of the unsharded "
+          f"{mib(unsharded)} MiB (acceptance: within 15%)\n")
+    print("| layout | N | worst rank MiB | 1/N MiB | ratio | within 15% |")
+    print("|---|---|---|---|---|---|")
+    for r in rows[1:]:
+        n = r.get("layout", {}).get("data_shard", 1)
+        if n == 1 or r["layout"].get("tensor", 1) > 1:
+            continue
+        worst = max(x["params"] + x["grads"] + x["optim"] for x in r["ranks"])
+        ratio = worst / (unsharded / n)
+        print(f"| {r['name']} | {n} | {mib(worst)} | {mib(unsharded / n)} | {ratio:.3f} | "
+              f"{'yes' if abs(ratio - 1) <= 0.15 else 'NO'} |")
 
 
 if __name__ == "__main__":

@@ -11,15 +11,19 @@ weights and the same prompts/output lengths:
             (each batch runs until its longest request is done; only requested tokens count).
 Requests use ignore_eos so every engine produces exactly the requested number of tokens.
 
-With `--structured json` the run compares the server with itself instead: the same workload
-unconstrained and with every request constrained by a JSON schema (`response_format`
-json_schema; llguidance masks applied in the batched sampler), alternating in rounds; output
-tokens are counted from each request's usage (a constrained request ends when its JSON is
-complete, possibly before its max_tokens). Goal: the constrained run keeps > 90% of the
-unconstrained output tokens/s at 32 concurrent requests on CPU.
+With `--structured json` the run compares the server with itself instead: the same prompts
+JSON-schema constrained (`response_format` json_schema; llguidance masks applied in the batched
+sampler) and unconstrained, at equal output lengths. A constrained request ends when its JSON is
+complete, usually before its max_tokens, so an unconstrained run of the same max_tokens makes
+more tokens per request and spends less of its time per token in prefill: tokens/s would then
+compare workloads, not the grammar. So the constrained run goes first, each request's completion
+token count is recorded, and the unconstrained run asks for exactly that many tokens (max_tokens
+= the count, ignore_eos). Rounds alternate which system runs first. Printed per round and as
+medians: output tokens/s, TPOT, and the cost ratio 1 - constrained / unconstrained tokens/s.
+Goal: under 10% at 32 concurrent requests on CPU.
 
     .venv/bin/python benchmarks/serving.py --num-requests 64 --concurrency 32
-    .venv/bin/python benchmarks/serving.py --structured json --num-requests 128 --concurrency 32 --rounds 3
+    .venv/bin/python benchmarks/serving.py --structured json --num-requests 128 --concurrency 32 --rounds 4
 """
 
 from __future__ import annotations
@@ -122,14 +126,14 @@ async def run_client(url: str, workload, concurrency: int, arrivals: list[float]
                      extra_body: dict | None = None) -> dict:
     """Send every request of `workload`, at most `concurrency` in flight; with `arrivals` (seconds
     from the start, one per request) a request is not sent before its arrival time. Output tokens
-    are counted from each request's usage."""
+    are counted from each request's usage (`completion_tokens`: one count per request, in order)."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
-    ttft, itl, tpot, e2e, out_tokens = [], [], [], [], 0
+    ttft, itl, tpot, e2e = [], [], [], []
+    completion = [0] * len(workload)  # each request's completion_tokens, in workload order
 
-    async def one(client, prompt, n_out, arrival):
-        nonlocal out_tokens
+    async def one(client, index, prompt, n_out, arrival):
         await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
         async with sem:
             t0 = time.perf_counter()
@@ -152,15 +156,15 @@ async def run_client(url: str, workload, concurrency: int, arrivals: list[float]
             if generated > 1:
                 tpot.append((end - times[0]) / (generated - 1))
             e2e.append(end - t0)
-            out_tokens += generated
+            completion[index] = generated
 
     async with httpx.AsyncClient(timeout=600) as client:
         start = t0 = time.perf_counter()
         offsets = arrivals or [0.0] * len(workload)
-        await asyncio.gather(*(one(client, p, n, a) for (p, n), a in zip(workload, offsets)))
+        await asyncio.gather(*(one(client, i, p, n, a) for i, ((p, n), a) in enumerate(zip(workload, offsets))))
         dur = time.perf_counter() - t0
-    return {"duration": dur, "requests_per_s": len(workload) / dur, "output_tok_per_s": out_tokens / dur,
-            "ttft": ttft, "itl": itl, "tpot": tpot, "e2e": e2e}
+    return {"duration": dur, "requests_per_s": len(workload) / dur, "output_tok_per_s": sum(completion) / dur,
+            "ttft": ttft, "itl": itl, "tpot": tpot, "e2e": e2e, "completion_tokens": completion}
 
 
 def _sync(hf) -> None:
@@ -348,24 +352,47 @@ def main() -> None:
               f"TTFT p50 {1e3 * statistics.median(ours['ttft']):.0f} ms")
 
 def structured_rounds(url: str, workload, args, arrivals) -> None:
-    """The same workload unconstrained and JSON-schema constrained, alternating (the first
-    system of each round alternates too, so neither always runs on the warmer machine)."""
+    """The same prompts JSON-schema constrained and unconstrained at equal output lengths: the
+    first constrained run records each request's completion token count, and every unconstrained
+    run asks for exactly those counts (ignore_eos). Round 1 runs constrained first (it has to);
+    later rounds alternate, so neither system always runs on the warmer machine."""
     asyncio.run(run_client(url, workload[:4], 4, extra_body=STRUCTURED_BODY))  # warm-up (grammar tokenizer)
-    free_tps, json_tps = [], []
+    free_workload = None
+    results: dict[str, list[dict]] = {"free": [], "json": []}
     for r in range(args.rounds):
-        order = [("free", None), ("json", STRUCTURED_BODY)]
-        for name, extra in order if r % 2 == 0 else order[::-1]:
-            res = asyncio.run(run_client(url, workload, args.concurrency, arrivals, extra_body=extra))
-            (free_tps if name == "free" else json_tps).append(res["output_tok_per_s"])
-            print(f"round {r + 1} {name:4s}: {res['output_tok_per_s']:.1f} output tok/s, {res['requests_per_s']:.2f} req/s, "
+        for name in ("json", "free") if r % 2 == 0 else ("free", "json"):
+            if name == "json":
+                res = asyncio.run(run_client(url, workload, args.concurrency, arrivals, extra_body=STRUCTURED_BODY))
+                if free_workload is None:
+                    free_workload = [(p, n) for (p, _), n in zip(workload, res["completion_tokens"])]
+                    if min(res["completion_tokens"]) < 1:
+                        raise SystemExit("a constrained request produced no tokens (see the server log)")
+            else:
+                res = asyncio.run(run_client(url, free_workload, args.concurrency, arrivals))
+            results[name].append(res)
+            print(f"round {r + 1} {name:4s}: {res['output_tok_per_s']:.1f} output tok/s, "
+                  f"{sum(res['completion_tokens'])} tokens, {res['requests_per_s']:.2f} req/s, "
                   f"TPOT median {1e3 * statistics.median(res['tpot']):.1f} ms, TTFT median "
                   f"{1e3 * statistics.median(res['ttft']):.0f} ms ({res['duration']:.1f} s)", flush=True)
+    assert free_workload is not None
+    lengths = [n for _, n in free_workload]
     print(f"command: {' '.join(sys.argv)}")
     print(f"workload: {args.num_requests} requests, concurrency {args.concurrency}, input {args.input_len}, "
-          f"max output {args.output_len} tokens, greedy")
-    free, constrained = statistics.median(free_tps), statistics.median(json_tps)
-    print(f"median output tok/s: unconstrained {free:.1f}, JSON-schema constrained {constrained:.1f} "
-          f"-> grammar cost {100 * (1 - constrained / free):.1f}% (goal < 10%)")
+          f"max output {args.output_len} tokens, greedy; output lengths set by the constrained run: "
+          f"mean {statistics.mean(lengths):.1f}, min {min(lengths)}, max {max(lengths)} tokens")
+    unequal = sum(res["completion_tokens"] != lengths for res in results["json"] + results["free"])
+    if unequal:
+        print(f"warning: {unequal} runs' per-request output lengths differ from the first constrained run's")
+
+    def median(name: str, key: str) -> float:
+        if key == "tpot":
+            return statistics.median(statistics.median(res["tpot"]) for res in results[name])
+        return statistics.median(res[key] for res in results[name])
+
+    free, constrained = median("free", "output_tok_per_s"), median("json", "output_tok_per_s")
+    print(f"median output tok/s: unconstrained {free:.1f}, JSON-schema constrained {constrained:.1f}; "
+          f"TPOT median {1e3 * median('free', 'tpot'):.1f} vs {1e3 * median('json', 'tpot'):.1f} ms "
+          f"-> grammar cost {100 * (1 - constrained / free):.1f}% of output tok/s (goal < 10%)")
 
 
 if __name__ == "__main__":

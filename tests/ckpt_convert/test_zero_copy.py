@@ -248,3 +248,26 @@ def test_conversions_exact_with_early_writeback_used_missing_or_failing(tmp_path
     assert all(torch.equal(before[k], got[k]) for k in got)
     assert "OK" in run_verify(tmp_path / "back")
     assert (len(calls) > 0) == (sync_file_range == "recording")
+
+
+def test_hf_weights_are_maps_of_the_file_for_import_and_serving_alike(tmp_path, tokenizer_dir):
+    """The one HF directory reader (tessera.common.hf, used by `import` and by the server) gives
+    each tensor as a map of its bytes in model.safetensors, equal to what safetensors reads."""
+    from safetensors.torch import load_file
+
+    from tessera.ckpt_convert.mapped import raw
+    from tessera.common.hf import SafetensorsWeights
+
+    make_checkpoint(tmp_path / "ck", tiny_llama(num_layers=2), tokenizer_dir)
+    run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "hf"),
+         "--quiet"])
+    weights = SafetensorsWeights(tmp_path / "hf")
+    expected = load_file(tmp_path / "hf" / "model.safetensors")
+    assert weights.names() == set(expected)
+    for name, want in expected.items():
+        got = weights.get(name)
+        assert got.dtype == weights.dtype(name) == want.dtype and got.shape == weights.shape(name) == want.shape
+        assert torch.equal(got, want), name
+        assert not got.untyped_storage().resizable()  # memory of the file map, not a fresh buffer
+        path, offset = file_region(raw(got))
+        assert path == str(tmp_path / "hf" / "model.safetensors") and offset > 8

@@ -17,7 +17,7 @@ from live_server import LiveServer
 
 from tessera.inference.sampling_params import SamplingParams
 from tessera.inference.server import ServerLimits
-from tessera.inference.structured import StructuredSpec, apply_bitmask
+from tessera.inference.structured import StructuredSpec, apply_bitmask, grammar_bitmask
 
 SCHEMA = {
     "type": "object",
@@ -144,3 +144,64 @@ def test_the_bitmask_is_applied_to_the_listed_rows_only():
             if not (mask[t // 32] >> (t % 32)) & 1:
                 expected[r, t] = float("-inf")
     assert torch.equal(out, expected)
+
+
+def test_the_bitmask_of_every_row_and_one_wider_than_the_bitmask_mask_as_the_listed_rows_do():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 70)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (2, 2), dtype=torch.int32)  # covers 64 of 70 tokens
+    every, listed = logits.clone(), logits.clone()
+    apply_bitmask(every, None, bitmask)
+    apply_bitmask(listed, torch.tensor([0, 1]), bitmask)
+    assert torch.equal(every, listed)
+    assert torch.isinf(every[:, 64:]).all()  # past the bitmask: disallowed
+    for r, mask in enumerate(bitmask.tolist()):
+        for t in range(64):
+            assert bool((mask[t // 32] >> (t % 32)) & 1) == bool(torch.isfinite(every[r, t]))
+
+
+def _constrained(grammars, spec, output_ids=()):
+    """A sequence as the mask code sees it: a matcher advanced by `output_ids`."""
+    from types import SimpleNamespace
+
+    seq = SimpleNamespace(matcher=grammars.matcher(spec), output_ids=[], ahead_mask=None)
+    for t in output_ids:
+        assert seq.matcher.consume_token(t)
+        seq.output_ids.append(t)
+    return seq
+
+
+def test_masks_computed_ahead_equal_masks_computed_when_sampling_and_a_stale_one_is_not_used(tiny_ckpt):
+    engine = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=64)
+    grammars, vocab = engine.grammars, engine.loaded.config.vocab_size
+    spec = StructuredSpec(kind="json", value=SCHEMA)
+    prefix = grammars.tokenizer.tokenize_str('{"name":"ab')
+    seqs = [_constrained(grammars, spec), _constrained(grammars, spec, prefix),
+            _constrained(grammars, StructuredSpec(kind="choice", value=["yes", "no"]))]
+    fresh = grammar_bitmask(seqs, vocab)  # nothing computed ahead: all rows now
+    assert not torch.equal(fresh[0], fresh[1]) and not torch.equal(fresh[0], fresh[2])
+    grammars.compute_ahead(seqs)
+    grammars.wait()
+    assert all(s.ahead_mask is not None for s in seqs)
+    assert torch.equal(grammar_bitmask(seqs, vocab), fresh)
+    assert torch.equal(grammar_bitmask(seqs[::-1], vocab), fresh.flip(0))  # rows taken by sequence
+    # The first sequence advances after its mask was computed: its old mask is not used.
+    token = prefix[0]
+    assert seqs[0].matcher.consume_token(token)
+    seqs[0].output_ids.append(token)
+    now = grammar_bitmask(seqs, vocab)
+    assert torch.equal(now[0], grammar_bitmask([_constrained(grammars, spec, [token])], vocab)[0])
+    assert not torch.equal(now[0], fresh[0]) and torch.equal(now[1:], fresh[1:])
+
+
+def test_matchers_of_one_grammar_are_independent_copies(tiny_ckpt):
+    """Matchers are copies of one compiled grammar: advancing one leaves the others, and the
+    cached original, at the start."""
+    engine = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=64)
+    grammars, vocab = engine.grammars, engine.loaded.config.vocab_size
+    spec = StructuredSpec(kind="json", value=SCHEMA)
+    start = grammar_bitmask([_constrained(grammars, spec)], vocab)
+    advanced = _constrained(grammars, spec, grammars.tokenizer.tokenize_str('{"name":"x'))
+    later = _constrained(grammars, spec)
+    assert not torch.equal(grammar_bitmask([advanced], vocab), start)
+    assert torch.equal(grammar_bitmask([later], vocab), start)

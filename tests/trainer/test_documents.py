@@ -28,11 +28,11 @@ from tessera.trainer.cli import main
 from tessera.trainer.config import OptimConfig, TrainConfig
 from tessera.trainer.data import MixtureBatches
 from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
+from tessera.trainer.inputs import check_inputs
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer
 from tessera.trainer.precision import Precision
 from tessera.trainer.step import TrainStep
-from tessera.trainer.trainer import check_inputs
 
 CPU = torch.device("cpu")
 BIN = Path(sys.executable).parent

@@ -12,7 +12,8 @@ from tessera.common.config import load_config
 from tessera.trainer.cli import main
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.distributed import init_runtime
-from tessera.trainer.trainer import Trainer, check_inputs
+from tessera.trainer.inputs import check_inputs
+from tessera.trainer.trainer import Trainer
 
 
 def make_trainer(path, *overrides) -> Trainer:

@@ -35,7 +35,7 @@ from tessera.common.config import load_config
 from tessera.common.errors import UserError
 from tessera.trainer.cli import main
 from tessera.trainer.config import TrainConfig
-from tessera.trainer.trainer import check_inputs
+from tessera.trainer.inputs import check_inputs
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

@@ -17,7 +17,7 @@ from tessera.common.errors import UserError
 from tessera.trainer.cli import main
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.data import global_batch_size_at
-from tessera.trainer.trainer import check_inputs
+from tessera.trainer.inputs import check_inputs
 
 BIN = Path(sys.executable).parent
 RAMP = {"global_batch_size": 8, "rampup_batch_size": [2, 2, 12], "steps": 6}

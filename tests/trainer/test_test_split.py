@@ -20,7 +20,8 @@ from tessera.trainer.cli import main
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.data import MixtureBatches
 from tessera.trainer.distributed import init_runtime
-from tessera.trainer.trainer import Trainer, check_inputs
+from tessera.trainer.inputs import check_inputs
+from tessera.trainer.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -19,48 +19,16 @@ import torch
 
 from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
 from tessera.ckpt_convert.progress import Progress
-from tessera.ckpt_convert.safetensors_stream import SafetensorsFile
-from tessera.common.errors import ArtifactError, UserError
+from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory
 from tessera.common.hf import (
     CONFIG,
-    SAFETENSORS_INDEX,
+    SafetensorsWeights,
     check_import,
     import_rules,
     read_hf_config,
-    weight_files,
 )
 from tessera.common.tokenizer import load_tokenizer
-
-
-class SafetensorsDir:
-    """A `WeightSource` (tessera.common.hf) over an HF directory's safetensors weights, each tensor
-    memory-mapped (mapped only while it is in use, so resident memory follows the tensors in use)."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-        self.where = weight_files(directory)  # refuses pickled .bin weights
-        self._files: dict[Path, SafetensorsFile] = {}  # parsed headers, one per file
-        for name, path in self.where.items():
-            if name not in self._file(path).tensors:
-                raise ArtifactError(f"{path}: has no tensor {name!r}, which {SAFETENSORS_INDEX} places there")
-
-    def _file(self, path: Path) -> SafetensorsFile:
-        if path not in self._files:
-            self._files[path] = SafetensorsFile(path)
-        return self._files[path]
-
-    def names(self) -> set[str]:
-        return set(self.where)
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._file(self.where[name]).get(name)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._file(self.where[name]).tensors[name].shape
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self._file(self.where[name]).tensors[name].dtype
 
 
 def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | None = None,
@@ -75,7 +43,7 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     cfg, _ = read_hf_config(input_dir)  # the one HF adapter, shared with tessera-serve
     # Megatron's vocabulary padding at tensor parallel 1 (zero rows; reshard re-pads for larger sizes).
     cfg = cfg.model_copy(update={"vocab_size_divisible_by": vocab_size_divisible_by}).padded_for(1)
-    weights = SafetensorsDir(input_dir)
+    weights = SafetensorsWeights(input_dir)  # zero-copy: each tensor a map of its file bytes
     rules, optional = import_rules(cfg, weights.names())
     check_import(rules, weights, str(input_dir), optional)  # every input tensor, before writing anything
     tok = load_tokenizer(input_dir) if (input_dir / "tokenizer.json").is_file() else None

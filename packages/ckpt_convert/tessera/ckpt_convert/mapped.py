@@ -5,10 +5,11 @@ costs a copy plus a page fault per 4 KiB of new memory (on the dev VM first-touc
 than the copy), and `torch.save` of a slice writes its whole storage unless the slice is cloned.
 Here instead:
 
-- `map_bytes` / `map_tensor`: a region of a file as a private (copy-on-write) memory map: the
-  pages are the page cache's own, nothing is allocated or copied, and a converter that wrote into
-  an input tensor would change only its private copy, never the file. The map lives as long as
-  the tensor over it (then it is unmapped), so resident memory follows the live tensors.
+- `map_bytes` / `map_tensor` (tessera.common.file_map, shared with the HF directory reader that
+  serving uses too): a region of a file as a private (copy-on-write) memory map: the pages are
+  the page cache's own, nothing is allocated or copied, and a converter that wrote into an input
+  tensor would change only its private copy, never the file. The map lives as long as the tensor
+  over it (then it is unmapped), so resident memory follows the live tensors.
 - `load_saved_tensor`: a `torch.save` archive stored inside a larger file (a DCP entry) loaded
   over such a map, through torch's own loader (`torch.serialization._load` with the mapped bytes
   as its storage, which is what `torch.load(mmap=True)` does for a whole file) and torch's
@@ -37,51 +38,20 @@ from __future__ import annotations
 
 import functools
 import io
-import math
-import mmap
 import os
 import weakref
 from typing import Any, BinaryIO
 
-import numpy as np
 import torch
 
+from tessera.common.file_map import file_region, map_bytes
 
-def map_bytes(path: str | os.PathLike, offset: int, length: int) -> memoryview:
-    """Bytes [offset, offset + length) of a file as a private memory map (ValueError if the file
-    is shorter). The map is unmapped when the last view of it goes away."""
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    with open(path, "rb") as f:
-        if offset + length > os.fstat(f.fileno()).st_size:
-            raise ValueError(f"{path}: bytes {offset}..{offset + length} lie past the end of the file")
-        mapped = mmap.mmap(f.fileno(), length + offset - start, offset=start, access=mmap.ACCESS_COPY)
-    view = memoryview(mapped)
-    base = _address(view)
-    _MAPS[base] = (len(view), os.fspath(path), start)
-    weakref.finalize(mapped, _MAPS.pop, base, None)  # forgotten when unmapped
-    return view[offset - start:]
-
-
-# Live maps made by map_bytes: start address -> (length, file path, file offset of the start).
-_MAPS: dict[int, tuple[int, str, int]] = {}
 _MIN_KERNEL_COPY = 1 << 20  # below this, write() is as good and needs no second file handle
 # write() calls of at most this many bytes: on the dev VM (kernel 6.18, ext4) one write() of a
 # 16 MiB buffer took 4x the system time of the same bytes in 1 MiB calls (2.5 s vs 0.64 s per
 # 1.2 GB, measured 2026-11-23), and from a mapped input 1.5-5.4 s vs 1.1-1.7 s; smaller calls
 # gained nothing more (256 KiB: 0.66 s). See benchmarks/results/ckpt_convert.md.
 WRITE_PIECE = 1 << 20
-
-
-def file_region(data: Any) -> tuple[str, int] | None:
-    """(path, offset) of the file bytes that `data` (a buffer) shows, if it lies in a live map."""
-    view = memoryview(data)
-    if not view.contiguous or view.nbytes == 0:
-        return None
-    address = np.frombuffer(view.cast("B"), dtype=np.uint8).ctypes.data
-    for base, (length, path, file_offset) in _MAPS.items():
-        if base <= address and address + view.nbytes <= base + length:
-            return path, file_offset + (address - base)
-    return None
 
 
 def write_bytes(f: BinaryIO, data: Any, writeback: bool = True) -> int:
@@ -160,21 +130,6 @@ def _kernel_copy(path: str, offset: int, fd_out: int, count: int) -> int:
     except (OSError, AttributeError):
         pass
     return done
-
-
-def map_tensor(path: str | os.PathLike, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A contiguous tensor stored raw at `offset` of a file (e.g. a safetensors entry), mapped."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    data = map_bytes(path, offset, nbytes)
-    if (_address(data) % dtype.itemsize) != 0:  # misaligned elements: copy rather than risk it
-        return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
-    return torch.frombuffer(data, dtype=dtype).reshape(shape)
-
-
-def _address(view: memoryview) -> int:
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 
 def is_aligned(t: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""Read and write safetensors files one tensor at a time, without staging copies.
+"""Write safetensors files one tensor at a time, without staging copies.
 
 The format is simple and fixed: u64 little-endian header length, a JSON header with dtype, shape
 and byte offsets (relative to the end of the header) per tensor, then the raw bytes.
@@ -11,7 +11,7 @@ through one reused staging buffer. A tensor may be given as parts to be concaten
 (e.g. TensorRT-LLM's per-rank [Q; K; V]), which are then written one after the other instead of
 being concatenated in memory. The result is read back by `safetensors` itself in the tests.
 
-Reading: each tensor is a memory map of its bytes (mapped.py), not a copy.
+Reading is tessera.common.hf.directory's (SafetensorsFile: each tensor a memory map of its bytes).
 """
 
 from __future__ import annotations
@@ -21,21 +21,14 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
-from tessera.ckpt_convert.mapped import Staging, map_tensor, raw, write_bytes
-from tessera.common.errors import ArtifactError
+from tessera.ckpt_convert.mapped import Staging, raw, write_bytes
+from tessera.common.hf import SAFETENSORS_DTYPES
 
-ST_DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-DTYPES_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
-_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+ST_DTYPES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}  # torch -> safetensors name
 
 
 @dataclass(frozen=True)
@@ -93,49 +86,3 @@ class SafetensorsStreamWriter:
 def fsync(f: BinaryIO) -> None:
     f.flush()
     os.fsync(f.fileno())
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset in the file
-    nbytes: int
-
-
-class SafetensorsFile:
-    """The index of one safetensors file (parsed and checked once), and its tensors, mapped."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                head = f.read(8)
-                n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-                if not 0 < n <= min(_MAX_HEADER, size - 8):
-                    raise ValueError("header length out of range")
-                header = json.loads(f.read(n))
-            base = 8 + n
-            self.tensors: dict[str, StoredTensor] = {}
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
-                dtype = DTYPES_BY_NAME.get(entry["dtype"])
-                if dtype is None:
-                    raise ValueError(f"tensor {name!r} has dtype {entry['dtype']}, which tessera-ckpt does not read")
-                shape = tuple(int(d) for d in entry["shape"])
-                start, end = (int(x) for x in entry["data_offsets"])
-                if end - start != math.prod(shape) * dtype.itemsize or start < 0:
-                    raise ValueError(f"tensor {name!r}: data_offsets {start}..{end} do not fit its shape and dtype")
-                if base + end > size:
-                    raise ValueError(f"tensor {name!r} ends at byte {base + end}, past the end of the file "
-                                     f"({size} bytes): truncated")
-                self.tensors[name] = StoredTensor(dtype, shape, base + start, end - start)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
-            raise ArtifactError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0][:200]}); "
-                                "it is corrupt or truncated") from None
-
-    def get(self, name: str) -> torch.Tensor:
-        t = self.tensors[name]
-        return map_tensor(self.path, t.offset, t.dtype, t.shape)

@@ -167,7 +167,14 @@ class LLMEngine:
         self._step_tokens = plan.num_tokens
         if not plan.scheduled:
             return []
-        outputs, finished = self.processor.update(plan, self._execute(plan))
+        # The grammar masks of the sequences about to be sampled are computed while the model
+        # forward runs; the matchers advance (processor.update) only after the mask thread is idle.
+        self.grammars.compute_ahead([s.seq for s in plan.scheduled if s.completes_prompt and s.seq.params.max_tokens > 0])
+        try:
+            result = self._execute(plan)
+        finally:
+            self.grammars.wait()
+        outputs, finished = self.processor.update(plan, result)
         for seq in finished:
             self.requests.pop(seq.request_id, None)
         return outputs

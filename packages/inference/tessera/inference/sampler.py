@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tessera.inference.sequence import Sequence, TokenLogprob
-from tessera.inference.structured import apply_bitmask, fill_bitmask
+from tessera.inference.structured import apply_bitmask, grammar_bitmask
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
@@ -83,12 +83,14 @@ class Sampler:
                     failed[i] = exc
         constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None and i not in failed]
         if constrained:
-            # Structured output: one bitmask for every constrained row, one masked fill.
+            # Structured output: one bitmask for every constrained row (mostly computed during the
+            # forward: Grammars.compute_ahead), one masked fill.
             if processed is logits:
                 processed = logits.clone()
             try:
-                bitmask = fill_bitmask([seqs[i].matcher for i in constrained], logits.shape[1])
-                apply_bitmask(processed, torch.tensor(constrained, device=logits.device), bitmask)
+                bitmask = grammar_bitmask([seqs[i] for i in constrained], logits.shape[1])
+                rows = None if len(constrained) == len(seqs) else torch.tensor(constrained, device=logits.device)
+                apply_bitmask(processed, rows, bitmask)
             except Exception as exc:
                 failed.update({i: exc for i in constrained})
         chosen = processed.argmax(dim=-1).tolist()  # greedy rows; sampled rows overwritten below

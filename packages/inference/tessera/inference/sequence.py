@@ -56,6 +56,7 @@ class Sequence:
     num_preemptions: int = 0
     error: str | None = None  # why computing this request failed (finish_reason "error")
     matcher: Any = None  # llguidance LLMatcher of a structured-output request (structured.py)
+    ahead_mask: Any = None  # its next-token mask computed during the forward (structured.AheadMask)
 
     @property
     def num_tokens(self) -> int:

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Heavy imports after argument validation keeps `--help` and bad-usage errors fast.
     from tessera.trainer.distributed import init_runtime, shutdown_runtime
-    from tessera.trainer.trainer import Trainer, check_inputs
+    from tessera.trainer.inputs import check_inputs
+    from tessera.trainer.trainer import Trainer
 
     runtime = init_runtime(cfg.training.device)
     # torchrun --max-restarts re-runs this same command after a rank died: the restarted attempt

@@ -2,7 +2,7 @@
 
 Loaded from YAML with dotted command-line overrides (tessera.common.config.load_config). Shape
 checks that need only the config happen here (pydantic validators, so the error names the field);
-checks that need the mixture or the world size happen in `tessera.trainer.trainer.check_inputs` before the model
+checks that need the mixture or the world size happen in `tessera.trainer.inputs.check_inputs` before the model
 is built.
 """
 
@@ -35,7 +35,7 @@ class DataConfig(StrictModel):
     check_fingerprints: bool = Field(True, description="Verify at start that the shards are the ones the mixture was built from (hashes their small manifests).")
     # Document boundaries inside packed samples (Megatron's flags of the same names); the
     # end-of-document token is the shards' recorded eod_id, else the tokenizer's eos token
-    # (trainer.end_of_document_id). See tessera.trainer.documents.
+    # (inputs.end_of_document_id). See tessera.trainer.documents.
     reset_position_ids: bool = Field(False, description="Positions restart at 0 on the token after each end-of-document token.")
     reset_attention_mask: bool = Field(False, description="Tokens attend only to earlier tokens of their own document, not across end-of-document tokens.")
     eod_mask_loss: bool = Field(False, description="No loss where the input token is end-of-document; the loss is the mean over the remaining tokens of the global batch.")

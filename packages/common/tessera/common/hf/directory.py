@@ -1,21 +1,32 @@
 """Reading a Hugging Face model directory: config.json, where each tensor lives, the weights
-themselves (safetensors only), and the end-of-sequence ids.
+themselves (safetensors only), and the end-of-sequence ids. The one reader, for `tessera-ckpt
+import` and for the server loading an HF directory.
 
 What transformers' `save_pretrained` writes (any version) and what `tessera-ckpt export` writes:
 config.json, model.safetensors or shards listed in model.safetensors.index.json,
 generation_config.json, and tokenizer files (read by `tessera.common.tokenizer`). Pickled
 `pytorch_model*.bin` weights are refused, never unpickled.
+
+Weights are read zero-copy: each safetensors header is parsed and checked once (dtypes, shapes,
+offsets inside the file, so a truncated file is refused before anything is written), and each
+tensor is a private memory map of its bytes (tessera.common.file_map), mapped only while it is in
+use, so resident memory follows the tensors in use and an importer can copy them file to file.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tessera.common.errors import ArtifactError
+from tessera.common.file_map import map_tensor
 from tessera.common.fileio import read_json
 from tessera.common.hf.registry import import_rules, model_config_from_hf
 from tessera.common.hf.rules import check_import
@@ -26,9 +37,10 @@ GENERATION_CONFIG = "generation_config.json"
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # safetensors dtype names -> torch (those torch has); anything else is refused by name.
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
 def is_hf_directory(path: str | os.PathLike) -> bool:
@@ -60,7 +72,7 @@ def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
         return where
     single = directory / SAFETENSORS
     if single.is_file():
-        return {name: single for name in _open(single).keys()}
+        return {name: single for name in SafetensorsFile(single).tensors}
     if any(directory.glob("pytorch_model*.bin")):
         raise ArtifactError(f"{directory}: only pickled pytorch_model*.bin weights found; Tessera reads safetensors "
                             "only (it never unpickles): convert them with transformers' "
@@ -68,50 +80,83 @@ def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
     raise ArtifactError(f"{directory}: no {SAFETENSORS} or {SAFETENSORS_INDEX}; not a Hugging Face model directory")
 
 
-def _open(path: Path) -> Any:
-    from safetensors import safe_open
+@dataclass(frozen=True)
+class StoredTensor:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
 
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as exc:  # the Rust library raises its own error types
-        raise ArtifactError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0][:200]})") from None
+
+class SafetensorsFile:
+    """The index of one safetensors file (parsed and checked once), and its tensors, mapped."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                head = f.read(8)
+                n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+                if not 0 < n <= min(_MAX_HEADER, size - 8):
+                    raise ValueError("header length out of range")
+                header = json.loads(f.read(n))
+            base = 8 + n
+            self.tensors: dict[str, StoredTensor] = {}
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+                if dtype is None:
+                    raise ValueError(f"tensor {name!r} has dtype {entry['dtype']}, which Tessera does not read")
+                shape = tuple(int(d) for d in entry["shape"])
+                start, end = (int(x) for x in entry["data_offsets"])
+                if end - start != math.prod(shape) * dtype.itemsize or start < 0:
+                    raise ValueError(f"tensor {name!r}: data_offsets {start}..{end} do not fit its shape and dtype")
+                if base + end > size:
+                    raise ValueError(f"tensor {name!r} ends at byte {base + end}, past the end of the file "
+                                     f"({size} bytes): truncated")
+                self.tensors[name] = StoredTensor(dtype, shape, base + start, end - start)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
+            raise ArtifactError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0][:200]}); "
+                                "it is corrupt or truncated") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        try:
+            return map_tensor(self.path, t.offset, t.dtype, t.shape)
+        except (OSError, ValueError) as exc:  # e.g. the file shrank since its header was read
+            raise ArtifactError(f"{self.path}: tensor {name!r} unreadable ({str(exc).splitlines()[0][:200]}); "
+                                "the file is corrupt or truncated") from None
 
 
 class SafetensorsWeights:
-    """A `WeightSource` over an HF directory's safetensors files (headers read up front, each
-    tensor loaded when asked for)."""
+    """A `WeightSource` (tessera.common.hf.rules) over an HF directory's safetensors weights, each
+    tensor memory-mapped when asked for (headers parsed and checked up front)."""
 
     def __init__(self, directory: str | os.PathLike):
-        self.where = weight_files(directory)
-        self._handles: dict[Path, Any] = {}
+        self.where = weight_files(directory)  # refuses pickled .bin weights
+        self._files: dict[Path, SafetensorsFile] = {}  # parsed headers, one per file
         for name, path in self.where.items():
-            if name not in self._handle(path).keys():
+            if name not in self._file(path).tensors:
                 raise ArtifactError(f"{path}: has no tensor {name!r}, which {SAFETENSORS_INDEX} places there")
 
-    def _handle(self, path: Path) -> Any:
-        if path not in self._handles:
-            self._handles[path] = _open(path)
-        return self._handles[path]
+    def _file(self, path: Path) -> SafetensorsFile:
+        if path not in self._files:
+            self._files[path] = SafetensorsFile(path)
+        return self._files[path]
 
     def names(self) -> set[str]:
         return set(self.where)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.where[name]).get_slice(name).get_shape())
+        return self._file(self.where[name]).tensors[name].shape
 
     def dtype(self, name: str) -> torch.dtype:
-        stored = self._handle(self.where[name]).get_slice(name).get_dtype()
-        if stored not in _ST_DTYPES:
-            raise ArtifactError(f"{self.where[name]}: tensor {name!r} has dtype {stored}, which Tessera does not read")
-        return _ST_DTYPES[stored]
+        return self._file(self.where[name]).tensors[name].dtype
 
     def get(self, name: str) -> torch.Tensor:
-        path = self.where[name]
-        try:
-            return self._handle(path).get_tensor(name)
-        except Exception as exc:
-            raise ArtifactError(f"{path}: tensor {name!r} unreadable ({str(exc).splitlines()[0][:200]}); "
-                                "the file is corrupt or truncated") from None
+        return self._file(self.where[name]).get(name)
 
 
 def load_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -1,0 +1,159 @@
+"""Activation memory: what one transformer block keeps from its forward for its backward, and the
+loss's buffers.
+
+Method for the block: *measured*, not written down. One `Block` of the model at this rank's local
+shapes (query/kv heads and ffn width divided by tensor parallel, experts by expert parallel, the
+sequence by context parallel) runs forward under `FakeTensorMode` (shapes and dtypes, no memory,
+milliseconds even at 405B widths) with activation recompute applied as the trainer applies it and
+autocast for bf16; a dispatch mode records the storage of every tensor the forward creates, and
+what is still alive after the forward (held by autograd or by recompute) is the block's
+activation memory. So the figure follows Tessera's real kernels (the CPU flash-attention path
+saves output and log-sum-exp, not the T x T probabilities; SwiGLU keeps its inputs), which a
+hand-written per-tensor formula would have to track by hand.
+
+Corrections the single-device block cannot show, analytic:
+* sequence parallel: the block input and the MLP norm's input (and their rms statistics) hold
+  T/tp tokens, not T (the normed outputs are all-gathered to T and saved at T by the column layers);
+* context parallel: keys and values are all-gathered to the full sequence and kept, plus one
+  additive [T/C, T] mask per micro-batch (ContextParallelAttention);
+* full recompute: during backward one block's activations are rebuilt (a transient counted with
+  the buffers);
+* mixture-of-experts layers: routing has data-dependent shapes, which fake tensors cannot run, so
+  an MoE block is measured as a dense block whose SwiGLU width is what one token passes through
+  (top_k x expert width + shared experts), plus each token's top_k dispatched copies of its
+  hidden state and the router's [tokens, experts] logits and probabilities (an estimate; checked
+  against one measured run: 4 experts, top 2, one process, peak -5.6%).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from types import SimpleNamespace
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from tessera.common.model_config import ModelConfig
+from tessera.trainer.plan.spec import PlanSpec
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Records (weak) every storage an op outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                ref = StorageWeakRef(st)
+                self.storages.setdefault(ref.cdata, (ref, st.nbytes()))
+        return out
+
+    def live_bytes(self, exclude: set[int]) -> int:
+        return sum(n for cdata, (ref, n) in self.storages.items() if not ref.expired() and cdata not in exclude)
+
+
+def _local_config(cfg: ModelConfig, tp: int, ep: int) -> ModelConfig:
+    update: dict = dict(num_heads=cfg.num_heads // tp, num_kv_heads=cfg.kv_heads // tp,
+                        ffn_hidden_size=max(1, cfg.ffn_hidden_size // tp), head_dim=cfg.head_dim, num_layers=1,
+                        sliding_window_layers=None)
+    if cfg.moe is not None and ep > 1:
+        update["moe"] = cfg.moe.model_copy(update=dict(num_experts=cfg.moe.num_experts // ep,
+                                                       top_k=min(cfg.moe.top_k, cfg.moe.num_experts // ep)))
+    return cfg.model_copy(update=update)
+
+
+@functools.lru_cache(maxsize=128)
+def measure_block(cfg_json: str, layer: int, batch: int, seq: int, autocast_bf16: bool, recompute: str) -> int:
+    """Bytes one block (global layer `layer` of the config, already at local shapes) keeps alive
+    after its forward on [batch, seq, hidden] input, its input included, its output not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tessera.common.model import Block
+    from tessera.common.rope import RotaryEmbedding
+    from tessera.trainer.model_setup import apply_recompute
+
+    cfg = ModelConfig.model_validate_json(cfg_json)
+    moe_extra = 0
+    if cfg.moe is not None:
+        moe = cfg.moe
+        tokens = batch * seq
+        moe_extra = tokens * (moe.top_k * cfg.hidden_size + 2 * moe.num_experts) * (2 if autocast_bf16 else 4)
+        cfg = cfg.model_copy(update=dict(moe=None, ffn_hidden_size=moe.top_k * moe.ffn_hidden_size + moe.shared_size))
+    with FakeTensorMode():
+        block = Block(cfg, 0)
+        block.train()
+        apply_recompute(SimpleNamespace(layers={"0": block}), recompute)  # type: ignore[arg-type]
+        rope = RotaryEmbedding(cfg)(torch.arange(seq).unsqueeze(0)) if cfg.position == "rope" else None
+        x = torch.randn(batch, seq, cfg.hidden_size, requires_grad=True)
+        keep = {StorageWeakRef(p.untyped_storage()).cdata for p in block.parameters()}
+        keep |= {StorageWeakRef(t.untyped_storage()).cdata for t in (rope or ())}
+        tracker = _LiveStorages()
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else torch.autocast("cpu", enabled=False)
+        with tracker, ctx:
+            y = block(x, rope)
+        gc.collect()
+        keep.add(StorageWeakRef(y.untyped_storage()).cdata)
+        live = tracker.live_bytes(keep) + x.untyped_storage().nbytes()
+        del y
+    return live + moe_extra
+
+
+def resid_bytes(spec: PlanSpec) -> float:
+    return 4.0  # the residual stream stays in the parameter dtype (fp32; bf16 parameters: 2)
+
+
+def layer_activation_bytes(spec: PlanSpec, layer: int = 0) -> float:
+    """Activation bytes of one block for one micro-batch on one rank."""
+    cfg, lay = spec.model, spec.layout
+    tp, cp = lay.tensor, lay.context
+    local = _local_config(cfg, tp, lay.expert)
+    b, s = spec.micro_batch, spec.seq_len // cp
+    bf16 = spec.precision != "fp32"
+    if local.moe is not None and not local.is_moe_layer(layer):
+        local = local.model_copy(update={"moe": None})
+    total = float(measure_block(local.model_dump_json(), 0, b, s, bf16, spec.recompute))
+    rb = 2.0 if spec.precision in ("bf16-master", "fp8") else resid_bytes(spec)
+    if spec.precision in ("bf16-master", "fp8"):  # measured with fp32 residual under autocast: halve it
+        total -= (2 if spec.recompute != "full" else 1) * b * s * cfg.hidden_size * 2.0
+    if tp > 1 and spec.sequence_parallel:
+        total -= (1 - 1 / tp) * b * s * cfg.hidden_size * rb * (2 if spec.recompute != "full" else 1)
+    if cp > 1 and spec.recompute != "full":
+        kv = 2 * b * spec.seq_len * local.kv_size * (2.0 if bf16 else 4.0)
+        total += kv * (1 - 1 / cp) + s * spec.seq_len * (2.0 if bf16 else 4.0)
+    return total
+
+
+def recompute_buffer_bytes(spec: PlanSpec) -> float:
+    """Full recompute: one block's activations rebuilt in backward, alive while it runs."""
+    if spec.recompute != "full":
+        return 0.0
+    return layer_activation_bytes(spec.model_copy(update={"recompute": "none"}))
+
+
+def saved_head_bytes(spec: PlanSpec) -> float:
+    """Saved by the last stage after the blocks: final norm input and normed output, and the
+    loss's softmax [tokens, V/tp] (fp32: the vocab-parallel loss works in fp32)."""
+    cfg, lay = spec.model, spec.layout
+    tokens = spec.micro_batch * spec.seq_len // lay.context
+    sp = lay.tensor if spec.sequence_parallel and lay.tensor > 1 else 1
+    d = cfg.hidden_size
+    norm = tokens / sp * d * 4.0 + tokens * d * (2.0 if spec.precision != "fp32" else 4.0)
+    return norm + tokens * (cfg.vocab_rows // lay.tensor) * 4.0
+
+
+def head_loss_bytes(spec: PlanSpec) -> float:
+    """Transient at the loss: the loss's backward holds the saved softmax (counted as saved), its
+    clone (the gradient) and the one-hot of the targets, [tokens, V/tp] fp32 each, and the logits'
+    gradient in the compute dtype."""
+    cfg, lay = spec.model, spec.layout
+    tokens = spec.micro_batch * spec.seq_len // lay.context
+    logits = tokens * (cfg.vocab_rows // lay.tensor)
+    return logits * (2 * 4.0 + (2.0 if spec.precision != "fp32" else 0.0))

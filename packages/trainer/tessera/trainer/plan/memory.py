@@ -1,0 +1,222 @@
+"""Per-rank memory of a training step under a layout: weights, gradients, optimizer state,
+activations and buffers, and the peak they add up to.
+
+Method: analytic. Parameters are counted on the model definition itself (a `Transformer` built
+on the meta device: no memory), each parameter divided as tensor/expert parallel divides it, per
+pipeline rank from the layout's layer split; the rest is bytes per parameter of each precision
+and sharding mode, and activations counted tensor by tensor from what Tessera's block saves for
+backward (`activations.py`). The peak is the larger of two moments of a step:
+
+* backward of the micro-batch that has the most activations alive: weights + gradients +
+  optimizer state + the activations of the micro-batches in flight (1 without pipeline; the
+  schedule's warm-up depth with it) + the loss's logits buffers + FSDP's gathered blocks;
+* the optimizer step: weights + gradients + state + the update's temporaries (one flat bucket
+  shard, or the largest parameter).
+
+Validated against measured peaks of real runs on CPU (tests/trainer/test_plan_validation.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from tessera.common.model_config import ModelConfig
+from tessera.trainer.plan.activations import (
+    head_loss_bytes,
+    layer_activation_bytes,
+    recompute_buffer_bytes,
+    resid_bytes,
+    saved_head_bytes,
+)
+from tessera.trainer.plan.spec import PlanSpec
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by rows (weight and bias)
+ROW = ("o_proj", "down_proj")  # split by columns (bias replicated)
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_params(cfg_json: str, layer: int, tp: int, ep: int) -> int:
+    """Parameters of global layer `layer` held by one tensor x expert rank."""
+    cfg = ModelConfig.model_validate_json(cfg_json)
+    from tessera.common.model import Block
+
+    with torch.device("meta"):
+        block = Block(cfg, layer)
+    total = 0
+    for name, p in block.named_parameters():
+        parts = name.split(".")
+        if "experts" in parts:  # stacked routed experts: whole under tensor parallel, split by expert parallel
+            total += p.numel() // ep
+        elif "mlp" in parts and ("shared" in parts or "router" in parts):
+            total += p.numel()
+        elif parts[-2] in COLUMN:
+            total += p.numel() // tp
+        elif parts[-2] in ROW:
+            total += p.numel() // tp if parts[-1] == "weight" else p.numel()
+        else:  # norms, q/k norms
+            total += p.numel()
+    return total
+
+
+@dataclass
+class RankParams:
+    """Parameters one rank holds (before data-parallel sharding), by part."""
+
+    layers: int  # transformer-block parameters
+    embedding: int  # token (+ learned position) embedding, head, final norm
+    num_layers: int  # transformer blocks on this rank (all its chunks)
+    largest_layer: int  # parameters of the largest block it holds (FSDP's gathered unit)
+
+    @property
+    def total(self) -> int:
+        return self.layers + self.embedding
+
+
+def rank_params(spec: PlanSpec, pp_rank: int = 0) -> RankParams:
+    """Parameters on pipeline rank `pp_rank` for one tensor x expert rank."""
+    cfg, lay = spec.model, spec.layout
+    tp, ep = lay.tensor, lay.expert
+    ranges = lay.stage_ranges(cfg.num_layers)
+    stages = [s for s in range(lay.num_stages) if s % lay.pipeline == pp_rank]
+    js = cfg.model_dump_json()
+    per_layer = [_layer_params(js, i, tp, ep) for s in stages for i in ranges[s]]
+    d, v = cfg.hidden_size, cfg.vocab_rows // tp
+    norm = d * (2 if cfg.norm == "layernorm" else 1)
+    emb = 0
+    if 0 in stages:
+        emb += v * d + (cfg.max_seq_len * d if cfg.position == "learned" else 0)
+    if lay.num_stages - 1 in stages:
+        emb += norm
+        if not cfg.tie_embeddings or 0 not in stages:  # untied head, or the tied copy on the last stage
+            emb += v * d
+    return RankParams(layers=sum(per_layer), embedding=emb, num_layers=len(per_layer),
+                      largest_layer=max(per_layer, default=0))
+
+
+def in_flight(spec: PlanSpec, pp_rank: int = 0) -> float:
+    """Micro-batches whose activations one rank holds at its peak, in units of the rank's whole
+    share of layers (all its chunks). 1 without pipeline (each micro-batch's backward follows its
+    forward); 1F1B: pipeline - rank (warm-up forwards, at most the micro-batch count); interleaved
+    (torch's ScheduleInterleaved1F1B): (v - 1) x pp + 2 (pp - 1 - rank) + 1 chunk-forwards in
+    warm-up, each holding 1/v of the rank's layers."""
+    pp, v, n = spec.layout.pipeline, spec.layout.virtual_stages, spec.num_microbatches
+    if pp == 1:
+        return 1.0
+    if v == 1:
+        return float(min(n, pp - pp_rank))
+    warmup = min(n * v, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+    return warmup / v
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes on one rank (the worst pipeline rank)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float  # saved for backward at the peak (all micro-batches in flight)
+    buffers: float  # loss/logits buffers, FSDP gathered blocks and unsharded grads, comm scratch
+    optimizer_temp: float  # the optimizer step's temporaries
+    init: float = 0.0  # while the model is initialised (before the first step)
+    pp_rank: int = 0
+    grads_in_backward: bool = True  # False: gradients appear only as activations are freed
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        backward = self.static - (0.0 if self.grads_in_backward else self.grads) + self.activations + self.buffers
+        return max(backward, self.static + self.optimizer_temp, self.init)
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(weights=self.weights, grads=self.grads, optimizer=self.optimizer, activations=self.activations,
+                    buffers=self.buffers, optimizer_temp=self.optimizer_temp, init=self.init, peak=self.peak,
+                    pp_rank=self.pp_rank)
+
+
+def _bytes_per_param(spec: PlanSpec) -> tuple[float, float, float]:
+    """(weight, grad, optimizer) bytes per parameter a rank holds before data-parallel sharding."""
+    if spec.precision in ("fp32", "bf16"):  # fp32 weights (the trainer's bf16 is autocast over them)
+        return 4.0, 4.0, 8.0  # Adam moments; fp32 parameters are their own masters
+    return 2.0, 4.0, 12.0  # bf16 weights, fp32 main grads, fp32 master + moments
+
+
+def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
+    """Per-rank memory; without `pp_rank`, the pipeline rank with the highest peak."""
+    if pp_rank is None:
+        plans = [plan_memory(spec, r) for r in range(spec.layout.pipeline)]
+        return max(plans, key=lambda m: m.peak)
+    lay = spec.layout
+    params = rank_params(spec, pp_rank)
+    wb, gb, ob = _bytes_per_param(spec)
+    n = params.total
+    notes: list[str] = []
+    buffers = 0.0
+    if spec.fsdp:
+        shards = lay.data_shard
+        weights = n * 4.0 / shards  # sharded fp32 parameters are the masters
+        grads = n * 4.0 / shards
+        optimizer = n * 8.0 / shards
+        gathered_b = 2.0 if spec.precision != "fp32" else 4.0
+        # At the peak (the loss, then the first backward block) the root (embedding, final norm,
+        # head; kept gathered from forward to backward) and one gathered block are alive; the
+        # prefetched block and a block's unsharded gradients come later, when activations have
+        # been freed (measured: counting them over-predicted FSDP 4 by 15%).
+        units = 1 if spec.fsdp_reshard_after_forward else params.num_layers
+        buffers += units * params.largest_layer * gathered_b + params.embedding * gathered_b
+        opt_temp = params.largest_layer * 4.0 / shards
+        if spec.cpu_offload:
+            notes.append("CPU offload: sharded weights, grads and optimizer state in host memory")
+            weights = grads = optimizer = 0.0
+    else:
+        shards = lay.data if spec.distributed_optimizer else 1
+        weights = n * wb
+        grads = n * gb
+        optimizer = n * ob / shards  # moments, and fp32 masters when the weights are bf16
+        # The update runs on one flat bucket shard at a time: its temporaries are one shard.
+        bucket = min(n, spec.bucket_numel)
+        opt_temp = bucket * 4.0 / shards
+    flight = in_flight(spec, pp_rank)
+    ranges = lay.stage_ranges(spec.model.num_layers)
+    held = [i for st in range(lay.num_stages) if st % lay.pipeline == pp_rank for i in ranges[st]]
+    acts = sum(layer_activation_bytes(spec, i) for i in held) * flight
+    if lay.pipeline > 1:
+        # Each chunk-forward in flight keeps its stage output for the stage's backward, and the
+        # schedule holds a receive buffer per micro-batch for every stage input and output gradient.
+        tokens = spec.micro_batch * spec.seq_len // lay.context
+        sp = lay.tensor if spec.sequence_parallel and lay.tensor > 1 else 1
+        hidden = tokens // sp * spec.model.hidden_size * resid_bytes(spec)
+        chunks = [s for s in range(lay.num_stages) if s % lay.pipeline == pp_rank]
+        acts += flight * lay.virtual_stages * hidden
+        recv = sum((s > 0) + (s < lay.num_stages - 1) for s in chunks)
+        buffers += recv * spec.num_microbatches * hidden
+    buffers += recompute_buffer_bytes(spec)
+    last = pp_rank == (lay.num_stages - 1) % lay.pipeline
+    if last:
+        acts += saved_head_bytes(spec)
+        buffers += head_loss_bytes(spec)
+    if spec.precision == "bf16":  # autocast keeps a bf16 copy of every weight used, forward to backward
+        buffers += params.total * 2.0
+    # Sharded initialisation (tessera.trainer.parallel.sharded_init) allocates this rank's tensor x
+    # pipeline share of the model in fp32 and replays the initialisation one global module at a
+    # time (the largest: the embedding, or one MoE layer's experts); FSDP shards afterwards.
+    cfg = spec.model
+    largest = cfg.vocab_rows * cfg.hidden_size
+    if cfg.moe is not None:
+        largest = max(largest, 3 * cfg.moe.num_experts * cfg.moe.ffn_hidden_size * cfg.hidden_size)
+    init = (params.total + largest) * 4.0
+    if spec.fsdp:
+        notes.append(f"initialisation holds this rank's unsharded tensor x pipeline share in fp32 "
+                     f"({init / 2**30:.2f} GiB) before FSDP shards it")
+    return MemoryPlan(weights=weights, grads=grads, optimizer=optimizer, activations=acts, buffers=buffers,
+                      optimizer_temp=opt_temp, init=init, pp_rank=pp_rank, notes=notes,
+                      # FSDP frees the sharded gradients at zero_grad and reduce-scatters new ones
+                      # block by block in backward: with one micro-batch none exist at the peak.
+                      grads_in_backward=not (spec.fsdp and spec.num_microbatches == 1))

@@ -1,0 +1,63 @@
+"""What a plan is made for: a model, a layout, the batch, precision, recompute and the sharding options.
+
+`PlanSpec.from_train_config` reads them from a `tessera-train` config (the same fields the
+trainer reads, so a plan describes the run that config starts); the planner's own options
+(`bf16-master`, `fp8`) describe the runtime's bf16 parameters with fp32 masters and
+Megatron/Transformer-Engine style fp8, which published runs use.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from tessera.common.config import StrictModel
+from tessera.common.layout import ParallelLayout
+from tessera.common.model_config import ModelConfig
+
+Precision = Literal["fp32", "bf16", "bf16-master", "fp8"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "bf16-master", "fp8")
+
+
+class PlanSpec(StrictModel):
+    model: ModelConfig
+    layout: ParallelLayout
+    seq_len: int = Field(..., gt=0, description="Tokens per sample.")
+    micro_batch: int = Field(..., gt=0, description="Samples per micro-batch on one data-parallel rank.")
+    global_batch: int = Field(..., gt=0, description="Samples per optimizer step.")
+    precision: Precision = Field("fp32", description="fp32; bf16 = the trainer's autocast over fp32 weights, grads "
+                                 "and Adam; bf16-master = bf16 parameters, fp32 main grads and fp32 master weights "
+                                 "(the runtime's bf16 parameters, FSDP's fsdp_param_dtype=bfloat16, Megatron's --bf16); "
+                                 "fp8 = bf16-master with fp8 matmul inputs saved for backward (Transformer Engine).")
+    recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute.")
+    sequence_parallel: bool = Field(True, description="With tensor > 1.")
+    distributed_optimizer: bool = Field(True, description="ZeRO-1: optimizer state and masters sharded over data ranks.")
+    fsdp_reshard_after_forward: bool = Field(True, description="FSDP: free gathered block parameters after forward.")
+    cpu_offload: bool = Field(False, description="FSDP: sharded parameters, grads and optimizer state in host memory.")
+    bucket_numel: int = Field(40_000_000, gt=0, description="Elements per data-parallel gradient bucket.")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // (self.micro_batch * self.layout.data)
+
+    @property
+    def fsdp(self) -> bool:
+        return self.layout.data_shard > 1
+
+    @classmethod
+    def from_train_config(cls, cfg, model: ModelConfig, layout: ParallelLayout,
+                          precision: str | None = None, recompute: str | None = None) -> PlanSpec:
+        """From a TrainConfig (tessera.trainer.config): batch, sequence, precision, recompute, options."""
+        t, p = cfg.training, cfg.parallel
+        if precision is None:
+            precision = t.precision
+            if precision == "fp16":  # the trainer's fp16 is autocast over fp32 weights, as its bf16
+                precision = "bf16"
+            if precision == "bf16" and layout.data_shard > 1 and p.fsdp_param_dtype == "bfloat16":
+                precision = "bf16-master"
+        return cls(model=model, layout=layout, seq_len=t.seq_length, micro_batch=t.micro_batch_size,
+                   global_batch=t.global_batch_size, precision=precision,
+                   recompute=recompute or t.recompute, sequence_parallel=p.sequence_parallel,
+                   distributed_optimizer=p.distributed_optimizer, cpu_offload=p.fsdp_cpu_offload,
+                   bucket_numel=p.bucket_numel)

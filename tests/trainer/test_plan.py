@@ -1,0 +1,130 @@
+"""tessera-plan: the accounting its predictions rest on, and the CLI (in process; no launch).
+
+The predictions themselves are checked against measured peaks in test_plan_validation.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tessera.common.layout import ParallelLayout
+from tessera.common.model_config import ModelConfig, preset
+from tessera.trainer.plan.cli import main
+from tessera.trainer.plan.devices import DEVICES
+from tessera.trainer.plan.memory import plan_memory, rank_params
+from tessera.trainer.plan.spec import PlanSpec
+from tessera.trainer.plan.timing import plan_time
+
+MODEL = dict(arch="llama", vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+             ffn_hidden_size=352, max_seq_len=64)
+
+
+def spec(layout: dict | None = None, model: ModelConfig | None = None, **kw) -> PlanSpec:
+    return PlanSpec(model=model or ModelConfig(**MODEL), layout=ParallelLayout(**(layout or {})),
+                    **{**dict(seq_len=64, global_batch=8, micro_batch=2), **kw})
+
+
+def test_parameters_per_rank_add_up_to_the_models_count():
+    cfg = ModelConfig(**MODEL)
+    assert rank_params(spec()).total == cfg.num_params()
+    pp = spec(dict(pipeline=2))
+    assert sum(rank_params(pp, r).total for r in range(2)) == cfg.num_params()
+    # Tensor parallel: everything but the replicated norms is split in two.
+    norms = cfg.hidden_size * (2 * cfg.num_layers + 1)
+    assert rank_params(spec(dict(tensor=2))).total * 2 - norms == cfg.num_params()
+
+
+def test_a_tied_embedding_is_held_twice_across_pipeline_stages():
+    cfg = ModelConfig(**{**MODEL, "tie_embeddings": True})
+    both = sum(rank_params(spec(dict(pipeline=2), cfg), r).total for r in range(2))
+    assert both == cfg.num_params() + cfg.vocab_rows * cfg.hidden_size
+
+
+def test_expert_parallel_divides_only_the_routed_experts():
+    cfg = preset("mixtral-tiny")
+    one, two = rank_params(spec(model=cfg)).total, rank_params(spec(dict(expert=2), cfg)).total
+    experts = cfg.num_layers * 3 * cfg.moe.num_experts * cfg.moe.ffn_hidden_size * cfg.hidden_size
+    assert one - two == experts // 2
+
+
+def test_fsdp_shards_weights_grads_and_optimizer_state_by_the_shard_count():
+    full, sharded = plan_memory(spec()), plan_memory(spec(dict(data=4, data_shard=4)))
+    assert sharded.static * 4 == pytest.approx(full.static)
+    zero1 = plan_memory(spec(dict(data=4)))  # ZeRO-1: only the Adam moments are sharded
+    assert zero1.weights == full.weights and zero1.optimizer * 4 == pytest.approx(full.optimizer)
+
+
+def test_bf16_with_fp32_masters_holds_two_byte_weights_and_eighteen_bytes_in_all():
+    m = plan_memory(spec(precision="bf16-master"))
+    n = rank_params(spec()).total
+    assert m.weights == 2 * n and m.static == 18 * n
+
+
+def test_recompute_and_sequence_parallel_lower_the_activations():
+    none, sel, full = (plan_memory(spec(recompute=r)).activations for r in ("none", "selective", "full"))
+    assert full < sel <= none
+    sp = plan_memory(spec(dict(tensor=2), sequence_parallel=True)).activations
+    no_sp = plan_memory(spec(dict(tensor=2), sequence_parallel=False)).activations
+    assert sp < no_sp
+
+
+def test_one_rank_without_communication_reaches_exactly_the_assumed_efficiency():
+    t = plan_time(spec(), DEVICES["h100"], efficiency=0.4)
+    assert t.exposed_comm_s == 0 and t.bubble_s == 0
+    assert t.mfu(1, DEVICES["h100"].peak_tflops) == pytest.approx(0.4)
+    piped = plan_time(spec(dict(pipeline=2)), DEVICES["h100"], efficiency=0.4)
+    assert piped.bubble_s > 0 and piped.mfu(2, DEVICES["h100"].peak_tflops) < 0.4
+
+
+def _config(tmp_path, **training) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(dict(model=MODEL, training=dict(seq_length=64, micro_batch_size=2,
+                                                                   global_batch_size=8, **training))))
+    return str(path)
+
+
+def test_cli_plans_one_layout_and_the_json_matches_the_library(tmp_path, capsys):
+    assert main(["--config", _config(tmp_path), "--tensor-parallel", "2", "--data-parallel", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expected = plan_memory(spec(dict(tensor=2, data=2)))
+    assert out["layout"] == "tp2-cp1-ep1-dp2-pp1"
+    assert out["memory_gib"]["peak"] == pytest.approx(expected.peak / 2**30)
+    assert out["fits"] is True
+
+
+def test_cli_ranks_every_valid_layout_of_a_gpu_count(tmp_path, capsys):
+    assert main(["--config", _config(tmp_path), "--gpus", "4", "--json", "--top", "100"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    layouts = {r["layout"] for r in rows}
+    assert "tp1-cp1-ep1-dp4s4-pp1" in layouts and "tp2-cp1-ep1-dp1-pp2" in layouts
+    fitting = [r["step_s"] for r in rows if r["fits"]]
+    assert fitting == sorted(fitting)
+
+
+def test_cli_reads_precision_and_recompute_from_the_config(tmp_path, capsys):
+    main(["--config", _config(tmp_path, recompute="full"), "--json"])
+    assert json.loads(capsys.readouterr().out)["recompute"] == "full"
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tensor-parallel", "3"], "--tensor-parallel 3 must divide num_heads"),
+    (["--device", "custom", "--memory-gib", "80"], "--device custom needs --peak-tflops"),
+    (["--context-parallel", "3"], "seq_len (64) must be divisible by 2 x 3"),
+])
+def test_bad_layouts_and_devices_are_refused_with_one_line(tmp_path, flags, words):
+    proc = subprocess.run([sys.executable, "-m", "tessera.trainer.plan.cli", "--config", _config(tmp_path), *flags],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if "Warning" not in ln and "_conversion_method" not in ln]
+    assert len(lines) == 1 and words in lines[0], proc.stderr
+
+
+def test_a_mixture_of_experts_model_is_planned_though_its_routing_cannot_run_on_fake_tensors():
+    cfg = preset("mixtral-tiny")
+    moe = plan_memory(spec(model=cfg)).activations
+    dense = plan_memory(spec(model=cfg.model_copy(update={"moe": None}))).activations
+    assert moe > dense  # top_k experts' widths, dispatched copies and router outputs per token
