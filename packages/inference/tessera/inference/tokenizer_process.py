@@ -1,13 +1,15 @@
 """Tokenizing long texts in child processes, so the HTTP process's GIL stays free for /health.
 
 The tokenizers library releases the GIL for most of `encode_batch`, but not all of it (turning
-the Python string into Rust's and the result back into Python objects): a 3.9 MB prompt
-tokenized on a thread of the server kept /health waiting up to 247 ms. Texts of
+the Python string into Rust's and the result back into Python objects), and a 3.9 MB prompt
+takes seconds to tens of seconds of it on a loaded machine; /health and open streams wait
+for each held stretch (measured in docs/security.md). Texts of
 `LONG_TEXT_CHARS` characters or more are sent to one of a few child processes instead; each
-loads the tokenizer once (from its JSON, so `spawn` needs no path) and answers with the ids, or
-with only their count when there are more than the caller accepts (a too-long prompt costs no
-transfer of a million ids back). Shorter texts stay on the server's threads: at ~60 ns of GIL
-per character they hold it for at most a few milliseconds, less than a round trip costs.
+loads the tokenizer once (sent as its JSON: the child needs no path) and answers with the ids,
+or with only their count when there are more than the caller accepts (a too-long prompt costs
+no transfer of a million ids back). Shorter texts stay on the server's threads, where the
+GIL-held part of their encode is short and a round trip to a child would cost more; the
+threshold is a judgement (1/64 of the default 4 MiB body limit), not a measured optimum.
 
 Bounded: as many processes as the server has tokenizer threads (each thread waits on at most
 one job); a job that outlasts `timeout_s`, or a child that dies, ends that request with

@@ -41,8 +41,8 @@ class ServerBase:
         # check in characters that needs no tokenizer.
         self._tokenize_pool = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="tessera-tokenize")
         # Long texts go on from those threads to child processes (tokenizer_process.py): the
-        # tokenizers library still takes the GIL in parts of a long encode, which kept /health
-        # waiting up to 247 ms behind a 3.9 MB prompt when it ran in this process.
+        # tokenizers library still takes the GIL in parts of a long encode (converting the text
+        # and the ids), time that /health and every open stream would wait for in this process.
         self._tokenize_procs = TokenizerProcesses(self.tokenizer.backend.to_str(), limits.tokenizer_threads,
                                                   limits.tokenize_timeout_s)
         vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
