@@ -51,13 +51,32 @@ def test_bad_layouts_refused_with_one_line(layout, kw, fragment):
     assert "\n" not in str(exc.value)
 
 
-def test_expert_parallel_that_does_not_divide_the_experts_is_refused_naming_the_field():
-    moe = ModelConfig(**{**CFG.model_dump(), "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}})
-    for cfg, layout, fragment in ((moe, ParallelLayout(expert=3), "must divide model.moe.num_experts (4)"),
-                                  (CFG, ParallelLayout(expert=2), "no mixture-of-experts layers (model.moe)")):
-        with pytest.raises(UserError) as exc:
-            validate_layout(cfg, layout)
-        assert fragment in str(exc.value) and "\n" not in str(exc.value)
+MOE_CFG = ModelConfig(**{**CFG.model_dump(), "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}})
+
+
+@pytest.mark.parametrize("cfg, layout, kw, fragment", [
+    (MOE_CFG, ParallelLayout(expert=3), {}, "must divide model.moe.num_experts (4)"),
+    (CFG, ParallelLayout(expert=2), {}, "no mixture-of-experts layers (model.moe)"),
+    (MOE_CFG, ParallelLayout(expert=2, data=2, data_shard=2), {}, "with --data-shard above 1 (FSDP) is not supported"),
+    # Expert ranks read their own rows: the batch splits over data x expert ranks.
+    (MOE_CFG, ParallelLayout(expert=2, data=2), dict(seq_len=32, global_batch=6, micro_batch=1),
+     "multiple of micro batch (1) x data parallel (2) x expert parallel (2)"),
+])
+def test_bad_expert_parallel_layouts_are_refused_naming_the_field(cfg, layout, kw, fragment):
+    with pytest.raises(UserError) as exc:
+        validate_layout(cfg, layout, **kw)
+    assert fragment in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_expert_parallel_flag_gives_the_layout_and_splits_the_batch_with_data_ranks():
+    parser = argparse.ArgumentParser()
+    add_parallel_arguments(parser)
+    layout = layout_from_args(parser.parse_args(["--expert-parallel", "2", "--tensor-parallel", "2"]), world_size=8)
+    assert (layout.tensor, layout.expert, layout.data, layout.world_size) == (2, 2, 2, 8)
+    # 8 samples over data 2 x expert 2 readers, micro-batch 1: 2 micro-batches each.
+    assert validate_layout(MOE_CFG, layout, seq_len=32, global_batch=8, micro_batch=1) == [8]
+    with pytest.raises(UserError, match="--expert-parallel 2 x --pipeline-parallel 1"):
+        layout_from_args(parser.parse_args(["--expert-parallel", "2", "--tensor-parallel", "2"]), world_size=6)
 
 
 def test_vocab_not_divisible():

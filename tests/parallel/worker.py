@@ -87,14 +87,14 @@ def run_job(job: dict, cfg) -> None:
         if job.get("save_loaded"):
             rt.save(job["save_loaded"])  # what this layout holds right after loading (bit-exact transfer)
     losses, norms = [], []
-    rows = harness.GLOBAL_BATCH // layout.data
+    rows = harness.GLOBAL_BATCH // groups.dp_ep  # expert ranks read their own rows, as data ranks do
     for step in range(job.get("start", 0), job.get("start", 0) + job["steps"]):
         inputs: dict = {}
         if job.get("documents"):
             tokens, targets, inputs = harness.documents_batch(step, cfg)
         else:
             tokens, targets = harness.batch(step, cfg)
-        sl = slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows)
+        sl = slice(groups.dp_ep_rank * rows, (groups.dp_ep_rank + 1) * rows)
         r = rt.train_step(tokens[sl], targets[sl], model_inputs={k: v[sl] for k, v in inputs.items()})
         losses.append(r.loss)
         norms.append(r.grad_norm)

@@ -178,7 +178,8 @@ def test_sigterm_to_torchrun_saves_and_workers_exit_cleanly(data_dir):
 
 
 @pytest.mark.parametrize("overrides, world, expected", [
-    (["parallel.tensor=2"], 1, "parallel.tensor (2) x parallel.context (1) x parallel.pipeline (1) = 2 does not divide "
+    (["parallel.tensor=2"], 1, "parallel.tensor (2) x parallel.context (1) x parallel.expert (1) x parallel.pipeline (1) "
+                               "= 2 does not divide "
                                "the 1 launched"),
     (["parallel.tensor=3"], 3, "must divide num_heads (4)"),
     (["parallel.pipeline=2", "parallel.virtual_stages=4"], 2, "8 pipeline stages"),

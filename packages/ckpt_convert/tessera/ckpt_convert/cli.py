@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--pipeline-parallel", type=int, required=True, metavar="P", help="target pipeline-parallel size")
     r.add_argument("--data-parallel", type=int, default=1, metavar="D",
                    help="target data-parallel size (optimizer state is split across it; default 1)")
+    r.add_argument("--expert-parallel", type=int, default=1, metavar="E",
+                   help="target expert-parallel size: each MoE layer's experts split over E ranks; must divide "
+                        "model.moe.num_experts (default 1)")
     r.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="model chunks per pipeline rank, interleaved schedule (default 1)")
     r.add_argument("--pipeline-layers", default=None, metavar="L1,L2,...",
@@ -148,6 +151,7 @@ def run(argv: list[str] | None = None) -> int:
         layout = ParallelLayout(tensor=_positive("--tensor-parallel", args.tensor_parallel),
                                 pipeline=_positive("--pipeline-parallel", args.pipeline_parallel),
                                 data=_positive("--data-parallel", args.data_parallel),
+                                expert=_positive("--expert-parallel", args.expert_parallel),
                                 virtual_stages=_positive("--virtual-stages", args.virtual_stages),
                                 pipeline_layers=parse_pipeline_layers(args.pipeline_layers))
         out = reshard(args.checkpoint, args.output, layout, overwrite=args.overwrite, quiet=args.quiet,

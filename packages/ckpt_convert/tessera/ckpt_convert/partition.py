@@ -2,8 +2,8 @@
 
 This is the contract `reshard` writes to (docs/formats/checkpoint.md, "Partitioned payloads"):
 
-- Rank order: tensor fastest, then data, then pipeline (context and expert are 1 here), i.e.
-  rank = tp + T * (dp + D * pp).
+- Rank order: tensor fastest, then expert, data, pipeline (context is 1 here), i.e.
+  rank = tp + T * (ep + E * (dp + D * pp)).
 - Pipeline: the trainer's rule (tessera.common.layout): the L layers form S = P x V consecutive
   stages of `layout.stage_layers(L)` layers (the explicit `pipeline_layers` split, else as even as
   possible with the extra layers in the middle stages); stage s lives on pipeline rank s mod P
@@ -13,9 +13,14 @@ This is the contract `reshard` writes to (docs/formats/checkpoint.md, "Partition
 - Tensor parallel: column-parallel weights and biases (q/k/v, gate/up; the vocab-parallel
   embedding and lm_head) split along dim 0; row-parallel weights (o_proj, down_proj) along dim 1;
   norms, row-parallel biases and learned positions are replicated and stored by tp rank 0.
+- Expert parallel: an MoE layer's stacked experts (`mlp.experts.*`, [num_experts, ...]) split
+  along dim 0 over the E expert ranks (experts are not tensor-split: tp rank 0 stores them);
+  every other tensor is replicated over expert ranks and stored by ep rank 0.
 - Data parallel: model tensors are replicas, stored by dp rank 0. Optimizer state of a parameter
-  takes the parameter's block and is further split along dim 0 across the D data-parallel ranks
-  (as a distributed optimizer shards it) when that dimension divides; otherwise dp rank 0 keeps it.
+  takes the parameter's block and is further split along dim 0 across its replicas, as the
+  distributed optimizer shards it (expert weights over the D data ranks, every other parameter
+  over the D x E data x expert ranks), when that dimension divides; otherwise the block's owner
+  keeps it.
 """
 
 from __future__ import annotations
@@ -29,10 +34,16 @@ from tessera.common.model_config import ModelConfig
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 _COLUMN = ("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")
 _ROW = ("attn.o_proj.weight", "mlp.down_proj.weight")
+_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.")
 
 
-def rank_of(layout: ParallelLayout, tp: int, dp: int, pp: int) -> int:
-    return tp + layout.tensor * (dp + layout.data * pp)
+def rank_of(layout: ParallelLayout, tp: int, dp: int, pp: int, ep: int = 0) -> int:
+    return tp + layout.tensor * (ep + layout.expert * (dp + layout.data * pp))
+
+
+def is_expert(name: str) -> bool:
+    """An MoE layer's stacked expert weights (split over expert-parallel ranks along dim 0)."""
+    return bool(_EXPERTS.match(name))
 
 
 def pipeline_rank(name: str, cfg: ModelConfig, layout: ParallelLayout) -> int:
@@ -64,6 +75,9 @@ def model_chunks(name: str, shape: tuple[int, ...], cfg: ModelConfig, layout: Pa
     pp = pipeline_rank(name, cfg, layout)
     dim = tp_dim(name)
     zero = (0,) * len(shape)
+    if is_expert(name):
+        return [Chunk(rank_of(layout, 0, 0, pp, ep), *_split(zero, tuple(shape), 0, layout.expert, ep))
+                for ep in range(layout.expert)]
     if dim is None or layout.tensor == 1:
         return [Chunk(rank_of(layout, 0, 0, pp), zero, tuple(shape))]
     return [Chunk(rank_of(layout, tp, 0, pp), *_split(zero, tuple(shape), dim, layout.tensor, tp))
@@ -71,18 +85,23 @@ def model_chunks(name: str, shape: tuple[int, ...], cfg: ModelConfig, layout: Pa
 
 
 def state_chunks(param: str, shape: tuple[int, ...], cfg: ModelConfig, layout: ParallelLayout) -> list[Chunk]:
-    """Optimizer state shaped like `param`: the parameter's blocks, split over data-parallel ranks."""
+    """Optimizer state shaped like `param`: the parameter's blocks, split over its replicas (data
+    ranks for expert weights, data x expert ranks for the rest)."""
     chunks = model_chunks(param, shape, cfg, layout)
-    d = layout.data
-    if d == 1 or not shape or chunks[0].sizes[0] % d:
+    expert = is_expert(param)
+    d, e = layout.data, layout.expert
+    n = d if expert else d * e
+    if n == 1 or not shape or chunks[0].sizes[0] % n:
         return chunks
     out = []
     for c in chunks:
         tp = c.rank % layout.tensor
-        pp = c.rank // (layout.tensor * d)
-        for dp in range(d):
-            offs, sizes = _split(c.offsets, c.sizes, 0, d, dp)
-            out.append(Chunk(rank_of(layout, tp, dp, pp), offs, sizes))
+        ep = (c.rank // layout.tensor) % e
+        pp = c.rank // (layout.tensor * e * d)
+        for i in range(n):
+            offs, sizes = _split(c.offsets, c.sizes, 0, n, i)
+            dp, rep_ep = (i, ep) if expert else divmod(i, e)
+            out.append(Chunk(rank_of(layout, tp, dp, pp, rep_ep), offs, sizes))
     return out
 
 

@@ -1,6 +1,7 @@
 """The parallel layout: how many ways each dimension is split, and which layers each pipeline stage holds.
 
-Rank order (fastest-varying first): tensor, context, expert, data, pipeline; within data, the
+Rank order (fastest-varying first): tensor, context, expert, data, pipeline (expert ranks hold
+different experts and read different rows of the batch: data x expert ranks share it); within data, the
 shard index (FSDP, `data_shard`) varies faster than the replica index (HSDP, `data_replicate`). The process-group
 module (tessera.common.parallel.state) builds groups from this; the trainer cuts pipeline stages
 by `stage_layers`, `tessera-ckpt reshard` places each layer's tensors by the same rule, and
@@ -128,6 +129,22 @@ class ParallelLayout(StrictModel):
         return self.model_copy(update={"pipeline_layers": self.stage_layers(num_layers)})
 
 
+def check_expert_parallel(cfg: ModelConfig, layout: ParallelLayout) -> None:
+    """The expert-parallel part of `validate_layout`, which needs only the model's MoE settings (the
+    trainer's config checks it as it loads, before any process is launched)."""
+    if layout.expert == 1:
+        return
+    if cfg.moe is None:
+        raise UserError(f"--expert-parallel {layout.expert}: the model has no mixture-of-experts layers "
+                        "(model.moe); set it to 1")
+    if cfg.moe.num_experts % layout.expert:
+        raise UserError(f"--expert-parallel {layout.expert} must divide model.moe.num_experts "
+                        f"({cfg.moe.num_experts}); each rank holds num_experts / expert_parallel experts")
+    if layout.data_shard > 1:
+        raise UserError("--expert-parallel above 1 with --data-shard above 1 (FSDP) is not supported; "
+                        "use the distributed optimizer (ZeRO-1) with expert parallel")
+
+
 def validate_layout(
     cfg: ModelConfig,
     layout: ParallelLayout,
@@ -147,15 +164,7 @@ def validate_layout(
     if world_size is not None and layout.world_size != world_size:
         raise UserError(f"layout: tensor x context x expert x data x pipeline = {layout.world_size} but "
                         f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
-    if layout.expert > 1:
-        if cfg.moe is None:
-            raise UserError(f"--expert-parallel {layout.expert}: the model has no mixture-of-experts layers "
-                            "(model.moe); set it to 1")
-        if cfg.moe.num_experts % layout.expert:
-            raise UserError(f"--expert-parallel {layout.expert} must divide model.moe.num_experts "
-                            f"({cfg.moe.num_experts}); each rank holds num_experts / expert_parallel experts")
-        raise UserError("layout: expert parallel is not supported by the trainer yet (the expert dispatch is "
-                        "built, its wiring into the runtime is not); set it to 1")
+    check_expert_parallel(cfg, layout)
     cp = layout.context
     if cp > 1 and layout.data_shard > 1:
         raise UserError("--context-parallel above 1 with --data-shard above 1 (FSDP) is not supported; "
@@ -188,10 +197,12 @@ def validate_layout(
     counts = layout.stage_layers(cfg.num_layers)
     if global_batch is None:
         return counts
-    if micro_batch is None or micro_batch < 1 or global_batch % (micro_batch * dp):
-        raise UserError(f"global batch ({global_batch}) must be a multiple of micro batch ({micro_batch}) x "
-                        f"data parallel ({dp})")
-    n_micro = global_batch // (micro_batch * dp)
+    # Expert ranks read their own rows of the batch, as data ranks do (dense replicas: data x expert).
+    readers = dp * layout.expert
+    if micro_batch is None or micro_batch < 1 or global_batch % (micro_batch * readers):
+        by = f"data parallel ({dp})" if layout.expert == 1 else f"data parallel ({dp}) x expert parallel ({layout.expert})"
+        raise UserError(f"global batch ({global_batch}) must be a multiple of micro batch ({micro_batch}) x {by}")
+    n_micro = global_batch // (micro_batch * readers)
     if pp > 1 and n_micro < pp:
         raise UserError(f"pipeline: {n_micro} micro-batches per step but {pp} stages; 1F1B needs at least as many "
                         "micro-batches as stages (raise the global batch or lower the micro batch)")

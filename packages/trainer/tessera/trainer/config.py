@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
-from tessera.common.layout import ParallelLayout
+from tessera.common.layout import ParallelLayout, check_expert_parallel
 from tessera.common.model_config import ModelConfig
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
@@ -107,7 +107,7 @@ class TrainingConfig(StrictModel):
 
 
 class ParallelConfigSection(StrictModel):
-    """The parallel layout. Data parallel is implied: world size / (tensor x pipeline).
+    """The parallel layout. Data parallel is implied: world size / (tensor x context x expert x pipeline).
 
     Any layout other than one plain process runs the step through
     tessera.trainer.parallel.runtime.ParallelRuntime (see docs/parallelism.md).
@@ -116,6 +116,7 @@ class ParallelConfigSection(StrictModel):
     tensor: int = Field(1, ge=1, description="Tensor-parallel size (= --tensor-parallel); must divide heads, kv heads, ffn size and vocab.")
     pipeline: int = Field(1, ge=1, description="Pipeline-parallel stages across ranks (= --pipeline-parallel); 1F1B schedule.")
     context: int = Field(1, ge=1, description="Context-parallel size (= --context-parallel): the sequence split into 2 x context chunks, rank i holding chunks i and 2C-1-i; attention all-gathers keys/values. 2 x context must divide data.seq_len.")
+    expert: int = Field(1, ge=1, description="Expert-parallel size (= --expert-parallel): each MoE layer's experts split over this many ranks (num_experts / expert each, tokens sent to their expert's rank and back by all-to-all); must divide model.moe.num_experts. Expert ranks read their own rows of the batch, as data ranks do (global batch: a multiple of micro batch x data x expert). Experts are not split over tensor ranks.")
     virtual_stages: int = Field(1, ge=1, description="Model chunks per pipeline rank (= --virtual-stages); above 1 selects interleaved 1F1B.")
     pipeline_layers: list[int] | None = Field(None, description="Layers per pipeline stage in stage order, pipeline x virtual_stages values (= --pipeline-layers 5,4,4,3); null = automatic (extra layers to the middle stages).")
     sequence_parallel: bool = Field(True, description="With tensor > 1: split norms/dropout along the sequence across tensor ranks (all-gather/reduce-scatter instead of all-reduce).")
@@ -128,16 +129,16 @@ class ParallelConfigSection(StrictModel):
 
     @property
     def model_parallel_size(self) -> int:
-        return self.tensor * self.context * self.pipeline
+        return self.tensor * self.context * self.expert * self.pipeline
 
     def layout(self, world_size: int) -> ParallelLayout:
         """The full layout on `world_size` processes; UserError when it does not divide."""
         if world_size % self.model_parallel_size:
-            raise UserError(f"parallel.tensor ({self.tensor}) x parallel.context ({self.context}) x parallel.pipeline "
-                            f"({self.pipeline}) = "
+            raise UserError(f"parallel.tensor ({self.tensor}) x parallel.context ({self.context}) x parallel.expert "
+                            f"({self.expert}) x parallel.pipeline ({self.pipeline}) = "
                             f"{self.model_parallel_size} does not divide the {world_size} launched process(es); "
                             f"launch a multiple of {self.model_parallel_size} (torchrun --nproc-per-node)")
-        return ParallelLayout(tensor=self.tensor, context=self.context, pipeline=self.pipeline,
+        return ParallelLayout(tensor=self.tensor, context=self.context, expert=self.expert, pipeline=self.pipeline,
                               virtual_stages=self.virtual_stages,
                               data=world_size // self.model_parallel_size, data_shard=self.data_shard,
                               pipeline_layers=self.pipeline_layers)
@@ -236,7 +237,9 @@ class TrainConfig(StrictModel):
         if t.seq_length > max_seq:
             raise ValueError(f"training.seq_length ({t.seq_length}) exceeds model.max_seq_len ({max_seq})")
         try:  # the layer split needs only the model's depth: checked now, by the one rule in tessera.common.layout
-            self.parallel.layout(self.parallel.model_parallel_size).stage_layers(model.num_layers)
+            layout = self.parallel.layout(self.parallel.model_parallel_size)
+            layout.stage_layers(model.num_layers)
+            check_expert_parallel(model, layout)  # needs only model.moe: refused before any launch
         except UserError as exc:
             raise ValueError(str(exc)) from None
         prof = self.profiling

@@ -56,17 +56,20 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
     """Every check that needs files or the world size; raises UserError before any work."""
     t = cfg.training
     layout = cfg.parallel.layout(world_size)
-    if t.global_batch_size % (t.micro_batch_size * layout.data):
+    readers = layout.data * layout.expert  # expert ranks read their own rows of the batch, as data ranks do
+    size = f"data-parallel size ({layout.data})" + (f" x expert-parallel size ({layout.expert})"
+                                                     if layout.expert > 1 else "")
+    if t.global_batch_size % (t.micro_batch_size * readers):
         raise UserError(f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                        f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({layout.data})")
+                        f"training.micro_batch_size ({t.micro_batch_size}) x {size}")
     if t.rampup_batch_size is not None:
         start, increment, _ = t.rampup_batch_size
         sizes = range(start, t.global_batch_size, increment)
-        bad = [b for b in sizes if b % (t.micro_batch_size * layout.data)]
+        bad = [b for b in sizes if b % (t.micro_batch_size * readers)]
         if bad:
             raise UserError(f"training.rampup_batch_size {list(t.rampup_batch_size)}: batch sizes {bad} are not "
-                            f"multiples of training.micro_batch_size ({t.micro_batch_size}) x data-parallel size "
-                            f"({layout.data}); pick a start and increment that are")
+                            f"multiples of training.micro_batch_size ({t.micro_batch_size}) x {size}; pick a "
+                            "start and increment that are")
     if layout.world_size > 1:
         check_parallel_options(cfg)
     if t.precision == "fp8" and (problem := fp8_device_problem(pick_device(t.device, 0))):

@@ -74,10 +74,17 @@ class ExpertDispatch:
         return _AllToAll.apply(back, recv_split, send_split, self.group)
 
 
+def is_expert_shard(p: torch.Tensor) -> bool:
+    """True for an MoE layer's expert weights under expert parallel (split over the expert group)."""
+    return bool(getattr(p, "ep_shard", False))
+
+
 def shard_experts(model: nn.Module, group: dist.ProcessGroup, ep: int, ep_rank: int) -> None:
     """Keep this rank's slice of every MoE layer's experts (in place; meta stays meta) and route its
     tokens through ExpertDispatch. Each expert parameter is tagged `ep_shard` (dim 0 over the
-    expert-parallel group) for checkpoint and gradient code."""
+    expert-parallel group) for checkpoint and gradient code. ep = 1 changes nothing."""
+    if ep == 1:
+        return
     for m in model.modules():
         if not isinstance(m, MoE):
             continue

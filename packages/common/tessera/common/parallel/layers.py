@@ -21,8 +21,9 @@ from torch import nn
 from tessera.common.parallel.mappings import copy_to_tp, reduce_from_tp, reduce_scatter_seq
 
 # Every attribute the parallel code reads off a parameter (carried over when parameters are
-# re-created, e.g. by Module.to_empty). `tied_embedding` is set by the pipeline code.
-PARALLEL_TAGS = ("tp_shard_dim", "sequence_parallel_partial", "tied_embedding")
+# re-created, e.g. by Module.to_empty). `tied_embedding` is set by the pipeline code, `ep_shard`
+# (an MoE layer's experts, split along dim 0 over the expert-parallel group) by shard_experts.
+PARALLEL_TAGS = ("tp_shard_dim", "sequence_parallel_partial", "tied_embedding", "ep_shard")
 
 
 def tag(param: torch.Tensor, shard_dim: int | None, partial: bool = False) -> None:

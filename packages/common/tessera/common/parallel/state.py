@@ -4,7 +4,11 @@
 plainly), and `build_groups(layout)` lays the ranks out on a DeviceMesh in the project's rank
 order (tensor fastest, then context, expert, data, pipeline) and returns a `ParallelGroups`
 object (data parallel is two mesh dimensions, `dp_replicate` x `dp_shard`, flattened to `dp`). Every other parallel function takes that object as an argument; nothing else keeps
-process groups. `set_groups` / `get_groups` exist for code far from the entry point (a
+process groups. Expert parallel: the `ep` ranks of an expert group hold different experts of each MoE layer and
+read different rows of the batch; for every other (dense) parameter they are replicas, as data
+ranks are. So dense gradients are averaged over `dp_ep` (data x expert, flattened, expert index
+fastest: `dp_ep_rank = dp_rank * ep + ep_rank`, which is also the rank's share of the batch), and
+expert gradients over `dp` only. `set_groups` / `get_groups` exist for code far from the entry point (a
 metrics hook, say) that cannot have the object passed in.
 """
 
@@ -96,6 +100,7 @@ class ParallelGroups:
     pp_rank: int
     embedding_group: dist.ProcessGroup | None = None
     cp_rank: int = 0
+    ep_rank: int = 0
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
 
     @property
@@ -117,6 +122,30 @@ class ParallelGroups:
     @property
     def cp(self) -> int:
         return self.layout.context
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        """The expert-parallel group: same tensor, context, data and pipeline coordinates."""
+        return self._groups["ep"]
+
+    @property
+    def ep(self) -> int:
+        return self.layout.expert
+
+    @property
+    def dp_ep_group(self) -> dist.ProcessGroup:
+        """Data x expert ranks: the replicas of a dense parameter, each reading its own batch rows."""
+        return self._groups["dp_ep"]
+
+    @property
+    def dp_ep(self) -> int:
+        """How many ways the global batch is split: data x expert."""
+        return self.layout.data * self.layout.expert
+
+    @property
+    def dp_ep_rank(self) -> int:
+        """This rank's share of the global batch (rows dp_ep_rank * B / dp_ep onwards)."""
+        return self.dp_rank * self.layout.expert + self.ep_rank
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -180,8 +209,6 @@ def build_groups(layout: ParallelLayout, device: torch.device | None = None) -> 
             f"parallel layout {layout.short()} needs {layout.world_size} processes but the job has {world}; "
             "set --nproc-per-node/--nnodes so that tensor x context x expert x data x pipeline = world size"
         )
-    if layout.expert > 1:
-        raise UserError("layout: expert parallel sizes above 1 are not supported yet; set them to 1")
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                         else torch.device("cpu"))
     if layout.data % layout.data_shard:
@@ -189,11 +216,12 @@ def build_groups(layout: ParallelLayout, device: torch.device | None = None) -> 
     shape = (layout.pipeline, layout.data_replicate, layout.data_shard, layout.expert, layout.context, layout.tensor)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    groups = {name: mesh[name].get_group() for name in (*MESH_DIMS, "dp")}
+    mesh["dp_replicate", "dp_shard", "ep"]._flatten("dp_ep")
+    groups = {name: mesh[name].get_group() for name in (*MESH_DIMS, "dp", "dp_ep")}
     rank = dist.get_rank()
     coords = mesh.get_coordinate()
     assert coords is not None
-    pp_rank, rep_rank, shard_rank, _, cp_rank, tp_rank = coords
+    pp_rank, rep_rank, shard_rank, ep_rank, cp_rank, tp_rank = coords
     dp_rank = rep_rank * layout.data_shard + shard_rank
     embedding_group = None
     if layout.pipeline > 1:
@@ -206,7 +234,8 @@ def build_groups(layout: ParallelLayout, device: torch.device | None = None) -> 
                 embedding_group = g
     return ParallelGroups(layout=layout, mesh=mesh, device=device, rank=rank, world_size=world,
                           tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
-                          embedding_group=embedding_group, cp_rank=cp_rank, _groups=groups)
+                          embedding_group=embedding_group, cp_rank=cp_rank, ep_rank=ep_rank,
+                          _groups=groups)
 
 
 _CURRENT: ParallelGroups | None = None

@@ -1,7 +1,8 @@
 """Layout-free checkpoint tensors: local shards presented as global DTensors.
 
 A parameter split over tensor ranks along dim d becomes DTensor(Shard(d)) on the tensor mesh, a
-replicated one DTensor(Replicate()). torch.distributed.checkpoint then stores each tensor by
+replicated one DTensor(Replicate()), an expert-parallel slice of an MoE layer's stacked experts
+DTensor(Shard(0)) on the expert mesh. torch.distributed.checkpoint then stores each tensor by
 its global coordinates, once (replicas across data or tensor ranks are de-duplicated), and a
 load at any other layout reads exactly the slice each rank needs. Names are the plain model's
 (`model.layers.<global layer>.attn.q_proj.weight`...), so what is on disk does not depend on the
@@ -29,6 +30,11 @@ def to_global(local: torch.Tensor, like: torch.Tensor, groups: ParallelGroups) -
     FSDP's dim and over tensor ranks along the tensor-parallel dim. When both split the same
     dim (a tensor-sharded bias) the tensor chunk comes first and the data chunk within it,
     which is `_StridedShard(dim, split_factor=tp)` on the data dim."""
+    if getattr(like, "ep_shard", False):
+        # An expert-parallel slice of stacked experts (experts' own tensor size is 1): dim 0 over
+        # the expert group; replicas over tensor and data ranks are de-duplicated by DCP.
+        local = local.to_local() if isinstance(local, DTensor) else local
+        return DTensor.from_local(local, groups.mesh["ep"], [Shard(0)], run_check=False)
     dim = shard_dim_of(like)
     tp_placement = Shard(dim) if dim is not None else Replicate()
     if isinstance(local, DTensor):

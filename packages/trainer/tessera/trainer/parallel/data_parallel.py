@@ -18,6 +18,13 @@ simply a view of the fp32 buffer (autograd accumulates into it); for bf16/fp16 p
 hook adds each micro-batch's gradient into the fp32 buffer and frees `param.grad` (Megatron's
 "main grads"), so accumulation, reduction, clipping and the optimizer never round to 16 bits.
 
+Under expert parallel the dense parameters have dp x ep replicas (expert ranks read their own
+rows of the batch) and are reduced over the data x expert group; an MoE layer's expert weights
+(tagged `ep_shard`) are distinct on each expert rank, already hold the gradient of every token
+routed to them from the whole expert group (the dispatch's backward), and are reduced over the
+data group only. Both are divided by dp x ep: the loss is the mean over all of those ranks'
+rows. Each bucket holds one kind, and is sharded (ZeRO-1) over its own group.
+
 Under context parallel every gradient is first summed over the context group (each context rank
 saw only its chunks of the sequence), in the same launch.
 
@@ -36,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.common.parallel.expert_parallel import is_expert_shard
 from tessera.common.parallel.mappings import all_gather_flat, reduce_scatter_flat
 from tessera.common.parallel.state import ParallelGroups
 
@@ -59,6 +67,9 @@ class Bucket:
     grad_buf: torch.Tensor
     grad_shard: torch.Tensor  # this rank's reduced slice: a view of grad_buf (all of it when not sharded)
     norm_ranges: list[tuple[int, int]]  # slices of grad_shard this rank counts in the global grad norm
+    group: dist.ProcessGroup | None  # the replicas' group the gradient is reduced over (None: no replicas)
+    group_size: int
+    rank: int  # this rank's shard of the bucket (0 when not sharded)
     ready: int = 0
     handle: object | None = None
     launched: bool = False
@@ -89,8 +100,7 @@ class GradientBuckets:
         no_decay: Callable[[str, nn.Parameter], bool] | None = None,
     ):
         self.groups = groups
-        self.sharded = shard and groups.dp > 1
-        self.shards = groups.dp if self.sharded else 1
+        self.shard = shard
         self.num_microbatches = 1
         self.launched_during_backward = 0
         no_decay = no_decay or (lambda _n, p: p.ndim < 2)
@@ -101,7 +111,7 @@ class GradientBuckets:
         current: list[tuple[str, nn.Parameter]] = []
         key = None
         for n, p in params:
-            k = (_needs_presync(p), not no_decay(n, p))
+            k = (_needs_presync(p), not no_decay(n, p), is_expert_shard(p))
             size = sum(q.numel() for _, q in current)
             if current and (k != key or size + p.numel() > bucket_numel):
                 self._add_bucket(current, key)
@@ -116,14 +126,24 @@ class GradientBuckets:
         self._offset_of = {id(p): o for b in self.buckets for p, o in zip(b.params, b.offsets)}
 
     # ---- construction -----------------------------------------------------------------------
+    def _replicas(self, expert: bool) -> tuple[dist.ProcessGroup | None, int, int]:
+        """(group, size, rank) of the ranks holding copies of a parameter: data ranks for expert
+        weights, data x expert ranks for dense ones."""
+        g = self.groups
+        if expert or g.ep == 1:
+            return (g.dp_group if g.dp > 1 else None), g.dp, g.dp_rank
+        return g.dp_ep_group, g.dp_ep, g.dp_ep_rank
+
     def _add_bucket(self, items: list[tuple[str, nn.Parameter]], key) -> None:
-        deferred, decay = key
+        deferred, decay, expert = key
+        group, group_size, group_rank = self._replicas(expert)
+        shards = group_size if self.shard and group_size > 1 else 1
         dtype, device = items[0][1].dtype, items[0][1].device
         offsets, off = [], 0
         for _, p in items:
             offsets.append(off)
             off += p.numel()
-        numel = -(-off // self.shards) * self.shards
+        numel = -(-off // shards) * shards
         param_buf = torch.zeros(numel, dtype=dtype, device=device)
         grad_buf = torch.zeros(numel, dtype=torch.float32, device=device)
         counted_ranges: list[tuple[int, int]] = []
@@ -136,20 +156,22 @@ class GradientBuckets:
                 p.grad = grad_buf[o:o + n].view_as(p)
             # Count each distinct element once in the global norm: replicated tensor-parallel
             # parameters on tensor rank 0 only, the tied embedding on the first stage only,
-            # replicated (unsharded) buckets on data-parallel rank 0 only.
+            # replicated (unsharded) buckets on the first of their replicas only; expert weights
+            # are distinct on each expert rank, dense ones counted on expert rank 0 when unsharded
+            # (sharded over data x expert ranks, each slice is distinct).
             counted = True
             if getattr(p, "tp_shard_dim", None) is None and g.tp_rank != 0:
                 counted = False
             if getattr(p, "tied_embedding", False) and not g.is_first_stage:
                 counted = False
-            if not self.sharded and g.dp_rank != 0:
+            if shards == 1 and group_rank != 0:
                 counted = False
             if g.cp_rank != 0:  # replicated over context ranks
                 counted = False
             if counted:
                 counted_ranges.append((o, o + n))
-        rank = g.dp_rank if self.sharded else 0
-        lo, hi = rank * (numel // self.shards), (rank + 1) * (numel // self.shards)
+        rank = group_rank if shards > 1 else 0
+        lo, hi = rank * (numel // shards), (rank + 1) * (numel // shards)
         # The counted ranges that fall in this rank's shard, relative to the shard, merged.
         norm_ranges: list[tuple[int, int]] = []
         for a, z in counted_ranges:
@@ -165,8 +187,9 @@ class GradientBuckets:
         grad_shard = grad_buf[lo:hi]
         self.buckets.append(Bucket(
             names=[n for n, _ in items], params=[p for _, p in items], offsets=offsets, numel=numel,
-            shards=self.shards, deferred=deferred, weight_decay=decay, param_buf=param_buf,
+            shards=shards, deferred=deferred, weight_decay=decay, param_buf=param_buf,
             grad_buf=grad_buf, grad_shard=grad_shard, norm_ranges=norm_ranges,
+            group=group, group_size=group_size, rank=rank,
         ))
 
     # ---- per step ---------------------------------------------------------------------------
@@ -207,14 +230,17 @@ class GradientBuckets:
             # the loss: sum them (blocking; context peers run identical backward passes, so the
             # hooks fire in the same order on each), then reduce over data ranks as usual.
             dist.all_reduce(b.grad_buf, group=g.cp_group)
-        if g.dp == 1:
+        if g.dp_ep == 1:
             return
-        # Average over replicas: each holds the mean over its own micro-batches.
-        b.grad_buf.div_(g.dp)
-        if self.sharded:
-            b.handle = reduce_scatter_flat(b.grad_shard, b.grad_buf, group=g.dp_group, async_op=True)
+        # Average over the ranks reading the batch: each holds the mean over its own micro-batches
+        # (expert weights: summed over the expert group's tokens by the dispatch already).
+        b.grad_buf.div_(g.dp_ep)
+        if b.group_size == 1:
+            return
+        if b.shards > 1:
+            b.handle = reduce_scatter_flat(b.grad_shard, b.grad_buf, group=b.group, async_op=True)
         else:
-            b.handle = dist.all_reduce(b.grad_buf, group=g.dp_group, async_op=True)
+            b.handle = dist.all_reduce(b.grad_buf, group=b.group, async_op=True)
 
     def finish(self) -> None:
         """Reduce the deferred buckets, then wait until every bucket's reduction is done."""
@@ -238,11 +264,10 @@ class GradientBuckets:
 
     def all_gather_params(self) -> None:
         """After the sharded optimizer updated its slices, give every replica the whole bucket."""
-        if not self.sharded:
-            return
         for b in self.buckets:
-            own = b.param_shard(self.groups.dp_rank).clone()
-            all_gather_flat(b.param_buf, own, group=self.groups.dp_group)
+            if b.shards > 1:
+                own = b.param_shard(b.rank).clone()
+                all_gather_flat(b.param_buf, own, group=b.group)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -41,7 +41,8 @@ class ParallelEngine:
         t, p = cfg.training, cfg.parallel
         self.groups = build_groups(layout, device)
         set_groups(self.groups)
-        self.dp_rank, self.dp_size = self.groups.dp_rank, self.groups.dp
+        # The rows of the global batch this rank reads: expert ranks read their own, as data ranks do.
+        self.dp_rank, self.dp_size = self.groups.dp_ep_rank, self.groups.dp_ep
         self.documents = documents
 
         def builder():

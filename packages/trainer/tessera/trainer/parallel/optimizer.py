@@ -8,8 +8,11 @@ parameter), writes the result into its slice of the parameters and all-gathers t
 With `shard=False` the same class is plain data parallel: all-reduced gradients, full state on
 every rank.
 
+Under expert parallel each bucket is sharded over its own replicas: dense parameters over data x
+expert ranks, MoE expert weights over data ranks (GradientBuckets).
+
 The gradient norm for clipping is computed over every distinct element exactly once across
-tensor, pipeline and data ranks (see Bucket.norm_ranges), matching
+tensor, pipeline, data and expert ranks (expert shards summed over the expert group once) (see Bucket.norm_ranges), matching
 torch.nn.utils.clip_grad_norm_ on the single-process model.
 
 Checkpoint state is layout-free: per parameter, under its global name, as global tensors
@@ -55,10 +58,9 @@ class DistributedOptimizer:
         self.max_grad_norm = max_grad_norm
         self.buckets = GradientBuckets(named_params, groups, shard=shard, bucket_numel=bucket_numel,
                                        no_decay=no_decay)
-        self._rank = groups.dp_rank if self.buckets.sharded else 0
         self.masters: list[nn.Parameter] = []
         for b in self.buckets.buckets:
-            shard = b.param_shard(self._rank).detach()
+            shard = b.param_shard(b.rank).detach()
             # fp32 parameters are their own master weights: the optimizer updates this rank's
             # slice of the flat parameter buffer in place (no copy). Lower precision keeps an
             # fp32 master shard and copies back after each step.
@@ -121,7 +123,7 @@ class DistributedOptimizer:
             m.grad = b.grad_shard  # fp32 (GradientBuckets keeps main grads in fp32)
         self.inner.step()
         for m, b in zip(self.masters, self.buckets.buckets):
-            shard = b.param_shard(self._rank)
+            shard = b.param_shard(b.rank)
             if m.data_ptr() != shard.data_ptr():
                 shard.copy_(m)
             m.grad = None
@@ -130,10 +132,10 @@ class DistributedOptimizer:
 
     # ---- checkpoint state -------------------------------------------------------------------
     def _full_bucket(self, b: Bucket, shard: torch.Tensor) -> torch.Tensor:
-        if not self.buckets.sharded:
+        if b.shards == 1:
             return shard
         full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
-        all_gather_flat(full, shard.contiguous(), group=self.groups.dp_group)
+        all_gather_flat(full, shard.contiguous(), group=b.group)
         return full
 
     def _state_keys(self, dtype: torch.dtype) -> list[str]:
@@ -173,7 +175,7 @@ class DistributedOptimizer:
         when the checkpoint has none (fp32 models: the parameters are the masters)."""
         with torch.no_grad():
             for m, b in zip(self.masters, self.buckets.buckets):
-                lo, hi = b.shard_range(self._rank)
+                lo, hi = b.shard_range(b.rank)
                 step = float(state[f"{OPTIM_PREFIX}state.{global_names[id(b.params[0])]}.step"])  # type: ignore[arg-type]
                 st: dict[str, torch.Tensor] = {"step": torch.tensor(step, dtype=torch.float32)}
                 if m.data_ptr() != b.param_buf[lo:hi].data_ptr():

@@ -22,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 
 from tessera.common.model import Transformer
 from tessera.common.parallel.context_parallel import ContextParallel, ContextParallelAttention
+from tessera.common.parallel.expert_parallel import shard_experts
 from tessera.common.parallel.layers import tag
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
@@ -111,7 +112,7 @@ def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups,
                  rng: TensorParallelRNG | None = None, init_seed: int = 0) -> list[StageModule]:
     """This rank's chunks. `build_model()` returns the full plain model (on meta or a device); it
     is called once per chunk, the chunk's layers are kept, the rest dropped, and weights are
-    sliced for tensor parallel on the way. A materialised model gives exactly the single-process
+    sliced for tensor parallel (and MoE experts for expert parallel) on the way. A materialised model gives exactly the single-process
     weights; so does a meta model, allocated only for the local shards and initialised there to
     the weights `build_model(cfg, seed=init_seed)` would have (sharded_init.materialize_stages),
     for models too large to build whole on each rank."""
@@ -135,6 +136,7 @@ def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups,
             model.embed_tokens = None
             model.pos_embed = None
         parallelize_model(model, groups, sequence_parallel, rng)
+        shard_experts(model, groups.ep_group, groups.ep, groups.ep_rank)  # expert parallel (ep > 1)
         tied_head = None
         if tied and last:
             # Keep the embedding (now a vocab-parallel slice) as this stage's head, then drop the

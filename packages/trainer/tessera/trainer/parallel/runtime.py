@@ -7,8 +7,10 @@
     rt.save(dir) / rt.load(dir)                          # DCP, layout-free names (tests, benchmarks;
                                                          # the trainer checkpoints through its engine)
 
-`train_step` takes this data-parallel rank's share of the global batch ([n_micro * micro, T]
-tokens and targets, identical on every tensor and pipeline rank of the replica) and returns
+`train_step` takes this rank's share of the global batch ([n_micro * micro, T] tokens and
+targets, identical on every tensor and pipeline rank of the replica): the rows of
+`groups.dp_ep_rank` of the dp x ep equal parts (expert ranks read their own rows, as data
+ranks do; without expert parallel that is the data-parallel rank) and returns
 the global mean loss (the same on every rank) and the pre-clip global gradient norm.
 """
 
@@ -30,6 +32,7 @@ from tessera.common.layout import validate_layout
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
 from tessera.common.moe import RouterStats
+from tessera.common.parallel.expert_parallel import is_expert_shard
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
@@ -97,7 +100,7 @@ class ParallelRuntime:
         self.stages = stages
         self.optimizer = optimizer
         self.rng = rng
-        self.num_microbatches = pcfg.global_batch // (pcfg.micro_batch * groups.dp)
+        self.num_microbatches = pcfg.global_batch // (pcfg.micro_batch * groups.dp_ep)
         self._schedules: dict[int, object] = {}  # pipeline schedule per micro-batch count (batch ramp-up)
         self._loss_scale = 1.0  # multiplies the loss before backward (fp16 loss scaling)
         self._micro_losses: list[torch.Tensor] = []  # unscaled, as the pipeline's last stage computed them
@@ -110,12 +113,15 @@ class ParallelRuntime:
         self.router_metrics: dict[str, float] = {}
 
     def _reduce_router(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over data-parallel ranks, and tensor ranks under sequence parallel (each routes its
+        """Sum over data and expert ranks (each routes its own rows of the batch), context ranks
+        (their own chunks of the sequence) and tensor ranks under sequence parallel (each routes its
         own chunk of the sequence; without it they route the same tokens)."""
         g = self.groups
         t = t.to(g.device)
-        if g.dp > 1:
-            dist.all_reduce(t, group=g.dp_group)
+        if g.dp_ep > 1:
+            dist.all_reduce(t, group=g.dp_ep_group)
+        if g.cp > 1:
+            dist.all_reduce(t, group=g.cp_group)
         if g.tp > 1 and self.stages[0].model.sequence_parallel:
             dist.all_reduce(t, group=g.tp_group)
         return t.cpu()
@@ -126,7 +132,7 @@ class ParallelRuntime:
         by evaluation) are kept: each holds receive buffers per micro-batch, and a ramp only grows."""
         if self.groups.pp == 1:
             return None
-        full = self.pcfg.global_batch // (self.pcfg.micro_batch * self.groups.dp)
+        full = self.pcfg.global_batch // (self.pcfg.micro_batch * self.groups.dp_ep)
         for stale in [n for n in self._schedules if n not in (num_microbatches, full)]:
             del self._schedules[stale]
         if num_microbatches not in self._schedules:
@@ -200,9 +206,9 @@ class ParallelRuntime:
             self._forward_backward(tokens, targets, model_inputs, total)
         if g.cp > 1:  # each context rank's loss covers its share of the tokens
             dist.all_reduce(total, group=g.cp_group)
-        if g.dp > 1:
-            dist.all_reduce(total, group=g.dp_group)
-            total /= g.dp
+        if g.dp_ep > 1:
+            dist.all_reduce(total, group=g.dp_ep_group)
+            total /= g.dp_ep
         scaled = loss_scale != 1.0
         norm = self.optimizer.step(inv_scale=1.0 / loss_scale, skip_nonfinite=scaled)
         self.router_metrics = self.router_stats.step() if self.router_stats is not None else {}
@@ -220,16 +226,16 @@ class ParallelRuntime:
 
     def _set_token_weight(self, targets: torch.Tensor) -> None:
         """per_token_loss: the weight turning a micro-batch's summed token loss into its share of the
-        global mean, dp / (counted tokens over all data-parallel ranks), so that the data-parallel
-        average of the ranks' sums is the global mean. Collective over the data-parallel group."""
+        global mean, dp_ep / (counted tokens over all data x expert ranks), so that the average
+        of the ranks' sums is the global mean. Collective over the data x expert group."""
         if not self.pcfg.per_token_loss:
             return
         g = self.groups
         count = (targets != IGNORE_INDEX).sum().to(device=g.device, dtype=torch.float64)
-        if g.dp > 1:
-            dist.all_reduce(count, group=g.dp_group)
+        if g.dp_ep > 1:
+            dist.all_reduce(count, group=g.dp_ep_group)
         self.token_count = int(count)
-        self._token_weight = g.dp / max(self.token_count, 1)
+        self._token_weight = g.dp_ep / max(self.token_count, 1)
 
     def _micro_batch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the batch loss, from local-vocab logits."""
@@ -312,16 +318,16 @@ class ParallelRuntime:
             self.train(was_training)
         if g.cp > 1:
             dist.all_reduce(total, group=g.cp_group)
-        if g.dp > 1:
-            dist.all_reduce(total, group=g.dp_group)
-            total /= g.dp
+        if g.dp_ep > 1:
+            dist.all_reduce(total, group=g.dp_ep_group)
+            total /= g.dp_ep
         return float(total)
 
     @torch.no_grad()
     def replica_divergence(self) -> float:
         """Largest difference between copies that must stay equal (0.0 when healthy): replicated
-        parameters across tensor ranks, every parameter across data-parallel ranks, and the two
-        copies of a tied embedding. Collective; for tests and debugging."""
+        parameters across tensor ranks, every parameter across data-parallel ranks, dense ones
+        across expert ranks, and the two copies of a tied embedding. Collective; for tests and debugging."""
         g = self.groups
         worst = torch.zeros((), dtype=torch.float32, device=g.device)
 
@@ -337,6 +343,8 @@ class ParallelRuntime:
                 spread(local, g.tp_group, g.tp)
             if g.cp > 1:
                 spread(local, g.cp_group, g.cp)
+            if g.ep > 1 and not is_expert_shard(p):
+                spread(local, g.ep_group, g.ep)
             if g.dp_shard == 1 and g.dp > 1:
                 spread(local, g.dp_group, g.dp)
             elif g.layout.data_replicate > 1:  # fully sharded: the copies are the HSDP replicas

@@ -6,7 +6,7 @@ the local shards. To make the weights those a single process would draw from the
 seeded as `build_model` seeds it, visits the global model's modules in the same (name) order
 through `Transformer.init_module`, each module materialised alone, at its global shape, on the
 device; every rank copies out the slice it holds (its tensor-parallel shard of the stages it
-holds; the tied head takes the embedding's slice) and drops the rest. So:
+holds, its expert-parallel slice of stacked experts; the tied head takes the embedding's slice) and drops the rest. So:
 
 * any layout (TP, PP, interleaved, data replicas) starts from exactly the one-process weights,
   bit for bit, and replicas agree without a broadcast;
@@ -83,6 +83,8 @@ def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: in
             for local in held.get(full_name, []):
                 dim = shard_dim_of(local)
                 part = value if dim is None else value.chunk(groups.tp, dim=dim)[groups.tp_rank]
+                if getattr(local, "ep_shard", False):  # this expert-parallel rank's experts
+                    part = part.chunk(groups.ep, dim=0)[groups.ep_rank]
                 local.copy_(part.to(local.dtype))
                 written.add(full_name)
         del tmp

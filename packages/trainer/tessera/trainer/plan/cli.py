@@ -49,7 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-parallel", type=int, default=None, metavar="D",
                    help="Data-parallel size of the planned layout (default: --gpus / (tensor x context x expert x "
                         "pipeline), else 1).")
-    g.add_argument("--expert-parallel", type=int, default=1, metavar="E", help="Expert-parallel size (MoE models).")
     g.add_argument("--gpus", type=int, default=None, metavar="N",
                    help="Ranks in all. Without layout flags: rank every valid layout of N ranks.")
     g.add_argument("--top", type=int, default=10, metavar="K", help="With --gpus alone: layouts shown (default 10).")
@@ -98,9 +97,9 @@ def _load(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
 
 def _layout(args: argparse.Namespace, cfg: TrainConfig) -> ParallelLayout:
     p = cfg.parallel
-    mp = p.tensor * p.context * p.pipeline * args.expert_parallel
-    if args.expert_parallel < 1 or (args.data_parallel is not None and args.data_parallel < 1):
-        raise UserError("--expert-parallel and --data-parallel must be at least 1")
+    mp = p.tensor * p.context * p.pipeline * p.expert
+    if args.data_parallel is not None and args.data_parallel < 1:
+        raise UserError("--data-parallel must be at least 1")
     if args.data_parallel is not None:
         dp = args.data_parallel
     elif args.gpus is not None:
@@ -111,7 +110,7 @@ def _layout(args: argparse.Namespace, cfg: TrainConfig) -> ParallelLayout:
         dp = 1
     if dp % p.data_shard:
         raise UserError(f"--data-shard {p.data_shard} must divide the data-parallel size ({dp})")
-    return ParallelLayout(tensor=p.tensor, context=p.context, expert=args.expert_parallel, pipeline=p.pipeline,
+    return ParallelLayout(tensor=p.tensor, context=p.context, expert=p.expert, pipeline=p.pipeline,
                           virtual_stages=p.virtual_stages, data=dp, data_shard=p.data_shard,
                           pipeline_layers=p.pipeline_layers)
 
@@ -156,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                             inter_node_gbps=args.inter_node_gbps, devices_per_node=args.devices_per_node)
     if not 0 < args.efficiency <= 1:
         raise UserError(f"--efficiency {args.efficiency}: must be in (0, 1]")
-    layout_given = any(v is not None for v in (args.tensor_parallel, args.context_parallel, args.pipeline_parallel,
-                                               args.virtual_stages, args.data_shard, args.data_parallel)) \
-        or args.expert_parallel != 1 or parse_pipeline_layers(args.pipeline_layers) is not None
+    layout_given = any(v is not None for v in (args.tensor_parallel, args.context_parallel, args.expert_parallel,
+                                               args.pipeline_parallel, args.virtual_stages, args.data_shard,
+                                               args.data_parallel)) \
+        or parse_pipeline_layers(args.pipeline_layers) is not None
     layout = _layout(args, cfg)
     spec = PlanSpec.from_train_config(cfg, model, layout, args.precision, args.recompute)
     if args.gpus is not None and not layout_given:
