@@ -36,8 +36,8 @@ def join_torchrun_job(backend: str, timeout: datetime.timedelta | None = None) -
     torchrun's agent (c10d rendezvous, torch >= 2.5) hosts one TCPStore for the whole job and hands
     it to every attempt (TORCHELASTIC_USE_AGENT_STORE=True); `--max-restarts` restarts reuse it
     with the keys the dead attempt left behind. Group set-up keys carry no attempt number (gloo's
-    full-mesh connect reads `default_pg/0/cpu/rank_1` for rank 1's address; NCCL's unique id and
-    every later group are named the same way), so a restarted rank could read its dead
+    full-mesh connect reads rank 1's address from the default group's namespace, `default_pg/…`;
+    NCCL's unique id and every later group are named the same way in each new process), so a restarted rank could read its dead
     predecessor's address and fail to connect or hang (pytorch/pytorch#135712): seen as the
     intermittent failure of the torchrun-restart test. All keys go under
     `tessera/attempt_<TORCHELASTIC_RESTART_COUNT>/`, so each attempt starts from an empty
