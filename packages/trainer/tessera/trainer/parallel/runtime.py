@@ -91,6 +91,11 @@ def compile_blocks(stages: list[StageModule]) -> None:
             block.forward = torch.compile(block.forward)
 
 
+def _local_data(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's data on this rank (a fully-sharded DTensor's local shard)."""
+    return p.data.to_local() if isinstance(p.data, DTensor) else p.data
+
+
 class ParallelRuntime:
     """Runs training steps of one model under one layout. Build with `ParallelRuntime.build`."""
 
@@ -163,13 +168,19 @@ class ParallelRuntime:
                                  world_size=groups.world_size)
         rng = TensorParallelRNG(pcfg.seed, groups.tp_rank, groups.pp_rank, groups.device)
         rng.seed_default()
+
+        def prepare(stages: list[StageModule]) -> None:
+            # Before a meta build is allocated: FSDP shards the meta parameters, so only this
+            # rank's data shard is ever allocated and initialised (sharded_init).
+            if pcfg.compile:
+                compile_blocks(stages)
+            if groups.dp_shard > 1:
+                shard_stages(stages, groups, param_dtype=pcfg.fsdp_param_dtype, reduce_dtype=pcfg.fsdp_reduce_dtype,
+                             cpu_offload=pcfg.fsdp_cpu_offload, reshard_after_forward=pcfg.fsdp_reshard_after_forward)
+
         stages = build_stages(build_model, groups, counts, pcfg.seq_len, pcfg.sequence_parallel, rng,
-                              init_seed=pcfg.seed)
-        if pcfg.compile:
-            compile_blocks(stages)
+                              init_seed=pcfg.seed, prepare=prepare)
         if groups.dp_shard > 1:
-            shard_stages(stages, groups, param_dtype=pcfg.fsdp_param_dtype, reduce_dtype=pcfg.fsdp_reduce_dtype,
-                         cpu_offload=pcfg.fsdp_cpu_offload, reshard_after_forward=pcfg.fsdp_reshard_after_forward)
             named = [(n, p) for s in stages for n, p in s.global_params().items()]
             fsdp_opt = FullyShardedOptimizer(named, groups, lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps,
                                              weight_decay=ocfg.weight_decay, max_grad_norm=ocfg.max_grad_norm)
@@ -338,7 +349,7 @@ class ParallelRuntime:
                 worst.copy_(torch.maximum(worst, (c - t).abs().max().float()))
 
         for p in self.named_global_params().values():
-            local = p.data.to_local() if isinstance(p.data, DTensor) else p.data
+            local = _local_data(p)
             if g.tp > 1 and getattr(p, "tp_shard_dim", None) is None:
                 spread(local, g.tp_group, g.tp)
             if g.cp > 1:
@@ -352,9 +363,9 @@ class ParallelRuntime:
         if g.embedding_group is not None:
             for s in self.stages:
                 if s.is_first and s.model.embed_tokens is not None:
-                    spread(s.model.embed_tokens.weight.data, g.embedding_group, 2)
+                    spread(_local_data(s.model.embed_tokens.weight), g.embedding_group, 2)
                 if s.is_last and s.tied_head is not None:
-                    spread(s.tied_head.data, g.embedding_group, 2)
+                    spread(_local_data(s.tied_head), g.embedding_group, 2)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return float(worst)
 
