@@ -28,6 +28,23 @@ rows. Each bucket holds one kind, and is sharded (ZeRO-1) over its own group.
 Under context parallel every gradient is first summed over the context group (each context rank
 saw only its chunks of the sequence), in the same launch.
 
+Overlap, both directions (Megatron's overlap_grad_reduce / overlap_param_gather):
+  * gradients (`overlap_grad_reduce`, default on): a bucket whose gradients are complete is
+    launched from the hook, in bucket order (reverse layer order: a complete bucket waits until
+    every bucket before it is launched, as torch DDP's reducer does, so every rank issues the
+    collectives in the same order whatever order autograd finishes them in); off, every bucket is
+    launched in `finish()` after backward (the non-overlapped reference).
+  * parameters (`overlap_param_gather`, default off): after the sharded optimizer step the
+    all-gathers are launched asynchronously, in forward order, and `register_param_gather_hooks`
+    puts a forward pre-hook on the modules that use each bucket (the embedding, each transformer
+    block, the head...) that waits for that bucket's gather only; `wait_param_gather()` waits for
+    all of them (checkpoint save/load, `finish()` before the next step, anything else reading the
+    weights outside a forward).
+Both are exact: the same collectives on the same buffers, only issued earlier or waited later.
+Each launch is a `torch.profiler.record_function` range (`tessera.dp.<collective> bucket <i>`),
+so the trainer's profiler traces show where the collectives start; `events` records, per step,
+the order in which buckets became ready and were launched (what the overlap tests read).
+
 Some gradients need a tensor- or pipeline-group reduction first (norms and row biases under
 sequence parallel; the tied embedding on the first and last pipeline stage). They go into
 "deferred" buckets, reduced in `finish()` after those reductions, never from a hook: a hook
@@ -36,7 +53,7 @@ blocking on a pipeline peer while the schedule still owes that peer a message wo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +63,9 @@ from torch import nn
 from tessera.common.parallel.expert_parallel import is_expert_shard
 from tessera.common.parallel.mappings import all_gather_flat, reduce_scatter_flat
 from tessera.common.parallel.state import ParallelGroups
+
+# Default elements per gradient bucket (Megatron's ddp_bucket_size). MEASUREMENT_PLACEHOLDER
+BUCKET_NUMEL = 40_000_000
 
 
 def _needs_presync(p: nn.Parameter) -> bool:
@@ -70,10 +90,13 @@ class Bucket:
     group: dist.ProcessGroup | None  # the replicas' group the gradient is reduced over (None: no replicas)
     group_size: int
     rank: int  # this rank's shard of the bucket (0 when not sharded)
+    index: int = 0  # position in GradientBuckets.buckets (reverse layer order)
     ready: int = 0
     handle: object | None = None
     launched: bool = False
     counts: dict[int, int] = field(default_factory=dict)
+    gather: object | None = None  # the in-flight parameter all-gather (overlap_param_gather)
+    gather_src: torch.Tensor | None = None  # its send buffer, kept alive until it is waited on
 
     @property
     def shard_numel(self) -> int:
@@ -96,13 +119,24 @@ class GradientBuckets:
         groups: ParallelGroups,
         *,
         shard: bool,
-        bucket_numel: int = 40_000_000,
+        bucket_numel: int = BUCKET_NUMEL,
         no_decay: Callable[[str, nn.Parameter], bool] | None = None,
+        overlap_grad_reduce: bool = True,
+        overlap_param_gather: bool = False,
     ):
+        if overlap_param_gather and not shard:
+            raise ValueError("overlap_param_gather needs the distributed optimizer (shard=True): "
+                             "without it there is no parameter all-gather to overlap")
         self.groups = groups
         self.shard = shard
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
         self.num_microbatches = 1
         self.launched_during_backward = 0
+        # This step's order of ("param_wait", i) (a forward pre-hook waited for bucket i's
+        # parameter all-gather), ("ready", i) (bucket i's gradients complete), ("launch", i) and
+        # ("finish", -1) (backward is over: the caller asked for the reductions' results).
+        self.events: list[tuple[str, int]] = []
         no_decay = no_decay or (lambda _n, p: p.ndim < 2)
         params = [(n, p) for n, p in named_params if p.requires_grad]
         # Gradients arrive roughly in reverse order of the forward pass: bucket in that order.
@@ -120,6 +154,9 @@ class GradientBuckets:
             key = k
         if current:
             self._add_bucket(current, key)
+        # Launch order of the buckets reduced from hooks; `_next` is the first not yet launched.
+        self._order = [b for b in self.buckets if not b.deferred]
+        self._next = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for b in self.buckets for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -189,7 +226,7 @@ class GradientBuckets:
             names=[n for n, _ in items], params=[p for _, p in items], offsets=offsets, numel=numel,
             shards=shards, deferred=deferred, weight_decay=decay, param_buf=param_buf,
             grad_buf=grad_buf, grad_shard=grad_shard, norm_ranges=norm_ranges,
-            group=group, group_size=group_size, rank=rank,
+            group=group, group_size=group_size, rank=rank, index=len(self.buckets),
         ))
 
     # ---- per step ---------------------------------------------------------------------------
@@ -197,6 +234,8 @@ class GradientBuckets:
         """Zero the gradients and arm the hooks for a step of `num_microbatches` micro-batches."""
         self.num_microbatches = num_microbatches
         self.launched_during_backward = 0  # buckets whose reduction a hook started (overlap)
+        self.events.clear()
+        self._next = 0
         for b in self.buckets:
             b.grad_buf.zero_()
             for p, o in zip(b.params, b.offsets):
@@ -218,12 +257,29 @@ class GradientBuckets:
         b.counts[id(p)] = c
         if c == self.num_microbatches:
             b.ready += 1
-            if b.ready == len(b.params) and not b.deferred:
-                self._launch(b)
-                self.launched_during_backward += 1
+            if b.ready == len(b.params):
+                self.events.append(("ready", b.index))
+                if self.overlap_grad_reduce and not b.deferred:
+                    self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        """Launch every complete bucket up to the first incomplete one (bucket order)."""
+        while self._next < len(self._order):
+            b = self._order[self._next]
+            if b.ready < len(b.params):
+                return
+            self._launch(b)
+            self.launched_during_backward += 1
+            self._next += 1
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
+        self.events.append(("launch", b.index))
+        kind = "reduce_scatter" if b.shards > 1 else "all_reduce"
+        with torch.profiler.record_function(f"tessera.dp.{kind} bucket {b.index}"):
+            self._reduce(b)
+
+    def _reduce(self, b: Bucket) -> None:
         g = self.groups
         if g.cp > 1:
             # Context ranks hold the same parameters, each the gradient of its tokens' share of
@@ -245,6 +301,8 @@ class GradientBuckets:
     def finish(self) -> None:
         """Reduce the deferred buckets, then wait until every bucket's reduction is done."""
         g = self.groups
+        self.events.append(("finish", -1))
+        self.wait_param_gather()  # parameters no forward used (the optimizer step rewrites them)
         for b in self.buckets:
             if not b.deferred:
                 continue
@@ -263,11 +321,60 @@ class GradientBuckets:
                 b.handle = None
 
     def all_gather_params(self) -> None:
-        """After the sharded optimizer updated its slices, give every replica the whole bucket."""
-        for b in self.buckets:
-            if b.shards > 1:
-                own = b.param_shard(b.rank).clone()
-                all_gather_flat(b.param_buf, own, group=b.group)
+        """After the sharded optimizer updated its slices, give every replica the whole bucket:
+        at once, or (overlap_param_gather) launched in forward order and waited on by the forward
+        pre-hooks of the modules that use each bucket."""
+        for b in reversed(self.buckets):  # forward order: the first bucket needed goes first
+            if b.shards == 1:
+                continue
+            own = b.param_shard(b.rank).clone()
+            with torch.profiler.record_function(f"tessera.dp.all_gather bucket {b.index}"):
+                work = all_gather_flat(b.param_buf, own, group=b.group, async_op=self.overlap_param_gather)
+            if self.overlap_param_gather:
+                b.gather, b.gather_src = work, own
+
+    def _wait_gather(self, b: Bucket) -> None:
+        if b.gather is not None:
+            b.gather.wait()  # type: ignore[attr-defined]
+            b.gather, b.gather_src = None, None
+
+    def wait_param_gather(self) -> None:
+        """Wait for every in-flight parameter all-gather (no-op when none is)."""
+        for b in reversed(self.buckets):
+            self._wait_gather(b)
+
+    def register_param_gather_hooks(self, units: Iterable[nn.Module]) -> None:
+        """Forward pre-hooks waiting for the gathers of the buckets a module uses.
+
+        `units` are the modules whose forward is where their parameters are first read, outer
+        ones before inner ones (a stage, then its embedding, each transformer block, final norm
+        and head): each parameter is waited for by the innermost unit holding it. Blocks are
+        units as a whole, not their linears: under torch.compile a block's forward is one graph,
+        and its own pre-hook runs outside it (a wait inside would break the graph).
+        """
+        owner: dict[int, nn.Module] = {}
+        units = list(units)
+        for unit in units:  # later (inner) units override earlier (outer) ones
+            for p in unit.parameters():
+                if id(p) in self._bucket_of:
+                    owner[id(p)] = unit
+        needs: dict[int, list[Bucket]] = {}
+        for pid, unit in owner.items():
+            b = self._bucket_of[pid]
+            if b.shards > 1 and b not in needs.setdefault(id(unit), []):
+                needs[id(unit)].append(b)
+        for unit in units:
+            buckets = sorted(needs.get(id(unit), []), key=lambda b: -b.index)
+            if buckets:
+                self._hooks.append(unit.register_forward_pre_hook(self._gather_hook(buckets)))
+
+    def _gather_hook(self, buckets: list[Bucket]):
+        def hook(_module, _args):
+            for b in buckets:
+                if b.gather is not None:
+                    self.events.append(("param_wait", b.index))
+                    self._wait_gather(b)
+        return hook
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

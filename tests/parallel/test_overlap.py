@@ -1,0 +1,239 @@
+"""Communication overlap (docs/parallelism.md, "Overlapping communication"), gloo/CPU, fp32.
+
+One torchrun launch (2 processes, data parallel 2, ZeRO-1, two micro-batches per rank, small
+buckets so there are many) runs the same 4 steps twice: with the gradient reductions launched
+from the backward hooks and the parameter all-gathers left in flight into the next forward, and
+with neither (everything after backward, gathers waited at once). Both must train like one
+process (losses 1e-5, pre-clip gradient norms 1e-4, final weights as in test_parity) and like
+each other. Then the order: the hooks' event log and the trainer's profiler trace must show the
+reduce-scatters issued before backward finished, the parameter gathers waited on inside the
+next forward, and, without overlap, nothing of the kind. Order, never time.
+
+This file is also the torchrun worker (`python -m torch.distributed.run ... test_overlap.py spec`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import parallel_harness as H  # noqa: E402
+
+from tessera.common.errors import UserError  # noqa: E402
+from tessera.trainer.config import ParallelConfigSection  # noqa: E402
+
+STEPS = 4
+NORM_RTOL = 1e-4
+PROFILED_STEP = 2  # 1-based, as the trainer numbers steps: the second step (its forward waits on gathers)
+OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+SERIAL = dict(overlap_grad_reduce=False, overlap_param_gather=False)
+JOBS = {"overlap": OVERLAP, "serial": SERIAL}
+
+
+# ---- worker (runs under torchrun) -------------------------------------------------------------
+def _worker(spec_path: str) -> None:
+    from tessera.common.layout import ParallelLayout
+    from tessera.common.model import build_model
+    from tessera.common.parallel.state import build_groups, destroy_distributed, init_distributed
+    from tessera.trainer.config import ProfilingConfig
+    from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime
+    from tessera.trainer.profiling import StepProfiler
+
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    cfg = H.model_config()
+    init_distributed()
+    for name, overlap in spec["jobs"].items():
+        groups = build_groups(ParallelLayout(data=2))
+        pcfg = ParallelConfig(seq_len=H.SEQ, global_batch=H.GLOBAL_BATCH, micro_batch=2, bucket_numel=2000,
+                              **overlap)
+        rt = ParallelRuntime.build(cfg, groups, pcfg, OptimConfig(**H.OPTIM),
+                                   build_model=lambda: build_model(cfg, seed=H.MODEL_SEED))
+        profiler = StepProfiler(ProfilingConfig(start_step=PROFILED_STEP, num_steps=1, ranks=[0], record_shapes=False),
+                                out / f"{name}_profile", groups.rank, groups.device, say=lambda _line: None)
+        buckets = rt.optimizer.buckets
+        rows = H.GLOBAL_BATCH // groups.dp
+        losses, norms, events = [], [], []
+        for step in range(STEPS):
+            tokens, targets = H.batch(step, cfg)
+            sl = slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows)
+            profiler.before_step(step + 1)
+            r = rt.train_step(tokens[sl], targets[sl])
+            profiler.after_step(step + 1)
+            losses.append(r.loss)
+            norms.append(r.grad_norm)
+            events.append(list(buckets.events))
+        rt.save(str(out / f"{name}_ckpt"))  # with gathers in flight: the save must wait for them
+        result = {"losses": losses, "grad_norms": norms, "events": events,
+                  "divergence": rt.replica_divergence(),
+                  "sharded": [b.index for b in buckets.buckets if b.shards > 1],
+                  "deferred": [b.index for b in buckets.buckets if b.deferred]}
+        if groups.rank == 0:
+            (out / f"{name}.json").write_text(json.dumps(result))
+        dist.barrier()
+    destroy_distributed()
+
+
+# ---- tests ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("overlap")
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps({"out": str(tmp), "jobs": JOBS}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return tmp, {name: json.loads((tmp / f"{name}.json").read_text()) for name in JOBS}
+
+
+def _close(got: list[float], want: list[float], rtol: float, what: str) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= rtol * abs(w), f"{what}: step {i}: {g} vs {w}"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_overlapped_reductions_and_gathers_train_like_the_serial_run_and_one_process(runs):
+    from test_parity import assert_weights
+
+    tmp, r = runs
+    torch.set_num_threads(1)
+    ref_norms: list[float] = []
+    ref_losses, ref_model, _ = H.reference_run(H.model_config(), STEPS, grad_norms=ref_norms)
+    for name in JOBS:
+        _close(r[name]["losses"], ref_losses, 1e-5, f"{name} vs one process: loss")
+        _close(r[name]["grad_norms"], ref_norms, NORM_RTOL, f"{name} vs one process: grad norm")
+        assert r[name]["divergence"] == 0.0, f"{name}: replicas diverged"
+        assert_weights(tmp / f"{name}_ckpt", ref_model, name)
+    _close(r["overlap"]["losses"], r["serial"]["losses"], 1e-5, "overlap vs serial: loss")
+    _close(r["overlap"]["grad_norms"], r["serial"]["grad_norms"], NORM_RTOL, "overlap vs serial: grad norm")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_gradient_buckets_launch_in_bucket_order_before_backward_ends_only_when_overlapped(runs):
+    _, r = runs
+    for job in ("overlap", "serial"):
+        deferred = set(r[job]["deferred"])
+        assert len(r[job]["sharded"]) >= 4, "small buckets must make several"
+        for step, events in enumerate(r[job]["events"]):
+            kinds = [k for k, _ in events]
+            launches = [i for k, i in events if k == "launch"]
+            ready_at = [n for n, k in enumerate(kinds) if k == "ready"]
+            first_launch, finish = kinds.index("launch"), kinds.index("finish")
+            # Buckets reduced from hooks go out in bucket order (reverse layer order), the same on
+            # every rank; deferred ones (tensor/pipeline pre-reduction) only after backward.
+            from_hooks = [i for i in launches if i not in deferred]
+            assert from_hooks == sorted(from_hooks), f"{job} step {step}: launch order {launches}"
+            if job == "overlap":
+                assert first_launch < ready_at[-1], f"{job} step {step}: no reduction issued during backward: {events}"
+                assert len([n for n in range(finish) if kinds[n] == "launch"]) == len(from_hooks)
+            else:
+                assert first_launch > finish > ready_at[-1], f"{job} step {step}: launched during backward: {events}"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_parameter_gathers_are_waited_on_by_the_next_forward_in_forward_order(runs):
+    _, r = runs
+    sharded = r["overlap"]["sharded"]
+    for step, events in enumerate(r["overlap"]["events"]):
+        waits = [i for k, i in events if k == "param_wait"]
+        kinds = [k for k, _ in events]
+        if step == 0:  # nothing in flight before the first step
+            assert waits == []
+            continue
+        # Every sharded bucket's gather was still to be waited for when its first user's forward
+        # began (none was waited at the end of the step), first-used bucket (the embedding's, the
+        # last bucket) first, and all before backward produced a gradient.
+        assert sorted(waits) == sorted(sharded), f"step {step}: waited {waits}, sharded {sharded}"
+        assert waits[0] == max(sharded), f"step {step}: first wait {waits[0]}"
+        assert kinds.index("ready") > max(n for n, k in enumerate(kinds) if k == "param_wait")
+    for events in r["serial"]["events"]:
+        assert not any(k == "param_wait" for k, _ in events)
+
+
+def _trace_events(folder: Path) -> list[dict]:
+    (trace,) = folder.glob(f"steps_{PROFILED_STEP:07d}-{PROFILED_STEP:07d}/rank00000.trace.json.gz")
+    with gzip.open(trace, "rt") as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_profiler_trace_shows_reduce_scatters_issued_inside_backward_only_with_overlap(runs):
+    tmp, _ = runs
+    for job in JOBS:
+        events = _trace_events(tmp / f"{job}_profile")
+        launches = [e for e in events if e["name"].startswith("tessera.dp.reduce_scatter bucket")]
+        backward = [e for e in events if e["name"].startswith("autograd::engine::evaluate_function")]
+        gathers = [e for e in events if e["name"].startswith("tessera.dp.all_gather bucket")]
+        assert launches and backward and gathers, f"{job}: trace lacks the collectives or backward"
+        # Same thread, one clock: ordering of event starts, not a duration.
+        first_launch = min(e["ts"] for e in launches)
+        last_backward_end = max(e["ts"] + e["dur"] for e in backward)
+        last_backward_start = max(e["ts"] for e in backward)
+        if job == "overlap":
+            assert first_launch < last_backward_start, "overlap: first reduce-scatter after backward ended"
+        else:
+            assert first_launch >= last_backward_end, "serial: a reduce-scatter started inside backward"
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    (dict(overlap_param_gather=True, distributed_optimizer=False), "needs parallel.distributed_optimizer=true"),
+    (dict(overlap_param_gather=True, data_shard=2), "parallel.data_shard=1"),
+    (dict(overlap_grad_reduce=False, data_shard=2), "overlap_grad_reduce=false is not supported"),
+    (dict(async_tp=True), "needs parallel.tensor > 1"),
+    (dict(async_tp=True, tensor=2, sequence_parallel=False), "sequence_parallel=true"),
+])
+def test_unsupported_overlap_settings_are_refused_in_the_config(fields, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        ParallelConfigSection(**fields)
+
+
+def test_async_tp_is_refused_with_one_line_off_cuda():
+    from tessera.common.layout import ParallelLayout
+    from tessera.common.parallel.state import build_groups
+    from tessera.common.parallel.tensor_parallel import enable_async_tp
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        groups = build_groups(ParallelLayout(), torch.device("cpu"))
+        with pytest.raises(UserError) as exc:
+            enable_async_tp(groups, compiled=True, sequence_parallel=True)
+        assert "needs CUDA GPUs with NCCL" in str(exc.value) and "\n" not in str(exc.value)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_async_tp_under_tp2_trains_like_one_process(tmp_path):
+    """Needs 2 GPUs: TP=2 + SP, compiled blocks, async-TP on; losses as one process (GPU kernels
+    against the CPU reference: test_gpu's tolerance)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("async-TP needs 2 GPUs (tensor parallel over NCCL with symmetric memory)")
+    from test_parity import torchrun
+
+    job = dict(name="async_tp", layout=dict(tensor=2), steps=3, out=str(tmp_path / "async_tp.json"),
+               parallel=dict(micro_batch=2, sequence_parallel=True, compile=True, async_tp=True))
+    torchrun(2, {"jobs": [job]}, tmp_path, timeout=600)
+    got = json.loads((tmp_path / "async_tp.json").read_text())["losses"]
+    want, _, _ = H.reference_run(H.model_config(), 3)
+    _close(got, want, 1e-4, "async-TP vs one process")
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
