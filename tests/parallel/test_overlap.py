@@ -218,6 +218,44 @@ def test_async_tp_is_refused_with_one_line_off_cuda():
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
+def test_compiled_sequence_parallel_layers_give_the_patterns_async_tp_fuses():
+    """What async-TP needs from our layers, checked on CPU: compiled (fake two-rank group), the
+    sequence all-gather feeds a column-parallel matmul as one all-gather -> split -> cat along
+    the sequence, and a row-parallel matmul feeds the reduce-scatter, in forward and backward;
+    inductor's micro-pipeline TP pass finds exactly these and would fuse them on CUDA. (The
+    former transpose-based gathers gave neither: gather dim 0, no consumer or producer matmul.)"""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.fx_passes import micro_pipeline_tp as mp
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tessera.common.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from tessera.common.parallel.mappings import gather_seq
+
+    graphs: list[dict] = []
+
+    def find(graph: torch.fx.Graph) -> None:  # after inductor's own post-grad passes
+        graphs.append({"gathers": [(m.gather_dim, len(mp._find_consumer_matmuls(m.res_node)))
+                                   for m in mp.find_all_gather_patterns(graph)],
+                       "scatters": [(m.scatter_dim, mp._find_producer_matmul(m.input_node) is not None)
+                                    for m in mp.find_reduce_scatter_patterns(graph)]})
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        group = dist.group.WORLD
+        col = ColumnParallelLinear(16, 64, False, group, sequence_parallel=True)
+        row = RowParallelLinear(64, 16, False, group, sequence_parallel=True)
+        torch._dynamo.reset()
+        with inductor_config.patch(post_grad_custom_post_pass=find):
+            block = torch.compile(lambda x: row(torch.nn.functional.silu(col(gather_seq(x, group)))))
+            block(torch.randn(2, 8, 16, requires_grad=True)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+    # Forward: gather -> q/k/v-like matmul, matmul -> reduce-scatter; backward: the adjoints.
+    assert graphs == [{"gathers": [(1, 1)], "scatters": [(1, True)]}] * 2, graphs
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_async_tp_under_tp2_trains_like_one_process(tmp_path):

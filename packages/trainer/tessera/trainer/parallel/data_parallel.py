@@ -34,12 +34,12 @@ Overlap, both directions (Megatron's overlap_grad_reduce / overlap_param_gather)
     every bucket before it is launched, as torch DDP's reducer does, so every rank issues the
     collectives in the same order whatever order autograd finishes them in); off, every bucket is
     launched in `finish()` after backward (the non-overlapped reference).
-  * parameters (`overlap_param_gather`, default off): after the sharded optimizer step the
-    all-gathers are launched asynchronously, in forward order, and `register_param_gather_hooks`
-    puts a forward pre-hook on the modules that use each bucket (the embedding, each transformer
-    block, the head...) that waits for that bucket's gather only; `wait_param_gather()` waits for
-    all of them (checkpoint save/load, `finish()` before the next step, anything else reading the
-    weights outside a forward).
+  * parameters (`overlap_param_gather`, default off): the all-gathers after the sharded
+    optimizer step are launched asynchronously when the next step starts, in forward order, and
+    `register_param_gather_hooks` puts a forward pre-hook on the modules that use each bucket
+    (the embedding, each transformer block, the head...) that waits for that bucket's gather
+    only; `wait_param_gather()` completes all of them (checkpoint save/load, `finish()` before
+    the next optimizer step, anything else reading the weights outside a forward).
 Both are exact: the same collectives on the same buffers, only issued earlier or waited later.
 Each launch is a `torch.profiler.record_function` range (`tessera.dp.<collective> bucket <i>`),
 so the trainer's profiler traces show where the collectives start; `events` records, per step,
@@ -157,6 +157,7 @@ class GradientBuckets:
         # Launch order of the buckets reduced from hooks; `_next` is the first not yet launched.
         self._order = [b for b in self.buckets if not b.deferred]
         self._next = 0
+        self._gather_pending = False  # overlap_param_gather: the step's all-gathers are yet to launch
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for b in self.buckets for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -236,6 +237,7 @@ class GradientBuckets:
         self.launched_during_backward = 0  # buckets whose reduction a hook started (overlap)
         self.events.clear()
         self._next = 0
+        self.launch_param_gather()  # overlap_param_gather: the last step's all-gathers, waited on in forward
         for b in self.buckets:
             b.grad_buf.zero_()
             for p, o in zip(b.params, b.offsets):
@@ -322,24 +324,46 @@ class GradientBuckets:
 
     def all_gather_params(self) -> None:
         """After the sharded optimizer updated its slices, give every replica the whole bucket:
-        at once, or (overlap_param_gather) launched in forward order and waited on by the forward
-        pre-hooks of the modules that use each bucket."""
-        for b in reversed(self.buckets):  # forward order: the first bucket needed goes first
+        at once, or (overlap_param_gather) later: marked pending here, launched asynchronously
+        when the next step starts (`start_step`) and waited on per bucket by the forward
+        pre-hooks of the modules using it."""
+        if self.overlap_param_gather:
+            self._gather_pending = True
+            return
+        for b in reversed(self.buckets):
+            if b.shards > 1:
+                with torch.profiler.record_function(f"tessera.dp.all_gather bucket {b.index}"):
+                    all_gather_flat(b.param_buf, b.param_shard(b.rank).clone(), group=b.group)
+
+    def launch_param_gather(self) -> None:
+        """Launch the pending all-gathers asynchronously, in forward order (the bucket the forward
+        needs first goes first); no-op when none is pending.
+
+        Launched at the start of the next step, not at the end of this one: then no collective is
+        in flight between steps, where the trainer starts and stops the profiler (seen: a
+        profiler started while a gloo all-gather was in flight crashed the process, 1 run in 5)
+        and saves checkpoints. Megatron too launches them from the next forward."""
+        if not self._gather_pending:
+            return
+        self._gather_pending = False
+        for b in reversed(self.buckets):
             if b.shards == 1:
                 continue
             own = b.param_shard(b.rank).clone()
             with torch.profiler.record_function(f"tessera.dp.all_gather bucket {b.index}"):
-                work = all_gather_flat(b.param_buf, own, group=b.group, async_op=self.overlap_param_gather)
-            if self.overlap_param_gather:
-                b.gather, b.gather_src = work, own
+                b.gather = all_gather_flat(b.param_buf, own, group=b.group, async_op=True)
+            b.gather_src = own
 
     def _wait_gather(self, b: Bucket) -> None:
+        self.launch_param_gather()  # a forward outside a training step (evaluation) launches them itself
         if b.gather is not None:
             b.gather.wait()  # type: ignore[attr-defined]
             b.gather, b.gather_src = None, None
 
     def wait_param_gather(self) -> None:
-        """Wait for every in-flight parameter all-gather (no-op when none is)."""
+        """Complete every pending or in-flight parameter all-gather (no-op when there is none).
+        Collective when one is pending: every rank reads the weights at the same point."""
+        self.launch_param_gather()
         for b in reversed(self.buckets):
             self._wait_gather(b)
 
@@ -370,6 +394,7 @@ class GradientBuckets:
 
     def _gather_hook(self, buckets: list[Bucket]):
         def hook(_module, _args):
+            self.launch_param_gather()
             for b in buckets:
                 if b.gather is not None:
                     self.events.append(("param_wait", b.index))
