@@ -191,6 +191,74 @@ def test_profiler_trace_shows_reduce_scatters_issued_inside_backward_only_with_o
             assert first_launch >= last_backward_end, "serial: a reduce-scatter started inside backward"
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_interleaved_pipeline_with_both_overlaps_trains_like_one_process(tmp_path):
+    """PP=2 x 2 virtual stages x DP=2 (4 processes): the gather pre-hooks sit on several chunks
+    per rank, the tied head is a parameter of the last chunk itself, gradients of interleaved
+    chunks complete out of bucket order, the tied embedding's buckets are deferred."""
+    from test_parity import assert_close_seq, assert_weights, torchrun
+
+    torch.set_num_threads(1)
+    ref_losses, ref_model, _ = H.reference_run(H.model_config(), STEPS)
+    job = dict(name="pp2x2_dp2_overlap", layout=dict(pipeline=2, virtual_stages=2, data=2), steps=STEPS,
+               parallel=dict(micro_batch=1, bucket_numel=3000, **OVERLAP),
+               save=str(tmp_path / "ck"), out=str(tmp_path / "out.json"))
+    torchrun(4, {"jobs": [job]}, tmp_path, timeout=500)
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert_close_seq(r["losses"], ref_losses, "pp2x2 dp2 overlapped")
+    assert_weights(tmp_path / "ck", ref_model, "pp2x2 dp2 overlapped")
+    assert r["divergence"] == [0.0, 0.0]
+    assert r["launched_during_backward"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tessera_train_with_both_overlaps_logs_the_one_process_run_and_traces_the_collectives(tmp_path):
+    """The trainer end to end under torchrun, DP=2 with both overlaps on, profiled at step 2,
+    params norm logged every step, evaluated and saved at the end (all reading the weights between
+    steps, where the gathers are pending): the one-process losses (1e-5), gradient norms (1e-4),
+    parameter norms and validation loss; its trace holds the bucket collectives' ranges."""
+    import yaml
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "trainer"))
+    from trainer_fixtures import build_mixture
+
+    from tessera.trainer.cli import main
+
+    data = build_mixture(tmp_path / "data", seq_length=32, vocab_size=384)
+
+    def config(name: str) -> Path:
+        cfg = {"run_dir": str(tmp_path / name),
+               "model": {"preset": "tiny", "hidden_size": 32, "ffn_hidden_size": 64, "max_seq_len": 64},
+               "data": {"mixture": str(data["mixture"]), "tokenizer": str(data["tokenizer"])},
+               "optim": {"lr": 3e-3, "min_lr": 3e-4, "grad_clip": 0.5},
+               "training": {"global_batch_size": 8, "micro_batch_size": 2, "seq_length": 32, "steps": STEPS,
+                            "log_interval": 1, "eval_interval": STEPS, "eval_iters": 1, "threads": 1},
+               "logging": {"tensorboard": False, "params_norm": True}}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+        return tmp_path / f"{name}.yaml"
+
+    def records(name: str, kind: str) -> list[dict]:
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+    assert main(["--config", str(config("one")), "--quiet"]) == 0
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "tessera.trainer",
+           "--config", str(config("dp2")), "--quiet", "parallel.overlap_param_gather=true",
+           "parallel.overlap_grad_reduce=true", "parallel.bucket_numel=3000", f"profiling.start_step={PROFILED_STEP}",
+           "profiling.num_steps=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    got, want = records("dp2", "train"), records("one", "train")
+    _close([r["loss"] for r in got], [r["loss"] for r in want], 1e-5, "trainer dp2 overlapped: loss")
+    _close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], NORM_RTOL, "trainer: grad norm")
+    _close([r["params_norm"] for r in got], [r["params_norm"] for r in want], 1e-6, "trainer: params norm")
+    _close([records("dp2", "eval")[-1]["valid_loss"]], [records("one", "eval")[-1]["valid_loss"]], 1e-5, "eval")
+    names = {e["name"].rsplit(" ", 1)[0] for e in _trace_events(tmp_path / "dp2" / "profile")}
+    assert {"tessera.dp.reduce_scatter bucket", "tessera.dp.all_gather bucket"} <= names
+
+
 @pytest.mark.parametrize("fields, fragment", [
     (dict(overlap_param_gather=True, distributed_optimizer=False), "needs parallel.distributed_optimizer=true"),
     (dict(overlap_param_gather=True, data_shard=2), "parallel.data_shard=1"),

@@ -376,33 +376,45 @@ class GradientBuckets:
         for b in reversed(self.buckets):
             self._wait_gather(b)
 
-    def register_param_gather_hooks(self, units: Iterable[nn.Module]) -> None:
-        """Forward pre-hooks waiting for the gathers of the buckets a module uses.
+    def register_param_gather_hooks(self, units: Iterable[nn.Module],
+                                    after: Iterable[tuple[nn.Module, list[nn.Parameter]]] = ()) -> None:
+        """Forward hooks waiting for the gathers of the buckets a module uses.
 
         `units` are the modules whose forward is where their parameters are first read, outer
-        ones before inner ones (a stage, then its embedding, each transformer block, final norm
-        and head): each parameter is waited for by the innermost unit holding it. Blocks are
+        ones before inner ones (a stage, then its embedding, each transformer block, final norm):
+        each parameter is waited for in a pre-hook of the innermost unit holding it. Blocks are
         units as a whole, not their linears: under torch.compile a block's forward is one graph,
-        and its own pre-hook runs outside it (a wait inside would break the graph).
+        and its own pre-hook runs outside it (a wait inside would break the graph). `after` lists
+        (module, parameters) read right after that module's forward by its caller, not by a
+        forward of their own (an output head applied as `logits(hidden, weight)`): they are
+        waited for in the module's forward post-hook. (Found by the trainer test: an untied head
+        waited for by its own never-called pre-hook read a stale weight.)
         """
+        late = {id(p): module for module, params in after for p in params}
         owner: dict[int, nn.Module] = {}
         units = list(units)
         for unit in units:  # later (inner) units override earlier (outer) ones
             for p in unit.parameters():
-                if id(p) in self._bucket_of:
+                if id(p) in self._bucket_of and id(p) not in late:
                     owner[id(p)] = unit
-        needs: dict[int, list[Bucket]] = {}
-        for pid, unit in owner.items():
-            b = self._bucket_of[pid]
-            if b.shards > 1 and b not in needs.setdefault(id(unit), []):
-                needs[id(unit)].append(b)
+        pre: dict[int, list[Bucket]] = {}
+        post: dict[int, list[Bucket]] = {}
+        for needs, where in ((pre, owner), (post, late)):
+            for pid, module in where.items():
+                b = self._bucket_of.get(pid)
+                if b is not None and b.shards > 1 and b not in needs.setdefault(id(module), []):
+                    needs[id(module)].append(b)
         for unit in units:
-            buckets = sorted(needs.get(id(unit), []), key=lambda b: -b.index)
-            if buckets:
-                self._hooks.append(unit.register_forward_pre_hook(self._gather_hook(buckets)))
+            if pre.get(id(unit)):
+                self._hooks.append(unit.register_forward_pre_hook(self._gather_hook(pre[id(unit)])))
+        for module in {id(m): m for m, _ in after}.values():
+            if post.get(id(module)):
+                self._hooks.append(module.register_forward_hook(self._gather_hook(post[id(module)])))
 
     def _gather_hook(self, buckets: list[Bucket]):
-        def hook(_module, _args):
+        buckets = sorted(buckets, key=lambda b: -b.index)  # forward order
+
+        def hook(_module, *_args):
             self.launch_param_gather()
             for b in buckets:
                 if b.gather is not None:

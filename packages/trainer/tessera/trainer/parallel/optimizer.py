@@ -18,8 +18,8 @@ torch.nn.utils.clip_grad_norm_ on the single-process model.
 Overlap (GradientBuckets): gradient reductions start from backward hooks (`overlap_grad_reduce`);
 with `overlap_param_gather` the all-gather after `step()` is left in flight and the next forward
 waits for each bucket in a pre-hook of the modules using it (`register_param_gather_hooks`).
-Whatever reads the weights outside a forward calls `wait_param_gather()` first (this class does
-so itself for its norms and checkpoint state).
+Whatever reads whole weights outside a forward calls `wait_param_gather()` first; this class's
+norms and checkpoint state read only this rank's slices, which are current right after the step.
 
 Checkpoint state is layout-free: per parameter, under its global name, as global tensors
 (DTensor over the tensor mesh) whatever the data-parallel sharding: see `state_dict`.
@@ -85,15 +85,23 @@ class DistributedOptimizer:
 
     def register_param_gather_hooks(self, stages: list[nn.Module]) -> None:
         """overlap_param_gather: forward pre-hooks on each stage, its top-level modules (embedding,
-        final norm, head) and each transformer block, waiting for the gathers of the buckets they use."""
+        final norm) and each transformer block, waiting for the gathers of the buckets they use;
+        the output head (untied `lm_head`, or a pipeline stage's `tied_head`), which the stage
+        applies to the model's output without calling it, in a post-hook of the model."""
         units: list[nn.Module] = []
+        after: list[tuple[nn.Module, list[nn.Parameter]]] = []
         for stage in stages:
             units.append(stage)
             model = getattr(stage, "model", stage)
             containers = [m for m in model.children() if isinstance(m, (nn.ModuleDict, nn.ModuleList))]
             units += [m for m in model.children() if m not in containers]
             units += [block for c in containers for block in c.children()]
-        self.buckets.register_param_gather_hooks(units)
+            head = [p for p in (getattr(stage, "tied_head", None),) if p is not None]
+            if getattr(model, "lm_head", None) is not None:
+                head += list(model.lm_head.parameters())
+            if head and model is not stage:
+                after.append((model, head))
+        self.buckets.register_param_gather_hooks(units, after)
 
     def wait_param_gather(self) -> None:
         """Wait for the parameter all-gathers an overlapped step left in flight (no-op otherwise)."""
@@ -128,8 +136,8 @@ class DistributedOptimizer:
     def param_norm(self) -> float:
         """Global L2 norm of the fp32 master parameters (the parameters themselves when they are fp32),
         every distinct element counted once across tensor, pipeline and data ranks (the grad norm's
-        ranges over this rank's shards). Collective."""
-        self.wait_param_gather()
+        ranges over this rank's shards). Collective. Reads only this rank's slices, which the step
+        wrote itself: it does not wait for pending parameter all-gathers (overlap_param_gather)."""
         sq = torch.zeros((), dtype=torch.float32, device=self.groups.device)
         for master, b in zip(self.masters, self.buckets.buckets):
             for a, z in b.norm_ranges:
@@ -177,9 +185,9 @@ class DistributedOptimizer:
         so either can resume the other. Moments are global DTensors over the tensor mesh whatever
         the data-parallel sharding; `step` a scalar. `global_names` maps id(parameter) to its
         checkpoint name (tied copies share a name; DCP stores it once). Collective over the
-        data-parallel group.
+        data-parallel group. (Reads this rank's slices and optimizer state only, current whether
+        or not parameter all-gathers are pending.)
         """
-        self.wait_param_gather()
         out: dict[str, object] = {}
         for m, b in zip(self.masters, self.buckets.buckets):
             st = self.inner.state.get(m, {})
