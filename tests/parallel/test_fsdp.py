@@ -1,8 +1,10 @@
 """Fully sharded data parallel (FSDP2 over Tessera's tensor parallel) trains like one process.
 
 One 4-process torchrun launch (gloo/CPU, fp32) runs, back to back: FSDP over 4 data ranks, HSDP
-2 shards x 2 replicas, FSDP 2 x TP 2 built on the meta device (sharded initialisation), and a
-resume chain across layouts: FSDP 4 for 4 steps -> TP 2 x ZeRO-1 DP 2 for 3 -> FSDP 4 for 3.
+2 shards x 2 replicas and FSDP 2 x TP 2 built on the meta device (fully_shard applied to the meta
+model, then only each rank's data shard allocated and initialised: sharded_init), and two
+resume chains across layouts: FSDP 4 for 4 steps -> TP 2 x ZeRO-1 DP 2 for 3 -> FSDP 4 for 3, and
+from the same FSDP 4 checkpoint -> TP 2 x CP 2 for 3 -> FSDP 4 for 3 (issue 17's acceptance).
 Per-step losses within 1e-5 and pre-clip gradient norms within 1e-4 of the single-process
 reference, final weights (read back from each job's layout-free DCP checkpoint) as in
 test_parity; the state a layout holds right after loading another layout's checkpoint is saved
@@ -36,7 +38,7 @@ def _stored(ckpt) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_fsdp_hsdp_and_fsdp_with_tp_match_one_process_and_resume_across_layouts(tmp_path):
+def test_fsdp_hsdp_and_fsdp_with_tp_match_one_process_and_resume_across_layouts_bit_exactly(tmp_path):
     torch.set_num_threads(1)
     norms: list[float] = []
     ref_losses, ref_model, _ = H.reference_run(H.model_config(), STEPS, grad_norms=norms)
@@ -47,20 +49,26 @@ def test_fsdp_hsdp_and_fsdp_with_tp_match_one_process_and_resume_across_layouts(
 
     jobs = [
         job("fsdp4", dict(data=4, data_shard=4)),
-        job("hsdp2x2", dict(data=4, data_shard=2)),
+        job("hsdp2x2", dict(data=4, data_shard=2), meta=True),
         job("fsdp2_tp2", dict(data=2, data_shard=2, tensor=2), meta=True),
+        job("fsdp2_pp2", dict(data=2, data_shard=2, pipeline=2), meta=True),
+        job("fsdp2_cp2", dict(data=2, data_shard=2, context=2), meta=True),
         job("a_fsdp4", dict(data=4, data_shard=4), steps=4),
         job("b_tp2_dp2", dict(tensor=2, data=2), steps=3, start=4, load=str(tmp_path / "a_fsdp4"),
             save_loaded=str(tmp_path / "b_loaded")),
         job("c_fsdp4", dict(data=4, data_shard=4), steps=3, start=7, load=str(tmp_path / "b_tp2_dp2"),
             save_loaded=str(tmp_path / "c_loaded")),
+        job("b_tp2_cp2", dict(tensor=2, context=2), steps=3, start=4, load=str(tmp_path / "a_fsdp4"),
+            save_loaded=str(tmp_path / "b_cp_loaded")),
+        job("c_cp_fsdp4", dict(data=4, data_shard=4), steps=3, start=7, load=str(tmp_path / "b_tp2_cp2"),
+            save_loaded=str(tmp_path / "c_cp_loaded"), meta=True),
     ]
     torchrun(4, {"jobs": jobs}, tmp_path, timeout=400)
 
     def result(name):
         return json.loads((tmp_path / f"{name}.json").read_text())
 
-    for name in ("fsdp4", "hsdp2x2", "fsdp2_tp2"):
+    for name in ("fsdp4", "hsdp2x2", "fsdp2_tp2", "fsdp2_pp2", "fsdp2_cp2"):
         r = result(name)
         assert_close_seq(r["losses"], ref_losses, name)
         for i, (got, want) in enumerate(zip(r["grad_norms"], norms)):
@@ -68,11 +76,14 @@ def test_fsdp_hsdp_and_fsdp_with_tp_match_one_process_and_resume_across_layouts(
         assert r["divergence"] == [0.0, 0.0], f"{name}: replicas diverged {r['divergence']}"
         assert_weights(tmp_path / name, ref_model, name)
 
-    chain = result("a_fsdp4")["losses"] + result("b_tp2_dp2")["losses"] + result("c_fsdp4")["losses"]
-    assert_close_seq(chain, ref_losses, "fsdp4 -> tp2 x dp2 -> fsdp4")
-    assert_weights(tmp_path / "c_fsdp4", ref_model, "fsdp4 -> tp2 x dp2 -> fsdp4")
+    for b, c, what in (("b_tp2_dp2", "c_fsdp4", "fsdp4 -> tp2 x dp2 -> fsdp4"),
+                       ("b_tp2_cp2", "c_cp_fsdp4", "fsdp4 -> tp2 x cp2 -> fsdp4")):
+        chain = result("a_fsdp4")["losses"] + result(b)["losses"] + result(c)["losses"]
+        assert_close_seq(chain, ref_losses, what)
+        assert_weights(tmp_path / c, ref_model, what)
     # Layout changes move model and optimizer state bit for bit.
-    for saved, loaded in (("a_fsdp4", "b_loaded"), ("b_tp2_dp2", "c_loaded")):
+    for saved, loaded in (("a_fsdp4", "b_loaded"), ("b_tp2_dp2", "c_loaded"),
+                          ("a_fsdp4", "b_cp_loaded"), ("b_tp2_cp2", "c_cp_loaded")):
         want, got = _stored(tmp_path / saved), _stored(tmp_path / loaded)
         assert want.keys() == got.keys() and any(k.startswith("optimizer.") for k in want)
         assert all(torch.equal(want[k], got[k]) for k in want), f"{saved} -> {loaded}: state changed"

@@ -42,7 +42,8 @@ def check(layout: ParallelLayout, **kw):
     (ParallelLayout(context=2), {"seq_len": 18}, "--context-parallel 2: seq_len (18) must be divisible by 2 x 2"),
     (ParallelLayout(tensor=2), {"world_size": 4}, "processes were launched"),
     (ParallelLayout(data=4, data_shard=3), {}, "--data-shard 3 must divide the data-parallel size (4"),
-    (ParallelLayout(data=2, data_shard=2, pipeline=2), {}, "with --pipeline-parallel above 1 is not supported"),
+    (ParallelLayout(context=2, data=2, data_shard=4), {"seq_len": 16}, "--data-shard 4 must divide the data-parallel size (2"),
+    (ParallelLayout(tensor=2, data=3, data_shard=3), {}, "--data-shard 3 with --tensor-parallel 2 must divide hidden_size"),
 ])
 def test_bad_layouts_refused_with_one_line(layout, kw, fragment):
     with pytest.raises(UserError) as exc:

@@ -37,10 +37,13 @@ from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, Parall
 
 
 class PeakBytes(TorchDispatchMode):
-    """Bytes of live storages created while active, and their peak."""
+    """Bytes of live storages created while active, and their peak. With a `budget` (bytes), an
+    op that brings the live bytes above it raises MemoryError, as an allocator with that limit
+    would refuse it: the run fails."""
 
-    def __init__(self):
+    def __init__(self, budget: int | None = None):
         super().__init__()
+        self.budget = budget
         self.live: dict[int, int] = {}
         self.current = self.peak = 0
         self._resize = torch.UntypedStorage.resize_
@@ -63,6 +66,8 @@ class PeakBytes(TorchDispatchMode):
     def _add(self, n: int) -> None:
         self.current += n
         self.peak = max(self.peak, self.current)
+        if self.budget is not None and self.current > self.budget:
+            raise MemoryError(f"{self.current} bytes alive exceed the budget of {self.budget}")
 
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
@@ -143,7 +148,7 @@ def run_job(job: dict, cfg: ModelConfig) -> dict:
     g = torch.Generator().manual_seed(0)
     rows = pcfg.global_batch // groups.dp
     sl = slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows)
-    mt = PeakBytes()
+    mt = PeakBytes(job.get("budget"))
     with mt:
         rt = ParallelRuntime.build(cfg, groups, pcfg, OptimConfig(lr=1e-3), builder)
         build_peak = mt.peak

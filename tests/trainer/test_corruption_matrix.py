@@ -10,6 +10,7 @@ mixture index by the manifest's checksums of its arrays.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -110,7 +111,46 @@ def missing_sample_index(root: Path) -> None:
     (root / "mix" / "train" / "d0_sample_index.npy").unlink()
 
 
-MIXTURE_CORRUPTIONS = [flipped_dataset_index, flipped_shuffle_index, missing_sample_index]
+def flipped_valid_split_index(root: Path) -> None:
+    _flip_last_byte(root / "mix" / "valid" / "dataset_sample_index.npy")
+
+
+def truncated_document_index(root: Path) -> None:
+    path = root / "mix" / "train" / "d0_document_index.npy"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def manifest_not_json(root: Path) -> None:
+    path = root / "mix" / "manifest.json"
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def manifest_checksum_dropped(root: Path) -> None:
+    """An array's checksum deleted from the manifest: an unchecked array must not be trusted."""
+    path = root / "mix" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["checksums"]["train/dataset_index.npy"]
+    path.write_text(json.dumps(manifest))
+
+
+def manifest_shard_fingerprint_changed(root: Path) -> None:
+    """The mixture was built from another shard than the one now at its path."""
+    path = root / "mix" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["datasets"][0]["fingerprint"] = "sha256:" + "0" * 64
+    path.write_text(json.dumps(manifest))
+
+
+def shard_deleted(root: Path) -> None:
+    for suffix in (".bin", ".idx"):
+        (root / f"{SHARD}{suffix}").unlink()
+
+
+# Mixture corruptions x tessera-train, the only command that reads a mixture (verify, inspect and
+# merge take shards; blend writes a mixture and never reads one).
+MIXTURE_CORRUPTIONS = [flipped_dataset_index, flipped_shuffle_index, missing_sample_index, flipped_valid_split_index,
+                       truncated_document_index, manifest_not_json, manifest_checksum_dropped,
+                       manifest_shard_fingerprint_changed, shard_deleted]
 
 
 def _train_config(root: Path, artifacts) -> Path:
@@ -118,6 +158,7 @@ def _train_config(root: Path, artifacts) -> Path:
     cfg["data"] = {"mixture": str(root / "mix"), "tokenizer": str(root / "tok")}
     cfg["model"]["vocab_size"] = 512
     cfg["training"]["steps"] = 1
+    cfg["training"].update(eval_interval=1, eval_iters=1)  # the valid split is read too
     path = root / "train.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -169,7 +210,7 @@ def test_every_shard_corruption_is_refused_by_every_command(corruption, command,
 def test_every_mixture_corruption_is_refused_by_training(corruption, damaged, artifacts, capsys):
     corruption(damaged)
     line = _expect_one_line_exit_2(_commands(damaged, artifacts)["train"], capsys)
-    assert "mix" in line, line
+    assert "mix" in line or "stdlib_text_document" in line, line  # names the mixture's file, or the shard
     assert not list((damaged / "run").glob("checkpoints/iter_*"))  # refused before any step
 
 

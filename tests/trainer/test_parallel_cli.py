@@ -194,6 +194,34 @@ def test_bad_layouts_are_refused_before_any_work(data_dir, overrides, world, exp
     assert not (data_dir / "bad").exists()
 
 
+@pytest.mark.parametrize("nproc, flags, expected", [
+    (2, ["--context-parallel", "2", "training.seq_length=30"],
+     "--context-parallel 2: seq_len (30) must be divisible by 2 x 2 = 4"),
+    (2, ["--data-shard", "4"], "--data-shard 4 must divide the data-parallel size (2"),
+    (1, ["--data-shard", "2"], "--data-shard 2 must divide the data-parallel size (1"),
+])
+def test_a_layout_that_cannot_work_is_refused_by_the_cli_in_one_line_before_any_work(data_dir, nproc, flags,
+                                                                                       expected):
+    """`tessera-train` (under torchrun for 2 ranks): context parallel whose 2C chunks do not divide
+    the sequence, and FSDP data_shard not dividing the data ranks (one process included, where
+    the flag would otherwise be ignored): a rank exits 2 with the one line, no traceback of ours
+    (torchrun adds its own report), no run folder."""
+    name = f"refused{nproc}_{flags[0].strip('-')}"
+    cmd = ([str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m", "tessera.trainer"]
+           if nproc > 1 else [str(BIN / "tessera-train")])
+    proc = subprocess.run([*cmd, "--config", str(write(data_dir, name)), "--quiet", *flags], cwd=data_dir,
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    lines = [line for line in proc.stderr.splitlines() if expected in line]
+    # One line per rank that got to print it (torchrun stops the others once the first exits).
+    assert proc.returncode != 0 and 1 <= len(lines) <= nproc, proc.stderr[-3000:]
+    assert "/tessera/" not in proc.stderr, proc.stderr[-3000:]  # no worker traceback (torchrun prints its own)
+    if nproc == 1:
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    else:
+        assert "exitcode: 2" in proc.stderr, proc.stderr[-3000:]
+    assert not (data_dir / name).exists()
+
+
 def test_flags_override_the_parallel_section(data_dir, capsys):
     """`--tensor-parallel 2` in one process is refused with the layout line (exit 2), naming the flag's value."""
     from tessera.common.errors import run_cli

@@ -12,10 +12,9 @@ from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import ArtifactError
 
 
-def verify(checkpoint: str | os.PathLike, read_tensors: bool = True, quiet: bool = False) -> str:
-    """Raise ArtifactError on the first problem; return a one-line summary when all is well."""
-    src = CheckpointSource(checkpoint)
-    src.check_integrity()
+def _check_model_shapes(src: CheckpointSource) -> dict[str, Any]:
+    """The stored model tensors are exactly those the sidecar's model config implies, shape for shape
+    (an edited sidecar would otherwise describe another model than the payload holds)."""
     expected = expected_model_shapes(src.sidecar.model)
     stored = src.model_specs
     for name, shape in expected.items():
@@ -27,6 +26,14 @@ def verify(checkpoint: str | os.PathLike, read_tensors: bool = True, quiet: bool
     unknown = sorted(set(stored) - set(expected))
     if unknown:
         raise ArtifactError(f"{src.directory}: model tensor {unknown[0]!r} is not part of the configured model")
+    return expected
+
+
+def verify(checkpoint: str | os.PathLike, read_tensors: bool = True, quiet: bool = False) -> str:
+    """Raise ArtifactError on the first problem; return a one-line summary when all is well."""
+    src = CheckpointSource(checkpoint)
+    src.check_integrity()
+    expected = _check_model_shapes(src)
     if read_tensors:
         specs = src.tensor_specs
         with Progress(sum(s.nbytes for s in specs.values()), len(specs), "verify", quiet) as bar:
@@ -44,6 +51,10 @@ def _dir_size(path: Path) -> int:
 
 def info(checkpoint: str | os.PathLike) -> dict[str, Any]:
     src = CheckpointSource(checkpoint)
+    # Cheap checks only (stat and the index; info reads no payload bytes, verify does): a missing
+    # or truncated payload file, or a sidecar that describes another model than the one stored.
+    src.check_extents()
+    _check_model_shapes(src)
     sc = src.sidecar
     cfg = sc.model
     return {

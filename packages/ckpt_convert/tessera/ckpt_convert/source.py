@@ -99,10 +99,11 @@ class CheckpointSource:
         Use as a context manager around the conversion and call `.wait()` before committing the
         output, so a corrupt input still leaves nothing behind; leaving the block on an error
         cancels the hashing."""
-        self._check_extents()
+        self.check_extents()
         return ChecksumCheck(self.directory, dict(self.sidecar.checksums), self.sidecar.checksum_algorithm)
 
-    def _check_extents(self) -> None:
+    def check_extents(self) -> None:
+        """Every payload file .metadata names exists and holds its items' bytes (stat only, no reading)."""
         sizes: dict[str, int] = {}
         for index, info in (self.metadata.storage_data or {}).items():
             path = self.directory / info.relative_path

@@ -166,15 +166,14 @@ def validate_layout(
                         f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
     check_expert_parallel(cfg, layout)
     cp = layout.context
-    if cp > 1 and layout.data_shard > 1:
-        raise UserError("--context-parallel above 1 with --data-shard above 1 (FSDP) is not supported; "
-                        "use the distributed optimizer (ZeRO-1) with context parallel")
     if dp % layout.data_shard:
         raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({dp} = world size / "
                         "(tensor x context x expert x pipeline)); data / data_shard is the number of HSDP replicas")
-    if layout.data_shard > 1 and pp > 1:
-        raise UserError("--data-shard above 1 (FSDP) with --pipeline-parallel above 1 is not supported; "
-                        "use the distributed optimizer (ZeRO-1) with pipeline parallel")
+    if layout.data_shard > 1 and tp > 1 and cfg.hidden_size % layout.data_shard:
+        # A tensor-split weight is fully sharded along its other dim, the hidden size; FSDP2 shards
+        # a non-leading dim only evenly.
+        raise UserError(f"--data-shard {layout.data_shard} with --tensor-parallel {tp} must divide hidden_size "
+                        f"({cfg.hidden_size}): FSDP splits each tensor-parallel weight along the hidden dim, evenly")
     if cfg.num_heads % tp:
         raise UserError(f"--tensor-parallel {tp} must divide num_heads ({cfg.num_heads})")
     if cfg.kv_heads % tp:

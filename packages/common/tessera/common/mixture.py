@@ -152,6 +152,13 @@ class MixtureSplit:
 
         prefix = f"{self.split}/"
         files = sorted(rel for rel in self.manifest.checksums if rel.startswith(prefix))
+        needed = [split_file(self.split, "dataset_index"), split_file(self.split, "dataset_sample_index")]
+        needed += [dataset_file(self.split, k, kind) for k in range(len(self.manifest.datasets))
+                   for kind in ("document_index", "sample_index", "shuffle_index")]
+        unchecked = [rel for rel in needed if rel not in self.manifest.checksums]
+        if unchecked:  # an array without a checksum would be trusted unread: refuse it
+            raise ArtifactError(f"{self.directory / MANIFEST}: no checksum for {unchecked[0]}; the manifest was "
+                                "edited or is incomplete; rebuild the mixture")
         missing = [rel for rel in files if not (self.directory / rel).is_file()]
         if missing:
             raise ArtifactError(f"{self.directory / missing[0]}: mixture index file missing; rebuild the mixture")

@@ -26,13 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.common.attention import MaskedAttention
 from tessera.common.model_config import ModelConfig
 from tessera.common.moe import MoE
 from tessera.common.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from tessera.kernels import add_rms_norm, rms_norm, rope_qk, swiglu
 
 __all__ = ["AttentionFn", "Attention", "Block", "MLP", "MoE", "RMSNorm", "RotaryEmbedding", "Transformer",
-           "apply_rope", "build_model", "document_attention_mask", "rope_inv_freq"]
+           "apply_rope", "build_model", "rope_inv_freq"]
 
 # attention_fn(layer_idx, q, k, v) -> out; q: [B, T, Hq, D], k/v: [B, T, Hkv, D], out: [B, T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -92,7 +93,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         attention_fn: AttentionFn | None = None,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: MaskedAttention | None = None,
     ) -> torch.Tensor:
         # Head counts come from the projection widths, so a tensor-parallel shard (fewer local
         # heads) runs this same code; the sequence length too, since under sequence parallel the
@@ -113,18 +114,20 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(bsz, seq, -1))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+             attn_mask: MaskedAttention | None = None) -> torch.Tensor:
         """Causal scaled-dot-product attention; [B, T, H, D] in and out. Selective recompute wraps this.
 
-        `attn_mask` (additive [B, 1, T, T] in q's dtype) replaces the plain causal mask; it is causal
-        itself, and carries this layer's sliding window (see `attention_mask`).
+        `attn_mask`, when given, attends instead: packed documents and/or this layer's sliding
+        window, without a T x T mask (`tessera.common.attention`).
         """
+        dropout_p = self.dropout if self.training else 0.0
+        if attn_mask is not None:
+            return attn_mask(q, k, v, dropout_p)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q, k, v,
-            attn_mask=attn_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=attn_mask is None,
+            dropout_p=dropout_p,
+            is_causal=True,
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out.transpose(1, 2)
@@ -161,7 +164,7 @@ class Block(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         attention_fn: AttentionFn | None = None,
-        attn_mask: torch.Tensor | None = None,
+        attn_mask: MaskedAttention | None = None,
     ) -> torch.Tensor:
         h = self.dropout(self.attn(self.attn_norm(x), rope, attention_fn, attn_mask))
         x, normed = add_norm(self.mlp_norm, x, h)
@@ -169,27 +172,6 @@ class Block(nn.Module):
 
 
 # ---- the model -----------------------------------------------------------------------------
-
-
-def attention_mask(seq: int, dtype: torch.dtype, device: torch.device, document_ids: torch.Tensor | None = None,
-                   window: int | None = None) -> torch.Tensor:
-    """Additive mask [B or 1, 1, T, T] in `dtype`: 0 where a query may attend (causal, same document
-    when `document_ids` [B, T] is given, at most `window - 1` tokens back when `window` is), -inf
-    elsewhere.
-
-    Additive and in the attention's dtype on purpose: SDPA converts a boolean mask to a new float
-    tensor on every call, which autograd then keeps once per layer; this one tensor is shared by
-    every layer with the same window. Every row allows at least its diagonal, so no softmax row is
-    empty.
-    """
-    q_idx = torch.arange(seq, device=device)
-    allowed = (q_idx[None, :] <= q_idx[:, None]).unsqueeze(0)
-    if window is not None:  # transformers' sliding window: k > q - window
-        allowed = allowed & (q_idx[None, :] > q_idx[:, None] - window)
-    if document_ids is not None:
-        allowed = allowed & (document_ids.unsqueeze(2) == document_ids.unsqueeze(1))
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
 def mask_vocab_padding(logits: torch.Tensor, vocab_size: int, vocab_start: int = 0) -> torch.Tensor:
@@ -200,11 +182,6 @@ def mask_vocab_padding(logits: torch.Tensor, vocab_size: int, vocab_start: int =
         return logits
     padded = torch.arange(vocab_start, vocab_start + local, device=logits.device) >= vocab_size
     return logits.masked_fill(padded, float("-inf"))
-
-
-def document_attention_mask(document_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Causal same-document mask [B, 1, T, T] (see `attention_mask`)."""
-    return attention_mask(document_ids.shape[1], dtype, document_ids.device, document_ids)
 
 
 class Transformer(nn.Module):
@@ -318,19 +295,17 @@ class Transformer(nn.Module):
         rope = self.rotary(positions) if self.rotary is not None else None
         if document_ids is not None and attention_fn is not None:
             raise ValueError("document_ids and attention_fn are exclusive (the attention_fn owns masking)")
-        # One mask per distinct sliding window (None: plain causal, left to SDPA's is_causal
-        # unless documents are packed); the attention_fn owns masking, windows included.
-        masks: dict[int | None, torch.Tensor | None] = {}
+        # One MaskedAttention per distinct sliding window (None: plain causal, left to SDPA's
+        # is_causal unless documents are packed), shared by the layers; the attention_fn owns
+        # masking, windows included. Under sequence parallel h is this rank's chunk but attention
+        # sees the gathered sequence, so the length comes from `positions`.
+        masks: dict[int | None, MaskedAttention | None] = {}
         for block in self.layers.values():
             window = block.attn.window
             if window not in masks:
                 masks[window] = None
                 if attention_fn is None and (document_ids is not None or window is not None):
-                    # In the dtype attention runs in: autocast's, else the residual stream's.
-                    device_type = h.device.type
-                    autocast = torch.is_autocast_enabled(device_type)
-                    dtype = torch.get_autocast_dtype(device_type) if autocast else h.dtype
-                    masks[window] = attention_mask(positions.shape[1], dtype, h.device, document_ids, window)
+                    masks[window] = MaskedAttention(document_ids, window, h.shape[0], positions.shape[1], h.device)
             h = block(h, rope, attention_fn, masks[window])
         if self.final_norm is None:
             return h

@@ -133,6 +133,20 @@ class BlockManager:
             table.append(b)
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Return the blocks of seq's table past those holding `num_tokens` (speculative decoding:
+        blocks allocated for drafts that were rejected). Such tail blocks are never shared or
+        cached: only full blocks of computed tokens are."""
+        table = self.tables.get(seq.request_id)
+        keep = self.blocks_needed(num_tokens)
+        while table and len(table) > keep:
+            b = table.pop()
+            self.refcount[b] -= 1
+            if self.refcount[b] == 0:
+                self.free[b] = None
+                if self.block_hash[b] is None:
+                    self.free.move_to_end(b, last=False)
+
     def free_seq(self, seq: Sequence) -> None:
         """Drop seq's references; blocks nobody else uses return to the free list."""
         # Tail blocks are released first so that they are evicted before the shared heads.

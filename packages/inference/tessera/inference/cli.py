@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.inference.quantization import check_quantization
 
     check_quantization(cfg.quantization, device)  # before the engine process reads any weight
+    from tessera.inference.spec_decode import check_draft_model
+
+    check_draft_model(cfg.speculative, args.checkpoint)
     if args.no_engine_process:
         from tessera.inference.async_engine import AsyncEngine
         from tessera.inference.engine import LLMEngine

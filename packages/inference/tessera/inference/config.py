@@ -13,6 +13,43 @@ from pydantic import Field, model_validator
 from tessera.common.config import StrictModel
 
 
+class SpeculativeConfig(StrictModel):
+    """Speculative decoding, in the shape of vLLM's `--speculative-config` JSON:
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}
+    or {"model": "<checkpoint or HF dir>", "num_speculative_tokens": k} (method draft_model)."""
+
+    method: Literal["ngram", "draft_model"] | None = Field(
+        None, description="ngram (prompt lookup, no draft model) or draft_model; default: draft_model when "
+                          "model is given, else ngram.")
+    model: str | None = Field(None, description="Draft model: a Tessera checkpoint or HF directory with the "
+                                                "target's tokenizer (draft_model only).")
+    num_speculative_tokens: int = Field(..., gt=0, le=32, description="Tokens proposed per step (k).")
+    prompt_lookup_max: int | None = Field(None, gt=0, description="Longest n-gram matched (ngram; default: "
+                                                                  "prompt_lookup_min, else 5).")
+    prompt_lookup_min: int | None = Field(None, gt=0, description="Shortest n-gram matched (ngram; default: "
+                                                                  "prompt_lookup_max, else 5).")
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        method = self.method or ("draft_model" if self.model is not None else "ngram")
+        if method == "draft_model":
+            if self.model is None:
+                raise ValueError("method draft_model needs \"model\": the draft checkpoint or HF directory")
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise ValueError("prompt_lookup_max/prompt_lookup_min apply to method ngram only")
+        else:
+            if self.model is not None:
+                raise ValueError("method ngram takes no \"model\"; drop it or use method draft_model")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo, hi = (lo or hi or 5), (hi or lo or 5)  # vLLM's defaults: the other bound, else 5
+            if lo > hi:
+                raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        object.__setattr__(self, "method", method)
+        return self
+
+
 class EngineConfig(StrictModel):
     """How the engine sizes its KV cache and forms batches."""
 
@@ -39,6 +76,8 @@ class EngineConfig(StrictModel):
     )
     device: str = Field("auto", description="Torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     seed: int | None = Field(None, description="Seed for requests that bring none (None: fresh OS entropy per request).")
+    speculative: SpeculativeConfig | None = Field(
+        None, description="Speculative decoding (n-gram prompt lookup or a draft model); None: off.")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -5,15 +5,17 @@ it with `engine_loop.run_engine_loop` (in a thread or in its own process); `tess
 drives it directly. Each `step` is vLLM v1's three parts: the scheduler returns a plan
 (`SchedulerOutput`), the model runner executes it (`ModelRunnerOutput`: sampled tokens,
 logprobs), and the output processor applies the results to the sequences and reports what
-each request gained (`RequestOutput`). If executing a plan raises, each of its sequences is
-executed alone, and only those that still fail end (with an error); the engine goes on.
+each request gained (`RequestOutput`). With speculative decoding (`EngineConfig.speculative`,
+spec_decode.py) a proposer then drafts tokens for the next step to verify. If executing a plan
+raises, each of its sequences is executed alone, and only those that still fail end (with an
+error); the engine goes on.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +29,7 @@ from tessera.inference.output_processor import OutputProcessor, RequestOutput
 from tessera.inference.sampling_params import SamplingParams
 from tessera.inference.scheduler import Scheduler, SchedulerOutput
 from tessera.inference.sequence import Sequence
+from tessera.inference.spec_decode import build_proposer
 from tessera.inference.structured import Grammars
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "RequestRejected", "validate_request"]
@@ -53,6 +56,11 @@ class EngineStats:
     prefix_hits: int
     num_preemptions: int
     step_tokens: int = 0  # tokens computed by the last step
+    # Speculative decoding, cumulative (spec_decode.SpecDecodeStats; zeros without it).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> int:
@@ -109,6 +117,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.runner = ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype)
         self.processor = OutputProcessor(self.scheduler, self.blocks)
+        self.proposer = None
+        if cfg.speculative is not None:
+            self.proposer = build_proposer(cfg.speculative, self.max_model_len, num_blocks, cfg.block_size, device,
+                                           dtype)
         self.eos_ids = frozenset(loaded.eos_ids)
         self.requests: dict[str, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds for requests that bring none
@@ -154,7 +166,10 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
+        spec = self.processor.spec_stats
         return EngineStats(
+            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens, spec_accepted_per_pos=list(spec.accepted_per_pos),
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
             prefix_queries=self.blocks.prefix_queries, prefix_hits=self.blocks.prefix_hits,
@@ -177,6 +192,8 @@ class LLMEngine:
         outputs, finished = self.processor.update(plan, result)
         for seq in finished:
             self.requests.pop(seq.request_id, None)
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)  # drafts for the next step to verify
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 from pydantic import ValidationError
 
 from tessera.common.config import format_validation_error
 from tessera.common.errors import UserError
-from tessera.inference.config import EngineConfig
+from tessera.inference.config import EngineConfig, SpeculativeConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -58,8 +59,35 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-threads", type=int, default=None,
                    help="CPU threads for torch ops (torch.set_num_threads; default: torch's choice). "
                         "On a machine shared with other jobs, 1 avoids OpenMP threads spinning against each other.")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="Speculative decoding, as vLLM's flag: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (prompt lookup, no draft model) or "
+                        "'{\"model\": \"DRAFT_DIR\", \"num_speculative_tokens\": 4}' (a small checkpoint or HF dir with "
+                        "the same tokenizer). Outputs are distributed exactly as without it (greedy: identical). "
+                        "Default: off.")
     g.add_argument("--seed", type=int, default=None,
                    help="Seed for requests without their own (default: OS entropy, i.e. not reproducible).")
+
+
+def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
+    """--speculative-config JSON -> SpeculativeConfig (one line naming the field when it is wrong)."""
+    if text is None:
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--speculative-config: not valid JSON ({exc.msg}); e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'") from None
+    if not isinstance(obj, dict):
+        raise UserError("--speculative-config: expected a JSON object such as "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
+    try:
+        return SpeculativeConfig(**obj)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        where = f"--speculative-config {loc}" if loc else "--speculative-config"
+        raise UserError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -70,13 +98,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         import torch
 
         torch.set_num_threads(args.torch_threads)
+    speculative = parse_speculative_config(args.speculative_config)
     try:
         return EngineConfig(
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_tokens=args.kv_cache_tokens,
             kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching, prefix_cache_hash=args.prefix_cache_hash, dtype=args.dtype, device=args.device, seed=args.seed,
-            quantization=args.quantization,
+            quantization=args.quantization, speculative=speculative,
         )
     except ValidationError as exc:
         msg = format_validation_error(exc, "engine flags")

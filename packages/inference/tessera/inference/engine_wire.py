@@ -3,7 +3,8 @@
 Pickle-free on purpose: a pickle stream can run code when loaded, and nothing read from a pipe
 should be able to do that, even from our own child. Frames are
 `multiprocessing.connection.Connection.send_bytes` / `recv_bytes` (length-prefixed), holding one
-UTF-8 JSON object each; only plain ids, numbers, strings and lists cross.
+UTF-8 JSON object each; only plain ids, numbers, strings and lists cross (the stats hold one list: speculative decoding's
+accepted tokens per draft position).
 
 HTTP process -> engine:  {"t": "add", "id", "prompt", "params"} | {"t": "abort", "ids"} | {"t": "stop"}
                          (the first frame is {"t": "init", "checkpoint", "engine", "torch_threads"})
@@ -62,9 +63,9 @@ def output_from_wire(x: list, now: float) -> RequestOutput:
     )
 
 
-def stats_to_wire(stats: EngineStats) -> dict[str, int]:
+def stats_to_wire(stats: EngineStats) -> dict[str, int | list[int]]:
     return asdict(stats)
 
 
-def stats_from_wire(x: dict[str, int]) -> EngineStats:
-    return EngineStats(**{k: int(v) for k, v in x.items()})
+def stats_from_wire(x: dict[str, int | list[int]]) -> EngineStats:
+    return EngineStats(**{k: [int(a) for a in v] if isinstance(v, list) else int(v) for k, v in x.items()})

@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.inference.engine import LLMEngine, RequestRejected
     from tessera.inference.loader import load_for_serving, resolve_device, resolve_dtype
     from tessera.inference.sampling_params import SamplingParams
+    from tessera.inference.spec_decode import check_draft_model, format_spec_stats
 
+    check_draft_model(cfg.speculative, args.checkpoint)  # before any weight is read
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization)
@@ -161,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     if not args.quiet:
         print(f"tessera-generate: wrote {len(results)} completions to {out_path}")
+        st = engine.stats()
+        if cfg.speculative is not None:
+            print("tessera-generate: " + format_spec_stats(st.spec_num_drafts, st.spec_num_draft_tokens,
+                                                          st.spec_num_accepted_tokens, st.spec_accepted_per_pos))
     return 0
 
 

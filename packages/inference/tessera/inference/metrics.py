@@ -13,13 +13,26 @@ first scheduled -> last token (all measured in the engine, as durations, since t
 run in another process); TTFT, inter-token and end-to-end latency are measured in the HTTP
 process from the request's arrival there. time per output token = decode / (tokens - 1).
 
+Speculative decoding has vLLM's four counters: `spec_decode_num_drafts` (verification rows),
+`spec_decode_num_draft_tokens`, `spec_decode_num_accepted_tokens` and
+`spec_decode_num_accepted_tokens_per_pos` (label `position`, 0-based); the acceptance rate is
+also logged (vLLM's "SpecDecoding metrics" line) at most every LOG_INTERVAL seconds.
+
 Each server owns its own CollectorRegistry, so two servers in one process (tests) never share
 counters.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tessera.inference.spec_decode import format_spec_stats
+
+log = logging.getLogger("tessera.inference")
+LOG_INTERVAL = 10.0  # seconds between speculative-decoding log lines (vLLM logs stats every 10 s)
 
 DEFAULT_PREFIX = "vllm:"
 ENGINE_LABEL = "0"
@@ -99,18 +112,26 @@ class ServingMetrics:
                                 _REQUEST_BUCKETS)
         self.inference = histogram("request_inference_time_seconds",
                                    "Histogram of time spent in RUNNING phase for request.", _REQUEST_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position.", ["position"])
         # Create every labelled child now so scrapers see zeros before the first request.
         for metric in (self.running, self.waiting, self.kv_usage, self.prefix_hit_rate, self.prefix_queries,
                        self.prefix_hits, self.prompt_tokens, self.generation_tokens, self.preemptions,
                        self.iteration_tokens, self.request_prompt_tokens, self.request_generation_tokens, self.ttft,
                        self.itl, self.tpot_step, self.tpot, self.e2e, self.queue, self.prefill, self.decode,
-                       self.inference):
+                       self.inference, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
             metric.labels(model_name, ENGINE_LABEL)
         for reason in ("stop", "length", "abort"):
             self.requests_finished.labels(model_name, ENGINE_LABEL, reason)
         self._last_preemptions = 0
         self._last_queries = 0
         self._last_hits = 0
+        self._last_spec = (0, 0, 0)
+        self._last_per_pos: list[int] = []
+        self._spec_logged_at = float("-inf")  # time of the last speculative-decoding log line
 
     def child(self, metric):
         return metric.labels(self.model_name, ENGINE_LABEL)
@@ -129,6 +150,25 @@ class ServingMetrics:
         c(self.prefix_hit_rate).set(stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0)
         if stats.step_tokens:
             c(self.iteration_tokens).observe(stats.step_tokens)
+        self._update_spec(stats)
+
+    def _update_spec(self, stats) -> None:
+        drafts, tokens, accepted = stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+        if drafts == self._last_spec[0]:
+            return
+        c = self.child
+        c(self.spec_drafts).inc(drafts - self._last_spec[0])
+        c(self.spec_draft_tokens).inc(tokens - self._last_spec[1])
+        c(self.spec_accepted).inc(accepted - self._last_spec[2])
+        self._last_spec = (drafts, tokens, accepted)
+        for pos, count in enumerate(stats.spec_accepted_per_pos):
+            before = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
+            self.spec_accepted_per_pos.labels(self.model_name, ENGINE_LABEL, str(pos)).inc(count - before)
+        self._last_per_pos = list(stats.spec_accepted_per_pos)
+        now = time.monotonic()
+        if now - self._spec_logged_at >= LOG_INTERVAL:
+            log.info("%s", format_spec_stats(drafts, tokens, accepted, stats.spec_accepted_per_pos))
+            self._spec_logged_at = now
 
     def observe_token(self, first: bool, since: float) -> None:
         """A step gave a request new tokens: `since` is the time since arrival (first) or since

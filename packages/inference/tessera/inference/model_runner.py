@@ -12,12 +12,19 @@ The shared model is used as is, through its two hooks: `positions` (each token's
 own sequence) and `attention_fn`, which here scatters the new K/V into their cache slots and calls
 `tessera.kernels.paged_attention` (Triton on CUDA, the PyTorch reference on CPU). On CPU the
 reference handles one sequence per call, which makes a 32-sequence decode step 32 x layers tiny
-SDPA calls; there, single-token (decode) sequences instead go through `decode_attention` in
-groups of up to 8 of similar length (one gather + one SDPA per group, tested against the
+SDPA calls; there, single-token (decode) sequences, and speculative rows (by equal length),
+instead go through `decode_attention` in groups of up to 8 of similar length (one gather + one SDPA per group, tested against the
 reference; the groups are formed once per step, not per layer) and only prefill chunks use the
 reference. Only the rows
 that are sampled (the last token of each sequence that finished its prompt, and prompt positions
 of requests that asked for prompt logprobs) go through the output head.
+
+Speculative decoding: a sequence scheduled with draft tokens computes its newest token and the k
+drafts in one row of 1 + k tokens (through the prefill path, which is causal within the row);
+its k + 1 logits rows go to `sampler.verify`, which accepts a prefix of the drafts and adds one
+token. The K/V written for rejected drafts stay in slots past the sequence's computed length,
+where nothing reads them, until later tokens overwrite them (the output processor rolls the
+computed length back and returns blocks that only held rejected drafts).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import torch.nn.functional as F
 
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
-from tessera.inference.sampler import Sampler, token_logprob
+from tessera.inference.sampler import Sampler, token_logprob, verify
 from tessera.inference.scheduler import SchedulerOutput
 from tessera.inference.sequence import TokenLogprob
 from tessera.kernels import paged_attention
@@ -55,32 +62,40 @@ DECODE_GROUP = 8
 
 @dataclass
 class DecodeGroup:
-    """Decode sequences attended in one call: their packed rows and their gathered window."""
+    """Decode sequences attended in one call: their packed rows and their gathered window. Each
+    has `num_q` new tokens (1; with speculative decoding 1 + k: its newest token and k drafts)."""
 
-    rows: torch.Tensor  # long [S]: rows of the packed batch
+    rows: torch.Tensor  # long [S * num_q]: rows of the packed batch, sequence by sequence
     blocks: torch.Tensor  # long [S * width]: pool blocks, row-major by sequence
     width: int  # blocks per sequence in the window
-    visible: torch.Tensor  # bool [S, 1, 1, width * block_size]: cached positions (not padding)
+    visible: torch.Tensor  # bool [S, 1, num_q, width * block_size]: cached positions each query sees
     seq_lens: torch.Tensor | None = None  # [S], for sliding-window layers
+    num_q: int = 1
 
 
-def decode_group(rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> DecodeGroup:
+def decode_group(rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                 num_q: int = 1) -> DecodeGroup:
     width = -(-int(seq_lens.max()) // block_size)
     blocks = block_tables[:, :width].reshape(-1).long()
-    visible = torch.arange(width * block_size, device=seq_lens.device)[None, :] < seq_lens[:, None]
-    return DecodeGroup(rows=rows, blocks=blocks, width=width, visible=visible[:, None, None, :], seq_lens=seq_lens)
+    # Query i of a sequence sits at position seq_len - num_q + i and sees positions up to its own.
+    last = seq_lens[:, None] - num_q + torch.arange(num_q, device=seq_lens.device)[None, :]
+    visible = torch.arange(width * block_size, device=seq_lens.device)[None, None, :] <= last[:, :, None]
+    return DecodeGroup(rows=rows.reshape(-1), blocks=blocks, width=width, visible=visible[:, None],
+                       seq_lens=seq_lens, num_q=num_q)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
                      scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """Attention of one new token per sequence over its cached keys/values (a group at once).
+    """Attention of the new tokens of each sequence over its cached keys/values (a group at once).
 
-    q [S, H, D]; caches [blocks, block_size, Hkv, D]. Gathers each sequence's blocks into a padded
-    [S, width*block_size] window (index_select on the flat block list is ~3x faster on CPU than
-    advanced indexing by the table) and masks the padding, and with a sliding `window` the
-    positions before each sequence's last `sliding_window`. Returns [S, H, D].
+    q [S * num_q, H, D]; caches [blocks, block_size, Hkv, D]. Gathers each sequence's blocks into
+    a padded [S, width*block_size] window (index_select on the flat block list is ~3x faster on CPU
+    than advanced indexing by the table) and masks the padding and, for several new tokens, the
+    positions after each, and with a sliding `window` the positions more than `sliding_window`
+    before each. Returns [S * num_q, H, D].
     """
-    num_seqs, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
+    num_seqs, num_q = group.visible.shape[0], group.num_q
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     window = group.width * block_size
     k = k_cache.index_select(0, group.blocks).view(num_seqs, window, num_kv_heads, head_dim).transpose(1, 2)
@@ -88,12 +103,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     visible = group.visible
     if sliding_window is not None:
         assert group.seq_lens is not None
-        start = (group.seq_lens - sliding_window)[:, None, None, None]
-        visible = visible & (torch.arange(visible.shape[-1], device=q.device) >= start)
+        last = group.seq_lens[:, None] - num_q + torch.arange(num_q, device=q.device)[None, :]
+        pos = torch.arange(visible.shape[-1], device=q.device)
+        visible = visible & (pos > (last - sliding_window)[:, None, :, None])
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=visible, scale=scale, enable_gqa=num_heads != num_kv_heads,
+        q.view(num_seqs, num_q, num_heads, head_dim).transpose(1, 2), k, v, attn_mask=visible, scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
     )
-    return out.squeeze(2)
+    return out.transpose(1, 2).reshape(num_seqs * num_q, num_heads, head_dim)
 
 
 def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -107,10 +124,11 @@ def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 
 def decode_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                  rows: torch.Tensor) -> list[DecodeGroup]:
-    """Split decode sequences into groups of DECODE_GROUP by ascending length."""
+                  rows: torch.Tensor, num_q: int = 1) -> list[DecodeGroup]:
+    """Split decode sequences into groups of DECODE_GROUP by ascending length; rows [S] or
+    [S, num_q] (each sequence's new tokens)."""
     order = torch.argsort(seq_lens, stable=True)
-    return [decode_group(rows[idx], block_tables[idx], seq_lens[idx], block_size)
+    return [decode_group(rows[idx], block_tables[idx], seq_lens[idx], block_size, num_q)
             for idx in order.split(DECODE_GROUP)]
 
 
@@ -129,8 +147,10 @@ class DecodeSplit:
 class ModelRunnerOutput:
     """What one executed plan produced, by request id."""
 
-    sampled: dict[str, int] = field(default_factory=dict)  # the next token of each sequence that sampled
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # for those that asked
+    # The new tokens of each sequence that sampled: one, or with speculation the accepted drafts
+    # and one more.
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # for those that asked, per token
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # new prompt positions
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its computation failed
 
@@ -193,20 +213,24 @@ class ModelRunner:
                 split.prefill_starts, self.scale, window)
         return out.unsqueeze(0)
 
-    def _split(self, num_new: list[int], starts: list[int], tables: torch.Tensor, lens: torch.Tensor) -> DecodeSplit:
+    def _split(self, num_q: list[int], starts: list[int], tables: torch.Tensor, lens: torch.Tensor) -> DecodeSplit:
+        """num_q: per sequence, its new tokens when it decodes (1, or 1 + k drafts), else 0."""
         dev = self.device
-        dec = [i for i, n in enumerate(num_new) if n == 1]
-        pre = [i for i, n in enumerate(num_new) if n != 1]
+        pre = [i for i, n in enumerate(num_q) if n == 0]
         pre_rows: list[int] = []
         pre_starts = [0]
         for i in pre:
             pre_rows.extend(range(starts[i], starts[i + 1]))
             pre_starts.append(len(pre_rows))
-        dec_t = torch.tensor(dec, dtype=torch.long, device=dev)
+        groups: list[DecodeGroup] = []
+        for q_len in sorted(set(num_q) - {0}):  # speculative rows of equal length go together
+            dec = [i for i, n in enumerate(num_q) if n == q_len]
+            dec_t = torch.tensor(dec, dtype=torch.long, device=dev)
+            rows = torch.tensor([list(range(starts[i], starts[i] + q_len)) for i in dec], dtype=torch.long, device=dev)
+            groups.extend(decode_groups(tables[dec_t], lens[dec_t], self.block_size, rows, q_len))
         pre_t = torch.tensor(pre, dtype=torch.long, device=dev)
-        dec_rows = torch.tensor([starts[i] for i in dec], dtype=torch.long, device=dev)
         return DecodeSplit(
-            decode_groups=decode_groups(tables[dec_t], lens[dec_t], self.block_size, dec_rows),
+            decode_groups=groups,
             prefill_rows=torch.tensor(pre_rows, dtype=torch.long, device=dev),
             prefill_tables=tables[pre_t], prefill_lens=lens[pre_t],
             prefill_starts=torch.tensor(pre_starts, dtype=torch.int32, device=dev),
@@ -220,8 +244,8 @@ class ModelRunner:
         starts = [0]
         bs = self.block_size
         for s in batch.scheduled:
-            seq, start, n, table = s.seq, s.start, s.num_new, s.block_table
-            tokens.extend(seq.tokens(start, start + n))
+            start, n, table = s.start, s.num_new, s.block_table
+            tokens.extend(s.tokens())
             for pos in range(start, start + n):
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
@@ -239,8 +263,9 @@ class ModelRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
-        if self.batch_decodes and sum(1 for n in batch.num_new if n == 1) > 1:
-            inputs.split = self._split(batch.num_new, starts, inputs.block_tables, inputs.seq_lens)
+        num_q = [s.num_new if s.num_new == 1 or s.spec_token_ids else 0 for s in batch.scheduled]
+        if self.batch_decodes and sum(1 for n in num_q if n) > 1:
+            inputs.split = self._split(num_q, starts, inputs.block_tables, inputs.seq_lens)
         return inputs
 
     @torch.inference_mode()
@@ -250,6 +275,7 @@ class ModelRunner:
         rows: list[int] = []
         sample: list[tuple[int, int]] = []  # (index in plan, logits row)
         prompt_lp: list[tuple[int, int, int, int]] = []  # (index in plan, first position, last, first row)
+        speculative: list[tuple[int, int]] = []  # (index in plan, first of its k + 1 logits rows)
         offset = 0
         for i, s in enumerate(plan.scheduled):
             seq = s.seq
@@ -261,7 +287,11 @@ class ModelRunner:
                 if first < last:
                     prompt_lp.append((i, first, last, len(rows)))
                     rows.extend(range(offset + first - s.start, offset + last - s.start))
-            if s.completes_prompt and seq.params.max_tokens > 0:
+            if s.spec_token_ids:
+                k = len(s.spec_token_ids)
+                speculative.append((i, len(rows)))
+                rows.extend(range(offset + s.num_new - k - 1, offset + s.num_new))
+            elif s.completes_prompt and seq.params.max_tokens > 0:
                 sample.append((i, len(rows)))
                 rows.append(offset + s.num_new - 1)
             offset += s.num_new
@@ -282,9 +312,23 @@ class ModelRunner:
                     log.error("request %s: sampling failed: %s: %s", seq.request_id, type(failed[j]).__name__, failed[j])
                     out.failed[seq.request_id] = "internal error while sampling this request"
                     continue
-                out.sampled[seq.request_id] = tokens[j]
+                out.sampled[seq.request_id] = [tokens[j]]
                 if lps[j] is not None:
-                    out.logprobs[seq.request_id] = lps[j]
+                    out.logprobs[seq.request_id] = [lps[j]]
+        for i, row in speculative:
+            s = plan.scheduled[i]
+            seq = s.seq
+            block = logits[row:row + len(s.spec_token_ids) + 1]
+            try:
+                new = verify(seq, s.spec_token_ids, s.spec_probs, block)
+            except Exception as exc:
+                log.error("request %s: verifying draft tokens failed: %s: %s", seq.request_id, type(exc).__name__, exc)
+                out.failed[seq.request_id] = "internal error while sampling this request"
+                continue
+            out.sampled[seq.request_id] = new
+            if seq.params.logprobs is not None:
+                lp = torch.log_softmax(block[:len(new)], dim=-1)
+                out.logprobs[seq.request_id] = [token_logprob(lp[j], t, seq.params.logprobs) for j, t in enumerate(new)]
         return out
 
     def forward(self, batch: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """The update step: applies what the model runner produced for one plan to the sequences.
 
 For each scheduled sequence: its computed-token count advances and its newly full blocks are
-offered to the prefix cache; new prompt logprobs are appended; a sampled token is appended
-(stop strings, stop ids, EOS and length checked there, `Sequence.append_token`); a request whose
-computation failed ends with its error. Then finished sequences leave the scheduler (freeing their
-blocks) and each sequence that produced something gets a `RequestOutput` (deltas since the last).
+offered to the prefix cache; new prompt logprobs are appended; sampled tokens are appended, one
+at a time (stop strings, stop ids, EOS and length checked there, `Sequence.append_token`; with
+speculation the accepted drafts and one more token, up to the first that stops the sequence, and
+the computed count rolled back past the rejected drafts); a request whose computation failed ends
+with its error. Then finished sequences leave the scheduler (freeing their blocks) and each
+sequence that produced something gets a `RequestOutput` (deltas since the last).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from tessera.inference.block_manager import BlockManager
 from tessera.inference.model_runner import ModelRunnerOutput
 from tessera.inference.scheduler import Scheduler, SchedulerOutput
 from tessera.inference.sequence import Sequence, TokenLogprob
+from tessera.inference.spec_decode import SpecDecodeStats
 
 
 @dataclass
@@ -45,46 +48,65 @@ class OutputProcessor:
     def __init__(self, scheduler: Scheduler, blocks: BlockManager):
         self.scheduler = scheduler
         self.blocks = blocks
+        self.spec_stats = SpecDecodeStats()
 
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> tuple[list[RequestOutput], list[Sequence]]:
         """Apply one executed plan; returns the step's outputs and the sequences that finished."""
-        reporting: list[Sequence] = []
+        reporting: list[tuple[Sequence, int]] = []  # (sequence, tokens it gained)
         for s in plan.scheduled:
             seq = s.seq
             rid = seq.request_id
+            drafts = len(s.spec_token_ids)
+            seq.spec_token_ids, seq.spec_probs = [], None  # verified (or dropped) now; new ones come after
             if rid in result.failed:
                 seq.fail(result.failed[rid])
-                reporting.append(seq)
+                reporting.append((seq, 0))
                 continue
-            seq.num_computed = s.end
-            self.blocks.commit_full_blocks(seq)
             seq.prompt_logprobs.extend(result.prompt_logprobs.get(rid, []))
-            if rid in result.sampled:
-                if rid in result.logprobs:
-                    seq.new_logprobs.append(result.logprobs[rid])
-                token = result.sampled[rid]
+            tokens = result.sampled.get(rid)
+            if tokens is None:
+                seq.num_computed = s.end
+                self.blocks.commit_full_blocks(seq)
+                if s.completes_prompt and seq.params.max_tokens == 0:  # prompt scoring only
+                    seq._finish("length", None)
+                    reporting.append((seq, 0))
+                continue
+            if drafts:
+                # The newest token and the accepted drafts are in the cache; rejected drafts'
+                # K/V lie past it, unread, and blocks that held only them go back to the pool.
+                accepted = len(tokens) - 1
+                self.spec_stats.observe(drafts, accepted)
+                seq.num_computed = s.start + 1 + accepted
+                self.blocks.trim(seq, seq.num_computed + 1)
+            else:
+                seq.num_computed = s.end
+            logprobs = result.logprobs.get(rid, [])
+            gained = 0
+            for j, token in enumerate(tokens):
                 if seq.matcher is not None and not seq.matcher.consume_token(token):
                     seq.fail("internal error: the structured output grammar rejected the sampled token")
-                    reporting.append(seq)
-                    continue
+                    break
+                if j < len(logprobs):
+                    seq.new_logprobs.append(logprobs[j])
                 seq.append_token(token)
+                gained += 1
                 if seq.matcher is not None and not seq.is_finished and seq.matcher.is_stopped():
                     seq._finish("stop", None)  # the grammar is complete: nothing may follow
-                if seq.first_token_time is None:
-                    seq.first_token_time = time.monotonic()
-                reporting.append(seq)
-            elif s.completes_prompt and seq.params.max_tokens == 0:  # prompt scoring only
-                seq._finish("length", None)
-                reporting.append(seq)
-        outputs = [self.output(seq) for seq in reporting]
+                if seq.is_finished:
+                    break  # tokens after a stop are never generated
+            self.blocks.commit_full_blocks(seq)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+            reporting.append((seq, gained))
+        outputs = [self.output(seq, n) for seq, n in reporting]
         return outputs, self.scheduler.remove_finished()
 
     @staticmethod
-    def output(seq: Sequence) -> RequestOutput:
+    def output(seq: Sequence, num_new: int) -> RequestOutput:
         new_logprobs, seq.new_logprobs = seq.new_logprobs, []
         finished = seq.is_finished
         # As in vLLM, an EOS/stop token is part of the ids (and usage) but not of the text.
-        new_ids = seq.output_ids[-1:] if seq.output_ids and seq.params.max_tokens and seq.error is None else []
+        new_ids = seq.output_ids[len(seq.output_ids) - num_new:] if num_new and seq.error is None else []
         prompt_logprobs = None
         if seq.params.prompt_logprobs and not seq.prompt_logprobs_sent:
             seq.prompt_logprobs_sent = True

@@ -6,12 +6,20 @@ argmax, or temperature -> top-k -> top-p -> min-p -> a draw from the request's o
 torch.Generator. The draw depends only on that request's logits and generator, never on its
 batch mates, so a seeded request reproduces. Logprobs are reported from the model's raw
 distribution (log_softmax of the unprocessed logits), as vLLM does by default.
+
+Speculative decoding's verification is here too (`verify`): exact rejection sampling (Leviathan et
+al. 2023, as vLLM's rejection sampler) of the draft tokens against the same processed
+distribution the sampler would draw from at each position, so the output is distributed exactly
+as without speculation, and greedy output is identical.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from tessera.inference.sampling_params import SamplingParams
 from tessera.inference.sequence import Sequence, TokenLogprob
 from tessera.inference.structured import apply_bitmask, grammar_bitmask
 
@@ -48,15 +56,21 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return logits
 
 
-def draw(row: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a row of (tempered, filtered) logits, never raising on a degenerate row:
-    NaN counts as excluded and +inf as the largest finite logit; a row with nothing left
-    (which request validation rules out) falls back to its argmax."""
+def distribution(row: torch.Tensor) -> torch.Tensor:
+    """The probabilities `draw` samples from, for a row of (tempered, filtered) logits: NaN counts
+    as excluded and +inf as the largest finite logit; a row with nothing left (which request
+    validation rules out) is a point mass on its argmax."""
     row = row.nan_to_num(nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
     probs = row.softmax(-1)
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-        return int(row.argmax())
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+        probs = torch.zeros_like(row)
+        probs[row.argmax()] = 1.0
+    return probs
+
+
+def draw(row: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a row of (tempered, filtered) logits, never raising on a degenerate row."""
+    return int(torch.multinomial(distribution(row), 1, generator=generator).item())
 
 
 class Sampler:
@@ -130,3 +144,84 @@ def token_logprob(row_logprobs: torch.Tensor, token: int, top_n: int) -> TokenLo
         vals, ids = torch.topk(row_logprobs, top_n)
         top = list(zip(ids.tolist(), vals.tolist()))
     return TokenLogprob(token_id=token, logprob=float(row_logprobs[token]), top=top)
+
+
+@dataclass
+class Hypothetical:
+    """A sequence as it would be after some draft tokens: what the processing of one position's
+    logits reads (penalties count the drafts before it; min_tokens counts them too)."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    eos_ids: frozenset[int]
+
+    @staticmethod
+    def of(seq: Sequence) -> Hypothetical:
+        return Hypothetical(seq.params, seq.prompt_ids, list(seq.output_ids), seq.eos_ids)
+
+
+def sampling_row(logits: torch.Tensor, seq: Sequence | Hypothetical) -> torch.Tensor:
+    """The row the sampler picks from for `seq` (without structured output): penalties,
+    logit_bias and the min_tokens mask; then, unless greedy (argmax of this row), temperature,
+    top-k, top-p and min-p. `logits` [V] is left unchanged."""
+    p = seq.params
+    needs_mask = len(seq.output_ids) < p.min_tokens
+    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or needs_mask or p.logit_bias:
+        logits = logits.clone()
+        Sampler._process(logits, seq, needs_mask)  # type: ignore[arg-type]
+    if p.greedy:
+        return logits
+    return filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p)
+
+
+def pick(row: torch.Tensor, seq: Sequence | Hypothetical, generator: torch.Generator
+         ) -> tuple[int, torch.Tensor | None]:
+    """Choose from a `sampling_row`: the argmax when greedy, else a draw; returns the token and
+    the distribution it was drawn from (None when greedy)."""
+    if seq.params.greedy:
+        return int(row.argmax()), None
+    probs = distribution(row)
+    return int(torch.multinomial(probs, 1, generator=generator).item()), probs
+
+
+def verify(seq: Sequence, drafts: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor
+           ) -> list[int]:
+    """Accept a prefix of `drafts` and add one token; logits [len(drafts) + 1, V] are the target
+    model's rows at the newest token and at each draft.
+
+    Greedy: a draft is accepted while it is the argmax, and the first mismatch (or, when all are
+    accepted, the last row's argmax) is the added token, so the output is the one without
+    speculation. Sampled: draft d at position j, with target distribution p_j (this sampler's,
+    after every processing step, given the drafts before it) and draft distribution q_j, is
+    accepted with probability min(1, p_j(d) / q_j(d)); on rejection the token is drawn from
+    norm(max(0, p_j - q_j)) and the rest is dropped; when all are accepted a bonus token is drawn
+    from the last row. An n-gram draft is a point mass (q_j(d) = 1): accepted with probability
+    p_j(d), else drawn from p_j without d. Each emitted token is then distributed as p_j.
+    """
+    view = Hypothetical.of(seq)
+    gen = seq.generator
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        row = sampling_row(logits[j], view)
+        if seq.params.greedy:
+            t = int(row.argmax())
+            if t != d:
+                return out + [t]
+        else:
+            p = distribution(row)
+            q = None if draft_probs is None else draft_probs[j].to(p.dtype)
+            qd = 1.0 if q is None else float(q[d])
+            u = float(torch.rand((), generator=gen, device=p.device))
+            if not (qd > 0.0 and u * qd < float(p[d])):
+                if q is None:
+                    residual = p.clone()
+                    residual[d] = 0.0
+                else:
+                    residual = (p - q).clamp_min(0.0)
+                if float(residual.sum()) <= 0.0:  # rejected with probability 0: only by rounding
+                    residual = p
+                return out + [int(torch.multinomial(residual, 1, generator=gen).item())]
+        out.append(d)
+        view.output_ids.append(d)
+    return out + [pick(sampling_row(logits[len(drafts)], view), view, gen)[0]]

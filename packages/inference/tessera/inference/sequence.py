@@ -56,6 +56,11 @@ class Sequence:
     num_preemptions: int = 0
     error: str | None = None  # why computing this request failed (finish_reason "error")
     matcher: Any = None  # llguidance LLMatcher of a structured-output request (structured.py)
+    # Speculative decoding (spec_decode.py): draft tokens proposed to follow the newest token, to be
+    # verified by the next step, and for a draft model the distributions they were drawn from
+    # ([k, vocab]; None for n-gram proposals, a point mass, and for greedy requests).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
     ahead_mask: Any = None  # its next-token mask computed during the forward (structured.AheadMask)
 
     @property

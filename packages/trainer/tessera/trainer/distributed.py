@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.common.errors import UserError
+from tessera.common.parallel.state import join_torchrun_job
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def init_runtime(requested_device: str) -> Runtime:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        join_torchrun_job("nccl" if device.type == "cuda" else "gloo")
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 

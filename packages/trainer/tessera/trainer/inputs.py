@@ -131,7 +131,7 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
         eod = end_of_document_id(cfg, manifest, tokenizer) if d.document_options else None
         documents = DocumentMasking(eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss, loss_mask)
     counts = None
-    if layout.world_size > 1:
+    if layout.world_size > 1 or layout.data_shard > 1:  # one process: parallel.data_shard would go unused
         counts = validate_layout(model, layout, seq_len=t.seq_length, global_batch=t.global_batch_size,
                                  micro_batch=t.micro_batch_size, sequence_parallel=cfg.parallel.sequence_parallel,
                                  world_size=world_size)

@@ -193,7 +193,9 @@ class Trainer:
         n_params = self.model_cfg.num_params()
         self.say(f"model: {n_params / 1e6:.2f}M parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token at "
                  f"seq {t.seq_length}; {self.plan.num_micro_batches} micro-batch(es) of {t.micro_batch_size} x "
-                 f"{self.inputs.layout.data} data-parallel rank(s) per step"
+                 f"{self.inputs.layout.data} data-parallel"
+                 + (f" x {self.inputs.layout.expert} expert-parallel" if self.inputs.layout.expert > 1 else "")
+                 + " rank(s) per step"
                  + (f" (ramping up from global batch {t.rampup_batch_size[0]} by {t.rampup_batch_size[1]} over "
                     f"{t.rampup_batch_size[2]} samples)" if t.rampup_batch_size else "")
                  + f"; layout {self.inputs.layout.short()}; "

@@ -6,13 +6,18 @@ every rank gets the same amount of attention work). Everything outside attention
 and runs on the local 2T/(2C) = T/C tokens unchanged: embeddings, norms, MLPs, the head, the loss.
 Inside attention each rank all-gathers the keys and values of the whole sequence (autograd:
 backward reduce-scatters their gradients, so a key's gradient sums the contributions of every
-rank's queries) and attends its local queries to them under a mask built from the *global token
-indices* of both sides (causal: key index <= query index) and, for packed documents, the document
-ids, gathered alongside (same document only), and a sliding window when the layer has one. This
-is exact: every query sees the same keys with the same mask as in one process, only the key
-order inside the softmax differs (float reassociation). Megatron offers the same all-gather
-variant ("a2a"/"allgather" CP) beside ring attention; all-gather is simpler, exact, and costs
-one [B, T, kv_heads, head_dim] K and V per layer in memory (ring attention would avoid that).
+rank's queries) and attends its local queries to them, causal by the *global token indices* of
+both sides (key index <= query index), within a sliding window when the layer has one. One
+sequence: under an additive [T/C, T] mask. Packed documents: the keys and the document ids
+(gathered once per forward) are put back in global order and `tessera.common.attention.
+MaskedAttention` attends the local queries by their global indices, with no [T/C, T] mask
+(FlexAttention on CUDA; on CPU fused SDPA over the documents holding local queries, the other
+queries of those documents zero and discarded: up to C times the attention work of the local
+queries alone, exact all the same). This is exact: every query sees the same keys with the same
+mask as in one process, only the key order inside the softmax differs (float reassociation).
+Megatron offers the same all-gather variant ("a2a"/"allgather" CP) beside ring attention;
+all-gather is simpler, exact, and costs one [B, T, kv_heads, head_dim] K and V per layer in
+memory (ring attention would avoid that).
 
 Positions travel with the chunks: a rank's rotary/learned positions are the global positions of
 its tokens (or, for packed documents, the per-document positions of those tokens), so rotary
@@ -31,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tessera.common.attention import MaskedAttention
 from tessera.common.parallel.mappings import gather_seq
 
 
@@ -87,30 +93,38 @@ class ContextParallelAttention:
                  document_ids: torch.Tensor | None = None):
         self.cp = cp
         self.query_index, self.key_index = query_index, key_index
-        self.query_docs = document_ids
-        self.key_docs = cp.gather_ids(document_ids) if document_ids is not None else None
         self.attn = {int(name): block.attn for name, block in model.layers.items()}
         self._masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
+        self.documents: dict[int | None, MaskedAttention] = {}
+        self.key_docs: torch.Tensor | None = None
+        if document_ids is not None:
+            self.global_order = torch.argsort(key_index)  # gathered (rank) order -> global order
+            self.key_docs = cp.gather_ids(document_ids).index_select(1, self.global_order)  # [B, T]
 
     def mask(self, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Additive [B or 1, 1, Tl, T] mask: causal by global index, same document, within the window."""
+        """Additive [1, 1, Tl, T] mask (one document per sample): causal by global index, within the window."""
         key = (window, dtype)
         if key not in self._masks:
             q, k = self.query_index[:, None], self.key_index[None, :]
-            allowed = (k <= q).unsqueeze(0)
+            allowed = k <= q
             if window is not None:
                 allowed = allowed & (k > q - window)
-            if self.query_docs is not None and self.key_docs is not None:
-                allowed = allowed & (self.query_docs.unsqueeze(2) == self.key_docs.unsqueeze(1))
             mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-            self._masks[key] = mask.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+            self._masks[key] = mask.masked_fill_(~allowed, float("-inf"))[None, None]
         return self._masks[key]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         attn = self.attn[layer_idx]
         k, v = gather_seq(k, self.cp.group), gather_seq(v, self.cp.group)  # [B, T, Hkv, D]
+        dropout_p = attn.dropout if attn.training else 0.0
+        if self.key_docs is not None:  # packed documents: keys in global order, no [Tl, T] mask
+            k, v = k.index_select(1, self.global_order), v.index_select(1, self.global_order)
+            if attn.window not in self.documents:
+                self.documents[attn.window] = MaskedAttention(
+                    self.key_docs, attn.window, k.shape[0], k.shape[1], k.device, query_index=self.query_index)
+            return self.documents[attn.window](q, k, v, dropout_p)
         mask = self.mask(attn.window, q.dtype, q.device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            dropout_p=attn.dropout if attn.training else 0.0, enable_gqa=q.shape[2] != k.shape[2])
+            dropout_p=dropout_p, enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)

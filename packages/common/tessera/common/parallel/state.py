@@ -30,6 +30,33 @@ from tessera.common.layout import ParallelLayout
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 
 
+def join_torchrun_job(backend: str, timeout: datetime.timedelta | None = None) -> None:
+    """`init_process_group` for a process torchrun started, with its store keys scoped to this attempt.
+
+    torchrun's agent (c10d rendezvous, torch >= 2.5) hosts one TCPStore for the whole job and hands
+    it to every attempt (TORCHELASTIC_USE_AGENT_STORE=True); `--max-restarts` restarts reuse it
+    with the keys the dead attempt left behind. Group set-up keys carry no attempt number (gloo's
+    full-mesh connect reads rank 1's address from the default group's namespace, `default_pg/…`;
+    NCCL's unique id and every later group are named the same way in each new process), so a restarted rank could read its dead
+    predecessor's address and fail to connect or hang (pytorch/pytorch#135712): seen as the
+    intermittent failure of the torchrun-restart test. All keys go under
+    `tessera/attempt_<TORCHELASTIC_RESTART_COUNT>/`, so each attempt starts from an empty
+    namespace. The count is the agent's own, identical on every rank of one node; across nodes it
+    can differ after a membership change, so multi-node jobs with restarts should set
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per round; then no prefix is applied).
+    """
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, **kwargs)  # env://: a store of this attempt's own
+        return
+    store, rank, world_size = next(dist.rendezvous("env://", **kwargs))
+    if timeout is not None:
+        store.set_timeout(timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"tessera/attempt_{attempt}/", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+
+
 def init_distributed(timeout_s: float = 600.0) -> torch.device:
     """Join the process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
 
@@ -48,7 +75,7 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     backend = "nccl" if use_cuda else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
+        join_torchrun_job(backend, timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return device

@@ -17,6 +17,7 @@ from tessera.inference.protocol import FieldError
 from tessera.inference.sampling_params import SamplingParams
 from tessera.inference.server.errors import ApiError, ServerLimits, _check_text, error_body
 from tessera.inference.structured import StructuredSpec, check_spec
+from tessera.inference.tokenizer_process import LONG_TEXT_CHARS, TokenizerProcesses, TokenizerUnavailable
 
 DISCONNECT_POLL_S = 0.5
 
@@ -39,6 +40,11 @@ class ServerBase:
         # loop (/health and every open stream keep going meanwhile), and only after a length
         # check in characters that needs no tokenizer.
         self._tokenize_pool = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="tessera-tokenize")
+        # Long texts go on from those threads to child processes (tokenizer_process.py): the
+        # tokenizers library still takes the GIL in parts of a long encode (converting the text
+        # and the ids), time that /health and every open stream would wait for in this process.
+        self._tokenize_procs = TokenizerProcesses(self.tokenizer.backend.to_str(), limits.tokenizer_threads,
+                                                  limits.tokenize_timeout_s)
         vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
         # A token spells at most this many characters of text (byte-level BPE: bytes; a
         # normalizer may fold a few characters into one, hence the factor 2 below).
@@ -55,6 +61,16 @@ class ServerBase:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`; a text too long to be a prompt is refused (400) here. On a tokenizer
+        thread; a long text is tokenized in a child process while the thread waits."""
+        if len(text) >= LONG_TEXT_CHARS:
+            try:
+                out = self._tokenize_procs.encode(text, add_special_tokens, self.limits.max_prompt_tokens)
+            except TokenizerUnavailable as exc:
+                raise ApiError(503, f"{exc}; try again later", code="tokenizer_busy", type_="server_error") from None
+            if isinstance(out, int):  # more ids than any prompt may have: only their count came back
+                self._check_prompt_length(out)
+            return out  # type: ignore[return-value]
         # encode_batch, not encode: the tokenizers library's single encode holds the GIL for its
         # whole run (a 1 MB prompt: 1.7-4 s with no other thread running), encode_batch lets go.
         return self.tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -79,8 +95,11 @@ class ServerBase:
         return ids
 
     def _check_prompt(self, ids: list[int]) -> None:
-        if len(ids) > self.limits.max_prompt_tokens:
-            raise ApiError(400, f"prompt has {len(ids)} tokens; this server accepts at most "
+        self._check_prompt_length(len(ids))
+
+    def _check_prompt_length(self, n: int) -> None:
+        if n > self.limits.max_prompt_tokens:
+            raise ApiError(400, f"prompt has {n} tokens; this server accepts at most "
                            f"{self.limits.max_prompt_tokens}", param="prompt", code="prompt_too_long")
 
     def _resolve_max_tokens(self, requested: int | None, prompt_len: int, allow_zero: bool = False) -> int:

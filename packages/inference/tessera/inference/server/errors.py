@@ -20,6 +20,7 @@ class ServerLimits:
     drain_timeout_s: float = 30.0
     body_timeout_s: float = 30.0  # a request body must arrive within this (a stalled one is dropped)
     tokenizer_threads: int = 2  # prompts are tokenized and templates rendered here, off the event loop
+    tokenize_timeout_s: float = 60.0  # a long text's tokenizing (in a child process) must end within this (503)
 
 
 class ApiError(Exception):

@@ -25,8 +25,16 @@ needed; the checkpoint alone presents parameters as 2-D global tensors (`state_d
   memory and AdamW steps there (FSDP2's CPUOffloadPolicy).
 * Gradients: FSDP averages over all data ranks (reduce-scatter over shards, all-reduce over
   replicas). Then, as in the bucketed path, sequence-parallel-partial gradients (norms under
-  SP) are summed over the tensor group, and the global norm counts each element once: on
-  tensor rank 0 for tensor-replicated parameters, on replica 0 for data replicas.
+  SP) are summed over the tensor group, every gradient over the context group (each context
+  rank back-propagated its part of the sequence into the same shards), a tied embedding's two
+  copies (first and last pipeline stage) over the embedding group, and the global norm counts
+  each element once: on tensor rank 0 for tensor-replicated parameters, on replica 0 for data
+  replicas, on context rank 0, on the first stage for the tied embedding.
+* Pipeline: each stage (chunk) is its own FSDP root, blocks inside it units, as torchtitan
+  composes them; the pipeline schedule runs FSDP's gradient sync on the last micro-batch only.
+  Under pipeline parallel `reshard_after_forward` is off (torchtitan's default for PP): with
+  1F1B a block's forward and backward of different micro-batches interleave, and re-gathering
+  its parameters for every micro-batch would multiply the all-gathers by the micro-batch count.
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ def shard_stages(stages: list[nn.Module], groups: ParallelGroups, *, param_dtype
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     kw = dict(mesh=groups.fsdp_mesh, shard_placement_fn=_placement, mp_policy=mp, offload_policy=offload)
+    reshard_after_forward = reshard_after_forward and groups.pp == 1
     for st in stages:
         tags = {n: {k: getattr(p, k) for k in PARALLEL_TAGS if hasattr(p, k)} for n, p in st.named_parameters()}
         blocks = list(st.model.layers.values())
@@ -115,7 +124,9 @@ class FullyShardedOptimizer:
     def _counted(self, p: torch.Tensor) -> bool:
         """Whether this rank counts `p`'s local shard in global norms (each element once)."""
         g = self.groups
-        return (shard_dim_of(p) is not None or g.tp_rank == 0) and g.dp_replicate_rank == 0
+        if getattr(p, "tied_embedding", False) and not g.is_first_stage:
+            return False  # the last stage's copy of a tied embedding (the first stage counts it)
+        return (shard_dim_of(p) is not None or g.tp_rank == 0) and g.dp_replicate_rank == 0 and g.cp_rank == 0
 
     def _global_sq(self, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=self.groups.device)
@@ -133,6 +144,13 @@ class FullyShardedOptimizer:
             for p, grad in grads:
                 if getattr(p, "sequence_parallel_partial", False):
                     dist.all_reduce(_local(grad), group=g.tp_group)
+        if g.cp > 1:  # context ranks hold the same shards, each the gradient of its part of the sequence
+            for _, grad in grads:
+                dist.all_reduce(_local(grad), group=g.cp_group)
+        if g.embedding_group is not None:  # tied embedding under pipeline: the two copies' gradients
+            for p, grad in grads:  # (same shape and FSDP chunk on both stages) are summed
+                if getattr(p, "tied_embedding", False):
+                    dist.all_reduce(_local(grad), group=g.embedding_group)
         if inv_scale != 1.0:
             for _, grad in grads:
                 _local(grad).mul_(inv_scale)

@@ -109,13 +109,16 @@ def stage_layer_ranges(counts: list[int]) -> list[range]:
 
 def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups, layer_counts: list[int],
                  seq_len: int, sequence_parallel: bool = False,
-                 rng: TensorParallelRNG | None = None, init_seed: int = 0) -> list[StageModule]:
+                 rng: TensorParallelRNG | None = None, init_seed: int = 0,
+                 prepare: Callable[[list[StageModule]], None] | None = None) -> list[StageModule]:
     """This rank's chunks. `build_model()` returns the full plain model (on meta or a device); it
     is called once per chunk, the chunk's layers are kept, the rest dropped, and weights are
     sliced for tensor parallel (and MoE experts for expert parallel) on the way. A materialised model gives exactly the single-process
     weights; so does a meta model, allocated only for the local shards and initialised there to
     the weights `build_model(cfg, seed=init_seed)` would have (sharded_init.materialize_stages),
-    for models too large to build whole on each rank."""
+    for models too large to build whole on each rank. `prepare(stages)` runs on the cut stages
+    before a meta build is allocated (the runtime's compile and `fully_shard`: FSDP applied on the
+    meta stages, so allocation and initialisation touch only this rank's data shard)."""
     pp, v = groups.pp, groups.layout.virtual_stages
     num_stages = pp * v
     ranges = stage_layer_ranges(layer_counts)
@@ -156,6 +159,8 @@ def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups,
         if not any(p.is_meta for p in stage.parameters()):
             stage.to(groups.device)
         stages.append(stage)
+    if prepare is not None:
+        prepare(stages)
     if any(p.is_meta for st in stages for p in st.parameters()):
         materialize_stages(stages, groups, init_seed)
     return stages

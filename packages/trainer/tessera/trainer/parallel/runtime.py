@@ -57,7 +57,7 @@ class ParallelConfig(StrictModel):
     distributed_optimizer: bool = Field(True, description="Shard optimizer state and master weights across data-parallel ranks (ZeRO-1).")
     bucket_numel: int = Field(BUCKET_NUMEL, gt=0, description="Elements per gradient bucket (one data-parallel collective each).")
     overlap_grad_reduce: bool = Field(True, description="Launch each gradient bucket's reduction from the backward hooks as soon as it is complete (bucket order); false: all after backward.")
-    overlap_param_gather: bool = Field(False, description="Distributed optimizer: leave the parameter all-gathers in flight after the step; the next forward waits per bucket in pre-hooks.")
+    overlap_param_gather: bool = Field(False, description="Distributed optimizer: launch the parameter all-gathers of the last step when the next one starts and wait per bucket in forward hooks of the modules using it.")
     async_tp: bool = Field(False, description="CUDA/NCCL, compile and sequence parallel: inductor's micro-pipelined TP (async-TP) over symmetric memory.")
     seed: int = Field(1234, description="Dropout seed (tensor-parallel regions get per-rank streams).")
     autocast_bf16: bool = Field(False, description="Run forward passes under torch.autocast(bf16) over fp32 parameters (the trainer's bf16 mode); gradients, reductions and optimizer stay fp32.")
@@ -94,6 +94,11 @@ def compile_blocks(stages: list[StageModule]) -> None:
     for stage in stages:
         for block in stage.model.layers.values():
             block.forward = torch.compile(block.forward)
+
+
+def _local_data(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's data on this rank (a fully-sharded DTensor's local shard)."""
+    return p.data.to_local() if isinstance(p.data, DTensor) else p.data
 
 
 class ParallelRuntime:
@@ -168,15 +173,21 @@ class ParallelRuntime:
                                  world_size=groups.world_size)
         rng = TensorParallelRNG(pcfg.seed, groups.tp_rank, groups.pp_rank, groups.device)
         rng.seed_default()
-        stages = build_stages(build_model, groups, counts, pcfg.seq_len, pcfg.sequence_parallel, rng,
-                              init_seed=pcfg.seed)
         if pcfg.async_tp:  # before compiling: inductor reads the switch when it lowers the blocks
             enable_async_tp(groups, compiled=pcfg.compile, sequence_parallel=pcfg.sequence_parallel)
-        if pcfg.compile:
-            compile_blocks(stages)
+
+        def prepare(stages: list[StageModule]) -> None:
+            # Before a meta build is allocated: FSDP shards the meta parameters, so only this
+            # rank's data shard is ever allocated and initialised (sharded_init).
+            if pcfg.compile:
+                compile_blocks(stages)
+            if groups.dp_shard > 1:
+                shard_stages(stages, groups, param_dtype=pcfg.fsdp_param_dtype, reduce_dtype=pcfg.fsdp_reduce_dtype,
+                             cpu_offload=pcfg.fsdp_cpu_offload, reshard_after_forward=pcfg.fsdp_reshard_after_forward)
+
+        stages = build_stages(build_model, groups, counts, pcfg.seq_len, pcfg.sequence_parallel, rng,
+                              init_seed=pcfg.seed, prepare=prepare)
         if groups.dp_shard > 1:
-            shard_stages(stages, groups, param_dtype=pcfg.fsdp_param_dtype, reduce_dtype=pcfg.fsdp_reduce_dtype,
-                         cpu_offload=pcfg.fsdp_cpu_offload, reshard_after_forward=pcfg.fsdp_reshard_after_forward)
             named = [(n, p) for s in stages for n, p in s.global_params().items()]
             fsdp_opt = FullyShardedOptimizer(named, groups, lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps,
                                              weight_decay=ocfg.weight_decay, max_grad_norm=ocfg.max_grad_norm)
@@ -348,7 +359,7 @@ class ParallelRuntime:
                 worst.copy_(torch.maximum(worst, (c - t).abs().max().float()))
 
         for p in self.named_global_params().values():
-            local = p.data.to_local() if isinstance(p.data, DTensor) else p.data
+            local = _local_data(p)
             if g.tp > 1 and getattr(p, "tp_shard_dim", None) is None:
                 spread(local, g.tp_group, g.tp)
             if g.cp > 1:
@@ -362,9 +373,9 @@ class ParallelRuntime:
         if g.embedding_group is not None:
             for s in self.stages:
                 if s.is_first and s.model.embed_tokens is not None:
-                    spread(s.model.embed_tokens.weight.data, g.embedding_group, 2)
+                    spread(_local_data(s.model.embed_tokens.weight), g.embedding_group, 2)
                 if s.is_last and s.tied_head is not None:
-                    spread(s.tied_head.data, g.embedding_group, 2)
+                    spread(_local_data(s.tied_head), g.embedding_group, 2)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         return float(worst)
 

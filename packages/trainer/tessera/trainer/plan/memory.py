@@ -205,16 +205,14 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
     if spec.precision == "bf16":  # autocast keeps a bf16 copy of every weight used, forward to backward
         buffers += params.total * 2.0
     # Sharded initialisation (tessera.trainer.parallel.sharded_init) allocates this rank's tensor x
-    # pipeline share of the model in fp32 and replays the initialisation one global module at a
-    # time (the largest: the embedding, or one MoE layer's experts); FSDP shards afterwards.
+    # pipeline share of the model in fp32 -- under FSDP only its data shard of that, fully_shard
+    # being applied to the meta model first -- and replays the initialisation one global module at
+    # a time (the largest: the embedding, or one MoE layer's experts).
     cfg = spec.model
     largest = cfg.vocab_rows * cfg.hidden_size
     if cfg.moe is not None:
         largest = max(largest, 3 * cfg.moe.num_experts * cfg.moe.ffn_hidden_size * cfg.hidden_size)
-    init = (params.total + largest) * 4.0
-    if spec.fsdp:
-        notes.append(f"initialisation holds this rank's unsharded tensor x pipeline share in fp32 "
-                     f"({init / 2**30:.2f} GiB) before FSDP shards it")
+    init = (params.total / (lay.data_shard if spec.fsdp else 1) + largest) * 4.0
     return MemoryPlan(weights=weights, grads=grads, optimizer=optimizer, activations=acts, buffers=buffers,
                       optimizer_temp=opt_temp, init=init, pp_rank=pp_rank, notes=notes,
                       # FSDP frees the sharded gradients at zero_grad and reduce-scatters new ones

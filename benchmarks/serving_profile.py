@@ -1,0 +1,216 @@
+"""Where tessera-serve's time goes on the serving benchmark's workload (issue #18), as fractions.
+
+Two measurements, both as ratios so that they mean something on a loaded machine too:
+
+1. The engine step, in this process: an `LLMEngine` built as tessera-serve builds it (same
+   checkpoint, same --max-num-seqs / --max-num-batched-tokens / KV pool) runs the workload (all
+   requests at once, at most `--concurrency` running, greedy, ignore_eos), and each part of every
+   step is timed by wrapping it: scheduling, input preparation, the model forward split into
+   attention (KV write + paged attention) / LM head / the rest of the layers (GEMMs, norms, RoPE,
+   SiLU), sampling, the output update (of which detokenization is timed on its own), and the
+   engine process's share of the IPC (each step's outputs to JSON frames), plus the HTTP process's
+   share (frames back to RequestOutputs) for comparison. A torch profiler pass over a few decode
+   steps splits the forward by ATen op (`--torch-profile`).
+2. The server (`--server`): tessera-serve is started as serving.py starts it and the same workload
+   sent over HTTP/SSE; the CPU seconds of the HTTP process, the engine process and the client are
+   read from /proc before and after, so the HTTP/SSE side's cost per engine-process CPU second is
+   printed (on a quiet machine with free cores the HTTP process runs beside the engine, not in
+   series with it).
+
+    .venv/bin/python benchmarks/serving_profile.py --preset llama-25m --concurrency 32 --output-len 64 64 --server
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from serving import build_checkpoint, free_port, run_client, wait_healthy
+
+TIMES: collections.Counter = collections.Counter()
+
+
+def timed(name: str, fn):
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            TIMES[name] += time.perf_counter() - t
+    return wrapper
+
+
+class TimedModel:
+    """The runner's model, its call (the layer stack) and its LM head timed apart."""
+
+    def __init__(self, model):
+        self._model = model
+        self.logits = timed("forward: LM head", model.logits)
+
+    def __call__(self, *a, **kw):
+        return timed("forward: layers", self._model)(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def engine_profile(ckpt: Path, args, workload) -> None:
+    from tessera.inference import detokenizer
+    from tessera.inference.config import EngineConfig
+    from tessera.inference.engine import LLMEngine
+    from tessera.inference.engine_wire import decode, encode, output_from_wire, output_to_wire, stats_to_wire
+    from tessera.inference.loader import load_for_serving
+    from tessera.inference.sampling_params import SamplingParams
+
+    cfg = EngineConfig(max_num_seqs=args.concurrency, max_num_batched_tokens=args.max_num_batched_tokens,
+                       kv_cache_tokens=65536, dtype="float32", device="cpu")
+    engine = LLMEngine(load_for_serving(str(ckpt), torch.device("cpu"), torch.float32, None), cfg,
+                       torch.device("cpu"), torch.float32)
+    r = engine.runner
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    r.prepare = timed("prepare inputs", r.prepare)
+    r._attention = timed("forward: attention (KV write + paged attention)", r._attention)
+    r.model = TimedModel(r.model)
+    r.sampler = timed("sample", r.sampler)
+    engine.processor.update = timed("output update", engine.processor.update)
+    Detok = detokenizer.IncrementalDetokenizer
+    Detok.append = timed("output update: detokenize", Detok.append)
+    Detok.take_new_text = timed("output update: detokenize", Detok.take_new_text)
+
+    def run(n_steps_cap: int | None = None) -> tuple[int, int, float]:
+        for i, (prompt, n) in enumerate(workload):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        steps = tokens = 0
+        t0 = time.perf_counter()
+        while engine.has_unfinished() and (n_steps_cap is None or steps < n_steps_cap):
+            t = time.perf_counter()
+            outs = engine.step()
+            TIMES["step (engine.step)"] += time.perf_counter() - t
+            t = time.perf_counter()
+            frame = encode({"t": "step", "outs": [output_to_wire(o) for o in outs], "failed": [],
+                            "stats": stats_to_wire(engine.stats()), "adds_seen": len(workload)})
+            TIMES["IPC: engine side (outputs -> JSON frame)"] += time.perf_counter() - t
+            t = time.perf_counter()
+            now = time.monotonic()
+            _ = [output_from_wire(o, now) for o in decode(frame)["outs"]]
+            TIMES["IPC: HTTP side (frame -> outputs; not in the engine process)"] += time.perf_counter() - t
+            steps += 1
+            tokens += sum(len(o.new_token_ids) for o in outs)
+        return steps, tokens, time.perf_counter() - t0
+
+    run()  # warm-up: the same workload once
+    TIMES.clear()
+    steps, tokens, wall = run()
+    step = TIMES["step (engine.step)"] + TIMES["IPC: engine side (outputs -> JSON frame)"]
+    print(f"engine, in process: {steps} steps, {tokens} tokens, {wall:.2f} s wall ({tokens / wall:.0f} tok/s here), "
+          f"{1e3 * step / steps:.2f} ms per step (engine.step + its frame)")
+    fw = TIMES["forward: layers"]
+    rest = {
+        "schedule": TIMES["schedule"],
+        "prepare inputs": TIMES["prepare inputs"],
+        "forward: attention (KV write + paged attention)": TIMES["forward: attention (KV write + paged attention)"],
+        "forward: rest of the layers (GEMMs, norms, RoPE, SiLU, embedding)": fw - TIMES["forward: attention (KV write + paged attention)"],
+        "forward: LM head": TIMES["forward: LM head"],
+        "sample": TIMES["sample"],
+        "output update: detokenize": TIMES["output update: detokenize"],
+        "output update: the rest (append, stop checks, prefix-cache commit, finish)":
+            TIMES["output update"] - TIMES["output update: detokenize"],
+        "IPC: engine side (outputs -> JSON frame)": TIMES["IPC: engine side (outputs -> JSON frame)"],
+    }
+    rest["engine step, not in the parts above"] = step - sum(rest.values())
+    print(f"{'part of an engine step':76s} {'share':>7s} {'ms/step':>8s}")
+    for name, t in rest.items():
+        print(f"{name:76s} {100 * t / step:6.1f}% {1e3 * t / steps:8.3f}")
+    http = TIMES["IPC: HTTP side (frame -> outputs; not in the engine process)"]
+    print(f"{'(IPC: HTTP side, frame -> outputs; in the other process)':76s} {100 * http / step:6.1f}% {1e3 * http / steps:8.3f}")
+
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for i, (prompt, n) in enumerate(workload):
+            engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        while engine.scheduler.waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
+            engine.step()  # every prompt prefilled: the profiled steps are decode steps
+        running = len(engine.scheduler.running)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.torch_profile):
+                engine.step()
+        while engine.has_unfinished():
+            engine.step()
+        print(f"torch profiler, {args.torch_profile} decode steps of {running} sequences:")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def server_profile(ckpt: Path, args, workload) -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "tessera.inference.cli_main", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
+           "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--kv-cache-tokens", "65536", "--torch-threads", str(args.threads), "--device", "cpu", "--dtype", "float32"]
+    server = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, server, 120, "tessera-serve")
+        children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(server.pid)], capture_output=True, text=True)
+        engine_pid = int(children.stdout.split()[0])
+        asyncio.run(run_client(url, workload[:4], 4))
+        pids = {"HTTP process (FastAPI, SSE, tokenizer, frames -> outputs)": server.pid, "engine process": engine_pid}
+        before = {k: cpu_seconds(p) for k, p in pids.items()}
+        client0 = time.process_time()
+        res = asyncio.run(run_client(url, workload, args.concurrency))
+        client = time.process_time() - client0
+        used = {k: cpu_seconds(p) - before[k] for k, p in pids.items()}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    print(f"server: {res['output_tok_per_s']:.0f} output tok/s here, {res['duration']:.2f} s, TPOT p50 "
+          f"{1e3 * statistics.median(res['tpot']):.1f} ms")
+    eng = used["engine process"]
+    for k, v in used.items():
+        print(f"  CPU s {k:58s} {v:7.2f}  ({v / eng:.2f} per engine-process CPU s)")
+    print(f"  CPU s {'benchmark client (httpx, this process)':58s} {client:7.2f}  ({client / eng:.2f} per engine-process CPU s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=["llama-20m", "llama-25m", "llama-160m"], default="llama-25m")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--input-len", type=int, nargs=2, default=[16, 64])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[64, 64])
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
+                    help="also run the torch profiler over this many decode steps and print its op table")
+    ap.add_argument("--server", action="store_true", help="also measure the server's processes (HTTP/SSE side)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rng = random.Random(args.seed)
+    ckpt, model = build_checkpoint(Path(tempfile.mkdtemp(prefix="tessera-profile-")) / "run", args.preset)
+    vocab = model.cfg.vocab_size
+    workload = [([rng.randrange(1, vocab) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len))
+                for _ in range(args.num_requests)]
+    print(f"model {args.preset}, {args.num_requests} requests, concurrency {args.concurrency}, input {args.input_len}, "
+          f"output {args.output_len}, torch threads {args.threads}")
+    engine_profile(ckpt, args, workload)
+    if args.server:
+        server_profile(ckpt, args, workload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""The checkpoint half of the corruption matrix: every (corruption, reader) pair is one line, exit 2.
+
+One 2-step run is trained once; each corruption damages one copy of it, and every reader of a
+checkpoint runs on that copy, in process (`run_cli`, as the console scripts do): `tessera-ckpt
+info/verify/export/reshard`, `tessera-train --resume` and `checkpoint.init_from`,
+`tessera-generate`, and `tessera-serve` up to the moment it would listen (uvicorn.run is replaced
+by a stub that fails the case: reaching it means the damage was accepted). A pair passes when the
+command exits 2 with exactly one stderr line that names the damaged file, and wrote nothing.
+
+Pairs that a reader legitimately does not read are listed in NOT_READ with the reason, and
+asserted to succeed, so the list cannot hide a refusal that stopped happening or a crash.
+The shard and mixture halves are in test_corruption_matrix.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import base_config
+
+from tessera.common.checkpoint import POINTER, SIDECAR
+from tessera.common.errors import run_cli
+
+pytestmark = pytest.mark.slow
+ITER = "iter_0000002"
+
+
+def _payload(ckpt: Path) -> Path:
+    return max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+def payload_byte_flip(ckpt: Path) -> str:
+    path = _payload(ckpt)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    return path.name
+
+
+def truncated_payload(ckpt: Path) -> str:
+    path = _payload(ckpt)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path.name
+
+
+def deleted_payload(ckpt: Path) -> str:
+    path = _payload(ckpt)
+    path.unlink()
+    return path.name
+
+
+def sidecar_model_edited(ckpt: Path) -> str:
+    """The sidecar's model config no longer matches the stored tensors (hidden size doubled). The
+    damage is a disagreement between two files, so the line names the checkpoint directory (and
+    the tensor whose shape disagrees) rather than one of them."""
+    sidecar = json.loads((ckpt / SIDECAR).read_text())
+    sidecar["model"]["hidden_size"] *= 2
+    (ckpt / SIDECAR).write_text(json.dumps(sidecar))
+    return ckpt.name
+
+
+def sidecar_not_json(ckpt: Path) -> str:
+    path = ckpt / SIDECAR
+    path.write_bytes(path.read_bytes()[:40])
+    return SIDECAR
+
+
+def metadata_truncated(ckpt: Path) -> str:
+    path = ckpt / ".metadata"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return ".metadata"
+
+
+def metadata_garbage(ckpt: Path) -> str:
+    path = ckpt / ".metadata"
+    path.write_bytes(bytes(range(256)) * (path.stat().st_size // 256 + 1))
+    return ".metadata"
+
+
+def pointer_to_missing_iteration(ckpt: Path) -> str:
+    (ckpt.parent / POINTER).write_text("99\n")
+    return POINTER
+
+
+CORRUPTIONS: list[Callable[[Path], str]] = [
+    payload_byte_flip, truncated_payload, deleted_payload, sidecar_model_edited, sidecar_not_json,
+    metadata_truncated, metadata_garbage, pointer_to_missing_iteration,
+]
+READERS = ["ckpt info", "ckpt verify", "ckpt export", "ckpt reshard", "train --resume", "train init_from",
+           "generate", "serve"]
+
+# (corruption, reader) pairs where the reader does not read the damaged bytes, and why.
+NOT_READ = {
+    ("payload_byte_flip", "ckpt info"): "info summarises the sidecar and the DCP index; it reads no payload "
+                                        "bytes (verify does: `tessera-ckpt verify` is the integrity check)",
+}
+
+
+class _WouldServe(Exception):
+    """Raised by the uvicorn.run stub: tessera-serve accepted the checkpoint and would listen now."""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, artifacts) -> tuple[dict, Path]:
+    from tessera.trainer.cli import main as train_main
+
+    root = tmp_path_factory.mktemp("ckpt_matrix")
+    cfg = base_config(artifacts, root / "run")
+    cfg["training"]["steps"] = 2
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    assert train_main(["--config", str(config), "--quiet"]) == 0
+    return cfg, root / "run"
+
+
+@pytest.fixture(scope="module")
+def damaged(trained, tmp_path_factory) -> Callable[[str], tuple[Path, str]]:
+    """corruption name -> (a damaged copy of the run, the damaged file's name); one copy per corruption."""
+    copies: dict[str, tuple[Path, str]] = {}
+
+    def get(name: str) -> tuple[Path, str]:
+        if name not in copies:
+            run = tmp_path_factory.mktemp(name) / "run"
+            shutil.copytree(trained[1], run)
+            copies[name] = run, globals()[name](run / "checkpoints" / ITER)
+        return copies[name]
+
+    return get
+
+
+def _command(reader: str, cfg: dict, run: Path, out: Path, pointer: bool) -> Callable[[], None]:
+    """The reader's CLI call, in process. With `pointer`, readers are given the run (or checkpoints)
+    directory so that they follow the pointer; otherwise the iteration directory itself."""
+    from tessera.ckpt_convert.cli import run as ckpt_run
+    from tessera.inference.cli import main as serve_main
+    from tessera.inference.generate_cli import main as generate_main
+    from tessera.trainer.cli import main as train_main
+
+    ckpt = str(run if pointer else run / "checkpoints" / ITER)
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / "config.yaml"
+    config.write_text(yaml.safe_dump({**cfg, "run_dir": str(run)}))
+    prompts = out / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f"}) + "\n")
+    argv = {
+        "ckpt info": (ckpt_run, ["info", ckpt]),
+        "ckpt verify": (ckpt_run, ["verify", ckpt]),
+        "ckpt export": (ckpt_run, ["export", "--format", "hf", "--checkpoint", ckpt, "--output", str(out / "hf"),
+                                   "--quiet"]),
+        "ckpt reshard": (ckpt_run, ["reshard", "--checkpoint", ckpt, "--output", str(out / "tp2"),
+                                    "--tensor-parallel", "2", "--pipeline-parallel", "1", "--quiet"]),
+        "train --resume": (train_main, ["--config", str(config), "--resume", "--quiet", "training.steps=3"]),
+        "train init_from": (train_main, ["--config", str(config), f"run_dir={out / 'new'}", "--quiet",
+                                         f"checkpoint.init_from={run / 'checkpoints' if pointer else ckpt}",
+                                         "training.steps=1"]),
+        "generate": (generate_main, ["--checkpoint", ckpt, "--prompts", str(prompts), "--output",
+                                     str(out / "out.jsonl"), "--max-tokens", "2", "--quiet"]),
+        "serve": (serve_main, ["--checkpoint", ckpt, "--port", "8", "--quiet"]),
+    }[reader]
+    return lambda: run_cli(*argv)
+
+
+def _outputs(run: Path, out: Path) -> list[Path]:
+    """What a refused command must not have written: an export, a reshard, generations, a new
+    checkpoint, or a metrics record. (init_from's new run gets its folders, config.yaml and an
+    empty metrics.jsonl before the checkpoint is read: the record of a run that did not start.)"""
+    made = [out / name for name in ("hf", "tp2", "out.jsonl") if (out / name).exists()]
+    made += [p for p in (out / "new").rglob("*") if p.is_file() and p.name not in ("config.yaml", "metrics.jsonl")]
+    made += [p for p in (out / "new").glob("metrics.jsonl") if p.read_text().strip()]
+    made += list((out / "new").glob("checkpoints/iter_*"))
+    return made + [p for p in (run / "checkpoints").glob("iter_*") if p.name != ITER]
+
+
+@pytest.fixture
+def no_listening(monkeypatch):
+    import uvicorn
+
+    def stub(*args, **kwargs):
+        raise _WouldServe
+
+    monkeypatch.setattr(uvicorn, "run", stub)
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("corruption", CORRUPTIONS, ids=lambda f: f.__name__)
+def test_every_checkpoint_corruption_is_refused_by_every_reader(corruption, reader, trained, damaged, tmp_path,
+                                                               capsys, no_listening):
+    run, damaged_file = damaged(corruption.__name__)
+    out = tmp_path / "out"
+    command = _command(reader, trained[0], run, out, pointer=corruption is pointer_to_missing_iteration)
+    capsys.readouterr()
+    if (corruption.__name__, reader) in NOT_READ:
+        with pytest.raises(SystemExit) as exc:
+            command()
+        assert exc.value.code == 0, capsys.readouterr().err[-2000:]
+        return
+    with pytest.raises(SystemExit) as exc:
+        try:
+            command()
+        except _WouldServe:
+            pytest.fail(f"tessera-serve accepted a checkpoint with {corruption.__name__} and would listen")
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert exc.value.code == 2, f"exit {exc.value.code}; stderr:\n{err[-3000:]}"
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert damaged_file in lines[0], lines[0]
+    assert not _outputs(run, out), _outputs(run, out)
+
