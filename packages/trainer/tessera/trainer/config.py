@@ -126,6 +126,21 @@ class ParallelConfigSection(StrictModel):
     fsdp_param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: dtype of the all-gathered compute parameters; bfloat16 = bf16 parameters over fp32 sharded master weights.")
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: dtype of the gradient reduction.")
     fsdp_cpu_offload: bool = Field(False, description="With data_shard > 1, GPU runs: sharded parameters, gradients and optimizer state in host memory (AdamW steps on the CPU).")
+    overlap_grad_reduce: bool = Field(True, description="Launch each gradient bucket's data-parallel reduction from the backward hooks as soon as its gradients are complete, in bucket (reverse layer) order, overlapping backward (Megatron's --overlap-grad-reduce); false = every bucket after backward. Exact either way. Not with data_shard > 1 (FSDP overlaps on its own).")
+    overlap_param_gather: bool = Field(False, description="Distributed optimizer: leave the parameter all-gathers in flight after the step and wait per bucket in a forward pre-hook of the modules using it, overlapping the next forward (Megatron's --overlap-param-gather). Exact. Needs distributed_optimizer and data_shard = 1.")
+    async_tp: bool = Field(False, description="CUDA/NCCL only: inductor's micro-pipelined tensor parallel (async-TP, symmetric memory), overlapping the sequence-parallel all-gather/reduce-scatter with the block's matmuls. Needs tensor > 1, sequence_parallel and training.compile; refused on CPU/gloo (nothing to overlap there).")
+
+    @model_validator(mode="after")
+    def _check_overlap(self) -> ParallelConfigSection:
+        if self.overlap_param_gather and (not self.distributed_optimizer or self.data_shard > 1):
+            raise ValueError("parallel.overlap_param_gather needs parallel.distributed_optimizer=true and "
+                             "parallel.data_shard=1 (it overlaps the distributed optimizer's all-gather)")
+        if not self.overlap_grad_reduce and self.data_shard > 1:
+            raise ValueError("parallel.overlap_grad_reduce=false is not supported with parallel.data_shard > 1 "
+                             "(FSDP schedules its own reductions); drop it")
+        if self.async_tp and (self.tensor == 1 or not self.sequence_parallel):
+            raise ValueError("parallel.async_tp needs parallel.tensor > 1 and parallel.sequence_parallel=true")
+        return self
 
     @property
     def model_parallel_size(self) -> int:

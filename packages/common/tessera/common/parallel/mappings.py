@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 SEQ_DIM = 1
 
@@ -28,23 +29,36 @@ def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     world = dist.get_world_size(group)
     if world == 1:
         return x
-    # all_gather_into_tensor concatenates along dim 0: move the sequence there and back.
-    xt = x.transpose(0, SEQ_DIM).contiguous()
-    out = torch.empty((world * xt.shape[0],) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_flat(out, xt, group=group)
-    return out.transpose(0, SEQ_DIM).contiguous()
+    if torch.compiler.is_compiling():
+        # Traced: the functional collective, whose all-gather -> split -> cat (one split feeding
+        # the cat) is the form inductor's micro-pipeline TP pass fuses with the matmuls reading
+        # it (async-TP). The in-place one below traces into a copy into `out` whose chunks are
+        # re-split separately, which the pass does not match.
+        return funcol.all_gather_tensor(x.contiguous(), gather_dim=SEQ_DIM, group=group)
+    # all_gather_into_tensor concatenates along dim 0 ([world * B, T/tp, ...]); the rank chunks
+    # are then concatenated along the sequence. Written as split + cat (one copy, where moving the
+    # sequence to dim 0 and back took two): the all-gather -> split -> cat form that inductor's
+    # micro-pipeline TP pass recognises and fuses with the matmul reading it (async-TP).
+    xc = x.contiguous()
+    out = torch.empty((world * xc.shape[0],) + tuple(xc.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_flat(out, xc, group=group)
+    return torch.cat(out.chunk(world, dim=0), dim=SEQ_DIM)
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     world = dist.get_world_size(group)
     if world == 1:
         return x
-    xt = x.transpose(0, SEQ_DIM).contiguous()
-    if xt.shape[0] % world:
-        raise ValueError(f"sequence length {xt.shape[0]} is not divisible by the tensor-parallel size {world}")
-    out = torch.empty((xt.shape[0] // world,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_flat(out, xt, group=group)
-    return out.transpose(0, SEQ_DIM).contiguous()
+    if x.shape[SEQ_DIM] % world:
+        raise ValueError(f"sequence length {x.shape[SEQ_DIM]} is not divisible by the tensor-parallel size {world}")
+    if torch.compiler.is_compiling():  # traced: the functional form (see _all_gather_seq)
+        return funcol.reduce_scatter_tensor(x.contiguous(), "sum", scatter_dim=SEQ_DIM, group=group)
+    # The rank chunks of the sequence stacked along dim 0, reduce-scattered: the split -> cat ->
+    # reduce-scatter form the micro-pipeline TP pass fuses with the matmul producing `x`.
+    stacked = torch.cat(x.chunk(world, dim=SEQ_DIM), dim=0)
+    out = torch.empty((stacked.shape[0] // world,) + tuple(stacked.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_flat(out, stacked, group=group)
+    return out
 
 
 def _split_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

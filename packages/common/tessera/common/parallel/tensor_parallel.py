@@ -21,6 +21,14 @@ With sequence parallel, the residual stream between blocks is split along the se
 layers reduce-scatter back, and norms run on the local chunk (their weight gradients are then
 partial and all-reduced over the tensor group by the gradient code, which reads the
 `sequence_parallel_partial` tag).
+
+Async-TP (`enable_async_tp`): on CUDA with NCCL, compiled blocks and sequence parallel, inductor's
+micro-pipeline TP pass rewrites each all-gather -> matmul (q/k/v, gate/up) and matmul ->
+reduce-scatter (o, down) of a compiled block into fused ops over symmetric memory that
+overlap the transfer of one rank's chunk with the matmul of another's (torchtitan's
+`enable_async_tensor_parallel`). The sequence gathers and reduce-scatters in `mappings` are
+written in the split/cat form the pass matches. On gloo (CPU) there is no such pass and nothing
+runs concurrently with a blocking collective, so there is nothing to overlap: refused there.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.common.errors import UserError
 from tessera.common.model import MoE, Transformer
 from tessera.common.parallel.layers import (
     ColumnParallelLinear,
@@ -138,3 +147,23 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, model: Transform
         hidden = copy_to_tp(hidden, group)
     # The model's head masks this slice's padded vocabulary rows (ids >= vocab_size) to -inf.
     return model.logits(hidden, weight, vocab_start=dist.get_rank(group) * weight.shape[0])
+
+
+def enable_async_tp(groups: ParallelGroups, *, compiled: bool, sequence_parallel: bool) -> None:
+    """Switch on inductor's micro-pipelined tensor parallel for the blocks compiled after this call.
+
+    Refused with one line (UserError) unless the run is on CUDA with NCCL, tensor > 1, sequence
+    parallel and compile: the pass acts only on compiled graphs, on the sequence-parallel
+    all-gather/reduce-scatter pairs, with symmetric memory that only CUDA has."""
+    if groups.device.type != "cuda" or dist.get_backend(groups.tp_group) != "nccl":
+        raise UserError(f"parallel.async_tp needs CUDA GPUs with NCCL (this run: {groups.device.type}, "
+                        f"{dist.get_backend(groups.tp_group)}); set parallel.async_tp=false")
+    if groups.tp == 1 or not sequence_parallel or not compiled:
+        raise UserError("parallel.async_tp needs parallel.tensor > 1, parallel.sequence_parallel=true and "
+                        f"training.compile=true (got tensor={groups.tp}, sequence_parallel={sequence_parallel}, "
+                        f"compile={compiled}); enable them or set parallel.async_tp=false")
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(groups.tp_group.group_name)

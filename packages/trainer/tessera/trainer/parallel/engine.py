@@ -61,7 +61,8 @@ class ParallelEngine:
                            fsdp_reduce_dtype=p.fsdp_reduce_dtype, fsdp_cpu_offload=p.fsdp_cpu_offload,
                            autocast_bf16=t.precision == "bf16", autocast_fp16=t.precision == "fp16",
                            per_token_loss=documents is not None and documents.per_token_loss,
-                           compile=t.compile),
+                           compile=t.compile, overlap_grad_reduce=p.overlap_grad_reduce,
+                           overlap_param_gather=p.overlap_param_gather, async_tp=p.async_tp),
             OptimConfig(lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
                         weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.grad_clip or None),
             build_model=builder)

@@ -15,6 +15,12 @@ The gradient norm for clipping is computed over every distinct element exactly o
 tensor, pipeline, data and expert ranks (expert shards summed over the expert group once) (see Bucket.norm_ranges), matching
 torch.nn.utils.clip_grad_norm_ on the single-process model.
 
+Overlap (GradientBuckets): gradient reductions start from backward hooks (`overlap_grad_reduce`);
+with `overlap_param_gather` the all-gather after `step()` is left in flight and the next forward
+waits for each bucket in a pre-hook of the modules using it (`register_param_gather_hooks`).
+Whatever reads whole weights outside a forward calls `wait_param_gather()` first; this class's
+norms and checkpoint state read only this rank's slices, which are current right after the step.
+
 Checkpoint state is layout-free: per parameter, under its global name, as global tensors
 (DTensor over the tensor mesh) whatever the data-parallel sharding: see `state_dict`.
 """
@@ -32,7 +38,7 @@ from tessera.common.parallel.mappings import all_gather_flat
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import to_global
 from tessera.trainer.optim import adamw_with_decay
-from tessera.trainer.parallel.data_parallel import Bucket, GradientBuckets
+from tessera.trainer.parallel.data_parallel import BUCKET_NUMEL, Bucket, GradientBuckets
 
 OPTIM_PREFIX = "optimizer."
 
@@ -51,13 +57,16 @@ class DistributedOptimizer:
         weight_decay: float = 0.0,
         max_grad_norm: float | None = 1.0,
         shard: bool = True,
-        bucket_numel: int = 40_000_000,
+        bucket_numel: int = BUCKET_NUMEL,
         no_decay: Callable[[str, nn.Parameter], bool] | None = None,
+        overlap_grad_reduce: bool = True,
+        overlap_param_gather: bool = False,
     ):
         self.groups = groups
         self.max_grad_norm = max_grad_norm
         self.buckets = GradientBuckets(named_params, groups, shard=shard, bucket_numel=bucket_numel,
-                                       no_decay=no_decay)
+                                       no_decay=no_decay, overlap_grad_reduce=overlap_grad_reduce,
+                                       overlap_param_gather=overlap_param_gather)
         self.masters: list[nn.Parameter] = []
         for b in self.buckets.buckets:
             shard = b.param_shard(b.rank).detach()
@@ -73,6 +82,30 @@ class DistributedOptimizer:
     def param_groups(self) -> list[dict]:
         """The inner optimizer's groups: set `lr` here (or wrap `self.inner` in an LR scheduler)."""
         return self.inner.param_groups
+
+    def register_param_gather_hooks(self, stages: list[nn.Module]) -> None:
+        """overlap_param_gather: forward pre-hooks on each stage, its top-level modules (embedding,
+        final norm) and each transformer block, waiting for the gathers of the buckets they use;
+        the output head (untied `lm_head`, or a pipeline stage's `tied_head`), which the stage
+        applies to the model's output without calling it, in a post-hook of the model."""
+        units: list[nn.Module] = []
+        after: list[tuple[nn.Module, list[nn.Parameter]]] = []
+        for stage in stages:
+            units.append(stage)
+            model = getattr(stage, "model", stage)
+            containers = [m for m in model.children() if isinstance(m, (nn.ModuleDict, nn.ModuleList))]
+            units += [m for m in model.children() if m not in containers]
+            units += [block for c in containers for block in c.children()]
+            head = [p for p in (getattr(stage, "tied_head", None),) if p is not None]
+            if getattr(model, "lm_head", None) is not None:
+                head += list(model.lm_head.parameters())
+            if head and model is not stage:
+                after.append((model, head))
+        self.buckets.register_param_gather_hooks(units, after)
+
+    def wait_param_gather(self) -> None:
+        """Wait for the parameter all-gathers an overlapped step left in flight (no-op otherwise)."""
+        self.buckets.wait_param_gather()
 
     def zero_grad(self, num_microbatches: int = 1) -> None:
         """Zero gradients and arm the bucket hooks for a step of `num_microbatches` micro-batches."""
@@ -103,7 +136,8 @@ class DistributedOptimizer:
     def param_norm(self) -> float:
         """Global L2 norm of the fp32 master parameters (the parameters themselves when they are fp32),
         every distinct element counted once across tensor, pipeline and data ranks (the grad norm's
-        ranges over this rank's shards). Collective."""
+        ranges over this rank's shards). Collective. Reads only this rank's slices, which the step
+        wrote itself: it does not wait for pending parameter all-gathers (overlap_param_gather)."""
         sq = torch.zeros((), dtype=torch.float32, device=self.groups.device)
         for master, b in zip(self.masters, self.buckets.buckets):
             for a, z in b.norm_ranges:
@@ -151,7 +185,8 @@ class DistributedOptimizer:
         so either can resume the other. Moments are global DTensors over the tensor mesh whatever
         the data-parallel sharding; `step` a scalar. `global_names` maps id(parameter) to its
         checkpoint name (tied copies share a name; DCP stores it once). Collective over the
-        data-parallel group.
+        data-parallel group. (Reads this rank's slices and optimizer state only, current whether
+        or not parameter all-gathers are pending.)
         """
         out: dict[str, object] = {}
         for m, b in zip(self.masters, self.buckets.buckets):
@@ -173,6 +208,7 @@ class DistributedOptimizer:
     def load_state_dict(self, state: dict[str, object], global_names: dict[int, str]) -> None:
         """Inverse of `state_dict` (same keys, filled by DCP). Masters are re-read from parameters
         when the checkpoint has none (fp32 models: the parameters are the masters)."""
+        self.wait_param_gather()
         with torch.no_grad():
             for m, b in zip(self.masters, self.buckets.buckets):
                 lo, hi = b.shard_range(b.rank)

@@ -37,9 +37,11 @@ from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import load_model_state_dict, model_state_dict
+from tessera.common.parallel.tensor_parallel import enable_async_tp
 from tessera.common.safe_dcp import dcp_load
 from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.engine import StepResult
+from tessera.trainer.parallel.data_parallel import BUCKET_NUMEL
 from tessera.trainer.parallel.fsdp import FullyShardedOptimizer, shard_stages
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, make_schedule
@@ -53,7 +55,10 @@ class ParallelConfig(StrictModel):
     micro_batch: int = Field(..., gt=0, description="Samples per micro-batch on one data-parallel rank.")
     sequence_parallel: bool = Field(True, description="Split norms/dropout along the sequence across tensor ranks (tensor > 1).")
     distributed_optimizer: bool = Field(True, description="Shard optimizer state and master weights across data-parallel ranks (ZeRO-1).")
-    bucket_numel: int = Field(40_000_000, gt=0, description="Elements per gradient bucket (one data-parallel collective each).")
+    bucket_numel: int = Field(BUCKET_NUMEL, gt=0, description="Elements per gradient bucket (one data-parallel collective each).")
+    overlap_grad_reduce: bool = Field(True, description="Launch each gradient bucket's reduction from the backward hooks as soon as it is complete (bucket order); false: all after backward.")
+    overlap_param_gather: bool = Field(False, description="Distributed optimizer: launch the parameter all-gathers of the last step when the next one starts and wait per bucket in forward hooks of the modules using it.")
+    async_tp: bool = Field(False, description="CUDA/NCCL, compile and sequence parallel: inductor's micro-pipelined TP (async-TP) over symmetric memory.")
     seed: int = Field(1234, description="Dropout seed (tensor-parallel regions get per-rank streams).")
     autocast_bf16: bool = Field(False, description="Run forward passes under torch.autocast(bf16) over fp32 parameters (the trainer's bf16 mode); gradients, reductions and optimizer stay fp32.")
     autocast_fp16: bool = Field(False, description="Run forward passes under torch.autocast(fp16) over fp32 parameters (the trainer's fp16 mode); pass a loss scale to train_step (dynamic loss scaling is the caller's policy).")
@@ -168,6 +173,8 @@ class ParallelRuntime:
                                  world_size=groups.world_size)
         rng = TensorParallelRNG(pcfg.seed, groups.tp_rank, groups.pp_rank, groups.device)
         rng.seed_default()
+        if pcfg.async_tp:  # before compiling: inductor reads the switch when it lowers the blocks
+            enable_async_tp(groups, compiled=pcfg.compile, sequence_parallel=pcfg.sequence_parallel)
 
         def prepare(stages: list[StageModule]) -> None:
             # Before a meta build is allocated: FSDP shards the meta parameters, so only this
@@ -189,8 +196,11 @@ class ParallelRuntime:
         optimizer = DistributedOptimizer(
             named, groups, lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps, weight_decay=ocfg.weight_decay,
             max_grad_norm=ocfg.max_grad_norm, shard=pcfg.distributed_optimizer, bucket_numel=pcfg.bucket_numel,
-            no_decay=lambda _n, p: p.ndim < 2,
+            no_decay=lambda _n, p: p.ndim < 2, overlap_grad_reduce=pcfg.overlap_grad_reduce,
+            overlap_param_gather=pcfg.overlap_param_gather,
         )
+        if pcfg.overlap_param_gather:
+            optimizer.register_param_gather_hooks(stages)
         return cls(cfg, groups, pcfg, stages, optimizer, rng)
 
     # ---- training ---------------------------------------------------------------------------
@@ -371,6 +381,7 @@ class ParallelRuntime:
 
     # ---- checkpoint state -------------------------------------------------------------------
     def named_global_params(self) -> dict[str, torch.nn.Parameter]:
+        getattr(self.optimizer, "wait_param_gather", lambda: None)()  # overlap_param_gather: weights read whole
         out: dict[str, torch.nn.Parameter] = {}
         for s in self.stages:
             out.update(s.global_params())
