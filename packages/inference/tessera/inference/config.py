@@ -74,6 +74,9 @@ class EngineConfig(StrictModel):
     quantization: Literal["int8", "fp8"] | None = Field(
         None, description="Quantized Linear weights: int8 weight-only (CPU, CUDA) or fp8 (CUDA, compute capability 8.9+)."
     )
+    cpu_linear: Literal["onednn", "aten"] = Field(
+        "onednn", description="CPU Linear layers: onednn = weights prepacked once for oneDNN's blocked GEMM "
+                              "(tessera.inference.cpu_linear; equal to aten's to rounding), aten = F.linear.")
     tensor_parallel: int = Field(
         1, ge=1, le=64, description="Tensor-parallel size: worker processes (one per rank, gloo on CPU, NCCL on GPU) "
                                     "each holding its shard of the weights and of the KV heads; 1 = in the engine.")

@@ -22,6 +22,7 @@ import torch
 from tessera.common.errors import UserError
 from tessera.inference.block_manager import BlockManager
 from tessera.inference.config import EngineConfig
+from tessera.inference.cpu_linear import pack_linears
 from tessera.inference.detokenizer import IncrementalDetokenizer
 from tessera.inference.executor import WorkerDied
 from tessera.inference.loader import LoadedModel
@@ -138,6 +139,8 @@ class LLMEngine:
                 dtype: torch.dtype) -> ModelRunner:
         if cfg.tensor_parallel == 1:
             assert loaded.model is not None
+            if device.type == "cpu" and cfg.quantization is None:
+                pack_linears(loaded.model, cfg.cpu_linear, batch_hint=cfg.max_num_seqs)
             return ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype)
         from tessera.inference.executor import TensorParallelExecutor, TensorParallelRunner
 
