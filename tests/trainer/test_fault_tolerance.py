@@ -7,6 +7,7 @@ an endless sleep on one rank at one step, only in the job's first attempt.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -91,8 +92,16 @@ def test_a_restarted_attempt_joins_its_own_ranks_not_the_dead_ones(init, tmp_pat
     namespace: nothing of attempt 0 is visible and the new ranks join."""
     script = tmp_path / "join.py"
     script.write_text(_RESTARTED_JOIN)
-    proc = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-                           str(script), init], capture_output=True, text=True, timeout=240, env=ENV)
+    # Its own session, so a hang that outlives the timeout is ended with every worker, not just torchrun.
+    job = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+                            str(script), init], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                           start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        out, err = job.communicate()
+    proc = subprocess.CompletedProcess(job.args, job.returncode, out, err)
     # The two ranks' lines can interleave in torchrun's stdout: find them, not whole lines.
     seen = dict(re.findall(r"attempt 1 rank (\d) joined; sees attempt 0's key: (True|False)", proc.stdout))
     if init == "plain":  # either outcome of the race shows attempt 0's state in attempt 1's namespace
