@@ -121,3 +121,20 @@ def run_all(engine, requests: dict[str, tuple[list[int], object]]) -> dict[str, 
 
 def token_ids(outputs: list) -> list[int]:
     return [t for o in outputs for t in o.new_token_ids]
+
+
+def wait_for_health(proc, url: str, timeout: float) -> None:
+    """Poll a `tessera-serve` subprocess's /health until 200; fail with its stderr if it exits first."""
+    import time
+
+    import httpx
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.2)

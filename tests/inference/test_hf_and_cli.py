@@ -10,7 +10,15 @@ import sys
 
 import pytest
 import torch
-from inference_helpers import hf_greedy, hf_llama_from, make_engine, run_all, tiny_config, token_ids
+from inference_helpers import (
+    hf_greedy,
+    hf_llama_from,
+    make_engine,
+    run_all,
+    tiny_config,
+    token_ids,
+    wait_for_health,
+)
 
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
 from tessera.inference.sampling_params import SamplingParams
@@ -105,7 +113,6 @@ def test_serve_cli_drains_on_sigterm(tiny_ckpt):
     """The real CLI: a stream in flight when SIGTERM arrives still runs to [DONE], then it exits."""
     import signal
     import socket
-    import time
 
     import httpx
 
@@ -117,15 +124,7 @@ def test_serve_cli_drains_on_sigterm(tiny_ckpt):
                              "--quiet", "--num-kv-blocks", "64"], stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
-            time.sleep(0.2)
+        wait_for_health(proc, url, 60)
         body = {"prompt": [5, 6, 7], "max_tokens": 150, "ignore_eos": True, "stream": True, "temperature": 0}
         chunks, done = 0, False
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:

@@ -9,11 +9,10 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from inference_helpers import CHAT_TEMPLATE, hf_greedy, make_engine, run_all, token_ids
+from inference_helpers import CHAT_TEMPLATE, hf_greedy, make_engine, run_all, token_ids, wait_for_health
 
 from tessera.common.checkpoint import resolve_checkpoint
 from tessera.inference.sampling_params import SamplingParams
@@ -145,15 +144,7 @@ def test_serve_chat_reads_chat_template_jinja(tiny_ckpt, tmp_path):
                             stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
-            time.sleep(0.2)
+        wait_for_health(proc, url, 120)
         r = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0,
                                                            "ignore_eos": True}, timeout=60)
         assert r.status_code == 200, r.text

@@ -10,7 +10,15 @@ import signal
 
 import pytest
 import torch
-from inference_helpers import hf_greedy, hf_llama_from, make_checkpoint, run_all, tiny_config, token_ids
+from inference_helpers import (
+    hf_greedy,
+    hf_llama_from,
+    make_checkpoint,
+    run_all,
+    tiny_config,
+    token_ids,
+    wait_for_health,
+)
 from test_hf_serving import _gpt2, _llama, _save
 
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
@@ -205,9 +213,7 @@ def tp2_server(gqa_ckpt):
     import socket
     import subprocess
     import sys
-    import time
 
-    import httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -217,15 +223,7 @@ def tp2_server(gqa_ckpt):
                              "--tensor-parallel", "2", "--torch-threads", "1", "--served-model-name", "tiny"],
                             stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
-        time.sleep(0.2)
+    wait_for_health(proc, url, 180)
     try:
         yield proc, url
     finally:
