@@ -106,7 +106,7 @@ def main() -> int:
         st = engines["ngram"].stats()
         from tessera.inference.spec_decode import format_spec_stats
 
-        print(f"model {args.preset}: {sum(x.numel() for x in loaded.model.parameters()) / 1e6:.1f}M "
+        print(f"model {args.preset}: {loaded.config.num_params() / 1e6:.1f}M "
               f"parameters, {args.num_prompts} prompts of {args.prompt_len} x {args.repeats} tokens, "
               f"{args.max_tokens} greedy tokens each, {args.rounds} round(s), torch threads {torch.get_num_threads()}")
         for name in ("plain", "ngram"):

@@ -17,6 +17,9 @@ What is packed: every `nn.Linear` the model calls as a module (attention and MLP
 routers). Not packed: the output head (`Transformer.logits` reads its weight, tied or not, to mask the
 vocabulary padding in one place; 2-4% of a decode step), MoE experts (stacked parameters), quantized models (torchao owns their Linear weights), tensor-parallel layers (their
 own forward) and CUDA models (cuBLAS needs no prepacking).
+
+A packed weight is an opaque oneDNN tensor held outside `parameters()` and `state_dict()`: count a
+served model's parameters from its config (`ModelConfig.num_params()`), never from the packed module.
 """
 
 from __future__ import annotations
