@@ -98,7 +98,7 @@ class Attention(nn.Module):
         # Head counts come from the projection widths, so a tensor-parallel shard (fewer local
         # heads) runs this same code; the sequence length too, since under sequence parallel the
         # projections gather a sequence-sharded input to the full sequence.
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project(x)
         bsz, seq = q.shape[0], q.shape[1]
         q = q.view(bsz, seq, -1, self.head_dim)
         k = k.view(bsz, seq, -1, self.head_dim)
@@ -112,6 +112,11 @@ class Attention(nn.Module):
         else:
             out = self.core(q, k, v, attn_mask)
         return self.o_proj(out.reshape(bsz, seq, -1))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [B, T, width] (the serving engine overrides this with one GEMM over the stacked
+        weights: tessera.inference.merged_linear)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              attn_mask: MaskedAttention | None = None) -> torch.Tensor:
@@ -144,10 +149,15 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            h = swiglu(self.gate_proj(x), self.up_proj(x))
+            h = swiglu(*self.gate_up(x))
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")
         return self.down_proj(h)
+
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SwiGLU gate and up projections (overridden like Attention.project when served)."""
+        return self.gate_proj(x), self.up_proj(x)
 
 
 class Block(nn.Module):

@@ -26,6 +26,7 @@ from tessera.inference.cpu_linear import pack_linears
 from tessera.inference.detokenizer import IncrementalDetokenizer
 from tessera.inference.executor import WorkerDied
 from tessera.inference.loader import LoadedModel
+from tessera.inference.merged_linear import merge_projections
 from tessera.inference.model_runner import ModelRunner, ModelRunnerOutput, kv_block_bytes
 from tessera.inference.output_processor import OutputProcessor, RequestOutput
 from tessera.inference.sampling_params import SamplingParams
@@ -139,8 +140,10 @@ class LLMEngine:
                 dtype: torch.dtype) -> ModelRunner:
         if cfg.tensor_parallel == 1:
             assert loaded.model is not None
-            if device.type == "cpu" and cfg.quantization is None:
-                pack_linears(loaded.model, cfg.cpu_linear, batch_hint=cfg.max_num_seqs)
+            if device.type == "cpu":
+                merge_projections(loaded.model)  # q/k/v and gate/up: one GEMM each
+                if cfg.quantization is None:
+                    pack_linears(loaded.model, cfg.cpu_linear, batch_hint=cfg.max_num_seqs)
             return ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype)
         from tessera.inference.executor import TensorParallelExecutor, TensorParallelRunner
 

@@ -192,6 +192,10 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
     cfg = ModelConfig.model_validate(init["model"])
     dtype = DTYPES[init["dtype"]]
     model = load_shard(Path(init["path"]), init["hf"], cfg, groups, device, dtype)
+    if device.type == "cpu":
+        from tessera.inference.merged_linear import merge_projections
+
+        merge_projections(model)  # this rank's shards of q/k/v and gate/up, one GEMM each
     runner = ModelRunner(model, init["num_blocks"], init["block_size"], device, dtype, rank, world)
     _reply(conn, {"t": "ready", "numel": sum(p.numel() for p in model.parameters())})
     tp_group = groups.tp_group
