@@ -93,6 +93,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     than advanced indexing by the table) and masks the padding and, for several new tokens, the
     positions after each, and with a sliding `window` the positions more than `sliding_window`
     before each. Returns [S * num_q, H, D].
+
+    Reading K/V in place instead of this gather was measured and rejected (issue #18; llama-25m
+    decode shapes: 8 query / 2 KV heads x 64, blocks of 16, batch 8/32/64, context 64-512, groups of
+    8, 1 thread, A/B alternating in one process on the 2-core CPU while shared by 7 agents, ratio of
+    medians; results equal to 3e-7..6e-7):
+    - per-block SDPA with an online-softmax merge (one S-block index_select, two matmuls and the
+      running max/sum per block column): 2.1x-3.7x this path's time, from the ops per block column;
+    - an inductor-compiled kernel that fuses the gather into its reductions (indirect loads from the
+      pool, no copy): 0.63x-1.49x, no consistent gain, and 1-4 minutes of compiling per new shape
+      class at startup.
+    The gather is 5-8% of a step (benchmarks/serving_profile.py); a C++ paged kernel is the way to it.
     """
     _, num_heads, head_dim = q.shape
     num_seqs, num_q = group.visible.shape[0], group.num_q
