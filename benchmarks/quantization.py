@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import logging
 import string
 import sys
@@ -55,6 +56,28 @@ def linear_weight_bytes(model) -> int:
     return total
 
 
+def demo_heldout_ids(demo: Path, tokenizer, max_tokens: int) -> tuple[list[int], str]:
+    """Token ids of the standard-library sources `make demo` did not train on: the demo's corpus is
+    the first files of the sorted stdlib walk (examples/demo.py, `build_corpus`) up to a byte budget,
+    so the files after its last one are text the model never saw, of the same kind."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from demo import stdlib_sources
+
+    seen = {json.loads(line)["source"] for line in (demo / "corpus.jsonl").open(encoding="utf-8")}
+    ids: list[int] = []
+    files: list[str] = []
+    for rel, text in stdlib_sources():
+        if rel in seen:
+            continue
+        ids.extend(tokenizer.encode(text))
+        files.append(rel)
+        if len(ids) >= max_tokens:
+            break
+    if not files:
+        raise SystemExit(f"{demo / 'corpus.jsonl'}: the demo trained on every stdlib file; nothing is held out")
+    return ids[:max_tokens], f"{len(files)} stdlib sources the demo did not train on ({files[0]} .. {files[-1]})"
+
+
 def decode_tok_per_s(loaded, batch: int, max_tokens: int, seed: int) -> float:
     g = torch.Generator().manual_seed(seed)
     vocab = loaded.config.vocab_size
@@ -78,6 +101,10 @@ def decode_tok_per_s(loaded, batch: int, max_tokens: int, seed: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None, help="a trained checkpoint or HF export (default: random llama-20m)")
+    ap.add_argument("--demo", default=None, metavar="DIR",
+                    help="what `make demo` wrote (.demo): its trained checkpoint, and as held-out text the standard "
+                         "library sources that follow its training corpus")
+    ap.add_argument("--heldout-tokens", type=int, default=65536, help="with --demo: held-out tokens to read")
     ap.add_argument("--head-scale", type=float, default=1.0,
                     help="multiply the random model's output head by this (see above; ignored with --checkpoint)")
     ap.add_argument("--window", type=int, default=256)
@@ -89,6 +116,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     logging.getLogger("torchao").setLevel(logging.ERROR)
     cpu = torch.device("cpu")
+    if args.demo:
+        args.checkpoint = str(Path(args.demo) / "run" / "checkpoints")
     if args.checkpoint:
         ckpt, what = args.checkpoint, args.checkpoint
     else:
@@ -107,7 +136,10 @@ def main() -> None:
     quantize_model(loaded["int8"].model, "int8")  # the loader's own step, after the head scaling
     assert set(quantized_weight_dtypes(loaded["int8"].model).values()) == {torch.int8}
 
-    ids = loaded["fp32"].tokenizer.encode(inspect.getsource(string))
+    if args.demo:
+        ids, heldout = demo_heldout_ids(Path(args.demo), loaded["fp32"].tokenizer, args.heldout_tokens)
+    else:
+        ids, heldout = loaded["fp32"].tokenizer.encode(inspect.getsource(string)), "the string module's source"
     ppl = {k: perplexity(v.model, ids, args.window) for k, v in loaded.items()}
     n = len(ids) // args.window * args.window
     x = torch.tensor(ids[:n]).view(-1, args.window)
@@ -118,10 +150,10 @@ def main() -> None:
         for k in ("fp32", "int8"):
             speed[k].append(decode_tok_per_s(loaded[k], args.batch, args.max_tokens, seed=r))
 
-    params = sum(p.numel() for p in loaded["fp32"].model.parameters())
+    params = loaded["fp32"].config.num_params()  # the engine moved Linear weights out of parameters()
     print(f"model: {what} ({params / 1e6:.1f}M params), CPU, torch {torch.__version__}, threads {args.threads}")
     print(f"command: {' '.join(sys.argv)}")
-    print(f"held-out: {len(ids)} tokens of the string module's source, windows of {args.window}")
+    print(f"held-out: {len(ids)} tokens of {heldout}, windows of {args.window}")
     for k in ("fp32", "int8"):
         print(f"{k}: perplexity {ppl[k]:.3f}   Linear weights {linear_weight_bytes(loaded[k].model) / 2**20:.1f} MiB   "
               f"decode {max(speed[k]):.1f} tok/s (best of {args.rounds}: "

@@ -41,21 +41,28 @@ def run(*args: str | Path) -> None:
     subprocess.run(cmd, check=True)
 
 
-def build_corpus(path: Path) -> int:
-    """One document per stdlib .py file, sorted for determinism, up to CORPUS_BYTES of text."""
+def stdlib_sources():
+    """(path relative to the stdlib, text) of each non-empty stdlib .py file outside tests and
+    site-packages, sorted for determinism."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for src in sorted(stdlib.rglob("*.py")):
+        if "site-packages" in src.parts or "test" in src.parts:
+            continue
+        try:
+            text = src.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            yield str(src.relative_to(stdlib)), text
+
+
+def build_corpus(path: Path) -> int:
+    """One document per stdlib .py file (`stdlib_sources`), up to CORPUS_BYTES of text; the files
+    after the last one are held out (benchmarks/quantization.py --demo reads them)."""
     total = docs = 0
     with open(path, "w", encoding="utf-8") as out:
-        for src in sorted(stdlib.rglob("*.py")):
-            if "site-packages" in src.parts or "test" in src.parts:
-                continue
-            try:
-                text = src.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            if not text.strip():
-                continue
-            out.write(json.dumps({"text": text, "source": str(src.relative_to(stdlib))}) + "\n")
+        for rel, text in stdlib_sources():
+            out.write(json.dumps({"text": text, "source": rel}) + "\n")
             total += len(text.encode("utf-8"))
             docs += 1
             if total >= CORPUS_BYTES:

@@ -13,8 +13,8 @@ MKL's packed GEMM measured 1.12x / 0.97x and was rejected.
 Results equal `F.linear`'s to rounding (relative error ~4e-7 in fp32: the blocked kernel sums in
 another order), so `--cpu-linear aten` exists for anyone who wants the unpacked path.
 
-What is packed: every `nn.Linear` the model calls as a module (attention and MLP projections, MoE
-routers). Not packed: the output head (`Transformer.logits` reads its weight, tied or not, to mask the
+What is packed: every `nn.Linear` the model calls as a module (attention and MLP projections, by
+then stacked q/k/v and gate/up where `merged_linear.merge_projections` could, MoE routers). Not packed: the output head (`Transformer.logits` reads its weight, tied or not, to mask the
 vocabulary padding in one place; 2-4% of a decode step), MoE experts (stacked parameters), quantized models (torchao owns their Linear weights), tensor-parallel layers (their
 own forward) and CUDA models (cuBLAS needs no prepacking).
 
