@@ -76,6 +76,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "Default: off.")
     g.add_argument("--seed", type=int, default=None,
                    help="Seed for requests without their own (default: OS entropy, i.e. not reproducible).")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV-cache storage dtype, as vLLM's flag: auto (the model's --dtype), fp8 (= fp8_e4m3: "
+                        "float8_e4m3fn) or fp8_e5m2. fp8 stores keys/values with a per-tensor scale of 1.0 and "
+                        "dequantizes them in attention; the same --kv-cache-memory then holds 2x the blocks of "
+                        "bfloat16 and 4x those of float32. CPU and CUDA (default: %(default)s).")
+    g.add_argument("--skip-checksum-verify", action="store_true",
+                   help="Do not hash every checkpoint payload file against the sidecar's checksums at start "
+                        "(a trusted large checkpoint on fast storage; the log says it was skipped). Metadata is "
+                        "still read by the restricted unpickler. Default: verify.")
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
@@ -115,6 +124,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching, prefix_cache_hash=args.prefix_cache_hash, dtype=args.dtype, device=args.device, seed=args.seed,
             quantization=args.quantization, cpu_linear=args.cpu_linear, speculative=speculative, tensor_parallel=args.tensor_parallel,
+            kv_cache_dtype=args.kv_cache_dtype, skip_checksum_verify=args.skip_checksum_verify,
         )
     except ValidationError as exc:
         msg = format_validation_error(exc, "engine flags")
