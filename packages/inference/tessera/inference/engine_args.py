@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from tessera.common.config import format_validation_error
 from tessera.common.errors import UserError
-from tessera.inference.config import EngineConfig, SpeculativeConfig
+from tessera.inference.config import KV_CACHE_DTYPE_NAMES, EngineConfig, SpeculativeConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -76,7 +76,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "Default: off.")
     g.add_argument("--seed", type=int, default=None,
                    help="Seed for requests without their own (default: OS entropy, i.e. not reproducible).")
-    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, metavar="{" + ",".join(KV_CACHE_DTYPE_NAMES) + "}",
                    help="KV-cache storage dtype, as vLLM's flag: auto (the model's --dtype), fp8 (= fp8_e4m3: "
                         "float8_e4m3fn) or fp8_e5m2. fp8 stores keys/values with a per-tensor scale of 1.0 and "
                         "dequantizes them in attention; the same --kv-cache-memory then holds 2x the blocks of "
@@ -117,6 +117,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
         torch.set_num_threads(args.torch_threads)
     speculative = parse_speculative_config(args.speculative_config)
+    if args.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:  # checked here, not by argparse: one line, no usage
+        raise UserError(f"--kv-cache-dtype {args.kv_cache_dtype!r}: not a KV-cache dtype; use one of "
+                        f"{', '.join(KV_CACHE_DTYPE_NAMES)}")
     try:
         return EngineConfig(
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_tokens=args.kv_cache_tokens,
