@@ -17,6 +17,7 @@ from tessera.inference.config import EngineConfig
 from tessera.inference.engine import LLMEngine
 from tessera.inference.executor import check_tensor_parallel, replicated_kv_config
 from tessera.inference.loader import load_for_serving
+from tessera.inference.model_runner import kv_block_bytes
 from tessera.inference.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -26,14 +27,15 @@ PROMPTS = {"a": [4, 9, 200, 31, 77, 5, 6, 7, 8, 120, 3], "b": [17, 300, 2, 2, 45
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
-def _serve(path, tp: int) -> tuple[dict[str, list[int]], list[int]]:
-    """Greedy tokens per prompt, and the parameter elements each worker holds (empty for tp 1)."""
+def _serve(path, tp: int, **cfg) -> tuple[dict[str, list[int]], list[int], list[int]]:
+    """Greedy tokens per prompt; the parameter elements and KV-pool bytes of each worker (tp > 1)."""
     loaded = load_for_serving(path, CPU, torch.float32, tensor_parallel=tp)
-    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, block_size=4, tensor_parallel=tp), CPU, torch.float32)
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, block_size=4, tensor_parallel=tp, **cfg), CPU,
+                       torch.float32)
     try:
         outs = run_all(engine, {rid: (p, GREEDY) for rid, p in PROMPTS.items()})
-        numel = engine.runner.executor.shard_numel if tp > 1 else []
-        return {rid: token_ids(o) for rid, o in outs.items()}, numel
+        ex = engine.runner.executor if tp > 1 else None
+        return {rid: token_ids(o) for rid, o in outs.items()}, ex.shard_numel if ex else [], ex.kv_bytes if ex else []
     finally:
         engine.close()
 
@@ -42,12 +44,13 @@ def test_tp4_over_two_kv_heads_checkpoint_greedy_equals_tp1_and_transformers_wit
     cfg = tiny_config()  # 4 query heads over 2 key/value heads
     assert cfg.kv_heads == 2
     tensors = load_model_tensors(resolve_checkpoint(tiny_ckpt))
-    one, _ = _serve(tiny_ckpt, 1)
+    one, _, _ = _serve(tiny_ckpt, 1)
     hf = hf_llama_from(cfg, tensors)
     for rid, prompt in PROMPTS.items():
         assert one[rid] == hf_greedy(hf, prompt, 10), rid
-    four, numel = _serve(tiny_ckpt, 4)
+    four, numel, kv_bytes = _serve(tiny_ckpt, 4)
     assert four == one
+    assert kv_bytes == [64 * kv_block_bytes(cfg, 4, torch.float32, 4)] * 4  # one head's K and V per rank
     # Each rank: a quarter of every split tensor, but k/v projections of one whole head (1/2 of
     # them, not 1/4: that head is replicated), and the norms whole.
     kv = sum(t.numel() for n, t in tensors.items() if ".k_proj." in n or ".v_proj." in n)
@@ -60,9 +63,20 @@ def test_tp4_over_two_kv_heads_serves_an_hf_directory_like_transformers(tiny_ckp
     """Each worker keeps, of the memory-mapped k/v projections, the rows of its one head."""
     hf = _llama(num_key_value_heads=2)
     export = _save(hf, tiny_ckpt, tmp_path / "hf")
-    got, _ = _serve(export, 4)
+    got, _, _ = _serve(export, 4)
     for rid, prompt in PROMPTS.items():
         assert got[rid] == hf_greedy(hf, prompt, 10), rid
+
+
+def test_tp2_workers_store_their_kv_heads_in_fp8_and_follow_the_one_process_fp8_engine(tiny_ckpt):
+    """--kv-cache-dtype reaches the workers: each pool is a quarter of fp32's bytes, and greedy
+    tokens follow the one-process fp8 engine (tensor parallel changes only summation order, which
+    can move an fp8 rounding: the first 8 tokens are compared, as against the fp32 cache)."""
+    one, _, _ = _serve(tiny_ckpt, 1, kv_cache_dtype="fp8")
+    two, _, kv_bytes = _serve(tiny_ckpt, 2, kv_cache_dtype="fp8")
+    assert kv_bytes == [64 * kv_block_bytes(tiny_config(), 4, torch.float32, 2) // 4] * 2
+    for rid in PROMPTS:
+        assert two[rid][:8] == one[rid][:8], rid
 
 
 def test_the_replicated_model_maps_each_query_head_to_its_original_kv_head():

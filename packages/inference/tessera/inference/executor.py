@@ -228,7 +228,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
     model = load_shard(Path(init["path"]), init["hf"], cfg, groups, device, dtype)
     runner = ModelRunner(model, init["num_blocks"], init["block_size"], device, dtype, rank, world,
                          kv_dtype=kv_cache_dtype(init["kv_cache_dtype"], dtype, device))
-    _reply(conn, {"t": "ready", "numel": sum(p.numel() for p in model.parameters())})
+    _reply(conn, {"t": "ready", "numel": sum(p.numel() for p in model.parameters()), "kv_bytes": runner.kv.nbytes})
     tp_group = groups.tp_group
     while True:
         msg = json.loads(conn.recv_bytes())
@@ -274,11 +274,13 @@ class TensorParallelExecutor:
                 self.conns.append(ours)
                 self.procs.append(proc)
             self.shard_numel: list[int] = []  # parameter elements each worker holds
+            self.kv_bytes: list[int] = []  # bytes of each worker's KV pool
             for rank in range(tp):
                 msg = self._recv(rank, READY_TIMEOUT_S)
                 if msg.get("t") != "ready":
                     raise WorkerDied(f"tensor-parallel worker {rank}: unexpected message {msg.get('t')!r}")
                 self.shard_numel.append(int(msg["numel"]))
+                self.kv_bytes.append(int(msg["kv_bytes"]))
         except BaseException:
             self.shutdown()
             raise
