@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from inference_helpers import run_all, token_ids, tiny_config
+from inference_helpers import run_all, tiny_config, token_ids
 
 from tessera.common.errors import ArtifactError, UserError, run_cli
 from tessera.inference.config import EngineConfig
@@ -60,8 +60,9 @@ def test_fp8_kv_cache_logits_stay_within_a_relative_bound_of_the_fp32_cache(tiny
 
 def test_greedy_with_an_fp8_kv_cache_agrees_with_the_fp32_cache_engine_on_the_first_tokens(tiny_ckpt):
     """Engines end to end (scheduler, prefill then batched decodes). Greedy decoding follows the
-    fp32 tokens until a near-tie flips one (measured: the three requests first differ at tokens
-    12, 24 and 10 of 24 with e4m3, 50 of 72 tokens equal); the first 8 of each must agree."""
+    fp32 tokens until a near-tie flips one (measured with e4m3: two of the three requests first
+    differ at tokens 12 and 10 of 24, the third not at all; 50 of 72 tokens equal); the first 8 of
+    each must agree."""
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     requests = {str(i): (p, greedy) for i, p in enumerate(PROMPTS)}
     outs = {}

@@ -12,7 +12,6 @@ from pydantic import Field, model_validator
 
 from tessera.common.config import StrictModel
 
-
 # --kv-cache-dtype values, vLLM's names (fp8 = fp8_e4m3).
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(KVCacheDtype)

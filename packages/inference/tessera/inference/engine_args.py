@@ -45,7 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    dest="tensor_parallel", metavar="N",
                    help="Split the model over N worker processes (one per rank: gloo on CPU, NCCL on GPU, worker r "
                         "on cuda:r), each loading only its shard of the weights and holding its share of the "
-                        "key/value heads; N must divide the attention heads, key/value heads and vocabulary "
+                        "key/value heads; N must divide the attention heads and vocabulary, and divide the key/value "
+                        "heads or be a multiple of them (each then replicated on N / kv_heads workers) "
                         "(default: 1, no workers).")
     g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block (default: %(default)s).")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
