@@ -173,14 +173,29 @@ def test_skip_checksum_verify_still_reads_metadata_with_the_restricted_unpickler
     assert not marker.exists()
 
 
-def test_the_skip_checksum_verify_flag_reaches_the_engine_config():
-    import argparse
+def test_tessera_generate_with_skip_checksum_verify_and_fp8_kv_runs_a_checkpoint_it_would_refuse(
+        ckpt_copy, tmp_path, capsys, caplog):
+    """The flags reach the engine through the CLI: a payload changed after signing exits 2 by
+    default, and with --skip-checksum-verify generates (fp8 cache) and logs the skip (a warning:
+    on stderr through logging's last-resort handler in tessera-generate, the engine process's
+    logging config under tessera-serve)."""
+    import json
 
-    from tessera.inference.engine_args import add_engine_args, engine_config_from_args
+    from tessera.inference.generate_cli import main
 
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    assert engine_config_from_args(p.parse_args(["--checkpoint", "x"])).skip_checksum_verify is False
-    cfg = engine_config_from_args(p.parse_args(["--checkpoint", "x", "--skip-checksum-verify",
-                                                "--kv-cache-dtype", "fp8_e5m2"]))
-    assert cfg.skip_checksum_verify is True and cfg.kv_cache_dtype == "fp8_e5m2"
+    payload = max(ckpt_copy.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(payload.read_bytes())
+    data[-1] ^= 0x01
+    payload.write_bytes(bytes(data))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPTS[0], "max_tokens": 4}) + "\n")
+    argv = ["--checkpoint", str(ckpt_copy), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"),
+            "--num-kv-blocks", "64", "--kv-cache-dtype", "fp8", "--quiet"]
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, argv)
+    assert exc.value.code == 2 and "checksum mismatch" in capsys.readouterr().err
+    with caplog.at_level(logging.WARNING, logger="tessera.inference"), pytest.raises(SystemExit) as exc:
+        run_cli(main, [*argv, "--skip-checksum-verify"])
+    assert exc.value.code == 0
+    assert any("checksum verification skipped (--skip-checksum-verify)" in r.getMessage() for r in caplog.records)
+    assert len(json.loads((tmp_path / "o.jsonl").read_text())["token_ids"]) == 4
