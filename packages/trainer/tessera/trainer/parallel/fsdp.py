@@ -30,6 +30,9 @@ needed; the checkpoint alone presents parameters as 2-D global tensors (`state_d
   copies (first and last pipeline stage) over the embedding group, and the global norm counts
   each element once: on tensor rank 0 for tensor-replicated parameters, on replica 0 for data
   replicas, on context rank 0, on the first stage for the tied embedding.
+* Expert parallel: dense parameters are sharded over data x expert ranks (`fsdp_mesh` is then
+  dp_shard x ep flattened: expert ranks are their replicas), each MoE layer's experts are their
+  own unit over the data shards of their expert group (`_shard_experts`), as torchtitan does.
 * Pipeline: each stage (chunk) is its own FSDP root, blocks inside it units, as torchtitan
   composes them; the pipeline schedule runs FSDP's gradient sync on the last micro-batch only.
   Under pipeline parallel `reshard_after_forward` is off (torchtitan's default for PP): with
