@@ -7,7 +7,16 @@ as initialised (`--head-scale 1`) the logits are near uniform and perplexity is 
 size whatever the weights; with the head scaled (`--head-scale 20`, as the inference tests do) the
 logits are peaked but overconfident, perplexity is astronomically high, and small logit changes move
 it by percents. Both bracket the effect; the issue's 1% criterion wants a trained model: pass
-`--checkpoint` (a Tessera checkpoint or HF export).
+`--checkpoint` (a Tessera checkpoint or HF export), or `--demo .demo` after `make demo`: the demo's
+trained `tiny` Llama, evaluated on the standard-library sources that follow its training corpus in
+the demo's own walk (text of the same kind it never saw).
+
+Trained model (issue #18's acceptance: int8 perplexity within 1% of fp32), the demo's `tiny` Llama
+(2 layers x 64, GQA 4/2, 8192-token BPE, 1.1M params) after 300 of its 600 steps (loss ~4.3; the
+run was slowed by the shared machine and this checkpoint is the one it had saved), 65,536 held-out
+tokens of 15 stdlib sources (unittest/__init__.py .. urllib/parse.py), windows of 128:
+  fp32 perplexity 139.833, int8 139.851: +0.012%; teacher-forced top-1 agreement 0.9944.
+  `.venv/bin/python benchmarks/quantization.py --demo /tmp/cpuspeed/demo --window 128`
 
 Measured (2-core shared CPU, 1 thread, torch 2.13, torchao 0.18, llama-20m = 12.2M params):
   --head-scale 20: perplexity 1.405e12 -> 1.454e12 (+3.5%), top-1 agreement 0.954, Linear weights
@@ -145,6 +154,8 @@ def main() -> None:
     x = torch.tensor(ids[:n]).view(-1, args.window)
     with torch.no_grad():
         top1 = (loaded["fp32"].model(x).argmax(-1) == loaded["int8"].model(x).argmax(-1)).float().mean().item()
+    # Before the engines run: they stack and (fp32) oneDNN-pack the Linear weights in place.
+    weight_mib = {k: linear_weight_bytes(v.model) / 2**20 for k, v in loaded.items()}
     speed: dict[str, list[float]] = {"fp32": [], "int8": []}
     for r in range(args.rounds):
         for k in ("fp32", "int8"):
@@ -155,7 +166,7 @@ def main() -> None:
     print(f"command: {' '.join(sys.argv)}")
     print(f"held-out: {len(ids)} tokens of {heldout}, windows of {args.window}")
     for k in ("fp32", "int8"):
-        print(f"{k}: perplexity {ppl[k]:.3f}   Linear weights {linear_weight_bytes(loaded[k].model) / 2**20:.1f} MiB   "
+        print(f"{k}: perplexity {ppl[k]:.3f}   Linear weights {weight_mib[k]:.2f} MiB   "
               f"decode {max(speed[k]):.1f} tok/s (best of {args.rounds}: "
               f"{', '.join(f'{s:.1f}' for s in speed[k])}; {args.batch} seqs x {args.max_tokens} tokens)")
     print(f"int8 vs fp32: perplexity {100 * (ppl['int8'] / ppl['fp32'] - 1):+.3f}%, top-1 agreement {top1:.4f}, "
