@@ -12,8 +12,9 @@ trained `tiny` Llama, evaluated on the standard-library sources that follow its 
 the demo's own walk (text of the same kind it never saw).
 
 Trained model (issue #18's acceptance: int8 perplexity within 1% of fp32), the demo's `tiny` Llama
-(2 layers x 64, GQA 4/2, 8192-token BPE, 1.1M params) after 300 of its 600 steps (loss ~4.3; the
-run was slowed by the shared machine and this checkpoint is the one it had saved), 65,536 held-out
+(2 layers x 64, GQA 4/2, 8192-token BPE, 1.1M params) after 300 of its 600 steps (training loss
+4.12, its own validation perplexity 195.6; the run was slowed by the shared machine and this
+checkpoint is the one it had saved in time), 65,536 held-out
 tokens of 15 stdlib sources (unittest/__init__.py .. urllib/parse.py), windows of 128:
   fp32 perplexity 139.833, int8 139.851: +0.012%; teacher-forced top-1 agreement 0.9944.
   `.venv/bin/python benchmarks/quantization.py --demo /tmp/cpuspeed/demo --window 128`
