@@ -134,6 +134,8 @@ def stack_linears(layers: list[nn.Linear]) -> nn.Linear | None:
 def merge_projections(model: nn.Module) -> int:
     """Stack q/k/v and gate/up of every layer that allows it, in place (see the module docstring);
     returns how many stacked layers were made, and logs the layers left split and why."""
+    # Each layer keeps its instance (norms, window, head counts) and swaps its class for the merged
+    # subclass, whose only difference is `project` / `gate_up` (as FSDP2's fully_shard swaps classes).
     merged = 0
     left: list[str] = []
     for name, module in list(model.named_modules()):
