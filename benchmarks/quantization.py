@@ -18,7 +18,7 @@ Trained model (issue #18's acceptance: int8 perplexity within 1% of fp32), the d
   int8 110.428: +0.008%; teacher-forced top-1 agreement 0.9936; Linear weights 2.35 -> 0.62 MiB.
   at step 300 (training loss 4.12, validation perplexity 195.6): 139.833 -> 139.851, +0.012%, 0.9944.
   Decode tok/s in those runs (int8 1.15x / 1.24x of fp32) is this loaded machine's noise.
-  `.venv/bin/python benchmarks/quantization.py --demo /tmp/cpuspeed/demo --window 128`
+  `TESSERA_DEMO_DIR=/tmp/cpuspeed/demo make demo; .venv/bin/python benchmarks/quantization.py --demo /tmp/cpuspeed/demo --window 128`
 
 Measured (2-core shared CPU, 1 thread, torch 2.13, torchao 0.18, llama-20m = 12.2M params):
   --head-scale 20: perplexity 1.405e12 -> 1.454e12 (+3.5%), top-1 agreement 0.954, Linear weights
