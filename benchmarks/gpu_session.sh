@@ -4,7 +4,7 @@
 # log under $OUT (or ./gpu-out) and a failed step does not stop the later ones.
 #
 #   bash benchmarks/gpu_session.sh [STEP...]   steps: tests kernels host-profile train train1b serve
-#                                              (default: tests kernels train serve)
+#                                              serve-eager serve-profile (default: tests kernels train serve)
 #
 # Python packages the machine's image lacks (pydantic 2 and pydantic-core, annotated-types,
 # typing-inspection, typing-extensions, fastapi, starlette, uvicorn, opentelemetry-api, and torchao
@@ -56,10 +56,21 @@ for s in $STEPS; do
         step train-1b 400 python3 benchmarks/train_throughput.py --device cuda --precision bf16 \
             --preset llama-1b --full-size --seq 2048 --batch 4 --steps 10 --warmup 4 \
             --json "$OUT/train-1b.json" ;;
-    serve)
+    serve)  # CUDA-graph decode (the default on CUDA) at 64 concurrent; TPOT next to the weight-read floor
         step serve 300 python3 benchmarks/serving.py --device cuda --preset llama-160m \
             --num-requests 256 --concurrency 64 --naive-requests 16 --rounds 1 \
+            --max-num-batched-tokens 2048
+        step serve-1b 480 python3 benchmarks/serving.py --device cuda --preset llama-1b \
+            --num-requests 128 --concurrency 64 --naive-requests 4 --rounds 1 \
+            --max-num-batched-tokens 2048
+        grep -h -e "^model:" -e "physical floor" -e "TPOT median" "$OUT/serve.log" "$OUT/serve-1b.log" ;;
+    serve-eager)  # the same llama-160m run without graphs, for the ratio
+        step serve-eager 300 python3 benchmarks/serving.py --device cuda --preset llama-160m --enforce-eager \
+            --num-requests 256 --concurrency 64 --naive-requests 16 --rounds 1 \
             --max-num-batched-tokens 2048 ;;
-    *) echo "gpu_session.sh: unknown step $s (steps: tests kernels host-profile train train1b serve)"; exit 2 ;;
+    serve-profile)  # host vs device time per decode step, eager and CUDA graphs
+        step serve-profile 300 python3 benchmarks/serving_profile.py --device cuda --preset llama-160m \
+            --concurrency 64 --num-requests 64 --decode-steps 64 ;;
+    *) echo "gpu_session.sh: unknown step $s (steps: tests kernels host-profile train train1b serve serve-eager serve-profile)"; exit 2 ;;
     esac
 done

@@ -23,6 +23,12 @@ from tessera.common.errors import UserError
 from tessera.inference.block_manager import BlockManager
 from tessera.inference.config import EngineConfig
 from tessera.inference.cpu_linear import pack_linears
+from tessera.inference.cuda_graphs import (
+    DecodeGraphs,
+    check_cuda_graphs,
+    decode_graph_mode,
+    default_capture_sizes,
+)
 from tessera.inference.detokenizer import IncrementalDetokenizer
 from tessera.inference.executor import WorkerDied
 from tessera.inference.loader import LoadedModel
@@ -110,7 +116,11 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or model_max, model_max)
         if cfg.max_model_len is not None and cfg.max_model_len > model_max:
             raise UserError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_seq_len ({model_max})")
-        num_blocks = pool_blocks(cfg, loaded, dtype)
+        check_cuda_graphs(cfg, device, loaded.config)
+        graphs = decode_graph_mode(cfg, device, loaded.config)
+        pool = pool_blocks(cfg, loaded, dtype)
+        # With decode graphs the pool's last block is the padding rows' scratch block: never handed out.
+        num_blocks = pool - (graphs != "off")
         need = -(-self.max_model_len // cfg.block_size)
         if num_blocks < need:
             raise UserError(
@@ -132,7 +142,11 @@ class LLMEngine:
                                  loaded.config.vocab_size, sorted(self.eos_ids))
         # Last: under tensor parallel this starts the workers, so nothing after it can fail and
         # leave them running.
-        self.runner = self._runner(loaded, cfg, num_blocks, device, dtype)
+        self.runner = self._runner(loaded, cfg, pool, device, dtype)
+        if graphs != "off":  # TP1 only (decode_graph_mode): no workers to leave running if capture fails
+            sizes = cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs)
+            self.runner.decode_graphs = DecodeGraphs(self.runner, sizes, need, scratch_block=pool - 1,
+                                                     capture=graphs == "capture")
 
     @staticmethod
     def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,

@@ -76,6 +76,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "Default: off.")
     g.add_argument("--seed", type=int, default=None,
                    help="Seed for requests without their own (default: OS entropy, i.e. not reproducible).")
+    # CUDA graphs for decode steps (cuda_graphs.py).
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="Never use CUDA graphs: decode steps run eagerly too (default on CUDA: decode steps replay "
+                        "graphs captured per batch-size bucket; CPU and tensor parallel always run eagerly).")
+    g.add_argument("--cuda-graph-sizes", nargs="+", default=None, metavar="N",
+                   help="Decode batch sizes to capture, e.g. '1 2 4 8 16' (each decode batch is padded to the next "
+                        "size; larger ones run eagerly). Default: 1 2 4 8 16 24 ... up to --max-num-seqs.")
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
@@ -108,6 +115,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
         torch.set_num_threads(args.torch_threads)
     speculative = parse_speculative_config(args.speculative_config)
+    sizes = None
+    if args.cuda_graph_sizes is not None:
+        from tessera.inference.cuda_graphs import parse_capture_sizes
+
+        sizes = parse_capture_sizes(args.cuda_graph_sizes)
     try:
         return EngineConfig(
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_tokens=args.kv_cache_tokens,
@@ -115,6 +127,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching, prefix_cache_hash=args.prefix_cache_hash, dtype=args.dtype, device=args.device, seed=args.seed,
             quantization=args.quantization, cpu_linear=args.cpu_linear, speculative=speculative, tensor_parallel=args.tensor_parallel,
+            enforce_eager=args.enforce_eager, cuda_graph_sizes=sizes,
         )
     except ValidationError as exc:
         msg = format_validation_error(exc, "engine flags")
