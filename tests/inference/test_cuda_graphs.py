@@ -9,6 +9,8 @@ gpu tests capture and replay on CUDA and compare with eager.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from inference_helpers import make_checkpoint, run_all, tiny_config, token_ids
@@ -18,6 +20,7 @@ from tessera.inference.config import EngineConfig
 from tessera.inference.cuda_graphs import bucket_for, default_capture_sizes, parse_capture_sizes
 from tessera.inference.model_runner import BatchSeq
 from tessera.inference.sampling_params import SamplingParams
+from tessera.kernels._dispatch import triton_available
 
 SIZES = [1, 2, 4, 8]
 GPT2 = dict(arch="gpt2", num_kv_heads=4, norm="layernorm", activation="gelu", position="learned", bias=True,
@@ -130,6 +133,27 @@ def test_padding_rows_write_only_the_scratch_block_and_logits_equal_unpadded(eng
     assert ((padded_logits - eager_logits).norm() / eager_logits.norm()) < 1e-5
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not triton_available(),
+                    reason="needs Triton's interpreter (TRITON_INTERPRET=1, as make test sets)")
+def test_padded_decode_through_the_triton_kernel_equals_the_reference(engines, monkeypatch):
+    # What a captured graph runs on CUDA: the paged-attention Triton kernel over block tables
+    # padded to max_model_len / block_size, with padding rows on the scratch block.
+    _, padded = engines
+    runner = padded.runner
+    batch = [BatchSeq([11], 4, [7], 1), BatchSeq([12], 12, [3, 9], 1), BatchSeq([13], 19, [20, 21, 22], 1)]
+    with torch.no_grad():
+        runner.kv.copy_(torch.randn(runner.kv.shape, generator=torch.Generator().manual_seed(1)))
+    start = runner.kv.clone()
+    with torch.inference_mode():
+        reference = runner.forward_batch(batch, [0, 1, 2])
+        runner.kv.copy_(start)
+        monkeypatch.setenv("TESSERA_FORCE_TRITON", "1")
+        monkeypatch.delenv("TESSERA_DISABLE_TRITON", raising=False)
+        kernel = runner.forward_batch(batch, [0, 1, 2])
+    assert runner.decode_graphs.block_tables.shape[1] == 256 // 8  # max_model_len / block_size
+    assert ((kernel - reference).norm() / reference.norm()) < 1e-5
+
+
 def test_prefill_and_over_bucket_steps_run_eagerly(engines):
     _, padded = engines
     graphs = padded.runner.decode_graphs
@@ -151,7 +175,7 @@ def test_bucket_is_the_smallest_size_that_holds_the_batch():
 
 def test_capture_sizes_parse_spaces_and_commas():
     assert parse_capture_sizes(["8", "1,2", "4 2"]) == [1, 2, 4, 8]
-    for bad in (["0"], ["-1"], ["two"], ["2.5"], ["1,,x"]):
+    for bad in (["0"], ["-1"], ["two"], ["2.5"], ["1,,x"], ["\u00b2"], [" "]):
         with pytest.raises(UserError, match="--cuda-graph-sizes"):
             parse_capture_sizes(bad)
 

@@ -67,7 +67,7 @@ def parse_capture_sizes(values: list[str]) -> list[int]:
     sizes = []
     for text in values:
         for part in text.replace(",", " ").split():
-            if not part.isdigit() or int(part) < 1:
+            if not (part.isascii() and part.isdigit()) or int(part) < 1:
                 raise UserError(f"--cuda-graph-sizes: {part!r} is not a positive integer; give batch sizes such "
                                 "as '1 2 4 8 16'")
             sizes.append(int(part))
@@ -161,7 +161,7 @@ class DecodeGraphs:
     def bucket(self, batch: list[BatchSeq]) -> int | None:
         """The bucket this step replays, or None when it must run eagerly (not a pure decode step,
         or more sequences than the largest bucket)."""
-        if any(len(s.tokens) != 1 or len(s.block_table) > self.max_blocks for s in batch):
+        if not batch or any(len(s.tokens) != 1 or len(s.block_table) > self.max_blocks for s in batch):
             return None
         return bucket_for(len(batch), self.sizes)
 
