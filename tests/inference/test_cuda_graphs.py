@@ -99,6 +99,20 @@ def test_second_wave_reads_the_prefix_cache_written_beside_padding_rows(engines)
     assert padded.blocks.prefix_hits > hits
 
 
+def test_speculative_steps_run_eagerly_beside_padded_decode_steps(engines):
+    # n-gram drafts make rows of 1 + k tokens (eager); steps without drafts pad. Greedy output is
+    # the eager engine's without speculation.
+    from tessera.inference.config import SpeculativeConfig
+
+    eager, padded = engines
+    spec = build(padded.loaded.path, padded_decode=True, cuda_graph_sizes=SIZES,
+                 speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1,
+                                               prompt_lookup_max=2))
+    requests = workload(sampled=False)
+    assert_same(outputs(spec, requests), outputs(eager, requests))
+    assert spec.stats().spec_num_drafts > 0 and sum(spec.runner.decode_graphs.replays.values()) > 0
+
+
 def test_the_scratch_block_is_the_pools_last_and_never_handed_out(engines):
     _, padded = engines
     graphs = padded.runner.decode_graphs
