@@ -34,7 +34,8 @@ def build(ckpt, device: str = "cpu", **over):
     cfg = EngineConfig(block_size=8, num_kv_blocks=96, max_num_seqs=8, max_num_batched_tokens=64, seed=0,
                        device=device, dtype="float32", **over)
     dev = torch.device(device)
-    return LLMEngine(load_for_serving(ckpt, dev, torch.float32), cfg, dev, torch.float32)
+    loaded = load_for_serving(ckpt, dev, torch.float32, tensor_parallel=cfg.tensor_parallel)
+    return LLMEngine(loaded, cfg, dev, torch.float32)
 
 
 @pytest.fixture(scope="module", params=["llama-gqa", "gpt2"])
@@ -213,12 +214,31 @@ def test_bad_graph_flags_are_refused_in_one_line(tmp_path, capsys, flags, expect
     assert len(err) == 1 and expected in err[0] and "Traceback" not in err[0], err
 
 
-def test_graphs_with_tensor_parallel_are_refused():
-    from tessera.inference.cuda_graphs import check_cuda_graphs
+def test_tensor_parallel_captures_only_when_sizes_are_given():
+    from tessera.inference.cuda_graphs import decode_graph_mode
 
-    cfg = EngineConfig(tensor_parallel=2, cuda_graph_sizes=[1, 2])
-    with pytest.raises(UserError, match="not supported with --tensor-parallel 2"):
-        check_cuda_graphs(cfg, torch.device("cuda"))
+    cuda = torch.device("cuda")
+    assert decode_graph_mode(EngineConfig(tensor_parallel=2), cuda) == "off"
+    assert decode_graph_mode(EngineConfig(tensor_parallel=2, cuda_graph_sizes=[1, 2]), cuda) == "capture"
+    assert decode_graph_mode(EngineConfig(), cuda) == "capture"
+    assert decode_graph_mode(EngineConfig(enforce_eager=True), cuda) == "off"
+    assert decode_graph_mode(EngineConfig(), torch.device("cpu")) == "off"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_workers_pad_decode_steps_like_one_eager_process(tmp_path):
+    # Each gloo worker runs the padded forward over its shard (its scratch block the same id in
+    # every rank's pool); the driver gathers the logits rows as before.
+    ckpt = make_checkpoint(tmp_path, tiny_config(num_heads=8, num_kv_heads=4))
+    requests = workload(sampled=True)
+    theirs = outputs(build(ckpt), requests)
+    tp2 = build(ckpt, tensor_parallel=2, padded_decode=True, cuda_graph_sizes=SIZES)
+    try:
+        assert tp2.blocks.num_blocks == 95
+        assert_same(outputs(tp2, requests), theirs)
+    finally:
+        tp2.close()
 
 
 @pytest.mark.gpu

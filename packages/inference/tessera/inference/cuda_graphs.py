@@ -31,8 +31,12 @@ engine; on CUDA it isolates a capture problem from a padding one.
 
 Every bucket's graph is captured on one private memory pool, largest first, so the smaller graphs
 reuse the largest's intermediate memory (replays never overlap: one engine step at a time).
-Tensor parallel: not yet (each worker would capture its own graphs around the NCCL all-reduce);
-`check_cuda_graphs` refuses an explicit request and the default falls back to eager.
+Tensor parallel: each worker builds its own `DecodeGraphs` over its shard and its share of the KV
+pool (the scratch block is the same block id in every rank's pool) and, on CUDA, captures its
+buckets in the same order as the others, so the NCCL all-reduces inside are captured in lockstep;
+the driver's scheduler, sampler and block manager are unchanged. Not measured on GPUs yet, so under
+tensor parallel graphs are captured only when `--cuda-graph-sizes` asks (the default stays eager);
+the padded path itself is tested under gloo on CPU.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,8 +97,9 @@ def decode_graph_mode(cfg: EngineConfig, device: torch.device, model_cfg: ModelC
         return "padded"
     if device.type != "cuda":
         return "off"
-    if cfg.tensor_parallel > 1:
-        log.info("CUDA graphs are not used with tensor parallel yet: decode steps run eagerly")
+    if cfg.tensor_parallel > 1 and cfg.cuda_graph_sizes is None:
+        log.info("tensor parallel: decode steps run eagerly (--cuda-graph-sizes captures graphs in every worker; "
+                 "not yet measured on GPUs, so not the default)")
         return "off"
     reason = uncapturable(model_cfg)
     if reason is not None:
@@ -117,10 +123,6 @@ def uncapturable(model_cfg: ModelConfig | None) -> str | None:
 def check_cuda_graphs(cfg: EngineConfig, device: torch.device, model_cfg: ModelConfig | None = None) -> None:
     """Refuse, in one line, graph settings this engine cannot honour (before any weight loads;
     again with the model's config once it is known)."""
-    if cfg.tensor_parallel > 1 and (cfg.cuda_graph_sizes is not None or cfg.padded_decode):
-        flag = "--cuda-graph-sizes" if cfg.cuda_graph_sizes is not None else "padded_decode"
-        raise UserError(f"{flag}: CUDA graphs are not supported with --tensor-parallel {cfg.tensor_parallel} yet; "
-                        "drop it (decode steps then run eagerly)")
     if cfg.cuda_graph_sizes is None or cfg.padded_decode:  # the padded forward runs anywhere, uncaptured
         return
     if device.type != "cuda":
@@ -129,6 +131,19 @@ def check_cuda_graphs(cfg: EngineConfig, device: torch.device, model_cfg: ModelC
     reason = uncapturable(model_cfg)
     if reason is not None:
         raise UserError(f"--cuda-graph-sizes: this model cannot be captured ({reason}); drop the flag")
+
+
+@dataclass
+class GraphSpec:
+    """What a model runner needs to build its `DecodeGraphs` (sent as JSON to tensor-parallel workers)."""
+
+    sizes: list[int]
+    max_blocks: int  # block table width: max_model_len / block_size
+    scratch_block: int  # the pool block padding rows write to (the pool's last; the BlockManager never has it)
+    capture: bool  # False: the padded forward runs eagerly
+
+    def build(self, runner: ModelRunner) -> DecodeGraphs:
+        return DecodeGraphs(runner, self.sizes, self.max_blocks, self.scratch_block, self.capture)
 
 
 class DecodeGraphs:

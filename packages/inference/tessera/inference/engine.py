@@ -24,7 +24,7 @@ from tessera.inference.block_manager import BlockManager
 from tessera.inference.config import EngineConfig
 from tessera.inference.cpu_linear import pack_linears
 from tessera.inference.cuda_graphs import (
-    DecodeGraphs,
+    GraphSpec,
     check_cuda_graphs,
     decode_graph_mode,
     default_capture_sizes,
@@ -142,25 +142,30 @@ class LLMEngine:
                                  loaded.config.vocab_size, sorted(self.eos_ids))
         # Last: under tensor parallel this starts the workers, so nothing after it can fail and
         # leave them running.
-        self.runner = self._runner(loaded, cfg, pool, device, dtype)
-        if graphs != "off":  # TP1 only (decode_graph_mode): no workers to leave running if capture fails
-            sizes = cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs)
-            self.runner.decode_graphs = DecodeGraphs(self.runner, sizes, need, scratch_block=pool - 1,
-                                                     capture=graphs == "capture")
+        graph_spec = None
+        if graphs != "off":
+            graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
+                                   scratch_block=pool - 1, capture=graphs == "capture")
+        self.runner = self._runner(loaded, cfg, pool, device, dtype, graph_spec)
 
     @staticmethod
     def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,
-                dtype: torch.dtype) -> ModelRunner:
+                dtype: torch.dtype, graphs: GraphSpec | None) -> ModelRunner:
+        """The model runner; with `graphs`, its decode graphs (captured here, or by each
+        tensor-parallel worker over its shard)."""
         if cfg.tensor_parallel == 1:
             assert loaded.model is not None
             if device.type == "cpu" and cfg.quantization is None:
                 pack_linears(loaded.model, cfg.cpu_linear, batch_hint=cfg.max_num_seqs)
-            return ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype)
+            runner = ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype)
+            if graphs is not None:
+                runner.decode_graphs = graphs.build(runner)
+            return runner
         from tessera.inference.executor import TensorParallelExecutor, TensorParallelRunner
 
         assert loaded.path is not None
         executor = TensorParallelExecutor(loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, num_blocks,
-                                          cfg.block_size, device, dtype)
+                                          cfg.block_size, device, dtype, graphs)
         return TensorParallelRunner(executor, device)
 
     def close(self) -> None:
