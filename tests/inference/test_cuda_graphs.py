@@ -2,9 +2,11 @@
 
 On CPU the padded forward runs without capture (`padded_decode`, the code a graph replays): its
 outputs, greedy and seeded-sampled, equal the unpadded eager engine's for Llama (GQA) and GPT-2,
-with batches that are and are not bucket sizes and that shrink as requests finish; padding rows
-write only the scratch block. Bucket choice, capture sizes and bad flags are checked here too. The
-gpu tests capture and replay on CUDA and compare with eager.
+with batches that are and are not bucket sizes and that shrink as requests finish, beside
+prefix-cache hits and n-gram speculative steps (which stay eager), and in TP2 workers on gloo; padding
+rows write only the scratch block; the Triton kernel (interpreter) over max-blocks-padded tables
+equals the reference. Bucket choice, capture sizes and bad flags are checked here too. The gpu
+tests capture and replay on CUDA and compare with eager.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def workload(sampled: bool) -> dict[str, tuple[list[int], SamplingParams]]:
     return out
 
 
-def outputs(engine, requests) -> dict[str, list[int]]:
+def outputs(engine, requests) -> dict:
     """Each request's tokens; the logprobs of them all, in order, under the key "logprobs" (a
     corrupted key/value shifts them long before it flips a token of this tiny model)."""
     runs = run_all(engine, requests)
