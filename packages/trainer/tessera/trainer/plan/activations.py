@@ -14,8 +14,16 @@ hand-written per-tensor formula would have to track by hand.
 Corrections the single-device block cannot show, analytic:
 * sequence parallel: the block input and the MLP norm's input (and their rms statistics) hold
   T/tp tokens, not T (the normed outputs are all-gathered to T and saved at T by the column layers);
-* context parallel: keys and values are all-gathered to the full sequence and kept, plus one
-  additive [T/C, T] mask per micro-batch (ContextParallelAttention);
+* context parallel: keys and values are all-gathered to the full sequence and kept
+  (ContextParallelAttention). One document per sample adds one additive [T/C, T] mask per
+  micro-batch, shared by the layers (`attention_mask_bytes`). Packed documents
+  (`packed_documents`, common/attention.py's MaskedAttention) build no such mask: on CPU the
+  per-segment SDPA attends the local queries at their places in a zero [T] sequence, so the
+  gathered query segments and their outputs (and log-sum-exp) are kept at up to T tokens, not
+  T/C (T when every document holds local queries, as with load-balanced chunks and documents
+  longer than a chunk: planned so, an upper bound), and the outputs put back in token order are
+  one more [T/C] tensor (also in one process); on CUDA FlexAttention saves what SDPA saves, plus
+  one block mask per micro-batch of O((T/C/128) x (T/128)) int32 entries;
 * full recompute: during backward one block's activations are rebuilt (a transient counted with
   the buffers);
 * mixture-of-experts layers: routing has data-dependent shapes, which fake tensors cannot run, so
@@ -107,7 +115,8 @@ def measure_block(cfg_json: str, layer: int, batch: int, seq: int, autocast_bf16
 
 
 def resid_bytes(spec: PlanSpec) -> float:
-    return 4.0  # the residual stream stays in the parameter dtype (fp32; bf16 parameters: 2)
+    """The residual stream (and pipeline stages' inputs and outputs) stays in the parameter dtype."""
+    return 2.0 if spec.precision in ("bf16-master", "fp8") else 4.0
 
 
 def layer_activation_bytes(spec: PlanSpec, layer: int = 0) -> float:
@@ -120,15 +129,38 @@ def layer_activation_bytes(spec: PlanSpec, layer: int = 0) -> float:
     if local.moe is not None and not local.is_moe_layer(layer):
         local = local.model_copy(update={"moe": None})
     total = float(measure_block(local.model_dump_json(), 0, b, s, bf16, spec.recompute))
-    rb = 2.0 if spec.precision in ("bf16-master", "fp8") else resid_bytes(spec)
+    rb = resid_bytes(spec)
     if spec.precision in ("bf16-master", "fp8"):  # measured with fp32 residual under autocast: halve it
         total -= (2 if spec.recompute != "full" else 1) * b * s * cfg.hidden_size * 2.0
     if tp > 1 and spec.sequence_parallel:
         total -= (1 - 1 / tp) * b * s * cfg.hidden_size * rb * (2 if spec.recompute != "full" else 1)
+    ab, t = (2.0 if bf16 else 4.0), spec.seq_len
     if cp > 1 and spec.recompute != "full":
-        kv = 2 * b * spec.seq_len * local.kv_size * (2.0 if bf16 else 4.0)
-        total += kv * (1 - 1 / cp) + s * spec.seq_len * (2.0 if bf16 else 4.0)
+        total += 2 * b * (t - s) * local.kv_size * ab  # K and V all-gathered to T
+    if spec.packed_documents and spec.device_type == "cpu" and spec.recompute == "none":
+        # Per-segment SDPA (measured on a real block, 2 documents of 24 and 40 tokens): it saves
+        # its gathered query segments, outputs and lse -- under CP at up to T tokens (the local
+        # queries padded with zeros), not T/C -- and the outputs put back in token order (the
+        # output projection's input) are a second tensor, where plain SDPA's output is a view.
+        total += b * local.q_size * ab * (2 * t - s) + b * local.num_heads * 4.0 * (t - s)
     return total
+
+
+def attention_mask_bytes(spec: PlanSpec) -> float:
+    """Per micro-batch, shared by every layer of one sliding window: context parallel's additive
+    [T/C, T] mask (one document per sample), or with packed documents on CUDA FlexAttention's
+    block mask (kv and q block counts and indices, full and partial: four [rows, Tq/128, T/128]
+    int32 tensors). The CPU per-segment path holds no mask (only a [w, 2w] band per window)."""
+    cfg, lay = spec.model, spec.layout
+    windows = len({cfg.window(i) for i in range(cfg.num_layers)})
+    if spec.packed_documents:
+        if spec.device_type == "cpu":
+            return 0.0
+        blocks = -(-spec.seq_len // lay.context // 128) * -(-spec.seq_len // 128)
+        return windows * 4 * spec.micro_batch * blocks * 4.0
+    if lay.context == 1:  # (cached by the attention function: alive under full recompute too)
+        return 0.0
+    return windows * spec.seq_len // lay.context * spec.seq_len * (2.0 if spec.precision != "fp32" else 4.0)
 
 
 def recompute_buffer_bytes(spec: PlanSpec) -> float:

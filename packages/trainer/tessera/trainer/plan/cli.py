@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         or parse_pipeline_layers(args.pipeline_layers) is not None
     layout = _layout(args, cfg)
     spec = PlanSpec.from_train_config(cfg, model, layout, args.precision, args.recompute)
+    if args.device == "cpu":
+        spec = spec.model_copy(update={"device_type": "cpu"})
     if args.gpus is not None and not layout_given:
         ranked = rank_layouts(spec, args.gpus, device, args.efficiency)
         if not ranked:

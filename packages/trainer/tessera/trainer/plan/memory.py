@@ -25,6 +25,7 @@ import torch
 
 from tessera.common.model_config import ModelConfig
 from tessera.trainer.plan.activations import (
+    attention_mask_bytes,
     head_loss_bytes,
     layer_activation_bytes,
     recompute_buffer_bytes,
@@ -158,19 +159,27 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
     wb, gb, ob = _bytes_per_param(spec)
     n = params.total
     notes: list[str] = []
-    buffers = 0.0
+    buffers = unsharded_grads = 0.0
     if spec.fsdp:
         shards = lay.data_shard
         weights = n * 4.0 / shards  # sharded fp32 parameters are the masters
         grads = n * 4.0 / shards
         optimizer = n * 8.0 / shards
         gathered_b = 2.0 if spec.precision != "fp32" else 4.0
+        block_b = 1.0 if spec.fp8_all_gather else gathered_b  # torchao's float8 all-gather: fp8 linear weights
         # At the peak (the loss, then the first backward block) the root (embedding, final norm,
         # head; kept gathered from forward to backward) and one gathered block are alive; the
         # prefetched block and a block's unsharded gradients come later, when activations have
-        # been freed (measured: counting them over-predicted FSDP 4 by 15%).
-        units = 1 if spec.fsdp_reshard_after_forward else params.num_layers
-        buffers += units * params.largest_layer * gathered_b + params.embedding * gathered_b
+        # been freed (measured: counting them over-predicted FSDP 4 by 15%). Under pipeline
+        # parallel the runtime keeps every block gathered (reshard_after_forward off, as torchtitan).
+        units = 1 if spec.fsdp_reshard_after_forward and lay.pipeline == 1 else params.num_layers
+        buffers += units * params.largest_layer * block_b + params.embedding * gathered_b
+        if lay.pipeline > 1:
+            # The pipeline schedule turns FSDP's gradient sync off for all but a stage's last
+            # micro-batch, so every block's unsharded gradient accumulates over the step, in the
+            # reduce dtype (fp32: FSDP2 upcasts bf16 gradients into `unsharded_accumulated_grad`);
+            # the sharded gradients (freed at zero_grad) only appear as these are reduce-scattered.
+            unsharded_grads = n * 4.0
         opt_temp = params.largest_layer * 4.0 / shards
         if spec.cpu_offload:
             notes.append("CPU offload: sharded weights, grads and optimizer state in host memory")
@@ -186,7 +195,18 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
     flight = in_flight(spec, pp_rank)
     ranges = lay.stage_ranges(spec.model.num_layers)
     held = [i for st in range(lay.num_stages) if st % lay.pipeline == pp_rank for i in ranges[st]]
-    acts = sum(layer_activation_bytes(spec, i) for i in held) * flight
+    per_mb = sum(layer_activation_bytes(spec, i) for i in held) + attention_mask_bytes(spec)
+    acts = per_mb * flight
+    if unsharded_grads:
+        # They exist from the rank's first backward on. With forwards left after it (1F1B's
+        # steady state) the warm-up's micro-batches are in flight again beside them; when the
+        # warm-up ran every forward (micro-batches <= warm-up) one chunk-forward has been freed.
+        # The plan describes whichever of the two moments is larger.
+        steady = spec.num_microbatches * lay.virtual_stages > round(flight * lay.virtual_stages)
+        after = per_mb * (flight if steady else flight - 1 / lay.virtual_stages)
+        if after + unsharded_grads > acts:
+            acts = after
+            buffers += unsharded_grads
     if lay.pipeline > 1:
         # Each chunk-forward in flight keeps its stage output for the stage's backward, and the
         # schedule holds a receive buffer per micro-batch for every stage input and output gradient.
@@ -217,4 +237,4 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
                       optimizer_temp=opt_temp, init=init, pp_rank=pp_rank, notes=notes,
                       # FSDP frees the sharded gradients at zero_grad and reduce-scatters new ones
                       # block by block in backward: with one micro-batch none exist at the peak.
-                      grads_in_backward=not (spec.fsdp and spec.num_microbatches == 1))
+                      grads_in_backward=not (spec.fsdp and (spec.num_microbatches == 1 or lay.pipeline > 1)))

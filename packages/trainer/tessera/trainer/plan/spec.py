@@ -31,9 +31,16 @@ class PlanSpec(StrictModel):
                                  "(the runtime's bf16 parameters, FSDP's fsdp_param_dtype=bfloat16, Megatron's --bf16); "
                                  "fp8 = bf16-master with fp8 matmul inputs saved for backward (Transformer Engine).")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute.")
+    packed_documents: bool = Field(False, description="Attention restricted to each packed document "
+                                   "(data.reset_attention_mask): common/attention.py's MaskedAttention.")
+    device_type: Literal["cuda", "cpu"] = Field("cuda", description="Where the step runs: picks the packed-"
+                                                "document kernel (FlexAttention on CUDA, per-segment SDPA on CPU).")
     sequence_parallel: bool = Field(True, description="With tensor > 1.")
     distributed_optimizer: bool = Field(True, description="ZeRO-1: optimizer state and masters sharded over data ranks.")
     fsdp_reshard_after_forward: bool = Field(True, description="FSDP: free gathered block parameters after forward.")
+    fp8_all_gather: bool = Field(False, description="fp8 with FSDP: all-gather the blocks' linear weights in float8 "
+                                 "(torchao's float8 all-gather, torchtitan's enable_fsdp_float8_all_gather): 1 byte "
+                                 "per gathered weight instead of 2.")
     cpu_offload: bool = Field(False, description="FSDP: sharded parameters, grads and optimizer state in host memory.")
     bucket_numel: int = Field(40_000_000, gt=0, description="Elements per data-parallel gradient bucket.")
 
@@ -59,5 +66,6 @@ class PlanSpec(StrictModel):
         return cls(model=model, layout=layout, seq_len=t.seq_length, micro_batch=t.micro_batch_size,
                    global_batch=t.global_batch_size, precision=precision,
                    recompute=recompute or t.recompute, sequence_parallel=p.sequence_parallel,
+                   packed_documents=cfg.data.reset_attention_mask,
                    distributed_optimizer=p.distributed_optimizer, cpu_offload=p.fsdp_cpu_offload,
                    bucket_numel=p.bucket_numel)
