@@ -49,19 +49,26 @@ from tessera.trainer.plan.spec import PlanSpec
 
 
 class _LiveStorages(TorchDispatchMode):
-    """Records (weak) every storage an op outputs."""
+    """Records (weak) every storage an op outputs, and which of them are casts of `params`
+    (autocast's weight copies: counted once per step by the caller, not per block and micro-batch)."""
 
-    def __init__(self):
+    def __init__(self, params: set[int]):
         super().__init__()
+        self.params = params
+        self.weight_copies: set[int] = set()
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        cast = func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) \
+            and StorageWeakRef(args[0].untyped_storage()).cdata in self.params
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 ref = StorageWeakRef(st)
                 self.storages.setdefault(ref.cdata, (ref, st.nbytes()))
+                if cast:
+                    self.weight_copies.add(ref.cdata)
         return out
 
     def live_bytes(self, exclude: set[int]) -> int:
@@ -79,9 +86,11 @@ def _local_config(cfg: ModelConfig, tp: int, ep: int) -> ModelConfig:
 
 
 @functools.lru_cache(maxsize=128)
-def measure_block(cfg_json: str, layer: int, batch: int, seq: int, autocast_bf16: bool, recompute: str) -> int:
+def measure_block(cfg_json: str, layer: int, batch: int, seq: int, precision: str, recompute: str) -> int:
     """Bytes one block (global layer `layer` of the config, already at local shapes) keeps alive
-    after its forward on [batch, seq, hidden] input, its input included, its output not."""
+    after its forward on [batch, seq, hidden] input, its input included, its output not, nor
+    autocast's copies of its weights. `precision` as PlanSpec's: autocast to bf16 unless fp32;
+    bf16 parameters and input for the -master ones; torchao Float8Linear layers for fp8."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tessera.common.model import Block
@@ -93,30 +102,55 @@ def measure_block(cfg_json: str, layer: int, batch: int, seq: int, autocast_bf16
     if cfg.moe is not None:
         moe = cfg.moe
         tokens = batch * seq
-        moe_extra = tokens * (moe.top_k * cfg.hidden_size + 2 * moe.num_experts) * (2 if autocast_bf16 else 4)
+        moe_extra = tokens * (moe.top_k * cfg.hidden_size + 2 * moe.num_experts) * (2 if precision != "fp32" else 4)
         cfg = cfg.model_copy(update=dict(moe=None, ffn_hidden_size=moe.top_k * moe.ffn_hidden_size + moe.shared_size))
+    dtype = torch.bfloat16 if precision.endswith("-master") else torch.float32
     with FakeTensorMode():
         block = Block(cfg, 0)
         block.train()
+        for p in block.parameters():
+            p.data = p.data.to(dtype)
+        if precision.startswith("fp8"):
+            _float8(block)
         apply_recompute(SimpleNamespace(layers={"0": block}), recompute)  # type: ignore[arg-type]
         rope = RotaryEmbedding(cfg)(torch.arange(seq).unsqueeze(0)) if cfg.position == "rope" else None
-        x = torch.randn(batch, seq, cfg.hidden_size, requires_grad=True)
+        x = torch.randn(batch, seq, cfg.hidden_size, requires_grad=True, dtype=dtype)
         keep = {StorageWeakRef(p.untyped_storage()).cdata for p in block.parameters()}
+        tracker = _LiveStorages(set(keep))
         keep |= {StorageWeakRef(t.untyped_storage()).cdata for t in (rope or ())}
-        tracker = _LiveStorages()
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else torch.autocast("cpu", enabled=False)
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
         with tracker, ctx:
             y = block(x, rope)
         gc.collect()
         keep.add(StorageWeakRef(y.untyped_storage()).cdata)
-        live = tracker.live_bytes(keep) + x.untyped_storage().nbytes()
+        live = tracker.live_bytes(keep | tracker.weight_copies) + x.untyped_storage().nbytes()
         del y
     return live + moe_extra
 
 
+def _float8(block: torch.nn.Module) -> None:
+    """The trainer's Float8Linear swap (tessera.trainer.fp8), on a fake block. What it saves for
+    backward is torchao's (>= 0.10: the high-precision input and the weight, casting both to
+    float8 again in backward; torchao before 2025-01, which torchtitan's published runs used,
+    saved the float8 input). On CUDA, Float8Linear casts its input to the autocast dtype first;
+    CPU autocast does not trigger that cast, so a pre-hook does it here."""
+    from tessera.common.errors import UserError
+    from tessera.trainer.fp8 import convert_to_float8
+
+    try:
+        convert_to_float8(block, "tensorwise")
+    except UserError as exc:
+        raise UserError(f"planning precision fp8: {exc}") from None
+    from torchao.float8.float8_linear import Float8Linear
+
+    for m in block.modules():
+        if isinstance(m, Float8Linear):
+            m.register_forward_pre_hook(lambda _m, args: (args[0].to(torch.bfloat16), *args[1:]))
+
+
 def resid_bytes(spec: PlanSpec) -> float:
     """The residual stream (and pipeline stages' inputs and outputs) stays in the parameter dtype."""
-    return 2.0 if spec.precision in ("bf16-master", "fp8") else 4.0
+    return 2.0 if spec.bf16_params else 4.0
 
 
 def layer_activation_bytes(spec: PlanSpec, layer: int = 0) -> float:
@@ -128,10 +162,8 @@ def layer_activation_bytes(spec: PlanSpec, layer: int = 0) -> float:
     bf16 = spec.precision != "fp32"
     if local.moe is not None and not local.is_moe_layer(layer):
         local = local.model_copy(update={"moe": None})
-    total = float(measure_block(local.model_dump_json(), 0, b, s, bf16, spec.recompute))
+    total = float(measure_block(local.model_dump_json(), 0, b, s, spec.precision, spec.recompute))
     rb = resid_bytes(spec)
-    if spec.precision in ("bf16-master", "fp8"):  # measured with fp32 residual under autocast: halve it
-        total -= (2 if spec.recompute != "full" else 1) * b * s * cfg.hidden_size * 2.0
     if tp > 1 and spec.sequence_parallel:
         total -= (1 - 1 / tp) * b * s * cfg.hidden_size * rb * (2 if spec.recompute != "full" else 1)
     ab, t = (2.0 if bf16 else 4.0), spec.seq_len

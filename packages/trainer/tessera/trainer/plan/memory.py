@@ -144,7 +144,7 @@ class MemoryPlan:
 
 def _bytes_per_param(spec: PlanSpec) -> tuple[float, float, float]:
     """(weight, grad, optimizer) bytes per parameter a rank holds before data-parallel sharding."""
-    if spec.precision in ("fp32", "bf16"):  # fp32 weights (the trainer's bf16 is autocast over them)
+    if not spec.bf16_params:  # fp32 weights (the trainer's bf16 and fp8 are autocast over them)
         return 4.0, 4.0, 8.0  # Adam moments; fp32 parameters are their own masters
     return 2.0, 4.0, 12.0  # bf16 weights, fp32 main grads, fp32 master + moments
 
@@ -165,8 +165,8 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
         weights = n * 4.0 / shards  # sharded fp32 parameters are the masters
         grads = n * 4.0 / shards
         optimizer = n * 8.0 / shards
-        gathered_b = 2.0 if spec.precision != "fp32" else 4.0
-        block_b = 1.0 if spec.fp8_all_gather else gathered_b  # torchao's float8 all-gather: fp8 linear weights
+        gathered_b = 2.0 if spec.bf16_params else 4.0  # FSDP's param_dtype
+        block_b = 1.0 if spec.fp8_all_gather and spec.float8 else gathered_b  # torchao's float8 all-gather: fp8 linear weights
         # At the peak (the loss, then the first backward block) the root (embedding, final norm,
         # head; kept gathered from forward to backward) and one gathered block are alive; the
         # prefetched block and a block's unsharded gradients come later, when activations have
@@ -222,8 +222,14 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
     if last:
         acts += saved_head_bytes(spec)
         buffers += head_loss_bytes(spec)
-    if spec.precision == "bf16":  # autocast keeps a bf16 copy of every weight used, forward to backward
-        buffers += params.total * 2.0
+    if spec.precision in ("bf16", "fp8"):
+        # Autocast keeps one bf16 copy of every fp32 weight a matmul uses, forward to backward
+        # (its cache: once for all micro-batches; the block measurement leaves them out).
+        # Float8Linear casts its weight to float8 in forward and again in backward and keeps
+        # none, so under fp8 only the unconverted head's copy remains.
+        last = pp_rank == (lay.num_stages - 1) % lay.pipeline
+        head = spec.model.vocab_rows // lay.tensor * spec.model.hidden_size if last else 0
+        buffers += (params.total if spec.precision == "bf16" else head) * 2.0
     # Sharded initialisation (tessera.trainer.parallel.sharded_init) allocates this rank's tensor x
     # pipeline share of the model in fp32 -- under FSDP only its data shard of that, fully_shard
     # being applied to the meta model first -- and replays the initialisation one global module at
