@@ -1,7 +1,7 @@
 """tessera-plan's memory predictions against the measured peaks of real training steps.
 
 Three torchrun launches (worlds 1, 2 and 4; gloo/CPU, fp32 unless said) run the parallel runtime
-built as `tessera-train` builds it for 2 steps under 17 layouts, each rank counting the bytes of
+built as `tessera-train` builds it for 2 steps under 19 layouts, each rank counting the bytes of
 every storage alive (tests/trainer/plan_worker.py). The planner's per-rank peak (worst rank) must
 be within 10% of the measured one for every layout. The same runs check the FSDP memory
 acceptance: the bytes of weights + grads + Adam state a rank holds under data_shard=N are within

@@ -111,7 +111,7 @@ def measure_block(cfg_json: str, layer: int, batch: int, seq: int, precision: st
         for p in block.parameters():
             p.data = p.data.to(dtype)
         if precision.startswith("fp8"):
-            _float8(block)
+            float8_as_on_cuda(block)
         apply_recompute(SimpleNamespace(layers={"0": block}), recompute)  # type: ignore[arg-type]
         rope = RotaryEmbedding(cfg)(torch.arange(seq).unsqueeze(0)) if cfg.position == "rope" else None
         x = torch.randn(batch, seq, cfg.hidden_size, requires_grad=True, dtype=dtype)
@@ -128,8 +128,9 @@ def measure_block(cfg_json: str, layer: int, batch: int, seq: int, precision: st
     return live + moe_extra
 
 
-def _float8(block: torch.nn.Module) -> None:
-    """The trainer's Float8Linear swap (tessera.trainer.fp8), on a fake block. What it saves for
+def float8_as_on_cuda(module: torch.nn.Module) -> None:
+    """The trainer's Float8Linear swap (tessera.trainer.fp8), as it behaves on CUDA, on a CPU (or
+    fake) module. What it saves for
     backward is torchao's (>= 0.10: the high-precision input and the weight, casting both to
     float8 again in backward; torchao before 2025-01, which torchtitan's published runs used,
     saved the float8 input). On CUDA, Float8Linear casts its input to the autocast dtype first;
@@ -138,12 +139,12 @@ def _float8(block: torch.nn.Module) -> None:
     from tessera.trainer.fp8 import convert_to_float8
 
     try:
-        convert_to_float8(block, "tensorwise")
+        convert_to_float8(module, "tensorwise")
     except UserError as exc:
         raise UserError(f"planning precision fp8: {exc}") from None
     from torchao.float8.float8_linear import Float8Linear
 
-    for m in block.modules():
+    for m in module.modules():
         if isinstance(m, Float8Linear):
             m.register_forward_pre_hook(lambda _m, args: (args[0].to(torch.bfloat16), *args[1:]))
 
