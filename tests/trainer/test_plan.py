@@ -114,6 +114,7 @@ def test_cli_reads_precision_and_recompute_from_the_config(tmp_path, capsys):
     (["--tensor-parallel", "3"], "--tensor-parallel 3 must divide num_heads"),
     (["--device", "custom", "--memory-gib", "80"], "--device custom needs --peak-tflops"),
     (["--context-parallel", "3"], "seq_len (64) must be divisible by 2 x 3"),
+    (["--fp8-all-gather", "--precision", "fp8"], "--fp8-all-gather needs --precision fp8-master"),
 ])
 def test_bad_layouts_and_devices_are_refused_with_one_line(tmp_path, flags, words):
     proc = subprocess.run([sys.executable, "-m", "tessera.trainer.plan.cli", "--config", _config(tmp_path), *flags],

@@ -4,12 +4,15 @@ loss's buffers.
 Method for the block: *measured*, not written down. One `Block` of the model at this rank's local
 shapes (query/kv heads and ffn width divided by tensor parallel, experts by expert parallel, the
 sequence by context parallel) runs forward under `FakeTensorMode` (shapes and dtypes, no memory,
-milliseconds even at 405B widths) with activation recompute applied as the trainer applies it and
-autocast for bf16; a dispatch mode records the storage of every tensor the forward creates, and
-what is still alive after the forward (held by autograd or by recompute) is the block's
-activation memory. So the figure follows Tessera's real kernels (the CPU flash-attention path
-saves output and log-sum-exp, not the T x T probabilities; SwiGLU keeps its inputs), which a
-hand-written per-tensor formula would have to track by hand.
+milliseconds even at 405B widths) with activation recompute applied as the trainer applies it,
+autocast unless fp32, bf16 parameters and input for the -master precisions and the trainer's
+torchao Float8Linear swap for fp8; a dispatch mode records the storage of every tensor the
+forward creates, and what is still alive after the forward (held by autograd or by recompute;
+not autocast's copies of the weights, which its cache holds once per step: memory.py counts
+them) is the block's activation memory. So the figure follows Tessera's real kernels (the CPU
+flash-attention path saves output and log-sum-exp, not the T x T probabilities; SwiGLU keeps its
+inputs; torchao 0.10+'s Float8Linear keeps its high-precision input and weight, not float8
+copies), which a hand-written per-tensor formula would have to track by hand.
 
 Corrections the single-device block cannot show, analytic:
 * sequence parallel: the block input and the MLP norm's input (and their rms statistics) hold
