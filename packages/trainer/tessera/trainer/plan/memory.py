@@ -222,6 +222,12 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
     if last:
         acts += saved_head_bytes(spec)
         buffers += head_loss_bytes(spec)
+        if lay.pipeline > 1:
+            # The last stage's output is the local-vocab logits, which the schedule keeps (its
+            # forward cache) until that micro-batch's backward; one process frees them after the
+            # loss's forward. Found by listing the storages alive at the measured pp2 peak.
+            tokens = spec.micro_batch * spec.seq_len // lay.context
+            acts += tokens * (spec.model.vocab_rows // lay.tensor) * (4.0 if spec.precision == "fp32" else 2.0)
     if spec.precision in ("bf16", "fp8"):
         # Autocast keeps one bf16 copy of every fp32 weight a matmul uses, forward to backward
         # (its cache: once for all micro-batches; the block measurement leaves them out).
