@@ -51,6 +51,15 @@ def test_expert_parallel_divides_only_the_routed_experts():
     assert one - two == experts // 2
 
 
+def test_fsdp_with_expert_parallel_shards_dense_parameters_over_data_and_expert_ranks():
+    cfg = preset("mixtral-tiny")
+    one = rank_params(spec(model=cfg))
+    mem = plan_memory(spec(dict(data=2, data_shard=2, expert=2), cfg))
+    ep2 = rank_params(spec(dict(expert=2), cfg))
+    assert ep2.experts * 2 == one.experts > 0
+    assert mem.weights == pytest.approx(4.0 * ((ep2.total - ep2.experts) / 4 + ep2.experts / 2))
+
+
 def test_fsdp_shards_weights_grads_and_optimizer_state_by_the_shard_count():
     full, sharded = plan_memory(spec()), plan_memory(spec(dict(data=4, data_shard=4)))
     assert sharded.static * 4 == pytest.approx(full.static)

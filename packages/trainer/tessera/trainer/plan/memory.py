@@ -39,18 +39,19 @@ ROW = ("o_proj", "down_proj")  # split by columns (bias replicated)
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_params(cfg_json: str, layer: int, tp: int, ep: int) -> int:
-    """Parameters of global layer `layer` held by one tensor x expert rank."""
+def _layer_params(cfg_json: str, layer: int, tp: int, ep: int) -> tuple[int, int]:
+    """Parameters of global layer `layer` held by one tensor x expert rank: (all, routed experts')."""
     cfg = ModelConfig.model_validate_json(cfg_json)
     from tessera.common.model import Block
 
     with torch.device("meta"):
         block = Block(cfg, layer)
-    total = 0
+    total = experts = 0
     for name, p in block.named_parameters():
         parts = name.split(".")
         if "experts" in parts:  # stacked routed experts: whole under tensor parallel, split by expert parallel
             total += p.numel() // ep
+            experts += p.numel() // ep
         elif "mlp" in parts and ("shared" in parts or "router" in parts):
             total += p.numel()
         elif parts[-2] in COLUMN:
@@ -59,7 +60,7 @@ def _layer_params(cfg_json: str, layer: int, tp: int, ep: int) -> int:
             total += p.numel() // tp if parts[-1] == "weight" else p.numel()
         else:  # norms, q/k norms
             total += p.numel()
-    return total
+    return total, experts
 
 
 @dataclass
@@ -70,6 +71,7 @@ class RankParams:
     embedding: int  # token (+ learned position) embedding, head, final norm
     num_layers: int  # transformer blocks on this rank (all its chunks)
     largest_layer: int  # parameters of the largest block it holds (FSDP's gathered unit)
+    experts: int = 0  # routed experts' parameters among `layers` (FSDP shards them over data ranks only)
 
     @property
     def total(self) -> int:
@@ -83,7 +85,8 @@ def rank_params(spec: PlanSpec, pp_rank: int = 0) -> RankParams:
     ranges = lay.stage_ranges(cfg.num_layers)
     stages = [s for s in range(lay.num_stages) if s % lay.pipeline == pp_rank]
     js = cfg.model_dump_json()
-    per_layer = [_layer_params(js, i, tp, ep) for s in stages for i in ranges[s]]
+    counts = [_layer_params(js, i, tp, ep) for s in stages for i in ranges[s]]
+    per_layer = [c[0] for c in counts]
     d, v = cfg.hidden_size, cfg.vocab_rows // tp
     norm = d * (2 if cfg.norm == "layernorm" else 1)
     emb = 0
@@ -94,7 +97,7 @@ def rank_params(spec: PlanSpec, pp_rank: int = 0) -> RankParams:
         if not cfg.tie_embeddings or 0 not in stages:  # untied head, or the tied copy on the last stage
             emb += v * d
     return RankParams(layers=sum(per_layer), embedding=emb, num_layers=len(per_layer),
-                      largest_layer=max(per_layer, default=0))
+                      largest_layer=max(per_layer, default=0), experts=sum(c[1] for c in counts))
 
 
 def in_flight(spec: PlanSpec, pp_rank: int = 0) -> float:
@@ -162,9 +165,12 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
     buffers = unsharded_grads = 0.0
     if spec.fsdp:
         shards = lay.data_shard
-        weights = n * 4.0 / shards  # sharded fp32 parameters are the masters
-        grads = n * 4.0 / shards
-        optimizer = n * 8.0 / shards
+        # Under expert parallel the dense parameters are sharded over data x expert ranks, the
+        # routed experts (already split over expert ranks) over the data shards of their group.
+        held = (n - params.experts) / (shards * lay.expert) + params.experts / shards
+        weights = held * 4.0  # sharded fp32 parameters are the masters
+        grads = held * 4.0
+        optimizer = held * 8.0
         gathered_b = 2.0 if spec.bf16_params else 4.0  # FSDP's param_dtype
         block_b = 1.0 if spec.fp8_all_gather and spec.float8 else gathered_b  # torchao's float8 all-gather: fp8 linear weights
         # At the peak (the loss, then the first backward block) the root (embedding, final norm,
