@@ -32,7 +32,7 @@ from tessera.inference.cuda_graphs import (
 from tessera.inference.detokenizer import IncrementalDetokenizer
 from tessera.inference.executor import WorkerDied
 from tessera.inference.loader import LoadedModel
-from tessera.inference.model_runner import ModelRunner, ModelRunnerOutput, kv_block_bytes
+from tessera.inference.model_runner import ModelRunner, ModelRunnerOutput, kv_block_bytes, kv_cache_dtype
 from tessera.inference.output_processor import OutputProcessor, RequestOutput
 from tessera.inference.sampling_params import SamplingParams
 from tessera.inference.scheduler import Scheduler, SchedulerOutput
@@ -71,13 +71,14 @@ class EngineStats:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
-def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> int:
+def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype) -> int:
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
     if cfg.kv_cache_tokens is not None:
         return -(-cfg.kv_cache_tokens // cfg.block_size)
-    # Under tensor parallel kv_cache_memory is per rank, which holds 1/tp of the key/value heads.
-    per_rank = kv_block_bytes(loaded.config, cfg.block_size, dtype) // cfg.tensor_parallel
+    # Under tensor parallel kv_cache_memory is per rank, which holds 1/tp of the key/value heads
+    # (one, replicated, when tp > kv_heads); fp8 (--kv-cache-dtype) fits 4x fp32's blocks.
+    per_rank = kv_block_bytes(loaded.config, cfg.block_size, kv_dtype, cfg.tensor_parallel)
     return max(1, cfg.kv_cache_memory // per_rank)
 
 
@@ -118,7 +119,8 @@ class LLMEngine:
             raise UserError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_seq_len ({model_max})")
         check_cuda_graphs(cfg, device, loaded.config)
         graphs = decode_graph_mode(cfg, device, loaded.config)
-        pool = pool_blocks(cfg, loaded, dtype)
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
+        pool = pool_blocks(cfg, loaded, self.kv_dtype)
         # With decode graphs the pool's last block is the padding rows' scratch block: never handed out.
         num_blocks = pool - (graphs != "off")
         need = -(-self.max_model_len // cfg.block_size)
@@ -146,18 +148,18 @@ class LLMEngine:
         if graphs != "off":
             graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
                                    scratch_block=pool - 1, capture=graphs == "capture")
-        self.runner = self._runner(loaded, cfg, pool, device, dtype, graph_spec)
+        self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec)
 
     @staticmethod
     def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,
-                dtype: torch.dtype, graphs: GraphSpec | None) -> ModelRunner:
+                dtype: torch.dtype, kv_dtype: torch.dtype, graphs: GraphSpec | None) -> ModelRunner:
         """The model runner; with `graphs`, its decode graphs (captured here, or by each
         tensor-parallel worker over its shard)."""
         if cfg.tensor_parallel == 1:
             assert loaded.model is not None
             if device.type == "cpu" and cfg.quantization is None:
                 pack_linears(loaded.model, cfg.cpu_linear, batch_hint=cfg.max_num_seqs)
-            runner = ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype)
+            runner = ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype, kv_dtype=kv_dtype)
             if graphs is not None:
                 runner.decode_graphs = graphs.build(runner)
             return runner
@@ -165,7 +167,7 @@ class LLMEngine:
 
         assert loaded.path is not None
         executor = TensorParallelExecutor(loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, num_blocks,
-                                          cfg.block_size, device, dtype, graphs)
+                                          cfg.block_size, device, dtype, cfg.kv_cache_dtype, graphs)
         return TensorParallelRunner(executor, device)
 
     def close(self) -> None:
