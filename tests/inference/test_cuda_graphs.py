@@ -116,6 +116,17 @@ def test_speculative_steps_run_eagerly_beside_padded_decode_steps(engines):
     assert spec.stats().spec_num_drafts > 0 and sum(spec.runner.decode_graphs.replays.values()) > 0
 
 
+def test_padded_decode_over_an_fp8_kv_cache_equals_eager_fp8(engines):
+    eager, _ = engines
+    path = eager.loaded.path
+    requests = workload(sampled=False)
+    theirs = outputs(build(path, kv_cache_dtype="fp8"), requests)
+    padded = build(path, kv_cache_dtype="fp8", padded_decode=True, cuda_graph_sizes=SIZES)
+    assert padded.runner.kv.dtype == torch.float8_e4m3fn
+    assert_same(outputs(padded, requests), theirs)
+    assert {8, 4} <= set(padded.runner.decode_graphs.replays)
+
+
 def test_the_scratch_block_is_the_pools_last_and_never_handed_out(engines):
     _, padded = engines
     graphs = padded.runner.decode_graphs
