@@ -3,8 +3,20 @@
 # CUDA PyTorch and Triton), run the GPU tests, then the GPU benchmarks. Every step writes its
 # log under $OUT (or ./gpu-out) and a failed step does not stop the later ones.
 #
-#   bash benchmarks/gpu_session.sh [STEP...]   steps: tests kernels host-profile train train1b serve
+#   bash benchmarks/gpu_session.sh [STEP...]   steps: tests kernels host-profile train train1b
+#                                              train1b-fp8 train1b-fp8-rowwise fp8-convergence titan serve
 #                                              (default: tests kernels train serve)
+#
+# Issue #19's training figures, llama-1b at seq 4096 (each step fits one 10-minute device call
+# with the install; estimates for one H100, not measurements):
+#   train1b              bf16: Tessera and transformers' LlamaForCausalLM, each alone on the GPU
+#                        (--separate-processes): tokens/s, MFU against the bf16 peak, peak memory (~4 min)
+#   train1b-fp8          the same in fp8, tensorwise (torchao Float8Linear in both frameworks) (~5 min)
+#   train1b-fp8-rowwise  the same in fp8, rowwise (~5 min)
+#   fp8-convergence      200 steps bf16 then fp8 (tensorwise) from the same init and data: final loss
+#                        within 1% and fp8/bf16 tokens/s >= 1.3x (benchmarks/fp8_convergence.py) (~5 min)
+#   titan                torchtitan's Llama 3 trainer, llama3 "1b", bf16 then float8 tensorwise
+#                        (benchmarks/torchtitan_peer.py; needs its wheels in .whl/, see there) (~6 min)
 #
 # Python packages the machine's image lacks (pydantic 2 and pydantic-core, annotated-types,
 # typing-inspection, typing-extensions, fastapi, starlette, uvicorn, opentelemetry-api, and torchao
@@ -52,14 +64,26 @@ for s in $STEPS; do
         step train-160m 240 python3 benchmarks/train_throughput.py --device cuda --precision bf16 \
             --preset llama-160m --full-size --seq 2048 --batch 8 --steps 20 --warmup 5 \
             --json "$OUT/train-160m.json" ;;
-    train1b)
-        step train-1b 400 python3 benchmarks/train_throughput.py --device cuda --precision bf16 \
-            --preset llama-1b --full-size --seq 2048 --batch 4 --steps 10 --warmup 4 \
-            --json "$OUT/train-1b.json" ;;
+    train1b | train1b-fp8 | train1b-fp8-rowwise)  # batch 2 x 4096: both frameworks' fp32 AdamW state fits 80 GB
+        case $s in
+        train1b) name=train-1b-bf16 precision=(--precision bf16) ;;
+        train1b-fp8) name=train-1b-fp8-tensorwise precision=(--precision fp8 --fp8-recipe tensorwise) ;;
+        *) name=train-1b-fp8-rowwise precision=(--precision fp8 --fp8-recipe rowwise) ;;
+        esac
+        step "$name" 540 python3 benchmarks/train_throughput.py --device cuda "${precision[@]}" \
+            --preset llama-1b --full-size --seq 4096 --batch 2 --steps 10 --warmup 4 --separate-processes \
+            --json "$OUT/$name.json" ;;
+    fp8-convergence)
+        step fp8-convergence 540 python3 benchmarks/fp8_convergence.py --device cuda --preset llama-1b \
+            --seq 4096 --batch 2 --steps 200 --fp8-recipe tensorwise --json "$OUT/fp8-convergence.json" ;;
+    titan)
+        step torchtitan 540 python3 benchmarks/torchtitan_peer.py --steps 30 --warmup 10 \
+            --json "$OUT/torchtitan.json" ;;
     serve)
         step serve 300 python3 benchmarks/serving.py --device cuda --preset llama-160m \
             --num-requests 256 --concurrency 64 --naive-requests 16 --rounds 1 \
             --max-num-batched-tokens 2048 ;;
-    *) echo "gpu_session.sh: unknown step $s (steps: tests kernels host-profile train train1b serve)"; exit 2 ;;
+    *) echo "gpu_session.sh: unknown step $s (steps: tests kernels host-profile train train1b train1b-fp8" \
+            "train1b-fp8-rowwise fp8-convergence titan serve)"; exit 2 ;;
     esac
 done
