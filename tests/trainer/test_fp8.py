@@ -141,29 +141,43 @@ def test_fsdp_float8_all_gather_with_rowwise_is_refused_with_one_line():
                               "weight; a rowwise scale needs whole rows, which a shard does not hold); use tensorwise")
 
 
-def test_tensor_parallel_layers_are_refused_not_swapped():
-    """A Float8Linear in place of Tessera's Column/RowParallelLinear would drop their collectives."""
-    pytest.importorskip("torchao")
+def _with_column_parallel_q(monkeypatch, tp: int):
+    """The tiny model with layer 0's q_proj as a ColumnParallelLinear over `tp` ranks (rank 0)."""
     import torch.distributed as dist
 
     from tessera.common.parallel.layers import ColumnParallelLinear
 
-    class Group:  # ColumnParallelLinear asks only the size and rank of its group
-        pass
-
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: tp)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     model = _model()
-    real_size, real_rank = dist.get_world_size, dist.get_rank
-    try:
-        dist.get_world_size, dist.get_rank = (lambda group=None: 1), (lambda group=None: 0)
-        layer = model.layers["0"].attn.q_proj
-        model.layers["0"].attn.q_proj = ColumnParallelLinear.from_linear(layer, Group(), sequence_parallel=False)
-    finally:
-        dist.get_world_size, dist.get_rank = real_size, real_rank
+    attn = model.layers["0"].attn
+    attn.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, object(), sequence_parallel=False)
+    return model
+
+
+def test_tensor_parallel_layers_are_refused_not_swapped(monkeypatch):
+    """A Float8Linear in place of Tessera's Column/RowParallelLinear would drop their collectives."""
+    pytest.importorskip("torchao")
+    model = _with_column_parallel_q(monkeypatch, tp=2)
     before = {n: type(m) for n, m in model.named_modules()}
     with pytest.raises(UserError, match=r"^training.precision=fp8 does not compose with tensor parallel yet "
                                         r"\(layers.0.attn.q_proj is a ColumnParallelLinear"):
         convert_to_float8(model, "tensorwise")
     assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+@pytest.mark.parametrize("all_gather", [False, True])
+def test_a_tensor_parallel_layer_over_one_rank_is_converted_keeping_its_tags(monkeypatch, all_gather):
+    """The parallel runtime swaps in tensor-parallel layers even at tensor = 1 (for the tags its
+    gradient and checkpoint code read); there they are plain Linear layers and become Float8Linear,
+    the tags carried over (float8 all-gather wraps the weight in a new Parameter)."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = _with_column_parallel_q(monkeypatch, tp=1)
+    assert convert_to_float8(model, "tensorwise", fsdp_float8_all_gather=all_gather)[0] == "layers.0.attn.q_proj"
+    q = model.layers["0"].attn.q_proj
+    assert isinstance(q, Float8Linear) and q.weight.tp_shard_dim == 0 and q.weight.sequence_parallel_partial is False
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
@@ -235,3 +249,34 @@ def test_fsdp_float8_all_gather_trains_like_float8_without_it_on_gpu():
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def _train_config(training: dict, parallel: dict):
+    from tessera.trainer.config import DataConfig, TrainConfig
+
+    return TrainConfig(data=DataConfig(mixture="no-mixture", tokenizer="no-tokenizer"), training=training,
+                       parallel=parallel)
+
+
+def test_fp8_under_tensor_parallel_is_refused_with_one_line():
+    from tessera.trainer.inputs import check_parallel_options
+
+    with pytest.raises(UserError) as err:
+        check_parallel_options(_train_config({"precision": "fp8"}, {"tensor": 2}))
+    assert str(err.value).startswith("training.precision=fp8 does not compose with parallel.tensor > 1 yet")
+    assert "\n" not in str(err.value)
+    check_parallel_options(_train_config({"precision": "fp8"}, {"data_shard": 2}))  # FSDP: allowed
+
+
+@pytest.mark.parametrize("training, parallel", [
+    ({"precision": "bf16"}, {"fsdp_float8_all_gather": True, "data_shard": 2}),
+    ({"precision": "fp8", "fp8_recipe": "rowwise"}, {"fsdp_float8_all_gather": True, "data_shard": 2}),
+    ({"precision": "fp8"}, {"fsdp_float8_all_gather": True}),
+])
+def test_fsdp_float8_all_gather_without_fp8_tensorwise_fsdp_is_refused_before_any_work(training, parallel):
+    from tessera.trainer.inputs import check_inputs
+
+    with pytest.raises(UserError, match="^parallel.fsdp_float8_all_gather needs training.precision=fp8, "
+                                        "training.fp8_recipe=tensorwise and parallel.data_shard > 1"):
+        check_inputs(_train_config({**training, "global_batch_size": 8, "micro_batch_size": 1}, parallel),
+                     world_size=2 if parallel.get("data_shard") else 1)

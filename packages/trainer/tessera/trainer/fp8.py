@@ -33,8 +33,12 @@ Composition (issue #19), what holds and what is refused:
   whole row, which the shard does not have); rowwise with it is refused with one line.
 - tensor parallel: refused with one line. Tessera's tensor-parallel layers subclass nn.Linear and
   issue their collectives in their own forward; torchao's swap would replace them with a plain
-  Float8Linear and drop the collectives (torchao's TP support is for DTensor layers instead).
-The trainer runs fp8 in one process today (tessera.trainer.inputs refuses it under torchrun).
+  Float8Linear and drop the collectives (torchao's TP support is for DTensor layers instead). Over
+  one tensor rank they are plain Linear layers with tags, and are converted (tags kept).
+- the parallel runtime (`ParallelConfig.fp8_recipe`, set by the trainer under torchrun): converts
+  each stage after the tensor-parallel swap and before compile and fully_shard; ZeRO-1 data
+  parallel, FSDP (meta build, sharded init) and pipeline train like one process in fp8 over the
+  same micro-batches (tests/parallel/test_fp8_parallel.py, emulated on CPU, within 1e-5).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch
 from torch import nn
 
 from tessera.common.errors import UserError
+from tessera.common.parallel.layers import PARALLEL_TAGS
 
 RECIPES = ("tensorwise", "rowwise")
 FP8_MIN_CAPABILITY = (8, 9)
@@ -65,11 +70,21 @@ def fp8_device_problem(device: torch.device) -> str | None:
     return None
 
 
+def _tensor_parallel_size(module: nn.Module) -> int | None:
+    """The group size of one of Tessera's tensor-parallel Linear layers (an nn.Linear subclass with
+    its own collectives); None for anything else."""
+    if isinstance(module, nn.Linear) and type(module) is not nn.Linear and hasattr(module, "group"):
+        import torch.distributed as dist
+
+        return dist.get_world_size(module.group)
+    return None
+
+
 def _converts(module: nn.Module, fqn: str) -> bool:
     if not isinstance(module, nn.Linear):
         return True  # let torchao descend into containers
-    if type(module) is not nn.Linear:
-        return False  # a subclass with its own forward (tensor-parallel layers): refused in convert_to_float8
+    if type(module) is not nn.Linear and _tensor_parallel_size(module) != 1:
+        return False  # its own forward: only a tensor-parallel layer over one rank is a plain Linear
     if fqn.split(".")[-1] == "lm_head":
         return False
     return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
@@ -98,8 +113,7 @@ def convert_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: boo
     call `precompute_float8_scales` after every optimizer step.
     """
     config = float8_config(recipe, fsdp_float8_all_gather)
-    parallel = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and type(m) is not nn.Linear
-                and hasattr(m, "group")]
+    parallel = [name for name, m in model.named_modules() if (_tensor_parallel_size(m) or 1) > 1]
     if parallel:
         raise UserError(f"training.precision=fp8 does not compose with tensor parallel yet ({parallel[0]} is a "
                         f"{type(model.get_submodule(parallel[0])).__name__}, whose collectives a Float8Linear would "
@@ -107,7 +121,13 @@ def convert_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: boo
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
+    # The parallel runtime's tags on parameters (tessera.common.parallel.layers) survive the swap:
+    # float8 all-gather wraps each weight in a new Parameter.
+    tags = {n: {k: getattr(p, k) for k in PARALLEL_TAGS if hasattr(p, k)} for n, p in model.named_parameters()}
     convert_to_float8_training(model, module_filter_fn=_converts, config=config)
+    for n, p in model.named_parameters():
+        for k, v in tags.get(n, {}).items():
+            setattr(p, k, v)
     return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
 
 
