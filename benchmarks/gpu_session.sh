@@ -15,13 +15,14 @@
 #   train1b-fp8-rowwise  the same in fp8, rowwise (~5 min)
 #   fp8-convergence      200 steps bf16 then fp8 (tensorwise) from the same init and data: final loss
 #                        within 1% and fp8/bf16 tokens/s >= 1.3x (benchmarks/fp8_convergence.py) (~5 min)
-#   titan                torchtitan's Llama 3 trainer, llama3 "1b", bf16 then float8 tensorwise
+#   titan                torchtitan's Llama 3 trainer, llama3 "1B", bf16 then float8 tensorwise
 #                        (benchmarks/torchtitan_peer.py; needs its wheels in .whl/, see there) (~6 min)
 #
 # Python packages the machine's image lacks (pydantic 2 and pydantic-core, annotated-types,
-# typing-inspection, typing-extensions, fastapi, starlette, uvicorn, opentelemetry-api, and torchao
-# for the FP8 tests: tests/trainer/test_fp8.py) travel as cp312 manylinux wheels in .whl/, fetched
-# on a machine with a registry:
+# typing-inspection, typing-extensions, fastapi, starlette, uvicorn, opentelemetry-api, torchao
+# for the FP8 tests and steps, and for `titan` torchtitan with the pure-Python packages it imports:
+# benchmarks/torchtitan_peer.py lists them) travel as cp312 wheels in .whl/, fetched on a machine
+# with a registry:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl pydantic==2.14.3 pydantic_core==2.50.4 ...
 set -u
@@ -70,14 +71,14 @@ for s in $STEPS; do
         train1b-fp8) name=train-1b-fp8-tensorwise precision=(--precision fp8 --fp8-recipe tensorwise) ;;
         *) name=train-1b-fp8-rowwise precision=(--precision fp8 --fp8-recipe rowwise) ;;
         esac
-        step "$name" 540 python3 benchmarks/train_throughput.py --device cuda "${precision[@]}" \
+        step "$name" 500 python3 benchmarks/train_throughput.py --device cuda "${precision[@]}" \
             --preset llama-1b --full-size --seq 4096 --batch 2 --steps 10 --warmup 4 --separate-processes \
             --json "$OUT/$name.json" ;;
     fp8-convergence)
-        step fp8-convergence 540 python3 benchmarks/fp8_convergence.py --device cuda --preset llama-1b \
+        step fp8-convergence 500 python3 benchmarks/fp8_convergence.py --device cuda --preset llama-1b \
             --seq 4096 --batch 2 --steps 200 --fp8-recipe tensorwise --json "$OUT/fp8-convergence.json" ;;
     titan)
-        step torchtitan 540 python3 benchmarks/torchtitan_peer.py --steps 30 --warmup 10 \
+        step torchtitan 500 python3 benchmarks/torchtitan_peer.py --steps 30 --warmup 10 \
             --json "$OUT/torchtitan.json" ;;
     serve)
         step serve 300 python3 benchmarks/serving.py --device cuda --preset llama-160m \
