@@ -36,7 +36,7 @@ TRITON_ENV := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo TRITON_INTER
 
 test: $(STAMP)
 	@$(MAKE) --no-print-directory lint-imports
-	$(TRITON_ENV) $(VENV)/bin/pytest -q -p no:cacheprovider --timeout=600 $(PYTEST_ARGS)
+	$(TRITON_ENV) $(VENV)/bin/pytest -q -p no:cacheprovider --timeout=600 --durations=30 $(PYTEST_ARGS)
 
 lint-imports: $(STAMP)
 	@$(VENV)/bin/lint-imports --no-cache

@@ -58,7 +58,8 @@ MOE_CFG = ModelConfig(**{**CFG.model_dump(), "moe": {"num_experts": 4, "top_k": 
 @pytest.mark.parametrize("cfg, layout, kw, fragment", [
     (MOE_CFG, ParallelLayout(expert=3), {}, "must divide model.moe.num_experts (4)"),
     (CFG, ParallelLayout(expert=2), {}, "no mixture-of-experts layers (model.moe)"),
-    (MOE_CFG, ParallelLayout(expert=2, data=2, data_shard=2), {}, "with --data-shard above 1 (FSDP) is not supported"),
+    (MOE_CFG.model_copy(update={"moe": MOE_CFG.moe.model_copy(update={"ffn_hidden_size": 30})}),
+     ParallelLayout(expert=2, data=4, data_shard=4), {}, "--data-shard 4 with --expert-parallel 2 must divide model.moe.ffn_hidden_size (30)"),
     # Expert ranks read their own rows: the batch splits over data x expert ranks.
     (MOE_CFG, ParallelLayout(expert=2, data=2), dict(seq_len=32, global_batch=6, micro_batch=1),
      "multiple of micro batch (1) x data parallel (2) x expert parallel (2)"),

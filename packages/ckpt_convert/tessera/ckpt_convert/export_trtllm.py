@@ -22,6 +22,28 @@ TensorRT-LLM's own converters (tensorrt_llm/models/llama/convert.py, models/gpt/
 j is the layer number local to the pipeline rank (layers are split contiguously). When KV heads
 are fewer than tp_size, each KV head is repeated tp_size / num_kv_heads times (consecutively)
 before the split, so every rank holds one.
+
+The families, as TensorRT-LLM's converters write them (models/llama/convert.py for Mistral and
+Mixtral, models/qwen/convert.py for Qwen2/Qwen3/Qwen3-MoE; names as above unless listed):
+
+    Mistral     LLaMAConfig, architecture MistralForCausalLM; the sliding window goes in
+                runtime_defaults.max_attention_window (one entry per layer when the layers differ)
+    Qwen2       QWenConfig (qwen_type qwen2): attention.qkv.bias [Q_r; K_r; V_r] (q/k/v biases,
+                no dense bias), attn_bias true
+    Qwen3       qwen_type qwen3: attention.q_layernorm.weight / attention.k_layernorm.weight
+                [head_dim], on every rank; qk_layernorm true, head_size = head_dim; no attention
+                bias (TensorRT-LLM's Qwen3 config has none)
+    Mixtral     LLaMAConfig with `moe` {num_experts, top_k, normalization_mode 1 (renormalise),
+    Qwen3-MoE   sparse_mixer_epsilon, tp_mode 0}, hidden_act swiglu; each MoE layer holds
+                  mlp.router.weight  [E, d], float32 whatever the dtype (never quantised)
+                  mlp.fc.weight      [E, 2 f / tp, d]: per rank [up_r; gate_r] (w3 then w1) of
+                                     every expert (expert tensor parallel, moe_tp_size = tp)
+                  mlp.proj.weight    [E, d, f / tp]: down_proj split along its input dim
+                Qwen3-MoE: moe_intermediate_size = f, intermediate_size the dense MLP's
+
+Refused with one line (export --format hf instead, which current TensorRT-LLM also reads):
+dynamic-NTK and YaRN RoPE (TensorRT-LLM parametrises them differently from transformers),
+Qwen3 with attention biases, Qwen3-MoE with dense layers (the converter makes every layer MoE).
 """
 
 from __future__ import annotations
@@ -69,6 +91,7 @@ class Item:
     sources: tuple[str, ...]
     shape: tuple[int, ...]  # per tensor-parallel rank
     make: Make
+    dtype: torch.dtype | None = None  # None: the export dtype
 
 
 def rank_of(tp_rank: int, pp_rank: int, tp: int) -> int:
@@ -79,14 +102,45 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
+LLAMA_LIKE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+QWEN = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+HF_INSTEAD = "; export --format hf, which current TensorRT-LLM reads"
+
+
+def check_supported(cfg: ModelConfig) -> None:
+    """What TensorRT-LLM's checkpoint cannot hold exactly: one line, before any work."""
+    if cfg.arch in ("llama", "gpt2"):
+        plain = dict(qk_norm=False, sliding_window=None, moe=None, attention_bias=None,
+                     head_dim=cfg.hidden_size // cfg.num_heads)
+        wrong = {k: getattr(cfg, k) for k, v in plain.items() if getattr(cfg, k) != v}
+        if wrong:
+            raise UserError(f"model config: arch={cfg.arch} {wrong} is not exported to TensorRT-LLM by Tessera" + HF_INSTEAD)
+    s = cfg.rope_scaling
+    if s is not None and s.rope_type not in ("llama3", "linear"):
+        raise UserError(f"model config: rope_scaling {s.rope_type} is not exported to TensorRT-LLM (its {s.rope_type} "
+                        "scaling is parametrised differently from transformers')" + HF_INSTEAD)
+    if len({cfg.attn_bias(x) for x in "qkv"}) > 1:
+        raise UserError("model config: attention_bias must list q, k and v together for TensorRT-LLM (one fused qkv "
+                        "bias)" + HF_INSTEAD)
+    if cfg.arch in ("qwen3", "qwen3_moe") and any(cfg.attn_bias(x) for x in "qkvo"):
+        raise UserError(f"model config: arch={cfg.arch} with attention_bias is not exported to TensorRT-LLM (its "
+                        "Qwen3 config has no attention bias)" + HF_INSTEAD)
+    if cfg.moe is not None and not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        raise UserError(f"model config: moe.first_k_dense / moe.layer_freq leave dense layers, which TensorRT-LLM's "
+                        f"{cfg.arch} converter does not have (every layer is MoE)" + HF_INSTEAD)
+
+
 def validate(cfg: ModelConfig, tp: int, pp: int) -> None:
     check_exportable(cfg)
+    check_supported(cfg)
     kv = cfg.kv_heads
     problems = [
         (cfg.num_heads % tp, f"--tensor-parallel {tp} does not divide num_heads {cfg.num_heads}"),
         ((kv % tp) if kv >= tp else (tp % kv),
          f"--tensor-parallel {tp} and num_kv_heads {kv}: one must be a multiple of the other"),
         (cfg.ffn_hidden_size % tp, f"--tensor-parallel {tp} does not divide ffn_hidden_size {cfg.ffn_hidden_size}"),
+        (cfg.moe is not None and cfg.moe.ffn_hidden_size % tp,
+         f"--tensor-parallel {tp} does not divide moe.ffn_hidden_size {cfg.moe.ffn_hidden_size if cfg.moe else 0}"),
         (cfg.num_layers % pp, f"--pipeline-parallel {pp} does not divide num_layers {cfg.num_layers}"),
     ]
     for bad, message in problems:
@@ -130,6 +184,14 @@ def _rep(ts: list[torch.Tensor], r: int) -> torch.Tensor:
     return ts[0]
 
 
+def _expert_fc(tp: int) -> Make:
+    """[E, 2 f / tp, d]: this rank's rows of every expert's up_proj (w3), then of its gate_proj (w1)."""
+    def make(ts: list[torch.Tensor], r: int) -> torch.Tensor:
+        up, gate = (aligned(t) for t in ts)
+        return torch.cat([_split(up, tp, r, 1), _split(gate, tp, r, 1)], dim=1)
+    return make
+
+
 def _lm_head(cfg: ModelConfig, tp: int) -> Make:
     def make(ts: list[torch.Tensor], r: int) -> torch.Tensor:
         w = ts[0][:cfg.vocab_size]  # Tessera's own vocabulary padding off; TensorRT-LLM pads to tp
@@ -143,13 +205,14 @@ def _lm_head(cfg: ModelConfig, tp: int) -> Make:
 def items(cfg: ModelConfig, tp: int, pp: int) -> list[Item]:
     """Every TensorRT-LLM tensor, in writing order, with its pipeline rank and per-rank maker."""
     d, f, v, hd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.head_dim
-    llama = cfg.arch == "llama"
+    llama = cfg.arch != "gpt2"  # every family but GPT-2 is gated, RMS-normed, without position table
     q_rows = cfg.num_heads // tp * hd
     kv_rows = max(cfg.kv_heads // tp, 1) * hd
     qkv_rows = q_rows + 2 * kv_rows
     per_stage = cfg.num_layers // pp
     norm_suffixes = ("weight",) if llama else ("weight", "bias")
-    has_bias = cfg.bias
+    has_bias = cfg.bias  # MLP biases (and GPT-2's everywhere)
+    qkv_bias, dense_bias = cfg.attn_bias("q"), cfg.attn_bias("o")
     out = [Item("transformer.vocab_embedding.weight", 0, ("embed_tokens.weight",), (v, d),
                 lambda ts, r: ts[0][:v])]  # without Tessera's vocabulary padding
     if not llama:
@@ -161,13 +224,25 @@ def items(cfg: ModelConfig, tp: int, pp: int) -> list[Item]:
             out.append(Item(n + f"input_layernorm.{s}", stage, (t + f"attn_norm.{s}",), (d,), _rep))
         qkv = tuple(t + f"attn.{p}_proj" for p in "qkv")
         out.append(Item(n + "attention.qkv.weight", stage, tuple(x + ".weight" for x in qkv), (qkv_rows, d), _qkv(cfg, tp)))
-        if has_bias:
+        if qkv_bias:
             out.append(Item(n + "attention.qkv.bias", stage, tuple(x + ".bias" for x in qkv), (qkv_rows,), _qkv(cfg, tp)))
         out.append(Item(n + "attention.dense.weight", stage, (t + "attn.o_proj.weight",), (d, cfg.q_size // tp), _row(tp)))
-        if has_bias:
+        if dense_bias:
             out.append(Item(n + "attention.dense.bias", stage, (t + "attn.o_proj.bias",), (d,), _rep))
+        if cfg.qk_norm:
+            for x in "qk":
+                out.append(Item(n + f"attention.{x}_layernorm.weight", stage, (t + f"attn.{x}_norm.weight",), (hd,), _rep))
         for s in norm_suffixes:
             out.append(Item(n + f"post_layernorm.{s}", stage, (t + f"mlp_norm.{s}",), (d,), _rep))
+        if cfg.is_moe_layer(i):
+            assert cfg.moe is not None
+            e, fe = cfg.moe.num_experts, cfg.moe.ffn_hidden_size
+            x = t + "mlp.experts."
+            out.append(Item(n + "mlp.router.weight", stage, (t + "mlp.router.weight",), (e, d), _rep, torch.float32))
+            out.append(Item(n + "mlp.fc.weight", stage, (x + "up_proj", x + "gate_proj"), (e, 2 * fe // tp, d),
+                            _expert_fc(tp)))
+            out.append(Item(n + "mlp.proj.weight", stage, (x + "down_proj",), (e, d, fe // tp), lambda ts, r: _split(ts[0], tp, r, 2)))
+            continue
         mlp = [("fc", "gate_proj"), ("gate", "up_proj")] if llama else [("fc", "up_proj")]
         for theirs, ours in mlp:
             out.append(Item(n + f"mlp.{theirs}.weight", stage, (t + f"mlp.{ours}.weight",), (f // tp, d), _col(tp)))
@@ -184,15 +259,32 @@ def items(cfg: ModelConfig, tp: int, pp: int) -> list[Item]:
     return out
 
 
+def _moe_config(cfg: ModelConfig) -> dict[str, Any]:
+    """TensorRT-LLM's MoeConfig: normalization_mode 1 renormalises the top-k weights, 0 keeps the
+    softmax probabilities as they are; tp_mode 0 splits every expert over the tensor ranks."""
+    m = cfg.moe
+    if m is None:
+        return {"num_experts": 0, "top_k": 0, "normalization_mode": 0, "sparse_mixer_epsilon": 0.01, "tp_mode": 0}
+    return {"num_experts": m.num_experts, "top_k": m.top_k, "normalization_mode": 1 if m.norm_topk_prob else 0,
+            "sparse_mixer_epsilon": 0.01, "tp_mode": 0}
+
+
+def _rotary_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
+    s = cfg.rope_scaling
+    if s is None:
+        return None
+    if s.rope_type == "linear":
+        return {"type": "linear", "factor": s.factor}
+    return {"type": "llama3", "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,  # type: ignore[union-attr]
+            "high_freq_factor": s.high_freq_factor,  # type: ignore[union-attr]
+            "original_max_position_embeddings": s.original_max_position_embeddings}
+
+
 def trtllm_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int) -> dict[str, Any]:
-    llama = cfg.arch == "llama"
-    plain = dict(qk_norm=False, sliding_window=None, moe=None, attention_bias=None, head_dim=cfg.hidden_size // cfg.num_heads)
-    wrong = {k: getattr(cfg, k) for k, v in plain.items() if getattr(cfg, k) != v}
-    if cfg.arch not in ("llama", "gpt2") or wrong or (cfg.rope_scaling and cfg.rope_scaling.rope_type != "llama3"):
-        raise UserError(f"model config: arch={cfg.arch} {wrong or ''} is not exported to TensorRT-LLM by Tessera (Llama "
-                        "and GPT-2 only); export --format hf, which current TensorRT-LLM reads")
+    check_supported(cfg)
+    llama = cfg.arch != "gpt2"
     c: dict[str, Any] = {
-        "architecture": "LlamaForCausalLM" if llama else "GPTForCausalLM",
+        "architecture": {**LLAMA_LIKE, **QWEN}.get(cfg.arch, "GPTForCausalLM"),
         "dtype": HF_DTYPE_NAMES[dtype],
         "logits_dtype": "float32",
         "vocab_size": cfg.vocab_size,
@@ -203,7 +295,7 @@ def trtllm_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int) -> dic
         "num_key_value_heads": cfg.kv_heads,
         "head_size": cfg.head_dim,
         "intermediate_size": cfg.ffn_hidden_size,
-        "hidden_act": "silu" if llama else "gelu_new",
+        "hidden_act": ("swiglu" if cfg.moe is not None else "silu") if llama else "gelu_new",
         "norm_epsilon": cfg.norm_eps,
         "position_embedding_type": "rope_gpt_neox" if llama else "learned_absolute",
         "use_parallel_embedding": False,
@@ -213,15 +305,26 @@ def trtllm_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int) -> dic
         "mapping": {"world_size": tp * pp, "tp_size": tp, "pp_size": pp},
         "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
     }
-    if llama:
+    if cfg.moe is not None:
+        c["mapping"].update(moe_tp_size=tp, moe_ep_size=1)
+    if cfg.qk_norm:
+        c["qk_layernorm"] = True
+    windows = [cfg.window(i) or cfg.max_seq_len for i in range(cfg.num_layers)]
+    if cfg.sliding_window is not None:  # TensorRT-LLM cycles the list over the layers
+        c["runtime_defaults"] = {"max_attention_window": windows if len(set(windows)) > 1 else windows[:1],
+                                 "sink_token_length": None}
+    if cfg.arch in QWEN:
+        c.update(qwen_type=cfg.arch, rotary_base=cfg.rope_theta, rotary_scaling=_rotary_scaling(cfg),
+                 attn_bias=cfg.attn_bias("q"), mlp_bias=False, use_logn_attn=False, seq_length=cfg.max_seq_len,
+                 moe=_moe_config(cfg), moe_intermediate_size=cfg.moe.ffn_hidden_size if cfg.moe else 0,
+                 moe_shared_expert_intermediate_size=0, disable_weight_only_quant_plugin=False)
+    elif llama:
         c["rotary_base"] = cfg.rope_theta
-        s = cfg.rope_scaling
-        c["rotary_scaling"] = None if s is None else {"type": "llama3", "rope_type": "llama3", "factor": s.factor,
-                                                      "low_freq_factor": s.low_freq_factor,
-                                                      "high_freq_factor": s.high_freq_factor,
-                                                      "original_max_position_embeddings": s.original_max_position_embeddings}
+        c["rotary_scaling"] = _rotary_scaling(cfg)
         c["attn_bias"] = cfg.bias
         c["mlp_bias"] = cfg.bias
+        if cfg.moe is not None:
+            c["moe"] = _moe_config(cfg)
     else:
         c["bias"] = True
         if not cfg.bias:
@@ -246,7 +349,7 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
     plans: list[list[PlannedTensor]] = [[] for _ in range(tp * pp)]
     for it in all_items:
         for r in range(tp):
-            plans[rank_of(r, it.pp_rank, tp)].append(PlannedTensor(it.name, it.shape, dtype))
+            plans[rank_of(r, it.pp_rank, tp)].append(PlannedTensor(it.name, it.shape, it.dtype or dtype))
     total = sum(t.nbytes for plan in plans for t in plan)
 
     with src.checksum_check() as checksums, atomic_directory(output, overwrite=opts.overwrite, sync=opts.sync) as tmp, \
@@ -261,7 +364,7 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
                 # call aligned() before computing (KV-head duplication, vocab padding).
                 loaded = src.load_model(list(it.sources), raw=True)
                 inputs = [loaded[s] for s in it.sources]
-                nbytes = math.prod(it.shape) * dtype.itemsize
+                nbytes = math.prod(it.shape) * (it.dtype or dtype).itemsize
                 for r in range(tp):
                     writers[rank_of(r, it.pp_rank, tp)].write(it.name, it.make(inputs, r))  # -> dtype
                     bar.update(nbytes, tensors=0)

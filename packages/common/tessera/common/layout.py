@@ -140,9 +140,13 @@ def check_expert_parallel(cfg: ModelConfig, layout: ParallelLayout) -> None:
     if cfg.moe.num_experts % layout.expert:
         raise UserError(f"--expert-parallel {layout.expert} must divide model.moe.num_experts "
                         f"({cfg.moe.num_experts}); each rank holds num_experts / expert_parallel experts")
-    if layout.data_shard > 1:
-        raise UserError("--expert-parallel above 1 with --data-shard above 1 (FSDP) is not supported; "
-                        "use the distributed optimizer (ZeRO-1) with expert parallel")
+    ds = layout.data_shard
+    if ds > 1 and (cfg.moe.ffn_hidden_size % ds or cfg.hidden_size % ds):
+        # Experts are fully sharded over their expert group's data shards along dim 1 (their output
+        # rows: ffn for gate/up, hidden for down); FSDP2 shards a non-leading dim only evenly.
+        raise UserError(f"--data-shard {ds} with --expert-parallel {layout.expert} must divide model.moe.ffn_hidden_size "
+                        f"({cfg.moe.ffn_hidden_size}) and hidden_size ({cfg.hidden_size}): FSDP splits each expert "
+                        "along its output rows, evenly")
 
 
 def validate_layout(
@@ -169,10 +173,12 @@ def validate_layout(
     if dp % layout.data_shard:
         raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({dp} = world size / "
                         "(tensor x context x expert x pipeline)); data / data_shard is the number of HSDP replicas")
-    if layout.data_shard > 1 and tp > 1 and cfg.hidden_size % layout.data_shard:
+    shards = layout.data_shard * layout.expert  # dense parameters are sharded over data x expert ranks
+    if layout.data_shard > 1 and tp > 1 and cfg.hidden_size % shards:
         # A tensor-split weight is fully sharded along its other dim, the hidden size; FSDP2 shards
         # a non-leading dim only evenly.
-        raise UserError(f"--data-shard {layout.data_shard} with --tensor-parallel {tp} must divide hidden_size "
+        by = f"--data-shard {layout.data_shard}" + (f" x --expert-parallel {layout.expert}" if layout.expert > 1 else "")
+        raise UserError(f"{by} with --tensor-parallel {tp} must divide hidden_size "
                         f"({cfg.hidden_size}): FSDP splits each tensor-parallel weight along the hidden dim, evenly")
     if cfg.num_heads % tp:
         raise UserError(f"--tensor-parallel {tp} must divide num_heads ({cfg.num_heads})")

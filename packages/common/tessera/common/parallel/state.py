@@ -169,14 +169,35 @@ class ParallelGroups:
         return self._groups["dp_replicate"]
 
     @property
+    def fsdp_shard_dim(self) -> str:
+        """The mesh dimension dense parameters are fully sharded over: the data shards, and under
+        expert parallel data shards x expert ranks flattened ("dp_shard_ep", expert index fastest),
+        since expert ranks are replicas of every dense parameter (torchtitan's dense mesh)."""
+        return "dp_shard" if self.layout.expert == 1 else "dp_shard_ep"
+
+    @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """fully_shard's mesh: ("dp_shard",), or ("dp_replicate", "dp_shard") for HSDP."""
+        """fully_shard's mesh for dense parameters: (shard,), or ("dp_replicate", shard) for HSDP,
+        shard being `fsdp_shard_dim`."""
+        d = self.fsdp_shard_dim
+        return self.mesh[d] if self.layout.data_replicate == 1 else self.mesh["dp_replicate", d]
+
+    @property
+    def fsdp_expert_mesh(self) -> DeviceMesh:
+        """fully_shard's mesh for an MoE layer's (expert-parallel) experts: the data shards of their
+        expert group, ("dp_shard",) or ("dp_replicate", "dp_shard") (torchtitan's dp_shard_mod_ep)."""
         return self.mesh["dp_shard"] if self.layout.data_replicate == 1 else self.mesh["dp_replicate", "dp_shard"]
 
     @property
     def fsdp_state_mesh(self) -> DeviceMesh:
-        """The mesh a fully-sharded parameter's checkpoint tensor lives on: data replicas, data shards, tensor."""
-        return self.mesh["dp_replicate", "dp_shard", "tp"]
+        """The mesh a fully-sharded dense parameter's checkpoint tensor lives on: data replicas, data
+        shards (x expert ranks), tensor."""
+        return self.mesh["dp_replicate", self.fsdp_shard_dim, "tp"]
+
+    @property
+    def fsdp_expert_state_mesh(self) -> DeviceMesh:
+        """The mesh a fully-sharded expert weight's checkpoint tensor lives on: data replicas, data shards, experts."""
+        return self.mesh["dp_replicate", "dp_shard", "ep"]
 
     @property
     def tp(self) -> int:
@@ -217,6 +238,8 @@ def build_groups(layout: ParallelLayout, device: torch.device | None = None) -> 
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     mesh["dp_replicate", "dp_shard", "ep"]._flatten("dp_ep")
+    if layout.expert > 1:
+        mesh["dp_shard", "ep"]._flatten("dp_shard_ep")  # FSDP's dense shards under expert parallel
     groups = {name: mesh[name].get_group() for name in (*MESH_DIMS, "dp", "dp_ep")}
     rank = dist.get_rank()
     coords = mesh.get_coordinate()

@@ -30,6 +30,9 @@ needed; the checkpoint alone presents parameters as 2-D global tensors (`state_d
   copies (first and last pipeline stage) over the embedding group, and the global norm counts
   each element once: on tensor rank 0 for tensor-replicated parameters, on replica 0 for data
   replicas, on context rank 0, on the first stage for the tied embedding.
+* Expert parallel: dense parameters are sharded over data x expert ranks (`fsdp_mesh` is then
+  dp_shard x ep flattened: expert ranks are their replicas), each MoE layer's experts are their
+  own unit over the data shards of their expert group (`_shard_experts`), as torchtitan does.
 * Pipeline: each stage (chunk) is its own FSDP root, blocks inside it units, as torchtitan
   composes them; the pipeline schedule runs FSDP's gradient sync on the last micro-batch only.
   Under pipeline parallel `reshard_after_forward` is off (torchtitan's default for PP): with
@@ -48,6 +51,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 
 from tessera.common.errors import UserError
+from tessera.common.moe import MoE
 from tessera.common.parallel.layers import PARALLEL_TAGS, shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import to_global
@@ -84,6 +88,8 @@ def shard_stages(stages: list[nn.Module], groups: ParallelGroups, *, param_dtype
         tags = {n: {k: getattr(p, k) for k in PARALLEL_TAGS if hasattr(p, k)} for n, p in st.named_parameters()}
         blocks = list(st.model.layers.values())
         for block in blocks:
+            if groups.ep > 1:
+                _shard_experts(block, groups, mp, offload, reshard_after_forward)
             fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
         fully_shard(st, reshard_after_forward=False, **kw)
         for i, block in enumerate(blocks):  # explicit prefetch of the neighbouring block's all-gather
@@ -94,6 +100,26 @@ def shard_stages(stages: list[nn.Module], groups: ParallelGroups, *, param_dtype
         for n, p in st.named_parameters():
             for k, v in tags[n].items():
                 setattr(p, k, v)
+
+
+def _shard_experts(block: nn.Module, groups: ParallelGroups, mp: MixedPrecisionPolicy, offload: OffloadPolicy,
+                   reshard_after_forward: bool) -> None:
+    """Under expert parallel, each MoE layer's experts are their own FSDP unit over the data shards
+    of their expert group (`fsdp_expert_mesh`), inside the block's unit over data x expert shards.
+
+    Shard dim 1 (an expert's output rows), not 0: the global tensor is then split over expert
+    ranks along dim 0 and over data shards along dim 1, so every rank's piece is a rectangle and
+    the checkpoint placement a plain (Shard(1), Shard(0)); sharding dim 0 again would need a strided
+    placement and experts per rank divisible by the data shards (validate_layout checks dim 1).
+    Gradients: the dispatch's backward already summed every routed token's gradient over the
+    expert group, so the reduction is a sum over data ranks divided by data x expert ranks (the
+    dense units' mean over dp_ep); a sum and a post-division, because PREMUL_SUM is NCCL's only."""
+    for m in block.modules():
+        if isinstance(m, MoE):
+            fully_shard(m.experts, mesh=groups.fsdp_expert_mesh, shard_placement_fn=lambda _p: Shard(1),
+                        mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
+            m.experts.set_gradient_divide_factor(float(groups.dp_ep))
+            m.experts.set_force_sum_reduction_for_comms(True)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -382,7 +382,7 @@ class ParallelRuntime:
                 spread(local, g.tp_group, g.tp)
             if g.cp > 1:
                 spread(local, g.cp_group, g.cp)
-            if g.ep > 1 and not is_expert_shard(p):
+            if g.ep > 1 and not is_expert_shard(p) and g.dp_shard == 1:  # (FSDP: dense shards differ per expert rank)
                 spread(local, g.ep_group, g.ep)
             if g.dp_shard == 1 and g.dp > 1:
                 spread(local, g.dp_group, g.dp)
