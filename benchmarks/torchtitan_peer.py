@@ -131,8 +131,12 @@ def worker(args: argparse.Namespace) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}.items():  # nothing is fetched
         os.environ.setdefault(key, value)
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()  # torchtitan's own step lines in the log, as its train.py sets up
     with tempfile.TemporaryDirectory() as tmp:
         assets, data = write_assets(Path(tmp))
         config = trainer_config(args, assets, data, Path(tmp) / "outputs")
