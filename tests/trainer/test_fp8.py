@@ -38,7 +38,15 @@ def test_fp8_is_refused_on_cpu_with_one_line():
     assert {n: type(m) for n, m in model.named_modules()} == before, "the model was left as it was"
 
 
+def test_fp8_on_cuda_without_a_cuda_device_is_refused_with_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert fp8_device_problem(torch.device("cuda")) == (
+        "training.precision=fp8 needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper, "
+        "Blackwell); no CUDA device is available here: use training.precision=bf16")
+
+
 def test_fp8_is_refused_on_a_gpu_before_ada(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     problem = fp8_device_problem(torch.device("cuda"))

@@ -62,6 +62,9 @@ def fp8_device_problem(device: torch.device) -> str | None:
     if device.type != "cuda":
         return (f"training.precision=fp8 needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: Ada, "
                 f"Hopper, Blackwell); this run is on {device.type}: use training.precision=bf16")
+    if not torch.cuda.is_available():
+        return ("training.precision=fp8 needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: Ada, "
+                "Hopper, Blackwell); no CUDA device is available here: use training.precision=bf16")
     capability = torch.cuda.get_device_capability(device)
     if capability < FP8_MIN_CAPABILITY:
         return (f"training.precision=fp8 needs compute capability 8.9+ (Ada, Hopper, Blackwell); "
