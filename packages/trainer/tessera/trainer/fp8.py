@@ -21,7 +21,9 @@ check the conversion.
 Composition (issue #19), what holds and what is refused:
 - compile: Float8Linear's casts and scaled matmuls are traced by torch.compile; TrainStep's graph
   of forward + loss fuses the amax/scale/cast chains into neighbouring kernels (torchao's own
-  recommendation: without compile the casts cost more than the FP8 GEMMs save).
+  recommendation: without compile the casts cost more than the FP8 GEMMs save). Checked by hand on
+  CPU (emulated, tiny model, 2026-11-24): compiled and eager fp8 TrainSteps agree to 2e-5..1e-4
+  over 3 steps; not a CPU test (inductor took 158 s there), the compiled GPU test is marked gpu.
 - recompute (`training.recompute`): the wrappers in model_setup checkpoint blocks or attention
   cores around the converted layers; the recomputed forward casts again with the same dynamic
   scales (they depend only on the tensors), so gradients equal the stored-activation run's.
