@@ -134,7 +134,8 @@ def test_tessera_generate_with_tensor_parallel_writes_the_one_process_tokens(gqa
     assert got == generate(gqa_ckpt, 1, {rid: (p, GREEDY) for rid, p in PROMPTS.items()})
 
 
-def test_tessera_generate_refuses_a_tensor_parallel_size_above_the_kv_heads_in_one_line(tiny_ckpt, tmp_path, capsys):
+def test_tessera_generate_refuses_a_tensor_parallel_size_that_does_not_fit_the_kv_heads_in_one_line(
+        tiny_ckpt, tmp_path, capsys):
     from tessera.common.errors import run_cli
     from tessera.inference.generate_cli import main
 
@@ -142,15 +143,16 @@ def test_tessera_generate_refuses_a_tensor_parallel_size_above_the_kv_heads_in_o
     prompts.write_text('{"prompt": "hi"}\n')
     with pytest.raises(SystemExit) as exc:
         run_cli(main, ["--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output",
-                       str(tmp_path / "o.jsonl"), "--tensor-parallel", "4"])
+                       str(tmp_path / "o.jsonl"), "--tensor-parallel", "3"])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--tensor-parallel 4" in err[0] and "2 key/value heads" in err[0], err
+    assert len(err) == 1 and "--tensor-parallel 3" in err[0] and "2 key/value heads" in err[0], err
     assert not (tmp_path / "o.jsonl").exists()
 
 
 @pytest.mark.parametrize(("tp", "over", "quantization", "message"), [
-    (4, {}, None, "2 key/value heads, fewer than the tensor-parallel size"),
+    (3, {}, None, "2 key/value heads; a tensor-parallel size above them must be a multiple of them"),
+    (8, {}, None, "must divide the 4 attention heads"),
     (3, {"num_heads": 6, "num_kv_heads": 3, "hidden_size": 96}, None, "must divide the 512 vocabulary rows"),
     (2, {}, "int8", "--quantization int8 with --tensor-parallel 2: not supported"),
 ])
@@ -293,15 +295,15 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def test_tessera_serve_refuses_a_tensor_parallel_size_above_the_kv_heads_in_one_line(tiny_ckpt):
+def test_tessera_serve_refuses_a_tensor_parallel_size_that_does_not_fit_the_kv_heads_in_one_line(tiny_ckpt):
     """From the engine process, before any weight is read or any worker started."""
     import subprocess
     import sys
 
     r = subprocess.run([sys.executable, "-c", "from tessera.inference.cli import entry; entry()", "--checkpoint",
-                        str(tiny_ckpt), "--port", "18931", "--tensor-parallel", "4"],
+                        str(tiny_ckpt), "--port", "18931", "--tensor-parallel", "3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     err = [line for line in r.stderr.splitlines() if "error:" in line]
-    assert len(err) == 1 and "--tensor-parallel 4" in err[0] and "2 key/value heads" in err[0], r.stderr
+    assert len(err) == 1 and "--tensor-parallel 3" in err[0] and "2 key/value heads" in err[0], r.stderr
     assert "Traceback" not in r.stderr

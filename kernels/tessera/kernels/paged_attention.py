@@ -10,6 +10,9 @@ The new tokens' keys and values must already be written to the cache. Query i of
 sits at position seq_lens[s] - q_len[s] + i and attends causally to positions <= its own; with a
 sliding `window` (Mistral), only to the last `window` of them (positions > its own - window).
 Grouped-query attention: query head h uses KV head h // (num_heads // num_kv_heads).
+The caches are in q's dtype, or fp8 (float8_e4m3fn / float8_e5m2, the engine's
+--kv-cache-dtype) holding key / k_scale and value / v_scale: they are read back as
+cache * scale (per-tensor scales) and attended in q's precision.
 Returns [total_q_tokens, num_heads, head_dim] in q's dtype.
 """
 
@@ -30,8 +33,10 @@ def paged_attention_reference(
     query_start_loc: torch.Tensor,
     scale: float,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Plain PyTorch: gather each sequence's blocks and run SDPA with a causal offset mask."""
+    """Plain PyTorch: gather each sequence's blocks and run SDPA (fp32) with a causal offset mask."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -47,8 +52,8 @@ def paged_attention_reference(
         k = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:kv_len]
         v = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:kv_len]
         qs = q[q0:q1].transpose(0, 1)  # [H, q_len, D]
-        k = k.transpose(0, 1)
-        v = v.transpose(0, 1)
+        k = k.transpose(0, 1).float() * k_scale
+        v = v.transpose(0, 1).float() * v_scale
         if num_kv_heads != num_heads:
             rep = num_heads // num_kv_heads
             k = k.repeat_interleave(rep, dim=0)
@@ -59,7 +64,7 @@ def paged_attention_reference(
         if window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - window
         o = F.scaled_dot_product_attention(
-            qs.float(), k.float(), v.float(), attn_mask=mask, scale=scale
+            qs.float(), k, v, attn_mask=mask, scale=scale
         )
         out[q0:q1] = o.transpose(0, 1).to(q.dtype)
     return out
@@ -74,6 +79,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Dispatch to the Triton paged-attention kernel on CUDA, the reference elsewhere."""
     if use_triton(q):
@@ -81,5 +88,6 @@ def paged_attention(
         from tessera.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                      window=window)
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window)
+                                      window=window, k_scale=k_scale, v_scale=v_scale)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window,
+                                     k_scale, v_scale)

@@ -19,6 +19,10 @@ Each program then streams the sequence's KV positions in tiles of BLOCK_N (indep
 cache's block size: each position's pool block is read from the block table), stopping at the
 last position its rows can see (causal), and keeps a running max and sum per row (online
 softmax) with fp32 accumulation.
+
+An fp8 cache (DEQUANT) is loaded as fp8 (a quarter of fp32's bytes, half of bf16's: decode reads
+the cache, so that is the traffic saved) and scaled back to q's dtype in registers before the
+dot products; the probabilities are rounded to q's dtype, as they are to the cache's otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import triton.language as tl
 from tessera.kernels._dispatch import interpret_mode
 
 _LOG2E = 1.4426950408889634
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
@@ -54,7 +59,7 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
-    num_seqs, num_splits, qk_scale_log2,
+    num_seqs, num_splits, qk_scale_log2, k_scale, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -70,6 +75,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SPLIT_KV: tl.constexpr,
+    DEQUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -118,6 +124,8 @@ def _paged_attention_kernel(
         slot = k_pos % block_size
         k_offs = block[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh + dims[:, None]
         k = tl.load(k_cache_ptr + k_offs, mask=k_valid[None, :] & dim_valid[:, None], other=0.0)
+        if DEQUANT:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
@@ -139,6 +147,8 @@ def _paged_attention_kernel(
 
         v_offs = block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
         v = tl.load(v_cache_ptr + v_offs, mask=k_valid[:, None] & dim_valid[None, :], other=0.0)
+        if DEQUANT:
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         if DOT_FP32:
             # Round p to the cache dtype first, as the tensor-core path does, then multiply in fp32.
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -201,8 +211,9 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) 
         raise ValueError(f"paged_attention: q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"paged_attention: {q.shape[1]} query heads not a multiple of {k_cache.shape[2]} KV heads")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise ValueError(f"paged_attention: q dtype {q.dtype} differs from cache dtypes {k_cache.dtype}/{v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, *FP8_DTYPES):
+        raise ValueError(f"paged_attention: cache dtypes {k_cache.dtype}/{v_cache.dtype} must both be q's dtype "
+                         f"({q.dtype}) or both one fp8 dtype")
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape != (num_seqs + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(
@@ -268,6 +279,8 @@ def paged_attention_triton(
     *,
     window: int | None = None,
     num_kv_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Same contract as `paged_attention_reference` (`window` included); returns
     [total_q_tokens, num_heads, head_dim].
@@ -317,7 +330,7 @@ def paged_attention_triton(
         q, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
         part_acc, part_m, part_l,
-        num_seqs, num_kv_splits, scale * _LOG2E,
+        num_seqs, num_kv_splits, scale * _LOG2E, float(k_scale), float(v_scale),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -333,6 +346,7 @@ def paged_attention_triton(
         BLOCK_D=block_d,
         DOT_FP32=_dot_in_fp32(q.dtype),
         SPLIT_KV=split_kv,
+        DEQUANT=k_cache.dtype != q.dtype,
         num_warps=num_warps,
         num_stages=num_stages,
     )

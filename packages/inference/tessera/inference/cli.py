@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         from tessera.inference.engine import LLMEngine
         from tessera.inference.loader import load_for_serving
 
-        loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization, cfg.tensor_parallel)
+        loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization, cfg.tensor_parallel,
+                                  kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
         frontend = AsyncEngine(LLMEngine(loaded, cfg, device, dtype))
         facts = {"name": loaded.name, "arch": loaded.config.arch, "num_blocks": frontend.engine.blocks.num_blocks,
                  "where": "engine thread"}
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quant = f", {cfg.quantization} weights" if cfg.quantization else ""
     quant += f", tensor parallel {cfg.tensor_parallel}" if cfg.tensor_parallel > 1 else ""
+    quant += f", {cfg.kv_cache_dtype} KV cache" if cfg.kv_cache_dtype != "auto" else ""
+    quant += ", checksums not verified" if cfg.skip_checksum_verify else ""
     print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
           f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, max_model_len {frontend.max_model_len}; "
           f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)

@@ -6,11 +6,15 @@ One typed config drives the engine whether it runs behind the HTTP server or off
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, model_validator
 
 from tessera.common.config import StrictModel
+
+# --kv-cache-dtype values, vLLM's names (fp8 = fp8_e4m3).
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KV_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(KVCacheDtype)
 
 
 class SpeculativeConfig(StrictModel):
@@ -84,6 +88,14 @@ class EngineConfig(StrictModel):
     seed: int | None = Field(None, description="Seed for requests that bring none (None: fresh OS entropy per request).")
     speculative: SpeculativeConfig | None = Field(
         None, description="Speculative decoding (n-gram prompt lookup or a draft model); None: off.")
+    # KV-cache storage and checkpoint trust (issue 18).
+    kv_cache_dtype: KVCacheDtype = Field(
+        "auto", description="KV-cache storage dtype (vLLM's names): auto = the model dtype; fp8 = fp8_e4m3 "
+                            "(float8_e4m3fn) or fp8_e5m2 (float8_e5m2), stored with a per-tensor scale of 1.0 and "
+                            "dequantized in attention; a quarter of fp32's bytes per block, half of bf16's.")
+    skip_checksum_verify: bool = Field(
+        False, description="Skip hashing every checkpoint payload file against the sidecar's checksums at start "
+                           "(for trusted large checkpoints); metadata is still read by the restricted unpickler.")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -26,7 +26,7 @@ from tessera.inference.cpu_linear import pack_linears
 from tessera.inference.detokenizer import IncrementalDetokenizer
 from tessera.inference.executor import WorkerDied
 from tessera.inference.loader import LoadedModel
-from tessera.inference.model_runner import ModelRunner, ModelRunnerOutput, kv_block_bytes
+from tessera.inference.model_runner import ModelRunner, ModelRunnerOutput, kv_block_bytes, kv_cache_dtype
 from tessera.inference.output_processor import OutputProcessor, RequestOutput
 from tessera.inference.sampling_params import SamplingParams
 from tessera.inference.scheduler import Scheduler, SchedulerOutput
@@ -65,13 +65,14 @@ class EngineStats:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
-def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype) -> int:
+def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype) -> int:
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
     if cfg.kv_cache_tokens is not None:
         return -(-cfg.kv_cache_tokens // cfg.block_size)
-    # Under tensor parallel kv_cache_memory is per rank, which holds 1/tp of the key/value heads.
-    per_rank = kv_block_bytes(loaded.config, cfg.block_size, dtype) // cfg.tensor_parallel
+    # Under tensor parallel kv_cache_memory is per rank, which holds 1/tp of the key/value heads
+    # (one, replicated, when tp > kv_heads); fp8 (--kv-cache-dtype) fits 4x fp32's blocks.
+    per_rank = kv_block_bytes(loaded.config, cfg.block_size, kv_dtype, cfg.tensor_parallel)
     return max(1, cfg.kv_cache_memory // per_rank)
 
 
@@ -110,7 +111,8 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or model_max, model_max)
         if cfg.max_model_len is not None and cfg.max_model_len > model_max:
             raise UserError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_seq_len ({model_max})")
-        num_blocks = pool_blocks(cfg, loaded, dtype)
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
+        num_blocks = pool_blocks(cfg, loaded, self.kv_dtype)
         need = -(-self.max_model_len // cfg.block_size)
         if num_blocks < need:
             raise UserError(
@@ -132,21 +134,21 @@ class LLMEngine:
                                  loaded.config.vocab_size, sorted(self.eos_ids))
         # Last: under tensor parallel this starts the workers, so nothing after it can fail and
         # leave them running.
-        self.runner = self._runner(loaded, cfg, num_blocks, device, dtype)
+        self.runner = self._runner(loaded, cfg, num_blocks, device, dtype, self.kv_dtype)
 
     @staticmethod
     def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,
-                dtype: torch.dtype) -> ModelRunner:
+                dtype: torch.dtype, kv_dtype: torch.dtype) -> ModelRunner:
         if cfg.tensor_parallel == 1:
             assert loaded.model is not None
             if device.type == "cpu" and cfg.quantization is None:
                 pack_linears(loaded.model, cfg.cpu_linear, batch_hint=cfg.max_num_seqs)
-            return ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype)
+            return ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype, kv_dtype=kv_dtype)
         from tessera.inference.executor import TensorParallelExecutor, TensorParallelRunner
 
         assert loaded.path is not None
         executor = TensorParallelExecutor(loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, num_blocks,
-                                          cfg.block_size, device, dtype)
+                                          cfg.block_size, device, dtype, cfg.kv_cache_dtype)
         return TensorParallelRunner(executor, device)
 
     def close(self) -> None:

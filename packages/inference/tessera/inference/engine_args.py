@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from tessera.common.config import format_validation_error
 from tessera.common.errors import UserError
-from tessera.inference.config import EngineConfig, SpeculativeConfig
+from tessera.inference.config import KV_CACHE_DTYPE_NAMES, EngineConfig, SpeculativeConfig
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -45,7 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    dest="tensor_parallel", metavar="N",
                    help="Split the model over N worker processes (one per rank: gloo on CPU, NCCL on GPU, worker r "
                         "on cuda:r), each loading only its shard of the weights and holding its share of the "
-                        "key/value heads; N must divide the attention heads, key/value heads and vocabulary "
+                        "key/value heads; N must divide the attention heads and vocabulary, and divide the key/value "
+                        "heads or be a multiple of them (each then replicated on N / kv_heads workers) "
                         "(default: 1, no workers).")
     g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block (default: %(default)s).")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
@@ -76,6 +77,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "Default: off.")
     g.add_argument("--seed", type=int, default=None,
                    help="Seed for requests without their own (default: OS entropy, i.e. not reproducible).")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, metavar="{" + ",".join(KV_CACHE_DTYPE_NAMES) + "}",
+                   help="KV-cache storage dtype, as vLLM's flag: auto (the model's --dtype), fp8 (= fp8_e4m3: "
+                        "float8_e4m3fn) or fp8_e5m2. fp8 stores keys/values with a per-tensor scale of 1.0 and "
+                        "dequantizes them in attention; the same --kv-cache-memory then holds 2x the blocks of "
+                        "bfloat16 and 4x those of float32. CPU and CUDA (default: %(default)s).")
+    g.add_argument("--skip-checksum-verify", action="store_true",
+                   help="Do not hash every checkpoint payload file against the sidecar's checksums at start "
+                        "(a trusted large checkpoint on fast storage; the log says it was skipped). Metadata is "
+                        "still read by the restricted unpickler. Default: verify.")
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
@@ -108,6 +118,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
         torch.set_num_threads(args.torch_threads)
     speculative = parse_speculative_config(args.speculative_config)
+    if args.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:  # checked here, not by argparse: one line, no usage
+        raise UserError(f"--kv-cache-dtype {args.kv_cache_dtype!r}: not a KV-cache dtype; use one of "
+                        f"{', '.join(KV_CACHE_DTYPE_NAMES)}")
     try:
         return EngineConfig(
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_tokens=args.kv_cache_tokens,
@@ -115,6 +128,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching, prefix_cache_hash=args.prefix_cache_hash, dtype=args.dtype, device=args.device, seed=args.seed,
             quantization=args.quantization, cpu_linear=args.cpu_linear, speculative=speculative, tensor_parallel=args.tensor_parallel,
+            kv_cache_dtype=args.kv_cache_dtype, skip_checksum_verify=args.skip_checksum_verify,
         )
     except ValidationError as exc:
         msg = format_validation_error(exc, "engine flags")

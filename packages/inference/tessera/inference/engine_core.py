@@ -36,7 +36,8 @@ def _load(init: dict):
     cfg = EngineConfig.model_validate(init["engine"])
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    loaded = load_for_serving(init["checkpoint"], device, dtype, cfg.quantization, cfg.tensor_parallel)
+    loaded = load_for_serving(init["checkpoint"], device, dtype, cfg.quantization, cfg.tensor_parallel,
+                              kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
     return LLMEngine(loaded, cfg, device, dtype), device, dtype
 
 

@@ -25,9 +25,15 @@ layout-free sharded state dict (each rank reads only its slices), from an HF dir
 memory-mapped tensor at a time, of which the rank keeps its slice.
 
 Tensor parallel splits query heads, key/value heads (those of the same query groups go together)
-and the vocabulary over the ranks, so N must divide all three; with fewer key/value heads than N
-it is refused (replicating key/value heads, as vLLM does, is not done here). Checked on the
-driver before any weight is read (`check_tensor_parallel`).
+and the vocabulary over the ranks, so N must divide the query heads and the vocabulary, and either
+divide the key/value heads or be a multiple of them. With N > key/value heads (Megatron's and
+vLLM's rule) each key/value head is replicated on N / kv_heads ranks, and each rank holds one:
+the worker builds the model with N key/value heads (head j a copy of head j // (N / kv_heads),
+which is exactly the head its query heads use) and reads into its k/v projections only the rows
+of that one head, from a DCP checkpoint as a DTensor on a (kv_heads, N / kv_heads) mesh sharded
+over the first dimension and replicated over the second, from an HF directory as that head's
+slice. Nothing on disk changes: checkpoints stay layout-free. Checked on the driver before any
+weight is read (`check_tensor_parallel`).
 
 Failure: a worker that dies (or raises, then exits) makes the next step raise `WorkerDied`, which
 ends the engine (the server's /health then fails and requests get errors) instead of hanging. A
@@ -53,7 +59,7 @@ import torch
 
 from tessera.common.errors import UserError
 from tessera.common.model_config import ModelConfig
-from tessera.inference.model_runner import BatchSeq, ModelRunner, batch_seqs
+from tessera.inference.model_runner import BatchSeq, ModelRunner, batch_seqs, kv_cache_dtype
 from tessera.inference.sampler import Sampler
 from tessera.inference.scheduler import SchedulerOutput
 
@@ -73,12 +79,15 @@ def check_tensor_parallel(tp: int, cfg: ModelConfig, where: str, quantization: s
     if quantization is not None:
         raise UserError(f"--quantization {quantization} with --tensor-parallel {tp}: not supported; "
                         "serve quantized weights with --tensor-parallel 1 or drop --quantization")
-    if cfg.kv_heads < tp:
-        raise UserError(f"--tensor-parallel {tp}: {where} has {cfg.kv_heads} key/value heads, fewer than the "
-                        f"tensor-parallel size (key/value heads are not replicated); use --tensor-parallel <= "
-                        f"{cfg.kv_heads}")
-    for what, n in (("attention heads", cfg.num_heads), ("key/value heads", cfg.kv_heads),
-                    ("vocabulary rows", cfg.vocab_rows)):
+    kv = cfg.kv_heads
+    if kv < tp and tp % kv:
+        raise UserError(f"--tensor-parallel {tp}: {where} has {kv} key/value heads; a tensor-parallel size above "
+                        f"them must be a multiple of them (each head is then replicated on tp / {kv} ranks); use "
+                        f"a divisor or a multiple of {kv}")
+    if kv >= tp and kv % tp:
+        raise UserError(f"--tensor-parallel {tp}: must divide the {kv} key/value heads of {where} (or be a multiple "
+                        f"of them); use a tensor-parallel size that divides them")
+    for what, n in (("attention heads", cfg.num_heads), ("vocabulary rows", cfg.vocab_rows)):
         if n % tp:
             raise UserError(f"--tensor-parallel {tp}: must divide the {n} {what} of {where}; use a "
                             f"tensor-parallel size that divides it")
@@ -89,6 +98,13 @@ def check_tensor_parallel(tp: int, cfg: ModelConfig, where: str, quantization: s
 
 # ---- the worker ------------------------------------------------------------------------------
 
+def replicated_kv_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The model a rank builds: `cfg` itself, or with tp > kv_heads one with tp key/value heads,
+    head j a replica of cfg's head j // (tp / kv_heads). Query head h uses replica h // (H / tp),
+    which is cfg's head h // (H / kv_heads): the same attention, one key/value head per rank."""
+    return cfg if cfg.kv_heads >= tp else cfg.model_copy(update={"num_kv_heads": tp})
+
+
 def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.device, dtype: torch.dtype):
     """This rank's shard of the model, read straight into it (never the whole model at once)."""
     from tessera.common.model import Transformer
@@ -96,7 +112,8 @@ def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.dev
     from tessera.common.parallel.tensor_parallel import parallelize_model
 
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(replicated_kv_config(cfg, groups.tp))
+        stored = {n: p.shape for n, p in Transformer(cfg).named_parameters()}  # global shapes on disk
     model = parallelize_model(model, groups)
     allocate(model, device)  # only this rank's shard is ever allocated
     params = dict(model.named_parameters())
@@ -104,18 +121,31 @@ def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.dev
     if hf:
         _load_hf_shard(path, cfg, params, buffers, groups.tp_rank, groups.tp)
     else:
-        _load_dcp_shard(path, params, buffers, groups)
+        _load_dcp_shard(path, params, buffers, groups, stored, cfg.kv_heads)
     if model.rotary is not None:
         model.rotary.reset_parameters()  # computed, not stored: to_empty left it uninitialised
     return model.to(dtype=dtype).eval()
 
 
-def _load_dcp_shard(path: Path, params: dict, buffers: dict, groups) -> None:
+def _load_dcp_shard(path: Path, params: dict, buffers: dict, groups, stored: dict, kv_heads: int) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     from tessera.common.checkpoint import load_model_tensors
-    from tessera.common.parallel.state_dict import load_model_state_dict, model_state_dict
+    from tessera.common.parallel.layers import shard_dim_of
+    from tessera.common.parallel.state_dict import MODEL_PREFIX, load_model_state_dict, model_state_dict
     from tessera.common.safe_dcp import dcp_load
 
     state = model_state_dict(params, groups)  # global DTensors: DCP reads this rank's slices only
+    replicated = [n for n, p in params.items()
+                  if (dim := shard_dim_of(p)) is not None and p.shape[dim] * groups.tp != stored[n][dim]]
+    if replicated:  # k/v projections of replicated key/value heads: rank r reads head r // (tp / kv_heads)
+        mesh = DeviceMesh(groups.device.type, torch.arange(groups.tp).view(kv_heads, groups.tp // kv_heads),
+                          mesh_dim_names=("kv", "replica"))
+        for n in replicated:
+            state[MODEL_PREFIX + n] = DTensor.from_local(params[n].detach().clone(), mesh,
+                                                         [Shard(shard_dim_of(params[n])), Replicate()],
+                                                         run_check=False)
     dcp_load(state, path)
     load_model_state_dict(params, state)
     if buffers:  # persistent buffers (an MoE router's bias): small and replicated
@@ -134,7 +164,11 @@ def _load_hf_shard(path: Path, cfg: ModelConfig, params: dict, buffers: dict, ra
             full = rule.apply([weights.get(s) for s in rule.sources])
             dst = local[rule.target]
             dim = shard_dim_of(dst) if rule.target in params else None
-            dst.copy_(full if dim is None else full.chunk(world, dim=dim)[rank])
+            if dim is not None:
+                # `pieces` is world, or for a replicated key/value head the kv_heads it is one of.
+                pieces = full.shape[dim] // dst.shape[dim]
+                full = full.chunk(pieces, dim=dim)[rank * pieces // world]
+            dst.copy_(full)
             del full
 
 
@@ -192,8 +226,9 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
     cfg = ModelConfig.model_validate(init["model"])
     dtype = DTYPES[init["dtype"]]
     model = load_shard(Path(init["path"]), init["hf"], cfg, groups, device, dtype)
-    runner = ModelRunner(model, init["num_blocks"], init["block_size"], device, dtype, rank, world)
-    _reply(conn, {"t": "ready", "numel": sum(p.numel() for p in model.parameters())})
+    runner = ModelRunner(model, init["num_blocks"], init["block_size"], device, dtype, rank, world,
+                         kv_dtype=kv_cache_dtype(init["kv_cache_dtype"], dtype, device))
+    _reply(conn, {"t": "ready", "numel": sum(p.numel() for p in model.parameters()), "kv_bytes": runner.kv.nbytes})
     tp_group = groups.tp_group
     while True:
         msg = json.loads(conn.recv_bytes())
@@ -218,14 +253,15 @@ class TensorParallelExecutor:
     rank 0's logits. Any worker's death is noticed at the next wait (`WorkerDied`)."""
 
     def __init__(self, path: Path, hf: bool, cfg: ModelConfig, tp: int, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, kv_dtype_name: str = "auto"):
         self.tp = tp
         ctx = mp.get_context("spawn")  # fork would copy the driver's threads and CUDA state
         self._store_dir = tempfile.TemporaryDirectory(prefix="tessera-tp-")
         store = str(Path(self._store_dir.name) / "store")
         init = {"path": str(path), "hf": hf, "model": cfg.model_dump(mode="json"), "num_blocks": num_blocks,
                 "block_size": block_size, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
-                "torch_threads": torch.get_num_threads()}  # as the driver's (--torch-threads)
+                "torch_threads": torch.get_num_threads(),  # as the driver's (--torch-threads)
+                "kv_cache_dtype": kv_dtype_name}  # --kv-cache-dtype, resolved on each worker
         self.conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         try:
@@ -238,11 +274,13 @@ class TensorParallelExecutor:
                 self.conns.append(ours)
                 self.procs.append(proc)
             self.shard_numel: list[int] = []  # parameter elements each worker holds
+            self.kv_bytes: list[int] = []  # bytes of each worker's KV pool
             for rank in range(tp):
                 msg = self._recv(rank, READY_TIMEOUT_S)
                 if msg.get("t") != "ready":
                     raise WorkerDied(f"tensor-parallel worker {rank}: unexpected message {msg.get('t')!r}")
                 self.shard_numel.append(int(msg["numel"]))
+                self.kv_bytes.append(int(msg["kv_bytes"]))
         except BaseException:
             self.shutdown()
             raise

@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     check_draft_model(cfg.speculative, args.checkpoint)  # before any weight is read
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization, cfg.tensor_parallel)
+    loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization, cfg.tensor_parallel,
+                              kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
     engine = LLMEngine(loaded, cfg, device, dtype)
     try:
         tok = loaded.tokenizer

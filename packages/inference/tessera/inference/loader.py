@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,10 @@ from tessera.common.hf.directory import checked_hf_weights
 from tessera.common.model import Transformer, build_model
 from tessera.common.model_config import ModelConfig
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
+from tessera.inference.model_runner import kv_cache_dtype as kv_cache_dtype_of
 from tessera.inference.quantization import check_quantization, quantize_model
+
+log = logging.getLogger("tessera.inference")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,16 +61,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch.dtype,
-                     quantization: str | None = None, tensor_parallel: int = 1) -> LoadedModel:
+                     quantization: str | None = None, tensor_parallel: int = 1, *, kv_cache_dtype: str = "auto",
+                     skip_checksum_verify: bool = False) -> LoadedModel:
     """Accepts a checkpoint (iteration dir, checkpoints dir with pointer, or run dir) or an HF export dir.
 
     With `quantization` ("int8", "fp8") the Linear weights are quantized after they load
     (tessera.inference.quantization); one the device cannot run is refused before any weight is read.
     With `tensor_parallel` > 1 no weight is read here: the config, tokenizer and source are
     checked and returned (model None), and the tensor-parallel workers load their shards
-    (executor.py); a size the model cannot be split by is refused first.
+    (executor.py); a size the model cannot be split by is refused first. A `kv_cache_dtype` the
+    device cannot run is refused first too. `skip_checksum_verify` skips hashing a Tessera
+    checkpoint's payload files (logged); its metadata is read by the restricted unpickler either way.
     """
     check_quantization(quantization, device)
+    kv_cache_dtype_of(kv_cache_dtype, torch.float32, device)
     path = Path(path)
     given_name = path.resolve().name
     if not path.exists():
@@ -83,7 +91,11 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
         cfg = sidecar.model
         # Every payload file against the sidecar's checksums first (XXH3 on threads, several GB/s
         # per core): a flipped or truncated byte is one line naming the file, never served weights.
-        verify_checksums(ckpt, sidecar)
+        if skip_checksum_verify:
+            log.warning("%s: checksum verification skipped (--skip-checksum-verify): the payload files are "
+                        "trusted as they are", ckpt)
+        else:
+            verify_checksums(ckpt, sidecar)
         tokenizer = load_tokenizer(ckpt / TOKENIZER_DIR)
         eos = []
         path = ckpt

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tessera.common.errors import UserError
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
 from tessera.inference.sampler import Sampler, token_logprob, verify
@@ -46,10 +47,58 @@ from tessera.kernels import paged_attention
 log = logging.getLogger("tessera.inference")
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V)."""
+# --kv-cache-dtype (vLLM's names) -> storage dtype; "auto" stores the model's dtype. fp8 keys and
+# values are stored as x / scale, clamped to the format's largest finite value (a cast of a larger
+# number would give NaN in e4m3fn, inf in e5m2), and read back as stored * scale in the model's
+# dtype inside attention, so only the cache is fp8. The scale is per tensor (one for all keys, one
+# for all values): 1.0, vLLM's default without --calculate-kv-scales, since no checkpoint this
+# engine reads carries KV scales. Activations of the models served here are far inside e4m3's
+# range (|x| <= 448); its 3 mantissa bits give a relative rounding error of at most 2^-4 per value.
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Storage dtype of the KV cache for --kv-cache-dtype `name` and model dtype `dtype`; refuses
+    (one line) e4m3 on a GPU whose Triton has no e4m3 conversions (before compute capability 8.9)."""
+    if name == "auto":
+        return dtype
+    kv = KV_CACHE_DTYPES[name]
+    if kv == torch.float8_e4m3fn and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise UserError(f"--kv-cache-dtype {name}: float8_e4m3fn needs a GPU of compute capability 8.9 or newer "
+                        f"(this one: {'.'.join(map(str, torch.cuda.get_device_capability(device)))}); use "
+                        "--kv-cache-dtype fp8_e5m2 or auto")
+    return kv
+
+
+def local_kv_heads(cfg: ModelConfig, tp: int = 1) -> int:
+    """Key/value heads one tensor rank holds: its 1/tp share, or one when tp > kv_heads (each head
+    is then replicated on tp / kv_heads ranks, executor.py)."""
+    return max(1, cfg.kv_heads // tp)
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """Bytes one block takes across all layers (K and V) on one tensor rank, stored in `dtype`."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.kv_heads * cfg.head_dim * itemsize
+    return 2 * cfg.num_layers * block_size * local_kv_heads(cfg, tp) * cfg.head_dim * itemsize
+
+
+def store_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float = 1.0) -> None:
+    """cache[slots] = x in the cache's storage dtype: a plain cast, or for fp8 x / scale clamped to
+    the format (written through a uint8 view: PyTorch's CPU index_copy_ has no fp8 kernel)."""
+    if cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        cache.index_copy_(0, slots, x.to(cache.dtype))
+        return
+    if scale != 1.0:
+        x = x.float() / scale
+    fmax = torch.finfo(cache.dtype).max
+    cache.view(torch.uint8).index_copy_(0, slots, x.clamp(-fmax, fmax).to(cache.dtype).view(torch.uint8))
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached keys or values (a gathered window) back in the compute dtype `dtype`."""
+    if x.dtype == dtype:
+        return x
+    return x.to(dtype) if scale == 1.0 else (x.float() * scale).to(dtype)
 
 
 # Decode sequences per gather + SDPA call. Sorted by length and taken 8 at a time, each group's
@@ -85,14 +134,16 @@ def decode_group(rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
-                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                     scale: float, sliding_window: int | None = None,
+                     kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Attention of the new tokens of each sequence over its cached keys/values (a group at once).
 
     q [S * num_q, H, D]; caches [blocks, block_size, Hkv, D]. Gathers each sequence's blocks into
     a padded [S, width*block_size] window (index_select on the flat block list is ~3x faster on CPU
     than advanced indexing by the table) and masks the padding and, for several new tokens, the
     positions after each, and with a sliding `window` the positions more than `sliding_window`
-    before each. Returns [S * num_q, H, D].
+    before each. An fp8 cache is dequantized (`kv_scales`: the K and V scales) after the gather,
+    so only the window is converted. Returns [S * num_q, H, D].
     """
     _, num_heads, head_dim = q.shape
     num_seqs, num_q = group.visible.shape[0], group.num_q
@@ -100,6 +151,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     window = group.width * block_size
     k = k_cache.index_select(0, group.blocks).view(num_seqs, window, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.index_select(0, group.blocks).view(num_seqs, window, num_kv_heads, head_dim).transpose(1, 2)
+    k, v = dequantize_kv(k, q.dtype, kv_scales[0]), dequantize_kv(v, q.dtype, kv_scales[1])
     visible = group.visible
     if sliding_window is not None:
         assert group.seq_lens is not None
@@ -199,7 +251,7 @@ class ModelRunner:
     `forward` to the workers, each of which runs a ModelRunner over its shard."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, kv_dtype: torch.dtype | None = None):
         cfg = model.cfg
         self.model = model
         self.cfg = cfg
@@ -208,9 +260,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.tp_rank, self.tp_size = tp_rank, tp_size
         # One allocation for the whole pool: [layer, K/V, block, slot, kv_head, head_dim]; under
-        # tensor parallel this rank's key/value heads only (those of its query heads).
-        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.kv_heads // tp_size, cfg.head_dim,
-                              device=device, dtype=dtype)
+        # tensor parallel this rank's key/value heads only (those of its query heads), stored in
+        # `kv_dtype` (default: the model's; fp8 with --kv-cache-dtype) with per-tensor K and V scales.
+        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, local_kv_heads(cfg, tp_size), cfg.head_dim,
+                              device=device, dtype=kv_dtype or dtype)
+        self.kv_scales = (1.0, 1.0)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self._step: StepInputs | None = None
         # The Triton kernel handles mixed batches in one launch; only CPU needs the split.
@@ -223,21 +277,23 @@ class ModelRunner:
         k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]
         flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
         flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
-        flat_k.index_copy_(0, step.slot_mapping, k[0].to(flat_k.dtype))
-        flat_v.index_copy_(0, step.slot_mapping, v[0].to(flat_v.dtype))
+        k_scale, v_scale = self.kv_scales
+        store_kv(flat_k, step.slot_mapping, k[0], k_scale)
+        store_kv(flat_v, step.slot_mapping, v[0], v_scale)
         split = step.split
         window = self.cfg.window(layer)
         if split is None:
             out = paged_attention(q[0], k_cache, v_cache, step.block_tables, step.seq_lens,
-                                  step.query_start_loc, self.scale, window)
+                                  step.query_start_loc, self.scale, window, k_scale=k_scale, v_scale=v_scale)
             return out.unsqueeze(0)
         out = torch.empty_like(q[0])
         for group in split.decode_groups:
-            out[group.rows] = decode_attention(q[0, group.rows], k_cache, v_cache, group, self.scale, window)
+            out[group.rows] = decode_attention(q[0, group.rows], k_cache, v_cache, group, self.scale, window,
+                                               self.kv_scales)
         if split.prefill_rows.numel():
             out[split.prefill_rows] = paged_attention(
                 q[0, split.prefill_rows], k_cache, v_cache, split.prefill_tables, split.prefill_lens,
-                split.prefill_starts, self.scale, window)
+                split.prefill_starts, self.scale, window, k_scale=k_scale, v_scale=v_scale)
         return out.unsqueeze(0)
 
     def _split(self, num_q: list[int], starts: list[int], tables: torch.Tensor, lens: torch.Tensor) -> DecodeSplit:
