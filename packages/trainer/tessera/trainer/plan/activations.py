@@ -18,8 +18,9 @@ Corrections the single-device block cannot show, analytic:
 * sequence parallel: the block input and the MLP norm's input (and their rms statistics) hold
   T/tp tokens, not T (the normed outputs are all-gathered to T and saved at T by the column layers);
 * context parallel: keys and values are all-gathered to the full sequence and kept
-  (ContextParallelAttention). One document per sample adds one additive [T/C, T] mask per
-  micro-batch, shared by the layers (`attention_mask_bytes`). Packed documents
+  (ContextParallelAttention). One document per sample adds, on CPU, one additive [T/C, T] mask
+  per micro-batch, shared by the layers (`attention_mask_bytes`); on CUDA it takes FlexAttention
+  with one [1, T/C/128, T/128] block mask instead. Packed documents
   (`packed_documents`, common/attention.py's MaskedAttention) build no such mask: on CPU the
   per-segment SDPA attends the local queries at their places in a zero [T] sequence, so the
   gathered query segments and their outputs (and log-sum-exp) are kept at up to T tokens, not
@@ -183,19 +184,23 @@ def layer_activation_bytes(spec: PlanSpec, layer: int = 0) -> float:
 
 
 def attention_mask_bytes(spec: PlanSpec) -> float:
-    """Per micro-batch, shared by every layer of one sliding window: context parallel's additive
-    [T/C, T] mask (one document per sample), or with packed documents on CUDA FlexAttention's
-    block mask (kv and q block counts and indices, full and partial: four [rows, Tq/128, T/128]
-    int32 tensors). The CPU per-segment path holds no mask (only a [w, 2w] band per window)."""
+    """Per micro-batch, shared by every layer of one sliding window: on CUDA FlexAttention's block
+    mask (kv and q block counts and indices, full and partial: four [rows, Tq/128, T/128] int32
+    tensors; rows = the micro-batch with packed documents, 1 for one document per sample under
+    context parallel); on CPU context parallel's additive [T/C, T] mask for one document per
+    sample. The CPU per-segment path of packed documents holds no mask (only a [w, 2w] band per
+    window)."""
     cfg, lay = spec.model, spec.layout
     windows = len({cfg.window(i) for i in range(cfg.num_layers)})
-    if spec.packed_documents:
-        if spec.device_type == "cpu":
-            return 0.0
-        blocks = -(-spec.seq_len // lay.context // 128) * -(-spec.seq_len // 128)
-        return windows * 4 * spec.micro_batch * blocks * 4.0
-    if lay.context == 1:  # (cached by the attention function: alive under full recompute too)
+    if not spec.packed_documents and lay.context == 1:  # one process: plain causal SDPA, no mask
         return 0.0
+    if spec.device_type != "cpu":
+        rows = spec.micro_batch if spec.packed_documents else 1
+        blocks = -(-spec.seq_len // lay.context // 128) * -(-spec.seq_len // 128)
+        return windows * 4 * rows * blocks * 4.0
+    if spec.packed_documents:
+        return 0.0
+    # (cached by the attention function: alive under full recompute too)
     return windows * spec.seq_len // lay.context * spec.seq_len * (2.0 if spec.precision != "fp32" else 4.0)
 
 
