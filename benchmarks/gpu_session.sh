@@ -3,13 +3,26 @@
 # CUDA PyTorch and Triton), run the GPU tests, then the GPU benchmarks. Every step writes its
 # log under $OUT (or ./gpu-out) and a failed step does not stop the later ones.
 #
-#   bash benchmarks/gpu_session.sh [STEP...]   steps: tests kernels host-profile train train1b serve
-#                                              (default: tests kernels train serve)
+#   bash benchmarks/gpu_session.sh [STEP...]   steps: tests kernels host-profile train train1b
+#                                              train1b-fp8 train1b-fp8-rowwise fp8-convergence titan serve
+#                                              serve1b serve-eager serve-profile (default: tests kernels train serve)
+#
+# Issue #19's training figures, llama-1b at seq 4096 (each step fits one 10-minute device call
+# with the install; estimates for one H100, not measurements):
+#   train1b              bf16: Tessera and transformers' LlamaForCausalLM, each alone on the GPU
+#                        (--separate-processes): tokens/s, MFU against the bf16 peak, peak memory (~4 min)
+#   train1b-fp8          the same in fp8, tensorwise (torchao Float8Linear in both frameworks) (~5 min)
+#   train1b-fp8-rowwise  the same in fp8, rowwise (~5 min)
+#   fp8-convergence      200 steps bf16 then fp8 (tensorwise) from the same init and data: final loss
+#                        within 1% and fp8/bf16 tokens/s >= 1.3x (benchmarks/fp8_convergence.py) (~5 min)
+#   titan                torchtitan's Llama 3 trainer, llama3 "1B", bf16 then float8 tensorwise
+#                        (benchmarks/torchtitan_peer.py; needs its wheels in .whl/, see there) (~6 min)
 #
 # Python packages the machine's image lacks (pydantic 2 and pydantic-core, annotated-types,
-# typing-inspection, typing-extensions, fastapi, starlette, uvicorn, opentelemetry-api, and torchao
-# for the FP8 tests: tests/trainer/test_fp8.py) travel as cp312 manylinux wheels in .whl/, fetched
-# on a machine with a registry:
+# typing-inspection, typing-extensions, fastapi, starlette, uvicorn, opentelemetry-api, torchao
+# for the FP8 tests and steps, and for `titan` torchtitan with the pure-Python packages it imports:
+# benchmarks/torchtitan_peer.py lists them) travel as cp312 wheels in .whl/, fetched on a machine
+# with a registry:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl pydantic==2.14.3 pydantic_core==2.50.4 ...
 set -u
@@ -52,14 +65,39 @@ for s in $STEPS; do
         step train-160m 240 python3 benchmarks/train_throughput.py --device cuda --precision bf16 \
             --preset llama-160m --full-size --seq 2048 --batch 8 --steps 20 --warmup 5 \
             --json "$OUT/train-160m.json" ;;
-    train1b)
-        step train-1b 400 python3 benchmarks/train_throughput.py --device cuda --precision bf16 \
-            --preset llama-1b --full-size --seq 2048 --batch 4 --steps 10 --warmup 4 \
-            --json "$OUT/train-1b.json" ;;
-    serve)
-        step serve 300 python3 benchmarks/serving.py --device cuda --preset llama-160m \
+    train1b | train1b-fp8 | train1b-fp8-rowwise)  # batch 2 x 4096: both frameworks' fp32 AdamW state fits 80 GB
+        case $s in
+        train1b) name=train-1b-bf16 precision=(--precision bf16) ;;
+        train1b-fp8) name=train-1b-fp8-tensorwise precision=(--precision fp8 --fp8-recipe tensorwise) ;;
+        *) name=train-1b-fp8-rowwise precision=(--precision fp8 --fp8-recipe rowwise) ;;
+        esac
+        step "$name" 500 python3 benchmarks/train_throughput.py --device cuda "${precision[@]}" \
+            --preset llama-1b --full-size --seq 4096 --batch 2 --steps 10 --warmup 4 --separate-processes \
+            --json "$OUT/$name.json" ;;
+    fp8-convergence)
+        step fp8-convergence 500 python3 benchmarks/fp8_convergence.py --device cuda --preset llama-1b \
+            --seq 4096 --batch 2 --steps 200 --fp8-recipe tensorwise --json "$OUT/fp8-convergence.json" ;;
+    titan)
+        step torchtitan 500 python3 benchmarks/torchtitan_peer.py --steps 30 --warmup 10 \
+            --json "$OUT/torchtitan.json" ;;
+    serve | serve1b)  # issue #18: CUDA-graph decode (the default on CUDA) at 64 concurrent, TPOT next to the
+        # weight-read floor; llama-1b is its own step so each fits one 10-minute device call
+        if [ "$s" = serve ]; then
+            step serve 300 python3 benchmarks/serving.py --device cuda --preset llama-160m \
+                --num-requests 256 --concurrency 64 --naive-requests 16 --rounds 1 --max-num-batched-tokens 2048
+        else
+            step serve-1b 480 python3 benchmarks/serving.py --device cuda --preset llama-1b \
+                --num-requests 128 --concurrency 64 --naive-requests 4 --rounds 1 --max-num-batched-tokens 2048
+        fi
+        grep -h -e "^model:" -e "physical floor" -e "TPOT median" "$OUT/${s/serve1b/serve-1b}.log" ;;
+    serve-eager)  # the same llama-160m run without graphs, for the ratio
+        step serve-eager 300 python3 benchmarks/serving.py --device cuda --preset llama-160m --enforce-eager \
             --num-requests 256 --concurrency 64 --naive-requests 16 --rounds 1 \
             --max-num-batched-tokens 2048 ;;
-    *) echo "gpu_session.sh: unknown step $s (steps: tests kernels host-profile train train1b serve)"; exit 2 ;;
+    serve-profile)  # host vs device time per decode step, eager and CUDA graphs
+        step serve-profile 300 python3 benchmarks/serving_profile.py --device cuda --preset llama-160m \
+            --concurrency 64 --num-requests 64 --decode-steps 64 ;;
+    *) echo "gpu_session.sh: unknown step $s (steps: tests kernels host-profile train train1b train1b-fp8" \
+            "train1b-fp8-rowwise fp8-convergence titan serve serve1b serve-eager serve-profile)"; exit 2 ;;
     esac
 done

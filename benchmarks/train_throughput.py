@@ -35,6 +35,20 @@ transformers the way it trains packed sequences (position_ids restarting per doc
 it builds a block-causal mask; labels -100 where the input is end-of-document). Same model, same
 data, same loss, so "loss after" must agree here too.
 
+`--precision fp8` is the trainer's fp8 mode for both frameworks: bf16 autocast with every eligible
+Linear swapped for torchao's Float8Linear (`--fp8-recipe tensorwise|rowwise`; the output head and
+Linear layers with dimensions not multiples of 16 stay bf16): Tessera through
+`tessera.trainer.fp8.apply_float8`, transformers through the same torchao conversion of its
+LlamaForCausalLM (what a transformers user adds for FP8 training; its step stays eager, the
+standard recipe, so torchao's amax/scale/cast chains run unfused there). MFU is against the GPU's dense
+bf16 peak for every precision (torchtitan's convention), so an fp8 run's MFU is comparable with a
+bf16 run's and its gain shows directly. On a GPU the table adds each framework's peak allocated
+memory over its timed steps (torch.cuda.max_memory_allocated, reset before each step); in one
+process it includes the other framework's resident weights and optimizer state, so for memory
+figures use --separate-processes (each framework alone on the GPU). `--fp8-emulate` converts
+without the device check so the fp8 path of this script runs on CPU (torchao's casts emulated:
+checks the wiring, its figures mean nothing).
+
     python benchmarks/train_throughput.py                       # CPU-sized defaults
     python benchmarks/train_throughput.py --preset llama-160m --seq 1024 --batch 8 --device cuda
 """
@@ -55,9 +69,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tessera.common.errors import run_cli
 from tessera.common.model_config import ModelConfig, preset
 from tessera.trainer.config import OptimConfig
 from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
+from tessera.trainer.fp8 import apply_float8, convert_to_float8
 from tessera.trainer.host_memory import retain_freed_memory
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer
@@ -101,7 +117,8 @@ def time_interleaved(steps_by_name: dict, batches, warmup: int, steps: int, sync
 
     Alternating A, B, A, B... means load from other jobs on a shared machine hits both alike.
     """
-    out = {name: {"step_times_s": [], "minor_faults": []} for name in steps_by_name}
+    out = {name: {"step_times_s": [], "minor_faults": [], "peak_memory_bytes": []} for name in steps_by_name}
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     for name, step_fn in steps_by_name.items():
         start = time.perf_counter()
         step_fn(*batches[0])
@@ -113,12 +130,16 @@ def time_interleaved(steps_by_name: dict, batches, warmup: int, steps: int, sync
     for i in range(steps):
         for name, step_fn in steps_by_name.items():
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             loss = step_fn(*batches[(warmup + i) % len(batches)])
             sync()
             out[name]["step_times_s"].append(time.perf_counter() - t0)
             # Pages touched for the first time (the kernel zero-fills each): allocator churn.
             out[name]["minor_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+            if cuda:
+                out[name]["peak_memory_bytes"].append(torch.cuda.max_memory_allocated())
             out[name]["final_loss"] = float(loss)
     return out
 
@@ -229,7 +250,16 @@ def tessera_step(model, optim_cfg: OptimConfig, precision: Precision, compile: b
     return step
 
 
-def main() -> None:
+def float8(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> int:
+    """--precision fp8: swap the model's eligible Linear layers for torchao Float8Linear; how many."""
+    if args.precision != "fp8":
+        return 0
+    if args.fp8_emulate:
+        return len(convert_to_float8(model, args.fp8_recipe))
+    return len(apply_float8(model, args.fp8_recipe, device))
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-160m", help="Model preset to start from (Llama family).")
     ap.add_argument("--hidden", type=int, default=256, help="Override hidden_size (CPU default: 256).")
@@ -248,8 +278,14 @@ def main() -> None:
     ap.add_argument("--retain-host-memory", action="store_true",
                     help="Apply the trainer's host-memory setting (tessera.trainer.host_memory) to this process: both.")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                    help="bf16 = autocast over fp32 weights for both frameworks (the trainer's bf16 mode).")
+    ap.add_argument("--precision", choices=["fp32", "bf16", "fp8"], default="fp32",
+                    help="bf16 = autocast over fp32 weights for both frameworks (the trainer's bf16 mode); fp8 = "
+                         "bf16 with torchao Float8Linear layers in both (the trainer's fp8 mode; see above).")
+    ap.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise",
+                    help="With --precision fp8: torchao's scaling recipe (training.fp8_recipe).")
+    ap.add_argument("--fp8-emulate", action="store_true",
+                    help="With --precision fp8: convert without the FP8-device check (CPU: emulated casts, to test "
+                         "this script's fp8 path; the figures mean nothing).")
     ap.add_argument("--breakdown", type=int, nargs="?", const=5, default=0, metavar="STEPS",
                     help="After timing, profile STEPS more steps (default 5) of each framework and split them into "
                          "shared kernels and each framework's own time, with the ceiling ratio (see above).")
@@ -263,7 +299,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="With --separate-processes: run the pair this many times, alternating which goes first "
                          "(ABBA...), and report the median over all rounds' steps plus each round's ratio.")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.breakdown and args.device != "cpu":
         ap.error("--breakdown measures CPU time and is for --device cpu (on a GPU use benchmarks/kernels.py)")
     if args.separate_processes:
@@ -295,16 +331,20 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tokens_per_step = args.batch * args.seq
 
-    ours = prepare_model(cfg, device, seed=0)
-    hf = hf_llama(cfg, device)
-    copy_weights_to_hf(ours, hf, cfg)
-    hf.train()
-    # HF first: its warm-up does not benefit from Tessera's compile.
-    step_fns = {"transformers": hf_standard_step(hf, optim_cfg, Precision(args.precision, device)),
-                "tessera": tessera_step(ours, optim_cfg, Precision(args.precision, device), not args.no_compile,
-                                        documents)}
-    if args.only:
-        step_fns = {args.only: step_fns[args.only]}
+    ours = prepare_model(cfg, device, seed=0)  # transformers' weights are copied from it
+    step_fns, fp8_layers = {}, {}
+    if args.only != "tessera":  # HF first: its warm-up does not benefit from Tessera's compile
+        hf = hf_llama(cfg, device)
+        copy_weights_to_hf(ours, hf, cfg)
+        hf.train()
+        fp8_layers["transformers"] = float8(hf, args, device)
+        step_fns["transformers"] = hf_standard_step(hf, optim_cfg, Precision(args.precision, device))
+    if args.only != "transformers":
+        fp8_layers["tessera"] = float8(ours, args, device)
+        step_fns["tessera"] = tessera_step(ours, optim_cfg, Precision(args.precision, device), not args.no_compile,
+                                           documents)
+    else:
+        del ours
     results = time_interleaved(step_fns, batches, args.warmup, args.steps, sync)
     if args.breakdown:
         for name, summary in breakdown(step_fns, batches, args.breakdown, sync).items():
@@ -314,9 +354,12 @@ def main() -> None:
         r["tokens_per_s"] = tokens_per_step / r["median_step_s"]
         r["page_faults_per_step"] = statistics.median(r["minor_faults"])
         r["malloc"] = "retains freed memory" if retained else "glibc defaults"
+        r["peak_memory_bytes"] = max(r["peak_memory_bytes"], default=None)
+    for name, r in results.items():
+        r["fp8_layers"] = fp8_layers[name]
     print(f"model: {cfg.num_params() / 1e6:.1f}M params (d={cfg.hidden_size}, L={cfg.num_layers}, "
           f"H={cfg.num_heads}/{cfg.kv_heads}, ffn={cfg.ffn_hidden_size}, V={cfg.vocab_size}); "
-          f"batch {args.batch} x seq {args.seq}; {args.precision}; threads {torch.get_num_threads()}; device {device}; "
+          f"batch {args.batch} x seq {args.seq}; {precision_label(args)}; threads {torch.get_num_threads()}; device {device}; "
           f"tessera compile={'off' if args.no_compile else 'on'}; "
           f"{f'packed documents of ~{args.packed_documents} tokens; ' if args.packed_documents else ''}one process, "
           f"malloc {'retains freed memory (both)' if retained else 'glibc defaults'}")
@@ -353,6 +396,8 @@ def run_separately(args: argparse.Namespace) -> None:
         pooled["tokens_per_s"] = args.batch * args.seq / pooled["median_step_s"]
         pooled["page_faults_per_step"] = statistics.median(pooled["minor_faults"])
         pooled["first_step_s"] = statistics.median(run["first_step_s"] for run in runs)
+        pooled["peak_memory_bytes"] = max((run["peak_memory_bytes"] for run in runs if run["peak_memory_bytes"]),
+                                          default=None)
         if args.breakdown:
             pooled["breakdown"] = summarize_profiles([run["breakdown"] for run in runs])
         results[name] = pooled
@@ -362,7 +407,7 @@ def run_separately(args: argparse.Namespace) -> None:
     cfg = preset(args.preset, **overrides, max_seq_len=max(args.seq, 64))
     print(f"model: {cfg.num_params() / 1e6:.1f}M params (d={cfg.hidden_size}, L={cfg.num_layers}, "
           f"H={cfg.num_heads}/{cfg.kv_heads}, ffn={cfg.ffn_hidden_size}, V={cfg.vocab_size}); "
-          f"batch {args.batch} x seq {args.seq}; {args.precision}; threads {args.threads or 'default'}; "
+          f"batch {args.batch} x seq {args.seq}; {precision_label(args)}; threads {args.threads or 'default'}; "
           f"device {args.device}; tessera compile={'off' if args.no_compile else 'on'}; separate processes: "
           + "; ".join(f"{n} malloc {r['malloc']}" for n, r in results.items()))
     if args.rounds > 1:
@@ -373,14 +418,24 @@ def run_separately(args: argparse.Namespace) -> None:
     report(args, cfg, results, torch.device(args.device))
 
 
+def precision_label(args: argparse.Namespace) -> str:
+    if args.precision != "fp8":
+        return args.precision
+    return f"fp8 ({args.fp8_recipe}, torchao Float8Linear{', emulated' if args.fp8_emulate else ''})"
+
+
 def report(args: argparse.Namespace, cfg: ModelConfig, results: dict[str, dict], device: torch.device) -> None:
     flops = cfg.flops_per_token(args.seq)
     print(f"{'':14}{'tokens/s':>12}{'TFLOP/s':>10}{'median step':>14}{'first step':>13}{'loss after':>12}"
-          f"{'page faults/step':>18}")
+          f"{'page faults/step':>18}{'peak memory':>14}")
     for name, r in results.items():
+        peak_memory = r.get("peak_memory_bytes")
+        memory = f"{peak_memory / 2**30:>10.2f} GiB" if peak_memory else f"{'n/a':>14}"
         print(f"{name:14}{r['tokens_per_s']:>12,.0f}{r['tokens_per_s'] * flops / 1e12:>10.4f}"
               f"{r['median_step_s'] * 1e3:>11.1f} ms{r['first_step_s']:>11.1f} s{r['final_loss']:>12.4f}"
-              f"{r['page_faults_per_step']:>18,.0f}")
+              f"{r['page_faults_per_step']:>18,.0f}{memory}")
+    if args.precision == "fp8":
+        print("fp8 layers (torchao Float8Linear): " + ", ".join(f"{n} {r['fp8_layers']}" for n, r in results.items()))
     if all("breakdown" in r for r in results.values()):
         print_breakdown({name: r["breakdown"] for name, r in results.items()}, not args.separate_processes)
     ratio = None
@@ -391,9 +446,11 @@ def report(args: argparse.Namespace, cfg: ModelConfig, results: dict[str, dict],
         from tessera.trainer.metrics import gpu_peak_tflops
 
         peak = gpu_peak_tflops(torch.cuda.get_device_name(device))
-        if peak:
+        if peak:  # the dense bf16 peak for every precision, fp8 too (torchtitan's convention)
             for name, r in results.items():
-                print(f"MFU {name}: {100 * r['tokens_per_s'] * flops / 1e12 / peak:.1f}% of {peak:g} TFLOP/s")
+                r["mfu_bf16_peak"] = r["tokens_per_s"] * flops / 1e12 / peak
+                print(f"MFU {name}: {100 * r['mfu_bf16_peak']:.1f}% of the bf16 peak {peak:g} TFLOP/s "
+                      f"({precision_label(args)})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "machine": platform.platform(), "torch": torch.__version__,
@@ -401,4 +458,4 @@ def report(args: argparse.Namespace, cfg: ModelConfig, results: dict[str, dict],
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -179,17 +179,19 @@ def test_long_packed_sequence_allocates_no_t_by_t_buffer():
     assert ours.largest < dense_bytes // 32
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "one-document"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_context_parallel_queries_equal_their_rows_of_the_dense_mask(window):
+def test_context_parallel_queries_equal_their_rows_of_the_dense_mask(window, packed):
     """Context parallel's document path: a rank's queries (chunks r and 2C-1-r of the sequence)
     against every key in global order equal those queries' rows of the one-process attention,
-    output and gradients, on the segment path (CPU) and, forward, the FlexAttention path."""
+    output and gradients, on the segment path (CPU) and, forward, the FlexAttention path (which
+    CUDA also takes for one document per sample, instead of the [T/C, T] mask)."""
     cp = 2
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, T, 4, 16, generator=gen, requires_grad=True)
     k = torch.randn(2, T, 2, 16, generator=gen, requires_grad=True)
     v = torch.randn(2, T, 2, 16, generator=gen, requires_grad=True)
-    document_ids = ids_from_lengths(PACKED)
+    document_ids = ids_from_lengths(PACKED) if packed else None
     mask = attention_mask(T, q.dtype, q.device, document_ids, window)
     full = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           attn_mask=mask, enable_gqa=True).transpose(1, 2)

@@ -148,13 +148,17 @@ def run_job(job: dict, cfg: ModelConfig) -> dict:
     g = torch.Generator().manual_seed(0)
     rows = pcfg.global_batch // groups.dp
     sl = slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows)
+    inputs = None
+    if "documents" in p:  # packed documents of these lengths in every row (attention per document)
+        ids = torch.repeat_interleave(torch.arange(len(p["documents"])), torch.tensor(p["documents"]))
+        inputs = {"document_ids": ids.expand(pcfg.global_batch, -1)[sl].contiguous()}
     mt = PeakBytes(job.get("budget"))
     with mt:
         rt = ParallelRuntime.build(cfg, groups, pcfg, OptimConfig(lr=1e-3), builder)
         build_peak = mt.peak
         for _ in range(job["steps"]):
             x = torch.randint(0, cfg.vocab_size, (pcfg.global_batch, pcfg.seq_len + 1), generator=g)
-            rt.train_step(x[sl, :-1], x[sl, 1:])
+            rt.train_step(x[sl, :-1], x[sl, 1:], model_inputs=inputs)
         peak = mt.peak
     state = _state_bytes(rt)
     if hasattr(rt.optimizer, "buckets"):

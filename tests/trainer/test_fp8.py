@@ -1,6 +1,8 @@
 """FP8 training (tessera.trainer.fp8): refused with one line where there are no FP8 tensor cores;
 the conversion swaps the model's Linear layers for torchao Float8Linear, keeping names, and its
-loss and gradients track bf16 (torchao's casts run emulated on CPU); GPU runs marked `gpu`."""
+loss and gradients track bf16 (torchao's casts run emulated on CPU); it composes with recompute
+and FSDP's float8 all-gather (the option reaches torchao; the gathered run on a GPU), and refuses
+tensor-parallel layers and rowwise all-gather with one line; GPU runs marked `gpu`."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from tessera.common.errors import UserError
 from tessera.common.model import build_model
 from tessera.common.model_config import preset
-from tessera.trainer.fp8 import apply_float8, convert_to_float8, fp8_device_problem
+from tessera.trainer.fp8 import apply_float8, convert_to_float8, fp8_device_problem, precompute_float8_scales
 
 
 def _model():
@@ -36,7 +38,15 @@ def test_fp8_is_refused_on_cpu_with_one_line():
     assert {n: type(m) for n, m in model.named_modules()} == before, "the model was left as it was"
 
 
+def test_fp8_on_cuda_without_a_cuda_device_is_refused_with_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert fp8_device_problem(torch.device("cuda")) == (
+        "training.precision=fp8 needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper, "
+        "Blackwell); no CUDA device is available here: use training.precision=bf16")
+
+
 def test_fp8_is_refused_on_a_gpu_before_ada(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     problem = fp8_device_problem(torch.device("cuda"))
@@ -111,3 +121,170 @@ def test_float8_training_steps_track_bf16_on_gpu(recipe):
 
     bf16, fp8 = train(False), train(True)
     assert abs(fp8 - bf16) / bf16 < 0.02
+
+
+# ---- composition (issue #19): FSDP float8 all-gather, recompute, tensor parallel -------------------
+
+
+def test_fsdp_float8_all_gather_reaches_torchaos_config_and_wraps_the_weights():
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    model = _model()
+    convert_to_float8(model, "tensorwise", fsdp_float8_all_gather=True)
+    q = model.layers["0"].attn.q_proj
+    assert isinstance(q, Float8Linear) and q.config.enable_fsdp_float8_all_gather
+    assert isinstance(q.weight, torch.nn.Parameter) and isinstance(q.weight.data, WeightWithDynamicFloat8CastTensor)
+    plain = _model()
+    convert_to_float8(plain, "tensorwise")
+    assert not plain.layers["0"].attn.q_proj.config.enable_fsdp_float8_all_gather
+    assert precompute_float8_scales(plain) is False, "nothing to precompute without float8 all-gather"
+
+
+def test_fsdp_float8_all_gather_with_rowwise_is_refused_with_one_line():
+    with pytest.raises(UserError) as err:
+        convert_to_float8(_model(), "rowwise", fsdp_float8_all_gather=True)
+    assert str(err.value) == ("float8 all-gather under FSDP needs training.fp8_recipe=tensorwise (one scale per "
+                              "weight; a rowwise scale needs whole rows, which a shard does not hold); use tensorwise")
+
+
+def _with_column_parallel_q(monkeypatch, tp: int):
+    """The tiny model with layer 0's q_proj as a ColumnParallelLinear over `tp` ranks (rank 0)."""
+    import torch.distributed as dist
+
+    from tessera.common.parallel.layers import ColumnParallelLinear
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: tp)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    model = _model()
+    attn = model.layers["0"].attn
+    attn.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, object(), sequence_parallel=False)
+    return model
+
+
+def test_tensor_parallel_layers_are_refused_not_swapped(monkeypatch):
+    """A Float8Linear in place of Tessera's Column/RowParallelLinear would drop their collectives."""
+    pytest.importorskip("torchao")
+    model = _with_column_parallel_q(monkeypatch, tp=2)
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(UserError, match=r"^training.precision=fp8 does not compose with tensor parallel yet "
+                                        r"\(layers.0.attn.q_proj is a ColumnParallelLinear"):
+        convert_to_float8(model, "tensorwise")
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+@pytest.mark.parametrize("all_gather", [False, True])
+def test_a_tensor_parallel_layer_over_one_rank_is_converted_keeping_its_tags(monkeypatch, all_gather):
+    """The parallel runtime swaps in tensor-parallel layers even at tensor = 1 (for the tags its
+    gradient and checkpoint code read); there they are plain Linear layers and become Float8Linear,
+    the tags carried over (float8 all-gather wraps the weight in a new Parameter)."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = _with_column_parallel_q(monkeypatch, tp=1)
+    assert convert_to_float8(model, "tensorwise", fsdp_float8_all_gather=all_gather)[0] == "layers.0.attn.q_proj"
+    q = model.layers["0"].attn.q_proj
+    assert isinstance(q, Float8Linear) and q.weight.tp_shard_dim == 0 and q.weight.sequence_parallel_partial is False
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_around_float8_layers_gives_the_same_loss_and_grads(mode):
+    """Recompute casts again in backward with the same dynamic scales: same loss and gradients as
+    keeping the activations (emulated FP8 on CPU)."""
+    pytest.importorskip("torchao")
+    from tessera.trainer.model_setup import apply_recompute
+
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    stored = _model()
+    convert_to_float8(stored, "tensorwise")
+    loss_stored, grads_stored = _loss_and_grads(stored, tokens)
+    recomputed = _model()
+    apply_recompute(recomputed, mode)
+    convert_to_float8(recomputed, "tensorwise")
+    block = recomputed.layers["0"]
+    assert hasattr(block.forward if mode == "full" else block.attn.core, "__wrapped__"), "still recomputed"
+    loss_recomputed, grads_recomputed = _loss_and_grads(recomputed, tokens)
+    assert loss_recomputed == loss_stored
+    for name, g in grads_stored.items():
+        assert (grads_recomputed[name] - g).norm() / g.norm() < 1e-6, name
+
+
+@pytest.mark.gpu
+def test_fsdp_float8_all_gather_trains_like_float8_without_it_on_gpu():
+    """FSDP2 over one rank (NCCL: gloo cannot all-gather float8), compiled: float8 all-gather with
+    scales precomputed after each step gives the losses of per-step dynamic scales (tensorwise
+    scales are the same numbers however they are computed)."""
+    if not torch.cuda.is_available() or fp8_device_problem(torch.device("cuda")) is not None:
+        pytest.skip("needs a GPU with FP8 tensor cores (compute capability 8.9+)")
+    pytest.importorskip("torchao")
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        device = torch.device("cuda")
+        mesh = init_device_mesh("cuda", (1,))
+        cfg = preset("tiny", vocab_size=256, num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                     ffn_hidden_size=512)
+        tokens = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0)).to(device)
+
+        def train(all_gather: bool) -> list[float]:
+            model = build_model(cfg, device=device, seed=0)
+            convert_to_float8(model, "tensorwise", fsdp_float8_all_gather=all_gather)
+            for block in model.layers.values():
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            step = torch.compile(lambda: _loss_and_grads(model, tokens)[0])
+            losses = []
+            for _ in range(10):
+                losses.append(float(step()))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                assert precompute_float8_scales(model) is all_gather
+            return losses
+
+        gathered, plain = train(True), train(False)
+        assert all(abs(a - b) / b < 1e-3 for a, b in zip(gathered, plain)), (gathered, plain)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _train_config(training: dict, parallel: dict):
+    from tessera.trainer.config import DataConfig, TrainConfig
+
+    return TrainConfig(data=DataConfig(mixture="no-mixture", tokenizer="no-tokenizer"), training=training,
+                       parallel=parallel)
+
+
+def test_fp8_under_tensor_parallel_is_refused_with_one_line():
+    from tessera.trainer.inputs import check_parallel_options
+
+    with pytest.raises(UserError) as err:
+        check_parallel_options(_train_config({"precision": "fp8"}, {"tensor": 2}))
+    assert str(err.value).startswith("training.precision=fp8 does not compose with parallel.tensor > 1 yet")
+    assert "\n" not in str(err.value)
+    check_parallel_options(_train_config({"precision": "fp8"}, {"data_shard": 2}))  # FSDP: allowed
+
+
+@pytest.mark.parametrize("training, parallel", [
+    ({"precision": "bf16"}, {"fsdp_float8_all_gather": True, "data_shard": 2}),
+    ({"precision": "fp8", "fp8_recipe": "rowwise"}, {"fsdp_float8_all_gather": True, "data_shard": 2}),
+    ({"precision": "fp8"}, {"fsdp_float8_all_gather": True}),
+])
+def test_fsdp_float8_all_gather_without_fp8_tensorwise_fsdp_is_refused_before_any_work(training, parallel):
+    from tessera.trainer.inputs import check_inputs
+
+    with pytest.raises(UserError, match="^parallel.fsdp_float8_all_gather needs training.precision=fp8, "
+                                        "training.fp8_recipe=tensorwise and parallel.data_shard > 1"):
+        check_inputs(_train_config({**training, "global_batch_size": 8, "micro_batch_size": 1}, parallel),
+                     world_size=2 if parallel.get("data_shard") else 1)

@@ -51,6 +51,15 @@ def test_expert_parallel_divides_only_the_routed_experts():
     assert one - two == experts // 2
 
 
+def test_fsdp_with_expert_parallel_shards_dense_parameters_over_data_and_expert_ranks():
+    cfg = preset("mixtral-tiny")
+    one = rank_params(spec(model=cfg))
+    mem = plan_memory(spec(dict(data=2, data_shard=2, expert=2), cfg))
+    ep2 = rank_params(spec(dict(expert=2), cfg))
+    assert ep2.experts * 2 == one.experts > 0
+    assert mem.weights == pytest.approx(4.0 * ((ep2.total - ep2.experts) / 4 + ep2.experts / 2))
+
+
 def test_fsdp_shards_weights_grads_and_optimizer_state_by_the_shard_count():
     full, sharded = plan_memory(spec()), plan_memory(spec(dict(data=4, data_shard=4)))
     assert sharded.static * 4 == pytest.approx(full.static)
@@ -114,6 +123,7 @@ def test_cli_reads_precision_and_recompute_from_the_config(tmp_path, capsys):
     (["--tensor-parallel", "3"], "--tensor-parallel 3 must divide num_heads"),
     (["--device", "custom", "--memory-gib", "80"], "--device custom needs --peak-tflops"),
     (["--context-parallel", "3"], "seq_len (64) must be divisible by 2 x 3"),
+    (["--fp8-all-gather", "--precision", "fp8"], "--fp8-all-gather needs --precision fp8-master"),
 ])
 def test_bad_layouts_and_devices_are_refused_with_one_line(tmp_path, flags, words):
     proc = subprocess.run([sys.executable, "-m", "tessera.trainer.plan.cli", "--config", _config(tmp_path), *flags],
@@ -128,3 +138,73 @@ def test_a_mixture_of_experts_model_is_planned_though_its_routing_cannot_run_on_
     moe = plan_memory(spec(model=cfg)).activations
     dense = plan_memory(spec(model=cfg.model_copy(update={"moe": None}))).activations
     assert moe > dense  # top_k experts' widths, dispatched copies and router outputs per token
+
+
+def test_the_fp8_block_measurement_on_fake_tensors_is_what_a_real_float8_block_keeps():
+    """The planner measures what torchao's Float8Linear saves for backward on a fake block; the
+    same block run for real on CPU (torchao's float8 casts emulated) keeps exactly those bytes."""
+    pytest.importorskip("torchao")
+    import gc
+
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from tessera.common.model import Block
+    from tessera.common.rope import RotaryEmbedding
+    from tessera.trainer.plan.activations import _LiveStorages, float8_as_on_cuda, measure_block
+
+    cfg = ModelConfig(**{**MODEL, "num_layers": 1})
+    predicted = measure_block(cfg.model_dump_json(), 0, 2, 64, "fp8", "none")
+    block = Block(cfg, 0)
+    float8_as_on_cuda(block)
+    rope = RotaryEmbedding(cfg)(torch.arange(64).unsqueeze(0))
+    x = torch.randn(2, 64, cfg.hidden_size, requires_grad=True)
+    keep = {StorageWeakRef(p.untyped_storage()).cdata for p in block.parameters()}
+    tracker = _LiveStorages(set(keep))
+    with tracker, torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block(x, rope)
+    gc.collect()
+    keep |= {StorageWeakRef(t.untyped_storage()).cdata for t in (y, *rope)} | tracker.weight_copies
+    assert tracker.live_bytes(keep) + x.untyped_storage().nbytes() == predicted
+
+
+def test_an_fp8_plan_holds_no_autocast_copies_of_the_blocks_weights():
+    """The trainer's fp8 keeps fp32 weights (as bf16), but its Float8Linear layers cast them to
+    float8 in forward and again in backward: only the unconverted head keeps a bf16 copy."""
+    pytest.importorskip("torchao")
+    bf16, fp8 = plan_memory(spec(precision="bf16")), plan_memory(spec(precision="fp8"))
+    params = rank_params(spec())
+    head = MODEL["vocab_size"] * MODEL["hidden_size"]
+    assert fp8.static == bf16.static
+    assert bf16.buffers - fp8.buffers == pytest.approx(2 * (params.total - head))
+    assert fp8.activations <= bf16.activations
+    master = plan_memory(spec(precision="fp8-master"))
+    assert master.static == plan_memory(spec(precision="bf16-master")).static == 18 * params.total
+
+
+def test_fsdp_under_pipeline_parallel_holds_each_stages_unsharded_fp32_gradients():
+    """The pipeline schedule syncs FSDP's gradients on a stage's last micro-batch only: until then
+    every block's unsharded gradient accumulates in fp32 (validated by the measured fsdp2 x pp2
+    layout); without pipeline parallel only the sharded gradients exist."""
+    fsdp_pp = spec(dict(data=2, data_shard=2, pipeline=2), precision="bf16-master")
+    mem = plan_memory(fsdp_pp, pp_rank=0)
+    n = rank_params(fsdp_pp, 0).total
+    assert not mem.grads_in_backward  # the sharded ones appear only as the unsharded are reduce-scattered
+    gathered = 2 * n  # every block stays gathered in bf16 under pipeline parallel
+    assert mem.buffers >= 4 * n + gathered
+    no_pp = plan_memory(fsdp_pp.model_copy(update={"layout": ParallelLayout(data=2, data_shard=2)}))
+    assert no_pp.buffers < 4 * rank_params(fsdp_pp.model_copy(update={"layout": ParallelLayout()})).total
+
+
+def test_packed_documents_keep_no_mask_and_their_segments_are_planned_on_cpu():
+    """Context parallel with one document per sample holds a [T/C, T] mask; packed documents do
+    not (per-segment SDPA on CPU: padded query segments instead; FlexAttention's block mask on CUDA
+    is (T/C/128) x (T/128) entries)."""
+    cp = dict(context=2)
+    one_doc = plan_memory(spec(cp, device_type="cpu"))
+    cpu = plan_memory(spec(cp, packed_documents=True, device_type="cpu"))
+    cuda = plan_memory(spec(cp, packed_documents=True, device_type="cuda"))
+    mask = 32 * 64 * 4.0  # [T/C, T] fp32, once per micro-batch
+    block_mask = 4 * 2 * 1 * 4.0  # four int32 [rows=2, 1, 1] block tensors (32 and 64 tokens: one block each)
+    assert one_doc.activations - cuda.activations == pytest.approx(mask - block_mask)
+    assert cpu.activations > cuda.activations

@@ -1,7 +1,7 @@
 """tessera-plan's memory predictions against the measured peaks of real training steps.
 
 Three torchrun launches (worlds 1, 2 and 4; gloo/CPU, fp32 unless said) run the parallel runtime
-built as `tessera-train` builds it for 2 steps under 17 layouts, each rank counting the bytes of
+built as `tessera-train` builds it for 2 steps under 19 layouts, each rank counting the bytes of
 every storage alive (tests/trainer/plan_worker.py). The planner's per-rank peak (worst rank) must
 be within 10% of the measured one for every layout. The same runs check the FSDP memory
 acceptance: the bytes of weights + grads + Adam state a rank holds under data_shard=N are within
@@ -47,11 +47,13 @@ JOBS = {  # world size -> (name, layout, parallel options, recompute)
         ("tp2 + sp", dict(tensor=2), {}, "none"),
         ("pp2 1F1B", dict(pipeline=2), {}, "none"),
         ("pp2 interleaved x2", dict(pipeline=2, virtual_stages=2), {}, "none"),
-        ("cp2", dict(context=2), {}, "none")],
+        ("cp2", dict(context=2), {}, "none"),
+        ("cp2 packed documents", dict(context=2), dict(documents=[24, 40]), "none")],
     4: [("fsdp4", dict(data=4, data_shard=4), {}, "none"),
         ("hsdp 2x2", dict(data=4, data_shard=2), {}, "none"),
         ("fsdp2 x tp2 + sp, full recompute", dict(data=2, data_shard=2, tensor=2), {}, "full"),
-        ("tp2 x pp2", dict(tensor=2, pipeline=2), {}, "none")],
+        ("tp2 x pp2", dict(tensor=2, pipeline=2), {}, "none"),
+        ("fsdp2 x pp2", dict(data=2, data_shard=2, pipeline=2), {}, "none")],
 }
 
 
@@ -85,10 +87,11 @@ def _spec(r: dict) -> PlanSpec:
     return PlanSpec(model=ModelConfig(**opts.get("model", MODEL)), layout=ParallelLayout(**r["layout"]), **BATCH,
                     sequence_parallel=opts.get("sequence_parallel", True),
                     distributed_optimizer=opts.get("distributed_optimizer", True),
-                    precision="bf16" if opts.get("autocast_bf16") else "fp32", recompute=r["recompute"])
+                    precision="bf16" if opts.get("autocast_bf16") else "fp32", recompute=r["recompute"],
+                    packed_documents="documents" in opts, device_type="cpu")
 
 
-def test_predicted_peak_is_within_10_percent_of_the_measured_peak_for_17_layouts(measured):
+def test_predicted_peak_is_within_10_percent_of_the_measured_peak_for_19_layouts(measured):
     assert len(measured) >= 10
     errors = {}
     for name, r in measured.items():

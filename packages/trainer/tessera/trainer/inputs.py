@@ -70,6 +70,10 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
             raise UserError(f"training.rampup_batch_size {list(t.rampup_batch_size)}: batch sizes {bad} are not "
                             f"multiples of training.micro_batch_size ({t.micro_batch_size}) x {size}; pick a "
                             "start and increment that are")
+    if cfg.parallel.fsdp_float8_all_gather and (t.precision != "fp8" or cfg.parallel.data_shard == 1
+                                                or t.fp8_recipe != "tensorwise"):
+        raise UserError("parallel.fsdp_float8_all_gather needs training.precision=fp8, training.fp8_recipe="
+                        "tensorwise and parallel.data_shard > 1 (under torchrun); unset it")
     if layout.world_size > 1:
         check_parallel_options(cfg)
     if t.precision == "fp8" and (problem := fp8_device_problem(pick_device(t.device, 0))):
@@ -218,8 +222,11 @@ def check_init_from(path: Path, model: ModelConfig, tokenizer: Tokenizer) -> Pat
 def check_parallel_options(cfg: TrainConfig) -> None:
     """Options of the one-process step that the parallel runtime does not have (one line each)."""
     t = cfg.training
-    if t.precision == "fp8":
-        raise UserError("training.precision=fp8 is supported in one process only so far; use bf16 under torchrun")
+    p = cfg.parallel
+    if t.precision == "fp8" and p.tensor > 1:
+        raise UserError("training.precision=fp8 does not compose with parallel.tensor > 1 yet (Tessera's tensor-"
+                        "parallel layers would replace the Float8Linear layers); use parallel.tensor=1 or "
+                        "training.precision=bf16")
     if t.loss_chunk_tokens is not None:
         raise UserError("training.loss_chunk_tokens is for one process; under torchrun the loss is vocab-parallel "
                         "(use parallel.tensor to split the logits) — set training.loss_chunk_tokens=null")

@@ -8,7 +8,10 @@ Inside attention each rank all-gathers the keys and values of the whole sequence
 backward reduce-scatters their gradients, so a key's gradient sums the contributions of every
 rank's queries) and attends its local queries to them, causal by the *global token indices* of
 both sides (key index <= query index), within a sliding window when the layer has one. One
-sequence: under an additive [T/C, T] mask. Packed documents: the keys and the document ids
+sequence: on CUDA the keys are put back in global order and FlexAttention attends the local
+queries by their global indices under a block mask (O(T/C x T / 128^2) flags, fully masked blocks
+skipped, the fused kernel kept); on CPU (no FlexAttention backward in torch 2.13) under an additive
+[T/C, T] mask, which `tessera-plan` counts. Packed documents: the keys and the document ids
 (gathered once per forward) are put back in global order and `tessera.common.attention.
 MaskedAttention` attends the local queries by their global indices, with no [T/C, T] mask
 (FlexAttention on CUDA; on CPU fused SDPA over the documents holding local queries, the other
@@ -82,6 +85,11 @@ class ContextParallel:
         return torch.cat(parts, dim=1)
 
 
+def use_flex(q: torch.Tensor, dropout_p: float) -> bool:
+    """One sequence per sample goes through FlexAttention where it runs fused (CUDA, no dropout)."""
+    return q.device.type == "cuda" and dropout_p == 0.0
+
+
 class ContextParallelAttention:
     """An `attention_fn` for `Transformer.forward`: local queries against all-gathered keys/values.
 
@@ -97,8 +105,8 @@ class ContextParallelAttention:
         self._masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
         self.documents: dict[int | None, MaskedAttention] = {}
         self.key_docs: torch.Tensor | None = None
+        self.global_order = torch.argsort(key_index)  # gathered (rank) order -> global order
         if document_ids is not None:
-            self.global_order = torch.argsort(key_index)  # gathered (rank) order -> global order
             self.key_docs = cp.gather_ids(document_ids).index_select(1, self.global_order)  # [B, T]
 
     def mask(self, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -117,7 +125,7 @@ class ContextParallelAttention:
         attn = self.attn[layer_idx]
         k, v = gather_seq(k, self.cp.group), gather_seq(v, self.cp.group)  # [B, T, Hkv, D]
         dropout_p = attn.dropout if attn.training else 0.0
-        if self.key_docs is not None:  # packed documents: keys in global order, no [Tl, T] mask
+        if self.key_docs is not None or use_flex(q, dropout_p):  # keys in global order, no [Tl, T] mask
             k, v = k.index_select(1, self.global_order), v.index_select(1, self.global_order)
             if attn.window not in self.documents:
                 self.documents[attn.window] = MaskedAttention(

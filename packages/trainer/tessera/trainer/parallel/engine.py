@@ -60,6 +60,8 @@ class ParallelEngine:
                            bucket_numel=p.bucket_numel, seed=t.seed, fsdp_param_dtype=p.fsdp_param_dtype,
                            fsdp_reduce_dtype=p.fsdp_reduce_dtype, fsdp_cpu_offload=p.fsdp_cpu_offload,
                            autocast_bf16=t.precision == "bf16", autocast_fp16=t.precision == "fp16",
+                           fp8_recipe=t.fp8_recipe if t.precision == "fp8" else None,
+                           fsdp_float8_all_gather=p.fsdp_float8_all_gather,
                            per_token_loss=documents is not None and documents.per_token_loss,
                            compile=t.compile, overlap_grad_reduce=p.overlap_grad_reduce,
                            overlap_param_gather=p.overlap_param_gather, async_tp=p.async_tp),

@@ -41,6 +41,7 @@ from tessera.common.parallel.tensor_parallel import enable_async_tp
 from tessera.common.safe_dcp import dcp_load
 from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.engine import StepResult
+from tessera.trainer.fp8 import convert_to_float8, precompute_float8_scales
 from tessera.trainer.parallel.data_parallel import BUCKET_NUMEL
 from tessera.trainer.parallel.fsdp import FullyShardedOptimizer, shard_stages
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
@@ -62,6 +63,8 @@ class ParallelConfig(StrictModel):
     seed: int = Field(1234, description="Dropout seed (tensor-parallel regions get per-rank streams).")
     autocast_bf16: bool = Field(False, description="Run forward passes under torch.autocast(bf16) over fp32 parameters (the trainer's bf16 mode); gradients, reductions and optimizer stay fp32.")
     autocast_fp16: bool = Field(False, description="Run forward passes under torch.autocast(fp16) over fp32 parameters (the trainer's fp16 mode); pass a loss scale to train_step (dynamic loss scaling is the caller's policy).")
+    fp8_recipe: Literal["tensorwise", "rowwise"] | None = Field(None, description="The trainer's fp8 mode: the built model's eligible Linear layers become torchao Float8Linear with this scaling recipe (tessera.trainer.fp8), forward under bf16 autocast; not with tensor > 1 (the tensor-parallel layers would replace them).")
+    fsdp_float8_all_gather: bool = Field(False, description="With fp8_recipe tensorwise and data_shard > 1 (NCCL: gloo cannot all-gather float8): FSDP gathers the weights in float8; their scales are precomputed after each optimizer step.")
     fsdp_param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1 (FSDP): the dtype parameters are all-gathered in for compute; the sharded fp32 parameters stay the optimizer's master weights (bfloat16: bf16 parameters with fp32 masters).")
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: the dtype of the gradient reduce-scatter / all-reduce.")
     fsdp_cpu_offload: bool = Field(False, description="With data_shard > 1, on GPUs: keep sharded parameters, gradients and optimizer state in host memory; AdamW steps on the CPU.")
@@ -73,6 +76,10 @@ class ParallelConfig(StrictModel):
     def _one_autocast(self) -> ParallelConfig:
         if self.autocast_bf16 and self.autocast_fp16:
             raise ValueError("autocast_bf16 and autocast_fp16 are exclusive")
+        if self.fp8_recipe is not None and self.autocast_fp16:
+            raise ValueError("fp8_recipe runs under bf16 autocast; autocast_fp16 is exclusive with it")
+        if self.fsdp_float8_all_gather and self.fp8_recipe != "tensorwise":
+            raise ValueError("fsdp_float8_all_gather needs fp8_recipe=tensorwise")
         return self
 
 
@@ -175,8 +182,16 @@ class ParallelRuntime:
         rng.seed_default()
         if pcfg.async_tp:  # before compiling: inductor reads the switch when it lowers the blocks
             enable_async_tp(groups, compiled=pcfg.compile, sequence_parallel=pcfg.sequence_parallel)
+        if pcfg.fsdp_float8_all_gather and groups.dp_shard == 1:
+            raise ValueError("fsdp_float8_all_gather needs data_shard > 1")
 
         def prepare(stages: list[StageModule]) -> None:
+            # fp8: after the tensor-parallel swap (which would rebuild Float8Linear layers as plain
+            # ones; over one tensor rank its layers are plain Linear with tags, tensor > 1 is
+            # refused), before compile and fully_shard (float8 all-gather wraps the weights first).
+            if pcfg.fp8_recipe is not None:
+                for st in stages:
+                    convert_to_float8(st, pcfg.fp8_recipe, fsdp_float8_all_gather=pcfg.fsdp_float8_all_gather)
             # Before a meta build is allocated: FSDP shards the meta parameters, so only this
             # rank's data shard is ever allocated and initialised (sharded_init).
             if pcfg.compile:
@@ -232,6 +247,9 @@ class ParallelRuntime:
             total /= g.dp_ep
         scaled = loss_scale != 1.0
         norm = self.optimizer.step(inv_scale=1.0 / loss_scale, skip_nonfinite=scaled)
+        if self.pcfg.fsdp_float8_all_gather:  # the next forward's float8 all-gathers use these scales
+            for st in self.stages:
+                precompute_float8_scales(st)
         self.router_metrics = self.router_stats.step() if self.router_stats is not None else {}
         return StepResult(loss=float(total), grad_norm=norm, stepped=not scaled or math.isfinite(norm))
 
@@ -275,7 +293,7 @@ class ParallelRuntime:
         return loss * self._loss_scale if self._loss_scale != 1.0 else loss
 
     def _autocast_dtype(self) -> torch.dtype | None:
-        if self.pcfg.autocast_bf16:
+        if self.pcfg.autocast_bf16 or self.pcfg.fp8_recipe is not None:
             return torch.bfloat16
         return torch.float16 if self.pcfg.autocast_fp16 else None
 

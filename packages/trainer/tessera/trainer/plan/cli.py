@@ -54,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top", type=int, default=10, metavar="K", help="With --gpus alone: layouts shown (default 10).")
     g.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="Override training.precision: fp32, bf16 (the trainer's autocast over fp32 weights), "
-                        "bf16-master (bf16 parameters, fp32 grads and masters), fp8.")
+                        "bf16-master (bf16 parameters, fp32 grads and masters), fp8 (the trainer's: bf16 with "
+                        "torchao Float8Linear layers), fp8-master (fp8 over bf16 parameters).")
+    g.add_argument("--fp8-all-gather", action="store_true",
+                   help="With --precision fp8-master under FSDP: all-gather the blocks' linear weights in float8 "
+                        "(torchao's float8 all-gather, torchtitan's enable_fsdp_float8_all_gather).")
     g.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
                    help="Override training.recompute.")
     g.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY, metavar="F",
@@ -161,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         or parse_pipeline_layers(args.pipeline_layers) is not None
     layout = _layout(args, cfg)
     spec = PlanSpec.from_train_config(cfg, model, layout, args.precision, args.recompute)
+    if args.device == "cpu":
+        spec = spec.model_copy(update={"device_type": "cpu"})
+    if args.fp8_all_gather:
+        if spec.precision != "fp8-master" or not spec.fsdp:
+            raise UserError("--fp8-all-gather needs --precision fp8-master and --data-shard > 1 (float8 all-gather "
+                            f"of FSDP's bf16 parameters); this plan is {spec.precision} with data_shard "
+                            f"{spec.layout.data_shard}")
+        spec = spec.model_copy(update={"fp8_all_gather": True})
     if args.gpus is not None and not layout_given:
         ranked = rank_layouts(spec, args.gpus, device, args.efficiency)
         if not ranked:

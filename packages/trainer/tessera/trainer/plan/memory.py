@@ -25,6 +25,7 @@ import torch
 
 from tessera.common.model_config import ModelConfig
 from tessera.trainer.plan.activations import (
+    attention_mask_bytes,
     head_loss_bytes,
     layer_activation_bytes,
     recompute_buffer_bytes,
@@ -38,18 +39,19 @@ ROW = ("o_proj", "down_proj")  # split by columns (bias replicated)
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_params(cfg_json: str, layer: int, tp: int, ep: int) -> int:
-    """Parameters of global layer `layer` held by one tensor x expert rank."""
+def _layer_params(cfg_json: str, layer: int, tp: int, ep: int) -> tuple[int, int]:
+    """Parameters of global layer `layer` held by one tensor x expert rank: (all, routed experts')."""
     cfg = ModelConfig.model_validate_json(cfg_json)
     from tessera.common.model import Block
 
     with torch.device("meta"):
         block = Block(cfg, layer)
-    total = 0
+    total = experts = 0
     for name, p in block.named_parameters():
         parts = name.split(".")
         if "experts" in parts:  # stacked routed experts: whole under tensor parallel, split by expert parallel
             total += p.numel() // ep
+            experts += p.numel() // ep
         elif "mlp" in parts and ("shared" in parts or "router" in parts):
             total += p.numel()
         elif parts[-2] in COLUMN:
@@ -58,7 +60,7 @@ def _layer_params(cfg_json: str, layer: int, tp: int, ep: int) -> int:
             total += p.numel() // tp if parts[-1] == "weight" else p.numel()
         else:  # norms, q/k norms
             total += p.numel()
-    return total
+    return total, experts
 
 
 @dataclass
@@ -69,6 +71,7 @@ class RankParams:
     embedding: int  # token (+ learned position) embedding, head, final norm
     num_layers: int  # transformer blocks on this rank (all its chunks)
     largest_layer: int  # parameters of the largest block it holds (FSDP's gathered unit)
+    experts: int = 0  # routed experts' parameters among `layers` (FSDP shards them over data ranks only)
 
     @property
     def total(self) -> int:
@@ -82,7 +85,8 @@ def rank_params(spec: PlanSpec, pp_rank: int = 0) -> RankParams:
     ranges = lay.stage_ranges(cfg.num_layers)
     stages = [s for s in range(lay.num_stages) if s % lay.pipeline == pp_rank]
     js = cfg.model_dump_json()
-    per_layer = [_layer_params(js, i, tp, ep) for s in stages for i in ranges[s]]
+    counts = [_layer_params(js, i, tp, ep) for s in stages for i in ranges[s]]
+    per_layer = [c[0] for c in counts]
     d, v = cfg.hidden_size, cfg.vocab_rows // tp
     norm = d * (2 if cfg.norm == "layernorm" else 1)
     emb = 0
@@ -93,7 +97,7 @@ def rank_params(spec: PlanSpec, pp_rank: int = 0) -> RankParams:
         if not cfg.tie_embeddings or 0 not in stages:  # untied head, or the tied copy on the last stage
             emb += v * d
     return RankParams(layers=sum(per_layer), embedding=emb, num_layers=len(per_layer),
-                      largest_layer=max(per_layer, default=0))
+                      largest_layer=max(per_layer, default=0), experts=sum(c[1] for c in counts))
 
 
 def in_flight(spec: PlanSpec, pp_rank: int = 0) -> float:
@@ -143,7 +147,7 @@ class MemoryPlan:
 
 def _bytes_per_param(spec: PlanSpec) -> tuple[float, float, float]:
     """(weight, grad, optimizer) bytes per parameter a rank holds before data-parallel sharding."""
-    if spec.precision in ("fp32", "bf16"):  # fp32 weights (the trainer's bf16 is autocast over them)
+    if not spec.bf16_params:  # fp32 weights (the trainer's bf16 and fp8 are autocast over them)
         return 4.0, 4.0, 8.0  # Adam moments; fp32 parameters are their own masters
     return 2.0, 4.0, 12.0  # bf16 weights, fp32 main grads, fp32 master + moments
 
@@ -158,19 +162,30 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
     wb, gb, ob = _bytes_per_param(spec)
     n = params.total
     notes: list[str] = []
-    buffers = 0.0
+    buffers = unsharded_grads = 0.0
     if spec.fsdp:
         shards = lay.data_shard
-        weights = n * 4.0 / shards  # sharded fp32 parameters are the masters
-        grads = n * 4.0 / shards
-        optimizer = n * 8.0 / shards
-        gathered_b = 2.0 if spec.precision != "fp32" else 4.0
+        # Under expert parallel the dense parameters are sharded over data x expert ranks, the
+        # routed experts (already split over expert ranks) over the data shards of their group.
+        held = (n - params.experts) / (shards * lay.expert) + params.experts / shards
+        weights = held * 4.0  # sharded fp32 parameters are the masters
+        grads = held * 4.0
+        optimizer = held * 8.0
+        gathered_b = 2.0 if spec.bf16_params else 4.0  # FSDP's param_dtype
+        block_b = 1.0 if spec.fp8_all_gather and spec.float8 else gathered_b  # torchao's float8 all-gather: fp8 linear weights
         # At the peak (the loss, then the first backward block) the root (embedding, final norm,
         # head; kept gathered from forward to backward) and one gathered block are alive; the
         # prefetched block and a block's unsharded gradients come later, when activations have
-        # been freed (measured: counting them over-predicted FSDP 4 by 15%).
-        units = 1 if spec.fsdp_reshard_after_forward else params.num_layers
-        buffers += units * params.largest_layer * gathered_b + params.embedding * gathered_b
+        # been freed (measured: counting them over-predicted FSDP 4 by 15%). Under pipeline
+        # parallel the runtime keeps every block gathered (reshard_after_forward off, as torchtitan).
+        units = 1 if spec.fsdp_reshard_after_forward and lay.pipeline == 1 else params.num_layers
+        buffers += units * params.largest_layer * block_b + params.embedding * gathered_b
+        if lay.pipeline > 1:
+            # The pipeline schedule turns FSDP's gradient sync off for all but a stage's last
+            # micro-batch, so every block's unsharded gradient accumulates over the step, in the
+            # reduce dtype (fp32: FSDP2 upcasts bf16 gradients into `unsharded_accumulated_grad`);
+            # the sharded gradients (freed at zero_grad) only appear as these are reduce-scattered.
+            unsharded_grads = n * 4.0
         opt_temp = params.largest_layer * 4.0 / shards
         if spec.cpu_offload:
             notes.append("CPU offload: sharded weights, grads and optimizer state in host memory")
@@ -186,7 +201,18 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
     flight = in_flight(spec, pp_rank)
     ranges = lay.stage_ranges(spec.model.num_layers)
     held = [i for st in range(lay.num_stages) if st % lay.pipeline == pp_rank for i in ranges[st]]
-    acts = sum(layer_activation_bytes(spec, i) for i in held) * flight
+    per_mb = sum(layer_activation_bytes(spec, i) for i in held) + attention_mask_bytes(spec)
+    acts = per_mb * flight
+    if unsharded_grads:
+        # They exist from the rank's first backward on. With forwards left after it (1F1B's
+        # steady state) the warm-up's micro-batches are in flight again beside them; when the
+        # warm-up ran every forward (micro-batches <= warm-up) one chunk-forward has been freed.
+        # The plan describes whichever of the two moments is larger.
+        steady = spec.num_microbatches * lay.virtual_stages > round(flight * lay.virtual_stages)
+        after = per_mb * (flight if steady else flight - 1 / lay.virtual_stages)
+        if after + unsharded_grads > acts:
+            acts = after
+            buffers += unsharded_grads
     if lay.pipeline > 1:
         # Each chunk-forward in flight keeps its stage output for the stage's backward, and the
         # schedule holds a receive buffer per micro-batch for every stage input and output gradient.
@@ -202,8 +228,20 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
     if last:
         acts += saved_head_bytes(spec)
         buffers += head_loss_bytes(spec)
-    if spec.precision == "bf16":  # autocast keeps a bf16 copy of every weight used, forward to backward
-        buffers += params.total * 2.0
+        if lay.pipeline > 1:
+            # The last stage's output is the local-vocab logits, which the schedule keeps (its
+            # forward cache) until that micro-batch's backward; one process frees them after the
+            # loss's forward. Found by listing the storages alive at the measured pp2 peak.
+            tokens = spec.micro_batch * spec.seq_len // lay.context
+            acts += tokens * (spec.model.vocab_rows // lay.tensor) * (4.0 if spec.precision == "fp32" else 2.0)
+    if spec.precision in ("bf16", "fp8"):
+        # Autocast keeps one bf16 copy of every fp32 weight a matmul uses, forward to backward
+        # (its cache: once for all micro-batches; the block measurement leaves them out).
+        # Float8Linear casts its weight to float8 in forward and again in backward and keeps
+        # none, so under fp8 only the unconverted head's copy remains.
+        last = pp_rank == (lay.num_stages - 1) % lay.pipeline
+        head = spec.model.vocab_rows // lay.tensor * spec.model.hidden_size if last else 0
+        buffers += (params.total if spec.precision == "bf16" else head) * 2.0
     # Sharded initialisation (tessera.trainer.parallel.sharded_init) allocates this rank's tensor x
     # pipeline share of the model in fp32 -- under FSDP only its data shard of that, fully_shard
     # being applied to the meta model first -- and replays the initialisation one global module at
@@ -217,4 +255,4 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
                       optimizer_temp=opt_temp, init=init, pp_rank=pp_rank, notes=notes,
                       # FSDP frees the sharded gradients at zero_grad and reduce-scatters new ones
                       # block by block in backward: with one micro-batch none exist at the peak.
-                      grads_in_backward=not (spec.fsdp and spec.num_microbatches == 1))
+                      grads_in_backward=not (spec.fsdp and (spec.num_microbatches == 1 or lay.pipeline > 1)))

@@ -65,7 +65,7 @@ def plan_time(spec: PlanSpec, device: DeviceSpec, efficiency: float = DEFAULT_EF
         extra = model_flops / 3
     elif spec.recompute == "selective":
         extra = 4.0 * cfg.num_layers * cfg.q_size * spec.seq_len * tokens
-    peak = device.peak_tflops * 1e12 * efficiency * (2.0 if spec.precision == "fp8" else 1.0)
+    peak = device.peak_tflops * 1e12 * efficiency * (2.0 if spec.float8 else 1.0)
     compute = (model_flops + extra) / world / peak
     bubble = compute * (pp - 1) / (v * n) if pp > 1 else 0.0
     ab = 4.0 if spec.precision == "fp32" else 2.0  # activation bytes on the wire
@@ -86,13 +86,16 @@ def plan_time(spec: PlanSpec, device: DeviceSpec, efficiency: float = DEFAULT_EF
         comm["pipeline"] = vol / _bandwidth(world, device)
         exposed += comm["pipeline"]
     params = max(rank_params(spec, r).total for r in range(pp))
-    wb = 4.0 if spec.precision in ("fp32", "bf16") else 2.0
+    wb = 2.0 if spec.bf16_params else 4.0
     if spec.fsdp:
         shard = lay.data_shard
         bw = _bandwidth(tp * cp * ep * shard, device)
-        gathered_b = 4.0 if spec.precision == "fp32" else 2.0
-        gathers = 2 if spec.fsdp_reshard_after_forward else 1
-        vol = (gathers * gathered_b + 4.0) * (shard - 1) / shard * params * n
+        gathered_b = 1.0 if spec.fp8_all_gather and spec.float8 else 2.0 if spec.bf16_params else 4.0
+        if pp > 1:  # blocks stay gathered over the step; one reduce-scatter after the last micro-batch
+            vol = (gathered_b + 4.0) * (shard - 1) / shard * params
+        else:
+            gathers = 2 if spec.fsdp_reshard_after_forward else 1
+            vol = (gathers * gathered_b + 4.0) * (shard - 1) / shard * params * n
         comm["fsdp"] = vol / bw
         replicas = lay.data_replicate
         if replicas > 1:

@@ -1,0 +1,241 @@
+"""torchtitan's Llama 3 trainer at Tessera's llama-1b shape, bf16 and float8: tokens/s, MFU, memory.
+
+The peer issue #19 names: torchtitan reports 33-39% MFU for Llama 3.1 8B in bf16 and ~1.3-1.5x
+from Float8. This runs its own `Trainer` (torchtitan 0.3.0, from PyPI) on one GPU, in the same
+run as benchmarks/train_throughput.py, and prints the figures in that script's format.
+
+What runs: torchtitan's trainer config built in Python the way its config registry builds
+`llama3_debugmodel` (its loss, AdamW and LR scheduler), with
+- model: `model_registry("1B")`, torchtitan's Llama 3.2 1B (d 2048, 16 layers, 32/8 heads, ffn
+  8192, vocab 128256, tied embeddings): Tessera's `llama-1b` preset. Attention is `--attn-backend`,
+  torchtitan's default flex attention (0.3.0 refuses SDPA for language models: "positions are
+  always available so use flex, flex_flash, or varlen"); Tessera uses SDPA's flash kernel.
+- float8: its `Float8LinearConverter` with `--fp8-recipe` (torchao's recipe names; torchtitan
+  0.3.0's config lists rowwise only, tensorwise goes to torchao's `from_recipe_name` the same way),
+  the output head left in bf16 (`filter_fqns=["lm_head"]`) as Tessera's fp8 mode does.
+- torch.compile of model and loss, no activation checkpointing (Tessera's benchmark recomputes
+  nothing either), one GPU (no FSDP: torchtitan applies bf16 mixed precision with autocast there),
+  `--seq` 4096, `--batch` 2, gradient clipping at 1.0; checkpointing and validation off.
+
+Data: nothing can be fetched on the GPU machine, and torchtitan reads text through a Hugging Face
+tokenizer and a `datasets` dataset, so the script writes both into a temporary directory: a
+word-level tokenizer (tokenizer.json, tokenizer_config.json with BOS/EOS) over generated words and
+a JSON-lines file of generated text, read by torchtitan's `c4_test` loader from `dataset_path`.
+Throughput does not depend on the token values.
+
+Figures: each precision runs in its own process (distributed init, compile caches, memory).
+torchtitan's MetricsProcessor computes each step's tokens/s and memory (log_freq 1); the worker
+records those dicts, drops the first `--warmup` steps and reports medians: tokens/s, TFLOP/s and
+MFU by Tessera's FLOP count (`ModelConfig.flops_per_token` of llama-1b, the count
+train_throughput.py uses) against the GPU's dense bf16 peak for both precisions, torchtitan's own
+MFU figure beside it (torchtitan prints none under float8), and peak memory (its max active GiB,
+what torch.cuda.max_memory_allocated measures, and max reserved).
+
+Wheels: torchtitan 0.3.0 and everything it imports that the GPU machine's image lacks are pure
+Python (py3-none-any; multiprocess py312-none-any) and travel in .whl/ (gpu_session.sh installs
+.whl/*.whl with --no-deps): torchtitan==0.3.0, spmd_types==0.2.3, torch_checkpointing==0.1.1,
+torchdata==0.11.0, tyro==1.0.17, docstring-parser==0.18.0, typeguard==4.6.0, datasets==4.7.0,
+dill==0.4.0, multiprocess==0.70.18, and torchao (float8). Its other requirements are in the image
+(tokenizers, safetensors, tensorboard, einops, pillow; datasets' pyarrow, pandas, xxhash, fsspec,
+huggingface-hub, httpx, requests, tqdm, pyyaml, filelock); wandb is imported only when enabled.
+Fetch on a machine with a registry:
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux2014_x86_64 --platform any -d .whl torchtitan==0.3.0 spmd_types==0.2.3 \\
+        torch_checkpointing==0.1.1 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 \\
+        typeguard==4.6.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
+Not verified: the GPU machine's PyTorch is 2.11 and torchtitan 0.3.0 was written against a newer
+nightly; the config, tokenizer and data path were checked on CPU with torch 2.13 (torchtitan's
+trainer itself needs a GPU: it picks "cuda" when no accelerator is found). If its import or
+build fails there, the step's log says why and the transformers peer in train_throughput.py
+stands as the same-run comparison.
+
+    python benchmarks/torchtitan_peer.py --steps 30 --warmup 10 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BOS, EOS, UNK = "<|begin_of_text|>", "<|end_of_text|>", "<unk>"
+# The preset whose FLOP count Tessera reports for each torchtitan flavor (same shapes).
+TESSERA_PRESET = {"1B": "llama-1b"}
+
+
+def write_assets(root: Path, words: int = 8000, documents: int = 400, words_per_document: int = 4000,
+                 seed: int = 0) -> tuple[Path, Path]:
+    """A word-level tokenizer and a JSON-lines dataset of generated text under `root`."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {BOS: 0, EOS: 1, UNK: 2, **{f"w{i}": i + 3 for i in range(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([BOS, EOS, UNK])
+    assets = root / "tokenizer"
+    assets.mkdir(parents=True)
+    tokenizer.save(str(assets / "tokenizer.json"))
+    (assets / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "add_bos_token": True, "add_eos_token": True}))
+    data = root / "data"
+    data.mkdir()
+    rng = random.Random(seed)
+    with open(data / "train.jsonl", "w") as f:
+        for _ in range(documents):
+            text = " ".join(f"w{rng.randrange(words)}" for _ in range(words_per_document))
+            f.write(json.dumps({"text": text}) + "\n")
+    return assets, data
+
+
+def trainer_config(args: argparse.Namespace, assets: Path, data: Path, dump: Path):
+    """torchtitan's Trainer.Config for this run (see the module docstring)."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.quantization import Float8LinearConverter
+    from torchtitan.components.validate import Validator
+    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = llama3_debugmodel()
+    converters = None
+    if args.precision == "fp8":
+        converters = [Float8LinearConverter.Config(recipe_name=args.fp8_recipe, filter_fqns=["lm_head"],
+                                                   model_compile_enabled=not args.no_compile)]
+    config.model_spec = model_registry(args.flavor, attn_backend=args.attn_backend, converters=converters)
+    config.hf_assets_path = str(assets)
+    config.dump_folder = str(dump)
+    config.training = TrainingConfig(local_batch_size=args.batch, seq_len=args.seq, steps=args.warmup + args.steps,
+                                     max_norm=1.0)
+    config.dataloader = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=str(data))
+    config.metrics = MetricsProcessor.Config(log_freq=1)
+    config.checkpoint = CheckpointManager.Config(enable=False)
+    config.validator = Validator.Config(enable=False)
+    config.activation_checkpoint = None
+    config.compile = CompileConfig(enable=not args.no_compile, components=["model", "loss"])
+    return config
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One precision: run torchtitan's trainer and write its per-step metrics to args.out."""
+    with socket.socket() as s:  # one process group of one rank, as torchrun --nproc_per_node 1 sets up
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}.items():  # nothing is fetched
+        os.environ.setdefault(key, value)
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()  # torchtitan's own step lines in the log, as its train.py sets up
+    with tempfile.TemporaryDirectory() as tmp:
+        assets, data = write_assets(Path(tmp))
+        config = trainer_config(args, assets, data, Path(tmp) / "outputs")
+        trainer = config.build()
+        steps: list[dict] = []
+        container = trainer.metrics_processor.logger
+        log = container.log
+
+        def record(metrics: dict, step: int) -> None:
+            steps.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+            log(metrics, step)
+
+        container.log = record
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    Path(args.out).write_text(json.dumps({"steps": steps, "device": device, "torch": torch.__version__}))
+
+
+def summarize(run: dict, args: argparse.Namespace, flops_per_token: float | None, peak: float | None) -> dict:
+    timed = run["steps"][args.warmup:] or run["steps"]
+    tps = statistics.median(s["throughput(tps)"] for s in timed)
+    tflops = tps * flops_per_token / 1e12 if flops_per_token else statistics.median(s["tflops"] for s in timed)
+    own_mfu = [s["mfu(%)"] for s in timed if "mfu(%)" in s]
+    return {"tokens_per_s": tps, "tflops": tflops, "mfu_bf16_peak": tflops / peak if peak else None,
+            "torchtitan_mfu_pct": statistics.median(own_mfu) if own_mfu else None,
+            "peak_active_gib": max(s["memory/max_active(GiB)"] for s in timed),
+            "peak_reserved_gib": max(s["memory/max_reserved(GiB)"] for s in timed),
+            "final_loss": timed[-1]["loss_metrics/global_avg_loss"], "steps_timed": len(timed)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flavor", default="1B", help="torchtitan llama3 flavor (1B = Tessera's llama-1b).")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=2, help="Sequences per step (torchtitan's local_batch_size).")
+    ap.add_argument("--steps", type=int, default=30, help="Timed steps per precision.")
+    ap.add_argument("--warmup", type=int, default=10, help="Steps first, left out of the figures (compilation).")
+    ap.add_argument("--precisions", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
+    ap.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise")
+    ap.add_argument("--attn-backend", choices=["flex", "flex_flash", "varlen"], default="flex",
+                    help="torchtitan's attention backend (its default: flex).")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--json", default=None, help="Also write the figures to this JSON file.")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--precision", default="bf16", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for precision in args.precisions:
+            out = Path(tmp) / f"{precision}.json"
+            worker_argv = ["--flavor", args.flavor, "--seq", str(args.seq), "--batch", str(args.batch),
+                           "--steps", str(args.steps), "--warmup", str(args.warmup), "--fp8-recipe", args.fp8_recipe,
+                           "--attn-backend", args.attn_backend,
+                           *(["--no-compile"] if args.no_compile else []),
+                           "--worker", "--precision", precision, "--out", str(out)]
+            proc = subprocess.run([sys.executable, __file__, *worker_argv])
+            if proc.returncode != 0 or not out.exists():
+                print(f"torchtitan {precision}: the trainer exited {proc.returncode} (its log is above)")
+                continue
+            results[precision] = json.loads(out.read_text())
+    if not results:
+        sys.exit(1)
+    device = next(iter(results.values()))["device"]
+    from tessera.common.model_config import preset
+    from tessera.trainer.metrics import gpu_peak_tflops
+
+    name = TESSERA_PRESET.get(args.flavor)
+    flops = preset(name, max_seq_len=max(args.seq, 64)).flops_per_token(args.seq) if name else None
+    peak = gpu_peak_tflops(device) if device != "cpu" else None
+    figures = {p: summarize(r, args, flops, peak) for p, r in results.items()}
+    print(f"torchtitan llama3 {args.flavor} ({name or 'no Tessera preset: its own FLOP count'}); batch {args.batch} x "
+          f"seq {args.seq}; {device}; torch {next(iter(results.values()))['torch']}; compile "
+          f"{'off' if args.no_compile else 'on'}; attention {args.attn_backend}; fp8 = torchao Float8Linear, {args.fp8_recipe}; medians of "
+          f"{next(iter(figures.values()))['steps_timed']} steps after {args.warmup}")
+    print(f"{'':18}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU (bf16 peak)':>17}{'its MFU':>9}{'peak active':>13}"
+          f"{'reserved':>10}{'loss after':>12}")
+    for precision, f in figures.items():
+        mfu = f"{100 * f['mfu_bf16_peak']:>16.1f}%" if f["mfu_bf16_peak"] is not None else f"{'n/a':>17}"
+        own = f"{f['torchtitan_mfu_pct']:>8.1f}%" if f["torchtitan_mfu_pct"] is not None else f"{'n/a':>9}"
+        print(f"{'torchtitan ' + precision:18}{f['tokens_per_s']:>12,.0f}{f['tflops']:>10.1f}{mfu}{own}"
+              f"{f['peak_active_gib']:>9.2f} GiB{f['peak_reserved_gib']:>6.1f} GiB{f['final_loss']:>12.4f}")
+    if "bf16" in figures and "fp8" in figures:
+        print(f"ratio torchtitan fp8/bf16: {figures['fp8']['tokens_per_s'] / figures['bf16']['tokens_per_s']:.2f}x")
+    if peak:
+        print(f"MFU against the bf16 dense peak {peak:g} TFLOP/s for both precisions (torchtitan's convention)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "device": device, "figures": figures,
+                       "steps": {p: r["steps"] for p, r in results.items()}}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

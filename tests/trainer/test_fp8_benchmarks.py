@@ -1,0 +1,101 @@
+"""The GPU session's FP8 scripts, checked on CPU before a lease spends time on them.
+
+benchmarks/fp8_convergence.py refuses fp8 on CPU with the trainer's one line before any work, and
+its --dry-run trains both halves (fp8 emulated by torchao on CPU) from the same init and data to
+losses within its 1% acceptance; benchmarks/train_throughput.py --precision fp8 converts the same
+layers in Tessera and transformers and both train to the same loss; benchmarks/torchtitan_peer.py's
+generated tokenizer and data are what torchtitan's loader reads (skipped without torchtitan).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tessera.common.errors import UserError
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fp8_convergence_refuses_fp8_on_cpu_before_training():
+    convergence = load("fp8_convergence")
+    with pytest.raises(UserError) as err:
+        convergence.main(["--device", "cpu"])
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("training.precision=fp8 needs an NVIDIA GPU with FP8 tensor cores")
+
+
+def test_fp8_convergence_dry_run_trains_both_halves_from_the_same_start_to_the_same_loss(tmp_path, capsys):
+    pytest.importorskip("torchao")
+    out = tmp_path / "convergence.json"
+    load("fp8_convergence").main(["--dry-run", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    bf16, fp8 = figures["runs"]["bf16"], figures["runs"]["fp8"]
+    assert len(bf16["losses"]) == len(fp8["losses"]) == 8
+    assert bf16["fp8_layers"] == 0 and fp8["fp8_layers"] == 2 * 7, "every projection, not the head"
+    assert bf16["losses"][0] == pytest.approx(fp8["losses"][0], rel=1e-2), "same init, same first batch"
+    assert bf16["losses"][-1] < bf16["losses"][0] - 0.3, "the generated phrases are learnable"
+    assert figures["loss_rel_diff"] < 0.01
+    assert "fp8 vs bf16 differ by" in capsys.readouterr().out
+
+
+def test_throughput_benchmark_in_fp8_converts_the_same_layers_in_both_frameworks(tmp_path, capsys):
+    pytest.importorskip("torchao")
+    pytest.importorskip("transformers")
+    out = tmp_path / "figures.json"
+    load("train_throughput").main([
+        "--hidden", "64", "--heads", "2", "--kv-heads", "2", "--ffn", "128", "--vocab", "512", "--layers", "2",
+        "--seq", "32", "--batch", "2", "--warmup", "1", "--steps", "2", "--threads", "1", "--no-compile",
+        "--precision", "fp8", "--fp8-emulate", "--json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert results["tessera"]["fp8_layers"] == results["transformers"]["fp8_layers"] == 2 * 7
+    # Same weights, data and Float8 casts: the same loss after 1 + 2 steps (bf16 autocast in both).
+    assert results["tessera"]["final_loss"] == pytest.approx(results["transformers"]["final_loss"], rel=1e-2)
+    assert "fp8 (tensorwise, torchao Float8Linear, emulated)" in capsys.readouterr().out
+
+
+def test_throughput_benchmark_refuses_fp8_on_cpu_with_one_line():
+    with pytest.raises(UserError, match="^training.precision=fp8 needs an NVIDIA GPU"):
+        load("train_throughput").main(["--layers", "1", "--precision", "fp8"])
+
+
+def test_torchtitan_peer_data_is_what_torchtitans_loader_reads(tmp_path):
+    pytest.importorskip("torchtitan")  # its wheels travel to the GPU machine only (torchtitan_peer.py)
+    import argparse
+
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    peer = load("torchtitan_peer")
+    assets, data = peer.write_assets(tmp_path, documents=4, words_per_document=600)
+    args = argparse.Namespace(flavor="1B", seq=256, batch=2, steps=2, warmup=1, precision="bf16",
+                              fp8_recipe="tensorwise", attn_backend="flex", no_compile=True)
+    config = peer.trainer_config(args, assets, data, tmp_path / "outputs")
+    assert config.model_spec.model.dim == 2048 and len(config.model_spec.model.layers) == 16
+    tokenizer = HuggingFaceTokenizer(tokenizer_path=str(assets))
+    assert tokenizer.encode("w0 w1") == [tokenizer.bos_id, 3, 4, tokenizer.eos_id]
+    loader = config.dataloader.build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=256,
+                                     local_batch_size=2)
+    inputs, labels = next(iter(loader))
+    assert inputs["input"].shape == labels.shape == (2, 256)
+
+
+def test_torchtitan_peer_tokenizer_encodes_the_generated_words(tmp_path):
+    from tokenizers import Tokenizer
+
+    assets, data = load("torchtitan_peer").write_assets(tmp_path, words=50, documents=2, words_per_document=100)
+    tokenizer = Tokenizer.from_file(str(assets / "tokenizer.json"))
+    first = json.loads((data / "train.jsonl").read_text().splitlines()[0])["text"]
+    ids = tokenizer.encode(first).ids
+    assert len(ids) == 100 and all(3 <= i < 53 for i in ids), "every generated word is one known token"
+    config = json.loads((assets / "tokenizer_config.json").read_text())
+    assert tokenizer.token_to_id(config["bos_token"]) == 0 and tokenizer.token_to_id(config["eos_token"]) == 1
