@@ -1,12 +1,16 @@
 """FP8 (torchao Float8Linear, emulated on CPU) under the parallel runtime trains like one process.
 
 One 2-process torchrun launch (gloo/CPU): ZeRO-1 data parallel, FSDP built on the meta device
-(sharded init into the converted layers) and a 2-stage pipeline, each with
-`ParallelConfig(fp8_recipe="tensorwise")`, against the one-process fp8 reference: the same
+(sharded init into the converted layers), a 2-stage pipeline, tensor parallel and tensor +
+sequence parallel (tensorwise and rowwise), each with `ParallelConfig(fp8_recipe=...)`, against
+the one-process fp8 reference: the same
 conversion under bf16 autocast, over the same micro-batches of 2 rows. The micro-batches matter:
 tensorwise scales come from each activation's amax, so the reference must cast what a layout
 casts; then the runs agree to float rounding, far closer than fp8 is to bf16 (a layout that lost
-the conversion fails).
+the conversion fails). Under tensor parallel the layers keep their collectives and cast with
+global scales (tessera.trainer.fp8.Float8LocalLinear); the tensor-parallel model has 4 key/value
+heads so that every projection's local dimensions are multiples of 16 (the FP8 GEMM's alignment)
+and the same layers are converted as in one process.
 """
 
 from __future__ import annotations
@@ -30,16 +34,19 @@ MICRO = 2
 RTOL = 1e-5
 
 
-def reference(fp8: bool) -> list[float]:
+TP_MODEL = dict(num_kv_heads=4)
+
+
+def reference(recipe: str | None, **model) -> list[float]:
     """One process, gradients accumulated over micro-batches of MICRO rows (the runtime's loss:
-    the mean of the micro-batch means), bf16 autocast, fp8 or not."""
+    the mean of the micro-batch means), bf16 autocast, fp8 with `recipe` or not."""
     from tessera.trainer.fp8 import convert_to_float8
 
     torch.manual_seed(0)
-    cfg = H.model_config()
+    cfg = H.model_config(**model)
     model = build_model(cfg, seed=H.MODEL_SEED)
-    if fp8:
-        convert_to_float8(model, "tensorwise")
+    if recipe is not None:
+        convert_to_float8(model, recipe)
     opt = H.reference_optimizer(model)
     losses = []
     for step in range(STEPS):
@@ -60,19 +67,27 @@ def reference(fp8: bool) -> list[float]:
     return losses
 
 
-def test_fp8_data_parallel_fsdp_and_pipeline_match_one_process_fp8(tmp_path):
+def test_fp8_data_parallel_fsdp_pipeline_and_tensor_parallel_match_one_process_fp8(tmp_path):
     pytest.importorskip("torchao")
     torch.set_num_threads(1)
     fp8 = dict(micro_batch=MICRO, fp8_recipe="tensorwise")
+    tp = dict(layout=dict(tensor=2), model=TP_MODEL)
     jobs = {
         "fp8_dp2_zero": dict(layout=dict(data=2), parallel=fp8),
         "fp8_fsdp2_meta": dict(layout=dict(data=2, data_shard=2), parallel=fp8, meta=True),
         "fp8_pp2": dict(layout=dict(pipeline=2), parallel=fp8),
+        "fp8_tp2": dict(**tp, parallel=dict(fp8, sequence_parallel=False)),
+        "fp8_tp2_sp": dict(**tp, parallel=dict(fp8, sequence_parallel=True)),
+        "fp8_rowwise_tp2_sp": dict(**tp, parallel=dict(fp8, sequence_parallel=True, fp8_recipe="rowwise")),
     }
     torchrun(2, {"jobs": [{**j, "name": n, "steps": STEPS, "out": str(tmp_path / f"{n}.json")}
                           for n, j in jobs.items()]}, tmp_path)
-    want, bf16 = reference(fp8=True), reference(fp8=False)
-    assert max(abs(a - b) / b for a, b in zip(want, bf16)) > 10 * RTOL, "fp8 must be distinguishable from bf16"
-    for name in jobs:
+    bf16 = reference(None)
+    want = {"tensorwise": reference("tensorwise"), "tp_tensorwise": reference("tensorwise", **TP_MODEL),
+            "tp_rowwise": reference("rowwise", **TP_MODEL)}
+    assert max(abs(a - b) / b for a, b in zip(want["tensorwise"], bf16)) > 10 * RTOL, \
+        "fp8 must be distinguishable from bf16"
+    for name, job in jobs.items():
         got = json.loads((tmp_path / f"{name}.json").read_text())["losses"]
-        assert all(abs(g - w) <= RTOL * w for g, w in zip(got, want)), (name, got, want, bf16)
+        ref = want[("tp_" if "model" in job else "") + job["parallel"]["fp8_recipe"]]
+        assert all(abs(g - w) <= RTOL * w for g, w in zip(got, ref)), (name, got, ref, bf16)
