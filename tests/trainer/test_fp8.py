@@ -230,6 +230,38 @@ def test_the_float8_local_matmul_over_one_rank_computes_what_float8linear_comput
             dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("recipe, kind", [("tensorwise", "column"), ("rowwise", "row")])
+def test_the_float8_local_matmul_compiles_as_one_graph_with_eagers_gradients(tmp_path, recipe, kind):
+    """Dynamo and AOTAutograd trace the hook whole (fullgraph; its amax all-reduces are functional
+    collectives); aot_eager, since inductor on CPU takes minutes (the compiled GPU runs: gpu marks)."""
+    pytest.importorskip("torchao")
+    import torch.distributed as dist
+
+    from tessera.trainer.fp8 import Float8LocalLinear, float8_config
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        hook = Float8LocalLinear(float8_config(recipe), kind, dist.group.WORLD)
+        weight = torch.randn(48, 32, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2))
+
+        def loss(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return hook(x, weight).float().square().sum()
+
+        grads = []
+        for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+            weight.grad = None
+            fn(x).backward()
+            grads.append(weight.grad)
+        assert torch.equal(*grads)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("all_gather", [False, True])
 def test_a_tensor_parallel_layer_over_one_rank_is_converted_keeping_its_tags(monkeypatch, all_gather):
     """The parallel runtime swaps in tensor-parallel layers even at tensor = 1 (for the tags its

@@ -38,15 +38,18 @@ Composition (issue #19), what holds and what is refused:
   collectives; torchao's own TP support is for DTensor layers). Instead their local-matmul hook
   (`local_linear`, tessera.common.parallel.layers) becomes `Float8LocalLinear`: torchao's casts
   and scaled matmuls, in torchao's autograd shape, with the amax of every operand the tensor
-  ranks split taken over the tensor group (one MAX all-reduce), so the scales are global and the
-  layer casts exactly what one process casts, as torchtitan's Float8ColwiseParallel /
-  Float8RowwiseParallel do under DTensor. Class, parameters and tags are unchanged: state dicts
-  and checkpoints are the same as bf16's. Over one tensor rank they are plain Linear layers with
-  tags and are swapped for Float8Linear (tags kept). Not with FSDP float8 all-gather (refused).
+  ranks split taken over the tensor group (one MAX all-reduce), so the scales are global: those
+  one process computes, as under torchtitan's Float8ColwiseParallel / Float8RowwiseParallel on
+  DTensor (measurements: the comment above _SHARDS). Class, parameters and tags are unchanged:
+  state dicts and checkpoints are the same as bf16's. The hook compiles as one graph (dynamo
+  fullgraph + AOTAutograd, tested with aot_eager on CPU; the all-reduces are functional
+  collectives). Over one tensor rank the layers are plain Linear layers with tags and are swapped
+  for Float8Linear (tags kept). Not with FSDP float8 all-gather (refused with one line).
 - the parallel runtime (`ParallelConfig.fp8_recipe`, set by the trainer under torchrun): converts
   each stage after the tensor-parallel swap and before compile and fully_shard; ZeRO-1 data
   parallel, FSDP (meta build, sharded init) and pipeline train like one process in fp8 over the
-  same micro-batches (tests/parallel/test_fp8_parallel.py, emulated on CPU, within 1e-5).
+  same micro-batches (tests/parallel/test_fp8_parallel.py, emulated on CPU, within 1e-5); tensor
+  parallel and tensor + sequence parallel within 1.5e-4 (bf16 partial sums, see there).
 """
 
 from __future__ import annotations
