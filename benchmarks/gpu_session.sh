@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_session.sh [STEP...]   steps: tests kernels host-profile train train1b
 #                                              train1b-fp8 train1b-fp8-rowwise fp8-convergence titan serve
-#                                              (default: tests kernels train serve)
+#                                              serve1b serve-eager serve-profile (default: tests kernels train serve)
 #
 # Issue #19's training figures, llama-1b at seq 4096 (each step fits one 10-minute device call
 # with the install; estimates for one H100, not measurements):
@@ -80,11 +80,24 @@ for s in $STEPS; do
     titan)
         step torchtitan 500 python3 benchmarks/torchtitan_peer.py --steps 30 --warmup 10 \
             --json "$OUT/torchtitan.json" ;;
-    serve)
-        step serve 300 python3 benchmarks/serving.py --device cuda --preset llama-160m \
+    serve | serve1b)  # issue #18: CUDA-graph decode (the default on CUDA) at 64 concurrent, TPOT next to the
+        # weight-read floor; llama-1b is its own step so each fits one 10-minute device call
+        if [ "$s" = serve ]; then
+            step serve 300 python3 benchmarks/serving.py --device cuda --preset llama-160m \
+                --num-requests 256 --concurrency 64 --naive-requests 16 --rounds 1 --max-num-batched-tokens 2048
+        else
+            step serve-1b 480 python3 benchmarks/serving.py --device cuda --preset llama-1b \
+                --num-requests 128 --concurrency 64 --naive-requests 4 --rounds 1 --max-num-batched-tokens 2048
+        fi
+        grep -h -e "^model:" -e "physical floor" -e "TPOT median" "$OUT/${s/serve1b/serve-1b}.log" ;;
+    serve-eager)  # the same llama-160m run without graphs, for the ratio
+        step serve-eager 300 python3 benchmarks/serving.py --device cuda --preset llama-160m --enforce-eager \
             --num-requests 256 --concurrency 64 --naive-requests 16 --rounds 1 \
             --max-num-batched-tokens 2048 ;;
+    serve-profile)  # host vs device time per decode step, eager and CUDA graphs
+        step serve-profile 300 python3 benchmarks/serving_profile.py --device cuda --preset llama-160m \
+            --concurrency 64 --num-requests 64 --decode-steps 64 ;;
     *) echo "gpu_session.sh: unknown step $s (steps: tests kernels host-profile train train1b train1b-fp8" \
-            "train1b-fp8-rowwise fp8-convergence titan serve)"; exit 2 ;;
+            "train1b-fp8-rowwise fp8-convergence titan serve serve1b serve-eager serve-profile)"; exit 2 ;;
     esac
 done

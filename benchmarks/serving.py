@@ -77,8 +77,8 @@ def build_checkpoint(root: Path, preset: str) -> tuple[Path, object]:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([inspect.getsource(m) for m in (textwrap, _json.decoder, _json.encoder)], trainer)
     vocab = tok.get_vocab_size()  # every id the model can emit decodes to text
-    if preset == "llama-160m":
-        cfg = model_preset("llama-160m", vocab_size=vocab, max_seq_len=1024)
+    if preset in ("llama-160m", "llama-1b"):
+        cfg = model_preset(preset, vocab_size=vocab, max_seq_len=1024)
     elif preset == "llama-25m":  # issue #18's CPU comparison with vLLM: 8 layers x 512, GQA 8/2, fp32
         cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=512, num_layers=8, num_heads=8,
                           num_kv_heads=2, ffn_hidden_size=1408, max_seq_len=1024)
@@ -257,7 +257,7 @@ def physical_floor(model, dtype: torch.dtype, device: str, batch: int, context: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=["llama-20m", "llama-25m", "llama-160m"], default="llama-20m")
+    ap.add_argument("--preset", choices=["llama-20m", "llama-25m", "llama-160m", "llama-1b"], default="llama-20m")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input-len", type=int, nargs=2, default=[16, 64], help="prompt length range (uniform)")
@@ -273,6 +273,8 @@ def main() -> None:
                     help="torch CPU threads for the server and the peers alike (1 suits a shared machine)")
     ap.add_argument("--device", default="cpu",
                     help="cpu or cuda: the server and the transformers peers alike (fp32 on CPU, bf16 on CUDA)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="serve with --enforce-eager (no CUDA graphs for decode steps) to compare")
     ap.add_argument("--engine-thread", action="store_true",
                     help="serve with --no-engine-process (engine thread in the HTTP process) to compare")
     ap.add_argument("--structured", choices=["none", "json"], default="none",
@@ -311,7 +313,8 @@ def main() -> None:
     cmd = [sys.executable, "-m", "tessera.inference.cli_main", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
            "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-tokens", str(kv_tokens),
            "--torch-threads", str(args.threads), "--device", args.device,
-           "--dtype", "bfloat16" if dtype == torch.bfloat16 else "float32"] + (["--no-engine-process"] if args.engine_thread else [])
+           "--dtype", "bfloat16" if dtype == torch.bfloat16 else "float32"] + (["--no-engine-process"] if args.engine_thread else []) \
+        + (["--enforce-eager"] if args.enforce_eager else [])
     env = {**os.environ}
     vllm = vllm_url = None
     if use_vllm:  # started first: it loads and compiles while tessera-serve starts
@@ -366,7 +369,8 @@ def main() -> None:
     ms = lambda xs: f"mean {1e3 * statistics.mean(xs):7.1f}  median {1e3 * statistics.median(xs):7.1f}  p99 {1e3 * pct(xs, 99):7.1f} ms"  # noqa: E731
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {args.preset} (random weights, {n_params / 1e6:.1f}M params), {str(dtype).removeprefix('torch.')}, {args.device}, torch threads {args.threads}, "
-          f"engine {'thread in the HTTP process' if args.engine_thread else 'in its own process'}")
+          f"engine {'thread in the HTTP process' if args.engine_thread else 'in its own process'}"
+          + (", CUDA graphs for decode steps" if args.device.startswith("cuda") and not args.enforce_eager else ""))
     print(f"command: {' '.join(sys.argv)}")
     rate = "all at once" if arrivals is None else f"Poisson arrivals at {args.request_rate:g} req/s"
     print(f"workload: {args.num_requests} requests ({rate}), concurrency {args.concurrency}, input {args.input_len}, "

@@ -17,7 +17,13 @@ Two measurements, both as ratios so that they mean something on a loaded machine
    printed (on a quiet machine with free cores the HTTP process runs beside the engine, not in
    series with it).
 
+3. Host vs device time of a decode step: after every prompt is prefilled, each decode step's
+   scheduling, input preparation, forward call (on CUDA: the kernel launches or the graph replay)
+   and the rest are timed on the host, and on CUDA the forward also on the device (CUDA events),
+   eager and with CUDA graphs (`--device cuda`). The host time per step is the overhead graphs cut.
+
     .venv/bin/python benchmarks/serving_profile.py --preset llama-25m --concurrency 32 --output-len 64 64 --server
+    python3 benchmarks/serving_profile.py --device cuda --preset llama-160m --concurrency 64 --num-requests 64
 """
 
 from __future__ import annotations
@@ -151,6 +157,92 @@ def engine_profile(ckpt: Path, args, workload) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
+def decode_step_profile(ckpt: Path, args, workload) -> None:
+    """Host vs device time of a decode step (issue #18 item 2): every prompt is prefilled first,
+    then `--decode-steps` steps of `--concurrency` decoding sequences are timed part by part. On
+    CUDA the forward is timed twice: on the host (the call returns once its kernels are queued or
+    its graph is launched) and on the device (CUDA events around it), with a synchronize after it
+    so the wait for the GPU is its own line; eager and CUDA-graph engines run back to back. On CPU
+    the forward is the computation itself and the host part is everything else."""
+    from tessera.inference.config import EngineConfig
+    from tessera.inference.engine import LLMEngine
+    from tessera.inference.loader import load_for_serving
+    from tessera.inference.sampling_params import SamplingParams
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    loaded = load_for_serving(str(ckpt), device, dtype, None)
+    modes = [("eager", True), ("CUDA graphs", False)] if cuda else [("eager", True)]
+    for mode, eager in modes:
+        cfg = EngineConfig(max_num_seqs=args.concurrency, max_num_batched_tokens=args.max_num_batched_tokens,
+                           kv_cache_tokens=65536, dtype=str(dtype).removeprefix("torch."), device=args.device,
+                           enforce_eager=eager)
+        engine = LLMEngine(loaded, cfg, device, dtype)
+        r, t = engine.runner, collections.Counter()
+        r.prepare = timed("prepare inputs", r.prepare)
+        if r.decode_graphs is not None:
+            r.decode_graphs.prepare = timed("prepare inputs", r.decode_graphs.prepare)
+        inner = r.forward_batch
+
+        def forward_batch(batch, rows, inner=inner, t=t):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            prep0 = TIMES["prepare inputs"]
+            out = inner(batch, rows)
+            t1 = time.perf_counter()
+            t["forward call after its input preparation (CUDA: launches; CPU: compute)"] += (
+                t1 - t0 - (TIMES["prepare inputs"] - prep0))
+            if cuda:
+                end.record()
+                torch.cuda.synchronize()
+                t["wait for the GPU after the forward call"] += time.perf_counter() - t1
+                t["device: the forward on the GPU (CUDA events)"] += start.elapsed_time(end) / 1e3
+            return out
+
+        r.forward_batch = forward_batch
+        engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+        for rnd in range(2):  # the first round warms up (Triton compiles, allocator, caches)
+            for i, (prompt, _) in enumerate(workload[:args.concurrency]):
+                engine.add_request(f"d{rnd}-{i}", prompt, SamplingParams(max_tokens=args.decode_steps + 1,
+                                                                          temperature=0, ignore_eos=True))
+            while engine.scheduler.waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
+                engine.step()
+            TIMES.clear()
+            t.clear()
+            steps, wall0 = 0, time.perf_counter()
+            while engine.has_unfinished():
+                s0 = time.perf_counter()
+                engine.step()
+                t["step (engine.step)"] += time.perf_counter() - s0
+                steps += 1
+            wall = time.perf_counter() - wall0
+        t["schedule"], t["prepare inputs"] = TIMES["schedule"], TIMES["prepare inputs"]
+        step = t["step (engine.step)"]
+        wait = t["wait for the GPU after the forward call"]
+        parts = ["schedule", "prepare inputs", "forward call after its input preparation (CUDA: launches; CPU: compute)"]
+        if cuda:
+            parts.append("wait for the GPU after the forward call")
+        t["rest of the step (sample, output update)"] = step - sum(t[k] for k in parts)
+        parts.append("rest of the step (sample, output update)")
+        replays = sum(r.decode_graphs.replays.values()) if r.decode_graphs is not None else 0
+        print(f"decode steps, {mode} ({args.device}, {str(dtype).removeprefix('torch.')}): {steps} steps of "
+              f"{args.concurrency} sequences, {1e3 * wall / steps:.2f} ms per step"
+              + (f", {replays} graph replays" if replays else ""))
+        for name in parts:
+            print(f"  {name:76s} {1e3 * t[name] / steps:8.3f} ms")
+        host = step - wait if cuda else step - t[parts[2]]
+        print(f"  {'host time per decode step' + (' (the step less the wait)' if cuda else ' (the step less the forward)'):76s} "
+              f"{1e3 * host / steps:8.3f} ms")
+        if cuda:
+            print(f"  {'device time per decode step (the forward, CUDA events)':76s} "
+                  f"{1e3 * t['device: the forward on the GPU (CUDA events)'] / steps:8.3f} ms")
+        engine.close()
+        del engine
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
@@ -187,7 +279,7 @@ def server_profile(ckpt: Path, args, workload) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=["llama-20m", "llama-25m", "llama-160m"], default="llama-25m")
+    ap.add_argument("--preset", choices=["llama-20m", "llama-25m", "llama-160m", "llama-1b"], default="llama-25m")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input-len", type=int, nargs=2, default=[16, 64])
@@ -198,6 +290,10 @@ def main() -> None:
     ap.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
                     help="also run the torch profiler over this many decode steps and print its op table")
     ap.add_argument("--server", action="store_true", help="also measure the server's processes (HTTP/SSE side)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu or cuda for the decode-step profile (on cuda, eager and CUDA graphs back to back; the "
+                         "engine-step and server profiles run on CPU only)")
+    ap.add_argument("--decode-steps", type=int, default=32, help="decode steps timed by the decode-step profile")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
@@ -207,8 +303,10 @@ def main() -> None:
                 for _ in range(args.num_requests)]
     print(f"model {args.preset}, {args.num_requests} requests, concurrency {args.concurrency}, input {args.input_len}, "
           f"output {args.output_len}, torch threads {args.threads}")
-    engine_profile(ckpt, args, workload)
-    if args.server:
+    if args.device == "cpu":
+        engine_profile(ckpt, args, workload)
+    decode_step_profile(ckpt, args, workload)
+    if args.server and args.device == "cpu":
         server_profile(ckpt, args, workload)
 
 

@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.inference.spec_decode import check_draft_model
 
     check_draft_model(cfg.speculative, args.checkpoint)
+    from tessera.inference.cuda_graphs import check_cuda_graphs
+
+    check_cuda_graphs(cfg, device)
     if args.no_engine_process:
         from tessera.inference.async_engine import AsyncEngine
         from tessera.inference.engine import LLMEngine

@@ -96,6 +96,14 @@ class EngineConfig(StrictModel):
     skip_checksum_verify: bool = Field(
         False, description="Skip hashing every checkpoint payload file against the sidecar's checksums at start "
                            "(for trusted large checkpoints); metadata is still read by the restricted unpickler.")
+    # CUDA graphs for decode steps (cuda_graphs.py).
+    enforce_eager: bool = Field(False, description="Never use CUDA graphs: every step runs eagerly (vLLM's flag).")
+    cuda_graph_sizes: list[int] | None = Field(
+        None, description="Decode batch sizes captured as CUDA graphs (a decode batch is padded to the next one; "
+                          "larger ones run eagerly); None: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs.")
+    padded_decode: bool = Field(
+        False, description="Run decode steps through the bucket-padded forward that the graphs replay, without "
+                           "capturing (any device; for tests and for telling a capture problem from a padding one).")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -104,4 +112,14 @@ class EngineConfig(StrictModel):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
+        if self.cuda_graph_sizes is not None:
+            if not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1:
+                raise ValueError("cuda_graph_sizes must be positive integers")
+            if max(self.cuda_graph_sizes) > self.max_num_seqs:
+                raise ValueError(f"cuda_graph_sizes: {max(self.cuda_graph_sizes)} is above max_num_seqs "
+                                 f"({self.max_num_seqs}), which no decode batch exceeds; drop it or raise max_num_seqs")
+            if self.enforce_eager:
+                raise ValueError("cuda_graph_sizes contradicts enforce_eager (no graphs); give one of them")
+        if self.padded_decode and self.enforce_eager:
+            raise ValueError("padded_decode contradicts enforce_eager; give one of them")
         return self

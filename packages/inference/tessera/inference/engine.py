@@ -23,6 +23,12 @@ from tessera.common.errors import UserError
 from tessera.inference.block_manager import BlockManager
 from tessera.inference.config import EngineConfig
 from tessera.inference.cpu_linear import pack_linears
+from tessera.inference.cuda_graphs import (
+    GraphSpec,
+    check_cuda_graphs,
+    decode_graph_mode,
+    default_capture_sizes,
+)
 from tessera.inference.detokenizer import IncrementalDetokenizer
 from tessera.inference.executor import WorkerDied
 from tessera.inference.loader import LoadedModel
@@ -111,8 +117,12 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or model_max, model_max)
         if cfg.max_model_len is not None and cfg.max_model_len > model_max:
             raise UserError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_seq_len ({model_max})")
+        check_cuda_graphs(cfg, device, loaded.config)
+        graphs = decode_graph_mode(cfg, device, loaded.config)
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
-        num_blocks = pool_blocks(cfg, loaded, self.kv_dtype)
+        pool = pool_blocks(cfg, loaded, self.kv_dtype)
+        # With decode graphs the pool's last block is the padding rows' scratch block: never handed out.
+        num_blocks = pool - (graphs != "off")
         need = -(-self.max_model_len // cfg.block_size)
         if num_blocks < need:
             raise UserError(
@@ -134,21 +144,30 @@ class LLMEngine:
                                  loaded.config.vocab_size, sorted(self.eos_ids))
         # Last: under tensor parallel this starts the workers, so nothing after it can fail and
         # leave them running.
-        self.runner = self._runner(loaded, cfg, num_blocks, device, dtype, self.kv_dtype)
+        graph_spec = None
+        if graphs != "off":
+            graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
+                                   scratch_block=pool - 1, capture=graphs == "capture")
+        self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec)
 
     @staticmethod
     def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,
-                dtype: torch.dtype, kv_dtype: torch.dtype) -> ModelRunner:
+                dtype: torch.dtype, kv_dtype: torch.dtype, graphs: GraphSpec | None) -> ModelRunner:
+        """The model runner; with `graphs`, its decode graphs (captured here, or by each
+        tensor-parallel worker over its shard)."""
         if cfg.tensor_parallel == 1:
             assert loaded.model is not None
             if device.type == "cpu" and cfg.quantization is None:
                 pack_linears(loaded.model, cfg.cpu_linear, batch_hint=cfg.max_num_seqs)
-            return ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype, kv_dtype=kv_dtype)
+            runner = ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype, kv_dtype=kv_dtype)
+            if graphs is not None:
+                runner.decode_graphs = graphs.build(runner)
+            return runner
         from tessera.inference.executor import TensorParallelExecutor, TensorParallelRunner
 
         assert loaded.path is not None
         executor = TensorParallelExecutor(loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, num_blocks,
-                                          cfg.block_size, device, dtype, cfg.kv_cache_dtype)
+                                          cfg.block_size, device, dtype, cfg.kv_cache_dtype, graphs)
         return TensorParallelRunner(executor, device)
 
     def close(self) -> None:

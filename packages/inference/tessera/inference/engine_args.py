@@ -86,6 +86,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Do not hash every checkpoint payload file against the sidecar's checksums at start "
                         "(a trusted large checkpoint on fast storage; the log says it was skipped). Metadata is "
                         "still read by the restricted unpickler. Default: verify.")
+    # CUDA graphs for decode steps (cuda_graphs.py).
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="Never use CUDA graphs: decode steps run eagerly too (default on CUDA: decode steps replay "
+                        "graphs captured per batch-size bucket; CPU and tensor parallel always run eagerly).")
+    g.add_argument("--cuda-graph-sizes", nargs="+", default=None, metavar="N",
+                   help="Decode batch sizes to capture, e.g. '1 2 4 8 16' (each decode batch is padded to the next "
+                        "size; larger ones run eagerly). Default: 1 2 4 8 16 24 ... up to --max-num-seqs.")
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
@@ -121,6 +128,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:  # checked here, not by argparse: one line, no usage
         raise UserError(f"--kv-cache-dtype {args.kv_cache_dtype!r}: not a KV-cache dtype; use one of "
                         f"{', '.join(KV_CACHE_DTYPE_NAMES)}")
+    sizes = None
+    if args.cuda_graph_sizes is not None:
+        from tessera.inference.cuda_graphs import parse_capture_sizes
+
+        sizes = parse_capture_sizes(args.cuda_graph_sizes)
     try:
         return EngineConfig(
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_tokens=args.kv_cache_tokens,
@@ -129,6 +141,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=not args.no_prefix_caching, prefix_cache_hash=args.prefix_cache_hash, dtype=args.dtype, device=args.device, seed=args.seed,
             quantization=args.quantization, cpu_linear=args.cpu_linear, speculative=speculative, tensor_parallel=args.tensor_parallel,
             kv_cache_dtype=args.kv_cache_dtype, skip_checksum_verify=args.skip_checksum_verify,
+            enforce_eager=args.enforce_eager, cuda_graph_sizes=sizes,
         )
     except ValidationError as exc:
         msg = format_validation_error(exc, "engine flags")

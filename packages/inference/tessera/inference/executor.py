@@ -52,6 +52,7 @@ import signal
 import sys
 import tempfile
 import traceback
+from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -59,6 +60,7 @@ import torch
 
 from tessera.common.errors import UserError
 from tessera.common.model_config import ModelConfig
+from tessera.inference.cuda_graphs import GraphSpec
 from tessera.inference.model_runner import BatchSeq, ModelRunner, batch_seqs, kv_cache_dtype
 from tessera.inference.sampler import Sampler
 from tessera.inference.scheduler import SchedulerOutput
@@ -228,6 +230,8 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
     model = load_shard(Path(init["path"]), init["hf"], cfg, groups, device, dtype)
     runner = ModelRunner(model, init["num_blocks"], init["block_size"], device, dtype, rank, world,
                          kv_dtype=kv_cache_dtype(init["kv_cache_dtype"], dtype, device))
+    if init.get("graphs"):  # every rank captures the same buckets in the same order (NCCL all-reduces included)
+        runner.decode_graphs = GraphSpec(**init["graphs"]).build(runner)
     _reply(conn, {"t": "ready", "numel": sum(p.numel() for p in model.parameters()), "kv_bytes": runner.kv.nbytes})
     tp_group = groups.tp_group
     while True:
@@ -253,7 +257,8 @@ class TensorParallelExecutor:
     rank 0's logits. Any worker's death is noticed at the next wait (`WorkerDied`)."""
 
     def __init__(self, path: Path, hf: bool, cfg: ModelConfig, tp: int, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, kv_dtype_name: str = "auto"):
+                 device: torch.device, dtype: torch.dtype, kv_dtype_name: str = "auto",
+                 graphs: GraphSpec | None = None):
         self.tp = tp
         ctx = mp.get_context("spawn")  # fork would copy the driver's threads and CUDA state
         self._store_dir = tempfile.TemporaryDirectory(prefix="tessera-tp-")
@@ -261,7 +266,8 @@ class TensorParallelExecutor:
         init = {"path": str(path), "hf": hf, "model": cfg.model_dump(mode="json"), "num_blocks": num_blocks,
                 "block_size": block_size, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(),  # as the driver's (--torch-threads)
-                "kv_cache_dtype": kv_dtype_name}  # --kv-cache-dtype, resolved on each worker
+                "kv_cache_dtype": kv_dtype_name,  # --kv-cache-dtype, resolved on each worker
+                "graphs": None if graphs is None else asdict(graphs)}  # decode graphs, each worker its own
         self.conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         try:

@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.common.fileio import atomic_file
     from tessera.common.progress import progress
     from tessera.inference.chat_template import ChatTemplateError, render_chat
+    from tessera.inference.cuda_graphs import check_cuda_graphs
     from tessera.inference.engine import LLMEngine, RequestRejected
     from tessera.inference.loader import load_for_serving, resolve_device, resolve_dtype
     from tessera.inference.sampling_params import SamplingParams
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     check_draft_model(cfg.speculative, args.checkpoint)  # before any weight is read
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    check_cuda_graphs(cfg, device)
     loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization, cfg.tensor_parallel,
                               kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
     engine = LLMEngine(loaded, cfg, device, dtype)

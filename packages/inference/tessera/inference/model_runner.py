@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,9 @@ from tessera.inference.sampler import Sampler, token_logprob, verify
 from tessera.inference.scheduler import SchedulerOutput
 from tessera.inference.sequence import TokenLogprob
 from tessera.kernels import paged_attention
+
+if TYPE_CHECKING:
+    from tessera.inference.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger("tessera.inference")
 
@@ -250,6 +254,10 @@ class ModelRunner:
     `executor.TensorParallelRunner`, which keeps `execute` (sampling on the driver) and sends
     `forward` to the workers, each of which runs a ModelRunner over its shard."""
 
+    # Pure decode steps go through bucket-padded CUDA graphs when the engine sets this
+    # (cuda_graphs.py); everything else runs eagerly below.
+    decode_graphs: DecodeGraphs | None = None
+
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, kv_dtype: torch.dtype | None = None):
         cfg = model.cfg
@@ -421,6 +429,8 @@ class ModelRunner:
     def forward_batch(self, batch: list[BatchSeq], logits_rows: list[int]) -> torch.Tensor:
         """fp32 logits [len(logits_rows), vocab rows]; under tensor parallel this rank's vocabulary
         slice [len(logits_rows), vocab rows / tp] (the worker gathers them)."""
+        if self.decode_graphs is not None and self.decode_graphs.bucket(batch) is not None:
+            return self.decode_graphs.forward(batch, logits_rows)  # pure decode: padded, replayed
         self._step = self.prepare(batch, logits_rows)
         try:
             hidden = self.model(self._step.tokens, positions=self._step.positions,
