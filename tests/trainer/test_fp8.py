@@ -1,8 +1,9 @@
 """FP8 training (tessera.trainer.fp8): refused with one line where there are no FP8 tensor cores;
 the conversion swaps the model's Linear layers for torchao Float8Linear, keeping names, and its
 loss and gradients track bf16 (torchao's casts run emulated on CPU); it composes with recompute
-and FSDP's float8 all-gather (the option reaches torchao; the gathered run on a GPU), and refuses
-tensor-parallel layers and rowwise all-gather with one line; GPU runs marked `gpu`."""
+and FSDP's float8 all-gather (the option reaches torchao; the gathered run on a GPU), and with
+tensor-parallel layers (they keep their class and get a float8 local matmul that computes what
+torchao's Float8Linear computes); rowwise all-gather is refused with one line; GPU runs marked `gpu`."""
 
 from __future__ import annotations
 
@@ -163,15 +164,102 @@ def _with_column_parallel_q(monkeypatch, tp: int):
     return model
 
 
-def test_tensor_parallel_layers_are_refused_not_swapped(monkeypatch):
-    """A Float8Linear in place of Tessera's Column/RowParallelLinear would drop their collectives."""
+def test_tensor_parallel_layers_keep_their_class_tags_and_state_and_get_a_float8_local_matmul(monkeypatch):
+    """A Float8Linear in place of Tessera's Column/RowParallelLinear would drop their collectives:
+    the layer stays (its forward and collectives), only its local matmul becomes float8."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from tessera.common.parallel.layers import ColumnParallelLinear
+    from tessera.trainer.fp8 import Float8LocalLinear
+
+    model = _with_column_parallel_q(monkeypatch, tp=2)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    converted = convert_to_float8(model, "tensorwise")
+    q = model.layers["0"].attn.q_proj
+    assert type(q) is ColumnParallelLinear and isinstance(q.local_linear, Float8LocalLinear)
+    assert q.weight.tp_shard_dim == 0 and "layers.0.attn.q_proj" in converted
+    assert isinstance(model.layers["0"].attn.k_proj, Float8Linear), "the plain Linear layers are swapped as before"
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[n], t) for n, t in before.items())
+
+
+def test_fsdp_float8_all_gather_with_tensor_parallel_is_refused_with_one_line(monkeypatch):
     pytest.importorskip("torchao")
     model = _with_column_parallel_q(monkeypatch, tp=2)
-    before = {n: type(m) for n, m in model.named_modules()}
-    with pytest.raises(UserError, match=r"^training.precision=fp8 does not compose with tensor parallel yet "
-                                        r"\(layers.0.attn.q_proj is a ColumnParallelLinear"):
-        convert_to_float8(model, "tensorwise")
-    assert {n: type(m) for n, m in model.named_modules()} == before
+    with pytest.raises(UserError, match=r"^float8 all-gather under FSDP does not compose with parallel.tensor > 1 "):
+        convert_to_float8(model, "tensorwise", fsdp_float8_all_gather=True)
+    assert model.layers["0"].attn.q_proj.local_linear is torch.nn.functional.linear, "nothing half-converted"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_the_float8_local_matmul_over_one_rank_computes_what_float8linear_computes(tmp_path, recipe, kind):
+    """Over a one-rank group (the amax all-reduces are identities) Float8LocalLinear's output and
+    both gradients equal torchao's Float8Linear's bit for bit: it is torchao's float8 linear, the
+    global scales added (their effect across ranks: tests/parallel/test_fp8_parallel.py)."""
+    pytest.importorskip("torchao")
+    import torch.distributed as dist
+    from torchao.float8.float8_linear import Float8Linear
+
+    from tessera.trainer.fp8 import Float8LocalLinear, float8_config
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        config = float8_config(recipe)
+        lin = torch.nn.Linear(32, 48, bias=True)
+        lin.weight.data.normal_(generator=torch.Generator().manual_seed(1))
+        ref = Float8Linear.from_float(torch.nn.Linear(32, 48, bias=True), config=config)
+        ref.load_state_dict(lin.state_dict())
+        hook = Float8LocalLinear(config, kind, dist.group.WORLD)
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2))
+        grad = torch.randn(2, 8, 48, generator=torch.Generator().manual_seed(3))
+        results = []
+        for forward, module in ((ref, ref), (lambda x: hook(x, lin.weight, lin.bias), lin)):
+            xi = x.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = forward(xi)
+            y.backward(grad.to(y.dtype))
+            results.append((y, xi.grad, module.weight.grad, module.bias.grad))
+        for want, got in zip(*results):
+            assert torch.equal(want, got)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("recipe, kind", [("tensorwise", "column"), ("rowwise", "row")])
+def test_the_float8_local_matmul_compiles_as_one_graph_with_eagers_gradients(tmp_path, recipe, kind):
+    """Dynamo and AOTAutograd trace the hook whole (fullgraph; its amax all-reduces are functional
+    collectives); aot_eager, since inductor on CPU takes minutes (the compiled GPU runs: gpu marks)."""
+    pytest.importorskip("torchao")
+    import torch.distributed as dist
+
+    from tessera.trainer.fp8 import Float8LocalLinear, float8_config
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        hook = Float8LocalLinear(float8_config(recipe), kind, dist.group.WORLD)
+        weight = torch.randn(48, 32, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2))
+
+        def loss(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return hook(x, weight).float().square().sum()
+
+        grads = []
+        for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+            weight.grad = None
+            fn(x).backward()
+            grads.append(weight.grad)
+        assert torch.equal(*grads)
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("all_gather", [False, True])
@@ -266,14 +354,16 @@ def _train_config(training: dict, parallel: dict):
                        parallel=parallel)
 
 
-def test_fp8_under_tensor_parallel_is_refused_with_one_line():
+def test_fp8_under_tensor_parallel_is_accepted_but_not_with_float8_all_gather():
     from tessera.trainer.inputs import check_parallel_options
 
-    with pytest.raises(UserError) as err:
-        check_parallel_options(_train_config({"precision": "fp8"}, {"tensor": 2}))
-    assert str(err.value).startswith("training.precision=fp8 does not compose with parallel.tensor > 1 yet")
-    assert "\n" not in str(err.value)
+    check_parallel_options(_train_config({"precision": "fp8"}, {"tensor": 2, "sequence_parallel": True}))
     check_parallel_options(_train_config({"precision": "fp8"}, {"data_shard": 2}))  # FSDP: allowed
+    with pytest.raises(UserError) as err:
+        check_parallel_options(_train_config({"precision": "fp8"},
+                                             {"tensor": 2, "data_shard": 2, "fsdp_float8_all_gather": True}))
+    assert str(err.value).startswith("parallel.fsdp_float8_all_gather does not compose with parallel.tensor > 1")
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("training, parallel", [

@@ -223,10 +223,9 @@ def check_parallel_options(cfg: TrainConfig) -> None:
     """Options of the one-process step that the parallel runtime does not have (one line each)."""
     t = cfg.training
     p = cfg.parallel
-    if t.precision == "fp8" and p.tensor > 1:
-        raise UserError("training.precision=fp8 does not compose with parallel.tensor > 1 yet (Tessera's tensor-"
-                        "parallel layers would replace the Float8Linear layers); use parallel.tensor=1 or "
-                        "training.precision=bf16")
+    if p.fsdp_float8_all_gather and p.tensor > 1:
+        raise UserError("parallel.fsdp_float8_all_gather does not compose with parallel.tensor > 1 (torchao's "
+                        "float8 weights are for Float8Linear, not Tessera's tensor-parallel layers); unset it")
     if t.loss_chunk_tokens is not None:
         raise UserError("training.loss_chunk_tokens is for one process; under torchrun the loss is vocab-parallel "
                         "(use parallel.tensor to split the logits) — set training.loss_chunk_tokens=null")

@@ -9,6 +9,10 @@ read by the data-parallel, clipping and checkpoint code:
     sequence_parallel_partial  True when each tensor rank computes only part of its gradient
                             (norms and row biases under sequence parallel): the gradient is
                             all-reduced over the tensor group before the data-parallel reduce
+
+The Column/Row layers run their local matmul through `self.local_linear` (F.linear's signature,
+default F.linear), between their collectives. FP8 training (tessera.trainer.fp8) sets it to a
+float8 matmul; the class, parameters and tags stay, so state dicts and checkpoints do not change.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class ColumnParallelLinear(nn.Linear):
         super().__init__(in_features, out_features // world, bias=bias, device=device, dtype=dtype)
         self.group = group
         self.sequence_parallel = sequence_parallel
+        self.local_linear = F.linear
         tag(self.weight, 0)
         if self.bias is not None:
             tag(self.bias, 0)
@@ -86,7 +91,7 @@ class ColumnParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             x = copy_to_tp(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        return self.local_linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
@@ -105,6 +110,7 @@ class RowParallelLinear(nn.Linear):
         super().__init__(in_features // world, out_features, bias=bias, device=device, dtype=dtype)
         self.group = group
         self.sequence_parallel = sequence_parallel
+        self.local_linear = F.linear
         tag(self.weight, 1)
         if self.bias is not None:
             tag(self.bias, None, partial=sequence_parallel)
@@ -122,7 +128,7 @@ class RowParallelLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.local_linear(x, self.weight)
         y = reduce_scatter_seq(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 

@@ -63,7 +63,7 @@ class ParallelConfig(StrictModel):
     seed: int = Field(1234, description="Dropout seed (tensor-parallel regions get per-rank streams).")
     autocast_bf16: bool = Field(False, description="Run forward passes under torch.autocast(bf16) over fp32 parameters (the trainer's bf16 mode); gradients, reductions and optimizer stay fp32.")
     autocast_fp16: bool = Field(False, description="Run forward passes under torch.autocast(fp16) over fp32 parameters (the trainer's fp16 mode); pass a loss scale to train_step (dynamic loss scaling is the caller's policy).")
-    fp8_recipe: Literal["tensorwise", "rowwise"] | None = Field(None, description="The trainer's fp8 mode: the built model's eligible Linear layers become torchao Float8Linear with this scaling recipe (tessera.trainer.fp8), forward under bf16 autocast; not with tensor > 1 (the tensor-parallel layers would replace them).")
+    fp8_recipe: Literal["tensorwise", "rowwise"] | None = Field(None, description="The trainer's fp8 mode: the built model's eligible Linear layers become torchao Float8Linear with this scaling recipe (tessera.trainer.fp8), forward under bf16 autocast; tensor-parallel layers keep their class and collectives and get a float8 local matmul with global scales.")
     fsdp_float8_all_gather: bool = Field(False, description="With fp8_recipe tensorwise and data_shard > 1 (NCCL: gloo cannot all-gather float8): FSDP gathers the weights in float8; their scales are precomputed after each optimizer step.")
     fsdp_param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1 (FSDP): the dtype parameters are all-gathered in for compute; the sharded fp32 parameters stay the optimizer's master weights (bfloat16: bf16 parameters with fp32 masters).")
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: the dtype of the gradient reduce-scatter / all-reduce.")
@@ -187,8 +187,9 @@ class ParallelRuntime:
 
         def prepare(stages: list[StageModule]) -> None:
             # fp8: after the tensor-parallel swap (which would rebuild Float8Linear layers as plain
-            # ones; over one tensor rank its layers are plain Linear with tags, tensor > 1 is
-            # refused), before compile and fully_shard (float8 all-gather wraps the weights first).
+            # ones; tensor-parallel layers over more than one rank get a float8 local matmul, over
+            # one rank they are plain Linear with tags and become Float8Linear), before compile and
+            # fully_shard (float8 all-gather wraps the weights first).
             if pcfg.fp8_recipe is not None:
                 for st in stages:
                     convert_to_float8(st, pcfg.fp8_recipe, fsdp_float8_all_gather=pcfg.fsdp_float8_all_gather)
