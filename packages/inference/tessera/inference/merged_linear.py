@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tessera.common.model import MLP, Attention
@@ -71,10 +72,11 @@ class MergedMLP(MLP):
 
 
 def _stackable(layers: list[nn.Module]) -> bool:
-    """Plain (or column-parallel without sequence parallel) Linear layers on CPU over the same input."""
+    """Plain (or column-parallel with F.linear and without sequence parallel) Linear layers on CPU
+    over the same input."""
     for lin in layers:
         if type(lin) is ColumnParallelLinear:
-            if lin.sequence_parallel:
+            if lin.sequence_parallel or lin.local_linear is not F.linear:  # e.g. FP8 training's matmul
                 return False
         elif type(lin) is not nn.Linear:
             return False
