@@ -138,3 +138,18 @@ def wait_for_health(proc, url: str, timeout: float) -> None:
             pass
         assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
         time.sleep(0.2)
+
+
+def generate_usage_error(argv, capsys) -> str:
+    """`tessera-generate argv` must exit 2 with exactly one line on stderr, no traceback: that line."""
+    import pytest
+
+    from tessera.common.errors import run_cli
+    from tessera.inference.generate_cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, [str(a) for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]

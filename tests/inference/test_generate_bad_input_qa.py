@@ -4,18 +4,7 @@ Each case was a traceback (exit 1), or, for --output equal to --prompts, overwro
 from __future__ import annotations
 
 import pytest
-
-from tessera.common.errors import run_cli
-from tessera.inference.generate_cli import main
-
-
-def _usage_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        run_cli(main, [str(a) for a in argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "Traceback" not in err[0], err
-    return err[0]
+from inference_helpers import generate_usage_error as _usage_error
 
 
 @pytest.mark.parametrize("content, expected", [

@@ -11,7 +11,14 @@ import shutil
 
 import pytest
 import torch
-from inference_helpers import make_checkpoint, make_engine, run_all, tiny_config, token_ids
+from inference_helpers import (
+    generate_usage_error,
+    make_checkpoint,
+    make_engine,
+    run_all,
+    tiny_config,
+    token_ids,
+)
 
 from tessera.common.checkpoint import (
     CheckpointSidecar,
@@ -22,7 +29,6 @@ from tessera.common.checkpoint import (
     save_model_tensors,
     write_pointer,
 )
-from tessera.common.errors import run_cli
 from tessera.inference.config import SpeculativeConfig
 from tessera.inference.sampler import verify
 from tessera.inference.sampling_params import SamplingParams
@@ -291,17 +297,10 @@ def test_a_draft_model_with_another_tokenizer_is_refused_before_loading_weights(
 
 
 def _generate_error(tmp_path, capsys, ckpt, extra) -> str:
-    from tessera.inference.generate_cli import main
-
     prompts_file = tmp_path / "p.jsonl"
     prompts_file.write_text('{"prompt": "hi"}\n')
-    argv = ["--checkpoint", ckpt, "--prompts", prompts_file, "--output", tmp_path / "o.jsonl", *extra]
-    with pytest.raises(SystemExit) as exc:
-        run_cli(main, [str(a) for a in argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "Traceback" not in err[0], err
-    return err[0]
+    return generate_usage_error(["--checkpoint", ckpt, "--prompts", prompts_file, "--output", tmp_path / "o.jsonl",
+                                 *extra], capsys)
 
 
 # ---- metrics ----------------------------------------------------------------------------------

@@ -36,6 +36,17 @@ def write_config(path: Path, cfg: dict) -> Path:
     return path
 
 
+def train_two_steps(artifacts: dict[str, Path], root: Path) -> tuple[dict, Path, Path]:
+    """A 2-step one-process `tessera-train` run under `root`: (its config, config file, run directory)."""
+    from tessera.trainer.cli import main as train_main
+
+    cfg = base_config(artifacts, root / "run")
+    cfg["training"]["steps"] = 2
+    config = write_config(root / "config.yaml", cfg)
+    assert train_main(["--config", str(config), "--quiet"]) == 0
+    return cfg, config, root / "run"
+
+
 @pytest.fixture
 def make_config(artifacts, tmp_path):
     """make_config(**sections) -> path of a YAML config; sections are merged into base_config."""

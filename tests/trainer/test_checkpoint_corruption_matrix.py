@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import base_config
+from conftest import train_two_steps
 
 from tessera.common.checkpoint import POINTER, SIDECAR
 from tessera.common.errors import run_cli
@@ -107,15 +107,8 @@ class _WouldServe(Exception):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, artifacts) -> tuple[dict, Path]:
-    from tessera.trainer.cli import main as train_main
-
-    root = tmp_path_factory.mktemp("ckpt_matrix")
-    cfg = base_config(artifacts, root / "run")
-    cfg["training"]["steps"] = 2
-    config = root / "config.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    assert train_main(["--config", str(config), "--quiet"]) == 0
-    return cfg, root / "run"
+    cfg, _, run = train_two_steps(artifacts, tmp_path_factory.mktemp("ckpt_matrix"))
+    return cfg, run
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from tessera.common.checkpoint import SIDECAR
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import file_digest
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
-from tessera.trainer.cli import main as train_main
 
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
@@ -52,16 +51,10 @@ def _plant(checkpoint: Path, marker: Path, update_sidecar: bool = True) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, artifacts) -> tuple[Path, Path]:
     """A 2-step one-process run (its own config file) and its run directory."""
-    import yaml
-    from conftest import base_config
+    from conftest import train_two_steps
 
-    root = tmp_path_factory.mktemp("untrusted")
-    cfg = base_config(artifacts, root / "run")
-    cfg["training"]["steps"] = 2
-    config = root / "config.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    assert train_main(["--config", str(config), "--quiet"]) == 0
-    return config, root / "run"
+    _, config, run = train_two_steps(artifacts, tmp_path_factory.mktemp("untrusted"))
+    return config, run
 
 
 def _run(argv: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
