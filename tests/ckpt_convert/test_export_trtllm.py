@@ -110,3 +110,14 @@ def test_trtllm_bad_layout_exit_2(tmp_path, tokenizer_dir, capsys, tp, pp, messa
               "--tensor-parallel", str(tp), "--pipeline-parallel", str(pp)])
     assert exc.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_linear_rope_scaling_is_written_as_tensorrt_llms_linear_rotary_scaling():
+    """Linear position interpolation has TensorRT-LLM's own `{"type": "linear", "factor"}` form."""
+    from tessera.ckpt_convert.export_trtllm import trtllm_config, validate
+
+    cfg = tiny_llama(rope_scaling=dict(rope_type="linear", factor=2.0))
+    validate(cfg, 1, 1)
+    config = trtllm_config(cfg, torch.float32, 1, 1)
+    assert config["rotary_scaling"] == {"type": "linear", "factor": 2.0}
+    assert config["architecture"] == "LlamaForCausalLM"

@@ -63,7 +63,7 @@ from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsSt
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, atomic_write_json
-from tessera.common.hf import HF_DTYPE_NAMES, Rule, check_exportable
+from tessera.common.hf import HF_DTYPE_NAMES, Rule, architecture_for, check_exportable
 from tessera.common.model_config import ModelConfig
 
 # (inputs, tp_rank) -> this rank's tensor, or its parts along dim 0 (written one after the other,
@@ -102,8 +102,7 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // tp) * tp
 
 
-LLAMA_LIKE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
-QWEN = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+QWEN = ("qwen2", "qwen3", "qwen3_moe")  # written by TensorRT-LLM's Qwen converter (the rest as its Llama one)
 HF_INSTEAD = "; export --format hf, which current TensorRT-LLM reads"
 
 
@@ -119,9 +118,6 @@ def check_supported(cfg: ModelConfig) -> None:
     if s is not None and s.rope_type not in ("llama3", "linear"):
         raise UserError(f"model config: rope_scaling {s.rope_type} is not exported to TensorRT-LLM (its {s.rope_type} "
                         "scaling is parametrised differently from transformers')" + HF_INSTEAD)
-    if len({cfg.attn_bias(x) for x in "qkv"}) > 1:
-        raise UserError("model config: attention_bias must list q, k and v together for TensorRT-LLM (one fused qkv "
-                        "bias)" + HF_INSTEAD)
     if cfg.arch in ("qwen3", "qwen3_moe") and any(cfg.attn_bias(x) for x in "qkvo"):
         raise UserError(f"model config: arch={cfg.arch} with attention_bias is not exported to TensorRT-LLM (its "
                         "Qwen3 config has no attention bias)" + HF_INSTEAD)
@@ -281,10 +277,11 @@ def _rotary_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
 
 
 def trtllm_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int) -> dict[str, Any]:
-    check_supported(cfg)
+    """config.json of a checkpoint `validate` accepted. TensorRT-LLM names the families by their
+    transformers class, except GPT-2 (its own `GPTForCausalLM`)."""
     llama = cfg.arch != "gpt2"
     c: dict[str, Any] = {
-        "architecture": {**LLAMA_LIKE, **QWEN}.get(cfg.arch, "GPTForCausalLM"),
+        "architecture": architecture_for(cfg).hf_class if llama else "GPTForCausalLM",
         "dtype": HF_DTYPE_NAMES[dtype],
         "logits_dtype": "float32",
         "vocab_size": cfg.vocab_size,

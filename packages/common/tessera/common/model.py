@@ -154,7 +154,6 @@ class MLP(nn.Module):
             h = F.gelu(self.up_proj(x), approximate="tanh")
         return self.down_proj(h)
 
-
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The SwiGLU gate and up projections (overridden like Attention.project when served)."""
         return self.gate_proj(x), self.up_proj(x)
