@@ -271,6 +271,15 @@ def test_unsupported_overlap_settings_are_refused_in_the_config(fields, fragment
         ParallelConfigSection(**fields)
 
 
+def test_async_tp_without_compile_is_refused_by_the_config_before_any_launch():
+    from tessera.trainer.config import DataConfig, TrainConfig
+
+    parallel = dict(async_tp=True, tensor=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="parallel.async_tp needs training.compile=true"):
+        TrainConfig(data=DataConfig(mixture="m", tokenizer="t"), training={"compile": False}, parallel=parallel)
+    TrainConfig(data=DataConfig(mixture="m", tokenizer="t"), training={"compile": True}, parallel=parallel)
+
+
 def test_async_tp_is_refused_with_one_line_off_cuda():
     from tessera.common.layout import ParallelLayout
     from tessera.common.parallel.state import build_groups

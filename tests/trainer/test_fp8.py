@@ -57,6 +57,19 @@ def test_fp8_is_refused_on_a_gpu_before_ada(monkeypatch):
     assert fp8_device_problem(torch.device("cuda")) is None
 
 
+def test_a_model_with_no_convertible_layer_is_refused_instead_of_training_in_bf16():
+    """The parallel runtime checks what every stage converted, as apply_float8 does in one process:
+    dimensions that are no multiple of 16 (a hidden size of 24, an MLP width of 40) convert nothing."""
+    pytest.importorskip("torchao")
+    from tessera.trainer.fp8 import require_converted
+
+    model = build_model(preset("tiny", vocab_size=64, num_layers=1, hidden_size=24, num_heads=2, num_kv_heads=2,
+                               ffn_hidden_size=40), seed=0)
+    with pytest.raises(UserError, match="^training.precision=fp8: no Linear layer of this model") as err:
+        require_converted(convert_to_float8(model, "tensorwise"))
+    assert "\n" not in str(err.value)
+
+
 def test_unknown_recipe_is_refused():
     with pytest.raises(UserError, match="training.fp8_recipe 'delayed' is not one of tensorwise, rowwise"):
         convert_to_float8(_model(), "delayed")

@@ -60,6 +60,19 @@ def test_fsdp_with_expert_parallel_shards_dense_parameters_over_data_and_expert_
     assert mem.weights == pytest.approx(4.0 * ((ep2.total - ep2.experts) / 4 + ep2.experts / 2))
 
 
+def test_expert_ranks_read_their_own_batch_rows_and_hold_zero1_shards_of_the_dense_state():
+    """As the runtime: EP2 at data 1 runs global/(micro x 2) micro-batches, its distributed
+    optimizer shards the dense moments over the two expert ranks (experts' over data ranks only),
+    and their dense gradients travel between them."""
+    cfg = preset("mixtral-tiny")
+    ep2 = spec(dict(expert=2), cfg)
+    assert ep2.num_microbatches == 2  # 8 rows / (micro-batch 2 x 2 expert ranks)
+    params = rank_params(ep2)
+    moments = 8.0 * ((params.total - params.experts) / 2 + params.experts)
+    assert plan_memory(ep2).optimizer == pytest.approx(moments)
+    assert "data (reduce-scatter)" in plan_time(ep2, DEVICES["h100"]).comm
+
+
 def test_fsdp_shards_weights_grads_and_optimizer_state_by_the_shard_count():
     full, sharded = plan_memory(spec()), plan_memory(spec(dict(data=4, data_shard=4)))
     assert sharded.static * 4 == pytest.approx(full.static)

@@ -87,6 +87,12 @@ class ParallelLayout(StrictModel):
         return self.tensor * self.context * self.expert * self.data * self.pipeline
 
     @property
+    def batch_readers(self) -> int:
+        """How many ways the global batch is split: data x expert (expert ranks read their own rows,
+        as data ranks do; they are also the replicas of a dense parameter)."""
+        return self.data * self.expert
+
+    @property
     def data_replicate(self) -> int:
         """Copies of each fully-sharded group (HSDP); data when parameters are not sharded."""
         return self.data // self.data_shard if self.data % self.data_shard == 0 else 0
@@ -202,8 +208,7 @@ def validate_layout(
     counts = layout.stage_layers(cfg.num_layers)
     if global_batch is None:
         return counts
-    # Expert ranks read their own rows of the batch, as data ranks do (dense replicas: data x expert).
-    readers = dp * layout.expert
+    readers = layout.batch_readers
     if micro_batch is None or micro_batch < 1 or global_batch % (micro_batch * readers):
         by = f"data parallel ({dp})" if layout.expert == 1 else f"data parallel ({dp}) x expert parallel ({layout.expert})"
         raise UserError(f"global batch ({global_batch}) must be a multiple of micro batch ({micro_batch}) x {by}")

@@ -248,6 +248,8 @@ class TrainConfig(StrictModel):
             if (t.global_batch_size - start) % increment:
                 raise ValueError(f"training.rampup_batch_size {list(t.rampup_batch_size)}: global_batch_size "
                                  f"({t.global_batch_size}) minus start must be a multiple of the increment")
+        if self.parallel.async_tp and not t.compile:  # inductor does the overlap: refused before any launch
+            raise ValueError("parallel.async_tp needs training.compile=true (inductor's micro-pipeline TP pass)")
         model = self.resolve_model(_PLACEHOLDER_VOCAB)
         max_seq = model.max_seq_len
         if t.seq_length > max_seq:

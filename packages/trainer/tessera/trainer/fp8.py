@@ -175,10 +175,14 @@ def apply_float8(model: nn.Module, recipe: str, device: torch.device) -> list[st
     problem = fp8_device_problem(device)
     if problem is not None:
         raise UserError(problem)
-    converted = convert_to_float8(model, recipe)
+    return require_converted(convert_to_float8(model, recipe))
+
+
+def require_converted(converted: list[str]) -> list[str]:
+    """fp8 that converted no layer would silently train in bf16: refuse it (one line)."""
     if not converted:
-        raise UserError("training.precision=fp8: no Linear layer of this model has dimensions that are multiples "
-                        f"of {_ALIGN}; use training.precision=bf16")
+        raise UserError("training.precision=fp8: no Linear layer of this model (of this rank's tensor-parallel "
+                        f"slice) has dimensions that are multiples of {_ALIGN}; use training.precision=bf16")
     return converted
 
 

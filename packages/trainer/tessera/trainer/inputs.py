@@ -56,7 +56,7 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
     """Every check that needs files or the world size; raises UserError before any work."""
     t = cfg.training
     layout = cfg.parallel.layout(world_size)
-    readers = layout.data * layout.expert  # expert ranks read their own rows of the batch, as data ranks do
+    readers = layout.batch_readers
     size = f"data-parallel size ({layout.data})" + (f" x expert-parallel size ({layout.expert})"
                                                      if layout.expert > 1 else "")
     if t.global_batch_size % (t.micro_batch_size * readers):

@@ -140,7 +140,7 @@ class ParallelGroups:
     @property
     def dp_ep(self) -> int:
         """How many ways the global batch is split: data x expert."""
-        return self.layout.data * self.layout.expert
+        return self.layout.batch_readers
 
     @property
     def dp_ep_rank(self) -> int:

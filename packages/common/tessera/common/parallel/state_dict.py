@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from tessera.common.parallel.expert_parallel import is_expert_shard
 from tessera.common.parallel.layers import shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
 
@@ -31,7 +32,7 @@ def to_global(local: torch.Tensor, like: torch.Tensor, groups: ParallelGroups) -
     FSDP's dim and over tensor ranks along the tensor-parallel dim. When both split the same
     dim (a tensor-sharded bias) the tensor chunk comes first and the data chunk within it,
     which is `_StridedShard(dim, split_factor=tp)` on the data dim."""
-    if getattr(like, "ep_shard", False):
+    if is_expert_shard(like):
         # An expert-parallel slice of stacked experts (experts' own tensor size is 1): dim 0 over
         # the expert group; replicas over tensor and data ranks are de-duplicated by DCP.
         local = local.to_local() if isinstance(local, DTensor) else local

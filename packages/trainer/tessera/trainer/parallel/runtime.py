@@ -41,7 +41,7 @@ from tessera.common.parallel.tensor_parallel import enable_async_tp
 from tessera.common.safe_dcp import dcp_load
 from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.engine import StepResult
-from tessera.trainer.fp8 import convert_to_float8, precompute_float8_scales
+from tessera.trainer.fp8 import convert_to_float8, precompute_float8_scales, require_converted
 from tessera.trainer.parallel.data_parallel import BUCKET_NUMEL
 from tessera.trainer.parallel.fsdp import FullyShardedOptimizer, shard_stages
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
@@ -191,8 +191,8 @@ class ParallelRuntime:
             # one rank they are plain Linear with tags and become Float8Linear), before compile and
             # fully_shard (float8 all-gather wraps the weights first).
             if pcfg.fp8_recipe is not None:
-                for st in stages:
-                    convert_to_float8(st, pcfg.fp8_recipe, fsdp_float8_all_gather=pcfg.fsdp_float8_all_gather)
+                require_converted([name for st in stages for name in convert_to_float8(
+                    st, pcfg.fp8_recipe, fsdp_float8_all_gather=pcfg.fsdp_float8_all_gather)])
             # Before a meta build is allocated: FSDP shards the meta parameters, so only this
             # rank's data shard is ever allocated and initialised (sharded_init).
             if pcfg.compile:

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from tessera.common.model import Transformer
 from tessera.common.moe import Experts, MoE
+from tessera.common.parallel.expert_parallel import is_expert_shard
 from tessera.common.parallel.layers import allocate as _allocate
 from tessera.common.parallel.layers import shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
@@ -55,7 +56,7 @@ def _local_piece(value: torch.Tensor, local: torch.Tensor, groups: ParallelGroup
     shard's chunk of that (torch.chunk's split, as fully_shard cuts; possibly empty)."""
     dim = shard_dim_of(local)
     part = value if dim is None else value.chunk(groups.tp, dim=dim)[groups.tp_rank]
-    if getattr(local, "ep_shard", False):  # this expert-parallel rank's experts
+    if is_expert_shard(local):  # this expert-parallel rank's experts
         part = part.chunk(groups.ep, dim=0)[groups.ep_rank]
     if isinstance(local, DTensor):
         fsdp_dim = local.placements[-1].dim  # type: ignore[attr-defined]

@@ -191,13 +191,14 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
             notes.append("CPU offload: sharded weights, grads and optimizer state in host memory")
             weights = grads = optimizer = 0.0
     else:
-        shards = lay.data if spec.distributed_optimizer else 1
+        # ZeRO-1: dense buckets sharded over data x expert ranks, the routed experts' over data ranks.
+        dense_shards, expert_shards = (lay.batch_readers, lay.data) if spec.distributed_optimizer else (1, 1)
         weights = n * wb
         grads = n * gb
-        optimizer = n * ob / shards  # moments, and fp32 masters when the weights are bf16
+        optimizer = ((n - params.experts) / dense_shards + params.experts / expert_shards) * ob  # moments, fp32 masters
         # The update runs on one flat bucket shard at a time: its temporaries are one shard.
         bucket = min(n, spec.bucket_numel)
-        opt_temp = bucket * 4.0 / shards
+        opt_temp = bucket * 4.0 / dense_shards
     flight = in_flight(spec, pp_rank)
     ranges = lay.stage_ranges(spec.model.num_layers)
     held = [i for st in range(lay.num_stages) if st % lay.pipeline == pp_rank for i in ranges[st]]

@@ -17,6 +17,7 @@ from pydantic import Field
 from tessera.common.config import StrictModel
 from tessera.common.layout import ParallelLayout
 from tessera.common.model_config import ModelConfig
+from tessera.trainer.parallel.data_parallel import BUCKET_NUMEL
 
 Precision = Literal["fp32", "bf16", "bf16-master", "fp8", "fp8-master"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "bf16-master", "fp8", "fp8-master")
@@ -45,7 +46,7 @@ class PlanSpec(StrictModel):
                                  "(torchao's float8 all-gather, torchtitan's enable_fsdp_float8_all_gather): 1 byte "
                                  "per gathered weight instead of 2.")
     cpu_offload: bool = Field(False, description="FSDP: sharded parameters, grads and optimizer state in host memory.")
-    bucket_numel: int = Field(40_000_000, gt=0, description="Elements per data-parallel gradient bucket.")
+    bucket_numel: int = Field(BUCKET_NUMEL, gt=0, description="Elements per data-parallel gradient bucket.")
 
     @property
     def bf16_params(self) -> bool:
@@ -59,7 +60,7 @@ class PlanSpec(StrictModel):
 
     @property
     def num_microbatches(self) -> int:
-        return self.global_batch // (self.micro_batch * self.layout.data)
+        return self.global_batch // (self.micro_batch * self.layout.batch_readers)
 
     @property
     def fsdp(self) -> bool:

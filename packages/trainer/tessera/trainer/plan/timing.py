@@ -101,15 +101,18 @@ def plan_time(spec: PlanSpec, device: DeviceSpec, efficiency: float = DEFAULT_EF
         if replicas > 1:
             comm["hsdp replicas"] = 2 * (replicas - 1) / replicas * params / shard * 4.0 * n / _bandwidth(world, device)
         exposed += max(0.0, comm["fsdp"] + comm.get("hsdp replicas", 0.0) - compute)
-    elif dp > 1:
+    elif dp * ep > 1:
         bw = _bandwidth(tp * cp * ep * dp, device)
+        # Dense gradients are reduced over data x expert ranks, the routed experts' over data ranks.
+        experts = max(rank_params(spec, r).experts for r in range(pp))
+        share = (params - experts) * (dp * ep - 1) / (dp * ep) + experts * (dp - 1) / dp
         if spec.distributed_optimizer:
-            rs = (dp - 1) / dp * params * 4.0 / bw
-            ag = (dp - 1) / dp * params * wb / bw
+            rs = share * 4.0 / bw
+            ag = share * wb / bw
             comm["data (reduce-scatter)"], comm["data (all-gather)"] = rs, ag
             exposed += max(0.0, rs - 2 / 3 * compute) + ag
         else:
-            ar = 2 * (dp - 1) / dp * params * 4.0 / bw
+            ar = 2 * share * 4.0 / bw
             comm["data (all-reduce)"] = ar
             exposed += max(0.0, ar - 2 / 3 * compute)
     return TimePlan(compute_s=compute, bubble_s=bubble, exposed_comm_s=exposed, comm=comm,
