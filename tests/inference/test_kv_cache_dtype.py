@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from inference_helpers import run_all, tiny_config, token_ids
+from inference_helpers import generate_usage_error, run_all, tiny_config, token_ids
 
 from tessera.common.errors import ArtifactError, UserError, run_cli
 from tessera.inference.config import EngineConfig
@@ -98,16 +98,11 @@ def test_tensor_parallel_above_the_kv_heads_sizes_the_pool_for_one_head_per_rank
 
 
 def test_a_bad_kv_cache_dtype_is_refused_in_one_line_with_exit_2(tmp_path, capsys):
-    from tessera.inference.generate_cli import main
-
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
-    with pytest.raises(SystemExit) as exc:
-        run_cli(main, ["--checkpoint", str(tmp_path), "--prompts", str(prompts), "--output", str(tmp_path / "o"),
-                       "--kv-cache-dtype", "fp16"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--kv-cache-dtype 'fp16'" in err[0] and "fp8_e5m2" in err[0], err
+    err = generate_usage_error(["--checkpoint", tmp_path, "--prompts", prompts, "--output", tmp_path / "o",
+                                "--kv-cache-dtype", "fp16"], capsys)
+    assert "--kv-cache-dtype 'fp16'" in err and "fp8_e5m2" in err, err
 
 
 def test_e4m3_on_a_gpu_without_fp8_conversions_is_refused_before_loading(monkeypatch, tiny_ckpt):

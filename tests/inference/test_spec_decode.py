@@ -164,11 +164,23 @@ def test_speculating_and_plain_rows_share_batches_under_a_small_budget(tiny_ckpt
 
 def test_a_stop_token_inside_accepted_drafts_ends_the_output_there(tiny_ckpt, plain):
     out = plain["repeat_long"]
-    stop = out[5]
-    first = out.index(stop)
-    engine = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=128, speculative=SpeculativeConfig(**NGRAM))
+    # Token 0 comes from the prefill, then 1 + 4 per step: a first occurrence that is not a step's
+    # last token is a stop inside the accepted drafts.
+    first = next(i for i in range(2, len(out)) if out.index(out[i]) == i and (i - 1) % 5 != 4)
+    stop = out[first]
+    # The model as its own draft: every draft is accepted, so the stop falls inside the drafts.
+    engine = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=128,
+                         speculative=SpeculativeConfig(model=str(tiny_ckpt), num_speculative_tokens=4))
+    commit, committed = engine.blocks.commit_full_blocks, []
+
+    def spy(seq):  # the prefix cache hashes blocks of computed tokens of the sequence only
+        committed.append((seq.num_computed, seq.num_tokens))
+        commit(seq)
+
+    engine.blocks.commit_full_blocks = spy
     got, outs = run(engine, {"r": (prompts()["repeat_long"], greedy(stop_token_ids=[stop]))})
     assert got["r"] == out[:first + 1] and outs["r"][-1].finish_reason == "stop"
+    assert committed and all(computed <= tokens for computed, tokens in committed), committed
 
 
 def test_ngram_proposer_takes_the_longest_most_recent_match():

@@ -79,16 +79,22 @@ def test_tp2_workers_store_their_kv_heads_in_fp8_and_follow_the_one_process_fp8_
         assert two[rid][:8] == one[rid][:8], rid
 
 
-def test_the_replicated_model_maps_each_query_head_to_its_original_kv_head():
-    """At tp 4 the worker's model has 4 key/value heads, replica j a copy of original head j // 2;
-    query head h uses replica h // (4 / 4), which is original head h // (4 / 2): the same head."""
+def test_the_replicated_model_has_one_key_value_head_per_rank_and_the_same_query_heads():
+    """At tp 4 over 2 key/value heads the workers' model has 4 (replica j a copy of original head
+    j // 2; the tp4 greedy tests above show each query head reads its own); at tp 2 it is unchanged."""
     cfg = tiny_config()
     wide = replicated_kv_config(cfg, 4)
     assert wide.kv_heads == 4 and wide.num_heads == cfg.num_heads and wide.head_dim == cfg.head_dim
-    for h in range(cfg.num_heads):
-        replica = h // (wide.num_heads // wide.kv_heads)
-        assert replica // (4 // cfg.kv_heads) == h // (cfg.num_heads // cfg.kv_heads)
     assert replicated_kv_config(cfg, 2) is cfg
+
+
+def test_tensor_parallel_on_cuda_is_checked_against_the_devices_before_any_worker_starts():
+    cfg = tiny_config()
+    with pytest.raises(UserError, match=r"--device cuda:1 with --tensor-parallel 2: the workers take cuda:0\.\.cuda:1"):
+        check_tensor_parallel(2, cfg, "ckpt", device=torch.device("cuda", 1))
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(UserError, match=r"--tensor-parallel 2: this machine has \d CUDA devices"):
+            check_tensor_parallel(2, cfg, "ckpt", device=torch.device("cuda"))
 
 
 @pytest.mark.parametrize(("tp", "over", "message"), [

@@ -15,6 +15,8 @@ from tessera.common.config import StrictModel
 # --kv-cache-dtype values, vLLM's names (fp8 = fp8_e4m3).
 KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(KVCacheDtype)
+CpuLinear = Literal["onednn", "aten"]  # inference/cpu_linear.py
+CPU_LINEAR_BACKENDS: tuple[str, ...] = get_args(CpuLinear)
 
 
 class SpeculativeConfig(StrictModel):
@@ -78,7 +80,7 @@ class EngineConfig(StrictModel):
     quantization: Literal["int8", "fp8"] | None = Field(
         None, description="Quantized Linear weights: int8 weight-only (CPU, CUDA) or fp8 (CUDA, compute capability 8.9+)."
     )
-    cpu_linear: Literal["onednn", "aten"] = Field(
+    cpu_linear: CpuLinear = Field(
         "onednn", description="CPU Linear layers: onednn = weights prepacked once for oneDNN's blocked GEMM "
                               "(tessera.inference.cpu_linear; equal to aten's to rounding), aten = F.linear.")
     tensor_parallel: int = Field(

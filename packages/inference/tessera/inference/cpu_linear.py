@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-CPU_LINEAR_BACKENDS = ("onednn", "aten")
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 

@@ -136,7 +136,7 @@ class LLMEngine:
         self.proposer = None
         if cfg.speculative is not None:
             self.proposer = build_proposer(cfg.speculative, self.max_model_len, num_blocks, cfg.block_size, device,
-                                           dtype)
+                                           dtype, skip_checksum_verify=cfg.skip_checksum_verify)
         self.eos_ids = frozenset(loaded.eos_ids)
         self.requests: dict[str, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds for requests that bring none

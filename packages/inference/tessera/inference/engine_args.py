@@ -10,7 +10,12 @@ from pydantic import ValidationError
 
 from tessera.common.config import format_validation_error
 from tessera.common.errors import UserError
-from tessera.inference.config import KV_CACHE_DTYPE_NAMES, EngineConfig, SpeculativeConfig
+from tessera.inference.config import (
+    CPU_LINEAR_BACKENDS,
+    KV_CACHE_DTYPE_NAMES,
+    EngineConfig,
+    SpeculativeConfig,
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -37,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Quantize the Linear weights after loading: int8 weight-only (per-channel scales; CPU and CUDA) "
                         "or fp8 (float8 weights and activations; CUDA GPUs of compute capability 8.9+). "
                         "Default: none, weights in --dtype.")
-    g.add_argument("--cpu-linear", default=d.cpu_linear, choices=["onednn", "aten"],
+    g.add_argument("--cpu-linear", default=d.cpu_linear, choices=CPU_LINEAR_BACKENDS,
                    help="On CPU, unquantized Linear layers run on weights prepacked for oneDNN (onednn, the default: "
                         "about 0.7x F.linear's time at decode batch sizes) or through F.linear (aten).")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: auto).")

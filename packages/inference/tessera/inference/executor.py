@@ -74,10 +74,19 @@ class WorkerDied(RuntimeError):
     """A tensor-parallel worker exited or failed: the engine cannot go on."""
 
 
-def check_tensor_parallel(tp: int, cfg: ModelConfig, where: str, quantization: str | None = None) -> None:
-    """Refuse a tensor-parallel size the model cannot be split by (one line, before any weight loads)."""
+def check_tensor_parallel(tp: int, cfg: ModelConfig, where: str, quantization: str | None = None,
+                          device: torch.device | None = None) -> None:
+    """Refuse a tensor-parallel size the model or the machine cannot be split by (one line, before
+    any weight loads or worker starts). On CUDA worker r runs on cuda:r."""
     if tp == 1:
         return
+    if device is not None and device.type == "cuda":
+        if device.index not in (None, 0):
+            raise UserError(f"--device {device} with --tensor-parallel {tp}: the workers take cuda:0..cuda:{tp - 1}; "
+                            "pass --device cuda (select GPUs with CUDA_VISIBLE_DEVICES)")
+        if tp > torch.cuda.device_count():
+            raise UserError(f"--tensor-parallel {tp}: this machine has {torch.cuda.device_count()} CUDA devices; "
+                            "use at most that many ranks")
     if quantization is not None:
         raise UserError(f"--quantization {quantization} with --tensor-parallel {tp}: not supported; "
                         "serve quantized weights with --tensor-parallel 1 or drop --quantization")

@@ -110,7 +110,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
 
         if hf:  # zero rows up to a multiple of the size (as a new model is padded); their logits are -inf
             cfg = cfg.refit_for(tensor_parallel)
-        check_tensor_parallel(tensor_parallel, cfg, str(path), quantization)
+        check_tensor_parallel(tensor_parallel, cfg, str(path), quantization, device)
         return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids,
                            path=path, hf=hf)
     tensors = load_hf_weights(path, cfg) if hf else load_model_tensors(path)

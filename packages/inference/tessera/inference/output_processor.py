@@ -94,6 +94,9 @@ class OutputProcessor:
                     seq._finish("stop", None)  # the grammar is complete: nothing may follow
                 if seq.is_finished:
                     break  # tokens after a stop are never generated
+            # A stop inside the accepted drafts: the K/V past it belong to no token of the sequence
+            # (commit_full_blocks must not hash a block from them).
+            seq.num_computed = min(seq.num_computed, seq.num_tokens)
             self.blocks.commit_full_blocks(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()

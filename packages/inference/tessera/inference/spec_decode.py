@@ -236,13 +236,13 @@ def check_draft_model(cfg: SpeculativeConfig | None, target: str | Path) -> None
 
 
 def build_proposer(cfg: SpeculativeConfig, max_model_len: int, num_blocks: int, block_size: int,
-                   device: torch.device, dtype: torch.dtype):
+                   device: torch.device, dtype: torch.dtype, skip_checksum_verify: bool = False):
     if cfg.method == "ngram":
         return NgramProposer(cfg)
     from tessera.inference.loader import load_for_serving
 
     assert cfg.model is not None
-    draft = load_for_serving(cfg.model, device, dtype)
+    draft = load_for_serving(cfg.model, device, dtype, skip_checksum_verify=skip_checksum_verify)
     if draft.config.max_seq_len < max_model_len:
         raise UserError(f"--speculative-config model {cfg.model}: the draft model's max_seq_len "
                         f"({draft.config.max_seq_len}) is below max_model_len ({max_model_len}); lower "
