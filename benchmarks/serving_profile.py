@@ -243,6 +243,54 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
         del engine
 
 
+def compile_ab(ckpt: Path, args, workload) -> None:
+    """Compiled vs eager CPU engine steps (issue #18; tessera.inference.compiled): two engines, one
+    with the inductor-compiled layer stack and one eager (oneDNN-packed weights), hold the same
+    greedy requests and are stepped alternately (which goes first alternates too), so a loaded
+    machine slows both alike; for each concurrency in `--compile-ab` the median of the per-step
+    time ratios and the ratio of the medians over the decode steps (prefill steps are left out)."""
+    from tessera.inference.config import EngineConfig
+    from tessera.inference.engine import LLMEngine
+    from tessera.inference.loader import load_for_serving
+    from tessera.inference.sampling_params import SamplingParams
+
+    cpu = torch.device("cpu")
+    engines = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        cfg = EngineConfig(max_num_seqs=max(args.compile_ab), max_num_batched_tokens=args.max_num_batched_tokens,
+                           kv_cache_tokens=65536, dtype="float32", device="cpu", cpu_compile=compiled)
+        t = time.perf_counter()
+        engines[name] = LLMEngine(load_for_serving(str(ckpt), cpu, torch.float32, None), cfg, cpu, torch.float32)
+        print(f"{name} engine built in {time.perf_counter() - t:.1f} s")
+    for conc in args.compile_ab:
+        for engine in engines.values():
+            for i, (prompt, _) in enumerate(workload[:conc]):
+                engine.add_request(f"{conc}-{i}", prompt, SamplingParams(max_tokens=args.output_len[1],
+                                                                          temperature=0, ignore_eos=True))
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        step = 0
+        while any(e.has_unfinished() for e in engines.values()):
+            decode = all(not e.scheduler.waiting and all(s.num_computed >= len(s.prompt_ids) for s in e.scheduler.running)
+                         for e in engines.values())
+            order = list(engines.items()) if step % 2 else list(engines.items())[::-1]
+            took = {}
+            for name, engine in order:
+                t = time.perf_counter()
+                engine.step()
+                took[name] = time.perf_counter() - t
+            if decode:
+                for name in engines:
+                    times[name].append(took[name])
+            step += 1
+        eager, comp = times["eager"], times["compiled"]
+        ratios = [c / e for c, e in zip(comp, eager)]
+        q = statistics.quantiles(ratios, n=4)
+        print(f"concurrency {conc}: {len(eager)} decode steps; eager median {1e3 * statistics.median(eager):.2f} ms, "
+              f"compiled {1e3 * statistics.median(comp):.2f} ms; compiled/eager: ratio of medians "
+              f"{statistics.median(comp) / statistics.median(eager):.3f}, median of per-step ratios "
+              f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})")
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
@@ -256,7 +304,7 @@ def server_profile(ckpt: Path, args, workload) -> None:
     server = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, server, 120, "tessera-serve")
+        wait_healthy(url, server, 300, "tessera-serve")  # the CPU compile at start (compiled.py)
         children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(server.pid)], capture_output=True, text=True)
         engine_pid = int(children.stdout.split()[0])
         asyncio.run(run_client(url, workload[:4], 4))
@@ -294,6 +342,8 @@ def main() -> None:
                     help="cpu or cuda for the decode-step profile (on cuda, eager and CUDA graphs back to back; the "
                          "engine-step and server profiles run on CPU only)")
     ap.add_argument("--decode-steps", type=int, default=32, help="decode steps timed by the decode-step profile")
+    ap.add_argument("--compile-ab", type=int, nargs="+", default=None, metavar="CONCURRENCY",
+                    help="only compare compiled and eager CPU engine steps at these concurrencies, e.g. 8 32 64")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
@@ -303,6 +353,9 @@ def main() -> None:
                 for _ in range(args.num_requests)]
     print(f"model {args.preset}, {args.num_requests} requests, concurrency {args.concurrency}, input {args.input_len}, "
           f"output {args.output_len}, torch threads {args.threads}")
+    if args.compile_ab:
+        compile_ab(ckpt, args, workload)
+        return
     if args.device == "cpu":
         engine_profile(ckpt, args, workload)
     decode_step_profile(ckpt, args, workload)

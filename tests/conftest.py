@@ -10,6 +10,11 @@ import torch
 # Tests are sized for 2 cores; one thread per process keeps parallel workers from thrashing.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# CPU engines serve eagerly in tests unless a test asks for compile (EngineConfig.cpu_compile): each
+# compiled engine start takes tens of seconds (tessera.inference.config.CPU_COMPILE_ENV; set before any
+# test starts a server or worker process, which inherit it).
+os.environ.setdefault("TESSERA_CPU_COMPILE", "0")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -170,6 +170,9 @@ def test_each_worker_holds_only_its_shard_and_one_that_dies_ends_the_engine(gqa_
     total = sum(t.numel() for t in load_model_tensors(resolve_checkpoint(gqa_ckpt)).values())
     norms = cfg.hidden_size * (2 * cfg.num_layers + 1)  # replicated on both ranks
     assert engine.runner.executor.shard_numel == [(total - norms) // 2 + norms] * 2
+    # Prepared as one process's model (prepare.py): each layer's stacked q/k/v and gate/up shards
+    # oneDNN-packed (o/down are row-parallel layers with their own forward).
+    assert engine.runner.executor.packed_linears == [2 * cfg.num_layers] * 2
     procs = list(engine.runner.executor.procs)
     try:
         run_all(engine, {"a": (PROMPTS["a"], GREEDY)})

@@ -6,6 +6,7 @@ One typed config drives the engine whether it runs behind the HTTP server or off
 
 from __future__ import annotations
 
+import os
 from typing import Literal, get_args
 
 from pydantic import Field, model_validator
@@ -17,6 +18,11 @@ KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(KVCacheDtype)
 CpuLinear = Literal["onednn", "aten"]  # inference/cpu_linear.py
 CPU_LINEAR_BACKENDS: tuple[str, ...] = get_args(CpuLinear)
+# The CPU compile default (cpu_compile None) can be switched off for a whole process tree by this
+# environment variable, as vLLM's CPU build reads VLLM_CPU_CI_ENV: the test suite sets it (tests/conftest.py),
+# since each engine start would compile for tens of seconds. "0": eager, "1": compiled.
+CPU_COMPILE_ENV = "TESSERA_CPU_COMPILE"
+CPU_COMPILE_DEFAULT = True  # see compiled.py for the measurements behind it
 
 
 class SpeculativeConfig(StrictModel):
@@ -99,7 +105,12 @@ class EngineConfig(StrictModel):
         False, description="Skip hashing every checkpoint payload file against the sidecar's checksums at start "
                            "(for trusted large checkpoints); metadata is still read by the restricted unpickler.")
     # CUDA graphs for decode steps (cuda_graphs.py).
-    enforce_eager: bool = Field(False, description="Never use CUDA graphs: every step runs eagerly (vLLM's flag).")
+    enforce_eager: bool = Field(False, description="Run every step eagerly (vLLM's flag): no CUDA graphs on CUDA, "
+                                                   "no compiled layer stack on CPU.")
+    cpu_compile: bool | None = Field(
+        None, description="CPU: run the layer stack compiled by inductor (tessera.inference.compiled; compiled at "
+                          "engine start, tens of seconds). None: on, unless enforce_eager, or the environment "
+                          f"variable {CPU_COMPILE_ENV}=0 (the test suite's) says off.")
     cuda_graph_sizes: list[int] | None = Field(
         None, description="Decode batch sizes captured as CUDA graphs (a decode batch is padded to the next one; "
                           "larger ones run eagerly); None: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs.")
@@ -124,4 +135,19 @@ class EngineConfig(StrictModel):
                 raise ValueError("cuda_graph_sizes contradicts enforce_eager (no graphs); give one of them")
         if self.padded_decode and self.enforce_eager:
             raise ValueError("padded_decode contradicts enforce_eager; give one of them")
+        if self.cpu_compile and self.enforce_eager:
+            raise ValueError("cpu_compile contradicts enforce_eager (no compile); give one of them")
+        env = os.environ.get(CPU_COMPILE_ENV)
+        if env not in (None, "0", "1"):
+            raise ValueError(f"environment variable {CPU_COMPILE_ENV}={env!r}: use 0 (eager) or 1 (compiled)")
         return self
+
+    @property
+    def compile_on_cpu(self) -> bool:
+        """Whether a CPU engine compiles its layer stack (cpu_compile resolved)."""
+        if self.cpu_compile is not None:
+            return self.cpu_compile
+        if self.enforce_eager:
+            return False
+        env = os.environ.get(CPU_COMPILE_ENV)
+        return CPU_COMPILE_DEFAULT if env is None else env == "1"

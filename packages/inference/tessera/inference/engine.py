@@ -22,7 +22,6 @@ import torch
 from tessera.common.errors import UserError
 from tessera.inference.block_manager import BlockManager
 from tessera.inference.config import EngineConfig
-from tessera.inference.cpu_linear import pack_linears
 from tessera.inference.cuda_graphs import (
     GraphSpec,
     check_cuda_graphs,
@@ -32,9 +31,9 @@ from tessera.inference.cuda_graphs import (
 from tessera.inference.detokenizer import IncrementalDetokenizer
 from tessera.inference.executor import WorkerDied
 from tessera.inference.loader import LoadedModel
-from tessera.inference.merged_linear import merge_projections
 from tessera.inference.model_runner import ModelRunner, ModelRunnerOutput, kv_block_bytes, kv_cache_dtype
 from tessera.inference.output_processor import OutputProcessor, RequestOutput
+from tessera.inference.prepare import ServingPrep, serving_runner
 from tessera.inference.sampling_params import SamplingParams
 from tessera.inference.scheduler import Scheduler, SchedulerOutput
 from tessera.inference.sequence import Sequence
@@ -70,6 +69,12 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+
+def serving_prep(cfg: EngineConfig) -> ServingPrep:
+    """How the engine's models (its own, each tensor-parallel shard, the draft) are prepared (prepare.py)."""
+    return ServingPrep(cpu_linear=cfg.cpu_linear, compile=cfg.compile_on_cpu, quantized=cfg.quantization is not None,
+                       batch_hint=cfg.max_num_seqs)
 
 
 def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype) -> int:
@@ -136,7 +141,7 @@ class LLMEngine:
         self.proposer = None
         if cfg.speculative is not None:
             self.proposer = build_proposer(cfg.speculative, self.max_model_len, num_blocks, cfg.block_size, device,
-                                           dtype, skip_checksum_verify=cfg.skip_checksum_verify)
+                                           dtype, serving_prep(cfg), skip_checksum_verify=cfg.skip_checksum_verify)
         self.eos_ids = frozenset(loaded.eos_ids)
         self.requests: dict[str, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds for requests that bring none
@@ -158,11 +163,8 @@ class LLMEngine:
         tensor-parallel worker over its shard)."""
         if cfg.tensor_parallel == 1:
             assert loaded.model is not None
-            if device.type == "cpu":
-                merge_projections(loaded.model)  # q/k/v and gate/up: one GEMM each
-                if cfg.quantization is None:
-                    pack_linears(loaded.model, cfg.cpu_linear, batch_hint=cfg.max_num_seqs)
-            runner = ModelRunner(loaded.model, num_blocks, cfg.block_size, device, dtype, kv_dtype=kv_dtype)
+            runner = serving_runner(loaded.model, serving_prep(cfg), num_blocks, cfg.block_size, device, dtype,
+                                    kv_dtype=kv_dtype)
             if graphs is not None:
                 runner.decode_graphs = graphs.build(runner)
             return runner
@@ -170,7 +172,8 @@ class LLMEngine:
 
         assert loaded.path is not None
         executor = TensorParallelExecutor(loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, num_blocks,
-                                          cfg.block_size, device, dtype, cfg.kv_cache_dtype, graphs)
+                                          cfg.block_size, device, dtype, cfg.kv_cache_dtype, graphs,
+                                          serving_prep(cfg))
         return TensorParallelRunner(executor, device)
 
     def close(self) -> None:

@@ -60,8 +60,10 @@ import torch
 
 from tessera.common.errors import UserError
 from tessera.common.model_config import ModelConfig
+from tessera.inference.cpu_linear import PackedLinear
 from tessera.inference.cuda_graphs import GraphSpec
 from tessera.inference.model_runner import BatchSeq, ModelRunner, batch_seqs, kv_cache_dtype
+from tessera.inference.prepare import ServingPrep, serving_runner
 from tessera.inference.sampler import Sampler
 from tessera.inference.scheduler import SchedulerOutput
 
@@ -237,15 +239,15 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
     cfg = ModelConfig.model_validate(init["model"])
     dtype = DTYPES[init["dtype"]]
     model = load_shard(Path(init["path"]), init["hf"], cfg, groups, device, dtype)
-    if device.type == "cpu":
-        from tessera.inference.merged_linear import merge_projections
-
-        merge_projections(model)  # this rank's shards of q/k/v and gate/up, one GEMM each
-    runner = ModelRunner(model, init["num_blocks"], init["block_size"], device, dtype, rank, world,
-                         kv_dtype=kv_cache_dtype(init["kv_cache_dtype"], dtype, device))
+    numel = sum(p.numel() for p in model.parameters())  # before packing (packed weights are not parameters)
+    # This rank's shards of q/k/v and gate/up stacked, its Linear weights packed (prepare.py).
+    runner = serving_runner(model, ServingPrep(**init["prep"]), init["num_blocks"], init["block_size"], device,
+                            dtype, rank, world, kv_dtype=kv_cache_dtype(init["kv_cache_dtype"], dtype, device),
+                            what=f"tensor-parallel rank {rank}")
     if init.get("graphs"):  # every rank captures the same buckets in the same order (NCCL all-reduces included)
         runner.decode_graphs = GraphSpec(**init["graphs"]).build(runner)
-    _reply(conn, {"t": "ready", "numel": sum(p.numel() for p in model.parameters()), "kv_bytes": runner.kv.nbytes})
+    packed = sum(isinstance(m, PackedLinear) for m in model.modules())
+    _reply(conn, {"t": "ready", "numel": numel, "kv_bytes": runner.kv.nbytes, "packed": packed})
     tp_group = groups.tp_group
     while True:
         msg = json.loads(conn.recv_bytes())
@@ -271,7 +273,7 @@ class TensorParallelExecutor:
 
     def __init__(self, path: Path, hf: bool, cfg: ModelConfig, tp: int, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, kv_dtype_name: str = "auto",
-                 graphs: GraphSpec | None = None):
+                 graphs: GraphSpec | None = None, prep: ServingPrep | None = None):
         self.tp = tp
         ctx = mp.get_context("spawn")  # fork would copy the driver's threads and CUDA state
         self._store_dir = tempfile.TemporaryDirectory(prefix="tessera-tp-")
@@ -280,7 +282,8 @@ class TensorParallelExecutor:
                 "block_size": block_size, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(),  # as the driver's (--torch-threads)
                 "kv_cache_dtype": kv_dtype_name,  # --kv-cache-dtype, resolved on each worker
-                "graphs": None if graphs is None else asdict(graphs)}  # decode graphs, each worker its own
+                "graphs": None if graphs is None else asdict(graphs),  # decode graphs, each worker its own
+                "prep": asdict(prep or ServingPrep())}  # how each worker prepares its shard
         self.conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         try:
@@ -294,12 +297,14 @@ class TensorParallelExecutor:
                 self.procs.append(proc)
             self.shard_numel: list[int] = []  # parameter elements each worker holds
             self.kv_bytes: list[int] = []  # bytes of each worker's KV pool
+            self.packed_linears: list[int] = []  # oneDNN-packed Linear layers of each worker (prepare.py)
             for rank in range(tp):
                 msg = self._recv(rank, READY_TIMEOUT_S)
                 if msg.get("t") != "ready":
                     raise WorkerDied(f"tensor-parallel worker {rank}: unexpected message {msg.get('t')!r}")
                 self.shard_numel.append(int(msg["numel"]))
                 self.kv_bytes.append(int(msg["kv_bytes"]))
+                self.packed_linears.append(int(msg["packed"]))
         except BaseException:
             self.shutdown()
             raise

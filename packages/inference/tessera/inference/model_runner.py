@@ -46,6 +46,7 @@ from tessera.inference.sequence import TokenLogprob
 from tessera.kernels import paged_attention
 
 if TYPE_CHECKING:
+    from tessera.inference.compiled import CompiledForward
     from tessera.inference.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger("tessera.inference")
@@ -268,6 +269,8 @@ class ModelRunner:
     # Pure decode steps go through bucket-padded CUDA graphs when the engine sets this
     # (cuda_graphs.py); everything else runs eagerly below.
     decode_graphs: DecodeGraphs | None = None
+    # On CPU the layer stack runs through inductor when the engine sets this (compiled.py).
+    compiled: CompiledForward | None = None
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, kv_dtype: torch.dtype | None = None):
@@ -444,8 +447,11 @@ class ModelRunner:
             return self.decode_graphs.forward(batch, logits_rows)  # pure decode: padded, replayed
         self._step = self.prepare(batch, logits_rows)
         try:
-            hidden = self.model(self._step.tokens, positions=self._step.positions,
-                                attention_fn=self._attention, return_hidden=True)
+            if self.compiled is not None:
+                hidden = self.compiled(self, self._step.tokens, self._step.positions)
+            else:
+                hidden = self.model(self._step.tokens, positions=self._step.positions,
+                                    attention_fn=self._attention, return_hidden=True)
         finally:
             step, self._step = self._step, None
         rows = hidden[0].index_select(0, step.logits_rows)

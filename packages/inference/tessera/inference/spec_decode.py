@@ -28,7 +28,7 @@ without speculation, in the same batches as speculating ones).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ import torch
 from tessera.common.errors import UserError
 from tessera.inference.block_manager import BlockManager
 from tessera.inference.config import SpeculativeConfig
-from tessera.inference.model_runner import ModelRunner
+from tessera.inference.prepare import ServingPrep, serving_runner
 from tessera.inference.sampler import Hypothetical, pick, sampling_row
 from tessera.inference.scheduler import ScheduledSequence, SchedulerOutput
 from tessera.inference.sequence import Sequence
@@ -141,9 +141,11 @@ class DraftModelProposer:
     draft's logits; the draft distributions are kept for verification."""
 
     def __init__(self, cfg: SpeculativeConfig, model, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, prep: ServingPrep | None = None):
         self.k = cfg.num_speculative_tokens
-        self.runner = ModelRunner(model, num_blocks, block_size, device, dtype)
+        # Prepared as the target is (prepare.py); the draft loads unquantized.
+        self.runner = serving_runner(model, replace(prep or ServingPrep(), quantized=False), num_blocks, block_size,
+                                     device, dtype, what="draft model")
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.computed: dict[str, int] = {}  # request id -> positions whose draft K/V are valid
         self.seqs: dict[str, Sequence] = {}
@@ -236,7 +238,8 @@ def check_draft_model(cfg: SpeculativeConfig | None, target: str | Path) -> None
 
 
 def build_proposer(cfg: SpeculativeConfig, max_model_len: int, num_blocks: int, block_size: int,
-                   device: torch.device, dtype: torch.dtype, skip_checksum_verify: bool = False):
+                   device: torch.device, dtype: torch.dtype, prep: ServingPrep | None = None,
+                   skip_checksum_verify: bool = False):
     if cfg.method == "ngram":
         return NgramProposer(cfg)
     from tessera.inference.loader import load_for_serving
@@ -247,4 +250,4 @@ def build_proposer(cfg: SpeculativeConfig, max_model_len: int, num_blocks: int, 
         raise UserError(f"--speculative-config model {cfg.model}: the draft model's max_seq_len "
                         f"({draft.config.max_seq_len}) is below max_model_len ({max_model_len}); lower "
                         "--max-model-len or use another draft model")
-    return DraftModelProposer(cfg, draft.model, num_blocks, block_size, device, dtype)
+    return DraftModelProposer(cfg, draft.model, num_blocks, block_size, device, dtype, prep)

@@ -1,0 +1,135 @@
+"""A compiled forward for CPU serving: the layer stack through inductor, attention kept eager.
+
+What vLLM's CPU build does (vllm/platforms/cpu.py: its model traced once by dynamo and compiled by
+inductor, the batch dimension dynamic). A llama decode step on CPU is oneDNN GEMMs plus ~50 small
+eager ops per layer (RMSNorm, RoPE, SiLU * mul, residual adds, views) and their dispatch, ~3 of
+a 13 ms step for llama-25m at 8 sequences (benchmarks/serving_profile.py); inductor fuses those
+into a few C++ loops per layer and runs the whole stack from one Python call.
+
+Shape of it:
+- One graph for the whole stack. Attention (the KV write and the paged attention, whose step
+  state is Python lists of decode groups) stays eager and opaque: `attention_op`, a custom op with
+  tensor inputs that runs the executing runner's `_attention`, as vLLM's attention op reads its
+  forward context. A graph break at each attention call instead (torch._dynamo.disable) would
+  cut the stack into num_layers + 1 graphs, each with its own guards and Python entry.
+- The token count is dynamic (`mark_dynamic`): one compile serves every decode batch size and
+  prefill chunk. Dynamo specialises a size of 1, so a lone sequence's decode step is a second,
+  static graph; both are compiled at engine start (`warm_up`), before the server is healthy.
+- Freezing: the weights become constants, so inductor prepacks every Linear weight for oneDNN
+  (`mkldnn._linear_pointwise`, or MKL's packed GEMM in the static graph) and fuses bias, SiLU and
+  the residual adds into the GEMM calls. The weights are therefore left plain (not
+  cpu_linear.PackedLinear) for a compiled model: dynamo traces `_linear_pointwise` with an opaque
+  packed weight, but inductor lowers it only for a frozen constant, and a PackedLinear's weight
+  is a plain attribute, which freezing does not fold (AssertionError in mkldnn_lowerings). The
+  packed copies are held by the compiled graph beside the module's plain weights (twice the
+  Linear weights' memory). `mark_unbacked` (no size-1 specialisation, one graph) was tried and
+  rejected: inductor then packs nothing and calls plain `mm` (slower than eager oneDNN).
+  Freezing is an inductor setting read outside the per-compile options, so it is patched around
+  each call (`_CONFIG`), never set for the process.
+- Dynamo guards on the module's weights: a second model of the same shape compiles its own
+  graph (tested), never reuses another's frozen weights.
+
+Inductor options are vLLM's CPU build's (dce, no size/NaN asserts, epilogue fusion, dynamic
+threads; one compile thread).
+
+Not compiled (eager, with prepacked weights; `uncompilable` says why): models whose forward reads
+values back on the host (mixture-of-experts routing, dynamic RoPE scaling; the same rule as CUDA
+graphs), quantized weights, tensor-parallel shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+from tessera.inference.cuda_graphs import uncapturable
+
+if TYPE_CHECKING:
+    from tessera.common.model_config import ModelConfig
+    from tessera.inference.model_runner import ModelRunner
+
+log = logging.getLogger("tessera.inference")
+
+# The runner whose step is executing: `attention_op` reads its step (decode groups, block tables,
+# slots) from it. Set only around one forward (`running`), so nothing outlives the step.
+_RUNNER: list[ModelRunner] = []
+
+
+@contextmanager
+def running(runner: ModelRunner) -> Iterator[None]:
+    _RUNNER.append(runner)
+    try:
+        yield
+    finally:
+        _RUNNER.pop()
+
+
+@torch.library.custom_op("tessera_inference::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """The executing step's attention for `layer` (KV write + paged attention), opaque to the compiler."""
+    return _RUNNER[-1]._attention(layer, q, k, v)
+
+
+@attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def _attention_fn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return attention_op(q, k, v, layer)
+
+
+# Inductor settings while compiling (vLLM's CPU build's, plus freezing; see the module docstring).
+_CONFIG = {
+    "freezing": True,
+    "dce": True,
+    "size_asserts": False,
+    "nan_asserts": False,
+    "epilogue_fusion": True,
+    "cpp.dynamic_threads": True,
+    "compile_threads": 1,
+}
+
+
+def uncompilable(cfg: ModelConfig, tp_size: int = 1, quantized: bool = False) -> str | None:
+    """Why this model is served eagerly on CPU, or None when its layer stack can be compiled."""
+    if quantized:
+        return "quantized weights"
+    if tp_size > 1:
+        return "a tensor-parallel shard"
+    return uncapturable(cfg)
+
+
+class CompiledForward:
+    """model(tokens [1, T], positions [1, T]) -> final-normed hidden [1, T, d] through inductor,
+    attention through the runner given to each call."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self._fn = torch.compile(self._forward, backend="inductor", dynamic=False)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens, positions=positions, attention_fn=_attention_fn, return_hidden=True)
+
+    def __call__(self, runner: ModelRunner, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.mark_dynamic(tokens, 1)
+        torch._dynamo.mark_dynamic(positions, 1)
+        with running(runner), torch._inductor.config.patch(_CONFIG):
+            return self._fn(tokens, positions)
+
+    def warm_up(self, runner: ModelRunner, rows: int) -> float:
+        """Compile both graphs before serving (the dynamic one first, at `rows` tokens: the row count
+        oneDNN blocks the packed weights for); returns the seconds it took. The dummy decode steps
+        write K/V into block 0's first slot only, which its next owner overwrites before reading."""
+        from tessera.inference.model_runner import BatchSeq
+
+        t = time.perf_counter()
+        with torch.inference_mode():
+            for n in (max(2, rows), 1):
+                runner.forward_batch([BatchSeq([0], 0, [0], 1) for _ in range(n)], list(range(n)))
+        return time.perf_counter() - t

@@ -1,0 +1,61 @@
+"""One place that turns a loaded model into a served one: `serving_runner`.
+
+Every model the server runs comes through here: the engine's (one device), each tensor-parallel
+worker's shard (executor.py) and the speculative draft model (spec_decode.py), so they are all
+prepared alike. On CPU, in order:
+  1. q/k/v and gate/up stacked into one GEMM each (merged_linear.py);
+  2. either the layer stack compiled by inductor, which prepacks the Linear weights for oneDNN
+     itself (freezing) and fuses the elementwise ops around them (compiled.py), or, eager, the
+     Linear weights prepacked for oneDNN (cpu_linear.py);
+  3. the model runner, and with compile its forward warmed up (compiled) before it serves.
+Quantized models (torchao owns their Linear weights) are merged but neither packed nor compiled.
+Tensor-parallel shards are packed but not compiled (their row-parallel layers all-reduce inside
+the forward; not traced here). On CUDA nothing is done here (decode steps use CUDA graphs:
+cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tessera.inference.compiled import CompiledForward, uncompilable
+from tessera.inference.cpu_linear import pack_linears
+from tessera.inference.merged_linear import merge_projections
+from tessera.inference.model_runner import ModelRunner
+
+log = logging.getLogger("tessera.inference")
+
+
+@dataclass(frozen=True)
+class ServingPrep:
+    """How a model is prepared (from EngineConfig: `EngineConfig.serving_prep`)."""
+
+    cpu_linear: str = "onednn"  # --cpu-linear
+    compile: bool = False  # inductor-compiled layer stack on CPU (EngineConfig.cpu_compile)
+    quantized: bool = False  # --quantization given
+    batch_hint: int = 64  # rows the packed weights are blocked for (max_num_seqs)
+
+
+def serving_runner(model: torch.nn.Module, prep: ServingPrep, num_blocks: int, block_size: int,
+                   device: torch.device, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+                   kv_dtype: torch.dtype | None = None, what: str = "model") -> ModelRunner:
+    """The model prepared for serving (in place) and its runner, compiled and warmed up where asked."""
+    compile_it = False
+    if device.type == "cpu":
+        merge_projections(model)  # q/k/v and gate/up: one GEMM each
+        reason = uncompilable(model.cfg, tp_size, prep.quantized) if prep.compile else None
+        if reason is not None:
+            log.info("%s: %s: not compiled, runs eagerly", what, reason)
+        compile_it = prep.compile and reason is None
+        if not compile_it and not prep.quantized:
+            pack_linears(model, prep.cpu_linear, batch_hint=prep.batch_hint)
+    runner = ModelRunner(model, num_blocks, block_size, device, dtype, tp_rank, tp_size, kv_dtype=kv_dtype)
+    if compile_it:
+        runner.compiled = CompiledForward(model)
+        seconds = runner.compiled.warm_up(runner, prep.batch_hint)
+        log.info("%s: compiled the layer stack for CPU serving in %.1f s (--enforce-eager serves without)",
+                 what, seconds)
+    return runner
