@@ -41,6 +41,8 @@ def test_enforce_eager_and_the_test_environment_turn_compile_off(monkeypatch):
     assert EngineConfig().compile_on_cpu and not EngineConfig(enforce_eager=True).compile_on_cpu
     with pytest.raises(ValueError, match="contradicts enforce_eager"):
         EngineConfig(cpu_compile=True, enforce_eager=True)
+    with pytest.raises(ValueError, match="served eagerly"):
+        EngineConfig(cpu_compile=True, tensor_parallel=2)
     monkeypatch.setenv("TESSERA_CPU_COMPILE", "yes")
     with pytest.raises(ValueError, match="TESSERA_CPU_COMPILE='yes': use 0"):
         EngineConfig()

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                                   kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
         frontend = AsyncEngine(LLMEngine(loaded, cfg, device, dtype))
         facts = {"name": loaded.name, "arch": loaded.config.arch, "num_blocks": frontend.engine.blocks.num_blocks,
-                 "where": "engine thread"}
+                 "where": "engine thread", "compile_s": frontend.engine.compile_seconds}
     else:
         from tessera.inference.engine_process import ProcessEngine
 
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     quant += f", tensor parallel {cfg.tensor_parallel}" if cfg.tensor_parallel > 1 else ""
     quant += f", {cfg.kv_cache_dtype} KV cache" if cfg.kv_cache_dtype != "auto" else ""
     quant += ", checksums not verified" if cfg.skip_checksum_verify else ""
+    quant += f", layers compiled in {facts['compile_s']:.1f} s" if facts.get("compile_s") else ""
     print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
           f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, max_model_len {frontend.max_model_len}; "
           f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)

@@ -10,8 +10,13 @@ Shape of it:
 - One graph for the whole stack. Attention (the KV write and the paged attention, whose step
   state is Python lists of decode groups) stays eager and opaque: `attention_op`, a custom op with
   tensor inputs that runs the executing runner's `_attention`, as vLLM's attention op reads its
-  forward context. A graph break at each attention call instead (torch._dynamo.disable) would
-  cut the stack into num_layers + 1 graphs, each with its own guards and Python entry.
+  forward context. A graph break at each attention call instead (torch._dynamo.disable) was
+  measured and rejected: dynamo resumes each layer's Block.forward as a frame of its own, the
+  layers share one code object and guard on their own weights, so 8 layers x 2 shapes hit
+  dynamo's recompile limit (8) and the rest runs eagerly: 1.40x / 1.40x / 1.18x the eager forward's
+  time at 8 / 32 / 64 rows, where the custom op took 0.88x / 0.82x / 0.89x (llama-25m, fp32, one
+  thread, ModelRunner decode forwards A/B/C alternating, ratio of medians, the 2-core CPU shared by
+  six agents).
 - The token count is dynamic (`mark_dynamic`): one compile serves every decode batch size and
   prefill chunk. Dynamo specialises a size of 1, so a lone sequence's decode step is a second,
   static graph; both are compiled at engine start (`warm_up`), before the server is healthy.
@@ -27,10 +32,25 @@ Shape of it:
   Freezing is an inductor setting read outside the per-compile options, so it is patched around
   each call (`_CONFIG`), never set for the process.
 - Dynamo guards on the module's weights: a second model of the same shape compiles its own
-  graph (tested), never reuses another's frozen weights.
+  graphs, never reuses another's frozen weights (checked with two seeds of one config; outputs
+  equal each model's eager ones). Every CompiledForward shares one code object, whose cache holds
+  dynamo's recompile limit of 8 graphs: 4 models per process (an engine compiles at most two, its
+  model and its draft); past that dynamo warns and runs the stack eagerly.
 
 Inductor options are vLLM's CPU build's (dce, no size/NaN asserts, epilogue fusion, dynamic
 threads; one compile thread).
+
+Measured (issue #18; llama-25m, fp32, one thread; `benchmarks/serving_profile.py --compile-ab 8 32
+64`: two engines holding the same 8 / 32 / 64 greedy requests, stepped alternately, decode steps
+only; the 2-core CPU shared by six agents, so ratios of medians, noisy), two runs: compiled steps
+took 0.76x / 0.86x / 0.86x and 0.92x / 0.87x / 0.97x of the eager (oneDNN-packed) ones (medians of
+per-step ratios 0.83x / 0.89x / 0.87x and 0.88x / 0.90x / 0.94x, quartiles about +-0.15).
+Compiling both graphs took 81-82 s there at engine start (tiny test models 30-80 s; inductor's
+kernel cache makes a second start of the same model faster). Not tried: the output head inside the
+graph (2-5% of a step, unpacked today), inductor's cpp_wrapper (a one-off at static shapes last
+session gained ~10% with it, at a longer compile). So compile is the
+CPU default, as in vLLM; `--enforce-eager` serves without, and the test suite sets
+TESSERA_CPU_COMPILE=0 (config.CPU_COMPILE_ENV) so that engines in tests start at once.
 
 Not compiled (eager, with prepacked weights; `uncompilable` says why): models whose forward reads
 values back on the host (mixture-of-experts routing, dynamic RoPE scaling; the same rule as CUDA
@@ -69,6 +89,8 @@ def running(runner: ModelRunner) -> Iterator[None]:
         _RUNNER.pop()
 
 
+# It writes the KV cache, which is not one of its inputs, so the compiler takes it for a pure function:
+# sound here, since its output is always used (never eliminated) and nothing in the graph reads the cache.
 @torch.library.custom_op("tessera_inference::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """The executing step's attention for `layer` (KV write + paged attention), opaque to the compiler."""
@@ -111,6 +133,7 @@ class CompiledForward:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.seconds = 0.0  # spent compiling in warm_up
         self._fn = torch.compile(self._forward, backend="inductor", dynamic=False)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -132,4 +155,5 @@ class CompiledForward:
         with torch.inference_mode():
             for n in (max(2, rows), 1):
                 runner.forward_batch([BatchSeq([0], 0, [0], 1) for _ in range(n)], list(range(n)))
-        return time.perf_counter() - t
+        self.seconds = time.perf_counter() - t
+        return self.seconds

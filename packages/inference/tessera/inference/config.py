@@ -137,6 +137,9 @@ class EngineConfig(StrictModel):
             raise ValueError("padded_decode contradicts enforce_eager; give one of them")
         if self.cpu_compile and self.enforce_eager:
             raise ValueError("cpu_compile contradicts enforce_eager (no compile); give one of them")
+        if self.cpu_compile and (self.quantization is not None or self.tensor_parallel > 1):
+            raise ValueError("cpu_compile: quantized weights and tensor-parallel workers are served eagerly; "
+                             "drop cpu_compile or --quantization / --tensor-parallel")
         env = os.environ.get(CPU_COMPILE_ENV)
         if env not in (None, "0", "1"):
             raise ValueError(f"environment variable {CPU_COMPILE_ENV}={env!r}: use 0 (eager) or 1 (compiled)")

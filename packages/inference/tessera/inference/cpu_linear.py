@@ -14,9 +14,11 @@ Results equal `F.linear`'s to rounding (relative error ~4e-7 in fp32: the blocke
 another order), so `--cpu-linear aten` exists for anyone who wants the unpacked path.
 
 What is packed: every `nn.Linear` the model calls as a module (attention and MLP projections, by
-then stacked q/k/v and gate/up where `merged_linear.merge_projections` could, MoE routers). Not packed: the output head (`Transformer.logits` reads its weight, tied or not, to mask the
-vocabulary padding in one place; 2-4% of a decode step), MoE experts (stacked parameters), quantized models (torchao owns their Linear weights), tensor-parallel layers (their
-own forward) and CUDA models (cuBLAS needs no prepacking).
+then stacked q/k/v and gate/up where `merged_linear.merge_projections` could, MoE routers; on a
+tensor-parallel worker its stacked column-parallel shards, which are plain Linears). Not packed: the output head (`Transformer.logits` reads its weight, tied or not, to mask the
+vocabulary padding in one place; 2-4% of a decode step), MoE experts (stacked parameters), quantized models (torchao owns their Linear weights), row-parallel layers (their
+own forward), CUDA models (cuBLAS needs no prepacking) and models whose layer stack is compiled
+(compiled.py: inductor's freezing packs the plain weights itself). `prepare.serving_runner` decides.
 
 A packed weight is an opaque oneDNN tensor held outside `parameters()` and `state_dict()`: count a
 served model's parameters from its config (`ModelConfig.num_params()`), never from the packed module.

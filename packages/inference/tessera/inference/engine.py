@@ -176,6 +176,12 @@ class LLMEngine:
                                           serving_prep(cfg))
         return TensorParallelRunner(executor, device)
 
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling the CPU layer stacks at start (the model's and the draft's; 0: eager)."""
+        runners = [self.runner, getattr(self.proposer, "runner", None)]
+        return sum(r.compiled.seconds for r in runners if getattr(r, "compiled", None) is not None)
+
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine is unusable afterwards)."""
         close = getattr(self.runner, "close", None)

@@ -93,8 +93,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "still read by the restricted unpickler. Default: verify.")
     # CUDA graphs for decode steps (cuda_graphs.py).
     g.add_argument("--enforce-eager", action="store_true",
-                   help="Never use CUDA graphs: decode steps run eagerly too (default on CUDA: decode steps replay "
-                        "graphs captured per batch-size bucket; CPU and tensor parallel always run eagerly).")
+                   help="Run every step eagerly: no CUDA graphs (default on CUDA: decode steps replay graphs "
+                        "captured per batch-size bucket) and no compiled layer stack on CPU (default on CPU: the "
+                        "layers run compiled by torch.compile/inductor, compiled at startup, tens of seconds; "
+                        "tensor-parallel workers, quantized and mixture-of-experts models always run eagerly).")
     g.add_argument("--cuda-graph-sizes", nargs="+", default=None, metavar="N",
                    help="Decode batch sizes to capture, e.g. '1 2 4 8 16' (each decode batch is padded to the next "
                         "size; larger ones run eagerly). Default: 1 2 4 8 16 24 ... up to --max-num-seqs.")
