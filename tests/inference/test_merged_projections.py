@@ -9,7 +9,7 @@ import torch
 from inference_helpers import make_checkpoint, run_all, tiny_config, token_ids
 from torch import nn
 
-import tessera.inference.engine as engine_module
+import tessera.inference.prepare as prepare_module
 from tessera.common.model import build_model
 from tessera.inference.config import EngineConfig
 from tessera.inference.cpu_linear import onednn_available, pack_linears
@@ -97,7 +97,7 @@ def test_the_engine_greedy_outputs_are_identical_with_merged_projections(family,
     outs = {}
     for merged in (True, False):
         if not merged:
-            monkeypatch.setattr(engine_module, "merge_projections", lambda model: 0)
+            monkeypatch.setattr(prepare_module, "merge_projections", lambda model: 0)
         loaded = load_for_serving(ckpt, CPU, torch.float32)
         engine = LLMEngine(loaded, EngineConfig(block_size=16, num_kv_blocks=32, max_num_batched_tokens=64,
                                                 max_num_seqs=4), CPU, torch.float32)
