@@ -21,7 +21,6 @@ from tessera.common.errors import UserError
 from tessera.common.model import build_model
 from tessera.common.model_config import preset
 from tessera.trainer import fp8_te
-from tessera.trainer.cli import main
 from tessera.trainer.precision import Precision
 
 TE_LINE = "training.fp8_backend=te needs NVIDIA Transformer Engine, which cannot be imported here"
