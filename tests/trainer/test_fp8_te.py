@@ -284,7 +284,7 @@ def test_te_checkpoint_round_trip_resumes_like_the_uninterrupted_run_and_loads_i
     first, second = te_run(), te_run()
     _, opt = _train(*first, tokens, 2)
     saved = {k: v.clone() for k, v in first[0].state_dict().items()}
-    assert list(saved) == list(build_model(_gpu_config(), device="meta", seed=0).state_dict())
+    assert list(saved) == list(build_model(_gpu_config(), device=device, seed=0).state_dict())
     second[0].load_state_dict(saved, strict=True)
     opt2 = torch.optim.AdamW(second[0].parameters(), lr=1e-3)
     opt2.load_state_dict(opt.state_dict())
