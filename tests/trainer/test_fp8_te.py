@@ -72,6 +72,22 @@ def test_te_compositions_it_cannot_run_are_refused_by_the_config(make_config, ca
     assert not (tmp_path / "run").exists()
 
 
+def test_mxfp8_needs_multiples_of_32_where_the_others_need_16():
+    assert fp8_te.te_config_problem("tensorwise", False, "none", 1, 48) is None
+    assert "(1 x 48) to be a multiple of 32 (TE's mxfp8 GEMMs)" in fp8_te.te_config_problem("mxfp8", False, "none", 1,
+                                                                                             48)
+
+
+def test_mxfp8_refuses_a_layer_whose_dimensions_are_not_multiples_of_32_before_swapping_any(monkeypatch):
+    monkeypatch.setattr(fp8_te, "import_te", lambda: None)
+    model = _model()  # the tiny preset's MLP width, 176, is 11 x 16
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(UserError, match=r"^training.fp8_recipe=mxfp8 needs the linear layers' dimensions to be "
+                                        r"multiples of 32; layers.0.mlp.gate_proj is 64 -> 176"):
+        fp8_te.convert_to_te(model, "mxfp8")
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
 def test_te_accepts_selective_recompute_whose_region_has_no_linear_layer():
     from tessera.trainer.config import TrainingConfig
 
@@ -175,13 +191,12 @@ def test_layers_with_dimensions_not_multiples_of_16_stay_linear():
     assert type(model.layers["0"].mlp.gate_proj) is nn.Linear and type(model.layers["1"].mlp.down_proj) is nn.Linear
 
 
-def test_scaling_state_is_never_dropped_silently():
-    """Under a stateful recipe (TE's DelayedScaling, which Tessera does not offer) the extra state
-    is the amax history: the state dict refuses instead of losing it."""
-    model = _model()
+def test_tes_pickled_extra_state_of_older_versions_stays_out_of_checkpoints_too():
+    """TE 2.9-2.17 save a stateless recipe's settings as a pickle (bytes in a uint8 tensor) instead
+    of an empty tensor: dropped as well, so no checkpoint holds a pickle or an extra key."""
+    model, plain = _model(), _model()
     fp8_te.swap_linears(model, lambda linear: _StandIn(linear, extra=torch.ones(8, dtype=torch.uint8)))
-    with pytest.raises(RuntimeError, match="layers.0.attn.q_proj: Transformer Engine layer holds FP8 scaling state"):
-        model.state_dict()
+    assert list(model.state_dict()) == list(plain.state_dict())
 
 
 def test_precision_enters_tes_autocast_inside_torchs_for_each_forward():
@@ -244,6 +259,7 @@ def test_te_recipes_are_the_ones_documented():
     assert type(made["blockwise"]) is recipe.Float8BlockScaling
     assert type(made["mxfp8"]) is recipe.MXFP8BlockScaling
     assert all(r.fp8_format == recipe.Format.E4M3 for r in made.values())
+    assert not any(r.delayed() for r in made.values()), "stateless: nothing for a checkpoint to keep"
 
 
 @pytest.mark.gpu

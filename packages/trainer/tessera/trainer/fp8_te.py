@@ -31,8 +31,9 @@ The swap keeps module paths and shares the weight and bias Parameters (TE's own 
 initialisation, on the same device, and replaced), so parameter names, the optimizer's state, DCP
 checkpoints and HF export are those of a bf16 or torchao run. TE's modules add one state-dict
 entry, `<layer>._extra_state` (fp8 metadata). Every recipe above is stateless (scales come from
-the tensors being cast), so TE's extra state is an empty tensor for them: it is dropped from the
-state dict and not required on load (`_hide_extra_state`). Checkpoints neither gain keys (a TE
+the tensors being cast): TE's extra state then holds no scales (TE 2.18+ saves an empty tensor,
+TE 2.9-2.17 a pickle of the recipe's settings, which the config rebuilds), so it is dropped from
+the state dict and not required on load (`_hide_extra_state`). Checkpoints neither gain keys (a TE
 checkpoint resumes under bf16 or torchao and back, and `tessera-ckpt` reads it as any other) nor
 lose scaling state (there is none), so resume is exact.
 
@@ -51,8 +52,9 @@ and the config's validators for what needs only the config):
   own ZeRO-1 and FSDP2 code and enters its own autocast; TE's tensor parallel (tp_group,
   parallel_mode) is for TE's layers and the runtime converts through torchao only. Use
   fp8_backend=torchao there.
-- micro_batch_size x seq_length not a multiple of 16: TE's FP8 GEMMs need both dimensions of
-  their input (tokens x features) divisible by 16 (te.autocast's documentation).
+- micro_batch_size x seq_length not a multiple of 16 (32 for mxfp8), and under mxfp8 a layer whose
+  dimensions are not multiples of 32: TE's FP8 GEMMs need both dimensions of their operands
+  (tokens x features) divisible by 16 (te.autocast's documentation), MXFP8's by its 32-value blocks.
 """
 
 from __future__ import annotations
@@ -68,14 +70,15 @@ from tessera.common.errors import UserError
 from tessera.trainer.fp8 import eligible, fp8_device_problem, require_converted
 
 # fp8_recipe -> (TE recipe class in transformer_engine.common.recipe, built with e4m3 throughout;
-# TE's availability check for it). The one table of what each name means under TE.
+# TE's availability check for it; the multiple both GEMM dimensions must be, tokens and features:
+# TE's get_align_size_for_quantization, 32 for MXFP8's blocks of 32). The one table of what each
+# name means under TE.
 TE_RECIPES = {
-    "tensorwise": ("Float8CurrentScaling", "is_fp8_available"),
-    "blockwise": ("Float8BlockScaling", "is_fp8_block_scaling_available"),
-    "mxfp8": ("MXFP8BlockScaling", "is_mxfp8_available"),
+    "tensorwise": ("Float8CurrentScaling", "is_fp8_available", 16),
+    "blockwise": ("Float8BlockScaling", "is_fp8_block_scaling_available", 16),
+    "mxfp8": ("MXFP8BlockScaling", "is_mxfp8_available", 32),
 }
 TE_INSTALL = "pip install 'tessera-trainer[te]'"
-TE_TOKEN_ALIGN = 16
 
 
 def te_recipe_problem(recipe: str) -> str | None:
@@ -100,9 +103,10 @@ def te_config_problem(recipe: str, compile: bool, recompute: str, micro_batch_si
         return ("training.fp8_backend=te does not compose with training.recompute=full (the recomputed blocks "
                 "would run outside TE's FP8 autocast); use recompute none or selective, or "
                 "training.fp8_backend=torchao")
-    if (micro_batch_size * seq_length) % TE_TOKEN_ALIGN:
+    align = TE_RECIPES[recipe][2]
+    if (micro_batch_size * seq_length) % align:
         return (f"training.fp8_backend=te needs training.micro_batch_size x training.seq_length "
-                f"({micro_batch_size} x {seq_length}) to be a multiple of {TE_TOKEN_ALIGN} (TE's FP8 GEMMs); "
+                f"({micro_batch_size} x {seq_length}) to be a multiple of {align} (TE's {recipe} GEMMs); "
                 "change either")
     return None
 
@@ -139,7 +143,7 @@ def te_problem(recipe: str, device: torch.device, world_size: int = 1) -> str | 
         return str(exc)
     if problem := fp8_device_problem(device):
         return problem
-    _, check = TE_RECIPES[recipe]
+    _, check, _ = TE_RECIPES[recipe]
     available, reason = getattr(te, check)(return_reason=True)
     if not available:
         return (f"training.fp8_recipe={recipe} is not available on {torch.cuda.get_device_name(device)} "
@@ -153,23 +157,17 @@ def te_recipe(recipe: str):
         raise UserError(problem)
     from transformer_engine.common import recipe as te_recipes
 
-    name, _ = TE_RECIPES[recipe]
+    name, _, _ = TE_RECIPES[recipe]
     return getattr(te_recipes, name)(fp8_format=te_recipes.Format.E4M3)
 
 
 # ---- the swap -------------------------------------------------------------------------------------
 
 def _drop_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    extra = prefix + "_extra_state"
-    value = state_dict.get(extra)
-    # Stateless recipes only (TE_RECIPES): TE's extra state is then an empty tensor. Anything else
-    # would be scaling state that a checkpoint must keep: never dropped silently.
-    if isinstance(value, torch.Tensor) and value.numel() == 0:
-        del state_dict[extra]
-    elif extra in state_dict:
-        raise RuntimeError(f"{prefix.rstrip('.')}: Transformer Engine layer holds FP8 scaling state "
-                           f"({type(value).__name__} of {getattr(value, 'numel', lambda: '?')()} elements); "
-                           "Tessera's TE recipes are stateless")
+    # Every recipe of TE_RECIPES is stateless: TE's extra state then holds no scales (TE 2.18+
+    # saves an empty tensor; 2.9-2.17 a pickle of the recipe's settings and flags, which the
+    # config rebuilds). Nothing resume needs, and no pickle in Tessera's checkpoints.
+    state_dict.pop(prefix + "_extra_state", None)
 
 
 def _tolerate_missing_extra_state(module: nn.Module, incompatible_keys) -> None:
@@ -214,10 +212,20 @@ def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> li
     return swapped
 
 
-def convert_to_te(model: nn.Module) -> list[str]:
+def convert_to_te(model: nn.Module, recipe: str = "tensorwise") -> list[str]:
     """Swap the eligible nn.Linear layers of `model` for Transformer Engine Linear layers sharing
-    their Parameters; the names of the swapped layers. No device check (see apply_te)."""
+    their Parameters; the names of the swapped layers. No device check (see apply_te). A layer
+    eligible for FP8 whose dimensions are not multiples of the recipe's block (32 for mxfp8) is
+    refused with one line, before anything is swapped."""
     import_te()
+    if problem := te_recipe_problem(recipe):
+        raise UserError(problem)
+    align = TE_RECIPES[recipe][2]
+    for name, m in model.named_modules():
+        if type(m) is nn.Linear and eligible(m, name) and (m.in_features % align or m.out_features % align):
+            raise UserError(f"training.fp8_recipe={recipe} needs the linear layers' dimensions to be multiples of "
+                            f"{align}; {name} is {m.in_features} -> {m.out_features}: use training.fp8_recipe="
+                            "tensorwise")
     return swap_linears(model, _te_linear)
 
 
@@ -228,6 +236,6 @@ def apply_te(model: nn.Module, recipe: str,
     autocast for each forward: TE's autocast with the recipe."""
     if problem := te_problem(recipe, device):
         raise UserError(problem)
-    converted = require_converted(convert_to_te(model))
+    converted = require_converted(convert_to_te(model, recipe))
     te, fp8_recipe = import_te(), te_recipe(recipe)
     return converted, lambda: te.autocast(enabled=True, recipe=fp8_recipe)
