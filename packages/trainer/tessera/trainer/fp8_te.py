@@ -197,13 +197,17 @@ def _te_linear(linear: nn.Linear) -> nn.Module:
     return layer
 
 
+def _swappable(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The layers fp8.eligible picks; plain nn.Linear only (subclasses, Tessera's tensor-parallel
+    layers, keep their own forward and collectives)."""
+    return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and eligible(m, name)]
+
+
 def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> list[str]:
-    """Replace every eligible nn.Linear of `model` (fp8.eligible) by `make(linear)`, in place, with
+    """Replace every eligible nn.Linear of `model` (_swappable) by `make(linear)`, in place, with
     state dicts kept those of nn.Linear (_hide_extra_state). Returns the swapped layers' names."""
     swapped = []
-    for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or not eligible(module, name):
-            continue  # subclasses (Tessera's tensor-parallel layers) keep their own forward
+    for name, module in _swappable(model):
         parent_name, _, child = name.rpartition(".")
         replacement = make(module)
         _hide_extra_state(replacement)
@@ -221,8 +225,8 @@ def convert_to_te(model: nn.Module, recipe: str = "tensorwise") -> list[str]:
     if problem := te_recipe_problem(recipe):
         raise UserError(problem)
     align = TE_RECIPES[recipe][2]
-    for name, m in model.named_modules():
-        if type(m) is nn.Linear and eligible(m, name) and (m.in_features % align or m.out_features % align):
+    for name, m in _swappable(model):
+        if m.in_features % align or m.out_features % align:
             raise UserError(f"training.fp8_recipe={recipe} needs the linear layers' dimensions to be multiples of "
                             f"{align}; {name} is {m.in_features} -> {m.out_features}: use training.fp8_recipe="
                             "tensorwise")
