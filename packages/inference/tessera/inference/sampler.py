@@ -24,7 +24,7 @@ from tessera.inference.sequence import Sequence, TokenLogprob
 from tessera.inference.structured import apply_bitmask, grammar_bitmask
 
 
-def apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
+def apply_penalties(logits: torch.Tensor, seq: Sequence | Hypothetical) -> None:
     """In place on one row [V]."""
     p = seq.params
     dev = logits.device
@@ -106,7 +106,7 @@ def needs_processing(seq: Sequence | Hypothetical) -> bool:
 def process_row(row: torch.Tensor, seq: Sequence | Hypothetical) -> None:
     """Penalties, logit_bias and the min_tokens mask, in place on one row [V]."""
     p = seq.params
-    apply_penalties(row, seq)  # type: ignore[arg-type]
+    apply_penalties(row, seq)
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), device=row.device)
         row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device, dtype=row.dtype)
