@@ -48,6 +48,20 @@ def test_enforce_eager_and_the_test_environment_turn_compile_off(monkeypatch):
         EngineConfig()
 
 
+def test_a_failed_compile_is_a_warning_and_the_engine_serves_eagerly_with_packed_weights(tiny_ckpt, monkeypatch,
+                                                                                        caplog):
+    def fail(self, runner, rows):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    monkeypatch.setattr(CompiledForward, "warm_up", fail)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = token_ids(run_all(make_engine(tiny_ckpt, num_kv_blocks=32), {"a": ([4, 9, 200], greedy)})["a"])
+    engine = make_engine(tiny_ckpt, num_kv_blocks=32, cpu_compile=True)
+    assert engine.runner.compiled is None and packed(engine.runner.model) == 4 * 2
+    assert "compiling the layer stack failed (RuntimeError: InvalidCxxCompiler" in caplog.text
+    assert token_ids(run_all(engine, {"a": ([4, 9, 200], greedy)})["a"]) == want
+
+
 def test_the_draft_model_is_prepared_like_the_target_and_speculation_keeps_the_tokens(tiny_ckpt, tmp_path):
     draft = make_checkpoint(tmp_path, tiny_config(num_layers=1), seed=5)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -7,7 +7,8 @@ prepared alike. On CPU, in order:
   2. either the layer stack compiled by inductor, which prepacks the Linear weights for oneDNN
      itself (freezing) and fuses the elementwise ops around them (compiled.py), or, eager, the
      Linear weights prepacked for oneDNN (cpu_linear.py);
-  3. the model runner, and with compile its forward warmed up (compiled) before it serves.
+  3. the model runner, and with compile its forward warmed up (compiled) before it serves; a
+     compile that fails (say, no C++ compiler) is logged as a warning and the model served eagerly.
 Quantized models (torchao owns their Linear weights) are merged but neither packed nor compiled.
 Tensor-parallel shards are packed but not compiled (their row-parallel layers all-reduce inside
 the forward; not traced here). On CUDA nothing is done here (decode steps use CUDA graphs:
@@ -55,7 +56,15 @@ def serving_runner(model: torch.nn.Module, prep: ServingPrep, num_blocks: int, b
     runner = ModelRunner(model, num_blocks, block_size, device, dtype, tp_rank, tp_size, kv_dtype=kv_dtype)
     if compile_it:
         runner.compiled = CompiledForward(model)
-        seconds = runner.compiled.warm_up(runner, prep.batch_hint)
-        log.info("%s: compiled the layer stack for CPU serving in %.1f s (--enforce-eager serves without)",
-                 what, seconds)
+        try:
+            seconds = runner.compiled.warm_up(runner, prep.batch_hint)
+        except Exception as exc:  # e.g. no C++ compiler on this machine: serve, eagerly, and say so
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            log.warning("%s: compiling the layer stack failed (%s: %s); serving eagerly (--enforce-eager skips "
+                        "the attempt)", what, type(exc).__name__, first)
+            runner.compiled = None
+            pack_linears(model, prep.cpu_linear, batch_hint=prep.batch_hint)
+        else:
+            log.info("%s: compiled the layer stack for CPU serving in %.1f s (--enforce-eager serves without)",
+                     what, seconds)
     return runner
