@@ -17,9 +17,13 @@ Shape of it:
   time at 8 / 32 / 64 rows, where the custom op took 0.88x / 0.82x / 0.89x (llama-25m, fp32, one
   thread, ModelRunner decode forwards A/B/C alternating, ratio of medians, the 2-core CPU shared by
   six agents).
-- The token count is dynamic (`mark_dynamic`): one compile serves every decode batch size and
-  prefill chunk. Dynamo specialises a size of 1, so a lone sequence's decode step is a second,
-  static graph; both are compiled at engine start (`warm_up`), before the server is healthy.
+- The token count is dynamic and unbacked (`mark_unbacked`: no specialisation on its value, not
+  even on 1): one compile serves every decode batch size, a lone sequence's decode step and every
+  prefill chunk. It is compiled at engine start (`warm_up`), before the server is healthy.
+  `mark_dynamic` instead specialises a size of 1 into a second graph (twice the compile time);
+  measured against it (ModelRunner decode forwards, A/B/C alternating, the loaded CPU): unbacked
+  0.73x / 0.99x / 0.98x the eager time at 8 / 32 / 64 rows, mark_dynamic 0.84x / 0.89x / 0.98x,
+  equal within the noise, so one graph.
 - Freezing: the weights become constants, so inductor prepacks every Linear weight for oneDNN
   (`mkldnn._linear_pointwise`, or MKL's packed GEMM in the static graph) and fuses bias, SiLU and
   the residual adds into the GEMM calls. The weights are therefore left plain (not
@@ -27,14 +31,16 @@ Shape of it:
   packed weight, but inductor lowers it only for a frozen constant, and a PackedLinear's weight
   is a plain attribute, which freezing does not fold (AssertionError in mkldnn_lowerings). The
   packed copies are held by the compiled graph beside the module's plain weights (twice the
-  Linear weights' memory). `mark_unbacked` (no size-1 specialisation, one graph) was tried and
-  rejected: inductor then packs nothing and calls plain `mm` (slower than eager oneDNN).
-  Freezing is an inductor setting read outside the per-compile options, so it is patched around
-  each call (`_CONFIG`), never set for the process.
+  Linear weights' memory). oneDNN blocks a packed weight for a row count: for an unbacked size
+  inductor takes `unbacked_symint_fallback`, set to the engine's max_num_seqs (as the eager
+  PackedLinear's batch hint). Without freezing inductor packs nothing and calls plain `mm` (slower
+  than eager oneDNN: 1.02-1.17x the eager forward's time). Freezing is an inductor setting read
+  outside the per-compile options, so the settings are patched around each call, never set for
+  the process.
 - Dynamo guards on the module's weights: a second model of the same shape compiles its own
   graphs, never reuses another's frozen weights (checked with two seeds of one config; outputs
   equal each model's eager ones). Every CompiledForward shares one code object, whose cache holds
-  dynamo's recompile limit of 8 graphs: 4 models per process (an engine compiles at most two, its
+  dynamo's recompile limit of 8 graphs: 8 models per process (an engine compiles at most two, its
   model and its draft); past that dynamo warns and runs the stack eagerly.
 
 Inductor options are vLLM's CPU build's (dce, no size/NaN asserts, epilogue fusion, dynamic
@@ -45,11 +51,12 @@ Measured (issue #18; llama-25m, fp32, one thread; `benchmarks/serving_profile.py
 only; the 2-core CPU shared by six agents, so ratios of medians, noisy), two runs: compiled steps
 took 0.76x / 0.86x / 0.86x and 0.92x / 0.87x / 0.97x of the eager (oneDNN-packed) ones (medians of
 per-step ratios 0.83x / 0.89x / 0.87x and 0.88x / 0.90x / 0.94x, quartiles about +-0.15).
-Compiling both graphs took 81-82 s there at engine start (tiny test models 30-80 s; inductor's
-kernel cache makes a second start of the same model faster). Not tried: the output head inside the
-graph (2-5% of a step, unpacked today), inductor's cpp_wrapper (a one-off at static shapes last
-session gained ~10% with it, at a longer compile). So compile is the
-CPU default, as in vLLM; `--enforce-eager` serves without, and the test suite sets
+Compiling (then two graphs) took 81-82 s there at engine start (tiny test models 30-80 s; inductor's
+kernel cache makes a second start of the same model faster). ModelRunner decode forwards alone
+(A/B/C alternating, a quieter moment: eager 14.3 ms at 8 rows): compiled 0.93x / 0.96x / 0.96x
+at 8 / 32 / 64 rows; with inductor's cpp_wrapper (C++ instead of Python calling the kernels)
+1.03x / 1.07x / 1.13x, rejected. Not tried: the output head inside the graph (2-5% of a step,
+unpacked today). So compile is the CPU default, as in vLLM; `--enforce-eager` serves without, and the test suite sets
 TESSERA_CPU_COMPILE=0 (config.CPU_COMPILE_ENV) so that engines in tests start at once.
 
 Not compiled (eager, with prepacked weights; `uncompilable` says why): models whose forward reads
@@ -131,24 +138,26 @@ class CompiledForward:
     """model(tokens [1, T], positions [1, T]) -> final-normed hidden [1, T, d] through inductor,
     attention through the runner given to each call."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, rows: int = 64):
         self.model = model
         self.seconds = 0.0  # spent compiling in warm_up
+        # `rows`: the batch size the packed weights are blocked for (the engine's max_num_seqs).
+        self._config = {**_CONFIG, "unbacked_symint_fallback": rows}
         self._fn = torch.compile(self._forward, backend="inductor", dynamic=False)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(tokens, positions=positions, attention_fn=_attention_fn, return_hidden=True)
 
     def __call__(self, runner: ModelRunner, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        torch._dynamo.mark_dynamic(tokens, 1)
-        torch._dynamo.mark_dynamic(positions, 1)
-        with running(runner), torch._inductor.config.patch(_CONFIG):
+        torch._dynamo.decorators.mark_unbacked(tokens, 1)
+        torch._dynamo.decorators.mark_unbacked(positions, 1)
+        with running(runner), torch._inductor.config.patch(self._config):
             return self._fn(tokens, positions)
 
     def warm_up(self, runner: ModelRunner, rows: int) -> float:
-        """Compile both graphs before serving (the dynamic one first, at `rows` tokens: the row count
-        oneDNN blocks the packed weights for); returns the seconds it took. The dummy decode steps
-        write K/V into block 0's first slot only, which its next owner overwrites before reading."""
+        """Compile before serving (a decode step of `rows` sequences, then one of a single sequence,
+        which must reuse the graph); returns the seconds it took. The dummy decode steps write K/V
+        into block 0's first slot only, which its next owner overwrites before reading."""
         from tessera.inference.model_runner import BatchSeq
 
         t = time.perf_counter()

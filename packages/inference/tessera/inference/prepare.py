@@ -55,7 +55,7 @@ def serving_runner(model: torch.nn.Module, prep: ServingPrep, num_blocks: int, b
             pack_linears(model, prep.cpu_linear, batch_hint=prep.batch_hint)
     runner = ModelRunner(model, num_blocks, block_size, device, dtype, tp_rank, tp_size, kv_dtype=kv_dtype)
     if compile_it:
-        runner.compiled = CompiledForward(model)
+        runner.compiled = CompiledForward(model, prep.batch_hint)
         try:
             seconds = runner.compiled.warm_up(runner, prep.batch_hint)
         except Exception as exc:  # e.g. no C++ compiler on this machine: serve, eagerly, and say so
