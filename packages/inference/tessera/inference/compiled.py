@@ -48,10 +48,10 @@ threads; one compile thread).
 
 Measured (issue #18; llama-25m, fp32, one thread; `benchmarks/serving_profile.py --compile-ab 8 32
 64`: two engines holding the same 8 / 32 / 64 greedy requests, stepped alternately, decode steps
-only; the 2-core CPU shared by six agents, so ratios of medians, noisy), two runs: compiled steps
-took 0.76x / 0.86x / 0.86x and 0.92x / 0.87x / 0.97x of the eager (oneDNN-packed) ones (medians of
-per-step ratios 0.83x / 0.89x / 0.87x and 0.88x / 0.90x / 0.94x, quartiles about +-0.15).
-Compiling (then two graphs) took 81-82 s there at engine start (tiny test models 30-80 s; inductor's
+only; the 2-core CPU shared by six agents, so ratios of medians, noisy): compiled steps took
+0.82x / 0.81x / 0.88x of the eager (oneDNN-packed) ones (medians of per-step ratios 0.84x / 0.88x /
+0.89x, quartiles about +-0.1); two earlier runs with mark_dynamic's two graphs 0.76x / 0.86x /
+0.86x and 0.92x / 0.87x / 0.97x. Compiling took 81-113 s there at engine start (tiny test models 30-80 s; inductor's
 kernel cache makes a second start of the same model faster). ModelRunner decode forwards alone
 (A/B/C alternating, a quieter moment: eager 14.3 ms at 8 rows): compiled 0.93x / 0.96x / 0.96x
 at 8 / 32 / 64 rows; with inductor's cpp_wrapper (C++ instead of Python calling the kernels)
