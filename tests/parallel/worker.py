@@ -15,6 +15,7 @@ import os
 import sys
 
 import torch
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,6 +101,10 @@ def run_job(job: dict, cfg) -> None:
         norms.append(r.grad_norm)
     divergence.append(rt.replica_divergence())
     result = {"losses": losses, "grad_norms": norms, "divergence": divergence, "router": rt.router_metrics}
+    sharded = [p for p in rt.named_global_params().values() if isinstance(p, DTensor)]
+    if sharded:  # FSDP: the mesh a parameter is sharded over (its last dimension: the shards)
+        mesh = sharded[0].device_mesh
+        result["fsdp_mesh"] = {"dims": list(mesh.mesh_dim_names), "shape": list(mesh.shape)}
     buckets = getattr(rt.optimizer, "buckets", None)  # absent under FSDP (data_shard > 1)
     if buckets is not None:
         result.update({"buckets": len(buckets.buckets), "deferred_buckets": sum(b.deferred for b in buckets.buckets),

@@ -250,6 +250,14 @@ class TrainConfig(StrictModel):
                                  f"({t.global_batch_size}) minus start must be a multiple of the increment")
         if self.parallel.async_tp and not t.compile:  # inductor does the overlap: refused before any launch
             raise ValueError("parallel.async_tp needs training.compile=true (inductor's micro-pipeline TP pass)")
+        p = self.parallel
+        # The one check of fsdp_float8_all_gather (the trainer's runtime and fp8 conversion rely on it).
+        if p.fsdp_float8_all_gather and (t.precision != "fp8" or p.data_shard == 1 or t.fp8_recipe != "tensorwise"):
+            raise ValueError("parallel.fsdp_float8_all_gather needs training.precision=fp8, training.fp8_recipe="
+                             "tensorwise and parallel.data_shard > 1 (under torchrun); unset it")
+        if p.fsdp_float8_all_gather and p.tensor > 1:
+            raise ValueError("parallel.fsdp_float8_all_gather does not compose with parallel.tensor > 1 (torchao's "
+                             "float8 weights are for Float8Linear, not Tessera's tensor-parallel layers); unset it")
         model = self.resolve_model(_PLACEHOLDER_VOCAB)
         max_seq = model.max_seq_len
         if t.seq_length > max_seq:
