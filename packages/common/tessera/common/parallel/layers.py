@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,22 @@ def _copy_local_shards(new: nn.Module, full: nn.Module, group: dist.ProcessGroup
                 p.copy_(value if dim is None else value.chunk(world, dim=dim)[rank])
 
 
-class ColumnParallelLinear(nn.Linear):
+_L = TypeVar("_L", bound="_TensorParallelLinear")
+
+
+class _TensorParallelLinear(nn.Linear):
+    """What the column- and row-parallel layers share: building one from a full nn.Linear."""
+
+    @classmethod
+    def from_linear(cls: type[_L], lin: nn.Linear, group: dist.ProcessGroup, sequence_parallel: bool) -> _L:
+        """This rank's layer of `lin` (its slices of the weights; a meta `lin` gives a meta layer)."""
+        new = cls(lin.in_features, lin.out_features, lin.bias is not None, group, sequence_parallel,  # type: ignore[call-arg]
+                  device=lin.weight.device, dtype=lin.weight.dtype)
+        _copy_local_shards(new, lin, group)
+        return new
+
+
+class ColumnParallelLinear(_TensorParallelLinear):
     """y = x A^T with A split by output rows; each rank produces its slice of the features.
 
     Input: replicated [B, T, in]. Without sequence parallel it enters through `copy_to_tp`
@@ -95,20 +111,13 @@ class ColumnParallelLinear(nn.Linear):
         if self.bias is not None:
             tag(self.bias, 0)
 
-    @classmethod
-    def from_linear(cls, lin: nn.Linear, group: dist.ProcessGroup, sequence_parallel: bool) -> ColumnParallelLinear:
-        new = cls(lin.in_features, lin.out_features, lin.bias is not None, group, sequence_parallel,
-                  device=lin.weight.device, dtype=lin.weight.dtype)
-        _copy_local_shards(new, lin, group)
-        return new
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             x = copy_to_tp(x, self.group)
         return self.local_linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(_TensorParallelLinear):
     """y = x A^T with A split by input columns; partial sums are reduced across tensor ranks.
 
     Input: [B, T, in/tp] (a column-parallel output). Output: replicated [B, T, out] after an
@@ -128,13 +137,6 @@ class RowParallelLinear(nn.Linear):
         tag(self.weight, 1)
         if self.bias is not None:
             tag(self.bias, None, partial=sequence_parallel)
-
-    @classmethod
-    def from_linear(cls, lin: nn.Linear, group: dist.ProcessGroup, sequence_parallel: bool) -> RowParallelLinear:
-        new = cls(lin.in_features, lin.out_features, lin.bias is not None, group, sequence_parallel,
-                  device=lin.weight.device, dtype=lin.weight.dtype)
-        _copy_local_shards(new, lin, group)
-        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.local_linear(x, self.weight)
