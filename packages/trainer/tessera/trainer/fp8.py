@@ -1,5 +1,11 @@
 """FP8 training (training.precision: fp8) through torchao's Float8 linear layers.
 
+Backends (`training.fp8_backend`): torchao (this module, the default: every composition below)
+or NVIDIA Transformer Engine (`te`, tessera.trainer.fp8_te, when installed: its Linear layers
+in the same places, `eligible` below, with TE's recipes tensorwise (current scaling), blockwise
+and mxfp8; one process, eager, no full recompute; refused with one line otherwise). Both keep
+state dicts those of a bf16 run, so checkpoints interchange across backends.
+
 `training.precision: fp8` is bf16 autocast (tessera.trainer.precision) with every eligible
 nn.Linear swapped for torchao's `Float8Linear`: its three matmuls (output, input gradient, weight
 gradient) cast their operands to float8 e4m3 with dynamic scales and run on FP8 tensor cores;
@@ -94,8 +100,8 @@ def _tensor_parallel_size(module: nn.Module) -> int | None:
     return None
 
 
-def _eligible(module: nn.Linear, fqn: str) -> bool:
-    """Not the output head; dimensions (local ones, for a tensor-parallel layer: what the GEMM
+def eligible(module: nn.Linear, fqn: str) -> bool:
+    """Which Linear layers train in FP8, under either backend (this one and fp8_te): not the output head; dimensions (local ones, for a tensor-parallel layer: what the GEMM
     sees) multiples of 16."""
     if fqn.split(".")[-1] == "lm_head":
         return False
@@ -107,7 +113,7 @@ def _converts(module: nn.Module, fqn: str) -> bool:
         return True  # let torchao descend into containers
     if (_tensor_parallel_size(module) or 1) > 1:
         return False  # keeps its class and collectives; its local matmul becomes Float8LocalLinear
-    return _eligible(module, fqn)
+    return eligible(module, fqn)
 
 
 def float8_config(recipe: str, fsdp_float8_all_gather: bool = False):
@@ -141,7 +147,7 @@ def convert_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: boo
     with keep_tags(model):
         convert_to_float8_training(model, module_filter_fn=_converts, config=config)
     for name, m in parallel:
-        if _eligible(m, name):
+        if eligible(m, name):
             m.local_linear = Float8LocalLinear(config, "column" if isinstance(m, ColumnParallelLinear) else "row",
                                                m.group)
     return [name for name, m in model.named_modules()

@@ -30,6 +30,7 @@ from tessera.trainer.config import TrainConfig
 from tessera.trainer.distributed import pick_device
 from tessera.trainer.documents import DocumentMasking
 from tessera.trainer.fp8 import fp8_device_problem
+from tessera.trainer.fp8_te import te_problem
 
 
 @dataclass
@@ -72,8 +73,12 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
                             "start and increment that are")
     if layout.world_size > 1:
         check_parallel_options(cfg)
-    if t.precision == "fp8" and (problem := fp8_device_problem(pick_device(t.device, 0))):
-        raise UserError(problem)
+    if t.precision == "fp8":  # TE: one process, importable, the device and the recipe's own (fp8_te)
+        device = pick_device(t.device, 0)
+        problem = (te_problem(t.fp8_recipe, device, layout.world_size) if t.fp8_backend == "te"
+                   else fp8_device_problem(device))
+        if problem:
+            raise UserError(problem)
     manifest = read_mixture_manifest(cfg.data.mixture)
     manifest_path = Path(cfg.data.mixture) / MANIFEST
     tokenizer = load_tokenizer(cfg.data.tokenizer)
