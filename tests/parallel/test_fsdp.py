@@ -8,7 +8,9 @@ ZeRO-1 DP 2 for 3 -> FSDP 4 for 3; from the same FSDP 4 checkpoint -> TP 2 x CP 
 for 3 (issue 17's acceptance); and from it -> CP 2 x FSDP 2 for 3 -> FSDP 4 for 3. Under CP 2 x
 FSDP 2 the context ranks shard the parameters too (one flattened mesh of 4 shards, torchtitan's
 dp_shard_cp), so their gradients are summed in FSDP's reduce-scatter, not all-reduced over the
-context group parameter by parameter.
+context group parameter by parameter: a step's only all-reduce over the context group is the
+loss's (counted; the bucketed ZeRO-1 path issues one per bucket, the former FSDP path one per
+parameter).
 Per-step losses within 1e-5 and pre-clip gradient norms within 1e-4 of the single-process
 reference, final weights (read back from each job's layout-free DCP checkpoint) as in
 test_parity; the state a layout holds right after loading another layout's checkpoint is saved
@@ -87,6 +89,8 @@ def test_fsdp_hsdp_and_fsdp_with_tp_match_one_process_and_resume_across_layouts_
     # Context ranks are FSDP shards: each parameter is cut 4 ways over one flattened mesh
     # (data shards x context ranks), where before they all held the same 2 shards.
     assert result("fsdp2_cp2")["fsdp_mesh"] == {"dims": ["dp_shard_cp"], "shape": [4]}
+    # The one all-reduce a step issues over the context group is the loss's (no gradient's).
+    assert result("fsdp2_cp2")["cp_all_reduces"] == [1] * STEPS
     assert result("fsdp2_tp2")["fsdp_mesh"] == {"dims": ["dp_shard"], "shape": [2]}
     for b, c, what in (("b_tp2_dp2", "c_fsdp4", "fsdp4 -> tp2 x dp2 -> fsdp4"),
                        ("b_tp2_cp2", "c_cp_fsdp4", "fsdp4 -> tp2 x cp2 -> fsdp4"),
