@@ -3,7 +3,7 @@
     torchrun --nproc-per-node N tests/parallel/worker.py spec.json
 
 spec: {"model": {...overrides}, "jobs": [{"name", "layout": {...}, "parallel": {...}, "start": 0,
-"steps": 10, "load": dir|null, "save": dir|null, "out": path}]}. Each job builds its groups,
+"steps": 10, "load": dir|null, "save": dir|null, "out": path, "count_cp_all_reduces": false}]}. Each job builds its groups,
 trains, optionally saves (DCP, layout-free), and rank 0 writes {"losses": [...]} to `out`.
 """
 
@@ -54,9 +54,12 @@ def rng_job(job: dict) -> None:
 def _counting_all_reduces(group):
     """Count the all-reduces issued over `group` (a list holding the count) while inside."""
     count, plain = [0], torch.distributed.all_reduce
+    if group is None:  # nothing to count: all_reduce stays torch's own (as torch.compile expects it)
+        yield count
+        return
 
     def counted(tensor, *args, **kwargs):
-        if group is not None and kwargs.get("group", args[1] if len(args) > 1 else None) is group:
+        if kwargs.get("group", args[1] if len(args) > 1 else None) is group:
             count[0] += 1
         return plain(tensor, *args, **kwargs)
 
@@ -115,9 +118,10 @@ def run_job(job: dict, cfg) -> None:
         else:
             tokens, targets = harness.batch(step, cfg)
         sl = slice(groups.dp_ep_rank * rows, (groups.dp_ep_rank + 1) * rows)
-        with _counting_all_reduces(groups.cp_group if groups.cp > 1 else None) as cp_all_reduces:
+        counting = job.get("count_cp_all_reduces", False)
+        with _counting_all_reduces(groups.cp_group if counting else None) as cp_all_reduces:
             r = rt.train_step(tokens[sl], targets[sl], model_inputs={k: v[sl] for k, v in inputs.items()})
-        if groups.cp > 1:
+        if counting:  # all-reduces over the context group in this step
             result_extra.setdefault("cp_all_reduces", []).append(cp_all_reduces[0])
         losses.append(r.loss)
         norms.append(r.grad_norm)
