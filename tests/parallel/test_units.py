@@ -46,13 +46,21 @@ def check(layout: ParallelLayout, **kw):
     (ParallelLayout(tensor=2, data=3, data_shard=3), {}, "--data-shard 3 with --tensor-parallel 2 must divide hidden_size"),
     # Context ranks are FSDP shards too: the hidden dim splits over data shards x context ranks.
     (ParallelLayout(tensor=2, context=3, data=2, data_shard=2), {"seq_len": 36},
-     "--data-shard 2 x --context-parallel 3 with --tensor-parallel 2 must divide hidden_size (64)"),
+     "--data-shard 2 x --context-parallel 3 with --tensor-parallel 2 must divide hidden_size (64): FSDP splits each "
+     "tensor-parallel weight along the hidden dim, evenly; change --data-shard 2 or --context-parallel 3, or use "
+     "--tensor-parallel 1"),
 ])
 def test_bad_layouts_refused_with_one_line(layout, kw, fragment):
     with pytest.raises(UserError) as exc:
         check(layout, **kw)
     assert fragment in str(exc.value)
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(context=3, data=2, data_shard=2), ParallelLayout(data=3, data_shard=3)])
+def test_fsdp_over_one_tensor_rank_needs_no_size_to_divide_the_hidden_size(layout):
+    """(Everything is then sharded along dim 0, unevenly if need be: test_fsdp_layouts builds them.)"""
+    check(layout, seq_len=36, global_batch=6)
 
 
 MOE_CFG = ModelConfig(**{**CFG.model_dump(), "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}})

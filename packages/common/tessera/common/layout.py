@@ -107,12 +107,14 @@ class ParallelLayout(StrictModel):
 
     @property
     def fsdp_shards(self) -> int:
-        """How many pieces FSDP cuts a dense parameter into: data_shard x expert x context."""
+        """How many pieces FSDP cuts a dense parameter into when it runs (data_shard > 1): data_shard
+        x expert x context. The product whatever data_shard is; without FSDP nothing is cut."""
         return self.data_shard * self.expert * self.context
 
     @property
     def fsdp_expert_shards(self) -> int:
-        """How many pieces FSDP cuts an expert-parallel rank's experts into: data_shard x context."""
+        """How many pieces FSDP (data_shard > 1) cuts an expert-parallel rank's experts into: data_shard
+        x context (the product whatever data_shard is)."""
         return self.data_shard * self.context
 
     @property
@@ -177,7 +179,7 @@ def check_expert_parallel(cfg: ModelConfig, layout: ParallelLayout) -> None:
         by = f"--data-shard {layout.data_shard}" + (f" x --context-parallel {layout.context}" if layout.context > 1 else "")
         raise UserError(f"{by} with --expert-parallel {layout.expert} must divide model.moe.ffn_hidden_size "
                         f"({cfg.moe.ffn_hidden_size}) and hidden_size ({cfg.hidden_size}): FSDP splits each expert "
-                        "along its output rows, evenly")
+                        f"along its output rows, evenly; change {by.replace(' x ', ' or ')}")
 
 
 def validate_layout(
@@ -206,11 +208,13 @@ def validate_layout(
                         "(tensor x context x expert x pipeline)); data / data_shard is the number of HSDP replicas")
     if layout.data_shard > 1 and tp > 1 and cfg.hidden_size % layout.fsdp_shards:
         # A tensor-split weight is fully sharded (over data x expert x context ranks) along its
-        # other dim, the hidden size; FSDP2 shards a non-leading dim only evenly.
+        # other dim, the hidden size; FSDP2 shards a non-leading dim only evenly. (Over one tensor
+        # rank everything is sharded along dim 0, unevenly if need be: no condition.)
         by = (f"--data-shard {layout.data_shard}" + (f" x --expert-parallel {layout.expert}" if layout.expert > 1 else "")
               + (f" x --context-parallel {cp}" if cp > 1 else ""))
         raise UserError(f"{by} with --tensor-parallel {tp} must divide hidden_size "
-                        f"({cfg.hidden_size}): FSDP splits each tensor-parallel weight along the hidden dim, evenly")
+                        f"({cfg.hidden_size}): FSDP splits each tensor-parallel weight along the hidden dim, evenly; "
+                        f"change {by.replace(' x ', ' or ')}, or use --tensor-parallel 1")
     if cfg.num_heads % tp:
         raise UserError(f"--tensor-parallel {tp} must divide num_heads ({cfg.num_heads})")
     if cfg.kv_heads % tp:

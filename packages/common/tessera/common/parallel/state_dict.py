@@ -54,6 +54,8 @@ def to_global(local: torch.Tensor, like: torch.Tensor, groups: ParallelGroups) -
     if not isinstance(like, DTensor):
         return DTensor.from_local(local, groups.tp_mesh, [tp_placement], run_check=False)
     fsdp_dim = like.placements[-1].dim  # type: ignore[attr-defined]
+    if groups.tp == 1:  # one tensor rank: nothing split along the tag (FSDP's dim is then 0)
+        dim, tp_placement = None, Replicate()
     dp_placement = _StridedShard(fsdp_dim, split_factor=groups.tp) if fsdp_dim == dim else Shard(fsdp_dim)
     shape = list(like.shape)
     if dim is not None:

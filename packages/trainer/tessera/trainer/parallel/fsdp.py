@@ -68,9 +68,13 @@ OPTIM_PREFIX = "optimizer."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _placement(p: nn.Parameter) -> Shard:
+def _placement(p: nn.Parameter, tp: int) -> Shard:
+    """FSDP's shard dim for `p` (see the module docstring). Over one tensor rank the tags are still
+    there (parallelize_model sets them at any size) but nothing is split along them, so everything
+    is sharded along dim 0, which FSDP2 cuts unevenly if need be (a non-leading dim only evenly:
+    hidden 64 over data shards x context 2 x 3 would be refused)."""
     d = shard_dim_of(p)
-    return Shard(1 - d) if d is not None and p.ndim == 2 else Shard(0)
+    return Shard(1 - d) if tp > 1 and d is not None and p.ndim == 2 else Shard(0)
 
 
 def shard_stages(stages: list[nn.Module], groups: ParallelGroups, *, param_dtype: str = "float32",
@@ -89,7 +93,7 @@ def shard_stages(stages: list[nn.Module], groups: ParallelGroups, *, param_dtype
                         "lives in host memory); unset it")
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    kw = dict(mesh=groups.fsdp_mesh, shard_placement_fn=_placement, mp_policy=mp, offload_policy=offload)
+    kw = dict(mesh=groups.fsdp_mesh, shard_placement_fn=lambda p: _placement(p, groups.tp), mp_policy=mp, offload_policy=offload)
     reshard_after_forward = reshard_after_forward and groups.pp == 1
     for st in stages:
         with keep_tags(st):  # fully_shard replaces each parameter by a DTensor
@@ -101,7 +105,7 @@ def shard_stages(stages: list[nn.Module], groups: ParallelGroups, *, param_dtype
             fully_shard(st, reshard_after_forward=False, **kw)
         if groups.cp > 1:  # context ranks' gradients are summed, not averaged (without them: the mean over dp_ep)
             for unit in (*blocks, st):
-                _sum_then_divide(unit, groups.dp_ep)
+                _sum_then_divide(unit, groups.dp_ep, groups.device)
         for i, block in enumerate(blocks):  # explicit prefetch of the neighbouring block's all-gather
             if i + 1 < len(blocks):
                 block.set_modules_to_forward_prefetch([blocks[i + 1]])
@@ -126,15 +130,16 @@ def _shard_experts(block: nn.Module, groups: ParallelGroups, mp: MixedPrecisionP
         if isinstance(m, MoE):
             fully_shard(m.experts, mesh=groups.fsdp_expert_mesh, shard_placement_fn=lambda _p: Shard(1),
                         mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
-            _sum_then_divide(m.experts, groups.dp_ep)
+            _sum_then_divide(m.experts, groups.dp_ep, groups.device)
 
 
-def _sum_then_divide(unit: nn.Module, factor: int) -> None:
+def _sum_then_divide(unit: nn.Module, factor: int, device: torch.device) -> None:
     """Make FSDP unit `unit`'s gradient reduction the sum over its mesh divided by `factor` (the
-    batch readers), instead of the mean over its mesh: a sum and a post-division, because
-    PREMUL_SUM, the op FSDP would otherwise use for a custom factor, is NCCL's only."""
+    batch readers), instead of the mean over its mesh. On CUDA FSDP2 does it with NCCL's
+    PREMUL_SUM (one op); elsewhere (gloo has no PREMUL_SUM) as a sum and a post-division."""
     unit.set_gradient_divide_factor(float(factor))
-    unit.set_force_sum_reduction_for_comms(True)
+    if device.type != "cuda":
+        unit.set_force_sum_reduction_for_comms(True)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

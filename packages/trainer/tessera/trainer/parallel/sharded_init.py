@@ -61,7 +61,7 @@ def _local_piece(value: torch.Tensor, local: torch.Tensor, groups: ParallelGroup
     if isinstance(local, DTensor):
         fsdp_dim = local.placements[-1].dim  # type: ignore[attr-defined]
         chunks = part.chunk(local.device_mesh.size(-1), dim=fsdp_dim)
-        rank = local.device_mesh.get_local_rank(-1)
+        rank = local.device_mesh.get_coordinate()[-1]  # type: ignore[index]
         part = chunks[rank] if rank < len(chunks) else part.narrow(fsdp_dim, 0, 0)
     return part
 
