@@ -49,8 +49,11 @@ def keep_tags(module: nn.Module) -> Iterator[None]:
     parameter objects (to_empty, fully_shard's DTensors, float8 all-gather's wrapped weights)."""
     tags = {n: {k: getattr(p, k) for k in PARALLEL_TAGS if hasattr(p, k)} for n, p in module.named_parameters()}
     yield
-    for n, p in module.named_parameters():
-        for k, v in tags.get(n, {}).items():
+    after = dict(module.named_parameters())
+    if after.keys() != tags.keys():  # a renamed parameter would silently lose its tags
+        raise RuntimeError(f"keep_tags: parameter names changed: {sorted(tags.keys() ^ after.keys())[:4]}")
+    for n, p in after.items():
+        for k, v in tags[n].items():
             setattr(p, k, v)
 
 

@@ -12,11 +12,12 @@ needed; the checkpoint alone presents parameters as 2-D global tensors (`state_d
   block's all-gather is issued before the current block runs, forward and backward (explicit
   prefetch, as torchtitan sets it); after forward each block's parameters are freed
   (`reshard_after_forward`).
-* Shard dimension: a tensor-parallel weight split along dim d over tensor ranks is sharded
-  along the other dim over data ranks (so each rank's piece is a rectangle of the global
+* Shard dimension (`_placement`): under tensor parallel (> 1), a tensor-parallel weight split
+  along dim d over tensor ranks is sharded along the other dim over data ranks (so each rank's piece is a rectangle of the global
   matrix and the checkpoint placement is (Shard(1-d), Shard(d))); replicated and 1-D
   parameters along dim 0 (a tensor-sharded bias: TP chunk first, then the FSDP chunk, which
-  the checkpoint expresses with `_StridedShard`).
+  the checkpoint expresses with `_StridedShard`). Over one tensor rank everything is sharded
+  along dim 0, unevenly when the shards do not divide it (FSDP2 refuses that on another dim).
 * Precision: the sharded parameters are fp32 and are the optimizer's master weights;
   `param_dtype=bfloat16` all-gathers bf16 copies for compute (bf16 parameters with fp32 master
   weights, Megatron's --bf16 with the distributed optimizer); `reduce_dtype` picks the
@@ -36,8 +37,8 @@ needed; the checkpoint alone presents parameters as 2-D global tensors (`state_d
   rank's loss is its share of the sum (mean / C), so the reduction is a sum over the mesh divided
   by the batch readers (data x expert ranks), not FSDP's mean over the mesh (`_sum_then_divide`).
   The bucketed (ZeRO-1) path instead all-reduces its buckets over the context group.
-* Expert parallel: dense parameters are sharded over data x expert ranks (`fsdp_mesh` is then
-  dp_shard x ep flattened: expert ranks are their replicas), each MoE layer's experts are their
+* Expert parallel: dense parameters are sharded over data x expert (x context) ranks (`fsdp_mesh`
+  is then dp_shard x ep (x cp) flattened: expert ranks are their replicas), each MoE layer's experts are their
   own unit over the data shards (x context ranks) of their expert group (`_shard_experts`), as
   torchtitan does.
 * Pipeline: each stage (chunk) is its own FSDP root, blocks inside it units, as torchtitan
