@@ -83,7 +83,10 @@ def test_fsdp_hsdp_and_fsdp_with_tp_match_one_process_and_resume_across_layouts_
         assert_close_seq(r["losses"], ref_losses, name)
         for i, (got, want) in enumerate(zip(r["grad_norms"], norms)):
             assert abs(got - want) <= NORM_RTOL * want, f"{name}: step {i}: grad norm {got} vs {want}"
-        assert r["divergence"] == [0.0, 0.0], f"{name}: replicas diverged {r['divergence']}"
+        if name in ("hsdp2x2", "fsdp2_tp2", "fsdp2_pp2"):  # copies to compare: HSDP replicas, tensor-
+            # replicated norms, a tied embedding's two stages (FSDP 4 and CP 2 x FSDP 2 have none:
+            # data shards and context ranks hold different pieces, and the model has no buffers)
+            assert r["divergence"] == [0.0, 0.0], f"{name}: replicas diverged {r['divergence']}"
         assert_weights(tmp_path / name, ref_model, name)
 
     # Context ranks are FSDP shards: each parameter is cut 4 ways over one flattened mesh
