@@ -69,11 +69,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tessera.common.errors import run_cli
+from tessera.common.errors import UserError, run_cli
 from tessera.common.model_config import ModelConfig, preset
 from tessera.trainer.config import OptimConfig
 from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
-from tessera.common.errors import UserError
 from tessera.trainer.fp8 import RECIPES as TORCHAO_RECIPES
 from tessera.trainer.fp8 import apply_float8, convert_to_float8
 from tessera.trainer.fp8_te import TE_RECIPES, apply_te, te_config_problem
