@@ -273,6 +273,14 @@ class TrainConfig(StrictModel):
             raise ValueError(problem)
         if self.parallel.async_tp and not t.compile:  # inductor does the overlap: refused before any launch
             raise ValueError("parallel.async_tp needs training.compile=true (inductor's micro-pipeline TP pass)")
+        p = self.parallel
+        # The one check of fsdp_float8_all_gather (the trainer's runtime and fp8 conversion rely on it).
+        if p.fsdp_float8_all_gather and (t.precision != "fp8" or p.data_shard == 1 or t.fp8_recipe != "tensorwise"):
+            raise ValueError("parallel.fsdp_float8_all_gather needs training.precision=fp8, training.fp8_recipe="
+                             "tensorwise and parallel.data_shard > 1 (under torchrun); unset it")
+        if p.fsdp_float8_all_gather and p.tensor > 1:
+            raise ValueError("parallel.fsdp_float8_all_gather does not compose with parallel.tensor > 1 (torchao's "
+                             "float8 weights are for Float8Linear, not Tessera's tensor-parallel layers); unset it")
         model = self.resolve_model(_PLACEHOLDER_VOCAB)
         if t.fp8_backend == "te" and (problem := te_model_problem(model, t.fp8_recipe)):
             raise ValueError(problem)  # layer dimensions (mxfp8): from the config, before anything is built
