@@ -274,7 +274,8 @@ class TrainConfig(StrictModel):
         if self.parallel.async_tp and not t.compile:  # inductor does the overlap: refused before any launch
             raise ValueError("parallel.async_tp needs training.compile=true (inductor's micro-pipeline TP pass)")
         p = self.parallel
-        # The one check of fsdp_float8_all_gather (the trainer's runtime and fp8 conversion rely on it).
+        # The user-facing check of fsdp_float8_all_gather (ParallelConfig and ParallelRuntime.build
+        # check the same invariants for direct callers, in their own words).
         if p.fsdp_float8_all_gather and (t.precision != "fp8" or p.data_shard == 1 or t.fp8_recipe != "tensorwise"):
             raise ValueError("parallel.fsdp_float8_all_gather needs training.precision=fp8, training.fp8_recipe="
                              "tensorwise and parallel.data_shard > 1 (under torchrun); unset it")

@@ -38,8 +38,9 @@ Composition (issue #19), what holds and what is refused:
   per tensor for the whole unsharded weight; the scales of all weights are then computed in one
   all-reduce after each optimizer step by `precompute_float8_scales` (torchao's
   `precompute_float8_dynamic_scale_for_fsdp`). Tensorwise only (torchao: a rowwise scale needs the
-  whole row, which the shard does not have); the trainer's config (TrainConfig, the one check of
-  the option) refuses it with rowwise, without FSDP, or with tensor parallel, in one line.
+  whole row, which the shard does not have); the trainer's config (TrainConfig, the user-facing check of
+  the option) refuses it with rowwise, without FSDP, or with tensor parallel, in one line
+  (ParallelConfig and ParallelRuntime.build check the same for callers that build them directly).
 - tensor parallel (and sequence parallel): Tessera's ColumnParallelLinear/RowParallelLinear issue
   their collectives in their own forward, so they are not swapped (a Float8Linear would drop the
   collectives; torchao's own TP support is for DTensor layers). Instead their local-matmul hook
@@ -135,7 +136,8 @@ def convert_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: boo
     names of the converted layers. No device check (see `apply_float8`). With
     `fsdp_float8_all_gather` (before `fully_shard`), FSDP2 gathers the weights in float8; then
     call `precompute_float8_scales` after every optimizer step. The option's combinations
-    (tensorwise, FSDP, no tensor parallel) are the trainer config's to check.
+    (tensorwise, FSDP, no tensor parallel) are checked by TrainConfig, ParallelConfig and
+    ParallelRuntime.build, not here.
     """
     config = float8_config(recipe, fsdp_float8_all_gather)
     parallel = [(name, m) for name, m in model.named_modules() if (_tensor_parallel_size(m) or 1) > 1]
