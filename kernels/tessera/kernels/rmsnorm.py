@@ -21,18 +21,20 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def _eager_fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch's own rms_norm gives the reference's values here: on CPU (on CUDA it is
-    another kernel), weight in x's dtype (its composite casts the normalised x back to x's dtype
-    after the weight too, where the reference promotes) and no autograd (its backward is another
-    formula; training keeps the reference's)."""
-    return x.device.type == "cpu" and x.dtype == weight.dtype and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    another kernel), x and weight fp32 (for bf16 x and an fp32 weight its composite casts back to
+    bf16 after the weight, where the reference promotes to fp32; bf16 x and weight differ from the
+    reference in the last bit) and no autograd (its backward is another formula; training keeps
+    the reference's)."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`rms_norm_reference` as one ATen call, for the eager CPU path (serving).
 
     torch 2.13's F.rms_norm on CPU is ATen's `_fused_rms_norm`, a C++ composite of the same ops in
-    the same order (pow, mean, add eps, rsqrt, mul, cast, mul by weight): bit-identical to the
-    reference (tests/kernels/test_rmsnorm.py), without five Python-level dispatches. Measured
+    the same order (pow, mean, add eps, rsqrt, mul, cast, mul by weight): in fp32 bit-identical to
+    the reference (tests/kernels/test_eager_cpu_paths.py), without five Python-level dispatches. Measured
     (issue #18; llama-25m's [1, 8 / 64, 512] fp32, 1 thread, A/B alternating in one process on
     the loaded 2-core CPU, ratio of medians): 0.74x / 0.85x of the reference's time.
     """

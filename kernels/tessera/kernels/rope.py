@@ -63,7 +63,7 @@ def rope_qk_eager(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_qk_reference` in fewer eager ops, for fp32 q/k without autograd (CPU serving); equal to
-    the reference bit for bit (tests/kernels/test_rope_swiglu.py).
+    the reference bit for bit (tests/kernels/test_eager_cpu_paths.py).
 
     rotate_half(x) * sin is flip(x as [.., 2, D/2]) * sin with the first half of sin negated (a
     sign flip is exact; the signed table is made once per step), and when k's heads follow q's in
