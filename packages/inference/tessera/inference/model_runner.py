@@ -317,6 +317,8 @@ class ModelRunner:
     # Pure decode steps go through bucket-padded CUDA graphs when the engine sets this
     # (cuda_graphs.py); everything else runs eagerly below.
     decode_graphs: DecodeGraphs | None = None
+    # (the pool, per layer its K/V views): `_layer_kv`, rebuilt when the pool is replaced.
+    _kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]] | None = None
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, kv_dtype: torch.dtype | None = None):
@@ -339,13 +341,27 @@ class ModelRunner:
         self.batch_decodes = device.type == "cpu"
         self.sampler = Sampler()
 
+    def _layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of one layer's pools, made once per pool rather than once per layer and step:
+        K and V [blocks, block_size, Hkv, D] and the same as [slots, Hkv, D]. Made outside inference
+        mode: a view made inside it could not be written outside it (a forward without it)."""
+        views = self._kv_views
+        if views is None or views[0] is not self.kv:
+            layers = []
+            with torch.inference_mode(False):
+                for kv in self.kv:
+                    k, v = kv[0], kv[1]
+                    layers.append((k, v, k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])))
+            views = self._kv_views = (self.kv, layers)
+        return views[1][layer]
+
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         step = self._step
         assert step is not None
-        k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]
+        k_cache, v_cache, flat_k, flat_v = self._layer_kv(layer)
         k_scale, v_scale = self.kv_scales
-        store_kv(k_cache.view(-1, k_cache.shape[2], k_cache.shape[3]), step.slot_mapping, k[0], k_scale)
-        store_kv(v_cache.view(-1, v_cache.shape[2], v_cache.shape[3]), step.slot_mapping, v[0], v_scale)
+        store_kv(flat_k, step.slot_mapping, k[0], k_scale)
+        store_kv(flat_v, step.slot_mapping, v[0], v_scale)
         split = step.split
         window = self.cfg.window(layer)
         if split is None:
