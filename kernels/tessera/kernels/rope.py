@@ -65,15 +65,17 @@ def rope_qk_eager(
     """`rope_qk_reference` in fewer eager ops, for fp32 q/k without autograd (CPU serving); equal to
     the reference bit for bit (tests/kernels/test_eager_cpu_paths.py).
 
-    rotate_half(x) * sin is flip(x as [.., 2, D/2]) * sin with the first half of sin negated (a
-    sign flip is exact; the signed table is made once per step), and when k's heads follow q's in
-    memory both are rotated as one tensor: 4 kernels (flip, 2 muls, add) for q and k together in
-    place of the reference's 2 x 5 (neg, cat, 2 muls, add) and their slices and no-op casts. torch.addcmul for
-    the last mul and add was rejected: its fused multiply-add rounds once where the reference rounds
-    twice (results differ by 1 ulp), for 0.90-0.97x of this path's time.
+    rotate_half(x) * sin is roll(x, D/2) * sin with the first half of sin negated (a sign flip
+    is exact; the signed table is made once per step), and when k's heads follow q's in memory
+    both are rotated as one tensor: 4 kernels (roll, 2 muls, add) for q and k together in place
+    of the reference's 2 x 5 (neg, cat, 2 muls, add) and their slices and no-op casts.
+    torch.addcmul for the last mul and add was rejected: its fused multiply-add rounds once where
+    the reference rounds twice (results differ by 1 ulp), for 0.90-0.97x of this path's time; and
+    flip of x as [.., 2, D/2] for the roll: the same values, 1.6x-3x the roll's time.
     Measured (issue #18; llama-25m's q/k, 8 / 2 heads of 64, as slices of the q/k/v GEMM output,
     8 / 32 / 64 tokens, 1 thread, A/B alternating in one process on the loaded 2-core CPU, ratio of
-    medians): 0.57x / 0.71x / 0.82x of the reference's time; q and k rotated apart 0.61x-0.83x.
+    medians): 0.62x / 0.64x / 0.49x of the reference's time (with flip in place of the roll 0.57x /
+    0.71x / 0.82x, and q and k rotated apart 0.61x-0.83x).
     """
     sin = _signed(sin)
     qk = _adjacent_heads(q, k)
@@ -84,8 +86,7 @@ def rope_qk_eager(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + x.unflatten(-1, (2, half)).flip(-2).flatten(-2) * signed_sin
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def rope_qk(
