@@ -72,7 +72,7 @@ def _mixed_step_logits(cfg, merged: bool):
     reference, through the kernels' paged-attention reference for every sequence."""
     model = build_model(cfg, seed=0).eval()
     if merged:
-        merge_projections(model)  # q and k adjacent in memory: RoPE's one-tensor path
+        merge_projections(model)  # q, k and v as slices of one GEMM output, as the engine serves
     block_size, blocks_per_seq = 4, 12
     g = torch.Generator().manual_seed(3)
     kinds = [1, 1, 0, 1, 3, 1, 1, 1, 0, 1, 1, 3, 1, 1, 1, 1]  # num_q per sequence (0: prefill)

@@ -7,7 +7,6 @@ to the input dtype, then scale), which is what parity with exported models needs
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tessera.kernels._dispatch import use_triton
 
@@ -19,28 +18,6 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(dtype)
 
 
-def _eager_fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether torch's own rms_norm gives the reference's values here: on CPU (on CUDA it is
-    another kernel), x and weight fp32 (for bf16 x and an fp32 weight its composite casts back to
-    bf16 after the weight, where the reference promotes to fp32; bf16 x and weight differ from the
-    reference in the last bit) and no autograd (its backward is another formula; training keeps
-    the reference's)."""
-    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
-
-
-def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rms_norm_reference` as one ATen call, for the eager CPU path (serving).
-
-    torch 2.13's F.rms_norm on CPU is ATen's `_fused_rms_norm`, a C++ composite of the same ops in
-    the same order (pow, mean, add eps, rsqrt, mul, cast, mul by weight): in fp32 bit-identical to
-    the reference (tests/kernels/test_eager_cpu_paths.py), without five Python-level dispatches. Measured
-    (issue #18; llama-25m's [1, 8 / 64, 512] fp32, 1 thread, A/B alternating in one process on
-    the loaded 2-core CPU, ratio of medians): 0.74x / 0.85x of the reference's time.
-    """
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Dispatch to the fused Triton kernel (forward and backward) or the reference.
 
@@ -48,17 +25,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     kernel for it and also fuses the residual add and the casts around it, which an opaque
     custom op prevents (llama-160m bf16 training on an H100: 390k tokens/s against 361k with the
     custom op; benchmarks/RESULTS.md). Eager callers (inference, uncompiled training) get the
-    Triton kernel; elsewhere (CPU) inference gets `rms_norm_eager`.
+    Triton kernel.
+
+    CPU (eager) keeps the reference. Measured and rejected (issue #18): F.rms_norm, which in
+    torch 2.13 on CPU is ATen's `_fused_rms_norm`, a C++ composite of the same ops in the same
+    order (bit-identical to the reference in fp32, 1 ulp off in bf16): alone 0.76x / 0.85x of the
+    reference's time at llama-25m's [1, 8 / 64, 512], but 1.005x-1.009x of the whole decode
+    forward (8 and 64 sequences, for this and `add_rms_norm`; thread CPU time, A/B alternating in
+    one process, median of 60 pair ratios; an A/A run read 0.992x-0.996x).
     """
-    if torch.compiler.is_compiling():
-        return rms_norm_reference(x, weight, eps)
-    if use_triton(x):
+    if use_triton(x) and not torch.compiler.is_compiling():
         # Imported here so CPU-only installs without Triton never import it.
         from tessera.kernels.rmsnorm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)
-    if _eager_fused(x, weight):
-        return rms_norm_eager(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
 
@@ -77,16 +57,10 @@ def add_rms_norm(
 
     Eager only, as `rms_norm`: under torch.compile inductor fuses the reference's add and norm
     itself. The kernel saves the add's separate pass over the residual stream (one read and one
-    write of [tokens, hidden]) and one launch in each direction. Elsewhere (CPU) inference adds
-    and calls `rms_norm_eager`.
+    write of [tokens, hidden]) and one launch in each direction.
     """
-    if torch.compiler.is_compiling():
-        return add_rms_norm_reference(x, residual, weight, eps)
-    if use_triton(x):
+    if use_triton(x) and not torch.compiler.is_compiling():
         from tessera.kernels.rmsnorm_triton import add_rms_norm_triton
 
         return add_rms_norm_triton(x, residual, weight, eps)
-    if _eager_fused(x, weight) and not (torch.is_grad_enabled() and residual.requires_grad):
-        s = x + residual
-        return s, rms_norm_eager(s, weight, eps)
     return add_rms_norm_reference(x, residual, weight, eps)
