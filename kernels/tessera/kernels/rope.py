@@ -42,7 +42,7 @@ def rope_qk(
     rotate_half(x) * sin as x.roll(D/2) * sin with sin's first half negated (the signed table made
     once per forward), with q and k rotated as one tensor when k's heads follow q's in memory (the
     serving engine's stacked q/k/v GEMM output): alone 0.62x / 0.64x / 0.71x of the reference's
-    time at 8 / 32 / 64 tokens (llama-25m's 8 / 2 heads of 64), but 1.000x-1.001x of the whole
+    time at 8 / 32 / 64 tokens (llama-25m's 8 / 2 heads of 64), but 0.999x-1.005x of the whole
     decode forward (8 and 64 sequences, thread CPU time, A/B alternating in one process, median of
     60 pair ratios; an A/A run read 0.992x-0.996x): ~90 us a step saved is below what that
     measures, and it cost a module-level table cache and a strided-view check. torch.addcmul for

@@ -14,8 +14,9 @@ own sequence) and `attention_fn`, which here scatters the new K/V into their cac
 reference handles one sequence per call, which makes a 32-sequence decode step 32 x layers tiny
 SDPA calls; there, single-token (decode) sequences, and speculative rows (by equal length),
 instead go through `decode_attention` in groups of up to 8 of similar length (one gather + one SDPA per group, tested against the
-reference; the groups are formed once per step, not per layer) and only prefill chunks use the
-reference. Only the rows
+reference; the groups and their masks are formed once per step, not per layer; a layer takes the
+rows in group order with one index_select and returns them with another) and only prefill chunks
+use the reference. Only the rows
 that are sampled (the last token of each sequence that finished its prompt, and prompt positions
 of requests that asked for prompt logprobs) go through the output head.
 
