@@ -252,7 +252,6 @@ class DecodeSplit:
     and an index_put per group."""
 
     decode_groups: list[DecodeGroup]
-    prefill_rows: torch.Tensor
     prefill_tables: torch.Tensor
     prefill_lens: torch.Tensor
     prefill_starts: torch.Tensor
@@ -400,8 +399,7 @@ class ModelRunner:
             rows = torch.tensor([list(range(starts[i], starts[i] + q_len)) for i in dec], dtype=torch.long, device=dev)
             groups.extend(decode_groups(tables[dec_t], lens[dec_t], self.block_size, rows, q_len))
         pre_t = torch.tensor(pre, dtype=torch.long, device=dev)
-        prefill_rows = torch.tensor(pre_rows, dtype=torch.long, device=dev)
-        order = torch.cat([g.rows for g in groups] + [prefill_rows])
+        order = torch.cat([g.rows for g in groups] + [torch.tensor(pre_rows, dtype=torch.long, device=dev)])
         identity = torch.arange(order.shape[0], device=dev)
         inverse = None
         if torch.equal(order, identity):
@@ -411,7 +409,6 @@ class ModelRunner:
             inverse[order] = identity
         return DecodeSplit(
             decode_groups=groups,
-            prefill_rows=prefill_rows,
             prefill_tables=tables[pre_t], prefill_lens=lens[pre_t],
             prefill_starts=torch.tensor(pre_starts, dtype=torch.int32, device=dev),
             order=order, inverse=inverse,
