@@ -4,7 +4,7 @@
 # log under $OUT (or ./gpu-out) and a failed step does not stop the later ones.
 #
 #   bash benchmarks/gpu_session.sh [STEP...]   steps: tests kernels host-profile train train1b
-#                                              train1b-fp8 train1b-fp8-rowwise fp8-convergence titan serve
+#                                              train1b-fp8 train1b-fp8-rowwise train1b-te fp8-convergence titan serve
 #                                              serve1b serve-eager serve-profile (default: tests kernels train serve)
 #
 # Issue #19's training figures, llama-1b at seq 4096 (each step fits one 10-minute device call
@@ -13,6 +13,11 @@
 #                        (--separate-processes): tokens/s, MFU against the bf16 peak, peak memory (~4 min)
 #   train1b-fp8          the same in fp8, tensorwise (torchao Float8Linear in both frameworks) (~5 min)
 #   train1b-fp8-rowwise  the same in fp8, rowwise (~5 min)
+#   train1b-te           the same in fp8 through Transformer Engine (training.fp8_backend=te, tensorwise =
+#                        Float8CurrentScaling; TE Linear in both frameworks, Tessera eager as TE requires);
+#                        only where transformer_engine.pytorch imports: TE's CUDA wheels are far over the
+#                        64 MiB carry and the machine has no network, so TE must be preinstalled in its
+#                        Python; otherwise the step says why it skips (~5 min)
 #   fp8-convergence      200 steps bf16 then fp8 (tensorwise) from the same init and data: final loss
 #                        within 1% and fp8/bf16 tokens/s >= 1.3x (benchmarks/fp8_convergence.py) (~5 min)
 #   titan                torchtitan's Llama 3 trainer, llama3 "1B", bf16 then float8 tensorwise
@@ -74,6 +79,16 @@ for s in $STEPS; do
         step "$name" 500 python3 benchmarks/train_throughput.py --device cuda "${precision[@]}" \
             --preset llama-1b --full-size --seq 4096 --batch 2 --steps 10 --warmup 4 --separate-processes \
             --json "$OUT/$name.json" ;;
+    train1b-te)
+        if reason=$(python3 -c 'import transformer_engine.pytorch' 2>&1); then
+            step train-1b-te-tensorwise 500 python3 benchmarks/train_throughput.py --device cuda --precision fp8 \
+                --fp8-backend te --fp8-recipe tensorwise --no-compile --preset llama-1b --full-size --seq 4096 \
+                --batch 2 --steps 10 --warmup 4 --separate-processes --json "$OUT/train-1b-te-tensorwise.json"
+        else
+            echo "[gpu-session] train1b-te: skipped: transformer_engine.pytorch does not import here" \
+                "($(echo "$reason" | tail -n 1)); TE must be preinstalled on the GPU machine (no network there," \
+                "and its CUDA wheels exceed the 64 MiB carry)"
+        fi ;;
     fp8-convergence)
         step fp8-convergence 500 python3 benchmarks/fp8_convergence.py --device cuda --preset llama-1b \
             --seq 4096 --batch 2 --steps 200 --fp8-recipe tensorwise --json "$OUT/fp8-convergence.json" ;;
@@ -98,6 +113,6 @@ for s in $STEPS; do
         step serve-profile 300 python3 benchmarks/serving_profile.py --device cuda --preset llama-160m \
             --concurrency 64 --num-requests 64 --decode-steps 64 ;;
     *) echo "gpu_session.sh: unknown step $s (steps: tests kernels host-profile train train1b train1b-fp8" \
-            "train1b-fp8-rowwise fp8-convergence titan serve serve1b serve-eager serve-profile)"; exit 2 ;;
+            "train1b-fp8-rowwise train1b-te fp8-convergence titan serve serve1b serve-eager serve-profile)"; exit 2 ;;
     esac
 done

@@ -74,6 +74,7 @@ from tessera.common.model_config import ModelConfig, preset
 from tessera.trainer.config import OptimConfig
 from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
 from tessera.trainer.fp8 import apply_float8, convert_to_float8
+from tessera.trainer.fp8_te import apply_te, te_config_problem
 from tessera.trainer.host_memory import retain_freed_memory
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer
@@ -250,13 +251,17 @@ def tessera_step(model, optim_cfg: OptimConfig, precision: Precision, compile: b
     return step
 
 
-def float8(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> int:
-    """--precision fp8: swap the model's eligible Linear layers for torchao Float8Linear; how many."""
+def float8(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> tuple[int, Precision]:
+    """--precision fp8: swap the model's eligible Linear layers for torchao Float8Linear (or, with
+    --fp8-backend te, Transformer Engine Linear); how many, and the Precision to train it under."""
     if args.precision != "fp8":
-        return 0
+        return 0, Precision(args.precision, device)
+    if args.fp8_backend == "te":
+        converted, context = apply_te(model, args.fp8_recipe, device)
+        return len(converted), Precision("fp8", device, fp8_context=context)
     if args.fp8_emulate:
-        return len(convert_to_float8(model, args.fp8_recipe))
-    return len(apply_float8(model, args.fp8_recipe, device))
+        return len(convert_to_float8(model, args.fp8_recipe)), Precision("fp8", device)
+    return len(apply_float8(model, args.fp8_recipe, device)), Precision("fp8", device)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -281,8 +286,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp8"], default="fp32",
                     help="bf16 = autocast over fp32 weights for both frameworks (the trainer's bf16 mode); fp8 = "
                          "bf16 with torchao Float8Linear layers in both (the trainer's fp8 mode; see above).")
-    ap.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise",
-                    help="With --precision fp8: torchao's scaling recipe (training.fp8_recipe).")
+    ap.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise", "blockwise", "mxfp8"], default="tensorwise",
+                    help="With --precision fp8: the scaling recipe (training.fp8_recipe; rowwise is torchao's, "
+                         "blockwise and mxfp8 Transformer Engine's).")
+    ap.add_argument("--fp8-backend", choices=["torchao", "te"], default="torchao",
+                    help="With --precision fp8: training.fp8_backend (te = Transformer Engine Linear layers in both "
+                         "frameworks, eager: needs --no-compile; its recipes: tensorwise, blockwise, mxfp8).")
     ap.add_argument("--fp8-emulate", action="store_true",
                     help="With --precision fp8: convert without the FP8-device check (CPU: emulated casts, to test "
                          "this script's fp8 path; the figures mean nothing).")
@@ -300,6 +309,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="With --separate-processes: run the pair this many times, alternating which goes first "
                          "(ABBA...), and report the median over all rounds' steps plus each round's ratio.")
     args = ap.parse_args(argv)
+    if args.precision == "fp8" and args.fp8_backend == "te":
+        if not args.no_compile:
+            ap.error("--fp8-backend te runs Tessera eager (TE's Linear runs outside torch.compile): add --no-compile")
+        if problem := te_config_problem(args.fp8_recipe, False, "none", args.batch, args.seq):
+            ap.error(problem)
+    if args.precision == "fp8" and args.fp8_backend == "torchao" and args.fp8_recipe not in ("tensorwise", "rowwise"):
+        ap.error(f"--fp8-recipe {args.fp8_recipe} is Transformer Engine's: add --fp8-backend te")
     if args.breakdown and args.device != "cpu":
         ap.error("--breakdown measures CPU time and is for --device cpu (on a GPU use benchmarks/kernels.py)")
     if args.separate_processes:
@@ -337,12 +353,11 @@ def main(argv: list[str] | None = None) -> None:
         hf = hf_llama(cfg, device)
         copy_weights_to_hf(ours, hf, cfg)
         hf.train()
-        fp8_layers["transformers"] = float8(hf, args, device)
-        step_fns["transformers"] = hf_standard_step(hf, optim_cfg, Precision(args.precision, device))
+        fp8_layers["transformers"], precision = float8(hf, args, device)
+        step_fns["transformers"] = hf_standard_step(hf, optim_cfg, precision)
     if args.only != "transformers":
-        fp8_layers["tessera"] = float8(ours, args, device)
-        step_fns["tessera"] = tessera_step(ours, optim_cfg, Precision(args.precision, device), not args.no_compile,
-                                           documents)
+        fp8_layers["tessera"], precision = float8(ours, args, device)
+        step_fns["tessera"] = tessera_step(ours, optim_cfg, precision, not args.no_compile, documents)
     else:
         del ours
     results = time_interleaved(step_fns, batches, args.warmup, args.steps, sync)
@@ -421,7 +436,11 @@ def run_separately(args: argparse.Namespace) -> None:
 def precision_label(args: argparse.Namespace) -> str:
     if args.precision != "fp8":
         return args.precision
-    return f"fp8 ({args.fp8_recipe}, torchao Float8Linear{', emulated' if args.fp8_emulate else ''})"
+    return f"fp8 ({args.fp8_recipe}, {fp8_layer_kind(args)}{', emulated' if args.fp8_emulate else ''})"
+
+
+def fp8_layer_kind(args: argparse.Namespace) -> str:
+    return "Transformer Engine Linear" if args.fp8_backend == "te" else "torchao Float8Linear"
 
 
 def report(args: argparse.Namespace, cfg: ModelConfig, results: dict[str, dict], device: torch.device) -> None:
@@ -435,7 +454,7 @@ def report(args: argparse.Namespace, cfg: ModelConfig, results: dict[str, dict],
               f"{r['median_step_s'] * 1e3:>11.1f} ms{r['first_step_s']:>11.1f} s{r['final_loss']:>12.4f}"
               f"{r['page_faults_per_step']:>18,.0f}{memory}")
     if args.precision == "fp8":
-        print("fp8 layers (torchao Float8Linear): " + ", ".join(f"{n} {r['fp8_layers']}" for n, r in results.items()))
+        print(f"fp8 layers ({fp8_layer_kind(args)}): " + ", ".join(f"{n} {r['fp8_layers']}" for n, r in results.items()))
     if all("breakdown" in r for r in results.values()):
         print_breakdown({name: r["breakdown"] for name, r in results.items()}, not args.separate_processes)
     ratio = None

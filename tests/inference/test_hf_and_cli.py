@@ -59,6 +59,35 @@ def test_gpt2_export_dir_matches_transformers(tiny_ckpt, tmp_path):
     assert token_ids(out) == ref[0, len(prompt):].tolist()
 
 
+def test_an_hf_directory_is_loaded_with_each_header_parsed_once_and_bad_headers_refused(tiny_ckpt, tmp_path,
+                                                                                       monkeypatch):
+    """The loader checks the safetensors headers up front (before the tokenizer; under tensor
+    parallel before any worker starts) and builds the tensors from that check: one parse per file.
+    The weights equal the checkpoint's; a header that does not fit its file is still one line."""
+    from tessera.common.errors import ArtifactError
+    from tessera.common.hf import directory
+    from tessera.inference.loader import load_for_serving
+
+    tensors = load_model_tensors(resolve_checkpoint(tiny_ckpt))
+    export = _export(hf_llama_from(tiny_config(), tensors), tiny_ckpt, tmp_path / "hf")
+    parsed = []
+    parse = directory.SafetensorsFile.__init__
+
+    def counting(self, path):
+        parsed.append(path.name)
+        parse(self, path)
+
+    monkeypatch.setattr(directory.SafetensorsFile, "__init__", counting)
+    loaded = load_for_serving(export, torch.device("cpu"), torch.float32)
+    assert parsed == ["model.safetensors"]
+    state = loaded.model.state_dict()
+    assert all(torch.equal(state[name], t) for name, t in tensors.items())
+    weights = export / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-16])  # the last tensor now ends past the file
+    with pytest.raises(ArtifactError, match=r"model.safetensors: not a readable safetensors file .*truncated"):
+        load_for_serving(export, torch.device("cpu"), torch.float32)
+
+
 def _cli(name, *args):
     code = f"import sys; from tessera.inference.{name} import main; from tessera.common.errors import run_cli; run_cli(main)"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 from inference_helpers import make_engine, run_all, token_ids
 
 from tessera.inference.detokenizer import IncrementalDetokenizer
-from tessera.inference.sampler import filter_logits
+from tessera.inference.sampler import filter_logits, sampling_row
 from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.sequence import Sequence
 
 
 def test_filters():
@@ -111,3 +113,73 @@ def test_logprobs_are_log_softmax(tiny_ckpt):
     for lp in lps:
         assert lp.top[0][0] == lp.token_id and math.isclose(lp.top[0][1], lp.logprob, abs_tol=1e-6)
         assert sum(math.exp(v) for _, v in lp.top) <= 1.0 + 1e-6
+
+
+def _random_request(rng: random.Random, vocab: int, i: int) -> Sequence:
+    """A sequence with random settings of every kind the sampler applies, and random history."""
+    greedy = rng.random() < 0.2
+    params = SamplingParams(
+        max_tokens=32, min_tokens=rng.choice([0, 0, 3, 20]),
+        temperature=0.0 if greedy else rng.uniform(0.3, 2.0),
+        top_k=rng.choice([0, 0, 2, 5, 40]), top_p=rng.choice([1.0, 1.0, 0.9, 0.5]), min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.3, 0.8]), presence_penalty=rng.choice([0.0, 0.7, -0.5]),
+        frequency_penalty=rng.choice([0.0, 0.4, -0.3]), stop_token_ids=rng.sample(range(vocab), rng.randint(0, 2)),
+        logit_bias={t: rng.uniform(-100, 100) for t in rng.sample(range(vocab), rng.choice([0, 0, 1, 3]))})
+    return Sequence(request_id=f"r{i}", prompt_ids=[rng.randrange(vocab) for _ in range(rng.randint(1, 6))],
+                    params=params, generator=torch.Generator().manual_seed(1000 + i), detokenizer=None,  # type: ignore[arg-type]
+                    eos_ids=frozenset({rng.randrange(vocab)}), max_model_len=100,
+                    output_ids=[rng.randrange(vocab) for _ in range(rng.randint(0, 8))])
+
+
+def test_the_batched_sampler_draws_every_row_from_its_sampling_row(monkeypatch):
+    """Speculative decoding is exact only if `verify` and a draft model sample from the row the
+    Sampler draws from: for random settings (penalties, logit_bias, min_tokens, temperature, top-k,
+    top-p, min-p, greedy), batched together, the Sampler's token of each request is the one
+    `sampling_row` + `pick` choose with a generator of the same seed, from the same probabilities."""
+    from tessera.inference import sampler
+
+    vocab = 48
+    rng = random.Random(0)
+    drawn: list[torch.Tensor] = []
+    draw = sampler.draw
+
+    def spy(row, generator):
+        token, probs = draw(row, generator)
+        drawn.append(probs)
+        return token, probs
+
+    for trial in range(25):
+        seqs = [_random_request(rng, vocab, i) for i in range(8)]
+        logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(trial)) * 3
+        before = logits.clone()
+        drawn.clear()
+        with monkeypatch.context() as m:
+            m.setattr(sampler, "draw", spy)
+            chosen, _, failed = sampler.Sampler()(seqs, logits)
+        assert not failed and torch.equal(logits, before)  # the caller's logits are left as they were
+        sampled = iter(drawn)
+        for seq, row, token in zip(seqs, logits, chosen):
+            single = sampler.sampling_row(row, seq)
+            want, probs = sampler.pick(single, seq.params, torch.Generator().manual_seed(seq.generator.initial_seed()))
+            assert token == want, (trial, seq.request_id, seq.params)
+            if seq.params.greedy:
+                assert probs is None
+            else:
+                assert torch.equal(next(sampled), probs), (trial, seq.request_id, seq.params)
+        assert next(sampled, None) is None  # greedy rows drew nothing
+
+
+def test_sampling_row_applies_each_setting_as_documented():
+    """`sampling_row` against hand-computed rows: the penalties count the history, logit_bias adds,
+    min_tokens bans EOS and the stop ids, then temperature and top-k."""
+    logits = torch.tensor([1.0, 2.0, 0.5, -1.0, 3.0])
+    params = SamplingParams(max_tokens=8, min_tokens=2, temperature=0.5, top_k=3, presence_penalty=1.0,
+                            stop_token_ids=[2], logit_bias={3: 4.0})
+    seq = Sequence(request_id="x", prompt_ids=[0], params=params, generator=torch.Generator(), detokenizer=None,  # type: ignore[arg-type]
+                   eos_ids=frozenset({4}), max_model_len=100, output_ids=[1])
+    row = sampling_row(logits, seq)
+    inf = float("inf")
+    # 1 was generated (presence -1); 3 biased +4; 2 (stop id) and 4 (EOS) banned; / 0.5; top-3 of 3 finite.
+    assert row.tolist() == [2.0, 2.0, -inf, 6.0, -inf]
+    seq.output_ids.append(0)  # two tokens now: min_tokens reached, EOS and the stop id come back
+    assert sampling_row(logits, seq).tolist() == [-inf, 2.0, -inf, 6.0, 6.0]

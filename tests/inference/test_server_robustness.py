@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -161,13 +162,13 @@ def test_stop_lists_are_bounded_in_count_and_length(server):
 def test_sampling_a_degenerate_row_never_raises():
     g = torch.Generator().manual_seed(0)
     inf = float("inf")
-    assert draw(torch.full((8,), -inf), g) in range(8)
-    assert draw(torch.tensor([float("nan")] * 8), g) in range(8)
-    assert draw(torch.tensor([0.0, inf, 1.0, inf]), g) in (1, 3)
-    assert draw(torch.tensor([-inf, 2.0, -inf, float("nan")]), g) == 1
+    assert draw(torch.full((8,), -inf), g)[0] in range(8)
+    assert draw(torch.tensor([float("nan")] * 8), g)[0] in range(8)
+    assert draw(torch.tensor([0.0, inf, 1.0, inf]), g)[0] in (1, 3)
+    assert draw(torch.tensor([-inf, 2.0, -inf, float("nan")]), g)[0] == 1
 
 
-def test_a_request_that_fails_in_the_engine_fails_alone(tiny_ckpt):
+def test_a_request_that_fails_in_the_engine_fails_alone(tiny_ckpt, monkeypatch):
     """A plan whose execution raises is executed one request at a time: only the request that
     fails alone gets an error; its batch mate's tokens equal a run without it."""
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -186,14 +187,16 @@ def test_a_request_that_fails_in_the_engine_fails_alone(tiny_ckpt):
     assert token_ids(outs["good"]) == alone and outs["good"][-1].error is None
     assert engine.blocks.num_used == 0 and not engine.has_unfinished()
     # A failure while sampling one row stays with that row too.
-    sampler_call = engine.runner.sampler._process
+    from tessera.inference import sampler
 
-    def faulty_process(row, seq, needs_mask):
+    process_row = sampler.process_row
+
+    def faulty_process(row, seq):
         if seq.request_id == "bad2":
             raise RuntimeError("injected sampling fault")
-        return sampler_call(row, seq, needs_mask)
+        return process_row(row, seq)
 
-    engine.runner.sampler._process = faulty_process
+    monkeypatch.setattr(sampler, "process_row", faulty_process)
     penalized = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=1.5)
     outs = run_all(engine, {"good2": ([5, 6, 7, 8], greedy), "bad2": ([9, 10, 11], penalized)})
     assert outs["bad2"][-1].error and token_ids(outs["good2"]) == alone
@@ -393,6 +396,78 @@ def test_health_keeps_answering_while_a_maximum_size_prompt_is_processed(tiny_ck
         assert r.json()["tokens"] == backend.encode_batch([long_ok], add_special_tokens=True)[0].ids
     finally:
         s.stop()
+
+
+def _tokenizer_children() -> set[int]:
+    """Pids of this process's tokenizer children (tokenizer_process.py), read from /proc."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):  # it ended meanwhile
+            continue
+        if ppid == os.getpid() and b"tessera.inference.tokenizer_process" in cmdline:
+            found.add(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads child processes from /proc")
+def test_tokenizer_processes_start_with_the_first_long_prompt_and_end_with_the_server(tiny_ckpt):
+    """The tokenizer children serve only texts of LONG_TEXT_CHARS characters or more: a server
+    that has answered only short prompts runs none; the first long prompt starts them and is
+    tokenized exactly as the tokenizer itself does; shutting the server down ends them."""
+    from tessera.inference.tokenizer_process import LONG_TEXT_CHARS
+
+    others = _tokenizer_children()  # another test's server may still be ending its own
+    limits = ServerLimits(max_prompt_tokens=100_000, max_tokens=100, max_prompts=4)
+    s = LiveServer(tiny_ckpt, limits=limits, block_size=8, num_kv_blocks=64)
+    try:
+        short = _post(s, "/tokenize", {"prompt": "def f(x):\n    return x + 1\n"})
+        assert short.status_code == 200, short.text
+        done = _post(s, "/v1/completions", {"prompt": "a b c", "max_tokens": 2})
+        assert done.status_code == 200, done.text
+        assert _tokenizer_children() - others == set()
+        long = ("def f(x):\n    return x + 1\n" * 3000)[:LONG_TEXT_CHARS + 10]
+        r = _post(s, "/tokenize", {"prompt": long})
+        assert r.status_code == 200, r.text
+        backend = s.openai.tokenizer.backend
+        assert r.json()["tokens"] == backend.encode_batch([long], add_special_tokens=True)[0].ids
+        started = _tokenizer_children() - others
+        assert len(started) == 1  # one job needed one child
+    finally:
+        s.stop()
+    deadline = time.time() + 10
+    while _tokenizer_children() & started and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _tokenizer_children() & started
+
+
+def test_concurrent_long_prompts_start_at_most_one_tokenizer_process_per_thread(tiny_ckpt):
+    """Started on demand from several threads at once, the children never outnumber `processes`,
+    every job is answered, and `close` leaves none running."""
+    from tessera.inference.tokenizer_process import TokenizerProcesses
+
+    backend = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=64).tokenizer.backend
+    procs = TokenizerProcesses(backend.to_str(), processes=2, timeout_s=60)
+    assert procs.num_processes == 0
+    texts = [f"def f{i}(x):\n    return x + {i}\n" * 50 for i in range(6)]
+    results: dict[int, list[int] | int] = {}
+    try:
+        threads = [threading.Thread(target=lambda i=i: results.setdefault(i, procs.encode(texts[i], True)))
+                   for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results == {i: backend.encode(texts[i]).ids for i in range(6)}
+        assert 1 <= procs.num_processes <= 2
+        children = [c.process for c in procs._running]
+    finally:
+        procs.close()
+    assert procs.num_processes == 0 and all(p.poll() is not None for p in children)
 
 
 def test_a_stuck_tokenizer_process_ends_its_request_and_is_replaced(tiny_ckpt):

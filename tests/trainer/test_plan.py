@@ -80,6 +80,14 @@ def test_fsdp_shards_weights_grads_and_optimizer_state_by_the_shard_count():
     assert zero1.weights == full.weights and zero1.optimizer * 4 == pytest.approx(full.optimizer)
 
 
+def test_fsdp_with_context_parallel_shards_the_state_over_data_and_context_ranks():
+    """As the runtime (dp_shard_cp): FSDP 2 x CP 2 holds a quarter of the weights, gradients and
+    Adam state, as FSDP 4 does, not the half its two data shards alone would give."""
+    full, cp_fsdp = plan_memory(spec()), plan_memory(spec(dict(data=2, data_shard=2, context=2)))
+    assert cp_fsdp.static * 4 == pytest.approx(full.static)
+    assert cp_fsdp.static == pytest.approx(plan_memory(spec(dict(data=4, data_shard=4))).static)
+
+
 def test_bf16_with_fp32_masters_holds_two_byte_weights_and_eighteen_bytes_in_all():
     m = plan_memory(spec(precision="bf16-master"))
     n = rank_params(spec()).total

@@ -18,8 +18,8 @@ from tessera.common.checkpoint import (
     verify_checksums,
 )
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.hf import eos_token_ids, is_hf_directory, load_hf_weights, read_hf_config
-from tessera.common.hf.directory import checked_hf_weights
+from tessera.common.hf import eos_token_ids, is_hf_directory, read_hf_config
+from tessera.common.hf.directory import checked_hf_weights, imported_tensors
 from tessera.common.model import Transformer, build_model
 from tessera.common.model_config import ModelConfig
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
@@ -82,7 +82,9 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
     hf = path.is_dir() and is_hf_directory(path) and not (path / SIDECAR).is_file()
     if hf:
         cfg, hf_config = read_hf_config(path)  # the one HF adapter, shared with tessera-ckpt import
-        checked_hf_weights(path, cfg)  # headers only: bad weights are refused before anything else
+        # Headers only, parsed and checked once (the tensors below come from this): bad weights are
+        # refused before anything else, and under tensor parallel before any worker starts.
+        hf_weights = checked_hf_weights(path, cfg)
         eos = eos_token_ids(path, hf_config)
         tokenizer = load_tokenizer(path)
     else:
@@ -113,7 +115,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
         check_tensor_parallel(tensor_parallel, cfg, str(path), quantization, device)
         return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids,
                            path=path, hf=hf)
-    tensors = load_hf_weights(path, cfg) if hf else load_model_tensors(path)
+    tensors = imported_tensors(*hf_weights) if hf else load_model_tensors(path)
     model = build_model(cfg, device=device, dtype=torch.float32, seed=None)
     expected = dict(model.state_dict())
     missing = sorted(set(expected) - set(tensors))

@@ -24,7 +24,7 @@ from tessera.inference.sequence import Sequence, TokenLogprob
 from tessera.inference.structured import apply_bitmask, grammar_bitmask
 
 
-def apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
+def apply_penalties(logits: torch.Tensor, seq: Sequence | Hypothetical) -> None:
     """In place on one row [V]."""
     p = seq.params
     dev = logits.device
@@ -68,9 +68,109 @@ def distribution(row: torch.Tensor) -> torch.Tensor:
     return probs
 
 
-def draw(row: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a row of (tempered, filtered) logits, never raising on a degenerate row."""
-    return int(torch.multinomial(distribution(row), 1, generator=generator).item())
+def draw(row: torch.Tensor, generator: torch.Generator) -> tuple[int, torch.Tensor]:
+    """One token from a row of (tempered, filtered) logits, never raising on a degenerate row,
+    and the distribution it was drawn from."""
+    probs = distribution(row)
+    return int(torch.multinomial(probs, 1, generator=generator).item()), probs
+
+
+@dataclass
+class Hypothetical:
+    """A sequence as it would be after some draft tokens: what the processing of one position's
+    logits reads (penalties count the drafts before it; min_tokens counts them too)."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    eos_ids: frozenset[int]
+    matcher: None = None  # speculation never runs under structured output (spec_decode.py)
+
+    @staticmethod
+    def of(seq: Sequence) -> Hypothetical:
+        return Hypothetical(seq.params, seq.prompt_ids, list(seq.output_ids), seq.eos_ids)
+
+
+# ---- the row a request samples from: one home for the batched Sampler, `verify` and the draft --
+# Every token (the Sampler's, speculative verification's, a draft model's) comes from
+# process -> finish -> pick. Speculative decoding is exact only while verification's target
+# distribution is the one the Sampler would draw from, so neither path has steps of its own.
+
+def needs_processing(seq: Sequence | Hypothetical) -> bool:
+    """Whether `process_row` changes anything for this sequence (most rows: no, and no copy)."""
+    p = seq.params
+    return (p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+            or bool(p.logit_bias) or len(seq.output_ids) < p.min_tokens)
+
+
+def process_row(row: torch.Tensor, seq: Sequence | Hypothetical) -> None:
+    """Penalties, logit_bias and the min_tokens mask, in place on one row [V]."""
+    p = seq.params
+    apply_penalties(row, seq)
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=row.device)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device, dtype=row.dtype)
+    if len(seq.output_ids) < p.min_tokens:
+        banned = list(seq.eos_ids | set(p.stop_token_ids))
+        if banned:
+            row[banned] = float("-inf")
+
+
+def process(logits: torch.Tensor, seqs: list[Sequence] | list[Hypothetical], failed: dict[int, Exception]
+            ) -> torch.Tensor:
+    """Every step before the choice, on rows [N, V] (row i for seqs[i]): `process_row` where it
+    changes something, then the structured-output grammar masks of the constrained rows in one
+    masked fill. `logits` is copied once when any row changes, else returned as it is. A row whose
+    processing raises is recorded in `failed` (index -> error) and left as it stands."""
+    out = logits
+    for i, seq in enumerate(seqs):
+        if needs_processing(seq):
+            if out is logits:
+                out = logits.clone()
+            try:
+                process_row(out[i], seq)
+            except Exception as exc:
+                failed[i] = exc
+    constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None and i not in failed]
+    if constrained:
+        # Structured output: one bitmask for every constrained row (mostly computed during the
+        # forward: Grammars.compute_ahead), one masked fill.
+        if out is logits:
+            out = logits.clone()
+        try:
+            bitmask = grammar_bitmask([seqs[i] for i in constrained], logits.shape[1])  # type: ignore[misc]
+            rows = None if len(constrained) == len(seqs) else torch.tensor(constrained, device=logits.device)
+            apply_bitmask(out, rows, bitmask)
+        except Exception as exc:
+            failed.update({i: exc for i in constrained})
+    return out
+
+
+def finish(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """A processed row as `pick` takes it: unchanged when greedy (its argmax is the token), else
+    tempered and filtered (top-k, top-p, min-p)."""
+    if params.greedy:
+        return row
+    return filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p)
+
+
+def pick(row: torch.Tensor, params: SamplingParams, generator: torch.Generator
+         ) -> tuple[int, torch.Tensor | None]:
+    """Choose from a `finish`ed row: the argmax when greedy, else a draw; returns the token and
+    the distribution it was drawn from (None when greedy)."""
+    if params.greedy:
+        return int(row.argmax()), None
+    return draw(row, generator)
+
+
+def sampling_row(logits: torch.Tensor, seq: Sequence | Hypothetical) -> torch.Tensor:
+    """The row the Sampler picks from for `seq`, from its raw logits [V] (left unchanged): the
+    same `process` and `finish` the Sampler runs on its batch. Raises what processing raised."""
+    failed: dict[int, Exception] = {}
+    row = process(logits.unsqueeze(0), [seq], failed)[0]  # type: ignore[list-item]
+    if failed:
+        raise failed[0]
+    return finish(row, seq.params)
 
 
 class Sampler:
@@ -84,36 +184,15 @@ class Sampler:
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        processed = logits
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            needs_mask = len(seq.output_ids) < p.min_tokens
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or needs_mask or p.logit_bias:
-                if processed is logits:
-                    processed = logits.clone()
-                try:
-                    self._process(processed[i], seq, needs_mask)
-                except Exception as exc:
-                    failed[i] = exc
-        constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None and i not in failed]
-        if constrained:
-            # Structured output: one bitmask for every constrained row (mostly computed during the
-            # forward: Grammars.compute_ahead), one masked fill.
-            if processed is logits:
-                processed = logits.clone()
-            try:
-                bitmask = grammar_bitmask([seqs[i] for i in constrained], logits.shape[1])
-                rows = None if len(constrained) == len(seqs) else torch.tensor(constrained, device=logits.device)
-                apply_bitmask(processed, rows, bitmask)
-            except Exception as exc:
-                failed.update({i: exc for i in constrained})
-        chosen = processed.argmax(dim=-1).tolist()  # greedy rows; sampled rows overwritten below
+        processed = process(logits, seqs, failed)
+        # Greedy rows: `pick`'s argmax of a finished (= processed) row, for the batch at once.
+        chosen = processed.argmax(dim=-1).tolist()
         for i, seq in enumerate(seqs):
             p = seq.params
             if p.greedy or i in failed:
                 continue
             try:
-                chosen[i] = draw(filter_logits(processed[i] / p.temperature, p.top_k, p.top_p, p.min_p), seq.generator)
+                chosen[i] = pick(finish(processed[i], p), p, seq.generator)[0]
             except Exception as exc:
                 failed[i] = exc
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
@@ -124,19 +203,6 @@ class Sampler:
                     logprobs[i] = token_logprob(raw_logprobs[i], chosen[i], n)
         return chosen, logprobs, failed
 
-    @staticmethod
-    def _process(row: torch.Tensor, seq: Sequence, needs_mask: bool) -> None:
-        """Penalties, logit_bias and the min_tokens mask, in place on one row."""
-        p = seq.params
-        apply_penalties(row, seq)
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=row.device)
-            row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device, dtype=row.dtype)
-        if needs_mask:
-            banned = list(seq.eos_ids | set(p.stop_token_ids))
-            if banned:
-                row[banned] = float("-inf")
-
 
 def token_logprob(row_logprobs: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
     top: list[tuple[int, float]] = []
@@ -144,45 +210,6 @@ def token_logprob(row_logprobs: torch.Tensor, token: int, top_n: int) -> TokenLo
         vals, ids = torch.topk(row_logprobs, top_n)
         top = list(zip(ids.tolist(), vals.tolist()))
     return TokenLogprob(token_id=token, logprob=float(row_logprobs[token]), top=top)
-
-
-@dataclass
-class Hypothetical:
-    """A sequence as it would be after some draft tokens: what the processing of one position's
-    logits reads (penalties count the drafts before it; min_tokens counts them too)."""
-
-    params: SamplingParams
-    prompt_ids: list[int]
-    output_ids: list[int]
-    eos_ids: frozenset[int]
-
-    @staticmethod
-    def of(seq: Sequence) -> Hypothetical:
-        return Hypothetical(seq.params, seq.prompt_ids, list(seq.output_ids), seq.eos_ids)
-
-
-def sampling_row(logits: torch.Tensor, seq: Sequence | Hypothetical) -> torch.Tensor:
-    """The row the sampler picks from for `seq` (without structured output): penalties,
-    logit_bias and the min_tokens mask; then, unless greedy (argmax of this row), temperature,
-    top-k, top-p and min-p. `logits` [V] is left unchanged."""
-    p = seq.params
-    needs_mask = len(seq.output_ids) < p.min_tokens
-    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or needs_mask or p.logit_bias:
-        logits = logits.clone()
-        Sampler._process(logits, seq, needs_mask)  # type: ignore[arg-type]
-    if p.greedy:
-        return logits
-    return filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p)
-
-
-def pick(row: torch.Tensor, seq: Sequence | Hypothetical, generator: torch.Generator
-         ) -> tuple[int, torch.Tensor | None]:
-    """Choose from a `sampling_row`: the argmax when greedy, else a draw; returns the token and
-    the distribution it was drawn from (None when greedy)."""
-    if seq.params.greedy:
-        return int(row.argmax()), None
-    probs = distribution(row)
-    return int(torch.multinomial(probs, 1, generator=generator).item()), probs
 
 
 def verify(seq: Sequence, drafts: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor
@@ -224,4 +251,4 @@ def verify(seq: Sequence, drafts: list[int], draft_probs: torch.Tensor | None, l
                 return out + [int(torch.multinomial(residual, 1, generator=gen).item())]
         out.append(d)
         view.output_ids.append(d)
-    return out + [pick(sampling_row(logits[len(drafts)], view), view, gen)[0]]
+    return out + [pick(sampling_row(logits[len(drafts)], view), seq.params, gen)[0]]

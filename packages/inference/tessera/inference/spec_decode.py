@@ -189,7 +189,7 @@ class DraftModelProposer:
             logits = self.runner.forward(SchedulerOutput(plan), rows)
             for s, p, row in zip(active, plan, logits):
                 view = views[s.request_id]
-                token, q = pick(sampling_row(row, view), view, s.generator)
+                token, q = pick(sampling_row(row, view), s.params, s.generator)
                 s.spec_token_ids.append(token)
                 view.output_ids.append(token)
                 if q is not None:

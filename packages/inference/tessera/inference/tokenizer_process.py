@@ -11,9 +11,12 @@ no transfer of a million ids back). Shorter texts stay on the server's threads, 
 GIL-held part of their encode is short and a round trip to a child would cost more; the
 threshold is a judgement (1/64 of the default 4 MiB body limit), not a measured optimum.
 
-Bounded: as many processes as the server has tokenizer threads (each thread waits on at most
-one job); a job that outlasts `timeout_s`, or a child that dies, ends that request with
-`TokenizerUnavailable` and the child is replaced.
+Started on demand: no child runs until a long text needs one (most servers never see a 64 Ki
+character prompt); the request that finds no idle child starts one and pays its start (a fraction
+of a second, see below). Bounded: at most as many processes as the server has tokenizer threads
+(each thread waits on at most one job); a job that outlasts `timeout_s`, or a child that dies,
+ends that request with `TokenizerUnavailable` and the child is replaced. `close` at server exit
+ends every child, idle or busy.
 
 A child is `python -m tessera.inference.tokenizer_process FD`, talking over a socket pair in
 plain bytes (UTF-8 text in, little-endian int32 ids out), as the engine process talks JSON: no
@@ -33,6 +36,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 from multiprocessing.connection import Connection
 
 LONG_TEXT_CHARS = 65_536
@@ -92,38 +96,83 @@ class _Child:
 
 
 class TokenizerProcesses:
-    """A fixed set of tokenizer child processes, started at once and used one job at a time each."""
+    """Up to `processes` tokenizer child processes, each started when a job first finds none idle
+    and then used one job at a time. Thread-safe: the tokenizer threads call `encode` at once."""
 
     def __init__(self, tokenizer_json: str, processes: int, timeout_s: float):
         self._json = tokenizer_json.encode()
         self.timeout_s = timeout_s
+        self._max = processes
         self._idle: queue.Queue[_Child] = queue.Queue()
-        for _ in range(processes):
-            self._idle.put(_Child(self._json))
+        self._lock = threading.Lock()  # guards _running and _closed
+        self._running: set[_Child] = set()  # every child started and not yet closed, idle or busy
+        self._closed = False
+
+    @property
+    def num_processes(self) -> int:
+        """Children running now (idle or busy)."""
+        with self._lock:
+            return len(self._running)
+
+    def _take(self) -> _Child:
+        """An idle child, else a new one while fewer than `processes` run, else the first to come
+        back within `timeout_s`."""
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if self._closed:
+                raise TokenizerUnavailable("the server is shutting down")
+            start = len(self._running) < self._max
+            if start:
+                child = _Child(self._json)  # under the lock: never more than `processes` children
+                self._running.add(child)
+        if start:
+            return child
+        try:
+            return self._idle.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TokenizerUnavailable(f"every tokenizer process stayed busy for {self.timeout_s:g} s") from None
+
+    def _give_back(self, child: _Child, broken: bool) -> None:
+        """Back to the idle queue; a broken child is closed and replaced (a job may be waiting for
+        one); after `close`, closed."""
+        with self._lock:  # so that `close` cannot drain the idle queue between the check and the put
+            if not broken and not self._closed:
+                self._idle.put(child)
+                return
+            self._running.discard(child)
+            if not self._closed:
+                replacement = _Child(self._json)
+                self._running.add(replacement)
+                self._idle.put(replacement)
+        child.close()
 
     def encode(self, text: str, add_special_tokens: bool, limit: int | None = None) -> list[int] | int:
         """The ids of `text`, or their count when it exceeds `limit`. Blocks the calling thread (not
         the GIL) for at most twice `timeout_s`: waiting for a free child, then for its answer."""
-        try:
-            child = self._idle.get(timeout=self.timeout_s)
-        except queue.Empty:
-            raise TokenizerUnavailable(f"every tokenizer process stayed busy for {self.timeout_s:g} s") from None
+        child = self._take()
+        broken = False
         try:
             return child.encode(text, add_special_tokens, limit, self.timeout_s)
         except (TimeoutError, EOFError, OSError) as exc:
-            child.close()  # stuck or dead: replace it so the next request finds a working one
-            child = _Child(self._json)
+            broken = True  # stuck or dead: replaced, so the next job finds a working one
             what = f"took longer than {self.timeout_s:g} s" if isinstance(exc, TimeoutError) else "failed"
             raise TokenizerUnavailable(f"tokenizing the text {what}") from None
         finally:
-            self._idle.put(child)
+            self._give_back(child, broken)
 
     def close(self) -> None:
-        while True:
-            try:
-                self._idle.get_nowait().close()
-            except queue.Empty:
-                return
+        """End every child: the idle ones now, a busy one when its job comes back."""
+        idle = []
+        with self._lock:
+            self._closed = True
+            while not self._idle.empty():
+                idle.append(self._idle.get_nowait())
+            self._running.difference_update(idle)
+        for child in idle:
+            child.close()
 
 
 if __name__ == "__main__":

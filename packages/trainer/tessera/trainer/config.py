@@ -18,6 +18,8 @@ from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, check_expert_parallel
 from tessera.common.model_config import ModelConfig
+from tessera.trainer.fp8 import RECIPES as TORCHAO_RECIPES
+from tessera.trainer.fp8_te import te_config_problem, te_layout_problem
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
 # the real vocab_size) has been read; no shape check depends on it.
@@ -84,8 +86,9 @@ class TrainingConfig(StrictModel):
     rampup_batch_size: tuple[int, int, int] | None = Field(None, description="Megatron's --rampup-batch-size [start, increment, samples]: the global batch starts at `start` sequences and grows by `increment` at even intervals over the first `samples` consumed samples, up to global_batch_size (tessera.trainer.data.global_batch_size_at). Every size must be a multiple of micro_batch_size x data-parallel size.")
     steps: int = Field(100, gt=0, description="Optimizer steps to train (the run ends when the step counter reaches this).")
     seed: int = Field(1234, description="Seed for weight init and every RNG (python, numpy, torch).")
-    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged); fp8 = bf16 with the linear layers' matmuls in float8 through torchao (GPUs of compute capability 8.9+; under parallel.tensor > 1 the tensor-parallel layers keep their collectives and cast with global scales; tessera.trainer.fp8).")
-    fp8_recipe: Literal["tensorwise", "rowwise"] = Field("tensorwise", description="fp8 only: torchao Float8 scaling, one scale per tensor (tensorwise, fastest) or per row (rowwise, robust to outliers).")
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged); fp8 = bf16 with the linear layers' matmuls in float8 through torchao or Transformer Engine (fp8_backend; GPUs of compute capability 8.9+; under parallel.tensor > 1 the tensor-parallel layers keep their collectives and cast with global scales; tessera.trainer.fp8).")
+    fp8_recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8"] = Field("tensorwise", description="fp8 only: the scaling. tensorwise = one scale per tensor from its current amax (fastest; both backends: torchao's tensorwise, TE's Float8CurrentScaling); rowwise = one per row (robust to outliers; torchao only); blockwise = 1x128 activation/gradient and 128x128 weight blocks (TE's Float8BlockScaling, compute capability 9.0+); mxfp8 = one scale per 32 values (TE's MXFP8BlockScaling, Blackwell). A recipe the backend lacks is refused.")
+    fp8_backend: Literal["torchao", "te"] = Field("torchao", description="fp8 only: torchao = torchao Float8Linear (the default; composes with compile, recompute and every parallel layout; tessera.trainer.fp8); te = NVIDIA Transformer Engine's Linear under its FP8 autocast (optional: pip install 'tessera-trainer[te]' on a CUDA machine; one process, training.compile=false, recompute none or selective; tessera.trainer.fp8_te). Checkpoints are the same under both.")
     fp16_initial_scale: float = Field(2.0**16, gt=0, description="fp16 only: starting loss scale.")
     fp16_growth_interval: int = Field(1000, gt=0, description="fp16 only: steps without overflow before the loss scale doubles.")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute: none; selective = attention core; full = every transformer block.")
@@ -104,6 +107,23 @@ class TrainingConfig(StrictModel):
     save_interval: int = Field(0, ge=0, description="Save a checkpoint every N steps; one is always saved at the end. 0 = only at the end.")
     check_nonfinite: bool = Field(True, description="Stop with a one-line error (exit 1) at the first step whose loss or gradient norm is inf/nan, saving nothing, so the newest checkpoint stays the last good one (Megatron's --check-for-nan-in-loss-and-grad). fp32/bf16; fp16 skips such steps by its loss scaling instead.")
     peak_tflops: float | None = Field(None, gt=0, description="Peak TFLOP/s for MFU; default: table of known GPUs, or a matmul measured at start on CPU.")
+
+
+    @model_validator(mode="after")
+    def _check_fp8_backend(self) -> TrainingConfig:
+        """What fp8_backend and fp8_recipe need of the rest of this section (tessera.trainer.fp8_te)."""
+        if self.fp8_backend == "te":
+            if self.precision != "fp8":
+                raise ValueError(f"training.fp8_backend=te is for training.precision=fp8 (this run is "
+                                 f"{self.precision}); set precision fp8 or drop fp8_backend")
+            problem = te_config_problem(self.fp8_recipe, self.compile, self.recompute, self.micro_batch_size,
+                                        self.seq_length)
+            if problem:
+                raise ValueError(problem)
+        elif self.precision == "fp8" and self.fp8_recipe not in TORCHAO_RECIPES:
+            raise ValueError(f"training.fp8_recipe={self.fp8_recipe} is a Transformer Engine recipe: set "
+                             f"training.fp8_backend=te, or use {' or '.join(TORCHAO_RECIPES)} with torchao")
+        return self
 
 
 class ParallelConfigSection(StrictModel):
@@ -248,8 +268,19 @@ class TrainConfig(StrictModel):
             if (t.global_batch_size - start) % increment:
                 raise ValueError(f"training.rampup_batch_size {list(t.rampup_batch_size)}: global_batch_size "
                                  f"({t.global_batch_size}) minus start must be a multiple of the increment")
+        if t.fp8_backend == "te" and (problem := te_layout_problem(self.parallel.model_parallel_size
+                                                                   * self.parallel.data_shard)):
+            raise ValueError(problem)
         if self.parallel.async_tp and not t.compile:  # inductor does the overlap: refused before any launch
             raise ValueError("parallel.async_tp needs training.compile=true (inductor's micro-pipeline TP pass)")
+        p = self.parallel
+        # The one check of fsdp_float8_all_gather (the trainer's runtime and fp8 conversion rely on it).
+        if p.fsdp_float8_all_gather and (t.precision != "fp8" or p.data_shard == 1 or t.fp8_recipe != "tensorwise"):
+            raise ValueError("parallel.fsdp_float8_all_gather needs training.precision=fp8, training.fp8_recipe="
+                             "tensorwise and parallel.data_shard > 1 (under torchrun); unset it")
+        if p.fsdp_float8_all_gather and p.tensor > 1:
+            raise ValueError("parallel.fsdp_float8_all_gather does not compose with parallel.tensor > 1 (torchao's "
+                             "float8 weights are for Float8Linear, not Tessera's tensor-parallel layers); unset it")
         model = self.resolve_model(_PLACEHOLDER_VOCAB)
         max_seq = model.max_seq_len
         if t.seq_length > max_seq:

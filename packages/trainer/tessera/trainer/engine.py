@@ -29,6 +29,7 @@ from tessera.trainer.checkpointing import local_components
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.fp8 import apply_float8
+from tessera.trainer.fp8_te import apply_te
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer, set_lr
 from tessera.trainer.precision import Precision
@@ -86,10 +87,13 @@ class LocalEngine:
         self.micro_batch = t.micro_batch_size
         # Compilation is the step's (forward and loss in one graph), not the model's.
         self.model = prepare_model(model, device, t.seed, t.recompute)
-        if t.precision == "fp8":
+        fp8_context = None  # Transformer Engine's FP8 autocast, entered inside torch's (Precision)
+        if t.precision == "fp8" and t.fp8_backend == "te":
+            _, fp8_context = apply_te(self.model, t.fp8_recipe, device)
+        elif t.precision == "fp8":
             apply_float8(self.model, t.fp8_recipe, device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.precision = Precision(t.precision, device, t.fp16_initial_scale, t.fp16_growth_interval)
+        self.precision = Precision(t.precision, device, t.fp16_initial_scale, t.fp16_growth_interval, fp8_context)
         self.step = TrainStep(self.model, self.optimizer, self.precision, cfg.optim.grad_clip,
                               t.loss_chunk_tokens, t.compile, documents)
         # MoE: router statistics of each step, and the balancing-bias update after it.

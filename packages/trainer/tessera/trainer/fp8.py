@@ -1,5 +1,11 @@
 """FP8 training (training.precision: fp8) through torchao's Float8 linear layers.
 
+Backends (`training.fp8_backend`): torchao (this module, the default: every composition below)
+or NVIDIA Transformer Engine (`te`, tessera.trainer.fp8_te, when installed: its Linear layers
+in the same places, `eligible` below, with TE's recipes tensorwise (current scaling), blockwise
+and mxfp8; one process, eager, no full recompute; refused with one line otherwise). Both keep
+state dicts those of a bf16 run, so checkpoints interchange across backends.
+
 `training.precision: fp8` is bf16 autocast (tessera.trainer.precision) with every eligible
 nn.Linear swapped for torchao's `Float8Linear`: its three matmuls (output, input gradient, weight
 gradient) cast their operands to float8 e4m3 with dynamic scales and run on FP8 tensor cores;
@@ -32,7 +38,8 @@ Composition (issue #19), what holds and what is refused:
   per tensor for the whole unsharded weight; the scales of all weights are then computed in one
   all-reduce after each optimizer step by `precompute_float8_scales` (torchao's
   `precompute_float8_dynamic_scale_for_fsdp`). Tensorwise only (torchao: a rowwise scale needs the
-  whole row, which the shard does not have); rowwise with it is refused with one line.
+  whole row, which the shard does not have); the trainer's config (TrainConfig, the one check of
+  the option) refuses it with rowwise, without FSDP, or with tensor parallel, in one line.
 - tensor parallel (and sequence parallel): Tessera's ColumnParallelLinear/RowParallelLinear issue
   their collectives in their own forward, so they are not swapped (a Float8Linear would drop the
   collectives; torchao's own TP support is for DTensor layers). Instead their local-matmul hook
@@ -44,7 +51,7 @@ Composition (issue #19), what holds and what is refused:
   state dicts and checkpoints are the same as bf16's. The hook compiles as one graph (dynamo
   fullgraph + AOTAutograd, tested with aot_eager on CPU; the all-reduces are functional
   collectives). Over one tensor rank the layers are plain Linear layers with tags and are swapped
-  for Float8Linear (tags kept). Not with FSDP float8 all-gather (refused with one line).
+  for Float8Linear (tags kept). Not with FSDP float8 all-gather (refused by the trainer's config).
 - the parallel runtime (`ParallelConfig.fp8_recipe`, set by the trainer under torchrun): converts
   each stage after the tensor-parallel swap and before compile and fully_shard; ZeRO-1 data
   parallel, FSDP (meta build, sharded init) and pipeline train like one process in fp8 over the
@@ -61,7 +68,7 @@ import torch
 from torch import nn
 
 from tessera.common.errors import UserError
-from tessera.common.parallel.layers import PARALLEL_TAGS, ColumnParallelLinear, RowParallelLinear
+from tessera.common.parallel.layers import ColumnParallelLinear, RowParallelLinear, keep_tags
 
 RECIPES = ("tensorwise", "rowwise")
 FP8_MIN_CAPABILITY = (8, 9)
@@ -93,8 +100,8 @@ def _tensor_parallel_size(module: nn.Module) -> int | None:
     return None
 
 
-def _eligible(module: nn.Linear, fqn: str) -> bool:
-    """Not the output head; dimensions (local ones, for a tensor-parallel layer: what the GEMM
+def eligible(module: nn.Linear, fqn: str) -> bool:
+    """Which Linear layers train in FP8, under either backend (this one and fp8_te): not the output head; dimensions (local ones, for a tensor-parallel layer: what the GEMM
     sees) multiples of 16."""
     if fqn.split(".")[-1] == "lm_head":
         return False
@@ -106,16 +113,13 @@ def _converts(module: nn.Module, fqn: str) -> bool:
         return True  # let torchao descend into containers
     if (_tensor_parallel_size(module) or 1) > 1:
         return False  # keeps its class and collectives; its local matmul becomes Float8LocalLinear
-    return _eligible(module, fqn)
+    return eligible(module, fqn)
 
 
 def float8_config(recipe: str, fsdp_float8_all_gather: bool = False):
     """torchao's Float8LinearConfig for `recipe`, with FSDP2's float8 all-gather when asked."""
     if recipe not in RECIPES:
         raise UserError(f"training.fp8_recipe {recipe!r} is not one of {', '.join(RECIPES)}")
-    if fsdp_float8_all_gather and recipe != "tensorwise":
-        raise UserError(f"float8 all-gather under FSDP needs training.fp8_recipe=tensorwise (one scale per weight; "
-                        f"a {recipe} scale needs whole rows, which a shard does not hold); use tensorwise")
     if importlib.util.find_spec("torchao") is None:
         raise UserError("training.precision=fp8 needs torchao: pip install 'tessera-trainer[fp8]'")
     from torchao.float8 import Float8LinearConfig
@@ -130,26 +134,20 @@ def convert_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: boo
     Tensor-parallel layers keep their class and get a float8 `local_linear`. Returns the
     names of the converted layers. No device check (see `apply_float8`). With
     `fsdp_float8_all_gather` (before `fully_shard`), FSDP2 gathers the weights in float8; then
-    call `precompute_float8_scales` after every optimizer step.
+    call `precompute_float8_scales` after every optimizer step. The option's combinations
+    (tensorwise, FSDP, no tensor parallel) are the trainer config's to check.
     """
     config = float8_config(recipe, fsdp_float8_all_gather)
     parallel = [(name, m) for name, m in model.named_modules() if (_tensor_parallel_size(m) or 1) > 1]
-    if parallel and fsdp_float8_all_gather:
-        raise UserError("float8 all-gather under FSDP does not compose with parallel.tensor > 1 (torchao's float8 "
-                        "weights are for Float8Linear, not Tessera's tensor-parallel layers); set "
-                        "parallel.fsdp_float8_all_gather=false")
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     # The parallel runtime's tags on parameters (tessera.common.parallel.layers) survive the swap:
     # float8 all-gather wraps each weight in a new Parameter.
-    tags = {n: {k: getattr(p, k) for k in PARALLEL_TAGS if hasattr(p, k)} for n, p in model.named_parameters()}
-    convert_to_float8_training(model, module_filter_fn=_converts, config=config)
-    for n, p in model.named_parameters():
-        for k, v in tags.get(n, {}).items():
-            setattr(p, k, v)
+    with keep_tags(model):
+        convert_to_float8_training(model, module_filter_fn=_converts, config=config)
     for name, m in parallel:
-        if _eligible(m, name):
+        if eligible(m, name):
             m.local_linear = Float8LocalLinear(config, "column" if isinstance(m, ColumnParallelLinear) else "row",
                                                m.group)
     return [name for name, m in model.named_modules()

@@ -5,23 +5,32 @@ fp32 in every mode; bf16/fp16 runs wrap the forward in torch.autocast, which com
 attention in the low precision from fp32 weights. That gives "fp32 master weights and fp32
 grads" without keeping a second copy of the model. fp16 adds torch.amp.GradScaler: the loss is
 multiplied by the scale before backward, gradients are unscaled before clipping, and a step whose
-gradients hold inf/nan is skipped and the scale halved (the loop logs it).
+gradients hold inf/nan is skipped and the scale halved (the loop logs it). fp8 is bf16 autocast;
+with training.fp8_backend=te the forward also enters Transformer Engine's FP8 autocast with the
+recipe (`fp8_context`, from tessera.trainer.fp8_te.apply_te), inside torch's: the one place a
+forward enters either. Backward runs outside both, as TE's and torch's autocast expect.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
-# fp8 autocasts to bf16; its Linear layers are torchao Float8Linear (tessera.trainer.fp8).
+# fp8 autocasts to bf16; its Linear layers are torchao Float8Linear (tessera.trainer.fp8) or
+# Transformer Engine Linear (tessera.trainer.fp8_te).
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 class Precision:
-    def __init__(self, mode: str, device: torch.device, initial_scale: float = 2.0**16, growth_interval: int = 1000):
+    def __init__(self, mode: str, device: torch.device, initial_scale: float = 2.0**16, growth_interval: int = 1000,
+                 fp8_context: Callable[[], contextlib.AbstractContextManager] | None = None):
+        if fp8_context is not None and mode != "fp8":
+            raise ValueError(f"an FP8 context is for precision fp8, not {mode}")
         self.mode = mode
         self.device = device
+        self.fp8_context = fp8_context
         self.scaler: torch.amp.GradScaler | None = None
         if mode == "fp16":
             self.scaler = torch.amp.GradScaler(device.type, init_scale=initial_scale, growth_interval=growth_interval)
@@ -29,7 +38,14 @@ class Precision:
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.mode == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=_DTYPES[self.mode])
+        if self.fp8_context is None:
+            return torch.autocast(self.device.type, dtype=_DTYPES[self.mode])
+        return self._both_autocasts()
+
+    @contextlib.contextmanager
+    def _both_autocasts(self):
+        with torch.autocast(self.device.type, dtype=_DTYPES[self.mode]), self.fp8_context():
+            yield
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss

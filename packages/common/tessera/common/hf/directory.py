@@ -19,6 +19,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,10 @@ def read_hf_config(directory: str | os.PathLike) -> tuple[ModelConfig, dict[str,
     return model_config_from_hf(data, str(path)), data
 
 
-def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (from the index, else the single file)."""
+def weight_files(directory: str | os.PathLike, open_file: Callable[[Path], SafetensorsFile] | None = None
+                 ) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (from the index, else the single file, whose
+    header `open_file` parses: SafetensorsWeights passes its cache, so the header is parsed once)."""
     directory = Path(directory)
     index = directory / SAFETENSORS_INDEX
     if index.is_file():
@@ -72,7 +75,7 @@ def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
         return where
     single = directory / SAFETENSORS
     if single.is_file():
-        return {name: single for name in SafetensorsFile(single).tensors}
+        return {name: single for name in (open_file or SafetensorsFile)(single).tensors}
     if any(directory.glob("pytorch_model*.bin")):
         raise ArtifactError(f"{directory}: only pickled pytorch_model*.bin weights found; Tessera reads safetensors "
                             "only (it never unpickles): convert them with transformers' "
@@ -135,8 +138,8 @@ class SafetensorsWeights:
     tensor memory-mapped when asked for (headers parsed and checked up front)."""
 
     def __init__(self, directory: str | os.PathLike):
-        self.where = weight_files(directory)  # refuses pickled .bin weights
         self._files: dict[Path, SafetensorsFile] = {}  # parsed headers, one per file
+        self.where = weight_files(directory, self._file)  # refuses pickled .bin weights
         for name, path in self.where.items():
             if name not in self._file(path).tensors:
                 raise ArtifactError(f"{path}: has no tensor {name!r}, which {SAFETENSORS_INDEX} places there")
@@ -168,11 +171,15 @@ def checked_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> tuple[
     return weights, rules
 
 
+def imported_tensors(weights: SafetensorsWeights, rules: list) -> dict[str, torch.Tensor]:
+    """Every parameter, in Tessera names, from what `checked_hf_weights` returned (not checked again)."""
+    return {r.target: r.apply([weights.get(s) for s in r.sources]).contiguous() for r in rules}
+
+
 def load_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Every parameter of `Transformer(cfg)`, in Tessera names, from an HF directory (validated
     first: names, shapes, float dtypes, no tensor left unused)."""
-    weights, rules = checked_hf_weights(directory, cfg)
-    return {r.target: r.apply([weights.get(s) for s in r.sources]).contiguous() for r in rules}
+    return imported_tensors(*checked_hf_weights(directory, cfg))
 
 
 def eos_token_ids(directory: str | os.PathLike, config: dict[str, Any]) -> list[int]:

@@ -43,6 +43,7 @@ class ServerBase:
         # Long texts go on from those threads to child processes (tokenizer_process.py): the
         # tokenizers library still takes the GIL in parts of a long encode (converting the text
         # and the ids), time that /health and every open stream would wait for in this process.
+        # None runs until the first long text needs one; the app's lifespan closes them at exit.
         self._tokenize_procs = TokenizerProcesses(self.tokenizer.backend.to_str(), limits.tokenizer_threads,
                                                   limits.tokenize_timeout_s)
         vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)

@@ -71,7 +71,7 @@ class RankParams:
     embedding: int  # token (+ learned position) embedding, head, final norm
     num_layers: int  # transformer blocks on this rank (all its chunks)
     largest_layer: int  # parameters of the largest block it holds (FSDP's gathered unit)
-    experts: int = 0  # routed experts' parameters among `layers` (FSDP shards them over data ranks only)
+    experts: int = 0  # routed experts' parameters among `layers` (FSDP shards them over data x context ranks only)
 
     @property
     def total(self) -> int:
@@ -163,11 +163,12 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
     n = params.total
     notes: list[str] = []
     buffers = unsharded_grads = 0.0
+    held = float(n)  # parameters this rank allocates (its FSDP shards)
     if spec.fsdp:
-        shards = lay.data_shard
-        # Under expert parallel the dense parameters are sharded over data x expert ranks, the
-        # routed experts (already split over expert ranks) over the data shards of their group.
-        held = (n - params.experts) / (shards * lay.expert) + params.experts / shards
+        # Dense parameters are sharded over data x expert x context ranks (ParallelLayout.fsdp_dims),
+        # the routed experts (already split over expert ranks) over the data shards x context ranks
+        # of their group.
+        held = (n - params.experts) / lay.fsdp_shards + params.experts / lay.fsdp_expert_shards
         weights = held * 4.0  # sharded fp32 parameters are the masters
         grads = held * 4.0
         optimizer = held * 8.0
@@ -186,7 +187,7 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
             # reduce dtype (fp32: FSDP2 upcasts bf16 gradients into `unsharded_accumulated_grad`);
             # the sharded gradients (freed at zero_grad) only appear as these are reduce-scattered.
             unsharded_grads = n * 4.0
-        opt_temp = params.largest_layer * 4.0 / shards
+        opt_temp = params.largest_layer * 4.0 / lay.fsdp_shards
         if spec.cpu_offload:
             notes.append("CPU offload: sharded weights, grads and optimizer state in host memory")
             weights = grads = optimizer = 0.0
@@ -201,8 +202,8 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
         opt_temp = bucket * 4.0 / dense_shards
     flight = in_flight(spec, pp_rank)
     ranges = lay.stage_ranges(spec.model.num_layers)
-    held = [i for st in range(lay.num_stages) if st % lay.pipeline == pp_rank for i in ranges[st]]
-    per_mb = sum(layer_activation_bytes(spec, i) for i in held) + attention_mask_bytes(spec)
+    layers = [i for st in range(lay.num_stages) if st % lay.pipeline == pp_rank for i in ranges[st]]
+    per_mb = sum(layer_activation_bytes(spec, i) for i in layers) + attention_mask_bytes(spec)
     acts = per_mb * flight
     if unsharded_grads:
         # They exist from the rank's first backward on. With forwards left after it (1F1B's
@@ -251,7 +252,7 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
     largest = cfg.vocab_rows * cfg.hidden_size
     if cfg.moe is not None:
         largest = max(largest, 3 * cfg.moe.num_experts * cfg.moe.ffn_hidden_size * cfg.hidden_size)
-    init = (params.total / (lay.data_shard if spec.fsdp else 1) + largest) * 4.0
+    init = (held + largest) * 4.0
     return MemoryPlan(weights=weights, grads=grads, optimizer=optimizer, activations=acts, buffers=buffers,
                       optimizer_temp=opt_temp, init=init, pp_rank=pp_rank, notes=notes,
                       # FSDP frees the sharded gradients at zero_grad and reduce-scatters new ones

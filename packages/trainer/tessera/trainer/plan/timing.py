@@ -88,8 +88,8 @@ def plan_time(spec: PlanSpec, device: DeviceSpec, efficiency: float = DEFAULT_EF
     params = max(rank_params(spec, r).total for r in range(pp))
     wb = 2.0 if spec.bf16_params else 4.0
     if spec.fsdp:
-        shard = lay.data_shard
-        bw = _bandwidth(tp * cp * ep * shard, device)
+        shard = lay.fsdp_shards  # dense parameters are gathered over data x expert x context ranks
+        bw = _bandwidth(tp * cp * ep * lay.data_shard, device)
         gathered_b = 1.0 if spec.fp8_all_gather and spec.float8 else 2.0 if spec.bf16_params else 4.0
         if pp > 1:  # blocks stay gathered over the step; one reduce-scatter after the last micro-batch
             vol = (gathered_b + 4.0) * (shard - 1) / shard * params
