@@ -19,7 +19,7 @@ from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, check_expert_parallel
 from tessera.common.model_config import ModelConfig
 from tessera.trainer.fp8 import RECIPES as TORCHAO_RECIPES
-from tessera.trainer.fp8_te import te_config_problem, te_layout_problem
+from tessera.trainer.fp8_te import te_config_problem, te_layout_problem, te_model_problem
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
 # the real vocab_size) has been read; no shape check depends on it.
@@ -282,6 +282,8 @@ class TrainConfig(StrictModel):
             raise ValueError("parallel.fsdp_float8_all_gather does not compose with parallel.tensor > 1 (torchao's "
                              "float8 weights are for Float8Linear, not Tessera's tensor-parallel layers); unset it")
         model = self.resolve_model(_PLACEHOLDER_VOCAB)
+        if t.fp8_backend == "te" and (problem := te_model_problem(model, t.fp8_recipe)):
+            raise ValueError(problem)  # layer dimensions (mxfp8): from the config, before anything is built
         max_seq = model.max_seq_len
         if t.seq_length > max_seq:
             raise ValueError(f"training.seq_length ({t.seq_length}) exceeds model.max_seq_len ({max_seq})")
