@@ -69,12 +69,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tessera.common.errors import run_cli
+from tessera.common.errors import UserError, run_cli
 from tessera.common.model_config import ModelConfig, preset
 from tessera.trainer.config import OptimConfig
 from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
+from tessera.trainer.fp8 import RECIPES as TORCHAO_RECIPES
 from tessera.trainer.fp8 import apply_float8, convert_to_float8
-from tessera.trainer.fp8_te import apply_te, te_config_problem
+from tessera.trainer.fp8_te import TE_RECIPES, apply_te, te_config_problem
 from tessera.trainer.host_memory import retain_freed_memory
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer
@@ -251,13 +252,19 @@ def tessera_step(model, optim_cfg: OptimConfig, precision: Precision, compile: b
     return step
 
 
-def float8(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> tuple[int, Precision]:
+def float8(model: torch.nn.Module, args: argparse.Namespace, device: torch.device,
+           ap: argparse.ArgumentParser) -> tuple[int, Precision]:
     """--precision fp8: swap the model's eligible Linear layers for torchao Float8Linear (or, with
-    --fp8-backend te, Transformer Engine Linear); how many, and the Precision to train it under."""
+    --fp8-backend te, Transformer Engine Linear); how many, and the Precision to train it under.
+    What Transformer Engine cannot run here (not installed, no FP8 GPU, an mxfp8 layer not in
+    32s) is the trainer's one line, through ap.error (exit 2)."""
     if args.precision != "fp8":
         return 0, Precision(args.precision, device)
     if args.fp8_backend == "te":
-        converted, context = apply_te(model, args.fp8_recipe, device)
+        try:
+            converted, context = apply_te(model, args.fp8_recipe, device)
+        except UserError as exc:
+            ap.error(str(exc))
         return len(converted), Precision("fp8", device, fp8_context=context)
     if args.fp8_emulate:
         return len(convert_to_float8(model, args.fp8_recipe)), Precision("fp8", device)
@@ -286,12 +293,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp8"], default="fp32",
                     help="bf16 = autocast over fp32 weights for both frameworks (the trainer's bf16 mode); fp8 = "
                          "bf16 with torchao Float8Linear layers in both (the trainer's fp8 mode; see above).")
-    ap.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise", "blockwise", "mxfp8"], default="tensorwise",
-                    help="With --precision fp8: the scaling recipe (training.fp8_recipe; rowwise is torchao's, "
-                         "blockwise and mxfp8 Transformer Engine's).")
+    ap.add_argument("--fp8-recipe", choices=list(dict.fromkeys([*TORCHAO_RECIPES, *TE_RECIPES])), default="tensorwise",
+                    help=f"With --precision fp8: the scaling recipe (training.fp8_recipe; torchao's: "
+                         f"{', '.join(TORCHAO_RECIPES)}; Transformer Engine's: {', '.join(TE_RECIPES)}).")
     ap.add_argument("--fp8-backend", choices=["torchao", "te"], default="torchao",
                     help="With --precision fp8: training.fp8_backend (te = Transformer Engine Linear layers in both "
-                         "frameworks, eager: needs --no-compile; its recipes: tensorwise, blockwise, mxfp8).")
+                         f"frameworks, eager: needs --no-compile; its recipes: {', '.join(TE_RECIPES)}).")
     ap.add_argument("--fp8-emulate", action="store_true",
                     help="With --precision fp8: convert without the FP8-device check (CPU: emulated casts, to test "
                          "this script's fp8 path; the figures mean nothing).")
@@ -310,11 +317,14 @@ def main(argv: list[str] | None = None) -> None:
                          "(ABBA...), and report the median over all rounds' steps plus each round's ratio.")
     args = ap.parse_args(argv)
     if args.precision == "fp8" and args.fp8_backend == "te":
+        if args.fp8_emulate:
+            ap.error("--fp8-emulate is torchao's (emulated casts on CPU); Transformer Engine needs an FP8 GPU: "
+                     "drop one of --fp8-emulate and --fp8-backend te")
         if not args.no_compile:
             ap.error("--fp8-backend te runs Tessera eager (TE's Linear runs outside torch.compile): add --no-compile")
         if problem := te_config_problem(args.fp8_recipe, False, "none", args.batch, args.seq):
             ap.error(problem)
-    if args.precision == "fp8" and args.fp8_backend == "torchao" and args.fp8_recipe not in ("tensorwise", "rowwise"):
+    if args.precision == "fp8" and args.fp8_backend == "torchao" and args.fp8_recipe not in TORCHAO_RECIPES:
         ap.error(f"--fp8-recipe {args.fp8_recipe} is Transformer Engine's: add --fp8-backend te")
     if args.breakdown and args.device != "cpu":
         ap.error("--breakdown measures CPU time and is for --device cpu (on a GPU use benchmarks/kernels.py)")
@@ -353,10 +363,10 @@ def main(argv: list[str] | None = None) -> None:
         hf = hf_llama(cfg, device)
         copy_weights_to_hf(ours, hf, cfg)
         hf.train()
-        fp8_layers["transformers"], precision = float8(hf, args, device)
+        fp8_layers["transformers"], precision = float8(hf, args, device, ap)
         step_fns["transformers"] = hf_standard_step(hf, optim_cfg, precision)
     if args.only != "transformers":
-        fp8_layers["tessera"], precision = float8(ours, args, device)
+        fp8_layers["tessera"], precision = float8(ours, args, device, ap)
         step_fns["tessera"] = tessera_step(ours, optim_cfg, precision, not args.no_compile, documents)
     else:
         del ours

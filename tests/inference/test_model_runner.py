@@ -1,13 +1,19 @@
 """The CPU batched-decode attention path (single tokens, and speculative rows of several) equals the
-kernels' paged-attention reference."""
+kernels' paged-attention reference: per call, and for a whole runner step whose rows attend in
+group order and go back to batch order."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from inference_helpers import tiny_config
 
+from tessera.common.model import build_model
+from tessera.inference.merged_linear import merge_projections
 from tessera.inference.model_runner import (
     DECODE_GROUP,
+    BatchSeq,
+    ModelRunner,
     batched_decode_attention,
     decode_attention,
     decode_groups,
@@ -57,3 +63,57 @@ def test_grouped_speculative_rows_match_reference(window):
     for group in decode_groups(tables, seq_lens, block_size, rows, num_q):
         out[group.rows] = decode_attention(q[group.rows], k_cache, v_cache, group, dim ** -0.5, window)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _mixed_step_logits(cfg, merged: bool):
+    """Logits of every row of one step that interleaves, in batch order, single-token decodes
+    (more than one decode group), speculative rows of 3 and prefill chunks (one at position 0,
+    one continuing a prompt), through the CPU split (grouped decode attention) and, as the
+    reference, through the kernels' paged-attention reference for every sequence."""
+    model = build_model(cfg, seed=0).eval()
+    if merged:
+        merge_projections(model)  # q, k and v as slices of one GEMM output, as the engine serves
+    block_size, blocks_per_seq = 4, 12
+    g = torch.Generator().manual_seed(3)
+    kinds = [1, 1, 0, 1, 3, 1, 1, 1, 0, 1, 1, 3, 1, 1, 1, 1]  # num_q per sequence (0: prefill)
+    prompt_lens = torch.randint(5, 30, (len(kinds),), generator=g).tolist()
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(kinds))]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
+    prefill = [BatchSeq(p, 0, t, 0) for p, t in zip(prompts, tables)]
+    step = []
+    for i, (n_q, p, t) in enumerate(zip(kinds, prompts, tables)):
+        if n_q == 0 and i == 2:  # a new prompt, from position 0
+            step.append(BatchSeq(torch.randint(0, cfg.vocab_size, (7,), generator=g).tolist(), 0, t, 0))
+        elif n_q == 0:  # the next chunk of a prompt
+            step.append(BatchSeq(torch.randint(0, cfg.vocab_size, (5,), generator=g).tolist(), len(p), t, 0))
+        else:
+            step.append(BatchSeq(torch.randint(0, cfg.vocab_size, (n_q,), generator=g).tolist(), len(p), t, n_q))
+    logits = []
+    for batch_decodes in (True, False):
+        runner = ModelRunner(model, len(kinds) * blocks_per_seq, block_size, torch.device("cpu"), torch.float32)
+        runner.batch_decodes = batch_decodes
+        with torch.inference_mode():
+            runner.forward_batch([s for i, s in enumerate(prefill) if i != 2], [0])
+            rows = list(range(sum(s.num_new for s in step)))
+            if batch_decodes:
+                split = runner.prepare(step, rows).split
+                assert split is not None and split.order is not None and len(split.decode_groups) == 3
+            logits.append(runner.forward_batch(step, rows))
+    return logits
+
+
+@pytest.mark.parametrize("merged", [False, True])
+@pytest.mark.parametrize("window", [None, 9])
+def test_a_mixed_step_through_the_decode_groups_equals_paged_attention_for_every_row(window, merged):
+    cfg = tiny_config(num_heads=4, num_kv_heads=2, sliding_window=window)
+    grouped, reference = _mixed_step_logits(cfg, merged)
+    assert (grouped - reference).norm() / reference.norm() < 1e-5
+
+
+def test_up_to_a_decode_group_in_batch_order_attends_without_reordering_rows():
+    runner = ModelRunner(build_model(tiny_config(), seed=0), 80, 4, torch.device("cpu"), torch.float32)
+    lens = [9, 3, 17, 6, 11, 2, 8, 13]
+    batch = [BatchSeq([1], n - 1, list(range(8 * i, 8 * i + 8)), 1) for i, n in enumerate(lens)]
+    split = runner.prepare(batch + [BatchSeq([1, 2, 3], 0, list(range(64, 72)), 0)], [0]).split
+    assert split is not None and len(split.decode_groups) == 1 and split.order is None
+    assert split.decode_groups[0].rows.tolist() == list(range(len(lens)))

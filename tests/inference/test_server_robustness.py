@@ -482,7 +482,7 @@ def test_a_stuck_tokenizer_process_ends_its_request_and_is_replaced(tiny_ckpt):
         want = backend.encode(text).ids
         assert procs.encode(text, True) == want
         assert procs.encode(text, True, limit=10) == len(want)  # only the count crosses back
-        first = procs._idle.queue[0].process
+        first = procs._idle[0].process
         procs.timeout_s = 0.0  # no job can finish in no time: the child counts as stuck
         with pytest.raises(TokenizerUnavailable, match="took longer than 0 s"):
             procs.encode(text * 20, True)
@@ -491,6 +491,110 @@ def test_a_stuck_tokenizer_process_ends_its_request_and_is_replaced(tiny_ckpt):
         assert procs.encode(text, True) == want  # a fresh child answers
     finally:
         procs.close()
+
+
+# Stand-ins for the child program (tokenizer_process._Child.command; the socket's fd is appended):
+# one that takes the tokenizer, says ready and then never answers a job.
+_NEVER_ANSWERS = ("import sys, time\nfrom multiprocessing.connection import Connection\n"
+                  "c = Connection(int(sys.argv[1]))\nc.recv_bytes()\nc.send_bytes(b'')\nc.recv_bytes()\n"
+                  "time.sleep(600)\n")
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """Every tokenizer child process started (subprocess.Popen objects), to check none is left."""
+    from tessera.inference import tokenizer_process
+
+    popens = []
+
+    class Recording(subprocess.Popen):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            popens.append(self)
+
+    monkeypatch.setattr(tokenizer_process.subprocess, "Popen", Recording)
+    return popens
+
+
+@pytest.mark.parametrize("command, problem", [
+    (["/nonexistent/tessera-python"], "could not start a tokenizer process: [Errno 2] No such file or directory"),
+    ([sys.executable, "-c", "pass"], "could not start a tokenizer process: it exited before taking the tokenizer"),
+    ([sys.executable, "-c", "import time; time.sleep(600)"],
+     "could not start a tokenizer process: it did not take the tokenizer within 1 s"),
+])
+def test_a_tokenizer_process_that_cannot_start_is_unavailable_and_leaves_no_process_or_slot(
+        tiny_ckpt, monkeypatch, started, command, problem):
+    """A start that fails (no program, a child that exits at once, one that never reads the
+    tokenizer) is a TokenizerUnavailable (503 at the server), not an OSError (500); the process is
+    gone and its slot free, so a later job starts a working child."""
+    from tessera.inference.tokenizer_process import TokenizerProcesses, TokenizerUnavailable, _Child
+
+    backend = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=64).tokenizer.backend
+    procs = TokenizerProcesses(backend.to_str(), processes=1, timeout_s=1)
+    try:
+        monkeypatch.setattr(_Child, "command", command)
+        with pytest.raises(TokenizerUnavailable) as raised:
+            procs.encode("a b c", True)
+        assert str(raised.value).startswith(problem)
+        assert all(p.returncode is not None for p in started), "killed and reaped"
+        assert procs.num_processes == 0 and procs._starting == 0
+        monkeypatch.undo()
+        procs.timeout_s = 30
+        assert procs.encode("a b c", True) == backend.encode("a b c").ids
+    finally:
+        procs.close()
+
+
+def test_a_broken_tokenizer_process_is_closed_even_when_no_other_can_start(tiny_ckpt, monkeypatch, started):
+    """The broken path closes the child first and starts none: a job that times out is the
+    TokenizerUnavailable it was (not the next start's error) and its child is gone; the next job
+    reports the failed start."""
+    from tessera.inference.tokenizer_process import TokenizerProcesses, TokenizerUnavailable, _Child
+
+    backend = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=64).tokenizer.backend
+    procs = TokenizerProcesses(backend.to_str(), processes=1, timeout_s=30)
+    try:
+        procs.encode("a b c", True)
+        monkeypatch.setattr(_Child, "command", ["/nonexistent/tessera-python"])
+        procs.timeout_s = 0.0
+        with pytest.raises(TokenizerUnavailable, match="took longer than 0 s"):
+            procs.encode("def f(x):\n    return x + 1\n" * 100_000, True)
+        assert [p.returncode is not None for p in started] == [True]
+        assert procs.num_processes == 0
+        procs.timeout_s = 30
+        with pytest.raises(TokenizerUnavailable, match="could not start a tokenizer process"):
+            procs.encode("a b c", True)
+    finally:
+        procs.close()
+
+
+def test_close_ends_a_busy_tokenizer_process_at_once(tiny_ckpt, monkeypatch, started):
+    """close() at server exit kills a child in the middle of a job instead of waiting up to the
+    job's timeout (60 s here): the waiting job reads EOF and ends with TokenizerUnavailable."""
+    from tessera.inference.tokenizer_process import TokenizerProcesses, TokenizerUnavailable, _Child
+
+    monkeypatch.setattr(_Child, "command", [sys.executable, "-c", _NEVER_ANSWERS])
+    backend = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=64).tokenizer.backend
+    procs = TokenizerProcesses(backend.to_str(), processes=1, timeout_s=60)
+    outcome = []
+
+    def job():
+        try:
+            outcome.append(procs.encode("a b c", True))
+        except TokenizerUnavailable as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=job)
+    worker.start()
+    deadline = time.time() + 30
+    while not procs._busy and time.time() < deadline:
+        time.sleep(0.01)
+    assert procs._busy, "the job reached its child"
+    procs.close()
+    worker.join(30)  # a bound for a hung test, not a timing assert: the old close left the job 60 s
+    assert not worker.is_alive()
+    assert isinstance(outcome[0], TokenizerUnavailable) and str(outcome[0]) == "tokenizing the text failed"
+    assert [p.returncode is not None for p in started] == [True] and procs.num_processes == 0
 
 
 def test_a_stalled_request_body_is_dropped(tiny_ckpt):

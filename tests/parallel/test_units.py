@@ -44,12 +44,23 @@ def check(layout: ParallelLayout, **kw):
     (ParallelLayout(data=4, data_shard=3), {}, "--data-shard 3 must divide the data-parallel size (4"),
     (ParallelLayout(context=2, data=2, data_shard=4), {"seq_len": 16}, "--data-shard 4 must divide the data-parallel size (2"),
     (ParallelLayout(tensor=2, data=3, data_shard=3), {}, "--data-shard 3 with --tensor-parallel 2 must divide hidden_size"),
+    # Context ranks are FSDP shards too: the hidden dim splits over data shards x context ranks.
+    (ParallelLayout(tensor=2, context=3, data=2, data_shard=2), {"seq_len": 36},
+     "--data-shard 2 x --context-parallel 3 with --tensor-parallel 2 must divide hidden_size (64): FSDP splits each "
+     "tensor-parallel weight along the hidden dim, evenly; change --data-shard 2 or --context-parallel 3, or use "
+     "--tensor-parallel 1"),
 ])
 def test_bad_layouts_refused_with_one_line(layout, kw, fragment):
     with pytest.raises(UserError) as exc:
         check(layout, **kw)
     assert fragment in str(exc.value)
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(context=3, data=2, data_shard=2), ParallelLayout(data=3, data_shard=3)])
+def test_fsdp_over_one_tensor_rank_needs_no_size_to_divide_the_hidden_size(layout):
+    """(Everything is then sharded along dim 0, unevenly if need be: test_fsdp_layouts builds them.)"""
+    check(layout, seq_len=36, global_batch=6)
 
 
 MOE_CFG = ModelConfig(**{**CFG.model_dump(), "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}})
@@ -60,6 +71,8 @@ MOE_CFG = ModelConfig(**{**CFG.model_dump(), "moe": {"num_experts": 4, "top_k": 
     (CFG, ParallelLayout(expert=2), {}, "no mixture-of-experts layers (model.moe)"),
     (MOE_CFG.model_copy(update={"moe": MOE_CFG.moe.model_copy(update={"ffn_hidden_size": 30})}),
      ParallelLayout(expert=2, data=4, data_shard=4), {}, "--data-shard 4 with --expert-parallel 2 must divide model.moe.ffn_hidden_size (30)"),
+    (MOE_CFG, ParallelLayout(expert=2, context=3, data=2, data_shard=2), {},
+     "--data-shard 2 x --context-parallel 3 with --expert-parallel 2 must divide model.moe.ffn_hidden_size (32)"),
     # Expert ranks read their own rows: the batch splits over data x expert ranks.
     (MOE_CFG, ParallelLayout(expert=2, data=2), dict(seq_len=32, global_batch=6, micro_batch=1),
      "multiple of micro batch (1) x data parallel (2) x expert parallel (2)"),

@@ -3,18 +3,20 @@
     torchrun --nproc-per-node N tests/parallel/worker.py spec.json
 
 spec: {"model": {...overrides}, "jobs": [{"name", "layout": {...}, "parallel": {...}, "start": 0,
-"steps": 10, "load": dir|null, "save": dir|null, "out": path}]}. Each job builds its groups,
+"steps": 10, "load": dir|null, "save": dir|null, "out": path, "count_cp_all_reduces": false}]}. Each job builds its groups,
 trains, optionally saves (DCP, layout-free), and rank 0 writes {"losses": [...]} to `out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 
 import torch
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,6 +48,26 @@ def rng_job(job: dict) -> None:
         with open(job["out"], "w") as f:
             json.dump({"draws": [g.tolist() for g in gathered], "plain": plain.tolist()}, f)
     torch.distributed.barrier()
+
+
+@contextlib.contextmanager
+def _counting_all_reduces(group):
+    """Count the all-reduces issued over `group` (a list holding the count) while inside."""
+    count, plain = [0], torch.distributed.all_reduce
+    if group is None:  # nothing to count: all_reduce stays torch's own (as torch.compile expects it)
+        yield count
+        return
+
+    def counted(tensor, *args, **kwargs):
+        if kwargs.get("group", args[1] if len(args) > 1 else None) is group:
+            count[0] += 1
+        return plain(tensor, *args, **kwargs)
+
+    torch.distributed.all_reduce = counted
+    try:
+        yield count
+    finally:
+        torch.distributed.all_reduce = plain
 
 
 def run_job(job: dict, cfg) -> None:
@@ -87,6 +109,7 @@ def run_job(job: dict, cfg) -> None:
         if job.get("save_loaded"):
             rt.save(job["save_loaded"])  # what this layout holds right after loading (bit-exact transfer)
     losses, norms = [], []
+    result_extra: dict = {}
     rows = harness.GLOBAL_BATCH // groups.dp_ep  # expert ranks read their own rows, as data ranks do
     for step in range(job.get("start", 0), job.get("start", 0) + job["steps"]):
         inputs: dict = {}
@@ -95,11 +118,20 @@ def run_job(job: dict, cfg) -> None:
         else:
             tokens, targets = harness.batch(step, cfg)
         sl = slice(groups.dp_ep_rank * rows, (groups.dp_ep_rank + 1) * rows)
-        r = rt.train_step(tokens[sl], targets[sl], model_inputs={k: v[sl] for k, v in inputs.items()})
+        counting = job.get("count_cp_all_reduces", False)
+        with _counting_all_reduces(groups.cp_group if counting else None) as cp_all_reduces:
+            r = rt.train_step(tokens[sl], targets[sl], model_inputs={k: v[sl] for k, v in inputs.items()})
+        if counting:  # all-reduces over the context group in this step
+            result_extra.setdefault("cp_all_reduces", []).append(cp_all_reduces[0])
         losses.append(r.loss)
         norms.append(r.grad_norm)
     divergence.append(rt.replica_divergence())
-    result = {"losses": losses, "grad_norms": norms, "divergence": divergence, "router": rt.router_metrics}
+    result = {"losses": losses, "grad_norms": norms, "divergence": divergence, "router": rt.router_metrics,
+              **result_extra}
+    sharded = [p for p in rt.named_global_params().values() if isinstance(p, DTensor)]
+    if sharded:  # FSDP: the mesh a parameter is sharded over (its last dimension: the shards)
+        mesh = sharded[0].device_mesh
+        result["fsdp_mesh"] = {"dims": list(mesh.mesh_dim_names), "shape": list(mesh.shape)}
     buckets = getattr(rt.optimizer, "buckets", None)  # absent under FSDP (data_shard > 1)
     if buckets is not None:
         result.update({"buckets": len(buckets.buckets), "deferred_buckets": sum(b.deferred for b in buckets.buckets),

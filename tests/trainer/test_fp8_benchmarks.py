@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,22 @@ def test_throughput_benchmark_in_fp8_converts_the_same_layers_in_both_frameworks
 def test_throughput_benchmark_refuses_fp8_on_cpu_with_one_line():
     with pytest.raises(UserError, match="^training.precision=fp8 needs an NVIDIA GPU"):
         load("train_throughput").main(["--layers", "1", "--precision", "fp8"])
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--fp8-emulate"], "--fp8-emulate is torchao's"),
+    ([], "training.fp8_backend=te needs NVIDIA Transformer Engine, which cannot be imported here"),
+])
+def test_throughput_benchmark_refuses_what_transformer_engine_cannot_run_with_one_usage_line(
+        monkeypatch, capsys, extra, line):
+    """--fp8-backend te: TE's refusals (here: not importable) are usage errors, exit 2, one line."""
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
+    with pytest.raises(SystemExit) as exited:
+        load("train_throughput").main(["--layers", "1", "--precision", "fp8", "--fp8-backend", "te", "--no-compile",
+                                       "--only", "tessera", *extra])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert line in err and "Traceback" not in err
 
 
 def test_torchtitan_peer_data_is_what_torchtitans_loader_reads(tmp_path):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from test_bad_input import run_expect_usage_error
 from torch import nn
 
-from tessera.common.errors import UserError
+from tessera.common.errors import ArtifactError, UserError
 from tessera.common.model import build_model
 from tessera.common.model_config import preset
 from tessera.trainer import fp8_te
@@ -59,8 +59,8 @@ def test_te_backend_without_transformer_engine_is_refused_with_one_line_naming_t
      "training.fp8_backend=te does not compose with training.compile"),
     (["training.precision=fp8", "training.fp8_backend=te", "training.recompute=full"],
      "training.fp8_backend=te does not compose with training.recompute=full"),
-    (["training.precision=fp8", "training.fp8_backend=te", "training.micro_batch_size=1", "training.seq_length=24"],
-     "training.micro_batch_size x training.seq_length (1 x 24) to be a multiple of 16"),
+    (["training.precision=fp8", "training.fp8_backend=te", "training.micro_batch_size=1", "training.seq_length=20"],
+     "training.micro_batch_size x training.seq_length (1 x 20) to be a multiple of 8"),
     (["training.precision=fp8", "training.fp8_backend=te", "parallel.tensor=2"],
      "training.fp8_backend=te runs in one process (here: 2)"),
     (["training.precision=fp8", "training.fp8_backend=te", "parallel.pipeline=2"],
@@ -72,20 +72,67 @@ def test_te_compositions_it_cannot_run_are_refused_by_the_config(make_config, ca
     assert not (tmp_path / "run").exists()
 
 
-def test_mxfp8_needs_multiples_of_32_where_the_others_need_16():
-    assert fp8_te.te_config_problem("tensorwise", False, "none", 1, 48) is None
+def test_mxfp8_needs_tokens_in_multiples_of_32_where_the_others_need_8():
+    """te.Linear's own check (TE 2.9 utils.assert_dim_for_fp8_exec) asks 8 tokens; MXFP8 blocks of 32."""
+    assert fp8_te.te_config_problem("tensorwise", False, "none", 1, 40) is None
+    assert fp8_te.te_config_problem("blockwise", False, "none", 1, 40) is None
     assert "(1 x 48) to be a multiple of 32 (TE's mxfp8 GEMMs)" in fp8_te.te_config_problem("mxfp8", False, "none", 1,
                                                                                              48)
 
 
-def test_mxfp8_refuses_a_layer_whose_dimensions_are_not_multiples_of_32_before_swapping_any(monkeypatch):
+MXFP8_LAYER_LINE = ("training.fp8_recipe=mxfp8 needs the linear layers' dimensions to be multiples of 32; "
+                    "layers.0.mlp.gate_proj is 64 -> 176: use training.fp8_recipe=tensorwise")
+
+
+def test_mxfp8_refuses_a_layer_whose_dimensions_are_not_multiples_of_32_in_the_config(make_config, capsys, tmp_path,
+                                                                                      monkeypatch):
+    """From the model config, before anything is built (no model, no TE import: the config refuses it)."""
+    monkeypatch.setattr(fp8_te, "import_te", lambda: pytest.fail("refused before TE is imported"))
+    config = make_config(model={"hidden_size": 64, "ffn_hidden_size": 176})  # 11 x 16: FP8-eligible, not MXFP8-able
+    err = run_expect_usage_error(["--config", str(config), "training.precision=fp8", "training.fp8_backend=te",
+                                  "training.fp8_recipe=mxfp8"], capsys)
+    assert MXFP8_LAYER_LINE in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_convert_to_te_refuses_the_same_layers_before_swapping_any(monkeypatch):
     monkeypatch.setattr(fp8_te, "import_te", lambda: None)
-    model = _model()  # the tiny preset's MLP width, 176, is 11 x 16
+    model = _model()  # the tiny preset's MLP width, 176
     before = {n: type(m) for n, m in model.named_modules()}
-    with pytest.raises(UserError, match=r"^training.fp8_recipe=mxfp8 needs the linear layers' dimensions to be "
-                                        r"multiples of 32; layers.0.mlp.gate_proj is 64 -> 176"):
+    with pytest.raises(UserError, match="^" + MXFP8_LAYER_LINE):
         fp8_te.convert_to_te(model, "mxfp8")
     assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+# transformer_engine.common.recipe.Format (TE 2.9+): each member's largest forward and backward
+# (gradient) values, i.e. the float8 dtype of each direction: 448 is e4m3's, 57344 e5m2's.
+_TE_FORMAT_MAX = {"E4M3": (448.0, 448.0), "HYBRID": (448.0, 57344.0)}
+
+
+def test_tensorwise_under_te_casts_gradients_to_the_float8_dtype_torchaos_tensorwise_does():
+    torchao_float8 = pytest.importorskip("torchao.float8")
+    ao = torchao_float8.Float8LinearConfig.from_recipe_name("tensorwise")
+    max_fwd, max_bwd = _TE_FORMAT_MAX[fp8_te.TE_RECIPES["tensorwise"].fp8_format]
+    assert max_bwd == torch.finfo(ao.cast_config_grad_output.target_dtype).max
+    assert max_fwd == torch.finfo(ao.cast_config_input.target_dtype).max
+    assert max_fwd == torch.finfo(ao.cast_config_weight.target_dtype).max
+
+
+def test_te_recipe_builds_each_recipe_with_the_format_of_its_table_row(monkeypatch):
+    """te_recipe against a stand-in of transformer_engine.common.recipe (TE needs CUDA)."""
+    made = types.SimpleNamespace(Format=types.SimpleNamespace(E4M3="E4M3", HYBRID="HYBRID"))
+    for name in ("Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling"):
+        setattr(made, name, lambda fp8_format, name=name: (name, fp8_format))
+    common = types.ModuleType("transformer_engine.common")
+    common.recipe = made
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    monkeypatch.setitem(sys.modules, "transformer_engine.common", common)
+    monkeypatch.setitem(sys.modules, "transformer_engine.common.recipe", made)
+    assert {name: fp8_te.te_recipe(name) for name in fp8_te.TE_RECIPES} == {
+        "tensorwise": ("Float8CurrentScaling", "HYBRID"),
+        "blockwise": ("Float8BlockScaling", "E4M3"),
+        "mxfp8": ("MXFP8BlockScaling", "E4M3"),
+    }
 
 
 def test_te_accepts_selective_recompute_whose_region_has_no_linear_layer():
@@ -164,6 +211,7 @@ class _StandIn(nn.Module):
 
     def set_extra_state(self, state):
         self.extra = state
+        self.loaded_extra_state = True
 
 
 def test_swap_keeps_names_parameters_and_state_dict_of_nn_linear():
@@ -192,11 +240,29 @@ def test_layers_with_dimensions_not_multiples_of_16_stay_linear():
 
 
 def test_tes_pickled_extra_state_of_older_versions_stays_out_of_checkpoints_too():
-    """TE 2.9-2.17 save a stateless recipe's settings as a pickle (bytes in a uint8 tensor) instead
+    """TE 2.9-2.17.0 save a stateless recipe's settings as a pickle (bytes in a uint8 tensor) instead
     of an empty tensor: dropped as well, so no checkpoint holds a pickle or an extra key."""
     model, plain = _model(), _model()
     fp8_te.swap_linears(model, lambda linear: _StandIn(linear, extra=torch.ones(8, dtype=torch.uint8)))
     assert list(model.state_dict()) == list(plain.state_dict())
+
+
+def test_extra_state_in_a_state_dict_never_reaches_tes_set_extra_state():
+    """TE 2.9-2.17.0's set_extra_state unpickles what it is given: a pickled blob under
+    `<layer>._extra_state` is refused with one line naming the key; an empty one (TE 2.17.1+'s) is
+    dropped. Neither reaches set_extra_state."""
+    import pickle
+
+    model = _model()
+    fp8_te.swap_linears(model, _StandIn)
+    blob = torch.frombuffer(bytearray(pickle.dumps({"recipe": "anything"})), dtype=torch.uint8)
+    state = {**model.state_dict(), "layers.0.attn.q_proj._extra_state": blob}
+    with pytest.raises(ArtifactError, match=r"^layers\.0\.attn\.q_proj\._extra_state: the state dict holds "
+                                            r"Transformer Engine extra state"):
+        model.load_state_dict(state, strict=True)
+    state["layers.0.attn.q_proj._extra_state"] = torch.empty(0, dtype=torch.uint8)
+    model.load_state_dict(state, strict=True)
+    assert not any(getattr(m, "loaded_extra_state", False) for m in model.modules())
 
 
 def test_precision_enters_tes_autocast_inside_torchs_for_each_forward():
@@ -258,7 +324,11 @@ def test_te_recipes_are_the_ones_documented():
     assert type(made["tensorwise"]) is recipe.Float8CurrentScaling
     assert type(made["blockwise"]) is recipe.Float8BlockScaling
     assert type(made["mxfp8"]) is recipe.MXFP8BlockScaling
-    assert all(r.fp8_format == recipe.Format.E4M3 for r in made.values())
+    assert {n: r.fp8_format for n, r in made.items()} == {n: getattr(recipe.Format, spec.fp8_format)
+                                                          for n, spec in fp8_te.TE_RECIPES.items()}
+    torchao_float8 = pytest.importorskip("torchao.float8")
+    ao = torchao_float8.Float8LinearConfig.from_recipe_name("tensorwise")
+    assert made["tensorwise"].fp8_format.value.max_bwd == torch.finfo(ao.cast_config_grad_output.target_dtype).max
     assert not any(r.delayed() for r in made.values()), "stateless: nothing for a checkpoint to keep"
 
 

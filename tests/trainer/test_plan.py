@@ -80,6 +80,14 @@ def test_fsdp_shards_weights_grads_and_optimizer_state_by_the_shard_count():
     assert zero1.weights == full.weights and zero1.optimizer * 4 == pytest.approx(full.optimizer)
 
 
+def test_fsdp_with_context_parallel_shards_the_state_over_data_and_context_ranks():
+    """As the runtime (dp_shard_cp): FSDP 2 x CP 2 holds a quarter of the weights, gradients and
+    Adam state, as FSDP 4 does, not the half its two data shards alone would give."""
+    full, cp_fsdp = plan_memory(spec()), plan_memory(spec(dict(data=2, data_shard=2, context=2)))
+    assert cp_fsdp.static * 4 == pytest.approx(full.static)
+    assert cp_fsdp.static == pytest.approx(plan_memory(spec(dict(data=4, data_shard=4))).static)
+
+
 def test_bf16_with_fp32_masters_holds_two_byte_weights_and_eighteen_bytes_in_all():
     m = plan_memory(spec(precision="bf16-master"))
     n = rank_params(spec()).total
@@ -127,6 +135,14 @@ def test_cli_ranks_every_valid_layout_of_a_gpu_count(tmp_path, capsys):
     assert fitting == sorted(fitting)
 
 
+def test_the_search_with_fp8_all_gather_proposes_only_fsdp_over_one_tensor_rank(tmp_path, capsys):
+    assert main(["--config", _config(tmp_path), "--gpus", "4", "--precision", "fp8-master", "--fp8-all-gather",
+                 "--json", "--top", "100"]) == 0
+    layouts = {r["layout"] for r in json.loads(capsys.readouterr().out)}
+    assert "tp1-cp1-ep1-dp4s4-pp1" in layouts
+    assert all(lay.startswith("tp1-") and "s" in lay.split("-dp")[1].split("-")[0] for lay in layouts), layouts
+
+
 def test_cli_reads_precision_and_recompute_from_the_config(tmp_path, capsys):
     main(["--config", _config(tmp_path, recompute="full"), "--json"])
     assert json.loads(capsys.readouterr().out)["recompute"] == "full"
@@ -137,6 +153,8 @@ def test_cli_reads_precision_and_recompute_from_the_config(tmp_path, capsys):
     (["--device", "custom", "--memory-gib", "80"], "--device custom needs --peak-tflops"),
     (["--context-parallel", "3"], "seq_len (64) must be divisible by 2 x 3"),
     (["--fp8-all-gather", "--precision", "fp8"], "--fp8-all-gather needs --precision fp8-master"),
+    (["--fp8-all-gather", "--precision", "fp8-master", "--tensor-parallel", "2", "--data-parallel", "2",
+      "--data-shard", "2"], "--fp8-all-gather does not compose with --tensor-parallel 2"),
 ])
 def test_bad_layouts_and_devices_are_refused_with_one_line(tmp_path, flags, words):
     proc = subprocess.run([sys.executable, "-m", "tessera.trainer.plan.cli", "--config", _config(tmp_path), *flags],

@@ -93,6 +93,31 @@ class ParallelLayout(StrictModel):
         return self.data * self.expert
 
     @property
+    def fsdp_dims(self) -> tuple[str, ...]:
+        """The mesh dimensions a fully-sharded (data_shard > 1) dense parameter is sharded over,
+        slowest first: the data shards, and the expert and context ranks, which hold the same
+        dense parameters (torchtitan's dp_shard_cp; expert ranks are replicas as data ranks are)."""
+        return ("dp_shard",) + ("ep",) * (self.expert > 1) + ("cp",) * (self.context > 1)
+
+    @property
+    def fsdp_expert_dims(self) -> tuple[str, ...]:
+        """The mesh dimensions a fully-sharded MoE layer's experts are sharded over: the data shards
+        and context ranks of their expert group (expert ranks hold different experts)."""
+        return ("dp_shard",) + ("cp",) * (self.context > 1)
+
+    @property
+    def fsdp_shards(self) -> int:
+        """How many pieces FSDP cuts a dense parameter into when it runs (data_shard > 1): data_shard
+        x expert x context. The product whatever data_shard is; without FSDP nothing is cut."""
+        return self.data_shard * self.expert * self.context
+
+    @property
+    def fsdp_expert_shards(self) -> int:
+        """How many pieces FSDP (data_shard > 1) cuts an expert-parallel rank's experts into: data_shard
+        x context (the product whatever data_shard is)."""
+        return self.data_shard * self.context
+
+    @property
     def data_replicate(self) -> int:
         """Copies of each fully-sharded group (HSDP); data when parameters are not sharded."""
         return self.data // self.data_shard if self.data % self.data_shard == 0 else 0
@@ -146,13 +171,15 @@ def check_expert_parallel(cfg: ModelConfig, layout: ParallelLayout) -> None:
     if cfg.moe.num_experts % layout.expert:
         raise UserError(f"--expert-parallel {layout.expert} must divide model.moe.num_experts "
                         f"({cfg.moe.num_experts}); each rank holds num_experts / expert_parallel experts")
-    ds = layout.data_shard
-    if ds > 1 and (cfg.moe.ffn_hidden_size % ds or cfg.hidden_size % ds):
-        # Experts are fully sharded over their expert group's data shards along dim 1 (their output
-        # rows: ffn for gate/up, hidden for down); FSDP2 shards a non-leading dim only evenly.
-        raise UserError(f"--data-shard {ds} with --expert-parallel {layout.expert} must divide model.moe.ffn_hidden_size "
+    ds = layout.fsdp_expert_shards
+    if layout.data_shard > 1 and (cfg.moe.ffn_hidden_size % ds or cfg.hidden_size % ds):
+        # Experts are fully sharded over their expert group's data shards (x context ranks) along
+        # dim 1 (their output rows: ffn for gate/up, hidden for down); FSDP2 shards a non-leading
+        # dim only evenly.
+        by = f"--data-shard {layout.data_shard}" + (f" x --context-parallel {layout.context}" if layout.context > 1 else "")
+        raise UserError(f"{by} with --expert-parallel {layout.expert} must divide model.moe.ffn_hidden_size "
                         f"({cfg.moe.ffn_hidden_size}) and hidden_size ({cfg.hidden_size}): FSDP splits each expert "
-                        "along its output rows, evenly")
+                        f"along its output rows, evenly; change {by.replace(' x ', ' or ')}")
 
 
 def validate_layout(
@@ -179,13 +206,15 @@ def validate_layout(
     if dp % layout.data_shard:
         raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({dp} = world size / "
                         "(tensor x context x expert x pipeline)); data / data_shard is the number of HSDP replicas")
-    shards = layout.data_shard * layout.expert  # dense parameters are sharded over data x expert ranks
-    if layout.data_shard > 1 and tp > 1 and cfg.hidden_size % shards:
-        # A tensor-split weight is fully sharded along its other dim, the hidden size; FSDP2 shards
-        # a non-leading dim only evenly.
-        by = f"--data-shard {layout.data_shard}" + (f" x --expert-parallel {layout.expert}" if layout.expert > 1 else "")
+    if layout.data_shard > 1 and tp > 1 and cfg.hidden_size % layout.fsdp_shards:
+        # A tensor-split weight is fully sharded (over data x expert x context ranks) along its
+        # other dim, the hidden size; FSDP2 shards a non-leading dim only evenly. (Over one tensor
+        # rank everything is sharded along dim 0, unevenly if need be: no condition.)
+        by = (f"--data-shard {layout.data_shard}" + (f" x --expert-parallel {layout.expert}" if layout.expert > 1 else "")
+              + (f" x --context-parallel {cp}" if cp > 1 else ""))
         raise UserError(f"{by} with --tensor-parallel {tp} must divide hidden_size "
-                        f"({cfg.hidden_size}): FSDP splits each tensor-parallel weight along the hidden dim, evenly")
+                        f"({cfg.hidden_size}): FSDP splits each tensor-parallel weight along the hidden dim, evenly; "
+                        f"change {by.replace(' x ', ' or ')}, or use --tensor-parallel 1")
     if cfg.num_heads % tp:
         raise UserError(f"--tensor-parallel {tp} must divide num_heads ({cfg.num_heads})")
     if cfg.kv_heads % tp:

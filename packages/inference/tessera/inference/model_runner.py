@@ -14,8 +14,9 @@ own sequence) and `attention_fn`, which here scatters the new K/V into their cac
 reference handles one sequence per call, which makes a 32-sequence decode step 32 x layers tiny
 SDPA calls; there, single-token (decode) sequences, and speculative rows (by equal length),
 instead go through `decode_attention` in groups of up to 8 of similar length (one gather + one SDPA per group, tested against the
-reference; the groups are formed once per step, not per layer) and only prefill chunks use the
-reference. Only the rows
+reference; the groups and their masks are formed once per step, not per layer; a layer takes the
+rows in group order with one index_select and returns them with another) and only prefill chunks
+use the reference. Only the rows
 that are sampled (the last token of each sequence that finished its prompt, and prompt positions
 of requests that asked for prompt logprobs) go through the output head.
 
@@ -90,6 +91,9 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: in
 def store_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float = 1.0) -> None:
     """cache[slots] = x in the cache's storage dtype: a plain cast, or for fp8 x / scale clamped to
     the format (written through a uint8 view: PyTorch's CPU index_copy_ has no fp8 kernel)."""
+    if cache.dtype == x.dtype:
+        cache.index_copy_(0, slots, x)
+        return
     if cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         cache.index_copy_(0, slots, x.to(cache.dtype))
         return
@@ -122,20 +126,42 @@ class DecodeGroup:
     rows: torch.Tensor  # long [S * num_q]: rows of the packed batch, sequence by sequence
     blocks: torch.Tensor  # long [S * width]: pool blocks, row-major by sequence
     width: int  # blocks per sequence in the window
-    visible: torch.Tensor  # bool [S, 1, num_q, width * block_size]: cached positions each query sees
-    seq_lens: torch.Tensor | None = None  # [S], for sliding-window layers
+    seq_lens: torch.Tensor  # [S]: tokens in the cache, the new ones included
     num_q: int = 1
+    # Additive float masks (0 visible, -inf not), built by the first layer that needs one and
+    # shared by the rest of the step: key (sliding window, query heads per KV head, dtype).
+    masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.numel()
+
+    def mask(self, block_size: int, window: int | None, heads_per_kv: int, dtype: torch.dtype) -> torch.Tensor:
+        """[S, 1, num_q * heads_per_kv (1 when num_q is 1), width * block_size]: the cached positions
+        each query sees. Query i of a sequence sits at position seq_len - num_q + i and sees positions up
+        to its own (with a sliding window only the last `window` of them); the rest of the window is
+        padding. Queries are folded as `decode_attention` folds them (t * heads_per_kv + g)."""
+        key = (window, heads_per_kv, dtype)
+        mask = self.masks.get(key)
+        if mask is None:
+            dev = self.seq_lens.device
+            last = self.seq_lens[:, None] - self.num_q + torch.arange(self.num_q, device=dev)[None, :]
+            pos = torch.arange(self.width * block_size, device=dev)
+            visible = pos <= last[:, :, None]
+            if window is not None:
+                visible &= pos > (last - window)[:, :, None]
+            if self.num_q > 1:
+                visible = visible.repeat_interleave(heads_per_kv, dim=1)
+            mask = torch.zeros(visible.shape, dtype=dtype, device=dev).masked_fill_(~visible, float("-inf"))
+            mask = self.masks[key] = mask[:, None]
+        return mask
 
 
 def decode_group(rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                  num_q: int = 1) -> DecodeGroup:
     width = -(-int(seq_lens.max()) // block_size)
     blocks = block_tables[:, :width].reshape(-1).long()
-    # Query i of a sequence sits at position seq_len - num_q + i and sees positions up to its own.
-    last = seq_lens[:, None] - num_q + torch.arange(num_q, device=seq_lens.device)[None, :]
-    visible = torch.arange(width * block_size, device=seq_lens.device)[None, None, :] <= last[:, :, None]
-    return DecodeGroup(rows=rows.reshape(-1), blocks=blocks, width=width, visible=visible[:, None],
-                       seq_lens=seq_lens, num_q=num_q)
+    return DecodeGroup(rows=rows.reshape(-1), blocks=blocks, width=width, seq_lens=seq_lens, num_q=num_q)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
@@ -147,8 +173,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     a padded [S, width*block_size] window (index_select on the flat block list is ~3x faster on CPU
     than advanced indexing by the table) and masks the padding and, for several new tokens, the
     positions after each, and with a sliding `window` the positions more than `sliding_window`
-    before each. An fp8 cache is dequantized (`kv_scales`: the K and V scales) after the gather,
-    so only the window is converted. Returns [S * num_q, H, D].
+    before each (`DecodeGroup.mask`, once per step). An fp8 cache is dequantized (`kv_scales`: the
+    K and V scales) after the gather, so only the window is converted. Returns [S * num_q, H, D].
+
+    Grouped-query heads are folded into the query length: the H / Hkv query heads that share a KV
+    head attend as H / Hkv queries of one head ([S, Hkv, num_q * H/Hkv, D] against [S, Hkv, W, D]),
+    so SDPA's CPU flash kernel reads each K/V block once for all of them. Measured (issue #18;
+    llama-25m shapes: 8 query / 2 KV heads x 64, blocks of 16, a group of 8 sequences, context
+    64/256/512, 1 thread, A/B alternating in one process on the loaded 2-core CPU, ratio of
+    medians; results equal to 3e-7..7e-7): 0.56x / 0.60x / 0.58x of the previous path
+    (SDPA with enable_gqa and a bool mask); SDPA alone 0.53x, and the float mask saves the two
+    `where` SDPA ran per call to convert a bool one. With the masks made once per step and the
+    rows reordered once per layer (`DecodeSplit`), the whole decode forward (llama-25m, merged
+    and oneDNN-packed as served; 8 / 32 / 64 sequences at context 64-128 and 256-512; thread CPU
+    time, so the load's descheduling drops out; A/B alternating in one process, median of 40 pair
+    ratios; an A/A run read 0.99x-1.01x) took 0.94x / 0.86x, 0.92x / 0.87x and 0.93x / 0.90x of
+    the previous code's, logits within 1.7e-6 (normwise). Rejected: gathering K and V with one
+    index_select over the layer's [2, blocks, ...] pool (0.92x at 8 sequences, context 64, but 2x
+    the time of two gathers at 64 sequences, context 256-512: the K and V windows then sit a
+    power of two apart and SDPA's paired reads of them conflict in cache).
 
     Reading K/V in place instead of this gather was measured and rejected (issue #18; llama-25m
     decode shapes: 8 query / 2 KV heads x 64, blocks of 16, batch 8/32/64, context 64-512, groups of
@@ -162,23 +205,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     The gather is 5-8% of a step (benchmarks/serving_profile.py); a C++ paged kernel is the way to it.
     """
     _, num_heads, head_dim = q.shape
-    num_seqs, num_q = group.visible.shape[0], group.num_q
+    num_seqs, num_q = group.seq_lens.shape[0], group.num_q
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    per_kv = num_heads // num_kv_heads
     window = group.width * block_size
     k = k_cache.index_select(0, group.blocks).view(num_seqs, window, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.index_select(0, group.blocks).view(num_seqs, window, num_kv_heads, head_dim).transpose(1, 2)
     k, v = dequantize_kv(k, q.dtype, kv_scales[0]), dequantize_kv(v, q.dtype, kv_scales[1])
-    visible = group.visible
-    if sliding_window is not None:
-        assert group.seq_lens is not None
-        last = group.seq_lens[:, None] - num_q + torch.arange(num_q, device=q.device)[None, :]
-        pos = torch.arange(visible.shape[-1], device=q.device)
-        visible = visible & (pos > (last - sliding_window)[:, None, :, None])
-    out = F.scaled_dot_product_attention(
-        q.view(num_seqs, num_q, num_heads, head_dim).transpose(1, 2), k, v, attn_mask=visible, scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )
-    return out.transpose(1, 2).reshape(num_seqs * num_q, num_heads, head_dim)
+    mask = group.mask(block_size, sliding_window, per_kv, q.dtype)
+    if num_q == 1:
+        out = F.scaled_dot_product_attention(q.view(num_seqs, num_kv_heads, per_kv, head_dim), k, v,
+                                             attn_mask=mask, scale=scale)
+        return out.reshape(num_seqs, num_heads, head_dim)
+    # Query t of a sequence, head kv * per_kv + g -> query t * per_kv + g of KV head kv.
+    q = q.view(num_seqs, num_q, num_kv_heads, per_kv, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.reshape(num_seqs, num_kv_heads, num_q * per_kv, head_dim), k, v,
+                                         attn_mask=mask, scale=scale)
+    out = out.view(num_seqs, num_kv_heads, num_q, per_kv, head_dim).transpose(1, 2)
+    return out.reshape(num_seqs * num_q, num_heads, head_dim)
 
 
 def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -194,7 +238,10 @@ def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def decode_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                   rows: torch.Tensor, num_q: int = 1) -> list[DecodeGroup]:
     """Split decode sequences into groups of DECODE_GROUP by ascending length; rows [S] or
-    [S, num_q] (each sequence's new tokens)."""
+    [S, num_q] (each sequence's new tokens). Up to DECODE_GROUP sequences are one group, in their
+    order (the window is as wide as the longest either way)."""
+    if seq_lens.shape[0] <= DECODE_GROUP:
+        return [decode_group(rows, block_tables, seq_lens, block_size, num_q)]
     order = torch.argsort(seq_lens, stable=True)
     return [decode_group(rows[idx], block_tables[idx], seq_lens[idx], block_size, num_q)
             for idx in order.split(DECODE_GROUP)]
@@ -202,13 +249,20 @@ def decode_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size
 
 @dataclass
 class DecodeSplit:
-    """Which packed rows are decode tokens (grouped path) and which are prefill chunks (kernel)."""
+    """Which packed rows are decode tokens (grouped path) and which are prefill chunks (kernel).
+
+    Attention takes the rows in `order` (each decode group's rows, group by group, then the
+    prefill rows), so each group's queries are one slice, and its output goes back to the packed
+    order through `inverse`; both None when `order` is the packed order itself (one group, in
+    order, before any prefill row): one index_select each way per layer in place of an index
+    and an index_put per group."""
 
     decode_groups: list[DecodeGroup]
-    prefill_rows: torch.Tensor
     prefill_tables: torch.Tensor
     prefill_lens: torch.Tensor
     prefill_starts: torch.Tensor
+    order: torch.Tensor | None = None
+    inverse: torch.Tensor | None = None
 
 
 @dataclass
@@ -271,6 +325,8 @@ class ModelRunner:
     decode_graphs: DecodeGraphs | None = None
     # On CPU the layer stack runs through inductor when the engine sets this (compiled.py).
     compiled: CompiledForward | None = None
+    # (the pool, per layer its K/V views): `_layer_kv`, rebuilt when the pool is replaced.
+    _kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]] | None = None
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, kv_dtype: torch.dtype | None = None):
@@ -293,12 +349,24 @@ class ModelRunner:
         self.batch_decodes = device.type == "cpu"
         self.sampler = Sampler()
 
+    def _layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of one layer's pools, made once per pool rather than once per layer and step:
+        K and V [blocks, block_size, Hkv, D] and the same as [slots, Hkv, D]. Made outside inference
+        mode: a view made inside it could not be written outside it (a forward without it)."""
+        views = self._kv_views
+        if views is None or views[0] is not self.kv:
+            layers = []
+            with torch.inference_mode(False):
+                for kv in self.kv:
+                    k, v = kv[0], kv[1]
+                    layers.append((k, v, k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])))
+            views = self._kv_views = (self.kv, layers)
+        return views[1][layer]
+
     def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         step = self._step
         assert step is not None
-        k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]
-        flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
-        flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+        k_cache, v_cache, flat_k, flat_v = self._layer_kv(layer)
         k_scale, v_scale = self.kv_scales
         store_kv(flat_k, step.slot_mapping, k[0], k_scale)
         store_kv(flat_v, step.slot_mapping, v[0], v_scale)
@@ -308,14 +376,19 @@ class ModelRunner:
             out = paged_attention(q[0], k_cache, v_cache, step.block_tables, step.seq_lens,
                                   step.query_start_loc, self.scale, window, k_scale=k_scale, v_scale=v_scale)
             return out.unsqueeze(0)
-        out = torch.empty_like(q[0])
+        q = q[0] if split.order is None else q[0].index_select(0, split.order)
+        outs = []
+        start = 0
         for group in split.decode_groups:
-            out[group.rows] = decode_attention(q[0, group.rows], k_cache, v_cache, group, self.scale, window,
-                                               self.kv_scales)
-        if split.prefill_rows.numel():
-            out[split.prefill_rows] = paged_attention(
-                q[0, split.prefill_rows], k_cache, v_cache, split.prefill_tables, split.prefill_lens,
-                split.prefill_starts, self.scale, window, k_scale=k_scale, v_scale=v_scale)
+            end = start + group.num_rows
+            outs.append(decode_attention(q[start:end], k_cache, v_cache, group, self.scale, window, self.kv_scales))
+            start = end
+        if start < q.shape[0]:
+            outs.append(paged_attention(q[start:], k_cache, v_cache, split.prefill_tables, split.prefill_lens,
+                                        split.prefill_starts, self.scale, window, k_scale=k_scale, v_scale=v_scale))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if split.inverse is not None:
+            out = out.index_select(0, split.inverse)
         return out.unsqueeze(0)
 
     def _split(self, num_q: list[int], starts: list[int], tables: torch.Tensor, lens: torch.Tensor) -> DecodeSplit:
@@ -334,11 +407,19 @@ class ModelRunner:
             rows = torch.tensor([list(range(starts[i], starts[i] + q_len)) for i in dec], dtype=torch.long, device=dev)
             groups.extend(decode_groups(tables[dec_t], lens[dec_t], self.block_size, rows, q_len))
         pre_t = torch.tensor(pre, dtype=torch.long, device=dev)
+        order = torch.cat([g.rows for g in groups] + [torch.tensor(pre_rows, dtype=torch.long, device=dev)])
+        identity = torch.arange(order.shape[0], device=dev)
+        inverse = None
+        if torch.equal(order, identity):
+            order = None
+        else:
+            inverse = torch.empty_like(order)
+            inverse[order] = identity
         return DecodeSplit(
             decode_groups=groups,
-            prefill_rows=torch.tensor(pre_rows, dtype=torch.long, device=dev),
             prefill_tables=tables[pre_t], prefill_lens=lens[pre_t],
             prefill_starts=torch.tensor(pre_starts, dtype=torch.int32, device=dev),
+            order=order, inverse=inverse,
         )
 
     def prepare(self, batch: list[BatchSeq], logits_rows: list[int]) -> StepInputs:
@@ -369,7 +450,7 @@ class ModelRunner:
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
         num_q = [s.num_q for s in batch]
-        if self.batch_decodes and sum(1 for n in num_q if n) > 1:
+        if self.batch_decodes and any(num_q):
             inputs.split = self._split(num_q, starts, inputs.block_tables, inputs.seq_lens)
         return inputs
 

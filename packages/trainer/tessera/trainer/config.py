@@ -19,7 +19,7 @@ from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, check_expert_parallel
 from tessera.common.model_config import ModelConfig
 from tessera.trainer.fp8 import RECIPES as TORCHAO_RECIPES
-from tessera.trainer.fp8_te import te_config_problem, te_layout_problem
+from tessera.trainer.fp8_te import te_config_problem, te_layout_problem, te_model_problem
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
 # the real vocab_size) has been read; no shape check depends on it.
@@ -273,7 +273,18 @@ class TrainConfig(StrictModel):
             raise ValueError(problem)
         if self.parallel.async_tp and not t.compile:  # inductor does the overlap: refused before any launch
             raise ValueError("parallel.async_tp needs training.compile=true (inductor's micro-pipeline TP pass)")
+        p = self.parallel
+        # The user-facing check of fsdp_float8_all_gather (ParallelConfig and ParallelRuntime.build
+        # check the same invariants for direct callers, in their own words).
+        if p.fsdp_float8_all_gather and (t.precision != "fp8" or p.data_shard == 1 or t.fp8_recipe != "tensorwise"):
+            raise ValueError("parallel.fsdp_float8_all_gather needs training.precision=fp8, training.fp8_recipe="
+                             "tensorwise and parallel.data_shard > 1 (under torchrun); unset it")
+        if p.fsdp_float8_all_gather and p.tensor > 1:
+            raise ValueError("parallel.fsdp_float8_all_gather does not compose with parallel.tensor > 1 (torchao's "
+                             "float8 weights are for Float8Linear, not Tessera's tensor-parallel layers); unset it")
         model = self.resolve_model(_PLACEHOLDER_VOCAB)
+        if t.fp8_backend == "te" and (problem := te_model_problem(model, t.fp8_recipe)):
+            raise ValueError(problem)  # layer dimensions (mxfp8): from the config, before anything is built
         max_seq = model.max_seq_len
         if t.seq_length > max_seq:
             raise ValueError(f"training.seq_length ({t.seq_length}) exceeds model.max_seq_len ({max_seq})")

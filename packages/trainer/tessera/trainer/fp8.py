@@ -38,7 +38,9 @@ Composition (issue #19), what holds and what is refused:
   per tensor for the whole unsharded weight; the scales of all weights are then computed in one
   all-reduce after each optimizer step by `precompute_float8_scales` (torchao's
   `precompute_float8_dynamic_scale_for_fsdp`). Tensorwise only (torchao: a rowwise scale needs the
-  whole row, which the shard does not have); rowwise with it is refused with one line.
+  whole row, which the shard does not have); the trainer's config (TrainConfig, the user-facing check of
+  the option) refuses it with rowwise, without FSDP, or with tensor parallel, in one line
+  (ParallelConfig and ParallelRuntime.build check the same for callers that build them directly).
 - tensor parallel (and sequence parallel): Tessera's ColumnParallelLinear/RowParallelLinear issue
   their collectives in their own forward, so they are not swapped (a Float8Linear would drop the
   collectives; torchao's own TP support is for DTensor layers). Instead their local-matmul hook
@@ -50,7 +52,7 @@ Composition (issue #19), what holds and what is refused:
   state dicts and checkpoints are the same as bf16's. The hook compiles as one graph (dynamo
   fullgraph + AOTAutograd, tested with aot_eager on CPU; the all-reduces are functional
   collectives). Over one tensor rank the layers are plain Linear layers with tags and are swapped
-  for Float8Linear (tags kept). Not with FSDP float8 all-gather (refused with one line).
+  for Float8Linear (tags kept). Not with FSDP float8 all-gather (refused by the trainer's config).
 - the parallel runtime (`ParallelConfig.fp8_recipe`, set by the trainer under torchrun): converts
   each stage after the tensor-parallel swap and before compile and fully_shard; ZeRO-1 data
   parallel, FSDP (meta build, sharded init) and pipeline train like one process in fp8 over the
@@ -67,7 +69,7 @@ import torch
 from torch import nn
 
 from tessera.common.errors import UserError
-from tessera.common.parallel.layers import PARALLEL_TAGS, ColumnParallelLinear, RowParallelLinear
+from tessera.common.parallel.layers import ColumnParallelLinear, RowParallelLinear, keep_tags
 
 RECIPES = ("tensorwise", "rowwise")
 FP8_MIN_CAPABILITY = (8, 9)
@@ -119,9 +121,6 @@ def float8_config(recipe: str, fsdp_float8_all_gather: bool = False):
     """torchao's Float8LinearConfig for `recipe`, with FSDP2's float8 all-gather when asked."""
     if recipe not in RECIPES:
         raise UserError(f"training.fp8_recipe {recipe!r} is not one of {', '.join(RECIPES)}")
-    if fsdp_float8_all_gather and recipe != "tensorwise":
-        raise UserError(f"float8 all-gather under FSDP needs training.fp8_recipe=tensorwise (one scale per weight; "
-                        f"a {recipe} scale needs whole rows, which a shard does not hold); use tensorwise")
     if importlib.util.find_spec("torchao") is None:
         raise UserError("training.precision=fp8 needs torchao: pip install 'tessera-trainer[fp8]'")
     from torchao.float8 import Float8LinearConfig
@@ -136,24 +135,19 @@ def convert_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: boo
     Tensor-parallel layers keep their class and get a float8 `local_linear`. Returns the
     names of the converted layers. No device check (see `apply_float8`). With
     `fsdp_float8_all_gather` (before `fully_shard`), FSDP2 gathers the weights in float8; then
-    call `precompute_float8_scales` after every optimizer step.
+    call `precompute_float8_scales` after every optimizer step. The option's combinations
+    (tensorwise, FSDP, no tensor parallel) are checked by TrainConfig, ParallelConfig and
+    ParallelRuntime.build, not here.
     """
     config = float8_config(recipe, fsdp_float8_all_gather)
     parallel = [(name, m) for name, m in model.named_modules() if (_tensor_parallel_size(m) or 1) > 1]
-    if parallel and fsdp_float8_all_gather:
-        raise UserError("float8 all-gather under FSDP does not compose with parallel.tensor > 1 (torchao's float8 "
-                        "weights are for Float8Linear, not Tessera's tensor-parallel layers); set "
-                        "parallel.fsdp_float8_all_gather=false")
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     # The parallel runtime's tags on parameters (tessera.common.parallel.layers) survive the swap:
     # float8 all-gather wraps each weight in a new Parameter.
-    tags = {n: {k: getattr(p, k) for k in PARALLEL_TAGS if hasattr(p, k)} for n, p in model.named_parameters()}
-    convert_to_float8_training(model, module_filter_fn=_converts, config=config)
-    for n, p in model.named_parameters():
-        for k, v in tags.get(n, {}).items():
-            setattr(p, k, v)
+    with keep_tags(model):
+        convert_to_float8_training(model, module_filter_fn=_converts, config=config)
     for name, m in parallel:
         if eligible(m, name):
             m.local_linear = Float8LocalLinear(config, "column" if isinstance(m, ColumnParallelLinear) else "row",

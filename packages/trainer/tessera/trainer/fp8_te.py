@@ -10,14 +10,16 @@ with `recipe=`; it needs CUDA: the library builds against the machine's CUDA too
 
 Recipes (`training.fp8_recipe`): a name means the same scaling under either backend, or it is
 refused with one line, never replaced by something else:
-- tensorwise -> `Float8CurrentScaling(fp8_format=Format.E4M3)`: one scale per tensor, computed
-  from the tensor being cast (its amax now), e4m3 for inputs, weights and output gradients, fast
-  accumulation in the forward GEMM only: what torchao's tensorwise recipe does. Not
+- tensorwise -> `Float8CurrentScaling(fp8_format=Format.HYBRID)` (TE's default format): one scale
+  per tensor, computed from the tensor being cast (its amax now), e4m3 for inputs and weights and
+  e5m2 for output gradients, fast accumulation in the forward GEMM only: what torchao's tensorwise
+  recipe does (torchao 0.18: `Float8LinearConfig.from_recipe_name("tensorwise")` casts
+  grad_output to float8_e5m2; Format.E4M3 would cast gradients to e4m3, other numbers). Not
   `DelayedScaling` (TE's default on Hopper), which scales by the largest amax of up to 1024
   earlier steps: other numbers than torchao's, and state (the amax history) a checkpoint must
   carry for exact resume, which TE keeps as a pickle in `_extra_state` (Tessera never unpickles
   checkpoint files).
-- blockwise (TE only) -> `Float8BlockScaling(fp8_format=Format.E4M3)` (TE's default format):
+- blockwise (TE only) -> `Float8BlockScaling(fp8_format=Format.E4M3)` (its default format):
   DeepSeek-V3's 1x128 blocks for activations and gradients, 128x128 blocks for weights,
   power-of-two scales (compute capability 9.0+ and CUDA 12.9+: TE's
   `is_fp8_block_scaling_available`).
@@ -31,11 +33,13 @@ The swap keeps module paths and shares the weight and bias Parameters (TE's own 
 initialisation, on the same device, and replaced), so parameter names, the optimizer's state, DCP
 checkpoints and HF export are those of a bf16 or torchao run. TE's modules add one state-dict
 entry, `<layer>._extra_state` (fp8 metadata). Every recipe above is stateless (scales come from
-the tensors being cast): TE's extra state then holds no scales (TE 2.18+ saves an empty tensor,
-TE 2.9-2.17 a pickle of the recipe's settings, which the config rebuilds), so it is dropped from
+the tensors being cast): TE's extra state then holds no scales (TE 2.17.1+ saves an empty tensor,
+TE 2.9-2.17.0 a pickle of the recipe's settings, which the config rebuilds), so it is dropped from
 the state dict and not required on load (`_hide_extra_state`). Checkpoints neither gain keys (a TE
 checkpoint resumes under bf16 or torchao and back, and `tessera-ckpt` reads it as any other) nor
-lose scaling state (there is none), so resume is exact.
+lose scaling state (there is none), so resume is exact. A state dict that does carry a non-empty
+`<layer>._extra_state` (written by something else) is refused with one line before TE sees it:
+TE 2.9-2.17.0's set_extra_state would unpickle it.
 
 Refused with one line (exit 2) before any weights load (tessera.trainer.inputs.check_inputs,
 and the config's validators for what needs only the config):
@@ -52,9 +56,11 @@ and the config's validators for what needs only the config):
   own ZeRO-1 and FSDP2 code and enters its own autocast; TE's tensor parallel (tp_group,
   parallel_mode) is for TE's layers and the runtime converts through torchao only. Use
   fp8_backend=torchao there.
-- micro_batch_size x seq_length not a multiple of 16 (32 for mxfp8), and under mxfp8 a layer whose
-  dimensions are not multiples of 32: TE's FP8 GEMMs need both dimensions of their operands
-  (tokens x features) divisible by 16 (te.autocast's documentation), MXFP8's by its 32-value blocks.
+- micro_batch_size x seq_length not a multiple of 8 (32 for mxfp8), and under mxfp8 a layer whose
+  dimensions are not multiples of 32 (the config's validator, from the model config, before
+  anything is built): te.Linear checks its FP8 operands with `utils.assert_dim_for_fp8_exec` (TE
+  2.9: tokens divisible by 8, features by 16, which fp8.eligible already asks of the layers);
+  MXFP8 needs both in multiples of its 32-value blocks.
 """
 
 from __future__ import annotations
@@ -62,21 +68,30 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from tessera.common.errors import UserError
+from tessera.common.errors import ArtifactError, UserError
+from tessera.common.model import Transformer
+from tessera.common.model_config import ModelConfig
 from tessera.trainer.fp8 import eligible, fp8_device_problem, require_converted
 
-# fp8_recipe -> (TE recipe class in transformer_engine.common.recipe, built with e4m3 throughout;
-# TE's availability check for it; the multiple both GEMM dimensions must be, tokens and features:
-# TE's get_align_size_for_quantization, 32 for MXFP8's blocks of 32). The one table of what each
-# name means under TE.
+
+class TERecipe(NamedTuple):
+    cls: str  # the recipe class in transformer_engine.common.recipe
+    fp8_format: str  # its fp8_format, a member of transformer_engine.common.recipe.Format
+    check: str  # TE's availability check for it, in transformer_engine.pytorch
+    tokens: int  # micro_batch_size x seq_length must be a multiple of this (TE's assert_dim_for_fp8_exec: 8)
+    features: int  # and a swapped layer's dimensions (fp8.eligible asks 16 of every recipe)
+
+
+# What each fp8_recipe name means under TE: the one table. HYBRID = e4m3 forward, e5m2 gradients.
 TE_RECIPES = {
-    "tensorwise": ("Float8CurrentScaling", "is_fp8_available", 16),
-    "blockwise": ("Float8BlockScaling", "is_fp8_block_scaling_available", 16),
-    "mxfp8": ("MXFP8BlockScaling", "is_mxfp8_available", 32),
+    "tensorwise": TERecipe("Float8CurrentScaling", "HYBRID", "is_fp8_available", 8, 16),
+    "blockwise": TERecipe("Float8BlockScaling", "E4M3", "is_fp8_block_scaling_available", 8, 16),
+    "mxfp8": TERecipe("MXFP8BlockScaling", "E4M3", "is_mxfp8_available", 32, 32),
 }
 TE_INSTALL = "pip install 'tessera-trainer[te]'"
 
@@ -103,7 +118,7 @@ def te_config_problem(recipe: str, compile: bool, recompute: str, micro_batch_si
         return ("training.fp8_backend=te does not compose with training.recompute=full (the recomputed blocks "
                 "would run outside TE's FP8 autocast); use recompute none or selective, or "
                 "training.fp8_backend=torchao")
-    align = TE_RECIPES[recipe][2]
+    align = TE_RECIPES[recipe].tokens
     if (micro_batch_size * seq_length) % align:
         return (f"training.fp8_backend=te needs training.micro_batch_size x training.seq_length "
                 f"({micro_batch_size} x {seq_length}) to be a multiple of {align} (TE's {recipe} GEMMs); "
@@ -143,8 +158,7 @@ def te_problem(recipe: str, device: torch.device, world_size: int = 1) -> str | 
         return str(exc)
     if problem := fp8_device_problem(device):
         return problem
-    _, check, _ = TE_RECIPES[recipe]
-    available, reason = getattr(te, check)(return_reason=True)
+    available, reason = getattr(te, TE_RECIPES[recipe].check)(return_reason=True)
     if not available:
         return (f"training.fp8_recipe={recipe} is not available on {torch.cuda.get_device_name(device)} "
                 f"(Transformer Engine: {' '.join(str(reason).split())}); use training.fp8_recipe=tensorwise")
@@ -157,17 +171,30 @@ def te_recipe(recipe: str):
         raise UserError(problem)
     from transformer_engine.common import recipe as te_recipes
 
-    name, _, _ = TE_RECIPES[recipe]
-    return getattr(te_recipes, name)(fp8_format=te_recipes.Format.E4M3)
+    spec = TE_RECIPES[recipe]
+    return getattr(te_recipes, spec.cls)(fp8_format=getattr(te_recipes.Format, spec.fp8_format))
 
 
 # ---- the swap -------------------------------------------------------------------------------------
 
 def _drop_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    # Every recipe of TE_RECIPES is stateless: TE's extra state then holds no scales (TE 2.18+
-    # saves an empty tensor; 2.9-2.17 a pickle of the recipe's settings and flags, which the
+    # Every recipe of TE_RECIPES is stateless: TE's extra state then holds no scales (TE 2.17.1+
+    # saves an empty tensor; 2.9-2.17.0 a pickle of the recipe's settings and flags, which the
     # config rebuilds). Nothing resume needs, and no pickle in Tessera's checkpoints.
     state_dict.pop(prefix + "_extra_state", None)
+
+
+def _refuse_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata, strict, missing_keys,
+                        unexpected_keys, error_msgs) -> None:
+    """Before loading: take `<layer>._extra_state` out of the state dict so that it never reaches
+    TE's set_extra_state, which in TE 2.9-2.17.0 unpickles it. Empty (TE 2.17.1+'s for a stateless
+    recipe) it is dropped; anything else is refused (Tessera's checkpoints never hold it)."""
+    key = prefix + "_extra_state"
+    state = state_dict.pop(key, None)
+    if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+        return
+    raise ArtifactError(f"{key}: the state dict holds Transformer Engine extra state, which Tessera never loads "
+                        "(TE 2.9-2.17.0 unpickle it; Tessera's TE layers keep none): remove that key")
 
 
 def _tolerate_missing_extra_state(module: nn.Module, incompatible_keys) -> None:
@@ -176,8 +203,10 @@ def _tolerate_missing_extra_state(module: nn.Module, incompatible_keys) -> None:
 
 
 def _hide_extra_state(module: nn.Module) -> None:
-    """State dicts of `module` as a plain nn.Linear's: no `_extra_state` key saved, none required."""
+    """State dicts of `module` as a plain nn.Linear's: no `_extra_state` key saved, none required,
+    none loaded (a non-empty one refused: _refuse_extra_state)."""
     module.register_state_dict_post_hook(_drop_extra_state)
+    module.register_load_state_dict_pre_hook(_refuse_extra_state)
     module.register_load_state_dict_post_hook(_tolerate_missing_extra_state)
 
 
@@ -216,20 +245,34 @@ def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> li
     return swapped
 
 
+def te_layers_problem(model: nn.Module, recipe: str) -> str | None:
+    """A layer `recipe` would swap whose dimensions it cannot take (mxfp8: multiples of 32), one
+    line, or None. Reads only module types and shapes: `model` may be on the meta device."""
+    if problem := te_recipe_problem(recipe):
+        return problem
+    align = TE_RECIPES[recipe].features
+    for name, m in _swappable(model):
+        if m.in_features % align or m.out_features % align:
+            return (f"training.fp8_recipe={recipe} needs the linear layers' dimensions to be multiples of "
+                    f"{align}; {name} is {m.in_features} -> {m.out_features}: use training.fp8_recipe=tensorwise")
+    return None
+
+
+def te_model_problem(cfg: ModelConfig, recipe: str) -> str | None:
+    """te_layers_problem for the model `cfg` describes, built on the meta device (no memory, no
+    GPU): the config's validator refuses it before anything is built."""
+    with torch.device("meta"):
+        return te_layers_problem(Transformer(cfg), recipe)
+
+
 def convert_to_te(model: nn.Module, recipe: str = "tensorwise") -> list[str]:
     """Swap the eligible nn.Linear layers of `model` for Transformer Engine Linear layers sharing
     their Parameters; the names of the swapped layers. No device check (see apply_te). A layer
-    eligible for FP8 whose dimensions are not multiples of the recipe's block (32 for mxfp8) is
+    the recipe cannot take (te_layers_problem; the trainer's config has refused it already) is
     refused with one line, before anything is swapped."""
     import_te()
-    if problem := te_recipe_problem(recipe):
+    if problem := te_layers_problem(model, recipe):
         raise UserError(problem)
-    align = TE_RECIPES[recipe][2]
-    for name, m in _swappable(model):
-        if m.in_features % align or m.out_features % align:
-            raise UserError(f"training.fp8_recipe={recipe} needs the linear layers' dimensions to be multiples of "
-                            f"{align}; {name} is {m.in_features} -> {m.out_features}: use training.fp8_recipe="
-                            "tensorwise")
     return swap_linears(model, _te_linear)
 
 

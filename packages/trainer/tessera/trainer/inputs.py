@@ -71,10 +71,6 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
             raise UserError(f"training.rampup_batch_size {list(t.rampup_batch_size)}: batch sizes {bad} are not "
                             f"multiples of training.micro_batch_size ({t.micro_batch_size}) x {size}; pick a "
                             "start and increment that are")
-    if cfg.parallel.fsdp_float8_all_gather and (t.precision != "fp8" or cfg.parallel.data_shard == 1
-                                                or t.fp8_recipe != "tensorwise"):
-        raise UserError("parallel.fsdp_float8_all_gather needs training.precision=fp8, training.fp8_recipe="
-                        "tensorwise and parallel.data_shard > 1 (under torchrun); unset it")
     if layout.world_size > 1:
         check_parallel_options(cfg)
     if t.precision == "fp8":  # TE: one process, importable, the device and the recipe's own (fp8_te)
@@ -227,10 +223,6 @@ def check_init_from(path: Path, model: ModelConfig, tokenizer: Tokenizer) -> Pat
 def check_parallel_options(cfg: TrainConfig) -> None:
     """Options of the one-process step that the parallel runtime does not have (one line each)."""
     t = cfg.training
-    p = cfg.parallel
-    if p.fsdp_float8_all_gather and p.tensor > 1:
-        raise UserError("parallel.fsdp_float8_all_gather does not compose with parallel.tensor > 1 (torchao's "
-                        "float8 weights are for Float8Linear, not Tessera's tensor-parallel layers); unset it")
     if t.loss_chunk_tokens is not None:
         raise UserError("training.loss_chunk_tokens is for one process; under torchrun the loss is vocab-parallel "
                         "(use parallel.tensor to split the logits) — set training.loss_chunk_tokens=null")

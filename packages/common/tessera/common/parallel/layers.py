@@ -17,6 +17,10 @@ float8 matmul; the class, parameters and tags stay, so state dicts and checkpoin
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -24,8 +28,8 @@ from torch import nn
 
 from tessera.common.parallel.mappings import copy_to_tp, reduce_from_tp, reduce_scatter_seq
 
-# Every attribute the parallel code reads off a parameter (carried over when parameters are
-# re-created, e.g. by Module.to_empty). `tied_embedding` is set by the pipeline code, `ep_shard`
+# Every attribute the parallel code reads off a parameter (carried over by `keep_tags` when
+# parameters are re-created, e.g. by Module.to_empty). `tied_embedding` is set by the pipeline code, `ep_shard`
 # (an MoE layer's experts, split along dim 0 over the expert-parallel group) by shard_experts.
 PARALLEL_TAGS = ("tp_shard_dim", "sequence_parallel_partial", "tied_embedding", "ep_shard")
 
@@ -39,20 +43,54 @@ def shard_dim_of(param: torch.Tensor) -> int | None:
     return getattr(param, "tp_shard_dim", None)
 
 
-def allocate(module: nn.Module, device: torch.device) -> None:
-    """`to_empty` on `module`, keeping the parallel tags (to_empty makes new parameter objects)."""
+@contextlib.contextmanager
+def keep_tags(module: nn.Module) -> Iterator[None]:
+    """Carry the parallel tags of `module`'s parameters, by name, over code that replaces its
+    parameter objects (to_empty, fully_shard's DTensors, float8 all-gather's wrapped weights)."""
     tags = {n: {k: getattr(p, k) for k in PARALLEL_TAGS if hasattr(p, k)} for n, p in module.named_parameters()}
-    module.to_empty(device=device)
-    for n, p in module.named_parameters():
+    yield
+    after = dict(module.named_parameters())
+    if after.keys() != tags.keys():  # a renamed parameter would silently lose its tags
+        raise RuntimeError(f"keep_tags: parameter names changed: {sorted(tags.keys() ^ after.keys())[:4]}")
+    for n, p in after.items():
         for k, v in tags[n].items():
             setattr(p, k, v)
 
 
-def _local_slice(full: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    return full.chunk(world, dim=dim)[rank]
+def allocate(module: nn.Module, device: torch.device) -> None:
+    """`to_empty` on `module`, keeping the parallel tags (to_empty makes new parameter objects)."""
+    with keep_tags(module):
+        module.to_empty(device=device)
 
 
-class ColumnParallelLinear(nn.Linear):
+def _copy_local_shards(new: nn.Module, full: nn.Module, group: dist.ProcessGroup) -> None:
+    """Fill `new`'s parameters with this rank's pieces of `full`'s same-named global ones, each cut
+    along its `tp_shard_dim` tag (whole when None); nothing to copy from a meta module."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    with torch.no_grad():
+        for name, p in new.named_parameters(recurse=False):
+            value = getattr(full, name)
+            if not value.is_meta:
+                dim = shard_dim_of(p)
+                p.copy_(value if dim is None else value.chunk(world, dim=dim)[rank])
+
+
+_L = TypeVar("_L", bound="_TensorParallelLinear")
+
+
+class _TensorParallelLinear(nn.Linear):
+    """What the column- and row-parallel layers share: building one from a full nn.Linear."""
+
+    @classmethod
+    def from_linear(cls: type[_L], lin: nn.Linear, group: dist.ProcessGroup, sequence_parallel: bool) -> _L:
+        """This rank's layer of `lin` (its slices of the weights; a meta `lin` gives a meta layer)."""
+        new = cls(lin.in_features, lin.out_features, lin.bias is not None, group, sequence_parallel,  # type: ignore[call-arg]
+                  device=lin.weight.device, dtype=lin.weight.dtype)
+        _copy_local_shards(new, lin, group)
+        return new
+
+
+class ColumnParallelLinear(_TensorParallelLinear):
     """y = x A^T with A split by output rows; each rank produces its slice of the features.
 
     Input: replicated [B, T, in]. Without sequence parallel it enters through `copy_to_tp`
@@ -76,25 +114,13 @@ class ColumnParallelLinear(nn.Linear):
         if self.bias is not None:
             tag(self.bias, 0)
 
-    @classmethod
-    def from_linear(cls, lin: nn.Linear, group: dist.ProcessGroup, sequence_parallel: bool) -> ColumnParallelLinear:
-        new = cls(lin.in_features, lin.out_features, lin.bias is not None, group, sequence_parallel,
-                  device=lin.weight.device, dtype=lin.weight.dtype)
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        if not lin.weight.is_meta:
-            with torch.no_grad():
-                new.weight.copy_(_local_slice(lin.weight, 0, rank, world))
-                if lin.bias is not None:
-                    new.bias.copy_(_local_slice(lin.bias, 0, rank, world))
-        return new
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             x = copy_to_tp(x, self.group)
         return self.local_linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(_TensorParallelLinear):
     """y = x A^T with A split by input columns; partial sums are reduced across tensor ranks.
 
     Input: [B, T, in/tp] (a column-parallel output). Output: replicated [B, T, out] after an
@@ -114,18 +140,6 @@ class RowParallelLinear(nn.Linear):
         tag(self.weight, 1)
         if self.bias is not None:
             tag(self.bias, None, partial=sequence_parallel)
-
-    @classmethod
-    def from_linear(cls, lin: nn.Linear, group: dist.ProcessGroup, sequence_parallel: bool) -> RowParallelLinear:
-        new = cls(lin.in_features, lin.out_features, lin.bias is not None, group, sequence_parallel,
-                  device=lin.weight.device, dtype=lin.weight.dtype)
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        if not lin.weight.is_meta:
-            with torch.no_grad():
-                new.weight.copy_(_local_slice(lin.weight, 1, rank, world))
-                if lin.bias is not None:
-                    new.bias.copy_(lin.bias)
-        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.local_linear(x, self.weight)
@@ -156,10 +170,7 @@ class VocabParallelEmbedding(nn.Embedding):
                        sequence_parallel: bool) -> VocabParallelEmbedding:
         new = cls(emb.num_embeddings, emb.embedding_dim, group, sequence_parallel,
                   device=emb.weight.device, dtype=emb.weight.dtype)
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        if not emb.weight.is_meta:
-            with torch.no_grad():
-                new.weight.copy_(_local_slice(emb.weight, 0, rank, world))
+        _copy_local_shards(new, emb, group)
         return new
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

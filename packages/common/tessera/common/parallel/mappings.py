@@ -35,10 +35,10 @@ def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         # it (async-TP). The in-place one below traces into a copy into `out` whose chunks are
         # re-split separately, which the pass does not match.
         return funcol.all_gather_tensor(x.contiguous(), gather_dim=SEQ_DIM, group=group)
-    # all_gather_into_tensor concatenates along dim 0 ([world * B, T/tp, ...]); the rank chunks
-    # are then concatenated along the sequence. Written as split + cat (one copy, where moving the
-    # sequence to dim 0 and back took two): the all-gather -> split -> cat form that inductor's
-    # micro-pipeline TP pass recognises and fuses with the matmul reading it (async-TP).
+    # Eager only (compile traces the branch above, so nothing here reaches inductor's passes): the
+    # flat all-gather concatenates along dim 0 ([world * B, T/tp, ...]) and the rank chunks are
+    # then concatenated along the sequence, as split + cat: one copy, where moving the sequence
+    # to dim 0 and back took two.
     xc = x.contiguous()
     out = torch.empty((world * xc.shape[0],) + tuple(xc.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_flat(out, xc, group=group)
@@ -51,10 +51,12 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
         return x
     if x.shape[SEQ_DIM] % world:
         raise ValueError(f"sequence length {x.shape[SEQ_DIM]} is not divisible by the tensor-parallel size {world}")
-    if torch.compiler.is_compiling():  # traced: the functional form (see _all_gather_seq)
+    if torch.compiler.is_compiling():
+        # Traced: the functional form, whose reduce-scatter along the sequence is what the
+        # micro-pipeline TP pass fuses with the matmul producing `x` (see _all_gather_seq).
         return funcol.reduce_scatter_tensor(x.contiguous(), "sum", scatter_dim=SEQ_DIM, group=group)
-    # The rank chunks of the sequence stacked along dim 0, reduce-scattered: the split -> cat ->
-    # reduce-scatter form the micro-pipeline TP pass fuses with the matmul producing `x`.
+    # Eager only (never traced): the flat reduce-scatter splits along dim 0, so the rank chunks of
+    # the sequence are stacked along dim 0 first (split + cat, one copy).
     stacked = torch.cat(x.chunk(world, dim=SEQ_DIM), dim=0)
     out = torch.empty((stacked.shape[0] // world,) + tuple(stacked.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_flat(out, stacked, group=group)

@@ -8,7 +8,10 @@ process groups. Expert parallel: the `ep` ranks of an expert group hold differen
 read different rows of the batch; for every other (dense) parameter they are replicas, as data
 ranks are. So dense gradients are averaged over `dp_ep` (data x expert, flattened, expert index
 fastest: `dp_ep_rank = dp_rank * ep + ep_rank`, which is also the rank's share of the batch), and
-expert gradients over `dp` only. `set_groups` / `get_groups` exist for code far from the entry point (a
+expert gradients over `dp` only. Fully sharded data parallel shards a dense parameter over the data shards
+and the expert and context ranks, flattened (`ParallelLayout.fsdp_dims`: "dp_shard_ep_cp", say), and
+an MoE layer's experts over data shards x context ranks (`fsdp_expert_dims`); `build_groups` flattens
+exactly those, and `fsdp_mesh` / `fsdp_expert_mesh` hand them to fully_shard. `set_groups` / `get_groups` exist for code far from the entry point (a
 metrics hook, say) that cannot have the object passed in.
 """
 
@@ -102,6 +105,9 @@ class ParallelGroups:
     cp_rank: int = 0
     ep_rank: int = 0
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
+    # FSDP's meshes, made once by build_groups from the DeviceMeshes `_flatten` returned (slicing a
+    # flattened dim from the root mesh at each access is deprecated by torch); empty without FSDP.
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -170,34 +176,42 @@ class ParallelGroups:
 
     @property
     def fsdp_shard_dim(self) -> str:
-        """The mesh dimension dense parameters are fully sharded over: the data shards, and under
-        expert parallel data shards x expert ranks flattened ("dp_shard_ep", expert index fastest),
-        since expert ranks are replicas of every dense parameter (torchtitan's dense mesh)."""
-        return "dp_shard" if self.layout.expert == 1 else "dp_shard_ep"
+        """The mesh dimension dense parameters are fully sharded over: the data shards, flattened with
+        the expert ranks (replicas of every dense parameter, torchtitan's dense mesh) and the context
+        ranks (each runs the same parameters on its part of the sequence: torchtitan's dp_shard_cp),
+        slowest first ("dp_shard", "dp_shard_ep", "dp_shard_cp" or "dp_shard_ep_cp")."""
+        return "_".join(self.layout.fsdp_dims)
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
         """fully_shard's mesh for dense parameters: (shard,), or ("dp_replicate", shard) for HSDP,
         shard being `fsdp_shard_dim`."""
-        d = self.fsdp_shard_dim
-        return self.mesh[d] if self.layout.data_replicate == 1 else self.mesh["dp_replicate", d]
+        return self._fsdp("fsdp")
 
     @property
     def fsdp_expert_mesh(self) -> DeviceMesh:
-        """fully_shard's mesh for an MoE layer's (expert-parallel) experts: the data shards of their
-        expert group, ("dp_shard",) or ("dp_replicate", "dp_shard") (torchtitan's dp_shard_mod_ep)."""
-        return self.mesh["dp_shard"] if self.layout.data_replicate == 1 else self.mesh["dp_replicate", "dp_shard"]
+        """fully_shard's mesh for an MoE layer's (expert-parallel) experts: the data shards (x context
+        ranks) of their expert group, alone or after "dp_replicate" (torchtitan's dp_shard_mod_ep)."""
+        return self._fsdp("fsdp_expert")
 
     @property
     def fsdp_state_mesh(self) -> DeviceMesh:
-        """The mesh a fully-sharded dense parameter's checkpoint tensor lives on: data replicas, data
-        shards (x expert ranks), tensor."""
-        return self.mesh["dp_replicate", self.fsdp_shard_dim, "tp"]
+        """The mesh a fully-sharded dense parameter's checkpoint tensor lives on: data replicas, FSDP
+        shards (`fsdp_shard_dim`), tensor."""
+        return self._fsdp("fsdp_state")
 
     @property
     def fsdp_expert_state_mesh(self) -> DeviceMesh:
-        """The mesh a fully-sharded expert weight's checkpoint tensor lives on: data replicas, data shards, experts."""
-        return self.mesh["dp_replicate", "dp_shard", "ep"]
+        """The mesh a fully-sharded expert weight's checkpoint tensor lives on: data replicas, data
+        shards, experts, then context ranks when they share the FSDP shards (a flattened
+        "dp_shard_cp" cannot precede "ep", which lies between its dims; the data shard and context
+        placements then split the same dim, data shards outer, as the flattened rank does)."""
+        return self.mesh[("dp_replicate", "dp_shard", "ep") + ("cp",) * (self.layout.context > 1)]
+
+    def _fsdp(self, name: str) -> DeviceMesh:
+        if name not in self._meshes:
+            raise RuntimeError(f"{name} mesh: the layout {self.layout.short()} is not fully sharded (data_shard 1)")
+        return self._meshes[name]
 
     @property
     def tp(self) -> int:
@@ -238,8 +252,15 @@ def build_groups(layout: ParallelLayout, device: torch.device | None = None) -> 
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     mesh["dp_replicate", "dp_shard", "ep"]._flatten("dp_ep")
-    if layout.expert > 1:
-        mesh["dp_shard", "ep"]._flatten("dp_shard_ep")  # FSDP's dense shards under expert parallel
+    meshes: dict[str, DeviceMesh] = {}
+    if layout.data_shard > 1:  # FSDP's shard dims (ParallelGroups.fsdp_mesh), in one order on every rank
+        flat = {"_".join(dims): mesh[dims]._flatten("_".join(dims)) if len(dims) > 1 else mesh[dims[0]]
+                for dims in dict.fromkeys((layout.fsdp_dims, layout.fsdp_expert_dims))}
+        dense, expert = "_".join(layout.fsdp_dims), "_".join(layout.fsdp_expert_dims)
+        hsdp = layout.data_replicate > 1  # (a 2-D mesh with a flattened dim: sliced from the root, once)
+        meshes["fsdp"] = mesh["dp_replicate", dense] if hsdp else flat[dense]
+        meshes["fsdp_expert"] = mesh["dp_replicate", expert] if hsdp else flat[expert]
+        meshes["fsdp_state"] = mesh["dp_replicate", dense, "tp"]
     groups = {name: mesh[name].get_group() for name in (*MESH_DIMS, "dp", "dp_ep")}
     rank = dist.get_rank()
     coords = mesh.get_coordinate()
@@ -258,7 +279,7 @@ def build_groups(layout: ParallelLayout, device: torch.device | None = None) -> 
     return ParallelGroups(layout=layout, mesh=mesh, device=device, rank=rank, world_size=world,
                           tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
                           embedding_group=embedding_group, cp_rank=cp_rank, ep_rank=ep_rank,
-                          _groups=groups)
+                          _groups=groups, _meshes=meshes)
 
 
 _CURRENT: ParallelGroups | None = None

@@ -27,8 +27,9 @@ def to_global(local: torch.Tensor, like: torch.Tensor, groups: ParallelGroups) -
 
     `like` may be a fully-sharded (FSDP) parameter, a DTensor sharded over the data ranks whose
     local piece is itself a piece of the tensor-parallel shard: the result then lives on the
-    (dp_replicate, dp_shard, tp) mesh (dp_shard x ep flattened for dense parameters under expert
-    parallel; an expert slice on (dp_replicate, dp_shard, ep)), replicated over replicas, sharded over data shards along
+    (dp_replicate, dp_shard, tp) mesh (dp_shard flattened with the expert and context ranks for dense
+    parameters, `ParallelGroups.fsdp_shard_dim`; an expert slice on (dp_replicate, dp_shard, ep[, cp])),
+    replicated over replicas, sharded over data shards along
     FSDP's dim and over tensor ranks along the tensor-parallel dim. When both split the same
     dim (a tensor-sharded bias) the tensor chunk comes first and the data chunk within it,
     which is `_StridedShard(dim, split_factor=tp)` on the data dim."""
@@ -38,12 +39,13 @@ def to_global(local: torch.Tensor, like: torch.Tensor, groups: ParallelGroups) -
         local = local.to_local() if isinstance(local, DTensor) else local
         if not isinstance(like, DTensor):
             return DTensor.from_local(local, groups.mesh["ep"], [Shard(0)], run_check=False)
-        # Fully sharded too (EP x FSDP): the slice is split over the data shards of its expert
-        # group along a non-expert dim, so the pieces are rectangles of the global tensor.
+        # Fully sharded too (EP x FSDP): the slice is split over the data shards (x context ranks)
+        # of its expert group along a non-expert dim, so the pieces are rectangles of the global tensor.
         fsdp_dim = like.placements[-1].dim  # type: ignore[attr-defined]
         shape = [like.shape[0] * groups.ep, *like.shape[1:]]
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, groups.fsdp_expert_state_mesh, [Replicate(), Shard(fsdp_dim), Shard(0)],
+        placements = [Replicate(), Shard(fsdp_dim), Shard(0)] + [Shard(fsdp_dim)] * (groups.cp > 1)
+        return DTensor.from_local(local, groups.fsdp_expert_state_mesh, placements,
                                   run_check=False, shape=torch.Size(shape), stride=stride)
     dim = shard_dim_of(like)
     tp_placement = Shard(dim) if dim is not None else Replicate()
@@ -52,6 +54,8 @@ def to_global(local: torch.Tensor, like: torch.Tensor, groups: ParallelGroups) -
     if not isinstance(like, DTensor):
         return DTensor.from_local(local, groups.tp_mesh, [tp_placement], run_check=False)
     fsdp_dim = like.placements[-1].dim  # type: ignore[attr-defined]
+    if groups.tp == 1:  # one tensor rank: nothing split along the tag (FSDP's dim is then 0)
+        dim, tp_placement = None, Replicate()
     dp_placement = _StridedShard(fsdp_dim, split_factor=groups.tp) if fsdp_dim == dim else Shard(fsdp_dim)
     shape = list(like.shape)
     if dim is not None:

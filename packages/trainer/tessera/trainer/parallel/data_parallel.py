@@ -339,14 +339,10 @@ class GradientBuckets:
         if self.overlap_param_gather:
             self._gather_pending = True
             return
-        for b in reversed(self.buckets):
-            if b.shards > 1:
-                with torch.profiler.record_function(f"tessera.dp.all_gather bucket {b.index}"):
-                    all_gather_flat(b.param_buf, b.param_shard(b.rank).clone(), group=b.group)
+        self._gather_buckets(async_op=False)
 
     def launch_param_gather(self) -> None:
-        """Launch the pending all-gathers asynchronously, in forward order (the bucket the forward
-        needs first goes first); no-op when none is pending.
+        """Launch the pending all-gathers asynchronously; no-op when none is pending.
 
         Launched at the start of the next step, not at the end of this one: then no collective is
         in flight between steps, where the trainer starts and stops the profiler (seen: a
@@ -355,13 +351,20 @@ class GradientBuckets:
         if not self._gather_pending:
             return
         self._gather_pending = False
+        self._gather_buckets(async_op=True)
+
+    def _gather_buckets(self, async_op: bool) -> None:
+        """All-gather every sharded bucket's parameters from the replicas' updated slices, in forward
+        order (the bucket the forward needs first goes first); `async_op` leaves each in flight on
+        its bucket (`gather`, with the source slice kept alive in `gather_src`)."""
         for b in reversed(self.buckets):
             if b.shards == 1:
                 continue
             own = b.param_shard(b.rank).clone()
             with torch.profiler.record_function(f"tessera.dp.all_gather bucket {b.index}"):
-                b.gather = all_gather_flat(b.param_buf, own, group=b.group, async_op=True)
-            b.gather_src = own
+                work = all_gather_flat(b.param_buf, own, group=b.group, async_op=async_op)
+            if async_op:
+                b.gather, b.gather_src = work, own
 
     def _wait_gather(self, b: Bucket) -> None:
         self.launch_param_gather()  # a forward outside a training step (evaluation) launches them itself

@@ -64,7 +64,7 @@ class ParallelConfig(StrictModel):
     autocast_bf16: bool = Field(False, description="Run forward passes under torch.autocast(bf16) over fp32 parameters (the trainer's bf16 mode); gradients, reductions and optimizer stay fp32.")
     autocast_fp16: bool = Field(False, description="Run forward passes under torch.autocast(fp16) over fp32 parameters (the trainer's fp16 mode); pass a loss scale to train_step (dynamic loss scaling is the caller's policy).")
     fp8_recipe: Literal["tensorwise", "rowwise"] | None = Field(None, description="The trainer's fp8 mode: the built model's eligible Linear layers become torchao Float8Linear with this scaling recipe (tessera.trainer.fp8), forward under bf16 autocast; tensor-parallel layers keep their class and collectives and get a float8 local matmul with global scales.")
-    fsdp_float8_all_gather: bool = Field(False, description="With fp8_recipe tensorwise and data_shard > 1 (NCCL: gloo cannot all-gather float8): FSDP gathers the weights in float8; their scales are precomputed after each optimizer step.")
+    fsdp_float8_all_gather: bool = Field(False, description="With fp8_recipe tensorwise and data_shard > 1 (NCCL: gloo cannot all-gather float8): FSDP gathers the weights in float8; their scales are precomputed after each optimizer step. Not with tensor > 1. The trainer's config (TrainConfig) refuses bad combinations as it loads; this config and ParallelRuntime.build check the invariants again for direct callers.")
     fsdp_param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1 (FSDP): the dtype parameters are all-gathered in for compute; the sharded fp32 parameters stay the optimizer's master weights (bfloat16: bf16 parameters with fp32 masters).")
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: the dtype of the gradient reduce-scatter / all-reduce.")
     fsdp_cpu_offload: bool = Field(False, description="With data_shard > 1, on GPUs: keep sharded parameters, gradients and optimizer state in host memory; AdamW steps on the CPU.")
@@ -79,6 +79,7 @@ class ParallelConfig(StrictModel):
         if self.fp8_recipe is not None and self.autocast_fp16:
             raise ValueError("fp8_recipe runs under bf16 autocast; autocast_fp16 is exclusive with it")
         if self.fsdp_float8_all_gather and self.fp8_recipe != "tensorwise":
+            # (torchao asserts it with a bare AssertionError; a rowwise scale needs whole rows)
             raise ValueError("fsdp_float8_all_gather needs fp8_recipe=tensorwise")
         return self
 
@@ -182,8 +183,11 @@ class ParallelRuntime:
         rng.seed_default()
         if pcfg.async_tp:  # before compiling: inductor reads the switch when it lowers the blocks
             enable_async_tp(groups, compiled=pcfg.compile, sequence_parallel=pcfg.sequence_parallel)
-        if pcfg.fsdp_float8_all_gather and groups.dp_shard == 1:
-            raise ValueError("fsdp_float8_all_gather needs data_shard > 1")
+        if pcfg.fsdp_float8_all_gather and (groups.dp_shard == 1 or groups.tp > 1):
+            # The layout's side of the option (TrainConfig words it for users): without FSDP the float8
+            # weights would land in ZeRO-1's flat buffers; over tensor ranks in Tessera's TP layers.
+            raise ValueError(f"fsdp_float8_all_gather needs data_shard > 1 and tensor == 1; the layout is "
+                             f"{groups.layout.short()}")
 
         def prepare(stages: list[StageModule]) -> None:
             # fp8: after the tensor-parallel swap (which would rebuild Float8Linear layers as plain
@@ -366,8 +370,11 @@ class ParallelRuntime:
     @torch.no_grad()
     def replica_divergence(self) -> float:
         """Largest difference between copies that must stay equal (0.0 when healthy): replicated
-        parameters across tensor ranks, every parameter across data-parallel ranks, dense ones
-        across expert ranks, and the two copies of a tied embedding. Collective; for tests and debugging."""
+        parameters across tensor ranks, every parameter across data-parallel and context ranks,
+        dense ones across expert ranks, and the two copies of a tied embedding; fully sharded
+        (data_shard > 1), a parameter's only copies are its HSDP replicas (data shards, context and
+        expert ranks hold different pieces). The persistent buffers (the MoE balancing bias) across
+        data, context and expert ranks, sharded or not. Collective; for tests and debugging."""
         g = self.groups
         worst = torch.zeros((), dtype=torch.float32, device=g.device)
 
@@ -381,7 +388,7 @@ class ParallelRuntime:
             local = _local_data(p)
             if g.tp > 1 and getattr(p, "tp_shard_dim", None) is None:
                 spread(local, g.tp_group, g.tp)
-            if g.cp > 1:
+            if g.cp > 1 and g.dp_shard == 1:  # (FSDP: shards differ per context rank)
                 spread(local, g.cp_group, g.cp)
             if g.ep > 1 and not is_expert_shard(p) and g.dp_shard == 1:  # (FSDP: dense shards differ per expert rank)
                 spread(local, g.ep_group, g.ep)
@@ -389,6 +396,11 @@ class ParallelRuntime:
                 spread(local, g.dp_group, g.dp)
             elif g.layout.data_replicate > 1:  # fully sharded: the copies are the HSDP replicas
                 spread(local, g.dp_replicate_group, g.layout.data_replicate)
+        for s in self.stages:
+            for buf in s.global_buffers().values():
+                for group, size in ((g.dp_group, g.dp), (g.cp_group, g.cp), (g.ep_group, g.ep)):
+                    if size > 1:
+                        spread(buf, group, size)
         if g.embedding_group is not None:
             for s in self.stages:
                 if s.is_first and s.model.embed_tokens is not None:

@@ -17,7 +17,8 @@ holds, its expert-parallel slice of stacked experts; the tied head takes the emb
   (`build_stages(prepare=...)`): `to_empty` then allocates only each parameter's data shard (a
   DTensor's local piece, FSDP's padding added at its lazy init), and the replayed value is cut
   to the tensor-parallel piece, then to this rank's FSDP chunk of it. A rank never holds more
-  than its 1/data_shard of its tensor x pipeline share plus one replayed global tensor (measured
+  than its FSDP shard (1/fsdp_shards: data shards x expert x context ranks) of its tensor x
+  pipeline share plus one replayed global tensor (measured
   in tests/trainer/test_plan_validation.py, FSDP 4: build peak 2.33 MB against 5.05 MB of fp32
   weights; the earlier order -- allocate the share, then shard -- peaked at 6.1 MB).
 
@@ -61,7 +62,7 @@ def _local_piece(value: torch.Tensor, local: torch.Tensor, groups: ParallelGroup
     if isinstance(local, DTensor):
         fsdp_dim = local.placements[-1].dim  # type: ignore[attr-defined]
         chunks = part.chunk(local.device_mesh.size(-1), dim=fsdp_dim)
-        rank = local.device_mesh.get_local_rank(-1)
+        rank = local.device_mesh.get_coordinate()[-1]  # type: ignore[index]
         part = chunks[rank] if rank < len(chunks) else part.narrow(fsdp_dim, 0, 0)
     return part
 

@@ -168,10 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         spec = spec.model_copy(update={"device_type": "cpu"})
     if args.fp8_all_gather:
-        if spec.precision != "fp8-master" or not spec.fsdp:
+        searching = args.gpus is not None and not layout_given  # the search keeps only layouts it composes with
+        if spec.precision != "fp8-master" or not (spec.fsdp or searching):
             raise UserError("--fp8-all-gather needs --precision fp8-master and --data-shard > 1 (float8 all-gather "
                             f"of FSDP's bf16 parameters); this plan is {spec.precision} with data_shard "
                             f"{spec.layout.data_shard}")
+        if layout.tensor > 1 and not searching:
+            raise UserError(f"--fp8-all-gather does not compose with --tensor-parallel {layout.tensor} (torchao's float8 "
+                            "weights are for Float8Linear, not Tessera's tensor-parallel layers); set it to 1")
         spec = spec.model_copy(update={"fp8_all_gather": True})
     if args.gpus is not None and not layout_given:
         ranked = rank_layouts(spec, args.gpus, device, args.efficiency)

@@ -26,7 +26,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(spec: PlanSpec, gpus: int, max_virtual: int = 4) -> list[ParallelLayout]:
-    """Layouts of `gpus` ranks that `validate_layout` accepts for this model and batch."""
+    """Layouts of `gpus` ranks that `validate_layout` accepts for this model and batch (with float8
+    all-gather: only those it composes with, FSDP over one tensor rank)."""
     cfg = spec.model
     out = []
     for tp in _divisors(gpus):
@@ -34,6 +35,8 @@ def candidate_layouts(spec: PlanSpec, gpus: int, max_virtual: int = 4) -> list[P
             for pp in _divisors(gpus // (tp * cp)):
                 dp = gpus // (tp * cp * pp)
                 for shard in _divisors(dp):
+                    if spec.fp8_all_gather and (tp > 1 or shard == 1):
+                        continue
                     for v in range(1, (max_virtual if pp > 1 else 1) + 1):
                         lay = ParallelLayout(tensor=tp, context=cp, pipeline=pp, virtual_stages=v, data=dp,
                                              data_shard=shard)

@@ -88,18 +88,23 @@ def plan_time(spec: PlanSpec, device: DeviceSpec, efficiency: float = DEFAULT_EF
     params = max(rank_params(spec, r).total for r in range(pp))
     wb = 2.0 if spec.bf16_params else 4.0
     if spec.fsdp:
-        shard = lay.data_shard
-        bw = _bandwidth(tp * cp * ep * shard, device)
+        # Dense parameters are gathered over data x expert x context ranks, the routed experts
+        # (already split over expert ranks) over data x context ranks only.
+        shard, eshard = lay.fsdp_shards, lay.fsdp_expert_shards
+        experts = max(rank_params(spec, r).experts for r in range(pp))
+        moved = (params - experts) * (shard - 1) / shard + experts * (eshard - 1) / eshard  # per gather
+        held = (params - experts) / shard + experts / eshard
+        bw = _bandwidth(tp * cp * ep * lay.data_shard, device)
         gathered_b = 1.0 if spec.fp8_all_gather and spec.float8 else 2.0 if spec.bf16_params else 4.0
         if pp > 1:  # blocks stay gathered over the step; one reduce-scatter after the last micro-batch
-            vol = (gathered_b + 4.0) * (shard - 1) / shard * params
+            vol = (gathered_b + 4.0) * moved
         else:
             gathers = 2 if spec.fsdp_reshard_after_forward else 1
-            vol = (gathers * gathered_b + 4.0) * (shard - 1) / shard * params * n
+            vol = (gathers * gathered_b + 4.0) * moved * n
         comm["fsdp"] = vol / bw
         replicas = lay.data_replicate
         if replicas > 1:
-            comm["hsdp replicas"] = 2 * (replicas - 1) / replicas * params / shard * 4.0 * n / _bandwidth(world, device)
+            comm["hsdp replicas"] = 2 * (replicas - 1) / replicas * held * 4.0 * n / _bandwidth(world, device)
         exposed += max(0.0, comm["fsdp"] + comm.get("hsdp replicas", 0.0) - compute)
     elif dp * ep > 1:
         bw = _bandwidth(tp * cp * ep * dp, device)
