@@ -332,7 +332,7 @@ def main() -> None:
         # Warm-up: every batch size up to --concurrency once (a server that compiles per shape,
         # as vLLM's CPU build can, does so before the measured runs), short outputs.
         warm = [(p, min(n, 8)) for p, n in workload[:args.concurrency]]
-        wait_healthy(url, server, 120, "tessera-serve")
+        wait_healthy(url, server, 300, "tessera-serve")  # compiles the CPU forward first (~20 s quiet, 80-110 s loaded)
         asyncio.run(run_client(url, warm, args.concurrency))
         if vllm is not None:
             wait_healthy(vllm_url, vllm, args.peer_startup_timeout, f"vllm serve (log: {vllm_log}; --no-peer skips it)")

@@ -90,7 +90,7 @@ def serve_and_generate(checkpoint: Path, path: str = "/v1/completions", body: di
     print("$ " + " ".join(cmd), flush=True)
     server = subprocess.Popen(cmd)
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 300  # the CPU forward is compiled before /health answers
         while True:
             if server.poll() is not None:
                 raise SystemExit(f"tessera-serve exited early with code {server.returncode}")
@@ -99,7 +99,7 @@ def serve_and_generate(checkpoint: Path, path: str = "/v1/completions", body: di
                 break
             except OSError:
                 if time.time() > deadline:
-                    raise SystemExit("tessera-serve did not become healthy within 120 s") from None
+                    raise SystemExit("tessera-serve did not become healthy within 300 s") from None
                 time.sleep(0.5)
         model = http("GET", f"http://127.0.0.1:{port}/v1/models")["data"][0]["id"]
         body = body or {"prompt": PROMPT, "max_tokens": 48, "temperature": 0.0}
