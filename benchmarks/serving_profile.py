@@ -262,6 +262,8 @@ def compile_ab(ckpt: Path, args, workload) -> None:
         t = time.perf_counter()
         engines[name] = LLMEngine(load_for_serving(str(ckpt), cpu, torch.float32, None), cfg, cpu, torch.float32)
         print(f"{name} engine built in {time.perf_counter() - t:.1f} s")
+    if engines["compiled"].runner.compiled is None or engines["compiled"].compile_seconds <= 0:
+        raise SystemExit("the compiled engine did not compile its layer stack (see the warning above); nothing to A/B")
     for conc in args.compile_ab:
         for engine in engines.values():
             for i, (prompt, _) in enumerate(workload[:conc]):
@@ -284,6 +286,9 @@ def compile_ab(ckpt: Path, args, workload) -> None:
             step += 1
         eager, comp = times["eager"], times["compiled"]
         ratios = [c / e for c, e in zip(comp, eager)]
+        if len(ratios) < 2:
+            print(f"concurrency {conc}: {len(ratios)} decode steps, too few to compare; raise --output-len")
+            continue
         q = statistics.quantiles(ratios, n=4)
         print(f"concurrency {conc}: {len(eager)} decode steps; eager median {1e3 * statistics.median(eager):.2f} ms, "
               f"compiled {1e3 * statistics.median(comp):.2f} ms; compiled/eager: ratio of medians "

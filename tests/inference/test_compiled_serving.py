@@ -2,8 +2,8 @@
 (the engine's, each tensor-parallel worker's shard, the speculative draft) is prepared in one place
 (prepare.py): q/k/v and gate/up stacked, Linear weights oneDNN-packed or the stack compiled.
 
-The suite serves eagerly (tests/conftest.py sets TESSERA_CPU_COMPILE=0); only the first test
-compiles (two tiny models, two graphs each)."""
+The suite serves eagerly (tests/conftest.py sets TESSERA_CPU_COMPILE=0); only the first two tests
+compile (tiny models, one graph each)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 import torch
 from inference_helpers import make_checkpoint, make_engine, run_all, tiny_config, token_ids
 from test_cuda_graphs import GPT2, assert_same, build, outputs, workload
+from torch._inductor.exc import InvalidCxxCompiler
 
+from tessera.common.errors import UserError
 from tessera.inference.compiled import CompiledForward
 from tessera.inference.config import EngineConfig, SpeculativeConfig
 from tessera.inference.cpu_linear import PackedLinear
@@ -28,14 +30,37 @@ def test_a_compiled_cpu_engine_gives_the_eager_engines_greedy_tokens_and_logprob
     eager, compiled = build(ckpt, cpu_compile=False), build(ckpt, cpu_compile=True)
     assert eager.runner.compiled is None and packed(eager.runner.model) == 4 * 2  # qkv, o, gate_up/up, down
     assert isinstance(compiled.runner.compiled, CompiledForward) and packed(compiled.runner.model) == 0
-    # Batches of 5 shrinking to 1 (the size-1 graph), chunked prefills, a shared prefix.
+    # Batches of 5 shrinking to 1, chunked prefills, a shared prefix: all through the one graph.
     requests = workload(sampled=False)
     assert_same(outputs(compiled, requests), outputs(eager, requests))
     assert compiled.blocks.num_used == 0
+    assert compiled.runner.compiled.graphs() == 1
+
+
+def test_two_models_of_one_shape_each_serve_their_own_graph_and_aten_packs_nothing(tmp_path, monkeypatch):
+    # Each CompiledForward has its own code object, so its graph (and the frozen weights it holds)
+    # is its own: a second model of the same shape neither reuses the first's graph nor counts
+    # against its recompile limit. --cpu-linear aten turns inductor's weight prepacking off.
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # run (and count) the packing passes
+    cfg = tiny_config(num_layers=1)
+    a, b = make_checkpoint(tmp_path / "a", cfg, seed=1), make_checkpoint(tmp_path / "b", cfg, seed=2)
+    counters.clear()
+    onednn = build(a, cpu_compile=True)
+    packs = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
+    aten = build(b, cpu_compile=True, cpu_linear="aten")
+    assert packs > 0 and counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == packs
+    assert onednn.runner.compiled.code is not aten.runner.compiled.code
+    requests = workload(sampled=False)
+    assert_same(outputs(onednn, requests), outputs(build(a, cpu_compile=False), requests))
+    assert_same(outputs(aten, requests), outputs(build(b, cpu_compile=False, cpu_linear="aten"), requests))
+    assert onednn.runner.compiled.graphs() == aten.runner.compiled.graphs() == 1
 
 
 def test_enforce_eager_and_the_test_environment_turn_compile_off(monkeypatch):
-    assert not EngineConfig().compile_on_cpu  # tests/conftest.py: TESSERA_CPU_COMPILE=0
+    monkeypatch.setenv("TESSERA_CPU_COMPILE", "0")  # as tests/conftest.py sets it
+    assert not EngineConfig().compile_on_cpu
     assert EngineConfig(cpu_compile=True).compile_on_cpu
     monkeypatch.delenv("TESSERA_CPU_COMPILE")
     assert EngineConfig().compile_on_cpu and not EngineConfig(enforce_eager=True).compile_on_cpu
@@ -48,18 +73,39 @@ def test_enforce_eager_and_the_test_environment_turn_compile_off(monkeypatch):
         EngineConfig()
 
 
-def test_a_failed_compile_is_a_warning_and_the_engine_serves_eagerly_with_packed_weights(tiny_ckpt, monkeypatch,
-                                                                                        caplog):
-    def fail(self, runner, rows):
-        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+def no_cxx_compiler(self, runner, rows):
+    raise InvalidCxxCompiler()
 
-    monkeypatch.setattr(CompiledForward, "warm_up", fail)
+
+def test_a_failed_default_compile_is_a_warning_and_the_engine_serves_eagerly_with_packed_weights(
+        tiny_ckpt, monkeypatch, caplog):
+    monkeypatch.setattr(CompiledForward, "warm_up", no_cxx_compiler)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     want = token_ids(run_all(make_engine(tiny_ckpt, num_kv_blocks=32), {"a": ([4, 9, 200], greedy)})["a"])
-    engine = make_engine(tiny_ckpt, num_kv_blocks=32, cpu_compile=True)
+    monkeypatch.setenv("TESSERA_CPU_COMPILE", "1")  # the default, not asked for
+    engine = make_engine(tiny_ckpt, num_kv_blocks=32)
     assert engine.runner.compiled is None and packed(engine.runner.model) == 4 * 2
-    assert "compiling the layer stack failed (RuntimeError: InvalidCxxCompiler" in caplog.text
+    assert "compiling the layer stack failed (InvalidCxxCompiler" in caplog.text
     assert token_ids(run_all(engine, {"a": ([4, 9, 200], greedy)})["a"]) == want
+
+
+def test_an_explicit_cpu_compile_that_fails_or_cannot_compile_is_refused(tiny_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setattr(CompiledForward, "warm_up", no_cxx_compiler)
+    with pytest.raises(UserError, match="cpu_compile: compiling model's layer stack failed .*drop cpu_compile"):
+        make_engine(tiny_ckpt, num_kv_blocks=32, cpu_compile=True)
+    moe = make_checkpoint(tmp_path, tiny_config(arch="mixtral", moe=dict(num_experts=4, top_k=2, ffn_hidden_size=64)))
+    with pytest.raises(UserError, match="cpu_compile: model cannot be compiled .*mixture-of-experts"):
+        make_engine(moe, num_kv_blocks=32, cpu_compile=True)
+
+
+def test_a_bug_while_compiling_is_not_reported_as_a_failed_compile(tiny_ckpt, monkeypatch):
+    def bug(self, runner, rows):
+        raise IndexError("a bug in the runner")
+
+    monkeypatch.setattr(CompiledForward, "warm_up", bug)
+    monkeypatch.setenv("TESSERA_CPU_COMPILE", "1")
+    with pytest.raises(IndexError, match="a bug in the runner"):
+        make_engine(tiny_ckpt, num_kv_blocks=32)
 
 
 def test_the_draft_model_is_prepared_like_the_target_and_speculation_keeps_the_tokens(tiny_ckpt, tmp_path):

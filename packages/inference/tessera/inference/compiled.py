@@ -35,13 +35,19 @@ Shape of it:
   inductor takes `unbacked_symint_fallback`, set to the engine's max_num_seqs (as the eager
   PackedLinear's batch hint). Without freezing inductor packs nothing and calls plain `mm` (slower
   than eager oneDNN: 1.02-1.17x the eager forward's time). Freezing is an inductor setting read
-  outside the per-compile options, so the settings are patched around each call, never set for
-  the process.
-- Dynamo guards on the module's weights: a second model of the same shape compiles its own
-  graphs, never reuses another's frozen weights (checked with two seeds of one config; outputs
-  equal each model's eager ones). Every CompiledForward shares one code object, whose cache holds
-  dynamo's recompile limit of 8 graphs: 8 models per process (an engine compiles at most two, its
-  model and its draft); past that dynamo warns and runs the stack eagerly.
+  outside the per-compile options, so the settings are patched around each call (under a process
+  lock: a patch saves and restores module globals), never set for the process. The plain weights
+  cannot be dropped (inductor's freezing_discard_parameters): the output head, tied to the
+  embedding in GPT-2-style models, is read outside the graph, and dynamo's guards read the
+  parameters at every call. `--cpu-linear aten` turns the prepacking off (cpp.weight_prepack).
+- Each CompiledForward compiles a code object of its own (a copy of `_forward`'s): dynamo keeps
+  graphs per code object, so a second model of the same shape compiles its own graph and never
+  reuses another's frozen weights (checked with two seeds of one config; outputs equal each
+  model's eager ones), the graphs are freed with their CompiledForward, and dynamo's recompile
+  limit (8 graphs per code object) is per model: with one shared code object the 9th model in a
+  process ran its stack eagerly, unpacked, with a warning only. Compiled `fullgraph` and under
+  `fail_on_recompile_limit_hit`: a graph break or the limit raises, in warm_up, and
+  prepare.serving_runner serves eagerly with packed weights (or refuses, cpu_compile asked for).
 
 Inductor options are vLLM's CPU build's (dce, no size/NaN asserts, epilogue fusion, dynamic
 threads; one compile thread).
@@ -67,12 +73,16 @@ graphs), quantized weights, tensor-parallel shards.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
+import torch._dynamo
+import torch._inductor.exc
 
 from tessera.inference.cuda_graphs import uncapturable
 
@@ -82,31 +92,43 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tessera.inference")
 
-# The runner whose step is executing: `attention_op` reads its step (decode groups, block tables,
-# slots) from it. Set only around one forward (`running`), so nothing outlives the step.
-_RUNNER: list[ModelRunner] = []
+# The runners whose step is executing, per thread: `attention_op` reads its step (decode groups,
+# block tables, slots) from the innermost. Set only around one forward (`running`), so nothing
+# outlives the step.
+_LOCAL = threading.local()
+
+
+def _running_runners() -> list[ModelRunner]:
+    if not hasattr(_LOCAL, "runners"):
+        _LOCAL.runners = []
+    return _LOCAL.runners
 
 
 @contextmanager
 def running(runner: ModelRunner) -> Iterator[None]:
-    _RUNNER.append(runner)
+    runners = _running_runners()
+    runners.append(runner)
     try:
         yield
     finally:
-        _RUNNER.pop()
+        runners.pop()
 
 
-# It writes the KV cache, which is not one of its inputs, so the compiler takes it for a pure function:
-# sound here, since its output is always used (never eliminated) and nothing in the graph reads the cache.
+# It writes the KV cache, which is not one of its inputs, so the compiler would take it for a pure
+# function: registered as side-effecting so that no dead-code pass may ever drop it (its output is
+# always used today, but the KV write must not depend on that).
 @torch.library.custom_op("tessera_inference::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """The executing step's attention for `layer` (KV write + paged attention), opaque to the compiler."""
-    return _RUNNER[-1]._attention(layer, q, k, v)
+    return _running_runners()[-1]._attention(layer, q, k, v).contiguous()  # the fake's layout
 
 
 @attention_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
+
+
+torch.fx.node.has_side_effect(torch.ops.tessera_inference.attention.default)
 
 
 def _attention_fn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -123,6 +145,21 @@ _CONFIG = {
     "cpp.dynamic_threads": True,
     "compile_threads": 1,
 }
+# The inductor and dynamo settings are process-wide (a patch is a save, set and restore of
+# module globals), so two threads patching at once could leave freezing on for the process: every
+# compiled call takes this lock around its patches.
+_CONFIG_LOCK = threading.RLock()
+
+# What a compile that cannot be done raises (dynamo: a graph break under fullgraph, an unsupported
+# construct, the backend failing; inductor: no working C++ compiler, a kernel that does not build;
+# dynamo's recompile limit, raised under fail_on_recompile_limit_hit). Anything else is a bug and
+# propagates.
+COMPILE_ERRORS: tuple[type[BaseException], ...] = (
+    torch._dynamo.exc.TorchDynamoException,
+    torch._dynamo.exc.FailOnRecompileLimitHit,
+    torch._inductor.exc.InvalidCxxCompiler,
+    torch._inductor.exc.CppCompileError,
+)
 
 
 def uncompilable(cfg: ModelConfig, tp_size: int = 1, quantized: bool = False) -> str | None:
@@ -138,12 +175,22 @@ class CompiledForward:
     """model(tokens [1, T], positions [1, T]) -> final-normed hidden [1, T, d] through inductor,
     attention through the runner given to each call."""
 
-    def __init__(self, model: torch.nn.Module, rows: int = 64):
+    def __init__(self, model: torch.nn.Module, rows: int = 64, cpu_linear: str = "onednn"):
         self.model = model
         self.seconds = 0.0  # spent compiling in warm_up
         # `rows`: the batch size the packed weights are blocked for (the engine's max_num_seqs).
         self._config = {**_CONFIG, "unbacked_symint_fallback": rows}
-        self._fn = torch.compile(self._forward, backend="inductor", dynamic=False)
+        if cpu_linear == "aten":  # --cpu-linear aten: aten's GEMM on the plain weights, no oneDNN packing
+            self._config["cpp.weight_prepack"] = False
+        # A code object of its own: dynamo keeps its graphs (and the frozen weights they pin) on
+        # the code object, so they die with this instance, and its recompile limit counts this
+        # model's graphs only (shared, 8 models per process would exhaust it and the 9th run
+        # eagerly with unpacked weights).
+        forward = types.FunctionType(CompiledForward._forward.__code__.replace(), globals(), "_forward")
+        self.code = forward.__code__
+        # fullgraph: a graph break raises (in warm_up) instead of splitting the stack.
+        self._fn = torch.compile(types.MethodType(forward, self), backend="inductor", dynamic=False,
+                                 fullgraph=True)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(tokens, positions=positions, attention_fn=_attention_fn, return_hidden=True)
@@ -151,8 +198,17 @@ class CompiledForward:
     def __call__(self, runner: ModelRunner, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         torch._dynamo.decorators.mark_unbacked(tokens, 1)
         torch._dynamo.decorators.mark_unbacked(positions, 1)
-        with running(runner), torch._inductor.config.patch(self._config):
+        with (torch.inference_mode(), running(runner), _CONFIG_LOCK, torch._inductor.config.patch(self._config),
+              torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)):
             return self._fn(tokens, positions)
+
+    def graphs(self) -> int:
+        """How many graphs dynamo holds for this model (1 after warm_up: one for every token count)."""
+        return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(self.code))
+
+    def discard(self) -> None:
+        """Drop the compiled graphs (and the frozen weights they hold), say after a failed warm_up."""
+        torch._dynamo.reset_code(self.code)
 
     def warm_up(self, runner: ModelRunner, rows: int) -> float:
         """Compile before serving (a decode step of `rows` sequences, then one of a single sequence,

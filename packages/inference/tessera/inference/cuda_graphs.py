@@ -221,8 +221,11 @@ class DecodeGraphs:
         )
         runner._step = step  # split None: every row through paged_attention, no host-side grouping
         try:
-            hidden = runner.model(step.tokens, positions=step.positions, attention_fn=runner._attention,
-                                  return_hidden=True)
+            if runner.compiled is not None:  # CPU, padded_decode: the compiled stack (its copies: contiguous rows)
+                hidden = runner.compiled(runner, step.tokens.contiguous(), step.positions.contiguous())
+            else:
+                hidden = runner.model(step.tokens, positions=step.positions, attention_fn=runner._attention,
+                                      return_hidden=True)
         finally:
             runner._step = None
         weight = runner.model.output_weight()

@@ -73,8 +73,8 @@ class EngineStats:
 
 def serving_prep(cfg: EngineConfig) -> ServingPrep:
     """How the engine's models (its own, each tensor-parallel shard, the draft) are prepared (prepare.py)."""
-    return ServingPrep(cpu_linear=cfg.cpu_linear, compile=cfg.compile_on_cpu, quantized=cfg.quantization is not None,
-                       batch_hint=cfg.max_num_seqs)
+    return ServingPrep(cpu_linear=cfg.cpu_linear, compile=cfg.compile_on_cpu, explicit=cfg.cpu_compile is True,
+                       quantized=cfg.quantization is not None, batch_hint=cfg.max_num_seqs)
 
 
 def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype) -> int:

@@ -44,7 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "Default: none, weights in --dtype.")
     g.add_argument("--cpu-linear", default=d.cpu_linear, choices=CPU_LINEAR_BACKENDS,
                    help="On CPU, unquantized Linear layers run on weights prepacked for oneDNN (onednn, the default: "
-                        "about 0.7x F.linear's time at decode batch sizes) or through F.linear (aten).")
+                        "about 0.7x F.linear's time at decode batch sizes) or through F.linear (aten; with the "
+                        "compiled CPU layer stack: inductor's weight prepacking off).")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: auto).")
     g.add_argument("--tensor-parallel", "--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel,
                    dest="tensor_parallel", metavar="N",
@@ -96,7 +97,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Run every step eagerly: no CUDA graphs (default on CUDA: decode steps replay graphs "
                         "captured per batch-size bucket) and no compiled layer stack on CPU (default on CPU: the "
                         "layers run compiled by torch.compile/inductor, compiled at startup, tens of seconds; "
-                        "tensor-parallel workers, quantized and mixture-of-experts models always run eagerly).")
+                        "tensor-parallel workers, quantized, mixture-of-experts and dynamic-RoPE models always run "
+                        "eagerly).")
     g.add_argument("--cuda-graph-sizes", nargs="+", default=None, metavar="N",
                    help="Decode batch sizes to capture, e.g. '1 2 4 8 16' (each decode batch is padded to the next "
                         "size; larger ones run eagerly). Default: 1 2 4 8 16 24 ... up to --max-num-seqs.")

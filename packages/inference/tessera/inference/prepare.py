@@ -7,8 +7,11 @@ prepared alike. On CPU, in order:
   2. either the layer stack compiled by inductor, which prepacks the Linear weights for oneDNN
      itself (freezing) and fuses the elementwise ops around them (compiled.py), or, eager, the
      Linear weights prepacked for oneDNN (cpu_linear.py);
-  3. the model runner, and with compile its forward warmed up (compiled) before it serves; a
-     compile that fails (say, no C++ compiler) is logged as a warning and the model served eagerly.
+  3. the model runner, and with compile its forward warmed up (compiled) before it serves. When
+     compile is the default, a model that cannot be compiled (mixture-of-experts, dynamic RoPE) or
+     a compile that fails (say, no C++ compiler, a graph break) is logged as a warning and served
+     eagerly with packed weights; when the user asked for it (cpu_compile=True), either is refused
+     (UserError), as is cpu_compile=True on CUDA.
 Quantized models (torchao owns their Linear weights) are merged but neither packed nor compiled.
 Tensor-parallel shards are packed but not compiled (their row-parallel layers all-reduce inside
 the forward; not traced here). On CUDA nothing is done here (decode steps use CUDA graphs:
@@ -22,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.inference.compiled import CompiledForward, uncompilable
+from tessera.common.errors import UserError
+from tessera.inference.compiled import COMPILE_ERRORS, CompiledForward, uncompilable
 from tessera.inference.cpu_linear import pack_linears
 from tessera.inference.merged_linear import merge_projections
 from tessera.inference.model_runner import ModelRunner
@@ -32,10 +36,11 @@ log = logging.getLogger("tessera.inference")
 
 @dataclass(frozen=True)
 class ServingPrep:
-    """How a model is prepared (from EngineConfig: `EngineConfig.serving_prep`)."""
+    """How a model is prepared (from EngineConfig: `engine.serving_prep(cfg)`)."""
 
-    cpu_linear: str = "onednn"  # --cpu-linear
-    compile: bool = False  # inductor-compiled layer stack on CPU (EngineConfig.cpu_compile)
+    cpu_linear: str = "onednn"  # --cpu-linear (with compile: "aten" turns off inductor's weight prepacking)
+    compile: bool = False  # inductor-compiled layer stack on CPU (EngineConfig.compile_on_cpu)
+    explicit: bool = False  # compile asked for (cpu_compile=True), not the default: failing to is an error
     quantized: bool = False  # --quantization given
     batch_hint: int = 64  # rows the packed weights are blocked for (max_num_seqs)
 
@@ -45,24 +50,36 @@ def serving_runner(model: torch.nn.Module, prep: ServingPrep, num_blocks: int, b
                    kv_dtype: torch.dtype | None = None, what: str = "model") -> ModelRunner:
     """The model prepared for serving (in place) and its runner, compiled and warmed up where asked."""
     compile_it = False
+    if device.type != "cpu" and prep.compile and prep.explicit:
+        raise UserError(f"cpu_compile compiles the CPU forward; {what} is on {device.type} (decode steps use "
+                        "CUDA graphs there): drop cpu_compile")
     if device.type == "cpu":
         merge_projections(model)  # q/k/v and gate/up: one GEMM each
         reason = uncompilable(model.cfg, tp_size, prep.quantized) if prep.compile else None
         if reason is not None:
-            log.info("%s: %s: not compiled, runs eagerly", what, reason)
+            if prep.explicit:
+                raise UserError(f"cpu_compile: {what} cannot be compiled ({reason}); drop cpu_compile to serve it "
+                                "eagerly")
+            # Quantized / tensor-parallel: the user's own flags, said in the docs; the model's nature: say it.
+            log.log(logging.INFO if prep.quantized or tp_size > 1 else logging.WARNING,
+                    "%s: %s: not compiled, runs eagerly", what, reason)
         compile_it = prep.compile and reason is None
         if not compile_it and not prep.quantized:
             pack_linears(model, prep.cpu_linear, batch_hint=prep.batch_hint)
     runner = ModelRunner(model, num_blocks, block_size, device, dtype, tp_rank, tp_size, kv_dtype=kv_dtype)
     if compile_it:
-        runner.compiled = CompiledForward(model, prep.batch_hint)
+        compiled = runner.compiled = CompiledForward(model, prep.batch_hint, prep.cpu_linear)
         try:
-            seconds = runner.compiled.warm_up(runner, prep.batch_hint)
-        except Exception as exc:  # e.g. no C++ compiler on this machine: serve, eagerly, and say so
+            seconds = compiled.warm_up(runner, prep.batch_hint)
+        except COMPILE_ERRORS as exc:  # e.g. no C++ compiler on this machine
+            runner.compiled = None
+            compiled.discard()  # a graph compiled before the failure holds frozen weights
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            if prep.explicit:
+                raise UserError(f"cpu_compile: compiling {what}'s layer stack failed ({type(exc).__name__}: "
+                                f"{first}); drop cpu_compile to serve it eagerly") from None
             log.warning("%s: compiling the layer stack failed (%s: %s); serving eagerly (--enforce-eager skips "
                         "the attempt)", what, type(exc).__name__, first)
-            runner.compiled = None
             pack_linears(model, prep.cpu_linear, batch_hint=prep.batch_hint)
         else:
             log.info("%s: compiled the layer stack for CPU serving in %.1f s (--enforce-eager serves without)",
