@@ -37,25 +37,27 @@ def test_a_compiled_cpu_engine_gives_the_eager_engines_greedy_tokens_and_logprob
     assert compiled.runner.compiled.graphs() == 1
 
 
-def test_two_models_of_one_shape_each_serve_their_own_graph_and_aten_packs_nothing(tmp_path, monkeypatch):
-    # Each CompiledForward has its own code object, so its graph (and the frozen weights it holds)
-    # is its own: a second model of the same shape neither reuses the first's graph nor counts
-    # against its recompile limit. --cpu-linear aten turns inductor's weight prepacking off.
+def test_two_models_of_one_shape_each_compile_one_graph_of_their_own_packed_weights(tmp_path, monkeypatch):
+    # Each CompiledForward has its own code object, so its graph (and the frozen, packed weights it
+    # holds) is its own: a second model of the same shape neither reuses the first's graph nor
+    # counts against its recompile limit.
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # run (and count) the packing passes
+    # No graph caches: inductor's passes run (and count the weights they pack) for each model.
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     cfg = tiny_config(num_layers=1)
     a, b = make_checkpoint(tmp_path / "a", cfg, seed=1), make_checkpoint(tmp_path / "b", cfg, seed=2)
     counters.clear()
-    onednn = build(a, cpu_compile=True)
-    packs = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
-    aten = build(b, cpu_compile=True, cpu_linear="aten")
-    assert packs > 0 and counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == packs
-    assert onednn.runner.compiled.code is not aten.runner.compiled.code
+    first = build(a, cpu_compile=True)
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 4  # qkv, o, gate_up, down
+    second = build(b, cpu_compile=True)
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 8
+    assert first.runner.compiled.code is not second.runner.compiled.code
     requests = workload(sampled=False)
-    assert_same(outputs(onednn, requests), outputs(build(a, cpu_compile=False), requests))
-    assert_same(outputs(aten, requests), outputs(build(b, cpu_compile=False, cpu_linear="aten"), requests))
-    assert onednn.runner.compiled.graphs() == aten.runner.compiled.graphs() == 1
+    assert_same(outputs(first, requests), outputs(build(a, cpu_compile=False), requests))
+    assert_same(outputs(second, requests), outputs(build(b, cpu_compile=False), requests))
+    assert first.runner.compiled.graphs() == second.runner.compiled.graphs() == 1
 
 
 def test_enforce_eager_and_the_test_environment_turn_compile_off(monkeypatch):
@@ -68,6 +70,9 @@ def test_enforce_eager_and_the_test_environment_turn_compile_off(monkeypatch):
         EngineConfig(cpu_compile=True, enforce_eager=True)
     with pytest.raises(ValueError, match="served eagerly"):
         EngineConfig(cpu_compile=True, tensor_parallel=2)
+    assert not EngineConfig(cpu_linear="aten").compile_on_cpu  # plain F.linear: compiling would pack
+    with pytest.raises(ValueError, match="cpu_linear aten is served eagerly"):
+        EngineConfig(cpu_compile=True, cpu_linear="aten")
     monkeypatch.setenv("TESSERA_CPU_COMPILE", "yes")
     with pytest.raises(ValueError, match="TESSERA_CPU_COMPILE='yes': use 0"):
         EngineConfig()

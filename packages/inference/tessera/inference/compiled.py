@@ -39,7 +39,11 @@ Shape of it:
   lock: a patch saves and restores module globals), never set for the process. The plain weights
   cannot be dropped (inductor's freezing_discard_parameters): the output head, tied to the
   embedding in GPT-2-style models, is read outside the graph, and dynamo's guards read the
-  parameters at every call. `--cpu-linear aten` turns the prepacking off (cpp.weight_prepack).
+  parameters at every call. `--cpu-linear aten` (no packing) is served eagerly, not compiled:
+  inductor's cpp.weight_prepack=False was tried and does not hold per model, since inductor
+  registers its freezing patterns (the weight packing among them) once per process, at the first
+  frozen compile, and applies them to every later one (a second model compiled with it off still
+  had its 4 Linears packed).
 - Each CompiledForward compiles a code object of its own (a copy of `_forward`'s): dynamo keeps
   graphs per code object, so a second model of the same shape compiles its own graph and never
   reuses another's frozen weights (checked with two seeds of one config; outputs equal each
@@ -175,13 +179,11 @@ class CompiledForward:
     """model(tokens [1, T], positions [1, T]) -> final-normed hidden [1, T, d] through inductor,
     attention through the runner given to each call."""
 
-    def __init__(self, model: torch.nn.Module, rows: int = 64, cpu_linear: str = "onednn"):
+    def __init__(self, model: torch.nn.Module, rows: int = 64):
         self.model = model
         self.seconds = 0.0  # spent compiling in warm_up
         # `rows`: the batch size the packed weights are blocked for (the engine's max_num_seqs).
         self._config = {**_CONFIG, "unbacked_symint_fallback": rows}
-        if cpu_linear == "aten":  # --cpu-linear aten: aten's GEMM on the plain weights, no oneDNN packing
-            self._config["cpp.weight_prepack"] = False
         # A code object of its own: dynamo keeps its graphs (and the frozen weights they pin) on
         # the code object, so they die with this instance, and its recompile limit counts this
         # model's graphs only (shared, 8 models per process would exhaust it and the 9th run

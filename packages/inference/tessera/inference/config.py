@@ -109,7 +109,7 @@ class EngineConfig(StrictModel):
                                                    "no compiled layer stack on CPU.")
     cpu_compile: bool | None = Field(
         None, description="CPU: run the layer stack compiled by inductor (tessera.inference.compiled; compiled at "
-                          "engine start, tens of seconds). None: on, unless enforce_eager, or the environment "
+                          "engine start, tens of seconds). None: on, unless enforce_eager, cpu_linear aten, or the environment "
                           f"variable {CPU_COMPILE_ENV}=0 (the test suite's) says off.")
     cuda_graph_sizes: list[int] | None = Field(
         None, description="Decode batch sizes captured as CUDA graphs (a decode batch is padded to the next one; "
@@ -137,6 +137,9 @@ class EngineConfig(StrictModel):
             raise ValueError("padded_decode contradicts enforce_eager; give one of them")
         if self.cpu_compile and self.enforce_eager:
             raise ValueError("cpu_compile contradicts enforce_eager (no compile); give one of them")
+        if self.cpu_compile and self.cpu_linear == "aten":
+            raise ValueError("cpu_compile packs the Linear weights for oneDNN (inductor's freezing); cpu_linear aten "
+                             "is served eagerly: give one of them")
         if self.cpu_compile and (self.quantization is not None or self.tensor_parallel > 1):
             raise ValueError("cpu_compile: quantized weights and tensor-parallel workers are served eagerly; "
                              "drop cpu_compile or --quantization / --tensor-parallel")
@@ -150,7 +153,7 @@ class EngineConfig(StrictModel):
         """Whether a CPU engine compiles its layer stack (cpu_compile resolved)."""
         if self.cpu_compile is not None:
             return self.cpu_compile
-        if self.enforce_eager:
+        if self.enforce_eager or self.cpu_linear == "aten":  # aten: plain F.linear, which compiling would pack
             return False
         env = os.environ.get(CPU_COMPILE_ENV)
         return CPU_COMPILE_DEFAULT if env is None else env == "1"

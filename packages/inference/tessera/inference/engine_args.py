@@ -44,8 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "Default: none, weights in --dtype.")
     g.add_argument("--cpu-linear", default=d.cpu_linear, choices=CPU_LINEAR_BACKENDS,
                    help="On CPU, unquantized Linear layers run on weights prepacked for oneDNN (onednn, the default: "
-                        "about 0.7x F.linear's time at decode batch sizes) or through F.linear (aten; with the "
-                        "compiled CPU layer stack: inductor's weight prepacking off).")
+                        "about 0.7x F.linear's time at decode batch sizes) or through F.linear (aten; served eagerly: "
+                        "the compiled CPU layer stack packs its weights for oneDNN).")
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default: auto).")
     g.add_argument("--tensor-parallel", "--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel,
                    dest="tensor_parallel", metavar="N",

@@ -38,7 +38,7 @@ log = logging.getLogger("tessera.inference")
 class ServingPrep:
     """How a model is prepared (from EngineConfig: `engine.serving_prep(cfg)`)."""
 
-    cpu_linear: str = "onednn"  # --cpu-linear (with compile: "aten" turns off inductor's weight prepacking)
+    cpu_linear: str = "onednn"  # --cpu-linear ("aten" is never compiled: EngineConfig.compile_on_cpu)
     compile: bool = False  # inductor-compiled layer stack on CPU (EngineConfig.compile_on_cpu)
     explicit: bool = False  # compile asked for (cpu_compile=True), not the default: failing to is an error
     quantized: bool = False  # --quantization given
@@ -68,7 +68,7 @@ def serving_runner(model: torch.nn.Module, prep: ServingPrep, num_blocks: int, b
             pack_linears(model, prep.cpu_linear, batch_hint=prep.batch_hint)
     runner = ModelRunner(model, num_blocks, block_size, device, dtype, tp_rank, tp_size, kv_dtype=kv_dtype)
     if compile_it:
-        compiled = runner.compiled = CompiledForward(model, prep.batch_hint, prep.cpu_linear)
+        compiled = runner.compiled = CompiledForward(model, prep.batch_hint)
         try:
             seconds = compiled.warm_up(runner, prep.batch_hint)
         except COMPILE_ERRORS as exc:  # e.g. no C++ compiler on this machine
