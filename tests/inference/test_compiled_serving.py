@@ -2,7 +2,7 @@
 (the engine's, each tensor-parallel worker's shard, the speculative draft) is prepared in one place
 (prepare.py): q/k/v and gate/up stacked, Linear weights oneDNN-packed or the stack compiled.
 
-The suite serves eagerly (tests/conftest.py sets TESSERA_CPU_COMPILE=0); only the first two tests
+The suite serves eagerly (tests/conftest.py sets TESSERA_CPU_COMPILE=0); only the first three tests
 compile (tiny models, one graph each)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from inference_helpers import make_checkpoint, make_engine, run_all, tiny_config, token_ids
-from test_cuda_graphs import GPT2, assert_same, build, outputs, workload
+from test_cuda_graphs import GPT2, SIZES, assert_same, build, outputs, workload
 from torch._inductor.exc import InvalidCxxCompiler
 
 from tessera.common.errors import UserError
@@ -58,6 +58,15 @@ def test_two_models_of_one_shape_each_compile_one_graph_of_their_own_packed_weig
     assert_same(outputs(first, requests), outputs(build(a, cpu_compile=False), requests))
     assert_same(outputs(second, requests), outputs(build(b, cpu_compile=False), requests))
     assert first.runner.compiled.graphs() == second.runner.compiled.graphs() == 1
+
+
+def test_padded_decode_steps_run_the_compiled_stack_and_keep_the_eager_outputs(tmp_path):
+    ckpt = make_checkpoint(tmp_path, tiny_config(num_layers=1), seed=3)
+    padded = build(ckpt, cpu_compile=True, padded_decode=True, cuda_graph_sizes=SIZES)
+    requests = workload(sampled=False)
+    assert_same(outputs(padded, requests), outputs(build(ckpt, cpu_compile=False), requests))
+    assert sum(padded.runner.decode_graphs.replays.values()) > 0 and packed(padded.runner.model) == 0
+    assert padded.runner.compiled.graphs() == 1  # the padded rows went through the warm-up's graph
 
 
 def test_enforce_eager_and_the_test_environment_turn_compile_off(monkeypatch):

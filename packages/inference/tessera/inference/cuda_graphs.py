@@ -221,8 +221,11 @@ class DecodeGraphs:
         )
         runner._step = step  # split None: every row through paged_attention, no host-side grouping
         try:
-            if runner.compiled is not None:  # CPU, padded_decode: the compiled stack (its copies: contiguous rows)
-                hidden = runner.compiled(runner, step.tokens.contiguous(), step.positions.contiguous())
+            if runner.compiled is not None:  # CPU, padded_decode: the compiled stack, on copies laid out as
+                with torch.inference_mode():  # its warm-up's inputs (else dynamo guards fail and it recompiles)
+                    tokens, positions = (t.clone(memory_format=torch.contiguous_format) for t in (step.tokens,
+                                                                                                  step.positions))
+                hidden = runner.compiled(runner, tokens, positions)
             else:
                 hidden = runner.model(step.tokens, positions=step.positions, attention_fn=runner._attention,
                                       return_hidden=True)
