@@ -37,22 +37,21 @@ def test_a_compiled_cpu_engine_gives_the_eager_engines_greedy_tokens_and_logprob
     assert compiled.runner.compiled.graphs() == 1
 
 
-def test_two_models_of_one_shape_each_compile_one_graph_of_their_own_packed_weights(tmp_path, monkeypatch):
+def test_two_models_of_one_shape_each_compile_one_graph_of_their_own_packed_weights(tmp_path):
     # Each CompiledForward has its own code object, so its graph (and the frozen, packed weights it
     # holds) is its own: a second model of the same shape neither reuses the first's graph nor
     # counts against its recompile limit.
     from torch._dynamo.utils import counters
 
-    # No graph caches: inductor's passes run (and count the weights they pack) for each model.
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     cfg = tiny_config(num_layers=1)
     a, b = make_checkpoint(tmp_path / "a", cfg, seed=1), make_checkpoint(tmp_path / "b", cfg, seed=2)
     counters.clear()
-    first = build(a, cpu_compile=True)
-    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 4  # qkv, o, gate_up, down
-    second = build(b, cpu_compile=True)
-    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 8
+    # No graph caches: inductor's passes run (and count the weights they pack) for each model.
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        first = build(a, cpu_compile=True)
+        assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 4  # qkv, o, gate_up, down
+        second = build(b, cpu_compile=True)
+        assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 8
     assert first.runner.compiled.code is not second.runner.compiled.code
     requests = workload(sampled=False)
     assert_same(outputs(first, requests), outputs(build(a, cpu_compile=False), requests))

@@ -74,10 +74,12 @@ def serving_runner(model: torch.nn.Module, prep: ServingPrep, num_blocks: int, b
         except COMPILE_ERRORS as exc:  # e.g. no C++ compiler on this machine
             runner.compiled = None
             compiled.discard()  # a graph compiled before the failure holds frozen weights
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            # BackendCompilerFailed's first line is "backend='inductor' raised:", the cause the next.
+            first = " ".join(lines[:2] if lines and lines[0].endswith("raised:") else lines[:1])
             if prep.explicit:
                 raise UserError(f"cpu_compile: compiling {what}'s layer stack failed ({type(exc).__name__}: "
-                                f"{first}); drop cpu_compile to serve it eagerly") from None
+                                f"{first}); drop cpu_compile to serve it eagerly") from exc
             log.warning("%s: compiling the layer stack failed (%s: %s); serving eagerly (--enforce-eager skips "
                         "the attempt)", what, type(exc).__name__, first)
             pack_linears(model, prep.cpu_linear, batch_hint=prep.batch_hint)
