@@ -65,7 +65,11 @@ def test_grouped_speculative_rows_match_reference(window):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def _mixed_step_logits(cfg, merged: bool):
+MIXED = [1, 1, 0, 1, 3, 1, 1, 1, 0, 1, 1, 3, 1, 1, 1, 1]  # num_q per sequence (0: prefill): 3 groups, reordered
+IN_ORDER = [1, 1, 1, 0, 0]  # one group already in batch order, prefill chunks after it: nothing reordered
+
+
+def _mixed_step_logits(cfg, merged: bool, kinds: list[int] = MIXED):
     """Logits of every row of one step that interleaves, in batch order, single-token decodes
     (more than one decode group), speculative rows of 3 and prefill chunks (one at position 0,
     one continuing a prompt), through the CPU split (grouped decode attention) and, as the
@@ -75,7 +79,6 @@ def _mixed_step_logits(cfg, merged: bool):
         merge_projections(model)  # q, k and v as slices of one GEMM output, as the engine serves
     block_size, blocks_per_seq = 4, 12
     g = torch.Generator().manual_seed(3)
-    kinds = [1, 1, 0, 1, 3, 1, 1, 1, 0, 1, 1, 3, 1, 1, 1, 1]  # num_q per sequence (0: prefill)
     prompt_lens = torch.randint(5, 30, (len(kinds),), generator=g).tolist()
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(kinds))]
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
@@ -97,7 +100,8 @@ def _mixed_step_logits(cfg, merged: bool):
             rows = list(range(sum(s.num_new for s in step)))
             if batch_decodes:
                 split = runner.prepare(step, rows).split
-                assert split is not None and split.order is not None and len(split.decode_groups) == 3
+                assert split is not None
+                assert (split.order is None, len(split.decode_groups)) == ((False, 3) if kinds == MIXED else (True, 1))
             logits.append(runner.forward_batch(step, rows))
     return logits
 
@@ -110,7 +114,13 @@ def test_a_mixed_step_through_the_decode_groups_equals_paged_attention_for_every
     assert (grouped - reference).norm() / reference.norm() < 1e-5
 
 
-def test_up_to_a_decode_group_in_batch_order_attends_without_reordering_rows():
+def test_a_decode_group_in_batch_order_before_prefill_chunks_equals_paged_attention_unreordered():
+    cfg = tiny_config(num_heads=4, num_kv_heads=1, sliding_window=5)
+    grouped, reference = _mixed_step_logits(cfg, merged=True, kinds=IN_ORDER)
+    assert (grouped - reference).norm() / reference.norm() < 1e-5
+
+
+def test_up_to_a_decode_group_in_batch_order_is_split_without_reordering_rows():
     runner = ModelRunner(build_model(tiny_config(), seed=0), 80, 4, torch.device("cpu"), torch.float32)
     lens = [9, 3, 17, 6, 11, 2, 8, 13]
     batch = [BatchSeq([1], n - 1, list(range(8 * i, 8 * i + 8)), 1) for i, n in enumerate(lens)]

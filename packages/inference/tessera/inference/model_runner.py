@@ -126,6 +126,7 @@ class DecodeGroup:
     rows: torch.Tensor  # long [S * num_q]: rows of the packed batch, sequence by sequence
     blocks: torch.Tensor  # long [S * width]: pool blocks, row-major by sequence
     width: int  # blocks per sequence in the window
+    block_size: int  # slots per block: the window is width * block_size positions
     seq_lens: torch.Tensor  # [S]: tokens in the cache, the new ones included
     num_q: int = 1
     # Additive float masks (0 visible, -inf not), built by the first layer that needs one and
@@ -136,7 +137,7 @@ class DecodeGroup:
     def num_rows(self) -> int:
         return self.rows.numel()
 
-    def mask(self, block_size: int, window: int | None, heads_per_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    def mask(self, window: int | None, heads_per_kv: int, dtype: torch.dtype) -> torch.Tensor:
         """[S, 1, num_q * heads_per_kv (1 when num_q is 1), width * block_size]: the cached positions
         each query sees. Query i of a sequence sits at position seq_len - num_q + i and sees positions up
         to its own (with a sliding window only the last `window` of them); the rest of the window is
@@ -146,7 +147,7 @@ class DecodeGroup:
         if mask is None:
             dev = self.seq_lens.device
             last = self.seq_lens[:, None] - self.num_q + torch.arange(self.num_q, device=dev)[None, :]
-            pos = torch.arange(self.width * block_size, device=dev)
+            pos = torch.arange(self.width * self.block_size, device=dev)
             visible = pos <= last[:, :, None]
             if window is not None:
                 visible &= pos > (last - window)[:, :, None]
@@ -161,7 +162,8 @@ def decode_group(rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch
                  num_q: int = 1) -> DecodeGroup:
     width = -(-int(seq_lens.max()) // block_size)
     blocks = block_tables[:, :width].reshape(-1).long()
-    return DecodeGroup(rows=rows.reshape(-1), blocks=blocks, width=width, seq_lens=seq_lens, num_q=num_q)
+    return DecodeGroup(rows=rows.reshape(-1), blocks=blocks, width=width, block_size=block_size, seq_lens=seq_lens,
+                       num_q=num_q)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
@@ -212,7 +214,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k = k_cache.index_select(0, group.blocks).view(num_seqs, window, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.index_select(0, group.blocks).view(num_seqs, window, num_kv_heads, head_dim).transpose(1, 2)
     k, v = dequantize_kv(k, q.dtype, kv_scales[0]), dequantize_kv(v, q.dtype, kv_scales[1])
-    mask = group.mask(block_size, sliding_window, per_kv, q.dtype)
+    assert block_size == group.block_size, (block_size, group.block_size)
+    mask = group.mask(sliding_window, per_kv, q.dtype)
     if num_q == 1:
         out = F.scaled_dot_product_attention(q.view(num_seqs, num_kv_heads, per_kv, head_dim), k, v,
                                              attn_mask=mask, scale=scale)
@@ -291,7 +294,7 @@ class StepInputs:
     seq_lens: torch.Tensor  # int32 [S]
     query_start_loc: torch.Tensor  # int32 [S + 1]
     logits_rows: torch.Tensor  # [R] rows of the packed batch that go through the head
-    split: DecodeSplit | None = None  # CPU only, when the step mixes decodes and prefills
+    split: DecodeSplit | None = None  # CPU only, when the step has a decode row
 
 
 @dataclass
