@@ -46,8 +46,8 @@ def _worker(spec_path: str) -> None:
     from tessera.common.model import build_model
     from tessera.common.parallel.state import build_groups, destroy_distributed, init_distributed
     from tessera.trainer.config import ProfilingConfig
+    from tessera.trainer.observability.profiling import StepProfiler
     from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime
-    from tessera.trainer.profiling import StepProfiler
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())

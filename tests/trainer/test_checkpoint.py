@@ -90,7 +90,7 @@ def test_killed_save_never_damages_the_last_good_checkpoint(make_config, tmp_pat
     path = make_config(training={"steps": 6, "save_interval": 2})
     killer = """
         import os, signal, sys
-        import tessera.trainer.checkpointing as ck
+        import tessera.trainer.checkpoint.storage as ck
         real, calls = ck.finalize_checkpoint, []
         def finalize(directory, sidecar):
             calls.append(directory)
@@ -121,7 +121,7 @@ def test_killed_save_never_damages_the_last_good_checkpoint(make_config, tmp_pat
 
 
 def test_stop_request_catches_sigint_and_sigterm():
-    from tessera.trainer.signals import StopRequest
+    from tessera.trainer.observability.signals import StopRequest
 
     # Compare with what was installed before, not with Python's default: a process started in
     # the background by a non-interactive shell inherits SIGINT ignored.
@@ -138,7 +138,7 @@ def test_stop_request_catches_sigint_and_sigterm():
 
 
 def test_second_sigint_interrupts_at_once():
-    from tessera.trainer.signals import StopRequest
+    from tessera.trainer.observability.signals import StopRequest
 
     before = signal.getsignal(signal.SIGINT)
     stop = StopRequest().install()

@@ -18,8 +18,8 @@ from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, check_expert_parallel
 from tessera.common.model_config import ModelConfig
-from tessera.trainer.fp8 import RECIPES as TORCHAO_RECIPES
-from tessera.trainer.fp8_te import te_config_problem, te_layout_problem, te_model_problem
+from tessera.trainer.precision.te_float8 import te_config_problem, te_layout_problem, te_model_problem
+from tessera.trainer.precision.torchao_float8 import RECIPES as TORCHAO_RECIPES
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
 # the real vocab_size) has been read; no shape check depends on it.
@@ -86,9 +86,9 @@ class TrainingConfig(StrictModel):
     rampup_batch_size: tuple[int, int, int] | None = Field(None, description="Megatron's --rampup-batch-size [start, increment, samples]: the global batch starts at `start` sequences and grows by `increment` at even intervals over the first `samples` consumed samples, up to global_batch_size (tessera.trainer.data.global_batch_size_at). Every size must be a multiple of micro_batch_size x data-parallel size.")
     steps: int = Field(100, gt=0, description="Optimizer steps to train (the run ends when the step counter reaches this).")
     seed: int = Field(1234, description="Seed for weight init and every RNG (python, numpy, torch).")
-    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged); fp8 = bf16 with the linear layers' matmuls in float8 through torchao or Transformer Engine (fp8_backend; GPUs of compute capability 8.9+; under parallel.tensor > 1 the tensor-parallel layers keep their collectives and cast with global scales; tessera.trainer.fp8).")
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged); fp8 = bf16 with the linear layers' matmuls in float8 through torchao or Transformer Engine (fp8_backend; GPUs of compute capability 8.9+; under parallel.tensor > 1 the tensor-parallel layers keep their collectives and cast with global scales; tessera.trainer.precision.torchao_float8).")
     fp8_recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8"] = Field("tensorwise", description="fp8 only: the scaling. tensorwise = one scale per tensor from its current amax (fastest; both backends: torchao's tensorwise, TE's Float8CurrentScaling); rowwise = one per row (robust to outliers; torchao only); blockwise = 1x128 activation/gradient and 128x128 weight blocks (TE's Float8BlockScaling, compute capability 9.0+); mxfp8 = one scale per 32 values (TE's MXFP8BlockScaling, Blackwell). A recipe the backend lacks is refused.")
-    fp8_backend: Literal["torchao", "te"] = Field("torchao", description="fp8 only: torchao = torchao Float8Linear (the default; composes with compile, recompute and every parallel layout; tessera.trainer.fp8); te = NVIDIA Transformer Engine's Linear under its FP8 autocast (optional: pip install 'tessera-trainer[te]' on a CUDA machine; one process, training.compile=false, recompute none or selective; tessera.trainer.fp8_te). Checkpoints are the same under both.")
+    fp8_backend: Literal["torchao", "te"] = Field("torchao", description="fp8 only: torchao = torchao Float8Linear (the default; composes with compile, recompute and every parallel layout; tessera.trainer.precision.torchao_float8); te = NVIDIA Transformer Engine's Linear under its FP8 autocast (optional: pip install 'tessera-trainer[te]' on a CUDA machine; one process, training.compile=false, recompute none or selective; tessera.trainer.precision.te_float8). Checkpoints are the same under both.")
     fp16_initial_scale: float = Field(2.0**16, gt=0, description="fp16 only: starting loss scale.")
     fp16_growth_interval: int = Field(1000, gt=0, description="fp16 only: steps without overflow before the loss scale doubles.")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute: none; selective = attention core; full = every transformer block.")
@@ -111,7 +111,7 @@ class TrainingConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_fp8_backend(self) -> TrainingConfig:
-        """What fp8_backend and fp8_recipe need of the rest of this section (tessera.trainer.fp8_te)."""
+        """What fp8_backend and fp8_recipe need of the rest of this section (tessera.trainer.precision.te_float8)."""
         if self.fp8_backend == "te":
             if self.precision != "fp8":
                 raise ValueError(f"training.fp8_backend=te is for training.precision=fp8 (this run is "

@@ -25,15 +25,15 @@ import torch
 
 from tessera.common.model_config import ModelConfig
 from tessera.common.moe import RouterStats
-from tessera.trainer.checkpointing import local_components
+from tessera.trainer.checkpoint.stateful import Stateful, seed_everything
+from tessera.trainer.checkpoint.storage import local_components
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.documents import DocumentMasking, loss_token_count
-from tessera.trainer.fp8 import apply_float8
-from tessera.trainer.fp8_te import apply_te
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer, set_lr
-from tessera.trainer.precision import Precision
-from tessera.trainer.stateful import Stateful, seed_everything
+from tessera.trainer.precision.mixed import Precision
+from tessera.trainer.precision.te_float8 import apply_te
+from tessera.trainer.precision.torchao_float8 import apply_float8
 from tessera.trainer.step import TrainStep
 
 

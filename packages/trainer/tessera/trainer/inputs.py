@@ -25,12 +25,12 @@ from tessera.common.mixture import (
 from tessera.common.model_config import ModelConfig
 from tessera.common.shard import read_shard_manifest
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
-from tessera.trainer.checkpointing import latest_checkpoint
+from tessera.trainer.checkpoint.storage import latest_checkpoint
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.distributed import pick_device
 from tessera.trainer.documents import DocumentMasking
-from tessera.trainer.fp8 import fp8_device_problem
-from tessera.trainer.fp8_te import te_problem
+from tessera.trainer.precision.te_float8 import te_problem
+from tessera.trainer.precision.torchao_float8 import fp8_device_problem
 
 
 @dataclass

@@ -27,22 +27,27 @@ from tessera.common.errors import RunError
 from tessera.common.faults import fault_point
 from tessera.common.fileio import atomic_write_text
 from tessera.common.mixture import MixtureSplit
-from tessera.trainer.checkpoint_manager import CheckpointManager
-from tessera.trainer.checkpointing import latest_checkpoint, remove_partial_saves
+from tessera.trainer.checkpoint.manager import CheckpointManager
+from tessera.trainer.checkpoint.stateful import TrainState
+from tessera.trainer.checkpoint.storage import latest_checkpoint, remove_partial_saves
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.data import MicroBatchPlan, MixtureBatches, global_batch_size_at
 from tessera.trainer.distributed import Runtime
 from tessera.trainer.engine import Engine, LocalEngine
-from tessera.trainer.host_memory import retain_freed_memory
 from tessera.trainer.inputs import CheckedInputs
-from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops, step_time_spread
+from tessera.trainer.observability.host_memory import retain_freed_memory
+from tessera.trainer.observability.metrics import (
+    MetricsSink,
+    memory_gib,
+    resolve_peak_tflops,
+    step_time_spread,
+)
+from tessera.trainer.observability.profiling import StepProfiler
+from tessera.trainer.observability.signals import StopRequest
+from tessera.trainer.observability.trackers import open_trackers
+from tessera.trainer.observability.watchdog import StepWatchdog
 from tessera.trainer.parallel.engine import ParallelEngine
-from tessera.trainer.profiling import StepProfiler
 from tessera.trainer.schedule import LRSchedule
-from tessera.trainer.signals import StopRequest
-from tessera.trainer.stateful import TrainState
-from tessera.trainer.trackers import open_trackers
-from tessera.trainer.watchdog import StepWatchdog
 
 
 def eval_record(loss: float, split: str = "valid") -> dict[str, float]:
@@ -201,7 +206,7 @@ class Trainer:
                  + f"; layout {self.inputs.layout.short()}; "
                  f"precision {t.precision}; device {self.rt.device}")
         self.peak_tflops, peak_source = resolve_peak_tflops(self.rt.device, t.peak_tflops)
-        self.peak_estimated = peak_source.startswith("measured")  # CPU: raised to the best seen (metrics.py)
+        self.peak_estimated = peak_source.startswith("measured")  # CPU: raised to the best seen (observability/metrics.py)
         if self.peak_tflops is not None:
             self.say(f"MFU reference: {self.peak_tflops:.3f} TFLOP/s ({peak_source})")
         if t.eval_only:

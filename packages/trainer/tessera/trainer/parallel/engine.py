@@ -24,13 +24,13 @@ from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
 from tessera.common.parallel.state import build_groups, set_groups
 from tessera.common.parallel.state_dict import load_model_state_dict
+from tessera.trainer.checkpoint.stateful import RNGState, ScalerState, Stateful, seed_everything
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.engine import StepResult
 from tessera.trainer.model_setup import apply_recompute
 from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime
-from tessera.trainer.precision import DynamicLossScale
-from tessera.trainer.stateful import RNGState, ScalerState, Stateful, seed_everything
+from tessera.trainer.precision.mixed import DynamicLossScale
 
 
 class ParallelEngine:

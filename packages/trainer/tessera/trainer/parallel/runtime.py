@@ -41,11 +41,15 @@ from tessera.common.parallel.tensor_parallel import enable_async_tp
 from tessera.common.safe_dcp import dcp_load
 from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.engine import StepResult
-from tessera.trainer.fp8 import convert_to_float8, precompute_float8_scales, require_converted
 from tessera.trainer.parallel.data_parallel import BUCKET_NUMEL
 from tessera.trainer.parallel.fsdp import FullyShardedOptimizer, shard_stages
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, make_schedule
+from tessera.trainer.precision.torchao_float8 import (
+    convert_to_float8,
+    precompute_float8_scales,
+    require_converted,
+)
 
 
 class ParallelConfig(StrictModel):
@@ -63,7 +67,7 @@ class ParallelConfig(StrictModel):
     seed: int = Field(1234, description="Dropout seed (tensor-parallel regions get per-rank streams).")
     autocast_bf16: bool = Field(False, description="Run forward passes under torch.autocast(bf16) over fp32 parameters (the trainer's bf16 mode); gradients, reductions and optimizer stay fp32.")
     autocast_fp16: bool = Field(False, description="Run forward passes under torch.autocast(fp16) over fp32 parameters (the trainer's fp16 mode); pass a loss scale to train_step (dynamic loss scaling is the caller's policy).")
-    fp8_recipe: Literal["tensorwise", "rowwise"] | None = Field(None, description="The trainer's fp8 mode: the built model's eligible Linear layers become torchao Float8Linear with this scaling recipe (tessera.trainer.fp8), forward under bf16 autocast; tensor-parallel layers keep their class and collectives and get a float8 local matmul with global scales.")
+    fp8_recipe: Literal["tensorwise", "rowwise"] | None = Field(None, description="The trainer's fp8 mode: the built model's eligible Linear layers become torchao Float8Linear with this scaling recipe (tessera.trainer.precision.torchao_float8), forward under bf16 autocast; tensor-parallel layers keep their class and collectives and get a float8 local matmul with global scales.")
     fsdp_float8_all_gather: bool = Field(False, description="With fp8_recipe tensorwise and data_shard > 1 (NCCL: gloo cannot all-gather float8): FSDP gathers the weights in float8; their scales are precomputed after each optimizer step. Not with tensor > 1. The trainer's config (TrainConfig) refuses bad combinations as it loads; this config and ParallelRuntime.build check the invariants again for direct callers.")
     fsdp_param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1 (FSDP): the dtype parameters are all-gathered in for compute; the sharded fp32 parameters stay the optimizer's master weights (bfloat16: bf16 parameters with fp32 masters).")
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: the dtype of the gradient reduce-scatter / all-reduce.")

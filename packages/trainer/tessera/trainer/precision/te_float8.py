@@ -1,10 +1,10 @@
 """FP8 training through NVIDIA Transformer Engine (training.fp8_backend: te), the optional backend.
 
 `training.precision: fp8` with `training.fp8_backend: te` is the same bf16 autocast over fp32
-master weights as the torchao path (tessera.trainer.fp8), with the eligible nn.Linear layers (the
-same rule, `tessera.trainer.fp8.eligible`: not the output head, dimensions multiples of 16)
+master weights as the torchao path (tessera.trainer.precision.torchao_float8), with the eligible nn.Linear layers (the
+same rule, `tessera.trainer.precision.torchao_float8.eligible`: not the output head, dimensions multiples of 16)
 swapped for `transformer_engine.pytorch.Linear` and the forward entered in TE's
-`transformer_engine.pytorch.autocast(recipe=...)` inside torch's (tessera.trainer.precision).
+`transformer_engine.pytorch.autocast(recipe=...)` inside torch's (tessera.trainer.precision.mixed).
 The `te` extra installs it (`pip install 'tessera-trainer[te]'`, TE 2.9+, which has `autocast`
 with `recipe=`; it needs CUDA: the library builds against the machine's CUDA toolkit).
 
@@ -52,7 +52,7 @@ and the config's validators for what needs only the config):
   own `te.distributed.checkpoint` for that); selective recomputes the attention core, which has
   no Linear layer, and composes.
 - more than one process (torchrun): Tessera's parallel runtime issues its own collectives in its
-  tensor-parallel layers (the reason fp8.py gives for torchao's Float8Linear), shards with its
+  tensor-parallel layers (the reason torchao_float8.py gives for torchao's Float8Linear), shards with its
   own ZeRO-1 and FSDP2 code and enters its own autocast; TE's tensor parallel (tp_group,
   parallel_mode) is for TE's layers and the runtime converts through torchao only. Use
   fp8_backend=torchao there.
@@ -76,7 +76,7 @@ from torch import nn
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.model import Transformer
 from tessera.common.model_config import ModelConfig
-from tessera.trainer.fp8 import eligible, fp8_device_problem, require_converted
+from tessera.trainer.precision.torchao_float8 import eligible, fp8_device_problem, require_converted
 
 
 class TERecipe(NamedTuple):

@@ -140,7 +140,7 @@ class MetricsSink:
                  trackers: list | None = None):
         self.write = write
         self.enabled = enabled
-        self.trackers = trackers or []  # tessera.trainer.trackers (W&B, MLflow)
+        self.trackers = trackers or []  # tessera.trainer.observability.trackers (W&B, MLflow)
         self.started = time.monotonic()
         self.jsonl = None
         self.tb = None

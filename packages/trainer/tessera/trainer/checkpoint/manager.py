@@ -1,13 +1,13 @@
 """The checkpoint manager: one object that saves and restores a run's stateful components.
 
     manager = CheckpointManager(root, keep_last, tokenizer, sidecar, layout, engine.components(), say)
-    manager.save(train_state, background=False)   # the crash-safe sequence (checkpointing.py)
+    manager.save(train_state, background=False)   # the crash-safe sequence (storage.py)
     train_state = manager.load(directory)         # --resume: every component, from any layout
     manager.load_weights(directory)               # checkpoint.init_from: the model only
 
 The components are the engine's (model, optimizer, loss scaler, RNG streams: one process or any
-parallel layout, tessera.trainer.stateful) plus the data position (TrainState), which
-checkpointing writes with every save. The same rules for every layout:
+parallel layout, tessera.trainer.checkpoint.stateful) plus the data position (TrainState), which
+storage writes with every save. The same rules for every layout:
 
 * model and optimizer state load from a checkpoint of any layout (global tensors, layout-free
   names); optimizer state only when the checkpoint has it, the scaler only when it has one;
@@ -30,8 +30,8 @@ from tessera.common.checkpoint import CheckpointSidecar, read_sidecar, verify_ch
 from tessera.common.errors import ArtifactError
 from tessera.common.layout import ParallelLayout
 from tessera.common.tokenizer import Tokenizer
-from tessera.trainer.checkpointing import AsyncCheckpointer, restore, state_of, write_checkpoint
-from tessera.trainer.stateful import Stateful, TrainState
+from tessera.trainer.checkpoint.stateful import Stateful, TrainState
+from tessera.trainer.checkpoint.storage import AsyncCheckpointer, restore, state_of, write_checkpoint
 
 
 class CheckpointManager:
