@@ -70,7 +70,7 @@ def reference(recipe: str | None, **model) -> list[float]:
             loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), targets[rows].reshape(-1))
             (loss / n).backward()
             total += loss.item() / n
-        torch.nn.utils.clip_grad_norm_(model.parameters(), H.OPTIM["max_grad_norm"])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), H.OPTIM["grad_clip"])
         opt.step()
         losses.append(total)
     return losses
@@ -79,15 +79,16 @@ def reference(recipe: str | None, **model) -> list[float]:
 def test_fp8_data_parallel_fsdp_pipeline_and_tensor_parallel_match_one_process_fp8(tmp_path):
     pytest.importorskip("torchao")
     torch.set_num_threads(1)
-    fp8 = dict(micro_batch=MICRO, fp8_recipe="tensorwise")
+    fp8 = dict(micro_batch_size=MICRO, precision="fp8", fp8_recipe="tensorwise")
     tp = dict(layout=dict(tensor=2), model=TP_MODEL)
     jobs = {
-        "fp8_dp2_zero": dict(layout=dict(data=2), parallel=fp8),
-        "fp8_fsdp2_meta": dict(layout=dict(data=2, data_shard=2), parallel=fp8, meta=True),
-        "fp8_pp2": dict(layout=dict(pipeline=2), parallel=fp8),
-        "fp8_tp2": dict(**tp, parallel=dict(fp8, sequence_parallel=False)),
-        "fp8_tp2_sp": dict(**tp, parallel=dict(fp8, sequence_parallel=True)),
-        "fp8_rowwise_tp2_sp": dict(**tp, parallel=dict(fp8, sequence_parallel=True, fp8_recipe="rowwise")),
+        "fp8_dp2_zero": dict(layout=dict(data=2), training=fp8),
+        "fp8_fsdp2_meta": dict(layout=dict(data=2, data_shard=2), training=fp8, meta=True),
+        "fp8_pp2": dict(layout=dict(pipeline=2), training=fp8),
+        "fp8_tp2": dict(**tp, training=fp8, parallel=dict(sequence_parallel=False)),
+        "fp8_tp2_sp": dict(**tp, training=fp8, parallel=dict(sequence_parallel=True)),
+        "fp8_rowwise_tp2_sp": dict(**tp, training=dict(fp8, fp8_recipe="rowwise"),
+                                   parallel=dict(sequence_parallel=True)),
     }
     torchrun(2, {"jobs": [{**j, "name": n, "steps": STEPS, "out": str(tmp_path / f"{n}.json")}
                           for n, j in jobs.items()]}, tmp_path)
@@ -99,6 +100,6 @@ def test_fp8_data_parallel_fsdp_pipeline_and_tensor_parallel_match_one_process_f
     for name, job in jobs.items():
         got = json.loads((tmp_path / f"{name}.json").read_text())["losses"]
         tp = "tp_" if "model" in job else ""
-        ref, tol = want[tp + job["parallel"]["fp8_recipe"]], RTOL_TP if tp else RTOL
+        ref, tol = want[tp + job["training"]["fp8_recipe"]], RTOL_TP if tp else RTOL
         assert all(abs(g - w) <= tol * w for g, w in zip(got, ref)), (name, got, ref, bf16[tp])
         assert max(abs(g - b) / b for g, b in zip(got, bf16[tp])) > 10 * RTOL, (name, "ran in bf16, not fp8")

@@ -66,7 +66,7 @@ def test_te_backend_without_transformer_engine_is_refused_with_one_line_naming_t
     (["training.precision=fp8", "training.fp8_backend=te", "parallel.pipeline=2"],
      "use training.fp8_backend=torchao under torchrun"),
 ])
-def test_te_compositions_it_cannot_run_are_refused_by_the_config(make_config, capsys, tmp_path, overrides, expected):
+def test_te_compositions_it_cannot_run_are_refused_before_any_work(make_config, capsys, tmp_path, overrides, expected):
     err = run_expect_usage_error(["--config", str(make_config()), *overrides], capsys)
     assert expected in err
     assert not (tmp_path / "run").exists()
@@ -86,7 +86,7 @@ MXFP8_LAYER_LINE = ("training.fp8_recipe=mxfp8 needs the linear layers' dimensio
 
 def test_mxfp8_refuses_a_layer_whose_dimensions_are_not_multiples_of_32_in_the_config(make_config, capsys, tmp_path,
                                                                                       monkeypatch):
-    """From the model config, before anything is built (no model, no TE import: the config refuses it)."""
+    """From the model config, before anything is built (no model, no TE import: check_inputs refuses it)."""
     monkeypatch.setattr(te_float8, "import_te", lambda: pytest.fail("refused before TE is imported"))
     config = make_config(model={"hidden_size": 64, "ffn_hidden_size": 176})  # 11 x 16: FP8-eligible, not MXFP8-able
     err = run_expect_usage_error(["--config", str(config), "training.precision=fp8", "training.fp8_backend=te",
@@ -139,7 +139,7 @@ def test_te_accepts_selective_recompute_whose_region_has_no_linear_layer():
     from tessera.trainer.config import TrainingConfig
 
     t = TrainingConfig(precision="fp8", fp8_backend="te", recompute="selective", fp8_recipe="blockwise")
-    assert (t.fp8_backend, t.fp8_recipe) == ("te", "blockwise")
+    assert te_float8.te_config_problem(t.fp8_recipe, t.compile, t.recompute, t.micro_batch_size, t.seq_length) is None
 
 
 def test_te_under_torchrun_is_refused_before_the_import_and_the_device():
@@ -179,14 +179,16 @@ def test_the_device_check_is_the_torchao_paths_and_each_recipe_gets_tes_own(monk
     assert "Device compute capability 10.0 or higher required for MXFP8" in te_float8.te_problem("mxfp8", cuda)
 
 
-def test_every_recipe_the_config_offers_belongs_to_a_backend():
+def test_every_recipe_and_backend_the_config_offers_is_one_of_the_float8_interface():
     from typing import get_args
 
     from tessera.trainer.config import TrainingConfig
-    from tessera.trainer.precision.torchao_float8 import RECIPES
+    from tessera.trainer.precision.float8 import float8_backend
 
+    backends = get_args(TrainingConfig.model_fields["fp8_backend"].annotation)
     offered = set(get_args(TrainingConfig.model_fields["fp8_recipe"].annotation))
-    assert offered == set(RECIPES) | set(te_float8.TE_RECIPES)
+    assert offered == {recipe for name in backends for recipe in float8_backend(name).recipes}
+    assert float8_backend("te").recipes == tuple(te_float8.TE_RECIPES)
     assert te_float8.te_recipe_problem("tensorwise") is None and te_float8.te_recipe_problem("rowwise") is not None
 
 

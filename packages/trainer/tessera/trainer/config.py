@@ -18,12 +18,10 @@ from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, check_expert_parallel
 from tessera.common.model_config import ModelConfig
-from tessera.trainer.precision.te_float8 import te_config_problem, te_layout_problem, te_model_problem
-from tessera.trainer.precision.torchao_float8 import RECIPES as TORCHAO_RECIPES
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
 # the real vocab_size) has been read; no shape check depends on it.
-_PLACEHOLDER_VOCAB = 1
+PLACEHOLDER_VOCAB = 1
 
 
 class DataConfig(StrictModel):
@@ -111,26 +109,21 @@ class TrainingConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_fp8_backend(self) -> TrainingConfig:
-        """What fp8_backend and fp8_recipe need of the rest of this section (tessera.trainer.precision.te_float8)."""
-        if self.fp8_backend == "te":
-            if self.precision != "fp8":
-                raise ValueError(f"training.fp8_backend=te is for training.precision=fp8 (this run is "
-                                 f"{self.precision}); set precision fp8 or drop fp8_backend")
-            problem = te_config_problem(self.fp8_recipe, self.compile, self.recompute, self.micro_batch_size,
-                                        self.seq_length)
-            if problem:
-                raise ValueError(problem)
-        elif self.precision == "fp8" and self.fp8_recipe not in TORCHAO_RECIPES:
-            raise ValueError(f"training.fp8_recipe={self.fp8_recipe} is a Transformer Engine recipe: set "
-                             f"training.fp8_backend=te, or use {' or '.join(TORCHAO_RECIPES)} with torchao")
+        """The rest of what a float8 backend needs is its own check (tessera.trainer.precision.float8),
+        run by check_inputs before any work."""
+        if self.fp8_backend == "te" and self.precision != "fp8":
+            raise ValueError(f"training.fp8_backend=te is for training.precision=fp8 (this run is "
+                             f"{self.precision}); set precision fp8 or drop fp8_backend")
         return self
 
 
-class ParallelConfigSection(StrictModel):
-    """The parallel layout. Data parallel is implied: world size / (tensor x context x expert x pipeline).
+class ParallelConfig(StrictModel):
+    """The parallel layout and the options of the runtime that runs it. Data parallel is implied:
+    world size / (tensor x context x expert x pipeline).
 
     Any layout other than one plain process runs the step through
-    tessera.trainer.parallel.runtime.ParallelRuntime (see docs/parallelism.md).
+    tessera.trainer.parallel.runtime.ParallelRuntime, which takes this section as it is (see
+    docs/parallelism.md).
     """
 
     tensor: int = Field(1, ge=1, description="Tensor-parallel size (= --tensor-parallel); must divide heads, kv heads, ffn size and vocab.")
@@ -152,7 +145,7 @@ class ParallelConfigSection(StrictModel):
     async_tp: bool = Field(False, description="CUDA/NCCL only: inductor's micro-pipelined tensor parallel (async-TP, symmetric memory), overlapping the sequence-parallel all-gather/reduce-scatter with the block's matmuls. Needs tensor > 1, sequence_parallel and training.compile; refused on CPU/gloo (nothing to overlap there).")
 
     @model_validator(mode="after")
-    def _check_overlap(self) -> ParallelConfigSection:
+    def _check_overlap(self) -> ParallelConfig:
         if self.overlap_param_gather and (not self.distributed_optimizer or self.data_shard > 1):
             raise ValueError("parallel.overlap_param_gather needs parallel.distributed_optimizer=true and "
                              "parallel.data_shard=1 (it overlaps the distributed optimizer's all-gather)")
@@ -236,7 +229,7 @@ class TrainConfig(StrictModel):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Loop settings.")
-    parallel: ParallelConfigSection = Field(default_factory=ParallelConfigSection, description="Parallel layout.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallel layout.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metric sinks.")
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig, description="Profiler traces of chosen steps.")
@@ -245,7 +238,7 @@ class TrainConfig(StrictModel):
     @classmethod
     def _check_model(cls, value: dict[str, Any]) -> dict[str, Any]:
         probe = dict(value)
-        probe.setdefault("vocab_size", _PLACEHOLDER_VOCAB)
+        probe.setdefault("vocab_size", PLACEHOLDER_VOCAB)
         try:
             ModelConfig.model_validate(probe)
         except ValidationError as exc:
@@ -268,23 +261,18 @@ class TrainConfig(StrictModel):
             if (t.global_batch_size - start) % increment:
                 raise ValueError(f"training.rampup_batch_size {list(t.rampup_batch_size)}: global_batch_size "
                                  f"({t.global_batch_size}) minus start must be a multiple of the increment")
-        if t.fp8_backend == "te" and (problem := te_layout_problem(self.parallel.model_parallel_size
-                                                                   * self.parallel.data_shard)):
-            raise ValueError(problem)
         if self.parallel.async_tp and not t.compile:  # inductor does the overlap: refused before any launch
             raise ValueError("parallel.async_tp needs training.compile=true (inductor's micro-pipeline TP pass)")
         p = self.parallel
-        # The user-facing check of fsdp_float8_all_gather (ParallelConfig and ParallelRuntime.build
-        # check the same invariants for direct callers, in their own words).
+        # fsdp_float8_all_gather: torchao gathers float8 weights of Float8Linear only (not of ZeRO-1's flat
+        # buffers nor of the tensor-parallel layers), and a rowwise scale needs whole rows.
         if p.fsdp_float8_all_gather and (t.precision != "fp8" or p.data_shard == 1 or t.fp8_recipe != "tensorwise"):
             raise ValueError("parallel.fsdp_float8_all_gather needs training.precision=fp8, training.fp8_recipe="
                              "tensorwise and parallel.data_shard > 1 (under torchrun); unset it")
         if p.fsdp_float8_all_gather and p.tensor > 1:
             raise ValueError("parallel.fsdp_float8_all_gather does not compose with parallel.tensor > 1 (torchao's "
                              "float8 weights are for Float8Linear, not Tessera's tensor-parallel layers); unset it")
-        model = self.resolve_model(_PLACEHOLDER_VOCAB)
-        if t.fp8_backend == "te" and (problem := te_model_problem(model, t.fp8_recipe)):
-            raise ValueError(problem)  # layer dimensions (mxfp8): from the config, before anything is built
+        model = self.resolve_model(PLACEHOLDER_VOCAB)
         max_seq = model.max_seq_len
         if t.seq_length > max_seq:
             raise ValueError(f"training.seq_length ({t.seq_length}) exceeds model.max_seq_len ({max_seq})")

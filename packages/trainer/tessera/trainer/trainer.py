@@ -57,8 +57,9 @@ def eval_record(loss: float, split: str = "valid") -> dict[str, float]:
 def build_engine(cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime) -> Engine:
     """The execution engine for the run's layout: one plain process, or the parallel runtime."""
     if inputs.parallel:
-        return ParallelEngine(cfg, inputs.model, inputs.layout, inputs.documents, runtime.device)
-    return LocalEngine(cfg, inputs.model, inputs.documents, runtime.device)
+        return ParallelEngine(inputs.model, inputs.layout, cfg.training, cfg.parallel, cfg.optim, inputs.documents,
+                              runtime.device)
+    return LocalEngine(inputs.model, cfg.training, cfg.optim, inputs.documents, runtime.device)
 
 
 class Trainer:
@@ -136,7 +137,7 @@ class Trainer:
         self.engine.set_lr(self.schedule(self.state.step))
         plan = self.plan_at(self.state.consumed_samples)
         result = self.engine.train_step(*self.train_data.batch(plan.rank_sample_ids(self.state.consumed_samples)))
-        self.router_metrics = getattr(self.engine, "router_metrics", {})
+        self.router_metrics = result.router
         self.advance()  # a skipped step (fp16 overflow) still consumes its data
         return result.loss, result.grad_norm, result.stepped
 

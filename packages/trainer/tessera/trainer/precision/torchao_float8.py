@@ -1,10 +1,11 @@
 """FP8 training (training.precision: fp8) through torchao's Float8 linear layers.
 
-Backends (`training.fp8_backend`): torchao (this module, the default: every composition below)
-or NVIDIA Transformer Engine (`te`, tessera.trainer.precision.te_float8, when installed: its Linear layers
-in the same places, `eligible` below, with TE's recipes tensorwise (current scaling), blockwise
-and mxfp8; one process, eager, no full recompute; refused with one line otherwise). Both keep
-state dicts those of a bf16 run, so checkpoints interchange across backends.
+Backends (`training.fp8_backend`, behind one interface: tessera.trainer.precision.float8):
+torchao (this module, the default: every composition below) or NVIDIA Transformer Engine (`te`,
+tessera.trainer.precision.te_float8, when installed: its Linear layers in the same places,
+`eligible` below, with TE's recipes tensorwise (current scaling), blockwise and mxfp8; one
+process, eager, no full recompute; refused with one line otherwise). Both keep state dicts those
+of a bf16 run, so checkpoints interchange across backends.
 
 `training.precision: fp8` is bf16 autocast (tessera.trainer.precision.mixed) with every eligible
 nn.Linear swapped for torchao's `Float8Linear`: its three matmuls (output, input gradient, weight
@@ -69,7 +70,9 @@ import torch
 from torch import nn
 
 from tessera.common.errors import UserError
+from tessera.common.model_config import ModelConfig
 from tessera.common.parallel.layers import ColumnParallelLinear, RowParallelLinear, keep_tags
+from tessera.trainer.config import TrainingConfig
 
 RECIPES = ("tensorwise", "rowwise")
 FP8_MIN_CAPABILITY = (8, 9)
@@ -184,6 +187,28 @@ def require_converted(converted: list[str]) -> list[str]:
         raise UserError("training.precision=fp8: no Linear layer of this model (of this rank's tensor-parallel "
                         f"slice) has dimensions that are multiples of {_ALIGN}; use training.precision=bf16")
     return converted
+
+
+class TorchaoFloat8:
+    """torchao behind tessera.trainer.precision.float8.Float8Backend."""
+
+    recipes = RECIPES
+
+    def problem(self, training: TrainingConfig, model: ModelConfig, device: torch.device,
+                processes: int) -> str | None:
+        if training.fp8_recipe not in RECIPES:
+            return (f"training.fp8_recipe={training.fp8_recipe} is a Transformer Engine recipe: set "
+                    f"training.fp8_backend=te, or use {' or '.join(RECIPES)} with torchao")
+        return fp8_device_problem(device)
+
+    def convert(self, model: nn.Module, recipe: str, fsdp_float8_all_gather: bool = False) -> list[str]:
+        return require_converted(convert_to_float8(model, recipe, fsdp_float8_all_gather))
+
+    def forward_context(self, recipe: str) -> None:
+        return None  # Float8Linear casts inside its own forward
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        precompute_float8_scales(model)
 
 
 # ---- tensor parallel: float8 inside Tessera's Column/RowParallelLinear ----------------------------
