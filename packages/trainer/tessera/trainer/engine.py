@@ -89,10 +89,10 @@ class LocalEngine:
         # Compilation is the step's (forward and loss in one graph), not the model's.
         self.model = prepare_model(model, device, t.seed, t.recompute)
         fp8_context = None  # e.g. Transformer Engine's FP8 autocast, entered inside torch's (Precision)
-        if t.precision == "fp8":  # the backend's checks ran in check_inputs
-            float8 = float8_backend(t.fp8_backend)
-            float8.convert(self.model, t.fp8_recipe)
-            fp8_context = float8.forward_context(t.fp8_recipe)
+        self.float8 = float8_backend(t.fp8_backend) if t.precision == "fp8" else None  # checked by check_inputs
+        if self.float8 is not None:
+            self.float8.convert(self.model, t.fp8_recipe)
+            fp8_context = self.float8.forward_context(t.fp8_recipe)
         self.optimizer = build_optimizer(self.model, optim)
         self.precision = Precision(t.precision, device, t.fp16_initial_scale, t.fp16_growth_interval, fp8_context)
         self.step = TrainStep(self.model, self.optimizer, self.precision, optim.grad_clip,
@@ -105,6 +105,8 @@ class LocalEngine:
         if self.router_stats is not None:
             self.router_stats.prepare(len(batches))
         loss_sum, grad_norm, stepped = self.step(batches, len(batches), self.device)
+        if self.float8 is not None:
+            self.float8.after_optimizer_step(self.model)
         router = self.router_stats.step() if self.router_stats is not None else {}
         return StepResult(float(loss_sum), float(grad_norm), stepped, router)
 
