@@ -39,9 +39,8 @@ Composition (issue #19), what holds and what is refused:
   per tensor for the whole unsharded weight; the scales of all weights are then computed in one
   all-reduce after each optimizer step by `precompute_float8_scales` (torchao's
   `precompute_float8_dynamic_scale_for_fsdp`). Tensorwise only (torchao: a rowwise scale needs the
-  whole row, which the shard does not have); the trainer's config (TrainConfig, the user-facing check of
-  the option) refuses it with rowwise, without FSDP, or with tensor parallel, in one line
-  (ParallelConfig and ParallelRuntime.build check the same for callers that build them directly).
+  whole row, which the shard does not have); the trainer's config (TrainConfig) refuses it with
+  rowwise, without FSDP, or with tensor parallel, in one line.
 - tensor parallel (and sequence parallel): Tessera's ColumnParallelLinear/RowParallelLinear issue
   their collectives in their own forward, so they are not swapped (a Float8Linear would drop the
   collectives; torchao's own TP support is for DTensor layers). Instead their local-matmul hook
@@ -54,7 +53,7 @@ Composition (issue #19), what holds and what is refused:
   fullgraph + AOTAutograd, tested with aot_eager on CPU; the all-reduces are functional
   collectives). Over one tensor rank the layers are plain Linear layers with tags and are swapped
   for Float8Linear (tags kept). Not with FSDP float8 all-gather (refused by the trainer's config).
-- the parallel runtime (`ParallelConfig.fp8_recipe`, set by the trainer under torchrun): converts
+- the parallel runtime (training.precision=fp8 under torchrun, through TorchaoFloat8): converts
   each stage after the tensor-parallel swap and before compile and fully_shard; ZeRO-1 data
   parallel, FSDP (meta build, sharded init) and pipeline train like one process in fp8 over the
   same micro-batches (tests/parallel/test_fp8_parallel.py, emulated on CPU, within 1e-5); tensor
@@ -139,8 +138,7 @@ def convert_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: boo
     names of the converted layers. No device check (see `apply_float8`). With
     `fsdp_float8_all_gather` (before `fully_shard`), FSDP2 gathers the weights in float8; then
     call `precompute_float8_scales` after every optimizer step. The option's combinations
-    (tensorwise, FSDP, no tensor parallel) are checked by TrainConfig, ParallelConfig and
-    ParallelRuntime.build, not here.
+    (tensorwise, FSDP, no tensor parallel) are checked by TrainConfig, not here.
     """
     config = float8_config(recipe, fsdp_float8_all_gather)
     parallel = [(name, m) for name, m in model.named_modules() if (_tensor_parallel_size(m) or 1) > 1]
