@@ -21,6 +21,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -207,6 +208,7 @@ class IndexedDataset:
         self._bin = np.memmap(bpath, dtype=self.dtype, mode="r") if bin_size else np.zeros(0, self.dtype)
         # Called with (first token, count) before tokens are handed out; see tessera.common.shard.open_shard.
         self.verifier: Callable[[int, int], None] | None = None
+        self.manifest: Any = None  # the shard's manifest, when opened through open_shard
 
     def __len__(self) -> int:
         """Number of sequences (documents, for data written by Tessera)."""

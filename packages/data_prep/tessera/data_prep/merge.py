@@ -17,7 +17,7 @@ import numpy as np
 
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import atomic_write_json, ensure_output_dir, sha256_file, tmp_name
-from tessera.common.indexed_dataset import IndexedDataset, bin_path, idx_path, write_index_chunks
+from tessera.common.indexed_dataset import bin_path, idx_path, write_index_chunks
 from tessera.common.shard import (
     BLOCK_SIZE,
     BlockHasher,
@@ -25,6 +25,7 @@ from tessera.common.shard import (
     manifest_path,
     mask_path,
     open_loss_mask,
+    open_shard,
     read_shard_manifest,
     shard_fingerprint,
 )
@@ -54,7 +55,7 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
             raise UserError(f"{output}{suffix}: already exists; choose another --output-prefix or pass --overwrite")
     ensure_output_dir(output.parent, "--output-prefix")
     manifests = [read_shard_manifest(p) for p in inputs]
-    datasets = [IndexedDataset(p) for p in inputs]
+    datasets = [open_shard(p, "off") for p in inputs]  # index against manifest; bytes are checked while copied
     first = manifests[0]
     for p, m, ds in zip(inputs, manifests, datasets):
         if m.tokenizer_fingerprint != first.tokenizer_fingerprint:
