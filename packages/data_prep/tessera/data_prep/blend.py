@@ -186,10 +186,13 @@ def load_blend_config(path: str | None, cli: dict) -> BlendConfig:
         items = data["data"]
         if items and not isinstance(items[0], dict):
             data["data"] = [s.model_dump() for s in parse_data_args([str(x) for x in items])]
+    origins = {}  # a bad flag is reported against the flag, not the file
     for key, value in cli.items():
         if value is not None:
             data[key] = value
-    return validate_config(BlendConfig, data, str(path) if path else "blend arguments")
+            flag = "--" + key.replace("_", "-")
+            origins[key] = flag if isinstance(value, (list, bool)) else f"{flag} {value}"
+    return validate_config(BlendConfig, data, str(path) if path else "blend arguments", origins)
 
 
 def _open_sources(cfg: BlendConfig) -> tuple[list[IndexedDataset], list[ShardManifest], list[str]]:
