@@ -155,7 +155,7 @@ def _start_save(root: Path, step: int) -> tuple[Path, Path]:
     partial = root / f".{final.name}{PARTIAL_SUFFIX}"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
+        _remove(partial)
         partial.mkdir()
         fault_point("save.partial_created")
     _barrier()
@@ -202,8 +202,8 @@ class _Finalize:
         sidecar.contents = self.contents
         finalize_checkpoint(self.partial, sidecar)  # sidecar last: marks the directory complete
         fault_point("save.sidecar_written")
-        if self.final.exists():  # a stale checkpoint of the same step (e.g. from a run that was rewound)
-            shutil.rmtree(self.final)
+        if os.path.lexists(self.final):  # a stale checkpoint of the same step (e.g. from a run that was rewound)
+            _remove(self.final)
             fault_point("save.stale_removed")
         os.replace(self.partial, self.final)
         _fsync_dir(self.root)
@@ -337,9 +337,19 @@ def remove_partial_saves(root: Path) -> list[Path]:
     if root.is_dir():
         for p in root.iterdir():
             if p.name.startswith(".iter_") and p.name.endswith(PARTIAL_SUFFIX):
-                shutil.rmtree(p, ignore_errors=True)
+                _remove(p)
                 removed.append(p)
     return removed
+
+
+def _remove(path: Path) -> None:
+    """Remove what lies under one of the save's own names, never following a link: a symbolic link
+    (or a file) there is unlinked and its target left alone, so a save always writes into a fresh
+    directory of its own instead of through a link or failing on it (FileExistsError before)."""
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)  # it unlinks the links inside a directory, never follows them
 
 
 # ---- load ---------------------------------------------------------------------------------------
