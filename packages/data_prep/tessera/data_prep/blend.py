@@ -22,13 +22,20 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 from pydantic import Field, field_validator
 
 from tessera.common.config import StrictModel, read_yaml, validate_config
 from tessera.common.errors import UserError
-from tessera.common.fileio import atomic_directory, atomic_write_json, ensure_output_dir, sha256_file
+from tessera.common.fileio import (
+    atomic_directory,
+    atomic_write_json,
+    ensure_output_dir,
+    names_os_errors,
+    sha256_file,
+)
 from tessera.common.indexed_dataset import IndexedDataset
 from tessera.common.mixture import (
     MANIFEST,
@@ -275,7 +282,10 @@ def run_blend(cfg: BlendConfig) -> Path:
         def save(rel: str, arr: np.ndarray) -> None:
             path = tmp / rel
             path.parent.mkdir(parents=True, exist_ok=True)
-            np.save(path, arr, allow_pickle=False)
+            with names_os_errors(path), open(path, "wb") as f:
+                # Through f.write, not numpy's tofile(), which reports a full disk as a short write
+                # without an errno (so it was neither recognised nor named).
+                np.save(SimpleNamespace(write=f.write), arr, allow_pickle=False)
             checksums[rel] = sha256_file(path)
 
         work = [(s, k) for s in plans for k in range(len(datasets))]

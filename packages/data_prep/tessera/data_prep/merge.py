@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import atomic_write_json, ensure_output_dir, sha256_file, tmp_name
+from tessera.common.fileio import atomic_write_json, ensure_output_dir, names_os_errors, sha256_file, tmp_name
 from tessera.common.indexed_dataset import bin_path, idx_path, write_index_chunks
 from tessera.common.shard import (
     BLOCK_SIZE,
@@ -89,7 +89,7 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
     staging = output.with_name(f".{output.name}.staging-{tmp_name(output).name[-8:]}")
     try:
         blocks, whole = BlockHasher(), hashlib.sha256()
-        with open(bin_path(staging), "wb") as out:
+        with names_os_errors(bin_path(output)), open(bin_path(staging), "wb") as out:
             for p, m in zip(inputs, manifests):
                 _copy_verified(p, m, dtype, out, (blocks, whole))
             out.flush()
@@ -98,7 +98,8 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
         checksums = {"bin": whole.hexdigest(), "idx": sha256_file(idx_path(staging))}
         loss_mask = any(m.loss_mask for m in manifests)
         if loss_mask:  # fine-tuning shards: their masks in the same order; an unmasked input counts every token
-            checksums["mask"] = _merge_masks(inputs, datasets, mask_path(staging))
+            with names_os_errors(mask_path(output)):
+                checksums["mask"] = _merge_masks(inputs, datasets, mask_path(staging))
         inputs_seen: dict[tuple, dict] = {}
         for m in manifests:
             for inp in m.inputs:

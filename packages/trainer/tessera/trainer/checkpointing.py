@@ -64,6 +64,7 @@ from tessera.common.checkpoint import (
 )
 from tessera.common.errors import ArtifactError
 from tessera.common.faults import fault_point
+from tessera.common.fileio import name_os_error, names_os_errors
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import Tokenizer
 from tessera.trainer.precision import Precision
@@ -142,7 +143,7 @@ def write_checkpoint(
         background.start(state, job)
         fault_point("save.state_staged")
         return final
-    with single_process_dcp():
+    with names_os_errors(partial), single_process_dcp():  # DCP's writes carry no file name: name the directory
         dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
     fault_point("save.payload_written")
     job.run()
@@ -182,6 +183,7 @@ class _Finalize:
             try:
                 self._finish_on_rank_0()
             except BaseException as exc:
+                name_os_error(exc, self.partial)
                 error = exc
         # Instead of a bare barrier: every rank learns whether rank 0 finished, and fails alike if not.
         outcome = [None if error is None else f"{type(error).__name__}: {error}"]
@@ -257,6 +259,7 @@ class AsyncCheckpointer:
             future.result()
             fault_point("save.payload_written")
         except BaseException as exc:  # reported to the training thread by wait()/poll()
+            name_os_error(exc, job.partial)
             error = exc
         try:
             if not _all_ranks_ok(error is None, self.group):
