@@ -20,7 +20,7 @@ import numpy as np
 
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import sha256_file
-from tessera.common.indexed_dataset import bin_path, idx_path, read_index, validate_index
+from tessera.common.indexed_dataset import bin_path, check_shard_files, idx_path, read_index, validate_index
 from tessera.common.shard import manifest_path, open_loss_mask, read_shard_manifest
 
 _CHUNK = 1 << 24  # elements per chunk, so verification memory stays flat for any shard size
@@ -39,6 +39,7 @@ class VerifyResult:
 
 def verify_shard(prefix: str | Path, vocab_size: int | None = None, check_checksums: bool = True) -> VerifyResult:
     prefix = Path(prefix)
+    check_shard_files(prefix)
     ipath, bpath = idx_path(prefix), bin_path(prefix)
     for p in (ipath, bpath):
         if not p.is_file():
