@@ -109,6 +109,13 @@ def copy_tokenizer_files(source: str | os.PathLike, directory: str | os.PathLike
             shutil.copyfile(src, directory / name)
 
 
+def check_tokenizer_files(directory: str | os.PathLike) -> None:
+    """Refuse (one line) a tokenizer folder any of whose files leads outside it (fileio.artifact_path),
+    before any is read."""
+    for name in TOKENIZER_FILES:
+        artifact_path(directory, name)
+
+
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     """Load a tokenizer directory; any problem is a one-line ArtifactError naming the file."""
     from tokenizers import Tokenizer as HFTokenizer
@@ -116,8 +123,7 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     directory = Path(directory)
     if not directory.is_dir():
         raise ArtifactError(f"{directory}: tokenizer directory not found")
-    for name in TOKENIZER_FILES:  # every file it may read or copy, checked before any is read
-        artifact_path(directory, name)
+    check_tokenizer_files(directory)
     path = artifact_path(directory, TOKENIZER_JSON)
     fingerprint = tokenizer_fingerprint(directory)
     try:
