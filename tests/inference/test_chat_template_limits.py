@@ -30,6 +30,13 @@ HOSTILE = (
     "{% endmacro %}{{ f(0) }}"
     "{%- elif attack == 'memory' -%}{% set ns = namespace(l=[]) %}{% for i in range(4000) %}"
     "{% set ns.l = ns.l + ['a' * 1000000 ~ i] %}{% endfor %}"
+    "{%- elif attack == 'doubling' -%}{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+    "{%- elif attack == 'set_block' -%}{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+    "{% set t %}{{ ns.s }}{{ ns.s }}{% endset %}{% set ns.s = t %}{% endfor %}"
+    "{%- elif attack == 'width' -%}{{ '%0999999999d' % 1 }}"
+    "{%- elif attack == 'center' -%}{{ 'x'|center(10**9) }}"
+    "{%- elif attack == 'replace' -%}{% set s = 'a' * 100000 %}{{ s|replace('a', s) }}"
     "{%- elif attack == 'one_long_call' -%}{{ ('a ' * 1000000)|wordwrap(1)|length }}"
     "{%- else -%}{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}{%- endif -%}"
@@ -67,9 +74,14 @@ def server(hostile_ckpt):
 
 @pytest.mark.parametrize("attack, flag, says", [
     ("loops", "--chat-template-max-iterations", "more than 50,000 loop iterations"),
-    ("repeat", "--chat-template-max-chars", "of 10,000,000,000 characters"),
+    ("repeat", "--chat-template-max-chars", "a value of 10,000,000,000"),
     ("output", "--chat-template-max-chars", "an output of"),
     ("slow", "--chat-template-max-iterations", "macro calls"),
+    ("doubling", "--chat-template-max-chars", "a value of 2,097,152"),
+    ("set_block", "--chat-template-max-chars", "a value of 2,097,152"),
+    ("width", "--chat-template-max-chars", "a formatted field of 999,999,999"),
+    ("center", "--chat-template-max-chars", "a width or count argument of 1,000,000,000"),
+    ("replace", "--chat-template-max-chars", "a value of 10,000,000,000"),
     ("memory", "--chat-template-max-memory", "out of memory"),
 ])
 def test_a_runaway_chat_template_ends_its_request_with_a_400_naming_the_limit(server, attack, flag, says):

@@ -52,6 +52,10 @@ class RenderLimits:
 
 
 _MAX_INT_BITS = 1 << 16  # integers a template computes (`**`, `*`): far beyond any counter it needs
+# Filters and functions whose integer arguments are widths or counts of what they build (others',
+# e.g. `default(10**9)` or a macro's data, are plain values).
+_SIZED_BY_ARGUMENT = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "indent", "wordwrap", "batch",
+                                "slice", "tojson", "generate_lorem_ipsum"})
 _state = threading.local()  # the render under way on this thread (its _Budget)
 
 
@@ -75,8 +79,8 @@ class _Budget:
 
     def size(self, n: int, what: str = "a value") -> None:
         if n > self.limits.max_chars:
-            raise ChatTemplateLimit(f"the chat template built {what} of {n:,} characters or items, more than "
-                                    f"{self.limits.max_chars:,}", "max_chars")
+            raise ChatTemplateLimit(f"the chat template went over {self.limits.max_chars:,} characters or items: "
+                                    f"{what} of {n:,}", "max_chars")
 
     def bits(self, n: int) -> None:
         if n > _MAX_INT_BITS:
@@ -95,12 +99,12 @@ class _Budget:
         """An integer argument (a width, a count) beyond the size cap would make a value beyond it."""
         for a in (*args, *kwargs.values()):
             if isinstance(a, int) and not isinstance(a, bool) and abs(a) > self.limits.max_chars:
-                self.size(abs(a), "an argument")
+                self.size(abs(a), "a width or count argument")
 
     def format_string(self, text: str) -> None:
         """A width or precision in a format string (`%9999999d`, `{:>9999999}`) is a value that size."""
-        for digits in re.findall(r"\d{7,}", text):
-            self.size(int(digits), "a formatted field")
+        for digits in re.findall(rf"\d{{{len(str(self.limits.max_chars))},}}", text):
+            self.size(int(digits) if len(digits) < 19 else 10**18, "a formatted field")
 
 
 def _budget() -> _Budget | None:
@@ -146,7 +150,8 @@ def _bounded_filter(name: str, f: Any) -> Any:
             return f(*args, **kwargs)
         budget.tick()
         if len(args) > skip:  # the value filtered, then the filter's own arguments
-            budget.arguments(args[skip + 1:], kwargs)
+            if name in _SIZED_BY_ARGUMENT:
+                budget.arguments(args[skip + 1:], kwargs)
             _predict(budget, name, args[skip], args[skip + 1:])
         return budget.value(f(*args, **kwargs))
     return bounded
@@ -198,14 +203,15 @@ def _compile(source: str):
             budget = _budget()
             if budget is None:
                 return super().call(__context, __obj, *args, **kwargs)
-            if isinstance(__obj, Macro):  # recursion is a loop too; its arguments are data, not widths
+            if isinstance(__obj, Macro):  # recursion is a loop too
                 budget.iteration()
             else:
                 budget.tick()
-                budget.arguments(args, kwargs)
             if isinstance(__obj, LoopContext) and args:  # a recursive loop's next level
                 args = (_loop_items(args[0]), *args[1:])
             method = getattr(__obj, "__wrapped__", __obj)  # str.format comes wrapped by the sandbox
+            if getattr(method, "__name__", None) in _SIZED_BY_ARGUMENT:
+                budget.arguments(args, kwargs)
             owner = getattr(method, "__self__", None)
             if isinstance(owner, str) and method.__name__ == "join" and args:
                 _predict(budget, "join", args[0], (owner,))

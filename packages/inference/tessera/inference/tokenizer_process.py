@@ -85,10 +85,14 @@ def _template_answers(init: bytes):
     from tessera.common.chat_template import ChatTemplateError, RenderLimits, render_template
 
     limits = RenderLimits(**json.loads(init))
-    with open("/proc/self/statm") as f:  # the interpreter's own address space, in pages
-        base = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    cap = base + limits.max_memory_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    try:
+        with open("/proc/self/statm") as f:  # the interpreter's own address space, in pages (Linux)
+            base = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        base = None  # elsewhere only the renderer's own checks bound a render's memory
+    if base is not None:
+        cap = base + limits.max_memory_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
     def answer(message: bytes) -> bytes:
         try:
@@ -101,6 +105,8 @@ def _template_answers(init: bytes):
         except MemoryError:  # outside the render (decoding the request, encoding the text)
             return b"\1" + json.dumps({"message": "the chat template ran out of memory while rendering",
                                         "limit": "max_memory_mb"}).encode()
+        except Exception as exc:  # e.g. messages nested past json's recursion limit
+            return b"\1" + json.dumps({"message": f"chat template failed: {type(exc).__name__}", "limit": None}).encode()
     return answer
 
 
