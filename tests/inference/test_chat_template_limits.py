@@ -170,3 +170,16 @@ def test_prep_chat_data_stops_at_a_runaway_template_with_one_line(tmp_path, caps
     assert exc.value.code == 2 and len(err) == 1, err
     assert "loop iterations" in err[0] and str(tok) in err[0], err
     assert not list(tmp_path.glob("out/sft*.bin"))
+
+
+@pytest.mark.parametrize("flag, value", [("--chat-template-timeout", "0"), ("--chat-template-timeout", "nan"),
+                                         ("--chat-template-max-iterations", "0"), ("--chat-template-max-chars", "-1"),
+                                         ("--chat-template-max-memory", "0")])
+def test_a_chat_template_limit_that_is_not_positive_is_refused_at_start(tmp_path, capsys, flag, value):
+    from tessera.common.errors import run_cli
+    from tessera.inference.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--checkpoint", str(tmp_path), flag, value])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and flag in err, err
