@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+
 from tessera.common.errors import ArtifactError, run_cli
 from tessera.inference.loader import load_for_serving
 
