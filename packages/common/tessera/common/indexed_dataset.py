@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import atomic_file, name_os_error, tmp_name
+from tessera.common.fileio import artifact_path, atomic_file, name_os_error, tmp_name
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -49,6 +49,18 @@ def idx_path(prefix: str | os.PathLike) -> Path:
 
 def bin_path(prefix: str | os.PathLike) -> Path:
     return Path(f"{prefix}.bin")
+
+
+# Every file a shard may have: Megatron's two, and Tessera's manifest and loss mask (shard.py).
+SHARD_SUFFIXES = (".bin", ".idx", ".json", ".mask.bin")
+
+
+def check_shard_files(prefix: str | os.PathLike) -> None:
+    """Refuse (one line) a shard whose files lead outside the prefix's folder (fileio.artifact_path),
+    before any of them is read."""
+    prefix = Path(prefix)
+    for suffix in SHARD_SUFFIXES:
+        artifact_path(prefix.parent, prefix.name + suffix)
 
 
 class IndexedDatasetWriter:
@@ -198,6 +210,7 @@ class IndexedDataset:
 
     def __init__(self, prefix: str | os.PathLike):
         self.prefix = Path(prefix)
+        check_shard_files(self.prefix)
         ipath, bpath = idx_path(self.prefix), bin_path(self.prefix)
         for p in (ipath, bpath):
             if not p.is_file():

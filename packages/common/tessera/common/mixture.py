@@ -31,7 +31,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import read_json, sha256_file
+from tessera.common.fileio import artifact_path, read_json, sha256_file
 from tessera.common.indexed_dataset import IndexedDataset
 from tessera.common.shard import open_loss_mask, open_shard, shard_fingerprint
 
@@ -80,11 +80,11 @@ def dataset_file(split: str, k: int, kind: str) -> str:
 
 
 def mixture_fingerprint(directory: str | os.PathLike) -> str:
-    return "sha256:" + sha256_file(Path(directory) / MANIFEST)
+    return "sha256:" + sha256_file(artifact_path(directory, MANIFEST))
 
 
 def read_mixture_manifest(directory: str | os.PathLike) -> MixtureManifest:
-    path = Path(directory) / MANIFEST
+    path = artifact_path(directory, MANIFEST)
     if not Path(directory).is_dir():
         raise ArtifactError(f"{directory}: mixture directory not found; build it with `tessera-data blend`")
     data: Any = read_json(path, "mixture manifest")
@@ -180,7 +180,7 @@ class MixtureSplit:
         if unlisted:  # what the manifest does not list was not made by this blend
             raise ArtifactError(f"{self.directory / unlisted[0]}: an index file {MANIFEST} does not list; the mixture "
                                 "was changed after blending; remove the file or rebuild the mixture")
-        missing = [rel for rel in files if not (self.directory / rel).is_file()]
+        missing = [rel for rel in files if not artifact_path(self.directory, rel).is_file()]
         if missing:
             raise ArtifactError(f"{self.directory / missing[0]}: mixture index file missing; rebuild the mixture")
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
@@ -191,7 +191,7 @@ class MixtureSplit:
                                         "is corrupt or was changed after blending; rebuild the mixture")
 
     def _load(self, rel: str) -> np.ndarray:
-        path = self.directory / rel
+        path = artifact_path(self.directory, rel)
         if not path.is_file():
             raise ArtifactError(f"{path}: mixture index file missing; rebuild the mixture")
         try:

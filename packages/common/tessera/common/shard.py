@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import read_json, sha256_file
-from tessera.common.indexed_dataset import IndexedDataset, bin_path, idx_path
+from tessera.common.indexed_dataset import IndexedDataset, bin_path, check_shard_files, idx_path
 
 SHARD_FORMAT = "tessera-shard"
 BLOCK_ALGORITHM = "xxh3-64"
@@ -79,6 +79,7 @@ def mask_path(prefix: str | os.PathLike) -> Path:
 def open_loss_mask(prefix: str | os.PathLike, num_tokens: int, verify: str = "first-read") -> np.ndarray | None:
     """The shard's loss mask, memory-mapped (uint8 per token), or None when its manifest has none.
     Unless `verify` is `off` its size and sha256 are checked now (one byte per token: cheap)."""
+    check_shard_files(prefix)
     path = manifest_path(prefix)
     manifest = read_shard_manifest(prefix) if path.is_file() else None
     if manifest is None or not manifest.loss_mask:
@@ -97,6 +98,7 @@ def open_loss_mask(prefix: str | os.PathLike, num_tokens: int, verify: str = "fi
 
 
 def shard_fingerprint(prefix: str | os.PathLike) -> str:
+    check_shard_files(prefix)
     path = manifest_path(prefix)
     if not path.is_file():
         raise ArtifactError(f"{path}: shard manifest not found; {_NO_MANIFEST_HINT.format(prefix=prefix)}")
@@ -108,6 +110,7 @@ _NO_MANIFEST_HINT = ("for a shard made by another tool (Megatron), run `tessera-
 
 
 def read_shard_manifest(prefix: str | os.PathLike) -> ShardManifest:
+    check_shard_files(prefix)
     path = manifest_path(prefix)
     if not path.is_file() and bin_path(prefix).is_file():
         raise ArtifactError(f"{path}: shard manifest not found; {_NO_MANIFEST_HINT.format(prefix=prefix)}")

@@ -17,7 +17,7 @@ import numpy as np
 
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import atomic_write_json, ensure_output_dir, names_os_errors, sha256_file, tmp_name
-from tessera.common.indexed_dataset import bin_path, idx_path, write_index_chunks
+from tessera.common.indexed_dataset import bin_path, check_shard_files, idx_path, write_index_chunks
 from tessera.common.shard import (
     BLOCK_SIZE,
     BlockHasher,
@@ -153,6 +153,7 @@ def _copy_verified(prefix: Path, manifest: ShardManifest, dtype: np.dtype, out, 
     """Append an input's tokens to `out`, checking them on the way: its `.bin` and `.idx` must match
     the manifest's checksums and every id must be inside the vocabulary, so merge never launders a
     corrupt shard into one with fresh checksums. The bytes are read once, for copying and hashing."""
+    check_shard_files(prefix)
     mpath = manifest_path(prefix)
     if sha256_file(idx_path(prefix)) != manifest.checksums.get("idx"):
         raise ArtifactError(f"{idx_path(prefix)}: sha256 does not match {mpath.name}'s; the index is corrupt or was "

@@ -21,7 +21,7 @@ import numpy as np
 
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import sha256_file
-from tessera.common.indexed_dataset import IndexedDataset, bin_path, idx_path
+from tessera.common.indexed_dataset import IndexedDataset, bin_path, check_shard_files, idx_path
 from tessera.common.shard import check_against_manifest, manifest_path, open_loss_mask, read_shard_manifest
 
 _CHUNK = 1 << 24  # elements per chunk, so verification memory stays flat for any shard size
@@ -40,6 +40,7 @@ class VerifyResult:
 
 def verify_shard(prefix: str | Path, vocab_size: int | None = None, check_checksums: bool = True) -> VerifyResult:
     prefix = Path(prefix)
+    check_shard_files(prefix)
     ipath, bpath = idx_path(prefix), bin_path(prefix)
     for p in (ipath, bpath):
         if not p.is_file():
