@@ -11,7 +11,7 @@ import torch
 
 from tessera.common.errors import ArtifactError
 from tessera.common.hf import ARCHITECTURES, hf_config, model_config_from_hf, read_hf_config
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 

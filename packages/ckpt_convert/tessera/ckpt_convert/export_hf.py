@@ -24,7 +24,7 @@ from tessera.ckpt_convert.tokenizer_files import write_hf_tokenizer
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import BackgroundFsync, atomic_directory, atomic_write_json
 from tessera.common.hf import Rule, export_rules, hf_config
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
 
 ST_METADATA = {"format": "pt"}
@@ -54,7 +54,7 @@ def check_model_tensors(src: CheckpointSource, rules: list[Rule], names_shapes: 
 
 def expected_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape of the Tessera model for `cfg`, from the model itself (meta device)."""
-    from tessera.common.model import Transformer
+    from tessera.common.models.causal_lm.model import Transformer
 
     with torch.device("meta"):
         model = Transformer(cfg)

@@ -24,7 +24,7 @@ from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 

@@ -38,7 +38,7 @@ from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import artifact_path, atomic_directory
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import load_tokenizer
 

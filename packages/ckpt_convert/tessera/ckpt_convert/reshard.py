@@ -33,7 +33,7 @@ from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, fsync_tree
 from tessera.common.hf import VOCAB_PARAMS
 from tessera.common.layout import ParallelLayout, validate_layout
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.tokenizer import copy_tokenizer_files
 
 

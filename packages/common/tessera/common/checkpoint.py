@@ -8,7 +8,7 @@
             tokenizer/                       tokenizer.json + tokenizer_config.json
 
 DCP state-dict keys: `model.<parameter name>` for every model tensor, as global (unsharded)
-tensors whatever the layout they were saved from, named as in `tessera.common.model` with global
+tensors whatever the layout they were saved from, named as in `tessera.common.models.causal_lm.model` with global
 layer numbers; training state under `optimizer.`, `scheduler`, `rng`, `train_state`, etc. (the
 trainer owns those). A checkpoint directory is complete only once its sidecar exists, and the
 pointer file is replaced (atomically) only after that.
@@ -43,7 +43,7 @@ from tessera.common.fileio import (
     read_json,
 )
 from tessera.common.layout import ParallelLayout
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 
 CHECKPOINT_FORMAT = "tessera-checkpoint"

@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from tessera.common.errors import UserError
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.inference.cpu_linear import PackedLinear
 from tessera.inference.cuda_graphs import GraphSpec
 from tessera.inference.model_runner import BatchSeq, ModelRunner, batch_seqs, kv_cache_dtype
@@ -120,7 +120,7 @@ def replicated_kv_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.device, dtype: torch.dtype):
     """This rank's shard of the model, read straight into it (never the whole model at once)."""
-    from tessera.common.model import Transformer
+    from tessera.common.models.causal_lm.model import Transformer
     from tessera.common.parallel.layers import allocate
     from tessera.common.parallel.tensor_parallel import parallelize_model
 

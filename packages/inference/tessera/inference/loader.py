@@ -20,8 +20,8 @@ from tessera.common.checkpoint import (
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.hf import eos_token_ids, is_hf_directory, read_hf_config
 from tessera.common.hf.directory import checked_hf_weights, imported_tensors
-from tessera.common.model import Transformer, build_model
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import Transformer, build_model
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
 from tessera.inference.model_runner import kv_cache_dtype as kv_cache_dtype_of
 from tessera.inference.quantization import check_quantization, quantize_model

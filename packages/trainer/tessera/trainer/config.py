@@ -17,7 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, check_expert_parallel
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.fp8 import RECIPES as TORCHAO_RECIPES
 from tessera.trainer.fp8_te import te_config_problem, te_layout_problem, te_model_problem
 

@@ -23,8 +23,8 @@ from typing import Protocol
 
 import torch
 
-from tessera.common.model_config import ModelConfig
-from tessera.common.moe import RouterStats
+from tessera.common.layers.moe import RouterStats
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.checkpointing import local_components
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.documents import DocumentMasking, loss_token_count

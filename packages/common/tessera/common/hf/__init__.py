@@ -24,7 +24,8 @@ from tessera.common.hf.directory import (
     read_hf_config,
     weight_files,
 )
-from tessera.common.hf.registry import (
+from tessera.common.hf.rules import WEIGHT_DTYPES, Combine, Rule, WeightSource, check_import
+from tessera.common.models.causal_lm.hf.adapter import (
     ARCHITECTURES,
     VOCAB_PARAMS,
     architecture_for,
@@ -35,7 +36,6 @@ from tessera.common.hf.registry import (
     import_rules,
     model_config_from_hf,
 )
-from tessera.common.hf.rules import WEIGHT_DTYPES, Combine, Rule, WeightSource, check_import
 
 __all__ = [
     "ARCHITECTURES", "CONFIG", "GENERATION_CONFIG", "HEAD", "HF_DTYPE_NAMES", "SAFETENSORS", "SAFETENSORS_DTYPES", "SAFETENSORS_INDEX", "VOCAB_PARAMS",

@@ -29,9 +29,9 @@ import torch
 from tessera.common.errors import ArtifactError
 from tessera.common.file_map import map_tensor
 from tessera.common.fileio import artifact_path, read_json
-from tessera.common.hf.registry import import_rules, model_config_from_hf
 from tessera.common.hf.rules import check_import
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.adapter import import_rules, model_config_from_hf
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"

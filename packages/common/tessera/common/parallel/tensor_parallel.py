@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.common.errors import UserError
-from tessera.common.model import MoE, Transformer
+from tessera.common.models.causal_lm.model import MoE, Transformer
 from tessera.common.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,

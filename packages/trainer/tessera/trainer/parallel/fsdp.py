@@ -59,7 +59,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 
 from tessera.common.errors import UserError
-from tessera.common.moe import MoE
+from tessera.common.layers.moe import MoE
 from tessera.common.parallel.layers import keep_tags, shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import to_global

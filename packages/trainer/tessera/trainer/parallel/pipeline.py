@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-from tessera.common.model import Transformer
+from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.parallel.context_parallel import ContextParallel, ContextParallelAttention
 from tessera.common.parallel.expert_parallel import shard_experts
 from tessera.common.parallel.layers import tag

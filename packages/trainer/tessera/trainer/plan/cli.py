@@ -18,7 +18,7 @@ import textwrap
 from tessera.common.config import apply_overrides, read_yaml, validate_config
 from tessera.common.errors import UserError, run_cli
 from tessera.common.layout import ParallelLayout, parse_pipeline_layers, validate_layout
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.parallel.launch import add_parallel_arguments, parallel_overrides
 from tessera.trainer.plan.devices import DEVICES, DeviceSpec, resolve_device
@@ -80,7 +80,7 @@ def _load(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
     data.setdefault("data", {"mixture": "-", "tokenizer": "-"})  # not read when planning
     apply_overrides(data, list(args.overrides) + parallel_overrides(args))
     cfg = validate_config(TrainConfig, data, args.config)
-    from tessera.common.model_config import PRESETS
+    from tessera.common.models.causal_lm.config import PRESETS
 
     preset = PRESETS.get(str(cfg.model.get("preset")), {})
     vocab = cfg.model.get("vocab_size", preset.get("vocab_size"))  # a preset's own vocabulary counts

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.plan.activations import (
     attention_mask_bytes,
     head_loss_bytes,
@@ -47,7 +47,7 @@ ROW = ("o_proj", "down_proj")  # split by columns (bias replicated)
 def _layer_params(cfg_json: str, layer: int, tp: int, ep: int) -> tuple[int, int]:
     """Parameters of global layer `layer` held by one tensor x expert rank: (all, routed experts')."""
     cfg = ModelConfig.model_validate_json(cfg_json)
-    from tessera.common.model import Block
+    from tessera.common.models.causal_lm.model import Block
 
     with torch.device("meta"):
         block = Block(cfg, layer)

@@ -14,15 +14,15 @@ from pydantic import ValidationError
 
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.hf.architecture import HEAD, HF_DTYPE_NAMES, HFArchitecture, HFConfig
-from tessera.common.hf.gpt2 import GPT2
-from tessera.common.hf.llama import Llama
-from tessera.common.hf.mistral import Mistral
-from tessera.common.hf.mixtral import Mixtral
-from tessera.common.hf.qwen2 import Qwen2
-from tessera.common.hf.qwen3 import Qwen3
-from tessera.common.hf.qwen3_moe import Qwen3Moe
 from tessera.common.hf.rules import Rule, rows, zero_rows
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.gpt2 import GPT2
+from tessera.common.models.causal_lm.hf.llama import Llama
+from tessera.common.models.causal_lm.hf.mistral import Mistral
+from tessera.common.models.causal_lm.hf.mixtral import Mixtral
+from tessera.common.models.causal_lm.hf.qwen2 import Qwen2
+from tessera.common.models.causal_lm.hf.qwen3 import Qwen3
+from tessera.common.models.causal_lm.hf.qwen3_moe import Qwen3Moe
 
 # Tessera parameters with one row per vocabulary entry (and padding rows past the vocabulary).
 VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")

@@ -2,7 +2,7 @@
 (Mixtral, Qwen3-MoE) from one config.
 
 Read top to bottom: norms, attention, MLP, block, model (rotary embeddings live in
-`tessera.common.rope`, the mixture-of-experts MLP in `tessera.common.moe`). This file is the
+`tessera.common.layers.rope`, the mixture-of-experts MLP in `tessera.common.layers.moe`). This file is the
 single-device model; parallelism (tensor, sequence, pipeline, data) is applied to it by functions
 elsewhere, which swap layers or drop modules, never by branches in here.
 
@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.common.attention import MaskedAttention
-from tessera.common.model_config import ModelConfig
-from tessera.common.moe import MoE
-from tessera.common.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from tessera.common.layers.attention import MaskedAttention
+from tessera.common.layers.moe import MoE
+from tessera.common.layers.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.kernels import add_rms_norm, rms_norm, rope_qk, swiglu
 
 __all__ = ["AttentionFn", "Attention", "Block", "MLP", "MoE", "RMSNorm", "RotaryEmbedding", "Transformer",
@@ -123,7 +123,7 @@ class Attention(nn.Module):
         """Causal scaled-dot-product attention; [B, T, H, D] in and out. Selective recompute wraps this.
 
         `attn_mask`, when given, attends instead: packed documents and/or this layer's sliding
-        window, without a T x T mask (`tessera.common.attention`).
+        window, without a T x T mask (`tessera.common.layers.attention`).
         """
         dropout_p = self.dropout if self.training else 0.0
         if attn_mask is not None:

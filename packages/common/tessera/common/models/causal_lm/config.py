@@ -19,7 +19,7 @@ from tessera.common.config import StrictModel
 
 class RopeScaling(StrictModel):
     """Llama-3 style frequency-dependent RoPE scaling (HF `rope_type: llama3`); the default kind
-    when `rope_scaling` names none (see tessera.common.rope for every kind)."""
+    when `rope_scaling` names none (see tessera.common.layers.rope for every kind)."""
 
     rope_type: Literal["llama3"] = Field("llama3", description="Llama-3.1 wavelength-dependent scaling.")
     factor: float = Field(8.0, gt=0, description="Wavelength stretch applied to low frequencies.")
@@ -63,7 +63,7 @@ AnyRopeScaling = Annotated[
 
 
 class MoEConfig(StrictModel):
-    """A mixture-of-experts MLP in place of the dense one (see tessera.common.moe)."""
+    """A mixture-of-experts MLP in place of the dense one (see tessera.common.layers.moe)."""
 
     num_experts: int = Field(..., gt=0, description="Routed experts per MoE layer.")
     top_k: int = Field(..., gt=0, description="Experts each token is routed to.")

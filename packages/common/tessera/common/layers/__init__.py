@@ -1,0 +1,1 @@
+"""Layers shared by model kinds: attention, mixture of experts, rotary embeddings."""
