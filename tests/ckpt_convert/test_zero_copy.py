@@ -256,7 +256,7 @@ def test_hf_weights_are_maps_of_the_file_for_import_and_serving_alike(tmp_path, 
     from safetensors.torch import load_file
 
     from tessera.ckpt_convert.mapped import raw
-    from tessera.common.hf import SafetensorsWeights
+    from tessera.common.hf.directory import SafetensorsWeights
 
     make_checkpoint(tmp_path / "ck", tiny_llama(num_layers=2), tokenizer_dir)
     run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "hf"),

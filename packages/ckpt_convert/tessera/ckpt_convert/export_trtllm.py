@@ -63,8 +63,10 @@ from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsSt
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, atomic_write_json
-from tessera.common.hf import HF_DTYPE_NAMES, Rule, architecture_for, check_exportable
+from tessera.common.hf.architecture import HF_DTYPE_NAMES
+from tessera.common.hf.rules import Rule
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.adapter import architecture_for, check_exportable
 
 # (inputs, tp_rank) -> this rank's tensor, or its parts along dim 0 (written one after the other,
 # never concatenated in memory). Makers return views where they can: the safetensors writer

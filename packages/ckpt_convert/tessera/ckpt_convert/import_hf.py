@@ -21,13 +21,9 @@ from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.errors import UserError
 from tessera.common.fileio import artifact_path, atomic_directory
-from tessera.common.hf import (
-    CONFIG,
-    SafetensorsWeights,
-    check_import,
-    import_rules,
-    read_hf_config,
-)
+from tessera.common.hf.directory import CONFIG, SafetensorsWeights, read_hf_config
+from tessera.common.hf.rules import check_import
+from tessera.common.models.registry import hf_adapter
 from tessera.common.tokenizer import load_tokenizer
 
 
@@ -44,7 +40,7 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     # Megatron's vocabulary padding at tensor parallel 1 (zero rows; reshard re-pads for larger sizes).
     cfg = cfg.model_copy(update={"vocab_size_divisible_by": vocab_size_divisible_by}).padded_for(1)
     weights = SafetensorsWeights(input_dir)  # zero-copy: each tensor a map of its file bytes
-    rules, optional = import_rules(cfg, weights.names())
+    rules, optional = hf_adapter(cfg).import_rules(cfg, weights.names())
     check_import(rules, weights, str(input_dir), optional)  # every input tensor, before writing anything
     tok = load_tokenizer(input_dir) if (input_dir / "tokenizer.json").is_file() else None
     if tok is None:

@@ -31,9 +31,9 @@ from tessera.common.checkpoint import (
 )
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, fsync_tree
-from tessera.common.hf import VOCAB_PARAMS
 from tessera.common.layout import ParallelLayout, validate_layout
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.adapter import VOCAB_PARAMS
 from tessera.common.tokenizer import copy_tokenizer_files
 
 

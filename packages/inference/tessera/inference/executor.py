@@ -19,7 +19,7 @@ it and talks to each worker over its own pipe, in JSON (never pickle) one way an
 the other.
 
 Loading goes straight into the shards (`load_shard`): the model is built on the meta device,
-tensor-parallel layers are swapped in (`tessera.common.parallel.parallelize_model`), and only then
+tensor-parallel layers are swapped in (the kind's parallel plan, `tessera.common.models.registry`), and only then
 are the rank's tensors allocated and read: from a Tessera checkpoint of any layout with DCP and the
 layout-free sharded state dict (each rank reads only its slices), from an HF directory one
 memory-mapped tensor at a time, of which the rank keeps its slice.
@@ -121,13 +121,13 @@ def replicated_kv_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.device, dtype: torch.dtype):
     """This rank's shard of the model, read straight into it (never the whole model at once)."""
     from tessera.common.models.causal_lm.model import Transformer
+    from tessera.common.models.registry import kind_of
     from tessera.common.parallel.layers import allocate
-    from tessera.common.parallel.tensor_parallel import parallelize_model
 
     with torch.device("meta"):
         model = Transformer(replicated_kv_config(cfg, groups.tp))
         stored = {n: p.shape for n, p in Transformer(cfg).named_parameters()}  # global shapes on disk
-    model = parallelize_model(model, groups)
+    model = kind_of(cfg).parallel().tensor(model, groups)
     allocate(model, device)  # only this rank's shard is ever allocated
     params = dict(model.named_parameters())
     buffers = {n: b for n, b in model.state_dict().items() if n not in params}

@@ -18,8 +18,13 @@ from tessera.common.checkpoint import (
     verify_checksums,
 )
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.hf import eos_token_ids, is_hf_directory, read_hf_config
-from tessera.common.hf.directory import checked_hf_weights, imported_tensors
+from tessera.common.hf.directory import (
+    checked_hf_weights,
+    eos_token_ids,
+    imported_tensors,
+    is_hf_directory,
+    read_hf_config,
+)
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import Transformer, build_model
 from tessera.common.tokenizer import Tokenizer, load_tokenizer

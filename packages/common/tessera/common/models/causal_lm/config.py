@@ -105,6 +105,7 @@ class MoEConfig(StrictModel):
 class ModelConfig(StrictModel):
     """Shape and flavour of a decoder-only transformer."""
 
+    kind: Literal["causal_lm"] = Field("causal_lm", description="Model kind (tessera.common.models.registry); configs and checkpoints without it are causal_lm.")
     arch: Literal["llama", "gpt2", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"] = Field("llama", description="Family, which decides the Hugging Face class exports are written as (see docs/model.md).")
     vocab_size: int = Field(..., gt=0, description="Token ids the model reads and predicts: the tokenizer's vocabulary (what exports show).")
     padded_vocab_size: int | None = Field(None, gt=0, description="Rows of the embedding and the output head when more than vocab_size (set by `padded_for`); the rows past vocab_size are zero-initialised and their logits are -inf. null = vocab_size rows.")
