@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.mapped import Staging
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter
@@ -87,6 +88,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
     if output.exists() and not opts.overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     cfg = src.sidecar.model
+    check_convertible(cfg, "export --format hf")
     rules = hf_adapter(cfg).export_rules(cfg)
     check_model_tensors(src, rules, expected_model_shapes(cfg))
     tok = load_tokenizer(src.tokenizer_dir) if src.tokenizer_dir else None

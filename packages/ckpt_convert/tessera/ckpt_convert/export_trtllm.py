@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from tessera.ckpt_convert.export_hf import check_model_tensors, expected_model_shapes
+from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.mapped import Staging, aligned
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, fsync
@@ -338,6 +339,7 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
     if output.exists() and not opts.overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     cfg = src.sidecar.model
+    check_convertible(cfg, "export --format trtllm")
     tp, pp = opts.tp, opts.pp
     validate(cfg, tp, pp)
     all_items = items(cfg, tp, pp)

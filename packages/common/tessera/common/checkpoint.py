@@ -44,6 +44,7 @@ from tessera.common.fileio import (
 )
 from tessera.common.layout import ParallelLayout
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.registry import DEFAULT_KIND, model_kind
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 
 CHECKPOINT_FORMAT = "tessera-checkpoint"
@@ -185,6 +186,9 @@ def read_sidecar(directory: str | os.PathLike) -> CheckpointSidecar:
         raise ArtifactError(f"{directory / SIDECAR}: checkpoint format version {data.get('format_version')} "
                             f"is not supported (this Tessera reads versions "
                             f"{', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); upgrade Tessera")
+    model = data.get("model")
+    if isinstance(model, dict):  # the kind first: an unregistered one is refused by name
+        model_kind(model.get("kind", DEFAULT_KIND), f"{directory / SIDECAR}: model.kind", ArtifactError)
     try:
         sidecar = CheckpointSidecar.model_validate(data)
     except Exception as exc:

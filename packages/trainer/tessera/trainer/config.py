@@ -18,6 +18,7 @@ from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, check_expert_parallel
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.registry import model_config
 from tessera.trainer.fp8 import RECIPES as TORCHAO_RECIPES
 from tessera.trainer.fp8_te import te_config_problem, te_layout_problem, te_model_problem
 
@@ -247,7 +248,9 @@ class TrainConfig(StrictModel):
         probe = dict(value)
         probe.setdefault("vocab_size", _PLACEHOLDER_VOCAB)
         try:
-            ModelConfig.model_validate(probe)
+            model_config(probe)  # as its kind's config; an unregistered kind is refused by name
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
         except ValidationError as exc:
             err = exc.errors()[0]
             loc = ".".join(str(p) for p in err["loc"])
@@ -311,7 +314,7 @@ class TrainConfig(StrictModel):
             if vocab_size is None:
                 raise ValueError("model.vocab_size unknown: give it or read it from the mixture")
             data["vocab_size"] = vocab_size
-        return ModelConfig.model_validate(data)
+        return model_config(data)
 
     @property
     def checkpoint_dir(self) -> Path:

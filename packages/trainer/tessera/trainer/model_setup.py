@@ -17,12 +17,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tessera.common.models.causal_lm.config import ModelConfig
-from tessera.common.models.causal_lm.model import Transformer, build_model
+from tessera.common.models.causal_lm.model import Transformer
+from tessera.common.models.registry import kind_of
 
 
 def build_train_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
     """fp32 master weights on `device`, initialised from `seed`."""
-    return build_model(cfg, device=device, dtype=torch.float32, seed=seed)
+    return kind_of(cfg).build(cfg, device=device, dtype=torch.float32, seed=seed)
 
 
 def parallelize(model: Transformer) -> Transformer:

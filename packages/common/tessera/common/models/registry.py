@@ -38,7 +38,10 @@ def model_kind(name: Any, where: str = "model.kind", error: type[UserError] = Us
 
 
 def kind_of(cfg: Any) -> ModelKind:
-    """The kind of a model config (any kind's config class)."""
+    """The kind of a model config: any kind's config, or its fields as a mapping (`kind` absent:
+    causal_lm)."""
+    if isinstance(cfg, Mapping):
+        return model_kind(cfg.get("kind", DEFAULT_KIND))
     return model_kind(getattr(cfg, "kind", DEFAULT_KIND))
 
 

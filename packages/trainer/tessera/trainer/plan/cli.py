@@ -22,7 +22,7 @@ from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.parallel.launch import add_parallel_arguments, parallel_overrides
 from tessera.trainer.plan.devices import DEVICES, DeviceSpec, resolve_device
-from tessera.trainer.plan.memory import MemoryPlan, plan_memory
+from tessera.trainer.plan.memory import MemoryPlan, memory_count, plan_memory
 from tessera.trainer.plan.search import rank_layouts
 from tessera.trainer.plan.spec import PRECISIONS, PlanSpec
 from tessera.trainer.plan.timing import DEFAULT_EFFICIENCY, TimePlan, plan_time
@@ -96,6 +96,7 @@ def _load(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
         model = cfg.resolve_model(vocab)
     except ValueError as exc:
         raise UserError(f"{args.config}: model: {exc}") from None
+    memory_count(model)  # a kind the planner cannot count: refused before any planning
     return cfg, model
 
 
