@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tessera.common import __version__
@@ -43,8 +43,7 @@ from tessera.common.fileio import (
     read_json,
 )
 from tessera.common.layout import ParallelLayout
-from tessera.common.models.causal_lm.config import ModelConfig
-from tessera.common.models.registry import DEFAULT_KIND, model_kind
+from tessera.common.models.registry import DEFAULT_KIND, model_config, model_kind
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 
 CHECKPOINT_FORMAT = "tessera-checkpoint"
@@ -70,7 +69,7 @@ class CheckpointSidecar(BaseModel):
     model_config = ConfigDict(extra="allow", protected_namespaces=())
     format: str = CHECKPOINT_FORMAT
     format_version: int = CHECKPOINT_FORMAT_VERSION
-    model: ModelConfig
+    model: Any = Field(..., description="The model config, as its kind's class (`kind` absent: causal_lm).")
     tokenizer_fingerprint: str | None = None
     layout: ParallelLayout = Field(default_factory=ParallelLayout, description=(
         "Layout it was saved from, with the layer split it ran (pipeline_layers, one count per pipeline stage; "
@@ -87,6 +86,11 @@ class CheckpointSidecar(BaseModel):
     checksums: dict[str, str] = Field(default_factory=dict, description="File name (DCP files) -> hex digest.")
     created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     tessera_version: str = __version__
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _of_its_kind(cls, value: Any) -> Any:
+        return value if isinstance(value, BaseModel) else model_config(value)
 
     @model_validator(mode="before")
     @classmethod

@@ -21,6 +21,7 @@ from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.registry import model_config
 from tessera.trainer.fp8 import RECIPES as TORCHAO_RECIPES
 from tessera.trainer.fp8_te import te_config_problem, te_layout_problem, te_model_problem
+from tessera.trainer.kinds import check_trainable
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
 # the real vocab_size) has been read; no shape check depends on it.
@@ -249,6 +250,7 @@ class TrainConfig(StrictModel):
         probe.setdefault("vocab_size", _PLACEHOLDER_VOCAB)
         try:
             model_config(probe)  # as its kind's config; an unregistered kind is refused by name
+            check_trainable(probe)  # and one this trainer has no batches or loss for
         except UserError as exc:
             raise ValueError(str(exc)) from None
         except ValidationError as exc:

@@ -31,7 +31,6 @@ from tessera.trainer.distributed import pick_device
 from tessera.trainer.documents import DocumentMasking
 from tessera.trainer.fp8 import fp8_device_problem
 from tessera.trainer.fp8_te import te_problem
-from tessera.trainer.kinds import trainer_kind
 
 
 @dataclass
@@ -56,7 +55,6 @@ class CheckedInputs:
 
 def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) -> CheckedInputs:
     """Every check that needs files or the world size; raises UserError before any work."""
-    trainer_kind(cfg.model)  # a kind this trainer has no batches or loss for: refused first
     t = cfg.training
     layout = cfg.parallel.layout(world_size)
     readers = layout.batch_readers

@@ -1,6 +1,6 @@
 """What tessera-train runs for each model kind: its code under the hook names the kind registry
-gives (tessera.common.models.registry). A kind whose names are not here is refused in one line
-by `trainer_kind`, which `check_inputs` calls before reading anything.
+gives (tessera.common.models.registry). `check_trainable` (light: nothing is imported) refuses a
+kind without such code in one line while the config is validated; `trainer_kind` loads the code.
 
 The parallel engine (tessera.trainer.parallel) trains the next-token objective only (its
 vocabulary-parallel loss, its pipeline schedule's labels); a kind with another objective adds
@@ -9,12 +9,15 @@ its own here and there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tessera.common.models.registry import kind_of, stage_hook
-from tessera.trainer.data import MixtureBatches
-from tessera.trainer.step import TrainStep
+from tessera.common.models.registry import stage_hook
+
+if TYPE_CHECKING:
+    from tessera.trainer.data import MixtureBatches
+    from tessera.trainer.step import TrainStep
 
 STAGE = "tessera-train"
 
@@ -25,12 +28,30 @@ class TrainerKind:
     step: type[TrainStep]  # one process: forward, the kind's loss, backward, optimizer step
 
 
-BATCHES: dict[str, type[MixtureBatches]] = {"next_token": MixtureBatches}  # tokens, labels = tokens shifted
-LOSSES: dict[str, type[TrainStep]] = {"next_token": TrainStep}  # mean next-token cross-entropy
+def _next_token_batches() -> type[MixtureBatches]:
+    from tessera.trainer.data import MixtureBatches  # labels = the inputs shifted by one token
+
+    return MixtureBatches
+
+
+def _next_token_step() -> type[TrainStep]:
+    from tessera.trainer.step import TrainStep  # mean next-token cross-entropy
+
+    return TrainStep
+
+
+BATCHES: dict[str, Callable[[], type[MixtureBatches]]] = {"next_token": _next_token_batches}
+LOSSES: dict[str, Callable[[], type[TrainStep]]] = {"next_token": _next_token_step}
+
+
+def check_trainable(model: Any) -> None:
+    """A one-line UserError unless this trainer has a batch builder and a loss for `model`'s kind
+    (a config, or the config section's fields)."""
+    stage_hook(model, "train_batch", BATCHES, STAGE)
+    stage_hook(model, "train_loss", LOSSES, STAGE)
 
 
 def trainer_kind(model: Any) -> TrainerKind:
-    """The trainer's code for `model`'s kind (a config, or the config section's fields)."""
-    kind = kind_of(model)
-    return TrainerKind(batches=stage_hook(kind, "train_batch", BATCHES, STAGE),
-                       step=stage_hook(kind, "train_loss", LOSSES, STAGE))
+    """The trainer's code for `model`'s kind."""
+    return TrainerKind(batches=stage_hook(model, "train_batch", BATCHES, STAGE)(),
+                       step=stage_hook(model, "train_loss", LOSSES, STAGE)())

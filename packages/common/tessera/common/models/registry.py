@@ -48,6 +48,8 @@ def kind_of(cfg: Any) -> ModelKind:
 def model_config(data: Mapping[str, Any], where: str = "model") -> Any:
     """`data` validated as its kind's config (`kind` absent: causal_lm). The kind is checked first,
     so an unregistered one is refused by name, not by the config class's first complaint."""
+    if not isinstance(data, Mapping):
+        raise UserError(f"{where}: expected a mapping of model config fields, got {type(data).__name__}")
     kind = model_kind(data.get("kind", DEFAULT_KIND), f"{where}.kind")
     return kind.config.model_validate(dict(data))
 
