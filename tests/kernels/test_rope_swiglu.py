@@ -14,7 +14,7 @@ TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
 def _rope_tables(cfg, positions):
-    from tessera.common.models.causal_lm.model import RotaryEmbedding
+    from tessera.common.layers.rope import RotaryEmbedding
 
     return RotaryEmbedding(cfg)(positions)
 

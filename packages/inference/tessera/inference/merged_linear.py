@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.common.models.causal_lm.model import MLP, Attention
+from tessera.common.layers.mlp import MLP
+from tessera.common.layers.self_attention import Attention
 from tessera.common.parallel.layers import ColumnParallelLinear
 
 log = logging.getLogger("tessera.inference")
