@@ -26,6 +26,7 @@ from tessera.common.checkpoint import (
     MODEL_PREFIX,
     CheckpointSidecar,
     checkpoint_tokenizer_dir,
+    metadata_digest,
     read_sidecar,
     resolve_checkpoint,
     single_process_dcp,
@@ -57,7 +58,7 @@ class CheckpointSource:
     # ---- the DCP index -------------------------------------------------------------------
     @cached_property
     def metadata(self) -> Any:
-        return read_dcp_metadata(self.directory)
+        return read_dcp_metadata(self.directory, metadata_digest(self.directory))
 
     @cached_property
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -204,7 +205,7 @@ class CheckpointSource:
         state = {k: torch.empty(self.tensor_specs[k].shape, dtype=self.tensor_specs[k].dtype) for k in keys}
         try:
             with single_process_dcp():
-                dcp_load(state, self.directory, no_dist=True)
+                dcp_load(state, self.directory, no_dist=True, expected_digest=metadata_digest(self.directory))
         except ArtifactError:
             raise
         except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
 import os
 import re
 import warnings
@@ -44,7 +45,7 @@ from tessera.common.fileio import (
 )
 from tessera.common.layout import ParallelLayout
 from tessera.common.models.registry import DEFAULT_KIND, model_config, model_kind
-from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
+from tessera.common.safe_dcp import METADATA_FILE, dcp_load, read_dcp_metadata
 
 CHECKPOINT_FORMAT = "tessera-checkpoint"
 # Version 2: the sidecar names its checksum algorithm (`checksum_algorithm`, XXH3-128 when
@@ -181,6 +182,19 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     raise ArtifactError(f"{path}: not a Tessera checkpoint (no {SIDECAR} and no {POINTER})")
 
 
+def metadata_digest(directory: str | os.PathLike) -> tuple[str, str] | None:
+    """(algorithm, digest) of `.metadata` the directory's sidecar records, for the safe DCP reader
+    to check before it unpickles the index; None without one (read_sidecar reports a broken one)."""
+    path = artifact_path(directory, SIDECAR)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return str(data.get("checksum_algorithm", SHA256)), str(data["checksums"][METADATA_FILE])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def read_sidecar(directory: str | os.PathLike) -> CheckpointSidecar:
     directory = Path(directory)
     data: Any = read_json(artifact_path(directory, SIDECAR), "checkpoint sidecar")
@@ -245,7 +259,7 @@ def model_tensor_specs(directory: str | os.PathLike) -> dict[str, tuple[torch.Si
     """Name (without the `model.` prefix) -> (global shape, dtype) of every stored model tensor."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = read_dcp_metadata(Path(directory))
+    meta = read_dcp_metadata(Path(directory), metadata_digest(directory))
     specs = {}
     for key, md in meta.state_dict_metadata.items():
         if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata):
@@ -267,7 +281,7 @@ def load_model_tensors(directory: str | os.PathLike, names: list[str] | None = N
     state = {MODEL_PREFIX + n: torch.empty(specs[n][0], dtype=specs[n][1]) for n in wanted}
     try:
         with single_process_dcp():
-            dcp_load(state, directory, no_dist=True)
+            dcp_load(state, directory, no_dist=True, expected_digest=metadata_digest(directory))
     except ArtifactError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException

@@ -144,7 +144,7 @@ def _load_dcp_shard(path: Path, params: dict, buffers: dict, groups, stored: dic
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from tessera.common.checkpoint import load_model_tensors
+    from tessera.common.checkpoint import load_model_tensors, metadata_digest
     from tessera.common.parallel.layers import shard_dim_of
     from tessera.common.parallel.state_dict import MODEL_PREFIX, load_model_state_dict, model_state_dict
     from tessera.common.safe_dcp import dcp_load
@@ -159,7 +159,7 @@ def _load_dcp_shard(path: Path, params: dict, buffers: dict, groups, stored: dic
             state[MODEL_PREFIX + n] = DTensor.from_local(params[n].detach().clone(), mesh,
                                                          [Shard(shard_dim_of(params[n])), Replicate()],
                                                          run_check=False)
-    dcp_load(state, path)
+    dcp_load(state, path, expected_digest=metadata_digest(path))
     load_model_state_dict(params, state)
     if buffers:  # persistent buffers (an MoE router's bias): small and replicated
         for name, t in load_model_tensors(path, list(buffers)).items():
