@@ -24,7 +24,7 @@ from tessera.common.checkpoint import (
     resolve_checkpoint,
     verify_checksums,
 )
-from tessera.common.model import build_model
+from tessera.common.models.causal_lm.model import build_model
 from tessera.common.tokenizer import tokenizer_fingerprint
 from tessera.trainer.cli import main
 

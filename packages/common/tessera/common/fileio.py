@@ -41,10 +41,6 @@ def sha256_file(path: str | os.PathLike, chunk_size: int = _CHUNK) -> str:
     return digest.hexdigest()
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def new_hasher(algorithm: str) -> Any:
     """A streaming hasher (`update(buffer)`, `hexdigest()`) for one of CHECKSUM_ALGORITHMS."""
     if algorithm == SHA256:

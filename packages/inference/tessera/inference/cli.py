@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.inference.quantization import check_quantization
 
     check_quantization(cfg.quantization, device)  # before the engine process reads any weight
-    from tessera.inference.spec_decode import check_draft_model
+    from tessera.inference.kinds import serving_kind
+    from tessera.inference.spec_decode import check_draft_model, read_model_facts
 
+    serving_kind(read_model_facts(args.checkpoint)[0])  # a kind this server cannot run: before the engine starts
     check_draft_model(cfg.speculative, args.checkpoint)
     from tessera.inference.cuda_graphs import check_cuda_graphs
 

@@ -206,7 +206,7 @@ def read_model_facts(path: str | Path):
     """(ModelConfig, tokenizer directory) of a checkpoint or HF directory, reading no weights."""
     from tessera.common.checkpoint import SIDECAR, checkpoint_tokenizer_dir, read_sidecar, resolve_checkpoint
     from tessera.common.errors import ArtifactError
-    from tessera.common.hf import is_hf_directory, read_hf_config
+    from tessera.common.hf.directory import is_hf_directory, read_hf_config
 
     path = Path(path)
     if not path.exists():

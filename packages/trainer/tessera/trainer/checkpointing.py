@@ -57,6 +57,7 @@ from tessera.common.checkpoint import (
     CheckpointSidecar,
     finalize_checkpoint,
     iter_dir_name,
+    metadata_digest,
     read_pointer,
     read_sidecar,
     single_process_dcp,
@@ -371,14 +372,14 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def stored_keys(directory: Path) -> set[str]:
     """Flat names of every tensor in a DCP checkpoint (e.g. 'model.norm.weight')."""
-    return set(read_dcp_metadata(directory).state_dict_metadata)
+    return set(read_dcp_metadata(directory, metadata_digest(directory)).state_dict_metadata)
 
 
 def read_checkpoint(directory: Path, state: dict) -> None:
     """Fill `state` (templates of the right shapes and placements) from the checkpoint, in place."""
     try:
         with single_process_dcp():
-            dcp_load(state, directory, no_dist=not dist.is_initialized())
+            dcp_load(state, directory, no_dist=not dist.is_initialized(), expected_digest=metadata_digest(directory))
     except ArtifactError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException

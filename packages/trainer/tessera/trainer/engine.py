@@ -23,18 +23,18 @@ from typing import Protocol
 
 import torch
 
-from tessera.common.model_config import ModelConfig
-from tessera.common.moe import RouterStats
+from tessera.common.layers.moe import RouterStats
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.checkpointing import local_components
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.fp8 import apply_float8
 from tessera.trainer.fp8_te import apply_te
+from tessera.trainer.kinds import trainer_kind
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer, set_lr
 from tessera.trainer.precision import Precision
 from tessera.trainer.stateful import Stateful, seed_everything
-from tessera.trainer.step import TrainStep
 
 
 @dataclass
@@ -94,7 +94,7 @@ class LocalEngine:
             apply_float8(self.model, t.fp8_recipe, device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.precision = Precision(t.precision, device, t.fp16_initial_scale, t.fp16_growth_interval, fp8_context)
-        self.step = TrainStep(self.model, self.optimizer, self.precision, cfg.optim.grad_clip,
+        self.step = trainer_kind(model).step(self.model, self.optimizer, self.precision, cfg.optim.grad_clip,
                               t.loss_chunk_tokens, t.compile, documents)
         # MoE: router statistics of each step, and the balancing-bias update after it.
         self.router_stats = RouterStats(self.model) if model.moe is not None else None

@@ -74,8 +74,8 @@ import torch
 from torch import nn
 
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.model import Transformer
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import Transformer
 from tessera.trainer.fp8 import eligible, fp8_device_problem, require_converted
 
 

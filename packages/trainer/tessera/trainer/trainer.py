@@ -27,6 +27,7 @@ from tessera.common.errors import RunError
 from tessera.common.faults import fault_point
 from tessera.common.fileio import atomic_write_text
 from tessera.common.mixture import MixtureSplit
+from tessera.common.models.registry import kind_of
 from tessera.trainer.checkpoint_manager import CheckpointManager
 from tessera.trainer.checkpointing import latest_checkpoint, remove_partial_saves
 from tessera.trainer.config import TrainConfig
@@ -35,6 +36,7 @@ from tessera.trainer.distributed import Runtime
 from tessera.trainer.engine import Engine, LocalEngine
 from tessera.trainer.host_memory import retain_freed_memory
 from tessera.trainer.inputs import CheckedInputs
+from tessera.trainer.kinds import trainer_kind
 from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops, step_time_spread
 from tessera.trainer.parallel.engine import ParallelEngine
 from tessera.trainer.profiling import StepProfiler
@@ -78,8 +80,10 @@ class Trainer:
         self.last_step_samples = t.global_batch_size  # global batch of the latest step
         check = cfg.data.check_fingerprints
 
+        batches = trainer_kind(inputs.model).batches  # the kind's batch builder
+
         def split_batches(split: str) -> MixtureBatches:
-            return MixtureBatches(MixtureSplit(cfg.data.mixture, split, check), t.seq_length, inputs.documents)
+            return batches(MixtureSplit(cfg.data.mixture, split, check), t.seq_length, inputs.documents)
 
         self.train_data = split_batches(cfg.data.train_split)
         self.valid_data = None
@@ -91,7 +95,7 @@ class Trainer:
         if evaluating and test is not None and test.num_samples > 0:
             self.test_data = split_batches(cfg.data.test_split)
         self.state = TrainState()
-        self.flops_per_token = inputs.model.flops_per_token(t.seq_length)
+        self.flops_per_token = kind_of(inputs.model).flops_per_token(inputs.model, t.seq_length)
         trackers = (open_trackers(cfg.logging, cfg.run_dir, cfg.model_dump(mode="json"), self.say)
                     if runtime.is_main else [])
         self.sink = MetricsSink(cfg.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, self.say, runtime.is_main,
