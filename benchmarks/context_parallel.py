@@ -49,8 +49,8 @@ def worker(spec_path: str) -> None:
     import torch.distributed as dist
 
     from tessera.common.layout import ParallelLayout
-    from tessera.common.model import Transformer
-    from tessera.common.model_config import ModelConfig
+    from tessera.common.models.causal_lm.config import ModelConfig
+    from tessera.common.models.causal_lm.model import Transformer
     from tessera.common.parallel.state import build_groups, init_distributed
     from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
     from tessera.trainer.parallel.runtime import ParallelRuntime

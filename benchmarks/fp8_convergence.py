@@ -45,7 +45,7 @@ import time
 import torch
 
 from tessera.common.errors import UserError, run_cli
-from tessera.common.model_config import ModelConfig, preset
+from tessera.common.models.causal_lm.config import ModelConfig, preset
 from tessera.trainer.config import OptimConfig, ScheduleConfig
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer, set_lr

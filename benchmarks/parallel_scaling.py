@@ -130,8 +130,8 @@ def peer(steps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from tessera.common.model import build_model
-    from tessera.common.model_config import ModelConfig
+    from tessera.common.models.causal_lm.config import ModelConfig
+    from tessera.common.models.causal_lm.model import build_model
 
     torch.set_num_threads(1)
     base = rss_mb()
@@ -174,8 +174,8 @@ def worker(spec_path: str) -> None:
     import torch.distributed as dist
 
     from tessera.common.layout import ParallelLayout
-    from tessera.common.model import Transformer, build_model
-    from tessera.common.model_config import ModelConfig
+    from tessera.common.models.causal_lm.config import ModelConfig
+    from tessera.common.models.causal_lm.model import Transformer, build_model
     from tessera.common.parallel.state import build_groups, init_distributed
     from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
     from tessera.trainer.parallel.runtime import ParallelRuntime

@@ -66,9 +66,9 @@ def build_checkpoint(root: Path, preset: str) -> tuple[Path, object]:
         save_model_tensors,
         write_pointer,
     )
-    from tessera.common.model import build_model
-    from tessera.common.model_config import ModelConfig
-    from tessera.common.model_config import preset as model_preset
+    from tessera.common.models.causal_lm.config import ModelConfig
+    from tessera.common.models.causal_lm.config import preset as model_preset
+    from tessera.common.models.causal_lm.model import build_model
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

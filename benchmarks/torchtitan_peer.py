@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     if not results:
         sys.exit(1)
     device = next(iter(results.values()))["device"]
-    from tessera.common.model_config import preset
+    from tessera.common.models.causal_lm.config import preset
     from tessera.trainer.observability.metrics import gpu_peak_tflops
 
     name = TESSERA_PRESET.get(args.flavor)

@@ -70,7 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.common.errors import UserError, run_cli
-from tessera.common.model_config import ModelConfig, preset
+from tessera.common.models.causal_lm.config import ModelConfig, preset
 from tessera.trainer.config import OptimConfig
 from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
 from tessera.trainer.model_setup import prepare_model

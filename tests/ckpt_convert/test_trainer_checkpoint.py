@@ -15,7 +15,7 @@ trainer_ckpt = pytest.importorskip("tessera.trainer.checkpoint.storage")
 
 
 def _trained(cfg, seed):
-    from tessera.common.model import build_model
+    from tessera.common.models.causal_lm.model import build_model
 
     model = build_model(cfg, seed=seed)
     opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3)

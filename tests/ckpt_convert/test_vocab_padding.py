@@ -18,8 +18,8 @@ from tessera.ckpt_convert.cli import run
 from tessera.common.checkpoint import load_model_tensors, read_sidecar, resolve_checkpoint
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, validate_layout
-from tessera.common.model import build_model
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import build_model
 
 CFG = ModelConfig(vocab_size=1001, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
                   max_seq_len=64)

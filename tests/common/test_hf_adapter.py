@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from tessera.common.errors import ArtifactError
-from tessera.common.hf import ARCHITECTURES, hf_config, model_config_from_hf, read_hf_config
-from tessera.common.model_config import ModelConfig
+from tessera.common.hf.directory import read_hf_config
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.adapter import ARCHITECTURES, hf_config
+from tessera.common.models.registry import model_config_from_hf
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
@@ -82,7 +84,7 @@ def test_config_round_trips_through_config_json_and_transformers_reads_it(cfg):
 
 def test_every_architecture_maps_both_ways_in_one_place():
     """The registry is the one list: each entry names its transformers class and has both mappings."""
-    from tessera.common.hf import HFArchitecture
+    from tessera.common.hf.architecture import HFArchitecture
 
     assert {a.model_type: a.hf_class for a in ARCHITECTURES} == {
         "llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "mistral": "MistralForCausalLM",

@@ -13,8 +13,8 @@ from tessera.common.checkpoint import (
     save_model_tensors,
     write_pointer,
 )
-from tessera.common.model import build_model
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import build_model
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"

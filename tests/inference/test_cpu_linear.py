@@ -7,7 +7,7 @@ import torch
 from inference_helpers import tiny_config
 from torch import nn
 
-from tessera.common.model import build_model
+from tessera.common.models.causal_lm.model import build_model
 from tessera.inference.cpu_linear import PackedLinear, onednn_available, pack_linears
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="PyTorch built without oneDNN")

@@ -64,8 +64,8 @@ def test_an_hf_directory_is_loaded_with_each_header_parsed_once_and_bad_headers_
     """The loader checks the safetensors headers up front (before the tokenizer; under tensor
     parallel before any worker starts) and builds the tensors from that check: one parse per file.
     The weights equal the checkpoint's; a header that does not fit its file is still one line."""
+    import tessera.common.hf.directory as directory
     from tessera.common.errors import ArtifactError
-    from tessera.common.hf import directory
     from tessera.inference.loader import load_for_serving
 
     tensors = load_model_tensors(resolve_checkpoint(tiny_ckpt))

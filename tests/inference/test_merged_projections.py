@@ -10,7 +10,7 @@ from inference_helpers import make_checkpoint, run_all, tiny_config, token_ids
 from torch import nn
 
 import tessera.inference.prepare as prepare_module
-from tessera.common.model import build_model
+from tessera.common.models.causal_lm.model import build_model
 from tessera.inference.config import EngineConfig
 from tessera.inference.cpu_linear import onednn_available, pack_linears
 from tessera.inference.engine import LLMEngine

@@ -8,7 +8,7 @@ import pytest
 import torch
 from inference_helpers import tiny_config
 
-from tessera.common.model import build_model
+from tessera.common.models.causal_lm.model import build_model
 from tessera.inference.merged_linear import merge_projections
 from tessera.inference.model_runner import (
     DECODE_GROUP,

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tessera.common.model import build_model
-from tessera.common.model_config import ModelConfig
-from tessera.common.moe import RouterStats
+from tessera.common.layers.moe import RouterStats
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import build_model
 
 MODEL = dict(arch="llama", vocab_size=128, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
              ffn_hidden_size=64, max_seq_len=32, tie_embeddings=True)

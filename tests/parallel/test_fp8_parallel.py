@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from test_parity import torchrun
 
-from tessera.common.model import build_model
+from tessera.common.models.causal_lm.model import build_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

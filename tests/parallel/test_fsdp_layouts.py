@@ -16,7 +16,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tessera.common.layout import ParallelLayout
-from tessera.common.model import Transformer
+from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.parallel.expert_parallel import is_expert_shard
 from tessera.common.parallel.state import build_groups, set_groups
 from tessera.common.parallel.state_dict import to_global

@@ -43,7 +43,7 @@ JOBS = {"overlap": OVERLAP, "serial": SERIAL}
 # ---- worker (runs under torchrun) -------------------------------------------------------------
 def _worker(spec_path: str) -> None:
     from tessera.common.layout import ParallelLayout
-    from tessera.common.model import build_model
+    from tessera.common.models.causal_lm.model import build_model
     from tessera.common.parallel.state import build_groups, destroy_distributed, init_distributed
     from tessera.trainer.config import ProfilingConfig
     from tessera.trainer.observability.profiling import StepProfiler

@@ -194,7 +194,7 @@ def test_eight_process_tp2_pp2_dp2(tmp_path, reference):
 
 def _plain_resume(ckpt: Path, cfg, start: int, steps: int) -> list[float]:
     """TP=1, PP=1: the plain model and torch AdamW resumed from the layout-free checkpoint."""
-    from tessera.common.model import build_model
+    from tessera.common.models.causal_lm.model import build_model
 
     model = build_model(cfg, seed=None)
     with torch.no_grad():

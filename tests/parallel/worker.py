@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parallel_harness as harness  # noqa: E402
 
 from tessera.common.layout import ParallelLayout  # noqa: E402
-from tessera.common.model import Transformer, build_model  # noqa: E402
+from tessera.common.models.causal_lm.model import Transformer, build_model  # noqa: E402
 from tessera.common.parallel.random import TensorParallelRNG  # noqa: E402
 from tessera.common.parallel.state import build_groups, destroy_distributed, init_distributed  # noqa: E402
 from tessera.trainer.parallel.launch import add_parallel_arguments, layout_from_args  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.common.checkpoint import CheckpointSidecar
-from tessera.common.model_config import preset
+from tessera.common.models.causal_lm.config import preset
 from tessera.common.tokenizer import load_tokenizer
 from tessera.trainer.checkpoint import storage
 from tessera.trainer.checkpoint.storage import AsyncCheckpointer, TrainState, write_checkpoint

@@ -29,8 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from tessera.common.layout import ParallelLayout
-from tessera.common.model import Transformer
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.parallel.state import build_groups, init_distributed
 from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
 from tessera.trainer.model_setup import apply_recompute

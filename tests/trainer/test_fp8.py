@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tessera.common.errors import UserError
-from tessera.common.model import build_model
-from tessera.common.model_config import preset
+from tessera.common.models.causal_lm.config import preset
+from tessera.common.models.causal_lm.model import build_model
 from tessera.trainer.precision.torchao_float8 import (
     apply_float8,
     convert_to_float8,

@@ -18,8 +18,8 @@ from test_bad_input import run_expect_usage_error
 from torch import nn
 
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.model import build_model
-from tessera.common.model_config import preset
+from tessera.common.models.causal_lm.config import preset
+from tessera.common.models.causal_lm.model import build_model
 from tessera.trainer.precision import te_float8
 from tessera.trainer.precision.mixed import Precision
 

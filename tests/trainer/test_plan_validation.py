@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tessera.common.layout import ParallelLayout
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.plan.memory import plan_memory
 from tessera.trainer.plan.spec import PlanSpec
 
@@ -148,7 +148,7 @@ def test_a_model_whose_fp32_weights_exceed_a_ranks_byte_budget_trains_under_fsdp
     sys.path.insert(0, str(WORKER.parent))
     from plan_worker import PeakBytes
 
-    from tessera.common.model import build_model
+    from tessera.common.models.causal_lm.model import build_model
 
     budget = ModelConfig(**DEEP).num_params() * 4
     with pytest.raises(MemoryError), PeakBytes(budget):

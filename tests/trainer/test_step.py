@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.common.model_config import preset
+from tessera.common.models.causal_lm.config import preset
 from tessera.trainer.config import OptimConfig
 from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss, logsumexp_cross_entropy
 from tessera.trainer.model_setup import prepare_model

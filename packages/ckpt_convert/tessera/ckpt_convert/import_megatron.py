@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 
 from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
+from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import atomic_directory
-from tessera.common.model_config import ModelConfig
+from tessera.common.fileio import artifact_path, atomic_directory
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import load_tokenizer
 
@@ -50,7 +51,7 @@ LEGACY_HINT = ("legacy Megatron checkpoints (mp_rank_XX/model_optim_rng.pt) are 
 def check_torch_dist(directory: Path) -> None:
     if any(directory.glob("mp_rank_*")) or any(directory.glob("*/mp_rank_*")):
         raise ArtifactError(f"{directory}: {LEGACY_HINT}")
-    meta = directory / "metadata.json"
+    meta = artifact_path(directory, "metadata.json")
     if not meta.is_file():
         raise ArtifactError(f"{directory}: no metadata.json; not a Megatron-Core distributed checkpoint (give the "
                             "iter_NNNNNNN directory)")
@@ -125,6 +126,7 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     check_torch_dist(input_dir)
     cfg = model_config if isinstance(model_config, ModelConfig) else load_config(ModelConfig, model_config)
+    check_convertible(cfg, "import --format megatron")
     metadata = read_dcp_metadata(input_dir)  # restricted unpickler: refuses anything but DCP's index classes
     specs = {k: v for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
     rows = specs["embedding.word_embeddings.weight"].size[0] if "embedding.word_embeddings.weight" in specs else None

@@ -45,6 +45,7 @@ from typing import Any, BinaryIO
 import torch
 
 from tessera.common.file_map import file_region, map_bytes
+from tessera.common.fileio import name_os_error
 
 _MIN_KERNEL_COPY = 1 << 20  # below this, write() is as good and needs no second file handle
 # write() calls of at most this many bytes: on the dev VM (kernel 6.18, ext4) one write() of a
@@ -64,13 +65,17 @@ def write_bytes(f: BinaryIO, data: Any, writeback: bool = True) -> int:
     view = memoryview(data).cast("B")
     region = file_region(view) if view.nbytes >= _MIN_KERNEL_COPY else None
     done = 0
-    if region is not None:
-        f.flush()
-        done = _kernel_copy(region[0], region[1], f.fileno(), view.nbytes)
-        f.seek(0, os.SEEK_END)  # the kernel moved the file position: let the buffered file know
-    # No kernel copy, or it stopped (unsupported here): write the rest, WRITE_PIECE at a time.
-    for start in range(done, view.nbytes, WRITE_PIECE):
-        f.write(view[start:start + WRITE_PIECE])
+    try:
+        if region is not None:
+            f.flush()
+            done = _kernel_copy(region[0], region[1], f.fileno(), view.nbytes)
+            f.seek(0, os.SEEK_END)  # the kernel moved the file position: let the buffered file know
+        # No kernel copy, or it stopped (unsupported here): write the rest, WRITE_PIECE at a time.
+        for start in range(done, view.nbytes, WRITE_PIECE):
+            f.write(view[start:start + WRITE_PIECE])
+    except OSError as exc:
+        name_os_error(exc, getattr(f, "name", None))  # a full disk's one line names the file
+        raise
     if writeback:
         early_writeback(f)
     return view.nbytes
@@ -154,11 +159,12 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return _rebuild(t, _bytes_of_storage(t).clone())
 
 
-class _RangeReader(io.RawIOBase):
-    """A seekable, read-only file over bytes [offset, offset + length) of an open file, read with
-    pread, for torch's zip reader: it reads only the zip directory and the small pickle record.
-    (Not through the map: a first touch of a fresh map costs a page fault, measured at ~10 ms
-    per tensor on the dev VM, and a tensor that is only copied file to file never needs one.)"""
+class RangeReader(io.RawIOBase):
+    """A seekable, read-only file over bytes [offset, offset + length) of an open file (its fd),
+    read with pread: one DCP entry for torch's zip reader or `torch.load`. The zip reader reads
+    only the directory and the small pickle record through it, not through the map: a first touch
+    of a fresh map costs a page fault (~10 ms per tensor on the dev VM), and a tensor that is only
+    copied file to file never needs one."""
 
     def __init__(self, fd: int, offset: int, length: int):
         super().__init__()
@@ -197,7 +203,7 @@ def load_saved_tensor(path: str | os.PathLike, offset: int, length: int) -> Any:
     data = map_bytes(path, offset, length)
     storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
     with open(path, "rb", buffering=0) as f, \
-            _open_zipfile_reader(_RangeReader(f.fileno(), offset, length)) as archive:  # type: ignore[arg-type]
+            _open_zipfile_reader(RangeReader(f.fileno(), offset, length)) as archive:  # type: ignore[arg-type]
         return _load(archive, "cpu", _weights_only_unpickler, overall_storage=storage, encoding="utf-8")
 
 

@@ -13,13 +13,13 @@ One process, no process group, one global tensor in memory at a time.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 
 from tessera.ckpt_convert.dcp_writer import Chunk, ShardedDcpWriter, whole
 from tessera.ckpt_convert.export_hf import expected_model_shapes
+from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.partition import match_param, model_chunks, state_chunks
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
@@ -32,9 +32,10 @@ from tessera.common.checkpoint import (
 )
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, fsync_tree
-from tessera.common.hf import VOCAB_PARAMS
 from tessera.common.layout import ParallelLayout, validate_layout
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.adapter import VOCAB_PARAMS
+from tessera.common.tokenizer import copy_tokenizer_files
 
 
 def plan(src: CheckpointSource, layout: ParallelLayout,
@@ -88,6 +89,7 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     # Megatron re-pads the vocabulary for each tensor-parallel size; here the rows are kept wherever
     # the new size divides them (a checkpoint stays layout-free) and re-padded when it does not.
+    check_convertible(src.sidecar.model, "reshard")
     target_cfg = src.sidecar.model.refit_for(layout.tensor)
     validate_layout(target_cfg, layout)  # the trainer's check, without its batch and world-size parts
     layout = layout.resolved(target_cfg.num_layers)
@@ -118,7 +120,7 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
             raise
         written = writer.close()
         if src.tokenizer_dir is not None:
-            shutil.copytree(src.directory / TOKENIZER_DIR, target / TOKENIZER_DIR)
+            copy_tokenizer_files(src.tokenizer_dir, target / TOKENIZER_DIR)
             if sync:
                 fsync_tree(target / TOKENIZER_DIR)
         sidecar = src.sidecar.model_copy(deep=True)

@@ -8,7 +8,7 @@
             tokenizer/                       tokenizer.json + tokenizer_config.json
 
 DCP state-dict keys: `model.<parameter name>` for every model tensor, as global (unsharded)
-tensors whatever the layout they were saved from, named as in `tessera.common.model` with global
+tensors whatever the layout they were saved from, named as in `tessera.common.models.causal_lm.model` with global
 layer numbers; training state under `optimizer.`, `scheduler`, `rng`, `train_state`, etc. (the
 trainer owns those). A checkpoint directory is complete only once its sidecar exists, and the
 pointer file is replaced (atomically) only after that.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
 import os
 import re
 import warnings
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tessera.common import __version__
@@ -35,14 +36,16 @@ from tessera.common.fileio import (
     CHECKSUM_ALGORITHMS,
     SHA256,
     XXH3_128,
+    artifact_files,
+    artifact_path,
     atomic_write_json,
     atomic_write_text,
     file_digest,
     read_json,
 )
 from tessera.common.layout import ParallelLayout
-from tessera.common.model_config import ModelConfig
-from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
+from tessera.common.models.registry import DEFAULT_KIND, model_config, model_kind
+from tessera.common.safe_dcp import METADATA_FILE, dcp_load, read_dcp_metadata
 
 CHECKPOINT_FORMAT = "tessera-checkpoint"
 # Version 2: the sidecar names its checksum algorithm (`checksum_algorithm`, XXH3-128 when
@@ -67,7 +70,7 @@ class CheckpointSidecar(BaseModel):
     model_config = ConfigDict(extra="allow", protected_namespaces=())
     format: str = CHECKPOINT_FORMAT
     format_version: int = CHECKPOINT_FORMAT_VERSION
-    model: ModelConfig
+    model: Any = Field(..., description="The model config, as its kind's class (`kind` absent: causal_lm).")
     tokenizer_fingerprint: str | None = None
     layout: ParallelLayout = Field(default_factory=ParallelLayout, description=(
         "Layout it was saved from, with the layer split it ran (pipeline_layers, one count per pipeline stage; "
@@ -85,6 +88,11 @@ class CheckpointSidecar(BaseModel):
     created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     tessera_version: str = __version__
 
+    @field_validator("model", mode="before")
+    @classmethod
+    def _of_its_kind(cls, value: Any) -> Any:
+        return value if isinstance(value, BaseModel) else model_config(value)
+
     @model_validator(mode="before")
     @classmethod
     def _legacy_checksums(cls, data: Any) -> Any:
@@ -100,7 +108,12 @@ def iter_dir_name(step: int) -> str:
 
 def checkpoint_files(directory: Path) -> list[Path]:
     """The DCP payload files of a checkpoint directory (not the sidecar or tokenizer)."""
-    return sorted(p for p in directory.iterdir() if p.is_file() and p.name != SIDECAR)
+    return [p for p in artifact_files(directory) if p.name != SIDECAR]
+
+
+def checkpoint_tokenizer_dir(directory: str | os.PathLike) -> Path:
+    """The checkpoint's `tokenizer/` folder (refused if it leads outside the checkpoint)."""
+    return artifact_path(directory, TOKENIZER_DIR)
 
 
 def _digest(path: Path) -> str:
@@ -141,7 +154,7 @@ def write_pointer(checkpoints_root: str | os.PathLike, step: int, sync: bool = T
 
 
 def read_pointer(checkpoints_root: str | os.PathLike) -> int | None:
-    path = Path(checkpoints_root) / POINTER
+    path = artifact_path(checkpoints_root, POINTER)
     if not path.is_file():
         return None
     text = path.read_text().strip()
@@ -169,15 +182,31 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     raise ArtifactError(f"{path}: not a Tessera checkpoint (no {SIDECAR} and no {POINTER})")
 
 
+def metadata_digest(directory: str | os.PathLike) -> tuple[str, str] | None:
+    """(algorithm, digest) of `.metadata` the directory's sidecar records, for the safe DCP reader
+    to check before it unpickles the index; None without one (read_sidecar reports a broken one)."""
+    path = artifact_path(directory, SIDECAR)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return str(data.get("checksum_algorithm", SHA256)), str(data["checksums"][METADATA_FILE])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def read_sidecar(directory: str | os.PathLike) -> CheckpointSidecar:
     directory = Path(directory)
-    data: Any = read_json(directory / SIDECAR, "checkpoint sidecar")
+    data: Any = read_json(artifact_path(directory, SIDECAR), "checkpoint sidecar")
     if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:
         raise ArtifactError(f"{directory / SIDECAR}: not a Tessera checkpoint sidecar")
     if data.get("format_version") not in SUPPORTED_FORMAT_VERSIONS:
         raise ArtifactError(f"{directory / SIDECAR}: checkpoint format version {data.get('format_version')} "
                             f"is not supported (this Tessera reads versions "
                             f"{', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); upgrade Tessera")
+    model = data.get("model")
+    if isinstance(model, dict):  # the kind first: an unregistered one is refused by name
+        model_kind(model.get("kind", DEFAULT_KIND), f"{directory / SIDECAR}: model.kind", ArtifactError)
     try:
         sidecar = CheckpointSidecar.model_validate(data)
     except Exception as exc:
@@ -205,7 +234,7 @@ def verify_checksums(directory: str | os.PathLike, sidecar: CheckpointSidecar | 
     index, count = share
     mine = sorted(sidecar.checksums.items())[index::count]
     for name, _ in mine:
-        if not (directory / name).is_file():
+        if not artifact_path(directory, name).is_file():
             raise ArtifactError(f"{directory / name}: checkpoint file missing")
 
     def check(item: tuple[str, str]) -> int:
@@ -230,7 +259,7 @@ def model_tensor_specs(directory: str | os.PathLike) -> dict[str, tuple[torch.Si
     """Name (without the `model.` prefix) -> (global shape, dtype) of every stored model tensor."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = read_dcp_metadata(Path(directory))
+    meta = read_dcp_metadata(Path(directory), metadata_digest(directory))
     specs = {}
     for key, md in meta.state_dict_metadata.items():
         if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata):
@@ -252,7 +281,7 @@ def load_model_tensors(directory: str | os.PathLike, names: list[str] | None = N
     state = {MODEL_PREFIX + n: torch.empty(specs[n][0], dtype=specs[n][1]) for n in wanted}
     try:
         with single_process_dcp():
-            dcp_load(state, directory, no_dist=True)
+            dcp_load(state, directory, no_dist=True, expected_digest=metadata_digest(directory))
     except ArtifactError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException

@@ -91,7 +91,7 @@ import torch._inductor.exc
 from tessera.inference.cuda_graphs import uncapturable
 
 if TYPE_CHECKING:
-    from tessera.common.model_config import ModelConfig
+    from tessera.common.models.causal_lm.config import ModelConfig
     from tessera.inference.model_runner import ModelRunner
 
 log = logging.getLogger("tessera.inference")

@@ -52,7 +52,7 @@ import torch
 from tessera.common.errors import UserError
 
 if TYPE_CHECKING:
-    from tessera.common.model_config import ModelConfig
+    from tessera.common.models.causal_lm.config import ModelConfig
     from tessera.inference.config import EngineConfig
     from tessera.inference.model_runner import BatchSeq, ModelRunner
 

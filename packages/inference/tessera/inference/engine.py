@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tessera.common.errors import UserError
-from tessera.inference.block_manager import BlockManager
+from tessera.common.fileio import artifact_path
+from tessera.common.tokenizer import TOKENIZER_JSON
 from tessera.inference.config import EngineConfig
 from tessera.inference.cuda_graphs import (
     GraphSpec,
@@ -30,6 +31,7 @@ from tessera.inference.cuda_graphs import (
 )
 from tessera.inference.detokenizer import IncrementalDetokenizer
 from tessera.inference.executor import WorkerDied
+from tessera.inference.kinds import serving_kind
 from tessera.inference.loader import LoadedModel
 from tessera.inference.model_runner import ModelRunner, ModelRunnerOutput, kv_block_bytes, kv_cache_dtype
 from tessera.inference.output_processor import OutputProcessor, RequestOutput
@@ -135,7 +137,7 @@ class LLMEngine:
                 f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one sequence of "
                 f"max_model_len={self.max_model_len} tokens ({need} blocks); raise --kv-cache-memory / "
                 "--num-kv-blocks or lower --max-model-len")
-        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash)
+        self.blocks = serving_kind(loaded.config).cache(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.processor = OutputProcessor(self.scheduler, self.blocks)
         self.proposer = None
@@ -146,7 +148,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds for requests that bring none
         self._step_tokens = 0
-        self.grammars = Grammars((loaded.tokenizer.directory / "tokenizer.json").read_text(),
+        self.grammars = Grammars(artifact_path(loaded.tokenizer.directory, TOKENIZER_JSON).read_text(),
                                  loaded.config.vocab_size, sorted(self.eos_ids))
         # Last: under tensor parallel this starts the workers, so nothing after it can fail and
         # leave them running.

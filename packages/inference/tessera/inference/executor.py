@@ -19,7 +19,7 @@ it and talks to each worker over its own pipe, in JSON (never pickle) one way an
 the other.
 
 Loading goes straight into the shards (`load_shard`): the model is built on the meta device,
-tensor-parallel layers are swapped in (`tessera.common.parallel.parallelize_model`), and only then
+tensor-parallel layers are swapped in (the kind's parallel plan, `tessera.common.models.registry`), and only then
 are the rank's tensors allocated and read: from a Tessera checkpoint of any layout with DCP and the
 layout-free sharded state dict (each rank reads only its slices), from an HF directory one
 memory-mapped tensor at a time, of which the rank keeps its slice.
@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from tessera.common.errors import UserError
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.inference.cpu_linear import PackedLinear
 from tessera.inference.cuda_graphs import GraphSpec
 from tessera.inference.model_runner import BatchSeq, ModelRunner, batch_seqs, kv_cache_dtype
@@ -120,14 +120,14 @@ def replicated_kv_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.device, dtype: torch.dtype):
     """This rank's shard of the model, read straight into it (never the whole model at once)."""
-    from tessera.common.model import Transformer
+    from tessera.common.models.causal_lm.model import Transformer
+    from tessera.common.models.registry import kind_of
     from tessera.common.parallel.layers import allocate
-    from tessera.common.parallel.tensor_parallel import parallelize_model
 
     with torch.device("meta"):
         model = Transformer(replicated_kv_config(cfg, groups.tp))
         stored = {n: p.shape for n, p in Transformer(cfg).named_parameters()}  # global shapes on disk
-    model = parallelize_model(model, groups)
+    model = kind_of(cfg).parallel().tensor(model, groups)
     allocate(model, device)  # only this rank's shard is ever allocated
     params = dict(model.named_parameters())
     buffers = {n: b for n, b in model.state_dict().items() if n not in params}
@@ -144,7 +144,7 @@ def _load_dcp_shard(path: Path, params: dict, buffers: dict, groups, stored: dic
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from tessera.common.checkpoint import load_model_tensors
+    from tessera.common.checkpoint import load_model_tensors, metadata_digest
     from tessera.common.parallel.layers import shard_dim_of
     from tessera.common.parallel.state_dict import MODEL_PREFIX, load_model_state_dict, model_state_dict
     from tessera.common.safe_dcp import dcp_load
@@ -159,7 +159,7 @@ def _load_dcp_shard(path: Path, params: dict, buffers: dict, groups, stored: dic
             state[MODEL_PREFIX + n] = DTensor.from_local(params[n].detach().clone(), mesh,
                                                          [Shard(shard_dim_of(params[n])), Replicate()],
                                                          run_check=False)
-    dcp_load(state, path)
+    dcp_load(state, path, expected_digest=metadata_digest(path))
     load_model_state_dict(params, state)
     if buffers:  # persistent buffers (an MoE router's bias): small and replicated
         for name, t in load_model_tensors(path, list(buffers)).items():

@@ -11,18 +11,25 @@ import torch
 
 from tessera.common.checkpoint import (
     SIDECAR,
-    TOKENIZER_DIR,
+    checkpoint_tokenizer_dir,
     load_model_tensors,
     read_sidecar,
     resolve_checkpoint,
     verify_checksums,
 )
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.hf import eos_token_ids, is_hf_directory, read_hf_config
-from tessera.common.hf.directory import checked_hf_weights, imported_tensors
-from tessera.common.model import Transformer, build_model
-from tessera.common.model_config import ModelConfig
+from tessera.common.hf.directory import (
+    checked_hf_weights,
+    eos_token_ids,
+    imported_tensors,
+    is_hf_directory,
+    read_hf_config,
+)
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import Transformer
+from tessera.common.models.registry import kind_of
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
+from tessera.inference.kinds import serving_kind
 from tessera.inference.model_runner import kv_cache_dtype as kv_cache_dtype_of
 from tessera.inference.quantization import check_quantization, quantize_model
 
@@ -82,6 +89,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
     hf = path.is_dir() and is_hf_directory(path) and not (path / SIDECAR).is_file()
     if hf:
         cfg, hf_config = read_hf_config(path)  # the one HF adapter, shared with tessera-ckpt import
+        serving_kind(cfg)  # a kind this server cannot run: refused before any weight is read
         # Headers only, parsed and checked once (the tensors below come from this): bad weights are
         # refused before anything else, and under tensor parallel before any worker starts.
         hf_weights = checked_hf_weights(path, cfg)
@@ -91,6 +99,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
         ckpt = resolve_checkpoint(path)
         sidecar = read_sidecar(ckpt)
         cfg = sidecar.model
+        serving_kind(cfg)
         # Every payload file against the sidecar's checksums first (XXH3 on threads, several GB/s
         # per core): a flipped or truncated byte is one line naming the file, never served weights.
         if skip_checksum_verify:
@@ -98,7 +107,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
                         "trusted as they are", ckpt)
         else:
             verify_checksums(ckpt, sidecar)
-        tokenizer = load_tokenizer(ckpt / TOKENIZER_DIR)
+        tokenizer = load_tokenizer(checkpoint_tokenizer_dir(ckpt))
         eos = []
         path = ckpt
         if given_name in ("checkpoints",):
@@ -116,7 +125,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
         return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids,
                            path=path, hf=hf)
     tensors = imported_tensors(*hf_weights) if hf else load_model_tensors(path)
-    model = build_model(cfg, device=device, dtype=torch.float32, seed=None)
+    model = kind_of(cfg).build(cfg, device=device, dtype=torch.float32, seed=None)
     expected = dict(model.state_dict())
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))

@@ -1,7 +1,7 @@
 """Merged projections for CPU serving: q/k/v in one GEMM, the SwiGLU gate/up in one GEMM.
 
 vLLM's QKVParallelLinear / MergedColumnParallelLinear idea, done at load time. Checkpoints keep
-q/k/v and gate/up split (the layout contract in common/model.py: a tensor-parallel shard of each is
+q/k/v and gate/up split (the layout contract in common/models/causal_lm/model.py: a tensor-parallel shard of each is
 a contiguous slice), so the serving engine stacks the weights by rows once, when it prepares the
 model: each Attention's `project` becomes one GEMM over [Wq; Wk; Wv] and a split, each dense SwiGLU
 MLP's `gate_up` one GEMM over [Wgate; Wup] and a split. A llama layer then runs 4 GEMMs instead of
@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.common.model import MLP, Attention
+from tessera.common.layers.mlp import MLP
+from tessera.common.layers.self_attention import Attention
 from tessera.common.parallel.layers import ColumnParallelLinear
 
 log = logging.getLogger("tessera.inference")

@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from tessera.common.errors import UserError
-from tessera.common.model import Transformer
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import Transformer
 from tessera.inference.sampler import Sampler, token_logprob, verify
 from tessera.inference.scheduler import SchedulerOutput
 from tessera.inference.sequence import TokenLogprob

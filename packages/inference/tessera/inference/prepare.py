@@ -28,6 +28,7 @@ import torch
 from tessera.common.errors import UserError
 from tessera.inference.compiled import COMPILE_ERRORS, CompiledForward, uncompilable
 from tessera.inference.cpu_linear import pack_linears
+from tessera.inference.kinds import serving_kind
 from tessera.inference.merged_linear import merge_projections
 from tessera.inference.model_runner import ModelRunner
 
@@ -66,7 +67,7 @@ def serving_runner(model: torch.nn.Module, prep: ServingPrep, num_blocks: int, b
         compile_it = prep.compile and reason is None
         if not compile_it and not prep.quantized:
             pack_linears(model, prep.cpu_linear, batch_hint=prep.batch_hint)
-    runner = ModelRunner(model, num_blocks, block_size, device, dtype, tp_rank, tp_size, kv_dtype=kv_dtype)
+    runner = serving_kind(model.cfg).runner(model, num_blocks, block_size, device, dtype, tp_rank, tp_size, kv_dtype=kv_dtype)
     if compile_it:
         compiled = runner.compiled = CompiledForward(model, prep.batch_hint)
         try:

@@ -17,7 +17,9 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, check_expert_parallel
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.registry import model_config
+from tessera.trainer.kinds import check_trainable
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
 # the real vocab_size) has been read; no shape check depends on it.
@@ -240,7 +242,10 @@ class TrainConfig(StrictModel):
         probe = dict(value)
         probe.setdefault("vocab_size", PLACEHOLDER_VOCAB)
         try:
-            ModelConfig.model_validate(probe)
+            model_config(probe)  # as its kind's config; an unregistered kind is refused by name
+            check_trainable(probe)  # and one this trainer has no batches or loss for
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
         except ValidationError as exc:
             err = exc.errors()[0]
             loc = ".".join(str(p) for p in err["loc"])
@@ -299,7 +304,7 @@ class TrainConfig(StrictModel):
             if vocab_size is None:
                 raise ValueError("model.vocab_size unknown: give it or read it from the mixture")
             data["vocab_size"] = vocab_size
-        return ModelConfig.model_validate(data)
+        return model_config(data)
 
     @property
     def checkpoint_dir(self) -> Path:

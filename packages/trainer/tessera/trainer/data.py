@@ -115,10 +115,10 @@ class RunData:
 
     @classmethod
     def open(cls, data: DataConfig, training: TrainingConfig, manifest: MixtureManifest,
-             documents: DocumentMasking | None) -> RunData:
+             documents: DocumentMasking | None, batches: type[MixtureBatches] = MixtureBatches) -> RunData:
+        """Each split read through `batches`, the model kind's batch builder (tessera.trainer.kinds)."""
         def split(name: str) -> MixtureBatches:
-            return MixtureBatches(MixtureSplit(data.mixture, name, data.check_fingerprints), training.seq_length,
-                                  documents)
+            return batches(MixtureSplit(data.mixture, name, data.check_fingerprints), training.seq_length, documents)
 
         evaluating = bool(training.eval_interval or training.eval_only)
         train = split(data.train_split)

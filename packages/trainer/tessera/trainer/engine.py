@@ -24,17 +24,17 @@ from typing import Protocol
 
 import torch
 
-from tessera.common.model_config import ModelConfig
-from tessera.common.moe import RouterStats
+from tessera.common.layers.moe import RouterStats
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.checkpoint.stateful import Stateful, seed_everything
 from tessera.trainer.checkpoint.storage import local_components
 from tessera.trainer.config import OptimConfig, TrainingConfig
 from tessera.trainer.documents import DocumentMasking, loss_token_count
+from tessera.trainer.kinds import trainer_kind
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer, set_lr
 from tessera.trainer.precision.float8 import float8_backend
 from tessera.trainer.precision.mixed import Precision
-from tessera.trainer.step import TrainStep
 
 
 @dataclass
@@ -95,7 +95,7 @@ class LocalEngine:
             fp8_context = self.float8.forward_context(t.fp8_recipe)
         self.optimizer = build_optimizer(self.model, optim)
         self.precision = Precision(t.precision, device, t.fp16_initial_scale, t.fp16_growth_interval, fp8_context)
-        self.step = TrainStep(self.model, self.optimizer, self.precision, optim.grad_clip,
+        self.step = trainer_kind(model).step(self.model, self.optimizer, self.precision, optim.grad_clip,
                               t.loss_chunk_tokens, t.compile, documents)
         # MoE: router statistics of each step, and the balancing-bias update after it.
         self.router_stats = RouterStats(self.model) if model.moe is not None else None

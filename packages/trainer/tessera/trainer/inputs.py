@@ -22,7 +22,7 @@ from tessera.common.mixture import (
     read_mixture_manifest,
     resolve_prefix,
 )
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.shard import read_shard_manifest
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
 from tessera.trainer.checkpoint.storage import latest_checkpoint

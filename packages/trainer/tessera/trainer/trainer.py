@@ -30,6 +30,7 @@ from tessera.common.checkpoint import CheckpointSidecar, read_sidecar
 from tessera.common.errors import RunError
 from tessera.common.faults import fault_point
 from tessera.common.fileio import atomic_write_text
+from tessera.common.models.registry import kind_of
 from tessera.trainer.checkpoint.manager import CheckpointManager
 from tessera.trainer.checkpoint.stateful import TrainState
 from tessera.trainer.checkpoint.storage import latest_checkpoint, remove_partial_saves
@@ -38,6 +39,7 @@ from tessera.trainer.data import MicroBatchPlan, MixtureBatches, RunData, global
 from tessera.trainer.distributed import Runtime
 from tessera.trainer.engine import Engine, LocalEngine
 from tessera.trainer.inputs import CheckedInputs
+from tessera.trainer.kinds import trainer_kind
 from tessera.trainer.observability.host_memory import retain_freed_memory
 from tessera.trainer.observability.metrics import (
     MetricsSink,
@@ -78,7 +80,8 @@ class Trainer:
                 retain_freed_memory()
         self.engine = engine if engine is not None else build_engine(cfg, inputs, runtime)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim, t.steps)
-        self.data = RunData.open(cfg.data, t, inputs.manifest, inputs.documents)
+        self.data = RunData.open(cfg.data, t, inputs.manifest, inputs.documents,
+                                 trainer_kind(inputs.model).batches)  # the model kind's batch builder
         self.state = TrainState()
         self.sink = MetricsSink.for_run(cfg.logging, cfg.run_dir, cfg.model_dump(mode="json"), self.say,
                                         runtime.is_main)
@@ -92,7 +95,7 @@ class Trainer:
         self.plan = self._plan(t.global_batch_size)  # the full global batch (evaluation's)
         self.last_step_samples = t.global_batch_size  # global batch of the latest step
         self.router_metrics: dict[str, float] = {}  # MoE router statistics of the last step
-        self.flops_per_token = inputs.model.flops_per_token(t.seq_length)
+        self.flops_per_token = kind_of(inputs.model).flops_per_token(inputs.model, t.seq_length)
         self.peak_tflops: float | None = None
 
     # ---- output ------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ from tessera.common.checkpoint import (
     CheckpointSidecar,
     finalize_checkpoint,
     iter_dir_name,
+    metadata_digest,
     read_pointer,
     read_sidecar,
     single_process_dcp,
@@ -64,6 +65,7 @@ from tessera.common.checkpoint import (
 )
 from tessera.common.errors import ArtifactError
 from tessera.common.faults import fault_point
+from tessera.common.fileio import name_os_error, names_os_errors
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import Tokenizer
 from tessera.trainer.checkpoint.stateful import (
@@ -149,7 +151,7 @@ def write_checkpoint(
         background.start(state, job)
         fault_point("save.state_staged")
         return final
-    with single_process_dcp():
+    with names_os_errors(partial), single_process_dcp():  # DCP's writes carry no file name: name the directory
         dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
     fault_point("save.payload_written")
     job.run()
@@ -162,7 +164,7 @@ def _start_save(root: Path, step: int) -> tuple[Path, Path]:
     partial = root / f".{final.name}{PARTIAL_SUFFIX}"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
+        _remove(partial)
         partial.mkdir()
         fault_point("save.partial_created")
     _barrier()
@@ -189,6 +191,7 @@ class _Finalize:
             try:
                 self._finish_on_rank_0()
             except BaseException as exc:
+                name_os_error(exc, self.partial)
                 error = exc
         # Instead of a bare barrier: every rank learns whether rank 0 finished, and fails alike if not.
         outcome = [None if error is None else f"{type(error).__name__}: {error}"]
@@ -209,8 +212,8 @@ class _Finalize:
         sidecar.contents = self.contents
         finalize_checkpoint(self.partial, sidecar)  # sidecar last: marks the directory complete
         fault_point("save.sidecar_written")
-        if self.final.exists():  # a stale checkpoint of the same step (e.g. from a run that was rewound)
-            shutil.rmtree(self.final)
+        if os.path.lexists(self.final):  # a stale checkpoint of the same step (e.g. from a run that was rewound)
+            _remove(self.final)
             fault_point("save.stale_removed")
         os.replace(self.partial, self.final)
         _fsync_dir(self.root)
@@ -264,6 +267,7 @@ class AsyncCheckpointer:
             future.result()
             fault_point("save.payload_written")
         except BaseException as exc:  # reported to the training thread by wait()/poll()
+            name_os_error(exc, job.partial)
             error = exc
         try:
             if not _all_ranks_ok(error is None, self.group):
@@ -344,9 +348,19 @@ def remove_partial_saves(root: Path) -> list[Path]:
     if root.is_dir():
         for p in root.iterdir():
             if p.name.startswith(".iter_") and p.name.endswith(PARTIAL_SUFFIX):
-                shutil.rmtree(p, ignore_errors=True)
+                _remove(p)
                 removed.append(p)
     return removed
+
+
+def _remove(path: Path) -> None:
+    """Remove what lies under one of the save's own names, never following a link: a symbolic link
+    (or a file) there is unlinked and its target left alone, so a save always writes into a fresh
+    directory of its own instead of through a link or failing on it (FileExistsError before)."""
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)  # it unlinks the links inside a directory, never follows them
 
 
 # ---- load ---------------------------------------------------------------------------------------
@@ -365,14 +379,14 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def stored_keys(directory: Path) -> set[str]:
     """Flat names of every tensor in a DCP checkpoint (e.g. 'model.norm.weight')."""
-    return set(read_dcp_metadata(directory).state_dict_metadata)
+    return set(read_dcp_metadata(directory, metadata_digest(directory)).state_dict_metadata)
 
 
 def read_checkpoint(directory: Path, state: dict) -> None:
     """Fill `state` (templates of the right shapes and placements) from the checkpoint, in place."""
     try:
         with single_process_dcp():
-            dcp_load(state, directory, no_dist=not dist.is_initialized())
+            dcp_load(state, directory, no_dist=not dist.is_initialized(), expected_digest=metadata_digest(directory))
     except ArtifactError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from tessera.common.layout import ParallelLayout
-from tessera.common.model import Transformer
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.parallel.state import build_groups, set_groups
 from tessera.common.parallel.state_dict import load_model_state_dict
 from tessera.trainer.checkpoint.stateful import RNGState, ScalerState, Stateful, seed_everything

@@ -28,10 +28,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
+from tessera.common.checkpoint import metadata_digest
+from tessera.common.layers.moe import RouterStats
 from tessera.common.layout import validate_layout
-from tessera.common.model import Transformer
-from tessera.common.model_config import ModelConfig
-from tessera.common.moe import RouterStats
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.parallel.expert_parallel import is_expert_shard
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.random import TensorParallelRNG
@@ -416,5 +417,5 @@ class ParallelRuntime:
         state = self.model_state_dict()
         if optimizer:
             state.update(self.optimizer_state_dict())
-        dcp_load(state, directory)
+        dcp_load(state, directory, expected_digest=metadata_digest(directory))
         self.load_state_dict(state)

@@ -21,7 +21,7 @@ Corrections the single-device block cannot show, analytic:
   (ContextParallelAttention). One document per sample adds, on CPU, one additive [T/C, T] mask
   per micro-batch, shared by the layers (`attention_mask_bytes`); on CUDA it takes FlexAttention
   with one [1, T/C/128, T/128] block mask instead. Packed documents
-  (`packed_documents`, common/attention.py's MaskedAttention) build no such mask: on CPU the
+  (`packed_documents`, common/layers/attention.py's MaskedAttention) build no such mask: on CPU the
   per-segment SDPA attends the local queries at their places in a zero [T] sequence, so the
   gathered query segments and their outputs (and log-sum-exp) are kept at up to T tokens, not
   T/C (T when every document holds local queries, as with load-balanced chunks and documents
@@ -48,7 +48,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.plan.spec import PlanSpec
 
 
@@ -97,8 +97,8 @@ def measure_block(cfg_json: str, layer: int, batch: int, seq: int, precision: st
     bf16 parameters and input for the -master ones; torchao Float8Linear layers for fp8."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tessera.common.model import Block
-    from tessera.common.rope import RotaryEmbedding
+    from tessera.common.layers.rope import RotaryEmbedding
+    from tessera.common.models.causal_lm.model import Block
     from tessera.trainer.model_setup import apply_recompute
 
     cfg = ModelConfig.model_validate_json(cfg_json)

@@ -16,7 +16,7 @@ from pydantic import Field
 
 from tessera.common.config import StrictModel
 from tessera.common.layout import ParallelLayout
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.parallel.data_parallel import BUCKET_NUMEL
 
 Precision = Literal["fp32", "bf16", "bf16-master", "fp8", "fp8-master"]
@@ -36,7 +36,7 @@ class PlanSpec(StrictModel):
                                  "bf16-master with them (torchtitan's Float8 runs).")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute.")
     packed_documents: bool = Field(False, description="Attention restricted to each packed document "
-                                   "(data.reset_attention_mask): common/attention.py's MaskedAttention.")
+                                   "(data.reset_attention_mask): common/layers/attention.py's MaskedAttention.")
     device_type: Literal["cuda", "cpu"] = Field("cuda", description="Where the step runs: picks the packed-"
                                                 "document kernel (FlexAttention on CUDA, per-segment SDPA on CPU).")
     sequence_parallel: bool = Field(True, description="With tensor > 1.")

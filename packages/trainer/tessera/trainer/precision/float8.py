@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.config import TrainingConfig
 from tessera.trainer.precision.te_float8 import TransformerEngineFloat8
 from tessera.trainer.precision.torchao_float8 import TorchaoFloat8

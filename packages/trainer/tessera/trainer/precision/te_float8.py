@@ -73,8 +73,8 @@ import torch
 from torch import nn
 
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.model import Transformer
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import Transformer
 from tessera.trainer.config import TrainingConfig
 from tessera.trainer.precision.torchao_float8 import eligible, fp8_device_problem, require_converted
 

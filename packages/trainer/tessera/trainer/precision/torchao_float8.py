@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from tessera.common.errors import UserError
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.parallel.layers import ColumnParallelLinear, RowParallelLinear, keep_tags
 from tessera.trainer.config import TrainingConfig
 

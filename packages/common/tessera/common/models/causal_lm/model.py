@@ -1,10 +1,11 @@
 """The decoder-only transformer: GPT-2, Llama 2/3, Mistral, Qwen2/3 and their mixtures of experts
 (Mixtral, Qwen3-MoE) from one config.
 
-Read top to bottom: norms, attention, MLP, block, model (rotary embeddings live in
-`tessera.common.rope`, the mixture-of-experts MLP in `tessera.common.moe`). This file is the
-single-device model; parallelism (tensor, sequence, pipeline, data) is applied to it by functions
-elsewhere, which swap layers or drop modules, never by branches in here.
+Read top to bottom: block, model. The layers it stacks are shared with other kinds and live in
+`tessera.common.layers` (norms, self-attention, MLP, mixture of experts, rotary embeddings). This
+file is the single-device model; parallelism (tensor, sequence, pipeline, data) is applied to it
+by functions elsewhere (its kind's parallel plan, `parallelize.py`), which swap layers or drop
+modules, never by branches in here.
 
 Parameter names are the checkpoint contract (see docs/formats/checkpoint.md): they do not depend
 on any parallel layout. Projections are stored split (q/k/v, gate/up) so a tensor-parallel shard
@@ -20,143 +21,20 @@ cache in the server).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.common.attention import MaskedAttention
-from tessera.common.model_config import ModelConfig
-from tessera.common.moe import MoE
-from tessera.common.rope import RotaryEmbedding, apply_rope, rope_inv_freq
-from tessera.kernels import add_rms_norm, rms_norm, rope_qk, swiglu
+from tessera.common.layers.attention import MaskedAttention
+from tessera.common.layers.mlp import MLP
+from tessera.common.layers.moe import MoE
+from tessera.common.layers.norms import RMSNorm, add_norm, make_norm
+from tessera.common.layers.rope import RotaryEmbedding
+from tessera.common.layers.self_attention import Attention, AttentionFn
+from tessera.common.models.causal_lm.config import ModelConfig
 
-__all__ = ["AttentionFn", "Attention", "Block", "MLP", "MoE", "RMSNorm", "RotaryEmbedding", "Transformer",
-           "apply_rope", "build_model", "rope_inv_freq"]
-
-# attention_fn(layer_idx, q, k, v) -> out; q: [B, T, Hq, D], k/v: [B, T, Hkv, D], out: [B, T, Hq, D]
-AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-
-def add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + h, norm(x + h)): one fused kernel on CUDA for a plain RMSNorm. A norm with hooks
-    (sequence parallel gathers its output) or a LayerNorm is called as a module after the add."""
-    if type(norm) is RMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks):
-        return add_rms_norm(x, h, norm.weight, norm.eps)
-    x = x + h
-    return x, norm(x)
-
-
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.hidden_size, cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-
-
-# ---- attention and MLP ---------------------------------------------------------------------
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.kv_heads
-        self.head_dim = cfg.head_dim
-        self.dropout = cfg.attention_dropout
-        self.window = cfg.window(layer_idx)  # sliding window (None: full causal attention)
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.attn_bias("q"))
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attn_bias("k"))
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attn_bias("v"))
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attn_bias("o"))
-        # Qwen3: RMSNorm over each head's query and key (one weight of head_dim, shared by the
-        # heads, so a tensor-parallel shard keeps it whole).
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-        attention_fn: AttentionFn | None = None,
-        attn_mask: MaskedAttention | None = None,
-    ) -> torch.Tensor:
-        # Head counts come from the projection widths, so a tensor-parallel shard (fewer local
-        # heads) runs this same code; the sequence length too, since under sequence parallel the
-        # projections gather a sequence-sharded input to the full sequence.
-        q, k, v = self.project(x)
-        bsz, seq = q.shape[0], q.shape[1]
-        q = q.view(bsz, seq, -1, self.head_dim)
-        k = k.view(bsz, seq, -1, self.head_dim)
-        v = v.view(bsz, seq, -1, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = rope_qk(q, k, *rope)
-        if attention_fn is not None:
-            out = attention_fn(self.layer_idx, q, k, v)
-        else:
-            out = self.core(q, k, v, attn_mask)
-        return self.o_proj(out.reshape(bsz, seq, -1))
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v [B, T, width] (the serving engine overrides this with one GEMM over the stacked
-        weights: tessera.inference.merged_linear)."""
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             attn_mask: MaskedAttention | None = None) -> torch.Tensor:
-        """Causal scaled-dot-product attention; [B, T, H, D] in and out. Selective recompute wraps this.
-
-        `attn_mask`, when given, attends instead: packed documents and/or this layer's sliding
-        window, without a T x T mask (`tessera.common.attention`).
-        """
-        dropout_p = self.dropout if self.training else 0.0
-        if attn_mask is not None:
-            return attn_mask(q, k, v, dropout_p)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q, k, v,
-            dropout_p=dropout_p,
-            is_causal=True,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-        return out.transpose(1, 2)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gated = cfg.activation == "swiglu"
-        if self.gated:
-            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.bias)
-        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            h = swiglu(*self.gate_up(x))
-        else:
-            h = F.gelu(self.up_proj(x), approximate="tanh")
-        return self.down_proj(h)
-
-    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The SwiGLU gate and up projections (overridden like Attention.project when served)."""
-        return self.gate_proj(x), self.up_proj(x)
+__all__ = ["Block", "Transformer", "build_model", "mask_vocab_padding"]
 
 
 class Block(nn.Module):

@@ -19,7 +19,7 @@ from tessera.common.config import StrictModel
 
 class RopeScaling(StrictModel):
     """Llama-3 style frequency-dependent RoPE scaling (HF `rope_type: llama3`); the default kind
-    when `rope_scaling` names none (see tessera.common.rope for every kind)."""
+    when `rope_scaling` names none (see tessera.common.layers.rope for every kind)."""
 
     rope_type: Literal["llama3"] = Field("llama3", description="Llama-3.1 wavelength-dependent scaling.")
     factor: float = Field(8.0, gt=0, description="Wavelength stretch applied to low frequencies.")
@@ -63,7 +63,7 @@ AnyRopeScaling = Annotated[
 
 
 class MoEConfig(StrictModel):
-    """A mixture-of-experts MLP in place of the dense one (see tessera.common.moe)."""
+    """A mixture-of-experts MLP in place of the dense one (see tessera.common.layers.moe)."""
 
     num_experts: int = Field(..., gt=0, description="Routed experts per MoE layer.")
     top_k: int = Field(..., gt=0, description="Experts each token is routed to.")
@@ -105,6 +105,7 @@ class MoEConfig(StrictModel):
 class ModelConfig(StrictModel):
     """Shape and flavour of a decoder-only transformer."""
 
+    kind: Literal["causal_lm"] = Field("causal_lm", description="Model kind (tessera.common.models.registry); configs and checkpoints without it are causal_lm.")
     arch: Literal["llama", "gpt2", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"] = Field("llama", description="Family, which decides the Hugging Face class exports are written as (see docs/model.md).")
     vocab_size: int = Field(..., gt=0, description="Token ids the model reads and predicts: the tokenizer's vocabulary (what exports show).")
     padded_vocab_size: int | None = Field(None, gt=0, description="Rows of the embedding and the output head when more than vocab_size (set by `padded_for`); the rows past vocab_size are zero-initialised and their logits are -inf. null = vocab_size rows.")

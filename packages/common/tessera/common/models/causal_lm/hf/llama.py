@@ -20,7 +20,7 @@ import torch
 from tessera.common.errors import UserError
 from tessera.common.hf.architecture import HEAD, HFArchitecture, HFConfig, prefix_of
 from tessera.common.hf.rules import Rule, inverse, zeros
-from tessera.common.model_config import (
+from tessera.common.models.causal_lm.config import (
     DynamicRopeScaling,
     LinearRopeScaling,
     ModelConfig,

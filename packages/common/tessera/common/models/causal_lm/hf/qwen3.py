@@ -11,9 +11,9 @@ from typing import Any
 
 from tessera.common.errors import UserError
 from tessera.common.hf.architecture import HFConfig
-from tessera.common.hf.llama import LlamaFamily, sliding_from_hf
-from tessera.common.hf.qwen2 import qwen_sliding_to_hf
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.llama import LlamaFamily, sliding_from_hf
+from tessera.common.models.causal_lm.hf.qwen2 import qwen_sliding_to_hf
 
 
 class Qwen3(LlamaFamily):

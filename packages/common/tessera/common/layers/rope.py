@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.kernels import apply_rope
 
 __all__ = ["RotaryEmbedding", "apply_rope", "rope_inv_freq"]  # apply_rope lives beside its kernel

@@ -15,7 +15,7 @@ from typing import Any
 from tessera.common.errors import UserError
 from tessera.common.hf.architecture import HEAD, HFArchitecture, HFConfig, prefix_of
 from tessera.common.hf.rules import Combine, Rule, cat, cat_rows_t, rows, transpose, zeros
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")  # what Tessera's gelu computes (tanh approximation)
 

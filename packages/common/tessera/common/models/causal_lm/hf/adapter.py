@@ -1,7 +1,8 @@
-"""The architectures Tessera maps to Hugging Face transformers, and the mapping entry points.
+"""The causal LM's Hugging Face adapter: the architectures it maps to transformers, and the mapping
+entry points the kind registry hands to import, export and serving (`ModelKind.hf`).
 
 To add an architecture: write its `HFArchitecture` subclass in a module of this package and list
-it in `ARCHITECTURES`. Import, export and serving all go through the functions below.
+it in `ARCHITECTURES`.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ from pydantic import ValidationError
 
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.hf.architecture import HEAD, HF_DTYPE_NAMES, HFArchitecture, HFConfig
-from tessera.common.hf.gpt2 import GPT2
-from tessera.common.hf.llama import Llama
-from tessera.common.hf.mistral import Mistral
-from tessera.common.hf.mixtral import Mixtral
-from tessera.common.hf.qwen2 import Qwen2
-from tessera.common.hf.qwen3 import Qwen3
-from tessera.common.hf.qwen3_moe import Qwen3Moe
 from tessera.common.hf.rules import Rule, rows, zero_rows
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.gpt2 import GPT2
+from tessera.common.models.causal_lm.hf.llama import Llama
+from tessera.common.models.causal_lm.hf.mistral import Mistral
+from tessera.common.models.causal_lm.hf.mixtral import Mixtral
+from tessera.common.models.causal_lm.hf.qwen2 import Qwen2
+from tessera.common.models.causal_lm.hf.qwen3 import Qwen3
+from tessera.common.models.causal_lm.hf.qwen3_moe import Qwen3Moe
 
 # Tessera parameters with one row per vocabulary entry (and padding rows past the vocabulary).
 VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
@@ -30,8 +31,21 @@ VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 ARCHITECTURES: tuple[HFArchitecture, ...] = (Llama(), GPT2(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe())
 
 
-def _supported() -> str:
+def supported() -> str:
     return ", ".join(f"{a.model_type} ({a.hf_class})" for a in ARCHITECTURES)
+
+
+# transformers' causal-LM heads: a config.json naming one describes this kind (any family: one we
+# do not map is then refused by `architecture_of`, naming its model_type).
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
+
+
+def claims(data: dict[str, Any]) -> bool:
+    """Whether config.json describes a causal LM: its `architectures` class is a causal-LM head, or
+    its `model_type` is one of ours (a bare base-model save names no head; it loads as before)."""
+    archs = data.get("architectures")
+    head = isinstance(archs, list) and bool(archs) and isinstance(archs[0], str) and archs[0].endswith(CAUSAL_HEADS)
+    return head or data.get("model_type") in {a.model_type for a in ARCHITECTURES}
 
 
 def architecture_of(data: dict[str, Any], source: str) -> HFArchitecture:
@@ -42,14 +56,14 @@ def architecture_of(data: dict[str, Any], source: str) -> HFArchitecture:
             return a
     archs = data.get("architectures") or []
     named = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else "no architectures"
-    raise ArtifactError(f"{source}: unsupported architecture {model_type!r} ({named}); Tessera reads {_supported()}")
+    raise ArtifactError(f"{source}: unsupported architecture {model_type!r} ({named}); Tessera reads {supported()}")
 
 
 def architecture_for(cfg: ModelConfig) -> HFArchitecture:
     for a in ARCHITECTURES:
         if a.arch == cfg.arch:
             return a
-    raise UserError(f"model config: arch={cfg.arch} has no Hugging Face mapping (supported: {_supported()})")
+    raise UserError(f"model config: arch={cfg.arch} has no Hugging Face mapping (supported: {supported()})")
 
 
 def model_config_from_hf(data: dict[str, Any], source: str) -> ModelConfig:

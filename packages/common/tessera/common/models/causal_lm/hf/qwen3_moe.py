@@ -13,8 +13,8 @@ from typing import Any
 
 from tessera.common.errors import UserError
 from tessera.common.hf.architecture import HFConfig
-from tessera.common.hf.qwen3 import Qwen3
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.qwen3 import Qwen3
 
 
 class Qwen3Moe(Qwen3):

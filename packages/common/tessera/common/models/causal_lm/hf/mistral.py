@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.common.hf.architecture import HFConfig
-from tessera.common.hf.llama import LlamaFamily, sliding_from_hf
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.llama import LlamaFamily, sliding_from_hf
 
 
 class Mistral(LlamaFamily):

@@ -25,13 +25,8 @@ does the same attention with no T x T tensor anywhere:
   of O(window^2), never O(T^2). (With attention dropout SDPA leaves its fused kernel for the math
   one, which holds each segment's [L, L] scores: O(longest document^2), still no T x T.)
 
-  Measured here (2 CPU cores shared with other jobs, torch 2.13, fp32, B=2, 8 heads of 64,
-  T=2048 cut into 4 documents of 300-700 tokens per row, attention alone, medians of 5):
-  forward + backward, segments 1.39 s vs dense additive mask 1.74 s; forward only, segments
-  0.44 s, dense mask 0.72 s, FlexAttention eager 4.05 s (it materialises the scores), FlexAttention
-  compiled for CPU 0.18 s after a 35 s compile per shape. Compiled FlexAttention is the fastest
-  forward, but torch 2.13 has no FlexAttention backward on CPU ("does not support backward on
-  CPU"), so training cannot use it: the CPU path is the segment loop.
+  Why segments on CPU: torch 2.13 has no FlexAttention backward there, and the segments beat
+  the dense mask (measured in benchmarks/results/trainer.md, "packed-document attention").
 
 Every query row keeps at least its diagonal, so no softmax row is empty.
 """
