@@ -30,6 +30,16 @@ def test_no_trainer_folder_holds_more_than_fifteen_modules_flat():
         assert (TRAINER / role / "__init__.py").is_file(), f"trainer/{role}/ is missing"
 
 
+def test_the_trainer_has_no_import_cycle():
+    import grimp
+
+    graph = grimp.build_graph("tessera", cache_dir=None)  # what lint-imports analyses
+    trainer = {m for m in graph.modules if m.startswith("tessera.trainer")}
+    cycles = sorted({tuple(sorted((m, i))) for m in trainer for i in graph.find_modules_directly_imported_by(m)
+                     if i in trainer and graph.chain_exists(importer=i, imported=m)})
+    assert not cycles, f"import cycles in the trainer: {cycles}"
+
+
 def test_every_config_class_of_the_trainer_is_defined_once():
     """One name per concept: the parallel runtime takes TrainConfig's sections instead of copies."""
     where: dict[str, list[str]] = {}

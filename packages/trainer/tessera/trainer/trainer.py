@@ -6,7 +6,7 @@ and the machine (one line, exit 2). `Trainer.__init__` then builds
     engine       model, optimizer, precision and step for the layout (training, parallel, optim):
                  `LocalEngine` for one plain process, `ParallelEngine` (tessera.trainer.parallel) else
     schedule     the learning rate per step (schedule, optim)
-    data         the train, valid and test batches of the mixture (data, training)
+    data         the train, valid and test batches of the mixture (data, training): open_data
     sink         console, metrics.jsonl, TensorBoard, trackers (logging)
     checkpoints  the checkpoint manager over the engine's stateful components (checkpoint)
 
@@ -30,6 +30,7 @@ from tessera.common.checkpoint import CheckpointSidecar, read_sidecar
 from tessera.common.errors import RunError
 from tessera.common.faults import fault_point
 from tessera.common.fileio import atomic_write_text
+from tessera.common.mixture import MixtureSplit
 from tessera.common.models.registry import kind_of
 from tessera.trainer.checkpoint.manager import CheckpointManager
 from tessera.trainer.checkpoint.stateful import TrainState
@@ -66,6 +67,23 @@ def build_engine(cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime) -> E
     return LocalEngine(inputs.model, cfg.training, cfg.optim, inputs.documents, runtime.device)
 
 
+def open_data(cfg: TrainConfig, inputs: CheckedInputs) -> RunData:
+    """The mixture's splits through the model kind's batch builder: train; valid and test when the
+    run evaluates (training.eval_interval or eval_only), test only when it has samples."""
+    d, t = cfg.data, cfg.training
+    batches = trainer_kind(inputs.model).batches
+
+    def split(name: str) -> MixtureBatches:
+        return batches(MixtureSplit(d.mixture, name, d.check_fingerprints), t.seq_length, inputs.documents)
+
+    evaluating = bool(t.eval_interval or t.eval_only)
+    train = split(d.train_split)
+    valid = split(d.valid_split) if evaluating and d.valid_split else None
+    test = inputs.manifest.splits.get(d.test_split) if d.test_split else None
+    return RunData(train, valid, split(d.test_split) if evaluating and test is not None and test.num_samples > 0
+                   else None)
+
+
 class Trainer:
     """The training loop, the same under every layout; the layout is the engine's business."""
 
@@ -80,8 +98,7 @@ class Trainer:
                 retain_freed_memory()
         self.engine = engine if engine is not None else build_engine(cfg, inputs, runtime)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim, t.steps)
-        self.data = RunData.open(cfg.data, t, inputs.manifest, inputs.documents,
-                                 trainer_kind(inputs.model).batches)  # the model kind's batch builder
+        self.data = open_data(cfg, inputs)
         self.state = TrainState()
         self.sink = MetricsSink.for_run(cfg.logging, cfg.run_dir, cfg.model_dump(mode="json"), self.say,
                                         runtime.is_main)
