@@ -45,6 +45,7 @@ class OpenAIServer(ServerBase):
                 await asyncio.to_thread(engine.shutdown, self.limits.drain_timeout_s)
                 self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
                 self._tokenize_procs.close()
+                self.grammar_check.close()
 
         app = FastAPI(title="tessera-serve", lifespan=lifespan)
 
@@ -76,6 +77,8 @@ class OpenAIServer(ServerBase):
 
         @app.exception_handler(RequestFailed)
         async def _failed(request: Request, exc: RequestFailed):
+            if exc.client:
+                return error_response(400, str(exc), code="grammar_limit")
             return error_response(500, f"this request failed in the engine: {exc}", "server_error")
 
         @app.exception_handler(StarletteHTTPException)
