@@ -55,6 +55,12 @@ Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 # JSON compiled without free whitespace between tokens (llguidance's default is the same): a
 # model left free to emit whitespace can run to max_tokens inside a valid prefix.
 _JSON_OPTIONS = {"whitespace_flexible": False}
+# Appended to every client Lark grammar (the last %llguidance line wins). llguidance 1.9.1's
+# forcing (finding the bytes every continuation must start with) loops forever, growing memory
+# ~6 MB/s, on a lexeme followed by one it can swallow: `start: /a+/ "a"`; after a prefix
+# (`/[0-9]{6}/ /a+/ "a"`) that would hang the engine's mask thread mid-generation, where no check
+# can see it coming. Without forcing the same masks allow every token the grammar allows.
+_LARK_OPTIONS = '\n%llguidance {"no_forcing": true}\n'
 
 
 class StructuredSpec(BaseModel):
@@ -78,7 +84,7 @@ class StructuredSpec(BaseModel):
             return LLMatcher.grammar_from_regex(self.value)
         if self.kind == "choice":
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.value))
-        return LLMatcher.grammar_from_lark(self.value)
+        return LLMatcher.grammar_from_lark(self.value + _LARK_OPTIONS)
 
 
 def prepare(spec: StructuredSpec, limits: GrammarLimits) -> str:

@@ -125,27 +125,32 @@ def _regex_problem(regex: str, limits: GrammarLimits, what: str = "the regex") -
 
 # A Lark definition starts a line: `name:`, `?name:`, `!name:`, `NAME:`, `name{x}:`, `name.2:`.
 _RULE = re.compile(r"\s*[?!]?[A-Za-z_]\w*(?:\{[^}]*\})?(?:\.-?\d+)?\s*:")
-# What matters to repetition counting: escapes, classes, groups, counted repetitions and (in Lark)
-# string literals; everything else is a run of plain atoms.
-_REGEX_TOKEN = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|[()]|\{(\d{1,12})(?:,(\d{0,12}))?\}"
-                          r"|~\s*(\d{1,12})(?:\s*\.\.\s*(\d{1,12}))?|[^\\\[(){~]+|.", re.S)
-_LARK_STRING = re.compile(r'"(?:\\.|[^"\\])*"', re.S)
+# What matters to repetition counting: escapes, classes, groups, counted repetitions; everything
+# else is a run of plain atoms. In Lark, string literals are atoms, regex literals are regexes
+# (counted as one), and [...] is an optional group.
+_COUNTED = r"\{(\d{1,12})(?:,(\d{0,12}))?\}|~\s*(\d{1,12})(?:\s*\.\.\s*(\d{1,12}))?"
+_REGEX_TOKEN = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|[()]|" + _COUNTED + r"|[^\\\[(){~]+|.", re.S)
+_LARK_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|/(?:\\.|[^/\\\n])+/[a-z]*|[(\[)\]]|' + _COUNTED
+                         + r'|\s+|[^"/(\[)\]{~\s]+|.', re.S)
 
 
 def repetition(text: str, lark: bool = False) -> int:
-    """The largest product of nested counted repetitions in a regex (or a Lark grammar, whose
-    string literals are atoms): `(a{1000}){1000}` is 1,000,000, `a{5}b{7}` is 7. Unbounded
+    """The largest product of nested counted repetitions in a regex (or a Lark grammar):
+    `(a{1000}){1000}` is 1,000,000, `a{5}b{7}` is 7, Lark's `(/a{10}/ ~ 5){3}` 150. Unbounded
     repetition ({m,}, *, +) counts as m: it is a loop, not copies."""
-    if lark:
-        text = _LARK_STRING.sub('""', text)
     frames = [1]  # the largest element value inside each open group
     prev = 1  # the value of the element just read (an atom 1, a group its inside's largest)
-    for m in _REGEX_TOKEN.finditer(text):
+    for m in (_LARK_TOKEN if lark else _REGEX_TOKEN).finditer(text):
         token = m.group(0)
-        if token == "(":
+        if lark and token.isspace():
+            continue  # between an item and its repetition
+        if token == "(" or (lark and token == "["):
             frames.append(1)
             prev = 1
-        elif token == ")":
+        elif lark and len(token) > 2 and token[0] == "/":  # a regex literal: one element
+            prev = repetition(token[1:token.rindex("/")])
+            frames[-1] = max(frames[-1], prev)
+        elif token == ")" or (lark and token == "]"):
             prev = frames.pop() if len(frames) > 1 else 1
             frames[-1] = max(frames[-1], prev)
         elif m.group(1) is not None or m.group(3) is not None:
