@@ -22,8 +22,10 @@ just have been busy).
 
 Children: at most PROCESSES, each owned by one thread of the check pool (never shared, so no
 locking around one), started when that thread first needs one and killed when the server closes.
-They are tokenizer_process's children with another program: bytes over a socket pair (UTF-8
-grammar in, UTF-8 verdict out), never pickle. This module imports only the standard library at
+They are tokenizer_process's `_Child` with another program: bytes over a socket pair (UTF-8
+grammar in, UTF-8 verdict out), never pickle. Not its ChildProcesses pool: a check reads a dead
+child's exit status (a crash and an exhausted memory budget are different 400s), and a child's
+start (loading the tokenizer) has a timeout of its own, longer than a check's. This module imports only the standard library at
 the top (and llguidance in the child), so a child starts in a fraction of a second.
 """
 
@@ -144,16 +146,6 @@ def _main(fd: int) -> None:
 class _CheckChild(_Child):
     command = [sys.executable, "-m", __name__]
 
-    def check(self, grammar: str, timeout_s: float) -> str:
-        """The child's answer within `timeout_s`, else TimeoutError; EOFError if it died."""
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        self._send(grammar.encode("utf-8", "surrogatepass"), timeout_s)
-        if not self.conn.poll(max(0.0, deadline - time.monotonic())):
-            raise TimeoutError
-        return self.conn.recv_bytes().decode("utf-8", "surrogatepass")
-
 
 class GrammarCheck:
     """The server's grammar check: static bounds, then a child process; verdicts cached."""
@@ -212,7 +204,7 @@ class GrammarCheck:
         child = getattr(self._local, "child", None) or self._start()
         timeout = self.limits.check_timeout_s
         try:
-            answer = child.check(grammar, timeout)
+            answer = child.request(grammar.encode("utf-8", "surrogatepass"), timeout).decode("utf-8", "surrogatepass")
         except TimeoutError:
             self._drop(child)
             return f"compiling it took longer than this server's limit of {timeout:g} s (--grammar-check-timeout)", False

@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from tessera.common.chat_template import RenderLimits
 from tessera.inference.structured_limits import GrammarLimits
 
 
@@ -23,6 +24,7 @@ class ServerLimits:
     body_timeout_s: float = 30.0  # a request body must arrive within this (a stalled one is dropped)
     tokenizer_threads: int = 2  # prompts are tokenized and templates rendered here, off the event loop
     tokenize_timeout_s: float = 60.0  # a long text's tokenizing (in a child process) must end within this (503)
+    chat_template: RenderLimits = field(default_factory=RenderLimits)  # each render's bounds (400 past one)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)  # structured output (structured_limits.py)
 
 
