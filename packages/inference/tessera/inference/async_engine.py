@@ -38,8 +38,12 @@ class EngineDead(Exception):
 
 
 class RequestFailed(Exception):
-    """Computing this one request failed inside the engine (HTTP 500 for it); the engine and
-    every other request go on."""
+    """Computing this one request failed inside the engine (HTTP 500 for it, or 400 when `client`:
+    its own grammar outgrew a limit); the engine and every other request go on."""
+
+    def __init__(self, message: str, client: bool = False):
+        super().__init__(message)
+        self.client = client
 
 
 @dataclass
@@ -172,7 +176,7 @@ class EngineFrontend:
                 if stream is None:
                     continue  # aborted meanwhile
                 if isinstance(item, RequestOutput) and item.error is not None:
-                    item = RequestFailed(item.error)
+                    item = RequestFailed(item.error, item.client_error)
                 if isinstance(item, BaseException) or item.finished:
                     del self._streams[request_id]
                 if isinstance(item, RequestOutput) and self.metrics is not None and now is not None:

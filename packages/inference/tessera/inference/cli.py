@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template-max-memory", type=int, default=t.max_memory_mb, metavar="MIB",
                    help="Memory (address space, MiB) a chat template render process may add to its own "
                         "(default: %(default)s).")
+    add_grammar_limit_args(p)
     s.add_argument("--quiet", action="store_true", help="Log warnings only (no access log).")
     s.add_argument("--no-engine-process", action="store_true",
                    help="Run the engine in a thread of the HTTP process instead of its own process "
@@ -76,11 +77,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_grammar_limit_args(p: argparse.ArgumentParser) -> None:
+    """One flag per structured_limits.GrammarLimits field, its description the help."""
+    from tessera.inference.engine_args import parse_bytes
+    from tessera.inference.structured_limits import FLAGS, GrammarLimits
+
+    g = p.add_argument_group("structured output limits, per request (docs/security.md)")
+    d = GrammarLimits()
+    for name, info in GrammarLimits.model_fields.items():
+        kind = parse_bytes if name == "check_memory_bytes" else type(getattr(d, name))
+        g.add_argument(FLAGS[name], dest=name, type=kind, default=getattr(d, name), metavar="N",
+                       help=f"{info.description.rstrip('.')} (default: %(default)s).")
+
+
+def grammar_limits_from_args(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from tessera.inference.structured_limits import FLAGS, GrammarLimits
+
+    values = {name: getattr(args, name) for name in GrammarLimits.model_fields}
+    try:
+        return GrammarLimits.model_validate(values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0])
+        raise UserError(f"{FLAGS[name]} {values[name]}: {err['msg']}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from tessera.inference.engine_args import engine_config_from_args
 
     cfg = engine_config_from_args(args)
+    grammar_limits = grammar_limits_from_args(args)
     if not 0 < args.port < 65536:
         raise UserError(f"--port {args.port}: must be between 1 and 65535")
     for flag in ("max_prompt_tokens", "max_tokens_limit", "max_prompts_per_request", "max_body_bytes",
@@ -153,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         drain_timeout_s=args.drain_timeout, body_timeout_s=args.body_timeout,
         chat_template=RenderLimits(timeout_s=args.chat_template_timeout, max_iterations=args.chat_template_max_iterations,
                                    max_chars=args.chat_template_max_chars, max_memory_mb=args.chat_template_max_memory),
+        grammar=grammar_limits,
     )
     server = OpenAIServer(frontend, name, limits, metrics)
     server.tool_call_parser = args.tool_call_parser

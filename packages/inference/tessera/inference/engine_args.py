@@ -16,6 +16,7 @@ from tessera.inference.config import (
     EngineConfig,
     SpeculativeConfig,
 )
+from tessera.inference.json_depth import JsonTooDeep, loads
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -105,11 +106,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
-    """--speculative-config JSON -> SpeculativeConfig (one line naming the field when it is wrong)."""
+    """--speculative-config JSON -> SpeculativeConfig, strictly typed: "4" or true is no count (one
+    line naming the field when it is wrong)."""
     if text is None:
         return None
     try:
-        obj = json.loads(text)
+        obj = loads(text)
+    except JsonTooDeep as exc:
+        raise UserError(f"--speculative-config: {exc}") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"--speculative-config: not valid JSON ({exc.msg}); e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'") from None
@@ -117,7 +121,7 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
         raise UserError("--speculative-config: expected a JSON object such as "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     try:
-        return SpeculativeConfig(**obj)
+        return SpeculativeConfig.model_validate(obj, strict=True)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])

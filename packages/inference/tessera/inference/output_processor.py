@@ -11,6 +11,7 @@ sequence that produced something gets a `RequestOutput` (deltas since the last).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ class RequestOutput:
     # (the step that completed its prompt), so a stream can send them before the generated tokens.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # set (with finished) when computing this request failed; the others go on
+    client_error: bool = False  # that failure was the request's own doing (HTTP 400, not 500)
     # On the final output: the engine's intervals in seconds (queue, prefill, decode, inference),
     # vLLM's definitions (metrics.py).
     timings: dict[str, float] | None = None
@@ -84,7 +86,7 @@ class OutputProcessor:
             gained = 0
             for j, token in enumerate(tokens):
                 if seq.matcher is not None and not seq.matcher.consume_token(token):
-                    seq.fail("internal error: the structured output grammar rejected the sampled token")
+                    _grammar_failed(seq)
                     break
                 if j < len(logprobs):
                     seq.new_logprobs.append(logprobs[j])
@@ -126,6 +128,7 @@ class OutputProcessor:
             num_cached_tokens=seq.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
             error=seq.error,
+            client_error=seq.client_error,
             timings=_timings(seq) if finished else None,
         )
 
@@ -136,3 +139,20 @@ def _timings(seq: Sequence) -> dict[str, float]:
     first = seq.first_token_time if seq.first_token_time is not None else now
     return {"queue": scheduled - seq.arrival_time, "prefill": first - scheduled, "decode": now - first,
             "inference": now - scheduled}
+
+
+# llguidance's messages when a grammar outgrows one of its limits mid-generation (ParserLimits,
+# structured_limits.py), as opposed to a token the mask should have excluded (our bug).
+_LIMIT_HIT = re.compile(r"too many|too complex|max is|limit|fuel", re.IGNORECASE)
+
+
+def _grammar_failed(seq: Sequence) -> None:
+    """The matcher refused the sampled token. A grammar that hit one of llguidance's limits is the
+    request's doing: it ends with a 400 naming the limit (vLLM instead ends such an output quietly
+    at EOS, not matching the grammar). Any other refusal means the mask was not applied: a 500."""
+    error = " ".join(seq.matcher.get_error().replace("<non-verbose/>", "").split())
+    if _LIMIT_HIT.search(error):
+        seq.fail(f"the structured output grammar hit a limit of the grammar engine after {len(seq.output_ids)} "
+                 f"generated tokens: {error[:500]}", client=True)
+    else:
+        seq.fail("internal error: the structured output grammar rejected the sampled token")

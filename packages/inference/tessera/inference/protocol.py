@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
 
 from tessera.inference.sampling_params import SamplingParams
 from tessera.inference.structured import StructuredSpec
@@ -90,6 +90,43 @@ _STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "gramm
                     "json_object": "json_object"}
 
 
+class _JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema; other keys are ignored, as in the request body."""
+
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class _ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchemaFormat | None = None
+
+
+class _StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs, the keys this server takes (others are refused before this)."""
+
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _typed(model: type[BaseModel], value: dict[str, Any], param: str) -> Any:
+    """`value` as `model`, strictly typed; FieldError naming `param` and the key otherwise."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in (param, *err["loc"]))
+        raise FieldError(param, f"{where}: {err['msg']}") from None
+
+
 class StreamOptions(_Body):
     include_usage: Bool = Field(False, description="Send a last chunk with token usage.")
 
@@ -145,6 +182,7 @@ class _SamplingFields(_Body):
             if unknown:
                 raise FieldError("structured_outputs", f"{', '.join(unknown)} not supported; use one of "
                                  f"{', '.join(_STRUCTURED_KEYS)}")
+            _typed(_StructuredOutputs, asked, "structured_outputs")
             for key, value in asked.items():
                 found.append((StructuredSpec(kind=_STRUCTURED_KEYS[key], value=None if key == "json_object" else value),
                               "structured_outputs"))
@@ -173,22 +211,19 @@ class _SamplingFields(_Body):
 
 
 def _response_format(fmt: dict[str, Any]) -> StructuredSpec | None:
-    kind = fmt.get("type")
-    if kind == "text":
+    if fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise FieldError("response_format", f"type {fmt.get('type')!r} is not supported; use text, json_object or "
+                         "json_schema")
+    typed = _typed(_ResponseFormat, fmt, "response_format")
+    if typed.type == "text":
         return None
-    if kind == "json_object":
+    if typed.type == "json_object":
         return StructuredSpec(kind="json_object")
-    if kind == "json_schema":
-        inner = fmt.get("json_schema")
-        if not isinstance(inner, dict):
-            raise FieldError("response_format", "json_schema must be an object with a schema")
-        schema = inner.get("schema")
-        if schema is None:
-            return StructuredSpec(kind="json_object")
-        if not isinstance(schema, dict):
-            raise FieldError("response_format", "json_schema.schema must be a JSON schema object")
-        return StructuredSpec(kind="json", value=schema)
-    raise FieldError("response_format", f"type {kind!r} is not supported; use text, json_object or json_schema")
+    if typed.json_schema is None:
+        raise FieldError("response_format", "json_schema must be an object with a schema")
+    if typed.json_schema.schema_ is None:
+        return StructuredSpec(kind="json_object")
+    return StructuredSpec(kind="json", value=typed.json_schema.schema_)
 
 
 class CompletionRequest(_SamplingFields):

@@ -55,6 +55,7 @@ class Sequence:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # since the last output
     num_preemptions: int = 0
     error: str | None = None  # why computing this request failed (finish_reason "error")
+    client_error: bool = False  # the request's own doing (its grammar hit a limit): a 4xx, not a 500
     matcher: Any = None  # llguidance LLMatcher of a structured-output request (structured.py)
     # Speculative decoding (spec_decode.py): draft tokens proposed to follow the newest token, to be
     # verified by the next step, and for a draft model the distributions they were drawn from
@@ -105,9 +106,10 @@ class Sequence:
         # EOS and stop ids never reach the text; the held-back tail is released.
         self.detokenizer.finish(drop_last_token=isinstance(stop, int), flush=stop is None)
 
-    def fail(self, error: str) -> None:
+    def fail(self, error: str, client: bool = False) -> None:
         """Computing this request raised: it ends here with an error, its batch mates go on."""
         self.error = error
+        self.client_error = client
         self.finish_reason = "error"
         self.status = Status.FINISHED
         self.new_logprobs = []

@@ -10,7 +10,8 @@ Triton and precompiles each grammar against the vocabulary (the first request wi
 pays it); outlines-core (Apache-2.0) builds a regex -> DFA index over the whole vocabulary per
 schema (seconds for larger schemas) and cannot express arbitrary JSON objects (not regular).
 
-Shape (vLLM v1's): the HTTP process validates the spec (`check_spec`, 400 naming the field),
+Shape (vLLM v1's): the HTTP process validates the spec (`prepare`: its shape and static bounds,
+structured_limits.py; then grammar_check.py compiles it in a child process; 400 naming the field),
 the spec travels in SamplingParams as plain JSON, the engine gives each constrained sequence a
 matcher (`Grammars.matcher`: a copy of a cached, compiled one), computes the step's masks while
 the model forward runs (`Grammars.compute_ahead`: one bitmask tensor for all constrained rows,
@@ -43,6 +44,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from tessera.inference.json_depth import JsonTooDeep, loads
+from tessera.inference.structured_limits import GrammarLimits, bounds_problem, parser_limits
+
 if TYPE_CHECKING:
     from tessera.inference.sequence import Sequence
 
@@ -51,6 +55,12 @@ Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
 # JSON compiled without free whitespace between tokens (llguidance's default is the same): a
 # model left free to emit whitespace can run to max_tokens inside a valid prefix.
 _JSON_OPTIONS = {"whitespace_flexible": False}
+# Appended to every client Lark grammar (the last %llguidance line wins). llguidance 1.9.1's
+# forcing (finding the bytes every continuation must start with) loops forever, growing memory
+# ~6 MB/s, on a lexeme followed by one it can swallow: `start: /a+/ "a"`; after a prefix
+# (`/[0-9]{6}/ /a+/ "a"`) that would hang the engine's mask thread mid-generation, where no check
+# can see it coming. Without forcing the same masks allow every token the grammar allows.
+_LARK_OPTIONS = '\n%llguidance {"no_forcing": true}\n'
 
 
 class StructuredSpec(BaseModel):
@@ -66,7 +76,7 @@ class StructuredSpec(BaseModel):
         from llguidance import LLMatcher
 
         if self.kind == "json":
-            schema = self.value if isinstance(self.value, dict) else json.loads(self.value)
+            schema = self.value if isinstance(self.value, dict) else loads(self.value)
             return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
@@ -74,26 +84,32 @@ class StructuredSpec(BaseModel):
             return LLMatcher.grammar_from_regex(self.value)
         if self.kind == "choice":
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.value))
-        return LLMatcher.grammar_from_lark(self.value)
+        return LLMatcher.grammar_from_lark(self.value + _LARK_OPTIONS)
 
 
-def check_spec(spec: StructuredSpec) -> str | None:
-    """Why this spec cannot be used (a bad schema, regex or grammar), or None."""
-    from llguidance import LLMatcher
-
+def prepare(spec: StructuredSpec, limits: GrammarLimits) -> str:
+    """The llguidance grammar of a request's constraint, after checking its shape and the static
+    bounds (structured_limits.py); ValueError naming what is wrong. Nothing here compiles it: the
+    grammar check (grammar_check.py) does that in a child process before the engine does."""
     if spec.kind == "choice" and (not isinstance(spec.value, list) or not spec.value
                                   or not all(isinstance(c, str) and c for c in spec.value)):
-        return "the choices must be a non-empty list of non-empty strings"
+        raise ValueError("the choices must be a non-empty list of non-empty strings")
     if spec.kind in ("regex", "grammar") and not (isinstance(spec.value, str) and spec.value):
-        return f"the {spec.kind} must be a non-empty string"
+        raise ValueError(f"the {spec.kind} must be a non-empty string")
     if spec.kind == "json" and not isinstance(spec.value, (dict, str)):
-        return "the JSON schema must be an object"
+        raise ValueError("the JSON schema must be an object")
     try:
-        grammar = spec.grammar()
-    except (ValueError, TypeError) as exc:
-        return f"invalid: {exc}"
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    return f"invalid: {messages[0]}" if is_error else None
+        problem = bounds_problem(spec.kind, spec.value, limits)
+    except JsonTooDeep as exc:
+        raise ValueError(f"the JSON schema {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the JSON schema is not valid JSON ({exc.msg})") from None
+    if problem:
+        raise ValueError(problem)
+    try:
+        return spec.grammar()
+    except (ValueError, TypeError) as exc:  # UnicodeEncodeError (a lone surrogate) is a ValueError
+        raise ValueError(f"invalid: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -134,7 +150,7 @@ class Grammars:
         grammar = spec.grammar()
         compiled = self._compiled.get(grammar)
         if compiled is None:
-            compiled = LLMatcher(self.tokenizer, grammar, log_level=0)
+            compiled = LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
             if compiled.is_error():
                 raise ValueError(compiled.get_error())
             self._compiled[grammar] = compiled

@@ -25,6 +25,7 @@ import re
 import uuid
 from typing import Any, Literal
 
+from tessera.inference.json_depth import loads
 from tessera.inference.structured import StructuredSpec
 
 Mode = Literal["none", "auto", "required", "named"]
@@ -75,7 +76,7 @@ def _json_objects(text: str, separators: str) -> list[Any] | None:
             return values
         try:
             value, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # generated text can nest deeper than json recurses
             return None
         values.append(value)
 
@@ -98,8 +99,8 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     for block in text[start:].split(_HERMES_OPEN)[1:]:
         body = block.split(_HERMES_CLOSE)[0].strip()
         try:
-            call = _named(json.loads(body), ("arguments", "parameters"))
-        except json.JSONDecodeError:
+            call = _named(loads(body), ("arguments", "parameters"))
+        except ValueError:  # not JSON, or nested deeper than json_depth.MAX_JSON_DEPTH
             call = None
         if call is None:
             return text, []  # not a well-formed call: leave the text as it is
@@ -124,8 +125,8 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 
 def parse_required(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     try:
-        values = json.loads(text)
-    except json.JSONDecodeError:
+        values = loads(text)
+    except ValueError:
         return text, []  # cut short (max_tokens): not a complete array
     calls = [_named(v, ("parameters",)) for v in values] if isinstance(values, list) else []
     if not calls or any(c is None for c in calls):

@@ -47,6 +47,7 @@ class OpenAIServer(ServerBase):
                 self._render_pool.shutdown(wait=False, cancel_futures=True)
                 self._tokenize_procs.close()
                 self._template_procs.close()
+                self.grammar_check.close()
 
         app = FastAPI(title="tessera-serve", lifespan=lifespan)
 
@@ -78,6 +79,8 @@ class OpenAIServer(ServerBase):
 
         @app.exception_handler(RequestFailed)
         async def _failed(request: Request, exc: RequestFailed):
+            if exc.client:
+                return error_response(400, str(exc), code="grammar_limit")
             return error_response(500, f"this request failed in the engine: {exc}", "server_error")
 
         @app.exception_handler(StarletteHTTPException)

@@ -14,11 +14,12 @@ from fastapi import Request
 from tessera.common.chat_template import ChatTemplateError, template_source
 from tessera.inference.async_engine import EngineDead, EngineFrontend, RequestFailed, RequestHandle
 from tessera.inference.engine import RequestOutput, RequestRejected
+from tessera.inference.grammar_check import GrammarCheck, GrammarCheckUnavailable
 from tessera.inference.metrics import ServingMetrics
 from tessera.inference.protocol import FieldError
 from tessera.inference.sampling_params import SamplingParams
 from tessera.inference.server.errors import ApiError, ServerLimits, _check_text, error_body
-from tessera.inference.structured import StructuredSpec, check_spec
+from tessera.inference.structured import StructuredSpec
 from tessera.inference.tokenizer_process import (
     LONG_TEXT_CHARS,
     TemplateFailed,
@@ -66,6 +67,9 @@ class ServerBase:
             self._template: tuple[str, dict[str, str]] | str = template_source(self.tokenizer)
         except ChatTemplateError as exc:
             self._template = str(exc)
+        # Grammars are compiled first in child processes (grammar_check.py), on their own threads.
+        self.grammar_check = GrammarCheck(self.tokenizer.backend.to_str(), engine.vocab_size, sorted(engine.eos_ids),
+                                          limits.grammar)
         vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
         # A token spells at most this many characters of text (byte-level BPE: bytes; a
         # normalizer may fold a few characters into one, hence the factor 2 below).
@@ -236,13 +240,14 @@ class ServerBase:
             async for e in events:
                 yield e
         except (EngineDead, RequestFailed, RequestRejected) as exc:
-            kind = "invalid_request_error" if isinstance(exc, RequestRejected) else "server_error"
+            client = isinstance(exc, RequestRejected) or (isinstance(exc, RequestFailed) and exc.client)
+            kind = "invalid_request_error" if client else "server_error"
             yield self._sse(error_body(str(exc), kind))
             yield "data: [DONE]\n\n"
 
     async def _structured_spec(self, body: Any) -> StructuredSpec | None:
-        """The request's structured-output constraint, checked (a bad schema, regex or grammar
-        is a 400 naming its field), or None."""
+        """The request's structured-output constraint, checked (a bad or too costly schema, regex
+        or grammar is a 400 naming its field), or None."""
         try:
             found = body.structured_spec()
         except FieldError as exc:
@@ -250,10 +255,19 @@ class ServerBase:
         if found is None:
             return None
         spec, field = found
-        problem = await self._off_loop(check_spec, spec)
-        if problem:
-            raise ApiError(400, f"{field}: {problem}", param=field)
+        await self._check_grammar(spec, field, f"{field}: ")
         return spec
+
+    async def _check_grammar(self, spec: StructuredSpec, field: str, prefix: str) -> None:
+        """400 naming `field` when the engine cannot take this constraint (grammar_check.py);
+        503 when no grammar check process could be started."""
+        try:
+            problem = await self.grammar_check.problem(spec)
+        except GrammarCheckUnavailable as exc:
+            raise ApiError(503, f"{exc}; try again later", code="grammar_check_unavailable",
+                           type_="server_error") from None
+        if problem:
+            raise ApiError(400, prefix + problem, param=field)
 
     def _check_supported(self, body: Any) -> None:
         field = body.unsupported_field()

@@ -10,11 +10,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tessera.inference.json_depth import JsonTooDeep, loads
 from tessera.inference.protocol import ChatCompletionRequest, ChatMessage, FieldError
 from tessera.inference.sequence import TokenLogprob
 from tessera.inference.server.base import ServerBase
 from tessera.inference.server.errors import ApiError, _check_text, _now, _usage
-from tessera.inference.structured import check_spec
 from tessera.inference.tools import ToolCallStream, parser_for_template, tool_grammar
 
 
@@ -44,19 +44,22 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
-            msg["tool_calls"] = [_history_call(i, c) for c in m.tool_calls]
+            msg["tool_calls"] = [_history_call(i, j, c) for j, c in enumerate(m.tool_calls)]
         out.append(msg)
     return out
 
 
-def _history_call(i: int, call: dict[str, Any]) -> dict[str, Any]:
+def _history_call(i: int, j: int, call: dict[str, Any]) -> dict[str, Any]:
     fn = call.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise ApiError(400, f"messages[{i}].tool_calls: each call needs function.name", param=f"messages.{i}.tool_calls")
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = loads(args)
+        except JsonTooDeep as exc:
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments {exc}",
+                           param=f"messages.{i}.tool_calls.{j}.function.arguments") from None
         except json.JSONDecodeError:
             pass  # not JSON: the template gets the string
     return {**call, "function": {**fn, "arguments": args}}
@@ -107,9 +110,8 @@ async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
         if structured is not None:
             raise ApiError(400, f"tool_choice {mode!r} is enforced with a grammar and cannot be combined with "
                            "response_format or guided_* fields", param="tool_choice")
-        problem = await srv._off_loop(check_spec, tool_spec)
-        if problem:
-            raise ApiError(400, f"tools: a function's parameters schema is {problem}", param="tools")
+        await srv._check_grammar(tool_spec, "tools", f"tools: the grammar of tool_choice {mode!r} over the "
+                                 "functions' parameters schemas: ")
         structured = tool_spec
     parser = srv.tool_call_parser
     if parser == "auto":

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from tessera.common.chat_template import RenderLimits
+from tessera.inference.structured_limits import GrammarLimits
 
 
 @dataclass
@@ -24,6 +25,7 @@ class ServerLimits:
     tokenizer_threads: int = 2  # prompts are tokenized and templates rendered here, off the event loop
     tokenize_timeout_s: float = 60.0  # a long text's tokenizing (in a child process) must end within this (503)
     chat_template: RenderLimits = field(default_factory=RenderLimits)  # each render's bounds (400 past one)
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)  # structured output (structured_limits.py)
 
 
 class ApiError(Exception):

@@ -1,17 +1,19 @@
-"""The ASGI guard in front of every route: API key, body size and body read time."""
+"""The ASGI guard in front of every route: API key, body size, body read time and JSON depth."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 
+from tessera.inference.json_depth import depth_problem
 from tessera.inference.server.errors import error_response
 
 
 class _GuardMiddleware:
     """Pure ASGI, in front of every route: the API-key check on /v1, /api, /tokenize and /detokenize, then the whole
     request body read here, bounded in size (400) and in time (408, connection closed: a client
-    that stalls mid-body cannot hold a connection open), before any handler runs."""
+    that stalls mid-body cannot hold a connection open), and refused (400) when it nests deeper
+    than json_depth.MAX_JSON_DEPTH, before any handler parses it."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout_s: float):
         self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body_bytes, body_timeout_s
@@ -42,6 +44,10 @@ class _GuardMiddleware:
             return await too_big(scope, receive, send)
         if disconnected:
             return None
+        problem = depth_problem(body) if body and scope.get("method") in ("POST", "PUT", "PATCH") else None
+        if problem is not None:
+            deep = error_response(400, f"the request body {problem}", code="json_too_deep")
+            return await deep(scope, receive, send)
         replayed = False
 
         async def replay():
