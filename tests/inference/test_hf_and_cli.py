@@ -21,7 +21,7 @@ from inference_helpers import (
 )
 
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
 
 
 def _export(hf_model, tiny_ckpt, out):
@@ -66,7 +66,7 @@ def test_an_hf_directory_is_loaded_with_each_header_parsed_once_and_bad_headers_
     The weights equal the checkpoint's; a header that does not fit its file is still one line."""
     from tessera.common.errors import ArtifactError
     from tessera.common.hf import directory
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.worker.loader import load_for_serving
 
     tensors = load_model_tensors(resolve_checkpoint(tiny_ckpt))
     export = _export(hf_llama_from(tiny_config(), tensors), tiny_ckpt, tmp_path / "hf")
@@ -148,7 +148,7 @@ def test_serve_cli_drains_on_sigterm(tiny_ckpt):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = "from tessera.inference.cli import entry; entry()"
+    code = "from tessera.inference.entrypoints.serve_cli import entry; entry()"
     proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", str(tiny_ckpt), "--port", str(port),
                              "--quiet", "--num-kv-blocks", "64", "--drain-timeout", "600"],
                             stderr=subprocess.PIPE, text=True)

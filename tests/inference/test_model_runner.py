@@ -9,8 +9,8 @@ import torch
 from inference_helpers import tiny_config
 
 from tessera.common.model import build_model
-from tessera.inference.merged_linear import merge_projections
-from tessera.inference.model_runner import (
+from tessera.inference.worker.merged_linear import merge_projections
+from tessera.inference.worker.model_runner import (
     DECODE_GROUP,
     BatchSeq,
     ModelRunner,
