@@ -110,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"{out_path}: --output is the --prompts file; write the completions elsewhere")
     ensure_output_dir(out_path.parent, "--output")
 
+    from tessera.common.chat_template import ChatTemplateError, render_chat
     from tessera.common.fileio import atomic_file
     from tessera.common.progress import progress
-    from tessera.inference.chat_template import ChatTemplateError, render_chat
     from tessera.inference.core.sampling_params import SamplingParams
     from tessera.inference.engine.llm_engine import LLMEngine, RequestRejected
     from tessera.inference.sample.spec_decode import check_draft_model, format_spec_stats

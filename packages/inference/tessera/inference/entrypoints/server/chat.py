@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from tessera.inference.chat_template import ChatTemplateError, render_chat
+from tessera.common.chat_template import ChatTemplateError, render_chat
 from tessera.inference.core.sequence import TokenLogprob
 from tessera.inference.entrypoints.protocol import ChatCompletionRequest, ChatMessage, FieldError
 from tessera.inference.entrypoints.server.base import ServerBase
