@@ -20,8 +20,8 @@ from inference_helpers import make_checkpoint, run_all, tiny_config, token_ids
 from tessera.common.errors import UserError, run_cli
 from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.worker.batch import BatchSeq
 from tessera.inference.worker.cuda_graphs import bucket_for, default_capture_sizes, parse_capture_sizes
-from tessera.inference.worker.model_runner import BatchSeq
 from tessera.kernels._dispatch import triton_available
 
 SIZES = [1, 2, 4, 8]

@@ -16,8 +16,10 @@ from tessera.common.errors import ArtifactError, UserError, run_cli
 from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.llm_engine import LLMEngine, pool_blocks
+from tessera.inference.worker.batch import BatchSeq
+from tessera.inference.worker.kv_cache import kv_block_bytes, kv_cache_dtype
 from tessera.inference.worker.loader import load_for_serving
-from tessera.inference.worker.model_runner import BatchSeq, ModelRunner, kv_block_bytes, kv_cache_dtype
+from tessera.inference.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 PROMPTS = [[4, 9, 200, 31, 77, 5, 6, 7, 8, 120, 3], [17, 300, 2, 2, 45, 1, 99], [5] * 21]

@@ -29,6 +29,7 @@ from tessera.inference.engine.detokenizer import IncrementalDetokenizer
 from tessera.inference.engine.output_processor import OutputProcessor, RequestOutput
 from tessera.inference.sample.spec_decode import build_proposer
 from tessera.inference.sample.structured import Grammars
+from tessera.inference.worker.batch import ModelRunnerOutput
 from tessera.inference.worker.cuda_graphs import (
     GraphSpec,
     check_cuda_graphs,
@@ -36,13 +37,9 @@ from tessera.inference.worker.cuda_graphs import (
     default_capture_sizes,
 )
 from tessera.inference.worker.executor import WorkerDied
+from tessera.inference.worker.kv_cache import kv_block_bytes, kv_cache_dtype
 from tessera.inference.worker.loader import LoadedModel
-from tessera.inference.worker.model_runner import (
-    ModelRunner,
-    ModelRunnerOutput,
-    kv_block_bytes,
-    kv_cache_dtype,
-)
+from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.prepare import ServingPrep, serving_runner
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "RequestRejected", "validate_request"]
@@ -171,7 +168,7 @@ class LLMEngine:
             runner = serving_runner(loaded.model, serving_prep(cfg), num_blocks, cfg.block_size, device, dtype,
                                     kv_dtype=kv_dtype)
             if graphs is not None:
-                runner.decode_graphs = graphs.build(runner)
+                runner.use_decode_graphs(graphs)
             return runner
         from tessera.inference.worker.executor import TensorParallelExecutor, TensorParallelRunner
 

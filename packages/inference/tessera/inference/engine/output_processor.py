@@ -18,7 +18,7 @@ from tessera.inference.core.block_manager import BlockManager
 from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
 from tessera.inference.core.sequence import Sequence, TokenLogprob
 from tessera.inference.sample.spec_decode import SpecDecodeStats
-from tessera.inference.worker.model_runner import ModelRunnerOutput
+from tessera.inference.worker.batch import ModelRunnerOutput
 
 
 @dataclass

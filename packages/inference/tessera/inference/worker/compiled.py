@@ -9,7 +9,7 @@ into a few C++ loops per layer and runs the whole stack from one Python call.
 Shape of it:
 - One graph for the whole stack. Attention (the KV write and the paged attention, whose step
   state is Python lists of decode groups) stays eager and opaque: `attention_op`, a custom op with
-  tensor inputs that runs the executing runner's `_attention`, as vLLM's attention op reads its
+  tensor inputs that runs the executing step's attention callable, as vLLM's attention op reads its
   forward context. A graph break at each attention call instead (torch._dynamo.disable) was
   measured and rejected: dynamo resumes each layer's Block.forward as a frame of its own, the
   layers share one code object and guard on their own weights, so 8 layers x 2 shapes hit
@@ -80,7 +80,7 @@ import logging
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -88,34 +88,37 @@ import torch
 import torch._dynamo
 import torch._inductor.exc
 
+from tessera.inference.worker.batch import BatchSeq
 from tessera.inference.worker.cuda_graphs import uncapturable
 
 if TYPE_CHECKING:
     from tessera.common.model_config import ModelConfig
-    from tessera.inference.worker.model_runner import ModelRunner
 
 log = logging.getLogger("tessera.inference")
 
-# The runners whose step is executing, per thread: `attention_op` reads its step (decode groups,
-# block tables, slots) from the innermost. Set only around one forward (`running`), so nothing
-# outlives the step.
+# The model's attention hook: (layer, q, k, v) -> attention output, K/V written into the cache.
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# The attention of the step being executed, per thread: `attention_op` calls the innermost (vLLM's
+# attention op reads its forward context the same way). Set only around one forward (`_running`),
+# so nothing outlives the step.
 _LOCAL = threading.local()
 
 
-def _running_runners() -> list[ModelRunner]:
-    if not hasattr(_LOCAL, "runners"):
-        _LOCAL.runners = []
-    return _LOCAL.runners
+def _attentions() -> list[AttentionFn]:
+    if not hasattr(_LOCAL, "attentions"):
+        _LOCAL.attentions = []
+    return _LOCAL.attentions
 
 
 @contextmanager
-def running(runner: ModelRunner) -> Iterator[None]:
-    runners = _running_runners()
-    runners.append(runner)
+def _running(attention: AttentionFn) -> Iterator[None]:
+    attentions = _attentions()
+    attentions.append(attention)
     try:
         yield
     finally:
-        runners.pop()
+        attentions.pop()
 
 
 # It writes the KV cache, which is not one of its inputs, so the compiler would take it for a pure
@@ -124,7 +127,7 @@ def running(runner: ModelRunner) -> Iterator[None]:
 @torch.library.custom_op("tessera_inference::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """The executing step's attention for `layer` (KV write + paged attention), opaque to the compiler."""
-    return _running_runners()[-1]._attention(layer, q, k, v).contiguous()  # the fake's layout
+    return _attentions()[-1](layer, q, k, v).contiguous()  # the fake's layout
 
 
 @attention_op.register_fake
@@ -177,7 +180,7 @@ def uncompilable(cfg: ModelConfig, tp_size: int = 1, quantized: bool = False) ->
 
 class CompiledForward:
     """model(tokens [1, T], positions [1, T]) -> final-normed hidden [1, T, d] through inductor,
-    attention through the runner given to each call."""
+    attention through the callable given to each call."""
 
     def __init__(self, model: torch.nn.Module, rows: int = 64):
         self.model = model
@@ -197,11 +200,15 @@ class CompiledForward:
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(tokens, positions=positions, attention_fn=_attention_fn, return_hidden=True)
 
-    def __call__(self, runner: ModelRunner, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        torch._dynamo.decorators.mark_unbacked(tokens, 1)
-        torch._dynamo.decorators.mark_unbacked(positions, 1)
-        with (torch.inference_mode(), running(runner), _CONFIG_LOCK, torch._inductor.config.patch(self._config),
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+        with (torch.inference_mode(), _running(attention), _CONFIG_LOCK, torch._inductor.config.patch(self._config),
               torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)):
+            # Inputs laid out as the warm-up's, else dynamo's guards fail and it recompiles: the decode
+            # graphs hand in rows of their static buffers (views, made outside inference mode).
+            tokens, positions = (t.clone(memory_format=torch.contiguous_format) if t._base is not None
+                                 or not t.is_inference() else t for t in (tokens, positions))
+            torch._dynamo.decorators.mark_unbacked(tokens, 1)
+            torch._dynamo.decorators.mark_unbacked(positions, 1)
             return self._fn(tokens, positions)
 
     def graphs(self) -> int:
@@ -212,15 +219,14 @@ class CompiledForward:
         """Drop the compiled graphs (and the frozen weights they hold), say after a failed warm_up."""
         torch._dynamo.reset_code(self.code)
 
-    def warm_up(self, runner: ModelRunner, rows: int) -> float:
-        """Compile before serving (a decode step of `rows` sequences, then one of a single sequence,
-        which must reuse the graph); returns the seconds it took. The dummy decode steps write K/V
-        into block 0's first slot only, which its next owner overwrites before reading."""
-        from tessera.inference.worker.model_runner import BatchSeq
-
+    def warm_up(self, forward_batch: Callable[[list[BatchSeq], list[int]], torch.Tensor], rows: int) -> float:
+        """Compile before serving, through the runner's `forward_batch` (a decode step of `rows`
+        sequences, then one of a single sequence, which must reuse the graph); returns the seconds
+        it took. The dummy decode steps write K/V into block 0's first slot only, which its next
+        owner overwrites before reading."""
         t = time.perf_counter()
         with torch.inference_mode():
             for n in (max(2, rows), 1):
-                runner.forward_batch([BatchSeq([0], 0, [0], 1) for _ in range(n)], list(range(n)))
+                forward_batch([BatchSeq([0], 0, [0], 1) for _ in range(n)], list(range(n)))
         self.seconds = time.perf_counter() - t
         return self.seconds

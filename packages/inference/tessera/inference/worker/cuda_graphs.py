@@ -44,17 +44,18 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from tessera.common.errors import UserError
+from tessera.inference.worker.batch import BatchSeq, StepInputs
 
 if TYPE_CHECKING:
     from tessera.common.model_config import ModelConfig
     from tessera.inference.config import EngineConfig
-    from tessera.inference.worker.model_runner import BatchSeq, ModelRunner
 
 log = logging.getLogger("tessera.inference")
 
@@ -142,34 +143,33 @@ class GraphSpec:
     scratch_block: int  # the pool block padding rows write to (the pool's last; the BlockManager never has it)
     capture: bool  # False: the padded forward runs eagerly
 
-    def build(self, runner: ModelRunner) -> DecodeGraphs:
-        return DecodeGraphs(runner, self.sizes, self.max_blocks, self.scratch_block, self.capture)
-
 
 class DecodeGraphs:
-    """Bucket-padded decode forwards of one `ModelRunner`, replayed from CUDA graphs (capture=True)
-    or run eagerly on the same static buffers (capture=False)."""
+    """Bucket-padded decode forwards, replayed from CUDA graphs (capture=True) or run eagerly on the
+    same static buffers (capture=False). `run(step)` is the forward replayed: the step's logits of
+    every row (`step.logits_rows` None), [rows, vocab_rows] in the model's dtype (the runner's)."""
 
-    def __init__(self, runner: ModelRunner, sizes: list[int], max_blocks: int, scratch_block: int,
-                 capture: bool):
-        self.runner = runner
-        self.sizes = sorted(sizes)
-        self.scratch = scratch_block
-        self.max_blocks = max_blocks
-        self.capture = capture
+    def __init__(self, spec: GraphSpec, device: torch.device, block_size: int, vocab_rows: int,
+                 run: Callable[[StepInputs], torch.Tensor]):
+        self.run = run
+        self.device = device
+        self.block_size = block_size
+        self.sizes = sorted(spec.sizes)
+        self.scratch = spec.scratch_block
+        self.max_blocks = spec.max_blocks
+        self.capture = spec.capture
         self.replays: Counter[int] = Counter()  # bucket -> decode steps it served (replayed or padded eager)
-        dev, biggest = runner.device, self.sizes[-1]
-        bs = runner.block_size
+        dev, biggest, bs = device, self.sizes[-1], block_size
         # Static inputs, sized for the largest bucket; a padding row is token 0 at position 0 whose
         # K/V go to the scratch block's first slot and whose table is the scratch block.
         self.ids = torch.zeros(3, biggest, dtype=torch.long, device=dev)  # tokens, positions, slots
-        self.ids[2].fill_(scratch_block * bs)
+        self.ids[2].fill_(self.scratch * bs)
         self.seq_lens = torch.ones(biggest, dtype=torch.int32, device=dev)
-        self.block_tables = torch.full((biggest, max_blocks), scratch_block, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((biggest, self.max_blocks), self.scratch, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(biggest + 1, dtype=torch.int32, device=dev)
-        self.logits = torch.zeros(biggest, runner.model.output_weight().shape[0], dtype=torch.float32, device=dev)
+        self.logits = torch.zeros(biggest, vocab_rows, dtype=torch.float32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if capture:
+        if self.capture:
             self._capture_all()
 
     # ---- which steps ------------------------------------------------------------------------
@@ -183,7 +183,7 @@ class DecodeGraphs:
     # ---- one step ---------------------------------------------------------------------------
     def prepare(self, batch: list[BatchSeq], size: int) -> None:
         """Copy the step's inputs into the static buffers, padding rows size - len(batch)."""
-        bs, pad = self.runner.block_size, size - len(batch)
+        bs, pad = self.block_size, size - len(batch)
         width = max(len(s.block_table) for s in batch)
         ids = torch.tensor([[s.tokens[0] for s in batch] + [0] * pad,
                             [s.start for s in batch] + [0] * pad,
@@ -211,28 +211,12 @@ class DecodeGraphs:
 
     def _run(self, size: int) -> None:
         """The padded forward over the first `size` rows of the static buffers: what is captured."""
-        from tessera.inference.worker.model_runner import StepInputs
-
-        runner = self.runner
-        step = StepInputs(
+        step = StepInputs(  # split None: every row through paged_attention, no host-side grouping
             tokens=self.ids[0:1, :size], positions=self.ids[1:2, :size], slot_mapping=self.ids[2, :size],
             block_tables=self.block_tables[:size], seq_lens=self.seq_lens[:size],
-            query_start_loc=self.query_start_loc[:size + 1], logits_rows=self.query_start_loc[:size],
+            query_start_loc=self.query_start_loc[:size + 1], logits_rows=None,
         )
-        runner._step = step  # split None: every row through paged_attention, no host-side grouping
-        try:
-            if runner.compiled is not None:  # CPU, padded_decode: the compiled stack, on copies laid out as
-                with torch.inference_mode():  # its warm-up's inputs (else dynamo guards fail and it recompiles)
-                    tokens, positions = (t.clone(memory_format=torch.contiguous_format) for t in (step.tokens,
-                                                                                                  step.positions))
-                hidden = runner.compiled(runner, tokens, positions)
-            else:
-                hidden = runner.model(step.tokens, positions=step.positions, attention_fn=runner._attention,
-                                      return_hidden=True)
-        finally:
-            runner._step = None
-        weight = runner.model.output_weight()
-        self.logits[:size].copy_(runner.model.logits(hidden[0], weight, vocab_start=runner.tp_rank * weight.shape[0]))
+        self.logits[:size].copy_(self.run(step))
 
     # ---- capture ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -241,13 +225,13 @@ class DecodeGraphs:
         first, on one memory pool. The static buffers hold padding rows only, so capture writes
         nothing but the scratch block."""
         pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.runner.device)
-        side.wait_stream(torch.cuda.current_stream(self.runner.device))
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for size in reversed(self.sizes):
                 self._run(size)
-        torch.cuda.current_stream(self.runner.device).wait_stream(side)
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
         for size in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             try:
@@ -257,5 +241,5 @@ class DecodeGraphs:
                 raise RuntimeError(f"capturing the decode step of batch size {size} as a CUDA graph failed "
                                    f"({type(exc).__name__}: {exc}); serve with --enforce-eager") from exc
             self.graphs[size] = graph
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.device)
         log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)

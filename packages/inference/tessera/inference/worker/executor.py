@@ -62,9 +62,11 @@ from tessera.common.errors import UserError
 from tessera.common.model_config import ModelConfig
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.sample.sampler import Sampler
+from tessera.inference.worker.batch import BatchSeq, batch_seqs
 from tessera.inference.worker.cpu_linear import PackedLinear
 from tessera.inference.worker.cuda_graphs import GraphSpec
-from tessera.inference.worker.model_runner import BatchSeq, ModelRunner, batch_seqs, kv_cache_dtype
+from tessera.inference.worker.kv_cache import kv_cache_dtype
+from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.prepare import ServingPrep, serving_runner
 
 log = logging.getLogger("tessera.inference")
@@ -245,7 +247,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
                             dtype, rank, world, kv_dtype=kv_cache_dtype(init["kv_cache_dtype"], dtype, device),
                             what=f"tensor-parallel rank {rank}")
     if init.get("graphs"):  # every rank captures the same buckets in the same order (NCCL all-reduces included)
-        runner.decode_graphs = GraphSpec(**init["graphs"]).build(runner)
+        runner.use_decode_graphs(GraphSpec(**init["graphs"]))
     packed = sum(isinstance(m, PackedLinear) for m in model.modules())
     _reply(conn, {"t": "ready", "numel": numel, "kv_bytes": runner.kv.nbytes, "packed": packed})
     tp_group = groups.tp_group

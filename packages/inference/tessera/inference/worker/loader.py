@@ -23,7 +23,7 @@ from tessera.common.hf.directory import checked_hf_weights, imported_tensors
 from tessera.common.model import Transformer, build_model
 from tessera.common.model_config import ModelConfig
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
-from tessera.inference.worker.model_runner import kv_cache_dtype as kv_cache_dtype_of
+from tessera.inference.worker.kv_cache import kv_cache_dtype as kv_cache_dtype_of
 from tessera.inference.worker.quantization import check_quantization, quantize_model
 
 log = logging.getLogger("tessera.inference")

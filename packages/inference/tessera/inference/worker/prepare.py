@@ -70,7 +70,7 @@ def serving_runner(model: torch.nn.Module, prep: ServingPrep, num_blocks: int, b
     if compile_it:
         compiled = runner.compiled = CompiledForward(model, prep.batch_hint)
         try:
-            seconds = compiled.warm_up(runner, prep.batch_hint)
+            seconds = compiled.warm_up(runner.forward_batch, prep.batch_hint)
         except COMPILE_ERRORS as exc:  # e.g. no C++ compiler on this machine
             runner.compiled = None
             compiled.discard()  # a graph compiled before the failure holds frozen weights
