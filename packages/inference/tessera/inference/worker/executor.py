@@ -33,7 +33,7 @@ which is exactly the head its query heads use) and reads into its k/v projection
 of that one head, from a DCP checkpoint as a DTensor on a (kv_heads, N / kv_heads) mesh sharded
 over the first dimension and replicated over the second, from an HF directory as that head's
 slice. Nothing on disk changes: checkpoints stay layout-free. Checked on the driver before any
-weight is read (`check_tensor_parallel`).
+weight is read (`loader.check_tensor_parallel`).
 
 Failure: a worker that dies (or raises, then exits) makes the next step raise `WorkerDied`, which
 ends the engine (the server's /health then fails and requests get errors) instead of hanging. A
@@ -66,6 +66,7 @@ from tessera.inference.worker.batch import BatchSeq, batch_seqs
 from tessera.inference.worker.cpu_linear import PackedLinear
 from tessera.inference.worker.cuda_graphs import GraphSpec
 from tessera.inference.worker.kv_cache import kv_cache_dtype
+from tessera.inference.worker.loader import DTYPES
 from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.prepare import ServingPrep, serving_runner
 
@@ -76,39 +77,6 @@ READY_TIMEOUT_S = 600.0  # loading a large shard from slow storage
 
 class WorkerDied(RuntimeError):
     """A tensor-parallel worker exited or failed: the engine cannot go on."""
-
-
-def check_tensor_parallel(tp: int, cfg: ModelConfig, where: str, quantization: str | None = None,
-                          device: torch.device | None = None) -> None:
-    """Refuse a tensor-parallel size the model or the machine cannot be split by (one line, before
-    any weight loads or worker starts). On CUDA worker r runs on cuda:r."""
-    if tp == 1:
-        return
-    if device is not None and device.type == "cuda":
-        if device.index not in (None, 0):
-            raise UserError(f"--device {device} with --tensor-parallel {tp}: the workers take cuda:0..cuda:{tp - 1}; "
-                            "pass --device cuda (select GPUs with CUDA_VISIBLE_DEVICES)")
-        if tp > torch.cuda.device_count():
-            raise UserError(f"--tensor-parallel {tp}: this machine has {torch.cuda.device_count()} CUDA devices; "
-                            "use at most that many ranks")
-    if quantization is not None:
-        raise UserError(f"--quantization {quantization} with --tensor-parallel {tp}: not supported; "
-                        "serve quantized weights with --tensor-parallel 1 or drop --quantization")
-    kv = cfg.kv_heads
-    if kv < tp and tp % kv:
-        raise UserError(f"--tensor-parallel {tp}: {where} has {kv} key/value heads; a tensor-parallel size above "
-                        f"them must be a multiple of them (each head is then replicated on tp / {kv} ranks); use "
-                        f"a divisor or a multiple of {kv}")
-    if kv >= tp and kv % tp:
-        raise UserError(f"--tensor-parallel {tp}: must divide the {kv} key/value heads of {where} (or be a multiple "
-                        f"of them); use a tensor-parallel size that divides them")
-    for what, n in (("attention heads", cfg.num_heads), ("vocabulary rows", cfg.vocab_rows)):
-        if n % tp:
-            raise UserError(f"--tensor-parallel {tp}: must divide the {n} {what} of {where}; use a "
-                            f"tensor-parallel size that divides it")
-    dense = cfg.moe is None or any(not cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers))
-    if dense and cfg.ffn_hidden_size % tp:  # MoE MLPs are not split over tensor ranks (replicated)
-        raise UserError(f"--tensor-parallel {tp}: must divide the MLP width ({cfg.ffn_hidden_size}) of {where}")
 
 
 # ---- the worker ------------------------------------------------------------------------------
@@ -227,7 +195,6 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
 
     from tessera.common.layout import ParallelLayout
     from tessera.common.parallel.state import build_groups
-    from tessera.inference.worker.loader import DTYPES
 
     if init.get("torch_threads"):
         torch.set_num_threads(int(init["torch_threads"]))

@@ -60,6 +60,39 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_tensor_parallel(tp: int, cfg: ModelConfig, where: str, quantization: str | None = None,
+                          device: torch.device | None = None) -> None:
+    """Refuse a tensor-parallel size the model or the machine cannot be split by (one line, before
+    any weight loads or worker starts). On CUDA worker r runs on cuda:r."""
+    if tp == 1:
+        return
+    if device is not None and device.type == "cuda":
+        if device.index not in (None, 0):
+            raise UserError(f"--device {device} with --tensor-parallel {tp}: the workers take cuda:0..cuda:{tp - 1}; "
+                            "pass --device cuda (select GPUs with CUDA_VISIBLE_DEVICES)")
+        if tp > torch.cuda.device_count():
+            raise UserError(f"--tensor-parallel {tp}: this machine has {torch.cuda.device_count()} CUDA devices; "
+                            "use at most that many ranks")
+    if quantization is not None:
+        raise UserError(f"--quantization {quantization} with --tensor-parallel {tp}: not supported; "
+                        "serve quantized weights with --tensor-parallel 1 or drop --quantization")
+    kv = cfg.kv_heads
+    if kv < tp and tp % kv:
+        raise UserError(f"--tensor-parallel {tp}: {where} has {kv} key/value heads; a tensor-parallel size above "
+                        f"them must be a multiple of them (each head is then replicated on tp / {kv} ranks); use "
+                        f"a divisor or a multiple of {kv}")
+    if kv >= tp and kv % tp:
+        raise UserError(f"--tensor-parallel {tp}: must divide the {kv} key/value heads of {where} (or be a multiple "
+                        f"of them); use a tensor-parallel size that divides them")
+    for what, n in (("attention heads", cfg.num_heads), ("vocabulary rows", cfg.vocab_rows)):
+        if n % tp:
+            raise UserError(f"--tensor-parallel {tp}: must divide the {n} {what} of {where}; use a "
+                            f"tensor-parallel size that divides it")
+    dense = cfg.moe is None or any(not cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers))
+    if dense and cfg.ffn_hidden_size % tp:  # MoE MLPs are not split over tensor ranks (replicated)
+        raise UserError(f"--tensor-parallel {tp}: must divide the MLP width ({cfg.ffn_hidden_size}) of {where}")
+
+
 def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch.dtype,
                      quantization: str | None = None, tensor_parallel: int = 1, *, kv_cache_dtype: str = "auto",
                      skip_checksum_verify: bool = False) -> LoadedModel:
@@ -108,8 +141,6 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
                             f"only {cfg.vocab_size}; they do not belong together")
     eos_ids = sorted(set(eos) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
     if tensor_parallel > 1:
-        from tessera.inference.worker.executor import check_tensor_parallel
-
         if hf:  # zero rows up to a multiple of the size (as a new model is padded); their logits are -inf
             cfg = cfg.refit_for(tensor_parallel)
         check_tensor_parallel(tensor_parallel, cfg, str(path), quantization, device)
