@@ -12,7 +12,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from tessera.common.config import StrictModel
-from tessera.inference.sample.structured import StructuredSpec
+from tessera.inference.core.structured_spec import StructuredSpec
 
 # A temperature below this samples greedily (vLLM's _SAMPLING_EPS): dividing logits by a smaller
 # one overflows float32 (5e-324 is a float64 denormal; 1e-45 is float32's smallest), and well

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
 from tessera.inference.core.sampling_params import SamplingParams
-from tessera.inference.sample.structured import StructuredSpec
+from tessera.inference.core.structured_spec import StructuredSpec
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]

@@ -25,7 +25,7 @@ import re
 import uuid
 from typing import Any, Literal
 
-from tessera.inference.sample.structured import StructuredSpec
+from tessera.inference.core.structured_spec import StructuredSpec
 
 Mode = Literal["none", "auto", "required", "named"]
 PARSERS = ("hermes", "llama3_json")

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.core.structured_spec import StructuredSpec, check_spec
 from tessera.inference.engine.frontend import EngineDead, EngineFrontend, RequestFailed, RequestHandle
 from tessera.inference.engine.llm_engine import RequestOutput, RequestRejected
 from tessera.inference.engine.metrics import ServingMetrics
@@ -21,7 +22,6 @@ from tessera.inference.entrypoints.tokenizer_process import (
     TokenizerProcesses,
     TokenizerUnavailable,
 )
-from tessera.inference.sample.structured import StructuredSpec, check_spec
 
 DISCONNECT_POLL_S = 0.5
 

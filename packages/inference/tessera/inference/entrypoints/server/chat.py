@@ -12,11 +12,11 @@ from fastapi.responses import Response, StreamingResponse
 
 from tessera.common.chat_template import ChatTemplateError, render_chat
 from tessera.inference.core.sequence import TokenLogprob
+from tessera.inference.core.structured_spec import check_spec
 from tessera.inference.entrypoints.protocol import ChatCompletionRequest, ChatMessage, FieldError
 from tessera.inference.entrypoints.server.base import ServerBase
 from tessera.inference.entrypoints.server.errors import ApiError, _check_text, _now, _usage
 from tessera.inference.entrypoints.tools import ToolCallStream, parser_for_template, tool_grammar
-from tessera.inference.sample.structured import check_spec
 
 
 def _chat_logprobs(srv: ServerBase, lps: list[TokenLogprob]) -> dict[str, Any]:
