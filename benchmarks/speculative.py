@@ -104,7 +104,7 @@ def main() -> int:
                 return 1
         tokens = args.rounds * args.num_prompts * args.max_tokens
         st = engines["ngram"].stats()
-        from tessera.inference.sample.spec_decode import format_spec_stats
+        from tessera.inference.sample.spec_stats import format_spec_stats
 
         print(f"model {args.preset}: {loaded.config.num_params() / 1e6:.1f}M "
               f"parameters, {args.num_prompts} prompts of {args.prompt_len} x {args.repeats} tokens, "

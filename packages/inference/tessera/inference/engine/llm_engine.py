@@ -66,7 +66,7 @@ class EngineStats:
     prefix_hits: int
     num_preemptions: int
     step_tokens: int = 0  # tokens computed by the last step
-    # Speculative decoding, cumulative (spec_decode.SpecDecodeStats; zeros without it).
+    # Speculative decoding, cumulative (spec_stats.SpecDecodeStats; zeros without it).
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

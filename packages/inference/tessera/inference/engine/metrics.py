@@ -29,7 +29,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tessera.inference.sample.spec_decode import format_spec_stats
+from tessera.inference.sample.spec_stats import format_spec_stats
 
 log = logging.getLogger("tessera.inference")
 LOG_INTERVAL = 10.0  # seconds between speculative-decoding log lines (vLLM logs stats every 10 s)

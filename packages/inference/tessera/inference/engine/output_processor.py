@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from tessera.inference.core.block_manager import BlockManager
 from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
 from tessera.inference.core.sequence import Sequence, TokenLogprob
-from tessera.inference.sample.spec_decode import SpecDecodeStats
+from tessera.inference.sample.spec_stats import SpecDecodeStats
 from tessera.inference.worker.batch import ModelRunnerOutput
 
 

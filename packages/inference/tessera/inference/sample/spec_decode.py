@@ -1,4 +1,4 @@
-"""Speculative decoding: proposing draft tokens, and counting how many the target accepts.
+"""Speculative decoding: proposing draft tokens (how many the target accepts: spec_stats.py).
 
 After each step the engine asks a proposer for up to k draft tokens per decoding sequence
 (`Sequence.spec_token_ids`); the scheduler gives such a sequence a row of 1 + k tokens; the model
@@ -28,7 +28,7 @@ without speculation, in the same batches as speculating ones).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,36 +42,6 @@ from tessera.inference.sample.sampler import Hypothetical, pick, sampling_row
 from tessera.inference.worker.prepare import ServingPrep, serving_runner
 
 log = logging.getLogger("tessera.inference")
-
-
-@dataclass
-class SpecDecodeStats:
-    """Cumulative counts, vLLM's: drafts (verification rows), draft tokens, accepted tokens, and
-    accepted tokens by position in the draft (0-based)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        while len(self.accepted_per_pos) < num_draft_tokens:
-            self.accepted_per_pos.append(0)
-        for j in range(num_accepted):
-            self.accepted_per_pos[j] += 1
-
-
-def format_spec_stats(num_drafts: int, num_draft_tokens: int, num_accepted: int, per_pos: list[int]) -> str:
-    """One log line, vLLM's figures: acceptance rate, mean acceptance length (accepted + 1 per
-    draft), acceptance rate by position."""
-    rate = num_accepted / num_draft_tokens if num_draft_tokens else 0.0
-    mean_len = 1 + num_accepted / num_drafts if num_drafts else 0.0
-    positions = ", ".join(f"{a / num_drafts:.3f}" for a in per_pos) if num_drafts else "-"
-    return (f"speculative decoding: acceptance rate {100 * rate:.1f}% ({num_accepted}/{num_draft_tokens} draft "
-            f"tokens), mean acceptance length {mean_len:.2f}, per-position acceptance rate {positions}")
 
 
 def num_drafts_for(seq: Sequence, k: int) -> int:
