@@ -20,16 +20,9 @@ them (`grammar_bitmask`) and applies them to the batch's logits in one vectorise
 (`apply_bitmask`), and the output processor advances each matcher by its sampled token. A grammar
 that has ended (nothing may follow) ends the sequence with finish_reason "stop".
 
-Where a constrained step's time went before this shape (llama-20m benchmark model, 2,048-token
-BPE vocabulary, the benchmark's JSON schema, 32 sequences, 1 torch thread, on the shared 2-core
-dev VM, 2026-11-23, so +-30%): mask fill 0.6-0.8 ms a step (first step of a matcher up to 7 ms),
-apply_bitmask 0.3 ms, consume_token + is_stopped 0.17 ms, and a new matcher 1.05 ms per request
-(compiling the grammar: LLMatcher(); a deep_copy of a compiled one takes 2 us), against a
-~25 ms decode step. Copies of one compiled grammar also share its lexer's lazily built states:
-the 59 masks of one benchmark-like JSON document took 0.5 ms on a copy against 0.95 ms on a
-freshly compiled matcher (medians of 8, 1 torch thread). Hence: compiled matchers cached per
-grammar, masks computed during the forward (their time leaves the step when a core is free),
-one masked fill.
+Hence compiled matchers cached per grammar, masks computed during the forward (their time leaves
+the step when a core is free), one masked fill; where a constrained step's time went:
+benchmarks/results/serving.md.
 """
 
 from __future__ import annotations

@@ -1,77 +1,15 @@
 """A compiled forward for CPU serving: the layer stack through inductor, attention kept eager.
 
-What vLLM's CPU build does (vllm/platforms/cpu.py: its model traced once by dynamo and compiled by
-inductor, the batch dimension dynamic). A llama decode step on CPU is oneDNN GEMMs plus ~50 small
-eager ops per layer (RMSNorm, RoPE, SiLU * mul, residual adds, views) and their dispatch, ~3 of
-a 13 ms step for llama-25m at 8 sequences (benchmarks/serving_profile.py); inductor fuses those
-into a few C++ loops per layer and runs the whole stack from one Python call.
-
-Shape of it:
-- One graph for the whole stack. Attention (the KV write and the paged attention, whose step
-  state is Python lists of decode groups) stays eager and opaque: `attention_op`, a custom op with
-  tensor inputs that runs the executing step's attention callable, as vLLM's attention op reads its
-  forward context. A graph break at each attention call instead (torch._dynamo.disable) was
-  measured and rejected: dynamo resumes each layer's Block.forward as a frame of its own, the
-  layers share one code object and guard on their own weights, so 8 layers x 2 shapes hit
-  dynamo's recompile limit (8) and the rest runs eagerly: 1.40x / 1.40x / 1.18x the eager forward's
-  time at 8 / 32 / 64 rows, where the custom op took 0.88x / 0.82x / 0.89x (llama-25m, fp32, one
-  thread, ModelRunner decode forwards A/B/C alternating, ratio of medians, the 2-core CPU shared by
-  six agents).
-- The token count is dynamic and unbacked (`mark_unbacked`: no specialisation on its value, not
-  even on 1): one compile serves every decode batch size, a lone sequence's decode step and every
-  prefill chunk. It is compiled at engine start (`warm_up`), before the server is healthy.
-  `mark_dynamic` instead specialises a size of 1 into a second graph (twice the compile time);
-  measured against it (ModelRunner decode forwards, A/B/C alternating, the loaded CPU): unbacked
-  0.73x / 0.99x / 0.98x the eager time at 8 / 32 / 64 rows, mark_dynamic 0.84x / 0.89x / 0.98x,
-  equal within the noise, so one graph.
-- Freezing: the weights become constants, so inductor prepacks every Linear weight for oneDNN
-  (`mkldnn._linear_pointwise`, or MKL's packed GEMM in the static graph) and fuses bias, SiLU and
-  the residual adds into the GEMM calls. The weights are therefore left plain (not
-  cpu_linear.PackedLinear) for a compiled model: dynamo traces `_linear_pointwise` with an opaque
-  packed weight, but inductor lowers it only for a frozen constant, and a PackedLinear's weight
-  is a plain attribute, which freezing does not fold (AssertionError in mkldnn_lowerings). The
-  packed copies are held by the compiled graph beside the module's plain weights (twice the
-  Linear weights' memory). oneDNN blocks a packed weight for a row count: for an unbacked size
-  inductor takes `unbacked_symint_fallback`, set to the engine's max_num_seqs (as the eager
-  PackedLinear's batch hint). Without freezing inductor packs nothing and calls plain `mm` (slower
-  than eager oneDNN: 1.02-1.17x the eager forward's time). Freezing is an inductor setting read
-  outside the per-compile options, so the settings are patched around each call (under a process
-  lock: a patch saves and restores module globals), never set for the process. The plain weights
-  cannot be dropped (inductor's freezing_discard_parameters): the output head, tied to the
-  embedding in GPT-2-style models, is read outside the graph, and dynamo's guards read the
-  parameters at every call. `--cpu-linear aten` (no packing) is served eagerly, not compiled:
-  inductor's cpp.weight_prepack=False was tried and does not hold per model, since inductor
-  registers its freezing patterns (the weight packing among them) once per process, at the first
-  frozen compile, and applies them to every later one (a second model compiled with it off still
-  had its 4 Linears packed).
-- Each CompiledForward compiles a code object of its own (a copy of `_forward`'s): dynamo keeps
-  graphs per code object, so a second model of the same shape compiles its own graph and never
-  reuses another's frozen weights (checked with two seeds of one config; outputs equal each
-  model's eager ones), the graphs are freed with their CompiledForward, and dynamo's recompile
-  limit (8 graphs per code object) is per model: with one shared code object the 9th model in a
-  process ran its stack eagerly, unpacked, with a warning only. Compiled `fullgraph` and under
-  `fail_on_recompile_limit_hit`: a graph break or the limit raises, in warm_up, and
-  prepare.serving_runner serves eagerly with packed weights (or refuses, cpu_compile asked for).
-
-Inductor options are vLLM's CPU build's (dce, no size/NaN asserts, epilogue fusion, dynamic
-threads; one compile thread).
-
-Measured (issue #18; llama-25m, fp32, one thread; `benchmarks/serving_profile.py --compile-ab 8 32
-64`: two engines holding the same 8 / 32 / 64 greedy requests, stepped alternately, decode steps
-only; the 2-core CPU shared by six agents, so ratios of medians, noisy): compiled steps took
-0.82x / 0.81x / 0.88x of the eager (oneDNN-packed) ones (medians of per-step ratios 0.84x / 0.88x /
-0.89x, quartiles about +-0.1); two earlier runs with mark_dynamic's two graphs 0.76x / 0.86x /
-0.86x and 0.92x / 0.87x / 0.97x. Compiling took 81-113 s there at engine start (tiny test models 30-80 s; inductor's
-kernel cache makes a second start of the same model faster). ModelRunner decode forwards alone
-(A/B/C alternating, a quieter moment: eager 14.3 ms at 8 rows): compiled 0.93x / 0.96x / 0.96x
-at 8 / 32 / 64 rows; with inductor's cpp_wrapper (C++ instead of Python calling the kernels)
-1.03x / 1.07x / 1.13x, rejected. Not tried: the output head inside the graph (2-5% of a step,
-unpacked today). So compile is the CPU default, as in vLLM; `--enforce-eager` serves without, and the test suite sets
-TESSERA_CPU_COMPILE=0 (config.CPU_COMPILE_ENV) so that engines in tests start at once.
-
-Not compiled (eager, with prepacked weights; `uncompilable` says why): models whose forward reads
-values back on the host (mixture-of-experts routing, dynamic RoPE scaling; the same rule as CUDA
-graphs), quantized weights, tensor-parallel shards.
+As vLLM's CPU build: a CPU decode step of a small model is oneDNN GEMMs plus dozens of small eager
+ops per layer and their dispatch; inductor fuses those into a few C++ loops and runs the stack from
+one Python call. One graph over a dynamic (unbacked) token count serves every batch, compiled at
+engine start (`warm_up`). Attention (KV write + paged attention) stays eager inside it as an opaque
+custom op that calls the executing step's attention callable. The weights are frozen, so inductor
+packs them for oneDNN itself (plain weights here, not cpu_linear.PackedLinear); each CompiledForward
+compiles its own code object, so its graphs and the frozen weights they hold are its own.
+`uncompilable` says which models run eagerly instead. Why each choice, and the alternatives measured
+and rejected: benchmarks/results/serving.md ("Measurements behind the serving code's design") and
+docs/cli/tessera-serve.md ("Compiled layer stack on CPU").
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@ issue-#18 workload (llama-25m, 32-64 concurrent). `F.linear` hands MKL/oneDNN th
 plain layout every call; PyTorch's own oneDNN path can instead reorder the weight once, at load, into
 the blocked layout its kernel reads (`torch.ops.mkldnn._reorder_linear_weight`) and run
 `torch.ops.mkldnn._linear_pointwise` on it — the same prepacking vLLM's CPU build does with its own
-oneDNN binding. Measured on this project's 2-core CPU for one llama-25m layer's projections, fp32, one
-thread, best of 15 interleaved (vllmpeer session): 0.72x / 0.68x of `F.linear`'s time at 8 / 32 rows;
-MKL's packed GEMM measured 1.12x / 0.97x and was rejected.
+oneDNN binding. About 0.7x `F.linear`'s time at decode batch sizes
+(benchmarks/results/serving.md; MKL's packed GEMM was measured too, and rejected).
 
 Results equal `F.linear`'s to rounding (relative error ~4e-7 in fp32: the blocked kernel sums in
 another order), so `--cpu-linear aten` exists for anyone who wants the unpacked path.

@@ -12,11 +12,8 @@ import torch.nn.functional as F
 from tessera.inference.worker.kv_cache import dequantize_kv
 from tessera.kernels import paged_attention
 
-# Decode sequences per gather + SDPA call. Sorted by length and taken 8 at a time, each group's
-# window is only as wide as its own longest sequence, and its K/V copy (8 x window x heads x dim)
-# stays in cache for SDPA: on a 2-core CPU, llama-20m, 32 sequences of 20-190 tokens, one call
-# for all took 4.8-15.8 ms per layer (the strided SDPA over a 19 MB window thrashes), groups of
-# 8 took 1.5-1.8 ms.
+# Decode sequences per gather + SDPA call: sorted by length, 8 at a time, each group's window is only
+# as wide as its own longest sequence and its K/V copy stays in cache (benchmarks/results/serving.md).
 DECODE_GROUP = 8
 
 
@@ -82,31 +79,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Grouped-query heads are folded into the query length: the H / Hkv query heads that share a KV
     head attend as H / Hkv queries of one head ([S, Hkv, num_q * H/Hkv, D] against [S, Hkv, W, D]),
-    so SDPA's CPU flash kernel reads each K/V block once for all of them. Measured (issue #18;
-    llama-25m shapes: 8 query / 2 KV heads x 64, blocks of 16, a group of 8 sequences, context
-    64/256/512, 1 thread, A/B alternating in one process on the loaded 2-core CPU, ratio of
-    medians; results equal to 3e-7..7e-7): 0.56x / 0.60x / 0.58x of the previous path
-    (SDPA with enable_gqa and a bool mask); SDPA alone 0.53x, and the float mask saves the two
-    `where` SDPA ran per call to convert a bool one. With the masks made once per step and the
-    rows reordered once per layer (`DecodeSplit`), the whole decode forward (llama-25m, merged
-    and oneDNN-packed as served; 8 / 32 / 64 sequences at context 64-128 and 256-512; thread CPU
-    time, so the load's descheduling drops out; A/B alternating in one process, median of 40 pair
-    ratios; an A/A run read 0.99x-1.01x) took 0.94x / 0.86x, 0.92x / 0.87x and 0.93x / 0.90x of
-    the previous code's, logits within 1.7e-6 (normwise). Rejected: gathering K and V with one
-    index_select over the layer's [2, blocks, ...] pool (0.92x at 8 sequences, context 64, but 2x
-    the time of two gathers at 64 sequences, context 256-512: the K and V windows then sit a
-    power of two apart and SDPA's paired reads of them conflict in cache).
-
-    Reading K/V in place instead of this gather was measured and rejected (issue #18; llama-25m
-    decode shapes: 8 query / 2 KV heads x 64, blocks of 16, batch 8/32/64, context 64-512, groups of
-    8, 1 thread, A/B alternating in one process on the 2-core CPU while shared by 7 agents, ratio of
-    medians; results equal to 3e-7..6e-7):
-    - per-block SDPA with an online-softmax merge (one S-block index_select, two matmuls and the
-      running max/sum per block column): 2.1x-3.7x this path's time, from the ops per block column;
-    - an inductor-compiled kernel that fuses the gather into its reductions (indirect loads from the
-      pool, no copy): 0.63x-1.49x, no consistent gain, and 1-4 minutes of compiling per new shape
-      class at startup.
-    The gather is 5-8% of a step (benchmarks/serving_profile.py); a C++ paged kernel is the way to it.
+    so SDPA's CPU flash kernel reads each K/V block once for all of them. Measurements, and the
+    in-place alternatives rejected: benchmarks/results/serving.md.
     """
     _, num_heads, head_dim = q.shape
     num_seqs, num_q = group.seq_lens.shape[0], group.num_q

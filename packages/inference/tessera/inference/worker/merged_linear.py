@@ -8,16 +8,7 @@ MLP's `gate_up` one GEMM over [Wgate; Wup] and a split. A llama layer then runs 
 7 (llama-25m: 57 -> 33 per decode step with the head), each with a wider output, which oneDNN and
 MKL run at a better rate than three or two narrow ones over the same input rows.
 
-Measured (issue #18; fp32, one thread, oneDNN-packed as the engine serves, A/B alternating in one
-process on the 2-core CPU while seven agents shared it, so ratios of medians and noisy): one
-llama-25m layer's q/k/v took 0.84-0.92x and its gate/up 0.93-0.96x of the split layers' time at
-8/32/64 rows (single runs up to 1.45x: the load); the 8-layer stack's decode-shaped forward 0.91x /
-0.90x / 0.97x at 8/32/64 rows. With plain `F.linear` (unpacked) stacking gained nothing
-(1.01-1.05x). Whole engine steps (two engines holding the same 8/32/64 requests, llama-25m,
-stepped alternately, median of per-step ratios over ~50 decode steps, two runs): 0.92x / 0.95x at
-8, 0.95x / 1.01x at 32, 1.01x / 1.01x at 64, quartiles about +-0.15: the projections' gain is a few
-percent of a step, inside this machine's noise at 32-64. A quiet machine should rerun it
-(benchmarks/serving_profile.py).
+The gain, measured: a few percent of a decode step (benchmarks/results/serving.md).
 
 Outputs equal the split layers' to rounding: every output column is the same dot product, only the
 kernel's blocking may sum in another order (tests/inference/test_merged_projections.py).

@@ -1,31 +1,18 @@
-"""Executes one step's plan (`scheduler.SchedulerOutput`) through the model and samples:
-packs every scheduled sequence's new tokens into a single [1, T] batch, writes their
-keys/values into the paged cache, attends over it, and returns a `ModelRunnerOutput` (sampled
-token ids, logprobs, prompt logprobs). It reads the sequences and never changes them; the output
-processor applies the results. So a failed execution leaves nothing half-applied and can be
-retried (the KV slots it wrote are rewritten with the same values).
+"""Executes one step's plan (`scheduler.SchedulerOutput`) through the model and samples.
 
-Sliding-window layers (Mistral, Qwen) pass their window to every attention path; blocks wholly
-outside every window stay allocated for now (correct, not yet economical).
+`prepare` packs every scheduled sequence's new tokens into one [1, T] batch (batch.StepInputs);
+the layer stack runs eagerly, compiled (CPU: compiled.py) or, for a pure decode step, from padded
+graphs (cuda_graphs.py), and its attention hook writes the new K/V into the paged cache and attends
+(`tessera.kernels.paged_attention`; on CPU decode rows in groups: decode_attention.py). Only the
+rows to sample go through the output head; `execute` samples them (batch.ModelRunnerOutput). The
+runner reads the sequences and never changes them (the output processor applies the results), so
+a failed execution leaves nothing half-applied and can be retried: the KV slots it wrote are
+rewritten with the same values.
 
-The shared model is used as is, through its two hooks: `positions` (each token's position in its
-own sequence) and `attention_fn`, which here scatters the new K/V into their cache slots and calls
-`tessera.kernels.paged_attention` (Triton on CUDA, the PyTorch reference on CPU). On CPU the
-reference handles one sequence per call, which makes a 32-sequence decode step 32 x layers tiny
-SDPA calls; there, single-token (decode) sequences, and speculative rows (by equal length),
-instead go through `decode_attention` in groups of up to 8 of similar length (one gather + one SDPA per group, tested against the
-reference; the groups and their masks are formed once per step, not per layer; a layer takes the
-rows in group order with one index_select and returns them with another) and only prefill chunks
-use the reference. Only the rows
-that are sampled (the last token of each sequence that finished its prompt, and prompt positions
-of requests that asked for prompt logprobs) go through the output head.
-
-Speculative decoding: a sequence scheduled with draft tokens computes its newest token and the k
-drafts in one row of 1 + k tokens (through the prefill path, which is causal within the row);
-its k + 1 logits rows go to `sampler.verify`, which accepts a prefix of the drafts and adds one
-token. The K/V written for rejected drafts stay in slots past the sequence's computed length,
-where nothing reads them, until later tokens overwrite them (the output processor rolls the
-computed length back and returns blocks that only held rejected drafts).
+A sequence scheduled with k draft tokens computes its newest token and the drafts in one row of
+1 + k tokens; `sampler.verify` accepts a prefix of them. The K/V of rejected drafts sit past the
+computed length, where nothing reads them, until later tokens overwrite them. Sliding-window layers
+pass their window to every attention path; blocks wholly outside every window stay allocated.
 """
 
 from __future__ import annotations
