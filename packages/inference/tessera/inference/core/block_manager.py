@@ -42,10 +42,6 @@ class BlockManager:
 
     # ---- accounting ------------------------------------------------------------------------
     @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
 

@@ -67,10 +67,6 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
-
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_ids)
         if end <= n:
