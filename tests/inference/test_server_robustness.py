@@ -221,7 +221,7 @@ def test_a_failing_request_over_http_is_a_500_and_health_stays_200(tiny_ckpt):
 
 
 def test_the_engine_process_loop_isolates_a_failing_request(tiny_ckpt):
-    """engine_core's loop (the separate-process engine) over a real pipe: the failing request
+    """core_process's loop (the separate-process engine) over a real pipe: the failing request
     ends with RequestFailed in the HTTP process, the other finishes, the engine stays up."""
     from multiprocessing.connection import Connection
 

@@ -4,7 +4,7 @@ Every value accepted here must be safe to sample with: the ranges below are what
 sampler finite (a division by temperature 5e-324 or by repetition_penalty 1e-45 overflows to inf,
 and inf - inf is NaN, which torch.multinomial refuses), and the sampler has a last guard of its
 own (sampler.py). Token ids that must lie inside the vocabulary are checked against the model by
-`engine.validate_request`.
+`llm_engine.validate_request`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The engine process (`python -m tessera.inference.engine.core_process FD`): loads the model, then steps
 `LLMEngine` in a loop, reading requests from and writing each step's outputs to one pipe (an
-inherited socket, fd FD) shared with the HTTP process. See engine_wire.py for the messages.
+inherited socket, fd FD) shared with the HTTP process. See wire.py for the messages.
 
 Why a process: in the server process the engine thread and the asyncio event loop take turns
 on one GIL, and every torch op the engine runs gives the loop a chance to keep it; here the
@@ -76,7 +76,7 @@ def serve(conn: Connection) -> int:
 
 
 def _loop(conn: Connection, engine) -> None:
-    """The shared engine loop (engine_loop.py) with this pipe as its inbox and outbox."""
+    """The shared engine loop (loop.py) with this pipe as its inbox and outbox."""
     from tessera.inference.core.sampling_params import SamplingParams
     from tessera.inference.engine.loop import run_engine_loop
 

@@ -5,7 +5,7 @@ its outputs from an asyncio queue, abort it when the consumer goes away.
 limit, metrics and delivery to the event loop (one `call_soon_threadsafe` per engine step).
 Two backends step the engine:
   - `AsyncEngine` (here): a background thread in the server process (tests, `--no-engine-process`);
-  - `engine_process.ProcessEngine`: the engine in its own process (tessera-serve's default), so
+  - `process_client.ProcessEngine`: the engine in its own process (tessera-serve's default), so
     the model never shares a GIL with the HTTP layer.
 A request whose consumer goes away (client disconnect, cancelled task) is aborted and its
 blocks freed at the start of the next step.

@@ -1,7 +1,7 @@
 """The engine: requests in, tokens out, one batched model step at a time.
 
 `LLMEngine` is synchronous and single-threaded: `add_request`, `abort`, `step`. The server drives
-it with `engine_loop.run_engine_loop` (in a thread or in its own process); `tessera-generate`
+it with `loop.run_engine_loop` (in a thread or in its own process); `tessera-generate`
 drives it directly. Each `step` is vLLM v1's three parts: the scheduler returns a plan
 (`SchedulerOutput`), the model runner executes it (`ModelRunnerOutput`: sampled tokens,
 logprobs), and the output processor applies the results to the sequences and reports what

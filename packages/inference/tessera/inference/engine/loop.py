@@ -1,5 +1,5 @@
 """The one loop that drives an `LLMEngine` behind the server, in both modes: a thread of the HTTP
-process (`async_engine.AsyncEngine`) and the engine process (`engine_core`). Only where commands
+process (`frontend.AsyncEngine`) and the engine process (`core_process`). Only where commands
 come from and where each step's results go differ; the mode supplies those two functions.
 
 Commands, in arrival order: ("add", request_id, prompt_ids, SamplingParams) | ("abort", request_id)

@@ -1,4 +1,4 @@
-"""The HTTP process's side of an engine running in its own process (engine_core.py).
+"""The HTTP process's side of an engine running in its own process (core_process.py).
 
 `ProcessEngine.launch` starts the child, sends it the checkpoint and engine config, and waits
 until the model is loaded: a bad checkpoint comes back as the child's one-line UserError (the

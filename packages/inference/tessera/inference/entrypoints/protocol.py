@@ -1,5 +1,5 @@
 """Request bodies of the HTTP API: OpenAI completions/chat (with vLLM's sampling extensions) and
-Megatron's PUT /api. Responses are plain dicts built in server.py, in OpenAI's exact shapes.
+Megatron's PUT /api. Responses are plain dicts built in server/, in OpenAI's exact shapes.
 
 Types are strict: a boolean is no integer (`prompt: [true]` is a 400) and a string is no
 boolean (`stream: "yes"` is a 400); an integer is accepted where a number is expected. Unknown

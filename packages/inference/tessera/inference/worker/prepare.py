@@ -36,7 +36,7 @@ log = logging.getLogger("tessera.inference")
 
 @dataclass(frozen=True)
 class ServingPrep:
-    """How a model is prepared (from EngineConfig: `engine.serving_prep(cfg)`)."""
+    """How a model is prepared (from EngineConfig: `llm_engine.serving_prep(cfg)`)."""
 
     cpu_linear: str = "onednn"  # --cpu-linear ("aten" is never compiled: EngineConfig.compile_on_cpu)
     compile: bool = False  # inductor-compiled layer stack on CPU (EngineConfig.compile_on_cpu)

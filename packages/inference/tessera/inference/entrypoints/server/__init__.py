@@ -1,5 +1,5 @@
 """The HTTP server: OpenAI-compatible completions and chat (with SSE streaming), Megatron's
-PUT /api, model list, health and Prometheus metrics, over one engine frontend (async_engine.EngineFrontend).
+PUT /api, model list, health and Prometheus metrics, over one engine frontend (engine/frontend.py: EngineFrontend).
 
 Every error is returned in OpenAI's shape {"error": {"message", "type", "param", "code"}}
 (Megatron's /api keeps its own: a JSON string and status 400). Leaving a request early — client
