@@ -72,67 +72,10 @@ class ModelRunner:
         self.batch_decodes = device.type == "cpu"
         self.sampler = Sampler()
 
-    def _layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views of one layer's pools, made once per pool rather than once per layer and step:
-        K and V [blocks, block_size, Hkv, D] and the same as [slots, Hkv, D]. Made outside inference
-        mode: a view made inside it could not be written outside it (a forward without it)."""
-        views = self._kv_views
-        if views is None or views[0] is not self.kv:
-            layers = []
-            with torch.inference_mode(False):
-                for kv in self.kv:
-                    k, v = kv[0], kv[1]
-                    layers.append((k, v, k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])))
-            views = self._kv_views = (self.kv, layers)
-        return views[1][layer]
-
-    def _attention(self, step: StepInputs, layer: int, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor) -> torch.Tensor:
-        """The model's attention hook for one step: the new K/V into their cache slots, then paged
-        attention (on CPU decode rows through the grouped path, decode_attention.py)."""
-        k_cache, v_cache, flat_k, flat_v = self._layer_kv(layer)
-        k_scale, v_scale = self.kv_scales
-        store_kv(flat_k, step.slot_mapping, k[0], k_scale)
-        store_kv(flat_v, step.slot_mapping, v[0], v_scale)
-        window = self.cfg.window(layer)
-        if step.split is None:
-            out = paged_attention(q[0], k_cache, v_cache, step.block_tables, step.seq_lens,
-                                  step.query_start_loc, self.scale, window, k_scale=k_scale, v_scale=v_scale)
-        else:
-            out = split_attention(q[0], k_cache, v_cache, step.split, self.scale, window, self.kv_scales)
-        return out.unsqueeze(0)
-
-    def prepare(self, batch: list[BatchSeq], logits_rows: list[int]) -> StepInputs:
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        starts = [0]
-        bs = self.block_size
-        for s in batch:
-            start, n, table = s.start, s.num_new, s.block_table
-            tokens.extend(s.tokens)
-            for pos in range(start, start + n):
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
-            seq_lens.append(start + n)
-            starts.append(starts[-1] + n)
-        width = max(len(s.block_table) for s in batch)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
-        dev = self.device
-        inputs = StepInputs(
-            tokens=torch.tensor([tokens], dtype=torch.long, device=dev),
-            positions=torch.tensor([positions], dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-        )
-        num_q = [s.num_q for s in batch]
-        if self.batch_decodes and any(num_q):
-            inputs.split = decode_split(num_q, starts, inputs.block_tables, inputs.seq_lens, self.block_size)
-        return inputs
+    def use_decode_graphs(self, spec: GraphSpec) -> None:
+        """Pure decode steps from now on through bucket-padded graphs of this runner's forward."""
+        self.decode_graphs = DecodeGraphs(spec, self.device, self.block_size, self.model.output_weight().shape[0],
+                                          self._logits)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
@@ -208,6 +151,40 @@ class ModelRunner:
             return self.decode_graphs.forward(batch, logits_rows)  # pure decode: padded, replayed
         return self._logits(self.prepare(batch, logits_rows)).float()
 
+    def prepare(self, batch: list[BatchSeq], logits_rows: list[int]) -> StepInputs:
+        """The step packed: tokens and positions [1, T], each new token's KV slot, block tables,
+        lengths, row offsets, and on CPU which rows attend as decode groups."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        bs = self.block_size
+        for s in batch:
+            start, n, table = s.start, s.num_new, s.block_table
+            tokens.extend(s.tokens)
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            seq_lens.append(start + n)
+            starts.append(starts[-1] + n)
+        width = max(len(s.block_table) for s in batch)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
+        dev = self.device
+        inputs = StepInputs(
+            tokens=torch.tensor([tokens], dtype=torch.long, device=dev),
+            positions=torch.tensor([positions], dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )
+        num_q = [s.num_q for s in batch]
+        if self.batch_decodes and any(num_q):
+            inputs.split = decode_split(num_q, starts, inputs.block_tables, inputs.seq_lens, self.block_size)
+        return inputs
+
     def _logits(self, step: StepInputs) -> torch.Tensor:
         """The step through the layer stack (compiled or eager) and the output head, in the model's
         dtype, for step.logits_rows (None: every row). Padded vocabulary rows come out at -inf."""
@@ -220,7 +197,32 @@ class ModelRunner:
         weight = self.model.output_weight()
         return self.model.logits(rows, weight, vocab_start=self.tp_rank * weight.shape[0])
 
-    def use_decode_graphs(self, spec: GraphSpec) -> None:
-        """Pure decode steps from now on through bucket-padded graphs of this runner's forward."""
-        self.decode_graphs = DecodeGraphs(spec, self.device, self.block_size, self.model.output_weight().shape[0],
-                                          self._logits)
+    def _attention(self, step: StepInputs, layer: int, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor:
+        """The model's attention hook for one step: the new K/V into their cache slots, then paged
+        attention (on CPU decode rows through the grouped path, decode_attention.py)."""
+        k_cache, v_cache, flat_k, flat_v = self._layer_kv(layer)
+        k_scale, v_scale = self.kv_scales
+        store_kv(flat_k, step.slot_mapping, k[0], k_scale)
+        store_kv(flat_v, step.slot_mapping, v[0], v_scale)
+        window = self.cfg.window(layer)
+        if step.split is None:
+            out = paged_attention(q[0], k_cache, v_cache, step.block_tables, step.seq_lens,
+                                  step.query_start_loc, self.scale, window, k_scale=k_scale, v_scale=v_scale)
+        else:
+            out = split_attention(q[0], k_cache, v_cache, step.split, self.scale, window, self.kv_scales)
+        return out.unsqueeze(0)
+
+    def _layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of one layer's pools, made once per pool rather than once per layer and step:
+        K and V [blocks, block_size, Hkv, D] and the same as [slots, Hkv, D]. Made outside inference
+        mode: a view made inside it could not be written outside it (a forward without it)."""
+        views = self._kv_views
+        if views is None or views[0] is not self.kv:
+            layers = []
+            with torch.inference_mode(False):
+                for kv in self.kv:
+                    k, v = kv[0], kv[1]
+                    layers.append((k, v, k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])))
+            views = self._kv_views = (self.kv, layers)
+        return views[1][layer]
