@@ -95,22 +95,22 @@ def _cli(name, *args):
 
 @pytest.mark.slow
 def test_cli_bad_input(tiny_ckpt, tmp_path):
-    r = _cli("cli", "--checkpoint", str(tmp_path / "missing"), "--port", "8001")
+    r = _cli("entrypoints.serve_cli", "--checkpoint", str(tmp_path / "missing"), "--port", "8001")
     assert r.returncode == 2 and "missing" in r.stderr and "Traceback" not in r.stderr
-    r = _cli("cli", "--checkpoint", str(tiny_ckpt), "--max-num-seqs", "100", "--max-num-batched-tokens", "10")
+    r = _cli("entrypoints.serve_cli", "--checkpoint", str(tiny_ckpt), "--max-num-seqs", "100", "--max-num-batched-tokens", "10")
     assert r.returncode == 2 and "max-num-batched-tokens" in r.stderr
-    r = _cli("cli", "--checkpoint", str(tiny_ckpt), "--drain-timeout", "-1")
+    r = _cli("entrypoints.serve_cli", "--checkpoint", str(tiny_ckpt), "--drain-timeout", "-1")
     assert r.returncode == 2 and "--drain-timeout" in r.stderr and "Traceback" not in r.stderr
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a"}\n{"text": "b"}\n')
-    r = _cli("generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"))
+    r = _cli("entrypoints.generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"))
     assert r.returncode == 2 and "p.jsonl:2" in r.stderr and "Traceback" not in r.stderr
     # a corrupt checkpoint names the file
     bad = tmp_path / "bad"
     shutil.copytree(resolve_checkpoint(tiny_ckpt), bad)
     (bad / "tessera_checkpoint.json").write_text("{oops")
     prompts.write_text('{"prompt": "a"}\n')
-    r = _cli("generate_cli", "--checkpoint", str(bad), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"))
+    r = _cli("entrypoints.generate_cli", "--checkpoint", str(bad), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"))
     assert r.returncode == 2 and "tessera_checkpoint.json" in r.stderr
 
 
@@ -123,7 +123,7 @@ def test_generate_cli_end_to_end(tiny_ckpt, tmp_path):
         {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7, "seed": 3},
     ]) + "\n")
     out = tmp_path / "out.jsonl"
-    r = _cli("generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output", str(out),
+    r = _cli("entrypoints.generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output", str(out),
              "--max-tokens", "6", "--quiet", "--num-kv-blocks", "64")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -131,7 +131,7 @@ def test_generate_cli_end_to_end(tiny_ckpt, tmp_path):
     assert rows[0]["completion_tokens"] == 4 and rows[1]["completion_tokens"] == 6
     assert len(rows[1]["logprobs"]) == 6
     # Without --quiet into a file (a batch job's log): whole progress lines, no \r frames.
-    r = _cli("generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output",
+    r = _cli("entrypoints.generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output",
              str(tmp_path / "out2.jsonl"), "--max-tokens", "6", "--num-kv-blocks", "64")
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stderr and "generating: 3/3 prompt (100%)" in r.stderr, r.stderr[-500:]
