@@ -8,6 +8,15 @@ from core_helpers import seq
 from tessera.inference.core.block_manager import BlockManager
 
 
+def computed(blocks: BlockManager, rid: str, prompt: list[int]):
+    """A sequence whose prompt is allocated and computed, its full blocks offered to the prefix cache."""
+    s = seq(rid, prompt)
+    assert blocks.allocate(s, len(prompt))
+    s.num_computed = len(prompt)
+    blocks.commit_full_blocks(s)
+    return s
+
+
 def test_an_allocation_the_pool_cannot_hold_changes_nothing():
     blocks = BlockManager(3, 4)
     a, b = seq("a", [1] * 8), seq("b", [2] * 8)
@@ -20,10 +29,7 @@ def test_an_allocation_the_pool_cannot_hold_changes_nothing():
 
 def test_freed_blocks_holding_nothing_cached_are_reused_before_cached_ones():
     blocks = BlockManager(4, 4)
-    a = seq("a", [1] * 6)
-    blocks.allocate(a, 6)
-    a.num_computed = 6
-    blocks.commit_full_blocks(a)  # block 0 full and cached, block 1 half full
+    a = computed(blocks, "a", [1] * 6)  # block 0 full and cached, block 1 half full
     blocks.free_seq(a)
     b = seq("b", [2] * 3)
     blocks.allocate(b, 3)
@@ -33,21 +39,14 @@ def test_freed_blocks_holding_nothing_cached_are_reused_before_cached_ones():
 
 def test_a_cached_block_is_evicted_when_the_pool_reuses_it():
     blocks = BlockManager(2, 4)
-    a = seq("a", [1] * 8)
-    blocks.allocate(a, 8)
-    a.num_computed = 8
-    blocks.commit_full_blocks(a)
-    blocks.free_seq(a)
+    blocks.free_seq(computed(blocks, "a", [1] * 8))
     blocks.allocate(seq("b", [2] * 5), 5)  # needs both blocks: both cached ones go
     assert blocks.cached == {} and blocks.lookup_prefix(seq("again", [1] * 9)) == []
 
 
 def test_shared_prefix_blocks_are_counted_once_per_holder_and_freed_when_the_last_goes():
     blocks = BlockManager(4, 4)
-    a = seq("a", [1] * 8)
-    blocks.allocate(a, 8)
-    a.num_computed = 8
-    blocks.commit_full_blocks(a)
+    a = computed(blocks, "a", [1] * 8)
     b = seq("b", [1] * 8 + [3])
     hits = blocks.lookup_prefix(b)
     assert hits == [0, 1] and blocks.allocate(b, 9, prefix_hits=hits)
