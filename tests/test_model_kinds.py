@@ -48,7 +48,7 @@ def _ckpt_main():
 
 
 def _serve_main():
-    from tessera.inference.cli import main
+    from tessera.inference.entrypoints.serve_cli import main
 
     return main
 
@@ -75,9 +75,9 @@ def test_the_causal_lm_is_the_one_registered_kind_and_every_stage_has_its_code()
     from tessera.ckpt_convert.kinds import CONVERTERS, check_convertible
     from tessera.common.models.causal_lm.config import ModelConfig
     from tessera.common.models.causal_lm.model import Transformer
-    from tessera.inference.block_manager import BlockManager
+    from tessera.inference.core.block_manager import BlockManager
     from tessera.inference.kinds import serving_kind
-    from tessera.inference.model_runner import ModelRunner
+    from tessera.inference.worker.model_runner import ModelRunner
     from tessera.trainer.data import MixtureBatches
     from tessera.trainer.kinds import trainer_kind
     from tessera.trainer.plan.memory import decoder_memory, memory_count

@@ -18,7 +18,7 @@ from live_server import LiveServer
 
 from tessera.common.chat_template import RenderLimits
 from tessera.common.checkpoint import resolve_checkpoint
-from tessera.inference.server import ServerLimits
+from tessera.inference.entrypoints.server import ServerLimits
 
 # The model's template: plain chat unless a client's chat_template_kwargs steer it into one of
 # these (a template that loops over what a client sends is the same risk).
@@ -177,7 +177,7 @@ def test_prep_chat_data_stops_at_a_runaway_template_with_one_line(tmp_path, caps
                                          ("--chat-template-max-memory", "0")])
 def test_a_chat_template_limit_that_is_not_positive_is_refused_at_start(tmp_path, capsys, flag, value):
     from tessera.common.errors import run_cli
-    from tessera.inference.cli import main
+    from tessera.inference.entrypoints.serve_cli import main
 
     with pytest.raises(SystemExit) as exc:
         run_cli(main, ["--checkpoint", str(tmp_path), flag, value])

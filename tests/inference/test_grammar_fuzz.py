@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from inference_helpers import make_engine
 
-from tessera.inference.async_engine import AsyncEngine
-from tessera.inference.grammar_check import PROCESSES
-from tessera.inference.server import OpenAIServer, ServerLimits
+from tessera.inference.engine.frontend import AsyncEngine
+from tessera.inference.entrypoints.grammar_check import PROCESSES
+from tessera.inference.entrypoints.server import OpenAIServer, ServerLimits
 
 EXAMPLES = 1000
 # What the server process may grow by over the run: the engine keeps up to 64 compiled grammars

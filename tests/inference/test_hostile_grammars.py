@@ -24,9 +24,9 @@ import pytest
 from inference_helpers import generate_usage_error, wait_for_health
 from live_server import LiveServer
 
-from tessera.inference.grammar_check import GrammarCheck
-from tessera.inference.server import ServerLimits
-from tessera.inference.structured_limits import GrammarLimits
+from tessera.inference.core.structured_limits import GrammarLimits
+from tessera.inference.entrypoints.grammar_check import GrammarCheck
+from tessera.inference.entrypoints.server import ServerLimits
 
 ALIVE_S = 5.0
 
@@ -279,7 +279,7 @@ def test_response_format_and_structured_outputs_are_strictly_typed(server):
 @pytest.mark.parametrize("value", ["true", '"4"', "4.0"])
 def test_speculative_config_takes_only_an_integer_token_count(tiny_ckpt, tmp_path, capsys, value):
     from tessera.common.errors import run_cli
-    from tessera.inference.cli import main
+    from tessera.inference.entrypoints.serve_cli import main
 
     spec = '{"method": "ngram", "num_speculative_tokens": ' + value + "}"
     with pytest.raises(SystemExit) as exc:
@@ -305,7 +305,7 @@ def test_speculative_config_takes_only_an_integer_token_count(tiny_ckpt, tmp_pat
 ])
 def test_a_bad_grammar_limit_flag_is_one_line_and_exit_2(tiny_ckpt, capsys, flag, value, words):
     from tessera.common.errors import run_cli
-    from tessera.inference.cli import main
+    from tessera.inference.entrypoints.serve_cli import main
 
     with pytest.raises(SystemExit) as exc:
         run_cli(main, ["--checkpoint", str(tiny_ckpt), flag, value])
@@ -321,7 +321,7 @@ def test_the_real_server_with_its_engine_process_survives_a_crashing_grammar(tin
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.cli import entry; entry()",
+    proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.entrypoints.serve_cli import entry; entry()",
                              "--checkpoint", str(tiny_ckpt), "--port", str(port), "--quiet", "--num-kv-blocks", "64",
                              "--max-grammar-rules", "20000", "--max-grammar-bytes", "1000000"],
                             stderr=subprocess.PIPE, text=True)
