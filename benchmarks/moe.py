@@ -44,7 +44,7 @@ from tessera.common.models.causal_lm.config import ModelConfig, preset  # noqa: 
 from tessera.common.models.causal_lm.hf.adapter import export_rules, hf_config  # noqa: E402
 from tessera.trainer.config import OptimConfig  # noqa: E402
 from tessera.trainer.model_setup import prepare_model  # noqa: E402
-from tessera.trainer.precision import Precision  # noqa: E402
+from tessera.trainer.precision.mixed import Precision  # noqa: E402
 
 PRESETS = {"qwen3_moe": "qwen3-moe-tiny", "mixtral": "mixtral-tiny"}
 

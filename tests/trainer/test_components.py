@@ -17,7 +17,7 @@ from tessera.common.models.causal_lm.config import PRESETS, preset
 from tessera.common.models.causal_lm.model import build_model
 from tessera.trainer.config import OptimConfig, ScheduleConfig, TrainConfig
 from tessera.trainer.data import MicroBatchPlan, MixtureBatches
-from tessera.trainer.metrics import gpu_peak_tflops
+from tessera.trainer.observability.metrics import gpu_peak_tflops
 from tessera.trainer.optim import build_optimizer, decay_groups
 from tessera.trainer.schedule import LRSchedule
 

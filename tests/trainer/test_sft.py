@@ -23,7 +23,7 @@ from tessera.trainer.config import OptimConfig
 from tessera.trainer.data import MixtureBatches
 from tessera.trainer.documents import DocumentMasking
 from tessera.trainer.optim import build_optimizer
-from tessera.trainer.precision import Precision
+from tessera.trainer.precision.mixed import Precision
 from tessera.trainer.step import TrainStep
 
 CPU = torch.device("cpu")

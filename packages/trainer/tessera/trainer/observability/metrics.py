@@ -23,6 +23,9 @@ from typing import Any
 import psutil
 import torch
 
+from tessera.trainer.config import LoggingConfig
+from tessera.trainer.observability.trackers import open_trackers
+
 # Dense bf16/fp16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets.
 GPU_PEAK_TFLOPS: dict[str, float] = {
     "H200": 989.0,
@@ -140,7 +143,7 @@ class MetricsSink:
                  trackers: list | None = None):
         self.write = write
         self.enabled = enabled
-        self.trackers = trackers or []  # tessera.trainer.trackers (W&B, MLflow)
+        self.trackers = trackers or []  # tessera.trainer.observability.trackers (W&B, MLflow)
         self.started = time.monotonic()
         self.jsonl = None
         self.tb = None
@@ -158,6 +161,14 @@ class MetricsSink:
                       "(pip install tensorboard, or set logging.tensorboard=false)")
             if SummaryWriter is not None:
                 self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    @classmethod
+    def for_run(cls, logging: LoggingConfig, run_dir: Path, config: dict[str, Any], write,
+                enabled: bool) -> MetricsSink:
+        """The sinks the logging section asks for; trackers (W&B, MLflow, given the run's `config`) are
+        started where this rank writes (`enabled`)."""
+        trackers = open_trackers(logging, run_dir, config, write) if enabled else []
+        return cls(run_dir, logging.jsonl, logging.tensorboard, write, enabled, trackers)
 
     def log(self, rec: dict[str, Any]) -> None:
         if not self.enabled:

@@ -14,8 +14,8 @@ State-dict layout (flattened by DCP with dots; every leaf is a tensor, so loadin
 A parallel run (tessera.trainer.parallel.engine) writes the same `model.*`, `optimizer.*` and
 `train_state.*` keys (global tensors, so any layout or one process reads them) and its RNG
 streams per rank as `rng.rank<R>.*`. Each group of keys belongs to one stateful component
-(tessera.trainer.stateful); `state_of` and `restore` save and load any set of them, and the
-checkpoint manager (tessera.trainer.checkpoint_manager) decides which, for every layout.
+(tessera.trainer.checkpoint.stateful); `state_of` and `restore` save and load any set of them, and the
+checkpoint manager (tessera.trainer.checkpoint.manager) decides which, for every layout.
 
 The LR schedule is a pure function of train_state.step (tessera.trainer.schedule), so the step is
 its whole state. Hyper-parameters of the optimizer groups come from the config, not the file.
@@ -68,8 +68,15 @@ from tessera.common.faults import fault_point
 from tessera.common.fileio import name_os_error, names_os_errors
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import Tokenizer
-from tessera.trainer.precision import Precision
-from tessera.trainer.stateful import ModuleState, OptimizerState, RNGState, ScalerState, Stateful, TrainState
+from tessera.trainer.checkpoint.stateful import (
+    ModuleState,
+    OptimizerState,
+    RNGState,
+    ScalerState,
+    Stateful,
+    TrainState,
+)
+from tessera.trainer.precision.mixed import Precision
 
 PARTIAL_SUFFIX = ".partial"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")

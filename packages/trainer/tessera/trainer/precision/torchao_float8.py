@@ -1,12 +1,13 @@
 """FP8 training (training.precision: fp8) through torchao's Float8 linear layers.
 
-Backends (`training.fp8_backend`): torchao (this module, the default: every composition below)
-or NVIDIA Transformer Engine (`te`, tessera.trainer.fp8_te, when installed: its Linear layers
-in the same places, `eligible` below, with TE's recipes tensorwise (current scaling), blockwise
-and mxfp8; one process, eager, no full recompute; refused with one line otherwise). Both keep
-state dicts those of a bf16 run, so checkpoints interchange across backends.
+Backends (`training.fp8_backend`, behind one interface: tessera.trainer.precision.float8):
+torchao (this module, the default: every composition below) or NVIDIA Transformer Engine (`te`,
+tessera.trainer.precision.te_float8, when installed: its Linear layers in the same places,
+`eligible` below, with TE's recipes tensorwise (current scaling), blockwise and mxfp8; one
+process, eager, no full recompute; refused with one line otherwise). Both keep state dicts those
+of a bf16 run, so checkpoints interchange across backends.
 
-`training.precision: fp8` is bf16 autocast (tessera.trainer.precision) with every eligible
+`training.precision: fp8` is bf16 autocast (tessera.trainer.precision.mixed) with every eligible
 nn.Linear swapped for torchao's `Float8Linear`: its three matmuls (output, input gradient, weight
 gradient) cast their operands to float8 e4m3 with dynamic scales and run on FP8 tensor cores;
 master weights, gradients and optimizer state stay fp32 and everything else (norms, attention,
@@ -38,9 +39,8 @@ Composition (issue #19), what holds and what is refused:
   per tensor for the whole unsharded weight; the scales of all weights are then computed in one
   all-reduce after each optimizer step by `precompute_float8_scales` (torchao's
   `precompute_float8_dynamic_scale_for_fsdp`). Tensorwise only (torchao: a rowwise scale needs the
-  whole row, which the shard does not have); the trainer's config (TrainConfig, the user-facing check of
-  the option) refuses it with rowwise, without FSDP, or with tensor parallel, in one line
-  (ParallelConfig and ParallelRuntime.build check the same for callers that build them directly).
+  whole row, which the shard does not have); the trainer's config (TrainConfig) refuses it with
+  rowwise, without FSDP, or with tensor parallel, in one line.
 - tensor parallel (and sequence parallel): Tessera's ColumnParallelLinear/RowParallelLinear issue
   their collectives in their own forward, so they are not swapped (a Float8Linear would drop the
   collectives; torchao's own TP support is for DTensor layers). Instead their local-matmul hook
@@ -53,7 +53,7 @@ Composition (issue #19), what holds and what is refused:
   fullgraph + AOTAutograd, tested with aot_eager on CPU; the all-reduces are functional
   collectives). Over one tensor rank the layers are plain Linear layers with tags and are swapped
   for Float8Linear (tags kept). Not with FSDP float8 all-gather (refused by the trainer's config).
-- the parallel runtime (`ParallelConfig.fp8_recipe`, set by the trainer under torchrun): converts
+- the parallel runtime (training.precision=fp8 under torchrun, through TorchaoFloat8): converts
   each stage after the tensor-parallel swap and before compile and fully_shard; ZeRO-1 data
   parallel, FSDP (meta build, sharded init) and pipeline train like one process in fp8 over the
   same micro-batches (tests/parallel/test_fp8_parallel.py, emulated on CPU, within 1e-5); tensor
@@ -69,7 +69,9 @@ import torch
 from torch import nn
 
 from tessera.common.errors import UserError
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.parallel.layers import ColumnParallelLinear, RowParallelLinear, keep_tags
+from tessera.trainer.config import TrainingConfig
 
 RECIPES = ("tensorwise", "rowwise")
 FP8_MIN_CAPABILITY = (8, 9)
@@ -136,8 +138,7 @@ def convert_to_float8(model: nn.Module, recipe: str, fsdp_float8_all_gather: boo
     names of the converted layers. No device check (see `apply_float8`). With
     `fsdp_float8_all_gather` (before `fully_shard`), FSDP2 gathers the weights in float8; then
     call `precompute_float8_scales` after every optimizer step. The option's combinations
-    (tensorwise, FSDP, no tensor parallel) are checked by TrainConfig, ParallelConfig and
-    ParallelRuntime.build, not here.
+    (tensorwise, FSDP, no tensor parallel) are checked by TrainConfig, not here.
     """
     config = float8_config(recipe, fsdp_float8_all_gather)
     parallel = [(name, m) for name, m in model.named_modules() if (_tensor_parallel_size(m) or 1) > 1]
@@ -184,6 +185,28 @@ def require_converted(converted: list[str]) -> list[str]:
         raise UserError("training.precision=fp8: no Linear layer of this model (of this rank's tensor-parallel "
                         f"slice) has dimensions that are multiples of {_ALIGN}; use training.precision=bf16")
     return converted
+
+
+class TorchaoFloat8:
+    """torchao behind tessera.trainer.precision.float8.Float8Backend."""
+
+    recipes = RECIPES
+
+    def problem(self, training: TrainingConfig, model: ModelConfig, device: torch.device,
+                processes: int) -> str | None:
+        if training.fp8_recipe not in RECIPES:
+            return (f"training.fp8_recipe={training.fp8_recipe} is a Transformer Engine recipe: set "
+                    f"training.fp8_backend=te, or use {' or '.join(RECIPES)} with torchao")
+        return fp8_device_problem(device)
+
+    def convert(self, model: nn.Module, recipe: str, fsdp_float8_all_gather: bool = False) -> list[str]:
+        return require_converted(convert_to_float8(model, recipe, fsdp_float8_all_gather))
+
+    def forward_context(self, recipe: str) -> None:
+        return None  # Float8Linear casts inside its own forward
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        precompute_float8_scales(model)
 
 
 # ---- tensor parallel: float8 inside Tessera's Column/RowParallelLinear ----------------------------

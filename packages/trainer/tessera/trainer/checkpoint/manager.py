@@ -1,20 +1,21 @@
 """The checkpoint manager: one object that saves and restores a run's stateful components.
 
-    manager = CheckpointManager(root, keep_last, tokenizer, sidecar, layout, engine.components(), say)
-    manager.save(train_state, background=False)   # the crash-safe sequence (checkpointing.py)
+    manager = CheckpointManager(root, cfg.checkpoint, tokenizer, sidecar, engine.components(), say)
+    manager.start()                               # checkpoint.async_save: the background saver
+    manager.save(train_state, background=False)   # the crash-safe sequence (storage.py)
     train_state = manager.load(directory)         # --resume: every component, from any layout
     manager.load_weights(directory)               # checkpoint.init_from: the model only
 
 The components are the engine's (model, optimizer, loss scaler, RNG streams: one process or any
-parallel layout, tessera.trainer.stateful) plus the data position (TrainState), which
-checkpointing writes with every save. The same rules for every layout:
+parallel layout, tessera.trainer.checkpoint.stateful) plus the data position (TrainState), which
+storage writes with every save. The same rules for every layout:
 
 * model and optimizer state load from a checkpoint of any layout (global tensors, layout-free
   names); optimizer state only when the checkpoint has it, the scaler only when it has one;
 * RNG streams are per rank, so they are restored only under the layout they were saved from
   (else they stay as seeded, and a note says so: only dropout draws then differ);
-* with checkpoint.async_save (`start_async`), saves overlap training: at most one in flight; the
-  next save, `poll` and `finish` report it.
+* with checkpoint.async_save (`start`), saves asked for in the background overlap training: at
+  most one in flight; the next save, `poll` and `finish` report it.
 """
 
 from __future__ import annotations
@@ -28,33 +29,34 @@ import torch.distributed as dist
 
 from tessera.common.checkpoint import CheckpointSidecar, read_sidecar, verify_checksums
 from tessera.common.errors import ArtifactError
-from tessera.common.layout import ParallelLayout
 from tessera.common.tokenizer import Tokenizer
-from tessera.trainer.checkpointing import AsyncCheckpointer, restore, state_of, write_checkpoint
-from tessera.trainer.stateful import Stateful, TrainState
+from tessera.trainer.checkpoint.stateful import Stateful, TrainState
+from tessera.trainer.checkpoint.storage import AsyncCheckpointer, restore, state_of, write_checkpoint
+from tessera.trainer.config import CheckpointConfig
 
 
 class CheckpointManager:
-    def __init__(self, root: Path, keep_last: int, tokenizer: Tokenizer, sidecar: CheckpointSidecar,
-                 layout: ParallelLayout, components: dict[str, Stateful], say: Callable[[str], None],
-                 verify_on_load: bool = True):
-        self.root, self.keep_last = Path(root), keep_last
-        self.tokenizer, self.sidecar, self.layout = tokenizer, sidecar, layout
+    def __init__(self, root: Path, settings: CheckpointConfig, tokenizer: Tokenizer, sidecar: CheckpointSidecar,
+                 components: dict[str, Stateful], say: Callable[[str], None]):
+        self.root, self.settings = Path(root), settings
+        self.keep_last, self.verify_on_load = settings.keep_last, settings.verify_on_load
+        self.tokenizer, self.sidecar, self.layout = tokenizer, sidecar, sidecar.layout  # the layout this run runs
         self.components = components
         self.say = say
         self.async_saver: AsyncCheckpointer | None = None
-        self.verify_on_load = verify_on_load
 
     # ---- save ---------------------------------------------------------------------------------
-    def start_async(self) -> None:
-        """checkpoint.async_save: later saves may run in the background (a collective under torchrun:
-        every rank calls it at the same point)."""
-        self.async_saver = AsyncCheckpointer()
+    def start(self) -> None:
+        """With checkpoint.async_save, start the background saver (a collective under torchrun: every
+        rank calls it at the same point)."""
+        if self.settings.async_save:
+            self.async_saver = AsyncCheckpointer()
 
     def save(self, train_state: TrainState, background: bool = False) -> Path:
-        """Save now; with `background` (checkpoint.async_save) only the copy to CPU memory blocks.
+        """Save now; with `background` and checkpoint.async_save only the copy to CPU memory blocks.
         Collective under a process group (the state is gathered from every rank)."""
         saver = self.async_saver
+        background = background and saver is not None
         if saver is not None:
             self._report(saver.wait())  # at most one in flight: the previous one completes first
         start = time.perf_counter()

@@ -1,10 +1,10 @@
 """FP8 training through NVIDIA Transformer Engine (training.fp8_backend: te), the optional backend.
 
 `training.precision: fp8` with `training.fp8_backend: te` is the same bf16 autocast over fp32
-master weights as the torchao path (tessera.trainer.fp8), with the eligible nn.Linear layers (the
-same rule, `tessera.trainer.fp8.eligible`: not the output head, dimensions multiples of 16)
+master weights as the torchao path (tessera.trainer.precision.torchao_float8), with the eligible nn.Linear layers (the
+same rule, `tessera.trainer.precision.torchao_float8.eligible`: not the output head, dimensions multiples of 16)
 swapped for `transformer_engine.pytorch.Linear` and the forward entered in TE's
-`transformer_engine.pytorch.autocast(recipe=...)` inside torch's (tessera.trainer.precision).
+`transformer_engine.pytorch.autocast(recipe=...)` inside torch's (tessera.trainer.precision.mixed).
 The `te` extra installs it (`pip install 'tessera-trainer[te]'`, TE 2.9+, which has `autocast`
 with `recipe=`; it needs CUDA: the library builds against the machine's CUDA toolkit).
 
@@ -41,8 +41,8 @@ lose scaling state (there is none), so resume is exact. A state dict that does c
 `<layer>._extra_state` (written by something else) is refused with one line before TE sees it:
 TE 2.9-2.17.0's set_extra_state would unpickle it.
 
-Refused with one line (exit 2) before any weights load (tessera.trainer.inputs.check_inputs,
-and the config's validators for what needs only the config):
+Refused with one line (exit 2) before any work: `TransformerEngineFloat8.problem`, which
+tessera.trainer.inputs.check_inputs runs first:
 - TE not importable (the import's own reason in the line), a device without FP8 tensor cores
   (`fp8_device_problem`, the torchao path's check), a recipe the GPU lacks (TE's own check).
 - training.compile: TE's Linear.forward is excluded from dynamo (`no_torch_dynamo`), so the
@@ -52,14 +52,13 @@ and the config's validators for what needs only the config):
   own `te.distributed.checkpoint` for that); selective recomputes the attention core, which has
   no Linear layer, and composes.
 - more than one process (torchrun): Tessera's parallel runtime issues its own collectives in its
-  tensor-parallel layers (the reason fp8.py gives for torchao's Float8Linear), shards with its
+  tensor-parallel layers (the reason torchao_float8.py gives for torchao's Float8Linear), shards with its
   own ZeRO-1 and FSDP2 code and enters its own autocast; TE's tensor parallel (tp_group,
   parallel_mode) is for TE's layers and the runtime converts through torchao only. Use
   fp8_backend=torchao there.
 - micro_batch_size x seq_length not a multiple of 8 (32 for mxfp8), and under mxfp8 a layer whose
-  dimensions are not multiples of 32 (the config's validator, from the model config, before
-  anything is built): te.Linear checks its FP8 operands with `utils.assert_dim_for_fp8_exec` (TE
-  2.9: tokens divisible by 8, features by 16, which fp8.eligible already asks of the layers);
+  dimensions are not multiples of 32 (from the model config, before anything is built): te.Linear checks its FP8 operands with `utils.assert_dim_for_fp8_exec` (TE
+  2.9: tokens divisible by 8, features by 16, which torchao_float8.eligible already asks of the layers);
   MXFP8 needs both in multiples of its 32-value blocks.
 """
 
@@ -76,7 +75,8 @@ from torch import nn
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import Transformer
-from tessera.trainer.fp8 import eligible, fp8_device_problem, require_converted
+from tessera.trainer.config import TrainingConfig
+from tessera.trainer.precision.torchao_float8 import eligible, fp8_device_problem, require_converted
 
 
 class TERecipe(NamedTuple):
@@ -260,7 +260,7 @@ def te_layers_problem(model: nn.Module, recipe: str) -> str | None:
 
 def te_model_problem(cfg: ModelConfig, recipe: str) -> str | None:
     """te_layers_problem for the model `cfg` describes, built on the meta device (no memory, no
-    GPU): the config's validator refuses it before anything is built."""
+    GPU): check_inputs refuses it before anything is built."""
     with torch.device("meta"):
         return te_layers_problem(Transformer(cfg), recipe)
 
@@ -283,6 +283,35 @@ def apply_te(model: nn.Module, recipe: str,
     autocast for each forward: TE's autocast with the recipe."""
     if problem := te_problem(recipe, device):
         raise UserError(problem)
-    converted = require_converted(convert_to_te(model, recipe))
+    return require_converted(convert_to_te(model, recipe)), te_forward_context(recipe)
+
+
+def te_forward_context(recipe: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """TE's autocast with the recipe, entered by Precision inside torch's for each forward."""
     te, fp8_recipe = import_te(), te_recipe(recipe)
-    return converted, lambda: te.autocast(enabled=True, recipe=fp8_recipe)
+    return lambda: te.autocast(enabled=True, recipe=fp8_recipe)
+
+
+class TransformerEngineFloat8:
+    """Transformer Engine behind tessera.trainer.precision.float8.Float8Backend."""
+
+    recipes = tuple(TE_RECIPES)
+
+    def problem(self, training: TrainingConfig, model: ModelConfig, device: torch.device,
+                processes: int) -> str | None:
+        """The config's, the layout's, the layers' and the machine's checks, in that order."""
+        t = training
+        return (te_config_problem(t.fp8_recipe, t.compile, t.recompute, t.micro_batch_size, t.seq_length)
+                or te_layout_problem(processes) or te_model_problem(model, t.fp8_recipe)
+                or te_problem(t.fp8_recipe, device, processes))
+
+    def convert(self, model: nn.Module, recipe: str, fsdp_float8_all_gather: bool = False) -> list[str]:
+        if fsdp_float8_all_gather:
+            raise ValueError("fsdp_float8_all_gather is torchao's; Transformer Engine runs in one process")
+        return require_converted(convert_to_te(model, recipe))
+
+    def forward_context(self, recipe: str) -> Callable[[], contextlib.AbstractContextManager]:
+        return te_forward_context(recipe)
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        pass  # every recipe of TE_RECIPES is stateless
