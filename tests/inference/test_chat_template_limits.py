@@ -183,3 +183,30 @@ def test_a_chat_template_limit_that_is_not_positive_is_refused_at_start(tmp_path
         run_cli(main, ["--checkpoint", str(tmp_path), flag, value])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and flag in err, err
+
+
+@pytest.mark.parametrize("template", [
+    "{{ '{:{}}'.format('a', 10**8) }}",  # a format width from the arguments
+    "{{ '{0:{1[0]}}'.format('a', [10**8]) }}",  # ... from inside one
+    "{{ '%.*f' % (10**8, 1.5) }}",  # a precision from the arguments
+    "{{ '%*s' | format(10**8, 'a') }}",
+    "{{ ('a\\n' * 100) | indent(10**6) }}",  # a width under the cap, once per line
+    "{{ ('\\t' * 100).expandtabs(10**6) }}",  # ... once per tab
+    "{{ lipsum(20000) }}",  # paragraphs of up to 100 words
+])
+def test_a_width_or_count_that_multiplies_past_the_size_limit_is_refused_before_the_value_is_built(template):
+    """In process (prep --format chat, tessera-generate) nothing bounds a render's memory but these
+    checks: a result a width or count makes too large is refused before it is allocated."""
+    import tracemalloc
+
+    from tessera.common.chat_template import ChatTemplateLimit, render_template
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ChatTemplateLimit) as exc:
+            render_template(template, {}, [], False, {}, RenderLimits())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert exc.value.limit == "max_chars"
+    assert peak < 4 * 2**20, f"{peak / 2**20:.0f} MiB allocated before the refusal"

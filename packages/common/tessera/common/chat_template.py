@@ -101,10 +101,20 @@ class _Budget:
             if isinstance(a, int) and not isinstance(a, bool) and abs(a) > self.limits.max_chars:
                 self.size(abs(a), "a width or count argument")
 
-    def format_string(self, text: str) -> None:
-        """A width or precision in a format string (`%9999999d`, `{:>9999999}`) is a value that size."""
+    def format_string(self, text: str, args: Any = ()) -> None:
+        """A width or precision in a format string (`%9999999d`, `{:>9999999}`) is a value that size;
+        one taken from the arguments (`%*d`, `%.*f`, `{:{}}`, `{:.{w}f}`) is checked among them."""
         for digits in re.findall(rf"\d{{{len(str(self.limits.max_chars))},}}", text):
             self.size(int(digits) if len(digits) < 19 else 10**18, "a formatted field")
+        if re.search(r"%[^a-zA-Z%]*\*|\{[^{}]*:[^{}]*\{", text):  # `{:{0[1]}}` may take it from inside a list
+            todo = [args]
+            while todo:
+                value = todo.pop()
+                if isinstance(value, (list, tuple, dict)):
+                    self.tick()
+                    todo.extend(value.values() if isinstance(value, dict) else value)
+                else:
+                    self.arguments((value,), {})
 
 
 def _budget() -> _Budget | None:
@@ -126,8 +136,10 @@ def _sized(value: Any) -> Any:
     return value if budget is None else budget.value(value)
 
 
-def _predict(budget: _Budget, name: str, value: Any, args: tuple) -> None:
-    """The size of a `replace` or `join` result, before it is built."""
+def _predict(budget: _Budget, name: str, value: Any, args: tuple, kwargs: dict | None = None) -> None:
+    """The size of a result that a width or count multiplies (`replace`, `join`, format widths,
+    `indent`, `expandtabs`, `lipsum`), before it is built."""
+    kwargs = kwargs or {}
     if name == "replace" and isinstance(value, str) and len(args) >= 2:
         old, new = str(args[0]), str(args[1])
         count = value.count(old) if old else len(value) + 1
@@ -137,7 +149,16 @@ def _predict(budget: _Budget, name: str, value: Any, args: tuple) -> None:
         budget.size(sum(len(v) if isinstance(v, (str, list, tuple, dict)) else 1 for v in value)
                     + len(sep) * len(value))
     elif name in ("format", "format_map") and isinstance(value, str):
-        budget.format_string(value)
+        budget.format_string(value, (*args, *kwargs.values()))
+    elif name in ("indent", "expandtabs") and isinstance(value, str):  # the width again on every line / tab
+        width = args[0] if args else kwargs.get(*(("width", 4) if name == "indent" else ("tabsize", 8)))
+        width = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+        budget.size(len(value) + value.count("\n" if name == "indent" else "\t") * max(width, 0) + width)
+    elif name == "generate_lorem_ipsum":  # lipsum(n, html, min, max): up to `max` words of ~8 characters a paragraph
+        given = {**dict(zip(("n", "html", "min", "max"), args)), **kwargs}
+        n, words = given.get("n", 5), given.get("max", 100)
+        if isinstance(n, int) and isinstance(words, int):
+            budget.size(max(n, 0) * max(words, 0) * 8, "a lorem ipsum text")
 
 
 def _bounded_filter(name: str, f: Any) -> Any:
@@ -152,7 +173,7 @@ def _bounded_filter(name: str, f: Any) -> Any:
         if len(args) > skip:  # the value filtered, then the filter's own arguments
             if name in _SIZED_BY_ARGUMENT:
                 budget.arguments(args[skip + 1:], kwargs)
-            _predict(budget, name, args[skip], args[skip + 1:])
+            _predict(budget, name, args[skip], args[skip + 1:], kwargs)
         return budget.value(f(*args, **kwargs))
     return bounded
 
@@ -191,9 +212,7 @@ def _compile(source: str):
                 elif operator == "+" and hasattr(left, "__len__") and hasattr(right, "__len__"):
                     budget.size(len(left) + len(right))
                 elif operator == "%" and isinstance(left, str):
-                    budget.format_string(left)
-                    if re.search(r"%[#0\- +]*\*", left):  # `%*d`: the width is an argument
-                        budget.arguments(right if isinstance(right, tuple) else (right,), {})
+                    budget.format_string(left, right)
             result = super().call_binop(context, operator, left, right)
             return result if budget is None else budget.value(result)
 
@@ -216,7 +235,9 @@ def _compile(source: str):
             if isinstance(owner, str) and method.__name__ == "join" and args:
                 _predict(budget, "join", args[0], (owner,))
             elif isinstance(owner, str):
-                _predict(budget, method.__name__, owner, args)
+                _predict(budget, method.__name__, owner, args, kwargs)
+            elif getattr(method, "__name__", None) == "generate_lorem_ipsum":
+                _predict(budget, "generate_lorem_ipsum", None, args, kwargs)
             return budget.value(super().call(__context, __obj, *args, **kwargs))
 
     def finalize(value: Any) -> Any:  # every {{ expression }}, in set blocks and macros too
