@@ -78,3 +78,13 @@ def test_prep_refuses_a_tokenizer_file_that_is_a_pipe_or_a_loop_of_links(tokeniz
     line = user_error(["prep", "--input", corpus, "--tokenizer", tok, "--output-prefix", tmp_path / "out/x",
                        "--quiet"], capsys)
     assert "chat_template.jinja: " in line and ("not a regular file" if kind == "pipe" else "loop") in line, line
+
+
+def test_prep_refuses_a_tokenizer_config_that_is_not_utf8_in_one_line(tokenizer_dir, tmp_path, capsys):
+    tok = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok)
+    (tok / "tokenizer_config.json").write_bytes(b'{"eos_token": "\xff"}')
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
+    line = user_error(["prep", "--input", corpus, "--tokenizer", tok, "--output-prefix", tmp_path / "out/x",
+                       "--quiet"], capsys)
+    assert "tokenizer_config.json: not valid JSON" in line, line
