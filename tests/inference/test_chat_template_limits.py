@@ -148,6 +148,24 @@ def test_a_render_the_sandbox_cannot_interrupt_is_killed_at_the_time_limit(hosti
         s.stop()
 
 
+def test_a_render_child_that_starts_slower_than_a_short_render_limit_still_serves(hostile_ckpt, monkeypatch):
+    """A child's start is not a render: with --chat-template-timeout 0.2 and a start of 0.6 s (a
+    loaded machine), the first chat request is answered, not a 503."""
+    import sys
+
+    from tessera.inference import tokenizer_process
+
+    monkeypatch.setattr(tokenizer_process, "RENDER_GRACE_S", 0.0)
+    monkeypatch.setattr(tokenizer_process._Child, "command", [
+        "sh", "-c", 'sleep 0.6; exec "$@"', "sh", sys.executable, "-m", tokenizer_process.__name__])
+    s = _server(hostile_ckpt, RenderLimits(timeout_s=0.2))
+    try:
+        r = _chat(s.url, None)
+        assert r.status_code == 200, r.text
+    finally:
+        s.stop()
+
+
 @pytest.mark.timeout(120)
 def test_prep_chat_data_stops_at_a_runaway_template_with_one_line(tmp_path, capsys):
     """tessera-data prep --format chat renders with the same bounds (in process): a template past
