@@ -211,6 +211,7 @@ def test_a_chat_template_limit_that_is_not_positive_is_refused_at_start(tmp_path
     "{{ ('a\\n' * 100) | indent(10**6) }}",  # a width under the cap, once per line
     "{{ ('\\t' * 100).expandtabs(10**6) }}",  # ... once per tab
     "{{ lipsum(20000) }}",  # paragraphs of up to 100 words
+    "{{ ([['a'] * 10**5] * 100) | sum(start=[]) | length }}",  # one list of 100 x 10**5 items
 ])
 def test_a_width_or_count_that_multiplies_past_the_size_limit_is_refused_before_the_value_is_built(template):
     """In process (prep --format chat, tessera-generate) nothing bounds a render's memory but these

@@ -138,7 +138,7 @@ def _sized(value: Any) -> Any:
 
 def _predict(budget: _Budget, name: str, value: Any, args: tuple, kwargs: dict | None = None) -> None:
     """The size of a result that a width or count multiplies (`replace`, `join`, format widths,
-    `indent`, `expandtabs`, `lipsum`), before it is built."""
+    `indent`, `expandtabs`, `lipsum`, lists `sum`med), before it is built."""
     kwargs = kwargs or {}
     if name == "replace" and isinstance(value, str) and len(args) >= 2:
         old, new = str(args[0]), str(args[1])
@@ -150,6 +150,8 @@ def _predict(budget: _Budget, name: str, value: Any, args: tuple, kwargs: dict |
                     + len(sep) * len(value))
     elif name in ("format", "format_map") and isinstance(value, str):
         budget.format_string(value, (*args, *kwargs.values()))
+    elif name == "sum" and isinstance(value, (list, tuple)) and "attribute" not in kwargs and len(args) < 1:
+        budget.size(sum(len(v) for v in value if isinstance(v, (str, list, tuple))))  # lists summed: one list
     elif name in ("indent", "expandtabs") and isinstance(value, str):  # the width again on every line / tab
         width = args[0] if args else kwargs.get(*(("width", 4) if name == "indent" else ("tabsize", 8)))
         width = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
