@@ -212,6 +212,12 @@ def test_a_chat_template_limit_that_is_not_positive_is_refused_at_start(tmp_path
     "{{ ('\\t' * 100).expandtabs(10**6) }}",  # ... once per tab
     "{{ lipsum(20000) }}",  # paragraphs of up to 100 words
     "{{ ([['a'] * 10**5] * 100) | sum(start=[]) | length }}",  # one list of 100 x 10**5 items
+    "{% set s = 'a' * 10**6 %}{{ [s] * 100 }}",  # a list's text: its items' text
+    "{% set s = 'a' * 10**6 %}{{ ([s] * 100) | tojson }}",
+    "{% set s = 'a' * 10**6 %}{{ 'x' ~ ([s] * 100) }}",
+    "{% set s = 'a' * 10**6 %}{{ '%s' % ([s] * 100,) }}",
+    "{% set s = 'a' * 10**6 %}{{ '{}'.format([s] * 100) }}",
+    "{% set s = 'a' * 10**6 %}{{ [[s] * 100] | join }}",
 ])
 def test_a_width_or_count_that_multiplies_past_the_size_limit_is_refused_before_the_value_is_built(template):
     """In process (prep --format chat, tessera-generate) nothing bounds a render's memory but these

@@ -56,6 +56,10 @@ _MAX_INT_BITS = 1 << 16  # integers a template computes (`**`, `*`): far beyond 
 # e.g. `default(10**9)` or a macro's data, are plain values).
 _SIZED_BY_ARGUMENT = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "indent", "wordwrap", "batch",
                                 "slice", "tojson", "generate_lorem_ipsum"})
+# Filters that make text of their whole value (a list's items' text too, in one C-level call).
+_AS_TEXT = frozenset({"string", "tojson", "pprint", "join", "format", "e", "escape", "forceescape", "safe", "urlencode",
+                      "trim", "upper", "lower", "title", "capitalize", "replace", "center", "indent", "wordwrap",
+                      "truncate", "striptags", "urlize", "xmlattr"})
 _state = threading.local()  # the render under way on this thread (its _Budget)
 
 
@@ -93,6 +97,21 @@ class _Budget:
             self.size(len(value))
         elif isinstance(value, int):
             self.bits(value.bit_length())
+        return value
+
+    def text_of(self, value: Any) -> Any:
+        """`value`, after checking the text a container would make (str(), tojson, `~`, a join: its
+        items' text, nested), counted up to the cap before any of it is made."""
+        total, todo = 0, [value] if isinstance(value, (list, tuple, dict, set, frozenset)) else []
+        while todo:
+            item = todo.pop()
+            if isinstance(item, dict):
+                todo.extend((*item.keys(), *item.values()))
+            elif isinstance(item, (list, tuple, set, frozenset)):
+                todo.extend(item)
+            total += len(item) if isinstance(item, (str, bytes)) else 1
+            if total > self.limits.max_chars:
+                self.size(total, "the text of a container")
         return value
 
     def arguments(self, args: tuple, kwargs: dict) -> None:
@@ -136,6 +155,12 @@ def _sized(value: Any) -> Any:
     return value if budget is None else budget.value(value)
 
 
+def _as_text(value: Any) -> Any:
+    """Every `~` operand, before it is made text (the AST is rewritten to call this)."""
+    budget = _budget()
+    return value if budget is None else budget.text_of(value)
+
+
 def _predict(budget: _Budget, name: str, value: Any, args: tuple, kwargs: dict | None = None) -> None:
     """The size of a result that a width or count multiplies (`replace`, `join`, format widths,
     `indent`, `expandtabs`, `lipsum`, lists `sum`med), before it is built."""
@@ -150,6 +175,7 @@ def _predict(budget: _Budget, name: str, value: Any, args: tuple, kwargs: dict |
                     + len(sep) * len(value))
     elif name in ("format", "format_map") and isinstance(value, str):
         budget.format_string(value, (*args, *kwargs.values()))
+        budget.text_of([*args, *kwargs.values()])
     elif name == "sum" and isinstance(value, (list, tuple)) and "attribute" not in kwargs and len(args) < 1:
         budget.size(sum(len(v) for v in value if isinstance(v, (str, list, tuple))))  # lists summed: one list
     elif name in ("indent", "expandtabs") and isinstance(value, str):  # the width again on every line / tab
@@ -173,6 +199,8 @@ def _bounded_filter(name: str, f: Any) -> Any:
             return f(*args, **kwargs)
         budget.tick()
         if len(args) > skip:  # the value filtered, then the filter's own arguments
+            if name in _AS_TEXT:
+                budget.text_of(args[skip])
             if name in _SIZED_BY_ARGUMENT:
                 budget.arguments(args[skip + 1:], kwargs)
             _predict(budget, name, args[skip], args[skip + 1:], kwargs)
@@ -215,11 +243,12 @@ def _compile(source: str):
                     budget.size(len(left) + len(right))
                 elif operator == "%" and isinstance(left, str):
                     budget.format_string(left, right)
+                    budget.text_of(right)
             result = super().call_binop(context, operator, left, right)
             return result if budget is None else budget.value(result)
 
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-            if __obj is _loop_items or __obj is _sized:
+            if __obj is _loop_items or __obj is _sized or __obj is _as_text:
                 return __obj(*args)
             budget = _budget()
             if budget is None:
@@ -244,7 +273,7 @@ def _compile(source: str):
 
     def finalize(value: Any) -> Any:  # every {{ expression }}, in set blocks and macros too
         budget = _budget()
-        return value if budget is None else budget.value(value)
+        return value if budget is None else budget.value(budget.text_of(value))
 
     env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], finalize=finalize)
     env.filters["tojson"] = _tojson
@@ -256,7 +285,7 @@ def _compile(source: str):
                           lineno=node.lineno)
 
     class Bound(NodeTransformer):
-        """Every loop iterates through _loop_items, every `a ~ b` result goes through _sized."""
+        """Every loop iterates through _loop_items, every `a ~ b` operand through _as_text and result through _sized."""
 
         def visit_For(self, node: Any) -> Any:
             node = self.generic_visit(node)
@@ -264,7 +293,9 @@ def _compile(source: str):
             return node
 
         def visit_Concat(self, node: Any) -> Any:
-            return checked(_sized, self.generic_visit(node))
+            node = self.generic_visit(node)
+            node.nodes = [checked(_as_text, n) for n in node.nodes]
+            return checked(_sized, node)
 
     return env.from_string(Bound().visit(env.parse(source)))
 
