@@ -55,6 +55,9 @@ from multiprocessing.connection import Connection
 
 LONG_TEXT_CHARS = 65_536
 RENDER_GRACE_S = 2.0  # past a render's own time limit, before its child is killed
+# A render child's start (0.2-0.3 s on the loaded 2-core dev machine) may take this long whatever the
+# render limit: a short --chat-template-timeout must not turn every first render into a 503.
+TEMPLATE_START_S = 30.0
 _TOKENIZER, _TEMPLATE = b"T", b"C"  # what a child serves: the first byte of its first message
 _REQUEST = struct.Struct("<?q")  # add_special_tokens, limit (-1: none); the UTF-8 text follows
 _COUNT = struct.Struct("<q")  # the number of ids; the ids follow unless there are more than the limit
@@ -221,9 +224,10 @@ class ChildProcesses:
 
     kind, serves = "tokenizer", "the tokenizer"  # for messages: "could not start a tokenizer process"
 
-    def __init__(self, init: bytes, processes: int, timeout_s: float):
+    def __init__(self, init: bytes, processes: int, timeout_s: float, start_timeout_s: float | None = None):
         self._init = init
         self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s or timeout_s  # a child's start, and taking `init`
         self._max = processes
         self._changed = threading.Condition()  # guards everything below; notified when a child or slot frees
         self._idle: list[_Child] = []
@@ -262,12 +266,12 @@ class ChildProcesses:
     def _start(self) -> _Child:
         """A new child in the slot `_take` reserved, busy; the slot freed whatever happens."""
         try:
-            child = _Child(self._init, self.timeout_s)
+            child = _Child(self._init, self.start_timeout_s)
         except (OSError, EOFError, TimeoutError) as exc:
             with self._changed:
                 self._starting -= 1
                 self._changed.notify()
-            problem = _start_problem(exc, self.timeout_s, self.serves)
+            problem = _start_problem(exc, self.start_timeout_s, self.serves)
             raise TokenizerUnavailable(f"could not start a {self.kind} process: {problem}") from None
         with self._changed:
             self._starting -= 1
@@ -354,7 +358,8 @@ class TemplateProcesses(ChildProcesses):
     kind, serves = "chat template", "the render limits"
 
     def __init__(self, limits: dict[str, float], processes: int):
-        super().__init__(_TEMPLATE + json.dumps(limits).encode(), processes, float(limits["timeout_s"]) + RENDER_GRACE_S)
+        timeout_s = float(limits["timeout_s"]) + RENDER_GRACE_S
+        super().__init__(_TEMPLATE + json.dumps(limits).encode(), processes, timeout_s, max(timeout_s, TEMPLATE_START_S))
         self.limits = limits
 
     def render(self, template: str, special: dict[str, str], messages: list[dict], add_generation_prompt: bool,
