@@ -118,6 +118,7 @@ def test_the_kind_is_recorded_in_sidecars_and_derived_from_hf_architectures(tmp_
     assert sidecar["model"]["kind"] == "causal_lm"
     assert registry.kind_for_hf({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "c").name == "causal_lm"
     assert registry.kind_for_hf({"model_type": "gpt2"}, "c").name == "causal_lm"  # no architectures: by model_type
+    assert registry.kind_for_hf({"model_type": "llama", "architectures": ["LlamaModel"]}, "c").name == "causal_lm"
 
 
 def test_every_cli_refuses_an_unregistered_kind_in_one_line_before_any_work(tmp_path, capsys):

@@ -41,12 +41,11 @@ CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
 
 
 def claims(data: dict[str, Any]) -> bool:
-    """Whether config.json describes a causal LM: its `architectures` class is a causal-LM head,
-    or, with none named, its `model_type` is one of ours."""
+    """Whether config.json describes a causal LM: its `architectures` class is a causal-LM head, or
+    its `model_type` is one of ours (a bare base-model save names no head; it loads as before)."""
     archs = data.get("architectures")
-    if isinstance(archs, list) and archs and isinstance(archs[0], str):
-        return archs[0].endswith(CAUSAL_HEADS) or archs[0] in {a.hf_class for a in ARCHITECTURES}
-    return data.get("model_type") in {a.model_type for a in ARCHITECTURES}
+    head = isinstance(archs, list) and bool(archs) and isinstance(archs[0], str) and archs[0].endswith(CAUSAL_HEADS)
+    return head or data.get("model_type") in {a.model_type for a in ARCHITECTURES}
 
 
 def architecture_of(data: dict[str, Any], source: str) -> HFArchitecture:
