@@ -205,6 +205,8 @@ def test_the_hybrid_kind_is_registered_and_every_stage_without_its_code_refuses_
 
     cfg = registry.model_config(HYBRID)
     assert registry.kind_of(cfg).name == "hybrid" and isinstance(registry.kind_of(cfg).build(cfg, seed=0), HybridModel)
+    for archs in (["NemotronHForCausalLM"], ["NemotronHModel"], None):  # the causal LM claims every *ForCausalLM
+        assert registry.kind_for_hf({"model_type": "nemotron_h", "architectures": archs}, "c").name == "hybrid"
     config = _train_config(tmp_path / "train.yaml", HYBRID)
     for main in (_train_main(), _plan_main()):
         err = _cli(main, ["--config", config], capsys)

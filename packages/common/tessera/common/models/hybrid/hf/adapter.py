@@ -24,11 +24,11 @@ def supported() -> str:
 
 
 def claims(data: dict[str, Any]) -> bool:
-    """Whether config.json is one of ours: by its `architectures` class, else its model_type."""
+    """Whether config.json is one of ours: its `architectures` class or its model_type (a bare
+    base-model save, e.g. NemotronHModel, names no head)."""
     archs = data.get("architectures")
-    if isinstance(archs, list) and archs and isinstance(archs[0], str):
-        return archs[0] in {a.hf_class for a in ARCHITECTURES}
-    return data.get("model_type") in {a.model_type for a in ARCHITECTURES}
+    named = isinstance(archs, list) and bool(archs) and archs[0] in {a.hf_class for a in ARCHITECTURES}
+    return named or data.get("model_type") in {a.model_type for a in ARCHITECTURES}
 
 
 def architecture_of(data: dict[str, Any], source: str) -> HFArchitecture:
