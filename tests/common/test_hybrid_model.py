@@ -109,3 +109,19 @@ def test_the_parameter_count_and_flops_follow_the_built_model():
     m = cfg.mamba
     scan = 3 * m.num_heads * (2 * (m.state_size + m.head_dim) * 8 + 4 * m.head_dim * m.state_size)
     assert cfg.flops_per_token(100) == 6 * matmul + 12 * 32 * 100 + scan
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_the_grouped_gemm_experts_equal_the_expert_loop_for_swiglu_and_squared_relu(monkeypatch, gated):
+    # The grouped path runs on CUDA sm90+ in bf16; torch._grouped_mm also runs forward on CPU, so
+    # both paths are compared here (squared-ReLU experts have no gate_proj).
+    from tessera.common.layers import moe
+
+    experts = moe.Experts(4, 16, 8, gated)
+    g = torch.Generator().manual_seed(0)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, generator=g)
+    x, counts = torch.randn(10, 16, generator=g), [3, 0, 5, 2]  # an expert with no tokens
+    loop = experts(x, counts)
+    monkeypatch.setattr(moe, "_grouped_mm_ok", lambda _x: True)
+    torch.testing.assert_close(experts(x, counts), loop, atol=1e-5, rtol=1e-5)
