@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 
 from tessera.common.errors import ArtifactError
 from tessera.common.hf.architecture import HEAD, HF_DTYPE_NAMES, HFArchitecture, HFConfig
@@ -49,14 +48,7 @@ def model_config_from_hf(data: dict[str, Any], source: str) -> HybridConfig:
     an ArtifactError naming `source` and the field."""
     if not isinstance(data, dict):
         raise ArtifactError(f"{source}: expected a JSON object")
-    arch = architecture_of(data, source)
-    fields = arch.config_fields(HFConfig(data, source))
-    try:
-        return HybridConfig(arch=arch.arch, **fields)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(map(str, err["loc"]))
-        raise ArtifactError(f"{source}: {'model ' + where + ': ' if where else ''}{err['msg']}") from None
+    return architecture_of(data, source).model_config(data, source, HybridConfig)
 
 
 def hf_config(cfg: HybridConfig, dtype: torch.dtype, bos_id: int | None, eos_id: int | None,
