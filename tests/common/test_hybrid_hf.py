@@ -128,6 +128,5 @@ def test_legacy_nemotron_h_spellings_are_read_as_transformers_reads_them(tmp_pat
     assert registry.model_config_from_hf(data, "c") == new
     data["layers_block_type"] = ["mamba", "mlp", "attention", "moe", "mamba"]  # names before transformers 5
     assert registry.model_config_from_hf(data, "c") == new
-    data["time_step_limit"] = [0.0, float("inf")]  # a bare Infinity, as older transformers wrote it
-    mamba2 = _config(tmp_path, "mamba2", time_step_limit=[0.0, float("inf")])
+    mamba2 = _config(tmp_path, "mamba2", time_step_limit=[0.0, float("inf")])  # a bare Infinity, as older files
     assert registry.model_config_from_hf(mamba2, "c").mamba.dt_limit_max is None
