@@ -130,9 +130,9 @@ def _hf_llama(vocab: int):
 def greedy(model_dir, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens from the server's engine over a checkpoint or an HF directory."""
     from tessera.inference.config import EngineConfig
-    from tessera.inference.engine import LLMEngine
-    from tessera.inference.loader import load_for_serving
-    from tessera.inference.sampling_params import SamplingParams
+    from tessera.inference.core.sampling_params import SamplingParams
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker.loader import load_for_serving
 
     engine = LLMEngine(load_for_serving(model_dir, torch.device("cpu"), torch.float32),
                        EngineConfig(num_kv_blocks=16, block_size=8), torch.device("cpu"), torch.float32)

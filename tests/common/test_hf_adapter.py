@@ -110,7 +110,7 @@ BAD_CONFIGS = {
 
 @pytest.mark.parametrize("name", list(BAD_CONFIGS))
 def test_malformed_config_json_is_one_line_naming_the_field_in_import_and_serve(tmp_path, capsys, name):
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.worker.loader import load_for_serving
 
     fields, message = BAD_CONFIGS[name]
     hf = _llama_dir(tmp_path / "hf")
@@ -125,7 +125,7 @@ def test_malformed_config_json_is_one_line_naming_the_field_in_import_and_serve(
 def test_int8_weights_are_refused_not_cast(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.worker.loader import load_for_serving
 
     hf = _llama_dir(tmp_path / "hf")
     tensors = load_file(hf / "model.safetensors")
@@ -139,7 +139,7 @@ def test_int8_weights_are_refused_not_cast(tmp_path, capsys):
 
 def test_weights_the_config_does_not_describe_are_refused(tmp_path):
     """Biases in the weights but not in config.json: dropping them silently would serve another model."""
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.worker.loader import load_for_serving
 
     hf = _llama_dir(tmp_path / "hf", attention_bias=True, mlp_bias=True)
     _edit_config(hf, attention_bias=False, mlp_bias=False)
@@ -148,7 +148,7 @@ def test_weights_the_config_does_not_describe_are_refused(tmp_path):
 
 
 def test_pickled_bin_weights_are_refused_with_the_way_out(tmp_path, capsys):
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.worker.loader import load_for_serving
 
     hf = _llama_dir(tmp_path / "hf")
     (hf / "model.safetensors").unlink()

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.common.models.registry import stage_hook
-from tessera.inference.block_manager import BlockManager
-from tessera.inference.model_runner import ModelRunner
+from tessera.inference.core.block_manager import BlockManager
+from tessera.inference.worker.model_runner import ModelRunner
 
 STAGE = "tessera-serve"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 import torch
+from pydantic import BaseModel, ValidationError
 
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.hf.rules import Rule
@@ -90,6 +91,17 @@ class HFArchitecture:
     arch: str  # ModelConfig.arch
 
     # ---- config.json <-> ModelConfig ----------------------------------------------------------
+    def model_config(self, data: dict[str, Any], source: str, config_class: type[BaseModel]) -> Any:
+        """The kind's `config_class` built from `config_fields`; a value it refuses is an
+        ArtifactError naming `source` and the field."""
+        fields = self.config_fields(HFConfig(data, source))
+        try:
+            return config_class(arch=self.arch, **fields)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(map(str, err["loc"]))
+            raise ArtifactError(f"{source}: {'model ' + where + ': ' if where else ''}{err['msg']}") from None
+
     def config_fields(self, c: HFConfig) -> dict[str, Any]:
         """ModelConfig fields from config.json; refuses (c.fail / c.require) what the model lacks."""
         raise NotImplementedError

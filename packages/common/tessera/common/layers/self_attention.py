@@ -66,7 +66,7 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v [B, T, width] (the serving engine overrides this with one GEMM over the stacked
-        weights: tessera.inference.merged_linear)."""
+        weights: tessera.inference.worker.merged_linear)."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
