@@ -1,6 +1,6 @@
-"""The trainer's house (issue 27): folders by role, each config concept defined once, a config
-module light enough to load without torch, the MoE router statistics in the step result, and
-float8 reached only through the backend the config names."""
+"""The trainer's house (issue 27): each config concept defined once, a config module light enough
+to load without torch, the MoE router statistics in the step result, and float8 reached only
+through the backend the config names. (Folder sizes and import cycles: tests/test_import_contracts.py.)"""
 
 from __future__ import annotations
 
@@ -16,28 +16,6 @@ import tessera.trainer
 from tessera.trainer.cli import main
 
 TRAINER = Path(tessera.trainer.__file__).parent
-
-
-def test_no_trainer_folder_holds_more_than_fifteen_modules_flat():
-    folders = [TRAINER, *(p.parent for p in TRAINER.rglob("__init__.py") if p.parent != TRAINER)]
-    crowded = {}
-    for folder in folders:
-        modules = [p.name for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
-        if len(modules) > 15:
-            crowded[str(folder.relative_to(TRAINER.parent))] = len(modules)
-    assert not crowded, f"folders with more than 15 modules: {crowded}"
-    for role in ("checkpoint", "precision", "observability", "parallel", "plan"):
-        assert (TRAINER / role / "__init__.py").is_file(), f"trainer/{role}/ is missing"
-
-
-def test_the_trainer_has_no_import_cycle():
-    import grimp
-
-    graph = grimp.build_graph("tessera", cache_dir=None)  # what lint-imports analyses
-    trainer = {m for m in graph.modules if m.startswith("tessera.trainer")}
-    cycles = sorted({tuple(sorted((m, i))) for m in trainer for i in graph.find_modules_directly_imported_by(m)
-                     if i in trainer and graph.chain_exists(importer=i, imported=m)})
-    assert not cycles, f"import cycles in the trainer: {cycles}"
 
 
 def test_every_config_class_of_the_trainer_is_defined_once():
