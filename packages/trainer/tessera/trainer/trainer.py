@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,13 +31,15 @@ from tessera.common.checkpoint import CheckpointSidecar, read_sidecar
 from tessera.common.errors import RunError
 from tessera.common.faults import fault_point
 from tessera.common.fileio import atomic_write_text
+from tessera.common.mixture import MixtureManifest, MixtureSplit
 from tessera.common.models.registry import kind_of
 from tessera.trainer.checkpoint.manager import CheckpointManager
 from tessera.trainer.checkpoint.stateful import TrainState
 from tessera.trainer.checkpoint.storage import latest_checkpoint, remove_partial_saves
-from tessera.trainer.config import TrainConfig
-from tessera.trainer.data import MicroBatchPlan, MixtureBatches, RunData, global_batch_size_at
+from tessera.trainer.config import DataConfig, TrainConfig, TrainingConfig
+from tessera.trainer.data import MicroBatchPlan, MixtureBatches, global_batch_size_at
 from tessera.trainer.distributed import Runtime
+from tessera.trainer.documents import DocumentMasking
 from tessera.trainer.engine import Engine, LocalEngine
 from tessera.trainer.inputs import CheckedInputs
 from tessera.trainer.kinds import trainer_kind
@@ -56,6 +59,30 @@ from tessera.trainer.schedule import LRSchedule
 
 def eval_record(loss: float, split: str = "valid") -> dict[str, float]:
     return {f"{split}_loss": loss, f"{split}_ppl": math.exp(min(loss, 50.0))}
+
+
+@dataclass
+class RunData:
+    """The splits a run reads: train; valid and test when it evaluates (training.eval_interval or
+    eval_only), test only when the mixture has samples in it (evaluated once, at the end)."""
+
+    train: MixtureBatches
+    valid: MixtureBatches | None = None
+    test: MixtureBatches | None = None
+
+    @classmethod
+    def open(cls, data: DataConfig, training: TrainingConfig, manifest: MixtureManifest,
+             documents: DocumentMasking | None, batches: type[MixtureBatches] = MixtureBatches) -> RunData:
+        """Each split read through `batches`, the model kind's batch builder (tessera.trainer.kinds)."""
+        def split(name: str) -> MixtureBatches:
+            return batches(MixtureSplit(data.mixture, name, data.check_fingerprints), training.seq_length, documents)
+
+        evaluating = bool(training.eval_interval or training.eval_only)
+        train = split(data.train_split)
+        valid = split(data.valid_split) if evaluating and data.valid_split else None
+        test = manifest.splits.get(data.test_split) if data.test_split else None
+        return cls(train, valid, split(data.test_split) if evaluating and test is not None and test.num_samples > 0
+                   else None)
 
 
 def build_engine(cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime) -> Engine:
