@@ -104,7 +104,6 @@ def test_a_forbidden_import_in_a_parallel_folder_fails_lint(tmp_path, probe, sou
 KNOWN_CYCLES_TODAY: list[set[str]] = []
 MAX_FLAT_MODULES = 15
 KNOWN_CROWDED_TODAY = {
-    "packages/trainer/tessera/trainer",  # trainer folders by role (issue 27)
     "packages/ckpt_convert/tessera/ckpt_convert",  # 16: mapped.py and source.py, one ranged reader (issue 27)
 }
 

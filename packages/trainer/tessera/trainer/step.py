@@ -28,9 +28,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tessera.trainer.clip import clip_grad_norm
 from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss, logsumexp_cross_entropy
+from tessera.trainer.optimizer.clip import clip_grad_norm
 from tessera.trainer.precision.mixed import Precision
 
 

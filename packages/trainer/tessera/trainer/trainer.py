@@ -53,8 +53,8 @@ from tessera.trainer.observability.metrics import (
 from tessera.trainer.observability.profiling import StepProfiler
 from tessera.trainer.observability.signals import StopRequest
 from tessera.trainer.observability.watchdog import StepWatchdog
+from tessera.trainer.optimizer.schedule import LRSchedule
 from tessera.trainer.parallel.engine import ParallelEngine
-from tessera.trainer.schedule import LRSchedule
 
 
 def eval_record(loss: float, split: str = "valid") -> dict[str, float]:
