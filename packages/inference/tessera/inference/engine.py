@@ -22,6 +22,7 @@ import torch
 from tessera.common.errors import UserError
 from tessera.inference.block_manager import BlockManager
 from tessera.inference.config import EngineConfig
+from tessera.inference.cpu_threads import Binding
 from tessera.inference.cuda_graphs import (
     GraphSpec,
     check_cuda_graphs,
@@ -114,7 +115,10 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: 
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 worker_threads: tuple[Binding, ...] | None = None):
+        """`worker_threads`: each tensor-parallel worker's torch threads and CPUs (cpu_threads.py);
+        default: the calling process's thread count, unbound."""
         self.loaded = loaded
         self.cfg = cfg
         self.device = device
@@ -154,11 +158,12 @@ class LLMEngine:
         if graphs != "off":
             graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
                                    scratch_block=pool - 1, capture=graphs == "capture")
-        self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec)
+        self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec, worker_threads)
 
     @staticmethod
     def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,
-                dtype: torch.dtype, kv_dtype: torch.dtype, graphs: GraphSpec | None) -> ModelRunner:
+                dtype: torch.dtype, kv_dtype: torch.dtype, graphs: GraphSpec | None,
+                worker_threads: tuple[Binding, ...] | None = None) -> ModelRunner:
         """The model runner; with `graphs`, its decode graphs (captured here, or by each
         tensor-parallel worker over its shard)."""
         if cfg.tensor_parallel == 1:
@@ -173,7 +178,7 @@ class LLMEngine:
         assert loaded.path is not None
         executor = TensorParallelExecutor(loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, num_blocks,
                                           cfg.block_size, device, dtype, cfg.kv_cache_dtype, graphs,
-                                          serving_prep(cfg))
+                                          serving_prep(cfg), worker_threads)
         return TensorParallelRunner(executor, device)
 
     @property

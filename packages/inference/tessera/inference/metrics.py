@@ -35,7 +35,14 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from tessera.inference.spec_decode import format_spec_stats
 

@@ -10,7 +10,13 @@ from typing import Any
 
 from fastapi import Request
 
-from tessera.inference.async_engine import ChoiceGroup, EngineDead, EngineFrontend, RequestFailed, RequestHandle
+from tessera.inference.async_engine import (
+    ChoiceGroup,
+    EngineDead,
+    EngineFrontend,
+    RequestFailed,
+    RequestHandle,
+)
 from tessera.inference.engine import RequestOutput, RequestRejected
 from tessera.inference.metrics import ServingMetrics
 from tessera.inference.protocol import FieldError
