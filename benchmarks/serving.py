@@ -18,6 +18,17 @@ weights and the same prompts/output lengths:
             ratio Tessera / vLLM of output tok/s is printed per round and as the median.
 Requests use ignore_eos so every engine produces exactly the requested number of tokens.
 
+Threads, two modes. Pinned (the default): every system gets `--threads` torch threads, unbound
+(tessera-serve `--torch-threads N`; vLLM OMP_NUM_THREADS=N with VLLM_CPU_OMP_THREADS_BIND=nobind;
+the transformers peers torch.set_num_threads(N)): the engines compared on equal resources.
+`--defaults`: every system as a user gets it, nothing set (tessera-serve without --torch-threads,
+which picks its own threads and cores; vLLM without either variable, so its "auto" binding;
+transformers at torch's default; OMP_NUM_THREADS removed from the servers' environment); the
+startup line of each server says what it chose. `--busy-core` keeps one core busy during the
+measured rounds with a process of this script's own (`while True: pass`, unpinned, started after
+the warm-up and stopped at the end), as another job on a shared machine would; without it the run
+is as quiet as the machine is.
+
 With `--structured json` the run compares the server with itself instead: the same prompts
 JSON-schema constrained (`response_format` json_schema; llguidance masks applied in the batched
 sampler) and unconstrained, at equal output lengths. A constrained request ends when its JSON is
@@ -32,6 +43,7 @@ Goal: under 10% at 32 concurrent requests on CPU.
     .venv/bin/python benchmarks/serving.py --num-requests 64 --concurrency 32
     .venv/bin/python benchmarks/serving.py --preset llama-25m --output-len 64 64 --num-requests 128 --concurrency 32
     .venv/bin/python benchmarks/serving.py --structured json --num-requests 128 --concurrency 32 --rounds 4
+    .venv/bin/python benchmarks/serving.py --preset llama-25m --output-len 64 64 --num-requests 128 --concurrency 32 --defaults --busy-core
 """
 
 from __future__ import annotations
@@ -270,7 +282,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternate the three systems this many times")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads for the server and the peers alike (1 suits a shared machine)")
+                    help="pinned mode: torch CPU threads for the server and the peers alike (1 suits a shared machine)")
+    ap.add_argument("--defaults", action="store_true",
+                    help="every system at its own thread defaults instead of --threads (see above)")
+    ap.add_argument("--busy-core", action="store_true",
+                    help="keep one core busy with a spinning process during the measured rounds")
     ap.add_argument("--device", default="cpu",
                     help="cpu or cuda: the server and the transformers peers alike (fp32 on CPU, bf16 on CUDA)")
     ap.add_argument("--enforce-eager", action="store_true",
@@ -293,7 +309,10 @@ def main() -> None:
         ap.error("--peer vllm: the peer is vLLM's CPU build; use --device cpu")
     if use_vllm and args.device != "cpu":
         use_vllm = False
-    torch.set_num_threads(args.threads)
+    if not args.defaults:
+        torch.set_num_threads(args.threads)
+    threads_mode = ("defaults (no thread settings)" if args.defaults
+                    else f"pinned: {args.threads} torch thread(s) each, unbound")
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     rng = random.Random(args.seed)
@@ -312,22 +331,27 @@ def main() -> None:
     kv_tokens = 65536
     cmd = [sys.executable, "-m", "tessera.inference.cli_main", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
            "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-tokens", str(kv_tokens),
-           "--torch-threads", str(args.threads), "--device", args.device,
-           "--dtype", "bfloat16" if dtype == torch.bfloat16 else "float32"] + (["--no-engine-process"] if args.engine_thread else []) \
-        + (["--enforce-eager"] if args.enforce_eager else [])
+           "--device", args.device, "--dtype", "bfloat16" if dtype == torch.bfloat16 else "float32"] \
+        + ([] if args.defaults else ["--torch-threads", str(args.threads)]) \
+        + (["--no-engine-process"] if args.engine_thread else []) + (["--enforce-eager"] if args.enforce_eager else [])
     env = {**os.environ}
+    if args.defaults:
+        env.pop("OMP_NUM_THREADS", None)
     vllm = vllm_url = None
     if use_vllm:  # started first: it loads and compiles while tessera-serve starts
         vllm_port = free_port()
         vllm_url = f"http://127.0.0.1:{vllm_port}"
         vllm_log = workdir / "vllm.log"
         vllm = vllm_peer.start(
-            vllm_peer.export_hf_model(ckpt, workdir / "hf"), vllm_port, threads=args.threads,
+            vllm_peer.export_hf_model(ckpt, workdir / "hf"), vllm_port, threads=None if args.defaults else args.threads,
             kv_gib=vllm_peer.kv_space_gib(model.cfg, kv_tokens, dtype), max_num_seqs=args.concurrency,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=model.cfg.max_seq_len, dtype=dtype,
             log_path=vllm_log)
-    server = subprocess.Popen(cmd, env=env)
+    server_log = workdir / "tessera-serve.log"
+    with open(server_log, "w") as log:
+        server = subprocess.Popen(cmd, env=env, stderr=log)
     url = f"http://127.0.0.1:{port}"
+    spinner = None
     try:
         # Warm-up: every batch size up to --concurrency once (a server that compiles per shape,
         # as vLLM's CPU build can, does so before the measured runs), short outputs.
@@ -337,6 +361,10 @@ def main() -> None:
         if vllm is not None:
             wait_healthy(vllm_url, vllm, args.peer_startup_timeout, f"vllm serve (log: {vllm_log}; --no-peer skips it)")
             asyncio.run(run_client(vllm_url, warm, args.concurrency))
+        print(f"threads: {threads_mode}; tessera-serve: {startup_threads(server_log)}"
+              + (f"; vLLM: {vllm_peer.thread_binding(vllm_log)}" if vllm is not None else ""), flush=True)
+        if args.busy_core:
+            spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         if args.structured == "json":
             structured_rounds(url, workload, args, arrivals)
             return
@@ -361,6 +389,9 @@ def main() -> None:
                   f"HF static batch {static['output_tok_per_s']:.1f} tok/s, "
                   f"HF naive {naive['output_tok_per_s']:.1f} tok/s", flush=True)
     finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
         server.terminate()
         server.wait(timeout=60)
         if vllm is not None:
@@ -368,7 +399,8 @@ def main() -> None:
 
     ms = lambda xs: f"mean {1e3 * statistics.mean(xs):7.1f}  median {1e3 * statistics.median(xs):7.1f}  p99 {1e3 * pct(xs, 99):7.1f} ms"  # noqa: E731
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {args.preset} (random weights, {n_params / 1e6:.1f}M params), {str(dtype).removeprefix('torch.')}, {args.device}, torch threads {args.threads}, "
+    print(f"model: {args.preset} (random weights, {n_params / 1e6:.1f}M params), {str(dtype).removeprefix('torch.')}, {args.device}, threads {threads_mode}, "
+          f"{'one core kept busy, ' if args.busy_core else ''}{len(os.sched_getaffinity(0))} CPUs, "
           f"engine {'thread in the HTTP process' if args.engine_thread else 'in its own process'}"
           + (", CUDA graphs for decode steps" if args.device.startswith("cuda") and not args.enforce_eager else ""))
     print(f"command: {' '.join(sys.argv)}")
@@ -406,8 +438,17 @@ def main() -> None:
         print(f"median over {len(peers)} rounds: Tessera / vLLM output tok/s {ratio:.2f}x "
               f"(tessera-serve {statistics.median(o['output_tok_per_s'] for o, _ in peers):.1f}, "
               f"vLLM {statistics.median(t['output_tok_per_s'] for _, t in peers):.1f}; goal >= 1.0x); vLLM threads: "
-              f"OMP_NUM_THREADS={args.threads}, VLLM_CPU_OMP_THREADS_BIND=nobind, VLLM_CPU_KVCACHE_SPACE="
-              f"{vllm_peer.kv_space_gib(model.cfg, kv_tokens, dtype)} GiB")
+              + ("its defaults" if args.defaults else f"OMP_NUM_THREADS={args.threads}, VLLM_CPU_OMP_THREADS_BIND=nobind")
+              + f", VLLM_CPU_KVCACHE_SPACE={vllm_peer.kv_space_gib(model.cfg, kv_tokens, dtype)} GiB"
+              + (", one core kept busy" if args.busy_core else ""))
+
+
+def startup_threads(log_path: Path) -> str:
+    """What tessera-serve's startup line says about its threads."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith("tessera-serve:") and "; listening" in line:
+            return line.split("; listening")[0].split("max_model_len ")[-1].partition("; ")[2]
+    return "?"
 
 
 def free_port() -> int:

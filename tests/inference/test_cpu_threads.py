@@ -38,14 +38,16 @@ def test_only_the_cpus_this_process_may_use_are_planned():
 
 
 def test_tensor_parallel_workers_each_get_their_share_and_the_driver_one_thread():
-    plan = plan_threads(range(8), tensor_parallel=2)
-    assert plan == ThreadPlan(Binding(1), (Binding(4, (0, 1, 2, 3)), Binding(3, (4, 5, 6))), reserved=(7,))
+    plan = plan_threads(range(9), tensor_parallel=2)  # a core per rank is left, as vLLM does
+    assert plan == ThreadPlan(Binding(1), (Binding(4, (0, 1, 2, 3)), Binding(3, (4, 5, 6))), reserved=(7, 8))
     assert plan.describe() == ("tensor-parallel workers: 4 torch threads on CPUs 0-3; 3 torch threads on "
-                               "CPUs 4-6; CPU 7 left to the HTTP server")
+                               "CPUs 4-6; CPUs 7-8 left to the HTTP server and the driver")
 
 
-def test_no_core_is_reserved_when_a_worker_would_go_without_one():
+def test_fewer_cores_are_reserved_when_a_worker_would_go_without_one():
     assert plan_threads([0, 1], tensor_parallel=2) == ThreadPlan(Binding(1), (Binding(1, (0,)), Binding(1, (1,))))
+    assert plan_threads(range(3), tensor_parallel=2) == ThreadPlan(
+        Binding(1), (Binding(1, (0,)), Binding(1, (1,))), reserved=(2,))
     # More workers than cores: one thread each, placed by the kernel.
     assert plan_threads([0, 1], tensor_parallel=4) == ThreadPlan(Binding(1), (Binding(1),) * 4)
 
@@ -71,7 +73,7 @@ def test_never_more_bound_threads_than_free_cores_and_never_on_the_reserved_one(
         assert all(b.threads == len(b.cpus) for b in bound)
         assert len(used) == len(set(used)) and not set(used) & set(plan.reserved)
         assert len(used) + len(plan.reserved) <= n and len(plan.workers) == (tp if tp > 1 else 0)
-        assert plan.reserved == ((n - 1,) if n > tp else ())
+        assert plan.reserved == tuple(range(n - max(0, min(tp, n - tp)), n))
 
 
 def test_physical_cores_reads_sysfs_and_falls_back_to_one_core_per_cpu(tmp_path):

@@ -1,15 +1,17 @@
 """How many torch threads tessera-serve computes with, and on which CPUs, when --torch-threads is
 not given: the defaults of vLLM's CPU build (VLLM_CPU_OMP_THREADS_BIND=auto).
 
-vLLM keeps one core for its frontend and scheduler process and binds one OpenMP thread to each
-other physical core (one logical CPU per core), the cores split among tensor-parallel ranks.
+vLLM (0.32, utils/ompmultiprocessing.py) keeps one core per rank for its frontend and scheduler
+processes and binds one OpenMP thread to each other physical core (one logical CPU per core),
+the cores split among tensor-parallel ranks.
 torch's own default (a thread per core, unbound) instead spins the engine's threads against the
 HTTP process and any other job on the machine (issue 28: 151 output tok/s at torch's default on
 2 cores with one kept busy, 962 with one thread).
 
 So: from the CPUs this process may use (sched_getaffinity, so taskset and cgroup cpusets are
-honoured), one per physical core; the last core is left to the HTTP process unless that would
-leave a tensor-parallel worker without a core of its own; the rest compute, with one torch thread
+honoured), one per physical core; the last core (tensor parallel N: the last N) is left to the
+HTTP process (and the driver), as far as every tensor-parallel worker keeps a core of its own;
+the rest compute, with one torch thread
 per core, bound to them: the engine process (tensor parallel: each worker its share; the driver,
 which only schedules and samples, keeps one unbound thread). The engine thread of
 --no-engine-process shares its process with the event loop, so it gets the count, not a binding.
@@ -60,7 +62,7 @@ class ThreadPlan:
         parts = [_binding(w) for w in self.workers] if self.workers else [_binding(self.engine)]
         text = ("tensor-parallel workers: " if self.workers else "") + "; ".join(parts)
         if self.reserved:
-            text += f"; {_cpus(self.reserved)} left to the HTTP server"
+            text += f"; {_cpus(self.reserved)} left to the HTTP server" + (" and the driver" if self.workers else "")
         return text
 
 
@@ -77,8 +79,9 @@ def plan_threads(cpus: Sequence[int], *, tensor_parallel: int = 1, engine_proces
     for cpu in sorted(cpus):  # one logical CPU per physical core: SMT siblings share its units
         first.setdefault(core_of.get(cpu, cpu) if core_of else cpu, cpu)
     cores = sorted(first.values())
-    reserve = len(cores) > tp  # every worker still gets a core of its own
-    compute, reserved = (cores[:-1], tuple(cores[-1:])) if reserve else (cores, ())
+    # A core per rank, as many as leave every worker a core of its own.
+    split = len(cores) - max(0, min(tp, len(cores) - tp))
+    compute, reserved = cores[:split], tuple(cores[split:])
     if tp == 1:
         engine = Binding(len(compute), tuple(compute) if engine_process else None)
         return ThreadPlan(engine, reserved=reserved)
