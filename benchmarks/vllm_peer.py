@@ -78,9 +78,10 @@ def thread_binding(log_path: Path) -> str:
         if "OpenMP thread binding info" in line:
             rest = []
             for x in lines[i + 1:]:
-                if not x.startswith("\t"):
+                text = x.split("] ", 1)[-1]  # after vLLM's log prefix
+                if not text.startswith("\t"):
                     break
-                rest.append(x.strip())
+                rest.append(text.strip())
             return ", ".join(rest)
     return "not logged"
 

@@ -3,20 +3,19 @@ not given: the defaults of vLLM's CPU build (VLLM_CPU_OMP_THREADS_BIND=auto).
 
 vLLM (0.32, utils/ompmultiprocessing.py) keeps one core per rank for its frontend and scheduler
 processes and binds one OpenMP thread to each other physical core (one logical CPU per core),
-the cores split among tensor-parallel ranks.
-torch's own default (a thread per core, unbound) instead spins the engine's threads against the
-HTTP process and any other job on the machine (issue 28: 151 output tok/s at torch's default on
-2 cores with one kept busy, 962 with one thread).
+the cores split among tensor-parallel ranks. torch's own default (a thread per core, unbound)
+instead spins the engine's threads against the HTTP process and any other job on the machine
+(issue 28: 151 output tok/s at torch's default on 2 cores with one kept busy, 962 with one thread).
 
-So: from the CPUs this process may use (sched_getaffinity, so taskset and cgroup cpusets are
+So: of the CPUs this process may use (sched_getaffinity: taskset and cgroup cpusets are
 honoured), one per physical core; the last core (tensor parallel N: the last N) is left to the
-HTTP process (and the driver), as far as every tensor-parallel worker keeps a core of its own;
-the rest compute, with one torch thread
-per core, bound to them: the engine process (tensor parallel: each worker its share; the driver,
-which only schedules and samples, keeps one unbound thread). The engine thread of
---no-engine-process shares its process with the event loop, so it gets the count, not a binding.
-An explicit --torch-threads wins: that many threads everywhere, unbound. Several servers on one
-machine would all pick the same cores: give each its own with taskset, or pass --torch-threads.
+HTTP process and the driver, as far as every tensor-parallel worker keeps a core of its own; the
+engine process is bound to the rest with one torch thread per core (tensor parallel: each worker
+to its share; the driver, which only schedules and samples, keeps one unbound thread). The
+engine thread of --no-engine-process shares its process with the event loop, so it gets the
+count, not a binding. An explicit --torch-threads wins: that many threads everywhere, unbound.
+The plan does not look at load: several servers on one machine would all pick the same cores,
+so give each its own with taskset, or pass --torch-threads.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ class Binding:
 class ThreadPlan:
     engine: Binding  # the engine process or thread (under tensor parallel: the driver)
     workers: tuple[Binding, ...] = ()  # tensor-parallel workers, by rank
-    reserved: tuple[int, ...] = ()  # the core left to the HTTP process
+    reserved: tuple[int, ...] = ()  # the cores left to the HTTP process (and the driver)
     explicit: bool = False  # --torch-threads
 
     def to_wire(self) -> dict:
