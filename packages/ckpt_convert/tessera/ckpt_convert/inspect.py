@@ -10,6 +10,7 @@ from tessera.ckpt_convert.export_hf import expected_model_shapes
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import ArtifactError
+from tessera.common.tokenizer import check_tokenizer_files
 
 
 def _check_model_shapes(src: CheckpointSource) -> dict[str, Any]:
@@ -33,6 +34,8 @@ def verify(checkpoint: str | os.PathLike, read_tensors: bool = True, quiet: bool
     """Raise ArtifactError on the first problem; return a one-line summary when all is well."""
     src = CheckpointSource(checkpoint)
     src.check_integrity()
+    if src.tokenizer_dir is not None:  # what serving the checkpoint reads, inside it too
+        check_tokenizer_files(src.tokenizer_dir)
     expected = _check_model_shapes(src)
     if read_tensors:
         specs = src.tensor_specs

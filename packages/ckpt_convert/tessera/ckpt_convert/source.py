@@ -25,14 +25,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tessera.ckpt_convert.mapped import aligned, load_saved_tensor
 from tessera.common.checkpoint import (
     MODEL_PREFIX,
-    TOKENIZER_DIR,
     CheckpointSidecar,
+    checkpoint_tokenizer_dir,
     read_sidecar,
     resolve_checkpoint,
     single_process_dcp,
 )
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import file_digest
+from tessera.common.fileio import artifact_path, file_digest
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 
 
@@ -84,7 +84,7 @@ class CheckpointSource:
 
     @property
     def tokenizer_dir(self) -> Path | None:
-        d = self.directory / TOKENIZER_DIR
+        d = checkpoint_tokenizer_dir(self.directory)
         return d if (d / "tokenizer.json").is_file() else None
 
     def check_integrity(self) -> None:
@@ -285,7 +285,7 @@ class ChecksumCheck:
     def _run(self) -> None:
         try:
             for name, digest in self.checksums.items():
-                path = self.directory / name
+                path = artifact_path(self.directory, name)
                 if not path.is_file():
                     raise ArtifactError(f"{path}: checkpoint file missing")
                 got = file_digest(path, self.algorithm, self._cancel)

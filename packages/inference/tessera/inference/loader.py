@@ -11,7 +11,7 @@ import torch
 
 from tessera.common.checkpoint import (
     SIDECAR,
-    TOKENIZER_DIR,
+    checkpoint_tokenizer_dir,
     load_model_tensors,
     read_sidecar,
     resolve_checkpoint,
@@ -98,7 +98,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
                         "trusted as they are", ckpt)
         else:
             verify_checksums(ckpt, sidecar)
-        tokenizer = load_tokenizer(ckpt / TOKENIZER_DIR)
+        tokenizer = load_tokenizer(checkpoint_tokenizer_dir(ckpt))
         eos = []
         path = ckpt
         if given_name in ("checkpoints",):
