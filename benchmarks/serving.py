@@ -278,6 +278,8 @@ def main() -> None:
                     help="Poisson arrivals at this many requests/s (default inf: all at once, "
                          "bounded by --concurrency)")
     ap.add_argument("--naive-requests", type=int, default=8, help="requests the naive peer runs (it is slow)")
+    ap.add_argument("--no-hf", action="store_true",
+                    help="skip the transformers peers (naive, static): they are slow at 2 threads beside a busy core")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256, help="server step token budget")
     ap.add_argument("--rounds", type=int, default=2, help="alternate the three systems this many times")
     ap.add_argument("--seed", type=int, default=0)
@@ -368,7 +370,7 @@ def main() -> None:
         if args.structured == "json":
             structured_rounds(url, workload, args, arrivals)
             return
-        hf = hf_model_from(model).to(device=args.device, dtype=dtype)
+        hf = None if args.no_hf else hf_model_from(model).to(device=args.device, dtype=dtype)
         # The machine is shared: load changes by the minute. Alternate the systems in rounds so
         # each comparison is between runs taken close together.
         # tessera-serve and vLLM alternate which goes first (and so which follows the HF peers).
@@ -380,14 +382,16 @@ def main() -> None:
             ours = asyncio.run(run_client(url, workload, args.concurrency, arrivals))
             if vllm_url is not None and r % 2 == 0:
                 theirs = asyncio.run(run_client(vllm_url, workload, args.concurrency, arrivals))
-            static = run_static(hf, workload, args.concurrency)
-            naive = run_naive(hf, workload, args.naive_requests)
+            static = naive = None
+            if hf is not None:
+                static = run_static(hf, workload, args.concurrency)
+                naive = run_naive(hf, workload, args.naive_requests)
             rounds.append((ours, static, naive, theirs))
-            peer = "" if theirs is None else (f"vLLM {theirs['output_tok_per_s']:.1f} tok/s "
-                                              f"(Tessera/vLLM {ours['output_tok_per_s'] / theirs['output_tok_per_s']:.2f}x), ")
-            print(f"round {r + 1}: tessera-serve {ours['output_tok_per_s']:.1f} tok/s, {peer}"
-                  f"HF static batch {static['output_tok_per_s']:.1f} tok/s, "
-                  f"HF naive {naive['output_tok_per_s']:.1f} tok/s", flush=True)
+            peer = "" if theirs is None else (f", vLLM {theirs['output_tok_per_s']:.1f} tok/s "
+                                              f"(Tessera/vLLM {ours['output_tok_per_s'] / theirs['output_tok_per_s']:.2f}x)")
+            hf_peers = "" if static is None else (f", HF static batch {static['output_tok_per_s']:.1f} tok/s, "
+                                                  f"HF naive {naive['output_tok_per_s']:.1f} tok/s")
+            print(f"round {r + 1}: tessera-serve {ours['output_tok_per_s']:.1f} tok/s{peer}{hf_peers}", flush=True)
     finally:
         if spinner is not None:
             spinner.kill()
@@ -418,12 +422,13 @@ def main() -> None:
               f"({ours['duration']:.1f} s)")
         print(f"  TTFT {ms(ours['ttft'])}\n  TPOT {ms(ours['tpot'])}\n  ITL  {ms(ours['itl'])}\n  E2E  {ms(ours['e2e'])}")
         print(f"  TPOT median / physical floor: {statistics.median(ours['tpot']) / lim['floor']:.1f}x")
-        print(f"HF naive (1 at a time): {naive['output_tok_per_s']:.1f} output tok/s")
-        print(f"HF static batch ({args.concurrency}, padded): {static['output_tok_per_s']:.1f} output tok/s "
-              f"({static['duration']:.1f} s)")
-        print(f"ratio vs naive: {ours['output_tok_per_s'] / naive['output_tok_per_s']:.2f}x   "
-              f"vs static batch: {ours['output_tok_per_s'] / static['output_tok_per_s']:.2f}x   "
-              f"TTFT p50 {1e3 * statistics.median(ours['ttft']):.0f} ms")
+        if static is not None:
+            print(f"HF naive (1 at a time): {naive['output_tok_per_s']:.1f} output tok/s")
+            print(f"HF static batch ({args.concurrency}, padded): {static['output_tok_per_s']:.1f} output tok/s "
+                  f"({static['duration']:.1f} s)")
+            print(f"ratio vs naive: {ours['output_tok_per_s'] / naive['output_tok_per_s']:.2f}x   "
+                  f"vs static batch: {ours['output_tok_per_s'] / static['output_tok_per_s']:.2f}x   "
+                  f"TTFT p50 {1e3 * statistics.median(ours['ttft']):.0f} ms")
         if theirs is not None:
             print(f"vLLM (CPU build, {'second' if r % 2 else 'first'} of the two): {theirs['output_tok_per_s']:.1f} output tok/s "
                   f"({theirs['duration']:.1f} s), TTFT p50 {1e3 * statistics.median(theirs['ttft']):.0f} ms, "
