@@ -350,8 +350,12 @@ def main() -> None:
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=model.cfg.max_seq_len, dtype=dtype,
             log_path=vllm_log)
     server_log = workdir / "tessera-serve.log"
+    # Each server, and the busy core's spinner, in a session of its own: with the kernel's autogroup
+    # scheduling (/proc/sys/kernel/sched_autogroup_enabled) a session shares one CPU share, so a
+    # server left in this script's session would share it with the client and the spinner while
+    # vLLM (vllm_peer.start: a new session) would not.
     with open(server_log, "w") as log:
-        server = subprocess.Popen(cmd, env=env, stderr=log)
+        server = subprocess.Popen(cmd, env=env, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     spinner = None
     try:
@@ -366,7 +370,7 @@ def main() -> None:
         print(f"threads: {threads_mode}; tessera-serve: {startup_threads(server_log)}"
               + (f"; vLLM: {vllm_peer.thread_binding(vllm_log)}" if vllm is not None else ""), flush=True)
         if args.busy_core:
-            spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
         if args.structured == "json":
             structured_rounds(url, workload, args, arrivals)
             return
