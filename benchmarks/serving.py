@@ -27,7 +27,9 @@ transformers at torch's default; OMP_NUM_THREADS removed from the servers' envir
 startup line of each server says what it chose. `--busy-core` keeps one core busy during the
 measured rounds with a process of this script's own (`while True: pass`, unpinned, started after
 the warm-up and stopped at the end), as another job on a shared machine would; without it the run
-is as quiet as the machine is.
+is as quiet as the machine is. Both servers stay up for the whole run, and at their defaults both
+bind the same core: the idle one's background threads (vLLM's worker used 1-10% of a core in the
+10 s after a run) share it with the one measured; `--no-peer` gives tessera-serve alone.
 
 With `--structured json` the run compares the server with itself instead: the same prompts
 JSON-schema constrained (`response_format` json_schema; llguidance masks applied in the batched
