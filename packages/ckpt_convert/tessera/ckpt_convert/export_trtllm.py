@@ -56,14 +56,13 @@ from typing import Any
 
 import torch
 
-from tessera.ckpt_convert.export_hf import check_model_tensors, expected_model_shapes
 from tessera.ckpt_convert.mapped import Staging, aligned
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, fsync
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, atomic_write_json
-from tessera.common.hf import HF_DTYPE_NAMES, Rule, architecture_for, check_exportable
+from tessera.common.hf import HF_DTYPE_NAMES, architecture_for, check_exportable
 from tessera.common.model_config import ModelConfig
 
 # (inputs, tp_rank) -> this rank's tensor, or its parts along dim 0 (written one after the other,
@@ -339,7 +338,6 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
     tp, pp = opts.tp, opts.pp
     validate(cfg, tp, pp)
     all_items = items(cfg, tp, pp)
-    check_model_tensors(src, [Rule(i.name, i.sources, i.shape) for i in all_items], expected_model_shapes(cfg))
     dtype = opts.dtype or src.model_specs["embed_tokens.weight"].dtype
     config = trtllm_config(cfg, dtype, tp, pp)
 

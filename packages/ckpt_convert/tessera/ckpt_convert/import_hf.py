@@ -28,7 +28,7 @@ from tessera.common.hf import (
     import_rules,
     read_hf_config,
 )
-from tessera.common.tokenizer import load_tokenizer
+from tessera.common.tokenizer import check_tokenizer_fits, load_tokenizer
 
 
 def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | None = None,
@@ -47,7 +47,9 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     rules, optional = import_rules(cfg, weights.names())
     check_import(rules, weights, str(input_dir), optional)  # every input tensor, before writing anything
     tok = load_tokenizer(input_dir) if (input_dir / "tokenizer.json").is_file() else None
-    if tok is None:
+    if tok is not None:
+        check_tokenizer_fits(tok, cfg.vocab_size, str(config_path))  # the check serving makes, before writing
+    else:
         print(f"warning: {input_dir} has no tokenizer.json; the checkpoint will have no tokenizer/ "
               "(needed to serve it: add one from the original model)", file=sys.stderr)
     # The stored dtype; where tensors differ (rare), float32 holds every one of them exactly.

@@ -27,13 +27,16 @@ from tessera.common.checkpoint import (
     MODEL_PREFIX,
     TOKENIZER_DIR,
     CheckpointSidecar,
+    check_checkpoint,
+    check_extents,
+    check_payload_listed,
     read_sidecar,
     resolve_checkpoint,
     single_process_dcp,
 )
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import file_digest
-from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
+from tessera.common.safe_dcp import dcp_load
 
 
 @dataclass(frozen=True)
@@ -54,11 +57,12 @@ class CheckpointSource:
     def __init__(self, path: str | os.PathLike):
         self.directory: Path = resolve_checkpoint(path)
         self.sidecar: CheckpointSidecar = read_sidecar(self.directory)
+        # Before any verb sizes anything from it: every file listed for checking, the index sane and
+        # inside its files, the model tensors those of the sidecar's config (no payload byte read).
+        check_payload_listed(self.directory, self.sidecar)
+        self.metadata: Any = check_checkpoint(self.directory, self.sidecar)
 
     # ---- the DCP index -------------------------------------------------------------------
-    @cached_property
-    def metadata(self) -> Any:
-        return read_dcp_metadata(self.directory)
 
     @cached_property
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -104,16 +108,7 @@ class CheckpointSource:
 
     def check_extents(self) -> None:
         """Every payload file .metadata names exists and holds its items' bytes (stat only, no reading)."""
-        sizes: dict[str, int] = {}
-        for index, info in (self.metadata.storage_data or {}).items():
-            path = self.directory / info.relative_path
-            if info.relative_path not in sizes:
-                if not path.is_file():
-                    raise ArtifactError(f"{path}: checkpoint file missing (listed in .metadata)")
-                sizes[info.relative_path] = path.stat().st_size
-            if info.offset + info.length > sizes[info.relative_path]:
-                raise ArtifactError(f"{path}: truncated ({index.fqn} ends at byte {info.offset + info.length}, "
-                                    f"the file has {sizes[info.relative_path]})")
+        check_extents(self.directory, self.metadata)
 
     # ---- reading ---------------------------------------------------------------------------
     def load(self, keys: list[str], raw: bool = False) -> dict[str, torch.Tensor]:

@@ -33,7 +33,12 @@ from tessera.common.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 from tessera.kernels import add_rms_norm, rms_norm, rope_qk, swiglu
 
 __all__ = ["AttentionFn", "Attention", "Block", "MLP", "MoE", "RMSNorm", "RotaryEmbedding", "Transformer",
-           "apply_rope", "build_model", "rope_inv_freq"]
+           "WEIGHT_DTYPES", "apply_rope", "build_model", "model_tensor_shapes", "rope_inv_freq"]
+
+# dtypes a model's weights may have on disk (checkpoints and imports). Anything else (an integer or
+# bool tensor, a quantised export, float64) is refused: converting it to a float type would
+# silently produce a different model.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # attention_fn(layer_idx, q, k, v) -> out; q: [B, T, Hq, D], k/v: [B, T, Hkv, D], out: [B, T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -345,3 +350,27 @@ def build_model(
     elif model.rotary is not None:
         model.rotary.reset_parameters()
     return model.to(dtype=dtype) if dtype != torch.float32 else model
+
+
+def model_tensor_shapes(cfg: ModelConfig, buffers: bool = True) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of `Transformer(cfg).state_dict()`, in its order: what a
+    checkpoint stores under `model.` (parameters only with buffers=False). Built on the meta device
+    from one block per kind of layer, so it costs about the same for 2 layers as for thousands."""
+    def shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+        tensors = module.state_dict() if buffers else dict(module.named_parameters())
+        return {k: tuple(v.shape) for k, v in tensors.items()}
+
+    out: dict[str, tuple[int, ...]] = {}
+    kinds: dict[bool, dict[str, tuple[int, ...]]] = {}
+    with torch.device("meta"):
+        top = Transformer(cfg.model_copy(update={"num_layers": 0, "sliding_window_layers": None}))
+        for name, child in top.named_children():
+            if name != "layers":
+                out.update({f"{name}.{k}": v for k, v in shapes(child).items()})
+                continue
+            for i in range(cfg.num_layers):
+                kind = cfg.is_moe_layer(i)
+                if kind not in kinds:
+                    kinds[kind] = shapes(Block(cfg, i))
+                out.update({f"layers.{i}.{k}": v for k, v in kinds[kind].items()})
+    return out

@@ -12,17 +12,18 @@ import torch
 from tessera.common.checkpoint import (
     SIDECAR,
     TOKENIZER_DIR,
+    check_checkpoint,
     load_model_tensors,
     read_sidecar,
     resolve_checkpoint,
     verify_checksums,
 )
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.hf import eos_token_ids, is_hf_directory, read_hf_config
+from tessera.common.hf import CONFIG, eos_token_ids, is_hf_directory, read_hf_config
 from tessera.common.hf.directory import checked_hf_weights, imported_tensors
 from tessera.common.model import Transformer, build_model
 from tessera.common.model_config import ModelConfig
-from tessera.common.tokenizer import Tokenizer, load_tokenizer
+from tessera.common.tokenizer import Tokenizer, check_tokenizer_fits, load_tokenizer
 from tessera.inference.model_runner import kv_cache_dtype as kv_cache_dtype_of
 from tessera.inference.quantization import check_quantization, quantize_model
 
@@ -98,14 +99,13 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
                         "trusted as they are", ckpt)
         else:
             verify_checksums(ckpt, sidecar)
+        check_checkpoint(ckpt, sidecar)  # index sizes and model tensors against the config, before any allocation
         tokenizer = load_tokenizer(ckpt / TOKENIZER_DIR)
         eos = []
         path = ckpt
         if given_name in ("checkpoints",):
             given_name = ckpt.parent.parent.name
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ArtifactError(f"{tokenizer.directory}: tokenizer has {tokenizer.vocab_size} tokens but the model "
-                            f"only {cfg.vocab_size}; they do not belong together")
+    check_tokenizer_fits(tokenizer, cfg.vocab_size, str(path / CONFIG if hf else ckpt / SIDECAR))
     eos_ids = sorted(set(eos) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
     if tensor_parallel > 1:
         from tessera.inference.executor import check_tensor_parallel

@@ -64,7 +64,10 @@ def model_config_from_hf(data: dict[str, Any], source: str) -> ModelConfig:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(map(str, err["loc"]))
-        raise ArtifactError(f"{source}: {'model ' + where + ': ' if where else ''}{err['msg']}") from None
+        # Name the config.json field too (its name differs from Tessera's: num_hidden_layers, n_layer).
+        keys = [k for k, v in data.items() if type(v) is type(err.get("input")) and v == err.get("input")]
+        field = f"field {keys[0]!r} = {data[keys[0]]!r}: " if len(keys) == 1 and where else ""
+        raise ArtifactError(f"{source}: {field}{'model ' + where + ': ' if where else ''}{err['msg']}") from None
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, bos_id: int | None, eos_id: int | None,

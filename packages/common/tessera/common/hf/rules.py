@@ -19,12 +19,10 @@ from typing import Protocol
 import torch
 
 from tessera.common.errors import ArtifactError
+from tessera.common.model import WEIGHT_DTYPES
 
 Combine = Callable[[list[torch.Tensor]], torch.Tensor]
 
-# dtypes a model's weights may have on disk. Anything else (int8, a quantised export, float64) is
-# refused: converting it to a float type here would silently produce a different model.
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Buffers some exports include beside the weights; recomputed by the model, never read.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
