@@ -21,13 +21,12 @@ from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.ckpt_convert.tokenizer_files import write_hf_tokenizer
-from tessera.common.checkpoint import SIDECAR
 from tessera.common.errors import UserError
 from tessera.common.fileio import BackgroundFsync, atomic_directory, atomic_write_json
 from tessera.common.hf import export_rules, hf_config
 from tessera.common.model import model_tensor_shapes
 from tessera.common.model_config import ModelConfig
-from tessera.common.tokenizer import Tokenizer, check_tokenizer_fits, load_tokenizer
+from tessera.common.tokenizer import Tokenizer
 
 ST_METADATA = {"format": "pt"}
 INDEX_FILE = "model.safetensors.index.json"
@@ -73,10 +72,8 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     cfg = src.sidecar.model
     rules = export_rules(cfg)  # their sources are the stored tensors: CheckpointSource checked them
-    tok = load_tokenizer(src.tokenizer_dir) if src.tokenizer_dir else None
-    if tok is not None:
-        check_tokenizer_fits(tok, cfg.vocab_size, str(src.directory / SIDECAR))
-    else:
+    tok = src.tokenizer()
+    if tok is None:
         print(f"warning: {src.directory} has no tokenizer/; exporting the model without tokenizer files",
               file=sys.stderr)
 

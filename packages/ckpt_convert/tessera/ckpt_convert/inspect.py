@@ -8,17 +8,13 @@ from typing import Any
 
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
-from tessera.common.checkpoint import SIDECAR
-from tessera.common.tokenizer import check_tokenizer_fits, load_tokenizer
 
 
 def verify(checkpoint: str | os.PathLike, read_tensors: bool = True, quiet: bool = False) -> str:
     """Raise ArtifactError on the first problem; return a one-line summary when all is well."""
     src = CheckpointSource(checkpoint)  # index, extents and model tensors against the config checked
     src.check_integrity()
-    if src.tokenizer_dir is not None:  # the pairing serving checks, reported here first
-        check_tokenizer_fits(load_tokenizer(src.tokenizer_dir), src.sidecar.model.vocab_size,
-                             str(src.directory / SIDECAR))
+    src.tokenizer()  # paired with the model as serving pairs them
     if read_tensors:
         specs = src.tensor_specs
         with Progress(sum(s.nbytes for s in specs.values()), len(specs), "verify", quiet) as bar:

@@ -81,6 +81,7 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     # Megatron re-pads the vocabulary for each tensor-parallel size; here the rows are kept wherever
     # the new size divides them (a checkpoint stays layout-free) and re-padded when it does not.
+    src.tokenizer()  # copied into the output: refused here if it does not fit the model
     target_cfg = src.sidecar.model.refit_for(layout.tensor)
     validate_layout(target_cfg, layout)  # the trainer's check, without its batch and world-size parts
     layout = layout.resolved(target_cfg.num_layers)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tessera.ckpt_convert.mapped import aligned, load_saved_tensor
 from tessera.common.checkpoint import (
     MODEL_PREFIX,
+    SIDECAR,
     TOKENIZER_DIR,
     CheckpointSidecar,
     check_checkpoint,
@@ -37,6 +38,7 @@ from tessera.common.checkpoint import (
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import file_digest
 from tessera.common.safe_dcp import dcp_load
+from tessera.common.tokenizer import Tokenizer, check_tokenizer_fits, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,15 @@ class CheckpointSource:
     def tokenizer_dir(self) -> Path | None:
         d = self.directory / TOKENIZER_DIR
         return d if (d / "tokenizer.json").is_file() else None
+
+    def tokenizer(self) -> Tokenizer | None:
+        """The checkpoint's tokenizer, refused when it has more tokens than the model's vocabulary
+        (the check serving makes, made by every verb that reads or copies it)."""
+        if self.tokenizer_dir is None:
+            return None
+        tok = load_tokenizer(self.tokenizer_dir)
+        check_tokenizer_fits(tok, self.sidecar.model.vocab_size, str(self.directory / SIDECAR))
+        return tok
 
     def check_integrity(self) -> None:
         """Every indexed item lies inside its file and every payload file matches its checksum."""

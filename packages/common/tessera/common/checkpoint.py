@@ -191,13 +191,17 @@ def read_sidecar(directory: str | os.PathLike) -> CheckpointSidecar:
 
 
 def check_payload_listed(directory: str | os.PathLike, sidecar: CheckpointSidecar) -> None:
-    """Every file of the checkpoint has a checksum in the sidecar and the table is not empty, so no
-    payload file goes unchecked (a save lists every file it wrote: finalize_checkpoint)."""
+    """The sidecar's checksums list exactly the checkpoint's files (a save lists every file it
+    wrote: finalize_checkpoint), and the table is not empty: no payload file goes unchecked."""
     directory = Path(directory)
     if not sidecar.checksums:
         raise ArtifactError(f"{directory / SIDECAR}: records no checksums, so its payload cannot be checked; "
                             "refusing the checkpoint (it was not written by a Tessera save, or was edited)")
-    unlisted = [p.name for p in checkpoint_files(directory) if p.name not in sidecar.checksums]
+    files = checkpoint_files(directory)
+    missing = sorted(set(sidecar.checksums) - {p.name for p in files})
+    if missing:
+        raise ArtifactError(f"{directory / missing[0]}: checkpoint file missing (listed in the sidecar's checksums)")
+    unlisted = [p.name for p in files if p.name not in sidecar.checksums]
     if unlisted:
         more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
         raise ArtifactError(f"{directory / unlisted[0]}: not listed in the sidecar's checksums{more}, so it "
