@@ -147,3 +147,14 @@ def test_blend_refuses_bad_requests(tmp_path, shards, corpus_texts, capsys):
     err = user_error(["blend", "--data", 0.5, a, 0.5, tmp_path / "o_text_document", *base], capsys)
     assert "o_text_document.json" in err and "share a tokenizer" in err
     assert not (tmp_path / "m").exists()
+
+
+def test_a_bad_flag_is_reported_against_the_flag_not_the_yaml_file(tmp_path, shards, capsys):
+    config = tmp_path / "blend.yaml"
+    config.write_text(f"data: [{{prefix: {shards[0]}, weight: 1.0}}]\nseq_length: {SEQ}\ntrain_samples: 10\n"
+                      f"output: {tmp_path / 'm'}\n")
+    err = user_error(["blend", "--config", config, "--seq-length", 0], capsys)
+    assert "--seq-length 0: invalid config: seq_length" in err and "blend.yaml" not in err, err
+    config.write_text(config.read_text().replace("train_samples: 10", "train_samples: -1"))
+    assert f"{config}: invalid config: train_samples" in user_error(["blend", "--config", config], capsys)
+    assert not (tmp_path / "m").exists()

@@ -44,6 +44,26 @@ def test_impossible_config_is_refused(make_config, capsys, tmp_path, overrides, 
     assert not (tmp_path / "run").exists()  # nothing was written
 
 
+@pytest.mark.parametrize("overrides, override, field", [
+    (["optim.lr=abc"], "override optim.lr=abc", "optim.lr"),  # a field's own type
+    (["training.steps=3", "optim.lrr=1"], "override optim.lrr=1", "optim.lrr"),  # an unknown key
+    (["training.micro_batch_size=3"], "override training.micro_batch_size=3", "must divide"),  # a cross-field rule
+    (["model.hidden_size=abc"], "override model.hidden_size=abc", "hidden_size"),  # inside the model section
+])
+def test_a_bad_override_is_reported_against_the_override_not_the_yaml_file(make_config, capsys, overrides,
+                                                                            override, field):
+    config = make_config()
+    err = run_expect_usage_error(["--config", str(config), *overrides], capsys)
+    assert f"error: {override}: invalid config: " in err and field in err, err
+    assert config.name not in err, err
+
+
+def test_a_bad_value_in_the_yaml_file_is_still_reported_against_the_file(make_config, capsys):
+    config = make_config(optim={"lr": "abc"})
+    err = run_expect_usage_error(["--config", str(config), "training.steps=3"], capsys)
+    assert f"{config}: invalid config: optim.lr" in err and "override" not in err, err
+
+
 def test_mixture_built_for_shorter_sequence_is_refused(make_config, capsys, artifacts, tmp_path):
     # The session mixture has seq_length 32; ask for 48 (the model allows 64).
     err = run_expect_usage_error(["--config", str(make_config()), "training.seq_length=48"], capsys)

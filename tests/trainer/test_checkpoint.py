@@ -120,6 +120,40 @@ def test_killed_save_never_damages_the_last_good_checkpoint(make_config, tmp_pat
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+@pytest.mark.parametrize("name", [".iter_0000002.partial", "iter_0000002"])
+@pytest.mark.parametrize("when", ["before the run", "during the run"])
+def test_a_symlink_where_a_save_writes_is_replaced_and_never_followed(make_config, tmp_path, monkeypatch, name, when):
+    """Issue 35.7: a link planted under the save's temporary (or final) name ended training with a
+    FileExistsError traceback; the save must write a directory of its own and leave the target alone."""
+    from tessera.trainer import checkpointing
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the trainer's")
+    root = tmp_path / "run" / "checkpoints"
+
+    def plant() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / name).symlink_to(outside, target_is_directory=True)
+
+    if when == "before the run":
+        plant()
+    else:  # after the first save, before the second
+        prune = checkpointing.prune_checkpoints
+
+        def prune_then_plant(directory: Path, keep_last: int) -> None:
+            prune(directory, keep_last)
+            if read_pointer(root) == 1:
+                plant()
+        monkeypatch.setattr(checkpointing, "prune_checkpoints", prune_then_plant)
+    config = make_config(training={"steps": 2, "save_interval": 1})
+    assert main(["--config", str(config), "--quiet"]) == 0
+    assert [p.name for p in outside.iterdir()] == ["keep.txt"]  # nothing written through the link
+    saved = root / "iter_0000002"
+    assert saved.is_dir() and not saved.is_symlink() and (saved / SIDECAR).is_file()
+    assert read_pointer(root) == 2 and not (root / ".iter_0000002.partial").exists()
+
+
 def test_stop_request_catches_sigint_and_sigterm():
     from tessera.trainer.signals import StopRequest
 

@@ -22,6 +22,7 @@ from conftest import base_config
 
 from tessera.common.errors import run_cli
 from tessera.common.indexed_dataset import HEADER_SIZE, read_index
+from tessera.common.shard import shard_fingerprint
 from tessera.data_prep.cli import entry as data_entry
 from tessera.trainer.cli import main as train_main
 
@@ -87,9 +88,53 @@ def truncated_bin(root: Path) -> None:
     path.write_bytes(path.read_bytes()[:-2])
 
 
+def idx_dtype_disagrees_with_manifest(root: Path) -> None:
+    """Byte 17 of the header from 8 (uint16) to 3 (int16): same item size, so the structure still holds."""
+    raw, _, _ = _idx_arrays(root)
+    raw[17] = 3
+    raw.flush()
+
+
+def _edit_shard_manifest(root: Path, edit: Callable[[dict], None]) -> None:
+    """Edit the shard's manifest and re-pin the mixture to it, as whoever rewrote one would rewrite
+    both: the mixture's fingerprint check then passes, and the shard's own check must refuse."""
+    path = root / f"{SHARD}.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+    mix = root / "mix" / "manifest.json"
+    mixture = json.loads(mix.read_text())
+    mixture["datasets"][0]["fingerprint"] = shard_fingerprint(root / SHARD)
+    mix.write_text(json.dumps(mixture))
+
+
+def manifest_token_count_off_by_one(root: Path) -> None:
+    _edit_shard_manifest(root, lambda m: m.update(num_tokens=m["num_tokens"] + 1))
+
+
+def manifest_document_count_off_by_one(root: Path) -> None:
+    _edit_shard_manifest(root, lambda m: m.update(num_documents=m["num_documents"] - 1))
+
+
+def manifest_dtype_disagrees_with_header(root: Path) -> None:
+    _edit_shard_manifest(root, lambda m: m.update(dtype="int16"))
+
+
+def manifest_does_not_list_the_idx(root: Path) -> None:
+    _edit_shard_manifest(root, lambda m: m["checksums"].pop("idx"))
+
+
+def loss_mask_the_manifest_does_not_list(root: Path) -> None:
+    n = json.loads((root / f"{SHARD}.json").read_text())["num_tokens"]
+    (root / f"{SHARD}.mask.bin").write_bytes(b"\x01" * n)
+
+
 SHARD_CORRUPTIONS: list[Callable[[Path], None]] = [
     flip_token_inside_vocabulary, token_outside_vocabulary, swapped_lengths, shifted_pointer,
     decreasing_document_index, empty_bin, empty_idx, truncated_bin,
+    # the index's header and counts disagreeing with the manifest, and files the manifest does not list
+    idx_dtype_disagrees_with_manifest, manifest_token_count_off_by_one, manifest_document_count_off_by_one,
+    manifest_dtype_disagrees_with_header, manifest_does_not_list_the_idx, loss_mask_the_manifest_does_not_list,
 ]
 
 
@@ -146,11 +191,40 @@ def shard_deleted(root: Path) -> None:
         (root / f"{SHARD}{suffix}").unlink()
 
 
+def _edit_mixture_manifest(root: Path, edit: Callable[[dict], None]) -> None:
+    path = root / "mix" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def mixture_token_count_disagrees_with_shard(root: Path) -> None:
+    _edit_mixture_manifest(root, lambda m: m["datasets"][0].update(num_tokens=m["datasets"][0]["num_tokens"] + 1))
+
+
+def mixture_document_count_disagrees_with_shard(root: Path) -> None:
+    _edit_mixture_manifest(root, lambda m: m["datasets"][0].update(num_documents=m["datasets"][0]["num_documents"] + 1))
+
+
+def mixture_vocabulary_disagrees_with_shard(root: Path) -> None:
+    _edit_mixture_manifest(root, lambda m: m.update(vocab_size=m["vocab_size"] - 12))
+
+
+def mixture_sample_count_off_by_one(root: Path) -> None:
+    _edit_mixture_manifest(root, lambda m: m["splits"]["train"].update(num_samples=m["splits"]["train"]["num_samples"] + 1))
+
+
+def index_file_the_mixture_does_not_list(root: Path) -> None:
+    shutil.copyfile(root / "mix" / "train" / "d0_shuffle_index.npy", root / "mix" / "train" / "d1_shuffle_index.npy")
+
+
 # Mixture corruptions x tessera-train, the only command that reads a mixture (verify, inspect and
 # merge take shards; blend writes a mixture and never reads one).
 MIXTURE_CORRUPTIONS = [flipped_dataset_index, flipped_shuffle_index, missing_sample_index, flipped_valid_split_index,
                        truncated_document_index, manifest_not_json, manifest_checksum_dropped,
-                       manifest_shard_fingerprint_changed, shard_deleted]
+                       manifest_shard_fingerprint_changed, shard_deleted, mixture_token_count_disagrees_with_shard,
+                       mixture_document_count_disagrees_with_shard, mixture_vocabulary_disagrees_with_shard,
+                       mixture_sample_count_off_by_one, index_file_the_mixture_does_not_list]
 
 
 def _train_config(root: Path, artifacts) -> Path:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
+from tessera.common.errors import run_cli
 from tessera.common.layout import ParallelLayout
 from tessera.common.model_config import ModelConfig, preset
 from tessera.trainer.plan.cli import main
@@ -162,6 +164,28 @@ def test_bad_layouts_and_devices_are_refused_with_one_line(tmp_path, flags, word
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if "Warning" not in ln and "_conversion_method" not in ln]
     assert len(lines) == 1 and words in lines[0], proc.stderr
+
+
+def test_a_bad_override_is_reported_against_the_override_not_the_config_file(tmp_path, capsys):
+    config = _config(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--config", config, "training.seq_length=abc"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "override training.seq_length=abc: invalid config: training.seq_length" in err and config not in err, err
+
+
+def test_context_parallel_with_data_shard_is_a_valid_layout_and_the_train_docs_say_so(tmp_path, capsys):
+    """Issue 28.8: docs/cli/tessera-train.md said context (and expert) parallel do not combine with
+    data_shard > 1; they do (tests/parallel/test_fsdp.py runs CP 2 x FSDP 2 against one process,
+    test_ep_fsdp.py EP 2 x FSDP 2)."""
+    assert main(["--config", _config(tmp_path), "--context-parallel", "2", "--data-parallel", "2",
+                 "--data-shard", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"] == "tp1-cp2-ep1-dp2s2-pp1"
+    doc = (Path(__file__).parents[2] / "docs" / "cli" / "tessera-train.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| context |"))
+    assert "composes with data_shard > 1" in row
+    assert "not with data_shard" not in doc and "or with `data_shard > 1`" not in doc
 
 
 def test_a_mixture_of_experts_model_is_planned_though_its_routing_cannot_run_on_fake_tensors():

@@ -150,18 +150,21 @@ class ShardedDcpWriter:
     def close(self) -> dict[str, str]:
         """fsync (unless sync=False) and close the rank files, write `.metadata`; returns the rank
         files' checksums (file name -> CHECKSUM_ALGORITHM hex digest) for `finalize_checkpoint`."""
-        for f in self.raw:
-            f.flush()
-            if self.sync:
-                os.fsync(f.fileno())
-            f.close()
+        try:
+            for f in self.raw:
+                f.flush()
+                if self.sync:
+                    os.fsync(f.fileno())
+        finally:
+            self.abort()  # every file closed, even after a failed flush (a full disk)
         metadata = Metadata(state_dict_metadata=self.state_md, planner_data=self.planner_data)
         FileSystemWriter(str(self.directory), sync_files=self.sync).finish(metadata, [self.results])
         return {rank_file(r): f.hexdigest() for r, f in enumerate(self.files)}
 
     def abort(self) -> None:
         for f in self.raw:
-            f.close()
+            with contextlib.suppress(OSError):  # closed anyway: a failed final flush must not keep the rest open
+                f.close()
 
 
 def write_imported_checkpoint(tmp: Path, tensors: Iterator[tuple[str, torch.Tensor]], cfg: Any, tokenizer: Any,

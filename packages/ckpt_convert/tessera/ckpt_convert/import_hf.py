@@ -20,7 +20,7 @@ import torch
 from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.errors import UserError
-from tessera.common.fileio import atomic_directory
+from tessera.common.fileio import artifact_path, atomic_directory
 from tessera.common.hf import (
     CONFIG,
     SafetensorsWeights,
@@ -39,7 +39,7 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
         raise UserError(f"{input_dir}: input directory not found")
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
-    config_path = input_dir / CONFIG
+    config_path = artifact_path(input_dir, CONFIG)
     cfg, _ = read_hf_config(input_dir)  # the one HF adapter, shared with tessera-serve
     # Megatron's vocabulary padding at tensor parallel 1 (zero rows; reshard re-pads for larger sizes).
     cfg = cfg.model_copy(update={"vocab_size_divisible_by": vocab_size_divisible_by}).padded_for(1)

@@ -37,7 +37,7 @@ import torch
 from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import atomic_directory
+from tessera.common.fileio import artifact_path, atomic_directory
 from tessera.common.model_config import ModelConfig
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import check_tokenizer_fits, load_tokenizer
@@ -50,7 +50,7 @@ LEGACY_HINT = ("legacy Megatron checkpoints (mp_rank_XX/model_optim_rng.pt) are 
 def check_torch_dist(directory: Path) -> None:
     if any(directory.glob("mp_rank_*")) or any(directory.glob("*/mp_rank_*")):
         raise ArtifactError(f"{directory}: {LEGACY_HINT}")
-    meta = directory / "metadata.json"
+    meta = artifact_path(directory, "metadata.json")
     if not meta.is_file():
         raise ArtifactError(f"{directory}: no metadata.json; not a Megatron-Core distributed checkpoint (give the "
                             "iter_NNNNNNN directory)")

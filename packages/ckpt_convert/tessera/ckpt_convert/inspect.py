@@ -8,12 +8,15 @@ from typing import Any
 
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
+from tessera.common.tokenizer import check_tokenizer_files
 
 
 def verify(checkpoint: str | os.PathLike, read_tensors: bool = True, quiet: bool = False) -> str:
     """Raise ArtifactError on the first problem; return a one-line summary when all is well."""
     src = CheckpointSource(checkpoint)  # index, extents and model tensors against the config checked
     src.check_integrity()
+    if src.tokenizer_dir is not None:  # what serving the checkpoint reads, inside it too
+        check_tokenizer_files(src.tokenizer_dir)
     src.tokenizer()  # paired with the model as serving pairs them
     if read_tensors:
         specs = src.tensor_specs

@@ -45,6 +45,7 @@ from typing import Any, BinaryIO
 import torch
 
 from tessera.common.file_map import file_region, map_bytes
+from tessera.common.fileio import name_os_error
 
 _MIN_KERNEL_COPY = 1 << 20  # below this, write() is as good and needs no second file handle
 # write() calls of at most this many bytes: on the dev VM (kernel 6.18, ext4) one write() of a
@@ -64,13 +65,17 @@ def write_bytes(f: BinaryIO, data: Any, writeback: bool = True) -> int:
     view = memoryview(data).cast("B")
     region = file_region(view) if view.nbytes >= _MIN_KERNEL_COPY else None
     done = 0
-    if region is not None:
-        f.flush()
-        done = _kernel_copy(region[0], region[1], f.fileno(), view.nbytes)
-        f.seek(0, os.SEEK_END)  # the kernel moved the file position: let the buffered file know
-    # No kernel copy, or it stopped (unsupported here): write the rest, WRITE_PIECE at a time.
-    for start in range(done, view.nbytes, WRITE_PIECE):
-        f.write(view[start:start + WRITE_PIECE])
+    try:
+        if region is not None:
+            f.flush()
+            done = _kernel_copy(region[0], region[1], f.fileno(), view.nbytes)
+            f.seek(0, os.SEEK_END)  # the kernel moved the file position: let the buffered file know
+        # No kernel copy, or it stopped (unsupported here): write the rest, WRITE_PIECE at a time.
+        for start in range(done, view.nbytes, WRITE_PIECE):
+            f.write(view[start:start + WRITE_PIECE])
+    except OSError as exc:
+        name_os_error(exc, getattr(f, "name", None))  # a full disk's one line names the file
+        raise
     if writeback:
         early_writeback(f)
     return view.nbytes

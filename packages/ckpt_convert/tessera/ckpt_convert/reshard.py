@@ -13,7 +13,6 @@ One process, no process group, one global tensor in memory at a time.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from tessera.common.fileio import atomic_directory, fsync_tree
 from tessera.common.hf import VOCAB_PARAMS
 from tessera.common.layout import ParallelLayout, validate_layout
 from tessera.common.model_config import ModelConfig
+from tessera.common.tokenizer import copy_tokenizer_files
 
 
 def plan(src: CheckpointSource, layout: ParallelLayout,
@@ -112,7 +112,7 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
             raise
         written = writer.close()
         if src.tokenizer_dir is not None:
-            shutil.copytree(src.directory / TOKENIZER_DIR, target / TOKENIZER_DIR)
+            copy_tokenizer_files(src.tokenizer_dir, target / TOKENIZER_DIR)
             if sync:
                 fsync_tree(target / TOKENIZER_DIR)
         sidecar = src.sidecar.model_copy(deep=True)

@@ -26,17 +26,17 @@ from tessera.ckpt_convert.mapped import aligned, load_saved_tensor
 from tessera.common.checkpoint import (
     MODEL_PREFIX,
     SIDECAR,
-    TOKENIZER_DIR,
     CheckpointSidecar,
     check_checkpoint,
     check_extents,
     check_payload_listed,
+    checkpoint_tokenizer_dir,
     read_sidecar,
     resolve_checkpoint,
     single_process_dcp,
 )
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import file_digest
+from tessera.common.fileio import artifact_path, file_digest
 from tessera.common.safe_dcp import dcp_load
 from tessera.common.tokenizer import Tokenizer, check_tokenizer_fits, load_tokenizer
 
@@ -90,7 +90,7 @@ class CheckpointSource:
 
     @property
     def tokenizer_dir(self) -> Path | None:
-        d = self.directory / TOKENIZER_DIR
+        d = checkpoint_tokenizer_dir(self.directory)
         return d if (d / "tokenizer.json").is_file() else None
 
     def tokenizer(self) -> Tokenizer | None:
@@ -291,7 +291,7 @@ class ChecksumCheck:
     def _run(self) -> None:
         try:
             for name, digest in self.checksums.items():
-                path = self.directory / name
+                path = artifact_path(self.directory, name)
                 if not path.is_file():
                     raise ArtifactError(f"{path}: checkpoint file missing")
                 got = file_digest(path, self.algorithm, self._cancel)

@@ -1,57 +1,294 @@
 """Rendering a chat into a prompt with the tokenizer's own template (chat_template.jinja or
-tokenizer_config.json's chat_template, as `tessera.common.tokenizer` reads it), in the same sandboxed Jinja2 environment transformers' apply_chat_template uses.
+tokenizer_config.json's chat_template, as `tessera.common.tokenizer` reads it), in the sandboxed
+Jinja2 environment transformers' apply_chat_template uses, with bounds on what a render may cost.
 
 One renderer for the server's chat endpoint and for `tessera-data prep --format chat` (fine-tuning
-data), so a model is trained on exactly the prompt layout it is served with."""
+data), so a model is trained on exactly the prompt layout it is served with.
+
+A template comes with the model, from wherever the model came from, and Jinja's sandbox stops it
+from reaching Python but not from looping or allocating without end (nested `range(99999)` loops;
+`'a' * 10**10`). Each render therefore runs under `RenderLimits`: loop iterations (every `for`,
+recursive loops and macro calls included), the size of every value it builds (repetition, `+`, `~`, `%` and `**`
+operands, call and filter arguments and results, `replace`/`join`/format widths predicted before
+they run) and of its output (streamed, stopped past the cap), and wall time (checked at every
+iteration, call, filter and operator). Going over one is a `ChatTemplateLimit` naming it. What the
+sandbox cannot see (a single C-level call inside a filter) is bounded where the server renders:
+in a child process with an address-space limit, killed at the time limit (tokenizer_process.py).
+"""
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
-from functools import lru_cache
-from typing import Any
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from tessera.common.tokenizer import Tokenizer
+if TYPE_CHECKING:
+    from tessera.common.tokenizer import Tokenizer
 
 
 class ChatTemplateError(ValueError):
     pass
 
 
-def _raise(message: str) -> None:
-    raise ChatTemplateError(message)
+class ChatTemplateLimit(ChatTemplateError):
+    """A render went over one of its RenderLimits; `limit` is that field's name."""
+
+    def __init__(self, message: str, limit: str):
+        super().__init__(message)
+        self.limit = limit
+
+
+@dataclass(frozen=True)
+class RenderLimits:
+    timeout_s: float = 5.0  # wall time of one render
+    max_iterations: int = 1_000_000  # loop iterations and macro calls of one render, all together
+    max_chars: int = 1 << 22  # characters of the output, and items or characters of any value built
+    max_memory_mb: int = 1024  # address space a render process may add (where rendered in one: the server)
+
+
+_MAX_INT_BITS = 1 << 16  # integers a template computes (`**`, `*`): far beyond any counter it needs
+# Filters and functions whose integer arguments are widths or counts of what they build (others',
+# e.g. `default(10**9)` or a macro's data, are plain values).
+_SIZED_BY_ARGUMENT = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "indent", "wordwrap", "batch",
+                                "slice", "tojson", "generate_lorem_ipsum"})
+_state = threading.local()  # the render under way on this thread (its _Budget)
+
+
+class _Budget:
+    def __init__(self, limits: RenderLimits):
+        self.limits = limits
+        self.deadline = time.monotonic() + limits.timeout_s
+        self.iterations = 0
+
+    def tick(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise ChatTemplateLimit(f"the chat template took longer than {self.limits.timeout_s:g} s to render",
+                                    "timeout_s")
+
+    def iteration(self) -> None:
+        self.iterations += 1
+        if self.iterations > self.limits.max_iterations:
+            raise ChatTemplateLimit(f"the chat template ran more than {self.limits.max_iterations:,} loop "
+                                    "iterations and macro calls in one render", "max_iterations")
+        self.tick()
+
+    def size(self, n: int, what: str = "a value") -> None:
+        if n > self.limits.max_chars:
+            raise ChatTemplateLimit(f"the chat template went over {self.limits.max_chars:,} characters or items: "
+                                    f"{what} of {n:,}", "max_chars")
+
+    def bits(self, n: int) -> None:
+        if n > _MAX_INT_BITS:
+            raise ChatTemplateLimit(f"the chat template computed an integer of about {n:,} bits, more than "
+                                    f"{_MAX_INT_BITS:,}", "max_chars")
+
+    def value(self, value: Any) -> Any:
+        """`value`, after checking its size (strings and containers; other values are small)."""
+        if isinstance(value, (str, bytes, list, tuple, dict, set, frozenset)):
+            self.size(len(value))
+        elif isinstance(value, int):
+            self.bits(value.bit_length())
+        return value
+
+    def arguments(self, args: tuple, kwargs: dict) -> None:
+        """An integer argument (a width, a count) beyond the size cap would make a value beyond it."""
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, int) and not isinstance(a, bool) and abs(a) > self.limits.max_chars:
+                self.size(abs(a), "a width or count argument")
+
+    def format_string(self, text: str) -> None:
+        """A width or precision in a format string (`%9999999d`, `{:>9999999}`) is a value that size."""
+        for digits in re.findall(rf"\d{{{len(str(self.limits.max_chars))},}}", text):
+            self.size(int(digits) if len(digits) < 19 else 10**18, "a formatted field")
+
+
+def _budget() -> _Budget | None:
+    return getattr(_state, "budget", None)
+
+
+def _loop_items(iterable: Any) -> Any:
+    """What every `for` loop of a template iterates over (the AST is rewritten to call this)."""
+    budget = _budget()
+    for item in iterable:
+        if budget is not None:
+            budget.iteration()
+        yield item
+
+
+def _sized(value: Any) -> Any:
+    """Every `~` concatenation's result (the AST is rewritten to call this)."""
+    budget = _budget()
+    return value if budget is None else budget.value(value)
+
+
+def _predict(budget: _Budget, name: str, value: Any, args: tuple) -> None:
+    """The size of a `replace` or `join` result, before it is built."""
+    if name == "replace" and isinstance(value, str) and len(args) >= 2:
+        old, new = str(args[0]), str(args[1])
+        count = value.count(old) if old else len(value) + 1
+        budget.size(len(value) + count * max(0, len(new) - len(old)))
+    elif name == "join" and isinstance(value, (list, tuple)):  # a list's join, the filter's order
+        sep = args[0] if args and isinstance(args[0], str) else ""
+        budget.size(sum(len(v) if isinstance(v, (str, list, tuple, dict)) else 1 for v in value)
+                    + len(sep) * len(value))
+    elif name in ("format", "format_map") and isinstance(value, str):
+        budget.format_string(value)
+
+
+def _bounded_filter(name: str, f: Any) -> Any:
+    skip = 1 if getattr(f, "jinja_pass_arg", None) is not None else 0  # a context or environment comes first
+
+    @functools.wraps(f)  # keeps that mark
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        budget = _budget()
+        if budget is None:
+            return f(*args, **kwargs)
+        budget.tick()
+        if len(args) > skip:  # the value filtered, then the filter's own arguments
+            if name in _SIZED_BY_ARGUMENT:
+                budget.arguments(args[skip + 1:], kwargs)
+            _predict(budget, name, args[skip], args[skip + 1:])
+        return budget.value(f(*args, **kwargs))
+    return bounded
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-@lru_cache(maxsize=4)
-def _compile(source: str):
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+
+@functools.lru_cache(maxsize=4)
+def _compile(source: str):
+    from jinja2 import nodes
+    from jinja2.ext import loopcontrols
+    from jinja2.runtime import LoopContext, Macro
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.visitor import NodeTransformer
+
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            budget = _budget()
+            if budget is not None:
+                budget.tick()
+                if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+                    budget.bits(max(left.bit_length() - 1, 1) * right)
+                elif operator == "*":
+                    n, seq = (right, left) if isinstance(right, int) else (left, right)
+                    if isinstance(n, int) and hasattr(seq, "__len__"):
+                        budget.size(len(seq) * max(n, 0))
+                    elif isinstance(left, int) and isinstance(right, int):
+                        budget.bits(left.bit_length() + right.bit_length())
+                elif operator == "+" and hasattr(left, "__len__") and hasattr(right, "__len__"):
+                    budget.size(len(left) + len(right))
+                elif operator == "%" and isinstance(left, str):
+                    budget.format_string(left)
+                    if re.search(r"%[#0\- +]*\*", left):  # `%*d`: the width is an argument
+                        budget.arguments(right if isinstance(right, tuple) else (right,), {})
+            result = super().call_binop(context, operator, left, right)
+            return result if budget is None else budget.value(result)
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            if __obj is _loop_items or __obj is _sized:
+                return __obj(*args)
+            budget = _budget()
+            if budget is None:
+                return super().call(__context, __obj, *args, **kwargs)
+            if isinstance(__obj, Macro):  # recursion is a loop too
+                budget.iteration()
+            else:
+                budget.tick()
+            if isinstance(__obj, LoopContext) and args:  # a recursive loop's next level
+                args = (_loop_items(args[0]), *args[1:])
+            method = getattr(__obj, "__wrapped__", __obj)  # str.format comes wrapped by the sandbox
+            if getattr(method, "__name__", None) in _SIZED_BY_ARGUMENT:
+                budget.arguments(args, kwargs)
+            owner = getattr(method, "__self__", None)
+            if isinstance(owner, str) and method.__name__ == "join" and args:
+                _predict(budget, "join", args[0], (owner,))
+            elif isinstance(owner, str):
+                _predict(budget, method.__name__, owner, args)
+            return budget.value(super().call(__context, __obj, *args, **kwargs))
+
+    def finalize(value: Any) -> Any:  # every {{ expression }}, in set blocks and macros too
+        budget = _budget()
+        return value if budget is None else budget.value(value)
+
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], finalize=finalize)
     env.filters["tojson"] = _tojson
+    env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(source)
+    def checked(function: Any, node: Any) -> Any:
+        return nodes.Call(nodes.ImportedName(f"{__name__}.{function.__name__}"), [node], [], None, None,
+                          lineno=node.lineno)
+
+    class Bound(NodeTransformer):
+        """Every loop iterates through _loop_items, every `a ~ b` result goes through _sized."""
+
+        def visit_For(self, node: Any) -> Any:
+            node = self.generic_visit(node)
+            node.iter = checked(_loop_items, node.iter)
+            return node
+
+        def visit_Concat(self, node: Any) -> Any:
+            return checked(_sized, self.generic_visit(node))
+
+    return env.from_string(Bound().visit(env.parse(source)))
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                **kwargs: Any) -> str:
+def template_source(tokenizer: Tokenizer) -> tuple[str, dict[str, str]]:
+    """(the template source, the special tokens it may use) of a tokenizer; ChatTemplateError when
+    it has no template."""
     source = tokenizer.chat_template
     if isinstance(source, list):  # named templates: take "default"
-        source = next((t["template"] for t in source if t.get("name") == "default"), None)
-    if not source:
+        source = next((t["template"] for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not source or not isinstance(source, str):
         raise ChatTemplateError("this model's tokenizer has no chat template (no chat_template.jinja, no "
                                 "chat_template in tokenizer_config.json); use /v1/completions, or add a template")
     special = {k: v.get("content") if isinstance(v, dict) else v
                for k, v in tokenizer.config.items() if k.endswith("_token") and isinstance(v, (str, dict))}
+    return source, special
+
+
+def render_template(source: str, special: dict[str, Any], messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    variables: dict[str, Any], limits: RenderLimits) -> str:
+    """The template rendered under `limits` (ChatTemplateLimit past one; ChatTemplateError for a
+    template that fails)."""
+    budget = _Budget(limits)
+    _state.budget = budget
     try:
-        return _compile(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                       **special, **kwargs)
+        template = _compile(source)
+        pieces, total = [], 0
+        for piece in template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       **special, **variables):
+            total += len(piece)
+            budget.size(total, "an output")
+            pieces.append(piece)
+        return "".join(pieces)
     except ChatTemplateError:
         raise
+    except RecursionError:
+        raise ChatTemplateError("chat template failed: it recursed too deeply") from None
+    except MemoryError:
+        raise ChatTemplateLimit("the chat template ran out of memory while rendering", "max_memory_mb") from None
     except Exception as exc:  # jinja2 errors of a broken template or unexpected messages
         raise ChatTemplateError(f"chat template failed: {exc}") from None
+    finally:
+        _state.budget = None
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                limits: RenderLimits | None = None, **kwargs: Any) -> str:
+    """Render in this process under `limits` (default RenderLimits())."""
+    source, special = template_source(tokenizer)
+    return render_template(source, special, messages, add_generation_prompt, kwargs, limits or RenderLimits())

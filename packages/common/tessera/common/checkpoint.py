@@ -35,6 +35,8 @@ from tessera.common.fileio import (
     CHECKSUM_ALGORITHMS,
     SHA256,
     XXH3_128,
+    artifact_files,
+    artifact_path,
     atomic_write_json,
     atomic_write_text,
     file_digest,
@@ -100,7 +102,12 @@ def iter_dir_name(step: int) -> str:
 
 def checkpoint_files(directory: Path) -> list[Path]:
     """The DCP payload files of a checkpoint directory (not the sidecar or tokenizer)."""
-    return sorted(p for p in directory.iterdir() if p.is_file() and p.name != SIDECAR)
+    return [p for p in artifact_files(directory) if p.name != SIDECAR]
+
+
+def checkpoint_tokenizer_dir(directory: str | os.PathLike) -> Path:
+    """The checkpoint's `tokenizer/` folder (refused if it leads outside the checkpoint)."""
+    return artifact_path(directory, TOKENIZER_DIR)
 
 
 def _digest(path: Path) -> str:
@@ -141,7 +148,7 @@ def write_pointer(checkpoints_root: str | os.PathLike, step: int, sync: bool = T
 
 
 def read_pointer(checkpoints_root: str | os.PathLike) -> int | None:
-    path = Path(checkpoints_root) / POINTER
+    path = artifact_path(checkpoints_root, POINTER)
     if not path.is_file():
         return None
     text = path.read_text().strip()
@@ -171,7 +178,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def read_sidecar(directory: str | os.PathLike) -> CheckpointSidecar:
     directory = Path(directory)
-    data: Any = read_json(directory / SIDECAR, "checkpoint sidecar")
+    data: Any = read_json(artifact_path(directory, SIDECAR), "checkpoint sidecar")
     if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:
         raise ArtifactError(f"{directory / SIDECAR}: not a Tessera checkpoint sidecar")
     if data.get("format_version") not in SUPPORTED_FORMAT_VERSIONS:
@@ -226,7 +233,7 @@ def verify_checksums(directory: str | os.PathLike, sidecar: CheckpointSidecar | 
     index, count = share
     mine = sorted(sidecar.checksums.items())[index::count]
     for name, _ in mine:
-        if not (directory / name).is_file():
+        if not artifact_path(directory, name).is_file():
             raise ArtifactError(f"{directory / name}: checkpoint file missing")
 
     def check(item: tuple[str, str]) -> int:

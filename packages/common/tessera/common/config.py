@@ -3,12 +3,13 @@
 Configs are pydantic models whose every field carries a description (so `--help` and the docs
 can list them). `load_config` reads a YAML file, applies `a.b.c=value` overrides (values parsed as
 YAML, so `true`, `3`, `1e-4` and `[1,2]` have their natural types) and validates; any problem
-becomes a one-line UserError naming the field.
+becomes a one-line UserError naming the field, and the override that set it, or else the file.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,8 +44,10 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `dotted.key=value` overrides to a nested dict (in place; also returned)."""
+def apply_overrides(data: dict[str, Any], overrides: list[str],
+                    origins: dict[str, str] | None = None) -> dict[str, Any]:
+    """Apply `dotted.key=value` overrides to a nested dict (in place; also returned). `origins`, if
+    given, records each dotted key's override as the user typed it, for validate_config's errors."""
     for item in overrides:
         if "=" not in item:
             raise UserError(f"override {item!r}: expected KEY=VALUE, e.g. optim.lr=3e-4")
@@ -66,31 +69,60 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise UserError(f"override {item!r}: {part!r} is not a section")
             node = child
         node[parts[-1]] = value
+        if origins is not None:
+            origins[key] = f"override {item}"
     return data
 
 
-def format_validation_error(exc: ValidationError, source: str) -> str:
-    problems = []
+def _origin(loc: list[str], message: str, origins: dict[str, str], source: str) -> str:
+    """Who gave the value an error is about: the override of that key (or of a section above it);
+    for a check over a whole section (a cross-field rule, loc above the keys), the overrides
+    under it whose keys the message names; else the file."""
+    best: list[str] = []
+    for key in origins:
+        parts = key.split(".")
+        if loc[:len(parts)] == parts and len(parts) > len(best):
+            best = parts
+    if best:
+        return origins[".".join(best)]
+    named = []
+    for key, origin in origins.items():
+        parts = key.split(".")
+        if parts[:len(loc)] == loc and any(
+                re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", message)
+                for name in (key, ".".join(parts[len(loc):]))):
+            named.append(origin)
+    return ", ".join(named) if named else source
+
+
+def format_validation_error(exc: ValidationError, source: str, origins: dict[str, str] | None = None) -> str:
+    """One line: per problem, the dotted field and what is wrong, under the name of what gave the
+    value (`origins`: dotted key -> the override or flag that set it), else `source` (the file)."""
+    by_origin: dict[str, list[str]] = {}
     for err in exc.errors()[:3]:
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
-        problems.append(f"{loc}: {err['msg']}")
+        origin = _origin([str(p) for p in err["loc"]], err["msg"], origins or {}, source)
+        by_origin.setdefault(origin, []).append(f"{loc}: {err['msg']}")
     more = f" (and {exc.error_count() - 3} more)" if exc.error_count() > 3 else ""
-    return f"{source}: invalid config: " + "; ".join(problems) + more
+    return "; ".join(f"{origin}: invalid config: " + "; ".join(problems)
+                     for origin, problems in by_origin.items()) + more
 
 
-def validate_config(model_cls: type[T], data: dict[str, Any], source: str = "config") -> T:
+def validate_config(model_cls: type[T], data: dict[str, Any], source: str = "config",
+                    origins: dict[str, str] | None = None) -> T:
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
-        raise UserError(format_validation_error(exc, source)) from None
+        raise UserError(format_validation_error(exc, source, origins)) from None
 
 
 def load_config(
     model_cls: type[T], path: str | os.PathLike | None = None, overrides: list[str] | None = None
 ) -> T:
     data = read_yaml(path) if path is not None else {}
-    apply_overrides(data, overrides or [])
-    return validate_config(model_cls, data, str(path) if path is not None else "config")
+    origins: dict[str, str] = {}
+    apply_overrides(data, overrides or [], origins)
+    return validate_config(model_cls, data, str(path) if path is not None else "config", origins)
 
 
 def describe_fields(model_cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]]:

@@ -69,8 +69,12 @@ _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 
 def storage_exhausted(exc: BaseException) -> OSError | None:
-    """The OSError meaning "the disk is full / read-only" inside `exc`, if there is one."""
-    found = _find(exc, lambda e: isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS)
+    """The OSError meaning "the disk is full / read-only" inside `exc`, if there is one; of several
+    (a close() that fails again while cleaning up after the first), one that names its file."""
+    def full(e: BaseException) -> bool:
+        return isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS
+
+    found = _find(exc, lambda e: full(e) and getattr(e, "filename", None) is not None) or _find(exc, full)
     return found if isinstance(found, OSError) else None
 
 

@@ -1,4 +1,4 @@
-"""Atomic writes and content hashing.
+"""Atomic writes, content hashing, and opening an artifact's files only inside its folder.
 
 Every artifact is written under a temporary name and renamed into place only when complete, so
 an interrupted run never leaves a file or directory that looks finished.
@@ -17,6 +17,7 @@ import json
 import mmap
 import os
 import shutil
+import stat
 import threading
 import uuid
 from collections.abc import Iterator
@@ -87,7 +88,11 @@ class HashingWriter:
         self._write = write or f.write
 
     def write(self, data: Any) -> int:
-        n = self._write(data)
+        try:
+            n = self._write(data)
+        except OSError as exc:
+            name_os_error(exc, getattr(self.f, "name", None))
+            raise
         # Hash after writing, not before: when `data` is a memory map, letting write() fault its
         # pages in and then hashing them is ~1 s per GB cheaper on the dev VM than touching them
         # from user space first (measured: 1.0 s vs 2.1-3.3 s for 1.2 GB).
@@ -128,6 +133,9 @@ class BackgroundFsync:
         try:
             f.flush()
             os.fsync(f.fileno())
+        except OSError as exc:
+            name_os_error(exc, getattr(f, "name", None))
+            raise
         finally:
             f.close()
 
@@ -181,6 +189,9 @@ def fsync_tree(directory: Path, files: list[Path] | None = None) -> None:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
+        except OSError as exc:
+            name_os_error(exc, p)
+            raise
         finally:
             os.close(fd)
     _fsync_dir(directory)
@@ -222,11 +233,32 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", sync: bool = True) ->
         raise
 
 
-def name_os_error(exc: BaseException, path: str | os.PathLike) -> None:
+def name_os_error(exc: BaseException, path: str | os.PathLike | None, staging: Path | None = None) -> None:
     """Give an OSError raised by a write (which carries no file name) the path the user knows, so
-    `run_cli`'s one line for a full disk names the file."""
-    if isinstance(exc, OSError) and exc.filename is None:
-        exc.filename = str(path)
+    `run_cli`'s one line for a full disk names the file. A full disk wrapped by another error (DCP
+    wraps each rank's) is found inside it. `staging`: a full disk named inside this temporary
+    directory is renamed to the path it would have had under `path`, the output the user gave."""
+    from tessera.common.errors import storage_exhausted
+
+    full = storage_exhausted(exc)
+    err = full if full is not None else exc if isinstance(exc, OSError) else None
+    if err is None or err.errno is None or path is None:  # no errno: a message of its own, kept whole
+        return
+    if err.filename is None:
+        err.filename = str(path)
+    elif staging is not None and err is full:
+        with contextlib.suppress(ValueError):
+            err.filename = str(Path(path) / Path(err.filename).relative_to(staging))
+
+
+@contextlib.contextmanager
+def names_os_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Inside the block, a write's OSError (which carries no file name) is given `path`."""
+    try:
+        yield
+    except BaseException as exc:
+        name_os_error(exc, path)
+        raise
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, sync: bool = True) -> None:
@@ -268,8 +300,9 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False, sync: boo
             os.replace(tmp, path)
         if sync:
             _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        name_os_error(exc, path, staging=tmp)  # a full disk names the output, not its temporary name
         raise
 
 
@@ -285,3 +318,54 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path}: not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc}); "
                             f"the {what} is corrupt, rebuild it") from None
+
+
+def artifact_path(directory: str | os.PathLike, name: str | os.PathLike) -> Path:
+    """`directory / name`, for reading a file (or subfolder) of an artifact. Refused with one line
+    (ArtifactError) when its links or a `..` lead outside `directory`, or when it is neither a
+    regular file nor a folder (a FIFO would hang its reader). A path that does not exist is
+    returned as it is: the caller reports it missing in its own words.
+
+    Artifacts come from elsewhere (downloads, other users): a link `chat_template.jinja ->
+    /proc/self/environ` would otherwise have the server read that file and hand it to clients,
+    and an export copy it. One exception, because real users serve such folders: a Hugging Face
+    hub cache snapshot (`models--org--name/snapshots/<rev>/config.json -> ../../blobs/<sha>`)
+    may link into its own repository's `blobs/` folder."""
+    from tessera.common.errors import ArtifactError
+
+    path = Path(directory) / name
+    if not os.path.lexists(path):
+        return path
+    try:
+        root, target = Path(directory).resolve(), path.resolve()
+    except (OSError, RuntimeError):  # a loop of links (RuntimeError before Python 3.13)
+        raise ArtifactError(f"{path}: a loop of symbolic links; replace it with the real file") from None
+    if not target.is_relative_to(root):
+        blobs = _hub_blobs(root)
+        if blobs is None or not target.is_relative_to(blobs):
+            raise ArtifactError(f"{path}: leads outside {directory} (to {target}); an artifact's files must lie "
+                                "inside its folder: put a copy of the file there instead of a link")
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:  # a link to nothing: missing
+        return path
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise ArtifactError(f"{path}: not a regular file (a device, pipe or socket); replace it with the real file")
+    return path
+
+
+def _hub_blobs(root: Path) -> Path | None:
+    """The `blobs/` folder of the Hugging Face hub cache repository whose snapshot holds `root`
+    (already resolved), when `root` lies in one and that folder is a real folder, not a link."""
+    for parent in root.parents:
+        if parent.name == "snapshots":
+            blobs = parent.parent / "blobs"
+            return blobs if blobs.is_dir() and not blobs.is_symlink() else None
+    return None
+
+
+def artifact_files(directory: str | os.PathLike) -> list[Path]:
+    """The regular files directly in an artifact folder, sorted, every entry checked by
+    `artifact_path` (an entry leading outside refuses the whole listing)."""
+    entries = sorted(os.listdir(directory))
+    return [p for p in (artifact_path(directory, e) for e in entries) if p.is_file()]

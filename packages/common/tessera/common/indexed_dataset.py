@@ -21,11 +21,12 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import atomic_file, name_os_error, tmp_name
+from tessera.common.fileio import artifact_path, atomic_file, name_os_error, tmp_name
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -48,6 +49,18 @@ def idx_path(prefix: str | os.PathLike) -> Path:
 
 def bin_path(prefix: str | os.PathLike) -> Path:
     return Path(f"{prefix}.bin")
+
+
+# Every file a shard may have: Megatron's two, and Tessera's manifest and loss mask (shard.py).
+SHARD_SUFFIXES = (".bin", ".idx", ".json", ".mask.bin")
+
+
+def check_shard_files(prefix: str | os.PathLike) -> None:
+    """Refuse (one line) a shard whose files lead outside the prefix's folder (fileio.artifact_path),
+    before any of them is read."""
+    prefix = Path(prefix)
+    for suffix in SHARD_SUFFIXES:
+        artifact_path(prefix.parent, prefix.name + suffix)
 
 
 class IndexedDatasetWriter:
@@ -197,6 +210,7 @@ class IndexedDataset:
 
     def __init__(self, prefix: str | os.PathLike):
         self.prefix = Path(prefix)
+        check_shard_files(self.prefix)
         ipath, bpath = idx_path(self.prefix), bin_path(self.prefix)
         for p in (ipath, bpath):
             if not p.is_file():
@@ -207,6 +221,7 @@ class IndexedDataset:
         self._bin = np.memmap(bpath, dtype=self.dtype, mode="r") if bin_size else np.zeros(0, self.dtype)
         # Called with (first token, count) before tokens are handed out; see tessera.common.shard.open_shard.
         self.verifier: Callable[[int, int], None] | None = None
+        self.manifest: Any = None  # the shard's manifest, when opened through open_shard
 
     def __len__(self) -> int:
         """Number of sequences (documents, for data written by Tessera)."""

@@ -31,7 +31,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import read_json, sha256_file
+from tessera.common.fileio import artifact_path, read_json, sha256_file
 from tessera.common.indexed_dataset import IndexedDataset
 from tessera.common.shard import open_loss_mask, open_shard, shard_fingerprint
 
@@ -80,11 +80,11 @@ def dataset_file(split: str, k: int, kind: str) -> str:
 
 
 def mixture_fingerprint(directory: str | os.PathLike) -> str:
-    return "sha256:" + sha256_file(Path(directory) / MANIFEST)
+    return "sha256:" + sha256_file(artifact_path(directory, MANIFEST))
 
 
 def read_mixture_manifest(directory: str | os.PathLike) -> MixtureManifest:
-    path = Path(directory) / MANIFEST
+    path = artifact_path(directory, MANIFEST)
     if not Path(directory).is_dir():
         raise ArtifactError(f"{directory}: mixture directory not found; build it with `tessera-data blend`")
     data: Any = read_json(path, "mixture manifest")
@@ -128,6 +128,7 @@ class MixtureSplit:
                     raise ArtifactError(f"{prefix}.json: shard changed since the mixture was built "
                                         f"(fingerprint {actual[:19]}… != {entry.fingerprint[:19]}…); rebuild the mixture")
             self.datasets.append(open_shard(prefix, verify, vocab_size=self.manifest.vocab_size))
+            self._check_entry(entry, self.datasets[-1])
             self.masks.append(open_loss_mask(prefix, self.datasets[-1].num_tokens, verify))
         # Fine-tuning data: a loss mask per token (tessera.common.shard); a dataset without one, blended
         # with masked ones, counts every token.
@@ -145,6 +146,21 @@ class MixtureSplit:
             self.sample_index.append(self._load(dataset_file(split, k, "sample_index")))
             self.shuffle_index.append(self._load(dataset_file(split, k, "shuffle_index")))
 
+    def _check_entry(self, entry: MixtureDatasetEntry, dataset: IndexedDataset) -> None:
+        """The mixture's record of a shard agrees with the shard: counts (its indices were built from
+        them) and, through the shard's manifest, tokenizer and vocabulary (ids are range-checked
+        against the mixture's)."""
+        mpath, shard = self.directory / MANIFEST, dataset.manifest
+        if (entry.num_documents, entry.num_tokens) != (dataset.num_documents, dataset.num_tokens):
+            raise ArtifactError(f"{mpath}: says {entry.prefix} holds {entry.num_documents} documents / "
+                                f"{entry.num_tokens} tokens, the shard holds {dataset.num_documents} / "
+                                f"{dataset.num_tokens}; the manifest was edited or the shard changed; rebuild the mixture")
+        if shard is not None and (shard.tokenizer_fingerprint, shard.vocab_size) != (
+                self.manifest.tokenizer_fingerprint, self.manifest.vocab_size):
+            raise ArtifactError(f"{mpath}: tokenizer {self.manifest.tokenizer_fingerprint[:19]}… (vocab "
+                                f"{self.manifest.vocab_size}) but {entry.prefix}.json says "
+                                f"{shard.tokenizer_fingerprint[:19]}… (vocab {shard.vocab_size}); rebuild the mixture")
+
     def _verify_index_files(self) -> None:
         """This split's .npy files match the manifest's checksums (a flipped index entry would point a
         sample at the wrong tokens, or past the end): hashed on threads, ~2 GB/s each."""
@@ -159,7 +175,12 @@ class MixtureSplit:
         if unchecked:  # an array without a checksum would be trusted unread: refuse it
             raise ArtifactError(f"{self.directory / MANIFEST}: no checksum for {unchecked[0]}; the manifest was "
                                 "edited or is incomplete; rebuild the mixture")
-        missing = [rel for rel in files if not (self.directory / rel).is_file()]
+        unlisted = sorted(f"{prefix}{p.name}" for p in (self.directory / self.split).glob("*.npy")
+                          if f"{prefix}{p.name}" not in self.manifest.checksums)
+        if unlisted:  # what the manifest does not list was not made by this blend
+            raise ArtifactError(f"{self.directory / unlisted[0]}: an index file {MANIFEST} does not list; the mixture "
+                                "was changed after blending; remove the file or rebuild the mixture")
+        missing = [rel for rel in files if not artifact_path(self.directory, rel).is_file()]
         if missing:
             raise ArtifactError(f"{self.directory / missing[0]}: mixture index file missing; rebuild the mixture")
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
@@ -170,7 +191,7 @@ class MixtureSplit:
                                         "is corrupt or was changed after blending; rebuild the mixture")
 
     def _load(self, rel: str) -> np.ndarray:
-        path = self.directory / rel
+        path = artifact_path(self.directory, rel)
         if not path.is_file():
             raise ArtifactError(f"{path}: mixture index file missing; rebuild the mixture")
         try:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import file_digest
+from tessera.common.fileio import artifact_path, file_digest
 
 METADATA_FILE = ".metadata"
 
@@ -87,7 +87,7 @@ def _sidecar_digest(directory: Path) -> tuple[str, str] | None:
     """(algorithm, digest) of `.metadata` from the directory's sidecar, when it records one."""
     from tessera.common.checkpoint import SIDECAR  # the sidecar format lives there
 
-    path = directory / SIDECAR
+    path = artifact_path(directory, SIDECAR)
     if not path.is_file():
         return None
     try:
@@ -100,7 +100,7 @@ def _sidecar_digest(directory: Path) -> tuple[str, str] | None:
 def read_dcp_metadata(directory: str | Path) -> Any:
     """DCP's `Metadata` of a checkpoint directory, read without admitting foreign code."""
     directory = Path(directory)
-    path = directory / METADATA_FILE
+    path = artifact_path(directory, METADATA_FILE)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -131,6 +131,8 @@ def read_dcp_metadata(directory: str | Path) -> Any:
     check_index_sizes(path, metadata)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
+    for info in (getattr(metadata, "storage_data", None) or {}).values():  # the payload files DCP will open
+        artifact_path(directory, str(getattr(info, "relative_path", "")))
     return metadata
 
 

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import read_json, sha256_file
-from tessera.common.indexed_dataset import IndexedDataset, bin_path
+from tessera.common.indexed_dataset import IndexedDataset, bin_path, check_shard_files, idx_path
 
 SHARD_FORMAT = "tessera-shard"
 BLOCK_ALGORITHM = "xxh3-64"
@@ -79,6 +79,7 @@ def mask_path(prefix: str | os.PathLike) -> Path:
 def open_loss_mask(prefix: str | os.PathLike, num_tokens: int, verify: str = "first-read") -> np.ndarray | None:
     """The shard's loss mask, memory-mapped (uint8 per token), or None when its manifest has none.
     Unless `verify` is `off` its size and sha256 are checked now (one byte per token: cheap)."""
+    check_shard_files(prefix)
     path = manifest_path(prefix)
     manifest = read_shard_manifest(prefix) if path.is_file() else None
     if manifest is None or not manifest.loss_mask:
@@ -97,6 +98,7 @@ def open_loss_mask(prefix: str | os.PathLike, num_tokens: int, verify: str = "fi
 
 
 def shard_fingerprint(prefix: str | os.PathLike) -> str:
+    check_shard_files(prefix)
     path = manifest_path(prefix)
     if not path.is_file():
         raise ArtifactError(f"{path}: shard manifest not found; {_NO_MANIFEST_HINT.format(prefix=prefix)}")
@@ -108,6 +110,7 @@ _NO_MANIFEST_HINT = ("for a shard made by another tool (Megatron), run `tessera-
 
 
 def read_shard_manifest(prefix: str | os.PathLike) -> ShardManifest:
+    check_shard_files(prefix)
     path = manifest_path(prefix)
     if not path.is_file() and bin_path(prefix).is_file():
         raise ArtifactError(f"{path}: shard manifest not found; {_NO_MANIFEST_HINT.format(prefix=prefix)}")
@@ -226,22 +229,60 @@ class BlockVerifier:
 VERIFY_MODES = ("first-read", "full", "off")
 
 
+def check_against_manifest(dataset: IndexedDataset, manifest: ShardManifest) -> None:
+    """The one check, for every reader, that a shard's files are the ones its manifest describes:
+    the `.idx` header's dtype and the index's document and token counts equal the manifest's, the
+    manifest lists a checksum for every file of the shard, and no loss mask lies beside a shard
+    whose manifest has none (it would be silently ignored). Reads nothing but the open index."""
+    mpath, ipath = manifest_path(dataset.prefix), idx_path(dataset.prefix)
+    stale = "the index or the manifest was changed after prep; run `tessera-data verify`"
+    if manifest.dtype != dataset.dtype.name:
+        raise ArtifactError(f"{mpath}: dtype {manifest.dtype} but the header of {ipath.name} says "
+                            f"{dataset.dtype.name}; {stale}")
+    if (manifest.num_documents, manifest.num_tokens) != (dataset.num_documents, dataset.num_tokens):
+        raise ArtifactError(f"{mpath}: says {manifest.num_documents} documents / {manifest.num_tokens} tokens, "
+                            f"{ipath.name} holds {dataset.num_documents} / {dataset.num_tokens}; {stale}")
+    listed = ["bin", "idx"] + (["mask"] if manifest.loss_mask else [])
+    if missing := [kind for kind in listed if not manifest.checksums.get(kind)]:
+        raise ArtifactError(f"{mpath}: no checksum for '{missing[0]}'; every file of the shard must be listed "
+                            "(the manifest was edited or is incomplete); prepare the shard again")
+    if not manifest.loss_mask and mask_path(dataset.prefix).exists():
+        raise ArtifactError(f"{mask_path(dataset.prefix)}: a loss mask that {mpath.name} does not list "
+                            "(loss_mask is false); delete it, or prepare the shard again with its mask")
+
+
 def open_shard(prefix: str | os.PathLike, verify: str = "first-read", vocab_size: int | None = None) -> IndexedDataset:
     """Open a shard for reading tokens, its structure validated and its blocks verified as `verify` says.
 
-    `first-read`: each block is hashed (when the manifest records block checksums) and its ids
-    range-checked the first time any of its tokens is read; `full`: every block now; `off`: the
-    index structure only. `vocab_size` defaults to the manifest's."""
+    Any mode checks the index structure and, when there is a manifest, that the index agrees with
+    it (check_against_manifest). `first-read` also checks `.idx` against the manifest's sha256
+    now (the index is ~20 bytes per document) and hashes each block (when the manifest records
+    block checksums) and range-checks its ids the first time any of its tokens is read; `full`:
+    every block now (a manifest without block checksums: `.bin` against its sha256); `off`: no
+    more. `vocab_size` defaults to the manifest's. The manifest is kept as `dataset.manifest`."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
     dataset = IndexedDataset(prefix)
+    manifest = read_shard_manifest(prefix) if manifest_path(prefix).is_file() else None
+    dataset.manifest = manifest
+    if manifest is not None:
+        check_against_manifest(dataset, manifest)
     if verify == "off":
         return dataset
-    manifest = read_shard_manifest(prefix) if manifest_path(prefix).is_file() else None
+    if manifest is not None:
+        _check_sha256(idx_path(prefix), manifest, "idx")
     if vocab_size is None and manifest is not None:
         vocab_size = manifest.vocab_size
     verifier = BlockVerifier(dataset, manifest, vocab_size)
     dataset.verifier = verifier
     if verify == "full":
+        if manifest is not None and not verifier.digests:  # an older manifest: the whole file's hash instead
+            _check_sha256(bin_path(prefix), manifest, "bin")
         verifier.check_all()
     return dataset
+
+
+def _check_sha256(path: Path, manifest: ShardManifest, kind: str) -> None:
+    if sha256_file(path) != manifest.checksums.get(kind):
+        raise ArtifactError(f"{path}: sha256 does not match checksums['{kind}'] in its manifest; the file is corrupt "
+                            "or was changed after prep")

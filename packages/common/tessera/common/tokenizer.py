@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import sha256_file
+from tessera.common.fileio import artifact_path, sha256_file
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -28,7 +28,7 @@ TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, "special_tokens_map.json", 
 
 
 def tokenizer_fingerprint(directory: str | os.PathLike) -> str:
-    path = Path(directory) / TOKENIZER_JSON
+    path = artifact_path(directory, TOKENIZER_JSON)
     if not path.is_file():
         raise ArtifactError(f"{path}: tokenizer.json not found; pass a Hugging Face tokenizer directory")
     return "sha256:" + sha256_file(path)
@@ -95,12 +95,25 @@ class Tokenizer:
 
     def save(self, directory: str | os.PathLike) -> None:
         """Copy the tokenizer files into `directory` (used by checkpoints and exports)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        for name in TOKENIZER_FILES:
-            src = self.directory / name
-            if src.is_file():
-                shutil.copyfile(src, directory / name)
+        copy_tokenizer_files(self.directory, directory)
+
+
+def copy_tokenizer_files(source: str | os.PathLike, directory: str | os.PathLike) -> None:
+    """Copy a tokenizer folder's files (TOKENIZER_FILES, those present, each only from inside
+    `source`) into `directory`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        src = artifact_path(source, name)
+        if src.is_file():
+            shutil.copyfile(src, directory / name)
+
+
+def check_tokenizer_files(directory: str | os.PathLike) -> None:
+    """Refuse (one line) a tokenizer folder any of whose files leads outside it (fileio.artifact_path),
+    before any is read."""
+    for name in TOKENIZER_FILES:
+        artifact_path(directory, name)
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
@@ -110,14 +123,15 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     directory = Path(directory)
     if not directory.is_dir():
         raise ArtifactError(f"{directory}: tokenizer directory not found")
-    path = directory / TOKENIZER_JSON
+    check_tokenizer_files(directory)
+    path = artifact_path(directory, TOKENIZER_JSON)
     fingerprint = tokenizer_fingerprint(directory)
     try:
         backend = HFTokenizer.from_file(str(path))
     except Exception as exc:  # the Rust library raises plain Exceptions
         raise ArtifactError(f"{path}: not a valid Hugging Face tokenizer.json ({str(exc).splitlines()[0]})") from None
     config: dict[str, Any] = {}
-    cfg_path = directory / TOKENIZER_CONFIG
+    cfg_path = artifact_path(directory, TOKENIZER_CONFIG)
     if cfg_path.is_file():
         try:
             config = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -125,7 +139,7 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
             raise ArtifactError(f"{cfg_path}: not valid JSON ({exc.msg})") from None
         if not isinstance(config, dict):
             raise ArtifactError(f"{cfg_path}: expected a JSON object")
-    template_path = directory / CHAT_TEMPLATE_FILE
+    template_path = artifact_path(directory, CHAT_TEMPLATE_FILE)
     template = None
     if template_path.is_file():
         try:

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import atomic_write_json, ensure_output_dir, sha256_file, tmp_name
-from tessera.common.indexed_dataset import IndexedDataset, bin_path, idx_path, write_index_chunks
+from tessera.common.fileio import atomic_write_json, ensure_output_dir, names_os_errors, sha256_file, tmp_name
+from tessera.common.indexed_dataset import bin_path, check_shard_files, idx_path, write_index_chunks
 from tessera.common.shard import (
     BLOCK_SIZE,
     BlockHasher,
@@ -25,6 +25,7 @@ from tessera.common.shard import (
     manifest_path,
     mask_path,
     open_loss_mask,
+    open_shard,
     read_shard_manifest,
     shard_fingerprint,
 )
@@ -54,7 +55,7 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
             raise UserError(f"{output}{suffix}: already exists; choose another --output-prefix or pass --overwrite")
     ensure_output_dir(output.parent, "--output-prefix")
     manifests = [read_shard_manifest(p) for p in inputs]
-    datasets = [IndexedDataset(p) for p in inputs]
+    datasets = [open_shard(p, "off") for p in inputs]  # index against manifest; bytes are checked while copied
     first = manifests[0]
     for p, m, ds in zip(inputs, manifests, datasets):
         if m.tokenizer_fingerprint != first.tokenizer_fingerprint:
@@ -88,7 +89,7 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
     staging = output.with_name(f".{output.name}.staging-{tmp_name(output).name[-8:]}")
     try:
         blocks, whole = BlockHasher(), hashlib.sha256()
-        with open(bin_path(staging), "wb") as out:
+        with names_os_errors(bin_path(output)), open(bin_path(staging), "wb") as out:
             for p, m in zip(inputs, manifests):
                 _copy_verified(p, m, dtype, out, (blocks, whole))
             out.flush()
@@ -97,7 +98,8 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
         checksums = {"bin": whole.hexdigest(), "idx": sha256_file(idx_path(staging))}
         loss_mask = any(m.loss_mask for m in manifests)
         if loss_mask:  # fine-tuning shards: their masks in the same order; an unmasked input counts every token
-            checksums["mask"] = _merge_masks(inputs, datasets, mask_path(staging))
+            with names_os_errors(mask_path(output)):
+                checksums["mask"] = _merge_masks(inputs, datasets, mask_path(staging))
         inputs_seen: dict[tuple, dict] = {}
         for m in manifests:
             for inp in m.inputs:
@@ -151,6 +153,7 @@ def _copy_verified(prefix: Path, manifest: ShardManifest, dtype: np.dtype, out, 
     """Append an input's tokens to `out`, checking them on the way: its `.bin` and `.idx` must match
     the manifest's checksums and every id must be inside the vocabulary, so merge never launders a
     corrupt shard into one with fresh checksums. The bytes are read once, for copying and hashing."""
+    check_shard_files(prefix)
     mpath = manifest_path(prefix)
     if sha256_file(idx_path(prefix)) != manifest.checksums.get("idx"):
         raise ArtifactError(f"{idx_path(prefix)}: sha256 does not match {mpath.name}'s; the index is corrupt or was "

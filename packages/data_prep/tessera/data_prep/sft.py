@@ -20,8 +20,11 @@ pretraining, and `data.reset_attention_mask` / `reset_position_ids` keep packed 
 apart. The mask is written beside the tokens as `<prefix>.mask.bin` (tessera.common.shard).
 
 A record that cannot be used (no assistant turn, a message that is not {role, content}, a
-template that fails) is skipped and counted, or with `--on-error fail` stops the run (one line,
-exit 2).
+template that fails, a rendering longer than the renderer's size limit) is skipped and counted,
+or with `--on-error fail` stops the run (one line, exit 2). A template that runs past the
+renderer's time, loop or memory limit (tessera.common.chat_template.RenderLimits, the server's
+defaults) stops the run in any case: the template itself is broken or hostile, and every record
+would cost as much.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from tessera.common.chat_template import ChatTemplateError, render_chat
+from tessera.common.chat_template import ChatTemplateError, ChatTemplateLimit, render_chat
 from tessera.common.errors import UserError
 from tessera.common.indexed_dataset import token_dtype_for_vocab
 from tessera.common.progress import progress
@@ -74,6 +77,10 @@ def answer_spans(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> tuple[
                 raise BadRecord(f"the chat template does not render assistant turn {i} as a continuation of its "
                                 "prompt, so its tokens cannot be told apart")
             spans.append((len(prompt), len(through)))
+    except ChatTemplateLimit as exc:
+        if exc.limit != "max_chars":
+            raise UserError(f"{tokenizer.directory}: {exc}; the tokenizer's chat template cannot be used") from None
+        raise BadRecord(str(exc)) from None
     except ChatTemplateError as exc:
         raise BadRecord(str(exc)) from None
     return text, spans

@@ -22,11 +22,26 @@ BOS_TOKEN = "<|begin_of_text|>"
 SPECIAL_TOKENS = (EOD_TOKEN, BOS_TOKEN)
 
 # A plain role-tagged transcript. Each turn ends with eos, so a model trained on such text stops
-# after its answer; `add_generation_prompt` opens the assistant's turn.
+# after its answer; `add_generation_prompt` opens the assistant's turn. Tool use as the server's
+# Hermes parser reads it back (inference/tools.py): the tools, when given, in a system turn first;
+# an assistant's calls (its content may be null) as <tool_call>{"name", "arguments"}</tool_call>
+# after its text; a tool's result as a `tool` turn. Without tools the text is what earlier versions
+# rendered, byte for byte.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|system|>\\nYou can call these tools. To call one, answer with <tool_call>{\"name\": the tool\\'s name, "
+    "\"arguments\": a JSON object}</tool_call>.\\n<tools>\\n' }}"
+    "{% for tool in tools %}{{ (tool | tojson) + '\\n' }}{% endfor %}"
+    "{{ '</tools>' + eos_token + '\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{{ '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson)"
+    " + '</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )

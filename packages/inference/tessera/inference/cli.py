@@ -10,6 +10,7 @@ import os
 import re
 import sys
 
+from tessera.common.chat_template import RenderLimits
 from tessera.common.errors import UserError, run_cli
 
 EPILOG = """\
@@ -56,6 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                    help="How tool calls are read from text under tool_choice auto: Hermes <tool_call> JSON, "
                         "Llama-3 JSON, or auto (hermes when the chat template teaches <tool_call>).")
+    t = RenderLimits()
+    s.add_argument("--chat-template-timeout", type=float, default=t.timeout_s, metavar="S",
+                   help="Seconds one chat template render may take; a request whose render runs longer gets 400 "
+                        "(default: %(default)s).")
+    s.add_argument("--chat-template-max-iterations", type=int, default=t.max_iterations, metavar="N",
+                   help="Loop iterations and macro calls one chat template render may run (default: %(default)s).")
+    s.add_argument("--chat-template-max-chars", type=int, default=t.max_chars, metavar="N",
+                   help="Characters of a rendered chat prompt, and of any string or list a template builds "
+                        "(default: %(default)s).")
+    s.add_argument("--chat-template-max-memory", type=int, default=t.max_memory_mb, metavar="MIB",
+                   help="Memory (address space, MiB) a chat template render process may add to its own "
+                        "(default: %(default)s).")
     s.add_argument("--quiet", action="store_true", help="Log warnings only (no access log).")
     s.add_argument("--no-engine-process", action="store_true",
                    help="Run the engine in a thread of the HTTP process instead of its own process "
@@ -70,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = engine_config_from_args(args)
     if not 0 < args.port < 65536:
         raise UserError(f"--port {args.port}: must be between 1 and 65535")
-    for flag in ("max_prompt_tokens", "max_tokens_limit", "max_prompts_per_request", "max_body_bytes"):
+    for flag in ("max_prompt_tokens", "max_tokens_limit", "max_prompts_per_request", "max_body_bytes",
+                 "chat_template_max_iterations", "chat_template_max_chars", "chat_template_max_memory"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise UserError(f"--{flag.replace('_', '-')} {value}: must be positive")
@@ -79,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     if not re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)?", args.metrics_prefix):
         raise UserError(f"--metrics-prefix {args.metrics_prefix!r}: letters, digits, _ and : only, not starting "
                         "with a digit (a Prometheus metric name prefix)")
+    if not (args.chat_template_timeout > 0 and math.isfinite(args.chat_template_timeout)):
+        raise UserError(f"--chat-template-timeout {args.chat_template_timeout}: must be a number of seconds > 0")
     if not (args.body_timeout > 0 and math.isfinite(args.body_timeout)):
         raise UserError(f"--body-timeout {args.body_timeout}: must be a number of seconds > 0")
     if args.api_key is not None and not args.api_key.strip():
@@ -133,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens_limit or frontend.max_model_len,
         max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout, body_timeout_s=args.body_timeout,
+        chat_template=RenderLimits(timeout_s=args.chat_template_timeout, max_iterations=args.chat_template_max_iterations,
+                                   max_chars=args.chat_template_max_chars, max_memory_mb=args.chat_template_max_memory),
     )
     server = OpenAIServer(frontend, name, limits, metrics)
     server.tool_call_parser = args.tool_call_parser

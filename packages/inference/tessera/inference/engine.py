@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tessera.common.errors import UserError
+from tessera.common.fileio import artifact_path
+from tessera.common.tokenizer import TOKENIZER_JSON
 from tessera.inference.block_manager import BlockManager
 from tessera.inference.config import EngineConfig
 from tessera.inference.cuda_graphs import (
@@ -146,7 +148,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds for requests that bring none
         self._step_tokens = 0
-        self.grammars = Grammars((loaded.tokenizer.directory / "tokenizer.json").read_text(),
+        self.grammars = Grammars(artifact_path(loaded.tokenizer.directory, TOKENIZER_JSON).read_text(),
                                  loaded.config.vocab_size, sorted(self.eos_ids))
         # Last: under tensor parallel this starts the workers, so nothing after it can fail and
         # leave them running.

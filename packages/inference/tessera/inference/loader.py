@@ -11,8 +11,8 @@ import torch
 
 from tessera.common.checkpoint import (
     SIDECAR,
-    TOKENIZER_DIR,
     check_checkpoint,
+    checkpoint_tokenizer_dir,
     load_model_tensors,
     read_sidecar,
     resolve_checkpoint,
@@ -100,7 +100,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
         else:
             verify_checksums(ckpt, sidecar)
         check_checkpoint(ckpt, sidecar)  # index sizes and model tensors against the config, before any allocation
-        tokenizer = load_tokenizer(ckpt / TOKENIZER_DIR)
+        tokenizer = load_tokenizer(checkpoint_tokenizer_dir(ckpt))
         eos = []
         path = ckpt
         if given_name in ("checkpoints",):

@@ -204,7 +204,7 @@ class DraftModelProposer:
 
 def read_model_facts(path: str | Path):
     """(ModelConfig, tokenizer directory) of a checkpoint or HF directory, reading no weights."""
-    from tessera.common.checkpoint import SIDECAR, TOKENIZER_DIR, read_sidecar, resolve_checkpoint
+    from tessera.common.checkpoint import SIDECAR, checkpoint_tokenizer_dir, read_sidecar, resolve_checkpoint
     from tessera.common.errors import ArtifactError
     from tessera.common.hf import is_hf_directory, read_hf_config
 
@@ -214,7 +214,7 @@ def read_model_facts(path: str | Path):
     if path.is_dir() and is_hf_directory(path) and not (path / SIDECAR).is_file():
         return read_hf_config(path)[0], path
     ckpt = resolve_checkpoint(path)
-    return read_sidecar(ckpt).model, ckpt / TOKENIZER_DIR
+    return read_sidecar(ckpt).model, checkpoint_tokenizer_dir(ckpt)
 
 
 def check_draft_model(cfg: SpeculativeConfig | None, target: str | Path) -> None:

@@ -1,4 +1,5 @@
-"""Tokenizing long texts in child processes, so the HTTP process's GIL stays free for /health.
+"""Tokenizer work in child processes: long texts tokenized, chat templates rendered, so that the
+HTTP process's GIL stays free for /health and a runaway template cannot stall or crash it.
 
 The tokenizers library releases the GIL for most of `encode_batch`, but not all of it (turning
 the Python string into Rust's and the result back into Python objects), and a 3.9 MB prompt
@@ -25,13 +26,24 @@ plain bytes (UTF-8 text in, little-endian int32 ids out), as the engine process 
 pickle crosses, so a child that misbehaves on hostile text cannot run code in the server. Not
 multiprocessing: its spawn re-runs the parent's main script in the child (any program that
 embeds the server without a `__main__` guard would start itself again) and unpickles what it
-is sent. This module imports only the standard library (and `tokenizers` in the child), so a
-child starts in a fraction of a second.
+is sent. This module imports only the standard library (and `tokenizers` or the chat template
+renderer in the child), so a child starts in a fraction of a second.
+
+Chat templates (`TemplateProcesses`): a template comes with the model and Jinja's sandbox does
+not bound what it costs. The renderer bounds loops, sizes and time itself
+(tessera.common.chat_template), but a single C-level call inside a filter can still allocate or
+run past those checks. So the server renders in children of their own (never the tokenizer
+children, so a slow template never delays a long completion prompt), each under an address-space
+limit (`RenderLimits.max_memory_mb` above what the interpreter has at start) and killed when a
+render outlasts its time limit by `RENDER_GRACE_S`. A render sends the template, its special
+tokens and the messages as JSON (a child keeps the last few templates compiled) and gets the
+text back.
 """
 
 from __future__ import annotations
 
 import array
+import json
 import os
 import socket
 import struct
@@ -42,6 +54,8 @@ import time
 from multiprocessing.connection import Connection
 
 LONG_TEXT_CHARS = 65_536
+RENDER_GRACE_S = 2.0  # past a render's own time limit, before its child is killed
+_TOKENIZER, _TEMPLATE = b"T", b"C"  # what a child serves: the first byte of its first message
 _REQUEST = struct.Struct("<?q")  # add_special_tokens, limit (-1: none); the UTF-8 text follows
 _COUNT = struct.Struct("<q")  # the number of ids; the ids follow unless there are more than the limit
 
@@ -50,22 +64,64 @@ class TokenizerUnavailable(Exception):
     """No tokenizer process answered in time (busy, stuck, or dead)."""
 
 
-def _serve(conn: Connection) -> None:
-    """The child's loop: the tokenizer's JSON first (answered with an empty ready message), then one
-    answer per request."""
+def _tokenizer_answers(init: bytes):
+    """The child's answer to each tokenize request, from the tokenizer's JSON."""
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_str(conn.recv_bytes().decode())
+    tokenizer = Tokenizer.from_str(init.decode())
+
+    def answer(message: bytes) -> bytes:
+        add_special_tokens, limit = _REQUEST.unpack_from(message)
+        ids = tokenizer.encode(message[_REQUEST.size:].decode(), add_special_tokens=add_special_tokens).ids
+        within = limit < 0 or len(ids) <= limit
+        return _COUNT.pack(len(ids)) + (array.array("i", ids).tobytes() if within else b"")
+    return answer
+
+
+def _template_answers(init: bytes):
+    """The child's answer to each render request: b"\0" + the text, or b"\1" + a JSON error."""
+    import resource
+
+    from tessera.common.chat_template import ChatTemplateError, RenderLimits, render_template
+
+    limits = RenderLimits(**json.loads(init))
+    try:
+        with open("/proc/self/statm") as f:  # the interpreter's own address space, in pages (Linux)
+            base = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        base = None  # elsewhere only the renderer's own checks bound a render's memory
+    if base is not None:
+        cap = base + limits.max_memory_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    def answer(message: bytes) -> bytes:
+        try:
+            request = json.loads(message)
+            text = render_template(request["template"], request["special"], request["messages"],
+                                   request["add_generation_prompt"], request["variables"], limits)
+            return b"\0" + text.encode("utf-8", "surrogatepass")  # the server refuses lone surrogates itself
+        except ChatTemplateError as exc:
+            return b"\1" + json.dumps({"message": str(exc), "limit": getattr(exc, "limit", None)}).encode()
+        except MemoryError:  # outside the render (decoding the request, encoding the text)
+            return b"\1" + json.dumps({"message": "the chat template ran out of memory while rendering",
+                                        "limit": "max_memory_mb"}).encode()
+        except Exception as exc:  # e.g. messages nested past json's recursion limit
+            return b"\1" + json.dumps({"message": f"chat template failed: {type(exc).__name__}", "limit": None}).encode()
+    return answer
+
+
+def _serve(conn: Connection) -> None:
+    """The child's loop: what it serves first (answered with an empty ready message), then one
+    answer per request."""
+    init = conn.recv_bytes()
+    answer = (_tokenizer_answers if init[:1] == _TOKENIZER else _template_answers)(init[1:])
     conn.send_bytes(b"")  # ready
     while True:
         try:
             message = conn.recv_bytes()
         except (EOFError, OSError):  # the server went away
             return
-        add_special_tokens, limit = _REQUEST.unpack_from(message)
-        ids = tokenizer.encode(message[_REQUEST.size:].decode(), add_special_tokens=add_special_tokens).ids
-        within = limit < 0 or len(ids) <= limit
-        conn.send_bytes(_COUNT.pack(len(ids)) + (array.array("i", ids).tobytes() if within else b""))
+        conn.send_bytes(answer(message))
 
 
 class _Child:
@@ -73,9 +129,9 @@ class _Child:
     # program that fails to start or never answers).
     command = [sys.executable, "-m", __name__]
 
-    def __init__(self, tokenizer_json: bytes, timeout_s: float):
-        """Start the child and hand it the tokenizer, within `timeout_s`: the JSON (several MB) is
-        sent and the child's ready message awaited (TimeoutError, or EOFError if it exits first;
+    def __init__(self, init: bytes, timeout_s: float):
+        """Start the child and hand it what it serves, within `timeout_s`: `init` (a tokenizer's JSON
+        is several MB) is sent and the child's ready message awaited (TimeoutError, or EOFError if it exits first;
         OSError if it cannot be started at all); on failure nothing is left running."""
         ours, theirs = socket.socketpair()
         # One thread per child (tokenizers would otherwise spread one encode over every core and
@@ -92,7 +148,7 @@ class _Child:
         self.conn = Connection(ours.detach())
         try:
             deadline = time.monotonic() + timeout_s
-            self._send(tokenizer_json, timeout_s)
+            self._send(init, timeout_s)
             if not self.conn.poll(max(0.0, deadline - time.monotonic())):
                 raise TimeoutError
             self.conn.recv_bytes()  # ready
@@ -128,17 +184,13 @@ class _Child:
         if failed:
             raise failed[0]
 
-    def encode(self, text: str, add_special_tokens: bool, limit: int | None, timeout_s: float) -> list[int] | int:
+    def request(self, message: bytes, timeout_s: float) -> bytes:
         """The child's answer within `timeout_s` (sending and waiting), else TimeoutError."""
         deadline = time.monotonic() + timeout_s
-        self._send(_REQUEST.pack(add_special_tokens, -1 if limit is None else limit) + text.encode(), timeout_s)
+        self._send(message, timeout_s)
         if not self.conn.poll(max(0.0, deadline - time.monotonic())):
             raise TimeoutError
-        answer = self.conn.recv_bytes()
-        (count,) = _COUNT.unpack_from(answer)
-        if len(answer) == _COUNT.size and count:
-            return count
-        return array.array("i", answer[_COUNT.size:]).tolist()
+        return self.conn.recv_bytes()
 
     def kill(self) -> None:
         """End the process only; a thread waiting on its socket then reads EOF (see `close`)."""
@@ -151,24 +203,26 @@ class _Child:
         self.process.wait(timeout=5)
 
 
-def _start_problem(exc: BaseException, timeout_s: float) -> str:
+def _start_problem(exc: BaseException, timeout_s: float, what: str) -> str:
     if isinstance(exc, TimeoutError):
-        return f"it did not take the tokenizer within {timeout_s:g} s"
+        return f"it did not take {what} within {timeout_s:g} s"
     if isinstance(exc, EOFError):
-        return "it exited before taking the tokenizer"
+        return f"it exited before taking {what}"
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-class TokenizerProcesses:
-    """Up to `processes` tokenizer child processes, each started when a job first finds none idle
-    and then used one job at a time. Thread-safe: the tokenizer threads call `encode` at once.
+class ChildProcesses:
+    """Up to `processes` child processes serving `init` (see _serve), each started when a job first
+    finds none idle and then used one job at a time. Thread-safe: several threads call at once.
 
     A child is started (and closed) outside the lock: only the slot is reserved under it
     (`_starting`), so a start, which sends megabytes and waits for the child, never holds up the
     other threads' jobs, `num_processes` or `close`."""
 
-    def __init__(self, tokenizer_json: str, processes: int, timeout_s: float):
-        self._json = tokenizer_json.encode()
+    kind, serves = "tokenizer", "the tokenizer"  # for messages: "could not start a tokenizer process"
+
+    def __init__(self, init: bytes, processes: int, timeout_s: float):
+        self._init = init
         self.timeout_s = timeout_s
         self._max = processes
         self._changed = threading.Condition()  # guards everything below; notified when a child or slot frees
@@ -201,20 +255,20 @@ class TokenizerProcesses:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TokenizerUnavailable(f"every tokenizer process stayed busy for {self.timeout_s:g} s")
+                    raise TokenizerUnavailable(f"every {self.kind} process stayed busy for {self.timeout_s:g} s")
                 self._changed.wait(left)
         return self._start()
 
     def _start(self) -> _Child:
         """A new child in the slot `_take` reserved, busy; the slot freed whatever happens."""
         try:
-            child = _Child(self._json, self.timeout_s)
+            child = _Child(self._init, self.timeout_s)
         except (OSError, EOFError, TimeoutError) as exc:
             with self._changed:
                 self._starting -= 1
                 self._changed.notify()
-            raise TokenizerUnavailable(f"could not start a tokenizer process: {_start_problem(exc, self.timeout_s)}"
-                                       ) from None
+            problem = _start_problem(exc, self.timeout_s, self.serves)
+            raise TokenizerUnavailable(f"could not start a {self.kind} process: {problem}") from None
         with self._changed:
             self._starting -= 1
             if not self._closed:
@@ -237,18 +291,19 @@ class TokenizerProcesses:
             self._running.discard(child)
         child.close()
 
-    def encode(self, text: str, add_special_tokens: bool, limit: int | None = None) -> list[int] | int:
-        """The ids of `text`, or their count when it exceeds `limit`. Blocks the calling thread (not
-        the GIL) for at most about twice `timeout_s`: waiting for a free child (or starting one),
-        then for its answer."""
+    def _request(self, message: bytes, job: str) -> bytes:
+        """A child's answer to `message`. Blocks the calling thread (not the GIL) for at most about
+        twice `timeout_s`: waiting for a free child (or starting one), then for its answer; a
+        child that does not answer in time, or dies, is closed and the job is a
+        TokenizerUnavailable ("{job} took longer than ..." / "{job} failed")."""
         child = self._take()
         broken = False
         try:
-            return child.encode(text, add_special_tokens, limit, self.timeout_s)
+            return child.request(message, self.timeout_s)
         except (TimeoutError, EOFError, OSError) as exc:
             broken = True  # stuck or dead: closed, so the next job starts a working one
             what = f"took longer than {self.timeout_s:g} s" if isinstance(exc, TimeoutError) else "failed"
-            raise TokenizerUnavailable(f"tokenizing the text {what}") from None
+            raise TokenizerUnavailable(f"{job} {what}") from None
         finally:
             self._give_back(child, broken)
 
@@ -266,6 +321,64 @@ class TokenizerProcesses:
             child.kill()
         for child in idle:
             child.close()
+
+
+class TokenizerProcesses(ChildProcesses):
+    """Children that tokenize long texts (a tokenizer's JSON each)."""
+
+    def __init__(self, tokenizer_json: str, processes: int, timeout_s: float):
+        super().__init__(_TOKENIZER + tokenizer_json.encode(), processes, timeout_s)
+
+    def encode(self, text: str, add_special_tokens: bool, limit: int | None = None) -> list[int] | int:
+        """The ids of `text`, or their count when it exceeds `limit`."""
+        answer = self._request(_REQUEST.pack(add_special_tokens, -1 if limit is None else limit) + text.encode(),
+                               "tokenizing the text")
+        (count,) = _COUNT.unpack_from(answer)
+        if len(answer) == _COUNT.size and count:
+            return count
+        return array.array("i", answer[_COUNT.size:]).tolist()
+
+
+class TemplateFailed(Exception):
+    """The chat template failed or went over a limit (`limit`: the RenderLimits field, or None)."""
+
+    def __init__(self, message: str, limit: str | None):
+        super().__init__(message)
+        self.limit = limit
+
+
+class TemplateProcesses(ChildProcesses):
+    """Children that render chat templates under `limits` (a dict of RenderLimits' fields: this
+    module imports no Tessera code)."""
+
+    kind, serves = "chat template", "the render limits"
+
+    def __init__(self, limits: dict[str, float], processes: int):
+        super().__init__(_TEMPLATE + json.dumps(limits).encode(), processes, float(limits["timeout_s"]) + RENDER_GRACE_S)
+        self.limits = limits
+
+    def render(self, template: str, special: dict[str, str], messages: list[dict], add_generation_prompt: bool,
+               variables: dict) -> str:
+        """The rendered text; TemplateFailed for the template's own failure or a limit (a child
+        killed past the time limit, or one that died rendering, included: only the template can
+        cause either), and TokenizerUnavailable when no child could take the job."""
+        message = json.dumps({"template": template, "special": special, "messages": messages,
+                              "add_generation_prompt": add_generation_prompt, "variables": variables}).encode()
+        job = "rendering the chat template"
+        try:
+            answer = self._request(message, job)
+        except TokenizerUnavailable as exc:
+            if not str(exc).startswith(job):
+                raise
+            if "took longer than" in str(exc):
+                raise TemplateFailed(f"the chat template took longer than {self.limits['timeout_s']:g} s to render",
+                                     "timeout_s") from None
+            raise TemplateFailed("the chat template's render process died (it may have gone over the memory "
+                                 "limit)", "max_memory_mb") from None
+        if answer[:1] == b"\0":
+            return answer[1:].decode("utf-8", "surrogatepass")
+        error = json.loads(answer[1:])
+        raise TemplateFailed(error["message"], error["limit"])
 
 
 if __name__ == "__main__":

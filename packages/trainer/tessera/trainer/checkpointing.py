@@ -64,6 +64,7 @@ from tessera.common.checkpoint import (
 )
 from tessera.common.errors import ArtifactError
 from tessera.common.faults import fault_point
+from tessera.common.fileio import name_os_error, names_os_errors
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import Tokenizer
 from tessera.trainer.precision import Precision
@@ -142,7 +143,7 @@ def write_checkpoint(
         background.start(state, job)
         fault_point("save.state_staged")
         return final
-    with single_process_dcp():
+    with names_os_errors(partial), single_process_dcp():  # DCP's writes carry no file name: name the directory
         dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
     fault_point("save.payload_written")
     job.run()
@@ -155,7 +156,7 @@ def _start_save(root: Path, step: int) -> tuple[Path, Path]:
     partial = root / f".{final.name}{PARTIAL_SUFFIX}"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
+        _remove(partial)
         partial.mkdir()
         fault_point("save.partial_created")
     _barrier()
@@ -182,6 +183,7 @@ class _Finalize:
             try:
                 self._finish_on_rank_0()
             except BaseException as exc:
+                name_os_error(exc, self.partial)
                 error = exc
         # Instead of a bare barrier: every rank learns whether rank 0 finished, and fails alike if not.
         outcome = [None if error is None else f"{type(error).__name__}: {error}"]
@@ -202,8 +204,8 @@ class _Finalize:
         sidecar.contents = self.contents
         finalize_checkpoint(self.partial, sidecar)  # sidecar last: marks the directory complete
         fault_point("save.sidecar_written")
-        if self.final.exists():  # a stale checkpoint of the same step (e.g. from a run that was rewound)
-            shutil.rmtree(self.final)
+        if os.path.lexists(self.final):  # a stale checkpoint of the same step (e.g. from a run that was rewound)
+            _remove(self.final)
             fault_point("save.stale_removed")
         os.replace(self.partial, self.final)
         _fsync_dir(self.root)
@@ -257,6 +259,7 @@ class AsyncCheckpointer:
             future.result()
             fault_point("save.payload_written")
         except BaseException as exc:  # reported to the training thread by wait()/poll()
+            name_os_error(exc, job.partial)
             error = exc
         try:
             if not _all_ranks_ok(error is None, self.group):
@@ -337,9 +340,19 @@ def remove_partial_saves(root: Path) -> list[Path]:
     if root.is_dir():
         for p in root.iterdir():
             if p.name.startswith(".iter_") and p.name.endswith(PARTIAL_SUFFIX):
-                shutil.rmtree(p, ignore_errors=True)
+                _remove(p)
                 removed.append(p)
     return removed
+
+
+def _remove(path: Path) -> None:
+    """Remove what lies under one of the save's own names, never following a link: a symbolic link
+    (or a file) there is unlinked and its target left alone, so a save always writes into a fresh
+    directory of its own instead of through a link or failing on it (FileExistsError before)."""
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)  # it unlinks the links inside a directory, never follows them
 
 
 # ---- load ---------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import torch
 
 from tessera.common.errors import ArtifactError
 from tessera.common.file_map import map_tensor
-from tessera.common.fileio import read_json
+from tessera.common.fileio import artifact_path, read_json
 from tessera.common.hf.registry import import_rules, model_config_from_hf
 from tessera.common.hf.rules import check_import
 from tessera.common.model_config import ModelConfig
@@ -53,7 +53,7 @@ def is_hf_directory(path: str | os.PathLike) -> bool:
 
 def read_hf_config(directory: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
     """(the ModelConfig, the raw config.json) of an HF directory; refusals name config.json."""
-    path = Path(directory) / CONFIG
+    path = artifact_path(directory, CONFIG)
     data = read_json(path, "Hugging Face config.json")
     return model_config_from_hf(data, str(path)), data
 
@@ -63,17 +63,18 @@ def weight_files(directory: str | os.PathLike, open_file: Callable[[Path], Safet
     """Tensor name -> the safetensors file holding it (from the index, else the single file, whose
     header `open_file` parses: SafetensorsWeights passes its cache, so the header is parsed once)."""
     directory = Path(directory)
-    index = directory / SAFETENSORS_INDEX
+    index = artifact_path(directory, SAFETENSORS_INDEX)
     if index.is_file():
         weight_map = read_json(index, "safetensors index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
             raise ArtifactError(f"{index}: no valid weight_map; the index is corrupt")
-        where = {k: directory / v for k, v in weight_map.items()}
+        files = {v: artifact_path(directory, v) for v in set(weight_map.values())}
+        where = {k: files[v] for k, v in weight_map.items()}
         for path in sorted(set(where.values())):
             if not path.is_file():
                 raise ArtifactError(f"{path}: listed in {SAFETENSORS_INDEX} but missing")
         return where
-    single = directory / SAFETENSORS
+    single = artifact_path(directory, SAFETENSORS)
     if single.is_file():
         return {name: single for name in (open_file or SafetensorsFile)(single).tensors}
     if any(directory.glob("pytorch_model*.bin")):
@@ -185,7 +186,7 @@ def load_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str,
 def eos_token_ids(directory: str | os.PathLike, config: dict[str, Any]) -> list[int]:
     """Every id that ends generation per config.json and generation_config.json (an int or a list)."""
     eos: set[int] = set()
-    gen_path = Path(directory) / GENERATION_CONFIG
+    gen_path = artifact_path(directory, GENERATION_CONFIG)
     gen = read_json(gen_path, "generation config") if gen_path.is_file() else {}
     for source in (config, gen if isinstance(gen, dict) else {}):
         value = source.get("eos_token_id")

@@ -44,7 +44,9 @@ class OpenAIServer(ServerBase):
                 # uvicorn has stopped accepting and waited for open requests; finish the rest.
                 await asyncio.to_thread(engine.shutdown, self.limits.drain_timeout_s)
                 self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+                self._render_pool.shutdown(wait=False, cancel_futures=True)
                 self._tokenize_procs.close()
+                self._template_procs.close()
 
         app = FastAPI(title="tessera-serve", lifespan=lifespan)
 

@@ -6,10 +6,12 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import Request
 
+from tessera.common.chat_template import ChatTemplateError, template_source
 from tessera.inference.async_engine import EngineDead, EngineFrontend, RequestFailed, RequestHandle
 from tessera.inference.engine import RequestOutput, RequestRejected
 from tessera.inference.metrics import ServingMetrics
@@ -17,9 +19,18 @@ from tessera.inference.protocol import FieldError
 from tessera.inference.sampling_params import SamplingParams
 from tessera.inference.server.errors import ApiError, ServerLimits, _check_text, error_body
 from tessera.inference.structured import StructuredSpec, check_spec
-from tessera.inference.tokenizer_process import LONG_TEXT_CHARS, TokenizerProcesses, TokenizerUnavailable
+from tessera.inference.tokenizer_process import (
+    LONG_TEXT_CHARS,
+    TemplateFailed,
+    TemplateProcesses,
+    TokenizerProcesses,
+    TokenizerUnavailable,
+)
 
 DISCONNECT_POLL_S = 0.5
+# tessera-serve's flag for each RenderLimits field, named in a refusal.
+TEMPLATE_LIMIT_FLAGS = {"timeout_s": "--chat-template-timeout", "max_iterations": "--chat-template-max-iterations",
+                        "max_chars": "--chat-template-max-chars", "max_memory_mb": "--chat-template-max-memory"}
 
 
 class ServerBase:
@@ -46,6 +57,15 @@ class ServerBase:
         # None runs until the first long text needs one; the app's lifespan closes them at exit.
         self._tokenize_procs = TokenizerProcesses(self.tokenizer.backend.to_str(), limits.tokenizer_threads,
                                                   limits.tokenize_timeout_s)
+        # Chat templates render in child processes of their own, bounded (RenderLimits; see
+        # tokenizer_process.py), waited on from threads of their own: a runaway template holds
+        # neither the event loop nor the tokenizer threads a completion needs.
+        self._render_pool = ThreadPoolExecutor(limits.tokenizer_threads, thread_name_prefix="tessera-template")
+        self._template_procs = TemplateProcesses(asdict(limits.chat_template), limits.tokenizer_threads)
+        try:  # (source, special tokens), or why there is none
+            self._template: tuple[str, dict[str, str]] | str = template_source(self.tokenizer)
+        except ChatTemplateError as exc:
+            self._template = str(exc)
         vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
         # A token spells at most this many characters of text (byte-level BPE: bytes; a
         # normalizer may fold a few characters into one, hence the factor 2 below).
@@ -60,6 +80,27 @@ class ServerBase:
     async def _off_loop(self, fn, *args):
         """Run a tokenizer/template call on the tokenizer threads; its ApiError comes back here."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    async def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                           variables: dict[str, Any]) -> str:
+        """The chat template rendered with these messages: a failed or over-limit render is a 400
+        naming the limit and its flag; no render process free in time, a 503."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._render_pool, self._render, messages, add_generation_prompt, variables)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, variables: dict[str, Any]) -> str:
+        if isinstance(self._template, str):
+            raise ApiError(400, self._template, param="messages")
+        try:
+            return self._template_procs.render(*self._template, messages, add_generation_prompt, variables)
+        except TemplateFailed as exc:
+            flag = TEMPLATE_LIMIT_FLAGS.get(exc.limit or "")
+            raise ApiError(400, f"{exc} (limit: {flag})" if flag else str(exc), param="messages",
+                           code="chat_template_limit" if flag else None) from None
+        except TokenizerUnavailable as exc:
+            raise ApiError(503, f"{exc}; try again later", code="tokenizer_busy", type_="server_error") from None
+        except (ValueError, RecursionError):  # what json cannot write (nesting past its recursion limit)
+            raise ApiError(400, "messages or chat_template_kwargs are nested too deeply", param="messages") from None
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of `text`; a text too long to be a prompt is refused (400) here. On a tokenizer

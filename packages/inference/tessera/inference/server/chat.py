@@ -10,7 +10,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from tessera.inference.chat_template import ChatTemplateError, render_chat
 from tessera.inference.protocol import ChatCompletionRequest, ChatMessage, FieldError
 from tessera.inference.sequence import TokenLogprob
 from tessera.inference.server.base import ServerBase
@@ -72,13 +71,14 @@ def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
-def _encode_chat(srv: ServerBase, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                 kwargs: dict[str, Any], add_special_tokens: bool = False) -> list[int]:
-    """Render the chat template and tokenize it; on a tokenizer thread (see _off_loop)."""
-    try:
-        text = render_chat(srv.tokenizer, messages, add_generation_prompt, **kwargs)
-    except ChatTemplateError as exc:
-        raise ApiError(400, str(exc), param="messages") from None
+async def _encode_chat(srv: ServerBase, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                       kwargs: dict[str, Any], add_special_tokens: bool = False) -> list[int]:
+    """Render the chat template (in a template process) and tokenize the text (on a tokenizer thread)."""
+    text = await srv._render_chat(messages, add_generation_prompt, kwargs)
+    return await srv._off_loop(_encode_rendered, srv, text, add_special_tokens)
+
+
+def _encode_rendered(srv: ServerBase, text: str, add_special_tokens: bool) -> list[int]:
     srv._check_chars(text, "messages")
     _check_text(text, "messages")
     ids = srv._encode(text, add_special_tokens)  # the template already placed any special tokens
@@ -97,7 +97,7 @@ async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
     if body.tools:
         kwargs = {**kwargs, "tools": body.tools}
     srv._check_chars("".join(m["content"] or "" for m in messages), "messages")
-    ids = await srv._off_loop(_encode_chat, srv, messages, body.add_generation_prompt, kwargs, body.add_special_tokens)
+    ids = await _encode_chat(srv, messages, body.add_generation_prompt, kwargs, body.add_special_tokens)
     max_tokens = srv._resolve_max_tokens(
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens, len(ids))
     top = body.top_logprobs or 0 if body.logprobs else None

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+
+from tessera.common.chat_template import RenderLimits
 
 
 @dataclass
@@ -21,6 +23,7 @@ class ServerLimits:
     body_timeout_s: float = 30.0  # a request body must arrive within this (a stalled one is dropped)
     tokenizer_threads: int = 2  # prompts are tokenized and templates rendered here, off the event loop
     tokenize_timeout_s: float = 60.0  # a long text's tokenizing (in a child process) must end within this (503)
+    chat_template: RenderLimits = field(default_factory=RenderLimits)  # each render's bounds (400 past one)
 
 
 class ApiError(Exception):

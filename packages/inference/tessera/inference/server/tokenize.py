@@ -39,8 +39,7 @@ async def tokenize(srv: ServerBase, body: TokenizeRequest) -> dict[str, Any]:
         kwargs = template_kwargs(body.chat_template_kwargs)
         if body.tools:
             kwargs = {**kwargs, "tools": body.tools}
-        ids = await srv._off_loop(_encode_chat, srv, messages, body.add_generation_prompt, kwargs,
-                                  bool(body.add_special_tokens))
+        ids = await _encode_chat(srv, messages, body.add_generation_prompt, kwargs, bool(body.add_special_tokens))
     strs = [srv.tokenizer.backend.id_to_token(t) for t in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": srv.max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
     data = read_yaml(args.config)
     data.setdefault("data", {"mixture": "-", "tokenizer": "-"})  # not read when planning
-    apply_overrides(data, list(args.overrides) + parallel_overrides(args))
-    cfg = validate_config(TrainConfig, data, args.config)
+    origins: dict[str, str] = {}
+    apply_overrides(data, list(args.overrides) + parallel_overrides(args), origins)
+    cfg = validate_config(TrainConfig, data, args.config, origins)
     from tessera.common.model_config import PRESETS
 
     preset = PRESETS.get(str(cfg.model.get("preset")), {})
