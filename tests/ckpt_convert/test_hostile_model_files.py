@@ -144,3 +144,16 @@ def test_a_checksummed_checkpoint_with_q_proj_stored_as_bool_or_uint8_is_refused
     name = str(dtype).removeprefix("torch.")
     assert f".metadata: model tensor 'layers.0.attn.q_proj.weight' is stored as {name}" in err[0], err[0]
     assert not (tmp_path / "hf").exists()
+
+
+def test_import_refuses_a_vocabulary_padding_multiple_past_its_bound_before_reading_the_weights(hf_dir, tmp_path,
+                                                                                               capsys):
+    from tessera.ckpt_convert.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["import", "--format", "hf", "--input", str(hf_dir), "--output", str(tmp_path / "out"), "--quiet",
+              "--vocab-size-divisible-by", str(2**40)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1, err
+    assert "--vocab-size-divisible-by 1099511627776: must be at most 65536" in err[0]
+    assert not (tmp_path / "out").exists()
