@@ -64,8 +64,8 @@ def make_checkpoint(root: Path, layers: int, hidden: int, ffn: int, vocab: int) 
         save_model_tensors,
         write_pointer,
     )
-    from tessera.common.model import build_model
-    from tessera.common.model_config import ModelConfig
+    from tessera.common.models.causal_lm.config import ModelConfig
+    from tessera.common.models.causal_lm.model import build_model
 
     cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=hidden, num_layers=layers, num_heads=16,
                       num_kv_heads=8, ffn_hidden_size=ffn, max_seq_len=2048)

@@ -49,10 +49,11 @@ def worker(spec_path: str) -> None:
     import torch.distributed as dist
 
     from tessera.common.layout import ParallelLayout
-    from tessera.common.model import Transformer
-    from tessera.common.model_config import ModelConfig
+    from tessera.common.models.causal_lm.config import ModelConfig
+    from tessera.common.models.causal_lm.model import Transformer
     from tessera.common.parallel.state import build_groups, init_distributed
-    from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime
+    from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
+    from tessera.trainer.parallel.runtime import ParallelRuntime
 
     torch.set_num_threads(1)
     spec = json.load(open(spec_path))
@@ -60,14 +61,16 @@ def worker(spec_path: str) -> None:
     init_distributed()
     base = rss_mb()
     cfg = ModelConfig(**MODEL, max_seq_len=seq)
-    groups = build_groups(ParallelLayout(context=dist.get_world_size()))
+    layout = ParallelLayout(context=dist.get_world_size())
+    groups = build_groups(layout)
 
     def builder():
         with torch.device("meta"):
             return Transformer(cfg)
 
-    rt = ParallelRuntime.build(cfg, groups, ParallelConfig(seq_len=seq, global_batch=GLOBAL_BATCH, micro_batch=1,
-                                                           seed=0), OptimConfig(lr=1e-4), builder)
+    training = TrainingConfig(seq_length=seq, global_batch_size=GLOBAL_BATCH, micro_batch_size=1, seed=0)
+    rt = ParallelRuntime.build(cfg, groups, training, ParallelConfig(context=layout.context), OptimConfig(lr=1e-4),
+                               builder)
     t0 = 0.0
     for step in range(steps):
         tokens, targets = batch(step, cfg.vocab_size, seq)

@@ -3,7 +3,7 @@ same shape, same run; on CUDA also the experts' grouped GEMM vs a loop over expe
 
 Both frameworks train the same model: Tessera's is built from a preset (`qwen3-moe-tiny` or
 `mixtral-tiny`, resized by the flags), transformers' from the config.json Tessera would export
-for it (tessera.common.hf.hf_config), its weights copied through the one HF adapter's export
+for it (tessera.common.models.causal_lm.hf.adapter.hf_config), its weights copied through the one HF adapter's export
 rules, so names, shapes and the routing (softmax top-k, normalised weights) are the same. The
 step is the one benchmarks/train_throughput.py times for dense models: Tessera's trainer step
 (TrainStep: forward + loss, clip, fused AdamW; compiled unless --no-compile) vs the standard
@@ -39,12 +39,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from train_throughput import hf_standard_step, tessera_step, time_interleaved  # noqa: E402
 
-from tessera.common.hf import export_rules, hf_config  # noqa: E402
-from tessera.common.model_config import ModelConfig, preset  # noqa: E402
-from tessera.common.moe import Experts  # noqa: E402
+from tessera.common.layers.moe import Experts  # noqa: E402
+from tessera.common.models.causal_lm.config import ModelConfig, preset  # noqa: E402
+from tessera.common.models.causal_lm.hf.adapter import export_rules, hf_config  # noqa: E402
 from tessera.trainer.config import OptimConfig  # noqa: E402
 from tessera.trainer.model_setup import prepare_model  # noqa: E402
-from tessera.trainer.precision import Precision  # noqa: E402
+from tessera.trainer.precision.mixed import Precision  # noqa: E402
 
 PRESETS = {"qwen3_moe": "qwen3-moe-tiny", "mixtral": "mixtral-tiny"}
 
@@ -92,8 +92,8 @@ def experts_only(cfg: ModelConfig, args: argparse.Namespace, device: torch.devic
     counts = torch.bincount(ids, minlength=moe.num_experts).tolist()
     x = torch.randn(n, cfg.hidden_size, generator=gen).to(device, torch.bfloat16).requires_grad_()
     out = {}
-    # Experts.forward asks tessera.common.moe._grouped_mm_ok which path to take: force the loop.
-    import tessera.common.moe as moe_module
+    # Experts.forward asks tessera.common.layers.moe._grouped_mm_ok which path to take: force the loop.
+    import tessera.common.layers.moe as moe_module
 
     original = moe_module._grouped_mm_ok
     if not original(x):

@@ -63,7 +63,7 @@ LAYOUTS = [  # (name, layout, parallel overrides)
 ]
 
 
-OVERLAP_MODES = [  # (label, ParallelConfig overrides)
+OVERLAP_MODES = [  # (label, parallel section overrides)
     ("no overlap", dict(overlap_grad_reduce=False, overlap_param_gather=False)),
     ("grad overlap", dict(overlap_grad_reduce=True, overlap_param_gather=False)),
     ("grad + param overlap", dict(overlap_grad_reduce=True, overlap_param_gather=True)),
@@ -130,8 +130,8 @@ def peer(steps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from tessera.common.model import build_model
-    from tessera.common.model_config import ModelConfig
+    from tessera.common.models.causal_lm.config import ModelConfig
+    from tessera.common.models.causal_lm.model import build_model
 
     torch.set_num_threads(1)
     base = rss_mb()
@@ -174,10 +174,11 @@ def worker(spec_path: str) -> None:
     import torch.distributed as dist
 
     from tessera.common.layout import ParallelLayout
-    from tessera.common.model import Transformer, build_model
-    from tessera.common.model_config import ModelConfig
+    from tessera.common.models.causal_lm.config import ModelConfig
+    from tessera.common.models.causal_lm.model import Transformer, build_model
     from tessera.common.parallel.state import build_groups, init_distributed
-    from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime
+    from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
+    from tessera.trainer.parallel.runtime import ParallelRuntime
 
     torch.set_num_threads(1)
     spec = json.load(open(spec_path))
@@ -186,9 +187,13 @@ def worker(spec_path: str) -> None:
     cfg = ModelConfig(**MODEL)
     for name, layout_kw, pkw in spec["layouts"]:
         base = rss_mb()
-        groups = build_groups(ParallelLayout(**layout_kw))
-        pcfg = ParallelConfig(seq_len=SEQ, global_batch=GLOBAL_BATCH, micro_batch=MICRO, **pkw)
+        layout = ParallelLayout(**layout_kw)
+        groups = build_groups(layout)
         fsdp = layout_kw.get("data_shard", 1) > 1
+        # A meta build (FSDP) is initialised from training.seed: 0, build_model's seed below.
+        training = TrainingConfig(seq_length=SEQ, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO,
+                                  **({"seed": 0} if fsdp else {}))
+        parallel = ParallelConfig(**layout.model_dump(exclude={"data"}), **pkw)
 
         def builder(fsdp: bool = fsdp):
             if fsdp:  # only this rank's shards are allocated (same weights as build_model, seed 0)
@@ -196,8 +201,7 @@ def worker(spec_path: str) -> None:
                     return Transformer(cfg)
             return build_model(cfg, seed=0)
 
-        rt = ParallelRuntime.build(cfg, groups, pcfg.model_copy(update={"seed": 0}) if fsdp else pcfg,
-                                   OptimConfig(lr=1e-4), builder)
+        rt = ParallelRuntime.build(cfg, groups, training, parallel, OptimConfig(lr=1e-4), builder)
         rows = GLOBAL_BATCH // groups.dp
         sl = slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows)
         t0 = 0.0

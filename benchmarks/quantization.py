@@ -27,7 +27,7 @@ Measured (2-core shared CPU, 1 thread, torch 2.13, torchao 0.18, llama-20m = 12.
   --head-scale 1: perplexity 2224.298 -> 2224.534 (+0.011%), top-1 agreement 0.953, decode
   178.3 -> 214.0 tok/s (1.20x). The decode figures of the two runs differ 3x for fp32 alone: the
   machine was shared by five jobs, so tokens/s here is noise-dominated; the kernel timing in
-  tessera/inference/quantization.py's docstring is the steadier evidence.
+  tessera/inference/worker/quantization.py's docstring is the steadier evidence.
 
 Held-out text: the source of Python's `string` module (the tokenizer was trained on textwrap and
 json sources), read in windows of `--window` tokens. Tokens/s: the serving engine (LLMEngine, greedy,
@@ -52,10 +52,10 @@ from pathlib import Path
 import torch
 
 from tessera.inference.config import EngineConfig
-from tessera.inference.engine import LLMEngine
-from tessera.inference.loader import load_for_serving
-from tessera.inference.quantization import perplexity, quantize_model, quantized_weight_dtypes
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.engine.llm_engine import LLMEngine
+from tessera.inference.worker.loader import load_for_serving
+from tessera.inference.worker.quantization import perplexity, quantize_model, quantized_weight_dtypes
 
 
 def linear_weight_bytes(model) -> int:

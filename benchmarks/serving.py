@@ -66,9 +66,9 @@ def build_checkpoint(root: Path, preset: str) -> tuple[Path, object]:
         save_model_tensors,
         write_pointer,
     )
-    from tessera.common.model import build_model
-    from tessera.common.model_config import ModelConfig
-    from tessera.common.model_config import preset as model_preset
+    from tessera.common.models.causal_lm.config import ModelConfig
+    from tessera.common.models.causal_lm.config import preset as model_preset
+    from tessera.common.models.causal_lm.model import build_model
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -310,7 +310,7 @@ def main() -> None:
             arrivals.append(t)
     port = free_port()
     kv_tokens = 65536
-    cmd = [sys.executable, "-m", "tessera.inference.cli_main", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
+    cmd = [sys.executable, "-m", "tessera.inference", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
            "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-tokens", str(kv_tokens),
            "--torch-threads", str(args.threads), "--device", args.device,
            "--dtype", "bfloat16" if dtype == torch.bfloat16 else "float32"] + (["--no-engine-process"] if args.engine_thread else []) \

@@ -71,12 +71,11 @@ class TimedModel:
 
 
 def engine_profile(ckpt: Path, args, workload) -> None:
-    from tessera.inference import detokenizer
     from tessera.inference.config import EngineConfig
-    from tessera.inference.engine import LLMEngine
-    from tessera.inference.engine_wire import decode, encode, output_from_wire, output_to_wire, stats_to_wire
-    from tessera.inference.loader import load_for_serving
-    from tessera.inference.sampling_params import SamplingParams
+    from tessera.inference.core.sampling_params import SamplingParams
+    from tessera.inference.engine.llm_engine import LLMEngine, detokenizer
+    from tessera.inference.engine.wire import decode, encode, output_from_wire, output_to_wire, stats_to_wire
+    from tessera.inference.worker.loader import load_for_serving
 
     cfg = EngineConfig(max_num_seqs=args.concurrency, max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_tokens=65536, dtype="float32", device="cpu")
@@ -165,9 +164,9 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
     so the wait for the GPU is its own line; eager and CUDA-graph engines run back to back. On CPU
     the forward is the computation itself and the host part is everything else."""
     from tessera.inference.config import EngineConfig
-    from tessera.inference.engine import LLMEngine
-    from tessera.inference.loader import load_for_serving
-    from tessera.inference.sampling_params import SamplingParams
+    from tessera.inference.core.sampling_params import SamplingParams
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker.loader import load_for_serving
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -244,15 +243,15 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
 
 
 def compile_ab(ckpt: Path, args, workload) -> None:
-    """Compiled vs eager CPU engine steps (issue #18; tessera.inference.compiled): two engines, one
+    """Compiled vs eager CPU engine steps (issue #18; tessera.inference.worker.compiled): two engines, one
     with the inductor-compiled layer stack and one eager (oneDNN-packed weights), hold the same
     greedy requests and are stepped alternately (which goes first alternates too), so a loaded
     machine slows both alike; for each concurrency in `--compile-ab` the median of the per-step
     time ratios and the ratio of the medians over the decode steps (prefill steps are left out)."""
     from tessera.inference.config import EngineConfig
-    from tessera.inference.engine import LLMEngine
-    from tessera.inference.loader import load_for_serving
-    from tessera.inference.sampling_params import SamplingParams
+    from tessera.inference.core.sampling_params import SamplingParams
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker.loader import load_for_serving
 
     cpu = torch.device("cpu")
     engines = {}
@@ -303,7 +302,7 @@ def cpu_seconds(pid: int) -> float:
 
 def server_profile(ckpt: Path, args, workload) -> None:
     port = free_port()
-    cmd = [sys.executable, "-m", "tessera.inference.cli_main", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
+    cmd = [sys.executable, "-m", "tessera.inference", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
            "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--kv-cache-tokens", "65536", "--torch-threads", str(args.threads), "--device", "cpu", "--dtype", "float32"]
     server = subprocess.Popen(cmd)

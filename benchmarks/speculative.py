@@ -41,7 +41,7 @@ def make_prompts(tokenizer, num: int, length: int, repeats: int) -> list[list[in
 
 
 def run_engine(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    from tessera.inference.sampling_params import SamplingParams
+    from tessera.inference.core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs: dict[str, list[int]] = {}
@@ -73,8 +73,8 @@ def main() -> int:
     import serving
 
     from tessera.inference.config import EngineConfig, SpeculativeConfig
-    from tessera.inference.engine import LLMEngine
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker.loader import load_for_serving
 
     if args.smoke:
         args.num_prompts, args.max_tokens, args.rounds, args.prompt_len = 4, 16, 1, 16
@@ -104,7 +104,7 @@ def main() -> int:
                 return 1
         tokens = args.rounds * args.num_prompts * args.max_tokens
         st = engines["ngram"].stats()
-        from tessera.inference.spec_decode import format_spec_stats
+        from tessera.inference.sample.spec_stats import format_spec_stats
 
         print(f"model {args.preset}: {loaded.config.num_params() / 1e6:.1f}M "
               f"parameters, {args.num_prompts} prompts of {args.prompt_len} x {args.repeats} tokens, "

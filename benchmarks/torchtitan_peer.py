@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     if not results:
         sys.exit(1)
     device = next(iter(results.values()))["device"]
-    from tessera.common.model_config import preset
-    from tessera.trainer.metrics import gpu_peak_tflops
+    from tessera.common.models.causal_lm.config import preset
+    from tessera.trainer.observability.metrics import gpu_peak_tflops
 
     name = TESSERA_PRESET.get(args.flavor)
     flops = preset(name, max_seq_len=max(args.seq, 64)).flops_per_token(args.seq) if name else None

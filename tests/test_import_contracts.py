@@ -1,11 +1,14 @@
-"""The import contracts (pyproject.toml, `make lint`) see every module and bite.
+"""The import contracts (pyproject.toml, `make lint`) see every module and bite, and the house keeps
+its shape: no import circles, no crowded folders.
 
 import-linter checks only the modules grimp finds, and grimp walks regular packages: a folder
 without `__init__.py` (common/parallel/ and trainer/parallel/ once were) is silently skipped, so a
 forbidden import there passed `make lint`. The first test compares every .py file under
-packages/ and kernels/ with the graph; the others run lint-imports on a copy of the tree with a
+packages/ and kernels/ with the graph; the lint tests run lint-imports on a copy of the tree with a
 forbidden import added inside a `parallel/` folder and expect it to fail (and to pass unchanged,
-so the failure is the import's).
+so the failure is the import's). The last two hold the layout of docs/architecture.md: modules
+that import each other (directly or through others) are one concept split in two or two concepts
+tangled, and a folder of many flat modules hides which role each plays.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def test_lint_imports_passes_on_an_unchanged_copy(tmp_path):
 @pytest.mark.parametrize("probe, source, contract", [
     ("common/tessera/common/parallel/probe.py", "from tessera.trainer.parallel import runtime\n",
      "Shared packages never import a stage package"),
-    ("trainer/tessera/trainer/parallel/probe.py", "import tessera.inference.engine\n",
+    ("trainer/tessera/trainer/parallel/probe.py", "import tessera.inference.engine.llm_engine\n",
      "Stage packages are independent"),
     ("ckpt_convert/tessera/ckpt_convert/probe.py", "from tessera.trainer.parallel.pipeline import build_stages\n",
      "Stage packages are independent"),
@@ -94,3 +97,50 @@ def test_a_forbidden_import_in_a_parallel_folder_fails_lint(tmp_path, probe, sou
     module = "tessera." + probe.split("/tessera/", 1)[1].removesuffix(".py").replace("/", ".")
     broken = out.split("Broken contracts", 1)[-1]  # the report after the summary
     assert contract in broken and f"{module} -> " in broken, out[-3000:]
+
+
+# Known today, being fixed on other branches; the lead empties these at merge (a listed exception
+# that no longer occurs fails the test, so the lists cannot go stale).
+KNOWN_CYCLES_TODAY: list[set[str]] = []
+MAX_FLAT_MODULES = 15
+KNOWN_CROWDED_TODAY = {
+    "packages/trainer/tessera/trainer",  # trainer folders by role (issue 27)
+    "packages/ckpt_convert/tessera/ckpt_convert",  # 16: mapped.py and source.py, one ranged reader (issue 27)
+}
+
+
+def import_cycles() -> list[set[str]]:
+    """The strongly connected components of more than one module in the project's import graph
+    (type-checking imports included): a module's component is itself plus every module it
+    imports, directly or not, that also imports it."""
+    graph = grimp.build_graph(*root_packages(), cache_dir=None)
+    cycles: list[set[str]] = []
+    seen: set[str] = set()
+    for module in sorted(graph.modules):
+        if module in seen:
+            continue
+        component = {module} | (graph.find_upstream_modules(module) & graph.find_downstream_modules(module))
+        seen |= component
+        if len(component) > 1:
+            cycles.append(component)
+    return cycles
+
+
+def test_no_module_of_the_project_is_in_an_import_cycle():
+    cycles = import_cycles()
+    new = [sorted(c) for c in cycles if c not in KNOWN_CYCLES_TODAY]
+    assert not new, f"modules that import each other (directly or through others): {new}"
+    gone = [sorted(c) for c in KNOWN_CYCLES_TODAY if c not in cycles]
+    assert not gone, f"no longer a cycle: remove it from KNOWN_CYCLES_TODAY: {gone}"
+
+
+def test_no_package_folder_holds_more_than_15_modules_flat():
+    flat: dict[str, list[str]] = {}
+    for path in source_modules().values():
+        if path.name != "__init__.py":
+            flat.setdefault(str(path.parent.relative_to(REPO)), []).append(path.stem)
+    crowded = {folder: len(names) for folder, names in flat.items() if len(names) > MAX_FLAT_MODULES}
+    new = {folder: n for folder, n in crowded.items() if folder not in KNOWN_CROWDED_TODAY}
+    assert not new, f"folders of more than {MAX_FLAT_MODULES} modules (split them by role): {new}"
+    gone = sorted(KNOWN_CROWDED_TODAY - set(crowded))
+    assert not gone, f"no longer crowded: remove from KNOWN_CROWDED_TODAY: {gone}"

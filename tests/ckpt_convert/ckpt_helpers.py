@@ -17,8 +17,8 @@ from tessera.common.checkpoint import (
     write_pointer,
 )
 from tessera.common.layout import ParallelLayout
-from tessera.common.model import build_model
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import build_model
 from tessera.common.tokenizer import tokenizer_fingerprint
 
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"

@@ -10,7 +10,7 @@ from ckpt_helpers import make_checkpoint, tiny_gpt2, tiny_llama
 
 from tessera.ckpt_convert.cli import run
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
-from tessera.common.model import build_model
+from tessera.common.models.causal_lm.model import build_model
 
 LLAMA3_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
 

@@ -16,7 +16,7 @@ import yaml
 
 from tessera.ckpt_convert.cli import main, run
 from tessera.common.checkpoint import load_model_tensors, read_sidecar, resolve_checkpoint
-from tessera.common.model import build_model
+from tessera.common.models.causal_lm.model import build_model
 
 HERE = Path(__file__).parent
 CASES = {  # grouped-query attention with Megatron's vocabulary padding; tied embeddings

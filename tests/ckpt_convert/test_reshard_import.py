@@ -20,7 +20,7 @@ def all_tensors(ckpt) -> dict[str, torch.Tensor]:
 
 def optimizer_state(cfg) -> dict:
     """Training state shaped as a trainer might store it: per-parameter moments plus non-tensor entries."""
-    from tessera.common.model import build_model
+    from tessera.common.models.causal_lm.model import build_model
 
     g = torch.Generator().manual_seed(7)
     state = {}
@@ -159,7 +159,7 @@ def test_import_from_transformers_save_pretrained(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from tessera.common.checkpoint import load_model_tensors
-    from tessera.common.model import build_model
+    from tessera.common.models.causal_lm.model import build_model
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=64, n_embd=64, n_layer=2, n_head=4)).eval()

@@ -18,8 +18,8 @@ from tessera.ckpt_convert.cli import run
 from tessera.common.checkpoint import load_model_tensors, read_sidecar, resolve_checkpoint
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, validate_layout
-from tessera.common.model import build_model
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import build_model
 
 CFG = ModelConfig(vocab_size=1001, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
                   max_seq_len=64)
@@ -130,9 +130,9 @@ def _hf_llama(vocab: int):
 def greedy(model_dir, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens from the server's engine over a checkpoint or an HF directory."""
     from tessera.inference.config import EngineConfig
-    from tessera.inference.engine import LLMEngine
-    from tessera.inference.loader import load_for_serving
-    from tessera.inference.sampling_params import SamplingParams
+    from tessera.inference.core.sampling_params import SamplingParams
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker.loader import load_for_serving
 
     engine = LLMEngine(load_for_serving(model_dir, torch.device("cpu"), torch.float32),
                        EngineConfig(num_kv_blocks=16, block_size=8), torch.device("cpu"), torch.float32)

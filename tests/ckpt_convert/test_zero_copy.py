@@ -13,6 +13,7 @@ from ckpt_helpers import make_checkpoint, tiny_llama
 
 from tessera.ckpt_convert.cli import main, run
 from tessera.ckpt_convert.mapped import (
+    RangeReader,
     Staging,
     aligned,
     file_region,
@@ -50,6 +51,10 @@ def test_mapped_entries_equal_torch_load(tmp_path):
         assert torch.equal(aligned(got), t)
         if t.numel():
             assert not got.untyped_storage().resizable()  # memory of the file map, not a fresh buffer
+        # The plain read of the same entry (the fallback) goes through the same one range reader.
+        with open(path, "rb", buffering=0) as f:
+            plain = torch.load(RangeReader(f.fileno(), offset, length), map_location="cpu", weights_only=True)
+        assert plain.stride() == t.stride() and torch.equal(plain, t)
 
 
 def test_staging_realigns_and_materialises():
@@ -256,7 +261,7 @@ def test_hf_weights_are_maps_of_the_file_for_import_and_serving_alike(tmp_path, 
     from safetensors.torch import load_file
 
     from tessera.ckpt_convert.mapped import raw
-    from tessera.common.hf import SafetensorsWeights
+    from tessera.common.hf.directory import SafetensorsWeights
 
     make_checkpoint(tmp_path / "ck", tiny_llama(num_layers=2), tokenizer_dir)
     run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "hf"),

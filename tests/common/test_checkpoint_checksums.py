@@ -15,8 +15,8 @@ import xxhash
 from tessera.common import checkpoint as ckpt
 from tessera.common import fileio
 from tessera.common.errors import ArtifactError
-from tessera.common.model import build_model
-from tessera.common.model_config import preset
+from tessera.common.models.causal_lm.config import preset
+from tessera.common.models.causal_lm.model import build_model
 
 
 def _checkpoint(tmp_path):

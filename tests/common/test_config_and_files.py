@@ -9,8 +9,8 @@ from tessera.common import checkpoint as ckpt
 from tessera.common.config import StrictModel, describe_fields, load_config
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import atomic_directory, atomic_file
-from tessera.common.model import build_model
-from tessera.common.model_config import ModelConfig, preset
+from tessera.common.models.causal_lm.config import ModelConfig, preset
+from tessera.common.models.causal_lm.model import build_model
 
 
 class _Inner(StrictModel):

@@ -1,4 +1,4 @@
-"""Packed-document and sliding-window attention without a T x T mask (tessera.common.attention).
+"""Packed-document and sliding-window attention without a T x T mask (tessera.common.layers.attention).
 
 The reference is the dense additive mask (`attention_mask`) under plain SDPA, run through the
 model's `attention_fn` hook, so every test compares the model's own path (MaskedAttention) against
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tessera.common.attention import MaskedAttention, attention_mask, document_segments
-from tessera.common.model import build_model
-from tessera.common.model_config import preset
+from tessera.common.layers.attention import MaskedAttention, attention_mask, document_segments
+from tessera.common.models.causal_lm.config import preset
+from tessera.common.models.causal_lm.model import build_model
 from tessera.common.parallel.context_parallel import local_token_index
 
 T = 48

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from tessera.common.errors import ArtifactError
-from tessera.common.hf import ARCHITECTURES, hf_config, model_config_from_hf, read_hf_config
-from tessera.common.model_config import ModelConfig
+from tessera.common.hf.directory import read_hf_config
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.adapter import ARCHITECTURES, hf_config
+from tessera.common.models.registry import model_config_from_hf
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
@@ -82,7 +84,7 @@ def test_config_round_trips_through_config_json_and_transformers_reads_it(cfg):
 
 def test_every_architecture_maps_both_ways_in_one_place():
     """The registry is the one list: each entry names its transformers class and has both mappings."""
-    from tessera.common.hf import HFArchitecture
+    from tessera.common.hf.architecture import HFArchitecture
 
     assert {a.model_type: a.hf_class for a in ARCHITECTURES} == {
         "llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "mistral": "MistralForCausalLM",
@@ -108,7 +110,7 @@ BAD_CONFIGS = {
 
 @pytest.mark.parametrize("name", list(BAD_CONFIGS))
 def test_malformed_config_json_is_one_line_naming_the_field_in_import_and_serve(tmp_path, capsys, name):
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.worker.loader import load_for_serving
 
     fields, message = BAD_CONFIGS[name]
     hf = _llama_dir(tmp_path / "hf")
@@ -123,7 +125,7 @@ def test_malformed_config_json_is_one_line_naming_the_field_in_import_and_serve(
 def test_int8_weights_are_refused_not_cast(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.worker.loader import load_for_serving
 
     hf = _llama_dir(tmp_path / "hf")
     tensors = load_file(hf / "model.safetensors")
@@ -137,7 +139,7 @@ def test_int8_weights_are_refused_not_cast(tmp_path, capsys):
 
 def test_weights_the_config_does_not_describe_are_refused(tmp_path):
     """Biases in the weights but not in config.json: dropping them silently would serve another model."""
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.worker.loader import load_for_serving
 
     hf = _llama_dir(tmp_path / "hf", attention_bias=True, mlp_bias=True)
     _edit_config(hf, attention_bias=False, mlp_bias=False)
@@ -146,7 +148,7 @@ def test_weights_the_config_does_not_describe_are_refused(tmp_path):
 
 
 def test_pickled_bin_weights_are_refused_with_the_way_out(tmp_path, capsys):
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.worker.loader import load_for_serving
 
     hf = _llama_dir(tmp_path / "hf")
     (hf / "model.safetensors").unlink()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.common.model import Transformer, build_model
-from tessera.common.model_config import PRESETS, ModelConfig, preset
+from tessera.common.models.causal_lm.config import PRESETS, ModelConfig, preset
+from tessera.common.models.causal_lm.model import Transformer, build_model
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -8,9 +8,9 @@ import pytest
 import torch
 from hf_families import CASES, build
 
-from tessera.common.hf import load_hf_weights, read_hf_config
-from tessera.common.model import build_model
-from tessera.common.model_config import ModelConfig, preset
+from tessera.common.hf.directory import load_hf_weights, read_hf_config
+from tessera.common.models.causal_lm.config import ModelConfig, preset
+from tessera.common.models.causal_lm.model import build_model
 
 
 def ours_from(hf, tmp_path):

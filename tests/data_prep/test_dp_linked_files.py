@@ -78,3 +78,27 @@ def test_prep_refuses_a_tokenizer_file_that_is_a_pipe_or_a_loop_of_links(tokeniz
     line = user_error(["prep", "--input", corpus, "--tokenizer", tok, "--output-prefix", tmp_path / "out/x",
                        "--quiet"], capsys)
     assert "chat_template.jinja: " in line and ("not a regular file" if kind == "pipe" else "loop") in line, line
+
+
+def test_prep_refuses_a_tokenizer_config_that_is_not_utf8_in_one_line(tokenizer_dir, tmp_path, capsys):
+    tok = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok)
+    (tok / "tokenizer_config.json").write_bytes(b'{"eos_token": "\xff"}')
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
+    line = user_error(["prep", "--input", corpus, "--tokenizer", tok, "--output-prefix", tmp_path / "out/x",
+                       "--quiet"], capsys)
+    assert "tokenizer_config.json: not valid JSON" in line, line
+
+
+def test_a_snapshots_folder_that_is_not_a_hub_cache_lends_no_exception_for_links(tokenizer_dir, tmp_path, capsys):
+    """Only a hub cache repository (`models--org--name/snapshots/<rev>`) may link into its `blobs/`:
+    a backup's `snapshots/` folder beside some `blobs/` folder is an ordinary place."""
+    tok = tmp_path / "backup" / "snapshots" / "r1" / "tok"
+    shutil.copytree(tokenizer_dir, tok)
+    (tmp_path / "backup" / "blobs").mkdir()
+    (tmp_path / "backup" / "blobs" / "secret").write_text("{{ messages }}")
+    (tok / "chat_template.jinja").symlink_to("../../../blobs/secret")
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "hello"}])
+    line = user_error(["prep", "--input", corpus, "--tokenizer", tok, "--output-prefix", tmp_path / "out/x",
+                       "--quiet"], capsys)
+    assert "chat_template.jinja: leads outside" in line, line

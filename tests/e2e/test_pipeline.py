@@ -85,7 +85,7 @@ def test_training_logged_and_checkpointed(pipeline):
 def test_hf_export_matches_our_logits(pipeline):
     transformers = pytest.importorskip("transformers")
     from tessera.common.checkpoint import load_model_tensors, read_sidecar, resolve_checkpoint
-    from tessera.common.model import build_model
+    from tessera.common.models.causal_lm.model import build_model
 
     hf_dir = pipeline["work"] / "hf"
     _cli(BIN / "tessera-ckpt", "export", "--format", "hf", "--checkpoint", pipeline["run_dir"],

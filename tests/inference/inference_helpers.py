@@ -13,8 +13,8 @@ from tessera.common.checkpoint import (
     save_model_tensors,
     write_pointer,
 )
-from tessera.common.model import build_model
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import build_model
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
@@ -103,8 +103,8 @@ def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 def make_engine(ckpt: Path, **cfg):
     from tessera.inference.config import EngineConfig
-    from tessera.inference.engine import LLMEngine
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker.loader import load_for_serving
 
     loaded = load_for_serving(ckpt, torch.device("cpu"), torch.float32)
     return LLMEngine(loaded, EngineConfig(**cfg), torch.device("cpu"), torch.float32)
@@ -145,7 +145,7 @@ def generate_usage_error(argv, capsys) -> str:
     import pytest
 
     from tessera.common.errors import run_cli
-    from tessera.inference.generate_cli import main
+    from tessera.inference.entrypoints.generate_cli import main
 
     with pytest.raises(SystemExit) as exc:
         run_cli(main, [str(a) for a in argv])

@@ -8,9 +8,9 @@ import time
 
 from inference_helpers import make_engine
 
-from tessera.inference.async_engine import AsyncEngine
-from tessera.inference.metrics import ServingMetrics
-from tessera.inference.server import OpenAIServer, ServerLimits
+from tessera.inference.engine.frontend import AsyncEngine
+from tessera.inference.engine.metrics import ServingMetrics
+from tessera.inference.entrypoints.server import OpenAIServer, ServerLimits
 
 
 class LiveServer:

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from inference_helpers import make_engine
 
 from tessera.common.chat_template import RenderLimits
-from tessera.inference.async_engine import AsyncEngine
-from tessera.inference.server import OpenAIServer, ServerLimits
+from tessera.inference.engine.frontend import AsyncEngine
+from tessera.inference.entrypoints.server import OpenAIServer, ServerLimits
 
 EXAMPLES = 60
 LIMITS = RenderLimits(timeout_s=0.5, max_iterations=20_000, max_chars=200_000, max_memory_mb=128)

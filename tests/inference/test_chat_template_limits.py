@@ -18,7 +18,7 @@ from live_server import LiveServer
 
 from tessera.common.chat_template import RenderLimits
 from tessera.common.checkpoint import resolve_checkpoint
-from tessera.inference.server import ServerLimits
+from tessera.inference.entrypoints.server import ServerLimits
 
 # The model's template: plain chat unless a client's chat_template_kwargs steer it into one of
 # these (a template that loops over what a client sends is the same risk).
@@ -148,6 +148,24 @@ def test_a_render_the_sandbox_cannot_interrupt_is_killed_at_the_time_limit(hosti
         s.stop()
 
 
+def test_a_render_child_that_starts_slower_than_a_short_render_limit_still_serves(hostile_ckpt, monkeypatch):
+    """A child's start is not a render: with --chat-template-timeout 0.2 and a start of 0.6 s (a
+    loaded machine), the first chat request is answered, not a 503."""
+    import sys
+
+    from tessera.inference import tokenizer_process
+
+    monkeypatch.setattr(tokenizer_process, "RENDER_GRACE_S", 0.0)
+    monkeypatch.setattr(tokenizer_process._Child, "command", [
+        "sh", "-c", 'sleep 0.6; exec "$@"', "sh", sys.executable, "-m", tokenizer_process.__name__])
+    s = _server(hostile_ckpt, RenderLimits(timeout_s=0.2))
+    try:
+        r = _chat(s.url, None)
+        assert r.status_code == 200, r.text
+    finally:
+        s.stop()
+
+
 @pytest.mark.timeout(120)
 def test_prep_chat_data_stops_at_a_runaway_template_with_one_line(tmp_path, capsys):
     """tessera-data prep --format chat renders with the same bounds (in process): a template past
@@ -177,9 +195,43 @@ def test_prep_chat_data_stops_at_a_runaway_template_with_one_line(tmp_path, caps
                                          ("--chat-template-max-memory", "0")])
 def test_a_chat_template_limit_that_is_not_positive_is_refused_at_start(tmp_path, capsys, flag, value):
     from tessera.common.errors import run_cli
-    from tessera.inference.cli import main
+    from tessera.inference.entrypoints.serve_cli import main
 
     with pytest.raises(SystemExit) as exc:
         run_cli(main, ["--checkpoint", str(tmp_path), flag, value])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and flag in err, err
+
+
+@pytest.mark.parametrize("template", [
+    "{{ '{:{}}'.format('a', 10**8) }}",  # a format width from the arguments
+    "{{ '{0:{1[0]}}'.format('a', [10**8]) }}",  # ... from inside one
+    "{{ '%.*f' % (10**8, 1.5) }}",  # a precision from the arguments
+    "{{ '%*s' | format(10**8, 'a') }}",
+    "{{ ('a\\n' * 100) | indent(10**6) }}",  # a width under the cap, once per line
+    "{{ ('\\t' * 100).expandtabs(10**6) }}",  # ... once per tab
+    "{{ lipsum(20000) }}",  # paragraphs of up to 100 words
+    "{{ ([['a'] * 10**5] * 100) | sum(start=[]) | length }}",  # one list of 100 x 10**5 items
+    "{% set s = 'a' * 10**6 %}{{ [s] * 100 }}",  # a list's text: its items' text
+    "{% set s = 'a' * 10**6 %}{{ ([s] * 100) | tojson }}",
+    "{% set s = 'a' * 10**6 %}{{ 'x' ~ ([s] * 100) }}",
+    "{% set s = 'a' * 10**6 %}{{ '%s' % ([s] * 100,) }}",
+    "{% set s = 'a' * 10**6 %}{{ '{}'.format([s] * 100) }}",
+    "{% set s = 'a' * 10**6 %}{{ [[s] * 100] | join }}",
+])
+def test_a_width_or_count_that_multiplies_past_the_size_limit_is_refused_before_the_value_is_built(template):
+    """In process (prep --format chat, tessera-generate) nothing bounds a render's memory but these
+    checks: a result a width or count makes too large is refused before it is allocated."""
+    import tracemalloc
+
+    from tessera.common.chat_template import ChatTemplateLimit, render_template
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ChatTemplateLimit) as exc:
+            render_template(template, {}, [], False, {}, RenderLimits())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert exc.value.limit == "max_chars"
+    assert peak < 4 * 2**20, f"{peak / 2**20:.0f} MiB allocated before the refusal"

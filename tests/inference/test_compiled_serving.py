@@ -14,10 +14,10 @@ from test_cuda_graphs import GPT2, SIZES, assert_same, build, outputs, workload
 from torch._inductor.exc import InvalidCxxCompiler
 
 from tessera.common.errors import UserError
-from tessera.inference.compiled import CompiledForward
 from tessera.inference.config import EngineConfig, SpeculativeConfig
-from tessera.inference.cpu_linear import PackedLinear
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.worker.compiled import CompiledForward
+from tessera.inference.worker.cpu_linear import PackedLinear
 
 
 def packed(model: torch.nn.Module) -> int:

@@ -1,4 +1,4 @@
-"""oneDNN-prepacked Linear layers (tessera.inference.cpu_linear) compute what nn.Linear computes."""
+"""oneDNN-prepacked Linear layers (tessera.inference.worker.cpu_linear) compute what nn.Linear computes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from inference_helpers import tiny_config
 from torch import nn
 
-from tessera.common.model import build_model
-from tessera.inference.cpu_linear import PackedLinear, onednn_available, pack_linears
+from tessera.common.models.causal_lm.model import build_model
+from tessera.inference.worker.cpu_linear import PackedLinear, onednn_available, pack_linears
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="PyTorch built without oneDNN")
 

@@ -19,9 +19,9 @@ from inference_helpers import make_checkpoint, run_all, tiny_config, token_ids
 
 from tessera.common.errors import UserError, run_cli
 from tessera.inference.config import EngineConfig
-from tessera.inference.cuda_graphs import bucket_for, default_capture_sizes, parse_capture_sizes
-from tessera.inference.model_runner import BatchSeq
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.worker.batch import BatchSeq
+from tessera.inference.worker.cuda_graphs import bucket_for, default_capture_sizes, parse_capture_sizes
 from tessera.kernels._dispatch import triton_available
 
 SIZES = [1, 2, 4, 8]
@@ -30,8 +30,8 @@ GPT2 = dict(arch="gpt2", num_kv_heads=4, norm="layernorm", activation="gelu", po
 
 
 def build(ckpt, device: str = "cpu", **over):
-    from tessera.inference.engine import LLMEngine
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker.loader import load_for_serving
 
     cfg = EngineConfig(block_size=8, num_kv_blocks=96, max_num_seqs=8, max_num_batched_tokens=64, seed=0,
                        device=device, dtype="float32", **over)
@@ -219,7 +219,7 @@ def test_capture_sizes_parse_spaces_and_commas():
     (["--cuda-graph-sizes", "1", "2", "--device", "cpu"], "CUDA graphs need a CUDA device"),
 ])
 def test_bad_graph_flags_are_refused_in_one_line(tmp_path, capsys, flags, expected):
-    from tessera.inference.cli import main
+    from tessera.inference.entrypoints.serve_cli import main
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()  # refused before anything reads it
@@ -231,7 +231,7 @@ def test_bad_graph_flags_are_refused_in_one_line(tmp_path, capsys, flags, expect
 
 
 def test_tensor_parallel_captures_only_when_sizes_are_given():
-    from tessera.inference.cuda_graphs import decode_graph_mode
+    from tessera.inference.worker.cuda_graphs import decode_graph_mode
 
     cuda = torch.device("cuda")
     assert decode_graph_mode(EngineConfig(tensor_parallel=2), cuda) == "off"

@@ -9,7 +9,7 @@ import torch
 from inference_helpers import hf_greedy, hf_llama_from, make_engine, run_all, token_ids
 
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
 
 NEW = 16
 

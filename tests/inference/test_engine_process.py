@@ -20,10 +20,10 @@ from inference_helpers import make_engine, run_all
 
 from tessera.common.checkpoint import resolve_checkpoint
 from tessera.inference.config import EngineConfig
-from tessera.inference.engine_process import ProcessEngine
-from tessera.inference.metrics import ServingMetrics
-from tessera.inference.sampling_params import SamplingParams
-from tessera.inference.server import OpenAIServer, ServerLimits
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.engine.metrics import ServingMetrics
+from tessera.inference.engine.process_client import ProcessEngine
+from tessera.inference.entrypoints.server import OpenAIServer, ServerLimits
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +144,7 @@ def test_serve_cli_bad_checkpoint_is_one_line(tiny_ckpt, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(resolve_checkpoint(tiny_ckpt), bad)
     (bad / "tessera_checkpoint.json").write_text("{oops")  # the child fails to load it
-    code = "from tessera.inference.cli import entry; entry()"
+    code = "from tessera.inference.entrypoints.serve_cli import entry; entry()"
     r = subprocess.run([sys.executable, "-c", code, "--checkpoint", str(bad), "--port", "1"],
                        capture_output=True, text=True, timeout=120)
     lines = [line for line in r.stderr.splitlines() if line.strip()]

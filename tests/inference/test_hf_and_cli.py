@@ -21,7 +21,7 @@ from inference_helpers import (
 )
 
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
 
 
 def _export(hf_model, tiny_ckpt, out):
@@ -64,9 +64,9 @@ def test_an_hf_directory_is_loaded_with_each_header_parsed_once_and_bad_headers_
     """The loader checks the safetensors headers up front (before the tokenizer; under tensor
     parallel before any worker starts) and builds the tensors from that check: one parse per file.
     The weights equal the checkpoint's; a header that does not fit its file is still one line."""
+    import tessera.common.hf.directory as directory
     from tessera.common.errors import ArtifactError
-    from tessera.common.hf import directory
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.worker.loader import load_for_serving
 
     tensors = load_model_tensors(resolve_checkpoint(tiny_ckpt))
     export = _export(hf_llama_from(tiny_config(), tensors), tiny_ckpt, tmp_path / "hf")
@@ -95,22 +95,22 @@ def _cli(name, *args):
 
 @pytest.mark.slow
 def test_cli_bad_input(tiny_ckpt, tmp_path):
-    r = _cli("cli", "--checkpoint", str(tmp_path / "missing"), "--port", "8001")
+    r = _cli("entrypoints.serve_cli", "--checkpoint", str(tmp_path / "missing"), "--port", "8001")
     assert r.returncode == 2 and "missing" in r.stderr and "Traceback" not in r.stderr
-    r = _cli("cli", "--checkpoint", str(tiny_ckpt), "--max-num-seqs", "100", "--max-num-batched-tokens", "10")
+    r = _cli("entrypoints.serve_cli", "--checkpoint", str(tiny_ckpt), "--max-num-seqs", "100", "--max-num-batched-tokens", "10")
     assert r.returncode == 2 and "max-num-batched-tokens" in r.stderr
-    r = _cli("cli", "--checkpoint", str(tiny_ckpt), "--drain-timeout", "-1")
+    r = _cli("entrypoints.serve_cli", "--checkpoint", str(tiny_ckpt), "--drain-timeout", "-1")
     assert r.returncode == 2 and "--drain-timeout" in r.stderr and "Traceback" not in r.stderr
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a"}\n{"text": "b"}\n')
-    r = _cli("generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"))
+    r = _cli("entrypoints.generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"))
     assert r.returncode == 2 and "p.jsonl:2" in r.stderr and "Traceback" not in r.stderr
     # a corrupt checkpoint names the file
     bad = tmp_path / "bad"
     shutil.copytree(resolve_checkpoint(tiny_ckpt), bad)
     (bad / "tessera_checkpoint.json").write_text("{oops")
     prompts.write_text('{"prompt": "a"}\n')
-    r = _cli("generate_cli", "--checkpoint", str(bad), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"))
+    r = _cli("entrypoints.generate_cli", "--checkpoint", str(bad), "--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl"))
     assert r.returncode == 2 and "tessera_checkpoint.json" in r.stderr
 
 
@@ -123,7 +123,7 @@ def test_generate_cli_end_to_end(tiny_ckpt, tmp_path):
         {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7, "seed": 3},
     ]) + "\n")
     out = tmp_path / "out.jsonl"
-    r = _cli("generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output", str(out),
+    r = _cli("entrypoints.generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output", str(out),
              "--max-tokens", "6", "--quiet", "--num-kv-blocks", "64")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -131,7 +131,7 @@ def test_generate_cli_end_to_end(tiny_ckpt, tmp_path):
     assert rows[0]["completion_tokens"] == 4 and rows[1]["completion_tokens"] == 6
     assert len(rows[1]["logprobs"]) == 6
     # Without --quiet into a file (a batch job's log): whole progress lines, no \r frames.
-    r = _cli("generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output",
+    r = _cli("entrypoints.generate_cli", "--checkpoint", str(tiny_ckpt), "--prompts", str(prompts), "--output",
              str(tmp_path / "out2.jsonl"), "--max-tokens", "6", "--num-kv-blocks", "64")
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stderr and "generating: 3/3 prompt (100%)" in r.stderr, r.stderr[-500:]
@@ -148,7 +148,7 @@ def test_serve_cli_drains_on_sigterm(tiny_ckpt):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = "from tessera.inference.cli import entry; entry()"
+    code = "from tessera.inference.entrypoints.serve_cli import entry; entry()"
     proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", str(tiny_ckpt), "--port", str(port),
                              "--quiet", "--num-kv-blocks", "64", "--drain-timeout", "600"],
                             stderr=subprocess.PIPE, text=True)

@@ -9,7 +9,7 @@ from hf_families import CASES, build
 from inference_helpers import hf_greedy, make_engine, run_all, token_ids
 from test_hf_serving import _save
 
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
 
 PROMPTS = {"a": [4, 9, 200, 31, 77, 5, 6, 7, 8, 120, 3], "b": [17, 300, 2, 2, 45, 1, 99]}
 

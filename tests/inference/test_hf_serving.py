@@ -15,7 +15,7 @@ import torch
 from inference_helpers import CHAT_TEMPLATE, hf_greedy, make_engine, run_all, token_ids, wait_for_health
 
 from tessera.common.checkpoint import resolve_checkpoint
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -93,7 +93,7 @@ def test_hf_directory_is_served_token_for_token_like_transformers(tiny_ckpt, tmp
 def test_ckpt_import_and_serve_read_the_same_model_config(tiny_ckpt, tmp_path, name):
     from tessera.ckpt_convert.cli import run
     from tessera.common.checkpoint import load_model_tensors, read_sidecar
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.worker.loader import load_for_serving
 
     export = _save(CASES[name](), tiny_ckpt, tmp_path / "hf")
     served = load_for_serving(export, torch.device("cpu"), torch.float32)
@@ -108,7 +108,7 @@ def test_served_llama3_rope_is_not_the_default_rope(tiny_ckpt, tmp_path):
     """The rope_parameters case above can fail: read as the default RoPE (theta 10000, no
     scaling, what the server used to do), or with the right theta but no scaling, the same
     weights generate other tokens."""
-    from tessera.inference.loader import load_for_serving
+    from tessera.inference.worker.loader import load_for_serving
 
     hf = _llama(rope_parameters=LLAMA3_ROPE)
     export = _save(hf, tiny_ckpt, tmp_path / "hf")
@@ -139,7 +139,7 @@ def test_serve_chat_reads_chat_template_jinja(tiny_ckpt, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.cli import entry; entry()",
+    proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.entrypoints.serve_cli import entry; entry()",
                              "--checkpoint", str(export), "--port", str(port), "--quiet", "--num-kv-blocks", "64"],
                             stderr=subprocess.PIPE, text=True)
     try:

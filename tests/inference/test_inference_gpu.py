@@ -9,9 +9,9 @@ from inference_helpers import hf_greedy, hf_llama_from, run_all, token_ids
 
 from tessera.common.checkpoint import load_model_tensors, read_sidecar, resolve_checkpoint
 from tessera.inference.config import EngineConfig
-from tessera.inference.engine import LLMEngine
-from tessera.inference.loader import load_for_serving
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.engine.llm_engine import LLMEngine
+from tessera.inference.worker.loader import load_for_serving
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -14,10 +14,12 @@ from inference_helpers import generate_usage_error, run_all, tiny_config, token_
 
 from tessera.common.errors import ArtifactError, UserError, run_cli
 from tessera.inference.config import EngineConfig
-from tessera.inference.engine import LLMEngine, pool_blocks
-from tessera.inference.loader import load_for_serving
-from tessera.inference.model_runner import BatchSeq, ModelRunner, kv_block_bytes, kv_cache_dtype
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.engine.llm_engine import LLMEngine, pool_blocks
+from tessera.inference.worker.batch import BatchSeq
+from tessera.inference.worker.kv_cache import kv_block_bytes, kv_cache_dtype
+from tessera.inference.worker.loader import load_for_serving
+from tessera.inference.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 PROMPTS = [[4, 9, 200, 31, 77, 5, 6, 7, 8, 120, 3], [17, 300, 2, 2, 45, 1, 99], [5] * 21]
@@ -110,8 +112,8 @@ def test_e4m3_on_a_gpu_without_fp8_conversions_is_refused_before_loading(monkeyp
     with pytest.raises(UserError, match="--kv-cache-dtype fp8: .*compute capability 8.9.*fp8_e5m2"):
         kv_cache_dtype("fp8", torch.bfloat16, torch.device("cuda"))
     assert kv_cache_dtype("fp8_e5m2", torch.bfloat16, torch.device("cuda")) == torch.float8_e5m2
-    monkeypatch.setattr("tessera.inference.loader.load_model_tensors", lambda *a, **k: pytest.fail("weights read"))
-    monkeypatch.setattr("tessera.inference.loader.check_quantization", lambda *a: None)
+    monkeypatch.setattr("tessera.inference.worker.loader.load_model_tensors", lambda *a, **k: pytest.fail("weights read"))
+    monkeypatch.setattr("tessera.inference.worker.loader.check_quantization", lambda *a: None)
     with pytest.raises(UserError, match="compute capability"):
         load_for_serving(tiny_ckpt, torch.device("cuda"), torch.bfloat16, kv_cache_dtype="fp8_e4m3")
 
@@ -176,7 +178,7 @@ def test_tessera_generate_with_skip_checksum_verify_and_fp8_kv_runs_a_checkpoint
     logging config under tessera-serve)."""
     import json
 
-    from tessera.inference.generate_cli import main
+    from tessera.inference.entrypoints.generate_cli import main
 
     payload = max(ckpt_copy.glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(payload.read_bytes())

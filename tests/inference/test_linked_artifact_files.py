@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tessera.common.errors import ArtifactError, run_cli
-from tessera.inference.loader import load_for_serving
+from tessera.inference.worker.loader import load_for_serving
 
 SECRET = "TESSERA-SECRET-d41d8cd98f00"
 
@@ -70,7 +70,7 @@ def test_a_chat_template_linked_outside_the_model_is_refused_at_start_and_never_
         port = s.getsockname()[1]
     log = tmp_path / "stderr.txt"
     with open(log, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.cli import entry; entry()",
+        proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.entrypoints.serve_cli import entry; entry()",
                                  "--checkpoint", str(hf), "--port", str(port), "--quiet", "--num-kv-blocks", "32"],
                                 stderr=stderr)
     try:

@@ -18,7 +18,7 @@ import pytest
 from live_server import LiveServer
 from test_hf_serving import _llama, _save
 
-from tessera.inference.server import ServerLimits
+from tessera.inference.entrypoints.server import ServerLimits
 
 lm_eval = pytest.importorskip("lm_eval")
 

@@ -1,4 +1,4 @@
-"""Serving's merged projections (tessera.inference.merged_linear: q/k/v and gate/up stacked into one
+"""Serving's merged projections (tessera.inference.worker.merged_linear: q/k/v and gate/up stacked into one
 GEMM each) compute what the checkpoint's split layers compute, alone, with oneDNN packing and
 through the engine."""
 
@@ -9,14 +9,14 @@ import torch
 from inference_helpers import make_checkpoint, run_all, tiny_config, token_ids
 from torch import nn
 
-import tessera.inference.prepare as prepare_module
-from tessera.common.model import build_model
+import tessera.inference.worker.prepare as prepare_module
+from tessera.common.models.causal_lm.model import build_model
 from tessera.inference.config import EngineConfig
-from tessera.inference.cpu_linear import onednn_available, pack_linears
-from tessera.inference.engine import LLMEngine
-from tessera.inference.loader import load_for_serving
-from tessera.inference.merged_linear import MergedAttention, MergedMLP, merge_projections
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.engine.llm_engine import LLMEngine
+from tessera.inference.worker.cpu_linear import onednn_available, pack_linears
+from tessera.inference.worker.loader import load_for_serving
+from tessera.inference.worker.merged_linear import MergedAttention, MergedMLP, merge_projections
 
 CPU = torch.device("cpu")
 FAMILIES = {
@@ -73,7 +73,7 @@ def test_layers_whose_weights_cannot_stack_are_left_split():
 
 def test_int8_weights_stack_to_the_same_int8_rows_and_logits(tiny_ckpt):
     pytest.importorskip("torchao")
-    from tessera.inference.quantization import quantized_weight_dtypes
+    from tessera.inference.worker.quantization import quantized_weight_dtypes
 
     model = load_for_serving(tiny_ckpt, CPU, torch.float32, "int8").model
     tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))

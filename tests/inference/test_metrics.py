@@ -13,9 +13,9 @@ from inference_helpers import make_engine, run_all, token_ids
 from live_server import LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from tessera.inference.engine_wire import output_from_wire, output_to_wire
-from tessera.inference.metrics import ServingMetrics
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.engine.metrics import ServingMetrics
+from tessera.inference.engine.wire import output_from_wire, output_to_wire
 
 # What vLLM V1 exposes for the quantities Tessera has (the Grafana dashboard's panels read these).
 VLLM_METRICS = {
@@ -83,7 +83,7 @@ def test_metrics_have_vllm_names_types_labels_and_the_requests_numbers(tiny_ckpt
 def test_the_metrics_prefix_is_configurable_and_checked(tiny_ckpt):
     families = {f.name: f for f in text_string_to_metric_families(ServingMetrics("m", "tessera:").render().decode())}
     assert "tessera:generation_tokens" in families and not any(n.startswith("vllm:") for n in families)
-    code = "from tessera.inference.cli import entry; entry()"
+    code = "from tessera.inference.entrypoints.serve_cli import entry; entry()"
     r = subprocess.run([sys.executable, "-c", code, "--checkpoint", str(tiny_ckpt), "--metrics-prefix", "9 bad"],
                        capture_output=True, text=True, timeout=120)
     lines = r.stderr.strip().splitlines()

@@ -8,16 +8,17 @@ import pytest
 import torch
 from inference_helpers import tiny_config
 
-from tessera.common.model import build_model
-from tessera.inference.merged_linear import merge_projections
-from tessera.inference.model_runner import (
+from tessera.common.models.causal_lm.model import build_model
+from tessera.inference.worker.batch import BatchSeq
+from tessera.inference.worker.decode_attention import (
     DECODE_GROUP,
-    BatchSeq,
-    ModelRunner,
-    batched_decode_attention,
     decode_attention,
     decode_groups,
+    decode_split,
+    split_attention,
 )
+from tessera.inference.worker.merged_linear import merge_projections
+from tessera.inference.worker.model_runner import ModelRunner
 from tessera.kernels.paged_attention import paged_attention_reference
 
 
@@ -41,7 +42,9 @@ def test_batched_decode_matches_reference(heads, kv_heads):
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     starts = torch.arange(len(lens) + 1, dtype=torch.int32)
     ref = paged_attention_reference(q, k_cache, v_cache, tables, seq_lens, starts, dim ** -0.5)
-    out = batched_decode_attention(q, k_cache, v_cache, tables, seq_lens, dim ** -0.5)
+    split = decode_split([1] * len(lens), starts.tolist(), tables, seq_lens, block_size)  # as the runner splits a step
+    assert len(split.decode_groups) == 3 and split.order is not None
+    out = split_attention(q, k_cache, v_cache, split, dim ** -0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

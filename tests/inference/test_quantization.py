@@ -21,10 +21,10 @@ from inference_helpers import run_all, token_ids
 
 from tessera.common.errors import UserError, run_cli
 from tessera.inference.config import EngineConfig
-from tessera.inference.engine import LLMEngine
-from tessera.inference.loader import load_for_serving
-from tessera.inference.quantization import check_quantization, perplexity, quantized_weight_dtypes
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.engine.llm_engine import LLMEngine
+from tessera.inference.worker.loader import load_for_serving
+from tessera.inference.worker.quantization import check_quantization, perplexity, quantized_weight_dtypes
 
 pytest.importorskip("torchao")
 CPU = torch.device("cpu")
@@ -99,7 +99,7 @@ def test_fp8_on_cpu_is_refused_before_any_weight_is_read(tmp_path):
 
 
 def test_generate_cli_refuses_fp8_on_cpu_in_one_line(tiny_ckpt, tmp_path, capsys):
-    from tessera.inference.generate_cli import main
+    from tessera.inference.entrypoints.generate_cli import main
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
@@ -113,7 +113,7 @@ def test_generate_cli_refuses_fp8_on_cpu_in_one_line(tiny_ckpt, tmp_path, capsys
 
 
 def test_generate_cli_serves_int8_weights(tiny_ckpt, tmp_path):
-    from tessera.inference.generate_cli import main
+    from tessera.inference.entrypoints.generate_cli import main
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": true}\n')

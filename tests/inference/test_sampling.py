@@ -9,10 +9,10 @@ import pytest
 import torch
 from inference_helpers import make_engine, run_all, token_ids
 
-from tessera.inference.detokenizer import IncrementalDetokenizer
-from tessera.inference.sampler import filter_logits, sampling_row
-from tessera.inference.sampling_params import SamplingParams
-from tessera.inference.sequence import Sequence
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.core.sequence import Sequence
+from tessera.inference.engine.detokenizer import IncrementalDetokenizer
+from tessera.inference.sample.sampler import filter_logits, sampling_row
 
 
 def test_filters():
@@ -70,7 +70,7 @@ def test_min_tokens_and_stop_token_ids(tiny_ckpt):
 
 
 def test_penalties_change_logits_as_specified():
-    from tessera.inference.sampler import apply_penalties
+    from tessera.inference.sample.sampler import apply_penalties
 
     class S:  # the fields apply_penalties reads
         prompt_ids = [0]
@@ -85,7 +85,7 @@ def test_penalties_change_logits_as_specified():
 def test_logit_bias_forces_and_bans_tokens(tiny_ckpt):
     """+100 makes a token the greedy choice at every step; -100 removes the free-running choice;
     a seeded sampled request with a bias reproduces; out-of-vocabulary ids are refused."""
-    from tessera.inference.engine import RequestRejected, validate_request
+    from tessera.inference.engine.llm_engine import RequestRejected, validate_request
 
     engine = make_engine(tiny_ckpt, num_kv_blocks=64)
     prompt = [5, 6, 7]
@@ -136,8 +136,7 @@ def test_the_batched_sampler_draws_every_row_from_its_sampling_row(monkeypatch):
     Sampler draws from: for random settings (penalties, logit_bias, min_tokens, temperature, top-k,
     top-p, min-p, greedy), batched together, the Sampler's token of each request is the one
     `sampling_row` + `pick` choose with a generator of the same seed, from the same probabilities."""
-    from tessera.inference import sampler
-
+    from tessera.inference.sample import sampler
     vocab = 48
     rng = random.Random(0)
     drawn: list[torch.Tensor] = []

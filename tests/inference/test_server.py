@@ -204,7 +204,7 @@ def test_api_key_and_queue_full(tiny_ckpt):
 def test_seed_reproducible_regardless_of_batch(tiny_ckpt):
     from inference_helpers import run_all, token_ids
 
-    from tessera.inference.sampling_params import SamplingParams
+    from tessera.inference.core.sampling_params import SamplingParams
 
     p = SamplingParams(max_tokens=12, temperature=1.5, top_p=0.95, seed=1234, ignore_eos=True)
     alone = run_all(make_engine(tiny_ckpt, num_kv_blocks=64), {"x": ([5, 6, 7, 8], p)})

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from inference_helpers import make_engine
 
-from tessera.inference.async_engine import AsyncEngine
-from tessera.inference.server import OpenAIServer, ServerLimits
+from tessera.inference.engine.frontend import AsyncEngine
+from tessera.inference.entrypoints.server import OpenAIServer, ServerLimits
 
 COMPLETION_EXAMPLES = 650
 CHAT_EXAMPLES = 450

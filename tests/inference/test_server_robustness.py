@@ -23,9 +23,9 @@ import torch
 from inference_helpers import make_engine, run_all, token_ids
 from live_server import LiveServer
 
-from tessera.inference.sampler import draw
-from tessera.inference.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
-from tessera.inference.server import ServerLimits
+from tessera.inference.core.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from tessera.inference.entrypoints.server import ServerLimits
+from tessera.inference.sample.sampler import draw
 
 VOCAB = 512  # tiny_config's
 
@@ -187,8 +187,7 @@ def test_a_request_that_fails_in_the_engine_fails_alone(tiny_ckpt, monkeypatch):
     assert token_ids(outs["good"]) == alone and outs["good"][-1].error is None
     assert engine.blocks.num_used == 0 and not engine.has_unfinished()
     # A failure while sampling one row stays with that row too.
-    from tessera.inference import sampler
-
+    from tessera.inference.sample import sampler
     process_row = sampler.process_row
 
     def faulty_process(row, seq):
@@ -222,13 +221,13 @@ def test_a_failing_request_over_http_is_a_500_and_health_stays_200(tiny_ckpt):
 
 
 def test_the_engine_process_loop_isolates_a_failing_request(tiny_ckpt):
-    """engine_core's loop (the separate-process engine) over a real pipe: the failing request
+    """core_process's loop (the separate-process engine) over a real pipe: the failing request
     ends with RequestFailed in the HTTP process, the other finishes, the engine stays up."""
     from multiprocessing.connection import Connection
 
-    from tessera.inference import engine_core
-    from tessera.inference.async_engine import RequestFailed
-    from tessera.inference.engine_process import ProcessEngine
+    from tessera.inference.engine.frontend import RequestFailed
+    from tessera.inference.engine.llm_engine import core_process as engine_core
+    from tessera.inference.engine.process_client import ProcessEngine
 
     engine = make_engine(tiny_ckpt, num_kv_blocks=64)
     execute = engine.runner.forward
@@ -409,7 +408,7 @@ def _tokenizer_children() -> set[int]:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):  # it ended meanwhile
             continue
-        if ppid == os.getpid() and b"tessera.inference.tokenizer_process" in cmdline:
+        if ppid == os.getpid() and b"tessera.inference.entrypoints.tokenizer_process" in cmdline:
             found.add(int(entry.name))
     return found
 
@@ -419,7 +418,7 @@ def test_tokenizer_processes_start_with_the_first_long_prompt_and_end_with_the_s
     """The tokenizer children serve only texts of LONG_TEXT_CHARS characters or more: a server
     that has answered only short prompts runs none; the first long prompt starts them and is
     tokenized exactly as the tokenizer itself does; shutting the server down ends them."""
-    from tessera.inference.tokenizer_process import LONG_TEXT_CHARS
+    from tessera.inference.entrypoints.tokenizer_process import LONG_TEXT_CHARS
 
     others = _tokenizer_children()  # another test's server may still be ending its own
     limits = ServerLimits(max_prompt_tokens=100_000, max_tokens=100, max_prompts=4)
@@ -448,7 +447,7 @@ def test_tokenizer_processes_start_with_the_first_long_prompt_and_end_with_the_s
 def test_concurrent_long_prompts_start_at_most_one_tokenizer_process_per_thread(tiny_ckpt):
     """Started on demand from several threads at once, the children never outnumber `processes`,
     every job is answered, and `close` leaves none running."""
-    from tessera.inference.tokenizer_process import TokenizerProcesses
+    from tessera.inference.entrypoints.tokenizer_process import TokenizerProcesses
 
     backend = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=64).tokenizer.backend
     procs = TokenizerProcesses(backend.to_str(), processes=2, timeout_s=60)
@@ -473,7 +472,7 @@ def test_concurrent_long_prompts_start_at_most_one_tokenizer_process_per_thread(
 def test_a_stuck_tokenizer_process_ends_its_request_and_is_replaced(tiny_ckpt):
     """The tokenizer children are bounded: a job that outlasts the timeout is a TokenizerUnavailable
     (a 503 at the server), its child is killed and replaced, and the next job is answered."""
-    from tessera.inference.tokenizer_process import TokenizerProcesses, TokenizerUnavailable
+    from tessera.inference.entrypoints.tokenizer_process import TokenizerProcesses, TokenizerUnavailable
 
     backend = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=64).tokenizer.backend
     procs = TokenizerProcesses(backend.to_str(), processes=1, timeout_s=30)
@@ -503,8 +502,7 @@ _NEVER_ANSWERS = ("import sys, time\nfrom multiprocessing.connection import Conn
 @pytest.fixture
 def started(monkeypatch):
     """Every tokenizer child process started (subprocess.Popen objects), to check none is left."""
-    from tessera.inference import tokenizer_process
-
+    from tessera.inference.entrypoints import tokenizer_process
     popens = []
 
     class Recording(subprocess.Popen):
@@ -527,7 +525,11 @@ def test_a_tokenizer_process_that_cannot_start_is_unavailable_and_leaves_no_proc
     """A start that fails (no program, a child that exits at once, one that never reads the
     tokenizer) is a TokenizerUnavailable (503 at the server), not an OSError (500); the process is
     gone and its slot free, so a later job starts a working child."""
-    from tessera.inference.tokenizer_process import TokenizerProcesses, TokenizerUnavailable, _Child
+    from tessera.inference.entrypoints.tokenizer_process import (
+        TokenizerProcesses,
+        TokenizerUnavailable,
+        _Child,
+    )
 
     backend = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=64).tokenizer.backend
     procs = TokenizerProcesses(backend.to_str(), processes=1, timeout_s=1)
@@ -549,7 +551,11 @@ def test_a_broken_tokenizer_process_is_closed_even_when_no_other_can_start(tiny_
     """The broken path closes the child first and starts none: a job that times out is the
     TokenizerUnavailable it was (not the next start's error) and its child is gone; the next job
     reports the failed start."""
-    from tessera.inference.tokenizer_process import TokenizerProcesses, TokenizerUnavailable, _Child
+    from tessera.inference.entrypoints.tokenizer_process import (
+        TokenizerProcesses,
+        TokenizerUnavailable,
+        _Child,
+    )
 
     backend = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=64).tokenizer.backend
     procs = TokenizerProcesses(backend.to_str(), processes=1, timeout_s=30)
@@ -571,7 +577,11 @@ def test_a_broken_tokenizer_process_is_closed_even_when_no_other_can_start(tiny_
 def test_close_ends_a_busy_tokenizer_process_at_once(tiny_ckpt, monkeypatch, started):
     """close() at server exit kills a child in the middle of a job instead of waiting up to the
     job's timeout (60 s here): the waiting job reads EOF and ends with TokenizerUnavailable."""
-    from tessera.inference.tokenizer_process import TokenizerProcesses, TokenizerUnavailable, _Child
+    from tessera.inference.entrypoints.tokenizer_process import (
+        TokenizerProcesses,
+        TokenizerUnavailable,
+        _Child,
+    )
 
     monkeypatch.setattr(_Child, "command", [sys.executable, "-c", _NEVER_ANSWERS])
     backend = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=64).tokenizer.backend
@@ -627,7 +637,7 @@ def test_an_empty_api_key_is_refused_at_start(tiny_ckpt, how):
         args += ["--api-key="]
     else:
         env["TESSERA_API_KEY"] = "  "
-    code = "from tessera.inference.cli import entry; entry()"
+    code = "from tessera.inference.entrypoints.serve_cli import entry; entry()"
     r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
@@ -638,7 +648,7 @@ def test_an_empty_api_key_is_refused_at_start(tiny_ckpt, how):
 def test_the_docs_list_every_refused_field():
     from pathlib import Path
 
-    from tessera.inference.protocol import UNSUPPORTED_FIELDS
+    from tessera.inference.entrypoints.protocol import UNSUPPORTED_FIELDS
 
     doc = (Path(__file__).parents[2] / "docs" / "cli" / "tessera-serve.md").read_text()
     table = doc[doc.index("| endpoint | honoured |"):]

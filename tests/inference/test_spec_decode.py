@@ -30,10 +30,10 @@ from tessera.common.checkpoint import (
     write_pointer,
 )
 from tessera.inference.config import SpeculativeConfig
-from tessera.inference.sampler import verify
-from tessera.inference.sampling_params import SamplingParams
-from tessera.inference.sequence import Sequence
-from tessera.inference.spec_decode import NgramProposer
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.core.sequence import Sequence
+from tessera.inference.sample.sampler import verify
+from tessera.inference.sample.spec_decode import NgramProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -292,7 +292,7 @@ def test_bad_speculative_config_is_one_line_exit_2(tmp_path, capsys, spec, expec
 
 def test_a_draft_model_with_another_tokenizer_is_refused_before_loading_weights(tmp_path, tiny_ckpt, capsys,
                                                                                  monkeypatch):
-    import tessera.inference.loader as loader
+    import tessera.inference.worker.loader as loader
 
     def no_weights(*a, **k):
         raise AssertionError("weights were loaded")
@@ -318,8 +318,8 @@ def _generate_error(tmp_path, capsys, ckpt, extra) -> str:
 # ---- metrics ----------------------------------------------------------------------------------
 
 def test_speculative_counts_reach_prometheus_under_vllms_names_and_the_log(tiny_ckpt, caplog):
-    from tessera.inference.engine_wire import stats_from_wire, stats_to_wire
-    from tessera.inference.metrics import ServingMetrics
+    from tessera.inference.engine.metrics import ServingMetrics
+    from tessera.inference.engine.wire import stats_from_wire, stats_to_wire
 
     engine = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=128, speculative=SpeculativeConfig(**NGRAM))
     run(engine, {"r": (prompts()["rand1"], greedy(48))})
@@ -371,7 +371,7 @@ def test_served_from_the_engine_process_with_speculation_the_answers_are_the_sam
 
 def test_tessera_generate_writes_the_same_completions_with_speculation_and_reports_acceptance(tiny_ckpt, plain,
                                                                                              tmp_path, capsys):
-    from tessera.inference.generate_cli import main
+    from tessera.inference.entrypoints.generate_cli import main
 
     loop = prompts()["rand1"] + plain["rand1"]
     lines = [{"prompt": loop, "ignore_eos": True}, {"prompt": prompts()["rand0"], "max_tokens": 5},

@@ -15,9 +15,10 @@ import torch
 from inference_helpers import make_engine, run_all, token_ids
 from live_server import LiveServer
 
-from tessera.inference.sampling_params import SamplingParams
-from tessera.inference.server import ServerLimits
-from tessera.inference.structured import StructuredSpec, apply_bitmask, grammar_bitmask
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.core.structured_spec import StructuredSpec
+from tessera.inference.entrypoints.server import ServerLimits
+from tessera.inference.sample.structured import apply_bitmask, grammar_bitmask
 
 SCHEMA = {
     "type": "object",

@@ -24,10 +24,10 @@ from test_hf_serving import _gpt2, _llama, _save
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
 from tessera.common.errors import UserError
 from tessera.inference.config import EngineConfig
-from tessera.inference.engine import LLMEngine
-from tessera.inference.executor import WorkerDied
-from tessera.inference.loader import load_for_serving
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.engine.llm_engine import LLMEngine
+from tessera.inference.worker.executor import WorkerDied
+from tessera.inference.worker.loader import load_for_serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -120,7 +120,7 @@ def test_tessera_generate_with_tensor_parallel_writes_the_one_process_tokens(gqa
     import json
 
     from tessera.common.errors import run_cli
-    from tessera.inference.generate_cli import main
+    from tessera.inference.entrypoints.generate_cli import main
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": rid, "prompt": p, "ignore_eos": True}) + "\n" for rid, p in PROMPTS.items()))
@@ -137,7 +137,7 @@ def test_tessera_generate_with_tensor_parallel_writes_the_one_process_tokens(gqa
 def test_tessera_generate_refuses_a_tensor_parallel_size_that_does_not_fit_the_kv_heads_in_one_line(
         tiny_ckpt, tmp_path, capsys):
     from tessera.common.errors import run_cli
-    from tessera.inference.generate_cli import main
+    from tessera.inference.entrypoints.generate_cli import main
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
@@ -159,7 +159,7 @@ def test_tessera_generate_refuses_a_tensor_parallel_size_that_does_not_fit_the_k
 def test_a_tensor_parallel_size_the_model_cannot_be_split_by_is_refused_before_loading(
         tmp_path, monkeypatch, tp, over, quantization, message):
     ckpt = make_checkpoint(tmp_path / "run", tiny_config(**over))
-    monkeypatch.setattr("tessera.inference.loader.load_model_tensors", lambda *a, **k: pytest.fail("weights read"))
+    monkeypatch.setattr("tessera.inference.worker.loader.load_model_tensors", lambda *a, **k: pytest.fail("weights read"))
     with pytest.raises(UserError, match=message):
         load_for_serving(ckpt, CPU, torch.float32, quantization, tensor_parallel=tp)
 
@@ -223,7 +223,7 @@ def tp2_server(gqa_ckpt):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.cli import entry; entry()",
+    proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.entrypoints.serve_cli import entry; entry()",
                              "--checkpoint", str(gqa_ckpt), "--port", str(port), "--quiet", "--num-kv-blocks", "64",
                              "--tensor-parallel", "2", "--torch-threads", "1", "--served-model-name", "tiny"],
                             stderr=subprocess.PIPE, text=True)
@@ -303,7 +303,7 @@ def test_tessera_serve_refuses_a_tensor_parallel_size_that_does_not_fit_the_kv_h
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", "from tessera.inference.cli import entry; entry()", "--checkpoint",
+    r = subprocess.run([sys.executable, "-c", "from tessera.inference.entrypoints.serve_cli import entry; entry()", "--checkpoint",
                         str(tiny_ckpt), "--port", "18931", "--tensor-parallel", "3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr

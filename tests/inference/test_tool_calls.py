@@ -13,8 +13,8 @@ import pytest
 from live_server import LiveServer
 from test_hf_serving import _llama, _save
 
-from tessera.inference.server import ServerLimits
-from tessera.inference.tools import ToolCallStream, parse_hermes, parse_llama3_json
+from tessera.inference.entrypoints.server import ServerLimits
+from tessera.inference.entrypoints.tools import ToolCallStream, parse_hermes, parse_llama3_json
 
 # A Hermes-style template (small: the model holds 256 positions): tools in a system block, earlier calls as <tool_call> JSON, tool
 # results as their own turns.

@@ -14,11 +14,11 @@ from test_hf_serving import _llama, _save
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
 from tessera.common.errors import UserError
 from tessera.inference.config import EngineConfig
-from tessera.inference.engine import LLMEngine
-from tessera.inference.executor import check_tensor_parallel, replicated_kv_config
-from tessera.inference.loader import load_for_serving
-from tessera.inference.model_runner import kv_block_bytes
-from tessera.inference.sampling_params import SamplingParams
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.engine.llm_engine import LLMEngine
+from tessera.inference.worker.executor import replicated_kv_config
+from tessera.inference.worker.kv_cache import kv_block_bytes
+from tessera.inference.worker.loader import check_tensor_parallel, load_for_serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -115,6 +115,6 @@ def test_tensor_parallel_sizes_are_checked_against_the_replication_rule(tp, over
 
 def test_a_size_that_fits_no_rule_is_refused_before_any_weight_is_read(tmp_path, monkeypatch):
     ckpt = make_checkpoint(tmp_path / "run", tiny_config(num_heads=6, num_kv_heads=2, hidden_size=96))
-    monkeypatch.setattr("tessera.inference.loader.load_model_tensors", lambda *a, **k: pytest.fail("weights read"))
+    monkeypatch.setattr("tessera.inference.worker.loader.load_model_tensors", lambda *a, **k: pytest.fail("weights read"))
     with pytest.raises(UserError, match="--tensor-parallel 4: must divide the 6 attention heads"):
         load_for_serving(ckpt, CPU, torch.float32, tensor_parallel=4)

@@ -15,8 +15,8 @@ from inference_helpers import make_checkpoint, tiny_config
 from live_server import LiveServer
 
 from tessera.common.checkpoint import resolve_checkpoint
-from tessera.inference.server import ServerLimits
-from tessera.inference.tools import parse_hermes
+from tessera.inference.entrypoints.server import ServerLimits
+from tessera.inference.entrypoints.tools import parse_hermes
 
 openai = pytest.importorskip("openai")
 

@@ -131,8 +131,8 @@ def test_dispatcher_leaves_the_norm_to_torch_compile(triton_cpu, spy_triton):
 def test_model_forward_backward_with_triton_kernels(triton_cpu, spy_triton, monkeypatch):
     """The shared model (tiny preset) gives the same loss and grads with every kernel it dispatches
     to (RMSNorm, RMSNorm fused with the residual add, RoPE on q/k, SwiGLU) as without."""
-    from tessera.common.model import build_model
-    from tessera.common.model_config import preset
+    from tessera.common.models.causal_lm.config import preset
+    from tessera.common.models.causal_lm.model import build_model
 
     cfg = preset("tiny", vocab_size=64, num_layers=1)
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -14,14 +14,14 @@ TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
 def _rope_tables(cfg, positions):
-    from tessera.common.model import RotaryEmbedding
+    from tessera.common.layers.rope import RotaryEmbedding
 
     return RotaryEmbedding(cfg)(positions)
 
 
 def _llama3_cfg(head_dim: int):
     """A config with Llama-3 scaled frequencies, so the kernel sees the tables the model uses."""
-    from tessera.common.model_config import preset
+    from tessera.common.models.causal_lm.config import preset
 
     return preset("tiny", vocab_size=64, num_layers=1, num_heads=4, num_kv_heads=2, hidden_size=4 * head_dim,
                   max_seq_len=64, rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -12,8 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tessera.common.model_config import ModelConfig
-from tessera.common.moe import MoE
+from tessera.common.layers.moe import MoE
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.parallel.expert_parallel import shard_experts
 
 

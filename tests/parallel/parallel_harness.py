@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tessera.common.model import build_model
-from tessera.common.model_config import ModelConfig
-from tessera.common.moe import RouterStats
+from tessera.common.layers.moe import RouterStats
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import build_model
 
 MODEL = dict(arch="llama", vocab_size=128, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
              ffn_hidden_size=64, max_seq_len=32, tie_embeddings=True)
-OPTIM = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=0.5)
+OPTIM = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.5)  # TrainConfig.optim
 SEQ = 16
 GLOBAL_BATCH = 8
 DATA_SEED = 99
@@ -29,6 +29,18 @@ EVAL_STEP = 1000  # data index of the held-out batch used for eval parity
 
 def model_config(**overrides) -> ModelConfig:
     return ModelConfig(**{**MODEL, **overrides})
+
+
+def sections(layout, training: dict | None = None, parallel: dict | None = None):
+    """TrainConfig's training, parallel and optim sections, which the trainer hands the parallel
+    runtime, for a runtime built directly: SEQ-token samples, GLOBAL_BATCH of them per step,
+    micro-batches of one unless `training` says otherwise; the parallel section holds `layout`."""
+    from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
+
+    t = TrainingConfig(**{"seq_length": SEQ, "global_batch_size": GLOBAL_BATCH, "micro_batch_size": 1,
+                          **(training or {})})
+    p = ParallelConfig(**layout.model_dump(exclude={"data"}), **(parallel or {}))
+    return t, p, OptimConfig(**OPTIM)
 
 
 def batch(step: int, cfg: ModelConfig, global_batch: int = GLOBAL_BATCH, seq: int = SEQ):
@@ -61,7 +73,7 @@ def reference_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
     nodecay = [p for p in model.parameters() if p.ndim < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM["weight_decay"]},
                               {"params": nodecay, "weight_decay": 0.0}],
-                             lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"])
+                             lr=OPTIM["lr"], betas=(OPTIM["beta1"], OPTIM["beta2"]), eps=OPTIM["eps"])
 
 
 def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=None, autocast_bf16: bool = False,
@@ -88,7 +100,7 @@ def reference_run(cfg: ModelConfig, steps: int, start: int = 0, model=None, opt=
             logits = model(tokens, **inputs)
         loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), targets.reshape(-1))
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["max_grad_norm"])
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"])
         if grad_norms is not None:
             grad_norms.append(norm.item())
         opt.step()
@@ -112,7 +124,7 @@ def reference_run_bf16(cfg: ModelConfig, steps: int):
     masters = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
     opt = torch.optim.AdamW([{"params": [m for m in masters if m.ndim >= 2], "weight_decay": OPTIM["weight_decay"]},
                              {"params": [m for m in masters if m.ndim < 2], "weight_decay": 0.0}],
-                            lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"])
+                            lr=OPTIM["lr"], betas=(OPTIM["beta1"], OPTIM["beta2"]), eps=OPTIM["eps"])
     losses = []
     for step in range(steps):
         tokens, targets = batch(step, cfg)
@@ -122,7 +134,7 @@ def reference_run_bf16(cfg: ModelConfig, steps: int):
         loss.backward()
         for m, p in zip(masters, params):
             m.grad = p.grad.float()
-        torch.nn.utils.clip_grad_norm_(masters, OPTIM["max_grad_norm"])
+        torch.nn.utils.clip_grad_norm_(masters, OPTIM["grad_clip"])
         opt.step()
         with torch.no_grad():
             for m, p in zip(masters, params):

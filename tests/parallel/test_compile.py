@@ -22,7 +22,7 @@ def test_compiled_blocks_under_tp2_train_like_one_process(tmp_path):
     norms: list[float] = []
     ref_losses, ref_model, _ = H.reference_run(H.model_config(), STEPS, grad_norms=norms)
     job = dict(name="tp2_compiled", layout=dict(tensor=2), steps=STEPS, save=str(tmp_path / "tp2_compiled"),
-               parallel=dict(micro_batch=1, sequence_parallel=True, compile=True),
+               training=dict(micro_batch_size=1, compile=True), parallel=dict(sequence_parallel=True),
                out=str(tmp_path / "tp2_compiled.json"), compiled=True)
     torchrun(2, {"jobs": [job]}, tmp_path, timeout=500)
     r = json.loads((tmp_path / "tp2_compiled.json").read_text())

@@ -56,15 +56,15 @@ def test_context_parallel_with_data_tensor_pipeline_parallel_and_packed_document
     doc_losses, doc_model, _ = H.reference_run(H.model_config(), STEPS, grad_norms=doc_norms, documents=True)
 
     def job(name, layout, parallel=None, **kw):
-        return dict(name=name, layout=layout, parallel=dict(micro_batch=1, **(parallel or {})), steps=STEPS,
+        return dict(name=name, layout=layout, training=dict(micro_batch_size=1), parallel=parallel or {}, steps=STEPS,
                     save=str(tmp_path / name), out=str(tmp_path / f"{name}.json"), **kw)
 
     jobs = [
         job("cp2_dp2", dict(context=2, data=2)),
         job("cp2_tp2", dict(context=2, tensor=2), dict(sequence_parallel=True), meta=True),
-        job("cp2_dp2_documents", dict(context=2, data=2), dict(per_token_loss=True), documents=True),
+        job("cp2_dp2_documents", dict(context=2, data=2), per_token_loss=True, documents=True),
         job("cp2_pp2", dict(context=2, pipeline=2)),
-        job("cp2_pp2_documents", dict(context=2, pipeline=2), dict(per_token_loss=True), documents=True, meta=True),
+        job("cp2_pp2_documents", dict(context=2, pipeline=2), per_token_loss=True, documents=True, meta=True),
     ]
     torchrun(4, {"jobs": jobs}, tmp_path, timeout=400)
 

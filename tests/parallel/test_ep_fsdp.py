@@ -41,7 +41,7 @@ def test_expert_parallel_with_fsdp_trains_like_one_process_and_resumes_across_la
     want, model, _ = H.reference_run(H.model_config(**H.MOE), 8, grad_norms=norms)
 
     def job(name, layout, steps, start=0, **kw):
-        return dict(name=name, layout=layout, parallel=dict(micro_batch=1), steps=steps, start=start,
+        return dict(name=name, layout=layout, training=dict(micro_batch_size=1), steps=steps, start=start,
                     save=str(tmp_path / name), out=str(tmp_path / f"{name}.json"), **kw)
 
     a = str(tmp_path / "a_ep2_fsdp2")

@@ -8,7 +8,7 @@ conversion under bf16 autocast, over the same micro-batches of 2 rows. The micro
 tensorwise scales come from each activation's amax, so the reference must cast what a layout
 casts; then the runs agree to float rounding, far closer than fp8 is to bf16 (a layout that lost
 the conversion fails). Under tensor parallel the layers keep their collectives and cast with
-global scales (tessera.trainer.fp8.Float8LocalLinear); the tensor-parallel model has 4 key/value
+global scales (tessera.trainer.precision.torchao_float8.Float8LocalLinear); the tensor-parallel model has 4 key/value
 heads so that every projection's local dimensions are multiples of 16 (the FP8 GEMM's alignment)
 and the same layers are converted as in one process.
 """
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from test_parity import torchrun
 
-from tessera.common.model import build_model
+from tessera.common.models.causal_lm.model import build_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -49,7 +49,7 @@ TP_MODEL = dict(num_kv_heads=4)
 def reference(recipe: str | None, **model) -> list[float]:
     """One process, gradients accumulated over micro-batches of MICRO rows (the runtime's loss:
     the mean of the micro-batch means), bf16 autocast, fp8 with `recipe` or not."""
-    from tessera.trainer.fp8 import convert_to_float8
+    from tessera.trainer.precision.torchao_float8 import convert_to_float8
 
     torch.manual_seed(0)
     cfg = H.model_config(**model)
@@ -70,7 +70,7 @@ def reference(recipe: str | None, **model) -> list[float]:
             loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), targets[rows].reshape(-1))
             (loss / n).backward()
             total += loss.item() / n
-        torch.nn.utils.clip_grad_norm_(model.parameters(), H.OPTIM["max_grad_norm"])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), H.OPTIM["grad_clip"])
         opt.step()
         losses.append(total)
     return losses
@@ -79,15 +79,16 @@ def reference(recipe: str | None, **model) -> list[float]:
 def test_fp8_data_parallel_fsdp_pipeline_and_tensor_parallel_match_one_process_fp8(tmp_path):
     pytest.importorskip("torchao")
     torch.set_num_threads(1)
-    fp8 = dict(micro_batch=MICRO, fp8_recipe="tensorwise")
+    fp8 = dict(micro_batch_size=MICRO, precision="fp8", fp8_recipe="tensorwise")
     tp = dict(layout=dict(tensor=2), model=TP_MODEL)
     jobs = {
-        "fp8_dp2_zero": dict(layout=dict(data=2), parallel=fp8),
-        "fp8_fsdp2_meta": dict(layout=dict(data=2, data_shard=2), parallel=fp8, meta=True),
-        "fp8_pp2": dict(layout=dict(pipeline=2), parallel=fp8),
-        "fp8_tp2": dict(**tp, parallel=dict(fp8, sequence_parallel=False)),
-        "fp8_tp2_sp": dict(**tp, parallel=dict(fp8, sequence_parallel=True)),
-        "fp8_rowwise_tp2_sp": dict(**tp, parallel=dict(fp8, sequence_parallel=True, fp8_recipe="rowwise")),
+        "fp8_dp2_zero": dict(layout=dict(data=2), training=fp8),
+        "fp8_fsdp2_meta": dict(layout=dict(data=2, data_shard=2), training=fp8, meta=True),
+        "fp8_pp2": dict(layout=dict(pipeline=2), training=fp8),
+        "fp8_tp2": dict(**tp, training=fp8, parallel=dict(sequence_parallel=False)),
+        "fp8_tp2_sp": dict(**tp, training=fp8, parallel=dict(sequence_parallel=True)),
+        "fp8_rowwise_tp2_sp": dict(**tp, training=dict(fp8, fp8_recipe="rowwise"),
+                                   parallel=dict(sequence_parallel=True)),
     }
     torchrun(2, {"jobs": [{**j, "name": n, "steps": STEPS, "out": str(tmp_path / f"{n}.json")}
                           for n, j in jobs.items()]}, tmp_path)
@@ -99,6 +100,6 @@ def test_fp8_data_parallel_fsdp_pipeline_and_tensor_parallel_match_one_process_f
     for name, job in jobs.items():
         got = json.loads((tmp_path / f"{name}.json").read_text())["losses"]
         tp = "tp_" if "model" in job else ""
-        ref, tol = want[tp + job["parallel"]["fp8_recipe"]], RTOL_TP if tp else RTOL
+        ref, tol = want[tp + job["training"]["fp8_recipe"]], RTOL_TP if tp else RTOL
         assert all(abs(g - w) <= tol * w for g, w in zip(got, ref)), (name, got, ref, bf16[tp])
         assert max(abs(g - b) / b for g, b in zip(got, bf16[tp])) > 10 * RTOL, (name, "ran in bf16, not fp8")

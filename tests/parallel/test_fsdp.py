@@ -50,7 +50,7 @@ def test_fsdp_hsdp_and_fsdp_with_tp_match_one_process_and_resume_across_layouts_
     ref_losses, ref_model, _ = H.reference_run(H.model_config(), STEPS, grad_norms=norms)
 
     def job(name, layout, steps=STEPS, start=0, **kw):
-        return dict(name=name, layout=layout, parallel=dict(micro_batch=1), steps=steps, start=start,
+        return dict(name=name, layout=layout, training=dict(micro_batch_size=1), steps=steps, start=start,
                     save=str(tmp_path / name), out=str(tmp_path / f"{name}.json"), **kw)
 
     jobs = [

@@ -1,8 +1,7 @@
 """FSDP meshes and placements checked in one process: torch's "fake" backend (FakeStore) plays rank
 `r` of a larger job (collectives return at once), so building the groups and the runtime for each
 rank shows what that rank holds without launching it: which layouts build, the flattened FSDP
-meshes' rank order, the checkpoint placements against FSDP's own chunks, and the fsdp float8
-checks of a directly built ParallelConfig."""
+meshes' rank order, the checkpoint placements against FSDP's own chunks."""
 
 from __future__ import annotations
 
@@ -17,11 +16,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tessera.common.layout import ParallelLayout
-from tessera.common.model import Transformer
+from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.parallel.expert_parallel import is_expert_shard
 from tessera.common.parallel.state import build_groups, set_groups
 from tessera.common.parallel.state_dict import to_global
-from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime
+from tessera.trainer.parallel.runtime import ParallelRuntime
 
 
 @contextlib.contextmanager
@@ -35,14 +34,14 @@ def as_rank(rank: int, layout: ParallelLayout):
         dist.destroy_process_group()
 
 
-def build(groups, cfg, seq: int, **parallel) -> ParallelRuntime:
-    pcfg = ParallelConfig(seq_len=seq, global_batch=groups.layout.batch_readers, micro_batch=1,
-                          seed=H.MODEL_SEED, **parallel)
+def build(groups, cfg, seq: int) -> ParallelRuntime:
+    sections = H.sections(groups.layout, dict(seq_length=seq, global_batch_size=groups.layout.batch_readers,
+                                              seed=H.MODEL_SEED))
 
     def meta_model():
         with torch.device("meta"):
             return Transformer(cfg)
-    return ParallelRuntime.build(cfg, groups, pcfg, OptimConfig(**H.OPTIM), build_model=meta_model)
+    return ParallelRuntime.build(cfg, groups, *sections, build_model=meta_model)
 
 
 @pytest.mark.parametrize("layout, seq", [
@@ -110,15 +109,3 @@ def test_expert_checkpoint_placements_cover_exactly_the_chunk_fsdp_holds(replica
                 assert list(offset) == want_offset, (rank, name, offset, want_offset)
                 seen += 1
     assert seen
-
-
-def test_a_direct_parallel_config_refuses_float8_all_gather_with_rowwise():
-    with pytest.raises(ValueError, match="fsdp_float8_all_gather needs fp8_recipe=tensorwise"):
-        ParallelConfig(seq_len=16, global_batch=8, micro_batch=1, fp8_recipe="rowwise", fsdp_float8_all_gather=True)
-
-
-@pytest.mark.parametrize("layout", [ParallelLayout(data=2), ParallelLayout(tensor=2, data=2, data_shard=2)])
-def test_the_runtime_refuses_float8_all_gather_without_fsdp_or_with_tensor_parallel(layout):
-    """(ZeRO-1 would put float8 weights in its flat buffers; TP layers would get float8 all-gather.)"""
-    with as_rank(0, layout) as groups, pytest.raises(ValueError, match="needs data_shard > 1 and tensor == 1"):
-        build(groups, H.model_config(), 16, fp8_recipe="tensorwise", fsdp_float8_all_gather=True)

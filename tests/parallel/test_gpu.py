@@ -27,7 +27,8 @@ def test_gpu_parity(tmp_path):
         pytest.skip("needs CUDA")
     n = min(2, torch.cuda.device_count())
     layouts = [dict(data=1)] if n == 1 else [dict(tensor=2), dict(pipeline=2)]
-    jobs = [dict(name=f"gpu{i}", layout=lay, parallel=dict(micro_batch=2), steps=5, out=str(tmp_path / f"{i}.json"))
+    jobs = [dict(name=f"gpu{i}", layout=lay, training=dict(micro_batch_size=2),
+                 steps=5, out=str(tmp_path / f"{i}.json"))
             for i, lay in enumerate(layouts)]
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"jobs": jobs}))

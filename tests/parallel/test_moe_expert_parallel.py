@@ -60,17 +60,19 @@ def test_expert_parallel_alone_and_with_tensor_pipeline_and_data_parallel_trains
     torch.set_num_threads(1)
     want, want_norms, model = _reference(STEPS)
     two = {  # global batch 8: each expert rank reads 4 rows
-        "ep2": dict(layout=dict(expert=2), parallel=dict(micro_batch=2)),
-        "ep2_allreduce": dict(layout=dict(expert=2), parallel=dict(micro_batch=2, distributed_optimizer=False)),
+        "ep2": dict(layout=dict(expert=2), training=dict(micro_batch_size=2)),
+        "ep2_allreduce": dict(layout=dict(expert=2), training=dict(micro_batch_size=2),
+                              parallel=dict(distributed_optimizer=False)),
         # Packed documents, loss over the counted tokens of the whole batch (counted over data x expert).
-        "ep2_documents": dict(layout=dict(expert=2), parallel=dict(micro_batch=2, per_token_loss=True),
+        "ep2_documents": dict(layout=dict(expert=2), training=dict(micro_batch_size=2), per_token_loss=True,
                               documents=True),
     }
     four = {
-        "ep2_tp2": dict(layout=dict(tensor=2, expert=2), parallel=dict(micro_batch=2, sequence_parallel=True)),
-        "ep2_pp2": dict(layout=dict(expert=2, pipeline=2), parallel=dict(micro_batch=1), meta=True),
-        "ep2_dp2": dict(layout=dict(expert=2, data=2), parallel=dict(micro_batch=1)),
-        "ep2_cp2": dict(layout=dict(expert=2, context=2), parallel=dict(micro_batch=2)),
+        "ep2_tp2": dict(layout=dict(tensor=2, expert=2), training=dict(micro_batch_size=2),
+                        parallel=dict(sequence_parallel=True)),
+        "ep2_pp2": dict(layout=dict(expert=2, pipeline=2), training=dict(micro_batch_size=1), meta=True),
+        "ep2_dp2": dict(layout=dict(expert=2, data=2), training=dict(micro_batch_size=1)),
+        "ep2_cp2": dict(layout=dict(expert=2, context=2), training=dict(micro_batch_size=2)),
     }
     for nproc, jobs in ((2, two), (4, four)):
         spec = {"model": H.MOE, "jobs": [_job(tmp_path, n, steps=STEPS, save=str(tmp_path / n), **j)
@@ -102,14 +104,16 @@ def test_checkpoints_are_layout_free_across_expert_parallel_sizes(tmp_path):
     want, _, model = _reference(6)
     first, full, dp_first = tmp_path / "ep2_first", tmp_path / "ep2_full", tmp_path / "dp2_first"
     jobs = [
-        _job(tmp_path, "ep2_full", layout=dict(expert=2), parallel=dict(micro_batch=2), steps=6, save=str(full)),
-        _job(tmp_path, "ep2_first", layout=dict(expert=2), parallel=dict(micro_batch=2), steps=3, save=str(first)),
-        _job(tmp_path, "ep2_resumed", layout=dict(expert=2), parallel=dict(micro_batch=2), start=3, steps=3,
+        _job(tmp_path, "ep2_full", layout=dict(expert=2), training=dict(micro_batch_size=2), steps=6, save=str(full)),
+        _job(tmp_path, "ep2_first", layout=dict(expert=2), training=dict(micro_batch_size=2),
+             steps=3, save=str(first)),
+        _job(tmp_path, "ep2_resumed", layout=dict(expert=2), training=dict(micro_batch_size=2), start=3, steps=3,
              load=str(first), save=str(tmp_path / "ep2_resumed")),
-        _job(tmp_path, "dp2_from_ep2", layout=dict(data=2), parallel=dict(micro_batch=2), start=3, steps=3,
+        _job(tmp_path, "dp2_from_ep2", layout=dict(data=2), training=dict(micro_batch_size=2), start=3, steps=3,
              load=str(first), save_loaded=str(tmp_path / "dp2_loaded"), save=str(tmp_path / "dp2_from_ep2")),
-        _job(tmp_path, "dp2_first", layout=dict(data=2), parallel=dict(micro_batch=2), steps=3, save=str(dp_first)),
-        _job(tmp_path, "ep2_from_dp2", layout=dict(expert=2), parallel=dict(micro_batch=2), start=3, steps=3,
+        _job(tmp_path, "dp2_first", layout=dict(data=2), training=dict(micro_batch_size=2),
+             steps=3, save=str(dp_first)),
+        _job(tmp_path, "ep2_from_dp2", layout=dict(expert=2), training=dict(micro_batch_size=2), start=3, steps=3,
              load=str(dp_first), save_loaded=str(tmp_path / "ep2_loaded"), save=str(tmp_path / "ep2_from_dp2")),
     ]
     torchrun(2, {"model": H.MOE, "jobs": jobs}, tmp_path, timeout=400)
@@ -151,7 +155,7 @@ def test_offline_reshard_across_expert_parallel_sizes_round_trips_bit_identicall
     cfg = H.model_config(**H.MOE)
     src = tmp_path / "ep2"
     torchrun(2, {"model": H.MOE, "jobs": [_job(tmp_path, "ep2_first", layout=dict(expert=2),
-                                               parallel=dict(micro_batch=2), steps=3,
+                                               training=dict(micro_batch_size=2), steps=3,
                                                save=str(src / iter_dir_name(3)))]}, tmp_path)
     finalize_checkpoint(src / iter_dir_name(3), CheckpointSidecar(
         model=cfg, layout=ParallelLayout(expert=2).resolved(cfg.num_layers), step=3, contents=["model", "optimizer"]))
@@ -174,7 +178,7 @@ def test_offline_reshard_across_expert_parallel_sizes_round_trips_bit_identicall
         for k, t in original.items():
             assert torch.equal(got[k], t), f"{ck}: {k} changed in the reshard"
     torchrun(2, {"model": H.MOE, "jobs": [_job(tmp_path, "ep2_from_ep1", layout=dict(expert=2),
-                                               parallel=dict(micro_batch=2), start=3, steps=3, load=str(ep1),
+                                               training=dict(micro_batch_size=2), start=3, steps=3, load=str(ep1),
                                                save=str(tmp_path / "final"))]}, tmp_path)
     assert_close_seq(_out(tmp_path, "ep2_first")["losses"], want[:3], "ep2 (before save)")
     assert_close_seq(_out(tmp_path, "ep2_from_ep1")["losses"], want[3:], "ep2 resumed from an EP1 reshard")

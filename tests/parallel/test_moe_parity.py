@@ -50,10 +50,12 @@ def test_moe_trains_under_tensor_data_and_pipeline_parallel_like_one_process(tmp
     biases = [b for n, b in model.state_dict().items() if n.endswith("expert_bias")]
     assert biases and all(b.abs().sum() > 0 for b in biases), "the balancing bias must move in this run"
     jobs = {
-        "moe_tp2": dict(layout=dict(tensor=2), parallel=dict(micro_batch=4, sequence_parallel=False)),
-        "moe_tp2_sp": dict(layout=dict(tensor=2), parallel=dict(micro_batch=4, sequence_parallel=True)),
-        "moe_dp2": dict(layout=dict(data=2), parallel=dict(micro_batch=2)),
-        "moe_pp2_meta": dict(layout=dict(pipeline=2), parallel=dict(micro_batch=2), meta=True),
+        "moe_tp2": dict(layout=dict(tensor=2), training=dict(micro_batch_size=4),
+                        parallel=dict(sequence_parallel=False)),
+        "moe_tp2_sp": dict(layout=dict(tensor=2), training=dict(micro_batch_size=4),
+                           parallel=dict(sequence_parallel=True)),
+        "moe_dp2": dict(layout=dict(data=2), training=dict(micro_batch_size=2)),
+        "moe_pp2_meta": dict(layout=dict(pipeline=2), training=dict(micro_batch_size=2), meta=True),
     }
     spec = {"model": H.MOE, "jobs": [{**j, "name": n, "steps": STEPS, "save": str(tmp_path / n),
                                       "out": str(tmp_path / f"{n}.json")} for n, j in jobs.items()]}

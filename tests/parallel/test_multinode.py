@@ -31,7 +31,7 @@ def free_port() -> int:
 
 def test_two_nodes_c10d_rendezvous(tmp_path):
     out = tmp_path / "out.json"
-    spec = {"jobs": [{"name": "pp2_2nodes", "argv": ["--pipeline-parallel", "2"], "parallel": {"micro_batch": 2},
+    spec = {"jobs": [{"name": "pp2_2nodes", "argv": ["--pipeline-parallel", "2"], "training": {"micro_batch_size": 2},
                       "steps": STEPS, "out": str(out)}]}
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))

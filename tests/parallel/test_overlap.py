@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parallel_harness as H  # noqa: E402
 
 from tessera.common.errors import UserError  # noqa: E402
-from tessera.trainer.config import ParallelConfigSection  # noqa: E402
+from tessera.trainer.config import ParallelConfig  # noqa: E402
 
 STEPS = 4
 NORM_RTOL = 1e-4
@@ -43,11 +43,11 @@ JOBS = {"overlap": OVERLAP, "serial": SERIAL}
 # ---- worker (runs under torchrun) -------------------------------------------------------------
 def _worker(spec_path: str) -> None:
     from tessera.common.layout import ParallelLayout
-    from tessera.common.model import build_model
+    from tessera.common.models.causal_lm.model import build_model
     from tessera.common.parallel.state import build_groups, destroy_distributed, init_distributed
     from tessera.trainer.config import ProfilingConfig
-    from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime
-    from tessera.trainer.profiling import StepProfiler
+    from tessera.trainer.observability.profiling import StepProfiler
+    from tessera.trainer.parallel.runtime import ParallelRuntime
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
@@ -56,10 +56,8 @@ def _worker(spec_path: str) -> None:
     init_distributed()
     for name, overlap in spec["jobs"].items():
         groups = build_groups(ParallelLayout(data=2))
-        pcfg = ParallelConfig(seq_len=H.SEQ, global_batch=H.GLOBAL_BATCH, micro_batch=2, bucket_numel=2000,
-                              **overlap)
-        rt = ParallelRuntime.build(cfg, groups, pcfg, OptimConfig(**H.OPTIM),
-                                   build_model=lambda: build_model(cfg, seed=H.MODEL_SEED))
+        sections = H.sections(groups.layout, dict(micro_batch_size=2), dict(bucket_numel=2000, **overlap))
+        rt = ParallelRuntime.build(cfg, groups, *sections, build_model=lambda: build_model(cfg, seed=H.MODEL_SEED))
         profiler = StepProfiler(ProfilingConfig(start_step=PROFILED_STEP, num_steps=1, ranks=[0], record_shapes=False),
                                 out / f"{name}_profile", groups.rank, groups.device, say=lambda _line: None)
         buckets = rt.optimizer.buckets
@@ -202,7 +200,7 @@ def test_interleaved_pipeline_with_both_overlaps_trains_like_one_process(tmp_pat
     torch.set_num_threads(1)
     ref_losses, ref_model, _ = H.reference_run(H.model_config(), STEPS)
     job = dict(name="pp2x2_dp2_overlap", layout=dict(pipeline=2, virtual_stages=2, data=2), steps=STEPS,
-               parallel=dict(micro_batch=1, bucket_numel=3000, **OVERLAP),
+               training=dict(micro_batch_size=1), parallel=dict(bucket_numel=3000, **OVERLAP),
                save=str(tmp_path / "ck"), out=str(tmp_path / "out.json"))
     torchrun(4, {"jobs": [job]}, tmp_path, timeout=500)
     r = json.loads((tmp_path / "out.json").read_text())
@@ -268,7 +266,7 @@ def test_tessera_train_with_both_overlaps_logs_the_one_process_run_and_traces_th
 ])
 def test_unsupported_overlap_settings_are_refused_in_the_config(fields, fragment):
     with pytest.raises(ValueError, match=fragment):
-        ParallelConfigSection(**fields)
+        ParallelConfig(**fields)
 
 
 def test_async_tp_without_compile_is_refused_by_the_config_before_any_launch():
@@ -343,7 +341,7 @@ def test_async_tp_under_tp2_trains_like_one_process(tmp_path):
     from test_parity import torchrun
 
     job = dict(name="async_tp", layout=dict(tensor=2), steps=3, out=str(tmp_path / "async_tp.json"),
-               parallel=dict(micro_batch=2, sequence_parallel=True, compile=True, async_tp=True))
+               training=dict(micro_batch_size=2, compile=True), parallel=dict(sequence_parallel=True, async_tp=True))
     torchrun(2, {"jobs": [job]}, tmp_path, timeout=600)
     got = json.loads((tmp_path / "async_tp.json").read_text())["losses"]
     want, _, _ = H.reference_run(H.model_config(), 3)

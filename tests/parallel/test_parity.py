@@ -84,32 +84,35 @@ def test_two_process_layouts(tmp_path, reference):
     gpt2 = dict(arch="gpt2", norm="layernorm", activation="gelu", position="learned", bias=True,
                 num_kv_heads=4, tie_embeddings=True)
     jobs = {
-        "tp2": dict(layout=dict(tensor=2), parallel=dict(micro_batch=4, sequence_parallel=False)),
-        "tp2_sp": dict(layout=dict(tensor=2), parallel=dict(micro_batch=4, sequence_parallel=True), eval=True),
-        "pp2": dict(layout=dict(pipeline=2, pipeline_layers=[3, 1]), parallel=dict(micro_batch=2)),
-        "pp2x2": dict(layout=dict(pipeline=2, virtual_stages=2), parallel=dict(micro_batch=2), eval=True),
-        "dp2_zero": dict(layout=dict(data=2), parallel=dict(micro_batch=2, bucket_numel=2000)),
-        "dp2_allreduce": dict(layout=dict(data=2), parallel=dict(micro_batch=4, distributed_optimizer=False)),
-        "gpt2_tp2_sp": dict(layout=dict(tensor=2), model=gpt2, parallel=dict(micro_batch=4)),
+        "tp2": dict(layout=dict(tensor=2), training=dict(micro_batch_size=4), parallel=dict(sequence_parallel=False)),
+        "tp2_sp": dict(layout=dict(tensor=2), training=dict(micro_batch_size=4),
+                       parallel=dict(sequence_parallel=True), eval=True),
+        "pp2": dict(layout=dict(pipeline=2, pipeline_layers=[3, 1]), training=dict(micro_batch_size=2)),
+        "pp2x2": dict(layout=dict(pipeline=2, virtual_stages=2), training=dict(micro_batch_size=2), eval=True),
+        "dp2_zero": dict(layout=dict(data=2), training=dict(micro_batch_size=2), parallel=dict(bucket_numel=2000)),
+        "dp2_allreduce": dict(layout=dict(data=2), training=dict(micro_batch_size=4),
+                              parallel=dict(distributed_optimizer=False)),
+        "gpt2_tp2_sp": dict(layout=dict(tensor=2), model=gpt2, training=dict(micro_batch_size=4)),
     }
     meta_jobs = {  # built on the meta device: only local shards are allocated, initialised as one process would
-        "meta_gpt2_tp2_sp": dict(layout=dict(tensor=2), model=gpt2, parallel=dict(micro_batch=4), meta=True),
-        "meta_pp2_tied": dict(layout=dict(pipeline=2), parallel=dict(micro_batch=2), meta=True),
+        "meta_gpt2_tp2_sp": dict(layout=dict(tensor=2), model=gpt2, training=dict(micro_batch_size=4), meta=True),
+        "meta_pp2_tied": dict(layout=dict(pipeline=2), training=dict(micro_batch_size=2), meta=True),
     }
     bf16_jobs = {  # bf16 parameters; fp32 main grads, master weights and Adam state
-        "bf16_pp2": dict(layout=dict(pipeline=2), parallel=dict(micro_batch=2), dtype="bfloat16"),
-        "bf16_tp2_sp": dict(layout=dict(tensor=2), parallel=dict(micro_batch=2), dtype="bfloat16"),
+        "bf16_pp2": dict(layout=dict(pipeline=2), training=dict(micro_batch_size=2), dtype="bfloat16"),
+        "bf16_tp2_sp": dict(layout=dict(tensor=2), training=dict(micro_batch_size=2), dtype="bfloat16"),
     }
     dropout = dict(dropout=0.1, attention_dropout=0.1)
     dropout_jobs = {  # replicated activations must draw identical masks on all tensor ranks
-        "dropout_tp2": dict(layout=dict(tensor=2), model=dropout, parallel=dict(micro_batch=4, sequence_parallel=False)),
-        "dropout_tp2_sp": dict(layout=dict(tensor=2), model=dropout, parallel=dict(micro_batch=4)),
+        "dropout_tp2": dict(layout=dict(tensor=2), model=dropout, training=dict(micro_batch_size=4),
+                            parallel=dict(sequence_parallel=False)),
+        "dropout_tp2_sp": dict(layout=dict(tensor=2), model=dropout, training=dict(micro_batch_size=4)),
     }
     spec = {"jobs": [{**j, "name": n, "steps": 3, "out": str(tmp_path / f"{n}.json")}
                      for n, j in {**meta_jobs, **dropout_jobs}.items()]}
     autocast_jobs = {  # fp32 parameters, forward under bf16 autocast (the trainer's bf16 mode)
-        "autocast_tp2_sp": dict(layout=dict(tensor=2), parallel=dict(micro_batch=2, autocast_bf16=True)),
-        "autocast_pp2": dict(layout=dict(pipeline=2), parallel=dict(micro_batch=2, autocast_bf16=True)),
+        "autocast_tp2_sp": dict(layout=dict(tensor=2), training=dict(micro_batch_size=2, precision="bf16")),
+        "autocast_pp2": dict(layout=dict(pipeline=2), training=dict(micro_batch_size=2, precision="bf16")),
     }
     spec["jobs"] += [{**j, "name": n, "steps": 5, "save": str(tmp_path / n), "out": str(tmp_path / f"{n}.json")}
                      for n, j in {**bf16_jobs, **autocast_jobs}.items()]
@@ -181,7 +184,7 @@ def test_two_process_layouts(tmp_path, reference):
 def test_eight_process_tp2_pp2_dp2(tmp_path, reference):
     ref_losses, ref_model = reference
     job = dict(name="tp2pp2dp2", layout=dict(tensor=2, pipeline=2, data=2),
-               parallel=dict(micro_batch=2, bucket_numel=3000), steps=STEPS,
+               training=dict(micro_batch_size=2), parallel=dict(bucket_numel=3000), steps=STEPS,
                save=str(tmp_path / "ck"), out=str(tmp_path / "out.json"))
     torchrun(8, {"jobs": [job]}, tmp_path, timeout=400)
     got = json.loads((tmp_path / "out.json").read_text())["losses"]
@@ -191,7 +194,7 @@ def test_eight_process_tp2_pp2_dp2(tmp_path, reference):
 
 def _plain_resume(ckpt: Path, cfg, start: int, steps: int) -> list[float]:
     """TP=1, PP=1: the plain model and torch AdamW resumed from the layout-free checkpoint."""
-    from tessera.common.model import build_model
+    from tessera.common.models.causal_lm.model import build_model
 
     model = build_model(cfg, seed=None)
     with torch.no_grad():
@@ -220,9 +223,9 @@ def test_resume_across_layouts(tmp_path, reference):
     ref_losses, ref_model = reference
     ck = tmp_path / "ck_tp2pp2"
     jobs = [
-        dict(name="tp2pp2", layout=dict(tensor=2, pipeline=2), parallel=dict(micro_batch=2), steps=5, meta=True,
+        dict(name="tp2pp2", layout=dict(tensor=2, pipeline=2), training=dict(micro_batch_size=2), steps=5, meta=True,
              save_init=str(tmp_path / "init_tp2pp2"), save=str(ck), out=str(tmp_path / "a.json")),
-        dict(name="dp4", layout=dict(data=4), parallel=dict(micro_batch=2), start=5, steps=5, load=str(ck),
+        dict(name="dp4", layout=dict(data=4), training=dict(micro_batch_size=2), start=5, steps=5, load=str(ck),
              save=str(tmp_path / "ck_dp4"), out=str(tmp_path / "b.json")),
     ]
     torchrun(4, {"jobs": jobs}, tmp_path)
@@ -257,7 +260,7 @@ def test_resume_from_resharded_uneven_checkpoints(tmp_path, reference):
     ref_losses, ref_model = reference
     cfg = H.model_config()
     src = tmp_path / "pp3"
-    first = dict(name="pp3", layout=dict(pipeline=3), parallel=dict(micro_batch=2), steps=5,
+    first = dict(name="pp3", layout=dict(pipeline=3), training=dict(micro_batch_size=2), steps=5,
                  save=str(src / iter_dir_name(5)), out=str(tmp_path / "a.json"))
     torchrun(3, {"jobs": [first]}, tmp_path)
     finalize_checkpoint(src / iter_dir_name(5), CheckpointSidecar(
@@ -274,7 +277,7 @@ def test_resume_from_resharded_uneven_checkpoints(tmp_path, reference):
     other = reshard(pp2, "pp3_211", "--pipeline-parallel", "3", "--pipeline-layers", "2,1,1")
     assert read_sidecar(resolve_checkpoint(back)).layout == read_sidecar(resolve_checkpoint(src)).layout
     assert read_sidecar(resolve_checkpoint(other)).layout.pipeline_layers == [2, 1, 1]
-    jobs = [dict(name=f"resume_{n}", layout=dict(pipeline=3, pipeline_layers=split), parallel=dict(micro_batch=2),
+    jobs = [dict(name=f"resume_{n}", layout=dict(pipeline=3, pipeline_layers=split), training=dict(micro_batch_size=2),
                  start=5, steps=5, load=str(resolve_checkpoint(ck)), save=str(tmp_path / f"final_{n}"),
                  out=str(tmp_path / f"{n}.json"))
             for n, ck, split in (("121", back, None), ("211", other, [2, 1, 1]))]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, split_layers, validate_layout
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.trainer.parallel.launch import add_parallel_arguments, layout_from_args, parse_pipeline_layers
 

@@ -29,7 +29,7 @@ def test_odd_vocabulary_trains_under_tp2_like_one_process(tmp_path):
         assert padded.vocab_rows == 256
         spec["jobs"].append(dict(name=name, layout=dict(tensor=2), steps=STEPS, save=str(tmp_path / name),
                                  model={**job["model"], "padded_vocab_size": padded.vocab_rows},
-                                 parallel=dict(micro_batch=4, sequence_parallel=job["sp"]),
+                                 training=dict(micro_batch_size=4), parallel=dict(sequence_parallel=job["sp"]),
                                  out=str(tmp_path / f"{name}.json")))
     torchrun(2, spec, tmp_path)
     for name, job in jobs.items():

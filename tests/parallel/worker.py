@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N tests/parallel/worker.py spec.json
 
-spec: {"model": {...overrides}, "jobs": [{"name", "layout": {...}, "parallel": {...}, "start": 0,
+spec: {"model": {...overrides}, "jobs": [{"name", "layout": {...}, "training": {...}, "parallel": {...} (TrainConfig's
+sections: harness.sections), "per_token_loss": false, "start": 0,
 "steps": 10, "load": dir|null, "save": dir|null, "out": path, "count_cp_all_reduces": false}]}. Each job builds its groups,
 trains, optionally saves (DCP, layout-free), and rank 0 writes {"losses": [...]} to `out`.
 """
@@ -23,11 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parallel_harness as harness  # noqa: E402
 
 from tessera.common.layout import ParallelLayout  # noqa: E402
-from tessera.common.model import Transformer, build_model  # noqa: E402
+from tessera.common.models.causal_lm.model import Transformer, build_model  # noqa: E402
 from tessera.common.parallel.random import TensorParallelRNG  # noqa: E402
 from tessera.common.parallel.state import build_groups, destroy_distributed, init_distributed  # noqa: E402
 from tessera.trainer.parallel.launch import add_parallel_arguments, layout_from_args  # noqa: E402
-from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime  # noqa: E402
+from tessera.trainer.parallel.runtime import ParallelRuntime  # noqa: E402
 
 
 def rng_job(job: dict) -> None:
@@ -86,11 +87,9 @@ def run_job(job: dict, cfg) -> None:
     else:
         layout = ParallelLayout(**job["layout"])
     groups = build_groups(layout)
-    # A meta build is initialised from ParallelConfig.seed (as the trainer passes training.seed to both).
+    # A meta build is initialised from training.seed (as the trainer passes training.seed to both).
     seed = {"seed": harness.MODEL_SEED} if job.get("meta") else {}
-    pcfg = ParallelConfig(seq_len=harness.SEQ, global_batch=harness.GLOBAL_BATCH,
-                          **{"micro_batch": 1, **seed, **job.get("parallel", {})})
-    ocfg = OptimConfig(**harness.OPTIM)
+    training, parallel, optim = harness.sections(layout, {**seed, **job.get("training", {})}, job.get("parallel"))
     if job.get("meta"):
         def builder():
             with torch.device("meta"):
@@ -100,7 +99,8 @@ def run_job(job: dict, cfg) -> None:
 
         def builder():
             return build_model(cfg, seed=harness.MODEL_SEED, dtype=dtype)
-    rt = ParallelRuntime.build(cfg, groups, pcfg, ocfg, build_model=builder)
+    rt = ParallelRuntime.build(cfg, groups, training, parallel, optim, build_model=builder,
+                               per_token_loss=job.get("per_token_loss", False))
     divergence = [rt.replica_divergence()]
     if job.get("save_init"):
         rt.save(job["save_init"])  # the initial weights (meta builds: sharded initialisation)
@@ -108,7 +108,7 @@ def run_job(job: dict, cfg) -> None:
         rt.load(job["load"])
         if job.get("save_loaded"):
             rt.save(job["save_loaded"])  # what this layout holds right after loading (bit-exact transfer)
-    losses, norms = [], []
+    losses, norms, router = [], [], {}
     result_extra: dict = {}
     rows = harness.GLOBAL_BATCH // groups.dp_ep  # expert ranks read their own rows, as data ranks do
     for step in range(job.get("start", 0), job.get("start", 0) + job["steps"]):
@@ -125,8 +125,9 @@ def run_job(job: dict, cfg) -> None:
             result_extra.setdefault("cp_all_reduces", []).append(cp_all_reduces[0])
         losses.append(r.loss)
         norms.append(r.grad_norm)
+        router = r.router
     divergence.append(rt.replica_divergence())
-    result = {"losses": losses, "grad_norms": norms, "divergence": divergence, "router": rt.router_metrics,
+    result = {"losses": losses, "grad_norms": norms, "divergence": divergence, "router": router,
               **result_extra}
     sharded = [p for p in rt.named_global_params().values() if isinstance(p, DTensor)]
     if sharded:  # FSDP: the mesh a parameter is sharded over (its last dimension: the shards)

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from tessera.common.checkpoint import CheckpointSidecar
-from tessera.common.model_config import preset
+from tessera.common.models.causal_lm.config import preset
 from tessera.common.tokenizer import load_tokenizer
-from tessera.trainer import checkpointing
-from tessera.trainer.checkpointing import AsyncCheckpointer, TrainState, write_checkpoint
+from tessera.trainer.checkpoint import storage
+from tessera.trainer.checkpoint.storage import AsyncCheckpointer, TrainState, write_checkpoint
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     if rank == 0:
         def disk_full(*args, **kwargs):
             raise OSError("disk full (simulated)")
-        checkpointing.finalize_checkpoint = disk_full
+        storage.finalize_checkpoint = disk_full
     saver = AsyncCheckpointer() if mode == "async" else None
     sidecar = CheckpointSidecar(model=preset("tiny", vocab_size=384))
     state = {"model": {"w": torch.full((4,), float(rank))}} if rank == 0 else {"model": {}}

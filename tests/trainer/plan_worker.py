@@ -29,11 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from tessera.common.layout import ParallelLayout
-from tessera.common.model import Transformer
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.parallel.state import build_groups, init_distributed
+from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
 from tessera.trainer.model_setup import apply_recompute
-from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime
+from tessera.trainer.parallel.runtime import ParallelRuntime
 
 
 class PeakBytes(TorchDispatchMode):
@@ -134,10 +135,10 @@ def run_job(job: dict, cfg: ModelConfig) -> dict:
     layout = ParallelLayout(**job["layout"])
     groups = build_groups(layout)
     p = job["parallel"]
-    pcfg = ParallelConfig(seq_len=p["seq_len"], global_batch=p["global_batch"], micro_batch=p["micro_batch"],
-                          sequence_parallel=p.get("sequence_parallel", True),
-                          distributed_optimizer=p.get("distributed_optimizer", True),
-                          autocast_bf16=p.get("autocast_bf16", False), seed=0)
+    training = TrainingConfig(seq_length=p["seq_len"], global_batch_size=p["global_batch"],
+                              micro_batch_size=p["micro_batch"], precision=p.get("precision", "fp32"), seed=0)
+    parallel = ParallelConfig(**layout.model_dump(exclude={"data"}), sequence_parallel=p.get("sequence_parallel", True),
+                              distributed_optimizer=p.get("distributed_optimizer", True))
 
     def builder() -> Transformer:
         with torch.device("meta"):
@@ -146,18 +147,18 @@ def run_job(job: dict, cfg: ModelConfig) -> dict:
         return module
 
     g = torch.Generator().manual_seed(0)
-    rows = pcfg.global_batch // groups.dp
+    rows = training.global_batch_size // groups.dp
     sl = slice(groups.dp_rank * rows, (groups.dp_rank + 1) * rows)
     inputs = None
     if "documents" in p:  # packed documents of these lengths in every row (attention per document)
         ids = torch.repeat_interleave(torch.arange(len(p["documents"])), torch.tensor(p["documents"]))
-        inputs = {"document_ids": ids.expand(pcfg.global_batch, -1)[sl].contiguous()}
+        inputs = {"document_ids": ids.expand(training.global_batch_size, -1)[sl].contiguous()}
     mt = PeakBytes(job.get("budget"))
     with mt:
-        rt = ParallelRuntime.build(cfg, groups, pcfg, OptimConfig(lr=1e-3), builder)
+        rt = ParallelRuntime.build(cfg, groups, training, parallel, OptimConfig(lr=1e-3), builder)
         build_peak = mt.peak
         for _ in range(job["steps"]):
-            x = torch.randint(0, cfg.vocab_size, (pcfg.global_batch, pcfg.seq_len + 1), generator=g)
+            x = torch.randint(0, cfg.vocab_size, (training.global_batch_size, training.seq_length + 1), generator=g)
             rt.train_step(x[sl, :-1], x[sl, 1:], model_inputs=inputs)
         peak = mt.peak
     state = _state_bytes(rt)

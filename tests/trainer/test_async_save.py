@@ -15,8 +15,8 @@ from test_loop import make_trainer, weights
 
 from tessera.common.checkpoint import read_pointer, read_sidecar, verify_checksums
 from tessera.common.errors import run_cli
-from tessera.trainer import checkpointing
-from tessera.trainer.checkpointing import list_checkpoints
+from tessera.trainer.checkpoint import storage
+from tessera.trainer.checkpoint.storage import list_checkpoints
 from tessera.trainer.cli import main
 
 SAVES = ["training.save_interval=2", "checkpoint.keep_last=3"]  # 6 steps: saves at 2, 4 (background), 6 (final)
@@ -50,14 +50,14 @@ def test_background_checkpoints_equal_synchronous_ones(make_config, tmp_path, ca
 
 def test_a_failed_background_save_is_raised_and_the_pointer_stays(make_config, tmp_path, monkeypatch):
     trainer = make_trainer(make_config(), *SAVES, "checkpoint.async_save=true")
-    real = checkpointing.finalize_checkpoint
+    real = storage.finalize_checkpoint
 
     def failing_at_step_4(directory, sidecar, *args, **kwargs):
         if sidecar.step == 4:
             raise OSError("disk full (simulated)")
         return real(directory, sidecar, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointing, "finalize_checkpoint", failing_at_step_4)
+    monkeypatch.setattr(storage, "finalize_checkpoint", failing_at_step_4)
     with pytest.raises(RuntimeError, match=r"background save of .*iter_0000004 failed: disk full \(simulated\)"):
         trainer.train()
     root = tmp_path / "run" / "checkpoints"
@@ -82,13 +82,13 @@ def test_rank_0_failing_to_finish_fails_every_rank_alike(artifacts, tmp_path, mo
 def test_divergence_during_a_background_save_names_the_checkpoint_it_lands(make_config, tmp_path, monkeypatch, capsys):
     """The one-line error says which checkpoint to resume from: the background save of step 1 (slowed
     down here) must have landed before the message is written."""
-    real = checkpointing.finalize_checkpoint
+    real = storage.finalize_checkpoint
 
     def slow(directory, sidecar, *args, **kwargs):
         time.sleep(1.0)
         return real(directory, sidecar, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointing, "finalize_checkpoint", slow)
+    monkeypatch.setattr(storage, "finalize_checkpoint", slow)
     path = make_config()
     with pytest.raises(SystemExit) as exc:
         run_cli(main, ["--config", str(path), "--quiet", "checkpoint.async_save=true", "training.save_interval=1",

@@ -24,7 +24,7 @@ from tessera.common.checkpoint import (
     resolve_checkpoint,
     verify_checksums,
 )
-from tessera.common.model import build_model
+from tessera.common.models.causal_lm.model import build_model
 from tessera.common.tokenizer import tokenizer_fingerprint
 from tessera.trainer.cli import main
 
@@ -90,7 +90,7 @@ def test_killed_save_never_damages_the_last_good_checkpoint(make_config, tmp_pat
     path = make_config(training={"steps": 6, "save_interval": 2})
     killer = """
         import os, signal, sys
-        import tessera.trainer.checkpointing as ck
+        import tessera.trainer.checkpoint.storage as ck
         real, calls = ck.finalize_checkpoint, []
         def finalize(directory, sidecar):
             calls.append(directory)
@@ -125,7 +125,7 @@ def test_killed_save_never_damages_the_last_good_checkpoint(make_config, tmp_pat
 def test_a_symlink_where_a_save_writes_is_replaced_and_never_followed(make_config, tmp_path, monkeypatch, name, when):
     """Issue 35.7: a link planted under the save's temporary (or final) name ended training with a
     FileExistsError traceback; the save must write a directory of its own and leave the target alone."""
-    from tessera.trainer import checkpointing
+    from tessera.trainer.checkpoint import storage
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -139,13 +139,13 @@ def test_a_symlink_where_a_save_writes_is_replaced_and_never_followed(make_confi
     if when == "before the run":
         plant()
     else:  # after the first save, before the second
-        prune = checkpointing.prune_checkpoints
+        prune = storage.prune_checkpoints
 
         def prune_then_plant(directory: Path, keep_last: int) -> None:
             prune(directory, keep_last)
             if read_pointer(root) == 1:
                 plant()
-        monkeypatch.setattr(checkpointing, "prune_checkpoints", prune_then_plant)
+        monkeypatch.setattr(storage, "prune_checkpoints", prune_then_plant)
     config = make_config(training={"steps": 2, "save_interval": 1})
     assert main(["--config", str(config), "--quiet"]) == 0
     assert [p.name for p in outside.iterdir()] == ["keep.txt"]  # nothing written through the link
@@ -155,7 +155,7 @@ def test_a_symlink_where_a_save_writes_is_replaced_and_never_followed(make_confi
 
 
 def test_stop_request_catches_sigint_and_sigterm():
-    from tessera.trainer.signals import StopRequest
+    from tessera.trainer.observability.signals import StopRequest
 
     # Compare with what was installed before, not with Python's default: a process started in
     # the background by a non-interactive shell inherits SIGINT ignored.
@@ -172,7 +172,7 @@ def test_stop_request_catches_sigint_and_sigterm():
 
 
 def test_second_sigint_interrupts_at_once():
-    from tessera.trainer.signals import StopRequest
+    from tessera.trainer.observability.signals import StopRequest
 
     before = signal.getsignal(signal.SIGINT)
     stop = StopRequest().install()

@@ -255,8 +255,8 @@ def _command(reader: str, cfg: dict, run: Path, out: Path, pointer: bool) -> Cal
     """The reader's CLI call, in process. With `pointer`, readers are given the run (or checkpoints)
     directory so that they follow the pointer; otherwise the iteration directory itself."""
     from tessera.ckpt_convert.cli import run as ckpt_run
-    from tessera.inference.cli import main as serve_main
-    from tessera.inference.generate_cli import main as generate_main
+    from tessera.inference.entrypoints.generate_cli import main as generate_main
+    from tessera.inference.entrypoints.serve_cli import main as serve_main
     from tessera.trainer.cli import main as train_main
 
     ckpt = str(run if pointer else run / "checkpoints" / ITER)

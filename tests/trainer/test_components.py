@@ -13,11 +13,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tessera.common.config import load_config
 from tessera.common.mixture import MixtureSplit
-from tessera.common.model import build_model
-from tessera.common.model_config import PRESETS, preset
+from tessera.common.models.causal_lm.config import PRESETS, preset
+from tessera.common.models.causal_lm.model import build_model
 from tessera.trainer.config import OptimConfig, ScheduleConfig, TrainConfig
 from tessera.trainer.data import MicroBatchPlan, MixtureBatches
-from tessera.trainer.metrics import gpu_peak_tflops
+from tessera.trainer.observability.metrics import gpu_peak_tflops
 from tessera.trainer.optim import build_optimizer, decay_groups
 from tessera.trainer.schedule import LRSchedule
 
@@ -47,7 +47,7 @@ def test_linear_constant_and_wsd():
 def test_no_weight_decay_on_norms_and_biases(name):
     cfg = preset(name, num_layers=1)
     with torch.device("meta"):
-        from tessera.common.model import Transformer
+        from tessera.common.models.causal_lm.model import Transformer
         model = Transformer(cfg)
     groups = decay_groups(model, 0.1)
     decayed = {n for n, _ in groups[0]["params"]}

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import base_config
+from conftest import base_config, train_two_steps
 
 from tessera.common.errors import run_cli
 from tessera.common.indexed_dataset import HEADER_SIZE, read_index
@@ -298,11 +298,7 @@ def test_the_undamaged_copy_passes_every_command(damaged, artifacts, capsys):
 
 @pytest.mark.parametrize("reader", ["resume", "init_from"])
 def test_a_flipped_checkpoint_payload_byte_is_refused_before_training(reader, artifacts, tmp_path, capsys):
-    cfg = base_config(artifacts, tmp_path / "run")
-    cfg["training"]["steps"] = 2
-    config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    assert train_main(["--config", str(config), "--quiet"]) == 0
+    _, config, _ = train_two_steps(artifacts, tmp_path)
     ckpt = tmp_path / "run" / "checkpoints" / "iter_0000002"
     payload = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(payload.read_bytes())

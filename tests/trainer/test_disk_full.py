@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import base_config
+from conftest import base_config, train_two_steps
 
 from tessera.ckpt_convert.cli import main as ckpt_main
 from tessera.common.errors import run_cli, storage_exhausted
@@ -120,11 +120,7 @@ def test_training_on_a_full_disk_is_one_line_and_leaves_no_final_checkpoint(full
 
 
 def test_export_on_a_full_disk_is_one_line_and_leaves_no_export(full_disk, artifacts, tmp_path, capsys):
-    cfg = base_config(artifacts, tmp_path / "run")
-    cfg["training"]["steps"] = 1
-    config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    assert train_main(["--config", str(config), "--quiet"]) == 0
+    train_two_steps(artifacts, tmp_path)
     out = full_disk / "hf"
     line = _one_line_exit_1(lambda: ckpt_main(["export", "--format", "hf", "--checkpoint", str(tmp_path / "run"),
                                                "--output", str(out), "--quiet"]), capsys)
@@ -144,11 +140,7 @@ def test_blend_and_merge_on_a_full_disk_are_one_line_naming_the_output(full_disk
 
 
 def test_reshard_on_a_full_disk_is_one_line_naming_the_file(full_disk, artifacts, tmp_path, capsys):
-    cfg = base_config(artifacts, tmp_path / "run")
-    cfg["training"]["steps"] = 1
-    config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    assert train_main(["--config", str(config), "--quiet"]) == 0
+    train_two_steps(artifacts, tmp_path)
     out = full_disk / "resharded"
     line = _one_line_exit_1(lambda: ckpt_main(["reshard", "--checkpoint", str(tmp_path / "run"), "--output", str(out),
                                                "--tensor-parallel", "2", "--pipeline-parallel", "1", "--quiet"]), capsys)

@@ -22,8 +22,8 @@ from trainer_fixtures import build_mixture, run_tool, stdlib_lines
 
 from tessera.common.config import load_config
 from tessera.common.errors import run_cli
-from tessera.common.model import build_model
-from tessera.common.model_config import preset
+from tessera.common.models.causal_lm.config import preset
+from tessera.common.models.causal_lm.model import build_model
 from tessera.trainer.cli import main
 from tessera.trainer.config import OptimConfig, TrainConfig
 from tessera.trainer.data import MixtureBatches
@@ -31,7 +31,7 @@ from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
 from tessera.trainer.inputs import check_inputs
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer
-from tessera.trainer.precision import Precision
+from tessera.trainer.precision.mixed import Precision
 from tessera.trainer.step import TrainStep
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""FP8 through Transformer Engine (training.fp8_backend: te, tessera.trainer.fp8_te): refused with
+"""FP8 through Transformer Engine (training.fp8_backend: te, tessera.trainer.precision.te_float8): refused with
 one line, exit 2, before any work, where TE cannot be imported, the machine or the recipe cannot
 run it, or a composition cannot be made correct; the swap keeps names, Parameters and state dicts
 those of nn.Linear (checkpoints interchange with bf16 and torchao runs); Precision enters TE's
@@ -18,10 +18,10 @@ from test_bad_input import run_expect_usage_error
 from torch import nn
 
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.model import build_model
-from tessera.common.model_config import preset
-from tessera.trainer import fp8_te
-from tessera.trainer.precision import Precision
+from tessera.common.models.causal_lm.config import preset
+from tessera.common.models.causal_lm.model import build_model
+from tessera.trainer.precision import te_float8
+from tessera.trainer.precision.mixed import Precision
 
 TE_LINE = "training.fp8_backend=te needs NVIDIA Transformer Engine, which cannot be imported here"
 
@@ -66,7 +66,7 @@ def test_te_backend_without_transformer_engine_is_refused_with_one_line_naming_t
     (["training.precision=fp8", "training.fp8_backend=te", "parallel.pipeline=2"],
      "use training.fp8_backend=torchao under torchrun"),
 ])
-def test_te_compositions_it_cannot_run_are_refused_by_the_config(make_config, capsys, tmp_path, overrides, expected):
+def test_te_compositions_it_cannot_run_are_refused_before_any_work(make_config, capsys, tmp_path, overrides, expected):
     err = run_expect_usage_error(["--config", str(make_config()), *overrides], capsys)
     assert expected in err
     assert not (tmp_path / "run").exists()
@@ -74,9 +74,9 @@ def test_te_compositions_it_cannot_run_are_refused_by_the_config(make_config, ca
 
 def test_mxfp8_needs_tokens_in_multiples_of_32_where_the_others_need_8():
     """te.Linear's own check (TE 2.9 utils.assert_dim_for_fp8_exec) asks 8 tokens; MXFP8 blocks of 32."""
-    assert fp8_te.te_config_problem("tensorwise", False, "none", 1, 40) is None
-    assert fp8_te.te_config_problem("blockwise", False, "none", 1, 40) is None
-    assert "(1 x 48) to be a multiple of 32 (TE's mxfp8 GEMMs)" in fp8_te.te_config_problem("mxfp8", False, "none", 1,
+    assert te_float8.te_config_problem("tensorwise", False, "none", 1, 40) is None
+    assert te_float8.te_config_problem("blockwise", False, "none", 1, 40) is None
+    assert "(1 x 48) to be a multiple of 32 (TE's mxfp8 GEMMs)" in te_float8.te_config_problem("mxfp8", False, "none", 1,
                                                                                              48)
 
 
@@ -86,8 +86,8 @@ MXFP8_LAYER_LINE = ("training.fp8_recipe=mxfp8 needs the linear layers' dimensio
 
 def test_mxfp8_refuses_a_layer_whose_dimensions_are_not_multiples_of_32_in_the_config(make_config, capsys, tmp_path,
                                                                                       monkeypatch):
-    """From the model config, before anything is built (no model, no TE import: the config refuses it)."""
-    monkeypatch.setattr(fp8_te, "import_te", lambda: pytest.fail("refused before TE is imported"))
+    """From the model config, before anything is built (no model, no TE import: check_inputs refuses it)."""
+    monkeypatch.setattr(te_float8, "import_te", lambda: pytest.fail("refused before TE is imported"))
     config = make_config(model={"hidden_size": 64, "ffn_hidden_size": 176})  # 11 x 16: FP8-eligible, not MXFP8-able
     err = run_expect_usage_error(["--config", str(config), "training.precision=fp8", "training.fp8_backend=te",
                                   "training.fp8_recipe=mxfp8"], capsys)
@@ -96,11 +96,11 @@ def test_mxfp8_refuses_a_layer_whose_dimensions_are_not_multiples_of_32_in_the_c
 
 
 def test_convert_to_te_refuses_the_same_layers_before_swapping_any(monkeypatch):
-    monkeypatch.setattr(fp8_te, "import_te", lambda: None)
+    monkeypatch.setattr(te_float8, "import_te", lambda: None)
     model = _model()  # the tiny preset's MLP width, 176
     before = {n: type(m) for n, m in model.named_modules()}
     with pytest.raises(UserError, match="^" + MXFP8_LAYER_LINE):
-        fp8_te.convert_to_te(model, "mxfp8")
+        te_float8.convert_to_te(model, "mxfp8")
     assert {n: type(m) for n, m in model.named_modules()} == before
 
 
@@ -112,7 +112,7 @@ _TE_FORMAT_MAX = {"E4M3": (448.0, 448.0), "HYBRID": (448.0, 57344.0)}
 def test_tensorwise_under_te_casts_gradients_to_the_float8_dtype_torchaos_tensorwise_does():
     torchao_float8 = pytest.importorskip("torchao.float8")
     ao = torchao_float8.Float8LinearConfig.from_recipe_name("tensorwise")
-    max_fwd, max_bwd = _TE_FORMAT_MAX[fp8_te.TE_RECIPES["tensorwise"].fp8_format]
+    max_fwd, max_bwd = _TE_FORMAT_MAX[te_float8.TE_RECIPES["tensorwise"].fp8_format]
     assert max_bwd == torch.finfo(ao.cast_config_grad_output.target_dtype).max
     assert max_fwd == torch.finfo(ao.cast_config_input.target_dtype).max
     assert max_fwd == torch.finfo(ao.cast_config_weight.target_dtype).max
@@ -128,7 +128,7 @@ def test_te_recipe_builds_each_recipe_with_the_format_of_its_table_row(monkeypat
     monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
     monkeypatch.setitem(sys.modules, "transformer_engine.common", common)
     monkeypatch.setitem(sys.modules, "transformer_engine.common.recipe", made)
-    assert {name: fp8_te.te_recipe(name) for name in fp8_te.TE_RECIPES} == {
+    assert {name: te_float8.te_recipe(name) for name in te_float8.TE_RECIPES} == {
         "tensorwise": ("Float8CurrentScaling", "HYBRID"),
         "blockwise": ("Float8BlockScaling", "E4M3"),
         "mxfp8": ("MXFP8BlockScaling", "E4M3"),
@@ -139,19 +139,19 @@ def test_te_accepts_selective_recompute_whose_region_has_no_linear_layer():
     from tessera.trainer.config import TrainingConfig
 
     t = TrainingConfig(precision="fp8", fp8_backend="te", recompute="selective", fp8_recipe="blockwise")
-    assert (t.fp8_backend, t.fp8_recipe) == ("te", "blockwise")
+    assert te_float8.te_config_problem(t.fp8_recipe, t.compile, t.recompute, t.micro_batch_size, t.seq_length) is None
 
 
 def test_te_under_torchrun_is_refused_before_the_import_and_the_device():
-    problem = fp8_te.te_problem("tensorwise", torch.device("cuda"), world_size=2)
+    problem = te_float8.te_problem("tensorwise", torch.device("cuda"), world_size=2)
     assert problem.startswith("training.fp8_backend=te runs in one process (here: 2)") and "\n" not in problem
 
 
 def test_a_transformer_engine_that_fails_to_import_gives_its_reason_in_the_line(no_te):
-    problem = fp8_te.te_problem("tensorwise", torch.device("cpu"))
+    problem = te_float8.te_problem("tensorwise", torch.device("cpu"))
     assert problem.startswith(TE_LINE) and "halted" in problem and "\n" not in problem
     with pytest.raises(UserError, match=TE_LINE):
-        fp8_te.convert_to_te(_model())
+        te_float8.convert_to_te(_model())
 
 
 def _fake_te(monkeypatch, block_scaling: tuple[bool, str]):
@@ -161,7 +161,7 @@ def _fake_te(monkeypatch, block_scaling: tuple[bool, str]):
                                is_fp8_block_scaling_available=lambda return_reason=False: block_scaling,
                                is_mxfp8_available=lambda return_reason=False: (
                                    False, "Device compute capability 10.0 or higher required for MXFP8 execution."))
-    monkeypatch.setattr(fp8_te, "import_te", lambda: te)
+    monkeypatch.setattr(te_float8, "import_te", lambda: te)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
@@ -169,25 +169,27 @@ def _fake_te(monkeypatch, block_scaling: tuple[bool, str]):
 
 def test_the_device_check_is_the_torchao_paths_and_each_recipe_gets_tes_own(monkeypatch):
     _fake_te(monkeypatch, (False, "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9."))
-    assert fp8_te.te_problem("tensorwise", torch.device("cpu")).startswith(
+    assert te_float8.te_problem("tensorwise", torch.device("cpu")).startswith(
         "training.precision=fp8 needs an NVIDIA GPU with FP8 tensor cores"), "fp8.fp8_device_problem's line"
     cuda = torch.device("cuda")
-    assert fp8_te.te_problem("tensorwise", cuda) is None
-    assert fp8_te.te_problem("blockwise", cuda) == (
+    assert te_float8.te_problem("tensorwise", cuda) is None
+    assert te_float8.te_problem("blockwise", cuda) == (
         "training.fp8_recipe=blockwise is not available on NVIDIA H100 80GB HBM3 (Transformer Engine: FP8 block "
         "scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9.); use training.fp8_recipe=tensorwise")
-    assert "Device compute capability 10.0 or higher required for MXFP8" in fp8_te.te_problem("mxfp8", cuda)
+    assert "Device compute capability 10.0 or higher required for MXFP8" in te_float8.te_problem("mxfp8", cuda)
 
 
-def test_every_recipe_the_config_offers_belongs_to_a_backend():
+def test_every_recipe_and_backend_the_config_offers_is_one_of_the_float8_interface():
     from typing import get_args
 
     from tessera.trainer.config import TrainingConfig
-    from tessera.trainer.fp8 import RECIPES
+    from tessera.trainer.precision.float8 import float8_backend
 
+    backends = get_args(TrainingConfig.model_fields["fp8_backend"].annotation)
     offered = set(get_args(TrainingConfig.model_fields["fp8_recipe"].annotation))
-    assert offered == set(RECIPES) | set(fp8_te.TE_RECIPES)
-    assert fp8_te.te_recipe_problem("tensorwise") is None and fp8_te.te_recipe_problem("rowwise") is not None
+    assert offered == {recipe for name in backends for recipe in float8_backend(name).recipes}
+    assert float8_backend("te").recipes == tuple(te_float8.TE_RECIPES)
+    assert te_float8.te_recipe_problem("tensorwise") is None and te_float8.te_recipe_problem("rowwise") is not None
 
 
 # ---- the swap: names, Parameters and state dicts of nn.Linear ------------------------------------
@@ -218,7 +220,7 @@ def test_swap_keeps_names_parameters_and_state_dict_of_nn_linear():
     model, plain = _model(), _model()
     params = dict(model.named_parameters())
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    swapped = fp8_te.swap_linears(model, _StandIn)
+    swapped = te_float8.swap_linears(model, _StandIn)
     projections = [n for n, m in plain.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
     assert swapped == projections and len(swapped) == 2 * 7, "same eligibility as torchao's (fp8.eligible)"
     assert isinstance(model.layers["0"].attn.q_proj, _StandIn) and type(model.lm_head) is nn.Linear
@@ -234,7 +236,7 @@ def test_swap_keeps_names_parameters_and_state_dict_of_nn_linear():
 
 def test_layers_with_dimensions_not_multiples_of_16_stay_linear():
     model = _model(ffn_hidden_size=40)
-    swapped = fp8_te.swap_linears(model, _StandIn)
+    swapped = te_float8.swap_linears(model, _StandIn)
     assert swapped == [f"layers.{i}.attn.{p}_proj" for i in range(2) for p in "qkvo"]
     assert type(model.layers["0"].mlp.gate_proj) is nn.Linear and type(model.layers["1"].mlp.down_proj) is nn.Linear
 
@@ -243,7 +245,7 @@ def test_tes_pickled_extra_state_of_older_versions_stays_out_of_checkpoints_too(
     """TE 2.9-2.17.0 save a stateless recipe's settings as a pickle (bytes in a uint8 tensor) instead
     of an empty tensor: dropped as well, so no checkpoint holds a pickle or an extra key."""
     model, plain = _model(), _model()
-    fp8_te.swap_linears(model, lambda linear: _StandIn(linear, extra=torch.ones(8, dtype=torch.uint8)))
+    te_float8.swap_linears(model, lambda linear: _StandIn(linear, extra=torch.ones(8, dtype=torch.uint8)))
     assert list(model.state_dict()) == list(plain.state_dict())
 
 
@@ -254,7 +256,7 @@ def test_extra_state_in_a_state_dict_never_reaches_tes_set_extra_state():
     import pickle
 
     model = _model()
-    fp8_te.swap_linears(model, _StandIn)
+    te_float8.swap_linears(model, _StandIn)
     blob = torch.frombuffer(bytearray(pickle.dumps({"recipe": "anything"})), dtype=torch.uint8)
     state = {**model.state_dict(), "layers.0.attn.q_proj._extra_state": blob}
     with pytest.raises(ArtifactError, match=r"^layers\.0\.attn\.q_proj\._extra_state: the state dict holds "
@@ -291,7 +293,7 @@ def _needs_te_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("transformer_engine.pytorch")
-    problem = fp8_te.te_problem("tensorwise", torch.device("cuda"))
+    problem = te_float8.te_problem("tensorwise", torch.device("cuda"))
     if problem:
         pytest.skip(problem)
 
@@ -320,12 +322,12 @@ def test_te_recipes_are_the_ones_documented():
     pytest.importorskip("transformer_engine.pytorch")
     from transformer_engine.common import recipe
 
-    made = {name: fp8_te.te_recipe(name) for name in fp8_te.TE_RECIPES}
+    made = {name: te_float8.te_recipe(name) for name in te_float8.TE_RECIPES}
     assert type(made["tensorwise"]) is recipe.Float8CurrentScaling
     assert type(made["blockwise"]) is recipe.Float8BlockScaling
     assert type(made["mxfp8"]) is recipe.MXFP8BlockScaling
     assert {n: r.fp8_format for n, r in made.items()} == {n: getattr(recipe.Format, spec.fp8_format)
-                                                          for n, spec in fp8_te.TE_RECIPES.items()}
+                                                          for n, spec in te_float8.TE_RECIPES.items()}
     torchao_float8 = pytest.importorskip("torchao.float8")
     ao = torchao_float8.Float8LinearConfig.from_recipe_name("tensorwise")
     assert made["tensorwise"].fp8_format.value.max_bwd == torch.finfo(ao.cast_config_grad_output.target_dtype).max
@@ -338,7 +340,7 @@ def test_te_training_steps_track_torchao_and_bf16_on_gpu():
     torchao GPU test's bound, and of torchao tensorwise's (the same scaling; not yet measured)."""
     _needs_te_gpu()
     pytest.importorskip("torchao")
-    from tessera.trainer.fp8 import apply_float8
+    from tessera.trainer.precision.torchao_float8 import apply_float8
 
     device = torch.device("cuda")
     tokens = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0)).to(device)
@@ -347,7 +349,7 @@ def test_te_training_steps_track_torchao_and_bf16_on_gpu():
     apply_float8(ao_model, "tensorwise", device)
     torchao = _train(ao_model, Precision("fp8", device), tokens, 20)[0][-1]
     te_model = build_model(_gpu_config(), device=device, seed=0)
-    te = _train(te_model, Precision("fp8", device, fp8_context=fp8_te.apply_te(te_model, "tensorwise", device)[1]),
+    te = _train(te_model, Precision("fp8", device, fp8_context=te_float8.apply_te(te_model, "tensorwise", device)[1]),
                 tokens, 20)[0][-1]
     assert abs(te - bf16) / bf16 < 0.02
     assert abs(te - torchao) / torchao < 0.02
@@ -363,7 +365,7 @@ def test_te_checkpoint_round_trip_resumes_like_the_uninterrupted_run_and_loads_i
 
     def te_run():
         model = build_model(_gpu_config(), device=device, seed=0)
-        return model, Precision("fp8", device, fp8_context=fp8_te.apply_te(model, "tensorwise", device)[1])
+        return model, Precision("fp8", device, fp8_context=te_float8.apply_te(model, "tensorwise", device)[1])
 
     model, precision = te_run()
     whole, _ = _train(model, precision, tokens, 4)

@@ -12,7 +12,7 @@ from test_bad_input import run_expect_usage_error
 from test_loop import make_trainer, weights
 
 from tessera.ckpt_convert.cli import main as ckpt_main
-from tessera.trainer.checkpointing import latest_checkpoint
+from tessera.trainer.checkpoint.storage import latest_checkpoint
 from tessera.trainer.cli import main
 
 # An lr so small that AdamW's updates vanish below fp32 resolution: the weights after training

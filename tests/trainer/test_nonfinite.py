@@ -8,7 +8,7 @@ import pytest
 from test_loop import make_trainer
 
 from tessera.common.errors import RunError, run_cli
-from tessera.trainer.checkpointing import latest_checkpoint
+from tessera.trainer.checkpoint.storage import latest_checkpoint
 from tessera.trainer.cli import main
 
 # lr 1e30: step 1 is finite and blows the weights up, so step 2's forward overflows to inf/nan.

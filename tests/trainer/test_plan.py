@@ -14,7 +14,7 @@ import yaml
 
 from tessera.common.errors import run_cli
 from tessera.common.layout import ParallelLayout
-from tessera.common.model_config import ModelConfig, preset
+from tessera.common.models.causal_lm.config import ModelConfig, preset
 from tessera.trainer.plan.cli import main
 from tessera.trainer.plan.devices import DEVICES
 from tessera.trainer.plan.memory import plan_memory, rank_params
@@ -204,8 +204,8 @@ def test_the_fp8_block_measurement_on_fake_tensors_is_what_a_real_float8_block_k
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from tessera.common.model import Block
-    from tessera.common.rope import RotaryEmbedding
+    from tessera.common.layers.rope import RotaryEmbedding
+    from tessera.common.models.causal_lm.model import Block
     from tessera.trainer.plan.activations import _LiveStorages, float8_as_on_cuda, measure_block
 
     cfg = ModelConfig(**{**MODEL, "num_layers": 1})

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tessera.common.layout import ParallelLayout
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.plan.memory import plan_memory
 from tessera.trainer.plan.spec import PlanSpec
 
@@ -38,7 +38,7 @@ JOBS = {  # world size -> (name, layout, parallel options, recompute)
     1: [("one process", {}, {}, "none"),
         ("one process, full recompute", {}, {}, "full"),
         ("one process, selective recompute", {}, {}, "selective"),
-        ("one process, bf16 autocast", {}, dict(autocast_bf16=True), "none"),
+        ("one process, bf16 autocast", {}, dict(precision="bf16"), "none"),
         ("one process, mixture of experts", {}, dict(model=MOE), "none")],
     2: [("dp2 all-reduce", dict(data=2), dict(distributed_optimizer=False), "none"),
         ("dp2 ZeRO-1", dict(data=2), {}, "none"),
@@ -88,7 +88,7 @@ def _spec(r: dict) -> PlanSpec:
     return PlanSpec(model=ModelConfig(**opts.get("model", MODEL)), layout=ParallelLayout(**r["layout"]), **BATCH,
                     sequence_parallel=opts.get("sequence_parallel", True),
                     distributed_optimizer=opts.get("distributed_optimizer", True),
-                    precision="bf16" if opts.get("autocast_bf16") else "fp32", recompute=r["recompute"],
+                    precision=opts.get("precision", "fp32"), recompute=r["recompute"],
                     packed_documents="documents" in opts, device_type="cpu")
 
 
@@ -148,7 +148,7 @@ def test_a_model_whose_fp32_weights_exceed_a_ranks_byte_budget_trains_under_fsdp
     sys.path.insert(0, str(WORKER.parent))
     from plan_worker import PeakBytes
 
-    from tessera.common.model import build_model
+    from tessera.common.models.causal_lm.model import build_model
 
     budget = ModelConfig(**DEEP).num_params() * 4
     with pytest.raises(MemoryError), PeakBytes(budget):

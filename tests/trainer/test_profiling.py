@@ -12,7 +12,7 @@ from test_loop import make_trainer, weights
 
 from tessera.trainer.cli import main
 from tessera.trainer.config import ProfilingConfig
-from tessera.trainer.profiling import StepProfiler
+from tessera.trainer.observability.profiling import StepProfiler
 
 
 def read_trace(path) -> dict:

@@ -15,15 +15,15 @@ from sft_fixtures import FORMAT, prep_chat_mixture
 
 from tessera.common.checkpoint import load_model_tensors, read_sidecar, resolve_checkpoint
 from tessera.common.mixture import MixtureSplit
-from tessera.common.model import build_model
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import build_model
 from tessera.common.tokenizer import load_tokenizer
 from tessera.trainer.cli import main
 from tessera.trainer.config import OptimConfig
 from tessera.trainer.data import MixtureBatches
 from tessera.trainer.documents import DocumentMasking
 from tessera.trainer.optim import build_optimizer
-from tessera.trainer.precision import Precision
+from tessera.trainer.precision.mixed import Precision
 from tessera.trainer.step import TrainStep
 
 CPU = torch.device("cpu")

@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.common.model_config import preset
+from tessera.common.models.causal_lm.config import preset
 from tessera.trainer.config import OptimConfig
-from tessera.trainer.host_memory import retain_freed_memory
 from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss, logsumexp_cross_entropy
 from tessera.trainer.model_setup import prepare_model
+from tessera.trainer.observability.host_memory import retain_freed_memory
 from tessera.trainer.optim import build_optimizer
-from tessera.trainer.precision import Precision
+from tessera.trainer.precision.mixed import Precision
 from tessera.trainer.step import TrainStep
 
 CPU = torch.device("cpu")

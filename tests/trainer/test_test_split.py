@@ -15,7 +15,7 @@ from trainer_fixtures import run_tool
 
 from tessera.common.config import load_config
 from tessera.common.mixture import MixtureSplit
-from tessera.trainer.checkpointing import latest_checkpoint
+from tessera.trainer.checkpoint.storage import latest_checkpoint
 from tessera.trainer.cli import main
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.data import MixtureBatches

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from test_loop import make_trainer, weights
 
-from tessera.trainer.checkpointing import latest_checkpoint
+from tessera.trainer.checkpoint.storage import latest_checkpoint
 from tessera.trainer.cli import main
 
 

@@ -169,7 +169,7 @@ def run(argv: list[str] | None = None) -> int:
         print(out)
     elif args.verb == "import":
         from tessera.ckpt_convert.import_hf import import_hf
-        from tessera.common.model_config import MAX_VOCAB_MULTIPLE
+        from tessera.common.models.causal_lm.config import MAX_VOCAB_MULTIPLE
 
         if args.model_config is not None or args.tokenizer is not None:
             raise UserError("--model-config/--tokenizer apply to --format megatron; an HF directory has both")

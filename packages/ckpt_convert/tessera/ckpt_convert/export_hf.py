@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.mapped import Staging
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter
@@ -23,9 +24,9 @@ from tessera.ckpt_convert.source import CheckpointSource
 from tessera.ckpt_convert.tokenizer_files import write_hf_tokenizer
 from tessera.common.errors import UserError
 from tessera.common.fileio import BackgroundFsync, atomic_directory, atomic_write_json
-from tessera.common.hf import export_rules, hf_config
-from tessera.common.model import model_tensor_shapes
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import model_tensor_shapes
+from tessera.common.models.registry import hf_adapter
 from tessera.common.tokenizer import Tokenizer
 
 ST_METADATA = {"format": "pt"}
@@ -71,7 +72,8 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
     if output.exists() and not opts.overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     cfg = src.sidecar.model
-    rules = export_rules(cfg)  # their sources are the stored tensors: CheckpointSource checked them
+    check_convertible(cfg, "export --format hf")
+    rules = hf_adapter(cfg).export_rules(cfg)  # their sources are the stored tensors: CheckpointSource checked them
     tok = src.tokenizer()
     if tok is None:
         print(f"warning: {src.directory} has no tokenizer/; exporting the model without tokenizer files",
@@ -122,7 +124,7 @@ def write_config_files(out: Path, cfg: ModelConfig, dtype: torch.dtype, tok: Tok
     bos = tok.bos_id if tok else None
     eos = tok.eos_id if tok else None
     pad = tok.pad_id if tok else None
-    atomic_write_json(out / "config.json", hf_config(cfg, dtype, bos, eos, pad), sync=sync)
+    atomic_write_json(out / "config.json", hf_adapter(cfg).hf_config(cfg, dtype, bos, eos, pad), sync=sync)
     gen = {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos}
     if pad is not None:
         gen["pad_token_id"] = pad

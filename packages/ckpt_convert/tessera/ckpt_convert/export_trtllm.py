@@ -56,14 +56,16 @@ from typing import Any
 
 import torch
 
+from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.mapped import Staging, aligned
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, fsync
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, atomic_write_json
-from tessera.common.hf import HF_DTYPE_NAMES, architecture_for, check_exportable
-from tessera.common.model_config import ModelConfig
+from tessera.common.hf.architecture import HF_DTYPE_NAMES
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.adapter import architecture_for, check_exportable
 
 # (inputs, tp_rank) -> this rank's tensor, or its parts along dim 0 (written one after the other,
 # never concatenated in memory). Makers return views where they can: the safetensors writer
@@ -335,6 +337,7 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
     if output.exists() and not opts.overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     cfg = src.sidecar.model
+    check_convertible(cfg, "export --format trtllm")
     tp, pp = opts.tp, opts.pp
     validate(cfg, tp, pp)
     all_items = items(cfg, tp, pp)

@@ -18,16 +18,13 @@ from pathlib import Path
 import torch
 
 from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
+from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.errors import UserError
 from tessera.common.fileio import artifact_path, atomic_directory
-from tessera.common.hf import (
-    CONFIG,
-    SafetensorsWeights,
-    check_import,
-    import_rules,
-    read_hf_config,
-)
+from tessera.common.hf.directory import CONFIG, SafetensorsWeights, read_hf_config
+from tessera.common.hf.rules import check_import
+from tessera.common.models.registry import hf_adapter
 from tessera.common.tokenizer import check_tokenizer_fits, load_tokenizer
 
 
@@ -41,10 +38,11 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     config_path = artifact_path(input_dir, CONFIG)
     cfg, _ = read_hf_config(input_dir)  # the one HF adapter, shared with tessera-serve
+    check_convertible(cfg, "import --format hf")
     # Megatron's vocabulary padding at tensor parallel 1 (zero rows; reshard re-pads for larger sizes).
     cfg = cfg.model_copy(update={"vocab_size_divisible_by": vocab_size_divisible_by}).padded_for(1)
     weights = SafetensorsWeights(input_dir)  # zero-copy: each tensor a map of its file bytes
-    rules, optional = import_rules(cfg, weights.names())
+    rules, optional = hf_adapter(cfg).import_rules(cfg, weights.names())
     check_import(rules, weights, str(input_dir), optional)  # every input tensor, before writing anything
     tok = load_tokenizer(input_dir) if (input_dir / "tokenizer.json").is_file() else None
     if tok is not None:

@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 
 from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
+from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import artifact_path, atomic_directory
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import check_tokenizer_fits, load_tokenizer
 
@@ -125,6 +126,7 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     check_torch_dist(input_dir)
     cfg = model_config if isinstance(model_config, ModelConfig) else load_config(ModelConfig, model_config)
+    check_convertible(cfg, "import --format megatron")
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None
     if tok is not None:
         check_tokenizer_fits(tok, cfg.vocab_size, f"--model-config {model_config}")

@@ -159,11 +159,12 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return _rebuild(t, _bytes_of_storage(t).clone())
 
 
-class _RangeReader(io.RawIOBase):
-    """A seekable, read-only file over bytes [offset, offset + length) of an open file, read with
-    pread, for torch's zip reader: it reads only the zip directory and the small pickle record.
-    (Not through the map: a first touch of a fresh map costs a page fault, measured at ~10 ms
-    per tensor on the dev VM, and a tensor that is only copied file to file never needs one.)"""
+class RangeReader(io.RawIOBase):
+    """A seekable, read-only file over bytes [offset, offset + length) of an open file (its fd),
+    read with pread: one DCP entry for torch's zip reader or `torch.load`. The zip reader reads
+    only the directory and the small pickle record through it, not through the map: a first touch
+    of a fresh map costs a page fault (~10 ms per tensor on the dev VM), and a tensor that is only
+    copied file to file never needs one."""
 
     def __init__(self, fd: int, offset: int, length: int):
         super().__init__()
@@ -202,7 +203,7 @@ def load_saved_tensor(path: str | os.PathLike, offset: int, length: int) -> Any:
     data = map_bytes(path, offset, length)
     storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
     with open(path, "rb", buffering=0) as f, \
-            _open_zipfile_reader(_RangeReader(f.fileno(), offset, length)) as archive:  # type: ignore[arg-type]
+            _open_zipfile_reader(RangeReader(f.fileno(), offset, length)) as archive:  # type: ignore[arg-type]
         return _load(archive, "cpu", _weights_only_unpickler, overall_storage=storage, encoding="utf-8")
 
 

@@ -29,7 +29,7 @@ import re
 
 from tessera.ckpt_convert.dcp_writer import Chunk
 from tessera.common.layout import ParallelLayout
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 _COLUMN = ("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")

@@ -19,6 +19,7 @@ import torch
 
 from tessera.ckpt_convert.dcp_writer import Chunk, ShardedDcpWriter, whole
 from tessera.ckpt_convert.export_hf import expected_model_shapes
+from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.partition import match_param, model_chunks, state_chunks
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
@@ -31,9 +32,9 @@ from tessera.common.checkpoint import (
 )
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, fsync_tree
-from tessera.common.hf import VOCAB_PARAMS
 from tessera.common.layout import ParallelLayout, validate_layout
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.adapter import VOCAB_PARAMS
 from tessera.common.tokenizer import copy_tokenizer_files
 
 
@@ -81,6 +82,7 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     # Megatron re-pads the vocabulary for each tensor-parallel size; here the rows are kept wherever
     # the new size divides them (a checkpoint stays layout-free) and re-padded when it does not.
+    check_convertible(src.sidecar.model, "reshard")
     src.tokenizer()  # copied into the output: refused here if it does not fit the model
     target_cfg = src.sidecar.model.refit_for(layout.tensor)
     validate_layout(target_cfg, layout)  # the trainer's check, without its batch and world-size parts

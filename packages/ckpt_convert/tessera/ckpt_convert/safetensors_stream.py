@@ -26,7 +26,7 @@ from typing import BinaryIO
 import torch
 
 from tessera.ckpt_convert.mapped import Staging, raw, write_bytes
-from tessera.common.hf import SAFETENSORS_DTYPES
+from tessera.common.hf.directory import SAFETENSORS_DTYPES
 
 ST_DTYPES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}  # torch -> safetensors name
 

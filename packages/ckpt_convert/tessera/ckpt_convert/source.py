@@ -10,7 +10,6 @@ mapped chunks with one copy each, following the DCP index; entries DCP stored wi
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import threading
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tessera.ckpt_convert.mapped import aligned, load_saved_tensor
+from tessera.ckpt_convert.mapped import RangeReader, aligned, load_saved_tensor
 from tessera.common.checkpoint import (
     MODEL_PREFIX,
     SIDECAR,
@@ -31,6 +30,7 @@ from tessera.common.checkpoint import (
     check_extents,
     check_payload_listed,
     checkpoint_tokenizer_dir,
+    metadata_digest,
     read_sidecar,
     resolve_checkpoint,
     single_process_dcp,
@@ -179,7 +179,7 @@ class CheckpointSource:
     def _read_entry_copy(path: Path, key: str, info: Any) -> Any:
         try:
             with open(path, "rb", buffering=0) as f:
-                return torch.load(_FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
+                return torch.load(RangeReader(f.fileno(), info.offset, info.length), map_location="cpu", weights_only=True)
         except Exception as exc:
             raise ArtifactError(f"{path}: failed to read {key!r} ({str(exc).strip().splitlines()[0][:160]}); "
                                 "the checkpoint is corrupt or truncated (run `tessera-ckpt verify`)") from None
@@ -211,7 +211,7 @@ class CheckpointSource:
         state = {k: torch.empty(self.tensor_specs[k].shape, dtype=self.tensor_specs[k].dtype) for k in keys}
         try:
             with single_process_dcp():
-                dcp_load(state, self.directory, no_dist=True)
+                dcp_load(state, self.directory, no_dist=True, expected_digest=metadata_digest(self.directory))
         except ArtifactError:
             raise
         except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
@@ -241,40 +241,6 @@ class CheckpointSource:
         if len(data) != info.length:
             raise ArtifactError(f"{path}: truncated (entry {key!r} runs past the end of the file)")
         return data, info
-
-
-class _FileSlice(io.RawIOBase):
-    """A read-only, seekable view of bytes [offset, offset + length) of an open file, so
-    `torch.load` can read one DCP entry in place."""
-
-    def __init__(self, f: Any, offset: int, length: int):
-        super().__init__()
-        self.f, self.start, self.length = f, offset, length
-        self.pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
-        self.pos = max(0, min(self.length, base + offset))
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = min(len(view), self.length - self.pos)
-        if n <= 0:
-            return 0
-        self.f.seek(self.start + self.pos)
-        got = self.f.readinto(view[:n])
-        self.pos += got or 0
-        return got or 0
 
 
 class ChecksumCheck:

@@ -56,6 +56,10 @@ _MAX_INT_BITS = 1 << 16  # integers a template computes (`**`, `*`): far beyond 
 # e.g. `default(10**9)` or a macro's data, are plain values).
 _SIZED_BY_ARGUMENT = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "indent", "wordwrap", "batch",
                                 "slice", "tojson", "generate_lorem_ipsum"})
+# Filters that make text of their whole value (a list's items' text too, in one C-level call).
+_AS_TEXT = frozenset({"string", "tojson", "pprint", "join", "format", "e", "escape", "forceescape", "safe", "urlencode",
+                      "trim", "upper", "lower", "title", "capitalize", "replace", "center", "indent", "wordwrap",
+                      "truncate", "striptags", "urlize", "xmlattr"})
 _state = threading.local()  # the render under way on this thread (its _Budget)
 
 
@@ -95,16 +99,41 @@ class _Budget:
             self.bits(value.bit_length())
         return value
 
+    def text_of(self, value: Any) -> Any:
+        """`value`, after checking the text a container would make (str(), tojson, `~`, a join: its
+        items' text, nested), counted up to the cap before any of it is made."""
+        total, todo = 0, [value] if isinstance(value, (list, tuple, dict, set, frozenset)) else []
+        while todo:
+            item = todo.pop()
+            if isinstance(item, dict):
+                todo.extend((*item.keys(), *item.values()))
+            elif isinstance(item, (list, tuple, set, frozenset)):
+                todo.extend(item)
+            total += len(item) if isinstance(item, (str, bytes)) else 1
+            if total > self.limits.max_chars:
+                self.size(total, "the text of a container")
+        return value
+
     def arguments(self, args: tuple, kwargs: dict) -> None:
         """An integer argument (a width, a count) beyond the size cap would make a value beyond it."""
         for a in (*args, *kwargs.values()):
             if isinstance(a, int) and not isinstance(a, bool) and abs(a) > self.limits.max_chars:
                 self.size(abs(a), "a width or count argument")
 
-    def format_string(self, text: str) -> None:
-        """A width or precision in a format string (`%9999999d`, `{:>9999999}`) is a value that size."""
+    def format_string(self, text: str, args: Any = ()) -> None:
+        """A width or precision in a format string (`%9999999d`, `{:>9999999}`) is a value that size;
+        one taken from the arguments (`%*d`, `%.*f`, `{:{}}`, `{:.{w}f}`) is checked among them."""
         for digits in re.findall(rf"\d{{{len(str(self.limits.max_chars))},}}", text):
             self.size(int(digits) if len(digits) < 19 else 10**18, "a formatted field")
+        if re.search(r"%[^a-zA-Z%]*\*|\{[^{}]*:[^{}]*\{", text):  # `{:{0[1]}}` may take it from inside a list
+            todo = [args]
+            while todo:
+                value = todo.pop()
+                if isinstance(value, (list, tuple, dict)):
+                    self.tick()
+                    todo.extend(value.values() if isinstance(value, dict) else value)
+                else:
+                    self.arguments((value,), {})
 
 
 def _budget() -> _Budget | None:
@@ -126,8 +155,16 @@ def _sized(value: Any) -> Any:
     return value if budget is None else budget.value(value)
 
 
-def _predict(budget: _Budget, name: str, value: Any, args: tuple) -> None:
-    """The size of a `replace` or `join` result, before it is built."""
+def _as_text(value: Any) -> Any:
+    """Every `~` operand, before it is made text (the AST is rewritten to call this)."""
+    budget = _budget()
+    return value if budget is None else budget.text_of(value)
+
+
+def _predict(budget: _Budget, name: str, value: Any, args: tuple, kwargs: dict | None = None) -> None:
+    """The size of a result that a width or count multiplies (`replace`, `join`, format widths,
+    `indent`, `expandtabs`, `lipsum`, lists `sum`med), before it is built."""
+    kwargs = kwargs or {}
     if name == "replace" and isinstance(value, str) and len(args) >= 2:
         old, new = str(args[0]), str(args[1])
         count = value.count(old) if old else len(value) + 1
@@ -137,7 +174,19 @@ def _predict(budget: _Budget, name: str, value: Any, args: tuple) -> None:
         budget.size(sum(len(v) if isinstance(v, (str, list, tuple, dict)) else 1 for v in value)
                     + len(sep) * len(value))
     elif name in ("format", "format_map") and isinstance(value, str):
-        budget.format_string(value)
+        budget.format_string(value, (*args, *kwargs.values()))
+        budget.text_of([*args, *kwargs.values()])
+    elif name == "sum" and isinstance(value, (list, tuple)) and "attribute" not in kwargs and len(args) < 1:
+        budget.size(sum(len(v) for v in value if isinstance(v, (str, list, tuple))))  # lists summed: one list
+    elif name in ("indent", "expandtabs") and isinstance(value, str):  # the width again on every line / tab
+        width = args[0] if args else kwargs.get(*(("width", 4) if name == "indent" else ("tabsize", 8)))
+        width = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+        budget.size(len(value) + value.count("\n" if name == "indent" else "\t") * max(width, 0) + width)
+    elif name == "generate_lorem_ipsum":  # lipsum(n, html, min, max): up to `max` words of ~8 characters a paragraph
+        given = {**dict(zip(("n", "html", "min", "max"), args)), **kwargs}
+        n, words = given.get("n", 5), given.get("max", 100)
+        if isinstance(n, int) and isinstance(words, int):
+            budget.size(max(n, 0) * max(words, 0) * 8, "a lorem ipsum text")
 
 
 def _bounded_filter(name: str, f: Any) -> Any:
@@ -150,9 +199,11 @@ def _bounded_filter(name: str, f: Any) -> Any:
             return f(*args, **kwargs)
         budget.tick()
         if len(args) > skip:  # the value filtered, then the filter's own arguments
+            if name in _AS_TEXT:
+                budget.text_of(args[skip])
             if name in _SIZED_BY_ARGUMENT:
                 budget.arguments(args[skip + 1:], kwargs)
-            _predict(budget, name, args[skip], args[skip + 1:])
+            _predict(budget, name, args[skip], args[skip + 1:], kwargs)
         return budget.value(f(*args, **kwargs))
     return bounded
 
@@ -191,14 +242,13 @@ def _compile(source: str):
                 elif operator == "+" and hasattr(left, "__len__") and hasattr(right, "__len__"):
                     budget.size(len(left) + len(right))
                 elif operator == "%" and isinstance(left, str):
-                    budget.format_string(left)
-                    if re.search(r"%[#0\- +]*\*", left):  # `%*d`: the width is an argument
-                        budget.arguments(right if isinstance(right, tuple) else (right,), {})
+                    budget.format_string(left, right)
+                    budget.text_of(right)
             result = super().call_binop(context, operator, left, right)
             return result if budget is None else budget.value(result)
 
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-            if __obj is _loop_items or __obj is _sized:
+            if __obj is _loop_items or __obj is _sized or __obj is _as_text:
                 return __obj(*args)
             budget = _budget()
             if budget is None:
@@ -216,12 +266,14 @@ def _compile(source: str):
             if isinstance(owner, str) and method.__name__ == "join" and args:
                 _predict(budget, "join", args[0], (owner,))
             elif isinstance(owner, str):
-                _predict(budget, method.__name__, owner, args)
+                _predict(budget, method.__name__, owner, args, kwargs)
+            elif getattr(method, "__name__", None) == "generate_lorem_ipsum":
+                _predict(budget, "generate_lorem_ipsum", None, args, kwargs)
             return budget.value(super().call(__context, __obj, *args, **kwargs))
 
     def finalize(value: Any) -> Any:  # every {{ expression }}, in set blocks and macros too
         budget = _budget()
-        return value if budget is None else budget.value(value)
+        return value if budget is None else budget.value(budget.text_of(value))
 
     env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols], finalize=finalize)
     env.filters["tojson"] = _tojson
@@ -233,7 +285,7 @@ def _compile(source: str):
                           lineno=node.lineno)
 
     class Bound(NodeTransformer):
-        """Every loop iterates through _loop_items, every `a ~ b` result goes through _sized."""
+        """Every loop iterates through _loop_items, every `a ~ b` operand through _as_text and result through _sized."""
 
         def visit_For(self, node: Any) -> Any:
             node = self.generic_visit(node)
@@ -241,7 +293,9 @@ def _compile(source: str):
             return node
 
         def visit_Concat(self, node: Any) -> Any:
-            return checked(_sized, self.generic_visit(node))
+            node = self.generic_visit(node)
+            node.nodes = [checked(_as_text, n) for n in node.nodes]
+            return checked(_sized, node)
 
     return env.from_string(Bound().visit(env.parse(source)))
 

@@ -8,7 +8,7 @@
             tokenizer/                       tokenizer.json + tokenizer_config.json
 
 DCP state-dict keys: `model.<parameter name>` for every model tensor, as global (unsharded)
-tensors whatever the layout they were saved from, named as in `tessera.common.model` with global
+tensors whatever the layout they were saved from, named as in `tessera.common.models.causal_lm.model` with global
 layer numbers; training state under `optimizer.`, `scheduler`, `rng`, `train_state`, etc. (the
 trainer owns those). A checkpoint directory is complete only once its sidecar exists, and the
 pointer file is replaced (atomically) only after that.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
 import os
 import re
 import warnings
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tessera.common import __version__
@@ -43,7 +44,7 @@ from tessera.common.fileio import (
     read_json,
 )
 from tessera.common.layout import ParallelLayout
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.registry import DEFAULT_KIND, kind_of, model_config, model_kind
 from tessera.common.safe_dcp import METADATA_FILE, dcp_load, read_dcp_metadata
 
 CHECKPOINT_FORMAT = "tessera-checkpoint"
@@ -69,7 +70,7 @@ class CheckpointSidecar(BaseModel):
     model_config = ConfigDict(extra="allow", protected_namespaces=())
     format: str = CHECKPOINT_FORMAT
     format_version: int = CHECKPOINT_FORMAT_VERSION
-    model: ModelConfig
+    model: Any = Field(..., description="The model config, as its kind's class (`kind` absent: causal_lm).")
     tokenizer_fingerprint: str | None = None
     layout: ParallelLayout = Field(default_factory=ParallelLayout, description=(
         "Layout it was saved from, with the layer split it ran (pipeline_layers, one count per pipeline stage; "
@@ -86,6 +87,11 @@ class CheckpointSidecar(BaseModel):
     checksums: dict[str, str] = Field(default_factory=dict, description="File name (DCP files) -> hex digest.")
     created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     tessera_version: str = __version__
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _of_its_kind(cls, value: Any) -> Any:
+        return value if isinstance(value, BaseModel) else model_config(value)
 
     @model_validator(mode="before")
     @classmethod
@@ -176,6 +182,19 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     raise ArtifactError(f"{path}: not a Tessera checkpoint (no {SIDECAR} and no {POINTER})")
 
 
+def metadata_digest(directory: str | os.PathLike) -> tuple[str, str] | None:
+    """(algorithm, digest) of `.metadata` the directory's sidecar records, for the safe DCP reader
+    to check before it unpickles the index; None without one (read_sidecar reports a broken one)."""
+    path = artifact_path(directory, SIDECAR)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return str(data.get("checksum_algorithm", SHA256)), str(data["checksums"][METADATA_FILE])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def read_sidecar(directory: str | os.PathLike) -> CheckpointSidecar:
     directory = Path(directory)
     data: Any = read_json(artifact_path(directory, SIDECAR), "checkpoint sidecar")
@@ -185,12 +204,17 @@ def read_sidecar(directory: str | os.PathLike) -> CheckpointSidecar:
         raise ArtifactError(f"{directory / SIDECAR}: checkpoint format version {data.get('format_version')} "
                             f"is not supported (this Tessera reads versions "
                             f"{', '.join(map(str, SUPPORTED_FORMAT_VERSIONS))}); upgrade Tessera")
+    model = data.get("model")
+    if isinstance(model, dict):  # the kind first: an unregistered one is refused by name
+        model_kind(model.get("kind", DEFAULT_KIND), f"{directory / SIDECAR}: model.kind", ArtifactError)
     try:
         sidecar = CheckpointSidecar.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         raise ArtifactError(f"{directory / SIDECAR}: invalid sidecar: field {'.'.join(map(str, err['loc']))}: "
                             f"{err['msg']}") from None
+    except Exception as exc:  # e.g. the kind's own refusal of a model that is not a mapping
+        raise ArtifactError(f"{directory / SIDECAR}: invalid sidecar ({str(exc).splitlines()[0]})") from None
     if sidecar.checksum_algorithm not in CHECKSUM_ALGORITHMS:
         raise ArtifactError(f"{directory / SIDECAR}: checksum_algorithm {sidecar.checksum_algorithm!r} is not "
                             f"supported (known: {', '.join(CHECKSUM_ALGORITHMS)}); upgrade Tessera")
@@ -256,7 +280,7 @@ def single_process_dcp() -> Iterator[None]:
 
 def model_tensor_specs(directory: str | os.PathLike) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Name (without the `model.` prefix) -> (global shape, dtype) of every stored model tensor."""
-    return _model_specs(read_dcp_metadata(Path(directory)))
+    return _model_specs(read_dcp_metadata(Path(directory), metadata_digest(directory)))
 
 
 def check_extents(directory: str | os.PathLike, metadata: Any) -> None:
@@ -274,17 +298,22 @@ def check_extents(directory: str | os.PathLike, metadata: Any) -> None:
                                 f"the file has {sizes[info.relative_path]})")
 
 
-def check_model_tensors(directory: str | os.PathLike, cfg: ModelConfig, metadata: Any) -> None:
-    """The stored model tensors are exactly those of the model `cfg` describes: each one present
-    with its shape and a float dtype the format allows (WEIGHT_DTYPES), none missing, none extra.
-    Compared on the DCP index alone, before any tensor is allocated or read."""
-    from tessera.common.model import WEIGHT_DTYPES, model_tensor_shapes
+def check_model_tensors(directory: str | os.PathLike, cfg: Any, metadata: Any) -> None:
+    """The stored model tensors are exactly those of the model `cfg` describes (its kind's
+    tensor_shapes): each one present with its shape and a float dtype weights may have
+    (WEIGHT_DTYPES), none missing, none extra. Compared on the DCP index alone, before any tensor
+    is allocated or read."""
+    from tessera.common.hf.rules import WEIGHT_DTYPES
 
     where = Path(directory) / METADATA_FILE
+    kind = kind_of(cfg)
+    if kind.tensor_shapes is None:
+        raise ArtifactError(f"{directory / SIDECAR}: model kind {kind.name!r} has no checkpoint tensor map; "
+                            "Tessera cannot check (or read) its checkpoints")
     stored = _model_specs(metadata)
     names = [str(d).removeprefix("torch.") for d in WEIGHT_DTYPES]
     allowed = f"{', '.join(names[:-1])} or {names[-1]}"
-    expected = model_tensor_shapes(cfg)
+    expected = kind.tensor_shapes(cfg)
     for name, shape in expected.items():
         if name not in stored:
             raise ArtifactError(f"{where}: model tensor {name!r} missing (the sidecar's model config has it)")
@@ -308,7 +337,7 @@ def check_checkpoint(directory: str | os.PathLike, sidecar: CheckpointSidecar | 
     Checksums are separate (verify_checksums, or a converter's background check)."""
     directory = Path(directory)
     sidecar = sidecar or read_sidecar(directory)
-    metadata = read_dcp_metadata(directory)
+    metadata = read_dcp_metadata(directory, metadata_digest(directory))
     check_extents(directory, metadata)
     check_model_tensors(directory, sidecar.model, metadata)
     return metadata
@@ -336,7 +365,7 @@ def load_model_tensors(directory: str | os.PathLike, names: list[str] | None = N
     state = {MODEL_PREFIX + n: torch.empty(specs[n][0], dtype=specs[n][1]) for n in wanted}
     try:
         with single_process_dcp():
-            dcp_load(state, directory, no_dist=True)
+            dcp_load(state, directory, no_dist=True, expected_digest=metadata_digest(directory))
     except ArtifactError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException

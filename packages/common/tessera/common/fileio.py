@@ -16,6 +16,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 import stat
 import threading
@@ -39,10 +40,6 @@ def sha256_file(path: str | os.PathLike, chunk_size: int = _CHUNK) -> str:
         while block := f.read(chunk_size):
             digest.update(block)
     return digest.hexdigest()
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def new_hasher(algorithm: str) -> Any:
@@ -356,9 +353,11 @@ def artifact_path(directory: str | os.PathLike, name: str | os.PathLike) -> Path
 
 def _hub_blobs(root: Path) -> Path | None:
     """The `blobs/` folder of the Hugging Face hub cache repository whose snapshot holds `root`
-    (already resolved), when `root` lies in one and that folder is a real folder, not a link."""
+    (already resolved), when `root` lies in one and that folder is a real folder, not a link.
+    The repository's folder is named as the hub names it (`models--org--name`), so any other
+    `snapshots/` folder (a backup's) lends no exception."""
     for parent in root.parents:
-        if parent.name == "snapshots":
+        if parent.name == "snapshots" and re.fullmatch(r"(models|datasets|spaces)--.+", parent.parent.name):
             blobs = parent.parent / "blobs"
             return blobs if blobs.is_dir() and not blobs.is_symlink() else None
     return None

@@ -25,7 +25,7 @@ from pydantic import Field
 
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 
 
 def parse_pipeline_layers(text: str | None) -> list[int] | None:

@@ -9,8 +9,9 @@ instead:
 - `read_dcp_metadata` unpickles `.metadata` with `RestrictedUnpickler`, which admits only the
   classes DCP's own index is made of (listed below, found by recording what torch 2.13 writes for
   every kind of state Tessera saves) plus plain containers; anything else is refused with one line
-  naming the file and the global it asked for. When the directory's sidecar lists a checksum for
-  `.metadata`, the bytes are checked against it before they are unpickled at all.
+  naming the file and the global it asked for. Given the checksum of `.metadata` a Tessera
+  sidecar records (`expected_digest`: tessera.common.checkpoint.metadata_digest passes it), the
+  bytes are checked against it before they are unpickled at all.
 - `SafeFileSystemReader` is DCP's FileSystemReader with that metadata reader, and
   `SafeLoadPlanner` is DCP's default planner with non-tensor entries read `weights_only=True`
   (tensors are already read that way by DCP). `dcp_load` wires both into `dcp.load`.
@@ -23,7 +24,6 @@ DCP's reader would still unpickle if called directly; a restricted unpickler pro
 from __future__ import annotations
 
 import io
-import json
 import math
 import pickle
 from pathlib import Path
@@ -83,22 +83,9 @@ class RestrictedUnpickler(pickle.Unpickler):
                             "index never contains (the file may be malicious); do not use this checkpoint")
 
 
-def _sidecar_digest(directory: Path) -> tuple[str, str] | None:
-    """(algorithm, digest) of `.metadata` from the directory's sidecar, when it records one."""
-    from tessera.common.checkpoint import SIDECAR  # the sidecar format lives there
-
-    path = artifact_path(directory, SIDECAR)
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return str(data.get("checksum_algorithm", "sha256")), str(data["checksums"][METADATA_FILE])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # read_sidecar reports a broken sidecar with its own message
-
-
-def read_dcp_metadata(directory: str | Path) -> Any:
-    """DCP's `Metadata` of a checkpoint directory, read without admitting foreign code."""
+def read_dcp_metadata(directory: str | Path, expected_digest: tuple[str, str] | None = None) -> Any:
+    """DCP's `Metadata` of a checkpoint directory, read without admitting foreign code.
+    `expected_digest`: (algorithm, hex digest) the file must have, checked before unpickling."""
     directory = Path(directory)
     path = artifact_path(directory, METADATA_FILE)
     try:
@@ -107,9 +94,8 @@ def read_dcp_metadata(directory: str | Path) -> Any:
         raise ArtifactError(f"{path}: DCP index missing; the checkpoint is incomplete") from None
     except OSError as exc:
         raise ArtifactError(f"{path}: cannot read the DCP index ({exc.strerror or exc})") from None
-    expected = _sidecar_digest(directory)
-    if expected is not None:
-        algorithm, digest = expected
+    if expected_digest is not None:
+        algorithm, digest = expected_digest
         try:
             actual = file_digest(path, algorithm)
         except (KeyError, ValueError):
@@ -235,12 +221,13 @@ def _planner_class() -> type:
     return SafeLoadPlanner
 
 
-def safe_reader(directory: str | Path) -> Any:
+def safe_reader(directory: str | Path, expected_digest: tuple[str, str] | None = None) -> Any:
     """A DCP storage reader for `directory` whose index has been read safely (raises ArtifactError)."""
-    return _reader_class()(directory, read_dcp_metadata(directory))
+    return _reader_class()(directory, read_dcp_metadata(directory, expected_digest))
 
 
-def dcp_load(state: dict, directory: str | Path, no_dist: bool = False) -> None:
+def dcp_load(state: dict, directory: str | Path, no_dist: bool = False,
+             expected_digest: tuple[str, str] | None = None) -> None:
     """`dcp.load(state, ...)` in place, through the safe reader and planner (collective unless no_dist).
 
     A refusal raised inside DCP reaches the caller as the ArtifactError itself (DCP wraps every
@@ -249,7 +236,7 @@ def dcp_load(state: dict, directory: str | Path, no_dist: bool = False) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(state, storage_reader=safe_reader(directory), planner=_planner_class()(), no_dist=no_dist)
+        dcp.load(state, storage_reader=safe_reader(directory, expected_digest), planner=_planner_class()(), no_dist=no_dist)
     except CheckpointException as exc:
         for failure in exc.failures.values():
             inner = failure[0] if isinstance(failure, tuple) else failure

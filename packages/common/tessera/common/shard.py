@@ -155,15 +155,6 @@ class BlockHasher:
         return self.digests
 
 
-def block_checksums_of(path: str | os.PathLike, block_size: int = BLOCK_SIZE) -> list[str]:
-    """Block digests of a whole file (for shards written by copying, e.g. merge)."""
-    hasher = BlockHasher(block_size)
-    with open(path, "rb") as f:
-        while chunk := f.read(max(block_size, 1 << 24)):
-            hasher.update(chunk)
-    return hasher.finish()
-
-
 class BlockVerifier:
     """Checks each block of a shard's `.bin` once, on first read: its checksum, then its token ids.
 

@@ -11,7 +11,6 @@ stages refuse to combine artifacts with different fingerprints.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import artifact_path, sha256_file
+from tessera.common.fileio import artifact_path, read_json, sha256_file
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -133,10 +132,7 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     config: dict[str, Any] = {}
     cfg_path = artifact_path(directory, TOKENIZER_CONFIG)
     if cfg_path.is_file():
-        try:
-            config = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ArtifactError(f"{cfg_path}: not valid JSON ({exc.msg})") from None
+        config = read_json(cfg_path, "tokenizer config")
         if not isinstance(config, dict):
             raise ArtifactError(f"{cfg_path}: expected a JSON object")
     template_path = artifact_path(directory, CHAT_TEMPLATE_FILE)

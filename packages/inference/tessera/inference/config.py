@@ -88,7 +88,7 @@ class EngineConfig(StrictModel):
     )
     cpu_linear: CpuLinear = Field(
         "onednn", description="CPU Linear layers: onednn = weights prepacked once for oneDNN's blocked GEMM "
-                              "(tessera.inference.cpu_linear; equal to aten's to rounding), aten = F.linear.")
+                              "(tessera.inference.worker.cpu_linear; equal to aten's to rounding), aten = F.linear.")
     tensor_parallel: int = Field(
         1, ge=1, le=64, description="Tensor-parallel size: worker processes (one per rank, gloo on CPU, NCCL on GPU) "
                                     "each holding its shard of the weights and of the KV heads; 1 = in the engine.")
@@ -108,7 +108,7 @@ class EngineConfig(StrictModel):
     enforce_eager: bool = Field(False, description="Run every step eagerly (vLLM's flag): no CUDA graphs on CUDA, "
                                                    "no compiled layer stack on CPU.")
     cpu_compile: bool | None = Field(
-        None, description="CPU: run the layer stack compiled by inductor (tessera.inference.compiled; compiled at "
+        None, description="CPU: run the layer stack compiled by inductor (tessera.inference.worker.compiled; compiled at "
                           "engine start, tens of seconds). None: on, unless enforce_eager, cpu_linear aten, or the environment "
                           f"variable {CPU_COMPILE_ENV}=0 (the test suite's) says off.")
     cuda_graph_sizes: list[int] | None = Field(

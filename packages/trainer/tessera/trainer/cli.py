@@ -14,7 +14,7 @@ import textwrap
 from tessera.common.config import describe_fields, load_config
 from tessera.common.errors import run_cli
 from tessera.common.fileio import ensure_output_dir
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.parallel.launch import add_parallel_arguments, parallel_overrides
 

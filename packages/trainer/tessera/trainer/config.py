@@ -17,13 +17,13 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, check_expert_parallel
-from tessera.common.model_config import ModelConfig
-from tessera.trainer.fp8 import RECIPES as TORCHAO_RECIPES
-from tessera.trainer.fp8_te import te_config_problem, te_layout_problem, te_model_problem
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.registry import model_config
+from tessera.trainer.kinds import check_trainable
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
 # the real vocab_size) has been read; no shape check depends on it.
-_PLACEHOLDER_VOCAB = 1
+PLACEHOLDER_VOCAB = 1
 
 
 class DataConfig(StrictModel):
@@ -86,9 +86,9 @@ class TrainingConfig(StrictModel):
     rampup_batch_size: tuple[int, int, int] | None = Field(None, description="Megatron's --rampup-batch-size [start, increment, samples]: the global batch starts at `start` sequences and grows by `increment` at even intervals over the first `samples` consumed samples, up to global_batch_size (tessera.trainer.data.global_batch_size_at). Every size must be a multiple of micro_batch_size x data-parallel size.")
     steps: int = Field(100, gt=0, description="Optimizer steps to train (the run ends when the step counter reaches this).")
     seed: int = Field(1234, description="Seed for weight init and every RNG (python, numpy, torch).")
-    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged); fp8 = bf16 with the linear layers' matmuls in float8 through torchao or Transformer Engine (fp8_backend; GPUs of compute capability 8.9+; under parallel.tensor > 1 the tensor-parallel layers keep their collectives and cast with global scales; tessera.trainer.fp8).")
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged); fp8 = bf16 with the linear layers' matmuls in float8 through torchao or Transformer Engine (fp8_backend; GPUs of compute capability 8.9+; under parallel.tensor > 1 the tensor-parallel layers keep their collectives and cast with global scales; tessera.trainer.precision.torchao_float8).")
     fp8_recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8"] = Field("tensorwise", description="fp8 only: the scaling. tensorwise = one scale per tensor from its current amax (fastest; both backends: torchao's tensorwise, TE's Float8CurrentScaling); rowwise = one per row (robust to outliers; torchao only); blockwise = 1x128 activation/gradient and 128x128 weight blocks (TE's Float8BlockScaling, compute capability 9.0+); mxfp8 = one scale per 32 values (TE's MXFP8BlockScaling, Blackwell). A recipe the backend lacks is refused.")
-    fp8_backend: Literal["torchao", "te"] = Field("torchao", description="fp8 only: torchao = torchao Float8Linear (the default; composes with compile, recompute and every parallel layout; tessera.trainer.fp8); te = NVIDIA Transformer Engine's Linear under its FP8 autocast (optional: pip install 'tessera-trainer[te]' on a CUDA machine; one process, training.compile=false, recompute none or selective; tessera.trainer.fp8_te). Checkpoints are the same under both.")
+    fp8_backend: Literal["torchao", "te"] = Field("torchao", description="fp8 only: torchao = torchao Float8Linear (the default; composes with compile, recompute and every parallel layout; tessera.trainer.precision.torchao_float8); te = NVIDIA Transformer Engine's Linear under its FP8 autocast (optional: pip install 'tessera-trainer[te]' on a CUDA machine; one process, training.compile=false, recompute none or selective; tessera.trainer.precision.te_float8). Checkpoints are the same under both.")
     fp16_initial_scale: float = Field(2.0**16, gt=0, description="fp16 only: starting loss scale.")
     fp16_growth_interval: int = Field(1000, gt=0, description="fp16 only: steps without overflow before the loss scale doubles.")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute: none; selective = attention core; full = every transformer block.")
@@ -111,26 +111,21 @@ class TrainingConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_fp8_backend(self) -> TrainingConfig:
-        """What fp8_backend and fp8_recipe need of the rest of this section (tessera.trainer.fp8_te)."""
-        if self.fp8_backend == "te":
-            if self.precision != "fp8":
-                raise ValueError(f"training.fp8_backend=te is for training.precision=fp8 (this run is "
-                                 f"{self.precision}); set precision fp8 or drop fp8_backend")
-            problem = te_config_problem(self.fp8_recipe, self.compile, self.recompute, self.micro_batch_size,
-                                        self.seq_length)
-            if problem:
-                raise ValueError(problem)
-        elif self.precision == "fp8" and self.fp8_recipe not in TORCHAO_RECIPES:
-            raise ValueError(f"training.fp8_recipe={self.fp8_recipe} is a Transformer Engine recipe: set "
-                             f"training.fp8_backend=te, or use {' or '.join(TORCHAO_RECIPES)} with torchao")
+        """The rest of what a float8 backend needs is its own check (tessera.trainer.precision.float8),
+        run by check_inputs before any work."""
+        if self.fp8_backend == "te" and self.precision != "fp8":
+            raise ValueError(f"training.fp8_backend=te is for training.precision=fp8 (this run is "
+                             f"{self.precision}); set precision fp8 or drop fp8_backend")
         return self
 
 
-class ParallelConfigSection(StrictModel):
-    """The parallel layout. Data parallel is implied: world size / (tensor x context x expert x pipeline).
+class ParallelConfig(StrictModel):
+    """The parallel layout and the options of the runtime that runs it. Data parallel is implied:
+    world size / (tensor x context x expert x pipeline).
 
     Any layout other than one plain process runs the step through
-    tessera.trainer.parallel.runtime.ParallelRuntime (see docs/parallelism.md).
+    tessera.trainer.parallel.runtime.ParallelRuntime, which takes this section as it is (see
+    docs/parallelism.md).
     """
 
     tensor: int = Field(1, ge=1, description="Tensor-parallel size (= --tensor-parallel); must divide heads, kv heads, ffn size and vocab.")
@@ -152,7 +147,7 @@ class ParallelConfigSection(StrictModel):
     async_tp: bool = Field(False, description="CUDA/NCCL only: inductor's micro-pipelined tensor parallel (async-TP, symmetric memory), overlapping the sequence-parallel all-gather/reduce-scatter with the block's matmuls. Needs tensor > 1, sequence_parallel and training.compile; refused on CPU/gloo (nothing to overlap there).")
 
     @model_validator(mode="after")
-    def _check_overlap(self) -> ParallelConfigSection:
+    def _check_overlap(self) -> ParallelConfig:
         if self.overlap_param_gather and (not self.distributed_optimizer or self.data_shard > 1):
             raise ValueError("parallel.overlap_param_gather needs parallel.distributed_optimizer=true and "
                              "parallel.data_shard=1 (it overlaps the distributed optimizer's all-gather)")
@@ -236,7 +231,7 @@ class TrainConfig(StrictModel):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Loop settings.")
-    parallel: ParallelConfigSection = Field(default_factory=ParallelConfigSection, description="Parallel layout.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallel layout.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metric sinks.")
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig, description="Profiler traces of chosen steps.")
@@ -245,9 +240,12 @@ class TrainConfig(StrictModel):
     @classmethod
     def _check_model(cls, value: dict[str, Any]) -> dict[str, Any]:
         probe = dict(value)
-        probe.setdefault("vocab_size", _PLACEHOLDER_VOCAB)
+        probe.setdefault("vocab_size", PLACEHOLDER_VOCAB)
         try:
-            ModelConfig.model_validate(probe)
+            model_config(probe)  # as its kind's config; an unregistered kind is refused by name
+            check_trainable(probe)  # and one this trainer has no batches or loss for
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
         except ValidationError as exc:
             err = exc.errors()[0]
             loc = ".".join(str(p) for p in err["loc"])
@@ -268,23 +266,18 @@ class TrainConfig(StrictModel):
             if (t.global_batch_size - start) % increment:
                 raise ValueError(f"training.rampup_batch_size {list(t.rampup_batch_size)}: global_batch_size "
                                  f"({t.global_batch_size}) minus start must be a multiple of the increment")
-        if t.fp8_backend == "te" and (problem := te_layout_problem(self.parallel.model_parallel_size
-                                                                   * self.parallel.data_shard)):
-            raise ValueError(problem)
         if self.parallel.async_tp and not t.compile:  # inductor does the overlap: refused before any launch
             raise ValueError("parallel.async_tp needs training.compile=true (inductor's micro-pipeline TP pass)")
         p = self.parallel
-        # The user-facing check of fsdp_float8_all_gather (ParallelConfig and ParallelRuntime.build
-        # check the same invariants for direct callers, in their own words).
+        # fsdp_float8_all_gather: torchao gathers float8 weights of Float8Linear only (not of ZeRO-1's flat
+        # buffers nor of the tensor-parallel layers), and a rowwise scale needs whole rows.
         if p.fsdp_float8_all_gather and (t.precision != "fp8" or p.data_shard == 1 or t.fp8_recipe != "tensorwise"):
             raise ValueError("parallel.fsdp_float8_all_gather needs training.precision=fp8, training.fp8_recipe="
                              "tensorwise and parallel.data_shard > 1 (under torchrun); unset it")
         if p.fsdp_float8_all_gather and p.tensor > 1:
             raise ValueError("parallel.fsdp_float8_all_gather does not compose with parallel.tensor > 1 (torchao's "
                              "float8 weights are for Float8Linear, not Tessera's tensor-parallel layers); unset it")
-        model = self.resolve_model(_PLACEHOLDER_VOCAB)
-        if t.fp8_backend == "te" and (problem := te_model_problem(model, t.fp8_recipe)):
-            raise ValueError(problem)  # layer dimensions (mxfp8): from the config, before anything is built
+        model = self.resolve_model(PLACEHOLDER_VOCAB)
         max_seq = model.max_seq_len
         if t.seq_length > max_seq:
             raise ValueError(f"training.seq_length ({t.seq_length}) exceeds model.max_seq_len ({max_seq})")
@@ -311,7 +304,7 @@ class TrainConfig(StrictModel):
             if vocab_size is None:
                 raise ValueError("model.vocab_size unknown: give it or read it from the mixture")
             data["vocab_size"] = vocab_size
-        return ModelConfig.model_validate(data)
+        return model_config(data)
 
     @property
     def checkpoint_dir(self) -> Path:

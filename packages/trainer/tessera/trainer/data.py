@@ -10,11 +10,13 @@ split wrap around (another epoch over the mixture, in the same order).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tessera.common.mixture import MixtureSplit
+from tessera.common.mixture import MixtureManifest, MixtureSplit
+from tessera.trainer.config import DataConfig, TrainingConfig
 from tessera.trainer.documents import DocumentMasking
 
 
@@ -100,3 +102,27 @@ class MixtureBatches:
     def micro_batches(self, plan: MicroBatchPlan, consumed_samples: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for ids in plan.sample_ids(consumed_samples):
             yield self.batch(ids)
+
+
+@dataclass
+class RunData:
+    """The splits a run reads: train; valid and test when it evaluates (training.eval_interval or
+    eval_only), test only when the mixture has samples in it (evaluated once, at the end)."""
+
+    train: MixtureBatches
+    valid: MixtureBatches | None = None
+    test: MixtureBatches | None = None
+
+    @classmethod
+    def open(cls, data: DataConfig, training: TrainingConfig, manifest: MixtureManifest,
+             documents: DocumentMasking | None, batches: type[MixtureBatches] = MixtureBatches) -> RunData:
+        """Each split read through `batches`, the model kind's batch builder (tessera.trainer.kinds)."""
+        def split(name: str) -> MixtureBatches:
+            return batches(MixtureSplit(data.mixture, name, data.check_fingerprints), training.seq_length, documents)
+
+        evaluating = bool(training.eval_interval or training.eval_only)
+        train = split(data.train_split)
+        valid = split(data.valid_split) if evaluating and data.valid_split else None
+        test = manifest.splits.get(data.test_split) if data.test_split else None
+        return cls(train, valid, split(data.test_split) if evaluating and test is not None and test.num_samples > 0
+                   else None)

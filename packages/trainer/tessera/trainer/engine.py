@@ -5,7 +5,8 @@ position, the LR schedule, evaluation, logging, checkpoints, stopping. It hands 
 parallel rank's rows of each global batch and asks for a few things, the `Engine` protocol:
 
     train_step(tokens, labels)  forward/backward over micro-batches, unscale + clip, optimizer step
-                                -> StepResult(loss of the global batch, pre-clip grad norm, stepped)
+                                -> StepResult(loss of the global batch, pre-clip grad norm, stepped,
+                                              MoE router statistics)
     eval_batch(tokens, labels)  forward only -> (loss of the global batch, its counted tokens)
     params_norm()               global L2 norm of the weights
     components()                the stateful pieces to checkpoint: model, optimizer, loss scaler, RNGs
@@ -18,23 +19,22 @@ parallel, the parallel runtime's step and distributed optimizer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from tessera.common.model_config import ModelConfig
-from tessera.common.moe import RouterStats
-from tessera.trainer.checkpointing import local_components
-from tessera.trainer.config import TrainConfig
+from tessera.common.layers.moe import RouterStats
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.trainer.checkpoint.stateful import Stateful, seed_everything
+from tessera.trainer.checkpoint.storage import local_components
+from tessera.trainer.config import OptimConfig, TrainingConfig
 from tessera.trainer.documents import DocumentMasking, loss_token_count
-from tessera.trainer.fp8 import apply_float8
-from tessera.trainer.fp8_te import apply_te
+from tessera.trainer.kinds import trainer_kind
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.optim import build_optimizer, set_lr
-from tessera.trainer.precision import Precision
-from tessera.trainer.stateful import Stateful, seed_everything
-from tessera.trainer.step import TrainStep
+from tessera.trainer.precision.float8 import float8_backend
+from tessera.trainer.precision.mixed import Precision
 
 
 @dataclass
@@ -42,6 +42,7 @@ class StepResult:
     loss: float  # global mean loss (unscaled)
     grad_norm: float  # pre-clip global norm of the unscaled gradients (inf/nan on fp16 overflow)
     stepped: bool = True  # False: a scaled step overflowed and was skipped (parameters unchanged)
+    router: dict[str, float] = field(default_factory=dict)  # MoE: the step's router statistics (moe_*)
 
 
 class Engine(Protocol):
@@ -80,33 +81,34 @@ class LocalEngine:
 
     dp_rank, dp_size = 0, 1
 
-    def __init__(self, cfg: TrainConfig, model: ModelConfig, documents: DocumentMasking | None,
-                 device: torch.device):
-        t = cfg.training
+    def __init__(self, model: ModelConfig, training: TrainingConfig, optim: OptimConfig,
+                 documents: DocumentMasking | None, device: torch.device):
+        t = training
         self.device = device
         self.micro_batch = t.micro_batch_size
         # Compilation is the step's (forward and loss in one graph), not the model's.
         self.model = prepare_model(model, device, t.seed, t.recompute)
-        fp8_context = None  # Transformer Engine's FP8 autocast, entered inside torch's (Precision)
-        if t.precision == "fp8" and t.fp8_backend == "te":
-            _, fp8_context = apply_te(self.model, t.fp8_recipe, device)
-        elif t.precision == "fp8":
-            apply_float8(self.model, t.fp8_recipe, device)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        fp8_context = None  # e.g. Transformer Engine's FP8 autocast, entered inside torch's (Precision)
+        self.float8 = float8_backend(t.fp8_backend) if t.precision == "fp8" else None  # checked by check_inputs
+        if self.float8 is not None:
+            self.float8.convert(self.model, t.fp8_recipe)
+            fp8_context = self.float8.forward_context(t.fp8_recipe)
+        self.optimizer = build_optimizer(self.model, optim)
         self.precision = Precision(t.precision, device, t.fp16_initial_scale, t.fp16_growth_interval, fp8_context)
-        self.step = TrainStep(self.model, self.optimizer, self.precision, cfg.optim.grad_clip,
+        self.step = trainer_kind(model).step(self.model, self.optimizer, self.precision, optim.grad_clip,
                               t.loss_chunk_tokens, t.compile, documents)
         # MoE: router statistics of each step, and the balancing-bias update after it.
         self.router_stats = RouterStats(self.model) if model.moe is not None else None
-        self.router_metrics: dict[str, float] = {}
 
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> StepResult:
         batches = micro_batches(tokens, labels, self.micro_batch)
         if self.router_stats is not None:
             self.router_stats.prepare(len(batches))
         loss_sum, grad_norm, stepped = self.step(batches, len(batches), self.device)
-        self.router_metrics = self.router_stats.step() if self.router_stats is not None else {}
-        return StepResult(float(loss_sum), float(grad_norm), stepped)
+        if self.float8 is not None:
+            self.float8.after_optimizer_step(self.model)
+        router = self.router_stats.step() if self.router_stats is not None else {}
+        return StepResult(float(loss_sum), float(grad_norm), stepped, router)
 
     @torch.no_grad()
     def eval_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:

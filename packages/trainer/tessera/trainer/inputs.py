@@ -22,15 +22,14 @@ from tessera.common.mixture import (
     read_mixture_manifest,
     resolve_prefix,
 )
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.shard import read_shard_manifest
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
-from tessera.trainer.checkpointing import latest_checkpoint
-from tessera.trainer.config import TrainConfig
+from tessera.trainer.checkpoint.storage import latest_checkpoint
+from tessera.trainer.config import PLACEHOLDER_VOCAB, TrainConfig
 from tessera.trainer.distributed import pick_device
 from tessera.trainer.documents import DocumentMasking
-from tessera.trainer.fp8 import fp8_device_problem
-from tessera.trainer.fp8_te import te_problem
+from tessera.trainer.precision.float8 import float8_backend
 
 
 @dataclass
@@ -56,6 +55,12 @@ class CheckedInputs:
 def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) -> CheckedInputs:
     """Every check that needs files or the world size; raises UserError before any work."""
     t = cfg.training
+    if t.precision == "fp8":  # the backend's checks need only the config and this machine: first
+        processes = max(world_size, cfg.parallel.model_parallel_size * cfg.parallel.data_shard)
+        problem = float8_backend(t.fp8_backend).problem(t, cfg.resolve_model(PLACEHOLDER_VOCAB),
+                                                        pick_device(t.device, 0), processes)
+        if problem:
+            raise UserError(problem)
     layout = cfg.parallel.layout(world_size)
     readers = layout.batch_readers
     size = f"data-parallel size ({layout.data})" + (f" x expert-parallel size ({layout.expert})"
@@ -73,12 +78,6 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
                             "start and increment that are")
     if layout.world_size > 1:
         check_parallel_options(cfg)
-    if t.precision == "fp8":  # TE: one process, importable, the device and the recipe's own (fp8_te)
-        device = pick_device(t.device, 0)
-        problem = (te_problem(t.fp8_recipe, device, layout.world_size) if t.fp8_backend == "te"
-                   else fp8_device_problem(device))
-        if problem:
-            raise UserError(problem)
     manifest = read_mixture_manifest(cfg.data.mixture)
     manifest_path = Path(cfg.data.mixture) / MANIFEST
     tokenizer = load_tokenizer(cfg.data.tokenizer)

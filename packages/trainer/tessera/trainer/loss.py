@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tessera.common.model import mask_vocab_padding
+from tessera.common.models.causal_lm.model import mask_vocab_padding
 from tessera.kernels import cross_entropy_with_grad
 
 

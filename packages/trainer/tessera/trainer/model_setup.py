@@ -1,7 +1,7 @@
 """From config to a trainable module: build, parallelize, recompute, compile — each a function.
 
 The order matters and mirrors torchtitan: the plain model is built (on the meta device, then
-materialised and initialised by tessera.common.model.build_model); a parallelize step transforms
+materialised and initialised by tessera.common.models.causal_lm.model.build_model); a parallelize step transforms
 it for the layout (identity in one process; tessera.trainer.parallel replaces it); activation
 recompute wraps blocks or attention cores; torch.compile (optional here: the trainer's step
 compiles forward and loss together instead) compiles the whole forward. None of these change
@@ -16,13 +16,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tessera.common.model import Transformer, build_model
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import Transformer
+from tessera.common.models.registry import kind_of
 
 
 def build_train_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
     """fp32 master weights on `device`, initialised from `seed`."""
-    return build_model(cfg, device=device, dtype=torch.float32, seed=seed)
+    return kind_of(cfg).build(cfg, device=device, dtype=torch.float32, seed=seed)
 
 
 def parallelize(model: Transformer) -> Transformer:

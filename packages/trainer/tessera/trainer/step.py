@@ -31,7 +31,7 @@ from torch import nn
 from tessera.trainer.clip import clip_grad_norm
 from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss, logsumexp_cross_entropy
-from tessera.trainer.precision import Precision
+from tessera.trainer.precision.mixed import Precision
 
 
 class TrainStep:

@@ -1,14 +1,18 @@
-"""The training loop, assembled from the pieces of this package.
+"""The training loop: small components, each built from its config section, wired by one trainer.
 
-`check_inputs` (tessera.trainer.inputs) validates everything that can be validated without
-building the model and raises UserError with one line. `Trainer` then builds the execution engine for the layout, data, metrics
-and the checkpoint manager, and `Trainer.train` runs optimizer steps: the engine's step over this
-rank's rows of each global batch, logging, evaluation, checkpointing, and a graceful stop on
-SIGTERM/SIGINT.
+`check_inputs` (tessera.trainer.inputs) has checked the config against the files, the world size
+and the machine (one line, exit 2). `Trainer.__init__` then builds
 
-The loop is one, for every layout. What depends on the layout is the engine's
-(tessera.trainer.engine.Engine): `LocalEngine` for one plain process, `ParallelEngine`
-(tessera.trainer.parallel.engine) for torchrun with tensor, pipeline or data parallelism.
+    engine       model, optimizer, precision and step for the layout (training, parallel, optim):
+                 `LocalEngine` for one plain process, `ParallelEngine` (tessera.trainer.parallel) else
+    schedule     the learning rate per step (schedule, optim)
+    data         the train, valid and test batches of the mixture (data, training)
+    sink         console, metrics.jsonl, TensorBoard, trackers (logging)
+    checkpoints  the checkpoint manager over the engine's stateful components (checkpoint)
+
+and `Trainer.train` runs optimizer steps over them: the engine's step on this rank's rows of each
+global batch, logging, evaluation, checkpointing, and a graceful stop on SIGTERM/SIGINT. The loop
+is one for every layout; what depends on the layout is the engine's (tessera.trainer.engine).
 """
 
 from __future__ import annotations
@@ -26,23 +30,28 @@ from tessera.common.checkpoint import CheckpointSidecar, read_sidecar
 from tessera.common.errors import RunError
 from tessera.common.faults import fault_point
 from tessera.common.fileio import atomic_write_text
-from tessera.common.mixture import MixtureSplit
-from tessera.trainer.checkpoint_manager import CheckpointManager
-from tessera.trainer.checkpointing import latest_checkpoint, remove_partial_saves
+from tessera.common.models.registry import kind_of
+from tessera.trainer.checkpoint.manager import CheckpointManager
+from tessera.trainer.checkpoint.stateful import TrainState
+from tessera.trainer.checkpoint.storage import latest_checkpoint, remove_partial_saves
 from tessera.trainer.config import TrainConfig
-from tessera.trainer.data import MicroBatchPlan, MixtureBatches, global_batch_size_at
+from tessera.trainer.data import MicroBatchPlan, MixtureBatches, RunData, global_batch_size_at
 from tessera.trainer.distributed import Runtime
 from tessera.trainer.engine import Engine, LocalEngine
-from tessera.trainer.host_memory import retain_freed_memory
 from tessera.trainer.inputs import CheckedInputs
-from tessera.trainer.metrics import MetricsSink, memory_gib, resolve_peak_tflops, step_time_spread
+from tessera.trainer.kinds import trainer_kind
+from tessera.trainer.observability.host_memory import retain_freed_memory
+from tessera.trainer.observability.metrics import (
+    MetricsSink,
+    memory_gib,
+    resolve_peak_tflops,
+    step_time_spread,
+)
+from tessera.trainer.observability.profiling import StepProfiler
+from tessera.trainer.observability.signals import StopRequest
+from tessera.trainer.observability.watchdog import StepWatchdog
 from tessera.trainer.parallel.engine import ParallelEngine
-from tessera.trainer.profiling import StepProfiler
 from tessera.trainer.schedule import LRSchedule
-from tessera.trainer.signals import StopRequest
-from tessera.trainer.stateful import TrainState
-from tessera.trainer.trackers import open_trackers
-from tessera.trainer.watchdog import StepWatchdog
 
 
 def eval_record(loss: float, split: str = "valid") -> dict[str, float]:
@@ -52,8 +61,9 @@ def eval_record(loss: float, split: str = "valid") -> dict[str, float]:
 def build_engine(cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime) -> Engine:
     """The execution engine for the run's layout: one plain process, or the parallel runtime."""
     if inputs.parallel:
-        return ParallelEngine(cfg, inputs.model, inputs.layout, inputs.documents, runtime.device)
-    return LocalEngine(cfg, inputs.model, inputs.documents, runtime.device)
+        return ParallelEngine(inputs.model, inputs.layout, cfg.training, cfg.parallel, cfg.optim, inputs.documents,
+                              runtime.device)
+    return LocalEngine(inputs.model, cfg.training, cfg.optim, inputs.documents, runtime.device)
 
 
 class Trainer:
@@ -61,49 +71,32 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime, quiet: bool = False,
                  engine: Engine | None = None):
-        self.cfg = cfg
-        self.inputs = inputs
-        self.rt = runtime
-        self.quiet = quiet
+        self.cfg, self.inputs, self.rt, self.quiet = cfg, inputs, runtime, quiet
         t = cfg.training
-        if t.threads is not None and runtime.device.type == "cpu":
-            torch.set_num_threads(t.threads)
-        if t.retain_host_memory and runtime.device.type == "cpu":
-            retain_freed_memory()
-        self.model_cfg = inputs.model
+        if runtime.device.type == "cpu":  # this process's settings, before anything is allocated
+            if t.threads is not None:
+                torch.set_num_threads(t.threads)
+            if t.retain_host_memory:
+                retain_freed_memory()
         self.engine = engine if engine is not None else build_engine(cfg, inputs, runtime)
-        self.router_metrics: dict[str, float] = {}  # MoE router statistics of the last step (the engine's)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim, t.steps)
-        self.plan = self._plan(t.global_batch_size)  # the full global batch (evaluation's)
-        self.last_step_samples = t.global_batch_size  # global batch of the latest step
-        check = cfg.data.check_fingerprints
-
-        def split_batches(split: str) -> MixtureBatches:
-            return MixtureBatches(MixtureSplit(cfg.data.mixture, split, check), t.seq_length, inputs.documents)
-
-        self.train_data = split_batches(cfg.data.train_split)
-        self.valid_data = None
-        evaluating = bool(t.eval_interval or t.eval_only)
-        if evaluating and cfg.data.valid_split:
-            self.valid_data = split_batches(cfg.data.valid_split)
-        self.test_data = None  # evaluated once, when training completes (Megatron's test-set evaluation)
-        test = inputs.manifest.splits.get(cfg.data.test_split) if cfg.data.test_split else None
-        if evaluating and test is not None and test.num_samples > 0:
-            self.test_data = split_batches(cfg.data.test_split)
+        self.data = RunData.open(cfg.data, t, inputs.manifest, inputs.documents,
+                                 trainer_kind(inputs.model).batches)  # the model kind's batch builder
         self.state = TrainState()
-        self.flops_per_token = inputs.model.flops_per_token(t.seq_length)
-        trackers = (open_trackers(cfg.logging, cfg.run_dir, cfg.model_dump(mode="json"), self.say)
-                    if runtime.is_main else [])
-        self.sink = MetricsSink(cfg.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, self.say, runtime.is_main,
-                                trackers)
-        self.peak_tflops: float | None = None
+        self.sink = MetricsSink.for_run(cfg.logging, cfg.run_dir, cfg.model_dump(mode="json"), self.say,
+                                        runtime.is_main)
         self.started = time.monotonic()  # training.exit_after_minutes counts from here
-        sidecar = CheckpointSidecar(model=self.model_cfg, tokenizer_fingerprint=inputs.tokenizer.fingerprint,
+        sidecar = CheckpointSidecar(model=inputs.model, tokenizer_fingerprint=inputs.tokenizer.fingerprint,
                                     layout=inputs.layout, mixture_fingerprint=inputs.mixture_fingerprint,
                                     params_dtype="float32", precision=t.precision)
-        self.checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last, inputs.tokenizer, sidecar,
-                                             inputs.layout, self.engine.components(), self.say,
-                                             verify_on_load=cfg.checkpoint.verify_on_load)
+        self.checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint, inputs.tokenizer, sidecar,
+                                             self.engine.components(), self.say)
+        # The loop's own bookkeeping.
+        self.plan = self._plan(t.global_batch_size)  # the full global batch (evaluation's)
+        self.last_step_samples = t.global_batch_size  # global batch of the latest step
+        self.router_metrics: dict[str, float] = {}  # MoE router statistics of the last step
+        self.flops_per_token = kind_of(inputs.model).flops_per_token(inputs.model, t.seq_length)
+        self.peak_tflops: float | None = None
 
     # ---- output ------------------------------------------------------------------------------
     def say(self, line: str) -> None:
@@ -130,8 +123,8 @@ class Trainer:
         """One optimizer step over a global batch; returns (mean loss, grad norm, step taken)."""
         self.engine.set_lr(self.schedule(self.state.step))
         plan = self.plan_at(self.state.consumed_samples)
-        result = self.engine.train_step(*self.train_data.batch(plan.rank_sample_ids(self.state.consumed_samples)))
-        self.router_metrics = getattr(self.engine, "router_metrics", {})
+        result = self.engine.train_step(*self.data.train.batch(plan.rank_sample_ids(self.state.consumed_samples)))
+        self.router_metrics = result.router
         self.advance()  # a skipped step (fp16 overflow) still consumes its data
         return result.loss, result.grad_norm, result.stepped
 
@@ -149,7 +142,7 @@ class Trainer:
         the same samples every time and under every layout (data-parallel ranks take their rows of
         each batch, as in training); batches weighted by their counted tokens (equal without
         data.eod_mask_loss), so the result is the mean over every counted token."""
-        data = data if data is not None else self.valid_data
+        data = data if data is not None else self.data.valid
         assert data is not None
         t = self.cfg.training
         total, counted = 0.0, 0
@@ -171,7 +164,9 @@ class Trainer:
         self.state = self.checkpoints.load(directory)
 
     # ---- the loop ----------------------------------------------------------------------------
-    def train(self) -> TrainState:
+    def start(self) -> None:
+        """Before the first step: the run directory, the RNGs, the state to resume from (or the
+        weights to start from), one line about the run and the MFU reference."""
         cfg, t = self.cfg, self.cfg.training
         if self.rt.is_main and not t.eval_only:  # an evaluation leaves the training run's config.yaml alone
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -190,7 +185,7 @@ class Trainer:
             self.say(f"initialized the model from {self.inputs.init_from} (step "
                      f"{read_sidecar(self.inputs.init_from).step} of that run); optimizer, schedule and data "
                      "start at step 0")
-        n_params = self.model_cfg.num_params()
+        n_params = self.inputs.model.num_params()
         self.say(f"model: {n_params / 1e6:.2f}M parameters, {self.flops_per_token / 1e6:.1f} MFLOP/token at "
                  f"seq {t.seq_length}; {self.plan.num_micro_batches} micro-batch(es) of {t.micro_batch_size} x "
                  f"{self.inputs.layout.data} data-parallel"
@@ -201,9 +196,13 @@ class Trainer:
                  + f"; layout {self.inputs.layout.short()}; "
                  f"precision {t.precision}; device {self.rt.device}")
         self.peak_tflops, peak_source = resolve_peak_tflops(self.rt.device, t.peak_tflops)
-        self.peak_estimated = peak_source.startswith("measured")  # CPU: raised to the best seen (metrics.py)
+        self.peak_estimated = peak_source.startswith("measured")  # CPU: raised to the best seen (observability/metrics.py)
         if self.peak_tflops is not None:
             self.say(f"MFU reference: {self.peak_tflops:.3f} TFLOP/s ({peak_source})")
+
+    def train(self) -> TrainState:
+        cfg, t = self.cfg, self.cfg.training
+        self.start()
         if t.eval_only:
             return self.evaluate_only()
         if self.state.step >= t.steps:
@@ -211,8 +210,7 @@ class Trainer:
             self.sink.close()
             return self.state
 
-        if cfg.checkpoint.async_save:
-            self.checkpoints.start_async()  # a collective under torchrun: same point on every rank
+        self.checkpoints.start()  # checkpoint.async_save: a collective under torchrun, same point on every rank
         stop = StopRequest().install()
         show_bar = self.rt.is_main and not self.quiet and sys.stderr.isatty()
         bar = tqdm(total=t.steps, initial=self.state.step, disable=not show_bar, unit="step", dynamic_ncols=True)
@@ -253,12 +251,12 @@ class Trainer:
                     self._log_train(loss, grad_norm, stepped, window_samples, window_time, window_steps)
                     bar.set_postfix(loss=f"{loss:.3f}")
                     window_steps, window_time, window_samples = 0, 0.0, 0
-                if self.valid_data is not None and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
+                if self.data.valid is not None and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
                     watchdog.beat(f"evaluating at step {self.state.step}")
                     self.sink.log({"kind": "eval", "step": self.state.step, **eval_record(self.evaluate())})
-                if self.test_data is not None and self.state.step == t.steps:
+                if self.data.test is not None and self.state.step == t.steps:
                     self.sink.log({"kind": "test", "step": self.state.step,
-                                   **eval_record(self.evaluate(self.test_data), "test")})
+                                   **eval_record(self.evaluate(self.data.test), "test")})
                 time_up = (t.exit_after_minutes is not None
                            and time.monotonic() - self.started >= 60 * t.exit_after_minutes)
                 stop_now = self._agree_on_stop(stop.requested or time_up) or self.state.step == exit_at
@@ -266,7 +264,7 @@ class Trainer:
                 last_step = self.state.step == t.steps or stop_now
                 if (t.save_interval and self.state.step % t.save_interval == 0) or last_step:
                     watchdog.beat(f"saving step {self.state.step}")
-                    self.save(background=cfg.checkpoint.async_save and not last_step)
+                    self.save(background=not last_step)  # in the background with checkpoint.async_save
                     last_saved = self.state.step
                 if stop_now:
                     if stop.requested:
@@ -293,11 +291,11 @@ class Trainer:
 
     def evaluate_only(self) -> TrainState:
         """training.eval_only: log the valid and test losses of the loaded model at its step; nothing else."""
-        assert self.valid_data is not None or self.test_data is not None  # check_inputs made sure
-        if self.valid_data is not None:
+        assert self.data.valid is not None or self.data.test is not None  # check_inputs made sure
+        if self.data.valid is not None:
             self.sink.log({"kind": "eval", "step": self.state.step, **eval_record(self.evaluate())})
-        if self.test_data is not None:
-            self.sink.log({"kind": "test", "step": self.state.step, **eval_record(self.evaluate(self.test_data), "test")})
+        if self.data.test is not None:
+            self.sink.log({"kind": "test", "step": self.state.step, **eval_record(self.evaluate(self.data.test), "test")})
         self.sink.close()
         return self.state
 

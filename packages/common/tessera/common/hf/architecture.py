@@ -15,7 +15,7 @@ import torch
 
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.hf.rules import Rule
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 
 HEAD = "lm_head.weight"  # the untied output head, under this name in every causal-LM class
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -29,9 +29,8 @@ import torch
 from tessera.common.errors import ArtifactError
 from tessera.common.file_map import map_tensor
 from tessera.common.fileio import artifact_path, read_json
-from tessera.common.hf.registry import import_rules, model_config_from_hf
 from tessera.common.hf.rules import check_import
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.registry import hf_adapter, model_config_from_hf
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -51,8 +50,9 @@ def is_hf_directory(path: str | os.PathLike) -> bool:
                                           or any(path.glob("pytorch_model*.bin")))
 
 
-def read_hf_config(directory: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
-    """(the ModelConfig, the raw config.json) of an HF directory; refusals name config.json."""
+def read_hf_config(directory: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
+    """(the model config, of the kind config.json describes, and the raw config.json) of an HF
+    directory; refusals name config.json."""
     path = artifact_path(directory, CONFIG)
     data = read_json(path, "Hugging Face config.json")
     return model_config_from_hf(data, str(path)), data
@@ -163,11 +163,11 @@ class SafetensorsWeights:
         return self._file(self.where[name]).get(name)
 
 
-def checked_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> tuple[SafetensorsWeights, list]:
+def checked_hf_weights(directory: str | os.PathLike, cfg: Any) -> tuple[SafetensorsWeights, list]:
     """The directory's weights and the rules that import them, validated from the headers alone
     (names, shapes, float dtypes, no tensor left unused); no tensor data is read."""
     weights = SafetensorsWeights(directory)
-    rules, optional = import_rules(cfg, weights.names())
+    rules, optional = hf_adapter(cfg).import_rules(cfg, weights.names())
     check_import(rules, weights, str(directory), optional)
     return weights, rules
 
@@ -177,8 +177,8 @@ def imported_tensors(weights: SafetensorsWeights, rules: list) -> dict[str, torc
     return {r.target: r.apply([weights.get(s) for s in r.sources]).contiguous() for r in rules}
 
 
-def load_hf_weights(directory: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every parameter of `Transformer(cfg)`, in Tessera names, from an HF directory (validated
+def load_hf_weights(directory: str | os.PathLike, cfg: Any) -> dict[str, torch.Tensor]:
+    """Every parameter of `cfg`'s model, in Tessera names, from an HF directory (validated
     first: names, shapes, float dtypes, no tensor left unused)."""
     return imported_tensors(*checked_hf_weights(directory, cfg))
 

@@ -19,10 +19,12 @@ from typing import Protocol
 import torch
 
 from tessera.common.errors import ArtifactError
-from tessera.common.model import WEIGHT_DTYPES
 
 Combine = Callable[[list[torch.Tensor]], torch.Tensor]
 
+# dtypes a model's weights may have on disk. Anything else (int8, a quantised export, float64) is
+# refused: converting it to a float type here would silently produce a different model.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Buffers some exports include beside the weights; recomputed by the model, never read.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
@@ -87,10 +89,43 @@ def zero_rows(n: int) -> Combine:
     return pad
 
 
+class Pick:
+    """Combine: entry `index` along dim 0 of the single input (one expert of a stacked tensor), a view."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __call__(self, ts: list[torch.Tensor]) -> torch.Tensor:
+        return ts[0][self.index]
+
+
+def stack(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(ts)
+
+
 def inverse(rules: list[Rule]) -> list[Rule]:
-    """The import rules of an export made only of renames (same shapes, no combine)."""
-    assert all(r.combine is None and len(r.sources) == 1 for r in rules)
-    return [Rule(r.sources[0], (r.target,), r.shape) for r in rules]
+    """The import rules of an export made of renames, row concatenations (`cat`) and picks from a
+    stacked tensor (`Pick`): each rename reversed, each concatenation split back into row ranges
+    (views), the picks of one tensor stacked again in index order."""
+    out: list[Rule] = []
+    picked: dict[str, list[Rule]] = {}
+    for r in rules:
+        if r.combine is None and len(r.sources) == 1:
+            out.append(Rule(r.sources[0], (r.target,), r.shape))
+        elif r.combine is cat:
+            start = 0
+            for source, shape in zip(r.sources, r.input_shapes()):
+                out.append(Rule(source, (r.target,), shape, rows(start, start + shape[0], transposed=False), (r.shape,)))
+                start += shape[0]
+        else:
+            assert isinstance(r.combine, Pick) and len(r.sources) == 1, r
+            picked.setdefault(r.sources[0], []).append(r)
+    for target, parts in picked.items():
+        parts.sort(key=lambda p: p.combine.index)  # type: ignore[union-attr]
+        assert [p.combine.index for p in parts] == list(range(len(parts))), target  # type: ignore[union-attr]
+        out.append(Rule(target, tuple(p.target for p in parts), parts[0].source_shapes[0], stack,
+                        tuple(p.shape for p in parts)))
+    return out
 
 
 def check_import(rules: list[Rule], weights: WeightSource, where: str, optional: frozenset[str] = frozenset()) -> None:

@@ -12,7 +12,7 @@ sequence: on CUDA the keys are put back in global order and FlexAttention attend
 queries by their global indices under a block mask (O(T/C x T / 128^2) flags, fully masked blocks
 skipped, the fused kernel kept); on CPU (no FlexAttention backward in torch 2.13) under an additive
 [T/C, T] mask, which `tessera-plan` counts. Packed documents: the keys and the document ids
-(gathered once per forward) are put back in global order and `tessera.common.attention.
+(gathered once per forward) are put back in global order and `tessera.common.layers.attention.
 MaskedAttention` attends the local queries by their global indices, with no [T/C, T] mask
 (FlexAttention on CUDA; on CPU fused SDPA over the documents holding local queries, the other
 queries of those documents zero and discarded: up to C times the attention work of the local
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tessera.common.attention import MaskedAttention
+from tessera.common.layers.attention import MaskedAttention
 from tessera.common.parallel.mappings import gather_seq
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.common.moe import Experts, MoE
+from tessera.common.layers.moe import Experts, MoE
 
 
 class _AllToAll(torch.autograd.Function):

@@ -11,7 +11,7 @@ read by the data-parallel, clipping and checkpoint code:
                             all-reduced over the tensor group before the data-parallel reduce
 
 The Column/Row layers run their local matmul through `self.local_linear` (F.linear's signature,
-default F.linear), between their collectives. FP8 training (tessera.trainer.fp8) sets it to a
+default F.linear), between their collectives. FP8 training (tessera.trainer.precision.torchao_float8) sets it to a
 float8 matmul; the class, parameters and tags stay, so state dicts and checkpoints do not change.
 """
 
@@ -96,7 +96,7 @@ class ColumnParallelLinear(_TensorParallelLinear):
     Input: replicated [B, T, in]. Without sequence parallel it enters through `copy_to_tp`
     (backward: all-reduce of the partial input gradients). With sequence parallel the caller has
     already all-gathered the sequence once for all projections reading it (see
-    tensor_parallel.parallelize_model), and that gather's backward reduce-scatters the partial
+    the kind's parallel plan, e.g. causal_lm.parallelize), and that gather's backward reduce-scatters the partial
     gradients, so the input is used as is.
     Output: [B, T, out/tp], not gathered (the next row-parallel layer consumes it).
     """

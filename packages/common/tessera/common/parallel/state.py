@@ -229,10 +229,6 @@ class ParallelGroups:
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.layout.pipeline - 1
-
 
 def build_groups(layout: ParallelLayout, device: torch.device | None = None) -> ParallelGroups:
     """Build the mesh and every group for `layout`. Collective: every rank must call it."""

@@ -20,25 +20,25 @@ import torch
 import torch.distributed as dist
 
 from tessera.common.layout import ParallelLayout
-from tessera.common.model import Transformer
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.parallel.state import build_groups, set_groups
 from tessera.common.parallel.state_dict import load_model_state_dict
-from tessera.trainer.config import TrainConfig
+from tessera.trainer.checkpoint.stateful import RNGState, ScalerState, Stateful, seed_everything
+from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
 from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.engine import StepResult
 from tessera.trainer.model_setup import apply_recompute
-from tessera.trainer.parallel.runtime import OptimConfig, ParallelConfig, ParallelRuntime
-from tessera.trainer.precision import DynamicLossScale
-from tessera.trainer.stateful import RNGState, ScalerState, Stateful, seed_everything
+from tessera.trainer.parallel.runtime import ParallelRuntime
+from tessera.trainer.precision.mixed import DynamicLossScale
 
 
 class ParallelEngine:
     """A ParallelRuntime behind the loop's Engine interface."""
 
-    def __init__(self, cfg: TrainConfig, model: ModelConfig, layout: ParallelLayout,
-                 documents: DocumentMasking | None, device: torch.device):
-        t, p = cfg.training, cfg.parallel
+    def __init__(self, model: ModelConfig, layout: ParallelLayout, training: TrainingConfig, parallel: ParallelConfig,
+                 optim: OptimConfig, documents: DocumentMasking | None, device: torch.device):
+        t = training
         self.groups = build_groups(layout, device)
         set_groups(self.groups)
         # The rows of the global batch this rank reads: expert ranks read their own, as data ranks do.
@@ -53,22 +53,8 @@ class ParallelEngine:
             apply_recompute(module, t.recompute)  # wraps bound forwards; survives the stage cut
             return module
 
-        self.runtime = ParallelRuntime.build(
-            model, self.groups,
-            ParallelConfig(seq_len=t.seq_length, global_batch=t.global_batch_size, micro_batch=t.micro_batch_size,
-                           sequence_parallel=p.sequence_parallel, distributed_optimizer=p.distributed_optimizer,
-                           bucket_numel=p.bucket_numel, seed=t.seed, fsdp_param_dtype=p.fsdp_param_dtype,
-                           fsdp_reduce_dtype=p.fsdp_reduce_dtype, fsdp_cpu_offload=p.fsdp_cpu_offload,
-                           autocast_bf16=t.precision == "bf16", autocast_fp16=t.precision == "fp16",
-                           fp8_recipe=t.fp8_recipe if t.precision == "fp8" else None,
-                           fsdp_float8_all_gather=p.fsdp_float8_all_gather,
-                           per_token_loss=documents is not None and documents.per_token_loss,
-                           compile=t.compile, overlap_grad_reduce=p.overlap_grad_reduce,
-                           overlap_param_gather=p.overlap_param_gather, async_tp=p.async_tp),
-            OptimConfig(lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
-                        weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.grad_clip or None),
-            build_model=builder)
-        self.router_metrics: dict[str, float] = {}  # MoE router statistics of the last step
+        self.runtime = ParallelRuntime.build(model, self.groups, training, parallel, optim, build_model=builder,
+                                             per_token_loss=documents is not None and documents.per_token_loss)
         self.scaler = (DynamicLossScale(t.fp16_initial_scale, t.fp16_growth_interval)
                        if t.precision == "fp16" else None)
 
@@ -81,14 +67,13 @@ class ParallelEngine:
                                          self._model_inputs(tokens))
         if self.scaler is not None:
             self.scaler.update(overflowed=not result.stepped)
-        self.router_metrics = self.runtime.router_metrics
         return result
 
     def eval_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
         loss = self.runtime.eval_step(tokens, labels, self._model_inputs(tokens))
         # The runtime all-reduced the counted tokens over data-parallel ranks (per-token loss);
         # otherwise every token counts and each rank holds the same number of rows.
-        count = self.runtime.token_count if self.runtime.pcfg.per_token_loss else int(loss_token_count(labels)) * self.dp_size
+        count = self.runtime.token_count if self.runtime.per_token_loss else int(loss_token_count(labels)) * self.dp_size
         return loss, count
 
     def params_norm(self) -> float:

@@ -59,7 +59,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 
 from tessera.common.errors import UserError
-from tessera.common.moe import MoE
+from tessera.common.layers.moe import MoE
 from tessera.common.parallel.layers import keep_tags, shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import to_global
@@ -71,7 +71,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _placement(p: nn.Parameter, tp: int) -> Shard:
     """FSDP's shard dim for `p` (see the module docstring). Over one tensor rank the tags are still
-    there (parallelize_model sets them at any size) but nothing is split along them, so everything
+    there (the kind's tensor-parallel plan sets them at any size) but nothing is split along them, so everything
     is sharded along dim 0, which FSDP2 cuts unevenly if need be (a non-leading dim only evenly:
     hidden 64 over data shards x context 2 x 3 would be refused)."""
     d = shard_dim_of(p)

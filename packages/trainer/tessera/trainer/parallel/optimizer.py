@@ -181,7 +181,7 @@ class DistributedOptimizer:
     def state_dict(self, global_names: dict[int, str]) -> dict[str, object]:
         """{'optimizer.state.<global name>.<exp_avg|exp_avg_sq|step|master>': tensor}.
 
-        The same keys as the single-process trainer's checkpoints (tessera.trainer.checkpointing),
+        The same keys as the single-process trainer's checkpoints (tessera.trainer.checkpoint.storage),
         so either can resume the other. Moments are global DTensors over the tensor mesh whatever
         the data-parallel sharding; `step` a scalar. `global_names` maps id(parameter) to its
         checkpoint name (tied copies share a name; DCP stores it once). Collective over the

@@ -20,13 +20,14 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-from tessera.common.model import Transformer
+from tessera.common.models.causal_lm.model import Transformer
+from tessera.common.models.registry import kind_of
 from tessera.common.parallel.context_parallel import ContextParallel, ContextParallelAttention
 from tessera.common.parallel.expert_parallel import shard_experts
 from tessera.common.parallel.layers import tag
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
-from tessera.common.parallel.tensor_parallel import parallel_logits, parallelize_model
+from tessera.common.parallel.tensor_parallel import parallel_logits
 from tessera.trainer.parallel.sharded_init import materialize_stages
 
 TIED_NAME = "embed_tokens.weight"
@@ -126,19 +127,21 @@ def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups,
     mine = [groups.pp_rank + k * pp for k in range(v)]
     for s in mine:
         model = build_model()
+        plan = kind_of(model.cfg).parallel()  # where this kind's stages cut, what tensor parallel splits
         tied = model.cfg.tie_embeddings and num_stages > 1
         keep = {str(i) for i in ranges[s]}
-        for name in list(model.layers.keys()):
+        layers = getattr(model, plan.layers)
+        for name in list(layers.keys()):
             if name not in keep:
-                del model.layers[name]
+                del layers[name]
         first, last = s == 0, s == num_stages - 1
         if not last:
-            model.final_norm = None
-            model.lm_head = None
+            for name in plan.last_stage:
+                setattr(model, name, None)
         if not first and not (last and tied):
-            model.embed_tokens = None
-            model.pos_embed = None
-        parallelize_model(model, groups, sequence_parallel, rng)
+            for name in plan.first_stage:
+                setattr(model, name, None)
+        plan.tensor(model, groups, sequence_parallel, rng)
         shard_experts(model, groups.ep_group, groups.ep, groups.ep_rank)  # expert parallel (ep > 1)
         tied_head = None
         if tied and last:

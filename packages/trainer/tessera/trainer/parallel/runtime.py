@@ -1,7 +1,7 @@
 """The parallel training step: stages + schedule + distributed optimizer, composed.
 
     groups  = build_groups(layout)                       # tessera.common.parallel.state
-    rt      = ParallelRuntime.build(cfg, groups, ParallelConfig(...), OptimConfig(...),
+    rt      = ParallelRuntime.build(cfg, groups, train_cfg.training, train_cfg.parallel, train_cfg.optim,
                                     build_model=lambda: build_model(cfg, seed=seed))
     result  = rt.train_step(tokens, targets)             # this data-parallel rank's rows
     rt.save(dir) / rt.load(dir)                          # DCP, layout-free names (tests, benchmarks;
@@ -11,7 +11,10 @@
 targets, identical on every tensor and pipeline rank of the replica): the rows of
 `groups.dp_ep_rank` of the dp x ep equal parts (expert ranks read their own rows, as data
 ranks do; without expert parallel that is the data-parallel rank) and returns
-the global mean loss (the same on every rank) and the pre-clip global gradient norm.
+the global mean loss (the same on every rank), the pre-clip global gradient norm and the MoE
+router statistics. The run's settings are TrainConfig's own sections (training: batch shape,
+seed, precision, compile; parallel: the options beyond the layout; optim: AdamW), validated once
+when the config loads; the layout itself is the groups'.
 """
 
 from __future__ import annotations
@@ -19,19 +22,17 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from pydantic import Field, model_validator
 from torch.distributed.tensor import DTensor
 
-from tessera.common.config import StrictModel
+from tessera.common.checkpoint import metadata_digest
+from tessera.common.layers.moe import RouterStats
 from tessera.common.layout import validate_layout
-from tessera.common.model import Transformer
-from tessera.common.model_config import ModelConfig
-from tessera.common.moe import RouterStats
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.parallel.expert_parallel import is_expert_shard
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.random import TensorParallelRNG
@@ -39,59 +40,15 @@ from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import load_model_state_dict, model_state_dict
 from tessera.common.parallel.tensor_parallel import enable_async_tp
 from tessera.common.safe_dcp import dcp_load
+from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
 from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.engine import StepResult
-from tessera.trainer.fp8 import convert_to_float8, precompute_float8_scales, require_converted
-from tessera.trainer.parallel.data_parallel import BUCKET_NUMEL
 from tessera.trainer.parallel.fsdp import FullyShardedOptimizer, shard_stages
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, make_schedule
+from tessera.trainer.precision.float8 import float8_backend
 
-
-class ParallelConfig(StrictModel):
-    """How the step is parallelised (the layout itself, layer split included, is the groups' ParallelLayout)."""
-
-    seq_len: int = Field(..., gt=0, description="Tokens per sample.")
-    global_batch: int = Field(..., gt=0, description="Samples per optimizer step over all data-parallel ranks.")
-    micro_batch: int = Field(..., gt=0, description="Samples per micro-batch on one data-parallel rank.")
-    sequence_parallel: bool = Field(True, description="Split norms/dropout along the sequence across tensor ranks (tensor > 1).")
-    distributed_optimizer: bool = Field(True, description="Shard optimizer state and master weights across data-parallel ranks (ZeRO-1).")
-    bucket_numel: int = Field(BUCKET_NUMEL, gt=0, description="Elements per gradient bucket (one data-parallel collective each).")
-    overlap_grad_reduce: bool = Field(True, description="Launch each gradient bucket's reduction from the backward hooks as soon as it is complete (bucket order); false: all after backward.")
-    overlap_param_gather: bool = Field(False, description="Distributed optimizer: launch the parameter all-gathers of the last step when the next one starts and wait per bucket in forward hooks of the modules using it.")
-    async_tp: bool = Field(False, description="CUDA/NCCL, compile and sequence parallel: inductor's micro-pipelined TP (async-TP) over symmetric memory.")
-    seed: int = Field(1234, description="Dropout seed (tensor-parallel regions get per-rank streams).")
-    autocast_bf16: bool = Field(False, description="Run forward passes under torch.autocast(bf16) over fp32 parameters (the trainer's bf16 mode); gradients, reductions and optimizer stay fp32.")
-    autocast_fp16: bool = Field(False, description="Run forward passes under torch.autocast(fp16) over fp32 parameters (the trainer's fp16 mode); pass a loss scale to train_step (dynamic loss scaling is the caller's policy).")
-    fp8_recipe: Literal["tensorwise", "rowwise"] | None = Field(None, description="The trainer's fp8 mode: the built model's eligible Linear layers become torchao Float8Linear with this scaling recipe (tessera.trainer.fp8), forward under bf16 autocast; tensor-parallel layers keep their class and collectives and get a float8 local matmul with global scales.")
-    fsdp_float8_all_gather: bool = Field(False, description="With fp8_recipe tensorwise and data_shard > 1 (NCCL: gloo cannot all-gather float8): FSDP gathers the weights in float8; their scales are precomputed after each optimizer step. Not with tensor > 1. The trainer's config (TrainConfig) refuses bad combinations as it loads; this config and ParallelRuntime.build check the invariants again for direct callers.")
-    fsdp_param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1 (FSDP): the dtype parameters are all-gathered in for compute; the sharded fp32 parameters stay the optimizer's master weights (bfloat16: bf16 parameters with fp32 masters).")
-    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="With data_shard > 1: the dtype of the gradient reduce-scatter / all-reduce.")
-    fsdp_cpu_offload: bool = Field(False, description="With data_shard > 1, on GPUs: keep sharded parameters, gradients and optimizer state in host memory; AdamW steps on the CPU.")
-    fsdp_reshard_after_forward: bool = Field(True, description="With data_shard > 1: free each block's gathered parameters after its forward and gather them again in backward (ZeRO-3); false keeps them (ZeRO-2-like: more memory, one all-gather less).")
-    compile: bool = Field(False, description="torch.compile each transformer block's forward (per block, as torchtitan does: one graph per block, reused by every layer of the same shape; tensor-parallel collectives and FSDP hooks stay outside or at graph breaks). Parameter names are unchanged.")
-    per_token_loss: bool = Field(False, description="Targets equal to -100 are ignored and the loss is the mean over the other tokens of the global batch (one all-reduce of the count over data-parallel ranks); for data.eod_mask_loss. Off: every token counts and the loss is the mean of equal-sized micro-batch means.")
-
-    @model_validator(mode="after")
-    def _one_autocast(self) -> ParallelConfig:
-        if self.autocast_bf16 and self.autocast_fp16:
-            raise ValueError("autocast_bf16 and autocast_fp16 are exclusive")
-        if self.fp8_recipe is not None and self.autocast_fp16:
-            raise ValueError("fp8_recipe runs under bf16 autocast; autocast_fp16 is exclusive with it")
-        if self.fsdp_float8_all_gather and self.fp8_recipe != "tensorwise":
-            # (torchao asserts it with a bare AssertionError; a rowwise scale needs whole rows)
-            raise ValueError("fsdp_float8_all_gather needs fp8_recipe=tensorwise")
-        return self
-
-
-class OptimConfig(StrictModel):
-    """AdamW hyper-parameters (the learning rate schedule sets param_groups[i]['lr'] per step)."""
-
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam betas.")
-    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
-    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay on matrices (not norms or biases).")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Global gradient-norm clip; None disables it.")
+_AUTOCAST = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}
 
 
 def compile_blocks(stages: list[StageModule]) -> None:
@@ -112,13 +69,19 @@ def _local_data(p: torch.Tensor) -> torch.Tensor:
 class ParallelRuntime:
     """Runs training steps of one model under one layout. Build with `ParallelRuntime.build`."""
 
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, pcfg: ParallelConfig,
-                 stages: list[StageModule], optimizer: DistributedOptimizer, rng: TensorParallelRNG):
-        self.cfg, self.groups, self.pcfg = cfg, groups, pcfg
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, training: TrainingConfig, parallel: ParallelConfig,
+                 stages: list[StageModule], optimizer: DistributedOptimizer, rng: TensorParallelRNG,
+                 per_token_loss: bool = False):
+        self.cfg, self.groups, self.training, self.parallel = cfg, groups, training, parallel
+        self.micro_batch = training.micro_batch_size
+        # Targets equal to IGNORE_INDEX count for nothing and the loss is the mean over the other
+        # tokens of the global batch (data.eod_mask_loss, loss masks): one all-reduce of the count.
+        self.per_token_loss = per_token_loss
+        self.float8 = float8_backend(training.fp8_backend) if training.precision == "fp8" else None
         self.stages = stages
         self.optimizer = optimizer
         self.rng = rng
-        self.num_microbatches = pcfg.global_batch // (pcfg.micro_batch * groups.dp_ep)
+        self.num_microbatches = training.global_batch_size // (self.micro_batch * groups.dp_ep)
         self._schedules: dict[int, object] = {}  # pipeline schedule per micro-batch count (batch ramp-up)
         self._loss_scale = 1.0  # multiplies the loss before backward (fp16 loss scaling)
         self._micro_losses: list[torch.Tensor] = []  # unscaled, as the pipeline's last stage computed them
@@ -128,7 +91,6 @@ class ParallelRuntime:
         # MoE: router statistics and the balancing-bias update, loads summed over the ranks that
         # routed other tokens through the same layers.
         self.router_stats = RouterStats(list(stages), reduce=self._reduce_router) if cfg.moe is not None else None
-        self.router_metrics: dict[str, float] = {}
 
     def _reduce_router(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over data and expert ranks (each routes its own rows of the batch), context ranks
@@ -150,7 +112,7 @@ class ParallelRuntime:
         by evaluation) are kept: each holds receive buffers per micro-batch, and a ramp only grows."""
         if self.groups.pp == 1:
             return None
-        full = self.pcfg.global_batch // (self.pcfg.micro_batch * self.groups.dp_ep)
+        full = self.training.global_batch_size // (self.micro_batch * self.groups.dp_ep)
         for stale in [n for n in self._schedules if n not in (num_microbatches, full)]:
             del self._schedules[stale]
         if num_microbatches not in self._schedules:
@@ -159,14 +121,14 @@ class ParallelRuntime:
             # stream stays in the parameter dtype (fp32 + bf16/fp16 promotes to fp32).
             logits_dtype = self._autocast_dtype() or dtype
             self._schedules[num_microbatches] = make_schedule(
-                self.stages, self.groups, num_microbatches, self.pcfg.micro_batch, self.cfg.hidden_size,
+                self.stages, self.groups, num_microbatches, self.micro_batch, self.cfg.hidden_size,
                 self.cfg.vocab_rows, dtype, self.stages[0].model.sequence_parallel, self._micro_batch_loss,
                 logits_dtype=logits_dtype, loss_hook=self._scale_loss)
         return self._schedules[num_microbatches]
 
     def _use_microbatches(self, rows: int) -> None:
         """Set the step's micro-batch count from this rank's rows (a multiple of micro_batch)."""
-        mb = self.pcfg.micro_batch
+        mb = self.micro_batch
         if rows % mb or rows == 0:
             raise ValueError(f"expected a positive multiple of micro_batch ({mb}) rows on this data-parallel rank, "
                              f"got {rows}")
@@ -174,54 +136,52 @@ class ParallelRuntime:
         self.schedule = self._schedule_for(self.num_microbatches)
 
     @classmethod
-    def build(cls, cfg: ModelConfig, groups: ParallelGroups, pcfg: ParallelConfig, ocfg: OptimConfig,
-              build_model: Callable[[], Transformer]) -> ParallelRuntime:
-        counts = validate_layout(cfg, groups.layout, seq_len=pcfg.seq_len, global_batch=pcfg.global_batch,
-                                 micro_batch=pcfg.micro_batch, sequence_parallel=pcfg.sequence_parallel,
+    def build(cls, cfg: ModelConfig, groups: ParallelGroups, training: TrainingConfig, parallel: ParallelConfig,
+              optim: OptimConfig, build_model: Callable[[], Transformer],
+              per_token_loss: bool = False) -> ParallelRuntime:
+        t, p = training, parallel
+        counts = validate_layout(cfg, groups.layout, seq_len=t.seq_length, global_batch=t.global_batch_size,
+                                 micro_batch=t.micro_batch_size, sequence_parallel=p.sequence_parallel,
                                  world_size=groups.world_size)
-        rng = TensorParallelRNG(pcfg.seed, groups.tp_rank, groups.pp_rank, groups.device)
+        rng = TensorParallelRNG(t.seed, groups.tp_rank, groups.pp_rank, groups.device)
         rng.seed_default()
-        if pcfg.async_tp:  # before compiling: inductor reads the switch when it lowers the blocks
-            enable_async_tp(groups, compiled=pcfg.compile, sequence_parallel=pcfg.sequence_parallel)
-        if pcfg.fsdp_float8_all_gather and (groups.dp_shard == 1 or groups.tp > 1):
-            # The layout's side of the option (TrainConfig words it for users): without FSDP the float8
-            # weights would land in ZeRO-1's flat buffers; over tensor ranks in Tessera's TP layers.
-            raise ValueError(f"fsdp_float8_all_gather needs data_shard > 1 and tensor == 1; the layout is "
-                             f"{groups.layout.short()}")
+        if p.async_tp:  # before compiling: inductor reads the switch when it lowers the blocks
+            enable_async_tp(groups, compiled=t.compile, sequence_parallel=p.sequence_parallel)
 
         def prepare(stages: list[StageModule]) -> None:
             # fp8: after the tensor-parallel swap (which would rebuild Float8Linear layers as plain
             # ones; tensor-parallel layers over more than one rank get a float8 local matmul, over
             # one rank they are plain Linear with tags and become Float8Linear), before compile and
             # fully_shard (float8 all-gather wraps the weights first).
-            if pcfg.fp8_recipe is not None:
-                require_converted([name for st in stages for name in convert_to_float8(
-                    st, pcfg.fp8_recipe, fsdp_float8_all_gather=pcfg.fsdp_float8_all_gather)])
+            if t.precision == "fp8":
+                float8 = float8_backend(t.fp8_backend)
+                for st in stages:
+                    float8.convert(st, t.fp8_recipe, fsdp_float8_all_gather=p.fsdp_float8_all_gather)
             # Before a meta build is allocated: FSDP shards the meta parameters, so only this
             # rank's data shard is ever allocated and initialised (sharded_init).
-            if pcfg.compile:
+            if t.compile:
                 compile_blocks(stages)
             if groups.dp_shard > 1:
-                shard_stages(stages, groups, param_dtype=pcfg.fsdp_param_dtype, reduce_dtype=pcfg.fsdp_reduce_dtype,
-                             cpu_offload=pcfg.fsdp_cpu_offload, reshard_after_forward=pcfg.fsdp_reshard_after_forward)
+                shard_stages(stages, groups, param_dtype=p.fsdp_param_dtype, reduce_dtype=p.fsdp_reduce_dtype,
+                             cpu_offload=p.fsdp_cpu_offload)
 
-        stages = build_stages(build_model, groups, counts, pcfg.seq_len, pcfg.sequence_parallel, rng,
-                              init_seed=pcfg.seed, prepare=prepare)
+        stages = build_stages(build_model, groups, counts, t.seq_length, p.sequence_parallel, rng,
+                              init_seed=t.seed, prepare=prepare)
+        adamw = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay,
+                     max_grad_norm=optim.grad_clip or None)  # grad_clip 0: no clipping
         if groups.dp_shard > 1:
-            named = [(n, p) for s in stages for n, p in s.global_params().items()]
-            fsdp_opt = FullyShardedOptimizer(named, groups, lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps,
-                                             weight_decay=ocfg.weight_decay, max_grad_norm=ocfg.max_grad_norm)
-            return cls(cfg, groups, pcfg, stages, fsdp_opt, rng)  # type: ignore[arg-type]
-        named = [(f"{s.stage}.{n}", p) for s in stages for n, p in s.global_params().items()]
+            named = [(n, q) for s in stages for n, q in s.global_params().items()]
+            fsdp_opt = FullyShardedOptimizer(named, groups, **adamw)
+            return cls(cfg, groups, t, p, stages, fsdp_opt, rng, per_token_loss)  # type: ignore[arg-type]
+        named = [(f"{s.stage}.{n}", q) for s in stages for n, q in s.global_params().items()]
         optimizer = DistributedOptimizer(
-            named, groups, lr=ocfg.lr, betas=ocfg.betas, eps=ocfg.eps, weight_decay=ocfg.weight_decay,
-            max_grad_norm=ocfg.max_grad_norm, shard=pcfg.distributed_optimizer, bucket_numel=pcfg.bucket_numel,
-            no_decay=lambda _n, p: p.ndim < 2, overlap_grad_reduce=pcfg.overlap_grad_reduce,
-            overlap_param_gather=pcfg.overlap_param_gather,
+            named, groups, **adamw, shard=p.distributed_optimizer, bucket_numel=p.bucket_numel,
+            no_decay=lambda _n, q: q.ndim < 2, overlap_grad_reduce=p.overlap_grad_reduce,
+            overlap_param_gather=p.overlap_param_gather,
         )
-        if pcfg.overlap_param_gather:
+        if p.overlap_param_gather:
             optimizer.register_param_gather_hooks(stages)
-        return cls(cfg, groups, pcfg, stages, optimizer, rng)
+        return cls(cfg, groups, t, p, stages, optimizer, rng, per_token_loss)
 
     # ---- training ---------------------------------------------------------------------------
     def train(self, mode: bool = True) -> None:
@@ -252,11 +212,11 @@ class ParallelRuntime:
             total /= g.dp_ep
         scaled = loss_scale != 1.0
         norm = self.optimizer.step(inv_scale=1.0 / loss_scale, skip_nonfinite=scaled)
-        if self.pcfg.fsdp_float8_all_gather:  # the next forward's float8 all-gathers use these scales
+        if self.float8 is not None:  # e.g. the next forward's float8 all-gathers use new scales
             for st in self.stages:
-                precompute_float8_scales(st)
-        self.router_metrics = self.router_stats.step() if self.router_stats is not None else {}
-        return StepResult(loss=float(total), grad_norm=norm, stepped=not scaled or math.isfinite(norm))
+                self.float8.after_optimizer_step(st)
+        router = self.router_stats.step() if self.router_stats is not None else {}
+        return StepResult(loss=float(total), grad_norm=norm, stepped=not scaled or math.isfinite(norm), router=router)
 
     def _local(self, tokens: torch.Tensor, targets: torch.Tensor, model_inputs: dict[str, torch.Tensor] | None):
         """On this rank's device; under context parallel, cut to this rank's sequence chunks
@@ -272,7 +232,7 @@ class ParallelRuntime:
         """per_token_loss: the weight turning a micro-batch's summed token loss into its share of the
         global mean, dp_ep / (counted tokens over all data x expert ranks), so that the average
         of the ranks' sums is the global mean. Collective over the data x expert group."""
-        if not self.pcfg.per_token_loss:
+        if not self.per_token_loss:
             return
         g = self.groups
         count = (targets != IGNORE_INDEX).sum().to(device=g.device, dtype=torch.float64)
@@ -283,7 +243,7 @@ class ParallelRuntime:
 
     def _micro_batch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the batch loss, from local-vocab logits."""
-        if not self.pcfg.per_token_loss:
+        if not self.per_token_loss:
             # Under context parallel each rank's mean covers 1/C of the tokens: its share is mean / C.
             share = self.num_microbatches * self.groups.cp
             return vocab_parallel_cross_entropy(logits, targets, self.groups.tp_group).mean() / share
@@ -298,9 +258,8 @@ class ParallelRuntime:
         return loss * self._loss_scale if self._loss_scale != 1.0 else loss
 
     def _autocast_dtype(self) -> torch.dtype | None:
-        if self.pcfg.autocast_bf16 or self.pcfg.fp8_recipe is not None:
-            return torch.bfloat16
-        return torch.float16 if self.pcfg.autocast_fp16 else None
+        """bf16 and fp8 (bf16 around the float8 matmuls) autocast to bf16, fp16 to fp16, over fp32 weights."""
+        return _AUTOCAST.get(self.training.precision)
 
     def _autocast(self):
         dtype = self._autocast_dtype()
@@ -311,7 +270,7 @@ class ParallelRuntime:
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, model_inputs: dict[str, torch.Tensor],
                           total: torch.Tensor) -> None:
         """All micro-batches of one step; adds the (micro-batch-scaled) losses into `total`."""
-        g, n, mb = self.groups, self.num_microbatches, self.pcfg.micro_batch
+        g, n, mb = self.groups, self.num_microbatches, self.micro_batch
         if self.schedule is None:
             stage = self.stages[0]
             for i in range(n):
@@ -336,7 +295,7 @@ class ParallelRuntime:
                   model_inputs: dict[str, torch.Tensor] | None = None) -> float:
         """Mean token loss of a batch shaped as for `train_step`, forward only (no state change)."""
         self._use_microbatches(tokens.shape[0])
-        g, n, mb = self.groups, self.num_microbatches, self.pcfg.micro_batch
+        g, n, mb = self.groups, self.num_microbatches, self.micro_batch
         self._set_token_weight(targets)
         tokens, targets, model_inputs = self._local(tokens, targets, model_inputs)
         was_training = self.stages[0].training
@@ -458,5 +417,5 @@ class ParallelRuntime:
         state = self.model_state_dict()
         if optimizer:
             state.update(self.optimizer_state_dict())
-        dcp_load(state, directory)
+        dcp_load(state, directory, expected_digest=metadata_digest(directory))
         self.load_state_dict(state)

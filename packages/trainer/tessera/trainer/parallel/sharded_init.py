@@ -38,8 +38,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tessera.common.model import Transformer
-from tessera.common.moe import Experts, MoE
+from tessera.common.layers.moe import Experts, MoE
+from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.parallel.expert_parallel import is_expert_shard
 from tessera.common.parallel.layers import allocate as _allocate
 from tessera.common.parallel.layers import shard_dim_of

@@ -21,7 +21,7 @@ Corrections the single-device block cannot show, analytic:
   (ContextParallelAttention). One document per sample adds, on CPU, one additive [T/C, T] mask
   per micro-batch, shared by the layers (`attention_mask_bytes`); on CUDA it takes FlexAttention
   with one [1, T/C/128, T/128] block mask instead. Packed documents
-  (`packed_documents`, common/attention.py's MaskedAttention) build no such mask: on CPU the
+  (`packed_documents`, common/layers/attention.py's MaskedAttention) build no such mask: on CPU the
   per-segment SDPA attends the local queries at their places in a zero [T] sequence, so the
   gathered query segments and their outputs (and log-sum-exp) are kept at up to T tokens, not
   T/C (T when every document holds local queries, as with load-balanced chunks and documents
@@ -48,7 +48,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.plan.spec import PlanSpec
 
 
@@ -97,8 +97,8 @@ def measure_block(cfg_json: str, layer: int, batch: int, seq: int, precision: st
     bf16 parameters and input for the -master ones; torchao Float8Linear layers for fp8."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tessera.common.model import Block
-    from tessera.common.rope import RotaryEmbedding
+    from tessera.common.layers.rope import RotaryEmbedding
+    from tessera.common.models.causal_lm.model import Block
     from tessera.trainer.model_setup import apply_recompute
 
     cfg = ModelConfig.model_validate_json(cfg_json)
@@ -133,14 +133,14 @@ def measure_block(cfg_json: str, layer: int, batch: int, seq: int, precision: st
 
 
 def float8_as_on_cuda(module: torch.nn.Module) -> None:
-    """The trainer's Float8Linear swap (tessera.trainer.fp8), as it behaves on CUDA, on a CPU (or
+    """The trainer's Float8Linear swap (tessera.trainer.precision.torchao_float8), as it behaves on CUDA, on a CPU (or
     fake) module. What it saves for
     backward is torchao's (>= 0.10: the high-precision input and the weight, casting both to
     float8 again in backward; torchao before 2025-01, which torchtitan's published runs used,
     saved the float8 input). On CUDA, Float8Linear casts its input to the autocast dtype first;
     CPU autocast does not trigger that cast, so a pre-hook does it here."""
     from tessera.common.errors import UserError
-    from tessera.trainer.fp8 import convert_to_float8
+    from tessera.trainer.precision.torchao_float8 import convert_to_float8
 
     try:
         convert_to_float8(module, "tensorwise")

@@ -18,11 +18,11 @@ import textwrap
 from tessera.common.config import apply_overrides, read_yaml, validate_config
 from tessera.common.errors import UserError, run_cli
 from tessera.common.layout import ParallelLayout, parse_pipeline_layers, validate_layout
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.config import TrainConfig
 from tessera.trainer.parallel.launch import add_parallel_arguments, parallel_overrides
 from tessera.trainer.plan.devices import DEVICES, DeviceSpec, resolve_device
-from tessera.trainer.plan.memory import MemoryPlan, plan_memory
+from tessera.trainer.plan.memory import MemoryPlan, memory_count, plan_memory
 from tessera.trainer.plan.search import rank_layouts
 from tessera.trainer.plan.spec import PRECISIONS, PlanSpec
 from tessera.trainer.plan.timing import DEFAULT_EFFICIENCY, TimePlan, plan_time
@@ -81,7 +81,7 @@ def _load(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
     origins: dict[str, str] = {}
     apply_overrides(data, list(args.overrides) + parallel_overrides(args), origins)
     cfg = validate_config(TrainConfig, data, args.config, origins)
-    from tessera.common.model_config import PRESETS
+    from tessera.common.models.causal_lm.config import PRESETS
 
     preset = PRESETS.get(str(cfg.model.get("preset")), {})
     vocab = cfg.model.get("vocab_size", preset.get("vocab_size"))  # a preset's own vocabulary counts
@@ -97,6 +97,7 @@ def _load(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
         model = cfg.resolve_model(vocab)
     except ValueError as exc:
         raise UserError(f"{args.config}: model: {exc}") from None
+    memory_count(model)  # a kind the planner cannot count: refused before any planning
     return cfg, model
 
 

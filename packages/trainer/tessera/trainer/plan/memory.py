@@ -24,11 +24,13 @@ Validated against measured peaks of real runs on CPU (tests/trainer/test_plan_va
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.registry import kind_of, stage_hook
 from tessera.trainer.plan.activations import (
     attention_mask_bytes,
     head_loss_bytes,
@@ -39,18 +41,16 @@ from tessera.trainer.plan.activations import (
 )
 from tessera.trainer.plan.spec import PlanSpec
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by rows (weight and bias)
-ROW = ("o_proj", "down_proj")  # split by columns (bias replicated)
-
 
 @functools.lru_cache(maxsize=256)
 def _layer_params(cfg_json: str, layer: int, tp: int, ep: int) -> tuple[int, int]:
     """Parameters of global layer `layer` held by one tensor x expert rank: (all, routed experts')."""
     cfg = ModelConfig.model_validate_json(cfg_json)
-    from tessera.common.model import Block
+    from tessera.common.models.causal_lm.model import Block
 
     with torch.device("meta"):
         block = Block(cfg, layer)
+    plan = kind_of(cfg).parallel()  # column-parallel: split by rows (weight and bias); row-parallel: by columns
     total = experts = 0
     for name, p in block.named_parameters():
         parts = name.split(".")
@@ -59,9 +59,9 @@ def _layer_params(cfg_json: str, layer: int, tp: int, ep: int) -> tuple[int, int
             experts += p.numel() // ep
         elif "mlp" in parts and ("shared" in parts or "router" in parts):
             total += p.numel()
-        elif parts[-2] in COLUMN:
+        elif parts[-2] in plan.column:
             total += p.numel() // tp
-        elif parts[-2] in ROW:
+        elif parts[-2] in plan.row:
             total += p.numel() // tp if parts[-1] == "weight" else p.numel()
         else:  # norms, q/k norms
             total += p.numel()
@@ -161,9 +161,14 @@ def _bytes_per_param(spec: PlanSpec) -> tuple[float, float, float]:
 
 
 def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
-    """Per-rank memory; without `pp_rank`, the pipeline rank with the highest peak."""
+    """Per-rank memory by the count of the model's kind (`memory_count`)."""
+    return memory_count(spec.model)(spec, pp_rank)
+
+
+def decoder_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
+    """Per-rank memory of a decoder stack; without `pp_rank`, the pipeline rank with the highest peak."""
     if pp_rank is None:
-        plans = [plan_memory(spec, r) for r in range(spec.layout.pipeline)]
+        plans = [decoder_memory(spec, r) for r in range(spec.layout.pipeline)]
         return max(plans, key=lambda m: m.peak)
     lay = spec.layout
     params = rank_params(spec, pp_rank)
@@ -280,3 +285,11 @@ def plan_memory(spec: PlanSpec, pp_rank: int | None = None) -> MemoryPlan:
                       # FSDP frees the sharded gradients at zero_grad and reduce-scatters new ones
                       # block by block in backward: with one micro-batch none exist at the peak.
                       grads_in_backward=not (spec.fsdp and (spec.num_microbatches == 1 or lay.pipeline > 1)))
+
+
+MEMORY_COUNTS = {"decoder": decoder_memory}  # the planner's memory count per hook name (the kind registry's)
+
+
+def memory_count(model) -> Callable[[PlanSpec, int | None], MemoryPlan]:
+    """tessera-plan's memory count for `model`'s kind, or a one-line UserError."""
+    return stage_hook(model, "plan_memory", MEMORY_COUNTS, "tessera-plan")

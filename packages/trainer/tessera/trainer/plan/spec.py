@@ -3,7 +3,7 @@
 `PlanSpec.from_train_config` reads them from a `tessera-train` config (the same fields the
 trainer reads, so a plan describes the run that config starts). Precisions: `fp32`; `bf16` and
 `fp8` as the trainer runs them (autocast over fp32 weights; fp8 with torchao's Float8Linear in
-the block's linear layers, tessera.trainer.fp8); `bf16-master` and `fp8-master` the same compute
+the block's linear layers, tessera.trainer.precision.torchao_float8); `bf16-master` and `fp8-master` the same compute
 over bf16 parameters with fp32 master weights (FSDP's `fsdp_param_dtype: bfloat16`, Megatron's
 --bf16; torchtitan's published Float8 runs are `fp8-master`).
 """
@@ -16,7 +16,7 @@ from pydantic import Field
 
 from tessera.common.config import StrictModel
 from tessera.common.layout import ParallelLayout
-from tessera.common.model_config import ModelConfig
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.parallel.data_parallel import BUCKET_NUMEL
 
 Precision = Literal["fp32", "bf16", "bf16-master", "fp8", "fp8-master"]
@@ -36,7 +36,7 @@ class PlanSpec(StrictModel):
                                  "bf16-master with them (torchtitan's Float8 runs).")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute.")
     packed_documents: bool = Field(False, description="Attention restricted to each packed document "
-                                   "(data.reset_attention_mask): common/attention.py's MaskedAttention.")
+                                   "(data.reset_attention_mask): common/layers/attention.py's MaskedAttention.")
     device_type: Literal["cuda", "cpu"] = Field("cuda", description="Where the step runs: picks the packed-"
                                                 "document kernel (FlexAttention on CUDA, per-segment SDPA on CPU).")
     sequence_parallel: bool = Field(True, description="With tensor > 1.")

@@ -1,7 +1,7 @@
 """Predicted step time, tokens/s and MFU of a layout on a device: compute from FLOPs, plus the
 pipeline bubble, plus the communication that is not hidden behind compute.
 
-* Compute: the model's training FLOPs per token (`ModelConfig.flops_per_token`, the trainer's MFU
+* Compute: the model's training FLOPs per token (the kind's `flops_per_token`, the trainer's MFU
   numerator) x tokens per step / ranks, plus what recompute repeats (full: the forward again, a
   third of 6N; selective: the attention core's forward), at `peak x efficiency`. The efficiency
   is the fraction of peak a well-tuned dense matmul-bound step reaches; it is an input
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.common.models.registry import kind_of
 from tessera.trainer.plan.devices import DeviceSpec
 from tessera.trainer.plan.memory import rank_params
 from tessera.trainer.plan.spec import PlanSpec
@@ -59,7 +60,7 @@ def plan_time(spec: PlanSpec, device: DeviceSpec, efficiency: float = DEFAULT_EF
     tp, cp, ep, dp, pp, v = lay.tensor, lay.context, lay.expert, lay.data, lay.pipeline, lay.virtual_stages
     world, n = lay.world_size, spec.num_microbatches
     tokens = spec.global_batch * spec.seq_len
-    model_flops = cfg.flops_per_token(spec.seq_len) * tokens
+    model_flops = kind_of(cfg).flops_per_token(cfg, spec.seq_len) * tokens
     extra = 0.0
     if spec.recompute == "full":
         extra = model_flops / 3

@@ -1,0 +1,33 @@
+"""The dense MLP: SwiGLU (gate/up/down) or GELU (up/down, tanh approximation as GPT-2)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.kernels import swiglu
+
+__all__ = ["MLP"]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.activation == "swiglu"
+        if self.gated:
+            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.bias)
+        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            h = swiglu(*self.gate_up(x))
+        else:
+            h = F.gelu(self.up_proj(x), approximate="tanh")
+        return self.down_proj(h)
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SwiGLU gate and up projections (overridden like Attention.project when served)."""
+        return self.gate_proj(x), self.up_proj(x)

@@ -1,0 +1,249 @@
+"""The decoder-only transformer: GPT-2, Llama 2/3, Mistral, Qwen2/3 and their mixtures of experts
+(Mixtral, Qwen3-MoE) from one config.
+
+Read top to bottom: block, model. The layers it stacks are shared with other kinds and live in
+`tessera.common.layers` (norms, self-attention, MLP, mixture of experts, rotary embeddings). This
+file is the single-device model; parallelism (tensor, sequence, pipeline, data) is applied to it
+by functions elsewhere (its kind's parallel plan, `parallelize.py`), which swap layers or drop
+modules, never by branches in here.
+
+Parameter names are the checkpoint contract (see docs/formats/checkpoint.md): they do not depend
+on any parallel layout. Projections are stored split (q/k/v, gate/up) so a tensor-parallel shard
+of each is a contiguous slice, and layers live in a ModuleDict keyed by global layer number, so a
+pipeline stage keeps the names it would have in the full model.
+
+Three hooks serve the other stages: `positions` (explicit token positions for packed or cached
+sequences), `document_ids` (several documents packed in one sample attend only within their own
+document) and `attention_fn` (replaces the attention core, e.g. with paged attention over a KV
+cache in the server).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.common.layers.attention import MaskedAttention
+from tessera.common.layers.mlp import MLP
+from tessera.common.layers.moe import MoE
+from tessera.common.layers.norms import RMSNorm, add_norm, make_norm
+from tessera.common.layers.rope import RotaryEmbedding
+from tessera.common.layers.self_attention import Attention, AttentionFn
+from tessera.common.models.causal_lm.config import ModelConfig
+
+__all__ = ["Block", "Transformer", "build_model", "mask_vocab_padding", "model_tensor_shapes"]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg, layer_idx)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp: nn.Module = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_fn: AttentionFn | None = None,
+        attn_mask: MaskedAttention | None = None,
+    ) -> torch.Tensor:
+        h = self.dropout(self.attn(self.attn_norm(x), rope, attention_fn, attn_mask))
+        x, normed = add_norm(self.mlp_norm, x, h)
+        return x + self.dropout(self.mlp(normed))
+
+
+# ---- the model -----------------------------------------------------------------------------
+
+
+def mask_vocab_padding(logits: torch.Tensor, vocab_size: int, vocab_start: int = 0) -> torch.Tensor:
+    """`logits` [..., V_local] for vocabulary rows vocab_start.. with columns of ids >= vocab_size
+    (padding, see ModelConfig.padded_vocab_size) set to -inf; unchanged (no copy) without padding."""
+    local = logits.shape[-1]
+    if vocab_start + local <= vocab_size:
+        return logits
+    padded = torch.arange(vocab_start, vocab_start + local, device=logits.device) >= vocab_size
+    return logits.masked_fill(padded, float("-inf"))
+
+
+class Transformer(nn.Module):
+    """Embedding -> blocks -> final norm -> output head.
+
+    A pipeline stage is this model with some modules set to None (embedding on later stages,
+    head on earlier ones) and some layers deleted; forward skips what is absent, so a stage
+    without an embedding takes hidden states, and one without a head returns them.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_rows, cfg.hidden_size)
+        self.pos_embed: nn.Embedding | None = (
+            nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if cfg.position == "learned" else None
+        )
+        self.rotary = RotaryEmbedding(cfg) if cfg.position == "rope" else None
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
+        self.final_norm: nn.Module | None = make_norm(cfg)
+        self.lm_head: nn.Linear | None = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_rows, bias=False)
+        )
+        # Whether this module produces logits (a pipeline stage may hold the head but not the
+        # embedding, with tied weights kept in sync by the pipeline runtime).
+        self.has_head = True
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Initialise every parameter in place (after `to_empty` when built on the meta device).
+
+        Normal(0, init_std) for embeddings and linear weights, scaled by 1/sqrt(2 L) for the
+        projections that write into the residual stream (o_proj, down_proj); zero biases; unit
+        norms. Parameters are visited in name order so a given generator seed gives the same
+        weights whatever device or pipeline split. Padded vocabulary rows are zero and draw nothing from
+        the generator, so the real weights do not depend on the padding (nor on the tensor-parallel size
+        that chose it).
+        """
+        for name, module in sorted(self.named_modules(), key=lambda kv: kv[0]):
+            self.init_module(name, module, generator)
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module, generator: torch.Generator | None = None) -> None:
+        """Initialise one module's own parameters, `name` being its name in the whole model.
+        `init_weights` applies this in name order; sharded initialisation replays the same sequence
+        one global module at a time (tessera.trainer.parallel.sharded_init)."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)
+        if isinstance(module, nn.Linear):
+            s = out_std if name.endswith(("o_proj", "down_proj")) else std
+            nn.init.normal_(self._real_rows(name, module.weight), 0.0, s, generator=generator)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(self._real_rows(name, module.weight), 0.0, std, generator=generator)
+        elif isinstance(module, (nn.LayerNorm, RMSNorm, RotaryEmbedding)):
+            module.reset_parameters()
+        elif isinstance(module, MoE):
+            module.init_weights(std, out_std, generator)
+        if name in ("embed_tokens", "lm_head") and self.cfg.vocab_rows > self.cfg.vocab_size:
+            module.weight[self.cfg.vocab_size:].zero_()  # padding rows: zero, drawing nothing
+
+    def _real_rows(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        return weight[: self.cfg.vocab_size] if name in ("embed_tokens", "lm_head") else weight
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, vocab_start: int = 0) -> torch.Tensor:
+        """The output head: hidden @ weight.T, with the padded vocabulary rows' logits at -inf.
+
+        The one place padding is masked: forward, the tensor-parallel head (`weight` a vocab slice
+        starting at row `vocab_start`) and the server's sampler all come here, so no loss, softmax,
+        evaluation or sample ever sees a padded row.
+        """
+        out = F.linear(hidden, self.output_weight() if weight is None else weight)
+        return mask_vocab_padding(out, self.cfg.vocab_size, vocab_start)
+
+    def output_weight(self) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        assert self.embed_tokens is not None, "tied head needs the embedding on this stage"
+        return self.embed_tokens.weight
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_fn: AttentionFn | None = None,
+        return_hidden: bool = False,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens [B, T] (or hidden states [B, T, d] on a later pipeline stage) -> logits [B, T, V].
+
+        `positions` [B or 1, T] defaults to 0..T-1. With `return_hidden` the final-normed hidden
+        states are returned instead of logits (for a fused or vocab-parallel loss).
+        `document_ids` [B, T] (full sequence, non-decreasing along it) restricts attention to tokens
+        of the same document: packed documents do not see each other (Megatron's
+        reset_attention_mask). Pair it with per-document `positions` to also restart positions.
+        """
+        if self.embed_tokens is not None:
+            seq = tokens.shape[1]
+            h = self.embed_tokens(tokens)
+        else:
+            h = tokens
+            seq = h.shape[1]
+        if positions is None:
+            positions = torch.arange(seq, device=h.device).unsqueeze(0)
+        if self.pos_embed is not None and self.embed_tokens is not None:
+            h = h + self.pos_embed(positions)
+        if self.embed_tokens is not None:
+            h = self.dropout(h)
+        rope = self.rotary(positions) if self.rotary is not None else None
+        if document_ids is not None and attention_fn is not None:
+            raise ValueError("document_ids and attention_fn are exclusive (the attention_fn owns masking)")
+        # One MaskedAttention per distinct sliding window (None: plain causal, left to SDPA's
+        # is_causal unless documents are packed), shared by the layers; the attention_fn owns
+        # masking, windows included. Under sequence parallel h is this rank's chunk but attention
+        # sees the gathered sequence, so the length comes from `positions`.
+        masks: dict[int | None, MaskedAttention | None] = {}
+        for block in self.layers.values():
+            window = block.attn.window
+            if window not in masks:
+                masks[window] = None
+                if attention_fn is None and (document_ids is not None or window is not None):
+                    masks[window] = MaskedAttention(document_ids, window, h.shape[0], positions.shape[1], h.device)
+            h = block(h, rope, attention_fn, masks[window])
+        if self.final_norm is None:
+            return h
+        h = self.final_norm(h)
+        if return_hidden or not self.has_head:
+            return h
+        return self.logits(h)
+
+
+def build_model(
+    cfg: ModelConfig,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = 0,
+) -> Transformer:
+    """Build on the meta device, materialise on `device`, and initialise (seeded) in place.
+
+    No memory is allocated twice: parameters exist only once, on the target device. With
+    seed=None the weights are left uninitialised (for loading a checkpoint over them).
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        model.init_weights(generator)
+    elif model.rotary is not None:
+        model.rotary.reset_parameters()
+    return model.to(dtype=dtype) if dtype != torch.float32 else model
+
+
+def model_tensor_shapes(cfg: ModelConfig, buffers: bool = True) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of `Transformer(cfg).state_dict()`, in its order: what a
+    checkpoint stores under `model.` (parameters only with buffers=False). Built on the meta device
+    from one block per kind of layer, so it costs about the same for 2 layers as for thousands."""
+    def shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+        tensors = module.state_dict() if buffers else dict(module.named_parameters())
+        return {k: tuple(v.shape) for k, v in tensors.items()}
+
+    out: dict[str, tuple[int, ...]] = {}
+    kinds: dict[bool, dict[str, tuple[int, ...]]] = {}
+    with torch.device("meta"):
+        top = Transformer(cfg.model_copy(update={"num_layers": 0, "sliding_window_layers": None}))
+        for name, child in top.named_children():
+            if name != "layers":
+                out.update({f"{name}.{k}": v for k, v in shapes(child).items()})
+                continue
+            for i in range(cfg.num_layers):
+                kind = cfg.is_moe_layer(i)
+                if kind not in kinds:
+                    kinds[kind] = shapes(Block(cfg, i))
+                out.update({f"layers.{i}.{k}": v for k, v in kinds[kind].items()})
+    return out

@@ -1,0 +1,142 @@
+"""The causal LM's parallel plan: what tensor (and sequence) parallelism splits, applied in place, and
+where pipeline stages cut.
+
+Per block: q/k/v, gate and up become column-parallel (split by output rows: whole query heads,
+and the key/value heads of the same query groups, go to one rank), o and down row-parallel. The
+token embedding and an untied head are split by vocabulary rows. Norms stay replicated; the
+per-head q/k norms (Qwen3) too: each rank normalises whole heads, so only their weight gradients
+are partial (summed over the tensor group like sequence-parallel norms').
+
+Mixture-of-experts MLPs are not split over tensor ranks (experts' own tensor size is 1; expert
+parallel shards them instead). Without sequence parallel every tensor rank runs the MoE on the
+full (replicated) sequence; with it, on its own sequence chunk (routing is per token), so the
+norm's output is not gathered and the MoE's weight gradients are partial.
+
+Grouped-query attention: query heads h*H/tp..(h+1)*H/tp-1 on rank h use exactly key/value heads
+h*KV/tp..(h+1)*KV/tp-1, so contiguous slices of q_proj and k_proj/v_proj rows line up. This needs
+`tp` to divide the number of key/value heads; tensor-parallel sizes above the kv-head count are
+refused (replicating kv heads would store them in a layout-dependent way).
+
+With sequence parallel, the residual stream between blocks is split along the sequence
+([B, T/tp, d]); each norm's output is all-gathered once for the column layers reading it, row
+layers reduce-scatter back, and norms run on the local chunk (their weight gradients are then
+partial and all-reduced over the tensor group by the gradient code, which reads the
+`sequence_parallel_partial` tag).
+
+Pipeline stages cut between the entries of `layers` (global layer numbers); the first stage keeps
+the embeddings, the last the final norm and the head (tessera.trainer.parallel.pipeline).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.common.layers.moe import MoE
+from tessera.common.models.causal_lm.model import Transformer
+from tessera.common.models.kind import ParallelPlan
+from tessera.common.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    tag,
+)
+from tessera.common.parallel.mappings import gather_seq, scatter_seq
+from tessera.common.parallel.random import TensorParallelRNG
+from tessera.common.parallel.state import ParallelGroups
+
+
+class _ForkedDropout(nn.Dropout):
+    """Dropout drawn from the tensor-parallel generator (activations differ across tensor ranks)."""
+
+    def __init__(self, p: float, rng: TensorParallelRNG):
+        super().__init__(p)
+        self.rng = rng
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        with self.rng.fork():
+            return super().forward(x)
+
+
+def _forked_core(core, rng: TensorParallelRNG):
+    def run(q, k, v, attn_mask=None):
+        with rng.fork():
+            return core(q, k, v, attn_mask)
+    return run
+
+
+def _tag_replicated(module: nn.Module, partial: bool) -> None:
+    for p in module.parameters(recurse=False):
+        tag(p, None, partial=partial)
+
+
+def parallelize_model(model: Transformer, groups: ParallelGroups, sequence_parallel: bool = False,
+                      rng: TensorParallelRNG | None = None) -> Transformer:
+    """Swap in tensor-parallel layers (slicing existing weights; meta stays meta). Returns `model`.
+
+    Works on a pipeline stage too (absent modules are skipped). Every parameter is tagged with
+    its shard dimension, including when tp == 1, so checkpoint and gradient code need no cases.
+    `model.sequence_parallel` records the choice for `parallel_logits` and the pipeline stage.
+    """
+    group = groups.tp_group
+    sp = sequence_parallel and groups.tp > 1
+    model.sequence_parallel = sp  # type: ignore[attr-defined]
+    model.tp_group = group  # type: ignore[attr-defined]
+    for block in model.layers.values():
+        attn, mlp = block.attn, block.mlp
+        attn.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, group, sp)
+        attn.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, group, sp)
+        attn.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, group, sp)
+        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, sp)
+        for norm in (attn.q_norm, attn.k_norm):
+            if norm is not None:
+                _tag_replicated(norm, groups.tp > 1)
+        moe = isinstance(mlp, MoE)
+        if moe:
+            for p in mlp.parameters():
+                tag(p, None, partial=sp)
+        else:
+            if mlp.gated:
+                mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group, sp)
+            mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group, sp)
+            mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group, sp)
+        _tag_replicated(block.attn_norm, sp)
+        _tag_replicated(block.mlp_norm, sp)
+        if sp:
+            # One all-gather of the normed chunk feeds q/k/v (or gate/up): one collective and
+            # one saved full-sequence activation instead of one per projection.
+            block.attn_norm.register_forward_hook(lambda _m, _i, out: gather_seq(out, group))
+            if not moe:
+                block.mlp_norm.register_forward_hook(lambda _m, _i, out: gather_seq(out, group))
+        if rng is not None and groups.tp > 1:
+            # Attention dropout acts on this rank's heads; residual dropout (under SP) on its chunk.
+            attn.core = _forked_core(attn.core, rng)
+            if sp:
+                block.dropout = _ForkedDropout(block.dropout.p, rng)
+    if model.embed_tokens is not None:
+        model.embed_tokens = VocabParallelEmbedding.from_embedding(model.embed_tokens, group, sp)
+    if model.pos_embed is not None:
+        _tag_replicated(model.pos_embed, False)
+        if sp:
+            # The token embedding already comes out sequence-sharded; shard positions to match.
+            model.pos_embed.register_forward_hook(lambda _m, _i, out: scatter_seq(out, group))
+    if sp and rng is not None:
+        model.dropout = _ForkedDropout(model.dropout.p, rng)
+    if model.final_norm is not None:
+        _tag_replicated(model.final_norm, sp)
+    if model.lm_head is not None:
+        model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sp)
+    return model
+
+
+PLAN = ParallelPlan(
+    column=("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"),
+    row=("o_proj", "down_proj"),
+    vocab=("embed_tokens", "lm_head"),
+    layers="layers",
+    first_stage=("embed_tokens", "pos_embed"),
+    last_stage=("final_norm", "lm_head"),
+    tensor=parallelize_model,
+)

@@ -1,0 +1,1 @@
+"""The scheduler and what it schedules: KV block manager, sequences, sampling params."""

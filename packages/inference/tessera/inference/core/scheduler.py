@@ -1,0 +1,195 @@
+"""Iteration-level (continuous) batching: which sequences run in the next step, and how many
+of their tokens.
+
+Each step has a token budget. Running sequences go first, in arrival order: a decoding one takes
+one token, one still in prefill takes the next chunk of its prompt (chunked prefill), as the
+budget allows. If the pool cannot hold a running sequence's next tokens, the newest running
+sequence is preempted by recompute (its blocks are freed, it goes back to the head of the queue
+and later re-prefills prompt + output so far) until the older one fits. Waiting requests are
+then admitted first-come first-served while budget, sequence slots and blocks last, starting
+past any prefix already in the prefix cache. Nothing is admitted in a step that preempted,
+which keeps a short pool from thrashing.
+
+A decoding sequence that carries draft tokens (speculative decoding, spec_decode.py) computes its
+newest token plus the drafts in one row, 1 + k tokens, so that the model runner can verify them;
+the drafts are cut to what the budget leaves after one token for each later running sequence, and
+dropped (the sequence decodes one token) when the pool cannot hold them.
+
+`schedule` returns a plan (`SchedulerOutput`): for each scheduled sequence the token range it
+computes this step (a prefill chunk, one decode token, or a decode token and its drafts) and its
+block table. The model runner executes the plan without touching any sequence;
+`output_processor.OutputProcessor` then applies the results (vLLM v1's schedule -> execute ->
+update).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tessera.inference.core.block_manager import BlockManager
+from tessera.inference.core.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    start: int  # first position computed this step (tokens before it are in the cache)
+    num_new: int  # tokens computed this step: positions [start, start + num_new)
+    block_table: list[int]  # its blocks (a copy of the block manager's table), covering start + num_new
+    # Draft tokens computed after the sequence's newest token (positions seq.num_tokens onwards),
+    # verified by this step, and the draft distributions they came from (None: a point mass).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when this step reaches the last known token: the step then samples the next one."""
+        return self.end == self.seq.num_tokens + len(self.spec_token_ids)
+
+    def tokens(self) -> list[int]:
+        """The token ids this step computes: known tokens, then drafts."""
+        known = self.seq.num_tokens
+        out = self.seq.tokens(self.start, min(self.end, known)) if self.start < known else []
+        first = max(self.start, known) - known
+        return out + self.spec_token_ids[first:first + max(0, self.end - max(self.start, known))]
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan, in batch order."""
+
+    scheduled: list[ScheduledSequence]
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s.seq for s in self.scheduled]
+
+    @property
+    def num_new(self) -> list[int]:
+        return [s.num_new for s in self.scheduled]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+    @property
+    def decodes(self) -> list[ScheduledSequence]:
+        """Sequences computing just their newest token (one generated after the prompt), with
+        any draft tokens after it."""
+        return [s for s in self.scheduled if s.num_new == 1 + len(s.spec_token_ids) and s.start >= len(s.seq.prompt_ids)]
+
+    @property
+    def prefills(self) -> list[ScheduledSequence]:
+        """Sequences computing a chunk of their prompt (or of prompt + output after a preemption)."""
+        decodes = {id(s) for s in self.decodes}
+        return [s for s in self.scheduled if id(s) not in decodes]
+
+    def only(self, i: int) -> SchedulerOutput:
+        """The plan for the i-th sequence alone (to find which request of a failed step fails)."""
+        return SchedulerOutput([self.scheduled[i]])
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.blocks = blocks
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free_seq(seq)
+        seq.spec_token_ids, seq.spec_probs = [], None
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        num_new: list[int] = []
+        drafts: dict[int, int] = {}  # index in seqs -> drafts scheduled
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if n == 1 and seq.spec_token_ids:
+                # Keep one token of budget for each running sequence after this one.
+                k = max(0, min(len(seq.spec_token_ids), budget - len(self.running) + i))
+                if k and self.blocks.allocate(seq, seq.num_computed + 1 + k):
+                    drafts[len(seqs)] = k
+                    n = 1 + k
+            while not self.blocks.allocate(seq, seq.num_computed + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
+            i += 1
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.blocks.lookup_prefix(seq) if seq.num_computed == 0 and not self.blocks.table(seq) else []
+            start = len(hits) * self.blocks.block_size
+            n = min(seq.num_tokens - start, budget)
+            if not self.blocks.allocate(seq, start + n, prefix_hits=hits):
+                break
+            self.blocks.record_lookup(seq.num_tokens, start)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = start
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.monotonic()
+            seq.num_computed = start
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
+        plan = [ScheduledSequence(seq, seq.num_computed, n, list(self.blocks.table(seq)))
+                for seq, n in zip(seqs, num_new)]
+        for j, k in drafts.items():
+            seq = plan[j].seq
+            plan[j].spec_token_ids = seq.spec_token_ids[:k]
+            plan[j].spec_probs = None if seq.spec_probs is None else seq.spec_probs[:k]
+        return SchedulerOutput(plan)
+
+    def remove_finished(self) -> list[Sequence]:
+        done = [s for s in self.running if s.is_finished]
+        if done:
+            self.running = [s for s in self.running if not s.is_finished]
+            for s in done:
+                self.blocks.free_seq(s)
+        return done
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a request wherever it is and release its blocks now."""
+        seq.abort()
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_seq(seq)

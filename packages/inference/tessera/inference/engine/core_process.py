@@ -1,0 +1,116 @@
+"""The engine process (`python -m tessera.inference.engine.core_process FD`): loads the model, then steps
+`LLMEngine` in a loop, reading requests from and writing each step's outputs to one pipe (an
+inherited socket, fd FD) shared with the HTTP process. See wire.py for the messages.
+
+Why a process: in the server process the engine thread and the asyncio event loop take turns
+on one GIL, and every torch op the engine runs gives the loop a chance to keep it; here the
+engine has an interpreter to itself (vLLM V1 splits its server the same way).
+
+It ignores SIGINT/SIGTERM: the HTTP process decides when to stop (after draining) and says so;
+if that process dies, the pipe closes and this one exits at its next read.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+from tessera.common.errors import UserError
+from tessera.inference.engine.wire import decode, encode, output_to_wire, stats_to_wire
+
+log = logging.getLogger("tessera.inference")
+
+
+def _load(init: dict):
+    import torch
+
+    from tessera.inference.config import EngineConfig
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker.loader import load_for_serving, resolve_device, resolve_dtype
+
+    if init.get("torch_threads"):
+        torch.set_num_threads(int(init["torch_threads"]))
+    cfg = EngineConfig.model_validate(init["engine"])
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    loaded = load_for_serving(init["checkpoint"], device, dtype, cfg.quantization, cfg.tensor_parallel,
+                              kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
+    return LLMEngine(loaded, cfg, device, dtype), device, dtype
+
+
+def serve(conn: Connection) -> int:
+    init = decode(conn.recv_bytes())
+    try:
+        engine, device, dtype = _load(init)
+    except UserError as exc:
+        conn.send_bytes(encode({"t": "error", "user": True, "message": str(exc)}))
+        return 2
+    except Exception as exc:
+        traceback.print_exc()
+        conn.send_bytes(encode({"t": "error", "user": False, "message": f"{type(exc).__name__}: {exc}"}))
+        return 1
+    loaded = engine.loaded
+    conn.send_bytes(encode({
+        "t": "ready", "name": loaded.name, "arch": loaded.config.arch, "dtype": str(dtype), "device": str(device),
+        "max_model_len": engine.max_model_len, "vocab_size": loaded.config.vocab_size,
+        "eos_ids": sorted(engine.eos_ids), "num_blocks": engine.blocks.num_blocks,
+        "tokenizer_dir": str(loaded.tokenizer.directory), "compile_s": engine.compile_seconds,
+    }))
+    try:
+        _loop(conn, engine)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return 0  # the HTTP process went away: nobody is left to serve
+    except Exception as exc:  # a bug or an OOM: tell the HTTP process so it fails requests, not hangs them
+        traceback.print_exc()
+        try:
+            conn.send_bytes(encode({"t": "failed", "message": f"{type(exc).__name__}: {exc}"}))
+        except OSError:
+            pass
+        return 1
+    finally:
+        engine.close()  # stops tensor-parallel workers
+    return 0
+
+
+def _loop(conn: Connection, engine) -> None:
+    """The shared engine loop (loop.py) with this pipe as its inbox and outbox."""
+    from tessera.inference.core.sampling_params import SamplingParams
+    from tessera.inference.engine.loop import run_engine_loop
+
+    def receive(block: bool) -> list[tuple]:
+        frames = [conn.recv_bytes()] if block else []
+        while conn.poll():
+            frames.append(conn.recv_bytes())
+        commands: list[tuple] = []
+        for frame in frames:
+            msg = decode(frame)
+            if msg["t"] == "add":
+                commands.append(("add", msg["id"], msg["prompt"], SamplingParams.model_validate(msg["params"])))
+            elif msg["t"] == "abort":
+                commands.extend(("abort", rid) for rid in msg["ids"])
+            elif msg["t"] == "stop":
+                commands.append(("stop",))
+        return commands
+
+    def emit(outputs, failed, stats, num_adds) -> None:
+        conn.send_bytes(encode({"t": "step", "outs": [output_to_wire(o) for o in outputs],
+                                "failed": [list(f) for f in failed], "stats": stats_to_wire(stats),
+                                "adds_seen": num_adds}))
+
+    run_engine_loop(engine, receive, emit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with Connection(int(argv[0])) as conn:
+        return serve(conn)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""The engine: requests in, tokens out, one batched model step at a time.
+
+`LLMEngine` is synchronous and single-threaded: `add_request`, `abort`, `step`. The server drives
+it with `loop.run_engine_loop` (in a thread or in its own process); `tessera-generate`
+drives it directly. Each `step` is vLLM v1's three parts: the scheduler returns a plan
+(`SchedulerOutput`), the model runner executes it (`ModelRunnerOutput`: sampled tokens,
+logprobs), and the output processor applies the results to the sequences and reports what
+each request gained (`RequestOutput`). With speculative decoding (`EngineConfig.speculative`,
+spec_decode.py) a proposer then drafts tokens for the next step to verify. If executing a plan
+raises, each of its sequences is executed alone, and only those that still fail end (with an
+error); the engine goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from tessera.common.errors import UserError
+from tessera.common.fileio import artifact_path
+from tessera.common.tokenizer import TOKENIZER_JSON
+from tessera.inference.config import EngineConfig
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
+from tessera.inference.core.sequence import Sequence
+from tessera.inference.engine.detokenizer import IncrementalDetokenizer
+from tessera.inference.engine.output_processor import OutputProcessor, RequestOutput
+from tessera.inference.kinds import serving_kind
+from tessera.inference.sample.spec_decode import build_proposer
+from tessera.inference.sample.structured import Grammars
+from tessera.inference.worker.batch import ModelRunnerOutput
+from tessera.inference.worker.cuda_graphs import (
+    GraphSpec,
+    check_cuda_graphs,
+    decode_graph_mode,
+    default_capture_sizes,
+)
+from tessera.inference.worker.executor import WorkerDied
+from tessera.inference.worker.kv_cache import kv_block_bytes, kv_cache_dtype
+from tessera.inference.worker.loader import LoadedModel
+from tessera.inference.worker.model_runner import ModelRunner
+from tessera.inference.worker.prepare import ServingPrep, serving_runner
+
+__all__ = ["EngineStats", "LLMEngine", "RequestOutput", "RequestRejected", "validate_request"]
+COMPUTE_FAILED = "internal error while computing this request"
+
+log = logging.getLogger("tessera.inference")
+
+
+class RequestRejected(UserError):
+    """A request the engine cannot serve as asked (too long, bad token ids); HTTP 400."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+    step_tokens: int = 0  # tokens computed by the last step
+    # Speculative decoding, cumulative (spec_stats.SpecDecodeStats; zeros without it).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+
+def serving_prep(cfg: EngineConfig) -> ServingPrep:
+    """How the engine's models (its own, each tensor-parallel shard, the draft) are prepared (prepare.py)."""
+    return ServingPrep(cpu_linear=cfg.cpu_linear, compile=cfg.compile_on_cpu, explicit=cfg.cpu_compile is True,
+                       quantized=cfg.quantization is not None, batch_hint=cfg.max_num_seqs)
+
+
+def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype) -> int:
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    if cfg.kv_cache_tokens is not None:
+        return -(-cfg.kv_cache_tokens // cfg.block_size)
+    # Under tensor parallel kv_cache_memory is per rank, which holds 1/tp of the key/value heads
+    # (one, replicated, when tp > kv_heads); fp8 (--kv-cache-dtype) fits 4x fp32's blocks.
+    per_rank = kv_block_bytes(loaded.config, cfg.block_size, kv_dtype, cfg.tensor_parallel)
+    return max(1, cfg.kv_cache_memory // per_rank)
+
+
+def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                     eos_ids: frozenset[int] = frozenset()) -> None:
+    """Raise RequestRejected if the request can never be served (the HTTP process checks this
+    before a request reaches the engine, wherever the engine runs; the engine checks again)."""
+    if not prompt_ids:
+        raise RequestRejected("the prompt is empty; send at least one token", "prompt")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    if params.logit_bias and (min(params.logit_bias) < 0 or max(params.logit_bias) >= vocab_size):
+        raise RequestRejected(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+    if params.stop_token_ids and (min(params.stop_token_ids) < 0 or max(params.stop_token_ids) >= vocab_size):
+        raise RequestRejected(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    if params.min_tokens and params.max_tokens:
+        banned = set(params.stop_token_ids) | set(eos_ids)  # the sampler masks EOS even with ignore_eos
+        if len(banned) >= vocab_size:
+            # min_tokens masks every stop id until it is reached: nothing would be left to sample.
+            raise RequestRejected("min_tokens with stop_token_ids (and EOS) covering the whole vocabulary leaves "
+                                  "no token to generate; drop min_tokens or some stop_token_ids", "stop_token_ids")
+    if len(prompt_ids) + params.max_tokens > max_model_len:
+        raise RequestRejected(
+            f"this model's maximum context length is {max_model_len} tokens, but the request "
+            f"has {len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens}; shorten the "
+            "prompt or lower max_tokens", "max_tokens")
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
+        self.loaded = loaded
+        self.cfg = cfg
+        self.device = device
+        self.tokenizer = loaded.tokenizer
+        model_max = loaded.config.max_seq_len
+        self.max_model_len = min(cfg.max_model_len or model_max, model_max)
+        if cfg.max_model_len is not None and cfg.max_model_len > model_max:
+            raise UserError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_seq_len ({model_max})")
+        check_cuda_graphs(cfg, device, loaded.config)
+        graphs = decode_graph_mode(cfg, device, loaded.config)
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
+        pool = pool_blocks(cfg, loaded, self.kv_dtype)
+        # With decode graphs the pool's last block is the padding rows' scratch block: never handed out.
+        num_blocks = pool - (graphs != "off")
+        need = -(-self.max_model_len // cfg.block_size)
+        if num_blocks < need:
+            raise UserError(
+                f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one sequence of "
+                f"max_model_len={self.max_model_len} tokens ({need} blocks); raise --kv-cache-memory / "
+                "--num-kv-blocks or lower --max-model-len")
+        self.blocks = serving_kind(loaded.config).cache(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.processor = OutputProcessor(self.scheduler, self.blocks)
+        self.proposer = None
+        if cfg.speculative is not None:
+            self.proposer = build_proposer(cfg.speculative, self.max_model_len, num_blocks, cfg.block_size, device,
+                                           dtype, serving_prep(cfg), skip_checksum_verify=cfg.skip_checksum_verify)
+        self.eos_ids = frozenset(loaded.eos_ids)
+        self.requests: dict[str, Sequence] = {}
+        self._seeds = random.Random(cfg.seed)  # seeds for requests that bring none
+        self._step_tokens = 0
+        self.grammars = Grammars(artifact_path(loaded.tokenizer.directory, TOKENIZER_JSON).read_text(),
+                                 loaded.config.vocab_size, sorted(self.eos_ids))
+        # Last: under tensor parallel this starts the workers, so nothing after it can fail and
+        # leave them running.
+        graph_spec = None
+        if graphs != "off":
+            graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
+                                   scratch_block=pool - 1, capture=graphs == "capture")
+        self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec)
+
+    @staticmethod
+    def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,
+                dtype: torch.dtype, kv_dtype: torch.dtype, graphs: GraphSpec | None) -> ModelRunner:
+        """The model runner; with `graphs`, its decode graphs (captured here, or by each
+        tensor-parallel worker over its shard)."""
+        if cfg.tensor_parallel == 1:
+            assert loaded.model is not None
+            runner = serving_runner(loaded.model, serving_prep(cfg), num_blocks, cfg.block_size, device, dtype,
+                                    kv_dtype=kv_dtype)
+            if graphs is not None:
+                runner.use_decode_graphs(graphs)
+            return runner
+        from tessera.inference.worker.executor import TensorParallelExecutor, TensorParallelRunner
+
+        assert loaded.path is not None
+        executor = TensorParallelExecutor(loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, num_blocks,
+                                          cfg.block_size, device, dtype, cfg.kv_cache_dtype, graphs,
+                                          serving_prep(cfg))
+        return TensorParallelRunner(executor, device)
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling the CPU layer stacks at start (the model's and the draft's; 0: eager)."""
+        runners = [self.runner, getattr(self.proposer, "runner", None)]
+        return sum(r.compiled.seconds for r in runners if getattr(r, "compiled", None) is not None)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine is unusable afterwards)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    # ---- requests --------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestRejected if the request can never be served; safe from any thread."""
+        validate_request(prompt_ids, params, self.loaded.config.vocab_size, self.max_model_len, self.eos_ids)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        self.validate(prompt_ids, params)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            generator=torch.Generator(device=self.device).manual_seed(seed),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
+            eos_ids=self.eos_ids,
+            max_model_len=self.max_model_len,
+        )
+        if params.structured is not None:
+            try:
+                seq.matcher = self.grammars.matcher(params.structured)
+            except ValueError as exc:
+                raise RequestRejected(f"the structured output grammar is invalid: {exc}", "response_format") from None
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        spec = self.processor.spec_stats
+        return EngineStats(
+            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens, spec_accepted_per_pos=list(spec.accepted_per_pos),
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
+            prefix_queries=self.blocks.prefix_queries, prefix_hits=self.blocks.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions, step_tokens=self._step_tokens,
+        )
+
+    # ---- one iteration ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self._step_tokens = plan.num_tokens
+        if not plan.scheduled:
+            return []
+        # The grammar masks of the sequences about to be sampled are computed while the model
+        # forward runs; the matchers advance (processor.update) only after the mask thread is idle.
+        self.grammars.compute_ahead([s.seq for s in plan.scheduled if s.completes_prompt and s.seq.params.max_tokens > 0])
+        try:
+            result = self._execute(plan)
+        finally:
+            self.grammars.wait()
+        outputs, finished = self.processor.update(plan, result)
+        for seq in finished:
+            self.requests.pop(seq.request_id, None)
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)  # drafts for the next step to verify
+        return outputs
+
+    def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            return self.runner.execute(plan)
+        except WorkerDied:
+            raise  # no request is to blame, and no retry can succeed: the engine ends
+        except Exception:
+            if len(plan.scheduled) == 1:
+                log.exception("request %s failed", plan.scheduled[0].seq.request_id)
+                return ModelRunnerOutput(failed={plan.scheduled[0].seq.request_id: COMPUTE_FAILED})
+        # The forward is batched: find the request that fails by executing each alone (the
+        # runner changed no sequence; a retry rewrites the same KV slots).
+        result = ModelRunnerOutput()
+        for i, s in enumerate(plan.scheduled):
+            try:
+                result.update(self.runner.execute(plan.only(i)))
+            except WorkerDied:
+                raise
+            except Exception:
+                log.exception("request %s failed", s.seq.request_id)
+                result.failed[s.seq.request_id] = COMPUTE_FAILED
+        return result
+
+    # ---- offline ---------------------------------------------------------------------------
+    def run_to_completion(self, on_output=None) -> None:
+        """Step until every added request has finished (offline generation, tests)."""
+        while self.has_unfinished():
+            for out in self.step():
+                if on_output is not None:
+                    on_output(out)

@@ -1,0 +1,158 @@
+"""The update step: applies what the model runner produced for one plan to the sequences.
+
+For each scheduled sequence: its computed-token count advances and its newly full blocks are
+offered to the prefix cache; new prompt logprobs are appended; sampled tokens are appended, one
+at a time (stop strings, stop ids, EOS and length checked there, `Sequence.append_token`; with
+speculation the accepted drafts and one more token, up to the first that stops the sequence, and
+the computed count rolled back past the rejected drafts); a request whose computation failed ends
+with its error. Then finished sequences leave the scheduler (freeing their blocks) and each
+sequence that produced something gets a `RequestOutput` (deltas since the last).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+from tessera.inference.core.block_manager import BlockManager
+from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
+from tessera.inference.core.sequence import Sequence, TokenLogprob
+from tessera.inference.sample.spec_stats import SpecDecodeStats
+from tessera.inference.worker.batch import ModelRunnerOutput
+
+
+@dataclass
+class RequestOutput:
+    """What one request gained in one step (deltas), plus totals."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    # When asked: the logprob of every prompt token after the first, on the request's first output
+    # (the step that completed its prompt), so a stream can send them before the generated tokens.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # set (with finished) when computing this request failed; the others go on
+    client_error: bool = False  # that failure was the request's own doing (HTTP 400, not 500)
+    # On the final output: the engine's intervals in seconds (queue, prefill, decode, inference),
+    # vLLM's definitions (metrics.py).
+    timings: dict[str, float] | None = None
+    time: float = field(default_factory=time.monotonic)
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, blocks: BlockManager):
+        self.scheduler = scheduler
+        self.blocks = blocks
+        self.spec_stats = SpecDecodeStats()
+
+    def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> tuple[list[RequestOutput], list[Sequence]]:
+        """Apply one executed plan; returns the step's outputs and the sequences that finished."""
+        reporting: list[tuple[Sequence, int]] = []  # (sequence, tokens it gained)
+        for s in plan.scheduled:
+            seq = s.seq
+            rid = seq.request_id
+            drafts = len(s.spec_token_ids)
+            seq.spec_token_ids, seq.spec_probs = [], None  # verified (or dropped) now; new ones come after
+            if rid in result.failed:
+                seq.fail(result.failed[rid])
+                reporting.append((seq, 0))
+                continue
+            seq.prompt_logprobs.extend(result.prompt_logprobs.get(rid, []))
+            tokens = result.sampled.get(rid)
+            if tokens is None:
+                seq.num_computed = s.end
+                self.blocks.commit_full_blocks(seq)
+                if s.completes_prompt and seq.params.max_tokens == 0:  # prompt scoring only
+                    seq._finish("length", None)
+                    reporting.append((seq, 0))
+                continue
+            if drafts:
+                # The newest token and the accepted drafts are in the cache; rejected drafts'
+                # K/V lie past it, unread, and blocks that held only them go back to the pool.
+                accepted = len(tokens) - 1
+                self.spec_stats.observe(drafts, accepted)
+                seq.num_computed = s.start + 1 + accepted
+                self.blocks.trim(seq, seq.num_computed + 1)
+            else:
+                seq.num_computed = s.end
+            logprobs = result.logprobs.get(rid, [])
+            gained = 0
+            for j, token in enumerate(tokens):
+                if seq.matcher is not None and not seq.matcher.consume_token(token):
+                    _grammar_failed(seq)
+                    break
+                if j < len(logprobs):
+                    seq.new_logprobs.append(logprobs[j])
+                seq.append_token(token)
+                gained += 1
+                if seq.matcher is not None and not seq.is_finished and seq.matcher.is_stopped():
+                    seq._finish("stop", None)  # the grammar is complete: nothing may follow
+                if seq.is_finished:
+                    break  # tokens after a stop are never generated
+            # A stop inside the accepted drafts: the K/V past it belong to no token of the sequence
+            # (commit_full_blocks must not hash a block from them).
+            seq.num_computed = min(seq.num_computed, seq.num_tokens)
+            self.blocks.commit_full_blocks(seq)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+            reporting.append((seq, gained))
+        outputs = [self.output(seq, n) for seq, n in reporting]
+        return outputs, self.scheduler.remove_finished()
+
+    @staticmethod
+    def output(seq: Sequence, num_new: int) -> RequestOutput:
+        new_logprobs, seq.new_logprobs = seq.new_logprobs, []
+        finished = seq.is_finished
+        # As in vLLM, an EOS/stop token is part of the ids (and usage) but not of the text.
+        new_ids = seq.output_ids[len(seq.output_ids) - num_new:] if num_new and seq.error is None else []
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs and not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs_sent = True
+            prompt_logprobs = list(seq.prompt_logprobs)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            new_text=seq.detokenizer.take_new_text(),
+            new_logprobs=new_logprobs,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_output_tokens=len(seq.output_ids),
+            num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+            error=seq.error,
+            client_error=seq.client_error,
+            timings=_timings(seq) if finished else None,
+        )
+
+
+def _timings(seq: Sequence) -> dict[str, float]:
+    now = time.monotonic()
+    scheduled = seq.scheduled_time if seq.scheduled_time is not None else now
+    first = seq.first_token_time if seq.first_token_time is not None else now
+    return {"queue": scheduled - seq.arrival_time, "prefill": first - scheduled, "decode": now - first,
+            "inference": now - scheduled}
+
+
+# llguidance's messages when a grammar outgrows one of its limits mid-generation (ParserLimits,
+# structured_limits.py), as opposed to a token the mask should have excluded (our bug).
+_LIMIT_HIT = re.compile(r"too many|too complex|max is|limit|fuel", re.IGNORECASE)
+
+
+def _grammar_failed(seq: Sequence) -> None:
+    """The matcher refused the sampled token. A grammar that hit one of llguidance's limits is the
+    request's doing: it ends with a 400 naming the limit (vLLM instead ends such an output quietly
+    at EOS, not matching the grammar). Any other refusal means the mask was not applied: a 500."""
+    error = " ".join(seq.matcher.get_error().replace("<non-verbose/>", "").split())
+    if _LIMIT_HIT.search(error):
+        seq.fail(f"the structured output grammar hit a limit of the grammar engine after {len(seq.output_ids)} "
+                 f"generated tokens: {error[:500]}", client=True)
+    else:
+        seq.fail("internal error: the structured output grammar rejected the sampled token")

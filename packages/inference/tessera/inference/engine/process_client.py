@@ -1,0 +1,162 @@
+"""The HTTP process's side of an engine running in its own process (core_process.py).
+
+`ProcessEngine.launch` starts the child, sends it the checkpoint and engine config, and waits
+until the model is loaded: a bad checkpoint comes back as the child's one-line UserError (the
+CLI prints it and exits 2). After that, requests and aborts go down the pipe as they are
+submitted, and a reader thread turns each step's outputs into stream deliveries and metrics.
+The tokenizer is loaded here too (prompts are tokenized, chat templates rendered and logprob
+tokens spelled in the HTTP process); the child detokenizes the output it generates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+from tessera.common.errors import UserError
+from tessera.common.tokenizer import load_tokenizer
+from tessera.inference.config import EngineConfig
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.engine.frontend import EngineDead, EngineFrontend
+from tessera.inference.engine.wire import decode, encode, output_from_wire, stats_from_wire
+
+log = logging.getLogger("tessera.inference")
+
+
+class EngineProcessError(EngineDead):
+    """The engine process failed or exited; requests in flight fail with HTTP 500."""
+
+
+class ProcessEngine(EngineFrontend):
+    def __init__(self, proc: subprocess.Popen, conn: Connection, info: dict, max_waiting: int):
+        super().__init__(load_tokenizer(info["tokenizer_dir"]), int(info["max_model_len"]), int(info["vocab_size"]),
+                         info["eos_ids"], max_waiting)
+        self.info = info
+        self._proc = proc
+        self._conn = conn
+        self._adds_sent = 0
+        self._adds_seen = 0
+        self._engine_waiting = 0
+        self._stopping = False
+        self._send_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._reader = threading.Thread(target=self._read, name="tessera-engine-reader", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def launch(cls, checkpoint: str, cfg: EngineConfig, torch_threads: int | None = None) -> ProcessEngine:
+        """Start the engine process and wait until its model is loaded (or raise its error)."""
+        ours, theirs = socket.socketpair()
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "tessera.inference.engine.core_process", str(theirs.fileno())],
+                                    pass_fds=[theirs.fileno()])
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        try:
+            conn.send_bytes(encode({"t": "init", "checkpoint": os.fspath(checkpoint), "engine": cfg.model_dump(),
+                                    "torch_threads": torch_threads}))
+            msg = decode(conn.recv_bytes())
+        except (EOFError, OSError):
+            code = proc.wait()
+            conn.close()
+            raise EngineProcessError(f"the engine process exited (code {code}) before loading the model") from None
+        if msg["t"] != "ready":
+            proc.wait()
+            conn.close()
+            if msg["t"] == "error" and msg.get("user"):
+                raise UserError(msg["message"])
+            raise EngineProcessError(f"the engine process failed to start: {msg.get('message')}")
+        return cls(proc, conn, msg, cfg.max_waiting)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Nothing to do: the process runs from launch (the app's lifespan calls this)."""
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Let running requests finish (up to `timeout` s), then stop the engine process."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.num_active() and self.healthy:
+            time.sleep(0.05)
+        self._stopping = True
+        try:
+            self._send({"t": "stop"})
+        except EngineProcessError:
+            pass
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join(timeout=5)
+        self._conn.close()
+
+    @property
+    def healthy(self) -> bool:
+        return self._error is None and not self._stopping and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    # ---- backend hooks ---------------------------------------------------------------------
+    def _send(self, msg: dict) -> None:
+        # A lock of its own, not self._cv: a send can block while the pipe is full, and the
+        # reader thread must still be able to deliver (and so drain the other direction).
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(encode(msg))
+        except OSError as exc:
+            raise EngineProcessError(f"the engine process is gone: {exc}") from None
+
+    def _send_add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        with self._cv:
+            self._adds_sent += 1
+        self._send({"t": "add", "id": request_id, "prompt": prompt_ids, "params": params.model_dump(mode="json")})
+
+    def _send_abort(self, request_id: str) -> None:
+        try:
+            self._send({"t": "abort", "ids": [request_id]})
+        except EngineProcessError:
+            pass  # nothing left to abort
+
+    def _num_waiting(self) -> int:
+        # Requests sent but not yet seen by the engine, plus those its scheduler has waiting.
+        return self._adds_sent - self._adds_seen + self._engine_waiting
+
+    # ---- the reader thread -----------------------------------------------------------------
+    def _read(self) -> None:
+        error: BaseException | None = None
+        try:
+            while True:
+                msg = decode(self._conn.recv_bytes())
+                now = time.monotonic()
+                if msg["t"] == "failed":
+                    raise EngineProcessError(f"the engine failed: {msg['message']}")
+                if msg["t"] != "step":
+                    continue
+                stats = stats_from_wire(msg["stats"])
+                with self._cv:
+                    self._adds_seen = int(msg["adds_seen"])
+                    self._engine_waiting = stats.num_waiting
+                items: list = [(o[0], output_from_wire(o, now)) for o in msg["outs"]]
+                items += [(rid, EngineProcessError(message)) for rid, message in msg["failed"]]
+                if items:
+                    self._deliver(items, now)
+                if self.metrics is not None:
+                    self.metrics.update_engine(stats)
+        except (EOFError, OSError):
+            if not self._stopping:
+                error = EngineProcessError(f"the engine process exited unexpectedly (code {self._proc.poll()})")
+        except BaseException as exc:
+            error = exc
+        if error is not None:
+            log.error("%s", error)
+            self._error = error
+            self._fail_all(error)

@@ -1,0 +1,1 @@
+"""Entry points: the tessera-serve and tessera-generate CLIs, the HTTP server, the request protocol."""

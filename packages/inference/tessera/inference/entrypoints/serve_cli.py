@@ -1,0 +1,212 @@
+"""tessera-serve: serve a checkpoint or Hugging Face export over HTTP (OpenAI-compatible API,
+Megatron PUT /api, Prometheus /metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import re
+import sys
+
+from tessera.common.chat_template import RenderLimits
+from tessera.common.errors import UserError, run_cli
+
+EPILOG = """\
+endpoints:
+  POST /v1/completions        OpenAI completions (stream, stream_options.include_usage, logprobs, echo, n)
+  POST /v1/chat/completions   OpenAI chat completions (the tokenizer's chat template)
+  GET  /v1/models             the served model
+  PUT  /api                   Megatron-LM text generation API (prompts, tokens_to_generate, ...)
+  GET  /health                200 when the engine runs
+  GET  /metrics               Prometheus metrics
+sampling extensions (request body, as vLLM): top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, skip_special_tokens. Docs: docs/cli/tessera-serve.md
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tessera.inference.entrypoints.engine_args import add_engine_args
+
+    p = argparse.ArgumentParser(
+        prog="tessera-serve", description=__doc__, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="Address to bind (default: %(default)s; 0.0.0.0 exposes it).")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s).")
+    s.add_argument("--served-model-name", default=None, help="Model id in the API (default: the checkpoint dir name).")
+    s.add_argument("--api-key", default=os.environ.get("TESSERA_API_KEY"),
+                   help="Require 'Authorization: Bearer KEY' on /v1 and /api (default: $TESSERA_API_KEY, else open).")
+    s.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="Longest prompt accepted, in tokens (default: max-model-len).")
+    s.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="Largest max_tokens a request may ask for (default: max-model-len).")
+    s.add_argument("--max-prompts-per-request", type=int, default=64,
+                   help="Most prompts x n in one request (default: %(default)s).")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="Largest request body (default: 4 MiB).")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="Seconds a client has to send its whole request body; a stalled one gets 408 and "
+                        "its connection is closed (default: %(default)s).")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="On shutdown, seconds to let running requests finish (default: %(default)s).")
+    s.add_argument("--metrics-prefix", default="vllm:",
+                   help="Prefix of the /metrics names (default: %(default)s, so vLLM dashboards read them; "
+                        "e.g. tessera: beside a vLLM server in the same Prometheus).")
+    s.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+                   help="How tool calls are read from text under tool_choice auto: Hermes <tool_call> JSON, "
+                        "Llama-3 JSON, or auto (hermes when the chat template teaches <tool_call>).")
+    t = RenderLimits()
+    s.add_argument("--chat-template-timeout", type=float, default=t.timeout_s, metavar="S",
+                   help="Seconds one chat template render may take; a request whose render runs longer gets 400 "
+                        "(default: %(default)s).")
+    s.add_argument("--chat-template-max-iterations", type=int, default=t.max_iterations, metavar="N",
+                   help="Loop iterations and macro calls one chat template render may run (default: %(default)s).")
+    s.add_argument("--chat-template-max-chars", type=int, default=t.max_chars, metavar="N",
+                   help="Characters of a rendered chat prompt, and of any string or list a template builds "
+                        "(default: %(default)s).")
+    s.add_argument("--chat-template-max-memory", type=int, default=t.max_memory_mb, metavar="MIB",
+                   help="Memory (address space, MiB) a chat template render process may add to its own "
+                        "(default: %(default)s).")
+    add_grammar_limit_args(p)
+    s.add_argument("--quiet", action="store_true", help="Log warnings only (no access log).")
+    s.add_argument("--no-engine-process", action="store_true",
+                   help="Run the engine in a thread of the HTTP process instead of its own process "
+                        "(slower under load: the two then share one GIL; for debugging).")
+    return p
+
+
+def add_grammar_limit_args(p: argparse.ArgumentParser) -> None:
+    """One flag per structured_limits.GrammarLimits field, its description the help."""
+    from tessera.inference.core.structured_limits import FLAGS, GrammarLimits
+    from tessera.inference.entrypoints.engine_args import parse_bytes
+
+    g = p.add_argument_group("structured output limits, per request (docs/security.md)")
+    d = GrammarLimits()
+    for name, info in GrammarLimits.model_fields.items():
+        kind = parse_bytes if name == "check_memory_bytes" else type(getattr(d, name))
+        g.add_argument(FLAGS[name], dest=name, type=kind, default=getattr(d, name), metavar="N",
+                       help=f"{info.description.rstrip('.')} (default: %(default)s).")
+
+
+def grammar_limits_from_args(args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from tessera.inference.core.structured_limits import FLAGS, GrammarLimits
+
+    values = {name: getattr(args, name) for name in GrammarLimits.model_fields}
+    try:
+        return GrammarLimits.model_validate(values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0])
+        raise UserError(f"{FLAGS[name]} {values[name]}: {err['msg']}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from tessera.inference.entrypoints.engine_args import engine_config_from_args
+
+    cfg = engine_config_from_args(args)
+    grammar_limits = grammar_limits_from_args(args)
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port {args.port}: must be between 1 and 65535")
+    for flag in ("max_prompt_tokens", "max_tokens_limit", "max_prompts_per_request", "max_body_bytes",
+                 "chat_template_max_iterations", "chat_template_max_chars", "chat_template_max_memory"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} {value}: must be positive")
+    if not (args.drain_timeout >= 0 and math.isfinite(args.drain_timeout)):
+        raise UserError(f"--drain-timeout {args.drain_timeout}: must be a number of seconds >= 0")
+    if not re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)?", args.metrics_prefix):
+        raise UserError(f"--metrics-prefix {args.metrics_prefix!r}: letters, digits, _ and : only, not starting "
+                        "with a digit (a Prometheus metric name prefix)")
+    if not (args.chat_template_timeout > 0 and math.isfinite(args.chat_template_timeout)):
+        raise UserError(f"--chat-template-timeout {args.chat_template_timeout}: must be a number of seconds > 0")
+    if not (args.body_timeout > 0 and math.isfinite(args.body_timeout)):
+        raise UserError(f"--body-timeout {args.body_timeout}: must be a number of seconds > 0")
+    if args.api_key is not None and not args.api_key.strip():
+        # The README's `--api-key "$KEY"` with KEY unset would otherwise start an open server.
+        given = argv if argv is not None else sys.argv[1:]
+        on_line = any(a == "--api-key" or a.startswith("--api-key=") for a in given)
+        source = "--api-key" if on_line else "$TESSERA_API_KEY"
+        raise UserError(f"{source} is empty: give a non-empty key, or leave it out for a server without one")
+    if not os.path.exists(args.checkpoint):
+        raise UserError(f"{args.checkpoint}: checkpoint not found (pass a run dir, checkpoints dir, "
+                        "iter_NNNNNNN dir or Hugging Face export dir)")
+
+    import uvicorn
+
+    from tessera.inference.engine.metrics import ServingMetrics
+    from tessera.inference.entrypoints.server import OpenAIServer, ServerLimits
+    from tessera.inference.worker.loader import resolve_device, resolve_dtype
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if device.type == "cpu" and str(dtype) == "torch.float16":
+        raise UserError("--dtype float16 is not supported on CPU; use float32")
+    from tessera.inference.worker.quantization import check_quantization
+
+    check_quantization(cfg.quantization, device)  # before the engine process reads any weight
+    from tessera.inference.kinds import serving_kind
+    from tessera.inference.sample.spec_decode import check_draft_model, read_model_facts
+
+    serving_kind(read_model_facts(args.checkpoint)[0])  # a kind this server cannot run: before the engine starts
+    check_draft_model(cfg.speculative, args.checkpoint)
+    from tessera.inference.worker.cuda_graphs import check_cuda_graphs
+
+    check_cuda_graphs(cfg, device)
+    if args.no_engine_process:
+        from tessera.inference.engine.frontend import AsyncEngine
+        from tessera.inference.engine.llm_engine import LLMEngine
+        from tessera.inference.worker.loader import load_for_serving
+
+        loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization, cfg.tensor_parallel,
+                                  kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
+        frontend = AsyncEngine(LLMEngine(loaded, cfg, device, dtype))
+        facts = {"name": loaded.name, "arch": loaded.config.arch, "num_blocks": frontend.engine.blocks.num_blocks,
+                 "where": "engine thread", "compile_s": frontend.engine.compile_seconds}
+    else:
+        from tessera.inference.engine.process_client import ProcessEngine
+
+        frontend = ProcessEngine.launch(args.checkpoint, cfg, args.torch_threads)
+        facts = {**frontend.info, "where": f"engine process {frontend.pid}"}
+    name = args.served_model_name or facts["name"]
+    metrics = ServingMetrics(name, args.metrics_prefix, frontend.max_model_len)
+    frontend.metrics = metrics
+    limits = ServerLimits(
+        max_prompt_tokens=args.max_prompt_tokens or frontend.max_model_len,
+        max_tokens=args.max_tokens_limit or frontend.max_model_len,
+        max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout, body_timeout_s=args.body_timeout,
+        chat_template=RenderLimits(timeout_s=args.chat_template_timeout, max_iterations=args.chat_template_max_iterations,
+                                   max_chars=args.chat_template_max_chars, max_memory_mb=args.chat_template_max_memory),
+        grammar=grammar_limits,
+    )
+    server = OpenAIServer(frontend, name, limits, metrics)
+    server.tool_call_parser = args.tool_call_parser
+    app = server.build_app(api_key=args.api_key)
+    level = logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quant = f", {cfg.quantization} weights" if cfg.quantization else ""
+    quant += f", tensor parallel {cfg.tensor_parallel}" if cfg.tensor_parallel > 1 else ""
+    quant += f", {cfg.kv_cache_dtype} KV cache" if cfg.kv_cache_dtype != "auto" else ""
+    quant += ", checksums not verified" if cfg.skip_checksum_verify else ""
+    quant += f", layers compiled in {facts['compile_s']:.1f} s" if facts.get("compile_s") else ""
+    print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
+          f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, max_model_len {frontend.max_model_len}; "
+          f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+                    access_log=not args.quiet, timeout_graceful_shutdown=math.ceil(args.drain_timeout))
+    finally:
+        if frontend.healthy:  # uvicorn never got to its shutdown (e.g. the port was taken)
+            frontend.shutdown(timeout=0)
+        if args.no_engine_process:
+            frontend.engine.close()  # stops tensor-parallel workers (the engine process does so itself)
+    return 0
+
+
+def entry() -> None:
+    run_cli(main)

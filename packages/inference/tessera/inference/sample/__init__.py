@@ -1,0 +1,1 @@
+"""Picking tokens: the sampler, structured output, speculative decoding."""

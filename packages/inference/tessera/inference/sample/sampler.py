@@ -1,0 +1,254 @@
+"""Choosing each sequence's next token from its logits, with its own settings and generator.
+
+Order (as in vLLM/transformers): penalties and logit_bias on the raw logits, min_tokens masking,
+the structured-output grammar masks (all constrained rows in one masked fill), then greedy
+argmax, or temperature -> top-k -> top-p -> min-p -> a draw from the request's own
+torch.Generator. The draw depends only on that request's logits and generator, never on its
+batch mates, so a seeded request reproduces. Logprobs are reported from the model's raw
+distribution (log_softmax of the unprocessed logits), as vLLM does by default.
+
+Speculative decoding's verification is here too (`verify`): exact rejection sampling (Leviathan et
+al. 2023, as vLLM's rejection sampler) of the draft tokens against the same processed
+distribution the sampler would draw from at each position, so the output is distributed exactly
+as without speculation, and greedy output is identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.core.sequence import Sequence, TokenLogprob
+from tessera.inference.sample.structured import apply_bitmask, grammar_bitmask
+
+
+def apply_penalties(logits: torch.Tensor, seq: Sequence | Hypothetical) -> None:
+    """In place on one row [V]."""
+    p = seq.params
+    dev = logits.device
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(seq.prompt_ids + seq.output_ids, device=dev).unique()
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
+        ids, counts = torch.tensor(seq.output_ids, device=dev).unique(return_counts=True)
+        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens top-k, top-p and min-p exclude; one row [V], already tempered."""
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def distribution(row: torch.Tensor) -> torch.Tensor:
+    """The probabilities `draw` samples from, for a row of (tempered, filtered) logits: NaN counts
+    as excluded and +inf as the largest finite logit; a row with nothing left (which request
+    validation rules out) is a point mass on its argmax."""
+    row = row.nan_to_num(nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
+    probs = row.softmax(-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        probs = torch.zeros_like(row)
+        probs[row.argmax()] = 1.0
+    return probs
+
+
+def draw(row: torch.Tensor, generator: torch.Generator) -> tuple[int, torch.Tensor]:
+    """One token from a row of (tempered, filtered) logits, never raising on a degenerate row,
+    and the distribution it was drawn from."""
+    probs = distribution(row)
+    return int(torch.multinomial(probs, 1, generator=generator).item()), probs
+
+
+@dataclass
+class Hypothetical:
+    """A sequence as it would be after some draft tokens: what the processing of one position's
+    logits reads (penalties count the drafts before it; min_tokens counts them too)."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    eos_ids: frozenset[int]
+    matcher: None = None  # speculation never runs under structured output (spec_decode.py)
+
+    @staticmethod
+    def of(seq: Sequence) -> Hypothetical:
+        return Hypothetical(seq.params, seq.prompt_ids, list(seq.output_ids), seq.eos_ids)
+
+
+# ---- the row a request samples from: one home for the batched Sampler, `verify` and the draft --
+# Every token (the Sampler's, speculative verification's, a draft model's) comes from
+# process -> finish -> pick. Speculative decoding is exact only while verification's target
+# distribution is the one the Sampler would draw from, so neither path has steps of its own.
+
+def needs_processing(seq: Sequence | Hypothetical) -> bool:
+    """Whether `process_row` changes anything for this sequence (most rows: no, and no copy)."""
+    p = seq.params
+    return (p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+            or bool(p.logit_bias) or len(seq.output_ids) < p.min_tokens)
+
+
+def process_row(row: torch.Tensor, seq: Sequence | Hypothetical) -> None:
+    """Penalties, logit_bias and the min_tokens mask, in place on one row [V]."""
+    p = seq.params
+    apply_penalties(row, seq)
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=row.device)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device, dtype=row.dtype)
+    if len(seq.output_ids) < p.min_tokens:
+        banned = list(seq.eos_ids | set(p.stop_token_ids))
+        if banned:
+            row[banned] = float("-inf")
+
+
+def process(logits: torch.Tensor, seqs: list[Sequence] | list[Hypothetical], failed: dict[int, Exception]
+            ) -> torch.Tensor:
+    """Every step before the choice, on rows [N, V] (row i for seqs[i]): `process_row` where it
+    changes something, then the structured-output grammar masks of the constrained rows in one
+    masked fill. `logits` is copied once when any row changes, else returned as it is. A row whose
+    processing raises is recorded in `failed` (index -> error) and left as it stands."""
+    out = logits
+    for i, seq in enumerate(seqs):
+        if needs_processing(seq):
+            if out is logits:
+                out = logits.clone()
+            try:
+                process_row(out[i], seq)
+            except Exception as exc:
+                failed[i] = exc
+    constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None and i not in failed]
+    if constrained:
+        # Structured output: one bitmask for every constrained row (mostly computed during the
+        # forward: Grammars.compute_ahead), one masked fill.
+        if out is logits:
+            out = logits.clone()
+        try:
+            bitmask = grammar_bitmask([seqs[i] for i in constrained], logits.shape[1])  # type: ignore[misc]
+            rows = None if len(constrained) == len(seqs) else torch.tensor(constrained, device=logits.device)
+            apply_bitmask(out, rows, bitmask)
+        except Exception as exc:
+            failed.update({i: exc for i in constrained})
+    return out
+
+
+def finish(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """A processed row as `pick` takes it: unchanged when greedy (its argmax is the token), else
+    tempered and filtered (top-k, top-p, min-p)."""
+    if params.greedy:
+        return row
+    return filter_logits(row / params.temperature, params.top_k, params.top_p, params.min_p)
+
+
+def pick(row: torch.Tensor, params: SamplingParams, generator: torch.Generator
+         ) -> tuple[int, torch.Tensor | None]:
+    """Choose from a `finish`ed row: the argmax when greedy, else a draw; returns the token and
+    the distribution it was drawn from (None when greedy)."""
+    if params.greedy:
+        return int(row.argmax()), None
+    return draw(row, generator)
+
+
+def sampling_row(logits: torch.Tensor, seq: Sequence | Hypothetical) -> torch.Tensor:
+    """The row the Sampler picks from for `seq`, from its raw logits [V] (left unchanged): the
+    same `process` and `finish` the Sampler runs on its batch. Raises what processing raised."""
+    failed: dict[int, Exception] = {}
+    row = process(logits.unsqueeze(0), [seq], failed)[0]  # type: ignore[list-item]
+    if failed:
+        raise failed[0]
+    return finish(row, seq.params)
+
+
+class Sampler:
+    def __call__(self, seqs: list[Sequence], logits: torch.Tensor
+                 ) -> tuple[list[int], list[TokenLogprob | None], dict[int, Exception]]:
+        """logits [N, V] fp32 (row i for seqs[i]); returns the chosen token ids, the logprobs of
+        the rows that asked for them (else None), and the rows whose sampling failed (index ->
+        error; their token is meaningless). A failure stays with its own request: the batch
+        mates still get their tokens. Reads the sequences, never changes them."""
+        failed: dict[int, Exception] = {}
+        raw_logprobs = None
+        if any(s.params.logprobs is not None for s in seqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        processed = process(logits, seqs, failed)
+        # Greedy rows: `pick`'s argmax of a finished (= processed) row, for the batch at once.
+        chosen = processed.argmax(dim=-1).tolist()
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.greedy or i in failed:
+                continue
+            try:
+                chosen[i] = pick(finish(processed[i], p), p, seq.generator)[0]
+            except Exception as exc:
+                failed[i] = exc
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if raw_logprobs is not None:
+            for i, seq in enumerate(seqs):
+                n = seq.params.logprobs
+                if n is not None and i not in failed:
+                    logprobs[i] = token_logprob(raw_logprobs[i], chosen[i], n)
+        return chosen, logprobs, failed
+
+
+def token_logprob(row_logprobs: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        vals, ids = torch.topk(row_logprobs, top_n)
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprob(token_id=token, logprob=float(row_logprobs[token]), top=top)
+
+
+def verify(seq: Sequence, drafts: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor
+           ) -> list[int]:
+    """Accept a prefix of `drafts` and add one token; logits [len(drafts) + 1, V] are the target
+    model's rows at the newest token and at each draft.
+
+    Greedy: a draft is accepted while it is the argmax, and the first mismatch (or, when all are
+    accepted, the last row's argmax) is the added token, so the output is the one without
+    speculation. Sampled: draft d at position j, with target distribution p_j (this sampler's,
+    after every processing step, given the drafts before it) and draft distribution q_j, is
+    accepted with probability min(1, p_j(d) / q_j(d)); on rejection the token is drawn from
+    norm(max(0, p_j - q_j)) and the rest is dropped; when all are accepted a bonus token is drawn
+    from the last row. An n-gram draft is a point mass (q_j(d) = 1): accepted with probability
+    p_j(d), else drawn from p_j without d. Each emitted token is then distributed as p_j.
+    """
+    view = Hypothetical.of(seq)
+    gen = seq.generator
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        row = sampling_row(logits[j], view)
+        if seq.params.greedy:
+            t = int(row.argmax())
+            if t != d:
+                return out + [t]
+        else:
+            p = distribution(row)
+            q = None if draft_probs is None else draft_probs[j].to(p.dtype)
+            qd = 1.0 if q is None else float(q[d])
+            u = float(torch.rand((), generator=gen, device=p.device))
+            if not (qd > 0.0 and u * qd < float(p[d])):
+                if q is None:
+                    residual = p.clone()
+                    residual[d] = 0.0
+                else:
+                    residual = (p - q).clamp_min(0.0)
+                if float(residual.sum()) <= 0.0:  # rejected with probability 0: only by rounding
+                    residual = p
+                return out + [int(torch.multinomial(residual, 1, generator=gen).item())]
+        out.append(d)
+        view.output_ids.append(d)
+    return out + [pick(sampling_row(logits[len(drafts)], view), seq.params, gen)[0]]

@@ -1,0 +1,63 @@
+"""What one step's forward takes and gives: the scheduled sequences as the forward sees them
+(`BatchSeq`), their packed tensors (`StepInputs`), and what executing the plan produced
+(`ModelRunnerOutput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tessera.inference.core.scheduler import SchedulerOutput
+from tessera.inference.core.sequence import TokenLogprob
+from tessera.inference.worker.decode_attention import DecodeSplit
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one executed plan produced, by request id."""
+
+    # The new tokens of each sequence that sampled: one, or with speculation the accepted drafts
+    # and one more.
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # for those that asked, per token
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # new prompt positions
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its computation failed
+
+    def update(self, other: ModelRunnerOutput) -> None:
+        for mine, theirs in ((self.sampled, other.sampled), (self.logprobs, other.logprobs),
+                             (self.prompt_logprobs, other.prompt_logprobs), (self.failed, other.failed)):
+            mine.update(theirs)
+
+
+@dataclass
+class StepInputs:
+    tokens: torch.Tensor  # [1, T]
+    positions: torch.Tensor  # [1, T]
+    slot_mapping: torch.Tensor  # [T] flat slot of each new token in the pool
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    seq_lens: torch.Tensor  # int32 [S]
+    query_start_loc: torch.Tensor  # int32 [S + 1]
+    logits_rows: torch.Tensor | None  # [R] rows of the packed batch that go through the head (None: all)
+    split: DecodeSplit | None = None  # CPU only, when the step has a decode row
+
+
+@dataclass
+class BatchSeq:
+    """What the forward needs of one scheduled sequence (all a tensor-parallel worker is sent):
+    its new tokens, the position of the first, its block table, and `num_q`: its new tokens when
+    it decodes (1, or 1 + k drafts), 0 for a prefill chunk."""
+
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+    num_q: int
+
+    @property
+    def num_new(self) -> int:
+        return len(self.tokens)
+
+
+def batch_seqs(plan: SchedulerOutput) -> list[BatchSeq]:
+    return [BatchSeq(s.tokens(), s.start, s.block_table, s.num_new if s.num_new == 1 or s.spec_token_ids else 0)
+            for s in plan.scheduled]

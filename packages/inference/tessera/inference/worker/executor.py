@@ -1,0 +1,359 @@
+"""Tensor-parallel serving (`--tensor-parallel N`): N worker processes, one per tensor rank, each
+holding its weight shard and its share of the KV heads in its own paged KV cache.
+
+```
+driver (LLMEngine: scheduler, sampler, output processor)        workers (rank 0..N-1, spawned)
+  TensorParallelRunner.execute(plan)                              ModelRunner over the rank's shard
+    forward: plan -> [BatchSeq] + logits rows ══ pipe, JSON ══▶  every rank: forward (all-reduces
+                                                                 over gloo / NCCL between ranks)
+    logits [R, vocab] ◀════════════ raw fp32 bytes ══ rank 0 ══  gather of the vocabulary slices
+    sample / verify exactly as on one device
+```
+
+vLLM's shape (an executor driving workers, the scheduler on the driver), with the split at the
+logits: the driver keeps the sampler and every sequence's generator, so greedy and seeded sampling
+pick tokens exactly as one device does from the same logits (tensor parallel changes only the
+summation order inside the all-reduces). The workers are spawned by the engine, not torchrun, and
+form their own process group (gloo on CPU, NCCL on GPU: worker r on cuda:r); the driver is not in
+it and talks to each worker over its own pipe, in JSON (never pickle) one way and raw tensor bytes
+the other.
+
+Loading goes straight into the shards (`load_shard`): the model is built on the meta device,
+tensor-parallel layers are swapped in (the kind's parallel plan, `tessera.common.models.registry`), and only then
+are the rank's tensors allocated and read: from a Tessera checkpoint of any layout with DCP and the
+layout-free sharded state dict (each rank reads only its slices), from an HF directory one
+memory-mapped tensor at a time, of which the rank keeps its slice.
+
+Tensor parallel splits query heads, key/value heads (those of the same query groups go together)
+and the vocabulary over the ranks, so N must divide the query heads and the vocabulary, and either
+divide the key/value heads or be a multiple of them. With N > key/value heads (Megatron's and
+vLLM's rule) each key/value head is replicated on N / kv_heads ranks, and each rank holds one:
+the worker builds the model with N key/value heads (head j a copy of head j // (N / kv_heads),
+which is exactly the head its query heads use) and reads into its k/v projections only the rows
+of that one head, from a DCP checkpoint as a DTensor on a (kv_heads, N / kv_heads) mesh sharded
+over the first dimension and replicated over the second, from an HF directory as that head's
+slice. Nothing on disk changes: checkpoints stay layout-free. Checked on the driver before any
+weight is read (`loader.check_tensor_parallel`).
+
+Failure: a worker that dies (or raises, then exits) makes the next step raise `WorkerDied`, which
+ends the engine (the server's /health then fails and requests get errors) instead of hanging. A
+worker exits when its pipe to the driver closes, and on Linux when the driver process dies
+(PR_SET_PDEATHSIG), so stopping or killing the server leaves no worker behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import traceback
+from dataclasses import asdict
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+import torch
+
+from tessera.common.errors import UserError
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.inference.core.scheduler import SchedulerOutput
+from tessera.inference.sample.sampler import Sampler
+from tessera.inference.worker.batch import BatchSeq, batch_seqs
+from tessera.inference.worker.cpu_linear import PackedLinear
+from tessera.inference.worker.cuda_graphs import GraphSpec
+from tessera.inference.worker.kv_cache import kv_cache_dtype
+from tessera.inference.worker.loader import DTYPES
+from tessera.inference.worker.model_runner import ModelRunner
+from tessera.inference.worker.prepare import ServingPrep, serving_runner
+
+log = logging.getLogger("tessera.inference")
+
+READY_TIMEOUT_S = 600.0  # loading a large shard from slow storage
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker exited or failed: the engine cannot go on."""
+
+
+# ---- the worker ------------------------------------------------------------------------------
+
+def replicated_kv_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The model a rank builds: `cfg` itself, or with tp > kv_heads one with tp key/value heads,
+    head j a replica of cfg's head j // (tp / kv_heads). Query head h uses replica h // (H / tp),
+    which is cfg's head h // (H / kv_heads): the same attention, one key/value head per rank."""
+    return cfg if cfg.kv_heads >= tp else cfg.model_copy(update={"num_kv_heads": tp})
+
+
+def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.device, dtype: torch.dtype):
+    """This rank's shard of the model, read straight into it (never the whole model at once)."""
+    from tessera.common.models.causal_lm.model import Transformer
+    from tessera.common.models.registry import kind_of
+    from tessera.common.parallel.layers import allocate
+
+    with torch.device("meta"):
+        model = Transformer(replicated_kv_config(cfg, groups.tp))
+        stored = {n: p.shape for n, p in Transformer(cfg).named_parameters()}  # global shapes on disk
+    model = kind_of(cfg).parallel().tensor(model, groups)
+    allocate(model, device)  # only this rank's shard is ever allocated
+    params = dict(model.named_parameters())
+    buffers = {n: b for n, b in model.state_dict().items() if n not in params}
+    if hf:
+        _load_hf_shard(path, cfg, params, buffers, groups.tp_rank, groups.tp)
+    else:
+        _load_dcp_shard(path, params, buffers, groups, stored, cfg.kv_heads)
+    if model.rotary is not None:
+        model.rotary.reset_parameters()  # computed, not stored: to_empty left it uninitialised
+    return model.to(dtype=dtype).eval()
+
+
+def _load_dcp_shard(path: Path, params: dict, buffers: dict, groups, stored: dict, kv_heads: int) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from tessera.common.checkpoint import load_model_tensors, metadata_digest
+    from tessera.common.parallel.layers import shard_dim_of
+    from tessera.common.parallel.state_dict import MODEL_PREFIX, load_model_state_dict, model_state_dict
+    from tessera.common.safe_dcp import dcp_load
+
+    state = model_state_dict(params, groups)  # global DTensors: DCP reads this rank's slices only
+    replicated = [n for n, p in params.items()
+                  if (dim := shard_dim_of(p)) is not None and p.shape[dim] * groups.tp != stored[n][dim]]
+    if replicated:  # k/v projections of replicated key/value heads: rank r reads head r // (tp / kv_heads)
+        mesh = DeviceMesh(groups.device.type, torch.arange(groups.tp).view(kv_heads, groups.tp // kv_heads),
+                          mesh_dim_names=("kv", "replica"))
+        for n in replicated:
+            state[MODEL_PREFIX + n] = DTensor.from_local(params[n].detach().clone(), mesh,
+                                                         [Shard(shard_dim_of(params[n])), Replicate()],
+                                                         run_check=False)
+    dcp_load(state, path, expected_digest=metadata_digest(path))
+    load_model_state_dict(params, state)
+    if buffers:  # persistent buffers (an MoE router's bias): small and replicated
+        for name, t in load_model_tensors(path, list(buffers)).items():
+            buffers[name].copy_(t)
+
+
+def _load_hf_shard(path: Path, cfg: ModelConfig, params: dict, buffers: dict, rank: int, world: int) -> None:
+    from tessera.common.hf.directory import checked_hf_weights
+    from tessera.common.parallel.layers import shard_dim_of
+
+    weights, rules = checked_hf_weights(path, cfg)
+    local = {**params, **buffers}
+    with torch.no_grad():
+        for rule in rules:  # one full tensor (memory-mapped sources, converted) at a time
+            full = rule.apply([weights.get(s) for s in rule.sources])
+            dst = local[rule.target]
+            dim = shard_dim_of(dst) if rule.target in params else None
+            if dim is not None:
+                # `pieces` is world, or for a replicated key/value head the kv_heads it is one of.
+                pieces = full.shape[dim] // dst.shape[dim]
+                full = full.chunk(pieces, dim=dim)[rank * pieces // world]
+            dst.copy_(full)
+            del full
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _worker_main(rank: int, world: int, store_path: str, init: dict, conn: Connection) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
+    code = 0
+    try:
+        code = _worker(rank, world, store_path, init, conn)
+    except (EOFError, OSError):
+        code = 0  # the driver went away
+    except UserError as exc:
+        _reply(conn, {"t": "error", "user": True, "message": str(exc)})
+        code = 2
+    except BaseException as exc:  # noqa: BLE001 - reported to the driver, then exit
+        traceback.print_exc()
+        _reply(conn, {"t": "error", "user": False, "message": f"rank {rank}: {type(exc).__name__}: {exc}"})
+        code = 1
+    os._exit(code)  # skip teardown that could wait on peers that are gone
+
+
+def _reply(conn: Connection, msg: dict) -> None:
+    try:
+        conn.send_bytes(json.dumps(msg).encode())
+    except OSError:
+        pass
+
+
+def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection) -> int:
+    import datetime
+
+    import torch.distributed as dist
+
+    from tessera.common.layout import ParallelLayout
+    from tessera.common.parallel.state import build_groups
+
+    if init.get("torch_threads"):
+        torch.set_num_threads(int(init["torch_threads"]))
+    cuda = init["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=READY_TIMEOUT_S))
+    groups = build_groups(ParallelLayout(tensor=world), device)
+    cfg = ModelConfig.model_validate(init["model"])
+    dtype = DTYPES[init["dtype"]]
+    model = load_shard(Path(init["path"]), init["hf"], cfg, groups, device, dtype)
+    numel = sum(p.numel() for p in model.parameters())  # before packing (packed weights are not parameters)
+    # This rank's shards of q/k/v and gate/up stacked, its Linear weights packed (prepare.py).
+    runner = serving_runner(model, ServingPrep(**init["prep"]), init["num_blocks"], init["block_size"], device,
+                            dtype, rank, world, kv_dtype=kv_cache_dtype(init["kv_cache_dtype"], dtype, device),
+                            what=f"tensor-parallel rank {rank}")
+    if init.get("graphs"):  # every rank captures the same buckets in the same order (NCCL all-reduces included)
+        runner.use_decode_graphs(GraphSpec(**init["graphs"]))
+    packed = sum(isinstance(m, PackedLinear) for m in model.modules())
+    _reply(conn, {"t": "ready", "numel": numel, "kv_bytes": runner.kv.nbytes, "packed": packed})
+    tp_group = groups.tp_group
+    while True:
+        msg = json.loads(conn.recv_bytes())
+        if msg["t"] == "stop":
+            return 0
+        batch = [BatchSeq(*s) for s in msg["seqs"]]
+        with torch.inference_mode():
+            local = runner.forward_batch(batch, msg["rows"])  # [R, vocab rows / tp]
+            slices = [torch.empty_like(local) for _ in range(world)] if rank == 0 else None
+            dist.gather(local.contiguous(), slices, dst=0, group=tp_group)
+        if rank == 0:
+            assert slices is not None
+            logits = torch.cat(slices, dim=-1).cpu()
+            conn.send_bytes(json.dumps({"t": "logits", "shape": list(logits.shape)}).encode())
+            conn.send_bytes(logits.numpy().tobytes())
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+class TensorParallelExecutor:
+    """Spawns the workers, waits until each holds its shard, sends them each step, and returns
+    rank 0's logits. Any worker's death is noticed at the next wait (`WorkerDied`)."""
+
+    def __init__(self, path: Path, hf: bool, cfg: ModelConfig, tp: int, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, kv_dtype_name: str = "auto",
+                 graphs: GraphSpec | None = None, prep: ServingPrep | None = None):
+        self.tp = tp
+        ctx = mp.get_context("spawn")  # fork would copy the driver's threads and CUDA state
+        self._store_dir = tempfile.TemporaryDirectory(prefix="tessera-tp-")
+        store = str(Path(self._store_dir.name) / "store")
+        init = {"path": str(path), "hf": hf, "model": cfg.model_dump(mode="json"), "num_blocks": num_blocks,
+                "block_size": block_size, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
+                "torch_threads": torch.get_num_threads(),  # as the driver's (--torch-threads)
+                "kv_cache_dtype": kv_dtype_name,  # --kv-cache-dtype, resolved on each worker
+                "graphs": None if graphs is None else asdict(graphs),  # decode graphs, each worker its own
+                "prep": asdict(prep or ServingPrep())}  # how each worker prepares its shard
+        self.conns: list[Connection] = []
+        self.procs: list[mp.process.BaseProcess] = []
+        try:
+            for rank in range(tp):
+                ours, theirs = ctx.Pipe(duplex=True)
+                proc = ctx.Process(target=_worker_main, args=(rank, tp, store, init, theirs), daemon=True,
+                                   name=f"tessera-tp-worker-{rank}")
+                proc.start()
+                theirs.close()
+                self.conns.append(ours)
+                self.procs.append(proc)
+            self.shard_numel: list[int] = []  # parameter elements each worker holds
+            self.kv_bytes: list[int] = []  # bytes of each worker's KV pool
+            self.packed_linears: list[int] = []  # oneDNN-packed Linear layers of each worker (prepare.py)
+            for rank in range(tp):
+                msg = self._recv(rank, READY_TIMEOUT_S)
+                if msg.get("t") != "ready":
+                    raise WorkerDied(f"tensor-parallel worker {rank}: unexpected message {msg.get('t')!r}")
+                self.shard_numel.append(int(msg["numel"]))
+                self.kv_bytes.append(int(msg["kv_bytes"]))
+                self.packed_linears.append(int(msg["packed"]))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _recv(self, rank: int, timeout: float | None = None) -> dict:
+        """The next JSON message from `rank`, or WorkerDied if any worker exits or reports an error."""
+        conn = self.conns[rank]
+        ready = wait([conn, *(p.sentinel for p in self.procs)], timeout)
+        if conn not in ready:
+            if not ready:
+                raise WorkerDied(f"tensor-parallel worker {rank} did not answer within {timeout:.0f} s")
+            dead = [r for r, p in enumerate(self.procs) if p.sentinel in ready]
+            for r in dead:  # a worker that failed says why before it exits (a killed one cannot)
+                try:
+                    msg = json.loads(self.conns[r].recv_bytes()) if self.conns[r].poll() else None
+                except (EOFError, OSError):
+                    msg = None
+                if msg is not None and msg.get("t") == "error":
+                    self._raise_error(r, msg)
+            self.procs[dead[0]].join(1)
+            raise WorkerDied(f"tensor-parallel worker {dead[0]} exited (code {self.procs[dead[0]].exitcode})")
+        try:
+            msg = json.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            raise WorkerDied(f"tensor-parallel worker {rank} closed its pipe") from None
+        if msg.get("t") == "error":
+            self._raise_error(rank, msg)
+        return msg
+
+    @staticmethod
+    def _raise_error(rank: int, msg: dict):
+        if msg.get("user"):
+            raise UserError(msg["message"])
+        raise WorkerDied(f"tensor-parallel worker {rank} failed: {msg.get('message')}")
+
+    def forward(self, batch: list[BatchSeq], rows: list[int], device: torch.device) -> torch.Tensor:
+        frame = json.dumps({"t": "step", "seqs": [[s.tokens, s.start, s.block_table, s.num_q] for s in batch],
+                            "rows": rows}).encode()
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(frame)
+            except OSError:
+                raise WorkerDied(f"tensor-parallel worker {rank} is gone") from None
+        head = self._recv(0)
+        data = self.conns[0].recv_bytes()
+        logits = torch.frombuffer(bytearray(data), dtype=torch.float32).view(*head["shape"])
+        return logits.to(device)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop every worker (asked, then killed) and wait for it; safe to call twice."""
+        for conn in self.conns:
+            try:
+                conn.send_bytes(json.dumps({"t": "stop"}).encode())
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
+        self._store_dir.cleanup()
+
+
+class TensorParallelRunner(ModelRunner):
+    """The driver's model runner: `execute` (which rows to compute, sampling, verifying drafts)
+    is ModelRunner's own; `forward` runs on the workers. It holds no weights and no KV cache."""
+
+    def __init__(self, executor: TensorParallelExecutor, device: torch.device):  # noqa: D107 - no super(): no model
+        self.executor = executor
+        self.device = device
+        self.sampler = Sampler()
+
+    def forward(self, plan: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
+        return self.executor.forward(batch_seqs(plan), logits_rows, self.device)
+
+    def close(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,228 @@
+"""Executes one step's plan (`scheduler.SchedulerOutput`) through the model and samples.
+
+`prepare` packs every scheduled sequence's new tokens into one [1, T] batch (batch.StepInputs);
+the layer stack runs eagerly, compiled (CPU: compiled.py) or, for a pure decode step, from padded
+graphs (cuda_graphs.py), and its attention hook writes the new K/V into the paged cache and attends
+(`tessera.kernels.paged_attention`; on CPU decode rows in groups: decode_attention.py). Only the
+rows to sample go through the output head; `execute` samples them (batch.ModelRunnerOutput). The
+runner reads the sequences and never changes them (the output processor applies the results), so
+a failed execution leaves nothing half-applied and can be retried: the KV slots it wrote are
+rewritten with the same values.
+
+A sequence scheduled with k draft tokens computes its newest token and the drafts in one row of
+1 + k tokens; `sampler.verify` accepts a prefix of them. The K/V of rejected drafts sit past the
+computed length, where nothing reads them, until later tokens overwrite them. Sliding-window layers
+pass their window to every attention path; blocks wholly outside every window stay allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+
+from tessera.common.models.causal_lm.model import Transformer
+from tessera.inference.core.scheduler import SchedulerOutput
+from tessera.inference.sample.sampler import Sampler, token_logprob, verify
+from tessera.inference.worker.batch import BatchSeq, ModelRunnerOutput, StepInputs, batch_seqs
+from tessera.inference.worker.cuda_graphs import DecodeGraphs, GraphSpec
+from tessera.inference.worker.decode_attention import decode_split, split_attention
+from tessera.inference.worker.kv_cache import local_kv_heads, store_kv
+from tessera.kernels import paged_attention
+
+if TYPE_CHECKING:
+    from tessera.inference.worker.compiled import CompiledForward
+
+log = logging.getLogger("tessera.inference")
+
+
+class ModelRunner:
+    """Executes plans on one device (`forward`); under tensor parallel the engine uses
+    `executor.TensorParallelRunner`, which keeps `execute` (sampling on the driver) and sends
+    `forward` to the workers, each of which runs a ModelRunner over its shard."""
+
+    # Pure decode steps go through bucket-padded CUDA graphs once the engine calls
+    # `use_decode_graphs` (cuda_graphs.py); everything else runs below.
+    decode_graphs: DecodeGraphs | None = None
+    # On CPU the layer stack runs through inductor when the engine sets this (compiled.py).
+    compiled: CompiledForward | None = None
+    # (the pool, per layer its K/V views): `_layer_kv`, rebuilt when the pool is replaced.
+    _kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]] | None = None
+
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, kv_dtype: torch.dtype | None = None):
+        cfg = model.cfg
+        self.model = model
+        self.cfg = cfg
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        # One allocation for the whole pool: [layer, K/V, block, slot, kv_head, head_dim]; under
+        # tensor parallel this rank's key/value heads only (those of its query heads), stored in
+        # `kv_dtype` (default: the model's; fp8 with --kv-cache-dtype) with per-tensor K and V scales.
+        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, local_kv_heads(cfg, tp_size), cfg.head_dim,
+                              device=device, dtype=kv_dtype or dtype)
+        self.kv_scales = (1.0, 1.0)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        # The Triton kernel handles mixed batches in one launch; only CPU needs the split.
+        self.batch_decodes = device.type == "cpu"
+        self.sampler = Sampler()
+
+    def use_decode_graphs(self, spec: GraphSpec) -> None:
+        """Pure decode steps from now on through bucket-padded graphs of this runner's forward."""
+        self.decode_graphs = DecodeGraphs(spec, self.device, self.block_size, self.model.output_weight().shape[0],
+                                          self._logits)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Forward the plan, then sample each sequence that reached its last token and compute
+        the prompt logprobs asked for."""
+        rows: list[int] = []
+        sample: list[tuple[int, int]] = []  # (index in plan, logits row)
+        prompt_lp: list[tuple[int, int, int, int]] = []  # (index in plan, first position, last, first row)
+        speculative: list[tuple[int, int]] = []  # (index in plan, first of its k + 1 logits rows)
+        offset = 0
+        for i, s in enumerate(plan.scheduled):
+            seq = s.seq
+            if seq.params.prompt_logprobs:
+                # Position p predicts prompt token p+1; record each position once (recompute
+                # after preemption must not duplicate).
+                first = max(s.start, len(seq.prompt_logprobs))
+                last = min(s.end, len(seq.prompt_ids) - 1)
+                if first < last:
+                    prompt_lp.append((i, first, last, len(rows)))
+                    rows.extend(range(offset + first - s.start, offset + last - s.start))
+            if s.spec_token_ids:
+                k = len(s.spec_token_ids)
+                speculative.append((i, len(rows)))
+                rows.extend(range(offset + s.num_new - k - 1, offset + s.num_new))
+            elif s.completes_prompt and seq.params.max_tokens > 0:
+                sample.append((i, len(rows)))
+                rows.append(offset + s.num_new - 1)
+            offset += s.num_new
+        out = ModelRunnerOutput()
+        logits = self.forward(plan, rows)
+        if prompt_lp:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            for i, first, last, row in prompt_lp:
+                seq = plan.scheduled[i].seq
+                out.prompt_logprobs[seq.request_id] = [
+                    token_logprob(logprobs[row + p - first], seq.prompt_ids[p + 1], seq.params.logprobs or 0)
+                    for p in range(first, last)]
+        if sample:
+            seqs = [plan.scheduled[i].seq for i, _ in sample]
+            tokens, lps, failed = self.sampler(seqs, logits[[r for _, r in sample]])
+            for j, seq in enumerate(seqs):
+                if j in failed:
+                    log.error("request %s: sampling failed: %s: %s", seq.request_id, type(failed[j]).__name__, failed[j])
+                    out.failed[seq.request_id] = "internal error while sampling this request"
+                    continue
+                out.sampled[seq.request_id] = [tokens[j]]
+                if lps[j] is not None:
+                    out.logprobs[seq.request_id] = [lps[j]]
+        for i, row in speculative:
+            s = plan.scheduled[i]
+            seq = s.seq
+            block = logits[row:row + len(s.spec_token_ids) + 1]
+            try:
+                new = verify(seq, s.spec_token_ids, s.spec_probs, block)
+            except Exception as exc:
+                log.error("request %s: verifying draft tokens failed: %s: %s", seq.request_id, type(exc).__name__, exc)
+                out.failed[seq.request_id] = "internal error while sampling this request"
+                continue
+            out.sampled[seq.request_id] = new
+            if seq.params.logprobs is not None:
+                lp = torch.log_softmax(block[:len(new)], dim=-1)
+                out.logprobs[seq.request_id] = [token_logprob(lp[j], t, seq.params.logprobs) for j, t in enumerate(new)]
+        return out
+
+    def forward(self, plan: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
+        """Forward the step; returns fp32 logits [len(logits_rows), vocab]."""
+        return self.forward_batch(batch_seqs(plan), logits_rows)
+
+    def forward_batch(self, batch: list[BatchSeq], logits_rows: list[int]) -> torch.Tensor:
+        """fp32 logits [len(logits_rows), vocab rows]; under tensor parallel this rank's vocabulary
+        slice [len(logits_rows), vocab rows / tp] (the worker gathers them)."""
+        if self.decode_graphs is not None and self.decode_graphs.bucket(batch) is not None:
+            return self.decode_graphs.forward(batch, logits_rows)  # pure decode: padded, replayed
+        return self._logits(self.prepare(batch, logits_rows)).float()
+
+    def prepare(self, batch: list[BatchSeq], logits_rows: list[int]) -> StepInputs:
+        """The step packed: tokens and positions [1, T], each new token's KV slot, block tables,
+        lengths, row offsets, and on CPU which rows attend as decode groups."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        bs = self.block_size
+        for s in batch:
+            start, n, table = s.start, s.num_new, s.block_table
+            tokens.extend(s.tokens)
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            seq_lens.append(start + n)
+            starts.append(starts[-1] + n)
+        width = max(len(s.block_table) for s in batch)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
+        dev = self.device
+        inputs = StepInputs(
+            tokens=torch.tensor([tokens], dtype=torch.long, device=dev),
+            positions=torch.tensor([positions], dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )
+        num_q = [s.num_q for s in batch]
+        if self.batch_decodes and any(num_q):
+            inputs.split = decode_split(num_q, starts, inputs.block_tables, inputs.seq_lens, self.block_size)
+        return inputs
+
+    def _logits(self, step: StepInputs) -> torch.Tensor:
+        """The step through the layer stack (compiled or eager) and the output head, in the model's
+        dtype, for step.logits_rows (None: every row). Padded vocabulary rows come out at -inf."""
+        attention = partial(self._attention, step)
+        if self.compiled is not None:
+            hidden = self.compiled(step.tokens, step.positions, attention)
+        else:
+            hidden = self.model(step.tokens, positions=step.positions, attention_fn=attention, return_hidden=True)
+        rows = hidden[0] if step.logits_rows is None else hidden[0].index_select(0, step.logits_rows)
+        weight = self.model.output_weight()
+        return self.model.logits(rows, weight, vocab_start=self.tp_rank * weight.shape[0])
+
+    def _attention(self, step: StepInputs, layer: int, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor:
+        """The model's attention hook for one step: the new K/V into their cache slots, then paged
+        attention (on CPU decode rows through the grouped path, decode_attention.py)."""
+        k_cache, v_cache, flat_k, flat_v = self._layer_kv(layer)
+        k_scale, v_scale = self.kv_scales
+        store_kv(flat_k, step.slot_mapping, k[0], k_scale)
+        store_kv(flat_v, step.slot_mapping, v[0], v_scale)
+        window = self.cfg.window(layer)
+        if step.split is None:
+            out = paged_attention(q[0], k_cache, v_cache, step.block_tables, step.seq_lens,
+                                  step.query_start_loc, self.scale, window, k_scale=k_scale, v_scale=v_scale)
+        else:
+            out = split_attention(q[0], k_cache, v_cache, step.split, self.scale, window, self.kv_scales)
+        return out.unsqueeze(0)
+
+    def _layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of one layer's pools, made once per pool rather than once per layer and step:
+        K and V [blocks, block_size, Hkv, D] and the same as [slots, Hkv, D]. Made outside inference
+        mode: a view made inside it could not be written outside it (a forward without it)."""
+        views = self._kv_views
+        if views is None or views[0] is not self.kv:
+            layers = []
+            with torch.inference_mode(False):
+                for kv in self.kv:
+                    k, v = kv[0], kv[1]
+                    layers.append((k, v, k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])))
+            views = self._kv_views = (self.kv, layers)
+        return views[1][layer]

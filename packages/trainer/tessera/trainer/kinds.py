@@ -1,0 +1,57 @@
+"""What tessera-train runs for each model kind: its code under the hook names the kind registry
+gives (tessera.common.models.registry). `check_trainable` (light: nothing is imported) refuses a
+kind without such code in one line while the config is validated; `trainer_kind` loads the code.
+
+The parallel engine (tessera.trainer.parallel) trains the next-token objective only (its
+vocabulary-parallel loss, its pipeline schedule's labels); a kind with another objective adds
+its own here and there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tessera.common.models.registry import stage_hook
+
+if TYPE_CHECKING:
+    from tessera.trainer.data import MixtureBatches
+    from tessera.trainer.step import TrainStep
+
+STAGE = "tessera-train"
+
+
+@dataclass(frozen=True)
+class TrainerKind:
+    batches: type[MixtureBatches]  # (inputs, labels) batches from a mixture split
+    step: type[TrainStep]  # one process: forward, the kind's loss, backward, optimizer step
+
+
+def _next_token_batches() -> type[MixtureBatches]:
+    from tessera.trainer.data import MixtureBatches  # labels = the inputs shifted by one token
+
+    return MixtureBatches
+
+
+def _next_token_step() -> type[TrainStep]:
+    from tessera.trainer.step import TrainStep  # mean next-token cross-entropy
+
+    return TrainStep
+
+
+BATCHES: dict[str, Callable[[], type[MixtureBatches]]] = {"next_token": _next_token_batches}
+LOSSES: dict[str, Callable[[], type[TrainStep]]] = {"next_token": _next_token_step}
+
+
+def check_trainable(model: Any) -> None:
+    """A one-line UserError unless this trainer has a batch builder and a loss for `model`'s kind
+    (a config, or the config section's fields)."""
+    stage_hook(model, "train_batch", BATCHES, STAGE)
+    stage_hook(model, "train_loss", LOSSES, STAGE)
+
+
+def trainer_kind(model: Any) -> TrainerKind:
+    """The trainer's code for `model`'s kind."""
+    return TrainerKind(batches=stage_hook(model, "train_batch", BATCHES, STAGE)(),
+                       step=stage_hook(model, "train_loss", LOSSES, STAGE)())
