@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+import torch
 import yaml
 
 from tessera.common.config import StrictModel
@@ -71,7 +72,7 @@ def _checkpoint_of_kind(root: Path, model: dict | None) -> Path:
     return root
 
 
-def test_the_causal_lm_is_the_one_registered_kind_and_every_stage_has_its_code():
+def test_the_causal_lm_goes_through_the_registry_and_every_stage_has_its_code():
     from tessera.ckpt_convert.kinds import CONVERTERS, check_convertible
     from tessera.common.models.causal_lm.config import ModelConfig
     from tessera.common.models.causal_lm.model import Transformer
@@ -83,7 +84,7 @@ def test_the_causal_lm_is_the_one_registered_kind_and_every_stage_has_its_code()
     from tessera.trainer.plan.memory import decoder_memory, memory_count
     from tessera.trainer.step import TrainStep
 
-    assert list(registry.KINDS) == ["causal_lm"]
+    assert list(registry.KINDS) == ["causal_lm", "hybrid"]
     cfg = tiny_llama(num_layers=1)
     kind = registry.kind_of(cfg)
     assert kind.config is ModelConfig and cfg.kind == "causal_lm"
@@ -125,7 +126,7 @@ def test_every_cli_refuses_an_unregistered_kind_in_one_line_before_any_work(tmp_
     config = _train_config(tmp_path / "train.yaml", {"preset": "tiny", "kind": "encoder"})
     for main in (_train_main(), _plan_main()):
         err = _cli(main, ["--config", config], capsys)
-        assert "model.kind: model kind 'encoder' is not one Tessera has (registered: causal_lm)" in err, err
+        assert "model.kind: model kind 'encoder' is not one Tessera has (registered: causal_lm, hybrid)" in err, err
     assert not (tmp_path / "run").exists()
 
     ck = _checkpoint_of_kind(tmp_path / "ck", encoder)
@@ -193,3 +194,39 @@ def test_a_stage_without_code_for_a_registered_kind_refuses_it_in_one_line_befor
     err = _cli(_serve_main(), ["--checkpoint", ck], capsys)
     assert "model kind 'test_encoder': tessera-serve has no model runner for it (tessera-serve handles causal_lm)" \
         in err, err
+
+
+HYBRID = {"kind": "hybrid", "arch": "mamba2", "vocab_size": 320, "hidden_size": 32, "num_layers": 2, "pattern": "MM",
+          "mamba": {"num_heads": 4, "head_dim": 16, "state_size": 8, "num_groups": 2}}
+
+
+def test_the_hybrid_kind_is_registered_and_every_stage_without_its_code_refuses_it_in_one_line(tmp_path, capsys):
+    from tessera.common.models.hybrid.model import HybridModel
+
+    cfg = registry.model_config(HYBRID)
+    assert registry.kind_of(cfg).name == "hybrid" and isinstance(registry.kind_of(cfg).build(cfg, seed=0), HybridModel)
+    for archs in (["NemotronHForCausalLM"], ["NemotronHModel"], None):  # the causal LM claims every *ForCausalLM
+        assert registry.kind_for_hf({"model_type": "nemotron_h", "architectures": archs}, "c").name == "hybrid"
+    config = _train_config(tmp_path / "train.yaml", HYBRID)
+    for main in (_train_main(), _plan_main()):
+        err = _cli(main, ["--config", config], capsys)
+        assert "model kind 'hybrid': tessera-train has no batch builder for it (tessera-train handles causal_lm)" in err
+    bad = _train_config(tmp_path / "bad.yaml", {**HYBRID, "pattern": "M+"})
+    err = _cli(_train_main(), ["--config", bad], capsys)
+    assert "model: Value error, pattern: '+' (layer 1) is not a layer symbol; use M (Mamba-2), * (attention), - (MLP), E (MoE)" in err
+    assert not (tmp_path / "run").exists()
+
+    hf = tmp_path / "mamba2"  # an HF directory of the kind: config.json names Mamba2ForCausalLM
+    hf.mkdir()
+    config_json = registry.hf_adapter(cfg).hf_config(cfg, torch.float32, None, None)
+    (hf / "config.json").write_text(json.dumps(config_json))
+    (hf / "model.safetensors").write_bytes(b"\0" * 16)  # never read
+    err = _cli(_ckpt_main(), ["import", "--format", "hf", "--input", hf, "--output", tmp_path / "out"], capsys)
+    assert ("model kind 'hybrid': tessera-ckpt import --format hf has no converter for it (tessera-ckpt import "
+            "--format hf handles causal_lm)") in err, err
+    assert not (tmp_path / "out").exists()
+    err = _cli(_serve_main(), ["--checkpoint", hf], capsys)
+    assert "model kind 'hybrid': tessera-serve has no model runner for it (tessera-serve handles causal_lm)" in err, err
+    ck = _checkpoint_of_kind(tmp_path / "ck", HYBRID)  # a sidecar saying hybrid (written by a later trainer)
+    err = _cli(_ckpt_main(), ["export", "--format", "hf", "--checkpoint", ck, "--output", tmp_path / "out"], capsys)
+    assert "model kind 'hybrid': tessera-ckpt export --format hf has no converter for it" in err, err

@@ -157,3 +157,24 @@ def test_import_refuses_a_vocabulary_padding_multiple_past_its_bound_before_read
     assert exc.value.code == 2 and len(err) == 1, err
     assert "--vocab-size-divisible-by 1099511627776: must be at most 65536" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_every_kind_a_stage_reads_maps_its_checkpoint_tensors_as_its_model_state_dict_does():
+    """check_checkpoint compares the DCP index with the kind's tensor map before building anything,
+    so the map must be exactly the model's state dict (names, order, shapes), buffers included."""
+    from tessera.common.models.causal_lm.config import preset
+    from tessera.common.models.causal_lm.model import Transformer
+    from tessera.common.models.registry import KINDS
+
+    for kind in KINDS.values():
+        hooks = [getattr(kind.hooks, f) for f in kind.hooks.__dataclass_fields__]
+        assert kind.tensor_shapes is not None or not any(hooks), f"{kind.name}: stages read it, no tensor map"
+    configs = [preset("tiny"), preset("mixtral-tiny"), preset("gpt2-124m", num_layers=2),
+               tiny_llama(sliding_window=8, sliding_window_layers=[1, 3]),
+               preset("qwen3-moe-tiny", moe=dict(num_experts=8, top_k=2, ffn_hidden_size=48, first_k_dense=1,
+                                                  layer_freq=2, num_shared_experts=1))]
+    for cfg in configs:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        assert list(KINDS["causal_lm"].tensor_shapes(cfg).items()) == \
+            [(k, tuple(v.shape)) for k, v in model.state_dict().items()], cfg.arch

@@ -7,6 +7,7 @@ to the input dtype, then scale), which is what parity with exported models needs
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tessera.kernels._dispatch import use_triton
 
@@ -16,6 +17,19 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
+
+
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                             group_size: int) -> torch.Tensor:
+    """Mamba-2's gated RMSNorm: x * silu(gate), normalised over each group of `group_size`
+    channels (one group per Mamba group, so a tensor-parallel shard normalises its own groups),
+    scaled by `weight`. Gate before norm (Megatron's norm_before_gate=False). In fp32, cast to
+    x's dtype before the scale, as transformers' MambaRMSNormGated."""
+    dtype = x.dtype
+    h = x.float() * F.silu(gate.float())
+    h = h.unflatten(-1, (-1, group_size))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.flatten(-2).to(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

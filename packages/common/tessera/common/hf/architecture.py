@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 import torch
+from pydantic import BaseModel, ValidationError
 
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.hf.rules import Rule
@@ -90,6 +91,20 @@ class HFArchitecture:
     arch: str  # ModelConfig.arch
 
     # ---- config.json <-> ModelConfig ----------------------------------------------------------
+    def model_config(self, data: dict[str, Any], source: str, config_class: type[BaseModel]) -> Any:
+        """The kind's `config_class` built from `config_fields`; a value it refuses is an
+        ArtifactError naming `source` and the field."""
+        fields = self.config_fields(HFConfig(data, source))
+        try:
+            return config_class(arch=self.arch, **fields)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(map(str, err["loc"]))
+            # Name the config.json field too (its name differs from Tessera's: num_hidden_layers, n_layer).
+            keys = [k for k, v in data.items() if type(v) is type(err.get("input")) and v == err.get("input")]
+            field = f"field {keys[0]!r} = {data[keys[0]]!r}: " if len(keys) == 1 and where else ""
+            raise ArtifactError(f"{source}: {field}{'model ' + where + ': ' if where else ''}{err['msg']}") from None
+
     def config_fields(self, c: HFConfig) -> dict[str, Any]:
         """ModelConfig fields from config.json; refuses (c.fail / c.require) what the model lacks."""
         raise NotImplementedError

@@ -1,4 +1,5 @@
-"""The dense MLP: SwiGLU (gate/up/down) or GELU (up/down, tanh approximation as GPT-2)."""
+"""The dense MLP: SwiGLU (gate/up/down), GELU (up/down, tanh approximation as GPT-2) or squared
+ReLU (up/down, relu(x)^2: Nemotron-H's, which the hybrid kind's layer config allows)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ __all__ = ["MLP"]
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.activation = cfg.activation
         self.gated = cfg.activation == "swiglu"
         if self.gated:
             self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.bias)
@@ -24,6 +26,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             h = swiglu(*self.gate_up(x))
+        elif self.activation == "squared_relu":
+            h = F.relu(self.up_proj(x)).square()
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")
         return self.down_proj(h)

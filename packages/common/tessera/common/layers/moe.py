@@ -27,10 +27,14 @@ Load balancing:
 Router statistics of the last forward (`stats`: per-expert load, dropped assignments, aux loss)
 are read by the trainer and logged with the loss.
 
+Experts are SwiGLU MLPs, or squared-ReLU MLPs without a gate when the config's activation is
+`squared_relu` (Nemotron-H's; only the hybrid kind's layer config allows it), the shared experts
+alike.
+
 Parameter names are the checkpoint contract: `router.weight` [E, d], `experts.gate_proj` /
 `experts.up_proj` [E, f, d], `experts.down_proj` [E, d, f] (gate and up stored apart, experts
-stacked along dim 0 so an expert-parallel shard is a contiguous slice), `shared.*` the shared
-experts as one dense SwiGLU MLP.
+stacked along dim 0 so an expert-parallel shard is a contiguous slice; no gate_proj for squared
+ReLU), `shared.*` the shared experts as one dense MLP.
 """
 
 from __future__ import annotations
@@ -62,11 +66,12 @@ class AuxLoss(torch.autograd.Function):
 
 
 class Experts(nn.Module):
-    """E SwiGLU MLPs as stacked weights (this rank's experts under expert parallel)."""
+    """E SwiGLU (or, `gated=False`, squared-ReLU) MLPs as stacked weights (this rank's experts
+    under expert parallel)."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int):
+    def __init__(self, num_experts: int, hidden: int, ffn: int, gated: bool = True):
         super().__init__()
-        self.gate_proj = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, ffn, hidden)) if gated else None
         self.up_proj = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, ffn))
 
@@ -74,13 +79,17 @@ class Experts(nn.Module):
         """x [M, d]: tokens sorted by expert, counts[e] of them for expert e -> [M, d]."""
         if _grouped_mm_ok(x):
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, self.gate_proj.transpose(1, 2), offs=offs))
-            h = h * torch._grouped_mm(x, self.up_proj.transpose(1, 2), offs=offs)
+            up = torch._grouped_mm(x, self.up_proj.transpose(1, 2), offs=offs)
+            if self.gate_proj is None:
+                h = F.relu(up).square()
+            else:
+                h = F.silu(torch._grouped_mm(x, self.gate_proj.transpose(1, 2), offs=offs)) * up
             return torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
         outs = []
         for e, chunk in enumerate(x.split(counts)):
             if chunk.shape[0]:
-                h = F.silu(F.linear(chunk, self.gate_proj[e])) * F.linear(chunk, self.up_proj[e])
+                up = F.linear(chunk, self.up_proj[e])
+                h = F.relu(up).square() if self.gate_proj is None else F.silu(F.linear(chunk, self.gate_proj[e])) * up
                 outs.append(F.linear(h, self.down_proj[e]))
         return torch.cat(outs) if outs else x.new_zeros(0, self.down_proj.shape[1])
 
@@ -91,15 +100,18 @@ def _grouped_mm_ok(x: torch.Tensor) -> bool:
 
 
 class SharedExperts(nn.Module):
-    """The shared experts: one dense SwiGLU MLP every token goes through."""
+    """The shared experts: one dense SwiGLU (or, `gated=False`, squared-ReLU) MLP every token goes
+    through."""
 
-    def __init__(self, hidden: int, ffn: int):
+    def __init__(self, hidden: int, ffn: int, gated: bool = True):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False) if gated else None
         self.up_proj = nn.Linear(hidden, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is None:
+            return self.down_proj(F.relu(self.up_proj(x)).square())
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -114,8 +126,9 @@ class MoE(nn.Module):
         assert moe is not None
         self.moe = moe
         self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.ffn_hidden_size)
-        self.shared = SharedExperts(cfg.hidden_size, moe.shared_size) if moe.shared_size else None
+        gated = cfg.activation != "squared_relu"
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.ffn_hidden_size, gated)
+        self.shared = SharedExperts(cfg.hidden_size, moe.shared_size, gated) if moe.shared_size else None
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=True)
         self.stats: dict[str, torch.Tensor] = {}
         # Expert-parallel hooks (set by tessera.common.parallel.expert_parallel): dispatch/combine
@@ -125,7 +138,8 @@ class MoE(nn.Module):
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float, generator: torch.Generator | None) -> None:
         for w, s in ((self.experts.gate_proj, std), (self.experts.up_proj, std), (self.experts.down_proj, out_std)):
-            nn.init.normal_(w, 0.0, s, generator=generator)
+            if w is not None:
+                nn.init.normal_(w, 0.0, s, generator=generator)
         self.expert_bias.zero_()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

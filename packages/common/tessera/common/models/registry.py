@@ -16,12 +16,13 @@ from typing import Any, TypeVar
 
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.models.causal_lm.spec import CAUSAL_LM
+from tessera.common.models.hybrid.spec import HYBRID
 from tessera.common.models.kind import HFAdapter, ModelKind
 
 __all__ = ["DEFAULT_KIND", "KINDS", "ModelKind", "hf_adapter", "kind_for_hf", "kind_of", "model_config",
            "model_config_from_hf", "model_kind", "stage_hook"]
 
-KINDS: dict[str, ModelKind] = {k.name: k for k in (CAUSAL_LM,)}
+KINDS: dict[str, ModelKind] = {k.name: k for k in (CAUSAL_LM, HYBRID)}
 DEFAULT_KIND = CAUSAL_LM.name  # what a config without `kind` is
 T = TypeVar("T")
 
@@ -74,10 +75,12 @@ def hf_adapter(cfg_or_kind: Any) -> HFAdapter:
 
 
 def kind_for_hf(data: Any, source: str) -> ModelKind:
-    """The kind whose adapter claims this config.json (by `architectures`, else `model_type`)."""
+    """The kind whose adapter claims this config.json (by `architectures`, else `model_type`).
+    The causal LM's adapter claims every transformers causal-LM head (to refuse the families it
+    lacks by name), so it is asked last: a kind that claims the class itself wins."""
     if not isinstance(data, dict):
         raise ArtifactError(f"{source}: expected a JSON object")
-    for kind in KINDS.values():
+    for kind in sorted(KINDS.values(), key=lambda k: k is CAUSAL_LM):
         if kind.hf().claims(data):
             return kind
     archs = data.get("architectures") or []

@@ -185,7 +185,7 @@ class ModelConfig(StrictModel):
             raise ValueError(f"sliding_window_layers: layer {bad[0]} is not in 0..{self.num_layers - 1}")
         if self.attention_bias is not None and len(set(self.attention_bias)) != len(self.attention_bias):
             raise ValueError("attention_bias lists a projection twice")
-        if self.moe is not None and self.activation != "swiglu":
+        if self.moe is not None and self.activation == "gelu":
             raise ValueError("moe needs activation=swiglu (experts are SwiGLU MLPs)")
         return self
 

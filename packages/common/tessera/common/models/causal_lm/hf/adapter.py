@@ -11,7 +11,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.hf.architecture import HEAD, HF_DTYPE_NAMES, HFArchitecture, HFConfig
@@ -71,17 +70,7 @@ def model_config_from_hf(data: dict[str, Any], source: str) -> ModelConfig:
     exactly (an unknown architecture, an unsupported option, a malformed field) is an ArtifactError."""
     if not isinstance(data, dict):
         raise ArtifactError(f"{source}: expected a JSON object")
-    arch = architecture_of(data, source)
-    fields = arch.config_fields(HFConfig(data, source))
-    try:
-        return ModelConfig(arch=arch.arch, **fields)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(map(str, err["loc"]))
-        # Name the config.json field too (its name differs from Tessera's: num_hidden_layers, n_layer).
-        keys = [k for k, v in data.items() if type(v) is type(err.get("input")) and v == err.get("input")]
-        field = f"field {keys[0]!r} = {data[keys[0]]!r}: " if len(keys) == 1 and where else ""
-        raise ArtifactError(f"{source}: {field}{'model ' + where + ': ' if where else ''}{err['msg']}") from None
+    return architecture_of(data, source).model_config(data, source, ModelConfig)
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, bos_id: int | None, eos_id: int | None,

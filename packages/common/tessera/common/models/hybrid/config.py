@@ -1,0 +1,198 @@
+"""The hybrid model's config: Megatron's HybridModel layer pattern over Mamba-2, attention, MLP and
+MoE layers (Nemotron-H; Mamba2 is the all-`M` pattern).
+
+`pattern` is Megatron's hybrid override pattern, one symbol per layer: `M` Mamba-2 mixer, `*`
+self-attention, `-` MLP, `E` mixture of experts. Each layer is one of these behind its own
+pre-norm and residual (Megatron's MambaStack, transformers' NemotronHBlock). A section is
+needed exactly for the symbols the pattern uses: `mamba` for M; num_heads for *; ffn_hidden_size
+for -; `moe` (the causal LM's MoEConfig, so both kinds route alike) for E.
+
+The attention, MLP and MoE layers are the causal LM's (tessera.common.layers), which read a
+causal-LM config: `layer_config` is that view of this config.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tessera.common.config import StrictModel
+from tessera.common.models.causal_lm.config import ModelConfig, MoEConfig
+
+SYMBOLS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
+
+
+class MambaConfig(StrictModel):
+    """The Mamba-2 mixers (Megatron's MambaMixer, transformers' Mamba2Mixer): heads of head_dim
+    channels, num_groups groups of B and C state projections shared by the heads of a group."""
+
+    num_heads: int = Field(..., gt=0, description="SSM heads (Megatron mamba_num_heads); the inner width is num_heads x head_dim.")
+    head_dim: int = Field(64, gt=0, description="Channels per head (Megatron mamba_head_dim).")
+    state_size: int = Field(128, gt=0, description="State size N per channel (Megatron mamba_state_dim, HF ssm_state_size).")
+    num_groups: int = Field(8, gt=0, description="Groups of B and C (Megatron mamba_num_groups, HF n_groups); divides num_heads.")
+    conv_kernel: int = Field(4, gt=0, description="Taps of the causal depthwise convolution (Megatron d_conv).")
+    conv_bias: bool = Field(True, description="Bias on the convolution.")
+    bias: bool = Field(False, description="Biases on the input and output projections (HF use_bias).")
+    chunk_size: int = Field(128, gt=0, description="Tokens per chunk of the chunked scan (a speed setting: results are the same).")
+    dt_min: float = Field(0.001, gt=0, description="Initialisation: softplus(dt_bias) drawn log-uniformly in [dt_min, dt_max].")
+    dt_max: float = Field(0.1, gt=0, description="Initialisation: upper end of softplus(dt_bias).")
+    dt_init_floor: float = Field(1e-4, gt=0, description="Initialisation: softplus(dt_bias) at least this.")
+    dt_limit_min: float = Field(0.0, ge=0, description="The step softplus(dt + dt_bias) is clamped to at least this (transformers' Nemotron-H: time_step_min).")
+    dt_limit_max: float | None = Field(None, gt=0, description="...and at most this; null = no upper limit.")
+
+    @model_validator(mode="after")
+    def _check(self) -> MambaConfig:
+        if self.num_heads % self.num_groups:
+            raise ValueError(f"num_groups ({self.num_groups}) must divide num_heads ({self.num_heads})")
+        if self.dt_min > self.dt_max:
+            raise ValueError(f"dt_min ({self.dt_min}) exceeds dt_max ({self.dt_max})")
+        if self.dt_limit_max is not None and self.dt_limit_max < self.dt_limit_min:
+            raise ValueError(f"dt_limit_max ({self.dt_limit_max}) is below dt_limit_min ({self.dt_limit_min})")
+        return self
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def group_width(self) -> int:
+        """Width of B (and of C): num_groups x state_size."""
+        return self.num_groups * self.state_size
+
+
+class LayerConfig(ModelConfig):
+    """The shared layers' view of a hybrid model (they read a causal-LM config): the causal LM's
+    fields, with squared ReLU allowed for the MLP and the experts. Whole-model fields (vocabulary,
+    positions, tying) are not read by the layers."""
+
+    activation: Literal["swiglu", "gelu", "squared_relu"] = Field("swiglu", description="See ModelConfig; squared_relu: up/down, relu(x)^2.")  # type: ignore[assignment]
+
+
+class HybridConfig(StrictModel):
+    """Shape of a hybrid state-space model: embedding, the layers of `pattern`, final RMSNorm, head."""
+
+    kind: Literal["hybrid"] = Field("hybrid", description="Model kind (tessera.common.models.registry).")
+    arch: Literal["nemotron_h", "mamba2"] = Field("nemotron_h", description="Family, which decides the Hugging Face class exports are written as (NemotronHForCausalLM, Mamba2ForCausalLM).")
+    vocab_size: int = Field(..., gt=0, description="Token ids the model reads and predicts.")
+    hidden_size: int = Field(..., gt=0, description="Model width d.")
+    num_layers: int = Field(..., gt=0, description="Number of layers; the pattern has one symbol per layer.")
+    pattern: str = Field(..., description="Layer types in order (Megatron's hybrid override pattern): M Mamba-2, * attention, - MLP, E MoE; e.g. M-M*-E.")
+    max_seq_len: int = Field(4096, gt=0, description="Longest sequence the model is meant for (no position embeddings: Mamba layers carry order).")
+    norm_eps: float = Field(1e-5, gt=0, description="Epsilon of every RMSNorm, the Mamba gated norm included.")
+    mamba: MambaConfig | None = Field(None, description="The Mamba-2 mixers; needed when the pattern has M.")
+    num_heads: int | None = Field(None, gt=0, description="Query heads of the attention layers; needed when the pattern has *.")
+    num_kv_heads: int | None = Field(None, gt=0, description="Key/value heads (grouped-query attention); default num_heads.")
+    head_dim: int | None = Field(None, gt=0, description="Width of one attention head; default hidden_size / num_heads.")
+    attention_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on attention probabilities.")
+    ffn_hidden_size: int | None = Field(None, gt=0, description="Inner width of the MLP layers; needed when the pattern has -.")
+    mlp_bias: bool = Field(False, description="Biases on the MLP layers' up and down projections.")
+    activation: Literal["squared_relu"] = Field("squared_relu", description="MLP and expert activation: squared ReLU, relu(x)^2 (Nemotron-H's).")
+    moe: MoEConfig | None = Field(None, description="The MoE layers (the causal LM's MoE: router, experts, shared experts); needed when the pattern has E. first_k_dense and layer_freq stay at 0 and 1: the pattern places the MoE layers.")
+    tie_embeddings: bool = Field(False, description="Output head shares the input embedding matrix.")
+    residual_in_fp32: bool = Field(False, description="Keep the residual stream in float32 whatever the model dtype (HF Mamba2's residual_in_fp32).")
+    init_std: float = Field(0.02, gt=0, description="Std of the normal weight init; output projections are scaled by 1/sqrt(2*num_layers).")
+
+    @model_validator(mode="after")
+    def _check(self) -> HybridConfig:
+        for i, symbol in enumerate(self.pattern):
+            if symbol not in SYMBOLS:
+                names = ", ".join(f"{k} ({v})" for k, v in SYMBOLS.items())
+                raise ValueError(f"pattern: {symbol!r} (layer {i}) is not a layer symbol; use {names}")
+        if len(self.pattern) != self.num_layers:
+            raise ValueError(f"pattern: {len(self.pattern)} symbols for num_layers={self.num_layers}; give one "
+                             "symbol per layer")
+        used = set(self.pattern)
+        if "M" in used and self.mamba is None:
+            raise ValueError("mamba: the pattern has Mamba-2 layers (M) but no mamba section")
+        if "*" in used:
+            if self.num_heads is None:
+                raise ValueError("num_heads: the pattern has attention layers (*) but no num_heads")
+            if self.num_heads % self.kv_heads:
+                raise ValueError(f"num_kv_heads ({self.kv_heads}) must divide num_heads ({self.num_heads})")
+            if self.head_dim is None and self.hidden_size % self.num_heads:
+                raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size}) "
+                                 "unless head_dim is given")
+        if "-" in used and self.ffn_hidden_size is None:
+            raise ValueError("ffn_hidden_size: the pattern has MLP layers (-) but no ffn_hidden_size")
+        if "E" in used and self.moe is None:
+            raise ValueError("moe: the pattern has MoE layers (E) but no moe section")
+        if self.moe is not None and (self.moe.first_k_dense, self.moe.layer_freq) != (0, 1):
+            raise ValueError("moe.first_k_dense / moe.layer_freq: the pattern places the MoE layers; leave them "
+                             "at 0 and 1")
+        return self
+
+    @property
+    def kv_heads(self) -> int | None:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def attention_head_dim(self) -> int | None:
+        if self.num_heads is None:
+            return None
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def layer_config(self) -> LayerConfig:
+        """The config the shared attention, MLP and MoE layers (and norms) are built from."""
+        return LayerConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
+            num_heads=self.num_heads or 1, num_kv_heads=self.kv_heads, head_dim=self.attention_head_dim or 1,
+            ffn_hidden_size=self.ffn_hidden_size or 1, max_seq_len=self.max_seq_len, norm="rmsnorm",
+            norm_eps=self.norm_eps, activation=self.activation, position="learned", bias=self.mlp_bias,
+            attention_bias=[], moe=self.moe, attention_dropout=self.attention_dropout, init_std=self.init_std)
+
+    # ---- accounting ----------------------------------------------------------------------
+    def num_params(self) -> int:
+        """Exact parameter count of `HybridModel(self)` (tested against the real module)."""
+        d = self.hidden_size
+        layers = self.layer_config()
+        total = self.vocab_size * d * (1 if self.tie_embeddings else 2) + d  # embedding, head, final norm
+        for symbol in self.pattern:
+            total += d  # the layer's norm
+            if symbol == "M":
+                m = self.mamba
+                assert m is not None
+                width = 2 * m.inner_size + 2 * m.group_width + m.num_heads
+                conv = m.inner_size + 2 * m.group_width
+                total += d * width + m.inner_size * d + (width + d if m.bias else 0)
+                total += conv * m.conv_kernel + (conv if m.conv_bias else 0)
+                total += 3 * m.num_heads + m.inner_size  # dt_bias, A_log, D, gated norm
+            elif symbol == "*":
+                total += 2 * d * layers.q_size + 2 * d * layers.kv_size
+            elif symbol == "-":
+                f = layers.ffn_hidden_size
+                total += 2 * d * f + (f + d if self.mlp_bias else 0)
+            else:
+                moe = self.moe
+                assert moe is not None
+                total += d * moe.num_experts + 2 * d * (moe.num_experts * moe.ffn_hidden_size + moe.shared_size)
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3 x forward), PaLM convention, as the
+        causal LM counts them: 6 x the matmul weights a token uses (the head; MoE: router, top_k
+        routed and the shared experts) + 12 x query width x seq_len per attention layer + the
+        chunked scan per Mamba layer and head: the in-chunk scores C.B and their product with x
+        (2 x chunk x (N + P)) and the chunk's state and its read-out (4 x P x N), chunk being
+        min(chunk_size, seq_len). Convolutions and norms are not counted (not matmuls)."""
+        d = self.hidden_size
+        layers = self.layer_config()
+        matmul = self.vocab_size * d
+        extra = 0.0
+        for symbol in self.pattern:
+            if symbol == "M":
+                m = self.mamba
+                assert m is not None
+                matmul += d * (2 * m.inner_size + 2 * m.group_width + m.num_heads) + m.inner_size * d
+                scan = 2 * (m.state_size + m.head_dim) * min(m.chunk_size, seq_len) + 4 * m.head_dim * m.state_size
+                extra += 3 * m.num_heads * scan
+            elif symbol == "*":
+                matmul += 2 * d * layers.q_size + 2 * d * layers.kv_size
+                extra += 12 * layers.q_size * seq_len
+            elif symbol == "-":
+                matmul += 2 * d * layers.ffn_hidden_size
+            else:
+                moe = self.moe
+                assert moe is not None
+                matmul += d * moe.num_experts + 2 * d * (moe.top_k * moe.ffn_hidden_size + moe.shared_size)
+        return 6.0 * matmul + extra

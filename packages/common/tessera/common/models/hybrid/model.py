@@ -1,0 +1,135 @@
+"""The hybrid state-space model: Megatron's HybridModel (MambaStack), transformers' Nemotron-H and
+Mamba2, from one config.
+
+Read top to bottom: block, model. Each layer is one symbol of the config's pattern: an RMSNorm,
+then a Mamba-2 mixer (M, `mamba.py`), self-attention (*), an MLP (-) or a mixture of experts (E),
+then the residual add. Attention, MLP and MoE are the causal LM's layers (tessera.common.layers),
+built from `HybridConfig.layer_config()`; attention has no position embeddings (the Mamba layers
+carry order, as in Nemotron-H and Megatron's default). This file is the single-device model.
+
+Parameter names are the checkpoint contract: `embed_tokens.weight`, `layers.<i>.norm.weight`,
+`layers.<i>.mixer.*` (the layer's mixer, names as its module gives them), `final_norm.weight`,
+`lm_head.weight`; layers live in a ModuleDict keyed by global layer number.
+
+Packed documents: `document_ids` [B, T] (the causal LM's input: non-decreasing along T) keep
+every document to itself: attention attends within it and the Mamba layers restart their
+convolution and scan at each new document (mamba_ssm's seq_idx).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.common.layers.attention import MaskedAttention
+from tessera.common.layers.mlp import MLP
+from tessera.common.layers.moe import MoE
+from tessera.common.layers.norms import RMSNorm
+from tessera.common.layers.self_attention import Attention
+from tessera.common.models.hybrid.config import HybridConfig, LayerConfig
+from tessera.common.models.hybrid.mamba import CausalConv1d, GatedRMSNorm, MambaMixer
+
+__all__ = ["HybridBlock", "HybridModel", "build_model"]
+
+# Linear layers writing into the residual stream: initialised with std / sqrt(2 * layers).
+_OUTPUT_PROJECTIONS = ("out_proj", "o_proj", "down_proj")
+
+
+class HybridBlock(nn.Module):
+    def __init__(self, cfg: HybridConfig, layers: LayerConfig, layer_idx: int):
+        super().__init__()
+        self.symbol = cfg.pattern[layer_idx]
+        self.residual_in_fp32 = cfg.residual_in_fp32
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mixer: nn.Module
+        if self.symbol == "M":
+            assert cfg.mamba is not None
+            self.mixer = MambaMixer(cfg.mamba, cfg.hidden_size, cfg.norm_eps)
+        elif self.symbol == "*":
+            self.mixer = Attention(layers, layer_idx)
+        elif self.symbol == "-":
+            self.mixer = MLP(layers)
+        else:
+            self.mixer = MoE(layers)
+
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None,
+                attn_mask: MaskedAttention | None = None) -> torch.Tensor:
+        # The residual may be fp32 (residual_in_fp32) in a lower-precision model: the mixer reads
+        # the norm's dtype.
+        h = self.norm(x.to(self.norm.weight.dtype))
+        if self.symbol == "M":
+            out = self.mixer(h, document_ids)
+        elif self.symbol == "*":
+            out = self.mixer(h, None, None, attn_mask)
+        else:
+            out = self.mixer(h)
+        return (x.float() if self.residual_in_fp32 else x) + out
+
+
+class HybridModel(nn.Module):
+    """Embedding -> the pattern's layers -> final RMSNorm -> output head."""
+
+    def __init__(self, cfg: HybridConfig):
+        super().__init__()
+        self.cfg = cfg
+        layers = cfg.layer_config()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): HybridBlock(cfg, layers, i) for i in range(cfg.num_layers)})
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Initialise every parameter in place, visiting modules in name order (so a seed gives the
+        same weights on any device): Normal(0, init_std) for embeddings and linear weights, scaled
+        by 1/sqrt(2 L) for those writing into the residual stream; zero biases; unit norms;
+        Megatron's initialisation for the Mamba mixers' own parameters and convolutions."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)
+        for name, module in sorted(self.named_modules(), key=lambda kv: kv[0]):
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, out_std if name.endswith(_OUTPUT_PROJECTIONS) else std,
+                                generator=generator)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std, generator=generator)
+            elif isinstance(module, (RMSNorm, GatedRMSNorm)):
+                module.reset_parameters()
+            elif isinstance(module, CausalConv1d):
+                module.reset_parameters(generator)
+            elif isinstance(module, MambaMixer):
+                module.reset_ssm_parameters(generator)
+            elif isinstance(module, MoE):
+                module.init_weights(std, out_std, generator)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
+                return_hidden: bool = False) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, V] (the final-normed hidden states with `return_hidden`).
+        `document_ids` [B, T], non-decreasing along T: packed documents do not see each other."""
+        h = self.embed_tokens(tokens)
+        attn_mask = None
+        if document_ids is not None and "*" in self.cfg.pattern:
+            attn_mask = MaskedAttention(document_ids, None, h.shape[0], h.shape[1], h.device)
+        for block in self.layers.values():
+            h = block(h, document_ids, attn_mask)
+        h = self.final_norm(h.to(self.final_norm.weight.dtype))
+        return h if return_hidden else F.linear(h, self.output_weight())
+
+
+def build_model(cfg: HybridConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int | None = 0) -> HybridModel:
+    """Build on the meta device, materialise on `device`, and initialise (seeded) in place; with
+    seed=None the weights are left uninitialised (for loading a checkpoint over them)."""
+    with torch.device("meta"):
+        model = HybridModel(cfg)
+    model.to_empty(device=device)
+    if seed is not None:
+        model.init_weights(torch.Generator(device=device).manual_seed(seed))
+    return model.to(dtype=dtype) if dtype != torch.float32 else model

@@ -1,0 +1,45 @@
+"""The hybrid kind's entry in the kind registry (tessera.common.models.registry).
+
+Imports only the config. No stage has code for the kind yet (issue 29 builds the trainer's,
+converter's and server's next), so its hooks are empty and every stage refuses it in one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tessera.common.models.hybrid.config import HybridConfig
+from tessera.common.models.kind import HFAdapter, ModelKind, ParallelPlan, StageHooks
+
+
+def build(cfg: HybridConfig, **kwargs: Any) -> Any:
+    """The single-device model (`build_model`: device, dtype, seed)."""
+    from tessera.common.models.hybrid.model import build_model
+
+    return build_model(cfg, **kwargs)
+
+
+def hf() -> HFAdapter:
+    from tessera.common.models.hybrid.hf import adapter
+
+    return adapter  # type: ignore[return-value]  # a module with the protocol's functions
+
+
+def parallel() -> ParallelPlan:
+    from tessera.common.errors import UserError
+
+    raise UserError("model kind 'hybrid': no parallel plan yet (tensor, pipeline and expert parallel for hybrid "
+                    "models are not built); train it on one process")
+
+
+HYBRID = ModelKind(
+    name="hybrid",
+    description="Mamba-2 layers beside attention, MLP and MoE in Megatron's hybrid pattern, trained on next-token "
+                "prediction (Nemotron-H, Mamba2)",
+    config=HybridConfig,
+    build=build,
+    hf=hf,
+    parallel=parallel,
+    flops_per_token=HybridConfig.flops_per_token,
+    hooks=StageHooks(),
+)
