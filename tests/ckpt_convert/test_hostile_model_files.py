@@ -77,8 +77,8 @@ HF_CASES = {
 
 def _hf_command(reader: str, hf: Path, out: Path):
     from tessera.ckpt_convert.cli import run as ckpt_run
-    from tessera.inference.cli import main as serve_main
-    from tessera.inference.generate_cli import main as generate_main
+    from tessera.inference.entrypoints.generate_cli import main as generate_main
+    from tessera.inference.entrypoints.serve_cli import main as serve_main
 
     prompts = out / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def f"}) + "\n")
