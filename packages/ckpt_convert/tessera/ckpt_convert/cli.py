@@ -108,9 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive(name: str, value: int) -> int:
+def _positive(name: str, value: int, most: int | None = None) -> int:
     if value < 1:
         raise UserError(f"{name} {value}: must be a positive integer")
+    if most is not None and value > most:
+        raise UserError(f"{name} {value}: must be at most {most}")
     return value
 
 
@@ -167,12 +169,13 @@ def run(argv: list[str] | None = None) -> int:
         print(out)
     elif args.verb == "import":
         from tessera.ckpt_convert.import_hf import import_hf
+        from tessera.common.models.causal_lm.config import MAX_VOCAB_MULTIPLE
 
         if args.model_config is not None or args.tokenizer is not None:
             raise UserError("--model-config/--tokenizer apply to --format megatron; an HF directory has both")
 
-        out = import_hf(args.input, args.output, dtype=parse_dtype(args.dtype),
-                        vocab_size_divisible_by=_positive("--vocab-size-divisible-by", args.vocab_size_divisible_by),
+        multiple = _positive("--vocab-size-divisible-by", args.vocab_size_divisible_by, MAX_VOCAB_MULTIPLE)
+        out = import_hf(args.input, args.output, dtype=parse_dtype(args.dtype), vocab_size_divisible_by=multiple,
                         overwrite=args.overwrite, quiet=args.quiet, sync=args.sync)
         print(out)
     elif args.verb == "verify":
