@@ -38,7 +38,7 @@ def available(venv: Path = VENV) -> bool:
 
 def export_hf_model(checkpoint_root: Path, out: Path) -> Path:
     """The checkpoint as a transformers model directory (tessera-ckpt export --format hf)."""
-    from tessera.ckpt_convert.export_hf import ExportOptions, export_hf
+    from tessera.ckpt_convert.exporters.hf import ExportOptions, export_hf
 
     return export_hf(checkpoint_root / "checkpoints", out, ExportOptions(quiet=True, sync=False))
 

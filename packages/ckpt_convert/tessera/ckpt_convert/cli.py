@@ -120,7 +120,7 @@ def run(argv: list[str] | None = None) -> int:
     """The CLI body; raises UserError for bad input (tests call this directly)."""
     args = build_parser().parse_args(argv)
     if args.verb == "export" and args.format == "hf":
-        from tessera.ckpt_convert.export_hf import ExportOptions, export_hf
+        from tessera.ckpt_convert.exporters.hf import ExportOptions, export_hf
 
         if args.tensor_parallel != 1 or args.pipeline_parallel != 1:
             raise UserError("--tensor-parallel/--pipeline-parallel apply to --format trtllm only; "
@@ -130,7 +130,7 @@ def run(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite, quiet=args.quiet, sync=args.sync))
         print(out)
     elif args.verb == "export" and args.format == "megatron":
-        from tessera.ckpt_convert.export_megatron import export_megatron
+        from tessera.ckpt_convert.exporters.megatron import export_megatron
 
         if args.pipeline_parallel != 1:
             raise UserError("--pipeline-parallel: a torch_dist checkpoint holds global tensors that load at any "
@@ -139,7 +139,7 @@ def run(argv: list[str] | None = None) -> int:
                               dtype=parse_dtype(args.dtype), overwrite=args.overwrite, quiet=args.quiet, sync=args.sync)
         print(out)
     elif args.verb == "export":
-        from tessera.ckpt_convert.export_trtllm import TrtllmOptions, export_trtllm
+        from tessera.ckpt_convert.exporters.trtllm import TrtllmOptions, export_trtllm
 
         out = export_trtllm(args.checkpoint, args.output, TrtllmOptions(
             tp=_positive("--tensor-parallel", args.tensor_parallel),
@@ -160,7 +160,7 @@ def run(argv: list[str] | None = None) -> int:
                       sync=args.sync)
         print(out)
     elif args.verb == "import" and args.format == "megatron":
-        from tessera.ckpt_convert.import_megatron import import_megatron
+        from tessera.ckpt_convert.importers.megatron import import_megatron
 
         if args.model_config is None:
             raise UserError("--format megatron needs --model-config FILE (the model the checkpoint holds)")
@@ -168,7 +168,7 @@ def run(argv: list[str] | None = None) -> int:
                               overwrite=args.overwrite, quiet=args.quiet, sync=args.sync)
         print(out)
     elif args.verb == "import":
-        from tessera.ckpt_convert.import_hf import import_hf
+        from tessera.ckpt_convert.importers.hf import import_hf
         from tessera.common.models.causal_lm.config import MAX_VOCAB_MULTIPLE
 
         if args.model_config is not None or args.tokenizer is not None:

@@ -116,7 +116,7 @@ def megatron_to_tessera(cfg: ModelConfig, get) -> dict[str, torch.Tensor]:
 def import_megatron(input_dir: str | Path, output: str | Path, model_config: str | Path,
                     tokenizer: str | Path | None = None, dtype: torch.dtype | None = None, overwrite: bool = False,
                     quiet: bool = False, sync: bool = True) -> Path:
-    from tessera.ckpt_convert.export_hf import expected_model_shapes
+    from tessera.ckpt_convert.exporters.hf import expected_model_shapes
     from tessera.common.config import load_config
 
     input_dir, output = Path(input_dir), Path(output)
