@@ -152,11 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.inference.kinds import serving_kind
     from tessera.inference.sample.spec_decode import check_draft_model, read_model_facts
 
-    serving_kind(read_model_facts(args.checkpoint)[0])  # a kind this server cannot run: before the engine starts
     check_draft_model(cfg.speculative, args.checkpoint)
     from tessera.inference.worker.cuda_graphs import check_cuda_graphs
 
-    check_cuda_graphs(cfg, device)
+    check_cuda_graphs(cfg, device)  # flags first, then what the checkpoint says
+    serving_kind(read_model_facts(args.checkpoint)[0])  # a kind this server cannot run: before the engine starts
     from tessera.inference.engine.cpu_threads import (
         apply_binding,
         describe_measured,
