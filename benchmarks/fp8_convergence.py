@@ -48,7 +48,8 @@ from tessera.common.errors import UserError, run_cli
 from tessera.common.models.causal_lm.config import ModelConfig, preset
 from tessera.trainer.config import OptimConfig, ScheduleConfig
 from tessera.trainer.model_setup import prepare_model
-from tessera.trainer.optim import build_optimizer, set_lr
+from tessera.trainer.optimizer.optim import build_optimizer, set_lr
+from tessera.trainer.optimizer.schedule import LRSchedule
 from tessera.trainer.precision.mixed import Precision
 from tessera.trainer.precision.torchao_float8 import (
     RECIPES,
@@ -56,7 +57,6 @@ from tessera.trainer.precision.torchao_float8 import (
     convert_to_float8,
     fp8_device_problem,
 )
-from tessera.trainer.schedule import LRSchedule
 from tessera.trainer.step import TrainStep
 
 LOSS_TOLERANCE = 0.01  # issue #19: fp8's loss within 1% of bf16's

@@ -18,6 +18,19 @@ weights and the same prompts/output lengths:
             ratio Tessera / vLLM of output tok/s is printed per round and as the median.
 Requests use ignore_eos so every engine produces exactly the requested number of tokens.
 
+Threads, two modes. Pinned (the default): every system gets `--threads` torch threads, unbound
+(tessera-serve `--torch-threads N`; vLLM OMP_NUM_THREADS=N with VLLM_CPU_OMP_THREADS_BIND=nobind;
+the transformers peers torch.set_num_threads(N)): the engines compared on equal resources.
+`--defaults`: every system as a user gets it, nothing set (tessera-serve without --torch-threads,
+which picks its own threads and cores; vLLM without either variable, so its "auto" binding;
+transformers at torch's default; OMP_NUM_THREADS removed from the servers' environment); the
+startup line of each server says what it chose. `--busy-core` keeps one core busy during the
+measured rounds with a process of this script's own (`while True: pass`, unpinned, started after
+the warm-up and stopped at the end), as another job on a shared machine would; without it the run
+is as quiet as the machine is. Both servers stay up for the whole run, and at their defaults both
+bind the same core: the idle one's background threads (vLLM's worker used 1-10% of a core in the
+10 s after a run) share it with the one measured; `--no-peer` gives tessera-serve alone.
+
 With `--structured json` the run compares the server with itself instead: the same prompts
 JSON-schema constrained (`response_format` json_schema; llguidance masks applied in the batched
 sampler) and unconstrained, at equal output lengths. A constrained request ends when its JSON is
@@ -32,6 +45,7 @@ Goal: under 10% at 32 concurrent requests on CPU.
     .venv/bin/python benchmarks/serving.py --num-requests 64 --concurrency 32
     .venv/bin/python benchmarks/serving.py --preset llama-25m --output-len 64 64 --num-requests 128 --concurrency 32
     .venv/bin/python benchmarks/serving.py --structured json --num-requests 128 --concurrency 32 --rounds 4
+    .venv/bin/python benchmarks/serving.py --preset llama-25m --output-len 64 64 --num-requests 128 --concurrency 32 --defaults --busy-core
 """
 
 from __future__ import annotations
@@ -266,11 +280,17 @@ def main() -> None:
                     help="Poisson arrivals at this many requests/s (default inf: all at once, "
                          "bounded by --concurrency)")
     ap.add_argument("--naive-requests", type=int, default=8, help="requests the naive peer runs (it is slow)")
+    ap.add_argument("--no-hf", action="store_true",
+                    help="skip the transformers peers (naive, static): they are slow at 2 threads beside a busy core")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256, help="server step token budget")
     ap.add_argument("--rounds", type=int, default=2, help="alternate the three systems this many times")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads for the server and the peers alike (1 suits a shared machine)")
+                    help="pinned mode: torch CPU threads for the server and the peers alike (1 suits a shared machine)")
+    ap.add_argument("--defaults", action="store_true",
+                    help="every system at its own thread defaults instead of --threads (see above)")
+    ap.add_argument("--busy-core", action="store_true",
+                    help="keep one core busy with a spinning process during the measured rounds")
     ap.add_argument("--device", default="cpu",
                     help="cpu or cuda: the server and the transformers peers alike (fp32 on CPU, bf16 on CUDA)")
     ap.add_argument("--enforce-eager", action="store_true",
@@ -293,7 +313,10 @@ def main() -> None:
         ap.error("--peer vllm: the peer is vLLM's CPU build; use --device cpu")
     if use_vllm and args.device != "cpu":
         use_vllm = False
-    torch.set_num_threads(args.threads)
+    if not args.defaults:
+        torch.set_num_threads(args.threads)
+    threads_mode = ("defaults (no thread settings)" if args.defaults
+                    else f"pinned: {args.threads} torch thread(s) each, unbound")
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     rng = random.Random(args.seed)
@@ -312,22 +335,31 @@ def main() -> None:
     kv_tokens = 65536
     cmd = [sys.executable, "-m", "tessera.inference", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
            "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-tokens", str(kv_tokens),
-           "--torch-threads", str(args.threads), "--device", args.device,
-           "--dtype", "bfloat16" if dtype == torch.bfloat16 else "float32"] + (["--no-engine-process"] if args.engine_thread else []) \
-        + (["--enforce-eager"] if args.enforce_eager else [])
+           "--device", args.device, "--dtype", "bfloat16" if dtype == torch.bfloat16 else "float32"] \
+        + ([] if args.defaults else ["--torch-threads", str(args.threads)]) \
+        + (["--no-engine-process"] if args.engine_thread else []) + (["--enforce-eager"] if args.enforce_eager else [])
     env = {**os.environ}
+    if args.defaults:
+        env.pop("OMP_NUM_THREADS", None)
     vllm = vllm_url = None
     if use_vllm:  # started first: it loads and compiles while tessera-serve starts
         vllm_port = free_port()
         vllm_url = f"http://127.0.0.1:{vllm_port}"
         vllm_log = workdir / "vllm.log"
         vllm = vllm_peer.start(
-            vllm_peer.export_hf_model(ckpt, workdir / "hf"), vllm_port, threads=args.threads,
+            vllm_peer.export_hf_model(ckpt, workdir / "hf"), vllm_port, threads=None if args.defaults else args.threads,
             kv_gib=vllm_peer.kv_space_gib(model.cfg, kv_tokens, dtype), max_num_seqs=args.concurrency,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=model.cfg.max_seq_len, dtype=dtype,
             log_path=vllm_log)
-    server = subprocess.Popen(cmd, env=env)
+    server_log = workdir / "tessera-serve.log"
+    # Each server, and the busy core's spinner, in a session of its own: with the kernel's autogroup
+    # scheduling (/proc/sys/kernel/sched_autogroup_enabled) a session shares one CPU share, so a
+    # server left in this script's session would share it with the client and the spinner while
+    # vLLM (vllm_peer.start: a new session) would not.
+    with open(server_log, "w") as log:
+        server = subprocess.Popen(cmd, env=env, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    spinner = None
     try:
         # Warm-up: every batch size up to --concurrency once (a server that compiles per shape,
         # as vLLM's CPU build can, does so before the measured runs), short outputs.
@@ -337,10 +369,14 @@ def main() -> None:
         if vllm is not None:
             wait_healthy(vllm_url, vllm, args.peer_startup_timeout, f"vllm serve (log: {vllm_log}; --no-peer skips it)")
             asyncio.run(run_client(vllm_url, warm, args.concurrency))
+        print(f"threads: {threads_mode}; tessera-serve: {startup_threads(server_log)}"
+              + (f"; vLLM: {vllm_peer.thread_binding(vllm_log)}" if vllm is not None else ""), flush=True)
+        if args.busy_core:
+            spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
         if args.structured == "json":
             structured_rounds(url, workload, args, arrivals)
             return
-        hf = hf_model_from(model).to(device=args.device, dtype=dtype)
+        hf = None if args.no_hf else hf_model_from(model).to(device=args.device, dtype=dtype)
         # The machine is shared: load changes by the minute. Alternate the systems in rounds so
         # each comparison is between runs taken close together.
         # tessera-serve and vLLM alternate which goes first (and so which follows the HF peers).
@@ -352,15 +388,20 @@ def main() -> None:
             ours = asyncio.run(run_client(url, workload, args.concurrency, arrivals))
             if vllm_url is not None and r % 2 == 0:
                 theirs = asyncio.run(run_client(vllm_url, workload, args.concurrency, arrivals))
-            static = run_static(hf, workload, args.concurrency)
-            naive = run_naive(hf, workload, args.naive_requests)
+            static = naive = None
+            if hf is not None:
+                static = run_static(hf, workload, args.concurrency)
+                naive = run_naive(hf, workload, args.naive_requests)
             rounds.append((ours, static, naive, theirs))
-            peer = "" if theirs is None else (f"vLLM {theirs['output_tok_per_s']:.1f} tok/s "
-                                              f"(Tessera/vLLM {ours['output_tok_per_s'] / theirs['output_tok_per_s']:.2f}x), ")
-            print(f"round {r + 1}: tessera-serve {ours['output_tok_per_s']:.1f} tok/s, {peer}"
-                  f"HF static batch {static['output_tok_per_s']:.1f} tok/s, "
-                  f"HF naive {naive['output_tok_per_s']:.1f} tok/s", flush=True)
+            peer = "" if theirs is None else (f", vLLM {theirs['output_tok_per_s']:.1f} tok/s "
+                                              f"(Tessera/vLLM {ours['output_tok_per_s'] / theirs['output_tok_per_s']:.2f}x)")
+            hf_peers = "" if static is None else (f", HF static batch {static['output_tok_per_s']:.1f} tok/s, "
+                                                  f"HF naive {naive['output_tok_per_s']:.1f} tok/s")
+            print(f"round {r + 1}: tessera-serve {ours['output_tok_per_s']:.1f} tok/s{peer}{hf_peers}", flush=True)
     finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
         server.terminate()
         server.wait(timeout=60)
         if vllm is not None:
@@ -368,7 +409,8 @@ def main() -> None:
 
     ms = lambda xs: f"mean {1e3 * statistics.mean(xs):7.1f}  median {1e3 * statistics.median(xs):7.1f}  p99 {1e3 * pct(xs, 99):7.1f} ms"  # noqa: E731
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {args.preset} (random weights, {n_params / 1e6:.1f}M params), {str(dtype).removeprefix('torch.')}, {args.device}, torch threads {args.threads}, "
+    print(f"model: {args.preset} (random weights, {n_params / 1e6:.1f}M params), {str(dtype).removeprefix('torch.')}, {args.device}, threads {threads_mode}, "
+          f"{'one core kept busy, ' if args.busy_core else ''}{len(os.sched_getaffinity(0))} CPUs, "
           f"engine {'thread in the HTTP process' if args.engine_thread else 'in its own process'}"
           + (", CUDA graphs for decode steps" if args.device.startswith("cuda") and not args.enforce_eager else ""))
     print(f"command: {' '.join(sys.argv)}")
@@ -386,12 +428,13 @@ def main() -> None:
               f"({ours['duration']:.1f} s)")
         print(f"  TTFT {ms(ours['ttft'])}\n  TPOT {ms(ours['tpot'])}\n  ITL  {ms(ours['itl'])}\n  E2E  {ms(ours['e2e'])}")
         print(f"  TPOT median / physical floor: {statistics.median(ours['tpot']) / lim['floor']:.1f}x")
-        print(f"HF naive (1 at a time): {naive['output_tok_per_s']:.1f} output tok/s")
-        print(f"HF static batch ({args.concurrency}, padded): {static['output_tok_per_s']:.1f} output tok/s "
-              f"({static['duration']:.1f} s)")
-        print(f"ratio vs naive: {ours['output_tok_per_s'] / naive['output_tok_per_s']:.2f}x   "
-              f"vs static batch: {ours['output_tok_per_s'] / static['output_tok_per_s']:.2f}x   "
-              f"TTFT p50 {1e3 * statistics.median(ours['ttft']):.0f} ms")
+        if static is not None:
+            print(f"HF naive (1 at a time): {naive['output_tok_per_s']:.1f} output tok/s")
+            print(f"HF static batch ({args.concurrency}, padded): {static['output_tok_per_s']:.1f} output tok/s "
+                  f"({static['duration']:.1f} s)")
+            print(f"ratio vs naive: {ours['output_tok_per_s'] / naive['output_tok_per_s']:.2f}x   "
+                  f"vs static batch: {ours['output_tok_per_s'] / static['output_tok_per_s']:.2f}x   "
+                  f"TTFT p50 {1e3 * statistics.median(ours['ttft']):.0f} ms")
         if theirs is not None:
             print(f"vLLM (CPU build, {'second' if r % 2 else 'first'} of the two): {theirs['output_tok_per_s']:.1f} output tok/s "
                   f"({theirs['duration']:.1f} s), TTFT p50 {1e3 * statistics.median(theirs['ttft']):.0f} ms, "
@@ -406,8 +449,17 @@ def main() -> None:
         print(f"median over {len(peers)} rounds: Tessera / vLLM output tok/s {ratio:.2f}x "
               f"(tessera-serve {statistics.median(o['output_tok_per_s'] for o, _ in peers):.1f}, "
               f"vLLM {statistics.median(t['output_tok_per_s'] for _, t in peers):.1f}; goal >= 1.0x); vLLM threads: "
-              f"OMP_NUM_THREADS={args.threads}, VLLM_CPU_OMP_THREADS_BIND=nobind, VLLM_CPU_KVCACHE_SPACE="
-              f"{vllm_peer.kv_space_gib(model.cfg, kv_tokens, dtype)} GiB")
+              + ("its defaults" if args.defaults else f"OMP_NUM_THREADS={args.threads}, VLLM_CPU_OMP_THREADS_BIND=nobind")
+              + f", VLLM_CPU_KVCACHE_SPACE={vllm_peer.kv_space_gib(model.cfg, kv_tokens, dtype)} GiB"
+              + (", one core kept busy" if args.busy_core else ""))
+
+
+def startup_threads(log_path: Path) -> str:
+    """What tessera-serve's startup line says about its threads."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith("tessera-serve:") and "; listening" in line:
+            return line.split("; listening")[0].split("max_model_len ")[-1].partition("; ")[2]
+    return "?"
 
 
 def free_port() -> int:

@@ -75,7 +75,7 @@ from tessera.trainer.config import OptimConfig
 from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.observability.host_memory import retain_freed_memory
-from tessera.trainer.optim import build_optimizer
+from tessera.trainer.optimizer.optim import build_optimizer
 from tessera.trainer.precision.mixed import Precision
 from tessera.trainer.precision.te_float8 import TE_RECIPES, apply_te, te_config_problem
 from tessera.trainer.precision.torchao_float8 import RECIPES as TORCHAO_RECIPES

@@ -103,9 +103,7 @@ def test_a_forbidden_import_in_a_parallel_folder_fails_lint(tmp_path, probe, sou
 # that no longer occurs fails the test, so the lists cannot go stale).
 KNOWN_CYCLES_TODAY: list[set[str]] = []
 MAX_FLAT_MODULES = 15
-KNOWN_CROWDED_TODAY = {
-    "packages/ckpt_convert/tessera/ckpt_convert",  # 16: mapped.py and source.py, one ranged reader (issue 27)
-}
+KNOWN_CROWDED_TODAY: set[str] = set()
 
 
 def import_cycles() -> list[set[str]]:

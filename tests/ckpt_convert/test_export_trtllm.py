@@ -114,7 +114,7 @@ def test_trtllm_bad_layout_exit_2(tmp_path, tokenizer_dir, capsys, tp, pp, messa
 
 def test_linear_rope_scaling_is_written_as_tensorrt_llms_linear_rotary_scaling():
     """Linear position interpolation has TensorRT-LLM's own `{"type": "linear", "factor"}` form."""
-    from tessera.ckpt_convert.export_trtllm import trtllm_config, validate
+    from tessera.ckpt_convert.exporters.trtllm import trtllm_config, validate
 
     cfg = tiny_llama(rope_scaling=dict(rope_type="linear", factor=2.0))
     validate(cfg, 1, 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -153,3 +154,15 @@ def generate_usage_error(argv, capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0], err
     return err[0]
+
+
+def assert_alive_and_drained(client, frontend, engine, drain_s: float = 30) -> None:
+    """After a barrage of requests: the engine is healthy, answers an ordinary completion, and
+    every request has ended with its KV blocks freed."""
+    assert frontend.healthy and client.get("/health").status_code == 200
+    ok = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4, "temperature": 1.0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    deadline = time.monotonic() + drain_s
+    while (engine.blocks.num_used or frontend.num_active()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.blocks.num_used == 0 and frontend.num_active() == 0

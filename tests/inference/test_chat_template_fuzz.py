@@ -77,7 +77,7 @@ def _rss_mib() -> float:
 def test_fuzzed_hostile_chat_templates_never_get_a_5xx_or_harm_the_server(tiny_ckpt, monkeypatch):
     from fastapi.testclient import TestClient
 
-    from tessera.inference import tokenizer_process
+    from tessera.inference.entrypoints import tokenizer_process
 
     monkeypatch.setattr(tokenizer_process, "RENDER_GRACE_S", 0.5)  # a killed render ends sooner
     engine = make_engine(tiny_ckpt, block_size=8, num_kv_blocks=64, max_num_seqs=4)

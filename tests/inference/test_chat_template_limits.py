@@ -135,7 +135,7 @@ def test_health_and_completions_answer_while_runaway_templates_render(hostile_ck
 def test_a_render_the_sandbox_cannot_interrupt_is_killed_at_the_time_limit(hostile_ckpt, monkeypatch):
     """One filter call (wordwrap over 2 MB) runs in C and Python code the sandbox's checks never
     see: its process is killed at the time limit (no grace here) and the next render gets a new one."""
-    from tessera.inference import tokenizer_process
+    from tessera.inference.entrypoints import tokenizer_process
 
     monkeypatch.setattr(tokenizer_process, "RENDER_GRACE_S", 0.0)
     s = _server(hostile_ckpt, RenderLimits(timeout_s=0.3, max_chars=2_000_000))
@@ -153,7 +153,7 @@ def test_a_render_child_that_starts_slower_than_a_short_render_limit_still_serve
     loaded machine), the first chat request is answered, not a 503."""
     import sys
 
-    from tessera.inference import tokenizer_process
+    from tessera.inference.entrypoints import tokenizer_process
 
     monkeypatch.setattr(tokenizer_process, "RENDER_GRACE_S", 0.0)
     monkeypatch.setattr(tokenizer_process._Child, "command", [

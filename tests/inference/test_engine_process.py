@@ -21,6 +21,7 @@ from inference_helpers import make_engine, run_all
 from tessera.common.checkpoint import resolve_checkpoint
 from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.engine.cpu_threads import plan_threads
 from tessera.inference.engine.metrics import ServingMetrics
 from tessera.inference.engine.process_client import ProcessEngine
 from tessera.inference.entrypoints.server import OpenAIServer, ServerLimits
@@ -32,7 +33,7 @@ class ProcessServer:
     def __init__(self, ckpt, **engine_cfg):
         import uvicorn
 
-        self.engine = ProcessEngine.launch(str(ckpt), EngineConfig(**engine_cfg), torch_threads=1)
+        self.engine = ProcessEngine.launch(str(ckpt), EngineConfig(**engine_cfg), plan_threads([], explicit=1))
         self.engine.metrics = ServingMetrics("tiny")
         limits = ServerLimits(max_prompt_tokens=64, max_tokens=200, max_prompts=4)
         app = OpenAIServer(self.engine, "tiny", limits, self.engine.metrics).build_app()

@@ -17,7 +17,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from inference_helpers import make_engine
+from inference_helpers import assert_alive_and_drained, make_engine
 
 from tessera.inference.engine.frontend import AsyncEngine
 from tessera.inference.entrypoints.grammar_check import PROCESSES
@@ -187,13 +187,7 @@ def test_fuzzed_grammars_schemas_and_regexes_never_get_a_5xx_kill_a_process_or_g
         counts = {s: statuses.count(s) for s in sorted(set(statuses))}
         print(f"\n{len(statuses)} requests in {took:.1f} s, statuses {counts}, server RSS growth "
               f"{growth / 2**20:.0f} MiB")
-        assert frontend.healthy and client.get("/health").status_code == 200
-        ok = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4, "temperature": 1.0})
-        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
-        deadline = time.monotonic() + 30
-        while (engine.blocks.num_used or frontend.num_active()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine.blocks.num_used == 0 and frontend.num_active() == 0
+        assert_alive_and_drained(client, frontend, engine)
     assert growth < RSS_BOUND, growth
     # Both kinds of answer are common: the fuzzer reached the engine, not only the validators.
     assert statuses.count(200) >= 60 and statuses.count(400) >= 60, counts

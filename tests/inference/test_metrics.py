@@ -31,6 +31,27 @@ VLLM_METRICS = {
 }
 
 
+# Every series the panels of vLLM's Grafana dashboard query (examples/observability/
+# prometheus_grafana/grafana.json in vLLM: the metric names in its panels' PromQL expressions).
+DASHBOARD_SERIES = [
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count",  # E2E Request Latency
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total",  # Token Throughput
+    "vllm:inter_token_latency_seconds_bucket", "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",  # Inter Token Latency
+    "vllm:num_requests_running", "vllm:num_requests_waiting",  # Scheduler State
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",  # Time To First Token Latency
+    "vllm:kv_cache_usage_perc",  # Cache Utilization
+    "vllm:request_prompt_tokens_bucket",  # Request Prompt Length
+    "vllm:request_generation_tokens_bucket",  # Request Generation Length
+    "vllm:request_success_total",  # Finish Reason
+    "vllm:request_queue_time_seconds_sum",  # Queue Time
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",  # Prefill and Decode Time
+    "vllm:request_max_num_generation_tokens_sum",  # Max Generation Token in Sequence Group
+]
+
+
 def scrape(url: str) -> dict:
     text = httpx.get(url + "/metrics", timeout=10).text
     return {f.name: f for f in text_string_to_metric_families(text)}
@@ -78,6 +99,29 @@ def test_metrics_have_vllm_names_types_labels_and_the_requests_numbers(tiny_ckpt
     assert sample(after, "vllm:iteration_tokens_total", "_sum") == prompt + generated - 3
     assert sample(after, "vllm:request_decode_time_seconds", "_sum") <= sample(
         after, "vllm:request_inference_time_seconds", "_sum")
+
+
+def test_every_dashboard_panel_has_its_series_and_no_created_series_are_exposed(tiny_ckpt):
+    server = LiveServer(tiny_ckpt, block_size=8, num_kv_blocks=128)
+    try:
+        for body in ({"prompt": ["import os", "class A:"], "n": 2, "max_tokens": 5},  # 2 groups of 2 choices
+                     {"prompt": "def f(x):", "max_tokens": 3}):
+            r = httpx.post(server.url + "/v1/completions", json={**body, "ignore_eos": True, "temperature": 0},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+        assert server.wait_idle()
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+    finally:
+        server.stop()
+    samples = {s.name for f in text_string_to_metric_families(text) for s in f.samples
+               if s.labels.get("model_name") == "tiny"}
+    assert [name for name in DASHBOARD_SERIES if name not in samples] == []
+    assert [line for line in text.splitlines() if "_created" in line] == []
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["vllm:request_max_num_generation_tokens"].type == "histogram"
+    # One observation per prompt, not per choice: the longest of its choices.
+    assert sample(families, "vllm:request_max_num_generation_tokens", "_count") == 3
+    assert sample(families, "vllm:request_max_num_generation_tokens", "_sum") == 5 + 5 + 3
 
 
 def test_the_metrics_prefix_is_configurable_and_checked(tiny_ckpt):

@@ -12,12 +12,11 @@ out-of-range numbers (NaN, inf, 1e-45, 2**70), booleans and strings where number
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from inference_helpers import make_engine
+from inference_helpers import assert_alive_and_drained, make_engine
 
 from tessera.inference.engine.frontend import AsyncEngine
 from tessera.inference.entrypoints.server import OpenAIServer, ServerLimits
@@ -131,13 +130,7 @@ def test_fuzzed_requests_never_get_a_5xx_and_never_kill_the_engine(tiny_ckpt):
 
         completions()
         chat()
-        assert frontend.healthy and client.get("/health").status_code == 200
-        ok = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4, "temperature": 1.0})
-        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
-        deadline = time.monotonic() + 30
-        while (engine.blocks.num_used or frontend.num_active()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine.blocks.num_used == 0 and frontend.num_active() == 0
+        assert_alive_and_drained(client, frontend, engine)
     assert len(statuses) >= 1000
     # The fuzzer reached the engine, not only the validator (both kinds of answer are common).
     assert statuses.count(200) >= 150 and statuses.count(400) >= 150, {s: statuses.count(s) for s in set(statuses)}

@@ -225,8 +225,8 @@ def test_the_engine_process_loop_isolates_a_failing_request(tiny_ckpt):
     ends with RequestFailed in the HTTP process, the other finishes, the engine stays up."""
     from multiprocessing.connection import Connection
 
+    from tessera.inference.engine import core_process as engine_core
     from tessera.inference.engine.frontend import RequestFailed
-    from tessera.inference.engine.llm_engine import core_process as engine_core
     from tessera.inference.engine.process_client import ProcessEngine
 
     engine = make_engine(tiny_ckpt, num_kv_blocks=64)

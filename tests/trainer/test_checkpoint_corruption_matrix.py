@@ -15,11 +15,13 @@ The shard and mixture halves are in test_corruption_matrix.py.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import train_two_steps
 
@@ -87,9 +89,129 @@ def pointer_to_missing_iteration(ckpt: Path) -> str:
     return POINTER
 
 
+# ---- what the sidecar or the index says, against the files and the config (issues 28 and 35) ----
+# The damage below keeps every checksum the sidecar lists valid (recomputed where a file changed),
+# as an attacker who controls every file, or a tool that re-signs what it rewrote, would leave it.
+Q_PROJ = "model.layers.0.attn.q_proj.weight"
+
+
+def _edit_sidecar(ckpt: Path, edit: Callable[[dict], None]) -> None:
+    sidecar = json.loads((ckpt / SIDECAR).read_text())
+    edit(sidecar)
+    (ckpt / SIDECAR).write_text(json.dumps(sidecar))
+
+
+def _rewrite_payload(ckpt: Path, edit: Callable[[dict], None]) -> None:
+    """The whole DCP payload saved again with `edit` applied to its tensors, checksums recomputed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from tessera.common.checkpoint import (
+        checkpoint_files,
+        finalize_checkpoint,
+        read_sidecar,
+        single_process_dcp,
+    )
+    from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
+
+    index = read_dcp_metadata(ckpt).state_dict_metadata
+    state = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in index.items()
+             if isinstance(md, TensorStorageMetadata)}
+    assert len(state) == len(index)  # the trainer stores tensors only
+    sidecar = read_sidecar(ckpt)
+    with single_process_dcp():
+        dcp_load(state, ckpt, no_dist=True)
+        for path in checkpoint_files(ckpt):
+            path.unlink()
+        edit(state)
+        dcp.save(state, checkpoint_id=str(ckpt), no_dist=True)
+    finalize_checkpoint(ckpt, sidecar)
+
+
+def _edit_index(ckpt: Path, key: str, shape: tuple[int, ...]) -> None:
+    """`.metadata` claiming another shape for one (single-chunk) tensor, its checksum recomputed."""
+    from tessera.common.fileio import file_digest
+    from tessera.common.safe_dcp import read_dcp_metadata
+
+    metadata = read_dcp_metadata(ckpt)
+    entry = metadata.state_dict_metadata[key]
+    entry.size = entry.chunks[0].sizes = torch.Size(shape)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    _edit_sidecar(ckpt, lambda s: s["checksums"].update(
+        {".metadata": file_digest(ckpt / ".metadata", s["checksum_algorithm"])}))
+
+
+def unlisted_payload_flipped(ckpt: Path) -> str:
+    """28.1: a payload file the sidecar's checksums do not list, with a flipped byte."""
+    name = payload_byte_flip(ckpt)
+    _edit_sidecar(ckpt, lambda s: s["checksums"].pop(name))
+    return name
+
+
+def empty_checksum_table(ckpt: Path) -> str:
+    _edit_sidecar(ckpt, lambda s: s.update(checksums={}))
+    return SIDECAR
+
+
+def sidecar_lists_a_missing_file(ckpt: Path) -> str:
+    """A wrong count: the sidecar lists one payload file more than the directory holds."""
+    _edit_sidecar(ckpt, lambda s: s["checksums"].update({"__9_0.distcp": "0" * 32}))
+    return "__9_0.distcp"
+
+
+def q_proj_stored_as_int32(ckpt: Path) -> str:
+    """35.7: a model tensor stored in a dtype the format does not allow (the index says so)."""
+    _rewrite_payload(ckpt, lambda state: state.update({Q_PROJ: (state[Q_PROJ] * 100).to(torch.int32)}))
+    return ".metadata"
+
+
+def extra_model_tensor(ckpt: Path) -> str:
+    _rewrite_payload(ckpt, lambda state: state.update({"model.extra.weight": torch.zeros(4, 4)}))
+    return ".metadata"
+
+
+def index_claims_huge_embedding(ckpt: Path) -> str:
+    """35.6: the index claims a (10^6, 10^6) embedding (4 TB) over its kilobyte entry."""
+    _edit_index(ckpt, "model.embed_tokens.weight", (10**6, 10**6))
+    return ".metadata"
+
+
+def index_shape_disagrees_with_config(ckpt: Path) -> str:
+    """A header field (a shape) that fits its entry but not the sidecar's model config."""
+    from tessera.common.safe_dcp import read_dcp_metadata
+
+    rows, cols = read_dcp_metadata(ckpt).state_dict_metadata[Q_PROJ].size
+    _edit_index(ckpt, Q_PROJ, (rows, cols // 2))
+    return ".metadata"
+
+
+def sidecar_claims_100k_layers(ckpt: Path) -> str:
+    """35.6: a sidecar whose model would take gigabytes to even describe."""
+    _edit_sidecar(ckpt, lambda s: s["model"].update(num_layers=100_000))
+    return SIDECAR
+
+
+def sidecar_layer_count_wrong(ckpt: Path) -> str:
+    """A wrong count: one layer more in the sidecar than stored (the line names the directory)."""
+    _edit_sidecar(ckpt, lambda s: s["model"].update(num_layers=s["model"]["num_layers"] + 1))
+    return ckpt.name
+
+
+def tokenizer_larger_than_model(ckpt: Path) -> str:
+    """28.4: the checkpoint's tokenizer has more tokens (512) than the model's vocabulary (384)."""
+    from trainer_fixtures import stdlib_documents, train_tokenizer
+
+    shutil.rmtree(ckpt / "tokenizer")
+    train_tokenizer(ckpt / "tokenizer", stdlib_documents(), vocab_size=512)
+    return "tokenizer"
+
+
 CORRUPTIONS: list[Callable[[Path], str]] = [
     payload_byte_flip, truncated_payload, deleted_payload, sidecar_model_edited, sidecar_not_json,
     metadata_truncated, metadata_garbage, pointer_to_missing_iteration,
+    unlisted_payload_flipped, empty_checksum_table, sidecar_lists_a_missing_file, q_proj_stored_as_int32,
+    extra_model_tensor, index_claims_huge_embedding, index_shape_disagrees_with_config, sidecar_claims_100k_layers,
+    sidecar_layer_count_wrong, tokenizer_larger_than_model,
 ]
 READERS = ["ckpt info", "ckpt verify", "ckpt export", "ckpt reshard", "train --resume", "train init_from",
            "generate", "serve"]
@@ -98,6 +220,9 @@ READERS = ["ckpt info", "ckpt verify", "ckpt export", "ckpt reshard", "train --r
 NOT_READ = {
     ("payload_byte_flip", "ckpt info"): "info summarises the sidecar and the DCP index; it reads no payload "
                                         "bytes (verify does: `tessera-ckpt verify` is the integrity check)",
+    ("tokenizer_larger_than_model", "ckpt info"): "info reads no tokenizer",
+    ("tokenizer_larger_than_model", "train --resume"): "training reads data.tokenizer, not the checkpoint's copy",
+    ("tokenizer_larger_than_model", "train init_from"): "training reads data.tokenizer, not the checkpoint's copy",
 }
 
 
@@ -188,6 +313,9 @@ def test_every_checkpoint_corruption_is_refused_by_every_reader(corruption, read
     command = _command(reader, trained[0], run, out, pointer=corruption is pointer_to_missing_iteration)
     capsys.readouterr()
     if (corruption.__name__, reader) in NOT_READ:
+        private = tmp_path / "private"  # a reader that succeeds may write (a resumed run saves)
+        shutil.copytree(run, private)
+        command = _command(reader, trained[0], private, out, pointer=corruption is pointer_to_missing_iteration)
         with pytest.raises(SystemExit) as exc:
             command()
         assert exc.value.code == 0, capsys.readouterr().err[-2000:]

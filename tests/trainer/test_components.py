@@ -18,8 +18,8 @@ from tessera.common.models.causal_lm.model import build_model
 from tessera.trainer.config import OptimConfig, ScheduleConfig, TrainConfig
 from tessera.trainer.data import MicroBatchPlan, MixtureBatches
 from tessera.trainer.observability.metrics import gpu_peak_tflops
-from tessera.trainer.optim import build_optimizer, decay_groups
-from tessera.trainer.schedule import LRSchedule
+from tessera.trainer.optimizer.optim import build_optimizer, decay_groups
+from tessera.trainer.optimizer.schedule import LRSchedule
 
 OPT = OptimConfig(lr=1.0, min_lr=0.1)
 

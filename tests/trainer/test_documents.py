@@ -30,7 +30,7 @@ from tessera.trainer.data import MixtureBatches
 from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
 from tessera.trainer.inputs import check_inputs
 from tessera.trainer.model_setup import prepare_model
-from tessera.trainer.optim import build_optimizer
+from tessera.trainer.optimizer.optim import build_optimizer
 from tessera.trainer.precision.mixed import Precision
 from tessera.trainer.step import TrainStep
 

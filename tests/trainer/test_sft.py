@@ -22,7 +22,7 @@ from tessera.trainer.cli import main
 from tessera.trainer.config import OptimConfig
 from tessera.trainer.data import MixtureBatches
 from tessera.trainer.documents import DocumentMasking
-from tessera.trainer.optim import build_optimizer
+from tessera.trainer.optimizer.optim import build_optimizer
 from tessera.trainer.precision.mixed import Precision
 from tessera.trainer.step import TrainStep
 

@@ -13,7 +13,7 @@ from tessera.trainer.config import OptimConfig
 from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss, logsumexp_cross_entropy
 from tessera.trainer.model_setup import prepare_model
 from tessera.trainer.observability.host_memory import retain_freed_memory
-from tessera.trainer.optim import build_optimizer
+from tessera.trainer.optimizer.optim import build_optimizer
 from tessera.trainer.precision.mixed import Precision
 from tessera.trainer.step import TrainStep
 

@@ -108,9 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive(name: str, value: int) -> int:
+def _positive(name: str, value: int, most: int | None = None) -> int:
     if value < 1:
         raise UserError(f"{name} {value}: must be a positive integer")
+    if most is not None and value > most:
+        raise UserError(f"{name} {value}: must be at most {most}")
     return value
 
 
@@ -118,7 +120,7 @@ def run(argv: list[str] | None = None) -> int:
     """The CLI body; raises UserError for bad input (tests call this directly)."""
     args = build_parser().parse_args(argv)
     if args.verb == "export" and args.format == "hf":
-        from tessera.ckpt_convert.export_hf import ExportOptions, export_hf
+        from tessera.ckpt_convert.exporters.hf import ExportOptions, export_hf
 
         if args.tensor_parallel != 1 or args.pipeline_parallel != 1:
             raise UserError("--tensor-parallel/--pipeline-parallel apply to --format trtllm only; "
@@ -128,7 +130,7 @@ def run(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite, quiet=args.quiet, sync=args.sync))
         print(out)
     elif args.verb == "export" and args.format == "megatron":
-        from tessera.ckpt_convert.export_megatron import export_megatron
+        from tessera.ckpt_convert.exporters.megatron import export_megatron
 
         if args.pipeline_parallel != 1:
             raise UserError("--pipeline-parallel: a torch_dist checkpoint holds global tensors that load at any "
@@ -137,7 +139,7 @@ def run(argv: list[str] | None = None) -> int:
                               dtype=parse_dtype(args.dtype), overwrite=args.overwrite, quiet=args.quiet, sync=args.sync)
         print(out)
     elif args.verb == "export":
-        from tessera.ckpt_convert.export_trtllm import TrtllmOptions, export_trtllm
+        from tessera.ckpt_convert.exporters.trtllm import TrtllmOptions, export_trtllm
 
         out = export_trtllm(args.checkpoint, args.output, TrtllmOptions(
             tp=_positive("--tensor-parallel", args.tensor_parallel),
@@ -158,7 +160,7 @@ def run(argv: list[str] | None = None) -> int:
                       sync=args.sync)
         print(out)
     elif args.verb == "import" and args.format == "megatron":
-        from tessera.ckpt_convert.import_megatron import import_megatron
+        from tessera.ckpt_convert.importers.megatron import import_megatron
 
         if args.model_config is None:
             raise UserError("--format megatron needs --model-config FILE (the model the checkpoint holds)")
@@ -166,13 +168,14 @@ def run(argv: list[str] | None = None) -> int:
                               overwrite=args.overwrite, quiet=args.quiet, sync=args.sync)
         print(out)
     elif args.verb == "import":
-        from tessera.ckpt_convert.import_hf import import_hf
+        from tessera.ckpt_convert.importers.hf import import_hf
+        from tessera.common.models.causal_lm.config import MAX_VOCAB_MULTIPLE
 
         if args.model_config is not None or args.tokenizer is not None:
             raise UserError("--model-config/--tokenizer apply to --format megatron; an HF directory has both")
 
-        out = import_hf(args.input, args.output, dtype=parse_dtype(args.dtype),
-                        vocab_size_divisible_by=_positive("--vocab-size-divisible-by", args.vocab_size_divisible_by),
+        multiple = _positive("--vocab-size-divisible-by", args.vocab_size_divisible_by, MAX_VOCAB_MULTIPLE)
+        out = import_hf(args.input, args.output, dtype=parse_dtype(args.dtype), vocab_size_divisible_by=multiple,
                         overwrite=args.overwrite, quiet=args.quiet, sync=args.sync)
         print(out)
     elif args.verb == "verify":

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tessera.ckpt_convert.dcp_writer import Chunk, ShardedDcpWriter, whole
-from tessera.ckpt_convert.export_hf import expected_model_shapes
+from tessera.ckpt_convert.exporters.hf import expected_model_shapes
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.partition import match_param, model_chunks, state_chunks
 from tessera.ckpt_convert.progress import Progress
@@ -45,14 +45,7 @@ def plan(src: CheckpointSource, layout: ParallelLayout,
     vocabulary)."""
     cfg = src.sidecar.model
     target = target or cfg
-    expected = expected_model_shapes(cfg)
-    for name, shape in expected.items():
-        have = src.model_specs.get(name)
-        if have is None:
-            raise UserError(f"{src.directory}: model tensor {name!r} missing; run `tessera-ckpt verify`")
-        if have.shape != shape:
-            raise UserError(f"{src.directory}: model tensor {name!r} has shape {list(have.shape)}, "
-                            f"the sidecar's model config implies {list(shape)}")
+    expected = expected_model_shapes(cfg)  # the stored ones match it: CheckpointSource checked them
     out: dict[str, list[Chunk]] = {}
     resize: dict[str, int] = {}
 
@@ -90,6 +83,7 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
     # Megatron re-pads the vocabulary for each tensor-parallel size; here the rows are kept wherever
     # the new size divides them (a checkpoint stays layout-free) and re-padded when it does not.
     check_convertible(src.sidecar.model, "reshard")
+    src.tokenizer()  # copied into the output: refused here if it does not fit the model
     target_cfg = src.sidecar.model.refit_for(layout.tensor)
     validate_layout(target_cfg, layout)  # the trainer's check, without its batch and world-size parts
     layout = layout.resolved(target_cfg.num_layers)

@@ -24,7 +24,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tessera.ckpt_convert.mapped import RangeReader, aligned, load_saved_tensor
 from tessera.common.checkpoint import (
     MODEL_PREFIX,
+    SIDECAR,
     CheckpointSidecar,
+    check_checkpoint,
+    check_extents,
+    check_payload_listed,
     checkpoint_tokenizer_dir,
     metadata_digest,
     read_sidecar,
@@ -33,7 +37,8 @@ from tessera.common.checkpoint import (
 )
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import artifact_path, file_digest
-from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
+from tessera.common.safe_dcp import dcp_load
+from tessera.common.tokenizer import Tokenizer, check_tokenizer_fits, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -54,11 +59,12 @@ class CheckpointSource:
     def __init__(self, path: str | os.PathLike):
         self.directory: Path = resolve_checkpoint(path)
         self.sidecar: CheckpointSidecar = read_sidecar(self.directory)
+        # Before any verb sizes anything from it: every file listed for checking, the index sane and
+        # inside its files, the model tensors those of the sidecar's config (no payload byte read).
+        check_payload_listed(self.directory, self.sidecar)
+        self.metadata: Any = check_checkpoint(self.directory, self.sidecar)
 
     # ---- the DCP index -------------------------------------------------------------------
-    @cached_property
-    def metadata(self) -> Any:
-        return read_dcp_metadata(self.directory, metadata_digest(self.directory))
 
     @cached_property
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -87,6 +93,15 @@ class CheckpointSource:
         d = checkpoint_tokenizer_dir(self.directory)
         return d if (d / "tokenizer.json").is_file() else None
 
+    def tokenizer(self) -> Tokenizer | None:
+        """The checkpoint's tokenizer, refused when it has more tokens than the model's vocabulary
+        (the check serving makes, made by every verb that reads or copies it)."""
+        if self.tokenizer_dir is None:
+            return None
+        tok = load_tokenizer(self.tokenizer_dir)
+        check_tokenizer_fits(tok, self.sidecar.model.vocab_size, str(self.directory / SIDECAR))
+        return tok
+
     def check_integrity(self) -> None:
         """Every indexed item lies inside its file and every payload file matches its checksum."""
         with self.checksum_check() as check:
@@ -104,16 +119,7 @@ class CheckpointSource:
 
     def check_extents(self) -> None:
         """Every payload file .metadata names exists and holds its items' bytes (stat only, no reading)."""
-        sizes: dict[str, int] = {}
-        for index, info in (self.metadata.storage_data or {}).items():
-            path = self.directory / info.relative_path
-            if info.relative_path not in sizes:
-                if not path.is_file():
-                    raise ArtifactError(f"{path}: checkpoint file missing (listed in .metadata)")
-                sizes[info.relative_path] = path.stat().st_size
-            if info.offset + info.length > sizes[info.relative_path]:
-                raise ArtifactError(f"{path}: truncated ({index.fqn} ends at byte {info.offset + info.length}, "
-                                    f"the file has {sizes[info.relative_path]})")
+        check_extents(self.directory, self.metadata)
 
     # ---- reading ---------------------------------------------------------------------------
     def load(self, keys: list[str], raw: bool = False) -> dict[str, torch.Tensor]:

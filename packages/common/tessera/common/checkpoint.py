@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tessera.common import __version__
@@ -44,7 +44,7 @@ from tessera.common.fileio import (
     read_json,
 )
 from tessera.common.layout import ParallelLayout
-from tessera.common.models.registry import DEFAULT_KIND, model_config, model_kind
+from tessera.common.models.registry import DEFAULT_KIND, kind_of, model_config, model_kind
 from tessera.common.safe_dcp import METADATA_FILE, dcp_load, read_dcp_metadata
 
 CHECKPOINT_FORMAT = "tessera-checkpoint"
@@ -209,12 +209,34 @@ def read_sidecar(directory: str | os.PathLike) -> CheckpointSidecar:
         model_kind(model.get("kind", DEFAULT_KIND), f"{directory / SIDECAR}: model.kind", ArtifactError)
     try:
         sidecar = CheckpointSidecar.model_validate(data)
-    except Exception as exc:
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ArtifactError(f"{directory / SIDECAR}: invalid sidecar: field {'.'.join(map(str, err['loc']))}: "
+                            f"{err['msg']}") from None
+    except Exception as exc:  # e.g. the kind's own refusal of a model that is not a mapping
         raise ArtifactError(f"{directory / SIDECAR}: invalid sidecar ({str(exc).splitlines()[0]})") from None
     if sidecar.checksum_algorithm not in CHECKSUM_ALGORITHMS:
         raise ArtifactError(f"{directory / SIDECAR}: checksum_algorithm {sidecar.checksum_algorithm!r} is not "
                             f"supported (known: {', '.join(CHECKSUM_ALGORITHMS)}); upgrade Tessera")
     return sidecar
+
+
+def check_payload_listed(directory: str | os.PathLike, sidecar: CheckpointSidecar) -> None:
+    """The sidecar's checksums list exactly the checkpoint's files (a save lists every file it
+    wrote: finalize_checkpoint), and the table is not empty: no payload file goes unchecked."""
+    directory = Path(directory)
+    if not sidecar.checksums:
+        raise ArtifactError(f"{directory / SIDECAR}: records no checksums, so its payload cannot be checked; "
+                            "refusing the checkpoint (it was not written by a Tessera save, or was edited)")
+    files = checkpoint_files(directory)
+    missing = sorted(set(sidecar.checksums) - {p.name for p in files})
+    if missing:
+        raise ArtifactError(f"{directory / missing[0]}: checkpoint file missing (listed in the sidecar's checksums)")
+    unlisted = [p.name for p in files if p.name not in sidecar.checksums]
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        raise ArtifactError(f"{directory / unlisted[0]}: not listed in the sidecar's checksums{more}, so it "
+                            "cannot be checked; the checkpoint was altered after it was saved (use the original)")
 
 
 def verify_checksums(directory: str | os.PathLike, sidecar: CheckpointSidecar | None = None,
@@ -231,6 +253,7 @@ def verify_checksums(directory: str | os.PathLike, sidecar: CheckpointSidecar | 
     if sidecar.checksum_algorithm not in CHECKSUM_ALGORITHMS:
         raise ArtifactError(f"{directory / SIDECAR}: checksum_algorithm {sidecar.checksum_algorithm!r} is not "
                             f"supported (known: {', '.join(CHECKSUM_ALGORITHMS)})")
+    check_payload_listed(directory, sidecar)
     index, count = share
     mine = sorted(sidecar.checksums.items())[index::count]
     for name, _ in mine:
@@ -257,14 +280,74 @@ def single_process_dcp() -> Iterator[None]:
 
 def model_tensor_specs(directory: str | os.PathLike) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Name (without the `model.` prefix) -> (global shape, dtype) of every stored model tensor."""
+    return _model_specs(read_dcp_metadata(Path(directory), metadata_digest(directory)))
+
+
+def check_extents(directory: str | os.PathLike, metadata: Any) -> None:
+    """Every payload file the DCP index names exists and holds its entries' bytes (stat only)."""
+    directory = Path(directory)
+    sizes: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        path = directory / info.relative_path
+        if info.relative_path not in sizes:
+            if not path.is_file():
+                raise ArtifactError(f"{path}: checkpoint file missing (listed in .metadata)")
+            sizes[info.relative_path] = path.stat().st_size
+        if info.offset + info.length > sizes[info.relative_path]:
+            raise ArtifactError(f"{path}: truncated ({index.fqn} ends at byte {info.offset + info.length}, "
+                                f"the file has {sizes[info.relative_path]})")
+
+
+def check_model_tensors(directory: str | os.PathLike, cfg: Any, metadata: Any) -> None:
+    """The stored model tensors are exactly those of the model `cfg` describes (its kind's
+    tensor_shapes): each one present with its shape and a float dtype weights may have
+    (WEIGHT_DTYPES), none missing, none extra. Compared on the DCP index alone, before any tensor
+    is allocated or read."""
+    from tessera.common.hf.rules import WEIGHT_DTYPES
+
+    where = Path(directory) / METADATA_FILE
+    kind = kind_of(cfg)
+    if kind.tensor_shapes is None:
+        return  # a kind no stage reads yet: each stage refuses it by name before reading a tensor
+    stored = _model_specs(metadata)
+    names = [str(d).removeprefix("torch.") for d in WEIGHT_DTYPES]
+    allowed = f"{', '.join(names[:-1])} or {names[-1]}"
+    expected = kind.tensor_shapes(cfg)
+    for name, shape in expected.items():
+        if name not in stored:
+            raise ArtifactError(f"{where}: model tensor {name!r} missing (the sidecar's model config has it)")
+        have, dtype = stored[name]
+        if tuple(have) != shape:
+            raise ArtifactError(f"{where}: model tensor {name!r} has shape {list(have)}, the sidecar's model "
+                                f"config implies {list(shape)}")
+        if dtype not in WEIGHT_DTYPES:
+            raise ArtifactError(f"{where}: model tensor {name!r} is stored as {str(dtype).removeprefix('torch.')}; "
+                                f"model weights must be {allowed}")
+    unknown = sorted(set(stored) - set(expected))
+    if unknown:
+        raise ArtifactError(f"{where}: model tensor {unknown[0]!r} is not part of the sidecar's model config "
+                            f"({len(unknown)} such); the index and the sidecar do not belong together")
+
+
+def check_checkpoint(directory: str | os.PathLike, sidecar: CheckpointSidecar | None = None) -> Any:
+    """What every reader checks before allocating anything from a checkpoint (no payload byte is
+    read): the DCP index is well formed and sized within its entries (safe_dcp), every entry lies
+    inside its file, and the model tensors match the sidecar's model config. Returns the index.
+    Checksums are separate (verify_checksums, or a converter's background check)."""
+    directory = Path(directory)
+    sidecar = sidecar or read_sidecar(directory)
+    metadata = read_dcp_metadata(directory, metadata_digest(directory))
+    check_extents(directory, metadata)
+    check_model_tensors(directory, sidecar.model, metadata)
+    return metadata
+
+
+def _model_specs(metadata: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = read_dcp_metadata(Path(directory), metadata_digest(directory))
-    specs = {}
-    for key, md in meta.state_dict_metadata.items():
-        if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata):
-            specs[key[len(MODEL_PREFIX):]] = (md.size, md.properties.dtype)
-    return specs
+    return {key[len(MODEL_PREFIX):]: (md.size, md.properties.dtype)
+            for key, md in metadata.state_dict_metadata.items()
+            if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}
 
 
 def load_model_tensors(directory: str | os.PathLike, names: list[str] | None = None) -> dict[str, torch.Tensor]:

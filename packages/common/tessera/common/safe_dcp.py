@@ -24,6 +24,7 @@ DCP's reader would still unpickle if called directly; a restricted unpickler pro
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from pathlib import Path
 from typing import Any
@@ -113,11 +114,65 @@ def read_dcp_metadata(directory: str | Path, expected_digest: tuple[str, str] | 
 
     if not isinstance(metadata, Metadata):
         raise ArtifactError(f"{path}: not a DCP index (holds {type(metadata).__name__})")
+    check_index_sizes(path, metadata)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     for info in (getattr(metadata, "storage_data", None) or {}).values():  # the payload files DCP will open
         artifact_path(directory, str(getattr(info, "relative_path", "")))
     return metadata
+
+
+def _dims(value: Any) -> tuple[int, ...] | None:
+    """`value` as a shape (a sequence of non-negative ints), or None when it is not one."""
+    if not isinstance(value, (tuple, list)) or not all(type(d) is int and d >= 0 for d in value):
+        return None
+    return tuple(value)
+
+
+def check_index_sizes(path: Path, metadata: Any) -> None:
+    """Before anything is sized from the index: every tensor's shape, dtype and chunks are well
+    formed, each chunk lies inside its tensor, and each chunk's stored entry is at least as long as
+    the chunk's bytes. So an index claiming a terabyte tensor over a kilobyte entry (checksums
+    recomputed to match) is refused here, one line naming the tensor, before a reader allocates it.
+    Entries stored with a DCP transform (compression) are not bounded by their length; Tessera
+    writes none."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    def refuse(key: str, what: str) -> None:
+        raise ArtifactError(f"{path}: {key!r}: {what}; the DCP index is corrupt or was forged, do not use this "
+                            "checkpoint")
+
+    entries = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise ArtifactError(f"{path}: not a DCP index (no tensor table or storage table)")
+    for key, md in entries.items():
+        if isinstance(md, BytesStorageMetadata):
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            refuse(str(key), f"holds a {type(md).__name__}, not a tensor or bytes entry")
+        shape = _dims(md.size)
+        dtype = getattr(md.properties, "dtype", None)
+        if shape is None or not isinstance(dtype, torch.dtype) or not isinstance(md.chunks, list):
+            refuse(key, "malformed tensor entry (shape, dtype or chunk list)")
+        for chunk in md.chunks:
+            offsets, sizes = _dims(getattr(chunk, "offsets", None)), _dims(getattr(chunk, "sizes", None))
+            if offsets is None or sizes is None or not len(offsets) == len(sizes) == len(shape) \
+                    or any(o + n > d for o, n, d in zip(offsets, sizes, shape)):
+                refuse(key, f"a chunk lies outside its shape {list(shape)}")
+            info = storage.get(MetadataIndex(key, offsets))
+            length = getattr(info, "length", None)
+            if type(length) is not int or type(getattr(info, "offset", None)) is not int or length < 0 \
+                    or info.offset < 0:
+                refuse(key, f"no valid storage entry for its chunk at {list(offsets)}")
+            needed = math.prod(sizes) * dtype.itemsize
+            if not getattr(info, "transform_descriptors", None) and length < needed:
+                refuse(key, f"shape {list(shape)} ({str(dtype).removeprefix('torch.')}) needs {needed} bytes "
+                            f"for a chunk whose stored entry has {length}")
 
 
 def _reader_class() -> type:

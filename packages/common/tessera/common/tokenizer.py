@@ -144,3 +144,12 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
             raise ArtifactError(f"{template_path}: not UTF-8 text; a chat template is a Jinja text file") from None
     return Tokenizer(directory=directory, backend=backend, fingerprint=fingerprint, config=config,
                      chat_template_file=template)
+
+
+def check_tokenizer_fits(tokenizer: Tokenizer, vocab_size: int, model: str) -> None:
+    """The tokenizer's ids all index the model's vocabulary (`vocab_size`, stated by `model`: the file
+    that says it); ids past it would index rows the model does not have. Every reader that pairs a
+    tokenizer with a model checks this: import, verify, export, serving."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ArtifactError(f"{tokenizer.directory}: tokenizer has {tokenizer.vocab_size} tokens but the model "
+                            f"({model}) only {vocab_size}; they do not belong together")

@@ -10,7 +10,6 @@ split wrap around (another epoch over the mixture, in the same order).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -101,13 +100,3 @@ class MixtureBatches:
     def micro_batches(self, plan: MicroBatchPlan, consumed_samples: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for ids in plan.sample_ids(consumed_samples):
             yield self.batch(ids)
-
-
-@dataclass
-class RunData:
-    """The splits a run reads (tessera.trainer.trainer.open_data): train; valid and test when it
-    evaluates, test only when the mixture has samples in it (evaluated once, at the end)."""
-
-    train: MixtureBatches
-    valid: MixtureBatches | None = None
-    test: MixtureBatches | None = None

@@ -32,7 +32,7 @@ from tessera.trainer.config import OptimConfig, TrainingConfig
 from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.kinds import trainer_kind
 from tessera.trainer.model_setup import prepare_model
-from tessera.trainer.optim import build_optimizer, set_lr
+from tessera.trainer.optimizer.optim import build_optimizer, set_lr
 from tessera.trainer.precision.float8 import float8_backend
 from tessera.trainer.precision.mixed import Precision
 

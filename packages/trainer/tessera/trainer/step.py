@@ -30,17 +30,9 @@ from torch import nn
 
 from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss, logsumexp_cross_entropy
+from tessera.trainer.optimizer.clip import clip_grad_norm
 from tessera.trainer.precision.mixed import Precision
 
-
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Scale gradients so their global norm is at most max_norm (0 = no clipping); return the norm before
-    (logged even when clipping is off). torch's clip_grad_norm_ takes the norm over all gradients at
-    once with foreach kernels; a parallel layout's optimizer adds the reductions its sharding needs."""
-    grads = [p for p in params if p.grad is not None]
-    if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
-    return torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
 
 class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,

@@ -6,7 +6,7 @@ and the machine (one line, exit 2). `Trainer.__init__` then builds
     engine       model, optimizer, precision and step for the layout (training, parallel, optim):
                  `LocalEngine` for one plain process, `ParallelEngine` (tessera.trainer.parallel) else
     schedule     the learning rate per step (schedule, optim)
-    data         the train, valid and test batches of the mixture (data, training): open_data
+    data         the train, valid and test batches of the mixture (data, training)
     sink         console, metrics.jsonl, TensorBoard, trackers (logging)
     checkpoints  the checkpoint manager over the engine's stateful components (checkpoint)
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,14 +31,15 @@ from tessera.common.checkpoint import CheckpointSidecar, read_sidecar
 from tessera.common.errors import RunError
 from tessera.common.faults import fault_point
 from tessera.common.fileio import atomic_write_text
-from tessera.common.mixture import MixtureSplit
+from tessera.common.mixture import MixtureManifest, MixtureSplit
 from tessera.common.models.registry import kind_of
 from tessera.trainer.checkpoint.manager import CheckpointManager
 from tessera.trainer.checkpoint.stateful import TrainState
 from tessera.trainer.checkpoint.storage import latest_checkpoint, remove_partial_saves
-from tessera.trainer.config import TrainConfig
-from tessera.trainer.data import MicroBatchPlan, MixtureBatches, RunData, global_batch_size_at
+from tessera.trainer.config import DataConfig, TrainConfig, TrainingConfig
+from tessera.trainer.data import MicroBatchPlan, MixtureBatches, global_batch_size_at
 from tessera.trainer.distributed import Runtime
+from tessera.trainer.documents import DocumentMasking
 from tessera.trainer.engine import Engine, LocalEngine
 from tessera.trainer.inputs import CheckedInputs
 from tessera.trainer.kinds import trainer_kind
@@ -51,12 +53,36 @@ from tessera.trainer.observability.metrics import (
 from tessera.trainer.observability.profiling import StepProfiler
 from tessera.trainer.observability.signals import StopRequest
 from tessera.trainer.observability.watchdog import StepWatchdog
+from tessera.trainer.optimizer.schedule import LRSchedule
 from tessera.trainer.parallel.engine import ParallelEngine
-from tessera.trainer.schedule import LRSchedule
 
 
 def eval_record(loss: float, split: str = "valid") -> dict[str, float]:
     return {f"{split}_loss": loss, f"{split}_ppl": math.exp(min(loss, 50.0))}
+
+
+@dataclass
+class RunData:
+    """The splits a run reads: train; valid and test when it evaluates (training.eval_interval or
+    eval_only), test only when the mixture has samples in it (evaluated once, at the end)."""
+
+    train: MixtureBatches
+    valid: MixtureBatches | None = None
+    test: MixtureBatches | None = None
+
+    @classmethod
+    def open(cls, data: DataConfig, training: TrainingConfig, manifest: MixtureManifest,
+             documents: DocumentMasking | None, batches: type[MixtureBatches] = MixtureBatches) -> RunData:
+        """Each split read through `batches`, the model kind's batch builder (tessera.trainer.kinds)."""
+        def split(name: str) -> MixtureBatches:
+            return batches(MixtureSplit(data.mixture, name, data.check_fingerprints), training.seq_length, documents)
+
+        evaluating = bool(training.eval_interval or training.eval_only)
+        train = split(data.train_split)
+        valid = split(data.valid_split) if evaluating and data.valid_split else None
+        test = manifest.splits.get(data.test_split) if data.test_split else None
+        return cls(train, valid, split(data.test_split) if evaluating and test is not None and test.num_samples > 0
+                   else None)
 
 
 def build_engine(cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime) -> Engine:
@@ -65,23 +91,6 @@ def build_engine(cfg: TrainConfig, inputs: CheckedInputs, runtime: Runtime) -> E
         return ParallelEngine(inputs.model, inputs.layout, cfg.training, cfg.parallel, cfg.optim, inputs.documents,
                               runtime.device)
     return LocalEngine(inputs.model, cfg.training, cfg.optim, inputs.documents, runtime.device)
-
-
-def open_data(cfg: TrainConfig, inputs: CheckedInputs) -> RunData:
-    """The mixture's splits through the model kind's batch builder: train; valid and test when the
-    run evaluates (training.eval_interval or eval_only), test only when it has samples."""
-    d, t = cfg.data, cfg.training
-    batches = trainer_kind(inputs.model).batches
-
-    def split(name: str) -> MixtureBatches:
-        return batches(MixtureSplit(d.mixture, name, d.check_fingerprints), t.seq_length, inputs.documents)
-
-    evaluating = bool(t.eval_interval or t.eval_only)
-    train = split(d.train_split)
-    valid = split(d.valid_split) if evaluating and d.valid_split else None
-    test = inputs.manifest.splits.get(d.test_split) if d.test_split else None
-    return RunData(train, valid, split(d.test_split) if evaluating and test is not None and test.num_samples > 0
-                   else None)
 
 
 class Trainer:
@@ -98,7 +107,8 @@ class Trainer:
                 retain_freed_memory()
         self.engine = engine if engine is not None else build_engine(cfg, inputs, runtime)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim, t.steps)
-        self.data = open_data(cfg, inputs)
+        self.data = RunData.open(cfg.data, t, inputs.manifest, inputs.documents,
+                                 trainer_kind(inputs.model).batches)  # the model kind's batch builder
         self.state = TrainState()
         self.sink = MetricsSink.for_run(cfg.logging, cfg.run_dir, cfg.model_dump(mode="json"), self.say,
                                         runtime.is_main)

@@ -100,7 +100,10 @@ class HFArchitecture:
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(map(str, err["loc"]))
-            raise ArtifactError(f"{source}: {'model ' + where + ': ' if where else ''}{err['msg']}") from None
+            # Name the config.json field too (its name differs from Tessera's: num_hidden_layers, n_layer).
+            keys = [k for k, v in data.items() if type(v) is type(err.get("input")) and v == err.get("input")]
+            field = f"field {keys[0]!r} = {data[keys[0]]!r}: " if len(keys) == 1 and where else ""
+            raise ArtifactError(f"{source}: {field}{'model ' + where + ': ' if where else ''}{err['msg']}") from None
 
     def config_fields(self, c: HFConfig) -> dict[str, Any]:
         """ModelConfig fields from config.json; refuses (c.fail / c.require) what the model lacks."""

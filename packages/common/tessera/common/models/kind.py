@@ -83,3 +83,8 @@ class ModelKind:
     parallel: Callable[[], ParallelPlan]  # its parallel plan (loaded when asked for)
     flops_per_token: Callable[[Any, int], float]  # training FLOPs per token at a sequence length
     hooks: StageHooks
+    # Name -> shape of every tensor its checkpoints store under `model.` (the state dict), without
+    # building the model: what every checkpoint reader checks the DCP index against before it
+    # allocates anything. None only for a kind no stage reads yet (each stage refuses it by name);
+    # tests/ckpt_convert/test_hostile_model_files.py holds every other kind to having one.
+    tensor_shapes: Callable[[Any], dict[str, tuple[int, ...]]] | None = None

@@ -19,26 +19,28 @@ import traceback
 from multiprocessing.connection import Connection
 
 from tessera.common.errors import UserError
+from tessera.inference.engine.cpu_threads import measure
 from tessera.inference.engine.wire import decode, encode, output_to_wire, stats_to_wire
 
 log = logging.getLogger("tessera.inference")
 
 
 def _load(init: dict):
-    import torch
-
     from tessera.inference.config import EngineConfig
+    from tessera.inference.engine.cpu_threads import ThreadPlan, apply_binding
     from tessera.inference.engine.llm_engine import LLMEngine
     from tessera.inference.worker.loader import load_for_serving, resolve_device, resolve_dtype
 
-    if init.get("torch_threads"):
-        torch.set_num_threads(int(init["torch_threads"]))
+    plan = ThreadPlan.from_wire(init["threads"]) if init.get("threads") else None
+    if plan is not None:  # first: torch's thread pool must start on these CPUs
+        apply_binding(plan.engine)
     cfg = EngineConfig.model_validate(init["engine"])
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     loaded = load_for_serving(init["checkpoint"], device, dtype, cfg.quantization, cfg.tensor_parallel,
                               kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
-    return LLMEngine(loaded, cfg, device, dtype), device, dtype
+    workers = plan.workers if plan is not None and plan.workers else None
+    return LLMEngine(loaded, cfg, device, dtype, workers), device, dtype
 
 
 def serve(conn: Connection) -> int:
@@ -58,6 +60,7 @@ def serve(conn: Connection) -> int:
         "max_model_len": engine.max_model_len, "vocab_size": loaded.config.vocab_size,
         "eos_ids": sorted(engine.eos_ids), "num_blocks": engine.blocks.num_blocks,
         "tokenizer_dir": str(loaded.tokenizer.directory), "compile_s": engine.compile_seconds,
+        "threads": measure(engine),
     }))
     try:
         _loop(conn, engine)

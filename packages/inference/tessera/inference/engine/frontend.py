@@ -46,11 +46,22 @@ class RequestFailed(Exception):
         self.client = client
 
 
+class ChoiceGroup:
+    """The n requests of one prompt (vLLM's sequence group): when the last of them ends, the most
+    tokens one of them generated is observed once (vllm:request_max_num_generation_tokens)."""
+
+    def __init__(self, size: int):
+        self.open = size
+        self.max_generated = 0
+        self.finished = False  # some member ended with its output (not aborted or failed)
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue  # receives (tag, RequestOutput | exception)
     tag: int = 0
+    group: ChoiceGroup = field(default_factory=lambda: ChoiceGroup(1))
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
@@ -126,16 +137,18 @@ class EngineFrontend:
             return f"{prefix}-{self._counter}"
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               queue: asyncio.Queue | None = None, tag: int = 0) -> RequestHandle:
+               queue: asyncio.Queue | None = None, tag: int = 0, group: ChoiceGroup | None = None) -> RequestHandle:
         """Queue a request (validated here, so errors reach the caller); call from the event loop.
 
         Outputs arrive as (tag, output) on `queue` (a new one by default): several requests can
-        share one queue, which is how a multi-prompt HTTP request reads all its choices.
+        share one queue, which is how a multi-prompt HTTP request reads all its choices. The
+        choices of one prompt share a `group` (default: a group of one).
         """
         if not self.healthy:
             raise EngineDead("the engine has stopped")
         validate_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.eos_ids)
-        stream = _Stream(loop=asyncio.get_running_loop(), queue=queue or asyncio.Queue(), tag=tag)
+        stream = _Stream(loop=asyncio.get_running_loop(), queue=queue or asyncio.Queue(), tag=tag,
+                         group=group or ChoiceGroup(1))
         with self._cv:
             waiting = self._num_waiting()
             if waiting >= self.max_waiting:
@@ -163,8 +176,10 @@ class EngineFrontend:
 
     def abort(self, request_id: str) -> None:
         with self._cv:
-            known = self._streams.pop(request_id, None) is not None
-        if known:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                self._ended(stream, None)
+        if stream is not None:
             self._send_abort(request_id)
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]], now: float | None = None) -> None:
@@ -177,10 +192,11 @@ class EngineFrontend:
                     continue  # aborted meanwhile
                 if isinstance(item, RequestOutput) and item.error is not None:
                     item = RequestFailed(item.error, item.client_error)
-                if isinstance(item, BaseException) or item.finished:
-                    del self._streams[request_id]
                 if isinstance(item, RequestOutput) and self.metrics is not None and now is not None:
                     self._observe(stream, item, now)
+                if isinstance(item, BaseException) or item.finished:
+                    del self._streams[request_id]
+                    self._ended(stream, item if isinstance(item, RequestOutput) else None)
                 routed.setdefault(stream.loop, []).append((stream.queue, (stream.tag, item)))
         for loop, puts in routed.items():
             try:
@@ -206,6 +222,17 @@ class EngineFrontend:
             m.child(m.generation_tokens).inc(n)
         if out.finished:
             m.observe_finished(out, now - stream.arrival)
+
+
+    def _ended(self, stream: _Stream, final: RequestOutput | None) -> None:
+        """A request left (its final output, or None: aborted or failed); called with the lock held."""
+        group = stream.group
+        group.open -= 1
+        if final is not None:
+            group.finished = True
+            group.max_generated = max(group.max_generated, final.num_output_tokens)
+        if group.open == 0 and group.finished and self.metrics is not None:
+            self.metrics.observe_group_finished(group.max_generated)
 
 
 def _put_all(puts: list[tuple[asyncio.Queue, tuple]]) -> None:

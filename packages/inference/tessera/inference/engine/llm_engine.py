@@ -26,6 +26,7 @@ from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
 from tessera.inference.core.sequence import Sequence
+from tessera.inference.engine.cpu_threads import Binding
 from tessera.inference.engine.detokenizer import IncrementalDetokenizer
 from tessera.inference.engine.output_processor import OutputProcessor, RequestOutput
 from tessera.inference.kinds import serving_kind
@@ -118,7 +119,10 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: 
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 worker_threads: tuple[Binding, ...] | None = None):
+        """`worker_threads`: each tensor-parallel worker's torch threads and CPUs (cpu_threads.py);
+        default: the calling process's thread count, unbound."""
         self.loaded = loaded
         self.cfg = cfg
         self.device = device
@@ -158,11 +162,12 @@ class LLMEngine:
         if graphs != "off":
             graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
                                    scratch_block=pool - 1, capture=graphs == "capture")
-        self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec)
+        self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec, worker_threads)
 
     @staticmethod
     def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,
-                dtype: torch.dtype, kv_dtype: torch.dtype, graphs: GraphSpec | None) -> ModelRunner:
+                dtype: torch.dtype, kv_dtype: torch.dtype, graphs: GraphSpec | None,
+                worker_threads: tuple[Binding, ...] | None = None) -> ModelRunner:
         """The model runner; with `graphs`, its decode graphs (captured here, or by each
         tensor-parallel worker over its shard)."""
         if cfg.tensor_parallel == 1:
@@ -177,7 +182,7 @@ class LLMEngine:
         assert loaded.path is not None
         executor = TensorParallelExecutor(loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, num_blocks,
                                           cfg.block_size, device, dtype, cfg.kv_cache_dtype, graphs,
-                                          serving_prep(cfg))
+                                          serving_prep(cfg), worker_threads)
         return TensorParallelRunner(executor, device)
 
     @property

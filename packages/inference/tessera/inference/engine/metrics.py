@@ -18,6 +18,14 @@ Speculative decoding has vLLM's four counters: `spec_decode_num_drafts` (verific
 `spec_decode_num_accepted_tokens_per_pos` (label `position`, 0-based); the acceptance rate is
 also logged (vLLM's "SpecDecoding metrics" line) at most every LOG_INTERVAL seconds.
 
+`request_max_num_generation_tokens` is vLLM's per "sequence group": one observation when every
+choice of a prompt (its `n` requests) has finished, the most tokens any of them generated (the
+frontend groups them: async_engine.py). The dashboard's "Max Generation Token in Sequence Group"
+panel reads it.
+
+No `_created` series: vLLM turns them off (prometheus_client's `disable_created_metrics`, a
+process-wide switch) and its dashboards never read them; each would double a counter's series.
+
 Each server owns its own CollectorRegistry, so two servers in one process (tests) never share
 counters.
 """
@@ -27,7 +35,14 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from tessera.inference.sample.spec_stats import format_spec_stats
 
@@ -61,6 +76,7 @@ def _token_buckets(max_model_len: int) -> tuple[float, ...]:
 
 class ServingMetrics:
     def __init__(self, model_name: str, prefix: str = DEFAULT_PREFIX, max_model_len: int = 2048):
+        disable_created_metrics()
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
         self.prefix = prefix
@@ -94,6 +110,8 @@ class ServingMetrics:
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
         self.request_generation_tokens = histogram("request_generation_tokens", "Number of generation tokens processed.",
                                                    tokens)
+        self.max_generation_tokens = histogram("request_max_num_generation_tokens",
+                                               "Histogram of maximum number of requested generation tokens.", tokens)
         self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
         # vLLM still emits the older name of the same observations (dashboards query it).
@@ -120,7 +138,8 @@ class ServingMetrics:
         # Create every labelled child now so scrapers see zeros before the first request.
         for metric in (self.running, self.waiting, self.kv_usage, self.prefix_hit_rate, self.prefix_queries,
                        self.prefix_hits, self.prompt_tokens, self.generation_tokens, self.preemptions,
-                       self.iteration_tokens, self.request_prompt_tokens, self.request_generation_tokens, self.ttft,
+                       self.iteration_tokens, self.request_prompt_tokens, self.request_generation_tokens,
+                       self.max_generation_tokens, self.ttft,
                        self.itl, self.tpot_step, self.tpot, self.e2e, self.queue, self.prefill, self.decode,
                        self.inference, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
             metric.labels(model_name, ENGINE_LABEL)
@@ -195,6 +214,10 @@ class ServingMetrics:
             c(self.inference).observe(t["inference"])
             if out.num_output_tokens > 1:
                 c(self.tpot).observe(t["decode"] / (out.num_output_tokens - 1))
+
+    def observe_group_finished(self, max_generated: int) -> None:
+        """Every choice of one prompt has ended: the most tokens one of them generated."""
+        self.child(self.max_generation_tokens).observe(max_generated)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

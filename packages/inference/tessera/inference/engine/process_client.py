@@ -23,6 +23,7 @@ from tessera.common.errors import UserError
 from tessera.common.tokenizer import load_tokenizer
 from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.engine.cpu_threads import ThreadPlan
 from tessera.inference.engine.frontend import EngineDead, EngineFrontend
 from tessera.inference.engine.wire import decode, encode, output_from_wire, stats_from_wire
 
@@ -50,8 +51,9 @@ class ProcessEngine(EngineFrontend):
         self._reader.start()
 
     @classmethod
-    def launch(cls, checkpoint: str, cfg: EngineConfig, torch_threads: int | None = None) -> ProcessEngine:
-        """Start the engine process and wait until its model is loaded (or raise its error)."""
+    def launch(cls, checkpoint: str, cfg: EngineConfig, threads: ThreadPlan | None = None) -> ProcessEngine:
+        """Start the engine process and wait until its model is loaded (or raise its error);
+        `threads`: its torch threads and CPUs (cpu_threads.py; None: torch's default)."""
         ours, theirs = socket.socketpair()
         try:
             proc = subprocess.Popen([sys.executable, "-m", "tessera.inference.engine.core_process", str(theirs.fileno())],
@@ -61,7 +63,7 @@ class ProcessEngine(EngineFrontend):
         conn = Connection(ours.detach())
         try:
             conn.send_bytes(encode({"t": "init", "checkpoint": os.fspath(checkpoint), "engine": cfg.model_dump(),
-                                    "torch_threads": torch_threads}))
+                                    "threads": None if threads is None else threads.to_wire()}))
             msg = decode(conn.recv_bytes())
         except (EOFError, OSError):
             code = proc.wait()

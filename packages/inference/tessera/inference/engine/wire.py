@@ -7,7 +7,7 @@ UTF-8 JSON object each; only plain ids, numbers, strings and lists cross (the st
 accepted tokens per draft position).
 
 HTTP process -> engine:  {"t": "add", "id", "prompt", "params"} | {"t": "abort", "ids"} | {"t": "stop"}
-                         (the first frame is {"t": "init", "checkpoint", "engine", "torch_threads"})
+                         (the first frame is {"t": "init", "checkpoint", "engine", "threads"})
 engine -> HTTP process:  {"t": "ready", ...model facts} | {"t": "error", "user": bool, "message"}
                          | {"t": "step", "outs": [...], "stats": {...}, "adds_seen"} | {"t": "failed", "message"}
 """

@@ -74,8 +74,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Prefix-cache block keys: Python's 64-bit hash (default) or SHA-256 (collision-safe; "
                         "for a server shared by tenants).")
     g.add_argument("--torch-threads", type=int, default=None,
-                   help="CPU threads for torch ops (torch.set_num_threads; default: torch's choice). "
-                        "On a machine shared with other jobs, 1 avoids OpenMP threads spinning against each other.")
+                   help="CPU threads for torch ops in every process, unbound (torch.set_num_threads). Default: "
+                        "tessera-serve on CPU leaves a core to the HTTP process and binds one thread to each other "
+                        "physical core (vLLM's CPU default; the startup line says what it chose); tessera-generate: "
+                        "torch's choice.")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="Speculative decoding, as vLLM's flag: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (prompt lookup, no draft model) or "

@@ -152,25 +152,39 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.inference.kinds import serving_kind
     from tessera.inference.sample.spec_decode import check_draft_model, read_model_facts
 
-    serving_kind(read_model_facts(args.checkpoint)[0])  # a kind this server cannot run: before the engine starts
     check_draft_model(cfg.speculative, args.checkpoint)
     from tessera.inference.worker.cuda_graphs import check_cuda_graphs
 
-    check_cuda_graphs(cfg, device)
+    check_cuda_graphs(cfg, device)  # flags first, then what the checkpoint says
+    serving_kind(read_model_facts(args.checkpoint)[0])  # a kind this server cannot run: before the engine starts
+    from tessera.inference.engine.cpu_threads import (
+        apply_binding,
+        describe_measured,
+        measure,
+        plan_for_this_machine,
+    )
+
+    # CPU compute threads and cores as vLLM's CPU build picks them, unless --torch-threads says (cpu_threads.py).
+    plan = None
+    if device.type == "cpu" or args.torch_threads is not None:
+        plan = plan_for_this_machine(cfg.tensor_parallel, not args.no_engine_process, args.torch_threads)
     if args.no_engine_process:
         from tessera.inference.engine.frontend import AsyncEngine
         from tessera.inference.engine.llm_engine import LLMEngine
         from tessera.inference.worker.loader import load_for_serving
 
+        if plan is not None:
+            apply_binding(plan.engine)
         loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization, cfg.tensor_parallel,
                                   kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
-        frontend = AsyncEngine(LLMEngine(loaded, cfg, device, dtype))
-        facts = {"name": loaded.name, "arch": loaded.config.arch, "num_blocks": frontend.engine.blocks.num_blocks,
-                 "where": "engine thread", "compile_s": frontend.engine.compile_seconds}
+        engine = LLMEngine(loaded, cfg, device, dtype, plan.workers if plan is not None and plan.workers else None)
+        frontend = AsyncEngine(engine)
+        facts = {"name": loaded.name, "arch": loaded.config.arch, "num_blocks": engine.blocks.num_blocks,
+                 "where": "engine thread", "compile_s": engine.compile_seconds, "threads": measure(engine)}
     else:
         from tessera.inference.engine.process_client import ProcessEngine
 
-        frontend = ProcessEngine.launch(args.checkpoint, cfg, args.torch_threads)
+        frontend = ProcessEngine.launch(args.checkpoint, cfg, plan)
         facts = {**frontend.info, "where": f"engine process {frontend.pid}"}
     name = args.served_model_name or facts["name"]
     metrics = ServingMetrics(name, args.metrics_prefix, frontend.max_model_len)
@@ -196,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     quant += f", layers compiled in {facts['compile_s']:.1f} s" if facts.get("compile_s") else ""
     print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
           f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, max_model_len {frontend.max_model_len}; "
-          f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+          f"{describe_measured(facts['threads'], plan)}; listening on http://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
                     access_log=not args.quiet, timeout_graceful_shutdown=math.ceil(args.drain_timeout))

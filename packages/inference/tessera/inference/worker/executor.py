@@ -61,6 +61,7 @@ import torch
 from tessera.common.errors import UserError
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.inference.core.scheduler import SchedulerOutput
+from tessera.inference.engine.cpu_threads import Binding, apply_binding
 from tessera.inference.sample.sampler import Sampler
 from tessera.inference.worker.batch import BatchSeq, batch_seqs
 from tessera.inference.worker.cpu_linear import PackedLinear
@@ -196,8 +197,8 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
     from tessera.common.layout import ParallelLayout
     from tessera.common.parallel.state import build_groups
 
-    if init.get("torch_threads"):
-        torch.set_num_threads(int(init["torch_threads"]))
+    threads = init["threads"][rank]  # this rank's share of the cores (cpu_threads.py)
+    apply_binding(Binding(int(threads["threads"]), None if threads["cpus"] is None else tuple(threads["cpus"])))
     cuda = init["device"] == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
@@ -216,7 +217,8 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
     if init.get("graphs"):  # every rank captures the same buckets in the same order (NCCL all-reduces included)
         runner.use_decode_graphs(GraphSpec(**init["graphs"]))
     packed = sum(isinstance(m, PackedLinear) for m in model.modules())
-    _reply(conn, {"t": "ready", "numel": numel, "kv_bytes": runner.kv.nbytes, "packed": packed})
+    _reply(conn, {"t": "ready", "numel": numel, "kv_bytes": runner.kv.nbytes, "packed": packed,
+                  "threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))})
     tp_group = groups.tp_group
     while True:
         msg = json.loads(conn.recv_bytes())
@@ -242,14 +244,17 @@ class TensorParallelExecutor:
 
     def __init__(self, path: Path, hf: bool, cfg: ModelConfig, tp: int, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, kv_dtype_name: str = "auto",
-                 graphs: GraphSpec | None = None, prep: ServingPrep | None = None):
+                 graphs: GraphSpec | None = None, prep: ServingPrep | None = None,
+                 bindings: tuple[Binding, ...] | None = None):
         self.tp = tp
+        # Each worker's threads and CPUs; by default the driver's thread count, unbound.
+        bindings = bindings or (Binding(torch.get_num_threads()),) * tp
         ctx = mp.get_context("spawn")  # fork would copy the driver's threads and CUDA state
         self._store_dir = tempfile.TemporaryDirectory(prefix="tessera-tp-")
         store = str(Path(self._store_dir.name) / "store")
         init = {"path": str(path), "hf": hf, "model": cfg.model_dump(mode="json"), "num_blocks": num_blocks,
                 "block_size": block_size, "device": device.type, "dtype": str(dtype).removeprefix("torch."),
-                "torch_threads": torch.get_num_threads(),  # as the driver's (--torch-threads)
+                "threads": [asdict(b) for b in bindings],
                 "kv_cache_dtype": kv_dtype_name,  # --kv-cache-dtype, resolved on each worker
                 "graphs": None if graphs is None else asdict(graphs),  # decode graphs, each worker its own
                 "prep": asdict(prep or ServingPrep())}  # how each worker prepares its shard
@@ -267,6 +272,7 @@ class TensorParallelExecutor:
             self.shard_numel: list[int] = []  # parameter elements each worker holds
             self.kv_bytes: list[int] = []  # bytes of each worker's KV pool
             self.packed_linears: list[int] = []  # oneDNN-packed Linear layers of each worker (prepare.py)
+            self.bindings: list[Binding] = []  # each worker's torch threads and CPUs, as it reports them
             for rank in range(tp):
                 msg = self._recv(rank, READY_TIMEOUT_S)
                 if msg.get("t") != "ready":
@@ -274,6 +280,7 @@ class TensorParallelExecutor:
                 self.shard_numel.append(int(msg["numel"]))
                 self.kv_bytes.append(int(msg["kv_bytes"]))
                 self.packed_linears.append(int(msg["packed"]))
+                self.bindings.append(Binding(int(msg["threads"]), tuple(msg["cpus"])))
         except BaseException:
             self.shutdown()
             raise

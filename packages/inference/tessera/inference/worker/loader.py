@@ -11,6 +11,7 @@ import torch
 
 from tessera.common.checkpoint import (
     SIDECAR,
+    check_checkpoint,
     checkpoint_tokenizer_dir,
     load_model_tensors,
     read_sidecar,
@@ -19,6 +20,7 @@ from tessera.common.checkpoint import (
 )
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.hf.directory import (
+    CONFIG,
     checked_hf_weights,
     eos_token_ids,
     imported_tensors,
@@ -28,7 +30,7 @@ from tessera.common.hf.directory import (
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.models.registry import kind_of
-from tessera.common.tokenizer import Tokenizer, load_tokenizer
+from tessera.common.tokenizer import Tokenizer, check_tokenizer_fits, load_tokenizer
 from tessera.inference.kinds import serving_kind
 from tessera.inference.worker.kv_cache import kv_cache_dtype as kv_cache_dtype_of
 from tessera.inference.worker.quantization import check_quantization, quantize_model
@@ -140,14 +142,13 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
                         "trusted as they are", ckpt)
         else:
             verify_checksums(ckpt, sidecar)
+        check_checkpoint(ckpt, sidecar)  # index sizes and model tensors against the config, before any allocation
         tokenizer = load_tokenizer(checkpoint_tokenizer_dir(ckpt))
         eos = []
         path = ckpt
         if given_name in ("checkpoints",):
             given_name = ckpt.parent.parent.name
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ArtifactError(f"{tokenizer.directory}: tokenizer has {tokenizer.vocab_size} tokens but the model "
-                            f"only {cfg.vocab_size}; they do not belong together")
+    check_tokenizer_fits(tokenizer, cfg.vocab_size, str(path / CONFIG if hf else ckpt / SIDECAR))
     eos_ids = sorted(set(eos) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
     if tensor_parallel > 1:
         if hf:  # zero rows up to a multiple of the size (as a new model is padded); their logits are -inf

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tessera.common.checkpoint import CheckpointSidecar, read_sidecar, verify_checksums
+from tessera.common.checkpoint import CheckpointSidecar, check_checkpoint, read_sidecar, verify_checksums
 from tessera.common.errors import ArtifactError
 from tessera.common.tokenizer import Tokenizer
 from tessera.trainer.checkpoint.stateful import Stateful, TrainState
@@ -122,6 +122,7 @@ class CheckpointManager:
         if self.verify_on_load:
             self.verify(directory)
         sidecar = read_sidecar(directory)
+        check_checkpoint(directory, sidecar)  # index sizes, model tensors against the config: before reading
         saved_under = sidecar.layout.resolved(sidecar.model.num_layers)  # older sidecars leave the split implicit
         components = dict(self.components)
         if saved_under != self.layout and "rng" in components:
@@ -137,4 +138,5 @@ class CheckpointManager:
         RNGs and data position stay fresh."""
         if self.verify_on_load:
             self.verify(directory)
+        check_checkpoint(directory)
         restore(directory, {"model": self.components["model"]}, position=False)

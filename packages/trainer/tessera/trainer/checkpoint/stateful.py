@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tessera.trainer.optim import named_parameters_of
+from tessera.trainer.optimizer.optim import named_parameters_of
 
 
 class Stateful(Protocol):

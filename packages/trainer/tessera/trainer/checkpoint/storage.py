@@ -17,7 +17,7 @@ streams per rank as `rng.rank<R>.*`. Each group of keys belongs to one stateful 
 (tessera.trainer.checkpoint.stateful); `state_of` and `restore` save and load any set of them, and the
 checkpoint manager (tessera.trainer.checkpoint.manager) decides which, for every layout.
 
-The LR schedule is a pure function of train_state.step (tessera.trainer.schedule), so the step is
+The LR schedule is a pure function of train_state.step (tessera.trainer.optimizer.schedule), so the step is
 its whole state. Hyper-parameters of the optimizer groups come from the config, not the file.
 
 Reads go through two functions only: `stored_keys` (the DCP metadata) and `read_checkpoint`

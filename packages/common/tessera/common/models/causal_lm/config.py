@@ -16,6 +16,21 @@ from pydantic import Field, model_validator
 
 from tessera.common.config import StrictModel
 
+# Upper bounds on the sizes a config may state: far above every published model (Llama-3.1-405B:
+# 126 layers, width 16384, MLP 53248, 128 heads; vocabularies up to ~262k; contexts up to ~10M
+# tokens; MoE up to a few hundred experts). A config read from an artifact (a sidecar, a
+# config.json) is refused past them before anything is sized from it, so a hostile file cannot
+# make a reader allocate terabytes or build millions of layers (docs/security.md).
+MAX_LAYERS = 4096
+MAX_HIDDEN = 2**17
+MAX_FFN = 2**20
+MAX_HEADS = 2**12
+MAX_HEAD_DIM = 2**12
+MAX_VOCAB = 2**24
+MAX_SEQ_LEN = 2**24
+MAX_EXPERTS = 2**14
+MAX_VOCAB_MULTIPLE = 2**16
+
 
 class RopeScaling(StrictModel):
     """Llama-3 style frequency-dependent RoPE scaling (HF `rope_type: llama3`); the default kind
@@ -65,14 +80,14 @@ AnyRopeScaling = Annotated[
 class MoEConfig(StrictModel):
     """A mixture-of-experts MLP in place of the dense one (see tessera.common.layers.moe)."""
 
-    num_experts: int = Field(..., gt=0, description="Routed experts per MoE layer.")
-    top_k: int = Field(..., gt=0, description="Experts each token is routed to.")
-    ffn_hidden_size: int = Field(..., gt=0, description="Inner width of one routed expert (SwiGLU).")
+    num_experts: int = Field(..., gt=0, le=MAX_EXPERTS, description="Routed experts per MoE layer.")
+    top_k: int = Field(..., gt=0, le=MAX_EXPERTS, description="Experts each token is routed to.")
+    ffn_hidden_size: int = Field(..., gt=0, le=MAX_FFN, description="Inner width of one routed expert (SwiGLU).")
     score: Literal["softmax", "sigmoid"] = Field("softmax", description="Router scoring (sigmoid: DeepSeek-V3).")
     norm_topk_prob: bool = Field(True, description="Renormalise the top-k weights to sum to 1 (Mixtral, Qwen3-MoE).")
     routed_scaling_factor: float = Field(1.0, gt=0, description="Multiplier on the routed weights (DeepSeek-V3).")
-    num_shared_experts: int = Field(0, ge=0, description="Shared experts every token goes through (DeepSeek).")
-    shared_ffn_hidden_size: int | None = Field(None, gt=0, description="Inner width of the shared MLP; default num_shared_experts x ffn_hidden_size.")
+    num_shared_experts: int = Field(0, ge=0, le=MAX_EXPERTS, description="Shared experts every token goes through (DeepSeek).")
+    shared_ffn_hidden_size: int | None = Field(None, gt=0, le=MAX_FFN, description="Inner width of the shared MLP; default num_shared_experts x ffn_hidden_size.")
     num_groups: int = Field(1, gt=0, description="Expert groups for grouped routing (DeepSeek n_group); 1 = off.")
     topk_groups: int = Field(1, gt=0, description="Groups a token may route into (DeepSeek topk_group).")
     aux_loss_coef: float = Field(0.0, ge=0, description="Coefficient of the Switch/Mixtral load-balancing loss added to the training loss.")
@@ -107,15 +122,15 @@ class ModelConfig(StrictModel):
 
     kind: Literal["causal_lm"] = Field("causal_lm", description="Model kind (tessera.common.models.registry); configs and checkpoints without it are causal_lm.")
     arch: Literal["llama", "gpt2", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"] = Field("llama", description="Family, which decides the Hugging Face class exports are written as (see docs/model.md).")
-    vocab_size: int = Field(..., gt=0, description="Token ids the model reads and predicts: the tokenizer's vocabulary (what exports show).")
-    padded_vocab_size: int | None = Field(None, gt=0, description="Rows of the embedding and the output head when more than vocab_size (set by `padded_for`); the rows past vocab_size are zero-initialised and their logits are -inf. null = vocab_size rows.")
-    vocab_size_divisible_by: int = Field(128, gt=0, description="Vocabulary padding rule (Megatron's --make-vocab-size-divisible-by): a new model's rows are vocab_size rounded up to a multiple of this x tensor-parallel size.")
-    hidden_size: int = Field(..., gt=0, description="Model width d.")
-    num_layers: int = Field(..., gt=0, description="Number of transformer blocks.")
-    num_heads: int = Field(..., gt=0, description="Query heads.")
-    num_kv_heads: int | None = Field(None, gt=0, description="Key/value heads (grouped-query attention); defaults to num_heads.")
-    ffn_hidden_size: int = Field(..., gt=0, description="Inner width of the MLP.")
-    max_seq_len: int = Field(2048, gt=0, description="Longest sequence the model handles (learned positions / RoPE cache).")
+    vocab_size: int = Field(..., gt=0, le=MAX_VOCAB, description="Token ids the model reads and predicts: the tokenizer's vocabulary (what exports show).")
+    padded_vocab_size: int | None = Field(None, gt=0, le=MAX_VOCAB, description="Rows of the embedding and the output head when more than vocab_size (set by `padded_for`); the rows past vocab_size are zero-initialised and their logits are -inf. null = vocab_size rows.")
+    vocab_size_divisible_by: int = Field(128, gt=0, le=MAX_VOCAB_MULTIPLE, description="Vocabulary padding rule (Megatron's --make-vocab-size-divisible-by): a new model's rows are vocab_size rounded up to a multiple of this x tensor-parallel size.")
+    hidden_size: int = Field(..., gt=0, le=MAX_HIDDEN, description="Model width d.")
+    num_layers: int = Field(..., gt=0, le=MAX_LAYERS, description="Number of transformer blocks.")
+    num_heads: int = Field(..., gt=0, le=MAX_HEADS, description="Query heads.")
+    num_kv_heads: int | None = Field(None, gt=0, le=MAX_HEADS, description="Key/value heads (grouped-query attention); defaults to num_heads.")
+    ffn_hidden_size: int = Field(..., gt=0, le=MAX_FFN, description="Inner width of the MLP.")
+    max_seq_len: int = Field(2048, gt=0, le=MAX_SEQ_LEN, description="Longest sequence the model handles (learned positions / RoPE cache).")
     norm: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="Normalisation layer.")
     norm_eps: float = Field(1e-5, gt=0, description="Epsilon of the normalisation layers.")
     activation: Literal["swiglu", "gelu"] = Field("swiglu", description="MLP: SwiGLU (gate/up/down) or GELU (up/down, tanh approximation as GPT-2).")
@@ -125,7 +140,7 @@ class ModelConfig(StrictModel):
     bias: bool = Field(False, description="Biases on the attention and MLP linear layers (GPT-2: true).")
     attention_bias: list[Literal["q", "k", "v", "o"]] | None = Field(None, description="Attention projections with a bias (Qwen2: [q, k, v]); None = all four when `bias`, else none.")
     qk_norm: bool = Field(False, description="RMSNorm over each query and key head before RoPE (Qwen3).")
-    head_dim: int = Field(None, gt=0, description="Width of one attention head; default hidden_size / num_heads (Qwen3 sets it).")  # type: ignore[assignment]
+    head_dim: int = Field(None, gt=0, le=MAX_HEAD_DIM, description="Width of one attention head; default hidden_size / num_heads (Qwen3 sets it).")  # type: ignore[assignment]
     sliding_window: int | None = Field(None, gt=0, description="Each query sees only the last `sliding_window` positions, itself included (Mistral).")
     sliding_window_layers: list[int] | None = Field(None, description="Global layer numbers that use the sliding window; None = every layer (Gemma-style interleaving lists some).")
     moe: MoEConfig | None = Field(None, description="Mixture-of-experts MLP on the layers it selects; None = dense everywhere.")

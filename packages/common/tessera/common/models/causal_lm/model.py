@@ -34,7 +34,7 @@ from tessera.common.layers.rope import RotaryEmbedding
 from tessera.common.layers.self_attention import Attention, AttentionFn
 from tessera.common.models.causal_lm.config import ModelConfig
 
-__all__ = ["Block", "Transformer", "build_model", "mask_vocab_padding"]
+__all__ = ["Block", "Transformer", "build_model", "mask_vocab_padding", "model_tensor_shapes"]
 
 
 class Block(nn.Module):
@@ -223,3 +223,27 @@ def build_model(
     elif model.rotary is not None:
         model.rotary.reset_parameters()
     return model.to(dtype=dtype) if dtype != torch.float32 else model
+
+
+def model_tensor_shapes(cfg: ModelConfig, buffers: bool = True) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of `Transformer(cfg).state_dict()`, in its order: what a
+    checkpoint stores under `model.` (parameters only with buffers=False). Built on the meta device
+    from one block per kind of layer, so it costs about the same for 2 layers as for thousands."""
+    def shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+        tensors = module.state_dict() if buffers else dict(module.named_parameters())
+        return {k: tuple(v.shape) for k, v in tensors.items()}
+
+    out: dict[str, tuple[int, ...]] = {}
+    kinds: dict[bool, dict[str, tuple[int, ...]]] = {}
+    with torch.device("meta"):
+        top = Transformer(cfg.model_copy(update={"num_layers": 0, "sliding_window_layers": None}))
+        for name, child in top.named_children():
+            if name != "layers":
+                out.update({f"{name}.{k}": v for k, v in shapes(child).items()})
+                continue
+            for i in range(cfg.num_layers):
+                kind = cfg.is_moe_layer(i)
+                if kind not in kinds:
+                    kinds[kind] = shapes(Block(cfg, i))
+                out.update({f"layers.{i}.{k}": v for k, v in kinds[kind].items()})
+    return out

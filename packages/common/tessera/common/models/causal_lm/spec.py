@@ -25,6 +25,12 @@ def hf() -> HFAdapter:
     return adapter  # type: ignore[return-value]  # a module with the protocol's functions
 
 
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    from tessera.common.models.causal_lm.model import model_tensor_shapes
+
+    return model_tensor_shapes(cfg)
+
+
 def parallel() -> ParallelPlan:
     from tessera.common.models.causal_lm.parallelize import PLAN
 
@@ -42,4 +48,5 @@ CAUSAL_LM = ModelKind(
     flops_per_token=ModelConfig.flops_per_token,
     hooks=StageHooks(train_batch="next_token", train_loss="next_token", serve_runner="decoder",
                      serve_cache="paged_kv", convert="decoder", plan_memory="decoder"),
+    tensor_shapes=tensor_shapes,
 )

@@ -14,7 +14,13 @@ from fastapi import Request
 from tessera.common.chat_template import ChatTemplateError, template_source
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.structured_spec import StructuredSpec
-from tessera.inference.engine.frontend import EngineDead, EngineFrontend, RequestFailed, RequestHandle
+from tessera.inference.engine.frontend import (
+    ChoiceGroup,
+    EngineDead,
+    EngineFrontend,
+    RequestFailed,
+    RequestHandle,
+)
 from tessera.inference.engine.llm_engine import RequestOutput, RequestRejected
 from tessera.inference.engine.metrics import ServingMetrics
 from tessera.inference.entrypoints.grammar_check import GrammarCheck, GrammarCheckUnavailable
@@ -162,13 +168,17 @@ class ServerBase:
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def _submit_all(self, prefix: str, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[list[RequestHandle], asyncio.Queue]:
-        """Submit every job with one shared output queue (tagged by job index)."""
+    def _submit_all(self, prefix: str, jobs: list[tuple[list[int], SamplingParams]],
+                    n: int = 1) -> tuple[list[RequestHandle], asyncio.Queue]:
+        """Submit every job with one shared output queue (tagged by job index); each n consecutive
+        jobs are the choices of one prompt (one group in the metrics)."""
         queue: asyncio.Queue = asyncio.Queue()
         handles: list[RequestHandle] = []
+        groups = [ChoiceGroup(n) for _ in range(len(jobs) // n)]
         try:
             for i, (ids, params) in enumerate(jobs):
-                handles.append(self.engine.submit(self.engine.next_request_id(prefix), ids, params, queue=queue, tag=i))
+                handles.append(self.engine.submit(self.engine.next_request_id(prefix), ids, params, queue=queue, tag=i,
+                                                  group=groups[i // n]))
         except BaseException:
             for h in handles:
                 h.close()

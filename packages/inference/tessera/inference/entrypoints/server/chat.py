@@ -120,7 +120,7 @@ async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
     def tool_stream() -> ToolCallStream:
         return ToolCallStream(mode, parser, function)  # type: ignore[arg-type]
     jobs = [(ids, body.sampling_params(max_tokens, top, index=j, structured=structured)) for j in range(body.n)]
-    submitted = srv._submit_all("chat", jobs)
+    submitted = srv._submit_all("chat", jobs, body.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = _now()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

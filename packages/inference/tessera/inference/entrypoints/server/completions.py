@@ -79,7 +79,7 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
                                           prompt_logprobs=body.echo and (body.logprobs is not None or max_tokens == 0),
                                           structured=structured)
             jobs.append((ids, params))
-    submitted = srv._submit_all("cmpl", jobs)
+    submitted = srv._submit_all("cmpl", jobs, body.n)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = _now()
     n = body.n

@@ -41,7 +41,7 @@ from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import artifact_path, atomic_directory
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
-from tessera.common.tokenizer import load_tokenizer
+from tessera.common.tokenizer import check_tokenizer_fits, load_tokenizer
 
 LEGACY_HINT = ("legacy Megatron checkpoints (mp_rank_XX/model_optim_rng.pt) are pickles, which Tessera never loads; "
                "convert it to torch_dist with Megatron-LM (load it with --ckpt-format torch --ckpt-convert-format "
@@ -116,7 +116,7 @@ def megatron_to_tessera(cfg: ModelConfig, get) -> dict[str, torch.Tensor]:
 def import_megatron(input_dir: str | Path, output: str | Path, model_config: str | Path,
                     tokenizer: str | Path | None = None, dtype: torch.dtype | None = None, overwrite: bool = False,
                     quiet: bool = False, sync: bool = True) -> Path:
-    from tessera.ckpt_convert.export_hf import expected_model_shapes
+    from tessera.ckpt_convert.exporters.hf import expected_model_shapes
     from tessera.common.config import load_config
 
     input_dir, output = Path(input_dir), Path(output)
@@ -127,6 +127,9 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
     check_torch_dist(input_dir)
     cfg = model_config if isinstance(model_config, ModelConfig) else load_config(ModelConfig, model_config)
     check_convertible(cfg, "import --format megatron")
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
+    if tok is not None:
+        check_tokenizer_fits(tok, cfg.vocab_size, f"--model-config {model_config}")
     metadata = read_dcp_metadata(input_dir)  # restricted unpickler: refuses anything but DCP's index classes
     specs = {k: v for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
     rows = specs["embedding.word_embeddings.weight"].size[0] if "embedding.word_embeddings.weight" in specs else None
@@ -156,7 +159,6 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
             if name in tensors:  # Megatron's padding rows are never used (logits -inf): stored as zeros
                 tensors[name] = tensors[name].clone()
                 tensors[name][cfg.vocab_size:] = 0
-    tok = load_tokenizer(tokenizer) if tokenizer is not None else None
     out_dtype = dtype or tensors["embed_tokens.weight"].dtype
     with atomic_directory(output, overwrite=overwrite, sync=sync) as tmp, \
             Progress(sum(t.numel() for t in tensors.values()) * out_dtype.itemsize, len(tensors),

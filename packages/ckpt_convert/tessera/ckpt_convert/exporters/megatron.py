@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
-from tessera.ckpt_convert.export_hf import expected_model_shapes
+from tessera.ckpt_convert.exporters.hf import expected_model_shapes
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource

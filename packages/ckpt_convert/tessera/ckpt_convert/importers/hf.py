@@ -25,7 +25,7 @@ from tessera.common.fileio import artifact_path, atomic_directory
 from tessera.common.hf.directory import CONFIG, SafetensorsWeights, read_hf_config
 from tessera.common.hf.rules import check_import
 from tessera.common.models.registry import hf_adapter
-from tessera.common.tokenizer import load_tokenizer
+from tessera.common.tokenizer import check_tokenizer_fits, load_tokenizer
 
 
 def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | None = None,
@@ -45,7 +45,9 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     rules, optional = hf_adapter(cfg).import_rules(cfg, weights.names())
     check_import(rules, weights, str(input_dir), optional)  # every input tensor, before writing anything
     tok = load_tokenizer(input_dir) if (input_dir / "tokenizer.json").is_file() else None
-    if tok is None:
+    if tok is not None:
+        check_tokenizer_fits(tok, cfg.vocab_size, str(config_path))  # the check serving makes, before writing
+    else:
         print(f"warning: {input_dir} has no tokenizer.json; the checkpoint will have no tokenizer/ "
               "(needed to serve it: add one from the original model)", file=sys.stderr)
     # The stored dtype; where tensors differ (rare), float32 holds every one of them exactly.

@@ -56,7 +56,6 @@ from typing import Any
 
 import torch
 
-from tessera.ckpt_convert.export_hf import check_model_tensors, expected_model_shapes
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.mapped import Staging, aligned
 from tessera.ckpt_convert.progress import Progress
@@ -65,7 +64,6 @@ from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory, atomic_write_json
 from tessera.common.hf.architecture import HF_DTYPE_NAMES
-from tessera.common.hf.rules import Rule
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.hf.adapter import architecture_for, check_exportable
 
@@ -343,7 +341,6 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
     tp, pp = opts.tp, opts.pp
     validate(cfg, tp, pp)
     all_items = items(cfg, tp, pp)
-    check_model_tensors(src, [Rule(i.name, i.sources, i.shape) for i in all_items], expected_model_shapes(cfg))
     dtype = opts.dtype or src.model_specs["embed_tokens.weight"].dtype
     config = trtllm_config(cfg, dtype, tp, pp)
 

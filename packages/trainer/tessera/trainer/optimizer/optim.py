@@ -63,4 +63,3 @@ def named_parameters_of(optimizer: torch.optim.Optimizer) -> list[tuple[str, tor
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-

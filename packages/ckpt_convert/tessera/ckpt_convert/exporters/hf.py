@@ -22,12 +22,12 @@ from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.ckpt_convert.tokenizer_files import write_hf_tokenizer
-from tessera.common.errors import ArtifactError, UserError
+from tessera.common.errors import UserError
 from tessera.common.fileio import BackgroundFsync, atomic_directory, atomic_write_json
-from tessera.common.hf.rules import Rule
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.model import model_tensor_shapes
 from tessera.common.models.registry import hf_adapter
-from tessera.common.tokenizer import Tokenizer, load_tokenizer
+from tessera.common.tokenizer import Tokenizer
 
 ST_METADATA = {"format": "pt"}
 INDEX_FILE = "model.safetensors.index.json"
@@ -42,25 +42,9 @@ class ExportOptions:
     sync: bool = True  # False: no fsync of the output (options.NO_SYNC_HELP); still renamed when whole
 
 
-def check_model_tensors(src: CheckpointSource, rules: list[Rule], names_shapes: dict[str, tuple[int, ...]]) -> None:
-    """Every tensor the rules read exists with the shape the config implies (before any writing)."""
-    for rule in rules:
-        for name in rule.sources:
-            spec = src.model_specs.get(name)
-            if spec is None:
-                raise ArtifactError(f"{src.directory}: model tensor {name!r} missing from the checkpoint")
-            if spec.shape != names_shapes[name]:
-                raise ArtifactError(f"{src.directory}: model tensor {name!r} has shape {list(spec.shape)}, "
-                                    f"the sidecar's model config implies {list(names_shapes[name])}")
-
-
 def expected_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of the Tessera model for `cfg`, from the model itself (meta device)."""
-    from tessera.common.models.causal_lm.model import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+    """Parameter name -> shape of the Tessera model for `cfg` (the model's own, on the meta device)."""
+    return model_tensor_shapes(cfg, buffers=False)
 
 
 def plan_shards(tensors: list[PlannedTensor], max_shard_size: int) -> list[list[PlannedTensor]]:
@@ -89,9 +73,8 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     cfg = src.sidecar.model
     check_convertible(cfg, "export --format hf")
-    rules = hf_adapter(cfg).export_rules(cfg)
-    check_model_tensors(src, rules, expected_model_shapes(cfg))
-    tok = load_tokenizer(src.tokenizer_dir) if src.tokenizer_dir else None
+    rules = hf_adapter(cfg).export_rules(cfg)  # their sources are the stored tensors: CheckpointSource checked them
+    tok = src.tokenizer()
     if tok is None:
         print(f"warning: {src.directory} has no tokenizer/; exporting the model without tokenizer files",
               file=sys.stderr)
