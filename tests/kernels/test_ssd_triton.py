@@ -150,3 +150,22 @@ def test_the_hybrid_mixer_through_the_triton_kernels_equals_it_on_the_references
     for k in state.conv:
         torch.testing.assert_close(state.conv[k], state_ref.conv[k], **TOL)
     assert not math.isnan(y.sum().item())
+
+
+def test_on_cpu_the_mamba_dispatchers_run_the_references_unless_forced(monkeypatch):
+    pytest.importorskip("triton")
+    from tessera.kernels import causal_conv1d, causal_conv1d_update, ssd_state_update
+    from tessera.kernels.ssm import conv_triton, ssd_bwd_triton, state_update_triton
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Triton kernel ran on CPU without TESSERA_FORCE_TRITON")
+
+    for module, name in ((ssd_bwd_triton, "ssd_chunk_scan_triton"), (conv_triton, "causal_conv1d_triton"),
+                         (conv_triton, "causal_conv1d_update_triton"), (state_update_triton, "ssd_state_update_triton")):
+        monkeypatch.setattr(module, name, refuse)
+    monkeypatch.delenv("TESSERA_FORCE_TRITON", raising=False)
+    i = _inputs(1, 5, 2, 3, 1, 4)
+    ssd_chunk_scan(i["x"], i["dt"], i["A"], i["B"], i["C"], 4, i["D"])
+    causal_conv1d(torch.randn(1, 5, 3), torch.randn(3, 4))
+    causal_conv1d_update(torch.randn(1, 3), torch.zeros(1, 3, 3), torch.randn(3, 4))
+    ssd_state_update(torch.zeros(1, 2, 3, 4), i["x"][:, 0], i["dt"][:, 0], i["A"], i["B"][:, 0], i["C"][:, 0])
