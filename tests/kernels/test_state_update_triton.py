@@ -5,6 +5,7 @@ interpreter (fixture `triton_cpu`), tiny shapes."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tessera.kernels import ssd_chunk_scan, ssd_state_update
@@ -26,6 +27,7 @@ def test_the_triton_state_update_advances_only_its_slots_as_the_reference(triton
     out = {}
     for triton in (True, False):
         monkeypatch.setenv("TESSERA_FORCE_TRITON", "1" if triton else "0")
+        monkeypatch.setenv("TESSERA_DISABLE_TRITON", "0" if triton else "1")
         states = pool.clone()
         y = ssd_state_update(states, **i, dt_softplus=True, dt_limit=(0.05, 1.0), state_indices=slots)
         out[triton] = y, states
@@ -54,3 +56,21 @@ def test_decoding_with_the_triton_update_equals_the_triton_chunked_scan(triton_c
     torch.testing.assert_close(torch.stack(steps, 1), y, **TOL)
     torch.testing.assert_close(pool[[2, 0]], final, **TOL)
     assert (pool[1] == 0).all()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_triton_state_update_equals_the_reference_on_a_pool(triton_cuda, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(64, 80, 64, 128, generator=g)
+    slots = torch.randperm(64, generator=g)[:33].to(torch.int32)
+    slots[5] = -1
+    i = _step_inputs(33, 80, 64, 1, 128, g)
+    out = {}
+    for triton in (True, False):
+        monkeypatch.setenv("TESSERA_DISABLE_TRITON", "0" if triton else "1")
+        states = pool.cuda()
+        y = ssd_state_update(states, **{k: v.cuda() for k, v in i.items()}, dt_softplus=True,
+                             state_indices=slots.cuda())
+        out[triton] = y.cpu(), states.cpu()
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=1e-5)
