@@ -67,7 +67,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """`causal_conv1d_reference`, by Triton forward and backward kernels on CUDA
     (tessera.kernels.ssm), the reference elsewhere and under torch.compile. Differentiable in x,
     weight, bias, initial_state (through y and the final state)."""
-    if use_triton(x) and not torch.compiler.is_compiling():
+    if use_triton(x) and not torch.compiler.is_compiling() and x.numel() > 0:
         from tessera.kernels.ssm.conv_triton import causal_conv1d_triton
 
         return causal_conv1d_triton(x, weight, bias, seq_idx, initial_state, silu)

@@ -182,8 +182,8 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     """The chunked scan (y, final state), as `ssd_chunk_scan_reference` after `dt` is prepared:
     dt + dt_bias, softplus when `dt_softplus`, clamped to `dt_limit`. Triton's forward and
     backward kernels on CUDA (tessera.kernels.ssm), the reference elsewhere and under
-    torch.compile. Differentiable in every tensor argument."""
-    if use_triton(x) and not torch.compiler.is_compiling():
+    torch.compile (and for empty inputs). Differentiable in every tensor argument."""
+    if use_triton(x) and not torch.compiler.is_compiling() and x.numel() > 0:
         from tessera.kernels.ssm.ssd_bwd_triton import ssd_chunk_scan_triton
 
         return ssd_chunk_scan_triton(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, dt_bias, dt_softplus,
