@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 FLOAT_SCALARS = {"dt_min", "dt_max"}
-I64_SCALARS: set[str] = set()
 
 
 def _compile(fn, pointers: dict[str, str], constexprs: dict, cc: int, num_warps: int = 4) -> None:
@@ -31,12 +30,13 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict, cc: int, num_warps:
         else:
             signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
     kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
-                            options={"num_warps": num_warps, "num_stages": 2})
+                            options={"num_warps": num_warps, "num_stages": 3})  # the launch default
     assert kernel.asm.get("cubin"), fn.__name__
     print(f"ok sm_{cc} {fn.__name__} shared={kernel.metadata.shared}B", flush=True)
 
 
 def compile_all(dtype: str, cc: int, chunk: int, P: int = 64, N: int = 128) -> None:
+    import torch
     import triton
 
     from tessera.kernels.ssm import conv_triton as conv
@@ -44,7 +44,7 @@ def compile_all(dtype: str, cc: int, chunk: int, P: int = 64, N: int = 128) -> N
     from tessera.kernels.ssm import ssd_fwd_triton as fwd
     from tessera.kernels.ssm import state_update_triton as su
 
-    t = fwd.tiles(chunk, P, N)
+    t = fwd.tiles(chunk, P, N, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype])
     fp32 = dtype == "fp32"
     io = lambda *names: {n: f"*{dtype}" for n in names}  # noqa: E731
     f32 = lambda *names: {n: "*fp32" for n in names}  # noqa: E731

@@ -227,7 +227,7 @@ def _backward(dy, dfinal, x, dt, A, B, C, D, dt_bias, init, seq, chunk_size, sof
     dtp, cs = chunk_cumsum(dt, dt_bias, A, chunk_size, softplus, dt_limit)
     states_in, _ = states_entering_chunks(x, B, dtp, cs, seq, init)
     nc, L = dtp.shape[2], dtp.shape[3]
-    tl_ = tiles(L, P, N)
+    tl_ = tiles(L, P, N, x.dtype)
     fp32, seq_arg = dot_in_fp32(x.dtype), seq if seq is not None else cs
     dy = dy.contiguous() if dy is not None else torch.zeros(b, T, H, P, device=x.device)
     common = dict(P=P, N=N, L=L, HAS_SEQ=seq is not None, DOT_FP32=fp32, num_warps=4)

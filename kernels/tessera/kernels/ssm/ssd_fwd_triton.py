@@ -32,10 +32,11 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and interpret_mode())
 
 
-def tiles(chunk_size: int, head_dim: int, state_size: int) -> dict[str, int]:
-    """Tile sizes: rows of a chunk per program (at least 16, tl.dot's minimum), whole head_dim and
-    state_size per program (Mamba-2 uses P = 64, N <= 256)."""
-    block_l = min(64, max(16, triton.next_power_of_2(chunk_size)))
+def tiles(chunk_size: int, head_dim: int, state_size: int, dtype: torch.dtype) -> dict[str, int]:
+    """Tile sizes: rows of a chunk per program (at least 16, tl.dot's minimum; 32 rather than 64
+    for fp32 operands, whose backward source kernel otherwise needs 161 KiB of shared memory at
+    P = 64, N = 128, over what sm_80 gives a block), whole head_dim and state_size per program."""
+    block_l = min(32 if dot_in_fp32(dtype) else 64, max(16, triton.next_power_of_2(chunk_size)))
     return dict(BLOCK_M=block_l, BLOCK_K=block_l, BLOCK_P=max(16, triton.next_power_of_2(head_dim)),
                 BLOCK_N=max(16, triton.next_power_of_2(state_size)))
 
@@ -207,7 +208,7 @@ def states_entering_chunks(x, B, dtp, cs, seq, initial_state):
     b, T, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     nc, L = dtp.shape[2], dtp.shape[3]
-    t = tiles(L, P, N)
+    t = tiles(L, P, N, x.dtype)
     chunk_states = torch.empty(b, nc, H, P, N, device=x.device, dtype=torch.float32)
     _chunk_state_kernel[(b * nc, H)](
         x, B, dtp, cs, seq if seq is not None else cs, chunk_states, T, H, G, nc, P=P, N=N, L=L,
@@ -228,7 +229,7 @@ def chunk_scan_fwd(x, B, C, dtp, cs, seq, states_in, D):
     b, T, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     nc, L = dtp.shape[2], dtp.shape[3]
-    t = tiles(L, P, N)
+    t = tiles(L, P, N, x.dtype)
     y = torch.empty(b, T, H, P, device=x.device, dtype=torch.float32)
     _chunk_scan_fwd_kernel[(b * nc, H, triton.cdiv(L, t["BLOCK_M"]))](
         x, B, C, dtp, cs, seq if seq is not None else cs, states_in, D if D is not None else cs, y,
