@@ -13,6 +13,21 @@ from tessera.kernels import causal_conv1d, causal_conv1d_update
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts calls into the Triton entry points, so a test cannot pass on the reference path."""
+    from tessera.kernels.ssm import conv_triton
+
+    calls = {}
+    for name in ("causal_conv1d_triton", "causal_conv1d_update_triton"):
+        def counted(*args, _name=name, _original=getattr(conv_triton, name), **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(conv_triton, name, counted)
+    return calls
+
+
 def _run(monkeypatch, triton: bool, x, w, bias, init, seq_idx, silu):
     monkeypatch.setenv("TESSERA_FORCE_TRITON", "1" if triton else "0")
     monkeypatch.setenv("TESSERA_DISABLE_TRITON", "0" if triton else "1")  # the reference on CUDA too
@@ -28,7 +43,7 @@ def _run(monkeypatch, triton: bool, x, w, bias, init, seq_idx, silu):
     (9, 5, True, True, True),  # documents of 2, 5, 2 tokens
     (2, 5, True, False, False),  # shorter than the window: the final state reaches into the initial state
 ])
-def test_the_triton_convolution_equals_the_reference_with_its_gradients(triton_cpu, monkeypatch, T, channels,
+def test_the_triton_convolution_equals_the_reference_with_its_gradients(triton_cpu, monkeypatch, spy, T, channels,
                                                                         with_docs, bias, silu):
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, T, channels, generator=g), torch.randn(channels, 4, generator=g)
@@ -39,12 +54,13 @@ def test_the_triton_convolution_equals_the_reference_with_its_gradients(triton_c
         seq_idx = torch.stack([first, torch.full_like(first, 5)]).to(torch.int32)
     got = _run(monkeypatch, True, x, w, b, init, seq_idx, silu)
     want = _run(monkeypatch, False, x, w, b, init, seq_idx, silu)
+    assert spy == {"causal_conv1d_triton": 1}
     for name, a, r in zip(("y", "final state", "dx", "dweight", "dbias", "dinit"), got, want):
         torch.testing.assert_close(a, r, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_the_triton_update_moves_only_its_slots_windows_and_decodes_what_the_whole_sequence_gives(
-        triton_cpu, monkeypatch):
+        triton_cpu, monkeypatch, spy):
     monkeypatch.setenv("TESSERA_FORCE_TRITON", "1")
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(2, 6, 70, generator=g), torch.randn(70, 4, generator=g), torch.randn(70, generator=g)
@@ -58,6 +74,7 @@ def test_the_triton_update_moves_only_its_slots_windows_and_decodes_what_the_who
         y = causal_conv1d_update(xt, pool, w, b, state_indices=slots)
         assert (y[1] == 0).all()
         steps.append(y[[0, 2]])
+    assert spy == {"causal_conv1d_triton": 1, "causal_conv1d_update_triton": 6}
     torch.testing.assert_close(torch.stack(steps, 1), whole, **TOL)
     torch.testing.assert_close(pool[[3, 0]], last, atol=0, rtol=0)
     assert pool[[1, 2, 4]].isnan().all()

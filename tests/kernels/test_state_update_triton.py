@@ -13,13 +13,29 @@ from tessera.kernels import ssd_chunk_scan, ssd_state_update
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts calls into the Triton update, so a test cannot pass on the reference path."""
+    from tessera.kernels.ssm import state_update_triton
+
+    calls = {"update": 0}
+    original = state_update_triton.ssd_state_update_triton
+
+    def counted(*args, **kwargs):
+        calls["update"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(state_update_triton, "ssd_state_update_triton", counted)
+    return calls
+
+
 def _step_inputs(b, H, P, G, N, g):
     return dict(x=torch.randn(b, H, P, generator=g), dt=torch.randn(b, H, generator=g), A=-torch.rand(H, generator=g),
                 B=torch.randn(b, G, N, generator=g), C=torch.randn(b, G, N, generator=g), D=torch.randn(H, generator=g),
                 z=torch.randn(b, H, P, generator=g), dt_bias=torch.randn(H, generator=g))
 
 
-def test_the_triton_state_update_advances_only_its_slots_as_the_reference(triton_cpu, monkeypatch):
+def test_the_triton_state_update_advances_only_its_slots_as_the_reference(triton_cpu, monkeypatch, spy):
     g = torch.Generator().manual_seed(0)
     pool = torch.randn(6, 4, 5, 6, generator=g)
     slots = torch.tensor([4, -1, 1], dtype=torch.int32)
@@ -31,6 +47,7 @@ def test_the_triton_state_update_advances_only_its_slots_as_the_reference(triton
         states = pool.clone()
         y = ssd_state_update(states, **i, dt_softplus=True, dt_limit=(0.05, 1.0), state_indices=slots)
         out[triton] = y, states
+    assert spy["update"] == 1
     torch.testing.assert_close(out[True][0], out[False][0], **TOL)
     torch.testing.assert_close(out[True][1], out[False][1], **TOL)
     assert (out[True][0][1] == 0).all()  # the padding row
@@ -39,7 +56,7 @@ def test_the_triton_state_update_advances_only_its_slots_as_the_reference(triton
     assert not torch.equal(out[True][1][[4, 1]], pool[[4, 1]])
 
 
-def test_decoding_with_the_triton_update_equals_the_triton_chunked_scan(triton_cpu, monkeypatch):
+def test_decoding_with_the_triton_update_equals_the_triton_chunked_scan(triton_cpu, monkeypatch, spy):
     monkeypatch.setenv("TESSERA_FORCE_TRITON", "1")
     g = torch.Generator().manual_seed(1)
     b, T, H, P, G, N = 2, 7, 2, 3, 1, 4
@@ -53,13 +70,14 @@ def test_decoding_with_the_triton_update_equals_the_triton_chunked_scan(triton_c
     slots = torch.tensor([2, 0], dtype=torch.int32)
     steps = [ssd_state_update(pool, x[:, t], dt[:, t], A, B[:, t], C[:, t], D, dt_bias=bias, dt_softplus=True,
                               state_indices=slots) for t in range(T)]
+    assert spy["update"] == T
     torch.testing.assert_close(torch.stack(steps, 1), y, **TOL)
     torch.testing.assert_close(pool[[2, 0]], final, **TOL)
     assert (pool[1] == 0).all()
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_triton_state_update_equals_the_reference_on_a_pool(triton_cuda, monkeypatch):
+def test_on_cuda_the_triton_state_update_equals_the_reference_on_a_pool(triton_cuda, monkeypatch, spy):
     g = torch.Generator().manual_seed(0)
     pool = torch.randn(64, 80, 64, 128, generator=g)
     slots = torch.randperm(64, generator=g)[:33].to(torch.int32)
@@ -72,5 +90,6 @@ def test_on_cuda_the_triton_state_update_equals_the_reference_on_a_pool(triton_c
         y = ssd_state_update(states, **{k: v.cuda() for k, v in i.items()}, dt_softplus=True,
                              state_indices=slots.cuda())
         out[triton] = y.cpu(), states.cpu()
+    assert spy["update"] == 1
     torch.testing.assert_close(out[True][0], out[False][0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=1e-5)
