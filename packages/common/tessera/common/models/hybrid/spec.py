@@ -26,10 +26,9 @@ def hf() -> HFAdapter:
 
 
 def parallel() -> ParallelPlan:
-    from tessera.common.errors import UserError
+    from tessera.common.models.hybrid.parallelize import PLAN
 
-    raise UserError("model kind 'hybrid': no parallel plan yet (tensor, pipeline and expert parallel for hybrid "
-                    "models are not built); train it on one process")
+    return PLAN
 
 
 HYBRID = ModelKind(
