@@ -22,6 +22,7 @@ sys.path.insert(0, str(HERE))
 
 import parallel_harness as H  # noqa: E402
 
+from tessera.common.checkpoint import load_model_tensors  # noqa: E402
 from tessera.common.errors import UserError  # noqa: E402
 from tessera.common.layout import ParallelLayout, validate_layout  # noqa: E402
 from tessera.common.models.hybrid.config import HybridConfig  # noqa: E402
@@ -34,16 +35,17 @@ MODEL = dict(vocab_size=128, hidden_size=32, num_layers=len(PATTERN), pattern=PA
              mamba=dict(num_heads=4, head_dim=8, state_size=8, num_groups=2, chunk_size=8),
              num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
              moe=dict(num_experts=4, top_k=2, ffn_hidden_size=32, num_shared_experts=1, aux_loss_coef=0.0))
-# meta: built on the meta device, only the rank's shards allocated and initialised (sharded_init).
+# meta: built on the meta device, only the rank's shards allocated and initialised (sharded_init);
+# save: the final weights go to a layout-free DCP checkpoint, compared with the one process's.
 JOBS = {
     "tp2": dict(layout=dict(tensor=2), training=dict(micro_batch_size=4), parallel=dict(sequence_parallel=False)),
     "tp2_sp_meta": dict(layout=dict(tensor=2), training=dict(micro_batch_size=4), parallel=dict(sequence_parallel=True),
-                        meta=True),
+                        meta=True, save=True),
     "tp2_sp_documents": dict(layout=dict(tensor=2), training=dict(micro_batch_size=4),
                              parallel=dict(sequence_parallel=True), documents=True),
     "pp2_meta": dict(layout=dict(pipeline=2), training=dict(micro_batch_size=2), meta=True),
     "dp2": dict(layout=dict(data=2), training=dict(micro_batch_size=2)),
-    "fsdp2": dict(layout=dict(data=2, data_shard=2), training=dict(micro_batch_size=2)),
+    "fsdp2": dict(layout=dict(data=2, data_shard=2), training=dict(micro_batch_size=2), save=True),
     "ep2": dict(layout=dict(expert=2), training=dict(micro_batch_size=2)),
 }
 
@@ -52,9 +54,9 @@ def hybrid_config(**over) -> HybridConfig:
     return HybridConfig.model_validate({**MODEL, **over})
 
 
-def reference(cfg: HybridConfig, documents: bool) -> tuple[list[float], list[float]]:
-    """Losses and pre-clip gradient norms of STEPS one-process steps (AdamW, clipping) on the
-    harness's batches: the whole global batch at once."""
+def reference(cfg: HybridConfig, documents: bool) -> tuple[list[float], list[float], torch.nn.Module]:
+    """Losses, pre-clip gradient norms and the trained model of STEPS one-process steps (AdamW,
+    clipping) on the harness's batches: the whole global batch at once."""
     from tessera.common.models.hybrid.model import build_model
 
     torch.manual_seed(0)
@@ -73,7 +75,7 @@ def reference(cfg: HybridConfig, documents: bool) -> tuple[list[float], list[flo
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), H.OPTIM["grad_clip"]).item())
         opt.step()
         losses.append(loss.item())
-    return losses, norms
+    return losses, norms, model
 
 
 def _close(got: list[float], want: list[float], rtol: float, what: str) -> None:
@@ -97,17 +99,25 @@ def _torchrun(spec: dict, tmp: Path) -> None:
 @pytest.mark.distributed
 def test_a_hybrid_model_trains_under_tp_sp_pp_dp_fsdp_and_ep_like_one_process_and_its_mixer_splits_exactly(tmp_path):
     torch.set_num_threads(1)
-    jobs = [{**j, "name": n, "out": str(tmp_path / f"{n}.json")} for n, j in JOBS.items()]
+    jobs = [{**j, "name": n, "out": str(tmp_path / f"{n}.json"),
+             "save": str(tmp_path / f"{n}.ckpt") if j.get("save") else None} for n, j in JOBS.items()]
     jobs.append({"kind": "mixer", "name": "mixer", "out": str(tmp_path / "mixer.json")})
     _torchrun({"jobs": jobs}, tmp_path)
     cfg = hybrid_config()
     plain, documents = reference(cfg, False), reference(cfg, True)
     for name, job in JOBS.items():
         out = json.loads((tmp_path / f"{name}.json").read_text())
-        want_losses, want_norms = documents if job.get("documents") else plain
+        want_losses, want_norms, model = documents if job.get("documents") else plain
         _close(out["losses"], want_losses, LOSS_RTOL, f"{name} loss")
         _close(out["grad_norms"], want_norms, NORM_RTOL, f"{name} grad norm")
         assert out["divergence"] == [0.0, 0.0], f"{name}: replicas diverged {out['divergence']}"
+        if job.get("save"):  # global tensors under the one-process names (each rank's heads in place)
+            stored = load_model_tensors(tmp_path / f"{name}.ckpt")
+            want = {n: t.detach() for n, t in model.state_dict().items()}  # the MoE bias buffer too
+            assert stored.keys() == want.keys(), f"{name}: {sorted(stored.keys() ^ want.keys())[:4]}"
+            diff = sum((stored[n] - w).pow(2).sum().item() for n, w in want.items()) ** 0.5
+            norm = sum(w.pow(2).sum().item() for w in want.values()) ** 0.5
+            assert diff / norm <= LOSS_RTOL, f"{name}: weights {diff / norm:.2e} from the one process's"
     mixer = json.loads((tmp_path / "mixer.json").read_text())
     for what, err in mixer.items():
         assert err <= 1e-5, f"tensor-parallel mixer: {what} differs from the whole mixer by {err:.2e}"
@@ -216,6 +226,8 @@ def _train_job(job: dict) -> None:
         losses.append(r.loss)
         norms.append(r.grad_norm)
     divergence.append(rt.replica_divergence())
+    if job.get("save"):
+        rt.save(job["save"])
     if groups.rank == 0:
         Path(job["out"]).write_text(json.dumps({"losses": losses, "grad_norms": norms, "divergence": divergence}))
     torch.distributed.barrier()
