@@ -245,7 +245,8 @@ def _mixer_job(job: dict) -> None:
     from tessera.common.parallel.state import build_groups
 
     groups = build_groups(ParallelLayout(tensor=2))
-    m = hybrid_config(mamba={**MODEL["mamba"], "bias": True}).mamba
+    # 4 groups: two per rank, so a gated norm over the rank's whole width (not per group) would show.
+    m = hybrid_config(mamba={**MODEL["mamba"], "num_groups": 4, "bias": True}).mamba
     whole = MambaMixer(m, 32, 1e-5)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
