@@ -95,10 +95,12 @@ def test_what_the_hybrid_kind_cannot_build_is_refused_in_one_line_naming_the_fie
 
 
 @pytest.mark.parametrize("name, hf_class, billions", [("nemotron-h-8b", "NemotronHForCausalLM", 8.10),
-                                                       ("mamba2-2.7b", "Mamba2ForCausalLM", 2.70)])
+                                                       ("mamba2-2.7b", "Mamba2ForCausalLM", 2.70),
+                                                       ("hybrid-tiny", "NemotronHForCausalLM", 0.0)])
 def test_the_published_shape_presets_are_the_transformers_models_of_those_names(name, hf_class, billions, tmp_path):
     """The preset's config.json (the HF adapter's) builds, in transformers on the meta device, a
-    model of exactly the preset's parameter count: Nemotron-H-8B's 8.1B, mamba2-2.7b's 2.7B."""
+    model of exactly the preset's parameter count: Nemotron-H-8B's 8.1B, mamba2-2.7b's 2.7B; the
+    tiny one exports as Nemotron-H too."""
     import transformers
 
     from tessera.common.models.hybrid.config import preset
