@@ -88,10 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tokenizer", metavar="DIR", help="megatron: tokenizer directory to store with the checkpoint")
     i.add_argument("--output", required=True, help="new checkpoints directory to create")
     i.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="stored dtype (default: as in the input)")
-    i.add_argument("--vocab-size-divisible-by", type=int, default=128, metavar="N",
-                   help="pad the embedding and head rows with zeros to a multiple of N (Megatron's "
+    i.add_argument("--vocab-size-divisible-by", type=int, default=None, metavar="N",
+                   help="causal LMs: pad the embedding and head rows with zeros to a multiple of N (Megatron's "
                         "--make-vocab-size-divisible-by; the padded rows' logits are -inf, exports cut them off; "
-                        "`reshard` re-pads to N x its tensor-parallel size when needed; default 128, 1 = no padding)")
+                        "`reshard` re-pads to N x its tensor-parallel size when needed; default 128, 1 = no padding). "
+                        "Hybrid models are never padded")
     common(i)
 
     v = sub.add_parser("verify", help="check a checkpoint's integrity",
@@ -174,7 +175,9 @@ def run(argv: list[str] | None = None) -> int:
         if args.model_config is not None or args.tokenizer is not None:
             raise UserError("--model-config/--tokenizer apply to --format megatron; an HF directory has both")
 
-        multiple = _positive("--vocab-size-divisible-by", args.vocab_size_divisible_by, MAX_VOCAB_MULTIPLE)
+        multiple = args.vocab_size_divisible_by
+        if multiple is not None:
+            multiple = _positive("--vocab-size-divisible-by", multiple, MAX_VOCAB_MULTIPLE)
         out = import_hf(args.input, args.output, dtype=parse_dtype(args.dtype), vocab_size_divisible_by=multiple,
                         overwrite=args.overwrite, quiet=args.quiet, sync=args.sync)
         print(out)
