@@ -73,8 +73,8 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_import_reshard_to_tp2_pp2_and_back_then_export_gives_transformers_bytes_and_config(
         tmp_path, tokenizer_dir, name):
-    import transformers
     import torch.distributed.checkpoint as dcp
+    import transformers
 
     family, over, ep = CASES[name]
     hf = save_hf(tmp_path, tokenizer_dir, family, **over)
