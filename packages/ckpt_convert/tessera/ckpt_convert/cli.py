@@ -58,9 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     common(r)
 
     e = sub.add_parser("export", help="export to Hugging Face (hf) or TensorRT-LLM (trtllm)",
-                       description="hf: a transformers LlamaForCausalLM / GPT2LMHeadModel directory (safetensors, "
-                                   "config.json, generation_config.json, tokenizer). trtllm: a TensorRT-LLM checkpoint "
-                                   "(config.json + rank{R}.safetensors) for trtllm-build.")
+                       description="hf: a transformers directory (safetensors, config.json, generation_config.json, "
+                                   "tokenizer) of the model's class: LlamaForCausalLM, GPT2LMHeadModel, ..., "
+                                   "NemotronHForCausalLM, Mamba2ForCausalLM. trtllm: a TensorRT-LLM checkpoint "
+                                   "(config.json + rank{R}.safetensors) for trtllm-build (causal LMs only). megatron: "
+                                   "a Megatron-Core torch_dist checkpoint (GPTModel; MambaModel for hybrid models).")
     e.add_argument("--format", required=True, choices=("hf", "trtllm", "megatron"),
                    help="output format (megatron: a Megatron-Core torch_dist checkpoint)")
     e.add_argument("--checkpoint", required=True, help=CKPT_HELP)
@@ -75,16 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pipeline-parallel", type=int, default=1, metavar="P", help="trtllm: pipeline-parallel size (default 1)")
     common(e)
 
-    i = sub.add_parser("import", help="import a Hugging Face Llama or GPT-2 directory as a checkpoint",
-                       description="Convert a transformers LlamaForCausalLM or GPT2LMHeadModel directory (model.safetensors "
-                                   "or sharded with model.safetensors.index.json) into a Tessera checkpoint: OUTPUT becomes "
+    i = sub.add_parser("import", help="import a Hugging Face directory or a Megatron-Core checkpoint",
+                       description="Convert a transformers directory (LlamaForCausalLM, GPT2LMHeadModel, ..., "
+                                   "NemotronHForCausalLM, Mamba2ForCausalLM; model.safetensors or sharded with "
+                                   "model.safetensors.index.json), or a Megatron-Core torch_dist checkpoint (GPTModel, or "
+                                   "MambaModel with a hybrid --model-config), into a Tessera checkpoint: OUTPUT becomes "
                                    "a checkpoints directory (iter_0000000/ + pointer) with sidecar and tokenizer.")
     i.add_argument("--format", required=True, choices=("hf", "megatron"),
                    help="input format: hf, or megatron (a Megatron-Core torch_dist checkpoint directory)")
     i.add_argument("--input", required=True, help="Hugging Face model directory, or Megatron iter_NNNNNNN directory")
     i.add_argument("--model-config", metavar="FILE",
-                   help="megatron: the model as a Tessera ModelConfig (YAML/JSON; a torch_dist checkpoint holds none "
-                        "that can be read without unpickling)")
+                   help="megatron: the model as a Tessera model config (YAML/JSON; `kind: hybrid` for a MambaModel "
+                        "checkpoint; a torch_dist checkpoint holds none that can be read without unpickling)")
     i.add_argument("--tokenizer", metavar="DIR", help="megatron: tokenizer directory to store with the checkpoint")
     i.add_argument("--output", required=True, help="new checkpoints directory to create")
     i.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="stored dtype (default: as in the input)")
