@@ -58,11 +58,8 @@ def tessera_to_megatron(cfg: ModelConfig, t: dict[str, torch.Tensor], rows: int)
             out[layer + "mlp.linear_fc1.layer_norm_" + suffix] = stack(lambda p, suffix=suffix: t[p + "mlp_norm." + suffix])
         if f"layers.0.attn.q_proj.{suffix}" in t:
             def qkv(p: str, suffix: str = suffix) -> torch.Tensor:
-                q, k, v = (t[p + f"attn.{n}_proj." + suffix] for n in "qkv")
-                rest = q.shape[1:]
-                q = q.reshape(cfg.kv_heads, per_group * hd, *rest)
-                k, v = k.reshape(cfg.kv_heads, hd, *rest), v.reshape(cfg.kv_heads, hd, *rest)
-                return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+                fuse = megatron_hybrid.fuse_qkv(cfg.kv_heads, per_group, hd)
+                return fuse([t[p + f"attn.{n}_proj." + suffix] for n in "qkv"])
             out[layer + "self_attention.linear_qkv." + suffix] = stack(qkv)
         if f"layers.0.attn.o_proj.{suffix}" in t:
             out[layer + "self_attention.linear_proj." + suffix] = stack(lambda p, suffix=suffix: t[p + "attn.o_proj." + suffix])

@@ -66,29 +66,27 @@ def check_megatron(cfg: HybridConfig, where: str = "model config") -> None:
 def _qkv(cfg: HybridConfig) -> tuple[int, int, int]:
     hd, kv = cfg.attention_head_dim, cfg.kv_heads
     assert hd is not None and kv is not None and cfg.num_heads is not None
-    return hd, kv, cfg.num_heads // kv
+    return kv, cfg.num_heads // kv, hd
 
 
-def fuse_qkv(cfg: HybridConfig):
-    """q, k, v -> Megatron's linear_qkv rows: per query group g, [q heads of g | k_g | v_g]."""
-    hd, kv, per_group = _qkv(cfg)
-
+def fuse_qkv(kv_heads: int, per_group: int, head_dim: int):
+    """Combine: q, k, v -> Megatron's linear_qkv rows (GPTModel's and MambaModel's attention): per
+    query group g, [the group's per_group query heads | k_g | v_g], head_dim rows each."""
     def fuse(ts: list[torch.Tensor]) -> torch.Tensor:
         q, k, v = ts
         rest = q.shape[1:]
-        return torch.cat([q.reshape(kv, per_group * hd, *rest), k.reshape(kv, hd, *rest),
-                          v.reshape(kv, hd, *rest)], dim=1).reshape(-1, *rest)
+        return torch.cat([q.reshape(kv_heads, per_group * head_dim, *rest), k.reshape(kv_heads, head_dim, *rest),
+                          v.reshape(kv_heads, head_dim, *rest)], dim=1).reshape(-1, *rest)
     return fuse
 
 
-def split_qkv(cfg: HybridConfig, part: int):
-    """The inverse of fuse_qkv for one of q (0), k (1), v (2)."""
-    hd, kv, per_group = _qkv(cfg)
-    bounds = [0, per_group * hd, (per_group + 1) * hd, (per_group + 2) * hd]
+def split_qkv(kv_heads: int, per_group: int, head_dim: int, part: int):
+    """Combine: the inverse of fuse_qkv for one of q (0), k (1), v (2)."""
+    bounds = [0, per_group * head_dim, (per_group + 1) * head_dim, (per_group + 2) * head_dim]
 
     def take(ts: list[torch.Tensor]) -> torch.Tensor:
         w = ts[0]
-        groups = w.reshape(kv, (per_group + 2) * hd, *w.shape[1:])
+        groups = w.reshape(kv_heads, (per_group + 2) * head_dim, *w.shape[1:])
         return groups[:, bounds[part]:bounds[part + 1]].reshape(-1, *w.shape[1:])
     return take
 
@@ -124,7 +122,7 @@ def export_rules(cfg: HybridConfig, shapes: dict[str, tuple[int, ...]], vocab_ro
             rename(m + "self_attention.linear_qkv.layer_norm_weight", t + "norm.weight")
             sources = tuple(x + f"{p}_proj.weight" for p in "qkv")
             rows_ = sum(shapes[s][0] for s in sources)
-            out.append(Rule(m + "self_attention.linear_qkv.weight", sources, (rows_, d), fuse_qkv(cfg),
+            out.append(Rule(m + "self_attention.linear_qkv.weight", sources, (rows_, d), fuse_qkv(*_qkv(cfg)),
                             tuple(shapes[s] for s in sources)))
             rename(m + "self_attention.linear_proj.weight", x + "o_proj.weight")
         elif symbol == "-":
@@ -160,7 +158,7 @@ def import_rules(cfg: HybridConfig, shapes: dict[str, tuple[int, ...]], vocab_ro
         if r.combine is None:
             out.append(Rule(r.sources[0], (r.target,), r.shape))
         elif len(r.sources) == 3:  # linear_qkv
-            out.extend(Rule(s, (r.target,), shapes[s], split_qkv(cfg, part), (r.shape,))
+            out.extend(Rule(s, (r.target,), shapes[s], split_qkv(*_qkv(cfg), part), (r.shape,))
                        for part, s in enumerate(r.sources))
         else:  # the vocabulary's padded rows
             out.append(Rule(r.sources[0], (r.target,), shapes[r.sources[0]], rows(0, cfg.vocab_size, False),

@@ -97,11 +97,9 @@ def megatron_to_tessera(cfg: ModelConfig, get) -> dict[str, torch.Tensor]:
                     out[t + f"{ours}.{suffix}"] = stacked[f"{ours}.{suffix}"][i]
             qkv = stacked[f"qkv.{suffix}"]
             if qkv is not None:
-                groups = qkv[i].reshape(cfg.kv_heads, (per_group + 2) * hd, *qkv.shape[2:])
-                out[t + f"attn.q_proj.{suffix}"] = groups[:, :per_group * hd].reshape(cfg.q_size, *qkv.shape[2:])
-                out[t + f"attn.k_proj.{suffix}"] = groups[:, per_group * hd:(per_group + 1) * hd].reshape(
-                    cfg.kv_size, *qkv.shape[2:])
-                out[t + f"attn.v_proj.{suffix}"] = groups[:, (per_group + 1) * hd:].reshape(cfg.kv_size, *qkv.shape[2:])
+                for part, name in enumerate("qkv"):
+                    split = megatron_hybrid.split_qkv(cfg.kv_heads, per_group, hd, part)
+                    out[t + f"attn.{name}_proj.{suffix}"] = split([qkv[i]])
             if stacked[f"o.{suffix}"] is not None:
                 out[t + f"attn.o_proj.{suffix}"] = stacked[f"o.{suffix}"][i]
             fc1 = stacked[f"fc1.{suffix}"]
