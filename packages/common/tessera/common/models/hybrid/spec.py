@@ -46,6 +46,6 @@ HYBRID = ModelKind(
     hf=hf,
     parallel=parallel,
     flops_per_token=HybridConfig.flops_per_token,
-    hooks=StageHooks(train_batch="next_token", train_loss="next_token", plan_memory="decoder"),
+    hooks=StageHooks(train_batch="next_token", train_loss="next_token", plan_memory="decoder", convert="hybrid"),
     tensor_shapes=tensor_shapes,
 )
