@@ -32,10 +32,9 @@ def tensor_shapes(cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
 
 
 def parallel() -> ParallelPlan:
-    from tessera.common.errors import UserError
+    from tessera.common.models.hybrid.parallelize import PLAN
 
-    raise UserError("model kind 'hybrid': no parallel plan yet (tensor, pipeline and expert parallel for hybrid "
-                    "models are not built); train it on one process")
+    return PLAN
 
 
 HYBRID = ModelKind(
