@@ -91,17 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.batch * args.seq
     print(f"hybrid {cfg.pattern} d={cfg.hidden_size} {cfg.num_params() / 1e6:.2f}M parameters, {args.batch}x{args.seq} "
           f"tokens per step, fp32, {args.threads} threads, {args.steps} alternating steps each")
-    rates = {}
+    # On a shared machine a step now and then stalls for seconds: the median and the fastest step
+    # are both reported (the fastest is what each framework's code costs when nothing interferes).
+    rates, best = {}, {}
     for name, r in out.items():
-        med = statistics.median(r["step_times_s"])
-        rates[name] = tokens / med
-        print(f"{name:>13}: {rates[name]:>9,.0f} tokens/s (median step {med * 1e3:.0f} ms, first step "
-              f"{r['first_step_s']:.2f} s), loss after {r['final_loss']:.4f}")
-    ratio = rates["tessera"] / rates["transformers"]
-    print(f"Tessera / transformers NemotronHForCausalLM: {ratio:.2f}x")
+        med, fastest = statistics.median(r["step_times_s"]), min(r["step_times_s"])
+        rates[name], best[name] = tokens / med, tokens / fastest
+        print(f"{name:>13}: {rates[name]:>9,.0f} tokens/s median step ({med * 1e3:.0f} ms), {best[name]:>9,.0f} "
+              f"fastest step ({fastest * 1e3:.0f} ms); first step {r['first_step_s']:.2f} s; loss after "
+              f"{r['final_loss']:.4f}")
+    ratio, best_ratio = rates["tessera"] / rates["transformers"], best["tessera"] / best["transformers"]
+    print(f"Tessera / transformers NemotronHForCausalLM: {ratio:.2f}x (median steps), {best_ratio:.2f}x (fastest steps)")
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "tokens_per_s": rates,
-                                         "ratio": ratio, "runs": out}, indent=1))
+                                         "ratio": ratio, "fastest_ratio": best_ratio, "runs": out}, indent=1))
     return 0
 
 

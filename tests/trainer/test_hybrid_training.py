@@ -58,6 +58,10 @@ def test_a_hybrid_model_with_all_four_layer_types_trains_through_tessera_train(a
     assert all(r["moe_aux_loss"] > 0 for r in records if r["kind"] == "train")
     sidecar = read_sidecar(resolve_checkpoint(tmp_path / "run" / "checkpoints"))
     assert sidecar.model.kind == "hybrid" and sidecar.model.pattern == "M*-E"
+    # The TFLOP/s and MFU logged are the hybrid count's (Mamba scan and conv included).
+    flops = sidecar.model.flops_per_token(32)
+    assert all(r["tflops"] == pytest.approx(r["tokens_per_s"] * flops / 1e12, rel=1e-6)
+               for r in records if r["kind"] == "train")
 
 
 def test_a_resumed_hybrid_run_is_bit_identical_to_an_uninterrupted_one(artifacts, tmp_path):
