@@ -40,7 +40,7 @@ from tessera.inference.worker.cuda_graphs import (
     default_capture_sizes,
 )
 from tessera.inference.worker.executor import WorkerDied
-from tessera.inference.worker.kv_cache import kv_block_bytes, kv_cache_dtype
+from tessera.inference.worker.kv_cache import kv_cache_dtype
 from tessera.inference.worker.loader import LoadedModel
 from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.prepare import ServingPrep, serving_runner
@@ -89,7 +89,10 @@ def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype) -
         return -(-cfg.kv_cache_tokens // cfg.block_size)
     # Under tensor parallel kv_cache_memory is per rank, which holds 1/tp of the key/value heads
     # (one, replicated, when tp > kv_heads); fp8 (--kv-cache-dtype) fits 4x fp32's blocks.
-    per_rank = kv_block_bytes(loaded.config, cfg.block_size, kv_dtype, cfg.tensor_parallel)
+    per_rank = serving_kind(loaded.config).runner.block_bytes(loaded.config, cfg.block_size, kv_dtype,
+                                                              cfg.tensor_parallel)
+    if per_rank == 0:  # no attention layer (an all-Mamba model): blocks are bookkeeping only, and free
+        return cfg.max_num_seqs * -(-loaded.config.max_seq_len // cfg.block_size)
     return max(1, cfg.kv_cache_memory // per_rank)
 
 
@@ -143,7 +146,12 @@ class LLMEngine:
                 f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one sequence of "
                 f"max_model_len={self.max_model_len} tokens ({need} blocks); raise --kv-cache-memory / "
                 "--num-kv-blocks or lower --max-model-len")
-        self.blocks = serving_kind(loaded.config).cache(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash)
+        kind = serving_kind(loaded.config)
+        if cfg.speculative is not None and not kind.runner.supports_speculative:
+            raise UserError(f"--speculative-config: model kind {loaded.config.kind!r} cannot verify draft tokens "
+                            "(a rejected draft would leave its Mamba states past the accepted tokens); drop the flag")
+        self.blocks = kind.cache(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash,
+                                 **kind.cache.engine_kwargs(cfg))
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.processor = OutputProcessor(self.scheduler, self.blocks)
         self.proposer = None

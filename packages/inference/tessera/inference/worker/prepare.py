@@ -51,12 +51,13 @@ def serving_runner(model: torch.nn.Module, prep: ServingPrep, num_blocks: int, b
                    kv_dtype: torch.dtype | None = None, what: str = "model") -> ModelRunner:
     """The model prepared for serving (in place) and its runner, compiled and warmed up where asked."""
     compile_it = False
+    kind = serving_kind(model.cfg)
     if device.type != "cpu" and prep.compile and prep.explicit:
         raise UserError(f"cpu_compile compiles the CPU forward; {what} is on {device.type} (decode steps use "
                         "CUDA graphs there): drop cpu_compile")
     if device.type == "cpu":
         merge_projections(model)  # q/k/v and gate/up: one GEMM each
-        reason = uncompilable(model.cfg, tp_size, prep.quantized) if prep.compile else None
+        reason = (kind.runner.eager_reason or uncompilable(model.cfg, tp_size, prep.quantized)) if prep.compile else None
         if reason is not None:
             if prep.explicit:
                 raise UserError(f"cpu_compile: {what} cannot be compiled ({reason}); drop cpu_compile to serve it "
@@ -67,7 +68,8 @@ def serving_runner(model: torch.nn.Module, prep: ServingPrep, num_blocks: int, b
         compile_it = prep.compile and reason is None
         if not compile_it and not prep.quantized:
             pack_linears(model, prep.cpu_linear, batch_hint=prep.batch_hint)
-    runner = serving_kind(model.cfg).runner(model, num_blocks, block_size, device, dtype, tp_rank, tp_size, kv_dtype=kv_dtype)
+    runner = kind.runner(model, num_blocks, block_size, device, dtype, tp_rank, tp_size, kv_dtype=kv_dtype,
+                         **kind.runner.serving_kwargs(prep))
     if compile_it:
         compiled = runner.compiled = CompiledForward(model, prep.batch_hint)
         try:

@@ -41,5 +41,5 @@ HYBRID = ModelKind(
     hf=hf,
     parallel=parallel,
     flops_per_token=HybridConfig.flops_per_token,
-    hooks=StageHooks(),
+    hooks=StageHooks(serve_runner="hybrid", serve_cache="paged_kv_and_state"),
 )

@@ -1,0 +1,121 @@
+"""Serving hybrid models (Mamba-2 layers beside attention, MLP and MoE) from directories transformers
+saved: greedy completions over HTTP equal transformers' `generate` for 32 concurrent requests whose
+long prompts are prefilled in chunks, with a KV cache small enough to force preemption; the state
+pool of the Mamba layers stays the same size whatever the sequences' lengths; the engine settings
+that cannot work for them are refused in one line."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+
+import pytest
+import torch
+from inference_helpers import hf_greedy, make_engine
+from live_server import LiveServer
+from test_hf_serving import _save
+
+from tessera.common.errors import UserError
+from tessera.common.tokenizer import load_tokenizer
+from tessera.inference.worker.state.pool import state_bytes_per_sequence
+
+VOCAB = 512  # the tiny tokenizer's
+NEMOTRON_H = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  intermediate_size=48, ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
+                  chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                  moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1, routed_scaling_factor=2.0,
+                  layers_block_type=["linear_attention", "mlp", "full_attention", "moe", "linear_attention"])  # M-*EM
+MAMBA2 = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, num_heads=4, head_dim=16,
+              n_groups=2, expand=2, chunk_size=8)
+
+
+def hf_model(family: str):
+    """A random tiny transformers model with informative norms, D and dt_bias (transformers sets
+    them to constants) and a scaled head, so that greedy choices are well separated."""
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "nemotron_h":
+        model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**NEMOTRON_H))
+    else:
+        model = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**MAMBA2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "norm_f.weight", ".D", "dt_bias")):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.5)
+        model.get_output_embeddings().weight.mul_(20.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["nemotron_h", "mamba2"])
+def hybrid(request, tiny_ckpt, tmp_path_factory):
+    hf = hf_model(request.param)
+    return request.param, hf, _save(hf, tiny_ckpt, tmp_path_factory.mktemp("hf") / request.param)
+
+
+def test_concurrent_long_prompts_with_chunked_prefill_and_preemption_equal_transformers_generate(hybrid):
+    """32 requests at once over HTTP; prompts of 30 to 61 tokens are prefilled 32 tokens per step
+    (chunks cut mid scan-chunk), decodes share steps with other requests' prefill chunks, and 12
+    blocks of 8 tokens hold fewer sequences than run, so some are preempted and recomputed."""
+    import httpx
+
+    family, hf, export = hybrid
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, VOCAB, (30 + i,), generator=gen).tolist() for i in range(32)]
+    expected = [hf_greedy(hf, p, 6) for p in prompts]
+    tokenizer = load_tokenizer(export)
+    s = LiveServer(export, block_size=8, num_kv_blocks=12, max_model_len=80, max_num_batched_tokens=32,
+                   max_num_seqs=32)
+    try:
+        body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        with cf.ThreadPoolExecutor(32) as pool:
+            futs = [pool.submit(httpx.post, f"{s.url}/v1/completions", json={**body, "prompt": p}, timeout=120)
+                    for p in prompts]
+            replies = [f.result() for f in futs]
+        for prompt, reply, want in zip(prompts, replies, expected):
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == tokenizer.decode(want), (family, prompt)
+        assert s.engine.scheduler.num_preemptions > 0
+        assert s.wait_idle()
+        assert len(s.engine.blocks.free_slots) == 32  # every state slot came back
+    finally:
+        s.stop()
+
+
+def test_the_state_pool_does_not_grow_with_sequence_length_and_the_startup_summary_says_its_size(hybrid):
+    from tessera.inference.core.sampling_params import SamplingParams
+
+    family, _, export = hybrid
+    engine = make_engine(export, block_size=8, num_kv_blocks=64, max_model_len=256, max_num_seqs=3)
+    pool = engine.runner.states
+    before = pool.nbytes
+    per_seq = state_bytes_per_sequence(engine.loaded.config, torch.float32)
+    assert before == 3 * per_seq > 0
+    for length in (5, 200):
+        engine.add_request(f"r{length}", [7] * length, SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.run_to_completion(lambda _: None)
+        assert pool.nbytes == before
+    assert engine.runner.state_summary().startswith(f"state pool 3 sequences x {per_seq / 1024:.1f} KiB")
+
+
+def test_prefix_caching_is_switched_off_for_hybrid_models_in_one_line(hybrid, caplog):
+    family, _, export = hybrid
+    with caplog.at_level(logging.INFO, logger="tessera.inference"):
+        engine = make_engine(export, block_size=8, num_kv_blocks=64, max_model_len=256)
+    assert not engine.blocks.enable_prefix_caching
+    assert sum("prefix caching: off for this hybrid model" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"speculative": {"method": "ngram", "num_speculative_tokens": 2}}, "--speculative-config: model kind 'hybrid'"),
+])
+def test_engine_settings_hybrid_models_cannot_honour_are_refused_naming_the_flag(hybrid, cfg, message):
+    with pytest.raises(UserError, match=message):
+        make_engine(hybrid[2], block_size=8, num_kv_blocks=64, max_model_len=256, **cfg)
+
+
+def test_tensor_parallel_serving_of_a_hybrid_model_is_refused_in_one_line(hybrid):
+    from tessera.inference.worker.loader import load_for_serving
+
+    with pytest.raises(UserError, match="--tensor-parallel 2: model kind 'hybrid' is served on one device"):
+        load_for_serving(hybrid[2], torch.device("cpu"), torch.float32, tensor_parallel=2)
