@@ -119,3 +119,30 @@ def test_tensor_parallel_serving_of_a_hybrid_model_is_refused_in_one_line(hybrid
 
     with pytest.raises(UserError, match="--tensor-parallel 2: model kind 'hybrid' is served on one device"):
         load_for_serving(hybrid[2], torch.device("cpu"), torch.float32, tensor_parallel=2)
+
+
+def test_a_tessera_checkpoint_of_the_hybrid_model_is_served_like_transformers_generate(hybrid, tmp_path):
+    """The same weights imported into a Tessera checkpoint (DCP + sidecar + tokenizer) serve the
+    same greedy tokens as transformers' model."""
+    from inference_helpers import run_all, token_ids
+
+    from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, save_model_tensors, write_pointer
+    from tessera.common.hf.directory import load_hf_weights, read_hf_config
+    from tessera.common.tokenizer import load_tokenizer as load_tok
+    from tessera.inference.core.sampling_params import SamplingParams
+
+    family, hf, export = hybrid
+    cfg, _ = read_hf_config(export)
+    it = tmp_path / "run" / "checkpoints" / "iter_0000001"
+    it.mkdir(parents=True)
+    save_model_tensors(it, load_hf_weights(export, cfg))
+    load_tok(export).save(it / "tokenizer")
+    finalize_checkpoint(it, CheckpointSidecar(model=cfg, step=1))
+    write_pointer(it.parent, 1)
+    engine = make_engine(tmp_path / "run", block_size=8, num_kv_blocks=64, max_model_len=256,
+                         max_num_batched_tokens=32, max_num_seqs=4)
+    prompts = {"a": list(range(40, 85)), "b": [9, 300, 2, 77, 5]}
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = run_all(engine, {rid: (p, params) for rid, p in prompts.items()})
+    for rid, prompt in prompts.items():
+        assert token_ids(outs[rid]) == hf_greedy(hf, prompt, 8), (family, rid)
