@@ -115,7 +115,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--pattern", default="M-M-M*-M-M-", help="the hybrid's layers (M Mamba-2, * attention, - MLP)")
     p.add_argument("--llama-layers", type=int, default=6, help="layers of the attention-only model")
-    p.add_argument("--llama-ffn", type=int, default=768, help="its MLP width (sized to match the hybrid's parameters)")
+    p.add_argument("--llama-ffn", type=int, default=864, help="its MLP width (sized to match the hybrid's parameters)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()

@@ -8,15 +8,27 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import socket
+import subprocess
+import sys
 
+import httpx
 import pytest
 import torch
-from inference_helpers import hf_greedy, make_engine
+from inference_helpers import hf_greedy, make_engine, run_all, token_ids, wait_for_health
 from live_server import LiveServer
 from test_hf_serving import _save
 
+from tessera.common.checkpoint import (
+    CheckpointSidecar,
+    finalize_checkpoint,
+    save_model_tensors,
+    write_pointer,
+)
 from tessera.common.errors import UserError
+from tessera.common.hf.directory import load_hf_weights, read_hf_config
 from tessera.common.tokenizer import load_tokenizer
+from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.worker.state.pool import state_bytes_per_sequence
 
 VOCAB = 512  # the tiny tokenizer's
@@ -47,18 +59,28 @@ def hf_model(family: str):
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def exports(tiny_ckpt, tmp_path_factory):
+    """family -> (family, transformers model, its saved directory with the tiny tokenizer), made once."""
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            hf = hf_model(family)
+            made[family] = family, hf, _save(hf, tiny_ckpt, tmp_path_factory.mktemp("hf") / family)
+        return made[family]
+    return get
+
+
 @pytest.fixture(scope="module", params=["nemotron_h", "mamba2"])
-def hybrid(request, tiny_ckpt, tmp_path_factory):
-    hf = hf_model(request.param)
-    return request.param, hf, _save(hf, tiny_ckpt, tmp_path_factory.mktemp("hf") / request.param)
+def hybrid(request, exports):
+    return exports(request.param)
 
 
 def test_concurrent_long_prompts_with_chunked_prefill_and_preemption_equal_transformers_generate(hybrid):
     """32 requests at once over HTTP; prompts of 30 to 61 tokens are prefilled 32 tokens per step
     (chunks cut mid scan-chunk), decodes share steps with other requests' prefill chunks, and 12
     blocks of 8 tokens hold fewer sequences than run, so some are preempted and recomputed."""
-    import httpx
-
     family, hf, export = hybrid
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, VOCAB, (30 + i,), generator=gen).tolist() for i in range(32)]
@@ -83,8 +105,6 @@ def test_concurrent_long_prompts_with_chunked_prefill_and_preemption_equal_trans
 
 
 def test_the_state_pool_does_not_grow_with_sequence_length_and_the_startup_summary_says_its_size(hybrid):
-    from tessera.inference.core.sampling_params import SamplingParams
-
     family, _, export = hybrid
     engine = make_engine(export, block_size=8, num_kv_blocks=64, max_model_len=256, max_num_seqs=3)
     pool = engine.runner.states
@@ -108,6 +128,8 @@ def test_prefix_caching_is_switched_off_for_hybrid_models_in_one_line(hybrid, ca
 
 @pytest.mark.parametrize("cfg, message", [
     ({"speculative": {"method": "ngram", "num_speculative_tokens": 2}}, "--speculative-config: model kind 'hybrid'"),
+    ({"cpu_compile": True}, r"cpu_compile: model cannot be compiled \(the hybrid stack runs its Mamba layers"),
+    ({"padded_decode": True}, "--padded-decode / CUDA graphs: hybrid models have no padded or captured decode"),
 ])
 def test_engine_settings_hybrid_models_cannot_honour_are_refused_naming_the_flag(hybrid, cfg, message):
     with pytest.raises(UserError, match=message):
@@ -124,19 +146,12 @@ def test_tensor_parallel_serving_of_a_hybrid_model_is_refused_in_one_line(hybrid
 def test_a_tessera_checkpoint_of_the_hybrid_model_is_served_like_transformers_generate(hybrid, tmp_path):
     """The same weights imported into a Tessera checkpoint (DCP + sidecar + tokenizer) serve the
     same greedy tokens as transformers' model."""
-    from inference_helpers import run_all, token_ids
-
-    from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, save_model_tensors, write_pointer
-    from tessera.common.hf.directory import load_hf_weights, read_hf_config
-    from tessera.common.tokenizer import load_tokenizer as load_tok
-    from tessera.inference.core.sampling_params import SamplingParams
-
     family, hf, export = hybrid
     cfg, _ = read_hf_config(export)
     it = tmp_path / "run" / "checkpoints" / "iter_0000001"
     it.mkdir(parents=True)
     save_model_tensors(it, load_hf_weights(export, cfg))
-    load_tok(export).save(it / "tokenizer")
+    load_tokenizer(export).save(it / "tokenizer")
     finalize_checkpoint(it, CheckpointSidecar(model=cfg, step=1))
     write_pointer(it.parent, 1)
     engine = make_engine(tmp_path / "run", block_size=8, num_kv_blocks=64, max_model_len=256,
@@ -146,3 +161,30 @@ def test_a_tessera_checkpoint_of_the_hybrid_model_is_served_like_transformers_ge
     outs = run_all(engine, {rid: (p, params) for rid, p in prompts.items()})
     for rid, prompt in prompts.items():
         assert token_ids(outs[rid]) == hf_greedy(hf, prompt, 8), (family, rid)
+
+
+def test_tessera_serve_states_the_state_pool_in_its_startup_line_and_serves_completions(exports):
+    """The real CLI (engine in its own process): the startup line says how many sequences the state
+    pool holds and each one's bytes, and a completion over HTTP is transformers' greedy output."""
+    _, hf, export = exports("nemotron_h")  # one family: a server start is the slow part
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = "from tessera.inference.entrypoints.serve_cli import entry; entry()"
+    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", str(export), "--port", str(port), "--quiet",
+                             "--num-kv-blocks", "64", "--max-model-len", "256", "--max-num-seqs", "4",
+                             "--torch-threads", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = next((x for x in proc.stderr if "listening on" in x), "")
+        cfg, _ = read_hf_config(export)
+        per_seq = state_bytes_per_sequence(cfg, torch.float32)
+        assert f"state pool 4 sequences x {per_seq / 1024:.1f} KiB" in line, line
+        url = f"http://127.0.0.1:{port}"
+        wait_for_health(proc, url, 60)
+        prompt = list(range(60, 110))
+        reply = httpx.post(url + "/v1/completions", timeout=60,
+                           json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert reply.json()["choices"][0]["text"] == load_tokenizer(export).decode(hf_greedy(hf, prompt, 8))
+    finally:
+        proc.kill()
+        proc.wait()
