@@ -177,7 +177,7 @@ def test_a_stage_without_code_for_a_registered_kind_refuses_it_in_one_line_befor
     for main in (_train_main(), _plan_main()):
         err = _cli(main, ["--config", config], capsys)
         assert ("model kind 'test_encoder': tessera-train has no batch builder for it (tessera-train handles "
-                "causal_lm)") in err, err
+                "causal_lm, hybrid)") in err, err
     assert not (tmp_path / "run").exists()
     with pytest.raises(UserError, match="'test_encoder': tessera-plan has no memory count for it"):
         memory_count(_EncoderConfig())
@@ -207,10 +207,9 @@ def test_the_hybrid_kind_is_registered_and_every_stage_without_its_code_refuses_
     assert registry.kind_of(cfg).name == "hybrid" and isinstance(registry.kind_of(cfg).build(cfg, seed=0), HybridModel)
     for archs in (["NemotronHForCausalLM"], ["NemotronHModel"], None):  # the causal LM claims every *ForCausalLM
         assert registry.kind_for_hf({"model_type": "nemotron_h", "architectures": archs}, "c").name == "hybrid"
-    config = _train_config(tmp_path / "train.yaml", HYBRID)
-    for main in (_train_main(), _plan_main()):
-        err = _cli(main, ["--config", config], capsys)
-        assert "model kind 'hybrid': tessera-train has no batch builder for it (tessera-train handles causal_lm)" in err
+    config = _train_config(tmp_path / "train.yaml", HYBRID)  # tessera-train trains it (tests/trainer/test_hybrid_*)
+    err = _cli(_plan_main(), ["--config", config], capsys)
+    assert "model kind 'hybrid': tessera-plan has no memory count for it (tessera-plan handles causal_lm)" in err, err
     bad = _train_config(tmp_path / "bad.yaml", {**HYBRID, "pattern": "M+"})
     err = _cli(_train_main(), ["--config", bad], capsys)
     assert "model: Value error, pattern: '+' (layer 1) is not a layer symbol; use M (Mamba-2), * (attention), - (MLP), E (MoE)" in err
@@ -225,6 +224,8 @@ def test_the_hybrid_kind_is_registered_and_every_stage_without_its_code_refuses_
     assert ("model kind 'hybrid': tessera-ckpt import --format hf has no converter for it (tessera-ckpt import "
             "--format hf handles causal_lm)") in err, err
     assert not (tmp_path / "out").exists()
-    ck = _checkpoint_of_kind(tmp_path / "ck", HYBRID)  # a sidecar saying hybrid (written by a later trainer)
+    ck = _checkpoint_of_kind(tmp_path / "ck", HYBRID)  # a hybrid sidecar over a causal LM's tensors
     err = _cli(_ckpt_main(), ["export", "--format", "hf", "--checkpoint", ck, "--output", tmp_path / "out"], capsys)
-    assert "model kind 'hybrid': tessera-ckpt export --format hf has no converter for it" in err, err
+    # The kind's tensor map is checked against the index before anything else reads the checkpoint.
+    assert "model tensor 'embed_tokens.weight' has shape [320, 64], the sidecar's model config implies [320, 32]" \
+        in err, err

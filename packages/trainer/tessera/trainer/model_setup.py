@@ -42,7 +42,7 @@ def apply_recompute(model: Transformer, mode: str) -> None:
     """Recompute activations in backward instead of storing them.
 
     selective: only the attention core (scores/softmax/weighted sum: the largest activations per
-    FLOP); full: each whole block, keeping only block inputs. Implemented by wrapping the bound
+    FLOP; a hybrid model's attention layers); full: each whole block, keeping only block inputs. Implemented by wrapping the bound
     `forward`/`core` of each module instance, so no wrapper module changes parameter names.
     """
     if mode == "none":
@@ -51,7 +51,9 @@ def apply_recompute(model: Transformer, mode: str) -> None:
         if mode == "full":
             block.forward = _checkpointed(block.forward)
         elif mode == "selective":
-            block.attn.core = _checkpointed(block.attn.core)
+            attn = getattr(block, "attn", None) or (block.mixer if getattr(block, "symbol", None) == "*" else None)
+            if attn is not None:
+                attn.core = _checkpointed(attn.core)
         else:
             raise ValueError(f"unknown recompute mode {mode!r}")
 

@@ -32,7 +32,7 @@ from tessera.common.layers.self_attention import Attention
 from tessera.common.models.hybrid.config import HybridConfig, LayerConfig
 from tessera.common.models.hybrid.mamba import CausalConv1d, GatedRMSNorm, MambaMixer
 
-__all__ = ["HybridBlock", "HybridModel", "build_model"]
+__all__ = ["HybridBlock", "HybridModel", "build_model", "model_tensor_shapes"]
 
 # Linear layers writing into the residual stream: initialised with std / sqrt(2 * layers).
 _OUTPUT_PROJECTIONS = ("out_proj", "o_proj", "down_proj")
@@ -133,3 +133,26 @@ def build_model(cfg: HybridConfig, device: torch.device | str = "cpu", dtype: to
     if seed is not None:
         model.init_weights(torch.Generator(device=device).manual_seed(seed))
     return model.to(dtype=dtype) if dtype != torch.float32 else model
+
+
+def model_tensor_shapes(cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of `HybridModel(cfg).state_dict()`, in its order: what a
+    checkpoint stores under `model.`. Built on the meta device from one block per layer symbol,
+    so it costs about the same for 2 layers as for thousands."""
+    def shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+    out: dict[str, tuple[int, ...]] = {}
+    blocks: dict[str, dict[str, tuple[int, ...]]] = {}
+    layers = cfg.layer_config()
+    with torch.device("meta"):
+        top = HybridModel(cfg.model_copy(update={"num_layers": 1, "pattern": cfg.pattern[0]}))
+        for name, child in top.named_children():
+            if name != "layers":
+                out.update({f"{name}.{k}": v for k, v in shapes(child).items()})
+                continue
+            for i, symbol in enumerate(cfg.pattern):
+                if symbol not in blocks:
+                    blocks[symbol] = shapes(HybridBlock(cfg, layers, i))
+                out.update({f"layers.{i}.{k}": v for k, v in blocks[symbol].items()})
+    return out

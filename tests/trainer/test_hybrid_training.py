@@ -1,0 +1,94 @@
+"""Training a hybrid model (Mamba-2, attention, MLP and MoE layers in Megatron's pattern) with
+`tessera-train` on one process: the loss falls, packed documents keep to themselves, a resumed run
+is bit-identical to an uninterrupted one, and what the kind cannot do is refused in one line."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import base_config, write_config
+from test_bad_input import run_expect_usage_error
+from test_checkpoint import final_weights, losses
+
+from tessera.common.checkpoint import read_pointer, read_sidecar, resolve_checkpoint
+from tessera.common.models.hybrid.config import HybridConfig
+from tessera.common.models.hybrid.model import HybridModel
+from tessera.common.models.registry import KINDS
+from tessera.trainer.cli import main
+
+# All four layer types, every one small: d=32, 4 SSM heads in 2 groups, 2 MoE experts of 4.
+HYBRID = {"kind": "hybrid", "hidden_size": 32, "num_layers": 4, "pattern": "M*-E", "max_seq_len": 64,
+          "mamba": {"num_heads": 4, "head_dim": 8, "state_size": 8, "num_groups": 2, "chunk_size": 8},
+          "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 64,
+          "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 16, "aux_loss_coef": 0.01}}
+
+
+def hybrid_config(artifacts, tmp_path: Path, name: str, model: dict | None = None, **sections) -> Path:
+    cfg = copy.deepcopy(base_config(artifacts, tmp_path / name))
+    cfg["model"] = copy.deepcopy(model or HYBRID)
+    for key, value in sections.items():
+        cfg[key].update(value)
+    return write_config(tmp_path / f"{name}.yaml", cfg)
+
+
+def test_the_hybrid_kinds_tensor_map_is_its_model_state_dict_without_building_it():
+    """What every checkpoint reader checks the DCP index against: names, order and shapes."""
+    for over in [{}, {"pattern": "MM*M", "tie_embeddings": True},
+                 {"pattern": "EM-M", "mlp_bias": True, "mamba": {**HYBRID["mamba"], "bias": True, "conv_bias": False}}]:
+        cfg = HybridConfig.model_validate({**HYBRID, "vocab_size": 96, **over})
+        with torch.device("meta"):
+            model = HybridModel(cfg)
+        assert list(KINDS["hybrid"].tensor_shapes(cfg).items()) == \
+            [(k, tuple(v.shape)) for k, v in model.state_dict().items()], over
+
+
+def test_a_hybrid_model_with_all_four_layer_types_trains_through_tessera_train(artifacts, tmp_path):
+    """Packed documents on (reset_attention_mask: attention within each, the Mamba state restarted at
+    each): the loss falls, the MoE router is logged, and the checkpoint is of the hybrid kind."""
+    config = hybrid_config(artifacts, tmp_path, "run", training={"steps": 10},
+                           data={"reset_attention_mask": True, "eod_mask_loss": True}, optim={"lr": 1e-2})
+    assert main(["--config", str(config), "--quiet"]) == 0
+    loss = losses(tmp_path / "run")
+    assert len(loss) == 10 and loss[10] < loss[1] - 0.5, loss
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["moe_aux_loss"] > 0 for r in records if r["kind"] == "train")
+    sidecar = read_sidecar(resolve_checkpoint(tmp_path / "run" / "checkpoints"))
+    assert sidecar.model.kind == "hybrid" and sidecar.model.pattern == "M*-E"
+
+
+def test_a_resumed_hybrid_run_is_bit_identical_to_an_uninterrupted_one(artifacts, tmp_path):
+    sections = dict(training={"steps": 4}, data={"reset_attention_mask": True})
+    straight = hybrid_config(artifacts, tmp_path, "straight", **sections)
+    assert main(["--config", str(straight), "--quiet"]) == 0
+    split = hybrid_config(artifacts, tmp_path, "split", **sections)
+    assert main(["--config", str(split), "--quiet", "training.exit_after_steps=2"]) == 0
+    assert read_pointer(tmp_path / "split" / "checkpoints") == 2
+    assert main(["--config", str(split), "--quiet", "--resume"]) == 0
+    a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "split")
+    assert a.keys() == b.keys() and "layers.0.mixer.A_log" in a
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert losses(tmp_path / "straight") == losses(tmp_path / "split")
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["parallel.context=2"], "parallel.context: context parallel is not built for hybrid models"),
+    (["--context-parallel", "2"], "parallel.context: context parallel is not built for hybrid models"),
+    (["data.reset_position_ids=true"], "data.reset_position_ids: a hybrid model has no positions"),
+    (["model.pattern=M*-X"], "pattern: 'X' (layer 3) is not a layer symbol"),
+    (["model.pattern=M*-"], "pattern: 3 symbols for num_layers=4"),
+    (["model.mamba.num_groups=3"], "mamba: num_groups (3) must divide num_heads (4)"),
+    (["model.num_kv_heads=3"], "num_kv_heads (3) must divide num_heads (4)"),
+    (["model.hidden_size=1000000000"], "hidden_size"),
+    (["model.mamba.state_size=100000000"], "mamba.state_size"),
+])
+def test_what_the_hybrid_kind_cannot_build_is_refused_in_one_line_naming_the_field(artifacts, tmp_path, capsys,
+                                                                                 overrides, expected):
+    config = hybrid_config(artifacts, tmp_path, "run")
+    err = run_expect_usage_error(["--config", str(config), *overrides], capsys)
+    assert expected in err, err
+    assert not (tmp_path / "run").exists()
