@@ -8,7 +8,8 @@ prepared alike. On CPU, in order:
      itself (freezing) and fuses the elementwise ops around them (compiled.py), or, eager, the
      Linear weights prepacked for oneDNN (cpu_linear.py);
   3. the model runner, and with compile its forward warmed up (compiled) before it serves. When
-     compile is the default, a model that cannot be compiled (mixture-of-experts, dynamic RoPE) or
+     compile is the default, a model that cannot be compiled (mixture-of-experts, dynamic RoPE, a
+     kind whose runner says why: `ModelRunner.eager_reason`, e.g. hybrid) or
      a compile that fails (say, no C++ compiler, a graph break) is logged as a warning and served
      eagerly with packed weights; when the user asked for it (cpu_compile=True), either is refused
      (UserError), as is cpu_compile=True on CUDA.
