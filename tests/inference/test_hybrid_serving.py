@@ -136,13 +136,6 @@ def test_engine_settings_hybrid_models_cannot_honour_are_refused_naming_the_flag
         make_engine(hybrid[2], block_size=8, num_kv_blocks=64, max_model_len=256, **cfg)
 
 
-def test_tensor_parallel_serving_of_a_hybrid_model_is_refused_in_one_line(hybrid):
-    from tessera.inference.worker.loader import load_for_serving
-
-    with pytest.raises(UserError, match="--tensor-parallel 2: model kind 'hybrid' is served on one device"):
-        load_for_serving(hybrid[2], torch.device("cpu"), torch.float32, tensor_parallel=2)
-
-
 def test_a_tessera_checkpoint_of_the_hybrid_model_is_served_like_transformers_generate(hybrid, tmp_path):
     """The same weights imported into a Tessera checkpoint (DCP + sidecar + tokenizer) serve the
     same greedy tokens as transformers' model."""

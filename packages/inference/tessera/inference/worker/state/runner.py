@@ -31,9 +31,9 @@ from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.sample.sampler import Sampler
 from tessera.inference.worker.batch import BatchSeq, ModelRunnerOutput, StepInputs
 from tessera.inference.worker.model_runner import ModelRunner
-from tessera.inference.worker.state.pool import StatePool, state_bytes_per_sequence
+from tessera.inference.worker.state.pool import StatePool
 
-__all__ = ["HybridRunner", "hybrid_block_bytes"]
+__all__ = ["HybridRunner", "hybrid_block_bytes", "tensor_parallel_problem"]
 
 
 def hybrid_block_bytes(cfg: HybridConfig, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
@@ -45,18 +45,32 @@ def hybrid_block_bytes(cfg: HybridConfig, block_size: int, dtype: torch.dtype, t
     return 2 * layers * block_size * max(1, (cfg.kv_heads or 1) // tp) * (cfg.attention_head_dim or 1) * itemsize
 
 
+def tensor_parallel_problem(tp: int, cfg: HybridConfig) -> str | None:
+    """Why `cfg` cannot be served split over `tp` ranks (a phrase), or None. The kind's parallel plan
+    splits Mamba heads and groups, attention heads (key/value heads too: never replicated here),
+    the MLP width and the vocabulary (not padded for hybrid models) over the ranks."""
+    m = cfg.mamba
+    counts = [("Mamba heads (mamba.num_heads)", m.num_heads if m else None),
+              ("Mamba groups (mamba.num_groups)", m.num_groups if m else None),
+              ("attention heads", cfg.num_heads if "*" in cfg.pattern else None),
+              ("key/value heads", cfg.kv_heads if "*" in cfg.pattern else None),
+              ("MLP width", cfg.ffn_hidden_size if "-" in cfg.pattern else None),
+              ("vocabulary rows", cfg.vocab_size)]
+    for what, n in counts:
+        if n is not None and n % tp:
+            return f"must divide the {n} {what}"
+    return None
+
+
 class HybridRunner(ModelRunner):
     eager_reason = ("the hybrid stack runs its Mamba layers per sequence over the state pool, outside the compiled "
                     "causal-LM forward (worker/state/runner.py)")
-    supports_tensor_parallel = False  # the executor builds and splits causal-LM shards only
     supports_speculative = False  # a rejected draft would leave the Mamba states past the accepted tokens
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, kv_dtype: torch.dtype | None = None,
                  state_slots: int = 1):
         hybrid: HybridConfig = model.cfg
-        if tp_size != 1:
-            raise ValueError("HybridRunner runs on one device")
         self.model = model
         self.hybrid = hybrid
         self.cfg = hybrid.layer_config()  # what ModelRunner's attention path reads (no sliding windows)
@@ -67,14 +81,16 @@ class HybridRunner(ModelRunner):
         attention = [i for i, s in enumerate(hybrid.pattern) if s == "*"]
         self.attention_index = {layer: j for j, layer in enumerate(attention)}  # global layer -> KV pool layer
         head_dim = hybrid.attention_head_dim or 1
-        self.kv = torch.zeros(len(attention), 2, num_blocks, block_size, hybrid.kv_heads or 1, head_dim,
-                              device=device, dtype=kv_dtype or dtype)
+        # Under tensor parallel this rank's key/value heads (the loader has checked tp divides them).
+        self.kv = torch.zeros(len(attention), 2, num_blocks, block_size, max(1, (hybrid.kv_heads or 1) // tp_size),
+                              head_dim, device=device, dtype=kv_dtype or dtype)
         self.kv_scales = (1.0, 1.0)
         self.scale = 1.0 / math.sqrt(head_dim)
         self.batch_decodes = device.type == "cpu"
         self.sampler = Sampler()
+        # From the mixers as built: under tensor parallel the rank's heads and channels (its 1/tp).
         self.states = StatePool(model, state_slots, device, dtype)
-        self.state_bytes = state_bytes_per_sequence(hybrid, dtype)
+        self.state_bytes = self.states.nbytes // state_slots
         self._defer = False  # inside execute: write the states back once sampling has succeeded too
         self._pending: list[tuple[int, torch.Tensor, MambaState]] | None = None
 
