@@ -207,9 +207,7 @@ def test_the_hybrid_kind_is_registered_and_every_stage_without_its_code_refuses_
     assert registry.kind_of(cfg).name == "hybrid" and isinstance(registry.kind_of(cfg).build(cfg, seed=0), HybridModel)
     for archs in (["NemotronHForCausalLM"], ["NemotronHModel"], None):  # the causal LM claims every *ForCausalLM
         assert registry.kind_for_hf({"model_type": "nemotron_h", "architectures": archs}, "c").name == "hybrid"
-    config = _train_config(tmp_path / "train.yaml", HYBRID)  # tessera-train trains it (tests/trainer/test_hybrid_*)
-    err = _cli(_plan_main(), ["--config", config], capsys)
-    assert "model kind 'hybrid': tessera-plan has no memory count for it (tessera-plan handles causal_lm)" in err, err
+    # tessera-train and tessera-plan handle it (tests/trainer/test_hybrid_training.py, test_hybrid_plan.py)
     bad = _train_config(tmp_path / "bad.yaml", {**HYBRID, "pattern": "M+"})
     err = _cli(_train_main(), ["--config", bad], capsys)
     assert "model: Value error, pattern: '+' (layer 1) is not a layer symbol; use M (Mamba-2), * (attention), - (MLP), E (MoE)" in err

@@ -92,3 +92,34 @@ def test_what_the_hybrid_kind_cannot_build_is_refused_in_one_line_naming_the_fie
     err = run_expect_usage_error(["--config", str(config), *overrides], capsys)
     assert expected in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name, hf_class, billions", [("nemotron-h-8b", "NemotronHForCausalLM", 8.10),
+                                                       ("mamba2-2.7b", "Mamba2ForCausalLM", 2.70)])
+def test_the_published_shape_presets_are_the_transformers_models_of_those_names(name, hf_class, billions, tmp_path):
+    """The preset's config.json (the HF adapter's) builds, in transformers on the meta device, a
+    model of exactly the preset's parameter count: Nemotron-H-8B's 8.1B, mamba2-2.7b's 2.7B."""
+    import transformers
+
+    from tessera.common.models.hybrid.config import preset
+    from tessera.common.models.registry import hf_adapter
+
+    cfg = preset(name)
+    data = hf_adapter(cfg).hf_config(cfg, torch.bfloat16, None, None)
+    assert data["architectures"] == [hf_class]
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    hf_cfg = transformers.AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = getattr(transformers, hf_class)(hf_cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    assert round(cfg.num_params() / 1e9, 2) == billions
+
+
+def test_the_example_hybrid_config_trains(artifacts, tmp_path):
+    """examples/configs/hybrid-tiny.yaml as a user runs it, on the test mixture for two steps."""
+    example = Path(__file__).parents[2] / "examples" / "configs" / "hybrid-tiny.yaml"
+    assert main(["--config", str(example), "--quiet", f"data.mixture={artifacts['mixture']}",
+                 f"data.tokenizer={artifacts['tokenizer']}", f"run_dir={tmp_path / 'run'}", "training.steps=2",
+                 "training.global_batch_size=2", "training.micro_batch_size=2", "training.seq_length=32",
+                 "training.eval_interval=0", "training.log_interval=1", "logging.tensorboard=false"]) == 0
+    assert set(losses(tmp_path / "run")) == {1, 2}

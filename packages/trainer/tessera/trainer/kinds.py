@@ -17,7 +17,6 @@ from tessera.common.errors import UserError
 from tessera.common.models.registry import kind_of, stage_hook
 
 if TYPE_CHECKING:
-    from tessera.trainer.config import TrainConfig
     from tessera.trainer.data import MixtureBatches
     from tessera.trainer.step import TrainStep
 
@@ -48,7 +47,7 @@ LOSSES: dict[str, Callable[[], type[TrainStep]]] = {"next_token": _next_token_st
 
 # Options a kind's model has nothing for, by kind: (the field, whether a config asks for it, what to
 # do instead). Each is refused in one line while the config is validated, before any launch.
-REFUSED_OPTIONS: dict[str, tuple[tuple[str, Callable[[TrainConfig], bool], str], ...]] = {
+REFUSED_OPTIONS: dict[str, tuple[tuple[str, Callable[[Any], bool], str], ...]] = {  # of a TrainConfig
     "hybrid": (
         ("parallel.context", lambda c: c.parallel.context > 1,
          "context parallel is not built for hybrid models (the Mamba layers' scan would have to carry its "
@@ -60,12 +59,18 @@ REFUSED_OPTIONS: dict[str, tuple[tuple[str, Callable[[TrainConfig], bool], str],
 }
 
 
-def check_options(model: Any, cfg: TrainConfig) -> None:
-    """A one-line UserError naming the first option of `cfg` that `model`'s kind has nothing for."""
+def check_options(model: Any, cfg: Any) -> None:
+    """A one-line UserError naming the first option of `cfg` (a TrainConfig) that `model`'s kind
+    has nothing for."""
     kind = kind_of(model)
     for field, asked, why in REFUSED_OPTIONS.get(kind.name, ()):
         if asked(cfg):
             raise UserError(f"{field}: {why} (model kind {kind.name!r})")
+
+
+def refused_fields(model: Any) -> set[str]:
+    """The option fields `model`'s kind refuses (tessera-plan's layout search skips them)."""
+    return {field for field, _, _ in REFUSED_OPTIONS.get(kind_of(model).name, ())}
 
 
 def check_trainable(model: Any) -> None:

@@ -238,19 +238,21 @@ class HybridConfig(StrictModel):
 NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Unit tests and the CPU demo: every layer type, seconds per step on two cores.
+    # Unit tests and the CPU demo: every layer type, seconds per step on two cores; exports as
+    # NemotronHForCausalLM.
     "hybrid-tiny": dict(arch="nemotron_h", vocab_size=8192, hidden_size=64, num_layers=4, pattern="M*-E",
                         max_seq_len=256, mamba=dict(num_heads=4, head_dim=32, state_size=16, num_groups=2,
-                                                    chunk_size=32),
+                                                    chunk_size=32, dt_limit_min=0.001),
                         num_heads=4, num_kv_heads=2, ffn_hidden_size=128,
                         moe=dict(num_experts=4, top_k=2, ffn_hidden_size=64, aux_loss_coef=0.01)),
     # Published shapes: nvidia/Nemotron-H-8B-Base-8K's config.json (Megatron-Bridge's
-    # NemotronHModelProvider8B), state-spaces/mamba2-2.7b's (d_model 2560, 64 layers, expand 2,
+    # NemotronHModelProvider8B; transformers' Nemotron-H clamps the step at time_step_min, hence
+    # dt_limit_min = dt_min), state-spaces/mamba2-2.7b's (d_model 2560, 64 layers, expand 2,
     # head dim 64, one group, state 128, chunk 256; vocabulary 50277 padded to a multiple of 16).
     "nemotron-h-8b": dict(arch="nemotron_h", vocab_size=131072, hidden_size=4096, num_layers=52,
                           pattern=NEMOTRON_H_8B_PATTERN, max_seq_len=8192,
                           mamba=dict(num_heads=128, head_dim=64, state_size=128, num_groups=8, conv_kernel=4,
-                                     chunk_size=128),
+                                     chunk_size=128, dt_limit_min=0.001),
                           num_heads=32, num_kv_heads=8, head_dim=128, ffn_hidden_size=21504),
     "mamba2-2.7b": dict(arch="mamba2", vocab_size=50288, hidden_size=2560, num_layers=64, pattern="M" * 64,
                         max_seq_len=4096, mamba=dict(num_heads=80, head_dim=64, state_size=128, num_groups=1,

@@ -32,10 +32,9 @@ def tensor_shapes(cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
 
 
 def parallel() -> ParallelPlan:
-    from tessera.common.errors import UserError
+    from tessera.common.models.hybrid.parallelize import PLAN
 
-    raise UserError("model kind 'hybrid': no parallel plan yet (tensor, pipeline and expert parallel for hybrid "
-                    "models are not built); train it on one process")
+    return PLAN
 
 
 HYBRID = ModelKind(
@@ -47,7 +46,7 @@ HYBRID = ModelKind(
     hf=hf,
     parallel=parallel,
     flops_per_token=HybridConfig.flops_per_token,
-    hooks=StageHooks(train_batch="next_token", train_loss="next_token", serve_runner="hybrid",
+    hooks=StageHooks(train_batch="next_token", train_loss="next_token", plan_memory="decoder", serve_runner="hybrid",
                      serve_cache="paged_kv_and_state"),
     tensor_shapes=tensor_shapes,
 )
