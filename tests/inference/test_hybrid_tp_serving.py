@@ -27,7 +27,8 @@ def test_tp2_serves_a_nemotron_h_directory_like_transformers_under_chunked_prefi
     hf = hf_model("nemotron_h")  # M-*EM: Mamba heads 4 / groups 2, attention 4 / kv 2, MLP 48, 4 experts
     export = _save(hf, tiny_ckpt, tmp_path / "hf")
     gen = torch.Generator().manual_seed(3)
-    prompts = {str(i): torch.randint(2, VOCAB, (20 + 7 * i,), generator=gen).tolist() for i in range(6)}
+    # Longest first: the first step is a 32-token chunk of it alone, with no row to sample.
+    prompts = {str(i): torch.randint(2, VOCAB, (55 - 7 * i,), generator=gen).tolist() for i in range(6)}
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     loaded = load_for_serving(export, CPU, torch.float32, tensor_parallel=2)
     engine = LLMEngine(loaded, EngineConfig(tensor_parallel=2, block_size=8, num_kv_blocks=12, max_model_len=80,
@@ -43,7 +44,7 @@ def test_tp2_serves_a_nemotron_h_directory_like_transformers_under_chunked_prefi
     assert preempted > 0
 
 
-def test_a_tensor_parallel_size_that_does_not_divide_the_mamba_heads_is_refused_before_any_worker(tiny_ckpt,
+def test_a_tensor_parallel_size_that_does_not_divide_the_mamba_groups_is_refused_before_any_worker(tiny_ckpt,
                                                                                                   tmp_path):
     export = _save(hf_model("mamba2"), tiny_ckpt, tmp_path / "hf")  # 4 Mamba heads, 2 groups
     with pytest.raises(UserError, match=r"--tensor-parallel 4: must divide the 2 Mamba groups \(mamba.num_groups\)"):

@@ -338,6 +338,8 @@ class TensorParallelExecutor:
                 raise WorkerDied(f"tensor-parallel worker {rank} is gone") from None
         head = self._recv(0)
         data = self.conns[0].recv_bytes()
+        if not data:  # no row to sample this step (a prefill chunk short of its prompt's end): [0, vocab]
+            return torch.empty(*head["shape"], device=device)
         logits = torch.frombuffer(bytearray(data), dtype=torch.float32).view(*head["shape"])
         return logits.to(device)
 
