@@ -181,3 +181,21 @@ def test_tessera_serve_states_the_state_pool_in_its_startup_line_and_serves_comp
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_state_pool_comes_out_of_the_kv_cache_memory_and_one_that_fills_it_is_refused_in_one_line(exports):
+    """--kv-cache-memory is the budget of both caches: the state pool's max_num_seqs slots first,
+    the attention layers' KV blocks from the rest."""
+    from tessera.inference.worker.state.runner import hybrid_block_bytes
+
+    export = exports("nemotron_h")[2]
+    cfg, _ = read_hf_config(export)
+    states = 4 * state_bytes_per_sequence(cfg, torch.float32)
+    block = hybrid_block_bytes(cfg, 8, torch.float32)  # one attention layer's K and V for 8 tokens
+    engine = make_engine(export, block_size=8, kv_cache_memory=states + 100 * block, max_model_len=64, max_num_seqs=4)
+    assert engine.blocks.num_blocks == 100 and engine.runner.states.nbytes == states
+    export = exports("mamba2")[2]
+    states = 4 * state_bytes_per_sequence(read_hf_config(export)[0], torch.float32)
+    with pytest.raises(UserError, match=rf"--kv-cache-memory {states - 1}: the state pool of this hybrid model's "
+                                        rf"Mamba layers takes {states} bytes \(4 sequences, --max-num-seqs\)"):
+        make_engine(export, block_size=8, kv_cache_memory=states - 1, max_model_len=64, max_num_seqs=4)

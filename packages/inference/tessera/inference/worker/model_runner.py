@@ -62,6 +62,11 @@ class ModelRunner:
         """Bytes one KV block takes on one tensor rank (the engine sizes the pool by it)."""
         return kv_block_bytes(cfg, block_size, dtype, tp)
 
+    @staticmethod
+    def state_bytes_per_sequence(cfg, dtype: torch.dtype, tp: int = 1) -> int:
+        """Bytes of one sequence's slot in a per-sequence state pool on one tensor rank (0: none)."""
+        return 0
+
     @classmethod
     def serving_kwargs(cls, prep) -> dict:
         """Constructor arguments beyond the common ones, from prepare.ServingPrep."""

@@ -31,7 +31,7 @@ from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.sample.sampler import Sampler
 from tessera.inference.worker.batch import BatchSeq, ModelRunnerOutput, StepInputs
 from tessera.inference.worker.model_runner import ModelRunner
-from tessera.inference.worker.state.pool import StatePool
+from tessera.inference.worker.state.pool import StatePool, state_bytes_per_sequence
 
 __all__ = ["HybridRunner", "hybrid_block_bytes", "tensor_parallel_problem"]
 
@@ -95,6 +95,10 @@ class HybridRunner(ModelRunner):
         self._pending: list[tuple[int, torch.Tensor, MambaState]] | None = None
 
     block_bytes = staticmethod(hybrid_block_bytes)
+
+    @staticmethod
+    def state_bytes_per_sequence(cfg: HybridConfig, dtype: torch.dtype, tp: int = 1) -> int:
+        return state_bytes_per_sequence(cfg, dtype) // tp  # the plan gives each rank 1/tp of heads and channels
 
     @classmethod
     def serving_kwargs(cls, prep) -> dict:
