@@ -8,7 +8,8 @@ among the attention layers). A Mamba layer runs per kind of row: the decode toke
 sequences in one `MambaMixer.step` over their states, each prefill chunk through the chunked scan
 from its sequence's state (zero at position 0), leaving the state after its last token: chunked
 prefill carries the state from chunk to chunk. The states are written back to the pool after the
-step succeeds (see pool.py).
+step succeeds (see pool.py). A tensor-parallel worker writes them back when its forward returns
+(the sampler is on the driver; a worker that fails ends the engine, executor.py).
 
 Speculative decoding is refused for hybrid models (llm_engine.py): a rejected draft would have
 advanced the Mamba states past the accepted tokens. The forward is not compiled on CPU
