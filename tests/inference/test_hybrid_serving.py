@@ -119,11 +119,16 @@ def test_the_state_pool_does_not_grow_with_sequence_length_and_the_startup_summa
 
 
 def test_prefix_caching_is_switched_off_for_hybrid_models_in_one_line(hybrid, caplog):
+    """A warning (the engine process logs warnings), unless --no-prefix-caching asked for it off."""
     family, _, export = hybrid
-    with caplog.at_level(logging.INFO, logger="tessera.inference"):
-        engine = make_engine(export, block_size=8, num_kv_blocks=64, max_model_len=256)
-    assert not engine.blocks.enable_prefix_caching
-    assert sum("prefix caching: off for this hybrid model" in r.message for r in caplog.records) == 1
+    for asked in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tessera.inference"):
+            engine = make_engine(export, block_size=8, num_kv_blocks=64, max_model_len=256,
+                                 enable_prefix_caching=asked)
+        assert not engine.blocks.enable_prefix_caching
+        said = [r for r in caplog.records if "prefix caching: off for this hybrid model" in r.message]
+        assert len(said) == asked and all(r.levelno == logging.WARNING for r in said)
 
 
 @pytest.mark.parametrize("cfg, message", [
@@ -158,7 +163,8 @@ def test_a_tessera_checkpoint_of_the_hybrid_model_is_served_like_transformers_ge
 
 def test_tessera_serve_states_the_state_pool_in_its_startup_line_and_serves_completions(exports):
     """The real CLI (engine in its own process): the startup line says how many sequences the state
-    pool holds and each one's bytes, and a completion over HTTP is transformers' greedy output."""
+    pool holds and each one's bytes, one line before it says prefix caching is off, and a
+    completion over HTTP is transformers' greedy output."""
     _, hf, export = exports("nemotron_h")  # one family: a server start is the slow part
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -168,7 +174,13 @@ def test_tessera_serve_states_the_state_pool_in_its_startup_line_and_serves_comp
                              "--num-kv-blocks", "64", "--max-model-len", "256", "--max-num-seqs", "4",
                              "--torch-threads", "1"], stderr=subprocess.PIPE, text=True)
     try:
-        line = next((x for x in proc.stderr if "listening on" in x), "")
+        lines = []
+        for x in proc.stderr:
+            lines.append(x)
+            if "listening on" in x:
+                break
+        line = lines[-1]
+        assert sum("prefix caching: off for this hybrid model" in x for x in lines) == 1, lines
         cfg, _ = read_hf_config(export)
         per_seq = state_bytes_per_sequence(cfg, torch.float32)
         assert f"state pool 4 sequences x {per_seq / 1024:.1f} KiB" in line, line

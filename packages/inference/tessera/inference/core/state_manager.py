@@ -26,7 +26,7 @@ class StateBlockManager(BlockManager):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  prefix_cache_hash: str = "builtin", state_slots: int = 1):
         if enable_prefix_caching:
-            log.info("prefix caching: off for this hybrid model (its Mamba layers' states are not kept at block "
+            log.warning("prefix caching: off for this hybrid model (its Mamba layers' states are not kept at block "
                      "boundaries, so a cached prefix could not be resumed); --no-prefix-caching silences this")
         super().__init__(num_blocks, block_size, False, prefix_cache_hash)
         if state_slots < 1:
