@@ -166,9 +166,6 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
     check_tokenizer_fits(tokenizer, cfg.vocab_size, str(path / CONFIG if hf else ckpt / SIDECAR))
     eos_ids = sorted(set(eos) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
     if tensor_parallel > 1:
-        if not serving_kind(cfg).runner.supports_tensor_parallel:
-            raise UserError(f"--tensor-parallel {tensor_parallel}: model kind {cfg.kind!r} is served on one device "
-                            "(tensor-parallel serving of its layers is not built yet); drop --tensor-parallel")
         if not isinstance(cfg, ModelConfig):  # another kind (hybrid): its plan, then what it splits
             check_kind_tensor_parallel(tensor_parallel, cfg, str(path), quantization, device)
             return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids,

@@ -54,7 +54,6 @@ class ModelRunner:
     # Why a kind's runner is never compiled on CPU (prepare.py serves it eagerly and says so); None:
     # compiled.py's own checks decide.
     eager_reason: str | None = None
-    supports_tensor_parallel = True  # executor.py can split this kind's model
     supports_speculative = True  # drafts can be verified and rejected (nothing but K/V past the length to undo)
 
     @staticmethod
