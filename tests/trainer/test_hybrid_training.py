@@ -95,10 +95,12 @@ def test_what_the_hybrid_kind_cannot_build_is_refused_in_one_line_naming_the_fie
 
 
 @pytest.mark.parametrize("name, hf_class, billions", [("nemotron-h-8b", "NemotronHForCausalLM", 8.10),
-                                                       ("mamba2-2.7b", "Mamba2ForCausalLM", 2.70)])
+                                                       ("mamba2-2.7b", "Mamba2ForCausalLM", 2.70),
+                                                       ("hybrid-tiny", "NemotronHForCausalLM", 0.0)])
 def test_the_published_shape_presets_are_the_transformers_models_of_those_names(name, hf_class, billions, tmp_path):
     """The preset's config.json (the HF adapter's) builds, in transformers on the meta device, a
-    model of exactly the preset's parameter count: Nemotron-H-8B's 8.1B, mamba2-2.7b's 2.7B."""
+    model of exactly the preset's parameter count: Nemotron-H-8B's 8.1B, mamba2-2.7b's 2.7B; the
+    tiny one exports as Nemotron-H too."""
     import transformers
 
     from tessera.common.models.hybrid.config import preset
@@ -123,3 +125,30 @@ def test_the_example_hybrid_config_trains(artifacts, tmp_path):
                  "training.global_batch_size=2", "training.micro_batch_size=2", "training.seq_length=32",
                  "training.eval_interval=0", "training.log_interval=1", "logging.tensorboard=false"]) == 0
     assert set(losses(tmp_path / "run")) == {1, 2}
+
+
+def test_the_trainers_step_runs_packed_documents_as_if_each_ran_alone():
+    """data.reset_attention_mask reaches the hybrid model as document ids: the summed loss of a row
+    holding two documents is the two documents' losses run apart (the Mamba state restarts, attention
+    stays within each; eod_mask_loss drops the label across the boundary)."""
+    from tessera.common.models.hybrid.model import build_model
+    from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
+    from tessera.trainer.loss import cross_entropy_loss
+    from tessera.trainer.precision.mixed import Precision
+    from tessera.trainer.step import TrainStep
+
+    cfg = HybridConfig.model_validate({**HYBRID, "vocab_size": 64})
+    model = build_model(cfg, seed=0)
+    masking = DocumentMasking(eod_id=0, reset_attention_mask=True, eod_mask_loss=True)
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), Precision("fp32", torch.device("cpu")), 1.0,
+                     documents=masking)
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randint(1, 64, (1, 11), generator=g), torch.randint(1, 64, (1, 13), generator=g)
+    first[0, -1] = 0  # the first document ends with its end-of-document token
+    inputs = torch.cat([first, second], 1)
+    labels = torch.randint(1, 64, inputs.shape, generator=g)
+    with torch.no_grad():
+        packed = step.loss(inputs, masking.mask_labels(inputs, labels), reduction="sum")
+        apart = (cross_entropy_loss(model(first), labels[:, :11].masked_fill(first == 0, IGNORE_INDEX), reduction="sum")
+                 + cross_entropy_loss(model(second), labels[:, 11:], reduction="sum"))
+    torch.testing.assert_close(packed, apart, rtol=1e-5, atol=1e-5)

@@ -4,7 +4,7 @@ The stages are cut from a model built on the meta device (no memory), then `to_e
 the local shards. To make the weights those a single process would draw from the same seed
 (`build_model(cfg, seed=seed)`), the one-process initialisation is *replayed*: one generator,
 seeded as `build_model` seeds it, visits the global model's modules in the same (name) order
-through `Transformer.init_module`, each module materialised alone, at its global shape, on the
+through the model's `init_module` (Transformer's, HybridModel's), each module materialised alone, at its global shape, on the
 device; every rank copies out the slice it holds (its tensor-parallel shard of the stages it
 holds, its expert-parallel slice of stacked experts; the tied head takes the embedding's slice) and drops the rest. So:
 

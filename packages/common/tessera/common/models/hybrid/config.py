@@ -238,13 +238,15 @@ class HybridConfig(StrictModel):
 NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Unit tests and the CPU demo: every layer type, seconds per step on two cores; exports as
-    # NemotronHForCausalLM.
+    # Unit tests and the CPU demo: every layer type, seconds per step on two cores; routed as
+    # Nemotron-H routes (sigmoid scores, a shared expert, aux-loss-free balancing), so it exports
+    # as NemotronHForCausalLM.
     "hybrid-tiny": dict(arch="nemotron_h", vocab_size=8192, hidden_size=64, num_layers=4, pattern="M*-E",
                         max_seq_len=256, mamba=dict(num_heads=4, head_dim=32, state_size=16, num_groups=2,
                                                     chunk_size=32, dt_limit_min=0.001),
                         num_heads=4, num_kv_heads=2, ffn_hidden_size=128,
-                        moe=dict(num_experts=4, top_k=2, ffn_hidden_size=64, aux_loss_coef=0.01)),
+                        moe=dict(num_experts=4, top_k=2, ffn_hidden_size=64, score="sigmoid", num_shared_experts=1,
+                                 bias_balancing=True)),
     # Published shapes: nvidia/Nemotron-H-8B-Base-8K's config.json (Megatron-Bridge's
     # NemotronHModelProvider8B; transformers' Nemotron-H clamps the step at time_step_min, hence
     # dt_limit_min = dt_min), state-spaces/mamba2-2.7b's (d_model 2560, 64 layers, expand 2,
