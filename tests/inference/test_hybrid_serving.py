@@ -42,8 +42,10 @@ MAMBA2 = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=
 
 
 def hf_model(family: str):
-    """A random tiny transformers model with informative norms, D and dt_bias (transformers sets
-    them to constants) and a scaled head, so that greedy choices are well separated."""
+    """A random tiny transformers model with informative norms and D (transformers sets them to
+    constants), steps and decays that make the scan's state weigh in the output (at the default
+    initialisation it is ~1e-5 beside the skip connection, so a lost state would go unseen), and
+    a scaled head, so that greedy choices are well separated."""
     import transformers
 
     torch.manual_seed(0)
@@ -53,8 +55,16 @@ def hf_model(family: str):
         model = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**MAMBA2))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "norm_f.weight", ".D", "dt_bias")):
-                p.normal_(1.0 if "norm" in name else 0.0, 0.5)
+            if name.endswith(("norm.weight", "norm_f.weight")):
+                p.normal_(1.0, 0.5)
+            elif name.endswith(".D"):
+                p.normal_(0.0, 0.1)
+            elif name.endswith("dt_bias"):  # steps of about 0.5-1 ...
+                p.normal_(0.5, 0.3)
+            elif name.endswith("A_log"):  # ... and slow decay (|A| 0.05-0.37): the scan's state carries far
+                p.uniform_(-3.0, -1.0)
+            elif "mixer.in_proj" in name or "mixer.conv1d" in name:  # x, B and C of order 1, not 0.02
+                p.mul_(10.0 if "in_proj" in name else 25.0)
         model.get_output_embeddings().weight.mul_(20.0)
     return model.eval()
 
@@ -211,3 +221,18 @@ def test_the_state_pool_comes_out_of_the_kv_cache_memory_and_one_that_fills_it_i
     with pytest.raises(UserError, match=rf"--kv-cache-memory {states - 1}: the state pool of this hybrid model's "
                                         rf"Mamba layers takes {states} bytes \(4 sequences, --max-num-seqs\)"):
         make_engine(export, block_size=8, kv_cache_memory=states - 1, max_model_len=64, max_num_seqs=4)
+
+
+def test_an_aborted_sequence_gives_its_state_slot_back_and_the_next_owner_starts_from_a_zero_state(hybrid):
+    family, hf, export = hybrid
+    engine = make_engine(export, block_size=8, num_kv_blocks=64, max_model_len=128, max_num_seqs=1)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine.add_request("a", list(range(100, 140)), params)
+    for _ in range(4):  # prefill and a few decode steps: slot 0 holds a's state
+        engine.step()
+    assert engine.blocks.slots == {"a": 0} and engine.runner.states.layers[0].ssm.abs().max() > 0.1
+    engine.abort("a")
+    assert engine.blocks.slots == {} and engine.blocks.free_slots == [0]
+    prompt = [9, 300, 2, 77, 5, 61]
+    outs = run_all(engine, {"b": (prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))})
+    assert token_ids(outs["b"]) == hf_greedy(hf, prompt, 8), family
