@@ -46,6 +46,7 @@ HYBRID = ModelKind(
     hf=hf,
     parallel=parallel,
     flops_per_token=HybridConfig.flops_per_token,
-    hooks=StageHooks(train_batch="next_token", train_loss="next_token", plan_memory="decoder", convert="hybrid"),
+    hooks=StageHooks(train_batch="next_token", train_loss="next_token", plan_memory="decoder", convert="hybrid",
+                     serve_runner="hybrid", serve_cache="paged_kv_and_state"),
     tensor_shapes=tensor_shapes,
 )
