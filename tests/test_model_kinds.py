@@ -121,30 +121,31 @@ def test_the_kind_is_recorded_in_sidecars_and_derived_from_hf_architectures(tmp_
 
 
 def test_every_cli_refuses_an_unregistered_kind_in_one_line_before_any_work(tmp_path, capsys):
-    encoder = {"kind": "encoder", "vocab_size": 320, "hidden_size": 64}
-    config = _train_config(tmp_path / "train.yaml", {"preset": "tiny", "kind": "encoder"})
+    diffusion = {"kind": "diffusion", "vocab_size": 320, "hidden_size": 64}
+    config = _train_config(tmp_path / "train.yaml", {"preset": "tiny", "kind": "diffusion"})
     for main in (_train_main(), _plan_main()):
         err = _cli(main, ["--config", config], capsys)
-        assert "model.kind: model kind 'encoder' is not one Tessera has (registered: causal_lm, hybrid)" in err, err
+        assert "model.kind: model kind 'diffusion' is not one Tessera has (registered: causal_lm, hybrid, encoder)" in err, err
     assert not (tmp_path / "run").exists()
 
-    ck = _checkpoint_of_kind(tmp_path / "ck", encoder)
+    ck = _checkpoint_of_kind(tmp_path / "ck", diffusion)
     for argv in (["export", "--format", "hf"], ["export", "--format", "trtllm"], ["export", "--format", "megatron"],
                  ["reshard", "--tensor-parallel", "1", "--pipeline-parallel", "1"]):
         err = _cli(_ckpt_main(), [*argv, "--checkpoint", ck, "--output", tmp_path / "out"], capsys)
-        assert "tessera_checkpoint.json: model.kind: model kind 'encoder' is not one Tessera has" in err, err
+        assert "tessera_checkpoint.json: model.kind: model kind 'diffusion' is not one Tessera has" in err, err
         assert not (tmp_path / "out").exists()
     err = _cli(_serve_main(), ["--checkpoint", ck], capsys)
-    assert "model kind 'encoder' is not one Tessera has" in err, err
+    assert "model kind 'diffusion' is not one Tessera has" in err, err
 
-    bert = tmp_path / "bert"
-    bert.mkdir()
-    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
-    (bert / "model.safetensors").write_bytes(b"\0" * 16)  # never read
-    for main, argv in ((_ckpt_main(), ["import", "--format", "hf", "--input", bert, "--output", tmp_path / "out"]),
-                       (_serve_main(), ["--checkpoint", bert])):
+    whisper = tmp_path / "whisper"
+    whisper.mkdir()
+    (whisper / "config.json").write_text(json.dumps({"model_type": "whisper",
+                                                     "architectures": ["WhisperForConditionalGeneration"]}))
+    (whisper / "model.safetensors").write_bytes(b"\0" * 16)  # never read
+    for main, argv in ((_ckpt_main(), ["import", "--format", "hf", "--input", whisper, "--output", tmp_path / "out"]),
+                       (_serve_main(), ["--checkpoint", whisper])):
         err = _cli(main, argv, capsys)
-        assert "config.json: unsupported architecture 'bert' (BertForMaskedLM), of no model kind Tessera has" in err
+        assert "config.json: unsupported architecture 'whisper' (WhisperForConditionalGeneration), of no model kind Tessera has" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -187,7 +188,8 @@ def test_a_stage_without_code_for_a_registered_kind_refuses_it_in_one_line_befor
                              (["export", "--format", "megatron"], "export --format megatron"),
                              (["reshard", "--tensor-parallel", "1", "--pipeline-parallel", "1"], "reshard")):
         err = _cli(_ckpt_main(), [*argv, "--checkpoint", ck, "--output", tmp_path / "out"], capsys)
-        handled = "causal_lm" if conversion == "export --format trtllm" else "causal_lm, hybrid"
+        handled = {"export --format trtllm": "causal_lm", "export --format megatron": "causal_lm, hybrid",
+                   "import --format megatron": "causal_lm, hybrid"}.get(conversion, "causal_lm, hybrid, encoder")
         assert (f"model kind 'test_encoder': tessera-ckpt {conversion} has no converter for it "
                 f"(tessera-ckpt {conversion} handles {handled})") in err, err
         assert not (tmp_path / "out").exists()
