@@ -5,6 +5,8 @@ the same config (and no generation_config.json: an encoder does not generate).""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -41,6 +43,9 @@ def test_bert_import_reshard_to_tp2_pp2_and_back_then_export_gives_transformers_
     hf.save_pretrained(tmp_path / "hf")
     for f in tokenizer_dir.iterdir():
         (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
+    vocab_txt = "".join(f"{t}\n" for t, _ in sorted(json.loads((tokenizer_dir / "tokenizer.json").read_text())
+                                                     ["model"]["vocab"].items(), key=lambda kv: kv[1]))
+    (tmp_path / "hf" / "vocab.txt").write_text(vocab_txt)  # a WordPiece directory's vocabulary: carried along
     assert run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "c11"),
                 "--quiet"]) == 0
     assert read_sidecar(resolve_checkpoint(tmp_path / "c11")).model.kind == "encoder"
@@ -64,6 +69,11 @@ def test_bert_import_reshard_to_tp2_pp2_and_back_then_export_gives_transformers_
                 str(tmp_path / "out"), "--quiet"]) == 0
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
     assert not (tmp_path / "out" / "generation_config.json").exists()
+    assert (tmp_path / "out" / "vocab.txt").read_text() == vocab_txt
+    from tessera.common.models.encoder.hf.bert import TRANSFORMERS_VERSION
+
+    theirs = (tmp_path / "hf" / "config.json").read_text().replace(transformers.__version__, TRANSFORMERS_VERSION)
+    assert (tmp_path / "out" / "config.json").read_text() == theirs  # byte for byte (the version it reproduces)
     again = transformers.AutoConfig.from_pretrained(tmp_path / "out").to_dict()
     assert {k: v for k, v in again.items() if k != "_name_or_path"} == \
         {k: v for k, v in hf.config.to_dict().items() if k != "_name_or_path"}

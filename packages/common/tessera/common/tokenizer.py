@@ -23,7 +23,8 @@ from tessera.common.fileio import artifact_path, read_json, sha256_file
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, "special_tokens_map.json", CHAT_TEMPLATE_FILE)
+# vocab.txt: a WordPiece (BERT) tokenizer's own vocabulary, carried along for tools that read it.
+TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, "special_tokens_map.json", CHAT_TEMPLATE_FILE, "vocab.txt")
 
 
 def tokenizer_fingerprint(directory: str | os.PathLike) -> str:
