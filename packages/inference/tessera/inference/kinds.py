@@ -9,6 +9,8 @@ from typing import Any
 
 from tessera.common.models.registry import stage_hook
 from tessera.inference.core.block_manager import BlockManager
+from tessera.inference.pooling.encoder import EncoderRunner, NoKVCache
+from tessera.inference.pooling.runner import DecoderRunner
 from tessera.inference.worker.model_runner import ModelRunner
 
 STAGE = "tessera-serve"
@@ -19,9 +21,17 @@ class ServingKind:
     runner: type[ModelRunner]  # executes a scheduled step over the model and its cache
     cache: type[BlockManager]  # hands out the cache's blocks to sequences
 
+    @property
+    def generates(self) -> bool:
+        """False for a kind served as embeddings only (an encoder): completions and chat are refused."""
+        return getattr(self.runner, "generates", True)
 
-RUNNERS: dict[str, type[ModelRunner]] = {"decoder": ModelRunner}  # paged attention over the decoder stack
-CACHES: dict[str, type[BlockManager]] = {"paged_kv": BlockManager}  # paged key/value blocks, prefix caching
+
+# paged attention over the decoder stack; it also pools embed requests (pooling/runner.py)
+RUNNERS: dict[str, type[ModelRunner]] = {"decoder": DecoderRunner,
+                                         "pooling": EncoderRunner}  # an encoder: padded batches, pooled
+CACHES: dict[str, type[BlockManager]] = {"paged_kv": BlockManager,  # paged key/value blocks, prefix caching
+                                         "none": NoKVCache}  # nothing kept between steps (an encoder)
 
 
 def serving_kind(model: Any) -> ServingKind:
