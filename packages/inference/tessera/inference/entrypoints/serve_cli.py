@@ -213,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     quant += f", {cfg.kv_cache_dtype} KV cache" if cfg.kv_cache_dtype != "auto" else ""
     quant += ", checksums not verified" if cfg.skip_checksum_verify else ""
     quant += f", layers compiled in {facts['compile_s']:.1f} s" if facts.get("compile_s") else ""
+    if frontend.pooling is not None:  # /v1/embeddings is served (pooling/spec.py)
+        spec = frontend.pooling
+        quant += (f", embeddings by {spec.mode} pooling{' (normalized)' if spec.normalize else ''} of inputs up to "
+                  f"{spec.max_input_tokens} tokens{'' if frontend.generates else ' only'}")
     print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
           f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, max_model_len {frontend.max_model_len}; "
           f"{describe_measured(facts['threads'], plan)}; listening on http://{args.host}:{args.port}",
