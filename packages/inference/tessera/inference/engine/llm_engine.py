@@ -132,8 +132,9 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or model_max, model_max)
         if cfg.max_model_len is not None and cfg.max_model_len > model_max:
             raise UserError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_seq_len ({model_max})")
+        self.generates = serving_kind(loaded.config).generates  # False: embeddings only (an encoder)
         check_cuda_graphs(cfg, device, loaded.config)
-        graphs = decode_graph_mode(cfg, device, loaded.config)
+        graphs = decode_graph_mode(cfg, device, loaded.config) if self.generates else "off"
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
         pool = pool_blocks(cfg, loaded, self.kv_dtype)
         # With decode graphs the pool's last block is the padding rows' scratch block: never handed out.
@@ -164,7 +165,6 @@ class LLMEngine:
             graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
                                    scratch_block=pool - 1, capture=graphs == "capture")
         self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec, worker_threads)
-        self.generates = serving_kind(loaded.config).generates  # False: embeddings only (an encoder)
         self.pooling = embedding_spec(loaded, cfg, self.max_model_len, self.runner)  # None: no /v1/embeddings
 
     @staticmethod
