@@ -81,3 +81,31 @@ def sentences(n: int) -> list[str]:
     words = ("the quick brown fox jumps over a lazy dog while json decoders parse text and wrap lines "
              "of source code into tidy paragraphs").split()
     return [" ".join(words[(i * 7) % len(words):][: 3 + i % 11] + [str(i)]) for i in range(n)]
+
+
+def make_bert_dir(directory: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    """A random tiny BertModel saved by transformers, with a WordPiece tokenizer trained here
+    ([CLS] text [SEP], as BERT's post-processor)."""
+    from inference_helpers import corpus
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers.processors import TemplateProcessing
+    from transformers import BertConfig, BertModel
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(corpus(), trainers.WordPieceTrainer(vocab_size=512, special_tokens=special))
+    tok.post_processor = TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                            special_tokens=[(t, tok.token_to_id(t)) for t in ("[CLS]", "[SEP]")])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]", "mask_token": "[MASK]",
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden, num_hidden_layers=layers,
+                     num_attention_heads=4, intermediate_size=hidden * 2, max_position_embeddings=256)
+    BertModel(cfg).eval().save_pretrained(directory, safe_serialization=True)
+    return directory

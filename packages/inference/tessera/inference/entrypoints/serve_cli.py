@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     quant += f", layers compiled in {facts['compile_s']:.1f} s" if facts.get("compile_s") else ""
     if frontend.pooling is not None:  # /v1/embeddings is served (pooling/spec.py)
         spec = frontend.pooling
-        quant += (f", embeddings by {spec.mode} pooling{' (normalized)' if spec.normalize else ''} of inputs up to "
+        mode = {"last": "last-token", "cls": "CLS"}.get(spec.mode, spec.mode)
+        quant += (f", embeddings by {mode} pooling{' (normalized)' if spec.normalize else ''} of inputs up to "
                   f"{spec.max_input_tokens} tokens{'' if frontend.generates else ' only'}")
     print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
           f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, max_model_len {frontend.max_model_len}; "
