@@ -34,6 +34,7 @@ from tessera.inference.pooling.runner import embed_problem, embedding_spec
 from tessera.inference.sample.spec_decode import build_proposer
 from tessera.inference.sample.structured import Grammars
 from tessera.inference.worker.batch import ModelRunnerOutput
+from tessera.inference.worker.cpu_linear import pack_linears
 from tessera.inference.worker.cuda_graphs import (
     GraphSpec,
     check_cuda_graphs,
@@ -178,6 +179,8 @@ class LLMEngine:
             if cfg.tensor_parallel > 1 or loaded.model is None:
                 raise UserError(f"--tensor-parallel {cfg.tensor_parallel}: an encoder is served on one process; "
                                 "drop --tensor-parallel")
+            if device.type == "cpu" and cfg.quantization is None:  # oneDNN-prepacked weights, as prepare.py does
+                pack_linears(loaded.model, cfg.cpu_linear, batch_hint=cfg.max_num_seqs)
             return kind.runner(loaded.model, 0, cfg.block_size, device, dtype)
         if cfg.tensor_parallel == 1:
             assert loaded.model is not None
