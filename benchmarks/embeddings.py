@@ -7,7 +7,8 @@ d=256, 4 layers) or `--model bert` (MiniLM-L6's shape, d=384, 6 layers, mean poo
 needs the encoder kind). Starts `tessera-serve` on it (engine in its own process, as users run
 it), then per round, alternating which runs first:
   - tessera: the N texts sent as requests of `--batch` inputs, `--concurrency` in flight, through
-    the openai client (base64, its default);
+    the openai client (base64, its default), with truncate_prompt_tokens -1 (cut at
+    max_seq_length, as sentence-transformers cuts);
   - sentence-transformers: `SentenceTransformer(dir).encode(texts, batch_size=--batch)`.
 Prints embeddings/s of each, the ratio tessera / sentence-transformers per round and its median,
 and the cosine of the two systems' vectors (the same numbers, or the comparison means nothing).
@@ -123,7 +124,9 @@ def run_tessera(url: str, texts: list[str], batch: int, concurrency: int) -> tup
     chunks = [texts[i:i + batch] for i in range(0, len(texts), batch)]
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        replies = list(pool.map(lambda c: client.embeddings.create(model="m", input=c), chunks))
+        # Cut at max_seq_length as sentence-transformers does (without it a longer text is a 400).
+        replies = list(pool.map(lambda c: client.embeddings.create(model="m", input=c,
+                                                                   extra_body={"truncate_prompt_tokens": -1}), chunks))
     seconds = time.perf_counter() - start
     return seconds, [d.embedding for r in replies for d in r.data]
 
