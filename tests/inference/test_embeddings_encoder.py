@@ -15,9 +15,6 @@ from live_server import LiveServer
 
 from tessera.inference.entrypoints.server import ServerLimits
 
-# The encoder kind comes from branch bert-model; until it is merged there is no encoder to serve.
-pytest.importorskip("tessera.common.models.encoder", reason="the encoder kind (branch bert-model) is not merged")
-
 LIMITS = ServerLimits(max_prompt_tokens=200, max_tokens=100, max_prompts=4, max_body_bytes=200_000,
                       max_embedding_inputs=64)
 

@@ -9,9 +9,11 @@ from typing import Any
 
 from tessera.common.models.registry import stage_hook
 from tessera.inference.core.block_manager import BlockManager
+from tessera.inference.core.state_manager import StateBlockManager
 from tessera.inference.pooling.encoder import EncoderRunner, NoKVCache
 from tessera.inference.pooling.runner import DecoderRunner
 from tessera.inference.worker.model_runner import ModelRunner
+from tessera.inference.worker.state.runner import HybridRunner
 
 STAGE = "tessera-serve"
 
@@ -28,10 +30,12 @@ class ServingKind:
 
 
 # paged attention over the decoder stack; it also pools embed requests (pooling/runner.py)
-RUNNERS: dict[str, type[ModelRunner]] = {"decoder": DecoderRunner,
-                                         "pooling": EncoderRunner}  # an encoder: padded batches, pooled
-CACHES: dict[str, type[BlockManager]] = {"paged_kv": BlockManager,  # paged key/value blocks, prefix caching
-                                         "none": NoKVCache}  # nothing kept between steps (an encoder)
+RUNNERS: dict[str, type[ModelRunner]] = {"decoder": DecoderRunner}
+RUNNERS["hybrid"] = HybridRunner  # paged attention + Mamba layers over a per-sequence state pool
+RUNNERS["pooling"] = EncoderRunner  # an encoder: padded batches, pooled (pooling/encoder.py)
+CACHES: dict[str, type[BlockManager]] = {"paged_kv": BlockManager}  # paged key/value blocks, prefix caching
+CACHES["paged_kv_and_state"] = StateBlockManager  # paged K/V of attention layers + one state slot per sequence
+CACHES["none"] = NoKVCache  # nothing kept between steps (an encoder)
 
 
 def serving_kind(model: Any) -> ServingKind:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ from tessera.common.errors import UserError
 from tessera.common.fileio import BackgroundFsync, atomic_directory, atomic_write_json
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import model_tensor_shapes
-from tessera.common.models.registry import hf_adapter
+from tessera.common.models.registry import hf_adapter, kind_of
 from tessera.common.tokenizer import Tokenizer
 
 ST_METADATA = {"format": "pt"}
@@ -42,9 +43,14 @@ class ExportOptions:
     sync: bool = True  # False: no fsync of the output (options.NO_SYNC_HELP); still renamed when whole
 
 
-def expected_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of the Tessera model for `cfg` (the model's own, on the meta device)."""
-    return model_tensor_shapes(cfg, buffers=False)
+def expected_model_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of the Tessera model for `cfg` (the model's own, on the meta device):
+    a causal LM's parameters, another kind's stored tensors (its registry entry's tensor_shapes)."""
+    if isinstance(cfg, ModelConfig):
+        return model_tensor_shapes(cfg, buffers=False)
+    shapes = kind_of(cfg).tensor_shapes
+    assert shapes is not None, "check_convertible admits only kinds with tensor_shapes"
+    return shapes(cfg)
 
 
 def plan_shards(tensors: list[PlannedTensor], max_shard_size: int) -> list[list[PlannedTensor]]:
@@ -82,7 +88,9 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
     first_source = next(r.sources[0] for r in rules if r.sources)
     dtype = opts.dtype or src.model_specs[first_source].dtype
     planned = [PlannedTensor(r.target, r.shape, dtype) for r in rules]
-    shards = plan_shards(planned, opts.max_shard_size)
+    # Shards split in the model's order, as transformers splits them; within a file, tensors in
+    # safetensors' own order (by dtype, then name: one dtype here), so the bytes are transformers'.
+    shards = [sorted(shard, key=lambda t: t.name) for shard in plan_shards(planned, opts.max_shard_size)]
     names = shard_names(len(shards))
     by_name = {r.target: r for r in rules}
     total = sum(t.nbytes for t in planned)
@@ -119,15 +127,17 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
     return output
 
 
-def write_config_files(out: Path, cfg: ModelConfig, dtype: torch.dtype, tok: Tokenizer | None,
+def write_config_files(out: Path, cfg: Any, dtype: torch.dtype, tok: Tokenizer | None,
                        sync: bool = True) -> None:
     bos = tok.bos_id if tok else None
     eos = tok.eos_id if tok else None
     pad = tok.pad_id if tok else None
-    atomic_write_json(out / "config.json", hf_adapter(cfg).hf_config(cfg, dtype, bos, eos, pad), sync=sync)
-    gen = {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos}
-    if pad is not None:
-        gen["pad_token_id"] = pad
-    atomic_write_json(out / "generation_config.json", gen, sync=sync)
+    adapter = hf_adapter(cfg)
+    atomic_write_json(out / "config.json", adapter.hf_config(cfg, dtype, bos, eos, pad), sync=sync)
+    if getattr(adapter, "GENERATES", True):  # an encoder's classes have no generation config
+        gen = {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos}
+        if pad is not None:
+            gen["pad_token_id"] = pad
+        atomic_write_json(out / "generation_config.json", gen, sync=sync)
     if tok is not None:
         write_hf_tokenizer(tok, out, sync=sync)

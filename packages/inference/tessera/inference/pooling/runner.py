@@ -80,8 +80,8 @@ def embedding_spec(loaded, cfg, max_model_len: int, runner: ModelRunner) -> Pool
                             "last-token)")
         return None
     if not hasattr(runner, "pool_mode") or cfg.tensor_parallel > 1:
-        log.warning("%s declares %s pooling, but /v1/embeddings is not served under --tensor-parallel %d",
-                    loaded.name, spec.mode, cfg.tensor_parallel)
+        why = f"under --tensor-parallel {cfg.tensor_parallel}" if cfg.tensor_parallel > 1 else "for this model kind"
+        log.warning("%s declares %s pooling, but /v1/embeddings is not served %s", loaded.name, spec.mode, why)
         return None
     runner.pool_mode = spec.mode
     bound = min(max_model_len, cfg.max_num_batched_tokens, spec.max_seq_length or max_model_len)
