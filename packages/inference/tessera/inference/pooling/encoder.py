@@ -62,7 +62,11 @@ class EncoderRunner(ModelRunner):
         out = ModelRunnerOutput()
         if self.pool_mode is None:
             raise RuntimeError("an encoder runner without pooling")
-        scheduled = plan.scheduled
+        for group in _length_groups(plan.scheduled):
+            self._run(group, out)
+        return out
+
+    def _run(self, scheduled: list, out: ModelRunnerOutput) -> None:
         width = max(s.num_new for s in scheduled)
         tokens = torch.zeros(len(scheduled), width, dtype=torch.long)
         mask = torch.zeros(len(scheduled), width, dtype=torch.bool)
@@ -75,7 +79,21 @@ class EncoderRunner(ModelRunner):
         hidden = result if isinstance(result, torch.Tensor) else result.hidden
         for i, s in enumerate(scheduled):
             out.pooled[s.seq.request_id] = pool(self.pool_mode, hidden[i, :s.num_new]).float().tolist()
-        return out
 
     def forward(self, plan: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
         raise RuntimeError("an encoder computes no logits here (embed requests only)")
+
+
+def _length_groups(scheduled: list, waste: float = 1.25) -> list[list]:
+    """The step's sequences sorted by length and cut into padded batches that compute at most
+    `waste` x their real tokens (as sentence-transformers sorts its inputs before batching): one
+    step mixes lengths, and one batch padded to the longest would compute mostly padding."""
+    order = sorted(scheduled, key=lambda s: s.num_new, reverse=True)
+    groups: list[list] = []
+    for s in order:
+        group = groups[-1] if groups else None
+        if group is not None and group[0].num_new * (len(group) + 1) <= waste * (sum(g.num_new for g in group) + s.num_new):
+            group.append(s)
+        else:
+            groups.append([s])
+    return groups
