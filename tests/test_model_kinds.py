@@ -77,7 +77,7 @@ def test_the_causal_lm_goes_through_the_registry_and_every_stage_has_its_code():
     from tessera.common.models.causal_lm.model import Transformer
     from tessera.inference.core.block_manager import BlockManager
     from tessera.inference.kinds import serving_kind
-    from tessera.inference.worker.model_runner import ModelRunner
+    from tessera.inference.pooling.runner import DecoderRunner
     from tessera.trainer.data import MixtureBatches
     from tessera.trainer.kinds import trainer_kind
     from tessera.trainer.plan.memory import decoder_memory, memory_count
@@ -90,7 +90,7 @@ def test_the_causal_lm_goes_through_the_registry_and_every_stage_has_its_code():
     assert isinstance(kind.build(cfg, seed=0), Transformer)
     assert kind.flops_per_token(cfg, 64) == cfg.flops_per_token(64)
     assert trainer_kind(cfg).batches is MixtureBatches and trainer_kind(cfg).step is TrainStep
-    assert serving_kind(cfg).runner is ModelRunner and serving_kind(cfg).cache is BlockManager
+    assert serving_kind(cfg).runner is DecoderRunner and serving_kind(cfg).cache is BlockManager
     assert memory_count(cfg) is decoder_memory
     for conversion in CONVERTERS["decoder"]:
         check_convertible(cfg, conversion)
@@ -195,7 +195,7 @@ def test_a_stage_without_code_for_a_registered_kind_refuses_it_in_one_line_befor
         assert not (tmp_path / "out").exists()
     err = _cli(_serve_main(), ["--checkpoint", ck], capsys)
     assert "model kind 'test_encoder': tessera-serve has no model runner for it (tessera-serve handles causal_lm, " \
-        "hybrid)" in err, err
+        "hybrid, encoder)" in err, err
 
 
 HYBRID = {"kind": "hybrid", "arch": "mamba2", "vocab_size": 320, "hidden_size": 32, "num_layers": 2, "pattern": "MM",

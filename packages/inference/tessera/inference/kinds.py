@@ -10,6 +10,8 @@ from typing import Any
 from tessera.common.models.registry import stage_hook
 from tessera.inference.core.block_manager import BlockManager
 from tessera.inference.core.state_manager import StateBlockManager
+from tessera.inference.pooling.encoder import EncoderRunner, NoKVCache
+from tessera.inference.pooling.runner import DecoderRunner
 from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.state.runner import HybridRunner
 
@@ -21,11 +23,19 @@ class ServingKind:
     runner: type[ModelRunner]  # executes a scheduled step over the model and its cache
     cache: type[BlockManager]  # hands out the cache's blocks to sequences
 
+    @property
+    def generates(self) -> bool:
+        """False for a kind served as embeddings only (an encoder): completions and chat are refused."""
+        return getattr(self.runner, "generates", True)
 
-RUNNERS: dict[str, type[ModelRunner]] = {"decoder": ModelRunner}  # paged attention over the decoder stack
+
+# paged attention over the decoder stack; it also pools embed requests (pooling/runner.py)
+RUNNERS: dict[str, type[ModelRunner]] = {"decoder": DecoderRunner}
 RUNNERS["hybrid"] = HybridRunner  # paged attention + Mamba layers over a per-sequence state pool
+RUNNERS["pooling"] = EncoderRunner  # an encoder: padded batches, pooled (pooling/encoder.py)
 CACHES: dict[str, type[BlockManager]] = {"paged_kv": BlockManager}  # paged key/value blocks, prefix caching
 CACHES["paged_kv_and_state"] = StateBlockManager  # paged K/V of attention layers + one state slot per sequence
+CACHES["none"] = NoKVCache  # nothing kept between steps (an encoder)
 
 
 def serving_kind(model: Any) -> ServingKind:

@@ -53,6 +53,9 @@ class SamplingParams(StrictModel):
         default_factory=dict,
         description="Token id -> value in [-100, 100] added to its logit before sampling (OpenAI).")
 
+    embed: bool = Field(False, description="A pooling request (/v1/embeddings): its prompt is computed whole in one step "
+                                           "and pooled; nothing is generated (max_tokens 0).")
+
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
         if any(s == "" for s in self.stop):
@@ -63,7 +66,9 @@ class SamplingParams(StrictModel):
             raise ValueError("stop_token_ids must be token ids (integers >= 0)")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.max_tokens == 0 and not self.prompt_logprobs:
+        if self.embed and (self.max_tokens or self.prompt_logprobs):
+            raise ValueError("an embed request generates nothing: max_tokens 0, no prompt_logprobs")
+        if self.max_tokens == 0 and not self.prompt_logprobs and not self.embed:
             raise ValueError("max_tokens must be >= 1")
         if self.structured is not None and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with structured output (the grammar decides where "

@@ -153,9 +153,12 @@ class Scheduler:
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.blocks.lookup_prefix(seq) if seq.num_computed == 0 and not self.blocks.table(seq) else []
+            embed = seq.params.embed  # pooled over every position: no prefix hits, never chunked
+            hits = self.blocks.lookup_prefix(seq) if seq.num_computed == 0 and not self.blocks.table(seq) and not embed else []
             start = len(hits) * self.blocks.block_size
             n = min(seq.num_tokens - start, budget)
+            if embed and n < seq.num_tokens:
+                break  # waits for a step with budget for all of it (the server bounds it by the budget)
             if not self.blocks.allocate(seq, start + n, prefix_hits=hits):
                 break
             self.blocks.record_lookup(seq.num_tokens, start)

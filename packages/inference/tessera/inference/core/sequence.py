@@ -63,6 +63,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
     ahead_mask: Any = None  # its next-token mask computed during the forward (structured.AheadMask)
+    embedding: list[float] | None = None  # an embed request's pooled hidden state (pooling/)
 
     @property
     def num_tokens(self) -> int:

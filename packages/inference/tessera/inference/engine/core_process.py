@@ -61,7 +61,8 @@ def serve(conn: Connection) -> int:
         "eos_ids": sorted(engine.eos_ids), "num_blocks": engine.blocks.num_blocks,
         "state_pool": engine.runner.state_summary(),
         "tokenizer_dir": str(loaded.tokenizer.directory), "compile_s": engine.compile_seconds,
-        "threads": measure(engine),
+        "threads": measure(engine), "pooling": None if engine.pooling is None else engine.pooling.to_wire(),
+        "generates": engine.generates,
     }))
     try:
         _loop(conn, engine)

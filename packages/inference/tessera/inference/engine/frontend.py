@@ -25,6 +25,7 @@ from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.llm_engine import LLMEngine, RequestOutput, validate_request
 from tessera.inference.engine.loop import run_engine_loop
 from tessera.inference.engine.metrics import ServingMetrics
+from tessera.inference.pooling.spec import PoolingSpec
 
 log = logging.getLogger("tessera.inference")
 
@@ -99,6 +100,9 @@ class EngineFrontend:
     """Streams, ids, limits and metrics; a backend implements `_send_add`, `_send_abort`
     (called without the lock: a send may block, and delivery must not wait on it),
     `_num_waiting` (called with the lock held), `healthy`, `start` and `shutdown`."""
+
+    pooling: PoolingSpec | None = None  # the model's pooling (/v1/embeddings); None: it declares none
+    generates: bool = True  # False: an encoder, served as embeddings only
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_ids, max_waiting: int,
                  metrics: ServingMetrics | None = None):
@@ -251,6 +255,8 @@ class AsyncEngine(EngineFrontend):
         super().__init__(engine.tokenizer, engine.max_model_len, engine.loaded.config.vocab_size, engine.eos_ids,
                          engine.cfg.max_waiting, metrics)
         self.engine = engine
+        self.pooling = engine.pooling
+        self.generates = engine.generates
         self._inbox: list[tuple] = []  # commands for the engine loop, in arrival order
         self._num_adds_queued = 0
         self._stop = False

@@ -30,9 +30,11 @@ from tessera.inference.engine.cpu_threads import Binding
 from tessera.inference.engine.detokenizer import IncrementalDetokenizer
 from tessera.inference.engine.output_processor import OutputProcessor, RequestOutput
 from tessera.inference.kinds import serving_kind
+from tessera.inference.pooling.runner import embed_problem, embedding_spec
 from tessera.inference.sample.spec_decode import build_proposer
 from tessera.inference.sample.structured import Grammars
 from tessera.inference.worker.batch import ModelRunnerOutput
+from tessera.inference.worker.cpu_linear import pack_linears
 from tessera.inference.worker.cuda_graphs import (
     GraphSpec,
     check_cuda_graphs,
@@ -142,8 +144,9 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or model_max, model_max)
         if cfg.max_model_len is not None and cfg.max_model_len > model_max:
             raise UserError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_seq_len ({model_max})")
+        self.generates = serving_kind(loaded.config).generates  # False: embeddings only (an encoder)
         check_cuda_graphs(cfg, device, loaded.config)
-        graphs = decode_graph_mode(cfg, device, loaded.config)
+        graphs = decode_graph_mode(cfg, device, loaded.config) if self.generates else "off"
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
         pool = pool_blocks(cfg, loaded, self.kv_dtype, dtype)
         # With decode graphs the pool's last block is the padding rows' scratch block: never handed out.
@@ -179,6 +182,7 @@ class LLMEngine:
             graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
                                    scratch_block=pool - 1, capture=graphs == "capture")
         self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec, worker_threads)
+        self.pooling = embedding_spec(loaded, cfg, self.max_model_len, self.runner)  # None: no /v1/embeddings
 
     @staticmethod
     def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,
@@ -186,6 +190,14 @@ class LLMEngine:
                 worker_threads: tuple[Binding, ...] | None = None) -> ModelRunner:
         """The model runner; with `graphs`, its decode graphs (captured here, or by each
         tensor-parallel worker over its shard)."""
+        kind = serving_kind(loaded.config)
+        if not kind.generates:  # an encoder: no KV pool, no compiled stack (pooling/encoder.py)
+            if cfg.tensor_parallel > 1 or loaded.model is None:
+                raise UserError(f"--tensor-parallel {cfg.tensor_parallel}: an encoder is served on one process; "
+                                "drop --tensor-parallel")
+            if device.type == "cpu" and cfg.quantization is None:  # oneDNN-prepacked weights, as prepare.py does
+                pack_linears(loaded.model, cfg.cpu_linear, batch_hint=cfg.max_num_seqs)
+            return kind.runner(loaded.model, 0, cfg.block_size, device, dtype)
         if cfg.tensor_parallel == 1:
             assert loaded.model is not None
             runner = serving_runner(loaded.model, serving_prep(cfg), num_blocks, cfg.block_size, device, dtype,
@@ -222,6 +234,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
+        if params.embed and (problem := embed_problem(self.pooling, len(prompt_ids))):
+            raise RequestRejected(problem, "input")
+        if not params.embed and not self.generates:
+            raise RequestRejected("this model is an encoder: it serves /v1/embeddings only", "model")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         seq = Sequence(
             request_id=request_id,

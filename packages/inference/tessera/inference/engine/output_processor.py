@@ -43,6 +43,7 @@ class RequestOutput:
     # On the final output: the engine's intervals in seconds (queue, prefill, decode, inference),
     # vLLM's definitions (metrics.py).
     timings: dict[str, float] | None = None
+    embedding: list[float] | None = None  # an embed request's pooled vector (on its final output)
     time: float = field(default_factory=time.monotonic)
 
 
@@ -69,7 +70,8 @@ class OutputProcessor:
             if tokens is None:
                 seq.num_computed = s.end
                 self.blocks.commit_full_blocks(seq)
-                if s.completes_prompt and seq.params.max_tokens == 0:  # prompt scoring only
+                seq.embedding = result.pooled.get(rid)
+                if s.completes_prompt and seq.params.max_tokens == 0:  # prompt scoring only, or pooled
                     seq._finish("length", None)
                     reporting.append((seq, 0))
                 continue
@@ -130,6 +132,7 @@ class OutputProcessor:
             error=seq.error,
             client_error=seq.client_error,
             timings=_timings(seq) if finished else None,
+            embedding=seq.embedding,
         )
 
 

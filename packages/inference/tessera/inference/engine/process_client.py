@@ -26,6 +26,7 @@ from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.cpu_threads import ThreadPlan
 from tessera.inference.engine.frontend import EngineDead, EngineFrontend
 from tessera.inference.engine.wire import decode, encode, output_from_wire, stats_from_wire
+from tessera.inference.pooling.spec import PoolingSpec
 
 log = logging.getLogger("tessera.inference")
 
@@ -39,6 +40,8 @@ class ProcessEngine(EngineFrontend):
         super().__init__(load_tokenizer(info["tokenizer_dir"]), int(info["max_model_len"]), int(info["vocab_size"]),
                          info["eos_ids"], max_waiting)
         self.info = info
+        self.pooling = None if info.get("pooling") is None else PoolingSpec.from_wire(info["pooling"])
+        self.generates = bool(info.get("generates", True))
         self._proc = proc
         self._conn = conn
         self._adds_sent = 0

@@ -47,11 +47,12 @@ def output_to_wire(out: RequestOutput) -> list:
     return [out.request_id, out.new_token_ids, out.new_text, [_lp_to_wire(lp) for lp in out.new_logprobs],
             out.finished, out.finish_reason, out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens,
             None if out.prompt_logprobs is None else [_lp_to_wire(lp) for lp in out.prompt_logprobs], out.error,
-            out.timings, out.client_error]
+            out.timings, out.client_error, out.embedding]
 
 
 def output_from_wire(x: list, now: float) -> RequestOutput:
-    (rid, ids, text, lps, finished, reason, n_prompt, n_out, n_cached, prompt_lps, error, timings, client_error) = x
+    (rid, ids, text, lps, finished, reason, n_prompt, n_out, n_cached, prompt_lps, error, timings, client_error,
+     embedding) = x
     return RequestOutput(
         request_id=rid, new_token_ids=list(ids), new_text=text,
         new_logprobs=[_lp_from_wire(lp) for lp in lps],  # type: ignore[misc]
@@ -60,6 +61,7 @@ def output_from_wire(x: list, now: float) -> RequestOutput:
         prompt_logprobs=None if prompt_lps is None else [_lp_from_wire(lp) for lp in prompt_lps], time=now,
         error=None if error is None else str(error), client_error=bool(client_error),
         timings=None if timings is None else {str(k): float(v) for k, v in timings.items()},
+        embedding=None if embedding is None else [float(v) for v in embedding],
     )
 
 

@@ -352,3 +352,37 @@ class DetokenizeRequest(_Body):
         if isinstance(v, list) and any(isinstance(x, bool) for x in v):
             raise ValueError("token ids must be integers, not booleans")
         return v
+
+
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings as OpenAI takes it, with vLLM's truncate_prompt_tokens and add_special_tokens."""
+
+    model: str | None = None
+    input: str | list[str] | list[Int] | list[list[Int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(None, description="Shorter vectors, for Matryoshka models only.")
+    user: str | None = None
+    truncate_prompt_tokens: Int | None = Field(
+        None, ge=-1, description="Keep the first k tokens of a longer input (-1: the longest this server embeds).")
+    add_special_tokens: Bool = Field(True, description="Tokenize text inputs with the tokenizer's special tokens, "
+                                                       "as sentence-transformers does.")
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _shape(cls, v: Any) -> Any:
+        # One message for every wrong shape (pydantic's would name a union member: "input.str").
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(y, int) and not isinstance(y, bool) for y in x)
+
+        if not (isinstance(v, str) or (isinstance(v, list) and (ids(v) or all(isinstance(x, str) for x in v)
+                                                                or all(ids(x) for x in v)))):
+            raise ValueError("must be a string, a list of strings, a list of token ids (integers) or a list of "
+                             "token-id lists")
+        return v
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs as a list: one text or token-id list each."""
+        raw = self.input
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            return [raw]  # type: ignore[list-item]
+        return list(raw)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ EPILOG = """\
 endpoints:
   POST /v1/completions        OpenAI completions (stream, stream_options.include_usage, logprobs, echo, n)
   POST /v1/chat/completions   OpenAI chat completions (the tokenizer's chat template)
+  POST /v1/embeddings         OpenAI embeddings (models whose sentence-transformers files declare pooling)
   GET  /v1/models             the served model
   PUT  /api                   Megatron-LM text generation API (prompts, tokens_to_generate, ...)
   GET  /health                200 when the engine runs
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Largest max_tokens a request may ask for (default: max-model-len).")
     s.add_argument("--max-prompts-per-request", type=int, default=64,
                    help="Most prompts x n in one request (default: %(default)s).")
+    s.add_argument("--max-embedding-inputs", type=int, default=256,
+                   help="Most inputs in one /v1/embeddings request (default: %(default)s).")
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="Largest request body (default: 4 MiB).")
     s.add_argument("--body-timeout", type=float, default=30.0,
                    help="Seconds a client has to send its whole request body; a stalled one gets 408 and "
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     grammar_limits = grammar_limits_from_args(args)
     if not 0 < args.port < 65536:
         raise UserError(f"--port {args.port}: must be between 1 and 65535")
-    for flag in ("max_prompt_tokens", "max_tokens_limit", "max_prompts_per_request", "max_body_bytes",
+    for flag in ("max_prompt_tokens", "max_tokens_limit", "max_prompts_per_request", "max_embedding_inputs",
+                 "max_body_bytes",
                  "chat_template_max_iterations", "chat_template_max_chars", "chat_template_max_memory"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
@@ -193,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     limits = ServerLimits(
         max_prompt_tokens=args.max_prompt_tokens or frontend.max_model_len,
         max_tokens=args.max_tokens_limit or frontend.max_model_len,
-        max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_body_bytes,
+        max_prompts=args.max_prompts_per_request, max_embedding_inputs=args.max_embedding_inputs,
+        max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout, body_timeout_s=args.body_timeout,
         chat_template=RenderLimits(timeout_s=args.chat_template_timeout, max_iterations=args.chat_template_max_iterations,
                                    max_chars=args.chat_template_max_chars, max_memory_mb=args.chat_template_max_memory),
@@ -209,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     quant += f", {cfg.kv_cache_dtype} KV cache" if cfg.kv_cache_dtype != "auto" else ""
     quant += ", checksums not verified" if cfg.skip_checksum_verify else ""
     quant += f", layers compiled in {facts['compile_s']:.1f} s" if facts.get("compile_s") else ""
+    if frontend.pooling is not None:  # /v1/embeddings is served (pooling/spec.py)
+        spec = frontend.pooling
+        mode = {"last": "last-token", "cls": "CLS"}.get(spec.mode, spec.mode)
+        quant += (f", embeddings by {mode} pooling{' (normalized)' if spec.normalize else ''} of inputs up to "
+                  f"{spec.max_input_tokens} tokens{'' if frontend.generates else ' only'}")
     print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
           f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, "
           f"{facts['state_pool'] + ', ' if facts.get('state_pool') else ''}max_model_len {frontend.max_model_len}; "

@@ -23,10 +23,12 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # for those that asked, per token
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # new prompt positions
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its computation failed
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # embeddings: the pooled hidden state
 
     def update(self, other: ModelRunnerOutput) -> None:
         for mine, theirs in ((self.sampled, other.sampled), (self.logprobs, other.logprobs),
-                             (self.prompt_logprobs, other.prompt_logprobs), (self.failed, other.failed)):
+                             (self.prompt_logprobs, other.prompt_logprobs), (self.failed, other.failed),
+                             (self.pooled, other.pooled)):
             mine.update(theirs)
 
 

@@ -32,6 +32,7 @@ from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.models.registry import kind_of
 from tessera.common.tokenizer import Tokenizer, check_tokenizer_fits, load_tokenizer
 from tessera.inference.kinds import serving_kind
+from tessera.inference.pooling.spec import PoolingSpec, read_pooling_spec
 from tessera.inference.worker.kv_cache import kv_cache_dtype as kv_cache_dtype_of
 from tessera.inference.worker.quantization import check_quantization, quantize_model
 
@@ -49,6 +50,7 @@ class LoadedModel:
     eos_ids: list[int]  # every id that ends generation unless ignore_eos
     path: Path | None = None  # the resolved checkpoint iteration dir or HF dir the weights come from
     hf: bool = False  # path is an HF directory
+    pooling: PoolingSpec | None = None  # the pooling its sentence-transformers files declare (embeddings)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -145,6 +147,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
         hf_weights = checked_hf_weights(path, cfg)
         eos = eos_token_ids(path, hf_config)
         tokenizer = load_tokenizer(path)
+        pooling = read_pooling_spec(path, cfg.hidden_size, hf_config)
     else:
         ckpt = resolve_checkpoint(path)
         sidecar = read_sidecar(ckpt)
@@ -160,6 +163,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
         check_checkpoint(ckpt, sidecar)  # index sizes and model tensors against the config, before any allocation
         tokenizer = load_tokenizer(checkpoint_tokenizer_dir(ckpt))
         eos = []
+        pooling = None
         path = ckpt
         if given_name in ("checkpoints",):
             given_name = ckpt.parent.parent.name
@@ -174,7 +178,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
             cfg = cfg.refit_for(tensor_parallel)
         check_tensor_parallel(tensor_parallel, cfg, str(path), quantization, device)
         return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids,
-                           path=path, hf=hf)
+                           path=path, hf=hf, pooling=pooling)
     tensors = imported_tensors(*hf_weights) if hf else load_model_tensors(path)
     model = kind_of(cfg).build(cfg, device=device, dtype=torch.float32, seed=None)
     expected = dict(model.state_dict())
@@ -190,4 +194,4 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
     model.load_state_dict(tensors, strict=True)
     model = quantize_model(model.to(dtype=dtype).eval(), quantization)
     return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids,
-                       path=path, hf=hf)
+                       path=path, hf=hf, pooling=pooling)

@@ -211,14 +211,17 @@ class ModelRunner:
     def _logits(self, step: StepInputs) -> torch.Tensor:
         """The step through the layer stack (compiled or eager) and the output head, in the model's
         dtype, for step.logits_rows (None: every row). Padded vocabulary rows come out at -inf."""
-        attention = partial(self._attention, step)
-        if self.compiled is not None:
-            hidden = self.compiled(step.tokens, step.positions, attention)
-        else:
-            hidden = self.model(step.tokens, positions=step.positions, attention_fn=attention, return_hidden=True)
+        hidden = self._hidden(step)
         rows = hidden[0] if step.logits_rows is None else hidden[0].index_select(0, step.logits_rows)
         weight = self.model.output_weight()
         return self.model.logits(rows, weight, vocab_start=self.tp_rank * weight.shape[0])
+
+    def _hidden(self, step: StepInputs) -> torch.Tensor:
+        """The step's final-normed hidden states [1, T, d] (compiled or eager); pooling runners read them too."""
+        attention = partial(self._attention, step)
+        if self.compiled is not None:
+            return self.compiled(step.tokens, step.positions, attention)
+        return self.model(step.tokens, positions=step.positions, attention_fn=attention, return_hidden=True)
 
     def _attention(self, step: StepInputs, layer: int, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> torch.Tensor:

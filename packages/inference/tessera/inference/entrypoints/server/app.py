@@ -18,10 +18,12 @@ from tessera.inference.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from tessera.inference.entrypoints.server import chat as chat_api
 from tessera.inference.entrypoints.server import completions as completions_api
+from tessera.inference.entrypoints.server import embeddings as embeddings_api
 from tessera.inference.entrypoints.server import megatron as megatron_api
 from tessera.inference.entrypoints.server import tokenize as tokenize_api
 from tessera.inference.entrypoints.server.base import ServerBase
@@ -109,6 +111,10 @@ class OpenAIServer(ServerBase):
         @app.post("/v1/chat/completions")
         async def chat_route(body: ChatCompletionRequest, request: Request):
             return await chat_api.chat(self, body, request)
+
+        @app.post("/v1/embeddings")
+        async def embeddings_route(body: EmbeddingRequest, request: Request):
+            return await embeddings_api.embeddings(self, body, request)
 
         @app.post("/tokenize")
         async def tokenize_route(body: TokenizeRequest):

@@ -87,6 +87,17 @@ class ServerBase:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found", type_="NotFoundError")
 
+    def _generation_problem(self) -> str | None:
+        """Why this server generates no text (an encoder serves /v1/embeddings only), or None."""
+        if self.engine.generates:
+            return None
+        return (f"model {self.model_name!r} is an encoder: it generates no text; it serves /v1/embeddings only")
+
+    def _check_generates(self) -> None:
+        problem = self._generation_problem()
+        if problem:
+            raise ApiError(400, problem, param="model", code="generation_unsupported")
+
     async def _off_loop(self, fn, *args):
         """Run a tokenizer/template call on the tokenizer threads; its ApiError comes back here."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)

@@ -90,6 +90,7 @@ def _encode_rendered(srv: ServerBase, text: str, add_special_tokens: bool) -> li
 
 async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
     srv._check_model(body.model)
+    srv._check_generates()
     srv._check_supported(body)
     try:
         mode, function = body.tool_mode()

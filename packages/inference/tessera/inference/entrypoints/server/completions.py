@@ -44,6 +44,7 @@ def _generated_offsets(srv: ServerBase, ids: list[int], text: str, start: int, s
 
 async def completions(srv: ServerBase, body: CompletionRequest, request: Request):
     srv._check_model(body.model)
+    srv._check_generates()
     srv._check_supported(body)
     if body.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")

@@ -19,6 +19,7 @@ class ServerLimits:
     max_prompt_tokens: int
     max_tokens: int
     max_prompts: int = 64
+    max_embedding_inputs: int = 256  # inputs of one /v1/embeddings request (each is one engine request)
     max_body_bytes: int = 4 * 2**20
     drain_timeout_s: float = 30.0
     body_timeout_s: float = 30.0  # a request body must arrive within this (a stalled one is dropped)

@@ -26,7 +26,7 @@ async def megatron(srv: ServerBase, request: Request):
         body = MegatronRequest.model_validate(data)
     except ValidationError as exc:
         return JSONResponse(_validation_message(exc)[0], status_code=400)
-    problem = _megatron_problem(srv, body)
+    problem = srv._generation_problem() or _megatron_problem(srv, body)
     if problem:
         return JSONResponse(problem, status_code=400)
     greedy = body.temperature == 0.0 or body.top_k == 1
