@@ -27,6 +27,18 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
+def expand_preset(data: Any, presets: dict[str, dict[str, Any]], what: str = "preset") -> Any:
+    """A model config's fields with its `preset` (a named shape) expanded under them: the fields
+    given beside it win. Used by every kind's config in a before-validator."""
+    if isinstance(data, dict) and "preset" in data:
+        data = dict(data)
+        name = data.pop("preset")
+        if name not in presets:
+            raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(presets)}")
+        data = {**presets[name], **data}
+    return data
+
+
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():

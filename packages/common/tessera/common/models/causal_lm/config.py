@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, model_validator
 
-from tessera.common.config import StrictModel
+from tessera.common.config import StrictModel, expand_preset
 
 # Upper bounds on the sizes a config may state: far above every published model (Llama-3.1-405B:
 # 126 layers, width 16384, MLP 53248, 128 heads; vocabularies up to ~262k; contexts up to ~10M
@@ -152,12 +152,7 @@ class ModelConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _expand_preset(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "preset" in data:
-            data = dict(data)
-            name = data.pop("preset")
-            if name not in PRESETS:
-                raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-            data = {**PRESETS[name], **data}
+        data = expand_preset(data, PRESETS)
         if isinstance(data, dict):
             data = dict(data)
             scaling = data.get("rope_scaling")

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from tessera.common.config import StrictModel
+from tessera.common.config import StrictModel, expand_preset
 from tessera.common.models.causal_lm.config import (
     MAX_FFN,
     MAX_HEAD_DIM,
@@ -111,13 +111,7 @@ class HybridConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _expand_preset(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "preset" in data:
-            data = dict(data)
-            name = data.pop("preset")
-            if name not in PRESETS:
-                raise ValueError(f"preset: unknown hybrid preset {name!r}; choose one of {', '.join(PRESETS)}")
-            data = {**PRESETS[name], **data}
-        return data
+        return expand_preset(data, PRESETS, "hybrid preset")
 
     @model_validator(mode="after")
     def _check(self) -> HybridConfig:
