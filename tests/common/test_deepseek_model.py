@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from deepseek_hf import BASE, YARN, build_hf
 
 from tessera.common.hf.directory import load_hf_weights, read_hf_config
@@ -92,7 +91,13 @@ def test_router_and_moe_block_equal_transformers_on_the_same_inputs():
         assert torch.equal(dense != 0, their_dense != 0)
         torch.testing.assert_close(dense, their_dense, rtol=1e-6, atol=1e-7)
         # the bias changed some choices (it selects) but weighs nothing
-        unbiased = ours.router(x).sigmoid().topk(3, dim=-1).indices
+        bias = ours.expert_bias.clone()
+        ours.expert_bias.zero_()
+        unbiased, unbiased_w, _ = ours.route(x)
+        ours.expert_bias.copy_(bias)
         assert not torch.equal(unbiased.sort(-1).values, idx.sort(-1).values)
+        kept = (unbiased.sort(-1).values == idx.sort(-1).values).all(-1)  # same choice: same weights
+        assert kept.any()
+        torch.testing.assert_close(unbiased_w.sort(-1).values[kept], weights.sort(-1).values[kept])
         torch.testing.assert_close(ours(x.view(4, 16, 48)), theirs(x.view(4, 16, 48)).view(4, 16, 48),
                                    rtol=1e-5, atol=1e-6)
