@@ -89,7 +89,7 @@ def test_every_architecture_maps_both_ways_in_one_place():
     assert {a.model_type: a.hf_class for a in ARCHITECTURES} == {
         "llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-        "qwen3_moe": "Qwen3MoeForCausalLM"}
+        "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
     for a in ARCHITECTURES:
         for method in ("config_fields", "hf_fields", "check_exportable", "export_rules", "import_rules"):
             assert getattr(type(a), method) is not getattr(HFArchitecture, method), (a.model_type, method)

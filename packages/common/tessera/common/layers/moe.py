@@ -147,7 +147,9 @@ class MoE(nn.Module):
         m = self.moe
         logits = self.router(x).float()
         scores = logits.softmax(-1) if m.score == "softmax" else logits.sigmoid()
-        choice = scores + self.expert_bias if m.bias_balancing else scores
+        # The bias selects, never weighs: trained by `update_bias` under bias_balancing, or loaded
+        # (DeepSeek-V3's e_score_correction_bias); zero otherwise, which leaves the choice unchanged.
+        choice = scores + self.expert_bias
         if m.num_groups > 1:
             grouped = choice.view(x.shape[0], m.num_groups, -1)
             group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)

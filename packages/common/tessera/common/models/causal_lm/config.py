@@ -117,11 +117,29 @@ class MoEConfig(StrictModel):
         return self.shared_ffn_hidden_size or self.num_shared_experts * self.ffn_hidden_size
 
 
+class MLAConfig(StrictModel):
+    """Multi-head latent attention (DeepSeek-V2/V3; see tessera.common.layers.mla): queries through
+    an optional low-rank bottleneck, keys and values from one compressed latent per token, and a
+    RoPE part of each query/key head kept apart from the un-rotated part."""
+
+    q_lora_rank: int | None = Field(None, gt=0, le=MAX_HIDDEN, description="Rank of the query bottleneck (q_a_proj, its norm, q_b_proj); None = one q_proj.")
+    kv_lora_rank: int = Field(..., gt=0, le=MAX_HIDDEN, description="Width of the compressed key/value latent (what a latent KV cache keeps per token).")
+    qk_nope_head_dim: int = Field(..., gt=0, le=MAX_HEAD_DIM, description="Per-head query/key dimensions without RoPE.")
+    qk_rope_head_dim: int = Field(..., gt=0, le=MAX_HEAD_DIM, description="Per-head query/key dimensions with RoPE (the key part shared by all heads).")
+    v_head_dim: int = Field(..., gt=0, le=MAX_HEAD_DIM, description="Per-head value dimension.")
+    latent_norm_eps: float = Field(1e-6, gt=0, description="Epsilon of the q/kv latent norms (transformers fixes it at 1e-6).")
+    rope_interleave: bool = Field(True, description="Hugging Face layout of the RoPE dimensions (DeepSeek's interleaved pairs); Tessera stores rotate-half and the adapter permutes rows.")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 class ModelConfig(StrictModel):
     """Shape and flavour of a decoder-only transformer."""
 
     kind: Literal["causal_lm"] = Field("causal_lm", description="Model kind (tessera.common.models.registry); configs and checkpoints without it are causal_lm.")
-    arch: Literal["llama", "gpt2", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"] = Field("llama", description="Family, which decides the Hugging Face class exports are written as (see docs/model.md).")
+    arch: Literal["llama", "gpt2", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3"] = Field("llama", description="Family, which decides the Hugging Face class exports are written as (see docs/model.md).")
     vocab_size: int = Field(..., gt=0, le=MAX_VOCAB, description="Token ids the model reads and predicts: the tokenizer's vocabulary (what exports show).")
     padded_vocab_size: int | None = Field(None, gt=0, le=MAX_VOCAB, description="Rows of the embedding and the output head when more than vocab_size (set by `padded_for`); the rows past vocab_size are zero-initialised and their logits are -inf. null = vocab_size rows.")
     vocab_size_divisible_by: int = Field(128, gt=0, le=MAX_VOCAB_MULTIPLE, description="Vocabulary padding rule (Megatron's --make-vocab-size-divisible-by): a new model's rows are vocab_size rounded up to a multiple of this x tensor-parallel size.")
@@ -144,6 +162,7 @@ class ModelConfig(StrictModel):
     sliding_window: int | None = Field(None, gt=0, description="Each query sees only the last `sliding_window` positions, itself included (Mistral).")
     sliding_window_layers: list[int] | None = Field(None, description="Global layer numbers that use the sliding window; None = every layer (Gemma-style interleaving lists some).")
     moe: MoEConfig | None = Field(None, description="Mixture-of-experts MLP on the layers it selects; None = dense everywhere.")
+    mla: MLAConfig | None = Field(None, description="Multi-head latent attention (DeepSeek-V3) in place of q/k/v/o; head_dim is then its qk_rope_head_dim (the RoPE tables' width).")
     tie_embeddings: bool = Field(False, description="Output head shares the input embedding matrix.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on embeddings and residual branches.")
     attention_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on attention probabilities.")
@@ -159,6 +178,9 @@ class ModelConfig(StrictModel):
             if isinstance(scaling, dict) and "rope_type" not in scaling:
                 data["rope_scaling"] = {"rope_type": "llama3", **scaling}  # the one kind before others existed
             hidden, heads = data.get("hidden_size"), data.get("num_heads")
+            mla = data.get("mla")
+            if data.get("head_dim") is None and isinstance(mla, dict) and isinstance(mla.get("qk_rope_head_dim"), int):
+                data["head_dim"] = mla["qk_rope_head_dim"]
             if data.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
                 if hidden % heads:
                     raise ValueError(f"num_heads ({heads}) must divide hidden_size ({hidden}) unless head_dim is given")
@@ -180,6 +202,13 @@ class ModelConfig(StrictModel):
             raise ValueError(f"sliding_window_layers: layer {bad[0]} is not in 0..{self.num_layers - 1}")
         if self.attention_bias is not None and len(set(self.attention_bias)) != len(self.attention_bias):
             raise ValueError("attention_bias lists a projection twice")
+        if self.mla is not None:
+            if self.head_dim != self.mla.qk_rope_head_dim:
+                raise ValueError(f"mla: head_dim ({self.head_dim}) must equal qk_rope_head_dim ({self.mla.qk_rope_head_dim})")
+            if self.kv_heads != self.num_heads or self.position != "rope" or self.sliding_window or self.qk_norm:
+                raise ValueError("mla needs num_kv_heads = num_heads, position=rope, no sliding window, no qk_norm")
+            if self.bias or self.attention_bias:
+                raise ValueError("mla has no attention biases (bias and attention_bias must be unset)")
         if self.moe is not None and self.activation == "gelu":
             raise ValueError("moe needs activation=swiglu (experts are SwiGLU MLPs)")
         return self
@@ -240,11 +269,20 @@ class ModelConfig(StrictModel):
         experts = moe.top_k if active else moe.num_experts
         return d * moe.num_experts + 3 * d * (experts * moe.ffn_hidden_size + moe.shared_size)
 
+    def _attn_params(self) -> int:
+        d, m = self.hidden_size, self.mla
+        if m is None:
+            return d * self.q_size + 2 * d * self.kv_size + self.q_size * d
+        h = self.num_heads
+        q = d * h * m.qk_head_dim if m.q_lora_rank is None else m.q_lora_rank * (d + 1 + h * m.qk_head_dim)
+        kv = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * (1 + h * (m.qk_nope_head_dim + m.v_head_dim))
+        return q + kv + h * m.v_head_dim * d
+
     def num_params(self, include_embedding: bool = True) -> int:
         """Exact parameter count of `Transformer(self)` (tested against the real module)."""
         d, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_rows
         norm_params = d * (2 if self.norm == "layernorm" else 1)
-        attn = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
+        attn = self._attn_params()
         attn += sum(n for p, n in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size), ("o", d))
                     if self.attn_bias(p))
         if self.qk_norm:
@@ -269,8 +307,10 @@ class ModelConfig(StrictModel):
         Excludes embedding lookups, norms and biases; the head counts even when tied. For MoE
         layers, only what one token uses: the router, top_k routed experts and the shared ones.
         """
-        d = self.hidden_size
-        attn = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
+        d, m = self.hidden_size, self.mla
+        attn = self._attn_params()
+        if m is not None:  # the latent norms
+            attn -= m.kv_lora_rank + (m.q_lora_rank or 0)
         return sum(attn + self._mlp_params(i, active=True) for i in range(self.num_layers)) + self.vocab_rows * d
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -1,5 +1,5 @@
-"""The decoder-only transformer: GPT-2, Llama 2/3, Mistral, Qwen2/3 and their mixtures of experts
-(Mixtral, Qwen3-MoE) from one config.
+"""The decoder-only transformer: GPT-2, Llama 2/3, Mistral, Qwen2/3, their mixtures of experts
+(Mixtral, Qwen3-MoE) and DeepSeek-V3 (latent attention, `mla`) from one config.
 
 Read top to bottom: block, model. The layers it stacks are shared with other kinds and live in
 `tessera.common.layers` (norms, self-attention, MLP, mixture of experts, rotary embeddings). This
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.common.layers.attention import MaskedAttention
+from tessera.common.layers.mla import MLA
 from tessera.common.layers.mlp import MLP
 from tessera.common.layers.moe import MoE
 from tessera.common.layers.norms import RMSNorm, add_norm, make_norm
@@ -41,7 +42,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg, layer_idx)
+        self.attn: Attention | MLA = MLA(cfg, layer_idx) if cfg.mla is not None else Attention(cfg, layer_idx)
         self.mlp_norm = make_norm(cfg)
         self.mlp: nn.Module = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)

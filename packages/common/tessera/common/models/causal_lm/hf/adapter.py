@@ -16,6 +16,7 @@ from tessera.common.errors import ArtifactError, UserError
 from tessera.common.hf.architecture import HEAD, HF_DTYPE_NAMES, HFArchitecture, HFConfig
 from tessera.common.hf.rules import Rule, rows, zero_rows
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.deepseek_v3 import DeepseekV3
 from tessera.common.models.causal_lm.hf.gpt2 import GPT2
 from tessera.common.models.causal_lm.hf.llama import Llama
 from tessera.common.models.causal_lm.hf.mistral import Mistral
@@ -27,7 +28,8 @@ from tessera.common.models.causal_lm.hf.qwen3_moe import Qwen3Moe
 # Tessera parameters with one row per vocabulary entry (and padding rows past the vocabulary).
 VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 
-ARCHITECTURES: tuple[HFArchitecture, ...] = (Llama(), GPT2(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe())
+ARCHITECTURES: tuple[HFArchitecture, ...] = (Llama(), GPT2(), Mistral(), Qwen2(), Qwen3(), Mixtral(), Qwen3Moe(),
+                                             DeepseekV3())
 
 
 def supported() -> str:
@@ -120,8 +122,12 @@ def import_rules(cfg: ModelConfig, hf_names: set[str]) -> tuple[list[Rule], froz
     """(rules producing every Tessera parameter, names that may be present unread: a tied model's
     lm_head, which transformers ignores too). With `cfg` padded (ModelConfig.padded_for), the
     embedding and head get zero rows up to its vocab_rows."""
+    arch = architecture_for(cfg)
     optional = frozenset({HEAD}) if cfg.tie_embeddings else frozenset()
-    rules = architecture_for(cfg).import_rules(cfg, hf_names)
+    unread = getattr(arch, "unread_names", None)  # tensors of the family the model does not hold
+    if unread is not None:
+        optional |= unread(cfg, hf_names)
+    rules = arch.import_rules(cfg, hf_names)
     if cfg.vocab_rows == cfg.vocab_size:
         return rules, optional
     out = []

@@ -1,0 +1,61 @@
+"""DeepSeek-V3 through the converter CLI: transformers' save -> import -> export gives back its
+weights byte for byte (the interleaved RoPE rows permuted and restored, the balancing bias kept)
+and a config.json transformers reads as the same model; a bad config.json is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from deepseek_hf import build_hf
+
+from tessera.ckpt_convert.cli import main, run
+
+
+def save(hf, directory, tokenizer_dir):
+    hf.save_pretrained(directory)
+    for f in tokenizer_dir.iterdir():
+        (directory / f.name).write_bytes(f.read_bytes())
+
+
+@pytest.mark.parametrize("over", [{}, dict(q_lora_rank=None, n_group=1, topk_group=1)], ids=["q-lora", "no-q-lora"])
+def test_deepseek_v3_import_export_is_byte_identical(tmp_path, tokenizer_dir, over):
+    from safetensors.torch import load_file
+
+    hf = build_hf(**over)
+    save(hf, tmp_path / "hf", tokenizer_dir)
+    assert run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"),
+                "--quiet"]) == 0
+    assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "ckpt"), "--output",
+                str(tmp_path / "out"), "--quiet"]) == 0
+    theirs, ours = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert theirs.keys() == ours.keys()
+    for k in theirs:
+        assert theirs[k].dtype == ours[k].dtype and torch.equal(theirs[k], ours[k]), k
+    import transformers
+
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["model_type"] == "deepseek_v3" and written["num_nextn_predict_layers"] == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(again(tokens).logits, hf(tokens).logits)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("n_group", 3, "num_groups (3) must divide num_experts (8)"),
+    ("topk_group", 5, "topk_groups (5) must not exceed num_groups (4)"),
+    ("num_key_value_heads", 2, "num_key_value_heads"),
+])
+def test_bad_deepseek_config_is_one_line_exit_2(tmp_path, tokenizer_dir, capsys, field, value, message):
+    save(build_hf(), tmp_path / "hf", tokenizer_dir)
+    capsys.readouterr()  # the save's progress bar
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    with pytest.raises(SystemExit) as exc:
+        main(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
