@@ -72,7 +72,8 @@ class PrepConfig(StrictModel):
     lowercase: bool | None = Field(None, description="WordPiece: lowercase and strip accents (uncased BERT). "
                                    "Default: true when training; for a vocab.txt, whether it has no upper-case "
                                    "tokens.")
-    vocab_size: int = Field(32000, ge=258, description="Vocabulary size of a trained tokenizer (with special tokens).")
+    vocab_size: int = Field(32000, ge=8, description="Vocabulary size of a trained tokenizer (with special tokens); "
+                            "a byte-level BPE needs at least 258.")
     tokenizer_output: Path | None = Field(None, description="Where a trained tokenizer is written; default "
                                           "<output-prefix dir>/tokenizer.")
     tokenizer_train_docs: int | None = Field(None, ge=1, description="Train the tokenizer on at most this many "
@@ -199,6 +200,9 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
                             "choose --tokenizer-output, or pass --overwrite")
         if cfg.vocab_size >= 2**31:
             raise UserError(f"--vocab-size {cfg.vocab_size}: too large")
+        if cfg.train_tokenizer and cfg.tokenizer_type == "bpe" and cfg.vocab_size < 258:
+            raise UserError(f"--vocab-size {cfg.vocab_size}: a byte-level BPE needs at least 258 (256 bytes and two "
+                            "special tokens)")
     if cfg.max_shard_size is not None:
         parse_max_shard_size(cfg.max_shard_size, 2)
     if cfg.split_sentences:
