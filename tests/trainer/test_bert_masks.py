@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tessera.common.mixture import MixtureSplit
 from tessera.common.tokenizer import load_tokenizer
@@ -125,3 +126,31 @@ def test_a_sample_has_the_same_masks_after_resume_under_dp2_and_in_any_batch(dat
 def test_without_the_binary_head_a_sample_is_one_segment(data):
     inputs, labels = batches(data, binary_head=False).batch(np.arange(32))
     assert (inputs.binary_labels == IGNORE_INDEX).all() and (inputs.token_types == 0).all()
+
+
+def test_the_binary_target_is_sentence_order_or_next_sentence_from_another_document():
+    from tessera.trainer.mlm.samples import make_pair
+
+    run = [np.array([1, 2]), np.array([3, 4]), np.array([5, 6])]
+    seen = set()
+    for seed in range(40):
+        for nsp in (False, True):
+            rng = np.random.default_rng(seed)
+            a, b, flipped, _ = make_pair(run, 100, MaskingOptions(binary_head=True, next_sentence=nsp), rng,
+                                         lambda rng, need: [np.array([90, 91, 92])])
+            whole = np.concatenate(run).tolist()
+            if not flipped:  # in order: A then B, the run itself
+                assert a.tolist() + b.tolist() == whole
+            elif nsp:  # B from elsewhere, A the run's start
+                assert b.tolist() == [90, 91, 92] and whole[:len(a)] == a.tolist()
+            else:  # swapped
+                assert b.tolist() + a.tolist() == whole
+            seen.add((nsp, flipped))
+    assert seen == {(False, False), (False, True), (True, False), (True, True)}
+
+
+def test_next_sentence_batches_draw_b_from_the_split_and_stay_deterministic(data):
+    one = batches(data, next_sentence=True).batch(np.arange(32))
+    again = batches(data, next_sentence=True).batch(np.arange(32))
+    assert all(torch.equal(getattr(one[0], f), getattr(again[0], f)) for f in ("tokens", "binary_labels"))
+    assert 0 < int(one[0].binary_labels.sum()) < 32

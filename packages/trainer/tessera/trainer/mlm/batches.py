@@ -49,7 +49,7 @@ class MLMBatch:
     tokens: torch.Tensor  # int64 [B, S]
     token_types: torch.Tensor  # int64 [B, S]
     padding_mask: torch.Tensor  # int64 [B, S], 1 on real tokens
-    binary_labels: torch.Tensor  # int64 [B]: sentence order swapped (1) or not; IGNORE_INDEX without the head
+    binary_labels: torch.Tensor  # int64 [B]: sentence order swapped / B random (1) or not; IGNORE_INDEX without the head
 
     def __getitem__(self, rows: slice) -> MLMBatch:
         return MLMBatch(*(getattr(self, f.name)[rows] for f in fields(self)))
@@ -101,8 +101,10 @@ class MLMBatches:
         self.stream = SPLIT_STREAMS.get(split.split, 3 + sum(map(ord, split.split)))
         info = split.manifest.splits[split.split]
         self.index: list[np.ndarray] = []
+        self.doc_ranges: list[tuple[int, int]] = []
         for k, ds in enumerate(split.datasets):
             first, last = info.documents[k] if k < len(info.documents) else (0, ds.num_documents)
+            self.doc_ranges.append((int(first), int(last)))
             rng = sample_rng(split.manifest.seed, k, INDEX_STREAM, self.stream)
             index = build_sample_index(ds, first, last, seq_length - 3, options, rng)
             if len(index) == 0 and len(split) > 0 and (np.asarray(split.dataset_index) == k).any():
@@ -123,7 +125,8 @@ class MLMBatches:
         special_ids(inputs.tokenizer, str(cfg.data.tokenizer))
         m = cfg.mlm
         options = MaskingOptions(m.mask_prob, m.whole_word, m.max_ngram, m.short_seq_prob,
-                                 bool(getattr(inputs.model, "binary_head", False)))
+                                 bool(getattr(inputs.model, "binary_head", False)),
+                                 m.binary_target == "next_sentence")
         return functools.partial(cls, tokenizer=inputs.tokenizer, options=options, seed=cfg.training.seed,
                                  where=str(cfg.data.tokenizer))
 
@@ -137,7 +140,7 @@ class MLMBatches:
         index = self.index[k]
         rng = sample_rng(self.seed, n, self.stream)
         return build_sample(self.split.datasets[k], index[j % len(index)], self.seq_length, self.ids,
-                            self.continuation, self.options, rng)
+                            self.continuation, self.options, rng, self.doc_ranges[k])
 
     def batch(self, sample_ids: np.ndarray) -> tuple[MLMBatch, torch.Tensor]:
         samples = [self.sample(int(i)) for i in sample_ids]

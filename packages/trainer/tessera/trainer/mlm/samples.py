@@ -9,7 +9,9 @@ and masked_dataset.py; the facts, not the code):
   binary head) give none. The runs are shuffled.
 * the pair: with the binary head the run is split at a random sentence into A and B and, with
   probability 1/2, A and B swap places (sentence-order prediction: the target is 1 when swapped);
-  without it the run is all A. The longer of A and B loses a token at a random end until both fit.
+  or, with `next_sentence` (Google BERT's next-sentence prediction), B is replaced by sentences
+  from a random start in another document of the split (the target is 1 when random). Without
+  the head the run is all A. The longer of A and B loses a token at a random end until both fit.
   `[CLS] A [SEP] B [SEP]`, token types 0 up to the first [SEP] and 1 after, then padding.
 * the masks: `probability` of the tokens (at least one, at most probability x target length)
   are chosen as n-grams of up to `max_ngram` words (whole words when `whole_word`: a `##` piece
@@ -24,6 +26,7 @@ sample is the same wherever and whenever it is read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +42,7 @@ class MaskingOptions:
     max_ngram: int = 3
     short_seq_prob: float = 0.1
     binary_head: bool = False
+    next_sentence: bool = False  # the binary target: B from another document (NSP) instead of A/B swapped (SOP)
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class BertSample:
     token_types: np.ndarray  # int64 [seq_length]: 0 for [CLS] A [SEP] (and padding), 1 for B [SEP]
     padding_mask: np.ndarray  # int64 [seq_length]: 1 on real tokens
     labels: np.ndarray  # int64 [seq_length]: the original token where masked, IGNORE_INDEX elsewhere
-    binary_label: int  # 1 when A and B were swapped; IGNORE_INDEX without the binary head
+    binary_label: int  # 1 when A and B were swapped (B random, with next_sentence); IGNORE_INDEX without the head
 
 
 def build_sample_index(dataset: IndexedDataset, first_doc: int, last_doc: int, max_tokens: int,
@@ -98,21 +102,27 @@ def continuation_flags(tokenizer_backend, vocab_size: int) -> np.ndarray:
     return flags
 
 
-def make_pair(sentences: list[np.ndarray], target: int, options: MaskingOptions,
-              rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, bool, bool]:
-    """(A, B, swapped, truncated): the run split into two segments that fit `target` tokens."""
-    pivot, swapped = len(sentences), False
+RandomSentences = Callable[[np.random.Generator, int], list[np.ndarray]]
+
+
+def make_pair(sentences: list[np.ndarray], target: int, options: MaskingOptions, rng: np.random.Generator,
+              random_sentences: RandomSentences | None = None) -> tuple[np.ndarray, np.ndarray, bool, bool]:
+    """(A, B, target, truncated): the run split into two segments that fit `target` tokens; the
+    target is true when A and B were swapped (or, next_sentence, B is another document's)."""
+    pivot, flipped = len(sentences), False
     if options.binary_head:
         pivot = 1 if len(sentences) < 3 else int(rng.integers(1, len(sentences)))
-        swapped = bool(rng.random() < 0.5)
+        flipped = bool(rng.random() < 0.5)
     empty = np.zeros(0, dtype=np.int64)
     a = np.concatenate(sentences[:pivot]).astype(np.int64) if pivot else empty
     b = np.concatenate(sentences[pivot:]).astype(np.int64) if pivot < len(sentences) else empty
-    if swapped:
+    if flipped and options.next_sentence and random_sentences is not None:
+        b = np.concatenate(random_sentences(rng, max(1, target - len(a)))).astype(np.int64)
+    elif flipped:
         a, b = b, a
     excess = len(a) + len(b) - target
     if excess <= 0:
-        return a, b, swapped, False
+        return a, b, flipped, False
     coins = rng.random(excess) < 0.5  # per removed token: from the front (True) or the back
     cut = [[0, len(a)], [0, len(b)]]  # [start, end) kept of A and of B
     for front in coins:
@@ -121,7 +131,7 @@ def make_pair(sentences: list[np.ndarray], target: int, options: MaskingOptions,
             side[0] += 1
         else:
             side[1] -= 1
-    return a[cut[0][0]:cut[0][1]], b[cut[1][0]:cut[1][1]], swapped, True
+    return a[cut[0][0]:cut[0][1]], b[cut[1][0]:cut[1][1]], flipped, True
 
 
 def mask_tokens(tokens: np.ndarray, target: int, special: np.ndarray, continuation: np.ndarray,
@@ -166,12 +176,41 @@ def mask_tokens(tokens: np.ndarray, target: int, special: np.ndarray, continuati
     return masked, labels
 
 
+def random_sentences(dataset: IndexedDataset, first_doc: int, last_doc: int, avoid_sentence: int) -> RandomSentences:
+    """Next-sentence prediction's random B: from a random sentence of another document of
+    [first_doc, last_doc) (Google BERT's), consecutive sentences until `need` tokens."""
+    doc_idx = dataset.doc_idx
+
+    def draw(rng: np.random.Generator, need: int) -> list[np.ndarray]:
+        own = int(np.searchsorted(doc_idx, avoid_sentence, side="right")) - 1
+        doc = own
+        for _ in range(10):  # as Google's create_pretraining_data: a few tries to land elsewhere
+            doc = int(rng.integers(first_doc, last_doc))
+            if doc != own and doc_idx[doc + 1] > doc_idx[doc]:
+                break
+        s0, s1 = int(doc_idx[doc]), int(doc_idx[doc + 1])
+        if s1 == s0:
+            return [np.zeros(0, dtype=np.int64)]
+        out, got = [], 0
+        for s in range(int(rng.integers(s0, s1)), s1):
+            out.append(np.asarray(dataset.get(s)))
+            got += len(out[-1])
+            if got >= need:
+                break
+        return out
+
+    return draw
+
+
 def build_sample(dataset: IndexedDataset, entry: np.ndarray, seq_length: int, ids: SpecialIds,
-                 continuation: np.ndarray, options: MaskingOptions, rng: np.random.Generator) -> BertSample:
-    """The sample of one sample-index entry (first sentence, end sentence, target length)."""
+                 continuation: np.ndarray, options: MaskingOptions, rng: np.random.Generator,
+                 doc_range: tuple[int, int] | None = None) -> BertSample:
+    """The sample of one sample-index entry (first sentence, end sentence, target length);
+    `doc_range`: the split's documents, where next-sentence prediction draws its random B."""
     first, end, target = (int(x) for x in entry)
     sentences = [np.asarray(dataset.get(s)) for s in range(first, end)]
-    a, b, swapped, _ = make_pair(sentences, target, options, rng)
+    other = random_sentences(dataset, *doc_range, first) if options.next_sentence and doc_range else None
+    a, b, swapped, _ = make_pair(sentences, target, options, rng, other)
     parts = [[ids.cls], a, [ids.sep]] + ([b, [ids.sep]] if len(b) else [])
     tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
     n = len(tokens)
