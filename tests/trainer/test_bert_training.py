@@ -143,3 +143,12 @@ def test_a_masked_lm_run_under_a_parallel_layout_is_refused_in_one_line_before_t
     with pytest.raises(UserError, match="one process") as exc:
         batch_builder(cfg, inputs)
     assert "\n" not in str(exc.value)
+
+
+def test_the_example_bert_config_is_a_valid_masked_lm_run():
+    from tessera.common.config import load_config
+    from tessera.trainer.config import TrainConfig
+
+    cfg = load_config(TrainConfig, Path(__file__).resolve().parents[2] / "examples/bert_tiny.yaml")
+    model = cfg.resolve_model(8192)
+    assert model.kind == "encoder" and model.binary_head and cfg.training.seq_length <= model.max_seq_len
