@@ -63,11 +63,16 @@ def test_split_sentences_writes_a_sequence_per_sentence_and_megatrons_document_i
     assert run(["verify", prefix]) == 0
 
 
-def test_split_sentences_cuts_shards_between_documents_only(wordpiece_prep, tmp_path):
+def test_split_sentences_cuts_shards_between_documents_only_and_is_the_same_with_worker_processes(
+        wordpiece_prep, tmp_path):
     d, texts = wordpiece_prep
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in texts])
     assert run(["prep", "--input", corpus, "--tokenizer", d / "out/tokenizer", "--split-sentences", "--no-append-eod",
                 "--max-shard-size", 100, "--output-prefix", tmp_path / "s", "--quiet"]) == 0
+    assert run(["prep", "--input", corpus, "--tokenizer", d / "out/tokenizer", "--split-sentences", "--no-append-eod",
+                "--workers", 2, "--batch-chars", 200, "--output-prefix", tmp_path / "w", "--quiet"]) == 0
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"w_text_document{suffix}").read_bytes() == (d / f"out/bert_text_document{suffix}").read_bytes()
     whole = IndexedDataset(d / "out/bert_text_document")
     shards = [IndexedDataset(p.with_suffix("")) for p in sorted(tmp_path.glob("s_text_document_*.idx"))]
     assert len(shards) > 1
