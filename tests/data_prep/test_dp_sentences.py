@@ -88,3 +88,14 @@ def test_split_sentences_with_an_unknown_language_is_one_line(wordpiece_prep, tm
                        "--sentence-language", "xx", "--no-append-eod", "--output-prefix", tmp_path / "x"], capsys)
     assert "--sentence-language" in line and "xx" in line
     assert not list(tmp_path.iterdir())
+
+
+def test_split_sentences_without_pysbd_is_one_line_naming_the_extra(wordpiece_prep, tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pysbd", None)  # as if not installed
+    d, _ = wordpiece_prep
+    line = user_error(["prep", "--input", d / "corpus.jsonl", "--tokenizer", d / "out/tokenizer", "--split-sentences",
+                       "--no-append-eod", "--output-prefix", tmp_path / "x"], capsys)
+    assert "pysbd" in line and "tessera-data-prep[sentences]" in line
+    assert not list(tmp_path.iterdir())

@@ -69,3 +69,13 @@ def test_lowercase_flag_on_a_byte_level_tokenizer_is_one_line(tmp_path, capsys):
                        tmp_path / "out/w"], capsys)
     assert "--lowercase" in line and "wordpiece" in line
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_a_vocab_txt_listing_a_token_twice_is_one_line_and_writes_nothing(tmp_path, capsys):
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(SPECIALS + ["the", "fox", "the"]) + "\n", encoding="utf-8")
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in TEXT])
+    line = user_error(["prep", "--input", corpus, "--tokenizer", vocab, "--no-append-eod", "--output-prefix",
+                       tmp_path / "out/w"], capsys)
+    assert str(vocab) in line and "'the'" in line and "twice" in line
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
