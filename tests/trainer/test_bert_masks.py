@@ -154,3 +154,17 @@ def test_next_sentence_batches_draw_b_from_the_split_and_stay_deterministic(data
     again = batches(data, next_sentence=True).batch(np.arange(32))
     assert all(torch.equal(getattr(one[0], f), getattr(again[0], f)) for f in ("tokens", "binary_labels"))
     assert 0 < int(one[0].binary_labels.sum()) < 32
+
+
+def test_shards_not_split_into_sentences_are_refused_in_one_line_naming_the_shard(data, tmp_path):
+    from tessera.common.errors import ArtifactError
+
+    corpus = data["mixture"].parent / "corpus.jsonl"
+    assert data_cli(["prep", "--input", str(corpus), "--tokenizer", str(data["tokenizer"]), "--no-append-eod",
+                     "--output-prefix", str(tmp_path / "whole"), "--quiet"]) == 0  # one sequence per document
+    assert data_cli(["blend", "--data", str(tmp_path / "whole_text_document"), "--seq-length", str(SEQ),
+                     "--train-samples", "16", "--output", str(tmp_path / "mix"), "--quiet"]) == 0
+    with pytest.raises(ArtifactError, match="whole_text_document.*--split-sentences") as exc:
+        MLMBatches(MixtureSplit(tmp_path / "mix", "train"), SEQ, tokenizer=load_tokenizer(data["tokenizer"]),
+                   options=MaskingOptions(binary_head=True), seed=1)
+    assert "\n" not in str(exc.value)
