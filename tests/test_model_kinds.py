@@ -84,7 +84,7 @@ def test_the_causal_lm_goes_through_the_registry_and_every_stage_has_its_code():
     from tessera.trainer.plan.memory import decoder_memory, memory_count
     from tessera.trainer.step import TrainStep
 
-    assert list(registry.KINDS) == ["causal_lm", "hybrid"]
+    assert list(registry.KINDS) == ["causal_lm", "hybrid", "encoder"]
     cfg = tiny_llama(num_layers=1)
     kind = registry.kind_of(cfg)
     assert kind.config is ModelConfig and cfg.kind == "causal_lm"

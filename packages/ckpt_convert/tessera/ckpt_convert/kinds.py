@@ -14,6 +14,8 @@ from tessera.common.models.registry import stage_hook
 CONVERTERS: dict[str, frozenset[str]] = {
     "decoder": frozenset({"export --format hf", "export --format trtllm", "export --format megatron",
                           "import --format hf", "import --format megatron", "reshard"}),
+    # "encoder": BERT (embeddings with token types, post-norm blocks, pooler / MLM / binary heads).
+    "encoder": frozenset({"export --format hf", "import --format hf", "reshard"}),
 }
 
 

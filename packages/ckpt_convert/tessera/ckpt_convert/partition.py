@@ -13,6 +13,9 @@ This is the contract `reshard` writes to (docs/formats/checkpoint.md, "Partition
 - Tensor parallel: column-parallel weights and biases (q/k/v, gate/up; the vocab-parallel
   embedding and lm_head) split along dim 0; row-parallel weights (o_proj, down_proj) along dim 1;
   norms, row-parallel biases and learned positions are replicated and stored by tp rank 0.
+- The encoder (BERT) likewise: its token-type embedding and embedding norm live with the
+  embedding on the first stage, its heads (pooler, MLM, binary) on the last; the MLM decoder's
+  bias (and its weight when untied) is split by vocabulary rows like the embedding.
 - Expert parallel: an MoE layer's stacked experts (`mlp.experts.*`, [num_experts, ...]) split
   along dim 0 over the E expert ranks (experts are not tensor-split: tp rank 0 stores them);
   every other tensor is replicated over expert ranks and stored by ep rank 0.
@@ -35,6 +38,9 @@ _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 _COLUMN = ("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")
 _ROW = ("attn.o_proj.weight", "mlp.down_proj.weight")
 _EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.")
+# Split by vocabulary rows (the encoder's MLM decoder: its bias too) and kept by the first stage.
+_VOCAB = ("embed_tokens.weight", "lm_head.weight", "mlm_head.decoder.weight", "mlm_head.decoder.bias")
+_FIRST_STAGE = ("embed_tokens.", "pos_embed.", "token_type_embed.", "embed_norm.")
 
 
 def rank_of(layout: ParallelLayout, tp: int, dp: int, pp: int, ep: int = 0) -> int:
@@ -50,15 +56,15 @@ def pipeline_rank(name: str, cfg: ModelConfig, layout: ParallelLayout) -> int:
     m = _LAYER_RE.match(name)
     if m:
         return layout.stage_of_layer(int(m.group(1)), cfg.num_layers) % layout.pipeline
-    if name.startswith(("embed_tokens.", "pos_embed.")):
+    if name.startswith(_FIRST_STAGE):
         return 0
-    return layout.pipeline - 1  # final_norm, lm_head
+    return layout.pipeline - 1  # final_norm, lm_head; the encoder's heads
 
 
 def tp_dim(name: str) -> int | None:
     """Dimension split across tensor-parallel ranks, or None when replicated."""
     local = _LAYER_RE.sub("", name)
-    if local.startswith(_COLUMN) or name in ("embed_tokens.weight", "lm_head.weight"):
+    if local.startswith(_COLUMN) or name in _VOCAB:
         return 0
     if local in _ROW:
         return 1

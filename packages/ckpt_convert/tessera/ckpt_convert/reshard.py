@@ -35,6 +35,7 @@ from tessera.common.fileio import atomic_directory, fsync_tree
 from tessera.common.layout import ParallelLayout, validate_layout
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.hf.adapter import VOCAB_PARAMS
+from tessera.common.models.encoder.model import VOCAB_PARAMS as ENCODER_VOCAB_PARAMS
 from tessera.common.tokenizer import copy_tokenizer_files
 
 
@@ -50,7 +51,7 @@ def plan(src: CheckpointSource, layout: ParallelLayout,
     resize: dict[str, int] = {}
 
     def shape_of(key: str, param: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-        if param in VOCAB_PARAMS and target.vocab_rows != cfg.vocab_rows:
+        if param in VOCAB_PARAMS + ENCODER_VOCAB_PARAMS and target.vocab_rows != cfg.vocab_rows:
             resize[key] = target.vocab_rows
             return (target.vocab_rows, *shape[1:])
         return shape

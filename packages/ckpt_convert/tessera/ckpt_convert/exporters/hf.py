@@ -26,7 +26,7 @@ from tessera.common.errors import UserError
 from tessera.common.fileio import BackgroundFsync, atomic_directory, atomic_write_json
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import model_tensor_shapes
-from tessera.common.models.registry import hf_adapter
+from tessera.common.models.registry import hf_adapter, kind_of
 from tessera.common.tokenizer import Tokenizer
 
 ST_METADATA = {"format": "pt"}
@@ -44,6 +44,10 @@ class ExportOptions:
 
 def expected_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape of the Tessera model for `cfg` (the model's own, on the meta device)."""
+    kind = kind_of(cfg)
+    if kind.name == "encoder":  # no buffers: its tensor map is its parameters'
+        assert kind.tensor_shapes is not None
+        return kind.tensor_shapes(cfg)
     return model_tensor_shapes(cfg, buffers=False)
 
 
@@ -124,10 +128,12 @@ def write_config_files(out: Path, cfg: ModelConfig, dtype: torch.dtype, tok: Tok
     bos = tok.bos_id if tok else None
     eos = tok.eos_id if tok else None
     pad = tok.pad_id if tok else None
-    atomic_write_json(out / "config.json", hf_adapter(cfg).hf_config(cfg, dtype, bos, eos, pad), sync=sync)
-    gen = {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos}
-    if pad is not None:
-        gen["pad_token_id"] = pad
-    atomic_write_json(out / "generation_config.json", gen, sync=sync)
+    adapter = hf_adapter(cfg)
+    atomic_write_json(out / "config.json", adapter.hf_config(cfg, dtype, bos, eos, pad), sync=sync)
+    if getattr(adapter, "GENERATES", True):  # an encoder's classes have no generation config
+        gen = {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos}
+        if pad is not None:
+            gen["pad_token_id"] = pad
+        atomic_write_json(out / "generation_config.json", gen, sync=sync)
     if tok is not None:
         write_hf_tokenizer(tok, out, sync=sync)

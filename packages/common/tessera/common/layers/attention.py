@@ -1,4 +1,5 @@
-"""Causal attention over packed documents and sliding windows, without a T x T mask.
+"""Causal attention over packed documents and sliding windows, without a T x T mask; and
+bidirectional attention over padded sequences (`BidirectionalAttention`, the encoders').
 
 A packed sample holds several documents; each token attends only to earlier tokens of its own
 document (`document_ids` [B, T], non-decreasing along T), and on a sliding-window layer only to
@@ -29,6 +30,9 @@ does the same attention with no T x T tensor anywhere:
   the dense mask (measured in benchmarks/results/trainer.md, "packed-document attention").
 
 Every query row keeps at least its diagonal, so no softmax row is empty.
+
+`BidirectionalAttention` (encoders: every query sees every real key of its row) needs no
+segments: one fused SDPA call under an additive [B, 1, 1, T] key mask, O(B x T).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MaskedAttention", "attention_mask", "document_segments"]
+__all__ = ["BidirectionalAttention", "MaskedAttention", "attention_mask", "document_segments"]
 
 
 def attention_mask(seq: int, dtype: torch.dtype, device: torch.device, document_ids: torch.Tensor | None = None,
@@ -227,6 +231,43 @@ class MaskedAttention:
                                                  is_causal=not g.band, enable_gqa=gq.shape[1] != gk.shape[1])
             outs.append(out.transpose(1, 2).flatten(0, 1))  # [n * Lq, H, D]
         return torch.cat(outs)[take].view(bsz, queries, *q.shape[2:])
+
+
+class BidirectionalAttention:
+    """Bidirectional attention over padded sequences, for one forward (built once, shared by the
+    layers; called as MaskedAttention is).
+
+    `key_mask` [B, Tk] (true / 1 at real tokens, false / 0 at padding; None: no padding) hides
+    padded keys from every query; `bias` (None, or additive, broadcastable to [B, H, Tq, Tk]) is
+    added to the scores: a relative-position bias (T5's), given for the heads the layer holds.
+    Queries and keys may differ in length (cross-attention). `scale` multiplies the scores (None:
+    1/sqrt(head dim); T5 uses 1). Padding gets the dtype's most negative
+    value rather than -inf, as transformers masks it, so a row of padding only is finite.
+    Call with q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D]; returns [B, Tq, Hq, D].
+    """
+
+    def __init__(self, key_mask: torch.Tensor | None, bias: torch.Tensor | None = None, scale: float | None = None):
+        self.key_mask, self.bias, self.scale = key_mask, bias, scale
+        self._masks: dict[torch.dtype, torch.Tensor | None] = {}
+
+    def additive(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The additive mask in `dtype`: [B, 1, 1, Tk] padding (+ the bias), None without either."""
+        if dtype not in self._masks:
+            mask = None
+            if self.key_mask is not None:
+                keep = self.key_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+                mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, torch.finfo(dtype).min)
+            if self.bias is not None:
+                bias = self.bias.to(device=device, dtype=dtype)
+                mask = bias if mask is None else mask + bias
+            self._masks[dtype] = mask
+        return self._masks[dtype]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.additive(_attention_dtype(q), q.device),
+                                             dropout_p=dropout_p, scale=self.scale, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2)
 
 
 def _attention_dtype(q: torch.Tensor) -> torch.dtype:

@@ -1,5 +1,6 @@
-"""The dense MLP: SwiGLU (gate/up/down), GELU (up/down, tanh approximation as GPT-2) or squared
-ReLU (up/down, relu(x)^2: Nemotron-H's, which the hybrid kind's layer config allows)."""
+"""The dense MLP: SwiGLU (gate/up/down), GELU (up/down, tanh approximation as GPT-2), exact GELU
+(up/down, erf: BERT's, which the encoder kind's layer config allows) or squared ReLU (up/down,
+relu(x)^2: Nemotron-H's, which the hybrid kind's layer config allows)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class MLP(nn.Module):
             h = swiglu(*self.gate_up(x))
         elif self.activation == "squared_relu":
             h = F.relu(self.up_proj(x)).square()
+        elif self.activation == "gelu_erf":
+            h = F.gelu(self.up_proj(x))
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")
         return self.down_proj(h)

@@ -1,5 +1,6 @@
 """Self-attention: q/k/v/o projections, optional per-head q/k norms, rotary embeddings, and the
-attention core (causal SDPA, a MaskedAttention for packed documents and windows, or the caller's
+attention core (causal SDPA, or bidirectional for an encoder (`causal=False`); a MaskedAttention
+for packed documents and windows or a BidirectionalAttention for padding; or the caller's
 `attention_fn`: the server's paged attention over its KV cache)."""
 
 from __future__ import annotations
@@ -10,21 +11,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.common.layers.attention import MaskedAttention
+from tessera.common.layers.attention import BidirectionalAttention, MaskedAttention
 from tessera.common.layers.norms import RMSNorm
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.kernels import rope_qk
 
-__all__ = ["Attention", "AttentionFn"]
+__all__ = ["Attention", "AttentionFn", "AttentionMask"]
 
 # attention_fn(layer_idx, q, k, v) -> out; q: [B, T, Hq, D], k/v: [B, T, Hkv, D], out: [B, T, Hq, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# What masks one forward's attention (built once per forward, shared by the layers).
+AttentionMask = MaskedAttention | BidirectionalAttention
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, causal: bool = True):
         super().__init__()
         self.layer_idx = layer_idx
+        self.causal = causal  # False: every query sees every key (an encoder's self-attention)
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.kv_heads
         self.head_dim = cfg.head_dim
@@ -44,7 +48,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         attention_fn: AttentionFn | None = None,
-        attn_mask: MaskedAttention | None = None,
+        attn_mask: AttentionMask | None = None,
     ) -> torch.Tensor:
         # Head counts come from the projection widths, so a tensor-parallel shard (fewer local
         # heads) runs this same code; the sequence length too, since under sequence parallel the
@@ -70,11 +74,12 @@ class Attention(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             attn_mask: MaskedAttention | None = None) -> torch.Tensor:
-        """Causal scaled-dot-product attention; [B, T, H, D] in and out. Selective recompute wraps this.
+             attn_mask: AttentionMask | None = None) -> torch.Tensor:
+        """Causal (or, built with causal=False, bidirectional) scaled-dot-product attention;
+        [B, T, H, D] in and out. Selective recompute wraps this.
 
         `attn_mask`, when given, attends instead: packed documents and/or this layer's sliding
-        window, without a T x T mask (`tessera.common.layers.attention`).
+        window, without a T x T mask, or padding (`tessera.common.layers.attention`).
         """
         dropout_p = self.dropout if self.training else 0.0
         if attn_mask is not None:
@@ -83,7 +88,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v,
             dropout_p=dropout_p,
-            is_causal=True,
+            is_causal=self.causal,
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out.transpose(1, 2)

@@ -1,0 +1,1 @@
+"""The encoder: BERT (bidirectional attention, masked-LM and binary heads), served as embeddings."""

@@ -1,0 +1,1 @@
+"""The encoder's Hugging Face mapping: transformers' BertModel, BertForMaskedLM and BertForPreTraining."""
