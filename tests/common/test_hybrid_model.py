@@ -103,12 +103,13 @@ def test_the_parameter_count_and_flops_follow_the_built_model():
     for cfg in (tiny(), tiny("MM", tie_embeddings=True, mamba={**MAMBA, "bias": True, "conv_bias": False})):
         model = build_model(cfg, seed=0)
         assert cfg.num_params() == sum(p.numel() for p in model.parameters())
-    cfg = tiny("M*-")  # dense: FLOPs = 6 x every matmul weight (the head's included) + attention + scan
+    cfg = tiny("M*-")  # dense: FLOPs = 6 x every matmul weight (the head's included) + attention + conv + scan
     model = build_model(cfg, seed=0)
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     m = cfg.mamba
-    scan = 3 * m.num_heads * (2 * (m.state_size + m.head_dim) * 8 + 4 * m.head_dim * m.state_size)
-    assert cfg.flops_per_token(100) == 6 * matmul + 12 * 32 * 100 + scan
+    conv = 2 * m.conv_kernel * (m.num_heads * m.head_dim + 2 * m.num_groups * m.state_size)
+    scan = 2 * 8 * m.num_groups * m.state_size + m.num_heads * (2 * 8 * m.head_dim + 4 * m.head_dim * m.state_size)
+    assert cfg.flops_per_token(100) == 6 * matmul + 12 * 32 * 100 + 3 * (conv + scan)
 
 
 @pytest.mark.parametrize("gated", [True, False])

@@ -17,7 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d_reference", "causal_conv1d_step_reference"]
+from tessera.kernels._dispatch import use_triton
+
+__all__ = ["causal_conv1d", "causal_conv1d_reference", "causal_conv1d_step_reference", "causal_conv1d_update",
+           "causal_conv1d_update_reference"]
 
 
 def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -56,3 +59,47 @@ def causal_conv1d_step_reference(x: torch.Tensor, state: torch.Tensor, weight: t
     if bias is not None:
         y = y + bias.to(x.dtype)
     return (F.silu(y) if silu else y), window[..., 1:]
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  seq_idx: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                  silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv1d_reference`, by Triton forward and backward kernels on CUDA
+    (tessera.kernels.ssm), the reference elsewhere and under torch.compile. Differentiable in x,
+    weight, bias, initial_state (through y and the final state)."""
+    if use_triton(x) and not torch.compiler.is_compiling() and x.numel() > 0:
+        from tessera.kernels.ssm.conv_triton import causal_conv1d_triton
+
+        return causal_conv1d_triton(x, weight, bias, seq_idx, initial_state, silu)
+    return causal_conv1d_reference(x, weight, bias, seq_idx, initial_state, silu)
+
+
+def causal_conv1d_update_reference(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                                   bias: torch.Tensor | None = None, silu: bool = True,
+                                   state_indices: torch.Tensor | None = None) -> torch.Tensor:
+    """`causal_conv1d_step_reference` in place in a pool: see `causal_conv1d_update`."""
+    if state_indices is None:
+        y, new = causal_conv1d_step_reference(x, conv_state, weight, bias, silu)
+        conv_state.copy_(new)
+        return y
+    live = state_indices >= 0
+    slots = state_indices[live].long()
+    y_live, new = causal_conv1d_step_reference(x[live], conv_state[slots], weight, bias, silu)
+    conv_state[slots] = new.to(conv_state.dtype)
+    y = x.new_zeros(x.shape)
+    y[live] = y_live
+    return y
+
+
+def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None, silu: bool = True,
+                         state_indices: torch.Tensor | None = None) -> torch.Tensor:
+    """One decoding token per sequence: y [b, channels] from x [b, channels], moving the window
+    `conv_state` [slots, channels, K-1] on in place. Sequence i owns row `state_indices[i]` (rows
+    0..b-1 when None); a negative index is a padding row (state untouched, y zero). Triton on
+    CUDA, the reference elsewhere. Not differentiable (decoding)."""
+    if use_triton(x) and not torch.compiler.is_compiling():
+        from tessera.kernels.ssm.conv_triton import causal_conv1d_update_triton
+
+        return causal_conv1d_update_triton(x, conv_state, weight, bias, silu, state_indices)
+    return causal_conv1d_update_reference(x, conv_state, weight, bias, silu, state_indices)

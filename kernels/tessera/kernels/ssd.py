@@ -25,10 +25,17 @@ group h // (H / G)); D [H]; states [b, H, P, N].
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["discretize_dt", "ssd_chunk_scan_reference", "ssd_recurrence_reference", "ssd_step_reference"]
+from tessera.kernels._dispatch import use_triton
+
+__all__ = ["discretize_dt", "ssd_chunk_scan", "ssd_chunk_scan_reference", "ssd_recurrence_reference",
+           "ssd_state_update", "ssd_state_update_reference", "ssd_step_reference"]
+
+NO_LIMIT = (0.0, math.inf)
 
 
 def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float = 0.0,
@@ -153,3 +160,72 @@ def ssd_chunk_scan_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
     if D is not None:
         y = y + D.float()[:, None] * x32
     return y, state
+
+
+def _prepare_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool,
+                dt_limit: tuple[float, float]) -> torch.Tensor:
+    """dt (+ dt_bias), softplus if asked, clamped when limits are given (mamba_ssm's options)."""
+    if dt_bias is not None:
+        dt = dt.float() + dt_bias.float()
+    if softplus:
+        dt = F.softplus(dt.float())
+    if tuple(dt_limit) != NO_LIMIT:
+        dt = dt.float().clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
+
+
+def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   chunk_size: int, D: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                   seq_idx: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                   dt_softplus: bool = False, dt_limit: tuple[float, float] = NO_LIMIT
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked scan (y, final state), as `ssd_chunk_scan_reference` after `dt` is prepared:
+    dt + dt_bias, softplus when `dt_softplus`, clamped to `dt_limit`. Triton's forward and
+    backward kernels on CUDA (tessera.kernels.ssm), the reference elsewhere and under
+    torch.compile (and for empty inputs). Differentiable in every tensor argument."""
+    if use_triton(x) and not torch.compiler.is_compiling() and x.numel() > 0:
+        from tessera.kernels.ssm.ssd_bwd_triton import ssd_chunk_scan_triton
+
+        return ssd_chunk_scan_triton(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx, dt_bias, dt_softplus,
+                                     dt_limit)
+    dt = _prepare_dt(dt, dt_bias, dt_softplus, dt_limit)
+    return ssd_chunk_scan_reference(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx)
+
+
+def ssd_state_update_reference(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                               B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
+                               z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                               dt_softplus: bool = False, dt_limit: tuple[float, float] = NO_LIMIT,
+                               state_indices: torch.Tensor | None = None) -> torch.Tensor:
+    """`ssd_step_reference` in place in a pool: see `ssd_state_update`."""
+    dt = _prepare_dt(dt, dt_bias, dt_softplus, dt_limit)
+    if state_indices is None:
+        y, new = ssd_step_reference(state, x, dt, A, B, C, D)
+        state.copy_(new)
+    else:
+        live = state_indices >= 0
+        slots = state_indices[live].long()
+        y_live, new = ssd_step_reference(state[slots], x[live], dt[live], A, B[live], C[live], D)
+        state[slots] = new.to(state.dtype)
+        y = y_live.new_zeros(x.shape)
+        y[live] = y_live
+    return y * F.silu(z.float()) if z is not None else y
+
+
+def ssd_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                     C: torch.Tensor, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                     dt_bias: torch.Tensor | None = None, dt_softplus: bool = False,
+                     dt_limit: tuple[float, float] = NO_LIMIT, state_indices: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """One decoding token per sequence; returns y [b, H, P] (fp32) and advances the states in place.
+
+    `state` [slots, H, P, N] is a pool (fp32, or a lower precision the pool chose); sequence i
+    owns row `state_indices[i]` (rows 0..b-1 when None). A negative index marks a padding row
+    (a CUDA-graph batch filled up): its state is untouched and its y is zero. x [b, H, P],
+    dt [b, H] (prepared as in `ssd_chunk_scan`), B and C [b, G, N], z [b, H, P] gates the output
+    by silu(z). Triton on CUDA, the reference elsewhere. Not differentiable (decoding)."""
+    if use_triton(x) and not torch.compiler.is_compiling():
+        from tessera.kernels.ssm.state_update_triton import ssd_state_update_triton
+
+        return ssd_state_update_triton(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, state_indices)
+    return ssd_state_update_reference(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, state_indices)

@@ -58,9 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     common(r)
 
     e = sub.add_parser("export", help="export to Hugging Face (hf) or TensorRT-LLM (trtllm)",
-                       description="hf: a transformers LlamaForCausalLM / GPT2LMHeadModel directory (safetensors, "
-                                   "config.json, generation_config.json, tokenizer). trtllm: a TensorRT-LLM checkpoint "
-                                   "(config.json + rank{R}.safetensors) for trtllm-build.")
+                       description="hf: a transformers directory (safetensors, config.json, generation_config.json, "
+                                   "tokenizer) of the model's class: LlamaForCausalLM, GPT2LMHeadModel, ..., "
+                                   "NemotronHForCausalLM, Mamba2ForCausalLM. trtllm: a TensorRT-LLM checkpoint "
+                                   "(config.json + rank{R}.safetensors) for trtllm-build (causal LMs only). megatron: "
+                                   "a Megatron-Core torch_dist checkpoint (GPTModel; MambaModel for hybrid models).")
     e.add_argument("--format", required=True, choices=("hf", "trtllm", "megatron"),
                    help="output format (megatron: a Megatron-Core torch_dist checkpoint)")
     e.add_argument("--checkpoint", required=True, help=CKPT_HELP)
@@ -75,23 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pipeline-parallel", type=int, default=1, metavar="P", help="trtllm: pipeline-parallel size (default 1)")
     common(e)
 
-    i = sub.add_parser("import", help="import a Hugging Face Llama or GPT-2 directory as a checkpoint",
-                       description="Convert a transformers LlamaForCausalLM or GPT2LMHeadModel directory (model.safetensors "
-                                   "or sharded with model.safetensors.index.json) into a Tessera checkpoint: OUTPUT becomes "
+    i = sub.add_parser("import", help="import a Hugging Face directory or a Megatron-Core checkpoint",
+                       description="Convert a transformers directory (LlamaForCausalLM, GPT2LMHeadModel, ..., "
+                                   "NemotronHForCausalLM, Mamba2ForCausalLM; model.safetensors or sharded with "
+                                   "model.safetensors.index.json), or a Megatron-Core torch_dist checkpoint (GPTModel, or "
+                                   "MambaModel with a hybrid --model-config), into a Tessera checkpoint: OUTPUT becomes "
                                    "a checkpoints directory (iter_0000000/ + pointer) with sidecar and tokenizer.")
     i.add_argument("--format", required=True, choices=("hf", "megatron"),
                    help="input format: hf, or megatron (a Megatron-Core torch_dist checkpoint directory)")
     i.add_argument("--input", required=True, help="Hugging Face model directory, or Megatron iter_NNNNNNN directory")
     i.add_argument("--model-config", metavar="FILE",
-                   help="megatron: the model as a Tessera ModelConfig (YAML/JSON; a torch_dist checkpoint holds none "
-                        "that can be read without unpickling)")
+                   help="megatron: the model as a Tessera model config (YAML/JSON; `kind: hybrid` for a MambaModel "
+                        "checkpoint; a torch_dist checkpoint holds none that can be read without unpickling)")
     i.add_argument("--tokenizer", metavar="DIR", help="megatron: tokenizer directory to store with the checkpoint")
     i.add_argument("--output", required=True, help="new checkpoints directory to create")
     i.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="stored dtype (default: as in the input)")
-    i.add_argument("--vocab-size-divisible-by", type=int, default=128, metavar="N",
-                   help="pad the embedding and head rows with zeros to a multiple of N (Megatron's "
+    i.add_argument("--vocab-size-divisible-by", type=int, default=None, metavar="N",
+                   help="causal LMs: pad the embedding and head rows with zeros to a multiple of N (Megatron's "
                         "--make-vocab-size-divisible-by; the padded rows' logits are -inf, exports cut them off; "
-                        "`reshard` re-pads to N x its tensor-parallel size when needed; default 128, 1 = no padding)")
+                        "`reshard` re-pads to N x its tensor-parallel size when needed; default 128, 1 = no padding). "
+                        "Hybrid models are never padded")
     common(i)
 
     v = sub.add_parser("verify", help="check a checkpoint's integrity",
@@ -174,7 +179,9 @@ def run(argv: list[str] | None = None) -> int:
         if args.model_config is not None or args.tokenizer is not None:
             raise UserError("--model-config/--tokenizer apply to --format megatron; an HF directory has both")
 
-        multiple = _positive("--vocab-size-divisible-by", args.vocab_size_divisible_by, MAX_VOCAB_MULTIPLE)
+        multiple = args.vocab_size_divisible_by
+        if multiple is not None:
+            multiple = _positive("--vocab-size-divisible-by", multiple, MAX_VOCAB_MULTIPLE)
         out = import_hf(args.input, args.output, dtype=parse_dtype(args.dtype), vocab_size_divisible_by=multiple,
                         overwrite=args.overwrite, quiet=args.quiet, sync=args.sync)
         print(out)

@@ -11,9 +11,12 @@ from typing import Any
 from tessera.common.models.registry import stage_hook
 
 # Conversions per hook name. "decoder": the decoder-only stack (embedding, blocks, final norm, head).
+# "hybrid": Mamba-2, attention, MLP and MoE layers in a pattern (no TensorRT-LLM mapping).
 CONVERTERS: dict[str, frozenset[str]] = {
     "decoder": frozenset({"export --format hf", "export --format trtllm", "export --format megatron",
                           "import --format hf", "import --format megatron", "reshard"}),
+    "hybrid": frozenset({"export --format hf", "export --format megatron", "import --format hf",
+                         "import --format megatron", "reshard"}),
     # "encoder": BERT (embeddings with token types, post-norm blocks, pooler / MLM / binary heads).
     "encoder": frozenset({"export --format hf", "import --format hf", "reshard"}),
 }

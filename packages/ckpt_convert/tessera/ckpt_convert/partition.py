@@ -19,6 +19,12 @@ This is the contract `reshard` writes to (docs/formats/checkpoint.md, "Partition
 - Expert parallel: an MoE layer's stacked experts (`mlp.experts.*`, [num_experts, ...]) split
   along dim 0 over the E expert ranks (experts are not tensor-split: tp rank 0 stores them);
   every other tensor is replicated over expert ranks and stored by ep rank 0.
+- Hybrid models (kind hybrid), as their parallel plan (common/models/hybrid/parallelize.py) and
+  Megatron's MambaMixer split them: a Mamba-2 mixer's in_proj.{z,x,b,c,dt} (rows: whole heads and
+  groups), conv.{x,b,c} weights and biases, dt_bias, A_log, D and its gated norm's weight along
+  dim 0, out_proj's weight along dim 1; attention's q/k/v and o, the MLPs' up and down as the
+  causal LM's (all under `mixer.`); an MoE layer's stacked experts (`mixer.experts.*`) over the
+  expert ranks; everything else (layer norms, router, shared experts) replicated.
 - Data parallel: model tensors are replicas, stored by dp rank 0. Optimizer state of a parameter
   takes the parameter's block and is further split along dim 0 across its replicas, as the
   distributed optimizer shards it (expert weights over the D data ranks, every other parameter
@@ -29,30 +35,60 @@ This is the contract `reshard` writes to (docs/formats/checkpoint.md, "Partition
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Any
 
 from tessera.ckpt_convert.dcp_writer import Chunk
 from tessera.common.layout import ParallelLayout
-from tessera.common.models.causal_lm.config import ModelConfig
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
-_COLUMN = ("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.")
-_ROW = ("attn.o_proj.weight", "mlp.down_proj.weight")
-_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.")
 # Split by vocabulary rows (the encoder's MLM decoder: its bias too) and kept by the first stage.
 _VOCAB = ("embed_tokens.weight", "lm_head.weight", "mlm_head.decoder.weight", "mlm_head.decoder.bias")
 _FIRST_STAGE = ("embed_tokens.", "pos_embed.", "token_type_embed.", "embed_norm.")
+
+
+@dataclass(frozen=True)
+class _TensorSplit:
+    """One kind's tensor-parallel split by name within a layer: `column` prefixes and `rows` exact
+    names go along dim 0, `row` exact names along dim 1; `experts` matches the stacked experts."""
+
+    column: tuple[str, ...]
+    row: tuple[str, ...]
+    experts: re.Pattern
+    rows: tuple[str, ...] = ()
+
+
+_SPLITS = {  # by model kind (the `kind` of its config)
+    "causal_lm": _TensorSplit(
+        column=("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj."),
+        row=("attn.o_proj.weight", "mlp.down_proj.weight"),
+        experts=re.compile(r"^layers\.\d+\.mlp\.experts\.")),
+    "hybrid": _TensorSplit(
+        column=("mixer.in_proj.", "mixer.conv.", "mixer.q_proj.", "mixer.k_proj.", "mixer.v_proj.", "mixer.up_proj."),
+        row=("mixer.out_proj.weight", "mixer.o_proj.weight", "mixer.down_proj.weight"),
+        experts=re.compile(r"^layers\.\d+\.mixer\.experts\."),
+        rows=("mixer.dt_bias", "mixer.A_log", "mixer.D", "mixer.norm.weight")),
+    "encoder": _TensorSplit(  # BERT: the causal LM's names (its MLP has no gate)
+        column=("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.up_proj."),
+        row=("attn.o_proj.weight", "mlp.down_proj.weight"),
+        experts=re.compile(r"^layers\.\d+\.mlp\.experts\.")),
+}
+
+
+def _split_of(cfg: Any) -> _TensorSplit:
+    return _SPLITS[getattr(cfg, "kind", "causal_lm")]
 
 
 def rank_of(layout: ParallelLayout, tp: int, dp: int, pp: int, ep: int = 0) -> int:
     return tp + layout.tensor * (ep + layout.expert * (dp + layout.data * pp))
 
 
-def is_expert(name: str) -> bool:
+def is_expert(name: str, cfg: Any) -> bool:
     """An MoE layer's stacked expert weights (split over expert-parallel ranks along dim 0)."""
-    return bool(_EXPERTS.match(name))
+    return bool(_split_of(cfg).experts.match(name))
 
 
-def pipeline_rank(name: str, cfg: ModelConfig, layout: ParallelLayout) -> int:
+def pipeline_rank(name: str, cfg: Any, layout: ParallelLayout) -> int:
     m = _LAYER_RE.match(name)
     if m:
         return layout.stage_of_layer(int(m.group(1)), cfg.num_layers) % layout.pipeline
@@ -61,12 +97,13 @@ def pipeline_rank(name: str, cfg: ModelConfig, layout: ParallelLayout) -> int:
     return layout.pipeline - 1  # final_norm, lm_head; the encoder's heads
 
 
-def tp_dim(name: str) -> int | None:
+def tp_dim(name: str, cfg: Any) -> int | None:
     """Dimension split across tensor-parallel ranks, or None when replicated."""
+    split = _split_of(cfg)
     local = _LAYER_RE.sub("", name)
-    if local.startswith(_COLUMN) or name in _VOCAB:
+    if local.startswith(split.column) or local in split.rows or name in _VOCAB:
         return 0
-    if local in _ROW:
+    if local in split.row:
         return 1
     return None
 
@@ -77,11 +114,11 @@ def _split(offsets: tuple[int, ...], sizes: tuple[int, ...], dim: int, n: int, i
             sizes[:dim] + (step,) + sizes[dim + 1:])
 
 
-def model_chunks(name: str, shape: tuple[int, ...], cfg: ModelConfig, layout: ParallelLayout) -> list[Chunk]:
+def model_chunks(name: str, shape: tuple[int, ...], cfg: Any, layout: ParallelLayout) -> list[Chunk]:
     pp = pipeline_rank(name, cfg, layout)
-    dim = tp_dim(name)
+    dim = tp_dim(name, cfg)
     zero = (0,) * len(shape)
-    if is_expert(name):
+    if is_expert(name, cfg):
         return [Chunk(rank_of(layout, 0, 0, pp, ep), *_split(zero, tuple(shape), 0, layout.expert, ep))
                 for ep in range(layout.expert)]
     if dim is None or layout.tensor == 1:
@@ -90,11 +127,11 @@ def model_chunks(name: str, shape: tuple[int, ...], cfg: ModelConfig, layout: Pa
             for tp in range(layout.tensor)]
 
 
-def state_chunks(param: str, shape: tuple[int, ...], cfg: ModelConfig, layout: ParallelLayout) -> list[Chunk]:
+def state_chunks(param: str, shape: tuple[int, ...], cfg: Any, layout: ParallelLayout) -> list[Chunk]:
     """Optimizer state shaped like `param`: the parameter's blocks, split over its replicas (data
     ranks for expert weights, data x expert ranks for the rest)."""
     chunks = model_chunks(param, shape, cfg, layout)
-    expert = is_expert(param)
+    expert = is_expert(param, cfg)
     d, e = layout.data, layout.expert
     n = d if expert else d * e
     if n == 1 or not shape or chunks[0].sizes[0] % n:

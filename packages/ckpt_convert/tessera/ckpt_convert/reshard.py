@@ -14,6 +14,7 @@ One process, no process group, one global tensor in memory at a time.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ from tessera.common.tokenizer import copy_tokenizer_files
 
 
 def plan(src: CheckpointSource, layout: ParallelLayout,
-         target: ModelConfig | None = None) -> tuple[dict[str, list[Chunk]], dict[str, int]]:
+         target: Any = None) -> tuple[dict[str, list[Chunk]], dict[str, int]]:
     """(DCP key -> the chunks each target rank stores, for every tensor in the checkpoint; DCP key ->
     new row count for the vocabulary tensors, and their optimizer state, when `target` re-pads the
     vocabulary)."""
@@ -51,7 +52,7 @@ def plan(src: CheckpointSource, layout: ParallelLayout,
     resize: dict[str, int] = {}
 
     def shape_of(key: str, param: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-        if param in VOCAB_PARAMS + ENCODER_VOCAB_PARAMS and target.vocab_rows != cfg.vocab_rows:
+        if param in VOCAB_PARAMS + ENCODER_VOCAB_PARAMS and target is not cfg and target.vocab_rows != cfg.vocab_rows:
             resize[key] = target.vocab_rows
             return (target.vocab_rows, *shape[1:])
         return shape
@@ -85,7 +86,9 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
     # the new size divides them (a checkpoint stays layout-free) and re-padded when it does not.
     check_convertible(src.sidecar.model, "reshard")
     src.tokenizer()  # copied into the output: refused here if it does not fit the model
-    target_cfg = src.sidecar.model.refit_for(layout.tensor)
+    cfg = src.sidecar.model
+    # Hybrid models are never padded: their vocabulary must divide by the tensor size as it is.
+    target_cfg = cfg.refit_for(layout.tensor) if isinstance(cfg, ModelConfig) else cfg
     validate_layout(target_cfg, layout)  # the trainer's check, without its batch and world-size parts
     layout = layout.resolved(target_cfg.num_layers)
     chunks, resize = plan(src, layout, target_cfg)

@@ -26,6 +26,7 @@ from pydantic import Field
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.hybrid.config import HybridConfig
 
 
 def parse_pipeline_layers(text: str | None) -> list[int] | None:
@@ -160,7 +161,7 @@ class ParallelLayout(StrictModel):
         return self.model_copy(update={"pipeline_layers": self.stage_layers(num_layers)})
 
 
-def check_expert_parallel(cfg: ModelConfig, layout: ParallelLayout) -> None:
+def check_expert_parallel(cfg: ModelConfig | HybridConfig, layout: ParallelLayout) -> None:
     """The expert-parallel part of `validate_layout`, which needs only the model's MoE settings (the
     trainer's config checks it as it loads, before any process is launched)."""
     if layout.expert == 1:
@@ -182,8 +183,53 @@ def check_expert_parallel(cfg: ModelConfig, layout: ParallelLayout) -> None:
                         f"along its output rows, evenly; change {by.replace(' x ', ' or ')}")
 
 
+def check_context_parallel(cfg: ModelConfig | HybridConfig, layout: ParallelLayout) -> None:
+    """Context parallel is built for attention only: a hybrid model's Mamba layers would need their
+    scan state and convolution window passed from rank to rank along the sequence (Megatron's
+    MambaContextParallel instead all-to-alls heads for sequence), which Tessera does not have."""
+    if layout.context > 1 and cfg.kind == "hybrid":
+        raise UserError(f"--context-parallel {layout.context} (parallel.context): hybrid models (model.kind: hybrid) "
+                        "have no context-parallel Mamba layers; set it to 1 and split the sequence's work with "
+                        "--tensor-parallel and --sequence-parallel instead")
+
+
+def _check_tensor_parallel(cfg: ModelConfig | HybridConfig, tp: int) -> None:
+    """Each tensor rank holds whole heads (and key/value heads, Mamba groups), an equal slice of the
+    MLPs and of the vocabulary: `tp` must divide each of them."""
+    if isinstance(cfg, HybridConfig):
+        used = set(cfg.pattern)
+        if cfg.mamba is not None and "M" in used:
+            for field in ("num_heads", "num_groups"):
+                value = getattr(cfg.mamba, field)
+                if value % tp:
+                    raise UserError(f"--tensor-parallel {tp} must divide model.mamba.{field} ({value}): each tensor "
+                                    "rank holds whole Mamba heads and whole groups of B and C")
+        if "*" in used and cfg.num_heads is not None and cfg.kv_heads is not None:
+            if cfg.num_heads % tp:
+                raise UserError(f"--tensor-parallel {tp} must divide model.num_heads ({cfg.num_heads})")
+            if cfg.kv_heads % tp:
+                raise UserError(f"--tensor-parallel {tp} must divide model.num_kv_heads ({cfg.kv_heads}); key/value "
+                                "heads are split, not replicated, so tensor parallel cannot exceed them")
+        if "-" in used and cfg.ffn_hidden_size is not None and cfg.ffn_hidden_size % tp:
+            raise UserError(f"--tensor-parallel {tp} must divide model.ffn_hidden_size ({cfg.ffn_hidden_size})")
+        if cfg.vocab_size % tp:
+            raise UserError(f"--tensor-parallel {tp} must divide model.vocab_size ({cfg.vocab_size}): the embedding "
+                            "and head are split by vocabulary rows")
+        return
+    if cfg.num_heads % tp:
+        raise UserError(f"--tensor-parallel {tp} must divide num_heads ({cfg.num_heads})")
+    if cfg.kv_heads % tp:
+        raise UserError(f"--tensor-parallel {tp} must divide num_kv_heads ({cfg.kv_heads}); key/value heads are "
+                        "split, not replicated, so tensor parallel cannot exceed them")
+    if cfg.ffn_hidden_size % tp:
+        raise UserError(f"--tensor-parallel {tp} must divide ffn_hidden_size ({cfg.ffn_hidden_size})")
+    if cfg.vocab_rows % tp:
+        raise UserError(f"--tensor-parallel {tp} must divide the vocabulary rows ({cfg.vocab_rows}); pad the vocabulary "
+                        f"(model.vocab_size_divisible_by; `tessera-ckpt reshard` re-pads a checkpoint)")
+
+
 def validate_layout(
-    cfg: ModelConfig,
+    cfg: ModelConfig | HybridConfig,
     layout: ParallelLayout,
     *,
     world_size: int | None = None,
@@ -202,6 +248,7 @@ def validate_layout(
         raise UserError(f"layout: tensor x context x expert x data x pipeline = {layout.world_size} but "
                         f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
     check_expert_parallel(cfg, layout)
+    check_context_parallel(cfg, layout)
     cp = layout.context
     if dp % layout.data_shard:
         raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({dp} = world size / "
@@ -215,16 +262,7 @@ def validate_layout(
         raise UserError(f"{by} with --tensor-parallel {tp} must divide hidden_size "
                         f"({cfg.hidden_size}): FSDP splits each tensor-parallel weight along the hidden dim, evenly; "
                         f"change {by.replace(' x ', ' or ')}, or use --tensor-parallel 1")
-    if cfg.num_heads % tp:
-        raise UserError(f"--tensor-parallel {tp} must divide num_heads ({cfg.num_heads})")
-    if cfg.kv_heads % tp:
-        raise UserError(f"--tensor-parallel {tp} must divide num_kv_heads ({cfg.kv_heads}); key/value heads are "
-                        "split, not replicated, so tensor parallel cannot exceed them")
-    if cfg.ffn_hidden_size % tp:
-        raise UserError(f"--tensor-parallel {tp} must divide ffn_hidden_size ({cfg.ffn_hidden_size})")
-    if cfg.vocab_rows % tp:
-        raise UserError(f"--tensor-parallel {tp} must divide the vocabulary rows ({cfg.vocab_rows}); pad the vocabulary "
-                        f"(model.vocab_size_divisible_by; `tessera-ckpt reshard` re-pads a checkpoint)")
+    _check_tensor_parallel(cfg, tp)
     if seq_len is not None:
         if cp > 1 and seq_len % (2 * cp):
             raise UserError(f"--context-parallel {cp}: seq_len ({seq_len}) must be divisible by 2 x {cp} = {2 * cp} "

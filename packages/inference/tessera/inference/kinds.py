@@ -9,7 +9,9 @@ from typing import Any
 
 from tessera.common.models.registry import stage_hook
 from tessera.inference.core.block_manager import BlockManager
+from tessera.inference.core.state_manager import StateBlockManager
 from tessera.inference.worker.model_runner import ModelRunner
+from tessera.inference.worker.state.runner import HybridRunner
 
 STAGE = "tessera-serve"
 
@@ -21,7 +23,9 @@ class ServingKind:
 
 
 RUNNERS: dict[str, type[ModelRunner]] = {"decoder": ModelRunner}  # paged attention over the decoder stack
+RUNNERS["hybrid"] = HybridRunner  # paged attention + Mamba layers over a per-sequence state pool
 CACHES: dict[str, type[BlockManager]] = {"paged_kv": BlockManager}  # paged key/value blocks, prefix caching
+CACHES["paged_kv_and_state"] = StateBlockManager  # paged K/V of attention layers + one state slot per sequence
 
 
 def serving_kind(model: Any) -> ServingKind:

@@ -19,7 +19,7 @@ from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, check_expert_parallel
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.registry import model_config
-from tessera.trainer.kinds import check_trainable
+from tessera.trainer.kinds import check_options, check_trainable
 from tessera.trainer.mlm.config import MLMConfig
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
@@ -284,6 +284,7 @@ class TrainConfig(StrictModel):
         if t.seq_length > max_seq:
             raise ValueError(f"training.seq_length ({t.seq_length}) exceeds model.max_seq_len ({max_seq})")
         try:  # the layer split needs only the model's depth: checked now, by the one rule in tessera.common.layout
+            check_options(model, self)
             layout = self.parallel.layout(self.parallel.model_parallel_size)
             layout.stage_layers(model.num_layers)
             check_expert_parallel(model, layout)  # needs only model.moe: refused before any launch

@@ -110,8 +110,8 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
                            if existing is not None else None)
     if resume_from is not None:
         sidecar = read_sidecar(resume_from)
-        if sidecar.model != model and sidecar.model == model.model_copy(
-                update={"padded_vocab_size": sidecar.model.padded_vocab_size}):
+        if sidecar.model != model and hasattr(model, "padded_vocab_size") and sidecar.model == model.model_copy(
+                update={"padded_vocab_size": getattr(sidecar.model, "padded_vocab_size", None)}):
             raise ArtifactError(f"{resume_from}: checkpoint's {sidecar.model.vocab_rows} vocabulary rows do not divide "
                                 f"tensor parallel {layout.tensor}; `tessera-ckpt reshard` it to this layout (which "
                                 "re-pads them) and resume from that")
@@ -193,8 +193,9 @@ TRAINING_ONLY_MODEL_FIELDS = {"dropout", "attention_dropout", "init_std"}
 def pad_vocabulary(model: ModelConfig, cfg: TrainConfig, tp: int, saved: ModelConfig | None) -> ModelConfig:
     """The embedding/head rows: model.padded_vocab_size when given; else a checkpoint's (resume,
     init_from) whenever this tensor-parallel size divides them, so checkpoints stay layout-free; else
-    Megatron's rule for a new model (ModelConfig.padded_for)."""
-    if "padded_vocab_size" in cfg.model:
+    Megatron's rule for a new model (ModelConfig.padded_for). A kind without vocabulary padding (no
+    padded_for: hybrid) keeps its rows."""
+    if "padded_vocab_size" in cfg.model or not hasattr(model, "padded_for"):
         return model
     if saved is not None and saved.vocab_size == model.vocab_size and saved.vocab_rows % tp == 0:
         return model.model_copy(update={"padded_vocab_size": saved.padded_vocab_size})

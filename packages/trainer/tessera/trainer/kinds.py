@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tessera.common.models.registry import stage_hook
+from tessera.common.errors import UserError
+from tessera.common.models.registry import kind_of, stage_hook
 
 if TYPE_CHECKING:
     from tessera.trainer.data import MixtureBatches
@@ -58,6 +59,34 @@ def _mlm_step() -> type[TrainStep]:
 
 BATCHES["mlm"] = _mlm_batches
 LOSSES["mlm"] = _mlm_step
+
+
+# Options a kind's model has nothing for, by kind: (the field, whether a config asks for it, what to
+# do instead). Each is refused in one line while the config is validated, before any launch.
+REFUSED_OPTIONS: dict[str, tuple[tuple[str, Callable[[Any], bool], str], ...]] = {  # of a TrainConfig
+    "hybrid": (
+        ("parallel.context", lambda c: c.parallel.context > 1,
+         "context parallel is not built for hybrid models (the Mamba layers' scan would have to carry its "
+         "state from rank to rank along the sequence); set parallel.context=1"),
+        ("data.reset_position_ids", lambda c: c.data.reset_position_ids,
+         "a hybrid model has no positions to reset; data.reset_attention_mask alone keeps packed documents "
+         "apart (attention within each document, the Mamba state restarted at each)"),
+    ),
+}
+
+
+def check_options(model: Any, cfg: Any) -> None:
+    """A one-line UserError naming the first option of `cfg` (a TrainConfig) that `model`'s kind
+    has nothing for."""
+    kind = kind_of(model)
+    for field, asked, why in REFUSED_OPTIONS.get(kind.name, ()):
+        if asked(cfg):
+            raise UserError(f"{field}: {why} (model kind {kind.name!r})")
+
+
+def refused_fields(model: Any) -> set[str]:
+    """The option fields `model`'s kind refuses (tessera-plan's layout search skips them)."""
+    return {field for field, _, _ in REFUSED_OPTIONS.get(kind_of(model).name, ())}
 
 
 def check_trainable(model: Any) -> None:

@@ -42,8 +42,9 @@ def apply_recompute(model: Transformer, mode: str) -> None:
     """Recompute activations in backward instead of storing them.
 
     selective: only the attention core (scores/softmax/weighted sum: the largest activations per
-    FLOP); full: each whole block, keeping only block inputs. Implemented by wrapping the bound
-    `forward`/`core` of each module instance, so no wrapper module changes parameter names.
+    FLOP; in a hybrid model, its attention layers'); full: each whole block (a hybrid model's
+    layer), keeping only block inputs. Implemented by wrapping the bound `forward`/`core` of each
+    module instance, so no wrapper module changes parameter names.
     """
     if mode == "none":
         return
@@ -51,7 +52,9 @@ def apply_recompute(model: Transformer, mode: str) -> None:
         if mode == "full":
             block.forward = _checkpointed(block.forward)
         elif mode == "selective":
-            block.attn.core = _checkpointed(block.attn.core)
+            attn = block.attn if hasattr(block, "attn") else block.mixer if block.symbol == "*" else None
+            if attn is not None:
+                attn.core = _checkpointed(attn.core)
         else:
             raise ValueError(f"unknown recompute mode {mode!r}")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,13 +43,14 @@ class ExportOptions:
     sync: bool = True  # False: no fsync of the output (options.NO_SYNC_HELP); still renamed when whole
 
 
-def expected_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of the Tessera model for `cfg` (the model's own, on the meta device)."""
-    kind = kind_of(cfg)
-    if kind.name == "encoder":  # no buffers: its tensor map is its parameters'
-        assert kind.tensor_shapes is not None
-        return kind.tensor_shapes(cfg)
-    return model_tensor_shapes(cfg, buffers=False)
+def expected_model_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of the Tessera model for `cfg` (the model's own, on the meta device):
+    a causal LM's parameters, another kind's stored tensors (its registry entry's tensor_shapes)."""
+    if isinstance(cfg, ModelConfig):
+        return model_tensor_shapes(cfg, buffers=False)
+    shapes = kind_of(cfg).tensor_shapes
+    assert shapes is not None, "check_convertible admits only kinds with tensor_shapes"
+    return shapes(cfg)
 
 
 def plan_shards(tensors: list[PlannedTensor], max_shard_size: int) -> list[list[PlannedTensor]]:
@@ -86,7 +88,9 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
     first_source = next(r.sources[0] for r in rules if r.sources)
     dtype = opts.dtype or src.model_specs[first_source].dtype
     planned = [PlannedTensor(r.target, r.shape, dtype) for r in rules]
-    shards = plan_shards(planned, opts.max_shard_size)
+    # Shards split in the model's order, as transformers splits them; within a file, tensors in
+    # safetensors' own order (by dtype, then name: one dtype here), so the bytes are transformers'.
+    shards = [sorted(shard, key=lambda t: t.name) for shard in plan_shards(planned, opts.max_shard_size)]
     names = shard_names(len(shards))
     by_name = {r.target: r for r in rules}
     total = sum(t.nbytes for t in planned)
@@ -123,7 +127,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
     return output
 
 
-def write_config_files(out: Path, cfg: ModelConfig, dtype: torch.dtype, tok: Tokenizer | None,
+def write_config_files(out: Path, cfg: Any, dtype: torch.dtype, tok: Tokenizer | None,
                        sync: bool = True) -> None:
     bos = tok.bos_id if tok else None
     eos = tok.eos_id if tok else None

@@ -1,5 +1,7 @@
 """`tessera-ckpt export --format megatron`: a Tessera checkpoint -> a Megatron-Core `torch_dist` checkpoint.
 
+Causal LMs become GPTModel checkpoints (below); hybrid models MambaModel ones (megatron_hybrid.py).
+
 The inverse of import_megatron (names and layouts there): global tensors with layers stacked along
 a leading axis, fused QKV in Megatron's grouped order, fused [gate; up] for SwiGLU, plus
 `metadata.json` (`sharded_backend: torch_dist`) and an empty `common.pt` (megatron-core reads
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
+from tessera.ckpt_convert.exporters import megatron_hybrid
 from tessera.ckpt_convert.exporters.hf import expected_model_shapes
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
@@ -26,6 +29,7 @@ from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.hybrid.config import HybridConfig
 
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 
@@ -54,11 +58,8 @@ def tessera_to_megatron(cfg: ModelConfig, t: dict[str, torch.Tensor], rows: int)
             out[layer + "mlp.linear_fc1.layer_norm_" + suffix] = stack(lambda p, suffix=suffix: t[p + "mlp_norm." + suffix])
         if f"layers.0.attn.q_proj.{suffix}" in t:
             def qkv(p: str, suffix: str = suffix) -> torch.Tensor:
-                q, k, v = (t[p + f"attn.{n}_proj." + suffix] for n in "qkv")
-                rest = q.shape[1:]
-                q = q.reshape(cfg.kv_heads, per_group * hd, *rest)
-                k, v = k.reshape(cfg.kv_heads, hd, *rest), v.reshape(cfg.kv_heads, hd, *rest)
-                return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+                fuse = megatron_hybrid.fuse_qkv(cfg.kv_heads, per_group, hd)
+                return fuse([t[p + f"attn.{n}_proj." + suffix] for n in "qkv"])
             out[layer + "self_attention.linear_qkv." + suffix] = stack(qkv)
         if f"layers.0.attn.o_proj.{suffix}" in t:
             out[layer + "self_attention.linear_proj." + suffix] = stack(lambda p, suffix=suffix: t[p + "attn.o_proj." + suffix])
@@ -84,9 +85,18 @@ def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dty
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     cfg = src.sidecar.model
     check_convertible(cfg, "export --format megatron")
-    rows = cfg.padded_for(tp).vocab_rows  # Megatron's padded vocabulary at --tensor-parallel T
-    names = list(expected_model_shapes(cfg))
-    tensors = tessera_to_megatron(cfg, src.load_model(names), rows)
+    shapes = expected_model_shapes(cfg)
+    if isinstance(cfg, HybridConfig):  # Megatron's MambaModel: one entry per layer (megatron_hybrid)
+        rows = megatron_hybrid.padded_rows(cfg, tp)
+        rules = megatron_hybrid.export_rules(cfg, shapes, rows)
+        loaded = src.load_model(list(shapes))
+        tensors = {r.target: r.apply([loaded[s] for s in r.sources]) for r in rules}
+        extra_state = megatron_hybrid.extra_state_keys(cfg)
+    else:
+        rows = cfg.padded_for(tp).vocab_rows  # Megatron's padded vocabulary at --tensor-parallel T
+        tensors = tessera_to_megatron(cfg, src.load_model(list(shapes)), rows)
+        extra_state = [f"decoder.layers.{module}._extra_state/shard_{i}_{cfg.num_layers}"
+                       for i in range(cfg.num_layers) for module in EXTRA_STATE_MODULES]
     none = io.BytesIO()
     torch.save([None], none)  # what megatron-core writes for a local layer's extra state (a one-shard list)
     with src.checksum_check() as checksums, atomic_directory(output, overwrite=overwrite, sync=sync) as tmp, \
@@ -97,10 +107,8 @@ def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dty
             for key, tensor in tensors.items():
                 writer.write_tensor(key, tensor, whole(tuple(tensor.shape)), dtype=dtype)
                 bar.update(tensor.numel() * tensor.element_size())
-            for i in range(cfg.num_layers):
-                for module in EXTRA_STATE_MODULES:
-                    writer.write_bytes(f"decoder.layers.{module}._extra_state/shard_{i}_{cfg.num_layers}",
-                                       none.getvalue())
+            for key in extra_state:
+                writer.write_bytes(key, none.getvalue())
         except BaseException:
             writer.abort()
             raise

@@ -1,4 +1,5 @@
-"""`tessera-ckpt import --format hf`: a transformers Llama / GPT-2 directory -> a Tessera checkpoint.
+"""`tessera-ckpt import --format hf`: a transformers directory (any family of a kind the converter
+handles: causal LMs, hybrid Nemotron-H and Mamba2) -> a Tessera checkpoint.
 
 Reads config.json (-> ModelConfig, unsupported architectures refused) and the safetensors
 weights (one file, or shards listed in model.safetensors.index.json; pickled `.bin` weights are
@@ -24,13 +25,15 @@ from tessera.common.errors import UserError
 from tessera.common.fileio import artifact_path, atomic_directory
 from tessera.common.hf.directory import CONFIG, SafetensorsWeights, read_hf_config
 from tessera.common.hf.rules import check_import
+from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.registry import hf_adapter
 from tessera.common.tokenizer import check_tokenizer_fits, load_tokenizer
 
 
 def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | None = None,
-              vocab_size_divisible_by: int = 128, overwrite: bool = False, quiet: bool = False, sync: bool = True) -> Path:
-    """`sync=False`: no fsync of the output (see options.NO_SYNC_HELP); still renamed when whole."""
+              vocab_size_divisible_by: int | None = None, overwrite: bool = False, quiet: bool = False, sync: bool = True) -> Path:
+    """`vocab_size_divisible_by`: the causal LM's vocabulary padding (None: 128); hybrid models are
+    not padded. `sync=False`: no fsync of the output (see options.NO_SYNC_HELP); still renamed when whole."""
     input_dir, output = Path(input_dir), Path(output)
     if not input_dir.is_dir():
         raise UserError(f"{input_dir}: input directory not found")
@@ -39,8 +42,13 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     config_path = artifact_path(input_dir, CONFIG)
     cfg, _ = read_hf_config(input_dir)  # the one HF adapter, shared with tessera-serve
     check_convertible(cfg, "import --format hf")
-    # Megatron's vocabulary padding at tensor parallel 1 (zero rows; reshard re-pads for larger sizes).
-    cfg = cfg.model_copy(update={"vocab_size_divisible_by": vocab_size_divisible_by}).padded_for(1)
+    if isinstance(cfg, ModelConfig):
+        # Megatron's vocabulary padding at tensor parallel 1 (zero rows; reshard re-pads for larger sizes).
+        multiple = 128 if vocab_size_divisible_by is None else vocab_size_divisible_by
+        cfg = cfg.model_copy(update={"vocab_size_divisible_by": multiple}).padded_for(1)
+    elif vocab_size_divisible_by not in (None, 1):
+        raise UserError(f"--vocab-size-divisible-by {vocab_size_divisible_by}: {config_path} is a {cfg.kind} model, "
+                        "whose embedding and head keep exactly vocab_size rows; drop the flag")
     weights = SafetensorsWeights(input_dir)  # zero-copy: each tensor a map of its file bytes
     rules, optional = hf_adapter(cfg).import_rules(cfg, weights.names())
     check_import(rules, weights, str(input_dir), optional)  # every input tensor, before writing anything

@@ -1,5 +1,8 @@
 """`tessera-ckpt import --format megatron`: a Megatron-Core `torch_dist` checkpoint -> a Tessera checkpoint.
 
+GPTModel checkpoints (names below) become causal LMs; hybrid MambaModel ones (`--model-config` of
+kind hybrid; names in exporters/megatron_hybrid.py) hybrid models.
+
 Megatron-Core's distributed checkpoint (`metadata.json` says `sharded_backend: torch_dist`) is a
 torch.distributed.checkpoint directory of global tensors, so the tensor-parallel and pipeline
 layout it was saved from does not matter here. Layers are stacked along a leading layer axis
@@ -31,15 +34,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
+from pydantic import BaseModel
 
 from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
+from tessera.ckpt_convert.exporters import megatron_hybrid
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import artifact_path, atomic_directory
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.hybrid.config import HybridConfig
+from tessera.common.models.registry import DEFAULT_KIND, model_kind
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import check_tokenizer_fits, load_tokenizer
 
@@ -89,11 +97,9 @@ def megatron_to_tessera(cfg: ModelConfig, get) -> dict[str, torch.Tensor]:
                     out[t + f"{ours}.{suffix}"] = stacked[f"{ours}.{suffix}"][i]
             qkv = stacked[f"qkv.{suffix}"]
             if qkv is not None:
-                groups = qkv[i].reshape(cfg.kv_heads, (per_group + 2) * hd, *qkv.shape[2:])
-                out[t + f"attn.q_proj.{suffix}"] = groups[:, :per_group * hd].reshape(cfg.q_size, *qkv.shape[2:])
-                out[t + f"attn.k_proj.{suffix}"] = groups[:, per_group * hd:(per_group + 1) * hd].reshape(
-                    cfg.kv_size, *qkv.shape[2:])
-                out[t + f"attn.v_proj.{suffix}"] = groups[:, (per_group + 1) * hd:].reshape(cfg.kv_size, *qkv.shape[2:])
+                for part, name in enumerate("qkv"):
+                    split = megatron_hybrid.split_qkv(cfg.kv_heads, per_group, hd, part)
+                    out[t + f"attn.{name}_proj.{suffix}"] = split([qkv[i]])
             if stacked[f"o.{suffix}"] is not None:
                 out[t + f"attn.o_proj.{suffix}"] = stacked[f"o.{suffix}"][i]
             fc1 = stacked[f"fc1.{suffix}"]
@@ -113,11 +119,45 @@ def megatron_to_tessera(cfg: ModelConfig, get) -> dict[str, torch.Tensor]:
     return out
 
 
+def _load_model_config(path: str | Path) -> Any:
+    """--model-config as the config of the kind it names (`kind` absent: causal_lm)."""
+    from tessera.common.config import load_config, read_yaml
+
+    data = read_yaml(path)
+    kind = model_kind(data.get("kind", DEFAULT_KIND) if isinstance(data, dict) else DEFAULT_KIND,
+                      f"--model-config {path}: kind")
+    return load_config(kind.config, path)
+
+
+def _hybrid_tensors(cfg: HybridConfig, input_dir: Path, specs: dict[str, Any], rows: int) -> dict[str, torch.Tensor]:
+    """A MambaModel checkpoint's tensors as the hybrid model's (names and layouts: megatron_hybrid);
+    every tensor the config implies present with its shape, and no other, before any is read."""
+    from tessera.ckpt_convert.exporters.hf import expected_model_shapes
+
+    shapes = expected_model_shapes(cfg)
+    megatron_hybrid.check_megatron(cfg, f"--model-config (model kind {cfg.kind})")
+    rules = megatron_hybrid.import_rules(cfg, shapes, rows)
+    for rule in rules:
+        for name, want in zip(rule.sources, rule.input_shapes()):
+            if name not in specs:
+                raise ArtifactError(f"{input_dir}: no Megatron tensor {name} (the --model-config's pattern "
+                                    f"{cfg.pattern!r} describes a model this checkpoint is not)")
+            if tuple(specs[name].size) != want:
+                raise ArtifactError(f"{input_dir}: {name} has shape {list(specs[name].size)} but --model-config "
+                                    f"implies {list(want)}; fix the config (heads, groups, state, sizes)")
+    extra = sorted(set(specs) - {s for r in rules for s in r.sources})
+    if extra:
+        raise ArtifactError(f"{input_dir}: {extra[0]} is in the checkpoint but not in the --model-config's model "
+                            f"({len(extra)} such; pattern, biases or shared experts differ)")
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in specs.items()}
+    dcp_load(state, input_dir, no_dist=True)
+    return {r.target: r.apply([state[s] for s in r.sources]) for r in rules}
+
+
 def import_megatron(input_dir: str | Path, output: str | Path, model_config: str | Path,
                     tokenizer: str | Path | None = None, dtype: torch.dtype | None = None, overwrite: bool = False,
                     quiet: bool = False, sync: bool = True) -> Path:
     from tessera.ckpt_convert.exporters.hf import expected_model_shapes
-    from tessera.common.config import load_config
 
     input_dir, output = Path(input_dir), Path(output)
     if not input_dir.is_dir():
@@ -125,7 +165,7 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     check_torch_dist(input_dir)
-    cfg = model_config if isinstance(model_config, ModelConfig) else load_config(ModelConfig, model_config)
+    cfg = model_config if isinstance(model_config, BaseModel) else _load_model_config(model_config)
     check_convertible(cfg, "import --format megatron")
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None
     if tok is not None:
@@ -134,9 +174,19 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
     specs = {k: v for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
     rows = specs["embedding.word_embeddings.weight"].size[0] if "embedding.word_embeddings.weight" in specs else None
     if rows is None:
-        raise ArtifactError(f"{input_dir}: no embedding.word_embeddings.weight; not a Megatron-Core GPT checkpoint")
+        raise ArtifactError(f"{input_dir}: no embedding.word_embeddings.weight; not a Megatron-Core GPT or Mamba "
+                            "checkpoint")
     if rows < cfg.vocab_size:
         raise UserError(f"--model-config: vocab_size {cfg.vocab_size} exceeds the checkpoint's {rows} embedding rows")
+    if isinstance(cfg, HybridConfig):
+        tensors = _hybrid_tensors(cfg, input_dir, specs, rows)
+        out_dtype = dtype or tensors["embed_tokens.weight"].dtype
+        with atomic_directory(output, overwrite=overwrite, sync=sync) as tmp, \
+                Progress(sum(t.numel() for t in tensors.values()) * out_dtype.itemsize, len(tensors),
+                         f"import megatron -> {output.name}", quiet) as bar:
+            write_imported_checkpoint(tmp, iter(tensors.items()), cfg, tok, out_dtype,
+                                      {"path": str(input_dir.resolve()), "format": "megatron"}, bar, sync)
+        return output
     cfg = cfg.model_copy(update={"padded_vocab_size": rows if rows > cfg.vocab_size else None})  # Megatron's padding
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in specs.items()}
     dcp_load(state, input_dir, no_dist=True)

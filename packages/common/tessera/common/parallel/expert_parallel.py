@@ -92,6 +92,8 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup, ep: int, ep_rank: 
         local = e // ep
         for name in ("gate_proj", "up_proj", "down_proj"):
             full = getattr(m.experts, name)
+            if full is None:  # squared-ReLU experts (Nemotron-H's) have no gate
+                continue
             part = nn.Parameter(full.detach()[ep_rank * local:(ep_rank + 1) * local].clone(),
                                 requires_grad=full.requires_grad)
             for k, v in vars(full).items():  # keep tags set before (tensor-parallel tagging)

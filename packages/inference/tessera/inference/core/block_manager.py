@@ -52,6 +52,15 @@ class BlockManager:
         """seq's block table (empty when it holds no blocks)."""
         return self.tables.get(seq.request_id, [])
 
+    def state_slot(self, seq: Sequence) -> int:
+        """seq's slot in a per-sequence state pool (hybrid models: state_manager.py); -1: none."""
+        return -1
+
+    @classmethod
+    def engine_kwargs(cls, cfg) -> dict:
+        """Constructor arguments beyond the pool's, from the engine's config (EngineConfig)."""
+        return {}
+
     # ---- prefix cache ----------------------------------------------------------------------
     def _block_key(self, seq: Sequence, index: int) -> int | bytes:
         """Key of the seq's full block `index`, computed once and remembered on the sequence."""

@@ -44,6 +44,7 @@ class ScheduledSequence:
     # verified by this step, and the draft distributions they came from (None: a point mass).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
+    state_slot: int = -1  # its slot in the per-sequence state pool (hybrid models), -1: none
 
     @property
     def end(self) -> int:
@@ -169,7 +170,8 @@ class Scheduler:
             seqs.append(seq)
             num_new.append(n)
             budget -= n
-        plan = [ScheduledSequence(seq, seq.num_computed, n, list(self.blocks.table(seq)))
+        plan = [ScheduledSequence(seq, seq.num_computed, n, list(self.blocks.table(seq)),
+                                  state_slot=self.blocks.state_slot(seq))
                 for seq, n in zip(seqs, num_new)]
         for j, k in drafts.items():
             seq = plan[j].seq

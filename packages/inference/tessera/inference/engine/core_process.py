@@ -59,6 +59,7 @@ def serve(conn: Connection) -> int:
         "t": "ready", "name": loaded.name, "arch": loaded.config.arch, "dtype": str(dtype), "device": str(device),
         "max_model_len": engine.max_model_len, "vocab_size": loaded.config.vocab_size,
         "eos_ids": sorted(engine.eos_ids), "num_blocks": engine.blocks.num_blocks,
+        "state_pool": engine.runner.state_summary(),
         "tokenizer_dir": str(loaded.tokenizer.directory), "compile_s": engine.compile_seconds,
         "threads": measure(engine),
     }))

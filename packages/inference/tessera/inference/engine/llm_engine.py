@@ -40,7 +40,7 @@ from tessera.inference.worker.cuda_graphs import (
     default_capture_sizes,
 )
 from tessera.inference.worker.executor import WorkerDied
-from tessera.inference.worker.kv_cache import kv_block_bytes, kv_cache_dtype
+from tessera.inference.worker.kv_cache import kv_cache_dtype
 from tessera.inference.worker.loader import LoadedModel
 from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.prepare import ServingPrep, serving_runner
@@ -82,15 +82,26 @@ def serving_prep(cfg: EngineConfig) -> ServingPrep:
                        quantized=cfg.quantization is not None, batch_hint=cfg.max_num_seqs)
 
 
-def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype) -> int:
+def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype, dtype: torch.dtype | None = None) -> int:
+    """Blocks of the KV pool. Sized by kv_cache_memory, a per-sequence state pool (hybrid models:
+    max_num_seqs slots, states in the model's `dtype`) comes out of the same budget first."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
     if cfg.kv_cache_tokens is not None:
         return -(-cfg.kv_cache_tokens // cfg.block_size)
     # Under tensor parallel kv_cache_memory is per rank, which holds 1/tp of the key/value heads
     # (one, replicated, when tp > kv_heads); fp8 (--kv-cache-dtype) fits 4x fp32's blocks.
-    per_rank = kv_block_bytes(loaded.config, cfg.block_size, kv_dtype, cfg.tensor_parallel)
-    return max(1, cfg.kv_cache_memory // per_rank)
+    runner = serving_kind(loaded.config).runner
+    per_rank = runner.block_bytes(loaded.config, cfg.block_size, kv_dtype, cfg.tensor_parallel)
+    states = cfg.max_num_seqs * runner.state_bytes_per_sequence(loaded.config, dtype or kv_dtype, cfg.tensor_parallel)
+    budget = cfg.kv_cache_memory - states
+    if states and budget < max(per_rank, 1):
+        raise UserError(f"--kv-cache-memory {cfg.kv_cache_memory}: the state pool of this hybrid model's Mamba layers "
+                        f"takes {states} bytes ({cfg.max_num_seqs} sequences, --max-num-seqs) and leaves no room for "
+                        "KV blocks; raise --kv-cache-memory or lower --max-num-seqs")
+    if per_rank == 0:  # no attention layer (an all-Mamba model): blocks are bookkeeping only, and free
+        return cfg.max_num_seqs * -(-loaded.config.max_seq_len // cfg.block_size)
+    return max(1, budget // per_rank)
 
 
 def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
@@ -134,7 +145,7 @@ class LLMEngine:
         check_cuda_graphs(cfg, device, loaded.config)
         graphs = decode_graph_mode(cfg, device, loaded.config)
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
-        pool = pool_blocks(cfg, loaded, self.kv_dtype)
+        pool = pool_blocks(cfg, loaded, self.kv_dtype, dtype)
         # With decode graphs the pool's last block is the padding rows' scratch block: never handed out.
         num_blocks = pool - (graphs != "off")
         need = -(-self.max_model_len // cfg.block_size)
@@ -143,7 +154,12 @@ class LLMEngine:
                 f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one sequence of "
                 f"max_model_len={self.max_model_len} tokens ({need} blocks); raise --kv-cache-memory / "
                 "--num-kv-blocks or lower --max-model-len")
-        self.blocks = serving_kind(loaded.config).cache(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash)
+        kind = serving_kind(loaded.config)
+        if cfg.speculative is not None and not kind.runner.supports_speculative:
+            raise UserError(f"--speculative-config: model kind {loaded.config.kind!r} cannot verify draft tokens "
+                            "(a rejected draft would leave its Mamba states past the accepted tokens); drop the flag")
+        self.blocks = kind.cache(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash,
+                                 **kind.cache.engine_kwargs(cfg))
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.processor = OutputProcessor(self.scheduler, self.blocks)
         self.proposer = None

@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = LLMEngine(loaded, cfg, device, dtype, plan.workers if plan is not None and plan.workers else None)
         frontend = AsyncEngine(engine)
         facts = {"name": loaded.name, "arch": loaded.config.arch, "num_blocks": engine.blocks.num_blocks,
+                 "state_pool": engine.runner.state_summary(),
                  "where": "engine thread", "compile_s": engine.compile_seconds, "threads": measure(engine)}
     else:
         from tessera.inference.engine.process_client import ProcessEngine
@@ -209,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     quant += ", checksums not verified" if cfg.skip_checksum_verify else ""
     quant += f", layers compiled in {facts['compile_s']:.1f} s" if facts.get("compile_s") else ""
     print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
-          f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, max_model_len {frontend.max_model_len}; "
+          f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, "
+          f"{facts['state_pool'] + ', ' if facts.get('state_pool') else ''}max_model_len {frontend.max_model_len}; "
           f"{describe_measured(facts['threads'], plan)}; listening on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     try:

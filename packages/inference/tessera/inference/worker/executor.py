@@ -95,10 +95,15 @@ def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.dev
     from tessera.common.models.registry import kind_of
     from tessera.common.parallel.layers import allocate
 
-    with torch.device("meta"):
-        model = Transformer(replicated_kv_config(cfg, groups.tp))
-        stored = {n: p.shape for n, p in Transformer(cfg).named_parameters()}  # global shapes on disk
-    model = kind_of(cfg).parallel().tensor(model, groups)
+    kind = kind_of(cfg)
+    if isinstance(cfg, ModelConfig):
+        with torch.device("meta"):
+            model = Transformer(replicated_kv_config(cfg, groups.tp))
+            stored = {n: p.shape for n, p in Transformer(cfg).named_parameters()}  # global shapes on disk
+    else:  # another kind (hybrid): its own model, key/value heads never replicated (loader checks)
+        model = kind.build(cfg, device="meta", seed=None)
+        stored = kind.tensor_shapes(cfg)
+    model = kind.parallel().tensor(model, groups)
     allocate(model, device)  # only this rank's shard is ever allocated
     params = dict(model.named_parameters())
     buffers = {n: b for n, b in model.state_dict().items() if n not in params}
@@ -106,7 +111,7 @@ def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.dev
         _load_hf_shard(path, cfg, params, buffers, groups.tp_rank, groups.tp)
     else:
         _load_dcp_shard(path, params, buffers, groups, stored, cfg.kv_heads)
-    if model.rotary is not None:
+    if getattr(model, "rotary", None) is not None:
         model.rotary.reset_parameters()  # computed, not stored: to_empty left it uninitialised
     return model.to(dtype=dtype).eval()
 
@@ -206,7 +211,9 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store_path, world), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=READY_TIMEOUT_S))
     groups = build_groups(ParallelLayout(tensor=world), device)
-    cfg = ModelConfig.model_validate(init["model"])
+    from tessera.common.models.registry import model_config
+
+    cfg = model_config(init["model"])
     dtype = DTYPES[init["dtype"]]
     model = load_shard(Path(init["path"]), init["hf"], cfg, groups, device, dtype)
     numel = sum(p.numel() for p in model.parameters())  # before packing (packed weights are not parameters)
@@ -218,6 +225,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
         runner.use_decode_graphs(GraphSpec(**init["graphs"]))
     packed = sum(isinstance(m, PackedLinear) for m in model.modules())
     _reply(conn, {"t": "ready", "numel": numel, "kv_bytes": runner.kv.nbytes, "packed": packed,
+                  "state": runner.state_summary(),
                   "threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))})
     tp_group = groups.tp_group
     while True:
@@ -273,6 +281,7 @@ class TensorParallelExecutor:
             self.kv_bytes: list[int] = []  # bytes of each worker's KV pool
             self.packed_linears: list[int] = []  # oneDNN-packed Linear layers of each worker (prepare.py)
             self.bindings: list[Binding] = []  # each worker's torch threads and CPUs, as it reports them
+            self.state: str | None = None  # rank 0's per-sequence state pool (hybrid models), in words
             for rank in range(tp):
                 msg = self._recv(rank, READY_TIMEOUT_S)
                 if msg.get("t") != "ready":
@@ -281,6 +290,8 @@ class TensorParallelExecutor:
                 self.kv_bytes.append(int(msg["kv_bytes"]))
                 self.packed_linears.append(int(msg["packed"]))
                 self.bindings.append(Binding(int(msg["threads"]), tuple(msg["cpus"])))
+                if rank == 0 and msg.get("state"):
+                    self.state = f"{msg['state']} on each of {tp} ranks"
         except BaseException:
             self.shutdown()
             raise
@@ -317,7 +328,8 @@ class TensorParallelExecutor:
         raise WorkerDied(f"tensor-parallel worker {rank} failed: {msg.get('message')}")
 
     def forward(self, batch: list[BatchSeq], rows: list[int], device: torch.device) -> torch.Tensor:
-        frame = json.dumps({"t": "step", "seqs": [[s.tokens, s.start, s.block_table, s.num_q] for s in batch],
+        frame = json.dumps({"t": "step", "seqs": [[s.tokens, s.start, s.block_table, s.num_q, s.state_slot]
+                                                  for s in batch],
                             "rows": rows}).encode()
         for rank, conn in enumerate(self.conns):
             try:
@@ -326,6 +338,8 @@ class TensorParallelExecutor:
                 raise WorkerDied(f"tensor-parallel worker {rank} is gone") from None
         head = self._recv(0)
         data = self.conns[0].recv_bytes()
+        if not data:  # no row to sample this step (a prefill chunk short of its prompt's end): [0, vocab]
+            return torch.empty(*head["shape"], device=device)
         logits = torch.frombuffer(bytearray(data), dtype=torch.float32).view(*head["shape"])
         return logits.to(device)
 
@@ -361,6 +375,9 @@ class TensorParallelRunner(ModelRunner):
 
     def forward(self, plan: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
         return self.executor.forward(batch_seqs(plan), logits_rows, self.device)
+
+    def state_summary(self) -> str | None:
+        return self.executor.state
 
     def close(self) -> None:
         self.executor.shutdown()

@@ -69,7 +69,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def check_tensor_parallel(tp: int, cfg: ModelConfig, where: str, quantization: str | None = None,
+def check_tensor_parallel(tp: int, cfg: ModelConfig | None, where: str, quantization: str | None = None,
                           device: torch.device | None = None) -> None:
     """Refuse a tensor-parallel size the model or the machine cannot be split by (one line, before
     any weight loads or worker starts). On CUDA worker r runs on cuda:r."""
@@ -85,6 +85,8 @@ def check_tensor_parallel(tp: int, cfg: ModelConfig, where: str, quantization: s
     if quantization is not None:
         raise UserError(f"--quantization {quantization} with --tensor-parallel {tp}: not supported; "
                         "serve quantized weights with --tensor-parallel 1 or drop --quantization")
+    if cfg is None:  # the machine and flags only (check_kind_tensor_parallel)
+        return
     kv = cfg.kv_heads
     if kv < tp and tp % kv:
         raise UserError(f"--tensor-parallel {tp}: {where} has {kv} key/value heads; a tensor-parallel size above "
@@ -100,6 +102,19 @@ def check_tensor_parallel(tp: int, cfg: ModelConfig, where: str, quantization: s
     dense = cfg.moe is None or any(not cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers))
     if dense and cfg.ffn_hidden_size % tp:  # MoE MLPs are not split over tensor ranks (replicated)
         raise UserError(f"--tensor-parallel {tp}: must divide the MLP width ({cfg.ffn_hidden_size}) of {where}")
+
+
+def check_kind_tensor_parallel(tp: int, cfg, where: str, quantization: str | None = None,
+                               device: torch.device | None = None) -> None:
+    """check_tensor_parallel for a kind other than the causal LM: the machine and flags as there,
+    then the kind's parallel plan (refused in one line where it has none) and what it splits."""
+    from tessera.inference.worker.state.runner import tensor_parallel_problem
+
+    check_tensor_parallel(tp, None, where, quantization, device)
+    kind_of(cfg).parallel()
+    problem = tensor_parallel_problem(tp, cfg)
+    if problem is not None:
+        raise UserError(f"--tensor-parallel {tp}: {problem} of {where}; use a tensor-parallel size that divides it")
 
 
 def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch.dtype,
@@ -151,6 +166,10 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
     check_tokenizer_fits(tokenizer, cfg.vocab_size, str(path / CONFIG if hf else ckpt / SIDECAR))
     eos_ids = sorted(set(eos) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
     if tensor_parallel > 1:
+        if not isinstance(cfg, ModelConfig):  # another kind (hybrid): its plan, then what it splits
+            check_kind_tensor_parallel(tensor_parallel, cfg, str(path), quantization, device)
+            return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids,
+                               path=path, hf=hf)
         if hf:  # zero rows up to a multiple of the size (as a new model is padded); their logits are -inf
             cfg = cfg.refit_for(tensor_parallel)
         check_tensor_parallel(tensor_parallel, cfg, str(path), quantization, device)

@@ -30,7 +30,7 @@ from tessera.inference.sample.sampler import Sampler, token_logprob, verify
 from tessera.inference.worker.batch import BatchSeq, ModelRunnerOutput, StepInputs, batch_seqs
 from tessera.inference.worker.cuda_graphs import DecodeGraphs, GraphSpec
 from tessera.inference.worker.decode_attention import decode_split, split_attention
-from tessera.inference.worker.kv_cache import local_kv_heads, store_kv
+from tessera.inference.worker.kv_cache import kv_block_bytes, local_kv_heads, store_kv
 from tessera.kernels import paged_attention
 
 if TYPE_CHECKING:
@@ -51,6 +51,29 @@ class ModelRunner:
     compiled: CompiledForward | None = None
     # (the pool, per layer its K/V views): `_layer_kv`, rebuilt when the pool is replaced.
     _kv_views: tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]] | None = None
+    # Why a kind's runner is never compiled on CPU (prepare.py serves it eagerly and says so); None:
+    # compiled.py's own checks decide.
+    eager_reason: str | None = None
+    supports_speculative = True  # drafts can be verified and rejected (nothing but K/V past the length to undo)
+
+    @staticmethod
+    def block_bytes(cfg, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
+        """Bytes one KV block takes on one tensor rank (the engine sizes the pool by it)."""
+        return kv_block_bytes(cfg, block_size, dtype, tp)
+
+    @staticmethod
+    def state_bytes_per_sequence(cfg, dtype: torch.dtype, tp: int = 1) -> int:
+        """Bytes of one sequence's slot in a per-sequence state pool on one tensor rank (0: none)."""
+        return 0
+
+    @classmethod
+    def serving_kwargs(cls, prep) -> dict:
+        """Constructor arguments beyond the common ones, from prepare.ServingPrep."""
+        return {}
+
+    def state_summary(self) -> str | None:
+        """A per-sequence state pool beside the KV cache, in words for the startup line (None: none)."""
+        return None
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, kv_dtype: torch.dtype | None = None):

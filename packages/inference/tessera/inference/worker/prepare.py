@@ -8,7 +8,8 @@ prepared alike. On CPU, in order:
      itself (freezing) and fuses the elementwise ops around them (compiled.py), or, eager, the
      Linear weights prepacked for oneDNN (cpu_linear.py);
   3. the model runner, and with compile its forward warmed up (compiled) before it serves. When
-     compile is the default, a model that cannot be compiled (mixture-of-experts, dynamic RoPE) or
+     compile is the default, a model that cannot be compiled (mixture-of-experts, dynamic RoPE, a
+     kind whose runner says why: `ModelRunner.eager_reason`, e.g. hybrid) or
      a compile that fails (say, no C++ compiler, a graph break) is logged as a warning and served
      eagerly with packed weights; when the user asked for it (cpu_compile=True), either is refused
      (UserError), as is cpu_compile=True on CUDA.
@@ -51,12 +52,13 @@ def serving_runner(model: torch.nn.Module, prep: ServingPrep, num_blocks: int, b
                    kv_dtype: torch.dtype | None = None, what: str = "model") -> ModelRunner:
     """The model prepared for serving (in place) and its runner, compiled and warmed up where asked."""
     compile_it = False
+    kind = serving_kind(model.cfg)
     if device.type != "cpu" and prep.compile and prep.explicit:
         raise UserError(f"cpu_compile compiles the CPU forward; {what} is on {device.type} (decode steps use "
                         "CUDA graphs there): drop cpu_compile")
     if device.type == "cpu":
         merge_projections(model)  # q/k/v and gate/up: one GEMM each
-        reason = uncompilable(model.cfg, tp_size, prep.quantized) if prep.compile else None
+        reason = (kind.runner.eager_reason or uncompilable(model.cfg, tp_size, prep.quantized)) if prep.compile else None
         if reason is not None:
             if prep.explicit:
                 raise UserError(f"cpu_compile: {what} cannot be compiled ({reason}); drop cpu_compile to serve it "
@@ -67,7 +69,8 @@ def serving_runner(model: torch.nn.Module, prep: ServingPrep, num_blocks: int, b
         compile_it = prep.compile and reason is None
         if not compile_it and not prep.quantized:
             pack_linears(model, prep.cpu_linear, batch_hint=prep.batch_hint)
-    runner = serving_kind(model.cfg).runner(model, num_blocks, block_size, device, dtype, tp_rank, tp_size, kv_dtype=kv_dtype)
+    runner = kind.runner(model, num_blocks, block_size, device, dtype, tp_rank, tp_size, kv_dtype=kv_dtype,
+                         **kind.runner.serving_kwargs(prep))
     if compile_it:
         compiled = runner.compiled = CompiledForward(model, prep.batch_hint)
         try:

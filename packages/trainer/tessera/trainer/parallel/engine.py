@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tessera.common.layout import ParallelLayout
 from tessera.common.models.causal_lm.config import ModelConfig
-from tessera.common.models.causal_lm.model import Transformer
+from tessera.common.models.registry import kind_of
 from tessera.common.parallel.state import build_groups, set_groups
 from tessera.common.parallel.state_dict import load_model_state_dict
 from tessera.trainer.checkpoint.stateful import RNGState, ScalerState, Stateful, seed_everything
@@ -48,8 +48,7 @@ class ParallelEngine:
         def builder():
             # On the meta device: the runtime allocates only this rank's shards and fills them
             # with the weights build_train_model(model, device, t.seed) would have (sharded_init).
-            with torch.device("meta"):
-                module = Transformer(model)
+            module = kind_of(model).build(model, device="meta", seed=None)
             apply_recompute(module, t.recompute)  # wraps bound forwards; survives the stage cut
             return module
 

@@ -72,8 +72,12 @@ class StageModule(nn.Module):
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`positions` / `document_ids` [B, T] (whole sequence) for packed documents; the pipeline
         schedule hands every stage its micro-batch's rows of them."""
+        if not isinstance(self.model, Transformer):
+            # A kind without position inputs (hybrid: the Mamba layers carry order); context
+            # parallel is refused for it by validate_layout.
+            h = self.model(x, document_ids=document_ids, return_hidden=True)
         # Positions are explicit: under sequence parallel a later stage sees T/tp rows.
-        if self.cp is not None:
+        elif self.cp is not None:
             # The local queries' global indices order causality (positions restart per document).
             attention = ContextParallelAttention(self.cp, self.model, self.positions[0], self.key_index, document_ids)
             positions = self.positions if positions is None else positions

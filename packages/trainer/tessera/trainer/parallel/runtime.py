@@ -120,9 +120,10 @@ class ParallelRuntime:
             # Under autocast the head's logits come out in the autocast dtype; the residual
             # stream stays in the parameter dtype (fp32 + bf16/fp16 promotes to fp32).
             logits_dtype = self._autocast_dtype() or dtype
+            vocab_rows = getattr(self.cfg, "vocab_rows", self.cfg.vocab_size)  # (a hybrid has no vocab padding)
             self._schedules[num_microbatches] = make_schedule(
                 self.stages, self.groups, num_microbatches, self.micro_batch, self.cfg.hidden_size,
-                self.cfg.vocab_rows, dtype, self.stages[0].model.sequence_parallel, self._micro_batch_loss,
+                vocab_rows, dtype, self.stages[0].model.sequence_parallel, self._micro_batch_loss,
                 logits_dtype=logits_dtype, loss_hook=self._scale_loss)
         return self._schedules[num_microbatches]
 
@@ -360,7 +361,7 @@ class ParallelRuntime:
                 for group, size in ((g.dp_group, g.dp), (g.cp_group, g.cp), (g.ep_group, g.ep)):
                     if size > 1:
                         spread(buf, group, size)
-        if g.embedding_group is not None:
+        if g.embedding_group is not None and self.cfg.tie_embeddings:  # (untied: no copies to compare)
             for s in self.stages:
                 if s.is_first and s.model.embed_tokens is not None:
                     spread(_local_data(s.model.embed_tokens.weight), g.embedding_group, 2)

@@ -4,7 +4,7 @@ The stages are cut from a model built on the meta device (no memory), then `to_e
 the local shards. To make the weights those a single process would draw from the same seed
 (`build_model(cfg, seed=seed)`), the one-process initialisation is *replayed*: one generator,
 seeded as `build_model` seeds it, visits the global model's modules in the same (name) order
-through `Transformer.init_module`, each module materialised alone, at its global shape, on the
+through the model's `init_module` (Transformer's, HybridModel's), each module materialised alone, at its global shape, on the
 device; every rank copies out the slice it holds (its tensor-parallel shard of the stages it
 holds, its expert-parallel slice of stacked experts; the tied head takes the embedding's slice) and drops the rest. So:
 
@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tessera.common.layers.moe import Experts, MoE
-from tessera.common.models.causal_lm.model import Transformer
+from tessera.common.models.registry import kind_of
 from tessera.common.parallel.expert_parallel import is_expert_shard
 from tessera.common.parallel.layers import allocate as _allocate
 from tessera.common.parallel.layers import shard_dim_of
@@ -77,7 +77,7 @@ def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: in
     for st in stages:
         _allocate(st, device)
         st.reset_buffers()
-        if st.model.rotary is not None:
+        if getattr(st.model, "rotary", None) is not None:
             st.model.rotary.reset_parameters()
         for m in st.modules():
             if isinstance(m, MoE):
@@ -85,8 +85,7 @@ def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: in
         for name, p in st.global_params().items():
             held.setdefault(name, []).append(p)
     cfg = stages[0].model.cfg
-    with torch.device("meta"):
-        whole = Transformer(cfg)
+    whole = kind_of(cfg).build(cfg, device="meta", seed=None)  # the kind's whole model, for its init_module
     generator = torch.Generator(device=device).manual_seed(seed)
     written: set[str] = set()
     for mod_name, module in sorted(whole.named_modules(), key=lambda kv: kv[0]):
@@ -110,4 +109,4 @@ def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: in
     missing = sorted(set(held) - written)
     if missing:
         raise RuntimeError(f"sharded init: no initialisation rule reached {missing[:3]}; "
-                           "extend Transformer.init_module")
+                           "extend the model's init_module")

@@ -35,6 +35,9 @@ Corrections the single-device block cannot show, analytic:
   (top_k x expert width + shared experts), plus each token's top_k dispatched copies of its
   hidden state and the router's [tokens, experts] logits and probabilities (an estimate; checked
   against one measured run: 4 experts, top 2, one process, peak -5.6%).
+
+A hybrid model's layers (Mamba-2, attention, MLP or MoE, each behind one norm) are measured the
+same way, one `HybridBlock` per layer at its local shapes (`measure_hybrid_block`, plan/hybrid.py).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.hybrid.config import HybridConfig
+from tessera.trainer.plan.hybrid import is_hybrid, local_layer
 from tessera.trainer.plan.spec import PlanSpec
 
 
@@ -132,6 +137,50 @@ def measure_block(cfg_json: str, layer: int, batch: int, seq: int, precision: st
     return live + moe_extra
 
 
+@functools.lru_cache(maxsize=128)
+def measure_hybrid_block(cfg_json: str, batch: int, seq: int, precision: str, recompute: str,
+                         documents: bool) -> int:
+    """Bytes the single layer of `cfg_json` (local shapes, `local_layer`) keeps alive after its
+    forward on [batch, seq, hidden] input, its input included, its output and autocast's weight
+    copies not (measure_block's method). `documents`: with document ids."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tessera.common.models.hybrid.model import HybridBlock
+    from tessera.trainer.model_setup import apply_recompute
+
+    cfg = HybridConfig.model_validate_json(cfg_json)
+    moe_extra = 0
+    if cfg.pattern == "E":  # routing has data-dependent shapes: an MLP of the width a token passes through
+        moe = cfg.moe
+        assert moe is not None
+        moe_extra = batch * seq * (moe.top_k * cfg.hidden_size + 2 * moe.num_experts) * (2 if precision != "fp32" else 4)
+        cfg = cfg.model_copy(update=dict(pattern="-", moe=None,
+                                         ffn_hidden_size=moe.top_k * moe.ffn_hidden_size + moe.shared_size))
+    dtype = torch.bfloat16 if precision.endswith("-master") else torch.float32
+    with FakeTensorMode():
+        block = HybridBlock(cfg, cfg.layer_config(), 0)
+        block.train()
+        for p in block.parameters():
+            p.data = p.data.to(dtype)
+        if precision.startswith("fp8"):
+            float8_as_on_cuda(block)
+        apply_recompute(SimpleNamespace(layers={"0": block}), recompute)  # type: ignore[arg-type]
+        x = torch.randn(batch, seq, cfg.hidden_size, requires_grad=True, dtype=dtype)
+        ids = torch.zeros(batch, seq, dtype=torch.long) if documents and cfg.pattern == "M" else None
+        keep = {StorageWeakRef(p.untyped_storage()).cdata for p in block.parameters()}
+        tracker = _LiveStorages(set(keep))
+        if ids is not None:
+            keep.add(StorageWeakRef(ids.untyped_storage()).cdata)  # the batch's, shared by the layers
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
+        with tracker, ctx:
+            y = block(x, ids, None)
+        gc.collect()
+        keep.add(StorageWeakRef(y.untyped_storage()).cdata)
+        live = tracker.live_bytes(keep | tracker.weight_copies) + x.untyped_storage().nbytes()
+        del y
+    return live + moe_extra
+
+
 def float8_as_on_cuda(module: torch.nn.Module) -> None:
     """The trainer's Float8Linear swap (tessera.trainer.precision.torchao_float8), as it behaves on CUDA, on a CPU (or
     fake) module. What it saves for
@@ -159,19 +208,30 @@ def resid_bytes(spec: PlanSpec) -> float:
 
 
 def layer_activation_bytes(spec: PlanSpec, layer: int = 0) -> float:
-    """Activation bytes of one block for one micro-batch on one rank."""
+    """Activation bytes of one block (a hybrid model: one layer) for one micro-batch on one rank."""
     cfg, lay = spec.model, spec.layout
     tp, cp = lay.tensor, lay.context
-    local = _local_config(cfg, tp, lay.expert)
     b, s = spec.micro_batch, spec.seq_len // cp
     bf16 = spec.precision != "fp32"
-    if local.moe is not None and not local.is_moe_layer(layer):
-        local = local.model_copy(update={"moe": None})
-    total = float(measure_block(local.model_dump_json(), 0, b, s, spec.precision, spec.recompute))
+    if is_hybrid(cfg):
+        hybrid = local_layer(cfg, layer, tp, lay.expert)
+        total = float(measure_hybrid_block(hybrid.model_dump_json(), b, s, spec.precision, spec.recompute,
+                                           spec.packed_documents))
+        if hybrid.pattern != "*":  # the corrections below are the attention's
+            local = None
+        else:
+            local = hybrid.layer_config()
+    else:
+        local = _local_config(cfg, tp, lay.expert)
+        if local.moe is not None and not local.is_moe_layer(layer):
+            local = local.model_copy(update={"moe": None})
+        total = float(measure_block(local.model_dump_json(), 0, b, s, spec.precision, spec.recompute))
     rb = resid_bytes(spec)
     if tp > 1 and spec.sequence_parallel:
         total -= (1 - 1 / tp) * b * s * cfg.hidden_size * rb * (2 if spec.recompute != "full" else 1)
     ab, t = (2.0 if bf16 else 4.0), spec.seq_len
+    if local is None:
+        return total
     if cp > 1 and spec.recompute != "full":
         total += 2 * b * (t - s) * local.kv_size * ab  # K and V all-gathered to T
     if spec.packed_documents and spec.device_type == "cpu" and spec.recompute == "none":
@@ -191,7 +251,8 @@ def attention_mask_bytes(spec: PlanSpec) -> float:
     sample. The CPU per-segment path of packed documents holds no mask (only a [w, 2w] band per
     window)."""
     cfg, lay = spec.model, spec.layout
-    windows = len({cfg.window(i) for i in range(cfg.num_layers)})
+    windows = (int("*" in cfg.pattern) if is_hybrid(cfg)  # one window: a hybrid model's attention is global
+               else len({cfg.window(i) for i in range(cfg.num_layers)}))
     if not spec.packed_documents and lay.context == 1:  # one process: plain causal SDPA, no mask
         return 0.0
     if spec.device_type != "cpu":
@@ -208,7 +269,10 @@ def recompute_buffer_bytes(spec: PlanSpec) -> float:
     """Full recompute: one block's activations rebuilt in backward, alive while it runs."""
     if spec.recompute != "full":
         return 0.0
-    return layer_activation_bytes(spec.model_copy(update={"recompute": "none"}))
+    plain = spec.model_copy(update={"recompute": "none"})
+    if is_hybrid(spec.model):  # the largest of its layer types
+        return max(layer_activation_bytes(plain, spec.model.pattern.index(sym)) for sym in set(spec.model.pattern))
+    return layer_activation_bytes(plain)
 
 
 def saved_head_bytes(spec: PlanSpec) -> float:

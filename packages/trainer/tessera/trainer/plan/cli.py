@@ -82,8 +82,10 @@ def _load(args: argparse.Namespace) -> tuple[TrainConfig, ModelConfig]:
     apply_overrides(data, list(args.overrides) + parallel_overrides(args), origins)
     cfg = validate_config(TrainConfig, data, args.config, origins)
     from tessera.common.models.causal_lm.config import PRESETS
+    from tessera.common.models.hybrid.config import PRESETS as HYBRID_PRESETS
 
-    preset = PRESETS.get(str(cfg.model.get("preset")), {})
+    presets = HYBRID_PRESETS if cfg.model.get("kind") == "hybrid" else PRESETS
+    preset = presets.get(str(cfg.model.get("preset")), {})
     vocab = cfg.model.get("vocab_size", preset.get("vocab_size"))  # a preset's own vocabulary counts
     if vocab is None:
         from tessera.common.mixture import read_mixture_manifest

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, validate_layout
+from tessera.trainer.kinds import refused_fields
 from tessera.trainer.plan.devices import DeviceSpec
 from tessera.trainer.plan.memory import MemoryPlan, plan_memory
 from tessera.trainer.plan.spec import PlanSpec
@@ -29,9 +30,10 @@ def candidate_layouts(spec: PlanSpec, gpus: int, max_virtual: int = 4) -> list[P
     """Layouts of `gpus` ranks that `validate_layout` accepts for this model and batch (with float8
     all-gather: only those it composes with, FSDP over one tensor rank)."""
     cfg = spec.model
+    context = "parallel.context" not in refused_fields(cfg)  # hybrid models: no context parallel
     out = []
     for tp in _divisors(gpus):
-        for cp in _divisors(gpus // tp):
+        for cp in _divisors(gpus // tp) if context else [1]:
             for pp in _divisors(gpus // (tp * cp)):
                 dp = gpus // (tp * cp * pp)
                 for shard in _divisors(dp):

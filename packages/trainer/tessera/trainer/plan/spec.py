@@ -17,6 +17,7 @@ from pydantic import Field
 from tessera.common.config import StrictModel
 from tessera.common.layout import ParallelLayout
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.hybrid.config import HybridConfig
 from tessera.trainer.parallel.data_parallel import BUCKET_NUMEL
 
 Precision = Literal["fp32", "bf16", "bf16-master", "fp8", "fp8-master"]
@@ -24,7 +25,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "bf16-master", "fp8", "fp8-master
 
 
 class PlanSpec(StrictModel):
-    model: ModelConfig
+    model: ModelConfig | HybridConfig  # the kinds tessera-plan counts (its memory count: memory.MEMORY_COUNTS)
     layout: ParallelLayout
     seq_len: int = Field(..., gt=0, description="Tokens per sample.")
     micro_batch: int = Field(..., gt=0, description="Samples per micro-batch on one data-parallel rank.")
@@ -67,7 +68,7 @@ class PlanSpec(StrictModel):
         return self.layout.data_shard > 1
 
     @classmethod
-    def from_train_config(cls, cfg, model: ModelConfig, layout: ParallelLayout,
+    def from_train_config(cls, cfg, model: ModelConfig | HybridConfig, layout: ParallelLayout,
                           precision: str | None = None, recompute: str | None = None) -> PlanSpec:
         """From a TrainConfig (tessera.trainer.config): batch, sequence, precision, recompute, options."""
         t, p = cfg.training, cfg.parallel

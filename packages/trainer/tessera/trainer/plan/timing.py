@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from tessera.common.models.registry import kind_of
 from tessera.trainer.plan.devices import DeviceSpec
+from tessera.trainer.plan.hybrid import attention_layers, attention_sizes, is_hybrid
 from tessera.trainer.plan.memory import rank_params
 from tessera.trainer.plan.spec import PlanSpec
 
@@ -65,7 +66,7 @@ def plan_time(spec: PlanSpec, device: DeviceSpec, efficiency: float = DEFAULT_EF
     if spec.recompute == "full":
         extra = model_flops / 3
     elif spec.recompute == "selective":
-        extra = 4.0 * cfg.num_layers * cfg.q_size * spec.seq_len * tokens
+        extra = 4.0 * attention_layers(cfg) * attention_sizes(cfg)[0] * spec.seq_len * tokens
     peak = device.peak_tflops * 1e12 * efficiency * (2.0 if spec.float8 else 1.0)
     compute = (model_flops + extra) / world / peak
     bubble = compute * (pp - 1) / (v * n) if pp > 1 else 0.0
@@ -75,11 +76,14 @@ def plan_time(spec: PlanSpec, device: DeviceSpec, efficiency: float = DEFAULT_EF
     comm: dict[str, float] = {}
     exposed = 0.0
     if tp > 1:
-        vol = 8 * (tp - 1) / tp * mb_tokens * cfg.hidden_size * ab * layers * n
+        # Two all-reduces (or all-gather + reduce-scatter) forward and two backward per sublayer:
+        # a decoder block has two (attention, MLP), a hybrid model's layer one.
+        sublayers = 1 if is_hybrid(cfg) else 2
+        vol = 4 * sublayers * (tp - 1) / tp * mb_tokens * cfg.hidden_size * ab * layers * n
         comm["tensor"] = vol / _bandwidth(tp, device)
         exposed += comm["tensor"]
     if cp > 1:
-        vol = 2 * 2 * (cp - 1) / cp * spec.micro_batch * spec.seq_len * cfg.kv_size / tp * ab * layers * n
+        vol = 2 * 2 * (cp - 1) / cp * spec.micro_batch * spec.seq_len * attention_sizes(cfg)[1] / tp * ab * layers * n
         comm["context"] = vol / _bandwidth(tp * cp, device)
         exposed += comm["context"]
     if pp > 1:

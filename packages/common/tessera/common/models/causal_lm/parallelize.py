@@ -72,6 +72,64 @@ def _tag_replicated(module: nn.Module, partial: bool) -> None:
         tag(p, None, partial=partial)
 
 
+def split_attention(attn: nn.Module, groups: ParallelGroups, sp: bool, rng: TensorParallelRNG | None) -> None:
+    """Self-attention's tensor-parallel split, in place: q/k/v column-, o row-parallel, per-head
+    q/k norms replicated (their gradients partial over the tensor group), dropout forked. Shared
+    with every kind built on the same attention layer (the hybrid's `*`)."""
+    group = groups.tp_group
+    attn.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, group, sp)
+    attn.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, group, sp)
+    attn.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, group, sp)
+    attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, sp)
+    for norm in (attn.q_norm, attn.k_norm):
+        if norm is not None:
+            _tag_replicated(norm, groups.tp > 1)
+    if rng is not None and groups.tp > 1:
+        attn.core = _forked_core(attn.core, rng)  # attention dropout acts on this rank's heads
+
+
+def split_mlp(mlp: nn.Module, groups: ParallelGroups, sp: bool) -> bool:
+    """A dense MLP's split (gate/up column-, down row-parallel) or an MoE's (not split over tensor
+    ranks; its weights' gradients partial under sequence parallel), in place. Returns whether
+    the input must be gathered along the sequence first (dense under SP; an MoE routes its own
+    chunk)."""
+    group = groups.tp_group
+    if isinstance(mlp, MoE):
+        for p in mlp.parameters():
+            tag(p, None, partial=sp)
+        return False
+    if mlp.gated:
+        mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group, sp)
+    mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group, sp)
+    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group, sp)
+    return sp
+
+
+def split_norm(norm: nn.Module, groups: ParallelGroups, sp: bool, gather: bool) -> None:
+    """A pre-norm feeding tensor-parallel layers: replicated (gradients partial under SP) and,
+    with `gather`, its sequence-sharded output all-gathered once for every column layer reading
+    it (one collective and one saved full-sequence activation instead of one per projection)."""
+    _tag_replicated(norm, sp)
+    if gather:
+        group = groups.tp_group
+        norm.register_forward_hook(lambda _m, _i, out: gather_seq(out, group))
+
+
+def split_ends(model: nn.Module, groups: ParallelGroups, sp: bool) -> None:
+    """The token embedding (vocab-parallel), the final norm (replicated) and an untied head
+    (column-parallel), whichever this stage holds; records the choice of sequence parallel and
+    the tensor group on `model` for `parallel_logits` and the pipeline stage."""
+    group = groups.tp_group
+    model.sequence_parallel = sp  # type: ignore[attr-defined]
+    model.tp_group = group  # type: ignore[attr-defined]
+    if model.embed_tokens is not None:
+        model.embed_tokens = VocabParallelEmbedding.from_embedding(model.embed_tokens, group, sp)
+    if model.final_norm is not None:
+        _tag_replicated(model.final_norm, sp)
+    if model.lm_head is not None:
+        model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sp)
+
+
 def parallelize_model(model: Transformer, groups: ParallelGroups, sequence_parallel: bool = False,
                       rng: TensorParallelRNG | None = None) -> Transformer:
     """Swap in tensor-parallel layers (slicing existing weights; meta stays meta). Returns `model`.
@@ -82,41 +140,14 @@ def parallelize_model(model: Transformer, groups: ParallelGroups, sequence_paral
     """
     group = groups.tp_group
     sp = sequence_parallel and groups.tp > 1
-    model.sequence_parallel = sp  # type: ignore[attr-defined]
-    model.tp_group = group  # type: ignore[attr-defined]
     for block in model.layers.values():
-        attn, mlp = block.attn, block.mlp
-        attn.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, group, sp)
-        attn.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, group, sp)
-        attn.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, group, sp)
-        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, sp)
-        for norm in (attn.q_norm, attn.k_norm):
-            if norm is not None:
-                _tag_replicated(norm, groups.tp > 1)
-        moe = isinstance(mlp, MoE)
-        if moe:
-            for p in mlp.parameters():
-                tag(p, None, partial=sp)
-        else:
-            if mlp.gated:
-                mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group, sp)
-            mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group, sp)
-            mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group, sp)
-        _tag_replicated(block.attn_norm, sp)
-        _tag_replicated(block.mlp_norm, sp)
-        if sp:
-            # One all-gather of the normed chunk feeds q/k/v (or gate/up): one collective and
-            # one saved full-sequence activation instead of one per projection.
-            block.attn_norm.register_forward_hook(lambda _m, _i, out: gather_seq(out, group))
-            if not moe:
-                block.mlp_norm.register_forward_hook(lambda _m, _i, out: gather_seq(out, group))
-        if rng is not None and groups.tp > 1:
-            # Attention dropout acts on this rank's heads; residual dropout (under SP) on its chunk.
-            attn.core = _forked_core(attn.core, rng)
-            if sp:
-                block.dropout = _ForkedDropout(block.dropout.p, rng)
-    if model.embed_tokens is not None:
-        model.embed_tokens = VocabParallelEmbedding.from_embedding(model.embed_tokens, group, sp)
+        split_attention(block.attn, groups, sp, rng)
+        gather_mlp = split_mlp(block.mlp, groups, sp)
+        split_norm(block.attn_norm, groups, sp, gather=sp)
+        split_norm(block.mlp_norm, groups, sp, gather=gather_mlp)
+        if rng is not None and groups.tp > 1 and sp:
+            block.dropout = _ForkedDropout(block.dropout.p, rng)  # residual dropout on its chunk
+    split_ends(model, groups, sp)
     if model.pos_embed is not None:
         _tag_replicated(model.pos_embed, False)
         if sp:
@@ -124,10 +155,6 @@ def parallelize_model(model: Transformer, groups: ParallelGroups, sequence_paral
             model.pos_embed.register_forward_hook(lambda _m, _i, out: scatter_seq(out, group))
     if sp and rng is not None:
         model.dropout = _ForkedDropout(model.dropout.p, rng)
-    if model.final_norm is not None:
-        _tag_replicated(model.final_norm, sp)
-    if model.lm_head is not None:
-        model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sp)
     return model
 
 

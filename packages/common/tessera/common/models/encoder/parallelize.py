@@ -25,10 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.common.models.causal_lm.parallelize import _forked_core, _ForkedDropout, _tag_replicated
+from tessera.common.models.causal_lm.parallelize import (
+    _ForkedDropout,
+    _tag_replicated,
+    split_attention,
+    split_mlp,
+)
 from tessera.common.models.encoder.model import EncoderModel
 from tessera.common.models.kind import ParallelPlan
-from tessera.common.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, tag
+from tessera.common.parallel.layers import VocabParallelEmbedding, tag
 from tessera.common.parallel.mappings import gather_seq, scatter_seq
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
@@ -65,27 +70,21 @@ def parallelize_model(model: EncoderModel, groups: ParallelGroups, sequence_para
     model.sequence_parallel = sp  # type: ignore[attr-defined]
     model.tp_group = group  # type: ignore[attr-defined]
     for block in model.layers.values():
-        attn, mlp = block.attn, block.mlp
-        attn.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, group, sp)
-        attn.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, group, sp)
-        attn.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, group, sp)
-        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, sp)
-        mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group, sp)
-        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group, sp)
+        split_attention(block.attn, groups, sp, rng)
+        split_mlp(block.mlp, groups, sp)
         _tag_replicated(block.attn_norm, sp)
         _tag_replicated(block.mlp_norm, sp)
         if sp:
-            attn.register_forward_pre_hook(_gather_input(group))
-            mlp.register_forward_pre_hook(_gather_input(group))
-        if rng is not None and groups.tp > 1:
-            attn.core = _forked_core(attn.core, rng)
-            if sp:
+            block.attn.register_forward_pre_hook(_gather_input(group))
+            block.mlp.register_forward_pre_hook(_gather_input(group))
+            if rng is not None:
                 block.dropout = _ForkedDropout(block.dropout.p, rng)
     if model.embed_tokens is not None:
         model.embed_tokens = VocabParallelEmbedding.from_embedding(model.embed_tokens, group, sp)
     for emb in (model.pos_embed, model.token_type_embed):
         if emb is not None:
-            _tag_replicated(emb, sp)
+            # Not partial: with SP the scatter below gathers its gradient back whole on every rank.
+            _tag_replicated(emb, False)
             if sp:  # the word embedding comes out sequence-sharded; shard these to match
                 emb.register_forward_hook(lambda _m, _i, out: scatter_seq(out, group))
     if model.embed_norm is not None:

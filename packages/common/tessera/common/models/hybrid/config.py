@@ -13,28 +13,43 @@ causal-LM config: `layer_config` is that view of this config.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from tessera.common.config import StrictModel
-from tessera.common.models.causal_lm.config import ModelConfig, MoEConfig
+from tessera.common.models.causal_lm.config import (
+    MAX_FFN,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_SEQ_LEN,
+    MAX_VOCAB,
+    ModelConfig,
+    MoEConfig,
+)
 
 SYMBOLS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
+# Upper bounds of the Mamba sizes (the others are the causal LM's): far above every published model
+# (state 128-256, conv 4, groups 8), low enough that nothing sized by them is allocated from a
+# hostile config.
+MAX_STATE = 2**12
+MAX_CONV_KERNEL = 2**8
 
 
 class MambaConfig(StrictModel):
     """The Mamba-2 mixers (Megatron's MambaMixer, transformers' Mamba2Mixer): heads of head_dim
     channels, num_groups groups of B and C state projections shared by the heads of a group."""
 
-    num_heads: int = Field(..., gt=0, description="SSM heads (Megatron mamba_num_heads); the inner width is num_heads x head_dim.")
-    head_dim: int = Field(64, gt=0, description="Channels per head (Megatron mamba_head_dim).")
-    state_size: int = Field(128, gt=0, description="State size N per channel (Megatron mamba_state_dim, HF ssm_state_size).")
-    num_groups: int = Field(8, gt=0, description="Groups of B and C (Megatron mamba_num_groups, HF n_groups); divides num_heads.")
-    conv_kernel: int = Field(4, gt=0, description="Taps of the causal depthwise convolution (Megatron d_conv).")
+    num_heads: int = Field(..., gt=0, le=MAX_HEADS, description="SSM heads (Megatron mamba_num_heads); the inner width is num_heads x head_dim.")
+    head_dim: int = Field(64, gt=0, le=MAX_HEAD_DIM, description="Channels per head (Megatron mamba_head_dim).")
+    state_size: int = Field(128, gt=0, le=MAX_STATE, description="State size N per channel (Megatron mamba_state_dim, HF ssm_state_size).")
+    num_groups: int = Field(8, gt=0, le=MAX_HEADS, description="Groups of B and C (Megatron mamba_num_groups, HF n_groups); divides num_heads.")
+    conv_kernel: int = Field(4, gt=0, le=MAX_CONV_KERNEL, description="Taps of the causal depthwise convolution (Megatron d_conv).")
     conv_bias: bool = Field(True, description="Bias on the convolution.")
     bias: bool = Field(False, description="Biases on the input and output projections (HF use_bias).")
-    chunk_size: int = Field(128, gt=0, description="Tokens per chunk of the chunked scan (a speed setting: results are the same).")
+    chunk_size: int = Field(128, gt=0, le=MAX_SEQ_LEN, description="Tokens per chunk of the chunked scan (a speed setting: results are the same).")
     dt_min: float = Field(0.001, gt=0, description="Initialisation: softplus(dt_bias) drawn log-uniformly in [dt_min, dt_max].")
     dt_max: float = Field(0.1, gt=0, description="Initialisation: upper end of softplus(dt_bias).")
     dt_init_floor: float = Field(1e-4, gt=0, description="Initialisation: softplus(dt_bias) at least this.")
@@ -74,24 +89,35 @@ class HybridConfig(StrictModel):
 
     kind: Literal["hybrid"] = Field("hybrid", description="Model kind (tessera.common.models.registry).")
     arch: Literal["nemotron_h", "mamba2"] = Field("nemotron_h", description="Family, which decides the Hugging Face class exports are written as (NemotronHForCausalLM, Mamba2ForCausalLM).")
-    vocab_size: int = Field(..., gt=0, description="Token ids the model reads and predicts.")
-    hidden_size: int = Field(..., gt=0, description="Model width d.")
-    num_layers: int = Field(..., gt=0, description="Number of layers; the pattern has one symbol per layer.")
-    pattern: str = Field(..., description="Layer types in order (Megatron's hybrid override pattern): M Mamba-2, * attention, - MLP, E MoE; e.g. M-M*-E.")
-    max_seq_len: int = Field(4096, gt=0, description="Longest sequence the model is meant for (no position embeddings: Mamba layers carry order).")
+    vocab_size: int = Field(..., gt=0, le=MAX_VOCAB, description="Token ids the model reads and predicts.")
+    hidden_size: int = Field(..., gt=0, le=MAX_HIDDEN, description="Model width d.")
+    num_layers: int = Field(..., gt=0, le=MAX_LAYERS, description="Number of layers; the pattern has one symbol per layer.")
+    pattern: str = Field(..., max_length=MAX_LAYERS, description="Layer types in order (Megatron's hybrid override pattern): M Mamba-2, * attention, - MLP, E MoE; e.g. M-M*-E.")
+    max_seq_len: int = Field(4096, gt=0, le=MAX_SEQ_LEN, description="Longest sequence the model is meant for (no position embeddings: Mamba layers carry order).")
     norm_eps: float = Field(1e-5, gt=0, description="Epsilon of every RMSNorm, the Mamba gated norm included.")
     mamba: MambaConfig | None = Field(None, description="The Mamba-2 mixers; needed when the pattern has M.")
-    num_heads: int | None = Field(None, gt=0, description="Query heads of the attention layers; needed when the pattern has *.")
-    num_kv_heads: int | None = Field(None, gt=0, description="Key/value heads (grouped-query attention); default num_heads.")
-    head_dim: int | None = Field(None, gt=0, description="Width of one attention head; default hidden_size / num_heads.")
+    num_heads: int | None = Field(None, gt=0, le=MAX_HEADS, description="Query heads of the attention layers; needed when the pattern has *.")
+    num_kv_heads: int | None = Field(None, gt=0, le=MAX_HEADS, description="Key/value heads (grouped-query attention); default num_heads.")
+    head_dim: int | None = Field(None, gt=0, le=MAX_HEAD_DIM, description="Width of one attention head; default hidden_size / num_heads.")
     attention_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on attention probabilities.")
-    ffn_hidden_size: int | None = Field(None, gt=0, description="Inner width of the MLP layers; needed when the pattern has -.")
+    ffn_hidden_size: int | None = Field(None, gt=0, le=MAX_FFN, description="Inner width of the MLP layers; needed when the pattern has -.")
     mlp_bias: bool = Field(False, description="Biases on the MLP layers' up and down projections.")
     activation: Literal["squared_relu"] = Field("squared_relu", description="MLP and expert activation: squared ReLU, relu(x)^2 (Nemotron-H's).")
     moe: MoEConfig | None = Field(None, description="The MoE layers (the causal LM's MoE: router, experts, shared experts); needed when the pattern has E. first_k_dense and layer_freq stay at 0 and 1: the pattern places the MoE layers.")
     tie_embeddings: bool = Field(False, description="Output head shares the input embedding matrix.")
     residual_in_fp32: bool = Field(False, description="Keep the residual stream in float32 whatever the model dtype (HF Mamba2's residual_in_fp32).")
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init; output projections are scaled by 1/sqrt(2*num_layers).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "preset" in data:
+            data = dict(data)
+            name = data.pop("preset")
+            if name not in PRESETS:
+                raise ValueError(f"preset: unknown hybrid preset {name!r}; choose one of {', '.join(PRESETS)}")
+            data = {**PRESETS[name], **data}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> HybridConfig:
@@ -125,6 +151,11 @@ class HybridConfig(StrictModel):
     @property
     def kv_heads(self) -> int | None:
         return self.num_kv_heads or self.num_heads
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding and the output head: the vocabulary (hybrid models are not padded)."""
+        return self.vocab_size
 
     @property
     def attention_head_dim(self) -> int | None:
@@ -169,12 +200,14 @@ class HybridConfig(StrictModel):
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward = 3 x forward), PaLM convention, as the
-        causal LM counts them: 6 x the matmul weights a token uses (the head; MoE: router, top_k
-        routed and the shared experts) + 12 x query width x seq_len per attention layer + the
-        chunked scan per Mamba layer and head: the in-chunk scores C.B and their product with x
-        (2 x chunk x (N + P)) and the chunk's state and its read-out (4 x P x N), chunk being
-        min(chunk_size, seq_len). Convolutions and norms are not counted (not matmuls)."""
+        """Training FLOPs per token (forward + backward = 3 x forward), PaLM convention as the causal
+        LM counts them: 6 x the matmul weights a token uses (the head; Mamba in/out projections;
+        attention; MLP; MoE: router, top_k routed and the shared experts) + 12 x query width x
+        seq_len per attention layer (not halved for causality) + per Mamba layer 3 x its forward:
+        the depthwise convolution (2 x taps per convolved channel) and the SSD chunked scan with
+        chunk Q = min(chunk_size, seq_len), as mamba_ssm computes it: in-chunk scores C.B per group
+        (2 Q N, not halved, as attention's), their product with x per head (2 Q P), and the
+        chunk's state contribution and the state read-out per head (2 P N each)."""
         d = self.hidden_size
         layers = self.layer_config()
         matmul = self.vocab_size * d
@@ -184,8 +217,10 @@ class HybridConfig(StrictModel):
                 m = self.mamba
                 assert m is not None
                 matmul += d * (2 * m.inner_size + 2 * m.group_width + m.num_heads) + m.inner_size * d
-                scan = 2 * (m.state_size + m.head_dim) * min(m.chunk_size, seq_len) + 4 * m.head_dim * m.state_size
-                extra += 3 * m.num_heads * scan
+                q = min(m.chunk_size, seq_len)
+                conv = 2 * m.conv_kernel * (m.inner_size + 2 * m.group_width)
+                scan = 2 * q * m.group_width + m.num_heads * (2 * q * m.head_dim + 4 * m.head_dim * m.state_size)
+                extra += 3 * (conv + scan)
             elif symbol == "*":
                 matmul += 2 * d * layers.q_size + 2 * d * layers.kv_size
                 extra += 12 * layers.q_size * seq_len
@@ -196,3 +231,38 @@ class HybridConfig(StrictModel):
                 assert moe is not None
                 matmul += d * moe.num_experts + 2 * d * (moe.top_k * moe.ffn_hidden_size + moe.shared_size)
         return 6.0 * matmul + extra
+
+
+# Nemotron-H-8B's pattern (NVIDIA's config.json, hybrid_override_pattern): 24 Mamba-2, 4 attention
+# and 24 MLP layers.
+NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Unit tests and the CPU demo: every layer type, seconds per step on two cores; routed as
+    # Nemotron-H routes (sigmoid scores, a shared expert, aux-loss-free balancing), so it exports
+    # as NemotronHForCausalLM.
+    "hybrid-tiny": dict(arch="nemotron_h", vocab_size=8192, hidden_size=64, num_layers=4, pattern="M*-E",
+                        max_seq_len=256, mamba=dict(num_heads=4, head_dim=32, state_size=16, num_groups=2,
+                                                    chunk_size=32, dt_limit_min=0.001),
+                        num_heads=4, num_kv_heads=2, ffn_hidden_size=128,
+                        moe=dict(num_experts=4, top_k=2, ffn_hidden_size=64, score="sigmoid", num_shared_experts=1,
+                                 bias_balancing=True)),
+    # Published shapes: nvidia/Nemotron-H-8B-Base-8K's config.json (Megatron-Bridge's
+    # NemotronHModelProvider8B; transformers' Nemotron-H clamps the step at time_step_min, hence
+    # dt_limit_min = dt_min), state-spaces/mamba2-2.7b's (d_model 2560, 64 layers, expand 2,
+    # head dim 64, one group, state 128, chunk 256; vocabulary 50277 padded to a multiple of 16).
+    "nemotron-h-8b": dict(arch="nemotron_h", vocab_size=131072, hidden_size=4096, num_layers=52,
+                          pattern=NEMOTRON_H_8B_PATTERN, max_seq_len=8192,
+                          mamba=dict(num_heads=128, head_dim=64, state_size=128, num_groups=8, conv_kernel=4,
+                                     chunk_size=128, dt_limit_min=0.001),
+                          num_heads=32, num_kv_heads=8, head_dim=128, ffn_hidden_size=21504),
+    "mamba2-2.7b": dict(arch="mamba2", vocab_size=50288, hidden_size=2560, num_layers=64, pattern="M" * 64,
+                        max_seq_len=4096, mamba=dict(num_heads=80, head_dim=64, state_size=128, num_groups=1,
+                                                     conv_kernel=4, chunk_size=256),
+                        tie_embeddings=True, residual_in_fp32=True),
+}
+
+
+def preset(name: str, **overrides: Any) -> HybridConfig:
+    """A hybrid config from a named preset with field overrides."""
+    return HybridConfig.model_validate({"preset": name, **overrides})

@@ -29,12 +29,12 @@ from torch import nn
 
 from tessera.common.models.hybrid.config import MambaConfig
 from tessera.kernels import (
-    causal_conv1d_reference,
-    causal_conv1d_step_reference,
+    causal_conv1d,
+    causal_conv1d_update,
     discretize_dt,
     gated_rms_norm_reference,
-    ssd_chunk_scan_reference,
-    ssd_step_reference,
+    ssd_chunk_scan,
+    ssd_state_update,
 )
 
 __all__ = ["CausalConv1d", "GatedRMSNorm", "MambaMixer", "MambaState"]
@@ -62,10 +62,10 @@ class CausalConv1d(nn.Module):
     def forward(self, x: torch.Tensor, seq_idx: torch.Tensor | None = None,
                 state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, T, channels] -> (y, the state after the last token)."""
-        return causal_conv1d_reference(x, self.weight[:, 0], self.bias, seq_idx, state)
+        return causal_conv1d(x, self.weight[:, 0], self.bias, seq_idx, state)
 
     def step(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return causal_conv1d_step_reference(x, state, self.weight[:, 0], self.bias)
+        return causal_conv1d_update(x, state, self.weight[:, 0], self.bias), state  # in place
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -141,7 +141,7 @@ class MambaMixer(nn.Module):
             if state is not None:
                 state.conv[k] = last
         dt, A = self._dt_and_decay(self.in_proj["dt"](h))
-        y, final = ssd_chunk_scan_reference(
+        y, final = ssd_chunk_scan(
             conv_out["x"].view(b, T, m.num_heads, m.head_dim), dt, A,
             conv_out["b"].view(b, T, m.num_groups, m.state_size), conv_out["c"].view(b, T, m.num_groups, m.state_size),
             m.chunk_size, self.D, None if state is None else state.ssm, seq_idx)
@@ -158,7 +158,7 @@ class MambaMixer(nn.Module):
         for k in PARTS:
             conv_out[k], state.conv[k] = self.conv[k].step(self.in_proj[k](h), state.conv[k])
         dt, A = self._dt_and_decay(self.in_proj["dt"](h))
-        y, state.ssm = ssd_step_reference(
+        y = ssd_state_update(  # advances state.ssm in place
             state.ssm, conv_out["x"].view(b, m.num_heads, m.head_dim), dt, A,
             conv_out["b"].view(b, m.num_groups, m.state_size), conv_out["c"].view(b, m.num_groups, m.state_size), self.D)
         return self.out_proj(self.norm(y.reshape(b, -1), z).to(h.dtype))

@@ -32,7 +32,7 @@ from tessera.common.layers.self_attention import Attention
 from tessera.common.models.hybrid.config import HybridConfig, LayerConfig
 from tessera.common.models.hybrid.mamba import CausalConv1d, GatedRMSNorm, MambaMixer
 
-__all__ = ["HybridBlock", "HybridModel", "build_model"]
+__all__ = ["HybridBlock", "HybridModel", "build_model", "model_tensor_shapes"]
 
 # Linear layers writing into the residual stream: initialised with std / sqrt(2 * layers).
 _OUTPUT_PROJECTIONS = ("out_proj", "o_proj", "down_proj")
@@ -87,24 +87,36 @@ class HybridModel(nn.Module):
         same weights on any device): Normal(0, init_std) for embeddings and linear weights, scaled
         by 1/sqrt(2 L) for those writing into the residual stream; zero biases; unit norms;
         Megatron's initialisation for the Mamba mixers' own parameters and convolutions."""
+        for name, module in sorted(self.named_modules(), key=lambda kv: kv[0]):
+            self.init_module(name, module, generator)
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module, generator: torch.Generator | None = None) -> None:
+        """Initialise one module's own parameters, `name` being its name in the whole model: the
+        step `init_weights` takes per module, which sharded initialisation replays one global
+        module at a time (tessera.trainer.parallel.sharded_init)."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
-        for name, module in sorted(self.named_modules(), key=lambda kv: kv[0]):
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, 0.0, out_std if name.endswith(_OUTPUT_PROJECTIONS) else std,
-                                generator=generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, std, generator=generator)
-            elif isinstance(module, (RMSNorm, GatedRMSNorm)):
-                module.reset_parameters()
-            elif isinstance(module, CausalConv1d):
-                module.reset_parameters(generator)
-            elif isinstance(module, MambaMixer):
-                module.reset_ssm_parameters(generator)
-            elif isinstance(module, MoE):
-                module.init_weights(std, out_std, generator)
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, out_std if name.endswith(_OUTPUT_PROJECTIONS) else std,
+                            generator=generator)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, std, generator=generator)
+        elif isinstance(module, (RMSNorm, GatedRMSNorm)):
+            module.reset_parameters()
+        elif isinstance(module, CausalConv1d):
+            module.reset_parameters(generator)
+        elif isinstance(module, MambaMixer):
+            module.reset_ssm_parameters(generator)
+        elif isinstance(module, MoE):
+            module.init_weights(std, out_std, generator)
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, vocab_start: int = 0) -> torch.Tensor:
+        """The output head: hidden @ weight.T (`weight` a tensor-parallel vocab slice starting at row
+        `vocab_start`: there is no vocabulary padding to mask)."""
+        return F.linear(hidden, self.output_weight() if weight is None else weight)
 
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -113,14 +125,19 @@ class HybridModel(nn.Module):
                 return_hidden: bool = False) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V] (the final-normed hidden states with `return_hidden`).
         `document_ids` [B, T], non-decreasing along T: packed documents do not see each other."""
-        h = self.embed_tokens(tokens)
+        # A pipeline stage lacks the modules of other stages: without the embedding it takes hidden
+        # states, without the final norm it returns them.
+        h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
         attn_mask = None
         if document_ids is not None and "*" in self.cfg.pattern:
-            attn_mask = MaskedAttention(document_ids, None, h.shape[0], h.shape[1], h.device)
+            # Under sequence parallel h is this rank's chunk; attention sees the gathered sequence.
+            attn_mask = MaskedAttention(document_ids, None, h.shape[0], document_ids.shape[1], h.device)
         for block in self.layers.values():
             h = block(h, document_ids, attn_mask)
+        if self.final_norm is None:
+            return h
         h = self.final_norm(h.to(self.final_norm.weight.dtype))
-        return h if return_hidden else F.linear(h, self.output_weight())
+        return h if return_hidden else self.logits(h)
 
 
 def build_model(cfg: HybridConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -133,3 +150,26 @@ def build_model(cfg: HybridConfig, device: torch.device | str = "cpu", dtype: to
     if seed is not None:
         model.init_weights(torch.Generator(device=device).manual_seed(seed))
     return model.to(dtype=dtype) if dtype != torch.float32 else model
+
+
+def model_tensor_shapes(cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of `HybridModel(cfg).state_dict()`, in its order: what a
+    checkpoint stores under `model.`. Built on the meta device from one block per layer symbol,
+    so it costs about the same for 2 layers as for thousands."""
+    def shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+    out: dict[str, tuple[int, ...]] = {}
+    blocks: dict[str, dict[str, tuple[int, ...]]] = {}
+    layers = cfg.layer_config()
+    with torch.device("meta"):
+        top = HybridModel(cfg.model_copy(update={"num_layers": 1, "pattern": cfg.pattern[0]}))
+        for name, child in top.named_children():
+            if name != "layers":
+                out.update({f"{name}.{k}": v for k, v in shapes(child).items()})
+                continue
+            for i, symbol in enumerate(cfg.pattern):
+                if symbol not in blocks:
+                    blocks[symbol] = shapes(HybridBlock(cfg, layers, i))
+                out.update({f"layers.{i}.{k}": v for k, v in blocks[symbol].items()})
+    return out

@@ -1,7 +1,7 @@
 """The hybrid kind's entry in the kind registry (tessera.common.models.registry).
 
-Imports only the config. No stage has code for the kind yet (issue 29 builds the trainer's,
-converter's and server's next), so its hooks are empty and every stage refuses it in one line.
+Imports only the config: the model and its adapter load when a stage asks for them. A stage
+whose hook is empty has no code for the kind and refuses it in one line.
 """
 
 from __future__ import annotations
@@ -25,11 +25,16 @@ def hf() -> HFAdapter:
     return adapter  # type: ignore[return-value]  # a module with the protocol's functions
 
 
-def parallel() -> ParallelPlan:
-    from tessera.common.errors import UserError
+def tensor_shapes(cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
+    from tessera.common.models.hybrid.model import model_tensor_shapes
 
-    raise UserError("model kind 'hybrid': no parallel plan yet (tensor, pipeline and expert parallel for hybrid "
-                    "models are not built); train it on one process")
+    return model_tensor_shapes(cfg)
+
+
+def parallel() -> ParallelPlan:
+    from tessera.common.models.hybrid.parallelize import PLAN
+
+    return PLAN
 
 
 HYBRID = ModelKind(
@@ -41,5 +46,7 @@ HYBRID = ModelKind(
     hf=hf,
     parallel=parallel,
     flops_per_token=HybridConfig.flops_per_token,
-    hooks=StageHooks(),
+    hooks=StageHooks(train_batch="next_token", train_loss="next_token", plan_memory="decoder", convert="hybrid",
+                     serve_runner="hybrid", serve_cache="paged_kv_and_state"),
+    tensor_shapes=tensor_shapes,
 )

@@ -52,11 +52,14 @@ def model_config_from_hf(data: dict[str, Any], source: str) -> EncoderConfig:
 
 def hf_config(cfg: EncoderConfig, dtype: torch.dtype, bos_id: int | None, eos_id: int | None,
               pad_id: int | None = None) -> dict[str, Any]:
-    """config.json for `cfg`: exactly the fields transformers' save_pretrained writes for the class."""
+    """config.json for `cfg`: exactly the fields transformers' save_pretrained writes for the class.
+    BERT marks sequences with [CLS]/[SEP], not bos/eos: those stay None as in BERT's own configs
+    (a tokenizer's bos/eos are not the model's), while the tokenizer's pad id is the config's."""
+    del bos_id, eos_id
     BERT.check_exportable(cfg)
     return {"architectures": [class_for(cfg)], "model_type": BERT.model_type, **BERT.hf_fields(cfg),
             "vocab_size": cfg.vocab_size, "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
-            "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id, "dtype": HF_DTYPE_NAMES[dtype],
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": pad_id, "dtype": HF_DTYPE_NAMES[dtype],
             "use_cache": True, "transformers_version": TRANSFORMERS_VERSION}
 
 

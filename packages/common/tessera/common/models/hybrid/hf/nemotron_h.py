@@ -3,7 +3,8 @@
 Facts (transformers 5's modeling and configuration files; the parity tests compare logits, loss
 and saved bytes with transformers):
 - Layers: `layers_block_type` lists linear_attention (M), full_attention (*), mlp (-), moe (E)
-  (legacy names mamba / attention; older files give `hybrid_override_pattern`, Megatron's string).
+  (legacy names mamba / attention; older files give `hybrid_override_pattern`, Megatron's string,
+  and the mixer's settings as mamba_n_groups, mamba_d_conv, mamba_conv_bias...: LEGACY_NAMES).
   Each layer is `norm` + `mixer`; tensors are saved under `backbone.` and `lm_head.weight`.
 - Mamba mixer: Mamba2's (tessera.common.models.hybrid.hf.mamba2), with mamba_num_heads x
   mamba_head_dim inner channels (`expand` is not read) and the step clamped to
@@ -45,6 +46,12 @@ from tessera.common.models.hybrid.hf.mamba2 import (
 LAYER_TYPES = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E",
                "mamba": "M", "attention": "*"}  # the last two: legacy names transformers still reads
 TYPE_NAMES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+# The mixer's settings under their older names, which transformers' NemotronHConfig renames as it
+# loads (the old name wins when both are present, as there).
+LEGACY_NAMES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+                "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max", "mamba_dt_limit": "time_step_limit",
+                "mamba_dt_init_floor": "time_step_floor", "mamba_conv_bias": "use_conv_bias",
+                "mamba_chunk_size": "chunk_size"}
 
 
 def _pattern(c: HFConfig) -> str:
@@ -63,6 +70,8 @@ class NemotronH(HybridArchitecture):
     model_type, hf_class, arch = "nemotron_h", "NemotronHForCausalLM", "nemotron_h"
 
     def config_fields(self, c: HFConfig) -> dict[str, Any]:
+        renamed = {new: c.data[old] for old, new in LEGACY_NAMES.items() if old in c.data}
+        c = HFConfig({**c.data, **renamed}, c.source)
         pattern = _pattern(c)
         c.require("num_nextn_predict_layers", c.integer("num_nextn_predict_layers", 0, positive=False), (0,),
                   "multi-token prediction layers are not built")

@@ -1,0 +1,60 @@
+"""The state pool of a hybrid model's Mamba layers: for each, a convolution window per part
+[slots, channels, conv_kernel - 1] in the model's dtype and a scan state [slots, heads, head_dim,
+state_size] in fp32 (mamba.MambaState over all slots). A sequence owns one slot while it runs
+(core/state_manager.py hands them out); its size does not depend on the sequence's length.
+
+A step reads its sequences' slots into a batch (copies: a sequence starting at position 0 reads
+zeros, whatever a previous owner left), the forward advances the copies, and the runner writes
+them back only when the whole step has succeeded, so a step that raises and is retried sequence
+by sequence starts again from the same states.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.common.models.hybrid.config import HybridConfig
+from tessera.common.models.hybrid.mamba import MambaState
+
+__all__ = ["StatePool", "state_bytes_per_sequence"]
+
+
+def state_bytes_per_sequence(cfg: HybridConfig, dtype: torch.dtype) -> int:
+    """Bytes of one sequence's state over all Mamba layers: conv windows in `dtype`, scan state fp32."""
+    m = cfg.mamba
+    if m is None:
+        return 0
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    conv = (m.inner_size + 2 * m.group_width) * (m.conv_kernel - 1) * itemsize
+    ssm = m.num_heads * m.head_dim * m.state_size * 4
+    return cfg.pattern.count("M") * (conv + ssm)
+
+
+class StatePool:
+    def __init__(self, model: nn.Module, slots: int, device: torch.device, dtype: torch.dtype):
+        self.slots = slots
+        # Global layer number -> that Mamba layer's states of every slot.
+        self.layers: dict[int, MambaState] = {
+            int(name): block.mixer.new_state(slots, dtype, device)
+            for name, block in model.layers.items() if block.symbol == "M"}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for s in self.layers.values() for t in (*s.conv.values(), s.ssm))
+
+    def gather(self, layer: int, slots: torch.Tensor, fresh: torch.Tensor | None) -> MambaState:
+        """Copies of `slots`' states of `layer` (a batch in slot order); zeros where `fresh` [b] (bool)."""
+        pool = self.layers[layer]
+        conv = {k: v.index_select(0, slots) for k, v in pool.conv.items()}
+        ssm = pool.ssm.index_select(0, slots)
+        if fresh is not None:
+            for t in (*conv.values(), ssm):
+                t[fresh] = 0
+        return MambaState(conv, ssm)
+
+    def scatter(self, layer: int, slots: torch.Tensor, state: MambaState) -> None:
+        pool = self.layers[layer]
+        for k, v in pool.conv.items():
+            v.index_copy_(0, slots, state.conv[k].to(v.dtype))
+        pool.ssm.index_copy_(0, slots, state.ssm.float())
