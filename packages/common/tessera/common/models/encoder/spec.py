@@ -48,6 +48,6 @@ ENCODER = ModelKind(
     hf=hf,
     parallel=parallel,
     flops_per_token=EncoderConfig.flops_per_token,
-    hooks=StageHooks(convert="encoder"),
+    hooks=StageHooks(train_batch="mlm", train_loss="mlm", convert="encoder"),
     tensor_shapes=tensor_shapes,
 )
