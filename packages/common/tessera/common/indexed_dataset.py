@@ -11,8 +11,9 @@
     i64[D+1]  document indices: sequence number where each document starts; 0 first, S last
 `.bin` holds the tokens of all sequences back to back in that dtype.
 
-In Tessera one sequence is one document, but the reader accepts Megatron files where a
-document spans several sequences (sentence-split data). The reader memory-maps both files.
+In Tessera one sequence is one document, except for sentence-split data (`tessera-data prep
+--split-sentences`, as Megatron's preprocess_data.py writes it): one sequence per sentence, a
+document spanning several. The reader memory-maps both files.
 """
 
 from __future__ import annotations
@@ -84,15 +85,36 @@ class IndexedDatasetWriter:
         self._num_seqs = 0
         self._num_tokens = 0
         self._finalized = False
+        # Document ends (int64 sequence numbers), spilled only once a document of several sequences
+        # is added; until then every sequence is its own document.
+        self._docs_tmp = tmp_name(Path(f"{self.prefix}.documents"))
+        self._docs: Any = None
+        self._num_docs = 0
 
     def add_document(self, tokens: np.ndarray | list[int]) -> None:
         """Append one document as one sequence."""
         arr = np.asarray(tokens, dtype=self.dtype)
         self.add_raw(arr.tobytes(order="C"), np.asarray([arr.size], dtype=np.int32))
 
-    def add_raw(self, token_bytes: bytes | memoryview, lengths: np.ndarray) -> None:
-        """Append many documents at once: their tokens already in this dtype, and their lengths."""
+    def add_raw(self, token_bytes: bytes | memoryview, lengths: np.ndarray,
+                sequences_per_document: np.ndarray | None = None) -> None:
+        """Append many documents at once: their tokens already in this dtype, and their lengths; with
+        `sequences_per_document`, `lengths` are per sequence (sentence) and each document spans that
+        many consecutive sequences (0 allowed: an empty document, as Megatron writes one)."""
         lengths = np.asarray(lengths, dtype="<i4")
+        if sequences_per_document is not None:
+            counts = np.asarray(sequences_per_document, dtype=np.int64)
+            if int(counts.sum()) != len(lengths) or (counts < 0).any():
+                raise ValueError("sequences_per_document must be non-negative and add up to the sequences given")
+            if self._docs is None:
+                self._docs = open(self._docs_tmp, "wb")  # noqa: SIM115 - closed in finalize/abort
+                self._docs.write(np.arange(1, self._num_seqs + 1, dtype="<i8").tobytes())
+            self._docs.write((self._num_seqs + np.cumsum(counts)).astype("<i8").tobytes())
+            self._num_docs += len(counts)
+        else:
+            if self._docs is not None:
+                self._docs.write((self._num_seqs + np.arange(1, len(lengths) + 1)).astype("<i8").tobytes())
+            self._num_docs += len(lengths)
         n_tokens = int(lengths.sum(dtype=np.int64))
         if n_tokens * self.dtype.itemsize != len(memoryview(token_bytes).cast("B")):
             raise ValueError("token bytes do not match the sum of the lengths")
@@ -107,6 +129,10 @@ class IndexedDatasetWriter:
 
     @property
     def num_documents(self) -> int:
+        return self._num_docs
+
+    @property
+    def num_sequences(self) -> int:
         return self._num_seqs
 
     @property
@@ -121,7 +147,9 @@ class IndexedDatasetWriter:
             raise
 
     def _finalize(self) -> None:
-        for f in (self._bin, self._len):
+        for f in (self._bin, self._len, self._docs):
+            if f is None:
+                continue
             f.flush()
             os.fsync(f.fileno())
             f.close()
@@ -132,20 +160,30 @@ class IndexedDatasetWriter:
             for i in range(0, n, _CHUNK):
                 yield np.asarray(lengths[i:i + _CHUNK])
 
-        def doc_chunks() -> Iterator[np.ndarray]:
+        ends = np.memmap(self._docs_tmp, dtype="<i8", mode="r") if self._docs is not None and self._num_docs else None
+
+        def doc_chunks(ends: np.ndarray | None = ends) -> Iterator[np.ndarray]:
             yield np.zeros(1, dtype=np.int64)
+            if ends is not None:
+                for i in range(0, self._num_docs, _CHUNK):
+                    yield np.asarray(ends[i:i + _CHUNK])
+                return
+            if self._docs is not None:
+                return  # documents were declared, all of them empty
             for i in range(0, n, _CHUNK):
                 yield np.arange(i + 1, min(i + _CHUNK, n) + 1, dtype=np.int64)
 
-        write_index_chunks(idx_path(self.prefix), self.dtype, n, n + 1, length_chunks, doc_chunks())
-        del lengths
+        write_index_chunks(idx_path(self.prefix), self.dtype, n, self._num_docs + 1, length_chunks, doc_chunks())
+        del lengths, ends
         self._len_tmp.unlink()
+        if self._docs is not None:
+            self._docs_tmp.unlink()
         os.replace(self._bin_tmp, bin_path(self.prefix))
         self._finalized = True
 
     def abort(self) -> None:
-        for f, p in ((self._bin, self._bin_tmp), (self._len, self._len_tmp)):
-            if not f.closed:
+        for f, p in ((self._bin, self._bin_tmp), (self._len, self._len_tmp), (self._docs, self._docs_tmp)):
+            if f is not None and not f.closed:
                 f.close()
             if p.exists():
                 p.unlink()

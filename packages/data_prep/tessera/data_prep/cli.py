@@ -49,12 +49,20 @@ def _add_prep(sub) -> None:
     tok = p.add_argument_group("tokenizer (exactly one of --tokenizer / --train-tokenizer)")
     tok.add_argument("--tokenizer", type=Path, metavar="DIR|FILE",
                      help="Existing Hugging Face tokenizer directory, or a SentencePiece .model / tiktoken BPE file "
-                     "(converted with transformers' converters into --tokenizer-output first).")
+                     "(converted with transformers' converters into --tokenizer-output first) / BERT vocab.txt.")
     tok.add_argument("--tiktoken-pattern", metavar="REGEX",
                      help="Split pattern of a tiktoken --tokenizer file (default: cl100k's, as Llama 3).")
     tok.add_argument("--train-tokenizer", action="store_true",
                      help="Train a byte-level BPE on the inputs first (special tokens <|endoftext|> = eos/pad/EOD, "
                      "<|begin_of_text|> = bos).")
+    tok.add_argument("--tokenizer-type", choices=["bpe", "wordpiece"],
+                     help="What --train-tokenizer trains: bpe (default) or wordpiece (BERT's normalizer and "
+                     "pre-tokenizer, ## continuations, [PAD] [UNK] [CLS] [SEP] [MASK]; also writes vocab.txt). A BERT "
+                     "vocab.txt given to --tokenizer is converted the same way.")
+    tok.add_argument("--lowercase", dest="lowercase", action="store_true", default=None,
+                     help="WordPiece: uncased (lowercase, strip accents). Default: when training; for a vocab.txt, "
+                     "when it has no upper-case tokens.")
+    tok.add_argument("--no-lowercase", dest="lowercase", action="store_false", help="WordPiece: cased.")
     tok.add_argument("--vocab-size", type=int, default=32000, help="Vocabulary size to train (default 32000).")
     tok.add_argument("--tokenizer-output", type=Path, metavar="DIR",
                      help="Where the trained or converted tokenizer goes (default: <output-prefix dir>/tokenizer).")
@@ -62,6 +70,11 @@ def _add_prep(sub) -> None:
                      help="Train on at most the first N documents (default: all).")
     tok.add_argument("--model-max-length", type=int, default=8192,
                      help="model_max_length in the trained tokenizer's config (default 8192).")
+    p.add_argument("--split-sentences", action="store_true",
+                   help="One sequence per sentence, documents kept (Megatron's --split-sentences; what BERT's "
+                   "sentence-pair samples need). Splits with pysbd: pip install 'tessera-data-prep[sentences]'.")
+    p.add_argument("--sentence-language", metavar="CODE",
+                   help="Language of the sentence-splitting rules (pysbd's ISO 639-1 code; default en).")
     p.add_argument("--append-eod", dest="append_eod", action="store_true", default=True,
                    help="Append the end-of-document (eos) token to each document (default).")
     p.add_argument("--no-append-eod", dest="append_eod", action="store_false", help="Do not append EOD.")

@@ -25,28 +25,41 @@ import numpy as np
 
 @dataclass
 class EncodedBatch:
-    """Tokens of a batch of documents, concatenated, with per-document lengths."""
+    """Tokens of a batch of documents, concatenated, with per-sequence lengths: one sequence per
+    document, or (`sentences`, from --split-sentences) that many sequences per document."""
 
     tokens: np.ndarray  # token dtype, all documents back to back
-    lengths: np.ndarray  # int64 [documents]
+    lengths: np.ndarray  # int64 [sequences]
     bad: dict[int, str] = field(default_factory=dict)  # document index in the batch -> reason
+    sentences: np.ndarray | None = None  # int64 [documents]: sequences of each document
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.lengths) if self.sentences is None else len(self.sentences)
 
     def without(self, drop: set[int]) -> EncodedBatch:
         """The batch minus documents `drop` (records rejected by another key's encoding)."""
-        keep = np.ones(len(self.lengths), dtype=bool)
+        keep = np.ones(self.num_documents, dtype=bool)
         keep[sorted(drop)] = False
-        token_keep = np.repeat(keep, self.lengths)
-        return EncodedBatch(self.tokens[token_keep], self.lengths[keep])
+        if self.sentences is None:
+            return EncodedBatch(self.tokens[np.repeat(keep, self.lengths)], self.lengths[keep])
+        seq_keep = np.repeat(keep, self.sentences)
+        return EncodedBatch(self.tokens[np.repeat(seq_keep, self.lengths)], self.lengths[seq_keep],
+                            sentences=self.sentences[keep])
 
 
 class BatchEncoder:
     """Encodes lists of texts with one tokenizer; picklable by path so workers can rebuild it."""
 
-    def __init__(self, tokenizer_json: str, dtype: str, bos_id: int | None, eod_id: int | None):
+    def __init__(self, tokenizer_json: str, dtype: str, bos_id: int | None, eod_id: int | None,
+                 sentence_language: str | None = None):
         self.tokenizer_json = tokenizer_json
         self.dtype = np.dtype(dtype)
         self.bos_id = bos_id
         self.eod_id = eod_id
+        # --split-sentences: documents are split (tessera.data_prep.sentences) and each sentence is
+        # encoded as its own sequence; BOS opens the first, EOD closes the last (as Megatron appends it).
+        self.sentence_language = sentence_language
         self._tok = None
 
     def __getstate__(self) -> dict:
@@ -110,10 +123,66 @@ class BatchEncoder:
         return EncodedBatch(tokens, lengths, bad)
 
     def __call__(self, texts: list[str]) -> EncodedBatch:
+        if self.sentence_language is not None:
+            return self.pack_sentences(*self.encode_sentences(texts))
         return self.pack(*self.encode(texts))
 
-    def encode_keys(self, texts_per_key: list[list[str]]) -> list[tuple[list, dict[int, str]]]:
+    def encode_sentences(self, texts: list[str]) -> tuple[list, dict[int, str], np.ndarray]:
+        """Split each text into sentences and encode them all in one batch -> (encodings, rejected
+        documents, sentences per document)."""
+        from tessera.data_prep.sentences import split_sentences
+
+        pieces: list[str] = []
+        counts = np.zeros(len(texts), dtype=np.int64)
+        bad: dict[int, str] = {}
+        for i, text in enumerate(texts):
+            try:
+                sentences = split_sentences(text, self.sentence_language or "en")
+            except Exception as exc:  # pysbd's regexes on pathological text: reject the record, not the run
+                bad[i] = f"cannot be split into sentences ({type(exc).__name__})"
+                continue
+            pieces.extend(sentences)
+            counts[i] = len(sentences)
+        encoded, bad_sentences = self.encode(pieces)
+        if bad_sentences:  # a sentence that cannot be encoded rejects its whole document
+            owner = np.repeat(np.arange(len(texts)), counts)
+            for j, reason in bad_sentences.items():
+                bad.setdefault(int(owner[j]), reason)
+            encoded = [e if isinstance(e, list) else e.ids for e in encoded]
+            for j in bad_sentences:
+                encoded[j] = []
+        return encoded, bad, counts
+
+    def pack_sentences(self, encoded: list, bad: dict[int, str], counts: np.ndarray) -> EncodedBatch:
+        """Sentence encodings -> one token array, per-sentence lengths and sentences per document.
+        Sentences of no tokens are dropped (Megatron's rule); a rejected document keeps none."""
+        ids = [e if isinstance(e, list) else e.ids for e in encoded]
+        lengths: list[int] = []
+        flat: list[list[int]] = []
+        kept = np.zeros(len(counts), dtype=np.int64)
+        start = 0
+        for d, n in enumerate(counts.tolist()):
+            doc = [x for x in ids[start:start + n] if x] if d not in bad else []
+            start += n
+            if doc and self.bos_id is not None:
+                doc[0] = [self.bos_id, *doc[0]]
+            if doc and self.eod_id is not None:
+                doc[-1] = [*doc[-1], self.eod_id]
+            flat.extend(doc)
+            lengths.extend(map(len, doc))
+            kept[d] = len(doc)
+        lengths_arr = np.asarray(lengths, dtype=np.int64)
+        tokens = np.fromiter(itertools.chain.from_iterable(flat), dtype=self.dtype, count=int(lengths_arr.sum()))
+        return EncodedBatch(tokens, lengths_arr, bad, kept)
+
+    def encode_keys(self, texts_per_key: list[list[str]]) -> list[tuple]:
+        if self.sentence_language is not None:
+            return [self.encode_sentences(texts) for texts in texts_per_key]
         return [self.encode(texts) for texts in texts_per_key]
+
+    def pack_any(self, encoded: tuple) -> EncodedBatch:
+        """What `encode_keys` gave for one key, packed (on the caller's thread)."""
+        return self.pack_sentences(*encoded) if self.sentence_language is not None else self.pack(*encoded)
 
     def encode_and_pack_keys(self, texts_per_key: list[list[str]]) -> list[EncodedBatch]:
         return [self(texts) for texts in texts_per_key]
@@ -173,7 +242,7 @@ class OrderedEncoder:
         # Thread mode: the encoder thread only runs the Rust tokenizer; turning its output into
         # arrays happens here, on the caller's thread, while the encoder thread (and the Rust
         # thread pool) already works on the next batch.
-        return tag, [self.encoder.pack(encoded, bad) for encoded, bad in future.result()]
+        return tag, [self.encoder.pack_any(encoded) for encoded in future.result()]
 
     def close(self) -> None:
         for _, future in self._pending:

@@ -26,6 +26,7 @@ from tessera.common.progress import progress
 from tessera.common.shard import ShardInput
 from tessera.common.tokenizer import TOKENIZER_JSON, Tokenizer, load_tokenizer
 from tessera.data_prep.encode import BatchEncoder, EncodedBatch, OrderedEncoder
+from tessera.data_prep.sentences import check_splitter
 from tessera.data_prep.sft import OUTPUT_KEY, write_sft_shards
 from tessera.data_prep.shard_writer import ShardSetWriter, output_prefixes, parse_max_shard_size
 from tessera.data_prep.sources import (
@@ -37,7 +38,13 @@ from tessera.data_prep.sources import (
     resolve_inputs,
 )
 from tessera.data_prep.tokenizer_convert import convert_tokenizer
-from tessera.data_prep.tokenizer_train import EOD_TOKEN, save_tokenizer, train_bpe
+from tessera.data_prep.tokenizer_train import (
+    EOD_TOKEN,
+    save_tokenizer,
+    save_wordpiece,
+    train_bpe,
+    train_wordpiece,
+)
 
 MAX_EXAMPLES_IN_MANIFEST = 1000  # exact counts always; locations of the first this many skips
 
@@ -58,13 +65,24 @@ class PrepConfig(StrictModel):
                                    "first (tessera.data_prep.tokenizer_convert).")
     tiktoken_pattern: str | None = Field(None, description="Split regex of a tiktoken --tokenizer file (default: "
                                          "cl100k's, which Llama 3 uses).")
-    train_tokenizer: bool = Field(False, description="Train a byte-level BPE tokenizer on the inputs first.")
-    vocab_size: int = Field(32000, ge=258, description="Vocabulary size of a trained tokenizer (with special tokens).")
+    train_tokenizer: bool = Field(False, description="Train a tokenizer (--tokenizer-type) on the inputs first.")
+    tokenizer_type: Literal["bpe", "wordpiece"] = Field("bpe", description="Trained tokenizer: byte-level BPE "
+                                                        "(decoders), or WordPiece with BERT's normalizer and "
+                                                        "[PAD] [UNK] [CLS] [SEP] [MASK] (encoders).")
+    lowercase: bool | None = Field(None, description="WordPiece: lowercase and strip accents (uncased BERT). "
+                                   "Default: true when training; for a vocab.txt, whether it has no upper-case "
+                                   "tokens.")
+    vocab_size: int = Field(32000, ge=8, description="Vocabulary size of a trained tokenizer (with special tokens); "
+                            "a byte-level BPE needs at least 258.")
     tokenizer_output: Path | None = Field(None, description="Where a trained tokenizer is written; default "
                                           "<output-prefix dir>/tokenizer.")
     tokenizer_train_docs: int | None = Field(None, ge=1, description="Train the tokenizer on at most this many "
                                              "documents (default: all).")
     model_max_length: int = Field(8192, ge=1, description="model_max_length written to a trained tokenizer's config.")
+    split_sentences: bool = Field(False, description="One sequence per sentence, documents kept in the .idx "
+                                  "document index (Megatron's --split-sentences; BERT's sentence pairs). Needs "
+                                  "pysbd (tessera-data-prep[sentences]).")
+    sentence_language: str = Field("en", description="Language of the sentence rules (pysbd's ISO 639-1 codes).")
     append_eod: bool = Field(True, description="Append the end-of-document token (eos) to every document.")
     append_bos: bool = Field(False, description="Prepend the beginning-of-text token (bos) to every document.")
     max_shard_size: str | None = Field(None, description="Split output into shards of at most this many tokens "
@@ -157,6 +175,11 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
         raise UserError("--tokenizer-output only applies with --train-tokenizer or a --tokenizer file to convert")
     if cfg.tiktoken_pattern is not None and not converting:
         raise UserError("--tiktoken-pattern only applies to a tiktoken --tokenizer file")
+    if cfg.tokenizer_type != "bpe" and not cfg.train_tokenizer:
+        raise UserError("--tokenizer-type applies to --train-tokenizer (a --tokenizer is used as it is)")
+    if cfg.lowercase is not None and not (converting or cfg.tokenizer_type == "wordpiece"):
+        raise UserError("--lowercase/--no-lowercase apply to WordPiece: --tokenizer-type wordpiece or a vocab.txt "
+                        "--tokenizer")
     inputs = resolve_inputs(cfg.inputs)
     if cfg.format == "text":
         check_inputs(inputs, cfg.json_keys, cfg.hf_split)
@@ -177,8 +200,15 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
                             "choose --tokenizer-output, or pass --overwrite")
         if cfg.vocab_size >= 2**31:
             raise UserError(f"--vocab-size {cfg.vocab_size}: too large")
+        if cfg.train_tokenizer and cfg.tokenizer_type == "bpe" and cfg.vocab_size < 258:
+            raise UserError(f"--vocab-size {cfg.vocab_size}: a byte-level BPE needs at least 258 (256 bytes and two "
+                            "special tokens)")
     if cfg.max_shard_size is not None:
         parse_max_shard_size(cfg.max_shard_size, 2)
+    if cfg.split_sentences:
+        if cfg.format != "text":
+            raise UserError(f"--split-sentences applies to --format text, not {cfg.format}")
+        check_splitter(cfg.sentence_language)
     return inputs, tok_out
 
 
@@ -202,8 +232,12 @@ def _train(cfg: PrepConfig, inputs: list[InputFile], out: Path) -> Tokenizer:
                     return
 
     with bar:
-        backend = train_bpe(texts(), cfg.vocab_size)
-    save_tokenizer(backend, out, cfg.model_max_length, overwrite=cfg.overwrite)
+        if cfg.tokenizer_type == "wordpiece":
+            lowercase = cfg.lowercase if cfg.lowercase is not None else True
+            save_wordpiece(train_wordpiece(texts(), cfg.vocab_size, lowercase), out, cfg.model_max_length,
+                           lowercase, overwrite=cfg.overwrite)
+        else:
+            save_tokenizer(train_bpe(texts(), cfg.vocab_size), out, cfg.model_max_length, overwrite=cfg.overwrite)
     return load_tokenizer(out)
 
 
@@ -253,7 +287,7 @@ def _prep(cfg: PrepConfig, inputs: list[InputFile], tok_out: Path | None) -> lis
     else:  # a SentencePiece / tiktoken file, converted by transformers' converters
         assert cfg.tokenizer is not None
         tokenizer = load_tokenizer(convert_tokenizer(cfg.tokenizer, tok_out, cfg.model_max_length,
-                                                     cfg.tiktoken_pattern))
+                                                     cfg.tiktoken_pattern, cfg.lowercase))
     for inp in inputs:
         inp.sha256, inp.records = None, 0
     eod_id = bos_id = None
@@ -273,7 +307,8 @@ def _prep(cfg: PrepConfig, inputs: list[InputFile], tok_out: Path | None) -> lis
     dtype = token_dtype_for_vocab(vocab_size)
     max_tokens = parse_max_shard_size(cfg.max_shard_size, dtype.itemsize) if cfg.max_shard_size else None
     writers = [ShardSetWriter(shard_base(cfg.output_prefix, key), dtype, max_tokens) for key in cfg.json_keys]
-    encoder = BatchEncoder(str(tokenizer.directory / TOKENIZER_JSON), dtype.name, bos_id, eod_id)
+    encoder = BatchEncoder(str(tokenizer.directory / TOKENIZER_JSON), dtype.name, bos_id, eod_id,
+                           cfg.sentence_language if cfg.split_sentences else None)
     skips = SkipReport(cfg.on_error, cfg.skipped_log)
     total_bytes = sum(i.size for i in inputs)
     bar = _bar(total_bytes, "tokenizing", cfg.quiet)
@@ -291,8 +326,8 @@ def _prep(cfg: PrepConfig, inputs: list[InputFile], tok_out: Path | None) -> lis
                 skips.add(locs[i][0], locs[i][1], bad[i])
             batches = [b.without(set(bad)) for b in batches]
         for w, b in zip(writers, batches):
-            w.add(b.tokens, b.lengths)
-        docs += len(batches[0].lengths)
+            w.add(b.tokens, b.lengths, sentences=b.sentences)
+        docs += batches[0].num_documents
         tokens += sum(int(b.lengths.sum()) for b in batches)
         elapsed = max(time.perf_counter() - started, 1e-9)
         bar.set_postfix(docs=docs, tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
@@ -369,6 +404,7 @@ def _manifest_fields(cfg: PrepConfig, tokenizer: Tokenizer, inputs: list[InputFi
         "append_eod": cfg.append_eod,
         "append_bos": cfg.append_bos,
         "eod_id": end_of_document_id(tokenizer) if cfg.append_eod else None,
+        **({"split_sentences": True, "sentence_language": cfg.sentence_language} if cfg.split_sentences else {}),
         "inputs": input_entries,
         "skipped": skips.as_manifest(),
         "created_by": "tessera-data prep",

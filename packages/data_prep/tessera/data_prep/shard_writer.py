@@ -111,23 +111,29 @@ class ShardSetWriter:
                                     w.num_tokens, self._hash.hexdigest(), self._blocks.finish(), mask_sha))
         self._writer = None
 
-    def _write(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None) -> None:
+    def _write(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None,
+               sentences: np.ndarray | None = None) -> None:
         w = self._open()
         data = memoryview(np.ascontiguousarray(tokens, dtype=self.dtype)).cast("B")
         self._hash.update(data)
         self._blocks.update(data)
-        w.add_raw(data, lengths)
+        w.add_raw(data, lengths, sentences)
         if self._mask_file is not None:
             assert mask is not None and len(mask) == len(tokens)
             raw = np.ascontiguousarray(mask, dtype=np.uint8).tobytes()
             self._mask_hash.update(raw)
             self._mask_file.write(raw)
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None,
+            sentences: np.ndarray | None = None) -> None:
         """Append documents (tokens back to back, and their lengths; with loss_mask their mask, one
-        value per token), cutting shards at document ends."""
+        value per token; with `sentences`, `lengths` are per sequence and document d spans
+        sentences[d] of them), cutting shards at document ends."""
         if self.loss_mask and mask is None:
             raise ValueError("this writer stores a loss mask: give one per token")
+        if sentences is not None:
+            self._add_sentences(tokens, lengths, sentences)
+            return
         self.num_documents += len(lengths)
         self.num_tokens += int(lengths.sum())
         if self.max_tokens is None:
@@ -149,6 +155,34 @@ class ShardSetWriter:
             end_tok = int(ends[cut - 1])
             self._write(tokens[tok:end_tok], lengths[doc:cut], None if mask is None else mask[tok:end_tok])
             doc, tok = cut, end_tok
+            if self._writer is not None and self._writer.num_tokens >= self.max_tokens:
+                self._close_current()
+
+    def _add_sentences(self, tokens: np.ndarray, lengths: np.ndarray, sentences: np.ndarray) -> None:
+        """Sentence-split documents: shards are cut between documents, never inside one."""
+        sentences = np.asarray(sentences, dtype=np.int64)
+        self.num_documents += len(sentences)
+        self.num_tokens += int(lengths.sum())
+        if self.max_tokens is None:
+            self._write(tokens, lengths, None, sentences)
+            return
+        seq_ends = np.concatenate([[0], np.cumsum(sentences)])
+        tok_ends = np.concatenate([[0], np.cumsum(lengths)])
+        doc = 0
+        while doc < len(sentences):
+            held = self._writer.num_tokens if self._writer is not None else 0
+            room = self.max_tokens - held
+            # documents [doc, cut) fit in the room left in the current shard
+            cut = int(np.searchsorted(tok_ends[seq_ends], tok_ends[seq_ends[doc]] + room, side="right")) - 1
+            if cut <= doc:
+                if held == 0:
+                    cut = doc + 1  # one document longer than the limit gets a shard of its own
+                else:
+                    self._close_current()
+                    continue
+            s0, s1 = int(seq_ends[doc]), int(seq_ends[cut])
+            self._write(tokens[tok_ends[s0]:tok_ends[s1]], lengths[s0:s1], None, sentences[doc:cut])
+            doc = cut
             if self._writer is not None and self._writer.num_tokens >= self.max_tokens:
                 self._close_current()
 

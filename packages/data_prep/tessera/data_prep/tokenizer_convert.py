@@ -1,4 +1,5 @@
-"""SentencePiece `.model` and tiktoken BPE files -> a Hugging Face tokenizer directory, at prep time.
+"""SentencePiece `.model`, tiktoken BPE and BERT `vocab.txt` files -> a Hugging Face tokenizer
+directory, at prep time.
 
 Tessera's stages load `tokenizer.json` only (tessera.common.tokenizer). Tokenizers released in the
 original formats — a SentencePiece model (Llama 2, T5, Gemma) or a tiktoken BPE file (Llama 3's
@@ -16,6 +17,12 @@ after the ranks as end-of-document (eos) token.
 
 Needs `sentencepiece` (and protobuf) or `tiktoken`, and transformers: the extras
 `tessera-data-prep[spm]` / `[tiktoken]`.
+
+A BERT `vocab.txt` (one WordPiece token per line, the id is the line number, `[UNK]` among them)
+becomes the tokenizer `tokenizers`' own `BertWordPieceTokenizer` builds from it, with BERT's
+normalizer; the file says nothing about case, so it is uncased (lowercase and strip accents, as
+bert-base-uncased) unless some ordinary token has an upper-case letter, or `--lowercase` /
+`--no-lowercase` says otherwise.
 """
 
 from __future__ import annotations
@@ -113,11 +120,69 @@ def convert_tiktoken(path: Path, pattern: str):
     return backend, {"eos_token": EOD_TOKEN, "pad_token": EOD_TOKEN}
 
 
-def convert_tokenizer(source: Path, out: Path, model_max_length: int, pattern: str | None = None) -> Path:
+MAX_VOCAB_TXT_BYTES = 64 << 20
+
+
+def wordpiece_vocab(path: Path) -> list[str] | None:
+    """The tokens of a BERT vocab.txt, or None when `path` is not one (a line with inner
+    whitespace, not UTF-8 text, or no [UNK])."""
+    if path.stat().st_size > MAX_VOCAB_TXT_BYTES:
+        return None
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        return None
+    tokens = [line.strip() for line in lines]
+    if "[UNK]" not in tokens or any(not t or len(t.split()) != 1 for t in tokens):
+        return None
+    return tokens
+
+
+def convert_wordpiece(path: Path, tokens: list[str], lowercase: bool | None):
+    """What `tokenizers`' BertWordPieceTokenizer assembles from a vocab.txt (WordPiece model, BERT's
+    normalizer and pre-tokenizer, the specials the vocabulary has declared special, the
+    `[CLS] A [SEP]` template), built here so a vocabulary without [CLS]/[SEP] still converts."""
+    from tokenizers import Tokenizer, models
+
+    from tessera.data_prep.tokenizer_train import (
+        WORDPIECE_SPECIALS,
+        bert_pipeline,
+        bert_post_processor,
+        wordpiece_config,
+    )
+
+    if lowercase is None:  # cased vocabularies hold upper-case tokens; uncased ones cannot
+        lowercase = not any(ch.isupper() for t in tokens if not (t.startswith("[") and t.endswith("]")) for ch in t)
+    if len(set(tokens)) != len(tokens):
+        dup = next(t for i, t in enumerate(tokens) if t in tokens[:i])
+        raise UserError(f"{path}: token {dup!r} appears twice; a vocab.txt lists each token once")
+    backend = Tokenizer(models.WordPiece({t: i for i, t in enumerate(tokens)}, unk_token="[UNK]"))
+    backend.add_special_tokens([v for v in WORDPIECE_SPECIALS.values() if v in tokens])
+    bert_pipeline(backend, lowercase)
+    if "[CLS]" in tokens and "[SEP]" in tokens:
+        bert_post_processor(backend)
+    fields = {k: v for k, v in wordpiece_config(0, lowercase).items() if k != "model_max_length"}
+    missing = [v for v in WORDPIECE_SPECIALS.values() if v not in tokens]
+    for key in [k for k, v in WORDPIECE_SPECIALS.items() if v in missing]:
+        fields.pop(key)  # a token the vocabulary lacks is not declared (the trainer names what it needs)
+    return backend, fields
+
+
+def convert_tokenizer(source: Path, out: Path, model_max_length: int, pattern: str | None = None,
+                      lowercase: bool | None = None) -> Path:
     """Write `out/` (tokenizer.json + tokenizer_config.json) converted from the file `source`."""
     if not source.is_file():
         raise UserError(f"{source}: tokenizer file not found")
-    if is_tiktoken_file(source):
+    vocab = wordpiece_vocab(source)
+    if vocab is not None:
+        if pattern is not None:
+            raise UserError(f"--tiktoken-pattern: {source} is not a tiktoken BPE file")
+        backend, fields = convert_wordpiece(source, vocab, lowercase)
+        kind = "wordpiece"
+    elif lowercase is not None:
+        raise UserError(f"--lowercase/--no-lowercase: {source} is not a WordPiece vocab.txt (it applies to those "
+                        "and to --tokenizer-type wordpiece)")
+    elif is_tiktoken_file(source):
         backend, fields = convert_tiktoken(source, pattern or CL100K_PATTERN)
         kind = "tiktoken"
     else:
@@ -130,4 +195,6 @@ def convert_tokenizer(source: Path, out: Path, model_max_length: int, pattern: s
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length, **fields,
         "converted_from": {"path": str(source), "format": kind}}, indent=2, sort_keys=True) + "\n")
+    if kind == "wordpiece":  # BERT's own file beside it, as transformers saves a BertTokenizer
+        (out / "vocab.txt").write_text("".join(t + "\n" for t in vocab or []), encoding="utf-8")
     return out

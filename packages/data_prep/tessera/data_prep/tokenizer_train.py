@@ -1,4 +1,5 @@
-"""Training a byte-level BPE tokenizer with Hugging Face `tokenizers`, saved as transformers expects.
+"""Training a tokenizer with Hugging Face `tokenizers`, saved as transformers expects: byte-level
+BPE (decoders), or WordPiece as BERT's (encoders: `--tokenizer-type wordpiece`).
 
 The directory it writes loads with `tokenizers.Tokenizer.from_file`, with transformers'
 `AutoTokenizer.from_pretrained` (PreTrainedTokenizerFast) and with `tessera.common.tokenizer`:
@@ -68,6 +69,68 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2, len
     )
     tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
     return tokenizer
+
+
+# BERT's special tokens, in the order BERT's own trained tokenizers give them ids 0..4.
+WORDPIECE_SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                      "mask_token": "[MASK]"}
+
+
+def bert_pipeline(tokenizer, lowercase: bool) -> None:
+    """BERT's normalizer (clean text, CJK characters split, lowercase and strip accents when
+    uncased), pre-tokenizer, WordPiece decoder and `[CLS] A [SEP] B [SEP]` template, as
+    transformers' BertTokenizer builds them."""
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    tokenizer.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                                      lowercase=lowercase)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+
+
+def bert_post_processor(tokenizer) -> None:
+    from tokenizers import processors
+
+    cls, sep = WORDPIECE_SPECIALS["cls_token"], WORDPIECE_SPECIALS["sep_token"]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, tokenizer.token_to_id(cls)), (sep, tokenizer.token_to_id(sep))])
+
+
+def train_wordpiece(texts: Iterable[str], vocab_size: int, lowercase: bool = True, min_frequency: int = 2,
+                    length: int | None = None):
+    """Train a WordPiece vocabulary (BERT's `##` continuation prefix and special tokens) on `texts`."""
+    from tokenizers import Tokenizer, models, trainers
+
+    tokenizer = Tokenizer(models.WordPiece(unk_token=WORDPIECE_SPECIALS["unk_token"]))
+    bert_pipeline(tokenizer, lowercase)
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                        special_tokens=list(WORDPIECE_SPECIALS.values()),
+                                        continuing_subword_prefix="##", show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
+    bert_post_processor(tokenizer)
+    return tokenizer
+
+
+def wordpiece_config(model_max_length: int, lowercase: bool) -> dict:
+    """tokenizer_config.json of a BERT tokenizer (transformers' BertTokenizer reads it)."""
+    return {"tokenizer_class": "BertTokenizer", "do_lower_case": lowercase, **WORDPIECE_SPECIALS,
+            "model_max_length": model_max_length, "clean_up_tokenization_spaces": True}
+
+
+def save_wordpiece(tokenizer, directory: str | os.PathLike, model_max_length: int, lowercase: bool,
+                   overwrite: bool = False) -> Path:
+    """Write a WordPiece tokenizer directory atomically: tokenizer.json, tokenizer_config.json,
+    special_tokens_map.json and BERT's vocab.txt (ids in line order)."""
+    directory = Path(directory)
+    vocab = sorted(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(
+            json.dumps(wordpiece_config(model_max_length, lowercase), indent=2, sort_keys=True) + "\n")
+        (tmp / "special_tokens_map.json").write_text(json.dumps(WORDPIECE_SPECIALS, indent=2, sort_keys=True) + "\n")
+        (tmp / "vocab.txt").write_text("".join(token + "\n" for token, _ in vocab), encoding="utf-8")
+    return directory
 
 
 def tokenizer_config(model_max_length: int) -> dict:

@@ -20,6 +20,7 @@ from tessera.common.layout import ParallelLayout, check_expert_parallel
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.registry import model_config
 from tessera.trainer.kinds import check_options, check_trainable
+from tessera.trainer.mlm.config import MLMConfig
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
 # the real vocab_size) has been read; no shape check depends on it.
@@ -235,6 +236,7 @@ class TrainConfig(StrictModel):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metric sinks.")
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig, description="Profiler traces of chosen steps.")
+    mlm: MLMConfig = Field(default_factory=MLMConfig, description="Masked-LM samples (encoder models): masking and sample lengths.")
 
     @field_validator("model")
     @classmethod

@@ -98,7 +98,7 @@ class LocalEngine:
         self.step = trainer_kind(model).step(self.model, self.optimizer, self.precision, optim.grad_clip,
                               t.loss_chunk_tokens, t.compile, documents)
         # MoE: router statistics of each step, and the balancing-bias update after it.
-        self.router_stats = RouterStats(self.model) if model.moe is not None else None
+        self.router_stats = RouterStats(self.model) if getattr(model, "moe", None) is not None else None
 
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> StepResult:
         batches = micro_batches(tokens, labels, self.micro_batch)

@@ -45,6 +45,22 @@ BATCHES: dict[str, Callable[[], type[MixtureBatches]]] = {"next_token": _next_to
 LOSSES: dict[str, Callable[[], type[TrainStep]]] = {"next_token": _next_token_step}
 
 
+def _mlm_batches() -> type[MixtureBatches]:
+    from tessera.trainer.mlm.batches import MLMBatches  # BERT sentence pairs, masks drawn per sample
+
+    return MLMBatches  # type: ignore[return-value]
+
+
+def _mlm_step() -> type[TrainStep]:
+    from tessera.trainer.mlm.loss import MLMStep  # masked-token cross-entropy (+ the binary head's)
+
+    return MLMStep
+
+
+BATCHES["mlm"] = _mlm_batches
+LOSSES["mlm"] = _mlm_step
+
+
 # Options a kind's model has nothing for, by kind: (the field, whether a config asks for it, what to
 # do instead). Each is refused in one line while the config is validated, before any launch.
 REFUSED_OPTIONS: dict[str, tuple[tuple[str, Callable[[Any], bool], str], ...]] = {  # of a TrainConfig
@@ -78,6 +94,14 @@ def check_trainable(model: Any) -> None:
     (a config, or the config section's fields)."""
     stage_hook(model, "train_batch", BATCHES, STAGE)
     stage_hook(model, "train_loss", LOSSES, STAGE)
+
+
+def batch_builder(cfg: Any, inputs: Any) -> Callable[..., MixtureBatches]:
+    """The kind's batch builder bound to this run: what it needs beyond (split, seq_length,
+    documents) it takes from the config and the checked inputs (`for_run`, when it has one)."""
+    builder = trainer_kind(inputs.model).batches
+    bind = getattr(builder, "for_run", None)
+    return bind(cfg, inputs) if bind is not None else builder
 
 
 def trainer_kind(model: Any) -> TrainerKind:

@@ -42,7 +42,7 @@ from tessera.trainer.distributed import Runtime
 from tessera.trainer.documents import DocumentMasking
 from tessera.trainer.engine import Engine, LocalEngine
 from tessera.trainer.inputs import CheckedInputs
-from tessera.trainer.kinds import trainer_kind
+from tessera.trainer.kinds import batch_builder
 from tessera.trainer.observability.host_memory import retain_freed_memory
 from tessera.trainer.observability.metrics import (
     MetricsSink,
@@ -105,10 +105,10 @@ class Trainer:
                 torch.set_num_threads(t.threads)
             if t.retain_host_memory:
                 retain_freed_memory()
+        # The model kind's batch builder, before the model is built: its one-line refusals come first.
+        self.data = RunData.open(cfg.data, t, inputs.manifest, inputs.documents, batch_builder(cfg, inputs))
         self.engine = engine if engine is not None else build_engine(cfg, inputs, runtime)
         self.schedule = LRSchedule(cfg.schedule, cfg.optim, t.steps)
-        self.data = RunData.open(cfg.data, t, inputs.manifest, inputs.documents,
-                                 trainer_kind(inputs.model).batches)  # the model kind's batch builder
         self.state = TrainState()
         self.sink = MetricsSink.for_run(cfg.logging, cfg.run_dir, cfg.model_dump(mode="json"), self.say,
                                         runtime.is_main)

@@ -48,6 +48,6 @@ ENCODER = ModelKind(
     hf=hf,
     parallel=parallel,
     flops_per_token=EncoderConfig.flops_per_token,
-    hooks=StageHooks(convert="encoder", serve_runner="pooling", serve_cache="none"),
+    hooks=StageHooks(train_batch="mlm", train_loss="mlm", convert="encoder", serve_runner="pooling", serve_cache="none"),
     tensor_shapes=tensor_shapes,
 )

@@ -1,0 +1,154 @@
+"""`tessera-train` on a tiny BERT (model kind encoder): the masked-LM objective through the CLI
+from sentence-split shards, the loss falling, resume bit-exact, and the one-line refusals (a
+tokenizer without [MASK], a sequence longer than the position table)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_bert_masks import batches, bert_data
+
+from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
+from tessera.common.errors import run_cli
+from tessera.trainer.cli import main
+
+pytest.importorskip("pysbd")
+pytest.importorskip("tessera.common.models.encoder", reason="the encoder model kind (branch bert-model)")
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    return bert_data(tmp_path_factory.mktemp("bert"), train_samples=512)
+
+
+def config(data, root: Path, **training) -> Path:
+    cfg = {
+        "run_dir": str(root / "run"),
+        "model": {"kind": "encoder", "hidden_size": 32, "num_layers": 2, "num_heads": 2, "ffn_hidden_size": 64,
+                  "max_seq_len": 64, "dropout": 0.1, "attention_dropout": 0.1},
+        "data": {"mixture": str(data["mixture"]), "tokenizer": str(data["tokenizer"])},
+        "optim": {"lr": 3e-3, "min_lr": 3e-4, "beta2": 0.999},
+        "schedule": {"kind": "cosine", "warmup_steps": 2},
+        "training": {"global_batch_size": 8, "micro_batch_size": 4, "seq_length": SEQ, "steps": 6,
+                     "log_interval": 1, "threads": 1, **training},
+        "logging": {"tensorboard": False},
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def losses(run: Path, kind: str = "train") -> dict[int, float]:
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    key = {"train": "loss", "eval": "valid_loss"}[kind]
+    return {r["step"]: r[key] for r in records if r["kind"] == kind}
+
+
+def test_tessera_train_trains_a_tiny_bert_with_the_mlm_and_sentence_order_losses_and_the_loss_falls(data, tmp_path):
+    path = config(data, tmp_path, steps=40, eval_interval=40, eval_iters=1)
+    assert main(["--config", str(path), "--quiet", "schedule.warmup_steps=4"]) == 0
+    got = losses(tmp_path / "run")
+    first, last = sum(got[s] for s in range(1, 6)) / 5, sum(got[s] for s in range(36, 41)) / 5
+    assert last < first - 0.5, (first, last)
+    assert list(losses(tmp_path / "run", "eval").values())[-1] < first
+
+
+def test_the_trainers_mlm_loss_equals_bert_for_pretraining_on_a_batch_of_the_mlm_batch_builder(data, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import numpy as np
+
+    from tessera.common.hf.directory import load_hf_weights, read_hf_config
+    from tessera.common.models.registry import kind_of
+    from tessera.common.tokenizer import load_tokenizer
+    from tessera.trainer.mlm.loss import MLMStep, mlm_loss
+    from tessera.trainer.precision.mixed import Precision
+
+    torch.manual_seed(0)
+    hf = transformers.BertForPreTraining(transformers.BertConfig(
+        vocab_size=load_tokenizer(data["tokenizer"]).vocab_size, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)).eval()
+    hf.save_pretrained(tmp_path)
+    cfg, _ = read_hf_config(tmp_path)
+    model = kind_of(cfg).build(cfg, seed=None)
+    model.load_state_dict(load_hf_weights(tmp_path, cfg), strict=True)
+    inputs, labels = batches(data).batch(np.arange(8))
+    with torch.no_grad():
+        ours = mlm_loss(model.eval()(inputs.tokens, token_types=inputs.token_types,
+                                     attention_mask=inputs.padding_mask), labels, inputs.binary_labels)
+        theirs = hf(input_ids=inputs.tokens, token_type_ids=inputs.token_types, attention_mask=inputs.padding_mask,
+                    labels=labels, next_sentence_label=inputs.binary_labels).loss
+        # the step's own loss: the MLM head on the labelled positions only
+        step = MLMStep(model, torch.optim.SGD(model.parameters(), lr=0.0), Precision("fp32", torch.device("cpu")), 1.0)
+        stepped = step.loss(inputs, labels)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stepped, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_resumed_bert_run_is_bit_identical_to_an_uninterrupted_one(data, tmp_path):
+    straight = config(data, tmp_path / "straight")
+    assert main(["--config", str(straight), "--quiet"]) == 0
+    split = config(data, tmp_path / "split")
+    assert main(["--config", str(split), "--quiet", "training.exit_after_steps=3"]) == 0
+    assert main(["--config", str(split), "--quiet", "--resume"]) == 0
+    a = load_model_tensors(resolve_checkpoint(tmp_path / "straight/run/checkpoints"))
+    b = load_model_tensors(resolve_checkpoint(tmp_path / "split/run/checkpoints"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(tmp_path / "straight/run") == losses(tmp_path / "split/run")
+
+
+def test_a_tokenizer_without_mask_is_refused_in_one_line(data, tmp_path, capsys):
+    from tessera.data_prep.cli import entry as data_cli
+
+    vocab = (data["tokenizer"] / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    (tmp_path / "vocab.txt").write_text("".join(t + "\n" for t in vocab if t != "[MASK]"), encoding="utf-8")
+    corpus = data["mixture"].parent / "corpus.jsonl"
+    assert data_cli(["prep", "--input", str(corpus), "--tokenizer", str(tmp_path / "vocab.txt"), "--split-sentences",
+                     "--no-append-eod", "--output-prefix", str(tmp_path / "data/nomask"), "--quiet"]) == 0
+    assert data_cli(["blend", "--data", str(tmp_path / "data/nomask_text_document"), "--seq-length", str(SEQ),
+                     "--train-samples", "64", "--output", str(tmp_path / "mix"), "--quiet"]) == 0
+    path = config(data, tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--config", str(path), "--quiet", f"data.tokenizer={tmp_path / 'data/tokenizer'}",
+                       f"data.mixture={tmp_path / 'mix'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "[MASK]" in err[0], err
+    assert not list(tmp_path.glob("run/checkpoints/*")) and not (tmp_path / "run/metrics.jsonl").exists()
+
+
+def test_a_sequence_longer_than_the_position_table_is_refused_in_one_line_naming_the_field(data, tmp_path, capsys):
+    path = config(data, tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--config", str(path), "--quiet", "training.seq_length=128"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "training.seq_length" in err[0] and "max_seq_len" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_masked_lm_run_under_a_parallel_layout_is_refused_in_one_line_before_the_model_is_built(data, tmp_path):
+    from tessera.common.config import load_config
+    from tessera.common.errors import UserError
+    from tessera.trainer.config import TrainConfig
+    from tessera.trainer.inputs import check_inputs
+    from tessera.trainer.kinds import batch_builder
+
+    cfg = load_config(TrainConfig, config(data, tmp_path))
+    inputs = check_inputs(cfg, world_size=2)
+    with pytest.raises(UserError, match="one process") as exc:
+        batch_builder(cfg, inputs)
+    assert "\n" not in str(exc.value)
+
+
+def test_the_example_bert_config_is_a_valid_masked_lm_run():
+    from tessera.common.config import load_config
+    from tessera.trainer.config import TrainConfig
+
+    cfg = load_config(TrainConfig, Path(__file__).resolve().parents[2] / "examples/bert_tiny.yaml")
+    model = cfg.resolve_model(8192)
+    assert model.kind == "encoder" and model.binary_head and cfg.training.seq_length <= model.max_seq_len
