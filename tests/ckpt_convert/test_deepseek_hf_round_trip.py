@@ -29,6 +29,7 @@ def test_deepseek_v3_import_export_is_byte_identical(tmp_path, tokenizer_dir, ov
                 "--quiet"]) == 0
     assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "ckpt"), "--output",
                 str(tmp_path / "out"), "--quiet"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
     theirs, ours = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert theirs.keys() == ours.keys()
     for k in theirs:
@@ -59,3 +60,35 @@ def test_bad_deepseek_config_is_one_line_exit_2(tmp_path, tokenizer_dir, capsys,
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_what_is_not_built_for_latent_attention_is_refused_in_one_line_before_any_work(tmp_path, tokenizer_dir, capsys):
+    """Tensor and context parallel, serving and the TensorRT-LLM / Megatron exports of an MLA model
+    are not built: each says so in one line, exit 2, nothing written, no worker started."""
+    from tessera.common.errors import run_cli
+    from tessera.inference.entrypoints.serve_cli import main as serve_main
+
+    save(build_hf(), tmp_path / "hf", tokenizer_dir)
+    assert run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"),
+                "--quiet"]) == 0
+    capsys.readouterr()
+    for cli, argv, message in (
+            (main, ["reshard", "--tensor-parallel", "2", "--pipeline-parallel", "1"], "--tensor-parallel 2"),
+            (main, ["export", "--format", "trtllm"], "TensorRT-LLM"),
+            (main, ["export", "--format", "megatron"], "Megatron-Core"),
+            (serve_main, [], "tessera-serve has no latent KV cache")):
+        args = [*argv, "--checkpoint", str(tmp_path / "ckpt")]
+        if cli is main:
+            args += ["--output", str(tmp_path / "out")]
+        with pytest.raises(SystemExit) as exc:
+            run_cli(cli, args)
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and len(err.splitlines()) == 1 and message in err and "mla" in err, err
+        assert not (tmp_path / "out").exists()
+    from tessera.common.checkpoint import read_sidecar, resolve_checkpoint
+    from tessera.common.errors import UserError
+    from tessera.common.layout import ParallelLayout, validate_layout
+
+    cfg = read_sidecar(resolve_checkpoint(tmp_path / "ckpt")).model
+    with pytest.raises(UserError, match=r"--context-parallel 2 \(parallel.context\): context parallel for multi-head"):
+        validate_layout(cfg, ParallelLayout(context=2))

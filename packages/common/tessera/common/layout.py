@@ -187,6 +187,9 @@ def check_context_parallel(cfg: ModelConfig | HybridConfig, layout: ParallelLayo
     """Context parallel is built for attention only: a hybrid model's Mamba layers would need their
     scan state and convolution window passed from rank to rank along the sequence (Megatron's
     MambaContextParallel instead all-to-alls heads for sequence), which Tessera does not have."""
+    if layout.context > 1 and getattr(cfg, "mla", None) is not None:
+        raise UserError(f"--context-parallel {layout.context} (parallel.context): context parallel for multi-head "
+                        "latent attention (model.mla, DeepSeek-V3) is not built; set it to 1")
     if layout.context > 1 and cfg.kind == "hybrid":
         raise UserError(f"--context-parallel {layout.context} (parallel.context): hybrid models (model.kind: hybrid) "
                         "have no context-parallel Mamba layers; set it to 1 and split the sequence's work with "
@@ -196,6 +199,10 @@ def check_context_parallel(cfg: ModelConfig | HybridConfig, layout: ParallelLayo
 def _check_tensor_parallel(cfg: ModelConfig | HybridConfig, tp: int) -> None:
     """Each tensor rank holds whole heads (and key/value heads, Mamba groups), an equal slice of the
     MLPs and of the vocabulary: `tp` must divide each of them."""
+    if tp > 1 and getattr(cfg, "mla", None) is not None:
+        raise UserError(f"--tensor-parallel {tp} (parallel.tensor): tensor parallel for multi-head latent attention "
+                        "(model.mla, DeepSeek-V3) is not built; use --tensor-parallel 1 (its experts split with "
+                        "--expert-parallel)")
     if isinstance(cfg, HybridConfig):
         used = set(cfg.pattern)
         if cfg.mamba is not None and "M" in used:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tessera.common.errors import UserError
 from tessera.common.models.registry import stage_hook
 from tessera.inference.core.block_manager import BlockManager
 from tessera.inference.core.state_manager import StateBlockManager
@@ -40,5 +41,8 @@ CACHES["none"] = NoKVCache  # nothing kept between steps (an encoder)
 
 def serving_kind(model: Any) -> ServingKind:
     """The server's code for `model`'s kind (a config)."""
+    if getattr(model, "mla", None) is not None:  # its runner needs a latent KV cache and absorbed decode
+        raise UserError("model.mla: tessera-serve has no latent KV cache for multi-head latent attention (DeepSeek-V3) "
+                        "yet; serve the model with vLLM or export it with tessera-ckpt")
     return ServingKind(runner=stage_hook(model, "serve_runner", RUNNERS, STAGE),
                        cache=stage_hook(model, "serve_cache", CACHES, STAGE))

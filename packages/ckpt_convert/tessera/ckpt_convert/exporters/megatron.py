@@ -36,8 +36,9 @@ EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv"
 
 def tessera_to_megatron(cfg: ModelConfig, t: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
     """Megatron-Core tensors (global, layers stacked) from Tessera parameters `t`."""
-    if cfg.moe is not None or cfg.qk_norm or cfg.sliding_window is not None:
-        raise UserError("model config: MoE, qk_norm and sliding-window models have no Megatron-Core GPT mapping here")
+    if cfg.moe is not None or cfg.qk_norm or cfg.sliding_window is not None or cfg.mla is not None:
+        raise UserError("model config: MoE, qk_norm, sliding-window and multi-head latent attention (model.mla) models "
+                        "have no Megatron-Core GPT mapping here")
 
     def vocab(w: torch.Tensor) -> torch.Tensor:
         real = w[:cfg.vocab_size]

@@ -109,6 +109,9 @@ HF_INSTEAD = "; export --format hf, which current TensorRT-LLM reads"
 
 def check_supported(cfg: ModelConfig) -> None:
     """What TensorRT-LLM's checkpoint cannot hold exactly: one line, before any work."""
+    if getattr(cfg, "mla", None) is not None:
+        raise UserError("model config: multi-head latent attention (model.mla, DeepSeek-V3) is not exported to "
+                        "TensorRT-LLM by Tessera" + HF_INSTEAD)
     if cfg.arch in ("llama", "gpt2"):
         plain = dict(qk_norm=False, sliding_window=None, moe=None, attention_bias=None,
                      head_dim=cfg.hidden_size // cfg.num_heads)
