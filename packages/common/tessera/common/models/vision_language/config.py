@@ -119,6 +119,19 @@ class VisionLanguageConfig(StrictModel):
             raise ValueError("vision_feature_select_strategy default drops the first feature: the tower has only one")
         return self
 
+    # The language model's, which the stages read of every kind (tokenizer fit, sequence length).
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @property
+    def vocab_rows(self) -> int:
+        return self.text.vocab_rows
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.text.max_seq_len
+
     @property
     def feature_layer_index(self) -> int:
         """vision_feature_layer as an index into (embeddings, block 1 output, ..., block n output)."""

@@ -2,13 +2,16 @@
 (CLIP or SigLIP vision tower, any causal LM Tessera maps as the language model). Same protocol as
 the causal LM's (tessera.common.models.kind.HFAdapter).
 
-Facts (transformers 5.24 is the reference; the parity tests compare logits with it): the tower is
-saved under `model.vision_tower.` with no `vision_model.` level (`embeddings.{class_embedding,
+Facts (transformers 5.24 is the reference; the parity tests compare logits and export bytes with
+it): `save_pretrained` writes the legacy layout every Hub LLaVA checkpoint has, not the module
+names it holds in memory: the tower under `vision_tower.` (`embeddings.{class_embedding,
 patch_embedding,position_embedding}`, CLIP's `pre_layrnorm` (sic), `encoder.layers.<i>.{layer_norm1,
 self_attn.{q,k,v,out}_proj,layer_norm2,mlp.fc1,mlp.fc2}`, `post_layernorm`, SigLIP's `head.*`), the
-projector under `model.multi_modal_projector.linear_{1,2}`, the language model's `model.*` tensors
-under `model.language_model.*` and its head as `lm_head.weight`. config.json nests the two
-`vision_config` / `text_config`; the text one is read by the causal LM's own adapter.
+projector under `multi_modal_projector.linear_{1,2}`, and the causal LM's own checkpoint names
+under `language_model.` (`language_model.model.*`, `language_model.lm_head.weight`). Export writes
+that; import also reads the in-memory names (`model.vision_tower.*`, `model.language_model.*`,
+`lm_head.weight`), as transformers loads both. config.json nests `vision_config` / `text_config`;
+the text one is read and written by the causal LM's own adapter.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ TRANSFORMERS_VERSION = "5.24.0"
 _VISION_TYPES = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 _VISION_ACTS = {"quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_erf"}
 _PROJECTOR_ACTS = {"gelu": "gelu_erf", "gelu_pytorch_tanh": "gelu", "quick_gelu": "quick_gelu"}
-_LM_PREFIX, _HF_LM = "language_model.", "model.language_model."
+_LM_PREFIX = "language_model."  # Tessera's prefix of the LM's names, and the checkpoint's of its HF names
+# The saved layout's prefixes -> transformers' in-memory names (what import also accepts).
+_IN_MEMORY = (("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."),
+              ("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."))
 
 
 def supported() -> str:
@@ -103,7 +109,7 @@ def hf_config(cfg: VisionLanguageConfig, dtype: torch.dtype, bos_id: int | None,
     if v.arch == "siglip":
         vision["vision_use_head"] = v.head
     return {"architectures": [HF_CLASS], "model_type": "llava", "dtype": HF_DTYPE_NAMES[dtype],
-            "image_seq_length": cfg.image_seq_len, "image_token_id": cfg.image_token_id,
+            "image_seq_length": cfg.image_seq_len, "image_token_index": cfg.image_token_id,
             "multimodal_projector_bias": cfg.projector.bias,
             "projector_hidden_act": next(k for k, a in _PROJECTOR_ACTS.items() if a == cfg.projector.activation),
             "text_config": text, "tie_word_embeddings": cfg.text.tie_embeddings,
@@ -114,7 +120,7 @@ def hf_config(cfg: VisionLanguageConfig, dtype: torch.dtype, bos_id: int | None,
 
 def _tower_names(cfg: VisionLanguageConfig) -> list[tuple[str, str]]:
     """(Tessera name, transformers name) of every tower and projector tensor."""
-    v, t, h = cfg.vision, "vision.", "model.vision_tower."
+    v, t, h = cfg.vision, "vision.", "vision_tower."
     pairs = [(t + "patch_embed.weight", h + "embeddings.patch_embedding.weight")]
     if v.arch == "siglip":
         pairs.append((t + "patch_embed.bias", h + "embeddings.patch_embedding.bias"))
@@ -142,12 +148,15 @@ def _tower_names(cfg: VisionLanguageConfig) -> list[tuple[str, str]]:
             pairs.append((t + "head." + ours, h + "head." + theirs))
     for n in (1, 2):
         for p in ("weight", "bias") if cfg.projector.bias else ("weight",):
-            pairs.append((f"projector.linear_{n}.{p}", f"model.multi_modal_projector.linear_{n}.{p}"))
+            pairs.append((f"projector.linear_{n}.{p}", f"multi_modal_projector.linear_{n}.{p}"))
     return pairs
 
 
-def _hf_lm(name: str) -> str:
-    return _HF_LM + name.removeprefix("model.") if name.startswith("model.") else name
+def _in_memory(name: str) -> str:
+    for saved, memory in _IN_MEMORY:
+        if name.startswith(saved):
+            return memory + name.removeprefix(saved)
+    return name
 
 
 def export_rules(cfg: VisionLanguageConfig) -> list[Rule]:
@@ -159,19 +168,25 @@ def export_rules(cfg: VisionLanguageConfig) -> list[Rule]:
     shapes = model_tensor_shapes(cfg, buffers=False)
     rules = [Rule(hf, (ours,), shapes[ours]) for ours, hf in _tower_names(cfg)]
     for r in lm_adapter.export_rules(cfg.text):
-        rules.append(Rule(_hf_lm(r.target), tuple(_LM_PREFIX + s for s in r.sources), r.shape, r.combine, r.source_shapes))
+        rules.append(Rule(_LM_PREFIX + r.target, tuple(_LM_PREFIX + s for s in r.sources), r.shape, r.combine,
+                          r.source_shapes))
     return sorted(rules, key=lambda r: r.target)
 
 
 def import_rules(cfg: VisionLanguageConfig, hf_names: set[str]) -> tuple[list[Rule], frozenset[str]]:
     """(rules producing every Tessera parameter from a Llava checkpoint's tensors, names that may be
-    present unread)."""
+    present unread), from the saved layout or transformers' in-memory names."""
     from tessera.common.models.vision_language.model import model_tensor_shapes
 
     shapes = model_tensor_shapes(cfg, buffers=False)
-    rules = [Rule(ours, (hf,), shapes[ours]) for ours, hf in _tower_names(cfg)]
-    lm_names = {("model." + n.removeprefix(_HF_LM)) if n.startswith(_HF_LM) else n for n in hf_names}
-    lm_rules, optional = lm_adapter.import_rules(cfg.text, lm_names)
+    memory = any(n.startswith("model.vision_tower.") for n in hf_names)
+    rename = _in_memory if memory else (lambda n: n)
+    saved = {n for n in hf_names if n.startswith(_LM_PREFIX)} if not memory else \
+        {next(s + n.removeprefix(m) for s, m in _IN_MEMORY if n.startswith(m)) for n in hf_names
+         if n.startswith(("model.language_model.", "lm_head."))}
+    rules = [Rule(ours, (rename(hf),), shapes[ours]) for ours, hf in _tower_names(cfg)]
+    lm_rules, optional = lm_adapter.import_rules(cfg.text, {n.removeprefix(_LM_PREFIX) for n in saved})
     for r in lm_rules:
-        rules.append(Rule(_LM_PREFIX + r.target, tuple(_hf_lm(s) for s in r.sources), r.shape, r.combine, r.source_shapes))
-    return rules, frozenset(_hf_lm(n) for n in optional)
+        rules.append(Rule(_LM_PREFIX + r.target, tuple(rename(_LM_PREFIX + s) for s in r.sources), r.shape, r.combine,
+                          r.source_shapes))
+    return rules, frozenset(rename(_LM_PREFIX + n) for n in optional)
