@@ -99,3 +99,24 @@ def test_an_unsupported_llava_option_is_refused_naming_the_field():
     data["vision_feature_layer"], data["projector_hidden_act"] = -2, "relu"
     with pytest.raises(ArtifactError, match="projector_hidden_act"):
         model_config_from_hf(data, "config.json")
+
+
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+def test_the_tower_alone_equals_transformers_vision_model_with_post_norm_and_pooling(tower):
+    hf_model = _hf_llava(tower)
+    _, _, ours = _ours(hf_model)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = hf_model.model.vision_tower(pixel_values=pixels)
+        hidden, pooled = ours.vision(pixels)
+    torch.testing.assert_close(hidden, want.last_hidden_state, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pooled, want.pooler_output, atol=1e-5, rtol=1e-5)
+
+
+def test_image_tokens_that_do_not_match_the_images_features_are_refused():
+    _, cfg, ours = _ours(_hf_llava("clip"))
+    ids = torch.tensor([[1] + [IMAGE_TOKEN] * (cfg.image_seq_len - 1) + [2]])
+    with pytest.raises(ValueError, match="image tokens in the text for 1 image"):
+        ours(ids, torch.zeros(1, 3, 32, 32))
+    with pytest.raises(ValueError, match="no images"):
+        ours(ids)

@@ -96,12 +96,14 @@ class VisionTower(nn.Module):
         return h
 
     def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(last hidden state after the post-LayerNorm [N, P, d], pooled [N, d] or None), as
-        transformers' CLIPVisionModel / SiglipVisionModel (CLIP pools the class token)."""
-        h = self.post_norm(self.hidden_states(pixels, self.cfg.num_layers))
-        if self.head is not None:
-            return h, self.head(h)
-        return h, h[:, 0] if self.class_embed is not None else None
+        """(last hidden state [N, P, d], pooled [N, d] or None) as transformers' vision models give
+        them: CLIP's last state is the blocks' output and its pooled one the post-LayerNormed class
+        token; SigLIP post-LayerNorms the last state and pools it with its head (if it has one)."""
+        h = self.hidden_states(pixels, self.cfg.num_layers)
+        if self.class_embed is not None:
+            return h, self.post_norm(h[:, 0])
+        h = self.post_norm(h)
+        return h, self.head(h) if self.head is not None else None
 
 
 class Projector(nn.Module):
