@@ -46,7 +46,7 @@ class VisionConfig(StrictModel):
     num_channels: int = Field(3, gt=0, le=MAX_CHANNELS, description="Channels of the input pixels.")
     activation: Literal["quick_gelu", "gelu", "gelu_erf"] = Field("quick_gelu", description="MLP activation: quick_gelu = x*sigmoid(1.702x) (CLIP's); gelu = tanh approximation (SigLIP's gelu_pytorch_tanh); gelu_erf = exact GELU (HF 'gelu').")
     norm_eps: float = Field(1e-5, gt=0, description="Epsilon of every LayerNorm (HF layer_norm_eps).")
-    head: bool = Field(True, description="SigLIP only: the attention-pooling head (probe, multi-head attention, LayerNorm, MLP) of SiglipVisionModel (HF vision_use_head). It pools one vector per image; LLaVA's features do not use it, but its checkpoints carry it.")
+    head: bool = Field(False, description="SigLIP only: the attention-pooling head (probe, multi-head attention, LayerNorm, MLP) of SiglipVisionModel (HF vision_use_head). It pools one vector per image; LLaVA's features do not use it, but its checkpoints carry it.")
     attention_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on attention probabilities.")
 
     @model_validator(mode="after")
