@@ -24,7 +24,10 @@ TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # vocab.txt: a WordPiece (BERT) tokenizer's own vocabulary, carried along for tools that read it.
-TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, "special_tokens_map.json", CHAT_TEMPLATE_FILE, "vocab.txt")
+# preprocessor_config.json: a vision-language model's image processor (tessera.common.models.
+# vision_language.processor reads it), carried with the text processor as transformers keeps them.
+TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, "special_tokens_map.json", CHAT_TEMPLATE_FILE, "vocab.txt",
+                   "preprocessor_config.json")
 
 
 def tokenizer_fingerprint(directory: str | os.PathLike) -> str:

@@ -1,6 +1,7 @@
 """The dense MLP: SwiGLU (gate/up/down), GELU (up/down, tanh approximation as GPT-2), exact GELU
 (up/down, erf: BERT's, which the encoder kind's layer config allows) or squared ReLU (up/down,
-relu(x)^2: Nemotron-H's, which the hybrid kind's layer config allows)."""
+relu(x)^2: Nemotron-H's, which the hybrid kind's layer config allows) or quick GELU (CLIP's
+vision tower)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ class MLP(nn.Module):
             h = F.relu(self.up_proj(x)).square()
         elif self.activation == "gelu_erf":
             h = F.gelu(self.up_proj(x))
+        elif self.activation == "quick_gelu":  # CLIP's: x * sigmoid(1.702 x)
+            h = self.up_proj(x)
+            h = h * torch.sigmoid(1.702 * h)
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")
         return self.down_proj(h)

@@ -168,12 +168,10 @@ class Transformer(nn.Module):
         of the same document: packed documents do not see each other (Megatron's
         reset_attention_mask). Pair it with per-document `positions` to also restart positions.
         """
-        if self.embed_tokens is not None:
-            seq = tokens.shape[1]
-            h = self.embed_tokens(tokens)
-        else:
-            h = tokens
-            seq = h.shape[1]
+        # Float input is embeddings already: a later pipeline stage's hidden states, or a
+        # vision-language model's text embeddings with image features in place.
+        h = self.embed_tokens(tokens) if self.embed_tokens is not None and not tokens.is_floating_point() else tokens
+        seq = h.shape[1]
         if positions is None:
             positions = torch.arange(seq, device=h.device).unsqueeze(0)
         if self.pos_embed is not None and self.embed_tokens is not None:

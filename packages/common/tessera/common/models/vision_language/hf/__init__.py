@@ -1,0 +1,1 @@
+"""Hugging Face mapping of the vision-language kind (LlavaForConditionalGeneration)."""

@@ -1,0 +1,53 @@
+"""The vision-language kind's entry in the kind registry (tessera.common.models.registry).
+
+Imports only the config: the model and its Hugging Face adapter load when a stage asks for them.
+"vision_language" conversions in tessera-ckpt (Hugging Face import / export); training, serving
+and the parallel plan (tensor parallel for the tower, the tower on the first pipeline stage) are
+not built yet, and each refuses the kind by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tessera.common.errors import UserError
+from tessera.common.models.kind import HFAdapter, ModelKind, ParallelPlan, StageHooks
+from tessera.common.models.vision_language.config import VisionLanguageConfig
+
+
+def build(cfg: VisionLanguageConfig, **kwargs: Any) -> Any:
+    """The single-device model (`build_model`: device, dtype, seed)."""
+    from tessera.common.models.vision_language.model import build_model
+
+    return build_model(cfg, **kwargs)
+
+
+def hf() -> HFAdapter:
+    from tessera.common.models.vision_language.hf import adapter
+
+    return adapter  # type: ignore[return-value]  # a module with the protocol's functions
+
+
+def tensor_shapes(cfg: VisionLanguageConfig) -> dict[str, tuple[int, ...]]:
+    from tessera.common.models.vision_language.model import model_tensor_shapes
+
+    return model_tensor_shapes(cfg)
+
+
+def parallel() -> ParallelPlan:
+    raise UserError("model kind 'vision_language' has no parallel plan yet: run it on one device "
+                    "(tensor_parallel = pipeline_parallel = 1)")
+
+
+VISION_LANGUAGE = ModelKind(
+    name="vision_language",
+    description="LLaVA: a ViT vision tower (CLIP or SigLIP) and projector whose image features replace the image "
+                "tokens of a causal LM",
+    config=VisionLanguageConfig,
+    build=build,
+    hf=hf,
+    parallel=parallel,
+    flops_per_token=VisionLanguageConfig.flops_per_token,
+    hooks=StageHooks(convert="vision_language"),
+    tensor_shapes=tensor_shapes,
+)

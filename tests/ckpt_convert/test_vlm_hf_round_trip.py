@@ -1,0 +1,83 @@
+"""LLaVA through `tessera-ckpt` and Hugging Face: random tiny LlavaForConditionalGeneration models
+(CLIP + Llama, SigLIP + Qwen2) made here; import -> export gives transformers' model.safetensors
+and config.json byte for byte, the image processor's preprocessor_config.json carried along."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tessera.ckpt_convert.cli import main, run
+from tessera.common.checkpoint import read_sidecar, resolve_checkpoint
+
+VOCAB = 320  # the tokenizer fixture's 300 tokens fit
+
+
+def hf_llava(tower: str):
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    text = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    if tower == "clip":
+        vision, lm = transformers.CLIPVisionConfig(**common), transformers.LlamaConfig(**text)
+    else:
+        vision, lm = transformers.SiglipVisionConfig(**common), transformers.Qwen2Config(**text)
+    cfg = transformers.LlavaConfig(vision_config=vision, text_config=lm, image_token_id=299)
+    model = transformers.LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+def test_llava_import_then_export_gives_transformers_bytes_config_and_processor_file(tmp_path, tokenizer_dir, tower):
+    import transformers
+
+    hf = hf_llava(tower)
+    hf.save_pretrained(tmp_path / "hf")
+    for f in tokenizer_dir.iterdir():
+        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
+    processor = (transformers.CLIPImageProcessor if tower == "clip" else transformers.SiglipImageProcessor)(
+        size={"shortest_edge": 32} if tower == "clip" else {"height": 32, "width": 32},
+        crop_size={"height": 32, "width": 32})
+    processor.save_pretrained(tmp_path / "hf")
+    assert run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"),
+                "--quiet"]) == 0
+    assert read_sidecar(resolve_checkpoint(tmp_path / "ckpt")).model.kind == "vision_language"
+    assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "ckpt"), "--output",
+                str(tmp_path / "out"), "--quiet"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
+    # config.json: the same model to Tessera and to transformers (the text config is the causal LM
+    # adapter's, with its tokenizer's bos/eos and both dtype keys, so not transformers' bytes).
+    from tessera.common.models.registry import model_config_from_hf
+
+    ours, theirs = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("out", "hf"))
+    assert model_config_from_hf(ours, "out") == model_config_from_hf(theirs, "hf")
+    again = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
+    ids = torch.tensor([[5] + [299] * (15 if tower == "siglip" else 16) + [7, 9]])
+    pixels = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids, pixel_values=pixels).logits,
+                                   hf(input_ids=ids, pixel_values=pixels).logits, atol=0, rtol=0)
+    assert json.loads((tmp_path / "out" / "preprocessor_config.json").read_text()) == \
+        json.loads((tmp_path / "hf" / "preprocessor_config.json").read_text())
+
+
+def test_importing_a_llava_option_tessera_lacks_exits_2_naming_the_field_and_writes_nothing(tmp_path, capsys):
+    hf_llava("clip").save_pretrained(tmp_path / "hf")
+    data = json.loads((tmp_path / "hf" / "config.json").read_text())
+    data["vision_feature_layer"] = [-2, -1]  # several layers concatenated: not built
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(data))
+    capsys.readouterr()  # transformers' save progress bar
+    with pytest.raises(SystemExit) as exc:
+        main(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"), "--quiet"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vision_feature_layer" in err[0] and not (tmp_path / "ckpt").exists()
