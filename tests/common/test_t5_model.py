@@ -37,3 +37,17 @@ def test_t5_logits_and_loss_equal_transformers_for_both_variants(variant):
 def test_t5_config_refuses_a_pad_id_outside_the_vocabulary():
     with pytest.raises(ValueError, match="pad_token_id"):
         T5Config(vocab_size=8, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_decoder_layers=1, num_heads=2, pad_token_id=9)
+
+
+def test_t5_tensor_shapes_are_the_transformers_shapes_under_their_names():
+    from tessera.common.models.encoder_decoder.model import model_tensor_shapes
+
+    kw = dict(vocab_size=64, d_model=16, d_kv=4, d_ff=24, num_layers=1, num_decoder_layers=2, num_heads=2,
+              feed_forward="gated-gelu", tie_word_embeddings=False)
+    ref = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        **{k: v for k, v in kw.items() if k != "feed_forward"}, feed_forward_proj="gated-gelu",
+        decoder_start_token_id=0, pad_token_id=0))
+    theirs = {n: tuple(t.shape) for n, t in ref.state_dict().items()}
+    ours = {hf_name(n): s for n, s in model_tensor_shapes(T5Config(**kw)).items()}
+    assert {n: theirs[n] for n in ours} == ours
+    assert set(theirs) - set(ours) <= {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}

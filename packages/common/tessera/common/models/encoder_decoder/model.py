@@ -147,3 +147,10 @@ class T5Model(nn.Module):
         if labels is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
         return logits, loss
+
+
+def model_tensor_shapes(cfg: T5Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, from a model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = T5Model(cfg)
+    return {n: tuple(t.shape) for n, t in model.state_dict().items()}
