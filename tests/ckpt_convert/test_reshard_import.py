@@ -180,13 +180,13 @@ def test_import_unsupported_architecture_exit_2(tmp_path, capsys):
     from tessera.ckpt_convert.cli import main
 
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "deepseek_v3",
-                                                             "architectures": ["DeepseekV3ForCausalLM"]}))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "falcon",
+                                                             "architectures": ["FalconForCausalLM"]}))
     with pytest.raises(SystemExit) as exc:
         main(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "out")])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert "unsupported architecture 'deepseek_v3'" in err and len(err.splitlines()) == 1
+    assert "unsupported architecture 'falcon'" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
 
