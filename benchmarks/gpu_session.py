@@ -81,6 +81,11 @@ EXTRAS: tuple[Step, ...] = (
     Step("train1b-fp8-rowwise", 0, 300, ("python3", "benchmarks/train_throughput.py", *TRAIN1B, "--precision", "fp8",
                                          "--fp8-recipe", "rowwise", "--only", "tessera",
                                          "--json", "{out}/train1b-fp8-rowwise.json")),
+    # Transformer Engine must be preinstalled on the machine (its CUDA wheels exceed the carry);
+    # without it the trainer's one line says so
+    Step("train1b-te", 0, 500, ("python3", "benchmarks/train_throughput.py", *TRAIN1B, "--precision", "fp8",
+                                "--fp8-backend", "te", "--fp8-recipe", "tensorwise", "--no-compile",
+                                "--separate-processes", "--json", "{out}/train1b-te.json")),
     # item 4's convergence line: 200 steps of llama-1b, fp8 within 1% of bf16
     Step("fp8-convergence", 0, 500, ("python3", "benchmarks/fp8_convergence.py", "--device", "cuda", "--preset",
                                      "llama-1b", "--seq", "4096", "--batch", "2", "--steps", "200",
