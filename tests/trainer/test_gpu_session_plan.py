@@ -82,3 +82,19 @@ def test_the_table_reads_a_finished_runs_figures_and_says_what_was_met(session, 
     assert rows["8B-shaped fp8 / bf16"] == ("not measured", "no")
     session.print_table(session.figures(out))
     assert capsys.readouterr().out.splitlines()[0].split() == ["figure", "value", "goal", "met"]
+
+
+def test_the_gpu_step_breakdown_sorts_kernels_by_kind_and_counts_the_gaps_as_idle():
+    spec = importlib.util.spec_from_file_location("bench_step_breakdown", SCRIPT.parent / "step_breakdown.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernels = [("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 0.0, 100.0),
+               ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", 100.0, 150.0),
+               ("triton_red_fused__log_softmax_nll_loss_forward_0", 150.0, 160.0),
+               ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 200.0, 220.0),
+               ("triton_per_fused_add_rms_norm_1", 220.0, 230.0),
+               ("triton_poi_fused_mul_silu_2", 225.0, 240.0)]  # overlaps the norm: counted once in busy time
+    b = module.split_kernels(kernels, wall_ms=0.3)
+    assert b["kinds_ms"] == pytest.approx({"attention": 0.05, "gemm": 0.1, "loss": 0.01, "optimizer": 0.02,
+                                           "norms": 0.01, "elementwise": 0.015})
+    assert b["idle_ms"] == pytest.approx(0.3 - 0.2)  # busy 0-160, 200-240
