@@ -14,6 +14,7 @@ from tessera.inference.core.state_manager import StateBlockManager
 from tessera.inference.pooling.encoder import EncoderRunner, NoKVCache
 from tessera.inference.pooling.runner import DecoderRunner
 from tessera.inference.worker.model_runner import ModelRunner
+from tessera.inference.worker.multimodal.runner import VisionLanguageRunner
 from tessera.inference.worker.state.runner import HybridRunner
 
 STAGE = "tessera-serve"
@@ -33,6 +34,7 @@ class ServingKind:
 # paged attention over the decoder stack; it also pools embed requests (pooling/runner.py)
 RUNNERS: dict[str, type[ModelRunner]] = {"decoder": DecoderRunner}
 RUNNERS["hybrid"] = HybridRunner  # paged attention + Mamba layers over a per-sequence state pool
+RUNNERS["vision_language"] = VisionLanguageRunner  # paged, image features over image tokens (worker/multimodal/)
 RUNNERS["pooling"] = EncoderRunner  # an encoder: padded batches, pooled (pooling/encoder.py)
 CACHES: dict[str, type[BlockManager]] = {"paged_kv": BlockManager}  # paged key/value blocks, prefix caching
 CACHES["paged_kv_and_state"] = StateBlockManager  # paged K/V of attention layers + one state slot per sequence

@@ -9,7 +9,8 @@ hash(parent block's key, its token ids), so equal keys mean equal whole prefixes
 Python's 64-bit `hash` by default; a collision (which someone who can send prompts can search
 for) would let one request attend over another's cached keys/values, so a server shared by
 tenants sets `prefix_cache_hash="sha256"` (`--prefix-cache-hash sha256`): 32-byte SHA-256 keys
-over the parent key and the tokens as little-endian int64.
+over the parent key and the tokens as little-endian int64. A block holding image tokens (a
+vision-language request) adds the SHA-256 of each of its images' pixels to its key.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 
+from tessera.inference.core.image_inputs import image_keys
 from tessera.inference.core.sequence import Sequence
 
 
@@ -68,12 +70,15 @@ class BlockManager:
             i = len(seq.block_hashes)
             bs = self.block_size
             tokens = seq.tokens(i * bs, (i + 1) * bs)
+            # The images whose tokens the block holds: same text, another image, another key.
+            images = image_keys(seq.params.images, i * bs, (i + 1) * bs)
             if self.sha256:
                 parent = seq.block_hashes[i - 1] if i else b""
-                seq.block_hashes.append(hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest())
+                extra = "".join(images).encode()
+                seq.block_hashes.append(hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens) + extra).digest())
             else:
                 parent = seq.block_hashes[i - 1] if i else 0
-                seq.block_hashes.append(hash((parent, tuple(tokens))))
+                seq.block_hashes.append(hash((parent, tuple(tokens), *images)))
         return seq.block_hashes[index]
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from tessera.common.config import StrictModel
+from tessera.inference.core.image_inputs import ImageInput
 from tessera.inference.core.structured_spec import StructuredSpec
 
 # A temperature below this samples greedily (vLLM's _SAMPLING_EPS): dividing logits by a smaller
@@ -55,6 +56,8 @@ class SamplingParams(StrictModel):
 
     embed: bool = Field(False, description="A pooling request (/v1/embeddings): its prompt is computed whole in one step "
                                            "and pooled; nothing is generated (max_tokens 0).")
+    images: list[ImageInput] = Field(default_factory=list, description="A vision-language request's images, "
+                                     "decoded by the HTTP process (core/image_inputs.py).")
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:

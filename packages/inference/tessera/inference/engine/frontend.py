@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tessera.inference.core.sampling_params import SamplingParams
-from tessera.inference.engine.llm_engine import LLMEngine, RequestOutput, validate_request
+from tessera.inference.core.image_inputs import check_image_spans
+from tessera.inference.engine.llm_engine import LLMEngine, RequestOutput, RequestRejected, validate_request
 from tessera.inference.engine.loop import run_engine_loop
 from tessera.inference.engine.metrics import ServingMetrics
 from tessera.inference.pooling.spec import PoolingSpec
@@ -103,6 +104,7 @@ class EngineFrontend:
 
     pooling: PoolingSpec | None = None  # the model's pooling (/v1/embeddings); None: it declares none
     generates: bool = True  # False: an encoder, served as embeddings only
+    vision: dict | None = None  # a vision-language model's image facts (worker/multimodal/info.py); None: text only
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_ids, max_waiting: int,
                  metrics: ServingMetrics | None = None):
@@ -151,6 +153,8 @@ class EngineFrontend:
         if not self.healthy:
             raise EngineDead("the engine has stopped")
         validate_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.eos_ids)
+        if problem := check_image_spans(params.images, prompt_ids, (self.vision or {}).get("image_token_id")):
+            raise RequestRejected(problem, "messages" if params.images else "prompt")
         stream = _Stream(loop=asyncio.get_running_loop(), queue=queue or asyncio.Queue(), tag=tag,
                          group=group or ChoiceGroup(1))
         with self._cv:
@@ -257,6 +261,7 @@ class AsyncEngine(EngineFrontend):
         self.engine = engine
         self.pooling = engine.pooling
         self.generates = engine.generates
+        self.vision = engine.vision
         self._inbox: list[tuple] = []  # commands for the engine loop, in arrival order
         self._num_adds_queued = 0
         self._stop = False

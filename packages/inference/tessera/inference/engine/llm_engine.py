@@ -23,6 +23,7 @@ from tessera.common.errors import UserError
 from tessera.common.fileio import artifact_path
 from tessera.common.tokenizer import TOKENIZER_JSON
 from tessera.inference.config import EngineConfig
+from tessera.inference.core.image_inputs import check_image_spans
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
 from tessera.inference.core.sequence import Sequence
@@ -45,6 +46,7 @@ from tessera.inference.worker.executor import WorkerDied
 from tessera.inference.worker.kv_cache import kv_cache_dtype
 from tessera.inference.worker.loader import LoadedModel
 from tessera.inference.worker.model_runner import ModelRunner
+from tessera.inference.worker.multimodal.info import vision_info
 from tessera.inference.worker.prepare import ServingPrep, serving_runner
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "RequestRejected", "validate_request"]
@@ -183,6 +185,7 @@ class LLMEngine:
                                    scratch_block=pool - 1, capture=graphs == "capture")
         self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec, worker_threads)
         self.pooling = embedding_spec(loaded, cfg, self.max_model_len, self.runner)  # None: no /v1/embeddings
+        self.vision = vision_info(loaded)  # None: a text-only model (image parts are refused)
 
     @staticmethod
     def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,
@@ -236,6 +239,8 @@ class LLMEngine:
         self.validate(prompt_ids, params)
         if params.embed and (problem := embed_problem(self.pooling, len(prompt_ids))):
             raise RequestRejected(problem, "input")
+        if problem := check_image_spans(params.images, prompt_ids, getattr(self.loaded.config, "image_token_id", None)):
+            raise RequestRejected(problem, "messages")
         if not params.embed and not self.generates:
             raise RequestRejected("this model is an encoder: it serves /v1/embeddings only", "model")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Memory (address space, MiB) a chat template render process may add to its own "
                         "(default: %(default)s).")
     add_grammar_limit_args(p)
+    from tessera.inference.core.image_inputs import add_image_limit_args
+
+    add_image_limit_args(s)
     s.add_argument("--quiet", action="store_true", help="Log warnings only (no access log).")
     s.add_argument("--no-engine-process", action="store_true",
                    help="Run the engine in a thread of the HTTP process instead of its own process "
@@ -143,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from tessera.inference.engine.metrics import ServingMetrics
+    from tessera.inference.core.image_inputs import image_limits
     from tessera.inference.entrypoints.server import OpenAIServer, ServerLimits
     from tessera.inference.worker.loader import resolve_device, resolve_dtype
 
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         drain_timeout_s=args.drain_timeout, body_timeout_s=args.body_timeout,
         chat_template=RenderLimits(timeout_s=args.chat_template_timeout, max_iterations=args.chat_template_max_iterations,
                                    max_chars=args.chat_template_max_chars, max_memory_mb=args.chat_template_max_memory),
-        grammar=grammar_limits,
+        grammar=grammar_limits, images=image_limits(args),
     )
     server = OpenAIServer(frontend, name, limits, metrics)
     server.tool_call_parser = args.tool_call_parser

@@ -147,7 +147,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
         hf_weights = checked_hf_weights(path, cfg)
         eos = eos_token_ids(path, hf_config)
         tokenizer = load_tokenizer(path)
-        pooling = read_pooling_spec(path, cfg.hidden_size, hf_config)
+        pooling = read_pooling_spec(path, cfg.text.hidden_size if cfg.kind == "vision_language" else cfg.hidden_size, hf_config)
     else:
         ckpt = resolve_checkpoint(path)
         sidecar = read_sidecar(ckpt)

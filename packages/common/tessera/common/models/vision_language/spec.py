@@ -48,6 +48,6 @@ VISION_LANGUAGE = ModelKind(
     hf=hf,
     parallel=parallel,
     flops_per_token=VisionLanguageConfig.flops_per_token,
-    hooks=StageHooks(convert="vision_language"),
+    hooks=StageHooks(convert="vision_language", serve_runner="vision_language", serve_cache="paged_kv"),
     tensor_shapes=tensor_shapes,
 )

@@ -26,6 +26,7 @@ from tessera.inference.engine.metrics import ServingMetrics
 from tessera.inference.entrypoints.grammar_check import GrammarCheck, GrammarCheckUnavailable
 from tessera.inference.entrypoints.protocol import FieldError
 from tessera.inference.entrypoints.server.errors import ApiError, ServerLimits, _check_text, error_body
+from tessera.inference.entrypoints.server.images import VisionFacts
 from tessera.inference.entrypoints.tokenizer_process import (
     LONG_TEXT_CHARS,
     TemplateFailed,
@@ -51,6 +52,7 @@ class ServerBase:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.vision = VisionFacts.from_wire(engine.vision)  # None: a text-only model (server/images.py)
         # How "auto" tool calls are read from generated text (tools.py): hermes, llama3_json, or
         # auto (from the chat template: hermes when it teaches <tool_call>).
         self.tool_call_parser = "auto"

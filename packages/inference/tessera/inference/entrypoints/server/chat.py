@@ -15,6 +15,7 @@ from tessera.inference.core.sequence import TokenLogprob
 from tessera.inference.entrypoints.protocol import ChatCompletionRequest, ChatMessage, FieldError
 from tessera.inference.entrypoints.server.base import ServerBase
 from tessera.inference.entrypoints.server.errors import ApiError, _check_text, _now, _usage
+from tessera.inference.entrypoints.server.images import expand, load_images, template_parts
 from tessera.inference.entrypoints.tools import ToolCallStream, parser_for_template, tool_grammar
 
 
@@ -26,19 +27,30 @@ def _chat_logprobs(srv: ServerBase, lps: list[TokenLogprob]) -> dict[str, Any]:
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                         for lp in lps]}
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def chat_messages(messages: list[ChatMessage], model: str = "", vision: bool = False,
+                  urls: list[str] | None = None) -> list[dict[str, Any]]:
     """The request's messages as the chat template sees them: an assistant's `tool_calls` (their
     JSON `arguments` as objects, as vLLM hands them to templates) and a tool message's
-    `tool_call_id` included."""
+    `tool_call_id` included. For a vision-language model (`vision`) each content is a list of
+    parts and the image URLs are appended to `urls` in order (server/images.py)."""
     out = []
     for i, m in enumerate(messages):
         if (m.model_extra or {}).get("function_call"):
             raise ApiError(400, f"messages[{i}].function_call: the deprecated function_call is not supported; "
                            "use tool_calls", param=f"messages.{i}.function_call")
-        try:
-            msg: dict[str, Any] = {"role": m.role, "content": None if m.content is None and m.tool_calls else m.text()}
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
+        if vision and not (m.content is None and m.tool_calls):
+            parts, found = template_parts(m.content, f"messages[{i}]")
+            msg: dict[str, Any] = {"role": m.role, "content": parts}
+            if urls is not None:
+                urls.extend(found)
+        elif isinstance(m.content, list) and any(p.get("type") == "image_url" for p in m.content):
+            raise ApiError(400, f"messages[{i}]: an image_url part needs a vision-language model; model {model!r} "
+                           "reads text only", param="messages", code="images_unsupported")
+        else:
+            try:
+                msg = {"role": m.role, "content": None if m.content is None and m.tool_calls else m.text()}
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="messages") from None
         if m.name:
             msg["name"] = m.name
         if m.tool_call_id is not None:
@@ -63,6 +75,12 @@ def _history_call(i: int, j: int, call: dict[str, Any]) -> dict[str, Any]:
         except json.JSONDecodeError:
             pass  # not JSON: the template gets the string
     return {**call, "function": {**fn, "arguments": args}}
+
+
+def _text_of(content: str | list[dict[str, Any]] | None) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+    return content or ""
 
 
 def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -96,12 +114,19 @@ async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
         mode, function = body.tool_mode()
     except FieldError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
-    messages = chat_messages(body.messages)
+    urls: list[str] = []
+    messages = chat_messages(body.messages, srv.model_name, srv.vision is not None, urls)
     kwargs = template_kwargs(body.chat_template_kwargs)
     if body.tools:
         kwargs = {**kwargs, "tools": body.tools}
-    srv._check_chars("".join(m["content"] or "" for m in messages), "messages")
+    srv._check_chars("".join(_text_of(m["content"]) for m in messages), "messages")
+    # Images are read and decoded first, on a tokenizer thread: a bad one is a 400 before any render.
+    pixels = await srv._off_loop(load_images, urls, srv.vision, srv.limits.images) if urls else []
     ids = await _encode_chat(srv, messages, body.add_generation_prompt, kwargs, body.add_special_tokens)
+    images = []
+    if srv.vision is not None:
+        ids, images = await srv._off_loop(expand, ids, pixels, srv.vision)
+        srv._check_prompt(ids)
     max_tokens = srv._resolve_max_tokens(
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens, len(ids))
     top = body.top_logprobs or 0 if body.logprobs else None
@@ -120,7 +145,8 @@ async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
 
     def tool_stream() -> ToolCallStream:
         return ToolCallStream(mode, parser, function)  # type: ignore[arg-type]
-    jobs = [(ids, body.sampling_params(max_tokens, top, index=j, structured=structured)) for j in range(body.n)]
+    jobs = [(ids, body.sampling_params(max_tokens, top, index=j, structured=structured).model_copy(
+        update={"images": images})) for j in range(body.n)]
     submitted = srv._submit_all("chat", jobs, body.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = _now()

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from tessera.common.chat_template import RenderLimits
+from tessera.inference.core.image_inputs import ImageLimits
 from tessera.inference.core.structured_limits import GrammarLimits
 
 
@@ -27,6 +28,7 @@ class ServerLimits:
     tokenize_timeout_s: float = 60.0  # a long text's tokenizing (in a child process) must end within this (503)
     chat_template: RenderLimits = field(default_factory=RenderLimits)  # each render's bounds (400 past one)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)  # structured output (structured_limits.py)
+    images: ImageLimits = field(default_factory=ImageLimits)  # image parts of chat messages (server/images.py)
 
 
 class ApiError(Exception):

@@ -35,7 +35,7 @@ async def tokenize(srv: ServerBase, body: TokenizeRequest) -> dict[str, Any]:
 
         ids = await srv._off_loop(encode)
     else:
-        messages = chat_messages(body.messages or [])
+        messages = chat_messages(body.messages or [], srv.model_name, srv.vision is not None)
         kwargs = template_kwargs(body.chat_template_kwargs)
         if body.tools:
             kwargs = {**kwargs, "tools": body.tools}
