@@ -47,3 +47,67 @@ def test_served_greedy_chat_with_one_and_two_images_equals_transformers_generate
                                              temperature=0).choices[0].message.content
         assert got == hf_greedy_chat(model, processor, _hf_message("what is it", n), images, 6)
     assert server.wait_idle()
+
+
+def _solid_png(w: int, h: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (200, 10, 10)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("served", ["clip"], indirect=True)
+def test_bad_images_urls_and_too_many_images_are_one_line_400s_and_the_engine_serves_on(served):
+    import httpx
+
+    server, _ = served
+    good = png(1)
+    bad = {
+        "not a readable image": [data_url(b"GIF89a this is no image")],
+        "not a readable image (": [data_url(good[:len(good) // 2])],  # truncated
+        "over the limit of 100000 pixels": [data_url(_solid_png(400, 300))],
+        "over the limit of 20000 bytes": [data_url(png(2, size=120))],
+        "does not fetch image URLs from 'example.com'": ["http://example.com/cat.png"],
+        "URL scheme 'file' is not accepted": ["file:///etc/passwd"],
+        "not valid base64": ["data:image/png;base64,@@@@"],
+        "at most 2 (--max-images-per-request)": [data_url(good)] * 3,
+    }
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for want, urls in bad.items():
+            content = [*[{"type": "image_url", "image_url": {"url": u}} for u in urls], {"type": "text", "text": "hi"}]
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                           "max_tokens": 2})
+            assert r.status_code == 400, (want, r.text)
+            message = r.json()["error"]["message"]
+            assert want in message and "\n" not in message, (want, message)
+        # Image tokens typed as text, with no image to fill them: completions and PUT /api refuse them.
+        r = client.post("/v1/completions", json={"prompt": "look <image> here", "max_tokens": 2})
+        assert r.status_code == 400 and "image tokens that no image fills" in r.json()["error"]["message"], r.text
+        r = client.put("/api", json={"prompts": ["look <image> here"], "tokens_to_generate": 2})
+        assert r.status_code == 400 and "image tokens that no image fills" in r.text, r.text
+        r = client.post("/v1/completions", json={"prompt": [{"type": "image_url", "image_url": {"url": data_url(good)}}]})
+        assert r.status_code == 400, r.text
+        ok = client.post("/v1/chat/completions", json={"messages": _message("fine", [good]), "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, ok.text
+    assert server.wait_idle()
+
+
+def test_an_image_part_to_a_text_only_model_is_a_one_line_400(tiny_ckpt):
+    import httpx
+
+    server = LiveServer(tiny_ckpt)
+    try:
+        content = [{"type": "image_url", "image_url": {"url": data_url(png(1))}}, {"type": "text", "text": "hi"}]
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                           "max_tokens": 2})
+            assert r.status_code == 400, r.text
+            assert "needs a vision-language model" in r.json()["error"]["message"]
+            ok = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                            "max_tokens": 2})
+            assert ok.status_code == 200, ok.text
+    finally:
+        server.stop()
