@@ -111,3 +111,47 @@ def test_an_image_part_to_a_text_only_model_is_a_one_line_400(tiny_ckpt):
             assert ok.status_code == 200, ok.text
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("served", ["clip"], indirect=True)
+def test_same_text_with_another_image_shares_no_cached_block_and_the_same_image_does(served):
+    server, directory = served
+    model, processor = hf_reference(directory)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    text = "the same words every time, long enough to fill blocks after the image"
+
+    def ask(image: bytes) -> tuple[str, int]:
+        before = server.engine.blocks.prefix_hits
+        out = client.chat.completions.create(model="tiny", messages=_message(text, [image]), max_tokens=4,
+                                             temperature=0).choices[0].message.content
+        assert server.wait_idle()
+        return out, server.engine.blocks.prefix_hits - before
+
+    first, _ = ask(png(21))
+    other, hits = ask(png(22))
+    assert hits == 0  # the image's tokens sit in the first block: its key differs, and so every later one
+    assert other == hf_greedy_chat(model, processor, _hf_message(text, 1), [png(22)], 4)
+    again, hits = ask(png(21))
+    assert hits > 0 and again == first
+
+
+@pytest.mark.parametrize("served", ["siglip"], indirect=True)
+def test_sixteen_concurrent_requests_with_different_images_each_equal_transformers(served):
+    import asyncio
+
+    server, directory = served
+    model, processor = hf_reference(directory)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
+    images = [png(100 + i) for i in range(16)]
+
+    async def ask(image: bytes) -> str:
+        r = await client.chat.completions.create(model="tiny", messages=_message("name it", [image]), max_tokens=4,
+                                                 temperature=0)
+        return r.choices[0].message.content
+
+    async def all_of_them() -> list[str]:
+        return await asyncio.gather(*(ask(b) for b in images))
+
+    got = asyncio.run(all_of_them())
+    assert got == [hf_greedy_chat(model, processor, _hf_message("name it", 1), [b], 4) for b in images]
+    assert server.wait_idle()
