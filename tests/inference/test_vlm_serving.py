@@ -9,8 +9,8 @@ import pytest
 from live_server import LiveServer
 from vlm_serving_helpers import data_url, hf_greedy_chat, hf_reference, make_llava_dir, png
 
-from tessera.inference.entrypoints.server import ServerLimits
 from tessera.inference.core.image_inputs import ImageLimits
+from tessera.inference.entrypoints.server import ServerLimits
 
 pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")

@@ -21,8 +21,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.image_inputs import check_image_spans
+from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.llm_engine import LLMEngine, RequestOutput, RequestRejected, validate_request
 from tessera.inference.engine.loop import run_engine_loop
 from tessera.inference.engine.metrics import ServingMetrics

@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from tessera.inference.engine.metrics import ServingMetrics
     from tessera.inference.core.image_inputs import image_limits
+    from tessera.inference.engine.metrics import ServingMetrics
     from tessera.inference.entrypoints.server import OpenAIServer, ServerLimits
     from tessera.inference.worker.loader import resolve_device, resolve_dtype
 
