@@ -27,7 +27,6 @@ class VisionLanguageRunner(DecoderRunner):
     # Steps with images feed embeddings, not token ids, to the layer stack, which the CPU-compiled
     # forward does not take.
     eager_reason = "a vision-language model's prefill writes image features over token embeddings"
-    supports_speculative = False
 
     @staticmethod
     def block_bytes(cfg, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
