@@ -155,3 +155,29 @@ def test_sixteen_concurrent_requests_with_different_images_each_equal_transforme
     got = asyncio.run(all_of_them())
     assert got == [hf_greedy_chat(model, processor, _hf_message("name it", 1), [b], 4) for b in images]
     assert server.wait_idle()
+
+
+def test_preempted_image_requests_recompute_their_features_and_give_the_same_tokens(tmp_path):
+    import torch
+    from inference_helpers import make_engine, run_all, token_ids
+
+    from tessera.inference.core.image_inputs import ImageInput
+    from tessera.inference.core.sampling_params import SamplingParams
+
+    directory = make_llava_dir(tmp_path, "clip")
+    n = 16  # image tokens per image: (32 / 8)^2 patches, the class token dropped
+    g = torch.Generator().manual_seed(0)
+    requests = {f"r{i}": [5 + i, 7] + [0] * n + [9, 11, 13] for i in range(4)}
+    engine = make_engine(directory, num_kv_blocks=64, block_size=8, max_num_batched_tokens=64)
+    image_id = engine.loaded.config.image_token_id
+    jobs = {}
+    for rid, prompt in requests.items():
+        prompt[2:2 + n] = [image_id] * n
+        image = ImageInput.of(torch.randn(3, 32, 32, generator=g), 2, n)
+        jobs[rid] = (prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, images=[image]))
+    roomy = {rid: token_ids(o) for rid, o in run_all(engine, jobs).items()}
+    tight = make_engine(directory, num_kv_blocks=9, block_size=8, max_num_batched_tokens=64, max_model_len=64)
+    got = {rid: token_ids(o) for rid, o in run_all(tight, jobs).items()}
+    assert tight.scheduler.num_preemptions > 0
+    assert got == roomy
+    assert not tight.runner.features  # every request's features dropped once its prefill passed them
