@@ -21,7 +21,7 @@ def test_t5_logits_and_loss_equal_transformers_for_both_variants(variant):
         dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)).eval()
     ours = T5Model(T5Config(**kw)).eval()
     theirs = ref.state_dict()
-    ours.load_state_dict({n: theirs[hf_name(n)] for n in ours.state_dict()})
+    ours.load_state_dict({n: theirs[hf_name(n, v11)] for n in ours.state_dict()})
     ids = torch.randint(1, 128, (2, 11))
     mask = torch.ones_like(ids)
     mask[1, 8:] = 0
@@ -48,6 +48,6 @@ def test_t5_tensor_shapes_are_the_transformers_shapes_under_their_names():
         **{k: v for k, v in kw.items() if k != "feed_forward"}, feed_forward_proj="gated-gelu",
         decoder_start_token_id=0, pad_token_id=0))
     theirs = {n: tuple(t.shape) for n, t in ref.state_dict().items()}
-    ours = {hf_name(n): s for n, s in model_tensor_shapes(T5Config(**kw)).items()}
+    ours = {hf_name(n, True): s for n, s in model_tensor_shapes(T5Config(**kw)).items()}
     assert {n: theirs[n] for n in ours} == ours
     assert set(theirs) - set(ours) <= {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}
