@@ -51,3 +51,12 @@ def test_t5_tensor_shapes_are_the_transformers_shapes_under_their_names():
     ours = {hf_name(n, True): s for n, s in model_tensor_shapes(T5Config(**kw)).items()}
     assert {n: theirs[n] for n in ours} == ours
     assert set(theirs) - set(ours) <= {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}
+
+
+@pytest.mark.parametrize("variant", ["t5", "v1_1"])
+def test_t5_config_counts_the_parameters_of_its_model_exactly(variant):
+    cfg = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=24, num_layers=1, num_decoder_layers=2, num_heads=3,
+                   feed_forward="gated-gelu" if variant == "v1_1" else "relu", tie_word_embeddings=variant == "t5")
+    with torch.device("meta"):
+        model = T5Model(cfg)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())

@@ -107,6 +107,15 @@ class T5Config(StrictModel):
             attention_dropout=self.dropout)
 
     # ---- accounting --------------------------------------------------------------------------
+    def num_params(self) -> int:
+        """Exact parameter count of `T5Model(self)` (tested against the real module)."""
+        d, inner, v = self.d_model, self.num_heads * self.d_kv, self.vocab_size
+        mlp = (3 if self.feed_forward == "gated-gelu" else 2) * d * self.d_ff
+        stacks = 2 * (self.relative_attention_num_buckets * self.num_heads + d)  # bias tables, final norms
+        enc = self.num_layers * (4 * d * inner + mlp + 2 * d)
+        dec = self.num_decoder_layers * (8 * d * inner + mlp + 3 * d)
+        return v * d * (1 if self.tie_word_embeddings else 2) + stacks + enc + dec
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward, PaLM convention as the other kinds),
         averaged over a sample's encoder_seq_len input and decoder_seq_len target tokens: 6 x the
