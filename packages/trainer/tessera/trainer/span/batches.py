@@ -90,6 +90,10 @@ class SpanBatches:
         """This run's builder: the model's lengths and ids, the `span` section, training.seed, and
         the checked tokenizer's sentinels (refused now, in one line, when it lacks them)."""
         model, tok, where = inputs.model, inputs.tokenizer, str(cfg.data.tokenizer)
+        if inputs.parallel:
+            raise UserError(f"model kind {model.kind!r}: span-corruption training runs on one process for now (layout "
+                            f"{inputs.layout.short()}); the model's tensor / sequence-parallel plan is built, the "
+                            "trainer's parallel engine for this objective is not: launch one process")
         if cfg.training.seq_length != model.encoder_seq_len:
             raise UserError(f"training.seq_length ({cfg.training.seq_length}) must equal model.encoder_seq_len "
                             f"({model.encoder_seq_len}): an encoder-decoder's sequence is its encoder input")

@@ -32,7 +32,7 @@ from tessera.common.models.causal_lm.parallelize import (
 from tessera.common.models.encoder_decoder.model import T5Model
 from tessera.common.models.kind import ParallelPlan
 from tessera.common.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, tag
-from tessera.common.parallel.mappings import gather_seq
+from tessera.common.parallel.mappings import copy_to_tp, gather_seq
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
 
@@ -75,6 +75,20 @@ def parallelize_model(model: T5Model, groups: ParallelGroups, sequence_parallel:
     if model.lm_head is not None:
         model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sp)
     return model
+
+
+def parallel_logits(model: T5Model, hidden):  # type: ignore[no-untyped-def]
+    """This rank's vocabulary slice of the logits [B, T, V/tp] from the decoder's final hidden
+    states (sequence-sharded under SP), for the vocab-parallel cross-entropy
+    (tessera.common.parallel.loss). An own head is column-parallel (it copies or expects the
+    gathered input itself); the tied head multiplies by this rank's rows of `shared`, so its input
+    is copied to the tensor group here (its gradient summed over it in backward)."""
+    group = model.tp_group  # type: ignore[attr-defined]
+    if model.sequence_parallel:  # type: ignore[attr-defined]
+        hidden = gather_seq(hidden, group)
+    elif model.lm_head is None:
+        hidden = copy_to_tp(hidden, group)
+    return model.head(hidden)
 
 
 PLAN = ParallelPlan(
