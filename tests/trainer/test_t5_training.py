@@ -171,3 +171,37 @@ def test_a_tokenizer_without_sentinels_and_lengths_too_short_for_the_spans_are_r
         err = capsys.readouterr().err.strip().splitlines()
         assert exc.value.code == 2 and len(err) == 1 and all(w in err[0] for w in words), err
         assert not list(tmp_path.glob("run/checkpoints/*")) and not (tmp_path / "run/metrics.jsonl").exists()
+
+
+def test_a_span_corruption_run_under_a_parallel_layout_is_refused_in_one_line_before_the_model_is_built(data, tmp_path):
+    from tessera.common.config import load_config
+    from tessera.common.errors import UserError
+    from tessera.trainer.config import TrainConfig
+    from tessera.trainer.inputs import check_inputs
+    from tessera.trainer.kinds import batch_builder
+
+    cfg = load_config(TrainConfig, config(data, tmp_path))
+    inputs = check_inputs(cfg, world_size=2)
+    with pytest.raises(UserError, match="one process") as exc:
+        batch_builder(cfg, inputs)
+    assert "\n" not in str(exc.value)
+
+
+def test_extra_ids_without_a_trained_tokenizer_is_refused_in_one_line(data, tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"text": "a b c"}) + "\n")
+    with pytest.raises(SystemExit) as exc:
+        run_cli(data_cli, ["prep", "--input", str(corpus), "--tokenizer", str(data["tokenizer"]), "--extra-ids", "4",
+                           "--output-prefix", str(tmp_path / "out/x"), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "--extra-ids 4" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_example_t5_config_is_a_valid_span_corruption_run():
+    from tessera.common.config import load_config
+    from tessera.trainer.config import TrainConfig
+
+    cfg = load_config(TrainConfig, Path(__file__).resolve().parents[2] / "examples/t5_tiny.yaml")
+    model = cfg.resolve_model(8192)
+    assert model.kind == "encoder_decoder" and cfg.training.seq_length == model.encoder_seq_len

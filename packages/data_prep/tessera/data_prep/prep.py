@@ -178,6 +178,9 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
         raise UserError("--tokenizer-output only applies with --train-tokenizer or a --tokenizer file to convert")
     if cfg.tiktoken_pattern is not None and not converting:
         raise UserError("--tiktoken-pattern only applies to a tiktoken --tokenizer file")
+    if cfg.extra_ids and not cfg.train_tokenizer:
+        raise UserError(f"--extra-ids {cfg.extra_ids} applies to --train-tokenizer (an existing tokenizer keeps its "
+                        "vocabulary: T5's own has its 100 sentinels)")
     if cfg.tokenizer_type != "bpe" and not cfg.train_tokenizer:
         raise UserError("--tokenizer-type applies to --train-tokenizer (a --tokenizer is used as it is)")
     if cfg.lowercase is not None and not (converting or cfg.tokenizer_type == "wordpiece"):
@@ -206,9 +209,6 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
         if cfg.train_tokenizer and cfg.tokenizer_type == "bpe" and cfg.vocab_size - cfg.extra_ids < 258:
             raise UserError(f"--vocab-size {cfg.vocab_size}: a byte-level BPE needs at least 258 (256 bytes and two "
                             "special tokens)" + (f" besides the {cfg.extra_ids} --extra-ids" if cfg.extra_ids else ""))
-    if cfg.extra_ids and not cfg.train_tokenizer:
-        raise UserError(f"--extra-ids {cfg.extra_ids} applies to --train-tokenizer (an existing tokenizer keeps its "
-                        "vocabulary: T5's own has its 100 sentinels)")
     if cfg.max_shard_size is not None:
         parse_max_shard_size(cfg.max_shard_size, 2)
     if cfg.split_sentences:
