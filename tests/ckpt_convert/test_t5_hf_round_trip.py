@@ -112,3 +112,36 @@ def test_t5_import_of_an_mlp_tessera_lacks_and_a_pipeline_reshard_are_refused_in
                "--tensor-parallel", "1", "--pipeline-parallel", "2", "--quiet"])
     assert "--pipeline-parallel 2" in err and "encoder-decoder" in err, err
     assert not (tmp_path / "bad").exists() and not (tmp_path / "pp").exists()
+
+
+def test_a_t5_v1_1_saved_as_transformers_4_did_imports_with_its_own_unscaled_head_and_the_aliases_unread(
+        tmp_path, tokenizer_dir):
+    """google/t5-v1_1-* on the Hub: `tie_word_embeddings: false`, no `scale_decoder_outputs`, and
+    the encoder's and decoder's `embed_tokens` saved beside `shared`."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    hf = hf_t5("v1_1")
+    hf.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    del config["scale_decoder_outputs"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    tensors["encoder.embed_tokens.weight"] = tensors["decoder.embed_tokens.weight"] = tensors["shared.weight"]
+    save_file({k: v.clone() for k, v in tensors.items()}, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    for f in tokenizer_dir.iterdir():
+        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
+    assert run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "c1"),
+                "--quiet"]) == 0
+    cfg = read_sidecar(resolve_checkpoint(tmp_path / "c1")).model
+    assert not cfg.tie_word_embeddings and not cfg.scales_head
+    assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "c1"), "--output", str(tmp_path / "out"),
+                "--quiet"]) == 0
+    again = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
+    ids, labels = torch.randint(1, 300, (2, 9)), torch.randint(1, 300, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids, labels=labels).logits, hf(input_ids=ids, labels=labels).logits,
+                                   rtol=0, atol=0)
