@@ -16,10 +16,9 @@ _MLP = (("mlp.gate_proj.", "DenseReluDense.wi_0."), ("mlp.up_proj.", "DenseReluD
         ("mlp.down_proj.", "DenseReluDense.wo."), ("mlp_norm.", "layer_norm."))
 
 
-def hf_name(name: str, gated: bool | None = None) -> str:
-    """The transformers name of Tessera tensor `name`. `gated`: whether the MLP has a gate (its up
-    projection is then `wi_1`, else `wi`); None: guessed from the name alone (gated when unsure
-    is wrong, so the adapter always passes it)."""
+def hf_name(name: str, gated: bool) -> str:
+    """The transformers name of Tessera tensor `name`. `gated`: whether the MLP has a gate (v1.1:
+    its up projection is then `wi_1`, else `wi`)."""
     if (m := _BIAS.fullmatch(name)) is not None:
         return f"{m.group(1)}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
     m = _BLOCK.fullmatch(name)
