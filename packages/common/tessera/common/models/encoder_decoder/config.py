@@ -117,11 +117,11 @@ class T5Config(StrictModel):
         return v * d * (1 if self.tie_word_embeddings else 2) + stacks + enc + dec
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward, PaLM convention as the other kinds),
-        averaged over a sample's encoder_seq_len input and decoder_seq_len target tokens: 6 x the
-        matmul weights each goes through (encoder blocks and cross-attention k/v for input
-        tokens; decoder blocks and the head for targets) + 12 x width x length per attention. `seq_len`
-        is not read: the two lengths are the config's."""
+        """Training FLOPs (forward + backward, PaLM convention as the other kinds) of one sample per
+        encoder input token, the tokens the trainer counts (training.seq_length = encoder_seq_len):
+        6 x the matmul weights each token goes through (encoder blocks and cross-attention k/v for
+        input tokens; decoder blocks and the head for the decoder_seq_len target tokens) + 12 x
+        width x length per attention. `seq_len` is not read: the two lengths are the config's."""
         del seq_len
         d, inner, f, te, td = self.d_model, self.num_heads * self.d_kv, self.d_ff, self.encoder_seq_len, self.decoder_seq_len
         mlp = (3 if self.feed_forward == "gated-gelu" else 2) * d * f
@@ -130,7 +130,7 @@ class T5Config(StrictModel):
                     + 12.0 * self.num_layers * inner * te)
         dec = td * (6.0 * (self.num_decoder_layers * (6 * d * inner + mlp) + self.vocab_size * d)
                     + 12.0 * self.num_decoder_layers * inner * (td + te))
-        return (enc + dec) / (te + td)
+        return (enc + dec) / te
 
 
 PRESETS: dict[str, dict[str, Any]] = {
