@@ -34,9 +34,14 @@ def test_t5_logits_and_loss_equal_transformers_for_both_variants(variant):
     torch.testing.assert_close(loss, want.loss, atol=1e-5, rtol=1e-5)
 
 
-def test_t5_config_refuses_a_pad_id_outside_the_vocabulary():
+def test_t5_config_refuses_a_pad_id_outside_the_vocabulary_and_bucket_settings_that_divide_by_zero():
+    shape = dict(vocab_size=8, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_decoder_layers=1, num_heads=2)
     with pytest.raises(ValueError, match="pad_token_id"):
-        T5Config(vocab_size=8, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_decoder_layers=1, num_heads=2, pad_token_id=9)
+        T5Config(**shape, pad_token_id=9)
+    with pytest.raises(ValueError, match="relative_attention_max_distance"):
+        T5Config(**shape, relative_attention_num_buckets=32, relative_attention_max_distance=16)
+    with pytest.raises(ValueError, match="relative_attention_num_buckets"):
+        T5Config(**shape, relative_attention_num_buckets=2)
 
 
 def test_t5_tensor_shapes_are_the_transformers_shapes_under_their_names():

@@ -41,7 +41,7 @@ class T5Config(StrictModel):
     num_layers: int = Field(..., gt=0, le=MAX_LAYERS, description="Encoder blocks.")
     num_decoder_layers: int = Field(..., gt=0, le=MAX_LAYERS, description="Decoder blocks.")
     num_heads: int = Field(..., gt=0, le=MAX_HEADS, description="Attention heads.")
-    relative_attention_num_buckets: int = Field(32, gt=1, le=2**12, description="Relative position buckets.")
+    relative_attention_num_buckets: int = Field(32, ge=4, le=2**12, description="Relative position buckets (the encoder's: half for keys before, half after).")
     relative_attention_max_distance: int = Field(128, gt=1, le=2**20, description="Distance mapped to the last bucket.")
     feed_forward: Literal["relu", "gated-gelu"] = Field("relu", description="relu: T5; gated-gelu: T5 v1.1 (tanh GELU gate).")
     tie_word_embeddings: bool = Field(True, description="The head's weight is the shared embedding (T5; no lm_head tensor); false: its own head (T5 v1.1 as published).")
@@ -65,6 +65,11 @@ class T5Config(StrictModel):
         for name in ("decoder_start_token_id", "pad_token_id", "eos_token_id"):
             if getattr(self, name) >= self.vocab_size:
                 raise ValueError(f"{name} {getattr(self, name)} is not below vocab_size {self.vocab_size}")
+        # Offsets below num_buckets / 2 (the decoder's; / 4 the encoder's) get a bucket each; the
+        # rest are log-spaced up to max_distance, which must lie beyond them (else the log divides by 0).
+        if self.relative_attention_max_distance <= self.relative_attention_num_buckets // 2:
+            raise ValueError(f"relative_attention_max_distance ({self.relative_attention_max_distance}) must exceed "
+                             f"relative_attention_num_buckets / 2 ({self.relative_attention_num_buckets // 2})")
         return self
 
     @property
