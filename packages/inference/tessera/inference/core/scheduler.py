@@ -159,6 +159,10 @@ class Scheduler:
             n = min(seq.num_tokens - start, budget)
             if embed and n < seq.num_tokens:
                 break  # waits for a step with budget for all of it (the server bounds it by the budget)
+            if n < (first := self.blocks.first_chunk(seq)) - start:
+                if seqs:
+                    break  # an encoder input runs whole: waits for a step of its own ...
+                n = first - start  # ... which it may take past the budget rather than wait forever
             if not self.blocks.allocate(seq, start + n, prefix_hits=hits):
                 break
             self.blocks.record_lookup(seq.num_tokens, start)

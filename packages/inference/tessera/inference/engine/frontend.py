@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tessera.inference.core.sampling_params import SamplingParams
-from tessera.inference.engine.llm_engine import LLMEngine, RequestOutput, validate_request
+from tessera.inference.engine.llm_engine import LLMEngine, RequestOutput, RequestRejected, validate_request
 from tessera.inference.engine.loop import run_engine_loop
 from tessera.inference.engine.metrics import ServingMetrics
 from tessera.inference.pooling.spec import PoolingSpec
@@ -103,6 +103,7 @@ class EngineFrontend:
 
     pooling: PoolingSpec | None = None  # the model's pooling (/v1/embeddings); None: it declares none
     generates: bool = True  # False: an encoder, served as embeddings only
+    scores_prompts: bool = True  # False: prompt logprobs are refused (an encoder-decoder's prompt is its encoder input)
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_ids, max_waiting: int,
                  metrics: ServingMetrics | None = None):
@@ -151,6 +152,9 @@ class EngineFrontend:
         if not self.healthy:
             raise EngineDead("the engine has stopped")
         validate_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.eos_ids)
+        if params.prompt_logprobs and not self.scores_prompts:
+            raise RequestRejected("this model is an encoder-decoder: its prompt is the encoder's input, which it does "
+                                  "not score; drop echo with logprobs (PUT /api: logprobs)", "logprobs")
         stream = _Stream(loop=asyncio.get_running_loop(), queue=queue or asyncio.Queue(), tag=tag,
                          group=group or ChoiceGroup(1))
         with self._cv:
@@ -257,6 +261,7 @@ class AsyncEngine(EngineFrontend):
         self.engine = engine
         self.pooling = engine.pooling
         self.generates = engine.generates
+        self.scores_prompts = engine.scores_prompts
         self._inbox: list[tuple] = []  # commands for the engine loop, in arrival order
         self._num_adds_queued = 0
         self._stop = False

@@ -145,6 +145,7 @@ class LLMEngine:
         if cfg.max_model_len is not None and cfg.max_model_len > model_max:
             raise UserError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_seq_len ({model_max})")
         self.generates = serving_kind(loaded.config).generates  # False: embeddings only (an encoder)
+        self.scores_prompts = serving_kind(loaded.config).scores_prompts  # False: an encoder-decoder
         check_cuda_graphs(cfg, device, loaded.config)
         graphs = decode_graph_mode(cfg, device, loaded.config) if self.generates else "off"
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
@@ -159,8 +160,10 @@ class LLMEngine:
                 "--num-kv-blocks or lower --max-model-len")
         kind = serving_kind(loaded.config)
         if cfg.speculative is not None and not kind.runner.supports_speculative:
+            why = getattr(kind.runner, "speculative_refusal", "a rejected draft would leave its Mamba states past the "
+                          "accepted tokens")
             raise UserError(f"--speculative-config: model kind {loaded.config.kind!r} cannot verify draft tokens "
-                            "(a rejected draft would leave its Mamba states past the accepted tokens); drop the flag")
+                            f"({why}); drop the flag")
         self.blocks = kind.cache(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash,
                                  **kind.cache.engine_kwargs(cfg))
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
