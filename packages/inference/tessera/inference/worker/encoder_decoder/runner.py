@@ -29,16 +29,17 @@ from tessera.inference.worker.model_runner import ModelRunner
 
 @dataclass
 class _Step:
-    """One step's decoder batch, packed ([T] rows) and padded ([S, Q] queries, [S, K] keys)."""
+    """One step's decoder batch, packed ([T] rows) and padded ([S, Q] queries; keys as the [S, B]
+    blocks gathered for each sequence, B x block_size key rows)."""
 
     tokens: torch.Tensor  # [1, T] decoder input ids
     slots: torch.Tensor  # [T] each new token's self-attention slot
     q_index: torch.Tensor  # [S, Q] row in the packed batch of each padded query (0 where padding)
     q_valid: torch.Tensor  # bool [S, Q]
-    self_slots: torch.Tensor  # [S, K] slot of each decoder position (0 where padding)
-    self_mask: torch.Tensor  # [S, H, Q, K] additive: relative bias, causal and padding masks
-    cross_slots: torch.Tensor  # [S, P] slot of each encoder position
-    cross_mask: torch.Tensor  # [S, 1, 1, P] additive: padding
+    self_blocks: torch.Tensor  # [S, B] the blocks holding each sequence's decoder keys (0 where padding)
+    self_mask: torch.Tensor  # [S, H, Q, B x block_size] additive: relative bias, causal and padding masks
+    cross_blocks: torch.Tensor  # [S, B'] the blocks holding its encoder positions' keys
+    cross_mask: torch.Tensor  # [S, 1, 1, B' x block_size] additive: padding
 
 
 class EncoderDecoderRunner(ModelRunner):
@@ -127,49 +128,54 @@ class EncoderDecoderRunner(ModelRunner):
             store_kv(self.kv[layer, 1], slots, v[0].view(-1, h, d), self.kv_scales[1])
 
     def _step(self, tokens: list[int], slots: list[int], spans: list[tuple[int, int, int, list[int]]]) -> _Step:
-        dev = self.device
-        num_q = max(n for _, _, n, _ in spans)
-        num_k = max(d0 + n for _, d0, n, _ in spans)
-        num_p = max(p for p, _, _, _ in spans)
+        """Queries padded per sequence; keys gathered by whole blocks (a few large copies rather than
+        one per slot): the decoder's start at slot P, P % block_size into its first block."""
+        dev, bs = self.device, self.block_size
         s_count = len(spans)
+        num_q = max(n for _, _, n, _ in spans)
+        self_nb = max(-(-(p % bs + d0 + n) // bs) for p, d0, n, _ in spans)
+        cross_nb = max(-(-p // bs) for p, _, _, _ in spans)
         q_index = torch.zeros(s_count, num_q, dtype=torch.long)
         q_valid = torch.zeros(s_count, num_q, dtype=torch.bool)
-        self_slots = torch.zeros(s_count, num_k, dtype=torch.long)
         q_pos = torch.zeros(s_count, num_q, dtype=torch.long)
-        k_len = torch.zeros(s_count, 1, 1, dtype=torch.long)
-        cross_slots = torch.zeros(s_count, num_p, dtype=torch.long)
+        offset = torch.zeros(s_count, 1, 1, dtype=torch.long)
+        self_blocks = torch.zeros(s_count, self_nb, dtype=torch.long)
+        cross_blocks = torch.zeros(s_count, cross_nb, dtype=torch.long)
         p_len = torch.zeros(s_count, 1, dtype=torch.long)
         row = 0
         for i, (p, d0, n, table) in enumerate(spans):
             q_index[i, :n] = torch.arange(row, row + n)
             q_valid[i, :n] = True
             q_pos[i, :n] = torch.arange(d0, d0 + n)
-            self_slots[i, :d0 + n] = torch.tensor(self._slots(table, p, d0 + n))
-            k_len[i] = d0 + n
-            cross_slots[i, :p] = torch.tensor(self._slots(table, 0, p))
+            offset[i] = p % bs
+            own = table[p // bs:-(-(p + d0 + n) // bs)]
+            self_blocks[i, :len(own)] = torch.tensor(own)
+            cross = table[:-(-p // bs)]
+            cross_blocks[i, :len(cross)] = torch.tensor(cross)
             p_len[i] = p
             row += n
-        k_pos = torch.arange(num_k)
-        rel = k_pos[None, None, :] - q_pos[:, :, None]  # [S, Q, K]
-        stack = self.model.decoder
+        k_pos = torch.arange(self_nb * bs)[None, None, :] - offset  # [S, 1, K]: decoder position of each key row
+        rel = k_pos - q_pos[:, :, None]  # [S, Q, K]
         buckets = relative_bucket(rel, False, self.cfg.relative_attention_num_buckets,
                                   self.cfg.relative_attention_max_distance).to(dev)
-        bias = stack.relative_attention_bias(buckets).permute(0, 3, 1, 2).to(self.dtype)  # [S, H, Q, K]
-        allowed = (rel <= 0) & (k_pos[None, None, :] < k_len)
+        bias = self.model.decoder.relative_attention_bias(buckets).permute(0, 3, 1, 2).to(self.dtype)  # [S, H, Q, K]
+        allowed = (k_pos >= 0) & (rel <= 0)
         neg = torch.finfo(self.dtype).min
         self_mask = bias.masked_fill(~allowed[:, None].to(dev), neg)
-        cross_mask = torch.zeros(s_count, 1, 1, num_p, dtype=self.dtype).masked_fill(
-            (torch.arange(num_p)[None, :] >= p_len)[:, None, None, :], neg)
+        cross_mask = torch.zeros(s_count, 1, 1, cross_nb * bs, dtype=self.dtype).masked_fill(
+            (torch.arange(cross_nb * bs)[None, :] >= p_len)[:, None, None, :], neg)
         return _Step(tokens=torch.tensor([tokens], dtype=torch.long, device=dev),
                      slots=torch.tensor(slots, dtype=torch.long, device=dev), q_index=q_index.to(dev),
-                     q_valid=q_valid.to(dev), self_slots=self_slots.to(dev), self_mask=self_mask,
-                     cross_slots=cross_slots.to(dev), cross_mask=cross_mask.to(dev))
+                     q_valid=q_valid.to(dev), self_blocks=self_blocks.to(dev), self_mask=self_mask,
+                     cross_blocks=cross_blocks.to(dev), cross_mask=cross_mask.to(dev))
 
-    def _attend(self, step: _Step, q: torch.Tensor, layer: int, key_slots: torch.Tensor,
+    def _attend(self, step: _Step, q: torch.Tensor, layer: int, blocks: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D] packed -> [T, H, D]: each sequence's queries over its gathered keys/values."""
-        k = dequantize_kv(self.kv[layer, 0][key_slots], q.dtype, self.kv_scales[0])  # [S, K, H, D]
-        v = dequantize_kv(self.kv[layer, 1][key_slots], q.dtype, self.kv_scales[1])
+        """q [T, H, D] packed -> [T, H, D]: each sequence's queries over the keys/values of its blocks."""
+        s_count, shape = blocks.shape[0], (self.num_blocks, self.block_size, *self.kv.shape[-2:])
+        k = self.kv[layer, 0].view(shape).index_select(0, blocks.view(-1)).view(s_count, -1, *shape[-2:])
+        v = self.kv[layer, 1].view(shape).index_select(0, blocks.view(-1)).view(s_count, -1, *shape[-2:])
+        k, v = dequantize_kv(k, q.dtype, self.kv_scales[0]), dequantize_kv(v, q.dtype, self.kv_scales[1])
         qs = q[step.q_index]  # [S, Q, H, D]
         out = F.scaled_dot_product_attention(qs.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, scale=1.0)
@@ -183,12 +189,12 @@ class EncoderDecoderRunner(ModelRunner):
         def self_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             store_kv(self.kv[layer, 0], step.slots, k[0], self.kv_scales[0])
             store_kv(self.kv[layer, 1], step.slots, v[0], self.kv_scales[1])
-            return self._attend(step, q[0], layer, step.self_slots, step.self_mask)[None]
+            return self._attend(step, q[0], layer, step.self_blocks, step.self_mask)[None]
 
         for layer, blk in enumerate(self.model.decoder.blocks):
             x = x + blk.self_attn(blk.self_norm(x), None, attention_fn=self_attention)
             a = blk.cross_attn
             q = a.project(blk.cross_norm(x))[0].view(-1, h, d)
-            x = x + a.o_proj(self._attend(step, q, layer, step.cross_slots, step.cross_mask).reshape(1, -1, h * d))
+            x = x + a.o_proj(self._attend(step, q, layer, step.cross_blocks, step.cross_mask).reshape(1, -1, h * d))
             x = x + blk.mlp(blk.mlp_norm(x))
         return self.model.decoder.final_norm(x)[0]
