@@ -8,7 +8,7 @@ first:
     it; continuous batching up to `--batch` sequences);
   - transformers: the same prompts in static batches of `--batch` (greedy, `use_cache=True`), one
     `generate` call per batch.
-Reports generated tokens/s of each, the ratio Tessera / transformers, and whether the greedy tokens
+After one untimed warm-up round of each, reports generated tokens/s of each, the ratio Tessera / transformers, and whether the greedy tokens
 agree (they should, up to float ties).
 
     .venv/bin/python benchmarks/t5_serving.py --requests 32 --batch 16 --prompt-len 128 --output-len 32
@@ -105,6 +105,9 @@ def main() -> None:
         print(f"T5 {args.variant}: {numel / 1e6:.2f}M parameters, d={args.hidden}, {args.layers}+{args.layers} layers; "
               f"{args.requests} requests x {args.prompt_len} encoder tokens, {args.output_len} output tokens, "
               f"batch {args.batch}, {args.threads} threads", flush=True)
+        warm = argparse.Namespace(**{**vars(args), "requests": args.batch, "output_len": 4})
+        tessera_round(path, warm)  # first calls (oneDNN kernels, allocator) out of the timed rounds
+        transformers_round(hf, warm)
         rates: dict[str, list[float]] = {"tessera": [], "transformers": []}
         for r in range(args.rounds):
             order = ("tessera", "transformers") if r % 2 == 0 else ("transformers", "tessera")

@@ -17,7 +17,7 @@ from inference_helpers import make_engine, run_all, token_ids
 from live_server import LiveServer
 from test_hf_serving import _save
 
-from tessera.common.errors import UserError
+from tessera.common.errors import UserError, run_cli
 from tessera.common.tokenizer import load_tokenizer
 from tessera.inference.core.sampling_params import SamplingParams
 
@@ -77,14 +77,14 @@ def exports(tiny_ckpt, tmp_path_factory):
 def test_one_and_32_concurrent_greedy_completions_with_preemption_equal_transformers_generate(exports, variant):
     """One request alone, then 32 at once over HTTP: encoder inputs of 5 to 36 tokens (one longer
     than the step's 32-token budget, run in a step of its own), decodes sharing steps with other
-    requests' encoder prefills, and 24 blocks of 8 slots holding fewer sequences than run, so some
+    requests' encoder prefills, and 12 blocks of 8 slots holding fewer sequences than run, so some
     are preempted and recomputed (encoder included)."""
     hf, export = exports(variant)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, VOCAB, (5 + i,), generator=gen).tolist() for i in range(32)]
     expected = t5_greedy(hf, prompts, 8)
     tokenizer = load_tokenizer(export)
-    s = LiveServer(export, block_size=8, num_kv_blocks=24, max_model_len=64, max_num_batched_tokens=32,
+    s = LiveServer(export, block_size=8, num_kv_blocks=12, max_model_len=48, max_num_batched_tokens=32,
                    max_num_seqs=32, enable_prefix_caching=False)
     try:
         body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -155,6 +155,17 @@ def test_prefix_caching_is_off_with_one_warning_so_prompts_sharing_a_prefix_stay
     outs = run_all(engine, {f"r{i}": (p, params) for i, p in enumerate(prompts)})
     assert [token_ids(outs[f"r{i}"]) for i in range(3)] == t5_greedy(hf, prompts, 5)
     assert engine.blocks.prefix_hits == 0
+
+
+def test_tessera_serve_with_tensor_parallel_refuses_an_encoder_decoder_in_one_line_before_loading(exports, capsys):
+    from tessera.inference.entrypoints.serve_cli import main
+
+    _, export = exports("t5")
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--checkpoint", str(export), "--tensor-parallel", "2", "--no-engine-process"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "--tensor-parallel 2: an encoder-decoder is served on one process" in err and "drop" in err
 
 
 @pytest.mark.parametrize("flag", [{"speculative": {"method": "ngram", "num_speculative_tokens": 2,

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tessera.inference.core.sampling_params import SamplingParams
-from tessera.inference.engine.llm_engine import LLMEngine, RequestOutput, RequestRejected, validate_request
+from tessera.inference.engine.llm_engine import LLMEngine, RequestOutput, validate_request
 from tessera.inference.engine.loop import run_engine_loop
 from tessera.inference.engine.metrics import ServingMetrics
 from tessera.inference.pooling.spec import PoolingSpec
@@ -151,10 +151,7 @@ class EngineFrontend:
         """
         if not self.healthy:
             raise EngineDead("the engine has stopped")
-        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.eos_ids)
-        if params.prompt_logprobs and not self.scores_prompts:
-            raise RequestRejected("this model is an encoder-decoder: its prompt is the encoder's input, which it does "
-                                  "not score; drop echo with logprobs (PUT /api: logprobs)", "logprobs")
+        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.eos_ids, self.scores_prompts)
         stream = _Stream(loop=asyncio.get_running_loop(), queue=queue or asyncio.Queue(), tag=tag,
                          group=group or ChoiceGroup(1))
         with self._cv:

@@ -107,11 +107,15 @@ def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype, d
 
 
 def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                     eos_ids: frozenset[int] = frozenset()) -> None:
+                     eos_ids: frozenset[int] = frozenset(), scores_prompts: bool = True) -> None:
     """Raise RequestRejected if the request can never be served (the HTTP process checks this
-    before a request reaches the engine, wherever the engine runs; the engine checks again)."""
+    before a request reaches the engine, wherever the engine runs; the engine checks again).
+    `scores_prompts` False: prompt logprobs are refused (an encoder-decoder's prompt is its encoder input)."""
     if not prompt_ids:
         raise RequestRejected("the prompt is empty; send at least one token", "prompt")
+    if params.prompt_logprobs and not scores_prompts:
+        raise RequestRejected("this model is an encoder-decoder: its prompt is the encoder's input, which it does "
+                              "not score; drop echo with logprobs (PUT /api: logprobs)", "logprobs")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     if params.logit_bias and (min(params.logit_bias) < 0 or max(params.logit_bias) >= vocab_size):
@@ -231,7 +235,8 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected if the request can never be served; safe from any thread."""
-        validate_request(prompt_ids, params, self.loaded.config.vocab_size, self.max_model_len, self.eos_ids)
+        validate_request(prompt_ids, params, self.loaded.config.vocab_size, self.max_model_len, self.eos_ids,
+                         self.scores_prompts)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:

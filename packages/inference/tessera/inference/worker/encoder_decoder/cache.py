@@ -35,7 +35,7 @@ class CrossBlockManager(BlockManager):
     @classmethod
     def engine_kwargs(cls, cfg) -> dict:
         """Nothing to add; refuses the engine settings the encoder-decoder's runner does not build yet."""
-        if cfg.tensor_parallel > 1:
+        if cfg.tensor_parallel > 1:  # the loader refuses it first (EncoderDecoderRunner.no_tensor_parallel)
             raise UserError(f"--tensor-parallel {cfg.tensor_parallel}: an encoder-decoder is served on one process "
                             "(its runner has no tensor-parallel path yet); drop --tensor-parallel")
         return {}

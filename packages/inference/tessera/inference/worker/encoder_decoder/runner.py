@@ -46,6 +46,7 @@ class EncoderDecoderRunner(ModelRunner):
     eager_reason = "an encoder-decoder's step runs eagerly (its attention gathers paged keys with T5's position bias)"
     supports_speculative = False
     speculative_refusal = "not built for an encoder-decoder's runner"
+    no_tensor_parallel = "an encoder-decoder is served on one process (its runner has no tensor-parallel path yet)"
     scores_prompts = False  # the prompt is the encoder's input: nothing predicts its tokens
 
     @staticmethod
