@@ -82,6 +82,14 @@ class T5Config(StrictModel):
         return self.d_model
 
     @property
+    def arch(self) -> str:
+        return "t5"
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return self.tie_word_embeddings
+
+    @property
     def kv_heads(self) -> int:
         return self.num_heads
 
