@@ -132,6 +132,16 @@ def test_a_resumed_t5_run_is_bit_identical_to_an_uninterrupted_one(data, tmp_pat
     assert losses(tmp_path / "straight/run") == losses(tmp_path / "split/run")
 
 
+def test_t5_training_with_selective_or_full_recompute_gives_the_weights_of_training_without(data, tmp_path):
+    runs = {}
+    for mode in ("none", "selective", "full"):
+        path = config(data, tmp_path / mode, steps=2, recompute=mode)
+        assert main(["--config", str(path), "--quiet"]) == 0
+        runs[mode] = load_model_tensors(resolve_checkpoint(tmp_path / mode / "run/checkpoints"))
+    for mode in ("selective", "full"):
+        assert all(torch.equal(runs[mode][k], runs["none"][k]) for k in runs["none"]), mode
+
+
 def test_the_trainers_span_loss_equals_transformers_t5_on_a_batch_of_the_span_batch_builder(data, tmp_path):
     transformers = pytest.importorskip("transformers")
     from tessera.common.hf.directory import load_hf_weights, read_hf_config
