@@ -11,6 +11,11 @@
 * `raw_length`: the longest window whose corrupted input fits the encoder length (training.seq_length)
   and whose target fits the decoder length (span.decoder_seq_length) (T5's helper gives 568 raw tokens for 512 / 114 at 0.15 and 3).
 
+Megatron-Core's T5 dataset reaches the same density and mean span length another way (n-gram
+spans of geometric length over runs of sentences, as its BERT dataset masks); T5's own procedure
+is kept here because it needs no sentence-split shards and fixes the input and target lengths of
+every sample (so micro-batches have equal token counts, and no sample is cut).
+
 Every draw of a sample comes from its own generator (trainer.mlm.draws.sample_rng), so a sample is
 the same wherever and whenever it is read.
 """
