@@ -54,6 +54,7 @@ def test_t5_import_reshard_to_tp2_and_back_then_export_gives_transformers_bytes_
     cfg = read_sidecar(resolve_checkpoint(tmp_path / "c1")).model
     assert cfg.kind == "encoder_decoder" and cfg.tie_word_embeddings == (variant == "t5")
     assert cfg.scales_head == (variant == "t5")
+    assert run(["info", str(tmp_path / "c1")]) == 0 and run(["verify", str(tmp_path / "c1"), "--quiet"]) == 0
     assert run(["reshard", "--checkpoint", str(tmp_path / "c1"), "--output", str(tmp_path / "c2"),
                 "--tensor-parallel", "2", "--pipeline-parallel", "1", "--quiet"]) == 0
     meta = dcp.FileSystemReader(str(resolve_checkpoint(tmp_path / "c2"))).read_metadata().state_dict_metadata

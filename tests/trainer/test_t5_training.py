@@ -51,8 +51,8 @@ def config(data, root: Path, **training) -> Path:
         "model": {"kind": "encoder_decoder", "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2,
                   "num_decoder_layers": 2, "num_heads": 4, "relative_attention_num_buckets": 8,
                   "relative_attention_max_distance": 16, "feed_forward": "gated-gelu", "tie_word_embeddings": False,
-                  "encoder_seq_len": ENC, "decoder_seq_len": DEC, "eos_token_id": eos, "pad_token_id": eos,
-                  "decoder_start_token_id": eos},
+                  "eos_token_id": eos, "pad_token_id": eos, "decoder_start_token_id": eos},
+        "span": {"decoder_seq_length": DEC},
         "data": {"mixture": str(data["mixture"]), "tokenizer": str(data["tokenizer"])},
         "optim": {"lr": 3e-3, "min_lr": 3e-4},
         "schedule": {"kind": "cosine", "warmup_steps": 2},
@@ -132,6 +132,16 @@ def test_a_resumed_t5_run_is_bit_identical_to_an_uninterrupted_one(data, tmp_pat
     assert losses(tmp_path / "straight/run") == losses(tmp_path / "split/run")
 
 
+def test_t5_training_with_selective_or_full_recompute_gives_the_weights_of_training_without(data, tmp_path):
+    runs = {}
+    for mode in ("none", "selective", "full"):
+        path = config(data, tmp_path / mode, steps=2, recompute=mode)
+        assert main(["--config", str(path), "--quiet"]) == 0
+        runs[mode] = load_model_tensors(resolve_checkpoint(tmp_path / mode / "run/checkpoints"))
+    for mode in ("selective", "full"):
+        assert all(torch.equal(runs[mode][k], runs["none"][k]) for k in runs["none"]), mode
+
+
 def test_the_trainers_span_loss_equals_transformers_t5_on_a_batch_of_the_span_batch_builder(data, tmp_path):
     transformers = pytest.importorskip("transformers")
     from tessera.common.hf.directory import load_hf_weights, read_hf_config
@@ -157,14 +167,40 @@ def test_the_trainers_span_loss_equals_transformers_t5_on_a_batch_of_the_span_ba
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
+def test_tessera_train_from_an_imported_t5_starts_at_the_loss_transformers_gives_on_its_first_batch(data, tmp_path):
+    import transformers
+
+    from tessera.ckpt_convert.cli import run as ckpt
+
+    tok = load_tokenizer(data["tokenizer"])
+    torch.manual_seed(0)
+    hf = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=tok.vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False, dropout_rate=0.0, pad_token_id=tok.eos_id, eos_token_id=tok.eos_id,
+        decoder_start_token_id=tok.eos_id)).eval()
+    hf.lm_head.weight = torch.nn.Parameter(0.05 * torch.randn(tok.vocab_size, 32))
+    hf.save_pretrained(tmp_path / "hf")
+    for f in data["tokenizer"].iterdir():
+        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
+    assert ckpt(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ck"),
+                 "--quiet"]) == 0
+    path = config(data, tmp_path / "ft", steps=1)
+    assert main(["--config", str(path), "--quiet", f"checkpoint.init_from={tmp_path / 'ck'}"]) == 0
+    inputs, labels = batches(data, seed=1234).batch(np.arange(8))  # step 1's samples, at training.seed
+    with torch.no_grad():
+        want = hf(input_ids=inputs.tokens, attention_mask=inputs.padding_mask, labels=labels).loss.item()
+    assert losses(tmp_path / "ft/run")[1] == pytest.approx(want, abs=1e-5)
+
+
 def test_a_tokenizer_without_sentinels_and_lengths_too_short_for_the_spans_are_refused_in_one_line(
         data, tmp_path, capsys):
     plain = t5_data(tmp_path / "plain", extra_ids=0)
     path = config(data, tmp_path)
     for overrides, words in (([f"data.tokenizer={plain['tokenizer']}", f"data.mixture={plain['mixture']}"],
                               ("<extra_id_0>", "--extra-ids")),
-                             (["model.decoder_seq_len=2"], ("model.decoder_seq_len",)),
-                             (["training.seq_length=40"], ("training.seq_length", "model.encoder_seq_len"))):
+                             (["span.decoder_seq_length=2"], ("span.decoder_seq_length",)),
+                             (["training.seq_length=64"], ("mixture samples hold 65 tokens", "--seq-length 69"))):
         capsys.readouterr()
         with pytest.raises(SystemExit) as exc:
             run_cli(main, ["--config", str(path), "--quiet", *overrides])
@@ -204,4 +240,4 @@ def test_the_example_t5_config_is_a_valid_span_corruption_run():
 
     cfg = load_config(TrainConfig, Path(__file__).resolve().parents[2] / "examples/t5_tiny.yaml")
     model = cfg.resolve_model(8192)
-    assert model.kind == "encoder_decoder" and cfg.training.seq_length == model.encoder_seq_len
+    assert model.kind == "encoder_decoder" and cfg.span.decoder_seq_length < cfg.training.seq_length

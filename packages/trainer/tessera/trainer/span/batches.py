@@ -2,12 +2,12 @@
 
 The mixture (tessera-data blend) decides, as for the decoder, which packed window of which
 dataset global sample n of a split is; its first `raw_length` tokens (corruption.raw_length: what
-the model's encoder and decoder lengths hold) are corrupted with draws from (training.seed,
+the encoder and decoder lengths, training.seq_length and span.decoder_seq_length, hold) are corrupted with draws from (training.seed,
 split, n) alone (trainer.mlm.draws.sample_rng), so resume, any data-parallel layout and any
 micro-batch split see the same samples.
 
 A batch is (SpanBatch, labels): the encoder input and its padding mask, the decoder input, and
-the decoder labels [B, decoder_seq_len] (IGNORE_INDEX past the target), so the loop's per-token
+the decoder labels [B, decoder_seq_length] (IGNORE_INDEX past the target), so the loop's per-token
 counts are the target tokens.
 """
 
@@ -37,9 +37,9 @@ class SpanBatch:
     """The encoder-decoder's inputs for B samples: row slicing, `.to`, `.shape` as a tensor has
     them, so the engines cut micro-batches from it as from token tensors."""
 
-    tokens: torch.Tensor  # int64 [B, encoder_seq_len]
-    padding_mask: torch.Tensor  # int64 [B, encoder_seq_len], 1 on real tokens
-    decoder_tokens: torch.Tensor  # int64 [B, decoder_seq_len]
+    tokens: torch.Tensor  # int64 [B, seq_length]
+    padding_mask: torch.Tensor  # int64 [B, seq_length], 1 on real tokens
+    decoder_tokens: torch.Tensor  # int64 [B, decoder_seq_length]
 
     def __getitem__(self, rows: slice) -> SpanBatch:
         return SpanBatch(*(getattr(self, f.name)[rows] for f in fields(self)))
@@ -79,26 +79,23 @@ class SpanBatches:
         self.raw_length = raw_length(options)
         if self.raw_length > split.seq_length + 1:
             raise UserError(f"{split.directory}: mixture samples hold {split.seq_length + 1} tokens but span corruption "
-                            f"for model.encoder_seq_len {options.encoder_length} / decoder_seq_len "
+                            f"for training.seq_length {options.encoder_length} / span.decoder_seq_length "
                             f"{options.decoder_length} takes {self.raw_length}; rebuild it with `tessera-data blend "
-                            f"--seq-length {self.raw_length - 1}` or lower the model's lengths")
+                            f"--seq-length {self.raw_length - 1}` or lower the lengths")
         self.sentinels, self.eos, self.pad, self.decoder_start = sentinels, eos, pad, decoder_start
         self.stream = SPLIT_STREAMS.get(split.split, 3 + sum(map(ord, split.split)))
 
     @classmethod
     def for_run(cls, cfg: Any, inputs: Any) -> Any:
-        """This run's builder: the model's lengths and ids, the `span` section, training.seed, and
-        the checked tokenizer's sentinels (refused now, in one line, when it lacks them)."""
+        """This run's builder: the lengths (training.seq_length, span.decoder_seq_length), the
+        model's ids, the `span` section, training.seed, and the checked tokenizer's sentinels (refused now, in one line, when it lacks them)."""
         model, tok, where = inputs.model, inputs.tokenizer, str(cfg.data.tokenizer)
         if inputs.parallel:
             raise UserError(f"model kind {model.kind!r}: span-corruption training runs on one process for now (layout "
                             f"{inputs.layout.short()}); the model's tensor / sequence-parallel plan is built, the "
                             "trainer's parallel engine for this objective is not: launch one process")
-        if cfg.training.seq_length != model.encoder_seq_len:
-            raise UserError(f"training.seq_length ({cfg.training.seq_length}) must equal model.encoder_seq_len "
-                            f"({model.encoder_seq_len}): an encoder-decoder's sequence is its encoder input")
-        options = SpanOptions(cfg.span.noise_density, cfg.span.mean_span_length, model.encoder_seq_len,
-                              model.decoder_seq_len)
+        options = SpanOptions(cfg.span.noise_density, cfg.span.mean_span_length, cfg.training.seq_length,
+                              cfg.span.decoder_seq_length)
         sentinels = sentinel_ids(tok, span_counts(raw_length(options), options)[1], where)
         if tok.eos_id is None or tok.eos_id != model.eos_token_id:
             raise UserError(f"model.eos_token_id ({model.eos_token_id}) is not {where}'s eos token "

@@ -8,8 +8,13 @@
 * the encoder input is the kept runs with each noise span replaced by one sentinel, then EOS;
   the decoder target is each noise span preceded by its sentinel, then EOS. Sentinel i is the
   tokenizer's `<extra_id_i>` (T5's last ids, counting down from the vocabulary's end);
-* `raw_length`: the longest window whose corrupted input fits the encoder length and whose target
-  fits the decoder length (T5's helper gives 568 raw tokens for 512 / 114 at 0.15 and 3).
+* `raw_length`: the longest window whose corrupted input fits the encoder length (training.seq_length)
+  and whose target fits the decoder length (span.decoder_seq_length) (T5's helper gives 568 raw tokens for 512 / 114 at 0.15 and 3).
+
+Megatron-Core's T5 dataset reaches the same density and mean span length another way (n-gram
+spans of geometric length over runs of sentences, as its BERT dataset masks); T5's own procedure
+is kept here because it needs no sentence-split shards and fixes the input and target lengths of
+every sample (so micro-batches have equal token counts, and no sample is cut).
 
 Every draw of a sample comes from its own generator (trainer.mlm.draws.sample_rng), so a sample is
 the same wherever and whenever it is read.
@@ -58,8 +63,8 @@ def raw_length(opts: SpanOptions) -> int:
             best = length
     if best is None:
         enc, dec = corrupted_lengths(2, opts)
-        field, have, need = (("model.encoder_seq_len", opts.encoder_length, enc) if enc > opts.encoder_length
-                             else ("model.decoder_seq_len", opts.decoder_length, dec))
+        field, have, need = (("training.seq_length", opts.encoder_length, enc) if enc > opts.encoder_length
+                             else ("span.decoder_seq_length", opts.decoder_length, dec))
         raise UserError(f"{field} ({have}) cannot hold the corrupted spans of even a 2-token window (needs {need} "
                         "with EOS and sentinels); raise it")
     return best

@@ -45,13 +45,11 @@ class T5Config(StrictModel):
     relative_attention_max_distance: int = Field(128, gt=1, le=2**20, description="Distance mapped to the last bucket.")
     feed_forward: Literal["relu", "gated-gelu"] = Field("relu", description="relu: T5; gated-gelu: T5 v1.1 (tanh GELU gate).")
     tie_word_embeddings: bool = Field(True, description="The head's weight is the shared embedding (T5; no lm_head tensor); false: its own head (T5 v1.1 as published).")
-    scale_decoder_outputs: bool | None = Field(None, description="The head scales its input by d_model**-0.5 (T5: true; v1.1: false); null = tie_word_embeddings (what transformers 4 configs implied).")
+    scale_decoder_outputs: bool | None = Field(None, description="The head scales its input by d_model**-0.5 (T5: true; v1.1: false); null = tie_word_embeddings (what transformers 4 configs implied), resolved when the config is read.")
     layer_norm_epsilon: float = Field(1e-6, gt=0, lt=1, description="RMS norm epsilon.")
     decoder_start_token_id: int = Field(0, ge=0, description="First decoder input (T5: the pad id).")
     pad_token_id: int = Field(0, ge=0, description="Pad id; labels use -100 for ignored positions.")
     eos_token_id: int = Field(1, ge=0, description="End of sequence (T5's `</s>` is 1): closes encoder inputs and targets.")
-    encoder_seq_len: int = Field(512, gt=0, le=MAX_SEQ_LEN, description="Encoder input length in training (Megatron's --encoder-seq-length).")
-    decoder_seq_len: int = Field(128, gt=0, le=MAX_SEQ_LEN, description="Decoder target length in training (Megatron's --decoder-seq-length).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on residual branches and embeddings (HF dropout_rate); 0 in Tessera's training (T5's pretraining used none).")
     initializer_factor: float = Field(1.0, gt=0, description="Scale of T5's init (HF initializer_factor).")
 
@@ -65,6 +63,8 @@ class T5Config(StrictModel):
         for name in ("decoder_start_token_id", "pad_token_id", "eos_token_id"):
             if getattr(self, name) >= self.vocab_size:
                 raise ValueError(f"{name} {getattr(self, name)} is not below vocab_size {self.vocab_size}")
+        if self.scale_decoder_outputs is None:  # resolved here, so configs compare by what the model does
+            self.scale_decoder_outputs = self.tie_word_embeddings
         # Offsets below num_buckets / 2 (the decoder's; / 4 the encoder's) get a bucket each; the
         # rest are log-spaced up to max_distance, which must lie beyond them (else the log divides by 0).
         if self.relative_attention_max_distance <= self.relative_attention_num_buckets // 2:
@@ -74,12 +74,20 @@ class T5Config(StrictModel):
 
     @property
     def scales_head(self) -> bool:
-        return self.tie_word_embeddings if self.scale_decoder_outputs is None else self.scale_decoder_outputs
+        return bool(self.scale_decoder_outputs)
 
     # ---- what the stages ask every kind ------------------------------------------------------
     @property
     def hidden_size(self) -> int:
         return self.d_model
+
+    @property
+    def arch(self) -> str:
+        return "t5"
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return self.tie_word_embeddings
 
     @property
     def kv_heads(self) -> int:
@@ -99,7 +107,8 @@ class T5Config(StrictModel):
 
     @property
     def max_seq_len(self) -> int:
-        return max(self.encoder_seq_len, self.decoder_seq_len)
+        """No position table: relative buckets take any length (what training.seq_length is checked against)."""
+        return MAX_SEQ_LEN
 
     def layer_config(self) -> T5LayerConfig:
         """The config the shared attention, MLP and RMS norms are built from: no biases, no rotary
@@ -123,12 +132,13 @@ class T5Config(StrictModel):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward, PaLM convention as the other kinds) of one sample per
-        encoder input token, the tokens the trainer counts (training.seq_length = encoder_seq_len):
+        encoder input token, the tokens the trainer counts (training.seq_length = `seq_len`):
         6 x the matmul weights each token goes through (encoder blocks and cross-attention k/v for
-        input tokens; decoder blocks and the head for the decoder_seq_len target tokens) + 12 x
-        width x length per attention. `seq_len` is not read: the two lengths are the config's."""
-        del seq_len
-        d, inner, f, te, td = self.d_model, self.num_heads * self.d_kv, self.d_ff, self.encoder_seq_len, self.decoder_seq_len
+        input tokens; decoder blocks and the head for target tokens) + 12 x width x length per
+        attention. The target length is what T5's default corruption (15% noise, spans of 3) makes
+        of an input of `seq_len`: the noise and one sentinel per span, about 0.22 x seq_len."""
+        d, inner, f, te = self.d_model, self.num_heads * self.d_kv, self.d_ff, seq_len
+        td = max(1, round(0.2 * te / 0.9) + 1)  # raw = (te - 1) / (1 - 0.15 + 0.05); target = 0.2 x raw + EOS
         mlp = (3 if self.feed_forward == "gated-gelu" else 2) * d * f
         # Cross-attention's k/v project every encoder token once per decoder block.
         enc = te * (6.0 * (self.num_layers * (4 * d * inner + mlp) + self.num_decoder_layers * 2 * d * inner)

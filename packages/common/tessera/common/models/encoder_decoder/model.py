@@ -117,6 +117,13 @@ class T5Model(nn.Module):
         self.encoder, self.decoder = T5Stack(cfg, False), T5Stack(cfg, True)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
+    @property
+    def layers(self) -> dict[str, T5Block]:
+        """Every block, the encoder's then the decoder's, by name: what block-wise wrappers
+        (the trainer's activation recompute) walk. Not a module attribute: names stay the HF-mapped ones."""
+        return {f"{name}.{i}": blk for name, stack in (("encoder", self.encoder), ("decoder", self.decoder))
+                for i, blk in enumerate(stack.blocks)}
+
     def shift_right(self, labels: torch.Tensor) -> torch.Tensor:
         dec = labels.new_full(labels.shape, self.cfg.decoder_start_token_id)
         dec[:, 1:] = labels[:, :-1]

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 
 from tessera.common.errors import ArtifactError
+from tessera.common.fileio import artifact_path
 from tessera.common.hf.architecture import HF_DTYPE_NAMES, HFConfig
 from tessera.common.hf.rules import Rule
 from tessera.common.models.encoder_decoder.config import T5Config
@@ -57,15 +58,15 @@ def _head_in_weights(source: str) -> bool | None:
     if path.name != "config.json" or not path.parent.is_dir():
         return None
     try:
-        index = path.parent / "model.safetensors.index.json"
+        index = artifact_path(path.parent, "model.safetensors.index.json")  # no link out of the folder
         if index.is_file():
             weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
             return HEAD in weight_map if isinstance(weight_map, dict) else None
-        single = path.parent / "model.safetensors"
+        single = artifact_path(path.parent, "model.safetensors")
         if single.is_file():
             with safe_open(str(single), "pt") as f:
                 return HEAD in f.keys()
-    except (OSError, ValueError, AttributeError, SafetensorError):
+    except (OSError, ValueError, AttributeError, SafetensorError, ArtifactError):
         return None
     return None
 
