@@ -147,7 +147,8 @@ def test_prefix_caching_is_off_with_one_warning_so_prompts_sharing_a_prefix_stay
     two blocks but differ after must not share cached blocks."""
     hf, export = exports("v1_1")
     with caplog.at_level(logging.WARNING, logger="tessera.inference"):
-        engine = make_engine(export, block_size=8, num_kv_blocks=32, max_model_len=64, enable_prefix_caching=True)
+        engine = make_engine(export, block_size=8, num_kv_blocks=64, enable_prefix_caching=True)
+    assert engine.max_model_len == 512  # T5 has no position table: the kind's default, not the config's bound
     assert sum("prefix caching: off for this encoder-decoder" in r.getMessage() for r in caplog.records) == 1
     head = list(range(10, 26))
     prompts = [head + [40, 41, 42], head + [90, 91, 92, 93], head + [40, 41, 42]]

@@ -56,7 +56,7 @@ def serve(conn: Connection) -> int:
         return 1
     loaded = engine.loaded
     conn.send_bytes(encode({
-        "t": "ready", "name": loaded.name, "arch": getattr(loaded.config, "arch", loaded.config.kind), "dtype": str(dtype), "device": str(device),
+        "t": "ready", "name": loaded.name, "arch": loaded.config.arch, "dtype": str(dtype), "device": str(device),
         "max_model_len": engine.max_model_len, "vocab_size": loaded.config.vocab_size,
         "eos_ids": sorted(engine.eos_ids), "num_blocks": engine.blocks.num_blocks,
         "state_pool": engine.runner.state_summary(),

@@ -145,7 +145,9 @@ class LLMEngine:
         self.device = device
         self.tokenizer = loaded.tokenizer
         model_max = loaded.config.max_seq_len
-        self.max_model_len = min(cfg.max_model_len or model_max, model_max)
+        # A kind without a position table (T5) takes any length; its runner says what to default to.
+        default = min(model_max, getattr(serving_kind(loaded.config).runner, "default_max_model_len", model_max))
+        self.max_model_len = min(cfg.max_model_len or default, model_max)
         if cfg.max_model_len is not None and cfg.max_model_len > model_max:
             raise UserError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_seq_len ({model_max})")
         self.generates = serving_kind(loaded.config).generates  # False: embeddings only (an encoder)

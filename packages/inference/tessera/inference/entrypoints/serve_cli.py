@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                                   kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
         engine = LLMEngine(loaded, cfg, device, dtype, plan.workers if plan is not None and plan.workers else None)
         frontend = AsyncEngine(engine)
-        facts = {"name": loaded.name, "arch": getattr(loaded.config, "arch", loaded.config.kind), "num_blocks": engine.blocks.num_blocks,
+        facts = {"name": loaded.name, "arch": loaded.config.arch, "num_blocks": engine.blocks.num_blocks,
                  "state_pool": engine.runner.state_summary(),
                  "where": "engine thread", "compile_s": engine.compile_seconds, "threads": measure(engine)}
     else:

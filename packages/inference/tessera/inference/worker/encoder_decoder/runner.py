@@ -47,7 +47,10 @@ class EncoderDecoderRunner(ModelRunner):
     supports_speculative = False
     speculative_refusal = "not built for an encoder-decoder's runner"
     no_tensor_parallel = "an encoder-decoder is served on one process (its runner has no tensor-parallel path yet)"
-    scores_prompts = False  # the prompt is the encoder's input: nothing predicts its tokens
+    scores_prompts = False
+    # Without --max-model-len: T5's pretraining input length (what vLLM takes from n_positions); its
+    # relative positions take any length, so --max-model-len may raise it.
+    default_max_model_len = 512  # the prompt is the encoder's input: nothing predicts its tokens
 
     @staticmethod
     def block_bytes(cfg, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
