@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tessera.common.errors import UserError
 from tessera.common.models.encoder_decoder.model import relative_bucket
 from tessera.inference.core.scheduler import SchedulerOutput
+from tessera.inference.sample.sampler import Sampler
 from tessera.inference.worker.kv_cache import dequantize_kv, store_kv
 from tessera.inference.worker.model_runner import ModelRunner
 
@@ -47,10 +48,10 @@ class EncoderDecoderRunner(ModelRunner):
     supports_speculative = False
     speculative_refusal = "not built for an encoder-decoder's runner"
     no_tensor_parallel = "an encoder-decoder is served on one process (its runner has no tensor-parallel path yet)"
-    scores_prompts = False
+    scores_prompts = False  # the prompt is the encoder's input: nothing predicts its tokens
     # Without --max-model-len: T5's pretraining input length (what vLLM takes from n_positions); its
     # relative positions take any length, so --max-model-len may raise it.
-    default_max_model_len = 512  # the prompt is the encoder's input: nothing predicts its tokens
+    default_max_model_len = 512
 
     @staticmethod
     def block_bytes(cfg, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
@@ -60,8 +61,6 @@ class EncoderDecoderRunner(ModelRunner):
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  tp_rank: int = 0, tp_size: int = 1, kv_dtype: torch.dtype | None = None):
-        from tessera.inference.sample.sampler import Sampler
-
         cfg = model.cfg
         self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
         self.block_size, self.num_blocks = block_size, num_blocks
