@@ -179,3 +179,22 @@ def test_speculative_decoding_tensor_parallel_and_padded_decode_are_refused_in_o
     name = {"speculative": "--speculative-config", "tensor_parallel": "--tensor-parallel",
             "padded_decode": "--padded-decode"}[next(iter(flag))]
     assert str(err.value).startswith(name) and "\n" not in str(err.value) and "drop" in str(err.value)
+
+
+def test_a_step_mixes_a_new_requests_encoder_prefill_with_running_decodes(exports):
+    hf, export = exports("t5")
+    engine = make_engine(export, block_size=8, num_kv_blocks=32, max_model_len=64, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [list(range(30, 41)), list(range(100, 117))]
+    outs: dict[str, list] = {"a": [], "b": []}
+    engine.add_request("a", prompts[0], params)
+    for out in engine.step() + engine.step():
+        outs[out.request_id].append(out)
+    engine.add_request("b", prompts[1], params)
+    plan = engine.scheduler.schedule()  # what the next step will run, scheduled here to look at it
+    assert [(s.seq.request_id, s.start, s.num_new) for s in plan.scheduled] == [("a", 12, 1), ("b", 0, 17)]
+    result = engine.runner.execute(plan)
+    for out in engine.processor.update(plan, result)[0]:
+        outs[out.request_id].append(out)
+    engine.run_to_completion(lambda o: outs[o.request_id].append(o))
+    assert [token_ids(outs[r]) for r in ("a", "b")] == t5_greedy(hf, prompts, 6)
