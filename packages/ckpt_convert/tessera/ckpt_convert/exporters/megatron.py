@@ -1,6 +1,7 @@
 """`tessera-ckpt export --format megatron`: a Tessera checkpoint -> a Megatron-Core `torch_dist` checkpoint.
 
-Causal LMs become GPTModel checkpoints (below); hybrid models MambaModel ones (megatron_hybrid.py).
+Causal LMs become GPTModel checkpoints (below; with multi-latent attention and MoE, DeepSeek-V3's:
+megatron_mla.py); hybrid models MambaModel ones (megatron_hybrid.py).
 
 The inverse of import_megatron (names and layouts there): global tensors with layers stacked along
 a leading axis, fused QKV in Megatron's grouped order, fused [gate; up] for SwiGLU, plus
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
-from tessera.ckpt_convert.exporters import megatron_hybrid
+from tessera.ckpt_convert.exporters import megatron_hybrid, megatron_mla
 from tessera.ckpt_convert.exporters.hf import expected_model_shapes
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
@@ -93,6 +94,13 @@ def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dty
         loaded = src.load_model(list(shapes))
         tensors = {r.target: r.apply([loaded[s] for s in r.sources]) for r in rules}
         extra_state = megatron_hybrid.extra_state_keys(cfg)
+    elif cfg.mla is not None:  # DeepSeek-V3-class GPTModel: one entry per layer (megatron_mla)
+        megatron_mla.check_megatron(cfg, tp)
+        rows = cfg.padded_for(tp).vocab_rows
+        rules = megatron_mla.export_rules(cfg, rows)
+        loaded = src.load_model(sorted({s for r in rules for s in r.sources}))
+        tensors = {r.target: r.apply([loaded[s] for s in r.sources]) for r in rules}
+        extra_state = megatron_mla.extra_state_keys(cfg)
     else:
         rows = cfg.padded_for(tp).vocab_rows  # Megatron's padded vocabulary at --tensor-parallel T
         tensors = tessera_to_megatron(cfg, src.load_model(list(shapes)), rows)

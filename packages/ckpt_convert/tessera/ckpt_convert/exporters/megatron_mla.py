@@ -1,0 +1,181 @@
+"""Megatron-Core's GPTModel with multi-latent attention and MoE (DeepSeek-V3-class) <-> Tessera's
+causal LM with `mla` (and `moe`): tensor names and layouts of its `torch_dist` checkpoints, both
+directions (used by `export --format megatron` and `import --format megatron`).
+
+Names are those of Megatron's Transformer Engine layer spec for MLA with qk_layernorm (what
+DeepSeek-V3 runs train with): the q/kv latent norms fused into the up projections, the dense MLP's
+norm into linear_fc1. Layers are saved one entry per global layer number (`decoder.layers.<i>.`),
+as Megatron does when dense and MoE layers mix (DeepSeek's list `--moe-layer-freq`). Per layer:
+
+    input_layernorm.weight                              layers.i.attn_norm.weight
+    self_attention.linear_q_proj.weight                 attn.q_proj.weight        (no q_lora_rank)
+    self_attention.linear_q_down_proj.weight            attn.q_a_proj.weight
+    self_attention.linear_q_up_proj.layer_norm_weight   attn.q_a_norm.weight
+    self_attention.linear_q_up_proj.weight              attn.q_b_proj.weight
+    self_attention.linear_kv_down_proj.weight           attn.kv_a_proj.weight     ([latent | rope key])
+    self_attention.linear_kv_up_proj.layer_norm_weight  attn.kv_a_norm.weight
+    self_attention.linear_kv_up_proj.weight             attn.kv_b_proj.weight     (per head [k_nope | v])
+    self_attention.linear_proj.weight                   attn.o_proj.weight
+  dense layers:
+    mlp.linear_fc1.layer_norm_weight                    mlp_norm.weight
+    mlp.linear_fc1.weight / linear_fc2.weight           [gate; up] / down_proj
+  MoE layers:
+    pre_mlp_layernorm.weight                            mlp_norm.weight
+    mlp.router.weight, mlp.router.expert_bias           mlp.router.weight, mlp.expert_bias
+    mlp.experts.experts.linear_fc1.weight [E, 2f, d]    experts [gate; up] per expert
+    mlp.experts.experts.linear_fc2.weight [E, d, f]     experts.down_proj
+    mlp.shared_experts.linear_fc{1,2}.weight            shared [gate; up], shared.down_proj
+    embedding.word_embeddings.weight, decoder.final_layernorm.weight, output_layer.weight
+
+Megatron's MLA always applies RoPE to DeepSeek's interleaved pairs (its rope_utils de-interleaves
+them first), so the RoPE rows of each query head and of the shared key are stored interleaved, as
+DeepSeek's and transformers' checkpoints do; Tessera stores rotate-half, so both directions permute
+those rows (the Hugging Face adapter's permutation). Megatron's local spec names the norms
+`self_attention.{q,kv}_layernorm` and a dense layer's `pre_mlp_layernorm`: import reads those too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.common.errors import UserError
+from tessera.common.hf.rules import Rule, rows
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.deepseek_v3 import _Permute
+
+# Megatron's Transformer Engine names (which this module writes) -> its local layer spec's (read too).
+LOCAL_NAMES = {"self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+               "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+               "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def check_megatron(cfg: ModelConfig, tp: int = 1, where: str = "model config") -> None:
+    """Refuse what Megatron's MLA GPTModel cannot hold (or not split `tp` ways), naming the field."""
+    m, moe = cfg.mla, cfg.moe
+    assert m is not None
+    wrong = {k: v for k, v in (("bias", cfg.bias), ("qk_norm", cfg.qk_norm), ("sliding_window", cfg.sliding_window),
+                                ("activation", cfg.activation if cfg.activation != "swiglu" else None)) if v}
+    if wrong:
+        raise UserError(f"{where}: {wrong} has no Megatron-Core MLA equivalent (bias-free SwiGLU layers)")
+    if getattr(cfg, "mtp", None):
+        raise UserError(f"{where}: multi-token prediction (mtp) layers have no Megatron mapping here yet; export "
+                        "without them")
+    if moe is not None:
+        if moe.first_k_dense == 0 and moe.layer_freq == 1:
+            raise UserError(f"{where}: moe.first_k_dense=0 with layer_freq=1 (every layer MoE) is saved by Megatron "
+                            "with layers stacked; only DeepSeek-style layouts with dense layers are written here")
+        if moe.num_experts % tp:
+            raise UserError(f"{where}: --tensor-parallel {tp} does not divide moe.num_experts ({moe.num_experts})")
+    if cfg.num_heads % tp:
+        raise UserError(f"{where}: --tensor-parallel {tp} does not divide num_heads ({cfg.num_heads}); Megatron "
+                        "splits MLA by head")
+    if moe is None and cfg.num_layers > 0:
+        raise UserError(f"{where}: an MLA model without moe is saved by Megatron with layers stacked; only MLA + MoE "
+                        "(DeepSeek-V3-class) models are written here")
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(ts, dim=-2)
+
+
+def _half(part: int, f: int):
+    """Combine: gate (0) or up (1) rows of a fused [gate; up] (dim -2: experts' [E, 2f, d] too)."""
+    return lambda ts: ts[0].narrow(-2, part * f, f)
+
+
+def export_rules(cfg: ModelConfig, vocab_rows: int) -> list[Rule]:
+    """Megatron tensor <- Tessera tensors, one rule per Megatron tensor."""
+    m, moe = cfg.mla, cfg.moe
+    assert m is not None and moe is not None
+    d, h, v, rope = cfg.hidden_size, cfg.num_heads, cfg.vocab_size, m.qk_rope_head_dim
+    out: list[Rule] = []
+
+    def rename(theirs: str, ours: str, shape: tuple[int, ...], combine=None) -> None:
+        out.append(Rule(theirs, (ours,), shape, combine))
+
+    def pad(ts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([ts[0][:v], ts[0].new_zeros(vocab_rows - v, d)])
+
+    out.append(Rule("embedding.word_embeddings.weight", ("embed_tokens.weight",), (vocab_rows, d), pad,
+                    ((cfg.vocab_rows, d),)))
+    q_perm = _Permute(m.qk_head_dim, m.qk_nope_head_dim, rope, True)
+    kv_perm = _Permute(m.kv_lora_rank + rope, m.kv_lora_rank, rope, True)
+    for i in range(cfg.num_layers):
+        t, g = f"layers.{i}.", f"decoder.layers.{i}."
+        a, s = t + "attn.", g + "self_attention."
+        rename(g + "input_layernorm.weight", t + "attn_norm.weight", (d,))
+        if m.q_lora_rank is None:
+            rename(s + "linear_q_proj.weight", a + "q_proj.weight", (h * m.qk_head_dim, d), q_perm)
+        else:
+            r = m.q_lora_rank
+            rename(s + "linear_q_down_proj.weight", a + "q_a_proj.weight", (r, d))
+            rename(s + "linear_q_up_proj.layer_norm_weight", a + "q_a_norm.weight", (r,))
+            rename(s + "linear_q_up_proj.weight", a + "q_b_proj.weight", (h * m.qk_head_dim, r), q_perm)
+        rename(s + "linear_kv_down_proj.weight", a + "kv_a_proj.weight", (m.kv_lora_rank + rope, d), kv_perm)
+        rename(s + "linear_kv_up_proj.layer_norm_weight", a + "kv_a_norm.weight", (m.kv_lora_rank,))
+        rename(s + "linear_kv_up_proj.weight", a + "kv_b_proj.weight",
+               (h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))
+        rename(s + "linear_proj.weight", a + "o_proj.weight", (d, h * m.v_head_dim))
+        x = t + "mlp."
+        if cfg.is_moe_layer(i):
+            e, f, sh = moe.num_experts, moe.ffn_hidden_size, moe.shared_size
+            rename(g + "pre_mlp_layernorm.weight", t + "mlp_norm.weight", (d,))
+            rename(g + "mlp.router.weight", x + "router.weight", (e, d))
+            rename(g + "mlp.router.expert_bias", x + "expert_bias", (e,))
+            out.append(Rule(g + "mlp.experts.experts.linear_fc1.weight", (x + "experts.gate_proj", x + "experts.up_proj"),
+                            (e, 2 * f, d), _cat, ((e, f, d), (e, f, d))))
+            rename(g + "mlp.experts.experts.linear_fc2.weight", x + "experts.down_proj", (e, d, f))
+            if sh:
+                out.append(Rule(g + "mlp.shared_experts.linear_fc1.weight", (x + "shared.gate_proj.weight",
+                                x + "shared.up_proj.weight"), (2 * sh, d), _cat, ((sh, d), (sh, d))))
+                rename(g + "mlp.shared_experts.linear_fc2.weight", x + "shared.down_proj.weight", (d, sh))
+        else:
+            f = cfg.ffn_hidden_size
+            rename(g + "mlp.linear_fc1.layer_norm_weight", t + "mlp_norm.weight", (d,))
+            out.append(Rule(g + "mlp.linear_fc1.weight", (x + "gate_proj.weight", x + "up_proj.weight"), (2 * f, d),
+                            _cat, ((f, d), (f, d))))
+            rename(g + "mlp.linear_fc2.weight", x + "down_proj.weight", (d, f))
+    rename("decoder.final_layernorm.weight", "final_norm.weight", (d,))
+    if not cfg.tie_embeddings:
+        out.append(Rule("output_layer.weight", ("lm_head.weight",), (vocab_rows, d), pad, ((cfg.vocab_rows, d),)))
+    return out
+
+
+def import_rules(cfg: ModelConfig, vocab_rows: int) -> list[Rule]:
+    """Tessera tensor <- Megatron tensor: the inverse of export_rules (padding rows dropped)."""
+    out = []
+    for r in export_rules(cfg, vocab_rows):
+        if len(r.sources) == 2:  # a fused [gate; up]
+            half = r.input_shapes()[0][-2]
+            out += [Rule(s, (r.target,), shape, _half(part, half), (r.shape,))
+                    for part, (s, shape) in enumerate(zip(r.sources, r.input_shapes()))]
+        elif isinstance(r.combine, _Permute):
+            p = r.combine
+            out.append(Rule(r.sources[0], (r.target,), r.shape, _Permute(p.width, p.start, p.rope, to_hf=False)))
+        elif r.combine is not None:  # the vocabulary's padded rows
+            out.append(Rule(r.sources[0], (r.target,), r.input_shapes()[0], rows(0, cfg.vocab_size, False), (r.shape,)))
+        else:
+            out.append(Rule(r.sources[0], (r.target,), r.shape))
+    return out
+
+
+def extra_state_keys(cfg: ModelConfig) -> list[str]:
+    """The `_extra_state` entries Megatron writes for its linear layers ([None] each for local,
+    non-FP8 layers); its loader expects them."""
+    m, moe = cfg.mla, cfg.moe
+    assert m is not None and moe is not None
+    keys = []
+    attn = ["linear_proj", "linear_kv_down_proj", "linear_kv_up_proj"]
+    attn += ["linear_q_proj"] if m.q_lora_rank is None else ["linear_q_down_proj", "linear_q_up_proj"]
+    for i in range(cfg.num_layers):
+        g = f"decoder.layers.{i}."
+        keys += [f"{g}self_attention.{name}._extra_state/shard_0_1" for name in attn]
+        if cfg.is_moe_layer(i):
+            e = moe.num_experts
+            keys += [f"{g}mlp.experts.experts.{fc}._extra_state/shard_{j}_{e}" for j in range(e)
+                     for fc in ("linear_fc1", "linear_fc2")]
+            if moe.shared_size:
+                keys += [f"{g}mlp.shared_experts.{fc}._extra_state/shard_0_1" for fc in ("linear_fc1", "linear_fc2")]
+        else:
+            keys += [f"{g}mlp.{fc}._extra_state/shard_0_1" for fc in ("linear_fc1", "linear_fc2")]
+    return keys

@@ -1,0 +1,115 @@
+"""DeepSeek-V3-class models and Megatron-Core: a GPTModel `torch_dist` checkpoint with multi-latent
+attention, a dense first layer and MoE layers, written by megatron-core's own code on CPU
+(megatron_mla_save.py: its MLASelfAttention, MoE layer, router and experts; TE layers stood in for),
+imports through `tessera-ckpt import --format megatron`, exports to Hugging Face with Megatron's
+tensors in transformers' layout (which transformers' DeepseekV3ForCausalLM loads), and exports back
+to a torch_dist checkpoint that megatron-core's dist_checkpointing.load reads into the same model.
+Megatron's MLA cannot run on CPU without Transformer Engine, so no Megatron logits are compared."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tessera.ckpt_convert.cli import run
+
+HERE = Path(__file__).parent
+VOCAB, ROWS = 200, 256  # Megatron pads the vocabulary to a multiple of 128
+SPEC = {"num_layers": 3, "first_k_dense": 1, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 48,
+        "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+        "num_experts": 4, "moe_ffn_hidden_size": 16, "shared_ffn_hidden_size": 16, "top_k": 2, "num_groups": 2,
+        "topk_groups": 1, "rows": ROWS, "port": 29583}
+MODEL = {"arch": "deepseek_v3", "vocab_size": VOCAB, "hidden_size": 32, "num_layers": 3, "num_heads": 4,
+         "ffn_hidden_size": 48, "tie_embeddings": False, "norm_eps": 1e-6,
+         "mla": {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8},
+         "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 16, "score": "sigmoid", "num_shared_experts": 1,
+                 "num_groups": 2, "topk_groups": 1, "bias_balancing": True, "routed_scaling_factor": 2.5,
+                 "first_k_dense": 1}}
+
+
+def megatron(tmp_path: Path, directory: Path, mode: str) -> dict[str, torch.Tensor]:
+    (tmp_path / "spec.json").write_text(json.dumps(SPEC))
+    proc = subprocess.run([sys.executable, str(HERE / "megatron_mla_save.py"), str(tmp_path / "spec.json"),
+                           str(directory), mode], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(directory.parent / ("megatron_params.pt" if mode == "save" else "loaded_params.pt"))
+
+
+def megatron_as_transformers(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Megatron's in-memory tensors under transformers' DeepSeek-V3 names. Both keep the RoPE rows
+    interleaved (Megatron's MLA de-interleaves at run time), so no row moves; fused [gate; up]
+    halves split."""
+    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"][:VOCAB],
+           "model.norm.weight": mg["decoder.final_layernorm.weight"],
+           "lm_head.weight": mg["output_layer.weight"][:VOCAB]}
+    names = {"input_layernorm.weight": "input_layernorm.weight",
+             "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+             "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
+             "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+             "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+             "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+             "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+             "self_attention.linear_proj.weight": "self_attn.o_proj.weight"}
+
+    def swiglu(fc1: torch.Tensor, fc2: torch.Tensor, prefix: str) -> None:
+        out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = fc1.chunk(2)
+        out[prefix + "down_proj.weight"] = fc2
+
+    for i in range(SPEC["num_layers"]):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out.update({h + theirs: mg[m + ours] for ours, theirs in names.items()})
+        if i < SPEC["first_k_dense"]:
+            out[h + "post_attention_layernorm.weight"] = mg[m + "mlp.linear_fc1.layer_norm_weight"]
+            swiglu(mg[m + "mlp.linear_fc1.weight"], mg[m + "mlp.linear_fc2.weight"], h + "mlp.")
+            continue
+        out[h + "post_attention_layernorm.weight"] = mg[m + "pre_mlp_layernorm.weight"]
+        out[h + "mlp.gate.weight"] = mg[m + "mlp.router.weight"]
+        out[h + "mlp.gate.e_score_correction_bias"] = mg[m + "mlp.router.expert_bias"]
+        for e in range(SPEC["num_experts"]):
+            x = m + f"mlp.experts.local_experts.{e}."
+            swiglu(mg[x + "linear_fc1.weight"], mg[x + "linear_fc2.weight"], h + f"mlp.experts.{e}.")
+        swiglu(mg[m + "mlp.shared_experts.linear_fc1.weight"], mg[m + "mlp.shared_experts.linear_fc2.weight"],
+               h + "mlp.shared_experts.")
+    return out
+
+
+def test_megatron_deepseek_mla_moe_checkpoint_imports_exports_to_transformers_and_back_to_megatron(tmp_path):
+    pytest.importorskip("megatron.core")
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "mcore" / "iter_0000001"
+    ckpt.mkdir(parents=True)
+    mg = megatron(tmp_path, ckpt, "save")
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(MODEL))
+    assert run(["import", "--format", "megatron", "--input", str(ckpt), "--output", str(tmp_path / "ours"),
+                "--model-config", str(tmp_path / "model.yaml"), "--quiet"]) == 0
+    assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "ours"), "--output", str(tmp_path / "hf"),
+                "--quiet"]) == 0
+    theirs, want = load_file(tmp_path / "hf" / "model.safetensors"), megatron_as_transformers(mg)
+    assert theirs.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(theirs[name], tensor), name
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    # And back: megatron-core reads our export into its model, every tensor as it saved it (the
+    # vocabulary's padding rows are zero: Megatron never uses them).
+    back = tmp_path / "back" / "iter_0000002"
+    assert run(["export", "--format", "megatron", "--checkpoint", str(tmp_path / "ours"), "--output", str(back),
+                "--quiet"]) == 0
+    loaded = megatron(tmp_path, back, "load")
+    assert loaded.keys() == mg.keys()
+    for name, tensor in mg.items():
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            assert torch.equal(loaded[name][:VOCAB], tensor[:VOCAB]) and not loaded[name][VOCAB:].any(), name
+        else:
+            assert torch.equal(loaded[name], tensor), name
