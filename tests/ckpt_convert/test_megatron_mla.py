@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from tessera.ckpt_convert.cli import run
+from tessera.ckpt_convert.cli import main, run
 
 HERE = Path(__file__).parent
 VOCAB, ROWS = 200, 256  # Megatron pads the vocabulary to a multiple of 128
@@ -113,3 +113,60 @@ def test_megatron_deepseek_mla_moe_checkpoint_imports_exports_to_transformers_an
             assert torch.equal(loaded[name][:VOCAB], tensor[:VOCAB]) and not loaded[name][VOCAB:].any(), name
         else:
             assert torch.equal(loaded[name], tensor), name
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_megatron_layouts_it_cannot_hold_and_checkpoints_of_another_kind_are_one_line_with_nothing_written(
+        tmp_path, capsys):
+    """A tensor-parallel size that does not divide the heads, an every-layer-MoE MLA model (Megatron
+    stacks those layers), a GPT checkpoint read as an MLA model, and BERT (Megatron's BertModel is
+    pre-LayerNorm, Tessera's post-LayerNorm) are refused in one line, exit 2."""
+    import torch.distributed.checkpoint as dcp
+    from ckpt_helpers import make_checkpoint
+
+    from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, save_model_tensors
+    from tessera.common.layout import ParallelLayout
+    from tessera.common.models.causal_lm.config import ModelConfig
+    from tessera.common.models.encoder.config import EncoderConfig
+    from tessera.common.models.encoder.model import build_model as build_encoder
+
+    make_checkpoint(tmp_path / "ds", ModelConfig(**MODEL), None)
+    out = tmp_path / "out"
+    err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "ds"), "--output",
+                            str(out), "--tensor-parallel", "3"])
+    assert "--tensor-parallel 3" in err and "num_heads (4)" in err
+    every = {**MODEL, "moe": {**MODEL["moe"], "first_k_dense": 0}}
+    make_checkpoint(tmp_path / "every", ModelConfig(**every), None)
+    err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "every"), "--output",
+                            str(out)])
+    assert "moe.first_k_dense=0" in err and "stacked" in err
+    gpt = tmp_path / "gpt" / "iter_0000001"  # a GPTModel checkpoint's names, stacked layers
+    dcp.save({"embedding.word_embeddings.weight": torch.zeros(ROWS, 32),
+              "decoder.layers.self_attention.linear_qkv.weight": torch.zeros(3, 96, 32)},
+             checkpoint_id=str(gpt), no_dist=True)
+    (gpt / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(MODEL))
+    err = _refused(capsys, ["import", "--format", "megatron", "--input", str(gpt), "--output", str(out),
+                            "--model-config", str(tmp_path / "model.yaml")])
+    assert "no Megatron tensor decoder.layers.0.input_layernorm.weight" in err
+    bert = EncoderConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, ffn_hidden_size=64,
+                         max_seq_len=16)
+    (tmp_path / "bert.yaml").write_text(yaml.safe_dump(bert.model_dump()))
+    err = _refused(capsys, ["import", "--format", "megatron", "--input", str(gpt), "--output", str(out),
+                            "--model-config", str(tmp_path / "bert.yaml")])
+    assert "pre-LayerNorm" in err and "--format hf" in err
+    enc = tmp_path / "enc" / "iter_0000001"
+    save_model_tensors(enc, {k: v.detach() for k, v in build_encoder(bert).state_dict().items()})
+    finalize_checkpoint(enc, CheckpointSidecar(model=bert, layout=ParallelLayout(), step=1, consumed_samples=0,
+                                               consumed_tokens=0, contents=["model"]))
+    err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(enc), "--output", str(out)])
+    assert "pre-LayerNorm" in err and "post-LayerNorm" in err
+    assert not out.exists()

@@ -79,6 +79,27 @@ def tessera_to_megatron(cfg: ModelConfig, t: dict[str, torch.Tensor], rows: int)
     return out
 
 
+# Why an encoder has no Megatron mapping, for both directions' refusal (docs/formats/exports.md).
+BERT_PLACEMENT = ("Megatron-Core's BertModel is pre-LayerNorm (norms before attention and MLP, a final norm, no "
+                  "embedding norm; its TransformerLayer has no post-norm option) while Tessera's encoder is "
+                  "post-LayerNorm BERT (transformers'), so no weight mapping keeps the model; use --format hf")
+
+
+def check_tensor_parallel(cfg: ModelConfig | HybridConfig, tp: int) -> None:
+    """Megatron splits heads, query groups and MLP widths across tensor ranks (its `divide` asserts):
+    a size `tp` does not divide cannot be loaded there, so say which field before writing."""
+    moe = cfg.moe
+    widths = {"num_heads": cfg.num_heads, "ffn_hidden_size": cfg.ffn_hidden_size,
+              "moe.ffn_hidden_size": moe.ffn_hidden_size if moe else None,
+              "moe shared expert width": moe.shared_size if moe else None}
+    if getattr(cfg, "mla", None) is None:
+        widths["num_kv_heads"] = cfg.kv_heads
+    for field, n in widths.items():
+        if n and n % tp:
+            raise UserError(f"--tensor-parallel {tp} does not divide the model's {field} ({n}); Megatron splits it "
+                            "across tensor ranks: choose a tensor-parallel size that divides it")
+
+
 def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dtype: torch.dtype | None = None,
                     overwrite: bool = False, quiet: bool = False, sync: bool = True) -> Path:
     src = CheckpointSource(checkpoint)
@@ -86,7 +107,10 @@ def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dty
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     cfg = src.sidecar.model
+    if cfg.kind == "encoder":
+        raise UserError(f"{checkpoint}: an encoder (BERT) checkpoint: {BERT_PLACEMENT}")
     check_convertible(cfg, "export --format megatron")
+    check_tensor_parallel(cfg, tp)
     shapes = expected_model_shapes(cfg)
     if isinstance(cfg, HybridConfig):  # Megatron's MambaModel: one entry per layer (megatron_hybrid)
         rows = megatron_hybrid.padded_rows(cfg, tp)
@@ -95,7 +119,7 @@ def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dty
         tensors = {r.target: r.apply([loaded[s] for s in r.sources]) for r in rules}
         extra_state = megatron_hybrid.extra_state_keys(cfg)
     elif cfg.mla is not None:  # DeepSeek-V3-class GPTModel: one entry per layer (megatron_mla)
-        megatron_mla.check_megatron(cfg, tp)
+        megatron_mla.check_megatron(cfg)
         rows = cfg.padded_for(tp).vocab_rows
         rules = megatron_mla.export_rules(cfg, rows)
         loaded = src.load_model(sorted({s for r in rules for s in r.sources}))

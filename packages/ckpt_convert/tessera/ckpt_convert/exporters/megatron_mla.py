@@ -49,8 +49,8 @@ LOCAL_NAMES = {"self_attention.linear_q_up_proj.layer_norm_weight": "self_attent
                "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
 
 
-def check_megatron(cfg: ModelConfig, tp: int = 1, where: str = "model config") -> None:
-    """Refuse what Megatron's MLA GPTModel cannot hold (or not split `tp` ways), naming the field."""
+def check_megatron(cfg: ModelConfig, where: str = "model config") -> None:
+    """Refuse what Megatron's MLA GPTModel cannot hold, naming the field."""
     m, moe = cfg.mla, cfg.moe
     assert m is not None
     wrong = {k: v for k, v in (("bias", cfg.bias), ("qk_norm", cfg.qk_norm), ("sliding_window", cfg.sliding_window),
@@ -64,11 +64,6 @@ def check_megatron(cfg: ModelConfig, tp: int = 1, where: str = "model config") -
         if moe.first_k_dense == 0 and moe.layer_freq == 1:
             raise UserError(f"{where}: moe.first_k_dense=0 with layer_freq=1 (every layer MoE) is saved by Megatron "
                             "with layers stacked; only DeepSeek-style layouts with dense layers are written here")
-        if moe.num_experts % tp:
-            raise UserError(f"{where}: --tensor-parallel {tp} does not divide moe.num_experts ({moe.num_experts})")
-    if cfg.num_heads % tp:
-        raise UserError(f"{where}: --tensor-parallel {tp} does not divide num_heads ({cfg.num_heads}); Megatron "
-                        "splits MLA by head")
     if moe is None and cfg.num_layers > 0:
         raise UserError(f"{where}: an MLA model without moe is saved by Megatron with layers stacked; only MLA + MoE "
                         "(DeepSeek-V3-class) models are written here")

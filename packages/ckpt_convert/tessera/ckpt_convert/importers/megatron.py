@@ -41,6 +41,7 @@ import torch
 from pydantic import BaseModel
 
 from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
+from tessera.ckpt_convert.exporters import megatron as megatron_export
 from tessera.ckpt_convert.exporters import megatron_hybrid, megatron_mla
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
@@ -187,6 +188,8 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     check_torch_dist(input_dir)
     cfg = model_config if isinstance(model_config, BaseModel) else _load_model_config(model_config)
+    if cfg.kind == "encoder":
+        raise UserError(f"--model-config {model_config}: kind encoder: {megatron_export.BERT_PLACEMENT}")
     check_convertible(cfg, "import --format megatron")
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None
     if tok is not None:
