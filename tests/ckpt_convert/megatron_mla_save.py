@@ -32,6 +32,9 @@ def build(spec: dict):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None  # without TE this name is undefined (a NameError); None: its torch.mm path
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -50,10 +53,21 @@ def build(spec: dict):
         def __init__(self, input_size, output_size, **kwargs):
             super().__init__(input_size, output_size, **kwargs)
             self.layer_norm_weight = nn.Parameter(torch.ones(input_size))
+            self.eps = kwargs["config"].layernorm_epsilon
+
+        def forward(self, x, *args, **kwargs):  # TE's fused RMSNorm, then the linear layer
+            return super().forward(torch.nn.functional.rms_norm(x, x.shape[-1:], self.layer_norm_weight, self.eps),
+                                   *args, **kwargs)
 
     class CoreAttention(nn.Module):  # TEDotProductAttention: no parameters (the local one cannot do MLA)
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args, softmax_scale=None, **kwargs):
             super().__init__()
+            self.scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask, **kwargs):  # [s, b, h, d] -> [s, b, h * dv]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def layer(moe: bool) -> ModuleSpec:
         mlp = (get_moe_module_spec(use_te=False, num_experts=spec["num_experts"], moe_grouped_gemm=False) if moe
@@ -82,7 +96,7 @@ def build(spec: dict):
         moe_layer_freq=pattern if spec["first_k_dense"] else 1, moe_ffn_hidden_size=spec["moe_ffn_hidden_size"],
         moe_shared_expert_intermediate_size=spec["shared_ffn_hidden_size"], moe_router_topk=spec["top_k"],
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
-        moe_router_num_groups=spec["num_groups"], moe_router_group_topk=spec["topk_groups"],
+        moe_router_topk_scaling_factor=spec["routed_scaling_factor"], moe_router_num_groups=spec["num_groups"], moe_router_group_topk=spec["topk_groups"],
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         use_cpu_initialization=True, params_dtype=torch.float32, layernorm_epsilon=1e-6)
     block = TransformerBlockSubmodules(layer_specs=[layer(bool(p)) for p in pattern], layer_norm=WrappedTorchNorm)
@@ -111,9 +125,14 @@ def main() -> None:
             for name, b in model.named_buffers():
                 if name.endswith("expert_bias"):
                     b.copy_(0.1 * torch.randn_like(b))
-        sharded = model.sharded_state_dict()
-        dist_checkpointing.save(sharded, directory)
+        dist_checkpointing.save(model.sharded_state_dict(), directory)
         out = "megatron_params.pt"
+        seq = 12
+        tokens = torch.randint(0, spec["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(1))
+        model.eval()
+        with torch.no_grad():
+            logits = model(tokens, torch.arange(seq).unsqueeze(0).expand(2, seq), attention_mask=None)
+        torch.save({"tokens": tokens, "logits": logits}, os.path.join(directory, "..", "reference.pt"))
     else:
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
         out = "loaded_params.pt"

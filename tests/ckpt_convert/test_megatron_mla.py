@@ -4,7 +4,8 @@ attention, a dense first layer and MoE layers, written by megatron-core's own co
 imports through `tessera-ckpt import --format megatron`, exports to Hugging Face with Megatron's
 tensors in transformers' layout (which transformers' DeepseekV3ForCausalLM loads), and exports back
 to a torch_dist checkpoint that megatron-core's dist_checkpointing.load reads into the same model.
-Megatron's MLA cannot run on CPU without Transformer Engine, so no Megatron logits are compared."""
+Megatron's own forward gives the imported model's logits (its local core attention cannot run MLA,
+so that one softmax is stood in for by SDPA; everything with weights is Megatron's)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ import torch
 import yaml
 
 from tessera.ckpt_convert.cli import main, run
+from tessera.common.checkpoint import load_model_tensors, read_sidecar, resolve_checkpoint
+from tessera.common.models.causal_lm.model import build_model
 
 HERE = Path(__file__).parent
 VOCAB, ROWS = 200, 256  # Megatron pads the vocabulary to a multiple of 128
 SPEC = {"num_layers": 3, "first_k_dense": 1, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 48,
         "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
         "num_experts": 4, "moe_ffn_hidden_size": 16, "shared_ffn_hidden_size": 16, "top_k": 2, "num_groups": 2,
-        "topk_groups": 1, "rows": ROWS, "port": 29583}
+        "topk_groups": 1, "routed_scaling_factor": 2.5, "rows": ROWS, "vocab_size": VOCAB, "port": 29583}
 MODEL = {"arch": "deepseek_v3", "vocab_size": VOCAB, "hidden_size": 32, "num_layers": 3, "num_heads": 4,
          "ffn_hidden_size": 48, "tie_embeddings": False, "norm_eps": 1e-6,
          "mla": {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8},
@@ -91,6 +94,16 @@ def test_megatron_deepseek_mla_moe_checkpoint_imports_exports_to_transformers_an
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(MODEL))
     assert run(["import", "--format", "megatron", "--input", str(ckpt), "--output", str(tmp_path / "ours"),
                 "--model-config", str(tmp_path / "model.yaml"), "--quiet"]) == 0
+    # Megatron's own forward (its MLA projections, RoPE on interleaved pairs, group-limited sigmoid
+    # routing, experts; only the softmax attention stood in for) gives our logits.
+    directory = resolve_checkpoint(tmp_path / "ours")
+    model = build_model(read_sidecar(directory).model, seed=None)
+    model.load_state_dict(load_model_tensors(directory))
+    ref = torch.load(tmp_path / "mcore" / "reference.pt")
+    with torch.no_grad():
+        ours = model.eval()(ref["tokens"])
+    want = ref["logits"][..., :VOCAB]
+    assert (ours - want).abs().max().item() < 1e-4 * want.abs().max().item()
     assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "ours"), "--output", str(tmp_path / "hf"),
                 "--quiet"]) == 0
     theirs, want = load_file(tmp_path / "hf" / "model.safetensors"), megatron_as_transformers(mg)
