@@ -63,10 +63,10 @@ def check_megatron(cfg: ModelConfig, where: str = "model config") -> None:
     if moe is not None:
         if moe.first_k_dense == 0 and moe.layer_freq == 1:
             raise UserError(f"{where}: moe.first_k_dense=0 with layer_freq=1 (every layer MoE) is saved by Megatron "
-                            "with layers stacked; only DeepSeek-style layouts with dense layers are written here")
-    if moe is None and cfg.num_layers > 0:
+                            "with layers stacked, which is not converted here (DeepSeek-style first dense layers are)")
+    else:
         raise UserError(f"{where}: an MLA model without moe is saved by Megatron with layers stacked; only MLA + MoE "
-                        "(DeepSeek-V3-class) models are written here")
+                        "(DeepSeek-V3-class) models are converted here")
 
 
 def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
