@@ -37,8 +37,16 @@ MODEL = {"arch": "deepseek_v3", "vocab_size": VOCAB, "hidden_size": 32, "num_lay
                  "first_k_dense": 1}}
 
 
-def megatron(tmp_path: Path, directory: Path, mode: str) -> dict[str, torch.Tensor]:
-    (tmp_path / "spec.json").write_text(json.dumps(SPEC))
+# Layouts: a dense first layer (Megatron saves each layer apart) with q-lora; MoE in every layer
+# (saved stacked along a leading layer axis) with one q_proj.
+LAYOUTS = {"dense-first": ({}, {}),
+           "all-moe-stacked": ({"num_layers": 2, "first_k_dense": 0, "q_lora_rank": None, "port": 29584},
+                               {"num_layers": 2, "mla": {**MODEL["mla"], "q_lora_rank": None},
+                                "moe": {**MODEL["moe"], "first_k_dense": 0}})}
+
+
+def megatron(tmp_path: Path, directory: Path, mode: str, spec: dict) -> dict[str, torch.Tensor]:
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(HERE / "megatron_mla_save.py"), str(tmp_path / "spec.json"),
                            str(directory), mode], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -46,7 +54,7 @@ def megatron(tmp_path: Path, directory: Path, mode: str) -> dict[str, torch.Tens
     return torch.load(directory.parent / ("megatron_params.pt" if mode == "save" else "loaded_params.pt"))
 
 
-def megatron_as_transformers(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def megatron_as_transformers(mg: dict[str, torch.Tensor], spec: dict) -> dict[str, torch.Tensor]:
     """Megatron's in-memory tensors under transformers' DeepSeek-V3 names. Both keep the RoPE rows
     interleaved (Megatron's MLA de-interleaves at run time), so no row moves; fused [gate; up]
     halves split."""
@@ -54,6 +62,7 @@ def megatron_as_transformers(mg: dict[str, torch.Tensor]) -> dict[str, torch.Ten
            "model.norm.weight": mg["decoder.final_layernorm.weight"],
            "lm_head.weight": mg["output_layer.weight"][:VOCAB]}
     names = {"input_layernorm.weight": "input_layernorm.weight",
+             "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
              "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
              "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
              "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
@@ -66,17 +75,17 @@ def megatron_as_transformers(mg: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = fc1.chunk(2)
         out[prefix + "down_proj.weight"] = fc2
 
-    for i in range(SPEC["num_layers"]):
+    for i in range(spec["num_layers"]):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        out.update({h + theirs: mg[m + ours] for ours, theirs in names.items()})
-        if i < SPEC["first_k_dense"]:
+        out.update({h + theirs: mg[m + ours] for ours, theirs in names.items() if m + ours in mg})
+        if i < spec["first_k_dense"]:
             out[h + "post_attention_layernorm.weight"] = mg[m + "mlp.linear_fc1.layer_norm_weight"]
             swiglu(mg[m + "mlp.linear_fc1.weight"], mg[m + "mlp.linear_fc2.weight"], h + "mlp.")
             continue
         out[h + "post_attention_layernorm.weight"] = mg[m + "pre_mlp_layernorm.weight"]
         out[h + "mlp.gate.weight"] = mg[m + "mlp.router.weight"]
         out[h + "mlp.gate.e_score_correction_bias"] = mg[m + "mlp.router.expert_bias"]
-        for e in range(SPEC["num_experts"]):
+        for e in range(spec["num_experts"]):
             x = m + f"mlp.experts.local_experts.{e}."
             swiglu(mg[x + "linear_fc1.weight"], mg[x + "linear_fc2.weight"], h + f"mlp.experts.{e}.")
         swiglu(mg[m + "mlp.shared_experts.linear_fc1.weight"], mg[m + "mlp.shared_experts.linear_fc2.weight"],
@@ -84,14 +93,16 @@ def megatron_as_transformers(mg: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def test_megatron_deepseek_mla_moe_checkpoint_imports_exports_to_transformers_and_back_to_megatron(tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_megatron_deepseek_mla_moe_checkpoint_imports_exports_to_transformers_and_back_to_megatron(tmp_path, layout):
     pytest.importorskip("megatron.core")
     from safetensors.torch import load_file
 
+    spec, model_cfg = {**SPEC, **LAYOUTS[layout][0]}, {**MODEL, **LAYOUTS[layout][1]}
     ckpt = tmp_path / "mcore" / "iter_0000001"
     ckpt.mkdir(parents=True)
-    mg = megatron(tmp_path, ckpt, "save")
-    (tmp_path / "model.yaml").write_text(yaml.safe_dump(MODEL))
+    mg = megatron(tmp_path, ckpt, "save", spec)
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_cfg))
     assert run(["import", "--format", "megatron", "--input", str(ckpt), "--output", str(tmp_path / "ours"),
                 "--model-config", str(tmp_path / "model.yaml"), "--quiet"]) == 0
     # Megatron's own forward (its MLA projections, RoPE on interleaved pairs, group-limited sigmoid
@@ -106,7 +117,7 @@ def test_megatron_deepseek_mla_moe_checkpoint_imports_exports_to_transformers_an
     assert (ours - want).abs().max().item() < 1e-4 * want.abs().max().item()
     assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "ours"), "--output", str(tmp_path / "hf"),
                 "--quiet"]) == 0
-    theirs, want = load_file(tmp_path / "hf" / "model.safetensors"), megatron_as_transformers(mg)
+    theirs, want = load_file(tmp_path / "hf" / "model.safetensors"), megatron_as_transformers(mg, spec)
     assert theirs.keys() == want.keys()
     for name, tensor in want.items():
         assert torch.equal(theirs[name], tensor), name
@@ -119,7 +130,7 @@ def test_megatron_deepseek_mla_moe_checkpoint_imports_exports_to_transformers_an
     back = tmp_path / "back" / "iter_0000002"
     assert run(["export", "--format", "megatron", "--checkpoint", str(tmp_path / "ours"), "--output", str(back),
                 "--quiet"]) == 0
-    loaded = megatron(tmp_path, back, "load")
+    loaded = megatron(tmp_path, back, "load", spec)
     assert loaded.keys() == mg.keys()
     for name, tensor in mg.items():
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
@@ -139,8 +150,7 @@ def _refused(capsys, argv: list[str]) -> str:
 
 def test_megatron_layouts_it_cannot_hold_and_checkpoints_of_another_kind_are_one_line_with_nothing_written(
         tmp_path, capsys):
-    """A tensor-parallel size that does not divide the heads, an every-layer-MoE MLA model (Megatron
-    stacks those layers), a GPT checkpoint read as an MLA model, and BERT (Megatron's BertModel is
+    """A tensor-parallel size that does not divide the heads, a GPT checkpoint read as an MLA model, and BERT (Megatron's BertModel is
     pre-LayerNorm, Tessera's post-LayerNorm) are refused in one line, exit 2."""
     import torch.distributed.checkpoint as dcp
     from ckpt_helpers import make_checkpoint
@@ -156,11 +166,6 @@ def test_megatron_layouts_it_cannot_hold_and_checkpoints_of_another_kind_are_one
     err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "ds"), "--output",
                             str(out), "--tensor-parallel", "3"])
     assert "--tensor-parallel 3" in err and "num_heads (4)" in err
-    every = {**MODEL, "moe": {**MODEL["moe"], "first_k_dense": 0}}
-    make_checkpoint(tmp_path / "every", ModelConfig(**every), None)
-    err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "every"), "--output",
-                            str(out)])
-    assert "moe.first_k_dense=0" in err and "stacked" in err
     gpt = tmp_path / "gpt" / "iter_0000001"  # a GPTModel checkpoint's names, stacked layers
     dcp.save({"embedding.word_embeddings.weight": torch.zeros(ROWS, 32),
               "decoder.layers.self_attention.linear_qkv.weight": torch.zeros(3, 96, 32)},

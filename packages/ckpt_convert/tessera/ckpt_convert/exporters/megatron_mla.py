@@ -4,8 +4,10 @@ directions (used by `export --format megatron` and `import --format megatron`).
 
 Names are those of Megatron's Transformer Engine layer spec for MLA with qk_layernorm (what
 DeepSeek-V3 runs train with): the q/kv latent norms fused into the up projections, the dense MLP's
-norm into linear_fc1. Layers are saved one entry per global layer number (`decoder.layers.<i>.`),
-as Megatron does when dense and MoE layers mix (DeepSeek's list `--moe-layer-freq`). Per layer:
+norm into linear_fc1. Where dense and MoE layers mix (DeepSeek's list `--moe-layer-freq`) Megatron
+saves one entry per global layer number (`decoder.layers.<i>.`); where all layers are alike it
+stacks them along a leading axis (`decoder.layers.<rest>` [L, ...]): export does as Megatron,
+import reads either. Per layer:
 
     input_layernorm.weight                              layers.i.attn_norm.weight
     self_attention.linear_q_proj.weight                 attn.q_proj.weight        (no q_lora_rank)
@@ -51,8 +53,7 @@ LOCAL_NAMES = {"self_attention.linear_q_up_proj.layer_norm_weight": "self_attent
 
 def check_megatron(cfg: ModelConfig, where: str = "model config") -> None:
     """Refuse what Megatron's MLA GPTModel cannot hold, naming the field."""
-    m, moe = cfg.mla, cfg.moe
-    assert m is not None
+    assert cfg.mla is not None
     wrong = {k: v for k, v in (("bias", cfg.bias), ("qk_norm", cfg.qk_norm), ("sliding_window", cfg.sliding_window),
                                 ("activation", cfg.activation if cfg.activation != "swiglu" else None)) if v}
     if wrong:
@@ -60,13 +61,12 @@ def check_megatron(cfg: ModelConfig, where: str = "model config") -> None:
     if getattr(cfg, "mtp", None):
         raise UserError(f"{where}: multi-token prediction (mtp) layers have no Megatron mapping here yet; export "
                         "without them")
-    if moe is not None:
-        if moe.first_k_dense == 0 and moe.layer_freq == 1:
-            raise UserError(f"{where}: moe.first_k_dense=0 with layer_freq=1 (every layer MoE) is saved by Megatron "
-                            "with layers stacked, which is not converted here (DeepSeek-style first dense layers are)")
-    else:
-        raise UserError(f"{where}: an MLA model without moe is saved by Megatron with layers stacked; only MLA + MoE "
-                        "(DeepSeek-V3-class) models are converted here")
+
+
+def stacked(cfg: ModelConfig) -> bool:
+    """Whether Megatron (by default) saves the layers stacked along a leading axis: when they are all
+    alike (no MoE, or MoE in every layer); dense and MoE layers mixed are saved one entry per layer."""
+    return cfg.moe is None or (cfg.moe.first_k_dense == 0 and cfg.moe.layer_freq == 1)
 
 
 def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -79,9 +79,15 @@ def _half(part: int, f: int):
 
 
 def export_rules(cfg: ModelConfig, vocab_rows: int) -> list[Rule]:
-    """Megatron tensor <- Tessera tensors, one rule per Megatron tensor."""
+    """Megatron tensor <- Tessera tensors, one rule per Megatron tensor (layers stacked or not, as
+    Megatron saves this model)."""
+    rules = _per_layer_export_rules(cfg, vocab_rows)
+    return _stack_export(rules) if stacked(cfg) else rules
+
+
+def _per_layer_export_rules(cfg: ModelConfig, vocab_rows: int) -> list[Rule]:
     m, moe = cfg.mla, cfg.moe
-    assert m is not None and moe is not None
+    assert m is not None
     d, h, v, rope = cfg.hidden_size, cfg.num_heads, cfg.vocab_size, m.qk_rope_head_dim
     out: list[Rule] = []
 
@@ -112,7 +118,7 @@ def export_rules(cfg: ModelConfig, vocab_rows: int) -> list[Rule]:
                (h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))
         rename(s + "linear_proj.weight", a + "o_proj.weight", (d, h * m.v_head_dim))
         x = t + "mlp."
-        if cfg.is_moe_layer(i):
+        if moe is not None and cfg.is_moe_layer(i):
             e, f, sh = moe.num_experts, moe.ffn_hidden_size, moe.shared_size
             rename(g + "pre_mlp_layernorm.weight", t + "mlp_norm.weight", (d,))
             rename(g + "mlp.router.weight", x + "router.weight", (e, d))
@@ -136,10 +142,61 @@ def export_rules(cfg: ModelConfig, vocab_rows: int) -> list[Rule]:
     return out
 
 
-def import_rules(cfg: ModelConfig, vocab_rows: int) -> list[Rule]:
-    """Tessera tensor <- Megatron tensor: the inverse of export_rules (padding rows dropped)."""
+def _layer_of(name: str) -> tuple[int, str] | None:
+    """`decoder.layers.<i>.<rest>` -> (i, rest)."""
+    parts = name.split(".", 3)
+    return (int(parts[2]), parts[3]) if name.startswith("decoder.layers.") and parts[2].isdigit() else None
+
+
+def _stack_export(rules: list[Rule]) -> list[Rule]:
+    """Per-layer rules -> one rule per `decoder.layers.<rest>` tensor of shape [L, ...], in place of
+    the layers' rules."""
+    per: dict[str, list[Rule]] = {}
+    out: list[Rule | str] = []
+    for r in rules:
+        at = _layer_of(r.target)
+        if at is None:
+            out.append(r)
+            continue
+        if at[1] not in per:
+            out.append(at[1])
+        per.setdefault(at[1], []).append(r)
+
+    def stack(rest: str) -> Rule:
+        layer_rules = per[rest]
+        counts = [len(r.sources) for r in layer_rules]
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+
+        def combine(ts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack([r.apply(ts[s:s + n]) for r, s, n in zip(layer_rules, starts, counts)])
+        return Rule("decoder.layers." + rest, tuple(s for r in layer_rules for s in r.sources),
+                    (len(layer_rules), *layer_rules[0].shape), combine,
+                    tuple(x for r in layer_rules for x in r.input_shapes()))
+    return [stack(r) if isinstance(r, str) else r for r in out]
+
+
+def _stack_import(rules: list[Rule], num_layers: int) -> list[Rule]:
+    """Per-layer import rules reading `decoder.layers.<i>.<rest>` -> reading row i of the stacked
+    `decoder.layers.<rest>`."""
     out = []
-    for r in export_rules(cfg, vocab_rows):
+    for r in rules:
+        at = _layer_of(r.sources[0])
+        if at is None:
+            out.append(r)
+            continue
+        i, rest = at
+
+        def take(ts: list[torch.Tensor], r=r, i=i) -> torch.Tensor:
+            return r.apply([ts[0][i]])
+        out.append(Rule(r.target, ("decoder.layers." + rest,), r.shape, take, ((num_layers, *r.input_shapes()[0]),)))
+    return out
+
+
+def import_rules(cfg: ModelConfig, vocab_rows: int, stacked_layers: bool) -> list[Rule]:
+    """Tessera tensor <- Megatron tensor: the inverse of export_rules (padding rows dropped), from a
+    checkpoint whose layers are stacked or one entry each (Megatron writes either for alike layers)."""
+    out = []
+    for r in _per_layer_export_rules(cfg, vocab_rows):
         if len(r.sources) == 2:  # a fused [gate; up]
             half = r.input_shapes()[0][-2]
             out += [Rule(s, (r.target,), shape, _half(part, half), (r.shape,))
@@ -151,26 +208,31 @@ def import_rules(cfg: ModelConfig, vocab_rows: int) -> list[Rule]:
             out.append(Rule(r.sources[0], (r.target,), r.input_shapes()[0], rows(0, cfg.vocab_size, False), (r.shape,)))
         else:
             out.append(Rule(r.sources[0], (r.target,), r.shape))
-    return out
+    return _stack_import(out, cfg.num_layers) if stacked_layers else out
 
 
 def extra_state_keys(cfg: ModelConfig) -> list[str]:
     """The `_extra_state` entries Megatron writes for its linear layers ([None] each for local,
-    non-FP8 layers); its loader expects them."""
-    m, moe = cfg.mla, cfg.moe
-    assert m is not None and moe is not None
+    non-FP8 layers; stacked layers number them shard_<layer>_<L>, stacked experts
+    shard_<layer>.<expert>_<L>.<E>); its loader expects them."""
+    m, moe, L = cfg.mla, cfg.moe, cfg.num_layers
+    assert m is not None
+    together = stacked(cfg)
+    modules = ["self_attention.linear_proj", "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj"]
+    modules += (["self_attention.linear_q_proj"] if m.q_lora_rank is None
+                else ["self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj"])
     keys = []
-    attn = ["linear_proj", "linear_kv_down_proj", "linear_kv_up_proj"]
-    attn += ["linear_q_proj"] if m.q_lora_rank is None else ["linear_q_down_proj", "linear_q_up_proj"]
-    for i in range(cfg.num_layers):
-        g = f"decoder.layers.{i}."
-        keys += [f"{g}self_attention.{name}._extra_state/shard_0_1" for name in attn]
-        if cfg.is_moe_layer(i):
+    for i in range(L):
+        g, one = ("decoder.layers.", f"shard_{i}_{L}") if together else (f"decoder.layers.{i}.", "shard_0_1")
+        names = list(modules)
+        if moe is not None and cfg.is_moe_layer(i):
             e = moe.num_experts
-            keys += [f"{g}mlp.experts.experts.{fc}._extra_state/shard_{j}_{e}" for j in range(e)
-                     for fc in ("linear_fc1", "linear_fc2")]
+            keys += [f"{g}mlp.experts.experts.{fc}._extra_state/" + (f"shard_{i}.{j}_{L}.{e}" if together
+                                                                      else f"shard_{j}_{e}")
+                     for j in range(e) for fc in ("linear_fc1", "linear_fc2")]
             if moe.shared_size:
-                keys += [f"{g}mlp.shared_experts.{fc}._extra_state/shard_0_1" for fc in ("linear_fc1", "linear_fc2")]
+                names += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
         else:
-            keys += [f"{g}mlp.{fc}._extra_state/shard_0_1" for fc in ("linear_fc1", "linear_fc2")]
+            names += ["mlp.linear_fc1", "mlp.linear_fc2"]
+        keys += [f"{g}{name}._extra_state/{one}" for name in names]
     return keys

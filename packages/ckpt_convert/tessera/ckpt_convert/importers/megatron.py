@@ -172,7 +172,7 @@ def _mla_tensors(cfg: ModelConfig, input_dir: Path, specs: dict[str, Any], rows:
         return name
 
     rules = [dataclasses.replace(r, sources=tuple(stored(s) for s in r.sources))
-             for r in megatron_mla.import_rules(cfg, rows)]
+             for r in megatron_mla.import_rules(cfg, rows, "decoder.layers.input_layernorm.weight" in specs)]
     return _rules_tensors(cfg, rules, input_dir, specs, "mla ranks and head dims, moe experts, first_k_dense")
 
 
