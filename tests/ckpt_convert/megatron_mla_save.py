@@ -2,10 +2,12 @@
 GPTModel on CPU: multi-latent attention (MLASelfAttention), first-k dense layers, then MoE layers
 (router with expert bias, SequentialMLP experts, shared experts).
 
-Run as `python megatron_mla_save.py SPEC.json DIR save|load`. `save`: builds the model in a
+Run as `python megatron_mla_save.py save|load SPEC.json DIR [SPEC.json DIR ...]` (one process for
+several models: megatron-core's import is most of the time). `save`: builds the model in a
 one-process gloo group with random weights, saves it with dist_checkpointing.save and writes
-DIR/../megatron_params.pt (its own state_dict) and DIR/../keys.json (the checkpoint's keys).
-`load`: loads DIR with dist_checkpointing.load into a fresh model and writes DIR/../loaded_params.pt.
+DIR/../megatron_params.pt (its own state_dict) and DIR/../reference.pt (input tokens and its
+logits). `load`: loads DIR with dist_checkpointing.load into a fresh model and writes
+DIR/../loaded_params.pt.
 
 The layer spec is Megatron's Transformer Engine one for MLA (get_gpt_layer_with_transformer_engine_spec
 with multi_latent_attention and qk_layernorm: the q/kv latent norms fused into linear_q_up_proj /
@@ -104,18 +106,9 @@ def build(spec: dict):
                     share_embeddings_and_output_weights=False)
 
 
-def main() -> None:
-    spec = json.loads(open(sys.argv[1]).read())
-    directory, mode = sys.argv[2], sys.argv[3]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(spec.get("port", 29581)))
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+def run(spec: dict, directory: str, mode: str) -> None:
+    from megatron.core import dist_checkpointing
 
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # CUDA RNG: none here
     torch.manual_seed(spec.get("seed", 0))
     model = build(spec)
     if mode == "save":
@@ -138,6 +131,21 @@ def main() -> None:
         out = "loaded_params.pt"
     torch.save({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
                os.path.join(directory, "..", out))
+
+
+def main() -> None:
+    mode, pairs = sys.argv[1], sys.argv[2:]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(json.loads(open(pairs[0]).read()).get("port", 29581)))
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # CUDA RNG: none here
+    for spec, directory in zip(pairs[::2], pairs[1::2]):  # several models, one process: one megatron import
+        run(json.loads(open(spec).read()), directory, mode)
     dist.destroy_process_group()
 
 

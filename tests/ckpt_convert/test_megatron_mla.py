@@ -40,18 +40,23 @@ MODEL = {"arch": "deepseek_v3", "vocab_size": VOCAB, "hidden_size": 32, "num_lay
 # Layouts: a dense first layer (Megatron saves each layer apart) with q-lora; MoE in every layer
 # (saved stacked along a leading layer axis) with one q_proj.
 LAYOUTS = {"dense-first": ({}, {}),
-           "all-moe-stacked": ({"num_layers": 2, "first_k_dense": 0, "q_lora_rank": None, "port": 29584},
+           "all-moe-stacked": ({"num_layers": 2, "first_k_dense": 0, "q_lora_rank": None},
                                {"num_layers": 2, "mla": {**MODEL["mla"], "q_lora_rank": None},
                                 "moe": {**MODEL["moe"], "first_k_dense": 0}})}
 
 
-def megatron(tmp_path: Path, directory: Path, mode: str, spec: dict) -> dict[str, torch.Tensor]:
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(HERE / "megatron_mla_save.py"), str(tmp_path / "spec.json"),
-                           str(directory), mode], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+def megatron(mode: str, cases: list[tuple[dict, Path]]) -> list[dict[str, torch.Tensor]]:
+    """megatron_mla_save.py on each (spec, directory), in one process."""
+    argv = []
+    for spec, directory in cases:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory.parent / "spec.json").write_text(json.dumps(spec))
+        argv += [str(directory.parent / "spec.json"), str(directory)]
+    proc = subprocess.run([sys.executable, str(HERE / "megatron_mla_save.py"), mode, *argv], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(directory.parent / ("megatron_params.pt" if mode == "save" else "loaded_params.pt"))
+    name = "megatron_params.pt" if mode == "save" else "loaded_params.pt"
+    return [torch.load(directory.parent / name) for _, directory in cases]
 
 
 def megatron_as_transformers(mg: dict[str, torch.Tensor], spec: dict) -> dict[str, torch.Tensor]:
@@ -93,50 +98,50 @@ def megatron_as_transformers(mg: dict[str, torch.Tensor], spec: dict) -> dict[st
     return out
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_megatron_deepseek_mla_moe_checkpoint_imports_exports_to_transformers_and_back_to_megatron(tmp_path, layout):
+def test_megatron_deepseek_mla_moe_checkpoints_import_with_megatrons_logits_export_to_transformers_and_back(
+        tmp_path):
     pytest.importorskip("megatron.core")
+    import transformers
     from safetensors.torch import load_file
 
-    spec, model_cfg = {**SPEC, **LAYOUTS[layout][0]}, {**MODEL, **LAYOUTS[layout][1]}
-    ckpt = tmp_path / "mcore" / "iter_0000001"
-    ckpt.mkdir(parents=True)
-    mg = megatron(tmp_path, ckpt, "save", spec)
-    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_cfg))
-    assert run(["import", "--format", "megatron", "--input", str(ckpt), "--output", str(tmp_path / "ours"),
-                "--model-config", str(tmp_path / "model.yaml"), "--quiet"]) == 0
-    # Megatron's own forward (its MLA projections, RoPE on interleaved pairs, group-limited sigmoid
-    # routing, experts; only the softmax attention stood in for) gives our logits.
-    directory = resolve_checkpoint(tmp_path / "ours")
-    model = build_model(read_sidecar(directory).model, seed=None)
-    model.load_state_dict(load_model_tensors(directory))
-    ref = torch.load(tmp_path / "mcore" / "reference.pt")
-    with torch.no_grad():
-        ours = model.eval()(ref["tokens"])
-    want = ref["logits"][..., :VOCAB]
-    assert (ours - want).abs().max().item() < 1e-4 * want.abs().max().item()
-    assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "ours"), "--output", str(tmp_path / "hf"),
-                "--quiet"]) == 0
-    theirs, want = load_file(tmp_path / "hf" / "model.safetensors"), megatron_as_transformers(mg, spec)
-    assert theirs.keys() == want.keys()
-    for name, tensor in want.items():
-        assert torch.equal(theirs[name], tensor), name
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
-    # And back: megatron-core reads our export into its model, every tensor as it saved it (the
+    cases = {name: ({**SPEC, **spec}, {**MODEL, **model}, tmp_path / name) for name, (spec, model) in LAYOUTS.items()}
+    saved = megatron("save", [(spec, root / "mcore" / "iter_0000001") for spec, _, root in cases.values()])
+    backs = []
+    for (name, (spec, model_cfg, root)), mg in zip(cases.items(), saved):
+        (root / "model.yaml").write_text(yaml.safe_dump(model_cfg))
+        assert run(["import", "--format", "megatron", "--input", str(root / "mcore" / "iter_0000001"), "--output",
+                    str(root / "ours"), "--model-config", str(root / "model.yaml"), "--quiet"]) == 0
+        # Megatron's own forward (its MLA projections, RoPE on interleaved pairs, group-limited sigmoid
+        # routing, experts; only the softmax attention stood in for) gives our logits.
+        directory = resolve_checkpoint(root / "ours")
+        model = build_model(read_sidecar(directory).model, seed=None)
+        model.load_state_dict(load_model_tensors(directory))
+        ref = torch.load(root / "mcore" / "reference.pt")
+        with torch.no_grad():
+            ours = model.eval()(ref["tokens"])
+        want = ref["logits"][..., :VOCAB]
+        assert (ours - want).abs().max().item() < 1e-4 * want.abs().max().item(), name
+        # To transformers: every tensor is Megatron's, in transformers' layout, and transformers loads it.
+        assert run(["export", "--format", "hf", "--checkpoint", str(root / "ours"), "--output", str(root / "hf"),
+                    "--quiet"]) == 0
+        theirs, hf_want = load_file(root / "hf" / "model.safetensors"), megatron_as_transformers(mg, spec)
+        assert theirs.keys() == hf_want.keys(), name
+        for key, tensor in hf_want.items():
+            assert torch.equal(theirs[key], tensor), (name, key)
+        assert type(transformers.AutoModelForCausalLM.from_pretrained(root / "hf")).__name__ == "DeepseekV3ForCausalLM"
+        back = root / "back" / "iter_0000002"
+        assert run(["export", "--format", "megatron", "--checkpoint", str(root / "ours"), "--output", str(back),
+                    "--quiet"]) == 0
+        backs.append((spec, back))
+    # And back: megatron-core reads our exports into its model, every tensor as it saved it (the
     # vocabulary's padding rows are zero: Megatron never uses them).
-    back = tmp_path / "back" / "iter_0000002"
-    assert run(["export", "--format", "megatron", "--checkpoint", str(tmp_path / "ours"), "--output", str(back),
-                "--quiet"]) == 0
-    loaded = megatron(tmp_path, back, "load", spec)
-    assert loaded.keys() == mg.keys()
-    for name, tensor in mg.items():
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            assert torch.equal(loaded[name][:VOCAB], tensor[:VOCAB]) and not loaded[name][VOCAB:].any(), name
-        else:
-            assert torch.equal(loaded[name], tensor), name
+    for (name, mg), loaded in zip(zip(cases, saved), megatron("load", backs)):
+        assert loaded.keys() == mg.keys(), name
+        for key, tensor in mg.items():
+            if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                assert torch.equal(loaded[key][:VOCAB], tensor[:VOCAB]) and not loaded[key][VOCAB:].any(), key
+            else:
+                assert torch.equal(loaded[key], tensor), (name, key)
 
 
 def _refused(capsys, argv: list[str]) -> str:
