@@ -92,6 +92,7 @@ def build(spec: dict):
     pattern = [0] * spec["first_k_dense"] + [1] * (spec["num_layers"] - spec["first_k_dense"])
     cfg = MLATransformerConfig(
         num_layers=spec["num_layers"], hidden_size=spec["hidden_size"], num_attention_heads=spec["num_heads"],
+        tensor_model_parallel_size=dist.get_world_size(),
         ffn_hidden_size=spec["ffn_hidden_size"], q_lora_rank=spec["q_lora_rank"], kv_lora_rank=spec["kv_lora_rank"],
         qk_head_dim=spec["qk_nope_head_dim"], qk_pos_emb_head_dim=spec["qk_rope_head_dim"],
         v_head_dim=spec["v_head_dim"], rope_type="rope", num_moe_experts=spec["num_experts"],
@@ -103,7 +104,7 @@ def build(spec: dict):
         use_cpu_initialization=True, params_dtype=torch.float32, layernorm_epsilon=1e-6)
     block = TransformerBlockSubmodules(layer_specs=[layer(bool(p)) for p in pattern], layer_norm=WrappedTorchNorm)
     return GPTModel(cfg, block, vocab_size=spec["rows"], max_sequence_length=64, position_embedding_type="none",
-                    share_embeddings_and_output_weights=False)
+                    share_embeddings_and_output_weights=False, parallel_output=False)
 
 
 def run(spec: dict, directory: str, mode: str) -> None:
@@ -129,6 +130,14 @@ def run(spec: dict, directory: str, mode: str) -> None:
     else:
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
         out = "loaded_params.pt"
+    if dist.get_world_size() > 1:  # tensor parallel: Megatron's logits from its shards of the checkpoint
+        ref = torch.load(os.path.join(directory, "..", "tokens.pt"))
+        model.eval()
+        with torch.no_grad():
+            logits = model(ref, torch.arange(ref.shape[1]).unsqueeze(0).expand_as(ref), attention_mask=None)
+        if dist.get_rank() == 0:
+            torch.save(logits, os.path.join(directory, "..", f"logits_tp{dist.get_world_size()}.pt"))
+        return
     torch.save({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
                os.path.join(directory, "..", out))
 
@@ -139,10 +148,11 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", str(json.loads(open(pairs[0]).read()).get("port", 29581)))
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 under torchrun: load at tensor parallel `world`
+    dist.init_process_group("gloo", rank=int(os.environ.get("RANK", "0")), world_size=world)
     from megatron.core import parallel_state, tensor_parallel
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(world, 1)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # CUDA RNG: none here
     for spec, directory in zip(pairs[::2], pairs[1::2]):  # several models, one process: one megatron import
         run(json.loads(open(spec).read()), directory, mode)

@@ -3,7 +3,8 @@ attention, a dense first layer and MoE layers, written by megatron-core's own co
 (megatron_mla_save.py: its MLASelfAttention, MoE layer, router and experts; TE layers stood in for),
 imports through `tessera-ckpt import --format megatron`, exports to Hugging Face with Megatron's
 tensors in transformers' layout (which transformers' DeepseekV3ForCausalLM loads), and exports back
-to a torch_dist checkpoint that megatron-core's dist_checkpointing.load reads into the same model.
+to a torch_dist checkpoint that megatron-core's dist_checkpointing.load reads into the same model,
+at tensor parallel 1 (every tensor equal) and 2 (the same logits).
 Megatron's own forward gives the imported model's logits (its local core attention cannot run MLA,
 so that one softmax is stood in for by SDPA; everything with weights is Megatron's)."""
 
@@ -45,16 +46,21 @@ LAYOUTS = {"dense-first": ({}, {}),
                                 "moe": {**MODEL["moe"], "first_k_dense": 0}})}
 
 
-def megatron(mode: str, cases: list[tuple[dict, Path]]) -> list[dict[str, torch.Tensor]]:
-    """megatron_mla_save.py on each (spec, directory), in one process."""
+def megatron(mode: str, cases: list[tuple[dict, Path]], tensor_parallel: int = 1) -> list[dict[str, torch.Tensor]]:
+    """megatron_mla_save.py on each (spec, directory), in one process (`tensor_parallel` > 1: one
+    torchrun launch of that many, which load and write only logits)."""
     argv = []
     for spec, directory in cases:
         directory.mkdir(parents=True, exist_ok=True)
         (directory.parent / "spec.json").write_text(json.dumps(spec))
         argv += [str(directory.parent / "spec.json"), str(directory)]
-    proc = subprocess.run([sys.executable, str(HERE / "megatron_mla_save.py"), mode, *argv], capture_output=True,
+    launch = [sys.executable] if tensor_parallel == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tensor_parallel)]
+    proc = subprocess.run([*launch, str(HERE / "megatron_mla_save.py"), mode, *argv], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if tensor_parallel > 1:
+        return [torch.load(directory.parent / f"logits_tp{tensor_parallel}.pt") for _, directory in cases]
     name = "megatron_params.pt" if mode == "save" else "loaded_params.pt"
     return [torch.load(directory.parent / name) for _, directory in cases]
 
@@ -142,6 +148,13 @@ def test_megatron_deepseek_mla_moe_checkpoints_import_with_megatrons_logits_expo
                 assert torch.equal(loaded[key][:VOCAB], tensor[:VOCAB]) and not loaded[key][VOCAB:].any(), key
             else:
                 assert torch.equal(loaded[key], tensor), (name, key)
+    # Megatron at tensor parallel 2 (attention heads, MLP and expert widths split) reads its shards
+    # of our global tensors and gives its unsplit logits.
+    for _, back in backs:
+        torch.save(torch.load(back.parent.parent / "mcore" / "reference.pt")["tokens"], back.parent / "tokens.pt")
+    for (name, (_, _, root)), logits in zip(cases.items(), megatron("load", backs, tensor_parallel=2)):
+        want = torch.load(root / "mcore" / "reference.pt")["logits"][..., :VOCAB]
+        assert (logits[..., :VOCAB] - want).abs().max().item() < 1e-5 * want.abs().max().item(), name
 
 
 def _refused(capsys, argv: list[str]) -> str:
