@@ -94,6 +94,9 @@ def check_tensor_parallel(cfg: ModelConfig | HybridConfig, tp: int) -> None:
               "moe shared expert width": moe.shared_size if moe else None}
     if getattr(cfg, "mla", None) is None:
         widths["num_kv_heads"] = cfg.kv_heads
+    mamba = getattr(cfg, "mamba", None)
+    if mamba is not None:  # MambaMixer splits its heads and B/C groups
+        widths.update({"mamba.num_heads": mamba.num_heads, "mamba.num_groups": mamba.num_groups})
     for field, n in widths.items():
         if n and n % tp:
             raise UserError(f"--tensor-parallel {tp} does not divide the model's {field} ({n}); Megatron splits it "
