@@ -55,9 +55,11 @@ def check_megatron(cfg: ModelConfig, where: str = "model config") -> None:
     """Refuse what Megatron's MLA GPTModel cannot hold, naming the field."""
     assert cfg.mla is not None
     wrong = {k: v for k, v in (("bias", cfg.bias), ("qk_norm", cfg.qk_norm), ("sliding_window", cfg.sliding_window),
-                                ("activation", cfg.activation if cfg.activation != "swiglu" else None)) if v}
+                                ("activation", cfg.activation if cfg.activation != "swiglu" else None),
+                                ("norm", cfg.norm if cfg.norm != "rmsnorm" else None)) if v}
     if wrong:
-        raise UserError(f"{where}: {wrong} has no Megatron-Core MLA equivalent (bias-free SwiGLU layers)")
+        raise UserError(f"{where}: {wrong} has no Megatron-Core MLA equivalent here (bias-free SwiGLU layers, "
+                        "RMSNorm)")
     if getattr(cfg, "mtp", None):
         raise UserError(f"{where}: multi-token prediction (mtp) layers have no Megatron mapping here yet; export "
                         "without them")
