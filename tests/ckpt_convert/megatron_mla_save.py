@@ -9,7 +9,9 @@ DIR/../megatron_params.pt (its own state_dict) and DIR/../reference.pt (input to
 logits). `load`: loads DIR with dist_checkpointing.load into a fresh model and writes
 DIR/../loaded_params.pt.
 
-The layer spec is Megatron's Transformer Engine one for MLA (get_gpt_layer_with_transformer_engine_spec
+With `"local": true` in SPEC the layer spec is megatron-core's own get_gpt_layer_local_spec (MLA,
+qk_layernorm: separate q/kv layernorm modules, a pre-MLP norm in dense layers too). Otherwise it is
+Megatron's Transformer Engine one for MLA (get_gpt_layer_with_transformer_engine_spec
 with multi_latent_attention and qk_layernorm: the q/kv latent norms fused into linear_q_up_proj /
 linear_kv_up_proj, the dense MLP's norm into linear_fc1, TENorm elsewhere), what DeepSeek-V3 runs
 train with; TE's layers are stood in for by megatron-core's local ones with TE's `layer_norm_weight`,
@@ -30,6 +32,7 @@ from torch import nn
 
 def build(spec: dict):
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -72,6 +75,11 @@ def build(spec: dict):
             return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def layer(moe: bool) -> ModuleSpec:
+        if spec.get("local"):  # megatron-core's own local spec (its norm names), with the attention stand-in
+            local = get_gpt_layer_local_spec(num_experts=spec["num_experts"] if moe else None, qk_layernorm=True,
+                                             multi_latent_attention=True, normalization="RMSNorm")
+            local.submodules.self_attention.submodules.core_attention = CoreAttention
+            return local
         mlp = (get_moe_module_spec(use_te=False, num_experts=spec["num_experts"], moe_grouped_gemm=False) if moe
                else ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=LayerNormColumnParallelLinear,
                                                                     linear_fc2=RowParallelLinear)))
@@ -99,7 +107,8 @@ def build(spec: dict):
         moe_layer_freq=pattern if spec["first_k_dense"] else 1, moe_ffn_hidden_size=spec["moe_ffn_hidden_size"],
         moe_shared_expert_intermediate_size=spec["shared_ffn_hidden_size"], moe_router_topk=spec["top_k"],
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
-        moe_router_topk_scaling_factor=spec["routed_scaling_factor"], moe_router_num_groups=spec["num_groups"], moe_router_group_topk=spec["topk_groups"],
+        moe_router_topk_scaling_factor=spec["routed_scaling_factor"], moe_router_num_groups=spec["num_groups"],
+        moe_router_group_topk=spec["topk_groups"],
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         use_cpu_initialization=True, params_dtype=torch.float32, layernorm_epsilon=1e-6)
     block = TransformerBlockSubmodules(layer_specs=[layer(bool(p)) for p in pattern], layer_norm=WrappedTorchNorm)

@@ -61,8 +61,8 @@ def check_megatron(cfg: ModelConfig, where: str = "model config") -> None:
         raise UserError(f"{where}: {wrong} has no Megatron-Core MLA equivalent here (bias-free SwiGLU layers, "
                         "RMSNorm)")
     if getattr(cfg, "mtp", None):
-        raise UserError(f"{where}: multi-token prediction (mtp) layers have no Megatron mapping here yet; export "
-                        "without them")
+        raise UserError(f"{where}: multi-token prediction (model.mtp) has no Megatron-Core mapping here yet "
+                        "(Megatron's mtp.layers.<k>.*); refused rather than dropped")
 
 
 def stacked(cfg: ModelConfig) -> bool:
