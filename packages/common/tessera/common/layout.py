@@ -256,6 +256,10 @@ def validate_layout(
                         f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
     check_expert_parallel(cfg, layout)
     check_context_parallel(cfg, layout)
+    if cfg.kind == "encoder_decoder" and (pp > 1 or layout.context > 1):
+        raise UserError(f"--pipeline-parallel {pp} / --context-parallel {layout.context}: the encoder-decoder kind (T5) "
+                        "has neither (Megatron gives encoder and decoder their own pipeline stages; Tessera's pipeline "
+                        "cuts one stack of layers); set both to 1 and split with tensor, sequence or data parallel")
     cp = layout.context
     if dp % layout.data_shard:
         raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({dp} = world size / "
