@@ -1,0 +1,129 @@
+"""Serving DeepSeek-V3-class models (multi-head latent attention) from directories transformers
+saved: a latent KV cache of kv_lora_rank + qk_rope_head_dim values per token and layer; prefill
+chunks attend over up-projected latents, decodes with absorbed projections; greedy completions
+over HTTP equal transformers' `generate`, for one request and for many at once with chunked
+prefill and preemption."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import httpx
+import pytest
+import torch
+from deepseek_hf import YARN, build_hf
+from inference_helpers import hf_greedy, make_engine, run_all, token_ids
+from live_server import LiveServer
+from test_hf_serving import _save
+
+from tessera.common.tokenizer import load_tokenizer
+from tessera.inference.config import SpeculativeConfig
+from tessera.inference.core.sampling_params import SamplingParams
+
+VOCAB = 512  # the tiny tokenizer's
+# Smaller than the model tests' (2 layers: a dense first one, then group-limited MoE) to keep serving fast.
+SMALL = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=160)
+MODELS = {
+    "q-lora": dict(SMALL),
+    "no-q-lora-yarn": dict(SMALL, q_lora_rank=None, rope_scaling=YARN),
+}
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_ckpt, tmp_path_factory):
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            hf = build_hf(**MODELS[name])
+            with torch.no_grad():  # well-separated greedy choices
+                hf.get_output_embeddings().weight.mul_(8.0)
+            made[name] = hf, _save(hf, tiny_ckpt, tmp_path_factory.mktemp("hf") / name)
+        return made[name]
+    return get
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def deepseek(request, exports):
+    return exports(request.param)
+
+
+def _prompts(n: int, lo: int, seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (lo + i,), generator=gen).tolist() for i in range(n)]
+
+
+def test_one_request_and_sixteen_concurrent_with_chunked_prefill_and_preemption_equal_transformers_generate(deepseek):
+    """Over HTTP: one request alone, then 16 at once whose prompts of 20 to 35 tokens are prefilled
+    16 tokens per step (later chunks attend over the latents of earlier ones) beside other requests'
+    decodes, in 10 blocks of 8 tokens: fewer than the running sequences need, so some are preempted
+    and recomputed."""
+    hf, export = deepseek
+    prompts = _prompts(16, 20)
+    expected = [hf_greedy(hf, p, 5) for p in prompts]
+    tokenizer = load_tokenizer(export)
+    s = LiveServer(export, block_size=8, num_kv_blocks=10, max_model_len=48, max_num_batched_tokens=16,
+                   max_num_seqs=16)
+    body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    try:
+        one = httpx.post(f"{s.url}/v1/completions", json={**body, "prompt": prompts[0]}, timeout=60)
+        assert one.status_code == 200, one.text
+        assert one.json()["choices"][0]["text"] == tokenizer.decode(expected[0])
+        with cf.ThreadPoolExecutor(16) as pool:
+            futs = [pool.submit(httpx.post, f"{s.url}/v1/completions", json={**body, "prompt": p}, timeout=120)
+                    for p in prompts]
+            replies = [f.result() for f in futs]
+        for prompt, reply, want in zip(prompts, replies, expected):
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == tokenizer.decode(want), prompt
+        assert s.engine.scheduler.num_preemptions > 0
+        assert s.wait_idle()
+    finally:
+        s.stop()
+
+
+def test_kv_bytes_per_token_are_the_latent_and_rope_key_of_each_layer_and_the_summary_compares_full_kv(exports):
+    hf, export = exports("q-lora")
+    c = hf.config
+    engine = make_engine(export, block_size=8, kv_cache_memory=64 * 1024, max_model_len=48)
+    runner = engine.runner
+    per_token = (c.kv_lora_rank + c.qk_rope_head_dim) * c.num_hidden_layers * 4  # fp32
+    assert runner.kv.numel() * runner.kv.element_size() == runner.num_blocks * 8 * per_token
+    assert runner.block_bytes(engine.loaded.config, 1, torch.float32) == per_token
+    assert engine.blocks.num_blocks == 64 * 1024 // (8 * per_token)
+    full = c.num_hidden_layers * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * 4
+    tokens = engine.blocks.num_blocks * 8
+    assert runner.state_summary() == (
+        f"latent KV cache ({c.kv_lora_rank} + {c.qk_rope_head_dim} values per token and layer): {tokens} tokens, "
+        f"{tokens * per_token // full} with full K/V ({tokens / (tokens * per_token // full):.1f}x)")
+
+
+def test_greedy_output_with_speculative_rows_and_a_shared_prefix_equals_generate(exports):
+    """Draft rows (1 + k tokens) attend over latents with absorbed queries; a second request reuses
+    the first's cached prompt blocks (prefix caching) and prefills only its own tail."""
+    hf, export = exports("q-lora")
+    base = _prompts(1, 24, seed=3)[0]
+    prompts = {"loop": (base[:6] * 5)[:28], "a": base, "b": base[:16] + [7, 8, 9, 10, 11]}
+    engine = make_engine(export, block_size=8, num_kv_blocks=64, max_model_len=64,
+                         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3,
+                                                       prompt_lookup_min=1))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got = run_all(engine, {"loop": (prompts["loop"], params), "a": (prompts["a"], params)})
+    got.update(run_all(engine, {"b": (prompts["b"], params)}))
+    for name, prompt in prompts.items():
+        assert token_ids(got[name]) == hf_greedy(hf, prompt, 8), name
+    stats = engine.stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
+    assert stats.prefix_hits >= 16  # b's first two blocks came from a's
+
+
+def test_tensor_parallel_serving_of_latent_attention_is_refused_in_one_line_before_any_worker(exports, capsys):
+    from tessera.common.errors import run_cli
+    from tessera.inference.entrypoints.serve_cli import main
+
+    _, export = exports("q-lora")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--checkpoint", str(export), "--tensor-parallel", "2", "--no-engine-process"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "model.mla" in err and "--tensor-parallel 1" in err, err
