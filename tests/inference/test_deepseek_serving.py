@@ -82,16 +82,17 @@ def test_one_request_and_sixteen_concurrent_with_chunked_prefill_and_preemption_
         s.stop()
 
 
-def test_kv_bytes_per_token_are_the_latent_and_rope_key_of_each_layer_and_the_summary_compares_full_kv(exports):
+@pytest.mark.parametrize("kv_dtype,size", [("auto", 4), ("fp8", 1)])
+def test_kv_bytes_per_token_are_the_latent_and_rope_key_of_each_layer_and_the_summary_compares_full_kv(
+        exports, kv_dtype, size):
     hf, export = exports("q-lora")
     c = hf.config
-    engine = make_engine(export, block_size=8, kv_cache_memory=64 * 1024, max_model_len=48)
+    engine = make_engine(export, block_size=8, kv_cache_memory=64 * 1024, max_model_len=48, kv_cache_dtype=kv_dtype)
     runner = engine.runner
-    per_token = (c.kv_lora_rank + c.qk_rope_head_dim) * c.num_hidden_layers * 4  # fp32
+    per_token = (c.kv_lora_rank + c.qk_rope_head_dim) * c.num_hidden_layers * size  # fp32 model
     assert runner.kv.numel() * runner.kv.element_size() == runner.num_blocks * 8 * per_token
-    assert runner.block_bytes(engine.loaded.config, 1, torch.float32) == per_token
     assert engine.blocks.num_blocks == 64 * 1024 // (8 * per_token)
-    full = c.num_hidden_layers * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * 4
+    full = c.num_hidden_layers * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * size
     tokens = engine.blocks.num_blocks * 8
     assert runner.state_summary() == (
         f"latent KV cache ({c.kv_lora_rank} + {c.qk_rope_head_dim} values per token and layer): {tokens} tokens, "
@@ -127,3 +128,23 @@ def test_tensor_parallel_serving_of_latent_attention_is_refused_in_one_line_befo
         run_cli(main, ["--checkpoint", str(export), "--tensor-parallel", "2", "--no-engine-process"])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and "model.mla" in err and "--tensor-parallel 1" in err, err
+
+
+def test_decode_through_the_triton_paged_attention_kernel_over_latents_equals_generate(exports, monkeypatch):
+    """The CUDA path (the decoder's Triton kernel, run here by its interpreter): the latent is both
+    key and value, and the value's RoPE columns are dropped after attending."""
+    import tessera.kernels.paged_attention_triton as kernel
+
+    hf, export = exports("no-q-lora-yarn")
+    monkeypatch.setenv("TESSERA_FORCE_TRITON", "1")
+    calls = []
+    launch = kernel.paged_attention_triton
+    monkeypatch.setattr(kernel, "paged_attention_triton", lambda *a, **k: calls.append(a[0].shape) or launch(*a, **k))
+    engine = make_engine(export, block_size=8, num_kv_blocks=32, max_model_len=48)
+    engine.runner.kernel_decode = True
+    prompts = _prompts(2, 9, seed=5)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = run_all(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    assert [token_ids(got[str(i)]) for i in range(2)] == [hf_greedy(hf, p, 4) for p in prompts]
+    c = hf.config
+    assert calls and all(shape[1:] == (c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim) for shape in calls)

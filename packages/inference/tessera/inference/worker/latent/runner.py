@@ -63,6 +63,9 @@ class LatentRunner(ModelRunner):
         self.kv = torch.zeros(cfg.num_layers, num_blocks, block_size, 1, latent_width(cfg), device=device,
                               dtype=kv_dtype or dtype)
         self.batch_decodes = True  # decode and prefill rows attend differently on every device
+        # Decode groups through the paged-attention dispatcher (Triton on CUDA) rather than the
+        # CPU's gather + SDPA.
+        self.kernel_decode = device.type == "cuda"
         self.kv_dtype = self.kv.dtype
         self.dtype = dtype
 
@@ -110,7 +113,7 @@ class LatentRunner(ModelRunner):
         for group in split.decode_groups:
             end = start + group.num_rows
             q = attn.absorb(q_nope[start:end], q_rope[start:end])
-            if cache.device.type == "cuda":
+            if self.kernel_decode:
                 tables = group.blocks.view(-1, group.width).to(torch.int32)
                 starts = torch.arange(0, group.num_rows + 1, group.num_q, dtype=torch.int32, device=cache.device)
                 o = paged_attention(q, cache, cache, tables, group.seq_lens, starts, attn.scale)
