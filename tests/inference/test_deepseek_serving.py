@@ -148,3 +148,19 @@ def test_decode_through_the_triton_paged_attention_kernel_over_latents_equals_ge
     assert [token_ids(got[str(i)]) for i in range(2)] == [hf_greedy(hf, p, 4) for p in prompts]
     c = hf.config
     assert calls and all(shape[1:] == (c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim) for shape in calls)
+
+
+def test_the_startup_line_says_how_many_tokens_the_latent_cache_holds_against_full_kv(exports, capsys, monkeypatch):
+    import uvicorn
+
+    from tessera.inference.entrypoints.serve_cli import main
+
+    _, export = exports("q-lora")
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)  # the line is printed just before serving
+    capsys.readouterr()
+    assert main(["--checkpoint", str(export), "--no-engine-process", "--kv-cache-memory", "98304",
+                 "--block-size", "8", "--max-model-len", "48", "--enforce-eager"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    # 98304 bytes / (24 values x 2 layers x 4 bytes) = 512 tokens; full K/V: 4 heads x (24 + 12) x 2 x 4
+    assert "64 KV blocks x 8 tokens, latent KV cache (16 + 8 values per token and layer): 512 tokens, " \
+           "85 with full K/V (6.0x)" in line, line
