@@ -43,7 +43,7 @@ def full_kv_bytes_per_token(cfg, dtype: torch.dtype, tp: int = 1) -> int:
 
 
 class LatentRunner(ModelRunner):
-    eager_reason = "multi-head latent attention is served eagerly"
+    eager_reason = "its latent attention is not in the compiled forward"
 
     @staticmethod
     def prepare_model(model) -> None:
