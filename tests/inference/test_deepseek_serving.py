@@ -164,3 +164,11 @@ def test_the_startup_line_says_how_many_tokens_the_latent_cache_holds_against_fu
     # 98304 bytes / (24 values x 2 layers x 4 bytes) = 512 tokens; full K/V: 4 heads x (24 + 12) x 2 x 4
     assert "64 KV blocks x 8 tokens, latent KV cache (16 + 8 values per token and layer): 512 tokens, " \
            "85 with full K/V (6.0x)" in line, line
+
+
+def test_padded_decode_is_refused_in_one_line_for_latent_attention(exports):
+    from tessera.common.errors import UserError
+
+    _, export = exports("q-lora")
+    with pytest.raises(UserError, match=r"--padded-decode / --cuda-graph-sizes: multi-head latent attention"):
+        make_engine(export, block_size=8, num_kv_blocks=16, max_model_len=48, padded_decode=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tessera.common.errors import UserError
 from tessera.inference.worker.batch import BatchSeq, StepInputs
 from tessera.inference.worker.decode_attention import DecodeSplit, decode_attention, decode_split
 from tessera.inference.worker.kv_cache import dequantize_kv, store_kv
@@ -69,8 +70,9 @@ class LatentRunner(ModelRunner):
         self.kv_dtype = self.kv.dtype
         self.dtype = dtype
 
-    def use_decode_graphs(self, spec) -> None:  # pragma: no cover - MoE models are refused graphs first
-        raise NotImplementedError("latent attention has no CUDA-graph decode path")
+    def use_decode_graphs(self, spec) -> None:
+        raise UserError("--padded-decode / --cuda-graph-sizes: multi-head latent attention (model.mla) has no padded "
+                        "or CUDA-graph decode path yet; drop the flag")
 
     def state_summary(self) -> str:
         """The startup line's cache words: how many tokens the latent pool holds, and how many the
