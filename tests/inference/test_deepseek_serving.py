@@ -172,3 +172,24 @@ def test_padded_decode_is_refused_in_one_line_for_latent_attention(exports):
     _, export = exports("q-lora")
     with pytest.raises(UserError, match=r"--padded-decode / --cuda-graph-sizes: multi-head latent attention"):
         make_engine(export, block_size=8, num_kv_blocks=16, max_model_len=48, padded_decode=True)
+
+
+def test_bf16_serving_with_packed_linear_layers_completes_and_starts_as_fp32_generate(exports):
+    """bf16 weights (oneDNN-packed) over fp32 RoPE tables: queries and latents are cast back to the
+    model's dtype before the cache and the packed GEMMs see them."""
+    from tessera.inference.config import EngineConfig
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker.loader import load_for_serving
+
+    hf, export = exports("q-lora")
+    cpu = torch.device("cpu")
+    loaded = load_for_serving(export, cpu, torch.bfloat16)
+    engine = LLMEngine(loaded, EngineConfig(block_size=8, num_kv_blocks=32, max_model_len=48, dtype="bfloat16"),
+                       cpu, torch.bfloat16)
+    assert engine.runner.kv.dtype == torch.bfloat16
+    prompts = _prompts(3, 20)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    got = run_all(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    for i, p in enumerate(prompts):
+        tokens = token_ids(got[str(i)])
+        assert len(tokens) == 5 and tokens[0] == hf_greedy(hf, p, 1)[0]

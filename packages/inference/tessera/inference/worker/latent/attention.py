@@ -39,8 +39,8 @@ class LatentAttention(nn.Module):
         self.scale = scale
         # Local heads from the projection's width: a tensor-parallel shard holds whole heads.
         w = mla.kv_b_proj.weight.detach()
-        if hasattr(w, "dequantize"):  # a torchao-quantized weight
-            w = w.dequantize()
+        if type(w) is not torch.Tensor:  # a torchao-quantized weight (--quantization): its values in the model's dtype
+            w = w.dequantize().to(mla.kv_a_norm.weight.dtype)
         w = w.view(-1, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         self.num_heads = w.shape[0]
         self.register_buffer("w_uk", w[:, :m.qk_nope_head_dim].contiguous(), persistent=False)  # [H, nope, L]
@@ -56,9 +56,9 @@ class LatentAttention(nn.Module):
         q = self.mla.query(x).view(seq, self.num_heads, m.qk_head_dim)
         q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c, k_rope = self.mla.latent(x)
-        cos, sin = rope[0][0], rope[1][0]  # [T, 1, rope]
-        q_rope = q_rope * cos + _rotate_half(q_rope) * sin
-        k_rope = k_rope[0] * cos[:, 0] + _rotate_half(k_rope[0]) * sin[:, 0]
+        cos, sin = rope[0][0], rope[1][0]  # [T, 1, rope]; fp32 tables in a bf16 model: back to x's dtype
+        q_rope = (q_rope * cos + _rotate_half(q_rope) * sin).to(x.dtype)
+        k_rope = (k_rope[0] * cos[:, 0] + _rotate_half(k_rope[0]) * sin[:, 0]).to(x.dtype)
         out = attention_fn(self.layer_idx, self, q_nope, q_rope, torch.cat((c[0], k_rope), dim=-1))
         return self.mla.o_proj(out.reshape(1, seq, -1))
 
@@ -66,7 +66,8 @@ class LatentAttention(nn.Module):
         """Cached latents [N, L + R] -> per-head keys [N, H, nope + rope] and values [N, H, v]."""
         m = self.m
         c, k_rope = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        kv = self.mla.kv_b_proj(c).view(-1, self.num_heads, m.qk_nope_head_dim + m.v_head_dim)
+        # contiguous: oneDNN's packed bf16 GEMM refuses a strided input (a column slice of the cache)
+        kv = self.mla.kv_b_proj(c.contiguous()).view(-1, self.num_heads, m.qk_nope_head_dim + m.v_head_dim)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         return torch.cat((k_nope, k_rope[:, None].expand(-1, self.num_heads, -1)), dim=-1), v
 
