@@ -174,9 +174,10 @@ def test_padded_decode_is_refused_in_one_line_for_latent_attention(exports):
         make_engine(export, block_size=8, num_kv_blocks=16, max_model_len=48, padded_decode=True)
 
 
-def test_bf16_serving_with_packed_linear_layers_completes_and_starts_as_fp32_generate(exports):
+def test_bf16_serving_with_packed_linear_layers_completes_and_starts_as_fp32_transformers(exports):
     """bf16 weights (oneDNN-packed) over fp32 RoPE tables: queries and latents are cast back to the
-    model's dtype before the cache and the packed GEMMs see them."""
+    model's dtype before the cache and the packed GEMMs see them. Each first token is fp32
+    transformers' best or within bf16 rounding of it (random tiny models have near ties)."""
     from tessera.inference.config import EngineConfig
     from tessera.inference.engine.llm_engine import LLMEngine
     from tessera.inference.worker.loader import load_for_serving
@@ -192,4 +193,6 @@ def test_bf16_serving_with_packed_linear_layers_completes_and_starts_as_fp32_gen
     got = run_all(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
     for i, p in enumerate(prompts):
         tokens = token_ids(got[str(i)])
-        assert len(tokens) == 5 and tokens[0] == hf_greedy(hf, p, 1)[0]
+        with torch.no_grad():
+            logits = hf(torch.tensor([p])).logits[0, -1]
+        assert len(tokens) == 5 and logits[tokens[0]] >= logits.max() - 0.05, (tokens, logits.topk(3))

@@ -43,6 +43,10 @@ def full_kv_bytes_per_token(cfg, dtype: torch.dtype, tp: int = 1) -> int:
     return cfg.num_layers * max(1, cfg.num_heads // tp) * (m.qk_head_dim + m.v_head_dim) * itemsize
 
 
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
 class LatentRunner(ModelRunner):
     eager_reason = "its latent attention is not in the compiled forward"
 
@@ -132,6 +136,11 @@ class LatentRunner(ModelRunner):
                  split: DecodeSplit) -> torch.Tensor:
         """Each prefill chunk over its sequence's cached latents, up-projected: [rows, H, v]."""
         q = torch.cat((q_nope, q_rope), dim=-1)
+        # CPU flash attention wants 4-D inputs of one head width: the narrower of q/k and v is
+        # zero-padded (zeros add nothing to a dot product; padded value columns are cut off after).
+        v_dim = attn.m.v_head_dim
+        width = max(q.shape[-1], v_dim)
+        qs = _pad(q, width)
         bounds = split.prefill_starts.tolist()
         lens = split.prefill_lens.tolist()
         outs = []
@@ -140,10 +149,15 @@ class LatentRunner(ModelRunner):
             blocks = split.prefill_tables[i, :-(-kv_len // self.block_size)].long()
             latent = cache.index_select(0, blocks).view(-1, cache.shape[-1])[:kv_len]
             k, v = attn.expand(dequantize_kv(latent, q.dtype))
+            k = _pad(k, width)
             q_len = q1 - q0
-            visible = (torch.arange(kv_len, device=q.device)[None, :]
-                       <= torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None])
-            o = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               attn_mask=visible, scale=attn.scale)
-            outs.append(o.transpose(0, 1))
+            mask = None  # a whole prompt: plain causal
+            if q_len != kv_len:  # a later chunk sees every earlier position; additive float (CPU flash takes it)
+                hidden = (torch.arange(kv_len, device=q.device)[None, :]
+                          > torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None])
+                mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+            o = F.scaled_dot_product_attention(qs[None, q0:q1].transpose(1, 2), k[None].transpose(1, 2),
+                                               _pad(v, width)[None].transpose(1, 2), attn_mask=mask,
+                                               is_causal=mask is None, scale=attn.scale)
+            outs.append(o[0].transpose(0, 1)[..., :v_dim])
         return outs[0] if len(outs) == 1 else torch.cat(outs)
