@@ -20,8 +20,9 @@ Tessera with the trainer's setting, transformers with glibc's defaults (needs a 
 steps no longer alternate, so drift in machine speed lands on one framework).
 Compile time is measured separately (first step) and excluded from the steady-state figures.
 
-`--breakdown` then profiles a few more steps of each framework (torch.profiler, CPU time) and
-splits each step into the kernels both frameworks share (GEMMs, the SDPA attention kernels,
+`--breakdown` then profiles a few more steps of each framework. On a GPU it splits each step's
+device time by kernel kind (GEMMs, attention, loss, optimizer, norms, elementwise) and the idle
+gaps between kernels (benchmarks/step_breakdown.py). On CPU (torch.profiler, CPU time) it splits each step into the kernels both frameworks share (GEMMs, the SDPA attention kernels,
 clipping and the fused AdamW: the same ATen kernels, called the same number of times) and the
 rest, which is each framework's own (norms, RoPE, SwiGLU, residuals, loss, allocator, Python).
 In one process (same allocator for both, steps alternating) transformers' step over its
@@ -174,12 +175,17 @@ def profile_step(step_fn, batch, sync) -> dict:
     return {"wall_ms": wall * 1e3, "shared_ms": shared}
 
 
-def breakdown(steps_by_name: dict, batches, steps: int, sync) -> dict[str, dict]:
+def breakdown(steps_by_name: dict, batches, steps: int, sync, device: torch.device) -> dict[str, dict]:
     """Profile `steps` more steps of each framework, alternating; per-framework medians.
 
     The ceiling is taken within each profiled transformers step (its wall time over its own
     shared-kernel time), so drift in the machine's speed between steps cancels out of it.
     """
+    if device.type == "cuda":  # the device's kernels by kind and its idle gaps (step_breakdown.py)
+        from step_breakdown import profile_cuda_step, summarize
+
+        return {name: summarize([profile_cuda_step(fn, batches[i % len(batches)], sync) for i in range(steps)])
+                for name, fn in steps_by_name.items()}
     per_step = {name: [] for name in steps_by_name}
     for i in range(steps):
         for name, step_fn in steps_by_name.items():
@@ -188,6 +194,10 @@ def breakdown(steps_by_name: dict, batches, steps: int, sync) -> dict[str, dict]
 
 
 def summarize_profiles(profiles: list[dict]) -> dict:
+    if "kinds_ms" in profiles[0]:  # GPU breakdowns
+        from step_breakdown import summarize
+
+        return summarize(profiles)
     return {"wall_ms": statistics.median(p["wall_ms"] for p in profiles),
             "shared_ms": {kind: statistics.median(p["shared_ms"][kind] for p in profiles)
                           for kind in profiles[0]["shared_ms"]},
@@ -197,6 +207,10 @@ def summarize_profiles(profiles: list[dict]) -> dict:
 
 
 def print_breakdown(breakdowns: dict[str, dict], same_process: bool) -> None:
+    if all("kinds_ms" in b for b in breakdowns.values()):
+        from step_breakdown import print_breakdown as print_gpu_breakdown
+
+        return print_gpu_breakdown(breakdowns)
     print("breakdown (profiled steps, median ms per step; shared = the same ATen kernels in both frameworks):")
     for name, b in breakdowns.items():
         shared = sum(b["shared_ms"].values())
@@ -326,8 +340,6 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(problem)
     if args.precision == "fp8" and args.fp8_backend == "torchao" and args.fp8_recipe not in TORCHAO_RECIPES:
         ap.error(f"--fp8-recipe {args.fp8_recipe} is Transformer Engine's: add --fp8-backend te")
-    if args.breakdown and args.device != "cpu":
-        ap.error("--breakdown measures CPU time and is for --device cpu (on a GPU use benchmarks/kernels.py)")
     if args.separate_processes:
         return run_separately(args)
 
@@ -372,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
         del ours
     results = time_interleaved(step_fns, batches, args.warmup, args.steps, sync)
     if args.breakdown:
-        for name, summary in breakdown(step_fns, batches, args.breakdown, sync).items():
+        for name, summary in breakdown(step_fns, batches, args.breakdown, sync, device).items():
             results[name]["breakdown"] = summary
     for r in results.values():
         r["median_step_s"] = statistics.median(r["step_times_s"])

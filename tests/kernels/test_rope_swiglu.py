@@ -19,12 +19,13 @@ def _rope_tables(cfg, positions):
     return RotaryEmbedding(cfg)(positions)
 
 
-def _llama3_cfg(head_dim: int):
-    """A config with Llama-3 scaled frequencies, so the kernel sees the tables the model uses."""
+def _llama3_cfg(head_dim: int, max_seq_len: int):
+    """A config with Llama-3 scaled frequencies, so the kernel sees the tables the model uses; its
+    table holds every position a case asks for (the GPU case runs 2048 positions)."""
     from tessera.common.models.causal_lm.config import preset
 
     return preset("tiny", vocab_size=64, num_layers=1, num_heads=4, num_kv_heads=2, hidden_size=4 * head_dim,
-                  max_seq_len=64, rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  max_seq_len=max_seq_len, rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                 "original_max_position_embeddings": 16})
 
 
@@ -45,7 +46,7 @@ ROPE_CASES = [
 
 
 def _check_rope(device, batch, seq, hq, hk, head_dim, dtype, per_sample):
-    cfg = _llama3_cfg(head_dim)
+    cfg = _llama3_cfg(head_dim, max_seq_len=max(64, seq))
     gen = torch.Generator().manual_seed(0)
     if per_sample:  # packed documents: positions restart inside a row, one table row per sample
         positions = torch.stack([torch.randperm(32, generator=gen)[:seq] for _ in range(batch)])

@@ -114,32 +114,79 @@ def test_float8_loss_and_grads_track_bf16(recipe):
     assert all(torch.isfinite(g).all() for g in grads_fp8.values())
 
 
+def _text_batches(steps: int, batch: int, seq: int) -> list[torch.Tensor]:
+    """Byte tokens of the Python standard library's own source, a different window for every row of
+    every step (the same for every run): text, so the curves move as on a corpus rather than
+    memorising one repeated batch."""
+    import pathlib
+    import sysconfig
+
+    files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:60]
+    text = torch.frombuffer(bytearray(b"".join(f.read_bytes() for f in files)), dtype=torch.uint8).long()
+    starts = torch.randint(0, len(text) - seq, (steps, batch), generator=torch.Generator().manual_seed(0))
+    return [torch.stack([text[s:s + seq] for s in row.tolist()]) for row in starts]
+
+
+def _curve(cfg, batches, device, init_seed: int, recipe: str | None, compile: bool) -> list[float]:
+    model = build_model(cfg, device=device, seed=init_seed)
+    if recipe is not None:  # on CPU torchao's casts run emulated; on a GPU the trainer's own checks apply
+        if device.type == "cuda":
+            apply_float8(model, recipe, device)
+        else:
+            convert_to_float8(model, recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+
+    def step(tokens):
+        return _loss_and_grads(model, tokens)[0]
+
+    step = torch.compile(step) if compile else step
+    losses = []
+    for tokens in batches:
+        losses.append(float(step(tokens.to(device))))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+def _gap(a: list[float], b: list[float], window: int) -> float:
+    """Mean relative distance of two loss curves over their last `window` steps (same batches)."""
+    return sum(abs(x - y) / y for x, y in zip(a[-window:], b[-window:])) / window
+
+
+def _fp8_gap_and_seed_drift(cfg, batches, device, recipe: str, compile: bool, window: int) -> tuple[float, float]:
+    """(fp8 vs bf16 from the same init, bf16 vs bf16 from another init seed) on the same schedule:
+    the second is how far training noise alone moves the curve, the bound the first is held to."""
+    bf16 = _curve(cfg, batches, device, 0, None, compile)
+    other_seed = _curve(cfg, batches, device, 1, None, compile)
+    fp8 = _curve(cfg, batches, device, 0, recipe, compile)
+    return _gap(fp8, bf16, window), _gap(other_seed, bf16, window)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_training_stays_within_the_drift_between_two_bf16_seeds(recipe):
+    """Emulated on CPU: 24 AdamW steps on text, fp8 no further from bf16 than a second bf16 seed is."""
+    pytest.importorskip("torchao")
+    cfg = preset("tiny", vocab_size=256, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                 ffn_hidden_size=128)
+    fp8_gap, drift = _fp8_gap_and_seed_drift(cfg, _text_batches(24, 4, 64), torch.device("cpu"), recipe,
+                                             compile=False, window=8)
+    assert fp8_gap <= drift, f"fp8 {fp8_gap:.4f} from bf16, two bf16 seeds {drift:.4f} apart"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_training_steps_track_bf16_on_gpu(recipe):
-    """On an FP8 GPU, compiled: 20 AdamW steps with FP8 linears stay within 2% of bf16's loss."""
+    """On an FP8 GPU, compiled: 60 AdamW steps on text, the fp8 curve no further from bf16's than a
+    second bf16 seed's (the old bound, 2% after 20 steps on one repeated batch, measured the
+    memorisation of that batch: 3.5% on an H100 while fp8 was healthy)."""
     if not torch.cuda.is_available() or fp8_device_problem(torch.device("cuda")) is not None:
         pytest.skip("needs a GPU with FP8 tensor cores (compute capability 8.9+)")
     pytest.importorskip("torchao")
-    device = torch.device("cuda")
     cfg = preset("tiny", vocab_size=256, num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
-                 ffn_hidden_size=512)
-    tokens = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0)).to(device)
-
-    def train(fp8: bool) -> float:
-        model = build_model(cfg, device=device, seed=0)
-        if fp8:
-            apply_float8(model, recipe, device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        step = torch.compile(lambda: _loss_and_grads(model, tokens)[0])
-        for _ in range(20):
-            loss = step()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return float(loss)
-
-    bf16, fp8 = train(False), train(True)
-    assert abs(fp8 - bf16) / bf16 < 0.02
+                 ffn_hidden_size=512, max_seq_len=256)
+    fp8_gap, drift = _fp8_gap_and_seed_drift(cfg, _text_batches(60, 8, 256), torch.device("cuda"), recipe,
+                                             compile=True, window=20)
+    assert fp8_gap <= drift, f"fp8 {fp8_gap:.4f} from bf16, two bf16 seeds {drift:.4f} apart"
 
 
 # ---- composition (issue #19): FSDP float8 all-gather, recompute, tensor parallel -------------------

@@ -95,6 +95,8 @@ class Experts(nn.Module):
 
 
 def _grouped_mm_ok(x: torch.Tensor) -> bool:
+    # torch._grouped_mm is private (in every torch >= 2.11 this project supports, Hopper+ bf16 only):
+    # the hasattr keeps a later torch that renames it on the per-expert loop instead of failing.
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
