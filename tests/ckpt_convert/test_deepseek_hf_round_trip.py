@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from deepseek_hf import build_hf
+from deepseek_hf import build_hf, save_with_mtp
 
 from tessera.ckpt_convert.cli import main, run
 
@@ -42,6 +42,26 @@ def test_deepseek_v3_import_export_is_byte_identical(tmp_path, tokenizer_dir, ov
     tokens = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(again(tokens).logits, hf(tokens).logits)
+
+
+def test_deepseek_v3_with_its_mtp_layer_imports_and_exports_byte_identically(tmp_path, tokenizer_dir):
+    """DeepSeek's MTP layer (model.layers.<num_hidden_layers>.*: a decoder layer, enorm/hnorm,
+    eh_proj, shared_head.norm and copies of the embedding and head) lands in Tessera's checkpoint and
+    comes back byte for byte, with num_nextn_predict_layers=1."""
+    mtp, _ = save_with_mtp(build_hf(), tmp_path / "hf")
+    for f in tokenizer_dir.iterdir():
+        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
+    assert run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"),
+                "--quiet"]) == 0
+    from tessera.common.checkpoint import read_sidecar, resolve_checkpoint
+
+    cfg = read_sidecar(resolve_checkpoint(tmp_path / "ckpt")).model
+    assert cfg.mtp is not None and cfg.mtp.depth == 1
+    assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "ckpt"), "--output",
+                str(tmp_path / "out"), "--quiet"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert "model.layers.3.eh_proj.weight" in mtp and "model.layers.3.mlp.experts.7.down_proj.weight" in mtp
 
 
 @pytest.mark.parametrize("field,value,message", [
