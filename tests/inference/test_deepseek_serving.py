@@ -196,3 +196,50 @@ def test_bf16_serving_with_packed_linear_layers_completes_and_starts_as_fp32_tra
         with torch.no_grad():
             logits = hf(torch.tensor([p])).logits[0, -1]
         assert len(tokens) == 5 and logits[tokens[0]] >= logits.max() - 0.05, (tokens, logits.topk(3))
+
+
+@pytest.fixture(scope="module")
+def with_mtp(tiny_ckpt, tmp_path_factory):
+    """A tiny DeepSeek-V3 directory with DeepSeek's MTP layer (num_nextn_predict_layers=1)."""
+    from deepseek_hf import save_with_mtp
+
+    hf = build_hf(**MODELS["q-lora"])
+    with torch.no_grad():
+        hf.get_output_embeddings().weight.mul_(8.0)
+    out = _save(hf, tiny_ckpt, tmp_path_factory.mktemp("hf") / "mtp")
+    save_with_mtp(hf, out)
+    return hf, out
+
+
+def test_mtp_drafts_are_the_mtp_modules_greedy_choice_and_the_output_equals_generate(with_mtp, monkeypatch):
+    """16 requests with chunked prefill and preemption; each first draft is the MTP depth's argmax
+    over the target's hidden states of the sequence so far (checked against the model run whole)."""
+    from tessera.inference.sample.mtp_draft import MTPProposer
+    from tessera.inference.worker.loader import load_for_serving
+
+    hf, export = with_mtp
+    proposed: list[tuple[list[int], int]] = []
+    propose = MTPProposer.propose
+
+    def spy(self, running):
+        propose(self, running)
+        proposed.extend((s.tokens(0, s.num_tokens), s.spec_token_ids[0]) for s in running if s.spec_token_ids)
+    monkeypatch.setattr(MTPProposer, "propose", spy)
+    engine = make_engine(export, block_size=8, num_kv_blocks=8, max_model_len=48, max_num_batched_tokens=16,
+                         max_num_seqs=16, enable_prefix_caching=False,
+                         speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2))
+    prompts = _prompts(16, 12)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    got = run_all(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
+    for i, p in enumerate(prompts):
+        assert token_ids(got[str(i)]) == hf_greedy(hf, p, 6), i
+    stats = engine.stats()
+    assert engine.scheduler.num_preemptions > 0 and stats.spec_num_draft_tokens > 0
+    model = load_for_serving(export, torch.device("cpu"), torch.float32).model  # the plain model, run whole
+    assert proposed
+    with torch.no_grad():
+        for tokens, first in proposed[:24]:
+            ids = torch.tensor([tokens])
+            hidden = model(ids, return_hidden=True)
+            mtp = model.mtp_hidden(0, hidden[:, :-1], ids[:, 1:])
+            assert model.logits(mtp[0, -1]).argmax().item() == first

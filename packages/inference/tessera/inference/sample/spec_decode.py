@@ -212,6 +212,10 @@ def build_proposer(cfg: SpeculativeConfig, max_model_len: int, num_blocks: int, 
                    skip_checksum_verify: bool = False):
     if cfg.method == "ngram":
         return NgramProposer(cfg)
+    if cfg.method == "mtp":  # the target's own MTP modules (attached to the target runner by the engine)
+        from tessera.inference.sample.mtp_draft import MTPProposer
+
+        return MTPProposer(cfg.num_speculative_tokens, num_blocks, block_size)
     from tessera.inference.worker.loader import load_for_serving
 
     assert cfg.model is not None

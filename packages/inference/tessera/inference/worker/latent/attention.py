@@ -84,7 +84,9 @@ class LatentAttention(nn.Module):
 def install(model: nn.Module) -> int:
     """Swap each MLA layer of `model` for its serving form, in place; returns how many."""
     swapped = 0
-    for block in getattr(model, "layers", {}).values():
+    mtp = getattr(model, "mtp", None)  # the multi-token-prediction depths' blocks too (DeepSeek-V3)
+    blocks = [*getattr(model, "layers", {}).values(), *(mtp.layers.values() if mtp is not None else ())]
+    for block in blocks:
         if isinstance(block.attn, MLA):
             block.attn = LatentAttention(block.attn, mla_softmax_scale(model.cfg))
             swapped += 1

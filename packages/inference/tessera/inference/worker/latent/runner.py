@@ -65,7 +65,7 @@ class LatentRunner(ModelRunner):
         # The base class's K/V pool is sized 0 blocks; this runner's pool is the latent one.
         super().__init__(model, 0, block_size, device, dtype, tp_rank, tp_size, kv_dtype)
         self.num_blocks = num_blocks
-        self.kv = torch.zeros(cfg.num_layers, num_blocks, block_size, 1, latent_width(cfg), device=device,
+        self.kv = torch.zeros(self.cache_layers(cfg), num_blocks, block_size, 1, latent_width(cfg), device=device,
                               dtype=kv_dtype or dtype)
         self.batch_decodes = True  # decode and prefill rows attend differently on every device
         # Decode groups through the paged-attention dispatcher (Triton on CUDA) rather than the
@@ -73,6 +73,32 @@ class LatentRunner(ModelRunner):
         self.kernel_decode = device.type == "cuda"
         self.kv_dtype = self.kv.dtype
         self.dtype = dtype
+
+    # Set by a proposer whose drafts read the target's hidden states (mtp_draft.py): request id ->
+    # (first position, final-normed hidden states [n, d]) of the rows each sequence computed last step.
+    step_hidden: dict[str, tuple[int, torch.Tensor]] | None = None
+
+    @staticmethod
+    def cache_layers(cfg) -> int:
+        return cfg.num_layers
+
+    def execute(self, plan):
+        out = super().execute(plan)
+        if self.step_hidden is not None and self._kept is not None:
+            offset = 0
+            for s in plan.scheduled:
+                self.step_hidden[s.seq.request_id] = (s.start, self._kept[offset:offset + s.num_new])
+                offset += s.num_new
+            self._kept = None
+        return out
+
+    _kept: torch.Tensor | None = None
+
+    def _hidden(self, step: StepInputs) -> torch.Tensor:
+        hidden = super()._hidden(step)
+        if self.step_hidden is not None:
+            self._kept = hidden[0]
+        return hidden
 
     def use_decode_graphs(self, spec) -> None:
         raise UserError("--padded-decode / --cuda-graph-sizes: multi-head latent attention (model.mla) has no padded "
