@@ -212,7 +212,7 @@ def with_mtp(tiny_ckpt, tmp_path_factory):
 
 
 def test_mtp_drafts_are_the_mtp_modules_greedy_choice_and_the_output_equals_generate(with_mtp, monkeypatch):
-    """16 requests with chunked prefill and preemption; each first draft is the MTP depth's argmax
+    """10 requests with chunked prefill and preemption; each first draft is the MTP depth's argmax
     over the target's hidden states of the sequence so far (checked against the model run whole)."""
     from tessera.inference.sample.mtp_draft import MTPProposer
     from tessera.inference.worker.loader import load_for_serving
@@ -228,18 +228,27 @@ def test_mtp_drafts_are_the_mtp_modules_greedy_choice_and_the_output_equals_gene
     engine = make_engine(export, block_size=8, num_kv_blocks=8, max_model_len=48, max_num_batched_tokens=16,
                          max_num_seqs=16, enable_prefix_caching=False,
                          speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2))
-    prompts = _prompts(16, 12)
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(10, 14)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     got = run_all(engine, {str(i): (p, params) for i, p in enumerate(prompts)})
     for i, p in enumerate(prompts):
-        assert token_ids(got[str(i)]) == hf_greedy(hf, p, 6), i
+        assert token_ids(got[str(i)]) == hf_greedy(hf, p, 5), i
     stats = engine.stats()
     assert engine.scheduler.num_preemptions > 0 and stats.spec_num_draft_tokens > 0
     model = load_for_serving(export, torch.device("cpu"), torch.float32).model  # the plain model, run whole
     assert proposed
     with torch.no_grad():
-        for tokens, first in proposed[:24]:
+        for tokens, first in proposed[:16]:
             ids = torch.tensor([tokens])
             hidden = model(ids, return_hidden=True)
             mtp = model.mtp_hidden(0, hidden[:, :-1], ids[:, 1:])
             assert model.logits(mtp[0, -1]).argmax().item() == first
+
+
+def test_mtp_speculation_on_a_model_without_mtp_modules_is_refused_in_one_line(exports):
+    from tessera.common.errors import UserError
+
+    _, export = exports("q-lora")
+    with pytest.raises(UserError, match=r"method mtp: this model has no multi-token-prediction modules"):
+        make_engine(export, block_size=8, num_kv_blocks=16, max_model_len=48,
+                    speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2))
