@@ -11,7 +11,10 @@
     every step (what absorption avoids).
 
 The model is random, DeepSeek-V3's structure scaled down for a 2-core CPU (first layer dense, then
-group-limited sigmoid MoE with a shared expert; q-lora; YaRN off), fp32.
+group-limited sigmoid MoE with a shared expert; q-lora; YaRN off; one MTP depth), fp32. Random MTP
+weights draft at random: `--speculative '{"method": "mtp", ...}'` measures the cost of drafting and
+verifying, not the speed-up a trained MTP module gives (DeepSeek reports 85-90% acceptance of
+the second token).
 
     .venv/bin/python benchmarks/deepseek_serving.py
     .venv/bin/python benchmarks/deepseek_serving.py --smoke       # seconds
@@ -39,7 +42,7 @@ SHAPE = dict(hidden_size=256, intermediate_size=768, moe_intermediate_size=128, 
              q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
              max_position_embeddings=4096, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
              rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu",
-             norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc")
+             norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", num_nextn_predict_layers=1)
 
 
 def make_config(vocab: int):

@@ -74,7 +74,7 @@ class LatentRunner(ModelRunner):
         self.kv_dtype = self.kv.dtype
         self.dtype = dtype
 
-    # Set by a proposer whose drafts read the target's hidden states (mtp_draft.py): request id ->
+    # Set by a proposer whose drafts read the target's hidden states (spec_decode.MTPProposer): request id ->
     # (first position, final-normed hidden states [n, d]) of the rows each sequence computed last step.
     step_hidden: dict[str, tuple[int, torch.Tensor]] | None = None
 
