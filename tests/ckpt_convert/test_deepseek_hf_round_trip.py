@@ -83,8 +83,9 @@ def test_bad_deepseek_config_is_one_line_exit_2(tmp_path, tokenizer_dir, capsys,
 
 
 def test_what_is_not_built_for_latent_attention_is_refused_in_one_line_before_any_work(tmp_path, tokenizer_dir, capsys):
-    """Tensor and context parallel and the TensorRT-LLM / Megatron exports of an MLA model are not
-    built: each says so in one line, exit 2, nothing written, no worker started."""
+    """Tensor and context parallel and the TensorRT-LLM export of an MLA model are not built
+    (Megatron's is: test_megatron_mla.py; serving: tests/inference/test_deepseek_serving.py): each
+    says so in one line, exit 2, nothing written, no worker started."""
     from tessera.common.errors import run_cli
 
     save(build_hf(), tmp_path / "hf", tokenizer_dir)
@@ -93,8 +94,7 @@ def test_what_is_not_built_for_latent_attention_is_refused_in_one_line_before_an
     capsys.readouterr()
     for cli, argv, message in (
             (main, ["reshard", "--tensor-parallel", "2", "--pipeline-parallel", "1"], "--tensor-parallel 2"),
-            (main, ["export", "--format", "trtllm"], "TensorRT-LLM"),
-            (main, ["export", "--format", "megatron"], "Megatron-Core")):
+            (main, ["export", "--format", "trtllm"], "TensorRT-LLM")):
         args = [*argv, "--checkpoint", str(tmp_path / "ckpt")]
         if cli is main:
             args += ["--output", str(tmp_path / "out")]
