@@ -60,7 +60,8 @@ class _TensorSplit:
 
 _SPLITS = {  # by model kind (the `kind` of its config)
     "causal_lm": _TensorSplit(
-        column=("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj."),
+        column=("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.",
+                "attn.q_b_proj.", "attn.kv_b_proj."),  # latent attention's up projections, by heads
         row=("attn.o_proj.weight", "mlp.down_proj.weight"),
         experts=re.compile(r"^layers\.\d+\.mlp\.experts\.")),
     "hybrid": _TensorSplit(

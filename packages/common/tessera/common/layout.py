@@ -199,10 +199,6 @@ def check_context_parallel(cfg: ModelConfig | HybridConfig, layout: ParallelLayo
 def _check_tensor_parallel(cfg: ModelConfig | HybridConfig, tp: int) -> None:
     """Each tensor rank holds whole heads (and key/value heads, Mamba groups), an equal slice of the
     MLPs and of the vocabulary: `tp` must divide each of them."""
-    if tp > 1 and getattr(cfg, "mla", None) is not None:
-        raise UserError(f"--tensor-parallel {tp} (parallel.tensor): tensor parallel for multi-head latent attention "
-                        "(model.mla, DeepSeek-V3) is not built; use --tensor-parallel 1 (its experts split with "
-                        "--expert-parallel)")
     if isinstance(cfg, HybridConfig):
         used = set(cfg.pattern)
         if cfg.mamba is not None and "M" in used:
