@@ -69,7 +69,7 @@ class StageModule(nn.Module):
             self.key_index.copy_(self.cp.key_index(self.full_seq_len, device))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None) -> torch.Tensor:
         """`positions` / `document_ids` [B, T] (whole sequence) for packed documents; the pipeline
         schedule hands every stage its micro-batch's rows of them."""
         if not isinstance(self.model, Transformer):
@@ -84,7 +84,9 @@ class StageModule(nn.Module):
             h = self.model(x, positions=positions, return_hidden=True, attention_fn=attention)
         else:
             positions = self.positions if positions is None else positions
-            h = self.model(x, positions=positions, return_hidden=True, document_ids=document_ids)
+            # mtp_labels: the multi-token-prediction loss (one stage holding the whole model).
+            mtp = {"mtp_labels": mtp_labels} if mtp_labels is not None else {}
+            h = self.model(x, positions=positions, return_hidden=True, document_ids=document_ids, **mtp)
         if not self.is_last:
             return h
         weight = self.tied_head if self.tied_head is not None else self.model.output_weight()

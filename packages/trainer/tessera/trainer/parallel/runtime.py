@@ -91,6 +91,8 @@ class ParallelRuntime:
         # MoE: router statistics and the balancing-bias update, loads summed over the ranks that
         # routed other tokens through the same layers.
         self.router_stats = RouterStats(list(stages), reduce=self._reduce_router) if cfg.moe is not None else None
+        # Multi-token prediction (one stage holding the whole model; validate_layout refuses others).
+        self.mtp = getattr(stages[-1].model, "mtp", None)
 
     def _reduce_router(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over data and expert ranks (each routes its own rows of the batch), context ranks
@@ -202,6 +204,8 @@ class ParallelRuntime:
         self.optimizer.zero_grad(n)
         if self.router_stats is not None:
             self.router_stats.prepare(n)
+        if self.mtp is not None:
+            self.mtp.prepare(n)
         self._loss_scale = loss_scale
         total = torch.zeros((), dtype=torch.float32, device=g.device)
         with self._autocast():
@@ -217,6 +221,12 @@ class ParallelRuntime:
             for st in self.stages:
                 self.float8.after_optimizer_step(st)
         router = self.router_stats.step() if self.router_stats is not None else {}
+        mtp = self.mtp.metrics() if self.mtp is not None else {}
+        if mtp:  # every tensor rank has the same loss; data and expert ranks average theirs
+            t = torch.tensor(list(mtp.values()), dtype=torch.float64, device=g.device)
+            if g.dp_ep > 1:
+                dist.all_reduce(t, group=g.dp_ep_group)
+            router.update(zip(mtp, (t / g.dp_ep).tolist()))
         return StepResult(loss=float(total), grad_norm=norm, stepped=not scaled or math.isfinite(norm), router=router)
 
     def _local(self, tokens: torch.Tensor, targets: torch.Tensor, model_inputs: dict[str, torch.Tensor] | None):
@@ -276,7 +286,8 @@ class ParallelRuntime:
             stage = self.stages[0]
             for i in range(n):
                 rows = slice(i * mb, (i + 1) * mb)
-                logits = stage(tokens[rows], **{k: v[rows] for k, v in model_inputs.items()})
+                mtp = {"mtp_labels": targets[rows]} if self.mtp is not None else {}  # model.py's MTP loss
+                logits = stage(tokens[rows], **{k: v[rows] for k, v in model_inputs.items()}, **mtp)
                 loss = self._micro_batch_loss(logits, targets[rows])
                 (loss * self._loss_scale if self._loss_scale != 1.0 else loss).backward()
                 total += loss.detach()

@@ -21,6 +21,7 @@ cache in the server).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,9 @@ class MultiTokenPrediction(nn.Module):
     so the trainer's loss stays the main loss and the MTP loss is logged apart (`metrics`)."""
 
     loss_scale: float = 1.0  # 1 / micro-batches of the step (`prepare`)
+    # (a depth's normed hidden, its targets) -> mean loss over the counted targets; the tensor-parallel
+    # plan sets a vocabulary-parallel one (causal_lm.parallelize). None: the model's own head.
+    token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -285,8 +289,11 @@ class Transformer(nn.Module):
             hidden = layer(hidden, self.embed_tokens(tokens.roll(-k, dims=1)), rope, None, attn_mask)
             target = labels.roll(-k, dims=1)
             target[:, -k:] = -100
-            logits = self.logits(hidden)
-            losses.append(F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100))
+            if self.mtp.token_loss is not None:
+                losses.append(self.mtp.token_loss(hidden, target))
+            else:
+                losses.append(F.cross_entropy(self.logits(hidden).flatten(0, 1).float(), target.flatten(),
+                                              ignore_index=-100))
         loss = torch.stack(losses)
         self.mtp.recorded.append(loss.detach())
         return AuxLoss.apply(out, loss.mean(), self.mtp.factor * self.mtp.loss_scale)

@@ -45,9 +45,11 @@ from tessera.common.parallel.layers import (
     VocabParallelEmbedding,
     tag,
 )
+from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.mappings import copy_to_tp, gather_seq, scatter_seq
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
+from tessera.common.parallel.tensor_parallel import parallel_logits
 
 
 class _ForkedDropout(nn.Dropout):
@@ -121,6 +123,29 @@ def split_mla(attn: MLA, groups: ParallelGroups, sp: bool, rng: TensorParallelRN
         attn.core = _forked_core(attn.core, rng)  # type: ignore[method-assign]
 
 
+def split_mtp(model: Transformer, groups: ParallelGroups, sp: bool, rng: TensorParallelRNG | None) -> None:
+    """The multi-token-prediction depths: each block split as the model's, enorm / hnorm / eh_proj /
+    head_norm replicated (partial gradients under sequence parallel: they see this rank's chunk),
+    and the depth's loss through the vocabulary-parallel head (the hidden gathered along the
+    sequence under sequence parallel, as for the main head)."""
+    assert model.mtp is not None
+    for layer in model.mtp.layers.values():
+        split_mla(layer.attn, groups, sp, rng) if isinstance(layer.attn, MLA) else split_attention(layer.attn, groups, sp, rng)
+        gather_mlp = split_mlp(layer.mlp, groups, sp)
+        split_norm(layer.attn_norm, groups, sp, gather=sp)
+        split_norm(layer.mlp_norm, groups, sp, gather=gather_mlp)
+        for module in (layer.enorm, layer.hnorm, layer.eh_proj, layer.head_norm):
+            _tag_replicated(module, sp)
+    group = groups.tp_group
+
+    def token_loss(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = parallel_logits(hidden, model.output_weight(), model)
+        counted = target != -100
+        per_token = vocab_parallel_cross_entropy(logits, target.masked_fill(~counted, 0), group)
+        return (per_token * counted).sum() / counted.sum()
+    model.mtp.token_loss = token_loss
+
+
 def split_mlp(mlp: nn.Module, groups: ParallelGroups, sp: bool) -> bool:
     """A dense MLP's split (gate/up column-, down row-parallel) or an MoE's (not split over tensor
     ranks; its weights' gradients partial under sequence parallel), in place. Returns whether
@@ -183,6 +208,8 @@ def parallelize_model(model: Transformer, groups: ParallelGroups, sequence_paral
         split_norm(block.mlp_norm, groups, sp, gather=gather_mlp)
         if rng is not None and groups.tp > 1 and sp:
             block.dropout = _ForkedDropout(block.dropout.p, rng)  # residual dropout on its chunk
+    if model.mtp is not None:
+        split_mtp(model, groups, sp, rng)
     split_ends(model, groups, sp)
     if model.pos_embed is not None:
         _tag_replicated(model.pos_embed, False)
