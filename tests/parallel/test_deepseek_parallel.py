@@ -1,9 +1,10 @@
 """Parity of a tiny DeepSeek-V3 (latent attention with the query bottleneck, group-limited sigmoid
 routing with the balancing bias, a dense first layer, one multi-token-prediction depth) under the
 parallel engine: TP2 (latent attention split as Megatron splits it), TP2 with sequence parallel,
-EP2 and FSDP2 with MTP, PP2 without (refused with it), train like one process (gloo/CPU, fp32:
-losses and MTP losses within 1e-5, pre-clip gradient norms within 1e-4), and the TP2 run's
-checkpoint holds the one process's weights under their global names.
+EP2, FSDP2 and PP2 (MTP on the last stage, its embedding copy kept in step with the first's), all
+with one MTP depth, train like one process (gloo/CPU, fp32: losses and MTP losses within 1e-5,
+pre-clip gradient norms within 1e-4), and the TP2 and PP2 runs' checkpoints hold the one
+process's weights under their global names.
 
 One torchrun launch runs every job: this file is also the worker (`torchrun ... this_file spec.json`).
 """
@@ -42,7 +43,7 @@ JOBS = {
                 save=True),
     "tp2_sp": dict(layout=dict(tensor=2), training=dict(micro_batch_size=4), parallel=dict(sequence_parallel=True)),
     "ep2": dict(layout=dict(expert=2), training=dict(micro_batch_size=2)),
-    "pp2": dict(layout=dict(pipeline=2), training=dict(micro_batch_size=2), mtp=False),
+    "pp2": dict(layout=dict(pipeline=2), training=dict(micro_batch_size=2), save=True),
     "fsdp2": dict(layout=dict(data=2, data_shard=2), training=dict(micro_batch_size=2)),
 }
 
@@ -88,7 +89,7 @@ def _close(got: list[float], want: list[float], rtol: float, what: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_deepseek_model_with_mtp_trains_under_tp_sp_ep_and_fsdp_and_without_under_pp_like_one_process(tmp_path):
+def test_a_deepseek_model_with_mtp_trains_under_tp_sp_ep_pp_and_fsdp_like_one_process(tmp_path):
     import subprocess
 
     torch.set_num_threads(1)
@@ -117,7 +118,7 @@ def test_a_deepseek_model_with_mtp_trains_under_tp_sp_ep_and_fsdp_and_without_un
 
 @pytest.mark.parametrize(("over", "layout", "field"), [
     (dict(num_heads=3, num_kv_heads=3), dict(tensor=2), "num_heads (3)"),
-    ({}, dict(pipeline=2), "model.mtp"),
+    ({}, dict(pipeline=2, virtual_stages=2), "model.mtp"),
     ({}, dict(context=2), "--context-parallel 2 (parallel.context)"),
 ])
 def test_a_layout_a_deepseek_model_cannot_split_is_refused_in_one_line_naming_the_field(over, layout, field):

@@ -252,10 +252,10 @@ def validate_layout(
                         f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
     check_expert_parallel(cfg, layout)
     check_context_parallel(cfg, layout)
-    if layout.num_stages > 1 and getattr(cfg, "mtp", None) is not None:
-        raise UserError(f"model.mtp: multi-token prediction under pipeline parallel (--pipeline-parallel "
-                        f"{layout.pipeline}) is not built (its last stage would need the token ids and the embedding); "
-                        "use --pipeline-parallel 1 (tensor, expert and data parallel compose), or set model.mtp=null")
+    if layout.virtual_stages > 1 and getattr(cfg, "mtp", None) is not None:
+        raise UserError(f"model.mtp: multi-token prediction under the interleaved pipeline (--virtual-stages "
+                        f"{layout.virtual_stages}) is not built; use --virtual-stages 1 (MTP then runs on the last "
+                        "stage), or set model.mtp=null")
     cp = layout.context
     if dp % layout.data_shard:
         raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({dp} = world size / "

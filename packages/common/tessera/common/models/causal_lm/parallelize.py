@@ -227,6 +227,6 @@ PLAN = ParallelPlan(
     vocab=("embed_tokens", "lm_head"),
     layers="layers",
     first_stage=("embed_tokens", "pos_embed"),
-    last_stage=("final_norm", "lm_head"),
+    last_stage=("final_norm", "lm_head", "mtp"),
     tensor=parallelize_model,
 )
