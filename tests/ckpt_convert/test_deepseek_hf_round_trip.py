@@ -66,13 +66,15 @@ def test_deepseek_v3_with_its_mtp_layer_imports_and_exports_byte_identically(tmp
 
 def test_deepseek_v3_import_reshard_tp2_ep2_pp2_and_back_export_is_byte_identical(tmp_path, tokenizer_dir):
     """The latent attention splits as the tensor-parallel plan cuts it (q_b / kv_b by heads, o by
-    columns, the down projections and latent norms whole), the experts over expert ranks; back at
-    one rank, export gives transformers' bytes."""
+    columns, the down projections and latent norms whole), the experts over expert ranks, an MTP
+    depth like a layer of the last stage; back at one rank, export gives the same bytes."""
     import torch.distributed.checkpoint as dcp
 
     from tessera.common.checkpoint import resolve_checkpoint
 
-    save(build_hf(), tmp_path / "hf", tokenizer_dir)
+    save_with_mtp(build_hf(), tmp_path / "hf")
+    for f in tokenizer_dir.iterdir():
+        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
     assert run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "c1"),
                 "--quiet"]) == 0
     assert run(["reshard", "--checkpoint", str(tmp_path / "c1"), "--output", str(tmp_path / "c8"),
@@ -88,6 +90,9 @@ def test_deepseek_v3_import_reshard_tp2_ep2_pp2_and_back_export_is_byte_identica
     assert cuts("layers.1.attn.o_proj.weight") == [(0, 0), (0, 2 * 12)]
     assert cuts("layers.1.attn.kv_a_proj.weight") == [(0, 0)] and cuts("layers.1.attn.q_a_norm.weight") == [(0,)]
     assert cuts("layers.1.mlp.experts.gate_proj") == [(0, 0, 0), (4, 0, 0)]
+    assert cuts("mtp.layers.0.attn.kv_b_proj.weight") == [(0, 0), (heads, 0)]
+    assert cuts("mtp.layers.0.mlp.experts.down_proj") == [(0, 0, 0), (4, 0, 0)]
+    assert cuts("mtp.layers.0.eh_proj.weight") == [(0, 0)]
     assert run(["reshard", "--checkpoint", str(tmp_path / "c8"), "--output", str(tmp_path / "back"),
                 "--tensor-parallel", "1", "--expert-parallel", "1", "--pipeline-parallel", "1", "--quiet"]) == 0
     assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "back"), "--output",
