@@ -3,7 +3,8 @@ routing with the balancing bias, a dense first layer, one multi-token-prediction
 parallel engine: TP2 (latent attention split as Megatron splits it), TP2 with sequence parallel,
 EP2, FSDP2 and PP2 (MTP on the last stage, its embedding copy kept in step with the first's), all
 with one MTP depth, train like one process (gloo/CPU, fp32: losses and MTP losses within 1e-5,
-pre-clip gradient norms within 1e-4), and the TP2 and PP2 runs' checkpoints hold the one
+pre-clip gradient norms within 1e-4; TP2+SP and PP2 built on the meta device and initialised
+shard by shard), and the TP2 and PP2 runs' checkpoints hold the one
 process's weights under their global names.
 
 One torchrun launch runs every job: this file is also the worker (`torchrun ... this_file spec.json`).
@@ -41,9 +42,10 @@ MODEL = dict(arch="deepseek_v3", vocab_size=128, hidden_size=32, num_layers=3, n
 JOBS = {
     "tp2": dict(layout=dict(tensor=2), training=dict(micro_batch_size=4), parallel=dict(sequence_parallel=False),
                 save=True),
-    "tp2_sp": dict(layout=dict(tensor=2), training=dict(micro_batch_size=4), parallel=dict(sequence_parallel=True)),
+    "tp2_sp_meta": dict(layout=dict(tensor=2), training=dict(micro_batch_size=4), parallel=dict(sequence_parallel=True),
+                        meta=True),
     "ep2": dict(layout=dict(expert=2), training=dict(micro_batch_size=2)),
-    "pp2": dict(layout=dict(pipeline=2), training=dict(micro_batch_size=2), save=True),
+    "pp2_meta": dict(layout=dict(pipeline=2), training=dict(micro_batch_size=2), meta=True, save=True),
     "fsdp2": dict(layout=dict(data=2, data_shard=2), training=dict(micro_batch_size=2)),
 }
 
@@ -144,8 +146,10 @@ def _train_job(job: dict) -> None:
     layout = ParallelLayout(**job["layout"])
     groups = build_groups(layout)
     training, parallel, optim = H.sections(layout, {"seed": H.MODEL_SEED, **job["training"]}, job.get("parallel"))
+    # meta: built on the meta device, only the rank's shards allocated and initialised (sharded_init)
     rt = ParallelRuntime.build(cfg, groups, training, parallel, optim,
-                               build_model=lambda: build_model(cfg, seed=H.MODEL_SEED))
+                               build_model=lambda: build_model(cfg, device="meta", seed=None) if job.get("meta")
+                               else build_model(cfg, seed=H.MODEL_SEED))
     rows = H.GLOBAL_BATCH // groups.dp_ep
     sl = slice(groups.dp_ep_rank * rows, (groups.dp_ep_rank + 1) * rows)
     losses, norms, mtp_losses = [], [], []
