@@ -64,6 +64,42 @@ def test_deepseek_v3_with_its_mtp_layer_imports_and_exports_byte_identically(tmp
     assert "model.layers.3.eh_proj.weight" in mtp and "model.layers.3.mlp.experts.7.down_proj.weight" in mtp
 
 
+def test_deepseek_v3_import_reshard_tp2_ep2_pp2_and_back_export_is_byte_identical(tmp_path, tokenizer_dir):
+    """The latent attention splits as the tensor-parallel plan cuts it (q_b / kv_b by heads, o by
+    columns, the down projections and latent norms whole), the experts over expert ranks, an MTP
+    depth like a layer of the last stage; back at one rank, export gives the same bytes."""
+    import torch.distributed.checkpoint as dcp
+
+    from tessera.common.checkpoint import resolve_checkpoint
+
+    save_with_mtp(build_hf(), tmp_path / "hf")
+    for f in tokenizer_dir.iterdir():
+        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
+    assert run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "c1"),
+                "--quiet"]) == 0
+    assert run(["reshard", "--checkpoint", str(tmp_path / "c1"), "--output", str(tmp_path / "c8"),
+                "--tensor-parallel", "2", "--expert-parallel", "2", "--pipeline-parallel", "2", "--quiet"]) == 0
+    meta = dcp.FileSystemReader(str(resolve_checkpoint(tmp_path / "c8"))).read_metadata().state_dict_metadata
+
+    def cuts(key: str) -> list[tuple[int, ...]]:
+        return sorted(tuple(c.offsets) for c in meta["model." + key].chunks)
+
+    heads = 4 * (16 + 12) // 2  # kv_b rows per rank: two heads of [k_nope | v]
+    assert cuts("layers.1.attn.kv_b_proj.weight") == [(0, 0), (heads, 0)]
+    assert cuts("layers.1.attn.q_b_proj.weight") == [(0, 0), (2 * 24, 0)]
+    assert cuts("layers.1.attn.o_proj.weight") == [(0, 0), (0, 2 * 12)]
+    assert cuts("layers.1.attn.kv_a_proj.weight") == [(0, 0)] and cuts("layers.1.attn.q_a_norm.weight") == [(0,)]
+    assert cuts("layers.1.mlp.experts.gate_proj") == [(0, 0, 0), (4, 0, 0)]
+    assert cuts("mtp.layers.0.attn.kv_b_proj.weight") == [(0, 0), (heads, 0)]
+    assert cuts("mtp.layers.0.mlp.experts.down_proj") == [(0, 0, 0), (4, 0, 0)]
+    assert cuts("mtp.layers.0.eh_proj.weight") == [(0, 0)]
+    assert run(["reshard", "--checkpoint", str(tmp_path / "c8"), "--output", str(tmp_path / "back"),
+                "--tensor-parallel", "1", "--expert-parallel", "1", "--pipeline-parallel", "1", "--quiet"]) == 0
+    assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "back"), "--output",
+                str(tmp_path / "out"), "--quiet"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("n_group", 3, "num_groups (3) must divide num_experts (8)"),
     ("topk_group", 5, "topk_groups (5) must not exceed num_groups (4)"),
@@ -83,9 +119,9 @@ def test_bad_deepseek_config_is_one_line_exit_2(tmp_path, tokenizer_dir, capsys,
 
 
 def test_what_is_not_built_for_latent_attention_is_refused_in_one_line_before_any_work(tmp_path, tokenizer_dir, capsys):
-    """Tensor and context parallel and the TensorRT-LLM export of an MLA model are not built
-    (Megatron's is: test_megatron_mla.py; serving: tests/inference/test_deepseek_serving.py): each
-    says so in one line, exit 2, nothing written, no worker started."""
+    """Context parallel and the TensorRT-LLM export of an MLA model are not built (Megatron's is:
+    test_megatron_mla.py; serving: tests/inference/test_deepseek_serving.py): each says so in one
+    line, exit 2, nothing written, no worker started."""
     from tessera.common.errors import run_cli
 
     save(build_hf(), tmp_path / "hf", tokenizer_dir)
@@ -93,8 +129,7 @@ def test_what_is_not_built_for_latent_attention_is_refused_in_one_line_before_an
                 "--quiet"]) == 0
     capsys.readouterr()
     for cli, argv, message in (
-            (main, ["reshard", "--tensor-parallel", "2", "--pipeline-parallel", "1"], "--tensor-parallel 2"),
-            (main, ["export", "--format", "trtllm"], "TensorRT-LLM")):
+            (main, ["export", "--format", "trtllm"], "TensorRT-LLM"),):
         args = [*argv, "--checkpoint", str(tmp_path / "ckpt")]
         if cli is main:
             args += ["--output", str(tmp_path / "out")]

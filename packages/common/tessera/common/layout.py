@@ -199,10 +199,6 @@ def check_context_parallel(cfg: ModelConfig | HybridConfig, layout: ParallelLayo
 def _check_tensor_parallel(cfg: ModelConfig | HybridConfig, tp: int) -> None:
     """Each tensor rank holds whole heads (and key/value heads, Mamba groups), an equal slice of the
     MLPs and of the vocabulary: `tp` must divide each of them."""
-    if tp > 1 and getattr(cfg, "mla", None) is not None:
-        raise UserError(f"--tensor-parallel {tp} (parallel.tensor): tensor parallel for multi-head latent attention "
-                        "(model.mla, DeepSeek-V3) is not built; use --tensor-parallel 1 (its experts split with "
-                        "--expert-parallel)")
     if isinstance(cfg, HybridConfig):
         used = set(cfg.pattern)
         if cfg.mamba is not None and "M" in used:
@@ -256,9 +252,10 @@ def validate_layout(
                         f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
     check_expert_parallel(cfg, layout)
     check_context_parallel(cfg, layout)
-    if layout.world_size > 1 and getattr(cfg, "mtp", None) is not None:
-        raise UserError(f"model.mtp: multi-token prediction is built for one process only (layout {layout.short()} "
-                        "asked); train it without torchrun's parallel layouts, or set model.mtp=null")
+    if layout.virtual_stages > 1 and getattr(cfg, "mtp", None) is not None:
+        raise UserError(f"model.mtp: multi-token prediction under the interleaved pipeline (--virtual-stages "
+                        f"{layout.virtual_stages}) is not built; use --virtual-stages 1 (MTP then runs on the last "
+                        "stage), or set model.mtp=null")
     cp = layout.context
     if dp % layout.data_shard:
         raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({dp} = world size / "

@@ -106,7 +106,7 @@ class LocalEngine:
         if self.router_stats is not None:
             self.router_stats.prepare(len(batches))
         if self.mtp is not None:
-            self.mtp.prepare(len(batches))
+            self.mtp.prepare(len(batches), self.precision.loss_scale or 1.0)
         loss_sum, grad_norm, stepped = self.step(batches, len(batches), self.device)
         if self.float8 is not None:
             self.float8.after_optimizer_step(self.model)

@@ -21,6 +21,7 @@ cache in the server).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,9 @@ class MultiTokenPrediction(nn.Module):
     so the trainer's loss stays the main loss and the MTP loss is logged apart (`metrics`)."""
 
     loss_scale: float = 1.0  # 1 / micro-batches of the step (`prepare`)
+    # (a depth's normed hidden, its targets) -> mean loss over the counted targets; the tensor-parallel
+    # plan sets a vocabulary-parallel one (causal_lm.parallelize). None: the model's own head.
+    token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -99,9 +103,10 @@ class MultiTokenPrediction(nn.Module):
         self.layers = nn.ModuleDict({str(k): MTPLayer(cfg, k) for k in range(cfg.mtp.depth)})
         self.recorded: list[torch.Tensor] = []  # per training forward: each depth's loss
 
-    def prepare(self, num_microbatches: int) -> None:
-        """Before a step: the step trains on the mean MTP loss of its micro-batches."""
-        self.loss_scale = 1.0 / num_microbatches
+    def prepare(self, num_microbatches: int, grad_scale: float = 1.0) -> None:
+        """Before a step: the step trains on the mean MTP loss of its micro-batches (times the fp16
+        loss scale `grad_scale`, which the main loss's backward carries too)."""
+        self.loss_scale = grad_scale / num_microbatches
         self.recorded = []
 
     def metrics(self) -> dict[str, float]:
@@ -218,6 +223,7 @@ class Transformer(nn.Module):
         return_hidden: bool = False,
         document_ids: torch.Tensor | None = None,
         mtp_labels: torch.Tensor | None = None,
+        mtp_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] (or hidden states [B, T, d] on a later pipeline stage) -> logits [B, T, V].
 
@@ -227,7 +233,8 @@ class Transformer(nn.Module):
         of the same document: packed documents do not see each other (Megatron's
         reset_attention_mask). Pair it with per-document `positions` to also restart positions.
         `mtp_labels` [B, T] (the main labels, -100 not counted) trains the MTP depths: their loss
-        goes into backward through the output (MultiTokenPrediction), the output itself unchanged.
+        goes into backward through the output (MultiTokenPrediction), the output itself unchanged;
+        `mtp_tokens` are the token ids when `tokens` are hidden states (the last pipeline stage).
         """
         # Float input is embeddings already: a later pipeline stage's hidden states, or a
         # vision-language model's text embeddings with image features in place.
@@ -259,7 +266,8 @@ class Transformer(nn.Module):
         h = self.final_norm(h)
         out = h if return_hidden or not self.has_head else self.logits(h)
         if self.mtp is not None and mtp_labels is not None:
-            out = self._train_mtp(out, h, tokens, mtp_labels, rope, masks.get(None))
+            ids = tokens if mtp_tokens is None else mtp_tokens
+            out = self._train_mtp(out, h, ids, mtp_labels, rope, masks.get(None))
         return out
 
     def mtp_hidden(self, depth: int, hidden: torch.Tensor, tokens: torch.Tensor,
@@ -285,8 +293,11 @@ class Transformer(nn.Module):
             hidden = layer(hidden, self.embed_tokens(tokens.roll(-k, dims=1)), rope, None, attn_mask)
             target = labels.roll(-k, dims=1)
             target[:, -k:] = -100
-            logits = self.logits(hidden)
-            losses.append(F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100))
+            if self.mtp.token_loss is not None:
+                losses.append(self.mtp.token_loss(hidden, target))
+            else:
+                losses.append(F.cross_entropy(self.logits(hidden).flatten(0, 1).float(), target.flatten(),
+                                              ignore_index=-100))
         loss = torch.stack(losses)
         self.mtp.recorded.append(loss.detach())
         return AuxLoss.apply(out, loss.mean(), self.mtp.factor * self.mtp.loss_scale)
