@@ -118,18 +118,6 @@ def test_greedy_output_with_speculative_rows_and_a_shared_prefix_equals_generate
     assert stats.prefix_hits >= 16  # b's first two blocks came from a's
 
 
-def test_tensor_parallel_serving_of_latent_attention_is_refused_in_one_line_before_any_worker(exports, capsys):
-    from tessera.common.errors import run_cli
-    from tessera.inference.entrypoints.serve_cli import main
-
-    _, export = exports("q-lora")
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        run_cli(main, ["--checkpoint", str(export), "--tensor-parallel", "2", "--no-engine-process"])
-    err = capsys.readouterr().err.strip()
-    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "model.mla" in err and "--tensor-parallel 1" in err, err
-
-
 def test_decode_through_the_triton_paged_attention_kernel_over_latents_equals_generate(exports, monkeypatch):
     """The CUDA path (the decoder's Triton kernel, run here by its interpreter): the latent is both
     key and value, and the value's RoPE columns are dropped after attending."""

@@ -177,6 +177,8 @@ class LLMEngine:
                                  loaded.config.vocab_size, sorted(self.eos_ids))
         # Last: under tensor parallel this starts the workers, so nothing after it can fail and
         # leave them running.
+        if hasattr(self.proposer, "check"):  # a draft reading the target's hidden states (MTP): refused before workers
+            self.proposer.check(loaded.config, cfg.tensor_parallel)
         graph_spec = None
         if graphs != "off":
             graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,

@@ -205,17 +205,23 @@ class MTPProposer:
         self.pending: dict[str, list[torch.Tensor]] = {}  # target hidden rows from position done[rid] on
         self.seqs: dict[str, Sequence] = {}
 
-    def attach(self, target) -> None:
-        """Read the target runner's hidden states from now on; run the MTP on its model."""
-        from tessera.inference.worker.latent.mtp import MTPRunner
-
-        model = target.model
-        if getattr(model, "mtp", None) is None or not hasattr(target, "step_hidden"):
+    @staticmethod
+    def check(model_cfg, tensor_parallel: int) -> None:
+        """Refuse (one line) a target this proposer cannot draft for, before any worker starts."""
+        if tensor_parallel > 1:  # the target's hidden states stay on the workers
+            raise UserError("--speculative-config method mtp: not built with --tensor-parallel > 1 (the target's "
+                            "hidden states stay on the workers); serve it with --tensor-parallel 1 or use method ngram")
+        if getattr(model_cfg, "mtp", None) is None:
             raise UserError("--speculative-config method mtp: this model has no multi-token-prediction modules "
                             "(model.mtp; DeepSeek-V3's num_nextn_predict_layers); use method ngram or a draft model")
+
+    def attach(self, target) -> None:
+        """Read the target runner's hidden states from now on; run the MTP on its model (after `check`)."""
+        from tessera.inference.worker.latent.mtp import MTPRunner
+
         target.step_hidden = {}
         self.target = target
-        self.runner = MTPRunner(model, self.num_blocks, self.block_size, target.device, target.dtype,
+        self.runner = MTPRunner(target.model, self.num_blocks, self.block_size, target.device, target.dtype,
                                 kv_dtype=target.kv_dtype)
 
     def release(self, rid: str) -> None:

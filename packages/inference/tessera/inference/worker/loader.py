@@ -89,9 +89,6 @@ def check_tensor_parallel(tp: int, cfg: ModelConfig | None, where: str, quantiza
                         "serve quantized weights with --tensor-parallel 1 or drop --quantization")
     if cfg is None:  # the machine and flags only (check_kind_tensor_parallel)
         return
-    if getattr(cfg, "mla", None) is not None:
-        raise UserError(f"--tensor-parallel {tp}: {where} has multi-head latent attention (model.mla, DeepSeek-V3), "
-                        "whose tensor-parallel split is not built; serve it with --tensor-parallel 1")
     kv = cfg.kv_heads
     if kv < tp and tp % kv:
         raise UserError(f"--tensor-parallel {tp}: {where} has {kv} key/value heads; a tensor-parallel size above "
