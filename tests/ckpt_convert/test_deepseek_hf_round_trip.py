@@ -119,8 +119,9 @@ def test_bad_deepseek_config_is_one_line_exit_2(tmp_path, tokenizer_dir, capsys,
 
 
 def test_what_is_not_built_for_latent_attention_is_refused_in_one_line_before_any_work(tmp_path, tokenizer_dir, capsys):
-    """Context parallel, serving and the TensorRT-LLM / Megatron exports of an MLA model are not
-    built: each says so in one line, exit 2, nothing written, no worker started."""
+    """Context parallel, serving and the TensorRT-LLM export of an MLA model are not built
+    (Megatron's is: test_megatron_mla.py): each says so in one line, exit 2, nothing written, no
+    worker started."""
     from tessera.common.errors import run_cli
     from tessera.inference.entrypoints.serve_cli import main as serve_main
 
@@ -130,7 +131,6 @@ def test_what_is_not_built_for_latent_attention_is_refused_in_one_line_before_an
     capsys.readouterr()
     for cli, argv, message in (
             (main, ["export", "--format", "trtllm"], "TensorRT-LLM"),
-            (main, ["export", "--format", "megatron"], "Megatron-Core"),
             (serve_main, [], "tessera-serve has no latent KV cache")):
         args = [*argv, "--checkpoint", str(tmp_path / "ckpt")]
         if cli is main:
