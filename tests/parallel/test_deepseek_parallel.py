@@ -129,6 +129,20 @@ def test_a_layout_a_deepseek_model_cannot_split_is_refused_in_one_line_naming_th
     assert field in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_the_planner_counts_the_mtp_depths_and_the_last_stages_embedding_copy():
+    from tessera.trainer.plan.memory import rank_params
+    from tessera.trainer.plan.spec import PlanSpec
+
+    cfg = deepseek_config()
+
+    def spec(**layout) -> PlanSpec:
+        return PlanSpec(model=cfg, layout=ParallelLayout(**layout), seq_len=16, micro_batch=1, global_batch=8)
+    assert rank_params(spec()).total == cfg.num_params()
+    pp2 = spec(pipeline=2)
+    copy = cfg.vocab_rows * cfg.hidden_size
+    assert rank_params(pp2, 0).total + rank_params(pp2, 1).total == cfg.num_params() + copy
+
+
 def test_routing_groups_that_do_not_divide_the_experts_are_refused_naming_the_field():
     from pydantic import ValidationError
 

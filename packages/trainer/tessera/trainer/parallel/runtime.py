@@ -93,6 +93,7 @@ class ParallelRuntime:
         self.router_stats = RouterStats(list(stages), reduce=self._reduce_router) if cfg.moe is not None else None
         # Multi-token prediction: on the last pipeline stage.
         self.mtp = getattr(stages[-1].model, "mtp", None) if stages[-1].is_last else None
+        self.mtp_cfg = getattr(cfg, "mtp", None)  # (other kinds' configs have no such field)
 
     def _reduce_router(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over data and expert ranks (each routes its own rows of the batch), context ranks
@@ -221,9 +222,9 @@ class ParallelRuntime:
             for st in self.stages:
                 self.float8.after_optimizer_step(st)
         router = self.router_stats.step() if self.router_stats is not None else {}
-        if self.cfg.mtp is not None:  # the last stage's; tensor ranks agree, data and expert ranks average
-            names = ["mtp_loss"] + ([f"mtp_loss_{k}" for k in range(1, self.cfg.mtp.depth + 1)]
-                                    if self.cfg.mtp.depth > 1 else [])
+        if self.mtp_cfg is not None:  # the last stage's; tensor ranks agree, data and expert ranks average
+            depth = self.mtp_cfg.depth
+            names = ["mtp_loss"] + ([f"mtp_loss_{k}" for k in range(1, depth + 1)] if depth > 1 else [])
             mtp = self.mtp.metrics() if self.mtp is not None else {}
             t = torch.tensor([mtp.get(k, 0.0) for k in names], dtype=torch.float64, device=g.device)
             if g.pp > 1:
@@ -301,7 +302,7 @@ class ParallelRuntime:
             args = (tokens,) if has_first else ()
             self._micro_losses.clear()
             # model_inputs are split into micro-batches and given to every stage (kwargs).
-            mtp = {"mtp_labels": targets, "mtp_tokens": tokens} if self.cfg.mtp is not None else {}  # last stage's MTP
+            mtp = {"mtp_labels": targets, "mtp_tokens": tokens} if self.mtp_cfg is not None else {}  # last stage's MTP
             self.schedule.step(*args, target=targets if has_last else None, return_outputs=False, **model_inputs, **mtp)
             if has_last:
                 total += torch.stack(self._micro_losses).sum()

@@ -326,12 +326,16 @@ class ModelConfig(StrictModel):
 
         Excludes embedding lookups, norms and biases; the head counts even when tied. For MoE
         layers, only what one token uses: the router, top_k routed experts and the shared ones.
+        Each MTP depth adds its eh_proj, its block and another pass through the head.
         """
         d, m = self.hidden_size, self.mla
         attn = self._attn_params()
         if m is not None:  # the latent norms
             attn -= m.kv_lora_rank + (m.q_lora_rank or 0)
-        return sum(attn + self._mlp_params(i, active=True) for i in range(self.num_layers)) + self.vocab_rows * d
+        total = sum(attn + self._mlp_params(i, active=True) for i in range(self.num_layers)) + self.vocab_rows * d
+        for k in range(self.mtp.depth if self.mtp is not None else 0):
+            total += 2 * d * d + attn + self._mlp_params(self.num_layers + k, active=True) + self.vocab_rows * d
+        return total
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), PaLM convention.
@@ -339,7 +343,8 @@ class ModelConfig(StrictModel):
         6 x matmul_params() + 12 x layers x query width x seq_len for the attention scores and
         weighted sum (not halved for causal masking, as is customary).
         """
-        return 6.0 * self.matmul_params() + 12.0 * self.num_layers * self.q_size * seq_len
+        blocks = self.num_layers + (self.mtp.depth if self.mtp is not None else 0)
+        return 6.0 * self.matmul_params() + 12.0 * blocks * self.q_size * seq_len
 
 
 PRESETS: dict[str, dict[str, Any]] = {
