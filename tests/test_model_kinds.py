@@ -95,7 +95,7 @@ def test_the_causal_lm_goes_through_the_registry_and_every_stage_has_its_code():
     for conversion in CONVERTERS["decoder"]:
         check_convertible(cfg, conversion)
     plan = kind.parallel()
-    assert set(plan.column) == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    assert set(plan.column) == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj"}
     assert set(plan.row) == {"o_proj", "down_proj"} and plan.layers == "layers"
 
 

@@ -64,9 +64,10 @@ class _TensorSplit:
 
 _SPLITS = {  # by model kind (the `kind` of its config)
     "causal_lm": _TensorSplit(
-        column=("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj."),
+        column=("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.",
+                "attn.q_b_proj.", "attn.kv_b_proj."),  # latent attention's up projections, by heads
         row=("attn.o_proj.weight", "mlp.down_proj.weight"),
-        experts=re.compile(r"^layers\.\d+\.mlp\.experts\.")),
+        experts=re.compile(r"^(mtp\.)?layers\.\d+\.mlp\.experts\.")),  # mtp: DeepSeek's MTP depths
     "hybrid": _TensorSplit(
         column=("mixer.in_proj.", "mixer.conv.", "mixer.q_proj.", "mixer.k_proj.", "mixer.v_proj.", "mixer.up_proj."),
         row=("mixer.out_proj.weight", "mixer.o_proj.weight", "mixer.down_proj.weight"),
@@ -113,7 +114,7 @@ def pipeline_rank(name: str, cfg: Any, layout: ParallelLayout) -> int:
 def tp_dim(name: str, cfg: Any) -> int | None:
     """Dimension split across tensor-parallel ranks, or None when replicated."""
     split = _split_of(cfg)
-    local = split.layer.sub("", name)
+    local = split.layer.sub("", name.removeprefix("mtp."))  # an MTP depth splits as a layer (last stage)
     if local.startswith(split.column) or local in split.rows or name in _VOCAB or name in _kind_vocab(cfg):
         return 0
     if local in split.row:
