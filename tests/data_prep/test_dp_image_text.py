@@ -162,3 +162,13 @@ def test_a_tokenizer_without_the_image_placeholder_is_refused_in_one_line(tokeni
     line = user_error(["prep", "--format", "image-text", "--input", llava, "--tokenizer", d,
                        "--output-prefix", tmp_path / "vl", "--quiet"], capsys)
     assert "'<image>' is not one token of the tokenizer" in line
+
+
+def test_merge_refuses_an_image_text_shard_in_one_line_rather_than_drop_its_images(vlm_tokenizer, tmp_path, capsys):
+    llava = _llava(tmp_path, {"r.png": _png("red")}, [{"image": "r.png", "conversations": _turns("<image>", "red")}])
+    assert run(["prep", "--format", "image-text", "--input", llava, "--tokenizer", vlm_tokenizer,
+                "--output-prefix", tmp_path / "vl", "--quiet"]) == 0
+    prefix = tmp_path / "vl_conversations_document"
+    line = user_error(["merge", "--inputs", prefix, "--output-prefix", tmp_path / "merged"], capsys)
+    assert f"{prefix}.json: an image-text shard" in line
+    assert not list(tmp_path.glob("merged*"))
