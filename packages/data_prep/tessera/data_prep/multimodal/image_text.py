@@ -35,7 +35,7 @@ from tessera.common.models.vision_language.processor import decode_image
 from tessera.common.progress import progress
 from tessera.common.shard import BLOCK_SIZE, BlockHasher
 from tessera.common.tokenizer import Tokenizer
-from tessera.data_prep.multimodal.records import conversation, load_image, read_image_records
+from tessera.data_prep.multimodal.records import conversation, input_kind, load_image, read_image_records
 from tessera.data_prep.sft import BadRecord, SftEncoder
 from tessera.data_prep.shard_writer import ShardSetWriter
 from tessera.data_prep.sources import InputFile
@@ -113,6 +113,12 @@ def write_image_text_shards(cfg: Any, inputs: list[InputFile], tokenizer: Tokeni
     if not tokenizer.chat_template:
         raise UserError(f"{tokenizer.directory}: tokenizer has no chat template (chat_template.jinja or "
                         "tokenizer_config.json chat_template) to render the conversations with")
+    for inp in inputs:  # refused before anything is read or staged
+        kind = input_kind(inp.path)
+        if kind is None:
+            raise UserError(f"{inp.path}: --format image-text reads LLaVA .json/.jsonl, .parquet or WebDataset .tar "
+                            "(give image folders with --image-folder, not --input)")
+        inp.kind = kind  # recorded in the manifest's inputs
     token_id = image_token_id(tokenizer, cfg.image_token)
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
     writer = ImageTextWriter(base, dtype, cfg.image_token, token_id)
