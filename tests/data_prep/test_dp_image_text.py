@@ -172,3 +172,33 @@ def test_merge_refuses_an_image_text_shard_in_one_line_rather_than_drop_its_imag
     line = user_error(["merge", "--inputs", prefix, "--output-prefix", tmp_path / "merged"], capsys)
     assert f"{prefix}.json: an image-text shard" in line
     assert not list(tmp_path.glob("merged*"))
+
+
+def _tar(path, members):
+    with tarfile.open(path, "w") as t:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if data is None:  # a link, which must never be followed
+                info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+            else:
+                info.size = len(data)
+            t.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def test_a_webdataset_sample_keeps_several_images_in_order_and_a_malformed_one_is_skipped_or_named(
+        vlm_tokenizer, tmp_path, capsys):
+    red, blue = _png("red"), _png("blue")
+    conv = json.dumps({"conversations": _turns("<image> and <image>?", "red, blue")}).encode()
+    tar = _tar(tmp_path / "w.tar", [("a.0.png", red), ("a.1.png", blue), ("a.json", conv), ("a.2.png", None),
+                                    ("b.png", red), ("b.json", b"{not json")])
+    prefix = tmp_path / "vl_conversations_document"
+    assert run(["prep", "--format", "image-text", "--input", tar, "--tokenizer", vlm_tokenizer,
+                "--output-prefix", tmp_path / "vl", "--quiet"]) == 0
+    store = IndexedDataset(image_store_prefix(prefix))
+    assert store.num_documents == 1 and sample_images(store, 0) == [red, blue]
+    assert read_shard_manifest(prefix).model_extra["skipped"]["total"] == 1
+    line = user_error(["prep", "--format", "image-text", "--input", tar, "--tokenizer", vlm_tokenizer,
+                       "--output-prefix", tmp_path / "again", "--on-error", "fail", "--quiet"], capsys)
+    assert f"{tar}:2: KEY.json is not JSON" in line and "(b)" in line
+    assert not list(tmp_path.glob("again*"))
