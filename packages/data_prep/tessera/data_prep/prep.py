@@ -22,10 +22,12 @@ from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.fileio import ensure_output_dir, tmp_name
 from tessera.common.indexed_dataset import token_dtype_for_vocab
+from tessera.common.models.vision_language.processor import DEFAULT_MAX_PIXELS
 from tessera.common.progress import progress
 from tessera.common.shard import ShardInput
 from tessera.common.tokenizer import TOKENIZER_JSON, Tokenizer, load_tokenizer
 from tessera.data_prep.encode import BatchEncoder, EncodedBatch, OrderedEncoder
+from tessera.data_prep.multimodal.image_text import write_image_text_shards
 from tessera.data_prep.sentences import check_splitter
 from tessera.data_prep.sft import OUTPUT_KEY, write_sft_shards
 from tessera.data_prep.shard_writer import ShardSetWriter, output_prefixes, parse_max_shard_size
@@ -53,9 +55,15 @@ MAX_EXAMPLES_IN_MANIFEST = 1000  # exact counts always; locations of the first t
 class PrepConfig(StrictModel):
     """Everything `tessera-data prep` does, validated before any work starts."""
 
-    format: Literal["text", "chat", "prompt-completion"] = Field("text", description="Input records: text "
-                                                                 "under --json-keys (pretraining), or fine-tuning "
-                                                                 "data with a loss mask (tessera.data_prep.sft).")
+    format: Literal["text", "chat", "prompt-completion", "image-text"] = Field(
+        "text", description="Input records: text under --json-keys (pretraining), fine-tuning data with a loss mask "
+        "(tessera.data_prep.sft), or image-text conversations (tessera.data_prep.multimodal).")
+    image_folder: Path | None = Field(None, description="image-text: folder that LLaVA JSON image paths are relative "
+                                      "to (default: the JSON file's folder).")
+    image_token: str = Field("<image>", min_length=1, description="image-text: the tokenizer's image placeholder "
+                             "token; one stands for each image in the text.")
+    max_image_pixels: int = Field(DEFAULT_MAX_PIXELS, ge=1, description="image-text: an image with more pixels "
+                                  "(width x height, read from its header) is refused.")
     inputs: list[str] = Field(min_length=1, description="Input files, folders or globs (JSONL[.gz|.zst], Parquet, "
                               "plain text, Hugging Face datasets folders).")
     json_keys: list[str] = Field(["text"], min_length=1, description="Keys (columns) holding the text; one output "
@@ -211,7 +219,12 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
             raise UserError(f"--vocab-size {cfg.vocab_size}: a byte-level BPE needs at least 258 (256 bytes and two "
                             "special tokens)" + (f" besides the {cfg.extra_ids} --extra-ids" if cfg.extra_ids else ""))
     if cfg.max_shard_size is not None:
+        if cfg.format == "image-text":
+            raise UserError("--max-shard-size applies to token shards; split image-text inputs into several files "
+                            "and prep each to its own --output-prefix")
         parse_max_shard_size(cfg.max_shard_size, 2)
+    if cfg.format != "image-text" and (cfg.image_folder is not None or cfg.image_token != "<image>"):
+        raise UserError("--image-folder and --image-token apply to --format image-text")
     if cfg.split_sentences:
         if cfg.format != "text":
             raise UserError(f"--split-sentences applies to --format text, not {cfg.format}")
@@ -375,8 +388,8 @@ def _prep_sft(cfg: PrepConfig, inputs: list[InputFile], tokenizer: Tokenizer, bo
     started = time.perf_counter()
     success = False
     try:
-        writer, docs, tokens = write_sft_shards(cfg, inputs, tokenizer, skips, shard_base(cfg.output_prefix, key),
-                                                bos_id, eod_id)
+        write = write_image_text_shards if cfg.format == "image-text" else write_sft_shards
+        writer, docs, tokens = write(cfg, inputs, tokenizer, skips, shard_base(cfg.output_prefix, key), bos_id, eod_id)
         try:
             if docs == 0:
                 raise UserError(f"{cfg.inputs[0]}: no usable {cfg.format} records in the input "
