@@ -100,3 +100,16 @@ def test_bad_inputs_to_an_encoder_get_one_line_400s_and_leave_it_serving(mean_se
         assert cut["usage"]["prompt_tokens"] == 128  # sentence_bert_config.json's max_seq_length
         assert cosines([cut["data"][0]["embedding"]], st_encode(directory, [long_text]))[0] > 0.99999
         _assert_embeds_and_drained(http, srv)
+
+
+def test_bert_embeddings_under_tensor_parallel_2_equal_one_process_and_sentence_transformers(mean_server):
+    _, directory = mean_server
+    texts = sentences(24)
+    srv = LiveServer(directory, limits=LIMITS, tensor_parallel=2)
+    try:
+        assert min(cosines(_embed(srv, texts), _embed(mean_server[0], texts))) > 0.99999
+        assert min(cosines(_embed(srv, texts), st_encode(directory, texts))) > 0.99999
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            _assert_embeds_and_drained(http, srv)
+    finally:
+        srv.stop()
