@@ -160,6 +160,16 @@ def test_tessera_train_under_torchrun_trains_bert_under_tp2_then_resumes_under_d
     assert losses(tmp_path / "two/run", "eval") == pytest.approx(losses(tmp_path / "one/run", "eval"), rel=1e-5)
 
 
+def test_context_parallel_for_a_masked_lm_run_is_refused_in_one_line_naming_the_field(data, tmp_path):
+    from tessera.common.config import load_config
+    from tessera.common.errors import UserError
+    from tessera.trainer.config import TrainConfig
+
+    with pytest.raises((UserError, ValueError)) as exc:  # while the config is validated, before any launch
+        load_config(TrainConfig, config(data, tmp_path), ["parallel.context=2"])
+    assert "parallel.context" in str(exc.value) and "encoder" in str(exc.value), exc.value
+
+
 def test_the_example_bert_config_is_a_valid_masked_lm_run():
     from tessera.common.config import load_config
     from tessera.trainer.config import TrainConfig
