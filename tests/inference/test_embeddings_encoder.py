@@ -113,3 +113,15 @@ def test_bert_embeddings_under_tensor_parallel_2_equal_one_process_and_sentence_
             _assert_embeds_and_drained(http, srv)
     finally:
         srv.stop()
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_encoders_heads_is_refused_in_one_line_before_loading(bert):
+    import torch
+
+    from tessera.common.errors import UserError
+    from tessera.inference.worker.loader import load_for_serving
+
+    with pytest.raises(UserError) as exc:
+        load_for_serving(bert, torch.device("cpu"), torch.float32, tensor_parallel=3)
+    assert "--tensor-parallel 3" in str(exc.value) and "attention heads" in str(exc.value), exc.value
+    assert "\n" not in str(exc.value)
