@@ -64,6 +64,11 @@ def _add_prep(sub) -> None:
                      "when it has no upper-case tokens.")
     tok.add_argument("--no-lowercase", dest="lowercase", action="store_false", help="WordPiece: cased.")
     tok.add_argument("--vocab-size", type=int, default=32000, help="Vocabulary size to train (default 32000).")
+    tok.add_argument("--extra-ids", type=int, metavar="N",
+                     help="With --train-tokenizer or a --tokenizer file to convert: add T5's N sentinel tokens "
+                     "<extra_id_0>..<extra_id_N-1> as the vocabulary's last ids (<extra_id_0> last, as T5's; T5's "
+                     "spiece.model takes 100), for span-corruption training of an encoder-decoder; counted in "
+                     "--vocab-size when training.")
     tok.add_argument("--tokenizer-output", type=Path, metavar="DIR",
                      help="Where the trained or converted tokenizer goes (default: <output-prefix dir>/tokenizer).")
     tok.add_argument("--tokenizer-train-docs", type=int, metavar="N",

@@ -40,6 +40,7 @@ from tessera.data_prep.sources import (
 from tessera.data_prep.tokenizer_convert import convert_tokenizer
 from tessera.data_prep.tokenizer_train import (
     EOD_TOKEN,
+    add_sentinels,
     save_tokenizer,
     save_wordpiece,
     train_bpe,
@@ -74,6 +75,9 @@ class PrepConfig(StrictModel):
                                    "tokens.")
     vocab_size: int = Field(32000, ge=8, description="Vocabulary size of a trained tokenizer (with special tokens); "
                             "a byte-level BPE needs at least 258.")
+    extra_ids: int = Field(0, ge=0, le=1000, description="Sentinel tokens <extra_id_0>.. added to a trained or "
+                           "converted tokenizer as its last ids, <extra_id_0> last (T5's span corruption; T5's "
+                           "spiece.model takes 100); counted in a trained tokenizer's vocab_size.")
     tokenizer_output: Path | None = Field(None, description="Where a trained tokenizer is written; default "
                                           "<output-prefix dir>/tokenizer.")
     tokenizer_train_docs: int | None = Field(None, ge=1, description="Train the tokenizer on at most this many "
@@ -175,6 +179,9 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
         raise UserError("--tokenizer-output only applies with --train-tokenizer or a --tokenizer file to convert")
     if cfg.tiktoken_pattern is not None and not converting:
         raise UserError("--tiktoken-pattern only applies to a tiktoken --tokenizer file")
+    if cfg.extra_ids and not (cfg.train_tokenizer or converting):
+        raise UserError(f"--extra-ids {cfg.extra_ids} applies to --train-tokenizer or a --tokenizer file to convert "
+                        "(T5's spiece.model: --extra-ids 100); a tokenizer directory keeps its vocabulary")
     if cfg.tokenizer_type != "bpe" and not cfg.train_tokenizer:
         raise UserError("--tokenizer-type applies to --train-tokenizer (a --tokenizer is used as it is)")
     if cfg.lowercase is not None and not (converting or cfg.tokenizer_type == "wordpiece"):
@@ -200,9 +207,9 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
                             "choose --tokenizer-output, or pass --overwrite")
         if cfg.vocab_size >= 2**31:
             raise UserError(f"--vocab-size {cfg.vocab_size}: too large")
-        if cfg.train_tokenizer and cfg.tokenizer_type == "bpe" and cfg.vocab_size < 258:
+        if cfg.train_tokenizer and cfg.tokenizer_type == "bpe" and cfg.vocab_size - cfg.extra_ids < 258:
             raise UserError(f"--vocab-size {cfg.vocab_size}: a byte-level BPE needs at least 258 (256 bytes and two "
-                            "special tokens)")
+                            "special tokens)" + (f" besides the {cfg.extra_ids} --extra-ids" if cfg.extra_ids else ""))
     if cfg.max_shard_size is not None:
         parse_max_shard_size(cfg.max_shard_size, 2)
     if cfg.split_sentences:
@@ -234,10 +241,13 @@ def _train(cfg: PrepConfig, inputs: list[InputFile], out: Path) -> Tokenizer:
     with bar:
         if cfg.tokenizer_type == "wordpiece":
             lowercase = cfg.lowercase if cfg.lowercase is not None else True
-            save_wordpiece(train_wordpiece(texts(), cfg.vocab_size, lowercase), out, cfg.model_max_length,
-                           lowercase, overwrite=cfg.overwrite)
+            tok = train_wordpiece(texts(), cfg.vocab_size - cfg.extra_ids, lowercase)
+            add_sentinels(tok, cfg.extra_ids)
+            save_wordpiece(tok, out, cfg.model_max_length, lowercase, overwrite=cfg.overwrite)
         else:
-            save_tokenizer(train_bpe(texts(), cfg.vocab_size), out, cfg.model_max_length, overwrite=cfg.overwrite)
+            tok = train_bpe(texts(), cfg.vocab_size - cfg.extra_ids)
+            add_sentinels(tok, cfg.extra_ids)
+            save_tokenizer(tok, out, cfg.model_max_length, overwrite=cfg.overwrite)
     return load_tokenizer(out)
 
 
@@ -287,7 +297,7 @@ def _prep(cfg: PrepConfig, inputs: list[InputFile], tok_out: Path | None) -> lis
     else:  # a SentencePiece / tiktoken file, converted by transformers' converters
         assert cfg.tokenizer is not None
         tokenizer = load_tokenizer(convert_tokenizer(cfg.tokenizer, tok_out, cfg.model_max_length,
-                                                     cfg.tiktoken_pattern, cfg.lowercase))
+                                                     cfg.tiktoken_pattern, cfg.lowercase, cfg.extra_ids))
     for inp in inputs:
         inp.sha256, inp.records = None, 0
     eod_id = bos_id = None

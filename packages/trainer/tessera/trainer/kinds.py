@@ -75,6 +75,22 @@ LOSSES["mlm"] = _mlm_step
 OBJECTIVES: dict[str, Callable[[], type]] = {"next_token": _next_token_objective, "mlm": _mlm_objective}
 
 
+def _span_batches() -> type[MixtureBatches]:
+    from tessera.trainer.span.batches import SpanBatches  # T5 span corruption, drawn per sample
+
+    return SpanBatches  # type: ignore[return-value]
+
+
+def _span_step() -> type[TrainStep]:
+    from tessera.trainer.span.loss import SpanStep  # the decoder's cross-entropy over the targets
+
+    return SpanStep
+
+
+BATCHES["span"] = _span_batches
+LOSSES["span"] = _span_step
+
+
 # Options a kind's model has nothing for, by kind: (the field, whether a config asks for it, what to
 # do instead). Each is refused in one line while the config is validated, before any launch.
 REFUSED_OPTIONS: dict[str, tuple[tuple[str, Callable[[Any], bool], str], ...]] = {  # of a TrainConfig

@@ -177,11 +177,15 @@ class LLMEngine:
                                  loaded.config.vocab_size, sorted(self.eos_ids))
         # Last: under tensor parallel this starts the workers, so nothing after it can fail and
         # leave them running.
+        if hasattr(self.proposer, "check"):  # a draft reading the target's hidden states (MTP): refused before workers
+            self.proposer.check(loaded.config, cfg.tensor_parallel)
         graph_spec = None
         if graphs != "off":
             graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
                                    scratch_block=pool - 1, capture=graphs == "capture")
         self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec, worker_threads)
+        if hasattr(self.proposer, "attach"):  # a draft reading the target's hidden states (MTP)
+            self.proposer.attach(self.runner)
         self.pooling = embedding_spec(loaded, cfg, self.max_model_len, self.runner)  # None: no /v1/embeddings
 
     @staticmethod

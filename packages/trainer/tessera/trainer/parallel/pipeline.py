@@ -70,7 +70,8 @@ class StageModule(nn.Module):
             self.key_index.copy_(self.cp.key_index(self.full_seq_len, device))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, **side: torch.Tensor):
+                document_ids: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None,
+                mtp_tokens: torch.Tensor | None = None, **side: torch.Tensor):
         """`positions` / `document_ids` [B, T] (whole sequence) for packed documents; the pipeline
         schedule hands every stage its micro-batch's rows of them (and of an objective's side inputs)."""
         if self.objective is not None:
@@ -87,7 +88,9 @@ class StageModule(nn.Module):
             h = self.model(x, positions=positions, return_hidden=True, attention_fn=attention)
         else:
             positions = self.positions if positions is None else positions
-            h = self.model(x, positions=positions, return_hidden=True, document_ids=document_ids)
+            # mtp_labels: the multi-token-prediction loss (one stage holding the whole model).
+            mtp = {"mtp_labels": mtp_labels, "mtp_tokens": mtp_tokens} if mtp_labels is not None else {}
+            h = self.model(x, positions=positions, return_hidden=True, document_ids=document_ids, **mtp)
         if not self.is_last:
             return h
         weight = self.tied_head if self.tied_head is not None else self.model.output_weight()
@@ -145,9 +148,15 @@ def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups,
         if not last:
             for name in plan.last_stage:
                 setattr(model, name, None)
-        if not first and not (last and tied):
+        # MTP on the last stage embeds tokens t+k: it keeps a copy of the embedding, synchronised
+        # with the first stage's like a tied head (tagged tied_embedding below).
+        mtp_embedding = last and not first and getattr(model.cfg, "mtp", None) is not None
+        if not first and not (last and tied) and not mtp_embedding:
             for name in plan.first_stage:
                 setattr(model, name, None)
+        if mtp_embedding:
+            model.pos_embed = None
+            model.dropout = nn.Identity()  # the embedding dropout is the first stage's
         plan.tensor(model, groups, sequence_parallel, rng)
         shard_experts(model, groups.ep_group, groups.ep, groups.ep_rank)  # expert parallel (ep > 1)
         tied_head = None
@@ -161,7 +170,7 @@ def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups,
             if not first:
                 for name in plan.first_stage:
                     setattr(model, name, None)
-        if tied and first and model.embed_tokens is not None:
+        if (tied or getattr(model.cfg, "mtp", None) is not None) and num_stages > 1 and model.embed_tokens is not None:
             model.embed_tokens.weight.tied_embedding = True  # type: ignore[attr-defined]
         model.has_head = last
         cp = ContextParallel(groups.cp_group if groups.cp > 1 else None, groups.cp, groups.cp_rank)

@@ -96,6 +96,9 @@ class ParallelRuntime:
         # MoE: router statistics and the balancing-bias update, loads summed over the ranks that
         # routed other tokens through the same layers.
         self.router_stats = RouterStats(list(stages), reduce=self._reduce_router) if cfg.moe is not None else None
+        # Multi-token prediction: on the last pipeline stage.
+        self.mtp = getattr(stages[-1].model, "mtp", None) if stages[-1].is_last else None
+        self.mtp_cfg = getattr(cfg, "mtp", None)  # (other kinds' configs have no such field)
 
     def _reduce_router(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over data and expert ranks (each routes its own rows of the batch), context ranks
@@ -212,6 +215,8 @@ class ParallelRuntime:
         self.optimizer.zero_grad(n)
         if self.router_stats is not None:
             self.router_stats.prepare(n)
+        if self.mtp is not None:
+            self.mtp.prepare(n, loss_scale)
         self._loss_scale = loss_scale
         total = torch.zeros((), dtype=torch.float32, device=g.device)
         with self._autocast():
@@ -227,6 +232,16 @@ class ParallelRuntime:
             for st in self.stages:
                 self.float8.after_optimizer_step(st)
         router = self.router_stats.step() if self.router_stats is not None else {}
+        if self.mtp_cfg is not None:  # the last stage's; tensor ranks agree, data and expert ranks average
+            depth = self.mtp_cfg.depth
+            names = ["mtp_loss"] + ([f"mtp_loss_{k}" for k in range(1, depth + 1)] if depth > 1 else [])
+            mtp = self.mtp.metrics() if self.mtp is not None else {}
+            t = torch.tensor([mtp.get(k, 0.0) for k in names], dtype=torch.float64, device=g.device)
+            if g.pp > 1:
+                dist.all_reduce(t, group=g.pp_group)
+            if g.dp_ep > 1:
+                dist.all_reduce(t, group=g.dp_ep_group)
+            router.update(zip(names, (t / g.dp_ep).tolist()))
         return StepResult(loss=float(total), grad_norm=norm, stepped=not scaled or math.isfinite(norm), router=router)
 
     def _local(self, tokens: torch.Tensor, targets: torch.Tensor, model_inputs: dict[str, torch.Tensor] | None):
@@ -281,7 +296,8 @@ class ParallelRuntime:
             stage = self.stages[0]
             for i in range(n):
                 rows = slice(i * mb, (i + 1) * mb)
-                logits = stage(tokens[rows], **{k: v[rows] for k, v in model_inputs.items()})
+                mtp = {"mtp_labels": targets[rows]} if self.mtp is not None else {}  # model.py's MTP loss
+                logits = stage(tokens[rows], **{k: v[rows] for k, v in model_inputs.items()}, **mtp)
                 loss = self._micro_batch_loss(logits, targets[rows])
                 (loss * self._loss_scale if self._loss_scale != 1.0 else loss).backward()
                 total += loss.detach()
@@ -291,7 +307,8 @@ class ParallelRuntime:
             args = (tokens,) if has_first else ()
             self._micro_losses.clear()
             # model_inputs are split into micro-batches and given to every stage (kwargs).
-            self.schedule.step(*args, target=targets if has_last else None, return_outputs=False, **model_inputs)
+            mtp = {"mtp_labels": targets, "mtp_tokens": tokens} if self.mtp_cfg is not None else {}  # last stage's MTP
+            self.schedule.step(*args, target=targets if has_last else None, return_outputs=False, **model_inputs, **mtp)
             if has_last:
                 total += torch.stack(self._micro_losses).sum()
             dist.all_reduce(total, group=g.pp_group)  # only the last stage contributed
