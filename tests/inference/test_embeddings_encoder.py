@@ -125,3 +125,24 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_encoders_heads_is_refus
         load_for_serving(bert, torch.device("cpu"), torch.float32, tensor_parallel=3)
     assert "--tensor-parallel 3" in str(exc.value) and "attention heads" in str(exc.value), exc.value
     assert "\n" not in str(exc.value)
+
+
+def test_an_hf_bert_whose_vocabulary_tensor_parallel_does_not_divide_is_padded_and_embeds_as_one_process(bert, tmp_path):
+    import json
+    import shutil
+
+    import torch
+    from transformers import BertConfig, BertModel
+
+    odd = tmp_path / "odd"
+    shutil.copytree(bert, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    torch.manual_seed(3)
+    BertModel(BertConfig(**{**cfg, "vocab_size": cfg["vocab_size"] + 1})).eval().save_pretrained(odd)
+    directory = pooled_variant(odd, tmp_path / "odd-mean", "mean")
+    texts = sentences(8)
+    srv = LiveServer(directory, limits=LIMITS, tensor_parallel=2)
+    try:
+        assert min(cosines(_embed(srv, texts), st_encode(directory, texts))) > 0.99999
+    finally:
+        srv.stop()
