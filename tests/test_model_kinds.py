@@ -197,7 +197,7 @@ def test_a_stage_without_code_for_a_registered_kind_refuses_it_in_one_line_befor
         assert not (tmp_path / "out").exists()
     err = _cli(_serve_main(), ["--checkpoint", ck], capsys)
     assert "model kind 'test_encoder': tessera-serve has no model runner for it (tessera-serve handles causal_lm, " \
-        "hybrid, encoder)" in err, err
+        "hybrid, encoder, encoder_decoder)" in err, err
 
 
 HYBRID = {"kind": "hybrid", "arch": "mamba2", "vocab_size": 320, "hidden_size": 32, "num_layers": 2, "pattern": "MM",

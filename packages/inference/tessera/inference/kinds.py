@@ -12,6 +12,8 @@ from tessera.inference.core.block_manager import BlockManager
 from tessera.inference.core.state_manager import StateBlockManager
 from tessera.inference.pooling.encoder import EncoderRunner, NoKVCache
 from tessera.inference.pooling.runner import DecoderRunner
+from tessera.inference.worker.encoder_decoder.cache import CrossBlockManager
+from tessera.inference.worker.encoder_decoder.runner import EncoderDecoderRunner
 from tessera.inference.worker.latent.runner import LatentRunner
 from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.state.runner import HybridRunner
@@ -29,15 +31,22 @@ class ServingKind:
         """False for a kind served as embeddings only (an encoder): completions and chat are refused."""
         return getattr(self.runner, "generates", True)
 
+    @property
+    def scores_prompts(self) -> bool:
+        """False where prompt logprobs mean nothing (an encoder-decoder's prompt is its encoder input)."""
+        return getattr(self.runner, "scores_prompts", True)
+
 
 # paged attention over the decoder stack; it also pools embed requests (pooling/runner.py)
 RUNNERS: dict[str, type[ModelRunner]] = {"decoder": DecoderRunner}
 RUNNERS["hybrid"] = HybridRunner  # paged attention + Mamba layers over a per-sequence state pool
 RUNNERS["pooling"] = EncoderRunner  # an encoder: padded batches, pooled (pooling/encoder.py)
+RUNNERS["encoder_decoder"] = EncoderDecoderRunner  # encoder once per request, decoder over paged self + cross K/V
 RUNNERS["latent"] = LatentRunner  # a causal LM with latent attention (DeepSeek-V3): latent KV cache (worker/latent/)
 CACHES: dict[str, type[BlockManager]] = {"paged_kv": BlockManager}  # paged key/value blocks, prefix caching
 CACHES["paged_kv_and_state"] = StateBlockManager  # paged K/V of attention layers + one state slot per sequence
 CACHES["none"] = NoKVCache  # nothing kept between steps (an encoder)
+CACHES["paged_kv_cross"] = CrossBlockManager  # a sequence's cross-attention K/V, then its decoder's, in one table
 
 
 def serving_kind(model: Any) -> ServingKind:

@@ -62,7 +62,7 @@ def serve(conn: Connection) -> int:
         "state_pool": engine.runner.state_summary(),
         "tokenizer_dir": str(loaded.tokenizer.directory), "compile_s": engine.compile_seconds,
         "threads": measure(engine), "pooling": None if engine.pooling is None else engine.pooling.to_wire(),
-        "generates": engine.generates,
+        "generates": engine.generates, "scores_prompts": engine.scores_prompts,
     }))
     try:
         _loop(conn, engine)

@@ -103,6 +103,7 @@ class EngineFrontend:
 
     pooling: PoolingSpec | None = None  # the model's pooling (/v1/embeddings); None: it declares none
     generates: bool = True  # False: an encoder, served as embeddings only
+    scores_prompts: bool = True  # False: prompt logprobs are refused (an encoder-decoder's prompt is its encoder input)
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_ids, max_waiting: int,
                  metrics: ServingMetrics | None = None):
@@ -150,7 +151,7 @@ class EngineFrontend:
         """
         if not self.healthy:
             raise EngineDead("the engine has stopped")
-        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.eos_ids)
+        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.eos_ids, self.scores_prompts)
         stream = _Stream(loop=asyncio.get_running_loop(), queue=queue or asyncio.Queue(), tag=tag,
                          group=group or ChoiceGroup(1))
         with self._cv:
@@ -257,6 +258,7 @@ class AsyncEngine(EngineFrontend):
         self.engine = engine
         self.pooling = engine.pooling
         self.generates = engine.generates
+        self.scores_prompts = engine.scores_prompts
         self._inbox: list[tuple] = []  # commands for the engine loop, in arrival order
         self._num_adds_queued = 0
         self._stop = False

@@ -42,6 +42,7 @@ class ProcessEngine(EngineFrontend):
         self.info = info
         self.pooling = None if info.get("pooling") is None else PoolingSpec.from_wire(info["pooling"])
         self.generates = bool(info.get("generates", True))
+        self.scores_prompts = bool(info.get("scores_prompts", True))
         self._proc = proc
         self._conn = conn
         self._adds_sent = 0

@@ -114,6 +114,8 @@ def check_kind_tensor_parallel(tp: int, cfg, where: str, quantization: str | Non
     from tessera.inference.worker.state.runner import tensor_parallel_problem
 
     check_tensor_parallel(tp, None, where, quantization, device)
+    if (why := getattr(serving_kind(cfg).runner, "no_tensor_parallel", None)) is not None:
+        raise UserError(f"--tensor-parallel {tp}: {why} ({where}); drop --tensor-parallel")
     kind_of(cfg).parallel()
     problem = (encoder_problem if cfg.kind == "encoder" else tensor_parallel_problem)(tp, cfg)
     if problem is not None:

@@ -47,7 +47,8 @@ ENCODER_DECODER = ModelKind(
     hf=hf,
     parallel=parallel,
     flops_per_token=T5Config.flops_per_token,
-    hooks=StageHooks(train_batch="span", train_loss="span", convert="encoder_decoder", serve_runner=None, serve_cache=None),
+    hooks=StageHooks(train_batch="span", train_loss="span", convert="encoder_decoder", serve_runner="encoder_decoder",
+                     serve_cache="paged_kv_cross"),
     tensor_shapes=tensor_shapes,
     vocab_params=("shared.weight", "lm_head.weight"),
 )
