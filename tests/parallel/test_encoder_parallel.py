@@ -29,7 +29,7 @@ TOL = 10.0
 
 
 @pytest.mark.distributed
-def test_bert_under_tp2_and_tp2_with_sequence_parallel_computes_what_the_whole_model_does(tmp_path):
+def test_bert_under_tp2_and_sp_computes_what_the_whole_model_does_and_trains_under_tp_sp_pp_dp_fsdp_like_one_process(tmp_path):
     import subprocess
 
     out = tmp_path / "errors.json"
