@@ -205,9 +205,15 @@ class LLMEngine:
         tensor-parallel worker over its shard)."""
         kind = serving_kind(loaded.config)
         if not kind.generates:  # an encoder: no KV pool, no compiled stack (pooling/encoder.py)
-            if cfg.tensor_parallel > 1 or loaded.model is None:
-                raise UserError(f"--tensor-parallel {cfg.tensor_parallel}: an encoder is served on one process; "
-                                "drop --tensor-parallel")
+            if cfg.tensor_parallel > 1:  # the workers hold the shards and pool
+                from tessera.inference.pooling.encoder import TensorParallelEncoderRunner
+                from tessera.inference.worker.executor import TensorParallelExecutor
+
+                assert loaded.path is not None
+                return TensorParallelEncoderRunner(TensorParallelExecutor(
+                    loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, 0, cfg.block_size, device, dtype,
+                    prep=serving_prep(cfg), bindings=worker_threads, pooling=True), device)
+            assert loaded.model is not None
             if device.type == "cpu" and cfg.quantization is None:  # oneDNN-prepacked weights, as prepare.py does
                 pack_linears(loaded.model, cfg.cpu_linear, batch_hint=cfg.max_num_seqs)
             return kind.runner(loaded.model, 0, cfg.block_size, device, dtype)

@@ -34,7 +34,6 @@ from tessera.common.layout import validate_layout
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.parallel.expert_parallel import is_expert_shard
-from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import load_model_state_dict, model_state_dict
@@ -44,6 +43,7 @@ from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
 from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.engine import StepResult
 from tessera.trainer.parallel.fsdp import FullyShardedOptimizer, shard_stages
+from tessera.trainer.parallel.objective import LossContext, NextToken
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, make_schedule
 from tessera.trainer.precision.float8 import float8_backend
@@ -71,8 +71,13 @@ class ParallelRuntime:
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, training: TrainingConfig, parallel: ParallelConfig,
                  stages: list[StageModule], optimizer: DistributedOptimizer, rng: TensorParallelRNG,
-                 per_token_loss: bool = False):
+                 per_token_loss: bool = False, objective=None):
         self.cfg, self.groups, self.training, self.parallel = cfg, groups, training, parallel
+        # The kind's objective (parallel/objective.py): batch -> stage inputs and targets, the loss.
+        self.objective = objective if objective is not None else NextToken()
+        if hasattr(self.objective, "stage_forward"):
+            for st in stages:
+                st.objective = self.objective
         self.micro_batch = training.micro_batch_size
         # Targets equal to IGNORE_INDEX count for nothing and the loss is the mean over the other
         # tokens of the global batch (data.eod_mask_loss, loss masks): one all-reduce of the count.
@@ -127,7 +132,8 @@ class ParallelRuntime:
             self._schedules[num_microbatches] = make_schedule(
                 self.stages, self.groups, num_microbatches, self.micro_batch, self.cfg.hidden_size,
                 vocab_rows, dtype, self.stages[0].model.sequence_parallel, self._micro_batch_loss,
-                logits_dtype=logits_dtype, loss_hook=self._scale_loss)
+                logits_dtype=logits_dtype, loss_hook=self._scale_loss,
+                last_outputs=getattr(self.objective, "pipeline_outputs", None))
         return self._schedules[num_microbatches]
 
     def _use_microbatches(self, rows: int) -> None:
@@ -142,8 +148,10 @@ class ParallelRuntime:
     @classmethod
     def build(cls, cfg: ModelConfig, groups: ParallelGroups, training: TrainingConfig, parallel: ParallelConfig,
               optim: OptimConfig, build_model: Callable[[], Transformer],
-              per_token_loss: bool = False) -> ParallelRuntime:
+              per_token_loss: bool = False, objective=None) -> ParallelRuntime:
         t, p = training, parallel
+        if groups.pp > 1 and not getattr(objective, "pipeline", True):
+            raise ValueError(f"{type(objective).__name__}: this objective has no pipeline-parallel path")
         counts = validate_layout(cfg, groups.layout, seq_len=t.seq_length, global_batch=t.global_batch_size,
                                  micro_batch=t.micro_batch_size, sequence_parallel=p.sequence_parallel,
                                  world_size=groups.world_size)
@@ -176,7 +184,7 @@ class ParallelRuntime:
         if groups.dp_shard > 1:
             named = [(n, q) for s in stages for n, q in s.global_params().items()]
             fsdp_opt = FullyShardedOptimizer(named, groups, **adamw)
-            return cls(cfg, groups, t, p, stages, fsdp_opt, rng, per_token_loss)  # type: ignore[arg-type]
+            return cls(cfg, groups, t, p, stages, fsdp_opt, rng, per_token_loss, objective)  # type: ignore[arg-type]
         named = [(f"{s.stage}.{n}", q) for s in stages for n, q in s.global_params().items()]
         optimizer = DistributedOptimizer(
             named, groups, **adamw, shard=p.distributed_optimizer, bucket_numel=p.bucket_numel,
@@ -185,7 +193,7 @@ class ParallelRuntime:
         )
         if p.overlap_param_gather:
             optimizer.register_param_gather_hooks(stages)
-        return cls(cfg, groups, t, p, stages, optimizer, rng, per_token_loss)
+        return cls(cfg, groups, t, p, stages, optimizer, rng, per_token_loss, objective)
 
     # ---- training ---------------------------------------------------------------------------
     def train(self, mode: bool = True) -> None:
@@ -197,7 +205,9 @@ class ParallelRuntime:
         """One optimizer step. With `loss_scale` != 1 (fp16) the loss is multiplied by it before
         backward, gradients are divided by it before clipping, and a step whose gradients are not
         finite (the global norm is inf/nan, so every rank agrees) is skipped. `model_inputs`
-        (`positions`, `document_ids`: [rows, T], rows as `tokens`) go to every stage's forward."""
+        (`positions`, `document_ids`: [rows, T], rows as `tokens`) go to every stage's forward.
+        `tokens` / `targets` are the batch and labels as the kind's objective reads them."""
+        tokens, model_inputs, targets = self.objective.split(tokens, targets, model_inputs)
         self._use_microbatches(tokens.shape[0])
         g, n = self.groups, self.num_microbatches
         self._set_token_weight(targets)
@@ -258,15 +268,10 @@ class ParallelRuntime:
         self._token_weight = g.dp_ep / max(self.token_count, 1)
 
     def _micro_batch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One micro-batch's share of the batch loss, from local-vocab logits."""
-        if not self.per_token_loss:
-            # Under context parallel each rank's mean covers 1/C of the tokens: its share is mean / C.
-            share = self.num_microbatches * self.groups.cp
-            return vocab_parallel_cross_entropy(logits, targets, self.groups.tp_group).mean() / share
-        counted = targets != IGNORE_INDEX
-        # Ignored positions get a valid id (their loss is zeroed, so their gradient is zero too).
-        per_token = vocab_parallel_cross_entropy(logits, targets.masked_fill(~counted, 0), self.groups.tp_group)
-        return (per_token * counted).sum() * self._token_weight
+        """One micro-batch's share of the batch loss, from the last stage's output (local-vocab logits)."""
+        ctx = LossContext(self.groups.tp_group, self.num_microbatches * self.groups.cp, self.per_token_loss,
+                          self._token_weight)
+        return self.objective.loss(logits, targets, ctx)
 
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Record a micro-batch's loss, return the one to backpropagate (scaled for fp16)."""
@@ -312,6 +317,7 @@ class ParallelRuntime:
     def eval_step(self, tokens: torch.Tensor, targets: torch.Tensor,
                   model_inputs: dict[str, torch.Tensor] | None = None) -> float:
         """Mean token loss of a batch shaped as for `train_step`, forward only (no state change)."""
+        tokens, model_inputs, targets = self.objective.split(tokens, targets, model_inputs)
         self._use_microbatches(tokens.shape[0])
         g, n, mb = self.groups, self.num_microbatches, self.micro_batch
         self._set_token_weight(targets)
