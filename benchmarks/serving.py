@@ -67,7 +67,8 @@ import torch
 import vllm_peer  # benchmarks/vllm_peer.py (this directory is on sys.path when run as a script)
 
 
-def build_checkpoint(root: Path, preset: str) -> tuple[Path, object]:
+def build_checkpoint(root: Path, preset: str, make_config=None) -> tuple[Path, object]:
+    """A random model of `preset` (or of make_config(vocab_size)) with a BPE tokenizer of source text."""
     import inspect
     import json as _json
     import textwrap
@@ -91,7 +92,9 @@ def build_checkpoint(root: Path, preset: str) -> tuple[Path, object]:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([inspect.getsource(m) for m in (textwrap, _json.decoder, _json.encoder)], trainer)
     vocab = tok.get_vocab_size()  # every id the model can emit decodes to text
-    if preset in ("llama-160m", "llama-1b"):
+    if make_config is not None:
+        cfg = make_config(vocab)
+    elif preset in ("llama-160m", "llama-1b"):
         cfg = model_preset(preset, vocab_size=vocab, max_seq_len=1024)
     elif preset == "llama-25m":  # issue #18's CPU comparison with vLLM: 8 layers x 512, GQA 8/2, fp32
         cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=512, num_layers=8, num_heads=8,

@@ -83,7 +83,7 @@ def test_the_causal_lm_goes_through_the_registry_and_every_stage_has_its_code():
     from tessera.trainer.plan.memory import decoder_memory, memory_count
     from tessera.trainer.step import TrainStep
 
-    assert list(registry.KINDS) == ["causal_lm", "hybrid", "encoder", "vision_language"]
+    assert list(registry.KINDS) == ["causal_lm", "hybrid", "encoder", "vision_language", "encoder_decoder"]
     cfg = tiny_llama(num_layers=1)
     kind = registry.kind_of(cfg)
     assert kind.config is ModelConfig and cfg.kind == "causal_lm"
@@ -95,7 +95,7 @@ def test_the_causal_lm_goes_through_the_registry_and_every_stage_has_its_code():
     for conversion in CONVERTERS["decoder"]:
         check_convertible(cfg, conversion)
     plan = kind.parallel()
-    assert set(plan.column) == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    assert set(plan.column) == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj"}
     assert set(plan.row) == {"o_proj", "down_proj"} and plan.layers == "layers"
 
 
@@ -125,7 +125,7 @@ def test_every_cli_refuses_an_unregistered_kind_in_one_line_before_any_work(tmp_
     config = _train_config(tmp_path / "train.yaml", {"preset": "tiny", "kind": "diffusion"})
     for main in (_train_main(), _plan_main()):
         err = _cli(main, ["--config", config], capsys)
-        assert "model.kind: model kind 'diffusion' is not one Tessera has (registered: causal_lm, hybrid, encoder, vision_language)" in err, err
+        assert "model.kind: model kind 'diffusion' is not one Tessera has (registered: causal_lm, hybrid, encoder, vision_language, encoder_decoder)" in err, err
     assert not (tmp_path / "run").exists()
 
     ck = _checkpoint_of_kind(tmp_path / "ck", diffusion)
@@ -177,7 +177,7 @@ def test_a_stage_without_code_for_a_registered_kind_refuses_it_in_one_line_befor
     for main in (_train_main(), _plan_main()):
         err = _cli(main, ["--config", config], capsys)
         assert ("model kind 'test_encoder': tessera-train has no batch builder for it (tessera-train handles "
-                "causal_lm, hybrid, encoder)") in err, err
+                "causal_lm, hybrid, encoder, encoder_decoder)") in err, err
     assert not (tmp_path / "run").exists()
     with pytest.raises(UserError, match="'test_encoder': tessera-plan has no memory count for it"):
         memory_count(_EncoderConfig())
@@ -190,13 +190,14 @@ def test_a_stage_without_code_for_a_registered_kind_refuses_it_in_one_line_befor
         err = _cli(_ckpt_main(), [*argv, "--checkpoint", ck, "--output", tmp_path / "out"], capsys)
         handled = {"export --format trtllm": "causal_lm", "export --format megatron": "causal_lm, hybrid",
                    "import --format megatron": "causal_lm, hybrid",
-                   "export --format hf": "causal_lm, hybrid, encoder, vision_language"}.get(conversion, "causal_lm, hybrid, encoder")
+                   "export --format hf": "causal_lm, hybrid, encoder, vision_language, encoder_decoder"}.get(
+                       conversion, "causal_lm, hybrid, encoder, encoder_decoder")
         assert (f"model kind 'test_encoder': tessera-ckpt {conversion} has no converter for it "
                 f"(tessera-ckpt {conversion} handles {handled})") in err, err
         assert not (tmp_path / "out").exists()
     err = _cli(_serve_main(), ["--checkpoint", ck], capsys)
     assert "model kind 'test_encoder': tessera-serve has no model runner for it (tessera-serve handles causal_lm, " \
-        "hybrid, encoder, vision_language)" in err, err
+        "hybrid, encoder, vision_language, encoder_decoder)" in err, err
 
 
 HYBRID = {"kind": "hybrid", "arch": "mamba2", "vocab_size": 320, "hidden_size": 32, "num_layers": 2, "pattern": "MM",

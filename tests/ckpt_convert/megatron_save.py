@@ -1,7 +1,8 @@
 """Write a Megatron-Core torch_dist checkpoint with megatron-core's own code on CPU, and its logits.
 
-Run as `python megatron_save.py SPEC.json OUT_DIR [load]`: builds GPTModel (local, non-TE layer spec) in a
-one-process gloo group, saves it with dist_checkpointing.save, and writes OUT_DIR/../reference.pt
+Run as `python megatron_save.py save|load SPEC.json OUT_DIR [SPEC.json OUT_DIR ...]` (several models in
+one process: megatron-core's import is most of the time): builds GPTModel (local, non-TE layer spec)
+in a one-process gloo group, saves it with dist_checkpointing.save, and writes OUT_DIR/../reference.pt
 with input tokens and Megatron's logits (with `load`: loads OUT_DIR with dist_checkpointing.load
 instead, and writes OUT_DIR/../loaded.pt). Megatron-Core assumes CUDA in three places that do not
 change the math (a device sync and the device of a failure flag in its checkpoint writer, the CUDA
@@ -17,20 +18,12 @@ import torch
 import torch.distributed as dist
 
 
-def main() -> None:
-    spec = json.loads(open(sys.argv[1]).read())
-    out = sys.argv[2]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(spec.get("port", 29547)))
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+def run(spec: dict, out: str, loading: bool) -> None:
+    from megatron.core import dist_checkpointing
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(spec.get("seed", 0))
     cfg = TransformerConfig(num_layers=spec["num_layers"], hidden_size=spec["hidden_size"],
                             num_attention_heads=spec["num_heads"], num_query_groups=spec["num_kv_heads"],
@@ -44,12 +37,10 @@ def main() -> None:
         for name, p in model.named_parameters():
             if "layer_norm" in name or "final_layernorm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
-    loading = len(sys.argv) > 3 and sys.argv[3] == "load"
     if loading:  # read `out` (our export) into the model instead of saving it
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), out))
     else:
         dist_checkpointing.save(model.sharded_state_dict(), out)
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     seq = 16
     tokens = torch.randint(0, spec["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(1))
     model.eval()
@@ -58,6 +49,21 @@ def main() -> None:
                        attention_mask=torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None])
     name = "loaded.pt" if loading else "reference.pt"
     torch.save({"tokens": tokens, "logits": logits}, os.path.join(out, "..", name))
+
+
+def main() -> None:
+    loading, pairs = sys.argv[1] == "load", sys.argv[2:]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(json.loads(open(pairs[0]).read()).get("port", 29547)))
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    for spec, out in zip(pairs[::2], pairs[1::2]):  # several models, one process: one megatron import
+        run(json.loads(open(spec).read()), out, loading)
     dist.destroy_process_group()
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from deepseek_hf import build_hf
+from deepseek_hf import build_hf, save_with_mtp
 
 from tessera.ckpt_convert.cli import main, run
 
@@ -44,6 +44,69 @@ def test_deepseek_v3_import_export_is_byte_identical(tmp_path, tokenizer_dir, ov
         assert torch.equal(again(tokens).logits, hf(tokens).logits)
 
 
+def test_deepseek_v3_with_its_mtp_layer_imports_and_exports_byte_identically(tmp_path, tokenizer_dir, capsys):
+    """DeepSeek's MTP layer (model.layers.<num_hidden_layers>.*: a decoder layer, enorm/hnorm,
+    eh_proj, shared_head.norm and copies of the embedding and head) lands in Tessera's checkpoint and
+    comes back byte for byte, with num_nextn_predict_layers=1; the Megatron export, which has no
+    mapping for it, refuses in one line."""
+    mtp, _ = save_with_mtp(build_hf(), tmp_path / "hf")
+    for f in tokenizer_dir.iterdir():
+        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
+    assert run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"),
+                "--quiet"]) == 0
+    from tessera.common.checkpoint import read_sidecar, resolve_checkpoint
+
+    cfg = read_sidecar(resolve_checkpoint(tmp_path / "ckpt")).model
+    assert cfg.mtp is not None and cfg.mtp.depth == 1
+    assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "ckpt"), "--output",
+                str(tmp_path / "out"), "--quiet"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert "model.layers.3.eh_proj.weight" in mtp and "model.layers.3.mlp.experts.7.down_proj.weight" in mtp
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:  # Megatron's export has no MTP mapping: refused, never dropped
+        main(["export", "--format", "megatron", "--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "mg")])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "model.mtp" in err, err
+    assert not (tmp_path / "mg").exists()
+
+
+def test_deepseek_v3_import_reshard_tp2_ep2_pp2_and_back_export_is_byte_identical(tmp_path, tokenizer_dir):
+    """The latent attention splits as the tensor-parallel plan cuts it (q_b / kv_b by heads, o by
+    columns, the down projections and latent norms whole), the experts over expert ranks, an MTP
+    depth like a layer of the last stage; back at one rank, export gives the same bytes."""
+    import torch.distributed.checkpoint as dcp
+
+    from tessera.common.checkpoint import resolve_checkpoint
+
+    save_with_mtp(build_hf(), tmp_path / "hf")
+    for f in tokenizer_dir.iterdir():
+        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
+    assert run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "c1"),
+                "--quiet"]) == 0
+    assert run(["reshard", "--checkpoint", str(tmp_path / "c1"), "--output", str(tmp_path / "c8"),
+                "--tensor-parallel", "2", "--expert-parallel", "2", "--pipeline-parallel", "2", "--quiet"]) == 0
+    meta = dcp.FileSystemReader(str(resolve_checkpoint(tmp_path / "c8"))).read_metadata().state_dict_metadata
+
+    def cuts(key: str) -> list[tuple[int, ...]]:
+        return sorted(tuple(c.offsets) for c in meta["model." + key].chunks)
+
+    heads = 4 * (16 + 12) // 2  # kv_b rows per rank: two heads of [k_nope | v]
+    assert cuts("layers.1.attn.kv_b_proj.weight") == [(0, 0), (heads, 0)]
+    assert cuts("layers.1.attn.q_b_proj.weight") == [(0, 0), (2 * 24, 0)]
+    assert cuts("layers.1.attn.o_proj.weight") == [(0, 0), (0, 2 * 12)]
+    assert cuts("layers.1.attn.kv_a_proj.weight") == [(0, 0)] and cuts("layers.1.attn.q_a_norm.weight") == [(0,)]
+    assert cuts("layers.1.mlp.experts.gate_proj") == [(0, 0, 0), (4, 0, 0)]
+    assert cuts("mtp.layers.0.attn.kv_b_proj.weight") == [(0, 0), (heads, 0)]
+    assert cuts("mtp.layers.0.mlp.experts.down_proj") == [(0, 0, 0), (4, 0, 0)]
+    assert cuts("mtp.layers.0.eh_proj.weight") == [(0, 0)]
+    assert run(["reshard", "--checkpoint", str(tmp_path / "c8"), "--output", str(tmp_path / "back"),
+                "--tensor-parallel", "1", "--expert-parallel", "1", "--pipeline-parallel", "1", "--quiet"]) == 0
+    assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "back"), "--output",
+                str(tmp_path / "out"), "--quiet"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("n_group", 3, "num_groups (3) must divide num_experts (8)"),
     ("topk_group", 5, "topk_groups (5) must not exceed num_groups (4)"),
@@ -63,20 +126,17 @@ def test_bad_deepseek_config_is_one_line_exit_2(tmp_path, tokenizer_dir, capsys,
 
 
 def test_what_is_not_built_for_latent_attention_is_refused_in_one_line_before_any_work(tmp_path, tokenizer_dir, capsys):
-    """Tensor and context parallel, serving and the TensorRT-LLM / Megatron exports of an MLA model
-    are not built: each says so in one line, exit 2, nothing written, no worker started."""
+    """Context parallel and the TensorRT-LLM export of an MLA model are not built (Megatron's is:
+    test_megatron_mla.py; serving: tests/inference/test_deepseek_serving.py): each says so in one
+    line, exit 2, nothing written, no worker started."""
     from tessera.common.errors import run_cli
-    from tessera.inference.entrypoints.serve_cli import main as serve_main
 
     save(build_hf(), tmp_path / "hf", tokenizer_dir)
     assert run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"),
                 "--quiet"]) == 0
     capsys.readouterr()
     for cli, argv, message in (
-            (main, ["reshard", "--tensor-parallel", "2", "--pipeline-parallel", "1"], "--tensor-parallel 2"),
-            (main, ["export", "--format", "trtllm"], "TensorRT-LLM"),
-            (main, ["export", "--format", "megatron"], "Megatron-Core"),
-            (serve_main, [], "tessera-serve has no latent KV cache")):
+            (main, ["export", "--format", "trtllm"], "TensorRT-LLM"),):
         args = [*argv, "--checkpoint", str(tmp_path / "ckpt")]
         if cli is main:
             args += ["--output", str(tmp_path / "out")]

@@ -27,45 +27,57 @@ CASES = {  # grouped-query attention with Megatron's vocabulary padding; tied em
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_megatron_core_checkpoint_imports_with_megatrons_logits(tmp_path, name):
+def megatron(mode: str, cases: list[tuple[dict, Path]]) -> None:
+    """megatron_save.py on each (spec, directory), in one process."""
+    argv = []
+    for spec, directory in cases:
+        (directory.parent / "spec.json").write_text(json.dumps(spec))
+        argv += [str(directory.parent / "spec.json"), str(directory)]
+    proc = subprocess.run([sys.executable, str(HERE / "megatron_save.py"), mode, *argv], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_megatron_core_checkpoints_import_with_megatrons_logits_and_export_back_with_them(tmp_path):
     pytest.importorskip("megatron.core")
-    spec = CASES[name]
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    ckpt = tmp_path / "mcore" / "iter_0000001"
-    ckpt.mkdir(parents=True)
-    proc = subprocess.run([sys.executable, str(HERE / "megatron_save.py"), str(tmp_path / "spec.json"), str(ckpt)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    model_cfg = dict(arch="llama", vocab_size=spec["vocab_size"], hidden_size=spec["hidden_size"],
-                     num_layers=spec["num_layers"], num_heads=spec["num_heads"], num_kv_heads=spec["num_kv_heads"],
-                     ffn_hidden_size=spec["ffn_hidden_size"], max_seq_len=spec["max_seq_len"],
-                     tie_embeddings=spec["tied"], norm_eps=1e-5)
-    (tmp_path / "model.yaml").write_text(yaml.safe_dump(model_cfg))
-    assert run(["import", "--format", "megatron", "--input", str(ckpt), "--output", str(tmp_path / "ours"),
-                "--model-config", str(tmp_path / "model.yaml"), "--quiet"]) == 0
-    directory = resolve_checkpoint(tmp_path / "ours")
-    cfg = read_sidecar(directory).model
-    assert cfg.vocab_size == spec["vocab_size"] and cfg.vocab_rows == spec["rows"]
-    model = build_model(cfg, seed=None)
-    model.load_state_dict(load_model_tensors(directory))
-    ref = torch.load(tmp_path / "mcore" / "reference.pt")
-    with torch.no_grad():
-        ours = model.eval()(ref["tokens"])
-    want = ref["logits"][..., :spec["vocab_size"]]
-    assert torch.isneginf(ours[..., spec["vocab_size"]:]).all()
-    assert (ours[..., :spec["vocab_size"]] - want).abs().max().item() < 1e-4 * want.abs().max().item()
-    # And back: our export loads in megatron-core (dist_checkpointing.load) and gives the same logits.
-    back = tmp_path / "back" / "iter_0000002"
-    assert run(["export", "--format", "megatron", "--checkpoint", str(tmp_path / "ours"), "--output", str(back),
-                "--quiet"]) == 0
-    proc = subprocess.run([sys.executable, str(HERE / "megatron_save.py"), str(tmp_path / "spec.json"), str(back),
-                           "load"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    loaded = torch.load(tmp_path / "back" / "loaded.pt")
-    assert torch.equal(loaded["tokens"], ref["tokens"])
-    assert (loaded["logits"][..., :spec["vocab_size"]] - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    cases = [(spec, tmp_path / name / "mcore" / "iter_0000001") for name, spec in CASES.items()]
+    for _, ckpt in cases:
+        ckpt.mkdir(parents=True)
+    megatron("save", cases)
+    backs = []
+    for name, spec in CASES.items():
+        root = tmp_path / name
+        model_cfg = dict(arch="llama", vocab_size=spec["vocab_size"], hidden_size=spec["hidden_size"],
+                         num_layers=spec["num_layers"], num_heads=spec["num_heads"],
+                         num_kv_heads=spec["num_kv_heads"], ffn_hidden_size=spec["ffn_hidden_size"],
+                         max_seq_len=spec["max_seq_len"], tie_embeddings=spec["tied"], norm_eps=1e-5)
+        (root / "model.yaml").write_text(yaml.safe_dump(model_cfg))
+        assert run(["import", "--format", "megatron", "--input", str(root / "mcore" / "iter_0000001"), "--output",
+                    str(root / "ours"), "--model-config", str(root / "model.yaml"), "--quiet"]) == 0
+        directory = resolve_checkpoint(root / "ours")
+        cfg = read_sidecar(directory).model
+        assert cfg.vocab_size == spec["vocab_size"] and cfg.vocab_rows == spec["rows"]
+        model = build_model(cfg, seed=None)
+        model.load_state_dict(load_model_tensors(directory))
+        ref = torch.load(root / "mcore" / "reference.pt")
+        with torch.no_grad():
+            ours = model.eval()(ref["tokens"])
+        want = ref["logits"][..., :spec["vocab_size"]]
+        assert torch.isneginf(ours[..., spec["vocab_size"]:]).all()
+        assert (ours[..., :spec["vocab_size"]] - want).abs().max().item() < 1e-4 * want.abs().max().item(), name
+        # And back: our export loads in megatron-core (dist_checkpointing.load) and gives the same logits.
+        back = root / "back" / "iter_0000002"
+        assert run(["export", "--format", "megatron", "--checkpoint", str(root / "ours"), "--output", str(back),
+                    "--quiet"]) == 0
+        backs.append((spec, back))
+    megatron("load", backs)
+    for name, spec in CASES.items():
+        ref, loaded = torch.load(tmp_path / name / "mcore" / "reference.pt"), torch.load(tmp_path / name / "back" /
+                                                                                          "loaded.pt")
+        want = ref["logits"][..., :spec["vocab_size"]]
+        assert torch.equal(loaded["tokens"], ref["tokens"])
+        got = loaded["logits"][..., :spec["vocab_size"]]
+        assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item(), name
 
 
 def test_legacy_pickle_checkpoint_is_refused_with_the_way_to_convert_it(tmp_path, capsys):

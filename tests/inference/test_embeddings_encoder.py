@@ -100,3 +100,49 @@ def test_bad_inputs_to_an_encoder_get_one_line_400s_and_leave_it_serving(mean_se
         assert cut["usage"]["prompt_tokens"] == 128  # sentence_bert_config.json's max_seq_length
         assert cosines([cut["data"][0]["embedding"]], st_encode(directory, [long_text]))[0] > 0.99999
         _assert_embeds_and_drained(http, srv)
+
+
+def test_bert_embeddings_under_tensor_parallel_2_equal_one_process_and_sentence_transformers(mean_server):
+    _, directory = mean_server
+    texts = sentences(24)
+    srv = LiveServer(directory, limits=LIMITS, tensor_parallel=2)
+    try:
+        assert min(cosines(_embed(srv, texts), _embed(mean_server[0], texts))) > 0.99999
+        assert min(cosines(_embed(srv, texts), st_encode(directory, texts))) > 0.99999
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            _assert_embeds_and_drained(http, srv)
+    finally:
+        srv.stop()
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_encoders_heads_is_refused_in_one_line_before_loading(bert):
+    import torch
+
+    from tessera.common.errors import UserError
+    from tessera.inference.worker.loader import load_for_serving
+
+    with pytest.raises(UserError) as exc:
+        load_for_serving(bert, torch.device("cpu"), torch.float32, tensor_parallel=3)
+    assert "--tensor-parallel 3" in str(exc.value) and "attention heads" in str(exc.value), exc.value
+    assert "\n" not in str(exc.value)
+
+
+def test_an_hf_bert_whose_vocabulary_tensor_parallel_does_not_divide_is_padded_and_embeds_as_one_process(bert, tmp_path):
+    import json
+    import shutil
+
+    import torch
+    from transformers import BertConfig, BertModel
+
+    odd = tmp_path / "odd"
+    shutil.copytree(bert, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    torch.manual_seed(3)
+    BertModel(BertConfig(**{**cfg, "vocab_size": cfg["vocab_size"] + 1})).eval().save_pretrained(odd)
+    directory = pooled_variant(odd, tmp_path / "odd-mean", "mean")
+    texts = sentences(8)
+    srv = LiveServer(directory, limits=LIMITS, tensor_parallel=2)
+    try:
+        assert min(cosines(_embed(srv, texts), st_encode(directory, texts))) > 0.99999
+    finally:
+        srv.stop()

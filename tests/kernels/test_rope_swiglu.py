@@ -19,7 +19,7 @@ def _rope_tables(cfg, positions):
     return RotaryEmbedding(cfg)(positions)
 
 
-def _llama3_cfg(head_dim: int, max_seq_len: int):
+def _llama3_cfg(head_dim: int, max_seq_len: int = 64):
     """A config with Llama-3 scaled frequencies, so the kernel sees the tables the model uses; its
     table holds every position a case asks for (the GPU case runs 2048 positions)."""
     from tessera.common.models.causal_lm.config import preset

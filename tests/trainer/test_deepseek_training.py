@@ -1,6 +1,7 @@
 """Training DeepSeek-V3 (latent attention, sigmoid group-limited routing with the balancing bias,
-a dense first layer) through `tessera-train`: the loss falls, the router statistics are logged,
-and a resumed run is bit-identical to an uninterrupted one."""
+a dense first layer, a multi-token-prediction depth) through `tessera-train`: the loss falls, the
+router statistics and the MTP loss are logged (apart from the main loss), and a resumed run is
+bit-identical to an uninterrupted one, MTP modules included."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ DEEPSEEK = {"preset": "tiny", "arch": "deepseek_v3", "hidden_size": 32, "ffn_hid
                     "v_head_dim": 8},
             "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 16, "first_k_dense": 1, "score": "sigmoid",
                     "routed_scaling_factor": 2.5, "num_shared_experts": 1, "num_groups": 4, "topk_groups": 2,
-                    "bias_balancing": True, "bias_update_rate": 0.01}}
+                    "bias_balancing": True, "bias_update_rate": 0.01},
+            "mtp": {"depth": 1, "loss_scaling_factor": 0.3}}
 
 
 def test_deepseek_v3_trains_and_resumes_bit_identically(make_config, tmp_path):
@@ -32,6 +34,7 @@ def test_deepseek_v3_trains_and_resumes_bit_identically(make_config, tmp_path):
     a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "split")
     assert a.keys() == b.keys() and "layers.0.attn.kv_b_proj.weight" in a and "layers.1.mlp.expert_bias" in a
     assert a["layers.1.mlp.expert_bias"].abs().sum() > 0  # the balancing bias moved
+    assert a["mtp.layers.0.mlp.expert_bias"].abs().sum() > 0  # the MTP layer is MoE, balanced too
     for name in a:
         assert torch.equal(a[name], b[name]), name
     run = losses(tmp_path / "straight")
@@ -41,3 +44,8 @@ def test_deepseek_v3_trains_and_resumes_bit_identically(make_config, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("kind") == "train"]
     assert train and all(r["moe_max_load"] >= 1.0 for r in train)
+    mtp = [r["mtp_loss"] for r in train]
+    assert all(m > 0 and m != r["loss"] for m, r in zip(mtp, train)) and mtp[-1] < mtp[0]
+    from tessera.trainer.observability.metrics import format_record
+
+    assert f"mtp loss {mtp[-1]:.4f}" in format_record(train[-1])  # the console line, beside the main loss

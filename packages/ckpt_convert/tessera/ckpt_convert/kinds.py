@@ -19,6 +19,8 @@ CONVERTERS: dict[str, frozenset[str]] = {
                          "import --format megatron", "reshard"}),
     # "encoder": BERT (embeddings with token types, post-norm blocks, pooler / MLM / binary heads).
     "encoder": frozenset({"export --format hf", "import --format hf", "reshard"}),
+    # "encoder_decoder": T5 (T5ForConditionalGeneration, T5 and v1.1).
+    "encoder_decoder": frozenset({"export --format hf", "import --format hf", "reshard"}),
     # "vision_language": LLaVA (vision tower, projector, a causal LM); no parallel plan yet, so no reshard.
     "vision_language": frozenset({"export --format hf", "import --format hf"}),
 }

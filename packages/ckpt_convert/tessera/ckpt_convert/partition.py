@@ -25,6 +25,8 @@ This is the contract `reshard` writes to (docs/formats/checkpoint.md, "Partition
   dim 0, out_proj's weight along dim 1; attention's q/k/v and o, the MLPs' up and down as the
   causal LM's (all under `mixer.`); an MoE layer's stacked experts (`mixer.experts.*`) over the
   expert ranks; everything else (layer norms, router, shared experts) replicated.
+- The encoder-decoder (T5) likewise within both stacks' blocks (self- and cross-attention, MLP);
+  its relative-bias tables split by heads (dim 1), its shared embedding and own head by rows.
 - Data parallel: model tensors are replicas, stored by dp rank 0. Optimizer state of a parameter
   takes the parameter's block and is further split along dim 0 across its replicas, as the
   distributed optimizer shards it (expert weights over the D data ranks, every other parameter
@@ -40,6 +42,7 @@ from typing import Any
 
 from tessera.ckpt_convert.dcp_writer import Chunk
 from tessera.common.layout import ParallelLayout
+from tessera.common.models.registry import kind_of
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 # Split by vocabulary rows (the encoder's MLM decoder: its bias too) and kept by the first stage.
@@ -56,13 +59,15 @@ class _TensorSplit:
     row: tuple[str, ...]
     experts: re.Pattern
     rows: tuple[str, ...] = ()
+    layer: re.Pattern = _LAYER_RE  # the prefix of a block's names, stripped before matching
 
 
 _SPLITS = {  # by model kind (the `kind` of its config)
     "causal_lm": _TensorSplit(
-        column=("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj."),
+        column=("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.",
+                "attn.q_b_proj.", "attn.kv_b_proj."),  # latent attention's up projections, by heads
         row=("attn.o_proj.weight", "mlp.down_proj.weight"),
-        experts=re.compile(r"^layers\.\d+\.mlp\.experts\.")),
+        experts=re.compile(r"^(mtp\.)?layers\.\d+\.mlp\.experts\.")),  # mtp: DeepSeek's MTP depths
     "hybrid": _TensorSplit(
         column=("mixer.in_proj.", "mixer.conv.", "mixer.q_proj.", "mixer.k_proj.", "mixer.v_proj.", "mixer.up_proj."),
         row=("mixer.out_proj.weight", "mixer.o_proj.weight", "mixer.down_proj.weight"),
@@ -72,7 +77,16 @@ _SPLITS = {  # by model kind (the `kind` of its config)
         column=("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.up_proj."),
         row=("attn.o_proj.weight", "mlp.down_proj.weight"),
         experts=re.compile(r"^layers\.\d+\.mlp\.experts\.")),
+    "encoder_decoder": _TensorSplit(  # T5: both stacks' blocks; relative-bias tables split by heads
+        column=tuple(f"{a}.{p}_proj." for a in ("self_attn", "cross_attn") for p in "qkv") + ("mlp.gate_proj.", "mlp.up_proj."),
+        row=("self_attn.o_proj.weight", "cross_attn.o_proj.weight", "mlp.down_proj.weight",
+             "encoder.relative_attention_bias.weight", "decoder.relative_attention_bias.weight"),
+        experts=re.compile(r"^$"), layer=re.compile(r"^(encoder|decoder)\.blocks\.\d+\.")),
 }
+
+
+def _kind_vocab(cfg: Any) -> tuple[str, ...]:
+    return kind_of(cfg).vocab_params
 
 
 def _split_of(cfg: Any) -> _TensorSplit:
@@ -100,8 +114,8 @@ def pipeline_rank(name: str, cfg: Any, layout: ParallelLayout) -> int:
 def tp_dim(name: str, cfg: Any) -> int | None:
     """Dimension split across tensor-parallel ranks, or None when replicated."""
     split = _split_of(cfg)
-    local = _LAYER_RE.sub("", name)
-    if local.startswith(split.column) or local in split.rows or name in _VOCAB:
+    local = split.layer.sub("", name.removeprefix("mtp."))  # an MTP depth splits as a layer (last stage)
+    if local.startswith(split.column) or local in split.rows or name in _VOCAB or name in _kind_vocab(cfg):
         return 0
     if local in split.row:
         return 1

@@ -199,10 +199,6 @@ def check_context_parallel(cfg: ModelConfig | HybridConfig, layout: ParallelLayo
 def _check_tensor_parallel(cfg: ModelConfig | HybridConfig, tp: int) -> None:
     """Each tensor rank holds whole heads (and key/value heads, Mamba groups), an equal slice of the
     MLPs and of the vocabulary: `tp` must divide each of them."""
-    if tp > 1 and getattr(cfg, "mla", None) is not None:
-        raise UserError(f"--tensor-parallel {tp} (parallel.tensor): tensor parallel for multi-head latent attention "
-                        "(model.mla, DeepSeek-V3) is not built; use --tensor-parallel 1 (its experts split with "
-                        "--expert-parallel)")
     if isinstance(cfg, HybridConfig):
         used = set(cfg.pattern)
         if cfg.mamba is not None and "M" in used:
@@ -256,6 +252,14 @@ def validate_layout(
                         f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
     check_expert_parallel(cfg, layout)
     check_context_parallel(cfg, layout)
+    if cfg.kind == "encoder_decoder" and (pp > 1 or layout.context > 1):
+        raise UserError(f"--pipeline-parallel {pp} / --context-parallel {layout.context}: the encoder-decoder kind (T5) "
+                        "has neither (Megatron gives encoder and decoder their own pipeline stages; Tessera's pipeline "
+                        "cuts one stack of layers); set both to 1 and split with tensor, sequence or data parallel")
+    if layout.virtual_stages > 1 and getattr(cfg, "mtp", None) is not None:
+        raise UserError(f"model.mtp: multi-token prediction under the interleaved pipeline (--virtual-stages "
+                        f"{layout.virtual_stages}) is not built; use --virtual-stages 1 (MTP then runs on the last "
+                        "stage), or set model.mtp=null")
     cp = layout.context
     if dp % layout.data_shard:
         raise UserError(f"--data-shard {layout.data_shard} must divide the data-parallel size ({dp} = world size / "

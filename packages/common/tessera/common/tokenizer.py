@@ -23,11 +23,12 @@ from tessera.common.fileio import artifact_path, read_json, sha256_file
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-# vocab.txt: a WordPiece (BERT) tokenizer's own vocabulary, carried along for tools that read it.
+# vocab.txt: a WordPiece (BERT) tokenizer's own vocabulary, carried along for tools that read it;
+# spiece.model: T5's SentencePiece model likewise (copied as bytes, never parsed here).
 # preprocessor_config.json: a vision-language model's image processor (tessera.common.models.
 # vision_language.processor reads it), carried with the text processor as transformers keeps them.
 TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, "special_tokens_map.json", CHAT_TEMPLATE_FILE, "vocab.txt",
-                   "preprocessor_config.json")
+                   "preprocessor_config.json", "spiece.model")
 
 
 def tokenizer_fingerprint(directory: str | os.PathLike) -> str:

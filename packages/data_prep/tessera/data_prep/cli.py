@@ -37,11 +37,20 @@ def _add_prep(sub) -> None:
     p.add_argument("--input", "--inputs", dest="inputs", nargs="+", action="extend", required=True, metavar="PATH",
                    help="Input files, folders or globs (quote globs): *.jsonl[.gz|.zst], *.parquet, plain-text files "
                    "(one document per file), folders, Hugging Face datasets folders (save_to_disk). Repeatable.")
-    p.add_argument("--format", choices=["text", "chat", "prompt-completion"], default="text",
+    p.add_argument("--format", choices=["text", "chat", "prompt-completion", "image-text"], default="text",
                    help="text (default): pretraining text under --json-keys. chat: JSONL records with 'messages' "
                    "rendered by the tokenizer's chat template; prompt-completion: 'prompt' + 'completion' (strings, "
                    "or lists of messages). Both write <prefix>_<messages|completion>_document with a loss mask "
-                   "(<prefix>.mask.bin: the answer tokens) that the trainer applies.")
+                   "(<prefix>.mask.bin: the answer tokens) that the trainer applies. image-text: LLaVA .json/.jsonl "
+                   "conversations with image paths, Parquet with image bytes, or WebDataset .tar; writes "
+                   "<prefix>_conversations_document (masked as chat, one --image-token per image) and its images "
+                   "(<prefix>_conversations_document.images.bin/.idx); see docs/formats/image-text-shard.md.")
+    p.add_argument("--image-folder", type=Path, metavar="DIR",
+                   help="image-text: folder LLaVA JSON image paths are relative to (default: the JSON file's folder).")
+    p.add_argument("--image-token", metavar="TOKEN",
+                   help="image-text: the tokenizer's image placeholder token (default <image>).")
+    p.add_argument("--max-image-pixels", type=int, metavar="N",
+                   help="image-text: refuse an image of more than N pixels, width x height (default 67108864).")
     p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                    help="Keys/columns holding the text; one shard set per key (default: text).")
     p.add_argument("--output-prefix", required=True, type=Path,
@@ -64,6 +73,11 @@ def _add_prep(sub) -> None:
                      "when it has no upper-case tokens.")
     tok.add_argument("--no-lowercase", dest="lowercase", action="store_false", help="WordPiece: cased.")
     tok.add_argument("--vocab-size", type=int, default=32000, help="Vocabulary size to train (default 32000).")
+    tok.add_argument("--extra-ids", type=int, metavar="N",
+                     help="With --train-tokenizer or a --tokenizer file to convert: add T5's N sentinel tokens "
+                     "<extra_id_0>..<extra_id_N-1> as the vocabulary's last ids (<extra_id_0> last, as T5's; T5's "
+                     "spiece.model takes 100), for span-corruption training of an encoder-decoder; counted in "
+                     "--vocab-size when training.")
     tok.add_argument("--tokenizer-output", type=Path, metavar="DIR",
                      help="Where the trained or converted tokenizer goes (default: <output-prefix dir>/tokenizer).")
     tok.add_argument("--tokenizer-train-docs", type=int, metavar="N",
@@ -204,8 +218,9 @@ def _verify(args: argparse.Namespace) -> int:
         r = verify_shard(prefix, args.vocab_size, check_checksums=not args.no_checksums)
         note = "manifest and checksums ok" if r.manifest and not args.no_checksums else (
             "manifest ok, checksums not checked" if r.manifest else "no manifest: format only")
+        images = f", {r.num_images:,} images" if r.num_images is not None else ""
         print(f"OK {prefix}: {r.dtype}, {r.num_documents:,} documents, {r.num_sequences:,} sequences, "
-              f"{r.num_tokens:,} tokens, max id {r.max_token}; {note}")
+              f"{r.num_tokens:,} tokens{images}, max id {r.max_token}; {note}")
     return 0
 
 

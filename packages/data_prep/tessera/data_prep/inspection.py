@@ -9,6 +9,7 @@ import numpy as np
 from tessera.common.errors import UserError
 from tessera.common.shard import manifest_path, open_shard, read_shard_manifest
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
+from tessera.data_prep.multimodal.image_text import describe_images
 
 _CHUNK = 1 << 24
 
@@ -52,6 +53,9 @@ def inspect_shard(prefix: Path, docs: list[int], tokenizer_dir: Path | None, top
             lines.append(f"  skipped records at prep: {skipped['total']:,} {skipped.get('by_reason', {})}")
     else:
         lines.append("  no manifest (a Megatron-made shard?)")
+    images = describe_images(prefix, manifest, ds.num_documents, docs) if manifest else {}
+    if -1 in images:
+        lines.append(images[-1])
     if len(doc_len):
         p50, p99 = np.percentile(doc_len, [50, 99])
         lines.append(f"  document length (tokens): min {doc_len.min():,}  mean {doc_len.mean():,.1f}  "
@@ -80,6 +84,8 @@ def inspect_shard(prefix: Path, docs: list[int], tokenizer_dir: Path | None, top
     for d in docs:
         ids = ds.document_tokens(d)
         lines.append(f"--- document {d}: {len(ids):,} tokens")
+        if d in images:
+            lines.append(images[d])
         if tok is None:
             lines.append("  " + " ".join(str(int(x)) for x in ids[:64]) + (" …" if len(ids) > 64 else "")
                          + "  (pass --tokenizer DIR to decode)")

@@ -55,6 +55,10 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
             raise UserError(f"{output}{suffix}: already exists; choose another --output-prefix or pass --overwrite")
     ensure_output_dir(output.parent, "--output-prefix")
     manifests = [read_shard_manifest(p) for p in inputs]
+    for p, m in zip(inputs, manifests):
+        if (m.model_extra or {}).get("images") is not None:  # its image store would be left behind
+            raise UserError(f"{p}.json: an image-text shard; merge joins token shards only (blend several "
+                            "image-text shards into one mixture instead)")
     datasets = [open_shard(p, "off") for p in inputs]  # index against manifest; bytes are checked while copied
     first = manifests[0]
     for p, m, ds in zip(inputs, manifests, datasets):

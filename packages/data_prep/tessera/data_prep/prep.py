@@ -22,10 +22,12 @@ from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.fileio import ensure_output_dir, tmp_name
 from tessera.common.indexed_dataset import token_dtype_for_vocab
+from tessera.common.models.vision_language.processor import DEFAULT_MAX_PIXELS
 from tessera.common.progress import progress
 from tessera.common.shard import ShardInput
 from tessera.common.tokenizer import TOKENIZER_JSON, Tokenizer, load_tokenizer
 from tessera.data_prep.encode import BatchEncoder, EncodedBatch, OrderedEncoder
+from tessera.data_prep.multimodal.image_text import write_image_text_shards
 from tessera.data_prep.sentences import check_splitter
 from tessera.data_prep.sft import OUTPUT_KEY, write_sft_shards
 from tessera.data_prep.shard_writer import ShardSetWriter, output_prefixes, parse_max_shard_size
@@ -40,6 +42,7 @@ from tessera.data_prep.sources import (
 from tessera.data_prep.tokenizer_convert import convert_tokenizer
 from tessera.data_prep.tokenizer_train import (
     EOD_TOKEN,
+    add_sentinels,
     save_tokenizer,
     save_wordpiece,
     train_bpe,
@@ -52,9 +55,15 @@ MAX_EXAMPLES_IN_MANIFEST = 1000  # exact counts always; locations of the first t
 class PrepConfig(StrictModel):
     """Everything `tessera-data prep` does, validated before any work starts."""
 
-    format: Literal["text", "chat", "prompt-completion"] = Field("text", description="Input records: text "
-                                                                 "under --json-keys (pretraining), or fine-tuning "
-                                                                 "data with a loss mask (tessera.data_prep.sft).")
+    format: Literal["text", "chat", "prompt-completion", "image-text"] = Field(
+        "text", description="Input records: text under --json-keys (pretraining), fine-tuning data with a loss mask "
+        "(tessera.data_prep.sft), or image-text conversations (tessera.data_prep.multimodal).")
+    image_folder: Path | None = Field(None, description="image-text: folder that LLaVA JSON image paths are relative "
+                                      "to (default: the JSON file's folder).")
+    image_token: str = Field("<image>", min_length=1, description="image-text: the tokenizer's image placeholder "
+                             "token; one stands for each image in the text.")
+    max_image_pixels: int = Field(DEFAULT_MAX_PIXELS, ge=1, description="image-text: an image with more pixels "
+                                  "(width x height, read from its header) is refused.")
     inputs: list[str] = Field(min_length=1, description="Input files, folders or globs (JSONL[.gz|.zst], Parquet, "
                               "plain text, Hugging Face datasets folders).")
     json_keys: list[str] = Field(["text"], min_length=1, description="Keys (columns) holding the text; one output "
@@ -74,6 +83,9 @@ class PrepConfig(StrictModel):
                                    "tokens.")
     vocab_size: int = Field(32000, ge=8, description="Vocabulary size of a trained tokenizer (with special tokens); "
                             "a byte-level BPE needs at least 258.")
+    extra_ids: int = Field(0, ge=0, le=1000, description="Sentinel tokens <extra_id_0>.. added to a trained or "
+                           "converted tokenizer as its last ids, <extra_id_0> last (T5's span corruption; T5's "
+                           "spiece.model takes 100); counted in a trained tokenizer's vocab_size.")
     tokenizer_output: Path | None = Field(None, description="Where a trained tokenizer is written; default "
                                           "<output-prefix dir>/tokenizer.")
     tokenizer_train_docs: int | None = Field(None, ge=1, description="Train the tokenizer on at most this many "
@@ -175,6 +187,9 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
         raise UserError("--tokenizer-output only applies with --train-tokenizer or a --tokenizer file to convert")
     if cfg.tiktoken_pattern is not None and not converting:
         raise UserError("--tiktoken-pattern only applies to a tiktoken --tokenizer file")
+    if cfg.extra_ids and not (cfg.train_tokenizer or converting):
+        raise UserError(f"--extra-ids {cfg.extra_ids} applies to --train-tokenizer or a --tokenizer file to convert "
+                        "(T5's spiece.model: --extra-ids 100); a tokenizer directory keeps its vocabulary")
     if cfg.tokenizer_type != "bpe" and not cfg.train_tokenizer:
         raise UserError("--tokenizer-type applies to --train-tokenizer (a --tokenizer is used as it is)")
     if cfg.lowercase is not None and not (converting or cfg.tokenizer_type == "wordpiece"):
@@ -200,11 +215,16 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
                             "choose --tokenizer-output, or pass --overwrite")
         if cfg.vocab_size >= 2**31:
             raise UserError(f"--vocab-size {cfg.vocab_size}: too large")
-        if cfg.train_tokenizer and cfg.tokenizer_type == "bpe" and cfg.vocab_size < 258:
+        if cfg.train_tokenizer and cfg.tokenizer_type == "bpe" and cfg.vocab_size - cfg.extra_ids < 258:
             raise UserError(f"--vocab-size {cfg.vocab_size}: a byte-level BPE needs at least 258 (256 bytes and two "
-                            "special tokens)")
+                            "special tokens)" + (f" besides the {cfg.extra_ids} --extra-ids" if cfg.extra_ids else ""))
     if cfg.max_shard_size is not None:
+        if cfg.format == "image-text":
+            raise UserError("--max-shard-size applies to token shards; split image-text inputs into several files "
+                            "and prep each to its own --output-prefix")
         parse_max_shard_size(cfg.max_shard_size, 2)
+    if cfg.format != "image-text" and (cfg.image_folder is not None or cfg.image_token != "<image>"):
+        raise UserError("--image-folder and --image-token apply to --format image-text")
     if cfg.split_sentences:
         if cfg.format != "text":
             raise UserError(f"--split-sentences applies to --format text, not {cfg.format}")
@@ -234,10 +254,13 @@ def _train(cfg: PrepConfig, inputs: list[InputFile], out: Path) -> Tokenizer:
     with bar:
         if cfg.tokenizer_type == "wordpiece":
             lowercase = cfg.lowercase if cfg.lowercase is not None else True
-            save_wordpiece(train_wordpiece(texts(), cfg.vocab_size, lowercase), out, cfg.model_max_length,
-                           lowercase, overwrite=cfg.overwrite)
+            tok = train_wordpiece(texts(), cfg.vocab_size - cfg.extra_ids, lowercase)
+            add_sentinels(tok, cfg.extra_ids)
+            save_wordpiece(tok, out, cfg.model_max_length, lowercase, overwrite=cfg.overwrite)
         else:
-            save_tokenizer(train_bpe(texts(), cfg.vocab_size), out, cfg.model_max_length, overwrite=cfg.overwrite)
+            tok = train_bpe(texts(), cfg.vocab_size - cfg.extra_ids)
+            add_sentinels(tok, cfg.extra_ids)
+            save_tokenizer(tok, out, cfg.model_max_length, overwrite=cfg.overwrite)
     return load_tokenizer(out)
 
 
@@ -287,7 +310,7 @@ def _prep(cfg: PrepConfig, inputs: list[InputFile], tok_out: Path | None) -> lis
     else:  # a SentencePiece / tiktoken file, converted by transformers' converters
         assert cfg.tokenizer is not None
         tokenizer = load_tokenizer(convert_tokenizer(cfg.tokenizer, tok_out, cfg.model_max_length,
-                                                     cfg.tiktoken_pattern, cfg.lowercase))
+                                                     cfg.tiktoken_pattern, cfg.lowercase, cfg.extra_ids))
     for inp in inputs:
         inp.sha256, inp.records = None, 0
     eod_id = bos_id = None
@@ -365,8 +388,8 @@ def _prep_sft(cfg: PrepConfig, inputs: list[InputFile], tokenizer: Tokenizer, bo
     started = time.perf_counter()
     success = False
     try:
-        writer, docs, tokens = write_sft_shards(cfg, inputs, tokenizer, skips, shard_base(cfg.output_prefix, key),
-                                                bos_id, eod_id)
+        write = write_image_text_shards if cfg.format == "image-text" else write_sft_shards
+        writer, docs, tokens = write(cfg, inputs, tokenizer, skips, shard_base(cfg.output_prefix, key), bos_id, eod_id)
         try:
             if docs == 0:
                 raise UserError(f"{cfg.inputs[0]}: no usable {cfg.format} records in the input "

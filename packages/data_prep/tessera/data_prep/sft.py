@@ -44,7 +44,7 @@ from tessera.data_prep.shard_writer import ShardSetWriter, parse_max_shard_size
 from tessera.data_prep.sources import InputFile, read_json_objects
 
 SFT_FORMATS = ("chat", "prompt-completion")
-OUTPUT_KEY = {"chat": "messages", "prompt-completion": "completion"}  # <prefix>_<key>_document
+OUTPUT_KEY = {"chat": "messages", "prompt-completion": "completion", "image-text": "conversations"}  # <prefix>_<key>_document
 BATCH_RECORDS = 1024
 
 

@@ -364,3 +364,6 @@ def hf_fingerprint(inp: InputFile, hf_split: str | None) -> str | None:
     """The `datasets` library's own fingerprint of a saved dataset (recorded in the manifest)."""
     ds = _open_hf(inp.path, [], hf_split)
     return getattr(ds, "_fingerprint", None)
+
+
+optional_module = _optional  # for the other readers (tessera.data_prep.multimodal)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from tessera.common.errors import UserError
 from tessera.common.fileio import ensure_output_dir
+from tessera.data_prep.tokenizer_train import add_sentinels
 
 EOD_TOKEN = "<|endoftext|>"
 CL100K_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -169,8 +170,9 @@ def convert_wordpiece(path: Path, tokens: list[str], lowercase: bool | None):
 
 
 def convert_tokenizer(source: Path, out: Path, model_max_length: int, pattern: str | None = None,
-                      lowercase: bool | None = None) -> Path:
-    """Write `out/` (tokenizer.json + tokenizer_config.json) converted from the file `source`."""
+                      lowercase: bool | None = None, extra_ids: int = 0) -> Path:
+    """Write `out/` (tokenizer.json + tokenizer_config.json) converted from the file `source`;
+    `extra_ids` sentinels appended as T5's tokenizer appends them to its spiece.model."""
     if not source.is_file():
         raise UserError(f"{source}: tokenizer file not found")
     vocab = wordpiece_vocab(source)
@@ -190,6 +192,7 @@ def convert_tokenizer(source: Path, out: Path, model_max_length: int, pattern: s
             raise UserError(f"--tiktoken-pattern: {source} is not a tiktoken BPE file")
         backend, fields = convert_sentencepiece(source)
         kind = "sentencepiece"
+    add_sentinels(backend, extra_ids)
     ensure_output_dir(out, "--tokenizer-output")
     backend.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({

@@ -97,6 +97,18 @@ def bert_post_processor(tokenizer) -> None:
         special_tokens=[(cls, tokenizer.token_to_id(cls)), (sep, tokenizer.token_to_id(sep))])
 
 
+def add_sentinels(tokenizer, count: int) -> list[str]:
+    """Append T5's sentinel tokens as special tokens, `<extra_id_{count-1}>` first, so that
+    `<extra_id_0>` is the last id and sentinel i is vocab_size - 1 - i (T5's layout, which its span
+    corruption counts down from). Returns them in id order."""
+    tokens = [f"<extra_id_{i}>" for i in reversed(range(count))]
+    if tokens:
+        from tokenizers import AddedToken
+
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+    return tokens
+
+
 def train_wordpiece(texts: Iterable[str], vocab_size: int, lowercase: bool = True, min_frequency: int = 2,
                     length: int | None = None):
     """Train a WordPiece vocabulary (BERT's `##` continuation prefix and special tokens) on `texts`."""

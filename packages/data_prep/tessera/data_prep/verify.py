@@ -9,6 +9,8 @@ Checks, in order (the first failure is reported with the file and what is wrong)
            sha256 of `.bin` and `.idx` match
   mask     a fine-tuning shard's `.mask.bin`: present, one byte per token, its sha256 matches
   tokens   every id is >= 0 and < vocab_size (from the manifest, or --vocab-size)
+  images   an image-text shard's image store: structure, one sample per document, sha256 of both
+           files, one placeholder token per image (multimodal.verify_images)
 Works on Megatron-made shards without a manifest too (manifest checks are then skipped).
 """
 
@@ -23,6 +25,7 @@ from tessera.common.errors import ArtifactError
 from tessera.common.fileio import sha256_file
 from tessera.common.indexed_dataset import IndexedDataset, bin_path, check_shard_files, idx_path
 from tessera.common.shard import check_against_manifest, manifest_path, open_loss_mask, read_shard_manifest
+from tessera.data_prep.multimodal.image_text import verify_images
 
 _CHUNK = 1 << 24  # elements per chunk, so verification memory stays flat for any shard size
 
@@ -36,6 +39,7 @@ class VerifyResult:
     num_tokens: int
     manifest: bool
     max_token: int | None
+    num_images: int | None = None
 
 
 def verify_shard(prefix: str | Path, vocab_size: int | None = None, check_checksums: bool = True) -> VerifyResult:
@@ -59,7 +63,9 @@ def verify_shard(prefix: str | Path, vocab_size: int | None = None, check_checks
         # A fine-tuning shard's loss mask: present, one byte per token, matching checksums["mask"].
         open_loss_mask(prefix, total, "first-read" if check_checksums else "off")
         vocab_size = vocab_size if vocab_size is not None else m.vocab_size
+        images = verify_images(prefix, m, ds, check_checksums)
     max_token = None
+    images = None if not has_manifest else images
     if total:
         tokens = np.memmap(bpath, dtype=dtype, mode="r")
         lo, hi = None, None
@@ -73,4 +79,4 @@ def verify_shard(prefix: str | Path, vocab_size: int | None = None, check_checks
                 raise ArtifactError(f"{bpath}: token {bad} has id {int(tokens[bad])}, outside the vocabulary "
                                     f"[0, {vocab_size})")
         max_token = int(hi)
-    return VerifyResult(prefix, dtype.name, n, ds.num_documents, total, has_manifest, max_token)
+    return VerifyResult(prefix, dtype.name, n, ds.num_documents, total, has_manifest, max_token, images)

@@ -30,9 +30,10 @@ class SpeculativeConfig(StrictModel):
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}
     or {"model": "<checkpoint or HF dir>", "num_speculative_tokens": k} (method draft_model)."""
 
-    method: Literal["ngram", "draft_model"] | None = Field(
-        None, description="ngram (prompt lookup, no draft model) or draft_model; default: draft_model when "
-                          "model is given, else ngram.")
+    method: Literal["ngram", "draft_model", "mtp"] | None = Field(
+        None, description="ngram (prompt lookup, no draft model), draft_model, or mtp (the target's own "
+                          "multi-token-prediction modules, DeepSeek-V3); default: draft_model when model is given, "
+                          "else ngram.")
     model: str | None = Field(None, description="Draft model: a Tessera checkpoint or HF directory with the "
                                                 "target's tokenizer (draft_model only).")
     num_speculative_tokens: int = Field(..., gt=0, le=32, description="Tokens proposed per step (k).")
@@ -44,7 +45,11 @@ class SpeculativeConfig(StrictModel):
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
         method = self.method or ("draft_model" if self.model is not None else "ngram")
-        if method == "draft_model":
+        if method == "mtp":
+            if self.model is not None or self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise ValueError("method mtp drafts with the target's own MTP modules: drop \"model\" and the "
+                                 "prompt_lookup fields")
+        elif method == "draft_model":
             if self.model is None:
                 raise ValueError("method draft_model needs \"model\": the draft checkpoint or HF directory")
             if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:

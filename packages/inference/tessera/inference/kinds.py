@@ -7,12 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.common.errors import UserError
 from tessera.common.models.registry import stage_hook
 from tessera.inference.core.block_manager import BlockManager
 from tessera.inference.core.state_manager import StateBlockManager
 from tessera.inference.pooling.encoder import EncoderRunner, NoKVCache
 from tessera.inference.pooling.runner import DecoderRunner
+from tessera.inference.worker.encoder_decoder.cache import CrossBlockManager
+from tessera.inference.worker.encoder_decoder.runner import EncoderDecoderRunner
+from tessera.inference.worker.latent.runner import LatentRunner
 from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.multimodal.runner import VisionLanguageRunner
 from tessera.inference.worker.state.runner import HybridRunner
@@ -30,21 +32,29 @@ class ServingKind:
         """False for a kind served as embeddings only (an encoder): completions and chat are refused."""
         return getattr(self.runner, "generates", True)
 
+    @property
+    def scores_prompts(self) -> bool:
+        """False where prompt logprobs mean nothing (an encoder-decoder's prompt is its encoder input)."""
+        return getattr(self.runner, "scores_prompts", True)
+
 
 # paged attention over the decoder stack; it also pools embed requests (pooling/runner.py)
 RUNNERS: dict[str, type[ModelRunner]] = {"decoder": DecoderRunner}
 RUNNERS["hybrid"] = HybridRunner  # paged attention + Mamba layers over a per-sequence state pool
 RUNNERS["vision_language"] = VisionLanguageRunner  # paged, image features over image tokens (worker/multimodal/)
 RUNNERS["pooling"] = EncoderRunner  # an encoder: padded batches, pooled (pooling/encoder.py)
+RUNNERS["encoder_decoder"] = EncoderDecoderRunner  # encoder once per request, decoder over paged self + cross K/V
+RUNNERS["latent"] = LatentRunner  # a causal LM with latent attention (DeepSeek-V3): latent KV cache (worker/latent/)
 CACHES: dict[str, type[BlockManager]] = {"paged_kv": BlockManager}  # paged key/value blocks, prefix caching
 CACHES["paged_kv_and_state"] = StateBlockManager  # paged K/V of attention layers + one state slot per sequence
 CACHES["none"] = NoKVCache  # nothing kept between steps (an encoder)
+CACHES["paged_kv_cross"] = CrossBlockManager  # a sequence's cross-attention K/V, then its decoder's, in one table
 
 
 def serving_kind(model: Any) -> ServingKind:
     """The server's code for `model`'s kind (a config)."""
-    if getattr(model, "mla", None) is not None:  # its runner needs a latent KV cache and absorbed decode
-        raise UserError("model.mla: tessera-serve has no latent KV cache for multi-head latent attention (DeepSeek-V3) "
-                        "yet; serve the model with vLLM or export it with tessera-ckpt")
-    return ServingKind(runner=stage_hook(model, "serve_runner", RUNNERS, STAGE),
+    runner = stage_hook(model, "serve_runner", RUNNERS, STAGE)
+    if getattr(model, "mla", None) is not None and runner is DecoderRunner:  # the causal LM's DeepSeek family
+        runner = RUNNERS["latent"]
+    return ServingKind(runner=runner,
                        cache=stage_hook(model, "serve_cache", CACHES, STAGE))

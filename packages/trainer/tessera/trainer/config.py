@@ -21,6 +21,7 @@ from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.registry import model_config
 from tessera.trainer.kinds import check_options, check_trainable
 from tessera.trainer.mlm.config import MLMConfig
+from tessera.trainer.span.config import SpanConfig
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
 # the real vocab_size) has been read; no shape check depends on it.
@@ -237,6 +238,7 @@ class TrainConfig(StrictModel):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metric sinks.")
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig, description="Profiler traces of chosen steps.")
     mlm: MLMConfig = Field(default_factory=MLMConfig, description="Masked-LM samples (encoder models): masking and sample lengths.")
+    span: SpanConfig = Field(default_factory=SpanConfig, description="Span corruption (encoder-decoder models): noise density and mean span length.")
 
     @field_validator("model")
     @classmethod

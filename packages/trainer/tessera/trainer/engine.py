@@ -42,7 +42,7 @@ class StepResult:
     loss: float  # global mean loss (unscaled)
     grad_norm: float  # pre-clip global norm of the unscaled gradients (inf/nan on fp16 overflow)
     stepped: bool = True  # False: a scaled step overflowed and was skipped (parameters unchanged)
-    router: dict[str, float] = field(default_factory=dict)  # MoE: the step's router statistics (moe_*)
+    router: dict[str, float] = field(default_factory=dict)  # the step's MoE router statistics (moe_*), MTP loss (mtp_*)
 
 
 class Engine(Protocol):
@@ -99,15 +99,19 @@ class LocalEngine:
                               t.loss_chunk_tokens, t.compile, documents)
         # MoE: router statistics of each step, and the balancing-bias update after it.
         self.router_stats = RouterStats(self.model) if getattr(model, "moe", None) is not None else None
+        self.mtp = getattr(self.model, "mtp", None)  # multi-token prediction: its loss logged apart
 
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> StepResult:
         batches = micro_batches(tokens, labels, self.micro_batch)
         if self.router_stats is not None:
             self.router_stats.prepare(len(batches))
+        if self.mtp is not None:
+            self.mtp.prepare(len(batches), self.precision.loss_scale or 1.0)
         loss_sum, grad_norm, stepped = self.step(batches, len(batches), self.device)
         if self.float8 is not None:
             self.float8.after_optimizer_step(self.model)
         router = self.router_stats.step() if self.router_stats is not None else {}
+        router.update(self.mtp.metrics() if self.mtp is not None else {})
         return StepResult(float(loss_sum), float(grad_norm), stepped, router)
 
     @torch.no_grad()

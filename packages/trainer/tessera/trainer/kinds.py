@@ -2,9 +2,9 @@
 gives (tessera.common.models.registry). `check_trainable` (light: nothing is imported) refuses a
 kind without such code in one line while the config is validated; `trainer_kind` loads the code.
 
-The parallel engine (tessera.trainer.parallel) trains the next-token objective only (its
-vocabulary-parallel loss, its pipeline schedule's labels); a kind with another objective adds
-its own here and there.
+The parallel engine (tessera.trainer.parallel) runs a kind's objective (OBJECTIVES, under the
+same `train_loss` name: what enters the pipeline's stages and the vocab-parallel loss;
+tessera.trainer.parallel.objective says how one plugs in).
 """
 
 from __future__ import annotations
@@ -57,13 +57,48 @@ def _mlm_step() -> type[TrainStep]:
     return MLMStep
 
 
+def _next_token_objective() -> type:
+    from tessera.trainer.parallel.objective import NextToken
+
+    return NextToken
+
+
+def _mlm_objective() -> type:
+    from tessera.trainer.mlm.objective import MaskedLM
+
+    return MaskedLM
+
+
 BATCHES["mlm"] = _mlm_batches
 LOSSES["mlm"] = _mlm_step
+# The parallel runtime's objective per train_loss name (tessera.trainer.parallel.objective).
+OBJECTIVES: dict[str, Callable[[], type]] = {"next_token": _next_token_objective, "mlm": _mlm_objective}
+
+
+def _span_batches() -> type[MixtureBatches]:
+    from tessera.trainer.span.batches import SpanBatches  # T5 span corruption, drawn per sample
+
+    return SpanBatches  # type: ignore[return-value]
+
+
+def _span_step() -> type[TrainStep]:
+    from tessera.trainer.span.loss import SpanStep  # the decoder's cross-entropy over the targets
+
+    return SpanStep
+
+
+BATCHES["span"] = _span_batches
+LOSSES["span"] = _span_step
 
 
 # Options a kind's model has nothing for, by kind: (the field, whether a config asks for it, what to
 # do instead). Each is refused in one line while the config is validated, before any launch.
 REFUSED_OPTIONS: dict[str, tuple[tuple[str, Callable[[Any], bool], str], ...]] = {  # of a TrainConfig
+    "encoder": (
+        ("parallel.context", lambda c: c.parallel.context > 1,
+         "context parallel is not built for encoders (BERT's samples are one short pair of sentences); "
+         "set parallel.context=1"),
+    ),
     "hybrid": (
         ("parallel.context", lambda c: c.parallel.context > 1,
          "context parallel is not built for hybrid models (the Mamba layers' scan would have to carry its "
@@ -102,6 +137,11 @@ def batch_builder(cfg: Any, inputs: Any) -> Callable[..., MixtureBatches]:
     builder = trainer_kind(inputs.model).batches
     bind = getattr(builder, "for_run", None)
     return bind(cfg, inputs) if bind is not None else builder
+
+
+def parallel_objective(model: Any) -> Any:
+    """The parallel runtime's objective for `model`'s kind (a config), built for it."""
+    return stage_hook(model, "train_loss", OBJECTIVES, STAGE)()(model)
 
 
 def trainer_kind(model: Any) -> TrainerKind:

@@ -52,9 +52,13 @@ def apply_recompute(model: Transformer, mode: str) -> None:
         if mode == "full":
             block.forward = _checkpointed(block.forward)
         elif mode == "selective":
-            attn = block.attn if hasattr(block, "attn") else block.mixer if block.symbol == "*" else None
-            if attn is not None:
-                attn.core = _checkpointed(attn.core)
+            if hasattr(block, "self_attn"):  # an encoder-decoder block: its self- and cross-attention
+                attns = [block.self_attn, block.cross_attn]
+            else:
+                attns = [block.attn if hasattr(block, "attn") else block.mixer if block.symbol == "*" else None]
+            for attn in attns:
+                if attn is not None:
+                    attn.core = _checkpointed(attn.core)
         else:
             raise ValueError(f"unknown recompute mode {mode!r}")
 

@@ -75,6 +75,8 @@ class TrainStep:
         mean, or (reduction="sum") their sum, which is 0 with zero gradients when none count. Chunked
         when configured."""
         model_inputs = self.documents.model_inputs(inputs) if self.documents is not None else {}
+        if getattr(self.model, "mtp", None) is not None and self.model.training:
+            model_inputs = {**model_inputs, "mtp_labels": labels}  # the MTP depths' loss (model.py)
         with self.precision.autocast():
             if self.loss_chunk_tokens is None:
                 return self._loss(inputs, labels, model_inputs, reduction)

@@ -134,7 +134,9 @@ def write_config_files(out: Path, cfg: Any, dtype: torch.dtype, tok: Tokenizer |
     pad = tok.pad_id if tok else None
     adapter = hf_adapter(cfg)
     atomic_write_json(out / "config.json", adapter.hf_config(cfg, dtype, bos, eos, pad), sync=sync)
-    if getattr(adapter, "GENERATES", True):  # an encoder's classes have no generation config
+    if hasattr(adapter, "generation_config"):  # a kind whose transformers class writes its own (T5)
+        atomic_write_json(out / "generation_config.json", adapter.generation_config(cfg), sync=sync)
+    elif getattr(adapter, "GENERATES", True):  # an encoder's classes have no generation config
         gen = {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos}
         if pad is not None:
             gen["pad_token_id"] = pad

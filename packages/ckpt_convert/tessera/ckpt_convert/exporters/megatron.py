@@ -1,6 +1,7 @@
 """`tessera-ckpt export --format megatron`: a Tessera checkpoint -> a Megatron-Core `torch_dist` checkpoint.
 
-Causal LMs become GPTModel checkpoints (below); hybrid models MambaModel ones (megatron_hybrid.py).
+Causal LMs become GPTModel checkpoints (below; with multi-latent attention and MoE, DeepSeek-V3's:
+megatron_mla.py); hybrid models MambaModel ones (megatron_hybrid.py).
 
 The inverse of import_megatron (names and layouts there): global tensors with layers stacked along
 a leading axis, fused QKV in Megatron's grouped order, fused [gate; up] for SwiGLU, plus
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
-from tessera.ckpt_convert.exporters import megatron_hybrid
+from tessera.ckpt_convert.exporters import megatron_hybrid, megatron_mla
 from tessera.ckpt_convert.exporters.hf import expected_model_shapes
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
@@ -78,6 +79,30 @@ def tessera_to_megatron(cfg: ModelConfig, t: dict[str, torch.Tensor], rows: int)
     return out
 
 
+# Why an encoder has no Megatron mapping, for both directions' refusal (docs/formats/exports.md).
+BERT_PLACEMENT = ("Megatron-Core's BertModel is pre-LayerNorm (norms before attention and MLP, a final norm, no "
+                  "embedding norm; its TransformerLayer has no post-norm option) while Tessera's encoder is "
+                  "post-LayerNorm BERT (transformers'), so no weight mapping keeps the model; use --format hf")
+
+
+def check_tensor_parallel(cfg: ModelConfig | HybridConfig, tp: int) -> None:
+    """Megatron splits heads, query groups and MLP widths across tensor ranks (its `divide` asserts):
+    a size `tp` does not divide cannot be loaded there, so say which field before writing."""
+    moe = cfg.moe
+    widths = {"num_heads": cfg.num_heads, "ffn_hidden_size": cfg.ffn_hidden_size,
+              "moe.ffn_hidden_size": moe.ffn_hidden_size if moe else None,
+              "moe shared expert width": moe.shared_size if moe else None}
+    if getattr(cfg, "mla", None) is None:
+        widths["num_kv_heads"] = cfg.kv_heads
+    mamba = getattr(cfg, "mamba", None)
+    if mamba is not None:  # MambaMixer splits its heads and B/C groups
+        widths.update({"mamba.num_heads": mamba.num_heads, "mamba.num_groups": mamba.num_groups})
+    for field, n in widths.items():
+        if n and n % tp:
+            raise UserError(f"--tensor-parallel {tp} does not divide the model's {field} ({n}); Megatron splits it "
+                            "across tensor ranks: choose a tensor-parallel size that divides it")
+
+
 def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dtype: torch.dtype | None = None,
                     overwrite: bool = False, quiet: bool = False, sync: bool = True) -> Path:
     src = CheckpointSource(checkpoint)
@@ -85,7 +110,10 @@ def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dty
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     cfg = src.sidecar.model
+    if cfg.kind == "encoder":
+        raise UserError(f"{checkpoint}: an encoder (BERT) checkpoint: {BERT_PLACEMENT}")
     check_convertible(cfg, "export --format megatron")
+    check_tensor_parallel(cfg, tp)
     shapes = expected_model_shapes(cfg)
     if isinstance(cfg, HybridConfig):  # Megatron's MambaModel: one entry per layer (megatron_hybrid)
         rows = megatron_hybrid.padded_rows(cfg, tp)
@@ -93,6 +121,17 @@ def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dty
         loaded = src.load_model(list(shapes))
         tensors = {r.target: r.apply([loaded[s] for s in r.sources]) for r in rules}
         extra_state = megatron_hybrid.extra_state_keys(cfg)
+    elif cfg.mla is not None:  # DeepSeek-V3-class GPTModel: one entry per layer (megatron_mla)
+        megatron_mla.check_megatron(cfg)
+        rows = cfg.padded_for(tp).vocab_rows
+        rules = megatron_mla.export_rules(cfg, rows)
+        unread = sorted(set(src.model_specs) - {s for r in rules for s in r.sources})
+        if unread:  # e.g. multi-token-prediction layers, which have no mapping here: never dropped silently
+            raise UserError(f"{checkpoint}: {unread[0]} has no Megatron-Core mapping ({len(unread)} such tensors; "
+                            "multi-token prediction layers are not exported yet)")
+        loaded = src.load_model(sorted({s for r in rules for s in r.sources}))
+        tensors = {r.target: r.apply([loaded[s] for s in r.sources]) for r in rules}
+        extra_state = megatron_mla.extra_state_keys(cfg)
     else:
         rows = cfg.padded_for(tp).vocab_rows  # Megatron's padded vocabulary at --tensor-parallel T
         tensors = tessera_to_megatron(cfg, src.load_model(list(shapes)), rows)

@@ -32,6 +32,7 @@ how to convert them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,8 @@ import torch
 from pydantic import BaseModel
 
 from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
-from tessera.ckpt_convert.exporters import megatron_hybrid
+from tessera.ckpt_convert.exporters import megatron as megatron_export
+from tessera.ckpt_convert.exporters import megatron_hybrid, megatron_mla
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.errors import ArtifactError, UserError
@@ -129,29 +131,49 @@ def _load_model_config(path: str | Path) -> Any:
     return load_config(kind.config, path)
 
 
-def _hybrid_tensors(cfg: HybridConfig, input_dir: Path, specs: dict[str, Any], rows: int) -> dict[str, torch.Tensor]:
-    """A MambaModel checkpoint's tensors as the hybrid model's (names and layouts: megatron_hybrid);
-    every tensor the config implies present with its shape, and no other, before any is read."""
-    from tessera.ckpt_convert.exporters.hf import expected_model_shapes
-
-    shapes = expected_model_shapes(cfg)
-    megatron_hybrid.check_megatron(cfg, f"--model-config (model kind {cfg.kind})")
-    rules = megatron_hybrid.import_rules(cfg, shapes, rows)
+def _rules_tensors(cfg: Any, rules: list, input_dir: Path, specs: dict[str, Any], what: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors through import `rules`: every tensor they read present with its shape,
+    and no other, before any is read. `what` names the config fields a mismatch points at."""
     for rule in rules:
         for name, want in zip(rule.sources, rule.input_shapes()):
             if name not in specs:
-                raise ArtifactError(f"{input_dir}: no Megatron tensor {name} (the --model-config's pattern "
-                                    f"{cfg.pattern!r} describes a model this checkpoint is not)")
+                raise ArtifactError(f"{input_dir}: no Megatron tensor {name} (the --model-config describes a model "
+                                    f"this checkpoint is not: {what})")
             if tuple(specs[name].size) != want:
                 raise ArtifactError(f"{input_dir}: {name} has shape {list(specs[name].size)} but --model-config "
-                                    f"implies {list(want)}; fix the config (heads, groups, state, sizes)")
+                                    f"implies {list(want)}; fix the config ({what})")
     extra = sorted(set(specs) - {s for r in rules for s in r.sources})
     if extra:
         raise ArtifactError(f"{input_dir}: {extra[0]} is in the checkpoint but not in the --model-config's model "
-                            f"({len(extra)} such; pattern, biases or shared experts differ)")
+                            f"({len(extra)} such; {what})")
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in specs.items()}
     dcp_load(state, input_dir, no_dist=True)
     return {r.target: r.apply([state[s] for s in r.sources]) for r in rules}
+
+
+def _hybrid_tensors(cfg: HybridConfig, input_dir: Path, specs: dict[str, Any], rows: int) -> dict[str, torch.Tensor]:
+    """A MambaModel checkpoint's tensors as the hybrid model's (names and layouts: megatron_hybrid)."""
+    from tessera.ckpt_convert.exporters.hf import expected_model_shapes
+
+    megatron_hybrid.check_megatron(cfg, f"--model-config (model kind {cfg.kind})")
+    rules = megatron_hybrid.import_rules(cfg, expected_model_shapes(cfg), rows)
+    return _rules_tensors(cfg, rules, input_dir, specs, f"pattern {cfg.pattern!r}, biases or shared experts differ")
+
+
+def _mla_tensors(cfg: ModelConfig, input_dir: Path, specs: dict[str, Any], rows: int) -> dict[str, torch.Tensor]:
+    """A DeepSeek-V3-class GPTModel checkpoint's tensors (names and layouts: megatron_mla); a norm
+    absent under its Transformer Engine name is read under Megatron's local-spec name."""
+    megatron_mla.check_megatron(cfg, where="--model-config")
+
+    def stored(name: str) -> str:
+        for te, local in megatron_mla.LOCAL_NAMES.items():
+            if name not in specs and name.endswith(te) and name.replace(te, local) in specs:
+                return name.replace(te, local)
+        return name
+
+    rules = [dataclasses.replace(r, sources=tuple(stored(s) for s in r.sources))
+             for r in megatron_mla.import_rules(cfg, rows, "decoder.layers.input_layernorm.weight" in specs)]
+    return _rules_tensors(cfg, rules, input_dir, specs, "mla ranks and head dims, moe experts, first_k_dense")
 
 
 def import_megatron(input_dir: str | Path, output: str | Path, model_config: str | Path,
@@ -166,6 +188,8 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     check_torch_dist(input_dir)
     cfg = model_config if isinstance(model_config, BaseModel) else _load_model_config(model_config)
+    if cfg.kind == "encoder":
+        raise UserError(f"--model-config {model_config}: kind encoder: {megatron_export.BERT_PLACEMENT}")
     check_convertible(cfg, "import --format megatron")
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None
     if tok is not None:
@@ -178,8 +202,8 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
                             "checkpoint")
     if rows < cfg.vocab_size:
         raise UserError(f"--model-config: vocab_size {cfg.vocab_size} exceeds the checkpoint's {rows} embedding rows")
-    if isinstance(cfg, HybridConfig):
-        tensors = _hybrid_tensors(cfg, input_dir, specs, rows)
+    if isinstance(cfg, HybridConfig) or getattr(cfg, "mla", None) is not None:
+        tensors = (_hybrid_tensors if isinstance(cfg, HybridConfig) else _mla_tensors)(cfg, input_dir, specs, rows)
         out_dtype = dtype or tensors["embed_tokens.weight"].dtype
         with atomic_directory(output, overwrite=overwrite, sync=sync) as tmp, \
                 Progress(sum(t.numel() for t in tensors.values()) * out_dtype.itemsize, len(tensors),

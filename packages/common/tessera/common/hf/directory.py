@@ -55,7 +55,17 @@ def read_hf_config(directory: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     directory; refusals name config.json."""
     path = artifact_path(directory, CONFIG)
     data = read_json(path, "Hugging Face config.json")
-    return model_config_from_hf(data, str(path)), data
+    cfg = model_config_from_hf(data, str(path))
+    mtp = getattr(cfg, "mtp", None)
+    if mtp is not None:
+        # transformers writes num_nextn_predict_layers=1 but never saves the layers: keep the
+        # depths whose tensors (layer num_hidden_layers + k, as DeepSeek stores them) are here.
+        layers = {n.removeprefix("model.").split(".")[1] for n in weight_files(directory)
+                  if n.removeprefix("model.").startswith("layers.")}
+        depth = next((k for k in range(mtp.depth) if str(cfg.num_layers + k) not in layers), mtp.depth)
+        if depth != mtp.depth:
+            cfg = cfg.model_copy(update={"mtp": mtp.model_copy(update={"depth": depth}) if depth else None})
+    return cfg, data
 
 
 def weight_files(directory: str | os.PathLike, open_file: Callable[[Path], SafetensorsFile] | None = None

@@ -88,3 +88,6 @@ class ModelKind:
     # allocates anything. None only for a kind no stage reads yet (each stage refuses it by name);
     # tests/ckpt_convert/test_hostile_model_files.py holds every other kind to having one.
     tensor_shapes: Callable[[Any], dict[str, tuple[int, ...]]] | None = None
+    # Stored tensors with one row per vocabulary entry (split by vocabulary rows under tensor
+    # parallel), for kinds whose names are not the causal LM's `embed_tokens` / `lm_head`.
+    vocab_params: tuple[str, ...] = ()

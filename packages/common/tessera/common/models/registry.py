@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.models.causal_lm.spec import CAUSAL_LM
 from tessera.common.models.encoder.spec import ENCODER
+from tessera.common.models.encoder_decoder.spec import ENCODER_DECODER
 from tessera.common.models.hybrid.spec import HYBRID
 from tessera.common.models.kind import HFAdapter, ModelKind
 from tessera.common.models.vision_language.spec import VISION_LANGUAGE
@@ -24,7 +25,7 @@ from tessera.common.models.vision_language.spec import VISION_LANGUAGE
 __all__ = ["DEFAULT_KIND", "KINDS", "ModelKind", "hf_adapter", "kind_for_hf", "kind_of", "model_config",
            "model_config_from_hf", "model_kind", "stage_hook"]
 
-KINDS: dict[str, ModelKind] = {k.name: k for k in (CAUSAL_LM, HYBRID, ENCODER, VISION_LANGUAGE)}
+KINDS: dict[str, ModelKind] = {k.name: k for k in (CAUSAL_LM, HYBRID, ENCODER, VISION_LANGUAGE, ENCODER_DECODER)}
 DEFAULT_KIND = CAUSAL_LM.name  # what a config without `kind` is
 T = TypeVar("T")
 

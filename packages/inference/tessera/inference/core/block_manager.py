@@ -58,6 +58,10 @@ class BlockManager:
         """seq's slot in a per-sequence state pool (hybrid models: state_manager.py); -1: none."""
         return -1
 
+    def first_chunk(self, seq: Sequence) -> int:
+        """Fewest tokens a sequence's first step may compute (an encoder-decoder: its whole prompt)."""
+        return 1
+
     @classmethod
     def engine_kwargs(cls, cfg) -> dict:
         """Constructor arguments beyond the pool's, from the engine's config (EngineConfig)."""

@@ -8,7 +8,9 @@ sequence is preempted by recompute (its blocks are freed, it goes back to the he
 and later re-prefills prompt + output so far) until the older one fits. Waiting requests are
 then admitted first-come first-served while budget, sequence slots and blocks last, starting
 past any prefix already in the prefix cache. Nothing is admitted in a step that preempted,
-which keeps a short pool from thrashing.
+which keeps a short pool from thrashing. A request whose first chunk must be whole (an
+encoder-decoder's encoder input: `BlockManager.first_chunk`) waits for a step with room for it, or
+alone takes a step past the budget rather than wait forever.
 
 A decoding sequence that carries draft tokens (speculative decoding, spec_decode.py) computes its
 newest token plus the drafts in one row, 1 + k tokens, so that the model runner can verify them;
@@ -159,6 +161,10 @@ class Scheduler:
             n = min(seq.num_tokens - start, budget)
             if embed and n < seq.num_tokens:
                 break  # waits for a step with budget for all of it (the server bounds it by the budget)
+            if n < (first := self.blocks.first_chunk(seq)) - start:
+                if seqs:
+                    break  # an encoder input runs whole: waits for a step of its own ...
+                n = first - start  # ... which it may take past the budget rather than wait forever
             if not self.blocks.allocate(seq, start + n, prefix_hits=hits):
                 break
             self.blocks.record_lookup(seq.num_tokens, start)

@@ -62,7 +62,7 @@ def serve(conn: Connection) -> int:
         "state_pool": engine.runner.state_summary(),
         "tokenizer_dir": str(loaded.tokenizer.directory), "compile_s": engine.compile_seconds,
         "threads": measure(engine), "pooling": None if engine.pooling is None else engine.pooling.to_wire(),
-        "generates": engine.generates, "vision": engine.vision,
+        "generates": engine.generates, "scores_prompts": engine.scores_prompts, "vision": engine.vision,
     }))
     try:
         _loop(conn, engine)

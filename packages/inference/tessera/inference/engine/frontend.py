@@ -105,6 +105,7 @@ class EngineFrontend:
     pooling: PoolingSpec | None = None  # the model's pooling (/v1/embeddings); None: it declares none
     generates: bool = True  # False: an encoder, served as embeddings only
     vision: dict | None = None  # a vision-language model's image facts (worker/multimodal/info.py); None: text only
+    scores_prompts: bool = True  # False: prompt logprobs are refused (an encoder-decoder's prompt is its encoder input)
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_ids, max_waiting: int,
                  metrics: ServingMetrics | None = None):
@@ -152,7 +153,7 @@ class EngineFrontend:
         """
         if not self.healthy:
             raise EngineDead("the engine has stopped")
-        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.eos_ids)
+        validate_request(prompt_ids, params, self.vocab_size, self.max_model_len, self.eos_ids, self.scores_prompts)
         if problem := check_image_spans(params.images, prompt_ids, (self.vision or {}).get("image_token_id")):
             raise RequestRejected(problem, "messages" if params.images else "prompt")
         stream = _Stream(loop=asyncio.get_running_loop(), queue=queue or asyncio.Queue(), tag=tag,
@@ -262,6 +263,7 @@ class AsyncEngine(EngineFrontend):
         self.pooling = engine.pooling
         self.generates = engine.generates
         self.vision = engine.vision
+        self.scores_prompts = engine.scores_prompts
         self._inbox: list[tuple] = []  # commands for the engine loop, in arrival order
         self._num_adds_queued = 0
         self._stop = False

@@ -109,11 +109,15 @@ def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype, d
 
 
 def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                     eos_ids: frozenset[int] = frozenset()) -> None:
+                     eos_ids: frozenset[int] = frozenset(), scores_prompts: bool = True) -> None:
     """Raise RequestRejected if the request can never be served (the HTTP process checks this
-    before a request reaches the engine, wherever the engine runs; the engine checks again)."""
+    before a request reaches the engine, wherever the engine runs; the engine checks again).
+    `scores_prompts` False: prompt logprobs are refused (an encoder-decoder's prompt is its encoder input)."""
     if not prompt_ids:
         raise RequestRejected("the prompt is empty; send at least one token", "prompt")
+    if params.prompt_logprobs and not scores_prompts:
+        raise RequestRejected("this model is an encoder-decoder: its prompt is the encoder's input, which it does "
+                              "not score; drop echo with logprobs (PUT /api: logprobs)", "logprobs")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     if params.logit_bias and (min(params.logit_bias) < 0 or max(params.logit_bias) >= vocab_size):
@@ -143,10 +147,13 @@ class LLMEngine:
         self.device = device
         self.tokenizer = loaded.tokenizer
         model_max = loaded.config.max_seq_len
-        self.max_model_len = min(cfg.max_model_len or model_max, model_max)
+        # A kind without a position table (T5) takes any length; its runner says what to default to.
+        default = min(model_max, getattr(serving_kind(loaded.config).runner, "default_max_model_len", model_max))
+        self.max_model_len = min(cfg.max_model_len or default, model_max)
         if cfg.max_model_len is not None and cfg.max_model_len > model_max:
             raise UserError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_seq_len ({model_max})")
         self.generates = serving_kind(loaded.config).generates  # False: embeddings only (an encoder)
+        self.scores_prompts = serving_kind(loaded.config).scores_prompts  # False: an encoder-decoder
         check_cuda_graphs(cfg, device, loaded.config)
         graphs = decode_graph_mode(cfg, device, loaded.config) if self.generates else "off"
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
@@ -161,8 +168,10 @@ class LLMEngine:
                 "--num-kv-blocks or lower --max-model-len")
         kind = serving_kind(loaded.config)
         if cfg.speculative is not None and not kind.runner.supports_speculative:
+            why = getattr(kind.runner, "speculative_refusal", "a rejected draft would leave its Mamba states past the "
+                          "accepted tokens")
             raise UserError(f"--speculative-config: model kind {loaded.config.kind!r} cannot verify draft tokens "
-                            "(a rejected draft would leave its Mamba states past the accepted tokens); drop the flag")
+                            f"({why}); drop the flag")
         self.blocks = kind.cache(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash,
                                  **kind.cache.engine_kwargs(cfg))
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
@@ -179,11 +188,15 @@ class LLMEngine:
                                  loaded.config.vocab_size, sorted(self.eos_ids))
         # Last: under tensor parallel this starts the workers, so nothing after it can fail and
         # leave them running.
+        if hasattr(self.proposer, "check"):  # a draft reading the target's hidden states (MTP): refused before workers
+            self.proposer.check(loaded.config, cfg.tensor_parallel)
         graph_spec = None
         if graphs != "off":
             graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
                                    scratch_block=pool - 1, capture=graphs == "capture")
         self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec, worker_threads)
+        if hasattr(self.proposer, "attach"):  # a draft reading the target's hidden states (MTP)
+            self.proposer.attach(self.runner)
         self.pooling = embedding_spec(loaded, cfg, self.max_model_len, self.runner)  # None: no /v1/embeddings
         self.vision = vision_info(loaded)  # None: a text-only model (image parts are refused)
 
@@ -195,9 +208,15 @@ class LLMEngine:
         tensor-parallel worker over its shard)."""
         kind = serving_kind(loaded.config)
         if not kind.generates:  # an encoder: no KV pool, no compiled stack (pooling/encoder.py)
-            if cfg.tensor_parallel > 1 or loaded.model is None:
-                raise UserError(f"--tensor-parallel {cfg.tensor_parallel}: an encoder is served on one process; "
-                                "drop --tensor-parallel")
+            if cfg.tensor_parallel > 1:  # the workers hold the shards and pool
+                from tessera.inference.pooling.encoder import TensorParallelEncoderRunner
+                from tessera.inference.worker.executor import TensorParallelExecutor
+
+                assert loaded.path is not None
+                return TensorParallelEncoderRunner(TensorParallelExecutor(
+                    loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, 0, cfg.block_size, device, dtype,
+                    prep=serving_prep(cfg), bindings=worker_threads, pooling=True), device)
+            assert loaded.model is not None
             if device.type == "cpu" and cfg.quantization is None:  # oneDNN-prepacked weights, as prepare.py does
                 pack_linears(loaded.model, cfg.cpu_linear, batch_hint=cfg.max_num_seqs)
             return kind.runner(loaded.model, 0, cfg.block_size, device, dtype)
@@ -231,7 +250,8 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestRejected if the request can never be served; safe from any thread."""
-        validate_request(prompt_ids, params, self.loaded.config.vocab_size, self.max_model_len, self.eos_ids)
+        validate_request(prompt_ids, params, self.loaded.config.vocab_size, self.max_model_len, self.eos_ids,
+                         self.scores_prompts)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:

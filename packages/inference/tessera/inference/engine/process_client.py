@@ -43,6 +43,7 @@ class ProcessEngine(EngineFrontend):
         self.pooling = None if info.get("pooling") is None else PoolingSpec.from_wire(info["pooling"])
         self.generates = bool(info.get("generates", True))
         self.vision = info.get("vision")
+        self.scores_prompts = bool(info.get("scores_prompts", True))
         self._proc = proc
         self._conn = conn
         self._adds_sent = 0

@@ -4,6 +4,12 @@ Every request is an embed request, scheduled whole (scheduler.py) and finished i
 nothing is ever cached: `NoKVCache` gives the scheduler its block-manager interface with an empty
 pool, and `EncoderRunner` runs each step's sequences as one padded batch through the model's
 bidirectional forward (padding masked, as transformers' BertModel takes it), then pools each.
+
+Under `--tensor-parallel N` the driver's `TensorParallelEncoderRunner` sends each step's inputs
+(request id, token ids) to the N workers of worker/executor.py; each runs an `EncoderRunner` over
+its shard (heads, MLP width and vocabulary split by the encoder's parallel plan, the row layers'
+all-reduces between them, so every rank holds the whole hidden states), and rank 0 sends the
+pooled vectors back.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.core.sequence import Sequence
 from tessera.inference.pooling.runner import pool
 from tessera.inference.worker.batch import ModelRunnerOutput
+from tessera.inference.worker.cpu_linear import pack_linears
 from tessera.inference.worker.model_runner import ModelRunner
 
 
@@ -62,38 +69,91 @@ class EncoderRunner(ModelRunner):
         out = ModelRunnerOutput()
         if self.pool_mode is None:
             raise RuntimeError("an encoder runner without pooling")
-        for group in _length_groups(plan.scheduled):
-            self._run(group, out)
+        out.pooled.update(self.pool_inputs(step_inputs(plan)))
         return out
 
-    def _run(self, scheduled: list, out: ModelRunnerOutput) -> None:
-        width = max(s.num_new for s in scheduled)
-        tokens = torch.zeros(len(scheduled), width, dtype=torch.long)
-        mask = torch.zeros(len(scheduled), width, dtype=torch.bool)
-        for i, s in enumerate(scheduled):
-            assert s.start == 0 and s.completes_prompt, "an embed request is scheduled whole"
-            tokens[i, :s.num_new] = torch.tensor(s.tokens())
-            mask[i, :s.num_new] = True
+    @torch.inference_mode()
+    def pool_inputs(self, inputs: list[tuple[str, list[int]]]) -> dict[str, list[float]]:
+        """(request id, token ids) -> pooled vector, the inputs run in padded batches of like length."""
+        pooled: dict[str, list[float]] = {}
+        for group in _length_groups(inputs):
+            self._run(group, pooled)
+        return pooled
+
+    def _run(self, group: list[tuple[str, list[int]]], pooled: dict[str, list[float]]) -> None:
+        width = max(len(ids) for _, ids in group)
+        tokens = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.bool)
+        for i, (_, ids) in enumerate(group):
+            tokens[i, :len(ids)] = torch.tensor(ids)
+            mask[i, :len(ids)] = True
         tokens, mask = tokens.to(self.device), mask.to(self.device)
         result = self.model(tokens, attention_mask=None if bool(mask.all()) else mask, return_hidden=True)
         hidden = result if isinstance(result, torch.Tensor) else result.hidden
-        for i, s in enumerate(scheduled):
-            out.pooled[s.seq.request_id] = pool(self.pool_mode, hidden[i, :s.num_new]).float().tolist()
+        for i, (request_id, ids) in enumerate(group):
+            pooled[request_id] = pool(self.pool_mode, hidden[i, :len(ids)]).float().tolist()
 
     def forward(self, plan: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
         raise RuntimeError("an encoder computes no logits here (embed requests only)")
 
 
-def _length_groups(scheduled: list, waste: float = 1.25) -> list[list]:
+def step_inputs(plan: SchedulerOutput) -> list[tuple[str, list[int]]]:
+    """(request id, token ids) of every embed request of the step (each scheduled whole)."""
+    for s in plan.scheduled:
+        assert s.start == 0 and s.completes_prompt, "an embed request is scheduled whole"
+    return [(s.seq.request_id, list(s.tokens())) for s in plan.scheduled]
+
+
+def _length_groups(inputs: list[tuple[str, list[int]]], waste: float = 1.25) -> list[list]:
     """The step's sequences sorted by length and cut into padded batches that compute at most
     `waste` x their real tokens (as sentence-transformers sorts its inputs before batching): one
     step mixes lengths, and one batch padded to the longest would compute mostly padding."""
-    order = sorted(scheduled, key=lambda s: s.num_new, reverse=True)
+    order = sorted(inputs, key=lambda x: len(x[1]), reverse=True)
     groups: list[list] = []
-    for s in order:
+    for item in order:
         group = groups[-1] if groups else None
-        if group is not None and group[0].num_new * (len(group) + 1) <= waste * (sum(g.num_new for g in group) + s.num_new):
-            group.append(s)
+        if group is not None and len(group[0][1]) * (len(group) + 1) <= waste * (
+                sum(len(g[1]) for g in group) + len(item[1])):
+            group.append(item)
         else:
-            groups.append([s])
+            groups.append([item])
     return groups
+
+
+def encoder_runner(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, cpu_linear: str,
+                   batch_hint: int, quantized: bool) -> EncoderRunner:
+    """The encoder (or a tensor-parallel worker's shard of it) ready to serve: on CPU its Linear
+    weights prepacked for oneDNN (cpu_linear.py), as the decoder's are."""
+    if device.type == "cpu" and not quantized:
+        pack_linears(model, cpu_linear, batch_hint=batch_hint)
+    return EncoderRunner(model, 0, 0, device, dtype)
+
+
+def encoder_problem(tp: int, cfg) -> str | None:
+    """Why an encoder cannot be split over `tp` ranks (a phrase), or None: its plan splits the
+    attention heads, the MLP width and the vocabulary rows."""
+    for what, n in (("attention heads", cfg.num_heads), ("MLP width", cfg.ffn_hidden_size),
+                    ("vocabulary rows", cfg.vocab_rows)):
+        if n % tp:
+            return f"must divide the {n} {what}"
+    return None
+
+
+class TensorParallelEncoderRunner(EncoderRunner):
+    """The driver's encoder runner under --tensor-parallel: the workers (worker/executor.py) hold
+    the shards and pool; it holds no weights."""
+
+    def __init__(self, executor, device: torch.device):  # noqa: D107 - no super(): no model
+        self.executor, self.device = executor, device
+        self.model = None
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        out = ModelRunnerOutput()
+        if self.pool_mode is None:
+            raise RuntimeError("an encoder runner without pooling")
+        out.pooled.update(self.executor.pool(step_inputs(plan), self.pool_mode))
+        return out
+
+    def close(self) -> None:
+        self.executor.shutdown()

@@ -70,8 +70,8 @@ class DecoderRunner(ModelRunner):
 
 def embedding_spec(loaded, cfg, max_model_len: int, runner: ModelRunner) -> PoolingSpec | None:
     """The engine's pooling, its input bound set, with the runner told how to pool; None when the
-    model declares no pooling or its runner cannot pool (tensor parallel: logits come back, not
-    hidden states)."""
+    model declares no pooling or its runner cannot pool (a decoder under tensor parallel: logits
+    come back, not hidden states; an encoder's workers pool)."""
     spec = loaded.pooling
     if spec is None:
         if not getattr(runner, "generates", True):
@@ -79,7 +79,7 @@ def embedding_spec(loaded, cfg, max_model_len: int, runner: ModelRunner) -> Pool
                             "add sentence-transformers' modules.json and 1_Pooling/config.json (CLS, mean or "
                             "last-token)")
         return None
-    if not hasattr(runner, "pool_mode") or cfg.tensor_parallel > 1:
+    if not hasattr(runner, "pool_mode"):
         why = f"under --tensor-parallel {cfg.tensor_parallel}" if cfg.tensor_parallel > 1 else "for this model kind"
         log.warning("%s declares %s pooling, but /v1/embeddings is not served %s", loaded.name, spec.mode, why)
         return None

@@ -88,8 +88,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     per_kv = num_heads // num_kv_heads
     window = group.width * block_size
     k = k_cache.index_select(0, group.blocks).view(num_seqs, window, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, group.blocks).view(num_seqs, window, num_kv_heads, head_dim).transpose(1, 2)
-    k, v = dequantize_kv(k, q.dtype, kv_scales[0]), dequantize_kv(v, q.dtype, kv_scales[1])
+    if v_cache is k_cache and kv_scales[0] == kv_scales[1]:  # a latent cache (worker/latent/): one gather
+        k = v = dequantize_kv(k, q.dtype, kv_scales[0])
+    else:
+        v = v_cache.index_select(0, group.blocks).view(num_seqs, window, num_kv_heads, head_dim).transpose(1, 2)
+        k, v = dequantize_kv(k, q.dtype, kv_scales[0]), dequantize_kv(v, q.dtype, kv_scales[1])
     assert block_size == group.block_size, (block_size, group.block_size)
     mask = group.mask(sliding_window, per_kv, q.dtype)
     if num_q == 1:

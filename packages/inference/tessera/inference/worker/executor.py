@@ -62,6 +62,7 @@ from tessera.common.errors import UserError
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.engine.cpu_threads import Binding, apply_binding
+from tessera.inference.pooling.encoder import encoder_runner
 from tessera.inference.sample.sampler import Sampler
 from tessera.inference.worker.batch import BatchSeq, batch_seqs
 from tessera.inference.worker.cpu_linear import PackedLinear
@@ -218,9 +219,13 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
     model = load_shard(Path(init["path"]), init["hf"], cfg, groups, device, dtype)
     numel = sum(p.numel() for p in model.parameters())  # before packing (packed weights are not parameters)
     # This rank's shards of q/k/v and gate/up stacked, its Linear weights packed (prepare.py).
-    runner = serving_runner(model, ServingPrep(**init["prep"]), init["num_blocks"], init["block_size"], device,
-                            dtype, rank, world, kv_dtype=kv_cache_dtype(init["kv_cache_dtype"], dtype, device),
-                            what=f"tensor-parallel rank {rank}")
+    prep = ServingPrep(**init["prep"])
+    if init.get("pooling"):  # an encoder: its shard pools embed requests (pooling/encoder.py)
+        runner = encoder_runner(model, device, dtype, prep.cpu_linear, prep.batch_hint, prep.quantized)
+    else:
+        runner = serving_runner(model, prep, init["num_blocks"], init["block_size"], device, dtype, rank, world,
+                                kv_dtype=kv_cache_dtype(init["kv_cache_dtype"], dtype, device),
+                                what=f"tensor-parallel rank {rank}")
     if init.get("graphs"):  # every rank captures the same buckets in the same order (NCCL all-reduces included)
         runner.use_decode_graphs(GraphSpec(**init["graphs"]))
     packed = sum(isinstance(m, PackedLinear) for m in model.modules())
@@ -232,6 +237,12 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
         msg = json.loads(conn.recv_bytes())
         if msg["t"] == "stop":
             return 0
+        if msg["t"] == "pool":
+            runner.pool_mode = msg["mode"]
+            vectors = runner.pool_inputs([(rid, ids) for rid, ids in msg["inputs"]])
+            if rank == 0:
+                _reply(conn, {"t": "pooled", "vectors": vectors})
+            continue
         batch = [BatchSeq(*s) for s in msg["seqs"]]
         with torch.inference_mode():
             local = runner.forward_batch(batch, msg["rows"])  # [R, vocab rows / tp]
@@ -253,7 +264,7 @@ class TensorParallelExecutor:
     def __init__(self, path: Path, hf: bool, cfg: ModelConfig, tp: int, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, kv_dtype_name: str = "auto",
                  graphs: GraphSpec | None = None, prep: ServingPrep | None = None,
-                 bindings: tuple[Binding, ...] | None = None):
+                 bindings: tuple[Binding, ...] | None = None, pooling: bool = False):
         self.tp = tp
         # Each worker's threads and CPUs; by default the driver's thread count, unbound.
         bindings = bindings or (Binding(torch.get_num_threads()),) * tp
@@ -265,7 +276,8 @@ class TensorParallelExecutor:
                 "threads": [asdict(b) for b in bindings],
                 "kv_cache_dtype": kv_dtype_name,  # --kv-cache-dtype, resolved on each worker
                 "graphs": None if graphs is None else asdict(graphs),  # decode graphs, each worker its own
-                "prep": asdict(prep or ServingPrep())}  # how each worker prepares its shard
+                "prep": asdict(prep or ServingPrep()),  # how each worker prepares its shard
+                "pooling": pooling}  # an encoder: the workers pool embed requests (`pool`), no KV cache
         self.conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         try:
@@ -327,15 +339,22 @@ class TensorParallelExecutor:
             raise UserError(msg["message"])
         raise WorkerDied(f"tensor-parallel worker {rank} failed: {msg.get('message')}")
 
-    def forward(self, batch: list[BatchSeq], rows: list[int], device: torch.device) -> torch.Tensor:
-        frame = json.dumps({"t": "step", "seqs": [[s.tokens, s.start, s.block_table, s.num_q, s.state_slot]
-                                                  for s in batch],
-                            "rows": rows}).encode()
+    def _send(self, frame: bytes) -> None:
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(frame)
             except OSError:
                 raise WorkerDied(f"tensor-parallel worker {rank} is gone") from None
+
+    def pool(self, inputs: list[tuple[str, list[int]]], mode: str) -> dict[str, list[float]]:
+        """Pooled vectors of (request id, token ids) inputs, computed by the workers (an encoder)."""
+        self._send(json.dumps({"t": "pool", "inputs": inputs, "mode": mode}).encode())
+        return self._recv(0)["vectors"]
+
+    def forward(self, batch: list[BatchSeq], rows: list[int], device: torch.device) -> torch.Tensor:
+        self._send(json.dumps({"t": "step", "seqs": [[s.tokens, s.start, s.block_table, s.num_q, s.state_slot]
+                                                     for s in batch],
+                               "rows": rows}).encode())
         head = self._recv(0)
         data = self.conns[0].recv_bytes()
         if not data:  # no row to sample this step (a prefill chunk short of its prompt's end): [0, vocab]

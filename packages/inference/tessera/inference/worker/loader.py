@@ -110,11 +110,14 @@ def check_kind_tensor_parallel(tp: int, cfg, where: str, quantization: str | Non
                                device: torch.device | None = None) -> None:
     """check_tensor_parallel for a kind other than the causal LM: the machine and flags as there,
     then the kind's parallel plan (refused in one line where it has none) and what it splits."""
+    from tessera.inference.pooling.encoder import encoder_problem
     from tessera.inference.worker.state.runner import tensor_parallel_problem
 
     check_tensor_parallel(tp, None, where, quantization, device)
+    if (why := getattr(serving_kind(cfg).runner, "no_tensor_parallel", None)) is not None:
+        raise UserError(f"--tensor-parallel {tp}: {why} ({where}); drop --tensor-parallel")
     kind_of(cfg).parallel()
-    problem = tensor_parallel_problem(tp, cfg)
+    problem = (encoder_problem if cfg.kind == "encoder" else tensor_parallel_problem)(tp, cfg)
     if problem is not None:
         raise UserError(f"--tensor-parallel {tp}: {problem} of {where}; use a tensor-parallel size that divides it")
 
@@ -171,9 +174,11 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
     eos_ids = sorted(set(eos) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
     if tensor_parallel > 1:
         if not isinstance(cfg, ModelConfig):  # another kind (hybrid): its plan, then what it splits
+            if hf and hasattr(cfg, "refit_for"):  # (an encoder's vocabulary is padded as a decoder's)
+                cfg = cfg.refit_for(tensor_parallel)
             check_kind_tensor_parallel(tensor_parallel, cfg, str(path), quantization, device)
             return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids,
-                               path=path, hf=hf)
+                               path=path, hf=hf, pooling=pooling)
         if hf:  # zero rows up to a multiple of the size (as a new model is padded); their logits are -inf
             cfg = cfg.refit_for(tensor_parallel)
         check_tensor_parallel(tensor_parallel, cfg, str(path), quantization, device)

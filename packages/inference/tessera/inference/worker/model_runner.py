@@ -62,6 +62,10 @@ class ModelRunner:
         return kv_block_bytes(cfg, block_size, dtype, tp)
 
     @staticmethod
+    def prepare_model(model) -> None:
+        """Change the model's modules for this runner, before prepare.py merges and packs them."""
+
+    @staticmethod
     def state_bytes_per_sequence(cfg, dtype: torch.dtype, tp: int = 1) -> int:
         """Bytes of one sequence's slot in a per-sequence state pool on one tensor rank (0: none)."""
         return 0
@@ -72,7 +76,7 @@ class ModelRunner:
         return {}
 
     def state_summary(self) -> str | None:
-        """A per-sequence state pool beside the KV cache, in words for the startup line (None: none)."""
+        """A per-sequence state pool beside the KV cache, or what else the startup line says of the cache, in words (None: nothing)."""
         return None
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, device: torch.device,

@@ -56,6 +56,7 @@ def serving_runner(model: torch.nn.Module, prep: ServingPrep, num_blocks: int, b
     if device.type != "cpu" and prep.compile and prep.explicit:
         raise UserError(f"cpu_compile compiles the CPU forward; {what} is on {device.type} (decode steps use "
                         "CUDA graphs there): drop cpu_compile")
+    kind.runner.prepare_model(model)
     if device.type == "cpu":
         merge_projections(model)  # q/k/v and gate/up: one GEMM each
         reason = (kind.runner.eager_reason or uncompilable(model.cfg, tp_size, prep.quantized)) if prep.compile else None

@@ -118,10 +118,6 @@ class MLMBatches:
     def for_run(cls, cfg: Any, inputs: Any) -> Any:
         """This run's builder: the checked tokenizer's special ids (refused now, in one line, when
         [MASK] or another is missing), the `mlm` section, training.seed, the model's binary head."""
-        if inputs.parallel:
-            raise UserError(f"model kind {getattr(inputs.model, 'kind', '?')!r}: masked-LM training runs on one "
-                            f"process for now (layout {inputs.layout.short()}); tensor, pipeline and data parallel "
-                            "for it are not built: launch one process")
         special_ids(inputs.tokenizer, str(cfg.data.tokenizer))
         m = cfg.mlm
         options = MaskingOptions(m.mask_prob, m.whole_word, m.max_ngram, m.short_seq_prob,

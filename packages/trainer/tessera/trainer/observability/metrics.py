@@ -126,6 +126,8 @@ def format_record(rec: dict[str, Any]) -> str:
     if rec.get("moe_aux_loss") is not None:
         parts.append(f"moe aux {rec['moe_aux_loss']:.4f} max load {rec['moe_max_load']:.2f}x "
                      f"dropped {rec['moe_dropped']:.0f}")
+    if rec.get("mtp_loss") is not None:
+        parts.append(f"mtp loss {rec['mtp_loss']:.4f}")
     parts.append(f"mem {rec['memory_gib']:.2f} GiB")
     if rec.get("loss_scale") is not None:
         parts.append(f"loss scale {rec['loss_scale']:g}")

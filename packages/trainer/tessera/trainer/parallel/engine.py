@@ -28,6 +28,7 @@ from tessera.trainer.checkpoint.stateful import RNGState, ScalerState, Stateful,
 from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
 from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.engine import StepResult
+from tessera.trainer.kinds import parallel_objective
 from tessera.trainer.model_setup import apply_recompute
 from tessera.trainer.parallel.runtime import ParallelRuntime
 from tessera.trainer.precision.mixed import DynamicLossScale
@@ -53,7 +54,8 @@ class ParallelEngine:
             return module
 
         self.runtime = ParallelRuntime.build(model, self.groups, training, parallel, optim, build_model=builder,
-                                             per_token_loss=documents is not None and documents.per_token_loss)
+                                             per_token_loss=documents is not None and documents.per_token_loss,
+                                             objective=parallel_objective(model))
         self.scaler = (DynamicLossScale(t.fp16_initial_scale, t.fp16_growth_interval)
                        if t.precision == "fp16" else None)
 

@@ -44,6 +44,7 @@ class StageModule(nn.Module):
     def __init__(self, model: Transformer, stage: int, num_stages: int, seq_len: int,
                  tied_head: nn.Parameter | None = None, cp: ContextParallel | None = None):
         super().__init__()
+        self.objective = None  # the runtime's, when it has its own stage_forward (parallel/objective.py)
         self.model = model
         self.stage = stage
         self.num_stages = num_stages
@@ -69,9 +70,12 @@ class StageModule(nn.Module):
             self.key_index.copy_(self.cp.key_index(self.full_seq_len, device))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, mtp_labels: torch.Tensor | None = None,
+                mtp_tokens: torch.Tensor | None = None, **side: torch.Tensor):
         """`positions` / `document_ids` [B, T] (whole sequence) for packed documents; the pipeline
-        schedule hands every stage its micro-batch's rows of them."""
+        schedule hands every stage its micro-batch's rows of them (and of an objective's side inputs)."""
+        if self.objective is not None:
+            return self.objective.stage_forward(self, x, **side)
         if not isinstance(self.model, Transformer):
             # A kind without position inputs (hybrid: the Mamba layers carry order); context
             # parallel is refused for it by validate_layout.
@@ -84,7 +88,9 @@ class StageModule(nn.Module):
             h = self.model(x, positions=positions, return_hidden=True, attention_fn=attention)
         else:
             positions = self.positions if positions is None else positions
-            h = self.model(x, positions=positions, return_hidden=True, document_ids=document_ids)
+            # mtp_labels: the multi-token-prediction loss (one stage holding the whole model).
+            mtp = {"mtp_labels": mtp_labels, "mtp_tokens": mtp_tokens} if mtp_labels is not None else {}
+            h = self.model(x, positions=positions, return_hidden=True, document_ids=document_ids, **mtp)
         if not self.is_last:
             return h
         weight = self.tied_head if self.tied_head is not None else self.model.output_weight()
@@ -142,9 +148,15 @@ def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups,
         if not last:
             for name in plan.last_stage:
                 setattr(model, name, None)
-        if not first and not (last and tied):
+        # MTP on the last stage embeds tokens t+k: it keeps a copy of the embedding, synchronised
+        # with the first stage's like a tied head (tagged tied_embedding below).
+        mtp_embedding = last and not first and getattr(model.cfg, "mtp", None) is not None
+        if not first and not (last and tied) and not mtp_embedding:
             for name in plan.first_stage:
                 setattr(model, name, None)
+        if mtp_embedding:
+            model.pos_embed = None
+            model.dropout = nn.Identity()  # the embedding dropout is the first stage's
         plan.tensor(model, groups, sequence_parallel, rng)
         shard_experts(model, groups.ep_group, groups.ep, groups.ep_rank)  # expert parallel (ep > 1)
         tied_head = None
@@ -156,9 +168,9 @@ def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups,
             tag(tied_head, 0)
             tied_head.tied_embedding = True  # type: ignore[attr-defined]
             if not first:
-                model.embed_tokens = None
-                model.pos_embed = None
-        if tied and first and model.embed_tokens is not None:
+                for name in plan.first_stage:
+                    setattr(model, name, None)
+        if (tied or getattr(model.cfg, "mtp", None) is not None) and num_stages > 1 and model.embed_tokens is not None:
             model.embed_tokens.weight.tied_embedding = True  # type: ignore[attr-defined]
         model.has_head = last
         cp = ContextParallel(groups.cp_group if groups.cp > 1 else None, groups.cp, groups.cp_rank)
@@ -177,7 +189,8 @@ def make_schedule(stages: list[StageModule], groups: ParallelGroups, num_microba
                   micro_batch: int, hidden_size: int, vocab_size: int, dtype: torch.dtype,
                   sequence_parallel: bool, micro_batch_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                   logits_dtype: torch.dtype | None = None,
-                  loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                  loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  last_outputs: Callable[..., tuple[torch.Tensor, ...]] | None = None):
     """A Schedule1F1B (one chunk per rank) or ScheduleInterleaved1F1B (several) over the stages.
 
     `micro_batch_loss(logits, targets)` is a micro-batch's share of the batch loss (e.g. its mean
@@ -197,12 +210,15 @@ def make_schedule(stages: list[StageModule], groups: ParallelGroups, num_microba
     logits = torch.empty(micro_batch, seq, vocab_size // tp, dtype=logits_dtype or dtype, device=meta,
                          requires_grad=True)
     tokens = torch.empty(micro_batch, seq, dtype=torch.long, device=meta)
+    # An objective's last stage may return several tensors (parallel/objective.py: pipeline_outputs).
+    last = (last_outputs(micro_batch, seq, local_seq, vocab_size // tp, logits_dtype or dtype)
+            if last_outputs is not None else (logits,))
     pipe_stages = []
     for st in stages:
         inp = tokens if st.is_first else hidden
-        out = logits if st.is_last else hidden
+        out = last if st.is_last else (hidden,)
         pipe_stages.append(PipelineStage(st, st.stage, st.num_stages, groups.device, input_args=(inp,),
-                                         output_args=(out,), group=groups.pp_group))
+                                         output_args=out, group=groups.pp_group))
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = micro_batch_loss(out, target)

@@ -34,7 +34,6 @@ from tessera.common.layout import validate_layout
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.parallel.expert_parallel import is_expert_shard
-from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import load_model_state_dict, model_state_dict
@@ -44,6 +43,7 @@ from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
 from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.engine import StepResult
 from tessera.trainer.parallel.fsdp import FullyShardedOptimizer, shard_stages
+from tessera.trainer.parallel.objective import LossContext, NextToken
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, make_schedule
 from tessera.trainer.precision.float8 import float8_backend
@@ -71,8 +71,13 @@ class ParallelRuntime:
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, training: TrainingConfig, parallel: ParallelConfig,
                  stages: list[StageModule], optimizer: DistributedOptimizer, rng: TensorParallelRNG,
-                 per_token_loss: bool = False):
+                 per_token_loss: bool = False, objective=None):
         self.cfg, self.groups, self.training, self.parallel = cfg, groups, training, parallel
+        # The kind's objective (parallel/objective.py): batch -> stage inputs and targets, the loss.
+        self.objective = objective if objective is not None else NextToken()
+        if hasattr(self.objective, "stage_forward"):
+            for st in stages:
+                st.objective = self.objective
         self.micro_batch = training.micro_batch_size
         # Targets equal to IGNORE_INDEX count for nothing and the loss is the mean over the other
         # tokens of the global batch (data.eod_mask_loss, loss masks): one all-reduce of the count.
@@ -91,6 +96,9 @@ class ParallelRuntime:
         # MoE: router statistics and the balancing-bias update, loads summed over the ranks that
         # routed other tokens through the same layers.
         self.router_stats = RouterStats(list(stages), reduce=self._reduce_router) if cfg.moe is not None else None
+        # Multi-token prediction: on the last pipeline stage.
+        self.mtp = getattr(stages[-1].model, "mtp", None) if stages[-1].is_last else None
+        self.mtp_cfg = getattr(cfg, "mtp", None)  # (other kinds' configs have no such field)
 
     def _reduce_router(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over data and expert ranks (each routes its own rows of the batch), context ranks
@@ -124,7 +132,8 @@ class ParallelRuntime:
             self._schedules[num_microbatches] = make_schedule(
                 self.stages, self.groups, num_microbatches, self.micro_batch, self.cfg.hidden_size,
                 vocab_rows, dtype, self.stages[0].model.sequence_parallel, self._micro_batch_loss,
-                logits_dtype=logits_dtype, loss_hook=self._scale_loss)
+                logits_dtype=logits_dtype, loss_hook=self._scale_loss,
+                last_outputs=getattr(self.objective, "pipeline_outputs", None))
         return self._schedules[num_microbatches]
 
     def _use_microbatches(self, rows: int) -> None:
@@ -139,8 +148,10 @@ class ParallelRuntime:
     @classmethod
     def build(cls, cfg: ModelConfig, groups: ParallelGroups, training: TrainingConfig, parallel: ParallelConfig,
               optim: OptimConfig, build_model: Callable[[], Transformer],
-              per_token_loss: bool = False) -> ParallelRuntime:
+              per_token_loss: bool = False, objective=None) -> ParallelRuntime:
         t, p = training, parallel
+        if groups.pp > 1 and not getattr(objective, "pipeline", True):
+            raise ValueError(f"{type(objective).__name__}: this objective has no pipeline-parallel path")
         counts = validate_layout(cfg, groups.layout, seq_len=t.seq_length, global_batch=t.global_batch_size,
                                  micro_batch=t.micro_batch_size, sequence_parallel=p.sequence_parallel,
                                  world_size=groups.world_size)
@@ -173,7 +184,7 @@ class ParallelRuntime:
         if groups.dp_shard > 1:
             named = [(n, q) for s in stages for n, q in s.global_params().items()]
             fsdp_opt = FullyShardedOptimizer(named, groups, **adamw)
-            return cls(cfg, groups, t, p, stages, fsdp_opt, rng, per_token_loss)  # type: ignore[arg-type]
+            return cls(cfg, groups, t, p, stages, fsdp_opt, rng, per_token_loss, objective)  # type: ignore[arg-type]
         named = [(f"{s.stage}.{n}", q) for s in stages for n, q in s.global_params().items()]
         optimizer = DistributedOptimizer(
             named, groups, **adamw, shard=p.distributed_optimizer, bucket_numel=p.bucket_numel,
@@ -182,7 +193,7 @@ class ParallelRuntime:
         )
         if p.overlap_param_gather:
             optimizer.register_param_gather_hooks(stages)
-        return cls(cfg, groups, t, p, stages, optimizer, rng, per_token_loss)
+        return cls(cfg, groups, t, p, stages, optimizer, rng, per_token_loss, objective)
 
     # ---- training ---------------------------------------------------------------------------
     def train(self, mode: bool = True) -> None:
@@ -194,7 +205,9 @@ class ParallelRuntime:
         """One optimizer step. With `loss_scale` != 1 (fp16) the loss is multiplied by it before
         backward, gradients are divided by it before clipping, and a step whose gradients are not
         finite (the global norm is inf/nan, so every rank agrees) is skipped. `model_inputs`
-        (`positions`, `document_ids`: [rows, T], rows as `tokens`) go to every stage's forward."""
+        (`positions`, `document_ids`: [rows, T], rows as `tokens`) go to every stage's forward.
+        `tokens` / `targets` are the batch and labels as the kind's objective reads them."""
+        tokens, model_inputs, targets = self.objective.split(tokens, targets, model_inputs)
         self._use_microbatches(tokens.shape[0])
         g, n = self.groups, self.num_microbatches
         self._set_token_weight(targets)
@@ -202,6 +215,8 @@ class ParallelRuntime:
         self.optimizer.zero_grad(n)
         if self.router_stats is not None:
             self.router_stats.prepare(n)
+        if self.mtp is not None:
+            self.mtp.prepare(n, loss_scale)
         self._loss_scale = loss_scale
         total = torch.zeros((), dtype=torch.float32, device=g.device)
         with self._autocast():
@@ -217,6 +232,16 @@ class ParallelRuntime:
             for st in self.stages:
                 self.float8.after_optimizer_step(st)
         router = self.router_stats.step() if self.router_stats is not None else {}
+        if self.mtp_cfg is not None:  # the last stage's; tensor ranks agree, data and expert ranks average
+            depth = self.mtp_cfg.depth
+            names = ["mtp_loss"] + ([f"mtp_loss_{k}" for k in range(1, depth + 1)] if depth > 1 else [])
+            mtp = self.mtp.metrics() if self.mtp is not None else {}
+            t = torch.tensor([mtp.get(k, 0.0) for k in names], dtype=torch.float64, device=g.device)
+            if g.pp > 1:
+                dist.all_reduce(t, group=g.pp_group)
+            if g.dp_ep > 1:
+                dist.all_reduce(t, group=g.dp_ep_group)
+            router.update(zip(names, (t / g.dp_ep).tolist()))
         return StepResult(loss=float(total), grad_norm=norm, stepped=not scaled or math.isfinite(norm), router=router)
 
     def _local(self, tokens: torch.Tensor, targets: torch.Tensor, model_inputs: dict[str, torch.Tensor] | None):
@@ -243,15 +268,10 @@ class ParallelRuntime:
         self._token_weight = g.dp_ep / max(self.token_count, 1)
 
     def _micro_batch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One micro-batch's share of the batch loss, from local-vocab logits."""
-        if not self.per_token_loss:
-            # Under context parallel each rank's mean covers 1/C of the tokens: its share is mean / C.
-            share = self.num_microbatches * self.groups.cp
-            return vocab_parallel_cross_entropy(logits, targets, self.groups.tp_group).mean() / share
-        counted = targets != IGNORE_INDEX
-        # Ignored positions get a valid id (their loss is zeroed, so their gradient is zero too).
-        per_token = vocab_parallel_cross_entropy(logits, targets.masked_fill(~counted, 0), self.groups.tp_group)
-        return (per_token * counted).sum() * self._token_weight
+        """One micro-batch's share of the batch loss, from the last stage's output (local-vocab logits)."""
+        ctx = LossContext(self.groups.tp_group, self.num_microbatches * self.groups.cp, self.per_token_loss,
+                          self._token_weight)
+        return self.objective.loss(logits, targets, ctx)
 
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Record a micro-batch's loss, return the one to backpropagate (scaled for fp16)."""
@@ -276,7 +296,8 @@ class ParallelRuntime:
             stage = self.stages[0]
             for i in range(n):
                 rows = slice(i * mb, (i + 1) * mb)
-                logits = stage(tokens[rows], **{k: v[rows] for k, v in model_inputs.items()})
+                mtp = {"mtp_labels": targets[rows]} if self.mtp is not None else {}  # model.py's MTP loss
+                logits = stage(tokens[rows], **{k: v[rows] for k, v in model_inputs.items()}, **mtp)
                 loss = self._micro_batch_loss(logits, targets[rows])
                 (loss * self._loss_scale if self._loss_scale != 1.0 else loss).backward()
                 total += loss.detach()
@@ -286,7 +307,8 @@ class ParallelRuntime:
             args = (tokens,) if has_first else ()
             self._micro_losses.clear()
             # model_inputs are split into micro-batches and given to every stage (kwargs).
-            self.schedule.step(*args, target=targets if has_last else None, return_outputs=False, **model_inputs)
+            mtp = {"mtp_labels": targets, "mtp_tokens": tokens} if self.mtp_cfg is not None else {}  # last stage's MTP
+            self.schedule.step(*args, target=targets if has_last else None, return_outputs=False, **model_inputs, **mtp)
             if has_last:
                 total += torch.stack(self._micro_losses).sum()
             dist.all_reduce(total, group=g.pp_group)  # only the last stage contributed
@@ -295,6 +317,7 @@ class ParallelRuntime:
     def eval_step(self, tokens: torch.Tensor, targets: torch.Tensor,
                   model_inputs: dict[str, torch.Tensor] | None = None) -> float:
         """Mean token loss of a batch shaped as for `train_step`, forward only (no state change)."""
+        tokens, model_inputs, targets = self.objective.split(tokens, targets, model_inputs)
         self._use_microbatches(tokens.shape[0])
         g, n, mb = self.groups, self.num_microbatches, self.micro_batch
         self._set_token_weight(targets)

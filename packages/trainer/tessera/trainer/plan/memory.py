@@ -94,10 +94,16 @@ def rank_params(spec: PlanSpec, pp_rank: int = 0) -> RankParams:
     js = cfg.model_dump_json()
     layer_params = hybrid_layer_params if is_hybrid(cfg) else _layer_params
     counts = [layer_params(js, i, tp, ep) for s in stages for i in ranges[s]]
-    per_layer = [c[0] for c in counts]
     d, v = cfg.hidden_size, cfg.vocab_rows // tp
     norm = d * (2 if getattr(cfg, "norm", "rmsnorm") == "layernorm" else 1)  # hybrid: RMSNorm, no positions
     emb = 0
+    mtp = getattr(cfg, "mtp", None)
+    if mtp is not None and lay.num_stages - 1 in stages:
+        # Multi-token prediction on the last stage: one block per depth (global layer num_layers + k),
+        # its enorm / hnorm / head_norm and eh_proj, and a copy of the embedding when not the first stage.
+        counts += [layer_params(js, cfg.num_layers + k, tp, ep) for k in range(mtp.depth)]
+        emb += mtp.depth * (3 * norm + 2 * d * d) + (v * d if 0 not in stages else 0)
+    per_layer = [c[0] for c in counts]
     if 0 in stages:
         emb += v * d + (cfg.max_seq_len * d if getattr(cfg, "position", None) == "learned" else 0)
     if lay.num_stages - 1 in stages:

@@ -135,6 +135,15 @@ class MLAConfig(StrictModel):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+class MTPConfig(StrictModel):
+    """Multi-token prediction (DeepSeek-V3, Megatron-Core's mtp_num_layers): `depth` chained modules,
+    the k-th predicting token t+k+1 from the (k-1)-th's hidden state and the embedding of token t+k,
+    sharing the model's embedding and output head (see causal_lm.model.MTPLayer)."""
+
+    depth: int = Field(1, gt=0, le=16, description="MTP modules (DeepSeek's num_nextn_predict_layers), each one transformer block of the model's kind.")
+    loss_scaling_factor: float = Field(0.1, ge=0, description="Weight of the MTP loss (mean over depths) added to the main loss (Megatron's mtp_loss_scaling_factor; DeepSeek-V3 used 0.3 then 0.1).")
+
+
 class ModelConfig(StrictModel):
     """Shape and flavour of a decoder-only transformer."""
 
@@ -163,6 +172,7 @@ class ModelConfig(StrictModel):
     sliding_window_layers: list[int] | None = Field(None, description="Global layer numbers that use the sliding window; None = every layer (Gemma-style interleaving lists some).")
     moe: MoEConfig | None = Field(None, description="Mixture-of-experts MLP on the layers it selects; None = dense everywhere.")
     mla: MLAConfig | None = Field(None, description="Multi-head latent attention (DeepSeek-V3) in place of q/k/v/o; head_dim is then its qk_rope_head_dim (the RoPE tables' width).")
+    mtp: MTPConfig | None = Field(None, description="Multi-token prediction modules trained beside the main head (DeepSeek-V3); None = none.")
     tie_embeddings: bool = Field(False, description="Output head shares the input embedding matrix.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on embeddings and residual branches.")
     attention_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on attention probabilities.")
@@ -209,6 +219,9 @@ class ModelConfig(StrictModel):
                 raise ValueError("mla needs num_kv_heads = num_heads, position=rope, no sliding window, no qk_norm")
             if self.bias or self.attention_bias:
                 raise ValueError("mla has no attention biases (bias and attention_bias must be unset)")
+        if self.mtp is not None and (self.arch != "deepseek_v3" or self.sliding_window or self.position != "rope"):
+            raise ValueError("mtp is built for arch=deepseek_v3 (rotary positions, no sliding window), whose "
+                             "checkpoints hold its modules")
         if self.moe is not None and self.activation == "gelu":
             raise ValueError("moe needs activation=swiglu (experts are SwiGLU MLPs)")
         return self
@@ -299,6 +312,13 @@ class ModelConfig(StrictModel):
                 total += self.max_seq_len * d
         if not self.tie_embeddings:
             total += v * d
+        if self.mtp is not None:  # per depth: enorm, hnorm, eh_proj, one block, head norm
+            for k in range(self.mtp.depth):
+                layer = self.num_layers + k
+                mlp = self._mlp_params(layer, active=False)
+                if self.bias and not self.is_moe_layer(layer):
+                    mlp += (2 * f if self.activation == "swiglu" else f) + d
+                total += 5 * norm_params + 2 * d * d + attn + mlp
         return total
 
     def matmul_params(self) -> int:
@@ -306,12 +326,16 @@ class ModelConfig(StrictModel):
 
         Excludes embedding lookups, norms and biases; the head counts even when tied. For MoE
         layers, only what one token uses: the router, top_k routed experts and the shared ones.
+        Each MTP depth adds its eh_proj, its block and another pass through the head.
         """
         d, m = self.hidden_size, self.mla
         attn = self._attn_params()
         if m is not None:  # the latent norms
             attn -= m.kv_lora_rank + (m.q_lora_rank or 0)
-        return sum(attn + self._mlp_params(i, active=True) for i in range(self.num_layers)) + self.vocab_rows * d
+        total = sum(attn + self._mlp_params(i, active=True) for i in range(self.num_layers)) + self.vocab_rows * d
+        for k in range(self.mtp.depth if self.mtp is not None else 0):
+            total += 2 * d * d + attn + self._mlp_params(self.num_layers + k, active=True) + self.vocab_rows * d
+        return total
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), PaLM convention.
@@ -319,7 +343,8 @@ class ModelConfig(StrictModel):
         6 x matmul_params() + 12 x layers x query width x seq_len for the attention scores and
         weighted sum (not halved for causal masking, as is customary).
         """
-        return 6.0 * self.matmul_params() + 12.0 * self.num_layers * self.q_size * seq_len
+        blocks = self.num_layers + (self.mtp.depth if self.mtp is not None else 0)
+        return 6.0 * self.matmul_params() + 12.0 * blocks * self.q_size * seq_len
 
 
 PRESETS: dict[str, dict[str, Any]] = {

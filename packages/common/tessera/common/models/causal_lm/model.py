@@ -21,6 +21,7 @@ cache in the server).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,13 +30,13 @@ from torch import nn
 from tessera.common.layers.attention import MaskedAttention
 from tessera.common.layers.mla import MLA
 from tessera.common.layers.mlp import MLP
-from tessera.common.layers.moe import MoE
+from tessera.common.layers.moe import AuxLoss, MoE
 from tessera.common.layers.norms import RMSNorm, add_norm, make_norm
 from tessera.common.layers.rope import RotaryEmbedding
 from tessera.common.layers.self_attention import Attention, AttentionFn
 from tessera.common.models.causal_lm.config import ModelConfig
 
-__all__ = ["Block", "Transformer", "build_model", "mask_vocab_padding", "model_tensor_shapes"]
+__all__ = ["Block", "MTPLayer", "MultiTokenPrediction", "Transformer", "build_model", "mask_vocab_padding", "model_tensor_shapes"]
 
 
 class Block(nn.Module):
@@ -57,6 +58,67 @@ class Block(nn.Module):
         h = self.dropout(self.attn(self.attn_norm(x), rope, attention_fn, attn_mask))
         x, normed = add_norm(self.mlp_norm, x, h)
         return x + self.dropout(self.mlp(normed))
+
+
+class MTPLayer(Block):
+    """One multi-token-prediction depth (DeepSeek-V3): a block of the model's kind (global layer
+    number num_layers + depth, so MoE or dense as DeepSeek's) over eh_proj([enorm(embedding of token
+    t+k) ; hnorm(previous depth's hidden at t)]), then its own head norm (DeepSeek's shared_head.norm).
+    Its output, normed, is both what the shared output head reads and the next depth's input."""
+
+    def __init__(self, cfg: ModelConfig, depth: int):
+        super().__init__(cfg, cfg.num_layers + depth)
+        self.enorm = make_norm(cfg)
+        self.hnorm = make_norm(cfg)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.head_norm = make_norm(cfg)
+
+    def forward(  # type: ignore[override]
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_fn: AttentionFn | None = None,
+        attn_mask: MaskedAttention | None = None,
+    ) -> torch.Tensor:
+        x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
+        return self.head_norm(super().forward(x, rope, attention_fn, attn_mask))
+
+
+class MultiTokenPrediction(nn.Module):
+    """The MTP depths, and what training needs of them: the mean over depths of each depth's
+    next-token loss (token t+k+1 at position t, positions without one not counted), whose gradient
+    `loss_scaling_factor x loss_scale` is injected into the main output (Megatron's MTPLossAutoScaler),
+    so the trainer's loss stays the main loss and the MTP loss is logged apart (`metrics`)."""
+
+    loss_scale: float = 1.0  # 1 / micro-batches of the step (`prepare`)
+    # (a depth's normed hidden, its targets) -> mean loss over the counted targets; the tensor-parallel
+    # plan sets a vocabulary-parallel one (causal_lm.parallelize). None: the model's own head.
+    token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        assert cfg.mtp is not None
+        self.factor = cfg.mtp.loss_scaling_factor
+        self.layers = nn.ModuleDict({str(k): MTPLayer(cfg, k) for k in range(cfg.mtp.depth)})
+        self.recorded: list[torch.Tensor] = []  # per training forward: each depth's loss
+
+    def prepare(self, num_microbatches: int, grad_scale: float = 1.0) -> None:
+        """Before a step: the step trains on the mean MTP loss of its micro-batches (times the fp16
+        loss scale `grad_scale`, which the main loss's backward carries too)."""
+        self.loss_scale = grad_scale / num_microbatches
+        self.recorded = []
+
+    def metrics(self) -> dict[str, float]:
+        """The step's MTP loss (mean over depths and micro-batches, before the scaling factor)."""
+        if not self.recorded:
+            return {}
+        losses = torch.stack(self.recorded).mean(0).tolist()
+        self.recorded = []
+        out = {"mtp_loss": sum(losses) / len(losses)}
+        if len(losses) > 1:
+            out.update({f"mtp_loss_{k}": v for k, v in enumerate(losses, start=1)})
+        return out
 
 
 # ---- the model -----------------------------------------------------------------------------
@@ -94,6 +156,7 @@ class Transformer(nn.Module):
         self.lm_head: nn.Linear | None = (
             None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_rows, bias=False)
         )
+        self.mtp: MultiTokenPrediction | None = MultiTokenPrediction(cfg) if cfg.mtp is not None else None
         # Whether this module produces logits (a pipeline stage may hold the head but not the
         # embedding, with tied weights kept in sync by the pipeline runtime).
         self.has_head = True
@@ -159,6 +222,8 @@ class Transformer(nn.Module):
         attention_fn: AttentionFn | None = None,
         return_hidden: bool = False,
         document_ids: torch.Tensor | None = None,
+        mtp_labels: torch.Tensor | None = None,
+        mtp_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] (or hidden states [B, T, d] on a later pipeline stage) -> logits [B, T, V].
 
@@ -167,6 +232,9 @@ class Transformer(nn.Module):
         `document_ids` [B, T] (full sequence, non-decreasing along it) restricts attention to tokens
         of the same document: packed documents do not see each other (Megatron's
         reset_attention_mask). Pair it with per-document `positions` to also restart positions.
+        `mtp_labels` [B, T] (the main labels, -100 not counted) trains the MTP depths: their loss
+        goes into backward through the output (MultiTokenPrediction), the output itself unchanged;
+        `mtp_tokens` are the token ids when `tokens` are hidden states (the last pipeline stage).
         """
         # Float input is embeddings already: a later pipeline stage's hidden states, or a
         # vision-language model's text embeddings with image features in place.
@@ -196,9 +264,43 @@ class Transformer(nn.Module):
         if self.final_norm is None:
             return h
         h = self.final_norm(h)
-        if return_hidden or not self.has_head:
-            return h
-        return self.logits(h)
+        out = h if return_hidden or not self.has_head else self.logits(h)
+        if self.mtp is not None and mtp_labels is not None:
+            ids = tokens if mtp_tokens is None else mtp_tokens
+            out = self._train_mtp(out, h, ids, mtp_labels, rope, masks.get(None))
+        return out
+
+    def mtp_hidden(self, depth: int, hidden: torch.Tensor, tokens: torch.Tensor,
+                   positions: torch.Tensor | None = None, attention_fn: AttentionFn | None = None,
+                   attn_mask: MaskedAttention | None = None) -> torch.Tensor:
+        """MTP depth `depth` (0-based): from the previous depth's normed hidden states [B, T, d] (the
+        main model's final-normed ones for depth 0) and `tokens` [B, T] holding token t+depth+1 at
+        position t, the depth's normed hidden states; `self.logits` of them predicts token t+depth+2."""
+        assert self.mtp is not None and self.embed_tokens is not None, "MTP needs its modules and the embedding"
+        if positions is None:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        rope = self.rotary(positions) if self.rotary is not None else None
+        return self.mtp.layers[str(depth)](hidden, self.embed_tokens(tokens), rope, attention_fn, attn_mask)
+
+    def _train_mtp(self, out: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None, attn_mask: MaskedAttention | None) -> torch.Tensor:
+        # Depth k reads token t+k (the inputs rolled left by k: the wrapped-around last k positions
+        # only feed positions that come after every counted one) and predicts labels[t+k].
+        assert self.mtp is not None and self.embed_tokens is not None and not tokens.is_floating_point(), \
+            "MTP training needs the token ids and the embedding (one stage holding the whole model)"
+        losses = []
+        for k, layer in enumerate(self.mtp.layers.values(), start=1):
+            hidden = layer(hidden, self.embed_tokens(tokens.roll(-k, dims=1)), rope, None, attn_mask)
+            target = labels.roll(-k, dims=1)
+            target[:, -k:] = -100
+            if self.mtp.token_loss is not None:
+                losses.append(self.mtp.token_loss(hidden, target))
+            else:
+                losses.append(F.cross_entropy(self.logits(hidden).flatten(0, 1).float(), target.flatten(),
+                                              ignore_index=-100))
+        loss = torch.stack(losses)
+        self.mtp.recorded.append(loss.detach())
+        return AuxLoss.apply(out, loss.mean(), self.mtp.factor * self.mtp.loss_scale)
 
 
 def build_model(
@@ -235,7 +337,7 @@ def model_tensor_shapes(cfg: ModelConfig, buffers: bool = True) -> dict[str, tup
     out: dict[str, tuple[int, ...]] = {}
     kinds: dict[bool, dict[str, tuple[int, ...]]] = {}
     with torch.device("meta"):
-        top = Transformer(cfg.model_copy(update={"num_layers": 0, "sliding_window_layers": None}))
+        top = Transformer(cfg.model_copy(update={"num_layers": 0, "sliding_window_layers": None, "mtp": None}))
         for name, child in top.named_children():
             if name != "layers":
                 out.update({f"{name}.{k}": v for k, v in shapes(child).items()})
@@ -245,4 +347,6 @@ def model_tensor_shapes(cfg: ModelConfig, buffers: bool = True) -> dict[str, tup
                 if kind not in kinds:
                     kinds[kind] = shapes(Block(cfg, i))
                 out.update({f"layers.{i}.{k}": v for k, v in kinds[kind].items()})
+        for depth in range(cfg.mtp.depth if cfg.mtp is not None else 0):
+            out.update({f"mtp.layers.{depth}.{k}": v for k, v in shapes(MTPLayer(cfg, depth)).items()})
     return out

@@ -12,6 +12,9 @@ parallel shards them instead). Without sequence parallel every tensor rank runs 
 full (replicated) sequence; with it, on its own sequence chunk (routing is per token), so the
 norm's output is not gathered and the MoE's weight gradients are partial.
 
+Multi-head latent attention (DeepSeek-V3, `split_mla`): q_proj / q_b_proj and kv_b_proj column-
+parallel by heads, o_proj row-parallel, the down projections and latent norms replicated.
+
 Grouped-query attention: query heads h*H/tp..(h+1)*H/tp-1 on rank h use exactly key/value heads
 h*KV/tp..(h+1)*KV/tp-1, so contiguous slices of q_proj and k_proj/v_proj rows line up. This needs
 `tp` to divide the number of key/value heads; tensor-parallel sizes above the kv-head count are
@@ -32,6 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera.common.layers.mla import MLA
 from tessera.common.layers.moe import MoE
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.models.kind import ParallelPlan
@@ -41,9 +45,11 @@ from tessera.common.parallel.layers import (
     VocabParallelEmbedding,
     tag,
 )
-from tessera.common.parallel.mappings import gather_seq, scatter_seq
+from tessera.common.parallel.loss import vocab_parallel_cross_entropy
+from tessera.common.parallel.mappings import copy_to_tp, gather_seq, scatter_seq
 from tessera.common.parallel.random import TensorParallelRNG
 from tessera.common.parallel.state import ParallelGroups
+from tessera.common.parallel.tensor_parallel import parallel_logits
 
 
 class _ForkedDropout(nn.Dropout):
@@ -86,6 +92,58 @@ def split_attention(attn: nn.Module, groups: ParallelGroups, sp: bool, rng: Tens
             _tag_replicated(norm, groups.tp > 1)
     if rng is not None and groups.tp > 1:
         attn.core = _forked_core(attn.core, rng)  # attention dropout acts on this rank's heads
+
+
+def split_mla(attn: MLA, groups: ParallelGroups, sp: bool, rng: TensorParallelRNG | None) -> None:
+    """Multi-head latent attention split as Megatron splits it, in place: q_proj (or q_b_proj) and
+    kv_b_proj column-parallel by heads, o_proj row-parallel; the down projections q_a_proj and
+    kv_a_proj and the latent norms replicated. The shared RoPE key (kv_a_proj's last rows) feeds
+    only this rank's heads, so without sequence parallel its gradient is all-reduced where it leaves
+    the replicated part (copy_to_tp), as the column layers do for their inputs; with it every
+    gradient into the replicated part is partial, so are its weights' (summed over the group)."""
+    group = groups.tp_group
+    if attn.q_proj is not None:
+        attn.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, group, sp)
+    else:
+        attn.q_b_proj = ColumnParallelLinear.from_linear(attn.q_b_proj, group, sp)
+        for module in (attn.q_a_proj, attn.q_a_norm):
+            _tag_replicated(module, sp)
+    attn.kv_b_proj = ColumnParallelLinear.from_linear(attn.kv_b_proj, group, sp)
+    attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, sp)
+    for module in (attn.kv_a_proj, attn.kv_a_norm):
+        _tag_replicated(module, sp)
+    if groups.tp > 1 and not sp:
+        latent = attn.latent
+
+        def tp_latent(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            c, k_rot = latent(x)
+            return c, copy_to_tp(k_rot, group)
+        attn.latent = tp_latent  # type: ignore[method-assign]
+    if rng is not None and groups.tp > 1:
+        attn.core = _forked_core(attn.core, rng)  # type: ignore[method-assign]
+
+
+def split_mtp(model: Transformer, groups: ParallelGroups, sp: bool, rng: TensorParallelRNG | None) -> None:
+    """The multi-token-prediction depths: each block split as the model's, enorm / hnorm / eh_proj /
+    head_norm replicated (partial gradients under sequence parallel: they see this rank's chunk),
+    and the depth's loss through the vocabulary-parallel head (the hidden gathered along the
+    sequence under sequence parallel, as for the main head)."""
+    assert model.mtp is not None
+    for layer in model.mtp.layers.values():
+        split_mla(layer.attn, groups, sp, rng) if isinstance(layer.attn, MLA) else split_attention(layer.attn, groups, sp, rng)
+        gather_mlp = split_mlp(layer.mlp, groups, sp)
+        split_norm(layer.attn_norm, groups, sp, gather=sp)
+        split_norm(layer.mlp_norm, groups, sp, gather=gather_mlp)
+        for module in (layer.enorm, layer.hnorm, layer.eh_proj, layer.head_norm):
+            _tag_replicated(module, sp)
+    group = groups.tp_group
+
+    def token_loss(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = parallel_logits(hidden, model.output_weight(), model)
+        counted = target != -100
+        per_token = vocab_parallel_cross_entropy(logits, target.masked_fill(~counted, 0), group)
+        return (per_token * counted).sum() / counted.sum()
+    model.mtp.token_loss = token_loss
 
 
 def split_mlp(mlp: nn.Module, groups: ParallelGroups, sp: bool) -> bool:
@@ -141,12 +199,17 @@ def parallelize_model(model: Transformer, groups: ParallelGroups, sequence_paral
     group = groups.tp_group
     sp = sequence_parallel and groups.tp > 1
     for block in model.layers.values():
-        split_attention(block.attn, groups, sp, rng)
+        if isinstance(block.attn, MLA):
+            split_mla(block.attn, groups, sp, rng)
+        else:
+            split_attention(block.attn, groups, sp, rng)
         gather_mlp = split_mlp(block.mlp, groups, sp)
         split_norm(block.attn_norm, groups, sp, gather=sp)
         split_norm(block.mlp_norm, groups, sp, gather=gather_mlp)
         if rng is not None and groups.tp > 1 and sp:
             block.dropout = _ForkedDropout(block.dropout.p, rng)  # residual dropout on its chunk
+    if model.mtp is not None:
+        split_mtp(model, groups, sp, rng)
     split_ends(model, groups, sp)
     if model.pos_embed is not None:
         _tag_replicated(model.pos_embed, False)
@@ -159,11 +222,11 @@ def parallelize_model(model: Transformer, groups: ParallelGroups, sequence_paral
 
 
 PLAN = ParallelPlan(
-    column=("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"),
+    column=("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj"),
     row=("o_proj", "down_proj"),
     vocab=("embed_tokens", "lm_head"),
     layers="layers",
     first_stage=("embed_tokens", "pos_embed"),
-    last_stage=("final_norm", "lm_head"),
+    last_stage=("final_norm", "lm_head", "mtp"),
     tensor=parallelize_model,
 )

@@ -1,6 +1,10 @@
-"""T5 (transformers' `T5ForConditionalGeneration`): relative position buckets whose bias is made in
-each stack's first layer and shared by the rest, RMS norm without mean or bias (the shared
-RMSNorm), no 1/sqrt(d) attention scaling (T5 folds it into the init), cross-attention in the decoder."""
+"""T5 (transformers' `T5ForConditionalGeneration`) on Tessera's shared layers: the self-attention
+and MLP of every kind (`Attention`, `MLP`), RMS norm without mean or bias (`RMSNorm`), attention
+through `BidirectionalAttention` with T5's relative position bias and no 1/sqrt(d) scaling (T5
+folds it into the init). Each stack keeps one relative-bias table (transformers keeps it on the
+stack's first layer and shares it; the HF adapter maps the name). Cross-attention is the shared
+attention layer's projections over the encoder's output (`T5Block.cross`).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.common.layers.attention import BidirectionalAttention
+from tessera.common.layers.mlp import MLP
 from tessera.common.layers.norms import RMSNorm
+from tessera.common.layers.self_attention import Attention
 from tessera.common.models.encoder_decoder.config import T5Config
+
+# Parameters with one row per vocabulary entry (split by vocabulary rows under tensor parallel).
+VOCAB_PARAMS = ("shared.weight", "lm_head.weight")
 
 
 def relative_bucket(rel: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> torch.Tensor:
@@ -30,93 +40,73 @@ def relative_bucket(rel: torch.Tensor, bidirectional: bool, num_buckets: int, ma
     return buckets + torch.where(small, rel, large)
 
 
-class T5Attention(nn.Module):
-    def __init__(self, cfg: T5Config, bias: bool, bidirectional: bool):
-        super().__init__()
-        self.cfg, self.bidirectional, inner = cfg, bidirectional, cfg.num_heads * cfg.d_kv
-        self.q = nn.Linear(cfg.d_model, inner, bias=False)
-        self.k = nn.Linear(cfg.d_model, inner, bias=False)
-        self.v = nn.Linear(cfg.d_model, inner, bias=False)
-        self.o = nn.Linear(inner, cfg.d_model, bias=False)
-        self.relative_attention_bias = nn.Embedding(cfg.relative_attention_num_buckets, cfg.num_heads) if bias else None
-
-    def position_bias(self, q_len: int, k_len: int) -> torch.Tensor:
-        assert self.relative_attention_bias is not None
-        dev = self.relative_attention_bias.weight.device
-        rel = torch.arange(k_len, device=dev)[None, :] - torch.arange(q_len, device=dev)[:, None]
-        b = relative_bucket(rel, self.bidirectional, self.cfg.relative_attention_num_buckets,
-                            self.cfg.relative_attention_max_distance)
-        return self.relative_attention_bias(b).permute(2, 0, 1)[None]  # 1, heads, q, k
-
-    def forward(self, x: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        b, n, h, d = x.shape[0], x.shape[1], self.cfg.num_heads, self.cfg.d_kv
-        q = self.q(x).view(b, n, h, d).transpose(1, 2)
-        k = self.k(kv).view(b, -1, h, d).transpose(1, 2)
-        v = self.v(kv).view(b, -1, h, d).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
-        return self.o(out.transpose(1, 2).reshape(b, n, h * d))
-
-
-class T5MLP(nn.Module):
-    def __init__(self, cfg: T5Config):
-        super().__init__()
-        self.gated = cfg.feed_forward == "gated-gelu"
-        if self.gated:
-            self.wi_0 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-            self.wi_1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        else:
-            self.wi = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.wo = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            return self.wo(F.gelu(self.wi_0(x), approximate="tanh") * self.wi_1(x))
-        return self.wo(F.relu(self.wi(x)))
-
-
 class T5Block(nn.Module):
-    def __init__(self, cfg: T5Config, decoder: bool, first: bool):
+    def __init__(self, cfg: T5Config, decoder: bool, index: int):
         super().__init__()
-        eps = cfg.layer_norm_epsilon
-        self.self_attn = T5Attention(cfg, first, bidirectional=not decoder)
+        lc, eps = cfg.layer_config(), cfg.layer_norm_epsilon
+        self.self_attn = Attention(lc, index, causal=decoder)
         self.self_norm = RMSNorm(cfg.d_model, eps)
-        self.cross_attn = T5Attention(cfg, False, bidirectional=True) if decoder else None
+        self.cross_attn = Attention(lc, index, causal=False) if decoder else None
         self.cross_norm = RMSNorm(cfg.d_model, eps) if decoder else None
-        self.mlp, self.mlp_norm = T5MLP(cfg), RMSNorm(cfg.d_model, eps)
+        self.mlp, self.mlp_norm = MLP(lc), RMSNorm(cfg.d_model, eps)
+        self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, bias, enc=None, cross_bias=None):  # type: ignore[no-untyped-def]
-        h = self.self_norm(x)
-        x = x + self.self_attn(h, h, bias)
-        if self.cross_attn is not None:
-            assert self.cross_norm is not None
-            x = x + self.cross_attn(self.cross_norm(x), enc, cross_bias)
-        return x + self.mlp(self.mlp_norm(x))
+    def cross(self, x: torch.Tensor, enc: torch.Tensor, mask: BidirectionalAttention) -> torch.Tensor:
+        """Cross-attention: queries from the decoder, keys and values from the encoder's output."""
+        a = self.cross_attn
+        assert a is not None
+        b, n = x.shape[0], x.shape[1]
+        q = a.q_proj(x).view(b, n, -1, a.head_dim)
+        k = a.k_proj(enc).view(b, enc.shape[1], -1, a.head_dim)
+        v = a.v_proj(enc).view(b, enc.shape[1], -1, a.head_dim)
+        return a.o_proj(a.core(q, k, v, mask).reshape(b, n, -1))
+
+    def forward(self, x: torch.Tensor, mask: BidirectionalAttention, enc: torch.Tensor | None = None,
+                cross_mask: BidirectionalAttention | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.self_attn(self.self_norm(x), None, attn_mask=mask))
+        if self.cross_norm is not None:
+            assert enc is not None and cross_mask is not None
+            x = x + self.dropout(self.cross(self.cross_norm(x), enc, cross_mask))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
 class T5Stack(nn.Module):
     def __init__(self, cfg: T5Config, decoder: bool):
         super().__init__()
+        self.cfg, self.decoder = cfg, decoder
         n = cfg.num_decoder_layers if decoder else cfg.num_layers
-        self.decoder = decoder
-        self.blocks = nn.ModuleList(T5Block(cfg, decoder, i == 0) for i in range(n))
+        self.relative_attention_bias = nn.Embedding(cfg.relative_attention_num_buckets, cfg.num_heads)
+        self.blocks = nn.ModuleList(T5Block(cfg, decoder, i) for i in range(n))
         self.final_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.sequence_shards = 1  # > 1 under sequence parallel: x holds 1/shards of the sequence
 
-    def forward(self, x, mask, enc=None, enc_mask=None):  # type: ignore[no-untyped-def]
-        n = x.shape[1]
-        bias = self.blocks[0].self_attn.position_bias(n, n)
-        neg = torch.finfo(x.dtype).min
+    def position_bias(self, q_len: int, k_len: int, q_offset: int = 0) -> torch.Tensor:
+        """[1, heads, q_len, k_len] relative-position bias (for the heads this rank's table holds);
+        queries at positions q_offset.. (a decoder step's), keys at 0..k_len-1; causal masking
+        is added separately."""
+        dev = self.relative_attention_bias.weight.device
+        q_pos = torch.arange(q_offset, q_offset + q_len, device=dev)
+        rel = torch.arange(k_len, device=dev)[None, :] - q_pos[:, None]
+        b = relative_bucket(rel, not self.decoder, self.cfg.relative_attention_num_buckets,
+                            self.cfg.relative_attention_max_distance)
+        return self.relative_attention_bias(b).permute(2, 0, 1)[None]
+
+    def self_mask(self, n: int, mask: torch.Tensor | None, dtype: torch.dtype) -> BidirectionalAttention:
+        bias = self.position_bias(n, n).to(dtype)
         if self.decoder:
-            bias = bias.masked_fill(torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1), neg)
-        if mask is not None:
-            bias = bias.masked_fill(~mask.bool()[:, None, None, :], neg)
-        cross = None
-        if enc is not None:
-            cross = torch.zeros(x.shape[0], 1, 1, enc.shape[1], dtype=x.dtype, device=x.device)
-            if enc_mask is not None:
-                cross = cross.masked_fill(~enc_mask.bool()[:, None, None, :], neg)
+            causal = torch.ones(n, n, dtype=torch.bool, device=bias.device).triu(1)
+            bias = bias.masked_fill(causal, torch.finfo(dtype).min)
+        return BidirectionalAttention(mask, bias, scale=1.0)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, enc: torch.Tensor | None = None,
+                enc_mask: torch.Tensor | None = None) -> torch.Tensor:
+        attn = self.self_mask(x.shape[1] * self.sequence_shards, mask, x.dtype)
+        cross = BidirectionalAttention(enc_mask, None, scale=1.0) if enc is not None else None
+        x = self.dropout(x)
         for blk in self.blocks:
-            x = blk(x, bias, enc, cross)
-        return self.final_norm(x)
+            x = blk(x, attn, enc, cross)
+        return self.dropout(self.final_norm(x))
 
 
 class T5Model(nn.Module):
@@ -127,26 +117,84 @@ class T5Model(nn.Module):
         self.encoder, self.decoder = T5Stack(cfg, False), T5Stack(cfg, True)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
+    @property
+    def layers(self) -> dict[str, T5Block]:
+        """Every block, the encoder's then the decoder's, by name: what block-wise wrappers
+        (the trainer's activation recompute) walk. Not a module attribute: names stay the HF-mapped ones."""
+        return {f"{name}.{i}": blk for name, stack in (("encoder", self.encoder), ("decoder", self.decoder))
+                for i, blk in enumerate(stack.blocks)}
+
     def shift_right(self, labels: torch.Tensor) -> torch.Tensor:
         dec = labels.new_full(labels.shape, self.cfg.decoder_start_token_id)
         dec[:, 1:] = labels[:, :-1]
         return dec.masked_fill(dec == -100, self.cfg.pad_token_id)
 
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.encoder(self.shared(input_ids), attention_mask)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (this rank's vocabulary slice under tensor parallel); T5 scales the head's input
+        by d_model**-0.5, v1.1 does not."""
+        if self.cfg.scales_head:
+            h = h * self.cfg.d_model ** -0.5
+        return F.linear(h, self.shared.weight) if self.lm_head is None else self.lm_head(h)
+
+    def hidden(self, input_ids, decoder_input_ids=None, attention_mask=None, decoder_attention_mask=None,
+               labels=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """The decoder's final hidden states (before the head)."""
+        enc = self.encode(input_ids, attention_mask)
+        if decoder_input_ids is None:
+            decoder_input_ids = self.shift_right(labels)
+        return self.decoder(self.shared(decoder_input_ids), decoder_attention_mask, enc, attention_mask)
+
     def forward(self, input_ids, decoder_input_ids=None, attention_mask=None, decoder_attention_mask=None,
                 labels=None):  # type: ignore[no-untyped-def]
         """(logits, loss or None), as T5ForConditionalGeneration computes them."""
-        enc = self.encoder(self.shared(input_ids), attention_mask)
-        if decoder_input_ids is None:
-            decoder_input_ids = self.shift_right(labels)
-        h = self.decoder(self.shared(decoder_input_ids), decoder_attention_mask, enc, attention_mask)
-        if self.lm_head is None:
-            logits = F.linear(h * self.cfg.d_model ** -0.5, self.shared.weight)
-        else:
-            logits = self.lm_head(h)
+        logits = self.head(self.hidden(input_ids, decoder_input_ids, attention_mask, decoder_attention_mask, labels))
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
         return logits, loss
+
+    @torch.no_grad()
+    def init_weights(self, gen: torch.Generator) -> None:
+        """T5's init (transformers' T5PreTrainedModel._init_weights, factor `initializer_factor`):
+        normal with std 1 for the embedding, d_model**-0.5 for the untied head, inputs' fan-in
+        (q: d_model x d_kv) for the projections; norms at 1."""
+        f, d, dkv, h = self.cfg.initializer_factor, self.cfg.d_model, self.cfg.d_kv, self.cfg.num_heads
+        self.shared.weight.normal_(0.0, f, generator=gen)
+        if self.lm_head is not None:
+            self.lm_head.weight.normal_(0.0, f * d ** -0.5, generator=gen)
+        for stack in (self.encoder, self.decoder):
+            stack.relative_attention_bias.weight.normal_(0.0, f * d ** -0.5, generator=gen)
+            stack.final_norm.weight.fill_(1.0)
+            for blk in stack.blocks:
+                for a in (blk.self_attn, blk.cross_attn):
+                    if a is None:
+                        continue
+                    a.q_proj.weight.normal_(0.0, f * (d * dkv) ** -0.5, generator=gen)
+                    a.k_proj.weight.normal_(0.0, f * d ** -0.5, generator=gen)
+                    a.v_proj.weight.normal_(0.0, f * d ** -0.5, generator=gen)
+                    a.o_proj.weight.normal_(0.0, f * (h * dkv) ** -0.5, generator=gen)
+                m = blk.mlp
+                for lin in ((m.gate_proj, m.up_proj) if m.gated else (m.up_proj,)):
+                    lin.weight.normal_(0.0, f * d ** -0.5, generator=gen)
+                m.down_proj.weight.normal_(0.0, f * self.cfg.d_ff ** -0.5, generator=gen)
+                for norm in (blk.self_norm, blk.cross_norm, blk.mlp_norm):
+                    if norm is not None:
+                        norm.weight.fill_(1.0)
+
+
+def build_model(cfg: T5Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int | None = 0) -> T5Model:
+    """Build on the meta device, materialise on `device`, and initialise (seeded) in place; with
+    seed=None the weights are left uninitialised (for loading a checkpoint over them)."""
+    with torch.device("meta"):
+        model = T5Model(cfg)
+    model.to_empty(device=device)
+    if seed is not None:
+        model.init_weights(torch.Generator(device=device).manual_seed(seed))
+    return model.to(dtype=dtype) if dtype != torch.float32 else model
 
 
 def model_tensor_shapes(cfg: T5Config) -> dict[str, tuple[int, ...]]:

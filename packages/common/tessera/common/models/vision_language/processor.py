@@ -27,14 +27,17 @@ from tessera.common.errors import UserError
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 DEFAULT_MAX_PIXELS = 64 * 1024 * 1024  # decoded width x height an image may have (a 8192 x 8192 photo)
 PROCESSOR_CLASSES = ("CLIPImageProcessor", "CLIPImageProcessorFast", "SiglipImageProcessor", "SiglipImageProcessorFast")
+# Modes whose RGB conversion keeps the picture; 16/32-bit and float modes ("I;16", "I", "F") clip to
+# white or black in Pillow's convert, so a model would silently train on blank images.
+IMAGE_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV")
 _OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def decode_image(data: bytes, where: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
     """Image bytes -> an RGB PIL image, or a UserError naming `where`: not an image, corrupt or
-    truncated, more than `max_pixels` pixels (checked from the header, before decoding) or a
-    decompression bomb."""
+    truncated, more than `max_pixels` pixels (checked from the header, before decoding), a
+    decompression bomb, or a mode outside IMAGE_MODES."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -42,6 +45,9 @@ def decode_image(data: bytes, where: str, max_pixels: int = DEFAULT_MAX_PIXELS) 
             w, h = img.size
             if w * h > max_pixels:
                 raise UserError(f"{where}: image of {w}x{h} pixels is over the limit of {max_pixels} pixels")
+            if img.mode not in IMAGE_MODES:
+                raise UserError(f"{where}: image mode {img.mode} is not supported (convert it to RGB or 8-bit "
+                                "grayscale first)")
             img.load()
     except UserError:
         raise

@@ -14,9 +14,13 @@ Facts (transformers' modelling code is the reference; the parity tests compare l
   top-k weights renormalised when `norm_topk_prob`, times `routed_scaling_factor`.
 - Imports train with DeepSeek-V3's auxiliary-loss-free balancing (bias_balancing, rate 1e-3);
   config.json has no field for it, nor for an aux-loss coefficient, so export does not carry them.
-- Multi-token-prediction layers (DeepSeek's checkpoints store them as layer num_hidden_layers + k)
-  are not part of transformers' model; import leaves them unread and export writes none
-  (`num_nextn_predict_layers: 0`).
+- Multi-token prediction (`mtp`): DeepSeek's checkpoints hold depth k as layer num_hidden_layers + k:
+  a decoder layer's tensors plus `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` (Tessera's
+  `head_norm`) and copies of the embedding and output head (`embed_tokens`, `shared_head.head`),
+  which Tessera shares with the main model: import does not read the copies, export writes the
+  main ones there. transformers' model does not load these layers and writes
+  `num_nextn_predict_layers: 1` without them, so import keeps the depths whose tensors are present
+  (tessera.common.hf.directory.read_hf_config) and export writes the depth Tessera holds.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from tessera.common.hf.architecture import HEAD, HFConfig, prefix_of
 from tessera.common.hf.rules import Rule, inverse
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.hf.llama import LlamaFamily, _stack
+
+# What a DeepSeek MTP layer stores of the embedding and head it shares with the main model.
+_SHARED_COPIES = frozenset({"embed_tokens.weight", "shared_head.head.weight"})
 
 
 def _rope_order(rope: int) -> torch.Tensor:
@@ -68,6 +75,8 @@ class DeepseekV3(LlamaFamily):
             q_lora_rank=c.integer("q_lora_rank", None), kv_lora_rank=c.integer("kv_lora_rank"),
             qk_nope_head_dim=c.integer("qk_nope_head_dim"), qk_rope_head_dim=rope,
             v_head_dim=c.integer("v_head_dim"), rope_interleave=c.flag("rope_interleave", True))
+        depth = c.integer("num_nextn_predict_layers", 0, positive=False)
+        fields["mtp"] = dict(depth=depth) if depth else None
         fields["moe"] = dict(
             num_experts=c.integer("n_routed_experts"), top_k=c.integer("num_experts_per_tok"),
             ffn_hidden_size=c.integer("moe_intermediate_size"), score="sigmoid",
@@ -89,7 +98,8 @@ class DeepseekV3(LlamaFamily):
                 "moe_intermediate_size": moe.ffn_hidden_size, "n_shared_experts": moe.num_shared_experts,
                 "routed_scaling_factor": moe.routed_scaling_factor, "norm_topk_prob": moe.norm_topk_prob,
                 "n_group": moe.num_groups, "topk_group": moe.topk_groups,
-                "first_k_dense_replace": moe.first_k_dense, "num_nextn_predict_layers": 0,
+                "first_k_dense_replace": moe.first_k_dense,
+                "num_nextn_predict_layers": cfg.mtp.depth if cfg.mtp is not None else 0,
                 "output_router_logits": False}
 
     def check_exportable(self, cfg: ModelConfig) -> None:
@@ -107,11 +117,16 @@ class DeepseekV3(LlamaFamily):
                             "dense ones)")
 
     def unread_names(self, cfg: ModelConfig, hf_names: set[str]) -> frozenset[str]:
-        """DeepSeek's multi-token-prediction layers (model.layers.<num_hidden_layers + k>.*)."""
-        def layer(name: str) -> int | None:
+        """DeepSeek's multi-token-prediction layers Tessera does not hold (model.layers.<num_hidden_layers
+        + k>.* past its depth), and each held depth's copies of the shared embedding and head."""
+        depth = cfg.mtp.depth if cfg.mtp is not None else 0
+
+        def unread(name: str) -> bool:
             parts = name.removeprefix("model.").split(".")
-            return int(parts[1]) if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() else None
-        return frozenset(n for n in hf_names if (i := layer(n)) is not None and i >= cfg.num_layers)
+            if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) < cfg.num_layers:
+                return False
+            return int(parts[1]) >= cfg.num_layers + depth or ".".join(parts[2:]) in _SHARED_COPIES
+        return frozenset(n for n in hf_names if unread(n))
 
     def _attn_rules(self, cfg: ModelConfig, t: str, h: str) -> list[tuple[Rule, _Permute | None]]:
         """(rename rule, RoPE row permutation to HF or None) for one layer's attention."""
@@ -147,18 +162,38 @@ class DeepseekV3(LlamaFamily):
             rules.append(Rule(h + f"mlp.shared_experts.{proj}.weight", (t + f"mlp.shared.{proj}.weight",), shape))
         return rules
 
+    def _block_rules(self, cfg: ModelConfig, i: int, t: str, h: str) -> list[Rule]:
+        d = cfg.hidden_size
+        rules = [Rule(h + "input_layernorm.weight", (t + "attn_norm.weight",), (d,))]
+        rules += [r if p is None else Rule(r.target, r.sources, r.shape, p) for r, p in self._attn_rules(cfg, t, h)]
+        rules.append(Rule(h + "post_attention_layernorm.weight", (t + "mlp_norm.weight",), (d,)))
+        return rules + self.mlp_rules(cfg, i, t, h) + self._moe_extra(cfg, i, t, h)
+
+    def _mtp_rules(self, cfg: ModelConfig) -> list[Rule]:
+        """Each MTP depth as DeepSeek stores it: layer num_layers + k (its copies of the shared
+        embedding and head included)."""
+        d, v = cfg.hidden_size, cfg.vocab_size
+        rules: list[Rule] = []
+        for k in range(cfg.mtp.depth if cfg.mtp is not None else 0):
+            i = cfg.num_layers + k
+            t, h = f"mtp.layers.{k}.", f"model.layers.{i}."
+            rules += [Rule(h + "embed_tokens.weight", ("embed_tokens.weight",), (v, d)),
+                      Rule(h + "enorm.weight", (t + "enorm.weight",), (d,)),
+                      Rule(h + "hnorm.weight", (t + "hnorm.weight",), (d,)),
+                      Rule(h + "eh_proj.weight", (t + "eh_proj.weight",), (d, 2 * d))]
+            rules += self._block_rules(cfg, i, t, h)
+            rules += [Rule(h + "shared_head.norm.weight", (t + "head_norm.weight",), (d,)),
+                      Rule(h + "shared_head.head.weight", ("lm_head.weight",), (v, d))]
+        return rules
+
     def export_rules(self, cfg: ModelConfig) -> list[Rule]:
         d, v = cfg.hidden_size, cfg.vocab_size
         rules = [Rule("model.embed_tokens.weight", ("embed_tokens.weight",), (v, d))]
         for i in range(cfg.num_layers):
-            t, h = f"layers.{i}.", f"model.layers.{i}."
-            rules.append(Rule(h + "input_layernorm.weight", (t + "attn_norm.weight",), (d,)))
-            rules += [r if p is None else Rule(r.target, r.sources, r.shape, p) for r, p in self._attn_rules(cfg, t, h)]
-            rules.append(Rule(h + "post_attention_layernorm.weight", (t + "mlp_norm.weight",), (d,)))
-            rules += self.mlp_rules(cfg, i, t, h) + self._moe_extra(cfg, i, t, h)
+            rules += self._block_rules(cfg, i, f"layers.{i}.", f"model.layers.{i}.")
         rules.append(Rule("model.norm.weight", ("final_norm.weight",), (d,)))
         rules.append(Rule(HEAD, ("lm_head.weight",), (v, d)))
-        return rules
+        return rules + self._mtp_rules(cfg)
 
     def import_rules(self, cfg: ModelConfig, hf_names: set[str]) -> list[Rule]:
         m = cfg.mla
@@ -166,11 +201,16 @@ class DeepseekV3(LlamaFamily):
         rules: list[Rule] = []
         experts: dict[str, list[Rule]] = {}
         permuted: dict[str, _Permute] = {}
-        for i in range(cfg.num_layers):
-            for r, p in self._attn_rules(cfg, f"layers.{i}.", f"model.layers.{i}."):
+        prefixes = [(f"layers.{i}.", f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        prefixes += [(f"mtp.layers.{k}.", f"model.layers.{cfg.num_layers + k}.")
+                     for k in range(cfg.mtp.depth if cfg.mtp is not None else 0)]
+        for t, h in prefixes:
+            for r, p in self._attn_rules(cfg, t, h):
                 if p is not None:
                     permuted[r.target] = _Permute(p.width, p.start, p.rope, to_hf=False)
         for r in self.export_rules(cfg):
+            if r.target.split(".", 3)[-1] in _SHARED_COPIES and r.target.startswith("model.layers."):
+                continue  # an MTP depth's copy of the shared embedding or head (unread_names)
             if r.target in permuted:
                 rules.append(Rule(r.sources[0], (r.target,), r.shape, permuted[r.target]))
             elif r.combine is None:

@@ -1,0 +1,161 @@
+"""DeepSeek-V3-class serving benchmark (multi-head latent attention), CPU, one run:
+
+  - cache capacity: tokens the engine's latent KV pool holds in `--kv-cache-memory`, against the
+    tokens the same bytes hold as full K/V of the same model (every head's key and value), from
+    the engine's own pool and the startup summary;
+  - output tokens/s through `LLMEngine` (tessera-serve's engine: scheduler, paged latent cache,
+    absorbed decode), greedy, ignore_eos, `--num-prompts` requests batched together; with
+    `--speculative` a second engine on the same weights and prompts speculates (the engines
+    alternate which runs first each round, and their outputs must be token for token the same);
+    with `--unabsorbed` another engine decodes by up-projecting the cached latents to full heads
+    every step (what absorption avoids).
+
+The model is random, DeepSeek-V3's structure scaled down for a 2-core CPU (first layer dense, then
+group-limited sigmoid MoE with a shared expert; q-lora; YaRN off; one MTP depth), fp32. Random MTP
+weights draft at random: `--speculative '{"method": "mtp", ...}'` measures the cost of drafting and
+verifying, not the speed-up a trained MTP module gives (DeepSeek reports 85-90% acceptance of
+the second token).
+
+    .venv/bin/python benchmarks/deepseek_serving.py
+    .venv/bin/python benchmarks/deepseek_serving.py --smoke       # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# DeepSeek-V3's config.json fields, scaled down (V3: 7168 hidden, 61 layers, 128 heads, q-lora 1536,
+# kv-lora 512, rope 64, nope 128, v 128, 256 routed experts top-8 in 8 groups top-4).
+SHAPE = dict(hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, n_routed_experts=8,
+             num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+             q_lora_rank=96, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+             max_position_embeddings=4096, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+             rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu",
+             norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", num_nextn_predict_layers=1)
+
+
+def make_config(vocab: int):
+    from tessera.common.models.registry import model_config_from_hf
+
+    return model_config_from_hf({**SHAPE, "vocab_size": vocab}, "benchmark shape")
+
+
+def run_engine(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    from tessera.inference.core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs: dict[str, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params)
+        outs[f"r{i}"] = []
+    start = time.perf_counter()
+    engine.run_to_completion(lambda o: outs[o.request_id].extend(o.new_token_ids))
+    return time.perf_counter() - start, [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="Bytes of the cache pool.")
+    p.add_argument("--speculative", default=None,
+                   help="--speculative-config JSON of the second engine (none: plain serving only).")
+    p.add_argument("--unabsorbed", action="store_true",
+                   help="Also time an engine whose decode rows up-project the cached latents (as prefill does) "
+                        "instead of attending with absorbed projections.")
+    p.add_argument("--rounds", type=int, default=5, help="Timed rounds per engine (the median is reported).")
+    p.add_argument("--torch-threads", type=int, default=None)
+    p.add_argument("--smoke", action="store_true", help="4 prompts x 8 tokens, one round (seconds).")
+    args = p.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    if args.smoke:
+        args.num_prompts, args.prompt_len, args.max_tokens, args.rounds = 4, 32, 8, 1
+
+    import serving
+
+    from tessera.inference.config import EngineConfig, SpeculativeConfig
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker.latent.runner import full_kv_bytes_per_token
+    from tessera.inference.worker.loader import load_for_serving
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt, _ = serving.build_checkpoint(Path(tmp) / "run", "deepseek", make_config)
+        dev, dtype = torch.device("cpu"), torch.float32
+        loaded = load_for_serving(ckpt, dev, dtype)
+        cfg = loaded.config
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()
+                   for _ in range(args.num_prompts)]
+        base = dict(kv_cache_memory=args.kv_cache_memory, max_model_len=args.prompt_len + args.max_tokens + 16,
+                    max_num_seqs=args.num_prompts, max_num_batched_tokens=2048, enable_prefix_caching=False)
+        engines = {"plain": LLMEngine(loaded, EngineConfig(**base), dev, dtype)}
+        if args.speculative:
+            spec = SpeculativeConfig(**json.loads(args.speculative))
+            engines["spec"] = LLMEngine(loaded, EngineConfig(**base, speculative=spec), dev, dtype)
+        if args.unabsorbed:
+            engines["unabs"] = LLMEngine(loaded, EngineConfig(**base), dev, dtype)
+            engines["unabs"].runner.batch_decodes = False  # no decode groups: every row takes the prefill path
+
+        runner = engines["plain"].runner
+        pool_bytes = runner.kv.numel() * runner.kv.element_size()
+        latent_tokens = runner.num_blocks * runner.block_size
+        full_tokens = pool_bytes // full_kv_bytes_per_token(cfg, runner.kv.dtype)
+        m = cfg.mla
+        print(f"model: {cfg.num_params() / 1e6:.1f}M parameters ({cfg.num_layers} layers, {cfg.num_heads} heads, "
+              f"kv_lora_rank {m.kv_lora_rank} + rope {m.qk_rope_head_dim}, head dims {m.qk_head_dim}/{m.v_head_dim}), "
+              f"fp32, torch threads {torch.get_num_threads()}")
+        print(f"cache: {pool_bytes / 2**20:.1f} MiB latent pool holds {latent_tokens} tokens "
+              f"({pool_bytes // latent_tokens} B/token); as full K/V it would hold {full_tokens} "
+              f"({full_kv_bytes_per_token(cfg, runner.kv.dtype)} B/token): {latent_tokens / full_tokens:.2f}x")
+        print(f"  startup summary: {runner.state_summary()}")
+
+        for engine in engines.values():  # warm-up (oneDNN primitives, allocator), not timed
+            run_engine(engine, [q[:16] for q in prompts[:4]], 4)
+        total = dict.fromkeys(engines, 0.0)
+        rounds: dict[str, list[float]] = {name: [] for name in engines}
+        outputs = {}
+        for r in range(args.rounds):
+            for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+                secs, outputs[name] = run_engine(engines[name], prompts, args.max_tokens)
+                rounds[name].append(secs)
+                total[name] += secs
+            if "spec" in outputs and outputs["plain"] != outputs["spec"]:
+                print("deepseek_serving: outputs differ between the plain and the speculative engine", file=sys.stderr)
+                return 1
+        tokens = args.rounds * args.num_prompts * args.max_tokens
+        per_round = args.num_prompts * args.max_tokens
+        best = {name: per_round / statistics.median(secs) for name, secs in rounds.items()}
+        print(f"serving: {args.num_prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} greedy tokens each, "
+              f"{args.rounds} round(s)")
+        for name in engines:
+            print(f"  {name:6s} {best[name]:9.1f} output tokens/s, median of rounds ({tokens / total[name]:.1f} over all "
+                  f"{total[name]:.2f} s; rounds {', '.join(f'{x:.2f}' for x in rounds[name])} s)")
+        if "unabs" in engines:  # the same math summed in another order: greedy ties may flip
+            same = sum(a == b for x, y in zip(outputs["plain"], outputs["unabs"]) for a, b in zip(x, y))
+            print(f"  absorbed decode {best['plain'] / best['unabs']:.2f}x the up-projected one (medians); "
+                  f"{same} of {per_round} greedy tokens the same in the last round")
+        if "spec" in engines:
+            from tessera.inference.sample.spec_stats import format_spec_stats
+
+            st = engines["spec"].stats()
+            print(f"  speedup {best['spec'] / best['plain']:.2f}x (medians; outputs identical); "
+                  + format_spec_stats(st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens,
+                                      st.spec_accepted_per_pos))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Training throughput of a DeepSeek-V3-class model: Tessera's train step vs transformers'
+DeepseekV3ForCausalLM of the same shape and weights (CPU, fp32, one process, steps alternating).
+
+The shape (--hidden, --layers change it): d=256, 4 layers (the first dense), multi-head latent
+attention with the query bottleneck (4 heads, q_lora 128, kv_lora 64, nope 32 + rope 16, v 32),
+MoE of 16 experts top 4 in 4 groups (2 chosen) with one shared expert and sigmoid routing.
+transformers' model is made from the config.json Tessera's HF adapter writes, initialised at
+random and saved; Tessera loads that save (`tessera-ckpt import`'s path), so both start from the
+same weights; the balancing bias and MTP stay off (transformers trains neither). Both train on
+the same random batches with the same AdamW, clipping at 1.0 and mean next-token cross-entropy,
+sharing the loops of benchmarks/train_throughput.py: Tessera the trainer's TrainStep (eager, as
+tessera-train; --compile as training.compile), transformers the standard recipe.
+
+    python benchmarks/deepseek_training.py                    # prints tokens/s of each and the ratio
+    python benchmarks/deepseek_training.py --steps 10 --threads 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_throughput import hf_standard_step, tessera_step, time_interleaved  # noqa: E402
+
+from tessera.common.hf.directory import load_hf_weights, read_hf_config  # noqa: E402
+from tessera.common.models.causal_lm.config import ModelConfig  # noqa: E402
+from tessera.common.models.registry import hf_adapter, kind_of  # noqa: E402
+from tessera.trainer.config import OptimConfig  # noqa: E402
+from tessera.trainer.precision.mixed import Precision  # noqa: E402
+
+
+def same_models(args: argparse.Namespace, root: Path):
+    """(Tessera's model, transformers' model) of one shape with the same weights."""
+    import transformers
+
+    cfg = ModelConfig(arch="deepseek_v3", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                      num_heads=4, ffn_hidden_size=4 * args.hidden, max_seq_len=args.seq, norm_eps=1e-6,
+                      mla=dict(q_lora_rank=args.hidden // 2, kv_lora_rank=args.hidden // 4, qk_nope_head_dim=32,
+                               qk_rope_head_dim=16, v_head_dim=32),
+                      moe=dict(num_experts=16, top_k=4, ffn_hidden_size=args.hidden // 2, first_k_dense=1,
+                               score="sigmoid", routed_scaling_factor=2.5, num_shared_experts=1, num_groups=4,
+                               topk_groups=2, bias_balancing=False))
+    (root / "config.json").write_text(json.dumps(hf_adapter(cfg).hf_config(cfg, torch.float32, None, None)))
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.AutoConfig.from_pretrained(root))
+    hf.save_pretrained(root / "hf")
+    loaded, _ = read_hf_config(root / "hf")
+    assert loaded.num_params() == cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    # transformers trains its routing bias (e_score_correction_bias) by nothing: keep Tessera's
+    # balancing off too, so both compute the same routing at every step.
+    cfg = loaded.model_copy(update={"moe": loaded.moe.model_copy(update={"bias_balancing": False})})
+    ours = kind_of(cfg).build(cfg, seed=None)
+    ours.load_state_dict(load_hf_weights(root / "hf", cfg), strict=True)
+    return cfg, ours.train(), hf.train()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per framework")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="Tessera's training.compile (forward + loss one graph)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, ours, hf = same_models(args, Path(tmp))
+    optim = OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=1.0)
+    precision = Precision("fp32", torch.device("cpu"))
+    steps = {"tessera": tessera_step(ours, optim, precision, args.compile),
+             "transformers": hf_standard_step(hf, optim, precision)}
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(4):
+        x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
+        batches.append((x[:, :-1], x[:, 1:]))
+    out = time_interleaved(steps, batches, args.warmup, args.steps, lambda: None)
+    tokens = args.batch * args.seq
+    print(f"deepseek_v3 {cfg.num_layers} layers d={cfg.hidden_size} {cfg.num_params() / 1e6:.2f}M parameters, "
+          f"{args.batch}x{args.seq} "
+          f"tokens per step, fp32, {args.threads} threads, {args.steps} alternating steps each")
+    # On a shared machine a step now and then stalls for seconds: the median and the fastest step
+    # are both reported (the fastest is what each framework's code costs when nothing interferes).
+    rates, best = {}, {}
+    for name, r in out.items():
+        med, fastest = statistics.median(r["step_times_s"]), min(r["step_times_s"])
+        rates[name], best[name] = tokens / med, tokens / fastest
+        print(f"{name:>13}: {rates[name]:>9,.0f} tokens/s median step ({med * 1e3:.0f} ms), {best[name]:>9,.0f} "
+              f"fastest step ({fastest * 1e3:.0f} ms); first step {r['first_step_s']:.2f} s; loss after "
+              f"{r['final_loss']:.4f}")
+    ratio, best_ratio = rates["tessera"] / rates["transformers"], best["tessera"] / best["transformers"]
+    print(f"Tessera / transformers DeepseekV3ForCausalLM: {ratio:.2f}x (median steps), {best_ratio:.2f}x (fastest steps)")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "tokens_per_s": rates,
+                                         "ratio": ratio, "fastest_ratio": best_ratio, "runs": out}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Megatron-Core's GPTModel with multi-latent attention and MoE (DeepSeek-V3-class) <-> Tessera's
+causal LM with `mla` (and `moe`): tensor names and layouts of its `torch_dist` checkpoints, both
+directions (used by `export --format megatron` and `import --format megatron`).
+
+Names are those of Megatron's Transformer Engine layer spec for MLA with qk_layernorm (what
+DeepSeek-V3 runs train with): the q/kv latent norms fused into the up projections, the dense MLP's
+norm into linear_fc1. Where dense and MoE layers mix (DeepSeek's list `--moe-layer-freq`) Megatron
+saves one entry per global layer number (`decoder.layers.<i>.`); where all layers are alike it
+stacks them along a leading axis (`decoder.layers.<rest>` [L, ...]): export does as Megatron,
+import reads either. Per layer:
+
+    input_layernorm.weight                              layers.i.attn_norm.weight
+    self_attention.linear_q_proj.weight                 attn.q_proj.weight        (no q_lora_rank)
+    self_attention.linear_q_down_proj.weight            attn.q_a_proj.weight
+    self_attention.linear_q_up_proj.layer_norm_weight   attn.q_a_norm.weight
+    self_attention.linear_q_up_proj.weight              attn.q_b_proj.weight
+    self_attention.linear_kv_down_proj.weight           attn.kv_a_proj.weight     ([latent | rope key])
+    self_attention.linear_kv_up_proj.layer_norm_weight  attn.kv_a_norm.weight
+    self_attention.linear_kv_up_proj.weight             attn.kv_b_proj.weight     (per head [k_nope | v])
+    self_attention.linear_proj.weight                   attn.o_proj.weight
+  dense layers:
+    mlp.linear_fc1.layer_norm_weight                    mlp_norm.weight
+    mlp.linear_fc1.weight / linear_fc2.weight           [gate; up] / down_proj
+  MoE layers:
+    pre_mlp_layernorm.weight                            mlp_norm.weight
+    mlp.router.weight, mlp.router.expert_bias           mlp.router.weight, mlp.expert_bias
+    mlp.experts.experts.linear_fc1.weight [E, 2f, d]    experts [gate; up] per expert
+    mlp.experts.experts.linear_fc2.weight [E, d, f]     experts.down_proj
+    mlp.shared_experts.linear_fc{1,2}.weight            shared [gate; up], shared.down_proj
+    embedding.word_embeddings.weight, decoder.final_layernorm.weight, output_layer.weight
+
+Megatron's MLA always applies RoPE to DeepSeek's interleaved pairs (its rope_utils de-interleaves
+them first), so the RoPE rows of each query head and of the shared key are stored interleaved, as
+DeepSeek's and transformers' checkpoints do; Tessera stores rotate-half, so both directions permute
+those rows (the Hugging Face adapter's permutation). Megatron's local spec names the norms
+`self_attention.{q,kv}_layernorm` and a dense layer's `pre_mlp_layernorm`: import reads those too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.common.errors import UserError
+from tessera.common.hf.rules import Rule, rows
+from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.causal_lm.hf.deepseek_v3 import _Permute
+
+# Megatron's Transformer Engine names (which this module writes) -> its local layer spec's (read too).
+LOCAL_NAMES = {"self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+               "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+               "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def check_megatron(cfg: ModelConfig, where: str = "model config") -> None:
+    """Refuse what Megatron's MLA GPTModel cannot hold, naming the field."""
+    assert cfg.mla is not None
+    wrong = {k: v for k, v in (("bias", cfg.bias), ("qk_norm", cfg.qk_norm), ("sliding_window", cfg.sliding_window),
+                                ("activation", cfg.activation if cfg.activation != "swiglu" else None),
+                                ("norm", cfg.norm if cfg.norm != "rmsnorm" else None)) if v}
+    if wrong:
+        raise UserError(f"{where}: {wrong} has no Megatron-Core MLA equivalent here (bias-free SwiGLU layers, "
+                        "RMSNorm)")
+    if getattr(cfg, "mtp", None):
+        raise UserError(f"{where}: multi-token prediction (model.mtp) has no Megatron-Core mapping here yet "
+                        "(Megatron's mtp.layers.<k>.*); refused rather than dropped")
+
+
+def stacked(cfg: ModelConfig) -> bool:
+    """Whether Megatron (by default) saves the layers stacked along a leading axis: when they are all
+    alike (no MoE, or MoE in every layer); dense and MoE layers mixed are saved one entry per layer."""
+    return cfg.moe is None or (cfg.moe.first_k_dense == 0 and cfg.moe.layer_freq == 1)
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(ts, dim=-2)
+
+
+def _half(part: int, f: int):
+    """Combine: gate (0) or up (1) rows of a fused [gate; up] (dim -2: experts' [E, 2f, d] too)."""
+    return lambda ts: ts[0].narrow(-2, part * f, f)
+
+
+def export_rules(cfg: ModelConfig, vocab_rows: int) -> list[Rule]:
+    """Megatron tensor <- Tessera tensors, one rule per Megatron tensor (layers stacked or not, as
+    Megatron saves this model)."""
+    rules = _per_layer_export_rules(cfg, vocab_rows)
+    return _stack_export(rules) if stacked(cfg) else rules
+
+
+def _per_layer_export_rules(cfg: ModelConfig, vocab_rows: int) -> list[Rule]:
+    m, moe = cfg.mla, cfg.moe
+    assert m is not None
+    d, h, v, rope = cfg.hidden_size, cfg.num_heads, cfg.vocab_size, m.qk_rope_head_dim
+    out: list[Rule] = []
+
+    def rename(theirs: str, ours: str, shape: tuple[int, ...], combine=None) -> None:
+        out.append(Rule(theirs, (ours,), shape, combine))
+
+    def pad(ts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([ts[0][:v], ts[0].new_zeros(vocab_rows - v, d)])
+
+    out.append(Rule("embedding.word_embeddings.weight", ("embed_tokens.weight",), (vocab_rows, d), pad,
+                    ((cfg.vocab_rows, d),)))
+    q_perm = _Permute(m.qk_head_dim, m.qk_nope_head_dim, rope, True)
+    kv_perm = _Permute(m.kv_lora_rank + rope, m.kv_lora_rank, rope, True)
+    for i in range(cfg.num_layers):
+        t, g = f"layers.{i}.", f"decoder.layers.{i}."
+        a, s = t + "attn.", g + "self_attention."
+        rename(g + "input_layernorm.weight", t + "attn_norm.weight", (d,))
+        if m.q_lora_rank is None:
+            rename(s + "linear_q_proj.weight", a + "q_proj.weight", (h * m.qk_head_dim, d), q_perm)
+        else:
+            r = m.q_lora_rank
+            rename(s + "linear_q_down_proj.weight", a + "q_a_proj.weight", (r, d))
+            rename(s + "linear_q_up_proj.layer_norm_weight", a + "q_a_norm.weight", (r,))
+            rename(s + "linear_q_up_proj.weight", a + "q_b_proj.weight", (h * m.qk_head_dim, r), q_perm)
+        rename(s + "linear_kv_down_proj.weight", a + "kv_a_proj.weight", (m.kv_lora_rank + rope, d), kv_perm)
+        rename(s + "linear_kv_up_proj.layer_norm_weight", a + "kv_a_norm.weight", (m.kv_lora_rank,))
+        rename(s + "linear_kv_up_proj.weight", a + "kv_b_proj.weight",
+               (h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))
+        rename(s + "linear_proj.weight", a + "o_proj.weight", (d, h * m.v_head_dim))
+        x = t + "mlp."
+        if moe is not None and cfg.is_moe_layer(i):
+            e, f, sh = moe.num_experts, moe.ffn_hidden_size, moe.shared_size
+            rename(g + "pre_mlp_layernorm.weight", t + "mlp_norm.weight", (d,))
+            rename(g + "mlp.router.weight", x + "router.weight", (e, d))
+            rename(g + "mlp.router.expert_bias", x + "expert_bias", (e,))
+            out.append(Rule(g + "mlp.experts.experts.linear_fc1.weight", (x + "experts.gate_proj", x + "experts.up_proj"),
+                            (e, 2 * f, d), _cat, ((e, f, d), (e, f, d))))
+            rename(g + "mlp.experts.experts.linear_fc2.weight", x + "experts.down_proj", (e, d, f))
+            if sh:
+                out.append(Rule(g + "mlp.shared_experts.linear_fc1.weight", (x + "shared.gate_proj.weight",
+                                x + "shared.up_proj.weight"), (2 * sh, d), _cat, ((sh, d), (sh, d))))
+                rename(g + "mlp.shared_experts.linear_fc2.weight", x + "shared.down_proj.weight", (d, sh))
+        else:
+            f = cfg.ffn_hidden_size
+            rename(g + "mlp.linear_fc1.layer_norm_weight", t + "mlp_norm.weight", (d,))
+            out.append(Rule(g + "mlp.linear_fc1.weight", (x + "gate_proj.weight", x + "up_proj.weight"), (2 * f, d),
+                            _cat, ((f, d), (f, d))))
+            rename(g + "mlp.linear_fc2.weight", x + "down_proj.weight", (d, f))
+    rename("decoder.final_layernorm.weight", "final_norm.weight", (d,))
+    if not cfg.tie_embeddings:
+        out.append(Rule("output_layer.weight", ("lm_head.weight",), (vocab_rows, d), pad, ((cfg.vocab_rows, d),)))
+    return out
+
+
+def _layer_of(name: str) -> tuple[int, str] | None:
+    """`decoder.layers.<i>.<rest>` -> (i, rest)."""
+    parts = name.split(".", 3)
+    return (int(parts[2]), parts[3]) if name.startswith("decoder.layers.") and parts[2].isdigit() else None
+
+
+def _stack_export(rules: list[Rule]) -> list[Rule]:
+    """Per-layer rules -> one rule per `decoder.layers.<rest>` tensor of shape [L, ...], in place of
+    the layers' rules."""
+    per: dict[str, list[Rule]] = {}
+    out: list[Rule | str] = []
+    for r in rules:
+        at = _layer_of(r.target)
+        if at is None:
+            out.append(r)
+            continue
+        if at[1] not in per:
+            out.append(at[1])
+        per.setdefault(at[1], []).append(r)
+
+    def stack(rest: str) -> Rule:
+        layer_rules = per[rest]
+        counts = [len(r.sources) for r in layer_rules]
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+
+        def combine(ts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack([r.apply(ts[s:s + n]) for r, s, n in zip(layer_rules, starts, counts)])
+        return Rule("decoder.layers." + rest, tuple(s for r in layer_rules for s in r.sources),
+                    (len(layer_rules), *layer_rules[0].shape), combine,
+                    tuple(x for r in layer_rules for x in r.input_shapes()))
+    return [stack(r) if isinstance(r, str) else r for r in out]
+
+
+def _stack_import(rules: list[Rule], num_layers: int) -> list[Rule]:
+    """Per-layer import rules reading `decoder.layers.<i>.<rest>` -> reading row i of the stacked
+    `decoder.layers.<rest>`."""
+    out = []
+    for r in rules:
+        at = _layer_of(r.sources[0])
+        if at is None:
+            out.append(r)
+            continue
+        i, rest = at
+
+        def take(ts: list[torch.Tensor], r=r, i=i) -> torch.Tensor:
+            return r.apply([ts[0][i]])
+        out.append(Rule(r.target, ("decoder.layers." + rest,), r.shape, take, ((num_layers, *r.input_shapes()[0]),)))
+    return out
+
+
+def import_rules(cfg: ModelConfig, vocab_rows: int, stacked_layers: bool) -> list[Rule]:
+    """Tessera tensor <- Megatron tensor: the inverse of export_rules (padding rows dropped), from a
+    checkpoint whose layers are stacked or one entry each (Megatron writes either for alike layers)."""
+    out = []
+    for r in _per_layer_export_rules(cfg, vocab_rows):
+        if len(r.sources) == 2:  # a fused [gate; up]
+            half = r.input_shapes()[0][-2]
+            out += [Rule(s, (r.target,), shape, _half(part, half), (r.shape,))
+                    for part, (s, shape) in enumerate(zip(r.sources, r.input_shapes()))]
+        elif isinstance(r.combine, _Permute):
+            p = r.combine
+            out.append(Rule(r.sources[0], (r.target,), r.shape, _Permute(p.width, p.start, p.rope, to_hf=False)))
+        elif r.combine is not None:  # the vocabulary's padded rows
+            out.append(Rule(r.sources[0], (r.target,), r.input_shapes()[0], rows(0, cfg.vocab_size, False), (r.shape,)))
+        else:
+            out.append(Rule(r.sources[0], (r.target,), r.shape))
+    return _stack_import(out, cfg.num_layers) if stacked_layers else out
+
+
+def extra_state_keys(cfg: ModelConfig) -> list[str]:
+    """The `_extra_state` entries Megatron writes for its linear layers ([None] each for local,
+    non-FP8 layers; stacked layers number them shard_<layer>_<L>, stacked experts
+    shard_<layer>.<expert>_<L>.<E>); its loader expects them."""
+    m, moe, L = cfg.mla, cfg.moe, cfg.num_layers
+    assert m is not None
+    together = stacked(cfg)
+    modules = ["self_attention.linear_proj", "self_attention.linear_kv_down_proj", "self_attention.linear_kv_up_proj"]
+    modules += (["self_attention.linear_q_proj"] if m.q_lora_rank is None
+                else ["self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj"])
+    keys = []
+    for i in range(L):
+        g, one = ("decoder.layers.", f"shard_{i}_{L}") if together else (f"decoder.layers.{i}.", "shard_0_1")
+        names = list(modules)
+        if moe is not None and cfg.is_moe_layer(i):
+            e = moe.num_experts
+            keys += [f"{g}mlp.experts.experts.{fc}._extra_state/" + (f"shard_{i}.{j}_{L}.{e}" if together
+                                                                      else f"shard_{j}_{e}")
+                     for j in range(e) for fc in ("linear_fc1", "linear_fc2")]
+            if moe.shared_size:
+                names += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+        else:
+            names += ["mlp.linear_fc1", "mlp.linear_fc2"]
+        keys += [f"{g}{name}._extra_state/{one}" for name in names]
+    return keys

@@ -1,0 +1,1 @@
+"""The encoder-decoder kind's Hugging Face adapter (T5ForConditionalGeneration)."""

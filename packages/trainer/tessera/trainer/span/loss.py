@@ -1,0 +1,38 @@
+"""The span-corruption step (`train_loss = "span"`): the decoder's logits against the target
+tokens (sentinels, the corrupted spans, EOS), their mean cross-entropy, as transformers'
+T5ForConditionalGeneration computes it with labels. Micro-batch losses are averaged, as for the
+decoder. Forward, backward, clipping and the optimizer step are TrainStep's; only the loss
+differs. With `training.compile` the model forward and this loss are one graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.common.errors import UserError
+from tessera.trainer.documents import DocumentMasking
+from tessera.trainer.loss import cross_entropy_loss
+from tessera.trainer.precision.mixed import Precision
+from tessera.trainer.span.batches import SpanBatch
+from tessera.trainer.step import TrainStep
+
+
+class SpanStep(TrainStep):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,
+                 loss_chunk_tokens: int | None = None, compile: bool = False,
+                 documents: DocumentMasking | None = None):
+        if loss_chunk_tokens is not None:
+            raise UserError("training.loss_chunk_tokens is for the decoder-only next-token loss; an encoder-decoder's "
+                            "targets are short: set it to null")
+        super().__init__(model, optimizer, precision, grad_clip, None, False, None)
+        self._span = torch.compile(self._forward_loss) if compile else self._forward_loss
+
+    def _forward_loss(self, inputs: SpanBatch, labels: torch.Tensor, reduction: str) -> torch.Tensor:
+        hidden = self.model.hidden(inputs.tokens, decoder_input_ids=inputs.decoder_tokens,
+                                   attention_mask=inputs.padding_mask)
+        return cross_entropy_loss(self.model.head(hidden), labels, reduction=reduction)
+
+    def loss(self, inputs: SpanBatch, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:  # type: ignore[override]
+        with self.precision.autocast():
+            return self._span(inputs, labels, reduction)
