@@ -1,16 +1,15 @@
 """The vision-language kind's entry in the kind registry (tessera.common.models.registry).
 
 Imports only the config: the model and its Hugging Face adapter load when a stage asks for them.
-"vision_language" conversions in tessera-ckpt (Hugging Face import / export); training, serving
-and the parallel plan (tensor parallel for the tower, the tower on the first pipeline stage) are
-not built yet, and each refuses the kind by name.
+"vision_language" conversions in tessera-ckpt (Hugging Face import / export, reshard); the parallel
+plan (parallelize.py: tensor parallel for the tower, projector and language model, the tower on
+the first pipeline stage). A stage without code for the kind refuses it by name.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tessera.common.errors import UserError
 from tessera.common.models.kind import HFAdapter, ModelKind, ParallelPlan, StageHooks
 from tessera.common.models.vision_language.config import VisionLanguageConfig
 
@@ -35,8 +34,9 @@ def tensor_shapes(cfg: VisionLanguageConfig) -> dict[str, tuple[int, ...]]:
 
 
 def parallel() -> ParallelPlan:
-    raise UserError("model kind 'vision_language' has no parallel plan yet: run it on one device "
-                    "(tensor_parallel = pipeline_parallel = 1)")
+    from tessera.common.models.vision_language.parallelize import PLAN
+
+    return PLAN
 
 
 VISION_LANGUAGE = ModelKind(
