@@ -50,4 +50,5 @@ VISION_LANGUAGE = ModelKind(
     flops_per_token=VisionLanguageConfig.flops_per_token,
     hooks=StageHooks(convert="vision_language"),
     tensor_shapes=tensor_shapes,
+    vocab_params=("language_model.embed_tokens.weight", "language_model.lm_head.weight"),
 )
