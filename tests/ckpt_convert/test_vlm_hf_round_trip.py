@@ -125,3 +125,17 @@ def test_llava_import_reshard_to_tp2_and_pp2_and_back_then_export_gives_transfor
     assert run(["export", "--format", "hf", "--checkpoint", str(tmp_path / "back"), "--output",
                 str(tmp_path / "out"), "--quiet"]) == 0
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
+
+
+def test_a_reshard_whose_tensor_size_does_not_divide_the_towers_heads_exits_2_naming_the_field(tmp_path, capsys):
+    hf_llava("clip").save_pretrained(tmp_path / "hf")
+    assert run(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "c1"),
+                "--quiet"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["reshard", "--checkpoint", str(tmp_path / "c1"), "--output", str(tmp_path / "tp8"),
+              "--tensor-parallel", "8", "--pipeline-parallel", "1", "--quiet"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "model.vision.num_heads (4)" in err and "--tensor-parallel 8" in err, err
+    assert not (tmp_path / "tp8").exists()
