@@ -222,6 +222,23 @@ class ProfilingConfig(StrictModel):
     dir: Path | None = Field(None, description="Trace folder; default <run_dir>/profile. Each window writes steps_<first>-<last>/rank<r>.trace.json.gz (Chrome trace: Perfetto or chrome://tracing) and rank<r>.ops.txt (operators by self time).")
 
 
+def vocab_section(model: dict[str, Any]) -> dict[str, Any]:
+    """The model section's part that holds vocab_size: a vision-language model's language model
+    (`text`), else the section itself."""
+    text = model.get("text")
+    return text if model.get("kind") == "vision_language" and isinstance(text, dict) else model
+
+
+def with_vocab(model: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """A copy of the model section with vocab_size set where its kind keeps it, unless given."""
+    out = dict(model)
+    if vocab_section(model) is not model:
+        out["text"] = {"vocab_size": vocab_size, **model["text"]}
+    else:
+        out.setdefault("vocab_size", vocab_size)
+    return out
+
+
 class TrainConfig(StrictModel):
     """A complete `tessera-train` run."""
 
@@ -243,8 +260,7 @@ class TrainConfig(StrictModel):
     @field_validator("model")
     @classmethod
     def _check_model(cls, value: dict[str, Any]) -> dict[str, Any]:
-        probe = dict(value)
-        probe.setdefault("vocab_size", PLACEHOLDER_VOCAB)
+        probe = with_vocab(value, PLACEHOLDER_VOCAB)
         try:
             model_config(probe)  # as its kind's config; an unregistered kind is refused by name
             check_trainable(probe)  # and one this trainer has no batches or loss for
@@ -304,12 +320,9 @@ class TrainConfig(StrictModel):
 
     def resolve_model(self, vocab_size: int | None = None) -> ModelConfig:
         """The ModelConfig, with vocab_size from the config or else `vocab_size` (the mixture's)."""
-        data = dict(self.model)
-        if "vocab_size" not in data:
-            if vocab_size is None:
-                raise ValueError("model.vocab_size unknown: give it or read it from the mixture")
-            data["vocab_size"] = vocab_size
-        return model_config(data)
+        if vocab_size is None and "vocab_size" not in vocab_section(self.model):
+            raise ValueError("model.vocab_size unknown: give it or read it from the mixture")
+        return model_config(with_vocab(self.model, vocab_size) if vocab_size is not None else dict(self.model))
 
     @property
     def checkpoint_dir(self) -> Path:

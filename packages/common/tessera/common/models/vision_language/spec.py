@@ -1,9 +1,10 @@
 """The vision-language kind's entry in the kind registry (tessera.common.models.registry).
 
 Imports only the config: the model and its Hugging Face adapter load when a stage asks for them.
-"vision_language" conversions in tessera-ckpt (Hugging Face import / export); training, serving
+"vision_language" conversions in tessera-ckpt (Hugging Face import / export) and one-process
+training in tessera-train (tessera.trainer.multimodal: image-text batches, the answer loss); serving
 and the parallel plan (tensor parallel for the tower, the tower on the first pipeline stage) are
-not built yet, and each refuses the kind by name.
+not built here, and each refuses the kind by name.
 """
 
 from __future__ import annotations
@@ -48,6 +49,6 @@ VISION_LANGUAGE = ModelKind(
     hf=hf,
     parallel=parallel,
     flops_per_token=VisionLanguageConfig.flops_per_token,
-    hooks=StageHooks(convert="vision_language"),
+    hooks=StageHooks(train_batch="vision_language", train_loss="vision_language", convert="vision_language"),
     tensor_shapes=tensor_shapes,
 )
