@@ -99,3 +99,45 @@ def test_a_shard_whose_image_token_is_not_the_models_is_refused_in_one_line(data
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and "image_token_id" in err[0] and "is 2" in err[0], err
     assert not list(tmp_path.glob("run/checkpoints/*"))
+
+
+def _trained_and_initial(data, tmp_path, freeze: list[str]) -> tuple[dict, dict]:
+    from tessera.common.models.registry import model_config
+    from tessera.common.models.vision_language.model import build_model
+
+    path = vlm_config(data, tmp_path, freeze=freeze)
+    assert main(["--config", str(path), "--quiet"]) == 0
+    trained = load_model_tensors(resolve_checkpoint(tmp_path / "run/checkpoints"))
+    initial = build_model(model_config(vlm_model(data["tokenizer"])), seed=1234).state_dict()
+    return trained, initial
+
+
+@pytest.mark.parametrize("stage,frozen", [("1", ("vision.", "language_model.")), ("2", ("vision.",))])
+def test_stage_1_trains_only_the_projector_and_stage_2_the_projector_and_language_model(data, tmp_path, stage, frozen):
+    freeze = [p.rstrip(".") for p in frozen]
+    trained, initial = _trained_and_initial(data, tmp_path, freeze)
+    for name, value in trained.items():
+        if name.endswith("rotary.inv_freq") or name not in initial:
+            continue
+        same = torch.equal(value, initial[name])
+        if name.startswith(frozen):
+            assert same, f"stage {stage}: frozen {name} changed"
+        elif name.endswith(".weight") and "norm" not in name:
+            assert not same, f"stage {stage}: {name} did not train"
+
+
+def test_a_freeze_setting_for_a_text_model_or_of_every_part_is_refused_in_one_line(data, tmp_path, capsys):
+    from tessera.common.errors import run_cli
+
+    path = vlm_config(data, tmp_path, model={"vocab_size": 300, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                                             "ffn_hidden_size": 64, "max_seq_len": 64}, freeze=["vision"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--config", str(path), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "training.freeze" in err[0], err
+    every = vlm_config(data, tmp_path / "every", freeze=["vision", "projector", "language_model"])
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--config", str(every), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "nothing would train" in err[0], err

@@ -18,7 +18,7 @@ from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, check_expert_parallel
 from tessera.common.models.causal_lm.config import ModelConfig
-from tessera.common.models.registry import model_config
+from tessera.common.models.registry import kind_of, model_config
 from tessera.trainer.kinds import check_options, check_trainable
 from tessera.trainer.mlm.config import MLMConfig
 from tessera.trainer.span.config import SpanConfig
@@ -94,6 +94,7 @@ class TrainingConfig(StrictModel):
     fp16_initial_scale: float = Field(2.0**16, gt=0, description="fp16 only: starting loss scale.")
     fp16_growth_interval: int = Field(1000, gt=0, description="fp16 only: steps without overflow before the loss scale doubles.")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute: none; selective = attention core; full = every transformer block.")
+    freeze: list[Literal["vision", "projector", "language_model"]] = Field(default_factory=list, description="Vision-language models only: parts whose weights do not train (requires_grad off before the optimizer is built, so they get no gradients, no optimizer state and never change). LLaVA's stage 1 = [vision, language_model] (the projector alone trains); stage 2 = [vision] (projector and language model).")
     loss_chunk_tokens: int | None = Field(None, gt=0, description="Compute the output head and cross-entropy this many tokens at a time, their gradients in the same pass, so full-vocabulary logits never exist at once (nothing is recomputed); null = in one piece. For large vocabularies.")
     compile: bool = Field(False, description="torch.compile the model forward and the loss as one graph (compile time is logged separately from step time).")
     retain_host_memory: bool = Field(True, description="CPU only: keep freed memory in the process (glibc malloc without mmap or trimming) so each step reuses mapped pages instead of page-faulting new ones; resident memory stays at its peak.")
@@ -298,6 +299,11 @@ class TrainConfig(StrictModel):
             raise ValueError("parallel.fsdp_float8_all_gather does not compose with parallel.tensor > 1 (torchao's "
                              "float8 weights are for Float8Linear, not Tessera's tensor-parallel layers); unset it")
         model = self.resolve_model(PLACEHOLDER_VOCAB)
+        if t.freeze and kind_of(model).name != "vision_language":
+            raise ValueError(f"training.freeze ({t.freeze}) names parts of a vision-language model; model kind "
+                             f"{kind_of(model).name!r} has none: remove it")
+        if set(t.freeze) == {"vision", "projector", "language_model"}:
+            raise ValueError("training.freeze names every part of the model: nothing would train")
         max_seq = model.max_seq_len
         if t.seq_length > max_seq:
             raise ValueError(f"training.seq_length ({t.seq_length}) exceeds model.max_seq_len ({max_seq})")
