@@ -134,7 +134,7 @@ class VisionLanguageConfig(StrictModel):
 
     @property
     def num_layers(self) -> int:
-        """The layers pipeline stages cut: the language model's (the tower sits on the first stage)."""
+        """The language model's blocks (what a pipeline's layer split counts)."""
         return self.text.num_layers
 
     @property

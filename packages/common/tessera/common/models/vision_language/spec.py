@@ -1,9 +1,11 @@
 """The vision-language kind's entry in the kind registry (tessera.common.models.registry).
 
 Imports only the config: the model and its Hugging Face adapter load when a stage asks for them.
-"vision_language" conversions in tessera-ckpt (Hugging Face import / export, reshard); the parallel
-plan (parallelize.py: tensor parallel for the tower, projector and language model, the tower on
-the first pipeline stage). A stage without code for the kind refuses it by name.
+"vision_language" conversions in tessera-ckpt (Hugging Face import / export, reshard), one-process
+training in tessera-train (tessera.trainer.multimodal: image-text batches, the answer loss) and the
+parallel plan (parallelize.py: tensor parallel for the tower, projector and language model, the
+tower on the first pipeline stage). A stage without code for the kind (serving; the parallel
+runtime's stages) refuses it by name.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ VISION_LANGUAGE = ModelKind(
     hf=hf,
     parallel=parallel,
     flops_per_token=VisionLanguageConfig.flops_per_token,
-    hooks=StageHooks(convert="vision_language"),
+    hooks=StageHooks(train_batch="vision_language", train_loss="vision_language", convert="vision_language"),
     tensor_shapes=tensor_shapes,
     vocab_params=("language_model.embed_tokens.weight", "language_model.lm_head.weight"),
 )
