@@ -21,8 +21,8 @@ CONVERTERS: dict[str, frozenset[str]] = {
     "encoder": frozenset({"export --format hf", "import --format hf", "reshard"}),
     # "encoder_decoder": T5 (T5ForConditionalGeneration, T5 and v1.1).
     "encoder_decoder": frozenset({"export --format hf", "import --format hf", "reshard"}),
-    # "vision_language": LLaVA (vision tower, projector, a causal LM); no parallel plan yet, so no reshard.
-    "vision_language": frozenset({"export --format hf", "import --format hf"}),
+    # "vision_language": LLaVA (vision tower, projector, a causal LM).
+    "vision_language": frozenset({"export --format hf", "import --format hf", "reshard"}),
 }
 
 

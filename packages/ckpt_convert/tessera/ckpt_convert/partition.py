@@ -27,6 +27,10 @@ This is the contract `reshard` writes to (docs/formats/checkpoint.md, "Partition
   expert ranks; everything else (layer norms, router, shared experts) replicated.
 - The encoder-decoder (T5) likewise within both stacks' blocks (self- and cross-attention, MLP);
   its relative-bias tables split by heads (dim 1), its shared embedding and own head by rows.
+- The vision-language kind (LLaVA) likewise: the tower's blocks (`vision.layers.N.`) split as the
+  causal LM's, the projector's linear_1 by rows and linear_2 by columns, the language model as the
+  causal LM under `language_model.`; the tower, projector and text embedding on the first stage,
+  the language model's layers cut by the pipeline, its final norm and head on the last.
 - Data parallel: model tensors are replicas, stored by dp rank 0. Optimizer state of a parameter
   takes the parameter's block and is further split along dim 0 across its replicas, as the
   distributed optimizer shards it (expert weights over the D data ranks, every other parameter
@@ -60,6 +64,10 @@ class _TensorSplit:
     experts: re.Pattern
     rows: tuple[str, ...] = ()
     layer: re.Pattern = _LAYER_RE  # the prefix of a block's names, stripped before matching
+    # The layers pipeline stages cut (group 1: the global layer number) and the name prefixes the
+    # first stage keeps beside them; everything else not in a layer lives on the last stage.
+    stage_layer: re.Pattern = _LAYER_RE
+    first_stage: tuple[str, ...] = _FIRST_STAGE
 
 
 _SPLITS = {  # by model kind (the `kind` of its config)
@@ -82,6 +90,13 @@ _SPLITS = {  # by model kind (the `kind` of its config)
         row=("self_attn.o_proj.weight", "cross_attn.o_proj.weight", "mlp.down_proj.weight",
              "encoder.relative_attention_bias.weight", "decoder.relative_attention_bias.weight"),
         experts=re.compile(r"^$"), layer=re.compile(r"^(encoder|decoder)\.blocks\.\d+\.")),
+    "vision_language": _TensorSplit(  # LLaVA: tower and LM blocks as the causal LM's; projector column then row
+        column=("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.gate_proj.", "mlp.up_proj.", "projector.linear_1."),
+        row=("attn.o_proj.weight", "mlp.down_proj.weight", "projector.linear_2.weight"),
+        experts=re.compile(r"^language_model\.layers\.\d+\.mlp\.experts\."),
+        layer=re.compile(r"^(vision|language_model)\.layers\.\d+\."),
+        stage_layer=re.compile(r"^language_model\.layers\.(\d+)\."),
+        first_stage=("vision.", "projector.", "language_model.embed_tokens.", "language_model.pos_embed.")),
 }
 
 
@@ -103,10 +118,11 @@ def is_expert(name: str, cfg: Any) -> bool:
 
 
 def pipeline_rank(name: str, cfg: Any, layout: ParallelLayout) -> int:
-    m = _LAYER_RE.match(name)
+    split = _split_of(cfg)
+    m = split.stage_layer.match(name)
     if m:
         return layout.stage_of_layer(int(m.group(1)), cfg.num_layers) % layout.pipeline
-    if name.startswith(_FIRST_STAGE):
+    if name.startswith(split.first_stage):
         return 0
     return layout.pipeline - 1  # final_norm, lm_head; the encoder's heads
 

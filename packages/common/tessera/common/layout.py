@@ -21,6 +21,8 @@ layer splits the trainer runs.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 
 from tessera.common.config import StrictModel
@@ -231,6 +233,21 @@ def _check_tensor_parallel(cfg: ModelConfig | HybridConfig, tp: int) -> None:
                         f"(model.vocab_size_divisible_by; `tessera-ckpt reshard` re-pads a checkpoint)")
 
 
+def _check_vision_language(cfg: Any, layout: ParallelLayout) -> None:
+    """LLaVA (common/models/vision_language/parallelize.py): each tensor rank holds whole tower heads
+    and equal slices of the tower's MLPs (and of the projector, split by the LM's width, which the
+    LM's own check covers); context parallel is not built for it."""
+    if layout.context > 1:
+        raise UserError(f"--context-parallel {layout.context}: the vision-language kind has no context parallel "
+                        "(the image features are merged over the whole sequence); set it to 1")
+    tp = layout.tensor
+    for field in ("num_heads", "ffn_hidden_size"):
+        value = getattr(cfg.vision, field)
+        if value % tp:
+            raise UserError(f"--tensor-parallel {tp} must divide model.vision.{field} ({value}): the vision tower's "
+                            "blocks are split like the language model's")
+
+
 def validate_layout(
     cfg: ModelConfig | HybridConfig,
     layout: ParallelLayout,
@@ -250,6 +267,10 @@ def validate_layout(
     if world_size is not None and layout.world_size != world_size:
         raise UserError(f"layout: tensor x context x expert x data x pipeline = {layout.world_size} but "
                         f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
+    if cfg.kind == "vision_language":  # the tower and projector split by the tensor size; the rest is the LM's
+        _check_vision_language(cfg, layout)
+        return validate_layout(cfg.text, layout, world_size=world_size, seq_len=seq_len, global_batch=global_batch,
+                               micro_batch=micro_batch, sequence_parallel=sequence_parallel)
     check_expert_parallel(cfg, layout)
     check_context_parallel(cfg, layout)
     if cfg.kind == "encoder_decoder" and (pp > 1 or layout.context > 1):

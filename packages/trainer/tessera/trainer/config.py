@@ -18,7 +18,7 @@ from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, check_expert_parallel
 from tessera.common.models.causal_lm.config import ModelConfig
-from tessera.common.models.registry import model_config
+from tessera.common.models.registry import kind_of, model_config
 from tessera.trainer.kinds import check_options, check_trainable
 from tessera.trainer.mlm.config import MLMConfig
 from tessera.trainer.span.config import SpanConfig
@@ -94,6 +94,7 @@ class TrainingConfig(StrictModel):
     fp16_initial_scale: float = Field(2.0**16, gt=0, description="fp16 only: starting loss scale.")
     fp16_growth_interval: int = Field(1000, gt=0, description="fp16 only: steps without overflow before the loss scale doubles.")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute: none; selective = attention core; full = every transformer block.")
+    freeze: list[Literal["vision", "projector", "language_model"]] = Field(default_factory=list, description="Vision-language models only: parts whose weights do not train (requires_grad off before the optimizer is built, so they get no gradients, no optimizer state and never change). LLaVA's stage 1 = [vision, language_model] (the projector alone trains); stage 2 = [vision] (projector and language model).")
     loss_chunk_tokens: int | None = Field(None, gt=0, description="Compute the output head and cross-entropy this many tokens at a time, their gradients in the same pass, so full-vocabulary logits never exist at once (nothing is recomputed); null = in one piece. For large vocabularies.")
     compile: bool = Field(False, description="torch.compile the model forward and the loss as one graph (compile time is logged separately from step time).")
     retain_host_memory: bool = Field(True, description="CPU only: keep freed memory in the process (glibc malloc without mmap or trimming) so each step reuses mapped pages instead of page-faulting new ones; resident memory stays at its peak.")
@@ -222,6 +223,23 @@ class ProfilingConfig(StrictModel):
     dir: Path | None = Field(None, description="Trace folder; default <run_dir>/profile. Each window writes steps_<first>-<last>/rank<r>.trace.json.gz (Chrome trace: Perfetto or chrome://tracing) and rank<r>.ops.txt (operators by self time).")
 
 
+def vocab_section(model: dict[str, Any]) -> dict[str, Any]:
+    """The model section's part that holds vocab_size: a vision-language model's language model
+    (`text`), else the section itself."""
+    text = model.get("text")
+    return text if model.get("kind") == "vision_language" and isinstance(text, dict) else model
+
+
+def with_vocab(model: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """A copy of the model section with vocab_size set where its kind keeps it, unless given."""
+    out = dict(model)
+    if vocab_section(model) is not model:
+        out["text"] = {"vocab_size": vocab_size, **model["text"]}
+    else:
+        out.setdefault("vocab_size", vocab_size)
+    return out
+
+
 class TrainConfig(StrictModel):
     """A complete `tessera-train` run."""
 
@@ -243,8 +261,7 @@ class TrainConfig(StrictModel):
     @field_validator("model")
     @classmethod
     def _check_model(cls, value: dict[str, Any]) -> dict[str, Any]:
-        probe = dict(value)
-        probe.setdefault("vocab_size", PLACEHOLDER_VOCAB)
+        probe = with_vocab(value, PLACEHOLDER_VOCAB)
         try:
             model_config(probe)  # as its kind's config; an unregistered kind is refused by name
             check_trainable(probe)  # and one this trainer has no batches or loss for
@@ -282,6 +299,11 @@ class TrainConfig(StrictModel):
             raise ValueError("parallel.fsdp_float8_all_gather does not compose with parallel.tensor > 1 (torchao's "
                              "float8 weights are for Float8Linear, not Tessera's tensor-parallel layers); unset it")
         model = self.resolve_model(PLACEHOLDER_VOCAB)
+        if t.freeze and kind_of(model).name != "vision_language":
+            raise ValueError(f"training.freeze ({t.freeze}) names parts of a vision-language model; model kind "
+                             f"{kind_of(model).name!r} has none: remove it")
+        if set(t.freeze) == {"vision", "projector", "language_model"}:
+            raise ValueError("training.freeze names every part of the model: nothing would train")
         max_seq = model.max_seq_len
         if t.seq_length > max_seq:
             raise ValueError(f"training.seq_length ({t.seq_length}) exceeds model.max_seq_len ({max_seq})")
@@ -304,12 +326,9 @@ class TrainConfig(StrictModel):
 
     def resolve_model(self, vocab_size: int | None = None) -> ModelConfig:
         """The ModelConfig, with vocab_size from the config or else `vocab_size` (the mixture's)."""
-        data = dict(self.model)
-        if "vocab_size" not in data:
-            if vocab_size is None:
-                raise ValueError("model.vocab_size unknown: give it or read it from the mixture")
-            data["vocab_size"] = vocab_size
-        return model_config(data)
+        if vocab_size is None and "vocab_size" not in vocab_section(self.model):
+            raise ValueError("model.vocab_size unknown: give it or read it from the mixture")
+        return model_config(with_vocab(self.model, vocab_size) if vocab_size is not None else dict(self.model))
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -14,7 +14,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from tessera.common.errors import UserError
 from tessera.common.mixture import MixtureSplit
+from tessera.common.models.vision_language.image_shard import has_image_store
 from tessera.trainer.documents import DocumentMasking
 
 
@@ -70,6 +72,10 @@ class MixtureBatches:
     def __init__(self, split: MixtureSplit, seq_length: int, documents: DocumentMasking | None = None):
         if seq_length > split.seq_length:
             raise ValueError(f"seq_length {seq_length} longer than the mixture's {split.seq_length}")
+        for ds in split.datasets:  # a placeholder token would be trained on as text, the images never seen
+            if has_image_store(ds.prefix):
+                raise UserError(f"{ds.prefix}: an image-text shard, which a text model cannot read; train a "
+                                "vision-language model on it (model.kind: vision_language) or blend text shards")
         self.split = split
         self.seq_length = seq_length
         self.documents = documents

@@ -87,7 +87,7 @@ class LocalEngine:
         self.device = device
         self.micro_batch = t.micro_batch_size
         # Compilation is the step's (forward and loss in one graph), not the model's.
-        self.model = prepare_model(model, device, t.seed, t.recompute)
+        self.model = prepare_model(model, device, t.seed, t.recompute, freeze=t.freeze)
         fp8_context = None  # e.g. Transformer Engine's FP8 autocast, entered inside torch's (Precision)
         self.float8 = float8_backend(t.fp8_backend) if t.precision == "fp8" else None  # checked by check_inputs
         if self.float8 is not None:

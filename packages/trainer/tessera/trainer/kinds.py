@@ -91,6 +91,29 @@ BATCHES["span"] = _span_batches
 LOSSES["span"] = _span_step
 
 
+def _vision_language_batches() -> type[MixtureBatches]:
+    from tessera.trainer.multimodal.batches import VisionLanguageBatches  # one sample per row, images whole
+
+    return VisionLanguageBatches  # type: ignore[return-value]
+
+
+def _vision_language_step() -> type[TrainStep]:
+    from tessera.trainer.multimodal.loss import VisionLanguageStep  # cross-entropy over the answer tokens
+
+    return VisionLanguageStep
+
+
+def _vision_language_objective() -> type:
+    from tessera.trainer.multimodal.objective import VisionLanguage
+
+    return VisionLanguage
+
+
+BATCHES["vision_language"] = _vision_language_batches
+LOSSES["vision_language"] = _vision_language_step
+OBJECTIVES["vision_language"] = _vision_language_objective
+
+
 # Options a kind's model has nothing for, by kind: (the field, whether a config asks for it, what to
 # do instead). Each is refused in one line while the config is validated, before any launch.
 REFUSED_OPTIONS: dict[str, tuple[tuple[str, Callable[[Any], bool], str], ...]] = {  # of a TrainConfig

@@ -73,9 +73,19 @@ def apply_compile(model: Transformer) -> None:
     model.compile()
 
 
+def apply_freeze(model: nn.Module, parts: list[str] | tuple[str, ...]) -> None:
+    """training.freeze: the named top-level parts stop requiring gradients. Done before the optimizer
+    is built, which takes only parameters that require them (optimizer/optim.py), so frozen weights
+    get no gradients and no optimizer state and stay bit-identical."""
+    for part in parts:
+        for param in getattr(model, part).parameters():
+            param.requires_grad_(False)
+
+
 def prepare_model(cfg: ModelConfig, device: torch.device, seed: int, recompute: str = "none",
-                  compile: bool = False) -> nn.Module:
+                  compile: bool = False, freeze: list[str] | tuple[str, ...] = ()) -> nn.Module:
     model = build_train_model(cfg, device, seed)
+    apply_freeze(model, freeze)
     model = parallelize(model)
     apply_recompute(model, recompute)
     if compile:

@@ -133,6 +133,11 @@ class VisionLanguageConfig(StrictModel):
         return self.text.max_seq_len
 
     @property
+    def num_layers(self) -> int:
+        """The language model's blocks (what a pipeline's layer split counts)."""
+        return self.text.num_layers
+
+    @property
     def feature_layer_index(self) -> int:
         """vision_feature_layer as an index into (embeddings, block 1 output, ..., block n output)."""
         n = self.vision.num_layers

@@ -43,6 +43,11 @@ def image_store_prefix(prefix: str | os.PathLike) -> Path:
     return Path(f"{prefix}{IMAGES_SUFFIX}")
 
 
+def has_image_store(prefix: str | os.PathLike) -> bool:
+    """Whether the shard at `prefix` is an image-text shard (its store's index is beside it)."""
+    return idx_path(image_store_prefix(prefix)).is_file()
+
+
 def image_store_manifest(manifest: Any) -> ImageStoreManifest | None:
     """The `images` entry of a shard manifest (tessera.common.shard.ShardManifest), or None for a text shard."""
     entry = (manifest.model_extra or {}).get("images") if manifest is not None else None

@@ -1,16 +1,17 @@
 """The vision-language kind's entry in the kind registry (tessera.common.models.registry).
 
 Imports only the config: the model and its Hugging Face adapter load when a stage asks for them.
-"vision_language" conversions in tessera-ckpt (Hugging Face import / export); training, serving
-and the parallel plan (tensor parallel for the tower, the tower on the first pipeline stage) are
-not built yet, and each refuses the kind by name.
+"vision_language" conversions in tessera-ckpt (Hugging Face import / export, reshard), one-process
+training in tessera-train (tessera.trainer.multimodal: image-text batches, the answer loss) and the
+parallel plan (parallelize.py: tensor parallel for the tower, projector and language model, the
+tower on the first pipeline stage). A stage without code for the kind (serving; the parallel
+runtime's stages) refuses it by name.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tessera.common.errors import UserError
 from tessera.common.models.kind import HFAdapter, ModelKind, ParallelPlan, StageHooks
 from tessera.common.models.vision_language.config import VisionLanguageConfig
 
@@ -35,8 +36,9 @@ def tensor_shapes(cfg: VisionLanguageConfig) -> dict[str, tuple[int, ...]]:
 
 
 def parallel() -> ParallelPlan:
-    raise UserError("model kind 'vision_language' has no parallel plan yet: run it on one device "
-                    "(tensor_parallel = pipeline_parallel = 1)")
+    from tessera.common.models.vision_language.parallelize import PLAN
+
+    return PLAN
 
 
 VISION_LANGUAGE = ModelKind(
@@ -48,6 +50,8 @@ VISION_LANGUAGE = ModelKind(
     hf=hf,
     parallel=parallel,
     flops_per_token=VisionLanguageConfig.flops_per_token,
-    hooks=StageHooks(convert="vision_language", serve_runner="vision_language", serve_cache="paged_kv"),
+    hooks=StageHooks(train_batch="vision_language", train_loss="vision_language", convert="vision_language",
+                     serve_runner="vision_language", serve_cache="paged_kv"),
     tensor_shapes=tensor_shapes,
+    vocab_params=("language_model.embed_tokens.weight", "language_model.lm_head.weight"),
 )

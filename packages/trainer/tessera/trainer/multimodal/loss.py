@@ -1,0 +1,39 @@
+"""The vision-language step (`train_loss = "vision_language"`): the model's logits (image features
+written over the image tokens) against the answer tokens' labels, their mean per micro-batch,
+micro-batch means averaged (as the masked-LM step: rows hold different numbers of answer tokens).
+Forward, backward, clipping and the optimizer step are TrainStep's; only the loss differs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.common.errors import UserError
+from tessera.trainer.documents import DocumentMasking
+from tessera.trainer.loss import cross_entropy_loss
+from tessera.trainer.multimodal.batches import VisionLanguageBatch
+from tessera.trainer.precision.mixed import Precision
+from tessera.trainer.step import TrainStep
+
+
+def vision_language_loss(model: nn.Module, inputs: VisionLanguageBatch, labels: torch.Tensor,
+                         reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over the counted (answer) labels of the model's logits for the batch."""
+    return cross_entropy_loss(model(inputs.tokens, pixels=inputs.images()), labels, reduction=reduction)
+
+
+class VisionLanguageStep(TrainStep):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,
+                 loss_chunk_tokens: int | None = None, compile: bool = False,
+                 documents: DocumentMasking | None = None):
+        if loss_chunk_tokens is not None:
+            raise UserError("training.loss_chunk_tokens is not built for vision-language runs: set it to null")
+        if compile:
+            raise UserError("training.compile is not built for vision-language runs (a batch's image count varies, "
+                            "so every step would recompile): set it to false")
+        super().__init__(model, optimizer, precision, grad_clip, None, False, None)
+
+    def loss(self, inputs: VisionLanguageBatch, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:  # type: ignore[override]
+        with self.precision.autocast():
+            return vision_language_loss(self.model, inputs, labels, reduction)

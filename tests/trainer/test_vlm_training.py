@@ -1,0 +1,143 @@
+"""`tessera-train` on a tiny LLaVA (model kind vision_language) from image-text shards: placeholders
+expanded to the tower's features, images processed at batch time, the loss on the answers only,
+the loss falling, resume bit-exact, and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from vlm_fixtures import image_text_data, image_token_id, vlm_config, vlm_model
+
+from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
+from tessera.trainer.cli import main
+
+pytest.importorskip("PIL")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    return image_text_data(tmp_path_factory.mktemp("vlm"))
+
+
+def losses(run: Path) -> dict[int, float]:
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def test_tessera_train_trains_a_tiny_llava_on_image_text_shards_and_the_answer_loss_falls(data, tmp_path):
+    path = vlm_config(data, tmp_path, steps=30)
+    assert main(["--config", str(path), "--quiet"]) == 0
+    got = losses(tmp_path / "run")
+    first, last = sum(got[s] for s in range(1, 4)) / 3, sum(got[s] for s in range(28, 31)) / 3
+    assert last < first - 1.0, (first, last)
+
+
+def test_a_resumed_vision_language_run_is_bit_identical_to_an_uninterrupted_one(data, tmp_path):
+    straight = vlm_config(data, tmp_path / "straight")
+    assert main(["--config", str(straight), "--quiet"]) == 0
+    split = vlm_config(data, tmp_path / "split")
+    assert main(["--config", str(split), "--quiet", "training.exit_after_steps=2"]) == 0
+    assert main(["--config", str(split), "--quiet", "--resume"]) == 0
+    a = load_model_tensors(resolve_checkpoint(tmp_path / "straight/run/checkpoints"))
+    b = load_model_tensors(resolve_checkpoint(tmp_path / "split/run/checkpoints"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(tmp_path / "straight/run") == losses(tmp_path / "split/run")
+
+
+def test_a_batch_expands_each_placeholder_to_the_towers_features_keeps_every_image_and_labels_only_answers(data):
+    from tessera.common.indexed_dataset import IndexedDataset
+    from tessera.common.mixture import MixtureSplit
+    from tessera.common.models.registry import model_config
+    from tessera.common.shard import open_loss_mask
+    from tessera.trainer.multimodal.batches import VisionLanguageBatches, default_processor
+
+    cfg = model_config(vlm_model(data["tokenizer"]))
+    builder = VisionLanguageBatches(MixtureSplit(data["mixture"]), 32, model=cfg, processor=default_processor(cfg))
+    image = image_token_id(data["tokenizer"])
+    shard = IndexedDataset(data["prefix"])
+    mask = open_loss_mask(data["prefix"], shard.num_tokens)
+    inputs, labels = builder.batch(np.arange(16))
+    for row in range(16):
+        _, doc = builder.document(row)
+        ids = np.asarray(shard.document_tokens(doc))
+        start, n = shard.document_range(doc)
+        placeholders = int((ids == image).sum())
+        assert int(inputs.num_images[row]) == placeholders >= 1
+        assert int((inputs.tokens[row] == image).sum()) == placeholders * cfg.image_seq_len  # 4 features each
+        answer = ids[np.asarray(mask[start:start + n]) == 1]
+        assert labels[row][labels[row] != -100].tolist() == answer.tolist()
+    assert inputs.images().shape == (int(inputs.num_images.sum()), 3, 16, 16)
+    assert (inputs.num_images == 2).any()  # several images per sample
+
+
+def test_a_causal_lm_run_given_an_image_text_shard_is_refused_in_one_line(data, tmp_path, capsys):
+    from tessera.common.errors import run_cli
+    from tessera.common.tokenizer import load_tokenizer
+
+    lm = {"vocab_size": load_tokenizer(data["tokenizer"]).vocab_size, "hidden_size": 32, "num_layers": 2,
+          "num_heads": 2, "ffn_hidden_size": 64, "max_seq_len": 64}
+    path = vlm_config(data, tmp_path, model=lm)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--config", str(path), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "image-text shard" in err[0] and "vision_language" in err[0], err
+    assert not list(tmp_path.glob("run/checkpoints/*"))
+
+
+def test_a_shard_whose_image_token_is_not_the_models_is_refused_in_one_line(data, tmp_path, capsys):
+    from tessera.common.errors import run_cli
+
+    path = vlm_config(data, tmp_path, model=vlm_model(data["tokenizer"], image_token_id=5))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--config", str(path), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "image_token_id" in err[0] and "is 2" in err[0], err
+    assert not list(tmp_path.glob("run/checkpoints/*"))
+
+
+def _trained_and_initial(data, tmp_path, freeze: list[str]) -> tuple[dict, dict]:
+    from tessera.common.models.registry import model_config
+    from tessera.common.models.vision_language.model import build_model
+
+    path = vlm_config(data, tmp_path, freeze=freeze)
+    assert main(["--config", str(path), "--quiet"]) == 0
+    trained = load_model_tensors(resolve_checkpoint(tmp_path / "run/checkpoints"))
+    initial = build_model(model_config(vlm_model(data["tokenizer"])), seed=1234).state_dict()
+    return trained, initial
+
+
+@pytest.mark.parametrize("stage,frozen", [("1", ("vision.", "language_model.")), ("2", ("vision.",))])
+def test_stage_1_trains_only_the_projector_and_stage_2_the_projector_and_language_model(data, tmp_path, stage, frozen):
+    freeze = [p.rstrip(".") for p in frozen]
+    trained, initial = _trained_and_initial(data, tmp_path, freeze)
+    for name, value in trained.items():
+        if name.endswith("rotary.inv_freq") or name not in initial:
+            continue
+        same = torch.equal(value, initial[name])
+        if name.startswith(frozen):
+            assert same, f"stage {stage}: frozen {name} changed"
+        elif name.endswith(".weight") and "norm" not in name:
+            assert not same, f"stage {stage}: {name} did not train"
+
+
+def test_a_freeze_setting_for_a_text_model_or_of_every_part_is_refused_in_one_line(data, tmp_path, capsys):
+    from tessera.common.errors import run_cli
+
+    path = vlm_config(data, tmp_path, model={"vocab_size": 300, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                                             "ffn_hidden_size": 64, "max_seq_len": 64}, freeze=["vision"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--config", str(path), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "training.freeze" in err[0], err
+    every = vlm_config(data, tmp_path / "every", freeze=["vision", "projector", "language_model"])
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main, ["--config", str(every), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "nothing would train" in err[0], err
