@@ -163,6 +163,7 @@ def test_tessera_serve_refuses_a_tensor_parallel_size_that_does_not_divide_t5s_h
     from tessera.inference.entrypoints.serve_cli import main
 
     _, export = exports("t5")
+    capsys.readouterr()  # the fixture's progress lines, when it made the export now
     with pytest.raises(SystemExit) as exc:
         run_cli(main, ["--checkpoint", str(export), "--tensor-parallel", "3", "--no-engine-process"])
     err = capsys.readouterr().err.strip()
