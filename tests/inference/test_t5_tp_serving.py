@@ -17,7 +17,8 @@ import httpx
 import pytest
 import torch
 from inference_helpers import make_engine, run_all, token_ids, wait_for_health
-from test_t5_serving import VOCAB, exports, t5_greedy  # noqa: F401 - `exports` is the module's fixture
+from test_hf_serving import _save
+from test_t5_serving import VOCAB, hf_t5, t5_greedy
 from test_tensor_parallel_serving import _alive, _descendants
 
 from tessera.common.tokenizer import load_tokenizer
@@ -29,6 +30,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 # preempted and recomputed (their encoder included); a 32-token step budget mixes encoder prefills
 # with decodes.
 CACHE = {"block_size": 8, "num_kv_blocks": 8, "max_model_len": 40, "max_num_batched_tokens": 32, "max_num_seqs": 12}
+
+
+@pytest.fixture(scope="module")
+def v1_1(tiny_ckpt, tmp_path_factory):
+    hf = hf_t5("v1_1")
+    return hf, _save(hf, tiny_ckpt, tmp_path_factory.mktemp("t5") / "v1_1")
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -47,13 +54,13 @@ def _complete_all(url: str, prompts: list[list[int]]) -> list[str]:
     return [r.json()["choices"][0]["text"] for r in replies]
 
 
-def test_tessera_serve_tp2_gives_one_process_and_transformers_greedy_t5_tokens_and_sigterm_leaves_no_orphans(exports):
+def test_tessera_serve_tp2_gives_one_process_and_transformers_greedy_t5_tokens_and_sigterm_leaves_no_orphans(v1_1):
     """`tessera-serve --tensor-parallel 2` on a v1.1 directory, the variant that runs more of the
     plan's splits (gated-GELU gate/up/down, the vocab-parallel shared embedding and its own
     column-parallel head; T5's tied head is the embedding's rows, its ReLU MLP a subset): concurrent
     requests with preemption equal one process and `generate`; SIGTERM stops both
     workers. One server start keeps the test short; T5 itself runs the same runner."""
-    hf, export = exports("v1_1")
+    hf, export = v1_1
     prompts = _prompts(3)
     expected = t5_greedy(hf, prompts, 8)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -111,7 +111,9 @@ def check_kind_tensor_parallel(tp: int, cfg, where: str, quantization: str | Non
     """check_tensor_parallel for a kind other than the causal LM: the machine and flags as there,
     then the kind's parallel plan (refused in one line where it has none) and what it splits."""
     from tessera.inference.pooling.encoder import encoder_problem
-    from tessera.inference.worker.encoder_decoder.runner import tensor_parallel_problem as encoder_decoder_problem
+    from tessera.inference.worker.encoder_decoder.runner import (
+        tensor_parallel_problem as encoder_decoder_problem,
+    )
     from tessera.inference.worker.state.runner import tensor_parallel_problem
 
     check_tensor_parallel(tp, None, where, quantization, device)
