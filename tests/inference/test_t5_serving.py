@@ -158,26 +158,27 @@ def test_prefix_caching_is_off_with_one_warning_so_prompts_sharing_a_prefix_stay
     assert engine.blocks.prefix_hits == 0
 
 
-def test_tessera_serve_with_tensor_parallel_refuses_an_encoder_decoder_in_one_line_before_loading(exports, capsys):
+def test_tessera_serve_refuses_a_tensor_parallel_size_that_does_not_divide_t5s_heads_in_one_line(exports, capsys):
+    """Checked on the driver before any worker starts (the tiny model has 4 heads)."""
     from tessera.inference.entrypoints.serve_cli import main
 
     _, export = exports("t5")
+    capsys.readouterr()  # the fixture's progress lines, when it made the export now
     with pytest.raises(SystemExit) as exc:
-        run_cli(main, ["--checkpoint", str(export), "--tensor-parallel", "2", "--no-engine-process"])
+        run_cli(main, ["--checkpoint", str(export), "--tensor-parallel", "3", "--no-engine-process"])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1, err
-    assert "--tensor-parallel 2: an encoder-decoder is served on one process" in err and "drop" in err
+    assert "--tensor-parallel 3: must divide the 4 attention heads" in err, err
 
 
 @pytest.mark.parametrize("flag", [{"speculative": {"method": "ngram", "num_speculative_tokens": 2,
                                                    "prompt_lookup_max": 2}},
-                                  {"tensor_parallel": 2}, {"padded_decode": True}])
-def test_speculative_decoding_tensor_parallel_and_padded_decode_are_refused_in_one_line(exports, flag):
+                                  {"padded_decode": True}])
+def test_speculative_decoding_and_padded_decode_are_refused_in_one_line(exports, flag):
     _, export = exports("t5")
     with pytest.raises(UserError) as err:
         make_engine(export, block_size=8, num_kv_blocks=32, max_model_len=64, **flag)
-    name = {"speculative": "--speculative-config", "tensor_parallel": "--tensor-parallel",
-            "padded_decode": "--padded-decode"}[next(iter(flag))]
+    name = {"speculative": "--speculative-config", "padded_decode": "--padded-decode"}[next(iter(flag))]
     assert str(err.value).startswith(name) and "\n" not in str(err.value) and "drop" in str(err.value)
 
 

@@ -49,13 +49,15 @@ class BatchSeq:
     """What the forward needs of one scheduled sequence (all a tensor-parallel worker is sent):
     its new tokens, the position of the first, its block table, and `num_q`: its new tokens when
     it decodes (1, or 1 + k drafts), 0 for a prefill chunk; `state_slot`: its slot in the state
-    pool of a hybrid model (-1: none)."""
+    pool of a hybrid model (-1: none); `prompt_len`: its prompt's length (an encoder-decoder's
+    runner tells the encoder input from the decoder tokens by it)."""
 
     tokens: list[int]
     start: int
     block_table: list[int]
     num_q: int
     state_slot: int = -1
+    prompt_len: int = 0
 
     @property
     def num_new(self) -> int:
@@ -64,5 +66,5 @@ class BatchSeq:
 
 def batch_seqs(plan: SchedulerOutput) -> list[BatchSeq]:
     return [BatchSeq(s.tokens(), s.start, s.block_table, s.num_new if s.num_new == 1 or s.spec_token_ids else 0,
-                     s.state_slot)
+                     s.state_slot, len(s.seq.prompt_ids))
             for s in plan.scheduled]

@@ -352,8 +352,8 @@ class TensorParallelExecutor:
         return self._recv(0)["vectors"]
 
     def forward(self, batch: list[BatchSeq], rows: list[int], device: torch.device) -> torch.Tensor:
-        self._send(json.dumps({"t": "step", "seqs": [[s.tokens, s.start, s.block_table, s.num_q, s.state_slot]
-                                                     for s in batch],
+        self._send(json.dumps({"t": "step", "seqs": [[s.tokens, s.start, s.block_table, s.num_q, s.state_slot,
+                                                      s.prompt_len] for s in batch],
                                "rows": rows}).encode())
         head = self._recv(0)
         data = self.conns[0].recv_bytes()

@@ -111,13 +111,17 @@ def check_kind_tensor_parallel(tp: int, cfg, where: str, quantization: str | Non
     """check_tensor_parallel for a kind other than the causal LM: the machine and flags as there,
     then the kind's parallel plan (refused in one line where it has none) and what it splits."""
     from tessera.inference.pooling.encoder import encoder_problem
+    from tessera.inference.worker.encoder_decoder.runner import (
+        tensor_parallel_problem as encoder_decoder_problem,
+    )
     from tessera.inference.worker.state.runner import tensor_parallel_problem
 
     check_tensor_parallel(tp, None, where, quantization, device)
     if (why := getattr(serving_kind(cfg).runner, "no_tensor_parallel", None)) is not None:
         raise UserError(f"--tensor-parallel {tp}: {why} ({where}); drop --tensor-parallel")
     kind_of(cfg).parallel()
-    problem = (encoder_problem if cfg.kind == "encoder" else tensor_parallel_problem)(tp, cfg)
+    problems = {"encoder": encoder_problem, "encoder_decoder": encoder_decoder_problem}
+    problem = problems.get(cfg.kind, tensor_parallel_problem)(tp, cfg)
     if problem is not None:
         raise UserError(f"--tensor-parallel {tp}: {problem} of {where}; use a tensor-parallel size that divides it")
 

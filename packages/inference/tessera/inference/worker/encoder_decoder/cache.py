@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 
-from tessera.common.errors import UserError
 from tessera.inference.core.block_manager import BlockManager
 from tessera.inference.core.sequence import Sequence
 
@@ -31,14 +30,6 @@ class CrossBlockManager(BlockManager):
             log.warning("prefix caching: off for this encoder-decoder (its cached keys/values depend on the whole "
                         "encoder input, not on a prefix); --no-prefix-caching silences this")
         super().__init__(num_blocks, block_size, False, prefix_cache_hash)
-
-    @classmethod
-    def engine_kwargs(cls, cfg) -> dict:
-        """Nothing to add; refuses the engine settings the encoder-decoder's runner does not build yet."""
-        if cfg.tensor_parallel > 1:  # the loader refuses it first (EncoderDecoderRunner.no_tensor_parallel)
-            raise UserError(f"--tensor-parallel {cfg.tensor_parallel}: an encoder-decoder is served on one process "
-                            "(its runner has no tensor-parallel path yet); drop --tensor-parallel")
-        return {}
 
     def first_chunk(self, seq: Sequence) -> int:
         """The encoder runs over the whole prompt at once: a first chunk covers all of it."""

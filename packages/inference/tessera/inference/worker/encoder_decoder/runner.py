@@ -9,8 +9,12 @@ self-attention adds a relative-position bias per (query, key) and neither attent
 1/sqrt(d); so keys/values are gathered into a padded [sequences, keys] batch and attended with SDPA
 and an additive mask (bias, causality, padding) built once per step and shared by the layers.
 
-Like ModelRunner, it reads the sequences and never changes them: a failed step can be retried.
-Eager only (no CUDA graphs, no inductor), one process (no tensor parallel yet).
+Like ModelRunner, it reads the step's `BatchSeq`s and never changes anything else: a failed step
+can be retried. Eager only (no CUDA graphs, no inductor). Under tensor parallel (executor.py) each
+rank runs this runner over its shard (the kind's plan: heads, MLP, relative-bias tables by heads,
+the shared embedding and head by vocabulary rows) and caches the keys/values of its heads; it is
+sent what one process's runner reads (the new tokens, the block table, the prompt's length), and
+rank 0 gathers the vocabulary slices for the driver to sample.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import torch.nn.functional as F
 
 from tessera.common.errors import UserError
 from tessera.common.models.encoder_decoder.model import relative_bucket
-from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.sample.sampler import Sampler
+from tessera.inference.worker.batch import BatchSeq
 from tessera.inference.worker.kv_cache import dequantize_kv, store_kv
 from tessera.inference.worker.model_runner import ModelRunner
 
@@ -43,11 +47,21 @@ class _Step:
     cross_mask: torch.Tensor  # [S, 1, 1, B' x block_size] additive: padding
 
 
+def tensor_parallel_problem(tp: int, cfg) -> str | None:
+    """Why a T5 config cannot be served split over `tp` ranks (a phrase), or None: the plan
+    (encoder_decoder/parallelize.py) splits the heads, the MLP width and the vocabulary (never
+    padded: exports keep T5's own row count)."""
+    for what, n in (("attention heads", cfg.num_heads), ("MLP width (d_ff)", cfg.d_ff),
+                    ("vocabulary rows", cfg.vocab_size)):
+        if n % tp:
+            return f"must divide the {n} {what}"
+    return None
+
+
 class EncoderDecoderRunner(ModelRunner):
     eager_reason = "an encoder-decoder's step runs eagerly (its attention gathers paged keys with T5's position bias)"
     supports_speculative = False
     speculative_refusal = "not built for an encoder-decoder's runner"
-    no_tensor_parallel = "an encoder-decoder is served on one process (its runner has no tensor-parallel path yet)"
     scores_prompts = False  # the prompt is the encoder's input: nothing predicts its tokens
     # Without --max-model-len: T5's pretraining input length (what vLLM takes from n_positions); its
     # relative positions take any length, so --max-model-len may raise it.
@@ -55,9 +69,10 @@ class EncoderDecoderRunner(ModelRunner):
 
     @staticmethod
     def block_bytes(cfg, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
-        """Bytes of one block: every decoder layer's K and V (self- or cross-attention share a slot's size)."""
+        """Bytes of one block on one rank: every decoder layer's K and V of its heads (self- or
+        cross-attention share a slot's size)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_decoder_layers * block_size * cfg.num_heads * cfg.d_kv * itemsize
+        return 2 * cfg.num_decoder_layers * block_size * (cfg.num_heads // tp) * cfg.d_kv * itemsize
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  tp_rank: int = 0, tp_size: int = 1, kv_dtype: torch.dtype | None = None):
@@ -65,7 +80,8 @@ class EncoderDecoderRunner(ModelRunner):
         self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
         self.block_size, self.num_blocks = block_size, num_blocks
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.kv = torch.zeros(cfg.num_decoder_layers, 2, num_blocks * block_size, cfg.num_heads, cfg.d_kv,
+        self.heads = cfg.num_heads // tp_size  # this rank's (the plan splits heads and the bias table by them)
+        self.kv = torch.zeros(cfg.num_decoder_layers, 2, num_blocks * block_size, self.heads, cfg.d_kv,
                               device=device, dtype=kv_dtype or dtype)
         self.kv_scales = (1.0, 1.0)
         self.sampler = Sampler()
@@ -74,9 +90,12 @@ class EncoderDecoderRunner(ModelRunner):
         raise UserError("--padded-decode: an encoder-decoder's decode step has no padded (CUDA-graph) forward; drop "
                         "the flag")
 
-    def forward(self, plan: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
-        """fp32 logits for `logits_rows` (rows of the plan's packed tokens, as ModelRunner.execute counts
-        them: the last row of a sequence is its newest decoder token)."""
+    def forward_batch(self, batch: list[BatchSeq], logits_rows: list[int]) -> torch.Tensor:
+        """fp32 logits for `logits_rows` (rows of the packed new tokens, as ModelRunner.execute counts
+        them: the last row of a sequence is its newest decoder token); under tensor parallel this
+        rank's vocabulary slice. A sequence's known tokens are its prompt then its outputs, so position
+        p >= P - 1 feeds decoder position d = p - P + 1 the token at p (d = 0: the start token), and a
+        first step (start 0) carries the whole prompt: all a tensor-parallel worker is sent."""
         bs = self.block_size
         start_id = self.cfg.decoder_start_token_id
         enc_seqs: list[tuple[list[int], list[int]]] = []  # (prompt, table) of sequences whose encoder runs now
@@ -85,19 +104,19 @@ class EncoderDecoderRunner(ModelRunner):
         spans: list[tuple[int, int, int, list[int]]] = []  # (P, first decoder position, count, table)
         row_map: dict[int, int] = {}  # plan row -> decoder row
         plan_row = 0
-        for s in plan.scheduled:
-            seq, table = s.seq, s.block_table
-            p = len(seq.prompt_ids)
-            if s.start == 0:
-                enc_seqs.append((seq.prompt_ids, table))
-            d0, d1 = max(0, s.start - p + 1), s.end - p + 1
+        for b in batch:
+            p, table = b.prompt_len, b.block_table
+            if b.start == 0:
+                enc_seqs.append((b.tokens[:p], table))
+            d0, d1 = max(0, b.start - p + 1), b.start + b.num_new - p + 1
             for d in range(d0, d1):
-                row_map[plan_row + (p - 1 + d) - s.start] = len(tokens)
-                tokens.append(start_id if d == 0 else seq.output_ids[d - 1])
+                row = p - 1 + d - b.start
+                row_map[plan_row + row] = len(tokens)
+                tokens.append(start_id if d == 0 else b.tokens[row])
                 slot = p + d
                 slots.append(table[slot // bs] * bs + slot % bs)
             spans.append((p, d0, d1 - d0, table))
-            plan_row += s.num_new
+            plan_row += b.num_new
         with torch.inference_mode():
             if enc_seqs:
                 self._encode(enc_seqs)
@@ -124,7 +143,7 @@ class EncoderDecoderRunner(ModelRunner):
         rows = enc[mask]  # [sum P, d]: real positions only, in sequence order
         slots = torch.tensor([s for prompt, table in seqs for s in self._slots(table, 0, len(prompt))],
                              dtype=torch.long, device=self.device)
-        h, d = self.cfg.num_heads, self.cfg.d_kv
+        h, d = self.heads, self.cfg.d_kv
         for layer, blk in enumerate(self.model.decoder.blocks):
             _, k, v = blk.cross_attn.project(rows[None])
             store_kv(self.kv[layer, 0], slots, k[0].view(-1, h, d), self.kv_scales[0])
@@ -186,7 +205,7 @@ class EncoderDecoderRunner(ModelRunner):
 
     def _decode(self, step: _Step) -> torch.Tensor:
         """The decoder over the step's new tokens: final-normed hidden states [T, d]."""
-        h, d = self.cfg.num_heads, self.cfg.d_kv
+        h, d = self.heads, self.cfg.d_kv
         x = self.model.shared(step.tokens)
 
         def self_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
