@@ -27,6 +27,10 @@ class VisionLanguageRunner(DecoderRunner):
     # Steps with images feed embeddings, not token ids, to the layer stack, which the CPU-compiled
     # forward does not take.
     eager_reason = "a vision-language model's prefill writes image features over token embeddings"
+    # The kind has a training plan (vision_language/parallelize.py), but no TP worker path carries a
+    # step's images to the ranks yet.
+    no_tensor_parallel = ("a vision-language model is served on one process (the tensor-parallel workers do "
+                          "not receive a step's images yet)")
 
     @staticmethod
     def block_bytes(cfg, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
