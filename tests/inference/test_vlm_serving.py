@@ -190,6 +190,7 @@ def test_tessera_serve_refuses_tensor_parallel_for_a_vision_language_model_in_on
     from tessera.inference.entrypoints.serve_cli import main
 
     directory = make_llava_dir(tmp_path, "clip")
+    capsys.readouterr()  # the export's progress lines
     with pytest.raises(SystemExit) as exc:
         run_cli(main, ["--checkpoint", str(directory), "--tensor-parallel", "2", "--no-engine-process"])
     err = capsys.readouterr().err.strip()
