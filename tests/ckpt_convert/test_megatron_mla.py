@@ -214,8 +214,10 @@ def _refused(capsys, argv: list[str]) -> str:
 
 def test_megatron_layouts_it_cannot_hold_and_checkpoints_of_another_kind_are_one_line_with_nothing_written(
         tmp_path, capsys):
-    """A tensor-parallel size that does not divide the heads, a GPT checkpoint read as an MLA model, and BERT (Megatron's BertModel is
-    pre-LayerNorm, Tessera's post-LayerNorm) are refused in one line, exit 2."""
+    """A tensor-parallel size that does not divide the heads, an MTP depth whose block is MoE where
+    Megatron would build it dense (its MTP layers copy the last decoder layer), a GPT checkpoint read
+    as an MLA model, and BERT (Megatron's BertModel is pre-LayerNorm, Tessera's post-LayerNorm) are
+    refused in one line, exit 2."""
     import torch.distributed.checkpoint as dcp
     from ckpt_helpers import make_checkpoint
 
@@ -230,6 +232,12 @@ def test_megatron_layouts_it_cannot_hold_and_checkpoints_of_another_kind_are_one
     err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "ds"), "--output",
                             str(out), "--tensor-parallel", "3"])
     assert "--tensor-parallel 3" in err and "num_heads (4)" in err
+    # layers 0 MoE, 1 dense (layer_freq 2), the MTP depth's block (layer 2) MoE: Megatron's would be dense
+    freq = {**MODEL, "num_layers": 2, "moe": {**MODEL["moe"], "first_k_dense": 0, "layer_freq": 2}}
+    make_checkpoint(tmp_path / "freq", ModelConfig(**freq), None)
+    err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "freq"), "--output",
+                            str(out)])
+    assert "model.mtp depth 1" in err and "last decoder layer (dense)" in err
     gpt = tmp_path / "gpt" / "iter_0000001"  # a GPTModel checkpoint's names, stacked layers
     dcp.save({"embedding.word_embeddings.weight": torch.zeros(ROWS, 32),
               "decoder.layers.self_attention.linear_qkv.weight": torch.zeros(3, 96, 32)},
@@ -239,6 +247,10 @@ def test_megatron_layouts_it_cannot_hold_and_checkpoints_of_another_kind_are_one
     err = _refused(capsys, ["import", "--format", "megatron", "--input", str(gpt), "--output", str(out),
                             "--model-config", str(tmp_path / "model.yaml")])
     assert "no Megatron tensor decoder.layers.0.input_layernorm.weight" in err
+    (tmp_path / "freq.yaml").write_text(yaml.safe_dump(freq))
+    err = _refused(capsys, ["import", "--format", "megatron", "--input", str(gpt), "--output", str(out),
+                            "--model-config", str(tmp_path / "freq.yaml")])
+    assert "--model-config: model.mtp depth 1" in err
     bert = EncoderConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, ffn_hidden_size=64,
                          max_seq_len=16)
     (tmp_path / "bert.yaml").write_text(yaml.safe_dump(bert.model_dump()))
