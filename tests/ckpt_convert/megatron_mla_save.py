@@ -39,7 +39,10 @@ from torch import nn
 def build(spec: dict):
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec_for_backend
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec_for_backend,
+    )
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
