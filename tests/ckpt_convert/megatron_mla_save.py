@@ -9,6 +9,12 @@ DIR/../megatron_params.pt (its own state_dict) and DIR/../reference.pt (input to
 logits). `load`: loads DIR with dist_checkpointing.load into a fresh model and writes
 DIR/../loaded_params.pt.
 
+With `"mtp": D` in SPEC the model has D multi-token-prediction layers (`mtp_num_layers`), their
+block spec made by megatron-core's own get_gpt_mtp_block_spec_for_backend from the decoder's last
+layer spec (as Megatron-LM's pretrain_gpt does); reference.pt then also holds the labels, each
+depth's logits (its output layer over the MTP block's hidden states) and each depth's loss as
+GPTModel computes it (what it hands MTPLossAutoScaler, divided by the loss scale).
+
 With `"local": true` in SPEC the layer spec is megatron-core's own get_gpt_layer_local_spec (MLA,
 qk_layernorm: separate q/kv layernorm modules, a pre-MLP norm in dense layers too). Otherwise it is
 Megatron's Transformer Engine one for MLA (get_gpt_layer_with_transformer_engine_spec
@@ -32,7 +38,11 @@ from torch import nn
 
 def build(spec: dict):
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec_for_backend,
+    )
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -110,10 +120,51 @@ def build(spec: dict):
         moe_router_topk_scaling_factor=spec["routed_scaling_factor"], moe_router_num_groups=spec["num_groups"],
         moe_router_group_topk=spec["topk_groups"],
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        use_cpu_initialization=True, params_dtype=torch.float32, layernorm_epsilon=1e-6)
+        use_cpu_initialization=True, params_dtype=torch.float32, layernorm_epsilon=1e-6,
+        mtp_num_layers=spec.get("mtp") or None, mtp_loss_scaling_factor=0.1)
     block = TransformerBlockSubmodules(layer_specs=[layer(bool(p)) for p in pattern], layer_norm=WrappedTorchNorm)
+
+    class Backend(LocalSpecProvider):  # TESpecProvider's MTP modules (TENorm, TEColumnParallelLinear) stood in for
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+            return WrappedTorchNorm
+
+    mtp = (get_gpt_mtp_block_spec_for_backend(cfg, block, LocalSpecProvider() if spec.get("local") else Backend())
+           if spec.get("mtp") else None)
     return GPTModel(cfg, block, vocab_size=spec["rows"], max_sequence_length=64, position_embedding_type="none",
-                    share_embeddings_and_output_weights=False, parallel_output=False)
+                    share_embeddings_and_output_weights=False, parallel_output=False, mtp_block_spec=mtp)
+
+
+def forward(model, tokens: torch.Tensor, labels: torch.Tensor, depth: int) -> dict:
+    """Megatron's logits [b, s, rows]; with MTP also each depth's logits (its output layer over the
+    MTP block's hidden states, which GPTModel only turns into a loss) and loss as GPTModel computes it."""
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    model.eval()
+    if not depth:
+        with torch.no_grad():
+            return {"logits": model(tokens, positions, attention_mask=None)}
+    from megatron.core.models.gpt import gpt_model
+
+    hidden, losses = [], []
+    scale = model.config.mtp_loss_scaling_factor / depth
+
+    class Recorder:  # in MTPLossAutoScaler's place: GPTModel hands it scale x masked per-token loss / tokens
+        @staticmethod
+        def apply(states, scaled):
+            losses.append(scaled.sum() / scale)
+            return states
+
+    hook = model.mtp.register_forward_hook(lambda module, args, out: hidden.append(out))
+    real, gpt_model.MTPLossAutoScaler = gpt_model.MTPLossAutoScaler, Recorder
+    try:
+        with torch.no_grad():
+            model(tokens, positions, attention_mask=None, labels=labels)
+            chunks = hidden[0].chunk(1 + depth, dim=0)  # [s, b, h] each: the main model's, then each depth's
+            logits = [model.output_layer(c)[0].transpose(0, 1) for c in chunks]
+    finally:
+        gpt_model.MTPLossAutoScaler = real
+        hook.remove()
+    return {"logits": logits[0], "mtp_logits": torch.stack(logits[1:]), "mtp_losses": torch.stack(losses),
+            "labels": labels}
 
 
 def run(spec: dict, directory: str, mode: str) -> None:
@@ -130,22 +181,18 @@ def run(spec: dict, directory: str, mode: str) -> None:
                     b.copy_(0.1 * torch.randn_like(b))
         dist_checkpointing.save(model.sharded_state_dict(), directory)
         out = "megatron_params.pt"
-        seq = 12
-        tokens = torch.randint(0, spec["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(1))
-        model.eval()
-        with torch.no_grad():
-            logits = model(tokens, torch.arange(seq).unsqueeze(0).expand(2, seq), attention_mask=None)
-        torch.save({"tokens": tokens, "logits": logits}, os.path.join(directory, "..", "reference.pt"))
+        generator = torch.Generator().manual_seed(1)
+        tokens, labels = (torch.randint(0, spec["vocab_size"], (2, 12), generator=generator) for _ in range(2))
+        torch.save({"tokens": tokens, **forward(model, tokens, labels, spec.get("mtp", 0))},
+                   os.path.join(directory, "..", "reference.pt"))
     else:
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), directory))
         out = "loaded_params.pt"
     if dist.get_world_size() > 1:  # tensor parallel: Megatron's logits from its shards of the checkpoint
         ref = torch.load(os.path.join(directory, "..", "tokens.pt"))
-        model.eval()
-        with torch.no_grad():
-            logits = model(ref, torch.arange(ref.shape[1]).unsqueeze(0).expand_as(ref), attention_mask=None)
+        out = forward(model, ref["tokens"], ref["labels"], spec.get("mtp", 0))
         if dist.get_rank() == 0:
-            torch.save(logits, os.path.join(directory, "..", f"logits_tp{dist.get_world_size()}.pt"))
+            torch.save(out, os.path.join(directory, "..", f"logits_tp{dist.get_world_size()}.pt"))
         return
     torch.save({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)},
                os.path.join(directory, "..", out))

@@ -4,9 +4,12 @@ attention, a dense first layer and MoE layers, written by megatron-core's own co
 imports through `tessera-ckpt import --format megatron`, exports to Hugging Face with Megatron's
 tensors in transformers' layout (which transformers' DeepseekV3ForCausalLM loads), and exports back
 to a torch_dist checkpoint that megatron-core's dist_checkpointing.load reads into the same model,
-at tensor parallel 1 (every tensor equal) and 2 (the same logits).
+at tensor parallel 1 (every tensor equal) and 2 (the same logits), and imports back byte-identical.
 Megatron's own forward gives the imported model's logits (its local core attention cannot run MLA,
-so that one softmax is stood in for by SDPA; everything with weights is Megatron's)."""
+so that one softmax is stood in for by SDPA; everything with weights is Megatron's). Each model has
+multi-token-prediction layers (Megatron's MultiTokenPredictionBlock, `mtp_num_layers` 1 or 2): each
+depth's logits are Megatron's, and so is each depth's loss where the vocabulary has no padding rows
+(Megatron's loss reads its padding rows' logits; Tessera's never does)."""
 
 from __future__ import annotations
 
@@ -29,21 +32,24 @@ VOCAB, ROWS = 200, 256  # Megatron pads the vocabulary to a multiple of 128
 SPEC = {"num_layers": 3, "first_k_dense": 1, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 48,
         "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
         "num_experts": 4, "moe_ffn_hidden_size": 16, "shared_ffn_hidden_size": 16, "top_k": 2, "num_groups": 2,
-        "topk_groups": 1, "routed_scaling_factor": 2.5, "rows": ROWS, "vocab_size": VOCAB, "port": 29583}
+        "topk_groups": 1, "routed_scaling_factor": 2.5, "rows": ROWS, "vocab_size": VOCAB, "port": 29583, "mtp": 1}
 MODEL = {"arch": "deepseek_v3", "vocab_size": VOCAB, "hidden_size": 32, "num_layers": 3, "num_heads": 4,
          "ffn_hidden_size": 48, "tie_embeddings": False, "norm_eps": 1e-6,
          "mla": {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8},
          "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 16, "score": "sigmoid", "num_shared_experts": 1,
                  "num_groups": 2, "topk_groups": 1, "bias_balancing": True, "routed_scaling_factor": 2.5,
-                 "first_k_dense": 1}}
+                 "first_k_dense": 1},
+         "mtp": {"depth": 1}}
 
 
-# Layouts: a dense first layer (Megatron saves each layer apart) with q-lora; MoE in every layer
-# (saved stacked along a leading layer axis) with one q_proj; the first under Megatron's local spec.
+# Layouts: a dense first layer (Megatron saves each layer apart) with q-lora, one MTP depth; MoE in
+# every layer (saved stacked along a leading layer axis) with one q_proj, two MTP depths and no
+# vocabulary padding (so Megatron's MTP loss is comparable); the first under Megatron's local spec.
 LAYOUTS = {"dense-first": ({}, {}),
-           "all-moe-stacked": ({"num_layers": 2, "first_k_dense": 0, "q_lora_rank": None},
-                               {"num_layers": 2, "mla": {**MODEL["mla"], "q_lora_rank": None},
-                                "moe": {**MODEL["moe"], "first_k_dense": 0}}),
+           "all-moe-stacked": ({"num_layers": 2, "first_k_dense": 0, "q_lora_rank": None, "mtp": 2,
+                                "vocab_size": ROWS},
+                               {"num_layers": 2, "vocab_size": ROWS, "mla": {**MODEL["mla"], "q_lora_rank": None},
+                                "moe": {**MODEL["moe"], "first_k_dense": 0}, "mtp": {"depth": 2}}),
            # megatron-core's local layer spec: its own norm names (import only: export writes TE's).
            "local-spec": ({"local": True}, {})}
 
@@ -70,10 +76,12 @@ def megatron(mode: str, cases: list[tuple[dict, Path]], tensor_parallel: int = 1
 def megatron_as_transformers(mg: dict[str, torch.Tensor], spec: dict) -> dict[str, torch.Tensor]:
     """Megatron's in-memory tensors under transformers' DeepSeek-V3 names. Both keep the RoPE rows
     interleaved (Megatron's MLA de-interleaves at run time), so no row moves; fused [gate; up]
-    halves split."""
-    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"][:VOCAB],
+    halves split. MTP depth k is DeepSeek's layer num_layers + k, with copies of the embedding and
+    head Megatron's MTP layers share."""
+    vocab = spec["vocab_size"]
+    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"][:vocab],
            "model.norm.weight": mg["decoder.final_layernorm.weight"],
-           "lm_head.weight": mg["output_layer.weight"][:VOCAB]}
+           "lm_head.weight": mg["output_layer.weight"][:vocab]}
     names = {"input_layernorm.weight": "input_layernorm.weight",
              "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
              "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
@@ -88,8 +96,15 @@ def megatron_as_transformers(mg: dict[str, torch.Tensor], spec: dict) -> dict[st
         out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = fc1.chunk(2)
         out[prefix + "down_proj.weight"] = fc2
 
-    for i in range(spec["num_layers"]):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    layers = [(f"decoder.layers.{i}.", f"model.layers.{i}.", i) for i in range(spec["num_layers"])]
+    for k in range(spec["mtp"]):
+        m, h = f"mtp.layers.{k}.", f"model.layers.{spec['num_layers'] + k}."
+        out.update({h + "embed_tokens.weight": out["model.embed_tokens.weight"], h + "enorm.weight": mg[m + "enorm.weight"],
+                    h + "hnorm.weight": mg[m + "hnorm.weight"], h + "eh_proj.weight": mg[m + "eh_proj.weight"],
+                    h + "shared_head.norm.weight": mg[m + "final_layernorm.weight"],
+                    h + "shared_head.head.weight": out["lm_head.weight"]})
+        layers.append((m + "transformer_layer.", h, spec["num_layers"] + k))
+    for m, h, i in layers:
         out.update({h + theirs: mg[m + ours] for ours, theirs in names.items() if m + ours in mg})
         if i < spec["first_k_dense"]:
             out[h + "post_attention_layernorm.weight"] = mg[m + "mlp.linear_fc1.layer_norm_weight"]
@@ -124,11 +139,26 @@ def test_megatron_deepseek_mla_moe_checkpoints_import_with_megatrons_logits_expo
         directory = resolve_checkpoint(root / "ours")
         model = build_model(read_sidecar(directory).model, seed=None)
         model.load_state_dict(load_model_tensors(directory))
-        ref = torch.load(root / "mcore" / "reference.pt")
+        ref, vocab = torch.load(root / "mcore" / "reference.pt"), spec["vocab_size"]
         with torch.no_grad():
             ours = model.eval()(ref["tokens"])
-        want = ref["logits"][..., :VOCAB]
+        want = ref["logits"][..., :vocab]
         assert (ours - want).abs().max().item() < 1e-4 * want.abs().max().item(), name
+        # Each MTP depth's logits (Megatron's MultiTokenPredictionLayer: token ids rolled left once
+        # more per depth, zero-filled) and, without vocabulary padding, its loss.
+        with torch.no_grad():
+            hidden, ids = model(ref["tokens"], return_hidden=True), ref["tokens"]
+            for k in range(spec["mtp"]):
+                ids = ids.roll(-1, dims=1)
+                ids[:, -1] = 0
+                hidden = model.mtp_hidden(k, hidden, ids)
+                want = ref["mtp_logits"][k][..., :vocab]
+                assert (model.logits(hidden) - want).abs().max().item() < 1e-4 * want.abs().max().item(), (name, k)
+            model(ref["tokens"], mtp_labels=ref["labels"])
+        losses = model.mtp.metrics()
+        losses = [losses[f"mtp_loss_{k}"] for k in range(1, spec["mtp"] + 1)] if spec["mtp"] > 1 else [losses["mtp_loss"]]
+        if vocab == spec["rows"]:
+            assert torch.allclose(torch.tensor(losses), ref["mtp_losses"], rtol=1e-5), (name, losses, ref["mtp_losses"])
         if spec.get("local"):
             continue
         # To transformers: every tensor is Megatron's, in transformers' layout, and transformers loads it.
@@ -143,24 +173,34 @@ def test_megatron_deepseek_mla_moe_checkpoints_import_with_megatrons_logits_expo
         assert run(["export", "--format", "megatron", "--checkpoint", str(root / "ours"), "--output", str(back),
                     "--quiet"]) == 0
         backs.append((spec, back))
+        # Ours -> Megatron -> ours: every tensor byte-identical.
+        assert run(["import", "--format", "megatron", "--input", str(back), "--output", str(root / "again"),
+                    "--model-config", str(root / "model.yaml"), "--quiet"]) == 0
+        first, again = load_model_tensors(directory), load_model_tensors(resolve_checkpoint(root / "again"))
+        assert first.keys() == again.keys() and any(k.startswith("mtp.layers.") for k in first), name
+        for key, tensor in first.items():
+            assert tensor.dtype == again[key].dtype and torch.equal(tensor, again[key]), (name, key)
     # And back: megatron-core reads our exports into its model, every tensor as it saved it (the
     # vocabulary's padding rows are zero: Megatron never uses them).
     te = [(name, mg) for (name, case), mg in zip(cases.items(), saved) if not case[0].get("local")]
     for (name, mg), loaded in zip(te, megatron("load", backs)):
         assert loaded.keys() == mg.keys(), name
+        vocab = cases[name][0]["vocab_size"]
         for key, tensor in mg.items():
             if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                assert torch.equal(loaded[key][:VOCAB], tensor[:VOCAB]) and not loaded[key][VOCAB:].any(), key
+                assert torch.equal(loaded[key][:vocab], tensor[:vocab]) and not loaded[key][vocab:].any(), key
             else:
                 assert torch.equal(loaded[key], tensor), (name, key)
-    # Megatron at tensor parallel 2 (attention heads, MLP and expert widths split) reads its shards
-    # of our global tensors and gives its unsplit logits.
+    # Megatron at tensor parallel 2 (attention heads, MLP and expert widths, the MTP layers' eh_proj
+    # rows split) reads its shards of our global tensors and gives its unsplit logits, MTP's too.
     for _, back in backs:
-        torch.save(torch.load(back.parent.parent / "mcore" / "reference.pt")["tokens"], back.parent / "tokens.pt")
-    for (name, _), logits in zip(te, megatron("load", backs, tensor_parallel=2)):
-        root = cases[name][2]
-        want = torch.load(root / "mcore" / "reference.pt")["logits"][..., :VOCAB]
-        assert (logits[..., :VOCAB] - want).abs().max().item() < 1e-5 * want.abs().max().item(), name
+        ref = torch.load(back.parent.parent / "mcore" / "reference.pt")
+        torch.save({"tokens": ref["tokens"], "labels": ref.get("labels")}, back.parent / "tokens.pt")
+    for (name, _), got in zip(te, megatron("load", backs, tensor_parallel=2)):
+        ref, vocab = torch.load(cases[name][2] / "mcore" / "reference.pt"), cases[name][0]["vocab_size"]
+        for key in ("logits", "mtp_logits"):
+            want = ref[key][..., :vocab]
+            assert (got[key][..., :vocab] - want).abs().max().item() < 1e-5 * want.abs().max().item(), (name, key)
 
 
 def _refused(capsys, argv: list[str]) -> str:
@@ -174,8 +214,10 @@ def _refused(capsys, argv: list[str]) -> str:
 
 def test_megatron_layouts_it_cannot_hold_and_checkpoints_of_another_kind_are_one_line_with_nothing_written(
         tmp_path, capsys):
-    """A tensor-parallel size that does not divide the heads, a GPT checkpoint read as an MLA model, and BERT (Megatron's BertModel is
-    pre-LayerNorm, Tessera's post-LayerNorm) are refused in one line, exit 2."""
+    """A tensor-parallel size that does not divide the heads, an MTP depth whose block is MoE where
+    Megatron would build it dense (its MTP layers copy the last decoder layer), a GPT checkpoint read
+    as an MLA model, and BERT (Megatron's BertModel is pre-LayerNorm, Tessera's post-LayerNorm) are
+    refused in one line, exit 2."""
     import torch.distributed.checkpoint as dcp
     from ckpt_helpers import make_checkpoint
 
@@ -190,6 +232,12 @@ def test_megatron_layouts_it_cannot_hold_and_checkpoints_of_another_kind_are_one
     err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "ds"), "--output",
                             str(out), "--tensor-parallel", "3"])
     assert "--tensor-parallel 3" in err and "num_heads (4)" in err
+    # layers 0 MoE, 1 dense (layer_freq 2), the MTP depth's block (layer 2) MoE: Megatron's would be dense
+    freq = {**MODEL, "num_layers": 2, "moe": {**MODEL["moe"], "first_k_dense": 0, "layer_freq": 2}}
+    make_checkpoint(tmp_path / "freq", ModelConfig(**freq), None)
+    err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "freq"), "--output",
+                            str(out)])
+    assert "model.mtp depth 1" in err and "last decoder layer (dense)" in err
     gpt = tmp_path / "gpt" / "iter_0000001"  # a GPTModel checkpoint's names, stacked layers
     dcp.save({"embedding.word_embeddings.weight": torch.zeros(ROWS, 32),
               "decoder.layers.self_attention.linear_qkv.weight": torch.zeros(3, 96, 32)},
@@ -199,6 +247,10 @@ def test_megatron_layouts_it_cannot_hold_and_checkpoints_of_another_kind_are_one
     err = _refused(capsys, ["import", "--format", "megatron", "--input", str(gpt), "--output", str(out),
                             "--model-config", str(tmp_path / "model.yaml")])
     assert "no Megatron tensor decoder.layers.0.input_layernorm.weight" in err
+    (tmp_path / "freq.yaml").write_text(yaml.safe_dump(freq))
+    err = _refused(capsys, ["import", "--format", "megatron", "--input", str(gpt), "--output", str(out),
+                            "--model-config", str(tmp_path / "freq.yaml")])
+    assert "--model-config: model.mtp depth 1" in err
     bert = EncoderConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, ffn_hidden_size=64,
                          max_seq_len=16)
     (tmp_path / "bert.yaml").write_text(yaml.safe_dump(bert.model_dump()))

@@ -173,7 +173,8 @@ def _mla_tensors(cfg: ModelConfig, input_dir: Path, specs: dict[str, Any], rows:
 
     rules = [dataclasses.replace(r, sources=tuple(stored(s) for s in r.sources))
              for r in megatron_mla.import_rules(cfg, rows, "decoder.layers.input_layernorm.weight" in specs)]
-    return _rules_tensors(cfg, rules, input_dir, specs, "mla ranks and head dims, moe experts, first_k_dense")
+    return _rules_tensors(cfg, rules, input_dir, specs, "mla ranks and head dims, moe experts, first_k_dense, "
+                          "mtp depth")
 
 
 def import_megatron(input_dir: str | Path, output: str | Path, model_config: str | Path,
