@@ -138,3 +138,47 @@ def test_config_bounds_heads_and_accounting():
     with pytest.raises(ValueError, match="position table"):
         model(torch.zeros(1, 41, dtype=torch.long))
     assert registry.model_config({"kind": "encoder", "preset": "bert-base"}).num_params() == 110_106_428
+
+
+def test_pre_layernorm_encoder_gives_megatron_bert_for_pretraining_outputs_and_loss():
+    """norm_placement=pre is transformers' MegatronBert (norm before attention and MLP, a final
+    norm, no embedding norm): same hidden states, MLM and binary logits (weights copied by name)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MegatronBertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=4, intermediate_size=64,
+                                             max_position_embeddings=40, type_vocab_size=2)
+    hf = transformers.MegatronBertForPreTraining(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.ndim == 1:
+                p.normal_(1.0 if ("ln.weight" in name or "LayerNorm.weight" in name) else 0.0, 0.2)
+    cfg = EncoderConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64,
+                        max_seq_len=40, norm_placement="pre")
+    ours = registry.kind_of(cfg).build(cfg, seed=None).eval()
+    sd = hf.state_dict()
+    names = {"embed_tokens": "bert.embeddings.word_embeddings", "pos_embed": "bert.embeddings.position_embeddings",
+             "token_type_embed": "bert.embeddings.token_type_embeddings", "final_norm": "bert.encoder.ln",
+             "pooler.dense": "bert.pooler.dense", "mlm_head.dense": "cls.predictions.transform.dense",
+             "mlm_head.norm": "cls.predictions.transform.LayerNorm", "binary_head": "cls.seq_relationship"}
+    for i in range(2):
+        h = f"bert.encoder.layer.{i}."
+        names.update({f"layers.{i}.attn_norm": h + "attention.ln", f"layers.{i}.attn.q_proj": h + "attention.self.query",
+                      f"layers.{i}.attn.k_proj": h + "attention.self.key", f"layers.{i}.attn.v_proj": h + "attention.self.value",
+                      f"layers.{i}.attn.o_proj": h + "attention.output.dense", f"layers.{i}.mlp_norm": h + "ln",
+                      f"layers.{i}.mlp.up_proj": h + "intermediate.dense", f"layers.{i}.mlp.down_proj": h + "output.dense"})
+    state = {k: sd[names[k.rsplit(".", 1)[0]] + "." + k.rsplit(".", 1)[1]] for k in ours.state_dict()
+             if k != "mlm_head.decoder.bias"}
+    state["mlm_head.decoder.bias"] = sd["cls.predictions.bias"]
+    assert "embed_norm.weight" not in ours.state_dict() and "final_norm.weight" in ours.state_dict()
+    ours.load_state_dict(state, strict=True)
+    assert cfg.num_params() == sum(p.numel() for p in ours.parameters())
+    tokens, types, mask = batch()
+    with torch.no_grad():
+        want = hf(input_ids=tokens, token_type_ids=types, attention_mask=mask)
+        got = ours(tokens, types, mask)
+    torch.testing.assert_close(got.mlm_logits, want.prediction_logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.binary_logits, want.seq_relationship_logits, rtol=0, atol=1e-5)
+    post = EncoderConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64)
+    assert "embed_norm.weight" in registry.kind_of(post).build(post).state_dict()  # the default is unchanged
