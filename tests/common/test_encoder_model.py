@@ -24,14 +24,15 @@ def hf_bert(cls: str, **over):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.BertConfig(**{**dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+    config_class = transformers.MegatronBertConfig if cls.startswith("Megatron") else transformers.BertConfig
+    config = config_class(**{**dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                                num_attention_heads=4, intermediate_size=64,
                                                max_position_embeddings=40, type_vocab_size=2), **over})
     model = getattr(transformers, cls)(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:
-                p.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.2)
+                p.normal_(1.0 if ("LayerNorm.weight" in name or "ln.weight" in name) else 0.0, 0.2)
     return model.eval()
 
 
@@ -54,10 +55,13 @@ def ours_from(tmp_path, hf):
     return cfg, model.eval()
 
 
-@pytest.mark.parametrize("cls", ["BertModel", "BertForMaskedLM", "BertForPreTraining"])
+@pytest.mark.parametrize("cls", ["BertModel", "BertForMaskedLM", "BertForPreTraining", "MegatronBertModel", "MegatronBertForMaskedLM",
+                                 "MegatronBertForPreTraining"])
 def test_each_bert_class_gives_transformers_outputs_on_a_padded_batch_with_token_types(tmp_path, cls):
     hf = hf_bert(cls)
     cfg, model = ours_from(tmp_path, hf)
+    assert cfg.norm_placement == ("pre" if cls.startswith("Megatron") else "post")
+    cls = cls.removeprefix("Megatron")
     assert cfg.kind == "encoder" and (cfg.pooler, cfg.mlm_head, cfg.binary_head) == {
         "BertModel": (True, False, False), "BertForMaskedLM": (False, True, False),
         "BertForPreTraining": (True, True, True)}[cls]
@@ -80,10 +84,11 @@ def test_each_bert_class_gives_transformers_outputs_on_a_padded_batch_with_token
                                    .hidden_states[-1], atol=1e-5, rtol=1e-5)
 
 
-def test_mlm_plus_binary_loss_equals_bert_for_pretraining_loss_on_a_masked_batch(tmp_path):
+@pytest.mark.parametrize("cls", ["BertForPreTraining", "MegatronBertForPreTraining"])
+def test_mlm_plus_binary_loss_equals_bert_for_pretraining_loss_on_a_masked_batch(tmp_path, cls):
     from tessera.trainer.loss import cross_entropy_loss
 
-    hf = hf_bert("BertForPreTraining", hidden_act="gelu_pytorch_tanh", tie_word_embeddings=False)
+    hf = hf_bert(cls, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=False)
     cfg, model = ours_from(tmp_path, hf)
     assert cfg.activation == "gelu" and not cfg.tie_embeddings
     tokens, types, mask = batch(2)
@@ -101,7 +106,8 @@ def test_mlm_plus_binary_loss_equals_bert_for_pretraining_loss_on_a_masked_batch
     torch.testing.assert_close(loss, theirs.loss, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cls", ["BertModel", "BertForMaskedLM", "BertForPreTraining"])
+@pytest.mark.parametrize("cls", ["BertModel", "BertForMaskedLM", "BertForPreTraining", "MegatronBertModel", "MegatronBertForMaskedLM",
+                                 "MegatronBertForPreTraining"])
 def test_adapter_export_is_byte_identical_to_save_pretrained(tmp_path, cls):
     from safetensors.torch import save_file
 
