@@ -22,18 +22,19 @@ def hf_bert(cls: str):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    config_class = transformers.MegatronBertConfig if cls.startswith("Megatron") else transformers.BertConfig
+    config = config_class(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=64, max_position_embeddings=40, type_vocab_size=2,
                                      pad_token_id=2)
     model = getattr(transformers, cls)(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:
-                p.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.2)
+                p.normal_(1.0 if ("LayerNorm.weight" in name or "ln.weight" in name) else 0.0, 0.2)
     return model.eval()
 
 
-@pytest.mark.parametrize("cls", ["BertModel", "BertForMaskedLM", "BertForPreTraining"])
+@pytest.mark.parametrize("cls", ["BertModel", "BertForMaskedLM", "BertForPreTraining", "MegatronBertForPreTraining"])
 def test_bert_import_reshard_to_tp2_pp2_and_back_then_export_gives_transformers_bytes_and_config(
         tmp_path, tokenizer_dir, cls):
     import torch.distributed.checkpoint as dcp
@@ -60,7 +61,8 @@ def test_bert_import_reshard_to_tp2_pp2_and_back_then_export_gives_transformers_
     # vocabulary by rows (the MLM decoder's bias with it), norms and the pooler whole.
     assert cuts("layers.0.attn.q_proj.weight") == [(0, 0), (16, 0)] and cuts("layers.1.attn.q_proj.bias") == [(0,), (16,)]
     assert cuts("layers.0.mlp.down_proj.weight") == [(0, 0), (0, 32)]
-    assert cuts("embed_tokens.weight") == [(0, 0), (160, 0)] and cuts("embed_norm.weight") == [(0,)]
+    norm = "final_norm" if cls.startswith("Megatron") else "embed_norm"  # pre-LN (MegatronBert): a final norm
+    assert cuts("embed_tokens.weight") == [(0, 0), (160, 0)] and cuts(f"{norm}.weight") == [(0,)]
     if cls != "BertModel":
         assert cuts("mlm_head.decoder.bias") == [(0,), (160,)]
     assert run(["reshard", "--checkpoint", str(tmp_path / "c22"), "--output", str(tmp_path / "back"),

@@ -24,14 +24,15 @@ def hf_bert(cls: str, **over):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.BertConfig(**{**dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+    config_class = transformers.MegatronBertConfig if cls.startswith("Megatron") else transformers.BertConfig
+    config = config_class(**{**dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                                num_attention_heads=4, intermediate_size=64,
                                                max_position_embeddings=40, type_vocab_size=2), **over})
     model = getattr(transformers, cls)(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:
-                p.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.2)
+                p.normal_(1.0 if ("LayerNorm.weight" in name or "ln.weight" in name) else 0.0, 0.2)
     return model.eval()
 
 
@@ -54,10 +55,13 @@ def ours_from(tmp_path, hf):
     return cfg, model.eval()
 
 
-@pytest.mark.parametrize("cls", ["BertModel", "BertForMaskedLM", "BertForPreTraining"])
+@pytest.mark.parametrize("cls", ["BertModel", "BertForMaskedLM", "BertForPreTraining", "MegatronBertModel", "MegatronBertForMaskedLM",
+                                 "MegatronBertForPreTraining"])
 def test_each_bert_class_gives_transformers_outputs_on_a_padded_batch_with_token_types(tmp_path, cls):
     hf = hf_bert(cls)
     cfg, model = ours_from(tmp_path, hf)
+    assert cfg.norm_placement == ("pre" if cls.startswith("Megatron") else "post")
+    cls = cls.removeprefix("Megatron")
     assert cfg.kind == "encoder" and (cfg.pooler, cfg.mlm_head, cfg.binary_head) == {
         "BertModel": (True, False, False), "BertForMaskedLM": (False, True, False),
         "BertForPreTraining": (True, True, True)}[cls]
@@ -80,10 +84,11 @@ def test_each_bert_class_gives_transformers_outputs_on_a_padded_batch_with_token
                                    .hidden_states[-1], atol=1e-5, rtol=1e-5)
 
 
-def test_mlm_plus_binary_loss_equals_bert_for_pretraining_loss_on_a_masked_batch(tmp_path):
+@pytest.mark.parametrize("cls", ["BertForPreTraining", "MegatronBertForPreTraining"])
+def test_mlm_plus_binary_loss_equals_bert_for_pretraining_loss_on_a_masked_batch(tmp_path, cls):
     from tessera.trainer.loss import cross_entropy_loss
 
-    hf = hf_bert("BertForPreTraining", hidden_act="gelu_pytorch_tanh", tie_word_embeddings=False)
+    hf = hf_bert(cls, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=False)
     cfg, model = ours_from(tmp_path, hf)
     assert cfg.activation == "gelu" and not cfg.tie_embeddings
     tokens, types, mask = batch(2)
@@ -101,7 +106,8 @@ def test_mlm_plus_binary_loss_equals_bert_for_pretraining_loss_on_a_masked_batch
     torch.testing.assert_close(loss, theirs.loss, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cls", ["BertModel", "BertForMaskedLM", "BertForPreTraining"])
+@pytest.mark.parametrize("cls", ["BertModel", "BertForMaskedLM", "BertForPreTraining", "MegatronBertModel", "MegatronBertForMaskedLM",
+                                 "MegatronBertForPreTraining"])
 def test_adapter_export_is_byte_identical_to_save_pretrained(tmp_path, cls):
     from safetensors.torch import save_file
 
@@ -138,3 +144,47 @@ def test_config_bounds_heads_and_accounting():
     with pytest.raises(ValueError, match="position table"):
         model(torch.zeros(1, 41, dtype=torch.long))
     assert registry.model_config({"kind": "encoder", "preset": "bert-base"}).num_params() == 110_106_428
+
+
+def test_pre_layernorm_encoder_gives_megatron_bert_for_pretraining_outputs_and_loss():
+    """norm_placement=pre is transformers' MegatronBert (norm before attention and MLP, a final
+    norm, no embedding norm): same hidden states, MLM and binary logits (weights copied by name)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MegatronBertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=4, intermediate_size=64,
+                                             max_position_embeddings=40, type_vocab_size=2)
+    hf = transformers.MegatronBertForPreTraining(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.ndim == 1:
+                p.normal_(1.0 if ("ln.weight" in name or "LayerNorm.weight" in name) else 0.0, 0.2)
+    cfg = EncoderConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64,
+                        max_seq_len=40, norm_placement="pre")
+    ours = registry.kind_of(cfg).build(cfg, seed=None).eval()
+    sd = hf.state_dict()
+    names = {"embed_tokens": "bert.embeddings.word_embeddings", "pos_embed": "bert.embeddings.position_embeddings",
+             "token_type_embed": "bert.embeddings.token_type_embeddings", "final_norm": "bert.encoder.ln",
+             "pooler.dense": "bert.pooler.dense", "mlm_head.dense": "cls.predictions.transform.dense",
+             "mlm_head.norm": "cls.predictions.transform.LayerNorm", "binary_head": "cls.seq_relationship"}
+    for i in range(2):
+        h = f"bert.encoder.layer.{i}."
+        names.update({f"layers.{i}.attn_norm": h + "attention.ln", f"layers.{i}.attn.q_proj": h + "attention.self.query",
+                      f"layers.{i}.attn.k_proj": h + "attention.self.key", f"layers.{i}.attn.v_proj": h + "attention.self.value",
+                      f"layers.{i}.attn.o_proj": h + "attention.output.dense", f"layers.{i}.mlp_norm": h + "ln",
+                      f"layers.{i}.mlp.up_proj": h + "intermediate.dense", f"layers.{i}.mlp.down_proj": h + "output.dense"})
+    state = {k: sd[names[k.rsplit(".", 1)[0]] + "." + k.rsplit(".", 1)[1]] for k in ours.state_dict()
+             if k != "mlm_head.decoder.bias"}
+    state["mlm_head.decoder.bias"] = sd["cls.predictions.bias"]
+    assert "embed_norm.weight" not in ours.state_dict() and "final_norm.weight" in ours.state_dict()
+    ours.load_state_dict(state, strict=True)
+    assert cfg.num_params() == sum(p.numel() for p in ours.parameters())
+    tokens, types, mask = batch()
+    with torch.no_grad():
+        want = hf(input_ids=tokens, token_type_ids=types, attention_mask=mask)
+        got = ours(tokens, types, mask)
+    torch.testing.assert_close(got.mlm_logits, want.prediction_logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.binary_logits, want.seq_relationship_logits, rtol=0, atol=1e-5)
+    post = EncoderConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64)
+    assert "embed_norm.weight" in registry.kind_of(post).build(post).state_dict()  # the default is unchanged

@@ -57,6 +57,7 @@ class EncoderConfig(StrictModel):
     max_seq_len: int = Field(512, gt=0, le=MAX_SEQ_LEN, description="Rows of the absolute position table: the longest input (HF max_position_embeddings).")
     num_token_types: int = Field(2, ge=0, le=MAX_TOKEN_TYPES, description="Rows of the token-type (segment) table (HF type_vocab_size); 0 = no token-type embedding (Megatron without its binary head).")
     norm_eps: float = Field(1e-12, gt=0, description="Epsilon of every LayerNorm (HF layer_norm_eps).")
+    norm_placement: Literal["post", "pre"] = Field("post", description="post = BERT's post-LayerNorm blocks and an embedding LayerNorm (transformers' Bert*); pre = LayerNorm before attention and before the MLP, a final LayerNorm, no embedding LayerNorm (transformers' MegatronBert*, Megatron-Core's BertModel layer specs).")
     activation: Literal["gelu_erf", "gelu"] = Field("gelu_erf", description="MLP and MLM-transform activation: gelu_erf = exact GELU (BERT's; HF hidden_act 'gelu'); gelu = tanh approximation (HF 'gelu_pytorch_tanh').")
     pooler: bool = Field(True, description="Pooler: dense + tanh on the first ([CLS]) token's hidden state.")
     mlm_head: bool = Field(True, description="Masked-LM head: dense + activation + LayerNorm, then logits over the vocabulary with their own bias.")
@@ -127,7 +128,7 @@ class EncoderConfig(StrictModel):
     def num_params(self) -> int:
         """Exact parameter count of `EncoderModel(self)` (tested against the real module)."""
         d, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_rows
-        total = (v + self.max_seq_len + self.num_token_types) * d + 2 * d  # embeddings, embedding norm
+        total = (v + self.max_seq_len + self.num_token_types) * d + 2 * d  # embeddings, embedding (post) or final (pre) norm
         total += self.num_layers * (4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d)  # attention, MLP, two norms
         if self.pooler:
             total += d * d + d

@@ -12,7 +12,7 @@ binary head (two logits from the pooled token). This file is the single-device m
 parallelism is applied to it by `parallelize.py`.
 
 Parameter names are the checkpoint contract (docs/formats/checkpoint.md): `embed_tokens`,
-`pos_embed`, `token_type_embed`, `embed_norm`, `layers.<i>.{attn,attn_norm,mlp,mlp_norm}.*`,
+`pos_embed`, `token_type_embed`, `embed_norm` (post-LN) / `final_norm` (pre-LN), `layers.<i>.{attn,attn_norm,mlp,mlp_norm}.*`,
 `pooler.dense`, `mlm_head.{dense,norm}`, `mlm_head.decoder.bias` (and `.weight` when untied),
 `binary_head`; layers live in a ModuleDict keyed by global layer number, so a pipeline stage
 keeps the names it would have in the full model.
@@ -50,7 +50,12 @@ class EncoderBlock(nn.Module):
         self.mlp_norm = make_norm(layers)
         self.dropout = nn.Dropout(cfg.dropout)
 
+        self.pre_norm = cfg.norm_placement == "pre"
+
     def forward(self, x: torch.Tensor, attn_mask: BidirectionalAttention | None = None) -> torch.Tensor:
+        if self.pre_norm:  # MegatronBert's: x + attn(norm(x)), then x + mlp(norm(x))
+            x = x + self.dropout(self.attn(self.attn_norm(x), None, None, attn_mask))
+            return x + self.dropout(self.mlp(self.mlp_norm(x)))
         _, x = add_norm(self.attn_norm, x, self.dropout(self.attn(x, None, None, attn_mask)))
         _, x = add_norm(self.mlp_norm, x, self.dropout(self.mlp(x)))
         return x
@@ -126,7 +131,9 @@ class EncoderModel(nn.Module):
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_rows, d)
         self.pos_embed: nn.Embedding | None = nn.Embedding(cfg.max_seq_len, d)
         self.token_type_embed: nn.Embedding | None = nn.Embedding(cfg.num_token_types, d) if cfg.num_token_types else None
-        self.embed_norm: nn.Module | None = make_norm(layers)
+        pre = cfg.norm_placement == "pre"  # pre-LN: no embedding norm, a final norm after the blocks
+        self.embed_norm: nn.Module | None = None if pre else make_norm(layers)
+        self.final_norm: nn.Module | None = make_norm(layers) if pre else None
         self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleDict({str(i): EncoderBlock(cfg, layers, i) for i in range(cfg.num_layers)})
         self.pooler: Pooler | None = Pooler(d) if cfg.pooler else None
@@ -169,7 +176,7 @@ class EncoderModel(nn.Module):
 
     def embed(self, tokens: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
         """Word + position (0..T-1) + token-type embeddings, LayerNorm, dropout: [B, T] -> [B, T, d]."""
-        assert self.embed_tokens is not None and self.pos_embed is not None and self.embed_norm is not None
+        assert self.embed_tokens is not None and self.pos_embed is not None
         seq = tokens.shape[1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {seq} tokens is longer than the position table ({self.cfg.max_seq_len}: "
@@ -181,7 +188,7 @@ class EncoderModel(nn.Module):
         elif token_types is not None:
             raise ValueError("token_types given to a model without token types (model.num_token_types = 0)")
         h = h + self.pos_embed(torch.arange(seq, device=tokens.device).unsqueeze(0))
-        return self.dropout(self.embed_norm(h))
+        return self.dropout(self.embed_norm(h) if self.embed_norm is not None else h)
 
     def output_weight(self) -> torch.Tensor:
         assert self.mlm_head is not None, "no MLM head"
@@ -217,6 +224,8 @@ class EncoderModel(nn.Module):
         mask = BidirectionalAttention(attention_mask) if attention_mask is not None else None
         for block in self.layers.values():
             h = block(h, mask)
+        if self.final_norm is not None:
+            h = self.final_norm(h)
         if not self.has_head:
             return h
         pooled = self.pooler(h) if self.pooler is not None else None

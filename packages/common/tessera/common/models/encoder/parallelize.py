@@ -89,6 +89,8 @@ def parallelize_model(model: EncoderModel, groups: ParallelGroups, sequence_para
                 emb.register_forward_hook(lambda _m, _i, out: scatter_seq(out, group))
     if model.embed_norm is not None:
         _tag_replicated(model.embed_norm, sp)
+    if getattr(model, "final_norm", None) is not None:  # pre-LN: runs on the local chunk, as the block norms
+        _tag_replicated(model.final_norm, sp)
     if sp and rng is not None:
         model.dropout = _ForkedDropout(model.dropout.p, rng)
     if model.pooler is not None:
@@ -124,6 +126,6 @@ PLAN = ParallelPlan(
     vocab=("embed_tokens", "decoder"),
     layers="layers",
     first_stage=("embed_tokens", "pos_embed", "token_type_embed", "embed_norm"),
-    last_stage=("pooler", "mlm_head", "binary_head"),
+    last_stage=("final_norm", "pooler", "mlm_head", "binary_head"),
     tensor=parallelize_model,
 )

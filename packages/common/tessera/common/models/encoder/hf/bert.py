@@ -137,3 +137,42 @@ class Bert(HFArchitecture):
         # Untied, the decoder's own bias is the one transformers' forward adds: read that one.
         skip = "cls.predictions.bias" if not cfg.tie_embeddings else None
         return [Rule(ours, (theirs,), shape) for theirs, ours, shape in self.pairs(cfg) if theirs != skip]
+
+
+# transformers' pre-LayerNorm BERT (EncoderConfig.norm_placement = "pre"): same heads per class.
+MEGATRON_CLASSES = {"Megatron" + name: heads for name, heads in CLASSES.items()}
+# Post-LN name -> MegatronBert's (`attention.ln` before attention, the layer's `ln` before the MLP,
+# the encoder's final `ln`; no embedding LayerNorm).
+_PRE_LN_NAMES = {"attention.output.LayerNorm": "attention.ln", "output.LayerNorm": "ln"}
+
+
+class MegatronBert(Bert):
+    """transformers' MegatronBertModel / ForMaskedLM / ForPreTraining: BERT's tensors with the
+    norms moved before attention and MLP and a final `encoder.ln` (config.json has no
+    classifier_dropout)."""
+
+    model_type = "megatron-bert"
+
+    def config_fields(self, c: HFConfig) -> dict[str, Any]:
+        archs = c.data.get("architectures")
+        name = archs[0] if isinstance(archs, list) and archs else "MegatronBertModel"
+        if name not in MEGATRON_CLASSES:
+            c.fail("architectures", f"= {archs!r}: Tessera's encoder reads {', '.join(MEGATRON_CLASSES)} (not {name})")
+        data = {**c.data, "architectures": [name.removeprefix("Megatron")]}
+        return {**super().config_fields(HFConfig(data, c.source)), "norm_placement": "pre"}
+
+    def hf_fields(self, cfg: EncoderConfig) -> dict[str, Any]:
+        return {k: v for k, v in super().hf_fields(cfg).items() if k != "classifier_dropout"}
+
+    def pairs(self, cfg: EncoderConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+        body = "bert." if cfg.mlm_head else ""
+        out = []
+        for theirs, ours, shape in super().pairs(cfg):
+            if ours.startswith("embed_norm."):
+                continue
+            for post, pre in _PRE_LN_NAMES.items():
+                theirs = theirs.replace(f".{post}.", f".{pre}.")
+            out.append((theirs, ours, shape))
+        d = cfg.hidden_size
+        out += [(f"{body}encoder.ln.weight", "final_norm.weight", (d,)), (f"{body}encoder.ln.bias", "final_norm.bias", (d,))]
+        return sorted(out)
