@@ -264,6 +264,12 @@ def validate_layout(
     passes the launched world size, the sequence length and the batch (micro-batch counts the
     pipeline schedules need)."""
     tp, pp, dp, v = layout.tensor, layout.pipeline, layout.data, layout.virtual_stages
+    # What the kind lacks comes before the sizes: no launch size makes it work.
+    if cfg.kind == "encoder_decoder" and (pp > 1 or layout.context > 1):
+        raise UserError(f"--pipeline-parallel {pp} / --context-parallel {layout.context}: not built for the "
+                        "encoder-decoder kind (T5): Megatron gives encoder and decoder their own pipeline stages, "
+                        "Tessera's pipeline cuts one stack of layers; set both to 1 and split with tensor, sequence, "
+                        "data or fully sharded data parallel")
     if world_size is not None and layout.world_size != world_size:
         raise UserError(f"layout: tensor x context x expert x data x pipeline = {layout.world_size} but "
                         f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
@@ -273,10 +279,6 @@ def validate_layout(
                                micro_batch=micro_batch, sequence_parallel=sequence_parallel)
     check_expert_parallel(cfg, layout)
     check_context_parallel(cfg, layout)
-    if cfg.kind == "encoder_decoder" and (pp > 1 or layout.context > 1):
-        raise UserError(f"--pipeline-parallel {pp} / --context-parallel {layout.context}: the encoder-decoder kind (T5) "
-                        "has neither (Megatron gives encoder and decoder their own pipeline stages; Tessera's pipeline "
-                        "cuts one stack of layers); set both to 1 and split with tensor, sequence or data parallel")
     if layout.virtual_stages > 1 and getattr(cfg, "mtp", None) is not None:
         raise UserError(f"model.mtp: multi-token prediction under the interleaved pipeline (--virtual-stages "
                         f"{layout.virtual_stages}) is not built; use --virtual-stages 1 (MTP then runs on the last "

@@ -87,8 +87,15 @@ def _span_step() -> type[TrainStep]:
     return SpanStep
 
 
+def _span_objective() -> type:
+    from tessera.trainer.span.objective import SpanCorruption
+
+    return SpanCorruption
+
+
 BATCHES["span"] = _span_batches
 LOSSES["span"] = _span_step
+OBJECTIVES["span"] = _span_objective
 
 
 def _vision_language_batches() -> type[MixtureBatches]:

@@ -139,11 +139,12 @@ def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups,
         model = build_model()
         plan = kind_of(model.cfg).parallel()  # where this kind's stages cut, what tensor parallel splits
         tied = model.cfg.tie_embeddings and num_stages > 1
-        keep = {str(i) for i in ranges[s]}
-        layers = getattr(model, plan.layers)
-        for name in list(layers.keys()):
-            if name not in keep:
-                del layers[name]
+        if num_stages > 1:  # one stage keeps the whole model (an encoder-decoder has two stacks, no cut)
+            keep = {str(i) for i in ranges[s]}
+            layers = getattr(model, plan.layers)
+            for name in list(layers.keys()):
+                if name not in keep:
+                    del layers[name]
         first, last = s == 0, s == num_stages - 1
         if not last:
             for name in plan.last_stage:

@@ -90,10 +90,6 @@ class SpanBatches:
         """This run's builder: the lengths (training.seq_length, span.decoder_seq_length), the
         model's ids, the `span` section, training.seed, and the checked tokenizer's sentinels (refused now, in one line, when it lacks them)."""
         model, tok, where = inputs.model, inputs.tokenizer, str(cfg.data.tokenizer)
-        if inputs.parallel:
-            raise UserError(f"model kind {model.kind!r}: span-corruption training runs on one process for now (layout "
-                            f"{inputs.layout.short()}); the model's tensor / sequence-parallel plan is built, the "
-                            "trainer's parallel engine for this objective is not: launch one process")
         options = SpanOptions(cfg.span.noise_density, cfg.span.mean_span_length, cfg.training.seq_length,
                               cfg.span.decoder_seq_length)
         sentinels = sentinel_ids(tok, span_counts(raw_length(options), options)[1], where)
