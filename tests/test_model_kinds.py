@@ -177,7 +177,7 @@ def test_a_stage_without_code_for_a_registered_kind_refuses_it_in_one_line_befor
     for main in (_train_main(), _plan_main()):
         err = _cli(main, ["--config", config], capsys)
         assert ("model kind 'test_encoder': tessera-train has no batch builder for it (tessera-train handles "
-                "causal_lm, hybrid, encoder, encoder_decoder)") in err, err
+                "causal_lm, hybrid, encoder, vision_language, encoder_decoder)") in err, err
     assert not (tmp_path / "run").exists()
     with pytest.raises(UserError, match="'test_encoder': tessera-plan has no memory count for it"):
         memory_count(_EncoderConfig())
