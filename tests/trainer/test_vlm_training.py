@@ -175,3 +175,12 @@ def test_the_trainers_loss_on_a_batch_of_the_builder_equals_transformers_llava_l
         shifted = torch.cat([torch.full_like(labels[:, :1], -100), labels], dim=1)[:, :-1]  # transformers shifts inside
         want = hf(input_ids=inputs.tokens, pixel_values=inputs.images(), labels=shifted).loss
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_freeze_setting_under_the_parallel_runtime_is_refused_in_one_line_rather_than_ignored():
+    from tessera.common.errors import UserError
+    from tessera.trainer.config import TrainingConfig
+    from tessera.trainer.parallel.engine import ParallelEngine
+
+    with pytest.raises(UserError, match=r"training.freeze \(\['vision'\]\) is built for one process only"):
+        ParallelEngine(None, None, TrainingConfig(freeze=["vision"]), None, None, None, torch.device("cpu"))
