@@ -141,3 +141,46 @@ def test_a_freeze_setting_for_a_text_model_or_of_every_part_is_refused_in_one_li
         run_cli(main, ["--config", str(every), "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and "nothing would train" in err[0], err
+
+
+def test_the_trainers_loss_on_a_batch_of_the_builder_equals_transformers_llava_loss_with_the_same_weights(data):
+    transformers = pytest.importorskip("transformers")
+    from tessera.common.mixture import MixtureSplit
+    from tessera.common.models.registry import kind_for_hf, model_config_from_hf
+    from tessera.common.tokenizer import load_tokenizer
+    from tessera.trainer.multimodal.batches import VisionLanguageBatches, default_processor
+    from tessera.trainer.multimodal.loss import vision_language_loss
+
+    torch.manual_seed(0)
+    hf = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                    num_attention_heads=2, image_size=16, patch_size=8),
+        text_config=transformers.LlamaConfig(vocab_size=load_tokenizer(data["tokenizer"]).vocab_size, hidden_size=32,
+                                             intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                             num_key_value_heads=2),
+        image_token_id=image_token_id(data["tokenizer"]), vision_feature_layer=-1)).eval()
+    cfg_json = json.loads(hf.config.to_json_string(use_diff=False))
+    cfg_json["architectures"] = ["LlavaForConditionalGeneration"]
+    kind, cfg = kind_for_hf(cfg_json, "config.json"), model_config_from_hf(cfg_json, "config.json")
+    hf_sd = hf.state_dict()
+    rules, _ = kind.hf().import_rules(cfg, set(hf_sd))
+    ours = kind.build(cfg, seed=None)
+    ours.load_state_dict({r.target: r.apply([hf_sd[s] for s in r.sources]) for r in rules}, strict=False)
+    ours.eval()
+    builder = VisionLanguageBatches(MixtureSplit(data["mixture"]), 32, model=cfg, processor=default_processor(cfg))
+    inputs, labels = builder.batch(np.arange(8))
+    assert (inputs.num_images == 2).any()
+    with torch.no_grad():
+        got = vision_language_loss(ours, inputs, labels)
+        shifted = torch.cat([torch.full_like(labels[:, :1], -100), labels], dim=1)[:, :-1]  # transformers shifts inside
+        want = hf(input_ids=inputs.tokens, pixel_values=inputs.images(), labels=shifted).loss
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_freeze_setting_under_the_parallel_runtime_is_refused_in_one_line_rather_than_ignored():
+    from tessera.common.errors import UserError
+    from tessera.trainer.config import TrainingConfig
+    from tessera.trainer.parallel.engine import ParallelEngine
+
+    with pytest.raises(UserError, match=r"training.freeze \(\['vision'\]\) is built for one process only"):
+        ParallelEngine(None, None, TrainingConfig(freeze=["vision"]), None, None, None, torch.device("cpu"))

@@ -83,9 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "model.safetensors.index.json), or a Megatron-Core torch_dist checkpoint (GPTModel, or "
                                    "MambaModel with a hybrid --model-config), into a Tessera checkpoint: OUTPUT becomes "
                                    "a checkpoints directory (iter_0000000/ + pointer) with sidecar and tokenizer.")
-    i.add_argument("--format", required=True, choices=("hf", "megatron"),
-                   help="input format: hf, or megatron (a Megatron-Core torch_dist checkpoint directory)")
-    i.add_argument("--input", required=True, help="Hugging Face model directory, or Megatron iter_NNNNNNN directory")
+    i.add_argument("--format", required=True, choices=("hf", "megatron", "hf-llava-parts"),
+                   help="input format: hf, megatron (a Megatron-Core torch_dist checkpoint directory), or "
+                        "hf-llava-parts (a new LLaVA from --vision and --language HF directories, projector fresh)")
+    i.add_argument("--input", help="Hugging Face model directory, or Megatron iter_NNNNNNN directory")
+    i.add_argument("--vision", metavar="DIR", help="hf-llava-parts: CLIPVisionModel / SiglipVisionModel directory")
+    i.add_argument("--language", metavar="DIR", help="hf-llava-parts: causal-LM directory with its tokenizer")
+    i.add_argument("--image-token", default="<image>", help="hf-llava-parts: the tokenizer's image placeholder token")
+    i.add_argument("--vision-feature-layer", type=int, default=-2,
+                   help="hf-llava-parts: the tower block whose states the projector reads (LLaVA's -2)")
+    i.add_argument("--seed", type=int, default=0, help="hf-llava-parts: seed of the projector's init")
     i.add_argument("--model-config", metavar="FILE",
                    help="megatron: the model as a Tessera model config (YAML/JSON; `kind: hybrid` for a MambaModel "
                         "checkpoint; a torch_dist checkpoint holds none that can be read without unpickling)")
@@ -164,6 +171,17 @@ def run(argv: list[str] | None = None) -> int:
         out = reshard(args.checkpoint, args.output, layout, overwrite=args.overwrite, quiet=args.quiet,
                       sync=args.sync)
         print(out)
+    elif args.verb == "import" and args.format == "hf-llava-parts":
+        from tessera.ckpt_convert.importers.llava_parts import import_llava_parts
+
+        if args.vision is None or args.language is None or args.input is not None:
+            raise UserError("--format hf-llava-parts reads --vision DIR and --language DIR (not --input)")
+        out = import_llava_parts(args.vision, args.language, args.output, args.image_token, args.vision_feature_layer,
+                                 args.seed, dtype=parse_dtype(args.dtype), overwrite=args.overwrite, quiet=args.quiet,
+                                 sync=args.sync)
+        print(out)
+    elif args.verb == "import" and args.input is None:
+        raise UserError(f"--format {args.format} reads --input DIR")
     elif args.verb == "import" and args.format == "megatron":
         from tessera.ckpt_convert.importers.megatron import import_megatron
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.registry import kind_of
@@ -40,6 +41,9 @@ class ParallelEngine:
     def __init__(self, model: ModelConfig, layout: ParallelLayout, training: TrainingConfig, parallel: ParallelConfig,
                  optim: OptimConfig, documents: DocumentMasking | None, device: torch.device):
         t = training
+        if t.freeze:  # until the runtime builds, shards and steps frozen parts (vlm-parallel), never silently ignored
+            raise UserError(f"training.freeze ({t.freeze}) is built for one process only: the parallel runtime "
+                            "would train the frozen parts; run this stage on one process or unset it")
         self.groups = build_groups(layout, device)
         set_groups(self.groups)
         # The rows of the global batch this rank reads: expert ranks read their own, as data ranks do.
