@@ -184,3 +184,16 @@ def test_a_freeze_setting_under_the_parallel_runtime_is_refused_in_one_line_rath
 
     with pytest.raises(UserError, match=r"training.freeze \(\['vision'\]\) is built for one process only"):
         ParallelEngine(None, None, TrainingConfig(freeze=["vision"]), None, None, None, torch.device("cpu"))
+
+
+def test_a_vision_language_run_under_the_parallel_runtime_is_refused_in_one_line_rather_than_crashing():
+    """Its objective has no stage_forward yet: a stage would meet image tokens without the images."""
+    from types import SimpleNamespace
+
+    from tessera.common.errors import UserError
+    from tessera.trainer.config import TrainingConfig
+    from tessera.trainer.parallel.engine import ParallelEngine
+
+    with pytest.raises(UserError, match=r"^model.kind vision_language: training under torchrun .* is not built yet"):
+        ParallelEngine(SimpleNamespace(kind="vision_language"), None, TrainingConfig(), None, None, None,
+                       torch.device("cpu"))
