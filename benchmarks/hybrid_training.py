@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -28,13 +27,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_throughput import hf_standard_step, tessera_step, time_interleaved  # noqa: E402
+from peer_race import race  # noqa: E402
 
 from tessera.common.hf.directory import load_hf_weights, read_hf_config  # noqa: E402
 from tessera.common.models.hybrid.config import preset  # noqa: E402
 from tessera.common.models.registry import hf_adapter, kind_of  # noqa: E402
-from tessera.trainer.config import OptimConfig  # noqa: E402
-from tessera.trainer.precision.mixed import Precision  # noqa: E402
 
 
 def same_models(args: argparse.Namespace, root: Path):
@@ -78,33 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         cfg, ours, hf = same_models(args, Path(tmp))
-    optim = OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=1.0)
-    precision = Precision("fp32", torch.device("cpu"))
-    steps = {"tessera": tessera_step(ours, optim, precision, args.compile),
-             "transformers": hf_standard_step(hf, optim, precision)}
-    g = torch.Generator().manual_seed(1)
-    batches = []
-    for _ in range(4):
-        x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
-        batches.append((x[:, :-1], x[:, 1:]))
-    out = time_interleaved(steps, batches, args.warmup, args.steps, lambda: None)
-    tokens = args.batch * args.seq
     print(f"hybrid {cfg.pattern} d={cfg.hidden_size} {cfg.num_params() / 1e6:.2f}M parameters, {args.batch}x{args.seq} "
           f"tokens per step, fp32, {args.threads} threads, {args.steps} alternating steps each")
-    # On a shared machine a step now and then stalls for seconds: the median and the fastest step
-    # are both reported (the fastest is what each framework's code costs when nothing interferes).
-    rates, best = {}, {}
-    for name, r in out.items():
-        med, fastest = statistics.median(r["step_times_s"]), min(r["step_times_s"])
-        rates[name], best[name] = tokens / med, tokens / fastest
-        print(f"{name:>13}: {rates[name]:>9,.0f} tokens/s median step ({med * 1e3:.0f} ms), {best[name]:>9,.0f} "
-              f"fastest step ({fastest * 1e3:.0f} ms); first step {r['first_step_s']:.2f} s; loss after "
-              f"{r['final_loss']:.4f}")
-    ratio, best_ratio = rates["tessera"] / rates["transformers"], best["tessera"] / best["transformers"]
-    print(f"Tessera / transformers NemotronHForCausalLM: {ratio:.2f}x (median steps), {best_ratio:.2f}x (fastest steps)")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "tokens_per_s": rates,
-                                         "ratio": ratio, "fastest_ratio": best_ratio, "runs": out}, indent=1))
+    race(ours, hf, cfg.vocab_size, args, "NemotronHForCausalLM")
     return 0
 
 

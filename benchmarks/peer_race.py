@@ -1,0 +1,46 @@
+"""Tessera's next-token train step against transformers' on the same model, the same random batches
+and the same optimizer, steps alternating (load from other jobs hits both alike): the race
+benchmarks/hybrid_training.py and deepseek_training.py run once each has built its pair of models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from train_throughput import hf_standard_step, tessera_step, time_interleaved
+
+from tessera.trainer.config import OptimConfig
+from tessera.trainer.precision.mixed import Precision
+
+
+def race(ours, hf, vocab_size: int, args: argparse.Namespace, hf_class: str) -> None:
+    """Time both train steps (args: batch, seq, warmup, steps, compile, json) and print tokens/s of
+    the median and the fastest step, and their ratios."""
+    optim = OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=1.0)
+    precision = Precision("fp32", torch.device("cpu"))
+    steps = {"tessera": tessera_step(ours, optim, precision, args.compile),
+             "transformers": hf_standard_step(hf, optim, precision)}
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(4):
+        x = torch.randint(0, vocab_size, (args.batch, args.seq + 1), generator=g)
+        batches.append((x[:, :-1], x[:, 1:]))
+    out = time_interleaved(steps, batches, args.warmup, args.steps, lambda: None)
+    tokens = args.batch * args.seq
+    # On a shared machine a step now and then stalls for seconds: the median and the fastest step
+    # are both reported (the fastest is what each framework's code costs when nothing interferes).
+    rates, best = {}, {}
+    for name, r in out.items():
+        med, fastest = statistics.median(r["step_times_s"]), min(r["step_times_s"])
+        rates[name], best[name] = tokens / med, tokens / fastest
+        print(f"{name:>13}: {rates[name]:>9,.0f} tokens/s median step ({med * 1e3:.0f} ms), {best[name]:>9,.0f} "
+              f"fastest step ({fastest * 1e3:.0f} ms); first step {r['first_step_s']:.2f} s; loss after "
+              f"{r['final_loss']:.4f}")
+    ratio, best_ratio = rates["tessera"] / rates["transformers"], best["tessera"] / best["transformers"]
+    print(f"Tessera / transformers {hf_class}: {ratio:.2f}x (median steps), {best_ratio:.2f}x (fastest steps)")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "tokens_per_s": rates,
+                                         "ratio": ratio, "fastest_ratio": best_ratio, "runs": out}, indent=1))
