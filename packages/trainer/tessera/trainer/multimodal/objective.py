@@ -20,6 +20,8 @@ from tessera.trainer.parallel.objective import LossContext
 
 class VisionLanguage:
     pipeline = True
+    # No stage_forward yet runs the tower on the images: a stage would meet image tokens without them.
+    parallel_problem = "the parallel runtime's stages do not run the vision tower on the images"
 
     def __init__(self, cfg=None) -> None:
         pass

@@ -44,10 +44,10 @@ class ParallelEngine:
         if t.freeze:  # until the runtime builds, shards and steps frozen parts (vlm-parallel), never silently ignored
             raise UserError(f"training.freeze ({t.freeze}) is built for one process only: the parallel runtime "
                             "would train the frozen parts; run this stage on one process or unset it")
-        if getattr(model, "kind", None) == "vision_language":  # its objective has no stage_forward running the tower
-            raise UserError("model.kind vision_language: training under torchrun (tensor, pipeline, data or fully "
-                            "sharded parallel) is not built yet (the parallel runtime's stages do not run the vision "
-                            "tower on the images); train it in one process")
+        objective = parallel_objective(model)
+        if (why := getattr(objective, "parallel_problem", None)) is not None:  # an objective not yet runnable here
+            raise UserError(f"model.kind {model.kind}: training under torchrun (tensor, pipeline, data or fully "
+                            f"sharded parallel) is not built yet ({why}); train it in one process")
         self.groups = build_groups(layout, device)
         set_groups(self.groups)
         # The rows of the global batch this rank reads: expert ranks read their own, as data ranks do.
@@ -65,7 +65,7 @@ class ParallelEngine:
 
         self.runtime = ParallelRuntime.build(model, self.groups, training, parallel, optim, build_model=builder,
                                              per_token_loss=documents is not None and documents.per_token_loss,
-                                             objective=parallel_objective(model))
+                                             objective=objective)
         self.scaler = (DynamicLossScale(t.fp16_initial_scale, t.fp16_growth_interval)
                        if t.precision == "fp16" else None)
 

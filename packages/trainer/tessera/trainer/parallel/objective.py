@@ -20,7 +20,8 @@ OBJECTIVES), a class with:
   tessera.common.parallel.loss.vocab_parallel_cross_entropy); `ctx` is a LossContext;
 * `pipeline_outputs(micro_batch, seq, local_seq, vocab_local, dtype) -> tuple of meta tensors`
   (optional): the last stage's output shapes under a pipeline schedule (default: logits
-  [micro, seq, V/tp]); `pipeline = False` refuses pipeline parallel for the objective.
+  [micro, seq, V/tp]); `pipeline = False` refuses pipeline parallel for the objective;
+  `parallel_problem` (a reason), when set, refuses the runtime altogether in one line.
 
 `NextToken` below is the causal LM's (and hybrid's) objective, exactly what the runtime computed
 before objectives existed.
