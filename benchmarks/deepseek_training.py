@@ -18,7 +18,6 @@ tessera-train; --compile as training.compile), transformers the standard recipe.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -26,11 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_race import race  # noqa: E402
+from peer_race import race, twins  # noqa: E402
 
-from tessera.common.hf.directory import load_hf_weights, read_hf_config  # noqa: E402
 from tessera.common.models.causal_lm.config import ModelConfig  # noqa: E402
-from tessera.common.models.registry import hf_adapter, kind_of  # noqa: E402
 
 
 def same_models(args: argparse.Namespace, root: Path):
@@ -44,18 +41,7 @@ def same_models(args: argparse.Namespace, root: Path):
                       moe=dict(num_experts=16, top_k=4, ffn_hidden_size=args.hidden // 2, first_k_dense=1,
                                score="sigmoid", routed_scaling_factor=2.5, num_shared_experts=1, num_groups=4,
                                topk_groups=2, bias_balancing=False))
-    (root / "config.json").write_text(json.dumps(hf_adapter(cfg).hf_config(cfg, torch.float32, None, None)))
-    torch.manual_seed(0)
-    hf = transformers.DeepseekV3ForCausalLM(transformers.AutoConfig.from_pretrained(root))
-    hf.save_pretrained(root / "hf")
-    loaded, _ = read_hf_config(root / "hf")
-    assert loaded.num_params() == cfg.num_params() == sum(p.numel() for p in hf.parameters())
-    # transformers trains its routing bias (e_score_correction_bias) by nothing: keep Tessera's
-    # balancing off too, so both compute the same routing at every step.
-    cfg = loaded.model_copy(update={"moe": loaded.moe.model_copy(update={"bias_balancing": False})})
-    ours = kind_of(cfg).build(cfg, seed=None)
-    ours.load_state_dict(load_hf_weights(root / "hf", cfg), strict=True)
-    return cfg, ours.train(), hf.train()
+    return twins(cfg, transformers.DeepseekV3ForCausalLM, root)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,6 @@ mamba_ssm; Tessera's tessera.kernels references).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -27,11 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_race import race  # noqa: E402
+from peer_race import race, twins  # noqa: E402
 
-from tessera.common.hf.directory import load_hf_weights, read_hf_config  # noqa: E402
 from tessera.common.models.hybrid.config import preset  # noqa: E402
-from tessera.common.models.registry import hf_adapter, kind_of  # noqa: E402
 
 
 def same_models(args: argparse.Namespace, root: Path):
@@ -44,18 +41,7 @@ def same_models(args: argparse.Namespace, root: Path):
                  pattern=args.pattern, max_seq_len=args.seq, mamba=mamba, num_heads=args.hidden // 64,
                  num_kv_heads=max(1, args.hidden // 128), ffn_hidden_size=4 * args.hidden,
                  moe=dict(num_experts=8, top_k=2, ffn_hidden_size=args.hidden, score="sigmoid", num_shared_experts=1))
-    (root / "config.json").write_text(json.dumps(hf_adapter(cfg).hf_config(cfg, torch.float32, None, None)))
-    torch.manual_seed(0)
-    hf = transformers.NemotronHForCausalLM(transformers.AutoConfig.from_pretrained(root))
-    hf.save_pretrained(root / "hf")
-    loaded, _ = read_hf_config(root / "hf")
-    assert loaded.num_params() == cfg.num_params() == sum(p.numel() for p in hf.parameters())
-    # transformers trains its routing bias (e_score_correction_bias) by nothing: keep Tessera's
-    # balancing off too, so both compute the same routing at every step.
-    cfg = loaded.model_copy(update={"moe": loaded.moe.model_copy(update={"bias_balancing": False})})
-    ours = kind_of(cfg).build(cfg, seed=None)
-    ours.load_state_dict(load_hf_weights(root / "hf", cfg), strict=True)
-    return cfg, ours.train(), hf.train()
+    return twins(cfg, transformers.NemotronHForCausalLM, root)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,12 +8,33 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import torch
 from train_throughput import hf_standard_step, tessera_step, time_interleaved
+from transformers import AutoConfig
 
+from tessera.common.hf.directory import load_hf_weights, read_hf_config
+from tessera.common.models.registry import hf_adapter, kind_of
 from tessera.trainer.config import OptimConfig
 from tessera.trainer.precision.mixed import Precision
+
+
+def twins(cfg, hf_class, root: Path):
+    """(config, Tessera's model, transformers' model) of `cfg`'s shape with the same weights: a random
+    `hf_class` saved and imported through the kind's HF adapter, as `tessera-ckpt import` reads it."""
+    (root / "config.json").write_text(json.dumps(hf_adapter(cfg).hf_config(cfg, torch.float32, None, None)))
+    torch.manual_seed(0)
+    hf = hf_class(AutoConfig.from_pretrained(root))
+    hf.save_pretrained(root / "hf")
+    loaded, _ = read_hf_config(root / "hf")
+    assert loaded.num_params() == cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    # transformers trains its routing bias (e_score_correction_bias) by nothing: keep Tessera's
+    # balancing off too, so both compute the same routing at every step.
+    cfg = loaded.model_copy(update={"moe": loaded.moe.model_copy(update={"bias_balancing": False})})
+    ours = kind_of(cfg).build(cfg, seed=None)
+    ours.load_state_dict(load_hf_weights(root / "hf", cfg), strict=True)
+    return cfg, ours.train(), hf.train()
 
 
 def race(ours, hf, vocab_size: int, args: argparse.Namespace, hf_class: str) -> None:
