@@ -59,12 +59,13 @@ from pathlib import Path
 import torch
 
 from tessera.common.errors import UserError
+from tessera.common.layers.rope import RotaryEmbedding
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.engine.cpu_threads import Binding, apply_binding
 from tessera.inference.pooling.encoder import encoder_runner
 from tessera.inference.sample.sampler import Sampler
-from tessera.inference.worker.batch import BatchSeq, batch_seqs
+from tessera.inference.worker.batch import BatchSeq, batch_seqs, images_to_wire, with_wire_images
 from tessera.inference.worker.cpu_linear import PackedLinear
 from tessera.inference.worker.cuda_graphs import GraphSpec
 from tessera.inference.worker.kv_cache import kv_cache_dtype
@@ -111,9 +112,10 @@ def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.dev
     if hf:
         _load_hf_shard(path, cfg, params, buffers, groups.tp_rank, groups.tp)
     else:
-        _load_dcp_shard(path, params, buffers, groups, stored, cfg.kv_heads)
-    if getattr(model, "rotary", None) is not None:
-        model.rotary.reset_parameters()  # computed, not stored: to_empty left it uninitialised
+        _load_dcp_shard(path, params, buffers, groups, stored, getattr(cfg, "kv_heads", groups.tp))
+    for module in model.modules():  # (a vision-language model's sits in its language model)
+        if isinstance(module, RotaryEmbedding):
+            module.reset_parameters()  # computed, not stored: to_empty left it uninitialised
     return model.to(dtype=dtype).eval()
 
 
@@ -243,7 +245,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
             if rank == 0:
                 _reply(conn, {"t": "pooled", "vectors": vectors})
             continue
-        batch = [BatchSeq(*s) for s in msg["seqs"]]
+        batch = with_wire_images([BatchSeq(*s) for s in msg["seqs"]], msg.get("images"))
         with torch.inference_mode():
             local = runner.forward_batch(batch, msg["rows"])  # [R, vocab rows / tp]
             slices = [torch.empty_like(local) for _ in range(world)] if rank == 0 else None
@@ -354,7 +356,7 @@ class TensorParallelExecutor:
     def forward(self, batch: list[BatchSeq], rows: list[int], device: torch.device) -> torch.Tensor:
         self._send(json.dumps({"t": "step", "seqs": [[s.tokens, s.start, s.block_table, s.num_q, s.state_slot,
                                                       s.prompt_len] for s in batch],
-                               "rows": rows}).encode())
+                               "rows": rows, "images": images_to_wire(batch)}).encode())
         head = self._recv(0)
         data = self.conns[0].recv_bytes()
         if not data:  # no row to sample this step (a prefill chunk short of its prompt's end): [0, vocab]

@@ -137,6 +137,12 @@ class VisionLanguageConfig(StrictModel):
         """The language model's blocks (what a pipeline's layer split counts)."""
         return self.text.num_layers
 
+    def refit_for(self, tensor_parallel: int) -> VisionLanguageConfig:
+        """Itself when `tensor_parallel` divides the language model's vocabulary rows, else with the
+        language model re-padded (ModelConfig.refit_for: an HF export served under tensor parallel)."""
+        text = self.text.refit_for(tensor_parallel)
+        return self if text is self.text else self.model_copy(update={"text": text})
+
     @property
     def feature_layer_index(self) -> int:
         """vision_feature_layer as an index into (embeddings, block 1 output, ..., block n output)."""
