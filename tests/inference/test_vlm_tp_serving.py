@@ -117,3 +117,35 @@ def test_tp2_a_bad_image_is_a_one_line_400_and_the_workers_serve_on(served):
         ok = client.post("/v1/chat/completions", json={"messages": _message("fine", [good]), "max_tokens": 3})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, ok.text
     assert server.engine.runner.executor.alive()
+
+
+def test_tp2_serves_a_tessera_checkpoint_of_a_llava_as_one_process_does(tmp_path):
+    """Each worker reads its slices of the tower, projector and language model from the layout-free
+    DCP checkpoint (a Tessera checkpoint keeps its vocabulary rows: 300 here, which 2 divides)."""
+    import torch
+    from inference_helpers import make_engine, run_all, token_ids
+
+    from tessera.ckpt_convert.cli import run
+    from tessera.inference.core.image_inputs import ImageInput
+    from tessera.inference.core.sampling_params import SamplingParams
+
+    directory = make_llava_dir(tmp_path, "clip", size=16, text_hidden=32, weight_std=0.5, vocab=299)
+    assert run(["import", "--format", "hf", "--input", str(directory), "--output", str(tmp_path / "ck"),
+                "--quiet"]) == 0
+    one = make_engine(directory, num_kv_blocks=32, block_size=8, max_num_batched_tokens=8, max_num_seqs=4)
+    image_id, n = one.loaded.config.image_token_id, one.loaded.config.image_seq_len
+    g = torch.Generator().manual_seed(0)
+    jobs = {}
+    for i, k in enumerate((1, 2, 1)):  # 8-token chunks: every image's tokens span two steps
+        prompt = [5 + i, 7, 8] + [image_id] * (n * k) + [9, 11]
+        images = [ImageInput.of(torch.randn(3, 16, 16, generator=g), 3 + j * n, n) for j in range(k)]
+        jobs[f"r{i}"] = (prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, images=images))
+    want = {rid: token_ids(o) for rid, o in run_all(one, jobs).items()}
+    tp = make_engine(tmp_path / "ck", num_kv_blocks=32, block_size=8, max_num_batched_tokens=8, max_num_seqs=4,
+                     tensor_parallel=2)
+    try:
+        got = {rid: token_ids(o) for rid, o in run_all(tp, jobs).items()}
+    finally:
+        tp.close()
+    assert got == want
+    assert len({tuple(t) for t in want.values()}) > 1  # the images decide the tokens

@@ -36,7 +36,7 @@ def data_url(data: bytes, kind: str = "png") -> str:
 
 
 def make_llava_dir(root: Path, tower: str = "clip", size: int = SIZE, text_hidden: int = 48,
-                   weight_std: float | None = None) -> Path:
+                   weight_std: float | None = None, vocab: int = 300) -> Path:
     """A saved HF Llava directory (tokenizer, template, processor config) reading `size`-pixel images.
     `weight_std`: every matrix drawn at that std instead of transformers' 0.02, so that the image
     decides the greedy reply (at 0.02 a tiny model answers every image alike)."""
@@ -44,7 +44,7 @@ def make_llava_dir(root: Path, tower: str = "clip", size: int = SIZE, text_hidde
     from tokenizers import AddedToken, Tokenizer
 
     out = root / f"llava-{tower}"
-    train_tokenizer(out, vocab_size=300)
+    train_tokenizer(out, vocab_size=vocab)
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     tok.add_special_tokens([AddedToken("<image>", normalized=False, special=True)])
     tok.save(str(out / "tokenizer.json"))
