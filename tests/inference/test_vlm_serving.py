@@ -197,3 +197,20 @@ def test_tessera_serve_refuses_a_tensor_parallel_size_the_vision_language_model_
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1, err
     assert "--tensor-parallel 4: must divide the 2 key/value heads of" in err, err
+
+
+def test_a_kind_whose_runner_has_no_tensor_parallel_path_is_refused_in_one_line_before_any_worker(tmp_path,
+                                                                                                 monkeypatch):
+    """The loader asks the serving kind's runner (kinds.py), naming no kind itself: a runner
+    without `tensor_parallel_problem` is served on one process only."""
+    import torch
+
+    from tessera.common.errors import UserError
+    from tessera.inference.worker.loader import load_for_serving
+    from tessera.inference.worker.multimodal.runner import VisionLanguageRunner
+
+    directory = make_llava_dir(tmp_path, "clip")
+    monkeypatch.delattr(VisionLanguageRunner, "tensor_parallel_problem")
+    with pytest.raises(UserError, match=r"^--tensor-parallel 2: model kind 'vision_language' is served on one "
+                                        r"process only \(.*\); drop --tensor-parallel$"):
+        load_for_serving(directory, torch.device("cpu"), torch.float32, tensor_parallel=2)
