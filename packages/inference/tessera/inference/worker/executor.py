@@ -16,7 +16,8 @@ pick tokens exactly as one device does from the same logits (tensor parallel cha
 summation order inside the all-reduces). The workers are spawned by the engine, not torchrun, and
 form their own process group (gloo on CPU, NCCL on GPU: worker r on cuda:r); the driver is not in
 it and talks to each worker over its own pipe, in JSON (never pickle) one way and raw tensor bytes
-the other.
+the other. A vision-language model's step carries the pixels of the images whose tokens its
+prefill chunks hold (batch.images_to_wire); every rank runs the vision tower over them.
 
 Loading goes straight into the shards (`load_shard`): the model is built on the meta device,
 tensor-parallel layers are swapped in (the kind's parallel plan, `tessera.common.models.registry`), and only then
@@ -112,6 +113,7 @@ def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.dev
     if hf:
         _load_hf_shard(path, cfg, params, buffers, groups.tp_rank, groups.tp)
     else:
+        # (A vision-language config has no kv_heads of its own: its key/value heads are never replicated.)
         _load_dcp_shard(path, params, buffers, groups, stored, getattr(cfg, "kv_heads", groups.tp))
     for module in model.modules():  # (a vision-language model's sits in its language model)
         if isinstance(module, RotaryEmbedding):
