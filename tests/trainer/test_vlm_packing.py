@@ -95,3 +95,22 @@ def test_pack_samples_for_a_text_model_is_refused_in_one_line(data, tmp_path, ca
         run_cli(main, ["--config", str(path), "--quiet", "data.pack_samples=true"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and "data.pack_samples packs vision-language" in err[0], err
+
+
+def test_a_sample_longer_than_a_packed_row_gets_a_row_of_its_own_and_is_refused_there_as_unpacked(data):
+    from tessera.common.errors import UserError
+    from tessera.common.mixture import MixtureSplit
+    from tessera.common.models.registry import model_config
+    from tessera.trainer.multimodal.batches import VisionLanguageBatches, default_processor
+
+    cfg = model_config(vlm_model(data["tokenizer"]))
+    row = 24  # one-image samples (about 20 positions) fit, two-image ones (about 29) do not
+    packed = VisionLanguageBatches(MixtureSplit(data["mixture"]), row, model=cfg, processor=default_processor(cfg),
+                                   pack=True)
+    sizes = packed.sample_positions(np.arange(32))
+    long = int(np.argmax(sizes > row))
+    assert sizes[long] > row
+    r = next(r for r in range(32) if long in packed.packing.row(r))
+    assert packed.packing.row(r) == range(long, long + 1)
+    with pytest.raises(UserError, match=r"sample \d+ is \d+ tokens .* over training.seq_length \+ 1 \(25\)"):
+        packed.batch(np.array([r]))
