@@ -49,7 +49,8 @@ class SamplePacking:
         if i >= len(self._buf):
             self._buf_start, self._buf, i = n, np.asarray(self.lengths(np.arange(n, n + CHUNK)), dtype=np.int64), 0
         length = min(int(self._buf[i]), self.seq_length)  # a longer sample fills a row alone (and is refused there)
-        if self._fill + length > self.seq_length:
+        # at most seq_length samples a row, so samples of no positions (one token) cannot keep a row open forever
+        if self._fill + length > self.seq_length or n - self._starts[-1] >= self.seq_length:
             self._starts.append(n)
             self._fill = 0
         self._fill += length
