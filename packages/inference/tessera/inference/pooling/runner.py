@@ -110,15 +110,19 @@ class DecoderRunner(PoolingSteps, ModelRunner):
         return hidden
 
 
+def check_pooling(loaded, generates: bool) -> None:
+    """Refuse an encoder that declares no pooling (it would serve nothing), before any worker starts."""
+    if loaded.pooling is None and not generates:
+        raise UserError(f"{loaded.path}: an encoder serves embeddings only, and this one declares no pooling; "
+                        "add sentence-transformers' modules.json and 1_Pooling/config.json (CLS, mean or "
+                        "last-token)")
+
+
 def embedding_spec(loaded, cfg, max_model_len: int, runner: ModelRunner) -> PoolingSpec | None:
     """The engine's pooling, its input bound set, with the runner told how to pool; None when the
     model declares no pooling or its runner cannot pool (a kind whose runner keeps no hidden states)."""
     spec = loaded.pooling
-    if spec is None:
-        if not getattr(runner, "generates", True):
-            raise UserError(f"{loaded.path}: an encoder serves embeddings only, and this one declares no pooling; "
-                            "add sentence-transformers' modules.json and 1_Pooling/config.json (CLS, mean or "
-                            "last-token)")
+    if spec is None:  # an encoder without it was refused before (check_pooling)
         return None
     if not getattr(runner, "pools", False):
         log.warning("%s declares %s pooling, but /v1/embeddings is not served for model kind %r", loaded.name,
