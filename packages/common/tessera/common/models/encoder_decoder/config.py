@@ -21,6 +21,7 @@ from tessera.common.models.causal_lm.config import (
     MAX_VOCAB,
     ModelConfig,
 )
+from tessera.common.models.encoder_decoder import layout_checks
 
 
 class T5LayerConfig(ModelConfig):
@@ -121,6 +122,9 @@ class T5Config(StrictModel):
             attention_dropout=self.dropout)
 
     # ---- accounting --------------------------------------------------------------------------
+    # validate_layout's part for this kind (tessera.common.layout; what it lacks, its own modules' sizes).
+    check_layout = layout_checks.check_layout
+
     def num_params(self) -> int:
         """Exact parameter count of `T5Model(self)` (tested against the real module)."""
         d, inner, v = self.d_model, self.num_heads * self.d_kv, self.vocab_size

@@ -29,6 +29,7 @@ from tessera.common.models.causal_lm.config import (
     ModelConfig,
     MoEConfig,
 )
+from tessera.common.models.hybrid import layout_checks
 
 SYMBOLS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
 # Upper bounds of the Mamba sizes (the others are the causal LM's): far above every published model
@@ -165,6 +166,10 @@ class HybridConfig(StrictModel):
             ffn_hidden_size=self.ffn_hidden_size or 1, max_seq_len=self.max_seq_len, norm="rmsnorm",
             norm_eps=self.norm_eps, activation=self.activation, position="learned", bias=self.mlp_bias,
             attention_bias=[], moe=self.moe, attention_dropout=self.attention_dropout, init_std=self.init_std)
+
+    # validate_layout's part for this kind (tessera.common.layout; what it lacks, its own modules' sizes).
+    check_layout = layout_checks.check_layout
+    check_tensor_parallel = layout_checks.check_tensor_parallel
 
     # ---- accounting ----------------------------------------------------------------------
     def num_params(self) -> int:

@@ -22,6 +22,7 @@ from tessera.common.models.causal_lm.config import (
     MAX_VOCAB,
     ModelConfig,
 )
+from tessera.common.models.vision_language import layout_checks
 
 MAX_IMAGE_SIZE = 4096  # pixels per side a vision tower is built for; far above any published ViT's
 MAX_CHANNELS = 16
@@ -147,6 +148,9 @@ class VisionLanguageConfig(StrictModel):
     def image_seq_len(self) -> int:
         """Image tokens (features) per image."""
         return self.vision.num_positions - (1 if self.vision_feature_select_strategy == "default" else 0)
+
+    # validate_layout's part for this kind (tessera.common.layout; what it lacks, its own modules' sizes).
+    check_layout = layout_checks.check_layout
 
     def num_params(self) -> int:
         dv, dt = self.vision.hidden_size, self.text.hidden_size
