@@ -112,7 +112,9 @@ def reference_training(model: torch.nn.Module, batch: Callable[[int], tuple[Any,
 def train_parity(name: str, layout_kw: dict, cfg, reference, batch: Callable[[int], tuple[Any, torch.Tensor]],
                  train: dict[str, int]) -> dict[str, float]:
     """The reference's steps under the parallel runtime in layout `layout_kw` (sequence parallel
-    when `name` is "tp2_sp"), the kind's own objective, each data rank on its rows: each step's
+    when `name` is "tp2_sp"), the model built on the meta device as tessera-train builds it (each
+    rank allocates and initialises only its shards, sharded_init), the kind's own objective, each
+    data rank on its rows: each step's
     loss relative to the reference's, and the parameters after the steps normwise (each rank's
     shards against the reference's), worst over the ranks."""
     from torch.distributed.tensor import DTensor
@@ -129,10 +131,10 @@ def train_parity(name: str, layout_kw: dict, cfg, reference, batch: Callable[[in
     groups = build_groups(layout)
     set_groups(groups)
     training = TrainingConfig(seq_length=train["seq"], global_batch_size=train["global_batch"],
-                              micro_batch_size=train["micro_batch"])
+                              micro_batch_size=train["micro_batch"], seed=0)  # the reference's init seed
     parallel = ParallelConfig(**layout.model_dump(exclude={"data"}), sequence_parallel=name == "tp2_sp")
     rt = ParallelRuntime.build(cfg, groups, training, parallel, OptimConfig(**OPTIM),
-                               build_model=lambda: registry.kind_of(cfg).build(cfg, seed=0),
+                               build_model=lambda: registry.kind_of(cfg).build(cfg, device="meta", seed=None),
                                objective=parallel_objective(cfg))
     ref_losses, ref_params = reference
     rows = train["global_batch"] // groups.dp_ep

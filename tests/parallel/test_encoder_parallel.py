@@ -5,8 +5,8 @@ parameter the hidden, pooled and binary outputs reach (the rank's slice of the w
 sequence-parallel partial gradient summed over the tensor group first).
 
 Training under the parallel runtime (the masked-LM objective, tessera.trainer.mlm.objective): TP2,
-TP2+SP, PP2, DP2 and FSDP2 take the same losses and reach the same parameters as one process with
-torch's AdamW after a few optimizer steps.
+TP2+SP, PP2, DP2 and FSDP2, each built on the meta device as tessera-train builds it, take the same
+losses and reach the same parameters as one process with torch's AdamW after a few optimizer steps.
 
 One torchrun launch runs every layout: this file is also the worker (`torchrun ... this_file out.json`).
 """

@@ -5,8 +5,10 @@ of the logits, the vocab-parallel cross-entropy, and the gradient of every param
 slice of the whole one's; a sequence-parallel partial gradient summed over the tensor group first).
 
 Training under the parallel runtime (the span-corruption objective, tessera.trainer.span.objective):
-TP2, TP2+SP, DP2 and FSDP2 take the same losses and reach the same parameters as one process with
-torch's AdamW after a few optimizer steps, for both variants (T5's tied, scaled head; v1.1's own).
+TP2, TP2+SP, DP2 and FSDP2, each built on the meta device with only the rank's shards allocated and
+initialised (sharded_init, T5's init_module), take the same losses and reach the same parameters as
+one process with torch's AdamW after a few optimizer steps, for both variants (T5's tied, scaled
+head; v1.1's own).
 
 One torchrun launch runs every layout: this file is also the worker (`torchrun ... this_file out.json`).
 """
