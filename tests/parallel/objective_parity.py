@@ -110,13 +110,14 @@ def reference_training(model: torch.nn.Module, batch: Callable[[int], tuple[Any,
 
 
 def train_parity(name: str, layout_kw: dict, cfg, reference, batch: Callable[[int], tuple[Any, torch.Tensor]],
-                 train: dict[str, int]) -> dict[str, float]:
+                 train: dict[str, int], build_peaks: dict[str, float] | None = None) -> dict[str, float]:
     """The reference's steps under the parallel runtime in layout `layout_kw` (sequence parallel
     when `name` is "tp2_sp"), the model built on the meta device as tessera-train builds it (each
     rank allocates and initialises only its shards, sharded_init), the kind's own objective, each
     data rank on its rows: each step's
     loss relative to the reference's, and the parameters after the steps normwise (each rank's
-    shards against the reference's), worst over the ranks."""
+    shards against the reference's), worst over the ranks. `build_peaks[name]`, when given: the most
+    bytes any rank held while the runtime was built, over the whole model's fp32 weights."""
     from torch.distributed.tensor import DTensor
 
     from tessera.common.layout import ParallelLayout
@@ -133,9 +134,15 @@ def train_parity(name: str, layout_kw: dict, cfg, reference, batch: Callable[[in
     training = TrainingConfig(seq_length=train["seq"], global_batch_size=train["global_batch"],
                               micro_batch_size=train["micro_batch"], seed=0)  # the reference's init seed
     parallel = ParallelConfig(**layout.model_dump(exclude={"data"}), sequence_parallel=name == "tp2_sp")
-    rt = ParallelRuntime.build(cfg, groups, training, parallel, OptimConfig(**OPTIM),
-                               build_model=lambda: registry.kind_of(cfg).build(cfg, device="meta", seed=None),
-                               objective=parallel_objective(cfg))
+    sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+    from plan_worker import PeakBytes
+
+    with PeakBytes() as held:
+        rt = ParallelRuntime.build(cfg, groups, training, parallel, OptimConfig(**OPTIM),
+                                   build_model=lambda: registry.kind_of(cfg).build(cfg, device="meta", seed=None),
+                                   objective=parallel_objective(cfg))
+    if build_peaks is not None:
+        build_peaks[name] = worst_over_ranks({"peak": held.peak / (4 * cfg.num_params())})["peak"]
     ref_losses, ref_params = reference
     rows = train["global_batch"] // groups.dp_ep
     mine = slice(groups.dp_ep_rank * rows, (groups.dp_ep_rank + 1) * rows)
