@@ -183,7 +183,8 @@ def _refused(capsys, argv: list[str]) -> str:
 
 def test_encoders_megatron_bert_cannot_hold_are_refused_in_one_line_with_nothing_written(tmp_path, capsys):
     """Post-LayerNorm BERT (BertModel is pre-LayerNorm), a model without the MLM head, a pooler
-    without the binary head, and a config whose shapes are not the checkpoint's: exit 2, one line."""
+    without the binary head, a tensor-parallel size that does not divide the heads, and a config
+    whose shapes or heads are not the checkpoint's: exit 2, one line, nothing written."""
     out = tmp_path / "out"
     make_checkpoint(tmp_path / "good", EncoderConfig(**MODEL), None)
     assert run(["export", "--format", "megatron", "--checkpoint", str(tmp_path / "good"), "--output",
@@ -201,6 +202,9 @@ def test_encoders_megatron_bert_cannot_hold_are_refused_in_one_line_with_nothing
         err = _refused(capsys, ["import", "--format", "megatron", "--input", str(tmp_path / "mg"), "--output",
                                 str(out), "--model-config", str(tmp_path / "m.yaml")])
         assert all(w in err for w in words) and "--model-config" in err, err
+    err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "good"), "--output",
+                            str(out), "--tensor-parallel", "3"])
+    assert "--tensor-parallel 3" in err and "num_heads (4)" in err, err
     (tmp_path / "m.yaml").write_text(yaml.safe_dump({**MODEL, "ffn_hidden_size": 96}))
     err = _refused(capsys, ["import", "--format", "megatron", "--input", str(tmp_path / "mg"), "--output", str(out),
                             "--model-config", str(tmp_path / "m.yaml")])
