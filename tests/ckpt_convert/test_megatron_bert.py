@@ -181,10 +181,14 @@ def _refused(capsys, argv: list[str]) -> str:
     return err
 
 
-def test_encoders_megatron_bert_cannot_hold_are_refused_in_one_line_with_nothing_written(tmp_path, capsys):
+def test_encoders_megatron_bert_cannot_hold_are_refused_in_one_line_and_a_training_checkpoints_optimizer_is_skipped(
+        tmp_path, capsys):
     """Post-LayerNorm BERT (BertModel is pre-LayerNorm), a model without the MLM head, a pooler
     without the binary head, a tensor-parallel size that does not divide the heads, and a config
-    whose shapes or heads are not the checkpoint's: exit 2, one line, nothing written."""
+    whose shapes or heads are not the checkpoint's: exit 2, one line, nothing written. A checkpoint
+    with Megatron's optimizer state beside the model imports the model."""
+    import torch.distributed.checkpoint as dcp
+
     out = tmp_path / "out"
     make_checkpoint(tmp_path / "good", EncoderConfig(**MODEL), None)
     assert run(["export", "--format", "megatron", "--checkpoint", str(tmp_path / "good"), "--output",
@@ -205,6 +209,20 @@ def test_encoders_megatron_bert_cannot_hold_are_refused_in_one_line_with_nothing
     err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "good"), "--output",
                             str(out), "--tensor-parallel", "3"])
     assert "--tensor-parallel 3" in err and "num_heads (4)" in err, err
+    # A Megatron-LM training checkpoint holds its optimizer's state beside the model (Megatron's
+    # `optimizer.state.<kind>.<the model tensor's key>`): the model imports, the optimizer is not read.
+    with_optimizer = tmp_path / "trained" / "iter_0000001"
+    meta = read_dcp_metadata(tmp_path / "mg").state_dict_metadata
+    state = {k: torch.empty(tuple(v.size)) for k, v in meta.items() if hasattr(v, "size")}
+    dcp_load(state, tmp_path / "mg", no_dist=True)
+    dcp.save({**state, "optimizer.state.exp_avg.encoder.layers.mlp.linear_fc1.weight": torch.ones(2, 64, 32)},
+             checkpoint_id=str(with_optimizer), no_dist=True)
+    (with_optimizer / "metadata.json").write_text((tmp_path / "mg" / "metadata.json").read_text())
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(MODEL))
+    assert run(["import", "--format", "megatron", "--input", str(with_optimizer), "--output", str(tmp_path / "in"),
+                "--model-config", str(tmp_path / "m.yaml"), "--quiet"]) == 0
+    first, back = (load_model_tensors(resolve_checkpoint(tmp_path / d)) for d in ("good", "in"))
+    assert first.keys() == back.keys() and all(torch.equal(t, back[k]) for k, t in first.items())
     (tmp_path / "m.yaml").write_text(yaml.safe_dump({**MODEL, "ffn_hidden_size": 96}))
     err = _refused(capsys, ["import", "--format", "megatron", "--input", str(tmp_path / "mg"), "--output", str(out),
                             "--model-config", str(tmp_path / "m.yaml")])

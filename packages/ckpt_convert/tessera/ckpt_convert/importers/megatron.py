@@ -203,7 +203,10 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
     if tok is not None:
         check_tokenizer_fits(tok, cfg.vocab_size, f"--model-config {model_config}")
     metadata = read_dcp_metadata(input_dir)  # restricted unpickler: refuses anything but DCP's index classes
-    specs = {k: v for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
+    # A Megatron-LM training checkpoint also holds its optimizer's state (`optimizer.state.*`,
+    # `optimizer.distributed.*`): not the model's, never read.
+    specs = {k: v for k, v in metadata.state_dict_metadata.items()
+             if hasattr(v, "size") and not k.startswith("optimizer.")}
     rows = specs["embedding.word_embeddings.weight"].size[0] if "embedding.word_embeddings.weight" in specs else None
     if rows is None:
         raise ArtifactError(f"{input_dir}: no embedding.word_embeddings.weight; not a Megatron-Core GPT, Mamba or "
