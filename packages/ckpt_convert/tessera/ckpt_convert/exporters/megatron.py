@@ -34,8 +34,6 @@ from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.encoder.config import EncoderConfig
 from tessera.common.models.hybrid.config import HybridConfig
 
-EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
-
 
 def tessera_to_megatron(cfg: ModelConfig, t: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
     """Megatron-Core tensors (global, layers stacked) from Tessera parameters `t`."""
@@ -133,7 +131,7 @@ def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dty
         rows = cfg.padded_for(tp).vocab_rows  # Megatron's padded vocabulary at --tensor-parallel T
         tensors = tessera_to_megatron(cfg, src.load_model(list(shapes)), rows)
         extra_state = [f"decoder.layers.{module}._extra_state/shard_{i}_{cfg.num_layers}"
-                       for i in range(cfg.num_layers) for module in EXTRA_STATE_MODULES]
+                       for i in range(cfg.num_layers) for module in megatron_hybrid.EXTRA_STATE_MODULES]
     none = io.BytesIO()
     torch.save([None], none)  # what megatron-core writes for a local layer's extra state (a one-shard list)
     with src.checksum_check() as checksums, atomic_directory(output, overwrite=overwrite, sync=sync) as tmp, \

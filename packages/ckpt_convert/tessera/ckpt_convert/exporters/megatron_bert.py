@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.ckpt_convert.exporters.megatron_hybrid import fuse_qkv, split_qkv
+from tessera.ckpt_convert.exporters.megatron_hybrid import EXTRA_STATE_MODULES, fuse_qkv, split_qkv
 from tessera.ckpt_convert.exporters.megatron_mla import stack_export, stack_import
 from tessera.common.errors import UserError
 from tessera.common.hf.rules import Rule
@@ -42,8 +42,6 @@ LAYERS = "encoder.layers."
 POST_LN = ("norm_placement=post (BERT's post-LayerNorm blocks) has no Megatron-Core equivalent: its BertModel is "
            "pre-LayerNorm (norms before attention and MLP, a final norm, no embedding norm; its TransformerLayer has "
            "no post-norm option); use --format hf, or a pre-LayerNorm encoder (norm_placement: pre)")
-# Megatron's layer modules with `_extra_state` (local, non-FP8 layers write [None] each).
-EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 def check_megatron(cfg: EncoderConfig, where: str = "model config") -> None:

@@ -181,7 +181,7 @@ def _mla_tensors(cfg: ModelConfig, input_dir: Path, specs: dict[str, Any], rows:
 def _bert_tensors(cfg: EncoderConfig, input_dir: Path, specs: dict[str, Any], rows: int) -> dict[str, torch.Tensor]:
     """A BertModel checkpoint's tensors as the pre-LayerNorm encoder's (names and layouts: megatron_bert)."""
     return _rules_tensors(cfg, megatron_bert.import_rules(cfg, rows), input_dir, specs,
-                          "heads, token types, a tied output layer or the binary head differ")
+                          "heads, token types, learned positions, a tied output layer or the binary head differ")
 
 
 def import_megatron(input_dir: str | Path, output: str | Path, model_config: str | Path,
