@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "extra layers to the middle stages)")
     common(r)
 
-    e = sub.add_parser("export", help="export to Hugging Face (hf) or TensorRT-LLM (trtllm)",
+    e = sub.add_parser("export", help="export to Hugging Face (hf), TensorRT-LLM (trtllm) or Megatron-Core (megatron)",
                        description="hf: a transformers directory (safetensors, config.json, generation_config.json, "
                                    "tokenizer) of the model's class: LlamaForCausalLM, GPT2LMHeadModel, ..., "
                                    "NemotronHForCausalLM, Mamba2ForCausalLM. trtllm: a TensorRT-LLM checkpoint "
