@@ -188,8 +188,8 @@ def test_a_stage_without_code_for_a_registered_kind_refuses_it_in_one_line_befor
                              (["export", "--format", "megatron"], "export --format megatron"),
                              (["reshard", "--tensor-parallel", "1", "--pipeline-parallel", "1"], "reshard")):
         err = _cli(_ckpt_main(), [*argv, "--checkpoint", ck, "--output", tmp_path / "out"], capsys)
-        handled = {"export --format trtllm": "causal_lm", "export --format megatron": "causal_lm, hybrid",
-                   "import --format megatron": "causal_lm, hybrid",
+        handled = {"export --format trtllm": "causal_lm", "export --format megatron": "causal_lm, hybrid, encoder",
+                   "import --format megatron": "causal_lm, hybrid, encoder",
                    "export --format hf": "causal_lm, hybrid, encoder, vision_language, encoder_decoder",
                    "reshard": "causal_lm, hybrid, encoder, vision_language, encoder_decoder"}.get(
                        conversion, "causal_lm, hybrid, encoder, encoder_decoder")
