@@ -23,11 +23,11 @@ trainer computes them at the masked positions only): the comparison of the model
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 
 import torch
+from peer_race import hf_recipe_step, report
+from train_throughput import time_interleaved
 
 
 def batches(n: int, batch: int, seq: int, vocab: int, mask_id: int, seed: int = 0):
@@ -93,46 +93,22 @@ def main() -> None:
             out = ours(inputs.tokens, token_types=inputs.token_types, attention_mask=inputs.padding_mask)
             return mlm_loss(out, labels, inputs.binary_labels, reduction)
         step._mlm = full
-    decay = [p for n, p in hf.named_parameters() if p.ndim > 1]
-    no_decay = [p for n, p in hf.named_parameters() if p.ndim <= 1]
-    hf_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                               lr=1e-4, betas=(0.9, 0.999), eps=1e-8, fused=True)
+    def hf_loss(model, inputs, types, padding, order, labels) -> torch.Tensor:
+        return model(input_ids=inputs, token_type_ids=types, attention_mask=padding, labels=labels,
+                     next_sentence_label=order).loss
 
-    def tessera_step(b) -> float:
-        inputs, types, padding, order, labels = b
+    def tessera_step(inputs, types, padding, order, labels) -> torch.Tensor:
         loss, _, _ = step([(MLMBatch(inputs, types, padding, order), labels)], 1, torch.device("cpu"))
-        return float(loss.detach())
+        return loss.detach()
 
-    def hf_step(b) -> float:
-        inputs, types, padding, order, labels = b
-        hf_opt.zero_grad(set_to_none=True)
-        loss = hf(input_ids=inputs, token_type_ids=types, attention_mask=padding, labels=labels,
-                  next_sentence_label=order).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0, foreach=True)
-        hf_opt.step()
-        return float(loss.detach())
-
+    steps = {"tessera": tessera_step, "transformers": hf_recipe_step(hf, hf_loss, 1e-4, (0.9, 0.999))}
     data = batches(args.warmup + args.steps, args.batch, args.seq, args.vocab, mask_id=4)
-    times: dict[str, list[float]] = {"tessera": [], "transformers": []}
-    last: dict[str, float] = {}
-    for i, b in enumerate(data):
-        for name, fn in (("tessera", tessera_step), ("transformers", hf_step)):
-            start = time.perf_counter()
-            last[name] = fn(b)
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - start)
-    tokens = args.batch * args.seq
-    rate = {k: tokens / statistics.median(v) for k, v in times.items()}
     print(f"BERT d={args.hidden} L={args.layers} heads={args.heads} ffn={args.ffn} vocab={args.vocab} "
           f"seq={args.seq} batch={args.batch}, fp32, {torch.get_num_threads()} threads, "
           f"{args.steps} timed steps after {args.warmup}{', tessera compiled' if args.compile else ''}"
           f"{', tessera full head' if args.full_head else ''}")
-    for k in ("tessera", "transformers"):
-        print(f"  {k:13s} {rate[k]:10,.0f} tokens/s  (median step {statistics.median(times[k]) * 1e3:.0f} ms)  "
-              f"loss after {last[k]:.4f}")
-    print(f"  ratio tessera / transformers: {rate['tessera'] / rate['transformers']:.2f}x")
-
+    report(time_interleaved(steps, data, args.warmup, args.steps, lambda: None), args.batch * args.seq,
+           "BertForPreTraining")
 
 if __name__ == "__main__":
     main()

@@ -27,12 +27,12 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_race import OutputsDiffer, race, run_engine, spec_summary  # noqa: E402
 
 # DeepSeek-V3's config.json fields, scaled down (V3: 7168 hidden, 61 layers, 128 heads, q-lora 1536,
 # kv-lora 512, rope 64, nope 128, v 128, 256 routed experts top-8 in 8 groups top-4).
@@ -49,19 +49,6 @@ def make_config(vocab: int):
     from tessera.common.models.registry import model_config_from_hf
 
     return model_config_from_hf({**SHAPE, "vocab_size": vocab}, "benchmark shape")
-
-
-def run_engine(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    from tessera.inference.core.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outs: dict[str, list[int]] = {}
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params)
-        outs[f"r{i}"] = []
-    start = time.perf_counter()
-    engine.run_to_completion(lambda o: outs[o.request_id].extend(o.new_token_ids))
-    return time.perf_counter() - start, [outs[f"r{i}"] for i in range(len(prompts))]
 
 
 def main() -> int:
@@ -124,17 +111,12 @@ def main() -> int:
 
         for engine in engines.values():  # warm-up (oneDNN primitives, allocator), not timed
             run_engine(engine, [q[:16] for q in prompts[:4]], 4)
-        total = dict.fromkeys(engines, 0.0)
-        rounds: dict[str, list[float]] = {name: [] for name in engines}
-        outputs = {}
-        for r in range(args.rounds):
-            for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
-                secs, outputs[name] = run_engine(engines[name], prompts, args.max_tokens)
-                rounds[name].append(secs)
-                total[name] += secs
-            if "spec" in outputs and outputs["plain"] != outputs["spec"]:
-                print("deepseek_serving: outputs differ between the plain and the speculative engine", file=sys.stderr)
-                return 1
+        try:
+            rounds, outputs = race(engines, prompts, args.max_tokens, args.rounds, same=("plain", "spec"))
+        except OutputsDiffer as e:
+            print(f"deepseek_serving: {e}", file=sys.stderr)
+            return 1
+        total = {name: sum(secs) for name, secs in rounds.items()}
         tokens = args.rounds * args.num_prompts * args.max_tokens
         per_round = args.num_prompts * args.max_tokens
         best = {name: per_round / statistics.median(secs) for name, secs in rounds.items()}
@@ -148,12 +130,8 @@ def main() -> int:
             print(f"  absorbed decode {best['plain'] / best['unabs']:.2f}x the up-projected one (medians); "
                   f"{same} of {per_round} greedy tokens the same in the last round")
         if "spec" in engines:
-            from tessera.inference.sample.spec_stats import format_spec_stats
-
-            st = engines["spec"].stats()
             print(f"  speedup {best['spec'] / best['plain']:.2f}x (medians; outputs identical); "
-                  + format_spec_stats(st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens,
-                                      st.spec_accepted_per_pos))
+                  + spec_summary(engines["spec"]))
     return 0
 
 

@@ -141,6 +141,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=1, help="Requests in flight to tessera-serve.")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--tensor-parallel", type=int, default=1, help="tessera-serve's --tensor-parallel (worker processes).")
     args = p.parse_args()
     hidden = args.hidden or (256 if args.model == "qwen3" else 384)
     layers = args.layers or (4 if args.model == "qwen3" else 6)
@@ -155,7 +156,8 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-c", "from tessera.inference.entrypoints.serve_cli import entry; entry()",
                "--checkpoint", str(d), "--port", str(port), "--quiet", "--served-model-name", "m",
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", "256"]
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", "256",
+               "--tensor-parallel", str(args.tensor_parallel)]
         log = open(Path(tmp) / "serve.log", "w")
         server = subprocess.Popen(cmd, stderr=log, start_new_session=True)
         try:
@@ -175,7 +177,8 @@ def main() -> int:
             print(Path(log.name).read_text().strip().splitlines()[-1][:400])
             params = sum(v.numel() for v in st[0].auto_model.state_dict().values())
             tokens = sum(len(x) for x in st.tokenizer(texts, truncation=True, max_length=st.max_seq_length)["input_ids"])
-            print(f"model: {args.model} d={hidden} L={layers} ({params / 1e6:.1f}M params), {len(texts)} texts "
+            print(f"model: {args.model} d={hidden} L={layers} ({params / 1e6:.1f}M params), tensor parallel "
+                  f"{args.tensor_parallel}, {len(texts)} texts "
                   f"({tokens} tokens), batch {args.batch}, concurrency {args.concurrency}, torch threads here "
                   f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
             run_tessera(url, texts[:64], args.batch, args.concurrency)  # warm-up

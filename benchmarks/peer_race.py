@@ -1,6 +1,7 @@
-"""Tessera's next-token train step against transformers' on the same model, the same random batches
-and the same optimizer, steps alternating (load from other jobs hits both alike): the race
-benchmarks/hybrid_training.py and deepseek_training.py run once each has built its pair of models.
+"""Tessera's train step against transformers' on the same model, the same batches and the same
+optimizer, steps alternating (load from other jobs hits both alike): the next-token race
+benchmarks/hybrid_training.py and deepseek_training.py run once each has built its pair of models,
+and the report and transformers' recipe bert_training.py and t5_training.py race with.
 """
 
 from __future__ import annotations
@@ -50,7 +51,16 @@ def race(ours, hf, vocab_size: int, args: argparse.Namespace, hf_class: str) -> 
         x = torch.randint(0, vocab_size, (args.batch, args.seq + 1), generator=g)
         batches.append((x[:, :-1], x[:, 1:]))
     out = time_interleaved(steps, batches, args.warmup, args.steps, lambda: None)
-    tokens = args.batch * args.seq
+    ratio, best_ratio, rates = report(out, args.batch * args.seq, hf_class)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "tokens_per_s": rates,
+                                         "ratio": ratio, "fastest_ratio": best_ratio, "runs": out}, indent=1))
+
+
+def report(out: dict[str, dict], tokens: int, peer: str) -> tuple[float, float, dict[str, float]]:
+    """Print tokens/s of the median and the fastest step of each of `time_interleaved`'s runs
+    ("tessera", "transformers"; `tokens` a step) and their ratios; return (median ratio, fastest
+    ratio, tokens/s of the medians)."""
     # On a shared machine a step now and then stalls for seconds: the median and the fastest step
     # are both reported (the fastest is what each framework's code costs when nothing interferes).
     rates, best = {}, {}
@@ -61,7 +71,24 @@ def race(ours, hf, vocab_size: int, args: argparse.Namespace, hf_class: str) -> 
               f"fastest step ({fastest * 1e3:.0f} ms); first step {r['first_step_s']:.2f} s; loss after "
               f"{r['final_loss']:.4f}")
     ratio, best_ratio = rates["tessera"] / rates["transformers"], best["tessera"] / best["transformers"]
-    print(f"Tessera / transformers {hf_class}: {ratio:.2f}x (median steps), {best_ratio:.2f}x (fastest steps)")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "tokens_per_s": rates,
-                                         "ratio": ratio, "fastest_ratio": best_ratio, "runs": out}, indent=1))
+    print(f"Tessera / transformers {peer}: {ratio:.2f}x (median steps), {best_ratio:.2f}x (fastest steps)")
+    return ratio, best_ratio, rates
+
+
+def hf_recipe_step(hf, loss_of, lr: float, betas: tuple[float, float], weight_decay: float = 0.01):
+    """transformers' standard training recipe as a step function of a batch: fused AdamW (no decay
+    on vectors), `loss_of(hf, *batch)` backward, gradient norm clipped at 1.0 (foreach)."""
+    decay = [p for p in hf.parameters() if p.ndim > 1]
+    no_decay = [p for p in hf.parameters() if p.ndim <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=betas, eps=1e-8, fused=True)
+
+    def step(*batch) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(hf, *batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0, foreach=True)
+        opt.step()
+        return loss.detach()
+
+    return step

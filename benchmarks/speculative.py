@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_race import OutputsDiffer, race, spec_summary  # noqa: E402
 
 
 def make_prompts(tokenizer, num: int, length: int, repeats: int) -> list[list[int]]:
@@ -38,19 +38,6 @@ def make_prompts(tokenizer, num: int, length: int, repeats: int) -> list[list[in
     ids = tokenizer.encode(text)
     step = max(1, (len(ids) - length) // max(1, num))
     return [ids[i * step:i * step + length] * repeats for i in range(num)]
-
-
-def run_engine(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    from tessera.inference.core.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outs: dict[str, list[int]] = {}
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params)
-        outs[f"r{i}"] = []
-    start = time.perf_counter()
-    engine.run_to_completion(lambda o: outs[o.request_id].extend(o.new_token_ids))
-    return time.perf_counter() - start, [outs[f"r{i}"] for i in range(len(prompts))]
 
 
 def main() -> int:
@@ -92,28 +79,20 @@ def main() -> int:
                     enable_prefix_caching=False)
         engines = {"plain": LLMEngine(loaded, EngineConfig(**base), dev, dtype),
                    "ngram": LLMEngine(loaded, EngineConfig(**base, speculative=spec), dev, dtype)}
-        total = {"plain": 0.0, "ngram": 0.0}
-        outputs = {}
-        for r in range(args.rounds):
-            order = ["plain", "ngram"] if r % 2 == 0 else ["ngram", "plain"]
-            for name in order:
-                secs, outputs[name] = run_engine(engines[name], prompts, args.max_tokens)
-                total[name] += secs
-            if outputs["plain"] != outputs["ngram"]:
-                print("speculative: outputs differ between the plain and the speculative engine", file=sys.stderr)
-                return 1
+        try:
+            secs, _ = race(engines, prompts, args.max_tokens, args.rounds, same=("plain", "ngram"))
+        except OutputsDiffer as e:
+            print(f"speculative: {e}", file=sys.stderr)
+            return 1
+        total = {name: sum(s) for name, s in secs.items()}
         tokens = args.rounds * args.num_prompts * args.max_tokens
-        st = engines["ngram"].stats()
-        from tessera.inference.sample.spec_stats import format_spec_stats
-
         print(f"model {args.preset}: {loaded.config.num_params() / 1e6:.1f}M "
               f"parameters, {args.num_prompts} prompts of {args.prompt_len} x {args.repeats} tokens, "
               f"{args.max_tokens} greedy tokens each, {args.rounds} round(s), torch threads {torch.get_num_threads()}")
         for name in ("plain", "ngram"):
             print(f"  {name:6s} {tokens / total[name]:9.1f} output tokens/s ({total[name]:.2f} s)")
         print(f"  speedup {total['plain'] / total['ngram']:.2f}x (outputs identical); "
-              + format_spec_stats(st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens,
-                                  st.spec_accepted_per_pos))
+              + spec_summary(engines["ngram"]))
     return 0
 
 

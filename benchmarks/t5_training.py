@@ -22,12 +22,12 @@ few digits).
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 
 import numpy as np
 import torch
+from peer_race import hf_recipe_step, report
+from train_throughput import time_interleaved
 
 
 def batches(n: int, batch: int, enc: int, dec: int, vocab: int, extra: int, eos: int, seed: int = 0):
@@ -98,44 +98,21 @@ def main() -> None:
     optim = OptimConfig(lr=1e-4, weight_decay=0.01)
     step = SpanStep(ours, build_optimizer(ours, optim), Precision("fp32", torch.device("cpu")), 1.0,
                     compile=args.compile)
-    decay = [p for n, p in hf.named_parameters() if p.ndim > 1]
-    no_decay = [p for n, p in hf.named_parameters() if p.ndim <= 1]
-    hf_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                               lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    def hf_loss(model, inputs, labels) -> torch.Tensor:
+        return model(input_ids=inputs.tokens, attention_mask=inputs.padding_mask, labels=labels).loss
 
-    def tessera_step(b) -> float:
-        loss, _, _ = step([b], 1, torch.device("cpu"))
-        return float(loss.detach())
+    def tessera_step(inputs, labels) -> torch.Tensor:
+        loss, _, _ = step([(inputs, labels)], 1, torch.device("cpu"))
+        return loss.detach()
 
-    def hf_step(b) -> float:
-        inputs, labels = b
-        hf_opt.zero_grad(set_to_none=True)
-        loss = hf(input_ids=inputs.tokens, attention_mask=inputs.padding_mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0, foreach=True)
-        hf_opt.step()
-        return float(loss.detach())
-
+    steps = {"tessera": tessera_step, "transformers": hf_recipe_step(hf, hf_loss, 1e-4, (0.9, 0.95))}
     data = batches(args.warmup + args.steps, args.batch, args.enc, args.dec, args.vocab, extra=100, eos=1)
-    times: dict[str, list[float]] = {"tessera": [], "transformers": []}
-    last: dict[str, float] = {}
-    for i, b in enumerate(data):
-        for name, fn in (("tessera", tessera_step), ("transformers", hf_step)):
-            start = time.perf_counter()
-            last[name] = fn(b)
-            if i >= args.warmup:
-                times[name].append(time.perf_counter() - start)
-    tokens = args.batch * (args.enc + args.dec)
-    rate = {k: tokens / statistics.median(v) for k, v in times.items()}
     print(f"T5 {args.variant} d={args.d_model} d_kv={args.d_kv} ff={args.d_ff} L={args.layers}+{args.layers} "
           f"heads={args.heads} vocab={args.vocab} enc={args.enc} dec={args.dec} batch={args.batch}, fp32, "
           f"{torch.get_num_threads()} threads, {args.steps} timed steps after {args.warmup}"
           f"{', tessera compiled' if args.compile else ''}")
-    for k in ("tessera", "transformers"):
-        print(f"  {k:13s} {rate[k]:10,.0f} tokens/s  (median step {statistics.median(times[k]) * 1e3:.0f} ms)  "
-              f"loss after {last[k]:.4f}")
-    print(f"  ratio tessera / transformers: {rate['tessera'] / rate['transformers']:.2f}x")
-
+    report(time_interleaved(steps, data, args.warmup, args.steps, lambda: None), args.batch * (args.enc + args.dec),
+           "T5ForConditionalGeneration")
 
 if __name__ == "__main__":
     main()

@@ -16,6 +16,13 @@ as both models run them through the language model), the ratio and each one's lo
 steps (same start, same data: they agree to a few digits).
 
     python benchmarks/vlm_training.py            # CPU-sized defaults
+
+With --packing it compares Tessera's step on the same samples (one image each, text of random
+length) unpacked (one sample per row of --row tokens, padded, as data.pack_samples=false gives)
+and packed (several whole samples per row, positions and attention per sample: the trainer's own
+tessera.trainer.multimodal.packing), and prints useful (non-padding) tokens/s of each and the ratio.
+
+    python benchmarks/vlm_training.py --packing
 """
 
 from __future__ import annotations
@@ -46,6 +53,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps per framework")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--packing", action="store_true", help="Tessera packed vs unpacked instead of vs transformers")
+    p.add_argument("--row", type=int, default=512, help="--packing: tokens per row (training.seq_length)")
+    p.add_argument("--samples", type=int, default=64, help="--packing: samples per pass (text 16 to 2 x --text tokens)")
+    p.add_argument("--rounds", type=int, default=3, help="--packing: passes per mode, alternating; the median counts")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,6 +93,9 @@ def main() -> None:
                               Precision("fp32", torch.device("cpu")), 1.0)
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
 
+    if args.packing:
+        packing_comparison(args, step, cfg.image_seq_len)
+        return
     n_img = cfg.image_seq_len
     seq = n_img + args.text + 1
     gen = torch.Generator().manual_seed(1)
@@ -126,6 +140,68 @@ def main() -> None:
     for k in rate:
         print(f"{k:>12}: {rate[k]:8.0f} tokens/s (median of {len(times[k])} steps), loss after {last[k]:.4f}")
     print(f"ratio tessera / transformers: {rate['tessera'] / rate['transformers']:.2f}x")
+
+
+def packing_comparison(args: argparse.Namespace, step, n_img: int) -> None:
+    """Useful tokens/s of one pass over the same samples, unpacked vs packed (same step, same rows' width)."""
+    import numpy as np
+
+    from tessera.trainer.multimodal.batches import VisionLanguageBatch
+    from tessera.trainer.multimodal.packing import SamplePacking, pack_row, stack_rows
+
+    rng = np.random.default_rng(1)
+    samples = []  # (ids with the image expanded, counted) : image first, then a prompt and an answer
+    for _ in range(args.samples):
+        text = int(rng.integers(16, 2 * args.text + 1))
+        ids = np.concatenate([np.full(n_img, IMAGE_TOKEN), rng.integers(10, args.vocab, text + 1)])
+        counted = np.zeros(len(ids), dtype=bool)
+        counted[n_img + text // 2:] = True
+        samples.append((ids, counted))
+    if max(len(ids) - 1 for ids, _ in samples) > args.row:
+        raise SystemExit(f"--row {args.row} is shorter than the longest sample; raise it")
+    pixels = torch.randn(args.samples, 3, args.image_size, args.image_size, generator=torch.Generator().manual_seed(2))
+    lengths = np.array([len(ids) - 1 for ids, _ in samples])
+    # past the pass, a full row's length closes the last row
+    packing = SamplePacking(lambda ns: np.where(ns < len(lengths), lengths[np.minimum(ns, len(lengths) - 1)],
+                                                args.row), args.row)
+    layouts = {"unpacked": [range(n, n + 1) for n in range(args.samples)], "packed": []}
+    while not layouts["packed"] or layouts["packed"][-1].stop < args.samples:
+        layouts["packed"].append(packing.row(len(layouts["packed"])))
+
+    def batches(rows: list[range], packed: bool) -> list:
+        out = []
+        for at in range(0, len(rows), args.batch):
+            chunk = rows[at:at + args.batch]
+            packs = [pack_row([samples[n] for n in r], args.row) for r in chunk]
+            counts = torch.tensor([len(r) for r in chunk])
+            images = torch.zeros(len(chunk), int(counts.max()), 3, args.image_size, args.image_size)
+            for i, r in enumerate(chunk):
+                images[i, :len(r)] = pixels[r.start:r.stop]
+            extra = {k: stack_rows(packs, k) for k in ("positions", "document_ids")} if packed else {}
+            out.append((VisionLanguageBatch(stack_rows(packs, "tokens"), images, counts, **extra),
+                        stack_rows(packs, "labels")))
+        return out
+
+    work = {name: batches(rows, name == "packed") for name, rows in layouts.items()}
+    useful = int(lengths.sum())
+    for name in work:  # warm-up: one step each
+        step([work[name][0]], 1, torch.device("cpu"))
+    seconds: dict[str, list[float]] = {name: [] for name in work}
+    for _ in range(args.rounds):
+        for name, todo in work.items():
+            t0 = time.perf_counter()
+            for b in todo:
+                step([b], 1, torch.device("cpu"))
+            seconds[name].append(time.perf_counter() - t0)
+    print(f"packing: {args.samples} samples of {n_img} image + 16..{2 * args.text} text tokens "
+          f"({useful} useful tokens), rows of {args.row}, batch {args.batch}, threads {torch.get_num_threads()}")
+    rate = {}
+    for name, rows in layouts.items():
+        rate[name] = useful / statistics.median(seconds[name])
+        fill = useful / (len(rows) * args.row)
+        print(f"{name:>9}: {len(rows):3d} rows ({fill:.0%} useful), {rate[name]:8.0f} useful tokens/s "
+              f"(median of {args.rounds} passes)")
+    print(f"ratio packed / unpacked: {rate['packed'] / rate['unpacked']:.2f}x")
 
 
 if __name__ == "__main__":

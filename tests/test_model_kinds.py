@@ -188,8 +188,8 @@ def test_a_stage_without_code_for_a_registered_kind_refuses_it_in_one_line_befor
                              (["export", "--format", "megatron"], "export --format megatron"),
                              (["reshard", "--tensor-parallel", "1", "--pipeline-parallel", "1"], "reshard")):
         err = _cli(_ckpt_main(), [*argv, "--checkpoint", ck, "--output", tmp_path / "out"], capsys)
-        handled = {"export --format trtllm": "causal_lm", "export --format megatron": "causal_lm, hybrid",
-                   "import --format megatron": "causal_lm, hybrid",
+        handled = {"export --format trtllm": "causal_lm", "export --format megatron": "causal_lm, hybrid, encoder",
+                   "import --format megatron": "causal_lm, hybrid, encoder",
                    "export --format hf": "causal_lm, hybrid, encoder, vision_language, encoder_decoder",
                    "reshard": "causal_lm, hybrid, encoder, vision_language, encoder_decoder"}.get(
                        conversion, "causal_lm, hybrid, encoder, encoder_decoder")
@@ -225,3 +225,28 @@ def test_the_hybrid_kind_is_registered_and_every_stage_without_its_code_refuses_
     # The kind's tensor map is checked against the index before anything else reads the checkpoint.
     assert "model tensor 'embed_tokens.weight' has shape [320, 64], the sidecar's model config implies [320, 32]" \
         in err, err
+
+
+LAYOUT_REFUSALS = [  # (kind's model section, layout, the kind's own line)
+    (HYBRID, dict(context=2), "hybrid models (model.kind: hybrid) have no context-parallel Mamba layers"),
+    (HYBRID, dict(tensor=8), "must divide model.mamba.num_heads (4)"),
+    ({"kind": "encoder_decoder", "vocab_size": 64, "d_model": 32, "d_kv": 8, "d_ff": 48, "num_layers": 2,
+      "num_decoder_layers": 2, "num_heads": 4}, dict(context=2), "not built for the encoder-decoder kind (T5)"),
+    ({"kind": "vision_language", "image_token_id": 3,
+      "vision": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "ffn_hidden_size": 64, "image_size": 16,
+                 "patch_size": 8},
+      "text": {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4,
+               "ffn_hidden_size": 64, "max_seq_len": 64}}, dict(tensor=4), "must divide model.vision.num_heads (2)"),
+]
+
+
+@pytest.mark.parametrize("model, layout, line", LAYOUT_REFUSALS, ids=["hybrid cp", "hybrid tp", "t5 cp", "vlm tp"])
+def test_validate_layout_names_no_kind_and_each_kind_refuses_what_it_lacks_through_its_own_config(model, layout, line):
+    from tessera.common import layout as layout_module
+    from tessera.common.layout import ParallelLayout, validate_layout
+
+    source = Path(layout_module.__file__).read_text()
+    assert not [k for k in registry.KINDS if k != "causal_lm" and k in source], "per-kind code belongs to the kind"
+    with pytest.raises(UserError) as exc:
+        validate_layout(registry.model_config(model), ParallelLayout(**layout))
+    assert line in str(exc.value) and "\n" not in str(exc.value), exc.value

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ from tessera.common.checkpoint import (
 )
 from tessera.common.layout import ParallelLayout
 from tessera.common.models.causal_lm.config import ModelConfig
-from tessera.common.models.causal_lm.model import build_model
+from tessera.common.models.registry import kind_of
 from tessera.common.tokenizer import tokenizer_fingerprint
 
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
@@ -43,10 +44,11 @@ def make_tokenizer(directory: Path, vocab_size: int = 300) -> Path:
     return directory
 
 
-def make_checkpoint(root: Path, cfg: ModelConfig, tokenizer: Path | None, step: int = 10, seed: int = 0,
+def make_checkpoint(root: Path, cfg: Any, tokenizer: Path | None, step: int = 10, seed: int = 0,
                     extra: dict[str, torch.Tensor] | None = None) -> Path:
-    """A run-style checkpoints directory: root/iter_NNNNNNN/ (DCP + sidecar + tokenizer) + pointer."""
-    model = build_model(cfg, seed=seed)
+    """A run-style checkpoints directory: root/iter_NNNNNNN/ (DCP + sidecar + tokenizer) + pointer,
+    for a model config of any kind."""
+    model = kind_of(cfg).build(cfg, seed=seed)
     # Random (not init-pattern) norms and biases so a mix-up of any two tensors shows in logits.
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

@@ -83,7 +83,7 @@ def sentences(n: int) -> list[str]:
     return [" ".join(words[(i * 7) % len(words):][: 3 + i % 11] + [str(i)]) for i in range(n)]
 
 
-def make_bert_dir(directory: Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+def make_bert_dir(directory: Path, seed: int = 0, hidden: int = 64, layers: int = 2, positions: int = 256) -> Path:
     """A random tiny BertModel saved by transformers, with a WordPiece tokenizer trained here
     ([CLS] text [SEP], as BERT's post-processor)."""
     from inference_helpers import corpus
@@ -106,6 +106,6 @@ def make_bert_dir(directory: Path, seed: int = 0, hidden: int = 64, layers: int 
         "tokenizer_class": "PreTrainedTokenizerFast"}))
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden, num_hidden_layers=layers,
-                     num_attention_heads=4, intermediate_size=hidden * 2, max_position_embeddings=256)
+                     num_attention_heads=4, intermediate_size=hidden * 2, max_position_embeddings=positions)
     BertModel(cfg).eval().save_pretrained(directory, safe_serialization=True)
     return directory

@@ -11,7 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
+from objective_runs import (
+    assert_resume_is_bit_identical,
+    assert_tp2_then_dp2_resume_logs_one_process_losses,
+    losses,
+    write_run_config,
+)
 from test_bert_masks import prose
 
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
@@ -46,30 +51,11 @@ def data(tmp_path_factory) -> dict[str, Path]:
 
 def config(data, root: Path, **training) -> Path:
     eos = load_tokenizer(data["tokenizer"]).eos_id
-    cfg = {
-        "run_dir": str(root / "run"),
-        "model": {"kind": "encoder_decoder", "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2,
-                  "num_decoder_layers": 2, "num_heads": 4, "relative_attention_num_buckets": 8,
-                  "relative_attention_max_distance": 16, "feed_forward": "gated-gelu", "tie_word_embeddings": False,
-                  "eos_token_id": eos, "pad_token_id": eos, "decoder_start_token_id": eos},
-        "span": {"decoder_seq_length": DEC},
-        "data": {"mixture": str(data["mixture"]), "tokenizer": str(data["tokenizer"])},
-        "optim": {"lr": 3e-3, "min_lr": 3e-4},
-        "schedule": {"kind": "cosine", "warmup_steps": 2},
-        "training": {"global_batch_size": 8, "micro_batch_size": 4, "seq_length": ENC, "steps": 6,
-                     "log_interval": 1, "threads": 1, **training},
-        "logging": {"tensorboard": False},
-    }
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def losses(run: Path, kind: str = "train") -> dict[int, float]:
-    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    key = {"train": "loss", "eval": "valid_loss"}[kind]
-    return {r["step"]: r[key] for r in records if r["kind"] == kind}
+    model = {"kind": "encoder_decoder", "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_decoder_layers": 2,
+             "num_heads": 4, "relative_attention_num_buckets": 8, "relative_attention_max_distance": 16,
+             "feed_forward": "gated-gelu", "tie_word_embeddings": False, "eos_token_id": eos, "pad_token_id": eos,
+             "decoder_start_token_id": eos}
+    return write_run_config(root, data, model, ENC, training=training, span={"decoder_seq_length": DEC})
 
 
 def batches(data, seed: int = 7) -> SpanBatches:
@@ -121,15 +107,7 @@ def test_tessera_train_trains_a_tiny_t5_on_span_corruption_and_the_loss_falls(da
 
 
 def test_a_resumed_t5_run_is_bit_identical_to_an_uninterrupted_one(data, tmp_path):
-    straight = config(data, tmp_path / "straight")
-    assert main(["--config", str(straight), "--quiet"]) == 0
-    split = config(data, tmp_path / "split")
-    assert main(["--config", str(split), "--quiet", "training.exit_after_steps=3"]) == 0
-    assert main(["--config", str(split), "--quiet", "--resume"]) == 0
-    a = load_model_tensors(resolve_checkpoint(tmp_path / "straight/run/checkpoints"))
-    b = load_model_tensors(resolve_checkpoint(tmp_path / "split/run/checkpoints"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert losses(tmp_path / "straight/run") == losses(tmp_path / "split/run")
+    assert_resume_is_bit_identical(lambda root: config(data, root), tmp_path)
 
 
 def test_t5_training_with_selective_or_full_recompute_gives_the_weights_of_training_without(data, tmp_path):
@@ -214,28 +192,8 @@ def test_tessera_train_under_torchrun_trains_t5_under_tp2_then_resumes_under_dp2
     """TP2 for steps 1-3 through the CLI, then a resume under DP2 for 4-6: every step's loss and the
     final evaluation equal the uninterrupted one-process run's, so the resumed data-parallel ranks
     drew the same span-corruption samples as the uninterrupted run."""
-    import os
-    import subprocess
-    import sys
-
     exact = ["training.eval_interval=6", "training.eval_iters=1"]
-    one = config(data, tmp_path / "one")
-    assert main(["--config", str(one), "--quiet", *exact]) == 0
-    two = config(data, tmp_path / "two")
-
-    def torchrun(*args: str) -> None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-               "tessera.trainer", "--config", str(two), "--quiet", *exact, *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-
-    torchrun("parallel.tensor=2", "training.exit_after_steps=3")
-    torchrun("--resume")
-    want, got = losses(tmp_path / "one/run"), losses(tmp_path / "two/run")
-    assert sorted(got) == sorted(want) == list(range(1, 7))
-    assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
-    assert losses(tmp_path / "two/run", "eval") == pytest.approx(losses(tmp_path / "one/run", "eval"), rel=1e-5)
+    assert_tp2_then_dp2_resume_logs_one_process_losses(lambda root: config(data, root), tmp_path, exact)
 
 
 def test_pipeline_parallel_for_a_t5_run_is_refused_in_one_line_naming_why(data, tmp_path):

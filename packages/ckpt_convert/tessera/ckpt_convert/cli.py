@@ -57,12 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "extra layers to the middle stages)")
     common(r)
 
-    e = sub.add_parser("export", help="export to Hugging Face (hf) or TensorRT-LLM (trtllm)",
+    e = sub.add_parser("export", help="export to Hugging Face (hf), TensorRT-LLM (trtllm) or Megatron-Core (megatron)",
                        description="hf: a transformers directory (safetensors, config.json, generation_config.json, "
                                    "tokenizer) of the model's class: LlamaForCausalLM, GPT2LMHeadModel, ..., "
                                    "NemotronHForCausalLM, Mamba2ForCausalLM. trtllm: a TensorRT-LLM checkpoint "
                                    "(config.json + rank{R}.safetensors) for trtllm-build (causal LMs only). megatron: "
-                                   "a Megatron-Core torch_dist checkpoint (GPTModel; MambaModel for hybrid models).")
+                                   "a Megatron-Core torch_dist checkpoint (GPTModel; MambaModel for hybrid models; "
+                                   "BertModel for pre-LayerNorm encoders).")
     e.add_argument("--format", required=True, choices=("hf", "trtllm", "megatron"),
                    help="output format (megatron: a Megatron-Core torch_dist checkpoint)")
     e.add_argument("--checkpoint", required=True, help=CKPT_HELP)
@@ -80,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("import", help="import a Hugging Face directory or a Megatron-Core checkpoint",
                        description="Convert a transformers directory (LlamaForCausalLM, GPT2LMHeadModel, ..., "
                                    "NemotronHForCausalLM, Mamba2ForCausalLM; model.safetensors or sharded with "
-                                   "model.safetensors.index.json), or a Megatron-Core torch_dist checkpoint (GPTModel, or "
-                                   "MambaModel with a hybrid --model-config), into a Tessera checkpoint: OUTPUT becomes "
+                                   "model.safetensors.index.json), or a Megatron-Core torch_dist checkpoint (GPTModel, "
+                                   "MambaModel with a hybrid --model-config, or BertModel with a pre-LayerNorm encoder "
+                                   "one), into a Tessera checkpoint: OUTPUT becomes "
                                    "a checkpoints directory (iter_0000000/ + pointer) with sidecar and tokenizer.")
     i.add_argument("--format", required=True, choices=("hf", "megatron", "hf-llava-parts"),
                    help="input format: hf, megatron (a Megatron-Core torch_dist checkpoint directory), or "
@@ -95,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--seed", type=int, default=0, help="hf-llava-parts: seed of the projector's init")
     i.add_argument("--model-config", metavar="FILE",
                    help="megatron: the model as a Tessera model config (YAML/JSON; `kind: hybrid` for a MambaModel "
-                        "checkpoint; a torch_dist checkpoint holds none that can be read without unpickling)")
+                        "checkpoint, `kind: encoder` with `norm_placement: pre` for a BertModel one; a torch_dist "
+                        "checkpoint holds none that can be read without unpickling)")
     i.add_argument("--tokenizer", metavar="DIR", help="megatron: tokenizer directory to store with the checkpoint")
     i.add_argument("--output", required=True, help="new checkpoints directory to create")
     i.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="stored dtype (default: as in the input)")

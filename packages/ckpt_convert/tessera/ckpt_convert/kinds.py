@@ -17,8 +17,10 @@ CONVERTERS: dict[str, frozenset[str]] = {
                           "import --format hf", "import --format megatron", "reshard"}),
     "hybrid": frozenset({"export --format hf", "export --format megatron", "import --format hf",
                          "import --format megatron", "reshard"}),
-    # "encoder": BERT (embeddings with token types, post-norm blocks, pooler / MLM / binary heads).
-    "encoder": frozenset({"export --format hf", "import --format hf", "reshard"}),
+    # "encoder": BERT (embeddings with token types, post- or pre-norm blocks, pooler / MLM / binary heads;
+    # Megatron's BertModel for pre-norm only: exporters/megatron_bert.py).
+    "encoder": frozenset({"export --format hf", "export --format megatron", "import --format hf",
+                          "import --format megatron", "reshard"}),
     # "encoder_decoder": T5 (T5ForConditionalGeneration, T5 and v1.1).
     "encoder_decoder": frozenset({"export --format hf", "import --format hf", "reshard"}),
     # "vision_language": LLaVA (vision tower, projector, a causal LM).

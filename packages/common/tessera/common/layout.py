@@ -27,8 +27,6 @@ from pydantic import Field
 
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
-from tessera.common.models.causal_lm.config import ModelConfig
-from tessera.common.models.hybrid.config import HybridConfig
 
 
 def parse_pipeline_layers(text: str | None) -> list[int] | None:
@@ -163,7 +161,7 @@ class ParallelLayout(StrictModel):
         return self.model_copy(update={"pipeline_layers": self.stage_layers(num_layers)})
 
 
-def check_expert_parallel(cfg: ModelConfig | HybridConfig, layout: ParallelLayout) -> None:
+def check_expert_parallel(cfg: Any, layout: ParallelLayout) -> None:
     """The expert-parallel part of `validate_layout`, which needs only the model's MoE settings (the
     trainer's config checks it as it loads, before any process is launched)."""
     if layout.expert == 1:
@@ -185,41 +183,21 @@ def check_expert_parallel(cfg: ModelConfig | HybridConfig, layout: ParallelLayou
                         f"along its output rows, evenly; change {by.replace(' x ', ' or ')}")
 
 
-def check_context_parallel(cfg: ModelConfig | HybridConfig, layout: ParallelLayout) -> None:
-    """Context parallel is built for attention only: a hybrid model's Mamba layers would need their
-    scan state and convolution window passed from rank to rank along the sequence (Megatron's
-    MambaContextParallel instead all-to-alls heads for sequence), which Tessera does not have."""
+def check_context_parallel(cfg: Any, layout: ParallelLayout) -> None:
+    """Context parallel is built for standard attention; a kind without it refuses it in its own
+    check (its config's `check_layout`)."""
     if layout.context > 1 and getattr(cfg, "mla", None) is not None:
         raise UserError(f"--context-parallel {layout.context} (parallel.context): context parallel for multi-head "
                         "latent attention (model.mla, DeepSeek-V3) is not built; set it to 1")
-    if layout.context > 1 and cfg.kind == "hybrid":
-        raise UserError(f"--context-parallel {layout.context} (parallel.context): hybrid models (model.kind: hybrid) "
-                        "have no context-parallel Mamba layers; set it to 1 and split the sequence's work with "
-                        "--tensor-parallel and --sequence-parallel instead")
 
 
-def _check_tensor_parallel(cfg: ModelConfig | HybridConfig, tp: int) -> None:
-    """Each tensor rank holds whole heads (and key/value heads, Mamba groups), an equal slice of the
-    MLPs and of the vocabulary: `tp` must divide each of them."""
-    if isinstance(cfg, HybridConfig):
-        used = set(cfg.pattern)
-        if cfg.mamba is not None and "M" in used:
-            for field in ("num_heads", "num_groups"):
-                value = getattr(cfg.mamba, field)
-                if value % tp:
-                    raise UserError(f"--tensor-parallel {tp} must divide model.mamba.{field} ({value}): each tensor "
-                                    "rank holds whole Mamba heads and whole groups of B and C")
-        if "*" in used and cfg.num_heads is not None and cfg.kv_heads is not None:
-            if cfg.num_heads % tp:
-                raise UserError(f"--tensor-parallel {tp} must divide model.num_heads ({cfg.num_heads})")
-            if cfg.kv_heads % tp:
-                raise UserError(f"--tensor-parallel {tp} must divide model.num_kv_heads ({cfg.kv_heads}); key/value "
-                                "heads are split, not replicated, so tensor parallel cannot exceed them")
-        if "-" in used and cfg.ffn_hidden_size is not None and cfg.ffn_hidden_size % tp:
-            raise UserError(f"--tensor-parallel {tp} must divide model.ffn_hidden_size ({cfg.ffn_hidden_size})")
-        if cfg.vocab_size % tp:
-            raise UserError(f"--tensor-parallel {tp} must divide model.vocab_size ({cfg.vocab_size}): the embedding "
-                            "and head are split by vocabulary rows")
+def _check_tensor_parallel(cfg: Any, tp: int) -> None:
+    """Each tensor rank holds whole heads (and key/value heads), an equal slice of the MLPs and of
+    the vocabulary: `tp` must divide each of them. A kind with other layers gives its own rule
+    (its config's `check_tensor_parallel`, e.g. for Mamba heads and groups)."""
+    own = getattr(cfg, "check_tensor_parallel", None)
+    if own is not None:
+        own(tp)
         return
     if cfg.num_heads % tp:
         raise UserError(f"--tensor-parallel {tp} must divide num_heads ({cfg.num_heads})")
@@ -233,23 +211,8 @@ def _check_tensor_parallel(cfg: ModelConfig | HybridConfig, tp: int) -> None:
                         f"(model.vocab_size_divisible_by; `tessera-ckpt reshard` re-pads a checkpoint)")
 
 
-def _check_vision_language(cfg: Any, layout: ParallelLayout) -> None:
-    """LLaVA (common/models/vision_language/parallelize.py): each tensor rank holds whole tower heads
-    and equal slices of the tower's MLPs (and of the projector, split by the LM's width, which the
-    LM's own check covers); context parallel is not built for it."""
-    if layout.context > 1:
-        raise UserError(f"--context-parallel {layout.context}: the vision-language kind has no context parallel "
-                        "(the image features are merged over the whole sequence); set it to 1")
-    tp = layout.tensor
-    for field in ("num_heads", "ffn_hidden_size"):
-        value = getattr(cfg.vision, field)
-        if value % tp:
-            raise UserError(f"--tensor-parallel {tp} must divide model.vision.{field} ({value}): the vision tower's "
-                            "blocks are split like the language model's")
-
-
 def validate_layout(
-    cfg: ModelConfig | HybridConfig,
+    cfg: Any,
     layout: ParallelLayout,
     *,
     world_size: int | None = None,
@@ -265,17 +228,13 @@ def validate_layout(
     pipeline schedules need)."""
     tp, pp, dp, v = layout.tensor, layout.pipeline, layout.data, layout.virtual_stages
     # What the kind lacks comes before the sizes: no launch size makes it work.
-    if cfg.kind == "encoder_decoder" and (pp > 1 or layout.context > 1):
-        raise UserError(f"--pipeline-parallel {pp} / --context-parallel {layout.context}: not built for the "
-                        "encoder-decoder kind (T5): Megatron gives encoder and decoder their own pipeline stages, "
-                        "Tessera's pipeline cuts one stack of layers; set both to 1 and split with tensor, sequence, "
-                        "data or fully sharded data parallel")
+    own = getattr(cfg, "check_layout", None)
+    inner = own(layout) if own is not None else None
     if world_size is not None and layout.world_size != world_size:
         raise UserError(f"layout: tensor x context x expert x data x pipeline = {layout.world_size} but "
                         f"{world_size} processes were launched; data parallel is world size / (tensor x pipeline)")
-    if cfg.kind == "vision_language":  # the tower and projector split by the tensor size; the rest is the LM's
-        _check_vision_language(cfg, layout)
-        return validate_layout(cfg.text, layout, world_size=world_size, seq_len=seq_len, global_batch=global_batch,
+    if inner is not None:  # the kind checked its own modules; the rest is `inner`'s (a VLM's language model)
+        return validate_layout(inner, layout, world_size=world_size, seq_len=seq_len, global_batch=global_batch,
                                micro_batch=micro_batch, sequence_parallel=sequence_parallel)
     check_expert_parallel(cfg, layout)
     check_context_parallel(cfg, layout)

@@ -43,6 +43,7 @@ class DataConfig(StrictModel):
     reset_position_ids: bool = Field(False, description="Positions restart at 0 on the token after each end-of-document token.")
     reset_attention_mask: bool = Field(False, description="Tokens attend only to earlier tokens of their own document, not across end-of-document tokens.")
     eod_mask_loss: bool = Field(False, description="No loss where the input token is end-of-document; the loss is the mean over the remaining tokens of the global batch.")
+    pack_samples: bool = Field(False, description="Vision-language runs: fill each row of training.seq_length with several whole samples (consecutive in the mixture's order, never cut, so never an image), each with positions from 0 and attention within itself, instead of one sample per row and padding. A row is then what global_batch_size counts. Text mixtures are packed already (their windows; see reset_position_ids / reset_attention_mask).")
 
     @property
     def document_options(self) -> bool:
@@ -302,6 +303,9 @@ class TrainConfig(StrictModel):
         if t.freeze and kind_of(model).name != "vision_language":
             raise ValueError(f"training.freeze ({t.freeze}) names parts of a vision-language model; model kind "
                              f"{kind_of(model).name!r} has none: remove it")
+        if self.data.pack_samples and kind_of(model).name != "vision_language":
+            raise ValueError(f"data.pack_samples packs vision-language samples; model kind {kind_of(model).name!r} has "
+                             "none (a text mixture's windows are packed already): remove it")
         if set(t.freeze) == {"vision", "projector", "language_model"}:
             raise ValueError("training.freeze names every part of the model: nothing would train")
         max_seq = model.max_seq_len

@@ -1,7 +1,8 @@
 """`tessera-ckpt export --format megatron`: a Tessera checkpoint -> a Megatron-Core `torch_dist` checkpoint.
 
 Causal LMs become GPTModel checkpoints (below; with multi-latent attention and MoE, DeepSeek-V3's:
-megatron_mla.py); hybrid models MambaModel ones (megatron_hybrid.py).
+megatron_mla.py); hybrid models MambaModel ones (megatron_hybrid.py); pre-LayerNorm encoders
+BertModel ones (megatron_bert.py).
 
 The inverse of import_megatron (names and layouts there): global tensors with layers stacked along
 a leading axis, fused QKV in Megatron's grouped order, fused [gate; up] for SwiGLU, plus
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
-from tessera.ckpt_convert.exporters import megatron_hybrid, megatron_mla
+from tessera.ckpt_convert.exporters import megatron_bert, megatron_hybrid, megatron_mla
 from tessera.ckpt_convert.exporters.hf import expected_model_shapes
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
@@ -30,9 +31,8 @@ from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
 from tessera.common.fileio import atomic_directory
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.encoder.config import EncoderConfig
 from tessera.common.models.hybrid.config import HybridConfig
-
-EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 def tessera_to_megatron(cfg: ModelConfig, t: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
@@ -79,13 +79,7 @@ def tessera_to_megatron(cfg: ModelConfig, t: dict[str, torch.Tensor], rows: int)
     return out
 
 
-# Why an encoder has no Megatron mapping, for both directions' refusal (docs/formats/exports.md).
-BERT_PLACEMENT = ("Megatron-Core's BertModel is pre-LayerNorm (norms before attention and MLP, a final norm, no "
-                  "embedding norm; its TransformerLayer has no post-norm option) while Tessera's encoder is "
-                  "post-LayerNorm BERT (transformers'), so no weight mapping keeps the model; use --format hf")
-
-
-def check_tensor_parallel(cfg: ModelConfig | HybridConfig, tp: int) -> None:
+def check_tensor_parallel(cfg: ModelConfig | HybridConfig | EncoderConfig, tp: int) -> None:
     """Megatron splits heads, query groups and MLP widths across tensor ranks (its `divide` asserts):
     a size `tp` does not divide cannot be loaded there, so say which field before writing."""
     moe = cfg.moe
@@ -110,9 +104,9 @@ def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dty
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     cfg = src.sidecar.model
-    if cfg.kind == "encoder":
-        raise UserError(f"{checkpoint}: an encoder (BERT) checkpoint: {BERT_PLACEMENT}")
     check_convertible(cfg, "export --format megatron")
+    if cfg.kind == "encoder":
+        megatron_bert.check_megatron(cfg, f"{checkpoint}: model config")
     check_tensor_parallel(cfg, tp)
     shapes = expected_model_shapes(cfg)
     if isinstance(cfg, HybridConfig):  # Megatron's MambaModel: one entry per layer (megatron_hybrid)
@@ -121,21 +115,23 @@ def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dty
         loaded = src.load_model(list(shapes))
         tensors = {r.target: r.apply([loaded[s] for s in r.sources]) for r in rules}
         extra_state = megatron_hybrid.extra_state_keys(cfg)
-    elif cfg.mla is not None:  # DeepSeek-V3-class GPTModel: one entry per layer (megatron_mla)
-        megatron_mla.check_megatron(cfg)
+    elif cfg.kind == "encoder" or cfg.mla is not None:  # BertModel; DeepSeek-V3-class GPTModel (megatron_mla)
         rows = cfg.padded_for(tp).vocab_rows
-        rules = megatron_mla.export_rules(cfg, rows)
+        if cfg.kind == "encoder":
+            rules, extra_state = megatron_bert.export_rules(cfg, rows), megatron_bert.extra_state_keys(cfg)
+        else:
+            megatron_mla.check_megatron(cfg)
+            rules, extra_state = megatron_mla.export_rules(cfg, rows), megatron_mla.extra_state_keys(cfg)
         unread = sorted(set(src.model_specs) - {s for r in rules for s in r.sources})
         if unread:  # a tensor no rule reads would be dropped: never silently
             raise UserError(f"{checkpoint}: {unread[0]} has no Megatron-Core mapping ({len(unread)} such tensors)")
         loaded = src.load_model(sorted({s for r in rules for s in r.sources}))
         tensors = {r.target: r.apply([loaded[s] for s in r.sources]) for r in rules}
-        extra_state = megatron_mla.extra_state_keys(cfg)
     else:
         rows = cfg.padded_for(tp).vocab_rows  # Megatron's padded vocabulary at --tensor-parallel T
         tensors = tessera_to_megatron(cfg, src.load_model(list(shapes)), rows)
         extra_state = [f"decoder.layers.{module}._extra_state/shard_{i}_{cfg.num_layers}"
-                       for i in range(cfg.num_layers) for module in EXTRA_STATE_MODULES]
+                       for i in range(cfg.num_layers) for module in megatron_hybrid.EXTRA_STATE_MODULES]
     none = io.BytesIO()
     torch.save([None], none)  # what megatron-core writes for a local layer's extra state (a one-shard list)
     with src.checksum_check() as checksums, atomic_directory(output, overwrite=overwrite, sync=sync) as tmp, \

@@ -41,6 +41,8 @@ from tessera.common.hf.rules import Rule, rows
 from tessera.common.models.hybrid.config import HybridConfig
 
 VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
+# A stacked transformer layer's linear layers with `_extra_state` (GPTModel's and BertModel's).
+EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 _MAMBA_PARTS = {"z": "z", "x": "x", "b": "B", "c": "C", "dt": "dt"}
 _CONV_PARTS = {"x": "x", "b": "B", "c": "C"}
 

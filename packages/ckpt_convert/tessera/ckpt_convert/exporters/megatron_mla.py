@@ -94,7 +94,7 @@ def export_rules(cfg: ModelConfig, vocab_rows: int) -> list[Rule]:
     """Megatron tensor <- Tessera tensors, one rule per Megatron tensor (layers stacked or not, as
     Megatron saves this model)."""
     rules = _per_layer_export_rules(cfg, vocab_rows)
-    return _stack_export(rules) if stacked(cfg) else rules
+    return stack_export(rules) if stacked(cfg) else rules
 
 
 def _per_layer_export_rules(cfg: ModelConfig, vocab_rows: int) -> list[Rule]:
@@ -173,19 +173,21 @@ def _block_rules(cfg: ModelConfig, i: int, t: str, g: str) -> list[Rule]:
     return out
 
 
-def _layer_of(name: str) -> tuple[int, str] | None:
-    """`decoder.layers.<i>.<rest>` -> (i, rest)."""
-    parts = name.split(".", 3)
-    return (int(parts[2]), parts[3]) if name.startswith("decoder.layers.") and parts[2].isdigit() else None
+def _layer_of(name: str, prefix: str) -> tuple[int, str] | None:
+    """`<prefix><i>.<rest>` -> (i, rest)."""
+    if not name.startswith(prefix):
+        return None
+    i, _, rest = name[len(prefix):].partition(".")
+    return (int(i), rest) if i.isdigit() and rest else None
 
 
-def _stack_export(rules: list[Rule]) -> list[Rule]:
-    """Per-layer rules -> one rule per `decoder.layers.<rest>` tensor of shape [L, ...], in place of
-    the layers' rules."""
+def stack_export(rules: list[Rule], prefix: str = "decoder.layers.") -> list[Rule]:
+    """Per-layer rules -> one rule per `<prefix><rest>` tensor of shape [L, ...], in place of the
+    layers' rules (GPTModel's `decoder.layers.`, BertModel's `encoder.layers.`)."""
     per: dict[str, list[Rule]] = {}
     out: list[Rule | str] = []
     for r in rules:
-        at = _layer_of(r.target)
+        at = _layer_of(r.target, prefix)
         if at is None:
             out.append(r)
             continue
@@ -200,18 +202,18 @@ def _stack_export(rules: list[Rule]) -> list[Rule]:
 
         def combine(ts: list[torch.Tensor]) -> torch.Tensor:
             return torch.stack([r.apply(ts[s:s + n]) for r, s, n in zip(layer_rules, starts, counts)])
-        return Rule("decoder.layers." + rest, tuple(s for r in layer_rules for s in r.sources),
+        return Rule(prefix + rest, tuple(s for r in layer_rules for s in r.sources),
                     (len(layer_rules), *layer_rules[0].shape), combine,
                     tuple(x for r in layer_rules for x in r.input_shapes()))
     return [stack(r) if isinstance(r, str) else r for r in out]
 
 
-def _stack_import(rules: list[Rule], num_layers: int) -> list[Rule]:
-    """Per-layer import rules reading `decoder.layers.<i>.<rest>` -> reading row i of the stacked
-    `decoder.layers.<rest>`."""
+def stack_import(rules: list[Rule], num_layers: int, prefix: str = "decoder.layers.") -> list[Rule]:
+    """Per-layer import rules reading `<prefix><i>.<rest>` -> reading row i of the stacked
+    `<prefix><rest>`."""
     out = []
     for r in rules:
-        at = _layer_of(r.sources[0])
+        at = _layer_of(r.sources[0], prefix)
         if at is None:
             out.append(r)
             continue
@@ -219,7 +221,7 @@ def _stack_import(rules: list[Rule], num_layers: int) -> list[Rule]:
 
         def take(ts: list[torch.Tensor], r=r, i=i) -> torch.Tensor:
             return r.apply([ts[0][i]])
-        out.append(Rule(r.target, ("decoder.layers." + rest,), r.shape, take, ((num_layers, *r.input_shapes()[0]),)))
+        out.append(Rule(r.target, (prefix + rest,), r.shape, take, ((num_layers, *r.input_shapes()[0]),)))
     return out
 
 
@@ -239,7 +241,7 @@ def import_rules(cfg: ModelConfig, vocab_rows: int, stacked_layers: bool) -> lis
             out.append(Rule(r.sources[0], (r.target,), r.input_shapes()[0], rows(0, cfg.vocab_size, False), (r.shape,)))
         else:
             out.append(Rule(r.sources[0], (r.target,), r.shape))
-    return _stack_import(out, cfg.num_layers) if stacked_layers else out
+    return stack_import(out, cfg.num_layers) if stacked_layers else out
 
 
 def extra_state_keys(cfg: ModelConfig) -> list[str]:

@@ -1,7 +1,8 @@
 """`tessera-ckpt import --format megatron`: a Megatron-Core `torch_dist` checkpoint -> a Tessera checkpoint.
 
 GPTModel checkpoints (names below) become causal LMs; hybrid MambaModel ones (`--model-config` of
-kind hybrid; names in exporters/megatron_hybrid.py) hybrid models.
+kind hybrid; names in exporters/megatron_hybrid.py) hybrid models; BertModel ones (kind encoder,
+norm_placement pre; names in exporters/megatron_bert.py) encoders.
 
 Megatron-Core's distributed checkpoint (`metadata.json` says `sharded_backend: torch_dist`) is a
 torch.distributed.checkpoint directory of global tensors, so the tensor-parallel and pipeline
@@ -41,13 +42,13 @@ import torch
 from pydantic import BaseModel
 
 from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
-from tessera.ckpt_convert.exporters import megatron as megatron_export
-from tessera.ckpt_convert.exporters import megatron_hybrid, megatron_mla
+from tessera.ckpt_convert.exporters import megatron_bert, megatron_hybrid, megatron_mla
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import artifact_path, atomic_directory
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.common.models.encoder.config import EncoderConfig
 from tessera.common.models.hybrid.config import HybridConfig
 from tessera.common.models.registry import DEFAULT_KIND, model_kind
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
@@ -177,6 +178,12 @@ def _mla_tensors(cfg: ModelConfig, input_dir: Path, specs: dict[str, Any], rows:
                           "mtp depth")
 
 
+def _bert_tensors(cfg: EncoderConfig, input_dir: Path, specs: dict[str, Any], rows: int) -> dict[str, torch.Tensor]:
+    """A BertModel checkpoint's tensors as the pre-LayerNorm encoder's (names and layouts: megatron_bert)."""
+    return _rules_tensors(cfg, megatron_bert.import_rules(cfg, rows), input_dir, specs,
+                          "heads, token types, learned positions, a tied output layer or the binary head differ")
+
+
 def import_megatron(input_dir: str | Path, output: str | Path, model_config: str | Path,
                     tokenizer: str | Path | None = None, dtype: torch.dtype | None = None, overwrite: bool = False,
                     quiet: bool = False, sync: bool = True) -> Path:
@@ -189,22 +196,27 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     check_torch_dist(input_dir)
     cfg = model_config if isinstance(model_config, BaseModel) else _load_model_config(model_config)
-    if cfg.kind == "encoder":
-        raise UserError(f"--model-config {model_config}: kind encoder: {megatron_export.BERT_PLACEMENT}")
     check_convertible(cfg, "import --format megatron")
+    if cfg.kind == "encoder":
+        megatron_bert.check_megatron(cfg, f"--model-config {model_config}")
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None
     if tok is not None:
         check_tokenizer_fits(tok, cfg.vocab_size, f"--model-config {model_config}")
     metadata = read_dcp_metadata(input_dir)  # restricted unpickler: refuses anything but DCP's index classes
-    specs = {k: v for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
+    # A Megatron-LM training checkpoint also holds its optimizer's state (`optimizer.state.*`,
+    # `optimizer.distributed.*`): not the model's, never read.
+    specs = {k: v for k, v in metadata.state_dict_metadata.items()
+             if hasattr(v, "size") and not k.startswith("optimizer.")}
     rows = specs["embedding.word_embeddings.weight"].size[0] if "embedding.word_embeddings.weight" in specs else None
     if rows is None:
-        raise ArtifactError(f"{input_dir}: no embedding.word_embeddings.weight; not a Megatron-Core GPT or Mamba "
-                            "checkpoint")
+        raise ArtifactError(f"{input_dir}: no embedding.word_embeddings.weight; not a Megatron-Core GPT, Mamba or "
+                            "BERT checkpoint")
     if rows < cfg.vocab_size:
         raise UserError(f"--model-config: vocab_size {cfg.vocab_size} exceeds the checkpoint's {rows} embedding rows")
-    if isinstance(cfg, HybridConfig) or getattr(cfg, "mla", None) is not None:
-        tensors = (_hybrid_tensors if isinstance(cfg, HybridConfig) else _mla_tensors)(cfg, input_dir, specs, rows)
+    by_rules = (_bert_tensors if cfg.kind == "encoder" else _hybrid_tensors if isinstance(cfg, HybridConfig)
+                else _mla_tensors if getattr(cfg, "mla", None) is not None else None)
+    if by_rules is not None:  # one rule per tensor (megatron_bert, megatron_hybrid, megatron_mla)
+        tensors = by_rules(cfg, input_dir, specs, rows)
         out_dtype = dtype or tensors["embed_tokens.weight"].dtype
         with atomic_directory(output, overwrite=overwrite, sync=sync) as tmp, \
                 Progress(sum(t.numel() for t in tensors.values()) * out_dtype.itemsize, len(tensors),

@@ -77,7 +77,9 @@ class ModelKind:
 
     name: str  # the `kind` field of its config, checkpoint sidecars included
     description: str
-    config: type[BaseModel]  # its config class
+    # Its config class; its methods check_layout / check_tensor_parallel, where given, are the kind's part of
+    # validate_layout (tessera.common.layout, which the registry's imports would put in an import cycle).
+    config: type[BaseModel]
     build: Callable[..., nn.Module]  # build(cfg, device, dtype, seed): the single-device model
     hf: Callable[[], HFAdapter]  # its Hugging Face adapter (loaded when asked for)
     parallel: Callable[[], ParallelPlan]  # its parallel plan (loaded when asked for)

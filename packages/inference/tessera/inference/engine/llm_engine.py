@@ -31,7 +31,7 @@ from tessera.inference.engine.cpu_threads import Binding
 from tessera.inference.engine.detokenizer import IncrementalDetokenizer
 from tessera.inference.engine.output_processor import OutputProcessor, RequestOutput
 from tessera.inference.kinds import serving_kind
-from tessera.inference.pooling.runner import embed_problem, embedding_spec
+from tessera.inference.pooling.runner import check_pooling, embed_problem, embedding_spec
 from tessera.inference.sample.spec_decode import build_proposer
 from tessera.inference.sample.structured import Grammars
 from tessera.inference.worker.batch import ModelRunnerOutput
@@ -186,6 +186,7 @@ class LLMEngine:
         self._step_tokens = 0
         self.grammars = Grammars(artifact_path(loaded.tokenizer.directory, TOKENIZER_JSON).read_text(),
                                  loaded.config.vocab_size, sorted(self.eos_ids))
+        check_pooling(loaded, self.generates)  # an encoder without pooling: refused before any worker starts
         # Last: under tensor parallel this starts the workers, so nothing after it can fail and
         # leave them running.
         if hasattr(self.proposer, "check"):  # a draft reading the target's hidden states (MTP): refused before workers

@@ -7,7 +7,8 @@ driver (LLMEngine: scheduler, sampler, output processor)        workers (rank 0.
     forward: plan -> [BatchSeq] + logits rows ══ pipe, JSON ══▶  every rank: forward (all-reduces
                                                                  over gloo / NCCL between ranks)
     logits [R, vocab] ◀════════════ raw fp32 bytes ══ rank 0 ══  gather of the vocabulary slices
-    sample / verify exactly as on one device
+    (+ pooled rows [E, d] of the step's embed requests, pooling/runner.py)
+    sample / verify / pool exactly as on one device
 ```
 
 vLLM's shape (an executor driving workers, the scheduler on the driver), with the split at the
@@ -65,6 +66,7 @@ from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.engine.cpu_threads import Binding, apply_binding
 from tessera.inference.pooling.encoder import encoder_runner
+from tessera.inference.pooling.runner import PoolingSteps
 from tessera.inference.sample.sampler import Sampler
 from tessera.inference.worker.batch import BatchSeq, batch_seqs, images_to_wire, with_wire_images
 from tessera.inference.worker.cpu_linear import PackedLinear
@@ -234,7 +236,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
         runner.use_decode_graphs(GraphSpec(**init["graphs"]))
     packed = sum(isinstance(m, PackedLinear) for m in model.modules())
     _reply(conn, {"t": "ready", "numel": numel, "kv_bytes": runner.kv.nbytes, "packed": packed,
-                  "state": runner.state_summary(),
+                  "state": runner.state_summary(), "pools": hasattr(runner, "forward_pooled"),
                   "threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))})
     tp_group = groups.tp_group
     while True:
@@ -248,15 +250,25 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
                 _reply(conn, {"t": "pooled", "vectors": vectors})
             continue
         batch = with_wire_images([BatchSeq(*s) for s in msg["seqs"]], msg.get("images"))
+        pooling, pooled = msg.get("pooling"), None  # embed requests' (mode, spans): pooling/runner.py
         with torch.inference_mode():
-            local = runner.forward_batch(batch, msg["rows"])  # [R, vocab rows / tp]
+            if pooling:
+                local, pooled = runner.forward_pooled(batch, msg["rows"], pooling[0], [tuple(p) for p in pooling[1]])
+            else:
+                local = runner.forward_batch(batch, msg["rows"])  # [R, vocab rows / tp]
             slices = [torch.empty_like(local) for _ in range(world)] if rank == 0 else None
             dist.gather(local.contiguous(), slices, dst=0, group=tp_group)
         if rank == 0:
             assert slices is not None
             logits = torch.cat(slices, dim=-1).cpu()
-            conn.send_bytes(json.dumps({"t": "logits", "shape": list(logits.shape)}).encode())
+            head = {"t": "logits", "shape": list(logits.shape)}
+            if pooled is not None:
+                pooled = pooled.float().cpu()
+                head["pooled"] = list(pooled.shape)
+            conn.send_bytes(json.dumps(head).encode())
             conn.send_bytes(logits.numpy().tobytes())
+            if pooled is not None:  # one row per embed request, after the logits
+                conn.send_bytes(pooled.numpy().tobytes())
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -298,6 +310,7 @@ class TensorParallelExecutor:
             self.packed_linears: list[int] = []  # oneDNN-packed Linear layers of each worker (prepare.py)
             self.bindings: list[Binding] = []  # each worker's torch threads and CPUs, as it reports them
             self.state: str | None = None  # rank 0's per-sequence state pool (hybrid models), in words
+            self.pools = False  # the workers' runner pools embed requests in a step (pooling/runner.py)
             for rank in range(tp):
                 msg = self._recv(rank, READY_TIMEOUT_S)
                 if msg.get("t") != "ready":
@@ -308,6 +321,7 @@ class TensorParallelExecutor:
                 self.bindings.append(Binding(int(msg["threads"]), tuple(msg["cpus"])))
                 if rank == 0 and msg.get("state"):
                     self.state = f"{msg['state']} on each of {tp} ranks"
+                self.pools = bool(msg.get("pools")) if rank == 0 else self.pools
         except BaseException:
             self.shutdown()
             raise
@@ -356,15 +370,25 @@ class TensorParallelExecutor:
         return self._recv(0)["vectors"]
 
     def forward(self, batch: list[BatchSeq], rows: list[int], device: torch.device) -> torch.Tensor:
+        return self.forward_pooled(batch, rows, device)[0]
+
+    def forward_pooled(self, batch: list[BatchSeq], rows: list[int], device: torch.device,
+                       pooling: tuple[str, list[tuple[int, int]]] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits rows and, with `pooling` (mode, each embed request's (first row, rows)),
+        its pooled rows [E, d] fp32 (on the CPU)."""
         self._send(json.dumps({"t": "step", "seqs": [[s.tokens, s.start, s.block_table, s.num_q, s.state_slot,
                                                       s.prompt_len] for s in batch],
-                               "rows": rows, "images": images_to_wire(batch)}).encode())
+                               "rows": rows, "pooling": pooling, "images": images_to_wire(batch)}).encode())
         head = self._recv(0)
         data = self.conns[0].recv_bytes()
+        pooled = None
+        if pooling:
+            pooled = torch.frombuffer(bytearray(self.conns[0].recv_bytes()), dtype=torch.float32).view(*head["pooled"])
         if not data:  # no row to sample this step (a prefill chunk short of its prompt's end): [0, vocab]
-            return torch.empty(*head["shape"], device=device)
+            return torch.empty(*head["shape"], device=device), pooled
         logits = torch.frombuffer(bytearray(data), dtype=torch.float32).view(*head["shape"])
-        return logits.to(device)
+        return logits.to(device), pooled
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -387,17 +411,26 @@ class TensorParallelExecutor:
         self._store_dir.cleanup()
 
 
-class TensorParallelRunner(ModelRunner):
-    """The driver's model runner: `execute` (which rows to compute, sampling, verifying drafts)
-    is ModelRunner's own; `forward` runs on the workers. It holds no weights and no KV cache."""
+class TensorParallelRunner(PoolingSteps, ModelRunner):
+    """The driver's model runner: `execute` (which rows to compute, sampling, verifying drafts,
+    pooling embed requests) is ModelRunner's own; `forward` runs on the workers. It holds no
+    weights and no KV cache."""
 
     def __init__(self, executor: TensorParallelExecutor, device: torch.device):  # noqa: D107 - no super(): no model
         self.executor = executor
         self.device = device
         self.sampler = Sampler()
 
+    @property
+    def pools(self) -> bool:
+        return self.executor.pools
+
     def forward(self, plan: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
-        return self.executor.forward(batch_seqs(plan), logits_rows, self.device)
+        if self._pool_spans is None:
+            return self.executor.forward(batch_seqs(plan), logits_rows, self.device)
+        logits, self._pooled = self.executor.forward_pooled(batch_seqs(plan), logits_rows, self.device,
+                                                            (self.pool_mode, self._pool_spans))
+        return logits
 
     def state_summary(self) -> str | None:
         return self.executor.state

@@ -19,8 +19,10 @@ from tessera.trainer.step import TrainStep
 
 def vision_language_loss(model: nn.Module, inputs: VisionLanguageBatch, labels: torch.Tensor,
                          reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy over the counted (answer) labels of the model's logits for the batch."""
-    return cross_entropy_loss(model(inputs.tokens, pixels=inputs.images()), labels, reduction=reduction)
+    """Cross-entropy over the counted (answer) labels of the model's logits for the batch (packed
+    rows: each sample with its own positions and attention, `inputs.model_inputs()`)."""
+    logits = model(inputs.tokens, pixels=inputs.images(), **inputs.model_inputs())
+    return cross_entropy_loss(logits, labels, reduction=reduction)
 
 
 class VisionLanguageStep(TrainStep):

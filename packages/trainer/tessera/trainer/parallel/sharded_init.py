@@ -4,7 +4,8 @@ The stages are cut from a model built on the meta device (no memory), then `to_e
 the local shards. To make the weights those a single process would draw from the same seed
 (`build_model(cfg, seed=seed)`), the one-process initialisation is *replayed*: one generator,
 seeded as `build_model` seeds it, visits the global model's modules in the same (name) order
-through the model's `init_module` (Transformer's, HybridModel's), each module materialised alone, at its global shape, on the
+through the model's `init_module` (Transformer's, HybridModel's, the encoder's, T5's; T5 in its own
+`init_order`), each module materialised alone, at its global shape, on the
 device; every rank copies out the slice it holds (its tensor-parallel shard of the stages it
 holds, its expert-parallel slice of stacked experts; the tied head takes the embedding's slice) and drops the rest. So:
 
@@ -67,6 +68,15 @@ def _local_piece(value: torch.Tensor, local: torch.Tensor, groups: ParallelGroup
     return part
 
 
+def _init_sequence(whole: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules in the order the one-process init draws them: name order, or the model's own
+    `init_order()` where its init follows another (T5's, as transformers draws it)."""
+    if hasattr(whole, "init_order"):
+        modules = dict(whole.named_modules())
+        return [(name, modules[name]) for name in whole.init_order()]
+    return sorted(whole.named_modules(), key=lambda kv: kv[0])
+
+
 @torch.no_grad()
 def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: int) -> None:
     """Allocate meta-built stages (StageModule, possibly fully sharded already) on the device and
@@ -88,7 +98,7 @@ def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: in
     whole = kind_of(cfg).build(cfg, device="meta", seed=None)  # the kind's whole model, for its init_module
     generator = torch.Generator(device=device).manual_seed(seed)
     written: set[str] = set()
-    for mod_name, module in sorted(whole.named_modules(), key=lambda kv: kv[0]):
+    for mod_name, module in _init_sequence(whole):
         if isinstance(module, Experts):
             continue  # drawn by its MoE layer (MoE.init_weights), which comes first in name order
         own = [n for n, _ in module.named_parameters(recurse=False)]

@@ -122,11 +122,11 @@ class MLAConfig(StrictModel):
     an optional low-rank bottleneck, keys and values from one compressed latent per token, and a
     RoPE part of each query/key head kept apart from the un-rotated part."""
 
-    q_lora_rank: int | None = Field(None, gt=0, le=MAX_HIDDEN, description="Rank of the query bottleneck (q_a_proj, its norm, q_b_proj); None = one q_proj.")
-    kv_lora_rank: int = Field(..., gt=0, le=MAX_HIDDEN, description="Width of the compressed key/value latent (what a latent KV cache keeps per token).")
-    qk_nope_head_dim: int = Field(..., gt=0, le=MAX_HEAD_DIM, description="Per-head query/key dimensions without RoPE.")
-    qk_rope_head_dim: int = Field(..., gt=0, le=MAX_HEAD_DIM, description="Per-head query/key dimensions with RoPE (the key part shared by all heads).")
-    v_head_dim: int = Field(..., gt=0, le=MAX_HEAD_DIM, description="Per-head value dimension.")
+    q_lora_rank: int | None = Field(None, gt=0, le=MAX_HIDDEN, description="Rank of the query bottleneck, in channels (q_a_proj, its norm, q_b_proj); None = one q_proj (HF and Megatron q_lora_rank).")
+    kv_lora_rank: int = Field(..., gt=0, le=MAX_HIDDEN, description="Width of the compressed key/value latent, in channels (what a latent KV cache keeps per token) (HF and Megatron kv_lora_rank).")
+    qk_nope_head_dim: int = Field(..., gt=0, le=MAX_HEAD_DIM, description="Per-head query/key channels without RoPE (HF qk_nope_head_dim, Megatron qk_head_dim).")
+    qk_rope_head_dim: int = Field(..., gt=0, le=MAX_HEAD_DIM, description="Per-head query/key channels with RoPE, the key part shared by all heads (HF qk_rope_head_dim, Megatron qk_pos_emb_head_dim).")
+    v_head_dim: int = Field(..., gt=0, le=MAX_HEAD_DIM, description="Per-head value channels (HF and Megatron v_head_dim).")
     latent_norm_eps: float = Field(1e-6, gt=0, description="Epsilon of the q/kv latent norms (transformers fixes it at 1e-6).")
     rope_interleave: bool = Field(True, description="Hugging Face layout of the RoPE dimensions (DeepSeek's interleaved pairs); Tessera stores rotate-half and the adapter permutes rows.")
 
@@ -140,7 +140,7 @@ class MTPConfig(StrictModel):
     the k-th predicting token t+k+1 from the (k-1)-th's hidden state and the embedding of token t+k,
     sharing the model's embedding and output head (see causal_lm.model.MTPLayer)."""
 
-    depth: int = Field(1, gt=0, le=16, description="MTP modules (DeepSeek's num_nextn_predict_layers), each one transformer block of the model's kind.")
+    depth: int = Field(1, gt=0, le=16, description="MTP modules, each one transformer block of the model's kind predicting one token further (HF num_nextn_predict_layers, Megatron mtp_num_layers).")
     loss_scaling_factor: float = Field(0.1, ge=0, description="Weight of the MTP loss (mean over depths) added to the main loss (Megatron's mtp_loss_scaling_factor; DeepSeek-V3 used 0.3 then 0.1).")
 
 

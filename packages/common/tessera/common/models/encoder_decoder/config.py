@@ -21,6 +21,7 @@ from tessera.common.models.causal_lm.config import (
     MAX_VOCAB,
     ModelConfig,
 )
+from tessera.common.models.encoder_decoder import layout_checks
 
 
 class T5LayerConfig(ModelConfig):
@@ -33,25 +34,25 @@ class T5LayerConfig(ModelConfig):
 class T5Config(StrictModel):
     """Shape of a T5 encoder-decoder."""
 
-    kind: Literal["encoder_decoder"] = Field("encoder_decoder", description="Model kind.")
-    vocab_size: int = Field(..., gt=0, le=MAX_VOCAB, description="Token ids read and predicted, sentinels included.")
-    d_model: int = Field(..., gt=0, le=MAX_HIDDEN, description="Hidden size.")
-    d_kv: int = Field(..., gt=0, le=MAX_HIDDEN, description="Size of one attention head (need not be d_model / num_heads).")
-    d_ff: int = Field(..., gt=0, le=MAX_FFN, description="MLP inner size.")
-    num_layers: int = Field(..., gt=0, le=MAX_LAYERS, description="Encoder blocks.")
-    num_decoder_layers: int = Field(..., gt=0, le=MAX_LAYERS, description="Decoder blocks.")
-    num_heads: int = Field(..., gt=0, le=MAX_HEADS, description="Attention heads.")
-    relative_attention_num_buckets: int = Field(32, ge=4, le=2**12, description="Relative position buckets (the encoder's: half for keys before, half after).")
-    relative_attention_max_distance: int = Field(128, gt=1, le=2**20, description="Distance mapped to the last bucket.")
-    feed_forward: Literal["relu", "gated-gelu"] = Field("relu", description="relu: T5; gated-gelu: T5 v1.1 (tanh GELU gate).")
-    tie_word_embeddings: bool = Field(True, description="The head's weight is the shared embedding (T5; no lm_head tensor); false: its own head (T5 v1.1 as published).")
+    kind: Literal["encoder_decoder"] = Field("encoder_decoder", description="Model kind (tessera.common.models.registry); configs and checkpoints record it.")
+    vocab_size: int = Field(..., gt=0, le=MAX_VOCAB, description="Token ids read and predicted, sentinels (<extra_id_N>) included (HF vocab_size, Megatron vocab_size before padding).")
+    d_model: int = Field(..., gt=0, le=MAX_HIDDEN, description="Model width, in channels (HF d_model, Megatron hidden_size).")
+    d_kv: int = Field(..., gt=0, le=MAX_HIDDEN, description="Channels of one attention head; need not be d_model / num_heads (HF d_kv, Megatron kv_channels).")
+    d_ff: int = Field(..., gt=0, le=MAX_FFN, description="Inner width of the MLP, in channels; of each of the two input projections when gated (HF d_ff, Megatron ffn_hidden_size).")
+    num_layers: int = Field(..., gt=0, le=MAX_LAYERS, description="Encoder blocks (HF num_layers, Megatron num_layers).")
+    num_decoder_layers: int = Field(..., gt=0, le=MAX_LAYERS, description="Decoder blocks (HF num_decoder_layers; Megatron: the decoder config's num_layers).")
+    num_heads: int = Field(..., gt=0, le=MAX_HEADS, description="Attention heads of every self- and cross-attention (HF num_heads, Megatron num_attention_heads).")
+    relative_attention_num_buckets: int = Field(32, ge=4, le=2**12, description="Relative position buckets of the learned attention bias, held by the first block of each stack (the encoder's: half for keys before, half after; HF and Megatron relative_attention_num_buckets).")
+    relative_attention_max_distance: int = Field(128, gt=1, le=2**20, description="Distance, in tokens, from which offsets share the last bucket; nearer ones are log-spaced up to it (HF and Megatron relative_attention_max_distance).")
+    feed_forward: Literal["relu", "gated-gelu"] = Field("relu", description="MLP: relu = T5 (wi, ReLU, wo); gated-gelu = T5 v1.1 (tanh-GELU(wi_0) x wi_1, then wo; Megatron gated_linear_unit with gelu) (HF feed_forward_proj).")
+    tie_word_embeddings: bool = Field(True, description="The head's weight is the shared embedding (T5; no lm_head tensor); false: its own head (T5 v1.1 as published) (HF tie_word_embeddings, Megatron share_embeddings_and_output_weights).")
     scale_decoder_outputs: bool | None = Field(None, description="The head scales its input by d_model**-0.5 (T5: true; v1.1: false); null = tie_word_embeddings (what transformers 4 configs implied), resolved when the config is read.")
-    layer_norm_epsilon: float = Field(1e-6, gt=0, lt=1, description="RMS norm epsilon.")
-    decoder_start_token_id: int = Field(0, ge=0, description="First decoder input (T5: the pad id).")
-    pad_token_id: int = Field(0, ge=0, description="Pad id; labels use -100 for ignored positions.")
-    eos_token_id: int = Field(1, ge=0, description="End of sequence (T5's `</s>` is 1): closes encoder inputs and targets.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on residual branches and embeddings (HF dropout_rate); 0 in Tessera's training (T5's pretraining used none).")
-    initializer_factor: float = Field(1.0, gt=0, description="Scale of T5's init (HF initializer_factor).")
+    layer_norm_epsilon: float = Field(1e-6, gt=0, lt=1, description="Epsilon of every RMS norm (T5's LayerNorm has no mean or bias) (HF layer_norm_epsilon, Megatron layernorm_epsilon).")
+    decoder_start_token_id: int = Field(0, ge=0, description="Token id of the first decoder input (T5: the pad id) (HF decoder_start_token_id).")
+    pad_token_id: int = Field(0, ge=0, description="Token id of padding (HF pad_token_id); labels use -100 for ignored positions.")
+    eos_token_id: int = Field(1, ge=0, description="Token id ending a sequence (T5's `</s>` is 1): closes encoder inputs and targets (HF eos_token_id).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability on residual branches and embeddings (HF dropout_rate, Megatron hidden_dropout); 0 in Tessera's training (T5's pretraining used none).")
+    initializer_factor: float = Field(1.0, gt=0, description="Multiplier of every init std of T5's scheme (HF initializer_factor).")
 
     @model_validator(mode="before")
     @classmethod
@@ -121,6 +122,9 @@ class T5Config(StrictModel):
             attention_dropout=self.dropout)
 
     # ---- accounting --------------------------------------------------------------------------
+    # validate_layout's part for this kind (tessera.common.layout; what it lacks, its own modules' sizes).
+    check_layout = layout_checks.check_layout
+
     def num_params(self) -> int:
         """Exact parameter count of `T5Model(self)` (tested against the real module)."""
         d, inner, v = self.d_model, self.num_heads * self.d_kv, self.vocab_size

@@ -160,29 +160,39 @@ class T5Model(nn.Module):
     def init_weights(self, gen: torch.Generator) -> None:
         """T5's init (transformers' T5PreTrainedModel._init_weights, factor `initializer_factor`):
         normal with std 1 for the embedding, d_model**-0.5 for the untied head, inputs' fan-in
-        (q: d_model x d_kv) for the projections; norms at 1."""
+        (q: d_model x d_kv) for the projections; norms at 1. Module by module in `init_order`."""
+        modules = dict(self.named_modules())
+        for name in self.init_order():
+            self.init_module(name, modules[name], gen)
+
+    def init_order(self) -> list[str]:
+        """The modules with parameters in the order T5's init draws them (embedding, head, then
+        each stack's relative bias and blocks: attention q, k, v, o, the MLP's inputs, then its
+        output); what sharded initialisation (trainer/parallel/sharded_init.py) replays."""
+        order = ["shared"] + (["lm_head"] if self.lm_head is not None else [])
+        for stack in ("encoder", "decoder"):
+            order += [f"{stack}.relative_attention_bias", f"{stack}.final_norm"]
+            for i, blk in enumerate(getattr(self, stack).blocks):
+                b = f"{stack}.blocks.{i}"
+                for attn in ("self_attn", "cross_attn") if blk.cross_attn is not None else ("self_attn",):
+                    order += [f"{b}.{attn}.{proj}" for proj in ("q_proj", "k_proj", "v_proj", "o_proj")]
+                order += [f"{b}.mlp.{lin}" for lin in (("gate_proj", "up_proj") if blk.mlp.gated else ("up_proj",))]
+                order += [f"{b}.mlp.down_proj"] + [f"{b}.{n}" for n in ("self_norm", "cross_norm", "mlp_norm")
+                                                   if getattr(blk, n) is not None]
+        return order
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module, generator: torch.Generator | None = None) -> None:
+        """Initialise one module's own parameters, `name` being its name in the whole model (a
+        module alone at its global shape, as sharded initialisation materialises it)."""
         f, d, dkv, h = self.cfg.initializer_factor, self.cfg.d_model, self.cfg.d_kv, self.cfg.num_heads
-        self.shared.weight.normal_(0.0, f, generator=gen)
-        if self.lm_head is not None:
-            self.lm_head.weight.normal_(0.0, f * d ** -0.5, generator=gen)
-        for stack in (self.encoder, self.decoder):
-            stack.relative_attention_bias.weight.normal_(0.0, f * d ** -0.5, generator=gen)
-            stack.final_norm.weight.fill_(1.0)
-            for blk in stack.blocks:
-                for a in (blk.self_attn, blk.cross_attn):
-                    if a is None:
-                        continue
-                    a.q_proj.weight.normal_(0.0, f * (d * dkv) ** -0.5, generator=gen)
-                    a.k_proj.weight.normal_(0.0, f * d ** -0.5, generator=gen)
-                    a.v_proj.weight.normal_(0.0, f * d ** -0.5, generator=gen)
-                    a.o_proj.weight.normal_(0.0, f * (h * dkv) ** -0.5, generator=gen)
-                m = blk.mlp
-                for lin in ((m.gate_proj, m.up_proj) if m.gated else (m.up_proj,)):
-                    lin.weight.normal_(0.0, f * d ** -0.5, generator=gen)
-                m.down_proj.weight.normal_(0.0, f * self.cfg.d_ff ** -0.5, generator=gen)
-                for norm in (blk.self_norm, blk.cross_norm, blk.mlp_norm):
-                    if norm is not None:
-                        norm.weight.fill_(1.0)
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+            return
+        std = {"shared": f, "q_proj": f * (d * dkv) ** -0.5, "o_proj": f * (h * dkv) ** -0.5,
+               "down_proj": f * self.cfg.d_ff ** -0.5}.get(leaf, f * d ** -0.5)  # lm_head, bias, k, v, MLP inputs
+        module.weight.normal_(0.0, std, generator=generator)
 
 
 def build_model(cfg: T5Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

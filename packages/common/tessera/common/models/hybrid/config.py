@@ -29,6 +29,7 @@ from tessera.common.models.causal_lm.config import (
     ModelConfig,
     MoEConfig,
 )
+from tessera.common.models.hybrid import layout_checks
 
 SYMBOLS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
 # Upper bounds of the Mamba sizes (the others are the causal LM's): far above every published model
@@ -42,19 +43,19 @@ class MambaConfig(StrictModel):
     """The Mamba-2 mixers (Megatron's MambaMixer, transformers' Mamba2Mixer): heads of head_dim
     channels, num_groups groups of B and C state projections shared by the heads of a group."""
 
-    num_heads: int = Field(..., gt=0, le=MAX_HEADS, description="SSM heads (Megatron mamba_num_heads); the inner width is num_heads x head_dim.")
-    head_dim: int = Field(64, gt=0, le=MAX_HEAD_DIM, description="Channels per head (Megatron mamba_head_dim).")
+    num_heads: int = Field(..., gt=0, le=MAX_HEADS, description="SSM heads (Megatron mamba_num_heads; HF Mamba2 num_heads, NemotronH mamba_num_heads); the inner width is num_heads x head_dim channels.")
+    head_dim: int = Field(64, gt=0, le=MAX_HEAD_DIM, description="Channels per head (Megatron mamba_head_dim; HF Mamba2 head_dim, NemotronH mamba_head_dim).")
     state_size: int = Field(128, gt=0, le=MAX_STATE, description="State size N per channel (Megatron mamba_state_dim, HF ssm_state_size).")
     num_groups: int = Field(8, gt=0, le=MAX_HEADS, description="Groups of B and C (Megatron mamba_num_groups, HF n_groups); divides num_heads.")
-    conv_kernel: int = Field(4, gt=0, le=MAX_CONV_KERNEL, description="Taps of the causal depthwise convolution (Megatron d_conv).")
-    conv_bias: bool = Field(True, description="Bias on the convolution.")
+    conv_kernel: int = Field(4, gt=0, le=MAX_CONV_KERNEL, description="Taps (tokens) of the causal depthwise convolution (Megatron d_conv, HF conv_kernel).")
+    conv_bias: bool = Field(True, description="Bias on the convolution (HF use_conv_bias, Megatron conv_bias).")
     bias: bool = Field(False, description="Biases on the input and output projections (HF use_bias).")
-    chunk_size: int = Field(128, gt=0, le=MAX_SEQ_LEN, description="Tokens per chunk of the chunked scan (a speed setting: results are the same).")
-    dt_min: float = Field(0.001, gt=0, description="Initialisation: softplus(dt_bias) drawn log-uniformly in [dt_min, dt_max].")
-    dt_max: float = Field(0.1, gt=0, description="Initialisation: upper end of softplus(dt_bias).")
-    dt_init_floor: float = Field(1e-4, gt=0, description="Initialisation: softplus(dt_bias) at least this.")
+    chunk_size: int = Field(128, gt=0, le=MAX_SEQ_LEN, description="Tokens per chunk of the chunked scan, a speed setting: results are the same (HF chunk_size, Megatron chunk_size).")
+    dt_min: float = Field(0.001, gt=0, description="Initialisation: softplus(dt_bias) drawn log-uniformly in [dt_min, dt_max], a step size per head (HF time_step_min, Megatron dt_min).")
+    dt_max: float = Field(0.1, gt=0, description="Initialisation: upper end of softplus(dt_bias) (HF time_step_max, Megatron dt_max).")
+    dt_init_floor: float = Field(1e-4, gt=0, description="Initialisation: softplus(dt_bias) at least this (HF time_step_floor, Megatron dt_init_floor).")
     dt_limit_min: float = Field(0.0, ge=0, description="The step softplus(dt + dt_bias) is clamped to at least this (transformers' Nemotron-H: time_step_min).")
-    dt_limit_max: float | None = Field(None, gt=0, description="...and at most this; null = no upper limit.")
+    dt_limit_max: float | None = Field(None, gt=0, description="...and at most this; null = no upper limit (HF time_step_limit's upper end).")
 
     @model_validator(mode="after")
     def _check(self) -> MambaConfig:
@@ -87,26 +88,26 @@ class LayerConfig(ModelConfig):
 class HybridConfig(StrictModel):
     """Shape of a hybrid state-space model: embedding, the layers of `pattern`, final RMSNorm, head."""
 
-    kind: Literal["hybrid"] = Field("hybrid", description="Model kind (tessera.common.models.registry).")
+    kind: Literal["hybrid"] = Field("hybrid", description="Model kind (tessera.common.models.registry); configs and checkpoints record it.")
     arch: Literal["nemotron_h", "mamba2"] = Field("nemotron_h", description="Family, which decides the Hugging Face class exports are written as (NemotronHForCausalLM, Mamba2ForCausalLM).")
-    vocab_size: int = Field(..., gt=0, le=MAX_VOCAB, description="Token ids the model reads and predicts.")
-    hidden_size: int = Field(..., gt=0, le=MAX_HIDDEN, description="Model width d.")
-    num_layers: int = Field(..., gt=0, le=MAX_LAYERS, description="Number of layers; the pattern has one symbol per layer.")
-    pattern: str = Field(..., max_length=MAX_LAYERS, description="Layer types in order (Megatron's hybrid override pattern): M Mamba-2, * attention, - MLP, E MoE; e.g. M-M*-E.")
-    max_seq_len: int = Field(4096, gt=0, le=MAX_SEQ_LEN, description="Longest sequence the model is meant for (no position embeddings: Mamba layers carry order).")
-    norm_eps: float = Field(1e-5, gt=0, description="Epsilon of every RMSNorm, the Mamba gated norm included.")
+    vocab_size: int = Field(..., gt=0, le=MAX_VOCAB, description="Token ids the model reads and predicts (HF vocab_size, Megatron vocab_size).")
+    hidden_size: int = Field(..., gt=0, le=MAX_HIDDEN, description="Model width d, in channels (HF hidden_size, Megatron hidden_size).")
+    num_layers: int = Field(..., gt=0, le=MAX_LAYERS, description="Number of layers, each one symbol of the pattern (HF num_hidden_layers, Megatron num_layers).")
+    pattern: str = Field(..., max_length=MAX_LAYERS, description="Layer types in order: M Mamba-2, * attention, - MLP, E MoE; e.g. M-M*-E (Megatron hybrid_override_pattern; HF NemotronH layers_block_type, hybrid_override_pattern in older configs).")
+    max_seq_len: int = Field(4096, gt=0, le=MAX_SEQ_LEN, description="Longest sequence the model is meant for, in tokens (no position embeddings: Mamba layers carry order) (HF max_position_embeddings, Megatron max_position_embeddings).")
+    norm_eps: float = Field(1e-5, gt=0, description="Epsilon of every RMSNorm, the Mamba gated norm included (HF layer_norm_epsilon, Megatron layernorm_epsilon).")
     mamba: MambaConfig | None = Field(None, description="The Mamba-2 mixers; needed when the pattern has M.")
-    num_heads: int | None = Field(None, gt=0, le=MAX_HEADS, description="Query heads of the attention layers; needed when the pattern has *.")
-    num_kv_heads: int | None = Field(None, gt=0, le=MAX_HEADS, description="Key/value heads (grouped-query attention); default num_heads.")
-    head_dim: int | None = Field(None, gt=0, le=MAX_HEAD_DIM, description="Width of one attention head; default hidden_size / num_heads.")
-    attention_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on attention probabilities.")
-    ffn_hidden_size: int | None = Field(None, gt=0, le=MAX_FFN, description="Inner width of the MLP layers; needed when the pattern has -.")
-    mlp_bias: bool = Field(False, description="Biases on the MLP layers' up and down projections.")
+    num_heads: int | None = Field(None, gt=0, le=MAX_HEADS, description="Query heads of the attention layers; needed when the pattern has * (HF num_attention_heads, Megatron num_attention_heads).")
+    num_kv_heads: int | None = Field(None, gt=0, le=MAX_HEADS, description="Key/value heads (grouped-query attention); default num_heads (HF num_key_value_heads, Megatron num_query_groups).")
+    head_dim: int | None = Field(None, gt=0, le=MAX_HEAD_DIM, description="Channels of one attention head; default hidden_size / num_heads (HF head_dim, Megatron kv_channels).")
+    attention_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability on attention probabilities (HF attention_dropout, Megatron attention_dropout).")
+    ffn_hidden_size: int | None = Field(None, gt=0, le=MAX_FFN, description="Inner width of the MLP layers, in channels; needed when the pattern has - (HF intermediate_size, Megatron ffn_hidden_size).")
+    mlp_bias: bool = Field(False, description="Biases on the MLP layers' up and down projections (HF mlp_bias; Megatron add_bias_linear, which covers every linear).")
     activation: Literal["squared_relu"] = Field("squared_relu", description="MLP and expert activation: squared ReLU, relu(x)^2 (Nemotron-H's).")
     moe: MoEConfig | None = Field(None, description="The MoE layers (the causal LM's MoE: router, experts, shared experts); needed when the pattern has E. first_k_dense and layer_freq stay at 0 and 1: the pattern places the MoE layers.")
-    tie_embeddings: bool = Field(False, description="Output head shares the input embedding matrix.")
+    tie_embeddings: bool = Field(False, description="Output head shares the input embedding matrix (HF tie_word_embeddings, Megatron share_embeddings_and_output_weights).")
     residual_in_fp32: bool = Field(False, description="Keep the residual stream in float32 whatever the model dtype (HF Mamba2's residual_in_fp32).")
-    init_std: float = Field(0.02, gt=0, description="Std of the normal weight init; output projections are scaled by 1/sqrt(2*num_layers).")
+    init_std: float = Field(0.02, gt=0, description="Std of the normal weight init; output projections are scaled by 1/sqrt(2*num_layers) (HF initializer_range, Megatron init_method_std).")
 
     @model_validator(mode="before")
     @classmethod
@@ -165,6 +166,10 @@ class HybridConfig(StrictModel):
             ffn_hidden_size=self.ffn_hidden_size or 1, max_seq_len=self.max_seq_len, norm="rmsnorm",
             norm_eps=self.norm_eps, activation=self.activation, position="learned", bias=self.mlp_bias,
             attention_bias=[], moe=self.moe, attention_dropout=self.attention_dropout, init_std=self.init_std)
+
+    # validate_layout's part for this kind (tessera.common.layout; what it lacks, its own modules' sizes).
+    check_layout = layout_checks.check_layout
+    check_tensor_parallel = layout_checks.check_tensor_parallel
 
     # ---- accounting ----------------------------------------------------------------------
     def num_params(self) -> int:

@@ -22,6 +22,7 @@ from tessera.common.models.causal_lm.config import (
     MAX_VOCAB,
     ModelConfig,
 )
+from tessera.common.models.vision_language import layout_checks
 
 MAX_IMAGE_SIZE = 4096  # pixels per side a vision tower is built for; far above any published ViT's
 MAX_CHANNELS = 16
@@ -37,17 +38,17 @@ class VisionConfig(StrictModel):
     """A ViT vision tower: CLIP's (class token, pre-LayerNorm) or SigLIP's (neither; a pooling head)."""
 
     arch: Literal["clip", "siglip"] = Field("clip", description="clip: class embedding + pre-LayerNorm, patch conv without bias (CLIPVisionModel); siglip: no class token, no pre-LayerNorm, patch conv with bias, attention-pooling head (SiglipVisionModel).")
-    hidden_size: int = Field(..., gt=0, le=MAX_HIDDEN, description="Width of the tower.")
-    num_layers: int = Field(..., gt=0, le=MAX_LAYERS, description="Transformer blocks (pre-LayerNorm, bidirectional).")
-    num_heads: int = Field(..., gt=0, le=MAX_HEADS, description="Attention heads; divides hidden_size.")
-    ffn_hidden_size: int = Field(..., gt=0, le=MAX_FFN, description="Inner width of the MLP (HF intermediate_size).")
-    image_size: int = Field(..., gt=0, le=MAX_IMAGE_SIZE, description="Side of the square images the tower reads (its position table's grid).")
-    patch_size: int = Field(..., gt=0, le=MAX_IMAGE_SIZE, description="Side of one square patch; divides image_size.")
-    num_channels: int = Field(3, gt=0, le=MAX_CHANNELS, description="Channels of the input pixels.")
+    hidden_size: int = Field(..., gt=0, le=MAX_HIDDEN, description="Width of the tower, in channels (HF vision_config.hidden_size; Megatron's vision TransformerConfig hidden_size).")
+    num_layers: int = Field(..., gt=0, le=MAX_LAYERS, description="Transformer blocks, pre-LayerNorm and bidirectional (HF vision_config.num_hidden_layers, Megatron num_layers).")
+    num_heads: int = Field(..., gt=0, le=MAX_HEADS, description="Attention heads of the tower; divides hidden_size (HF vision_config.num_attention_heads, Megatron num_attention_heads).")
+    ffn_hidden_size: int = Field(..., gt=0, le=MAX_FFN, description="Inner width of the tower's MLP, in channels (HF vision_config.intermediate_size, Megatron ffn_hidden_size).")
+    image_size: int = Field(..., gt=0, le=MAX_IMAGE_SIZE, description="Side of the square images the tower reads, in pixels (its position table's grid) (HF vision_config.image_size, Megatron img_h = img_w).")
+    patch_size: int = Field(..., gt=0, le=MAX_IMAGE_SIZE, description="Side of one square patch, in pixels; divides image_size (HF vision_config.patch_size, Megatron patch_dim).")
+    num_channels: int = Field(3, gt=0, le=MAX_CHANNELS, description="Channels of the input pixels (3: RGB) (HF vision_config.num_channels).")
     activation: Literal["quick_gelu", "gelu", "gelu_erf"] = Field("quick_gelu", description="MLP activation: quick_gelu = x*sigmoid(1.702x) (CLIP's); gelu = tanh approximation (SigLIP's gelu_pytorch_tanh); gelu_erf = exact GELU (HF 'gelu').")
-    norm_eps: float = Field(1e-5, gt=0, description="Epsilon of every LayerNorm (HF layer_norm_eps).")
+    norm_eps: float = Field(1e-5, gt=0, description="Epsilon of every LayerNorm of the tower (HF vision_config.layer_norm_eps, Megatron layernorm_epsilon).")
     head: bool = Field(False, description="SigLIP only: the attention-pooling head (probe, multi-head attention, LayerNorm, MLP) of SiglipVisionModel (HF vision_use_head). It pools one vector per image; LLaVA's features do not use it, but its checkpoints carry it.")
-    attention_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on attention probabilities.")
+    attention_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability on the tower's attention probabilities (HF vision_config.attention_dropout).")
 
     @model_validator(mode="after")
     def _check(self) -> VisionConfig:
@@ -99,12 +100,12 @@ class VisionLanguageConfig(StrictModel):
 
     kind: Literal["vision_language"] = Field("vision_language", description="Model kind (tessera.common.models.registry).")
     arch: Literal["llava"] = Field("llava", description="Family: the Hugging Face class exports are written as (LlavaForConditionalGeneration).")
-    vision: VisionConfig = Field(..., description="The vision tower.")
-    projector: ProjectorConfig = Field(default_factory=ProjectorConfig, description="The projector from vision features to the language model's width.")
-    text: ModelConfig = Field(..., description="The language model: any causal-LM config (tessera.common.models.causal_lm), dense or MoE.")
-    image_token_id: int = Field(..., ge=0, lt=MAX_VOCAB, description="Token id standing for one image feature in the text; the processor writes one per selected patch (HF image_token_id / image_token_index).")
+    vision: VisionConfig = Field(..., description="The vision tower (HF vision_config; Megatron's vision TransformerConfig).")
+    projector: ProjectorConfig = Field(default_factory=ProjectorConfig, description="The projector from vision features to the language model's width (Megatron vision_projection_config, type mlp).")
+    text: ModelConfig = Field(..., description="The language model: any causal-LM config (tessera.common.models.causal_lm), dense or MoE (HF text_config; Megatron's language TransformerConfig).")
+    image_token_id: int = Field(..., ge=0, lt=MAX_VOCAB, description="Token id standing for one image feature in the text; the processor writes one per selected patch (HF image_token_id / image_token_index, Megatron image_token_index).")
     vision_feature_layer: int = Field(-2, description="Which vision hidden state the projector reads: 0 = the embeddings (after CLIP's pre-LayerNorm), i = after block i, negative counts from the end (-1 = the last block's output; HF's default -2). No post-LayerNorm either way, as transformers.")
-    vision_feature_select_strategy: Literal["default", "full"] = Field("default", description="default: drop the first feature of each image (CLIP's class token; transformers drops it for SigLIP too); full: keep all.")
+    vision_feature_select_strategy: Literal["default", "full"] = Field("default", description="default: drop the first feature of each image (CLIP's class token; transformers drops it for SigLIP too; Megatron drop_vision_class_token); full: keep all (HF vision_feature_select_strategy).")
 
     @model_validator(mode="after")
     def _check(self) -> VisionLanguageConfig:
@@ -153,6 +154,9 @@ class VisionLanguageConfig(StrictModel):
     def image_seq_len(self) -> int:
         """Image tokens (features) per image."""
         return self.vision.num_positions - (1 if self.vision_feature_select_strategy == "default" else 0)
+
+    # validate_layout's part for this kind (tessera.common.layout; what it lacks, its own modules' sizes).
+    check_layout = layout_checks.check_layout
 
     def num_params(self) -> int:
         dv, dt = self.vision.hidden_size, self.text.hidden_size

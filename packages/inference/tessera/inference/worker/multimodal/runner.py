@@ -119,9 +119,7 @@ class VisionLanguageRunner(DecoderRunner):
 
         hidden = self.model(self._embeds, positions=step.positions, attention_fn=partial(self._attention, step),
                             return_hidden=True)
-        if self._kept is not None:
-            self._kept = hidden[0]
-        return hidden
+        return self._pool_hidden(hidden)
 
 
 def _row_starts(batch: list[BatchSeq]) -> list[int]:

@@ -1,0 +1,31 @@
+"""The vision-language kind's part of `validate_layout` (tessera.common.layout): the tower's own
+sizes; the language model's are the shared checks', run on `cfg.text`. Called through its registry
+entry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tessera.common.errors import UserError
+
+
+def check_layout(cfg: Any, layout: Any) -> Any:
+    """The tower and projector split by the tensor size; the rest is the LM's (returned: the config
+    the shared checks go on with)."""
+    _check_vision_language(cfg, layout)
+    return cfg.text
+
+
+def _check_vision_language(cfg: Any, layout: Any) -> None:
+    """LLaVA (common/models/vision_language/parallelize.py): each tensor rank holds whole tower heads
+    and equal slices of the tower's MLPs (and of the projector, split by the LM's width, which the
+    LM's own check covers); context parallel is not built for it."""
+    if layout.context > 1:
+        raise UserError(f"--context-parallel {layout.context}: the vision-language kind has no context parallel "
+                        "(the image features are merged over the whole sequence); set it to 1")
+    tp = layout.tensor
+    for field in ("num_heads", "ffn_hidden_size"):
+        value = getattr(cfg.vision, field)
+        if value % tp:
+            raise UserError(f"--tensor-parallel {tp} must divide model.vision.{field} ({value}): the vision tower's "
+                            "blocks are split like the language model's")
