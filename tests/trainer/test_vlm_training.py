@@ -177,23 +177,16 @@ def test_the_trainers_loss_on_a_batch_of_the_builder_equals_transformers_llava_l
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_freeze_setting_under_the_parallel_runtime_is_refused_in_one_line_rather_than_ignored():
+def test_context_parallel_for_a_vision_language_run_is_refused_in_one_line_before_the_launch_builds_anything(
+        data, tmp_path):
+    """Training under torchrun is built (test_vlm_parallel_training.py); context parallel is not:
+    the image features are merged over the whole sequence."""
+    from tessera.common.config import load_config
     from tessera.common.errors import UserError
-    from tessera.trainer.config import TrainingConfig
-    from tessera.trainer.parallel.engine import ParallelEngine
+    from tessera.trainer.config import TrainConfig
+    from tessera.trainer.inputs import check_inputs
 
-    with pytest.raises(UserError, match=r"training.freeze \(\['vision'\]\) is built for one process only"):
-        ParallelEngine(None, None, TrainingConfig(freeze=["vision"]), None, None, None, torch.device("cpu"))
-
-
-def test_a_vision_language_run_under_the_parallel_runtime_is_refused_in_one_line_rather_than_crashing():
-    """Its objective has no stage_forward yet: a stage would meet image tokens without the images."""
-    from types import SimpleNamespace
-
-    from tessera.common.errors import UserError
-    from tessera.trainer.config import TrainingConfig
-    from tessera.trainer.parallel.engine import ParallelEngine
-
-    with pytest.raises(UserError, match=r"^model.kind vision_language: training under torchrun .* is not built yet"):
-        ParallelEngine(SimpleNamespace(kind="vision_language"), None, TrainingConfig(), None, None, None,
-                       torch.device("cpu"))
+    cfg = load_config(TrainConfig, vlm_config(data, tmp_path), ["parallel.context=2"])
+    with pytest.raises(UserError) as exc:  # as a 2-process launch checks it, before the model is built
+        check_inputs(cfg, world_size=2)
+    assert "--context-parallel 2" in str(exc.value) and "\n" not in str(exc.value)

@@ -64,6 +64,7 @@ from tessera.common.parallel.layers import keep_tags, shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import to_global
 from tessera.trainer.optimizer.optim import adamw_with_decay
+from tessera.trainer.parallel.pipeline import decoder_of
 
 OPTIM_PREFIX = "optimizer."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -98,7 +99,7 @@ def shard_stages(stages: list[nn.Module], groups: ParallelGroups, *, param_dtype
     reshard_after_forward = reshard_after_forward and groups.pp == 1
     for st in stages:
         with keep_tags(st):  # fully_shard replaces each parameter by a DTensor
-            blocks = list(st.model.layers.values())
+            blocks = list(decoder_of(st.model).layers.values())
             for block in blocks:
                 if groups.ep > 1:
                     _shard_experts(block, groups, mp, offload, reshard_after_forward)
@@ -156,7 +157,7 @@ class FullyShardedOptimizer:
                  max_grad_norm: float | None = 1.0):
         self.groups = groups
         self.max_grad_norm = max_grad_norm
-        self.params = [p for _, p in named_params]
+        self.params = [p for _, p in named_params if p.requires_grad]  # frozen ones: no gradient, no state
         decay = [p for p in self.params if p.ndim >= 2]
         nodecay = [p for p in self.params if p.ndim < 2]
         self.inner = adamw_with_decay(decay, nodecay, weight_decay, lr, betas, eps)
