@@ -4,6 +4,7 @@ fp32, batches with zero, one and two images per row; the per-step losses and pre
 norms within 1e-5 relative and the parameters after the steps within 1e-5 normwise of one process
 with torch's AdamW. Stage 1 (projector only) and stage 2 (projector + language model) freezing
 under FSDP2, TP2 and DP2: the same, and the frozen weights bit-identical to their initial values.
+A language model with tied embeddings under PP2 too.
 Then `tessera-train` itself under FSDP2 with stage-2 freezing: a run stopped after 2 steps and
 resumed ends bit-identical to an uninterrupted one.
 
@@ -32,6 +33,9 @@ LAYOUTS = {"tp2": dict(tensor=2), "tp2_sp": dict(tensor=2), "pp2": dict(pipeline
            "fsdp2": dict(data=2, data_shard=2)}
 STAGE_1, STAGE_2 = ("vision", "language_model"), ("vision",)
 FROZEN = {"fsdp2_stage1": ("fsdp2", STAGE_1), "tp2_stage2": ("tp2", STAGE_2), "dp2_stage1": ("dp2", STAGE_1)}
+# A language model with tied embeddings under PP2: the last stage's head is its own copy of the
+# first stage's (vocab-parallel) embedding, kept equal by the embedding group.
+TIED = {**MODEL, "text": {**TEXT, "tie_embeddings": True}}
 
 
 @pytest.mark.distributed
@@ -53,7 +57,7 @@ def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     errors = json.loads(out.read_text())
-    assert set(errors) == set(LAYOUTS) | set(FROZEN), errors
+    assert set(errors) == set(LAYOUTS) | set(FROZEN) | {"pp2_tied"}, errors
     for name in FROZEN:
         assert errors[name].pop("frozen weights changed") == 0.0 and errors[name].pop("frozen tensors") > 10, errors[name]
     bad = {f"{layout}: {k}": v for layout, e in errors.items() for k, v in e.items() if not v <= 1e-5}
@@ -164,14 +168,17 @@ def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], 
     changed, frozen = torch.zeros(()), torch.zeros(())
     for pname, p in rt.named_global_params().items():
         got = p.data.full_tensor() if isinstance(p.data, DTensor) else p.data
-        want, start = ref_params[pname], initial[pname]
+        want = ref_params[pname]
         dim = shard_dim_of(p)
         if groups.tp > 1 and dim is not None:
-            want, start = want.chunk(groups.tp, dim=dim)[groups.tp_rank], start.chunk(groups.tp, dim=dim)[groups.tp_rank]
+            want = want.chunk(groups.tp, dim=dim)[groups.tp_rank]
         diff += (got.double() - want.double()).pow(2).sum()
         norm += want.double().pow(2).sum()
         if pname.startswith(freeze):
             frozen += 1
+            start = initial[pname]
+            if groups.tp > 1 and dim is not None:
+                start = start.chunk(groups.tp, dim=dim)[groups.tp_rank]
             changed = torch.maximum(changed, (got - start).abs().max())
     errors["params after steps (normwise)"] = float((diff / norm).sqrt())
     worst = torch.tensor(list(errors.values()))
@@ -208,6 +215,8 @@ def _main() -> None:
     errors = {name: _train(name, kw, cfg, references[()], (), initial) for name, kw in LAYOUTS.items()}
     for name, (layout, freeze) in FROZEN.items():
         errors[name] = _train(name, LAYOUTS[layout], cfg, references[freeze], freeze, initial)
+    tied = registry.model_config(TIED)
+    errors["pp2_tied"] = _train("pp2_tied", LAYOUTS["pp2"], tied, _reference(tied, ()), (), {})
     if torch.distributed.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(errors))
     _resume(sys.argv[2], sys.argv[3])
