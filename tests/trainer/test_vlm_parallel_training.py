@@ -28,7 +28,7 @@ TEXT = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_hea
 VISION = dict(arch="clip", hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64, image_size=16, patch_size=8)
 # vision_feature_layer -2: the tower's last block is never read (as in LLaVA), so it must not train.
 MODEL = dict(kind="vision_language", vision=VISION, text=TEXT, image_token_id=IMAGE_TOKEN, vision_feature_layer=-2)
-TRAIN = dict(steps=3, global_batch=8, micro_batch=2, seq=16)
+TRAIN = dict(steps=2, global_batch=8, micro_batch=2, seq=16)
 LAYOUTS = {"tp2": dict(tensor=2), "tp2_sp": dict(tensor=2), "pp2": dict(pipeline=2), "dp2": dict(data=2),
            "fsdp2": dict(data=2, data_shard=2)}
 STAGE_1, STAGE_2 = ("vision", "language_model"), ("vision",)
