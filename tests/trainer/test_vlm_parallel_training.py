@@ -4,9 +4,9 @@ fp32, batches with zero, one and two images per row; the per-step losses and pre
 norms within 1e-5 relative and the parameters after the steps within 1e-5 normwise of one process
 with torch's AdamW. Stage 1 (projector only) and stage 2 (projector + language model) freezing
 under FSDP2, TP2 and DP2: the same, and the frozen weights bit-identical to their initial values.
-A language model with tied embeddings under PP2 too.
-Then `tessera-train` itself under FSDP2 with stage-2 freezing: a run stopped after 2 steps and
-resumed ends bit-identical to an uninterrupted one.
+A language model with tied embeddings under PP2 too. Then `tessera-train` itself under FSDP2 with
+stage-2 freezing and full recompute: a run stopped after 2 steps and resumed ends bit-identical to
+an uninterrupted one.
 
 One torchrun launch runs everything: this file is also the worker (`torchrun ... this_file out.json
 straight.yaml split.yaml`).
@@ -49,7 +49,8 @@ def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_
     from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
 
     data = image_text_data(tmp_path / "data", n=24, train_samples=64)
-    runs = {name: vlm_config(data, tmp_path / name, freeze=list(STAGE_2), global_batch_size=4, micro_batch_size=2)
+    runs = {name: vlm_config(data, tmp_path / name, freeze=list(STAGE_2), global_batch_size=4, micro_batch_size=2,
+                             recompute="full")
             for name in ("straight", "split")}
     out = tmp_path / "errors.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(out),

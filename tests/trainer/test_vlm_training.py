@@ -48,6 +48,18 @@ def test_a_resumed_vision_language_run_is_bit_identical_to_an_uninterrupted_one(
     assert losses(tmp_path / "straight/run") == losses(tmp_path / "split/run")
 
 
+def test_vision_language_training_with_selective_or_full_recompute_gives_the_weights_of_training_without(
+        data, tmp_path):
+    """The tower's blocks and the language model's are recomputed alike (it crashed on the model's
+    lack of `layers`)."""
+    runs = {}
+    for mode in ("none", "selective", "full"):
+        assert main(["--config", str(vlm_config(data, tmp_path / mode, steps=2, recompute=mode)), "--quiet"]) == 0
+        runs[mode] = load_model_tensors(resolve_checkpoint(tmp_path / mode / "run/checkpoints"))
+    for mode in ("selective", "full"):
+        assert all(torch.equal(runs[mode][k], runs["none"][k]) for k in runs["none"]), mode
+
+
 def test_a_batch_expands_each_placeholder_to_the_towers_features_keeps_every_image_and_labels_only_answers(data):
     from tessera.common.indexed_dataset import IndexedDataset
     from tessera.common.mixture import MixtureSplit

@@ -132,6 +132,14 @@ class VisionLanguageModel(nn.Module):
         self.projector = Projector(cfg)
         self.language_model = Transformer(cfg.text)
 
+    @property
+    def layers(self) -> dict[str, nn.Module]:
+        """Every block by name, the tower's then the language model's (those a pipeline stage
+        holds): what block-wise wrappers (the trainer's activation recompute) walk. Not a module
+        attribute: names stay `vision.layers.<i>` and `language_model.layers.<i>`."""
+        tower = {f"vision.{i}": b for i, b in self.vision.layers.items()} if self.vision is not None else {}
+        return {**tower, **{f"language_model.{i}": b for i, b in self.language_model.layers.items()}}
+
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """The language model's own init; the tower and projector: Normal(0, init_std) weights
