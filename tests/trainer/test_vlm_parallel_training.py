@@ -5,8 +5,8 @@ norms within 1e-5 relative and the parameters after the steps within 1e-5 normwi
 with torch's AdamW. Stage 1 (projector only) and stage 2 (projector + language model) freezing
 under FSDP2, TP2 and DP2: the same, and the frozen weights bit-identical to their initial values.
 A language model with tied embeddings under PP2 too. Then `tessera-train` itself under FSDP2 with
-stage-2 freezing and full recompute: a run stopped after 2 steps and resumed ends bit-identical to
-an uninterrupted one.
+stage-2 freezing and full recompute: the losses and parameter norms one process logs, and a run
+stopped after 2 steps and resumed ends bit-identical to an uninterrupted one.
 
 One torchrun launch runs everything: this file is also the worker (`torchrun ... this_file out.json
 straight.yaml split.yaml`).
@@ -47,11 +47,13 @@ def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_
     from vlm_fixtures import image_text_data, vlm_config
 
     from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
+    from tessera.trainer.cli import main
 
     data = image_text_data(tmp_path / "data", n=24, train_samples=64)
     runs = {name: vlm_config(data, tmp_path / name, freeze=list(STAGE_2), global_batch_size=4, micro_batch_size=2,
                              recompute="full")
-            for name in ("straight", "split")}
+            for name in ("one", "straight", "split")}
+    assert main(["--config", str(runs["one"]), "--quiet", "logging.params_norm=true"]) == 0
     out = tmp_path / "errors.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(out),
            str(runs["straight"]), str(runs["split"])]
@@ -68,12 +70,16 @@ def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_
     b = load_model_tensors(resolve_checkpoint(tmp_path / "split/run/checkpoints"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    def losses(run: Path) -> dict[int, float]:
+    def logged(run: Path, key: str = "loss") -> dict[int, float]:
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+        return {r["step"]: r[key] for r in records if r["kind"] == "train"}
 
-    assert losses(tmp_path / "straight/run") == losses(tmp_path / "split/run")
-    assert sorted(losses(tmp_path / "split/run")) == [1, 2, 3, 4]
+    assert logged(tmp_path / "straight/run") == logged(tmp_path / "split/run")
+    assert sorted(logged(tmp_path / "split/run")) == [1, 2, 3, 4]
+    # The torchrun run logs what one process logs: losses and the trained parameters' norm.
+    for key in ("loss", "params_norm"):
+        want, got = logged(tmp_path / "one/run", key), logged(tmp_path / "straight/run", key)
+        assert sorted(got) == sorted(want) and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), key
 
 
 # ---- the worker (under torchrun) -------------------------------------------------------------------
@@ -197,7 +203,7 @@ def _resume(straight: str, split: str) -> None:
     from tessera.trainer.cli import main
 
     distributed.shutdown_runtime = lambda: None  # the launch's process group serves every run
-    layout = ["parallel.data_shard=2"]
+    layout = ["parallel.data_shard=2", "logging.params_norm=true"]
     assert main(["--config", straight, "--quiet", *layout]) == 0
     assert main(["--config", split, "--quiet", *layout, "training.exit_after_steps=2"]) == 0
     assert main(["--config", split, "--quiet", *layout, "--resume"]) == 0
