@@ -3,7 +3,8 @@ takes: TP2, TP2 with sequence parallel, PP2 (tower and projector on the first st
 fp32, batches with zero, one and two images per row; the per-step losses and pre-clip gradient
 norms within 1e-5 relative and the parameters after the steps within 1e-5 normwise of one process
 with torch's AdamW. Stage 1 (projector only) and stage 2 (projector + language model) freezing
-under FSDP2, TP2 and DP2: the same, and the frozen weights bit-identical to their initial values.
+under FSDP2, TP2, TP2 + SP and DP2: the same, and the frozen weights bit-identical to their
+initial values.
 A language model with tied embeddings under PP2 too. Then `tessera-train` itself under FSDP2 with
 stage-2 freezing and full recompute: the losses and parameter norms one process logs, and a run
 stopped after 2 steps and resumed ends bit-identical to an uninterrupted one.
@@ -32,7 +33,8 @@ TRAIN = dict(steps=2, global_batch=8, micro_batch=2, seq=16)
 LAYOUTS = {"tp2": dict(tensor=2), "tp2_sp": dict(tensor=2), "pp2": dict(pipeline=2), "dp2": dict(data=2),
            "fsdp2": dict(data=2, data_shard=2)}
 STAGE_1, STAGE_2 = ("vision", "language_model"), ("vision",)
-FROZEN = {"fsdp2_stage1": ("fsdp2", STAGE_1), "tp2_stage2": ("tp2", STAGE_2), "dp2_stage1": ("dp2", STAGE_1)}
+FROZEN = {"fsdp2_stage1": ("fsdp2", STAGE_1), "tp2_stage2": ("tp2", STAGE_2), "dp2_stage1": ("dp2", STAGE_1),
+          "tp2_sp_stage1": ("tp2_sp", STAGE_1)}
 # A language model with tied embeddings under PP2: the last stage's head is its own copy of the
 # first stage's (vocab-parallel) embedding, kept equal by the embedding group.
 TIED = {**MODEL, "text": {**TEXT, "tie_embeddings": True}}
@@ -153,7 +155,7 @@ def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], 
     set_groups(groups)
     training = TrainingConfig(seq_length=TRAIN["seq"], global_batch_size=TRAIN["global_batch"],
                               micro_batch_size=TRAIN["micro_batch"])
-    parallel = ParallelConfig(**layout.model_dump(exclude={"data"}), sequence_parallel=name == "tp2_sp")
+    parallel = ParallelConfig(**layout.model_dump(exclude={"data"}), sequence_parallel=name.startswith("tp2_sp"))
 
     def build():  # as ParallelEngine's builder: the seeded model, training.freeze applied
         model = registry.kind_of(cfg).build(cfg, seed=0)
