@@ -7,8 +7,9 @@ parameters and shards them over the data ranks (`ParallelGroups.fsdp_mesh`: `dp_
 with the expert and context ranks when there are any, or `dp_replicate` x that for HSDP). No DTensor tensor parallel (2-D parameter DTensors) is
 needed; the checkpoint alone presents parameters as 2-D global tensors (`state_dict.to_global`).
 
-* Units: each transformer block is one `fully_shard` group (one all-gather in forward, one in
-  backward, one reduce-scatter); the stage root holds embedding, final norm and head. The next
+* Units: each transformer block the stage runs (`model.layers`: a vision-language model's tower
+  blocks too) is one `fully_shard` group (one all-gather in forward, one in backward, one
+  reduce-scatter); the stage root holds embedding, final norm and head (and a projector). The next
   block's all-gather is issued before the current block runs, forward and backward (explicit
   prefetch, as torchtitan sets it); after forward each block's parameters are freed
   (`reshard_after_forward`).
@@ -64,7 +65,6 @@ from tessera.common.parallel.layers import keep_tags, shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import to_global
 from tessera.trainer.optimizer.optim import adamw_with_decay
-from tessera.trainer.parallel.pipeline import decoder_of
 
 OPTIM_PREFIX = "optimizer."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -99,7 +99,7 @@ def shard_stages(stages: list[nn.Module], groups: ParallelGroups, *, param_dtype
     reshard_after_forward = reshard_after_forward and groups.pp == 1
     for st in stages:
         with keep_tags(st):  # fully_shard replaces each parameter by a DTensor
-            blocks = list(decoder_of(st.model).layers.values())
+            blocks = list(st.model.layers.values())  # the blocks it runs (a vision tower's too)
             for block in blocks:
                 if groups.ep > 1:
                     _shard_experts(block, groups, mp, offload, reshard_after_forward)

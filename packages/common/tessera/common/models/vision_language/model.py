@@ -134,10 +134,12 @@ class VisionLanguageModel(nn.Module):
 
     @property
     def layers(self) -> dict[str, nn.Module]:
-        """Every block by name, the tower's then the language model's (those a pipeline stage
-        holds): what block-wise wrappers (the trainer's activation recompute) walk. Not a module
-        attribute: names stay `vision.layers.<i>` and `language_model.layers.<i>`."""
-        tower = {f"vision.{i}": b for i, b in self.vision.layers.items()} if self.vision is not None else {}
+        """The blocks the forward runs, in order, by name: the tower's up to `vision_feature_layer`,
+        then the language model's (those a pipeline stage holds). What block-wise wrappers walk
+        (activation recompute, the trainer's FSDP units). Not a module attribute: names stay
+        `vision.layers.<i>` and `language_model.layers.<i>`."""
+        tower = {} if self.vision is None else {
+            f"vision.{i}": b for i, b in self.vision.layers.items() if int(i) < self.cfg.feature_layer_index}
         return {**tower, **{f"language_model.{i}": b for i, b in self.language_model.layers.items()}}
 
     @torch.no_grad()
