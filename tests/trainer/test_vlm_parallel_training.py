@@ -1,8 +1,8 @@
 """A tiny LLaVA (CLIP tower + Llama LM) trained under the parallel runtime takes the steps one process
 takes: TP2, TP2 with sequence parallel, PP2 (tower and projector on the first stage), DP2 and FSDP2,
 fp32, batches with zero, one and two images per row; the per-step losses and pre-clip gradient
-norms within 1e-5 relative and the parameters after the steps within 1e-5 normwise of one process
-with torch's AdamW. Stage 1 (projector only) and stage 2 (projector + language model) freezing
+norms within 1e-5 relative, the parameters after the steps within 1e-5 normwise of one process
+with torch's AdamW, and then the evaluation loss of a held-out batch. Stage 1 (projector only) and stage 2 (projector + language model) freezing
 under FSDP2, TP2, TP2 + SP and DP2: the same, and the frozen weights bit-identical to their
 initial values.
 A language model with tied embeddings under PP2 too. Then `tessera-train` itself under FSDP2 with
@@ -30,6 +30,7 @@ VISION = dict(arch="clip", hidden_size=32, num_layers=2, num_heads=4, ffn_hidden
 # vision_feature_layer -2: the tower's last block is never read (as in LLaVA), so it must not train.
 MODEL = dict(kind="vision_language", vision=VISION, text=TEXT, image_token_id=IMAGE_TOKEN, vision_feature_layer=-2)
 TRAIN = dict(steps=2, global_batch=8, micro_batch=2, seq=16)
+EVAL = 99  # the held-out batch
 LAYOUTS = {"tp2": dict(tensor=2), "tp2_sp": dict(tensor=2), "pp2": dict(pipeline=2), "dp2": dict(data=2),
            "fsdp2": dict(data=2, data_shard=2)}
 STAGE_1, STAGE_2 = ("vision", "language_model"), ("vision",)
@@ -133,6 +134,10 @@ def _reference(cfg, freeze: tuple[str, ...]):
         norms.append(float(torch.nn.utils.clip_grad_norm_(trained, OPTIM["grad_clip"])))
         opt.step()
         losses.append(total)
+    with torch.no_grad():  # evaluation after the steps: a held-out batch's micro-batch means, averaged
+        batch, labels = _batch(EVAL, cfg)
+        losses.append(sum(vision_language_loss(model, batch[slice(i * mb, (i + 1) * mb)],
+                                               labels[slice(i * mb, (i + 1) * mb)]).item() for i in range(n)) / n)
     return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
@@ -173,6 +178,8 @@ def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], 
         result = rt.train_step(batch[mine], labels[mine])
         errors[f"step {step} loss"] = abs(result.loss - ref_losses[step]) / abs(ref_losses[step])
         errors[f"step {step} grad norm"] = abs(result.grad_norm - ref_norms[step]) / ref_norms[step]
+    batch, labels = _batch(EVAL, cfg)
+    errors["eval loss"] = abs(rt.eval_step(batch[mine], labels[mine]) - ref_losses[-1]) / ref_losses[-1]
     diff, norm = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     changed, frozen = torch.zeros(()), torch.zeros(())
     for pname, p in rt.named_global_params().items():
