@@ -2,12 +2,12 @@
 takes: TP2, TP2 with sequence parallel, PP2 (tower and projector on the first stage), DP2 and FSDP2,
 fp32, batches with zero, one and two images per row; the per-step losses and pre-clip gradient
 norms within 1e-5 relative, the parameters after the steps within 1e-5 normwise of one process
-with torch's AdamW, and then the evaluation loss of a held-out batch. Stage 1 (projector only) and stage 2 (projector + language model) freezing
-under FSDP2, TP2, TP2 + SP and DP2: the same, and the frozen weights bit-identical to their
-initial values.
-A language model with tied embeddings under PP2 too. Then `tessera-train` itself under FSDP2 with
-stage-2 freezing and full recompute: the losses and parameter norms one process logs, and a run
-stopped after 2 steps and resumed ends bit-identical to an uninterrupted one.
+with torch's AdamW, and then the evaluation loss of a held-out batch. Stage 1 (projector only) and
+stage 2 (projector + language model) freezing under FSDP2, TP2, TP2 + SP, DP2 and PP2 (whose second
+stage has nothing to train): the same, and the frozen weights bit-identical to their initial
+values. A language model with tied embeddings under PP2 too. Then `tessera-train` itself under
+PP2 with stage-1 freezing and full recompute: the losses and parameter norms one process logs, and
+a run stopped after 2 steps and resumed ends bit-identical to an uninterrupted one.
 
 One torchrun launch runs everything: this file is also the worker (`torchrun ... this_file out.json
 straight.yaml split.yaml`).
@@ -35,7 +35,7 @@ LAYOUTS = {"tp2": dict(tensor=2), "tp2_sp": dict(tensor=2), "pp2": dict(pipeline
            "fsdp2": dict(data=2, data_shard=2)}
 STAGE_1, STAGE_2 = ("vision", "language_model"), ("vision",)
 FROZEN = {"fsdp2_stage1": ("fsdp2", STAGE_1), "tp2_stage2": ("tp2", STAGE_2), "dp2_stage1": ("dp2", STAGE_1),
-          "tp2_sp_stage1": ("tp2_sp", STAGE_1)}
+          "tp2_sp_stage1": ("tp2_sp", STAGE_1), "pp2_stage1": ("pp2", STAGE_1)}
 # A language model with tied embeddings under PP2: the last stage's head is its own copy of the
 # first stage's (vocab-parallel) embedding, kept equal by the embedding group.
 TIED = {**MODEL, "text": {**TEXT, "tie_embeddings": True}}
@@ -53,7 +53,7 @@ def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_
     from tessera.trainer.cli import main
 
     data = image_text_data(tmp_path / "data", n=24, train_samples=64)
-    runs = {name: vlm_config(data, tmp_path / name, freeze=list(STAGE_2), global_batch_size=4, micro_batch_size=2,
+    runs = {name: vlm_config(data, tmp_path / name, freeze=list(STAGE_1), global_batch_size=4, micro_batch_size=2,
                              recompute="full")
             for name in ("one", "straight", "split")}
     assert main(["--config", str(runs["one"]), "--quiet", "logging.params_norm=true"]) == 0
@@ -207,12 +207,13 @@ def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], 
 
 
 def _resume(straight: str, split: str) -> None:
-    """tessera-train under FSDP2, uninterrupted and stopped-then-resumed, in this launch's process group."""
+    """tessera-train under PP2 (the second stage has nothing to train), uninterrupted and
+    stopped-then-resumed, in this launch's process group."""
     import tessera.trainer.distributed as distributed
     from tessera.trainer.cli import main
 
     distributed.shutdown_runtime = lambda: None  # the launch's process group serves every run
-    layout = ["parallel.data_shard=2", "logging.params_norm=true"]
+    layout = ["parallel.pipeline=2", "logging.params_norm=true"]
     assert main(["--config", straight, "--quiet", *layout]) == 0
     assert main(["--config", split, "--quiet", *layout, "training.exit_after_steps=2"]) == 0
     assert main(["--config", split, "--quiet", *layout, "--resume"]) == 0
