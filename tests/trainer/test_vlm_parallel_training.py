@@ -5,7 +5,8 @@ norms within 1e-5 relative, the parameters after the steps within 1e-5 normwise 
 with torch's AdamW, and then the evaluation loss of a held-out batch. Stage 1 (projector only) and
 stage 2 (projector + language model) freezing under FSDP2, TP2, TP2 + SP, DP2 and PP2 (whose second
 stage has nothing to train): the same, and the frozen weights bit-identical to their initial
-values. A language model with tied embeddings under PP2 too. Then `tessera-train` itself under
+values. A language model with tied embeddings under PP2 too. Packed rows (two samples a row, each
+with positions from 0 and attention within itself) under TP2 + SP and PP2. Then `tessera-train` itself under
 PP2 with stage-1 freezing and full recompute: the losses and parameter norms one process logs, and
 a run stopped after 2 steps and resumed ends bit-identical to an uninterrupted one.
 
@@ -39,6 +40,8 @@ FROZEN = {"fsdp2_stage1": ("fsdp2", STAGE_1), "tp2_stage2": ("tp2", STAGE_2), "d
 # A language model with tied embeddings under PP2: the last stage's head is its own copy of the
 # first stage's (vocab-parallel) embedding, kept equal by the embedding group.
 TIED = {**MODEL, "text": {**TEXT, "tie_embeddings": True}}
+# data.pack_samples rows: a sample of 12 positions (its images in them) and one of 4.
+PACKED = {"tp2_sp_packed": "tp2_sp", "pp2_packed": "pp2"}
 
 
 @pytest.mark.distributed
@@ -63,7 +66,7 @@ def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     errors = json.loads(out.read_text())
-    assert set(errors) == set(LAYOUTS) | set(FROZEN) | {"pp2_tied"}, errors
+    assert set(errors) == set(LAYOUTS) | set(FROZEN) | set(PACKED) | {"pp2_tied"}, errors
     for name in FROZEN:
         assert errors[name].pop("frozen weights changed") == 0.0 and errors[name].pop("frozen tensors") > 10, errors[name]
     bad = {f"{layout}: {k}": v for layout, e in errors.items() for k, v in e.items() if not v <= 1e-5}
@@ -86,9 +89,10 @@ def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_
 
 
 # ---- the worker (under torchrun) -------------------------------------------------------------------
-def _batch(step: int, cfg):
+def _batch(step: int, cfg, packed: bool = False):
     """The global batch of a step: rows with 0, 1 and 2 images (their feature tokens in runs), labels
-    on about half the text positions (at least the last), none on image tokens."""
+    on about half the text positions (at least the last), none on image tokens; `packed`: each row
+    two samples (positions 0-11 holding the images, then 0-3), as data.pack_samples lays them out."""
     from tessera.trainer.documents import IGNORE_INDEX
     from tessera.trainer.multimodal.batches import VisionLanguageBatch
 
@@ -103,10 +107,15 @@ def _batch(step: int, cfg):
     counted = (torch.rand(b, t, generator=g) < 0.5) & (tokens != IMAGE_TOKEN)
     counted[:, -1] = True
     labels = torch.where(counted, torch.randint(0, TEXT["vocab_size"], (b, t), generator=g), IGNORE_INDEX)
-    return VisionLanguageBatch(tokens, pixels, counts), labels
+    if not packed:
+        return VisionLanguageBatch(tokens, pixels, counts), labels
+    cut = 12
+    positions = torch.cat([torch.arange(cut), torch.arange(t - cut)]).expand(b, t)
+    documents = (torch.arange(t) >= cut).long().expand(b, t)
+    return VisionLanguageBatch(tokens, pixels, counts, positions.clone(), documents.clone()), labels
 
 
-def _reference(cfg, freeze: tuple[str, ...]):
+def _reference(cfg, freeze: tuple[str, ...], packed: bool = False):
     """One process: the plain model (parts frozen as training.freeze does), torch's AdamW over the
     parameters that train, clipping; each micro-batch's mean answer loss / micro-batches, as
     VisionLanguageStep takes it. Returns losses, pre-clip gradient norms, parameters."""
@@ -122,7 +131,7 @@ def _reference(cfg, freeze: tuple[str, ...]):
     mb, n = TRAIN["micro_batch"], TRAIN["global_batch"] // TRAIN["micro_batch"]
     losses, norms = [], []
     for step in range(TRAIN["steps"]):
-        batch, labels = _batch(step, cfg)
+        batch, labels = _batch(step, cfg, packed)
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for i in range(n):
@@ -135,13 +144,14 @@ def _reference(cfg, freeze: tuple[str, ...]):
         opt.step()
         losses.append(total)
     with torch.no_grad():  # evaluation after the steps: a held-out batch's micro-batch means, averaged
-        batch, labels = _batch(EVAL, cfg)
+        batch, labels = _batch(EVAL, cfg, packed)
         losses.append(sum(vision_language_loss(model, batch[slice(i * mb, (i + 1) * mb)],
                                                labels[slice(i * mb, (i + 1) * mb)]).item() for i in range(n)) / n)
     return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], initial) -> dict[str, float]:
+def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], initial,
+           packed: bool = False) -> dict[str, float]:
     import torch.distributed as dist
     from parallel_harness import OPTIM
     from torch.distributed.tensor import DTensor
@@ -174,11 +184,11 @@ def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], 
     mine = slice(groups.dp_ep_rank * rows, (groups.dp_ep_rank + 1) * rows)
     errors = {}
     for step in range(TRAIN["steps"]):
-        batch, labels = _batch(step, cfg)
+        batch, labels = _batch(step, cfg, packed)
         result = rt.train_step(batch[mine], labels[mine])
         errors[f"step {step} loss"] = abs(result.loss - ref_losses[step]) / abs(ref_losses[step])
         errors[f"step {step} grad norm"] = abs(result.grad_norm - ref_norms[step]) / ref_norms[step]
-    batch, labels = _batch(EVAL, cfg)
+    batch, labels = _batch(EVAL, cfg, packed)
     errors["eval loss"] = abs(rt.eval_step(batch[mine], labels[mine]) - ref_losses[-1]) / ref_losses[-1]
     diff, norm = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     changed, frozen = torch.zeros(()), torch.zeros(())
@@ -232,6 +242,9 @@ def _main() -> None:
     errors = {name: _train(name, kw, cfg, references[()], (), initial) for name, kw in LAYOUTS.items()}
     for name, (layout, freeze) in FROZEN.items():
         errors[name] = _train(name, LAYOUTS[layout], cfg, references[freeze], freeze, initial)
+    packed = _reference(cfg, (), packed=True)
+    for name, layout in PACKED.items():
+        errors[name] = _train(name, LAYOUTS[layout], cfg, packed, (), initial, packed=True)
     tied = registry.model_config(TIED)
     errors["pp2_tied"] = _train("pp2_tied", LAYOUTS["pp2"], tied, _reference(tied, ()), (), {})
     if torch.distributed.get_rank() == 0:

@@ -9,7 +9,8 @@ Megatron-Core's LLaVA puts the encoder on the first stage): it runs the tower on
 images and writes the projected features over the image tokens (VisionLanguageModel.embed), then
 its share of the language model's blocks; later stages take hidden states, the last adds this
 rank's vocabulary slice of the head. Positions are the whole sequence's (under sequence parallel a
-stage sees T/tp rows). The loss is the vocab-parallel cross-entropy's mean over the counted
+stage sees T/tp rows); packed rows (`data.pack_samples`) bring each sample's positions and document
+ids as side inputs, so attention stays within a sample on every stage. The loss is the vocab-parallel cross-entropy's mean over the counted
 (answer) tokens of each micro-batch, averaged over micro-batches, as VisionLanguageStep computes on
 one process.
 """
@@ -32,7 +33,8 @@ class VisionLanguage:
         pass
 
     def split(self, batch: VisionLanguageBatch, labels: torch.Tensor, model_inputs: dict[str, torch.Tensor] | None):
-        return batch.tokens, {"pixels": batch.pixels, "num_images": batch.num_images}, labels
+        # Packed rows add each token's position in its sample and the sample's number in the row.
+        return batch.tokens, {"pixels": batch.pixels, "num_images": batch.num_images, **batch.model_inputs()}, labels
 
     @staticmethod
     def images(pixels: torch.Tensor, num_images: torch.Tensor) -> torch.Tensor:
@@ -54,12 +56,13 @@ class VisionLanguage:
         return model
 
     def stage_forward(self, stage, x: torch.Tensor, pixels: torch.Tensor | None = None,
-                      num_images: torch.Tensor | None = None) -> torch.Tensor:
+                      num_images: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
         model = stage.model
         lm = model.language_model
         if stage.is_first:  # tokens in: text embeddings with the image features in place
             x = model.embed(x, self.images(pixels, num_images) if pixels is not None else None)
-        h = lm(x, stage.positions, return_hidden=True)
+        h = lm(x, stage.positions if positions is None else positions, return_hidden=True, document_ids=document_ids)
         if not stage.is_last:
             return h
         weight = stage.tied_head if stage.tied_head is not None else lm.output_weight()

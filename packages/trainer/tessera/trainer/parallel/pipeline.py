@@ -96,8 +96,9 @@ class StageModule(nn.Module):
                 mtp_tokens: torch.Tensor | None = None, **side: torch.Tensor):
         """`positions` / `document_ids` [B, T] (whole sequence) for packed documents; the pipeline
         schedule hands every stage its micro-batch's rows of them (and of an objective's side inputs)."""
-        if self.objective is not None:
-            return self.objective.stage_forward(self, x, **side)
+        if self.objective is not None:  # packed rows' positions / document ids go on to it too
+            packed = {k: v for k, v in (("positions", positions), ("document_ids", document_ids)) if v is not None}
+            return self.objective.stage_forward(self, x, **side, **packed)
         if not isinstance(self.model, Transformer):
             # A kind without position inputs (hybrid: the Mamba layers carry order); context
             # parallel is refused for it by validate_layout.
