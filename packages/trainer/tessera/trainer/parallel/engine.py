@@ -51,8 +51,6 @@ class ParallelEngine:
             # On the meta device: the runtime allocates only this rank's shards and fills them
             # with the weights build_train_model(model, device, t.seed) would have (sharded_init).
             module = kind_of(model).build(model, device="meta", seed=None)
-            if not hasattr(module, "init_module"):  # a kind without per-module init (vision-language): built whole, then cut
-                module = kind_of(model).build(model, device=device, seed=t.seed)
             apply_recompute(module, t.recompute)  # wraps bound forwards; survives the stage cut
             # training.freeze: requires_grad off before the cut; the stages keep it through the
             # tensor-parallel swap, and the optimizers take only parameters that require gradients.

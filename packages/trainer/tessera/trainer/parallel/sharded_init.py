@@ -4,8 +4,8 @@ The stages are cut from a model built on the meta device (no memory), then `to_e
 the local shards. To make the weights those a single process would draw from the same seed
 (`build_model(cfg, seed=seed)`), the one-process initialisation is *replayed*: one generator,
 seeded as `build_model` seeds it, visits the global model's modules in the same (name) order
-through the model's `init_module` (Transformer's, HybridModel's, the encoder's, T5's; T5 in its own
-`init_order`), each module materialised alone, at its global shape, on the
+through the model's `init_module` (Transformer's, HybridModel's, the encoder's, T5's, LLaVA's; T5
+and LLaVA in their own `init_order`), each module materialised alone, at its global shape, on the
 device; every rank copies out the slice it holds (its tensor-parallel shard of the stages it
 holds, its expert-parallel slice of stacked experts; the tied head takes the embedding's slice) and drops the rest. So:
 
@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tessera.common.layers.moe import Experts, MoE
+from tessera.common.layers.rope import RotaryEmbedding
 from tessera.common.models.registry import kind_of
 from tessera.common.parallel.expert_parallel import is_expert_shard
 from tessera.common.parallel.layers import allocate as _allocate
@@ -70,7 +71,8 @@ def _local_piece(value: torch.Tensor, local: torch.Tensor, groups: ParallelGroup
 
 def _init_sequence(whole: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules in the order the one-process init draws them: name order, or the model's own
-    `init_order()` where its init follows another (T5's, as transformers draws it)."""
+    `init_order()` where its init follows another (T5's, as transformers draws it; LLaVA's tower
+    by parameter name)."""
     if hasattr(whole, "init_order"):
         modules = dict(whole.named_modules())
         return [(name, modules[name]) for name in whole.init_order()]
@@ -87,9 +89,9 @@ def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: in
     for st in stages:
         _allocate(st, device)
         st.reset_buffers()
-        if getattr(st.model, "rotary", None) is not None:
-            st.model.rotary.reset_parameters()
         for m in st.modules():
+            if isinstance(m, RotaryEmbedding):  # the tables (buffers), wherever the LM sits (LLaVA's language_model)
+                m.reset_parameters()
             if isinstance(m, MoE):
                 m.expert_bias.zero_()  # model state, not a parameter: starts at zero as in init_weights
         for name, p in st.global_params().items():

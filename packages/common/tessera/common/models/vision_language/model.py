@@ -146,14 +146,38 @@ class VisionLanguageModel(nn.Module):
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """The language model's own init; the tower and projector: Normal(0, init_std) weights
         (conv, linears, embeddings, class token, probe), zero biases, unit LayerNorms, visited in
-        name order so a seed gives the same weights anywhere."""
-        self.language_model.init_weights(generator)
+        parameter-name order so a seed gives the same weights anywhere. Module by module in
+        `init_order`."""
+        modules = dict(self.named_modules())
+        for name in self.init_order():
+            self.init_module(name, modules[name], generator)
+
+    def init_order(self) -> list[str]:
+        """The modules with parameters in the order `init_weights` draws them: the language model's
+        in module-name order (its own init), then the tower's and projector's in the name order of
+        their parameters, each module where its first parameter falls. Module order differs from
+        that: SigLIP's `vision.head.probe` is drawn after the head's attention, MLP and norm, and
+        `vision.layers.10` before `vision.layers.2`. Each tower or projector module draws at most
+        one tensor (the rest are zeros and ones), so a module at a time draws as the parameters did.
+        What sharded initialisation (trainer/parallel/sharded_init.py) replays."""
+        lm = [f"language_model.{n}".rstrip(".") for n, _ in sorted(self.language_model.named_modules(),
+                                                                   key=lambda kv: kv[0])]
+        params = sorted(n for part in ("vision", "projector") for n, _ in getattr(self, part).named_parameters(part))
+        return lm + list(dict.fromkeys(n.rsplit(".", 1)[0] for n in params))
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module, generator: torch.Generator | None = None) -> None:
+        """Initialise one module's own parameters, `name` being its name in the whole model (a
+        module alone at its global shape, as sharded initialisation materialises it)."""
+        if name == "language_model" or name.startswith("language_model."):
+            self.language_model.init_module(name.removeprefix("language_model").removeprefix("."), module, generator)
+            return
         std = self.cfg.text.init_std
-        for name, param in sorted([*self.vision.named_parameters("vision"), *self.projector.named_parameters("projector")]):
-            norm = ".pre_norm." in name or ".post_norm." in name or "_norm." in name or ".norm." in name
-            if norm and name.endswith(".weight"):
+        for pname, param in sorted(module.named_parameters(prefix=name, recurse=False)):
+            norm = ".pre_norm." in pname or ".post_norm." in pname or "_norm." in pname or ".norm." in pname
+            if norm and pname.endswith(".weight"):
                 nn.init.ones_(param)
-            elif name.endswith("bias"):
+            elif pname.endswith("bias"):
                 nn.init.zeros_(param)
             else:
                 nn.init.normal_(param, 0.0, std, generator=generator)
