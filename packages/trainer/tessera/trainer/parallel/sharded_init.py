@@ -109,7 +109,9 @@ def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: in
         if not own:
             continue
         tmp = copy.deepcopy(module)  # still meta: a fresh module to allocate at global shape
-        tmp.to_empty(device=device)
+        # Only the tensors drawn here: a module with its own parameter over a subtree (CLIP's
+        # `vision`: the class token over the whole tower) must not allocate the subtree.
+        tmp.to_empty(device=device, recurse=any("." in n for n in own))
         whole.init_module(mod_name, tmp, generator)
         for pname in own:
             value = tmp.get_parameter(pname)
