@@ -237,10 +237,18 @@ LAYOUT_REFUSALS = [  # (kind's model section, layout, the kind's own line)
                  "patch_size": 8},
       "text": {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4,
                "ffn_hidden_size": 64, "max_seq_len": 64}}, dict(tensor=4), "must divide model.vision.num_heads (2)"),
+    # FSDP x TP: the tower's split weights are sharded along its width (34), which 4 shards do not
+    # divide (the LM's 32 they do): the kind's line, not FSDP's error at the first step.
+    ({"kind": "vision_language", "image_token_id": 3,
+      "vision": {"hidden_size": 34, "num_layers": 2, "num_heads": 2, "ffn_hidden_size": 64, "image_size": 16,
+                 "patch_size": 8},
+      "text": {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 4,
+               "ffn_hidden_size": 64, "max_seq_len": 64}}, dict(tensor=2, data=4, data_shard=4),
+     "--data-shard 4 with --tensor-parallel 2 must divide model.vision.hidden_size (34)"),
 ]
 
 
-@pytest.mark.parametrize("model, layout, line", LAYOUT_REFUSALS, ids=["hybrid cp", "hybrid tp", "t5 cp", "vlm tp"])
+@pytest.mark.parametrize("model, layout, line", LAYOUT_REFUSALS, ids=["hybrid cp", "hybrid tp", "t5 cp", "vlm tp", "vlm fsdp x tp"])
 def test_validate_layout_names_no_kind_and_each_kind_refuses_what_it_lacks_through_its_own_config(model, layout, line):
     from tessera.common import layout as layout_module
     from tessera.common.layout import ParallelLayout, validate_layout

@@ -19,7 +19,8 @@ def check_layout(cfg: Any, layout: Any) -> Any:
 def _check_vision_language(cfg: Any, layout: Any) -> None:
     """LLaVA (common/models/vision_language/parallelize.py): each tensor rank holds whole tower heads
     and equal slices of the tower's MLPs (and of the projector, split by the LM's width, which the
-    LM's own check covers); context parallel is not built for it."""
+    LM's own check covers), and under FSDP equal pieces of them along the tower's width; context
+    parallel is not built for it."""
     if layout.context > 1:
         raise UserError(f"--context-parallel {layout.context}: the vision-language kind has no context parallel "
                         "(the image features are merged over the whole sequence); set it to 1")
@@ -29,3 +30,12 @@ def _check_vision_language(cfg: Any, layout: Any) -> None:
         if value % tp:
             raise UserError(f"--tensor-parallel {tp} must divide model.vision.{field} ({value}): the vision tower's "
                             "blocks are split like the language model's")
+    d, shards = cfg.vision.hidden_size, layout.fsdp_shards
+    if layout.data_shard > 1 and tp > 1 and d % shards:
+        # The tower's tensor-split weights and the projector's linear_1 are fully sharded along
+        # their other dim, the tower's width, which FSDP2 cuts only evenly (the LM's own check
+        # covers its hidden size).
+        by = f"--data-shard {layout.data_shard}" + (f" x --expert-parallel {layout.expert}" if layout.expert > 1 else "")
+        raise UserError(f"{by} with --tensor-parallel {tp} must divide model.vision.hidden_size ({d}): FSDP splits "
+                        f"each tensor-parallel weight of the tower along its width, evenly; change "
+                        f"{by.replace(' x ', ' or ')}, or use --tensor-parallel 1")
