@@ -157,22 +157,22 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.inference.worker.quantization import check_quantization
 
     check_quantization(cfg.quantization, device)  # before the engine process reads any weight
-    from tessera.inference.kinds import serving_kind
-    from tessera.inference.sample.spec_decode import check_draft_model, read_model_facts
+    from tessera.inference.spec_decode.proposers import check_draft_model, read_model_facts
+    from tessera.inference.worker.kinds import serving_kind
 
     check_draft_model(cfg.speculative, args.checkpoint)
     from tessera.inference.worker.cuda_graphs import check_cuda_graphs
 
     check_cuda_graphs(cfg, device)  # flags first, then what the checkpoint says
     serving_kind(read_model_facts(args.checkpoint)[0])  # a kind this server cannot run: before the engine starts
-    from tessera.inference.engine.cpu_threads import (
+    from tessera.inference.worker.cpu_threads import (
         apply_binding,
         describe_measured,
         measure,
         plan_for_this_machine,
     )
 
-    # CPU compute threads and cores as vLLM's CPU build picks them, unless --torch-threads says (cpu_threads.py).
+    # CPU compute threads and cores as vLLM's CPU build picks them, unless --torch-threads says (worker/cpu_threads.py).
     plan = None
     if device.type == "cpu" or args.torch_threads is not None:
         plan = plan_for_this_machine(cfg.tensor_parallel, not args.no_engine_process, args.torch_threads)
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     quant += f", {cfg.kv_cache_dtype} KV cache" if cfg.kv_cache_dtype != "auto" else ""
     quant += ", checksums not verified" if cfg.skip_checksum_verify else ""
     quant += f", layers compiled in {facts['compile_s']:.1f} s" if facts.get("compile_s") else ""
-    if frontend.pooling is not None:  # /v1/embeddings is served (pooling/spec.py)
+    if frontend.pooling is not None:  # /v1/embeddings is served (worker/pooling/spec.py)
         spec = frontend.pooling
         mode = {"last": "last-token", "cls": "CLS"}.get(spec.mode, spec.mode)
         quant += (f", embeddings by {mode} pooling{' (normalized)' if spec.normalize else ''} of inputs up to "

@@ -64,16 +64,16 @@ from tessera.common.errors import UserError
 from tessera.common.layers.rope import RotaryEmbedding
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.inference.core.scheduler import SchedulerOutput
-from tessera.inference.engine.cpu_threads import Binding, apply_binding
-from tessera.inference.pooling.encoder import encoder_runner
-from tessera.inference.pooling.runner import PoolingSteps
 from tessera.inference.sample.sampler import Sampler
 from tessera.inference.worker.batch import BatchSeq, batch_seqs, images_to_wire, with_wire_images
 from tessera.inference.worker.cpu_linear import PackedLinear
+from tessera.inference.worker.cpu_threads import Binding, apply_binding
 from tessera.inference.worker.cuda_graphs import GraphSpec
 from tessera.inference.worker.kv_cache import kv_cache_dtype
 from tessera.inference.worker.loader import DTYPES
 from tessera.inference.worker.model_runner import ModelRunner
+from tessera.inference.worker.pooling.encoder import encoder_runner
+from tessera.inference.worker.pooling.runner import PoolingSteps
 from tessera.inference.worker.prepare import ServingPrep, serving_runner
 
 log = logging.getLogger("tessera.inference")
