@@ -178,7 +178,10 @@ def _die_with_parent() -> None:
 
 def _worker_main(rank: int, world: int, store_path: str, init: dict, conn: Connection) -> None:
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
+    # The driver decides when to stop: a Ctrl-C or a SIGTERM sent to the whole group (systemd's
+    # default) must not end a worker while the server drains; the driver's death still does (above).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     code = 0
     try:
         code = _worker(rank, world, store_path, init, conn)
