@@ -45,7 +45,7 @@ def race(engines: dict, prompts: list[list[int]], max_tokens: int, rounds: int,
 def spec_summary(engine) -> str:
     """vLLM's speculative-decoding figures of `engine`'s run so far (acceptance rate, mean length,
     per position)."""
-    from tessera.inference.sample.spec_stats import format_spec_stats
+    from tessera.inference.spec_decode.stats import format_spec_stats
 
     st = engine.stats()
     return format_spec_stats(st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens,

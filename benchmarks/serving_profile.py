@@ -72,8 +72,8 @@ class TimedModel:
 
 def engine_profile(ckpt: Path, args, workload) -> None:
     from tessera.inference.config import EngineConfig
+    from tessera.inference.core import detokenizer
     from tessera.inference.core.sampling_params import SamplingParams
-    from tessera.inference.engine import detokenizer
     from tessera.inference.engine.llm_engine import LLMEngine
     from tessera.inference.engine.wire import decode, encode, output_from_wire, output_to_wire, stats_to_wire
     from tessera.inference.worker.loader import load_for_serving

@@ -76,8 +76,8 @@ def test_the_causal_lm_goes_through_the_registry_and_every_stage_has_its_code():
     from tessera.common.models.causal_lm.config import ModelConfig
     from tessera.common.models.causal_lm.model import Transformer
     from tessera.inference.core.block_manager import BlockManager
-    from tessera.inference.kinds import serving_kind
-    from tessera.inference.pooling.runner import DecoderRunner
+    from tessera.inference.worker.kinds import serving_kind
+    from tessera.inference.worker.pooling.runner import DecoderRunner
     from tessera.trainer.data import MixtureBatches
     from tessera.trainer.kinds import trainer_kind
     from tessera.trainer.plan.memory import decoder_memory, memory_count

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.inference.engine.cpu_threads import Binding, ThreadPlan, physical_cores, plan_threads
+from tessera.inference.worker.cpu_threads import Binding, ThreadPlan, physical_cores, plan_threads
 
 
 def test_two_cores_leave_one_to_the_http_server_and_bind_one_thread_to_the_other():

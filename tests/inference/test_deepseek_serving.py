@@ -202,7 +202,7 @@ def with_mtp(tiny_ckpt, tmp_path_factory):
 def test_mtp_drafts_are_the_mtp_modules_greedy_choice_and_the_output_equals_generate(with_mtp, monkeypatch):
     """10 requests with chunked prefill and preemption; each first draft is the MTP depth's argmax
     over the target's hidden states of the sequence so far (checked against the model run whole)."""
-    from tessera.inference.sample.spec_decode import MTPProposer
+    from tessera.inference.spec_decode.proposers import MTPProposer
     from tessera.inference.worker.loader import load_for_serving
 
     hf, export = with_mtp

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from tessera.common.tokenizer import load_tokenizer
-from tessera.inference.engine.detokenizer import IncrementalDetokenizer, decode_with_offsets
+from tessera.inference.core.detokenizer import IncrementalDetokenizer, decode_with_offsets
 
 
 @pytest.fixture(scope="module")

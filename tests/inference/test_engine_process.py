@@ -21,10 +21,10 @@ from inference_helpers import make_engine, run_all
 from tessera.common.checkpoint import resolve_checkpoint
 from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
-from tessera.inference.engine.cpu_threads import plan_threads
 from tessera.inference.engine.metrics import ServingMetrics
 from tessera.inference.engine.process_client import ProcessEngine
 from tessera.inference.entrypoints.server import OpenAIServer, ServerLimits
+from tessera.inference.worker.cpu_threads import plan_threads
 
 pytestmark = pytest.mark.slow
 

@@ -167,8 +167,7 @@ def test_serve_cli_drains_on_sigterm(tiny_ckpt):
                         proc.send_signal(signal.SIGTERM)
                 done = done or line == "data: [DONE]"
         assert done
-        # uvicorn re-raises the signal once drained, so the exit status reports SIGTERM
-        assert proc.wait(timeout=600) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=600) == 0  # a drained stop is a success (test_serve_signals.py)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -9,9 +9,9 @@ import pytest
 import torch
 from inference_helpers import make_engine, run_all, token_ids
 
+from tessera.inference.core.detokenizer import IncrementalDetokenizer
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.sequence import Sequence
-from tessera.inference.engine.detokenizer import IncrementalDetokenizer
 from tessera.inference.sample.sampler import filter_logits, sampling_row
 
 

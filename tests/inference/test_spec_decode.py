@@ -33,7 +33,7 @@ from tessera.inference.config import SpeculativeConfig
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.sequence import Sequence
 from tessera.inference.sample.sampler import verify
-from tessera.inference.sample.spec_decode import NgramProposer
+from tessera.inference.spec_decode.proposers import NgramProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 

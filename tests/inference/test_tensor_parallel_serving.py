@@ -267,6 +267,7 @@ def test_openai_client_works_unchanged_against_a_tp2_server_and_sigterm_leaves_n
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail("tessera-serve did not exit on SIGTERM")
+    assert proc.returncode == 0  # drained and stopped, not killed by the signal
     import time
 
     deadline = time.time() + 30

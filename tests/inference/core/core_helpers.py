@@ -10,10 +10,10 @@ from tokenizers.models import WordLevel
 
 from tessera.common.tokenizer import Tokenizer
 from tessera.inference.core.block_manager import BlockManager
+from tessera.inference.core.detokenizer import IncrementalDetokenizer
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
 from tessera.inference.core.sequence import Sequence
-from tessera.inference.engine.detokenizer import IncrementalDetokenizer
 from tessera.inference.engine.output_processor import OutputProcessor
 from tessera.inference.worker.batch import ModelRunnerOutput
 

@@ -12,7 +12,7 @@ which keeps a short pool from thrashing. A request whose first chunk must be who
 encoder-decoder's encoder input: `BlockManager.first_chunk`) waits for a step with room for it, or
 alone takes a step past the budget rather than wait forever.
 
-A decoding sequence that carries draft tokens (speculative decoding, spec_decode.py) computes its
+A decoding sequence that carries draft tokens (speculative decoding, spec_decode/proposers.py) computes its
 newest token plus the drafts in one row, 1 + k tokens, so that the model runner can verify them;
 the drafts are cut to what the budget leaves after one token for each later running sequence, and
 dropped (the sequence decodes one token) when the pool cannot hold them.

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from tessera.inference.core.detokenizer import IncrementalDetokenizer
 from tessera.inference.core.sampling_params import SamplingParams
-from tessera.inference.engine.detokenizer import IncrementalDetokenizer
 
 
 class Status(enum.Enum):
@@ -57,13 +57,13 @@ class Sequence:
     error: str | None = None  # why computing this request failed (finish_reason "error")
     client_error: bool = False  # the request's own doing (its grammar hit a limit): a 4xx, not a 500
     matcher: Any = None  # llguidance LLMatcher of a structured-output request (structured.py)
-    # Speculative decoding (spec_decode.py): draft tokens proposed to follow the newest token, to be
+    # Speculative decoding (spec_decode/proposers.py): draft tokens proposed to follow the newest token, to be
     # verified by the next step, and for a draft model the distributions they were drawn from
     # ([k, vocab]; None for n-gram proposals, a point mass, and for greedy requests).
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
     ahead_mask: Any = None  # its next-token mask computed during the forward (structured.AheadMask)
-    embedding: list[float] | None = None  # an embed request's pooled hidden state (pooling/)
+    embedding: list[float] | None = None  # an embed request's pooled hidden state (worker/pooling/)
 
     @property
     def num_tokens(self) -> int:

@@ -1,1 +1,1 @@
-"""The engine: its step loop, its process and the client to it, output processing, detokenizing, metrics."""
+"""The engine: its step loop, its process and the client to it, output processing, metrics."""

@@ -19,16 +19,16 @@ import traceback
 from multiprocessing.connection import Connection
 
 from tessera.common.errors import UserError
-from tessera.inference.engine.cpu_threads import measure
 from tessera.inference.engine.wire import decode, encode, output_to_wire, stats_to_wire
+from tessera.inference.worker.cpu_threads import measure
 
 log = logging.getLogger("tessera.inference")
 
 
 def _load(init: dict):
     from tessera.inference.config import EngineConfig
-    from tessera.inference.engine.cpu_threads import ThreadPlan, apply_binding
     from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker.cpu_threads import ThreadPlan, apply_binding
     from tessera.inference.worker.loader import load_for_serving, resolve_device, resolve_dtype
 
     plan = ThreadPlan.from_wire(init["threads"]) if init.get("threads") else None

@@ -26,7 +26,7 @@ from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.llm_engine import LLMEngine, RequestOutput, RequestRejected, validate_request
 from tessera.inference.engine.loop import run_engine_loop
 from tessera.inference.engine.metrics import ServingMetrics
-from tessera.inference.pooling.spec import PoolingSpec
+from tessera.inference.worker.pooling.spec import PoolingSpec
 
 log = logging.getLogger("tessera.inference")
 

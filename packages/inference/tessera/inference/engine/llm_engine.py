@@ -6,7 +6,7 @@ drives it directly. Each `step` is vLLM v1's three parts: the scheduler returns 
 (`SchedulerOutput`), the model runner executes it (`ModelRunnerOutput`: sampled tokens,
 logprobs), and the output processor applies the results to the sequences and reports what
 each request gained (`RequestOutput`). With speculative decoding (`EngineConfig.speculative`,
-spec_decode.py) a proposer then drafts tokens for the next step to verify. If executing a plan
+spec_decode/proposers.py) a proposer then drafts tokens for the next step to verify. If executing a plan
 raises, each of its sequences is executed alone, and only those that still fail end (with an
 error); the engine goes on.
 """
@@ -23,19 +23,17 @@ from tessera.common.errors import UserError
 from tessera.common.fileio import artifact_path
 from tessera.common.tokenizer import TOKENIZER_JSON
 from tessera.inference.config import EngineConfig
+from tessera.inference.core.detokenizer import IncrementalDetokenizer
 from tessera.inference.core.image_inputs import check_image_spans
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
 from tessera.inference.core.sequence import Sequence
-from tessera.inference.engine.cpu_threads import Binding
-from tessera.inference.engine.detokenizer import IncrementalDetokenizer
 from tessera.inference.engine.output_processor import OutputProcessor, RequestOutput
-from tessera.inference.kinds import serving_kind
-from tessera.inference.pooling.runner import check_pooling, embed_problem, embedding_spec
-from tessera.inference.sample.spec_decode import build_proposer
 from tessera.inference.sample.structured import Grammars
+from tessera.inference.spec_decode.proposers import build_proposer
 from tessera.inference.worker.batch import ModelRunnerOutput
 from tessera.inference.worker.cpu_linear import pack_linears
+from tessera.inference.worker.cpu_threads import Binding
 from tessera.inference.worker.cuda_graphs import (
     GraphSpec,
     check_cuda_graphs,
@@ -43,10 +41,12 @@ from tessera.inference.worker.cuda_graphs import (
     default_capture_sizes,
 )
 from tessera.inference.worker.executor import WorkerDied
+from tessera.inference.worker.kinds import serving_kind
 from tessera.inference.worker.kv_cache import kv_cache_dtype
 from tessera.inference.worker.loader import LoadedModel
 from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.multimodal.info import vision_info
+from tessera.inference.worker.pooling.runner import check_pooling, embed_problem, embedding_spec
 from tessera.inference.worker.prepare import ServingPrep, serving_runner
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "RequestRejected", "validate_request"]
@@ -73,7 +73,7 @@ class EngineStats:
     prefix_hits: int
     num_preemptions: int
     step_tokens: int = 0  # tokens computed by the last step
-    # Speculative decoding, cumulative (spec_stats.SpecDecodeStats; zeros without it).
+    # Speculative decoding, cumulative (spec_decode/stats.SpecDecodeStats; zeros without it).
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
@@ -140,7 +140,7 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
                  worker_threads: tuple[Binding, ...] | None = None):
-        """`worker_threads`: each tensor-parallel worker's torch threads and CPUs (cpu_threads.py);
+        """`worker_threads`: each tensor-parallel worker's torch threads and CPUs (worker/cpu_threads.py);
         default: the calling process's thread count, unbound."""
         self.loaded = loaded
         self.cfg = cfg
@@ -208,10 +208,10 @@ class LLMEngine:
         """The model runner; with `graphs`, its decode graphs (captured here, or by each
         tensor-parallel worker over its shard)."""
         kind = serving_kind(loaded.config)
-        if not kind.generates:  # an encoder: no KV pool, no compiled stack (pooling/encoder.py)
+        if not kind.generates:  # an encoder: no KV pool, no compiled stack (worker/pooling/encoder.py)
             if cfg.tensor_parallel > 1:  # the workers hold the shards and pool
-                from tessera.inference.pooling.encoder import TensorParallelEncoderRunner
                 from tessera.inference.worker.executor import TensorParallelExecutor
+                from tessera.inference.worker.pooling.encoder import TensorParallelEncoderRunner
 
                 assert loaded.path is not None
                 return TensorParallelEncoderRunner(TensorParallelExecutor(

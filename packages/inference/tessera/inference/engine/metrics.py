@@ -44,7 +44,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tessera.inference.sample.spec_stats import format_spec_stats
+from tessera.inference.spec_decode.stats import format_spec_stats
 
 log = logging.getLogger("tessera.inference")
 LOG_INTERVAL = 10.0  # seconds between speculative-decoding log lines (vLLM logs stats every 10 s)

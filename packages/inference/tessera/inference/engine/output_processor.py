@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from tessera.inference.core.block_manager import BlockManager
 from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
 from tessera.inference.core.sequence import Sequence, TokenLogprob
-from tessera.inference.sample.spec_stats import SpecDecodeStats
+from tessera.inference.spec_decode.stats import SpecDecodeStats
 from tessera.inference.worker.batch import ModelRunnerOutput
 
 

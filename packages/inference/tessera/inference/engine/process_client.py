@@ -23,10 +23,10 @@ from tessera.common.errors import UserError
 from tessera.common.tokenizer import load_tokenizer
 from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
-from tessera.inference.engine.cpu_threads import ThreadPlan
 from tessera.inference.engine.frontend import EngineDead, EngineFrontend
 from tessera.inference.engine.wire import decode, encode, output_from_wire, stats_from_wire
-from tessera.inference.pooling.spec import PoolingSpec
+from tessera.inference.worker.cpu_threads import ThreadPlan
+from tessera.inference.worker.pooling.spec import PoolingSpec
 
 log = logging.getLogger("tessera.inference")
 
@@ -58,7 +58,7 @@ class ProcessEngine(EngineFrontend):
     @classmethod
     def launch(cls, checkpoint: str, cfg: EngineConfig, threads: ThreadPlan | None = None) -> ProcessEngine:
         """Start the engine process and wait until its model is loaded (or raise its error);
-        `threads`: its torch threads and CPUs (cpu_threads.py; None: torch's default)."""
+        `threads`: its torch threads and CPUs (worker/cpu_threads.py; None: torch's default)."""
         ours, theirs = socket.socketpair()
         try:
             proc = subprocess.Popen([sys.executable, "-m", "tessera.inference.engine.core_process", str(theirs.fileno())],

@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.common.progress import progress
     from tessera.inference.core.sampling_params import SamplingParams
     from tessera.inference.engine.llm_engine import LLMEngine, RequestRejected
-    from tessera.inference.sample.spec_decode import check_draft_model
-    from tessera.inference.sample.spec_stats import format_spec_stats
+    from tessera.inference.spec_decode.proposers import check_draft_model
+    from tessera.inference.spec_decode.stats import format_spec_stats
     from tessera.inference.worker.cuda_graphs import check_cuda_graphs
     from tessera.inference.worker.loader import load_for_serving, resolve_device, resolve_dtype
 

@@ -8,7 +8,9 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
+import threading
 
 from tessera.common.chat_template import RenderLimits
 from tessera.common.errors import UserError, run_cli
@@ -25,6 +27,22 @@ endpoints:
 sampling extensions (request body, as vLLM): top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, stop_token_ids, skip_special_tokens. Docs: docs/cli/tessera-serve.md
 """
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGINT arrived: uvicorn has drained and raises it again (before it listens: at once)."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise _Stopped(signum)
+
+
+def _set_signal_handlers(handlers: dict) -> dict:
+    """Install `handlers` (signal -> handler) and return those they replace; none off the main
+    thread, where Python delivers no signal (and `signal.signal` refuses)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,22 +175,22 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.inference.worker.quantization import check_quantization
 
     check_quantization(cfg.quantization, device)  # before the engine process reads any weight
-    from tessera.inference.kinds import serving_kind
-    from tessera.inference.sample.spec_decode import check_draft_model, read_model_facts
+    from tessera.inference.spec_decode.proposers import check_draft_model, read_model_facts
+    from tessera.inference.worker.kinds import serving_kind
 
     check_draft_model(cfg.speculative, args.checkpoint)
     from tessera.inference.worker.cuda_graphs import check_cuda_graphs
 
     check_cuda_graphs(cfg, device)  # flags first, then what the checkpoint says
     serving_kind(read_model_facts(args.checkpoint)[0])  # a kind this server cannot run: before the engine starts
-    from tessera.inference.engine.cpu_threads import (
+    from tessera.inference.worker.cpu_threads import (
         apply_binding,
         describe_measured,
         measure,
         plan_for_this_machine,
     )
 
-    # CPU compute threads and cores as vLLM's CPU build picks them, unless --torch-threads says (cpu_threads.py).
+    # CPU compute threads and cores as vLLM's CPU build picks them, unless --torch-threads says (worker/cpu_threads.py).
     plan = None
     if device.type == "cpu" or args.torch_threads is not None:
         plan = plan_for_this_machine(cfg.tensor_parallel, not args.no_engine_process, args.torch_threads)
@@ -218,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     quant += f", {cfg.kv_cache_dtype} KV cache" if cfg.kv_cache_dtype != "auto" else ""
     quant += ", checksums not verified" if cfg.skip_checksum_verify else ""
     quant += f", layers compiled in {facts['compile_s']:.1f} s" if facts.get("compile_s") else ""
-    if frontend.pooling is not None:  # /v1/embeddings is served (pooling/spec.py)
+    if frontend.pooling is not None:  # /v1/embeddings is served (worker/pooling/spec.py)
         spec = frontend.pooling
         mode = {"last": "last-token", "cls": "CLS"}.get(spec.mode, spec.mode)
         quant += (f", embeddings by {mode} pooling{' (normalized)' if spec.normalize else ''} of inputs up to "
@@ -228,14 +246,26 @@ def main(argv: list[str] | None = None) -> int:
           f"{facts['state_pool'] + ', ' if facts.get('state_pool') else ''}max_model_len {frontend.max_model_len}; "
           f"{describe_measured(facts['threads'], plan)}; listening on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
+    # uvicorn drains on SIGTERM/SIGINT, then raises the signal again under the handlers it found: these,
+    # so a stop ends here, through the cleanup below, with exit 0, not killed by SIGTERM's default
+    # action (which skips the cleanup). Once stopping, a repeated SIGTERM is ignored (schedulers
+    # repeat it) and a second Ctrl-C interrupts at once, as the trainer's (docs/operations.md).
+    found = _set_signal_handlers({signal.SIGINT: _stop, signal.SIGTERM: _stop})
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
                     access_log=not args.quiet, timeout_graceful_shutdown=math.ceil(args.drain_timeout))
+    except _Stopped:
+        pass  # drained and stopped: a success
     finally:
-        if frontend.healthy:  # uvicorn never got to its shutdown (e.g. the port was taken)
-            frontend.shutdown(timeout=0)
-        if args.no_engine_process:
-            frontend.engine.close()  # stops tensor-parallel workers (the engine process does so itself)
+        if found:
+            _set_signal_handlers({signal.SIGTERM: signal.SIG_IGN, signal.SIGINT: signal.default_int_handler})
+        try:
+            if frontend.healthy:  # uvicorn never got to its shutdown (e.g. the port was taken)
+                frontend.shutdown(timeout=0)
+            if args.no_engine_process:
+                frontend.engine.close()  # stops tensor-parallel workers (the engine process does so itself)
+        finally:
+            _set_signal_handlers(found)
     return 0
 
 

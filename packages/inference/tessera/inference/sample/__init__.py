@@ -1,1 +1,1 @@
-"""Picking tokens: the sampler, structured output, speculative decoding."""
+"""Picking tokens: the sampler (and the verification of draft tokens), structured output."""

@@ -84,7 +84,7 @@ class Hypothetical:
     prompt_ids: list[int]
     output_ids: list[int]
     eos_ids: frozenset[int]
-    matcher: None = None  # speculation never runs under structured output (spec_decode.py)
+    matcher: None = None  # speculation never runs under structured output (spec_decode/proposers.py)
 
     @staticmethod
     def of(seq: Sequence) -> Hypothetical:

@@ -64,16 +64,16 @@ from tessera.common.errors import UserError
 from tessera.common.layers.rope import RotaryEmbedding
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.inference.core.scheduler import SchedulerOutput
-from tessera.inference.engine.cpu_threads import Binding, apply_binding
-from tessera.inference.pooling.encoder import encoder_runner
-from tessera.inference.pooling.runner import PoolingSteps
 from tessera.inference.sample.sampler import Sampler
 from tessera.inference.worker.batch import BatchSeq, batch_seqs, images_to_wire, with_wire_images
 from tessera.inference.worker.cpu_linear import PackedLinear
+from tessera.inference.worker.cpu_threads import Binding, apply_binding
 from tessera.inference.worker.cuda_graphs import GraphSpec
 from tessera.inference.worker.kv_cache import kv_cache_dtype
 from tessera.inference.worker.loader import DTYPES
 from tessera.inference.worker.model_runner import ModelRunner
+from tessera.inference.worker.pooling.encoder import encoder_runner
+from tessera.inference.worker.pooling.runner import PoolingSteps
 from tessera.inference.worker.prepare import ServingPrep, serving_runner
 
 log = logging.getLogger("tessera.inference")
@@ -178,7 +178,10 @@ def _die_with_parent() -> None:
 
 def _worker_main(rank: int, world: int, store_path: str, init: dict, conn: Connection) -> None:
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
+    # The driver decides when to stop: a Ctrl-C or a SIGTERM sent to the whole group (systemd's
+    # default) must not end a worker while the server drains; the driver's death still does (above).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     code = 0
     try:
         code = _worker(rank, world, store_path, init, conn)

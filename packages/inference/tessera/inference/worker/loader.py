@@ -31,9 +31,9 @@ from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.models.registry import kind_of
 from tessera.common.tokenizer import Tokenizer, check_tokenizer_fits, load_tokenizer
-from tessera.inference.kinds import serving_kind
-from tessera.inference.pooling.spec import PoolingSpec, read_pooling_spec
+from tessera.inference.worker.kinds import serving_kind
 from tessera.inference.worker.kv_cache import kv_cache_dtype as kv_cache_dtype_of
+from tessera.inference.worker.pooling.spec import PoolingSpec, read_pooling_spec
 from tessera.inference.worker.quantization import check_quantization, quantize_model
 
 log = logging.getLogger("tessera.inference")

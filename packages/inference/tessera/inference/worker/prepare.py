@@ -1,7 +1,7 @@
 """One place that turns a loaded model into a served one: `serving_runner`.
 
 Every model the server runs comes through here: the engine's (one device), each tensor-parallel
-worker's shard (executor.py) and the speculative draft model (spec_decode.py), so they are all
+worker's shard (executor.py) and the speculative draft model (spec_decode/proposers.py), so they are all
 prepared alike. On CPU, in order:
   1. q/k/v and gate/up stacked into one GEMM each (merged_linear.py);
   2. either the layer stack compiled by inductor, which prepacks the Linear weights for oneDNN
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from tessera.common.errors import UserError
-from tessera.inference.kinds import serving_kind
 from tessera.inference.worker.compiled import COMPILE_ERRORS, CompiledForward, uncompilable
 from tessera.inference.worker.cpu_linear import pack_linears
+from tessera.inference.worker.kinds import serving_kind
 from tessera.inference.worker.merged_linear import merge_projections
 from tessera.inference.worker.model_runner import ModelRunner
 

@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tessera.inference.core.detokenizer import decode_with_offsets
 from tessera.inference.core.sequence import TokenLogprob
-from tessera.inference.engine.detokenizer import decode_with_offsets
 from tessera.inference.entrypoints.protocol import CompletionRequest
 from tessera.inference.entrypoints.server.base import ServerBase
 from tessera.inference.entrypoints.server.errors import ApiError, _now, _usage

@@ -1,7 +1,7 @@
 """POST /v1/embeddings (OpenAI's shape, vLLM's pooling behaviour).
 
 Each input becomes one embed request of the engine (prefill only, scheduled whole, pooled: see
-pooling/runner.py), so many inputs and many requests share steps, beside generation on a causal
+worker/pooling/runner.py), so many inputs and many requests share steps, beside generation on a causal
 LM. The engine returns the raw pooled vector; here it is cut to `dimensions` (Matryoshka models)
 and then normalized when the model's modules end in Normalize (vLLM's order), and sent as floats
 or as base64 of little-endian float32 (what OpenAI's client decodes).
@@ -21,7 +21,7 @@ from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.entrypoints.protocol import EmbeddingRequest
 from tessera.inference.entrypoints.server.base import ServerBase
 from tessera.inference.entrypoints.server.errors import ApiError, _check_text
-from tessera.inference.pooling.spec import PoolingSpec
+from tessera.inference.worker.pooling.spec import PoolingSpec
 
 EMBED = SamplingParams(max_tokens=0, embed=True)
 

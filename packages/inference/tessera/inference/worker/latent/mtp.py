@@ -1,7 +1,7 @@
 """The multi-token-prediction depths of a DeepSeek-V3 model run as a speculative draft: a latent
 runner over the target's own MTP modules (shared weights, already in their serving form), with a
 latent cache of one layer per depth (the MTP block's attention sees the depth's own earlier
-positions) in blocks of its own (sample/spec_decode.py hands them out)."""
+positions) in blocks of its own (spec_decode/proposers.py hands them out)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from collections import OrderedDict
 
 import torch
 
-from tessera.inference.pooling.runner import DecoderRunner
 from tessera.inference.worker.batch import BatchSeq, StepInputs
+from tessera.inference.worker.pooling.runner import DecoderRunner
 
 MAX_KEPT = 256  # requests whose image features are kept between prefill chunks
 

@@ -19,10 +19,10 @@ import torch
 from tessera.inference.core.block_manager import BlockManager
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.core.sequence import Sequence
-from tessera.inference.pooling.runner import pool
 from tessera.inference.worker.batch import ModelRunnerOutput
 from tessera.inference.worker.cpu_linear import pack_linears
 from tessera.inference.worker.model_runner import ModelRunner
+from tessera.inference.worker.pooling.runner import pool
 
 
 class NoKVCache(BlockManager):
@@ -58,7 +58,7 @@ class EncoderRunner(ModelRunner):
 
     @staticmethod
     def tensor_parallel_problem(tp: int, cfg) -> str | None:
-        return encoder_problem(tp, cfg)  # what its plan splits (the loader asks, through kinds.py)
+        return encoder_problem(tp, cfg)  # what its plan splits (the loader asks, through worker/kinds.py)
 
     pool_mode: str | None = None
 

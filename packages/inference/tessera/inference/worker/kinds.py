@@ -11,13 +11,13 @@ from typing import Any
 from tessera.common.models.registry import stage_hook
 from tessera.inference.core.block_manager import BlockManager
 from tessera.inference.core.state_manager import StateBlockManager
-from tessera.inference.pooling.encoder import EncoderRunner, NoKVCache
-from tessera.inference.pooling.runner import DecoderRunner
 from tessera.inference.worker.encoder_decoder.cache import CrossBlockManager
 from tessera.inference.worker.encoder_decoder.runner import EncoderDecoderRunner
 from tessera.inference.worker.latent.runner import LatentRunner
 from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.multimodal.runner import VisionLanguageRunner
+from tessera.inference.worker.pooling.encoder import EncoderRunner, NoKVCache
+from tessera.inference.worker.pooling.runner import DecoderRunner
 from tessera.inference.worker.state.runner import HybridRunner
 
 STAGE = "tessera-serve"

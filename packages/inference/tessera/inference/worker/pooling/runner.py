@@ -1,7 +1,7 @@
 """How the engine pools: an embed request's prompt runs through the model in one step (no decode),
 and its hidden states are pooled into one vector.
 
-`DecoderRunner` is the causal LM's runner (kinds.py): ModelRunner's paged forward, which computes
+`DecoderRunner` is the causal LM's runner (worker/kinds.py): ModelRunner's paged forward, which computes
 generation and embed requests side by side in one packed batch; the final-normed hidden states of
 the embed requests' rows are pooled (last-token, mean or CLS). The vector goes back raw; the server
 truncates (Matryoshka `dimensions`) and normalizes it, as the model's modules declare (spec.py).
@@ -21,9 +21,9 @@ import torch
 
 from tessera.common.errors import UserError
 from tessera.inference.core.scheduler import SchedulerOutput
-from tessera.inference.pooling.spec import PoolingSpec
 from tessera.inference.worker.batch import BatchSeq, ModelRunnerOutput, StepInputs
 from tessera.inference.worker.model_runner import ModelRunner
+from tessera.inference.worker.pooling.spec import PoolingSpec
 
 log = logging.getLogger("tessera.inference")
 

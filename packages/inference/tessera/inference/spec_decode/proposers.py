@@ -1,4 +1,4 @@
-"""Speculative decoding: proposing draft tokens (how many the target accepts: spec_stats.py).
+"""Speculative decoding: proposing draft tokens (how many the target accepts: stats.py).
 
 After each step the engine asks a proposer for up to k draft tokens per decoding sequence
 (`Sequence.spec_token_ids`); the scheduler gives such a sequence a row of 1 + k tokens; the model

@@ -1,1 +1,0 @@
-"""Pooling models (embeddings): what a model directory declares (spec.py) and how the engine pools (runner.py)."""
