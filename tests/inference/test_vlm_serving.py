@@ -214,3 +214,28 @@ def test_a_kind_whose_runner_has_no_tensor_parallel_path_is_refused_in_one_line_
     with pytest.raises(UserError, match=r"^--tensor-parallel 2: model kind 'vision_language' is served on one "
                                         r"process only \(.*\); drop --tensor-parallel$"):
         load_for_serving(directory, torch.device("cpu"), torch.float32, tensor_parallel=2)
+
+
+def test_a_llava_directory_without_its_processor_file_is_refused_before_any_tensor_parallel_worker_starts(
+        tmp_path, monkeypatch):
+    """vision_info reads preprocessor_config.json before the runner: under --tensor-parallel the
+    runner starts and loads the workers, and nothing after it may fail and leave them running."""
+    import torch
+
+    from tessera.common.errors import UserError
+    from tessera.inference.config import EngineConfig
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker import executor
+    from tessera.inference.worker.loader import load_for_serving
+
+    directory = make_llava_dir(tmp_path, "clip")
+    (directory / "preprocessor_config.json").unlink()
+    loaded = load_for_serving(directory, torch.device("cpu"), torch.float32, tensor_parallel=2)
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("the tensor-parallel workers were started before the refusal")
+
+    monkeypatch.setattr(executor.TensorParallelExecutor, "__init__", no_workers)
+    with pytest.raises(UserError, match="preprocessor_config.json"):
+        LLMEngine(loaded, EngineConfig(tensor_parallel=2, kv_cache_tokens=512, max_model_len=64), torch.device("cpu"),
+                  torch.float32)

@@ -187,6 +187,7 @@ class LLMEngine:
         self.grammars = Grammars(artifact_path(loaded.tokenizer.directory, TOKENIZER_JSON).read_text(),
                                  loaded.config.vocab_size, sorted(self.eos_ids))
         check_pooling(loaded, self.generates)  # an encoder without pooling: refused before any worker starts
+        self.vision = vision_info(loaded)  # None: a text-only model (image parts are refused); a bad processor file: here
         # Last: under tensor parallel this starts the workers, so nothing after it can fail and
         # leave them running.
         if hasattr(self.proposer, "check"):  # a draft reading the target's hidden states (MTP): refused before workers
@@ -199,7 +200,6 @@ class LLMEngine:
         if hasattr(self.proposer, "attach"):  # a draft reading the target's hidden states (MTP)
             self.proposer.attach(self.runner)
         self.pooling = embedding_spec(loaded, cfg, self.max_model_len, self.runner)  # None: no /v1/embeddings
-        self.vision = vision_info(loaded)  # None: a text-only model (image parts are refused)
 
     @staticmethod
     def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,
