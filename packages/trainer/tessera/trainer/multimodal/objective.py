@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
-from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.multimodal.batches import VisionLanguageBatch
+from tessera.trainer.objectives.documents import IGNORE_INDEX
 from tessera.trainer.parallel.objective import LossContext
 
 
