@@ -28,7 +28,7 @@ from tessera.common.errors import ArtifactError, UserError
 from tessera.common.mixture import MixtureSplit
 from tessera.trainer.objectives.batches import MicroBatchPlan
 from tessera.trainer.objectives.documents import DocumentMasking
-from tessera.trainer.objectives.mlm.draws import sample_rng
+from tessera.trainer.objectives.draws import sample_rng
 from tessera.trainer.objectives.mlm.samples import (
     MaskingOptions,
     SpecialIds,
