@@ -31,7 +31,7 @@ from train_throughput import time_interleaved
 
 
 def batches(n: int, batch: int, enc: int, dec: int, vocab: int, extra: int, eos: int, seed: int = 0):
-    from tessera.trainer.objectives.mlm.draws import sample_rng
+    from tessera.trainer.objectives.draws import sample_rng
     from tessera.trainer.objectives.span.batches import SpanBatch
     from tessera.trainer.objectives.span.corruption import SpanOptions, build_sample, raw_length
 

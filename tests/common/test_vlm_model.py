@@ -120,3 +120,17 @@ def test_image_tokens_that_do_not_match_the_images_features_are_refused():
         ours(ids, torch.zeros(1, 3, 32, 32))
     with pytest.raises(ValueError, match="no images"):
         ours(ids)
+
+
+def test_a_language_model_with_multi_token_prediction_inside_a_vision_language_model_is_refused_not_ignored():
+    """The VLM trains the answer tokens' next-token loss alone: an MTP section would build modules
+    that never train."""
+    from pydantic import ValidationError
+
+    from tessera.common.models.registry import model_config
+
+    text = dict(arch="deepseek_v3", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64,
+                max_seq_len=32, mtp={"depth": 1})
+    vision = dict(hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64, image_size=16, patch_size=8)
+    with pytest.raises(ValidationError, match=r"text\.mtp: multi-token prediction is not built"):
+        model_config(dict(kind="vision_language", image_token_id=60, vision=vision, text=text))

@@ -183,16 +183,34 @@ def test_preempted_image_requests_recompute_their_features_and_give_the_same_tok
     assert not tight.runner.features  # every request's features dropped once its prefill passed them
 
 
-def test_tessera_serve_refuses_tensor_parallel_for_a_vision_language_model_in_one_line(tmp_path, capsys):
-    """The kind has a training plan now (parallelize.py), so the refusal is the runner's, on the
-    driver before any worker starts: no TP worker receives a step's images yet."""
+def test_tessera_serve_refuses_a_tensor_parallel_size_the_vision_language_model_cannot_split_in_one_line(tmp_path,
+                                                                                                      capsys):
+    """The runner's tensor_parallel_problem, asked on the driver before any worker starts (the
+    language model's 2 key/value heads are not replicated over 4 ranks)."""
     from tessera.common.errors import run_cli
     from tessera.inference.entrypoints.serve_cli import main
 
     directory = make_llava_dir(tmp_path, "clip")
     capsys.readouterr()  # the export's progress lines
     with pytest.raises(SystemExit) as exc:
-        run_cli(main, ["--checkpoint", str(directory), "--tensor-parallel", "2", "--no-engine-process"])
+        run_cli(main, ["--checkpoint", str(directory), "--tensor-parallel", "4", "--no-engine-process"])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1, err
-    assert "vision-language model is served on one process" in err, err
+    assert "--tensor-parallel 4: must divide the 2 key/value heads of" in err, err
+
+
+def test_a_kind_whose_runner_has_no_tensor_parallel_path_is_refused_in_one_line_before_any_worker(tmp_path,
+                                                                                                 monkeypatch):
+    """The loader asks the serving kind's runner (kinds.py), naming no kind itself: a runner
+    without `tensor_parallel_problem` is served on one process only."""
+    import torch
+
+    from tessera.common.errors import UserError
+    from tessera.inference.worker.loader import load_for_serving
+    from tessera.inference.worker.multimodal.runner import VisionLanguageRunner
+
+    directory = make_llava_dir(tmp_path, "clip")
+    monkeypatch.delattr(VisionLanguageRunner, "tensor_parallel_problem")
+    with pytest.raises(UserError, match=r"^--tensor-parallel 2: model kind 'vision_language' is served on one "
+                                        r"process only \(.*\); drop --tensor-parallel$"):
+        load_for_serving(directory, torch.device("cpu"), torch.float32, tensor_parallel=2)

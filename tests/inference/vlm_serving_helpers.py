@@ -35,13 +35,16 @@ def data_url(data: bytes, kind: str = "png") -> str:
     return f"data:image/{kind};base64,{base64.b64encode(data).decode()}"
 
 
-def make_llava_dir(root: Path, tower: str = "clip") -> Path:
-    """A saved HF Llava directory (tokenizer, template, processor config)."""
+def make_llava_dir(root: Path, tower: str = "clip", size: int = SIZE, text_hidden: int = 48,
+                   weight_std: float | None = None, vocab: int = 300) -> Path:
+    """A saved HF Llava directory (tokenizer, template, processor config) reading `size`-pixel images.
+    `weight_std`: every matrix drawn at that std instead of transformers' 0.02, so that the image
+    decides the greedy reply (at 0.02 a tiny model answers every image alike)."""
     import transformers
     from tokenizers import AddedToken, Tokenizer
 
     out = root / f"llava-{tower}"
-    train_tokenizer(out, vocab_size=300)
+    train_tokenizer(out, vocab_size=vocab)
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     tok.add_special_tokens([AddedToken("<image>", normalized=False, special=True)])
     tok.save(str(out / "tokenizer.json"))
@@ -49,16 +52,16 @@ def make_llava_dir(root: Path, tower: str = "clip") -> Path:
     config = json.loads((out / "tokenizer_config.json").read_text())
     (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LLAVA_TEMPLATE}))
     torch.manual_seed(0)
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=SIZE,
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=size,
                   patch_size=PATCH)
-    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=text_hidden, intermediate_size=2 * text_hidden, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     if tower == "clip":
         vision, lm = transformers.CLIPVisionConfig(**common), transformers.LlamaConfig(**text)
-        processor = transformers.CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE})
+        processor = transformers.CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
     else:
         vision, lm = transformers.SiglipVisionConfig(**common), transformers.Qwen2Config(**text)
-        processor = transformers.SiglipImageProcessor(size={"height": SIZE, "width": SIZE})
+        processor = transformers.SiglipImageProcessor(size={"height": size, "width": size})
     cfg = transformers.LlavaConfig(vision_config=vision, text_config=lm, image_token_id=image_id,
                                    vision_feature_select_strategy="default" if tower == "clip" else "full",
                                    vision_feature_layer=-2 if tower == "clip" else -1)
@@ -67,6 +70,8 @@ def make_llava_dir(root: Path, tower: str = "clip") -> Path:
         for p in model.parameters():
             if p.ndim == 1:
                 p.normal_(0.0, 0.2)
+            elif weight_std is not None:
+                p.normal_(0.0, weight_std)
     model.eval().save_pretrained(out)
     processor.save_pretrained(out)
     return out

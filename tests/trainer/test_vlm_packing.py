@@ -116,20 +116,6 @@ def test_a_sample_longer_than_a_packed_row_gets_a_row_of_its_own_and_is_refused_
         packed.batch(np.array([r]))
 
 
-def test_packed_samples_under_the_parallel_runtime_are_refused_in_one_line_rather_than_read_as_one_text(data):
-    """Until the parallel objective passes each sample's positions and document ids to its stages."""
-    from types import SimpleNamespace
-
-    from tessera.common.errors import UserError
-    from tessera.common.models.registry import model_config
-    from tessera.trainer.multimodal.batches import VisionLanguageBatches
-
-    cfg = SimpleNamespace(data=SimpleNamespace(pack_samples=True, tokenizer=data["tokenizer"]))
-    inputs = SimpleNamespace(model=model_config(vlm_model(data["tokenizer"])), parallel=True)
-    with pytest.raises(UserError, match=r"^data.pack_samples is built for one process only"):
-        VisionLanguageBatches.for_run(cfg, inputs)
-
-
 def test_samples_of_no_positions_still_close_packed_rows_instead_of_scanning_forever():
     from tessera.trainer.multimodal.packing import SamplePacking
 

@@ -48,6 +48,18 @@ def test_a_resumed_vision_language_run_is_bit_identical_to_an_uninterrupted_one(
     assert losses(tmp_path / "straight/run") == losses(tmp_path / "split/run")
 
 
+def test_vision_language_training_with_selective_or_full_recompute_gives_the_weights_of_training_without(
+        data, tmp_path):
+    """The tower's blocks and the language model's are recomputed alike (it crashed on the model's
+    lack of `layers`)."""
+    runs = {}
+    for mode in ("none", "selective", "full"):
+        assert main(["--config", str(vlm_config(data, tmp_path / mode, steps=2, recompute=mode)), "--quiet"]) == 0
+        runs[mode] = load_model_tensors(resolve_checkpoint(tmp_path / mode / "run/checkpoints"))
+    for mode in ("selective", "full"):
+        assert all(torch.equal(runs[mode][k], runs["none"][k]) for k in runs["none"]), mode
+
+
 def test_a_batch_expands_each_placeholder_to_the_towers_features_keeps_every_image_and_labels_only_answers(data):
     from tessera.common.indexed_dataset import IndexedDataset
     from tessera.common.mixture import MixtureSplit
@@ -177,23 +189,16 @@ def test_the_trainers_loss_on_a_batch_of_the_builder_equals_transformers_llava_l
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_freeze_setting_under_the_parallel_runtime_is_refused_in_one_line_rather_than_ignored():
+def test_context_parallel_for_a_vision_language_run_is_refused_in_one_line_before_the_launch_builds_anything(
+        data, tmp_path):
+    """Training under torchrun is built (test_vlm_parallel_training.py); context parallel is not:
+    the image features are merged over the whole sequence."""
+    from tessera.common.config import load_config
     from tessera.common.errors import UserError
-    from tessera.trainer.config import TrainingConfig
-    from tessera.trainer.parallel.engine import ParallelEngine
+    from tessera.trainer.config import TrainConfig
+    from tessera.trainer.inputs import check_inputs
 
-    with pytest.raises(UserError, match=r"training.freeze \(\['vision'\]\) is built for one process only"):
-        ParallelEngine(None, None, TrainingConfig(freeze=["vision"]), None, None, None, torch.device("cpu"))
-
-
-def test_a_vision_language_run_under_the_parallel_runtime_is_refused_in_one_line_rather_than_crashing():
-    """Its objective has no stage_forward yet: a stage would meet image tokens without the images."""
-    from types import SimpleNamespace
-
-    from tessera.common.errors import UserError
-    from tessera.trainer.config import TrainingConfig
-    from tessera.trainer.parallel.engine import ParallelEngine
-
-    with pytest.raises(UserError, match=r"^model.kind vision_language: training under torchrun .* is not built yet"):
-        ParallelEngine(SimpleNamespace(kind="vision_language"), None, TrainingConfig(), None, None, None,
-                       torch.device("cpu"))
+    cfg = load_config(TrainConfig, vlm_config(data, tmp_path), ["parallel.context=2"])
+    with pytest.raises(UserError) as exc:  # as a 2-process launch checks it, before the model is built
+        check_inputs(cfg, world_size=2)
+    assert "--context-parallel 2" in str(exc.value) and "\n" not in str(exc.value)

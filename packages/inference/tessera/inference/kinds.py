@@ -4,6 +4,7 @@ code for in one line; the loader asks it before any weight is read."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,17 @@ class ServingKind:
     def scores_prompts(self) -> bool:
         """False where prompt logprobs mean nothing (an encoder-decoder's prompt is its encoder input)."""
         return getattr(self.runner, "scores_prompts", True)
+
+    @property
+    def tensor_parallel_problem(self) -> Callable[[int, Any], str | None] | None:
+        """(tp, config) -> why the config cannot be served over tp tensor ranks (a phrase) or None:
+        the runner's own; None when its runner has no tensor-parallel worker path."""
+        return getattr(self.runner, "tensor_parallel_problem", None)
+
+    def hidden_size(self, cfg: Any) -> int:
+        """The width of the hidden states the runner pools (a vision-language model's: its language model's)."""
+        width = getattr(self.runner, "hidden_size", None)
+        return cfg.hidden_size if width is None else width(cfg)
 
 
 # paged attention over the decoder stack; it also pools embed requests (pooling/runner.py)

@@ -131,7 +131,9 @@ class LocalEngine:
 
     @torch.no_grad()
     def params_norm(self) -> float:
-        norms = torch._foreach_norm([p.detach() for p in self.model.parameters()])
+        # The trained parameters' (training.freeze leaves the others out), as the parallel engine's
+        # optimizers count them.
+        norms = torch._foreach_norm([p.detach() for p in self.model.parameters() if p.requires_grad])
         return float(torch.linalg.vector_norm(torch.stack(norms)))
 
     def components(self) -> dict[str, Stateful]:

@@ -55,6 +55,11 @@ class EncoderRunner(ModelRunner):
 
     generates = False  # serves /v1/embeddings only: completions and chat are refused
     pools = True
+
+    @staticmethod
+    def tensor_parallel_problem(tp: int, cfg) -> str | None:
+        return encoder_problem(tp, cfg)  # what its plan splits (the loader asks, through kinds.py)
+
     pool_mode: str | None = None
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,

@@ -4,11 +4,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from tessera.inference.core.scheduler import SchedulerOutput
+from tessera.inference.core.image_inputs import ImageInput
+from tessera.inference.core.scheduler import ScheduledSequence, SchedulerOutput
 from tessera.inference.core.sequence import TokenLogprob
 from tessera.inference.worker.decode_attention import DecodeSplit
 
@@ -50,7 +51,9 @@ class BatchSeq:
     its new tokens, the position of the first, its block table, and `num_q`: its new tokens when
     it decodes (1, or 1 + k drafts), 0 for a prefill chunk; `state_slot`: its slot in the state
     pool of a hybrid model (-1: none); `prompt_len`: its prompt's length (an encoder-decoder's
-    runner tells the encoder input from the decoder tokens by it)."""
+    runner tells the encoder input from the decoder tokens by it); `images`: all of its images when
+    this chunk holds some of their tokens, else none (a vision-language runner encodes them, keeping
+    the features under `request_id` between chunks)."""
 
     tokens: list[int]
     start: int
@@ -58,6 +61,8 @@ class BatchSeq:
     num_q: int
     state_slot: int = -1
     prompt_len: int = 0
+    request_id: str = ""
+    images: tuple[ImageInput, ...] = ()
 
     @property
     def num_new(self) -> int:
@@ -66,5 +71,24 @@ class BatchSeq:
 
 def batch_seqs(plan: SchedulerOutput) -> list[BatchSeq]:
     return [BatchSeq(s.tokens(), s.start, s.block_table, s.num_new if s.num_new == 1 or s.spec_token_ids else 0,
-                     s.state_slot, len(s.seq.prompt_ids))
+                     s.state_slot, len(s.seq.prompt_ids), s.seq.request_id, _chunk_images(s))
             for s in plan.scheduled]
+
+
+def _chunk_images(s: ScheduledSequence) -> tuple[ImageInput, ...]:
+    images = s.seq.params.images
+    return tuple(images) if any(im.offset < s.end and im.end > s.start for im in images) else ()
+
+
+def images_to_wire(batch: list[BatchSeq]) -> list:
+    """The images of a step's sequences as a tensor-parallel worker is sent them (JSON: pixels in
+    base64, as the engine pipe carries them): [index in batch, request id, images] where any."""
+    return [[i, s.request_id, [im.model_dump() for im in s.images]] for i, s in enumerate(batch) if s.images]
+
+
+def with_wire_images(batch: list[BatchSeq], wire: list | None) -> list[BatchSeq]:
+    """`batch` with the images `images_to_wire` sent put back (checked against their hashes again)."""
+    for i, request_id, images in wire or ():
+        batch[i] = replace(batch[i], request_id=request_id,
+                           images=tuple(ImageInput.model_validate(im) for im in images))
+    return batch

@@ -17,7 +17,8 @@ pick tokens exactly as one device does from the same logits (tensor parallel cha
 summation order inside the all-reduces). The workers are spawned by the engine, not torchrun, and
 form their own process group (gloo on CPU, NCCL on GPU: worker r on cuda:r); the driver is not in
 it and talks to each worker over its own pipe, in JSON (never pickle) one way and raw tensor bytes
-the other.
+the other. A vision-language model's step carries the pixels of the images whose tokens its
+prefill chunks hold (batch.images_to_wire); every rank runs the vision tower over them.
 
 Loading goes straight into the shards (`load_shard`): the model is built on the meta device,
 tensor-parallel layers are swapped in (the kind's parallel plan, `tessera.common.models.registry`), and only then
@@ -60,13 +61,14 @@ from pathlib import Path
 import torch
 
 from tessera.common.errors import UserError
+from tessera.common.layers.rope import RotaryEmbedding
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.engine.cpu_threads import Binding, apply_binding
 from tessera.inference.pooling.encoder import encoder_runner
 from tessera.inference.pooling.runner import PoolingSteps
 from tessera.inference.sample.sampler import Sampler
-from tessera.inference.worker.batch import BatchSeq, batch_seqs
+from tessera.inference.worker.batch import BatchSeq, batch_seqs, images_to_wire, with_wire_images
 from tessera.inference.worker.cpu_linear import PackedLinear
 from tessera.inference.worker.cuda_graphs import GraphSpec
 from tessera.inference.worker.kv_cache import kv_cache_dtype
@@ -113,9 +115,11 @@ def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.dev
     if hf:
         _load_hf_shard(path, cfg, params, buffers, groups.tp_rank, groups.tp)
     else:
-        _load_dcp_shard(path, params, buffers, groups, stored, cfg.kv_heads)
-    if getattr(model, "rotary", None) is not None:
-        model.rotary.reset_parameters()  # computed, not stored: to_empty left it uninitialised
+        # (A vision-language config has no kv_heads of its own: its key/value heads are never replicated.)
+        _load_dcp_shard(path, params, buffers, groups, stored, getattr(cfg, "kv_heads", groups.tp))
+    for module in model.modules():  # (a vision-language model's sits in its language model)
+        if isinstance(module, RotaryEmbedding):
+            module.reset_parameters()  # computed, not stored: to_empty left it uninitialised
     return model.to(dtype=dtype).eval()
 
 
@@ -245,7 +249,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
             if rank == 0:
                 _reply(conn, {"t": "pooled", "vectors": vectors})
             continue
-        batch = [BatchSeq(*s) for s in msg["seqs"]]
+        batch = with_wire_images([BatchSeq(*s) for s in msg["seqs"]], msg.get("images"))
         pooling, pooled = msg.get("pooling"), None  # embed requests' (mode, spans): pooling/runner.py
         with torch.inference_mode():
             if pooling:
@@ -375,7 +379,7 @@ class TensorParallelExecutor:
         its pooled rows [E, d] fp32 (on the CPU)."""
         self._send(json.dumps({"t": "step", "seqs": [[s.tokens, s.start, s.block_table, s.num_q, s.state_slot,
                                                       s.prompt_len] for s in batch],
-                               "rows": rows, "pooling": pooling}).encode())
+                               "rows": rows, "pooling": pooling, "images": images_to_wire(batch)}).encode())
         head = self._recv(0)
         data = self.conns[0].recv_bytes()
         pooled = None

@@ -109,19 +109,15 @@ def check_tensor_parallel(tp: int, cfg: ModelConfig | None, where: str, quantiza
 def check_kind_tensor_parallel(tp: int, cfg, where: str, quantization: str | None = None,
                                device: torch.device | None = None) -> None:
     """check_tensor_parallel for a kind other than the causal LM: the machine and flags as there,
-    then the kind's parallel plan (refused in one line where it has none) and what it splits."""
-    from tessera.inference.pooling.encoder import encoder_problem
-    from tessera.inference.worker.encoder_decoder.runner import (
-        tensor_parallel_problem as encoder_decoder_problem,
-    )
-    from tessera.inference.worker.state.runner import tensor_parallel_problem
-
+    then the kind's parallel plan (refused in one line where it has none) and what its serving
+    runner's plan splits (`ServingKind.tensor_parallel_problem`)."""
     check_tensor_parallel(tp, None, where, quantization, device)
-    if (why := getattr(serving_kind(cfg).runner, "no_tensor_parallel", None)) is not None:
-        raise UserError(f"--tensor-parallel {tp}: {why} ({where}); drop --tensor-parallel")
     kind_of(cfg).parallel()
-    problems = {"encoder": encoder_problem, "encoder_decoder": encoder_decoder_problem}
-    problem = problems.get(cfg.kind, tensor_parallel_problem)(tp, cfg)
+    check = serving_kind(cfg).tensor_parallel_problem
+    if check is None:
+        raise UserError(f"--tensor-parallel {tp}: model kind {kind_of(cfg).name!r} is served on one process only "
+                        f"({where}); drop --tensor-parallel")
+    problem = check(tp, cfg)
     if problem is not None:
         raise UserError(f"--tensor-parallel {tp}: {problem} of {where}; use a tensor-parallel size that divides it")
 
@@ -154,7 +150,7 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
         hf_weights = checked_hf_weights(path, cfg)
         eos = eos_token_ids(path, hf_config)
         tokenizer = load_tokenizer(path)
-        pooling = read_pooling_spec(path, cfg.text.hidden_size if cfg.kind == "vision_language" else cfg.hidden_size, hf_config)
+        pooling = read_pooling_spec(path, serving_kind(cfg).hidden_size(cfg), hf_config)
     else:
         ckpt = resolve_checkpoint(path)
         sidecar = read_sidecar(ckpt)

@@ -146,9 +146,6 @@ class VisionLanguageBatches:
         """This run's builder: the checked model config and the processor (refused now, in one line,
         when its output size is not the tower's)."""
         model = inputs.model
-        if cfg.data.pack_samples and inputs.parallel:  # its stages would read packed rows as one text each
-            raise UserError("data.pack_samples is built for one process only: the parallel runtime's vision-language "
-                            "objective does not pass each sample's positions and attention yet; set it to false")
         return functools.partial(cls, model=model, processor=run_processor(model, Path(cfg.data.tokenizer)),
                                  pack=cfg.data.pack_samples)
 

@@ -1,11 +1,18 @@
 """The vision-language objective under the parallel runtime (tessera.trainer.parallel.objective).
 
 A batch (VisionLanguageBatch, labels) enters as: tokens into the first stage; the images as side
-inputs cut by rows with them (pixels [rows, M, C, H, W] and each row's image count), which only a
-stage holding the tower and the embeddings reads (it runs the tower and writes the features over
-the image tokens; later stages take hidden states); labels [rows, T] as targets. The loss is the
-vocab-parallel cross-entropy's mean over the counted (answer) tokens of each micro-batch, averaged
-over micro-batches, as VisionLanguageStep computes on one process.
+inputs cut by rows with them (pixels [rows, M, C, H, W] and each row's image count, so a row keeps
+its images through micro-batches and data-parallel rows); labels [rows, T] as targets.
+
+The first pipeline stage holds the vision tower, the projector and the text embedding (as
+Megatron-Core's LLaVA puts the encoder on the first stage): it runs the tower on the micro-batch's
+images and writes the projected features over the image tokens (VisionLanguageModel.embed), then
+its share of the language model's blocks; later stages take hidden states, the last adds this
+rank's vocabulary slice of the head. Positions are the whole sequence's (under sequence parallel a
+stage sees T/tp rows); packed rows (`data.pack_samples`) bring each sample's positions and document
+ids as side inputs, so attention stays within a sample on every stage. The loss is the vocab-parallel cross-entropy's mean over the counted
+(answer) tokens of each micro-batch, averaged over micro-batches, as VisionLanguageStep computes on
+one process.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
+from tessera.common.parallel.tensor_parallel import parallel_logits
 from tessera.trainer.multimodal.batches import VisionLanguageBatch
 from tessera.trainer.objectives.documents import IGNORE_INDEX
 from tessera.trainer.parallel.objective import LossContext
@@ -20,19 +28,45 @@ from tessera.trainer.parallel.objective import LossContext
 
 class VisionLanguage:
     pipeline = True
-    # No stage_forward yet runs the tower on the images: a stage would meet image tokens without them.
-    parallel_problem = "the parallel runtime's stages do not run the vision tower on the images"
 
     def __init__(self, cfg=None) -> None:
         pass
 
     def split(self, batch: VisionLanguageBatch, labels: torch.Tensor, model_inputs: dict[str, torch.Tensor] | None):
-        return batch.tokens, {"pixels": batch.pixels, "num_images": batch.num_images}, labels
+        # Packed rows add each token's position in its sample and the sample's number in the row.
+        return batch.tokens, {"pixels": batch.pixels, "num_images": batch.num_images, **batch.model_inputs()}, labels
 
     @staticmethod
     def images(pixels: torch.Tensor, num_images: torch.Tensor) -> torch.Tensor:
         """[rows, M, C, H, W] + counts -> the rows' images in reading order, [N, C, H, W]."""
         return VisionLanguageBatch(pixels.new_zeros(pixels.shape[:1]), pixels, num_images).images()
+
+    @staticmethod
+    def prepare_model(model):
+        """The tower's blocks past `vision_feature_layer`, its post-LayerNorm and pooling head are
+        never read (LLaVA takes an inner block's states): on one process they get no gradient and
+        AdamW skips them; here they stop requiring one, so the flat-buffer optimizers neither decay
+        nor keep state for them either."""
+        tower = model.vision
+        unread = [tower.post_norm, tower.head, *(block for i, block in tower.layers.items()
+                                                  if int(i) >= model.cfg.feature_layer_index)]
+        for module in unread:
+            if module is not None:
+                module.requires_grad_(False)
+        return model
+
+    def stage_forward(self, stage, x: torch.Tensor, pixels: torch.Tensor | None = None,
+                      num_images: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        model = stage.model
+        lm = model.language_model
+        if stage.is_first:  # tokens in: text embeddings with the image features in place
+            x = model.embed(x, self.images(pixels, num_images) if pixels is not None else None)
+        h = lm(x, stage.positions if positions is None else positions, return_hidden=True, document_ids=document_ids)
+        if not stage.is_last:
+            return h
+        weight = stage.tied_head if stage.tied_head is not None else lm.output_weight()
+        return parallel_logits(h, weight, lm)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, ctx: LossContext) -> torch.Tensor:
         counted = targets != IGNORE_INDEX

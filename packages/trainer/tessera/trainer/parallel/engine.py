@@ -19,14 +19,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.registry import kind_of
 from tessera.common.parallel.state import build_groups, set_groups
 from tessera.common.parallel.state_dict import load_model_state_dict
 from tessera.trainer.components.checkpoint.stateful import RNGState, ScalerState, Stateful, seed_everything
-from tessera.trainer.components.model_setup import apply_recompute
+from tessera.trainer.components.model_setup import apply_freeze, apply_recompute
 from tessera.trainer.components.precision.mixed import DynamicLossScale
 from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
 from tessera.trainer.engine import StepResult
@@ -41,13 +40,7 @@ class ParallelEngine:
     def __init__(self, model: ModelConfig, layout: ParallelLayout, training: TrainingConfig, parallel: ParallelConfig,
                  optim: OptimConfig, documents: DocumentMasking | None, device: torch.device):
         t = training
-        if t.freeze:  # until the runtime builds, shards and steps frozen parts (vlm-parallel), never silently ignored
-            raise UserError(f"training.freeze ({t.freeze}) is built for one process only: the parallel runtime "
-                            "would train the frozen parts; run this stage on one process or unset it")
         objective = parallel_objective(model)
-        if (why := getattr(objective, "parallel_problem", None)) is not None:  # an objective not yet runnable here
-            raise UserError(f"model.kind {model.kind}: training under torchrun (tensor, pipeline, data or fully "
-                            f"sharded parallel) is not built yet ({why}); train it in one process")
         self.groups = build_groups(layout, device)
         set_groups(self.groups)
         # The rows of the global batch this rank reads: expert ranks read their own, as data ranks do.
@@ -61,6 +54,9 @@ class ParallelEngine:
             if not hasattr(module, "init_module"):  # a kind without per-module init (vision-language): built whole, then cut
                 module = kind_of(model).build(model, device=device, seed=t.seed)
             apply_recompute(module, t.recompute)  # wraps bound forwards; survives the stage cut
+            # training.freeze: requires_grad off before the cut; the stages keep it through the
+            # tensor-parallel swap, and the optimizers take only parameters that require gradients.
+            apply_freeze(module, t.freeze)
             return module
 
         self.runtime = ParallelRuntime.build(model, self.groups, training, parallel, optim, build_model=builder,

@@ -7,8 +7,9 @@ parameters and shards them over the data ranks (`ParallelGroups.fsdp_mesh`: `dp_
 with the expert and context ranks when there are any, or `dp_replicate` x that for HSDP). No DTensor tensor parallel (2-D parameter DTensors) is
 needed; the checkpoint alone presents parameters as 2-D global tensors (`state_dict.to_global`).
 
-* Units: each transformer block is one `fully_shard` group (one all-gather in forward, one in
-  backward, one reduce-scatter); the stage root holds embedding, final norm and head. The next
+* Units: each transformer block the stage runs (`model.layers`: a vision-language model's tower
+  blocks too) is one `fully_shard` group (one all-gather in forward, one in backward, one
+  reduce-scatter); the stage root holds embedding, final norm and head (and a projector). The next
   block's all-gather is issued before the current block runs, forward and backward (explicit
   prefetch, as torchtitan sets it); after forward each block's parameters are freed
   (`reshard_after_forward`).
@@ -98,7 +99,7 @@ def shard_stages(stages: list[nn.Module], groups: ParallelGroups, *, param_dtype
     reshard_after_forward = reshard_after_forward and groups.pp == 1
     for st in stages:
         with keep_tags(st):  # fully_shard replaces each parameter by a DTensor
-            blocks = list(st.model.layers.values())
+            blocks = list(st.model.layers.values())  # the blocks it runs (a vision tower's too)
             for block in blocks:
                 if groups.ep > 1:
                     _shard_experts(block, groups, mp, offload, reshard_after_forward)
@@ -156,7 +157,7 @@ class FullyShardedOptimizer:
                  max_grad_norm: float | None = 1.0):
         self.groups = groups
         self.max_grad_norm = max_grad_norm
-        self.params = [p for _, p in named_params]
+        self.params = [p for _, p in named_params if p.requires_grad]  # frozen ones: no gradient, no state
         decay = [p for p in self.params if p.ndim >= 2]
         nodecay = [p for p in self.params if p.ndim < 2]
         self.inner = adamw_with_decay(decay, nodecay, weight_decay, lr, betas, eps)

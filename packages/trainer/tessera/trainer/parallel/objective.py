@@ -21,7 +21,9 @@ OBJECTIVES), a class with:
 * `pipeline_outputs(micro_batch, seq, local_seq, vocab_local, dtype) -> tuple of meta tensors`
   (optional): the last stage's output shapes under a pipeline schedule (default: logits
   [micro, seq, V/tp]); `pipeline = False` refuses pipeline parallel for the objective;
-  `parallel_problem` (a reason), when set, refuses the runtime altogether in one line.
+* `prepare_model(model) -> model` (optional): the plain model before the stage cut, e.g. weights
+  the objective never reads stop requiring gradients (one process leaves their gradient None and
+  AdamW skips them; the flat-buffer optimizers would decay them).
 
 `NextToken` below is the causal LM's (and hybrid's) objective, exactly what the runtime computed
 before objectives existed.

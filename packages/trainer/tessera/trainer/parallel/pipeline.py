@@ -5,11 +5,19 @@ A stage (a "chunk" when interleaved) is the model with the layers of other stage
 and the final norm and head only on the last. Stage s of S lives on pipeline rank s % pp
 (looped placement, as interleaved 1F1B expects).
 
+The stack the pipeline cuts is the kind's plan's `layers` (a dotted path); the module holding it
+is the decoder (`decoder_of`: the model itself, or a vision-language model's language model),
+whose embedding, final norm, head and config the stages keep and read. Names in the plan's
+`first_stage` / `last_stage` are dotted paths too.
+
 Tied embeddings with more than one stage: the last stage holds its own copy of the embedding
 matrix as the head (`tied_head`), initialised from the same weights; both copies are tagged
 `tied_embedding`, their gradients are summed over the embedding group before the optimizer
-step (GradientBuckets), so they stay equal. The checkpoint stores it once, as
+step (GradientBuckets), so they stay equal. The checkpoint stores it once, as the decoder's
 `embed_tokens.weight`.
+
+A frozen parameter (requires_grad off: training.freeze) stays frozen through the tensor-parallel
+swap, which builds new parameters.
 """
 
 from __future__ import annotations
@@ -33,6 +41,19 @@ from tessera.trainer.parallel.sharded_init import materialize_stages
 TIED_NAME = "embed_tokens.weight"
 
 
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The module holding the stack of layers the kind's plan names (`plan.layers`, dotted): the
+    model itself, or the language model inside a vision-language model."""
+    path = kind_of(model.cfg).parallel().layers.rpartition(".")[0]
+    return model.get_submodule(path) if path else model
+
+
+def _drop(model: nn.Module, path: str) -> None:
+    """Remove the submodule at dotted `path` (set it to None, so the forward skips it)."""
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, None)
+
+
 class StageModule(nn.Module):
     """One pipeline chunk: tokens or hidden states in; hidden states, or local-vocab logits, out.
 
@@ -42,7 +63,7 @@ class StageModule(nn.Module):
     `ContextParallelAttention` (all-gathered keys/values, mask by global token index)."""
 
     def __init__(self, model: Transformer, stage: int, num_stages: int, seq_len: int,
-                 tied_head: nn.Parameter | None = None, cp: ContextParallel | None = None):
+                 tied_head: nn.Parameter | None = None, cp: ContextParallel | None = None, tied_name: str = TIED_NAME):
         super().__init__()
         self.objective = None  # the runtime's, when it has its own stage_forward (parallel/objective.py)
         self.model = model
@@ -53,6 +74,7 @@ class StageModule(nn.Module):
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
         self.tied_head = tied_head
+        self.tied_name = tied_name  # the checkpoint name of the embedding the tied head copies
         self.full_seq_len = seq_len
         self.register_buffer("positions", torch.empty(1, self.seq_len, dtype=torch.long), persistent=False)
         self.register_buffer("key_index", torch.empty(seq_len if self.cp else 0, dtype=torch.long), persistent=False)
@@ -74,8 +96,9 @@ class StageModule(nn.Module):
                 mtp_tokens: torch.Tensor | None = None, **side: torch.Tensor):
         """`positions` / `document_ids` [B, T] (whole sequence) for packed documents; the pipeline
         schedule hands every stage its micro-batch's rows of them (and of an objective's side inputs)."""
-        if self.objective is not None:
-            return self.objective.stage_forward(self, x, **side)
+        if self.objective is not None:  # packed rows' positions / document ids go on to it too
+            packed = {k: v for k, v in (("positions", positions), ("document_ids", document_ids)) if v is not None}
+            return self.objective.stage_forward(self, x, **side, **packed)
         if not isinstance(self.model, Transformer):
             # A kind without position inputs (hybrid: the Mamba layers carry order); context
             # parallel is refused for it by validate_layout.
@@ -106,7 +129,7 @@ class StageModule(nn.Module):
         """Checkpoint name -> parameter (the tied head under the embedding's name)."""
         out = {n.removeprefix("model."): p for n, p in self.named_parameters() if n != "tied_head"}
         if self.tied_head is not None:
-            out[TIED_NAME] = self.tied_head
+            out[self.tied_name] = self.tied_head
         return out
 
 
@@ -138,44 +161,51 @@ def build_stages(build_model: Callable[[], Transformer], groups: ParallelGroups,
     for s in mine:
         model = build_model()
         plan = kind_of(model.cfg).parallel()  # where this kind's stages cut, what tensor parallel splits
-        tied = model.cfg.tie_embeddings and num_stages > 1
+        decoder = decoder_of(model)
+        tied = decoder.cfg.tie_embeddings and num_stages > 1
         if num_stages > 1:  # one stage keeps the whole model (an encoder-decoder has two stacks, no cut)
             keep = {str(i) for i in ranges[s]}
-            layers = getattr(model, plan.layers)
+            layers = model.get_submodule(plan.layers)
             for name in list(layers.keys()):
                 if name not in keep:
                     del layers[name]
         first, last = s == 0, s == num_stages - 1
         if not last:
             for name in plan.last_stage:
-                setattr(model, name, None)
+                _drop(model, name)
         # MTP on the last stage embeds tokens t+k: it keeps a copy of the embedding, synchronised
         # with the first stage's like a tied head (tagged tied_embedding below).
-        mtp_embedding = last and not first and getattr(model.cfg, "mtp", None) is not None
+        mtp_embedding = last and not first and getattr(decoder.cfg, "mtp", None) is not None
         if not first and not (last and tied) and not mtp_embedding:
             for name in plan.first_stage:
-                setattr(model, name, None)
+                _drop(model, name)
         if mtp_embedding:
-            model.pos_embed = None
-            model.dropout = nn.Identity()  # the embedding dropout is the first stage's
+            decoder.pos_embed = None
+            decoder.dropout = nn.Identity()  # the embedding dropout is the first stage's
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         plan.tensor(model, groups, sequence_parallel, rng)
         shard_experts(model, groups.ep_group, groups.ep, groups.ep_rank)  # expert parallel (ep > 1)
+        for n, p in model.named_parameters():  # the swap made new parameters, all requiring gradients
+            if n in frozen:
+                p.requires_grad_(False)
         tied_head = None
         if tied and last:
             # Keep the embedding (now a vocab-parallel slice) as this stage's head, then drop the
             # lookup so the stage takes hidden states.
-            assert model.embed_tokens is not None
-            tied_head = nn.Parameter(model.embed_tokens.weight.detach().clone())
+            assert decoder.embed_tokens is not None
+            weight = decoder.embed_tokens.weight
+            tied_head = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
             tag(tied_head, 0)
             tied_head.tied_embedding = True  # type: ignore[attr-defined]
             if not first:
                 for name in plan.first_stage:
-                    setattr(model, name, None)
-        if (tied or getattr(model.cfg, "mtp", None) is not None) and num_stages > 1 and model.embed_tokens is not None:
-            model.embed_tokens.weight.tied_embedding = True  # type: ignore[attr-defined]
-        model.has_head = last
+                    _drop(model, name)
+        if (tied or getattr(decoder.cfg, "mtp", None) is not None) and num_stages > 1 and decoder.embed_tokens is not None:
+            decoder.embed_tokens.weight.tied_embedding = True  # type: ignore[attr-defined]
+        decoder.has_head = last
         cp = ContextParallel(groups.cp_group if groups.cp > 1 else None, groups.cp, groups.cp_rank)
-        stage = StageModule(model, s, num_stages, seq_len, tied_head, cp)
+        prefix = plan.layers.rpartition(".")[0]
+        stage = StageModule(model, s, num_stages, seq_len, tied_head, cp, f"{prefix}.{TIED_NAME}" if prefix else TIED_NAME)
         if not any(p.is_meta for p in stage.parameters()):
             stage.to(groups.device)
         stages.append(stage)

@@ -46,7 +46,7 @@ from tessera.trainer.objectives.documents import IGNORE_INDEX
 from tessera.trainer.parallel.fsdp import FullyShardedOptimizer, shard_stages
 from tessera.trainer.parallel.objective import LossContext, NextToken
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
-from tessera.trainer.parallel.pipeline import StageModule, build_stages, make_schedule
+from tessera.trainer.parallel.pipeline import StageModule, build_stages, decoder_of, make_schedule
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,7 +57,7 @@ def compile_blocks(stages: list[StageModule]) -> None:
     (sequence-parallel gathers on norms, FSDP's per-block all-gathers) and state dicts are as
     without compile."""
     for stage in stages:
-        for block in stage.model.layers.values():
+        for block in decoder_of(stage.model).layers.values():
             block.forward = torch.compile(block.forward)
 
 
@@ -73,6 +73,8 @@ class ParallelRuntime:
                  stages: list[StageModule], optimizer: DistributedOptimizer, rng: TensorParallelRNG,
                  per_token_loss: bool = False, objective=None):
         self.cfg, self.groups, self.training, self.parallel = cfg, groups, training, parallel
+        # The config of the stack the stages cut (a vision-language model's language model's).
+        self.decoder_cfg = decoder_of(stages[0].model).cfg
         # The kind's objective (parallel/objective.py): batch -> stage inputs and targets, the loss.
         self.objective = objective if objective is not None else NextToken()
         if hasattr(self.objective, "stage_forward"):
@@ -95,10 +97,10 @@ class ParallelRuntime:
         self.schedule = self._schedule_for(self.num_microbatches)
         # MoE: router statistics and the balancing-bias update, loads summed over the ranks that
         # routed other tokens through the same layers.
-        self.router_stats = RouterStats(list(stages), reduce=self._reduce_router) if cfg.moe is not None else None
+        self.router_stats = RouterStats(list(stages), reduce=self._reduce_router) if self.decoder_cfg.moe is not None else None
         # Multi-token prediction: on the last pipeline stage.
         self.mtp = getattr(stages[-1].model, "mtp", None) if stages[-1].is_last else None
-        self.mtp_cfg = getattr(cfg, "mtp", None)  # (other kinds' configs have no such field)
+        self.mtp_cfg = getattr(self.decoder_cfg, "mtp", None)  # (other kinds' configs have no such field)
 
     def _reduce_router(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over data and expert ranks (each routes its own rows of the batch), context ranks
@@ -128,9 +130,9 @@ class ParallelRuntime:
             # Under autocast the head's logits come out in the autocast dtype; the residual
             # stream stays in the parameter dtype (fp32 + bf16/fp16 promotes to fp32).
             logits_dtype = self._autocast_dtype() or dtype
-            vocab_rows = getattr(self.cfg, "vocab_rows", self.cfg.vocab_size)  # (a hybrid has no vocab padding)
+            vocab_rows = getattr(self.decoder_cfg, "vocab_rows", self.decoder_cfg.vocab_size)  # (a hybrid has no vocab padding)
             self._schedules[num_microbatches] = make_schedule(
-                self.stages, self.groups, num_microbatches, self.micro_batch, self.cfg.hidden_size,
+                self.stages, self.groups, num_microbatches, self.micro_batch, self.decoder_cfg.hidden_size,
                 vocab_rows, dtype, self.stages[0].model.sequence_parallel, self._micro_batch_loss,
                 logits_dtype=logits_dtype, loss_hook=self._scale_loss,
                 last_outputs=getattr(self.objective, "pipeline_outputs", None))
@@ -177,7 +179,10 @@ class ParallelRuntime:
                 shard_stages(stages, groups, param_dtype=p.fsdp_param_dtype, reduce_dtype=p.fsdp_reduce_dtype,
                              cpu_offload=p.fsdp_cpu_offload)
 
-        stages = build_stages(build_model, groups, counts, t.seq_length, p.sequence_parallel, rng,
+        # The objective's word on the plain model before the cut (parallel/objective.py: prepare_model).
+        prepare_model = getattr(objective, "prepare_model", None)
+        build = (lambda: prepare_model(build_model())) if prepare_model is not None else build_model
+        stages = build_stages(build, groups, counts, t.seq_length, p.sequence_parallel, rng,
                               init_seed=t.seed, prepare=prepare)
         adamw = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay,
                      max_grad_norm=optim.grad_clip or None)  # grad_clip 0: no clipping
@@ -384,10 +389,11 @@ class ParallelRuntime:
                 for group, size in ((g.dp_group, g.dp), (g.cp_group, g.cp), (g.ep_group, g.ep)):
                     if size > 1:
                         spread(buf, group, size)
-        if g.embedding_group is not None and self.cfg.tie_embeddings:  # (untied: no copies to compare)
+        if g.embedding_group is not None and self.decoder_cfg.tie_embeddings:  # (untied: no copies to compare)
             for s in self.stages:
-                if s.is_first and s.model.embed_tokens is not None:
-                    spread(_local_data(s.model.embed_tokens.weight), g.embedding_group, 2)
+                embed = decoder_of(s.model).embed_tokens
+                if s.is_first and embed is not None:
+                    spread(_local_data(embed.weight), g.embedding_group, 2)
                 if s.is_last and s.tied_head is not None:
                     spread(_local_data(s.tied_head), g.embedding_group, 2)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)

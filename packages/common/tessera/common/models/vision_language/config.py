@@ -116,6 +116,9 @@ class VisionLanguageConfig(StrictModel):
         if self.image_token_id >= self.text.vocab_rows:
             raise ValueError(f"image_token_id ({self.image_token_id}) must be below the language model's "
                              f"vocabulary ({self.text.vocab_rows} rows)")
+        if self.text.mtp is not None:  # the VLM's losses are the answer tokens' next-token loss alone
+            raise ValueError("text.mtp: multi-token prediction is not built for a vision-language model's language "
+                             "model (it would not be trained); remove it")
         if self.vision_feature_select_strategy == "default" and self.vision.num_positions < 2:
             raise ValueError("vision_feature_select_strategy default drops the first feature: the tower has only one")
         return self
@@ -137,6 +140,12 @@ class VisionLanguageConfig(StrictModel):
     def num_layers(self) -> int:
         """The language model's blocks (what a pipeline's layer split counts)."""
         return self.text.num_layers
+
+    def refit_for(self, tensor_parallel: int) -> VisionLanguageConfig:
+        """Itself when `tensor_parallel` divides the language model's vocabulary rows, else with the
+        language model re-padded (ModelConfig.refit_for: an HF export served under tensor parallel)."""
+        text = self.text.refit_for(tensor_parallel)
+        return self if text is self.text else self.model_copy(update={"text": text})
 
     @property
     def feature_layer_index(self) -> int:

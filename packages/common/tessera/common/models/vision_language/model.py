@@ -132,6 +132,16 @@ class VisionLanguageModel(nn.Module):
         self.projector = Projector(cfg)
         self.language_model = Transformer(cfg.text)
 
+    @property
+    def layers(self) -> dict[str, nn.Module]:
+        """The blocks the forward runs, in order, by name: the tower's up to `vision_feature_layer`,
+        then the language model's (those a pipeline stage holds). What block-wise wrappers walk
+        (activation recompute, the trainer's FSDP units). Not a module attribute: names stay
+        `vision.layers.<i>` and `language_model.layers.<i>`."""
+        tower = {} if self.vision is None else {
+            f"vision.{i}": b for i, b in self.vision.layers.items() if int(i) < self.cfg.feature_layer_index}
+        return {**tower, **{f"language_model.{i}": b for i, b in self.language_model.layers.items()}}
+
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """The language model's own init; the tower and projector: Normal(0, init_std) weights

@@ -65,9 +65,11 @@ def split_projector(projector: nn.Module, groups: ParallelGroups) -> None:
 def _scatter_embeddings(group):
     """Pre-hook of the language model under SP: the merged whole-sequence embeddings (float input)
     to this rank's sequence chunk, and default positions over the whole sequence."""
-    def hook(_module: nn.Module, args: tuple) -> tuple | None:
+    def hook(module: nn.Module, args: tuple) -> tuple | None:
         h = args[0]
-        if not h.is_floating_point():
+        # Only the merged embeddings of the stage that embeds (the tied head's stage drops its
+        # embedding after the cut and receives hidden states already scattered).
+        if not h.is_floating_point() or module.embed_tokens is None:
             return None
         positions = args[1] if len(args) > 1 and args[1] is not None else torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         return (scatter_seq(h, group), positions, *args[2:])

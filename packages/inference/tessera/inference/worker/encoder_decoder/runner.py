@@ -66,6 +66,7 @@ class EncoderDecoderRunner(ModelRunner):
     # Without --max-model-len: T5's pretraining input length (what vLLM takes from n_positions); its
     # relative positions take any length, so --max-model-len may raise it.
     default_max_model_len = 512
+    tensor_parallel_problem = staticmethod(tensor_parallel_problem)  # the loader asks, through kinds.py
 
     @staticmethod
     def block_bytes(cfg, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:

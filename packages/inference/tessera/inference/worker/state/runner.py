@@ -67,6 +67,7 @@ class HybridRunner(ModelRunner):
     eager_reason = ("the hybrid stack runs its Mamba layers per sequence over the state pool, outside the compiled "
                     "causal-LM forward (worker/state/runner.py)")
     supports_speculative = False  # a rejected draft would leave the Mamba states past the accepted tokens
+    tensor_parallel_problem = staticmethod(tensor_parallel_problem)  # the loader asks, through kinds.py
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1, kv_dtype: torch.dtype | None = None,

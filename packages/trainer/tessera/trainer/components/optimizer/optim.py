@@ -30,9 +30,10 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def adamw_with_decay(decay: list, no_decay: list, weight_decay: float, lr: float, betas: tuple[float, float],
                      eps: float) -> torch.optim.AdamW:
     """AdamW over parameters already split by the decay rule (the parallel optimizers' flat master
-    shards), empty groups left out."""
+    shards), empty groups left out. A rank with nothing to train (a pipeline stage of frozen
+    layers) keeps one empty group, which the LR schedule sets like any other."""
     groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-              if g["params"]]
+              if g["params"]] or [{"params": [], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
 
 

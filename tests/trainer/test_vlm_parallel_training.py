@@ -1,0 +1,257 @@
+"""A tiny LLaVA (CLIP tower + Llama LM) trained under the parallel runtime takes the steps one process
+takes: TP2, TP2 with sequence parallel, PP2 (tower and projector on the first stage), DP2 and FSDP2,
+fp32, batches with zero, one and two images per row; the per-step losses and pre-clip gradient
+norms within 1e-5 relative, the parameters after the steps within 1e-5 normwise of one process
+with torch's AdamW, and then the evaluation loss of a held-out batch. Stage 1 (projector only) and
+stage 2 (projector + language model) freezing under FSDP2, TP2, TP2 + SP, DP2 and PP2 (whose second
+stage has nothing to train): the same, and the frozen weights bit-identical to their initial
+values. A language model with tied embeddings under PP2 too. Packed rows (two samples a row, each
+with positions from 0 and attention within itself) under TP2 + SP and PP2. Then `tessera-train` itself under
+PP2 with stage-1 freezing and full recompute: the losses and parameter norms one process logs, and
+a run stopped after 2 steps and resumed ends bit-identical to an uninterrupted one.
+
+One torchrun launch runs everything: this file is also the worker (`torchrun ... this_file out.json
+straight.yaml split.yaml`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+IMAGE_TOKEN = 60
+TEXT = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+            max_seq_len=32, tie_embeddings=False)
+VISION = dict(arch="clip", hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64, image_size=16, patch_size=8)
+# vision_feature_layer -2: the tower's last block is never read (as in LLaVA), so it must not train.
+MODEL = dict(kind="vision_language", vision=VISION, text=TEXT, image_token_id=IMAGE_TOKEN, vision_feature_layer=-2)
+TRAIN = dict(steps=2, global_batch=8, micro_batch=2, seq=16)
+EVAL = 99  # the held-out batch
+LAYOUTS = {"tp2": dict(tensor=2), "tp2_sp": dict(tensor=2), "pp2": dict(pipeline=2), "dp2": dict(data=2),
+           "fsdp2": dict(data=2, data_shard=2)}
+STAGE_1, STAGE_2 = ("vision", "language_model"), ("vision",)
+FROZEN = {"fsdp2_stage1": ("fsdp2", STAGE_1), "tp2_stage2": ("tp2", STAGE_2), "dp2_stage1": ("dp2", STAGE_1),
+          "tp2_sp_stage1": ("tp2_sp", STAGE_1), "pp2_stage1": ("pp2", STAGE_1)}
+# A language model with tied embeddings under PP2: the last stage's head is its own copy of the
+# first stage's (vocab-parallel) embedding, kept equal by the embedding group.
+TIED = {**MODEL, "text": {**TEXT, "tie_embeddings": True}}
+# data.pack_samples rows: a sample of 12 positions (its images in them) and one of 4.
+PACKED = {"tp2_sp_packed": "tp2_sp", "pp2_packed": "pp2"}
+
+
+@pytest.mark.distributed
+def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_and_resumes_bit_exact(tmp_path):
+    import subprocess
+
+    pytest.importorskip("PIL")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from vlm_fixtures import image_text_data, vlm_config
+
+    from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
+    from tessera.trainer.cli import main
+
+    data = image_text_data(tmp_path / "data", n=24, train_samples=64)
+    runs = {name: vlm_config(data, tmp_path / name, freeze=list(STAGE_1), global_batch_size=4, micro_batch_size=2,
+                             recompute="full")
+            for name in ("one", "straight", "split")}
+    assert main(["--config", str(runs["one"]), "--quiet", "logging.params_norm=true"]) == 0
+    out = tmp_path / "errors.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(out),
+           str(runs["straight"]), str(runs["split"])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    errors = json.loads(out.read_text())
+    assert set(errors) == set(LAYOUTS) | set(FROZEN) | set(PACKED) | {"pp2_tied"}, errors
+    for name in FROZEN:
+        assert errors[name].pop("frozen weights changed") == 0.0 and errors[name].pop("frozen tensors") > 10, errors[name]
+    bad = {f"{layout}: {k}": v for layout, e in errors.items() for k, v in e.items() if not v <= 1e-5}
+    assert not bad, errors
+
+    a = load_model_tensors(resolve_checkpoint(tmp_path / "straight/run/checkpoints"))
+    b = load_model_tensors(resolve_checkpoint(tmp_path / "split/run/checkpoints"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    def logged(run: Path, key: str = "loss") -> dict[int, float]:
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r[key] for r in records if r["kind"] == "train"}
+
+    assert logged(tmp_path / "straight/run") == logged(tmp_path / "split/run")
+    assert sorted(logged(tmp_path / "split/run")) == [1, 2, 3, 4]
+    # The torchrun run logs what one process logs: losses and the trained parameters' norm.
+    for key in ("loss", "params_norm"):
+        want, got = logged(tmp_path / "one/run", key), logged(tmp_path / "straight/run", key)
+        assert sorted(got) == sorted(want) and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), key
+
+
+# ---- the worker (under torchrun) -------------------------------------------------------------------
+def _batch(step: int, cfg, packed: bool = False):
+    """The global batch of a step: rows with 0, 1 and 2 images (their feature tokens in runs), labels
+    on about half the text positions (at least the last), none on image tokens; `packed`: each row
+    two samples (positions 0-11 holding the images, then 0-3), as data.pack_samples lays them out."""
+    from tessera.trainer.multimodal.batches import VisionLanguageBatch
+    from tessera.trainer.objectives.documents import IGNORE_INDEX
+
+    b, t, n = TRAIN["global_batch"], TRAIN["seq"], cfg.image_seq_len
+    g = torch.Generator().manual_seed(300 + step)
+    counts = torch.tensor([2, 1, 0, 1, 2, 0, 1, 2]).roll(step)
+    tokens = torch.randint(0, IMAGE_TOKEN, (b, t), generator=g)
+    for row, count in enumerate(counts.tolist()):
+        for k in range(count):
+            tokens[row, 1 + k * (n + 1):1 + k * (n + 1) + n] = IMAGE_TOKEN
+    pixels = torch.randn(b, 2, 3, 16, 16, generator=g) * (torch.arange(2)[None, :] < counts[:, None])[..., None, None, None]
+    counted = (torch.rand(b, t, generator=g) < 0.5) & (tokens != IMAGE_TOKEN)
+    counted[:, -1] = True
+    labels = torch.where(counted, torch.randint(0, TEXT["vocab_size"], (b, t), generator=g), IGNORE_INDEX)
+    if not packed:
+        return VisionLanguageBatch(tokens, pixels, counts), labels
+    cut = 12
+    positions = torch.cat([torch.arange(cut), torch.arange(t - cut)]).expand(b, t)
+    documents = (torch.arange(t) >= cut).long().expand(b, t)
+    return VisionLanguageBatch(tokens, pixels, counts, positions.clone(), documents.clone()), labels
+
+
+def _reference(cfg, freeze: tuple[str, ...], packed: bool = False):
+    """One process: the plain model (parts frozen as training.freeze does), torch's AdamW over the
+    parameters that train, clipping; each micro-batch's mean answer loss / micro-batches, as
+    VisionLanguageStep takes it. Returns losses, pre-clip gradient norms, parameters."""
+    from parallel_harness import OPTIM, reference_optimizer
+
+    from tessera.common.models import registry
+    from tessera.trainer.components.model_setup import apply_freeze
+    from tessera.trainer.multimodal.loss import vision_language_loss
+
+    model = registry.kind_of(cfg).build(cfg, seed=0)
+    apply_freeze(model, freeze)
+    opt = reference_optimizer(model)
+    mb, n = TRAIN["micro_batch"], TRAIN["global_batch"] // TRAIN["micro_batch"]
+    losses, norms = [], []
+    for step in range(TRAIN["steps"]):
+        batch, labels = _batch(step, cfg, packed)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for i in range(n):
+            rows = slice(i * mb, (i + 1) * mb)
+            loss = vision_language_loss(model, batch[rows], labels[rows]) / n
+            loss.backward()
+            total += loss.item()
+        trained = [p for p in model.parameters() if p.grad is not None]
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trained, OPTIM["grad_clip"])))
+        opt.step()
+        losses.append(total)
+    with torch.no_grad():  # evaluation after the steps: a held-out batch's micro-batch means, averaged
+        batch, labels = _batch(EVAL, cfg, packed)
+        losses.append(sum(vision_language_loss(model, batch[slice(i * mb, (i + 1) * mb)],
+                                               labels[slice(i * mb, (i + 1) * mb)]).item() for i in range(n)) / n)
+    return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], initial,
+           packed: bool = False) -> dict[str, float]:
+    import torch.distributed as dist
+    from parallel_harness import OPTIM
+    from torch.distributed.tensor import DTensor
+
+    from tessera.common.layout import ParallelLayout
+    from tessera.common.models import registry
+    from tessera.common.parallel.layers import shard_dim_of
+    from tessera.common.parallel.state import build_groups, set_groups
+    from tessera.trainer.components.model_setup import apply_freeze
+    from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
+    from tessera.trainer.objectives.registry import parallel_objective
+    from tessera.trainer.parallel.runtime import ParallelRuntime
+
+    layout = ParallelLayout(**layout_kw)
+    groups = build_groups(layout)
+    set_groups(groups)
+    training = TrainingConfig(seq_length=TRAIN["seq"], global_batch_size=TRAIN["global_batch"],
+                              micro_batch_size=TRAIN["micro_batch"])
+    parallel = ParallelConfig(**layout.model_dump(exclude={"data"}), sequence_parallel=name.startswith("tp2_sp"))
+
+    def build():  # as ParallelEngine's builder: the seeded model, training.freeze applied
+        model = registry.kind_of(cfg).build(cfg, seed=0)
+        apply_freeze(model, freeze)
+        return model
+
+    rt = ParallelRuntime.build(cfg, groups, training, parallel, OptimConfig(**OPTIM), build_model=build,
+                               objective=parallel_objective(cfg))
+    ref_losses, ref_norms, ref_params = reference
+    rows = TRAIN["global_batch"] // groups.dp_ep
+    mine = slice(groups.dp_ep_rank * rows, (groups.dp_ep_rank + 1) * rows)
+    errors = {}
+    for step in range(TRAIN["steps"]):
+        batch, labels = _batch(step, cfg, packed)
+        result = rt.train_step(batch[mine], labels[mine])
+        errors[f"step {step} loss"] = abs(result.loss - ref_losses[step]) / abs(ref_losses[step])
+        errors[f"step {step} grad norm"] = abs(result.grad_norm - ref_norms[step]) / ref_norms[step]
+    batch, labels = _batch(EVAL, cfg, packed)
+    errors["eval loss"] = abs(rt.eval_step(batch[mine], labels[mine]) - ref_losses[-1]) / ref_losses[-1]
+    diff, norm = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    changed, frozen = torch.zeros(()), torch.zeros(())
+    for pname, p in rt.named_global_params().items():
+        got = p.data.full_tensor() if isinstance(p.data, DTensor) else p.data
+        want = ref_params[pname]
+        dim = shard_dim_of(p)
+        if groups.tp > 1 and dim is not None:
+            want = want.chunk(groups.tp, dim=dim)[groups.tp_rank]
+        diff += (got.double() - want.double()).pow(2).sum()
+        norm += want.double().pow(2).sum()
+        if pname.startswith(freeze):
+            frozen += 1
+            start = initial[pname]
+            if groups.tp > 1 and dim is not None:
+                start = start.chunk(groups.tp, dim=dim)[groups.tp_rank]
+            changed = torch.maximum(changed, (got - start).abs().max())
+    errors["params after steps (normwise)"] = float((diff / norm).sqrt())
+    worst = torch.tensor(list(errors.values()))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    out = dict(zip(errors, worst.tolist()))
+    if freeze:
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX)
+        out.update({"frozen weights changed": float(changed), "frozen tensors": float(frozen)})
+    return out
+
+
+def _resume(straight: str, split: str) -> None:
+    """tessera-train under PP2 (the second stage has nothing to train), uninterrupted and
+    stopped-then-resumed, in this launch's process group."""
+    import tessera.trainer.components.distributed as distributed
+    from tessera.trainer.cli import main
+
+    distributed.shutdown_runtime = lambda: None  # the launch's process group serves every run
+    layout = ["parallel.pipeline=2", "logging.params_norm=true"]
+    assert main(["--config", straight, "--quiet", *layout]) == 0
+    assert main(["--config", split, "--quiet", *layout, "training.exit_after_steps=2"]) == 0
+    assert main(["--config", split, "--quiet", *layout, "--resume"]) == 0
+
+
+def _main() -> None:
+    from tessera.common.models import registry
+    from tessera.common.parallel.state import destroy_distributed, init_distributed
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "parallel"))  # parallel_harness: the reference AdamW
+    torch.set_num_threads(1)
+    init_distributed()
+    cfg = registry.model_config(MODEL)
+    initial = {k: v.detach().clone() for k, v in registry.kind_of(cfg).build(cfg, seed=0).named_parameters()}
+    references = {freeze: _reference(cfg, freeze) for freeze in ((), STAGE_1, STAGE_2)}
+    errors = {name: _train(name, kw, cfg, references[()], (), initial) for name, kw in LAYOUTS.items()}
+    for name, (layout, freeze) in FROZEN.items():
+        errors[name] = _train(name, LAYOUTS[layout], cfg, references[freeze], freeze, initial)
+    packed = _reference(cfg, (), packed=True)
+    for name, layout in PACKED.items():
+        errors[name] = _train(name, LAYOUTS[layout], cfg, packed, (), initial, packed=True)
+    tied = registry.model_config(TIED)
+    errors["pp2_tied"] = _train("pp2_tied", LAYOUTS["pp2"], tied, _reference(tied, ()), (), {})
+    if torch.distributed.get_rank() == 0:
+        Path(sys.argv[1]).write_text(json.dumps(errors))
+    _resume(sys.argv[2], sys.argv[3])
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    _main()
