@@ -6,7 +6,7 @@ token types, sentence-order targets), with AdamW (fused where available), gradie
 1.0, fp32, dropout 0.1, the same threads, in one process, steps alternating so load from other
 jobs hits both alike.
 
-- Tessera runs the trainer's own step: tessera.trainer.mlm.loss.MLMStep (TrainStep's accumulate,
+- Tessera runs the trainer's own step: tessera.trainer.objectives.mlm.loss.MLMStep (TrainStep's accumulate,
   clip and step; the MLM + sentence-order loss), the optimizer of build_optimizer.
 - transformers runs the standard recipe: `model(input_ids, token_type_ids, attention_mask,
   labels, next_sentence_label).loss`, clip_grad_norm_(foreach), torch.optim.AdamW(fused).
@@ -68,11 +68,11 @@ def main() -> None:
 
     from tessera.common.hf.directory import load_hf_weights, read_hf_config
     from tessera.common.models.registry import kind_of
+    from tessera.trainer.components.optimizer.optim import build_optimizer
+    from tessera.trainer.components.precision.mixed import Precision
     from tessera.trainer.config import OptimConfig
-    from tessera.trainer.mlm.batches import MLMBatch
-    from tessera.trainer.mlm.loss import MLMStep, mlm_loss
-    from tessera.trainer.optimizer.optim import build_optimizer
-    from tessera.trainer.precision.mixed import Precision
+    from tessera.trainer.objectives.mlm.batches import MLMBatch
+    from tessera.trainer.objectives.mlm.loss import MLMStep, mlm_loss
 
     torch.manual_seed(0)
     hf_cfg = transformers.BertConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,

@@ -61,7 +61,7 @@ def build_data(work: Path) -> tuple[Path, Path]:
 def read_run(mixture: Path, verify: str, steps: int) -> tuple[float, list[float]]:
     """(open seconds, per-step read seconds) for a fresh open with `verify`."""
     from tessera.common.mixture import MixtureSplit
-    from tessera.trainer.data import MixtureBatches
+    from tessera.trainer.objectives.batches import MixtureBatches
 
     t0 = time.perf_counter()
     batches = MixtureBatches(MixtureSplit(mixture, "train", verify=verify), SEQ)

@@ -4,7 +4,7 @@ precision with the trainer's own step; both loss curves, their final averages, a
 Issue #19's acceptance for FP8 training: over 200 steps the fp8 loss stays within 1% of bf16's
 ("equal loss curve") while fp8 runs at >= 1.3x bf16's tokens/s. Each run is what `tessera-train`
 does in one process: `prepare_model` (fp32 master weights from the seed), for fp8
-`tessera.trainer.precision.torchao_float8.apply_float8` (torchao Float8Linear, `--fp8-recipe`), `build_optimizer`
+`tessera.trainer.components.precision.torchao_float8.apply_float8` (torchao Float8Linear, `--fp8-recipe`), `build_optimizer`
 (AdamW), `Precision` (bf16 autocast, also under fp8) and `TrainStep` (forward + loss compiled as
 one graph, clip, optimizer step), with the trainer's warmup + cosine `LRSchedule`. The bf16 run
 goes first; the fp8 run rebuilds the model from the same seed and sees the same batches in the
@@ -46,18 +46,18 @@ import torch
 
 from tessera.common.errors import UserError, run_cli
 from tessera.common.models.causal_lm.config import ModelConfig, preset
-from tessera.trainer.config import OptimConfig, ScheduleConfig
-from tessera.trainer.model_setup import prepare_model
-from tessera.trainer.optimizer.optim import build_optimizer, set_lr
-from tessera.trainer.optimizer.schedule import LRSchedule
-from tessera.trainer.precision.mixed import Precision
-from tessera.trainer.precision.torchao_float8 import (
+from tessera.trainer.components.model_setup import prepare_model
+from tessera.trainer.components.optimizer.optim import build_optimizer, set_lr
+from tessera.trainer.components.optimizer.schedule import LRSchedule
+from tessera.trainer.components.precision.mixed import Precision
+from tessera.trainer.components.precision.torchao_float8 import (
     RECIPES,
     apply_float8,
     convert_to_float8,
     fp8_device_problem,
 )
-from tessera.trainer.step import TrainStep
+from tessera.trainer.config import OptimConfig, ScheduleConfig
+from tessera.trainer.objectives.step import TrainStep
 
 LOSS_TOLERANCE = 0.01  # issue #19: fp8's loss within 1% of bf16's
 SPEEDUP_TARGET = 1.3  # issue #19: fp8 >= 1.3x bf16's tokens/s

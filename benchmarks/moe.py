@@ -42,9 +42,9 @@ from train_throughput import hf_standard_step, tessera_step, time_interleaved  #
 from tessera.common.layers.moe import Experts  # noqa: E402
 from tessera.common.models.causal_lm.config import ModelConfig, preset  # noqa: E402
 from tessera.common.models.causal_lm.hf.adapter import export_rules, hf_config  # noqa: E402
+from tessera.trainer.components.model_setup import prepare_model  # noqa: E402
+from tessera.trainer.components.precision.mixed import Precision  # noqa: E402
 from tessera.trainer.config import OptimConfig  # noqa: E402
-from tessera.trainer.model_setup import prepare_model  # noqa: E402
-from tessera.trainer.precision.mixed import Precision  # noqa: E402
 
 PRESETS = {"qwen3_moe": "qwen3-moe-tiny", "mixtral": "mixtral-tiny"}
 

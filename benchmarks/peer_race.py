@@ -17,8 +17,8 @@ from transformers import AutoConfig
 
 from tessera.common.hf.directory import load_hf_weights, read_hf_config
 from tessera.common.models.registry import hf_adapter, kind_of
+from tessera.trainer.components.precision.mixed import Precision
 from tessera.trainer.config import OptimConfig
-from tessera.trainer.precision.mixed import Precision
 
 
 def twins(cfg, hf_class, root: Path):

@@ -6,7 +6,7 @@ corruption of random token windows, the trainer's own corruption code), with Ada
 available), gradient clipping at 1.0, fp32, dropout 0, the same threads, in one process, steps
 alternating so load from other jobs hits both alike.
 
-- Tessera runs the trainer's own step: tessera.trainer.span.loss.SpanStep (TrainStep's accumulate,
+- Tessera runs the trainer's own step: tessera.trainer.objectives.span.loss.SpanStep (TrainStep's accumulate,
   clip and step), the optimizer of build_optimizer.
 - transformers runs the standard recipe: `model(input_ids, attention_mask, labels).loss`,
   clip_grad_norm_(foreach), torch.optim.AdamW(fused).
@@ -31,9 +31,9 @@ from train_throughput import time_interleaved
 
 
 def batches(n: int, batch: int, enc: int, dec: int, vocab: int, extra: int, eos: int, seed: int = 0):
-    from tessera.trainer.mlm.draws import sample_rng
-    from tessera.trainer.span.batches import SpanBatch
-    from tessera.trainer.span.corruption import SpanOptions, build_sample, raw_length
+    from tessera.trainer.objectives.draws import sample_rng
+    from tessera.trainer.objectives.span.batches import SpanBatch
+    from tessera.trainer.objectives.span.corruption import SpanOptions, build_sample, raw_length
 
     opts = SpanOptions(0.15, 3.0, enc, dec)
     raw = raw_length(opts)
@@ -75,10 +75,10 @@ def main() -> None:
 
     from tessera.common.hf.directory import load_hf_weights, read_hf_config
     from tessera.common.models.registry import kind_of
+    from tessera.trainer.components.optimizer.optim import build_optimizer
+    from tessera.trainer.components.precision.mixed import Precision
     from tessera.trainer.config import OptimConfig
-    from tessera.trainer.optimizer.optim import build_optimizer
-    from tessera.trainer.precision.mixed import Precision
-    from tessera.trainer.span.loss import SpanStep
+    from tessera.trainer.objectives.span.loss import SpanStep
 
     v11 = args.variant == "v1_1"
     torch.manual_seed(0)

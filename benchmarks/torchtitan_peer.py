@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     device = next(iter(results.values()))["device"]
     from tessera.common.models.causal_lm.config import preset
-    from tessera.trainer.observability.metrics import gpu_peak_tflops
+    from tessera.trainer.components.observability.metrics import gpu_peak_tflops
 
     name = TESSERA_PRESET.get(args.flavor)
     flops = preset(name, max_seq_len=max(args.seq, 64)).flops_per_token(args.seq) if name else None

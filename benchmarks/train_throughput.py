@@ -6,14 +6,14 @@ hyper-parameters (AdamW, fused where available, no decay on 1-D parameters), mea
 cross-entropy in fp32, gradient clipping at 1.0, fp32, and the same number of threads.
 
 - Tessera runs the trainer's own step: prepare_model, build_optimizer and
-  tessera.trainer.step.TrainStep (forward + loss compiled as one graph, on CPU with the loss
+  tessera.trainer.objectives.step.TrainStep (forward + loss compiled as one graph, on CPU with the loss
   in logsumexp form; clip then fused AdamW), the object `Trainer.train_step` calls.
 - transformers runs the standard recipe: `model(input_ids=...).logits`, F.cross_entropy on fp32
   logits, `torch.nn.utils.clip_grad_norm_(foreach=True)`, `torch.optim.AdamW(fused=True)`,
   `zero_grad(set_to_none=True)`.
 
 By default both run in this one process with glibc's malloc defaults, alternating steps (load
-from other jobs hits both alike). The trainer's host-memory setting (tessera.trainer.observability.host_memory,
+from other jobs hits both alike). The trainer's host-memory setting (tessera.trainer.components.observability.host_memory,
 on by default in tessera-train on CPU) is process-wide: `--retain-host-memory` applies it here,
 to both. `--separate-processes` runs each framework in its own process as a user would get it:
 Tessera with the trainer's setting, transformers with glibc's defaults (needs a quiet machine:
@@ -39,7 +39,7 @@ data, same loss, so "loss after" must agree here too.
 `--precision fp8` is the trainer's fp8 mode for both frameworks: bf16 autocast with every eligible
 Linear swapped for torchao's Float8Linear (`--fp8-recipe tensorwise|rowwise`; the output head and
 Linear layers with dimensions not multiples of 16 stay bf16): Tessera through
-`tessera.trainer.precision.torchao_float8.apply_float8`, transformers through the same torchao conversion of its
+`tessera.trainer.components.precision.torchao_float8.apply_float8`, transformers through the same torchao conversion of its
 LlamaForCausalLM (what a transformers user adds for FP8 training; its step stays eager, the
 standard recipe, so torchao's amax/scale/cast chains run unfused there). MFU is against the GPU's dense
 bf16 peak for every precision (torchtitan's convention), so an fp8 run's MFU is comparable with a
@@ -72,16 +72,16 @@ import torch.nn.functional as F
 
 from tessera.common.errors import UserError, run_cli
 from tessera.common.models.causal_lm.config import ModelConfig, preset
+from tessera.trainer.components.model_setup import prepare_model
+from tessera.trainer.components.observability.host_memory import retain_freed_memory
+from tessera.trainer.components.optimizer.optim import build_optimizer
+from tessera.trainer.components.precision.mixed import Precision
+from tessera.trainer.components.precision.te_float8 import TE_RECIPES, apply_te, te_config_problem
+from tessera.trainer.components.precision.torchao_float8 import RECIPES as TORCHAO_RECIPES
+from tessera.trainer.components.precision.torchao_float8 import apply_float8, convert_to_float8
 from tessera.trainer.config import OptimConfig
-from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
-from tessera.trainer.model_setup import prepare_model
-from tessera.trainer.observability.host_memory import retain_freed_memory
-from tessera.trainer.optimizer.optim import build_optimizer
-from tessera.trainer.precision.mixed import Precision
-from tessera.trainer.precision.te_float8 import TE_RECIPES, apply_te, te_config_problem
-from tessera.trainer.precision.torchao_float8 import RECIPES as TORCHAO_RECIPES
-from tessera.trainer.precision.torchao_float8 import apply_float8, convert_to_float8
-from tessera.trainer.step import TrainStep
+from tessera.trainer.objectives.documents import IGNORE_INDEX, DocumentMasking
+from tessera.trainer.objectives.step import TrainStep
 
 
 def hf_llama(cfg: ModelConfig, device: torch.device):
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's).")
     ap.add_argument("--no-compile", action="store_true", help="Run Tessera eager (no torch.compile of forward + loss).")
     ap.add_argument("--retain-host-memory", action="store_true",
-                    help="Apply the trainer's host-memory setting (tessera.trainer.observability.host_memory) to this process: both.")
+                    help="Apply the trainer's host-memory setting (tessera.trainer.components.observability.host_memory) to this process: both.")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp8"], default="fp32",
                     help="bf16 = autocast over fp32 weights for both frameworks (the trainer's bf16 mode); fp8 = "
@@ -484,7 +484,7 @@ def report(args: argparse.Namespace, cfg: ModelConfig, results: dict[str, dict],
         ratio = results["tessera"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
         print(f"ratio tessera/transformers: {ratio:.2f}x")
     if device.type == "cuda":
-        from tessera.trainer.observability.metrics import gpu_peak_tflops
+        from tessera.trainer.components.observability.metrics import gpu_peak_tflops
 
         peak = gpu_peak_tflops(torch.cuda.get_device_name(device))
         if peak:  # the dense bf16 peak for every precision, fp8 too (torchtitan's convention)

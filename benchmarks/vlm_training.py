@@ -64,11 +64,11 @@ def main() -> None:
 
     from tessera.common.models.registry import kind_for_hf
     from tessera.common.models.vision_language.hf.adapter import model_config_from_hf
+    from tessera.trainer.components.optimizer.optim import build_optimizer
+    from tessera.trainer.components.precision.mixed import Precision
     from tessera.trainer.config import OptimConfig
     from tessera.trainer.multimodal.batches import VisionLanguageBatch
     from tessera.trainer.multimodal.loss import VisionLanguageStep
-    from tessera.trainer.optimizer.optim import build_optimizer
-    from tessera.trainer.precision.mixed import Precision
 
     torch.manual_seed(0)
     vision = CLIPVisionConfig(hidden_size=args.vision_hidden, intermediate_size=4 * args.vision_hidden,

@@ -71,6 +71,17 @@ def _checkpoint_of_kind(root: Path, model: dict | None) -> Path:
     return root
 
 
+def test_the_trainer_checks_configs_against_the_names_its_objectives_have():
+    """The light check a config meets (tessera.trainer.kinds.TRAINED) and the objectives' tables
+    (tessera.trainer.objectives.registry) name the same hooks, and each entry loads."""
+    from tessera.trainer.kinds import TRAINED
+    from tessera.trainer.objectives.registry import BATCHES, LOSSES, OBJECTIVES
+
+    assert set(BATCHES) == set(LOSSES) == set(OBJECTIVES) == set(TRAINED)
+    for table in (BATCHES, LOSSES, OBJECTIVES):
+        assert all(isinstance(load(), type) for load in table.values())
+
+
 def test_the_causal_lm_goes_through_the_registry_and_every_stage_has_its_code():
     from tessera.ckpt_convert.kinds import CONVERTERS, check_convertible
     from tessera.common.models.causal_lm.config import ModelConfig
@@ -78,10 +89,10 @@ def test_the_causal_lm_goes_through_the_registry_and_every_stage_has_its_code():
     from tessera.inference.core.block_manager import BlockManager
     from tessera.inference.worker.kinds import serving_kind
     from tessera.inference.worker.pooling.runner import DecoderRunner
-    from tessera.trainer.data import MixtureBatches
-    from tessera.trainer.kinds import trainer_kind
+    from tessera.trainer.objectives.batches import MixtureBatches
+    from tessera.trainer.objectives.registry import trainer_kind
+    from tessera.trainer.objectives.step import TrainStep
     from tessera.trainer.plan.memory import decoder_memory, memory_count
-    from tessera.trainer.step import TrainStep
 
     assert list(registry.KINDS) == ["causal_lm", "hybrid", "encoder", "vision_language", "encoder_decoder"]
     cfg = tiny_llama(num_layers=1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from ckpt_helpers import make_tokenizer
 
-trainer_ckpt = pytest.importorskip("tessera.trainer.checkpoint.storage")
+trainer_ckpt = pytest.importorskip("tessera.trainer.components.checkpoint.storage")
 
 MODEL = {"kind": "hybrid", "vocab_size": 320, "hidden_size": 32, "num_layers": 4, "pattern": "M*-E",
          "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 48,
@@ -38,7 +38,7 @@ def test_a_trainer_saved_hybrid_checkpoint_reshards_to_tp2_pp2_dp2_ep2_and_resum
     from tessera.common.checkpoint import CheckpointSidecar, read_sidecar, resolve_checkpoint
     from tessera.common.models.registry import model_config
     from tessera.common.tokenizer import load_tokenizer
-    from tessera.trainer.precision.mixed import Precision
+    from tessera.trainer.components.precision.mixed import Precision
 
     cfg = model_config(MODEL)
     model, opt = _trained(cfg, seed=0)

@@ -79,8 +79,8 @@ def as_megatron(t: dict[str, torch.Tensor], cfg: EncoderConfig) -> dict[str, tor
 
 def ours(directory: Path, batch: dict[str, torch.Tensor]):
     """A Tessera checkpoint's encoder outputs on `batch`, and its pretraining loss as the trainer computes it."""
-    from tessera.trainer.documents import IGNORE_INDEX
-    from tessera.trainer.mlm.loss import mlm_loss
+    from tessera.trainer.objectives.documents import IGNORE_INDEX
+    from tessera.trainer.objectives.mlm.loss import mlm_loss
 
     cfg = read_sidecar(directory).model
     model = build_model(cfg, seed=None)

@@ -1,6 +1,6 @@
 """A checkpoint written by the trainer's own save path survives reshard and resumes exactly.
 
-Uses tessera.trainer.checkpoint.storage (tests may import any package): save after two AdamW steps,
+Uses tessera.trainer.components.checkpoint.storage (tests may import any package): save after two AdamW steps,
 reshard to tp2/pp2/dp2, load into a fresh model and optimizer with the trainer's loader, and check
 weights, both Adam moments, step counters and the train state all match the original.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 from ckpt_helpers import make_tokenizer, tiny_llama
 
-trainer_ckpt = pytest.importorskip("tessera.trainer.checkpoint.storage")
+trainer_ckpt = pytest.importorskip("tessera.trainer.components.checkpoint.storage")
 
 
 def _trained(cfg, seed):
@@ -32,7 +32,7 @@ def test_trainer_checkpoint_reshard_and_resume(tmp_path):
     from tessera.ckpt_convert.cli import run
     from tessera.common.checkpoint import CheckpointSidecar, read_sidecar, resolve_checkpoint
     from tessera.common.tokenizer import load_tokenizer
-    from tessera.trainer.precision.mixed import Precision
+    from tessera.trainer.components.precision.mixed import Precision
 
     cfg = tiny_llama(num_layers=2, num_kv_heads=2)
     model, opt = _trained(cfg, seed=0)

@@ -69,7 +69,7 @@ def test_padded_model_computes_what_the_unpadded_model_computes(tied):
 
 
 def test_chunked_loss_masks_the_padding_like_the_head():
-    from tessera.trainer.loss import chunked_cross_entropy
+    from tessera.trainer.objectives.loss import chunked_cross_entropy
 
     model = build_model(CFG.padded_for(1), seed=0)
     with torch.no_grad():

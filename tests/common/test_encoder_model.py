@@ -86,7 +86,7 @@ def test_each_bert_class_gives_transformers_outputs_on_a_padded_batch_with_token
 
 @pytest.mark.parametrize("cls", ["BertForPreTraining", "MegatronBertForPreTraining"])
 def test_mlm_plus_binary_loss_equals_bert_for_pretraining_loss_on_a_masked_batch(tmp_path, cls):
-    from tessera.trainer.loss import cross_entropy_loss
+    from tessera.trainer.objectives.loss import cross_entropy_loss
 
     hf = hf_bert(cls, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=False)
     cfg, model = ours_from(tmp_path, hf)

@@ -58,7 +58,7 @@ def test_logits_and_loss_equal_transformers_and_the_round_trip_gives_back_its_by
     import transformers
     from safetensors.torch import save_file
 
-    from tessera.trainer.loss import cross_entropy_loss
+    from tessera.trainer.objectives.loss import cross_entropy_loss
 
     family, over = CASES[name]
     hf = hf_model(family, **over)

@@ -60,9 +60,9 @@ def test_kernel_writes_the_gradient_over_the_logits(triton_cpu):
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_chunked_loss_with_kernel_matches_full_logits(triton_cpu, spy_triton, autocast):
-    """tessera.trainer.loss.chunked_cross_entropy, each chunk through the kernel, gives the loss and
+    """tessera.trainer.objectives.loss.chunked_cross_entropy, each chunk through the kernel, gives the loss and
     gradients of F.cross_entropy over the full logits (fp32, and bf16 matmuls under autocast)."""
-    from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss
+    from tessera.trainer.objectives.loss import chunked_cross_entropy, cross_entropy_loss
 
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(2, 7, 16, generator=gen)

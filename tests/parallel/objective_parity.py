@@ -125,7 +125,7 @@ def train_parity(name: str, layout_kw: dict, cfg, reference, batch: Callable[[in
     from tessera.common.parallel.layers import shard_dim_of
     from tessera.common.parallel.state import build_groups, set_groups
     from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
-    from tessera.trainer.kinds import parallel_objective
+    from tessera.trainer.objectives.registry import parallel_objective
     from tessera.trainer.parallel.runtime import ParallelRuntime
 
     layout = ParallelLayout(**layout_kw)

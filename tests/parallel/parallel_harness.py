@@ -58,7 +58,7 @@ def documents_batch(step: int, cfg: ModelConfig, global_batch: int = GLOBAL_BATC
     """Packed documents: (tokens, targets, model_inputs) of step `step`; about one token in five
     is an end-of-document, so every sample holds several documents (positions restart after
     each, attention stays inside each, no loss where the input is EOD)."""
-    from tessera.trainer.documents import DocumentMasking
+    from tessera.trainer.objectives.documents import DocumentMasking
 
     g = torch.Generator().manual_seed(DATA_SEED + step)
     x = torch.randint(1, cfg.vocab_size, (global_batch, seq + 1), generator=g)

@@ -4,7 +4,7 @@ pooled states, binary and MLM logits (the rank's vocabulary slice), and the grad
 parameter the hidden, pooled and binary outputs reach (the rank's slice of the whole one's; a
 sequence-parallel partial gradient summed over the tensor group first).
 
-Training under the parallel runtime (the masked-LM objective, tessera.trainer.mlm.objective): TP2,
+Training under the parallel runtime (the masked-LM objective, tessera.trainer.objectives.mlm.objective): TP2,
 TP2+SP, PP2, DP2 and FSDP2, each built on the meta device as tessera-train builds it, take the same
 losses and reach the same parameters as one process with torch's AdamW after a few optimizer steps.
 
@@ -99,8 +99,8 @@ TRAIN = dict(steps=3, global_batch=8, micro_batch=2, seq=16)
 def _mlm_batch(step: int):
     """An MLM batch of the whole global batch: padded rows, two segments, ~20% labelled positions
     (at least one per row), binary targets."""
-    from tessera.trainer.documents import IGNORE_INDEX
-    from tessera.trainer.mlm.batches import MLMBatch
+    from tessera.trainer.objectives.documents import IGNORE_INDEX
+    from tessera.trainer.objectives.mlm.batches import MLMBatch
 
     b, t = TRAIN["global_batch"], TRAIN["seq"]
     g = torch.Generator().manual_seed(100 + step)
@@ -115,7 +115,7 @@ def _mlm_batch(step: int):
 
 
 def _mlm_loss(model, part, labels):
-    from tessera.trainer.mlm.loss import mlm_loss
+    from tessera.trainer.objectives.mlm.loss import mlm_loss
 
     out = model(part.tokens, part.token_types, part.padding_mask)
     return mlm_loss(out, labels, part.binary_labels)

@@ -8,7 +8,7 @@ conversion under bf16 autocast, over the same micro-batches of 2 rows. The micro
 tensorwise scales come from each activation's amax, so the reference must cast what a layout
 casts; then the runs agree to float rounding, far closer than fp8 is to bf16 (a layout that lost
 the conversion fails). Under tensor parallel the layers keep their collectives and cast with
-global scales (tessera.trainer.precision.torchao_float8.Float8LocalLinear); the tensor-parallel model has 4 key/value
+global scales (tessera.trainer.components.precision.torchao_float8.Float8LocalLinear); the tensor-parallel model has 4 key/value
 heads so that every projection's local dimensions are multiples of 16 (the FP8 GEMM's alignment)
 and the same layers are converted as in one process.
 """
@@ -49,7 +49,7 @@ TP_MODEL = dict(num_kv_heads=4)
 def reference(recipe: str | None, **model) -> list[float]:
     """One process, gradients accumulated over micro-batches of MICRO rows (the runtime's loss:
     the mean of the micro-batch means), bf16 autocast, fp8 with `recipe` or not."""
-    from tessera.trainer.precision.torchao_float8 import convert_to_float8
+    from tessera.trainer.components.precision.torchao_float8 import convert_to_float8
 
     torch.manual_seed(0)
     cfg = H.model_config(**model)

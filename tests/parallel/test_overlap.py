@@ -45,8 +45,8 @@ def _worker(spec_path: str) -> None:
     from tessera.common.layout import ParallelLayout
     from tessera.common.models.causal_lm.model import build_model
     from tessera.common.parallel.state import build_groups, destroy_distributed, init_distributed
+    from tessera.trainer.components.observability.profiling import StepProfiler
     from tessera.trainer.config import ProfilingConfig
-    from tessera.trainer.observability.profiling import StepProfiler
     from tessera.trainer.parallel.runtime import ParallelRuntime
 
     torch.set_num_threads(1)

@@ -4,7 +4,7 @@ head) and v1.1 (gated GELU, its own head): the decoder's hidden states, the rank
 of the logits, the vocab-parallel cross-entropy, and the gradient of every parameter (the rank's
 slice of the whole one's; a sequence-parallel partial gradient summed over the tensor group first).
 
-Training under the parallel runtime (the span-corruption objective, tessera.trainer.span.objective):
+Training under the parallel runtime (the span-corruption objective, tessera.trainer.objectives.span.objective):
 TP2, TP2+SP, DP2 and FSDP2, each built on the meta device with only the rank's shards allocated and
 initialised (sharded_init, T5's init_module), take the same losses and reach the same parameters as
 one process with torch's AdamW after a few optimizer steps, for both variants (T5's tied, scaled
@@ -111,7 +111,7 @@ TRAIN = dict(steps=3, global_batch=8, micro_batch=2, seq=12, decoder_seq=8)
 def _span_batch(step: int):
     """A span-corruption batch of the whole global batch: padded encoder rows, decoder inputs, and
     targets with -100 on the padding of shorter rows (at least one counted target per row)."""
-    from tessera.trainer.span.batches import SpanBatch
+    from tessera.trainer.objectives.span.batches import SpanBatch
 
     b, t, d = TRAIN["global_batch"], TRAIN["seq"], TRAIN["decoder_seq"]
     g = torch.Generator().manual_seed(100 + step)

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from tessera.common.checkpoint import CheckpointSidecar
 from tessera.common.models.causal_lm.config import preset
 from tessera.common.tokenizer import load_tokenizer
-from tessera.trainer.checkpoint import storage
-from tessera.trainer.checkpoint.storage import AsyncCheckpointer, TrainState, write_checkpoint
+from tessera.trainer.components.checkpoint import storage
+from tessera.trainer.components.checkpoint.storage import AsyncCheckpointer, TrainState, write_checkpoint
 
 
 def main() -> None:

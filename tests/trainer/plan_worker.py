@@ -32,8 +32,8 @@ from tessera.common.layout import ParallelLayout
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.parallel.state import build_groups, init_distributed
+from tessera.trainer.components.model_setup import apply_recompute
 from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
-from tessera.trainer.model_setup import apply_recompute
 from tessera.trainer.parallel.runtime import ParallelRuntime
 
 

@@ -15,9 +15,9 @@ from test_loop import make_trainer, weights
 
 from tessera.common.checkpoint import read_pointer, read_sidecar, verify_checksums
 from tessera.common.errors import run_cli
-from tessera.trainer.checkpoint import storage
-from tessera.trainer.checkpoint.storage import list_checkpoints
 from tessera.trainer.cli import main
+from tessera.trainer.components.checkpoint import storage
+from tessera.trainer.components.checkpoint.storage import list_checkpoints
 
 SAVES = ["training.save_interval=2", "checkpoint.keep_last=3"]  # 6 steps: saves at 2, 4 (background), 6 (final)
 

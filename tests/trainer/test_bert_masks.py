@@ -1,4 +1,4 @@
-"""BERT samples from sentence-split shards (tessera.trainer.mlm): the pair layout of Megatron's
+"""BERT samples from sentence-split shards (tessera.trainer.objectives.mlm): the pair layout of Megatron's
 BERT dataset, 15% masking with 80/10/10 and whole words, and masks that are a function of the seed
 and the sample number alone: a resumed run, a data-parallel rank and a single process read the
 same masks for the same sample."""
@@ -14,10 +14,10 @@ import torch
 from tessera.common.mixture import MixtureSplit
 from tessera.common.tokenizer import load_tokenizer
 from tessera.data_prep.cli import entry as data_cli
-from tessera.trainer.data import MicroBatchPlan
-from tessera.trainer.documents import IGNORE_INDEX
-from tessera.trainer.mlm.batches import MLMBatches
-from tessera.trainer.mlm.samples import MaskingOptions
+from tessera.trainer.objectives.batches import MicroBatchPlan
+from tessera.trainer.objectives.documents import IGNORE_INDEX
+from tessera.trainer.objectives.mlm.batches import MLMBatches
+from tessera.trainer.objectives.mlm.samples import MaskingOptions
 
 pytest.importorskip("pysbd")
 
@@ -129,7 +129,7 @@ def test_without_the_binary_head_a_sample_is_one_segment(data):
 
 
 def test_the_binary_target_is_sentence_order_or_next_sentence_from_another_document():
-    from tessera.trainer.mlm.samples import make_pair
+    from tessera.trainer.objectives.mlm.samples import make_pair
 
     run = [np.array([1, 2]), np.array([3, 4]), np.array([5, 6])]
     seen = set()

@@ -51,8 +51,8 @@ def test_the_trainers_mlm_loss_equals_bert_for_pretraining_on_a_batch_of_the_mlm
     from tessera.common.hf.directory import load_hf_weights, read_hf_config
     from tessera.common.models.registry import kind_of
     from tessera.common.tokenizer import load_tokenizer
-    from tessera.trainer.mlm.loss import MLMStep, mlm_loss
-    from tessera.trainer.precision.mixed import Precision
+    from tessera.trainer.components.precision.mixed import Precision
+    from tessera.trainer.objectives.mlm.loss import MLMStep, mlm_loss
 
     torch.manual_seed(0)
     hf = transformers.BertForPreTraining(transformers.BertConfig(

@@ -90,7 +90,7 @@ def test_killed_save_never_damages_the_last_good_checkpoint(make_config, tmp_pat
     path = make_config(training={"steps": 6, "save_interval": 2})
     killer = """
         import os, signal, sys
-        import tessera.trainer.checkpoint.storage as ck
+        import tessera.trainer.components.checkpoint.storage as ck
         real, calls = ck.finalize_checkpoint, []
         def finalize(directory, sidecar):
             calls.append(directory)
@@ -125,7 +125,7 @@ def test_killed_save_never_damages_the_last_good_checkpoint(make_config, tmp_pat
 def test_a_symlink_where_a_save_writes_is_replaced_and_never_followed(make_config, tmp_path, monkeypatch, name, when):
     """Issue 35.7: a link planted under the save's temporary (or final) name ended training with a
     FileExistsError traceback; the save must write a directory of its own and leave the target alone."""
-    from tessera.trainer.checkpoint import storage
+    from tessera.trainer.components.checkpoint import storage
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -155,7 +155,7 @@ def test_a_symlink_where_a_save_writes_is_replaced_and_never_followed(make_confi
 
 
 def test_stop_request_catches_sigint_and_sigterm():
-    from tessera.trainer.observability.signals import StopRequest
+    from tessera.trainer.components.observability.signals import StopRequest
 
     # Compare with what was installed before, not with Python's default: a process started in
     # the background by a non-interactive shell inherits SIGINT ignored.
@@ -172,7 +172,7 @@ def test_stop_request_catches_sigint_and_sigterm():
 
 
 def test_second_sigint_interrupts_at_once():
-    from tessera.trainer.observability.signals import StopRequest
+    from tessera.trainer.components.observability.signals import StopRequest
 
     before = signal.getsignal(signal.SIGINT)
     stop = StopRequest().install()

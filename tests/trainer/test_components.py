@@ -15,11 +15,11 @@ from tessera.common.config import load_config
 from tessera.common.mixture import MixtureSplit
 from tessera.common.models.causal_lm.config import PRESETS, preset
 from tessera.common.models.causal_lm.model import build_model
+from tessera.trainer.components.observability.metrics import gpu_peak_tflops
+from tessera.trainer.components.optimizer.optim import build_optimizer, decay_groups
+from tessera.trainer.components.optimizer.schedule import LRSchedule
 from tessera.trainer.config import OptimConfig, ScheduleConfig, TrainConfig
-from tessera.trainer.data import MicroBatchPlan, MixtureBatches
-from tessera.trainer.observability.metrics import gpu_peak_tflops
-from tessera.trainer.optimizer.optim import build_optimizer, decay_groups
-from tessera.trainer.optimizer.schedule import LRSchedule
+from tessera.trainer.objectives.batches import MicroBatchPlan, MixtureBatches
 
 OPT = OptimConfig(lr=1.0, min_lr=0.1)
 

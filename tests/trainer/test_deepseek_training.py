@@ -46,6 +46,6 @@ def test_deepseek_v3_trains_and_resumes_bit_identically(make_config, tmp_path):
     assert train and all(r["moe_max_load"] >= 1.0 for r in train)
     mtp = [r["mtp_loss"] for r in train]
     assert all(m > 0 and m != r["loss"] for m, r in zip(mtp, train)) and mtp[-1] < mtp[0]
-    from tessera.trainer.observability.metrics import format_record
+    from tessera.trainer.components.observability.metrics import format_record
 
     assert f"mtp loss {mtp[-1]:.4f}" in format_record(train[-1])  # the console line, beside the main loss

@@ -25,14 +25,14 @@ from tessera.common.errors import run_cli
 from tessera.common.models.causal_lm.config import preset
 from tessera.common.models.causal_lm.model import build_model
 from tessera.trainer.cli import main
+from tessera.trainer.components.model_setup import prepare_model
+from tessera.trainer.components.optimizer.optim import build_optimizer
+from tessera.trainer.components.precision.mixed import Precision
 from tessera.trainer.config import OptimConfig, TrainConfig
-from tessera.trainer.data import MixtureBatches
-from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
 from tessera.trainer.inputs import check_inputs
-from tessera.trainer.model_setup import prepare_model
-from tessera.trainer.optimizer.optim import build_optimizer
-from tessera.trainer.precision.mixed import Precision
-from tessera.trainer.step import TrainStep
+from tessera.trainer.objectives.batches import MixtureBatches
+from tessera.trainer.objectives.documents import IGNORE_INDEX, DocumentMasking
+from tessera.trainer.objectives.step import TrainStep
 
 CPU = torch.device("cpu")
 BIN = Path(sys.executable).parent

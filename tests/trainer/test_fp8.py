@@ -1,4 +1,4 @@
-"""FP8 training (tessera.trainer.precision.torchao_float8): refused with one line where there are no FP8 tensor cores;
+"""FP8 training (tessera.trainer.components.precision.torchao_float8): refused with one line where there are no FP8 tensor cores;
 the conversion swaps the model's Linear layers for torchao Float8Linear, keeping names, and its
 loss and gradients track bf16 (torchao's casts run emulated on CPU); it composes with recompute
 and FSDP's float8 all-gather (the option reaches torchao; the gathered run on a GPU), and with
@@ -13,7 +13,7 @@ import torch
 from tessera.common.errors import UserError
 from tessera.common.models.causal_lm.config import preset
 from tessera.common.models.causal_lm.model import build_model
-from tessera.trainer.precision.torchao_float8 import (
+from tessera.trainer.components.precision.torchao_float8 import (
     apply_float8,
     convert_to_float8,
     fp8_device_problem,
@@ -66,7 +66,7 @@ def test_a_model_with_no_convertible_layer_is_refused_instead_of_training_in_bf1
     """The parallel runtime checks what every stage converted, as apply_float8 does in one process:
     dimensions that are no multiple of 16 (a hidden size of 24, an MLP width of 40) convert nothing."""
     pytest.importorskip("torchao")
-    from tessera.trainer.precision.torchao_float8 import require_converted
+    from tessera.trainer.components.precision.torchao_float8 import require_converted
 
     model = build_model(preset("tiny", vocab_size=64, num_layers=1, hidden_size=24, num_heads=2, num_kv_heads=2,
                                ffn_hidden_size=40), seed=0)
@@ -229,7 +229,7 @@ def test_tensor_parallel_layers_keep_their_class_tags_and_state_and_get_a_float8
     from torchao.float8.float8_linear import Float8Linear
 
     from tessera.common.parallel.layers import ColumnParallelLinear
-    from tessera.trainer.precision.torchao_float8 import Float8LocalLinear
+    from tessera.trainer.components.precision.torchao_float8 import Float8LocalLinear
 
     model = _with_column_parallel_q(monkeypatch, tp=2)
     before = {n: t.clone() for n, t in model.state_dict().items()}
@@ -252,7 +252,7 @@ def test_the_float8_local_matmul_over_one_rank_computes_what_float8linear_comput
     import torch.distributed as dist
     from torchao.float8.float8_linear import Float8Linear
 
-    from tessera.trainer.precision.torchao_float8 import Float8LocalLinear, float8_config
+    from tessera.trainer.components.precision.torchao_float8 import Float8LocalLinear, float8_config
 
     created = not dist.is_initialized()
     if created:
@@ -287,7 +287,7 @@ def test_the_float8_local_matmul_compiles_as_one_graph_with_eagers_gradients(tmp
     pytest.importorskip("torchao")
     import torch.distributed as dist
 
-    from tessera.trainer.precision.torchao_float8 import Float8LocalLinear, float8_config
+    from tessera.trainer.components.precision.torchao_float8 import Float8LocalLinear, float8_config
 
     created = not dist.is_initialized()
     if created:
@@ -331,7 +331,7 @@ def test_recompute_around_float8_layers_gives_the_same_loss_and_grads(mode):
     """Recompute casts again in backward with the same dynamic scales: same loss and gradients as
     keeping the activations (emulated FP8 on CPU)."""
     pytest.importorskip("torchao")
-    from tessera.trainer.model_setup import apply_recompute
+    from tessera.trainer.components.model_setup import apply_recompute
 
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     stored = _model()

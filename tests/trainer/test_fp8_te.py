@@ -1,4 +1,4 @@
-"""FP8 through Transformer Engine (training.fp8_backend: te, tessera.trainer.precision.te_float8): refused with
+"""FP8 through Transformer Engine (training.fp8_backend: te, tessera.trainer.components.precision.te_float8): refused with
 one line, exit 2, before any work, where TE cannot be imported, the machine or the recipe cannot
 run it, or a composition cannot be made correct; the swap keeps names, Parameters and state dicts
 those of nn.Linear (checkpoints interchange with bf16 and torchao runs); Precision enters TE's
@@ -20,8 +20,8 @@ from torch import nn
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.models.causal_lm.config import preset
 from tessera.common.models.causal_lm.model import build_model
-from tessera.trainer.precision import te_float8
-from tessera.trainer.precision.mixed import Precision
+from tessera.trainer.components.precision import te_float8
+from tessera.trainer.components.precision.mixed import Precision
 
 TE_LINE = "training.fp8_backend=te needs NVIDIA Transformer Engine, which cannot be imported here"
 
@@ -182,8 +182,8 @@ def test_the_device_check_is_the_torchao_paths_and_each_recipe_gets_tes_own(monk
 def test_every_recipe_and_backend_the_config_offers_is_one_of_the_float8_interface():
     from typing import get_args
 
+    from tessera.trainer.components.precision.float8 import float8_backend
     from tessera.trainer.config import TrainingConfig
-    from tessera.trainer.precision.float8 import float8_backend
 
     backends = get_args(TrainingConfig.model_fields["fp8_backend"].annotation)
     offered = set(get_args(TrainingConfig.model_fields["fp8_recipe"].annotation))
@@ -340,7 +340,7 @@ def test_te_training_steps_track_torchao_and_bf16_on_gpu():
     torchao GPU test's bound, and of torchao tensorwise's (the same scaling; not yet measured)."""
     _needs_te_gpu()
     pytest.importorskip("torchao")
-    from tessera.trainer.precision.torchao_float8 import apply_float8
+    from tessera.trainer.components.precision.torchao_float8 import apply_float8
 
     device = torch.device("cuda")
     tokens = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0)).to(device)

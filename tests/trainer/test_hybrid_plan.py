@@ -24,8 +24,8 @@ from tessera.common.layout import ParallelLayout
 from tessera.common.models.hybrid.config import HybridConfig
 from tessera.common.models.hybrid.model import build_model
 from tessera.trainer.config import OptimConfig, TrainingConfig
-from tessera.trainer.documents import DocumentMasking
 from tessera.trainer.engine import LocalEngine
+from tessera.trainer.objectives.documents import DocumentMasking
 from tessera.trainer.plan.cli import main as plan_main
 from tessera.trainer.plan.memory import plan_memory
 from tessera.trainer.plan.spec import PlanSpec

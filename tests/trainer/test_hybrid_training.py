@@ -136,10 +136,10 @@ def test_the_trainers_step_runs_packed_documents_as_if_each_ran_alone():
     holding two documents is the two documents' losses run apart (the Mamba state restarts, attention
     stays within each; eod_mask_loss drops the label across the boundary)."""
     from tessera.common.models.hybrid.model import build_model
-    from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
-    from tessera.trainer.loss import cross_entropy_loss
-    from tessera.trainer.precision.mixed import Precision
-    from tessera.trainer.step import TrainStep
+    from tessera.trainer.components.precision.mixed import Precision
+    from tessera.trainer.objectives.documents import IGNORE_INDEX, DocumentMasking
+    from tessera.trainer.objectives.loss import cross_entropy_loss
+    from tessera.trainer.objectives.step import TrainStep
 
     cfg = HybridConfig.model_validate({**HYBRID, "vocab_size": 64})
     model = build_model(cfg, seed=0)

@@ -12,8 +12,8 @@ from test_bad_input import run_expect_usage_error
 from test_loop import make_trainer, weights
 
 from tessera.ckpt_convert.cli import main as ckpt_main
-from tessera.trainer.checkpoint.storage import latest_checkpoint
 from tessera.trainer.cli import main
+from tessera.trainer.components.checkpoint.storage import latest_checkpoint
 
 # An lr so small that AdamW's updates vanish below fp32 resolution: the weights after training
 # are exactly the weights the run started from.

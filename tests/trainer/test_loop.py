@@ -10,8 +10,8 @@ from trainer_fixtures import assert_weights_close
 
 from tessera.common.config import load_config
 from tessera.trainer.cli import main
+from tessera.trainer.components.distributed import init_runtime
 from tessera.trainer.config import TrainConfig
-from tessera.trainer.distributed import init_runtime
 from tessera.trainer.inputs import check_inputs
 from tessera.trainer.trainer import Trainer
 

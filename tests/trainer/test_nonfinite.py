@@ -8,8 +8,8 @@ import pytest
 from test_loop import make_trainer
 
 from tessera.common.errors import RunError, run_cli
-from tessera.trainer.checkpoint.storage import latest_checkpoint
 from tessera.trainer.cli import main
+from tessera.trainer.components.checkpoint.storage import latest_checkpoint
 
 # lr 1e30: step 1 is finite and blows the weights up, so step 2's forward overflows to inf/nan.
 DIVERGE = ["optim.lr=1e30", "optim.min_lr=0", "schedule.warmup_steps=0"]

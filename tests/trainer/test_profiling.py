@@ -11,8 +11,8 @@ from test_bad_input import run_expect_usage_error
 from test_loop import make_trainer, weights
 
 from tessera.trainer.cli import main
+from tessera.trainer.components.observability.profiling import StepProfiler
 from tessera.trainer.config import ProfilingConfig
-from tessera.trainer.observability.profiling import StepProfiler
 
 
 def read_trace(path) -> dict:

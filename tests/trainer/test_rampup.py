@@ -16,8 +16,8 @@ from tessera.common.config import load_config
 from tessera.common.errors import UserError
 from tessera.trainer.cli import main
 from tessera.trainer.config import TrainConfig
-from tessera.trainer.data import global_batch_size_at
 from tessera.trainer.inputs import check_inputs
+from tessera.trainer.objectives.batches import global_batch_size_at
 
 BIN = Path(sys.executable).parent
 RAMP = {"global_batch_size": 8, "rampup_batch_size": [2, 2, 12], "steps": 6}

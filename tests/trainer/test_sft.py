@@ -19,12 +19,12 @@ from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import build_model
 from tessera.common.tokenizer import load_tokenizer
 from tessera.trainer.cli import main
+from tessera.trainer.components.optimizer.optim import build_optimizer
+from tessera.trainer.components.precision.mixed import Precision
 from tessera.trainer.config import OptimConfig
-from tessera.trainer.data import MixtureBatches
-from tessera.trainer.documents import DocumentMasking
-from tessera.trainer.optimizer.optim import build_optimizer
-from tessera.trainer.precision.mixed import Precision
-from tessera.trainer.step import TrainStep
+from tessera.trainer.objectives.batches import MixtureBatches
+from tessera.trainer.objectives.documents import DocumentMasking
+from tessera.trainer.objectives.step import TrainStep
 
 CPU = torch.device("cpu")
 

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from tessera.common.models.causal_lm.config import preset
+from tessera.trainer.components.model_setup import prepare_model
+from tessera.trainer.components.observability.host_memory import retain_freed_memory
+from tessera.trainer.components.optimizer.optim import build_optimizer
+from tessera.trainer.components.precision.mixed import Precision
 from tessera.trainer.config import OptimConfig
-from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss, logsumexp_cross_entropy
-from tessera.trainer.model_setup import prepare_model
-from tessera.trainer.observability.host_memory import retain_freed_memory
-from tessera.trainer.optimizer.optim import build_optimizer
-from tessera.trainer.precision.mixed import Precision
-from tessera.trainer.step import TrainStep
+from tessera.trainer.objectives.loss import chunked_cross_entropy, cross_entropy_loss, logsumexp_cross_entropy
+from tessera.trainer.objectives.step import TrainStep
 
 CPU = torch.device("cpu")
 

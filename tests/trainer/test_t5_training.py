@@ -25,8 +25,8 @@ from tessera.common.mixture import MixtureSplit
 from tessera.common.tokenizer import load_tokenizer
 from tessera.data_prep.cli import entry as data_cli
 from tessera.trainer.cli import main
-from tessera.trainer.span.batches import SpanBatches
-from tessera.trainer.span.corruption import SpanOptions
+from tessera.trainer.objectives.span.batches import SpanBatches
+from tessera.trainer.objectives.span.corruption import SpanOptions
 
 ENC, DEC, EXTRA = 48, 16, 8
 
@@ -124,8 +124,8 @@ def test_the_trainers_span_loss_equals_transformers_t5_on_a_batch_of_the_span_ba
     transformers = pytest.importorskip("transformers")
     from tessera.common.hf.directory import load_hf_weights, read_hf_config
     from tessera.common.models.registry import kind_of
-    from tessera.trainer.precision.mixed import Precision
-    from tessera.trainer.span.loss import SpanStep
+    from tessera.trainer.components.precision.mixed import Precision
+    from tessera.trainer.objectives.span.loss import SpanStep
 
     tok = load_tokenizer(data["tokenizer"])
     torch.manual_seed(0)

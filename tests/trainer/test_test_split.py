@@ -15,12 +15,12 @@ from trainer_fixtures import run_tool
 
 from tessera.common.config import load_config
 from tessera.common.mixture import MixtureSplit
-from tessera.trainer.checkpoint.storage import latest_checkpoint
 from tessera.trainer.cli import main
+from tessera.trainer.components.checkpoint.storage import latest_checkpoint
+from tessera.trainer.components.distributed import init_runtime
 from tessera.trainer.config import TrainConfig
-from tessera.trainer.data import MixtureBatches
-from tessera.trainer.distributed import init_runtime
 from tessera.trainer.inputs import check_inputs
+from tessera.trainer.objectives.batches import MixtureBatches
 from tessera.trainer.trainer import Trainer
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from test_loop import make_trainer, weights
 
-from tessera.trainer.checkpoint.storage import latest_checkpoint
 from tessera.trainer.cli import main
+from tessera.trainer.components.checkpoint.storage import latest_checkpoint
 
 
 def test_time_limit_saves_exits_0_and_resume_matches_an_uninterrupted_run(make_config, tmp_path, capsys):

@@ -47,8 +47,8 @@ def test_router_statistics_reach_the_log_in_the_step_result_of_any_engine(make_c
     """An engine that returns them only in its StepResult (no attribute for the loop to read aside)."""
     import yaml
 
+    from tessera.trainer.components.distributed import init_runtime
     from tessera.trainer.config import TrainConfig
-    from tessera.trainer.distributed import init_runtime
     from tessera.trainer.inputs import check_inputs
     from tessera.trainer.trainer import Trainer, build_engine
 
@@ -97,7 +97,7 @@ class _FakeFloat8:
 
 
 def test_an_fp8_run_reaches_float8_only_through_the_backend_its_config_names(make_config, tmp_path, monkeypatch):
-    from tessera.trainer.precision import float8
+    from tessera.trainer.components.precision import float8
 
     chosen, other = _FakeFloat8(), _FakeFloat8()
     monkeypatch.setattr(float8, "_BACKENDS", {"torchao": other, "te": chosen})

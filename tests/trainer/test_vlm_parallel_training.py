@@ -106,8 +106,8 @@ def _batch(step: int, cfg, packed: bool = False):
     """The global batch of a step: rows with 0, 1 and 2 images (their feature tokens in runs), labels
     on about half the text positions (at least the last), none on image tokens; `packed`: each row
     two samples (positions 0-11 holding the images, then 0-3), as data.pack_samples lays them out."""
-    from tessera.trainer.documents import IGNORE_INDEX
     from tessera.trainer.multimodal.batches import VisionLanguageBatch
+    from tessera.trainer.objectives.documents import IGNORE_INDEX
 
     b, t, n = TRAIN["global_batch"], TRAIN["seq"], cfg.image_seq_len
     g = torch.Generator().manual_seed(300 + step)
@@ -135,7 +135,7 @@ def _reference(cfg, freeze: tuple[str, ...], packed: bool = False):
     from parallel_harness import OPTIM, reference_optimizer
 
     from tessera.common.models import registry
-    from tessera.trainer.model_setup import apply_freeze
+    from tessera.trainer.components.model_setup import apply_freeze
     from tessera.trainer.multimodal.loss import vision_language_loss
 
     model = registry.kind_of(cfg).build(cfg, seed=0)
@@ -177,9 +177,9 @@ def _runtime(name: str, layout_kw: dict, cfg, freeze: tuple[str, ...] = ()):
     from tessera.common.layout import ParallelLayout
     from tessera.common.models import registry
     from tessera.common.parallel.state import build_groups, set_groups
+    from tessera.trainer.components.model_setup import apply_freeze
     from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
-    from tessera.trainer.kinds import parallel_objective
-    from tessera.trainer.model_setup import apply_freeze
+    from tessera.trainer.objectives.registry import parallel_objective
     from tessera.trainer.parallel.runtime import ParallelRuntime
 
     layout = ParallelLayout(**layout_kw)
@@ -274,7 +274,7 @@ def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], 
 def _resume(straight: str, split: str) -> None:
     """tessera-train under PP2 (the second stage has nothing to train), uninterrupted and
     stopped-then-resumed, in this launch's process group."""
-    import tessera.trainer.distributed as distributed
+    import tessera.trainer.components.distributed as distributed
     from tessera.trainer.cli import main
 
     distributed.shutdown_runtime = lambda: None  # the launch's process group serves every run

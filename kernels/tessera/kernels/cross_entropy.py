@@ -1,6 +1,6 @@
 """Cross-entropy of one chunk of logits together with its gradient, for the chunked loss.
 
-The trainer's `chunked_cross_entropy` (tessera.trainer.loss) owns the chunk loop: per chunk of
+The trainer's `chunked_cross_entropy` (tessera.trainer.objectives.loss) owns the chunk loop: per chunk of
 tokens it computes the head matmul, calls `cross_entropy_with_grad` on the chunk's logits, and
 multiplies the returned gradient into grad_hidden and grad_weight. This module owns the step in
 the middle:

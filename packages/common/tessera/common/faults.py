@@ -8,7 +8,7 @@ A fault stands for one failure: it fires only in the first attempt of a torchrun
 (TORCHELASTIC_RESTART_COUNT 0 or unset), so a restarted job runs through. Unset, as in
 production, a call is one comparison.
 
-Instrumented: the checkpoint save sequence (tessera.trainer.checkpoint.storage: a test kills a run at
+Instrumented: the checkpoint save sequence (tessera.trainer.components.checkpoint.storage: a test kills a run at
 every step of a synchronous and a background save) and the training step (`train.step`: a test
 kills one rank to exercise torchrun restarts, and hangs one to exercise the step watchdog).
 """

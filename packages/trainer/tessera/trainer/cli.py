@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(TrainConfig, args.config, overrides)  # a non-UTF-8 file is a UserError (read_yaml)
 
     # Heavy imports after argument validation keeps `--help` and bad-usage errors fast.
-    from tessera.trainer.distributed import init_runtime, shutdown_runtime
+    from tessera.trainer.components.distributed import init_runtime, shutdown_runtime
     from tessera.trainer.inputs import check_inputs
     from tessera.trainer.trainer import Trainer
 

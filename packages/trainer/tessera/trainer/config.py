@@ -20,8 +20,6 @@ from tessera.common.layout import ParallelLayout, check_expert_parallel
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.registry import kind_of, model_config
 from tessera.trainer.kinds import check_options, check_trainable
-from tessera.trainer.mlm.config import MLMConfig
-from tessera.trainer.span.config import SpanConfig
 
 # Stand-in vocabulary used only to validate the model section before the mixture (which supplies
 # the real vocab_size) has been read; no shape check depends on it.
@@ -39,7 +37,7 @@ class DataConfig(StrictModel):
     check_fingerprints: bool = Field(True, description="Verify at start that the shards are the ones the mixture was built from (hashes their small manifests).")
     # Document boundaries inside packed samples (Megatron's flags of the same names); the
     # end-of-document token is the shards' recorded eod_id, else the tokenizer's eos token
-    # (inputs.end_of_document_id). See tessera.trainer.documents.
+    # (inputs.end_of_document_id). See tessera.trainer.objectives.documents.
     reset_position_ids: bool = Field(False, description="Positions restart at 0 on the token after each end-of-document token.")
     reset_attention_mask: bool = Field(False, description="Tokens attend only to earlier tokens of their own document, not across end-of-document tokens.")
     eod_mask_loss: bool = Field(False, description="No loss where the input token is end-of-document; the loss is the mean over the remaining tokens of the global batch.")
@@ -86,12 +84,12 @@ class TrainingConfig(StrictModel):
     global_batch_size: int = Field(8, gt=0, description="Sequences per optimizer step, over all data-parallel ranks.")
     micro_batch_size: int = Field(4, gt=0, description="Sequences per forward/backward; global / (micro x data-parallel) micro-batches are accumulated.")
     seq_length: int = Field(128, gt=0, description="Tokens per training sequence; at most the mixture's seq_length and the model's max_seq_len.")
-    rampup_batch_size: tuple[int, int, int] | None = Field(None, description="Megatron's --rampup-batch-size [start, increment, samples]: the global batch starts at `start` sequences and grows by `increment` at even intervals over the first `samples` consumed samples, up to global_batch_size (tessera.trainer.data.global_batch_size_at). Every size must be a multiple of micro_batch_size x data-parallel size.")
+    rampup_batch_size: tuple[int, int, int] | None = Field(None, description="Megatron's --rampup-batch-size [start, increment, samples]: the global batch starts at `start` sequences and grows by `increment` at even intervals over the first `samples` consumed samples, up to global_batch_size (tessera.trainer.objectives.batches.global_batch_size_at). Every size must be a multiple of micro_batch_size x data-parallel size.")
     steps: int = Field(100, gt=0, description="Optimizer steps to train (the run ends when the step counter reaches this).")
     seed: int = Field(1234, description="Seed for weight init and every RNG (python, numpy, torch).")
-    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged); fp8 = bf16 with the linear layers' matmuls in float8 through torchao or Transformer Engine (fp8_backend; GPUs of compute capability 8.9+; under parallel.tensor > 1 the tensor-parallel layers keep their collectives and cast with global scales; tessera.trainer.precision.torchao_float8).")
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field("fp32", description="fp32; bf16 = autocast on fp32 master weights and fp32 grads; fp16 = autocast with dynamic loss scaling (overflowing steps are skipped and logged); fp8 = bf16 with the linear layers' matmuls in float8 through torchao or Transformer Engine (fp8_backend; GPUs of compute capability 8.9+; under parallel.tensor > 1 the tensor-parallel layers keep their collectives and cast with global scales; tessera.trainer.components.precision.torchao_float8).")
     fp8_recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8"] = Field("tensorwise", description="fp8 only: the scaling. tensorwise = one scale per tensor from its current amax (fastest; both backends: torchao's tensorwise, TE's Float8CurrentScaling); rowwise = one per row (robust to outliers; torchao only); blockwise = 1x128 activation/gradient and 128x128 weight blocks (TE's Float8BlockScaling, compute capability 9.0+); mxfp8 = one scale per 32 values (TE's MXFP8BlockScaling, Blackwell). A recipe the backend lacks is refused.")
-    fp8_backend: Literal["torchao", "te"] = Field("torchao", description="fp8 only: torchao = torchao Float8Linear (the default; composes with compile, recompute and every parallel layout; tessera.trainer.precision.torchao_float8); te = NVIDIA Transformer Engine's Linear under its FP8 autocast (optional: pip install 'tessera-trainer[te]' on a CUDA machine; one process, training.compile=false, recompute none or selective; tessera.trainer.precision.te_float8). Checkpoints are the same under both.")
+    fp8_backend: Literal["torchao", "te"] = Field("torchao", description="fp8 only: torchao = torchao Float8Linear (the default; composes with compile, recompute and every parallel layout; tessera.trainer.components.precision.torchao_float8); te = NVIDIA Transformer Engine's Linear under its FP8 autocast (optional: pip install 'tessera-trainer[te]' on a CUDA machine; one process, training.compile=false, recompute none or selective; tessera.trainer.components.precision.te_float8). Checkpoints are the same under both.")
     fp16_initial_scale: float = Field(2.0**16, gt=0, description="fp16 only: starting loss scale.")
     fp16_growth_interval: int = Field(1000, gt=0, description="fp16 only: steps without overflow before the loss scale doubles.")
     recompute: Literal["none", "selective", "full"] = Field("none", description="Activation recompute: none; selective = attention core; full = every transformer block.")
@@ -115,7 +113,7 @@ class TrainingConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_fp8_backend(self) -> TrainingConfig:
-        """The rest of what a float8 backend needs is its own check (tessera.trainer.precision.float8),
+        """The rest of what a float8 backend needs is its own check (tessera.trainer.components.precision.float8),
         run by check_inputs before any work."""
         if self.fp8_backend == "te" and self.precision != "fp8":
             raise ValueError(f"training.fp8_backend=te is for training.precision=fp8 (this run is "
@@ -239,6 +237,29 @@ def with_vocab(model: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     else:
         out.setdefault("vocab_size", vocab_size)
     return out
+
+
+class MLMConfig(StrictModel):
+    """The `mlm` section (encoder models): how BERT samples are cut and masked (Megatron's
+    --mask-prob, --short-seq-prob and its BERT dataset's masking settings). The binary head is the
+    model's (model.binary_head): with it, samples carry the sentence-order target."""
+
+    mask_prob: float = Field(0.15, gt=0, lt=1, description="Share of each sample's tokens that are predicted (Megatron's --mask-prob): 80% of them replaced by [MASK], 10% by a random token, 10% kept.")
+    whole_word: bool = Field(True, description="Mask whole words: a WordPiece continuation (##…) is masked with the word it belongs to.")
+    max_ngram: int = Field(3, ge=1, le=10, description="Masks are n-grams of up to this many words, n drawn with probability proportional to 1/n (Megatron's BERT: 3; 1 = single words, as Google's BERT).")
+    binary_target: Literal["sentence_order", "next_sentence"] = Field("sentence_order", description="What the model's binary head predicts: sentence_order = whether A and B were swapped (Megatron's BERT, ALBERT); next_sentence = whether B comes from another document (Google's BERT, transformers' BertForPreTraining).")
+    short_seq_prob: float = Field(0.1, ge=0, le=1, description="Probability that a sample is cut to a random shorter target length (Megatron's --short-seq-prob).")
+
+
+class SpanConfig(StrictModel):
+    """The `span` section (encoder-decoder models): how T5 samples are corrupted (T5's span
+    corruption) and the decoder's length. The encoder's input length is training.seq_length
+    (Megatron's --encoder-seq-length is its --seq-length; its --decoder-seq-length is
+    `decoder_seq_length`)."""
+
+    noise_density: float = Field(0.15, gt=0, lt=1, description="Share of each sample's tokens that are corrupted (masked into spans and predicted by the decoder).")
+    mean_span_length: float = Field(3.0, ge=1, description="Mean length of a corrupted span, in tokens; the sample's noise tokens are cut into round(noise / mean) spans.")
+    decoder_seq_length: int = Field(128, gt=0, le=2**20, description="Decoder length: the target (sentinels, corrupted spans, EOS) padded to it (Megatron's --decoder-seq-length; T5: 114 for an encoder of 512).")
 
 
 class TrainConfig(StrictModel):

@@ -26,15 +26,15 @@ import torch
 
 from tessera.common.layers.moe import RouterStats
 from tessera.common.models.causal_lm.config import ModelConfig
-from tessera.trainer.checkpoint.stateful import Stateful, seed_everything
-from tessera.trainer.checkpoint.storage import local_components
+from tessera.trainer.components.checkpoint.stateful import Stateful, seed_everything
+from tessera.trainer.components.checkpoint.storage import local_components
+from tessera.trainer.components.model_setup import prepare_model
+from tessera.trainer.components.optimizer.optim import build_optimizer, set_lr
+from tessera.trainer.components.precision.float8 import float8_backend
+from tessera.trainer.components.precision.mixed import Precision
 from tessera.trainer.config import OptimConfig, TrainingConfig
-from tessera.trainer.documents import DocumentMasking, loss_token_count
-from tessera.trainer.kinds import trainer_kind
-from tessera.trainer.model_setup import prepare_model
-from tessera.trainer.optimizer.optim import build_optimizer, set_lr
-from tessera.trainer.precision.float8 import float8_backend
-from tessera.trainer.precision.mixed import Precision
+from tessera.trainer.objectives.documents import DocumentMasking, loss_token_count
+from tessera.trainer.objectives.registry import trainer_kind
 
 
 @dataclass

@@ -25,11 +25,11 @@ from tessera.common.mixture import (
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.shard import read_shard_manifest
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
-from tessera.trainer.checkpoint.storage import latest_checkpoint
+from tessera.trainer.components.checkpoint.storage import latest_checkpoint
+from tessera.trainer.components.distributed import pick_device
+from tessera.trainer.components.precision.float8 import float8_backend
 from tessera.trainer.config import PLACEHOLDER_VOCAB, TrainConfig
-from tessera.trainer.distributed import pick_device
-from tessera.trainer.documents import DocumentMasking
-from tessera.trainer.precision.float8 import float8_backend
+from tessera.trainer.objectives.documents import DocumentMasking
 
 
 @dataclass
@@ -156,7 +156,7 @@ DOCUMENT_OPTIONS = "data.reset_position_ids, reset_attention_mask and eod_mask_l
 
 def mixture_has_loss_mask(mixture: Path, manifest: MixtureManifest) -> bool:
     """Whether any shard of the mixture is fine-tuning data with a loss mask (then the loss counts
-    only its answer tokens, per token over the global batch: tessera.trainer.documents)."""
+    only its answer tokens, per token over the global batch: tessera.trainer.objectives.documents)."""
     return any(read_shard_manifest(resolve_prefix(mixture, e.prefix)).loss_mask for e in manifest.datasets)
 
 

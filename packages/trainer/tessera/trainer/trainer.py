@@ -33,27 +33,27 @@ from tessera.common.faults import fault_point
 from tessera.common.fileio import atomic_write_text
 from tessera.common.mixture import MixtureManifest, MixtureSplit
 from tessera.common.models.registry import kind_of
-from tessera.trainer.checkpoint.manager import CheckpointManager
-from tessera.trainer.checkpoint.stateful import TrainState
-from tessera.trainer.checkpoint.storage import latest_checkpoint, remove_partial_saves
-from tessera.trainer.config import DataConfig, TrainConfig, TrainingConfig
-from tessera.trainer.data import MicroBatchPlan, MixtureBatches, global_batch_size_at
-from tessera.trainer.distributed import Runtime
-from tessera.trainer.documents import DocumentMasking
-from tessera.trainer.engine import Engine, LocalEngine
-from tessera.trainer.inputs import CheckedInputs
-from tessera.trainer.kinds import batch_builder
-from tessera.trainer.observability.host_memory import retain_freed_memory
-from tessera.trainer.observability.metrics import (
+from tessera.trainer.components.checkpoint.manager import CheckpointManager
+from tessera.trainer.components.checkpoint.stateful import TrainState
+from tessera.trainer.components.checkpoint.storage import latest_checkpoint, remove_partial_saves
+from tessera.trainer.components.distributed import Runtime
+from tessera.trainer.components.observability.host_memory import retain_freed_memory
+from tessera.trainer.components.observability.metrics import (
     MetricsSink,
     memory_gib,
     resolve_peak_tflops,
     step_time_spread,
 )
-from tessera.trainer.observability.profiling import StepProfiler
-from tessera.trainer.observability.signals import StopRequest
-from tessera.trainer.observability.watchdog import StepWatchdog
-from tessera.trainer.optimizer.schedule import LRSchedule
+from tessera.trainer.components.observability.profiling import StepProfiler
+from tessera.trainer.components.observability.signals import StopRequest
+from tessera.trainer.components.observability.watchdog import StepWatchdog
+from tessera.trainer.components.optimizer.schedule import LRSchedule
+from tessera.trainer.config import DataConfig, TrainConfig, TrainingConfig
+from tessera.trainer.engine import Engine, LocalEngine
+from tessera.trainer.inputs import CheckedInputs
+from tessera.trainer.objectives.batches import MicroBatchPlan, MixtureBatches, global_batch_size_at
+from tessera.trainer.objectives.documents import DocumentMasking
+from tessera.trainer.objectives.registry import batch_builder
 from tessera.trainer.parallel.engine import ParallelEngine
 
 

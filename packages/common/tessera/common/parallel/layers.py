@@ -11,7 +11,7 @@ read by the data-parallel, clipping and checkpoint code:
                             all-reduced over the tensor group before the data-parallel reduce
 
 The Column/Row layers run their local matmul through `self.local_linear` (F.linear's signature,
-default F.linear), between their collectives. FP8 training (tessera.trainer.precision.torchao_float8) sets it to a
+default F.linear), between their collectives. FP8 training (tessera.trainer.components.precision.torchao_float8) sets it to a
 float8 matmul; the class, parameters and tags stay, so state dicts and checkpoints do not change.
 """
 

@@ -40,9 +40,9 @@ from tessera.common.models.vision_language.image_shard import (
 )
 from tessera.common.models.vision_language.processor import PREPROCESSOR_CONFIG, ImageProcessor, decode_image
 from tessera.common.shard import read_shard_manifest
-from tessera.trainer.data import MicroBatchPlan
-from tessera.trainer.documents import DocumentMasking
 from tessera.trainer.multimodal.packing import SamplePacking, pack_row, stack_rows
+from tessera.trainer.objectives.batches import MicroBatchPlan
+from tessera.trainer.objectives.documents import DocumentMasking
 
 
 @dataclass

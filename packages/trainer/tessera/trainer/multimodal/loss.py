@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from tessera.common.errors import UserError
-from tessera.trainer.documents import DocumentMasking
-from tessera.trainer.loss import cross_entropy_loss
+from tessera.trainer.components.precision.mixed import Precision
 from tessera.trainer.multimodal.batches import VisionLanguageBatch
-from tessera.trainer.precision.mixed import Precision
-from tessera.trainer.step import TrainStep
+from tessera.trainer.objectives.documents import DocumentMasking
+from tessera.trainer.objectives.loss import cross_entropy_loss
+from tessera.trainer.objectives.step import TrainStep
 
 
 def vision_language_loss(model: nn.Module, inputs: VisionLanguageBatch, labels: torch.Tensor,

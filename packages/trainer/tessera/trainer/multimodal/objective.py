@@ -21,8 +21,8 @@ import torch
 
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.tensor_parallel import parallel_logits
-from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.multimodal.batches import VisionLanguageBatch
+from tessera.trainer.objectives.documents import IGNORE_INDEX
 from tessera.trainer.parallel.objective import LossContext
 
 

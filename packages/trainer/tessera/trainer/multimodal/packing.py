@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from tessera.trainer.documents import IGNORE_INDEX
+from tessera.trainer.objectives.documents import IGNORE_INDEX
 
 PAD_ID = 0  # input id of padding positions; their labels are ignored and causal attention never reads them
 CHUNK = 4096  # sample lengths computed at a time by the scan

@@ -24,14 +24,14 @@ from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.registry import kind_of
 from tessera.common.parallel.state import build_groups, set_groups
 from tessera.common.parallel.state_dict import load_model_state_dict
-from tessera.trainer.checkpoint.stateful import RNGState, ScalerState, Stateful, seed_everything
+from tessera.trainer.components.checkpoint.stateful import RNGState, ScalerState, Stateful, seed_everything
+from tessera.trainer.components.model_setup import apply_freeze, apply_recompute
+from tessera.trainer.components.precision.mixed import DynamicLossScale
 from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
-from tessera.trainer.documents import DocumentMasking, loss_token_count
 from tessera.trainer.engine import StepResult
-from tessera.trainer.kinds import parallel_objective
-from tessera.trainer.model_setup import apply_freeze, apply_recompute
+from tessera.trainer.objectives.documents import DocumentMasking, loss_token_count
+from tessera.trainer.objectives.registry import parallel_objective
 from tessera.trainer.parallel.runtime import ParallelRuntime
-from tessera.trainer.precision.mixed import DynamicLossScale
 
 
 class ParallelEngine:

@@ -64,7 +64,7 @@ from tessera.common.layers.moe import MoE
 from tessera.common.parallel.layers import keep_tags, shard_dim_of
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import to_global
-from tessera.trainer.optimizer.optim import adamw_with_decay
+from tessera.trainer.components.optimizer.optim import adamw_with_decay
 
 OPTIM_PREFIX = "optimizer."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

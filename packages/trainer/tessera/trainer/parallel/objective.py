@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
-from tessera.trainer.documents import IGNORE_INDEX
+from tessera.trainer.objectives.documents import IGNORE_INDEX
 
 
 @dataclass

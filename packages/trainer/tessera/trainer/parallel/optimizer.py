@@ -37,7 +37,7 @@ from torch import nn
 from tessera.common.parallel.mappings import all_gather_flat
 from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import to_global
-from tessera.trainer.optimizer.optim import adamw_with_decay
+from tessera.trainer.components.optimizer.optim import adamw_with_decay
 from tessera.trainer.parallel.data_parallel import BUCKET_NUMEL, Bucket, GradientBuckets
 
 OPTIM_PREFIX = "optimizer."

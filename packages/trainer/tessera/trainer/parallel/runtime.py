@@ -39,14 +39,14 @@ from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import load_model_state_dict, model_state_dict
 from tessera.common.parallel.tensor_parallel import enable_async_tp
 from tessera.common.safe_dcp import dcp_load
+from tessera.trainer.components.precision.float8 import float8_backend
 from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
-from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.engine import StepResult
+from tessera.trainer.objectives.documents import IGNORE_INDEX
 from tessera.trainer.parallel.fsdp import FullyShardedOptimizer, shard_stages
 from tessera.trainer.parallel.objective import LossContext, NextToken
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, decoder_of, make_schedule
-from tessera.trainer.precision.float8 import float8_backend
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}
 

@@ -104,7 +104,7 @@ def measure_block(cfg_json: str, layer: int, batch: int, seq: int, precision: st
 
     from tessera.common.layers.rope import RotaryEmbedding
     from tessera.common.models.causal_lm.model import Block
-    from tessera.trainer.model_setup import apply_recompute
+    from tessera.trainer.components.model_setup import apply_recompute
 
     cfg = ModelConfig.model_validate_json(cfg_json)
     moe_extra = 0
@@ -146,7 +146,7 @@ def measure_hybrid_block(cfg_json: str, batch: int, seq: int, precision: str, re
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tessera.common.models.hybrid.model import HybridBlock
-    from tessera.trainer.model_setup import apply_recompute
+    from tessera.trainer.components.model_setup import apply_recompute
 
     cfg = HybridConfig.model_validate_json(cfg_json)
     moe_extra = 0
@@ -182,14 +182,14 @@ def measure_hybrid_block(cfg_json: str, batch: int, seq: int, precision: str, re
 
 
 def float8_as_on_cuda(module: torch.nn.Module) -> None:
-    """The trainer's Float8Linear swap (tessera.trainer.precision.torchao_float8), as it behaves on CUDA, on a CPU (or
+    """The trainer's Float8Linear swap (tessera.trainer.components.precision.torchao_float8), as it behaves on CUDA, on a CPU (or
     fake) module. What it saves for
     backward is torchao's (>= 0.10: the high-precision input and the weight, casting both to
     float8 again in backward; torchao before 2025-01, which torchtitan's published runs used,
     saved the float8 input). On CUDA, Float8Linear casts its input to the autocast dtype first;
     CPU autocast does not trigger that cast, so a pre-hook does it here."""
     from tessera.common.errors import UserError
-    from tessera.trainer.precision.torchao_float8 import convert_to_float8
+    from tessera.trainer.components.precision.torchao_float8 import convert_to_float8
 
     try:
         convert_to_float8(module, "tensorwise")

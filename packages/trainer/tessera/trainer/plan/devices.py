@@ -1,7 +1,7 @@
 """Accelerators the planner knows: memory, dense bf16 FLOP/s, HBM and interconnect bandwidths.
 
 Figures are the vendors' data sheets (SXM parts, dense, without sparsity); the bf16 peaks are the
-trainer's own table (`tessera.trainer.observability.metrics.GPU_PEAK_TFLOPS`), so MFU means the same thing in
+trainer's own table (`tessera.trainer.components.observability.metrics.GPU_PEAK_TFLOPS`), so MFU means the same thing in
 the planner and in the training log. `intra_node_gbps` is the per-GPU one-direction NVLink
 bandwidth a collective inside a node sees (bus bandwidth), `inter_node_gbps` the per-GPU network
 bandwidth (one 400 Gb/s NIC per GPU, as on DGX H100/H200 and most published clusters).
@@ -17,7 +17,7 @@ from pydantic import Field
 
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
-from tessera.trainer.observability.metrics import GPU_PEAK_TFLOPS
+from tessera.trainer.components.observability.metrics import GPU_PEAK_TFLOPS
 
 GIB = 2**30
 
@@ -70,7 +70,7 @@ def cpu_device(memory_gib: float | None = None, peak_tflops: float | None = None
     host moves bytes through shared memory: a copy bound)."""
     import psutil
 
-    from tessera.trainer.observability.metrics import measure_matmul_tflops
+    from tessera.trainer.components.observability.metrics import measure_matmul_tflops
 
     mem = memory_gib if memory_gib is not None else psutil.virtual_memory().total / GIB
     peak = peak_tflops if peak_tflops is not None else measure_matmul_tflops()

@@ -3,7 +3,7 @@
 `PlanSpec.from_train_config` reads them from a `tessera-train` config (the same fields the
 trainer reads, so a plan describes the run that config starts). Precisions: `fp32`; `bf16` and
 `fp8` as the trainer runs them (autocast over fp32 weights; fp8 with torchao's Float8Linear in
-the block's linear layers, tessera.trainer.precision.torchao_float8); `bf16-master` and `fp8-master` the same compute
+the block's linear layers, tessera.trainer.components.precision.torchao_float8); `bf16-master` and `fp8-master` the same compute
 over bf16 parameters with fp32 master weights (FSDP's `fsdp_param_dtype: bfloat16`, Megatron's
 --bf16; torchtitan's published Float8 runs are `fp8-master`).
 """

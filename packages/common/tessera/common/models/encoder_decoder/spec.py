@@ -2,7 +2,7 @@
 
 Imports only the config: the model, its Hugging Face adapter and its parallel plan load when a
 stage asks for them. Hooks: tessera-ckpt's "encoder_decoder" conversions, the trainer's "span"
-batch and loss (span corruption, tessera.trainer.span); the server's runner and cache are added
+batch and loss (span corruption, tessera.trainer.objectives.span); the server's runner and cache are added
 by the serving work under their own names.
 """
 

@@ -14,10 +14,10 @@ State-dict layout (flattened by DCP with dots; every leaf is a tensor, so loadin
 A parallel run (tessera.trainer.parallel.engine) writes the same `model.*`, `optimizer.*` and
 `train_state.*` keys (global tensors, so any layout or one process reads them) and its RNG
 streams per rank as `rng.rank<R>.*`. Each group of keys belongs to one stateful component
-(tessera.trainer.checkpoint.stateful); `state_of` and `restore` save and load any set of them, and the
-checkpoint manager (tessera.trainer.checkpoint.manager) decides which, for every layout.
+(tessera.trainer.components.checkpoint.stateful); `state_of` and `restore` save and load any set of them, and the
+checkpoint manager (tessera.trainer.components.checkpoint.manager) decides which, for every layout.
 
-The LR schedule is a pure function of train_state.step (tessera.trainer.optimizer.schedule), so the step is
+The LR schedule is a pure function of train_state.step (tessera.trainer.components.optimizer.schedule), so the step is
 its whole state. Hyper-parameters of the optimizer groups come from the config, not the file.
 
 Reads go through two functions only: `stored_keys` (the DCP metadata) and `read_checkpoint`
@@ -68,7 +68,7 @@ from tessera.common.faults import fault_point
 from tessera.common.fileio import name_os_error, names_os_errors
 from tessera.common.safe_dcp import dcp_load, read_dcp_metadata
 from tessera.common.tokenizer import Tokenizer
-from tessera.trainer.checkpoint.stateful import (
+from tessera.trainer.components.checkpoint.stateful import (
     ModuleState,
     OptimizerState,
     RNGState,
@@ -76,7 +76,7 @@ from tessera.trainer.checkpoint.stateful import (
     Stateful,
     TrainState,
 )
-from tessera.trainer.precision.mixed import Precision
+from tessera.trainer.components.precision.mixed import Precision
 
 PARTIAL_SUFFIX = ".partial"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")

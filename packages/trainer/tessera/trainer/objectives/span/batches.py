@@ -23,10 +23,10 @@ import torch
 
 from tessera.common.errors import UserError
 from tessera.common.mixture import MixtureSplit
-from tessera.trainer.data import MicroBatchPlan
-from tessera.trainer.documents import DocumentMasking
-from tessera.trainer.mlm.draws import sample_rng
-from tessera.trainer.span.corruption import SpanOptions, build_sample, raw_length, span_counts
+from tessera.trainer.objectives.batches import MicroBatchPlan
+from tessera.trainer.objectives.documents import DocumentMasking
+from tessera.trainer.objectives.draws import sample_rng
+from tessera.trainer.objectives.span.corruption import SpanOptions, build_sample, raw_length, span_counts
 
 SPLIT_STREAMS = {"train": 0, "valid": 1, "test": 2}
 SENTINEL = "<extra_id_{}>"

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessera.common.indexed_dataset import IndexedDataset
-from tessera.trainer.documents import IGNORE_INDEX
+from tessera.trainer.objectives.documents import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@
     manager.load_weights(directory)               # checkpoint.init_from: the model only
 
 The components are the engine's (model, optimizer, loss scaler, RNG streams: one process or any
-parallel layout, tessera.trainer.checkpoint.stateful) plus the data position (TrainState), which
+parallel layout, tessera.trainer.components.checkpoint.stateful) plus the data position (TrainState), which
 storage writes with every save. The same rules for every layout:
 
 * model and optimizer state load from a checkpoint of any layout (global tensors, layout-free
@@ -30,8 +30,13 @@ import torch.distributed as dist
 from tessera.common.checkpoint import CheckpointSidecar, check_checkpoint, read_sidecar, verify_checksums
 from tessera.common.errors import ArtifactError
 from tessera.common.tokenizer import Tokenizer
-from tessera.trainer.checkpoint.stateful import Stateful, TrainState
-from tessera.trainer.checkpoint.storage import AsyncCheckpointer, restore, state_of, write_checkpoint
+from tessera.trainer.components.checkpoint.stateful import Stateful, TrainState
+from tessera.trainer.components.checkpoint.storage import (
+    AsyncCheckpointer,
+    restore,
+    state_of,
+    write_checkpoint,
+)
 from tessera.trainer.config import CheckpointConfig
 
 

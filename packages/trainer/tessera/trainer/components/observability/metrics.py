@@ -23,8 +23,8 @@ from typing import Any
 import psutil
 import torch
 
+from tessera.trainer.components.observability.trackers import open_trackers
 from tessera.trainer.config import LoggingConfig
-from tessera.trainer.observability.trackers import open_trackers
 
 # Dense bf16/fp16 tensor-core peaks (TFLOP/s, without sparsity) from the vendors' data sheets.
 GPU_PEAK_TFLOPS: dict[str, float] = {
@@ -145,7 +145,7 @@ class MetricsSink:
                  trackers: list | None = None):
         self.write = write
         self.enabled = enabled
-        self.trackers = trackers or []  # tessera.trainer.observability.trackers (W&B, MLflow)
+        self.trackers = trackers or []  # tessera.trainer.components.observability.trackers (W&B, MLflow)
         self.started = time.monotonic()
         self.jsonl = None
         self.tb = None

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.tensor_parallel import parallel_logits
-from tessera.trainer.documents import IGNORE_INDEX
+from tessera.trainer.objectives.documents import IGNORE_INDEX
 from tessera.trainer.parallel.objective import LossContext
 
 

@@ -1,10 +1,10 @@
 """FP8 training through NVIDIA Transformer Engine (training.fp8_backend: te), the optional backend.
 
 `training.precision: fp8` with `training.fp8_backend: te` is the same bf16 autocast over fp32
-master weights as the torchao path (tessera.trainer.precision.torchao_float8), with the eligible nn.Linear layers (the
-same rule, `tessera.trainer.precision.torchao_float8.eligible`: not the output head, dimensions multiples of 16)
+master weights as the torchao path (tessera.trainer.components.precision.torchao_float8), with the eligible nn.Linear layers (the
+same rule, `tessera.trainer.components.precision.torchao_float8.eligible`: not the output head, dimensions multiples of 16)
 swapped for `transformer_engine.pytorch.Linear` and the forward entered in TE's
-`transformer_engine.pytorch.autocast(recipe=...)` inside torch's (tessera.trainer.precision.mixed).
+`transformer_engine.pytorch.autocast(recipe=...)` inside torch's (tessera.trainer.components.precision.mixed).
 The `te` extra installs it (`pip install 'tessera-trainer[te]'`, TE 2.9+, which has `autocast`
 with `recipe=`; it needs CUDA: the library builds against the machine's CUDA toolkit).
 
@@ -75,8 +75,12 @@ from torch import nn
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import Transformer
+from tessera.trainer.components.precision.torchao_float8 import (
+    eligible,
+    fp8_device_problem,
+    require_converted,
+)
 from tessera.trainer.config import TrainingConfig
-from tessera.trainer.precision.torchao_float8 import eligible, fp8_device_problem, require_converted
 
 
 class TERecipe(NamedTuple):
@@ -293,7 +297,7 @@ def te_forward_context(recipe: str) -> Callable[[], contextlib.AbstractContextMa
 
 
 class TransformerEngineFloat8:
-    """Transformer Engine behind tessera.trainer.precision.float8.Float8Backend."""
+    """Transformer Engine behind tessera.trainer.components.precision.float8.Float8Backend."""
 
     recipes = tuple(TE_RECIPES)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessera.common.errors import UserError
-from tessera.trainer.documents import IGNORE_INDEX
+from tessera.trainer.objectives.documents import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 
 from tessera.common.models.encoder_decoder.parallelize import parallel_logits
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
-from tessera.trainer.documents import IGNORE_INDEX
+from tessera.trainer.objectives.documents import IGNORE_INDEX
 from tessera.trainer.parallel.objective import LossContext
 
 

@@ -26,10 +26,10 @@ import torch
 
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.mixture import MixtureSplit
-from tessera.trainer.data import MicroBatchPlan
-from tessera.trainer.documents import DocumentMasking
-from tessera.trainer.mlm.draws import sample_rng
-from tessera.trainer.mlm.samples import (
+from tessera.trainer.objectives.batches import MicroBatchPlan
+from tessera.trainer.objectives.documents import DocumentMasking
+from tessera.trainer.objectives.draws import sample_rng
+from tessera.trainer.objectives.mlm.samples import (
     MaskingOptions,
     SpecialIds,
     build_sample,

@@ -1,13 +1,13 @@
 """FP8 training (training.precision: fp8) through torchao's Float8 linear layers.
 
-Backends (`training.fp8_backend`, behind one interface: tessera.trainer.precision.float8):
+Backends (`training.fp8_backend`, behind one interface: tessera.trainer.components.precision.float8):
 torchao (this module, the default: every composition below) or NVIDIA Transformer Engine (`te`,
-tessera.trainer.precision.te_float8, when installed: its Linear layers in the same places,
+tessera.trainer.components.precision.te_float8, when installed: its Linear layers in the same places,
 `eligible` below, with TE's recipes tensorwise (current scaling), blockwise and mxfp8; one
 process, eager, no full recompute; refused with one line otherwise). Both keep state dicts those
 of a bf16 run, so checkpoints interchange across backends.
 
-`training.precision: fp8` is bf16 autocast (tessera.trainer.precision.mixed) with every eligible
+`training.precision: fp8` is bf16 autocast (tessera.trainer.components.precision.mixed) with every eligible
 nn.Linear swapped for torchao's `Float8Linear`: its three matmuls (output, input gradient, weight
 gradient) cast their operands to float8 e4m3 with dynamic scales and run on FP8 tensor cores;
 master weights, gradients and optimizer state stay fp32 and everything else (norms, attention,
@@ -188,7 +188,7 @@ def require_converted(converted: list[str]) -> list[str]:
 
 
 class TorchaoFloat8:
-    """torchao behind tessera.trainer.precision.float8.Float8Backend."""
+    """torchao behind tessera.trainer.components.precision.float8.Float8Backend."""
 
     recipes = RECIPES
 

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from tessera.common.models.causal_lm.config import ModelConfig
+from tessera.trainer.components.precision.te_float8 import TransformerEngineFloat8
+from tessera.trainer.components.precision.torchao_float8 import TorchaoFloat8
 from tessera.trainer.config import TrainingConfig
-from tessera.trainer.precision.te_float8 import TransformerEngineFloat8
-from tessera.trainer.precision.torchao_float8 import TorchaoFloat8
 
 
 class Float8Backend(Protocol):

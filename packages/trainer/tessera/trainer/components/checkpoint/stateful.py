@@ -2,7 +2,7 @@
 
 A component names its own tensors with full checkpoint keys (`model.<param>`,
 `optimizer.state.<param>.<key>`, `scaler.scale`, `rng.torch_cpu`, `train_state.step`; the
-contract is in tessera.trainer.checkpoint.storage) and answers three questions:
+contract is in tessera.trainer.components.checkpoint.storage) and answers three questions:
 
     state_dict()            what to save (tensors or global DTensors; may be a collective)
     load_template(stored)   what to read, given the keys the checkpoint holds: tensors of the
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tessera.trainer.optimizer.optim import named_parameters_of
+from tessera.trainer.components.optimizer.optim import named_parameters_of
 
 
 class Stateful(Protocol):

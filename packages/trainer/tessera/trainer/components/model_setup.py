@@ -67,7 +67,7 @@ def apply_compile(model: Transformer) -> None:
     """torch.compile the whole model forward in place (nn.Module.compile keeps parameter names).
 
     One graph from embedding through final norm and head, rather than one per block. The trainer
-    itself goes one further and compiles forward + loss together (tessera.trainer.step.TrainStep);
+    itself goes one further and compiles forward + loss together (tessera.trainer.objectives.step.TrainStep);
     this is for callers that only run the model.
     """
     model.compile()

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from tessera.common.errors import UserError
-from tessera.trainer.documents import DocumentMasking
-from tessera.trainer.loss import cross_entropy_loss
-from tessera.trainer.precision.mixed import Precision
-from tessera.trainer.span.batches import SpanBatch
-from tessera.trainer.step import TrainStep
+from tessera.trainer.components.precision.mixed import Precision
+from tessera.trainer.objectives.documents import DocumentMasking
+from tessera.trainer.objectives.loss import cross_entropy_loss
+from tessera.trainer.objectives.span.batches import SpanBatch
+from tessera.trainer.objectives.step import TrainStep
 
 
 class SpanStep(TrainStep):

@@ -28,10 +28,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tessera.trainer.documents import DocumentMasking, loss_token_count
-from tessera.trainer.loss import chunked_cross_entropy, cross_entropy_loss, logsumexp_cross_entropy
-from tessera.trainer.optimizer.clip import clip_grad_norm
-from tessera.trainer.precision.mixed import Precision
+from tessera.trainer.components.optimizer.clip import clip_grad_norm
+from tessera.trainer.components.precision.mixed import Precision
+from tessera.trainer.objectives.documents import DocumentMasking, loss_token_count
+from tessera.trainer.objectives.loss import chunked_cross_entropy, cross_entropy_loss, logsumexp_cross_entropy
 
 
 class TrainStep:

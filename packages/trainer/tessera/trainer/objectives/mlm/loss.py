@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.common.errors import UserError
-from tessera.trainer.documents import IGNORE_INDEX, DocumentMasking
-from tessera.trainer.loss import cross_entropy_loss
-from tessera.trainer.mlm.batches import MLMBatch
-from tessera.trainer.precision.mixed import Precision
-from tessera.trainer.step import TrainStep
+from tessera.trainer.components.precision.mixed import Precision
+from tessera.trainer.objectives.documents import IGNORE_INDEX, DocumentMasking
+from tessera.trainer.objectives.loss import cross_entropy_loss
+from tessera.trainer.objectives.mlm.batches import MLMBatch
+from tessera.trainer.objectives.step import TrainStep
 
 
 def mlm_loss(output, labels: torch.Tensor, binary_labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from tessera.common.errors import UserError
 from tessera.common.mixture import MixtureSplit
 from tessera.common.models.vision_language.image_shard import has_image_store
-from tessera.trainer.documents import DocumentMasking
+from tessera.trainer.objectives.documents import DocumentMasking
 
 
 def global_batch_size_at(consumed_samples: int, global_batch_size: int,

@@ -7,7 +7,7 @@ grads" without keeping a second copy of the model. fp16 adds torch.amp.GradScale
 multiplied by the scale before backward, gradients are unscaled before clipping, and a step whose
 gradients hold inf/nan is skipped and the scale halved (the loop logs it). fp8 is bf16 autocast;
 with training.fp8_backend=te the forward also enters Transformer Engine's FP8 autocast with the
-recipe (`fp8_context`, from tessera.trainer.precision.te_float8.apply_te), inside torch's: the one place a
+recipe (`fp8_context`, from tessera.trainer.components.precision.te_float8.apply_te), inside torch's: the one place a
 forward enters either. Backward runs outside both, as TE's and torch's autocast expect.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-# fp8 autocasts to bf16; its Linear layers are torchao Float8Linear (tessera.trainer.precision.torchao_float8) or
-# Transformer Engine Linear (tessera.trainer.precision.te_float8).
+# fp8 autocasts to bf16; its Linear layers are torchao Float8Linear (tessera.trainer.components.precision.torchao_float8) or
+# Transformer Engine Linear (tessera.trainer.components.precision.te_float8).
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
