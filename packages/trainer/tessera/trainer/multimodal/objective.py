@@ -23,6 +23,7 @@ from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.tensor_parallel import parallel_logits
 from tessera.trainer.documents import IGNORE_INDEX
 from tessera.trainer.multimodal.batches import VisionLanguageBatch
+from tessera.trainer.multimodal.loss import embed_for_training
 from tessera.trainer.parallel.objective import LossContext
 
 
@@ -60,8 +61,9 @@ class VisionLanguage:
                       document_ids: torch.Tensor | None = None) -> torch.Tensor:
         model = stage.model
         lm = model.language_model
-        if stage.is_first:  # tokens in: text embeddings with the image features in place
-            x = model.embed(x, self.images(pixels, num_images) if pixels is not None else None)
+        if stage.is_first:  # tokens in: text embeddings with the image features in place (the
+            # tower runs on every micro-batch, images or not: embed_for_training says why)
+            x = embed_for_training(model, x, self.images(pixels, num_images))
         h = lm(x, stage.positions if positions is None else positions, return_hidden=True, document_ids=document_ids)
         if not stage.is_last:
             return h
