@@ -131,8 +131,9 @@ class LocalEngine:
 
     @torch.no_grad()
     def params_norm(self) -> float:
-        # The trained parameters' (training.freeze leaves the others out), as the parallel engine's
-        # optimizers count them.
+        # The parameters that require gradients: training.freeze and the kind's objective
+        # (model_setup.prepare_model: LLaVA's unread tower blocks) leave the others out, as they
+        # do for the parallel engine, whose optimizers hold just these.
         norms = torch._foreach_norm([p.detach() for p in self.model.parameters() if p.requires_grad])
         return float(torch.linalg.vector_norm(torch.stack(norms)))
 

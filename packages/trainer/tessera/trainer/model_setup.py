@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.models.registry import kind_of
+from tessera.trainer.kinds import parallel_objective
 
 
 def build_train_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
@@ -86,6 +87,11 @@ def prepare_model(cfg: ModelConfig, device: torch.device, seed: int, recompute: 
                   compile: bool = False, freeze: list[str] | tuple[str, ...] = ()) -> nn.Module:
     model = build_train_model(cfg, device, seed)
     apply_freeze(model, freeze)
+    # The kind's objective's word on the plain model, as the parallel runtime takes it before the
+    # stage cut (parallel/objective.py: prepare_model), so both train and count the same weights.
+    objective_prepare = getattr(parallel_objective(cfg), "prepare_model", None)
+    if objective_prepare is not None:
+        model = objective_prepare(model)
     model = parallelize(model)
     apply_recompute(model, recompute)
     if compile:

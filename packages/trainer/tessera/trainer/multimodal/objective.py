@@ -45,9 +45,9 @@ class VisionLanguage:
     @staticmethod
     def prepare_model(model):
         """The tower's blocks past `vision_feature_layer`, its post-LayerNorm and pooling head are
-        never read (LLaVA takes an inner block's states): on one process they get no gradient and
-        AdamW skips them; here they stop requiring one, so the flat-buffer optimizers neither decay
-        nor keep state for them either."""
+        never read (LLaVA takes an inner block's states): they stop requiring a gradient, so no
+        optimizer decays or keeps state for them and `params_norm` leaves them out, on one process
+        (model_setup.prepare_model) and under the runtime alike."""
         tower = model.vision
         unread = [tower.post_norm, tower.head, *(block for i, block in tower.layers.items()
                                                   if int(i) >= model.cfg.feature_layer_index)]
