@@ -6,7 +6,8 @@ norms within 1e-5 relative, the parameters after the steps within 1e-5 normwise 
 with torch's AdamW, and then the evaluation loss of a held-out batch. Stage 1 (projector only) and
 stage 2 (projector + language model) freezing under FSDP2, TP2, TP2 + SP, DP2 and PP2 (whose second
 stage has nothing to train): the same, and the frozen weights bit-identical to their initial
-values. DP2 and FSDP2 (and DP2 at stage 1) with one data rank's rows all text. A language model with tied embeddings under PP2 too. Packed rows (two samples a row, each
+values. DP2 and FSDP2 (and DP2 at stage 1) with one data rank's rows all text. DP2 with
+parallel.overlap_param_gather takes exactly the steps it takes without. A language model with tied embeddings under PP2 too. Packed rows (two samples a row, each
 with positions from 0 and attention within itself) under TP2 + SP and PP2. Then `tessera-train` itself under
 PP2 with stage-1 freezing and full recompute: the losses and parameter norms one process logs, and
 a run stopped after 2 steps and resumed ends bit-identical to an uninterrupted one. An FSDP2
@@ -78,7 +79,10 @@ def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     errors = json.loads(out.read_text())
-    assert set(errors) == set(LAYOUTS) | set(FROZEN) | set(PACKED) | set(TEXT_RANK) | {"pp2_tied", "siglip_fsdp2_init"}, errors
+    assert set(errors) == set(LAYOUTS) | set(FROZEN) | set(PACKED) | set(TEXT_RANK) | {"pp2_tied", "siglip_fsdp2_init",
+                                                                                "dp2_overlap_param_gather"}, errors
+    # overlap_param_gather is exact: the same collectives, waited for before any weight is read.
+    assert set(errors.pop("dp2_overlap_param_gather").values()) == {0.0}, errors
     siglip = errors.pop("siglip_fsdp2_init")
     assert siglip["initial weights"] == 0.0 and siglip["tensors"] > 30 and siglip[BUILD_PEAK] < 0.75, siglip
     for name in [*FROZEN, *(n for n, (_, freeze) in TEXT_RANK.items() if freeze)]:
@@ -171,7 +175,7 @@ def _reference(cfg, freeze: tuple[str, ...], packed: bool = False, text_rank: bo
     return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _runtime(name: str, layout_kw: dict, cfg, freeze: tuple[str, ...] = ()):
+def _runtime(name: str, layout_kw: dict, cfg, freeze: tuple[str, ...] = (), overlap: bool = False):
     """The runtime as tessera-train builds it: the model on the meta device (each rank allocates
     and initialises only its shards, sharded_init), training.freeze applied. Returns it, its
     groups, and under FSDP2 the most bytes any rank held while it was built over the whole
@@ -195,7 +199,8 @@ def _runtime(name: str, layout_kw: dict, cfg, freeze: tuple[str, ...] = ()):
     set_groups(groups)
     training = TrainingConfig(seq_length=TRAIN["seq"], global_batch_size=TRAIN["global_batch"],
                               micro_batch_size=TRAIN["micro_batch"], seed=0)  # the reference's init seed
-    parallel = ParallelConfig(**layout.model_dump(exclude={"data"}), sequence_parallel=name.startswith("tp2_sp"))
+    parallel = ParallelConfig(**layout.model_dump(exclude={"data"}), sequence_parallel=name.startswith("tp2_sp"),
+                              overlap_param_gather=overlap)
 
     def build():  # as ParallelEngine's builder
         model = registry.kind_of(cfg).build(cfg, device="meta", seed=None)
@@ -279,6 +284,25 @@ def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], 
     return out
 
 
+def _overlap(cfg, steps: int = 3) -> dict[str, float]:
+    """DP2 with the distributed optimizer, parallel.overlap_param_gather on against off: the largest
+    difference of the step losses and of the weights after the steps (exact: 0)."""
+    import torch.distributed as dist
+
+    runs = []
+    for overlap in (False, True):
+        rt, groups, _ = _runtime("dp2", LAYOUTS["dp2"], cfg, overlap=overlap)
+        rows = TRAIN["global_batch"] // groups.dp_ep
+        mine = slice(groups.dp_ep_rank * rows, (groups.dp_ep_rank + 1) * rows)
+        losses = [rt.train_step(*(x[mine] for x in _batch(step, cfg))).loss for step in range(steps)]
+        runs.append((losses, {k: v.detach().clone() for k, v in rt.named_global_params().items()}))
+    (off, off_params), (on, on_params) = runs
+    worst = torch.tensor([max(abs(a - b) for a, b in zip(off, on)),
+                          max(float((off_params[k] - on_params[k]).abs().max()) for k in off_params)])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {"losses, overlap on - off": float(worst[0]), "weights, overlap on - off": float(worst[1])}
+
+
 def _resume(straight: str, split: str) -> None:
     """tessera-train under PP2 (the second stage has nothing to train), uninterrupted and
     stopped-then-resumed, in this launch's process group."""
@@ -311,6 +335,7 @@ def _main() -> None:
     for name, (layout, freeze) in TEXT_RANK.items():
         reference = _reference(cfg, freeze, text_rank=True)
         errors[name] = _train(name, LAYOUTS[layout], cfg, reference, freeze, initial, text_rank=True)
+    errors["dp2_overlap_param_gather"] = _overlap(cfg)
     tied = registry.model_config(TIED)
     errors["pp2_tied"] = _train("pp2_tied", LAYOUTS["pp2"], tied, _reference(tied, ()), (), {})
     errors["siglip_fsdp2_init"] = _initial_weights("fsdp2", LAYOUTS["fsdp2"], registry.model_config(SIGLIP))
