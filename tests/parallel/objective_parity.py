@@ -10,6 +10,7 @@ scale, for exactly-computed entries); a parity test holds it under a small facto
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from parallel_harness import OPTIM, reference_optimizer
+from parallel_harness import OPTIM, deferred_param_gathers, reference_optimizer
 
 
 def launch(worker: str, out: Path, timeout: int = 280) -> dict:
@@ -112,7 +113,7 @@ def reference_training(model: torch.nn.Module, batch: Callable[[int], tuple[Any,
 def train_parity(name: str, layout_kw: dict, cfg, reference, batch: Callable[[int], tuple[Any, torch.Tensor]],
                  train: dict[str, int], build_peaks: dict[str, float] | None = None) -> dict[str, float]:
     """The reference's steps under the parallel runtime in layout `layout_kw` (sequence parallel
-    when `name` is "tp2_sp"), the model built on the meta device as tessera-train builds it (each
+    when `name` is "tp2_sp", parallel.overlap_param_gather when "dp2_overlap"), the model built on the meta device as tessera-train builds it (each
     rank allocates and initialises only its shards, sharded_init), the kind's own objective, each
     data rank on its rows: each step's
     loss relative to the reference's, and the parameters after the steps normwise (each rank's
@@ -133,7 +134,8 @@ def train_parity(name: str, layout_kw: dict, cfg, reference, batch: Callable[[in
     set_groups(groups)
     training = TrainingConfig(seq_length=train["seq"], global_batch_size=train["global_batch"],
                               micro_batch_size=train["micro_batch"], seed=0)  # the reference's init seed
-    parallel = ParallelConfig(**layout.model_dump(exclude={"data"}), sequence_parallel=name == "tp2_sp")
+    parallel = ParallelConfig(**layout.model_dump(exclude={"data"}), sequence_parallel=name == "tp2_sp",
+                              overlap_param_gather=name == "dp2_overlap")
     sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
     from plan_worker import PeakBytes
 
@@ -147,10 +149,12 @@ def train_parity(name: str, layout_kw: dict, cfg, reference, batch: Callable[[in
     rows = train["global_batch"] // groups.dp_ep
     mine = slice(groups.dp_ep_rank * rows, (groups.dp_ep_rank + 1) * rows)
     errors = {}
-    for step in range(train["steps"]):
-        inputs, labels = batch(step)
-        loss = rt.train_step(inputs[mine], labels[mine]).loss
-        errors[f"step {step} loss"] = abs(loss - ref_losses[step]) / abs(ref_losses[step])
+    # overlap_param_gather: gathers deferred to their waits, NaN before (a read before its wait shows).
+    with deferred_param_gathers() if parallel.overlap_param_gather else contextlib.nullcontext():
+        for step in range(train["steps"]):
+            inputs, labels = batch(step)
+            loss = rt.train_step(inputs[mine], labels[mine]).loss
+            errors[f"step {step} loss"] = abs(loss - ref_losses[step]) / abs(ref_losses[step])
     diff = torch.zeros((), dtype=torch.float64)
     norm = torch.zeros((), dtype=torch.float64)
     for pname, p in rt.named_global_params().items():

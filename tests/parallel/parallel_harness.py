@@ -141,3 +141,39 @@ def reference_run_bf16(cfg: ModelConfig, steps: int):
                 p.copy_(m)
         losses.append(loss.item())
     return losses, model
+
+
+class deferred_param_gathers:  # noqa: N801 (a context manager, used as `with deferred_param_gathers():`)
+    """overlap_param_gather's all-gathers issued only when a hook (or finish) waits for them, the
+    other ranks' slices NaN until then: a weight read before its wait is NaN, whatever the timing
+    (an in-flight gloo gather often lands before an early read, and hides it)."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        import tessera.trainer.parallel.data_parallel as data_parallel
+
+        self.module, self.real = data_parallel, data_parallel.all_gather_flat
+        real = self.real
+
+        class Deferred:
+            def __init__(self, out, own, group):
+                self.args = out, own, group
+
+            def wait(self):
+                out, own, group = self.args
+                real(out, own, group=group)
+
+        def gather(out, own, group=None, async_op=False):
+            if not async_op:
+                return real(out, own, group=group)
+            rank, n = dist.get_rank(group), own.numel()
+            out.fill_(float("nan"))
+            out[rank * n:(rank + 1) * n].copy_(own)
+            return Deferred(out, own, group)
+
+        data_parallel.all_gather_flat = gather
+        return self
+
+    def __exit__(self, *exc):
+        self.module.all_gather_flat = self.real

@@ -5,7 +5,7 @@ parameter the hidden, pooled and binary outputs reach (the rank's slice of the w
 sequence-parallel partial gradient summed over the tensor group first).
 
 Training under the parallel runtime (the masked-LM objective, tessera.trainer.objectives.mlm.objective): TP2,
-TP2+SP, PP2, DP2 and FSDP2, each built on the meta device as tessera-train builds it, take the same
+TP2+SP, PP2, DP2, DP2 with parallel.overlap_param_gather and FSDP2, each built on the meta device as tessera-train builds it, take the same
 losses and reach the same parameters as one process with torch's AdamW after a few optimizer steps.
 
 One torchrun launch runs every layout: this file is also the worker (`torchrun ... this_file out.json`).
@@ -92,7 +92,7 @@ def _compare(sp: bool) -> dict[str, float]:
 
 
 TRAIN_LAYOUTS = {"tp2": dict(tensor=2), "tp2_sp": dict(tensor=2), "pp2": dict(pipeline=2),
-                 "dp2": dict(data=2), "fsdp2": dict(data=2, data_shard=2)}
+                 "dp2": dict(data=2), "fsdp2": dict(data=2, data_shard=2), "dp2_overlap": dict(data=2)}
 TRAIN = dict(steps=3, global_batch=8, micro_batch=2, seq=16)
 
 

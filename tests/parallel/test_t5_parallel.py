@@ -5,7 +5,7 @@ of the logits, the vocab-parallel cross-entropy, and the gradient of every param
 slice of the whole one's; a sequence-parallel partial gradient summed over the tensor group first).
 
 Training under the parallel runtime (the span-corruption objective, tessera.trainer.objectives.span.objective):
-TP2, TP2+SP, DP2 and FSDP2, each built on the meta device with only the rank's shards allocated and
+TP2, TP2+SP, DP2, DP2 with parallel.overlap_param_gather and FSDP2, each built on the meta device with only the rank's shards allocated and
 initialised (sharded_init, T5's init_module), take the same losses and reach the same parameters as
 one process with torch's AdamW after a few optimizer steps, for both variants (T5's tied, scaled
 head; v1.1's own).
@@ -104,7 +104,7 @@ def _compare(variant: str, sp: bool) -> dict[str, float]:
 
 
 TRAIN_LAYOUTS = {"tp2": dict(tensor=2), "tp2_sp": dict(tensor=2), "dp2": dict(data=2),
-                 "fsdp2": dict(data=2, data_shard=2)}
+                 "fsdp2": dict(data=2, data_shard=2), "dp2_overlap": dict(data=2)}
 TRAIN = dict(steps=3, global_batch=8, micro_batch=2, seq=12, decoder_seq=8)
 
 

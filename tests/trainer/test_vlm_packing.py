@@ -72,12 +72,23 @@ def test_each_sample_of_a_packed_row_has_its_own_logits_and_the_loss_is_the_per_
                                    vision_language_loss(model, one, one_labels), atol=1e-5, rtol=1e-5)
 
 
-def test_a_resumed_packed_vision_language_run_is_bit_identical_to_an_uninterrupted_one(data, tmp_path):
+def test_a_resumed_packed_vision_language_run_is_bit_identical_to_an_uninterrupted_one(data, tmp_path, capsys):
+    """...and a resume with data.pack_samples flipped or another row length (its data position
+    counts packed rows of it) is refused in one line naming the field."""
+    from tessera.common.errors import run_cli
+
     packed = ["--quiet", "data.pack_samples=true"]
     straight = vlm_config(data, tmp_path / "straight", seq_length=ROW)
     assert main(["--config", str(straight), *packed]) == 0
     split = vlm_config(data, tmp_path / "split", seq_length=ROW)
     assert main(["--config", str(split), *packed, "training.exit_after_steps=2"]) == 0
+    for changed, field in ((["--quiet", "data.pack_samples=false"], "data.pack_samples"),
+                           ([*packed, f"training.seq_length={ROW - 8}"], "training.seq_length")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exc:
+            run_cli(main, ["--config", str(split), *changed, "--resume"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1 and field in err[0], err
     assert main(["--config", str(split), *packed, "--resume"]) == 0
     a = load_model_tensors(resolve_checkpoint(tmp_path / "straight/run/checkpoints"))
     b = load_model_tensors(resolve_checkpoint(tmp_path / "split/run/checkpoints"))

@@ -6,7 +6,8 @@ norms within 1e-5 relative, the parameters after the steps within 1e-5 normwise 
 with torch's AdamW, and then the evaluation loss of a held-out batch. Stage 1 (projector only) and
 stage 2 (projector + language model) freezing under FSDP2, TP2, TP2 + SP, DP2 and PP2 (whose second
 stage has nothing to train): the same, and the frozen weights bit-identical to their initial
-values. A language model with tied embeddings under PP2 too. Packed rows (two samples a row, each
+values. DP2 and FSDP2 (and DP2 at stage 1) with one data rank's rows all text. DP2 with
+parallel.overlap_param_gather takes exactly the steps it takes without. A language model with tied embeddings under PP2 too. Packed rows (two samples a row, each
 with positions from 0 and attention within itself) under TP2 + SP and PP2. Then `tessera-train` itself under
 PP2 with stage-1 freezing and full recompute: the losses and parameter norms one process logs, and
 a run stopped after 2 steps and resumed ends bit-identical to an uninterrupted one. An FSDP2
@@ -43,6 +44,11 @@ FROZEN = {"fsdp2_stage1": ("fsdp2", STAGE_1), "tp2_stage2": ("tp2", STAGE_2), "d
 # A language model with tied embeddings under PP2: the last stage's head is its own copy of the
 # first stage's (vocab-parallel) embedding, kept equal by the embedding group.
 TIED = {**MODEL, "text": {**TEXT, "tie_embeddings": True}}
+# One data rank's rows carry no image (text-only samples, as LLaVA's data has them): the tower
+# still runs on its micro-batches (a zero image, features times 0), so FSDP2's all-gathers and DP2's
+# gradient buckets line up with the rank whose rows have images; under stage 1 (only the projector
+# trains) its loss still has a gradient to take.
+TEXT_RANK = {"dp2_text_rank": ("dp2", ()), "fsdp2_text_rank": ("fsdp2", ()), "dp2_stage1_text_rank": ("dp2", STAGE_1)}
 # data.pack_samples rows: a sample of 12 positions (its images in them) and one of 4.
 PACKED = {"tp2_sp_packed": "tp2_sp", "pp2_packed": "pp2"}
 BUILD_PEAK = "build peak over the model's fp32 bytes"
@@ -73,10 +79,13 @@ def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     errors = json.loads(out.read_text())
-    assert set(errors) == set(LAYOUTS) | set(FROZEN) | set(PACKED) | {"pp2_tied", "siglip_fsdp2_init"}, errors
+    assert set(errors) == set(LAYOUTS) | set(FROZEN) | set(PACKED) | set(TEXT_RANK) | {"pp2_tied", "siglip_fsdp2_init",
+                                                                                "dp2_overlap_param_gather"}, errors
+    # overlap_param_gather is exact: the same collectives, waited for before any weight is read.
+    assert set(errors.pop("dp2_overlap_param_gather").values()) == {0.0}, errors
     siglip = errors.pop("siglip_fsdp2_init")
     assert siglip["initial weights"] == 0.0 and siglip["tensors"] > 30 and siglip[BUILD_PEAK] < 0.75, siglip
-    for name in FROZEN:
+    for name in [*FROZEN, *(n for n, (_, freeze) in TEXT_RANK.items() if freeze)]:
         assert errors[name].pop("frozen weights changed") == 0.0 and errors[name].pop("frozen tensors") > 10, errors[name]
     # Built on the meta device, an FSDP2 rank allocates only its half of the weights (plus one
     # replayed global tensor): measured 0.64 (SigLIP 0.62) of the whole model's fp32 bytes;
@@ -102,16 +111,19 @@ def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_
 
 
 # ---- the worker (under torchrun) -------------------------------------------------------------------
-def _batch(step: int, cfg, packed: bool = False):
+def _batch(step: int, cfg, packed: bool = False, text_rank: bool = False):
     """The global batch of a step: rows with 0, 1 and 2 images (their feature tokens in runs), labels
     on about half the text positions (at least the last), none on image tokens; `packed`: each row
-    two samples (positions 0-11 holding the images, then 0-3), as data.pack_samples lays them out."""
+    two samples (positions 0-11 holding the images, then 0-3), as data.pack_samples lays them out;
+    `text_rank`: the second half of the rows (data rank 1's under DP2) without images."""
     from tessera.trainer.multimodal.batches import VisionLanguageBatch
     from tessera.trainer.objectives.documents import IGNORE_INDEX
 
     b, t, n = TRAIN["global_batch"], TRAIN["seq"], cfg.image_seq_len
     g = torch.Generator().manual_seed(300 + step)
     counts = torch.tensor([2, 1, 0, 1, 2, 0, 1, 2]).roll(step)
+    if text_rank:
+        counts[b // 2:] = 0
     tokens = torch.randint(0, IMAGE_TOKEN, (b, t), generator=g)
     for row, count in enumerate(counts.tolist()):
         for k in range(count):
@@ -128,7 +140,7 @@ def _batch(step: int, cfg, packed: bool = False):
     return VisionLanguageBatch(tokens, pixels, counts, positions.clone(), documents.clone()), labels
 
 
-def _reference(cfg, freeze: tuple[str, ...], packed: bool = False):
+def _reference(cfg, freeze: tuple[str, ...], packed: bool = False, text_rank: bool = False):
     """One process: the plain model (parts frozen as training.freeze does), torch's AdamW over the
     parameters that train, clipping; each micro-batch's mean answer loss / micro-batches, as
     VisionLanguageStep takes it. Returns losses, pre-clip gradient norms, parameters."""
@@ -144,7 +156,7 @@ def _reference(cfg, freeze: tuple[str, ...], packed: bool = False):
     mb, n = TRAIN["micro_batch"], TRAIN["global_batch"] // TRAIN["micro_batch"]
     losses, norms = [], []
     for step in range(TRAIN["steps"]):
-        batch, labels = _batch(step, cfg, packed)
+        batch, labels = _batch(step, cfg, packed, text_rank)
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for i in range(n):
@@ -157,13 +169,13 @@ def _reference(cfg, freeze: tuple[str, ...], packed: bool = False):
         opt.step()
         losses.append(total)
     with torch.no_grad():  # evaluation after the steps: a held-out batch's micro-batch means, averaged
-        batch, labels = _batch(EVAL, cfg, packed)
+        batch, labels = _batch(EVAL, cfg, packed, text_rank)
         losses.append(sum(vision_language_loss(model, batch[slice(i * mb, (i + 1) * mb)],
                                                labels[slice(i * mb, (i + 1) * mb)]).item() for i in range(n)) / n)
     return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _runtime(name: str, layout_kw: dict, cfg, freeze: tuple[str, ...] = ()):
+def _runtime(name: str, layout_kw: dict, cfg, freeze: tuple[str, ...] = (), overlap: bool = False):
     """The runtime as tessera-train builds it: the model on the meta device (each rank allocates
     and initialises only its shards, sharded_init), training.freeze applied. Returns it, its
     groups, and under FSDP2 the most bytes any rank held while it was built over the whole
@@ -187,7 +199,8 @@ def _runtime(name: str, layout_kw: dict, cfg, freeze: tuple[str, ...] = ()):
     set_groups(groups)
     training = TrainingConfig(seq_length=TRAIN["seq"], global_batch_size=TRAIN["global_batch"],
                               micro_batch_size=TRAIN["micro_batch"], seed=0)  # the reference's init seed
-    parallel = ParallelConfig(**layout.model_dump(exclude={"data"}), sequence_parallel=name.startswith("tp2_sp"))
+    parallel = ParallelConfig(**layout.model_dump(exclude={"data"}), sequence_parallel=name.startswith("tp2_sp"),
+                              overlap_param_gather=overlap)
 
     def build():  # as ParallelEngine's builder
         model = registry.kind_of(cfg).build(cfg, device="meta", seed=None)
@@ -235,7 +248,7 @@ def _initial_weights(name: str, layout_kw: dict, cfg) -> dict[str, float]:
 
 
 def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], initial,
-           packed: bool = False) -> dict[str, float]:
+           packed: bool = False, text_rank: bool = False) -> dict[str, float]:
     import torch.distributed as dist
 
     rt, groups, peak = _runtime(name, layout_kw, cfg, freeze)
@@ -244,11 +257,11 @@ def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], 
     mine = slice(groups.dp_ep_rank * rows, (groups.dp_ep_rank + 1) * rows)
     errors = {}
     for step in range(TRAIN["steps"]):
-        batch, labels = _batch(step, cfg, packed)
+        batch, labels = _batch(step, cfg, packed, text_rank)
         result = rt.train_step(batch[mine], labels[mine])
         errors[f"step {step} loss"] = abs(result.loss - ref_losses[step]) / abs(ref_losses[step])
         errors[f"step {step} grad norm"] = abs(result.grad_norm - ref_norms[step]) / ref_norms[step]
-    batch, labels = _batch(EVAL, cfg, packed)
+    batch, labels = _batch(EVAL, cfg, packed, text_rank)
     errors["eval loss"] = abs(rt.eval_step(batch[mine], labels[mine]) - ref_losses[-1]) / ref_losses[-1]
     diff, norm = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     changed, frozen = torch.zeros(()), torch.zeros(())
@@ -269,6 +282,29 @@ def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], 
         dist.all_reduce(changed, op=dist.ReduceOp.MAX)
         out.update({"frozen weights changed": float(changed), "frozen tensors": float(frozen)})
     return out
+
+
+def _overlap(cfg, steps: int = 3) -> dict[str, float]:
+    """DP2 with the distributed optimizer, parallel.overlap_param_gather on against off: the largest
+    difference of the step losses and of the weights after the steps (exact: 0). The gathers are
+    deferred to their waits, other ranks' slices NaN until then (parallel_harness), so a weight
+    read before its wait shows whatever the timing."""
+    import torch.distributed as dist
+    from parallel_harness import deferred_param_gathers
+
+    runs = []
+    for overlap in (False, True):
+        rt, groups, _ = _runtime("dp2", LAYOUTS["dp2"], cfg, overlap=overlap)
+        rows = TRAIN["global_batch"] // groups.dp_ep
+        mine = slice(groups.dp_ep_rank * rows, (groups.dp_ep_rank + 1) * rows)
+        with deferred_param_gathers():
+            losses = [rt.train_step(*(x[mine] for x in _batch(step, cfg))).loss for step in range(steps)]
+        runs.append((losses, {k: v.detach().clone() for k, v in rt.named_global_params().items()}))
+    (off, off_params), (on, on_params) = runs
+    worst = torch.stack([(torch.tensor(off) - torch.tensor(on)).abs().max(),  # NaN stays NaN
+                         torch.stack([(off_params[k] - on_params[k]).abs().max() for k in off_params]).max()])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {"losses, overlap on - off": float(worst[0]), "weights, overlap on - off": float(worst[1])}
 
 
 def _resume(straight: str, split: str) -> None:
@@ -300,6 +336,10 @@ def _main() -> None:
     packed = _reference(cfg, (), packed=True)
     for name, layout in PACKED.items():
         errors[name] = _train(name, LAYOUTS[layout], cfg, packed, (), initial, packed=True)
+    for name, (layout, freeze) in TEXT_RANK.items():
+        reference = _reference(cfg, freeze, text_rank=True)
+        errors[name] = _train(name, LAYOUTS[layout], cfg, reference, freeze, initial, text_rank=True)
+    errors["dp2_overlap_param_gather"] = _overlap(cfg)
     tied = registry.model_config(TIED)
     errors["pp2_tied"] = _train("pp2_tied", LAYOUTS["pp2"], tied, _reference(tied, ()), (), {})
     errors["siglip_fsdp2_init"] = _initial_weights("fsdp2", LAYOUTS["fsdp2"], registry.model_config(SIGLIP))

@@ -202,3 +202,32 @@ def test_context_parallel_for_a_vision_language_run_is_refused_in_one_line_befor
     with pytest.raises(UserError) as exc:  # as a 2-process launch checks it, before the model is built
         check_inputs(cfg, world_size=2)
     assert "--context-parallel 2" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_one_process_trains_and_norms_the_weights_the_parallel_runtime_does():
+    """LLaVA reads an inner block's states (vision_feature_layer -2): the tower's later block, its
+    post-LayerNorm stop requiring gradients on one process too (LocalEngine gives model_setup the
+    objective, whose prepare_model the runtime applies before its cut), so LocalEngine.params_norm
+    counts the parameters the parallel optimizers hold (the reviewer measured 19.21 vs 16.42)."""
+    from tessera.common.models import registry
+    from tessera.trainer.config import OptimConfig, TrainingConfig
+    from tessera.trainer.engine import LocalEngine
+    from tessera.trainer.objectives.registry import parallel_objective
+
+    cfg = registry.model_config({"kind": "vision_language", "image_token_id": 60, "vision_feature_layer": -2,
+                                 "vision": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "ffn_hidden_size": 64,
+                                            "image_size": 16, "patch_size": 8},
+                                 "text": {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 2,
+                                          "num_kv_heads": 2, "ffn_hidden_size": 64, "max_seq_len": 32}})
+    training = TrainingConfig(seq_length=16, global_batch_size=2, micro_batch_size=2, seed=0)
+    one = LocalEngine(cfg, training, OptimConfig(), None, torch.device("cpu")).model
+    runtime = parallel_objective(cfg).prepare_model(registry.kind_of(cfg).build(cfg, seed=0))
+
+    def trained(model):
+        return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+    assert trained(one).keys() == trained(runtime).keys()
+    assert not any(n.startswith(("vision.layers.1.", "vision.post_norm.")) for n in trained(one))
+    assert any(n.startswith("vision.layers.0.") for n in trained(one))
+    norm = lambda ps: float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(ps)))))  # noqa: E731
+    assert norm(trained(one).values()) == norm(trained(runtime).values())

@@ -29,6 +29,7 @@ from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.components.checkpoint.stateful import Stateful, seed_everything
 from tessera.trainer.components.checkpoint.storage import local_components
 from tessera.trainer.components.model_setup import prepare_model
+from tessera.trainer.objectives.registry import parallel_objective
 from tessera.trainer.components.optimizer.optim import build_optimizer, set_lr
 from tessera.trainer.components.precision.float8 import float8_backend
 from tessera.trainer.components.precision.mixed import Precision
@@ -87,7 +88,8 @@ class LocalEngine:
         self.device = device
         self.micro_batch = t.micro_batch_size
         # Compilation is the step's (forward and loss in one graph), not the model's.
-        self.model = prepare_model(model, device, t.seed, t.recompute, freeze=t.freeze)
+        self.model = prepare_model(model, device, t.seed, t.recompute, freeze=t.freeze,
+                                   objective=parallel_objective(model))
         fp8_context = None  # e.g. Transformer Engine's FP8 autocast, entered inside torch's (Precision)
         self.float8 = float8_backend(t.fp8_backend) if t.precision == "fp8" else None  # checked by check_inputs
         if self.float8 is not None:
@@ -131,8 +133,9 @@ class LocalEngine:
 
     @torch.no_grad()
     def params_norm(self) -> float:
-        # The trained parameters' (training.freeze leaves the others out), as the parallel engine's
-        # optimizers count them.
+        # The parameters that require gradients: training.freeze and the kind's objective
+        # (model_setup.prepare_model: LLaVA's unread tower blocks) leave the others out, as they
+        # do for the parallel engine, whose optimizers hold just these.
         norms = torch._foreach_norm([p.detach() for p in self.model.parameters() if p.requires_grad])
         return float(torch.linalg.vector_norm(torch.stack(norms)))
 

@@ -118,6 +118,19 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
         if sidecar.model != model:
             raise ArtifactError(f"{resume_from}: checkpoint holds a different model than the config "
                                 "(compare model sections); resume with the config it was trained with")
+        # data.pack_samples: consumed_samples counts packed rows of training.seq_length, not samples,
+        # so another packing or row length would silently skip or repeat data (unknown: not checked).
+        packed = t.seq_length if cfg.data.pack_samples else None
+        saved = getattr(sidecar, "packed_seq_length", packed)
+        if saved != packed and (saved is None or packed is None):
+            raise ArtifactError(f"{resume_from}: data.pack_samples is {packed is not None} but the checkpoint was "
+                                f"trained with {saved is not None} (its data position counts "
+                                f"{'packed rows' if saved else 'samples'}); resume with "
+                                f"data.pack_samples={str(saved is not None).lower()}")
+        if saved != packed:
+            raise ArtifactError(f"{resume_from}: training.seq_length is {packed} but the checkpoint packed rows of "
+                                f"{saved} (data.pack_samples: its data position counts rows); resume with "
+                                f"training.seq_length={saved}")
         if sidecar.mixture_fingerprint not in (None, fingerprint):
             raise ArtifactError(f"{resume_from}: checkpoint was trained on another mixture than {cfg.data.mixture}; "
                                 "exact resume needs the same mixture")

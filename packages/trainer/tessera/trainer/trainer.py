@@ -115,7 +115,9 @@ class Trainer:
         self.started = time.monotonic()  # training.exit_after_minutes counts from here
         sidecar = CheckpointSidecar(model=inputs.model, tokenizer_fingerprint=inputs.tokenizer.fingerprint,
                                     layout=inputs.layout, mixture_fingerprint=inputs.mixture_fingerprint,
-                                    params_dtype="float32", precision=t.precision)
+                                    params_dtype="float32", precision=t.precision,
+                                    # consumed_samples counts rows of this length when packed (inputs.py)
+                                    packed_seq_length=t.seq_length if cfg.data.pack_samples else None)
         self.checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint, inputs.tokenizer, sidecar,
                                              self.engine.components(), self.say)
         # The loop's own bookkeeping.

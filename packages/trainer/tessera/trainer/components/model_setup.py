@@ -83,9 +83,15 @@ def apply_freeze(model: nn.Module, parts: list[str] | tuple[str, ...]) -> None:
 
 
 def prepare_model(cfg: ModelConfig, device: torch.device, seed: int, recompute: str = "none",
-                  compile: bool = False, freeze: list[str] | tuple[str, ...] = ()) -> nn.Module:
+                  compile: bool = False, freeze: list[str] | tuple[str, ...] = (), objective=None) -> nn.Module:
+    """`objective`: the kind's (tessera.trainer.objectives.registry.parallel_objective), whose
+    `prepare_model` the parallel runtime applies before the stage cut (parallel/objective.py):
+    applied here too, so both train and count the same weights."""
     model = build_train_model(cfg, device, seed)
     apply_freeze(model, freeze)
+    objective_prepare = getattr(objective, "prepare_model", None)
+    if objective_prepare is not None:
+        model = objective_prepare(model)
     model = parallelize(model)
     apply_recompute(model, recompute)
     if compile:

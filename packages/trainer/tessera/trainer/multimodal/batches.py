@@ -69,7 +69,7 @@ class VisionLanguageBatch:
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """`positions` and `document_ids` for the model's forward when the rows are packed, else {}
-        (the same keywords as tessera.trainer.documents.DocumentMasking.model_inputs)."""
+        (the same keywords as tessera.trainer.objectives.documents.DocumentMasking.model_inputs)."""
         return {k: v for k, v in (("positions", self.positions), ("document_ids", self.document_ids)) if v is not None}
 
     @property

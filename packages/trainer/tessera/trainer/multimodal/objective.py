@@ -23,6 +23,7 @@ from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.tensor_parallel import parallel_logits
 from tessera.trainer.multimodal.batches import VisionLanguageBatch
 from tessera.trainer.objectives.documents import IGNORE_INDEX
+from tessera.trainer.multimodal.loss import embed_for_training
 from tessera.trainer.parallel.objective import LossContext
 
 
@@ -44,9 +45,9 @@ class VisionLanguage:
     @staticmethod
     def prepare_model(model):
         """The tower's blocks past `vision_feature_layer`, its post-LayerNorm and pooling head are
-        never read (LLaVA takes an inner block's states): on one process they get no gradient and
-        AdamW skips them; here they stop requiring one, so the flat-buffer optimizers neither decay
-        nor keep state for them either."""
+        never read (LLaVA takes an inner block's states): they stop requiring a gradient, so no
+        optimizer decays or keeps state for them and `params_norm` leaves them out, on one process
+        (model_setup.prepare_model) and under the runtime alike."""
         tower = model.vision
         unread = [tower.post_norm, tower.head, *(block for i, block in tower.layers.items()
                                                   if int(i) >= model.cfg.feature_layer_index)]
@@ -60,8 +61,9 @@ class VisionLanguage:
                       document_ids: torch.Tensor | None = None) -> torch.Tensor:
         model = stage.model
         lm = model.language_model
-        if stage.is_first:  # tokens in: text embeddings with the image features in place
-            x = model.embed(x, self.images(pixels, num_images) if pixels is not None else None)
+        if stage.is_first:  # tokens in: text embeddings with the image features in place (the
+            # tower runs on every micro-batch, images or not: embed_for_training says why)
+            x = embed_for_training(model, x, self.images(pixels, num_images))
         h = lm(x, stage.positions if positions is None else positions, return_hidden=True, document_ids=document_ids)
         if not stage.is_last:
             return h

@@ -32,7 +32,10 @@ Overlap, both directions (Megatron's overlap_grad_reduce / overlap_param_gather)
   * gradients (`overlap_grad_reduce`, default on): a bucket whose gradients are complete is
     launched from the hook, in bucket order (reverse layer order: a complete bucket waits until
     every bucket before it is launched, as torch DDP's reducer does, so every rank issues the
-    collectives in the same order whatever order autograd finishes them in); off, every bucket is
+    collectives in the same order whatever order autograd finishes them in, provided every rank's
+    backward reaches the same parameters: a bucket one rank never completes in backward is
+    launched only in `finish()` there, and the ranks' collectives no longer pair up (hence the
+    vision-language objective runs its tower on text-only micro-batches too); off, every bucket is
     launched in `finish()` after backward (the non-overlapped reference).
   * parameters (`overlap_param_gather`, default off): the all-gathers after the sharded
     optimizer step are launched asynchronously when the next step starts, in forward order, and

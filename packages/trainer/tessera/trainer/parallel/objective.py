@@ -22,8 +22,9 @@ OBJECTIVES), a class with:
   (optional): the last stage's output shapes under a pipeline schedule (default: logits
   [micro, seq, V/tp]); `pipeline = False` refuses pipeline parallel for the objective;
 * `prepare_model(model) -> model` (optional): the plain model before the stage cut, e.g. weights
-  the objective never reads stop requiring gradients (one process leaves their gradient None and
-  AdamW skips them; the flat-buffer optimizers would decay them).
+  the objective never reads stop requiring gradients (the flat-buffer optimizers would decay them).
+  One process applies it too (tessera.trainer.components.model_setup.prepare_model, given it by LocalEngine), so both leave the same
+  weights out of the optimizer and of `params_norm`.
 
 `NextToken` below is the causal LM's (and hybrid's) objective, exactly what the runtime computed
 before objectives existed.

@@ -83,16 +83,26 @@ class DistributedOptimizer:
         """The inner optimizer's groups: set `lr` here (or wrap `self.inner` in an LR scheduler)."""
         return self.inner.param_groups
 
-    def register_param_gather_hooks(self, stages: list[nn.Module]) -> None:
+    def register_param_gather_hooks(self, stages: list[nn.Module], own_forward: bool = False) -> None:
         """overlap_param_gather: forward pre-hooks on each stage, its top-level modules (embedding,
         final norm) and each transformer block, waiting for the gathers of the buckets they use;
         the output head (untied `lm_head`, or a pipeline stage's `tied_head`), which the stage
-        applies to the model's output without calling it, in a post-hook of the model."""
+        applies to the model's output without calling it, in a post-hook of the model.
+
+        `own_forward`: the objective runs its own `stage_forward` (vision-language, masked LM,
+        span corruption), which reads weights outside the modules above (LLaVA's text embedding
+        inside `embed()`, the tower through `hidden_states()`, the head by `output_weight()`; the
+        model's forward and its post-hook never run). Then only the blocks the model runs
+        (`model.layers`, called as modules, each reading its own weights) wait in their pre-hooks,
+        and every other weight in the stage's pre-hook, before the objective reads any."""
         units: list[nn.Module] = []
         after: list[tuple[nn.Module, list[nn.Parameter]]] = []
         for stage in stages:
             units.append(stage)
             model = getattr(stage, "model", stage)
+            if own_forward:
+                units += list(model.layers.values())
+                continue
             containers = [m for m in model.children() if isinstance(m, (nn.ModuleDict, nn.ModuleList))]
             units += [m for m in model.children() if m not in containers]
             units += [block for c in containers for block in c.children()]
@@ -181,7 +191,7 @@ class DistributedOptimizer:
     def state_dict(self, global_names: dict[int, str]) -> dict[str, object]:
         """{'optimizer.state.<global name>.<exp_avg|exp_avg_sq|step|master>': tensor}.
 
-        The same keys as the single-process trainer's checkpoints (tessera.trainer.checkpoint.storage),
+        The same keys as the single-process trainer's checkpoints (tessera.trainer.components.checkpoint.storage),
         so either can resume the other. Moments are global DTensors over the tensor mesh whatever
         the data-parallel sharding; `step` a scalar. `global_names` maps id(parameter) to its
         checkpoint name (tied copies share a name; DCP stores it once). Collective over the

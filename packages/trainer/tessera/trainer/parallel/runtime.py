@@ -197,7 +197,7 @@ class ParallelRuntime:
             overlap_param_gather=p.overlap_param_gather,
         )
         if p.overlap_param_gather:
-            optimizer.register_param_gather_hooks(stages)
+            optimizer.register_param_gather_hooks(stages, own_forward=hasattr(objective, "stage_forward"))
         return cls(cfg, groups, t, p, stages, optimizer, rng, per_token_loss, objective)
 
     # ---- training ---------------------------------------------------------------------------
