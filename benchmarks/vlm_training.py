@@ -6,7 +6,7 @@ the same batches (each row: one image's features over its image tokens, then tex
 second half of the text, as answers), AdamW, gradient clipping at 1.0, fp32, the same threads, in
 one process, steps alternating so load from other jobs hits both alike.
 
-- Tessera runs the trainer's own step: tessera.trainer.multimodal.loss.VisionLanguageStep
+- Tessera runs the trainer's own step: tessera.trainer.objectives.multimodal.loss.VisionLanguageStep
   (TrainStep's accumulate, clip and step) with the optimizer of build_optimizer.
 - transformers runs the standard recipe: `model(input_ids, pixel_values, labels).loss` (its labels
   shifted inside), clip_grad_norm_(foreach), torch.optim.AdamW(fused).
@@ -20,7 +20,7 @@ steps (same start, same data: they agree to a few digits).
 With --packing it compares Tessera's step on the same samples (one image each, text of random
 length) unpacked (one sample per row of --row tokens, padded, as data.pack_samples=false gives)
 and packed (several whole samples per row, positions and attention per sample: the trainer's own
-tessera.trainer.multimodal.packing), and prints useful (non-padding) tokens/s of each and the ratio.
+tessera.trainer.objectives.multimodal.packing), and prints useful (non-padding) tokens/s of each and the ratio.
 
     python benchmarks/vlm_training.py --packing
 """
@@ -67,8 +67,8 @@ def main() -> None:
     from tessera.trainer.components.optimizer.optim import build_optimizer
     from tessera.trainer.components.precision.mixed import Precision
     from tessera.trainer.config import OptimConfig
-    from tessera.trainer.multimodal.batches import VisionLanguageBatch
-    from tessera.trainer.multimodal.loss import VisionLanguageStep
+    from tessera.trainer.objectives.multimodal.batches import VisionLanguageBatch
+    from tessera.trainer.objectives.multimodal.loss import VisionLanguageStep
 
     torch.manual_seed(0)
     vision = CLIPVisionConfig(hidden_size=args.vision_hidden, intermediate_size=4 * args.vision_hidden,
@@ -146,8 +146,8 @@ def packing_comparison(args: argparse.Namespace, step, n_img: int) -> None:
     """Useful tokens/s of one pass over the same samples, unpacked vs packed (same step, same rows' width)."""
     import numpy as np
 
-    from tessera.trainer.multimodal.batches import VisionLanguageBatch
-    from tessera.trainer.multimodal.packing import SamplePacking, pack_row, stack_rows
+    from tessera.trainer.objectives.multimodal.batches import VisionLanguageBatch
+    from tessera.trainer.objectives.multimodal.packing import SamplePacking, pack_row, stack_rows
 
     rng = np.random.default_rng(1)
     samples = []  # (ids with the image expanded, counted) : image first, then a prompt and an answer

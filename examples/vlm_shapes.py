@@ -132,7 +132,7 @@ def evaluate(checkpoints: Path, tok_dir: Path, n: int, seed: int) -> float:
     from tessera.common.models.vision_language.model import build_model
     from tessera.common.models.vision_language.processor import decode_image
     from tessera.common.tokenizer import load_tokenizer
-    from tessera.trainer.multimodal.batches import default_processor
+    from tessera.trainer.objectives.multimodal.batches import default_processor
 
     cfg = model_config(model_section(tok_dir))
     model = build_model(cfg, seed=None)

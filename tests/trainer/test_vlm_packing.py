@@ -37,8 +37,8 @@ def test_each_sample_of_a_packed_row_has_its_own_logits_and_the_loss_is_the_per_
     from tessera.common.mixture import MixtureSplit
     from tessera.common.models.registry import model_config
     from tessera.common.models.vision_language.model import build_model
-    from tessera.trainer.multimodal.batches import VisionLanguageBatches, default_processor
-    from tessera.trainer.multimodal.loss import vision_language_loss
+    from tessera.trainer.objectives.multimodal.batches import VisionLanguageBatches, default_processor
+    from tessera.trainer.objectives.multimodal.loss import vision_language_loss
 
     cfg = model_config(vlm_model(data["tokenizer"]))
     model = build_model(cfg, seed=3).eval()
@@ -112,7 +112,7 @@ def test_a_sample_longer_than_a_packed_row_gets_a_row_of_its_own_and_is_refused_
     from tessera.common.errors import UserError
     from tessera.common.mixture import MixtureSplit
     from tessera.common.models.registry import model_config
-    from tessera.trainer.multimodal.batches import VisionLanguageBatches, default_processor
+    from tessera.trainer.objectives.multimodal.batches import VisionLanguageBatches, default_processor
 
     cfg = model_config(vlm_model(data["tokenizer"]))
     row = 24  # one-image samples (about 20 positions) fit, two-image ones (about 29) do not
@@ -128,7 +128,7 @@ def test_a_sample_longer_than_a_packed_row_gets_a_row_of_its_own_and_is_refused_
 
 
 def test_samples_of_no_positions_still_close_packed_rows_instead_of_scanning_forever():
-    from tessera.trainer.multimodal.packing import SamplePacking
+    from tessera.trainer.objectives.multimodal.packing import SamplePacking
 
     packing = SamplePacking(lambda ns: np.zeros(len(ns), dtype=np.int64), 8)
     assert packing.row(0) == range(0, 8) and packing.row(1) == range(8, 16)

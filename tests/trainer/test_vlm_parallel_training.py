@@ -116,8 +116,8 @@ def _batch(step: int, cfg, packed: bool = False, text_rank: bool = False):
     on about half the text positions (at least the last), none on image tokens; `packed`: each row
     two samples (positions 0-11 holding the images, then 0-3), as data.pack_samples lays them out;
     `text_rank`: the second half of the rows (data rank 1's under DP2) without images."""
-    from tessera.trainer.multimodal.batches import VisionLanguageBatch
     from tessera.trainer.objectives.documents import IGNORE_INDEX
+    from tessera.trainer.objectives.multimodal.batches import VisionLanguageBatch
 
     b, t, n = TRAIN["global_batch"], TRAIN["seq"], cfg.image_seq_len
     g = torch.Generator().manual_seed(300 + step)
@@ -148,7 +148,7 @@ def _reference(cfg, freeze: tuple[str, ...], packed: bool = False, text_rank: bo
 
     from tessera.common.models import registry
     from tessera.trainer.components.model_setup import apply_freeze
-    from tessera.trainer.multimodal.loss import vision_language_loss
+    from tessera.trainer.objectives.multimodal.loss import vision_language_loss
 
     model = registry.kind_of(cfg).build(cfg, seed=0)
     apply_freeze(model, freeze)

@@ -65,7 +65,7 @@ def test_a_batch_expands_each_placeholder_to_the_towers_features_keeps_every_ima
     from tessera.common.mixture import MixtureSplit
     from tessera.common.models.registry import model_config
     from tessera.common.shard import open_loss_mask
-    from tessera.trainer.multimodal.batches import VisionLanguageBatches, default_processor
+    from tessera.trainer.objectives.multimodal.batches import VisionLanguageBatches, default_processor
 
     cfg = model_config(vlm_model(data["tokenizer"]))
     builder = VisionLanguageBatches(MixtureSplit(data["mixture"]), 32, model=cfg, processor=default_processor(cfg))
@@ -160,8 +160,8 @@ def test_the_trainers_loss_on_a_batch_of_the_builder_equals_transformers_llava_l
     from tessera.common.mixture import MixtureSplit
     from tessera.common.models.registry import kind_for_hf, model_config_from_hf
     from tessera.common.tokenizer import load_tokenizer
-    from tessera.trainer.multimodal.batches import VisionLanguageBatches, default_processor
-    from tessera.trainer.multimodal.loss import vision_language_loss
+    from tessera.trainer.objectives.multimodal.batches import VisionLanguageBatches, default_processor
+    from tessera.trainer.objectives.multimodal.loss import vision_language_loss
 
     torch.manual_seed(0)
     hf = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(

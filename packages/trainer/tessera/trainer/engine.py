@@ -29,13 +29,12 @@ from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.components.checkpoint.stateful import Stateful, seed_everything
 from tessera.trainer.components.checkpoint.storage import local_components
 from tessera.trainer.components.model_setup import prepare_model
-from tessera.trainer.objectives.registry import parallel_objective
 from tessera.trainer.components.optimizer.optim import build_optimizer, set_lr
 from tessera.trainer.components.precision.float8 import float8_backend
 from tessera.trainer.components.precision.mixed import Precision
 from tessera.trainer.config import OptimConfig, TrainingConfig
 from tessera.trainer.objectives.documents import DocumentMasking, loss_token_count
-from tessera.trainer.objectives.registry import trainer_kind
+from tessera.trainer.objectives.registry import parallel_objective, trainer_kind
 
 
 @dataclass

@@ -5,7 +5,7 @@ a kind without them while the config is validated, are tessera.trainer.kinds' (l
 
 The parallel engine (tessera.trainer.parallel) runs a kind's objective (OBJECTIVES, under the
 same `train_loss` name: what enters the pipeline's stages and the vocab-parallel loss;
-tessera.trainer.parallel.objective says how one plugs in).
+tessera.trainer.objectives.objective says how one plugs in).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _mlm_step() -> type[TrainStep]:
 
 
 def _next_token_objective() -> type:
-    from tessera.trainer.parallel.objective import NextToken
+    from tessera.trainer.objectives.objective import NextToken
 
     return NextToken
 
@@ -74,7 +74,7 @@ def _mlm_objective() -> type:
 
 BATCHES["mlm"] = _mlm_batches
 LOSSES["mlm"] = _mlm_step
-# The parallel runtime's objective per train_loss name (tessera.trainer.parallel.objective).
+# The parallel runtime's objective per train_loss name (tessera.trainer.objectives.objective).
 OBJECTIVES: dict[str, Callable[[], type]] = {"next_token": _next_token_objective, "mlm": _mlm_objective}
 
 
@@ -102,19 +102,23 @@ OBJECTIVES["span"] = _span_objective
 
 
 def _vision_language_batches() -> type[MixtureBatches]:
-    from tessera.trainer.multimodal.batches import VisionLanguageBatches  # one sample per row, images whole
+    from tessera.trainer.objectives.multimodal.batches import (
+        VisionLanguageBatches,  # one sample per row, images whole
+    )
 
     return VisionLanguageBatches  # type: ignore[return-value]
 
 
 def _vision_language_step() -> type[TrainStep]:
-    from tessera.trainer.multimodal.loss import VisionLanguageStep  # cross-entropy over the answer tokens
+    from tessera.trainer.objectives.multimodal.loss import (
+        VisionLanguageStep,  # cross-entropy over the answer tokens
+    )
 
     return VisionLanguageStep
 
 
 def _vision_language_objective() -> type:
-    from tessera.trainer.multimodal.objective import VisionLanguage
+    from tessera.trainer.objectives.multimodal.objective import VisionLanguage
 
     return VisionLanguage
 

@@ -43,8 +43,8 @@ from tessera.trainer.components.precision.float8 import float8_backend
 from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
 from tessera.trainer.engine import StepResult
 from tessera.trainer.objectives.documents import IGNORE_INDEX
+from tessera.trainer.objectives.objective import LossContext, NextToken
 from tessera.trainer.parallel.fsdp import FullyShardedOptimizer, shard_stages
-from tessera.trainer.parallel.objective import LossContext, NextToken
 from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, decoder_of, make_schedule
 

@@ -2,7 +2,7 @@
 
 Imports only the config: the model and its Hugging Face adapter load when a stage asks for them.
 "vision_language" conversions in tessera-ckpt (Hugging Face import / export, reshard), one-process
-training in tessera-train (tessera.trainer.multimodal: image-text batches, the answer loss) and the
+training in tessera-train (tessera.trainer.objectives.multimodal: image-text batches, the answer loss) and the
 parallel plan (parallelize.py: tensor parallel for the tower, projector and language model, the
 tower on the first pipeline stage), and tessera-serve (tessera.inference.worker.multimodal: one
 process or tensor parallel). A stage without code for the kind (the parallel runtime's stages)

@@ -1,4 +1,4 @@
-"""The masked-LM objective under the parallel runtime (tessera.trainer.parallel.objective).
+"""The masked-LM objective under the parallel runtime (tessera.trainer.objectives.objective).
 
 A batch (MLMBatch, labels) enters as: tokens into the first stage; token types and the padding
 mask as side inputs of every stage (the first embeds the types, every block masks the padding);
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.tensor_parallel import parallel_logits
 from tessera.trainer.objectives.documents import IGNORE_INDEX
-from tessera.trainer.parallel.objective import LossContext
+from tessera.trainer.objectives.objective import LossContext
 
 
 class MaskedLM:

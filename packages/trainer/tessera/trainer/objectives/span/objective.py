@@ -1,4 +1,4 @@
-"""The span-corruption objective under the parallel runtime (tessera.trainer.parallel.objective).
+"""The span-corruption objective under the parallel runtime (tessera.trainer.objectives.objective).
 
 A batch (SpanBatch, labels) enters as: the corrupted encoder tokens into the (only) stage; the
 encoder's padding mask and the decoder's input tokens (the targets shifted right) as side inputs,
@@ -21,7 +21,7 @@ import torch
 from tessera.common.models.encoder_decoder.parallelize import parallel_logits
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.trainer.objectives.documents import IGNORE_INDEX
-from tessera.trainer.parallel.objective import LossContext
+from tessera.trainer.objectives.objective import LossContext
 
 
 class SpanCorruption:

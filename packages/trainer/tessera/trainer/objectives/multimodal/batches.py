@@ -9,7 +9,7 @@ features of one image cannot be split. So rows hold whole samples (global sample
 j mod count of dataset k, as the mixture maps n to (k, j): the split's shuffled, epoch-repeated
 document order), placeholders expanded, padded to training.seq_length with ignored labels; a sample
 longer than that after expansion is refused in one line naming it, since cutting it would cut an
-image or lose the answer. Unpacked, row n is sample n. Packed (tessera.trainer.multimodal.packing),
+image or lose the answer. Unpacked, row n is sample n. Packed (tessera.trainer.objectives.multimodal.packing),
 row r is the next run of consecutive samples that fits, each with its own positions and attention
 (`positions`, `document_ids` of the batch, which the model's forward takes). Images are decoded and
 processed at batch time by the shared image processor (tessera.common.models.vision_language.processor),
@@ -40,9 +40,9 @@ from tessera.common.models.vision_language.image_shard import (
 )
 from tessera.common.models.vision_language.processor import PREPROCESSOR_CONFIG, ImageProcessor, decode_image
 from tessera.common.shard import read_shard_manifest
-from tessera.trainer.multimodal.packing import SamplePacking, pack_row, stack_rows
 from tessera.trainer.objectives.batches import MicroBatchPlan
 from tessera.trainer.objectives.documents import DocumentMasking
+from tessera.trainer.objectives.multimodal.packing import SamplePacking, pack_row, stack_rows
 
 
 @dataclass

@@ -11,9 +11,9 @@ from torch import nn
 
 from tessera.common.errors import UserError
 from tessera.trainer.components.precision.mixed import Precision
-from tessera.trainer.multimodal.batches import VisionLanguageBatch
 from tessera.trainer.objectives.documents import DocumentMasking
 from tessera.trainer.objectives.loss import cross_entropy_loss
+from tessera.trainer.objectives.multimodal.batches import VisionLanguageBatch
 from tessera.trainer.objectives.step import TrainStep
 
 

@@ -2,7 +2,7 @@
 
 The runtime owns micro-batches, the pipeline schedule, the data/context-parallel reductions and
 the optimizer; what a batch holds, what each pipeline stage computes from it and the loss are the
-objective's. A kind plugs in by giving, under its `train_loss` hook name (tessera.trainer.kinds
+objective's. A kind plugs in by giving, under its `train_loss` hook name (tessera.trainer.objectives.registry
 OBJECTIVES), a class with:
 
 * `split(batch, labels, model_inputs) -> (first, side, targets)`: the batch as the loop reads it

@@ -1,4 +1,4 @@
-"""The vision-language objective under the parallel runtime (tessera.trainer.parallel.objective).
+"""The vision-language objective under the parallel runtime (tessera.trainer.objectives.objective).
 
 A batch (VisionLanguageBatch, labels) enters as: tokens into the first stage; the images as side
 inputs cut by rows with them (pixels [rows, M, C, H, W] and each row's image count, so a row keeps
@@ -21,10 +21,10 @@ import torch
 
 from tessera.common.parallel.loss import vocab_parallel_cross_entropy
 from tessera.common.parallel.tensor_parallel import parallel_logits
-from tessera.trainer.multimodal.batches import VisionLanguageBatch
 from tessera.trainer.objectives.documents import IGNORE_INDEX
-from tessera.trainer.multimodal.loss import embed_for_training
-from tessera.trainer.parallel.objective import LossContext
+from tessera.trainer.objectives.multimodal.batches import VisionLanguageBatch
+from tessera.trainer.objectives.multimodal.loss import embed_for_training
+from tessera.trainer.objectives.objective import LossContext
 
 
 class VisionLanguage:
