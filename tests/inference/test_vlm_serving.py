@@ -7,7 +7,17 @@ from __future__ import annotations
 
 import pytest
 from live_server import LiveServer
-from vlm_serving_helpers import data_url, hf_greedy_chat, hf_reference, make_llava_dir, png
+from vlm_serving_helpers import (
+    chat_message,
+    check_image_keyed_prefix_cache,
+    concurrent_image_replies,
+    data_url,
+    hf_chat_message,
+    hf_greedy_chat,
+    hf_reference,
+    make_llava_dir,
+    png,
+)
 
 from tessera.inference.core.image_inputs import ImageLimits
 from tessera.inference.entrypoints.server import ServerLimits
@@ -17,15 +27,6 @@ openai = pytest.importorskip("openai")
 
 LIMITS = ServerLimits(max_prompt_tokens=200, max_tokens=32, max_body_bytes=200_000,
                       images=ImageLimits(max_images=2, max_bytes=20_000, max_pixels=100_000))
-
-
-def _message(text: str, images: list[bytes]) -> list[dict]:
-    parts = [{"type": "image_url", "image_url": {"url": data_url(b)}} for b in images]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-def _hf_message(text: str, n: int) -> list[dict]:
-    return [{"role": "user", "content": [*[{"type": "image"}] * n, {"type": "text", "text": text}]}]
 
 
 @pytest.fixture(scope="module", params=["clip", "siglip"])
@@ -43,9 +44,9 @@ def test_served_greedy_chat_with_one_and_two_images_equals_transformers_generate
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
     for n in (1, 2):
         images = [png(10 * n + i) for i in range(n)]
-        got = client.chat.completions.create(model="tiny", messages=_message("what is it", images), max_tokens=6,
+        got = client.chat.completions.create(model="tiny", messages=chat_message("what is it", images), max_tokens=6,
                                              temperature=0).choices[0].message.content
-        assert got == hf_greedy_chat(model, processor, _hf_message("what is it", n), images, 6)
+        assert got == hf_greedy_chat(model, processor, hf_chat_message("what is it", n), images, 6)
     assert server.wait_idle()
 
 
@@ -90,7 +91,7 @@ def test_bad_images_urls_and_too_many_images_are_one_line_400s_and_the_engine_se
         assert r.status_code == 400 and "image tokens that no image fills" in r.text, r.text
         r = client.post("/v1/completions", json={"prompt": [{"type": "image_url", "image_url": {"url": data_url(good)}}]})
         assert r.status_code == 400, r.text
-        ok = client.post("/v1/chat/completions", json={"messages": _message("fine", [good]), "max_tokens": 3})
+        ok = client.post("/v1/chat/completions", json={"messages": chat_message("fine", [good]), "max_tokens": 3})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, ok.text
     assert server.wait_idle()
 
@@ -117,43 +118,17 @@ def test_an_image_part_to_a_text_only_model_is_a_one_line_400(tiny_ckpt):
 def test_same_text_with_another_image_shares_no_cached_block_and_the_same_image_does(served):
     server, directory = served
     model, processor = hf_reference(directory)
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
-    text = "the same words every time, long enough to fill blocks after the image"
-
-    def ask(image: bytes) -> tuple[str, int]:
-        before = server.engine.blocks.prefix_hits
-        out = client.chat.completions.create(model="tiny", messages=_message(text, [image]), max_tokens=4,
-                                             temperature=0).choices[0].message.content
-        assert server.wait_idle()
-        return out, server.engine.blocks.prefix_hits - before
-
-    first, _ = ask(png(21))
-    other, hits = ask(png(22))
-    assert hits == 0  # the image's tokens sit in the first block: its key differs, and so every later one
-    assert other == hf_greedy_chat(model, processor, _hf_message(text, 1), [png(22)], 4)
-    again, hits = ask(png(21))
-    assert hits > 0 and again == first
+    check_image_keyed_prefix_cache(server, model, processor,
+                                   "the same words every time, long enough to fill blocks after the image", 4)
 
 
 @pytest.mark.parametrize("served", ["siglip"], indirect=True)
 def test_sixteen_concurrent_requests_with_different_images_each_equal_transformers(served):
-    import asyncio
-
     server, directory = served
     model, processor = hf_reference(directory)
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x")
     images = [png(100 + i) for i in range(16)]
-
-    async def ask(image: bytes) -> str:
-        r = await client.chat.completions.create(model="tiny", messages=_message("name it", [image]), max_tokens=4,
-                                                 temperature=0)
-        return r.choices[0].message.content
-
-    async def all_of_them() -> list[str]:
-        return await asyncio.gather(*(ask(b) for b in images))
-
-    got = asyncio.run(all_of_them())
-    assert got == [hf_greedy_chat(model, processor, _hf_message("name it", 1), [b], 4) for b in images]
+    got = concurrent_image_replies(server.url, "name it", images, 4)
+    assert got == [hf_greedy_chat(model, processor, hf_chat_message("name it", 1), [b], 4) for b in images]
     assert server.wait_idle()
 
 

@@ -103,3 +103,57 @@ def hf_greedy_chat(model, processor, messages: list[dict], images: list[bytes], 
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
     return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def chat_message(text: str, images: list[bytes]) -> list[dict]:
+    """One OpenAI user message: the images as data-URL parts, then the text."""
+    parts = [{"type": "image_url", "image_url": {"url": data_url(b)}} for b in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def hf_chat_message(text: str, n: int) -> list[dict]:
+    """The same message as the processor's chat template takes it: n image slots, then the text."""
+    return [{"role": "user", "content": [*[{"type": "image"}] * n, {"type": "text", "text": text}]}]
+
+
+def concurrent_image_replies(url: str, text: str, images: list[bytes], max_tokens: int) -> list[str]:
+    """The greedy replies to one request per image, all sent at once to the server at `url`."""
+    import asyncio
+
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x")
+
+    async def ask(image: bytes) -> str:
+        r = await client.chat.completions.create(model="tiny", messages=chat_message(text, [image]),
+                                                 max_tokens=max_tokens, temperature=0)
+        return r.choices[0].message.content
+
+    async def all_of_them() -> list[str]:
+        return await asyncio.gather(*(ask(b) for b in images))
+
+    return asyncio.run(all_of_them())
+
+
+def check_image_keyed_prefix_cache(server, model, processor, text: str, max_tokens: int) -> tuple[str, str]:
+    """The same text after another image hits no cached block (the image's tokens sit in the first
+    block, so its key and every later one differ) and equals transformers; after the same image it
+    hits and replies as before. Returns the replies to the first and to the other image."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+
+    def ask(image: bytes) -> tuple[str, int]:
+        before = server.engine.blocks.prefix_hits
+        out = client.chat.completions.create(model="tiny", messages=chat_message(text, [image]),
+                                             max_tokens=max_tokens, temperature=0).choices[0].message.content
+        assert server.wait_idle()
+        return out, server.engine.blocks.prefix_hits - before
+
+    first, _ = ask(png(21))
+    other, hits = ask(png(22))
+    assert hits == 0
+    assert other == hf_greedy_chat(model, processor, hf_chat_message(text, 1), [png(22)], max_tokens)
+    again, hits = ask(png(21))
+    assert hits > 0 and again == first
+    return first, other
