@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tessera.common.checkpoint import (
@@ -90,3 +91,15 @@ def tiny_gpt2(**overrides) -> ModelConfig:
                 max_seq_len=64, norm="layernorm", activation="gelu", position="learned", bias=True,
                 tie_embeddings=True)
     return ModelConfig(**{**base, **overrides})
+
+
+def refused(capsys, argv: list[str]) -> str:
+    """`tessera-ckpt argv` exits 2 with one line on stderr; returns that line."""
+    from tessera.ckpt_convert.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    return err

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from ckpt_helpers import refused
 
-from tessera.ckpt_convert.cli import main, run
+from tessera.ckpt_convert.cli import run
 
 HERE = Path(__file__).parent
 VOCAB, ROWS = 320, 384  # Megatron pads the vocabulary to a multiple of 128
@@ -113,15 +114,6 @@ def test_megatron_mamba_model_checkpoint_imports_exports_to_transformers_and_bac
             assert torch.equal(loaded[name], tensor), name
 
 
-def _refused(capsys, argv: list[str]) -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    err = capsys.readouterr().err.strip()
-    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
-    return err
-
-
 def test_megatron_hybrid_configs_it_cannot_hold_and_mismatched_patterns_are_one_line(tmp_path, capsys):
     """Megatron's mixer has no projection biases; a --model-config whose pattern is not the
     checkpoint's names the first tensor that does not fit; nothing is written."""
@@ -134,11 +126,11 @@ def test_megatron_hybrid_configs_it_cannot_hold_and_mismatched_patterns_are_one_
     (ckpt / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     biased = {**MODEL, "mamba": {**MODEL["mamba"], "bias": True}}
     (tmp_path / "biased.yaml").write_text(yaml.safe_dump(biased))
-    err = _refused(capsys, ["import", "--format", "megatron", "--input", str(ckpt), "--output", str(tmp_path / "o"),
+    err = refused(capsys, ["import", "--format", "megatron", "--input", str(ckpt), "--output", str(tmp_path / "o"),
                             "--model-config", str(tmp_path / "biased.yaml")])
     assert "mamba.bias=true" in err and "Megatron" in err
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(MODEL))
-    err = _refused(capsys, ["import", "--format", "megatron", "--input", str(ckpt), "--output", str(tmp_path / "o"),
+    err = refused(capsys, ["import", "--format", "megatron", "--input", str(ckpt), "--output", str(tmp_path / "o"),
                             "--model-config", str(tmp_path / "model.yaml")])
     assert "decoder.layers.0.mixer.in_proj.weight.z" in err and "'M-*EM'" in err
     assert not (tmp_path / "o").exists()

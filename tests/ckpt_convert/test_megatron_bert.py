@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from ckpt_helpers import make_checkpoint
+from ckpt_helpers import make_checkpoint, refused
 
-from tessera.ckpt_convert.cli import main, run
+from tessera.ckpt_convert.cli import run
 from tessera.common.checkpoint import load_model_tensors, read_sidecar, resolve_checkpoint
 from tessera.common.models.encoder.config import EncoderConfig
 from tessera.common.models.encoder.model import build_model
@@ -172,15 +172,6 @@ def test_megatron_bert_checkpoints_import_with_megatrons_logits_and_loss_and_our
             assert tensor.dtype == back[key].dtype and torch.equal(tensor, back[key]), (name, key)
 
 
-def _refused(capsys, argv: list[str]) -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    err = capsys.readouterr().err.strip()
-    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
-    return err
-
-
 def test_encoders_megatron_bert_cannot_hold_are_refused_in_one_line_and_a_training_checkpoints_optimizer_is_skipped(
         tmp_path, capsys):
     """Post-LayerNorm BERT (BertModel is pre-LayerNorm), a model without the MLM head, a pooler
@@ -199,14 +190,14 @@ def test_encoders_megatron_bert_cannot_hold_are_refused_in_one_line_and_a_traini
             ({"binary_head": False}, ("pooler=True with binary_head=False",)))):
         cfg = EncoderConfig(**{**MODEL, **over})
         make_checkpoint(tmp_path / f"c{n}", cfg, None)
-        err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / f"c{n}"),
+        err = refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / f"c{n}"),
                                 "--output", str(out)])
         assert all(w in err for w in words), err
         (tmp_path / "m.yaml").write_text(yaml.safe_dump(cfg.model_dump()))
-        err = _refused(capsys, ["import", "--format", "megatron", "--input", str(tmp_path / "mg"), "--output",
+        err = refused(capsys, ["import", "--format", "megatron", "--input", str(tmp_path / "mg"), "--output",
                                 str(out), "--model-config", str(tmp_path / "m.yaml")])
         assert all(w in err for w in words) and "--model-config" in err, err
-    err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "good"), "--output",
+    err = refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "good"), "--output",
                             str(out), "--tensor-parallel", "3"])
     assert "--tensor-parallel 3" in err and "num_heads (4)" in err, err
     # A Megatron-LM training checkpoint holds its optimizer's state beside the model (Megatron's
@@ -224,11 +215,11 @@ def test_encoders_megatron_bert_cannot_hold_are_refused_in_one_line_and_a_traini
     first, back = (load_model_tensors(resolve_checkpoint(tmp_path / d)) for d in ("good", "in"))
     assert first.keys() == back.keys() and all(torch.equal(t, back[k]) for k, t in first.items())
     (tmp_path / "m.yaml").write_text(yaml.safe_dump({**MODEL, "ffn_hidden_size": 96}))
-    err = _refused(capsys, ["import", "--format", "megatron", "--input", str(tmp_path / "mg"), "--output", str(out),
+    err = refused(capsys, ["import", "--format", "megatron", "--input", str(tmp_path / "mg"), "--output", str(out),
                             "--model-config", str(tmp_path / "m.yaml")])
     assert "encoder.layers.mlp.linear_fc1.weight" in err and "--model-config" in err, err
     (tmp_path / "m.yaml").write_text(yaml.safe_dump({**MODEL, "binary_head": False, "pooler": False}))
-    err = _refused(capsys, ["import", "--format", "megatron", "--input", str(tmp_path / "mg"), "--output", str(out),
+    err = refused(capsys, ["import", "--format", "megatron", "--input", str(tmp_path / "mg"), "--output", str(out),
                             "--model-config", str(tmp_path / "m.yaml")])
     assert "binary_head" in err or "pooler" in err, err
     assert not out.exists()

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from ckpt_helpers import refused
 
-from tessera.ckpt_convert.cli import main, run
+from tessera.ckpt_convert.cli import run
 from tessera.common.checkpoint import load_model_tensors, read_sidecar, resolve_checkpoint
 from tessera.common.models.causal_lm.model import build_model
 
@@ -203,15 +204,6 @@ def test_megatron_deepseek_mla_moe_checkpoints_import_with_megatrons_logits_expo
             assert (got[key][..., :vocab] - want).abs().max().item() < 1e-5 * want.abs().max().item(), (name, key)
 
 
-def _refused(capsys, argv: list[str]) -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    err = capsys.readouterr().err.strip()
-    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
-    return err
-
-
 def test_megatron_layouts_it_cannot_hold_and_checkpoints_of_another_kind_are_one_line_with_nothing_written(
         tmp_path, capsys):
     """A tensor-parallel size that does not divide the heads, an MTP depth whose block is MoE where
@@ -224,13 +216,13 @@ def test_megatron_layouts_it_cannot_hold_and_checkpoints_of_another_kind_are_one
 
     make_checkpoint(tmp_path / "ds", ModelConfig(**MODEL), None)
     out = tmp_path / "out"
-    err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "ds"), "--output",
+    err = refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "ds"), "--output",
                             str(out), "--tensor-parallel", "3"])
     assert "--tensor-parallel 3" in err and "num_heads (4)" in err
     # layers 0 MoE, 1 dense (layer_freq 2), the MTP depth's block (layer 2) MoE: Megatron's would be dense
     freq = {**MODEL, "num_layers": 2, "moe": {**MODEL["moe"], "first_k_dense": 0, "layer_freq": 2}}
     make_checkpoint(tmp_path / "freq", ModelConfig(**freq), None)
-    err = _refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "freq"), "--output",
+    err = refused(capsys, ["export", "--format", "megatron", "--checkpoint", str(tmp_path / "freq"), "--output",
                             str(out)])
     assert "model.mtp depth 1" in err and "last decoder layer (dense)" in err
     gpt = tmp_path / "gpt" / "iter_0000001"  # a GPTModel checkpoint's names, stacked layers
@@ -239,11 +231,11 @@ def test_megatron_layouts_it_cannot_hold_and_checkpoints_of_another_kind_are_one
              checkpoint_id=str(gpt), no_dist=True)
     (gpt / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(MODEL))
-    err = _refused(capsys, ["import", "--format", "megatron", "--input", str(gpt), "--output", str(out),
+    err = refused(capsys, ["import", "--format", "megatron", "--input", str(gpt), "--output", str(out),
                             "--model-config", str(tmp_path / "model.yaml")])
     assert "no Megatron tensor decoder.layers.0.input_layernorm.weight" in err
     (tmp_path / "freq.yaml").write_text(yaml.safe_dump(freq))
-    err = _refused(capsys, ["import", "--format", "megatron", "--input", str(gpt), "--output", str(out),
+    err = refused(capsys, ["import", "--format", "megatron", "--input", str(gpt), "--output", str(out),
                             "--model-config", str(tmp_path / "freq.yaml")])
     assert "--model-config: model.mtp depth 1" in err
     assert not out.exists()
