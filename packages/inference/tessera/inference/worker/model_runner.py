@@ -39,6 +39,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("tessera.inference")
 
 
+def undivided(tp: int, counts: list[tuple[str, int | None]]) -> str | None:
+    """The phrase a kind's `tensor_parallel_problem` returns for the first (what, count) that `tp`
+    does not divide (None counts: the config has no such part), or None when it divides them all."""
+    for what, n in counts:
+        if n is not None and n % tp:
+            return f"must divide the {n} {what}"
+    return None
+
+
 class ModelRunner:
     """Executes plans on one device (`forward`); under tensor parallel the engine uses
     `executor.TensorParallelRunner`, which keeps `execute` (sampling on the driver) and sends

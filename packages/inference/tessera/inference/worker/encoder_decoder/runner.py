@@ -29,7 +29,7 @@ from tessera.common.models.encoder_decoder.model import relative_bucket
 from tessera.inference.sample.sampler import Sampler
 from tessera.inference.worker.batch import BatchSeq
 from tessera.inference.worker.kv_cache import dequantize_kv, store_kv
-from tessera.inference.worker.model_runner import ModelRunner
+from tessera.inference.worker.model_runner import ModelRunner, undivided
 
 
 @dataclass
@@ -51,11 +51,8 @@ def tensor_parallel_problem(tp: int, cfg) -> str | None:
     """Why a T5 config cannot be served split over `tp` ranks (a phrase), or None: the plan
     (encoder_decoder/parallelize.py) splits the heads, the MLP width and the vocabulary (never
     padded: exports keep T5's own row count)."""
-    for what, n in (("attention heads", cfg.num_heads), ("MLP width (d_ff)", cfg.d_ff),
-                    ("vocabulary rows", cfg.vocab_size)):
-        if n % tp:
-            return f"must divide the {n} {what}"
-    return None
+    return undivided(tp, [("attention heads", cfg.num_heads), ("MLP width (d_ff)", cfg.d_ff),
+                          ("vocabulary rows", cfg.vocab_size)])
 
 
 class EncoderDecoderRunner(ModelRunner):

@@ -19,6 +19,7 @@ from collections import OrderedDict
 import torch
 
 from tessera.inference.worker.batch import BatchSeq, StepInputs
+from tessera.inference.worker.model_runner import undivided
 from tessera.inference.worker.pooling.runner import DecoderRunner
 
 MAX_KEPT = 256  # requests whose image features are kept between prefill chunks
@@ -36,10 +37,7 @@ def tensor_parallel_problem(tp: int, cfg) -> str | None:
               ("attention heads", t.num_heads), ("key/value heads", t.kv_heads),
               ("language model width (the projector's)", t.hidden_size), ("vocabulary rows", t.vocab_rows),
               ("MLP width", t.ffn_hidden_size if dense else None)]  # MoE experts are replicated
-    for what, n in counts:
-        if n is not None and n % tp:
-            return f"must divide the {n} {what}"
-    return None
+    return undivided(tp, counts)
 
 
 class VisionLanguageRunner(DecoderRunner):

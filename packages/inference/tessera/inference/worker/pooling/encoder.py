@@ -21,7 +21,7 @@ from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.core.sequence import Sequence
 from tessera.inference.worker.batch import ModelRunnerOutput
 from tessera.inference.worker.cpu_linear import pack_linears
-from tessera.inference.worker.model_runner import ModelRunner
+from tessera.inference.worker.model_runner import ModelRunner, undivided
 from tessera.inference.worker.pooling.runner import pool
 
 
@@ -138,11 +138,8 @@ def encoder_runner(model: torch.nn.Module, device: torch.device, dtype: torch.dt
 def encoder_problem(tp: int, cfg) -> str | None:
     """Why an encoder cannot be split over `tp` ranks (a phrase), or None: its plan splits the
     attention heads, the MLP width and the vocabulary rows."""
-    for what, n in (("attention heads", cfg.num_heads), ("MLP width", cfg.ffn_hidden_size),
-                    ("vocabulary rows", cfg.vocab_rows)):
-        if n % tp:
-            return f"must divide the {n} {what}"
-    return None
+    return undivided(tp, [("attention heads", cfg.num_heads), ("MLP width", cfg.ffn_hidden_size),
+                          ("vocabulary rows", cfg.vocab_rows)])
 
 
 class TensorParallelEncoderRunner(EncoderRunner):

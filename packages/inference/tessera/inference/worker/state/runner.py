@@ -31,7 +31,7 @@ from tessera.common.models.hybrid.mamba import MambaMixer, MambaState
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.sample.sampler import Sampler
 from tessera.inference.worker.batch import BatchSeq, ModelRunnerOutput, StepInputs
-from tessera.inference.worker.model_runner import ModelRunner
+from tessera.inference.worker.model_runner import ModelRunner, undivided
 from tessera.inference.worker.state.pool import StatePool, state_bytes_per_sequence
 
 __all__ = ["HybridRunner", "hybrid_block_bytes", "tensor_parallel_problem"]
@@ -57,10 +57,7 @@ def tensor_parallel_problem(tp: int, cfg: HybridConfig) -> str | None:
               ("key/value heads", cfg.kv_heads if "*" in cfg.pattern else None),
               ("MLP width", cfg.ffn_hidden_size if "-" in cfg.pattern else None),
               ("vocabulary rows", cfg.vocab_size)]
-    for what, n in counts:
-        if n is not None and n % tp:
-            return f"must divide the {n} {what}"
-    return None
+    return undivided(tp, counts)
 
 
 class HybridRunner(ModelRunner):
