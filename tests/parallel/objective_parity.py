@@ -23,10 +23,11 @@ import torch
 from parallel_harness import OPTIM, deferred_param_gathers, reference_optimizer
 
 
-def launch(worker: str, out: Path, timeout: int = 280) -> dict:
-    """`torchrun` of two gloo processes on the test file `worker` (its `__main__` writes `out`): the
-    JSON it wrote, after a zero exit."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", worker, str(out)]
+def launch(worker: str, out: Path, *args: str, timeout: int = 280) -> dict:
+    """`torchrun` of two gloo processes on the test file `worker` (its `__main__` writes `out`; `args`
+    follow it on the command line): the JSON it wrote, after a zero exit."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", worker, str(out),
+           *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -88,10 +89,12 @@ def check_grads(errors: dict[str, float], part, whole, exact, groups, untouched:
 
 def reference_training(model: torch.nn.Module, batch: Callable[[int], tuple[Any, torch.Tensor]],
                        loss: Callable[[torch.nn.Module, Any, torch.Tensor], torch.Tensor],
-                       train: dict[str, int]) -> tuple[list[float], dict[str, torch.nn.Parameter]]:
+                       train: dict[str, int], norms: list[float] | None = None,
+                       ) -> tuple[list[float], dict[str, torch.nn.Parameter]]:
     """One process: the plain model, torch's AdamW (no decay on vectors), clipping; each step's
     loss the mean of its micro-batches' `loss(model, rows, labels)`, as the kind's step takes it.
-    Returns the per-step losses and the parameters after the steps."""
+    Returns the per-step losses and the parameters after the steps; appends each step's pre-clip
+    gradient norm (over the parameters that have a gradient) to `norms` when given."""
     opt = reference_optimizer(model)
     mb, n = train["micro_batch"], train["global_batch"] // train["micro_batch"]
     losses = []
@@ -104,7 +107,9 @@ def reference_training(model: torch.nn.Module, batch: Callable[[int], tuple[Any,
             part = loss(model, inputs[rows], labels[rows]) / n
             part.backward()
             total += part.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"])
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"])  # over the grads there are
+        if norms is not None:
+            norms.append(float(norm))
         opt.step()
         losses.append(total)
     return losses, dict(model.named_parameters())

@@ -21,7 +21,6 @@ straight.yaml split.yaml`).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -59,10 +58,10 @@ SIGLIP = {**MODEL, "vision": {**VISION, "arch": "siglip", "head": True}}
 
 @pytest.mark.distributed
 def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_and_resumes_bit_exact(tmp_path):
-    import subprocess
-
     pytest.importorskip("PIL")
     sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+    from objective_parity import launch, over
     from vlm_fixtures import image_text_data, vlm_config
 
     from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
@@ -73,12 +72,7 @@ def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_
                              recompute="full")
             for name in ("one", "straight", "split")}
     assert main(["--config", str(runs["one"]), "--quiet", "logging.params_norm=true"]) == 0
-    out = tmp_path / "errors.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(out),
-           str(runs["straight"]), str(runs["split"])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    errors = json.loads(out.read_text())
+    errors = launch(__file__, tmp_path / "errors.json", str(runs["straight"]), str(runs["split"]))
     assert set(errors) == set(LAYOUTS) | set(FROZEN) | set(PACKED) | set(TEXT_RANK) | {"pp2_tied", "siglip_fsdp2_init",
                                                                                 "dp2_overlap_param_gather"}, errors
     # overlap_param_gather is exact: the same collectives, waited for before any weight is read.
@@ -91,8 +85,7 @@ def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_
     # replayed global tensor): measured 0.64 (SigLIP 0.62) of the whole model's fp32 bytes;
     # building the whole model on each rank and cutting it peaked at 1.10 (SigLIP 1.08).
     assert errors["fsdp2"].pop(BUILD_PEAK) < 0.75, errors["fsdp2"]
-    bad = {f"{layout}: {k}": v for layout, e in errors.items() for k, v in e.items() if not v <= 1e-5}
-    assert not bad, errors
+    assert not over(errors, 1e-5), errors
 
     a = load_model_tensors(resolve_checkpoint(tmp_path / "straight/run/checkpoints"))
     b = load_model_tensors(resolve_checkpoint(tmp_path / "split/run/checkpoints"))
@@ -144,7 +137,7 @@ def _reference(cfg, freeze: tuple[str, ...], packed: bool = False, text_rank: bo
     """One process: the plain model (parts frozen as training.freeze does), torch's AdamW over the
     parameters that train, clipping; each micro-batch's mean answer loss / micro-batches, as
     VisionLanguageStep takes it. Returns losses, pre-clip gradient norms, parameters."""
-    from parallel_harness import OPTIM, reference_optimizer
+    from objective_parity import reference_training
 
     from tessera.common.models import registry
     from tessera.trainer.components.model_setup import apply_freeze
@@ -152,27 +145,15 @@ def _reference(cfg, freeze: tuple[str, ...], packed: bool = False, text_rank: bo
 
     model = registry.kind_of(cfg).build(cfg, seed=0)
     apply_freeze(model, freeze)
-    opt = reference_optimizer(model)
+    norms = []
+    losses, params = reference_training(model, lambda step: _batch(step, cfg, packed, text_rank),
+                                        vision_language_loss, TRAIN, norms)
     mb, n = TRAIN["micro_batch"], TRAIN["global_batch"] // TRAIN["micro_batch"]
-    losses, norms = [], []
-    for step in range(TRAIN["steps"]):
-        batch, labels = _batch(step, cfg, packed, text_rank)
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for i in range(n):
-            rows = slice(i * mb, (i + 1) * mb)
-            loss = vision_language_loss(model, batch[rows], labels[rows]) / n
-            loss.backward()
-            total += loss.item()
-        trained = [p for p in model.parameters() if p.grad is not None]
-        norms.append(float(torch.nn.utils.clip_grad_norm_(trained, OPTIM["grad_clip"])))
-        opt.step()
-        losses.append(total)
     with torch.no_grad():  # evaluation after the steps: a held-out batch's micro-batch means, averaged
         batch, labels = _batch(EVAL, cfg, packed, text_rank)
         losses.append(sum(vision_language_loss(model, batch[slice(i * mb, (i + 1) * mb)],
                                                labels[slice(i * mb, (i + 1) * mb)]).item() for i in range(n)) / n)
-    return losses, norms, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses, norms, {k: v.detach().clone() for k, v in params.items()}
 
 
 def _runtime(name: str, layout_kw: dict, cfg, freeze: tuple[str, ...] = (), overlap: bool = False):
@@ -182,7 +163,7 @@ def _runtime(name: str, layout_kw: dict, cfg, freeze: tuple[str, ...] = (), over
     model's fp32 weights."""
     import contextlib
 
-    import torch.distributed as dist
+    from objective_parity import worst_over_ranks
     from parallel_harness import OPTIM
     from plan_worker import PeakBytes
 
@@ -211,11 +192,7 @@ def _runtime(name: str, layout_kw: dict, cfg, freeze: tuple[str, ...] = (), over
     with PeakBytes() if measure else contextlib.nullcontext() as held:
         rt = ParallelRuntime.build(cfg, groups, training, parallel, OptimConfig(**OPTIM), build_model=build,
                                    objective=parallel_objective(cfg))
-    peak = None
-    if measure:
-        worst = torch.tensor(held.peak / (4 * cfg.num_params()))
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        peak = float(worst)
+    peak = worst_over_ranks({"peak": held.peak / (4 * cfg.num_params())})["peak"] if measure else None
     return rt, groups, peak
 
 
@@ -250,6 +227,7 @@ def _initial_weights(name: str, layout_kw: dict, cfg) -> dict[str, float]:
 def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], initial,
            packed: bool = False, text_rank: bool = False) -> dict[str, float]:
     import torch.distributed as dist
+    from objective_parity import worst_over_ranks
 
     rt, groups, peak = _runtime(name, layout_kw, cfg, freeze)
     ref_losses, ref_norms, ref_params = reference
@@ -273,9 +251,7 @@ def _train(name: str, layout_kw: dict, cfg, reference, freeze: tuple[str, ...], 
             frozen += 1
             changed = torch.maximum(changed, (got - _global_piece(p, initial[pname], groups)[1]).abs().max())
     errors["params after steps (normwise)"] = float((diff / norm).sqrt())
-    worst = torch.tensor(list(errors.values()))
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    out = dict(zip(errors, worst.tolist()))
+    out = worst_over_ranks(errors)
     if name == "fsdp2":
         out[BUILD_PEAK] = peak
     if freeze:
