@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_race import OutputsDiffer, race, run_engine, spec_summary  # noqa: E402
+from engine_race import checked_race, run_engine, spec_summary  # noqa: E402
 
 # DeepSeek-V3's config.json fields, scaled down (V3: 7168 hidden, 61 layers, 128 heads, q-lora 1536,
 # kv-lora 512, rope 64, nope 128, v 128, 256 routed experts top-8 in 8 groups top-4).
@@ -111,11 +111,10 @@ def main() -> int:
 
         for engine in engines.values():  # warm-up (oneDNN primitives, allocator), not timed
             run_engine(engine, [q[:16] for q in prompts[:4]], 4)
-        try:
-            rounds, outputs = race(engines, prompts, args.max_tokens, args.rounds, same=("plain", "spec"))
-        except OutputsDiffer as e:
-            print(f"deepseek_serving: {e}", file=sys.stderr)
+        raced = checked_race("deepseek_serving", engines, prompts, args.max_tokens, args.rounds, ("plain", "spec"))
+        if raced is None:
             return 1
+        rounds, outputs = raced
         total = {name: sum(secs) for name, secs in rounds.items()}
         tokens = args.rounds * args.num_prompts * args.max_tokens
         per_round = args.num_prompts * args.max_tokens

@@ -6,6 +6,7 @@ benchmarks/speculative.py and deepseek_serving.py."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 
@@ -40,6 +41,17 @@ def race(engines: dict, prompts: list[list[int]], max_tokens: int, rounds: int,
         if same is not None and same[0] in engines and same[1] in engines and outputs[same[0]] != outputs[same[1]]:
             raise OutputsDiffer(f"outputs differ between the {same[0]} and the {same[1]} engine")
     return secs, outputs
+
+
+def checked_race(program: str, engines: dict, prompts: list[list[int]], max_tokens: int, rounds: int,
+                 same: tuple[str, str]) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]] | None:
+    """`race`, with engines that must agree: None after saying on stderr, in one line headed by
+    `program`, which two differed (the benchmark then exits 1)."""
+    try:
+        return race(engines, prompts, max_tokens, rounds, same)
+    except OutputsDiffer as e:
+        print(f"{program}: {e}", file=sys.stderr)
+        return None
 
 
 def spec_summary(engine) -> str:

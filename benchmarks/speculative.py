@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_race import OutputsDiffer, race, spec_summary  # noqa: E402
+from engine_race import checked_race, spec_summary  # noqa: E402
 
 
 def make_prompts(tokenizer, num: int, length: int, repeats: int) -> list[list[int]]:
@@ -79,11 +79,10 @@ def main() -> int:
                     enable_prefix_caching=False)
         engines = {"plain": LLMEngine(loaded, EngineConfig(**base), dev, dtype),
                    "ngram": LLMEngine(loaded, EngineConfig(**base, speculative=spec), dev, dtype)}
-        try:
-            secs, _ = race(engines, prompts, args.max_tokens, args.rounds, same=("plain", "ngram"))
-        except OutputsDiffer as e:
-            print(f"speculative: {e}", file=sys.stderr)
+        raced = checked_race("speculative", engines, prompts, args.max_tokens, args.rounds, ("plain", "ngram"))
+        if raced is None:
             return 1
+        secs, _ = raced
         total = {name: sum(s) for name, s in secs.items()}
         tokens = args.rounds * args.num_prompts * args.max_tokens
         print(f"model {args.preset}: {loaded.config.num_params() / 1e6:.1f}M "
