@@ -92,3 +92,15 @@ def with_wire_images(batch: list[BatchSeq], wire: list | None) -> list[BatchSeq]
         batch[i] = replace(batch[i], request_id=request_id,
                            images=tuple(ImageInput.model_validate(im) for im in images))
     return batch
+
+
+def right_padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows as one right-padded [N, longest] id tensor (0 where padding) and its bool mask of
+    real positions, on `device` (the encoder runners' padded batches)."""
+    longest = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask = torch.zeros(len(rows), longest, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = True
+    return ids.to(device), mask.to(device)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tessera.common.errors import UserError
 from tessera.common.models.encoder_decoder.model import relative_bucket
 from tessera.inference.sample.sampler import Sampler
-from tessera.inference.worker.batch import BatchSeq
+from tessera.inference.worker.batch import BatchSeq, right_padded
 from tessera.inference.worker.kv_cache import dequantize_kv, store_kv
 from tessera.inference.worker.model_runner import ModelRunner, undivided
 
@@ -130,13 +130,7 @@ class EncoderDecoderRunner(ModelRunner):
     def _encode(self, seqs: list[tuple[list[int], list[int]]]) -> None:
         """The encoder over the new sequences' prompts (right-padded), then each decoder layer's
         cross-attention K/V of every real position into the sequence's first slots."""
-        longest = max(len(p) for p, _ in seqs)
-        ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-        mask = torch.zeros(len(seqs), longest, dtype=torch.bool)
-        for i, (prompt, _) in enumerate(seqs):
-            ids[i, :len(prompt)] = torch.tensor(prompt)
-            mask[i, :len(prompt)] = True
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = right_padded([prompt for prompt, _ in seqs], self.device)
         enc = self.model.encode(ids, mask.long() if len(seqs) > 1 else None)
         rows = enc[mask]  # [sum P, d]: real positions only, in sequence order
         slots = torch.tensor([s for prompt, table in seqs for s in self._slots(table, 0, len(prompt))],

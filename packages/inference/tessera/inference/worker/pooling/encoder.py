@@ -19,7 +19,7 @@ import torch
 from tessera.inference.core.block_manager import BlockManager
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.core.sequence import Sequence
-from tessera.inference.worker.batch import ModelRunnerOutput
+from tessera.inference.worker.batch import ModelRunnerOutput, right_padded
 from tessera.inference.worker.cpu_linear import pack_linears
 from tessera.inference.worker.model_runner import ModelRunner, undivided
 from tessera.inference.worker.pooling.runner import pool
@@ -87,13 +87,7 @@ class EncoderRunner(ModelRunner):
         return pooled
 
     def _run(self, group: list[tuple[str, list[int]]], pooled: dict[str, list[float]]) -> None:
-        width = max(len(ids) for _, ids in group)
-        tokens = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.bool)
-        for i, (_, ids) in enumerate(group):
-            tokens[i, :len(ids)] = torch.tensor(ids)
-            mask[i, :len(ids)] = True
-        tokens, mask = tokens.to(self.device), mask.to(self.device)
+        tokens, mask = right_padded([ids for _, ids in group], self.device)
         result = self.model(tokens, attention_mask=None if bool(mask.all()) else mask, return_hidden=True)
         hidden = result if isinstance(result, torch.Tensor) else result.hidden
         for i, (request_id, ids) in enumerate(group):
