@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from live_server import LiveServer
 from vlm_serving_helpers import (
+    LIMITS,
     chat_message,
     check_image_keyed_prefix_cache,
     concurrent_image_replies,
@@ -19,14 +20,8 @@ from vlm_serving_helpers import (
     png,
 )
 
-from tessera.inference.core.image_inputs import ImageLimits
-from tessera.inference.entrypoints.server import ServerLimits
-
 pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
-
-LIMITS = ServerLimits(max_prompt_tokens=200, max_tokens=32, max_body_bytes=200_000,
-                      images=ImageLimits(max_images=2, max_bytes=20_000, max_pixels=100_000))
 
 
 @pytest.fixture(scope="module", params=["clip", "siglip"])

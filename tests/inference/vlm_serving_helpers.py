@@ -13,6 +13,9 @@ import numpy as np
 import torch
 from inference_helpers import train_tokenizer
 
+from tessera.inference.core.image_inputs import ImageLimits
+from tessera.inference.entrypoints.server import ServerLimits
+
 # LLaVA-1.5's template shape: each message's images first, then its text parts.
 LLAVA_TEMPLATE = (
     "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
@@ -20,6 +23,9 @@ LLAVA_TEMPLATE = (
     "{% for c in message['content'] %}{% if c['type'] == 'text' %}{{ c['text'] + ' ' }}{% endif %}{% endfor %}"
     "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 SIZE, PATCH = 32, 8
+# The serving tests' limits: small enough that an image over 20 kB or a third image is refused.
+LIMITS = ServerLimits(max_prompt_tokens=200, max_tokens=32, max_body_bytes=200_000,
+                      images=ImageLimits(max_images=2, max_bytes=20_000, max_pixels=100_000))
 
 
 def png(seed: int, size: int = 40) -> bytes:
