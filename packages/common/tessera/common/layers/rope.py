@@ -23,7 +23,7 @@ from torch import nn
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.kernels import apply_rope
 
-__all__ = ["RotaryEmbedding", "apply_rope", "rope_inv_freq"]  # apply_rope lives beside its kernel
+__all__ = ["RotaryEmbedding", "apply_rope", "reset_rotary_tables", "rope_inv_freq"]  # apply_rope lives beside its kernel
 
 
 def _plain_inv_freq(dim: int, theta: float) -> torch.Tensor:
@@ -136,3 +136,11 @@ class RotaryEmbedding(nn.Module):
                 cos, sin = _tables(inv_freq.to(positions.device), factor, positions)
                 return cos.unsqueeze(2), sin.unsqueeze(2)
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+
+
+def reset_rotary_tables(model: nn.Module) -> None:
+    """Recompute every rotary table in `model` (wherever its language model sits): they are
+    computed, not stored, so after `to_empty` (a meta build, a shard load) they hold garbage."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_parameters()

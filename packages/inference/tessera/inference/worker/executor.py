@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from tessera.common.errors import UserError
-from tessera.common.layers.rope import RotaryEmbedding
+from tessera.common.layers.rope import reset_rotary_tables
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.sample.sampler import Sampler
@@ -117,9 +117,7 @@ def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.dev
     else:
         # (A vision-language config has no kv_heads of its own: its key/value heads are never replicated.)
         _load_dcp_shard(path, params, buffers, groups, stored, getattr(cfg, "kv_heads", groups.tp))
-    for module in model.modules():  # (a vision-language model's sits in its language model)
-        if isinstance(module, RotaryEmbedding):
-            module.reset_parameters()  # computed, not stored: to_empty left it uninitialised
+    reset_rotary_tables(model)  # computed, not stored: to_empty left them uninitialised
     return model.to(dtype=dtype).eval()
 
 

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tessera.common.layers.moe import Experts, MoE
-from tessera.common.layers.rope import RotaryEmbedding
+from tessera.common.layers.rope import reset_rotary_tables
 from tessera.common.models.registry import kind_of
 from tessera.common.parallel.expert_parallel import is_expert_shard
 from tessera.common.parallel.layers import allocate as _allocate
@@ -89,9 +89,8 @@ def materialize_stages(stages: list[nn.Module], groups: ParallelGroups, seed: in
     for st in stages:
         _allocate(st, device)
         st.reset_buffers()
+        reset_rotary_tables(st)  # the tables (buffers), wherever the LM sits (LLaVA's language_model)
         for m in st.modules():
-            if isinstance(m, RotaryEmbedding):  # the tables (buffers), wherever the LM sits (LLaVA's language_model)
-                m.reset_parameters()
             if isinstance(m, MoE):
                 m.expert_bias.zero_()  # model state, not a parameter: starts at zero as in init_weights
         for name, p in st.global_params().items():

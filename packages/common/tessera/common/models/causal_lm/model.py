@@ -34,6 +34,7 @@ from tessera.common.layers.moe import AuxLoss, MoE
 from tessera.common.layers.norms import RMSNorm, add_norm, make_norm
 from tessera.common.layers.rope import RotaryEmbedding
 from tessera.common.layers.self_attention import Attention, AttentionFn
+from tessera.common.models.build import build_on_meta
 from tessera.common.models.causal_lm.config import ModelConfig
 
 __all__ = ["Block", "MTPLayer", "MultiTokenPrediction", "Transformer", "build_model", "mask_vocab_padding", "model_tensor_shapes"]
@@ -309,21 +310,9 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     seed: int | None = 0,
 ) -> Transformer:
-    """Build on the meta device, materialise on `device`, and initialise (seeded) in place.
-
-    No memory is allocated twice: parameters exist only once, on the target device. With
-    seed=None the weights are left uninitialised (for loading a checkpoint over them).
-    """
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device=device)
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-        model.init_weights(generator)
-    elif model.rotary is not None:
-        model.rotary.reset_parameters()
-    return model.to(dtype=dtype) if dtype != torch.float32 else model
+    """Built on the meta device, materialised on `device`, initialised in place from `seed`
+    (None: left for a checkpoint): tessera.common.models.build.build_on_meta."""
+    return build_on_meta(lambda: Transformer(cfg), device, dtype, seed)
 
 
 def model_tensor_shapes(cfg: ModelConfig, buffers: bool = True) -> dict[str, tuple[int, ...]]:

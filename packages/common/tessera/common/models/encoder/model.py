@@ -30,6 +30,7 @@ from tessera.common.layers.attention import BidirectionalAttention
 from tessera.common.layers.mlp import MLP
 from tessera.common.layers.norms import add_norm, make_norm
 from tessera.common.layers.self_attention import Attention
+from tessera.common.models.build import build_on_meta
 from tessera.common.models.causal_lm.model import mask_vocab_padding
 from tessera.common.models.encoder.config import EncoderConfig, EncoderLayerConfig
 
@@ -242,14 +243,9 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     seed: int | None = 0,
 ) -> EncoderModel:
-    """Build on the meta device, materialise on `device`, and initialise (seeded) in place; with
-    seed=None the weights are left uninitialised (for loading a checkpoint over them)."""
-    with torch.device("meta"):
-        model = EncoderModel(cfg)
-    model.to_empty(device=device)
-    if seed is not None:
-        model.init_weights(torch.Generator(device=device).manual_seed(seed))
-    return model.to(dtype=dtype) if dtype != torch.float32 else model
+    """Built on the meta device, materialised on `device`, initialised in place from `seed`
+    (None: left for a checkpoint): tessera.common.models.build.build_on_meta."""
+    return build_on_meta(lambda: EncoderModel(cfg), device, dtype, seed)
 
 
 def model_tensor_shapes(cfg: EncoderConfig, buffers: bool = True) -> dict[str, tuple[int, ...]]:

@@ -18,6 +18,7 @@ from tessera.common.layers.attention import BidirectionalAttention
 from tessera.common.layers.mlp import MLP
 from tessera.common.layers.norms import RMSNorm
 from tessera.common.layers.self_attention import Attention
+from tessera.common.models.build import build_on_meta
 from tessera.common.models.encoder_decoder.config import T5Config
 
 # Parameters with one row per vocabulary entry (split by vocabulary rows under tensor parallel).
@@ -197,14 +198,9 @@ class T5Model(nn.Module):
 
 def build_model(cfg: T5Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int | None = 0) -> T5Model:
-    """Build on the meta device, materialise on `device`, and initialise (seeded) in place; with
-    seed=None the weights are left uninitialised (for loading a checkpoint over them)."""
-    with torch.device("meta"):
-        model = T5Model(cfg)
-    model.to_empty(device=device)
-    if seed is not None:
-        model.init_weights(torch.Generator(device=device).manual_seed(seed))
-    return model.to(dtype=dtype) if dtype != torch.float32 else model
+    """Built on the meta device, materialised on `device`, initialised in place from `seed`
+    (None: left for a checkpoint): tessera.common.models.build.build_on_meta."""
+    return build_on_meta(lambda: T5Model(cfg), device, dtype, seed)
 
 
 def model_tensor_shapes(cfg: T5Config) -> dict[str, tuple[int, ...]]:

@@ -29,6 +29,7 @@ from tessera.common.layers.mlp import MLP
 from tessera.common.layers.moe import MoE
 from tessera.common.layers.norms import RMSNorm
 from tessera.common.layers.self_attention import Attention
+from tessera.common.models.build import build_on_meta
 from tessera.common.models.hybrid.config import HybridConfig, LayerConfig
 from tessera.common.models.hybrid.mamba import CausalConv1d, GatedRMSNorm, MambaMixer
 
@@ -142,14 +143,9 @@ class HybridModel(nn.Module):
 
 def build_model(cfg: HybridConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int | None = 0) -> HybridModel:
-    """Build on the meta device, materialise on `device`, and initialise (seeded) in place; with
-    seed=None the weights are left uninitialised (for loading a checkpoint over them)."""
-    with torch.device("meta"):
-        model = HybridModel(cfg)
-    model.to_empty(device=device)
-    if seed is not None:
-        model.init_weights(torch.Generator(device=device).manual_seed(seed))
-    return model.to(dtype=dtype) if dtype != torch.float32 else model
+    """Built on the meta device, materialised on `device`, initialised in place from `seed`
+    (None: left for a checkpoint): tessera.common.models.build.build_on_meta."""
+    return build_on_meta(lambda: HybridModel(cfg), device, dtype, seed)
 
 
 def model_tensor_shapes(cfg: HybridConfig) -> dict[str, tuple[int, ...]]:

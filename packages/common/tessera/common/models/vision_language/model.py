@@ -21,6 +21,7 @@ from torch import nn
 
 from tessera.common.layers.mlp import MLP
 from tessera.common.layers.self_attention import Attention
+from tessera.common.models.build import build_on_meta
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.models.causal_lm.model import model_tensor_shapes as lm_tensor_shapes
 from tessera.common.models.vision_language.config import VisionConfig, VisionLanguageConfig, VisionLayerConfig
@@ -216,16 +217,9 @@ class VisionLanguageModel(nn.Module):
 
 def build_model(cfg: VisionLanguageConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int | None = 0) -> VisionLanguageModel:
-    """Built on the meta device, materialised on `device`, initialised (seeded) in place; seed=None
-    leaves the weights for a checkpoint (the language model's rotary tables are still computed)."""
-    with torch.device("meta"):
-        model = VisionLanguageModel(cfg)
-    model.to_empty(device=device)
-    if seed is not None:
-        model.init_weights(torch.Generator(device=device).manual_seed(seed))
-    elif model.language_model.rotary is not None:
-        model.language_model.rotary.reset_parameters()
-    return model.to(dtype=dtype) if dtype != torch.float32 else model
+    """Built on the meta device, materialised on `device`, initialised in place from `seed`
+    (None: left for a checkpoint): tessera.common.models.build.build_on_meta."""
+    return build_on_meta(lambda: VisionLanguageModel(cfg), device, dtype, seed)
 
 
 def model_tensor_shapes(cfg: VisionLanguageConfig, buffers: bool = True) -> dict[str, tuple[int, ...]]:
