@@ -169,3 +169,27 @@ def assert_alive_and_drained(client, frontend, engine, drain_s: float = 30) -> N
     while (engine.blocks.num_used or frontend.num_active()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.blocks.num_used == 0 and frontend.num_active() == 0
+
+
+def check_alone_then_concurrent_greedy(server, prompts: list[list[int]], expected: list[list[int]], tokenizer,
+                                       max_tokens: int, first: int = 0) -> None:
+    """Over HTTP: prompt `first` alone, then every prompt at once (one thread each); each reply's
+    text is its expected greedy tokens', some sequences were preempted (the callers size the KV
+    pool below what runs), and every block came back."""
+    import concurrent.futures as cf
+
+    import httpx
+
+    body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    one = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": prompts[first]}, timeout=60)
+    assert one.status_code == 200, one.text
+    assert one.json()["choices"][0]["text"] == tokenizer.decode(expected[first])
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        futs = [pool.submit(httpx.post, f"{server.url}/v1/completions", json={**body, "prompt": p}, timeout=120)
+                for p in prompts]
+        replies = [f.result() for f in futs]
+    for prompt, reply, want in zip(prompts, replies, expected):
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == tokenizer.decode(want), prompt
+    assert server.engine.scheduler.num_preemptions > 0
+    assert server.wait_idle()  # every block came back

@@ -6,13 +6,10 @@ prefill and preemption."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-
-import httpx
 import pytest
 import torch
 from deepseek_hf import YARN, build_hf
-from inference_helpers import hf_greedy, make_engine, run_all, token_ids
+from inference_helpers import check_alone_then_concurrent_greedy, hf_greedy, make_engine, run_all, token_ids
 from live_server import LiveServer
 from test_hf_serving import _save
 
@@ -64,20 +61,8 @@ def test_one_request_and_sixteen_concurrent_with_chunked_prefill_and_preemption_
     tokenizer = load_tokenizer(export)
     s = LiveServer(export, block_size=8, num_kv_blocks=10, max_model_len=48, max_num_batched_tokens=16,
                    max_num_seqs=16)
-    body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
     try:
-        one = httpx.post(f"{s.url}/v1/completions", json={**body, "prompt": prompts[0]}, timeout=60)
-        assert one.status_code == 200, one.text
-        assert one.json()["choices"][0]["text"] == tokenizer.decode(expected[0])
-        with cf.ThreadPoolExecutor(16) as pool:
-            futs = [pool.submit(httpx.post, f"{s.url}/v1/completions", json={**body, "prompt": p}, timeout=120)
-                    for p in prompts]
-            replies = [f.result() for f in futs]
-        for prompt, reply, want in zip(prompts, replies, expected):
-            assert reply.status_code == 200, reply.text
-            assert reply.json()["choices"][0]["text"] == tokenizer.decode(want), prompt
-        assert s.engine.scheduler.num_preemptions > 0
-        assert s.wait_idle()
+        check_alone_then_concurrent_greedy(s, prompts, expected, tokenizer, 5)
     finally:
         s.stop()
 

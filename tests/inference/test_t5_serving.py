@@ -6,14 +6,13 @@ in one line."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import logging
 
 import httpx
 import pytest
 import torch
-from inference_helpers import make_engine, run_all, token_ids
+from inference_helpers import check_alone_then_concurrent_greedy, make_engine, run_all, token_ids
 from live_server import LiveServer
 from test_hf_serving import _save
 
@@ -87,19 +86,7 @@ def test_one_and_32_concurrent_greedy_completions_with_preemption_equal_transfor
     s = LiveServer(export, block_size=8, num_kv_blocks=12, max_model_len=48, max_num_batched_tokens=32,
                    max_num_seqs=32, enable_prefix_caching=False)
     try:
-        body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        one = httpx.post(f"{s.url}/v1/completions", json={**body, "prompt": prompts[3]}, timeout=60)
-        assert one.status_code == 200, one.text
-        assert one.json()["choices"][0]["text"] == tokenizer.decode(expected[3])
-        with cf.ThreadPoolExecutor(32) as pool:
-            futs = [pool.submit(httpx.post, f"{s.url}/v1/completions", json={**body, "prompt": p}, timeout=120)
-                    for p in prompts]
-            replies = [f.result() for f in futs]
-        for prompt, reply, want in zip(prompts, replies, expected):
-            assert reply.status_code == 200, reply.text
-            assert reply.json()["choices"][0]["text"] == tokenizer.decode(want), prompt
-        assert s.engine.scheduler.num_preemptions > 0
-        assert s.wait_idle()  # every block came back
+        check_alone_then_concurrent_greedy(s, prompts, expected, tokenizer, 8, first=3)
     finally:
         s.stop()
 
