@@ -176,10 +176,11 @@ def _die_with_parent() -> None:
 
 def _worker_main(rank: int, world: int, store_path: str, init: dict, conn: Connection) -> None:
     _die_with_parent()
-    # The driver decides when to stop: a Ctrl-C or a SIGTERM sent to the whole group (systemd's
-    # default) must not end a worker while the server drains; the driver's death still does (above).
+    # The driver decides when to stop: a Ctrl-C sent to the whole group must not end a worker while
+    # the server drains; the driver's death still does (above). SIGTERM keeps its default: the
+    # workers are daemons, which multiprocessing ends with SIGTERM at the driver's exit (ignoring it
+    # would hang that exit on any worker still alive).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     code = 0
     try:
         code = _worker(rank, world, store_path, init, conn)
