@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -95,8 +96,33 @@ def write_assets(root: Path, words: int = 8000, documents: int = 400, words_per_
     return assets, data
 
 
+def torchtitan_release() -> tuple[int, int]:
+    """(major, minor) of the installed torchtitan, read from its metadata without importing torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("torchtitan")
+    except PackageNotFoundError:
+        raise SystemExit("torchtitan is not installed: install its wheel (benchmarks/gpu_session.py "
+                         "--install-torchtitan on the GPU machine, or pip install torchtitan)") from None
+    major, minor = (int(part) for part in re.match(r"(\d+)\.(\d+)", release).groups())
+    return major, minor
+
+
+def uses_job_config() -> bool:
+    """torchtitan 0.2.x is configured by a JobConfig dataclass parsed from TOML and CLI flags; 0.3.0
+    by Trainer.Config objects built in Python (its config registry)."""
+    return torchtitan_release() < (0, 3)
+
+
+def attention_backends() -> tuple[str, ...]:
+    """The installed torchtitan's attention backends, its default first."""
+    return ("sdpa", "flex", "varlen") if uses_job_config() else ("flex", "flex_flash", "varlen")
+
+
 def trainer_config(args: argparse.Namespace, assets: Path, data: Path, dump: Path):
-    """torchtitan's Trainer.Config for this run (see the module docstring)."""
+    """torchtitan 0.3.0's Trainer.Config for this run (needs torch 2.14: it imports
+    torch.distributed.fsdp.DataParallelMeshDims, which 2.11 lacks; see the module docstring)."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.quantization import Float8LinearConverter
@@ -104,7 +130,7 @@ def trainer_config(args: argparse.Namespace, assets: Path, data: Path, dump: Pat
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
     from torchtitan.models.llama3 import model_registry
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+    from torchtitan.models.llama3.config_registry import decoder_vocab_size, llama3_debugmodel
 
     config = llama3_debugmodel()
     converters = None
@@ -112,6 +138,7 @@ def trainer_config(args: argparse.Namespace, assets: Path, data: Path, dump: Pat
         converters = [Float8LinearConverter.Config(recipe_name=args.fp8_recipe, filter_fqns=["lm_head"],
                                                    model_compile_enabled=not args.no_compile)]
     config.model_spec = model_registry(args.flavor, attn_backend=args.attn_backend, converters=converters)
+    config.loss.loss_fn.global_vocab_size = decoder_vocab_size(config.model_spec)  # the debug model's is 2048
     config.hf_assets_path = str(assets)
     config.dump_folder = str(dump)
     config.training = TrainingConfig(local_batch_size=args.batch, seq_len=args.seq, steps=args.warmup + args.steps,
@@ -123,6 +150,96 @@ def trainer_config(args: argparse.Namespace, assets: Path, data: Path, dump: Pat
     config.activation_checkpoint = None
     config.compile = CompileConfig(enable=not args.no_compile, components=["model", "loss"])
     return config
+
+
+# torchtitan 0.2.x has no 1B flavor: Llama 3.2 1B as its TransformerModelArgs (ffn: 4 x 2048 x 2/3
+# x 1.5 rounded up to 1024 = 8192; rope scaled by 32 from 8192 positions), and its embedding tied
+# to the output head by a model converter, as 0.3.0's "1B" (enable_weight_tying) and Tessera's preset.
+LLAMA32_1B = dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.5,
+                  multiple_of=1024, rope_theta=500000.0)
+TIE = "tie_embeddings"
+
+
+class TieEmbeddings:
+    """torchtitan 0.2.x model converter: the output head shares the token embedding's weight."""
+
+    def __init__(self, job_config, parallel_dims):
+        pass
+
+    def convert(self, model) -> None:
+        model.output.weight = model.tok_embeddings.weight
+
+    def post_optimizer_hook(self, model) -> None:
+        pass
+
+
+def register_flavor(flavor: str, attn_backend: str) -> list[str]:
+    """torchtitan 0.2.x: `flavor` with `attn_backend` in its llama3 registry (1B added as Llama 3.2
+    1B, its other flavors as they are); the model converters the flavor needs."""
+    import dataclasses
+
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
+    from torchtitan.protocols import model_converter
+
+    mask = "block_causal" if attn_backend == "varlen" else "causal"  # varlen takes documents only
+    if flavor != "1B":
+        llama3_args[flavor] = dataclasses.replace(llama3_args[flavor], attn_type=attn_backend, attn_mask_type=mask)
+        return []
+    llama3_args[flavor] = TransformerModelArgs(**LLAMA32_1B, rope_scaling_args=RoPEScalingArgs(scaling_factor=32.0),
+                                               attn_type=attn_backend, attn_mask_type=mask)
+    if TIE not in model_converter._registry_model_converter_cls:
+        model_converter.register_model_converter(TieEmbeddings, TIE)
+    return [TIE]
+
+
+def job_toml(args: argparse.Namespace, assets: Path, data: Path, dump: Path, converters: list[str]) -> str:
+    """torchtitan 0.2.x's job config for this run, as the TOML its train.py reads (--job.config_file),
+    with the optimizer and LR schedule of its llama3 debug model (AdamW 8e-4, 2 warmup steps,
+    linear decay over the last 80%)."""
+    fp8 = args.precision == "fp8"
+    sections = {
+        "job": {"dump_folder": str(dump), "description": f"Tessera peer: llama3 {args.flavor} {args.precision}"},
+        "metrics": {"log_freq": 1},
+        "model": {"name": "llama3", "flavor": args.flavor, "hf_assets_path": str(assets),
+                  "converters": [*converters, *(["quantize.linear.float8"] if fp8 else [])]},
+        "optimizer": {"name": "AdamW", "lr": 8e-4},
+        "lr_scheduler": {"warmup_steps": 2, "decay_ratio": 0.8, "decay_type": "linear", "min_lr_factor": 0.0},
+        "training": {"local_batch_size": args.batch, "seq_len": args.seq, "steps": args.warmup + args.steps,
+                     "max_norm": 1.0, "dataset": "c4_test", "dataset_path": str(data)},
+        "checkpoint": {"enable": False},
+        "validation": {"enable": False},
+        "activation_checkpoint": {"mode": "none"},
+        "compile": {"enable": not args.no_compile, "components": ["model", "loss"]},
+    }
+    if fp8:  # the output head stays bf16, as in Tessera's fp8 mode
+        sections["quantize.linear.float8"] = {"recipe_name": args.fp8_recipe, "filter_fqns": ["output"]}
+    lines = []
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]  # JSON's scalars are TOML's
+        lines.append("")
+    return "\n".join(lines)
+
+
+def job_config(args: argparse.Namespace, assets: Path, data: Path, dump: Path):
+    """torchtitan 0.2.x's JobConfig for this run, parsed and validated by its own ConfigManager
+    (torchtitan 0.2.2 imports on torch 2.10 and later: see the module docstring)."""
+    from torchtitan.config import ConfigManager
+
+    converters = register_flavor(args.flavor, args.attn_backend)
+    dump.mkdir(parents=True, exist_ok=True)
+    toml = dump / "job.toml"
+    toml.write_text(job_toml(args, assets, data, dump, converters))
+    return ConfigManager().parse_args(["--job.config_file", str(toml)])
+
+
+def build_trainer(args: argparse.Namespace, assets: Path, data: Path, dump: Path):
+    if uses_job_config():
+        from torchtitan.train import Trainer
+
+        return Trainer(job_config(args, assets, data, dump))
+    return trainer_config(args, assets, data, dump).build()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -139,8 +256,7 @@ def worker(args: argparse.Namespace) -> None:
     init_logger()  # torchtitan's own step lines in the log, as its train.py sets up
     with tempfile.TemporaryDirectory() as tmp:
         assets, data = write_assets(Path(tmp))
-        config = trainer_config(args, assets, data, Path(tmp) / "outputs")
-        trainer = config.build()
+        trainer = build_trainer(args, assets, data, Path(tmp) / "outputs")
         steps: list[dict] = []
         container = trainer.metrics_processor.logger
         log = container.log
@@ -155,9 +271,11 @@ def worker(args: argparse.Namespace) -> None:
         finally:
             trainer.close()
     import torch
+    import torchtitan
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    Path(args.out).write_text(json.dumps({"steps": steps, "device": device, "torch": torch.__version__}))
+    Path(args.out).write_text(json.dumps({"steps": steps, "device": device, "torch": torch.__version__,
+                                          "torchtitan": torchtitan.__version__}))
 
 
 def summarize(run: dict, args: argparse.Namespace, flops_per_token: float | None, peak: float | None) -> dict:
@@ -181,14 +299,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=10, help="Steps first, left out of the figures (compilation).")
     ap.add_argument("--precisions", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     ap.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise")
-    ap.add_argument("--attn-backend", choices=["flex", "flex_flash", "varlen"], default="flex",
-                    help="torchtitan's attention backend (its default: flex).")
+    ap.add_argument("--attn-backend", choices=["sdpa", "flex", "flex_flash", "varlen"], default=None,
+                    help="torchtitan's attention backend (its default: sdpa in 0.2.x, flex in 0.3.0; 0.2.x has no "
+                         "flex_flash, 0.3.0 no sdpa).")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--json", default=None, help="Also write the figures to this JSON file.")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--precision", default="bf16", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    backends = attention_backends()
+    args.attn_backend = args.attn_backend or backends[0]
+    if args.attn_backend not in backends:
+        ap.error(f"--attn-backend {args.attn_backend}: torchtitan {'.'.join(map(str, torchtitan_release()))} "
+                 f"has {', '.join(backends)}")
     if args.worker:
         return worker(args)
 
@@ -216,8 +340,9 @@ def main(argv: list[str] | None = None) -> None:
     flops = preset(name, max_seq_len=max(args.seq, 64)).flops_per_token(args.seq) if name else None
     peak = gpu_peak_tflops(device) if device != "cpu" else None
     figures = {p: summarize(r, args, flops, peak) for p, r in results.items()}
-    print(f"torchtitan llama3 {args.flavor} ({name or 'no Tessera preset: its own FLOP count'}); batch {args.batch} x "
-          f"seq {args.seq}; {device}; torch {next(iter(results.values()))['torch']}; compile "
+    run = next(iter(results.values()))
+    print(f"torchtitan {run.get('torchtitan', '?')} llama3 {args.flavor} ({name or 'no Tessera preset: its own FLOP count'}); batch {args.batch} x "
+          f"seq {args.seq}; {device}; torch {run['torch']}; compile "
           f"{'off' if args.no_compile else 'on'}; attention {args.attn_backend}; fp8 = torchao Float8Linear, {args.fp8_recipe}; medians of "
           f"{next(iter(figures.values()))['steps_timed']} steps after {args.warmup}")
     print(f"{'':18}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU (bf16 peak)':>17}{'its MFU':>9}{'peak active':>13}"
@@ -233,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"MFU against the bf16 dense peak {peak:g} TFLOP/s for both precisions (torchtitan's convention)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "device": device, "figures": figures,
+            json.dump({"config": vars(args), "device": device, "torchtitan": run.get("torchtitan"), "figures": figures,
                        "steps": {p: r["steps"] for p, r in results.items()}}, f, indent=2)
 
 

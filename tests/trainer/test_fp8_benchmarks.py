@@ -86,17 +86,30 @@ def test_throughput_benchmark_refuses_what_transformer_engine_cannot_run_with_on
     assert line in err and "Traceback" not in err
 
 
-def test_torchtitan_peer_data_is_what_torchtitans_loader_reads(tmp_path):
-    pytest.importorskip("torchtitan")  # its wheels travel to the GPU machine only (torchtitan_peer.py)
+def torchtitan_peer(release: tuple[int, int]):
+    """The peer script, when the installed torchtitan is of `release`'s generation (0.2.x or 0.3.x):
+    CI installs 0.2.2 (requirements-dev.txt: it imports on torch 2.10 and later), whose wheels and
+    0.3.0's travel to the GPU machine (benchmarks/gpu_session.py)."""
+    pytest.importorskip("torchtitan")
+    peer = load("torchtitan_peer")
+    if peer.torchtitan_release()[:2] != release:
+        pytest.skip(f"torchtitan {'.'.join(map(str, peer.torchtitan_release()))} is installed")
+    return peer
+
+
+def peer_args(precision="bf16", attn_backend="flex", seq=256):
     import argparse
 
+    return argparse.Namespace(flavor="1B", seq=seq, batch=2, steps=2, warmup=1, precision=precision,
+                              fp8_recipe="tensorwise", attn_backend=attn_backend, no_compile=True)
+
+
+def test_torchtitan_0_3_config_is_tesseras_llama_1b_and_its_loader_reads_the_generated_data(tmp_path):
+    peer = torchtitan_peer((0, 3))
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    peer = load("torchtitan_peer")
     assets, data = peer.write_assets(tmp_path, documents=4, words_per_document=600)
-    args = argparse.Namespace(flavor="1B", seq=256, batch=2, steps=2, warmup=1, precision="bf16",
-                              fp8_recipe="tensorwise", attn_backend="flex", no_compile=True)
-    config = peer.trainer_config(args, assets, data, tmp_path / "outputs")
+    config = peer.trainer_config(peer_args(), assets, data, tmp_path / "outputs")
     assert config.model_spec.model.dim == 2048 and len(config.model_spec.model.layers) == 16
     tokenizer = HuggingFaceTokenizer(tokenizer_path=str(assets))
     assert tokenizer.encode("w0 w1") == [tokenizer.bos_id, 3, 4, tokenizer.eos_id]
@@ -104,6 +117,65 @@ def test_torchtitan_peer_data_is_what_torchtitans_loader_reads(tmp_path):
                                      local_batch_size=2)
     inputs, labels = next(iter(loader))
     assert inputs["input"].shape == labels.shape == (2, 256)
+
+
+def test_torchtitan_0_2_parses_the_peers_toml_into_tesseras_llama_1b_with_fp8_everywhere_but_the_tied_head(tmp_path):
+    """The TOML goes through torchtitan 0.2.x's own ConfigManager (tyro) and its train spec builds the
+    model as its Trainer does (meta device, then the model converters): Tessera's llama-1b parameter
+    for parameter, every block projection Float8Linear, the head bf16 and tied to the embedding."""
+    peer = torchtitan_peer((0, 2))
+    import torch
+    from torchao.float8.float8_linear import Float8Linear
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.protocols.model_converter import build_model_converters
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from tessera.common.models.causal_lm.config import preset
+
+    assets, data = peer.write_assets(tmp_path, documents=2, words_per_document=100)
+    config = peer.job_config(peer_args("fp8", "sdpa", seq=4096), assets, data, tmp_path / "outputs")
+    assert (config.model.name, config.model.flavor, config.model.converters) == (
+        "llama3", "1B", ["tie_embeddings", "quantize.linear.float8"])
+    assert (config.training.local_batch_size, config.training.seq_len, config.training.steps) == (2, 4096, 3)
+    assert config.quantize.linear.float8.recipe_name == "tensorwise"
+    assert config.activation_checkpoint.mode == "none" and not config.checkpoint.enable
+    config.quantize.linear.float8.emulate = True  # the converter's CPU mode (eager only); on the GPU: SM89+
+
+    spec = get_train_spec(config.model.name)
+    model_args = spec.model_args[config.model.flavor]
+    model_args.update_from_config(config)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    build_model_converters(config, ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
+                                                world_size=1)).convert(model)
+    assert model.output.weight is model.tok_embeddings.weight and type(model.output) is torch.nn.Linear
+    assert sum(isinstance(m, Float8Linear) for m in model.modules()) == 16 * 7
+    assert sum(p.numel() for p in model.parameters()) == preset("llama-1b").num_params()
+    assert model.layers["0"].feed_forward.w1.weight.shape == (8192, 2048)
+    assert model.layers["0"].attention.wk.weight.shape == (8 * 64, 2048)
+
+
+def test_torchtitan_0_2_reads_the_generated_tokenizer_and_data_through_its_own_loader(tmp_path):
+    peer = torchtitan_peer((0, 2))
+    from torchtitan.components.tokenizer import build_hf_tokenizer
+    from torchtitan.hf_datasets.text_datasets import build_text_dataloader
+
+    assets, data = peer.write_assets(tmp_path, documents=4, words_per_document=600)
+    config = peer.job_config(peer_args(), assets, data, tmp_path / "outputs")
+    tokenizer = build_hf_tokenizer(config)
+    assert tokenizer.encode("w0 w1", add_bos=True, add_eos=True) == [tokenizer.bos_id, 3, 4, tokenizer.eos_id]
+    loader = build_text_dataloader(dp_world_size=1, dp_rank=0, tokenizer=tokenizer, job_config=config)
+    inputs, labels = next(iter(loader))
+    assert inputs["input"].shape == labels.shape == (2, 256)
+
+
+def test_torchtitan_peer_refuses_an_attention_backend_its_torchtitan_lacks_with_one_line(capsys):
+    peer = torchtitan_peer((0, 2))
+    with pytest.raises(SystemExit) as exited:
+        peer.main(["--attn-backend", "flex_flash", "--precisions", "bf16"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--attn-backend flex_flash: torchtitan 0.2 has sdpa, flex, varlen" in err
 
 
 def test_torchtitan_peer_tokenizer_encodes_the_generated_words(tmp_path):
