@@ -12,7 +12,9 @@ each call prints is the table: figure, goal, met.
     OUT=... python3 benchmarks/gpu_session.py 2        # second call, within 30 s (8B-shaped fp8, serving)
 
 Wheels: the image (Python 3.12, torch 2.11, no network) lacks the packages in WHEELS; they travel
-as cp312 wheels in .whl/ (64 MiB carry), fetched on a machine with a registry by `--fetch-wheels`.
+as cp312 wheels in .whl/ (64 MiB carry), fetched on a machine with a registry by `--fetch-wheels`,
+with the torchtitan peer's pure-Python wheels at the versions in TITAN_WHEELS (3 MB). The peer is
+outside the plan: `--step titan-install titan` on a lease of its own.
 This file imports nothing of Tessera: it runs before Tessera is installed.
 """
 
@@ -36,6 +38,14 @@ CALL_MARGIN_S = 30  # each call's caps stay this far under the limit (process st
 # What the GPU image lacks (../shared/gpu/README.md lists the set that worked on 2026-11-27).
 WHEELS = ("pydantic", "pydantic_core", "annotated_types", "annotated_doc", "typing_inspection", "typing_extensions",
           "fastapi", "starlette", "uvicorn", "opentelemetry_api", "llguidance", "torchao")
+# The torchtitan peer (issue #34 item 6), pure-Python wheels at these versions: both torchtitan
+# releases (`--install-torchtitan` keeps the newest that imports on the machine's torch: 0.3.0 needs
+# torch 2.14, the image has 2.11, on which 0.2.2 imports; see benchmarks/torchtitan_peer.py) and
+# what they import that the image lacks (0.3.0's set covers 0.2.2's; 0.2.2's tomli is stdlib tomllib
+# on Python 3.12).
+TITAN_WHEELS = ("torchtitan==0.3.0", "torchtitan==0.2.2", "spmd_types==0.2.3", "torch_checkpointing==0.1.1",
+                "torchdata==0.11.0", "tyro==1.0.17", "docstring_parser==0.18.0", "typeguard==4.6.0",
+                "datasets==4.7.0", "dill==0.4.0", "multiprocess==0.70.18")
 PACKAGES = ("packages/common", "kernels", "packages/data_prep", "packages/trainer", "packages/ckpt_convert",
             "packages/inference")
 
@@ -90,7 +100,9 @@ EXTRAS: tuple[Step, ...] = (
     Step("fp8-convergence", 0, 500, ("python3", "benchmarks/fp8_convergence.py", "--device", "cuda", "--preset",
                                      "llama-1b", "--seq", "4096", "--batch", "2", "--steps", "200",
                                      "--json", "{out}/fp8-convergence.json")),
-    # item 6: torchtitan 0.3.0 needs a newer torch than the image's 2.11 (ImportError on 2026-11-27)
+    # item 6: run as `--step titan-install titan`: the newest carried torchtitan that imports on the
+    # machine's torch (0.2.2 on the image's 2.11: 0.3.0 failed at import there on 2026-11-27)
+    Step("titan-install", 0, 60, ("python3", "benchmarks/gpu_session.py", "--install-torchtitan")),
     Step("titan", 0, 500, ("python3", "benchmarks/torchtitan_peer.py", "--steps", "30", "--warmup", "10",
                            "--json", "{out}/torchtitan.json")),
     Step("serve-profile", 0, 300, ("python3", "benchmarks/serving_profile.py", "--device", "cuda", "--preset",
@@ -152,6 +164,15 @@ def print_table(rows: list[tuple[str, str, str, str]]) -> None:
         print(f"{name:28}{value:>22}{goal:>12}  {met}")
 
 
+def _normal(name: str) -> str:
+    return re.sub(r"[-.]", "_", name).lower()
+
+
+def _normal_spec(spec: str) -> str:
+    name, _, version = spec.partition("==")
+    return f"{_normal(name)}=={version}"
+
+
 def check_plan(wheel_dir: Path) -> list[str]:
     """What is wrong with the plan, one line each: caps over budget, scripts or flags that do not
     exist, wheels missing."""
@@ -174,8 +195,10 @@ def check_plan(wheel_dir: Path) -> list[str]:
         for flag in (a for a in s.argv if a.startswith("--")):
             if f'"{flag}"' not in source:
                 problems.append(f"{s.name}: {script} has no {flag} option")
-    names = {re.sub(r"[-.]", "_", w.name.split("-")[0]).lower() for w in wheel_dir.glob("*.whl")}
-    missing = [w for w in WHEELS if w not in names]
+    found = [w.name.split("-")[:2] for w in wheel_dir.glob("*.whl")]
+    names = {_normal(name) for name, _ in found}
+    pinned = {f"{_normal(name)}=={version}" for name, version in found}
+    missing = [w for w in WHEELS if w not in names] + [w for w in TITAN_WHEELS if _normal_spec(w) not in pinned]
     if missing:
         problems.append(f"{wheel_dir}: no wheel for {', '.join(missing)} (fetch them: "
                         f"python3 benchmarks/gpu_session.py --fetch-wheels)")
@@ -191,6 +214,9 @@ def fetch_wheels(wheel_dir: Path) -> int:
     pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
            "3.12", "--implementation", "cp", "--platform", "manylinux2014_x86_64", "-d", str(wheel_dir)]
     newer = ["--platform", "manylinux_2_28_x86_64"]
+    for spec in TITAN_WHEELS:  # pure Python, at the versions the peer was checked with
+        if subprocess.run([*pip, "--platform", "any", spec]).returncode:
+            return 1
     for name in (n.replace("_", "-") for n in WHEELS):
         try:
             spec = f"{name}=={version(name)}"
@@ -210,7 +236,7 @@ def install(wheel_dir: Path) -> int:
     if subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0:
         print("already installed (the machine is warm)")
         return 0
-    wheels = sorted(str(w) for w in wheel_dir.glob("*.whl"))
+    wheels = sorted(str(w) for w in wheel_dir.glob("*.whl") if not w.name.startswith("torchtitan-"))
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
     if wheels and subprocess.run([*pip, "--upgrade", *wheels]).returncode:
         return 1
@@ -218,6 +244,40 @@ def install(wheel_dir: Path) -> int:
         if subprocess.run([*pip, "--no-build-isolation", "-e", str(ROOT / pkg)]).returncode:
             return 1
     return 0
+
+
+def _release(wheel: Path) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", wheel.name.split("-")[1]))
+
+
+def install_torchtitan(wheel_dir: Path) -> int:
+    """The newest carried torchtitan whose trainer imports on this machine's torch (after --install
+    put its dependencies in); one line for the one kept and one for each skipped, with the reason."""
+    wheels = sorted(wheel_dir.glob("torchtitan-*.whl"), key=_release, reverse=True)
+    if not wheels:
+        print(f"gpu_session: no torchtitan wheel in {wheel_dir} (python3 benchmarks/gpu_session.py --fetch-wheels)")
+        return 1
+    probe = "import torch; print(torch.__version__, flush=True); import torchtitan.train"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--force-reinstall"]
+    skipped = []
+    for wheel in wheels:
+        release = wheel.name.split("-")[1]
+        if subprocess.run([*pip, str(wheel)]).returncode:
+            skipped.append(f"torchtitan {release}: pip could not install {wheel.name}")
+            continue
+        run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+        torch_version = run.stdout.strip() or "?"
+        if run.returncode == 0:
+            print(f"torchtitan {release}: its trainer imports on torch {torch_version}; installed")
+            for line in skipped:
+                print(f"  skipped {line}")
+            return 0
+        reason = (run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1]
+        skipped.append(f"torchtitan {release}: import torchtitan.train fails on torch {torch_version}: {reason}")
+    print("gpu_session: no carried torchtitan imports here")
+    for line in skipped:
+        print(f"  {line}")
+    return 1
 
 
 def run_steps(steps: list[Step], out: Path) -> None:
@@ -240,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("part", nargs="?", type=int, choices=[1, 2], help="which device call to run")
     ap.add_argument("--dry-run", action="store_true", help="check the plan on CPU and print it")
     ap.add_argument("--install", action="store_true", help="install the wheels and Tessera (a plan step)")
+    ap.add_argument("--install-torchtitan", action="store_true",
+                    help="install the newest carried torchtitan that imports here (the titan step's first half)")
     ap.add_argument("--fetch-wheels", action="store_true", help="download the cp312 wheels into --wheels")
     ap.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="the carried wheels' folder")
     ap.add_argument("--step", nargs="+", default=None, choices=[s.name for s in PLAN + EXTRAS],
@@ -248,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.install:
         return install(args.wheels)
+    if args.install_torchtitan:
+        return install_torchtitan(args.wheels)
     if args.fetch_wheels:
         return fetch_wheels(args.wheels)
     if args.table is not None:

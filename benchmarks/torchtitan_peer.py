@@ -1,53 +1,55 @@
 """torchtitan's Llama 3 trainer at Tessera's llama-1b shape, bf16 and float8: tokens/s, MFU, memory.
 
 The peer issue #19 names: torchtitan reports 33-39% MFU for Llama 3.1 8B in bf16 and ~1.3-1.5x
-from Float8. This runs its own `Trainer` (torchtitan 0.3.0, from PyPI) on one GPU, in the same
-run as benchmarks/train_throughput.py, and prints the figures in that script's format.
+from Float8. This runs its own `Trainer` on one GPU, in the same run as
+benchmarks/train_throughput.py, and prints the figures in that script's format.
 
-What runs: torchtitan's trainer config built in Python the way its config registry builds
-`llama3_debugmodel` (its loss, AdamW and LR scheduler), with
-- model: `model_registry("1B")`, torchtitan's Llama 3.2 1B (d 2048, 16 layers, 32/8 heads, ffn
-  8192, vocab 128256, tied embeddings): Tessera's `llama-1b` preset. Attention is `--attn-backend`,
-  torchtitan's default flex attention (0.3.0 refuses SDPA for language models: "positions are
-  always available so use flex, flex_flash, or varlen"); Tessera uses SDPA's flash kernel.
-- float8: its `Float8LinearConverter` with `--fp8-recipe` (torchao's recipe names; torchtitan
-  0.3.0's config lists rowwise only, tensorwise goes to torchao's `from_recipe_name` the same way),
-  the output head left in bf16 (`filter_fqns=["lm_head"]`) as Tessera's fp8 mode does.
-- torch.compile of model and loss, no activation checkpointing (Tessera's benchmark recomputes
-  nothing either), one GPU (no FSDP: torchtitan applies bf16 mixed precision with autocast there),
-  `--seq` 4096, `--batch` 2, gradient clipping at 1.0; checkpointing and validation off.
+Which torchtitan: the one installed, by its release (one code path each; the figures are the same):
+- 0.3.0 is released against torch 2.14 and imports on 2.13, not on 2.11: it imports
+  torch.distributed.fsdp.DataParallelMeshDims, which 2.11 lacks (the ImportError on the GPU image,
+  torch 2.11.0+cu130, on 2026-11-27).
+  Its config is Python: `Trainer.Config` as its registry builds `llama3_debugmodel` (its loss,
+  AdamW 8e-4, LR schedule) with `model_registry("1B")`, Llama 3.2 1B (d 2048, 16 layers, 32/8 heads,
+  ffn 8192, vocab 128256, tied embeddings). Attention: flex by default (0.3.0 refuses SDPA for
+  language models), flex_flash or varlen. float8: its `Float8LinearConverter`, head `lm_head` left
+  in bf16.
+- 0.2.x (0.2.2, versioned 2026-02-20, between torch 2.10 and 2.11) imports on torch 2.10 and later:
+  every torch name it imports exists in 2.10's and 2.11's sources. Its config is a JobConfig read
+  from TOML (the file this script writes, parsed by its ConfigManager as its train.py does), with
+  the optimizer and LR schedule of its llama3 debug model. It has no 1B flavor, so the script adds
+  Llama 3.2 1B to its `llama3_args` (the same shapes and parameter count as Tessera's llama-1b) and
+  ties the head to the embedding with a model converter, as 0.3.0's flavor does. Attention: SDPA
+  by default (its default, and Tessera's), flex or varlen. float8: its `quantize.linear.float8`
+  converter, head `output` left in bf16.
+Both: `--fp8-recipe` is torchao's recipe name (`Float8LinearConfig.from_recipe_name`), the output
+head stays in bf16 as in Tessera's fp8 mode; torch.compile of model and loss, no activation
+checkpointing (Tessera's benchmark recomputes nothing either), one GPU (no FSDP: torchtitan
+applies bf16 mixed precision with autocast there), `--seq` 4096, `--batch` 2, gradient clipping at
+1.0; checkpointing and validation off.
 
 Data: nothing can be fetched on the GPU machine, and torchtitan reads text through a Hugging Face
 tokenizer and a `datasets` dataset, so the script writes both into a temporary directory: a
 word-level tokenizer (tokenizer.json, tokenizer_config.json with BOS/EOS) over generated words and
-a JSON-lines file of generated text, read by torchtitan's `c4_test` loader from `dataset_path`.
-Throughput does not depend on the token values.
+a JSON-lines file of generated text, read by torchtitan's `c4_test` loader from `dataset_path`
+(the same files for both releases). Throughput does not depend on the token values.
 
 Figures: each precision runs in its own process (distributed init, compile caches, memory).
-torchtitan's MetricsProcessor computes each step's tokens/s and memory (log_freq 1); the worker
-records those dicts, drops the first `--warmup` steps and reports medians: tokens/s, TFLOP/s and
-MFU by Tessera's FLOP count (`ModelConfig.flops_per_token` of llama-1b, the count
-train_throughput.py uses) against the GPU's dense bf16 peak for both precisions, torchtitan's own
-MFU figure beside it (torchtitan prints none under float8), and peak memory (its max active GiB,
-what torch.cuda.max_memory_allocated measures, and max reserved).
+torchtitan's MetricsProcessor computes each step's tokens/s and memory (log_freq 1; the same keys
+in both releases); the worker records those dicts, drops the first `--warmup` steps and reports
+medians: tokens/s, TFLOP/s and MFU by Tessera's FLOP count (`ModelConfig.flops_per_token` of
+llama-1b, the count train_throughput.py uses) against the GPU's dense bf16 peak for both
+precisions, torchtitan's own MFU figure beside it (torchtitan prints none under float8), and peak
+memory (its max active GiB, what torch.cuda.max_memory_allocated measures, and max reserved).
 
-Wheels: torchtitan 0.3.0 and everything it imports that the GPU machine's image lacks are pure
-Python (py3-none-any; multiprocess py312-none-any) and travel in .whl/ (gpu_session.sh installs
-.whl/*.whl with --no-deps): torchtitan==0.3.0, spmd_types==0.2.3, torch_checkpointing==0.1.1,
-torchdata==0.11.0, tyro==1.0.17, docstring-parser==0.18.0, typeguard==4.6.0, datasets==4.7.0,
-dill==0.4.0, multiprocess==0.70.18, and torchao (float8). Its other requirements are in the image
-(tokenizers, safetensors, tensorboard, einops, pillow; datasets' pyarrow, pandas, xxhash, fsspec,
-huggingface-hub, httpx, requests, tqdm, pyyaml, filelock); wandb is imported only when enabled.
-Fetch on a machine with a registry:
-    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-        --platform manylinux2014_x86_64 --platform any -d .whl torchtitan==0.3.0 spmd_types==0.2.3 \\
-        torch_checkpointing==0.1.1 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 \\
-        typeguard==4.6.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
-Not verified: the GPU machine's PyTorch is 2.11 and torchtitan 0.3.0 was written against a newer
-nightly; the config, tokenizer and data path were checked on CPU with torch 2.13 (torchtitan's
-trainer itself needs a GPU: it picks "cuda" when no accelerator is found). If its import or
-build fails there, the step's log says why and the transformers peer in train_throughput.py
-stands as the same-run comparison.
+Wheels: both torchtitan releases and what they import that the GPU image lacks are pure Python and
+travel in .whl/ (`TITAN_WHEELS` in benchmarks/gpu_session.py, which fetches them with
+--fetch-wheels); `gpu_session.py --step titan-install titan` installs the newest one whose
+`import torchtitan.train` succeeds on the machine's torch, then runs this script. Its other
+requirements are in the image (tokenizers, safetensors, tensorboard, einops, pillow; datasets'
+pyarrow, pandas, xxhash, fsspec, huggingface-hub, httpx, requests, tqdm, pyyaml, filelock); wandb
+is imported only when enabled. Checked on CPU with torch 2.13 (tests/trainer/test_fp8_benchmarks.py:
+each release's config through its own parser, the model it builds, the data through its loader);
+the trainer itself needs a GPU (it picks "cuda" when no accelerator is found).
 
     python benchmarks/torchtitan_peer.py --steps 30 --warmup 10 --json out.json
 """
@@ -121,8 +123,8 @@ def attention_backends() -> tuple[str, ...]:
 
 
 def trainer_config(args: argparse.Namespace, assets: Path, data: Path, dump: Path):
-    """torchtitan 0.3.0's Trainer.Config for this run (needs torch 2.14: it imports
-    torch.distributed.fsdp.DataParallelMeshDims, which 2.11 lacks; see the module docstring)."""
+    """torchtitan 0.3.0's Trainer.Config for this run (it imports on torch 2.13, not on 2.11, which lacks
+    torch.distributed.fsdp.DataParallelMeshDims; see the module docstring)."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.quantization import Float8LinearConverter

@@ -32,6 +32,9 @@ def wheels(tmp_path, session):
     folder.mkdir()
     for name in session.WHEELS:
         (folder / f"{name}-1.0-py3-none-any.whl").touch()
+    for spec in session.TITAN_WHEELS:
+        name, version = spec.split("==")
+        (folder / f"{name}-{version}-py3-none-any.whl").touch()
     return folder
 
 
@@ -51,6 +54,56 @@ def test_the_dry_run_names_each_missing_wheel_and_exits_2(session, wheels, capsy
     assert session.main(["--dry-run", "--wheels", str(wheels)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no wheel for torchao" in err[0] and "--fetch-wheels" in err[0]
+
+
+def test_the_dry_run_names_a_missing_torchtitan_release_by_its_version(session, wheels, capsys):
+    (wheels / "torchtitan-0.2.2-py3-none-any.whl").unlink()
+    (wheels / "torchtitan-0.2.1-py3-none-any.whl").touch()  # another release does not stand in for it
+    assert session.main(["--dry-run", "--wheels", str(wheels)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no wheel for torchtitan==0.2.2" in err[0]
+
+
+class FakeMachine:
+    """pip and Python on a GPU machine whose torch imports only the torchtitan releases in `imports`."""
+
+    def __init__(self, imports: set[str]):
+        self.imports, self.installed, self.pip_calls = imports, None, []
+
+    def run(self, argv, **kwargs):
+        import subprocess
+
+        if argv[1:4] == ["-m", "pip", "install"]:
+            self.installed = Path(argv[-1]).name.split("-")[1]
+            self.pip_calls.append(self.installed)
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        assert argv[1] == "-c" and "import torchtitan.train" in argv[2]
+        if self.installed in self.imports:
+            return subprocess.CompletedProcess(argv, 0, "2.11.0+cu130\n", "")
+        return subprocess.CompletedProcess(argv, 1, "2.11.0+cu130\n", "Traceback (most recent call last):\n  ...\n"
+                                           "ImportError: cannot import name 'DataParallelMeshDims' from "
+                                           "'torch.distributed.fsdp'\n")
+
+
+def test_torchtitan_install_keeps_the_newest_release_that_imports_and_says_why_the_others_were_skipped(
+        session, wheels, monkeypatch, capsys):
+    machine = FakeMachine(imports={"0.2.2"})
+    monkeypatch.setattr(session.subprocess, "run", machine.run)
+    assert session.main(["--install-torchtitan", "--wheels", str(wheels)]) == 0
+    assert machine.pip_calls == ["0.3.0", "0.2.2"], "newest first, and no further once one imports"
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "torchtitan 0.2.2: its trainer imports on torch 2.11.0+cu130; installed"
+    assert out[1] == ("  skipped torchtitan 0.3.0: import torchtitan.train fails on torch 2.11.0+cu130: ImportError: "
+                      "cannot import name 'DataParallelMeshDims' from 'torch.distributed.fsdp'")
+
+
+def test_torchtitan_install_fails_with_each_releases_reason_when_none_imports(session, wheels, monkeypatch, capsys):
+    machine = FakeMachine(imports=set())
+    monkeypatch.setattr(session.subprocess, "run", machine.run)
+    assert session.main(["--install-torchtitan", "--wheels", str(wheels)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "gpu_session: no carried torchtitan imports here"
+    assert [line.split(":")[0] for line in out[1:]] == ["  torchtitan 0.3.0", "  torchtitan 0.2.2"]
 
 
 def test_a_plan_over_its_budget_or_naming_an_unknown_flag_is_refused(session, wheels, monkeypatch):
