@@ -188,3 +188,60 @@ def test_torchtitan_peer_tokenizer_encodes_the_generated_words(tmp_path):
     assert len(ids) == 100 and all(3 <= i < 53 for i in ids), "every generated word is one known token"
     config = json.loads((assets / "tokenizer_config.json").read_text())
     assert tokenizer.token_to_id(config["bos_token"]) == 0 and tokenizer.token_to_id(config["eos_token"]) == 1
+
+
+# torchtitan 0.2.x picks CUDA when no accelerator is found: this points its device globals at the
+# CPU (gloo, no memory statistics; one rank, so nothing to wait for) so its Trainer can run the peer's worker on a tiny Llama here.
+CPU_WORKER = '''
+import importlib.util, sys, types
+import torch
+import torchtitan.components.metrics as metrics
+import torchtitan.distributed.parallel_dims as parallel_dims
+import torchtitan.distributed.utils as dist_utils
+import torchtitan.tools.utils as tools
+import torchtitan.train as train
+
+train.time = types.SimpleNamespace(**{**vars(train.time), "sleep": lambda seconds: None})  # "for other ranks"
+cpu = types.SimpleNamespace(**{k: getattr(torch.cpu, k) for k in dir(torch.cpu) if not k.startswith("__")})
+cpu.current_device = lambda: 0
+tools.device_type = parallel_dims.device_type = dist_utils.device_type = metrics.device_type = "cpu"
+tools.device_module = dist_utils.device_module = metrics.device_module = cpu
+
+
+class NoMemoryStatistics:
+    device_name, device_capacity_gib = "cpu", 1.0
+
+    def get_peak_stats(self):
+        return metrics.DeviceMemStats(0, 0, 0, 0, 0, 0)
+
+    def reset_peak_stats(self):
+        pass
+
+
+metrics.build_device_memory_monitor = NoMemoryStatistics
+spec = importlib.util.spec_from_file_location("peer", sys.argv[1])
+peer = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(peer)
+peer.LLAMA32_1B.update(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=8003, multiple_of=64)
+peer.main(sys.argv[2:])
+'''
+
+
+def test_torchtitan_0_2_trainer_runs_the_peers_worker_and_its_step_metrics_summarize(tmp_path):
+    """The worker end to end through torchtitan 0.2.x's own Trainer (built from the TOML, trained,
+    closed), with its per-step metrics recorded and summarized as on the GPU, at a tiny width."""
+    import subprocess
+
+    peer = torchtitan_peer((0, 2))
+    script, out = tmp_path / "cpu_worker.py", tmp_path / "bf16.json"
+    script.write_text(CPU_WORKER)
+    run = subprocess.run([sys.executable, str(script), str(BENCHMARKS / "torchtitan_peer.py"), "--worker",
+                          "--precision", "bf16", "--seq", "64", "--batch", "2", "--steps", "3", "--warmup", "1",
+                          "--no-compile", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    recorded = json.loads(out.read_text())
+    assert recorded["torchtitan"].startswith("0.2") and [s["step"] for s in recorded["steps"]] == [1, 2, 3, 4]
+    figures = peer.summarize(recorded, peer_args(), flops_per_token=1e6, peak=None)
+    assert figures["steps_timed"] == 3 and figures["tokens_per_s"] > 0
+    assert figures["tflops"] == pytest.approx(figures["tokens_per_s"] * 1e6 / 1e12)
+    assert 7 < figures["final_loss"] < 11, "about ln(8003) for an untrained model"
