@@ -38,7 +38,8 @@ torchtitan's MetricsProcessor computes each step's tokens/s and memory (log_freq
 in both releases); the worker records those dicts, drops the first `--warmup` steps and reports
 medians: tokens/s, TFLOP/s and MFU by Tessera's FLOP count (`ModelConfig.flops_per_token` of
 llama-1b, the count train_throughput.py uses) against the GPU's dense bf16 peak for both
-precisions, torchtitan's own MFU figure beside it (torchtitan prints none under float8), and peak
+precisions, torchtitan's own MFU figure beside it (none under float8; under 0.2.x it leaves out the
+tied head's GEMM, since it counts the parameters after the tying converter), and peak
 memory (its max active GiB, what torch.cuda.max_memory_allocated measures, and max reserved).
 
 Wheels: both torchtitan releases and what they import that the GPU image lacks are pure Python and
