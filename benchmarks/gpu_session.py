@@ -14,7 +14,7 @@ each call prints is the table: figure, goal, met.
 Wheels: the image (Python 3.12, torch 2.11, no network) lacks the packages in WHEELS; they travel
 as cp312 wheels in .whl/ (64 MiB carry), fetched on a machine with a registry by `--fetch-wheels`,
 with the torchtitan peer's pure-Python wheels at the versions in TITAN_WHEELS (3 MB). The peer is
-outside the plan: `--step titan-install titan` on a lease of its own.
+outside the plan: `--step install titan-install titan` on a lease of its own (install: a fresh machine).
 This file imports nothing of Tessera: it runs before Tessera is installed.
 """
 
@@ -100,7 +100,7 @@ EXTRAS: tuple[Step, ...] = (
     Step("fp8-convergence", 0, 500, ("python3", "benchmarks/fp8_convergence.py", "--device", "cuda", "--preset",
                                      "llama-1b", "--seq", "4096", "--batch", "2", "--steps", "200",
                                      "--json", "{out}/fp8-convergence.json")),
-    # item 6: run as `--step titan-install titan`: the newest carried torchtitan that imports on the
+    # item 6: run as `--step install titan-install titan`: the newest carried torchtitan that imports on the
     # machine's torch (0.2.2 on the image's 2.11: 0.3.0 failed at import there on 2026-11-27)
     Step("titan-install", 0, 60, ("python3", "benchmarks/gpu_session.py", "--install-torchtitan")),
     Step("titan", 0, 500, ("python3", "benchmarks/torchtitan_peer.py", "--steps", "30", "--warmup", "10",

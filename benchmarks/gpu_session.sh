@@ -5,6 +5,6 @@
 #   bash benchmarks/gpu_session.sh 1             # first call: install, gpu tests, llama-1b bf16 + fp8
 #   bash benchmarks/gpu_session.sh 2             # second call (within 30 s): 8B-shaped fp8, decode
 #   bash benchmarks/gpu_session.sh --step fp8-convergence     # a step outside the plan, by name
-#   bash benchmarks/gpu_session.sh --step titan-install titan # the torchtitan peer: the newest carried
-#                                                             # release that imports here, then its run
+#   bash benchmarks/gpu_session.sh --step install titan-install titan  # the torchtitan peer: the newest
+#                                  # carried release that imports here, then its run
 exec python3 "$(dirname "$0")/gpu_session.py" "$@"

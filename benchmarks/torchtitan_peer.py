@@ -44,7 +44,7 @@ memory (its max active GiB, what torch.cuda.max_memory_allocated measures, and m
 
 Wheels: both torchtitan releases and what they import that the GPU image lacks are pure Python and
 travel in .whl/ (`TITAN_WHEELS` in benchmarks/gpu_session.py, which fetches them with
---fetch-wheels); `gpu_session.py --step titan-install titan` installs the newest one whose
+--fetch-wheels); `gpu_session.py --step install titan-install titan` installs the newest one whose
 `import torchtitan.train` succeeds on the machine's torch, then runs this script. Its other
 requirements are in the image (tokenizers, safetensors, tensorboard, einops, pillow; datasets'
 pyarrow, pandas, xxhash, fsspec, huggingface-hub, httpx, requests, tqdm, pyyaml, filelock); wandb
