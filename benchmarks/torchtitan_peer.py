@@ -19,8 +19,8 @@ Which torchtitan: the one installed, by its release (one code path each; the fig
   the optimizer and LR schedule of its llama3 debug model. It has no 1B flavor, so the script adds
   Llama 3.2 1B to its `llama3_args` (the same shapes and parameter count as Tessera's llama-1b) and
   ties the head to the embedding with a model converter, as 0.3.0's flavor does. Attention: SDPA
-  by default (its default and Tessera's; it asks for cuDNN's kernel first, then flash), flex or varlen. float8: its `quantize.linear.float8`
-  converter, head `output` left in bf16.
+  by default (its default and Tessera's; it asks for cuDNN's kernel first, then flash), flex or
+  varlen. float8: its `quantize.linear.float8` converter, head `output` left in bf16.
 Both: `--fp8-recipe` is torchao's recipe name (`Float8LinearConfig.from_recipe_name`), the output
 head stays in bf16 as in Tessera's fp8 mode; torch.compile of model and loss, no activation
 checkpointing (Tessera's benchmark recomputes nothing either), one GPU (no FSDP: torchtitan
