@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.common.errors import UserError, run_cli
+from tessera.common.layers.sdpa_backend import AttentionBackend, sdpa_backend, sdpa_backend_problem
 from tessera.common.models.causal_lm.config import ModelConfig, preset
 from tessera.trainer.components.model_setup import prepare_model
 from tessera.trainer.components.observability.host_memory import retain_freed_memory
@@ -253,14 +254,17 @@ def hf_standard_step(model, optim_cfg: OptimConfig, precision: Precision):
 
 
 def tessera_step(model, optim_cfg: OptimConfig, precision: Precision, compile: bool,
-                 documents: DocumentMasking | None = None):
+                 documents: DocumentMasking | None = None, attention_backend: AttentionBackend = "auto",
+                 loss_chunk_tokens: int | None = None):
     """The trainer's step object, fed one micro-batch per step (positions and masks, when packing
-    documents, derived inside from the tokens as in the trainer)."""
-    train_step = TrainStep(model, build_optimizer(model, optim_cfg), precision, optim_cfg.grad_clip, compile=compile,
-                           documents=documents)
+    documents, derived inside from the tokens as in the trainer), under the trainer's
+    training.attention_backend and training.loss_chunk_tokens."""
+    train_step = TrainStep(model, build_optimizer(model, optim_cfg), precision, optim_cfg.grad_clip,
+                           loss_chunk_tokens=loss_chunk_tokens, compile=compile, documents=documents)
 
     def step(inputs: torch.Tensor, labels: torch.Tensor, _position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        loss, _, _ = train_step([(inputs, labels)], 1, inputs.device)
+        with sdpa_backend(attention_backend, "--attention-backend"):
+            loss, _, _ = train_step([(inputs, labels)], 1, inputs.device)
         return loss
 
     return step
@@ -321,6 +325,11 @@ def main(argv: list[str] | None = None) -> None:
                          "shared kernels and each framework's own time, with the ceiling ratio (see above).")
     ap.add_argument("--packed-documents", type=int, default=0, metavar="MEAN",
                     help="Pack documents of about MEAN tokens per sample and train both document-aware (see above).")
+    ap.add_argument("--attention-backend", choices=["auto", "flash", "cudnn", "efficient", "math"], default="auto",
+                    help="Tessera's training.attention_backend: the SDPA kernel its steps run (transformers keeps "
+                         "PyTorch's choice).")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=None,
+                    help="Tessera's training.loss_chunk_tokens: head + cross-entropy this many tokens at a time.")
     ap.add_argument("--json", default=None, help="Also write the figures to this JSON file.")
     ap.add_argument("--only", choices=["tessera", "transformers"], default=None, help="Run one framework only.")
     ap.add_argument("--separate-processes", action="store_true",
@@ -340,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(problem)
     if args.precision == "fp8" and args.fp8_backend == "torchao" and args.fp8_recipe not in TORCHAO_RECIPES:
         ap.error(f"--fp8-recipe {args.fp8_recipe} is Transformer Engine's: add --fp8-backend te")
+    if problem := sdpa_backend_problem(args.attention_backend, torch.device(args.device), "--attention-backend"):
+        ap.error(problem)
     if args.separate_processes:
         return run_separately(args)
 
@@ -379,7 +390,8 @@ def main(argv: list[str] | None = None) -> None:
         step_fns["transformers"] = hf_standard_step(hf, optim_cfg, precision)
     if args.only != "transformers":
         fp8_layers["tessera"], precision = float8(ours, args, device, ap)
-        step_fns["tessera"] = tessera_step(ours, optim_cfg, precision, not args.no_compile, documents)
+        step_fns["tessera"] = tessera_step(ours, optim_cfg, precision, not args.no_compile, documents,
+                                           args.attention_backend, args.loss_chunk_tokens)
     else:
         del ours
     results = time_interleaved(step_fns, batches, args.warmup, args.steps, sync)
@@ -397,7 +409,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {cfg.num_params() / 1e6:.1f}M params (d={cfg.hidden_size}, L={cfg.num_layers}, "
           f"H={cfg.num_heads}/{cfg.kv_heads}, ffn={cfg.ffn_hidden_size}, V={cfg.vocab_size}); "
           f"batch {args.batch} x seq {args.seq}; {precision_label(args)}; threads {torch.get_num_threads()}; device {device}; "
-          f"tessera compile={'off' if args.no_compile else 'on'}; "
+          f"tessera compile={'off' if args.no_compile else 'on'}, attention {args.attention_backend}, "
+          f"loss chunks {args.loss_chunk_tokens or 'off'}; "
           f"{f'packed documents of ~{args.packed_documents} tokens; ' if args.packed_documents else ''}one process, "
           f"malloc {'retains freed memory (both)' if retained else 'glibc defaults'}")
     report(args, cfg, results, device)

@@ -102,3 +102,9 @@ def test_cli_subprocess_exit_code_and_one_line(make_config, tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "num_heads (5) must divide hidden_size (32)" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "efficient"])
+def test_an_attention_backend_this_machine_lacks_is_refused_before_any_work(make_config, capsys, backend):
+    line = run_expect_usage_error(["--config", str(make_config()), f"training.attention_backend={backend}"], capsys)
+    assert f"training.attention_backend={backend} needs a CUDA device" in line

@@ -138,3 +138,36 @@ def test_params_norm_is_logged_and_is_the_weights_norm(make_config):
     logged = [r["params_norm"] for r in records if r["kind"] == "train"]
     assert len(logged) == 2 and logged[0] != logged[1]
     assert logged[-1] == pytest.approx(want, rel=1e-6)
+
+
+def _sdpa_kernels(trainer: Trainer, steps: int) -> tuple[list[float], set[str]]:
+    """Losses of `steps` steps and one evaluation, and the SDPA kernels (ATen ops) they ran."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        losses = run_steps(trainer, steps) + [trainer.evaluate()]
+    names = {e.name for e in prof.events()}
+    return losses, {n for n in names if "scaled_dot_product" in n}
+
+
+def test_attention_backend_math_and_flash_each_run_their_own_kernel_and_train_alike(make_config):
+    path = make_config(training={"eval_interval": 1, "eval_iters": 1})
+    flash_losses, flash_ops = _sdpa_kernels(make_trainer(path, "training.attention_backend=flash"), 2)
+    math_trainer = make_trainer(path, "training.attention_backend=math")
+    math_losses, math_ops = _sdpa_kernels(math_trainer, 2)
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in flash_ops
+    assert "aten::_scaled_dot_product_attention_math" not in flash_ops
+    assert "aten::_scaled_dot_product_attention_math" in math_ops
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in math_ops
+    assert math_losses == pytest.approx(flash_losses, rel=1e-5)
+    # The setting is scoped to the steps: SDPA outside them is back to PyTorch's own choice.
+    assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+
+
+def test_a_call_the_chosen_attention_backend_cannot_take_stops_with_one_line_naming_the_setting(make_config):
+    from tessera.common.errors import UserError
+
+    # SDPA's CPU flash kernel has no attention dropout; only flash is enabled, so nothing falls back.
+    trainer = make_trainer(make_config(), "training.attention_backend=flash", "model.attention_dropout=0.1")
+    with pytest.raises(UserError, match=r"training.attention_backend=flash cannot run this model's attention"):
+        trainer.train_step()

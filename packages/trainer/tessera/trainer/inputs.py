@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tessera.common.checkpoint import read_sidecar, resolve_checkpoint
 from tessera.common.errors import ArtifactError, UserError
+from tessera.common.layers.sdpa_backend import sdpa_backend_problem
 from tessera.common.layout import ParallelLayout, validate_layout
 from tessera.common.mixture import (
     MANIFEST,
@@ -61,6 +62,8 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
                                                         pick_device(t.device, 0), processes)
         if problem:
             raise UserError(problem)
+    if problem := sdpa_backend_problem(t.attention_backend, pick_device(t.device, 0), "training.attention_backend"):
+        raise UserError(problem)
     layout = cfg.parallel.layout(world_size)
     readers = layout.batch_readers
     size = f"data-parallel size ({layout.data})" + (f" x expert-parallel size ({layout.expert})"

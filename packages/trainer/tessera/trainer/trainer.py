@@ -31,6 +31,7 @@ from tessera.common.checkpoint import CheckpointSidecar, read_sidecar
 from tessera.common.errors import RunError
 from tessera.common.faults import fault_point
 from tessera.common.fileio import atomic_write_text
+from tessera.common.layers.sdpa_backend import sdpa_backend
 from tessera.common.mixture import MixtureManifest, MixtureSplit
 from tessera.common.models.registry import kind_of
 from tessera.trainer.components.checkpoint.manager import CheckpointManager
@@ -152,7 +153,9 @@ class Trainer:
         """One optimizer step over a global batch; returns (mean loss, grad norm, step taken)."""
         self.engine.set_lr(self.schedule(self.state.step))
         plan = self.plan_at(self.state.consumed_samples)
-        result = self.engine.train_step(*self.data.train.batch(plan.rank_sample_ids(self.state.consumed_samples)))
+        batch = self.data.train.batch(plan.rank_sample_ids(self.state.consumed_samples))
+        with sdpa_backend(self.cfg.training.attention_backend):
+            result = self.engine.train_step(*batch)
         self.router_metrics = result.router
         self.advance()  # a skipped step (fp16 overflow) still consumes its data
         return result.loss, result.grad_norm, result.stepped
@@ -176,7 +179,9 @@ class Trainer:
         t = self.cfg.training
         total, counted = 0.0, 0
         for i in range(t.eval_iters):
-            loss, tokens = self.engine.eval_batch(*data.batch(self.plan.rank_sample_ids(i * t.global_batch_size)))
+            batch = data.batch(self.plan.rank_sample_ids(i * t.global_batch_size))
+            with sdpa_backend(t.attention_backend):
+                loss, tokens = self.engine.eval_batch(*batch)
             total += loss * tokens
             counted += tokens
         return total / max(counted, 1)
