@@ -96,6 +96,14 @@ EXTRAS: tuple[Step, ...] = (
     Step("train1b-te", 0, 500, ("python3", "benchmarks/train_throughput.py", *TRAIN1B, "--precision", "fp8",
                                 "--fp8-backend", "te", "--fp8-recipe", "tensorwise", "--no-compile",
                                 "--separate-processes", "--json", "{out}/train1b-te.json")),
+    # item 3's levers, each against the plan's train1b-bf16 figure: cuDNN's attention kernel, then
+    # the loss in 8k-token chunks over the 128k vocabulary (training.attention_backend, loss_chunk_tokens)
+    Step("train1b-cudnn", 0, 150, ("python3", "benchmarks/train_throughput.py", *TRAIN1B, "--precision", "bf16",
+                                   "--only", "tessera", "--attention-backend", "cudnn",
+                                   "--json", "{out}/train1b-cudnn.json")),
+    Step("train1b-chunked-loss", 0, 150, ("python3", "benchmarks/train_throughput.py", *TRAIN1B, "--precision",
+                                          "bf16", "--only", "tessera", "--loss-chunk-tokens", "8192",
+                                          "--json", "{out}/train1b-chunked-loss.json")),
     # item 4's convergence line: 200 steps of llama-1b, fp8 within 1% of bf16
     Step("fp8-convergence", 0, 500, ("python3", "benchmarks/fp8_convergence.py", "--device", "cuda", "--preset",
                                      "llama-1b", "--seq", "4096", "--batch", "2", "--steps", "200",
