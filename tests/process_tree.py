@@ -9,9 +9,10 @@ import time
 
 import psutil
 
-# multiprocessing's resource tracker: started once with the first spawned process, it lives until
-# the interpreter that started it exits. Not a server's.
-_HELPERS = ("multiprocessing.resource_tracker",)
+# Helpers that live until the interpreter that started them exits, and that it then ends itself:
+# multiprocessing's resource tracker (started with the first spawned process) and torch inductor's
+# compile-worker pool (started by the first compile). Not a server's.
+_HELPERS = ("multiprocessing.resource_tracker", "_inductor/compile_worker")
 
 
 def _running(p: psutil.Process) -> bool:
