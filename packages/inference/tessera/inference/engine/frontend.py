@@ -289,6 +289,7 @@ class AsyncEngine(EngineFrontend):
             self._cv.notify()
         if self._thread.ident is None:  # never started: nothing else will close the engine
             self.engine.close()
+            return
         self._thread.join(timeout=30.0)
 
     @property
