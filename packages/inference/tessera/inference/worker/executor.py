@@ -39,8 +39,10 @@ weight is read (`loader.check_tensor_parallel`).
 
 Failure: a worker that dies (or raises, then exits) makes the next step raise `WorkerDied`, which
 ends the engine (the server's /health then fails and requests get errors) instead of hanging. A
-worker exits when its pipe to the driver closes, and on Linux when the driver process dies
-(PR_SET_PDEATHSIG), so stopping or killing the server leaves no worker behind.
+worker exits when told (`shutdown`: up to 10 s, then killed), when its pipe to the driver closes,
+and on Linux when the driver process dies (PR_SET_PDEATHSIG, also before the worker got to set
+it), so stopping or killing the server, or a failed start, leaves no worker behind. Whoever drives
+the engine closes it when done: the engine process, or the server's engine thread (frontend.py).
 """
 
 from __future__ import annotations
