@@ -24,6 +24,14 @@ class LiveServer:
 
         self._before = {p.pid for p in descendants()}
         self.engine = make_engine(ckpt, **engine_cfg)
+        try:
+            self._start(uvicorn, api_key, limits)
+        except BaseException:
+            self.engine.close()  # its tensor-parallel workers, if any: a failed start leaves none
+            raise
+        LiveServer.live.add(self)
+
+    def _start(self, uvicorn, api_key, limits) -> None:
         metrics = ServingMetrics("tiny")
         limits = limits or ServerLimits(max_prompt_tokens=64, max_tokens=100, max_prompts=4, max_body_bytes=20_000)
         self.async_engine = AsyncEngine(self.engine, metrics)
@@ -40,7 +48,6 @@ class LiveServer:
             assert time.time() < deadline, "server did not start"
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{self.port}"
-        LiveServer.live.add(self)
 
     def own_pids(self) -> set[int]:
         """The child processes this server holds now."""
