@@ -52,6 +52,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import select
 import signal
 import sys
 import tempfile
@@ -412,8 +413,9 @@ class TensorParallelExecutor:
         with self._closing:
             for conn in self.conns:
                 try:
-                    conn.send_bytes(json.dumps({"t": "stop"}).encode())
-                except OSError:
+                    if select.select([], [conn], [], 0)[1]:  # a full pipe (a worker not reading) would block
+                        conn.send_bytes(json.dumps({"t": "stop"}).encode())
+                except (OSError, ValueError):
                     pass
             deadline = time.monotonic() + timeout
             for proc in self.procs:
