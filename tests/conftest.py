@@ -23,3 +23,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No process may outlive the tests: one still running here would hang pytest's exit
+    (multiprocessing's exit handler joins its daemon children, and waits forever on one that
+    ignores SIGTERM). Name each, kill it, and fail the run."""
+    from process_tree import descendants, describe, kill, still_running
+
+    left = still_running(descendants(), timeout=5)
+    if not left:
+        return
+    names = "\n  ".join(describe(p) for p in left)
+    kill(left)
+    session.config.get_terminal_writer().line(
+        f"\nERROR: {len(left)} process(es) started by the tests were still running at the end (killed):\n  {names}",
+        red=True, bold=True)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

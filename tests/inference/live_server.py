@@ -1,4 +1,6 @@
-"""A real uvicorn server on a free port over the in-process (thread) engine, for HTTP tests."""
+"""A real uvicorn server on a free port over the in-process (thread) engine, for HTTP tests.
+`stop()` fails the test if a process the server started (tensor-parallel workers, tokenizer,
+template or grammar-check children) outlives it."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import threading
 import time
 
 from inference_helpers import make_engine
+from process_tree import assert_gone, descendants
 
 from tessera.inference.engine.frontend import AsyncEngine
 from tessera.inference.engine.metrics import ServingMetrics
@@ -14,10 +17,21 @@ from tessera.inference.entrypoints.server import OpenAIServer, ServerLimits
 
 
 class LiveServer:
+    live: set[LiveServer] = set()  # started and not yet stopped: their children are not a leak of another's
+
     def __init__(self, ckpt, api_key=None, limits=None, **engine_cfg):
         import uvicorn
 
+        self._before = {p.pid for p in descendants()}
         self.engine = make_engine(ckpt, **engine_cfg)
+        try:
+            self._start(uvicorn, api_key, limits)
+        except BaseException:
+            self.engine.close()  # its tensor-parallel workers, if any: a failed start leaves none
+            raise
+        LiveServer.live.add(self)
+
+    def _start(self, uvicorn, api_key, limits) -> None:
         metrics = ServingMetrics("tiny")
         limits = limits or ServerLimits(max_prompt_tokens=64, max_tokens=100, max_prompts=4, max_body_bytes=20_000)
         self.async_engine = AsyncEngine(self.engine, metrics)
@@ -35,9 +49,23 @@ class LiveServer:
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{self.port}"
 
+    def own_pids(self) -> set[int]:
+        """The child processes this server holds now."""
+        executor = getattr(self.engine.runner, "executor", None)
+        pids = {p.pid for p in getattr(executor, "procs", ())}
+        for pool in (self.openai._tokenize_procs, self.openai._template_procs):
+            pids |= {c.process.pid for c in list(pool._running)}
+        return pids | {c.process.pid for c in list(self.openai.grammar_check._children)}
+
     def stop(self):
+        """Stop as tessera-serve stops (uvicorn's shutdown, then the app's), then check by pid that
+        every process started since this server started has ended (another live server's aside)."""
+        LiveServer.live.discard(self)
         self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "the server did not stop within 60 s"
+        others = set().union(*(s.own_pids() for s in LiveServer.live))
+        assert_gone([p for p in descendants() if p.pid not in self._before | others], "LiveServer.stop()")
 
     def wait_idle(self, timeout=30.0):
         deadline = time.time() + timeout

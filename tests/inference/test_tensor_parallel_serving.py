@@ -281,7 +281,10 @@ def test_a_dead_worker_fails_requests_and_health_instead_of_hanging(tp2_server):
     import httpx
 
     proc, url = tp2_server
-    workers = [p for p in _descendants(proc.pid) if "spawn_main" in _cmdline(p)]
+    from process_tree import assert_gone, descendants
+
+    below = descendants(proc.pid)  # the engine process and its two workers
+    workers = [p.pid for p in below if "spawn_main" in _cmdline(p.pid)]
     assert len(workers) == 2, workers
     os.kill(workers[-1], signal.SIGKILL)
     r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS["a"], "max_tokens": 4}, timeout=60)
@@ -289,6 +292,9 @@ def test_a_dead_worker_fails_requests_and_health_instead_of_hanging(tp2_server):
     assert httpx.get(url + "/health", timeout=10).status_code == 503
     r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS["a"], "max_tokens": 4}, timeout=60)
     assert r.status_code == 500, r.text
+    # The failed engine stopped its other worker and ended its process; the HTTP process stays up.
+    assert_gone(below, "an engine whose worker died")
+    assert proc.poll() is None
 
 
 def _cmdline(pid: int) -> str:

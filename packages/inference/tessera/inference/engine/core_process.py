@@ -6,14 +6,18 @@ Why a process: in the server process the engine thread and the asyncio event loo
 on one GIL, and every torch op the engine runs gives the loop a chance to keep it; here the
 engine has an interpreter to itself (vLLM V1 splits its server the same way).
 
-It ignores SIGINT/SIGTERM: the HTTP process decides when to stop (after draining) and says so;
-if that process dies, the pipe closes and this one exits at its next read.
+It ignores SIGINT/SIGTERM: the HTTP process decides when to stop (after draining) and says so.
+If that process dies, this one is killed with it (PR_SET_PDEATHSIG, and so are its
+tensor-parallel workers, by theirs), even while it loads the model and reads no pipe.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
+import struct
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -21,6 +25,7 @@ from multiprocessing.connection import Connection
 from tessera.common.errors import UserError
 from tessera.inference.engine.wire import decode, encode, output_to_wire, stats_to_wire
 from tessera.inference.worker.cpu_threads import measure
+from tessera.inference.worker.executor import die_with_parent
 
 log = logging.getLogger("tessera.inference")
 
@@ -113,8 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    die_with_parent(_peer_pid(int(argv[0])))
     with Connection(int(argv[0])) as conn:
         return serve(conn)
+
+
+def _peer_pid(fd: int) -> int:
+    """The pid of the process that made the socket pair `fd` belongs to: the HTTP process."""
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
 
 
 if __name__ == "__main__":

@@ -279,14 +279,18 @@ class AsyncEngine(EngineFrontend):
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Let running requests finish (up to `timeout` s), then stop the thread."""
+        """Let running requests finish (up to `timeout` s), then stop the thread, which closes the
+        engine (its tensor-parallel workers: bounded, see executor.shutdown)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.num_active() and self._thread.is_alive():
             time.sleep(0.05)
         with self._cv:
             self._stop = True
             self._cv.notify()
-        self._thread.join(timeout=5.0)
+        if self._thread.ident is None:  # never started: nothing else will close the engine
+            self.engine.close()
+            return
+        self._thread.join(timeout=30.0)
 
     @property
     def healthy(self) -> bool:
@@ -331,3 +335,8 @@ class AsyncEngine(EngineFrontend):
             log.exception("engine thread failed")
             self._error = exc
             self._fail_all(exc)
+        finally:
+            # The engine is this thread's to close, as the engine process closes its own: whoever
+            # stops the server (tessera-serve, a test's uvicorn) then leaves no tensor-parallel
+            # worker running. The last thing the thread does, so no step is still using the workers.
+            self.engine.close()

@@ -197,9 +197,13 @@ class LLMEngine:
             graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
                                    scratch_block=pool - 1, capture=graphs == "capture")
         self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec, worker_threads)
-        if hasattr(self.proposer, "attach"):  # a draft reading the target's hidden states (MTP)
-            self.proposer.attach(self.runner)
-        self.pooling = embedding_spec(loaded, cfg, self.max_model_len, self.runner)  # None: no /v1/embeddings
+        try:
+            if hasattr(self.proposer, "attach"):  # a draft reading the target's hidden states (MTP)
+                self.proposer.attach(self.runner)
+            self.pooling = embedding_spec(loaded, cfg, self.max_model_len, self.runner)  # None: no /v1/embeddings
+        except BaseException:
+            self.close()  # the workers just started: none may outlive a failed start
+            raise
 
     @staticmethod
     def _runner(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int, device: torch.device,

@@ -262,10 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if frontend.healthy:  # uvicorn never got to its shutdown (e.g. the port was taken)
                 frontend.shutdown(timeout=0)
-            if args.no_engine_process:
-                frontend.engine.close()  # stops tensor-parallel workers (the engine process does so itself)
         finally:
-            _set_signal_handlers(found)
+            try:
+                if args.no_engine_process:  # stops tensor-parallel workers, even after a Ctrl-C in the above
+                    frontend.engine.close()  # (the engine thread closes it too; the engine process does so itself)
+            finally:
+                _set_signal_handlers(found)
     return 0
 
 

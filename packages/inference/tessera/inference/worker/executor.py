@@ -39,8 +39,10 @@ weight is read (`loader.check_tensor_parallel`).
 
 Failure: a worker that dies (or raises, then exits) makes the next step raise `WorkerDied`, which
 ends the engine (the server's /health then fails and requests get errors) instead of hanging. A
-worker exits when its pipe to the driver closes, and on Linux when the driver process dies
-(PR_SET_PDEATHSIG), so stopping or killing the server leaves no worker behind.
+worker exits when told (`shutdown`: up to 10 s, then killed), when its pipe to the driver closes,
+and on Linux when the driver process dies (PR_SET_PDEATHSIG, also before the worker got to set
+it), so stopping or killing the server, or a failed start, leaves no worker behind. Whoever drives
+the engine closes it when done: the engine process, or the server's engine thread (frontend.py).
 """
 
 from __future__ import annotations
@@ -50,9 +52,12 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import select
 import signal
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
@@ -166,16 +171,20 @@ def _load_hf_shard(path: Path, cfg: ModelConfig, params: dict, buffers: dict, ra
             del full
 
 
-def _die_with_parent() -> None:
+def die_with_parent(parent: int) -> None:
+    """Be killed when `parent` (this process's parent) dies, or exit now if it already has: it
+    may have died before the prctl, whose signal then never comes."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+    if os.getppid() != parent:
+        os._exit(0)
 
 
 def _worker_main(rank: int, world: int, store_path: str, init: dict, conn: Connection) -> None:
-    _die_with_parent()
+    die_with_parent(init["driver"])
     # The driver decides when to stop: a Ctrl-C sent to the whole group must not end a worker while
     # the server drains; the driver's death still does (above). SIGTERM keeps its default: the
     # workers are daemons, which multiprocessing ends with SIGTERM at the driver's exit (ignoring it
@@ -295,7 +304,9 @@ class TensorParallelExecutor:
                 "kv_cache_dtype": kv_dtype_name,  # --kv-cache-dtype, resolved on each worker
                 "graphs": None if graphs is None else asdict(graphs),  # decode graphs, each worker its own
                 "prep": asdict(prep or ServingPrep()),  # how each worker prepares its shard
-                "pooling": pooling}  # an encoder: the workers pool embed requests (`pool`), no KV cache
+                "pooling": pooling,  # an encoder: the workers pool embed requests (`pool`), no KV cache
+                "driver": os.getpid()}
+        self._closing = threading.Lock()  # the engine thread and the CLI's cleanup may both shut down
         self.conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         try:
@@ -325,7 +336,7 @@ class TensorParallelExecutor:
                     self.state = f"{msg['state']} on each of {tp} ranks"
                 self.pools = bool(msg.get("pools")) if rank == 0 else self.pools
         except BaseException:
-            self.shutdown()
+            self.shutdown(timeout=0)  # a worker still loading never reads `stop`: killed at once
             raise
 
     def _recv(self, rank: int, timeout: float | None = None) -> dict:
@@ -396,21 +407,30 @@ class TensorParallelExecutor:
         return all(p.is_alive() for p in self.procs)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop every worker (asked, then killed) and wait for it; safe to call twice."""
-        for conn in self.conns:
-            try:
-                conn.send_bytes(json.dumps({"t": "stop"}).encode())
-            except OSError:
-                pass
-        for proc in self.procs:
-            proc.join(timeout)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for conn in self.conns:
-            conn.close()
-        self.conns, self.procs = [], []
-        self._store_dir.cleanup()
+        """Stop every worker: asked, then those still running after `timeout` s in all (one blocked
+        in a collective with a dead peer never reads `stop`) killed, and each waited for. Safe to
+        call twice, and from two threads at once."""
+        with self._closing:
+            for conn in self.conns:
+                try:
+                    if select.select([], [conn], [], 0)[1]:  # a full pipe (a worker not reading) would block
+                        conn.send_bytes(json.dumps({"t": "stop"}).encode())
+                except (OSError, ValueError):
+                    pass
+            deadline = time.monotonic() + timeout
+            for proc in self.procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+            for proc in self.procs:
+                if proc.is_alive():
+                    if timeout:
+                        log.warning("tensor-parallel worker %s (pid %s) did not stop within %.0f s: killed",
+                                    proc.name, proc.pid, timeout)
+                    proc.kill()
+                proc.join(10)  # SIGKILL cannot be ignored: bounded only against a kernel stuck in I/O
+            for conn in self.conns:
+                conn.close()
+            self.conns, self.procs = [], []
+            self._store_dir.cleanup()
 
 
 class TensorParallelRunner(PoolingSteps, ModelRunner):
