@@ -85,7 +85,7 @@ def compile_blocks(model: nn.Module) -> None:
     Dynamo caches by code object and, inlining nn modules, takes parameters as graph inputs: blocks
     of one kind share one compiled graph, so compile time does not grow with depth. Each kind of
     block (sliding window or not, MoE or dense, Mamba or attention) adds a cache entry to that one
-    code object, as do evaluation (no grad) and new shapes; past recompile_limit (8) Dynamo would
+    code object, as do evaluation (no grad) and new shapes; past recompile_limit (8 by default) Dynamo would
     run the rest eagerly with only a log line, so the limit is raised to cover every block.
     """
     stack = model.get_submodule(kind_of(model.cfg).parallel().layers)
