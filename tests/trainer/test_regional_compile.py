@@ -11,7 +11,7 @@ from trainer_fixtures import assert_weights_close
 
 from tessera.common.models.causal_lm.config import preset
 from tessera.common.models.causal_lm.model import Block
-from tessera.trainer.components.model_setup import prepare_model
+from tessera.trainer.components.model_setup import compile_blocks, prepare_model
 from tessera.trainer.components.optimizer.optim import build_optimizer
 from tessera.trainer.components.precision.mixed import Precision
 from tessera.trainer.config import OptimConfig
@@ -63,3 +63,11 @@ def test_the_whole_graph_compile_trains_like_eager_and_leaves_no_graph_per_block
     eager_losses, eager_weights = train(cfg, False)
     assert losses == pytest.approx(eager_losses, rel=1e-5)
     assert_weights_close(weights, eager_weights, "whole-graph compile vs eager")
+
+
+def test_a_deep_stack_raises_dynamo_s_recompile_limit_to_cover_every_block():
+    # Past the limit Dynamo would run the remaining kinds of block eagerly with only a log line.
+    cfg = preset("tiny", num_layers=24)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        compile_blocks(prepare_model(cfg, CPU, seed=0))  # compiles lazily: nothing traced here
+        assert torch._dynamo.config.recompile_limit >= 24
