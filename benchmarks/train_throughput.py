@@ -6,8 +6,9 @@ hyper-parameters (AdamW, fused where available, no decay on 1-D parameters), mea
 cross-entropy in fp32, gradient clipping at 1.0, fp32, and the same number of threads.
 
 - Tessera runs the trainer's own step: prepare_model, build_optimizer and
-  tessera.trainer.objectives.step.TrainStep (forward + loss compiled as one graph, on CPU with the loss
-  in logsumexp form; clip then fused AdamW), the object `Trainer.train_step` calls.
+  tessera.trainer.objectives.step.TrainStep (compiled per block with head + loss as one graph, or with
+  `--compile-scope model` forward + loss as one graph; on CPU the loss in logsumexp form; clip then
+  fused AdamW), the object `Trainer.train_step` calls.
 - transformers runs the standard recipe: `model(input_ids=...).logits`, F.cross_entropy on fp32
   logits, `torch.nn.utils.clip_grad_norm_(foreach=True)`, `torch.optim.AdamW(fused=True)`,
   `zero_grad(set_to_none=True)`.
