@@ -6,8 +6,9 @@ hyper-parameters (AdamW, fused where available, no decay on 1-D parameters), mea
 cross-entropy in fp32, gradient clipping at 1.0, fp32, and the same number of threads.
 
 - Tessera runs the trainer's own step: prepare_model, build_optimizer and
-  tessera.trainer.objectives.step.TrainStep (forward + loss compiled as one graph, on CPU with the loss
-  in logsumexp form; clip then fused AdamW), the object `Trainer.train_step` calls.
+  tessera.trainer.objectives.step.TrainStep (compiled per block with head + loss as one graph, or with
+  `--compile-scope model` forward + loss as one graph; on CPU the loss in logsumexp form; clip then
+  fused AdamW), the object `Trainer.train_step` calls.
 - transformers runs the standard recipe: `model(input_ids=...).logits`, F.cross_entropy on fp32
   logits, `torch.nn.utils.clip_grad_norm_(foreach=True)`, `torch.optim.AdamW(fused=True)`,
   `zero_grad(set_to_none=True)`.
@@ -253,7 +254,7 @@ def hf_standard_step(model, optim_cfg: OptimConfig, precision: Precision):
     return step
 
 
-def tessera_step(model, optim_cfg: OptimConfig, precision: Precision, compile: bool,
+def tessera_step(model, optim_cfg: OptimConfig, precision: Precision, compile: bool | str,
                  documents: DocumentMasking | None = None, attention_backend: AttentionBackend = "auto",
                  loss_chunk_tokens: int | None = None):
     """The trainer's step object, fed one micro-batch per step (positions and masks, when packing
@@ -305,6 +306,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3, help="Untimed steps first (the first includes compilation).")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's).")
     ap.add_argument("--no-compile", action="store_true", help="Run Tessera eager (no torch.compile of forward + loss).")
+    ap.add_argument("--compile-scope", choices=["model", "blocks"], default="blocks",
+                    help="training.compile_scope: blocks = each block compiled (once per kind) and head + loss as "
+                         "one graph; model = forward and loss as one graph.")
     ap.add_argument("--retain-host-memory", action="store_true",
                     help="Apply the trainer's host-memory setting (tessera.trainer.components.observability.host_memory) to this process: both.")
     ap.add_argument("--device", default="cpu")
@@ -390,8 +394,8 @@ def main(argv: list[str] | None = None) -> None:
         step_fns["transformers"] = hf_standard_step(hf, optim_cfg, precision)
     if args.only != "transformers":
         fp8_layers["tessera"], precision = float8(ours, args, device, ap)
-        step_fns["tessera"] = tessera_step(ours, optim_cfg, precision, not args.no_compile, documents,
-                                           args.attention_backend, args.loss_chunk_tokens)
+        step_fns["tessera"] = tessera_step(ours, optim_cfg, precision, not args.no_compile and args.compile_scope,
+                                           documents, args.attention_backend, args.loss_chunk_tokens)
     else:
         del ours
     results = time_interleaved(step_fns, batches, args.warmup, args.steps, sync)
@@ -409,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {cfg.num_params() / 1e6:.1f}M params (d={cfg.hidden_size}, L={cfg.num_layers}, "
           f"H={cfg.num_heads}/{cfg.kv_heads}, ffn={cfg.ffn_hidden_size}, V={cfg.vocab_size}); "
           f"batch {args.batch} x seq {args.seq}; {precision_label(args)}; threads {torch.get_num_threads()}; device {device}; "
-          f"tessera compile={'off' if args.no_compile else 'on'}, attention {args.attention_backend}, "
+          f"tessera compile={'off' if args.no_compile else args.compile_scope}, attention {args.attention_backend}, "
           f"loss chunks {args.loss_chunk_tokens or 'off'}; "
           f"{f'packed documents of ~{args.packed_documents} tokens; ' if args.packed_documents else ''}one process, "
           f"malloc {'retains freed memory (both)' if retained else 'glibc defaults'}")

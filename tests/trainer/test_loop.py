@@ -98,7 +98,7 @@ def test_cli_run_learns_and_writes_metrics(make_config, tmp_path):
 
 @pytest.mark.slow
 def test_compiled_step_matches_eager(make_config):
-    """training.compile compiles forward + loss as one graph: same losses and weights as eager."""
+    """training.compile (regional by default: per block, head + loss as one graph): same losses and weights as eager."""
     path = make_config()
     eager = make_trainer(path, "model.num_layers=1")
     compiled = make_trainer(path, "training.compile=true", "model.num_layers=1")

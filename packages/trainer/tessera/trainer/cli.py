@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Continue from the checkpoint the pointer in the checkpoint directory names "
                              "(starts fresh, saying so, when there is none yet). Implied in a job torchrun "
                              "restarted (--max-restarts).")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the forward and loss as one graph (= training.compile=true).")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the step (= training.compile=true; what is one graph: training.compile_scope).")
     parser.add_argument("--eval-only", action="store_true",
                         help="Evaluate the model on the valid and test splits and exit; train and save nothing "
                              "(= training.eval_only=true). Combine with --resume or checkpoint.init_from=CKPT.")

@@ -77,7 +77,7 @@ def micro_batches(tokens: torch.Tensor, labels: torch.Tensor, size: int) -> list
 
 class LocalEngine:
     """One plain process: the model itself, torch's AdamW, Precision (autocast, GradScaler), and the
-    TrainStep (forward + loss, optionally compiled as one graph; gradient accumulation)."""
+    TrainStep (forward + loss, optionally compiled per block or as one graph; gradient accumulation)."""
 
     dp_rank, dp_size = 0, 1
 
@@ -97,7 +97,7 @@ class LocalEngine:
         self.optimizer = build_optimizer(self.model, optim)
         self.precision = Precision(t.precision, device, t.fp16_initial_scale, t.fp16_growth_interval, fp8_context)
         self.step = trainer_kind(model).step(self.model, self.optimizer, self.precision, optim.grad_clip,
-                              t.loss_chunk_tokens, t.compile, documents)
+                              t.loss_chunk_tokens, t.compile and t.compile_scope, documents)
         # MoE: router statistics of each step, and the balancing-bias update after it.
         self.router_stats = RouterStats(self.model) if getattr(model, "moe", None) is not None else None
         self.mtp = getattr(self.model, "mtp", None)  # multi-token prediction: its loss logged apart

@@ -4,13 +4,14 @@ The order matters and mirrors torchtitan: the plain model is built (on the meta 
 materialised and initialised by tessera.common.models.causal_lm.model.build_model); a parallelize step transforms
 it for the layout (identity in one process; tessera.trainer.parallel replaces it); activation
 recompute wraps blocks or attention cores; torch.compile (optional here: the trainer's step
-compiles forward and loss together instead) compiles the whole forward. None of these change
+compiles instead, per block or forward and loss together) compiles the whole forward. None of these change
 parameter names, so checkpoints stay layout-invariant.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import torch
 from torch import nn
@@ -19,6 +20,8 @@ from torch.utils.checkpoint import checkpoint
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.models.registry import kind_of
+
+CompileScope = Literal["model", "blocks"]
 
 
 def build_train_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
@@ -66,11 +69,30 @@ def apply_recompute(model: Transformer, mode: str) -> None:
 def apply_compile(model: Transformer) -> None:
     """torch.compile the whole model forward in place (nn.Module.compile keeps parameter names).
 
-    One graph from embedding through final norm and head, rather than one per block. The trainer
-    itself goes one further and compiles forward + loss together (tessera.trainer.objectives.step.TrainStep);
-    this is for callers that only run the model.
+    One graph from embedding through final norm and head. The trainer's step compiles instead, per
+    block or forward + loss together (tessera.trainer.objectives.step.TrainStep); this is for callers
+    that only run the model.
     """
     model.compile()
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """Regional compilation: torch.compile every transformer block's forward in place (the stack
+    the kind's parallel plan names). The bound forward (recompute's wrapper when recompute is on)
+    is replaced by its compiled version, so module names, hooks (sequence-parallel gathers on norms,
+    FSDP's per-block all-gathers) and state dicts are as without compile.
+
+    Dynamo caches by code object and, inlining nn modules, takes parameters as graph inputs: blocks
+    of one kind share one compiled graph, so compile time does not grow with depth. Each kind of
+    block (sliding window or not, MoE or dense, Mamba or attention) adds a cache entry to that one
+    code object, as do evaluation (no grad) and new shapes; past recompile_limit (8 by default) Dynamo would
+    run the rest eagerly with only a log line, so the limit is raised to cover every block.
+    """
+    stack = model.get_submodule(kind_of(model.cfg).parallel().layers)
+    blocks = list(stack.values() if isinstance(stack, nn.ModuleDict) else stack)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(blocks) + 8)
+    for block in blocks:
+        block.forward = torch.compile(block.forward)
 
 
 def apply_freeze(model: nn.Module, parts: list[str] | tuple[str, ...]) -> None:

@@ -3,7 +3,11 @@
 One object, used by `Trainer.train_step` and by benchmarks/train_throughput.py, so the benchmark
 measures the trainer's real step.
 
-With `compile`, the forward *and the loss* are one torch.compile graph: inductor fuses the output
+Compilation (`compile`) has two scopes. "model": the forward *and the loss* are one torch.compile
+graph. "blocks" (regional compilation, torchtitan's and PyTorch's recipe): each transformer block's
+forward is compiled in place (components.model_setup.compile_blocks: identical blocks share one
+compiled graph, so compile time does not grow with depth), the final norm is compiled as one more
+region, and the output head and the loss are one graph. Either way inductor fuses the output
 head's cross-entropy (log-softmax and gather, and in backward softmax minus one-hot) into single
 passes over the logits, instead of eager log_softmax + nll_loss that write and re-read the
 tokens x vocab fp32 logits several times (about 25 ms of a 300 ms step on 2 CPU cores at vocab
@@ -28,6 +32,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tessera.trainer.components.model_setup import CompileScope, compile_blocks
 from tessera.trainer.components.optimizer.clip import clip_grad_norm
 from tessera.trainer.components.precision.mixed import Precision
 from tessera.trainer.objectives.documents import DocumentMasking, loss_token_count
@@ -36,8 +41,9 @@ from tessera.trainer.objectives.loss import chunked_cross_entropy, cross_entropy
 
 class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,
-                 loss_chunk_tokens: int | None = None, compile: bool = False,
+                 loss_chunk_tokens: int | None = None, compile: bool | CompileScope = False,
                  documents: DocumentMasking | None = None):
+        """`compile`: False (eager), "model", "blocks", or True (= "blocks", training.compile_scope's default)."""
         self.model = model
         # Packed-document options: positions / document ids for the forward, and (eod_mask_loss)
         # a loss averaged over the counted tokens of the whole batch.
@@ -48,24 +54,39 @@ class TrainStep:
         self.grad_clip = grad_clip
         self.loss_chunk_tokens = loss_chunk_tokens
         self.params = [p for p in model.parameters() if p.requires_grad]
-        if loss_chunk_tokens is None:
-            # On CPU the compiled graph takes the loss in logsumexp form (loss.py); on GPUs, where the
-            # recorded figures use F.cross_entropy and this form was not measured, it keeps that.
-            on_cpu = next(model.parameters()).device.type == "cpu"
-            self._loss = torch.compile(self._cpu_loss if on_cpu else self._full_loss) if compile else self._full_loss
-        else:
-            # The chunked loss takes its own gradients chunk by chunk (loss.py); only the model forward
-            # is compiled.
-            self._hidden = torch.compile(self._final_hidden) if compile else self._final_hidden
+        scope = "blocks" if compile is True else compile
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        # On CPU the compiled graph takes the loss in logsumexp form (loss.py); on GPUs, where the
+        # recorded figures use F.cross_entropy and this form was not measured, it keeps that.
+        self._head_loss = logsumexp_cross_entropy if on_cpu and scope else cross_entropy_loss
+        self._loss = self._full_loss
+        self._hidden = self._final_hidden
+        if scope == "blocks":
+            compile_blocks(model)
+            if getattr(model, "final_norm", None) is not None:
+                model.final_norm.compile()
+            # The head and its loss stay one graph; the chunked loss takes its own gradients chunk by
+            # chunk (loss.py), so it runs as it is over the compiled blocks' output.
+            self._loss = self._regional_loss
+            self._logits_loss = torch.compile(self._logits_loss)
+        elif scope == "model":
+            if loss_chunk_tokens is None:
+                self._loss = torch.compile(self._full_loss)
+            else:  # only the model forward is compiled (the chunked loss, as above)
+                self._hidden = torch.compile(self._final_hidden)
+        elif scope:
+            raise ValueError(f"unknown compile scope {compile!r}")
 
     def _full_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_inputs: dict,
                    reduction: str) -> torch.Tensor:
-        return cross_entropy_loss(self.model(inputs, **model_inputs), labels, reduction=reduction)
+        return self._head_loss(self.model(inputs, **model_inputs), labels, reduction=reduction)
 
-    def _cpu_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_inputs: dict,
-                  reduction: str) -> torch.Tensor:
-        # The same loss in the form inductor compiles to fewer passes over the logits (loss.py).
-        return logsumexp_cross_entropy(self.model(inputs, **model_inputs), labels, reduction=reduction)
+    def _regional_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_inputs: dict,
+                       reduction: str) -> torch.Tensor:
+        return self._logits_loss(self._final_hidden(inputs, model_inputs), labels, reduction)
+
+    def _logits_loss(self, hidden: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
+        return self._head_loss(self.model.logits(hidden), labels, reduction=reduction)
 
     def _final_hidden(self, inputs: torch.Tensor, model_inputs: dict) -> torch.Tensor:
         return self.model(inputs, return_hidden=True, **model_inputs)

@@ -39,6 +39,7 @@ from tessera.common.parallel.state import ParallelGroups
 from tessera.common.parallel.state_dict import load_model_state_dict, model_state_dict
 from tessera.common.parallel.tensor_parallel import enable_async_tp
 from tessera.common.safe_dcp import dcp_load
+from tessera.trainer.components.model_setup import compile_blocks
 from tessera.trainer.components.precision.float8 import float8_backend
 from tessera.trainer.config import OptimConfig, ParallelConfig, TrainingConfig
 from tessera.trainer.engine import StepResult
@@ -49,16 +50,6 @@ from tessera.trainer.parallel.optimizer import DistributedOptimizer
 from tessera.trainer.parallel.pipeline import StageModule, build_stages, decoder_of, make_schedule
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}
-
-
-def compile_blocks(stages: list[StageModule]) -> None:
-    """torch.compile every transformer block's forward in place. The bound forward (recompute's
-    wrapper when recompute is on) is replaced by its compiled version, so module names, hooks
-    (sequence-parallel gathers on norms, FSDP's per-block all-gathers) and state dicts are as
-    without compile."""
-    for stage in stages:
-        for block in decoder_of(stage.model).layers.values():
-            block.forward = torch.compile(block.forward)
 
 
 def _local_data(p: torch.Tensor) -> torch.Tensor:
@@ -173,8 +164,9 @@ class ParallelRuntime:
                     float8.convert(st, t.fp8_recipe, fsdp_float8_all_gather=p.fsdp_float8_all_gather)
             # Before a meta build is allocated: FSDP shards the meta parameters, so only this
             # rank's data shard is ever allocated and initialised (sharded_init).
-            if t.compile:
-                compile_blocks(stages)
+            if t.compile:  # per block, each kind once; names, hooks and state dicts as without compile
+                for st in stages:
+                    compile_blocks(st.model)
             if groups.dp_shard > 1:
                 shard_stages(stages, groups, param_dtype=p.fsdp_param_dtype, reduce_dtype=p.fsdp_reduce_dtype,
                              cpu_offload=p.fsdp_cpu_offload)

@@ -7,7 +7,8 @@ Forward, backward, clipping and the optimizer step are TrainStep's; only the los
 MLM head (transform and vocabulary projection) runs on the labelled positions only, about 15% of
 the tokens: the same loss and gradients as logits everywhere with the rest ignored (what Megatron
 and transformers compute), without the largest matmul of the step on the other 85%. With
-`training.compile` the model forward and this loss are one graph.
+`training.compile` the model forward and this loss are one graph, whatever `compile_scope` says
+(regional compilation is built for the decoder's step only).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def mlm_loss(output, labels: torch.Tensor, binary_labels: torch.Tensor, reductio
 
 class MLMStep(TrainStep):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,
-                 loss_chunk_tokens: int | None = None, compile: bool = False,
+                 loss_chunk_tokens: int | None = None, compile: bool | str = False,
                  documents: DocumentMasking | None = None):
         if loss_chunk_tokens is not None:
             raise UserError("training.loss_chunk_tokens is for the decoder's next-token loss; a masked-LM run "

@@ -2,7 +2,8 @@
 tokens (sentinels, the corrupted spans, EOS), their mean cross-entropy, as transformers'
 T5ForConditionalGeneration computes it with labels. Micro-batch losses are averaged, as for the
 decoder. Forward, backward, clipping and the optimizer step are TrainStep's; only the loss
-differs. With `training.compile` the model forward and this loss are one graph.
+differs. With `training.compile` the model forward and this loss are one graph, whatever
+`compile_scope` says (regional compilation is built for the decoder's step only).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tessera.trainer.objectives.step import TrainStep
 
 class SpanStep(TrainStep):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,
-                 loss_chunk_tokens: int | None = None, compile: bool = False,
+                 loss_chunk_tokens: int | None = None, compile: bool | str = False,
                  documents: DocumentMasking | None = None):
         if loss_chunk_tokens is not None:
             raise UserError("training.loss_chunk_tokens is for the decoder-only next-token loss; an encoder-decoder's "
