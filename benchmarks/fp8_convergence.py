@@ -5,8 +5,8 @@ Issue #19's acceptance for FP8 training: over 200 steps the fp8 loss stays withi
 ("equal loss curve") while fp8 runs at >= 1.3x bf16's tokens/s. Each run is what `tessera-train`
 does in one process: `prepare_model` (fp32 master weights from the seed), for fp8
 `tessera.trainer.components.precision.torchao_float8.apply_float8` (torchao Float8Linear, `--fp8-recipe`), `build_optimizer`
-(AdamW), `Precision` (bf16 autocast, also under fp8) and `TrainStep` (forward + loss compiled as
-one graph, clip, optimizer step), with the trainer's warmup + cosine `LRSchedule`. The bf16 run
+(AdamW), `Precision` (bf16 autocast, also under fp8) and `TrainStep` (compiled as the trainer does:
+each block, then head + loss as one graph; clip, optimizer step), with the trainer's warmup + cosine `LRSchedule`. The bf16 run
 goes first; the fp8 run rebuilds the model from the same seed and sees the same batches in the
 same order.
 

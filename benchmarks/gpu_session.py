@@ -104,6 +104,11 @@ EXTRAS: tuple[Step, ...] = (
     Step("train1b-chunked-loss", 0, 150, ("python3", "benchmarks/train_throughput.py", *TRAIN1B, "--precision",
                                           "bf16", "--only", "tessera", "--loss-chunk-tokens", "8192",
                                           "--json", "{out}/train1b-chunked-loss.json")),
+    # the whole-graph compile (forward + loss, as before training.compile_scope) against the plan's
+    # default per-block compile: first step and steady step
+    Step("train1b-whole-graph", 0, 150, ("python3", "benchmarks/train_throughput.py", *TRAIN1B, "--precision",
+                                         "bf16", "--only", "tessera", "--compile-scope", "model",
+                                         "--json", "{out}/train1b-whole-graph.json")),
     # item 4's convergence line: 200 steps of llama-1b, fp8 within 1% of bf16
     Step("fp8-convergence", 0, 500, ("python3", "benchmarks/fp8_convergence.py", "--device", "cuda", "--preset",
                                      "llama-1b", "--seq", "4096", "--batch", "2", "--steps", "200",
