@@ -24,8 +24,15 @@ def test_mlflow_and_wandb_get_every_logged_loss(make_config, tmp_path, monkeypat
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     config = make_config("tracked")
-    assert main(["--config", str(config), "--quiet", "logging.wandb.project=tessera-test",
-                 "logging.mlflow.experiment=tessera-test", "training.steps=3"]) == 0
+    try:
+        assert main(["--config", str(config), "--quiet", "logging.wandb.project=tessera-test",
+                     "logging.mlflow.experiment=tessera-test", "training.steps=3"]) == 0
+    finally:
+        import wandb
+
+        # wandb keeps its service process (wandb-core) for the interpreter's life, ending it at exit;
+        # in a CLI run that is the run's end, here it would outlive the test (conftest's process check).
+        wandb.teardown()
     run_dir = tmp_path / "tracked"
     want = _train_losses(run_dir)
     assert sorted(want) == [1, 2, 3]
