@@ -350,7 +350,9 @@ def server_profile(ckpt: Path, args, workload) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=["llama-20m", "llama-25m", "llama-160m", "llama-1b"], default="llama-25m")
+    ap.add_argument("--preset", choices=["llama-20m", "llama-25m", "llama-160m", "llama-1b", "host-bound"],
+                    default="llama-25m", help="host-bound: one layer of width 64, whose forward takes a small part "
+                    "of a CPU step, as a GPU's does: the step is host work")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input-len", type=int, nargs=2, default=[16, 64])
@@ -373,7 +375,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
-    ckpt, model = build_checkpoint(Path(tempfile.mkdtemp(prefix="tessera-profile-")) / "run", args.preset)
+    root = Path(tempfile.mkdtemp(prefix="tessera-profile-")) / "run"
+    if args.preset == "host-bound":
+        from tessera.common.models.causal_lm.config import ModelConfig
+
+        ckpt, model = build_checkpoint(root, args.preset, lambda vocab: ModelConfig(
+            arch="llama", vocab_size=vocab, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2,
+            ffn_hidden_size=128, max_seq_len=1024))
+    else:
+        ckpt, model = build_checkpoint(root, args.preset)
     vocab = model.cfg.vocab_size
     workload = [([rng.randrange(1, vocab) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len))
                 for _ in range(args.num_requests)]

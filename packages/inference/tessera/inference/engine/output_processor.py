@@ -46,6 +46,20 @@ class RequestOutput:
     embedding: list[float] | None = None  # an embed request's pooled vector (on its final output)
     time: float = field(default_factory=time.monotonic)
 
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """This output and the next one of the same request as one (as if one step had made both):
+        deltas joined, totals and the end from `later`. The HTTP process merges the outputs a stream
+        has not sent yet, so a server behind the engine sends one chunk for several steps."""
+        return RequestOutput(
+            request_id=self.request_id, new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text, new_logprobs=self.new_logprobs + later.new_logprobs,
+            finished=later.finished, finish_reason=later.finish_reason, num_prompt_tokens=later.num_prompt_tokens,
+            num_output_tokens=later.num_output_tokens, num_cached_tokens=later.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            error=later.error, client_error=later.client_error, timings=later.timings,
+            embedding=later.embedding, time=later.time,
+        )
+
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, blocks: BlockManager):
