@@ -56,20 +56,6 @@ def timed(name: str, fn):
     return wrapper
 
 
-class TimedModel:
-    """The runner's model, its call (the layer stack) and its LM head timed apart."""
-
-    def __init__(self, model):
-        self._model = model
-        self.logits = timed("forward: LM head", model.logits)
-
-    def __call__(self, *a, **kw):
-        return timed("forward: layers", self._model)(*a, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-
 def engine_profile(ckpt: Path, args, workload) -> None:
     from tessera.inference.config import EngineConfig
     from tessera.inference.core import detokenizer
@@ -86,7 +72,9 @@ def engine_profile(ckpt: Path, args, workload) -> None:
     engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
     r.prepare = timed("prepare inputs", r.prepare)
     r._attention = timed("forward: attention (KV write + paged attention)", r._attention)
-    r.model = TimedModel(r.model)
+    # The layer stack as the runner calls it (compiled or eager; attention inside it), the head apart.
+    r._hidden = timed("forward: layers", r._hidden)
+    r.model.logits = timed("forward: LM head", r.model.logits)
     r.sampler = timed("sample", r.sampler)
     engine.processor.update = timed("output update", engine.processor.update)
     Detok = detokenizer.IncrementalDetokenizer
@@ -158,15 +146,19 @@ def engine_profile(ckpt: Path, args, workload) -> None:
 
 
 def decode_step_profile(ckpt: Path, args, workload) -> None:
-    """Host vs device time of a decode step (issue #18 item 2): every prompt is prefilled first,
-    then `--decode-steps` steps of `--concurrency` decoding sequences are timed part by part. On
-    CUDA the forward is timed twice: on the host (the call returns once its kernels are queued or
-    its graph is launched) and on the device (CUDA events around it), with a synchronize after it
-    so the wait for the GPU is its own line; eager and CUDA-graph engines run back to back. On CPU
-    the forward is the computation itself and the host part is everything else."""
+    """Host vs device time of a decode step (issue #18 item 2, issue #34 item 5): every prompt is
+    prefilled first, then `--decode-steps` steps of each concurrency in `--decode-concurrency` (default:
+    `--concurrency`) decoding sequences are timed part by part, each step's engine-process IPC frame
+    (core_process.py's) included. On CUDA the forward is timed twice: on the host (the call returns
+    once its kernels are queued or its graph is launched) and on the device (CUDA events around it),
+    with a synchronize after it so the wait for the GPU is its own line; eager and CUDA-graph engines
+    run back to back. On CPU the forward is the computation itself and the host part is everything
+    else. Medians of the per-step sums are printed beside the means (a loaded machine's outliers)."""
     from tessera.inference.config import EngineConfig
     from tessera.inference.core.sampling_params import SamplingParams
     from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.engine.wire import encode, output_to_wire, stats_to_wire
+    from tessera.inference.worker import model_runner
     from tessera.inference.worker.loader import load_for_serving
 
     device = torch.device(args.device)
@@ -174,73 +166,97 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     loaded = load_for_serving(str(ckpt), device, dtype, None)
     modes = [("eager", True), ("CUDA graphs", False)] if cuda else [("eager", True)]
-    for mode, eager in modes:
-        cfg = EngineConfig(max_num_seqs=args.concurrency, max_num_batched_tokens=args.max_num_batched_tokens,
-                           kv_cache_tokens=65536, dtype=str(dtype).removeprefix("torch."), device=args.device,
-                           enforce_eager=eager)
-        engine = LLMEngine(loaded, cfg, device, dtype)
-        r, t = engine.runner, collections.Counter()
-        r.prepare = timed("prepare inputs", r.prepare)
-        if r.decode_graphs is not None:
-            r.decode_graphs.prepare = timed("prepare inputs", r.decode_graphs.prepare)
-        inner = r.forward_batch
+    model_runner.batch_seqs = timed("inputs: the plan as BatchSeqs", model_runner.batch_seqs)
+    forward_part = "forward call after its input preparation (CUDA: launches; CPU: compute)"
+    for conc in args.decode_concurrency or [args.concurrency]:
+        for mode, eager in modes:
+            cfg = EngineConfig(max_num_seqs=conc, max_num_batched_tokens=max(args.max_num_batched_tokens, conc),
+                               kv_cache_tokens=max(65536, conc * 2048), dtype=str(dtype).removeprefix("torch."),
+                               device=args.device, enforce_eager=eager)
+            engine = LLMEngine(loaded, cfg, device, dtype)
+            r, t = engine.runner, collections.Counter()
+            r.prepare = timed("inputs: tensors (prepare)", r.prepare)
+            if r.decode_graphs is not None:
+                r.decode_graphs.prepare = timed("inputs: tensors (prepare)", r.decode_graphs.prepare)
+            r.sampler = timed("sample", r.sampler)
+            engine.processor.update = timed("output update (append, stops, detokenize, outputs)",
+                                            engine.processor.update)
+            engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+            inner = r.forward_batch
 
-        def forward_batch(batch, rows, inner=inner, t=t):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            prep0 = TIMES["prepare inputs"]
-            out = inner(batch, rows)
-            t1 = time.perf_counter()
-            t["forward call after its input preparation (CUDA: launches; CPU: compute)"] += (
-                t1 - t0 - (TIMES["prepare inputs"] - prep0))
-            if cuda:
-                end.record()
-                torch.cuda.synchronize()
-                t["wait for the GPU after the forward call"] += time.perf_counter() - t1
-                t["device: the forward on the GPU (CUDA events)"] += start.elapsed_time(end) / 1e3
-            return out
+            def forward_batch(batch, rows, inner=inner, t=t):
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                t0 = time.perf_counter()
+                prep0 = TIMES["inputs: tensors (prepare)"]
+                out = inner(batch, rows)
+                t1 = time.perf_counter()
+                t[forward_part] += t1 - t0 - (TIMES["inputs: tensors (prepare)"] - prep0)
+                if cuda:
+                    end.record()
+                    torch.cuda.synchronize()
+                    t["wait for the GPU after the forward call"] += time.perf_counter() - t1
+                    t["device: the forward on the GPU (CUDA events)"] += start.elapsed_time(end) / 1e3
+                return out
 
-        r.forward_batch = forward_batch
-        engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
-        for rnd in range(2):  # the first round warms up (Triton compiles, allocator, caches)
-            for i, (prompt, _) in enumerate(workload[:args.concurrency]):
-                engine.add_request(f"d{rnd}-{i}", prompt, SamplingParams(max_tokens=args.decode_steps + 1,
-                                                                          temperature=0, ignore_eos=True))
-            while engine.scheduler.waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
-                engine.step()
-            TIMES.clear()
-            t.clear()
-            steps, wall0 = 0, time.perf_counter()
-            while engine.has_unfinished():
-                s0 = time.perf_counter()
-                engine.step()
-                t["step (engine.step)"] += time.perf_counter() - s0
-                steps += 1
-            wall = time.perf_counter() - wall0
-        t["schedule"], t["prepare inputs"] = TIMES["schedule"], TIMES["prepare inputs"]
-        step = t["step (engine.step)"]
-        wait = t["wait for the GPU after the forward call"]
-        parts = ["schedule", "prepare inputs", "forward call after its input preparation (CUDA: launches; CPU: compute)"]
-        if cuda:
-            parts.append("wait for the GPU after the forward call")
-        t["rest of the step (sample, output update)"] = step - sum(t[k] for k in parts)
-        parts.append("rest of the step (sample, output update)")
-        replays = sum(r.decode_graphs.replays.values()) if r.decode_graphs is not None else 0
-        print(f"decode steps, {mode} ({args.device}, {str(dtype).removeprefix('torch.')}): {steps} steps of "
-              f"{args.concurrency} sequences, {1e3 * wall / steps:.2f} ms per step"
-              + (f", {replays} graph replays" if replays else ""))
-        for name in parts:
-            print(f"  {name:76s} {1e3 * t[name] / steps:8.3f} ms")
-        host = step - wait if cuda else step - t[parts[2]]
-        print(f"  {'host time per decode step' + (' (the step less the wait)' if cuda else ' (the step less the forward)'):76s} "
-              f"{1e3 * host / steps:8.3f} ms")
-        if cuda:
-            print(f"  {'device time per decode step (the forward, CUDA events)':76s} "
-                  f"{1e3 * t['device: the forward on the GPU (CUDA events)'] / steps:8.3f} ms")
-        engine.close()
-        del engine
+            r.forward_batch = forward_batch
+            parts = ["schedule", "inputs: the plan as BatchSeqs", "inputs: tensors (prepare)", forward_part]
+            if cuda:
+                parts.append("wait for the GPU after the forward call")
+            parts += ["sample", "output update (append, stops, detokenize, outputs)", "IPC frame (engine side)"]
+            hosts: list[float] = []
+            for rnd in range(2):  # the first round warms up (Triton compiles, allocator, caches)
+                for i in range(conc):
+                    prompt = workload[i % len(workload)][0]
+                    # Room to decode while the later prompts prefill: every sequence still runs in the timed steps.
+                    engine.add_request(f"d{rnd}-{i}", prompt, SamplingParams(max_tokens=args.decode_steps + 256,
+                                                                              temperature=0, ignore_eos=True))
+                while engine.scheduler.waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
+                    engine.step()
+                running = len(engine.scheduler.running)
+                TIMES.clear()
+                t.clear()
+                hosts.clear()
+                steps, wall0 = 0, time.perf_counter()
+                for _ in range(args.decode_steps):
+                    before = TIMES["inputs: tensors (prepare)"], t[forward_part], t["wait for the GPU after the forward call"]
+                    s0 = time.perf_counter()
+                    outs = engine.step()
+                    s1 = time.perf_counter()
+                    encode({"t": "step", "outs": [output_to_wire(o) for o in outs], "failed": [],
+                            "stats": stats_to_wire(engine.stats()), "adds_seen": 0})
+                    s2 = time.perf_counter()
+                    t["step (engine.step)"] += s1 - s0
+                    t["IPC frame (engine side)"] += s2 - s1
+                    off = (t["wait for the GPU after the forward call"] - before[2]) if cuda else (t[forward_part] - before[1])
+                    hosts.append(s2 - s0 - off)
+                    steps += 1
+                wall = time.perf_counter() - wall0
+                for rid in list(engine.requests):
+                    engine.abort(rid)
+            for name in parts[:-1]:
+                if name in TIMES:
+                    t[name] = TIMES[name]
+            step = t["step (engine.step)"] + t["IPC frame (engine side)"]
+            wait = t["wait for the GPU after the forward call"]
+            t["rest of the step (execute's bookkeeping, stats, finishing)"] = step - sum(t[k] for k in parts)
+            parts.append("rest of the step (execute's bookkeeping, stats, finishing)")
+            replays = sum(r.decode_graphs.replays.values()) if r.decode_graphs is not None else 0
+            print(f"decode steps, {mode} ({args.device}, {str(dtype).removeprefix('torch.')}): {steps} steps of "
+                  f"{running} sequences, {1e3 * wall / steps:.2f} ms per step"
+                  + (f", {replays} graph replays" if replays else ""))
+            for name in parts:
+                print(f"  {name:76s} {1e3 * t[name] / steps:8.3f} ms")
+            host = step - wait if cuda else step - t[forward_part]
+            what = " (the step less the wait)" if cuda else " (the step less the forward)"
+            print(f"  {'host time per decode step' + what:76s} {1e3 * host / steps:8.3f} ms "
+                  f"(median {1e3 * statistics.median(hosts):.3f} ms)")
+            if cuda:
+                print(f"  {'device time per decode step (the forward, CUDA events)':76s} "
+                      f"{1e3 * t['device: the forward on the GPU (CUDA events)'] / steps:8.3f} ms")
+            engine.close()
+            del engine
 
 
 def compile_ab(ckpt: Path, args, workload) -> None:
@@ -325,14 +341,18 @@ def server_profile(ckpt: Path, args, workload) -> None:
     print(f"server: {res['output_tok_per_s']:.0f} output tok/s here, {res['duration']:.2f} s, TPOT p50 "
           f"{1e3 * statistics.median(res['tpot']):.1f} ms")
     eng = used["engine process"]
+    tokens = res["output_tok_per_s"] * res["duration"]
     for k, v in used.items():
-        print(f"  CPU s {k:58s} {v:7.2f}  ({v / eng:.2f} per engine-process CPU s)")
+        print(f"  CPU s {k:58s} {v:7.2f}  ({v / eng:.2f} per engine-process CPU s; {1e3 * v / tokens * args.concurrency:.2f} "
+              f"ms per {args.concurrency} output tokens, a decode step's)")
     print(f"  CPU s {'benchmark client (httpx, this process)':58s} {client:7.2f}  ({client / eng:.2f} per engine-process CPU s)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=["llama-20m", "llama-25m", "llama-160m", "llama-1b"], default="llama-25m")
+    ap.add_argument("--preset", choices=["llama-20m", "llama-25m", "llama-160m", "llama-1b", "host-bound"],
+                    default="llama-25m", help="host-bound: one layer of width 64, whose forward takes a small part "
+                    "of a CPU step, as a GPU's does: the step is host work")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--input-len", type=int, nargs=2, default=[16, 64])
@@ -347,12 +367,23 @@ def main() -> None:
                     help="cpu or cuda for the decode-step profile (on cuda, eager and CUDA graphs back to back; the "
                          "engine-step and server profiles run on CPU only)")
     ap.add_argument("--decode-steps", type=int, default=32, help="decode steps timed by the decode-step profile")
+    ap.add_argument("--decode-concurrency", type=int, nargs="+", default=None, metavar="SEQS",
+                    help="decoding sequences of the decode-step profile, e.g. 8 64 256 (default: --concurrency)")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode-step profile (and --server)")
     ap.add_argument("--compile-ab", type=int, nargs="+", default=None, metavar="CONCURRENCY",
                     help="only compare compiled and eager CPU engine steps at these concurrencies, e.g. 8 32 64")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
-    ckpt, model = build_checkpoint(Path(tempfile.mkdtemp(prefix="tessera-profile-")) / "run", args.preset)
+    root = Path(tempfile.mkdtemp(prefix="tessera-profile-")) / "run"
+    if args.preset == "host-bound":
+        from tessera.common.models.causal_lm.config import ModelConfig
+
+        ckpt, model = build_checkpoint(root, args.preset, lambda vocab: ModelConfig(
+            arch="llama", vocab_size=vocab, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=2,
+            ffn_hidden_size=128, max_seq_len=1024))
+    else:
+        ckpt, model = build_checkpoint(root, args.preset)
     vocab = model.cfg.vocab_size
     workload = [([rng.randrange(1, vocab) for _ in range(rng.randint(*args.input_len))], rng.randint(*args.output_len))
                 for _ in range(args.num_requests)]
@@ -361,7 +392,7 @@ def main() -> None:
     if args.compile_ab:
         compile_ab(ckpt, args, workload)
         return
-    if args.device == "cpu":
+    if args.device == "cpu" and not args.decode_only:
         engine_profile(ckpt, args, workload)
     decode_step_profile(ckpt, args, workload)
     if args.server and args.device == "cpu":

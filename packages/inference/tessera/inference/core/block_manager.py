@@ -106,9 +106,11 @@ class BlockManager:
         """Offer seq's newly completed full blocks (all tokens computed) to the prefix cache."""
         if not self.enable_prefix_caching:
             return
+        hashed = self.num_hashed.get(seq.request_id, 0)
+        if seq.num_computed // self.block_size <= hashed:
+            return  # no block filled since the last offer: most decode steps
         table = self.table(seq)
         full = min(seq.num_computed // self.block_size, len(table))
-        hashed = self.num_hashed.get(seq.request_id, 0)
         for i in range(hashed, full):
             key = self._block_key(seq, i)
             block = table[i]
@@ -122,6 +124,10 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int, prefix_hits: list[int] | None = None) -> bool:
         """Grow seq's block table to hold `num_tokens`, first adopting `prefix_hits` (an empty
         table only). All or nothing: returns False and changes nothing when the pool is short."""
+        if not prefix_hits:
+            table = self.tables.get(seq.request_id)
+            if table is not None and len(table) * self.block_size >= num_tokens:
+                return True  # its blocks hold them already: most decode steps
         hits = prefix_hits or []
         table = self.tables.setdefault(seq.request_id, [])
         have = len(table) + len(hits)

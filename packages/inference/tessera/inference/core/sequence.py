@@ -93,7 +93,7 @@ class Sequence:
             self._finish("stop", token)
         elif stopped is not None:
             self._finish("stop", stopped)
-        elif n_out >= p.max_tokens or self.num_tokens >= self.max_model_len:
+        elif n_out >= p.max_tokens or len(self.prompt_ids) + n_out >= self.max_model_len:
             self._finish("length", None)
 
     def _finish(self, reason: str, stop: int | str | None) -> None:

@@ -315,7 +315,8 @@ class LLMEngine:
             return []
         # The grammar masks of the sequences about to be sampled are computed while the model
         # forward runs; the matchers advance (processor.update) only after the mask thread is idle.
-        self.grammars.compute_ahead([s.seq for s in plan.scheduled if s.completes_prompt and s.seq.params.max_tokens > 0])
+        self.grammars.compute_ahead([s.seq for s in plan.scheduled
+                                     if s.seq.matcher is not None and s.completes_prompt and s.seq.params.max_tokens > 0])
         try:
             result = self._execute(plan)
         finally:

@@ -46,6 +46,20 @@ class RequestOutput:
     embedding: list[float] | None = None  # an embed request's pooled vector (on its final output)
     time: float = field(default_factory=time.monotonic)
 
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """This output and the next one of the same request as one (as if one step had made both):
+        deltas joined, totals and the end from `later`. The HTTP process merges the outputs a stream
+        has not sent yet, so a server behind the engine sends one chunk for several steps."""
+        return RequestOutput(
+            request_id=self.request_id, new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text, new_logprobs=self.new_logprobs + later.new_logprobs,
+            finished=later.finished, finish_reason=later.finish_reason, num_prompt_tokens=later.num_prompt_tokens,
+            num_output_tokens=later.num_output_tokens, num_cached_tokens=later.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            error=later.error, client_error=later.client_error, timings=later.timings,
+            embedding=later.embedding, time=later.time,
+        )
+
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, blocks: BlockManager):
@@ -84,29 +98,42 @@ class OutputProcessor:
                 self.blocks.trim(seq, seq.num_computed + 1)
             else:
                 seq.num_computed = s.end
-            logprobs = result.logprobs.get(rid, [])
-            gained = 0
-            for j, token in enumerate(tokens):
-                if seq.matcher is not None and not seq.matcher.consume_token(token):
-                    _grammar_failed(seq)
-                    break
-                if j < len(logprobs):
-                    seq.new_logprobs.append(logprobs[j])
-                seq.append_token(token)
-                gained += 1
-                if seq.matcher is not None and not seq.is_finished and seq.matcher.is_stopped():
-                    seq._finish("stop", None)  # the grammar is complete: nothing may follow
-                if seq.is_finished:
-                    break  # tokens after a stop are never generated
-            # A stop inside the accepted drafts: the K/V past it belong to no token of the sequence
-            # (commit_full_blocks must not hash a block from them).
-            seq.num_computed = min(seq.num_computed, seq.num_tokens)
+            if len(tokens) == 1 and seq.matcher is None and not drafts:  # a plain decode step
+                lp = result.logprobs.get(rid) if result.logprobs else None
+                if lp:
+                    seq.new_logprobs.append(lp[0])
+                seq.append_token(tokens[0])
+                gained = 1
+            else:
+                gained = self._append(seq, tokens, result.logprobs.get(rid, []))
+                # A stop inside the accepted drafts: the K/V past it belong to no token of the sequence
+                # (commit_full_blocks must not hash a block from them).
+                seq.num_computed = min(seq.num_computed, seq.num_tokens)
             self.blocks.commit_full_blocks(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
             reporting.append((seq, gained))
         outputs = [self.output(seq, n) for seq, n in reporting]
-        return outputs, self.scheduler.remove_finished()
+        # Only a sequence of this plan can have finished since the last step (an abort leaves at once).
+        return outputs, self.scheduler.remove_finished() if any(o.finished for o in outputs) else []
+
+    @staticmethod
+    def _append(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]) -> int:
+        """Append sampled tokens up to the first that stops the sequence; returns how many."""
+        gained = 0
+        for j, token in enumerate(tokens):
+            if seq.matcher is not None and not seq.matcher.consume_token(token):
+                _grammar_failed(seq)
+                break
+            if j < len(logprobs):
+                seq.new_logprobs.append(logprobs[j])
+            seq.append_token(token)
+            gained += 1
+            if seq.matcher is not None and not seq.is_finished and seq.matcher.is_stopped():
+                seq._finish("stop", None)  # the grammar is complete: nothing may follow
+            if seq.is_finished:
+                break  # tokens after a stop are never generated
+        return gained
 
     @staticmethod
     def output(seq: Sequence, num_new: int) -> RequestOutput:

@@ -15,7 +15,6 @@ engine -> HTTP process:  {"t": "ready", ...model facts} | {"t": "error", "user":
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from typing import Any
 
 from tessera.inference.core.sequence import TokenLogprob
@@ -66,7 +65,7 @@ def output_from_wire(x: list, now: float) -> RequestOutput:
 
 
 def stats_to_wire(stats: EngineStats) -> dict[str, int | list[int]]:
-    return asdict(stats)
+    return dict(vars(stats))  # flat ints and one list of ints: no deep copy (asdict's) needed
 
 
 def stats_from_wire(x: dict[str, int | list[int]]) -> EngineStats:

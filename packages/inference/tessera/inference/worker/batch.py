@@ -70,9 +70,17 @@ class BatchSeq:
 
 
 def batch_seqs(plan: SchedulerOutput) -> list[BatchSeq]:
-    return [BatchSeq(s.tokens(), s.start, s.block_table, s.num_new if s.num_new == 1 or s.spec_token_ids else 0,
-                     s.state_slot, len(s.seq.prompt_ids), s.seq.request_id, _chunk_images(s))
-            for s in plan.scheduled]
+    out = []
+    for s in plan.scheduled:
+        seq = s.seq
+        images = _chunk_images(s) if seq.params.images else ()
+        if s.num_new == 1 and seq.output_ids and s.start == seq.num_tokens - 1:  # a decode row: its newest token
+            out.append(BatchSeq([seq.output_ids[-1]], s.start, s.block_table, 1, s.state_slot, len(seq.prompt_ids),
+                                seq.request_id, images))
+        else:
+            out.append(BatchSeq(s.tokens(), s.start, s.block_table, s.num_new if s.num_new == 1 or s.spec_token_ids
+                                else 0, s.state_slot, len(seq.prompt_ids), seq.request_id, images))
+    return out
 
 
 def _chunk_images(s: ScheduledSequence) -> tuple[ImageInput, ...]:

@@ -151,7 +151,9 @@ class ModelRunner:
                     for p in range(first, last)]
         if sample:
             seqs = [plan.scheduled[i].seq for i, _ in sample]
-            tokens, lps, failed = self.sampler(seqs, logits[[r for _, r in sample]])
+            # Only sampled rows went through the head (no prompt logprobs, no drafts): they are the sample's rows, in order.
+            rows_in_order = len(rows) == len(sample)
+            tokens, lps, failed = self.sampler(seqs, logits if rows_in_order else logits[[r for _, r in sample]])
             for j, seq in enumerate(seqs):
                 if j in failed:
                     log.error("request %s: sampling failed: %s: %s", seq.request_id, type(failed[j]).__name__, failed[j])

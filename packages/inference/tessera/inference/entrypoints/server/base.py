@@ -41,6 +41,29 @@ TEMPLATE_LIMIT_FLAGS = {"timeout_s": "--chat-template-timeout", "max_iterations"
                         "max_chars": "--chat-template-max-chars", "max_memory_mb": "--chat-template-max-memory"}
 
 
+
+def coalesced(ready: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """The (index, output or failure) items a consumer found queued, with each request's outputs
+    merged (RequestOutput.merge) up to any failure or sentinel, which keep their place. At 64 streams
+    an SSE chunk costs the HTTP process about as much CPU as a whole engine step's host work per token
+    (benchmarks/RESULTS.md): a consumer that fell behind sends one chunk per request, not one per step."""
+    out: list[tuple[int, Any]] = []
+    open_at: dict[int, int] = {}  # index -> position in out of its unfinished, mergeable output
+    for i, item in ready:
+        at = open_at.get(i)
+        if isinstance(item, RequestOutput) and at is not None:
+            out[at] = (i, out[at][1].merge(item))
+            if item.finished:
+                del open_at[i]
+            continue
+        if isinstance(item, RequestOutput):
+            if not item.finished:
+                open_at[i] = len(out)
+        else:
+            open_at.clear()  # nothing later moves before a failure or the end
+        out.append((i, item))
+    return out
+
 class ServerBase:
     """What the endpoint handlers share: the engine, limits, metrics, tokenizer threads, and
     request plumbing (tokenizing off the event loop, submitting, merging outputs, SSE)."""
@@ -237,17 +260,20 @@ class ServerBase:
         remaining = len(handles)
         try:
             while remaining:
-                i, item = await queue.get()
-                if item is gone:
-                    return
-                if isinstance(item, RequestFailed):
-                    raise item
-                if isinstance(item, BaseException):
-                    raise EngineDead(f"the engine failed: {item}") from item
-                if item.finished:
-                    handles[i].finished = True
-                    remaining -= 1
-                yield i, item
+                ready = [await queue.get()]
+                while not queue.empty():
+                    ready.append(queue.get_nowait())
+                for i, item in coalesced(ready):
+                    if item is gone:
+                        return
+                    if isinstance(item, RequestFailed):
+                        raise item
+                    if isinstance(item, BaseException):
+                        raise EngineDead(f"the engine failed: {item}") from item
+                    if item.finished:
+                        handles[i].finished = True
+                        remaining -= 1
+                    yield i, item
         finally:
             watcher.cancel()
             for h in handles:

@@ -106,14 +106,15 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
                     started[i] = True
                     text = echoed[i // n][0] + text
                     entries, offs = prompt_entries(i, out.prompt_logprobs)
-                new = [(lp.token_id, lp) for lp in out.new_logprobs]
-                offs = [*offs, *_generated_offsets(srv, [t for t, _ in new], out.new_text, offsets[i], skip_special)]
-                entries.extend(new)
-                offsets[i] += len(out.new_text)
                 choice: dict[str, Any] = {"index": i, "text": text, "logprobs": None,
                                           "finish_reason": out.finish_reason if out.finished else None}
-                if body.logprobs is not None:
+                if body.logprobs is not None:  # offsets decode the new ids again: only when asked
+                    new = [(lp.token_id, lp) for lp in out.new_logprobs]
+                    offs = [*offs, *_generated_offsets(srv, [t for t, _ in new], out.new_text, offsets[i],
+                                                       skip_special)]
+                    entries.extend(new)
                     choice["logprobs"] = _completion_logprobs(srv, entries, offs)
+                offsets[i] += len(out.new_text)
                 if out.finished:
                     prompt_tokens += out.num_prompt_tokens
                     completion_tokens += out.num_output_tokens
