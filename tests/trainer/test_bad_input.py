@@ -9,7 +9,7 @@ import pytest
 import torch
 from trainer_fixtures import build_mixture
 
-from tessera.common.errors import run_cli
+from tessera.common.errors import UserError, run_cli
 from tessera.trainer.cli import main
 
 
@@ -108,3 +108,14 @@ def test_cli_subprocess_exit_code_and_one_line(make_config, tmp_path):
 def test_an_attention_backend_this_machine_lacks_is_refused_before_any_work(make_config, capsys, backend):
     line = run_expect_usage_error(["--config", str(make_config()), f"training.attention_backend={backend}"], capsys)
     assert f"training.attention_backend={backend} needs a CUDA device" in line
+
+
+def test_the_whole_graph_compile_scope_is_refused_under_torchrun_which_compiles_per_block(make_config):
+    from tessera.common.config import load_config
+    from tessera.trainer.config import TrainConfig
+    from tessera.trainer.inputs import check_inputs
+
+    cfg = load_config(TrainConfig, make_config(), ["training.compile=true", "training.compile_scope=model"])
+    check_inputs(cfg)  # one process: whole-graph compile is available
+    with pytest.raises(UserError, match=r"training.compile_scope=model is for one process"):
+        check_inputs(cfg, world_size=2)

@@ -242,3 +242,6 @@ def check_parallel_options(cfg: TrainConfig) -> None:
     if t.loss_chunk_tokens is not None:
         raise UserError("training.loss_chunk_tokens is for one process; under torchrun the loss is vocab-parallel "
                         "(use parallel.tensor to split the logits) — set training.loss_chunk_tokens=null")
+    if t.compile and t.compile_scope == "model":
+        raise UserError("training.compile_scope=model is for one process; under torchrun each transformer block is "
+                        "compiled on its own (pipeline stages, FSDP units) — set training.compile_scope=blocks")
