@@ -173,7 +173,9 @@ def _load_hf_shard(path: Path, cfg: ModelConfig, params: dict, buffers: dict, ra
 
 def die_with_parent(parent: int) -> None:
     """Be killed when `parent` (this process's parent) dies, or exit now if it already has: it
-    may have died before the prctl, whose signal then never comes."""
+    may have died before the prctl, whose signal then never comes. Linux sends the signal when the
+    *thread* that started this process ends, so workers are started from a thread that lives as long
+    as the driver (every entry point builds its engine on its main thread)."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
