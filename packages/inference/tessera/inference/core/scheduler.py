@@ -70,6 +70,12 @@ class SchedulerOutput:
     """One step's plan, in batch order."""
 
     scheduled: list[ScheduledSequence]
+    # Every sequence computes just its newest token (one row each, no drafts) and samples the next:
+    # the steady decode step, whose inputs the model runner updates in place (batch.DecodeBatch).
+    single_token: bool = False
+    # The scheduler's preemption count when planned: a change tells the runner's kept rows that a
+    # sequence may have been preempted and readmitted with another block table since.
+    epoch: int = 0
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -97,7 +103,7 @@ class SchedulerOutput:
 
     def only(self, i: int) -> SchedulerOutput:
         """The plan for the i-th sequence alone (to find which request of a failed step fails)."""
-        return SchedulerOutput([self.scheduled[i]])
+        return SchedulerOutput([self.scheduled[i]], self.single_token, self.epoch)
 
 
 class Scheduler:
@@ -131,16 +137,21 @@ class Scheduler:
         num_new: list[int] = []
         drafts: dict[int, int] = {}  # index in seqs -> drafts scheduled
         preempted = False
+        single = True  # every row is a sequence's newest token alone, which it samples after
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            left = seq.num_tokens - seq.num_computed
+            n = min(left, budget)
+            if left != 1 or not seq.output_ids and seq.params.max_tokens <= 0:
+                single = False
             if n == 1 and seq.spec_token_ids:
                 # Keep one token of budget for each running sequence after this one.
                 k = max(0, min(len(seq.spec_token_ids), budget - len(self.running) + i))
                 if k and self.blocks.allocate(seq, seq.num_computed + 1 + k):
                     drafts[len(seqs)] = k
                     n = 1 + k
+                    single = False
             while not self.blocks.allocate(seq, seq.num_computed + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -174,6 +185,8 @@ class Scheduler:
                 seq.scheduled_time = time.monotonic()
             seq.num_computed = start
             self.waiting.popleft()
+            if n != 1 or seq.num_tokens - start != 1 or seq.params.max_tokens <= 0 or seq.params.embed:
+                single = False
             seq.status = Status.RUNNING
             self.running.append(seq)
             seqs.append(seq)
@@ -186,7 +199,7 @@ class Scheduler:
             seq = plan[j].seq
             plan[j].spec_token_ids = seq.spec_token_ids[:k]
             plan[j].spec_probs = None if seq.spec_probs is None else seq.spec_probs[:k]
-        return SchedulerOutput(plan)
+        return SchedulerOutput(plan, single and bool(plan), self.num_preemptions)
 
     def remove_finished(self) -> list[Sequence]:
         done = [s for s in self.running if s.is_finished]

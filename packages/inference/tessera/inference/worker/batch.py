@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from tessera.inference.core.image_inputs import ImageInput
 from tessera.inference.core.scheduler import ScheduledSequence, SchedulerOutput
 from tessera.inference.core.sequence import TokenLogprob
-from tessera.inference.worker.decode_attention import DecodeSplit
+from tessera.inference.worker.decode_attention import DecodeSplit, decode_split
 
 
 @dataclass
@@ -81,6 +82,87 @@ def batch_seqs(plan: SchedulerOutput) -> list[BatchSeq]:
             out.append(BatchSeq(s.tokens(), s.start, s.block_table, s.num_new if s.num_new == 1 or s.spec_token_ids
                                 else 0, s.state_slot, len(seq.prompt_ids), seq.request_id, images))
     return out
+
+
+class DecodeBatch:
+    """The inputs of steady decode steps (`SchedulerOutput.single_token`: each sequence computes its
+    newest token alone), kept across steps as vLLM v1's persistent input batch keeps them: one row
+    per sequence in the step's order, its block table a row of a device tensor. From one such step
+    to the next the same sequences only advance by one position, so a step writes a table entry only
+    where a sequence entered a new block; a row is rebuilt from the plan only when its sequence is
+    new to the batch or did not advance by exactly one (a failed step, a step between that was not a
+    decode step). Any other plan (prefills, drafts) goes through `prepare` and empties the batch;
+    so does a preemption (`SchedulerOutput.epoch`): a sequence's table changes only then or there."""
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+        self.seqs: list = []  # the rows' sequences (the last step's plan)
+        self.next_start: list[int] = []  # the position each row computes next if it advances by one
+        self.epoch = -1
+        self.tables = torch.zeros(0, 0, dtype=torch.int32, device=device)
+        self.rows = torch.zeros(0, dtype=torch.long, device=device)  # arange, sliced
+
+    def clear(self) -> None:
+        self.seqs, self.next_start = [], []
+
+    def inputs(self, plan: SchedulerOutput, split: bool) -> StepInputs:
+        """The step's inputs (every row's logits: each samples); `split`: with the CPU decode grouping."""
+        sched = plan.scheduled
+        n, bs, dev = len(sched), self.block_size, self.device
+        seqs = [s.seq for s in sched]
+        starts = [s.start for s in sched]
+        blocks_needed = max(starts) // bs + 1
+        if blocks_needed > self.tables.shape[1] or n > self.tables.shape[0]:
+            grown = torch.zeros(max(n, self.tables.shape[0]), max(blocks_needed, 2 * self.tables.shape[1]),
+                                dtype=torch.int32, device=dev)
+            grown[:self.tables.shape[0], :self.tables.shape[1]] = self.tables
+            self.tables = grown
+            self.rows = torch.arange(grown.shape[0], device=dev)
+        if not (plan.epoch == self.epoch and len(seqs) == len(self.seqs) and starts == self.next_start
+                and all(map(operator.is_, seqs, self.seqs))):
+            self._rebuild(plan, seqs, starts)
+        # One position on, a row needs a new table entry only where it enters a new block.
+        fresh = [i for i, p in enumerate(starts) if p % bs == 0]
+        if fresh:
+            self.tables.index_put_((torch.tensor(fresh, device=dev), torch.tensor([starts[i] // bs for i in fresh],
+                                                                                   device=dev)),
+                                   torch.tensor([sched[i].block_table[starts[i] // bs] for i in fresh],
+                                                dtype=torch.int32, device=dev))
+        self.seqs, self.epoch = seqs, plan.epoch
+        self.next_start = [p + 1 for p in starts]
+        positions = torch.tensor(starts, dtype=torch.long, device=dev)
+        tables = self.tables[:n, :blocks_needed]
+        slots = tables[self.rows[:n], positions // bs].long() * bs + positions % bs
+        seq_lens = (positions + 1).to(torch.int32)
+        inputs = StepInputs(
+            tokens=torch.tensor([[(s.output_ids or s.prompt_ids)[-1] for s in seqs]], dtype=torch.long, device=dev),
+            positions=positions.unsqueeze(0), slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev), logits_rows=None)
+        if split:
+            inputs.split = decode_split([1] * n, list(range(n + 1)), tables, seq_lens, bs)
+        return inputs
+
+    def _rebuild(self, plan: SchedulerOutput, seqs: list, starts: list[int]) -> None:
+        """Rows in the plan's order: a row kept from the last step (same sequence, one position on,
+        no preemption since) moves by one gather; any other is written whole from its block table."""
+        kept = {id(seq): (r, p) for r, (seq, p) in enumerate(zip(self.seqs, self.next_start))} \
+            if plan.epoch == self.epoch else {}
+        src, whole = [], []
+        for i, (seq, p) in enumerate(zip(seqs, starts)):
+            r, expected = kept.get(id(seq), (-1, -1))
+            if expected == p and self.seqs[r] is seq:
+                src.append(r)
+            else:
+                src.append(0)
+                whole.append(i)
+        tables = self.tables.index_select(0, torch.tensor(src, dtype=torch.long, device=self.device))
+        if whole:
+            width = self.tables.shape[1]
+            rows = [plan.scheduled[i].block_table[:width] for i in whole]
+            tables[whole] = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int32,
+                                         device=self.device)
+        self.tables[:len(seqs)] = tables
 
 
 def _chunk_images(s: ScheduledSequence) -> tuple[ImageInput, ...]:

@@ -27,7 +27,7 @@ import torch
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.sample.sampler import Sampler, token_logprob, verify
-from tessera.inference.worker.batch import BatchSeq, ModelRunnerOutput, StepInputs, batch_seqs
+from tessera.inference.worker.batch import BatchSeq, DecodeBatch, ModelRunnerOutput, StepInputs, batch_seqs
 from tessera.inference.worker.cuda_graphs import DecodeGraphs, GraphSpec
 from tessera.inference.worker.decode_attention import decode_split, split_attention
 from tessera.inference.worker.kv_cache import kv_block_bytes, local_kv_heads, store_kv
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from tessera.inference.worker.compiled import CompiledForward
 
 log = logging.getLogger("tessera.inference")
+_KEEPS_DECODE_BATCH: dict[type, bool] = {}  # ModelRunner.keeps_decode_batch, by class
 
 
 def undivided(tp: int, counts: list[tuple[str, int | None]]) -> str | None:
@@ -63,6 +64,8 @@ class ModelRunner:
     # Why a kind's runner is never compiled on CPU (prepare.py serves it eagerly and says so); None:
     # compiled.py's own checks decide.
     eager_reason: str | None = None
+    # Single-token steps' inputs, kept across steps (batch.DecodeBatch); made by the first such step.
+    decode_batch: DecodeBatch | None = None
     supports_speculative = True  # drafts can be verified and rejected (nothing but K/V past the length to undo)
 
     @staticmethod
@@ -108,6 +111,20 @@ class ModelRunner:
         self.batch_decodes = device.type == "cpu"
         self.sampler = Sampler()
 
+    @classmethod
+    def keeps_decode_batch(cls) -> bool:
+        """Whether single-token steps take their inputs from the persistent `DecodeBatch`: only when
+        this runner forwards them as ModelRunner does (a runner that prepares or attends otherwise:
+        hybrid states, images, an encoder, latent attention, tensor-parallel workers, keeps `prepare`).
+        An override tagged `same_single_token_forward` differs only on steps that are never single-token."""
+        keeps = _KEEPS_DECODE_BATCH.get(cls)
+        if keeps is None:
+            keeps = _KEEPS_DECODE_BATCH[cls] = all(
+                getattr(cls, name) is getattr(ModelRunner, name)
+                or getattr(getattr(cls, name), "same_single_token_forward", False)
+                for name in ("forward", "forward_batch", "prepare", "_hidden", "_attention", "_logits"))
+        return keeps
+
     def use_decode_graphs(self, spec: GraphSpec) -> None:
         """Pure decode steps from now on through bucket-padded graphs of this runner's forward."""
         self.decode_graphs = DecodeGraphs(spec, self.device, self.block_size, self.model.output_weight().shape[0],
@@ -117,6 +134,10 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the plan, then sample each sequence that reached its last token and compute
         the prompt logprobs asked for."""
+        if plan.single_token and self.decode_graphs is None and self.keeps_decode_batch():
+            return self._execute_single_token(plan)
+        if self.decode_batch is not None:
+            self.decode_batch.clear()
         rows: list[int] = []
         sample: list[tuple[int, int]] = []  # (index in plan, logits row)
         prompt_lp: list[tuple[int, int, int, int]] = []  # (index in plan, first position, last, first row)
@@ -153,15 +174,7 @@ class ModelRunner:
             seqs = [plan.scheduled[i].seq for i, _ in sample]
             # Only sampled rows went through the head (no prompt logprobs, no drafts): they are the sample's rows, in order.
             rows_in_order = len(rows) == len(sample)
-            tokens, lps, failed = self.sampler(seqs, logits if rows_in_order else logits[[r for _, r in sample]])
-            for j, seq in enumerate(seqs):
-                if j in failed:
-                    log.error("request %s: sampling failed: %s: %s", seq.request_id, type(failed[j]).__name__, failed[j])
-                    out.failed[seq.request_id] = "internal error while sampling this request"
-                    continue
-                out.sampled[seq.request_id] = [tokens[j]]
-                if lps[j] is not None:
-                    out.logprobs[seq.request_id] = [lps[j]]
+            self._sample(out, seqs, logits if rows_in_order else logits[[r for _, r in sample]])
         for i, row in speculative:
             s = plan.scheduled[i]
             seq = s.seq
@@ -177,6 +190,30 @@ class ModelRunner:
                 lp = torch.log_softmax(block[:len(new)], dim=-1)
                 out.logprobs[seq.request_id] = [token_logprob(lp[j], t, seq.params.logprobs) for j, t in enumerate(new)]
         return out
+
+    def _execute_single_token(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """A steady decode step: inputs from the persistent batch, every row through the head and sampled."""
+        if self.decode_batch is None:
+            self.decode_batch = DecodeBatch(self.block_size, self.device)
+        out = ModelRunnerOutput()
+        self._sample(out, [s.seq for s in plan.scheduled],
+                     self._logits(self.decode_batch.inputs(plan, self.batch_decodes)).float())
+        return out
+
+    def _sample(self, out: ModelRunnerOutput, seqs: list, logits: torch.Tensor) -> None:
+        """Sample one token for each of `seqs` from its row of `logits` into `out`."""
+        tokens, lps, failed = self.sampler(seqs, logits)
+        if not failed and not any(lps):  # the common step: one dict, no per-row branches
+            out.sampled.update(zip([seq.request_id for seq in seqs], [[t] for t in tokens]))
+            return
+        for j, seq in enumerate(seqs):
+            if j in failed:
+                log.error("request %s: sampling failed: %s: %s", seq.request_id, type(failed[j]).__name__, failed[j])
+                out.failed[seq.request_id] = "internal error while sampling this request"
+                continue
+            out.sampled[seq.request_id] = [tokens[j]]
+            if lps[j] is not None:
+                out.logprobs[seq.request_id] = [lps[j]]
 
     def forward(self, plan: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
         """Forward the step; returns fp32 logits [len(logits_rows), vocab]."""

@@ -100,8 +100,12 @@ class DecoderRunner(PoolingSteps, ModelRunner):
             return self._logits(self.prepare(batch, logits_rows)).float()
         return super().forward_batch(batch, logits_rows)
 
+    forward_batch.same_single_token_forward = True  # type: ignore[attr-defined]  # an embed step is never one
+
     def _hidden(self, step: StepInputs) -> torch.Tensor:
         return self._pool_hidden(super()._hidden(step))
+
+    _hidden.same_single_token_forward = True  # type: ignore[attr-defined]  # pools only in an embed step
 
     def _pool_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The step's hidden states [1, T, d], unchanged; while it pools, its embed spans pooled first."""
