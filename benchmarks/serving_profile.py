@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -158,6 +159,7 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
     from tessera.inference.core.sampling_params import SamplingParams
     from tessera.inference.engine.llm_engine import LLMEngine
     from tessera.inference.engine.wire import encode, output_to_wire, stats_to_wire
+    from tessera.inference.worker import batch as batch_module
     from tessera.inference.worker import model_runner
     from tessera.inference.worker.loader import load_for_serving
 
@@ -167,8 +169,11 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
     loaded = load_for_serving(str(ckpt), device, dtype, None)
     modes = [("eager", True), ("CUDA graphs", False)] if cuda else [("eager", True)]
     model_runner.batch_seqs = timed("inputs: the plan as BatchSeqs", model_runner.batch_seqs)
+    if hasattr(batch_module, "DecodeBatch"):  # the persistent decode batch (absent in older code: an A/B peer)
+        batch_module.DecodeBatch.inputs = timed("inputs: tensors (prepare)", batch_module.DecodeBatch.inputs)
     forward_part = "forward call after its input preparation (CUDA: launches; CPU: compute)"
-    for conc in args.decode_concurrency or [args.concurrency]:
+    stubs = [False, True] if args.stub_forward else [False]
+    for conc, stub in ((c, st) for c in args.decode_concurrency or [args.concurrency] for st in stubs):
         for mode, eager in modes:
             cfg = EngineConfig(max_num_seqs=conc, max_num_batched_tokens=max(args.max_num_batched_tokens, conc),
                                kv_cache_tokens=max(65536, conc * 2048), dtype=str(dtype).removeprefix("torch."),
@@ -182,15 +187,14 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
             engine.processor.update = timed("output update (append, stops, detokenize, outputs)",
                                             engine.processor.update)
             engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
-            inner = r.forward_batch
 
-            def forward_batch(batch, rows, inner=inner, t=t):
+            def forward(*a, inner, t=t):
                 if cuda:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
                 t0 = time.perf_counter()
                 prep0 = TIMES["inputs: tensors (prepare)"]
-                out = inner(batch, rows)
+                out = inner(*a)
                 t1 = time.perf_counter()
                 t[forward_part] += t1 - t0 - (TIMES["inputs: tensors (prepare)"] - prep0)
                 if cuda:
@@ -200,7 +204,14 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
                     t["device: the forward on the GPU (CUDA events)"] += start.elapsed_time(end) / 1e3
                 return out
 
-            r.forward_batch = forward_batch
+            # The forward is the layer stack and head (`_logits`: eager, either input path) or a graph replay.
+            if stub:  # host work alone: fixed logits rows in place of the forward (greedy picks their argmax)
+                r._logits = partial(forward, inner=partial(stub_logits, torch.randn(
+                    997, loaded.config.vocab_size, generator=torch.Generator().manual_seed(0)), [0]))
+            else:
+                r._logits = partial(forward, inner=r._logits)
+            if r.decode_graphs is not None:
+                r.decode_graphs.forward = partial(forward, inner=r.decode_graphs.forward)
             parts = ["schedule", "inputs: the plan as BatchSeqs", "inputs: tensors (prepare)", forward_part]
             if cuda:
                 parts.append("wait for the GPU after the forward call")
@@ -243,7 +254,8 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
             t["rest of the step (execute's bookkeeping, stats, finishing)"] = step - sum(t[k] for k in parts)
             parts.append("rest of the step (execute's bookkeeping, stats, finishing)")
             replays = sum(r.decode_graphs.replays.values()) if r.decode_graphs is not None else 0
-            print(f"decode steps, {mode} ({args.device}, {str(dtype).removeprefix('torch.')}): {steps} steps of "
+            mode_name = mode + (", forward stubbed (host work alone)" if stub else "")
+            print(f"decode steps, {mode_name} ({args.device}, {str(dtype).removeprefix('torch.')}): {steps} steps of "
                   f"{running} sequences, {1e3 * wall / steps:.2f} ms per step"
                   + (f", {replays} graph replays" if replays else ""))
             for name in parts:
@@ -257,6 +269,13 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
                       f"{1e3 * t['device: the forward on the GPU (CUDA events)'] / steps:8.3f} ms")
             engine.close()
             del engine
+
+
+def stub_logits(bank: torch.Tensor, offset: list[int], step) -> torch.Tensor:
+    """Logits rows for a step without computing them (`--stub-forward`): a moving window of `bank`."""
+    n = step.tokens.shape[1] if step.logits_rows is None else step.logits_rows.shape[0]
+    offset[0] = (offset[0] + 7) % (bank.shape[0] - n) if n < bank.shape[0] else 0
+    return bank[offset[0]:offset[0] + n]
 
 
 def compile_ab(ckpt: Path, args, workload) -> None:
@@ -369,6 +388,8 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=32, help="decode steps timed by the decode-step profile")
     ap.add_argument("--decode-concurrency", type=int, nargs="+", default=None, metavar="SEQS",
                     help="decoding sequences of the decode-step profile, e.g. 8 64 256 (default: --concurrency)")
+    ap.add_argument("--stub-forward", action="store_true",
+                    help="also run each decode-step profile with the forward replaced by fixed logits: host work alone")
     ap.add_argument("--decode-only", action="store_true", help="only the decode-step profile (and --server)")
     ap.add_argument("--compile-ab", type=int, nargs="+", default=None, metavar="CONCURRENCY",
                     help="only compare compiled and eager CPU engine steps at these concurrencies, e.g. 8 32 64")

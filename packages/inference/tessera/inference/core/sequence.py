@@ -64,6 +64,13 @@ class Sequence:
     spec_probs: torch.Tensor | None = None
     ahead_mask: Any = None  # its next-token mask computed during the forward (structured.AheadMask)
     embedding: list[float] | None = None  # an embed request's pooled hidden state (worker/pooling/)
+    # Greedy with no logprobs, penalties, bias or min_tokens: the sampler's argmax-only rows (with no grammar).
+    plain: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain = (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+                      and not p.frequency_penalty and not p.logit_bias and not p.min_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from tessera.inference.core.block_manager import BlockManager
 from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
-from tessera.inference.core.sequence import Sequence, TokenLogprob
+from tessera.inference.core.sequence import Sequence, Status, TokenLogprob
 from tessera.inference.spec_decode.stats import SpecDecodeStats
 from tessera.inference.worker.batch import ModelRunnerOutput
 
@@ -69,6 +69,8 @@ class OutputProcessor:
 
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> tuple[list[RequestOutput], list[Sequence]]:
         """Apply one executed plan; returns the step's outputs and the sequences that finished."""
+        if plan.single_token and not (result.failed or result.logprobs or result.prompt_logprobs or result.pooled):
+            return self._update_single_token(plan, result.sampled)
         reporting: list[tuple[Sequence, int]] = []  # (sequence, tokens it gained)
         for s in plan.scheduled:
             seq = s.seq
@@ -117,6 +119,45 @@ class OutputProcessor:
         # Only a sequence of this plan can have finished since the last step (an abort leaves at once).
         return outputs, self.scheduler.remove_finished() if any(o.finished for o in outputs) else []
 
+    def _update_single_token(self, plan: SchedulerOutput, sampled: dict[str, list[int]]
+                             ) -> tuple[list[RequestOutput], list[Sequence]]:
+        """`update` for a steady decode step in which every sequence sampled (no failure, logprobs,
+        drafts or prompt scoring): what `update` and `output` do for such rows, without their other
+        branches. Each row computed one token, so a block fills (and is offered to the prefix
+        cache) only where that token was a block's last."""
+        now = time.monotonic()
+        commit, bs = self.blocks.commit_full_blocks, self.blocks.block_size
+        outputs = []
+        finished_any = False
+        for s in plan.scheduled:
+            seq = s.seq
+            if seq.spec_token_ids or seq.spec_probs is not None:  # drafts proposed, not scheduled: dropped
+                seq.spec_token_ids, seq.spec_probs = [], None
+            tokens = sampled[seq.request_id]
+            seq.num_computed = computed = s.start + 1
+            if seq.matcher is None:
+                seq.append_token(tokens[0])
+            elif not self._append(seq, tokens, []):  # the grammar refused it: the request failed
+                outputs.append(self.output(seq, 0, now))
+                finished_any = True
+                continue
+            if computed % bs == 0:
+                commit(seq)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.new_logprobs or seq.params.prompt_logprobs and not seq.prompt_logprobs_sent:
+                outputs.append(self.output(seq, 1, now))
+                finished_any = finished_any or seq.is_finished
+                continue
+            finished = seq.status is Status.FINISHED
+            finished_any = finished_any or finished
+            outputs.append(RequestOutput(
+                request_id=seq.request_id, new_token_ids=[tokens[0]], new_text=seq.detokenizer.take_new_text(),
+                new_logprobs=[], finished=finished, finish_reason=seq.finish_reason,
+                num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids),
+                num_cached_tokens=seq.num_cached_tokens, timings=_timings(seq) if finished else None, time=now))
+        return outputs, self.scheduler.remove_finished() if finished_any else []
+
     @staticmethod
     def _append(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]) -> int:
         """Append sampled tokens up to the first that stops the sequence; returns how many."""
@@ -136,7 +177,7 @@ class OutputProcessor:
         return gained
 
     @staticmethod
-    def output(seq: Sequence, num_new: int) -> RequestOutput:
+    def output(seq: Sequence, num_new: int, now: float | None = None) -> RequestOutput:
         new_logprobs, seq.new_logprobs = seq.new_logprobs, []
         finished = seq.is_finished
         # As in vLLM, an EOS/stop token is part of the ids (and usage) but not of the text.
@@ -160,6 +201,7 @@ class OutputProcessor:
             client_error=seq.client_error,
             timings=_timings(seq) if finished else None,
             embedding=seq.embedding,
+            time=time.monotonic() if now is None else now,
         )
 
 

@@ -181,8 +181,7 @@ class Sampler:
         error; their token is meaningless). A failure stays with its own request: the batch
         mates still get their tokens. Reads the sequences, never changes them."""
         failed: dict[int, Exception] = {}
-        if all(s.params.greedy and s.params.logprobs is None and s.matcher is None and not needs_processing(s)
-               for s in seqs):
+        if all([s.plain and s.matcher is None for s in seqs]):
             # Every row greedy and plain (the common decode step): one argmax, one read back.
             return logits.argmax(dim=-1).tolist(), [None] * len(seqs), failed
         raw_logprobs = None

@@ -12,7 +12,7 @@ import torch
 from tessera.inference.core.image_inputs import ImageInput
 from tessera.inference.core.scheduler import ScheduledSequence, SchedulerOutput
 from tessera.inference.core.sequence import TokenLogprob
-from tessera.inference.worker.decode_attention import DecodeSplit, decode_split
+from tessera.inference.worker.decode_attention import DecodeSplit, SteadySplit
 
 
 @dataclass
@@ -102,9 +102,10 @@ class DecodeBatch:
         self.epoch = -1
         self.tables = torch.zeros(0, 0, dtype=torch.int32, device=device)
         self.rows = torch.zeros(0, dtype=torch.long, device=device)  # arange, sliced
+        self.split: SteadySplit | None = None  # the CPU decode grouping of these rows, kept while they are steady
 
     def clear(self) -> None:
-        self.seqs, self.next_start = [], []
+        self.seqs, self.next_start, self.split = [], [], None
 
     def inputs(self, plan: SchedulerOutput, split: bool) -> StepInputs:
         """The step's inputs (every row's logits: each samples); `split`: with the CPU decode grouping."""
@@ -119,8 +120,9 @@ class DecodeBatch:
             grown[:self.tables.shape[0], :self.tables.shape[1]] = self.tables
             self.tables = grown
             self.rows = torch.arange(grown.shape[0], device=dev)
-        if not (plan.epoch == self.epoch and len(seqs) == len(self.seqs) and starts == self.next_start
-                and all(map(operator.is_, seqs, self.seqs))):
+        steady = (plan.epoch == self.epoch and len(seqs) == len(self.seqs) and starts == self.next_start
+                  and all(map(operator.is_, seqs, self.seqs)))
+        if not steady:
             self._rebuild(plan, seqs, starts)
         # One position on, a row needs a new table entry only where it enters a new block.
         fresh = [i for i, p in enumerate(starts) if p % bs == 0]
@@ -140,7 +142,12 @@ class DecodeBatch:
             positions=positions.unsqueeze(0), slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev), logits_rows=None)
         if split:
-            inputs.split = decode_split([1] * n, list(range(n + 1)), tables, seq_lens, bs)
+            lens = self.next_start
+            if steady and self.split is not None:
+                inputs.split = self.split.step(lens, fresh, tables)
+            else:
+                self.split = SteadySplit(lens, tables, seq_lens, bs)
+                inputs.split = self.split.split()
         return inputs
 
     def _rebuild(self, plan: SchedulerOutput, seqs: list, starts: list[int]) -> None:
