@@ -182,3 +182,17 @@ def test_sampling_row_applies_each_setting_as_documented():
     assert row.tolist() == [2.0, 2.0, -inf, 6.0, -inf]
     seq.output_ids.append(0)  # two tokens now: min_tokens reached, EOS and the stop id come back
     assert sampling_row(logits, seq).tolist() == [-inf, 2.0, -inf, 6.0, 6.0]
+
+
+def test_the_batched_greedy_pick_equals_torch_argmax_on_ties_nan_and_all_masked_rows():
+    from tessera.inference.sample.sampler import argmax_rows
+
+    with torch.inference_mode():
+        logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
+        logits[1] = 2.0  # all equal: the first
+        logits[2, [7, 9]] = 50.0  # a tie: the first of the two
+        logits[3, 11] = float("nan")  # NaN counts as the largest
+        logits[4] = float("-inf")  # nothing left
+        logits[5, 299] = float("inf")
+        for rows in (logits, logits[::2], logits.double()):
+            assert argmax_rows(rows) == rows.argmax(dim=-1).tolist()
