@@ -73,14 +73,15 @@ class IncrementalDetokenizer:
     def append(self, token: int, check_stop: bool = True) -> str | None:
         """Add a token; returns the stop string it completed (text is then cut before it)."""
         self.ids.append(token)
-        self._len_before_last = len(self.text)
+        text = self.text
+        self._len_before_last = len(text)
         delta = self._step()
         if not delta:
             return None
-        start = max(0, len(self.text) - self.holdback)
-        self.text += delta
+        self.text = text + delta
         if not (check_stop and self.stop):
             return None
+        start = max(0, len(text) - self.holdback)
         best: tuple[int, str] | None = None
         for s in self.stop:
             i = self.text.find(s, start)
@@ -102,8 +103,9 @@ class IncrementalDetokenizer:
 
     def take_new_text(self) -> str:
         """Text not yet handed out, minus what must be held back while still generating."""
-        end = len(self.text) if self.finished else max(self.emitted, len(self.text) - self.holdback)
-        piece = self.text[self.emitted:end]
+        text = self.text
+        end = len(text) if self.finished or not self.holdback else max(self.emitted, len(text) - self.holdback)
+        piece = text[self.emitted:end]
         self.emitted = end
         return piece
 

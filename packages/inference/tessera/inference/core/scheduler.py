@@ -192,9 +192,12 @@ class Scheduler:
             seqs.append(seq)
             num_new.append(n)
             budget -= n
-        plan = [ScheduledSequence(seq, seq.num_computed, n, list(self.blocks.table(seq)),
-                                  state_slot=self.blocks.state_slot(seq))
-                for seq, n in zip(seqs, num_new)]
+        table = self.blocks.table
+        if type(self.blocks).state_slot is BlockManager.state_slot:  # no state pool: no slot to look up
+            plan = [ScheduledSequence(seq, seq.num_computed, n, list(table(seq))) for seq, n in zip(seqs, num_new)]
+        else:
+            plan = [ScheduledSequence(seq, seq.num_computed, n, list(table(seq)), state_slot=self.blocks.state_slot(seq))
+                    for seq, n in zip(seqs, num_new)]
         for j, k in drafts.items():
             seq = plan[j].seq
             plan[j].spec_token_ids = seq.spec_token_ids[:k]
