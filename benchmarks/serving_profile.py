@@ -183,6 +183,8 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
             r.prepare = timed("inputs: tensors (prepare)", r.prepare)
             if r.decode_graphs is not None:
                 r.decode_graphs.prepare = timed("inputs: tensors (prepare)", r.decode_graphs.prepare)
+                if hasattr(r.decode_graphs, "prepare_step"):  # fed from the persistent decode batch
+                    r.decode_graphs.prepare_step = timed("inputs: tensors (prepare)", r.decode_graphs.prepare_step)
             r.sampler = timed("sample", r.sampler)
             engine.processor.update = timed("output update (append, stops, detokenize, outputs)",
                                             engine.processor.update)
@@ -212,6 +214,8 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
                 r._logits = partial(forward, inner=r._logits)
             if r.decode_graphs is not None:
                 r.decode_graphs.forward = partial(forward, inner=r.decode_graphs.forward)
+                if hasattr(r.decode_graphs, "forward_step"):
+                    r.decode_graphs.forward_step = partial(forward, inner=r.decode_graphs.forward_step)
             parts = ["schedule", "inputs: the plan as BatchSeqs", "inputs: tensors (prepare)", forward_part]
             if cuda:
                 parts.append("wait for the GPU after the forward call")

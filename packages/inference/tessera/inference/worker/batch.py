@@ -45,6 +45,14 @@ class StepInputs:
     logits_rows: torch.Tensor | None  # [R] rows of the packed batch that go through the head (None: all)
     split: DecodeSplit | None = None  # CPU only, when the step has a decode row
 
+    def to(self, device: torch.device) -> StepInputs:
+        """These inputs on `device` (a host-built step, `DecodeBatch`, for a CUDA forward: one copy each)."""
+        if self.tokens.device == device:
+            return self
+        return StepInputs(*(t if t is None else t.to(device) for t in (
+            self.tokens, self.positions, self.slot_mapping, self.block_tables, self.seq_lens, self.query_start_loc,
+            self.logits_rows)))
+
 
 @dataclass
 class BatchSeq:
@@ -87,39 +95,41 @@ def batch_seqs(plan: SchedulerOutput) -> list[BatchSeq]:
 class DecodeBatch:
     """The inputs of steady decode steps (`SchedulerOutput.single_token`: each sequence computes its
     newest token alone), kept across steps as vLLM v1's persistent input batch keeps them: one row
-    per sequence in the step's order, its block table a row of a device tensor. From one such step
-    to the next the same sequences only advance by one position, so a step writes a table entry only
-    where a sequence entered a new block; a row is rebuilt from the plan only when its sequence is
-    new to the batch or did not advance by exactly one (a failed step, a step between that was not a
-    decode step). Any other plan (prefills, drafts) goes through `prepare` and empties the batch;
-    so does a preemption (`SchedulerOutput.epoch`): a sequence's table changes only then or there."""
+    per sequence in the step's order, its block table a row of a host tensor (the step's inputs are
+    built on the host, then copied to the device once each or into the CUDA graphs' static buffers).
+    From one such step to the next the same sequences only advance by one position, so a step writes
+    a table entry only where a sequence entered a new block; a row is rebuilt from the plan only when
+    its sequence is new to the batch or did not advance by exactly one (a failed step, a step between
+    that was not a decode step). Any other plan (prefills, drafts) goes through `prepare` and empties
+    the batch; so does a preemption (`SchedulerOutput.epoch`): a sequence's table changes only then
+    or there."""
 
-    def __init__(self, block_size: int, device: torch.device):
+    def __init__(self, block_size: int):
         self.block_size = block_size
-        self.device = device
         self.seqs: list = []  # the rows' sequences (the last step's plan)
         self.next_start: list[int] = []  # the position each row computes next if it advances by one
         self.epoch = -1
-        self.tables = torch.zeros(0, 0, dtype=torch.int32, device=device)
-        self.rows = torch.zeros(0, dtype=torch.long, device=device)  # arange, sliced
+        self.tables = torch.zeros(0, 0, dtype=torch.int32)
+        self.rows = torch.zeros(0, dtype=torch.long)  # arange, sliced
         self.split: SteadySplit | None = None  # the CPU decode grouping of these rows, kept while they are steady
 
     def clear(self) -> None:
         self.seqs, self.next_start, self.split = [], [], None
 
     def inputs(self, plan: SchedulerOutput, split: bool) -> StepInputs:
-        """The step's inputs (every row's logits: each samples); `split`: with the CPU decode grouping."""
+        """The step's inputs on the host (every row's logits: each samples); `split`: with the CPU
+        decode grouping."""
         sched = plan.scheduled
-        n, bs, dev = len(sched), self.block_size, self.device
+        n, bs = len(sched), self.block_size
         seqs = [s.seq for s in sched]
         starts = [s.start for s in sched]
         blocks_needed = max(starts) // bs + 1
         if blocks_needed > self.tables.shape[1] or n > self.tables.shape[0]:
             grown = torch.zeros(max(n, self.tables.shape[0]), max(blocks_needed, 2 * self.tables.shape[1]),
-                                dtype=torch.int32, device=dev)
+                                dtype=torch.int32)
             grown[:self.tables.shape[0], :self.tables.shape[1]] = self.tables
             self.tables = grown
-            self.rows = torch.arange(grown.shape[0], device=dev)
+            self.rows = torch.arange(grown.shape[0])
         steady = (plan.epoch == self.epoch and len(seqs) == len(self.seqs) and starts == self.next_start
                   and all(map(operator.is_, seqs, self.seqs)))
         if not steady:
@@ -127,27 +137,26 @@ class DecodeBatch:
         # One position on, a row needs a new table entry only where it enters a new block.
         fresh = [i for i, p in enumerate(starts) if p % bs == 0]
         if fresh:
-            self.tables.index_put_((torch.tensor(fresh, device=dev), torch.tensor([starts[i] // bs for i in fresh],
-                                                                                   device=dev)),
+            self.tables.index_put_((torch.tensor(fresh), torch.tensor([starts[i] // bs for i in fresh])),
                                    torch.tensor([sched[i].block_table[starts[i] // bs] for i in fresh],
-                                                dtype=torch.int32, device=dev))
+                                                dtype=torch.int32))
         self.seqs, self.epoch = seqs, plan.epoch
-        self.next_start = [p + 1 for p in starts]
-        positions = torch.tensor(starts, dtype=torch.long, device=dev)
+        self.next_start = lens = [p + 1 for p in starts]
+        positions = torch.tensor(starts, dtype=torch.long)
         tables = self.tables[:n, :blocks_needed]
         slots = tables[self.rows[:n], positions // bs].long() * bs + positions % bs
         seq_lens = (positions + 1).to(torch.int32)
         inputs = StepInputs(
-            tokens=torch.tensor([[(s.output_ids or s.prompt_ids)[-1] for s in seqs]], dtype=torch.long, device=dev),
+            tokens=torch.tensor([[(s.output_ids or s.prompt_ids)[-1] for s in seqs]], dtype=torch.long),
             positions=positions.unsqueeze(0), slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev), logits_rows=None)
-        if split:
-            lens = self.next_start
-            if steady and self.split is not None:
-                inputs.split = self.split.step(lens, fresh, tables)
-            else:
-                self.split = SteadySplit(lens, tables, seq_lens, bs)
-                inputs.split = self.split.split()
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32), logits_rows=None)
+        if not split:
+            self.split = None  # not advanced this step: rebuilt when next asked for
+        elif steady and self.split is not None:
+            inputs.split = self.split.step(lens, fresh, tables)
+        else:
+            self.split = SteadySplit(lens, tables, seq_lens, bs)
+            inputs.split = self.split.split()
         return inputs
 
     def _rebuild(self, plan: SchedulerOutput, seqs: list, starts: list[int]) -> None:
@@ -163,12 +172,11 @@ class DecodeBatch:
             else:
                 src.append(0)
                 whole.append(i)
-        tables = self.tables.index_select(0, torch.tensor(src, dtype=torch.long, device=self.device))
+        tables = self.tables.index_select(0, torch.tensor(src, dtype=torch.long))
         if whole:
             width = self.tables.shape[1]
             rows = [plan.scheduled[i].block_table[:width] for i in whole]
-            tables[whole] = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int32,
-                                         device=self.device)
+            tables[whole] = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int32)
         self.tables[:len(seqs)] = tables
 
 

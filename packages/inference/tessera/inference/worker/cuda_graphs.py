@@ -198,16 +198,46 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(lens)
         self.block_tables[:size, :width].copy_(tables)
 
-    def forward(self, batch: list[BatchSeq], logits_rows: list[int]) -> torch.Tensor:
-        """fp32 logits [len(logits_rows), vocab] of a pure decode batch that has a bucket."""
-        size = self.bucket(batch)
-        assert size is not None
-        self.prepare(batch, size)
+    def step_bucket(self, num_seqs: int, width: int) -> int | None:
+        """The bucket of a single-token step (batch.DecodeBatch) of `num_seqs` rows whose tables are
+        `width` blocks wide, or None when it must run eagerly."""
+        return None if width > self.max_blocks else bucket_for(num_seqs, self.sizes)
+
+    def prepare_step(self, step: StepInputs, size: int) -> None:
+        """Copy a host-built single-token step into the static buffers, padding rows to `size`
+        (one copy per buffer, as `prepare` makes from BatchSeqs)."""
+        n, bs = step.seq_lens.shape[0], self.block_size
+        width = step.block_tables.shape[1]
+        ids = torch.zeros(3, size, dtype=torch.long)
+        ids[0, :n], ids[1, :n], ids[2, :n] = step.tokens[0], step.positions[0], step.slot_mapping
+        ids[2, n:] = self.scratch * bs
+        lens = torch.ones(size, dtype=torch.int32)
+        lens[:n] = step.seq_lens
+        tables = torch.full((size, width), self.scratch, dtype=torch.int32)
+        tables[:n] = step.block_tables
+        self.ids[:, :size].copy_(ids)
+        self.seq_lens[:size].copy_(lens)
+        self.block_tables[:size, :width].copy_(tables)
+
+    def forward_step(self, step: StepInputs, size: int) -> torch.Tensor:
+        """fp32 logits of every row of a host-built single-token step, replayed in bucket `size`."""
+        self.prepare_step(step, size)
+        self._replay(size)
+        return self.logits[:step.seq_lens.shape[0]].clone()  # a copy: the next step overwrites the buffer
+
+    def _replay(self, size: int) -> None:
         if self.capture:
             self.graphs[size].replay()
         else:
             self._run(size)
         self.replays[size] += 1
+
+    def forward(self, batch: list[BatchSeq], logits_rows: list[int]) -> torch.Tensor:
+        """fp32 logits [len(logits_rows), vocab] of a pure decode batch that has a bucket."""
+        size = self.bucket(batch)
+        assert size is not None
+        self.prepare(batch, size)
+        self._replay(size)
         if len(logits_rows) == len(batch) and logits_rows == list(range(len(batch))):
             return self.logits[:len(batch)].clone()  # every row in order (no index to send the device)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.logits.device)

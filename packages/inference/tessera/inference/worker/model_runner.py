@@ -134,7 +134,7 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the plan, then sample each sequence that reached its last token and compute
         the prompt logprobs asked for."""
-        if plan.single_token and self.decode_graphs is None and self.keeps_decode_batch():
+        if plan.single_token and self.keeps_decode_batch():
             return self._execute_single_token(plan)
         if self.decode_batch is not None:
             self.decode_batch.clear()
@@ -194,10 +194,17 @@ class ModelRunner:
     def _execute_single_token(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """A steady decode step: inputs from the persistent batch, every row through the head and sampled."""
         if self.decode_batch is None:
-            self.decode_batch = DecodeBatch(self.block_size, self.device)
+            self.decode_batch = DecodeBatch(self.block_size)
+        graphs, size = self.decode_graphs, None
+        if graphs is not None:
+            size = graphs.step_bucket(len(plan.scheduled), max(s.start for s in plan.scheduled) // self.block_size + 1)
+        step = self.decode_batch.inputs(plan, split=self.batch_decodes and size is None)
+        if size is not None:
+            logits = graphs.forward_step(step, size)
+        else:
+            logits = self._logits(step.to(self.device)).float()
         out = ModelRunnerOutput()
-        self._sample(out, [s.seq for s in plan.scheduled],
-                     self._logits(self.decode_batch.inputs(plan, self.batch_decodes)).float())
+        self._sample(out, [s.seq for s in plan.scheduled], logits)
         return out
 
     def _sample(self, out: ModelRunnerOutput, seqs: list, logits: torch.Tensor) -> None:
