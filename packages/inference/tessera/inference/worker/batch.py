@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from tessera.inference.core.image_inputs import ImageInput
@@ -109,8 +110,7 @@ class DecodeBatch:
         self.seqs: list = []  # the rows' sequences (the last step's plan)
         self.next_start: list[int] = []  # the position each row computes next if it advances by one
         self.epoch = -1
-        self.tables = torch.zeros(0, 0, dtype=torch.int32)
-        self.rows = torch.zeros(0, dtype=torch.long)  # arange, sliced
+        self.tables = np.zeros((0, 0), dtype=np.int32)  # numpy: host-side writes cost far less than torch ops
         self.split: SteadySplit | None = None  # the CPU decode grouping of these rows, kept while they are steady
 
     def clear(self) -> None:
@@ -124,12 +124,11 @@ class DecodeBatch:
         seqs = [s.seq for s in sched]
         starts = [s.start for s in sched]
         blocks_needed = max(starts) // bs + 1
-        if blocks_needed > self.tables.shape[1] or n > self.tables.shape[0]:
-            grown = torch.zeros(max(n, self.tables.shape[0]), max(blocks_needed, 2 * self.tables.shape[1]),
-                                dtype=torch.int32)
-            grown[:self.tables.shape[0], :self.tables.shape[1]] = self.tables
+        rows, cols = self.tables.shape
+        if blocks_needed > cols or n > rows:
+            grown = np.zeros((max(n, rows), max(blocks_needed, 2 * cols)), dtype=np.int32)
+            grown[:rows, :cols] = self.tables
             self.tables = grown
-            self.rows = torch.arange(grown.shape[0])
         steady = (plan.epoch == self.epoch and len(seqs) == len(self.seqs) and starts == self.next_start
                   and all(map(operator.is_, seqs, self.seqs)))
         if not steady:
@@ -137,26 +136,23 @@ class DecodeBatch:
         # One position on, a row needs a new table entry only where it enters a new block.
         fresh = [i for i, p in enumerate(starts) if p % bs == 0]
         if fresh:
-            self.tables.index_put_((torch.tensor(fresh), torch.tensor([starts[i] // bs for i in fresh])),
-                                   torch.tensor([sched[i].block_table[starts[i] // bs] for i in fresh],
-                                                dtype=torch.int32))
+            self.tables[fresh, [starts[i] // bs for i in fresh]] = [sched[i].block_table[starts[i] // bs] for i in fresh]
         self.seqs, self.epoch = seqs, plan.epoch
         self.next_start = lens = [p + 1 for p in starts]
-        positions = torch.tensor(starts, dtype=torch.long)
-        tables = self.tables[:n, :blocks_needed]
-        slots = tables[self.rows[:n], positions // bs].long() * bs + positions % bs
-        seq_lens = (positions + 1).to(torch.int32)
+        ids = torch.tensor([[(s.output_ids or s.prompt_ids)[-1] for s in seqs], starts,
+                            [s.block_table[p // bs] * bs + p % bs for s, p in zip(sched, starts)]], dtype=torch.long)
         inputs = StepInputs(
-            tokens=torch.tensor([[(s.output_ids or s.prompt_ids)[-1] for s in seqs]], dtype=torch.long),
-            positions=positions.unsqueeze(0), slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32), logits_rows=None)
+            tokens=ids[0:1], positions=ids[1:2], slot_mapping=ids[2],
+            block_tables=torch.from_numpy(np.ascontiguousarray(self.tables[:n, :blocks_needed])),
+            seq_lens=torch.tensor(lens, dtype=torch.int32), query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+            logits_rows=None)
         if not split:
             self.split = None  # not advanced this step: rebuilt when next asked for
         elif steady and self.split is not None:
-            inputs.split = self.split.step(lens, fresh, tables)
+            inputs.split = self.split.step(fresh, self.tables)
         else:
-            self.split = SteadySplit(lens, tables, seq_lens, bs)
-            inputs.split = self.split.split()
+            self.split = SteadySplit(lens, self.tables, bs)
+            inputs.split = self.split.split
         return inputs
 
     def _rebuild(self, plan: SchedulerOutput, seqs: list, starts: list[int]) -> None:
@@ -172,11 +168,12 @@ class DecodeBatch:
             else:
                 src.append(0)
                 whole.append(i)
-        tables = self.tables.index_select(0, torch.tensor(src, dtype=torch.long))
-        if whole:
-            width = self.tables.shape[1]
-            rows = [plan.scheduled[i].block_table[:width] for i in whole]
-            tables[whole] = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int32)
+        tables = self.tables[src]
+        width = tables.shape[1]
+        for i in whole:
+            row = plan.scheduled[i].block_table[:width]
+            tables[i, :len(row)] = row
+            tables[i, len(row):] = 0
         self.tables[:len(seqs)] = tables
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -208,54 +209,50 @@ class SteadySplit:
     """`decode_split` of a steady decode batch (batch.DecodeBatch: the same sequences, one token
     each, every length one more each step), kept across its steps. Sorting by length, the groups and
     the row order stay as they were (every length grew by one), so a step adds one to the sorted
-    lengths and re-gathers the block window only of the groups where a sequence entered a new block;
-    the groups are the ones `decode_split` makes, in the same order, so attention is unchanged."""
+    lengths (the groups' `seq_lens` are views of them) and re-gathers the block window only of the
+    groups where a sequence entered a new block; the groups are the ones `decode_split` makes, in
+    the same order, so attention is unchanged. Host bookkeeping in numpy, shared with torch."""
 
-    def __init__(self, lens: list[int], tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int):
-        n, dev = len(lens), tables.device
+    def __init__(self, lens: list[int], tables: np.ndarray, block_size: int):
+        n = len(lens)
         order = list(range(n)) if n <= DECODE_GROUP else sorted(range(n), key=lens.__getitem__)
-        self.order = order
+        self.order = np.array(order, dtype=np.int64)
         self.rank = [0] * n  # row -> its place in `order`
         for place, row in enumerate(order):
             self.rank[row] = place
         self.block_size = block_size
         self.bounds = [(g, min(g + DECODE_GROUP, n)) for g in range(0, n, DECODE_GROUP)] if n > DECODE_GROUP else [(0, n)]
-        idx = torch.tensor(order, dtype=torch.long, device=dev)
+        idx = torch.from_numpy(self.order)
         identity = order == list(range(n))
-        self.idx = None if identity else idx
         inverse = None
         if not identity:
             inverse = torch.empty_like(idx)
-            inverse[idx] = torch.arange(n, device=dev)
-        self.rows = [idx[g:end] for g, end in self.bounds]
-        self.lens = seq_lens.clone() if identity else seq_lens.index_select(0, idx)  # sorted, advanced in place
-        self.blocks: list[tuple[torch.Tensor, int]] = [(idx, 0)] * len(self.bounds)  # per group, set below
-        self.empty = (tables[:0], seq_lens[:0], torch.zeros(1, dtype=torch.int32, device=dev))
-        self.order_t, self.inverse = self.idx, inverse
-        self._gather(range(len(self.bounds)), lens, tables)
+            inverse[idx] = torch.arange(n)
+        self.lens = np.array(lens, dtype=np.int32)[self.order]  # sorted; advanced in place, seen by the groups
+        lens_t = torch.from_numpy(self.lens)
+        self.groups = [DecodeGroup(rows=idx[g:end], blocks=idx, width=0, block_size=block_size, seq_lens=lens_t[g:end])
+                       for g, end in self.bounds]
+        empty = torch.zeros(0, dtype=torch.int32)
+        self.split = DecodeSplit(decode_groups=self.groups, prefill_tables=empty.view(0, 1), prefill_lens=empty,
+                                 prefill_starts=torch.zeros(1, dtype=torch.int32), order=None if identity else idx,
+                                 inverse=inverse)
+        self._gather(range(len(self.bounds)), tables)
 
-    def _gather(self, groups, lens: list[int], tables: torch.Tensor) -> None:
+    def _gather(self, groups, tables: np.ndarray) -> None:
         """Each of `groups`' block window: its sequences' first `width` table entries, flat."""
         bs = self.block_size
         for gi in groups:
             g, end = self.bounds[gi]
-            width = -(-(max(lens) if self.idx is None else lens[self.order[end - 1]]) // bs)
-            rows = tables[g:end] if self.idx is None else tables.index_select(0, self.rows[gi])
-            self.blocks[gi] = (rows[:, :width].reshape(-1).long(), width)
+            group = self.groups[gi]
+            group.width = -(-int(self.lens[g:end].max()) // bs)
+            group.blocks = torch.from_numpy(tables[self.order[g:end], :group.width].reshape(-1).astype(np.int64))
 
-    def step(self, lens: list[int], fresh: list[int], tables: torch.Tensor) -> DecodeSplit:
-        """The next step's split: `lens` the sequences' lengths (each one more), `fresh` the rows
-        that entered a new block (their table entry written)."""
-        self.lens.add_(1)
+    def step(self, fresh: list[int], tables: np.ndarray) -> DecodeSplit:
+        """The next step's split: every length one more; `fresh`, the rows that entered a new block
+        (their table entry written)."""
+        self.lens += 1
         if fresh:
-            self._gather({self.rank[i] // DECODE_GROUP for i in fresh}, lens, tables)
-        return self.split()
-
-    def split(self) -> DecodeSplit:
-        groups = [DecodeGroup(rows=rows, blocks=blocks, width=width, block_size=self.block_size,
-                              seq_lens=self.lens[g:end])
-                  for rows, (blocks, width), (g, end) in zip(self.rows, self.blocks, self.bounds)]
-        tables, lens, starts = self.empty
-        return DecodeSplit(decode_groups=groups, prefill_tables=tables, prefill_lens=lens, prefill_starts=starts,
-                           order=self.order_t, inverse=self.inverse)
-
+            self._gather({self.rank[i] // DECODE_GROUP for i in fresh}, tables)
+        for group in self.groups:
+            group.masks.clear()  # they follow the lengths
+        return self.split
