@@ -41,7 +41,7 @@ class IncrementalDetokenizer:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.finished = False
         self._len_before_last = 0
-        backend = getattr(tokenizer, "backend", None)
+        backend = self._backend = getattr(tokenizer, "backend", None)
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) \
             if fast and isinstance(backend, HFTokenizer) else None
 
@@ -56,26 +56,26 @@ class IncrementalDetokenizer:
             return full[len(prefix):]
         return ""
 
-    def _step(self) -> str:
-        """The text the last id adds ("" while it ends in an incomplete character)."""
-        if self._stream is None:
-            return self._delta()
-        try:
-            piece = self._stream.step(self.tokenizer.backend, self.ids[-1])
-        except Exception:  # the library refused the window (a decoder whose text does not extend its prefix)
-            self._stream = None
-            return self._delta()
-        if piece is None:
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return piece
-
     def append(self, token: int, check_stop: bool = True) -> str | None:
         """Add a token; returns the stop string it completed (text is then cut before it)."""
-        self.ids.append(token)
+        ids = self.ids
+        ids.append(token)
         text = self.text
         self._len_before_last = len(text)
-        delta = self._step()
+        # The text the id adds ("" while it ends in an incomplete character), from the stream (inline:
+        # this runs once per sequence per step) or, without one, from the Python window.
+        if self._stream is None:
+            delta = self._delta()
+        else:
+            try:
+                delta = self._stream.step(self._backend, token)
+            except Exception:  # the library refused the window (a decoder whose text does not extend its prefix)
+                self._stream = None
+                delta = self._delta()
+            else:
+                if delta is None:
+                    return None
+                self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         if not delta:
             return None
         self.text = text + delta
