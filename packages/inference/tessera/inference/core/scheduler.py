@@ -138,10 +138,14 @@ class Scheduler:
         drafts: dict[int, int] = {}  # index in seqs -> drafts scheduled
         preempted = False
         single = True  # every row is a sequence's newest token alone, which it samples after
+        # Most running sequences' blocks already hold their next token: checked here, without a call,
+        # when allocation is the plain block manager's (a state pool's allocate does more).
+        tables, bs = self.blocks.tables, self.blocks.block_size
+        plain_allocate = type(self.blocks).allocate is BlockManager.allocate
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            left = seq.num_tokens - seq.num_computed
+            left = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed
             n = min(left, budget)
             if left != 1 or not seq.output_ids and seq.params.max_tokens <= 0:
                 single = False
@@ -152,14 +156,15 @@ class Scheduler:
                     drafts[len(seqs)] = k
                     n = 1 + k
                     single = False
-            while not self.blocks.allocate(seq, seq.num_computed + n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq.status is not Status.RUNNING:
-                break  # it preempted itself: everything after it is gone too
+            if not (plain_allocate and len(tables.get(seq.request_id, ())) * bs >= seq.num_computed + n):
+                while not self.blocks.allocate(seq, seq.num_computed + n):
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status is not Status.RUNNING:
+                    break  # it preempted itself: everything after it is gone too
             seqs.append(seq)
             num_new.append(n)
             budget -= n

@@ -204,7 +204,7 @@ class ModelRunner:
         else:
             logits = self._logits(step.to(self.device)).float()
         out = ModelRunnerOutput()
-        self._sample(out, [s.seq for s in plan.scheduled], logits)
+        self._sample(out, self.decode_batch.seqs, logits)  # the plan's sequences, in its order
         return out
 
     def _sample(self, out: ModelRunnerOutput, seqs: list, logits: torch.Tensor) -> None:
