@@ -1,18 +1,27 @@
 """The decode step's host path, cut for issue #34 item 5, gives what it gave before: a stream that
 fell behind the engine merges its queued outputs into one (same ids, text, logprobs, end), and the
-CPU decode groups built from host-sorted lengths equal the argsort grouping."""
+CPU decode groups built from host-sorted lengths equal the argsort grouping; the persistent decode
+batch (kept block tables and decode groups) gives what inputs rebuilt every step gave."""
 
 from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+import pytest
 import torch
 
 from tessera.inference.core.sequence import TokenLogprob
 from tessera.inference.engine.frontend import RequestFailed, RequestHandle
 from tessera.inference.engine.output_processor import RequestOutput
 from tessera.inference.entrypoints.server.base import ServerBase
-from tessera.inference.worker.decode_attention import DECODE_GROUP, decode_group, decode_groups
+from tessera.inference.worker.decode_attention import (
+    DECODE_GROUP,
+    SteadySplit,
+    decode_group,
+    decode_groups,
+    decode_split,
+)
 
 
 def _out(rid: str, ids: list[int], text: str, finished: bool = False, n_out: int = 0,
@@ -95,6 +104,38 @@ def test_decode_groups_from_host_sorted_lengths_equal_the_argsort_grouping():
     for a, b in zip(got, want):
         assert (a.width, a.num_q, a.block_size) == (b.width, b.num_q, b.block_size)
         assert torch.equal(a.rows, b.rows) and torch.equal(a.blocks, b.blocks) and torch.equal(a.seq_lens, b.seq_lens)
+
+
+@pytest.mark.parametrize("n", [5, 3 * DECODE_GROUP + 5])
+def test_the_kept_decode_grouping_equals_a_fresh_one_step_after_step(n):
+    """SteadySplit, advanced step by step as sequences grow and enter new blocks, gives the groups,
+    row order and masks that decode_split builds from scratch each step."""
+    g = torch.Generator().manual_seed(5)
+    block_size = 4
+    lens = torch.randint(1, 30, (n,), generator=g).tolist()
+    lens[1] = lens[3]  # a tie keeps batch order
+    tables = np.zeros((n + 3, 40), dtype=np.int32)  # wider and taller than the step's, as DecodeBatch's
+    tables[:n] = torch.randint(0, 500, (n, 40), generator=g, dtype=torch.int32).numpy()
+    kept = SteadySplit(lens, tables, block_size)
+    for step in range(10):
+        if step:
+            lens = [x + 1 for x in lens]
+            fresh = [i for i, x in enumerate(lens) if (x - 1) % block_size == 0]
+            for i in fresh:  # the new block's entry, written as DecodeBatch writes it
+                tables[i, (lens[i] - 1) // block_size] = 1000 + 10 * step + i
+            got = kept.step(fresh, tables)
+        else:
+            got = kept.split
+        want = decode_split([1] * n, list(range(n + 1)), torch.from_numpy(tables[:n].copy()),
+                            torch.tensor(lens, dtype=torch.int32), block_size)
+        for a, b in ((got.order, want.order), (got.inverse, want.inverse)):
+            assert (a is None and b is None) or torch.equal(a, b)
+        assert len(got.decode_groups) == len(want.decode_groups)
+        for a, b in zip(got.decode_groups, want.decode_groups):
+            assert (a.width, a.num_q) == (b.width, b.num_q)
+            assert torch.equal(a.rows, b.rows) and torch.equal(a.blocks, b.blocks)
+            assert torch.equal(a.seq_lens, b.seq_lens)
+            assert torch.equal(a.mask(None, 2, torch.float32), b.mask(None, 2, torch.float32))
 
 
 def _decode_mix(tiny_ckpt, reference: bool):
