@@ -12,7 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 from tessera.inference.core.detokenizer import decode_with_offsets
 from tessera.inference.core.sequence import TokenLogprob
 from tessera.inference.entrypoints.protocol import CompletionRequest
-from tessera.inference.entrypoints.server.base import ServerBase
+from tessera.inference.entrypoints.server.base import ServerBase, StreamChunks
 from tessera.inference.entrypoints.server.errors import ApiError, _now, _usage
 
 
@@ -98,6 +98,7 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
             offsets = [len(echoed[i // n][0]) for i in range(len(jobs))]  # where the next piece starts
             started = [False] * len(jobs)
             prompt_tokens = completion_tokens = 0
+            chunks = StreamChunks(rid, "text_completion", created, srv.model_name, include_usage)
             async for i, out in srv._merged(submitted, request):
                 text = out.new_text
                 entries: list[tuple[int, TokenLogprob | None]] = []
@@ -119,11 +120,8 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
                     prompt_tokens += out.num_prompt_tokens
                     completion_tokens += out.num_output_tokens
                 if text or out.finished or entries:
-                    chunk = {"id": rid, "object": "text_completion", "created": created,
-                             "model": srv.model_name, "choices": [choice]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield srv._sse(chunk)
+                    yield chunks.text(i, text, choice["finish_reason"]) if choice["logprobs"] is None \
+                        else chunks.event(choice)
             if include_usage:
                 yield srv._sse({"id": rid, "object": "text_completion", "created": created,
                                  "model": srv.model_name, "choices": [],

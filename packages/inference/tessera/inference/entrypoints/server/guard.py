@@ -29,11 +29,13 @@ class _GuardMiddleware:
                 resp = error_response(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
                                       "authentication_error", code="invalid_api_key")
                 return await resp(scope, receive, send)
-        too_big = error_response(400, f"request body exceeds {self.max_body} bytes", code="request_too_large",
-                                 headers={"connection": "close"})
+        def too_big():  # built only when needed: rendering it costs as much as a streamed token
+            return error_response(400, f"request body exceeds {self.max_body} bytes", code="request_too_large",
+                                  headers={"connection": "close"})
+
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            return await too_big(scope, receive, send)
+            return await too_big()(scope, receive, send)
         try:
             body, disconnected = await asyncio.wait_for(self._read_body(receive), self.body_timeout)
         except TimeoutError:
@@ -41,7 +43,7 @@ class _GuardMiddleware:
                                   code="request_timeout", headers={"connection": "close"})
             return await slow(scope, receive, send)
         except _BodyTooLarge:
-            return await too_big(scope, receive, send)
+            return await too_big()(scope, receive, send)
         if disconnected:
             return None
         problem = depth_problem(body) if body and scope.get("method") in ("POST", "PUT", "PATCH") else None
