@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from tessera.common.chat_template import ChatTemplateError, template_source
 from tessera.inference.core.sampling_params import SamplingParams
@@ -67,6 +68,26 @@ def coalesced(ready: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
             open_at.clear()  # nothing later moves before a failure or the end
         out.append((i, item))
     return out
+
+class SseResponse(StreamingResponse):
+    """An SSE reply from an async iterator of str events, each written as it comes. An error after
+    the headers went out (the status cannot change any more) is sent as an error event and [DONE].
+    starlette's own loop, less a generator layer and a type check per event: it runs per token."""
+
+    media_type = "text/event-stream"
+
+    async def stream_response(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for event in self.body_iterator:
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        except (EngineDead, RequestFailed, RequestRejected) as exc:
+            client = isinstance(exc, RequestRejected) or (isinstance(exc, RequestFailed) and exc.client)
+            event = ServerBase._sse(error_body(str(exc), "invalid_request_error" if client else "server_error"))
+            for tail in (event, "data: [DONE]\n\n"):
+                await send({"type": "http.response.body", "body": tail.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
 
 class StreamChunks:
     """The SSE events of one stream, as `ServerBase._sse` writes them, byte for byte: the fields that
@@ -274,28 +295,32 @@ class ServerBase:
             f.prompt_logprobs = p  # type: ignore[union-attr]  # the final output carries them all
         return texts, lps, final  # type: ignore[return-value]
 
-    async def _merged(self, submitted: tuple[list[RequestHandle], asyncio.Queue],
-                      request: Request) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(self, submitted: tuple[list[RequestHandle], asyncio.Queue], request: Request,
+                      watch: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several requests as they come, as (index, output); stops (and aborts all)
-        when the client disconnects or the consumer stops iterating."""
+        when the client disconnects or the consumer stops iterating. `watch`: poll for the
+        disconnect here; an SSE reply (SseResponse) needs no poll: starlette listens for it and
+        cancels the stream, which aborts its requests here as well."""
         handles, queue = submitted
         gone = object()
 
-        async def watch() -> None:
+        async def poll() -> None:
             # Polls for a client disconnect so a request still queued (no output to send yet)
             # is cancelled too.
             while not await request.is_disconnected():
                 await asyncio.sleep(DISCONNECT_POLL_S)
             queue.put_nowait((-1, gone))
 
-        watcher = asyncio.create_task(watch())
+        watcher = asyncio.create_task(poll()) if watch else None
         remaining = len(handles)
         try:
             while remaining:
                 ready = [await queue.get()]
-                while not queue.empty():
-                    ready.append(queue.get_nowait())
-                for i, item in coalesced(ready):
+                if not queue.empty():  # behind the engine: take every queued output at once, merged
+                    while not queue.empty():
+                        ready.append(queue.get_nowait())
+                    ready = coalesced(ready)
+                for i, item in ready:
                     if item is gone:
                         return
                     if isinstance(item, RequestFailed):
@@ -307,24 +332,14 @@ class ServerBase:
                         remaining -= 1
                     yield i, item
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             for h in handles:
                 h.close()
 
     @staticmethod
     def _sse(obj: Any) -> str:
         return f"data: {_encode(obj)}\n\n"
-
-    async def _sse_guard(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
-        """Errors after the stream started go out as an SSE error event (headers are sent)."""
-        try:
-            async for e in events:
-                yield e
-        except (EngineDead, RequestFailed, RequestRejected) as exc:
-            client = isinstance(exc, RequestRejected) or (isinstance(exc, RequestFailed) and exc.client)
-            kind = "invalid_request_error" if client else "server_error"
-            yield self._sse(error_body(str(exc), kind))
-            yield "data: [DONE]\n\n"
 
     async def _structured_spec(self, body: Any) -> StructuredSpec | None:
         """The request's structured-output constraint, checked (a bad or too costly schema, regex

@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from tessera.inference.core.json_depth import JsonTooDeep, loads
 from tessera.inference.core.sequence import TokenLogprob
 from tessera.inference.entrypoints.protocol import ChatCompletionRequest, ChatMessage, FieldError
-from tessera.inference.entrypoints.server.base import ServerBase, StreamChunks
+from tessera.inference.entrypoints.server.base import ServerBase, SseResponse, StreamChunks
 from tessera.inference.entrypoints.server.errors import ApiError, _check_text, _now, _usage
 from tessera.inference.entrypoints.server.images import expand, load_images, template_parts
 from tessera.inference.entrypoints.tools import ToolCallStream, parser_for_template, tool_grammar
@@ -161,7 +161,7 @@ async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
                 yield chunks.event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None})
             streams = [tool_stream() for _ in jobs]
-            async for i, out in srv._merged(submitted, request):
+            async for i, out in srv._merged(submitted, request, watch=False):
                 if out.finished:
                     completion_tokens += out.num_output_tokens
                 deltas = streams[i].feed(out.new_text)
@@ -178,11 +178,11 @@ async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
                         continue
                     yield chunks.event({"index": i, "delta": delta, "logprobs": _chat_logprobs(srv, out.new_logprobs)
                                         if body.logprobs and k == 0 else None, "finish_reason": reason})
-            if include_usage:
-                yield srv._sse({**base, "choices": [], "usage": _usage(len(ids) * len(jobs), completion_tokens)})
-            yield "data: [DONE]\n\n"
+            usage = srv._sse({**base, "choices": [], "usage": _usage(len(ids) * len(jobs), completion_tokens)}) \
+                if include_usage else ""
+            yield usage + "data: [DONE]\n\n"  # one write for both
 
-        return StreamingResponse(srv._sse_guard(events()), media_type="text/event-stream")
+        return SseResponse(events())
 
     collected = await srv._collect(submitted, request, len(jobs))
     if collected is None:

@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from tessera.inference.core.detokenizer import decode_with_offsets
 from tessera.inference.core.sequence import TokenLogprob
 from tessera.inference.entrypoints.protocol import CompletionRequest
-from tessera.inference.entrypoints.server.base import ServerBase, StreamChunks
+from tessera.inference.entrypoints.server.base import ServerBase, SseResponse, StreamChunks
 from tessera.inference.entrypoints.server.errors import ApiError, _now, _usage
 
 
@@ -69,7 +69,9 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
         return ids_list, [decode_with_offsets(srv.tokenizer, ids, skip_special) if body.echo else ("", [])
                           for ids in ids_list]
 
-    ids_list, echoed = await srv._off_loop(encode)
+    # Token-id prompts without echo need no tokenizer: checked here, not worth a tokenizer thread's hop.
+    text = body.echo or any(isinstance(p, str) for p in prompts)
+    ids_list, echoed = await srv._off_loop(encode) if text else encode()
     structured = await srv._structured_spec(body)
     jobs = []
     for ids in ids_list:
@@ -99,7 +101,7 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
             started = [False] * len(jobs)
             prompt_tokens = completion_tokens = 0
             chunks = StreamChunks(rid, "text_completion", created, srv.model_name, include_usage)
-            async for i, out in srv._merged(submitted, request):
+            async for i, out in srv._merged(submitted, request, watch=False):
                 text = out.new_text
                 entries: list[tuple[int, TokenLogprob | None]] = []
                 offs: list[int] = []
@@ -122,13 +124,11 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
                 if text or out.finished or entries:
                     yield chunks.text(i, text, choice["finish_reason"]) if choice["logprobs"] is None \
                         else chunks.event(choice)
-            if include_usage:
-                yield srv._sse({"id": rid, "object": "text_completion", "created": created,
-                                 "model": srv.model_name, "choices": [],
-                                 "usage": _usage(prompt_tokens, completion_tokens)})
-            yield "data: [DONE]\n\n"
+            usage = srv._sse({"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
+                              "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}) if include_usage else ""
+            yield usage + "data: [DONE]\n\n"  # one write for both
 
-        return StreamingResponse(srv._sse_guard(events()), media_type="text/event-stream")
+        return SseResponse(events())
 
     collected = await srv._collect(submitted, request, len(jobs))
     if collected is None:
