@@ -27,6 +27,7 @@ from tessera.inference.engine.metrics import ServingMetrics
 from tessera.inference.entrypoints.grammar_check import GrammarCheck, GrammarCheckUnavailable
 from tessera.inference.entrypoints.protocol import FieldError
 from tessera.inference.entrypoints.server.errors import ApiError, ServerLimits, _check_text, error_body
+from tessera.inference.entrypoints.server.guard import RAW_SEND
 from tessera.inference.entrypoints.server.images import VisionFacts
 from tessera.inference.entrypoints.tokenizer_process import (
     LONG_TEXT_CHARS,
@@ -75,17 +76,26 @@ class SseResponse(StreamingResponse):
     starlette's own loop, less a generator layer and a type check per event: it runs per token."""
 
     media_type = "text/event-stream"
+    _raw_send = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        self._raw_send = scope.get(RAW_SEND)
+        await super().__call__(scope, receive, send)
 
     async def stream_response(self, send) -> None:
+        # The start and the end go through the middleware's wrappers, which only watch for the
+        # start (to know whether an error may still become a 500); the events in between go
+        # straight to the server: two coroutine layers less per streamed token.
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        events = self._raw_send or send
         try:
             async for event in self.body_iterator:
-                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                await events({"type": "http.response.body", "body": event.encode(), "more_body": True})
         except (EngineDead, RequestFailed, RequestRejected) as exc:
             client = isinstance(exc, RequestRejected) or (isinstance(exc, RequestFailed) and exc.client)
             event = ServerBase._sse(error_body(str(exc), "invalid_request_error" if client else "server_error"))
             for tail in (event, "data: [DONE]\n\n"):
-                await send({"type": "http.response.body", "body": tail.encode(), "more_body": True})
+                await events({"type": "http.response.body", "body": tail.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

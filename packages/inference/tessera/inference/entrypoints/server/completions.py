@@ -102,6 +102,13 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
             prompt_tokens = completion_tokens = 0
             chunks = StreamChunks(rid, "text_completion", created, srv.model_name, include_usage)
             async for i, out in srv._merged(submitted, request, watch=False):
+                if out.finished:
+                    prompt_tokens += out.num_prompt_tokens
+                    completion_tokens += out.num_output_tokens
+                if started[i] and body.logprobs is None:  # the commonest chunk: new text only
+                    if out.new_text or out.finished:
+                        yield chunks.text(i, out.new_text, out.finish_reason if out.finished else None)
+                    continue
                 text = out.new_text
                 entries: list[tuple[int, TokenLogprob | None]] = []
                 offs: list[int] = []
@@ -118,9 +125,6 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
                     entries.extend(new)
                     choice["logprobs"] = _completion_logprobs(srv, entries, offs)
                 offsets[i] += len(out.new_text)
-                if out.finished:
-                    prompt_tokens += out.num_prompt_tokens
-                    completion_tokens += out.num_output_tokens
                 if text or out.finished or entries:
                     yield chunks.text(i, text, choice["finish_reason"]) if choice["logprobs"] is None \
                         else chunks.event(choice)

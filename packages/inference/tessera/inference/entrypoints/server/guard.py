@@ -8,6 +8,8 @@ import hmac
 from tessera.inference.core.json_depth import depth_problem
 from tessera.inference.entrypoints.server.errors import error_response
 
+RAW_SEND = "tessera.raw_send"  # scope key
+
 
 class _GuardMiddleware:
     """Pure ASGI, in front of every route: the API-key check on /v1, /api, /tokenize and /detokenize, then the whole
@@ -59,6 +61,7 @@ class _GuardMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: only http.disconnect comes
 
+        scope[RAW_SEND] = send  # the server's own send, for SSE events (server/base.py SseResponse)
         return await self.app(scope, replay, send)
 
     async def _read_body(self, receive) -> tuple[bytes, bool]:
