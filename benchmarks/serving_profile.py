@@ -335,9 +335,10 @@ def compile_ab(ckpt: Path, args, workload) -> None:
               f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})")
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process `pid` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 def server_profile(ckpt: Path, args, workload) -> None:
@@ -357,17 +358,20 @@ def server_profile(ckpt: Path, args, workload) -> None:
         client0 = time.process_time()
         res = asyncio.run(run_client(url, workload, args.concurrency))
         client = time.process_time() - client0
-        used = {k: cpu_seconds(p) - before[k] for k, p in pids.items()}
+        after = {k: cpu_seconds(p) for k, p in pids.items()}
+        used = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in pids}
     finally:
         server.terminate()
         server.wait(timeout=60)
     print(f"server: {res['output_tok_per_s']:.0f} output tok/s here, {res['duration']:.2f} s, TPOT p50 "
           f"{1e3 * statistics.median(res['tpot']):.1f} ms")
-    eng = used["engine process"]
+    eng = sum(used["engine process"])
     tokens = res["output_tok_per_s"] * res["duration"]
-    for k, v in used.items():
+    for k, (user, system) in used.items():
+        v = user + system
         print(f"  CPU s {k:58s} {v:7.2f}  ({v / eng:.2f} per engine-process CPU s; {1e3 * v / tokens * args.concurrency:.2f} "
-              f"ms per {args.concurrency} output tokens, a decode step's)")
+              f"ms per {args.concurrency} output tokens, a decode step's: user {1e3 * user / tokens * args.concurrency:.2f}, "
+              f"system {1e3 * system / tokens * args.concurrency:.2f})")
     print(f"  CPU s {'benchmark client (httpx, this process)':58s} {client:7.2f}  ({client / eng:.2f} per engine-process CPU s)")
 
 
@@ -386,6 +390,7 @@ def main() -> None:
     ap.add_argument("--torch-profile", type=int, default=0, metavar="STEPS",
                     help="also run the torch profiler over this many decode steps and print its op table")
     ap.add_argument("--server", action="store_true", help="also measure the server's processes (HTTP/SSE side)")
+    ap.add_argument("--server-only", action="store_true", help="only the server measurement (implies --server)")
     ap.add_argument("--device", default="cpu",
                     help="cpu or cuda for the decode-step profile (on cuda, eager and CUDA graphs back to back; the "
                          "engine-step and server profiles run on CPU only)")
@@ -414,6 +419,9 @@ def main() -> None:
                 for _ in range(args.num_requests)]
     print(f"model {args.preset}, {args.num_requests} requests, concurrency {args.concurrency}, input {args.input_len}, "
           f"output {args.output_len}, torch threads {args.threads}")
+    if args.server_only:
+        server_profile(ckpt, args, workload)
+        return
     if args.compile_ab:
         compile_ab(ckpt, args, workload)
         return

@@ -186,3 +186,33 @@ def test_steady_decode_steps_keep_their_inputs_across_steps_and_give_what_the_re
     assert preemptions == ref_preemptions > 0 and single > 10
     # Only the steps that were not single-token (prefills, a step after a join) packed inputs from lists.
     assert prepared == ref_prepared - single
+
+
+def _old_event(chunk: dict) -> str:
+    """An SSE event as the server wrote every chunk before StreamChunks."""
+    import json
+
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+def test_stream_chunk_templates_write_the_bytes_a_full_json_encode_wrote():
+    from tessera.inference.entrypoints.server.base import StreamChunks
+
+    texts = ["", " hello", 'quote " and \\ backslash', "tab\tnew\nline\x00\x1f", "ünïcödé ✓ 🙂", "</script>\u2028"]
+    for usage in (False, True):
+        for model in ("tiny", 'mödel "x"'):
+            head = {"id": "cmpl-abc", "object": "text_completion", "created": 1764350000, "model": model}
+            extra = {"usage": None} if usage else {}
+            chunks = StreamChunks("cmpl-abc", "text_completion", 1764350000, model, usage)
+            chat = StreamChunks("cmpl-abc", "chat.completion.chunk", 1764350000, model, usage)
+            for text in texts:
+                for reason in (None, "stop", "length", "tool_calls"):
+                    choice = {"index": 3, "text": text, "logprobs": None, "finish_reason": reason}
+                    assert chunks.text(3, text, reason) == _old_event({**head, "choices": [choice], **extra})
+                    delta = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": reason}
+                    want = _old_event({**head, "object": "chat.completion.chunk", "choices": [delta], **extra})
+                    assert chat.content(0, text, reason) == want
+                    tool = {"index": 1, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": text}}]},
+                            "logprobs": {"content": [{"token": text, "logprob": -0.25, "bytes": [1, 2]}]},
+                            "finish_reason": reason}
+                    assert chunks.event(tool) == _old_event({**head, "choices": [tool], **extra})

@@ -4,6 +4,7 @@ chat, Megatron PUT /api, metrics, auth, limits and errors, and cancellation mid-
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -174,6 +175,57 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
                     break  # hang up mid-stream
     assert server.wait_idle(), f"blocks still in use: {server.engine.blocks.num_used}"
     assert generated() - before < 3 * 100  # the requests were cut short, not run to the end
+
+
+def _check_events_as_before(body: str) -> int:
+    """Each SSE event of a reply is the JSON the server wrote before its per-stream templates:
+    json.dumps of the chunk (same fields, order and spacing); returns how many there were."""
+    events = [e for e in body.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    for event in events[:-1]:
+        payload = event.removeprefix("data: ")
+        chunk = json.loads(payload)
+        assert payload == json.dumps(chunk, ensure_ascii=False)
+        assert list(chunk)[:5] == ["id", "object", "created", "model", "choices"]
+    return len(events) - 1
+
+
+def test_streamed_chunks_with_logprobs_echo_usage_and_chat_are_the_json_they_were(server):
+    body = {"prompt": ["def f(x):", "x = 1"], "max_tokens": 6, "temperature": 0, "stream": True, "logprobs": 2,
+            "echo": True, "stream_options": {"include_usage": True}}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert _check_events_as_before(r.text) >= 3
+    plain = {**body, "logprobs": None, "echo": False, "n": 2}
+    assert _check_events_as_before(httpx.post(server.url + "/v1/completions", json=plain, timeout=60).text) >= 3
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "stream": True,
+            "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True}}
+    assert _check_events_as_before(httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).text) >= 3
+    chat = {**chat, "logprobs": False, "top_logprobs": None, "stream_options": None}
+    assert _check_events_as_before(httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).text) >= 3
+
+
+def test_a_queued_streamed_request_whose_client_hangs_up_is_aborted_before_it_runs(tiny_ckpt):
+    s = LiveServer(tiny_ckpt, block_size=8, num_kv_blocks=64, max_num_seqs=1)
+    try:
+        long = {"prompt": "def f(x):", "max_tokens": 100, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=long, timeout=30) as running:
+            lines = running.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            # Only one sequence runs: this one waits, sends its headers and no event, and is hung up on.
+            with httpx.stream("POST", s.url + "/v1/completions", json={**long, "max_tokens": 5}, timeout=30) as r:
+                assert r.status_code == 200
+            deadline = time.time() + 10
+            while s.async_engine.num_active() > 1:
+                assert time.time() < deadline, "the hung-up request was not aborted"
+                time.sleep(0.02)
+            assert not s.engine.scheduler.waiting
+            assert "data: [DONE]" in list(lines)  # the long one runs to its end
+        assert s.wait_idle()
+        finished = [line for line in httpx.get(s.url + "/metrics", timeout=10).text.splitlines()
+                    if line.startswith("vllm:request_success_total") and 'finished_reason="length"' in line]
+        assert [float(line.split()[-1]) for line in finished] == [1.0]  # the long one only: the other never ran
+    finally:
+        s.stop()
 
 
 def test_api_key_and_queue_full(tiny_ckpt):

@@ -23,6 +23,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from tessera.common.errors import UserError
+from tessera.inference.engine.gc_heap import freeze_heap
 from tessera.inference.engine.wire import decode, encode, output_to_wire, stats_to_wire
 from tessera.inference.worker.cpu_threads import measure
 from tessera.inference.worker.executor import die_with_parent
@@ -69,6 +70,7 @@ def serve(conn: Connection) -> int:
         "threads": measure(engine), "pooling": None if engine.pooling is None else engine.pooling.to_wire(),
         "generates": engine.generates, "scores_prompts": engine.scores_prompts, "vision": engine.vision,
     }))
+    freeze_heap()  # the model and everything loaded with it: no collection walks them again
     try:
         _loop(conn, engine)
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -194,6 +194,8 @@ class EngineFrontend:
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]], now: float | None = None) -> None:
         """Route one step's outputs (or failures) to their streams: one wake-up per event loop."""
         routed: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple]]] = {}
+        observe = self.metrics is not None and now is not None
+        generated = 0
         with self._cv:
             for request_id, item in items:
                 stream = self._streams.get(request_id)
@@ -201,12 +203,14 @@ class EngineFrontend:
                     continue  # aborted meanwhile
                 if isinstance(item, RequestOutput) and item.error is not None:
                     item = RequestFailed(item.error, item.client_error)
-                if isinstance(item, RequestOutput) and self.metrics is not None and now is not None:
-                    self._observe(stream, item, now)
+                if observe and isinstance(item, RequestOutput):
+                    generated += self._observe(stream, item, now)  # type: ignore[arg-type]
                 if isinstance(item, BaseException) or item.finished:
                     del self._streams[request_id]
                     self._ended(stream, item if isinstance(item, RequestOutput) else None)
                 routed.setdefault(stream.loop, []).append((stream.queue, (stream.tag, item)))
+        if generated:
+            self.metrics.child(self.metrics.generation_tokens).inc(generated)  # type: ignore[union-attr]
         for loop, puts in routed.items():
             try:
                 loop.call_soon_threadsafe(_put_all, puts)
@@ -218,7 +222,8 @@ class EngineFrontend:
             ids = list(self._streams)
         self._deliver([(rid, exc) for rid in ids])
 
-    def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
+    def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> int:
+        """Latency metrics of one output; returns its new tokens (counted once per step by the caller)."""
         m = self.metrics
         n = len(out.new_token_ids)
         if n:
@@ -228,9 +233,9 @@ class EngineFrontend:
             elif stream.last_token is not None:
                 m.observe_token(False, now - stream.last_token)
             stream.last_token = now
-            m.child(m.generation_tokens).inc(n)
         if out.finished:
             m.observe_finished(out, now - stream.arrival)
+        return n
 
 
     def _ended(self, stream: _Stream, final: RequestOutput | None) -> None:

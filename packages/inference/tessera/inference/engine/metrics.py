@@ -151,9 +151,15 @@ class ServingMetrics:
         self._last_spec = (0, 0, 0)
         self._last_per_pos: list[int] = []
         self._spec_logged_at = float("-inf")  # time of the last speculative-decoding log line
+        # Each metric's one labelled child, looked up once: `labels()` costs more than the update
+        # itself, and a step updates a few per streamed token.
+        self._children: dict = {}
 
     def child(self, metric):
-        return metric.labels(self.model_name, ENGINE_LABEL)
+        found = self._children.get(metric)
+        if found is None:
+            found = self._children[metric] = metric.labels(self.model_name, ENGINE_LABEL)
+        return found
 
     def update_engine(self, stats) -> None:
         """Refresh gauges and counters from an EngineStats snapshot (after each engine step)."""

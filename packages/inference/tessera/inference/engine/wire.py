@@ -52,9 +52,9 @@ def output_to_wire(out: RequestOutput) -> list:
 def output_from_wire(x: list, now: float) -> RequestOutput:
     (rid, ids, text, lps, finished, reason, n_prompt, n_out, n_cached, prompt_lps, error, timings, client_error,
      embedding) = x
-    return RequestOutput(
-        request_id=rid, new_token_ids=list(ids), new_text=text,
-        new_logprobs=[_lp_from_wire(lp) for lp in lps],  # type: ignore[misc]
+    return RequestOutput(  # ids and lps are fresh lists from the frame's JSON: nothing to copy
+        request_id=rid, new_token_ids=ids, new_text=text,
+        new_logprobs=[_lp_from_wire(lp) for lp in lps] if lps else [],  # type: ignore[misc]
         finished=bool(finished), finish_reason=reason, num_prompt_tokens=n_prompt, num_output_tokens=n_out,
         num_cached_tokens=n_cached,
         prompt_logprobs=None if prompt_lps is None else [_lp_from_wire(lp) for lp in prompt_lps], time=now,

@@ -14,6 +14,7 @@ import threading
 
 from tessera.common.chat_template import RenderLimits
 from tessera.common.errors import UserError, run_cli
+from tessera.inference.engine.gc_heap import freeze_heap
 
 EPILOG = """\
 endpoints:
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     # action (which skips the cleanup). Once stopping, a repeated SIGTERM is ignored (schedulers
     # repeat it) and a second Ctrl-C interrupts at once, as the trainer's (docs/operations.md).
     found = _set_signal_handlers({signal.SIGINT: _stop, signal.SIGTERM: _stop})
+    freeze_heap()
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
                     access_log=not args.quiet, timeout_graceful_shutdown=math.ceil(args.drain_timeout))

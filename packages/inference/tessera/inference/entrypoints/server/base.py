@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from tessera.common.chat_template import ChatTemplateError, template_source
 from tessera.inference.core.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ from tessera.inference.engine.metrics import ServingMetrics
 from tessera.inference.entrypoints.grammar_check import GrammarCheck, GrammarCheckUnavailable
 from tessera.inference.entrypoints.protocol import FieldError
 from tessera.inference.entrypoints.server.errors import ApiError, ServerLimits, _check_text, error_body
+from tessera.inference.entrypoints.server.guard import RAW_SEND
 from tessera.inference.entrypoints.server.images import VisionFacts
 from tessera.inference.entrypoints.tokenizer_process import (
     LONG_TEXT_CHARS,
@@ -36,6 +38,10 @@ from tessera.inference.entrypoints.tokenizer_process import (
 )
 
 DISCONNECT_POLL_S = 0.5
+# json.dumps(obj, ensure_ascii=False) builds a JSONEncoder per call (any non-default argument does):
+# one made once writes the same text in a third of the time.
+_encode = json.JSONEncoder(ensure_ascii=False).encode
+_string = json.encoder.encode_basestring  # a str as JSON, exactly as _encode writes it inside an object
 # tessera-serve's flag for each RenderLimits field, named in a refusal.
 TEMPLATE_LIMIT_FLAGS = {"timeout_s": "--chat-template-timeout", "max_iterations": "--chat-template-max-iterations",
                         "max_chars": "--chat-template-max-chars", "max_memory_mb": "--chat-template-max-memory"}
@@ -63,6 +69,63 @@ def coalesced(ready: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
             open_at.clear()  # nothing later moves before a failure or the end
         out.append((i, item))
     return out
+
+class SseResponse(StreamingResponse):
+    """An SSE reply from an async iterator of str events, each written as it comes. An error after
+    the headers went out (the status cannot change any more) is sent as an error event and [DONE].
+    starlette's own loop, less a generator layer and a type check per event: it runs per token."""
+
+    media_type = "text/event-stream"
+    _raw_send = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        self._raw_send = scope.get(RAW_SEND)
+        await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send) -> None:
+        # The start and the end go through the middleware's wrappers, which only watch for the
+        # start (to know whether an error may still become a 500); the events in between go
+        # straight to the server: two coroutine layers less per streamed token.
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        events = self._raw_send or send
+        try:
+            async for event in self.body_iterator:
+                await events({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        except (EngineDead, RequestFailed, RequestRejected) as exc:
+            client = isinstance(exc, RequestRejected) or (isinstance(exc, RequestFailed) and exc.client)
+            event = ServerBase._sse(error_body(str(exc), "invalid_request_error" if client else "server_error"))
+            for tail in (event, "data: [DONE]\n\n"):
+                await events({"type": "http.response.body", "body": tail.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class StreamChunks:
+    """The SSE events of one stream, as `ServerBase._sse` writes them, byte for byte: the fields that
+    never change within a stream (id, object, created, model, a null usage) are encoded once, and
+    the commonest choices (new text, nothing else) are written without building a dict. At 64
+    streams the HTTP process's CPU per token is the decode step's bound (benchmarks/RESULTS.md)."""
+
+    def __init__(self, rid: str, obj: str, created: int, model: str, usage: bool):
+        head = _encode({"id": rid, "object": obj, "created": created, "model": model})
+        self._head = f"data: {head[:-1]}, \"choices\": ["
+        self._tail = "], \"usage\": null}\n\n" if usage else "]}\n\n"
+
+    def event(self, choice: dict[str, Any]) -> str:
+        """The event of a chunk with this one choice."""
+        return f"{self._head}{_encode(choice)}{self._tail}"
+
+    def text(self, index: int, text: str, finish_reason: str | None) -> str:
+        """A completion chunk: {"index", "text", "logprobs": null, "finish_reason"}."""
+        reason = "null" if finish_reason is None else _string(finish_reason)
+        return (f'{self._head}{{"index": {index}, "text": {_string(text)}, "logprobs": null, '
+                f'"finish_reason": {reason}}}{self._tail}')
+
+    def content(self, index: int, content: str, finish_reason: str | None) -> str:
+        """A chat chunk: {"index", "delta": {"content"}, "logprobs": null, "finish_reason"}."""
+        reason = "null" if finish_reason is None else _string(finish_reason)
+        return (f'{self._head}{{"index": {index}, "delta": {{"content": {_string(content)}}}, "logprobs": null, '
+                f'"finish_reason": {reason}}}{self._tail}')
+
 
 class ServerBase:
     """What the endpoint handlers share: the engine, limits, metrics, tokenizer threads, and
@@ -242,28 +305,32 @@ class ServerBase:
             f.prompt_logprobs = p  # type: ignore[union-attr]  # the final output carries them all
         return texts, lps, final  # type: ignore[return-value]
 
-    async def _merged(self, submitted: tuple[list[RequestHandle], asyncio.Queue],
-                      request: Request) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(self, submitted: tuple[list[RequestHandle], asyncio.Queue], request: Request,
+                      watch: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several requests as they come, as (index, output); stops (and aborts all)
-        when the client disconnects or the consumer stops iterating."""
+        when the client disconnects or the consumer stops iterating. `watch`: poll for the
+        disconnect here; an SSE reply (SseResponse) needs no poll: starlette listens for it and
+        cancels the stream, which aborts its requests here as well."""
         handles, queue = submitted
         gone = object()
 
-        async def watch() -> None:
+        async def poll() -> None:
             # Polls for a client disconnect so a request still queued (no output to send yet)
             # is cancelled too.
             while not await request.is_disconnected():
                 await asyncio.sleep(DISCONNECT_POLL_S)
             queue.put_nowait((-1, gone))
 
-        watcher = asyncio.create_task(watch())
+        watcher = asyncio.create_task(poll()) if watch else None
         remaining = len(handles)
         try:
             while remaining:
                 ready = [await queue.get()]
-                while not queue.empty():
-                    ready.append(queue.get_nowait())
-                for i, item in coalesced(ready):
+                if not queue.empty():  # behind the engine: take every queued output at once, merged
+                    while not queue.empty():
+                        ready.append(queue.get_nowait())
+                    ready = coalesced(ready)
+                for i, item in ready:
                     if item is gone:
                         return
                     if isinstance(item, RequestFailed):
@@ -275,24 +342,14 @@ class ServerBase:
                         remaining -= 1
                     yield i, item
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             for h in handles:
                 h.close()
 
     @staticmethod
     def _sse(obj: Any) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-    async def _sse_guard(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
-        """Errors after the stream started go out as an SSE error event (headers are sent)."""
-        try:
-            async for e in events:
-                yield e
-        except (EngineDead, RequestFailed, RequestRejected) as exc:
-            client = isinstance(exc, RequestRejected) or (isinstance(exc, RequestFailed) and exc.client)
-            kind = "invalid_request_error" if client else "server_error"
-            yield self._sse(error_body(str(exc), kind))
-            yield "data: [DONE]\n\n"
+        return f"data: {_encode(obj)}\n\n"
 
     async def _structured_spec(self, body: Any) -> StructuredSpec | None:
         """The request's structured-output constraint, checked (a bad or too costly schema, regex

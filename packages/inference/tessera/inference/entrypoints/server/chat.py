@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from tessera.inference.core.json_depth import JsonTooDeep, loads
 from tessera.inference.core.sequence import TokenLogprob
 from tessera.inference.entrypoints.protocol import ChatCompletionRequest, ChatMessage, FieldError
-from tessera.inference.entrypoints.server.base import ServerBase
+from tessera.inference.entrypoints.server.base import ServerBase, SseResponse, StreamChunks
 from tessera.inference.entrypoints.server.errors import ApiError, _check_text, _now, _usage
 from tessera.inference.entrypoints.server.images import expand, load_images, template_parts
 from tessera.inference.entrypoints.tools import ToolCallStream, parser_for_template, tool_grammar
@@ -156,12 +156,12 @@ async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
         async def events() -> AsyncIterator[str]:
             completion_tokens = 0
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.model_name}
-            extra = {"usage": None} if include_usage else {}
+            chunks = StreamChunks(rid, "chat.completion.chunk", created, srv.model_name, include_usage)
             for i in range(len(jobs)):
-                yield srv._sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                      "logprobs": None, "finish_reason": None}], **extra})
+                yield chunks.event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None})
             streams = [tool_stream() for _ in jobs]
-            async for i, out in srv._merged(submitted, request):
+            async for i, out in srv._merged(submitted, request, watch=False):
                 if out.finished:
                     completion_tokens += out.num_output_tokens
                 deltas = streams[i].feed(out.new_text)
@@ -172,16 +172,17 @@ async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
                 deltas = deltas or [{}]
                 for k, delta in enumerate(deltas):
                     last = k == len(deltas) - 1
-                    choice = {"index": i, "delta": delta,
-                              "logprobs": _chat_logprobs(srv, out.new_logprobs) if body.logprobs and k == 0 else None,
-                              "finish_reason": streams[i].finish_reason(out.finish_reason)
-                              if out.finished and last else None}
-                    yield srv._sse({**base, "choices": [choice], **extra})
-            if include_usage:
-                yield srv._sse({**base, "choices": [], "usage": _usage(len(ids) * len(jobs), completion_tokens)})
-            yield "data: [DONE]\n\n"
+                    reason = streams[i].finish_reason(out.finish_reason) if out.finished and last else None
+                    if not (body.logprobs and k == 0) and len(delta) == 1 and isinstance(delta.get("content"), str):
+                        yield chunks.content(i, delta["content"], reason)  # the commonest chunk, written directly
+                        continue
+                    yield chunks.event({"index": i, "delta": delta, "logprobs": _chat_logprobs(srv, out.new_logprobs)
+                                        if body.logprobs and k == 0 else None, "finish_reason": reason})
+            usage = srv._sse({**base, "choices": [], "usage": _usage(len(ids) * len(jobs), completion_tokens)}) \
+                if include_usage else ""
+            yield usage + "data: [DONE]\n\n"  # one write for both
 
-        return StreamingResponse(srv._sse_guard(events()), media_type="text/event-stream")
+        return SseResponse(events())
 
     collected = await srv._collect(submitted, request, len(jobs))
     if collected is None:

@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from tessera.inference.core.detokenizer import decode_with_offsets
 from tessera.inference.core.sequence import TokenLogprob
 from tessera.inference.entrypoints.protocol import CompletionRequest
-from tessera.inference.entrypoints.server.base import ServerBase
+from tessera.inference.entrypoints.server.base import ServerBase, SseResponse, StreamChunks
 from tessera.inference.entrypoints.server.errors import ApiError, _now, _usage
 
 
@@ -69,7 +69,9 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
         return ids_list, [decode_with_offsets(srv.tokenizer, ids, skip_special) if body.echo else ("", [])
                           for ids in ids_list]
 
-    ids_list, echoed = await srv._off_loop(encode)
+    # Token-id prompts without echo need no tokenizer: checked here, not worth a tokenizer thread's hop.
+    text = body.echo or any(isinstance(p, str) for p in prompts)
+    ids_list, echoed = await srv._off_loop(encode) if text else encode()
     structured = await srv._structured_spec(body)
     jobs = []
     for ids in ids_list:
@@ -98,7 +100,15 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
             offsets = [len(echoed[i // n][0]) for i in range(len(jobs))]  # where the next piece starts
             started = [False] * len(jobs)
             prompt_tokens = completion_tokens = 0
-            async for i, out in srv._merged(submitted, request):
+            chunks = StreamChunks(rid, "text_completion", created, srv.model_name, include_usage)
+            async for i, out in srv._merged(submitted, request, watch=False):
+                if out.finished:
+                    prompt_tokens += out.num_prompt_tokens
+                    completion_tokens += out.num_output_tokens
+                if started[i] and body.logprobs is None:  # the commonest chunk: new text only
+                    if out.new_text or out.finished:
+                        yield chunks.text(i, out.new_text, out.finish_reason if out.finished else None)
+                    continue
                 text = out.new_text
                 entries: list[tuple[int, TokenLogprob | None]] = []
                 offs: list[int] = []
@@ -115,22 +125,14 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
                     entries.extend(new)
                     choice["logprobs"] = _completion_logprobs(srv, entries, offs)
                 offsets[i] += len(out.new_text)
-                if out.finished:
-                    prompt_tokens += out.num_prompt_tokens
-                    completion_tokens += out.num_output_tokens
                 if text or out.finished or entries:
-                    chunk = {"id": rid, "object": "text_completion", "created": created,
-                             "model": srv.model_name, "choices": [choice]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield srv._sse(chunk)
-            if include_usage:
-                yield srv._sse({"id": rid, "object": "text_completion", "created": created,
-                                 "model": srv.model_name, "choices": [],
-                                 "usage": _usage(prompt_tokens, completion_tokens)})
-            yield "data: [DONE]\n\n"
+                    yield chunks.text(i, text, choice["finish_reason"]) if choice["logprobs"] is None \
+                        else chunks.event(choice)
+            usage = srv._sse({"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
+                              "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}) if include_usage else ""
+            yield usage + "data: [DONE]\n\n"  # one write for both
 
-        return StreamingResponse(srv._sse_guard(events()), media_type="text/event-stream")
+        return SseResponse(events())
 
     collected = await srv._collect(submitted, request, len(jobs))
     if collected is None:

@@ -8,6 +8,8 @@ import hmac
 from tessera.inference.core.json_depth import depth_problem
 from tessera.inference.entrypoints.server.errors import error_response
 
+RAW_SEND = "tessera.raw_send"  # scope key
+
 
 class _GuardMiddleware:
     """Pure ASGI, in front of every route: the API-key check on /v1, /api, /tokenize and /detokenize, then the whole
@@ -29,11 +31,13 @@ class _GuardMiddleware:
                 resp = error_response(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
                                       "authentication_error", code="invalid_api_key")
                 return await resp(scope, receive, send)
-        too_big = error_response(400, f"request body exceeds {self.max_body} bytes", code="request_too_large",
-                                 headers={"connection": "close"})
+        def too_big():  # built only when needed: rendering it costs as much as a streamed token
+            return error_response(400, f"request body exceeds {self.max_body} bytes", code="request_too_large",
+                                  headers={"connection": "close"})
+
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            return await too_big(scope, receive, send)
+            return await too_big()(scope, receive, send)
         try:
             body, disconnected = await asyncio.wait_for(self._read_body(receive), self.body_timeout)
         except TimeoutError:
@@ -41,7 +45,7 @@ class _GuardMiddleware:
                                   code="request_timeout", headers={"connection": "close"})
             return await slow(scope, receive, send)
         except _BodyTooLarge:
-            return await too_big(scope, receive, send)
+            return await too_big()(scope, receive, send)
         if disconnected:
             return None
         problem = depth_problem(body) if body and scope.get("method") in ("POST", "PUT", "PATCH") else None
@@ -57,6 +61,7 @@ class _GuardMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: only http.disconnect comes
 
+        scope[RAW_SEND] = send  # the server's own send, for SSE events (server/base.py SseResponse)
         return await self.app(scope, replay, send)
 
     async def _read_body(self, receive) -> tuple[bytes, bool]:
