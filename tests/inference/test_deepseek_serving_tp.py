@@ -66,7 +66,7 @@ def test_tp2_mtp_drafts_through_the_openai_client_like_one_process_and_a_worker_
         with_mtp, monkeypatch):
     """`--tensor-parallel 2` with MTP drafts (k = 2): greedy and seeded requests one at a time give
     the one-process MTP path's tokens, drafts, and drafted/accepted counts;
-    16 concurrent requests with preemption give transformers' greedy tokens (the output without
+    6 concurrent requests with preemption give transformers' greedy tokens (the output without
     speculation). Then a worker killed as an MTP step is sent fails requests and /health."""
     import concurrent.futures as cf
     import os
@@ -84,10 +84,10 @@ def test_tp2_mtp_drafts_through_the_openai_client_like_one_process_and_a_worker_
     spec = SpeculativeConfig(method="mtp", num_speculative_tokens=2)
     cfg = dict(block_size=8, max_model_len=48, max_num_batched_tokens=16, max_num_seqs=16,
                enable_prefix_caching=False, speculative=spec)
-    prompts = _prompts(16, 14)
+    prompts = _prompts(6, 14)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
-    alone = {"g0": (prompts[0], greedy), "g1": (prompts[1], greedy), "s0": (prompts[2], seeded)}
+    alone = {"g0": (prompts[0], greedy), "s0": (prompts[1], seeded)}
     drafts = _record_drafts(monkeypatch)
     one = make_engine(export, num_kv_blocks=10, **cfg)
     expected = {rid: token_ids(run_all(one, {rid: req})[rid]) for rid, req in alone.items()}  # one at a time
