@@ -171,17 +171,21 @@ def test_bf16_serving_with_packed_linear_layers_completes_and_starts_as_fp32_tra
         assert len(tokens) == 5 and logits[tokens[0]] >= logits.max() - 0.05, (tokens, logits.topk(3))
 
 
-@pytest.fixture(scope="module")
-def with_mtp(tiny_ckpt, tmp_path_factory):
-    """A tiny DeepSeek-V3 directory with DeepSeek's MTP layer (num_nextn_predict_layers=1)."""
+def mtp_export(tiny_ckpt, directory):
+    """(transformers model, a tiny DeepSeek-V3 directory with DeepSeek's MTP layer (num_nextn_predict_layers=1))."""
     from deepseek_hf import save_with_mtp
 
     hf = build_hf(**MODELS["q-lora"])
     with torch.no_grad():
         hf.get_output_embeddings().weight.mul_(8.0)
-    out = _save(hf, tiny_ckpt, tmp_path_factory.mktemp("hf") / "mtp")
+    out = _save(hf, tiny_ckpt, directory)
     save_with_mtp(hf, out)
     return hf, out
+
+
+@pytest.fixture(scope="module")
+def with_mtp(tiny_ckpt, tmp_path_factory):
+    return mtp_export(tiny_ckpt, tmp_path_factory.mktemp("hf") / "mtp")
 
 
 def test_mtp_drafts_are_the_mtp_modules_greedy_choice_and_the_output_equals_generate(with_mtp, monkeypatch):

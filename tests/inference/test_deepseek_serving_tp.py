@@ -8,7 +8,7 @@ import pytest
 import torch
 from deepseek_hf import build_hf
 from inference_helpers import hf_greedy, run_all, token_ids
-from test_deepseek_serving import MODELS, _prompts, with_mtp  # noqa: F401 - a fixture
+from test_deepseek_serving import MODELS, _prompts, mtp_export
 from test_hf_serving import _save
 
 from tessera.common.errors import UserError
@@ -63,10 +63,10 @@ def _record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
 
 
 def test_tp2_mtp_drafts_through_the_openai_client_like_one_process_and_a_worker_dying_in_an_mtp_step_ends_it(
-        with_mtp, monkeypatch):
+        tiny_ckpt, tmp_path, monkeypatch):
     """`--tensor-parallel 2` with MTP drafts (k = 2): greedy and seeded requests one at a time give
     the one-process MTP path's tokens, drafts, and drafted/accepted counts;
-    6 concurrent requests with preemption give transformers' greedy tokens (the output without
+    4 concurrent requests with preemption give transformers' greedy tokens (the output without
     speculation). Then a worker killed as an MTP step is sent fails requests and /health."""
     import concurrent.futures as cf
     import os
@@ -79,12 +79,12 @@ def test_tp2_mtp_drafts_through_the_openai_client_like_one_process_and_a_worker_
 
     from tessera.inference.spec_decode.mtp import TensorParallelMTP
 
-    hf, export = with_mtp
+    hf, export = mtp_export(tiny_ckpt, tmp_path / "mtp")
     tok = load_tokenizer(export)
     spec = SpeculativeConfig(method="mtp", num_speculative_tokens=2)
     cfg = dict(block_size=8, max_model_len=48, max_num_batched_tokens=16, max_num_seqs=16,
                enable_prefix_caching=False, speculative=spec)
-    prompts = _prompts(6, 14)
+    prompts = _prompts(4, 14)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
     alone = {"g0": (prompts[0], greedy), "s0": (prompts[1], seeded)}

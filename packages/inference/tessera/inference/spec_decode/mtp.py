@@ -67,9 +67,9 @@ class TensorParallelMTP:
         return dict(self.target.step_rows)
 
     def update(self, ops: list[Op], drop: list[str]) -> None:
-        self.target.step_rows.clear()
-        if ops or drop:  # one way, read by the workers before the next command: no reply awaited
+        if ops or drop or self.target.step_rows:  # one way, read before the next command: no reply awaited
             self.executor.send_all({"t": "mtp", "ops": ops, "drop": drop})
+        self.target.step_rows.clear()
 
     def draft(self, ops: list[Op], drop: list[str], batch: list[BatchSeq], rids: list[str], catch_up: bool,
               logits_rows: list[int]) -> torch.Tensor:

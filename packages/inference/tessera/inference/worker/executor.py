@@ -416,9 +416,6 @@ class TensorParallelExecutor:
         self._send(json.dumps({"t": "pool", "inputs": inputs, "mode": mode}).encode())
         return self._recv(0)["vectors"]
 
-    def forward(self, batch: list[BatchSeq], rows: list[int], device: torch.device) -> torch.Tensor:
-        return self.forward_pooled(batch, rows, device)[0]
-
     def forward_pooled(self, batch: list[BatchSeq], rows: list[int], device: torch.device,
                        pooling: tuple[str, list[tuple[int, int]]] | None = None, hidden: list[str] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -492,15 +489,14 @@ class TensorParallelRunner(PoolingSteps, ModelRunner):
     step_rows: dict[str, tuple[int, int]] | None = None
 
     def forward(self, plan: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
+        hidden = None
         if self.step_rows is not None:
-            for s in plan.scheduled:
-                self.step_rows[s.seq.request_id] = (s.start, s.num_new)
-            return self.executor.forward_pooled(batch_seqs(plan), logits_rows, self.device,
-                                                hidden=[s.seq.request_id for s in plan.scheduled])[0]
-        if self._pool_spans is None:
-            return self.executor.forward(batch_seqs(plan), logits_rows, self.device)
-        logits, self._pooled = self.executor.forward_pooled(batch_seqs(plan), logits_rows, self.device,
-                                                            (self.pool_mode, self._pool_spans))
+            self.step_rows.update({s.seq.request_id: (s.start, s.num_new) for s in plan.scheduled})
+            hidden = [s.seq.request_id for s in plan.scheduled]
+        pooling = None if self._pool_spans is None else (self.pool_mode, self._pool_spans)
+        logits, pooled = self.executor.forward_pooled(batch_seqs(plan), logits_rows, self.device, pooling, hidden)
+        if pooling is not None:
+            self._pooled = pooled
         return logits
 
     def state_summary(self) -> str | None:

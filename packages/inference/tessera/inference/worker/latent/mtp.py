@@ -63,8 +63,7 @@ class MTPDrafter:
         return {rid: (start, rows.shape[0]) for rid, (start, rows) in self.step.items()}
 
     def record(self, rids: list[str], batch: list[BatchSeq], hidden: torch.Tensor) -> None:
-        """A worker's target step: its packed hidden rows [T, d], by sequence."""
-        self.step.clear()
+        """A worker's target step: its packed hidden rows [T, d], by sequence (kept until `update`)."""
         offset = 0
         for rid, s in zip(rids, batch):
             self.step[rid] = (s.start, hidden[offset:offset + s.num_new])
