@@ -18,7 +18,9 @@ summation order inside the all-reduces). The workers are spawned by the engine, 
 form their own process group (gloo on CPU, NCCL on GPU: worker r on cuda:r); the driver is not in
 it and talks to each worker over its own pipe, in JSON (never pickle) one way and raw tensor bytes
 the other. A vision-language model's step carries the pixels of the images whose tokens its
-prefill chunks hold (batch.images_to_wire); every rank runs the vision tower over them.
+prefill chunks hold (batch.images_to_wire); every rank runs the vision tower over them. With MTP
+drafts (spec_decode/mtp.py) each rank also keeps the step's hidden rows and runs the MTP's forwards
+(`mtp` commands, logits gathered as the target's).
 
 Loading goes straight into the shards (`load_shard`): the model is built on the meta device,
 tensor-parallel layers are swapped in (the kind's parallel plan, `tessera.common.models.registry`), and only then
