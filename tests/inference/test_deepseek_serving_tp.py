@@ -8,7 +8,7 @@ import pytest
 import torch
 from deepseek_hf import build_hf
 from inference_helpers import hf_greedy, run_all, token_ids
-from test_deepseek_serving import MODELS, _prompts, mtp_export
+from test_deepseek_serving import MODELS, _prompts, mtp_export, record_drafts
 from test_hf_serving import _save
 
 from tessera.common.errors import UserError
@@ -48,24 +48,11 @@ def test_tp2_serves_a_deepseek_v3_directory_like_transformers_and_refuses_mtp_dr
                   CPU, torch.float32)
 
 
-def _record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
-    """Every draft the MTP proposer makes from now on: (the sequence's tokens, its drafts)."""
-    from tessera.inference.spec_decode.mtp import MTPProposer
-
-    drafts: list[tuple[list[int], list[int]]] = []
-    propose = MTPProposer.propose
-
-    def spy(self, running):
-        propose(self, running)
-        drafts.extend((s.tokens(0, s.num_tokens), list(s.spec_token_ids)) for s in running if s.spec_token_ids)
-    monkeypatch.setattr(MTPProposer, "propose", spy)
-    return drafts
-
-
 def test_tp2_mtp_drafts_through_the_openai_client_like_one_process_and_a_worker_dying_in_an_mtp_step_ends_it(
         tiny_ckpt, tmp_path, monkeypatch):
     """`--tensor-parallel 2` with MTP drafts (k = 2): greedy and seeded requests one at a time give
-    the one-process MTP path's tokens, drafts, and drafted/accepted counts;
+    the one-process MTP path's tokens, drafts, and drafted/accepted counts (the seeded one drawn
+    draft by draft on the driver, the greedy one chained on the workers);
     4 concurrent requests with preemption give transformers' greedy tokens (the output without
     speculation). Then a worker killed as an MTP step is sent fails requests and /health."""
     import concurrent.futures as cf
@@ -88,7 +75,7 @@ def test_tp2_mtp_drafts_through_the_openai_client_like_one_process_and_a_worker_
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
     alone = {"g0": (prompts[0], greedy), "s0": (prompts[1], seeded)}
-    drafts = _record_drafts(monkeypatch)
+    drafts = record_drafts(monkeypatch)
     one = make_engine(export, num_kv_blocks=10, **cfg)
     expected = {rid: token_ids(run_all(one, {rid: req})[rid]) for rid, req in alone.items()}  # one at a time
     counts = one.stats().spec_num_draft_tokens, one.stats().spec_num_accepted_tokens
@@ -107,19 +94,30 @@ def test_tp2_mtp_drafts_through_the_openai_client_like_one_process_and_a_worker_
             assert complete(prompt, params) == tok.decode(expected[rid]), rid
         stats = server.engine.stats()
         assert (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == counts and drafts == one_drafts
+        # Greedy drafts are chained on the workers: one MTP round trip per step (2 with the target's).
+        mtp = server.engine.proposer.mtp
+        assert isinstance(mtp, TensorParallelMTP)
+        sent, per_step = [], []  # MTP commands awaiting a reply; how many each step sent
+        for name in ("draft", "draft_chain"):
+            monkeypatch.setattr(mtp, name, lambda *a, f=getattr(mtp, name), n=name: sent.append(n) or f(*a))
+        propose = server.engine.proposer.propose
+
+        def counted(running):
+            before = len(sent)
+            propose(running)
+            per_step.append(len(sent) - before)
+        monkeypatch.setattr(server.engine.proposer, "propose", counted)
         with cf.ThreadPoolExecutor(len(prompts)) as pool:
             texts = list(pool.map(lambda p: complete(p, greedy), prompts))
         assert texts == [tok.decode(hf_greedy(hf, p, greedy.max_tokens)) for p in prompts]
         assert server.engine.scheduler.num_preemptions > 0 and server.wait_idle()
-            # One MTP forward per draft: 1 + k round trips to the workers per decode step, as on one device.
-        mtp = server.engine.proposer.mtp
-        assert isinstance(mtp, TensorParallelMTP) and mtp.round_trips > 0
-        draft = mtp.draft
+        assert "draft_chain" in sent and max(per_step) == 1
+        for name in ("draft", "draft_chain"):  # rank 1 killed as the MTP command goes out
 
-        def kill_then_draft(*args):
-            os.kill(mtp.executor.procs[1].pid, signal.SIGKILL)
-            return draft(*args)
-        monkeypatch.setattr(mtp, "draft", kill_then_draft)
+            def kill_then_send(*a, f=getattr(mtp, name)):
+                os.kill(mtp.executor.procs[1].pid, signal.SIGKILL)
+                return f(*a)
+            monkeypatch.setattr(mtp, name, kill_then_send)
         r = httpx.post(server.url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 4}, timeout=60)
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
         assert httpx.get(server.url + "/health", timeout=10).status_code == 503

@@ -36,7 +36,7 @@ import torch
 from tessera.common.errors import UserError
 from tessera.inference.core.block_manager import BlockManager
 from tessera.inference.core.sequence import Sequence
-from tessera.inference.sample.sampler import Hypothetical, pick, sampling_row
+from tessera.inference.sample.sampler import Hypothetical, needs_processing, pick, sampling_row
 from tessera.inference.worker.batch import BatchSeq
 from tessera.inference.worker.latent.mtp import MTPDrafter, MTPRunner, Op
 
@@ -79,6 +79,17 @@ class TensorParallelMTP:
                                 "batch": [[s.tokens, s.start, s.block_table, s.num_q] for s in batch]})
         self.round_trips += 1
         return self.executor.recv_logits(self.target.device)[0]
+
+    def draft_chain(self, ops: list[Op], drop: list[str], batch: list[BatchSeq], rids: list[str],
+                    logits_rows: list[int], wants: list[int]) -> list[torch.Tensor]:
+        """Greedy drafts chained on the workers (MTPDrafter.draft_chain): one round trip for all k."""
+        self.target.step_rows.clear()
+        self.executor.send_all({"t": "mtp", "ops": ops, "drop": drop, "rids": rids, "rows": logits_rows,
+                                "wants": wants, "batch": [[s.tokens, s.start, s.block_table, s.num_q] for s in batch]})
+        self.round_trips += 1
+        rows = self.executor.recv_logits(self.target.device)[0]
+        sizes = [sum(w > j for w in wants) for j in range(max(wants))]
+        return list(rows.split(sizes))
 
 
 class MTPProposer:
@@ -153,6 +164,17 @@ class MTPProposer:
                 ops.append((rid, keep, valid))
         return ops
 
+    def _catch_up(self, seqs: list[Sequence]) -> tuple[list[BatchSeq], list[int]]:
+        """The first draft's forward: positions done..num_tokens-2 read tokens done+1..num_tokens-1."""
+        batch, rows, offset = [], [], 0
+        for s in seqs:
+            start = self.done[s.request_id]
+            tokens = s.tokens(start + 1, s.num_tokens)
+            batch.append(BatchSeq(tokens, start, list(self.blocks.table(s)), 1 if len(tokens) == 1 else 0))
+            offset += len(tokens)
+            rows.append(offset - 1)
+        return batch, rows
+
     @torch.inference_mode()
     def propose(self, running: list[Sequence]) -> None:
         assert self.mtp is not None, "attach() first"
@@ -176,20 +198,23 @@ class MTPProposer:
             return
         views = {s.request_id: Hypothetical.of(s) for s in seqs}
         probs: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in seqs}
+        rids = [s.request_id for s in seqs]
+        # Greedy rows nothing processes draw the argmax: the workers can chain the drafts themselves.
+        chained = None
+        if max(want.values()) > 1 and all(s.params.greedy and not needs_processing(views[s.request_id]) for s in seqs):
+            batch, rows = self._catch_up(seqs)
+            chained = self.mtp.draft_chain(ops, drop, batch, rids, rows, [want[r] for r in rids])
         for j in range(max(want.values())):
             active = [s for s in seqs if want[s.request_id] > j]
-            batch, rows, offset = [], [], 0
-            for s in active:
-                rid = s.request_id
-                if j == 0:  # catch up: positions done..num_tokens-2 read tokens done+1..num_tokens-1
-                    start, tokens = self.done[rid], s.tokens(self.done[rid] + 1, s.num_tokens)
-                else:  # the previous draft at position num_tokens - 2 + j, the MTP's own hidden state
-                    start, tokens = s.num_tokens - 2 + j, [s.spec_token_ids[-1]]
-                batch.append(BatchSeq(tokens, start, list(self.blocks.table(s)), 1 if len(tokens) == 1 else 0))
-                offset += len(tokens)
-                rows.append(offset - 1)
-            logits = self.mtp.draft(ops if j == 0 else [], drop if j == 0 else [], batch,
-                                    [s.request_id for s in active], j == 0, rows)
+            if chained is not None:
+                logits = chained[j]
+            elif j == 0:
+                batch, rows = self._catch_up(seqs)
+                logits = self.mtp.draft(ops, drop, batch, rids, True, rows)
+            else:  # the previous draft at position num_tokens - 2 + j, the MTP's own hidden state
+                batch = [BatchSeq([s.spec_token_ids[-1]], s.num_tokens - 2 + j, list(self.blocks.table(s)), 1)
+                         for s in active]
+                logits = self.mtp.draft([], [], batch, [s.request_id for s in active], False, list(range(len(active))))
             for s, row in zip(active, logits):
                 rid = s.request_id
                 view = views[rid]

@@ -266,9 +266,9 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
             continue
         if msg["t"] == "mtp":
             with torch.inference_mode():
-                local = worker_mtp(drafter, msg)
-                if local is not None:
-                    _send_gathered(conn, local, rank, world, tp_group)
+                rows = worker_mtp(drafter, msg, world, tp_group)
+            if rows is not None and rank == 0:
+                _send_rows(conn, rows)
             continue
         if msg["t"] == "pool":
             runner.pool_mode = msg["mode"]
@@ -298,15 +298,19 @@ def _send_gathered(conn: Connection, local: torch.Tensor, rank: int, world: int,
     dist.gather(local.contiguous(), slices, dst=0, group=group)
     if rank == 0:
         assert slices is not None
-        logits = torch.cat(slices, dim=-1).cpu()
-        head = {"t": "logits", "shape": list(logits.shape)}
-        if pooled is not None:
-            pooled = pooled.float().cpu()
-            head["pooled"] = list(pooled.shape)
-        conn.send_bytes(json.dumps(head).encode())
-        conn.send_bytes(logits.numpy().tobytes())
-        if pooled is not None:  # one row per embed request, after the logits
-            conn.send_bytes(pooled.numpy().tobytes())
+        _send_rows(conn, torch.cat(slices, dim=-1), pooled)
+
+
+def _send_rows(conn: Connection, logits: torch.Tensor, pooled: torch.Tensor | None = None) -> None:
+    logits = logits.cpu()
+    head = {"t": "logits", "shape": list(logits.shape)}
+    if pooled is not None:
+        pooled = pooled.float().cpu()
+        head["pooled"] = list(pooled.shape)
+    conn.send_bytes(json.dumps(head).encode())
+    conn.send_bytes(logits.numpy().tobytes())
+    if pooled is not None:  # one row per embed request, after the logits
+        conn.send_bytes(pooled.numpy().tobytes())
 
 
 # ---- the driver ------------------------------------------------------------------------------

@@ -101,6 +101,26 @@ class MTPDrafter:
         return logits
 
 
+    @torch.inference_mode()
+    def draft_chain(self, ops: list[Op], drop: list[str], batch: list[BatchSeq], rids: list[str],
+                    logits_rows: list[int], wants: list[int], gather=None) -> list[torch.Tensor]:
+        """Greedy drafts without the driver in between: the catch-up, then each further draft from
+        the argmax of the previous one's row (what `pick` takes of a greedy, unprocessed row), for
+        sequence i while j < wants[i]. `gather`: local logits rows -> whole vocabulary rows (tensor
+        parallel; every rank takes the same argmax). Returns each forward's whole rows."""
+        gather = gather or (lambda x: x)
+        full = gather(self.draft(ops, drop, batch, rids, True, logits_rows))
+        out, active = [full], list(range(len(rids)))
+        for j in range(1, max(wants)):
+            tokens = dict(zip(active, full.argmax(dim=-1).tolist()))
+            active = [i for i in active if wants[i] > j]
+            step = [BatchSeq([tokens[i]], batch[i].start + batch[i].num_new - 1 + j, batch[i].block_table, 1)
+                    for i in active]
+            full = gather(self.draft([], [], step, [rids[i] for i in active], False, list(range(len(active)))))
+            out.append(full)
+        return out
+
+
 def worker_drafter(target: LatentRunner, num_blocks: int, block_size: int) -> MTPDrafter:
     """A tensor-parallel worker's drafter over its shard; its target runner keeps each step's hidden rows."""
     target.step_hidden = {}  # only as the flag that makes the runner keep them (`_kept`); `record` reads them
@@ -108,12 +128,21 @@ def worker_drafter(target: LatentRunner, num_blocks: int, block_size: int) -> MT
                                 target.tp_rank, target.tp_size, kv_dtype=target.kv_dtype), {})
 
 
-def worker_mtp(drafter: MTPDrafter, msg: dict) -> torch.Tensor | None:
-    """A worker's `mtp` command: the proposer's decisions, and a draft forward when it sends one
-    (its local logits rows, which the worker gathers to rank 0), else None (nothing to reply)."""
+def worker_mtp(drafter: MTPDrafter, msg: dict, world: int, group) -> torch.Tensor | None:
+    """A worker's `mtp` command: the proposer's decisions, and the draft forward(s) it asks for:
+    their whole logits rows (every rank gathers them), which rank 0 returns; None when there is
+    nothing to reply."""
+    import torch.distributed as dist
+
+    def gather(local: torch.Tensor) -> torch.Tensor:
+        slices = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(slices, local.contiguous(), group=group)
+        return torch.cat(slices, dim=-1)
     ops = [(rid, keep, append) for rid, keep, append in msg["ops"]]
     if msg.get("batch") is None:
         drafter.update(ops, msg["drop"])
         return None
     batch = [BatchSeq(*s) for s in msg["batch"]]
-    return drafter.draft(ops, msg["drop"], batch, msg["rids"], msg["catch_up"], msg["rows"])
+    if msg.get("wants"):  # greedy drafts chained on the workers: every forward's rows, in order
+        return torch.cat(drafter.draft_chain(ops, msg["drop"], batch, msg["rids"], msg["rows"], msg["wants"], gather))
+    return gather(drafter.draft(ops, msg["drop"], batch, msg["rids"], msg["catch_up"], msg["rows"]))
