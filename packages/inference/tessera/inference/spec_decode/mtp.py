@@ -19,9 +19,11 @@ driver, and hands each forward to an `MTPDrafter` (worker/latent/mtp.py) in this
 of every step (they are whole on every rank after the all-reduce; the target step's command names
 the sequences, so the hand-off costs no message of its own), runs the MTP over its shard with its
 own latent pool, and rank 0 returns the gathered logits rows, from which the driver draws the
-drafts exactly as on one device. A decode step with k drafts is 1 + k round trips to the workers,
-as it is 1 + k forwards on one device: each draft's token is drawn on the driver (the request's
-generator) before the next MTP position can read it.
+drafts exactly as on one device. A decode step with k drafts of sampled (or penalised, biased)
+rows is 1 + k round trips to the workers, as it is 1 + k forwards on one device: each draft's token
+is drawn on the driver (the request's generator) before the next MTP position can read it. When
+every drafting row is greedy and unprocessed, its draft is the row's argmax, which the workers
+take themselves (MTPDrafter.draft_chain): one MTP round trip for all k, 2 per decode step.
 
 A sequence whose earlier positions the target never computed in this engine (a prefix-cache hit)
 has no hidden states for them: it is not drafted for (it decodes one token per step; outputs are
