@@ -96,6 +96,9 @@ def main() -> int:
         if args.speculative:
             spec = SpeculativeConfig(**json.loads(args.speculative))
             engines["spec"] = LLMEngine(loaded, EngineConfig(**base, speculative=spec), dev, dtype)
+            if args.tensor_parallel > 1 and spec.method == "mtp":  # greedy drafts one round trip each, as sampled ones
+                engines["k-trips"] = LLMEngine(loaded, EngineConfig(**base, speculative=spec), dev, dtype)
+                engines["k-trips"].proposer.chain = False
         if args.unabsorbed:
             engines["unabs"] = LLMEngine(loaded, EngineConfig(**base), dev, dtype)
             engines["unabs"].runner.batch_decodes = False  # no decode groups: every row takes the prefill path
@@ -171,7 +174,11 @@ def race_tensor_parallel(args, engines: dict, prompts: list[list[int]], trips: d
         raced = checked_race("deepseek_serving", engines, prompts, args.max_tokens, args.rounds, ("plain", "spec"))
         if raced is None:
             return 1
-        rounds = raced[0]
+        rounds, outputs = raced
+        if "k-trips" in outputs and outputs["k-trips"] != outputs["spec"]:
+            print("deepseek_serving: the MTP engines' outputs differ (chained vs one round trip per draft)",
+                  file=sys.stderr)
+            return 1
         per_round = args.num_prompts * args.max_tokens
         print(f"serving, --tensor-parallel {args.tensor_parallel}: {args.num_prompts} prompts x {args.prompt_len} "
               f"tokens, {args.max_tokens} greedy tokens each, {args.rounds} round(s)")

@@ -97,6 +97,8 @@ class TensorParallelMTP:
 class MTPProposer:
     """The MTP proposer (module docstring): bookkeeping on the driver, the forward through `mtp`."""
 
+    chain = True  # greedy drafts chained where the model is (benchmarks/deepseek_serving.py measures without)
+
     def __init__(self, k: int, num_blocks: int, block_size: int):
         self.k = k
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -203,7 +205,7 @@ class MTPProposer:
         rids = [s.request_id for s in seqs]
         # Greedy rows nothing processes draw the argmax: the workers can chain the drafts themselves.
         chained = None
-        if max(want.values()) > 1 and all(s.params.greedy and not needs_processing(views[s.request_id]) for s in seqs):
+        if self.chain and max(want.values()) > 1 and all(s.params.greedy and not needs_processing(views[s.request_id]) for s in seqs):
             batch, rows = self._catch_up(seqs)
             chained = self.mtp.draft_chain(ops, drop, batch, rids, rows, [want[r] for r in rids])
         for j in range(max(want.values())):
