@@ -284,8 +284,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
             else:
                 local = runner.forward_batch(batch, msg["rows"])  # [R, vocab rows / tp]
             if msg.get("hidden") is not None:  # the sequences' hidden rows, kept for the MTP's catch-up
-                drafter.record(msg["hidden"], batch, runner._kept)
-                runner._kept = None
+                drafter.record(msg["hidden"], batch, runner)
             _send_gathered(conn, local, rank, world, tp_group, pooled)
 
 

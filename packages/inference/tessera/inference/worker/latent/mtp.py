@@ -62,8 +62,10 @@ class MTPDrafter:
         """(first position, rows) the target computed for each sequence in its last step."""
         return {rid: (start, rows.shape[0]) for rid, (start, rows) in self.step.items()}
 
-    def record(self, rids: list[str], batch: list[BatchSeq], hidden: torch.Tensor) -> None:
-        """A worker's target step: its packed hidden rows [T, d], by sequence (kept until `update`)."""
+    def record(self, rids: list[str], batch: list[BatchSeq], target: LatentRunner) -> None:
+        """A worker's target step: the packed hidden rows [T, d] its runner kept, by sequence (until `update`)."""
+        hidden, target._kept = target._kept, None
+        assert hidden is not None, "the target runner keeps its hidden rows once step_hidden is set"
         offset = 0
         for rid, s in zip(rids, batch):
             self.step[rid] = (s.start, hidden[offset:offset + s.num_new])
