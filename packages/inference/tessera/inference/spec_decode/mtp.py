@@ -63,7 +63,6 @@ class TensorParallelMTP:
         self.executor.send_all({"t": "mtp_attach", "num_blocks": num_blocks, "block_size": block_size})
         self.executor.recv_ready()
         target.step_rows = {}  # TensorParallelRunner records each step's (start, rows) and sends the ids
-        self.round_trips = 0  # MTP forwards sent (each waits for rank 0's logits)
 
     def rows_computed(self) -> dict[str, tuple[int, int]]:
         return dict(self.target.step_rows)
@@ -79,7 +78,6 @@ class TensorParallelMTP:
         self.executor.send_all({"t": "mtp", "ops": ops, "drop": drop, "rids": rids, "catch_up": catch_up,
                                 "rows": logits_rows,
                                 "batch": [[s.tokens, s.start, s.block_table, s.num_q] for s in batch]})
-        self.round_trips += 1
         return self.executor.recv_logits(self.target.device)[0]
 
     def draft_chain(self, ops: list[Op], drop: list[str], batch: list[BatchSeq], rids: list[str],
@@ -88,7 +86,6 @@ class TensorParallelMTP:
         self.target.step_rows.clear()
         self.executor.send_all({"t": "mtp", "ops": ops, "drop": drop, "rids": rids, "rows": logits_rows,
                                 "wants": wants, "batch": [[s.tokens, s.start, s.block_table, s.num_q] for s in batch]})
-        self.round_trips += 1
         rows = self.executor.recv_logits(self.target.device)[0]
         sizes = [sum(w > j for w in wants) for j in range(max(wants))]
         return list(rows.split(sizes))
