@@ -8,7 +8,10 @@
     `--speculative` a second engine on the same weights and prompts speculates (the engines
     alternate which runs first each round, and their outputs must be token for token the same);
     with `--unabsorbed` another engine decodes by up-projecting the cached latents to full heads
-    every step (what absorption avoids).
+    every step (what absorption avoids);
+  - with `--tensor-parallel N`: every engine over N gloo workers, and the round trips to them per
+    engine step; with MTP a third engine drafts one round trip per draft (greedy drafts otherwise
+    chain on the workers: spec_decode/mtp.py).
 
 The model is random, DeepSeek-V3's structure scaled down for a 2-core CPU (first layer dense, then
 group-limited sigmoid MoE with a shared expert; q-lora; YaRN off; one MTP depth), fp32. Random MTP
