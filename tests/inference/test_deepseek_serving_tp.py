@@ -1,6 +1,8 @@
 """Tensor-parallel serving of a DeepSeek-V3 model (`--tensor-parallel 2`): two gloo workers, each
 holding half the heads of q_b_proj / kv_b_proj / o_proj (the causal LM's plan, split_mla) and the
-whole latent KV cache, give transformers' greedy tokens under chunked prefill and preemption."""
+whole latent KV cache, give transformers' greedy tokens under chunked prefill and preemption; with
+MTP drafts (the MTP forward on the workers, spec_decode/mtp.py) the one-process MTP path's drafts
+and tokens."""
 
 from __future__ import annotations
 
