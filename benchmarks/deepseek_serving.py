@@ -8,7 +8,10 @@
     `--speculative` a second engine on the same weights and prompts speculates (the engines
     alternate which runs first each round, and their outputs must be token for token the same);
     with `--unabsorbed` another engine decodes by up-projecting the cached latents to full heads
-    every step (what absorption avoids).
+    every step (what absorption avoids);
+  - with `--tensor-parallel N`: every engine over N gloo workers, and the round trips to them per
+    engine step; with MTP a third engine drafts one round trip per draft (greedy drafts otherwise
+    chain on the workers: spec_decode/mtp.py).
 
 The model is random, DeepSeek-V3's structure scaled down for a 2-core CPU (first layer dense, then
 group-limited sigmoid MoE with a shared expert; q-lora; YaRN off; one MTP depth), fp32. Random MTP
@@ -62,6 +65,9 @@ def main() -> int:
     p.add_argument("--unabsorbed", action="store_true",
                    help="Also time an engine whose decode rows up-project the cached latents (as prefill does) "
                         "instead of attending with absorbed projections.")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="Serve every engine over N gloo worker processes; also prints the round trips to the "
+                        "workers per engine step (a target forward, and with MTP one per draft).")
     p.add_argument("--rounds", type=int, default=5, help="Timed rounds per engine (the median is reported).")
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--smoke", action="store_true", help="4 prompts x 8 tokens, one round (seconds).")
@@ -81,22 +87,29 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt, _ = serving.build_checkpoint(Path(tmp) / "run", "deepseek", make_config)
         dev, dtype = torch.device("cpu"), torch.float32
-        loaded = load_for_serving(ckpt, dev, dtype)
+        loaded = load_for_serving(ckpt, dev, dtype, tensor_parallel=args.tensor_parallel)
         cfg = loaded.config
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()
                    for _ in range(args.num_prompts)]
         base = dict(kv_cache_memory=args.kv_cache_memory, max_model_len=args.prompt_len + args.max_tokens + 16,
-                    max_num_seqs=args.num_prompts, max_num_batched_tokens=2048, enable_prefix_caching=False)
+                    max_num_seqs=args.num_prompts, max_num_batched_tokens=2048, enable_prefix_caching=False,
+                    tensor_parallel=args.tensor_parallel)
         engines = {"plain": LLMEngine(loaded, EngineConfig(**base), dev, dtype)}
         if args.speculative:
             spec = SpeculativeConfig(**json.loads(args.speculative))
             engines["spec"] = LLMEngine(loaded, EngineConfig(**base, speculative=spec), dev, dtype)
+            if args.tensor_parallel > 1 and spec.method == "mtp":  # greedy drafts one round trip each, as sampled ones
+                engines["k-trips"] = LLMEngine(loaded, EngineConfig(**base, speculative=spec), dev, dtype)
+                engines["k-trips"].proposer.chain = False
         if args.unabsorbed:
             engines["unabs"] = LLMEngine(loaded, EngineConfig(**base), dev, dtype)
             engines["unabs"].runner.batch_decodes = False  # no decode groups: every row takes the prefill path
 
+        trips = {name: count_round_trips(engine) for name, engine in engines.items()}
         runner = engines["plain"].runner
+        if args.tensor_parallel > 1:
+            return race_tensor_parallel(args, engines, prompts, trips)
         pool_bytes = runner.kv.numel() * runner.kv.element_size()
         latent_tokens = runner.num_blocks * runner.block_size
         full_tokens = pool_bytes // full_kv_bytes_per_token(cfg, runner.kv.dtype)
@@ -132,6 +145,57 @@ def main() -> int:
             print(f"  speedup {best['spec'] / best['plain']:.2f}x (medians; outputs identical); "
                   + spec_summary(engines["spec"]))
     return 0
+
+
+def count_round_trips(engine) -> dict[str, int]:
+    """Counts, from now on, of the engine's steps and (under tensor parallel) of the replies it
+    waited for from the workers (each a round trip: the target's forward, each MTP forward)."""
+    counts = {"steps": 0, "trips": 0}
+    step = engine.step
+
+    def counted_step():
+        counts["steps"] += 1
+        return step()
+    engine.step = counted_step
+    executor = getattr(engine.runner, "executor", None)
+    if executor is not None:
+        recv = executor.recv_logits
+
+        def counted_recv(*a, **k):
+            counts["trips"] += 1
+            return recv(*a, **k)
+        executor.recv_logits = counted_recv
+    return counts
+
+
+def race_tensor_parallel(args, engines: dict, prompts: list[list[int]], trips: dict) -> int:
+    try:
+        for engine in engines.values():  # warm-up, not timed
+            run_engine(engine, [q[:16] for q in prompts[:4]], 4)
+        for c in trips.values():
+            c.update(steps=0, trips=0)
+        raced = checked_race("deepseek_serving", engines, prompts, args.max_tokens, args.rounds, ("plain", "spec"))
+        if raced is None:
+            return 1
+        rounds, outputs = raced
+        if "k-trips" in outputs and outputs["k-trips"] != outputs["spec"]:
+            print("deepseek_serving: the MTP engines' outputs differ (chained vs one round trip per draft)",
+                  file=sys.stderr)
+            return 1
+        per_round = args.num_prompts * args.max_tokens
+        print(f"serving, --tensor-parallel {args.tensor_parallel}: {args.num_prompts} prompts x {args.prompt_len} "
+              f"tokens, {args.max_tokens} greedy tokens each, {args.rounds} round(s)")
+        for name in engines:
+            c = trips[name]
+            print(f"  {name:6s} {per_round / statistics.median(rounds[name]):9.1f} output tokens/s (median; rounds "
+                  f"{', '.join(f'{x:.2f}' for x in rounds[name])} s); {c['trips'] / max(c['steps'], 1):.2f} round "
+                  f"trips per engine step ({c['trips']} / {c['steps']})")
+        if "spec" in engines:
+            print("  outputs identical; " + spec_summary(engines["spec"]))
+        return 0
+    finally:
+        for engine in engines.values():
+            engine.close()
 
 
 if __name__ == "__main__":

@@ -171,17 +171,35 @@ def test_bf16_serving_with_packed_linear_layers_completes_and_starts_as_fp32_tra
         assert len(tokens) == 5 and logits[tokens[0]] >= logits.max() - 0.05, (tokens, logits.topk(3))
 
 
-@pytest.fixture(scope="module")
-def with_mtp(tiny_ckpt, tmp_path_factory):
-    """A tiny DeepSeek-V3 directory with DeepSeek's MTP layer (num_nextn_predict_layers=1)."""
+def mtp_export(tiny_ckpt, directory):
+    """(transformers model, a tiny DeepSeek-V3 directory with DeepSeek's MTP layer (num_nextn_predict_layers=1))."""
     from deepseek_hf import save_with_mtp
 
     hf = build_hf(**MODELS["q-lora"])
     with torch.no_grad():
         hf.get_output_embeddings().weight.mul_(8.0)
-    out = _save(hf, tiny_ckpt, tmp_path_factory.mktemp("hf") / "mtp")
+    out = _save(hf, tiny_ckpt, directory)
     save_with_mtp(hf, out)
     return hf, out
+
+
+def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """Every draft the MTP proposer makes from now on: (the sequence's tokens, its drafts)."""
+    from tessera.inference.spec_decode.mtp import MTPProposer
+
+    drafts: list[tuple[list[int], list[int]]] = []
+    propose = MTPProposer.propose
+
+    def spy(self, running):
+        propose(self, running)
+        drafts.extend((s.tokens(0, s.num_tokens), list(s.spec_token_ids)) for s in running if s.spec_token_ids)
+    monkeypatch.setattr(MTPProposer, "propose", spy)
+    return drafts
+
+
+@pytest.fixture(scope="module")
+def with_mtp(tiny_ckpt, tmp_path_factory):
+    return mtp_export(tiny_ckpt, tmp_path_factory.mktemp("hf") / "mtp")
 
 
 def test_mtp_drafts_are_the_mtp_modules_greedy_choice_and_the_output_equals_generate(with_mtp, monkeypatch):
@@ -225,3 +243,42 @@ def test_mtp_speculation_on_a_model_without_mtp_modules_is_refused_in_one_line(e
     with pytest.raises(UserError, match=r"method mtp: this model has no multi-token-prediction modules"):
         make_engine(export, block_size=8, num_kv_blocks=16, max_model_len=48,
                     speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2))
+
+
+def test_greedy_mtp_drafts_chained_in_one_call_equal_the_drafts_drawn_one_forward_at_a_time(with_mtp, monkeypatch):
+    """k = 3, greedy: the proposer chains the drafts in one call (MTPDrafter.draft_chain: one round
+    trip under tensor parallel); forced one forward at a time (as for a row that penalties or
+    logit_bias change), the drafts and the output are the same."""
+    from tessera.inference.spec_decode import mtp
+    from tessera.inference.worker.latent.mtp import MTPDrafter
+
+    _, export = with_mtp
+    requests = {str(i): (p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+                for i, p in enumerate(_prompts(3, 14))}
+    chains, forwards = [], []  # draft_chain calls; every MTP forward's (positions, logits)
+    chain, draft = MTPDrafter.draft_chain, MTPDrafter.draft
+    monkeypatch.setattr(MTPDrafter, "draft_chain", lambda self, *a: chains.append(1) or chain(self, *a))
+
+    def spy_draft(self, ops, drop, batch, *rest):
+        logits = draft(self, ops, drop, batch, *rest)
+        forwards.append(([(b.start, b.num_new) for b in batch], logits))
+        return logits
+    monkeypatch.setattr(MTPDrafter, "draft", spy_draft)
+    drafts = record_drafts(monkeypatch)
+    runs = []
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setattr(mtp, "needs_processing", lambda seq: True)
+        engine = make_engine(export, block_size=8, num_kv_blocks=16, max_model_len=48, enable_prefix_caching=False,
+                             speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=3))
+        got = {rid: token_ids(o) for rid, o in run_all(engine, requests).items()}
+        runs.append((got, list(drafts), len(chains), list(forwards)))
+        drafts.clear()
+        forwards.clear()
+    (chained, chained_drafts, calls, chained_fw), (stepwise, stepwise_drafts, calls_after, stepwise_fw) = runs
+    assert calls > 0 and calls_after == calls  # the second run never chained
+    assert any(len(d) == 3 for _, d in chained_drafts)
+    assert chained == stepwise and chained_drafts == stepwise_drafts
+    assert [p for p, _ in chained_fw] == [p for p, _ in stepwise_fw]  # the same positions, the same rows
+    for (_, a), (_, b) in zip(chained_fw, stepwise_fw):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

@@ -18,7 +18,9 @@ summation order inside the all-reduces). The workers are spawned by the engine, 
 form their own process group (gloo on CPU, NCCL on GPU: worker r on cuda:r); the driver is not in
 it and talks to each worker over its own pipe, in JSON (never pickle) one way and raw tensor bytes
 the other. A vision-language model's step carries the pixels of the images whose tokens its
-prefill chunks hold (batch.images_to_wire); every rank runs the vision tower over them.
+prefill chunks hold (batch.images_to_wire); every rank runs the vision tower over them. With MTP
+drafts (spec_decode/mtp.py) each rank also keeps the step's hidden rows and runs the MTP's forwards
+(`mtp` commands, logits gathered as the target's).
 
 Loading goes straight into the shards (`load_shard`): the model is built on the meta device,
 tensor-parallel layers are swapped in (the kind's parallel plan, `tessera.common.models.registry`), and only then
@@ -75,6 +77,7 @@ from tessera.inference.worker.cpu_linear import PackedLinear
 from tessera.inference.worker.cpu_threads import Binding, apply_binding
 from tessera.inference.worker.cuda_graphs import GraphSpec
 from tessera.inference.worker.kv_cache import kv_cache_dtype
+from tessera.inference.worker.latent.mtp import worker_drafter, worker_mtp
 from tessera.inference.worker.loader import DTYPES
 from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.pooling.encoder import encoder_runner
@@ -252,10 +255,21 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
                   "state": runner.state_summary(), "pools": hasattr(runner, "forward_pooled"),
                   "threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))})
     tp_group = groups.tp_group
+    drafter = None  # the MTP's drafter over this shard (speculative method mtp: spec_decode/mtp.py)
     while True:
         msg = json.loads(conn.recv_bytes())
         if msg["t"] == "stop":
             return 0
+        if msg["t"] == "mtp_attach":
+            drafter = worker_drafter(runner, msg["num_blocks"], msg["block_size"])
+            _reply(conn, {"t": "ready"})
+            continue
+        if msg["t"] == "mtp":
+            with torch.inference_mode():
+                rows = worker_mtp(drafter, msg, world, tp_group)
+            if rows is not None and rank == 0:
+                _send_rows(conn, rows)
+            continue
         if msg["t"] == "pool":
             runner.pool_mode = msg["mode"]
             vectors = runner.pool_inputs([(rid, ids) for rid, ids in msg["inputs"]])
@@ -269,19 +283,33 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
                 local, pooled = runner.forward_pooled(batch, msg["rows"], pooling[0], [tuple(p) for p in pooling[1]])
             else:
                 local = runner.forward_batch(batch, msg["rows"])  # [R, vocab rows / tp]
-            slices = [torch.empty_like(local) for _ in range(world)] if rank == 0 else None
-            dist.gather(local.contiguous(), slices, dst=0, group=tp_group)
-        if rank == 0:
-            assert slices is not None
-            logits = torch.cat(slices, dim=-1).cpu()
-            head = {"t": "logits", "shape": list(logits.shape)}
-            if pooled is not None:
-                pooled = pooled.float().cpu()
-                head["pooled"] = list(pooled.shape)
-            conn.send_bytes(json.dumps(head).encode())
-            conn.send_bytes(logits.numpy().tobytes())
-            if pooled is not None:  # one row per embed request, after the logits
-                conn.send_bytes(pooled.numpy().tobytes())
+            if msg.get("hidden") is not None:  # the sequences' hidden rows, kept for the MTP's catch-up
+                drafter.record(msg["hidden"], batch, runner)
+            _send_gathered(conn, local, rank, world, tp_group, pooled)
+
+
+def _send_gathered(conn: Connection, local: torch.Tensor, rank: int, world: int, group,
+                   pooled: torch.Tensor | None = None) -> None:
+    """Rank 0 sends the logits rows gathered over the vocabulary slices (and the pooled rows)."""
+    import torch.distributed as dist
+
+    slices = [torch.empty_like(local) for _ in range(world)] if rank == 0 else None
+    dist.gather(local.contiguous(), slices, dst=0, group=group)
+    if rank == 0:
+        assert slices is not None
+        _send_rows(conn, torch.cat(slices, dim=-1), pooled)
+
+
+def _send_rows(conn: Connection, logits: torch.Tensor, pooled: torch.Tensor | None = None) -> None:
+    logits = logits.cpu()
+    head = {"t": "logits", "shape": list(logits.shape)}
+    if pooled is not None:
+        pooled = pooled.float().cpu()
+        head["pooled"] = list(pooled.shape)
+    conn.send_bytes(json.dumps(head).encode())
+    conn.send_bytes(logits.numpy().tobytes())
+    if pooled is not None:  # one row per embed request, after the logits
+        conn.send_bytes(pooled.numpy().tobytes())
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -372,6 +400,15 @@ class TensorParallelExecutor:
             raise UserError(msg["message"])
         raise WorkerDied(f"tensor-parallel worker {rank} failed: {msg.get('message')}")
 
+    def send_all(self, msg: dict) -> None:
+        """One command to every worker (the MTP's: spec_decode/mtp.py)."""
+        self._send(json.dumps(msg).encode())
+
+    def recv_ready(self) -> None:
+        """Every worker's `ready` to the last command (or WorkerDied / its UserError)."""
+        for rank in range(self.tp):
+            self._recv(rank)
+
     def _send(self, frame: bytes) -> None:
         for rank, conn in enumerate(self.conns):
             try:
@@ -384,17 +421,20 @@ class TensorParallelExecutor:
         self._send(json.dumps({"t": "pool", "inputs": inputs, "mode": mode}).encode())
         return self._recv(0)["vectors"]
 
-    def forward(self, batch: list[BatchSeq], rows: list[int], device: torch.device) -> torch.Tensor:
-        return self.forward_pooled(batch, rows, device)[0]
-
     def forward_pooled(self, batch: list[BatchSeq], rows: list[int], device: torch.device,
-                       pooling: tuple[str, list[tuple[int, int]]] | None = None
+                       pooling: tuple[str, list[tuple[int, int]]] | None = None, hidden: list[str] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's logits rows and, with `pooling` (mode, each embed request's (first row, rows)),
-        its pooled rows [E, d] fp32 (on the CPU)."""
+        its pooled rows [E, d] fp32 (on the CPU). `hidden`: the sequences' request ids, whose
+        hidden rows the workers keep for the MTP (spec_decode/mtp.py)."""
         self._send(json.dumps({"t": "step", "seqs": [[s.tokens, s.start, s.block_table, s.num_q, s.state_slot,
                                                       s.prompt_len] for s in batch],
-                               "rows": rows, "pooling": pooling, "images": images_to_wire(batch)}).encode())
+                               "rows": rows, "pooling": pooling, "images": images_to_wire(batch),
+                               "hidden": hidden}).encode())
+        return self.recv_logits(device, pooling is not None)
+
+    def recv_logits(self, device: torch.device, pooling: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rank 0's logits rows of the last command (and pooled rows, with `pooling`)."""
         head = self._recv(0)
         data = self.conns[0].recv_bytes()
         pooled = None
@@ -449,11 +489,19 @@ class TensorParallelRunner(PoolingSteps, ModelRunner):
     def pools(self) -> bool:
         return self.executor.pools
 
+    # Set by the MTP proposer (spec_decode/mtp.py): request id -> (start, rows) of the last step,
+    # whose hidden rows the workers keep.
+    step_rows: dict[str, tuple[int, int]] | None = None
+
     def forward(self, plan: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
-        if self._pool_spans is None:
-            return self.executor.forward(batch_seqs(plan), logits_rows, self.device)
-        logits, self._pooled = self.executor.forward_pooled(batch_seqs(plan), logits_rows, self.device,
-                                                            (self.pool_mode, self._pool_spans))
+        hidden = None
+        if self.step_rows is not None:
+            self.step_rows.update({s.seq.request_id: (s.start, s.num_new) for s in plan.scheduled})
+            hidden = [s.seq.request_id for s in plan.scheduled]
+        pooling = None if self._pool_spans is None else (self.pool_mode, self._pool_spans)
+        logits, pooled = self.executor.forward_pooled(batch_seqs(plan), logits_rows, self.device, pooling, hidden)
+        if pooling is not None:
+            self._pooled = pooled
         return logits
 
     def state_summary(self) -> str | None:
