@@ -59,7 +59,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per framework")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--compile", action="store_true", help="Tessera's step with training.compile")
+    p.add_argument("--compile", nargs="?", const="blocks", default=None, choices=["blocks", "model"],
+                   help="Tessera's step with training.compile, per block (the default scope) or as one graph")
     p.add_argument("--full-head", action="store_true", help="Tessera's MLM logits at every position")
     args = p.parse_args()
     if args.threads:
@@ -87,7 +88,7 @@ def main() -> None:
     ours.train()
     optim = OptimConfig(lr=1e-4, weight_decay=0.01, beta2=0.999)
     step = MLMStep(ours, build_optimizer(ours, optim), Precision("fp32", torch.device("cpu")), 1.0,
-                   compile=args.compile)
+                   compile=args.compile or False)
     if args.full_head:
         def full(inputs, labels, reduction):
             out = ours(inputs.tokens, token_types=inputs.token_types, attention_mask=inputs.padding_mask)
@@ -105,7 +106,7 @@ def main() -> None:
     data = batches(args.warmup + args.steps, args.batch, args.seq, args.vocab, mask_id=4)
     print(f"BERT d={args.hidden} L={args.layers} heads={args.heads} ffn={args.ffn} vocab={args.vocab} "
           f"seq={args.seq} batch={args.batch}, fp32, {torch.get_num_threads()} threads, "
-          f"{args.steps} timed steps after {args.warmup}{', tessera compiled' if args.compile else ''}"
+          f"{args.steps} timed steps after {args.warmup}{f', tessera compiled ({args.compile})' if args.compile else ''}"
           f"{', tessera full head' if args.full_head else ''}")
     report(time_interleaved(steps, data, args.warmup, args.steps, lambda: None), args.batch * args.seq,
            "BertForPreTraining")

@@ -67,7 +67,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per framework")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--compile", action="store_true", help="Tessera's step with training.compile")
+    p.add_argument("--compile", nargs="?", const="blocks", default=None, choices=["blocks", "model"],
+                   help="Tessera's step with training.compile, per block (the default scope) or as one graph")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,7 +98,7 @@ def main() -> None:
     ours.train()
     optim = OptimConfig(lr=1e-4, weight_decay=0.01)
     step = SpanStep(ours, build_optimizer(ours, optim), Precision("fp32", torch.device("cpu")), 1.0,
-                    compile=args.compile)
+                    compile=args.compile or False)
     def hf_loss(model, inputs, labels) -> torch.Tensor:
         return model(input_ids=inputs.tokens, attention_mask=inputs.padding_mask, labels=labels).loss
 
@@ -110,7 +111,7 @@ def main() -> None:
     print(f"T5 {args.variant} d={args.d_model} d_kv={args.d_kv} ff={args.d_ff} L={args.layers}+{args.layers} "
           f"heads={args.heads} vocab={args.vocab} enc={args.enc} dec={args.dec} batch={args.batch}, fp32, "
           f"{torch.get_num_threads()} threads, {args.steps} timed steps after {args.warmup}"
-          f"{', tessera compiled' if args.compile else ''}")
+          f"{f', tessera compiled ({args.compile})' if args.compile else ''}")
     report(time_interleaved(steps, data, args.warmup, args.steps, lambda: None), args.batch * (args.enc + args.dec),
            "T5ForConditionalGeneration")
 

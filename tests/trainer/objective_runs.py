@@ -79,3 +79,42 @@ def assert_tp2_then_dp2_resume_logs_one_process_losses(config: Callable[[Path], 
     assert sorted(got) == sorted(want) == list(range(1, 7))
     assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
     assert losses(root / "two/run", "eval") == pytest.approx(losses(root / "one/run", "eval"), rel=1e-5)
+
+
+def assert_compile_scopes_train_like_eager(step_cls, build: Callable[[], torch.nn.Module], batch, block_forward,
+                                          block_graphs: int, scopes=(False, "blocks", "model")) -> None:
+    """Two AdamW steps of `step_cls` on one batch (inputs, labels) eager, with regional compilation
+    (`compile_scope` blocks: `block_graphs` graphs of the blocks' `block_forward`, one per kind of
+    block whatever the depth) and as one graph (model): the losses and the weights after agree.
+
+    Compiled with Dynamo's aot_eager backend (capture, autograd, no code generation): what is under
+    test is where the graphs are cut and that the cut model trains like eager; inductor's own code
+    is tested on the decoder (test_regional_compile.py), and a cold inductor compile of an
+    encoder-decoder's graphs takes 40-80 s here (benchmarks/RESULTS.md)."""
+    import functools
+    from unittest import mock
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from trainer_fixtures import assert_weights_close
+
+    from tessera.trainer.components.optimizer.optim import build_optimizer
+    from tessera.trainer.components.precision.mixed import Precision
+    from tessera.trainer.config import OptimConfig
+
+    cpu, runs = torch.device("cpu"), {}
+    for scope in scopes:
+        torch._dynamo.reset()  # the blocks' code object keeps its graphs across models
+        model = build()
+        optim_cfg = OptimConfig(lr=1e-3, grad_clip=1.0)
+        with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend="aot_eager")):
+            step = step_cls(model, build_optimizer(model, optim_cfg), Precision("fp32", cpu), optim_cfg.grad_clip,
+                            compile=scope)
+            got = [float(step([batch], 1, cpu)[0]) for _ in range(2)]
+        # A key bias adds one constant to each query's scores, which softmax removes: its gradient
+        # is zero up to rounding, and AdamW turns that rounding into full-size steps of either sign.
+        runs[scope] = got, {name: p.detach().clone() for name, p in model.named_parameters()
+                            if not name.endswith("k_proj.bias")}
+        graphs = len(_debug_get_cache_entry_list(block_forward.__code__))
+        assert graphs == (block_graphs if scope == "blocks" else 0), (scope, graphs)
+    for scope in scopes[1:]:
+        torch.testing.assert_close(runs[scope][0], runs[False][0], rtol=1e-5, atol=0)
+        assert_weights_close(runs[scope][1], runs[False][1], f"compile_scope {scope} vs eager")

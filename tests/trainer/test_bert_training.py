@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from objective_runs import (
+    assert_compile_scopes_train_like_eager,
     assert_resume_is_bit_identical,
     assert_tp2_then_dp2_resume_logs_one_process_losses,
     losses,
@@ -73,6 +74,22 @@ def test_the_trainers_mlm_loss_equals_bert_for_pretraining_on_a_batch_of_the_mlm
         stepped = step.loss(inputs, labels)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(stepped, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_the_mlm_step_compiled_per_block_or_as_one_graph_trains_like_eager(data):
+    import numpy as np
+
+    from tessera.common.models.encoder.config import EncoderConfig
+    from tessera.common.models.encoder.model import EncoderBlock
+    from tessera.common.models.registry import kind_of
+    from tessera.common.tokenizer import load_tokenizer
+    from tessera.trainer.objectives.mlm.loss import MLMStep
+
+    cfg = EncoderConfig(vocab_size=load_tokenizer(data["tokenizer"]).vocab_size, hidden_size=32, num_layers=3,
+                        num_heads=2, ffn_hidden_size=64, max_seq_len=64, dropout=0.0, attention_dropout=0.0)
+    # Three identical blocks: one graph. The head runs on the labelled positions, compiled for any count.
+    assert_compile_scopes_train_like_eager(MLMStep, lambda: kind_of(cfg).build(cfg, seed=0),
+                                           batches(data).batch(np.arange(8)), EncoderBlock.forward, block_graphs=1)
 
 
 def test_a_resumed_bert_run_is_bit_identical_to_an_uninterrupted_one(data, tmp_path):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from objective_runs import (
+    assert_compile_scopes_train_like_eager,
     assert_resume_is_bit_identical,
     assert_tp2_then_dp2_resume_logs_one_process_losses,
     losses,
@@ -143,6 +144,22 @@ def test_the_trainers_span_loss_equals_transformers_t5_on_a_batch_of_the_span_ba
         ours = step.loss(inputs, labels)
         theirs = hf(input_ids=inputs.tokens, attention_mask=inputs.padding_mask, labels=labels).loss
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_the_span_step_compiled_per_block_trains_like_eager_with_one_graph_per_kind_of_block(data):
+    from tessera.common.models.encoder_decoder.config import T5Config
+    from tessera.common.models.encoder_decoder.model import T5Block
+    from tessera.common.models.registry import kind_of
+    from tessera.trainer.objectives.span.loss import SpanStep
+
+    tok = load_tokenizer(data["tokenizer"])
+    cfg = T5Config(vocab_size=tok.vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=3,
+                   num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                   eos_token_id=tok.eos_id, pad_token_id=tok.eos_id, decoder_start_token_id=tok.eos_id)
+    # Encoder blocks and decoder blocks (cross-attention): two graphs for six blocks.
+    assert_compile_scopes_train_like_eager(SpanStep, lambda: kind_of(cfg).build(cfg, seed=0),
+                                           batches(data).batch(np.arange(8)), T5Block.forward, block_graphs=2,
+                                           scopes=(False, "blocks"))
 
 
 def test_tessera_train_from_an_imported_t5_starts_at_the_loss_transformers_gives_on_its_first_batch(data, tmp_path):

@@ -263,6 +263,13 @@ class BidirectionalAttention:
             self._masks[dtype] = mask
         return self._masks[dtype]
 
+    def built_for(self, x: torch.Tensor) -> BidirectionalAttention:
+        """Self, its additive mask built for the attention dtype of `x` (the hidden states): made
+        before the blocks, so every block sees the same state, and blocks compiled one by one
+        (regional compilation) share one graph instead of the first one building the mask."""
+        self.additive(_attention_dtype(x), x.device)
+        return self
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.additive(_attention_dtype(q), q.device),

@@ -88,8 +88,12 @@ def compile_blocks(model: nn.Module) -> None:
     code object, as do evaluation (no grad) and new shapes; past recompile_limit (8 by default) Dynamo would
     run the rest eagerly with only a log line, so the limit is raised to cover every block.
     """
-    stack = model.get_submodule(kind_of(model.cfg).parallel().layers)
-    blocks = list(stack.values() if isinstance(stack, nn.ModuleDict) else stack)
+    path = kind_of(model.cfg).parallel().layers
+    try:
+        stack = model.get_submodule(path)
+    except AttributeError:  # a one-process encoder-decoder: its two stacks' blocks, by name (T5Model.layers)
+        stack = model.layers
+    blocks = list(stack.values() if isinstance(stack, (nn.ModuleDict, dict)) else stack)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(blocks) + 8)
     for block in blocks:
         block.forward = torch.compile(block.forward)

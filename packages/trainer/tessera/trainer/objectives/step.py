@@ -39,6 +39,14 @@ from tessera.trainer.objectives.documents import DocumentMasking, loss_token_cou
 from tessera.trainer.objectives.loss import chunked_cross_entropy, cross_entropy_loss, logsumexp_cross_entropy
 
 
+def compile_scope(compile: bool | CompileScope) -> CompileScope | None:
+    """`compile` as a scope: None (eager), "model" or "blocks" (True: training.compile_scope's default)."""
+    scope = "blocks" if compile is True else compile or None
+    if scope not in (None, "blocks", "model"):
+        raise ValueError(f"unknown compile scope {compile!r}")
+    return scope
+
+
 class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, grad_clip: float,
                  loss_chunk_tokens: int | None = None, compile: bool | CompileScope = False,
@@ -54,7 +62,7 @@ class TrainStep:
         self.grad_clip = grad_clip
         self.loss_chunk_tokens = loss_chunk_tokens
         self.params = [p for p in model.parameters() if p.requires_grad]
-        scope = "blocks" if compile is True else compile
+        scope = compile_scope(compile)
         on_cpu = next(model.parameters()).device.type == "cpu"
         # On CPU the compiled graph takes the loss in logsumexp form (loss.py); on GPUs, where the
         # recorded figures use F.cross_entropy and this form was not measured, it keeps that.
@@ -74,8 +82,6 @@ class TrainStep:
                 self._loss = torch.compile(self._full_loss)
             else:  # only the model forward is compiled (the chunked loss, as above)
                 self._hidden = torch.compile(self._final_hidden)
-        elif scope:
-            raise ValueError(f"unknown compile scope {compile!r}")
 
     def _full_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_inputs: dict,
                    reduction: str) -> torch.Tensor:

@@ -222,7 +222,7 @@ class EncoderModel(nn.Module):
         the vocab-parallel loss computes them itself).
         """
         h = self.embed(tokens, token_types) if self.embed_tokens is not None else tokens
-        mask = BidirectionalAttention(attention_mask) if attention_mask is not None else None
+        mask = BidirectionalAttention(attention_mask).built_for(h) if attention_mask is not None else None
         for block in self.layers.values():
             h = block(h, mask)
         if self.final_norm is not None:

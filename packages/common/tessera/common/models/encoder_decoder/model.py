@@ -102,8 +102,8 @@ class T5Stack(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, enc: torch.Tensor | None = None,
                 enc_mask: torch.Tensor | None = None) -> torch.Tensor:
-        attn = self.self_mask(x.shape[1] * self.sequence_shards, mask, x.dtype)
-        cross = BidirectionalAttention(enc_mask, None, scale=1.0) if enc is not None else None
+        attn = self.self_mask(x.shape[1] * self.sequence_shards, mask, x.dtype).built_for(x)
+        cross = BidirectionalAttention(enc_mask, None, scale=1.0).built_for(x) if enc is not None else None
         x = self.dropout(x)
         for blk in self.blocks:
             x = blk(x, attn, enc, cross)
