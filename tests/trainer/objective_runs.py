@@ -93,6 +93,7 @@ def assert_compile_scopes_train_like_eager(step_cls, build: Callable[[], torch.n
     encoder-decoder's graphs takes 40-80 s here (benchmarks/RESULTS.md)."""
     import functools
     from unittest import mock
+
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from trainer_fixtures import assert_weights_close
 
