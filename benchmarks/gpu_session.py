@@ -37,7 +37,8 @@ CALL_MARGIN_S = 30  # each call's caps stay this far under the limit (process st
 
 # What the GPU image lacks (../shared/gpu/README.md lists the set that worked on 2026-11-27).
 WHEELS = ("pydantic", "pydantic_core", "annotated_types", "annotated_doc", "typing_inspection", "typing_extensions",
-          "fastapi", "starlette", "uvicorn", "opentelemetry_api", "llguidance", "torchao")
+          "fastapi", "starlette", "uvicorn", "opentelemetry_api", "llguidance", "torchao",
+          "uvloop", "httptools")  # uvicorn's loop and parser (tessera-inference's dependencies since stop 41)
 # The torchtitan peer (issue #34 item 6), pure-Python wheels at these versions: both torchtitan
 # releases (`--install-torchtitan` keeps the newest that imports on the machine's torch: 0.3.0 needs
 # torch 2.14, the image has 2.11, on which 0.2.2 imports; see benchmarks/torchtitan_peer.py) and
