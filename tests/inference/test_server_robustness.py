@@ -174,14 +174,14 @@ def test_a_request_that_fails_in_the_engine_fails_alone(tiny_ckpt, monkeypatch):
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     alone = token_ids(run_all(make_engine(tiny_ckpt, num_kv_blocks=64), {"good": ([5, 6, 7, 8], greedy)})["good"])
     engine = make_engine(tiny_ckpt, num_kv_blocks=64)
-    execute = engine.runner.forward
+    execute = engine.runner.execute  # every step comes through here (steady decode steps skip `forward`)
 
-    def faulty(batch, rows):
-        if any(s.seq.request_id == "bad" and s.start > 0 for s in batch.scheduled):
+    def faulty(plan):
+        if any(s.seq.request_id == "bad" and s.start > 0 for s in plan.scheduled):
             raise RuntimeError("injected fault")
-        return execute(batch, rows)
+        return execute(plan)
 
-    engine.runner.forward = faulty
+    engine.runner.execute = faulty
     outs = run_all(engine, {"good": ([5, 6, 7, 8], greedy), "bad": ([9, 10, 11], greedy)})
     assert outs["bad"][-1].finished and outs["bad"][-1].error and outs["bad"][-1].finish_reason == "error"
     assert token_ids(outs["good"]) == alone and outs["good"][-1].error is None
@@ -204,14 +204,14 @@ def test_a_request_that_fails_in_the_engine_fails_alone(tiny_ckpt, monkeypatch):
 def test_a_failing_request_over_http_is_a_500_and_health_stays_200(tiny_ckpt):
     s = LiveServer(tiny_ckpt, block_size=8, num_kv_blocks=64)
     try:
-        execute = s.engine.runner.forward
+        execute = s.engine.runner.execute
 
-        def faulty(batch, rows):
-            if any(seq.params.seed == 666 for seq in batch.seqs):
+        def faulty(plan):
+            if any(seq.params.seed == 666 for seq in plan.seqs):
                 raise RuntimeError("injected fault")
-            return execute(batch, rows)
+            return execute(plan)
 
-        s.engine.runner.forward = faulty
+        s.engine.runner.execute = faulty
         bad = _post(s, "/v1/completions", {"prompt": "a", "max_tokens": 3, "seed": 666})
         assert bad.status_code == 500 and "injected" not in bad.text, bad.text  # no internals leak
         assert bad.json()["error"]["type"] == "server_error"
@@ -230,14 +230,14 @@ def test_the_engine_process_loop_isolates_a_failing_request(tiny_ckpt):
     from tessera.inference.engine.process_client import ProcessEngine
 
     engine = make_engine(tiny_ckpt, num_kv_blocks=64)
-    execute = engine.runner.forward
+    execute = engine.runner.execute
 
-    def faulty(batch, rows):
-        if any(seq.params.seed == 666 for seq in batch.seqs):
+    def faulty(plan):
+        if any(seq.params.seed == 666 for seq in plan.seqs):
             raise RuntimeError("injected fault")
-        return execute(batch, rows)
+        return execute(plan)
 
-    engine.runner.forward = faulty
+    engine.runner.execute = faulty
     ours, theirs = socket.socketpair()
     child_conn, parent_conn = Connection(theirs.detach()), Connection(ours.detach())
     loop_thread = threading.Thread(target=engine_core._loop, args=(child_conn, engine), daemon=True)
