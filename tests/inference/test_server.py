@@ -187,6 +187,7 @@ def _check_events_as_before(body: str) -> int:
         chunk = json.loads(payload)
         assert payload == json.dumps(chunk, ensure_ascii=False)
         assert list(chunk)[:5] == ["id", "object", "created", "model", "choices"]
+    assert len(events) >= 2, "no chunk before [DONE]"
     return len(events) - 1
 
 
@@ -194,14 +195,15 @@ def test_streamed_chunks_with_logprobs_echo_usage_and_chat_are_the_json_they_wer
     body = {"prompt": ["def f(x):", "x = 1"], "max_tokens": 6, "temperature": 0, "stream": True, "logprobs": 2,
             "echo": True, "stream_options": {"include_usage": True}}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
-    assert _check_events_as_before(r.text) >= 3
+    # Queued outputs of a stream that falls behind merge into one chunk: how many chunks depends on timing.
+    _check_events_as_before(r.text)
     plain = {**body, "logprobs": None, "echo": False, "n": 2}
-    assert _check_events_as_before(httpx.post(server.url + "/v1/completions", json=plain, timeout=60).text) >= 3
+    _check_events_as_before(httpx.post(server.url + "/v1/completions", json=plain, timeout=60).text)
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "stream": True,
             "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True}}
-    assert _check_events_as_before(httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).text) >= 3
+    _check_events_as_before(httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).text)
     chat = {**chat, "logprobs": False, "top_logprobs": None, "stream_options": None}
-    assert _check_events_as_before(httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).text) >= 3
+    _check_events_as_before(httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).text)
 
 
 def test_a_queued_streamed_request_whose_client_hangs_up_is_aborted_before_it_runs(tiny_ckpt):
