@@ -2,9 +2,8 @@
 
 A serving process holds hundreds of thousands of long-lived objects once started (torch, the
 tokenizer, pydantic schemas, the app), and every object a step or a streamed token allocates
-counts towards the next collection, whose older generations walk that whole heap again: 10-15%
-of the HTTP process's CPU went to the collector while streaming at 64 concurrent
-(benchmarks/RESULTS.md, perf). `gc.freeze()` moves what exists now to a permanent generation that
+counts towards the next collection, whose older generations walk that whole heap again (its
+share of the HTTP process's CPU while streaming: benchmarks/RESULTS.md). `gc.freeze()` moves what exists now to a permanent generation that
 no collection visits (vLLM does the same after its start); garbage made later is collected as
 before. Called by each serving process once, just before it starts serving, never by library code
 (a test process that froze its heap would keep every later-dropped cycle of earlier objects).
