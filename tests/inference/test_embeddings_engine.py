@@ -62,7 +62,8 @@ def test_embeddings_cross_the_engine_process(embed_dir):
         r = httpx.post(srv.url + "/v1/embeddings", json={"input": texts, "encoding_format": "float"}, timeout=60)
         assert r.status_code == 200, r.text
         assert min(cosines([d["embedding"] for d in r.json()["data"]], st_encode(embed_dir, texts))) > 0.99999
-        gen = httpx.post(srv.url + "/v1/completions", json={"prompt": "def", "max_tokens": 3}, timeout=60)
+        gen = httpx.post(srv.url + "/v1/completions", json={"prompt": "def", "max_tokens": 3, "ignore_eos": True},
+                         timeout=60)
         assert gen.status_code == 200 and gen.json()["usage"]["completion_tokens"] == 3
     finally:
         srv.stop()
