@@ -112,6 +112,18 @@ def make_engine(ckpt: Path, **cfg):
     return LLMEngine(loaded, EngineConfig(**cfg), torch.device("cpu"), torch.float32)
 
 
+def assert_kv_and_drafter_caches_fill_the_budget(engine, budget: int) -> None:
+    """The target's KV pool and the speculative drafter's cache (as many blocks) together take at most
+    `budget` bytes, and less than one block pair short of it."""
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    target, drafter = nbytes(engine.runner.kv), nbytes(engine.proposer.runner.kv)
+    blocks = engine.runner.num_blocks
+    assert engine.proposer.runner.num_blocks == blocks
+    assert target + drafter <= budget < target + drafter + (target + drafter) // blocks, (target, drafter, budget)
+
+
 def run_all(engine, requests: dict[str, tuple[list[int], object]]) -> dict[str, list]:
     """Add every request, step to completion; returns request id -> list of outputs."""
     outs: dict[str, list] = {rid: [] for rid in requests}

@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 from deepseek_hf import YARN, build_hf
-from inference_helpers import check_alone_then_concurrent_greedy, hf_greedy, make_engine, run_all, token_ids
+from inference_helpers import (
+    assert_kv_and_drafter_caches_fill_the_budget,
+    check_alone_then_concurrent_greedy,
+    hf_greedy,
+    make_engine,
+    run_all,
+    token_ids,
+)
 from live_server import LiveServer
 from test_hf_serving import _save
 
@@ -234,6 +241,17 @@ def test_mtp_drafts_are_the_mtp_modules_greedy_choice_and_the_output_equals_gene
             hidden = model(ids, return_hidden=True)
             mtp = model.mtp_hidden(0, hidden[:, :-1], ids[:, 1:])
             assert model.logits(mtp[0, -1]).argmax().item() == first
+
+
+def test_the_mtp_latent_cache_comes_out_of_kv_cache_memory_beside_the_targets(with_mtp):
+    _, export = with_mtp
+    budget = 64 * 1024
+    alone = make_engine(export, block_size=8, max_model_len=48, kv_cache_memory=budget)
+    engine = make_engine(export, block_size=8, max_model_len=48, kv_cache_memory=budget,
+                         speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2))
+    assert_kv_and_drafter_caches_fill_the_budget(engine, budget)
+    layers, depth = alone.loaded.config.num_layers, alone.loaded.config.mtp.depth
+    assert engine.blocks.num_blocks == alone.runner.num_blocks * layers // (layers + depth)
 
 
 def test_mtp_speculation_on_a_model_without_mtp_modules_is_refused_in_one_line(exports):

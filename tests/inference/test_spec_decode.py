@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 from inference_helpers import (
+    assert_kv_and_drafter_caches_fill_the_budget,
     generate_usage_error,
     make_checkpoint,
     make_engine,
@@ -129,6 +130,16 @@ def test_greedy_output_with_a_draft_model_is_the_output_without_it(tiny_ckpt, dr
     if draft == "noisy":  # some drafts accepted, some rejected
         assert 0 < st.spec_num_accepted_tokens < st.spec_num_draft_tokens
     assert engine.proposer.blocks.num_used == 0  # the draft's caches are released with their requests
+
+
+def test_the_draft_models_cache_comes_out_of_kv_cache_memory_beside_the_targets(tiny_ckpt, draft_ckpt):
+    budget = 256 * 1024
+    alone = make_engine(tiny_ckpt, block_size=8, kv_cache_memory=budget)
+    engine = make_engine(tiny_ckpt, block_size=8, kv_cache_memory=budget,
+                         speculative=SpeculativeConfig(model=str(draft_ckpt), num_speculative_tokens=2))
+    assert_kv_and_drafter_caches_fill_the_budget(engine, budget)
+    # Target blocks of 4 KiB (2 layers x K/V x 2 heads x 16 x fp32 x 8 tokens), the draft's 1 KiB.
+    assert (alone.blocks.num_blocks, engine.blocks.num_blocks) == (64, 51)
 
 
 def test_the_target_as_its_own_draft_has_every_greedy_draft_accepted(tiny_ckpt, plain):

@@ -30,7 +30,7 @@ from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
 from tessera.inference.core.sequence import Sequence
 from tessera.inference.engine.output_processor import OutputProcessor, RequestOutput
 from tessera.inference.sample.structured import Grammars
-from tessera.inference.spec_decode.proposers import build_proposer
+from tessera.inference.spec_decode.proposers import build_proposer, drafter_block_bytes
 from tessera.inference.worker.batch import ModelRunnerOutput
 from tessera.inference.worker.cpu_linear import pack_linears
 from tessera.inference.worker.cpu_threads import Binding
@@ -86,9 +86,12 @@ def serving_prep(cfg: EngineConfig) -> ServingPrep:
                        quantized=cfg.quantization is not None, batch_hint=cfg.max_num_seqs)
 
 
-def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype, dtype: torch.dtype | None = None) -> int:
+def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype, dtype: torch.dtype | None = None,
+                drafter_bytes: int = 0) -> int:
     """Blocks of the KV pool. Sized by kv_cache_memory, a per-sequence state pool (hybrid models:
-    max_num_seqs slots, states in the model's `dtype`) comes out of the same budget first."""
+    max_num_seqs slots, states in the model's `dtype`) comes out of the same budget first, and each
+    block also pays for its twin in the speculative drafter's cache (`drafter_bytes` per block:
+    proposers.drafter_block_bytes), which has as many blocks."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
     if cfg.kv_cache_tokens is not None:
@@ -96,7 +99,7 @@ def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype, d
     # Under tensor parallel kv_cache_memory is per rank, which holds 1/tp of the key/value heads
     # (one, replicated, when tp > kv_heads); fp8 (--kv-cache-dtype) fits 4x fp32's blocks.
     runner = serving_kind(loaded.config).runner
-    per_rank = runner.block_bytes(loaded.config, cfg.block_size, kv_dtype, cfg.tensor_parallel)
+    per_rank = runner.block_bytes(loaded.config, cfg.block_size, kv_dtype, cfg.tensor_parallel) + drafter_bytes
     states = cfg.max_num_seqs * runner.state_bytes_per_sequence(loaded.config, dtype or kv_dtype, cfg.tensor_parallel)
     budget = cfg.kv_cache_memory - states
     if states and budget < max(per_rank, 1):
@@ -157,7 +160,8 @@ class LLMEngine:
         check_cuda_graphs(cfg, device, loaded.config)
         graphs = decode_graph_mode(cfg, device, loaded.config) if self.generates else "off"
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
-        pool = pool_blocks(cfg, loaded, self.kv_dtype, dtype)
+        drafter = drafter_block_bytes(cfg.speculative, loaded.config, cfg.block_size, self.kv_dtype, dtype)
+        pool = pool_blocks(cfg, loaded, self.kv_dtype, dtype, drafter)
         # With decode graphs the pool's last block is the padding rows' scratch block: never handed out.
         num_blocks = pool - (graphs != "off")
         need = -(-self.max_model_len // cfg.block_size)

@@ -202,6 +202,25 @@ def check_draft_model(cfg: SpeculativeConfig | None, target: str | Path) -> None
                         "trained with the target's tokenizer")
 
 
+def drafter_block_bytes(cfg: SpeculativeConfig | None, target_cfg, block_size: int, kv_dtype: torch.dtype,
+                        dtype: torch.dtype) -> int:
+    """Bytes per block of the drafter's own cache, which holds as many blocks as the target's pool and
+    comes out of the same --kv-cache-memory: a draft model's K/V (in `dtype`, beside rank 0 under
+    tensor parallel, so counted whole on every rank), the MTP's latents (one layer per depth, in the
+    KV cache dtype, on every rank as the target's); n-gram lookup keeps none."""
+    if cfg is None or cfg.method == "ngram":
+        return 0
+    if cfg.method == "mtp":
+        from tessera.inference.worker.latent.mtp import MTPRunner
+
+        return MTPRunner.block_bytes(target_cfg, block_size, kv_dtype) if getattr(target_cfg, "mtp", None) else 0
+    from tessera.inference.worker.kinds import serving_kind
+
+    assert cfg.model is not None
+    draft_cfg, _ = read_model_facts(cfg.model)
+    return serving_kind(draft_cfg).runner.block_bytes(draft_cfg, block_size, dtype)
+
+
 def build_proposer(cfg: SpeculativeConfig, max_model_len: int, num_blocks: int, block_size: int,
                    device: torch.device, dtype: torch.dtype, prep: ServingPrep | None = None,
                    skip_checksum_verify: bool = False):

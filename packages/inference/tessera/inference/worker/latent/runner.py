@@ -54,10 +54,10 @@ class LatentRunner(ModelRunner):
     def prepare_model(model) -> None:
         install(model)  # before pack_linears: absorption reads kv_b_proj's plain weight
 
-    @staticmethod
-    def block_bytes(cfg, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
-        """(kv_lora_rank + qk_rope_head_dim) x layers x dtype size per token, on every tensor rank."""
-        return cfg.num_layers * block_size * latent_width(cfg) * torch.empty((), dtype=dtype).element_size()
+    @classmethod
+    def block_bytes(cls, cfg, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
+        """(kv_lora_rank + qk_rope_head_dim) x cached layers x dtype size per token, on every tensor rank."""
+        return cls.cache_layers(cfg) * block_size * latent_width(cfg) * torch.empty((), dtype=dtype).element_size()
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  tp_rank: int = 0, tp_size: int = 1, kv_dtype: torch.dtype | None = None):
