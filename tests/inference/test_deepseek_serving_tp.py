@@ -25,7 +25,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 CPU = torch.device("cpu")
 
 
-def test_tp2_serves_a_deepseek_v3_directory_like_transformers_and_refuses_mtp_drafts_without_mtp_modules_in_one_line(tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_tp2_serves_a_deepseek_v3_directory_like_transformers_and_refuses_mtp_drafts_without_mtp_modules_in_one_line(
+        tiny_ckpt, tmp_path, expert_parallel):
+    """With --enable-expert-parallel each rank holds half the routed experts; the shared expert and
+    the grouped sigmoid router stay replicated."""
     hf = build_hf(**MODELS["q-lora"])
     with torch.no_grad():
         hf.get_output_embeddings().weight.mul_(8.0)
@@ -34,7 +38,8 @@ def test_tp2_serves_a_deepseek_v3_directory_like_transformers_and_refuses_mtp_dr
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     loaded = load_for_serving(export, CPU, torch.float32, tensor_parallel=2)
     engine = LLMEngine(loaded, EngineConfig(tensor_parallel=2, block_size=8, num_kv_blocks=12, max_model_len=48,
-                                            max_num_batched_tokens=16, max_num_seqs=8), CPU, torch.float32)
+                                            max_num_batched_tokens=16, max_num_seqs=8,
+                                            enable_expert_parallel=expert_parallel), CPU, torch.float32)
     try:
         assert engine.runner.state_summary().endswith("(3.0x) on each of 2 ranks")  # half the heads' full K/V
         outs = run_all(engine, {str(i): (p, params) for i, p in enumerate(prompts)})

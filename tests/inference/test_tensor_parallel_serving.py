@@ -23,6 +23,7 @@ from test_hf_serving import _gpt2, _llama, _save
 
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
 from tessera.common.errors import UserError
+from tessera.common.models.causal_lm.config import MoEConfig
 from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.llm_engine import LLMEngine
@@ -104,16 +105,37 @@ def test_tp2_with_ngram_speculation_gives_the_greedy_tokens(gqa_ckpt):
     assert generate(gqa_ckpt, 2, requests, speculative=spec) == generate(gqa_ckpt, 1, requests)
 
 
-def test_tp2_serves_a_mixture_of_experts_model_like_transformers(tiny_ckpt, tmp_path):
-    """Mixtral (sliding window, 4 experts): attention is split over the ranks, the MoE MLPs are
-    replicated on each (the shared layers do not split experts over tensor ranks)."""
+def test_tp2_serves_a_mixture_of_experts_model_like_transformers_with_its_experts_replicated_or_split(tiny_ckpt,
+                                                                                                       tmp_path):
+    """Mixtral (sliding window, 4 experts): attention is split over the ranks; the MoE MLPs are
+    replicated on each, or with --enable-expert-parallel each rank keeps 2 of the 4 experts of every
+    MoE layer, runs them on their tokens and the ranks sum the routed outputs. A Tessera (DCP)
+    checkpoint of 6 experts and a shared one, added after that sum, gives the one-process tokens."""
     from hf_families import build
 
     hf = build("mixtral", sliding_window=7)
     export = _save(hf, tiny_ckpt, tmp_path / "hf")
-    got = generate(export, 2, {rid: (p, GREEDY) for rid, p in PROMPTS.items()})
-    for rid, prompt in PROMPTS.items():
-        assert got[rid] == hf_greedy(hf, prompt, 10), rid
+    requests = {rid: (p, GREEDY) for rid, p in PROMPTS.items()}
+    numel = {}
+    for ep in (False, True):
+        engine = engine_for(export, 2, enable_expert_parallel=ep)
+        try:
+            got = {rid: token_ids(o) for rid, o in run_all(engine, requests).items()}
+            numel[ep] = engine.runner.executor.shard_numel
+        finally:
+            engine.close()
+        for rid, prompt in PROMPTS.items():
+            assert got[rid] == hf_greedy(hf, prompt, 10), (ep, rid)
+    c = hf.config
+    experts = c.num_hidden_layers * c.num_local_experts * 3 * c.hidden_size * c.intermediate_size
+    assert [a - b for a, b in zip(numel[False], numel[True])] == [experts // 2] * 2
+    with pytest.raises(UserError, match="drop the flag"):
+        engine_for(tiny_ckpt, 2, enable_expert_parallel=True)  # a dense model: no experts to split
+    moe = MoEConfig(num_experts=6, top_k=2, ffn_hidden_size=48, num_shared_experts=1, first_k_dense=1)
+    ckpt = make_checkpoint(tmp_path / "dcp", tiny_config(num_layers=3, moe=moe), seed=3)
+    assert generate(ckpt, 2, requests, enable_expert_parallel=True) == generate(ckpt, 1, requests)
+    with pytest.raises(UserError, match="must divide the 6 experts"):
+        engine_for(ckpt, 4, enable_expert_parallel=True)
 
 
 def test_tessera_generate_with_tensor_parallel_writes_the_one_process_tokens(gqa_ckpt, tmp_path, capsys):

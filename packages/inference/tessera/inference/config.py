@@ -97,6 +97,9 @@ class EngineConfig(StrictModel):
     tensor_parallel: int = Field(
         1, ge=1, le=64, description="Tensor-parallel size: worker processes (one per rank, gloo on CPU, NCCL on GPU) "
                                     "each holding its shard of the weights and of the KV heads; 1 = in the engine.")
+    enable_expert_parallel: bool = Field(
+        False, description="Under tensor parallel, split each MoE layer's experts over the ranks (E / N whole experts "
+                           "each, one all-reduce of the routed output) instead of replicating them on every rank.")
     device: str = Field("auto", description="Torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     seed: int | None = Field(None, description="Seed for requests that bring none (None: fresh OS entropy per request).")
     speculative: SpeculativeConfig | None = Field(
@@ -148,6 +151,9 @@ class EngineConfig(StrictModel):
         if self.cpu_compile and (self.quantization is not None or self.tensor_parallel > 1):
             raise ValueError("cpu_compile: quantized weights and tensor-parallel workers are served eagerly; "
                              "drop cpu_compile or --quantization / --tensor-parallel")
+        if self.enable_expert_parallel and self.tensor_parallel == 1:
+            raise ValueError("enable_expert_parallel splits the experts over the tensor-parallel ranks: set "
+                             "tensor_parallel > 1 or drop it")
         env = os.environ.get(CPU_COMPILE_ENV)
         if env not in (None, "0", "1"):
             raise ValueError(f"environment variable {CPU_COMPILE_ENV}={env!r}: use 0 (eager) or 1 (compiled)")

@@ -133,9 +133,12 @@ class MoE(nn.Module):
         self.shared = SharedExperts(cfg.hidden_size, moe.shared_size, gated) if moe.shared_size else None
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=True)
         self.stats: dict[str, torch.Tensor] = {}
-        # Expert-parallel hooks (set by tessera.common.parallel.expert_parallel): dispatch/combine
-        # of sorted token slices between ranks; None computes every expert locally.
+        # Expert-parallel hooks (set by tessera.common.parallel.expert_parallel): `dispatch` runs the
+        # sorted token slices on the ranks holding their experts (None: every expert here);
+        # `combine` sums the routed output over ranks that each computed only their own experts'
+        # share of every token (serving under tensor parallel), before the shared experts.
         self.dispatch = None
+        self.combine = None
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float, generator: torch.Generator | None) -> None:
@@ -187,6 +190,8 @@ class MoE(nn.Module):
             y = self.experts(x[token_of], kept_counts.tolist())
         y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
         out = torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
+        if self.combine is not None:
+            out = self.combine(out)
         if self.shared is not None:
             out = out + self.shared(x)
         # Switch/Mixtral load-balancing loss: E * sum_e f_e * P_e, f_e counting every top-k slot.

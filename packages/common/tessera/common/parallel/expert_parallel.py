@@ -15,6 +15,13 @@ and calls `dispatch`):
 4. combine: the reverse all_to_all_single, so each rank gets its own tokens' outputs back in the
    order it sent them.
 The backward of an all-to-all is the all-to-all with the split sizes swapped (`_AllToAll`).
+
+Serving under tensor parallel (`shard_experts_over_tensor_ranks`, tessera-serve's
+--enable-expert-parallel) is the other case: there every tensor rank already holds every token (the
+attention's all-reduce leaves the residual stream replicated), so nothing travels. Each rank runs
+its own experts on their contiguous slice of the sorted tokens (`LocalExperts`) and one all-reduce
+sums the routed outputs, as the row-parallel layers of a dense MLP do: the experts' weights and
+FLOPs are split N ways instead of replicated on every rank.
 gloo implements all_to_all_single with uneven splits on CPU (ProcessGroupGloo::alltoall_base),
 so the CPU tests run the same path as NCCL.
 """
@@ -74,6 +81,32 @@ class ExpertDispatch:
         return _AllToAll.apply(back, recv_split, send_split, self.group)
 
 
+class LocalExperts:
+    """MoE.dispatch where every rank holds every token: this rank's experts on their slice of the
+    sorted tokens; zeros for the rows of other ranks' experts (their share comes with `combine`)."""
+
+    def __init__(self, ep: int, ep_rank: int):
+        self.ep, self.ep_rank = ep, ep_rank
+
+    def __call__(self, experts: Experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        local = counts.numel() // self.ep
+        per_expert = counts.tolist()
+        lo = sum(per_expert[:self.ep_rank * local])
+        mine = per_expert[self.ep_rank * local:(self.ep_rank + 1) * local]
+        y = x.new_zeros(x.shape[0], experts.down_proj.shape[1])
+        y[lo:lo + sum(mine)] = experts(x[lo:lo + sum(mine)], mine)
+        return y
+
+
+class _SumOverRanks:
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
 def is_expert_shard(p: torch.Tensor) -> bool:
     """True for an MoE layer's expert weights under expert parallel (split over the expert group)."""
     return bool(getattr(p, "ep_shard", False))
@@ -85,19 +118,41 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup, ep: int, ep_rank: 
     expert-parallel group) for checkpoint and gradient code. ep = 1 changes nothing."""
     if ep == 1:
         return
-    for m in model.modules():
-        if not isinstance(m, MoE):
-            continue
-        e = m.moe.num_experts
-        local = e // ep
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            full = getattr(m.experts, name)
-            if full is None:  # squared-ReLU experts (Nemotron-H's) have no gate
-                continue
-            part = nn.Parameter(full.detach()[ep_rank * local:(ep_rank + 1) * local].clone(),
-                                requires_grad=full.requires_grad)
-            for k, v in vars(full).items():  # keep tags set before (tensor-parallel tagging)
-                setattr(part, k, v)
+    for m in _moe_layers(model):
+        for part in _keep_slice(m, ep, ep_rank):
             part.ep_shard = True  # type: ignore[attr-defined]
-            setattr(m.experts, name, part)
         m.dispatch = ExpertDispatch(group, ep)
+
+
+def shard_experts_over_tensor_ranks(model: nn.Module, group: dist.ProcessGroup, tp: int, tp_rank: int) -> int:
+    """Serving under tensor parallel: keep this rank's slice of every MoE layer's experts (in place,
+    on meta before the shard is loaded) tagged as split along dim 0 over the tensor group, which is
+    how the shard loaders read them; run them through LocalExperts and sum over ranks. Returns the
+    number of MoE layers split."""
+    layers = _moe_layers(model)
+    for m in layers:
+        for part in _keep_slice(m, tp, tp_rank):
+            part.tp_shard_dim = 0  # type: ignore[attr-defined]
+        m.dispatch, m.combine = LocalExperts(tp, tp_rank), _SumOverRanks(group)
+    return len(layers)
+
+
+def _moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def _keep_slice(m: MoE, ep: int, ep_rank: int) -> list[nn.Parameter]:
+    """Replace `m`'s stacked expert weights by experts [ep_rank * E / ep, (ep_rank + 1) * E / ep)."""
+    local = m.moe.num_experts // ep
+    parts = []
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        full = getattr(m.experts, name)
+        if full is None:  # squared-ReLU experts (Nemotron-H's) have no gate
+            continue
+        part = nn.Parameter(full.detach()[ep_rank * local:(ep_rank + 1) * local].clone(),
+                            requires_grad=full.requires_grad)
+        for k, v in vars(full).items():  # keep tags set before (tensor-parallel tagging)
+            setattr(part, k, v)
+        setattr(m.experts, name, part)
+        parts.append(part)
+    return parts

@@ -43,7 +43,7 @@ from tessera.inference.worker.cuda_graphs import (
 from tessera.inference.worker.executor import WorkerDied
 from tessera.inference.worker.kinds import serving_kind
 from tessera.inference.worker.kv_cache import kv_cache_dtype
-from tessera.inference.worker.loader import LoadedModel
+from tessera.inference.worker.loader import LoadedModel, check_expert_parallel
 from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.multimodal.info import vision_info
 from tessera.inference.worker.pooling.runner import check_pooling, embed_problem, embedding_spec
@@ -171,6 +171,8 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} tokens ({need} blocks); raise --kv-cache-memory / "
                 "--num-kv-blocks or lower --max-model-len")
         kind = serving_kind(loaded.config)
+        if cfg.enable_expert_parallel:
+            check_expert_parallel(cfg.tensor_parallel, loaded.config, str(loaded.path))
         if cfg.speculative is not None and not kind.runner.supports_speculative:
             why = getattr(kind.runner, "speculative_refusal", "a rejected draft would leave its Mamba states past the "
                           "accepted tokens")
@@ -241,7 +243,8 @@ class LLMEngine:
         assert loaded.path is not None
         executor = TensorParallelExecutor(loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, num_blocks,
                                           cfg.block_size, device, dtype, cfg.kv_cache_dtype, graphs,
-                                          serving_prep(cfg), worker_threads)
+                                          serving_prep(cfg), worker_threads,
+                                          expert_parallel=cfg.enable_expert_parallel)
         return TensorParallelRunner(executor, device)
 
     @property

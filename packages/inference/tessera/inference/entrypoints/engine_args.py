@@ -55,6 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "key/value heads; N must divide the attention heads and vocabulary, and divide the key/value "
                         "heads or be a multiple of them (each then replicated on N / kv_heads workers) "
                         "(default: 1, no workers).")
+    g.add_argument("--enable-expert-parallel", "-ep", action="store_true", dest="enable_expert_parallel",
+                   help="With --tensor-parallel N: split each mixture-of-experts layer's experts over the N workers "
+                        "(E / N whole experts each, their outputs summed by one all-reduce) instead of replicating "
+                        "them on every worker; N must divide the number of experts.")
     g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block (default: %(default)s).")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
                    help="Bytes for the KV-cache pool, e.g. 512MiB or 4GB (default: 512MiB).")
@@ -155,6 +159,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching, prefix_cache_hash=args.prefix_cache_hash, dtype=args.dtype, device=args.device, seed=args.seed,
             quantization=args.quantization, cpu_linear=args.cpu_linear, speculative=speculative, tensor_parallel=args.tensor_parallel,
+            enable_expert_parallel=args.enable_expert_parallel,
             kv_cache_dtype=args.kv_cache_dtype, skip_checksum_verify=args.skip_checksum_verify,
             enforce_eager=args.enforce_eager, cuda_graph_sizes=sizes,
         )

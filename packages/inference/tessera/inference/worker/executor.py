@@ -102,10 +102,13 @@ def replicated_kv_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     return cfg if cfg.kv_heads >= tp else cfg.model_copy(update={"num_kv_heads": tp})
 
 
-def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.device, dtype: torch.dtype):
-    """This rank's shard of the model, read straight into it (never the whole model at once)."""
+def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.device, dtype: torch.dtype,
+               expert_parallel: bool = False):
+    """This rank's shard of the model, read straight into it (never the whole model at once);
+    `expert_parallel`: with its slice of each MoE layer's experts (else every expert)."""
     from tessera.common.models.causal_lm.model import Transformer
     from tessera.common.models.registry import kind_of
+    from tessera.common.parallel.expert_parallel import shard_experts_over_tensor_ranks
     from tessera.common.parallel.layers import allocate
 
     kind = kind_of(cfg)
@@ -117,6 +120,8 @@ def load_shard(path: Path, hf: bool, cfg: ModelConfig, groups, device: torch.dev
         model = kind.build(cfg, device="meta", seed=None)
         stored = kind.tensor_shapes(cfg)
     model = kind.parallel().tensor(model, groups)
+    if expert_parallel:
+        shard_experts_over_tensor_ranks(model, groups.tp_group, groups.tp, groups.tp_rank)
     allocate(model, device)  # only this rank's shard is ever allocated
     params = dict(model.named_parameters())
     buffers = {n: b for n, b in model.state_dict().items() if n not in params}
@@ -238,7 +243,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
 
     cfg = model_config(init["model"])
     dtype = DTYPES[init["dtype"]]
-    model = load_shard(Path(init["path"]), init["hf"], cfg, groups, device, dtype)
+    model = load_shard(Path(init["path"]), init["hf"], cfg, groups, device, dtype, init["expert_parallel"])
     numel = sum(p.numel() for p in model.parameters())  # before packing (packed weights are not parameters)
     # This rank's shards of q/k/v and gate/up stacked, its Linear weights packed (prepare.py).
     prep = ServingPrep(**init["prep"])
@@ -321,7 +326,7 @@ class TensorParallelExecutor:
     def __init__(self, path: Path, hf: bool, cfg: ModelConfig, tp: int, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, kv_dtype_name: str = "auto",
                  graphs: GraphSpec | None = None, prep: ServingPrep | None = None,
-                 bindings: tuple[Binding, ...] | None = None, pooling: bool = False):
+                 bindings: tuple[Binding, ...] | None = None, pooling: bool = False, expert_parallel: bool = False):
         self.tp = tp
         # Each worker's threads and CPUs; by default the driver's thread count, unbound.
         bindings = bindings or (Binding(torch.get_num_threads()),) * tp
@@ -335,6 +340,7 @@ class TensorParallelExecutor:
                 "graphs": None if graphs is None else asdict(graphs),  # decode graphs, each worker its own
                 "prep": asdict(prep or ServingPrep()),  # how each worker prepares its shard
                 "pooling": pooling,  # an encoder: the workers pool embed requests (`pool`), no KV cache
+                "expert_parallel": expert_parallel,  # each worker holds E / tp of every MoE layer's experts
                 "driver": os.getpid()}
         self._closing = threading.Lock()  # the engine thread and the CLI's cleanup may both shut down
         self.conns: list[Connection] = []

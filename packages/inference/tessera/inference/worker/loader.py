@@ -106,6 +106,17 @@ def check_tensor_parallel(tp: int, cfg: ModelConfig | None, where: str, quantiza
         raise UserError(f"--tensor-parallel {tp}: must divide the MLP width ({cfg.ffn_hidden_size}) of {where}")
 
 
+def check_expert_parallel(tp: int, cfg, where: str) -> None:
+    """Refuse --enable-expert-parallel (one line, before any worker starts) where there are no experts
+    to split or the ranks cannot split them evenly."""
+    moe = getattr(cfg, "moe", None)
+    if moe is None:
+        raise UserError(f"--enable-expert-parallel: {where} has no mixture-of-experts layers; drop the flag")
+    if moe.num_experts % tp:
+        raise UserError(f"--enable-expert-parallel with --tensor-parallel {tp}: must divide the {moe.num_experts} "
+                        f"experts of {where}; use a tensor-parallel size that divides them or drop the flag")
+
+
 def check_kind_tensor_parallel(tp: int, cfg, where: str, quantization: str | None = None,
                                device: torch.device | None = None) -> None:
     """check_tensor_parallel for a kind other than the causal LM: the machine and flags as there,
