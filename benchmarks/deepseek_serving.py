@@ -11,7 +11,9 @@
     every step (what absorption avoids);
   - with `--tensor-parallel N`: every engine over N gloo workers, and the round trips to them per
     engine step; with MTP a third engine drafts one round trip per draft (greedy drafts otherwise
-    chain on the workers: spec_decode/mtp.py).
+    chain on the workers: spec_decode/mtp.py); with `--expert-parallel` another engine splits the
+    routed experts over the workers (`--enable-expert-parallel`) instead of replicating them
+    (`--moe-ffn` widens the experts so that they weigh in the step as at full size).
 
 The model is random, DeepSeek-V3's structure scaled down for a 2-core CPU (first layer dense, then
 group-limited sigmoid MoE with a shared expert; q-lora; YaRN off; one MTP depth), fp32. Random MTP
@@ -48,10 +50,11 @@ SHAPE = dict(hidden_size=256, intermediate_size=768, moe_intermediate_size=128, 
              norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc", num_nextn_predict_layers=1)
 
 
-def make_config(vocab: int):
+def make_config(vocab: int, moe_ffn: int | None = None):
     from tessera.common.models.registry import model_config_from_hf
 
-    return model_config_from_hf({**SHAPE, "vocab_size": vocab}, "benchmark shape")
+    shape = SHAPE if moe_ffn is None else {**SHAPE, "moe_intermediate_size": moe_ffn}
+    return model_config_from_hf({**shape, "vocab_size": vocab}, "benchmark shape")
 
 
 def main() -> int:
@@ -68,6 +71,9 @@ def main() -> int:
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="Serve every engine over N gloo worker processes; also prints the round trips to the "
                         "workers per engine step (a target forward, and with MTP one per draft).")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="With --tensor-parallel: also an engine with the routed experts split over the workers.")
+    p.add_argument("--moe-ffn", type=int, default=None, help="Each routed expert's inner width (default: the shape's 128).")
     p.add_argument("--rounds", type=int, default=5, help="Timed rounds per engine (the median is reported).")
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--smoke", action="store_true", help="4 prompts x 8 tokens, one round (seconds).")
@@ -85,7 +91,8 @@ def main() -> int:
     from tessera.inference.worker.loader import load_for_serving
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt, _ = serving.build_checkpoint(Path(tmp) / "run", "deepseek", make_config)
+        ckpt, _ = serving.build_checkpoint(Path(tmp) / "run", "deepseek",
+                                           lambda vocab: make_config(vocab, args.moe_ffn))
         dev, dtype = torch.device("cpu"), torch.float32
         loaded = load_for_serving(ckpt, dev, dtype, tensor_parallel=args.tensor_parallel)
         cfg = loaded.config
@@ -102,6 +109,8 @@ def main() -> int:
             if args.tensor_parallel > 1 and spec.method == "mtp":  # greedy drafts one round trip each, as sampled ones
                 engines["k-trips"] = LLMEngine(loaded, EngineConfig(**base, speculative=spec), dev, dtype)
                 engines["k-trips"].proposer.chain = False
+        if args.expert_parallel:
+            engines["ep"] = LLMEngine(loaded, EngineConfig(**base, enable_expert_parallel=True), dev, dtype)
         if args.unabsorbed:
             engines["unabs"] = LLMEngine(loaded, EngineConfig(**base), dev, dtype)
             engines["unabs"].runner.batch_decodes = False  # no decode groups: every row takes the prefill path
@@ -192,6 +201,10 @@ def race_tensor_parallel(args, engines: dict, prompts: list[list[int]], trips: d
                   f"trips per engine step ({c['trips']} / {c['steps']})")
         if "spec" in engines:
             print("  outputs identical; " + spec_summary(engines["spec"]))
+        if "ep" in engines:  # the routed outputs summed in another order: greedy ties may flip
+            same = sum(a == b for x, y in zip(outputs["plain"], outputs["ep"]) for a, b in zip(x, y))
+            print(f"  experts split {statistics.median(rounds['plain']) / statistics.median(rounds['ep']):.2f}x the "
+                  f"replicated ones (medians); {same} of {per_round} greedy tokens the same in the last round")
         return 0
     finally:
         for engine in engines.values():
