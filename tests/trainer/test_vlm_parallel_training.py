@@ -1,14 +1,15 @@
 """A tiny LLaVA (CLIP tower + Llama LM) trained under the parallel runtime, built on the meta device
 as tessera-train builds it (each rank allocates and initialises only its shards: sharded_init, the
 model's init_module), takes the steps one process takes: TP2, TP2 with sequence parallel, PP2 (tower and projector on the first stage), DP2 and FSDP2,
-fp32, batches with zero, one and two images per row; the per-step losses and pre-clip gradient
+CP2 (every context rank embeds whole rows, then keeps its two sequence chunks: images span the
+chunks), fp32, batches with zero, one and two images per row; the per-step losses and pre-clip gradient
 norms within 1e-5 relative, the parameters after the steps within 1e-5 normwise of one process
 with torch's AdamW, and then the evaluation loss of a held-out batch. Stage 1 (projector only) and
 stage 2 (projector + language model) freezing under FSDP2, TP2, TP2 + SP, DP2 and PP2 (whose second
 stage has nothing to train): the same, and the frozen weights bit-identical to their initial
 values. DP2 and FSDP2 (and DP2 at stage 1) with one data rank's rows all text. DP2 with
 parallel.overlap_param_gather takes exactly the steps it takes without. A language model with tied embeddings under PP2 too. Packed rows (two samples a row, each
-with positions from 0 and attention within itself) under TP2 + SP and PP2. Then `tessera-train` itself under
+with positions from 0 and attention within itself) under TP2 + SP, PP2 and CP2. Then `tessera-train` itself under
 PP2 with stage-1 freezing and full recompute: the losses and parameter norms one process logs, and
 a run stopped after 2 steps and resumed ends bit-identical to an uninterrupted one. An FSDP2
 rank's build peak stays well under the whole model's fp32 bytes, and a SigLIP tower with its
@@ -36,7 +37,7 @@ MODEL = dict(kind="vision_language", vision=VISION, text=TEXT, image_token_id=IM
 TRAIN = dict(steps=2, global_batch=8, micro_batch=2, seq=16)
 EVAL = 99  # the held-out batch
 LAYOUTS = {"tp2": dict(tensor=2), "tp2_sp": dict(tensor=2), "pp2": dict(pipeline=2), "dp2": dict(data=2),
-           "fsdp2": dict(data=2, data_shard=2)}
+           "fsdp2": dict(data=2, data_shard=2), "cp2": dict(context=2)}
 STAGE_1, STAGE_2 = ("vision", "language_model"), ("vision",)
 FROZEN = {"fsdp2_stage1": ("fsdp2", STAGE_1), "tp2_stage2": ("tp2", STAGE_2), "dp2_stage1": ("dp2", STAGE_1),
           "tp2_sp_stage1": ("tp2_sp", STAGE_1), "pp2_stage1": ("pp2", STAGE_1)}
@@ -49,7 +50,7 @@ TIED = {**MODEL, "text": {**TEXT, "tie_embeddings": True}}
 # trains) its loss still has a gradient to take.
 TEXT_RANK = {"dp2_text_rank": ("dp2", ()), "fsdp2_text_rank": ("fsdp2", ()), "dp2_stage1_text_rank": ("dp2", STAGE_1)}
 # data.pack_samples rows: a sample of 12 positions (its images in them) and one of 4.
-PACKED = {"tp2_sp_packed": "tp2_sp", "pp2_packed": "pp2"}
+PACKED = {"tp2_sp_packed": "tp2_sp", "pp2_packed": "pp2", "cp2_packed": "cp2"}
 BUILD_PEAK = "build peak over the model's fp32 bytes"
 # A SigLIP tower with its pooling head (its probe drawn after the head's submodules): the meta
 # build's weights under FSDP2, before any step, are the one-process ones.

@@ -189,19 +189,19 @@ def test_the_trainers_loss_on_a_batch_of_the_builder_equals_transformers_llava_l
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_context_parallel_for_a_vision_language_run_is_refused_in_one_line_before_the_launch_builds_anything(
+def test_context_with_pipeline_parallel_for_a_vision_language_run_is_refused_in_one_line_before_the_launch(
         data, tmp_path):
-    """Training under torchrun is built (test_vlm_parallel_training.py); context parallel is not:
-    the image features are merged over the whole sequence."""
+    """Context parallel is built (test_vlm_parallel_training.py), with pipeline parallel not: the
+    first stage embeds whole rows before the context cut."""
     from tessera.common.config import load_config
     from tessera.common.errors import UserError
     from tessera.trainer.config import TrainConfig
     from tessera.trainer.inputs import check_inputs
 
-    cfg = load_config(TrainConfig, vlm_config(data, tmp_path), ["parallel.context=2"])
-    with pytest.raises(UserError) as exc:  # as a 2-process launch checks it, before the model is built
-        check_inputs(cfg, world_size=2)
-    assert "--context-parallel 2" in str(exc.value) and "\n" not in str(exc.value)
+    cfg = load_config(TrainConfig, vlm_config(data, tmp_path), ["parallel.context=2", "parallel.pipeline=2"])
+    with pytest.raises(UserError) as exc:  # as a 4-process launch checks it, before the model is built
+        check_inputs(cfg, world_size=4)
+    assert "--context-parallel 2 with --pipeline-parallel 2" in str(exc.value) and "\n" not in str(exc.value)
 
 
 def test_one_process_trains_and_norms_the_weights_the_parallel_runtime_does():

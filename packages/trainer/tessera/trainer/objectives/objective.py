@@ -49,6 +49,7 @@ class LossContext:
     share: int  # micro-batches x context ranks: a micro-batch mean / share is its part of the batch mean
     per_token_loss: bool  # the batch loss is the mean over all counted tokens of the global batch
     token_weight: float  # per_token_loss: dp_ep / counted tokens of the global batch
+    cp_group: dist.ProcessGroup | None = None  # context parallel (C > 1): the ranks sharing the micro-batch
 
 
 class NextToken:

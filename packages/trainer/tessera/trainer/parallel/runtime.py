@@ -249,6 +249,8 @@ class ParallelRuntime:
         tokens, targets = tokens.to(g.device), targets.to(g.device)
         if cp is None:
             return tokens, targets, inputs
+        if hasattr(self.objective, "context_split"):  # an objective that cuts its own inputs (after embedding)
+            return self.objective.context_split(cp, tokens, targets, inputs)
         return cp.split(tokens), cp.split(targets), {k: cp.split(v) for k, v in inputs.items()}
 
     def _set_token_weight(self, targets: torch.Tensor) -> None:
@@ -267,7 +269,7 @@ class ParallelRuntime:
     def _micro_batch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One micro-batch's share of the batch loss, from the last stage's output (local-vocab logits)."""
         ctx = LossContext(self.groups.tp_group, self.num_microbatches * self.groups.cp, self.per_token_loss,
-                          self._token_weight)
+                          self._token_weight, self.groups.cp_group if self.groups.cp > 1 else None)
         return self.objective.loss(logits, targets, ctx)
 
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,12 @@ def _check_vision_language(cfg: Any, layout: Any) -> None:
     """LLaVA (common/models/vision_language/parallelize.py): each tensor rank holds whole tower heads
     and equal slices of the tower's MLPs (and of the projector, split by the LM's width, which the
     LM's own check covers), and under FSDP equal pieces of them along the tower's width; context
-    parallel is not built for it."""
-    if layout.context > 1:
-        raise UserError(f"--context-parallel {layout.context}: the vision-language kind has no context parallel "
-                        "(the image features are merged over the whole sequence); set it to 1")
+    parallel embeds whole rows on every context rank (objectives/multimodal/objective.py), which a
+    later pipeline stage cannot."""
+    if layout.context > 1 and layout.pipeline > 1:
+        raise UserError(f"--context-parallel {layout.context} with --pipeline-parallel {layout.pipeline}: not built for "
+                        "the vision-language kind (its first stage embeds whole rows before the context cut); set one "
+                        "of them to 1")
     tp = layout.tensor
     for field in ("num_heads", "ffn_hidden_size"):
         value = getattr(cfg.vision, field)
