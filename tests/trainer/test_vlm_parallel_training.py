@@ -8,7 +8,8 @@ with torch's AdamW, and then the evaluation loss of a held-out batch. Stage 1 (p
 stage 2 (projector + language model) freezing under FSDP2, TP2, TP2 + SP, DP2 and PP2 (whose second
 stage has nothing to train): the same, and the frozen weights bit-identical to their initial
 values. DP2 and FSDP2 (and DP2 at stage 1) with one data rank's rows all text. DP2 with
-parallel.overlap_param_gather takes exactly the steps it takes without. A language model with tied embeddings under PP2 too. Packed rows (two samples a row, each
+parallel.overlap_param_gather takes exactly the steps it takes without. A language model with tied embeddings under PP2 too, and a 4-layer one under interleaved PP2 (two
+model chunks per rank). Packed rows (two samples a row, each
 with positions from 0 and attention within itself) under TP2 + SP, PP2 and CP2. Then `tessera-train` itself under
 PP2 with stage-1 freezing and full recompute: the losses and parameter norms one process logs, and
 a run stopped after 2 steps and resumed ends bit-identical to an uninterrupted one. An FSDP2
@@ -44,6 +45,9 @@ FROZEN = {"fsdp2_stage1": ("fsdp2", STAGE_1), "tp2_stage2": ("tp2", STAGE_2), "d
 # A language model with tied embeddings under PP2: the last stage's head is its own copy of the
 # first stage's (vocab-parallel) embedding, kept equal by the embedding group.
 TIED = {**MODEL, "text": {**TEXT, "tie_embeddings": True}}
+# Interleaved 1F1B: PP2 with two model chunks per rank, a 4-layer language model (the first chunk
+# holding the tower, the projector and one block).
+INTERLEAVED = {**MODEL, "text": {**TEXT, "num_layers": 4}}
 # One data rank's rows carry no image (text-only samples, as LLaVA's data has them): the tower
 # still runs on its micro-batches (a zero image, features times 0), so FSDP2's all-gathers and DP2's
 # gradient buckets line up with the rank whose rows have images; under stage 1 (only the projector
@@ -74,8 +78,8 @@ def test_llava_trains_under_tp_sp_pp_dp_fsdp_and_frozen_stages_like_one_process_
             for name in ("one", "straight", "split")}
     assert main(["--config", str(runs["one"]), "--quiet", "logging.params_norm=true"]) == 0
     errors = launch(__file__, tmp_path / "errors.json", str(runs["straight"]), str(runs["split"]))
-    assert set(errors) == set(LAYOUTS) | set(FROZEN) | set(PACKED) | set(TEXT_RANK) | {"pp2_tied", "siglip_fsdp2_init",
-                                                                                "dp2_overlap_param_gather"}, errors
+    assert set(errors) == set(LAYOUTS) | set(FROZEN) | set(PACKED) | set(TEXT_RANK) | {
+        "pp2_tied", "pp2_interleaved", "siglip_fsdp2_init", "dp2_overlap_param_gather"}, errors
     # overlap_param_gather is exact: the same collectives, waited for before any weight is read.
     assert set(errors.pop("dp2_overlap_param_gather").values()) == {0.0}, errors
     siglip = errors.pop("siglip_fsdp2_init")
@@ -319,6 +323,9 @@ def _main() -> None:
     errors["dp2_overlap_param_gather"] = _overlap(cfg)
     tied = registry.model_config(TIED)
     errors["pp2_tied"] = _train("pp2_tied", LAYOUTS["pp2"], tied, _reference(tied, ()), (), {})
+    deep = registry.model_config(INTERLEAVED)
+    errors["pp2_interleaved"] = _train("pp2_interleaved", dict(pipeline=2, virtual_stages=2), deep,
+                                       _reference(deep, ()), (), {})
     errors["siglip_fsdp2_init"] = _initial_weights("fsdp2", LAYOUTS["fsdp2"], registry.model_config(SIGLIP))
     if torch.distributed.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(errors))
