@@ -2,7 +2,7 @@
 routing with the balancing bias, a dense first layer, one multi-token-prediction depth) under the
 parallel engine: TP2 (latent attention split as Megatron splits it), TP2 with sequence parallel,
 EP2, FSDP2 and PP2 (MTP on the last stage, its embedding copy kept in step with the first's), all
-with one MTP depth, train like one process (gloo/CPU, fp32: losses and MTP losses within 1e-5,
+with one MTP depth, and CP2 without it (refused with it), train like one process (gloo/CPU, fp32: losses and MTP losses within 1e-5,
 pre-clip gradient norms within 1e-4; TP2+SP and PP2 built on the meta device and initialised
 shard by shard), and the TP2 and PP2 runs' checkpoints hold the one
 process's weights under their global names.
@@ -47,6 +47,11 @@ JOBS = {
     "ep2": dict(layout=dict(expert=2), training=dict(micro_batch_size=2)),
     "pp2_meta": dict(layout=dict(pipeline=2), training=dict(micro_batch_size=2), meta=True, save=True),
     "fsdp2": dict(layout=dict(data=2, data_shard=2), training=dict(micro_batch_size=2)),
+    # Context parallel (no MTP: refused with it): every latent-attention layer's heads' keys and
+    # values all-gathered, MLA's softmax scale (YaRN's mscale makes it differ from 1/sqrt(D)) folded
+    # into the local queries.
+    "cp2": dict(layout=dict(context=2), training=dict(micro_batch_size=4), model=dict(mtp=None, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=1.0))),
 }
 
 
@@ -91,7 +96,7 @@ def _close(got: list[float], want: list[float], rtol: float, what: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_deepseek_model_with_mtp_trains_under_tp_sp_ep_pp_and_fsdp_like_one_process(tmp_path):
+def test_a_deepseek_model_with_mtp_trains_under_tp_sp_ep_pp_and_fsdp_and_without_it_under_cp_like_one_process(tmp_path):
     import subprocess
 
     torch.set_num_threads(1)
@@ -102,10 +107,9 @@ def test_a_deepseek_model_with_mtp_trains_under_tp_sp_ep_pp_and_fsdp_like_one_pr
            str(tmp_path / "spec.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    with_mtp, without = reference(deepseek_config()), reference(deepseek_config(mtp=None))
     for name, job in JOBS.items():
         out = json.loads((tmp_path / f"{name}.json").read_text())
-        losses, norms, mtp_losses, model = with_mtp if job.get("mtp", True) else without
+        losses, norms, mtp_losses, model = reference(deepseek_config(**job.get("model", {})))
         _close(out["losses"], losses, LOSS_RTOL, f"{name} loss")
         _close(out["grad_norms"], norms, NORM_RTOL, f"{name} grad norm")
         _close(out["mtp_losses"], mtp_losses, LOSS_RTOL, f"{name} MTP loss")
@@ -121,7 +125,7 @@ def test_a_deepseek_model_with_mtp_trains_under_tp_sp_ep_pp_and_fsdp_like_one_pr
 @pytest.mark.parametrize(("over", "layout", "field"), [
     (dict(num_heads=3, num_kv_heads=3), dict(tensor=2), "num_heads (3)"),
     ({}, dict(pipeline=2, virtual_stages=2), "model.mtp"),
-    ({}, dict(context=2), "--context-parallel 2 (parallel.context)"),
+    ({}, dict(context=2), "context parallel with multi-token prediction (model.mtp)"),
 ])
 def test_a_layout_a_deepseek_model_cannot_split_is_refused_in_one_line_naming_the_field(over, layout, field):
     with pytest.raises(UserError) as exc:
@@ -156,7 +160,7 @@ def _train_job(job: dict) -> None:
     from tessera.common.parallel.state import build_groups
     from tessera.trainer.parallel.runtime import ParallelRuntime
 
-    cfg = deepseek_config() if job.get("mtp", True) else deepseek_config(mtp=None)
+    cfg = deepseek_config(**job.get("model", {}))
     layout = ParallelLayout(**job["layout"])
     groups = build_groups(layout)
     training, parallel, optim = H.sections(layout, {"seed": H.MODEL_SEED, **job["training"]}, job.get("parallel"))

@@ -184,11 +184,12 @@ def check_expert_parallel(cfg: Any, layout: ParallelLayout) -> None:
 
 
 def check_context_parallel(cfg: Any, layout: ParallelLayout) -> None:
-    """Context parallel is built for standard attention; a kind without it refuses it in its own
-    check (its config's `check_layout`)."""
-    if layout.context > 1 and getattr(cfg, "mla", None) is not None:
-        raise UserError(f"--context-parallel {layout.context} (parallel.context): context parallel for multi-head "
-                        "latent attention (model.mla, DeepSeek-V3) is not built; set it to 1")
+    """Context parallel is built for standard and latent attention; a kind without it refuses it in
+    its own check (its config's `check_layout`). Multi-token prediction reads each position's next
+    token, which lies in another rank's chunk at a chunk's end: not built."""
+    if layout.context > 1 and getattr(cfg, "mtp", None) is not None:
+        raise UserError(f"--context-parallel {layout.context} (parallel.context): context parallel with multi-token "
+                        "prediction (model.mtp) is not built; set it to 1 or drop model.mtp")
 
 
 def _check_tensor_parallel(cfg: Any, tp: int) -> None:

@@ -11,6 +11,10 @@ scaling, as DeepSeek-V3 sets it.
 Parameter names follow transformers' (kv_a_proj is its kv_a_proj_with_mqa), so the adapter is a
 renaming. Heads come from the projection widths, so a shard holding fewer heads (q_b / kv_b
 split by head, o_proj by input) runs this same code.
+
+An `attention_fn` (context parallel's, which all-gathers the keys and values of the whole sequence)
+takes the heads' expanded q, k and v as any attention's, with MLA's softmax scale folded into q
+(it scales by 1/sqrt(D)); serving swaps these layers for its latent ones (inference/worker/latent).
 """
 
 from __future__ import annotations
@@ -83,8 +87,6 @@ class MLA(nn.Module):
         attention_fn: object = None,
         attn_mask: MaskedAttention | None = None,
     ) -> torch.Tensor:
-        if attention_fn is not None:
-            raise NotImplementedError("multi-head latent attention has no serving attention_fn yet")
         assert rope is not None, "MLA needs rotary embeddings"
         m = self.m
         bsz, seq = x.shape[0], x.shape[1]
@@ -99,7 +101,10 @@ class MLA(nn.Module):
         heads = k_nope.shape[2]
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, -1, heads, -1)), dim=-1)
-        out = self.core(q, k, v, attn_mask)
+        if attention_fn is not None:
+            out = attention_fn(self.layer_idx, q * (self.scale * math.sqrt(q.shape[-1])), k, v)
+        else:
+            out = self.core(q, k, v, attn_mask)
         return self.o_proj(out.reshape(bsz, seq, -1))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
