@@ -109,7 +109,7 @@ def check_tensor_parallel(tp: int, cfg: ModelConfig | None, where: str, quantiza
 def check_expert_parallel(tp: int, cfg, where: str) -> None:
     """Refuse --enable-expert-parallel (one line, before any worker starts) where there are no experts
     to split or the ranks cannot split them evenly."""
-    moe = getattr(cfg, "moe", None)
+    moe = getattr(cfg, "moe", None) or getattr(getattr(cfg, "text", None), "moe", None)  # a VLM's: its LM's
     if moe is None:
         raise UserError(f"--enable-expert-parallel: {where} has no mixture-of-experts layers; drop the flag")
     if moe.num_experts % tp:
