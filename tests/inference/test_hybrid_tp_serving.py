@@ -31,7 +31,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 CPU = torch.device("cpu")
 
 
-def test_tp2_serves_a_nemotron_h_directory_like_transformers_under_chunked_prefill_and_preemption(tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_tp2_serves_a_nemotron_h_directory_like_transformers_under_chunked_prefill_and_preemption(tiny_ckpt, tmp_path,
+                                                                                                   expert_parallel):
+    """With --enable-expert-parallel each rank holds 2 of the 4 (squared-ReLU, ungated) experts."""
     hf = hf_model("nemotron_h")  # M-*EM: Mamba heads 4 / groups 2, attention 4 / kv 2, MLP 48, 4 experts
     export = _save(hf, tiny_ckpt, tmp_path / "hf")
     gen = torch.Generator().manual_seed(3)
@@ -40,7 +43,8 @@ def test_tp2_serves_a_nemotron_h_directory_like_transformers_under_chunked_prefi
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     loaded = load_for_serving(export, CPU, torch.float32, tensor_parallel=2)
     engine = LLMEngine(loaded, EngineConfig(tensor_parallel=2, block_size=8, num_kv_blocks=12, max_model_len=80,
-                                            max_num_batched_tokens=32, max_num_seqs=8), CPU, torch.float32)
+                                            max_num_batched_tokens=32, max_num_seqs=8,
+                                            enable_expert_parallel=expert_parallel), CPU, torch.float32)
     try:
         assert "on each of 2 ranks" in engine.runner.state_summary()
         outs = run_all(engine, {rid: (p, params) for rid, p in prompts.items()})
