@@ -1,5 +1,6 @@
 """Parity of hybrid (Mamba-2 + attention + MLP + MoE) models under the parallel engine: TP2, TP2 with
-sequence parallel, PP2 cut mid-pattern, DP2, FSDP2 and EP2 train like one process (gloo/CPU, fp32:
+sequence parallel, PP2 cut mid-pattern, DP2, FSDP2, EP2, CP2 (also over packed documents) and TP2 x
+CP2 with sequence parallel over packed documents (four processes) train like one process (gloo/CPU, fp32:
 losses within 1e-5, pre-clip gradient norms within 1e-4), and a tensor-parallel Mamba-2 mixer
 computes what the whole one does, forward, backward and decoding.
 
@@ -47,6 +48,17 @@ JOBS = {
     "dp2": dict(layout=dict(data=2), training=dict(micro_batch_size=2)),
     "fsdp2": dict(layout=dict(data=2, data_shard=2), training=dict(micro_batch_size=2), save=True),
     "ep2": dict(layout=dict(expert=2), training=dict(micro_batch_size=2)),
+    # Context parallel: attention over all-gathered keys/values, each Mamba layer over the whole
+    # sequence of half its heads and groups (all-to-all there and back); with packed documents too.
+    "cp2": dict(layout=dict(context=2), training=dict(micro_batch_size=4)),
+    "cp2_documents": dict(layout=dict(context=2), training=dict(micro_batch_size=4), documents=True),
+}
+# Four processes, one more launch: context parallel within tensor parallel with sequence parallel
+# (each Mamba layer's rank-local heads split again over the context ranks), packed documents.
+FOUR_RANK_JOBS = {
+    "tp2_sp_cp2_documents": dict(layout=dict(tensor=2, context=2), training=dict(micro_batch_size=4),
+                                 parallel=dict(sequence_parallel=True), documents=True,
+                                 model=dict(mamba={**MODEL["mamba"], "num_groups": 4})),  # a group per rank
 }
 
 
@@ -84,12 +96,12 @@ def _close(got: list[float], want: list[float], rtol: float, what: str) -> None:
         assert abs(g - w) <= rtol * abs(w), f"{what}: step {i}: {g} vs one process {w}"
 
 
-def _torchrun(spec: dict, tmp: Path) -> None:
+def _torchrun(spec: dict, tmp: Path, nproc: int = 2) -> None:
     import subprocess
 
-    spec_path = tmp / "spec.json"
+    spec_path = tmp / f"spec{nproc}.json"
     spec_path.write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
            str(spec_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -97,17 +109,22 @@ def _torchrun(spec: dict, tmp: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_hybrid_model_trains_under_tp_sp_pp_dp_fsdp_and_ep_like_one_process_and_its_mixer_splits_exactly(tmp_path):
+def test_a_hybrid_model_trains_under_tp_sp_pp_dp_fsdp_ep_and_cp_like_one_process_and_its_mixer_splits_exactly(tmp_path):
     torch.set_num_threads(1)
     jobs = [{**j, "name": n, "out": str(tmp_path / f"{n}.json"),
              "save": str(tmp_path / f"{n}.ckpt") if j.get("save") else None} for n, j in JOBS.items()]
     jobs.append({"kind": "mixer", "name": "mixer", "out": str(tmp_path / "mixer.json")})
     _torchrun({"jobs": jobs}, tmp_path)
+    _torchrun({"jobs": [{**j, "name": n, "out": str(tmp_path / f"{n}.json"), "save": None}
+                        for n, j in FOUR_RANK_JOBS.items()]}, tmp_path, nproc=4)
     cfg = hybrid_config()
     plain, documents = reference(cfg, False), reference(cfg, True)
-    for name, job in JOBS.items():
+    for name, job in {**JOBS, **FOUR_RANK_JOBS}.items():
         out = json.loads((tmp_path / f"{name}.json").read_text())
-        want_losses, want_norms, model = documents if job.get("documents") else plain
+        if "model" in job:
+            want_losses, want_norms, model = reference(hybrid_config(**job["model"]), job.get("documents", False))
+        else:
+            want_losses, want_norms, model = documents if job.get("documents") else plain
         _close(out["losses"], want_losses, LOSS_RTOL, f"{name} loss")
         _close(out["grad_norms"], want_norms, NORM_RTOL, f"{name} grad norm")
         assert out["divergence"] == [0.0, 0.0], f"{name}: replicas diverged {out['divergence']}"
@@ -126,7 +143,8 @@ def test_a_hybrid_model_trains_under_tp_sp_pp_dp_fsdp_and_ep_like_one_process_an
 @pytest.mark.parametrize(("over", "layout", "field"), [
     (dict(mamba={**MODEL["mamba"], "num_heads": 3, "num_groups": 3}), dict(tensor=2), "model.mamba.num_heads (3)"),
     (dict(mamba={**MODEL["mamba"], "num_groups": 1}), dict(tensor=2), "model.mamba.num_groups (1)"),
-    ({}, dict(context=2), "--context-parallel 2 (parallel.context)"),
+    (dict(mamba={**MODEL["mamba"], "num_groups": 2}), dict(context=2, tensor=2),
+     "--context-parallel 2 x --tensor-parallel 2 must divide model.mamba.num_groups (2)"),
 ])
 def test_a_layout_a_hybrid_model_cannot_split_is_refused_in_one_line_naming_the_field(over, layout, field):
     with pytest.raises(UserError) as exc:
@@ -200,7 +218,7 @@ def _train_job(job: dict) -> None:
     from tessera.common.parallel.state import build_groups
     from tessera.trainer.parallel.runtime import ParallelRuntime
 
-    cfg = hybrid_config()
+    cfg = hybrid_config(**job.get("model", {}))
     layout = ParallelLayout(**job["layout"])
     groups = build_groups(layout)
     training, parallel, optim = H.sections(layout, {"seed": H.MODEL_SEED, **job["training"]}, job.get("parallel"))

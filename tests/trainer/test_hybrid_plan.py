@@ -96,7 +96,7 @@ def test_tessera_plan_plans_a_hybrid_model_and_offers_no_context_parallel_layout
     assert all(r["memory_gib"]["peak"] > 0 and r["tokens_per_s"] > 0 for r in rows)
 
 
-# Two ranks, one launch: every layout of two ranks but context parallel (refused for hybrid models);
+# Two ranks, one launch: every layout of two ranks but context parallel (not offered for hybrid models);
 # measured by the parallel runtime (tessera.trainer.parallel) that tessera-train runs them with.
 PARALLEL_LAYOUTS = [("tp2 + sp", dict(tensor=2), True), ("tp2", dict(tensor=2), False), ("pp2", dict(pipeline=2), True),
                     ("dp2 ZeRO-1", dict(data=2), True), ("fsdp2", dict(data=2, data_shard=2), True),

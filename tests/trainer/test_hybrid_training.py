@@ -80,8 +80,6 @@ def test_a_resumed_hybrid_run_is_bit_identical_to_an_uninterrupted_one(artifacts
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["parallel.context=2"], "parallel.context: context parallel is not built for hybrid models"),
-    (["--context-parallel", "2"], "parallel.context: context parallel is not built for hybrid models"),
     (["data.reset_position_ids=true"], "data.reset_position_ids: a hybrid model has no positions"),
     (["model.pattern=M*-X"], "pattern: 'X' (layer 3) is not a layer symbol"),
     (["model.pattern=M*-"], "pattern: 3 symbols for num_layers=4"),

@@ -28,9 +28,6 @@ REFUSED_OPTIONS: dict[str, tuple[tuple[str, Callable[[Any], bool], str], ...]] =
          "set parallel.context=1"),
     ),
     "hybrid": (
-        ("parallel.context", lambda c: c.parallel.context > 1,
-         "context parallel is not built for hybrid models (the Mamba layers' scan would have to carry its "
-         "state from rank to rank along the sequence); set parallel.context=1"),
         ("data.reset_position_ids", lambda c: c.data.reset_position_ids,
          "a hybrid model has no positions to reset; data.reset_attention_mask alone keeps packed documents "
          "apart (attention within each document, the Mamba state restarted at each)"),

@@ -29,18 +29,27 @@ embeddings are applied before the gather and need no further care.
 Parameters are replicated over the context group; each rank's gradient covers only its tokens,
 so gradients are summed over the group (the trainer's GradientBuckets) with each rank's loss
 scaled by 1/C (its share of the tokens).
+
+Mamba layers (hybrid models) cannot take their scan in pieces: their convolution and scan run along
+the whole sequence. As Megatron-Core's Mamba context parallel does, a layer swaps the split for
+the length of its heads (`context_to_heads`, one all-to-all per projected part): each rank then
+holds the whole sequence, in global order, of 1/C of the heads and of the B/C groups (a group's
+heads are consecutive, so they stay together), runs the convolution and the scan on them as one
+process would, and swaps back (`heads_to_context`) before the gated norm and the output
+projection, which read all heads of the rank's own tokens. Exact as well: each head sees the same
+sequence as in one process.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera.common.layers.attention import MaskedAttention
-from tessera.common.parallel.mappings import gather_seq
+from tessera.common.parallel.mappings import all_to_all_rows, gather_seq
 
 
 def local_token_index(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -101,7 +110,8 @@ class ContextParallelAttention:
                  document_ids: torch.Tensor | None = None):
         self.cp = cp
         self.query_index, self.key_index = query_index, key_index
-        self.attn = {int(name): block.attn for name, block in model.layers.items()}
+        # The causal LM's blocks hold `attn`; a hybrid model's attention blocks hold it as `mixer`.
+        self.attn = {int(name): getattr(block, "attn", None) or block.mixer for name, block in model.layers.items()}
         self._masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
         self.documents: dict[int | None, MaskedAttention] = {}
         self.key_docs: torch.Tensor | None = None
@@ -136,3 +146,45 @@ class ContextParallelAttention:
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             dropout_p=dropout_p, enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)
+
+
+@dataclass
+class SequenceChunks:
+    """What a context-parallel forward's layers share: the attention (`ContextParallelAttention`)
+    and, for Mamba layers, the gathered keys' global indices and the whole sequence's document ids
+    in global order (None: one document per row)."""
+
+    cp: ContextParallel
+    attention: ContextParallelAttention
+    key_index: torch.Tensor  # [T] global index of each gathered (rank-order) position
+    global_order: torch.Tensor = field(init=False)  # gathered positions in global order
+    documents: torch.Tensor | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.global_order = self.attention.global_order
+        self.documents = self.attention.key_docs
+
+
+def context_to_heads(x: torch.Tensor, chunks: SequenceChunks) -> torch.Tensor:
+    """[B, T/C, C * n] (this rank's tokens, every rank's block of n channels) -> [B, T, n] (this
+    rank's block over the whole sequence, global order): one all-to-all (Megatron's cp2hp)."""
+    cp = chunks.cp
+    b, tl, ch = x.shape
+    n = ch // cp.size
+    rows = [b * tl] * cp.size
+    send = x.reshape(b, tl, cp.size, n).permute(2, 0, 1, 3).reshape(cp.size * b * tl, n)
+    got = all_to_all_rows(send, rows, rows, cp.group)  # from rank s: its tokens of my block
+    gathered = got.view(cp.size, b, tl, n).permute(1, 0, 2, 3).reshape(b, cp.size * tl, n)
+    return gathered.index_select(1, chunks.global_order)
+
+
+def heads_to_context(y: torch.Tensor, chunks: SequenceChunks) -> torch.Tensor:
+    """The inverse of `context_to_heads`: [B, T, n] in global order -> [B, T/C, C * n]."""
+    cp = chunks.cp
+    b, t, n = y.shape
+    tl = t // cp.size
+    rows = [b * tl] * cp.size
+    gathered = y.index_select(1, chunks.key_index)  # rank r's tokens at [r * tl, (r + 1) * tl)
+    send = gathered.view(b, cp.size, tl, n).permute(1, 0, 2, 3).reshape(cp.size * b * tl, n)
+    got = all_to_all_rows(send, rows, rows, cp.group)  # from rank s: my tokens of its block
+    return got.view(cp.size, b, tl, n).permute(1, 2, 0, 3).reshape(b, tl, cp.size * n)

@@ -14,7 +14,7 @@ and calls `dispatch`):
 3. regroup by local expert, run the local experts on contiguous slices, ungroup;
 4. combine: the reverse all_to_all_single, so each rank gets its own tokens' outputs back in the
    order it sent them.
-The backward of an all-to-all is the all-to-all with the split sizes swapped (`_AllToAll`).
+The backward of an all-to-all is the all-to-all with the split sizes swapped (`mappings.all_to_all_rows`).
 
 Serving under tensor parallel (`shard_experts_over_tensor_ranks`, tessera-serve's
 --enable-expert-parallel) is the other case: there every tensor rank already holds every token (the
@@ -28,31 +28,12 @@ so the CPU tests run the same path as NCCL.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tessera.common.layers.moe import Experts, MoE
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single of rows with uneven splits; backward sends the gradients back."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = x.new_empty(sum(recv), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
-        dist.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
-                               group=ctx.group)
-        return out, None, None, None
+from tessera.common.parallel.mappings import all_to_all_rows
 
 
 class ExpertDispatch:
@@ -70,7 +51,7 @@ class ExpertDispatch:
         recv = recv.view(ep, local)
         send_split = counts.view(ep, local).sum(1).tolist()
         recv_split = recv.sum(1).tolist()
-        arrived = _AllToAll.apply(x, send_split, recv_split, self.group)
+        arrived = all_to_all_rows(x, send_split, recv_split, self.group)
         # Arrived rows are ordered (source rank, local expert); regroup them by local expert.
         chunk_expert = torch.arange(local).repeat(ep)  # expert of each (source, expert) chunk
         sizes = recv.flatten()
@@ -78,7 +59,7 @@ class ExpertDispatch:
         order = torch.argsort(row_expert, stable=True).to(x.device)
         y = experts(arrived[order], recv.sum(0).tolist())
         back = torch.empty_like(y).index_copy_(0, order, y)  # undo the regrouping
-        return _AllToAll.apply(back, recv_split, send_split, self.group)
+        return all_to_all_rows(back, recv_split, send_split, self.group)
 
 
 class LocalExperts:

@@ -7,6 +7,7 @@ Each function is a pair (forward op, backward op) that are adjoint to each other
     gather_seq         all-gather seq  | reduce-scatter  (sequence parallel -> column-parallel)
     reduce_scatter_seq reduce-scatter  | all-gather seq  (row-parallel -> sequence parallel)
     scatter_seq        take own chunk  | all-gather seq  (replicated -> sequence parallel)
+    all_to_all_rows    all-to-all      | all-to-all back (expert dispatch; context <-> head parallel)
 
 Sequence-parallel tensors are [B, T/tp, ...] (dim 1 split, rank r holding chunk r).
 """
@@ -130,6 +131,30 @@ class _ScatterSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _all_gather_seq(g, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows with uneven splits; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        dist.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
+                               group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Rows of `x` (dim 0) in consecutive slices of `send[r]` rows to rank r; returns the `recv[r]`
+    rows from each rank r, in rank order. Differentiable."""
+    return _AllToAll.apply(x, send, recv, group)
 
 
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -100,9 +100,10 @@ class StageModule(nn.Module):
             packed = {k: v for k, v in (("positions", positions), ("document_ids", document_ids)) if v is not None}
             return self.objective.stage_forward(self, x, **side, **packed)
         if not isinstance(self.model, Transformer):
-            # A kind without position inputs (hybrid: the Mamba layers carry order); context
-            # parallel is refused for it by validate_layout.
-            h = self.model(x, document_ids=document_ids, return_hidden=True)
+            # A kind without position inputs (hybrid: the Mamba layers carry order); under context
+            # parallel it is told the local and gathered tokens' global indices.
+            context = None if self.cp is None else (self.cp, self.positions[0], self.key_index)
+            h = self.model(x, document_ids=document_ids, return_hidden=True, context=context)
         # Positions are explicit: under sequence parallel a later stage sees T/tp rows.
         elif self.cp is not None:
             # The local queries' global indices order causality (positions restart per document).

@@ -9,6 +9,7 @@ from tessera.common.errors import UserError
 from tessera.common.layout import ParallelLayout, validate_layout
 from tessera.trainer.kinds import refused_fields
 from tessera.trainer.plan.devices import DeviceSpec
+from tessera.trainer.plan.hybrid import is_hybrid
 from tessera.trainer.plan.memory import MemoryPlan, plan_memory
 from tessera.trainer.plan.spec import PlanSpec
 from tessera.trainer.plan.timing import DEFAULT_EFFICIENCY, TimePlan, plan_time
@@ -30,7 +31,9 @@ def candidate_layouts(spec: PlanSpec, gpus: int, max_virtual: int = 4) -> list[P
     """Layouts of `gpus` ranks that `validate_layout` accepts for this model and batch (with float8
     all-gather: only those it composes with, FSDP over one tensor rank)."""
     cfg = spec.model
-    context = "parallel.context" not in refused_fields(cfg)  # hybrid models: no context parallel
+    # Encoders have no context parallel; a hybrid's Mamba layers under it (a head split over the
+    # whole sequence) are not measured by the planner's hybrid count, so it is not offered.
+    context = "parallel.context" not in refused_fields(cfg) and not is_hybrid(cfg)
     out = []
     for tp in _divisors(gpus):
         for cp in _divisors(gpus // tp) if context else [1]:

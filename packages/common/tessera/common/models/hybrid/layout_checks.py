@@ -9,13 +9,17 @@ from tessera.common.errors import UserError
 
 
 def check_layout(cfg: Any, layout: Any) -> None:
-    """Context parallel is built for attention only: a hybrid model's Mamba layers would need their
-    scan state and convolution window passed from rank to rank along the sequence (Megatron's
-    MambaContextParallel instead all-to-alls heads for sequence), which Tessera does not have."""
-    if layout.context > 1:
-        raise UserError(f"--context-parallel {layout.context} (parallel.context): hybrid models (model.kind: hybrid) "
-                        "have no context-parallel Mamba layers; set it to 1 and split the sequence's work with "
-                        "--tensor-parallel and --sequence-parallel instead")
+    """Under context parallel each Mamba layer trades the sequence split for a head split
+    (tessera.common.parallel.context_parallel): each of the tensor x context ranks holds whole heads
+    and whole groups of B and C."""
+    ranks = layout.tensor * layout.context
+    if layout.context > 1 and cfg.mamba is not None and "M" in cfg.pattern:
+        for field in ("num_heads", "num_groups"):
+            value = getattr(cfg.mamba, field)
+            if value % ranks:
+                raise UserError(f"--context-parallel {layout.context} x --tensor-parallel {layout.tensor} must divide "
+                                f"model.mamba.{field} ({value}): under context parallel each Mamba layer gives each "
+                                "rank the whole sequence of its share of the heads and groups")
 
 
 def check_tensor_parallel(cfg: Any, tp: int) -> None:

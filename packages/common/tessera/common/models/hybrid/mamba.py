@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tessera.common.models.hybrid.config import MambaConfig
+from tessera.common.parallel.context_parallel import SequenceChunks, context_to_heads, heads_to_context
 from tessera.kernels import (
     causal_conv1d,
     causal_conv1d_update,
@@ -148,6 +149,32 @@ class MambaMixer(nn.Module):
         if state is not None:
             state.ssm = final
         return self.out_proj(self.norm(y.reshape(b, T, -1), z).to(h.dtype))
+
+    def forward_chunks(self, h: torch.Tensor, chunks: SequenceChunks) -> torch.Tensor:
+        """Context parallel: h [b, T/C, d] (this rank's chunks) -> [b, T/C, d]. The projected parts
+        trade the sequence split for a head split (context_parallel.context_to_heads): this rank
+        convolves and scans the whole sequence of its 1/C of the heads and groups, with its slices
+        of the filters, dt_bias, A and D, then trades back for the gated norm and out_proj."""
+        m, cp = self.m, chunks.cp
+        heads, groups = m.num_heads // cp.size, m.num_groups // cp.size
+        width = {"x": heads * m.head_dim, "b": groups * m.state_size, "c": groups * m.state_size}
+        z = self.in_proj["z"](h)
+        conv_out = {}
+        for k in PARTS:
+            mine = slice(cp.rank * width[k], (cp.rank + 1) * width[k])
+            conv = self.conv[k]
+            conv_out[k], _ = causal_conv1d(context_to_heads(self.in_proj[k](h), chunks), conv.weight[mine, 0],
+                                           None if conv.bias is None else conv.bias[mine], chunks.documents)
+        b, t = conv_out["x"].shape[:2]
+        mine = slice(cp.rank * heads, (cp.rank + 1) * heads)
+        dt = discretize_dt(context_to_heads(self.in_proj["dt"](h), chunks), self.dt_bias[mine], m.dt_limit_min,
+                           m.dt_limit_max)
+        y, _ = ssd_chunk_scan(
+            conv_out["x"].view(b, t, heads, m.head_dim), dt, -torch.exp(self.A_log[mine].float()),
+            conv_out["b"].view(b, t, groups, m.state_size), conv_out["c"].view(b, t, groups, m.state_size),
+            m.chunk_size, self.D[mine], None, chunks.documents)
+        y = heads_to_context(y.reshape(b, t, -1), chunks)
+        return self.out_proj(self.norm(y, z).to(h.dtype))
 
     def step(self, h: torch.Tensor, state: MambaState) -> torch.Tensor:
         """One token per sequence: h [b, d] -> [b, d], advancing `state` (decoding)."""

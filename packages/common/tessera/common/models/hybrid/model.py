@@ -32,6 +32,7 @@ from tessera.common.layers.self_attention import Attention
 from tessera.common.models.build import build_on_meta
 from tessera.common.models.hybrid.config import HybridConfig, LayerConfig
 from tessera.common.models.hybrid.mamba import CausalConv1d, GatedRMSNorm, MambaMixer
+from tessera.common.parallel.context_parallel import ContextParallel, ContextParallelAttention, SequenceChunks
 
 __all__ = ["HybridBlock", "HybridModel", "build_model", "model_tensor_shapes"]
 
@@ -57,14 +58,15 @@ class HybridBlock(nn.Module):
             self.mixer = MoE(layers)
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None,
-                attn_mask: MaskedAttention | None = None) -> torch.Tensor:
+                attn_mask: MaskedAttention | None = None, chunks: SequenceChunks | None = None) -> torch.Tensor:
+        """`chunks`: context parallel (x holds this rank's chunks of the sequence)."""
         # The residual may be fp32 (residual_in_fp32) in a lower-precision model: the mixer reads
         # the norm's dtype.
         h = self.norm(x.to(self.norm.weight.dtype))
         if self.symbol == "M":
-            out = self.mixer(h, document_ids)
+            out = self.mixer(h, document_ids) if chunks is None else self.mixer.forward_chunks(h, chunks)
         elif self.symbol == "*":
-            out = self.mixer(h, None, None, attn_mask)
+            out = self.mixer(h, None, None if chunks is None else chunks.attention, attn_mask)
         else:
             out = self.mixer(h)
         return (x.float() if self.residual_in_fp32 else x) + out
@@ -123,18 +125,25 @@ class HybridModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
-                return_hidden: bool = False) -> torch.Tensor:
+                return_hidden: bool = False,
+                context: tuple[ContextParallel, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V] (the final-normed hidden states with `return_hidden`).
-        `document_ids` [B, T], non-decreasing along T: packed documents do not see each other."""
+        `document_ids` [B, T], non-decreasing along T: packed documents do not see each other.
+        `context`: context parallel (tokens and document ids are this rank's chunks): the group,
+        the local tokens' global indices and the gathered ones' (tessera.common.parallel.context_parallel)."""
         # A pipeline stage lacks the modules of other stages: without the embedding it takes hidden
         # states, without the final norm it returns them.
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
-        attn_mask = None
-        if document_ids is not None and "*" in self.cfg.pattern:
+        attn_mask, chunks = None, None
+        if context is not None:
+            cp, query_index, key_index = context
+            chunks = SequenceChunks(cp, ContextParallelAttention(cp, self, query_index, key_index, document_ids),
+                                    key_index)
+        elif document_ids is not None and "*" in self.cfg.pattern:
             # Under sequence parallel h is this rank's chunk; attention sees the gathered sequence.
             attn_mask = MaskedAttention(document_ids, None, h.shape[0], document_ids.shape[1], h.device)
         for block in self.layers.values():
-            h = block(h, document_ids, attn_mask)
+            h = block(h, document_ids, attn_mask, chunks)
         if self.final_norm is None:
             return h
         h = self.final_norm(h.to(self.final_norm.weight.dtype))
