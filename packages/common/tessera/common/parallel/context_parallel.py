@@ -31,11 +31,11 @@ so gradients are summed over the group (the trainer's GradientBuckets) with each
 scaled by 1/C (its share of the tokens).
 
 Mamba layers (hybrid models) cannot take their scan in pieces: their convolution and scan run along
-the whole sequence. As Megatron-Core's Mamba context parallel does, a layer swaps the split for
-the length of its heads (`context_to_heads`, one all-to-all per projected part): each rank then
+the whole sequence. As Megatron-Core's Mamba context parallel does, a layer trades the sequence
+split for a head split (`context_to_heads`, one all-to-all per projected part): each rank then
 holds the whole sequence, in global order, of 1/C of the heads and of the B/C groups (a group's
 heads are consecutive, so they stay together), runs the convolution and the scan on them as one
-process would, and swaps back (`heads_to_context`) before the gated norm and the output
+process would, and trades back (`heads_to_context`) before the gated norm and the output
 projection, which read all heads of the rank's own tokens. Exact as well: each head sees the same
 sequence as in one process.
 """
@@ -111,7 +111,8 @@ class ContextParallelAttention:
         self.cp = cp
         self.query_index, self.key_index = query_index, key_index
         # The causal LM's blocks hold `attn`; a hybrid model's attention blocks hold it as `mixer`.
-        self.attn = {int(name): getattr(block, "attn", None) or block.mixer for name, block in model.layers.items()}
+        self.attn = {int(name): block.attn if hasattr(block, "attn") else block.mixer
+                     for name, block in model.layers.items()}
         self._masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
         self.documents: dict[int | None, MaskedAttention] = {}
         self.key_docs: torch.Tensor | None = None
