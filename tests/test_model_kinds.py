@@ -239,7 +239,7 @@ def test_the_hybrid_kind_is_registered_and_every_stage_without_its_code_refuses_
 
 
 LAYOUT_REFUSALS = [  # (kind's model section, layout, the kind's own line)
-    (HYBRID, dict(context=2), "hybrid models (model.kind: hybrid) have no context-parallel Mamba layers"),
+    (HYBRID, dict(context=4), "--context-parallel 4 x --tensor-parallel 1 must divide model.mamba.num_groups (2)"),
     (HYBRID, dict(tensor=8), "must divide model.mamba.num_heads (4)"),
     ({"kind": "encoder_decoder", "vocab_size": 64, "d_model": 32, "d_kv": 8, "d_ff": 48, "num_layers": 2,
       "num_decoder_layers": 2, "num_heads": 4}, dict(context=2), "not built for the encoder-decoder kind (T5)"),
