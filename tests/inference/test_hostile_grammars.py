@@ -1,7 +1,8 @@
 """Hostile structured-output constraints and deep JSON (issue 35, items 2-5 and 7): each reported
 case through HTTP, as a client sends it. Each gets a 4xx naming what it is over, and the server
 stays up: /health and an ordinary completion answer right after (within ALIVE_S; the acceptance
-figure is 1 s, the bound here leaves room for a loaded CI machine and the test prints the time).
+figure is 1 s, the test prints the time; the bound catches a hang (75 s before) and leaves room for
+a loaded 2-core CI machine, where a process start or a model step can take several seconds).
 
 The cases as reported on 780a7a5: a 10,000-rule Lark grammar segfaulted the server; a 2 KB
 `$defs` schema (d30 = allOf of two d29, ...) grew it to 19 GiB; 200k choices hung it; 2,001
@@ -28,7 +29,7 @@ from tessera.inference.core.structured_limits import GrammarLimits
 from tessera.inference.entrypoints.grammar_check import GrammarCheck
 from tessera.inference.entrypoints.server import ServerLimits
 
-ALIVE_S = 5.0
+ALIVE_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +214,7 @@ def test_a_grammar_limit_hit_mid_generation_is_a_400_and_an_error_event_in_a_str
     message = refused(r, None, "hit a limit of the grammar engine after", "max is 2000")
     assert re.search(r"after [1-5] generated tokens", message) and r.json()["error"]["code"] == "grammar_limit"
     with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
-            "prompt": "a", "max_tokens": 20, "guided_grammar": grammar, "stream": True}) as resp:
+            "prompt": "a", "max_tokens": 20, "guided_grammar": grammar, "stream": True, "seed": 1}) as resp:
         assert resp.status_code == 200
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     assert events[-1]["error"]["type"] == "invalid_request_error", events[-1]
@@ -335,7 +336,8 @@ def test_the_real_server_with_its_engine_process_survives_a_crashing_grammar(tin
                            timeout=120)
             refused(r, "guided_grammar", words)
             assert httpx.get(url + "/health", timeout=ALIVE_S).status_code == 200
-            ok = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=ALIVE_S)
+            ok = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "temperature": 0},
+                            timeout=ALIVE_S)
             assert ok.status_code == 200, ok.text
         assert proc.poll() is None
     finally:

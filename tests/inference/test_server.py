@@ -216,7 +216,7 @@ def test_a_queued_streamed_request_whose_client_hangs_up_is_aborted_before_it_ru
             # Only one sequence runs: this one waits, sends its headers and no event, and is hung up on.
             with httpx.stream("POST", s.url + "/v1/completions", json={**long, "max_tokens": 5}, timeout=30) as r:
                 assert r.status_code == 200
-            deadline = time.time() + 10
+            deadline = time.time() + 60  # a polled bound for a loaded machine, not a timing assert
             while s.async_engine.num_active() > 1:
                 assert time.time() < deadline, "the hung-up request was not aborted"
                 time.sleep(0.02)

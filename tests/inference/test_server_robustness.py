@@ -320,11 +320,12 @@ def test_health_is_answered_while_a_prompt_is_being_tokenized(tiny_ckpt):
     event loop, /health could not answer and the request would fail after the 30 s wait."""
     s = LiveServer(tiny_ckpt, block_size=8, num_kv_blocks=64)
     try:
-        answered = threading.Event()
+        entered, answered = threading.Event(), threading.Event()
         encode = s.openai._encode_prompt
 
         def blocking_encode(prompt, *args):
             if prompt == "block me":
+                entered.set()
                 assert answered.wait(30), "/health was not answered while a prompt was being tokenized"
             return encode(prompt, *args)
 
@@ -333,8 +334,10 @@ def test_health_is_answered_while_a_prompt_is_being_tokenized(tiny_ckpt):
         t = threading.Thread(target=lambda: result.setdefault("r", _post(s, "/v1/completions",
                                                                           {"prompt": "block me", "max_tokens": 2})))
         t.start()
-        time.sleep(0.2)
-        health = httpx.get(s.url + "/health", timeout=10)
+        # Ask /health once the tokenizing has begun: after a fixed sleep a loaded machine could ask it before,
+        # and the test passed without showing anything.
+        assert entered.wait(60), "the prompt never reached the tokenizer"
+        health = httpx.get(s.url + "/health", timeout=20)
         in_flight = t.is_alive()
         answered.set()
         t.join(60)
@@ -438,7 +441,7 @@ def test_tokenizer_processes_start_with_the_first_long_prompt_and_end_with_the_s
         assert len(started) == 1  # one job needed one child
     finally:
         s.stop()
-    deadline = time.time() + 10
+    deadline = time.time() + 60  # a polled bound, not a timing assert: children end in well under 1 s when idle
     while _tokenizer_children() & started and time.time() < deadline:
         time.sleep(0.05)
     assert not _tokenizer_children() & started
