@@ -28,12 +28,14 @@ so the CPU tests run the same path as NCCL.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tessera.common.layers.moe import Experts, MoE
-from tessera.common.parallel.mappings import all_to_all_rows
+from tessera.common.parallel.mappings import all_to_all_rows, reduce_from_tp
 
 
 class ExpertDispatch:
@@ -79,15 +81,6 @@ class LocalExperts:
         return y
 
 
-class _SumOverRanks:
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
-
-    def __call__(self, out: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(out, group=self.group)
-        return out
-
-
 def is_expert_shard(p: torch.Tensor) -> bool:
     """True for an MoE layer's expert weights under expert parallel (split over the expert group)."""
     return bool(getattr(p, "ep_shard", False))
@@ -105,17 +98,15 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup, ep: int, ep_rank: 
         m.dispatch = ExpertDispatch(group, ep)
 
 
-def shard_experts_over_tensor_ranks(model: nn.Module, group: dist.ProcessGroup, tp: int, tp_rank: int) -> int:
+def shard_experts_over_tensor_ranks(model: nn.Module, group: dist.ProcessGroup, tp: int, tp_rank: int) -> None:
     """Serving under tensor parallel: keep this rank's slice of every MoE layer's experts (in place,
     on meta before the shard is loaded) tagged as split along dim 0 over the tensor group, which is
-    how the shard loaders read them; run them through LocalExperts and sum over ranks. Returns the
-    number of MoE layers split."""
-    layers = _moe_layers(model)
-    for m in layers:
+    how the shard loaders read them; run them through LocalExperts and sum the routed outputs over
+    the ranks as a row-parallel layer's (`reduce_from_tp`)."""
+    for m in _moe_layers(model):
         for part in _keep_slice(m, tp, tp_rank):
             part.tp_shard_dim = 0  # type: ignore[attr-defined]
-        m.dispatch, m.combine = LocalExperts(tp, tp_rank), _SumOverRanks(group)
-    return len(layers)
+        m.dispatch, m.combine = LocalExperts(tp, tp_rank), partial(reduce_from_tp, group=group)
 
 
 def _moe_layers(model: nn.Module) -> list[MoE]:
