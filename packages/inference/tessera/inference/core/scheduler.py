@@ -26,6 +26,7 @@ update).
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -208,6 +209,36 @@ class Scheduler:
             plan[j].spec_token_ids = seq.spec_token_ids[:k]
             plan[j].spec_probs = None if seq.spec_probs is None else seq.spec_probs[:k]
         return SchedulerOutput(plan, single and bool(plan), self.num_preemptions)
+
+    def schedule_ahead(self, inflight: SchedulerOutput) -> tuple[SchedulerOutput, list[int]] | None:
+        """Async scheduling: the steady decode step after `inflight` (a steady decode step whose
+        tokens are not known yet), planned while it runs. Each of its sequences that is not finished,
+        and that the token in flight will not bring to max_tokens or max_model_len, computes that
+        token next; returns the plan and, per row, its row in `inflight` (whose sampled token is its
+        input). None when that is not the step `schedule` would plan: a running sequence outside
+        `inflight`, requests waiting for a sequence slot, or a block the pool cannot give without a
+        preemption (`schedule` then plans after `inflight` is applied). A sequence that the token in
+        flight stops (EOS, a stop id or string) computes one more row, which the update discards."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        live = [s.seq for s in inflight.scheduled if not s.seq.is_finished]
+        if len(live) != len(self.running) or not all(map(operator.is_, live, self.running)):
+            return None
+        plan: list[ScheduledSequence] = []
+        rows: list[int] = []
+        for i, s in enumerate(inflight.scheduled):
+            seq = s.seq
+            produced = len(seq.output_ids) + 1  # with the token in flight
+            if (seq.is_finished or produced >= seq.params.max_tokens
+                    or len(seq.prompt_ids) + produced >= seq.max_model_len):
+                continue
+            if not self.blocks.allocate(seq, s.start + 2):
+                return None
+            plan.append(ScheduledSequence(seq, s.start + 1, 1, list(self.blocks.table(seq))))
+            rows.append(i)
+        if not plan:
+            return None
+        return SchedulerOutput(plan, True, self.num_preemptions), rows
 
     def remove_finished(self) -> list[Sequence]:
         done = [s for s in self.running if s.is_finished]

@@ -36,6 +36,51 @@ class ModelRunnerOutput:
 
 
 @dataclass
+class LaunchedStep:
+    """A steady decode step launched ahead (async scheduling, `ModelRunner.launch`): its sampled
+    tokens on the device, where the next step's inputs read them; their copy on its way to the
+    host; and the CUDA event recorded after that copy (None on CPU, where launching ran the step)."""
+
+    plan: SchedulerOutput
+    tokens: torch.Tensor  # int64 [rows]
+    host: torch.Tensor
+    ready: torch.cuda.Event | None = None
+
+    @classmethod
+    def start(cls, plan: SchedulerOutput, tokens: torch.Tensor) -> LaunchedStep:
+        if tokens.device.type != "cuda":
+            return cls(plan, tokens, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(plan, tokens, host, ready)
+
+    def output(self) -> ModelRunnerOutput:
+        """Wait for the tokens on the host: what `ModelRunner.execute` would have returned for the plan."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return ModelRunnerOutput(sampled=dict(zip([s.seq.request_id for s in self.plan.scheduled],
+                                                  [[t] for t in self.host.tolist()])))
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To CUDA through pinned memory, without waiting: a copy from pageable
+    memory waits for the device to finish its queued work, which async scheduling overlaps."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` from the host without waiting on CUDA (as `host_to_device`)."""
+    if dst.device.type == "cuda" and src.device.type == "cpu":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
+@dataclass
 class StepInputs:
     tokens: torch.Tensor  # [1, T]
     positions: torch.Tensor  # [1, T]
@@ -47,10 +92,11 @@ class StepInputs:
     split: DecodeSplit | None = None  # CPU only, when the step has a decode row
 
     def to(self, device: torch.device) -> StepInputs:
-        """These inputs on `device` (a host-built step, `DecodeBatch`, for a CUDA forward: one copy each)."""
-        if self.tokens.device == device:
+        """These inputs on `device` (a host-built step, `DecodeBatch`, for a CUDA forward: one copy each;
+        its tokens may be there already: async scheduling's, sampled by the step before)."""
+        if self.positions.device == device:
             return self
-        return StepInputs(*(t if t is None else t.to(device) for t in (
+        return StepInputs(*(t if t is None or t.device == device else host_to_device(t, device) for t in (
             self.tokens, self.positions, self.slot_mapping, self.block_tables, self.seq_lens, self.query_start_loc,
             self.logits_rows)))
 

@@ -27,7 +27,15 @@ import torch
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.sample.sampler import Sampler, token_logprob, verify
-from tessera.inference.worker.batch import BatchSeq, DecodeBatch, ModelRunnerOutput, StepInputs, batch_seqs
+from tessera.inference.worker.batch import (
+    BatchSeq,
+    DecodeBatch,
+    LaunchedStep,
+    ModelRunnerOutput,
+    StepInputs,
+    batch_seqs,
+    host_to_device,
+)
 from tessera.inference.worker.cuda_graphs import DecodeGraphs, GraphSpec
 from tessera.inference.worker.decode_attention import decode_split, split_attention
 from tessera.inference.worker.kv_cache import kv_block_bytes, local_kv_heads, store_kv
@@ -193,19 +201,40 @@ class ModelRunner:
 
     def _execute_single_token(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """A steady decode step: inputs from the persistent batch, every row through the head and sampled."""
+        logits = self._single_token_logits(plan)
+        out = ModelRunnerOutput()
+        self._sample(out, self.decode_batch.seqs, logits)  # the plan's sequences, in its order
+        return out
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput, previous: LaunchedStep | None = None,
+               rows: list[int] | None = None) -> LaunchedStep:
+        """Async scheduling: start a steady decode step whose sequences all `samples_ahead` and return
+        without reading its tokens back (on CPU the step has run when this returns). With `previous`,
+        the step still in flight: row j's input is the token `previous` sampled in its row rows[j],
+        read on the device (the sequences do not hold it yet)."""
+        tokens = None
+        if previous is not None:
+            tokens = previous.tokens
+            if rows != list(range(len(tokens))):
+                tokens = tokens.index_select(0, host_to_device(torch.tensor(rows), tokens.device))
+        logits = self._single_token_logits(plan, tokens)
+        return LaunchedStep.start(plan, self.sampler.sample_on_device(self.decode_batch.seqs, logits))
+
+    def _single_token_logits(self, plan: SchedulerOutput, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of every row of a steady decode step, its inputs from the persistent batch;
+        `tokens` [rows] on the device replace the sequences' newest tokens (async scheduling)."""
         if self.decode_batch is None:
             self.decode_batch = DecodeBatch(self.block_size)
         graphs, size = self.decode_graphs, None
         if graphs is not None:
             size = graphs.step_bucket(len(plan.scheduled), max(s.start for s in plan.scheduled) // self.block_size + 1)
         step = self.decode_batch.inputs(plan, split=self.batch_decodes and size is None)
+        if tokens is not None:
+            step.tokens = tokens.view(1, -1)
         if size is not None:
-            logits = graphs.forward_step(step, size)
-        else:
-            logits = self._logits(step.to(self.device)).float()
-        out = ModelRunnerOutput()
-        self._sample(out, self.decode_batch.seqs, logits)  # the plan's sequences, in its order
-        return out
+            return graphs.forward_step(step, size)
+        return self._logits(step.to(self.device)).float()
 
     def _sample(self, out: ModelRunnerOutput, seqs: list, logits: torch.Tensor) -> None:
         """Sample one token for each of `seqs` from its row of `logits` into `out`."""
