@@ -182,8 +182,9 @@ class LLMEngine:
         self.blocks = kind.cache(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash,
                                  **kind.cache.engine_kwargs(cfg))
         if cfg.async_scheduling and not kind.runner.keeps_decode_batch():
-            raise UserError(f"--async-scheduling: model kind {loaded.config.kind!r} builds its decode steps otherwise "
-                            "than from the persistent decode batch, which async scheduling feeds; drop the flag")
+            what = " (multi-head latent attention)" if getattr(loaded.config, "mla", None) is not None else ""
+            raise UserError(f"--async-scheduling: model kind {loaded.config.kind!r}{what} builds its decode steps "
+                            "otherwise than from the persistent decode batch that async scheduling feeds; drop the flag")
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.processor = OutputProcessor(self.scheduler, self.blocks)
         self.proposer = None
