@@ -33,12 +33,23 @@ def _same(outs: dict[str, list], reference: dict[str, list]) -> None:
             assert [lp[1] for lp in a[-1]] == pytest.approx([lp[1] for lp in b[-1]], abs=1e-5)
 
 
-def _run(ckpt, overlap: bool, num_kv_blocks: int, abort_after: int | None = None):
+def _engine(ckpt, device: str, **cfg):
+    if device == "cpu":
+        return make_engine(ckpt, **cfg)
+    from tessera.inference.config import EngineConfig
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker.loader import load_for_serving
+
+    dev = torch.device(device)
+    return LLMEngine(load_for_serving(ckpt, dev, torch.float32), EngineConfig(device=device, **cfg), dev, torch.float32)
+
+
+def _run(ckpt, overlap: bool, num_kv_blocks: int, abort_after: int | None = None, device: str = "cpu", **cfg):
     """Requests with the KINDS above (and two of LATE among the later ones) through an engine;
     returns per request its outputs' fields, the plans launched ahead as (sequence, start) rows,
     the preemption count. `abort_after`: r2 is aborted after that many steps."""
-    engine = make_engine(ckpt, block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=64, max_num_seqs=8,
-                         max_num_batched_tokens=64, enforce_eager=True, async_scheduling=overlap)
+    engine = _engine(ckpt, device, block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=64, max_num_seqs=8,
+                     max_num_batched_tokens=64, async_scheduling=overlap, **({"enforce_eager": True} | cfg))
     launched: list[list] = []
     if overlap:
         launch = engine.runner.launch
@@ -82,6 +93,27 @@ def test_overlapped_steps_give_every_request_the_output_of_synchronous_steps(tin
     # Some launched rows computed a token after their sequence had stopped (a stop string in the
     # step before): they were dropped, not applied.
     assert any(start >= seq.num_tokens - 1 for plan in launched for seq, start in plan)
+
+
+def test_overlapped_steps_through_the_padded_decode_forward_give_the_synchronous_outputs(tiny_ckpt):
+    """The forward CUDA graphs replay, run uncaptured on CPU: its inputs take the launched tokens."""
+    graphs = dict(enforce_eager=False, padded_decode=True, cuda_graph_sizes=[1, 2, 4, 8])
+    outs, launched, _, _ = _run(tiny_ckpt, True, 200, **graphs)
+    reference, _, _, _ = _run(tiny_ckpt, False, 200)
+    _same(outs, reference)
+    assert len(launched) >= 15
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_overlapped_steps_replaying_captured_graphs_give_the_synchronous_eager_outputs(tiny_ckpt):
+    """The device path: tokens sampled on the GPU feed the next captured graph's static input
+    buffer, host inputs go through pinned memory, each step's tokens come back behind an event."""
+    outs, launched, _, _ = _run(tiny_ckpt, True, 200, device="cuda", enforce_eager=False,
+                                cuda_graph_sizes=[1, 2, 4, 8])
+    reference, _, _, _ = _run(tiny_ckpt, False, 200, device="cuda")
+    _same(outs, reference)
+    assert len(launched) >= 15
 
 
 def test_a_request_aborted_while_its_next_step_is_in_flight_gets_nothing_more_and_the_others_finish_as_before(
