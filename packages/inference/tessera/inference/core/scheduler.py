@@ -29,6 +29,7 @@ from __future__ import annotations
 import operator
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -170,8 +171,82 @@ class Scheduler:
             num_new.append(n)
             budget -= n
             i += 1
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        if not preempted:
+            budget, single = self._admit(seqs, num_new, budget, single)
+        table = self.blocks.table
+        if type(self.blocks).state_slot is BlockManager.state_slot:  # no state pool: no slot to look up
+            plan = [ScheduledSequence(seq, seq.num_computed, n, list(table(seq))) for seq, n in zip(seqs, num_new)]
+        else:
+            plan = [ScheduledSequence(seq, seq.num_computed, n, list(table(seq)), state_slot=self.blocks.state_slot(seq))
+                    for seq, n in zip(seqs, num_new)]
+        for j, k in drafts.items():
+            seq = plan[j].seq
+            plan[j].spec_token_ids = seq.spec_token_ids[:k]
+            plan[j].spec_probs = None if seq.spec_probs is None else seq.spec_probs[:k]
+        return SchedulerOutput(plan, single and bool(plan), self.num_preemptions)
+
+    def schedule_ahead(self, inflight: SchedulerOutput, sampled: list[int], admits: Callable[[Sequence], bool]
+                       ) -> tuple[SchedulerOutput, list[int | None]] | None:
+        """Async scheduling: the step after `inflight`, planned while it runs, before its tokens are
+        known. `sampled`: the rows of `inflight` that sample a token (in its order). Each of its
+        sequences goes on: a sampling row computes the token in flight next (unless that token
+        brings it to max_tokens or max_model_len, or it has finished since), a prefill chunk that
+        samples nothing is followed by the next chunk; then waiting requests are admitted as
+        `schedule` admits them, while `admits` accepts them. Returns the plan and, per row, the
+        index in `inflight`'s sampled tokens of its input token (None: a row whose tokens the host
+        knows). None when the step is not what `schedule` would plan after `inflight`: a running
+        sequence outside it, the budget or the pool short without a preemption, or a waiting request
+        `admits` refuses while a sequence slot is free (`schedule` then plans once `inflight` is
+        applied). A sequence that the token in flight stops (EOS, a stop id or string) computes one
+        more row, which the update drops."""
+        live = [s.seq for s in inflight.scheduled if not s.seq.is_finished]
+        if len(live) != len(self.running) or not all(map(operator.is_, live, self.running)):
+            return None
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        num_new: list[int] = []
+        rows: list[int | None] = []
+        token_of = {row: j for j, row in enumerate(sampled)}
+        for i, s in enumerate(inflight.scheduled):
+            seq = s.seq
+            if seq.is_finished:
+                continue
+            j = token_of.get(i)
+            if j is not None:
+                produced = len(seq.output_ids) + 1  # with the token in flight
+                if produced >= seq.params.max_tokens or len(seq.prompt_ids) + produced >= seq.max_model_len:
+                    continue
+                n = 1
+            else:  # the next chunk of a prompt, all of it known
+                n = min(seq.num_tokens - s.end, budget)
+            if n <= 0 or not self.blocks.allocate(seq, s.end + n):
+                return None
+            seq.num_computed = s.end  # what the update of `inflight` sets: the admissions below read it
+            seqs.append(seq)
+            num_new.append(n)
+            rows.append(j)
+            budget -= n
+        if self.waiting and len(self.running) < self.max_num_seqs and not admits(self.waiting[0]):
+            return None  # planned once `inflight` is applied, so that it is not passed over
+        admitted = len(seqs)
+        self._admit(seqs, num_new, budget, False, admits)
+        rows.extend([None] * (len(seqs) - admitted))
+        if not seqs:
+            return None
+        table = self.blocks.table
+        plan = [ScheduledSequence(seq, seq.num_computed, n, list(table(seq))) for seq, n in zip(seqs, num_new)]
+        single = all(j is not None for j in rows)
+        return SchedulerOutput(plan, single, self.num_preemptions), rows
+
+    def _admit(self, seqs: list[Sequence], num_new: list[int], budget: int, single: bool,
+           admits: Callable[[Sequence], bool] | None = None) -> tuple[int, bool]:
+        """Admit waiting requests first-come first-served while budget, sequence slots and blocks
+        last (appended to `seqs`/`num_new`); returns the budget left and whether the step stays
+        single-token. `admits`: stop at the first request it refuses (async scheduling's)."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if admits is not None and not admits(seq):
+                break
             embed = seq.params.embed  # pooled over every position: no prefix hits, never chunked
             hits = self.blocks.lookup_prefix(seq) if seq.num_computed == 0 and not self.blocks.table(seq) and not embed else []
             start = len(hits) * self.blocks.block_size
@@ -198,47 +273,7 @@ class Scheduler:
             seqs.append(seq)
             num_new.append(n)
             budget -= n
-        table = self.blocks.table
-        if type(self.blocks).state_slot is BlockManager.state_slot:  # no state pool: no slot to look up
-            plan = [ScheduledSequence(seq, seq.num_computed, n, list(table(seq))) for seq, n in zip(seqs, num_new)]
-        else:
-            plan = [ScheduledSequence(seq, seq.num_computed, n, list(table(seq)), state_slot=self.blocks.state_slot(seq))
-                    for seq, n in zip(seqs, num_new)]
-        for j, k in drafts.items():
-            seq = plan[j].seq
-            plan[j].spec_token_ids = seq.spec_token_ids[:k]
-            plan[j].spec_probs = None if seq.spec_probs is None else seq.spec_probs[:k]
-        return SchedulerOutput(plan, single and bool(plan), self.num_preemptions)
-
-    def schedule_ahead(self, inflight: SchedulerOutput) -> tuple[SchedulerOutput, list[int]] | None:
-        """Async scheduling: the steady decode step after `inflight` (a steady decode step whose
-        tokens are not known yet), planned while it runs. Each of its sequences that is not finished,
-        and that the token in flight will not bring to max_tokens or max_model_len, computes that
-        token next; returns the plan and, per row, its row in `inflight` (whose sampled token is its
-        input). None when that is not the step `schedule` would plan: a running sequence outside
-        `inflight`, requests waiting for a sequence slot, or a block the pool cannot give without a
-        preemption (`schedule` then plans after `inflight` is applied). A sequence that the token in
-        flight stops (EOS, a stop id or string) computes one more row, which the update discards."""
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            return None
-        live = [s.seq for s in inflight.scheduled if not s.seq.is_finished]
-        if len(live) != len(self.running) or not all(map(operator.is_, live, self.running)):
-            return None
-        plan: list[ScheduledSequence] = []
-        rows: list[int] = []
-        for i, s in enumerate(inflight.scheduled):
-            seq = s.seq
-            produced = len(seq.output_ids) + 1  # with the token in flight
-            if (seq.is_finished or produced >= seq.params.max_tokens
-                    or len(seq.prompt_ids) + produced >= seq.max_model_len):
-                continue
-            if not self.blocks.allocate(seq, s.start + 2):
-                return None
-            plan.append(ScheduledSequence(seq, s.start + 1, 1, list(self.blocks.table(seq))))
-            rows.append(i)
-        if not plan:
-            return None
-        return SchedulerOutput(plan, True, self.num_preemptions), rows
+        return budget, single
 
     def remove_finished(self) -> list[Sequence]:
         done = [s for s in self.running if s.is_finished]

@@ -349,11 +349,19 @@ class LLMEngine:
 
     # ---- async scheduling: one steady decode step in flight while the next is planned --------
     @staticmethod
-    def _overlappable(plan: SchedulerOutput) -> bool:
-        return plan.single_token and all([samples_ahead(s.seq) for s in plan.scheduled])
+    def _launchable(seq: Sequence) -> bool:
+        """Whether a step with this sequence can be launched ahead (`ModelRunner.launch`): its next
+        token is chosen on the device without what the step before gives (`samples_ahead`), and
+        nothing but tokens comes back (no prompt logprobs, embedding, images or drafts)."""
+        p = seq.params
+        return (samples_ahead(seq) and p.max_tokens > 0 and not p.prompt_logprobs and not p.embed and not p.images
+                and not seq.spec_token_ids)
+
+    def _overlappable(self, plan: SchedulerOutput) -> bool:
+        return all([self._launchable(s.seq) for s in plan.scheduled])
 
     def _launch(self, plan: SchedulerOutput, previous: LaunchedStep | None = None,
-                rows: list[int] | None = None) -> LaunchedStep | None:
+                rows: list[int | None] | None = None) -> LaunchedStep | None:
         """Launch a steady decode step (None if that raised: the plan is then planned again and
         executed as without async scheduling, which finds the request to blame)."""
         try:
@@ -370,7 +378,7 @@ class LLMEngine:
         work (the update below, emitting outputs, the next plan) happens beside the forward."""
         current = self._inflight
         assert current is not None
-        ahead = self.scheduler.schedule_ahead(current.plan)
+        ahead = self.scheduler.schedule_ahead(current.plan, current.sampled, self._launchable)
         self._inflight = None
         if ahead is not None and self._overlappable(ahead[0]):
             self._inflight = self._launch(ahead[0], current, ahead[1])
@@ -383,7 +391,7 @@ class LLMEngine:
         if not live:
             return []
         if len(live) != len(plan.scheduled):
-            plan = SchedulerOutput(live, True, plan.epoch)
+            plan = SchedulerOutput(live, plan.single_token, plan.epoch)
         outputs, finished = self.processor.update(plan, result)
         for seq in finished:
             self.requests.pop(seq.request_id, None)

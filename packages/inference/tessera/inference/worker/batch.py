@@ -42,25 +42,27 @@ class LaunchedStep:
     host; and the CUDA event recorded after that copy (None on CPU, where launching ran the step)."""
 
     plan: SchedulerOutput
-    tokens: torch.Tensor  # int64 [rows]
+    sampled: list[int]  # the plan's rows that sampled, in order
+    tokens: torch.Tensor  # int64 [len(sampled)]: their tokens
     host: torch.Tensor
     ready: torch.cuda.Event | None = None
 
     @classmethod
-    def start(cls, plan: SchedulerOutput, tokens: torch.Tensor) -> LaunchedStep:
+    def start(cls, plan: SchedulerOutput, sampled: list[int], tokens: torch.Tensor) -> LaunchedStep:
         if tokens.device.type != "cuda":
-            return cls(plan, tokens, tokens)
+            return cls(plan, sampled, tokens, tokens)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return cls(plan, tokens, host, ready)
+        return cls(plan, sampled, tokens, host, ready)
 
     def output(self) -> ModelRunnerOutput:
         """Wait for the tokens on the host: what `ModelRunner.execute` would have returned for the plan."""
         if self.ready is not None:
             self.ready.synchronize()
-        return ModelRunnerOutput(sampled=dict(zip([s.seq.request_id for s in self.plan.scheduled],
+        scheduled = self.plan.scheduled
+        return ModelRunnerOutput(sampled=dict(zip([scheduled[i].seq.request_id for i in self.sampled],
                                                   [[t] for t in self.host.tolist()])))
 
 
