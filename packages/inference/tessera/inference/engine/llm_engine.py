@@ -8,7 +8,9 @@ logprobs), and the output processor applies the results to the sequences and rep
 each request gained (`RequestOutput`). With speculative decoding (`EngineConfig.speculative`,
 spec_decode/proposers.py) a proposer then drafts tokens for the next step to verify. If executing a plan
 raises, each of its sequences is executed alone, and only those that still fail end (with an
-error); the engine goes on.
+error); the engine goes on. With async scheduling (`EngineConfig.async_scheduling`) a step's plan is
+launched before the step still on the device is applied, its input tokens read there
+(`Scheduler.schedule_ahead`, `ModelRunner.launch`), so the host's work runs beside the forward.
 """
 
 from __future__ import annotations
@@ -208,6 +210,9 @@ class LLMEngine:
         if graphs != "off":
             graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
                                    scratch_block=pool - 1, capture=graphs == "capture")
+        if cfg.async_scheduling and device.type != "cuda":
+            log.warning("--async-scheduling on %s: the forward runs when a step is launched, so nothing overlaps "
+                        "it and each output waits one step more; the flag is meant for CUDA", device.type)
         self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec, worker_threads)
         try:
             if hasattr(self.proposer, "attach"):  # a draft reading the target's hidden states (MTP)
@@ -374,8 +379,10 @@ class LLMEngine:
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """With a step in flight: plan and launch the one after it (`Scheduler.schedule_ahead`), then
-        wait for the one in flight and apply it. The device runs the next step meanwhile, so the host's
-        work (the update below, emitting outputs, the next plan) happens beside the forward."""
+        wait for the tokens of the one in flight and apply them. The device runs the next step
+        meanwhile, so the host's work (the update below, emitting outputs, the next plan) happens
+        beside the forward. When the next step cannot be planned ahead, nothing is launched and the
+        next call plans it as without async scheduling."""
         current = self._inflight
         assert current is not None
         ahead = self.scheduler.schedule_ahead(current.plan, current.sampled, self._launchable)
