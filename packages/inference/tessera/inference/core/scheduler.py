@@ -26,7 +26,6 @@ update).
 
 from __future__ import annotations
 
-import operator
 import time
 from collections import deque
 from collections.abc import Callable
@@ -199,44 +198,52 @@ class Scheduler:
         `admits` refuses while a sequence slot is free (`schedule` then plans once `inflight` is
         applied). A sequence that the token in flight stops (EOS, a stop id or string) computes one
         more row, which the update drops."""
-        live = [s.seq for s in inflight.scheduled if not s.seq.is_finished]
-        if len(live) != len(self.running) or not all(map(operator.is_, live, self.running)):
-            return None
+        running, done = self.running, Status.FINISHED
+        tables, bs = self.blocks.tables, self.blocks.block_size
+        plain_allocate = type(self.blocks).allocate is BlockManager.allocate
         budget = self.max_num_batched_tokens
-        seqs: list[Sequence] = []
-        num_new: list[int] = []
+        plan: list[ScheduledSequence] = []
         rows: list[int | None] = []
-        token_of = {row: j for j, row in enumerate(sampled)}
+        every = len(sampled) == len(inflight.scheduled)  # each row samples (a steady decode step): index = row
+        token_of = {} if every else {row: j for j, row in enumerate(sampled)}
+        k = 0  # the running sequences must be `inflight`'s unfinished ones, in its order
         for i, s in enumerate(inflight.scheduled):
             seq = s.seq
-            if seq.is_finished:
+            if seq.status is done:
                 continue
-            j = token_of.get(i)
+            if k == len(running) or running[k] is not seq:
+                return None
+            k += 1
+            j = i if every else token_of.get(i)
+            end = s.start + s.num_new
             if j is not None:
                 produced = len(seq.output_ids) + 1  # with the token in flight
                 if produced >= seq.params.max_tokens or len(seq.prompt_ids) + produced >= seq.max_model_len:
                     continue
                 n = 1
             else:  # the next chunk of a prompt, all of it known
-                n = min(seq.num_tokens - s.end, budget)
-            if n <= 0 or not self.blocks.allocate(seq, s.end + n):
+                n = min(len(seq.prompt_ids) + len(seq.output_ids) - end, budget)
+            if n <= 0 or not (plain_allocate and len(tables.get(seq.request_id, ())) * bs >= end + n
+                              or self.blocks.allocate(seq, end + n)):
                 return None
-            seq.num_computed = s.end  # what the update of `inflight` sets: the admissions below read it
-            seqs.append(seq)
-            num_new.append(n)
+            seq.num_computed = end  # what the update of `inflight` sets (admissions below read the running ones)
+            plan.append(ScheduledSequence(seq, end, n, list(tables[seq.request_id])))
             rows.append(j)
             budget -= n
-        if self.waiting and len(self.running) < self.max_num_seqs and not admits(self.waiting[0]):
-            return None  # planned once `inflight` is applied, so that it is not passed over
-        admitted = len(seqs)
-        self._admit(seqs, num_new, budget, False, admits)
-        rows.extend([None] * (len(seqs) - admitted))
-        if not seqs:
+        if k != len(running):
             return None
-        table = self.blocks.table
-        plan = [ScheduledSequence(seq, seq.num_computed, n, list(table(seq))) for seq, n in zip(seqs, num_new)]
-        single = all(j is not None for j in rows)
-        return SchedulerOutput(plan, single, self.num_preemptions), rows
+        if self.waiting and len(running) < self.max_num_seqs:
+            if not admits(self.waiting[0]):
+                return None  # planned once `inflight` is applied, so that it is not passed over
+            seqs: list[Sequence] = []
+            num_new: list[int] = []
+            self._admit(seqs, num_new, budget, False, admits)
+            plan += [ScheduledSequence(seq, seq.num_computed, n, list(tables[seq.request_id]))
+                     for seq, n in zip(seqs, num_new)]
+            rows += [None] * len(seqs)
+        if not plan:
+            return None
+        return SchedulerOutput(plan, None not in rows, self.num_preemptions), rows
 
     def _admit(self, seqs: list[Sequence], num_new: list[int], budget: int, single: bool,
            admits: Callable[[Sequence], bool] | None = None) -> tuple[int, bool]:

@@ -29,7 +29,7 @@ from tessera.inference.core.detokenizer import IncrementalDetokenizer
 from tessera.inference.core.image_inputs import check_image_spans
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
-from tessera.inference.core.sequence import Sequence
+from tessera.inference.core.sequence import Sequence, Status
 from tessera.inference.engine.output_processor import OutputProcessor, RequestOutput
 from tessera.inference.sample.sampler import samples_ahead
 from tessera.inference.sample.structured import Grammars
@@ -385,16 +385,16 @@ class LLMEngine:
         next call plans it as without async scheduling."""
         current = self._inflight
         assert current is not None
+        # Its rows are `current`'s, whose sequences were launchable, and admissions `_launchable` accepted.
         ahead = self.scheduler.schedule_ahead(current.plan, current.sampled, self._launchable)
-        self._inflight = None
-        if ahead is not None and self._overlappable(ahead[0]):
-            self._inflight = self._launch(ahead[0], current, ahead[1])
+        self._inflight = None if ahead is None else self._launch(ahead[0], current, ahead[1])
         plan = current.plan
         self._step_tokens = plan.num_tokens
         result = current.output()
         # A sequence that finished (a stop in the step before) or was aborted since this step was
         # planned: its row's token is dropped.
-        live = [s for s in plan.scheduled if not s.seq.is_finished]
+        done = Status.FINISHED
+        live = [s for s in plan.scheduled if s.seq.status is not done]
         if not live:
             return []
         if len(live) != len(plan.scheduled):

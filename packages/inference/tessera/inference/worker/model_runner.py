@@ -220,7 +220,7 @@ class ModelRunner:
             if previous is not None:
                 assert rows is not None
                 tokens = previous.tokens
-                if rows != list(range(len(tokens))):
+                if len(rows) != len(tokens):  # rows are increasing: as many as the tokens means all, in order
                     tokens = tokens.index_select(0, host_to_device(torch.tensor(rows), tokens.device))
             logits = self._single_token_logits(plan, tokens)
             sampled = list(range(len(plan.scheduled)))
