@@ -15,11 +15,13 @@ from live_server import LiveServer
 
 from tessera.inference.core.sampling_params import SamplingParams
 
-# Greedy and seeded draws, stop strings (a sequence stops with its next row launched) and requests
-# the overlap cannot sample ahead (logprobs, a penalty): their steps run synchronously.
-KINDS = [dict(temperature=0, stop=["e"]), dict(temperature=0.9, seed=5, stop=["a", "o"]), dict(temperature=1.0, seed=7),
-         dict(temperature=0.7, top_k=20, top_p=0.9, seed=9, stop=["t"]), dict(temperature=0, ignore_eos=True)]
-LATE = [dict(temperature=0, logprobs=2), dict(temperature=0.8, seed=3, presence_penalty=0.5)]
+# Greedy and seeded draws, logprobs (computed on the device), stop strings (a sequence stops with its
+# next row launched), and requests whose next token needs the one in flight (a penalty, min_tokens
+# still to reach): their steps are planned after the step before is applied.
+KINDS = [dict(temperature=0, stop=["e"]), dict(temperature=0.9, seed=5, stop=["a", "o"], logprobs=2),
+         dict(temperature=1.0, seed=7), dict(temperature=0.7, top_k=20, top_p=0.9, seed=9, stop=["t"]),
+         dict(temperature=0, ignore_eos=True, logprobs=0)]
+LATE = [dict(temperature=0, min_tokens=3), dict(temperature=0.8, seed=3, presence_penalty=0.5)]
 
 
 def _same(outs: dict[str, list], reference: dict[str, list]) -> None:
@@ -63,8 +65,9 @@ def _run(ckpt, overlap: bool, num_kv_blocks: int, abort_after: int | None = None
     rng = torch.Generator().manual_seed(4)
     outs: dict[str, list] = {}
     for i in range(14):
-        prompt = torch.randint(1, 500, (int(torch.randint(3, 14, (1,), generator=rng)),), generator=rng).tolist()
-        kind = LATE[i % 2] if i in (9, 12) else KINDS[i % len(KINDS)]
+        length = 30 if i == 0 else int(torch.randint(3, 14, (1,), generator=rng))  # r0: alone, two chunks first
+        prompt = torch.randint(1, 500, (length,), generator=rng).tolist()
+        kind = LATE[i % 2] if i in (9, 12) else KINDS[(i + 4) % len(KINDS)]  # r0: greedy, to its length
         outs[f"r{i}"] = []
         max_tokens = 4 if kind in LATE else 12 + 4 * (i % 5)  # a late one holds the overlap back while it runs
         engine.add_request(f"r{i}", prompt, SamplingParams(**{"max_tokens": max_tokens, **kind}))

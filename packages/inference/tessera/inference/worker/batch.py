@@ -13,6 +13,7 @@ import torch
 from tessera.inference.core.image_inputs import ImageInput
 from tessera.inference.core.scheduler import ScheduledSequence, SchedulerOutput
 from tessera.inference.core.sequence import TokenLogprob
+from tessera.inference.sample.sampler import DeviceLogprobs
 from tessera.inference.worker.decode_attention import DecodeSplit, SteadySplit
 
 
@@ -45,25 +46,34 @@ class LaunchedStep:
     sampled: list[int]  # the plan's rows that sampled, in order
     tokens: torch.Tensor  # int64 [len(sampled)]: their tokens
     host: torch.Tensor
+    logprobs: DeviceLogprobs | None = None  # on the host (or on its way), when a row asked
     ready: torch.cuda.Event | None = None
 
     @classmethod
-    def start(cls, plan: SchedulerOutput, sampled: list[int], tokens: torch.Tensor) -> LaunchedStep:
+    def start(cls, plan: SchedulerOutput, sampled: list[int], tokens: torch.Tensor,
+              logprobs: DeviceLogprobs | None = None) -> LaunchedStep:
         if tokens.device.type != "cuda":
-            return cls(plan, sampled, tokens, tokens)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return cls(plan, sampled, tokens, tokens, logprobs)
+
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        host = to_host(tokens)
+        logprobs = None if logprobs is None else logprobs.to_host(to_host)
         ready = torch.cuda.Event()
         ready.record()
-        return cls(plan, sampled, tokens, host, ready)
+        return cls(plan, sampled, tokens, host, logprobs, ready)
 
     def output(self) -> ModelRunnerOutput:
         """Wait for the tokens on the host: what `ModelRunner.execute` would have returned for the plan."""
         if self.ready is not None:
             self.ready.synchronize()
-        scheduled = self.plan.scheduled
-        return ModelRunnerOutput(sampled=dict(zip([scheduled[i].seq.request_id for i in self.sampled],
-                                                  [[t] for t in self.host.tolist()])))
+        ids = [self.plan.scheduled[i].seq.request_id for i in self.sampled]
+        tokens = self.host.tolist()
+        out = ModelRunnerOutput(sampled=dict(zip(ids, [[t] for t in tokens])))
+        if self.logprobs is not None:
+            out.logprobs = {rid: [lp] for rid, lp in zip(ids, self.logprobs.rows(tokens)) if lp is not None}
+        return out
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -224,7 +224,7 @@ class ModelRunner:
                     tokens = tokens.index_select(0, host_to_device(torch.tensor(rows), tokens.device))
             logits = self._single_token_logits(plan, tokens)
             sampled = list(range(len(plan.scheduled)))
-            return LaunchedStep.start(plan, sampled, self.sampler.sample_on_device(self.decode_batch.seqs, logits))
+            return LaunchedStep.start(plan, sampled, *self.sampler.sample_on_device(self.decode_batch.seqs, logits))
         if self.decode_batch is not None:
             self.decode_batch.clear()
         rows = rows or [None] * len(plan.scheduled)
@@ -246,10 +246,11 @@ class ModelRunner:
             assert previous is not None
             at, src = (host_to_device(torch.tensor(x), self.device) for x in zip(*fed))
             step.tokens[0].index_copy_(0, at, previous.tokens.index_select(0, src))
+        logits = self._logits(step).float()  # a step that samples nothing still writes its chunks' K/V
+        if not sampled:
+            return LaunchedStep.start(plan, sampled, torch.empty(0, dtype=torch.long, device=self.device))
         seqs = [plan.scheduled[i].seq for i in sampled]
-        tokens = self.sampler.sample_on_device(seqs, self._logits(step).float()) if sampled else \
-            torch.empty(0, dtype=torch.long, device=self.device)
-        return LaunchedStep.start(plan, sampled, tokens)
+        return LaunchedStep.start(plan, sampled, *self.sampler.sample_on_device(seqs, logits))
 
     def _single_token_logits(self, plan: SchedulerOutput, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits of every row of a steady decode step, its inputs from the persistent batch;
