@@ -101,9 +101,9 @@ class EngineConfig(StrictModel):
         False, description="Under tensor parallel, split each MoE layer's experts over the ranks (E / N whole experts "
                            "each, one all-reduce of the routed output) instead of replicating them on every rank.")
     async_scheduling: bool = Field(
-        False, description="Plan and launch each steady decode step while the one before it still runs, its tokens "
-                           "read on the device (vLLM's --async-scheduling): the host's scheduling, input building "
-                           "and output processing overlap the device's forward instead of following it.")
+        False, description="Plan and launch each step while the one before it still runs, its input tokens read "
+                           "on the device (vLLM's --async-scheduling): the host's scheduling, input building and "
+                           "output processing overlap the device's forward instead of following it.")
     device: str = Field("auto", description="Torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     seed: int | None = Field(None, description="Seed for requests that bring none (None: fresh OS entropy per request).")
     speculative: SpeculativeConfig | None = Field(

@@ -60,11 +60,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(E / N whole experts each, their outputs summed by one all-reduce) instead of replicating "
                         "them on every worker; N must divide the number of experts.")
     g.add_argument("--async-scheduling", action="store_true",
-                   help="Plan and launch each steady decode step while the previous one still runs on the device, "
-                        "its input tokens read on the device (vLLM's flag): the host's per-step work (scheduling, "
-                        "inputs, detokenizing, outputs) overlaps the forward. Steps with prefills, structured output, "
-                        "logprobs or penalties run as without it; not with --tensor-parallel > 1 or "
-                        "--speculative-config. Output is identical (greedy and seeded). Default: off.")
+                   help="Plan and launch each step while the previous one still runs on the device, its input "
+                        "tokens read on the device (vLLM's flag): the host's per-step work (scheduling, inputs, "
+                        "detokenizing, outputs) overlaps the forward. A step with a request using penalties, "
+                        "logit_bias, a grammar, min_tokens or prompt logprobs is planned as without it; not with "
+                        "--tensor-parallel > 1 or --speculative-config, nor for hybrid, vision-language, "
+                        "encoder-decoder or latent-attention models. Outputs are identical (greedy and seeded). "
+                        "For CUDA: on CPU nothing overlaps. Default: off.")
     g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block (default: %(default)s).")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
                    help="Bytes for the KV-cache pool, e.g. 512MiB or 4GB (default: 512MiB).")
