@@ -81,9 +81,10 @@ PLAN: tuple[Step, ...] = (
     Step("serve1b", 2, 110, ("python3", "benchmarks/serving.py", "--device", "cuda", "--preset", "llama-1b",
                              "--no-peer", "--num-requests", "128", "--concurrency", "64", "--naive-requests", "4",
                              "--rounds", "1", "--max-num-batched-tokens", "2048")),
+    # with --async-scheduling: at 160m the host's step is the TPOT (serve160m-sync below is the same without)
     Step("serve160m", 2, 60, ("python3", "benchmarks/serving.py", "--device", "cuda", "--preset", "llama-160m",
                               "--no-peer", "--num-requests", "128", "--concurrency", "64", "--naive-requests", "4",
-                              "--rounds", "1", "--max-num-batched-tokens", "2048")),
+                              "--rounds", "1", "--max-num-batched-tokens", "2048", "--async-scheduling")),
 )
 
 # Outside the 15-minute plan, run by name (`--step NAME`) on a longer lease or a second one.
@@ -119,6 +120,12 @@ EXTRAS: tuple[Step, ...] = (
     Step("titan-install", 0, 60, ("python3", "benchmarks/gpu_session.py", "--install-torchtitan")),
     Step("titan", 0, 500, ("python3", "benchmarks/torchtitan_peer.py", "--steps", "30", "--warmup", "10",
                            "--json", "{out}/torchtitan.json")),
+    Step("serve160m-sync", 0, 60, ("python3", "benchmarks/serving.py", "--device", "cuda", "--preset", "llama-160m",
+                                   "--no-peer", "--num-requests", "128", "--concurrency", "64", "--naive-requests",
+                                   "4", "--rounds", "1", "--max-num-batched-tokens", "2048")),
+    Step("serve1b-async", 0, 110, ("python3", "benchmarks/serving.py", "--device", "cuda", "--preset", "llama-1b",
+                                   "--no-peer", "--num-requests", "128", "--concurrency", "64", "--naive-requests",
+                                   "4", "--rounds", "1", "--max-num-batched-tokens", "2048", "--async-scheduling")),
     Step("serve-profile", 0, 300, ("python3", "benchmarks/serving_profile.py", "--device", "cuda", "--preset",
                                    "llama-160m", "--concurrency", "64", "--num-requests", "64",
                                    "--decode-steps", "64")),

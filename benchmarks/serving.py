@@ -298,6 +298,9 @@ def main() -> None:
                     help="cpu or cuda: the server and the transformers peers alike (fp32 on CPU, bf16 on CUDA)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="serve with --enforce-eager (no CUDA graphs for decode steps) to compare")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="serve with --async-scheduling (each decode step planned and launched while the one "
+                         "before runs)")
     ap.add_argument("--engine-thread", action="store_true",
                     help="serve with --no-engine-process (engine thread in the HTTP process) to compare")
     ap.add_argument("--structured", choices=["none", "json"], default="none",
@@ -340,7 +343,8 @@ def main() -> None:
            "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-tokens", str(kv_tokens),
            "--device", args.device, "--dtype", "bfloat16" if dtype == torch.bfloat16 else "float32"] \
         + ([] if args.defaults else ["--torch-threads", str(args.threads)]) \
-        + (["--no-engine-process"] if args.engine_thread else []) + (["--enforce-eager"] if args.enforce_eager else [])
+        + (["--no-engine-process"] if args.engine_thread else []) + (["--enforce-eager"] if args.enforce_eager else []) \
+        + (["--async-scheduling"] if args.async_scheduling else [])
     env = {**os.environ}
     if args.defaults:
         env.pop("OMP_NUM_THREADS", None)

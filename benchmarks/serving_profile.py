@@ -177,7 +177,7 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
         for mode, eager in modes:
             cfg = EngineConfig(max_num_seqs=conc, max_num_batched_tokens=max(args.max_num_batched_tokens, conc),
                                kv_cache_tokens=max(65536, conc * 2048), dtype=str(dtype).removeprefix("torch."),
-                               device=args.device, enforce_eager=eager)
+                               device=args.device, enforce_eager=eager, async_scheduling=args.async_scheduling)
             engine = LLMEngine(loaded, cfg, device, dtype)
             r, t = engine.runner, collections.Counter()
             r.prepare = timed("inputs: tensors (prepare)", r.prepare)
@@ -185,7 +185,11 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
                 r.decode_graphs.prepare = timed("inputs: tensors (prepare)", r.decode_graphs.prepare)
                 if hasattr(r.decode_graphs, "prepare_step"):  # fed from the persistent decode batch
                     r.decode_graphs.prepare_step = timed("inputs: tensors (prepare)", r.decode_graphs.prepare_step)
-            r.sampler = timed("sample", r.sampler)
+            if args.async_scheduling:
+                r.sampler.sample_on_device = timed("sample", r.sampler.sample_on_device)
+                engine.scheduler.schedule_ahead = timed("schedule", engine.scheduler.schedule_ahead)
+            else:
+                r.sampler = timed("sample", r.sampler)
             engine.processor.update = timed("output update (append, stops, detokenize, outputs)",
                                             engine.processor.update)
             engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
@@ -400,6 +404,9 @@ def main() -> None:
     ap.add_argument("--stub-forward", action="store_true",
                     help="also run each decode-step profile with the forward replaced by fixed logits: host work alone")
     ap.add_argument("--decode-only", action="store_true", help="only the decode-step profile (and --server)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="decode-step profile with async scheduling (each step launched before the one in flight "
+                         "is applied; its planning counts as schedule, its device-side sampling as sample)")
     ap.add_argument("--compile-ab", type=int, nargs="+", default=None, metavar="CONCURRENCY",
                     help="only compare compiled and eager CPU engine steps at these concurrencies, e.g. 8 32 64")
     args = ap.parse_args()

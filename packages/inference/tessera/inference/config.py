@@ -100,6 +100,10 @@ class EngineConfig(StrictModel):
     enable_expert_parallel: bool = Field(
         False, description="Under tensor parallel, split each MoE layer's experts over the ranks (E / N whole experts "
                            "each, one all-reduce of the routed output) instead of replicating them on every rank.")
+    async_scheduling: bool = Field(
+        False, description="Plan and launch each step while the one before it still runs, its input tokens read "
+                           "on the device (vLLM's --async-scheduling): the host's scheduling, input building and "
+                           "output processing overlap the device's forward instead of following it.")
     device: str = Field("auto", description="Torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     seed: int | None = Field(None, description="Seed for requests that bring none (None: fresh OS entropy per request).")
     speculative: SpeculativeConfig | None = Field(
@@ -154,6 +158,9 @@ class EngineConfig(StrictModel):
         if self.enable_expert_parallel and self.tensor_parallel == 1:
             raise ValueError("enable_expert_parallel splits the experts over the tensor-parallel ranks: set "
                              "tensor_parallel > 1 or drop it")
+        if self.async_scheduling and (self.tensor_parallel > 1 or self.speculative is not None):
+            raise ValueError("async_scheduling overlaps one process's decode steps: it does not combine with "
+                             "tensor_parallel > 1 or speculative decoding yet; drop one of them")
         env = os.environ.get(CPU_COMPILE_ENV)
         if env not in (None, "0", "1"):
             raise ValueError(f"environment variable {CPU_COMPILE_ENV}={env!r}: use 0 (eager) or 1 (compiled)")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -169,8 +170,90 @@ class Scheduler:
             num_new.append(n)
             budget -= n
             i += 1
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        if not preempted:
+            budget, single = self._admit(seqs, num_new, budget, single)
+        table = self.blocks.table
+        if type(self.blocks).state_slot is BlockManager.state_slot:  # no state pool: no slot to look up
+            plan = [ScheduledSequence(seq, seq.num_computed, n, list(table(seq))) for seq, n in zip(seqs, num_new)]
+        else:
+            plan = [ScheduledSequence(seq, seq.num_computed, n, list(table(seq)), state_slot=self.blocks.state_slot(seq))
+                    for seq, n in zip(seqs, num_new)]
+        for j, k in drafts.items():
+            seq = plan[j].seq
+            plan[j].spec_token_ids = seq.spec_token_ids[:k]
+            plan[j].spec_probs = None if seq.spec_probs is None else seq.spec_probs[:k]
+        return SchedulerOutput(plan, single and bool(plan), self.num_preemptions)
+
+    def schedule_ahead(self, inflight: SchedulerOutput, sampled: list[int], admits: Callable[[Sequence], bool]
+                       ) -> tuple[SchedulerOutput, list[int | None]] | None:
+        """Async scheduling: the step after `inflight`, planned while it runs, before its tokens are
+        known. `sampled`: the rows of `inflight` that sample a token (in its order). Each of its
+        sequences goes on: a sampling row computes the token in flight next (unless that token
+        brings it to max_tokens or max_model_len, or it has finished since), a prefill chunk that
+        samples nothing is followed by the next chunk; then waiting requests are admitted as
+        `schedule` admits them, while `admits` accepts them. Returns the plan and, per row, the
+        index in `inflight`'s sampled tokens of its input token (None: a row whose tokens the host
+        knows). None when the step is not what `schedule` would plan after `inflight`: a running
+        sequence outside it, the budget or the pool short without a preemption, or a waiting request
+        `admits` refuses while a sequence slot is free (`schedule` then plans once `inflight` is
+        applied). A sequence that the token in flight stops (EOS, a stop id or string) computes one
+        more row, which the update drops."""
+        running, done = self.running, Status.FINISHED
+        tables, bs = self.blocks.tables, self.blocks.block_size
+        plain_allocate = type(self.blocks).allocate is BlockManager.allocate
+        budget = self.max_num_batched_tokens
+        plan: list[ScheduledSequence] = []
+        rows: list[int | None] = []
+        every = len(sampled) == len(inflight.scheduled)  # each row samples (a steady decode step): index = row
+        token_of = {} if every else {row: j for j, row in enumerate(sampled)}
+        k = 0  # the running sequences must be `inflight`'s unfinished ones, in its order
+        for i, s in enumerate(inflight.scheduled):
+            seq = s.seq
+            if seq.status is done:
+                continue
+            if k == len(running) or running[k] is not seq:
+                return None
+            k += 1
+            j = i if every else token_of.get(i)
+            end = s.start + s.num_new
+            if j is not None:
+                produced = len(seq.output_ids) + 1  # with the token in flight
+                if produced >= seq.params.max_tokens or len(seq.prompt_ids) + produced >= seq.max_model_len:
+                    continue
+                n = 1
+            else:  # the next chunk of a prompt, all of it known
+                n = min(len(seq.prompt_ids) + len(seq.output_ids) - end, budget)
+            if n <= 0 or not (plain_allocate and len(tables.get(seq.request_id, ())) * bs >= end + n
+                              or self.blocks.allocate(seq, end + n)):
+                return None
+            seq.num_computed = end  # what the update of `inflight` sets (admissions below read the running ones)
+            plan.append(ScheduledSequence(seq, end, n, list(tables[seq.request_id])))
+            rows.append(j)
+            budget -= n
+        if k != len(running):
+            return None
+        if self.waiting and len(running) < self.max_num_seqs:
+            if not admits(self.waiting[0]):
+                return None  # planned once `inflight` is applied, so that it is not passed over
+            seqs: list[Sequence] = []
+            num_new: list[int] = []
+            self._admit(seqs, num_new, budget, False, admits)
+            plan += [ScheduledSequence(seq, seq.num_computed, n, list(tables[seq.request_id]))
+                     for seq, n in zip(seqs, num_new)]
+            rows += [None] * len(seqs)
+        if not plan:
+            return None
+        return SchedulerOutput(plan, None not in rows, self.num_preemptions), rows
+
+    def _admit(self, seqs: list[Sequence], num_new: list[int], budget: int, single: bool,
+           admits: Callable[[Sequence], bool] | None = None) -> tuple[int, bool]:
+        """Admit waiting requests first-come first-served while budget, sequence slots and blocks
+        last (appended to `seqs`/`num_new`); returns the budget left and whether the step stays
+        single-token. `admits`: stop at the first request it refuses (async scheduling's)."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if admits is not None and not admits(seq):
+                break
             embed = seq.params.embed  # pooled over every position: no prefix hits, never chunked
             hits = self.blocks.lookup_prefix(seq) if seq.num_computed == 0 and not self.blocks.table(seq) and not embed else []
             start = len(hits) * self.blocks.block_size
@@ -197,17 +280,7 @@ class Scheduler:
             seqs.append(seq)
             num_new.append(n)
             budget -= n
-        table = self.blocks.table
-        if type(self.blocks).state_slot is BlockManager.state_slot:  # no state pool: no slot to look up
-            plan = [ScheduledSequence(seq, seq.num_computed, n, list(table(seq))) for seq, n in zip(seqs, num_new)]
-        else:
-            plan = [ScheduledSequence(seq, seq.num_computed, n, list(table(seq)), state_slot=self.blocks.state_slot(seq))
-                    for seq, n in zip(seqs, num_new)]
-        for j, k in drafts.items():
-            seq = plan[j].seq
-            plan[j].spec_token_ids = seq.spec_token_ids[:k]
-            plan[j].spec_probs = None if seq.spec_probs is None else seq.spec_probs[:k]
-        return SchedulerOutput(plan, single and bool(plan), self.num_preemptions)
+        return budget, single
 
     def remove_finished(self) -> list[Sequence]:
         done = [s for s in self.running if s.is_finished]

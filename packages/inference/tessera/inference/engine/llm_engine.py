@@ -8,7 +8,9 @@ logprobs), and the output processor applies the results to the sequences and rep
 each request gained (`RequestOutput`). With speculative decoding (`EngineConfig.speculative`,
 spec_decode/proposers.py) a proposer then drafts tokens for the next step to verify. If executing a plan
 raises, each of its sequences is executed alone, and only those that still fail end (with an
-error); the engine goes on.
+error); the engine goes on. With async scheduling (`EngineConfig.async_scheduling`) a step's plan is
+launched before the step still on the device is applied, its input tokens read there
+(`Scheduler.schedule_ahead`, `ModelRunner.launch`), so the host's work runs beside the forward.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from tessera.inference.core.detokenizer import IncrementalDetokenizer
 from tessera.inference.core.image_inputs import check_image_spans
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
-from tessera.inference.core.sequence import Sequence
+from tessera.inference.core.sequence import Sequence, Status
 from tessera.inference.engine.output_processor import OutputProcessor, RequestOutput
+from tessera.inference.sample.sampler import samples_ahead
 from tessera.inference.sample.structured import Grammars
 from tessera.inference.spec_decode.proposers import build_proposer, drafter_block_bytes
-from tessera.inference.worker.batch import ModelRunnerOutput
+from tessera.inference.worker.batch import LaunchedStep, ModelRunnerOutput
 from tessera.inference.worker.cpu_linear import pack_linears
 from tessera.inference.worker.cpu_threads import Binding
 from tessera.inference.worker.cuda_graphs import (
@@ -180,6 +183,10 @@ class LLMEngine:
                             f"({why}); drop the flag")
         self.blocks = kind.cache(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash,
                                  **kind.cache.engine_kwargs(cfg))
+        if cfg.async_scheduling and not kind.runner.keeps_decode_batch():
+            what = " (multi-head latent attention)" if getattr(loaded.config, "mla", None) is not None else ""
+            raise UserError(f"--async-scheduling: model kind {loaded.config.kind!r}{what} builds its decode steps "
+                            "otherwise than from the persistent decode batch that async scheduling feeds; drop the flag")
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.processor = OutputProcessor(self.scheduler, self.blocks)
         self.proposer = None
@@ -190,6 +197,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds for requests that bring none
         self._step_tokens = 0
+        self._inflight: LaunchedStep | None = None  # async scheduling: the step launched, not yet applied
         self.grammars = Grammars(artifact_path(loaded.tokenizer.directory, TOKENIZER_JSON).read_text(),
                                  loaded.config.vocab_size, sorted(self.eos_ids))
         check_pooling(loaded, self.generates)  # an encoder without pooling: refused before any worker starts
@@ -202,6 +210,9 @@ class LLMEngine:
         if graphs != "off":
             graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
                                    scratch_block=pool - 1, capture=graphs == "capture")
+        if cfg.async_scheduling and device.type != "cuda":
+            log.warning("--async-scheduling on %s: the forward runs when a step is launched, so nothing overlaps "
+                        "it and each output waits one step more; the flag is meant for CUDA", device.type)
         self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec, worker_threads)
         try:
             if hasattr(self.proposer, "attach"):  # a draft reading the target's hidden states (MTP)
@@ -301,7 +312,7 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def stats(self) -> EngineStats:
         spec = self.processor.spec_stats
@@ -316,10 +327,16 @@ class LLMEngine:
 
     # ---- one iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._inflight is not None:
+            return self._step_overlapped()
         plan = self.scheduler.schedule()
         self._step_tokens = plan.num_tokens
         if not plan.scheduled:
             return []
+        if self.cfg.async_scheduling and self._overlappable(plan):
+            self._inflight = self._launch(plan)
+            if self._inflight is not None:
+                return self._step_overlapped()
         # The grammar masks of the sequences about to be sampled are computed while the model
         # forward runs; the matchers advance (processor.update) only after the mask thread is idle.
         self.grammars.compute_ahead([s.seq for s in plan.scheduled
@@ -333,6 +350,58 @@ class LLMEngine:
             self.requests.pop(seq.request_id, None)
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)  # drafts for the next step to verify
+        return outputs
+
+    # ---- async scheduling: one steady decode step in flight while the next is planned --------
+    @staticmethod
+    def _launchable(seq: Sequence) -> bool:
+        """Whether a step with this sequence can be launched ahead (`ModelRunner.launch`): its next
+        token is chosen on the device without what the step before gives (`samples_ahead`), and
+        nothing but tokens comes back (no prompt logprobs, embedding, images or drafts)."""
+        p = seq.params
+        return (samples_ahead(seq) and p.max_tokens > 0 and not p.prompt_logprobs and not p.embed and not p.images
+                and not seq.spec_token_ids)
+
+    def _overlappable(self, plan: SchedulerOutput) -> bool:
+        return all([self._launchable(s.seq) for s in plan.scheduled])
+
+    def _launch(self, plan: SchedulerOutput, previous: LaunchedStep | None = None,
+                rows: list[int | None] | None = None) -> LaunchedStep | None:
+        """Launch a steady decode step (None if that raised: the plan is then planned again and
+        executed as without async scheduling, which finds the request to blame)."""
+        try:
+            return self.runner.launch(plan, previous, rows)
+        except WorkerDied:
+            raise
+        except Exception:
+            log.exception("launching a decode step ahead failed; it is executed again")
+            return None
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """With a step in flight: plan and launch the one after it (`Scheduler.schedule_ahead`), then
+        wait for the tokens of the one in flight and apply them. The device runs the next step
+        meanwhile, so the host's work (the update below, emitting outputs, the next plan) happens
+        beside the forward. When the next step cannot be planned ahead, nothing is launched and the
+        next call plans it as without async scheduling."""
+        current = self._inflight
+        assert current is not None
+        # Its rows are `current`'s, whose sequences were launchable, and admissions `_launchable` accepted.
+        ahead = self.scheduler.schedule_ahead(current.plan, current.sampled, self._launchable)
+        self._inflight = None if ahead is None else self._launch(ahead[0], current, ahead[1])
+        plan = current.plan
+        self._step_tokens = plan.num_tokens
+        result = current.output()
+        # A sequence that finished (a stop in the step before) or was aborted since this step was
+        # planned: its row's token is dropped.
+        done = Status.FINISHED
+        live = [s for s in plan.scheduled if s.seq.status is not done]
+        if not live:
+            return []
+        if len(live) != len(plan.scheduled):
+            plan = SchedulerOutput(live, plan.single_token, plan.epoch)
+        outputs, finished = self.processor.update(plan, result)
+        for seq in finished:
+            self.requests.pop(seq.request_id, None)
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:

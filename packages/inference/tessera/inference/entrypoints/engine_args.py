@@ -59,6 +59,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="With --tensor-parallel N: split each mixture-of-experts layer's experts over the N workers "
                         "(E / N whole experts each, their outputs summed by one all-reduce) instead of replicating "
                         "them on every worker; N must divide the number of experts.")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="Plan and launch each step while the previous one still runs on the device, its input "
+                        "tokens read on the device (vLLM's flag): the host's per-step work (scheduling, inputs, "
+                        "detokenizing, outputs) overlaps the forward. A step with a request using penalties, "
+                        "logit_bias, a grammar, min_tokens or prompt logprobs is planned as without it; not with "
+                        "--tensor-parallel > 1 or --speculative-config, nor for hybrid, vision-language, "
+                        "encoder-decoder or latent-attention models. Outputs are identical (greedy and seeded). "
+                        "For CUDA: on CPU nothing overlaps. Default: off.")
     g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block (default: %(default)s).")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
                    help="Bytes for the KV-cache pool, e.g. 512MiB or 4GB (default: 512MiB).")
@@ -159,7 +167,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching, prefix_cache_hash=args.prefix_cache_hash, dtype=args.dtype, device=args.device, seed=args.seed,
             quantization=args.quantization, cpu_linear=args.cpu_linear, speculative=speculative, tensor_parallel=args.tensor_parallel,
-            enable_expert_parallel=args.enable_expert_parallel,
+            enable_expert_parallel=args.enable_expert_parallel, async_scheduling=args.async_scheduling,
             kv_cache_dtype=args.kv_cache_dtype, skip_checksum_verify=args.skip_checksum_verify,
             enforce_eager=args.enforce_eager, cuda_graph_sizes=sizes,
         )

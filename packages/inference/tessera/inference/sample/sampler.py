@@ -72,10 +72,14 @@ def distribution(row: torch.Tensor) -> torch.Tensor:
     validation rules out) is a point mass on its argmax."""
     row = row.nan_to_num(nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
     probs = row.softmax(-1)
-    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-        probs = torch.zeros_like(row)
-        probs[row.argmax()] = 1.0
-    return probs
+    # Chosen on the device (no read back: async scheduling samples before the step's tokens reach the host).
+    usable = torch.isfinite(probs).all() & (probs.sum() > 0.0)
+    return torch.where(usable, probs, torch.zeros_like(row).scatter_(0, row.argmax().view(1), 1.0))
+
+
+def draw_on_device(row: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """`draw`'s token as a one-element tensor on the row's device, without reading anything back."""
+    return torch.multinomial(distribution(row), 1, generator=generator)
 
 
 def draw(row: torch.Tensor, generator: torch.Generator) -> tuple[int, torch.Tensor]:
@@ -105,6 +109,16 @@ class Hypothetical:
 # Every token (the Sampler's, speculative verification's, a draft model's) comes from
 # process -> finish -> pick. Speculative decoding is exact only while verification's target
 # distribution is the one the Sampler would draw from, so neither path has steps of its own.
+
+def samples_ahead(seq: Sequence) -> bool:
+    """Whether this sequence's next token can be chosen before its newest one is known (async
+    scheduling, `Sampler.sample_on_device`): nothing its choice reads depends on its output so far
+    (no penalties, grammar or min_tokens still to reach)."""
+    p = seq.params
+    return seq.matcher is None and (seq.plain or p.repetition_penalty == 1.0 and not p.presence_penalty
+                                    and not p.frequency_penalty and not p.logit_bias
+                                    and len(seq.output_ids) >= p.min_tokens)
+
 
 def needs_processing(seq: Sequence | Hypothetical) -> bool:
     """Whether `process_row` changes anything for this sequence (most rows: no, and no copy)."""
@@ -215,6 +229,53 @@ class Sampler:
                 if n is not None and i not in failed:
                     logprobs[i] = token_logprob(raw_logprobs[i], chosen[i], n)
         return chosen, logprobs, failed
+
+
+    @staticmethod
+    def sample_on_device(seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, DeviceLogprobs | None]:
+        """Async scheduling: the tokens `__call__` would choose for rows that all `samples_ahead`, as
+        an int64 tensor [N] on the logits' device, nothing read back to the host (greedy rows: the
+        argmax; the others: `finish` then a draw from the request's generator, as `pick` does), and
+        when a row asks for logprobs, every row's (`DeviceLogprobs`)."""
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            chosen = torch.from_numpy(logits.numpy().argmax(axis=1))  # argmax_rows' faster CPU path
+        else:
+            chosen = logits.argmax(dim=-1)
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if not p.greedy:
+                chosen[i:i + 1] = draw_on_device(finish(logits[i], p), seq.generator)
+        top_n = [seq.params.logprobs for seq in seqs]
+        if all(n is None for n in top_n):
+            return chosen, None
+        return chosen, DeviceLogprobs.of(torch.log_softmax(logits, dim=-1), chosen, top_n)
+
+
+@dataclass
+class DeviceLogprobs:
+    """Logprobs of a step's rows left on the device (async scheduling): each row's chosen token's and
+    its top max(n) alternatives; `rows` turns them into what `token_logprob` gives, once on the host."""
+
+    top_n: list[int | None]  # per row: the alternatives it asked for (None: no logprobs)
+    chosen: torch.Tensor  # [N] fp32
+    top_ids: torch.Tensor  # [N, K]
+    top_values: torch.Tensor  # [N, K]
+
+    @classmethod
+    def of(cls, logprobs: torch.Tensor, chosen: torch.Tensor, top_n: list[int | None]) -> DeviceLogprobs:
+        k = max(n or 0 for n in top_n)
+        values, ids = torch.topk(logprobs, k) if k else (logprobs[:, :0], chosen[:, None][:, :0])
+        return cls(top_n, logprobs.gather(1, chosen[:, None])[:, 0], ids, values)
+
+    def to_host(self, copy) -> DeviceLogprobs:
+        """These tensors through `copy` (the launched step's copy to the host)."""
+        return DeviceLogprobs(self.top_n, copy(self.chosen), copy(self.top_ids), copy(self.top_values))
+
+    def rows(self, tokens: list[int]) -> list[TokenLogprob | None]:
+        """On the host: per row its TokenLogprob (None where not asked)."""
+        chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
+        return [None if n is None else TokenLogprob(token_id=t, logprob=lp, top=list(zip(i[:n], v[:n])))
+                for n, t, lp, i, v in zip(self.top_n, tokens, chosen, ids, values)]
 
 
 def token_logprob(row_logprobs: torch.Tensor, token: int, top_n: int) -> TokenLogprob:

@@ -13,6 +13,7 @@ import torch
 from tessera.inference.core.image_inputs import ImageInput
 from tessera.inference.core.scheduler import ScheduledSequence, SchedulerOutput
 from tessera.inference.core.sequence import TokenLogprob
+from tessera.inference.sample.sampler import DeviceLogprobs
 from tessera.inference.worker.decode_attention import DecodeSplit, SteadySplit
 
 
@@ -36,6 +37,62 @@ class ModelRunnerOutput:
 
 
 @dataclass
+class LaunchedStep:
+    """A steady decode step launched ahead (async scheduling, `ModelRunner.launch`): its sampled
+    tokens on the device, where the next step's inputs read them; their copy on its way to the
+    host; and the CUDA event recorded after that copy (None on CPU, where launching ran the step)."""
+
+    plan: SchedulerOutput
+    sampled: list[int]  # the plan's rows that sampled, in order
+    tokens: torch.Tensor  # int64 [len(sampled)]: their tokens
+    host: torch.Tensor
+    logprobs: DeviceLogprobs | None = None  # on the host (or on its way), when a row asked
+    ready: torch.cuda.Event | None = None
+
+    @classmethod
+    def start(cls, plan: SchedulerOutput, sampled: list[int], tokens: torch.Tensor,
+              logprobs: DeviceLogprobs | None = None) -> LaunchedStep:
+        if tokens.device.type != "cuda":
+            return cls(plan, sampled, tokens, tokens, logprobs)
+
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        host = to_host(tokens)
+        logprobs = None if logprobs is None else logprobs.to_host(to_host)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(plan, sampled, tokens, host, logprobs, ready)
+
+    def output(self) -> ModelRunnerOutput:
+        """Wait for the tokens on the host: what `ModelRunner.execute` would have returned for the plan."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        ids = [self.plan.scheduled[i].seq.request_id for i in self.sampled]
+        tokens = self.host.tolist()
+        out = ModelRunnerOutput(sampled=dict(zip(ids, [[t] for t in tokens])))
+        if self.logprobs is not None:
+            out.logprobs = {rid: [lp] for rid, lp in zip(ids, self.logprobs.rows(tokens)) if lp is not None}
+        return out
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To CUDA through pinned memory, without waiting: a copy from pageable
+    memory waits for the device to finish its queued work, which async scheduling overlaps."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` from the host without waiting on CUDA (as `host_to_device`)."""
+    if dst.device.type == "cuda" and src.device.type == "cpu":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
+@dataclass
 class StepInputs:
     tokens: torch.Tensor  # [1, T]
     positions: torch.Tensor  # [1, T]
@@ -47,10 +104,11 @@ class StepInputs:
     split: DecodeSplit | None = None  # CPU only, when the step has a decode row
 
     def to(self, device: torch.device) -> StepInputs:
-        """These inputs on `device` (a host-built step, `DecodeBatch`, for a CUDA forward: one copy each)."""
-        if self.tokens.device == device:
+        """These inputs on `device` (a host-built step, `DecodeBatch`, for a CUDA forward: one copy each;
+        its tokens may be there already: async scheduling's, sampled by the step before)."""
+        if self.positions.device == device:
             return self
-        return StepInputs(*(t if t is None else t.to(device) for t in (
+        return StepInputs(*(t if t is None or t.device == device else host_to_device(t, device) for t in (
             self.tokens, self.positions, self.slot_mapping, self.block_tables, self.seq_lens, self.query_start_loc,
             self.logits_rows)))
 

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tessera.common.errors import UserError
-from tessera.inference.worker.batch import BatchSeq, StepInputs
+from tessera.inference.worker.batch import BatchSeq, StepInputs, copy_in
 
 if TYPE_CHECKING:
     from tessera.common.models.causal_lm.config import ModelConfig
@@ -208,16 +208,21 @@ class DecodeGraphs:
         (one copy per buffer, as `prepare` makes from BatchSeqs)."""
         n, bs = step.seq_lens.shape[0], self.block_size
         width = step.block_tables.shape[1]
+        on_host = step.tokens.device.type == "cpu"  # else sampled on the device by the step before (async scheduling)
         ids = torch.zeros(3, size, dtype=torch.long)
-        ids[0, :n], ids[1, :n], ids[2, :n] = step.tokens[0], step.positions[0], step.slot_mapping
+        if on_host:
+            ids[0, :n] = step.tokens[0]
+        ids[1, :n], ids[2, :n] = step.positions[0], step.slot_mapping
         ids[2, n:] = self.scratch * bs
         lens = torch.ones(size, dtype=torch.int32)
         lens[:n] = step.seq_lens
         tables = torch.full((size, width), self.scratch, dtype=torch.int32)
         tables[:n] = step.block_tables
-        self.ids[:, :size].copy_(ids)
-        self.seq_lens[:size].copy_(lens)
-        self.block_tables[:size, :width].copy_(tables)
+        copy_in(self.ids[:, :size], ids)
+        if not on_host:
+            self.ids[0, :n].copy_(step.tokens[0])
+        copy_in(self.seq_lens[:size], lens)
+        copy_in(self.block_tables[:size, :width], tables)
 
     def forward_step(self, step: StepInputs, size: int) -> torch.Tensor:
         """fp32 logits of every row of a host-built single-token step, replayed in bucket `size`."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,15 @@ import torch
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.sample.sampler import Sampler, token_logprob, verify
-from tessera.inference.worker.batch import BatchSeq, DecodeBatch, ModelRunnerOutput, StepInputs, batch_seqs
+from tessera.inference.worker.batch import (
+    BatchSeq,
+    DecodeBatch,
+    LaunchedStep,
+    ModelRunnerOutput,
+    StepInputs,
+    batch_seqs,
+    host_to_device,
+)
 from tessera.inference.worker.cuda_graphs import DecodeGraphs, GraphSpec
 from tessera.inference.worker.decode_attention import decode_split, split_attention
 from tessera.inference.worker.kv_cache import kv_block_bytes, local_kv_heads, store_kv
@@ -193,19 +202,70 @@ class ModelRunner:
 
     def _execute_single_token(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """A steady decode step: inputs from the persistent batch, every row through the head and sampled."""
+        logits = self._single_token_logits(plan)
+        out = ModelRunnerOutput()
+        self._sample(out, self.decode_batch.seqs, logits)  # the plan's sequences, in its order
+        return out
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput, previous: LaunchedStep | None = None,
+               rows: list[int | None] | None = None) -> LaunchedStep:
+        """Async scheduling: start a step whose sampling sequences all `samples_ahead` (no drafts,
+        prompt logprobs or pooling) and return without reading its tokens back (on CPU the step has
+        run when this returns). With `previous`, the step still in flight: row i's input is the token
+        `previous` sampled at index rows[i] (None: tokens the host knows), read on the device (the
+        sequences do not hold it yet); such a row computes that one token and samples."""
+        if plan.single_token:
+            tokens = None
+            if previous is not None:
+                assert rows is not None
+                tokens = previous.tokens
+                if len(rows) != len(tokens):  # rows are increasing: as many as the tokens means all, in order
+                    tokens = tokens.index_select(0, host_to_device(torch.tensor(rows), tokens.device))
+            logits = self._single_token_logits(plan, tokens)
+            sampled = list(range(len(plan.scheduled)))
+            return LaunchedStep.start(plan, sampled, *self.sampler.sample_on_device(self.decode_batch.seqs, logits))
+        if self.decode_batch is not None:
+            self.decode_batch.clear()
+        rows = rows or [None] * len(plan.scheduled)
+        batch = batch_seqs(plan)
+        logits_rows: list[int] = []
+        sampled: list[int] = []
+        fed: list[tuple[int, int]] = []  # (packed row, index in previous.tokens)
+        offset = 0
+        for i, (s, j) in enumerate(zip(plan.scheduled, rows)):
+            if j is not None:  # its newest token is in flight: a placeholder, replaced on the device below
+                batch[i] = replace(batch[i], tokens=[0], num_q=1)
+                fed.append((offset, j))
+            if j is not None or s.completes_prompt and s.seq.params.max_tokens > 0:
+                sampled.append(i)
+                logits_rows.append(offset + s.num_new - 1)
+            offset += s.num_new
+        step = self.prepare(batch, logits_rows)
+        if fed:
+            assert previous is not None
+            at, src = (host_to_device(torch.tensor(x), self.device) for x in zip(*fed))
+            step.tokens[0].index_copy_(0, at, previous.tokens.index_select(0, src))
+        logits = self._logits(step).float()  # a step that samples nothing still writes its chunks' K/V
+        if not sampled:
+            return LaunchedStep.start(plan, sampled, torch.empty(0, dtype=torch.long, device=self.device))
+        seqs = [plan.scheduled[i].seq for i in sampled]
+        return LaunchedStep.start(plan, sampled, *self.sampler.sample_on_device(seqs, logits))
+
+    def _single_token_logits(self, plan: SchedulerOutput, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of every row of a steady decode step, its inputs from the persistent batch;
+        `tokens` [rows] on the device replace the sequences' newest tokens (async scheduling)."""
         if self.decode_batch is None:
             self.decode_batch = DecodeBatch(self.block_size)
         graphs, size = self.decode_graphs, None
         if graphs is not None:
             size = graphs.step_bucket(len(plan.scheduled), max(s.start for s in plan.scheduled) // self.block_size + 1)
         step = self.decode_batch.inputs(plan, split=self.batch_decodes and size is None)
+        if tokens is not None:
+            step.tokens = tokens.view(1, -1)
         if size is not None:
-            logits = graphs.forward_step(step, size)
-        else:
-            logits = self._logits(step.to(self.device)).float()
-        out = ModelRunnerOutput()
-        self._sample(out, self.decode_batch.seqs, logits)  # the plan's sequences, in its order
-        return out
+            return graphs.forward_step(step, size)
+        return self._logits(step.to(self.device)).float()
 
     def _sample(self, out: ModelRunnerOutput, seqs: list, logits: torch.Tensor) -> None:
         """Sample one token for each of `seqs` from its row of `logits` into `out`."""
@@ -252,16 +312,16 @@ class ModelRunner:
             starts.append(starts[-1] + n)
         width = max(len(s.block_table) for s in batch)
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
-        dev = self.device
+        # Built on the host, then copied without waiting for the device (host_to_device).
         inputs = StepInputs(
-            tokens=torch.tensor([tokens], dtype=torch.long, device=dev),
-            positions=torch.tensor([positions], dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-        )
+            tokens=torch.tensor([tokens], dtype=torch.long),
+            positions=torch.tensor([positions], dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+        ).to(self.device)
         num_q = [s.num_q for s in batch]
         if self.batch_decodes and any(num_q):
             inputs.split = decode_split(num_q, starts, inputs.block_tables, inputs.seq_lens, self.block_size)
