@@ -41,7 +41,6 @@ def _stop(signum: int, frame: object) -> None:
 def _run_uvicorn(uvicorn, config, startup_line: str) -> None:
     """uvicorn.run, printing `startup_line` once the server listens, with the port it bound: the
     OS's choice under --port 0 (as uvicorn's own log line), read from the socket, not the flag."""
-
     from uvicorn.config import STARTUP_FAILURE
 
     class Server(uvicorn.Server):
