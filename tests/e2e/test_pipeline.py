@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from ports import start_serve
 
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
@@ -41,12 +41,6 @@ def _corpus(path: Path, max_bytes: int = 400_000) -> None:
             total += len(text)
             if total > max_bytes:
                 break
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +97,8 @@ def test_hf_export_matches_our_logits(pipeline):
 
 
 def test_server_completes_a_prompt(pipeline):
-    port = _free_port()
-    server = subprocess.Popen([str(BIN / "tessera-serve"), "--checkpoint", str(pipeline["run_dir"]),
-                               "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    server, base, _ = start_serve([BIN / "tessera-serve"], "--checkpoint", pipeline["run_dir"], timeout=90,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 90
         while True:

@@ -1,14 +1,13 @@
-"""A real uvicorn server on a free port over the in-process (thread) engine, for HTTP tests.
+"""A real uvicorn server on a port it bound (port 0) over the in-process (thread) engine, for HTTP tests.
 `stop()` fails the test if a process the server started (tensor-parallel workers, tokenizer,
 template or grammar-check children) outlives it."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 from inference_helpers import make_engine
+from ports import start_uvicorn
 from process_tree import assert_gone, descendants
 
 from tessera.inference.engine.frontend import AsyncEngine
@@ -20,34 +19,23 @@ class LiveServer:
     live: set[LiveServer] = set()  # started and not yet stopped: their children are not a leak of another's
 
     def __init__(self, ckpt, api_key=None, limits=None, **engine_cfg):
-        import uvicorn
-
         self._before = {p.pid for p in descendants()}
         self.engine = make_engine(ckpt, **engine_cfg)
         try:
-            self._start(uvicorn, api_key, limits)
+            self._start(api_key, limits)
         except BaseException:
             self.engine.close()  # its tensor-parallel workers, if any: a failed start leaves none
             raise
         LiveServer.live.add(self)
 
-    def _start(self, uvicorn, api_key, limits) -> None:
+    def _start(self, api_key, limits) -> None:
         metrics = ServingMetrics("tiny")
         limits = limits or ServerLimits(max_prompt_tokens=64, max_tokens=100, max_prompts=4, max_body_bytes=20_000)
         self.async_engine = AsyncEngine(self.engine, metrics)
         self.openai = OpenAIServer(self.async_engine, "tiny", limits, metrics)
         app = self.openai.build_app(api_key=api_key)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.server, self.thread, self.url = start_uvicorn(app)
+        self.port = int(self.url.rsplit(":", 1)[1])
 
     def own_pids(self) -> set[int]:
         """The child processes this server holds now."""

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ports import start_serve
 
 from tessera.inference.worker.cpu_threads import Binding, ThreadPlan, physical_cores, plan_threads
 
@@ -97,21 +96,15 @@ def _cpu_list(text: str) -> frozenset[int]:
 
 def _engine_threads_line(ckpt: Path, cpus: list[int]) -> tuple[str, set[frozenset[int]]]:
     """Start tessera-serve confined to `cpus` (as taskset would) and return its startup line."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     code = f"import os; os.sched_setaffinity(0, {cpus!r}); from tessera.inference.entrypoints.serve_cli import entry; entry()"
-    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
-                             "--num-kv-blocks", "64"], stderr=subprocess.PIPE, text=True)
+    proc, _, lines = start_serve([sys.executable, "-c", code], "--checkpoint", ckpt, "--quiet", "--num-kv-blocks", "64")
     try:
-        for line in proc.stderr:
-            if "listening on" in line:
-                pid = int(re.search(r"engine process (\d+)", line).group(1))
-                # Every thread of the engine process (torch's pool included) runs where the plan says.
-                allowed = {_cpu_list(Path(t, "status").read_text().split("Cpus_allowed_list:")[1].split()[0])
-                           for t in Path(f"/proc/{pid}/task").iterdir()}
-                return line, allowed
-        raise AssertionError(f"tessera-serve exited (code {proc.wait()}) without its startup line")
+        line = lines[-1]
+        pid = int(re.search(r"engine process (\d+)", line).group(1))
+        # Every thread of the engine process (torch's pool included) runs where the plan says.
+        allowed = {_cpu_list(Path(t, "status").read_text().split("Cpus_allowed_list:")[1].split()[0])
+                   for t in Path(f"/proc/{pid}/task").iterdir()}
+        return line, allowed
     finally:
         proc.kill()
         proc.wait()

@@ -8,15 +8,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
 from inference_helpers import make_engine, run_all
+from ports import start_uvicorn
 
 from tessera.common.checkpoint import resolve_checkpoint
 from tessera.inference.config import EngineConfig
@@ -31,23 +30,11 @@ pytestmark = pytest.mark.slow
 
 class ProcessServer:
     def __init__(self, ckpt, **engine_cfg):
-        import uvicorn
-
         self.engine = ProcessEngine.launch(str(ckpt), EngineConfig(**engine_cfg), plan_threads([], explicit=1))
         self.engine.metrics = ServingMetrics("tiny")
         limits = ServerLimits(max_prompt_tokens=64, max_tokens=200, max_prompts=4)
         app = OpenAIServer(self.engine, "tiny", limits, self.engine.metrics).build_app()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{port}"
+        self.server, self.thread, self.url = start_uvicorn(app)
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=10).text

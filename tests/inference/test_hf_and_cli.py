@@ -19,6 +19,7 @@ from inference_helpers import (
     token_ids,
     wait_for_health,
 )
+from ports import SERVE, start_serve
 
 from tessera.common.checkpoint import load_model_tensors, resolve_checkpoint
 from tessera.inference.core.sampling_params import SamplingParams
@@ -138,22 +139,30 @@ def test_generate_cli_end_to_end(tiny_ckpt, tmp_path):
 
 
 @pytest.mark.slow
+def test_serve_with_port_0_listens_on_a_port_the_os_chose_and_its_startup_line_says_which(tiny_ckpt):
+    import httpx
+
+    proc, url, lines = start_serve(SERVE, "--checkpoint", tiny_ckpt, "--num-kv-blocks", "16")
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        assert port > 0 and url == f"http://127.0.0.1:{port}", lines[-1]
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
 def test_serve_cli_drains_on_sigterm(tiny_ckpt):
     """The real CLI: a stream in flight when SIGTERM arrives still runs to [DONE], then it exits."""
     import signal
-    import socket
 
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = "from tessera.inference.entrypoints.serve_cli import entry; entry()"
-    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", str(tiny_ckpt), "--port", str(port),
-                             "--quiet", "--num-kv-blocks", "64", "--drain-timeout", "600"],
-                            stderr=subprocess.PIPE, text=True)
+    proc, url, _ = start_serve(SERVE, "--checkpoint", tiny_ckpt, "--quiet", "--num-kv-blocks", "64",
+                               "--drain-timeout", "600")
     try:
-        url = f"http://127.0.0.1:{port}"
         wait_for_health(proc, url, 60)
         # The drain limit is far above the stream's time: a loaded CI machine once took more than the
         # default 30 s for the rest of a 150-token stream, and the server rightly cut it off.

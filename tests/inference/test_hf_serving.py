@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
-import sys
 
 import pytest
 import torch
 from inference_helpers import CHAT_TEMPLATE, hf_greedy, make_engine, run_all, token_ids, wait_for_health
+from ports import SERVE, start_serve
 
 from tessera.common.checkpoint import resolve_checkpoint
 from tessera.inference.core.sampling_params import SamplingParams
@@ -136,14 +135,8 @@ def test_serve_chat_reads_chat_template_jinja(tiny_ckpt, tmp_path):
                  add_special_tokens=False)["input_ids"]
     expected = tok.decode(hf_greedy(hf, prompt, 8), skip_special_tokens=True)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.entrypoints.serve_cli import entry; entry()",
-                             "--checkpoint", str(export), "--port", str(port), "--quiet", "--num-kv-blocks", "64"],
-                            stderr=subprocess.PIPE, text=True)
+    proc, url, _ = start_serve(SERVE, "--checkpoint", export, "--quiet", "--num-kv-blocks", "64")
     try:
-        url = f"http://127.0.0.1:{port}"
         wait_for_health(proc, url, 120)
         r = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0,
                                                            "ignore_eos": True}, timeout=60)

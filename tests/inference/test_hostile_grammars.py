@@ -15,15 +15,14 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import socket
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 from inference_helpers import generate_usage_error, wait_for_health
 from live_server import LiveServer
+from ports import SERVE, start_serve
 
 from tessera.inference.core.structured_limits import GrammarLimits
 from tessera.inference.entrypoints.grammar_check import GrammarCheck
@@ -319,14 +318,8 @@ def test_a_bad_grammar_limit_flag_is_one_line_and_exit_2(tiny_ckpt, capsys, flag
 def test_the_real_server_with_its_engine_process_survives_a_crashing_grammar(tiny_ckpt):
     """tessera-serve as started by users (engine in its own process): a grammar that crashes the
     grammar engine is a 400 and both processes live on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.entrypoints.serve_cli import entry; entry()",
-                             "--checkpoint", str(tiny_ckpt), "--port", str(port), "--quiet", "--num-kv-blocks", "64",
-                             "--max-grammar-rules", "20000", "--max-grammar-bytes", "1000000"],
-                            stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, _ = start_serve(SERVE, "--checkpoint", tiny_ckpt, "--quiet", "--num-kv-blocks", "64",
+                               "--max-grammar-rules", "20000", "--max-grammar-bytes", "1000000")
     try:
         wait_for_health(proc, url, 120)
         for grammar, words in [(chain_grammar(3000), "crashed the grammar engine"),

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import socket
-import subprocess
-import sys
 
 import httpx
 import pytest
 import torch
 from inference_helpers import hf_greedy, make_engine, run_all, token_ids, wait_for_health
 from live_server import LiveServer
+from ports import SERVE, start_serve
 from test_hf_serving import _save
 
 from tessera.common.checkpoint import (
@@ -176,25 +174,14 @@ def test_tessera_serve_states_the_state_pool_in_its_startup_line_and_serves_comp
     pool holds and each one's bytes, one line before it says prefix caching is off, and a
     completion over HTTP is transformers' greedy output."""
     _, hf, export = exports("nemotron_h")  # one family: a server start is the slow part
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    code = "from tessera.inference.entrypoints.serve_cli import entry; entry()"
-    proc = subprocess.Popen([sys.executable, "-c", code, "--checkpoint", str(export), "--port", str(port), "--quiet",
-                             "--num-kv-blocks", "64", "--max-model-len", "256", "--max-num-seqs", "4",
-                             "--torch-threads", "1"], stderr=subprocess.PIPE, text=True)
+    proc, url, lines = start_serve(SERVE, "--checkpoint", export, "--quiet", "--num-kv-blocks", "64",
+                                   "--max-model-len", "256", "--max-num-seqs", "4", "--torch-threads", "1")
     try:
-        lines = []
-        for x in proc.stderr:
-            lines.append(x)
-            if "listening on" in x:
-                break
         line = lines[-1]
         assert sum("prefix caching: off for this hybrid model" in x for x in lines) == 1, lines
         cfg, _ = read_hf_config(export)
         per_seq = state_bytes_per_sequence(cfg, torch.float32)
         assert f"state pool 4 sequences x {per_seq / 1024:.1f} KiB" in line, line
-        url = f"http://127.0.0.1:{port}"
         wait_for_health(proc, url, 60)
         prompt = list(range(60, 110))
         reply = httpx.post(url + "/v1/completions", timeout=60,

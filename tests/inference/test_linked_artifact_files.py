@@ -8,15 +8,14 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from ports import SERVE, start_serve
 
 from tessera.common.errors import ArtifactError, run_cli
 from tessera.inference.worker.loader import load_for_serving
@@ -65,28 +64,21 @@ def _serves(proc: subprocess.Popen, url: str, timeout: float) -> bool:
 def test_a_chat_template_linked_outside_the_model_is_refused_at_start_and_never_reaches_a_client(
         hf_export, tmp_path):
     hf = _with_linked_template(hf_export, tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path / "stderr.txt"
-    with open(log, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.entrypoints.serve_cli import entry; entry()",
-                                 "--checkpoint", str(hf), "--port", str(port), "--quiet", "--num-kv-blocks", "32"],
-                                stderr=stderr)
+    proc, url, lines = start_serve(SERVE, "--checkpoint", hf, "--quiet", "--num-kv-blocks", "32", timeout=120,
+                                   must_start=False)
     try:
-        url = f"http://127.0.0.1:{port}"
-        if _serves(proc, url, 120):  # the old code served it: the leak, as an attacker reads it
+        if url is not None and _serves(proc, url, 120):  # the old code served it: the leak, as an attacker reads it
             ids = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
                              timeout=30).json()["tokens"]
             text = httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
             assert SECRET not in text, "the linked file reached a client"
             pytest.fail("the server started with a chat template linked outside its directory")
         code = proc.wait(timeout=60)
+        err = "".join(lines) + proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    err = log.read_text()
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
     assert "chat_template.jinja" in lines[0] and "outside" in lines[0] and SECRET not in err, lines[0]

@@ -9,30 +9,21 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 from inference_helpers import make_engine, wait_for_health
+from ports import SERVE, start_serve
 from process_tree import assert_gone, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-SERVE = "from tessera.inference.entrypoints.serve_cli import entry; entry()"
-
-
-def _serve(checkpoint, tp: int, *extra: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, "--checkpoint", str(checkpoint), "--port", str(port),
-                             "--quiet", "--num-kv-blocks", "64", "--torch-threads", "1",
-                             "--tensor-parallel", str(tp), *extra],
-                            stderr=subprocess.PIPE, text=True)
-    return proc, f"http://127.0.0.1:{port}"
+def _serve(checkpoint, tp: int, *extra: str, wait: bool = True) -> tuple[subprocess.Popen, str | None]:
+    proc, url, _ = start_serve(SERVE, "--checkpoint", checkpoint, "--quiet", "--num-kv-blocks", "64",
+                               "--torch-threads", "1", "--tensor-parallel", tp, *extra, wait=wait)
+    return proc, url
 
 
 @pytest.mark.parametrize("tp, sig, extra", [
@@ -76,7 +67,7 @@ def test_a_server_killed_while_its_tensor_parallel_workers_load_leaves_no_proces
     is held (SIGSTOP), so its peer waits for it at the rendezvous and the engine process for both,
     as under a slow load: the engine process must die with the HTTP process, not wait up to
     READY_TIMEOUT_S; the held worker, let go, is killed or exits on finding its driver gone."""
-    proc, _ = _serve(tiny_ckpt, 2)
+    proc, _ = _serve(tiny_ckpt, 2, wait=False)
     try:
         held, free = _spawned_workers(proc.pid, 2)
         engine = [p for p in descendants(proc.pid) if "core_process" in " ".join(p.cmdline())]

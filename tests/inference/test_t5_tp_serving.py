@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 import torch
 from inference_helpers import make_engine, run_all, token_ids, wait_for_health
+from ports import SERVE, start_serve
 from test_hf_serving import _save
 from test_t5_serving import VOCAB, hf_t5, t5_greedy
 from test_tensor_parallel_serving import _alive, _descendants
@@ -67,15 +65,9 @@ def test_tessera_serve_tp2_gives_one_process_and_transformers_greedy_t5_tokens_a
     outs = run_all(make_engine(export, enable_prefix_caching=False, **CACHE),
                    {str(i): (p, params) for i, p in enumerate(prompts)})
     assert [token_ids(outs[str(i)]) for i in range(len(prompts))] == expected  # one process
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in CACHE.items()]
-    proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.entrypoints.serve_cli import entry; entry()",
-                             "--checkpoint", str(export), "--port", str(port), "--quiet", "--tensor-parallel", "2",
-                             "--torch-threads", "1", "--no-prefix-caching", "--no-engine-process", *flags],
-                            stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, _ = start_serve(SERVE, "--checkpoint", export, "--quiet", "--tensor-parallel", "2",
+                               "--torch-threads", "1", "--no-prefix-caching", "--no-engine-process", *flags)
     try:
         wait_for_health(proc, url, 180)
         texts = _complete_all(url, prompts)

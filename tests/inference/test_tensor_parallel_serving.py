@@ -237,19 +237,10 @@ def _alive(pid: int) -> bool:
 @pytest.fixture
 def tp2_server(gqa_ckpt):
     """`tessera-serve --tensor-parallel 2`: HTTP process -> engine process -> two workers."""
-    import socket
-    import subprocess
-    import sys
+    from ports import SERVE, start_serve
 
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-c", "from tessera.inference.entrypoints.serve_cli import entry; entry()",
-                             "--checkpoint", str(gqa_ckpt), "--port", str(port), "--quiet", "--num-kv-blocks", "64",
-                             "--tensor-parallel", "2", "--torch-threads", "1", "--served-model-name", "tiny"],
-                            stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, _ = start_serve(SERVE, "--checkpoint", gqa_ckpt, "--quiet", "--num-kv-blocks", "64",
+                               "--tensor-parallel", "2", "--torch-threads", "1", "--served-model-name", "tiny")
     wait_for_health(proc, url, 180)
     try:
         yield proc, url

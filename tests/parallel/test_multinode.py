@@ -9,24 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import parallel_harness as H
 import pytest
+from torch.distributed import TCPStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 WORKER = Path(__file__).parent / "worker.py"
 STEPS = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_nodes_c10d_rendezvous(tmp_path):
@@ -35,13 +29,15 @@ def test_two_nodes_c10d_rendezvous(tmp_path):
                       "steps": STEPS, "out": str(out)}]}
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    port = free_port()
+    # The test hosts the rendezvous store on a port it bound (0: the OS's choice) and both nodes join
+    # it as clients (is_host=false): a port picked, closed and handed to a node could be taken first.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=tessera-test",
-             f"--node-rank={node}", str(WORKER), str(spec_path)],
+             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-id=tessera-test",
+             "--rdzv-conf=is_host=false", f"--node-rank={node}", str(WORKER), str(spec_path)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for node in range(2)
     ]

@@ -62,14 +62,6 @@ def _run(argv: list[str], cwd: Path, timeout: int = 240) -> subprocess.Completed
     return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _readers(config: Path, run: Path, ckpt: Path, out: Path) -> dict[str, list]:
     prompts = out / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def f"}) + "\n")
@@ -82,7 +74,7 @@ def _readers(config: Path, run: Path, ckpt: Path, out: Path) -> dict[str, list]:
                          "--tensor-parallel", "2", "--pipeline-parallel", "1", "--quiet"],
         "generate": [BIN / "tessera-generate", "--checkpoint", ckpt, "--prompts", prompts,
                      "--output", out / "out.jsonl", "--max-tokens", "2"],
-        "serve": [BIN / "tessera-serve", "--checkpoint", ckpt, "--port", str(_free_port())],
+        "serve": [BIN / "tessera-serve", "--checkpoint", ckpt, "--port", "0"],
         "train --resume": [BIN / "tessera-train", "--config", config, f"run_dir={run}", "--resume", "--quiet",
                            "training.steps=3"],
         "train init_from": [BIN / "tessera-train", "--config", config, f"run_dir={out / 'new'}", "--quiet",

@@ -38,6 +38,23 @@ def _stop(signum: int, frame: object) -> None:
     raise _Stopped(signum)
 
 
+def _run_uvicorn(uvicorn, config, startup_line: str) -> None:
+    """uvicorn.run, printing `startup_line` once the server listens, with the port it bound: the
+    OS's choice under --port 0 (as uvicorn's own log line), read from the socket, not the flag."""
+    from uvicorn.config import STARTUP_FAILURE
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            port = self.servers[0].sockets[0].getsockname()[1]
+            print(f"{startup_line}:{port}", file=sys.stderr, flush=True)
+
+    server = Server(config)
+    server.run()
+    if not server.started:  # as uvicorn.run: it logged why
+        sys.exit(STARTUP_FAILURE)
+
+
 def _set_signal_handlers(handlers: dict) -> dict:
     """Install `handlers` (signal -> handler) and return those they replace; none off the main
     thread, where Python delivers no signal (and `signal.signal` refuses)."""
@@ -135,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = engine_config_from_args(args)
     grammar_limits = grammar_limits_from_args(args)
-    if not 0 < args.port < 65536:
-        raise UserError(f"--port {args.port}: must be between 1 and 65535")
+    if not 0 <= args.port < 65536:
+        raise UserError(f"--port {args.port}: must be between 0 (any free port) and 65535")
     for flag in ("max_prompt_tokens", "max_tokens_limit", "max_prompts_per_request", "max_embedding_inputs",
                  "max_body_bytes",
                  "chat_template_max_iterations", "chat_template_max_chars", "chat_template_max_memory"):
@@ -242,11 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         mode = {"last": "last-token", "cls": "CLS"}.get(spec.mode, spec.mode)
         quant += (f", embeddings by {mode} pooling{' (normalized)' if spec.normalize else ''} of inputs up to "
                   f"{spec.max_input_tokens} tokens{'' if frontend.generates else ' only'}")
-    print(f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
-          f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, "
-          f"{facts['state_pool'] + ', ' if facts.get('state_pool') else ''}max_model_len {frontend.max_model_len}; "
-          f"{describe_measured(facts['threads'], plan)}; listening on http://{args.host}:{args.port}",
-          file=sys.stderr, flush=True)
+    startup_line = (f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
+                    f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, "
+                    f"{facts['state_pool'] + ', ' if facts.get('state_pool') else ''}max_model_len {frontend.max_model_len}; "
+                    f"{describe_measured(facts['threads'], plan)}; listening on http://{args.host}")
     # uvicorn drains on SIGTERM/SIGINT, then raises the signal again under the handlers it found: these,
     # so a stop ends here, through the cleanup below, with exit 0, not killed by SIGTERM's default
     # action (which skips the cleanup). Once stopping, a repeated SIGTERM is ignored (schedulers
@@ -254,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     found = _set_signal_handlers({signal.SIGINT: _stop, signal.SIGTERM: _stop})
     freeze_heap()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
-                    access_log=not args.quiet, timeout_graceful_shutdown=math.ceil(args.drain_timeout))
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+                                access_log=not args.quiet, timeout_graceful_shutdown=math.ceil(args.drain_timeout))
+        _run_uvicorn(uvicorn, config, startup_line)
     except _Stopped:
         pass  # drained and stopped: a success
     finally:
