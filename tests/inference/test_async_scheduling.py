@@ -201,3 +201,16 @@ def test_choosing_a_launched_steps_tokens_reads_nothing_back_from_the_device(tin
         tokens, logprobs = Sampler.sample_on_device(seqs, logits)
     assert len(seqs) == 3 and tokens.shape == (3,) and logprobs is not None
     assert ReadBacks.count == 0
+
+
+def test_a_token_drawn_on_the_device_is_the_one_the_synchronous_draw_takes_from_the_same_generator():
+    from tessera.inference.sample.sampler import draw, draw_on_device
+
+    rows = torch.randn(40, 300, generator=torch.Generator().manual_seed(3)) * 4
+    rows[::3, ::2] = float("-inf")  # filtered tokens
+    rows[5] = float("-inf")  # nothing left: the argmax's point mass
+    rows[7, 11] = float("nan")
+    for seed, row in enumerate(rows):
+        ahead, now = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        assert int(draw_on_device(row, ahead)) == draw(row, now)[0]
+        assert torch.equal(ahead.get_state(), now.get_state())  # the request's next draws stay the same too
