@@ -204,3 +204,46 @@ def test_a_server_with_async_scheduling_streams_the_openai_client_what_one_witho
             server.stop()
     assert got[True] == got[False]
     assert all(text for text, _ in got[True])
+
+
+def test_choosing_a_launched_steps_tokens_reads_nothing_back_from_the_device(tiny_ckpt):
+    """A read back while choosing the tokens of a launched step makes the host wait for that step's
+    forward on CUDA, so nothing overlaps it: seen on CPU as the ops that read back (`.item()`, and
+    torch.multinomial, whose CUDA kernel checks its input with two)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tessera.inference.sample.sampler import Sampler
+
+    class ReadBacks(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.multinomial.default,
+                        torch.ops.aten.nonzero.default):
+                ReadBacks.count += 1
+            return func(*args, **(kwargs or {}))
+
+    engine = make_engine(tiny_ckpt, block_size=4, num_kv_blocks=64, max_model_len=64, async_scheduling=True)
+    for i, kind in enumerate([dict(temperature=0.9, seed=1), dict(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, seed=2),
+                              dict(temperature=0, logprobs=2)]):
+        engine.add_request(f"r{i}", [3 + i, 9, 27], SamplingParams(max_tokens=8, **kind))
+    engine.step()
+    seqs = list(engine.scheduler.running)
+    logits = torch.randn(len(seqs), engine.loaded.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    with ReadBacks():
+        tokens, logprobs = Sampler.sample_on_device(seqs, logits)
+    assert len(seqs) == 3 and tokens.shape == (3,) and logprobs is not None
+    assert ReadBacks.count == 0
+
+
+def test_a_token_drawn_on_the_device_is_the_one_the_synchronous_draw_takes_from_the_same_generator():
+    from tessera.inference.sample.sampler import draw, draw_on_device
+
+    rows = torch.randn(40, 300, generator=torch.Generator().manual_seed(3)) * 4
+    rows[::3, ::2] = float("-inf")  # filtered tokens
+    rows[5] = float("-inf")  # nothing left: the argmax's point mass
+    rows[7, 11] = float("nan")
+    for seed, row in enumerate(rows):
+        ahead, now = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        assert int(draw_on_device(row, ahead)) == draw(row, now)[0]
+        assert torch.equal(ahead.get_state(), now.get_state())  # the request's next draws stay the same too

@@ -96,8 +96,11 @@ def distribution(row: torch.Tensor) -> torch.Tensor:
 
 
 def draw_on_device(row: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """`draw`'s token as a one-element tensor on the row's device, without reading anything back."""
-    return torch.multinomial(distribution(row), 1, generator=generator)
+    """`draw`'s token as a one-element tensor on the row's device, without reading anything back:
+    torch.multinomial's own one-sample path (argmax of p / Exp(1) noise, the same draws from the
+    same generator) without its input checks, two reads back on CUDA that `distribution` makes moot."""
+    probs = distribution(row)
+    return (probs / torch.empty_like(probs).exponential_(1, generator=generator)).argmax().view(1)
 
 
 def draw(row: torch.Tensor, generator: torch.Generator) -> tuple[int, torch.Tensor]:
