@@ -30,7 +30,7 @@ HF_READERS = ["ckpt import", "generate", "serve"]
 
 
 class _WouldServe(Exception):
-    """Raised by the uvicorn.run stub: tessera-serve accepted the directory and would listen now."""
+    """Raised by the uvicorn.Server.run stub: tessera-serve accepted the directory and would listen now."""
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def no_listening(monkeypatch):
     def stub(*args, **kwargs):
         raise _WouldServe
 
-    monkeypatch.setattr(uvicorn, "run", stub)
+    monkeypatch.setattr(uvicorn.Server, "run", stub)  # serve_cli runs a uvicorn.Server (it reports the bound port)
 
 
 @pytest.fixture(scope="module")

@@ -136,11 +136,14 @@ def test_the_startup_line_says_how_many_tokens_the_latent_cache_holds_against_fu
     from tessera.inference.entrypoints.serve_cli import main
 
     _, export = exports("q-lora")
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)  # the line is printed just before serving
+    async def stop_at_once(self, *args, **kwargs):  # the line is printed once listening; then it stops
+        return None
+
+    monkeypatch.setattr(uvicorn.Server, "main_loop", stop_at_once)
     capsys.readouterr()
-    assert main(["--checkpoint", str(export), "--no-engine-process", "--kv-cache-memory", "98304",
+    assert main(["--checkpoint", str(export), "--no-engine-process", "--port", "0", "--kv-cache-memory", "98304",
                  "--block-size", "8", "--max-model-len", "48", "--enforce-eager"]) == 0
-    line = capsys.readouterr().err.strip().splitlines()[-1]
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("tessera-serve:"))
     # 98304 bytes / (24 values x 2 layers x 4 bytes) = 512 tokens; full K/V: 4 heads x (24 + 12) x 2 x 4
     assert "64 KV blocks x 8 tokens, latent KV cache (16 + 8 values per token and layer): 512 tokens, " \
            "85 with full K/V (6.0x)" in line, line

@@ -3,7 +3,7 @@
 One 2-step run is trained once; each corruption damages one copy of it, and every reader of a
 checkpoint runs on that copy, in process (`run_cli`, as the console scripts do): `tessera-ckpt
 info/verify/export/reshard`, `tessera-train --resume` and `checkpoint.init_from`,
-`tessera-generate`, and `tessera-serve` up to the moment it would listen (uvicorn.run is replaced
+`tessera-generate`, and `tessera-serve` up to the moment it would listen (uvicorn.Server.run is replaced
 by a stub that fails the case: reaching it means the damage was accepted). A pair passes when the
 command exits 2 with exactly one stderr line that names the damaged file, and wrote nothing.
 
@@ -227,7 +227,7 @@ NOT_READ = {
 
 
 class _WouldServe(Exception):
-    """Raised by the uvicorn.run stub: tessera-serve accepted the checkpoint and would listen now."""
+    """Raised by the uvicorn.Server.run stub: tessera-serve accepted the checkpoint and would listen now."""
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +301,7 @@ def no_listening(monkeypatch):
     def stub(*args, **kwargs):
         raise _WouldServe
 
-    monkeypatch.setattr(uvicorn, "run", stub)
+    monkeypatch.setattr(uvicorn.Server, "run", stub)  # serve_cli runs a uvicorn.Server (it reports the bound port)
 
 
 @pytest.mark.parametrize("reader", READERS)
