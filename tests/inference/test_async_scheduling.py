@@ -225,14 +225,16 @@ def test_choosing_a_launched_steps_tokens_reads_nothing_back_from_the_device(tin
 
     engine = make_engine(tiny_ckpt, block_size=4, num_kv_blocks=64, max_model_len=64, async_scheduling=True)
     for i, kind in enumerate([dict(temperature=0.9, seed=1), dict(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, seed=2),
-                              dict(temperature=0, logprobs=2)]):
+                              dict(temperature=0, logprobs=2), dict(temperature=0.8, seed=4, repetition_penalty=1.2,
+                                                                    frequency_penalty=0.5, presence_penalty=0.3),
+                              dict(temperature=0, min_tokens=4, stop_token_ids=[7, 8], logit_bias={3: 2.0})]):
         engine.add_request(f"r{i}", [3 + i, 9, 27], SamplingParams(max_tokens=8, **kind))
     engine.step()
     seqs = list(engine.scheduler.running)
     logits = torch.randn(len(seqs), engine.loaded.config.vocab_size, generator=torch.Generator().manual_seed(0))
-    with ReadBacks():
-        tokens, logprobs = Sampler.sample_on_device(seqs, logits)
-    assert len(seqs) == 3 and tokens.shape == (3,) and logprobs is not None
+    with ReadBacks():  # each row's newest token in flight, as a launched step gives them
+        tokens, logprobs = Sampler.sample_on_device(seqs, logits, [torch.tensor([11])] * len(seqs), lambda t: t)
+    assert len(seqs) == 5 and tokens.shape == (5,) and logprobs is not None
     assert ReadBacks.count == 0
 
 
