@@ -114,6 +114,17 @@ def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype, d
     return max(1, budget // per_rank)
 
 
+def _forward_reads_back(config) -> str | None:
+    """What a model's own forward reads back to the host each step (None: nothing), which stalls a
+    launched step (async scheduling)."""
+    if getattr(config, "moe", None) is not None:
+        return "its experts' token counts (mixture of experts)"
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling is not None and scaling.rope_type == "dynamic":
+        return "the longest position (dynamic RoPE)"
+    return None
+
+
 def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
                      eos_ids: frozenset[int] = frozenset(), scores_prompts: bool = True) -> None:
     """Raise RequestRejected if the request can never be served (the HTTP process checks this
@@ -213,6 +224,9 @@ class LLMEngine:
         if cfg.async_scheduling and device.type != "cuda":
             log.warning("--async-scheduling on %s: the forward runs when a step is launched, so nothing overlaps "
                         "it and each output waits one step more; the flag is meant for CUDA", device.type)
+        elif cfg.async_scheduling and (reads := _forward_reads_back(loaded.config)):
+            log.warning("--async-scheduling: this model's forward reads %s back to the host, which waits there "
+                        "for the step before, so little overlaps and each output waits one step more", reads)
         self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec, worker_threads)
         try:
             if hasattr(self.proposer, "attach"):  # a draft reading the target's hidden states (MTP)

@@ -15,6 +15,7 @@ as without speculation, and greedy output is identical.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,17 +35,34 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
-def apply_penalties(logits: torch.Tensor, seq: Sequence | Hypothetical) -> None:
-    """In place on one row [V]."""
+def apply_penalties(logits: torch.Tensor, seq: Sequence | Hypothetical, pending: torch.Tensor | None = None,
+                    to_device: ToDevice | None = None) -> None:
+    """In place on one row [V]. `pending`: a one-token tensor on the row's device, the newest output
+    token, which the sequence does not hold yet (async scheduling). Dense over the vocabulary (a mask,
+    counts), so that nothing is read back to the host; the values are those of indexing the seen ids."""
     p = seq.params
-    dev = logits.device
+    to_device = to_device or _to(logits.device)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(seq.prompt_ids + seq.output_ids, device=dev).unique()
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
-        ids, counts = torch.tensor(seq.output_ids, device=dev).unique(return_counts=True)
-        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+        seen = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        seen.index_fill_(0, to_device(torch.tensor(seq.prompt_ids + seq.output_ids, dtype=torch.long)), True)
+        if pending is not None:
+            seen.index_fill_(0, pending, True)
+        penalized = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits.copy_(torch.where(seen, penalized, logits))
+    if (p.presence_penalty or p.frequency_penalty) and (seq.output_ids or pending is not None):
+        counts = torch.zeros_like(logits)
+        counts.index_add_(0, to_device(torch.tensor(seq.output_ids, dtype=torch.long)),
+                          torch.ones(len(seq.output_ids), dtype=logits.dtype, device=logits.device))
+        if pending is not None:
+            counts.index_add_(0, pending, torch.ones(1, dtype=logits.dtype, device=logits.device))
+        logits -= torch.where(counts > 0, p.frequency_penalty * counts + p.presence_penalty, 0.0)
+
+
+ToDevice = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _to(device: torch.device) -> ToDevice:
+    return lambda t: t.to(device)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -78,8 +96,11 @@ def distribution(row: torch.Tensor) -> torch.Tensor:
 
 
 def draw_on_device(row: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """`draw`'s token as a one-element tensor on the row's device, without reading anything back."""
-    return torch.multinomial(distribution(row), 1, generator=generator)
+    """`draw`'s token as a one-element tensor on the row's device, without reading anything back:
+    torch.multinomial's own one-sample path (argmax of p / Exp(1) noise, the same draws from the
+    same generator) without its input checks, two reads back on CUDA that `distribution` makes moot."""
+    probs = distribution(row)
+    return (probs / torch.empty_like(probs).exponential_(1, generator=generator)).argmax().view(1)
 
 
 def draw(row: torch.Tensor, generator: torch.Generator) -> tuple[int, torch.Tensor]:
@@ -112,32 +133,34 @@ class Hypothetical:
 
 def samples_ahead(seq: Sequence) -> bool:
     """Whether this sequence's next token can be chosen before its newest one is known (async
-    scheduling, `Sampler.sample_on_device`): nothing its choice reads depends on its output so far
-    (no penalties, grammar or min_tokens still to reach)."""
-    p = seq.params
-    return seq.matcher is None and (seq.plain or p.repetition_penalty == 1.0 and not p.presence_penalty
-                                    and not p.frequency_penalty and not p.logit_bias
-                                    and len(seq.output_ids) >= p.min_tokens)
+    scheduling, `Sampler.sample_on_device`, which is given that token on the device): all but a
+    grammar, whose mask needs the matcher advanced by it on the host."""
+    return seq.matcher is None
 
 
-def needs_processing(seq: Sequence | Hypothetical) -> bool:
-    """Whether `process_row` changes anything for this sequence (most rows: no, and no copy)."""
+def needs_processing(seq: Sequence | Hypothetical, pending: int = 0) -> bool:
+    """Whether `process_row` changes anything for this sequence (most rows: no, and no copy);
+    `pending`: output tokens it does not hold yet."""
     p = seq.params
     return (p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
-            or bool(p.logit_bias) or len(seq.output_ids) < p.min_tokens)
+            or bool(p.logit_bias) or len(seq.output_ids) + pending < p.min_tokens)
 
 
-def process_row(row: torch.Tensor, seq: Sequence | Hypothetical) -> None:
-    """Penalties, logit_bias and the min_tokens mask, in place on one row [V]."""
+def process_row(row: torch.Tensor, seq: Sequence | Hypothetical, pending: torch.Tensor | None = None,
+                to_device: ToDevice | None = None) -> None:
+    """Penalties, logit_bias and the min_tokens mask, in place on one row [V]. `pending` (the newest
+    output token, on the device, not yet in the sequence) and `to_device` (host ids to the row's
+    device without waiting) are async scheduling's: see `apply_penalties`."""
     p = seq.params
-    apply_penalties(row, seq)
+    to_device = to_device or _to(row.device)
+    apply_penalties(row, seq, pending, to_device)
     if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), device=row.device)
-        row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device, dtype=row.dtype)
-    if len(seq.output_ids) < p.min_tokens:
+        row.index_add_(0, to_device(torch.tensor(list(p.logit_bias), dtype=torch.long)),
+                       to_device(torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)))
+    if len(seq.output_ids) + (pending is not None) < p.min_tokens:
         banned = list(seq.eos_ids | set(p.stop_token_ids))
         if banned:
-            row[banned] = float("-inf")
+            row.index_fill_(0, to_device(torch.tensor(banned, dtype=torch.long)), float("-inf"))
 
 
 def process(logits: torch.Tensor, seqs: list[Sequence] | list[Hypothetical], failed: dict[int, Exception]
@@ -232,19 +255,27 @@ class Sampler:
 
 
     @staticmethod
-    def sample_on_device(seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, DeviceLogprobs | None]:
+    def sample_on_device(seqs: list[Sequence], logits: torch.Tensor, pending: list[torch.Tensor | None],
+                         to_device: ToDevice) -> tuple[torch.Tensor, DeviceLogprobs | None]:
         """Async scheduling: the tokens `__call__` would choose for rows that all `samples_ahead`, as
-        an int64 tensor [N] on the logits' device, nothing read back to the host (greedy rows: the
-        argmax; the others: `finish` then a draw from the request's generator, as `pick` does), and
-        when a row asks for logprobs, every row's (`DeviceLogprobs`)."""
-        if logits.device.type == "cpu" and logits.dtype == torch.float32:
-            chosen = torch.from_numpy(logits.numpy().argmax(axis=1))  # argmax_rows' faster CPU path
+        an int64 tensor [N] on the logits' device, nothing read back to the host, and when a row asks
+        for logprobs, every row's (`DeviceLogprobs`, of the raw logits). `pending[i]`: row i's newest
+        output token as a one-token tensor on the device, which its sequence does not hold yet (None:
+        it holds them all); `to_device`: host tensors to the device without waiting."""
+        processed = logits
+        for i, seq in enumerate(seqs):
+            if needs_processing(seq, pending[i] is not None):
+                if processed is logits:
+                    processed = logits.clone()
+                process_row(processed[i], seq, pending[i], to_device)
+        if processed.device.type == "cpu" and processed.dtype == torch.float32:
+            chosen = torch.from_numpy(processed.numpy().argmax(axis=1))  # argmax_rows' faster CPU path
         else:
-            chosen = logits.argmax(dim=-1)
+            chosen = processed.argmax(dim=-1)
         for i, seq in enumerate(seqs):
             p = seq.params
             if not p.greedy:
-                chosen[i:i + 1] = draw_on_device(finish(logits[i], p), seq.generator)
+                chosen[i:i + 1] = draw_on_device(finish(processed[i], p), seq.generator)
         top_n = [seq.params.logprobs for seq in seqs]
         if all(n is None for n in top_n):
             return chosen, None

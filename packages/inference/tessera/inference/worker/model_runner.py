@@ -224,7 +224,9 @@ class ModelRunner:
                     tokens = tokens.index_select(0, host_to_device(torch.tensor(rows), tokens.device))
             logits = self._single_token_logits(plan, tokens)
             sampled = list(range(len(plan.scheduled)))
-            return LaunchedStep.start(plan, sampled, *self.sampler.sample_on_device(self.decode_batch.seqs, logits))
+            pending = [None] * len(sampled) if tokens is None else [tokens[i:i + 1] for i in sampled]
+            return LaunchedStep.start(plan, sampled, *self.sampler.sample_on_device(
+                self.decode_batch.seqs, logits, pending, self._to_device))
         if self.decode_batch is not None:
             self.decode_batch.clear()
         rows = rows or [None] * len(plan.scheduled)
@@ -232,6 +234,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         sampled: list[int] = []
         fed: list[tuple[int, int]] = []  # (packed row, index in previous.tokens)
+        fed_rows: list[int | None] = []  # per sampled row: its packed row when fed
         offset = 0
         for i, (s, j) in enumerate(zip(plan.scheduled, rows)):
             if j is not None:  # its newest token is in flight: a placeholder, replaced on the device below
@@ -240,6 +243,7 @@ class ModelRunner:
             if j is not None or s.completes_prompt and s.seq.params.max_tokens > 0:
                 sampled.append(i)
                 logits_rows.append(offset + s.num_new - 1)
+                fed_rows.append(offset if j is not None else None)
             offset += s.num_new
         step = self.prepare(batch, logits_rows)
         if fed:
@@ -250,7 +254,12 @@ class ModelRunner:
         if not sampled:
             return LaunchedStep.start(plan, sampled, torch.empty(0, dtype=torch.long, device=self.device))
         seqs = [plan.scheduled[i].seq for i in sampled]
-        return LaunchedStep.start(plan, sampled, *self.sampler.sample_on_device(seqs, logits))
+        pending = [None if r is None else step.tokens[0, r:r + 1] for r in fed_rows]
+        return LaunchedStep.start(plan, sampled, *self.sampler.sample_on_device(seqs, logits, pending,
+                                                                                self._to_device))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return host_to_device(t, self.device)
 
     def _single_token_logits(self, plan: SchedulerOutput, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits of every row of a steady decode step, its inputs from the persistent batch;
