@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(TrainConfig, args.config, overrides)  # a non-UTF-8 file is a UserError (read_yaml)
 
     # Heavy imports after argument validation keeps `--help` and bad-usage errors fast.
-    from tessera.trainer.components.distributed import init_runtime, shutdown_runtime
+    from tessera.trainer.components.distributed import finish_runtime, init_runtime, shutdown_runtime
     from tessera.trainer.inputs import check_inputs
     from tessera.trainer.trainer import Trainer
 
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume and inputs.resume_from is None and runtime.is_main:
             print(f"--resume: no checkpoint in {cfg.checkpoint_dir} yet; starting from step 0", flush=True)
         Trainer(cfg, inputs, runtime, quiet=args.quiet).train()
+        finish_runtime()
     finally:
         shutdown_runtime()
     return 0

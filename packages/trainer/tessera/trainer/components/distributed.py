@@ -8,6 +8,7 @@ reduction (data-parallel gradients, losses) is the parallel runtime's.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -49,6 +50,17 @@ def init_runtime(requested_device: str) -> Runtime:
     if not dist.is_initialized():
         join_torchrun_job("nccl" if device.type == "cuda" else "gloo")
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def finish_runtime() -> None:
+    """After a run every rank finished: drop unreferenced communication handles (cycles the pipeline
+    schedule leaves) while their process groups live, then wait until every rank is here, so that
+    no rank tears its groups down while a peer still uses them. A pipeline-parallel rank 0 was seen
+    to abort at exit ("terminate called without an active exception") after a completed run; the
+    cause is not pinned down, and this removes the two races it could come from."""
+    if dist.is_initialized():
+        gc.collect()
+        dist.barrier()
 
 
 def shutdown_runtime() -> None:
