@@ -366,7 +366,7 @@ class LLMEngine:
             self.proposer.propose(self.scheduler.running)  # drafts for the next step to verify
         return outputs
 
-    # ---- async scheduling: one steady decode step in flight while the next is planned --------
+    # ---- async scheduling: one step in flight while the next is planned and launched ----------
     @staticmethod
     def _launchable(seq: Sequence) -> bool:
         """Whether a step with this sequence can be launched ahead (`ModelRunner.launch`): its next
@@ -381,8 +381,9 @@ class LLMEngine:
 
     def _launch(self, plan: SchedulerOutput, previous: LaunchedStep | None = None,
                 rows: list[int | None] | None = None) -> LaunchedStep | None:
-        """Launch a steady decode step (None if that raised: the plan is then planned again and
-        executed as without async scheduling, which finds the request to blame)."""
+        """Launch a step ahead (None if that raised: a plan from `schedule` is then executed as without
+        async scheduling, which finds the request to blame; one from `schedule_ahead` is dropped and
+        the next step planned afresh)."""
         try:
             return self.runner.launch(plan, previous, rows)
         except WorkerDied:
