@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # torch is installed first and then pinned, so no later resolve can swap in a CUDA build.
 # On this project's CPU machines `torch==2.13.0` is the CPU wheel on local disk. Elsewhere set
-# TORCH_SPEC (any torch>=2.6) and, for a CPU-only machine, TORCH_PIP_ARGS="--index-url <your CPU wheel index>".
+# TORCH_SPEC (any torch>=2.11, the packages' declared minimum) and, for a CPU-only machine, TORCH_PIP_ARGS="--index-url <your CPU wheel index>".
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PACKAGES := -e packages/common -e kernels -e packages/data_prep -e packages/trainer \

@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron_cpu import init_cpu_process_group
 
 
 def build(spec: dict, rows: int, tp: int):
@@ -68,12 +69,7 @@ def tensors(model) -> dict:
 
 def main() -> None:
     work = json.loads(open(sys.argv[1]).read())
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(work.get("port", 29593)))
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-    dist.init_process_group("gloo", rank=int(os.environ.get("RANK", "0")),
-                            world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    init_cpu_process_group()
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
     rank0 = dist.get_rank() == 0

@@ -24,6 +24,7 @@ import types
 
 import torch
 import torch.distributed as dist
+from megatron_cpu import init_cpu_process_group
 from torch import nn
 
 
@@ -118,12 +119,8 @@ def build(spec: dict):
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     directory, mode = sys.argv[2], sys.argv[3]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(spec.get("port", 29571)))
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
     _stub_modules()
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_cpu_process_group()
     import contextlib
 
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel

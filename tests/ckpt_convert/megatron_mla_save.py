@@ -33,6 +33,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from megatron_cpu import init_cpu_process_group
 from torch import nn
 
 
@@ -200,12 +201,8 @@ def run(spec: dict, directory: str, mode: str) -> None:
 
 def main() -> None:
     mode, pairs = sys.argv[1], sys.argv[2:]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(json.loads(open(pairs[0]).read()).get("port", 29581)))
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 under torchrun: load at tensor parallel `world`
-    dist.init_process_group("gloo", rank=int(os.environ.get("RANK", "0")), world_size=world)
+    init_cpu_process_group()
+    world = dist.get_world_size()  # > 1 under torchrun: load at tensor parallel `world`
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(world, 1)

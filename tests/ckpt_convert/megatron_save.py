@@ -16,6 +16,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from megatron_cpu import init_cpu_process_group
 
 
 def run(spec: dict, out: str, loading: bool) -> None:
@@ -53,11 +54,7 @@ def run(spec: dict, out: str, loading: bool) -> None:
 
 def main() -> None:
     loading, pairs = sys.argv[1] == "load", sys.argv[2:]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(json.loads(open(pairs[0]).read()).get("port", 29547)))
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_cpu_process_group()
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(1, 1)

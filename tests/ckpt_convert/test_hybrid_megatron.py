@@ -25,7 +25,7 @@ VOCAB, ROWS = 320, 384  # Megatron pads the vocabulary to a multiple of 128
 SPEC = {"pattern": "M-*EM", "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8,
         "ffn_hidden_size": 48, "mamba_num_heads": 4, "mamba_head_dim": 16, "mamba_state_dim": 8,
         "mamba_num_groups": 2, "num_experts": 4, "moe_ffn_hidden_size": 16, "top_k": 2,
-        "shared_ffn_hidden_size": 24, "rows": ROWS, "port": 29573}
+        "shared_ffn_hidden_size": 24, "rows": ROWS}
 MODEL = {"kind": "hybrid", "arch": "nemotron_h", "vocab_size": VOCAB, "hidden_size": 32, "num_layers": 5,
          "pattern": "M-*EM", "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "ffn_hidden_size": 48,
          "mamba": {"num_heads": 4, "head_dim": 16, "state_size": 8, "num_groups": 2, "chunk_size": 8,

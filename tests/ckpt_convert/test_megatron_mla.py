@@ -33,7 +33,7 @@ VOCAB, ROWS = 200, 256  # Megatron pads the vocabulary to a multiple of 128
 SPEC = {"num_layers": 3, "first_k_dense": 1, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 48,
         "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
         "num_experts": 4, "moe_ffn_hidden_size": 16, "shared_ffn_hidden_size": 16, "top_k": 2, "num_groups": 2,
-        "topk_groups": 1, "routed_scaling_factor": 2.5, "rows": ROWS, "vocab_size": VOCAB, "port": 29583, "mtp": 1}
+        "topk_groups": 1, "routed_scaling_factor": 2.5, "rows": ROWS, "vocab_size": VOCAB, "mtp": 1}
 MODEL = {"arch": "deepseek_v3", "vocab_size": VOCAB, "hidden_size": 32, "num_layers": 3, "num_heads": 4,
          "ffn_hidden_size": 48, "tie_embeddings": False, "norm_eps": 1e-6,
          "mla": {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8},

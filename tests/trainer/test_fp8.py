@@ -356,17 +356,14 @@ def test_fsdp_float8_all_gather_trains_like_float8_without_it_on_gpu():
     if not torch.cuda.is_available() or fp8_device_problem(torch.device("cuda")) is not None:
         pytest.skip("needs a GPU with FP8 tensor cores (compute capability 8.9+)")
     pytest.importorskip("torchao")
-    import os
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
     created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("nccl", rank=0, world_size=1)
+    if created:  # one rank over an in-process store: no port to race other test runs for
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
         device = torch.device("cuda")
         mesh = init_device_mesh("cuda", (1,))
