@@ -179,3 +179,27 @@ def test_a_server_with_async_scheduling_streams_json_mode_beside_plain_requests_
             server.stop()
     assert got[True] == got[False]
     assert got[True][3][0] in ("red", "green") and got[True][1][0].startswith("{")
+
+
+def test_sampling_the_grammar_rows_raising_as_a_whole_fails_those_requests_and_the_others_go_on(tiny_ckpt, monkeypatch):
+    """Past one row's failure (e.g. the masked fill itself raising): the step's grammar rows fail
+    their requests, its other rows keep their tokens, and the engine goes on."""
+    from tessera.inference.sample.sampler import DeferredRows
+
+    finish, calls, victims = DeferredRows.finish, [], []
+
+    def raising(self, chosen):
+        calls.append(1)
+        if len(calls) == 6:
+            victims.extend(self.seqs[r].request_id for r in self.rows if not self.seqs[r].is_finished)
+            raise RuntimeError("injected")
+        return finish(self, chosen)
+    monkeypatch.setattr(DeferredRows, "finish", raising)
+    outs, *_ = _run(tiny_ckpt, True)
+    monkeypatch.setattr(DeferredRows, "finish", finish)
+    healthy, *_ = _run(tiny_ckpt, False)
+    assert victims and all(_constrained(int(r[1:])) for r in victims)
+    assert {rid for rid, v in outs.items() if v[-1][3] == "error"} == set(victims)
+    assert all(outs[r][-1][5] == "internal error while sampling this request" for r in victims)
+    ids = {rid: ([t for o in v for t in o[0]], v[-1][3]) for rid, v in outs.items() if rid not in victims}
+    assert ids == {rid: ([t for o in v for t in o[0]], v[-1][3]) for rid, v in healthy.items() if rid not in victims}
