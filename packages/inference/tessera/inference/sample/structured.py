@@ -19,7 +19,10 @@ the model forward runs (`Grammars.compute_ahead`: one bitmask tensor for all con
 filled by llguidance's executor in parallel and off the GIL, on a mask thread), the sampler takes
 them (`grammar_bitmask`) and applies them to the batch's logits in one vectorised masked fill
 (`apply_bitmask`), and the output processor advances each matcher by its sampled token. A grammar
-that has ended (nothing may follow) ends the sequence with finish_reason "stop".
+that has ended (nothing may follow) ends the sequence with finish_reason "stop". With async
+scheduling a launched step's grammar rows wait for their masks, computed once the step before
+has advanced the matchers (sampler.DeferredRows). A mask that raises is computed again row by row
+(`bitmask_isolating`), so that only its own request fails.
 
 Hence compiled matchers cached per grammar, masks computed during the forward (their time leaves
 the step when a core is free), one masked fill; where a constrained step's time went:
