@@ -351,14 +351,9 @@ class LLMEngine:
         self.grammars.compute_ahead([s.seq for s in plan.scheduled
                                      if s.seq.matcher is not None and s.completes_prompt and s.seq.params.max_tokens > 0])
         if self.cfg.async_scheduling and self._overlappable(plan):
-            try:
-                self._inflight = self._launch(plan)
-                if self._inflight is not None and self._inflight.deferred is not None:
-                    self._finish_sampling(self._inflight)  # the matchers are current: nothing to wait for
-            finally:
-                self.grammars.wait()
+            self._inflight = self._launch(plan)
             if self._inflight is not None:
-                return self._step_overlapped()
+                return self._step_overlapped()  # its grammar rows are sampled first, from the masks just started
         try:
             result = self._execute(plan)
         finally:
@@ -415,11 +410,16 @@ class LLMEngine:
         wait for the tokens of the one in flight and apply them. The device runs the next step
         meanwhile, so the host's work (the update below, emitting outputs, the next plan) happens
         beside the forward. Grammar rows of the next step are sampled after the update has advanced
-        their matchers, while the device may still run its forward (vLLM's order); only then can the
-        step after it be launched. When the next step cannot be planned ahead, nothing is launched
+        their matchers (at the start of the next call, their masks computed meanwhile), while the
+        device may still run its forward (vLLM's order); only then is the step after it launched. When the next step cannot be planned ahead, nothing is launched
         and the next call plans it as without async scheduling."""
         current = self._inflight
         assert current is not None
+        if current.deferred is not None:  # its grammar rows, their masks started when the step before was applied
+            try:
+                self._finish_sampling(current)
+            finally:
+                self.grammars.wait()
         # Its rows are `current`'s, whose sequences were launchable, and admissions `_launchable` accepted.
         ahead = self.scheduler.schedule_ahead(current.plan, current.sampled, self._launchable)
         self._inflight = None if ahead is None else self._launch(ahead[0], current, ahead[1])
@@ -438,7 +438,10 @@ class LLMEngine:
             for seq in finished:
                 self.requests.pop(seq.request_id, None)
         if self._inflight is not None and self._inflight.deferred is not None:
-            self._finish_sampling(self._inflight)  # a row whose sequence just finished gets no mask: dropped
+            # The matchers have advanced: the launched step's grammar masks are computed on the mask
+            # thread while these outputs go out, and its grammar rows sampled when the next call
+            # starts, before the step after it is planned. A row whose sequence has finished gets no mask.
+            self.grammars.compute_ahead([seq for seq in self._inflight.deferred.waiting() if not seq.is_finished])
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:

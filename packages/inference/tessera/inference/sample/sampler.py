@@ -319,6 +319,10 @@ class DeferredRows:
     rows: list[int]  # the rows waiting, increasing
     to_device: ToDevice
 
+    def waiting(self) -> list[Sequence]:
+        """The sequences of the rows waiting, in order."""
+        return [self.seqs[r] for r in self.rows]
+
     @torch.inference_mode()  # the launched step's tensors are inference tensors
     def finish(self, chosen: torch.Tensor) -> tuple[DeviceLogprobs | None, dict[int, Exception]]:
         """Sample the waiting rows into `chosen` [N] (on the device; the other rows' tokens are in it
@@ -326,7 +330,7 @@ class DeferredRows:
         row's logprobs (None: none asked) and the rows that failed (row -> error; their token is
         meaningless). A sequence that has finished since (a stop, an abort, a failure) gets no mask
         (its matcher is not asked; the row's token is dropped)."""
-        seqs = [self.seqs[r] for r in self.rows]
+        seqs = self.waiting()
         vocab = self.logits.shape[1]
         live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
         failed: dict[int, Exception] = {}
