@@ -34,16 +34,27 @@ KINDS = [dict(temperature=0, structured=JSON), dict(temperature=0.9, seed=5, sto
          dict(temperature=0.7, seed=11, repetition_penalty=1.3)]
 
 
+def _engine(ckpt, device: str, **cfg):
+    if device == "cpu":
+        return make_engine(ckpt, **cfg)
+    from tessera.inference.config import EngineConfig
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.worker.loader import load_for_serving
+
+    dev = torch.device(device)
+    return LLMEngine(load_for_serving(ckpt, dev, torch.float32), EngineConfig(device=device, **cfg), dev, torch.float32)
+
+
 def _run(ckpt, overlap: bool, num_kv_blocks: int = 200, abort: str | None = None, abort_at: int | None = None,
-         fail: str | None = None):
+         fail: str | None = None, device: str = "cpu", **cfg):
     """14 requests of KINDS (8 sequence slots, a 16-token step budget: admissions, chunked prompts)
     through one engine; returns per request its outputs' fields, the launched plans as rows
     (sequence, start, whether it was fed by the step before), the preemptions, the step `abort` was
     aborted after and the step count. `abort`: aborted at step `abort_at` (overlapped: the first step
     from the 6th that has a row of it in flight). `fail`: the mask of that request raises once it
     has 3 output tokens."""
-    engine = make_engine(ckpt, block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=96, max_num_seqs=8,
-                         max_num_batched_tokens=16, enforce_eager=True, async_scheduling=overlap)
+    engine = _engine(ckpt, device, block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=96, max_num_seqs=8,
+                     max_num_batched_tokens=16, async_scheduling=overlap, **({"enforce_eager": True} | cfg))
     launched: list[list] = []
     if overlap:
         launch = engine.runner.launch
@@ -121,6 +132,28 @@ def test_plain_and_structured_requests_overlapped_give_the_outputs_of_synchronou
     # ... among them rows whose grammar or stop the step before had ended: computed, masked as
     # allow-all, dropped.
     assert any(start >= seq.num_tokens - 1 for seq, start in fed)
+
+
+def test_grammar_rows_of_steps_through_the_padded_decode_forward_give_the_synchronous_outputs(tiny_ckpt):
+    """The forward CUDA graphs replay, run uncaptured on CPU: the grammar rows' logits are its output
+    rows, held until they are sampled."""
+    outs, launched, _, _, steps = _run(tiny_ckpt, True, enforce_eager=False, padded_decode=True,
+                                       cuda_graph_sizes=[1, 2, 4, 8])
+    reference, *_ = _run(tiny_ckpt, False)
+    _same(outs, reference)
+    assert sum(seq.matcher is not None and fed for plan in launched for seq, _, fed in plan) > 20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_grammar_rows_sampled_after_the_launch_give_the_synchronous_eager_outputs(tiny_ckpt):
+    """The device path: grammar rows masked through pinned copies and sampled into the launched
+    step's token tensor, which the next captured graph's input buffer reads."""
+    outs, launched, _, _, steps = _run(tiny_ckpt, True, device="cuda", enforce_eager=False,
+                                       cuda_graph_sizes=[1, 2, 4, 8])
+    reference, *_ = _run(tiny_ckpt, False, device="cuda")
+    _same(outs, reference)
+    assert len(launched) > steps / 2
 
 
 def test_a_structured_request_aborted_while_its_step_is_in_flight_gets_nothing_more(tiny_ckpt):
