@@ -234,5 +234,7 @@ def test_sampling_the_grammar_rows_raising_as_a_whole_fails_those_requests_and_t
     assert victims and all(_constrained(int(r[1:])) for r in victims)
     assert {rid for rid, v in outs.items() if v[-1][3] == "error"} == set(victims)
     assert all(outs[r][-1][5] == "internal error while sampling this request" for r in victims)
+    asked = [f"r{i}" for i in range(14) if KINDS[i % len(KINDS)].get("logprobs") is not None and f"r{i}" not in victims]
+    assert asked and all(sum(len(o[-1]) for o in outs[r]) == outs[r][-1][4] for r in asked)  # none lost a logprob
     ids = {rid: ([t for o in v for t in o[0]], v[-1][3]) for rid, v in outs.items() if rid not in victims}
     assert ids == {rid: ([t for o in v for t in o[0]], v[-1][3]) for rid, v in healthy.items() if rid not in victims}

@@ -411,8 +411,9 @@ class LLMEngine:
         meanwhile, so the host's work (the update below, emitting outputs, the next plan) happens
         beside the forward. Grammar rows of the next step are sampled after the update has advanced
         their matchers (at the start of the next call, their masks computed meanwhile), while the
-        device may still run its forward (vLLM's order); only then is the step after it launched. When the next step cannot be planned ahead, nothing is launched
-        and the next call plans it as without async scheduling."""
+        device may still run its forward (vLLM's order); only then is the step after it launched.
+        When the next step cannot be planned ahead, nothing is launched and the next call plans it
+        as without async scheduling."""
         current = self._inflight
         assert current is not None
         if current.deferred is not None:  # its grammar rows, their masks started when the step before was applied

@@ -93,11 +93,18 @@ class LaunchedStep:
         return {ids[r]: exc for r, exc in failed.items()}
 
     def fail_deferred(self) -> None:
-        """Sampling the deferred rows raised as a whole: their requests fail, the others keep their tokens."""
-        assert self.deferred is not None
-        self.failed.update({self.plan.scheduled[self.sampled[r]].seq.request_id: SAMPLING_FAILED
-                            for r in self.deferred.rows})
-        self.deferred = None
+        """Sampling the deferred rows raised as a whole: their requests fail, the others keep their
+        tokens and logprobs (if those cannot be had either, the rows that asked for them fail too)."""
+        deferred, self.deferred = self.deferred, None
+        assert deferred is not None
+        ids = [self.plan.scheduled[i].seq.request_id for i in self.sampled]
+        self.failed.update({ids[r]: SAMPLING_FAILED for r in deferred.rows})
+        try:
+            with torch.inference_mode():
+                self.logprobs = DeviceLogprobs.maybe(deferred.seqs, deferred.logits, self.tokens)
+        except Exception:
+            self.failed.update({rid: SAMPLING_FAILED for rid, seq in zip(ids, deferred.seqs)
+                                if seq.params.logprobs is not None})
         self._copy_back()
 
     def output(self) -> ModelRunnerOutput:
