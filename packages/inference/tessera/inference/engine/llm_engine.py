@@ -31,7 +31,6 @@ from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
 from tessera.inference.core.sequence import Sequence, Status
 from tessera.inference.engine.output_processor import OutputProcessor, RequestOutput
-from tessera.inference.sample.sampler import samples_ahead
 from tessera.inference.sample.structured import Grammars
 from tessera.inference.spec_decode.proposers import build_proposer, drafter_block_bytes
 from tessera.inference.worker.batch import LaunchedStep, ModelRunnerOutput
@@ -347,14 +346,14 @@ class LLMEngine:
         self._step_tokens = plan.num_tokens
         if not plan.scheduled:
             return []
-        if self.cfg.async_scheduling and self._overlappable(plan):
-            self._inflight = self._launch(plan)
-            if self._inflight is not None:
-                return self._step_overlapped()
         # The grammar masks of the sequences about to be sampled are computed while the model
         # forward runs; the matchers advance (processor.update) only after the mask thread is idle.
         self.grammars.compute_ahead([s.seq for s in plan.scheduled
                                      if s.seq.matcher is not None and s.completes_prompt and s.seq.params.max_tokens > 0])
+        if self.cfg.async_scheduling and self._overlappable(plan):
+            self._inflight = self._launch(plan)
+            if self._inflight is not None:
+                return self._step_overlapped()  # its grammar rows are sampled first, from the masks just started
         try:
             result = self._execute(plan)
         finally:
@@ -369,12 +368,11 @@ class LLMEngine:
     # ---- async scheduling: one step in flight while the next is planned and launched ----------
     @staticmethod
     def _launchable(seq: Sequence) -> bool:
-        """Whether a step with this sequence can be launched ahead (`ModelRunner.launch`): its next
-        token is chosen on the device without what the step before gives (`samples_ahead`), and
-        nothing but tokens comes back (no prompt logprobs, embedding, images or drafts)."""
+        """Whether a step with this sequence can be launched ahead (`ModelRunner.launch`): it samples,
+        and nothing but tokens comes back (no prompt logprobs, embedding, images or drafts). A grammar's
+        row is launched too: its sampling waits for its mask (`_finish_sampling`)."""
         p = seq.params
-        return (samples_ahead(seq) and p.max_tokens > 0 and not p.prompt_logprobs and not p.embed and not p.images
-                and not seq.spec_token_ids)
+        return p.max_tokens > 0 and not p.prompt_logprobs and not p.embed and not p.images and not seq.spec_token_ids
 
     def _overlappable(self, plan: SchedulerOutput) -> bool:
         return all([self._launchable(s.seq) for s in plan.scheduled])
@@ -392,14 +390,37 @@ class LLMEngine:
             log.exception("launching a decode step ahead failed; it is executed again")
             return None
 
+    def _finish_sampling(self, step: LaunchedStep) -> None:
+        """Sample a launched step's grammar rows, their matchers advanced by every token before
+        (`LaunchedStep.finish_sampling`). A row whose mask or sampling raises fails its own request,
+        as `Sampler.__call__`'s failures do; if finishing raises as a whole, those rows' requests fail."""
+        try:
+            failed = step.finish_sampling()
+        except WorkerDied:
+            raise
+        except Exception:
+            log.exception("sampling the structured-output rows of a launched step failed")
+            step.fail_deferred()
+            return
+        for rid, exc in failed.items():
+            log.error("request %s: sampling failed: %s: %s", rid, type(exc).__name__, exc)
+
     def _step_overlapped(self) -> list[RequestOutput]:
         """With a step in flight: plan and launch the one after it (`Scheduler.schedule_ahead`), then
         wait for the tokens of the one in flight and apply them. The device runs the next step
         meanwhile, so the host's work (the update below, emitting outputs, the next plan) happens
-        beside the forward. When the next step cannot be planned ahead, nothing is launched and the
-        next call plans it as without async scheduling."""
+        beside the forward. Grammar rows of the next step are sampled after the update has advanced
+        their matchers (at the start of the next call, their masks computed meanwhile), while the
+        device may still run its forward (vLLM's order); only then is the step after it launched.
+        When the next step cannot be planned ahead, nothing is launched and the next call plans it
+        as without async scheduling."""
         current = self._inflight
         assert current is not None
+        if current.deferred is not None:  # its grammar rows, their masks started when the step before was applied
+            try:
+                self._finish_sampling(current)
+            finally:
+                self.grammars.wait()
         # Its rows are `current`'s, whose sequences were launchable, and admissions `_launchable` accepted.
         ahead = self.scheduler.schedule_ahead(current.plan, current.sampled, self._launchable)
         self._inflight = None if ahead is None else self._launch(ahead[0], current, ahead[1])
@@ -410,13 +431,18 @@ class LLMEngine:
         # planned: its row's token is dropped.
         done = Status.FINISHED
         live = [s for s in plan.scheduled if s.seq.status is not done]
-        if not live:
-            return []
-        if len(live) != len(plan.scheduled):
-            plan = SchedulerOutput(live, plan.single_token, plan.epoch)
-        outputs, finished = self.processor.update(plan, result)
-        for seq in finished:
-            self.requests.pop(seq.request_id, None)
+        outputs: list[RequestOutput] = []
+        if live:
+            if len(live) != len(plan.scheduled):
+                plan = SchedulerOutput(live, plan.single_token, plan.epoch)
+            outputs, finished = self.processor.update(plan, result)
+            for seq in finished:
+                self.requests.pop(seq.request_id, None)
+        if self._inflight is not None and self._inflight.deferred is not None:
+            # The matchers have advanced: the launched step's grammar masks are computed on the mask
+            # thread while these outputs go out, and its grammar rows sampled when the next call
+            # starts, before the step after it is planned. A row whose sequence has finished gets no mask.
+            self.grammars.compute_ahead([seq for seq in self._inflight.deferred.waiting() if not seq.is_finished])
         return outputs
 
     def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:

@@ -62,8 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action="store_true",
                    help="Plan and launch each step while the previous one still runs on the device, its input "
                         "tokens read on the device (vLLM's flag): the host's per-step work (scheduling, inputs, "
-                        "detokenizing, outputs) overlaps the forward. A step with a request using a grammar or "
-                        "prompt logprobs is planned as without it; not with "
+                        "detokenizing, outputs) overlaps the forward. A request with a grammar is launched ahead too, "
+                        "its rows sampled once the step before has advanced their matchers; a step with a "
+                        "request using prompt logprobs is planned as without it; not with "
                         "--tensor-parallel > 1 or --speculative-config, nor for hybrid, vision-language, "
                         "encoder-decoder or latent-attention models. Outputs are identical (greedy and seeded). "
                         "For CUDA: on CPU nothing overlaps. Default: off.")

@@ -22,7 +22,7 @@ import torch
 
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.sequence import Sequence, TokenLogprob
-from tessera.inference.sample.structured import apply_bitmask, grammar_bitmask
+from tessera.inference.sample.structured import allow_all, apply_bitmask, bitmask_isolating
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
@@ -134,7 +134,8 @@ class Hypothetical:
 def samples_ahead(seq: Sequence) -> bool:
     """Whether this sequence's next token can be chosen before its newest one is known (async
     scheduling, `Sampler.sample_on_device`, which is given that token on the device): all but a
-    grammar, whose mask needs the matcher advanced by it on the host."""
+    grammar, whose mask needs the matcher advanced by it on the host. A launched step samples such
+    a row later (`DeferredRows`), once the step before is applied."""
     return seq.matcher is None
 
 
@@ -185,7 +186,8 @@ def process(logits: torch.Tensor, seqs: list[Sequence] | list[Hypothetical], fai
         if out is logits:
             out = logits.clone()
         try:
-            bitmask = grammar_bitmask([seqs[i] for i in constrained], logits.shape[1])  # type: ignore[misc]
+            bitmask, bad = bitmask_isolating([seqs[i] for i in constrained], logits.shape[1])  # type: ignore[misc]
+            failed.update({constrained[j]: exc for j, exc in bad.items()})
             rows = None if len(constrained) == len(seqs) else torch.tensor(constrained, device=logits.device)
             apply_bitmask(out, rows, bitmask)
         except Exception as exc:
@@ -262,24 +264,86 @@ class Sampler:
         for logprobs, every row's (`DeviceLogprobs`, of the raw logits). `pending[i]`: row i's newest
         output token as a one-token tensor on the device, which its sequence does not hold yet (None:
         it holds them all); `to_device`: host tensors to the device without waiting."""
+        chosen = Sampler.choose_on_device(seqs, logits, pending, to_device)
+        return chosen, DeviceLogprobs.maybe(seqs, logits, chosen)
+
+    @staticmethod
+    def choose_on_device(seqs: list[Sequence], logits: torch.Tensor, pending: list[torch.Tensor | None],
+                         to_device: ToDevice, bitmask: torch.Tensor | None = None,
+                         failed: dict[int, Exception] | None = None) -> torch.Tensor:
+        """`sample_on_device`'s tokens, without logprobs. `bitmask` (host, one row per sequence): the
+        grammar masks, applied after the other processing as `process` applies them (`DeferredRows`).
+        `failed`: record a row whose processing or draw raises there (its token is meaningless)
+        rather than raise."""
         processed = logits
         for i, seq in enumerate(seqs):
             if needs_processing(seq, pending[i] is not None):
                 if processed is logits:
                     processed = logits.clone()
-                process_row(processed[i], seq, pending[i], to_device)
+                try:
+                    process_row(processed[i], seq, pending[i], to_device)
+                except Exception as exc:
+                    if failed is None:
+                        raise
+                    failed[i] = exc
+        if bitmask is not None:
+            if processed is logits:
+                processed = logits.clone()
+            apply_bitmask(processed, None, bitmask, to_device)
         if processed.device.type == "cpu" and processed.dtype == torch.float32:
             chosen = torch.from_numpy(processed.numpy().argmax(axis=1))  # argmax_rows' faster CPU path
         else:
             chosen = processed.argmax(dim=-1)
         for i, seq in enumerate(seqs):
             p = seq.params
-            if not p.greedy:
-                chosen[i:i + 1] = draw_on_device(finish(processed[i], p), seq.generator)
-        top_n = [seq.params.logprobs for seq in seqs]
-        if all(n is None for n in top_n):
-            return chosen, None
-        return chosen, DeviceLogprobs.of(torch.log_softmax(logits, dim=-1), chosen, top_n)
+            if not p.greedy and (failed is None or i not in failed):
+                try:
+                    chosen[i:i + 1] = draw_on_device(finish(processed[i], p), seq.generator)
+                except Exception as exc:
+                    if failed is None:
+                        raise
+                    failed[i] = exc
+        return chosen
+
+
+@dataclass
+class DeferredRows:
+    """The rows of a launched step whose sampling waits (async scheduling): those that do not
+    `samples_ahead`, whose grammar mask needs the matcher advanced by the token of the step before,
+    which the host applies after this step is launched. vLLM's order: the forward runs, the host
+    applies the step before and computes the masks, then these rows are sampled on the device.
+    `finish` does that last part, once those matchers have advanced."""
+
+    seqs: list[Sequence]  # every sampled row's sequence, in the step's order
+    logits: torch.Tensor  # [N, V] the step's raw logits (fp32)
+    rows: list[int]  # the rows waiting, increasing
+    to_device: ToDevice
+
+    def waiting(self) -> list[Sequence]:
+        """The sequences of the rows waiting, in order."""
+        return [self.seqs[r] for r in self.rows]
+
+    @torch.inference_mode()  # the launched step's tensors are inference tensors
+    def finish(self, chosen: torch.Tensor) -> tuple[DeviceLogprobs | None, dict[int, Exception]]:
+        """Sample the waiting rows into `chosen` [N] (on the device; the other rows' tokens are in it
+        already), as `Sampler.__call__` would now that their sequences hold every token. Returns every
+        row's logprobs (None: none asked) and the rows that failed (row -> error; their token is
+        meaningless). A sequence that has finished since (a stop, an abort, a failure) gets no mask
+        (its matcher is not asked; the row's token is dropped)."""
+        seqs = self.waiting()
+        vocab = self.logits.shape[1]
+        live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+        failed: dict[int, Exception] = {}
+        bitmask = allow_all(len(seqs), vocab)
+        if live:
+            masks, bad = bitmask_isolating([seqs[i] for i in live], vocab)
+            bitmask[torch.tensor(live)] = masks
+            failed.update({live[j]: exc for j, exc in bad.items()})
+        index = self.to_device(torch.tensor(self.rows))
+        picked = Sampler.choose_on_device(seqs, self.logits.index_select(0, index), [None] * len(seqs),
+                                          self.to_device, bitmask, failed)
+        chosen.index_copy_(0, index, picked)
+        return DeviceLogprobs.maybe(self.seqs, self.logits, chosen), {self.rows[i]: e for i, e in failed.items()}
 
 
 @dataclass
@@ -291,6 +355,14 @@ class DeviceLogprobs:
     chosen: torch.Tensor  # [N] fp32
     top_ids: torch.Tensor  # [N, K]
     top_values: torch.Tensor  # [N, K]
+
+    @classmethod
+    def maybe(cls, seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor) -> DeviceLogprobs | None:
+        """Of raw logits [N, V] and the rows' chosen tokens, when a row asks for logprobs (else None)."""
+        top_n = [seq.params.logprobs for seq in seqs]
+        if all(n is None for n in top_n):
+            return None
+        return cls.of(torch.log_softmax(logits, dim=-1), chosen, top_n)
 
     @classmethod
     def of(cls, logprobs: torch.Tensor, chosen: torch.Tensor, top_n: list[int | None]) -> DeviceLogprobs:

@@ -19,7 +19,10 @@ the model forward runs (`Grammars.compute_ahead`: one bitmask tensor for all con
 filled by llguidance's executor in parallel and off the GIL, on a mask thread), the sampler takes
 them (`grammar_bitmask`) and applies them to the batch's logits in one vectorised masked fill
 (`apply_bitmask`), and the output processor advances each matcher by its sampled token. A grammar
-that has ended (nothing may follow) ends the sequence with finish_reason "stop".
+that has ended (nothing may follow) ends the sequence with finish_reason "stop". With async
+scheduling a launched step's grammar rows wait for their masks, computed once the step before
+has advanced the matchers (sampler.DeferredRows). A mask that raises is computed again row by row
+(`bitmask_isolating`), so that only its own request fails.
 
 Hence compiled matchers cached per grammar, masks computed during the forward (their time leaves
 the step when a core is free), one masked fill; where a constrained step's time went:
@@ -29,6 +32,7 @@ benchmarks/results/serving.md.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -152,16 +156,50 @@ def grammar_bitmask(seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
     return bitmask
 
 
-# Bit j of an int32 word, as int32 (bit 31 is the sign bit).
+def bitmask_isolating(seqs: list[Sequence], vocab_size: int) -> tuple[torch.Tensor, dict[int, Exception]]:
+    """`grammar_bitmask`, and when that raises, each row's alone and afresh (not from the masks
+    computed ahead together, which share the failure), so that a grammar whose mask cannot be
+    computed fails its own request only: returns the bitmask (a failed row allows every token) and
+    the failed rows (index -> error)."""
+    try:
+        return grammar_bitmask(seqs, vocab_size), {}
+    except Exception:
+        pass
+    bitmask, failed = _new_bitmask(len(seqs), vocab_size), {}
+    for i, seq in enumerate(seqs):
+        try:
+            _fill([(seq.matcher, i)], bitmask)
+        except Exception as exc:
+            bitmask[i] = -1
+            failed[i] = exc
+    return bitmask, failed
+
+
+def allow_all(rows: int, vocab_size: int) -> torch.Tensor:
+    """A bitmask [rows, W] that allows every token (rows whose mask is moot)."""
+    return _new_bitmask(rows, vocab_size)
+
+
+# Bit j of an int32 word, as int32 (bit 31 is the sign bit); per device, made there once.
 _BITS = torch.tensor([1 << j for j in range(31)] + [-(1 << 31)], dtype=torch.int32)
+_BITS_ON: dict[torch.device, torch.Tensor] = {}
 
 
-def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> None:
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor,
+                  to_device: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """Set to -inf, in one masked fill, every token the bitmask disallows in the given rows of
     logits [N, V] (rows [R] long, or None for all N rows in order; bitmask [R, W] int32). Tokens
-    past the bitmask's 32 * W are disallowed."""
+    past the bitmask's 32 * W are disallowed. `to_device` (async scheduling's host-to-device copy
+    without waiting): the words go to the logits' device and are expanded there, so that the host
+    does not wait for the forward still running (a plain copy from pageable memory would)."""
     vocab = logits.shape[1]
-    allowed = (bitmask.unsqueeze(-1) & _BITS).view(bitmask.shape[0], -1)[:, :vocab] != 0
+    bits = _BITS
+    if to_device is not None and logits.device != bitmask.device:
+        bitmask = to_device(bitmask)
+        bits = _BITS_ON.get(logits.device)
+        if bits is None:
+            bits = _BITS_ON[logits.device] = to_device(_BITS)
+    allowed = (bitmask.unsqueeze(-1) & bits).view(bitmask.shape[0], -1)[:, :vocab] != 0
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     banned = ~allowed.to(logits.device)

@@ -13,7 +13,7 @@ import torch
 from tessera.inference.core.image_inputs import ImageInput
 from tessera.inference.core.scheduler import ScheduledSequence, SchedulerOutput
 from tessera.inference.core.sequence import TokenLogprob
-from tessera.inference.sample.sampler import DeviceLogprobs
+from tessera.inference.sample.sampler import DeferredRows, DeviceLogprobs
 from tessera.inference.worker.decode_attention import DecodeSplit, SteadySplit
 
 
@@ -36,36 +36,80 @@ class ModelRunnerOutput:
             mine.update(theirs)
 
 
+SAMPLING_FAILED = "internal error while sampling this request"
+
+
 @dataclass
 class LaunchedStep:
-    """A steady decode step launched ahead (async scheduling, `ModelRunner.launch`): its sampled
-    tokens on the device, where the next step's inputs read them; their copy on its way to the
-    host; and the CUDA event recorded after that copy (None on CPU, where launching ran the step)."""
+    """A step launched ahead (async scheduling, `ModelRunner.launch`): its sampled tokens on the
+    device, where the next step's inputs read them; their copy on its way to the host; and the CUDA
+    event recorded after that copy (None on CPU, where launching ran the step). With `deferred`
+    rows (a grammar's, sampler.DeferredRows) the tokens are complete, and copied back, only after
+    `finish_sampling`, which the engine calls once the step before is applied."""
 
     plan: SchedulerOutput
     sampled: list[int]  # the plan's rows that sampled, in order
     tokens: torch.Tensor  # int64 [len(sampled)]: their tokens
-    host: torch.Tensor
+    host: torch.Tensor | None = None  # None: not copied back yet (rows deferred)
     logprobs: DeviceLogprobs | None = None  # on the host (or on its way), when a row asked
     ready: torch.cuda.Event | None = None
+    deferred: DeferredRows | None = None  # rows whose sampling waits for their grammar masks
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling failed
 
     @classmethod
     def start(cls, plan: SchedulerOutput, sampled: list[int], tokens: torch.Tensor,
-              logprobs: DeviceLogprobs | None = None) -> LaunchedStep:
-        if tokens.device.type != "cuda":
-            return cls(plan, sampled, tokens, tokens, logprobs)
+              logprobs: DeviceLogprobs | None = None, deferred: DeferredRows | None = None) -> LaunchedStep:
+        step = cls(plan, sampled, tokens, logprobs=logprobs, deferred=deferred)
+        if deferred is None:
+            step._copy_back()
+        return step
+
+    def _copy_back(self) -> None:
+        """Start the tokens' (and logprobs') copy to the host; on CUDA through pinned memory, behind an event."""
+        if self.tokens.device.type != "cuda":
+            self.host = self.tokens
+            return
 
         def to_host(t: torch.Tensor) -> torch.Tensor:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             return host.copy_(t, non_blocking=True)
-        host = to_host(tokens)
-        logprobs = None if logprobs is None else logprobs.to_host(to_host)
-        ready = torch.cuda.Event()
-        ready.record()
-        return cls(plan, sampled, tokens, host, logprobs, ready)
+        self.host = to_host(self.tokens)
+        self.logprobs = None if self.logprobs is None else self.logprobs.to_host(to_host)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def finish_sampling(self) -> dict[str, Exception]:
+        """Sample the deferred rows (their matchers advanced by the step before), completing `tokens`
+        in place, and start the copy back. A row whose sampling failed fails its request (`output`
+        reports it, as `ModelRunner.execute` does): returned as request id -> error. Raises what the
+        sampler raised beyond one row's failure (then `fail_deferred`)."""
+        assert self.deferred is not None and self.host is None
+        rows = self.deferred.rows
+        self.logprobs, failed = self.deferred.finish(self.tokens)
+        self.deferred = None  # its logits are no longer held
+        ids = {r: self.plan.scheduled[self.sampled[r]].seq.request_id for r in rows}
+        self.failed.update({ids[r]: SAMPLING_FAILED for r in failed})
+        self._copy_back()
+        return {ids[r]: exc for r, exc in failed.items()}
+
+    def fail_deferred(self) -> None:
+        """Sampling the deferred rows raised as a whole: their requests fail, the others keep their
+        tokens and logprobs (if those cannot be had either, the rows that asked for them fail too)."""
+        deferred, self.deferred = self.deferred, None
+        assert deferred is not None
+        ids = [self.plan.scheduled[i].seq.request_id for i in self.sampled]
+        self.failed.update({ids[r]: SAMPLING_FAILED for r in deferred.rows})
+        try:
+            with torch.inference_mode():
+                self.logprobs = DeviceLogprobs.maybe(deferred.seqs, deferred.logits, self.tokens)
+        except Exception:
+            self.failed.update({rid: SAMPLING_FAILED for rid, seq in zip(ids, deferred.seqs)
+                                if seq.params.logprobs is not None})
+        self._copy_back()
 
     def output(self) -> ModelRunnerOutput:
         """Wait for the tokens on the host: what `ModelRunner.execute` would have returned for the plan."""
+        assert self.host is not None, "a launched step's deferred rows were never sampled"
         if self.ready is not None:
             self.ready.synchronize()
         ids = [self.plan.scheduled[i].seq.request_id for i in self.sampled]
@@ -73,6 +117,11 @@ class LaunchedStep:
         out = ModelRunnerOutput(sampled=dict(zip(ids, [[t] for t in tokens])))
         if self.logprobs is not None:
             out.logprobs = {rid: [lp] for rid, lp in zip(ids, self.logprobs.rows(tokens)) if lp is not None}
+        if self.failed:
+            out.failed = dict(self.failed)
+            for rid in self.failed:
+                out.sampled.pop(rid, None)
+                out.logprobs.pop(rid, None)
         return out
 
 

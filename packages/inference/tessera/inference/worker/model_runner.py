@@ -27,8 +27,9 @@ import torch
 
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.inference.core.scheduler import SchedulerOutput
-from tessera.inference.sample.sampler import Sampler, token_logprob, verify
+from tessera.inference.sample.sampler import DeferredRows, Sampler, samples_ahead, token_logprob, verify
 from tessera.inference.worker.batch import (
+    SAMPLING_FAILED,
     BatchSeq,
     DecodeBatch,
     LaunchedStep,
@@ -192,7 +193,7 @@ class ModelRunner:
                 new = verify(seq, s.spec_token_ids, s.spec_probs, block)
             except Exception as exc:
                 log.error("request %s: verifying draft tokens failed: %s: %s", seq.request_id, type(exc).__name__, exc)
-                out.failed[seq.request_id] = "internal error while sampling this request"
+                out.failed[seq.request_id] = SAMPLING_FAILED
                 continue
             out.sampled[seq.request_id] = new
             if seq.params.logprobs is not None:
@@ -210,11 +211,12 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput, previous: LaunchedStep | None = None,
                rows: list[int | None] | None = None) -> LaunchedStep:
-        """Async scheduling: start a step whose sampling sequences all `samples_ahead` (no drafts,
-        prompt logprobs or pooling) and return without reading its tokens back (on CPU the step has
-        run when this returns). With `previous`, the step still in flight: row i's input is the token
-        `previous` sampled at index rows[i] (None: tokens the host knows), read on the device (the
-        sequences do not hold it yet); such a row computes that one token and samples."""
+        """Async scheduling: start a step (no drafts, prompt logprobs or pooling) and return without
+        reading its tokens back (on CPU the step has run when this returns). With `previous`, the step
+        still in flight: row i's input is the token `previous` sampled at index rows[i] (None: tokens
+        the host knows), read on the device (the sequences do not hold it yet); such a row computes
+        that one token and samples. Rows that `samples_ahead` are sampled here; a grammar's row waits
+        for its mask (`LaunchedStep.finish_sampling`, once the step before is applied)."""
         if plan.single_token:
             tokens = None
             if previous is not None:
@@ -225,8 +227,7 @@ class ModelRunner:
             logits = self._single_token_logits(plan, tokens)
             sampled = list(range(len(plan.scheduled)))
             pending = [None] * len(sampled) if tokens is None else [tokens[i:i + 1] for i in sampled]
-            return LaunchedStep.start(plan, sampled, *self.sampler.sample_on_device(
-                self.decode_batch.seqs, logits, pending, self._to_device))
+            return self._sample_launched(plan, sampled, self.decode_batch.seqs, logits, pending)
         if self.decode_batch is not None:
             self.decode_batch.clear()
         rows = rows or [None] * len(plan.scheduled)
@@ -255,8 +256,24 @@ class ModelRunner:
             return LaunchedStep.start(plan, sampled, torch.empty(0, dtype=torch.long, device=self.device))
         seqs = [plan.scheduled[i].seq for i in sampled]
         pending = [None if r is None else step.tokens[0, r:r + 1] for r in fed_rows]
-        return LaunchedStep.start(plan, sampled, *self.sampler.sample_on_device(seqs, logits, pending,
-                                                                                self._to_device))
+        return self._sample_launched(plan, sampled, seqs, logits, pending)
+
+    def _sample_launched(self, plan: SchedulerOutput, sampled: list[int], seqs: list, logits: torch.Tensor,
+                         pending: list[torch.Tensor | None]) -> LaunchedStep:
+        """The launched step's tokens: every row's now, or, with grammar rows, the others' now and
+        theirs deferred, in one tensor that `finish_sampling` completes in place (the next step's
+        inputs read it as they read any)."""
+        waiting = [k for k, seq in enumerate(seqs) if not samples_ahead(seq)]
+        if not waiting:
+            return LaunchedStep.start(plan, sampled, *self.sampler.sample_on_device(seqs, logits, pending,
+                                                                                    self._to_device))
+        tokens = torch.zeros(len(seqs), dtype=torch.long, device=logits.device)
+        if ahead := [k for k in range(len(seqs)) if samples_ahead(seqs[k])]:
+            at = self._to_device(torch.tensor(ahead))
+            tokens.index_copy_(0, at, self.sampler.choose_on_device(
+                [seqs[k] for k in ahead], logits.index_select(0, at), [pending[k] for k in ahead], self._to_device))
+        return LaunchedStep.start(plan, sampled, tokens, deferred=DeferredRows(list(seqs), logits, waiting,
+                                                                               self._to_device))
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return host_to_device(t, self.device)
@@ -285,7 +302,7 @@ class ModelRunner:
         for j, seq in enumerate(seqs):
             if j in failed:
                 log.error("request %s: sampling failed: %s: %s", seq.request_id, type(failed[j]).__name__, failed[j])
-                out.failed[seq.request_id] = "internal error while sampling this request"
+                out.failed[seq.request_id] = SAMPLING_FAILED
                 continue
             out.sampled[seq.request_id] = [tokens[j]]
             if lps[j] is not None:
