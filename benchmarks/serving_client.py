@@ -28,6 +28,7 @@ import math
 import os
 import resource
 import sys
+import tempfile
 import time
 
 # One clock for every process: the start instant crosses process boundaries.
@@ -174,8 +175,9 @@ def worker_main() -> int:
         result = loop.run_until_complete(_worker_run(spec, lambda: loop.run_in_executor(None, sys.stdin.readline)))
     finally:
         loop.close()
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
+    # A file, not the stdout pipe: a result line of ~1 MB came back cut at 128 KiB once (exit code 0)
+    with open(spec["out"], "w") as f:
+        json.dump(result, f)
     return 0
 
 
@@ -192,13 +194,15 @@ async def run_client(url: str, workload, concurrency: int, arrivals: list[float]
     procs = max(1, min(processes or default_processes(concurrency), concurrency, n))
     offsets = arrivals or [0.0] * n
     workers = []
+    outdir = tempfile.TemporaryDirectory(prefix="serving-client-")
     try:
-        for indices, share_concurrency in split(n, concurrency, procs):
+        for k, (indices, share_concurrency) in enumerate(split(n, concurrency, procs)):
             share = {"url": url, "extra_body": extra_body or {}, "concurrency": share_concurrency, "http": http,
-                     "requests": [[i, *workload[i], offsets[i]] for i in indices]}
+                     "requests": [[i, *workload[i], offsets[i]] for i in indices],
+                     "out": os.path.join(outdir.name, f"worker{k}.json")}
             w = await asyncio.create_subprocess_exec(
                 sys.executable, os.path.abspath(__file__), "--worker", stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, limit=2**30)
+                stdout=asyncio.subprocess.PIPE)
             workers.append(w)
             w.stdin.write(json.dumps(share).encode() + b"\n")
             await w.stdin.drain()
@@ -211,15 +215,16 @@ async def run_client(url: str, workload, concurrency: int, arrivals: list[float]
             await w.stdin.drain()
         results = []
         for k, w in enumerate(workers):
-            line = await w.stdout.readline()
-            if await w.wait() != 0 or not line:
+            if await w.wait() != 0:
                 raise RuntimeError(f"client process {k} failed (exit code {w.returncode}; its stderr above)")
-            results.append(json.loads(line))
+            with open(os.path.join(outdir.name, f"worker{k}.json")) as f:
+                results.append(json.load(f))
     finally:
         for w in workers:
             if w.returncode is None:
                 w.kill()
                 await w.wait()
+        outdir.cleanup()
     records = sorted((r for res in results for r in res["records"]), key=lambda r: r[0])
     dur = max(res["end"] for res in results) - start
     completion = [r[4] for r in records]

@@ -22,8 +22,13 @@ Two measurements, both as ratios so that they mean something on a loaded machine
    and the rest are timed on the host, and on CUDA the forward also on the device (CUDA events),
    eager and with CUDA graphs (`--device cuda`). The host time per step is the overhead graphs cut.
 
+4. The client (`--client-ab ROUNDS`): the single-process httpx client the serving benchmarks used
+   before serving_client.py against serving_client's processes, on one server, alternating: the
+   client's CPU per output token, TPOT, ITL and output tok/s.
+
     .venv/bin/python benchmarks/serving_profile.py --preset llama-25m --concurrency 32 --output-len 64 64 --server
     python3 benchmarks/serving_profile.py --device cuda --preset llama-160m --concurrency 64 --num-requests 64
+    .venv/bin/python benchmarks/serving_profile.py --client-ab 5 --preset host-bound --concurrency 64 --num-requests 512
 """
 
 from __future__ import annotations
