@@ -241,6 +241,45 @@ async def run_client(url: str, workload, concurrency: int, arrivals: list[float]
             "completion_tokens": completion, "client": client}
 
 
+async def single_process_client(url: str, workload, concurrency: int) -> dict:
+    """The serving benchmarks' client before this file, kept as the baseline of serving_profile.py's
+    `--client-ab`: every stream in the caller's process on its loop through one httpx client, a line
+    iterator and a json.loads per chunk. Returns run_client's figures (not its order), CPU from getrusage."""
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    ttft, itl, tpot, completion = [], [], [], []
+
+    async def one(client, prompt, n_out):
+        async with sem:
+            t0, times, generated = time.perf_counter(), [], 0
+            body = {"prompt": prompt, "max_tokens": n_out, "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        if chunk["choices"]:
+                            times.append(time.perf_counter())
+                        elif chunk.get("usage"):
+                            generated = chunk["usage"]["completion_tokens"]
+            end = time.perf_counter()
+            ttft.append(times[0] - t0)
+            itl.extend(b - a for a, b in zip(times, times[1:]))
+            if generated > 1:
+                tpot.append((end - times[0]) / (generated - 1))
+            completion.append(generated)
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        await asyncio.gather(*(one(client, p, n) for p, n in workload))
+        dur, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+    cpu = cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime
+    return {"duration": dur, "output_tok_per_s": sum(completion) / dur, "ttft": ttft, "itl": itl, "tpot": tpot,
+            "completion_tokens": completion, "client": {"cpu_s": [cpu], "wall_s": [dur],
+                                                        "cpu_us_per_token": 1e6 * cpu / sum(completion)}}
+
+
 def describe(client: dict) -> str:
     """One line on the client's own cost, and a warning when a worker may have been the bottleneck."""
     line = (f"client: {client['processes']} process(es) ({client['http']}, {client['loop']}), CPU per output token "

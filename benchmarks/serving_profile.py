@@ -36,10 +36,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -50,7 +48,7 @@ from pathlib import Path
 
 import torch
 from serving import build_checkpoint, free_port, pct, run_client, wait_healthy
-from serving_client import describe
+from serving_client import describe, single_process_client
 
 TIMES: collections.Counter = collections.Counter()
 
@@ -395,45 +393,6 @@ def server_profile(ckpt: Path, args, workload) -> None:
     client = sum(res["client"]["cpu_s"])
     print(f"  CPU s {'benchmark client (all its processes)':58s} {client:7.2f}  ({client / eng:.2f} per engine-process CPU s)")
     print(f"  {describe(res['client'])}")
-
-
-async def single_process_client(url: str, workload, concurrency: int) -> dict:
-    """The benchmark's client before serving_client.py (kept as the A/B's baseline): every stream in
-    this process on one asyncio loop through one httpx client, a line iterator and a json.loads per
-    chunk. Returns what run_client returns for the figures the A/B prints, CPU from getrusage."""
-    import httpx
-
-    sem = asyncio.Semaphore(concurrency)
-    ttft, itl, tpot, completion = [], [], [], []
-
-    async def one(client, prompt, n_out):
-        async with sem:
-            t0, times, generated = time.perf_counter(), [], 0
-            body = {"prompt": prompt, "max_tokens": n_out, "temperature": 0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            async with client.stream("POST", url + "/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        if chunk["choices"]:
-                            times.append(time.perf_counter())
-                        elif chunk.get("usage"):
-                            generated = chunk["usage"]["completion_tokens"]
-            end = time.perf_counter()
-            ttft.append(times[0] - t0)
-            itl.extend(b - a for a, b in zip(times, times[1:]))
-            if generated > 1:
-                tpot.append((end - times[0]) / (generated - 1))
-            completion.append(generated)
-
-    async with httpx.AsyncClient(timeout=600) as client:
-        cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        await asyncio.gather(*(one(client, p, n) for p, n in workload))
-        dur, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-    cpu = cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime
-    return {"duration": dur, "output_tok_per_s": sum(completion) / dur, "ttft": ttft, "itl": itl, "tpot": tpot,
-            "completion_tokens": completion, "client": {"cpu_s": [cpu], "wall_s": [dur],
-                                                        "cpu_us_per_token": 1e6 * cpu / sum(completion)}}
 
 
 def client_ab(ckpt: Path, args, workload) -> None:

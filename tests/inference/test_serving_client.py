@@ -54,7 +54,17 @@ def test_p_processes_give_what_one_gives_request_for_request(client, tiny_ckpt):
         assert c["processes"] == procs and len(c["cpu_s"]) == len(c["wall_s"]) == procs
         assert all(cpu > 0 for cpu in c["cpu_s"]) and all(0 < w <= res["duration"] * 1.01 for w in c["wall_s"])
         assert c["cpu_us_per_token"] == pytest.approx(1e6 * sum(c["cpu_s"]) / sum(wanted))
+        busiest = max(cpu / wall for cpu, wall in zip(c["cpu_s"], c["wall_s"]))
+        assert c["busiest_utilisation"] == pytest.approx(busiest) and c["client_bound"] == (busiest > 0.8)
     assert one["client"]["http"].startswith("aiohttp") and plain["client"]["http"].startswith("httpx")
+
+
+def test_a_client_process_busy_over_80_percent_is_called_out(client):
+    figures = {"processes": 2, "http": "aiohttp 3", "loop": "uvloop", "cpu_us_per_token": 20.0}
+    calm = client.describe({**figures, "busiest_utilisation": 0.5, "client_bound": False})
+    busy = client.describe({**figures, "busiest_utilisation": 0.9, "client_bound": True})
+    assert "busiest process 50% of its wall" in calm and "client-bound" not in calm
+    assert busy.splitlines()[1].startswith("warning:") and "client-bound" in busy
 
 
 def _event(obj: dict, separators=None) -> bytes:
