@@ -10,8 +10,8 @@ the requests (request i goes to worker i % P) and of the concurrency, on its own
 every worker is ready. Each worker returns its raw figures per request, the parent merges them in
 workload order, and each worker's CPU seconds (getrusage) and wall time come back with them.
 
-HTTP: aiohttp when importable (its C parser: ~22 us of client CPU per streamed token against httpx's
-140-160 us on the 2-core box, benchmarks/RESULTS.md), else httpx's raw byte stream. Either way an SSE
+HTTP: aiohttp when importable (its C parser: 22-26 us of client CPU per streamed token against httpx's
+110-170 us on the 2-core box, benchmarks/RESULTS.md), else httpx's raw byte stream. Either way an SSE
 event is classified on its bytes: one that holds `"choices": [{` (tessera-serve's spacing) or
 `"choices":[{` (compact, vLLM's) carries choices. Inside a JSON string every quote is escaped, so the
 quote after `choices` would be `\"` there: those bytes can only be a key. Any other `data: {` event
