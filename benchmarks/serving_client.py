@@ -147,7 +147,8 @@ async def _worker_run(spec: dict, start_line) -> dict:
     if http_library(spec["http"]).startswith("aiohttp"):
         import aiohttp
         stream = _stream_aiohttp
-        opened = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+        # 600 s without a byte, as httpx's timeout=600 means; no limit on a whole request (a slow CPU peer)
+        opened = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=600, sock_read=600),
                                        connector=aiohttp.TCPConnector(limit=spec["concurrency"]))
     else:
         import httpx

@@ -40,6 +40,8 @@ def test_p_processes_give_what_one_gives_request_for_request(client, tiny_ckpt):
         one = asyncio.run(client.run_client(server.url, workload, 4, processes=1))
         two = asyncio.run(client.run_client(server.url, workload, 4, processes=2))
         plain = asyncio.run(client.run_client(server.url, workload, 4, processes=3, http="httpx"))
+        with pytest.raises(RuntimeError, match="client process 1 failed"):  # a 400 (max_tokens over 100)
+            asyncio.run(client.run_client(server.url, [workload[0], (workload[1][0], 1000)], 2, processes=2))
     finally:
         server.stop()
     wanted = [n for _, n in workload]
