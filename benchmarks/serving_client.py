@@ -8,7 +8,9 @@ and spawn would re-run the caller's script, torch and all, in every worker), eac
 the requests (request i goes to worker i % P) and of the concurrency, on its own event loop
 (uvloop when importable), all starting at one CLOCK_MONOTONIC instant the parent hands out once
 every worker is ready. Each worker returns its raw figures per request, the parent merges them in
-workload order, and each worker's CPU seconds (getrusage) and wall time come back with them.
+workload order, and each worker's CPU seconds (getrusage) and wall time come back with them. Each
+worker holds its own share of the concurrency: with unequal output lengths the total in flight can
+dip under `concurrency` near the end, when one worker has run out of requests before another.
 
 HTTP: aiohttp when importable (its C parser: 22-26 us of client CPU per streamed token against httpx's
 110-170 us on the 2-core box, benchmarks/RESULTS.md), else httpx's raw byte stream. Either way an SSE
