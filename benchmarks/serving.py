@@ -394,7 +394,7 @@ def main() -> None:
           f"output {args.output_len} tokens (ignore_eos); naive peer runs the first {args.naive_requests}")
     c = rounds[0][0]["client"] if rounds else {"processes": 0, "http": "-", "loop": "-"}
     print(f"client: {c['processes']} process(es) ({'--client-processes' if args.client_processes else 'default'}), "
-          f"{c['http']}, {c['loop']}, at most {-(-args.concurrency // c['processes'])} streams each")
+          f"{c['http']}, {c['loop']}, at most {-(-args.concurrency // max(1, c['processes']))} streams each")
     ctx = statistics.mean(len(p) for p, _ in workload) + statistics.mean(n for _, n in workload) / 2
     lim = physical_floor(model, dtype, args.device, args.concurrency, ctx)
     print(f"physical floor of a decode step ({args.concurrency} seqs x {ctx:.0f} tokens of context): "
