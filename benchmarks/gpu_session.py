@@ -38,7 +38,10 @@ CALL_MARGIN_S = 30  # each call's caps stay this far under the limit (process st
 # What the GPU image lacks (../shared/gpu/README.md lists the set that worked on 2026-11-27).
 WHEELS = ("pydantic", "pydantic_core", "annotated_types", "annotated_doc", "typing_inspection", "typing_extensions",
           "fastapi", "starlette", "uvicorn", "opentelemetry_api", "llguidance", "torchao",
-          "uvloop", "httptools")  # uvicorn's loop and parser (tessera-inference's dependencies since stop 41)
+          "uvloop", "httptools",  # uvicorn's loop and parser (tessera-inference's dependencies since stop 41)
+          # the serving benchmarks' client (serving_client.py): aiohttp's C parser costs the client ~7x less
+          # CPU per streamed token than httpx's (benchmarks/RESULTS.md); 3.1 MB with what it imports
+          "aiohttp", "aiohappyeyeballs", "aiosignal", "attrs", "frozenlist", "multidict", "propcache", "yarl")
 # The torchtitan peer (issue #34 item 6), pure-Python wheels at these versions: both torchtitan
 # releases (`--install-torchtitan` keeps the newest that imports on the machine's torch: 0.3.0 needs
 # torch 2.14, the image has 2.11, on which 0.2.2 imports; see benchmarks/torchtitan_peer.py) and
@@ -62,6 +65,8 @@ class Step:
 BENCH = ("python3", "benchmarks/")
 TRAIN1B = ("--device", "cuda", "--preset", "llama-1b", "--full-size", "--seq", "4096", "--batch", "2",
            "--steps", "6", "--warmup", "2")
+SERVE = ("--device", "cuda", "--no-peer", "--num-requests", "128", "--concurrency", "64", "--output-len", "128", "128",
+         "--naive-requests", "2", "--rounds", "1", "--max-num-batched-tokens", "2048")
 PLAN: tuple[Step, ...] = (
     Step("install", 1, 45, ("python3", "benchmarks/gpu_session.py", "--install")),
     Step("tests", 1, 100, ("python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs", "tests")),
@@ -77,14 +82,13 @@ PLAN: tuple[Step, ...] = (
     Step("fp8-8b", 2, 150, ("python3", "benchmarks/fp8_convergence.py", "--device", "cuda", "--preset", "llama3-8b",
                             "--layers", "4", "--seq", "4096", "--batch", "1", "--steps", "12", "--warmup", "4",
                             "--window", "4", "--json", "{out}/fp8-8b.json")),
-    # item 5: decode next to the HBM floor at 64 concurrent
-    Step("serve1b", 2, 110, ("python3", "benchmarks/serving.py", "--device", "cuda", "--preset", "llama-1b",
-                             "--no-peer", "--num-requests", "128", "--concurrency", "64", "--naive-requests", "4",
-                             "--rounds", "1", "--max-num-batched-tokens", "2048")),
+    # item 5: decode next to the HBM floor at 64 concurrent. SERVE: every request 128 tokens, so the
+    # 64 streams start, decode 64 wide and end together (two waves of 127 steps), not a batch that
+    # shrinks and refills with prefills; the naive peer's 2 x 128 tokens cost what 4 x [8, 128] did.
+    Step("serve1b", 2, 110, ("python3", "benchmarks/serving.py", "--preset", "llama-1b", *SERVE)),
     # with --async-scheduling: at 160m the host's step is the TPOT (serve160m-sync below is the same without)
-    Step("serve160m", 2, 60, ("python3", "benchmarks/serving.py", "--device", "cuda", "--preset", "llama-160m",
-                              "--no-peer", "--num-requests", "128", "--concurrency", "64", "--naive-requests", "4",
-                              "--rounds", "1", "--max-num-batched-tokens", "2048", "--async-scheduling")),
+    Step("serve160m", 2, 60, ("python3", "benchmarks/serving.py", "--preset", "llama-160m", *SERVE,
+                              "--async-scheduling")),
 )
 
 # Outside the 15-minute plan, run by name (`--step NAME`) on a longer lease or a second one.
@@ -120,12 +124,9 @@ EXTRAS: tuple[Step, ...] = (
     Step("titan-install", 0, 60, ("python3", "benchmarks/gpu_session.py", "--install-torchtitan")),
     Step("titan", 0, 500, ("python3", "benchmarks/torchtitan_peer.py", "--steps", "30", "--warmup", "10",
                            "--json", "{out}/torchtitan.json")),
-    Step("serve160m-sync", 0, 60, ("python3", "benchmarks/serving.py", "--device", "cuda", "--preset", "llama-160m",
-                                   "--no-peer", "--num-requests", "128", "--concurrency", "64", "--naive-requests",
-                                   "4", "--rounds", "1", "--max-num-batched-tokens", "2048")),
-    Step("serve1b-async", 0, 110, ("python3", "benchmarks/serving.py", "--device", "cuda", "--preset", "llama-1b",
-                                   "--no-peer", "--num-requests", "128", "--concurrency", "64", "--naive-requests",
-                                   "4", "--rounds", "1", "--max-num-batched-tokens", "2048", "--async-scheduling")),
+    Step("serve160m-sync", 0, 60, ("python3", "benchmarks/serving.py", "--preset", "llama-160m", *SERVE)),
+    Step("serve1b-async", 0, 110, ("python3", "benchmarks/serving.py", "--preset", "llama-1b", *SERVE,
+                                   "--async-scheduling")),
     Step("serve-profile", 0, 300, ("python3", "benchmarks/serving_profile.py", "--device", "cuda", "--preset",
                                    "llama-160m", "--concurrency", "64", "--num-requests", "64",
                                    "--decode-steps", "64")),
@@ -176,6 +177,9 @@ def figures(out: Path) -> list[tuple[str, str, str, str]]:
     for step, goal in (("serve1b", 3.0), ("serve160m", 10.0)):
         ratio = _grep(out / f"{step}.log", r"TPOT median / physical floor: ([\d.]+)x")
         row(f"{step} TPOT / HBM floor", float(ratio) if ratio else None, goal, "{:.1f}x", at_most=True)
+        # over 80% the client may be what set the TPOT (serving_client.py's warning line)
+        busy = _grep(out / f"{step}.log", r"busiest process (\d+)% of its wall")
+        row(f"{step} client busiest", int(busy) / 100 if busy else None, 0.8, "{:.0%}", at_most=True)
     return rows
 
 

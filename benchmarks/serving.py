@@ -18,6 +18,13 @@ weights and the same prompts/output lengths:
             ratio Tessera / vLLM of output tok/s is printed per round and as the median.
 Requests use ignore_eos so every engine produces exactly the requested number of tokens.
 
+The client (benchmarks/serving_client.py) streams from `--client-processes` worker processes (default:
+at most 8 streams each, at most half the CPUs), each on its own event loop, so that on a GPU the
+client's CPU per token does not cap TPOT. Each round prints the client's CPU per output token and its
+busiest process's utilisation, and a warning when a process was busy over 80% of its wall time (the
+run may then be client-bound). On a 2-core machine the default is one process, which competes with
+the server for the cores: the per-token CPU is the figure that carries to a bigger machine.
+
 Threads, two modes. Pinned (the default): every system gets `--threads` torch threads, unbound
 (tessera-serve `--torch-threads N`; vLLM OMP_NUM_THREADS=N with VLLM_CPU_OMP_THREADS_BIND=nobind;
 the transformers peers torch.set_num_threads(N)): the engines compared on equal resources.
@@ -65,6 +72,7 @@ from pathlib import Path
 
 import torch
 import vllm_peer  # benchmarks/vllm_peer.py (this directory is on sys.path when run as a script)
+from serving_client import describe, run_client  # run_client: serving_profile.py imports it from here
 
 
 def build_checkpoint(root: Path, preset: str, make_config=None) -> tuple[Path, object]:
@@ -149,51 +157,6 @@ JSON_SCHEMA = {
     "required": ["items"], "additionalProperties": False,
 }
 STRUCTURED_BODY = {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": JSON_SCHEMA}}}
-
-
-async def run_client(url: str, workload, concurrency: int, arrivals: list[float] | None = None,
-                     extra_body: dict | None = None) -> dict:
-    """Send every request of `workload`, at most `concurrency` in flight; with `arrivals` (seconds
-    from the start, one per request) a request is not sent before its arrival time. Output tokens
-    are counted from each request's usage (`completion_tokens`: one count per request, in order)."""
-    import httpx
-
-    sem = asyncio.Semaphore(concurrency)
-    ttft, itl, tpot, e2e = [], [], [], []
-    completion = [0] * len(workload)  # each request's completion_tokens, in workload order
-
-    async def one(client, index, prompt, n_out, arrival):
-        await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
-        async with sem:
-            t0 = time.perf_counter()
-            times = []
-            body = {"prompt": prompt, "max_tokens": n_out, "temperature": 0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}, **(extra_body or {})}
-            generated = 0
-            async with client.stream("POST", url + "/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        chunk = json.loads(line[6:])
-                        if chunk["choices"]:
-                            times.append(time.perf_counter())
-                        elif chunk.get("usage"):
-                            generated = chunk["usage"]["completion_tokens"]
-            # one chunk per token here except held-back partial characters; usage counts tokens exactly
-            end = time.perf_counter()
-            ttft.append(times[0] - t0)
-            itl.extend(b - a for a, b in zip(times, times[1:]))
-            if generated > 1:
-                tpot.append((end - times[0]) / (generated - 1))
-            e2e.append(end - t0)
-            completion[index] = generated
-
-    async with httpx.AsyncClient(timeout=600) as client:
-        start = t0 = time.perf_counter()
-        offsets = arrivals or [0.0] * len(workload)
-        await asyncio.gather(*(one(client, i, p, n, a) for i, ((p, n), a) in enumerate(zip(workload, offsets))))
-        dur = time.perf_counter() - t0
-    return {"duration": dur, "requests_per_s": len(workload) / dur, "output_tok_per_s": sum(completion) / dur,
-            "ttft": ttft, "itl": itl, "tpot": tpot, "e2e": e2e, "completion_tokens": completion}
 
 
 def _sync(hf) -> None:
@@ -288,6 +251,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=256, help="server step token budget")
     ap.add_argument("--rounds", type=int, default=2, help="alternate the three systems this many times")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client-processes", type=int, default=None, metavar="P",
+                    help="client processes the requests are streamed from (default: at most 8 streams per "
+                         "process, at most half the CPUs; benchmarks/serving_client.py)")
     ap.add_argument("--threads", type=int, default=1,
                     help="pinned mode: torch CPU threads for the server and the peers alike (1 suits a shared machine)")
     ap.add_argument("--defaults", action="store_true",
@@ -312,6 +278,8 @@ def main() -> None:
     ap.add_argument("--peer-startup-timeout", type=float, default=900,
                     help="seconds vLLM may take to load and compile before the run gives up")
     args = ap.parse_args()
+    if args.client_processes is not None and args.client_processes < 1:
+        ap.error("--client-processes: must be at least 1")
     use_vllm = args.structured == "none" and not args.no_peer and (args.peer == "vllm" or vllm_peer.available())
     if args.peer == "vllm" and not vllm_peer.available():
         ap.error(f"--peer vllm: {vllm_peer.VENV}/bin/python not found; run benchmarks/setup_vllm_cpu.sh first")
@@ -372,10 +340,10 @@ def main() -> None:
         # as vLLM's CPU build can, does so before the measured runs), short outputs.
         warm = [(p, min(n, 8)) for p, n in workload[:args.concurrency]]
         wait_healthy(url, server, 300, "tessera-serve")  # compiles the CPU forward first (~20 s quiet, 80-110 s loaded)
-        asyncio.run(run_client(url, warm, args.concurrency))
+        asyncio.run(run_client(url, warm, args.concurrency, processes=args.client_processes))
         if vllm is not None:
             wait_healthy(vllm_url, vllm, args.peer_startup_timeout, f"vllm serve (log: {vllm_log}; --no-peer skips it)")
-            asyncio.run(run_client(vllm_url, warm, args.concurrency))
+            asyncio.run(run_client(vllm_url, warm, args.concurrency, processes=args.client_processes))
         print(f"threads: {threads_mode}; tessera-serve: {startup_threads(server_log)}"
               + (f"; vLLM: {vllm_peer.thread_binding(vllm_log)}" if vllm is not None else ""), flush=True)
         if args.busy_core:
@@ -391,10 +359,10 @@ def main() -> None:
         for r in range(args.rounds):
             theirs = None
             if vllm_url is not None and r % 2 == 1:
-                theirs = asyncio.run(run_client(vllm_url, workload, args.concurrency, arrivals))
-            ours = asyncio.run(run_client(url, workload, args.concurrency, arrivals))
+                theirs = asyncio.run(run_client(vllm_url, workload, args.concurrency, arrivals, processes=args.client_processes))
+            ours = asyncio.run(run_client(url, workload, args.concurrency, arrivals, processes=args.client_processes))
             if vllm_url is not None and r % 2 == 0:
-                theirs = asyncio.run(run_client(vllm_url, workload, args.concurrency, arrivals))
+                theirs = asyncio.run(run_client(vllm_url, workload, args.concurrency, arrivals, processes=args.client_processes))
             static = naive = None
             if hf is not None:
                 static = run_static(hf, workload, args.concurrency)
@@ -424,6 +392,9 @@ def main() -> None:
     rate = "all at once" if arrivals is None else f"Poisson arrivals at {args.request_rate:g} req/s"
     print(f"workload: {args.num_requests} requests ({rate}), concurrency {args.concurrency}, input {args.input_len}, "
           f"output {args.output_len} tokens (ignore_eos); naive peer runs the first {args.naive_requests}")
+    c = rounds[0][0]["client"] if rounds else {"processes": 0, "http": "-", "loop": "-"}
+    print(f"client: {c['processes']} process(es) ({'--client-processes' if args.client_processes else 'default'}), "
+          f"{c['http']}, {c['loop']}, at most {-(-args.concurrency // max(1, c['processes']))} streams each")
     ctx = statistics.mean(len(p) for p, _ in workload) + statistics.mean(n for _, n in workload) / 2
     lim = physical_floor(model, dtype, args.device, args.concurrency, ctx)
     print(f"physical floor of a decode step ({args.concurrency} seqs x {ctx:.0f} tokens of context): "
@@ -435,6 +406,7 @@ def main() -> None:
               f"({ours['duration']:.1f} s)")
         print(f"  TTFT {ms(ours['ttft'])}\n  TPOT {ms(ours['tpot'])}\n  ITL  {ms(ours['itl'])}\n  E2E  {ms(ours['e2e'])}")
         print(f"  TPOT median / physical floor: {statistics.median(ours['tpot']) / lim['floor']:.1f}x")
+        print("  " + describe(ours["client"]).replace("\n", "\n  "))
         if static is not None:
             print(f"HF naive (1 at a time): {naive['output_tok_per_s']:.1f} output tok/s")
             print(f"HF static batch ({args.concurrency}, padded): {static['output_tok_per_s']:.1f} output tok/s "
@@ -447,6 +419,7 @@ def main() -> None:
                   f"({theirs['duration']:.1f} s), TTFT p50 {1e3 * statistics.median(theirs['ttft']):.0f} ms, "
                   f"TPOT p50 {1e3 * statistics.median(theirs['tpot']):.1f} ms (tessera-serve: TPOT p50 "
                   f"{1e3 * statistics.median(ours['tpot']):.1f} ms)")
+            print("  vLLM's " + describe(theirs["client"]).replace("\n", "\n  "))
             if theirs["completion_tokens"] != ours["completion_tokens"]:
                 print("warning: vLLM's per-request output lengths differ from tessera-serve's")
             print(f"Tessera / vLLM output tok/s: {ours['output_tok_per_s'] / theirs['output_tok_per_s']:.2f}x")
@@ -495,24 +468,25 @@ def structured_rounds(url: str, workload, args, arrivals) -> None:
     first constrained run records each request's completion token count, and every unconstrained
     run asks for exactly those counts (ignore_eos). Round 1 runs constrained first (it has to);
     later rounds alternate, so neither system always runs on the warmer machine."""
-    asyncio.run(run_client(url, workload[:4], 4, extra_body=STRUCTURED_BODY))  # warm-up (grammar tokenizer)
+    asyncio.run(run_client(url, workload[:4], 4, extra_body=STRUCTURED_BODY, processes=args.client_processes))  # warm-up (grammar tokenizer)
     free_workload = None
     results: dict[str, list[dict]] = {"free": [], "json": []}
     for r in range(args.rounds):
         for name in ("json", "free") if r % 2 == 0 else ("free", "json"):
             if name == "json":
-                res = asyncio.run(run_client(url, workload, args.concurrency, arrivals, extra_body=STRUCTURED_BODY))
+                res = asyncio.run(run_client(url, workload, args.concurrency, arrivals, extra_body=STRUCTURED_BODY, processes=args.client_processes))
                 if free_workload is None:
                     free_workload = [(p, n) for (p, _), n in zip(workload, res["completion_tokens"])]
                     if min(res["completion_tokens"]) < 1:
                         raise SystemExit("a constrained request produced no tokens (see the server log)")
             else:
-                res = asyncio.run(run_client(url, free_workload, args.concurrency, arrivals))
+                res = asyncio.run(run_client(url, free_workload, args.concurrency, arrivals, processes=args.client_processes))
             results[name].append(res)
             print(f"round {r + 1} {name:4s}: {res['output_tok_per_s']:.1f} output tok/s, "
                   f"{sum(res['completion_tokens'])} tokens, {res['requests_per_s']:.2f} req/s, "
                   f"TPOT median {1e3 * statistics.median(res['tpot']):.1f} ms, TTFT median "
-                  f"{1e3 * statistics.median(res['ttft']):.0f} ms ({res['duration']:.1f} s)", flush=True)
+                  f"{1e3 * statistics.median(res['ttft']):.0f} ms ({res['duration']:.1f} s); "
+                  + describe(res["client"]), flush=True)
     assert free_workload is not None
     lengths = [n for _, n in free_workload]
     print(f"command: {' '.join(sys.argv)}")

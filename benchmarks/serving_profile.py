@@ -22,8 +22,13 @@ Two measurements, both as ratios so that they mean something on a loaded machine
    and the rest are timed on the host, and on CUDA the forward also on the device (CUDA events),
    eager and with CUDA graphs (`--device cuda`). The host time per step is the overhead graphs cut.
 
+4. The client (`--client-ab ROUNDS`): the single-process httpx client the serving benchmarks used
+   before serving_client.py against serving_client's processes, on one server, alternating: the
+   client's CPU per output token, TPOT, ITL and output tok/s.
+
     .venv/bin/python benchmarks/serving_profile.py --preset llama-25m --concurrency 32 --output-len 64 64 --server
     python3 benchmarks/serving_profile.py --device cuda --preset llama-160m --concurrency 64 --num-requests 64
+    .venv/bin/python benchmarks/serving_profile.py --client-ab 5 --preset host-bound --concurrency 64 --num-requests 512
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from serving import build_checkpoint, free_port, run_client, wait_healthy
+from serving import build_checkpoint, free_port, pct, run_client, wait_healthy
+from serving_client import describe, single_process_client
 
 TIMES: collections.Counter = collections.Counter()
 
@@ -345,23 +351,31 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
-def server_profile(ckpt: Path, args, workload) -> None:
+def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str, int]:
+    """tessera-serve as serving.py starts it; (process, URL, engine process id) once healthy."""
     port = free_port()
     cmd = [sys.executable, "-m", "tessera.inference", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
            "--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--kv-cache-tokens", "65536", "--torch-threads", str(args.threads), "--device", "cpu", "--dtype", "float32"]
-    server = subprocess.Popen(cmd)
+    server = subprocess.Popen(cmd, start_new_session=True)  # not in the client's session (serving.py says why)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, server, 300, "tessera-serve")  # the CPU compile at start (compiled.py)
         children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(server.pid)], capture_output=True, text=True)
-        engine_pid = int(children.stdout.split()[0])
+        return server, url, int(children.stdout.split()[0])
+    except BaseException:
+        server.terminate()
+        server.wait(timeout=60)
+        raise
+
+
+def server_profile(ckpt: Path, args, workload) -> None:
+    server, url, engine_pid = start_server(ckpt, args)
+    try:
         asyncio.run(run_client(url, workload[:4], 4))
         pids = {"HTTP process (FastAPI, SSE, tokenizer, frames -> outputs)": server.pid, "engine process": engine_pid}
         before = {k: cpu_seconds(p) for k, p in pids.items()}
-        client0 = time.process_time()
-        res = asyncio.run(run_client(url, workload, args.concurrency))
-        client = time.process_time() - client0
+        res = asyncio.run(run_client(url, workload, args.concurrency, processes=args.client_processes))
         after = {k: cpu_seconds(p) for k, p in pids.items()}
         used = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in pids}
     finally:
@@ -376,7 +390,45 @@ def server_profile(ckpt: Path, args, workload) -> None:
         print(f"  CPU s {k:58s} {v:7.2f}  ({v / eng:.2f} per engine-process CPU s; {1e3 * v / tokens * args.concurrency:.2f} "
               f"ms per {args.concurrency} output tokens, a decode step's: user {1e3 * user / tokens * args.concurrency:.2f}, "
               f"system {1e3 * system / tokens * args.concurrency:.2f})")
-    print(f"  CPU s {'benchmark client (httpx, this process)':58s} {client:7.2f}  ({client / eng:.2f} per engine-process CPU s)")
+    client = sum(res["client"]["cpu_s"])
+    print(f"  CPU s {'benchmark client (all its processes)':58s} {client:7.2f}  ({client / eng:.2f} per engine-process CPU s)")
+    print(f"  {describe(res['client'])}")
+
+
+def client_ab(ckpt: Path, args, workload) -> None:
+    """The single-process client against serving_client's (`--client-processes`, default as serving.py's)
+    on one server, alternating which goes first, `--client-ab` rounds: client CPU per output token,
+    TPOT p50, ITL p50/p99, output tok/s and the HTTP process's CPU per output token."""
+    server, url, _ = start_server(ckpt, args)
+    rows: dict[str, list[dict]] = {"single process (httpx lines)": [], "serving_client": []}
+    try:
+        asyncio.run(run_client(url, workload[:args.concurrency], args.concurrency))  # warm-up
+        for r in range(args.client_ab):
+            for name in list(rows) if r % 2 == 0 else list(rows)[::-1]:
+                http0 = sum(cpu_seconds(server.pid))
+                if name == "serving_client":
+                    res = asyncio.run(run_client(url, workload, args.concurrency, processes=args.client_processes))
+                else:
+                    res = asyncio.run(single_process_client(url, workload, args.concurrency))
+                c, tokens = res["client"], sum(res["completion_tokens"])
+                row = {"cpu_us": c["cpu_us_per_token"], "tpot": 1e3 * statistics.median(res["tpot"]),
+                       "itl50": 1e3 * statistics.median(res["itl"]), "itl99": 1e3 * pct(res["itl"], 99),
+                       "tok_s": res["output_tok_per_s"], "busiest": max(a / b for a, b in zip(c["cpu_s"], c["wall_s"])),
+                       "http_us": 1e6 * (sum(cpu_seconds(server.pid)) - http0) / tokens}
+                rows[name].append(row)
+                print(f"round {r + 1} {name:30s} client CPU {row['cpu_us']:6.1f} us/token (busiest process "
+                      f"{100 * row['busiest']:3.0f}%), TPOT p50 {row['tpot']:5.2f} ms, ITL p50 {row['itl50']:5.2f} "
+                      f"p99 {row['itl99']:6.2f} ms, {row['tok_s']:7.0f} output tok/s, HTTP process "
+                      f"{row['http_us']:5.1f} us/token" + (f" ({describe(res['client'])})" if "processes" in c else ""),
+                      flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    for name, rs in rows.items():
+        med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+        print(f"median {name:30s} client CPU {med['cpu_us']:6.1f} us/token, TPOT p50 {med['tpot']:5.2f} ms, ITL p50 "
+              f"{med['itl50']:5.2f} p99 {med['itl99']:6.2f} ms, {med['tok_s']:7.0f} output tok/s, HTTP process "
+              f"{med['http_us']:5.1f} us/token")
 
 
 def main() -> None:
@@ -395,6 +447,11 @@ def main() -> None:
                     help="also run the torch profiler over this many decode steps and print its op table")
     ap.add_argument("--server", action="store_true", help="also measure the server's processes (HTTP/SSE side)")
     ap.add_argument("--server-only", action="store_true", help="only the server measurement (implies --server)")
+    ap.add_argument("--client-processes", type=int, default=None, metavar="P",
+                    help="the benchmark client's processes (default as serving.py's: benchmarks/serving_client.py)")
+    ap.add_argument("--client-ab", type=int, default=0, metavar="ROUNDS",
+                    help="only compare the single-process client (before serving_client.py) with serving_client's "
+                         "on one server, alternating, this many rounds")
     ap.add_argument("--device", default="cpu",
                     help="cpu or cuda for the decode-step profile (on cuda, eager and CUDA graphs back to back; the "
                          "engine-step and server profiles run on CPU only)")
@@ -426,8 +483,13 @@ def main() -> None:
                 for _ in range(args.num_requests)]
     print(f"model {args.preset}, {args.num_requests} requests, concurrency {args.concurrency}, input {args.input_len}, "
           f"output {args.output_len}, torch threads {args.threads}")
+    if args.client_processes is not None and args.client_processes < 1:
+        ap.error("--client-processes: must be at least 1")
     if args.server_only:
         server_profile(ckpt, args, workload)
+        return
+    if args.client_ab:
+        client_ab(ckpt, args, workload)
         return
     if args.compile_ab:
         compile_ab(ckpt, args, workload)

@@ -125,13 +125,16 @@ def test_the_table_reads_a_finished_runs_figures_and_says_what_was_met(session, 
         "tokens_per_s": 60000.0, "mfu_bf16_peak": 0.561}}}))
     (out / "train1b-fp8.json").write_text(json.dumps({"results": {"tessera": {
         "tokens_per_s": 66000.0, "first_step_s": 75.0}}}))
-    (out / "serve1b.log").write_text("  TPOT median / physical floor: 2.7x\n")
+    (out / "serve1b.log").write_text("  TPOT median / physical floor: 2.7x\n  client: 8 process(es) (aiohttp 3.14.5, "
+                                     "uvloop), CPU per output token 9.1 us, busiest process 23% of its wall\n")
     rows = {name: (value, met) for name, value, _, met in session.figures(out)}
     assert rows["gpu tests"] == ("49 passed, 5 skipped in 98.1s", "yes")
     assert rows["llama-1b bf16 MFU"] == ("56.1%", "yes")
     assert rows["llama-1b fp8 / bf16"] == ("1.10x", "no")
     assert rows["fp8 first step (s)"] == ("75", "no")
     assert rows["serve1b TPOT / HBM floor"] == ("2.7x", "yes")
+    assert rows["serve1b client busiest"] == ("23%", "yes")  # under 80%: the TPOT is the server's
+    assert rows["serve160m client busiest"] == ("not measured", "no")
     assert rows["8B-shaped fp8 / bf16"] == ("not measured", "no")
     session.print_table(session.figures(out))
     assert capsys.readouterr().out.splitlines()[0].split() == ["figure", "value", "goal", "met"]

@@ -1,0 +1,94 @@
+"""benchmarks/serving_client.py, the serving benchmarks' client: streamed over P processes against a
+live tiny server, its merged figures match one process's request for request (in workload order),
+and each process's CPU and wall time come back; its SSE reading is checked byte by byte."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from live_server import LiveServer
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving_client.py"
+
+
+@pytest.fixture(scope="module")
+def client():
+    spec = importlib.util.spec_from_file_location("bench_serving_client", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_requests_and_the_concurrency_are_shared_out_whole(client):
+    shares = client.split(11, 7, 3)
+    assert [idx for idx, _ in shares] == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8]]
+    assert [c for _, c in shares] == [3, 2, 2]  # adds up to 7, none more than one apart
+    assert client.default_processes(1) == 1
+
+
+def test_p_processes_give_what_one_gives_request_for_request(client, tiny_ckpt):
+    # 10 requests of different lengths: a merge out of workload order shows in completion_tokens
+    workload = [([(7 * i + j) % 500 + 1 for j in range(4 + i % 5)], 3 + (i * 5) % 9) for i in range(10)]
+    server = LiveServer(tiny_ckpt, max_num_seqs=8, num_kv_blocks=200, block_size=4)
+    try:
+        one = asyncio.run(client.run_client(server.url, workload, 4, processes=1))
+        two = asyncio.run(client.run_client(server.url, workload, 4, processes=2))
+        plain = asyncio.run(client.run_client(server.url, workload, 4, processes=3, http="httpx"))
+        with pytest.raises(RuntimeError, match="client process 1 failed"):  # a 400 (max_tokens over 100)
+            asyncio.run(client.run_client(server.url, [workload[0], (workload[1][0], 1000)], 2, processes=2))
+    finally:
+        server.stop()
+    wanted = [n for _, n in workload]
+    for res, procs in ((one, 1), (two, 2), (plain, 3)):
+        assert res["completion_tokens"] == wanted  # ignore_eos: exactly max_tokens, in workload order
+        assert len(res["ttft"]) == len(res["e2e"]) == len(workload)
+        assert all(0 < t <= e for t, e in zip(res["ttft"], res["e2e"]))  # per request, in the same order
+        assert len(res["tpot"]) == sum(n > 1 for n in wanted)
+        assert len(res["itl"]) <= sum(n - 1 for n in wanted)  # one per chunk after the first
+        assert res["output_tok_per_s"] == pytest.approx(sum(wanted) / res["duration"])
+        c = res["client"]
+        assert c["processes"] == procs and len(c["cpu_s"]) == len(c["wall_s"]) == procs
+        assert all(cpu > 0 for cpu in c["cpu_s"]) and all(0 < w <= res["duration"] * 1.01 for w in c["wall_s"])
+        assert c["cpu_us_per_token"] == pytest.approx(1e6 * sum(c["cpu_s"]) / sum(wanted))
+        busiest = max(cpu / wall for cpu, wall in zip(c["cpu_s"], c["wall_s"]))
+        assert c["busiest_utilisation"] == pytest.approx(busiest) and c["client_bound"] == (busiest > 0.8)
+    assert one["client"]["http"].startswith("aiohttp") and plain["client"]["http"].startswith("httpx")
+
+
+def test_a_client_process_busy_over_80_percent_is_called_out(client):
+    figures = {"processes": 2, "http": "aiohttp 3", "loop": "uvloop", "cpu_us_per_token": 20.0}
+    calm = client.describe({**figures, "busiest_utilisation": 0.5, "client_bound": False})
+    busy = client.describe({**figures, "busiest_utilisation": 0.9, "client_bound": True})
+    assert "busiest process 50% of its wall" in calm and "client-bound" not in calm
+    assert busy.splitlines()[1].startswith("warning:") and "client-bound" in busy
+
+
+def _event(obj: dict, separators=None) -> bytes:
+    return b"data: " + json.dumps(obj, separators=separators).encode() + b"\n\n"
+
+
+# tessera-serve's spacing, compact (vLLM's), and a spelling the byte check does not know (parsed)
+@pytest.mark.parametrize("separators", [None, (",", ":"), (",", " : ")], ids=["tessera", "compact", "other"])
+def test_sse_events_are_counted_wherever_the_reads_split_them(client, separators):
+    head = {"id": "cmpl-1", "object": "text_completion", "created": 1,
+            "model": 'a "choices": [{"x "choices":[{'}  # the byte checks' text inside a string: escaped there
+    stream = b"".join([
+        *(_event({**head, "choices": [{"index": 0, "text": t, "logprobs": None, "finish_reason": None}]}, separators)
+          for t in ("a", ', "choices": [{', "")),
+        _event({**head, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}},
+               separators),
+        b"data: [DONE]\n\n"])
+    for cut in range(1, len(stream)):  # every place one read can end and the next begin
+        sse = client.SseCounter()
+        sse.feed(stream[:cut], 1.0)
+        sse.feed(stream[cut:], 2.0)
+        assert len(sse.times) == 3 and sse.completion == 3, cut
+    sse = client.SseCounter()
+    with pytest.raises(RuntimeError, match="error event: boom"):
+        sse.feed(_event({"error": "boom"}), 0.0)
