@@ -180,6 +180,9 @@ def figures(out: Path) -> list[tuple[str, str, str, str]]:
         # over 80% the client may be what set the TPOT (serving_client.py's warning line)
         busy = _grep(out / f"{step}.log", r"busiest process (\d+)% of its wall")
         row(f"{step} client busiest", int(busy) / 100 if busy else None, 0.8, "{:.0%}", at_most=True)
+        # which server process bounds the TPOT (serving_client.describe_server): near 100%, that one
+        server = _grep(out / f"{step}.log", r"busiest: ([\w -]+ \d+%)")
+        rows.append((f"{step} server busiest", server or "not measured", "(which bounds)", "-"))
     return rows
 
 

@@ -72,7 +72,9 @@ from pathlib import Path
 
 import torch
 import vllm_peer  # benchmarks/vllm_peer.py (this directory is on sys.path when run as a script)
-from serving_client import describe, run_client  # run_client: serving_profile.py imports it from here
+
+# run_client: serving_profile.py imports it from here
+from serving_client import ServerCpu, describe, describe_server, run_client
 
 
 def build_checkpoint(root: Path, preset: str, make_config=None) -> tuple[Path, object]:
@@ -356,11 +358,14 @@ def main() -> None:
         # each comparison is between runs taken close together.
         # tessera-serve and vLLM alternate which goes first (and so which follows the HF peers).
         rounds = []
+        server_cpu = ServerCpu(server.pid)
         for r in range(args.rounds):
             theirs = None
             if vllm_url is not None and r % 2 == 1:
                 theirs = asyncio.run(run_client(vllm_url, workload, args.concurrency, arrivals, processes=args.client_processes))
+            server_cpu.start()
             ours = asyncio.run(run_client(url, workload, args.concurrency, arrivals, processes=args.client_processes))
+            ours["server"] = server_cpu.stop()
             if vllm_url is not None and r % 2 == 0:
                 theirs = asyncio.run(run_client(vllm_url, workload, args.concurrency, arrivals, processes=args.client_processes))
             static = naive = None
@@ -407,6 +412,7 @@ def main() -> None:
         print(f"  TTFT {ms(ours['ttft'])}\n  TPOT {ms(ours['tpot'])}\n  ITL  {ms(ours['itl'])}\n  E2E  {ms(ours['e2e'])}")
         print(f"  TPOT median / physical floor: {statistics.median(ours['tpot']) / lim['floor']:.1f}x")
         print("  " + describe(ours["client"]).replace("\n", "\n  "))
+        print("  " + describe_server(ours["server"]))
         if static is not None:
             print(f"HF naive (1 at a time): {naive['output_tok_per_s']:.1f} output tok/s")
             print(f"HF static batch ({args.concurrency}, padded): {static['output_tok_per_s']:.1f} output tok/s "

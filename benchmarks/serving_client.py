@@ -293,6 +293,66 @@ def describe(client: dict) -> str:
     return line
 
 
+
+# ---- the server's side of a run: which of its processes was busy -------------------------------
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process `pid` so far (/proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """`pid` (tessera-serve's HTTP process) and its descendants, each named by its role: HTTP process
+    (the root, and its other children but those below), engine process, tokenizer process, and the
+    engine's children (tensor-parallel workers)."""
+    tree, todo = {}, [(pid, "")]
+    while todo:
+        p, parent = todo.pop()
+        try:
+            cmd = open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
+            children = [int(c) for task in os.listdir(f"/proc/{p}/task")
+                        for c in open(f"/proc/{p}/task/{task}/children").read().split()]
+        except OSError:  # gone meanwhile
+            continue
+        role = ("HTTP process" if p == pid else "engine process" if "core_process" in cmd
+                else "tokenizer process" if "tokenizer_process" in cmd
+                else "tensor-parallel worker" if parent == "engine process" else "HTTP process")
+        tree[p] = role
+        todo += [(c, role) for c in children]
+    return tree
+
+
+class ServerCpu:
+    """Each server process's CPU over a measured run: `start()` before it, `stop()` after. A process
+    near 100% of one core is what bounds TPOT (with one HTTP process, typically that one)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def start(self) -> None:
+        self.tree = process_tree(self.pid)
+        self.before = {p: sum(cpu_seconds(p)) for p in self.tree}
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> dict:
+        wall = time.perf_counter() - self.t0
+        used = {}
+        for p, name in self.tree.items():
+            try:
+                used[p] = (name, (sum(cpu_seconds(p)) - self.before[p]) / wall)
+            except OSError:
+                continue
+        busiest = max(used.values(), key=lambda x: x[1], default=("-", 0.0))
+        return {"wall": wall, "processes": [{"pid": p, "role": n, "utilisation": u} for p, (n, u) in used.items()],
+                "busiest_role": busiest[0], "busiest_utilisation": busiest[1]}
+
+
+def describe_server(server: dict) -> str:
+    """One line: each server process's share of a core over the run, the busiest named."""
+    parts = ", ".join(f"{p['role']} {100 * p['utilisation']:.0f}%" for p in server["processes"])
+    return (f"server CPU (share of one core over the run): {parts}; busiest: {server['busiest_role']} "
+            f"{100 * server['busiest_utilisation']:.0f}%")
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--worker"]:
         raise SystemExit("serving_client.py: run by run_client as `serving_client.py --worker` (its share on stdin)")

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import os
 import random
 import statistics
 import subprocess
@@ -48,7 +47,7 @@ from pathlib import Path
 
 import torch
 from serving import build_checkpoint, free_port, pct, run_client, wait_healthy
-from serving_client import describe, single_process_client
+from serving_client import cpu_seconds, describe, single_process_client
 
 TIMES: collections.Counter = collections.Counter()
 
@@ -343,12 +342,6 @@ def compile_ab(ckpt: Path, args, workload) -> None:
               f"compiled {1e3 * statistics.median(comp):.2f} ms; compiled/eager: ratio of medians "
               f"{statistics.median(comp) / statistics.median(eager):.3f}, median of per-step ratios "
               f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})")
-
-
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of process `pid` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str, int]:

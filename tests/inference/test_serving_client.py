@@ -7,7 +7,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -92,3 +96,31 @@ def test_sse_events_are_counted_wherever_the_reads_split_them(client, separators
     sse = client.SseCounter()
     with pytest.raises(RuntimeError, match="error event: boom"):
         sse.feed(_event({"error": "boom"}), 0.0)
+
+
+def test_the_server_cpu_probe_names_each_process_by_its_role_and_finds_the_busy_one(client):
+    # A stand-in tree with tessera-serve's shape: the root (HTTP process) starts an "engine process"
+    # (core_process in its command line) that spins, and that one starts a worker of its own.
+    spin = "import subprocess, sys, time\n" \
+           "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n" \
+           "end = time.time() + 60\nwhile time.time() < end: pass\n"
+    root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                             f"subprocess.Popen([sys.executable, '-c', {spin!r}, 'core_process'])\ntime.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 60
+        while len(tree := client.process_tree(root.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sorted(tree.values()) == ["HTTP process", "engine process", "tensor-parallel worker"]
+        probe = client.ServerCpu(root.pid)
+        probe.start()
+        time.sleep(1.0)
+        server = probe.stop()
+    finally:
+        for pid in tree:
+            os.kill(pid, signal.SIGKILL)
+        root.wait()
+    by_role = {p["role"]: p["utilisation"] for p in server["processes"]}
+    assert server["busiest_role"] == "engine process" and by_role["engine process"] > 0.05
+    assert by_role["HTTP process"] < by_role["engine process"]
+    line = client.describe_server(server)
+    assert line.endswith(f"busiest: engine process {100 * by_role['engine process']:.0f}%")

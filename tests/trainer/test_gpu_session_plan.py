@@ -117,6 +117,13 @@ def test_a_plan_over_its_budget_or_naming_an_unknown_flag_is_refused(session, wh
     assert any("has no --no-such-flag option" in p for p in problems)
 
 
+def _serving_client():
+    spec = importlib.util.spec_from_file_location("bench_serving_client", SCRIPT.parent / "serving_client.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_table_reads_a_finished_runs_figures_and_says_what_was_met(session, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -126,7 +133,11 @@ def test_the_table_reads_a_finished_runs_figures_and_says_what_was_met(session, 
     (out / "train1b-fp8.json").write_text(json.dumps({"results": {"tessera": {
         "tokens_per_s": 66000.0, "first_step_s": 75.0}}}))
     (out / "serve1b.log").write_text("  TPOT median / physical floor: 2.7x\n  client: 8 process(es) (aiohttp 3.14.5, "
-                                     "uvloop), CPU per output token 9.1 us, busiest process 23% of its wall\n")
+                                     "uvloop), CPU per output token 9.1 us, busiest process 23% of its wall\n  "
+                                     + _serving_client().describe_server({"processes": [
+                                         {"role": "HTTP process", "utilisation": 0.97},
+                                         {"role": "engine process", "utilisation": 0.64}],
+                                         "busiest_role": "HTTP process", "busiest_utilisation": 0.97}) + "\n")
     rows = {name: (value, met) for name, value, _, met in session.figures(out)}
     assert rows["gpu tests"] == ("49 passed, 5 skipped in 98.1s", "yes")
     assert rows["llama-1b bf16 MFU"] == ("56.1%", "yes")
@@ -135,6 +146,7 @@ def test_the_table_reads_a_finished_runs_figures_and_says_what_was_met(session, 
     assert rows["serve1b TPOT / HBM floor"] == ("2.7x", "yes")
     assert rows["serve1b client busiest"] == ("23%", "yes")  # under 80%: the TPOT is the server's
     assert rows["serve160m client busiest"] == ("not measured", "no")
+    assert rows["serve1b server busiest"] == ("HTTP process 97%", "-")
     assert rows["8B-shaped fp8 / bf16"] == ("not measured", "no")
     session.print_table(session.figures(out))
     assert capsys.readouterr().out.splitlines()[0].split() == ["figure", "value", "goal", "met"]
