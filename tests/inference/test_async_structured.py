@@ -11,7 +11,7 @@ import concurrent.futures as cf
 
 import pytest
 import torch
-from inference_helpers import make_engine
+from inference_helpers import make_checkpoint, make_engine, tiny_config
 from live_server import LiveServer
 
 from tessera.inference.core.sampling_params import SamplingParams
@@ -238,3 +238,27 @@ def test_sampling_the_grammar_rows_raising_as_a_whole_fails_those_requests_and_t
     assert asked and all(sum(len(o[-1]) for o in outs[r]) == outs[r][-1][4] for r in asked)  # none lost a logprob
     ids = {rid: ([t for o in v for t in o[0]], v[-1][3]) for rid, v in outs.items() if rid not in victims}
     assert ids == {rid: ([t for o in v for t in o[0]], v[-1][3]) for rid, v in healthy.items() if rid not in victims}
+
+
+@pytest.fixture(scope="module")
+def padded_ckpt(tmp_path_factory):
+    """A vocabulary of 500 in 544 head rows (Megatron's padding; GPT-2's 50257 in 50304 alike): the
+    logits are a bitmask word wider than the grammar's vocabulary (16 words against 17)."""
+    return make_checkpoint(tmp_path_factory.mktemp("padded"), tiny_config(vocab_size=500, padded_vocab_size=544),
+                           tokenizer_vocab=500)
+
+
+def test_with_a_padded_vocabulary_grammar_rows_overlapped_give_the_synchronous_outputs(padded_ckpt):
+    """The launched step's grammar masks are of the logits' width, padding rows disallowed."""
+    outs, launched, *_ = _run(padded_ckpt, True)
+    reference, *_ = _run(padded_ckpt, False)
+    _same(outs, reference)
+    assert all(v[-1][2] and v[-1][5] is None for v in outs.values())  # none failed
+    assert sum(seq.matcher is not None and fed for plan in launched for seq, _, fed in plan) > 20
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_with_a_padded_vocabulary_a_mask_that_raises_fails_its_own_request_only(padded_ckpt, overlap):
+    """The masks computed again row by row (`bitmask_isolating`) are of the width the matchers fill."""
+    outs, *_ = _run(padded_ckpt, overlap, fail="r4")
+    assert {rid for rid, v in outs.items() if v[-1][5] is not None} == {"r4"}

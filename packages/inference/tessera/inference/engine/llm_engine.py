@@ -208,8 +208,11 @@ class LLMEngine:
         self._seeds = random.Random(cfg.seed)  # seeds for requests that bring none
         self._step_tokens = 0
         self._inflight: LaunchedStep | None = None  # async scheduling: the step launched, not yet applied
+        # Masks as wide as the logits (the head's rows, padding included: llguidance fills a bitmask
+        # only at its tokenizer's width, and a launched step's masks go into rows of the logits' width);
+        # the padding ids are no token, so every grammar disallows them.
         self.grammars = Grammars(artifact_path(loaded.tokenizer.directory, TOKENIZER_JSON).read_text(),
-                                 loaded.config.vocab_size, sorted(self.eos_ids))
+                                 loaded.config.vocab_rows, sorted(self.eos_ids))
         check_pooling(loaded, self.generates)  # an encoder without pooling: refused before any worker starts
         self.vision = vision_info(loaded)  # None: a text-only model (image parts are refused); a bad processor file: here
         # Last: under tensor parallel this starts the workers, so nothing after it can fail and
