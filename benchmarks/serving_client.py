@@ -302,9 +302,11 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
 
 
 def process_tree(pid: int) -> dict[int, str]:
-    """`pid` (tessera-serve's HTTP process) and its descendants, each named by its role: HTTP process
-    (the root, and its other children but those below), engine process, tokenizer process, and the
-    engine's children (tensor-parallel workers)."""
+    """`pid` (tessera-serve's HTTP process) and its descendants, each named by its role, from its
+    command line: HTTP process (the root), engine process, tokenizer process, tensor-parallel worker
+    (executor.py's, started by multiprocessing's spawn: children of the engine process, or of the
+    HTTP process with --no-engine-process); any other process (a grammar check, multiprocessing's
+    resource tracker) is named as its parent, whose helper it is."""
     tree, todo = {}, [(pid, "")]
     while todo:
         p, parent = todo.pop()
@@ -316,7 +318,7 @@ def process_tree(pid: int) -> dict[int, str]:
             continue
         role = ("HTTP process" if p == pid else "engine process" if "core_process" in cmd
                 else "tokenizer process" if "tokenizer_process" in cmd
-                else "tensor-parallel worker" if parent == "engine process" else "HTTP process")
+                else "tensor-parallel worker" if "--multiprocessing-fork" in cmd else parent)
         tree[p] = role
         todo += [(c, role) for c in children]
     return tree

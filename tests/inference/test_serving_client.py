@@ -100,9 +100,10 @@ def test_sse_events_are_counted_wherever_the_reads_split_them(client, separators
 
 def test_the_server_cpu_probe_names_each_process_by_its_role_and_finds_the_busy_one(client):
     # A stand-in tree with tessera-serve's shape: the root (HTTP process) starts an "engine process"
-    # (core_process in its command line) that spins, and that one starts a worker of its own.
+    # (core_process in its command line) that spins, and that one starts a worker of its own (with the
+    # command line's mark of multiprocessing's spawn, as executor.py's workers have).
     spin = "import subprocess, sys, time\n" \
-           "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n" \
+           "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '--multiprocessing-fork'])\n" \
            "end = time.time() + 60\nwhile time.time() < end: pass\n"
     root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
                              f"subprocess.Popen([sys.executable, '-c', {spin!r}, 'core_process'])\ntime.sleep(60)"])
@@ -124,3 +125,35 @@ def test_the_server_cpu_probe_names_each_process_by_its_role_and_finds_the_busy_
     assert by_role["HTTP process"] < by_role["engine process"]
     line = client.describe_server(server)
     assert line.endswith(f"busiest: engine process {100 * by_role['engine process']:.0f}%")
+
+
+def test_the_server_cpu_probe_names_a_spawned_worker_of_the_http_process_as_a_worker(client):
+    """--no-engine-process with --tensor-parallel: executor.py's workers, started by multiprocessing's
+    spawn, are children of the HTTP process; the busy one is a worker, not the HTTP process (and
+    spawn's resource tracker, a helper, is named as its parent)."""
+    script = ("import multiprocessing as mp, time\n"
+              "if __name__ == '__main__':\n"
+              "    mp.get_context('spawn').Process(target=exec, args=('while True: pass',)).start()\n"
+              "    time.sleep(60)\n")
+    root = subprocess.Popen([sys.executable, "-c", script])
+    tree: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 60
+        want = ["HTTP process", "HTTP process", "tensor-parallel worker"]  # the root, the resource tracker, the worker
+        # (until each child has exec'd: between fork and exec a child bears its parent's command line)
+        while sorted((tree := client.process_tree(root.pid)).values()) != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sorted(tree.values()) == want
+        probe = client.ServerCpu(root.pid)
+        probe.start()
+        time.sleep(1.0)
+        server = probe.stop()
+    finally:
+        for pid in tree:
+            if pid != root.pid:
+                os.kill(pid, signal.SIGKILL)
+        root.kill()
+        root.wait()
+    by_pid = {p["pid"]: p for p in server["processes"]}
+    assert by_pid[root.pid]["role"] == "HTTP process"
+    assert server["busiest_role"] == "tensor-parallel worker" and server["busiest_utilisation"] > 0.05
