@@ -43,6 +43,18 @@ def _processes(server: subprocess.Popen) -> dict[str, int]:
     return out
 
 
+def _steps(url: str) -> tuple[float, float]:
+    """(engine steps, tokens they computed) so far, from /metrics (vllm:iteration_tokens_total)."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    count = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("vllm:iteration_tokens_total_count"))
+    total = next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("vllm:iteration_tokens_total_sum"))
+    return count, total
+
+
 def one_round(ckpt: Path, n: int, args, workload) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "tessera.inference", "--checkpoint", str(ckpt), "--port", str(port), "--quiet",
@@ -56,15 +68,20 @@ def one_round(ckpt: Path, n: int, args, workload) -> dict:
         time.sleep(1.0)  # every HTTP process listening (health answers as soon as one does)
         asyncio.run(run_client(url, workload[:8], 8))  # warm every process's first requests
         pids = _processes(server)
+        steps0 = _steps(url)
         before = {k: cpu_seconds(p) for k, p in pids.items()}
         res = asyncio.run(run_client(url, workload, args.concurrency))
         after = {k: cpu_seconds(p) for k, p in pids.items()}
+        steps1 = _steps(url)
     finally:
         server.terminate()
         server.wait(timeout=120)
     tokens = res["output_tok_per_s"] * res["duration"]
     per64 = {k: 1e3 * sum(after[k]) - 1e3 * sum(before[k]) for k in pids}
+    steps, step_tokens = steps1[0] - steps0[0], steps1[1] - steps0[1]
     return {"tok_s": res["output_tok_per_s"], "tpot": 1e3 * statistics.median(res["tpot"]),
+            "steps": steps, "per_step": step_tokens / steps, "engine_ms_per_step": 1e3 * (
+                sum(after["engine process"]) - sum(before["engine process"])) / steps,
             "ms_per_64": {k: v / tokens * 64 for k, v in per64.items()}}
 
 
@@ -98,7 +115,9 @@ def main() -> None:
             split = ", ".join(f"{k} {v:.2f}" for k, v in got["ms_per_64"].items())
             http = sum(v for k, v in got["ms_per_64"].items() if k.startswith("HTTP"))
             print(f"round {r} N={n}: {got['tok_s']:.0f} output tok/s, TPOT p50 {got['tpot']:.1f} ms; "
-                  f"HTTP processes together {http:.2f}; {split}", flush=True)
+                  f"{got['steps']:.0f} engine steps of {got['per_step']:.1f} tokens, engine CPU "
+                  f"{got['engine_ms_per_step']:.2f} ms per step; HTTP processes together {http:.2f}; {split}",
+                  flush=True)
 
 
 if __name__ == "__main__":
