@@ -240,7 +240,7 @@ def test_the_engine_process_loop_isolates_a_failing_request(tiny_ckpt):
     engine.runner.execute = faulty
     ours, theirs = socket.socketpair()
     child_conn, parent_conn = Connection(theirs.detach()), Connection(ours.detach())
-    loop_thread = threading.Thread(target=engine_core._loop, args=(child_conn, engine), daemon=True)
+    loop_thread = threading.Thread(target=engine_core._loop, args=([child_conn], engine), daemon=True)
     loop_thread.start()
 
     class _Proc:  # stands for the child process: alive while the loop thread runs

@@ -1,14 +1,24 @@
-"""The engine process (`python -m tessera.inference.engine.core_process FD`): loads the model, then steps
-`LLMEngine` in a loop, reading requests from and writing each step's outputs to one pipe (an
-inherited socket, fd FD) shared with the HTTP process. See wire.py for the messages.
+"""The engine process (`python -m tessera.inference.engine.core_process FD [FD ...]`): loads the model,
+then steps `LLMEngine` in a loop, reading requests from and writing each step's outputs to one pipe
+(an inherited socket) per HTTP process: one by default, N under `tessera-serve --api-server-count N`
+(entrypoints/api_servers.py). The first pipe carries the init and ready messages. See wire.py for
+the messages.
+
+With several pipes the engine remembers which pipe added each request and sends that request's
+outputs and failures only there; every pipe gets every step's stats and its own count of adds seen
+(its HTTP process's queue limit reads both). A pipe's "stop" ends only that pipe (its requests are
+aborted); the loop ends when every pipe has stopped. A pipe that closes without "stop" means its
+HTTP process died: the engine exits, and the launcher stops the rest of the server (as vLLM does
+when one API server dies).
 
 Why a process: in the server process the engine thread and the asyncio event loop take turns
 on one GIL, and every torch op the engine runs gives the loop a chance to keep it; here the
 engine has an interpreter to itself (vLLM V1 splits its server the same way).
 
-It ignores SIGINT/SIGTERM: the HTTP process decides when to stop (after draining) and says so.
-If that process dies, this one is killed with it (PR_SET_PDEATHSIG, and so are its
-tensor-parallel workers, by theirs), even while it loads the model and reads no pipe.
+It ignores SIGINT/SIGTERM: the HTTP processes decide when to stop (after draining) and say so.
+If the process that started it (the HTTP process, or the launcher of several) dies, this one is
+killed with it (PR_SET_PDEATHSIG, and so are its tensor-parallel workers, by theirs), even while it
+loads the model and reads no pipe.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import socket
 import struct
 import sys
 import traceback
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 from tessera.common.errors import UserError
 from tessera.inference.engine.gc_heap import freeze_heap
@@ -49,7 +59,8 @@ def _load(init: dict):
     return LLMEngine(loaded, cfg, device, dtype, workers), device, dtype
 
 
-def serve(conn: Connection) -> int:
+def serve(conns: list[Connection]) -> int:
+    conn = conns[0]
     init = decode(conn.recv_bytes())
     try:
         engine, device, dtype = _load(init)
@@ -72,45 +83,78 @@ def serve(conn: Connection) -> int:
     }))
     freeze_heap()  # the model and everything loaded with it: no collection walks them again
     try:
-        _loop(conn, engine)
+        _loop(conns, engine)
     except (EOFError, BrokenPipeError, ConnectionResetError):
-        return 0  # the HTTP process went away: nobody is left to serve
-    except Exception as exc:  # a bug or an OOM: tell the HTTP process so it fails requests, not hangs them
+        return 0  # an HTTP process went away: the server is ending (one process) or failed (several)
+    except Exception as exc:  # a bug or an OOM: tell the HTTP processes so they fail requests, not hang them
         traceback.print_exc()
-        try:
-            conn.send_bytes(encode({"t": "failed", "message": f"{type(exc).__name__}: {exc}"}))
-        except OSError:
-            pass
+        for c in conns:
+            try:
+                c.send_bytes(encode({"t": "failed", "message": f"{type(exc).__name__}: {exc}"}))
+            except OSError:
+                pass
         return 1
     finally:
         engine.close()  # stops tensor-parallel workers
     return 0
 
 
-def _loop(conn: Connection, engine) -> None:
-    """The shared engine loop (loop.py) with this pipe as its inbox and outbox."""
+def _loop(conns: list[Connection], engine) -> None:
+    """The shared engine loop (loop.py) with these pipes as its inbox and outbox."""
     from tessera.inference.core.sampling_params import SamplingParams
     from tessera.inference.engine.loop import run_engine_loop
 
+    open_conns = list(range(len(conns)))  # pipes not yet stopped, by index
+    routed = len(conns) > 1  # one pipe: every request is its own, nothing to remember
+    owner: dict[str, int] = {}  # request id -> the pipe that added it (several pipes)
+    adds_seen = [0] * len(conns)  # adds read from each pipe: all taken by the loop before its next emit
+
     def receive(block: bool) -> list[tuple]:
-        frames = [conn.recv_bytes()] if block else []
-        while conn.poll():
-            frames.append(conn.recv_bytes())
+        ready = wait([conns[i] for i in open_conns]) if block else []
         commands: list[tuple] = []
-        for frame in frames:
-            msg = decode(frame)
-            if msg["t"] == "add":
-                commands.append(("add", msg["id"], msg["prompt"], SamplingParams.model_validate(msg["params"])))
-            elif msg["t"] == "abort":
-                commands.extend(("abort", rid) for rid in msg["ids"])
-            elif msg["t"] == "stop":
-                commands.append(("stop",))
+        for i in list(open_conns):
+            conn = conns[i]
+            frames = [conn.recv_bytes()] if conn in ready else []
+            while conn.poll():
+                frames.append(conn.recv_bytes())
+            for frame in frames:
+                msg = decode(frame)
+                if msg["t"] == "add":
+                    adds_seen[i] += 1
+                    if routed:
+                        owner[msg["id"]] = i
+                    commands.append(("add", msg["id"], msg["prompt"], SamplingParams.model_validate(msg["params"])))
+                elif msg["t"] == "abort":
+                    commands.extend(("abort", rid) for rid in msg["ids"] if not routed or owner.pop(rid, None) == i)
+                elif msg["t"] == "stop":  # this HTTP process has drained: end its requests, stop reading it
+                    theirs = [rid for rid, o in owner.items() if o == i]
+                    for rid in theirs:
+                        del owner[rid]
+                    commands.extend(("abort", rid) for rid in theirs)
+                    open_conns.remove(i)
+                    conn.close()  # its reader sees the end now, not when the last pipe stops
+                    break
+        if not open_conns:
+            commands.append(("stop",))
         return commands
 
     def emit(outputs, failed, stats, num_adds) -> None:
-        conn.send_bytes(encode({"t": "step", "outs": [output_to_wire(o) for o in outputs],
-                                "failed": [list(f) for f in failed], "stats": stats_to_wire(stats),
-                                "adds_seen": num_adds}))
+        wire_stats = stats_to_wire(stats)
+        if len(conns) == 1:  # one HTTP process: everything is its own (no routing to pay for)
+            per_conn = {0: ([output_to_wire(o) for o in outputs], [list(f) for f in failed])}
+        else:
+            per_conn = {i: ([], []) for i in open_conns}
+            for o in outputs:
+                i = owner.pop(o.request_id, None) if o.finished else owner.get(o.request_id)
+                if i in per_conn:
+                    per_conn[i][0].append(output_to_wire(o))
+            for rid, message in failed:
+                i = owner.pop(rid, None)
+                if i in per_conn:
+                    per_conn[i][1].append([rid, message])
+        for i, (outs, fails) in per_conn.items():
+            conns[i].send_bytes(encode({"t": "step", "outs": outs, "failed": fails, "stats": wire_stats,
+                                        "adds_seen": adds_seen[i]}))
 
     run_engine_loop(engine, receive, emit)
 
@@ -121,12 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     die_with_parent(_peer_pid(int(argv[0])))
-    with Connection(int(argv[0])) as conn:
-        return serve(conn)
+    conns = [Connection(int(fd)) for fd in argv]
+    try:
+        return serve(conns)
+    finally:
+        for conn in conns:
+            conn.close()
 
 
 def _peer_pid(fd: int) -> int:
-    """The pid of the process that made the socket pair `fd` belongs to: the HTTP process."""
+    """The pid of the process that made the socket pair `fd` belongs to: the HTTP process (or the
+    launcher of several, api_servers.py)."""
     with socket.socket(fileno=os.dup(fd)) as sock:
         return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
 

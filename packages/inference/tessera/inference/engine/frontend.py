@@ -118,6 +118,9 @@ class EngineFrontend:
         self._cv = threading.Condition()
         self._streams: dict[str, _Stream] = {}
         self._counter = 0
+        # Set when several HTTP processes share one engine (api_servers.py): each its own tag, so
+        # their request ids never meet in the engine.
+        self.request_id_tag: str | None = None
 
     # ---- backend hooks ---------------------------------------------------------------------
     def _send_add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -141,6 +144,8 @@ class EngineFrontend:
     def next_request_id(self, prefix: str) -> str:
         with self._cv:
             self._counter += 1
+            if self.request_id_tag is not None:
+                return f"{prefix}-{self.request_id_tag}-{self._counter}"
             return f"{prefix}-{self._counter}"
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,

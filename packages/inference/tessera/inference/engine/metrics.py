@@ -28,11 +28,21 @@ process-wide switch) and its dashboards never read them; each would double a cou
 
 Each server owns its own CollectorRegistry, so two servers in one process (tests) never share
 counters.
+
+Several HTTP processes in front of one engine (`tessera-serve --api-server-count N`,
+entrypoints/api_servers.py) report the whole server from any of them, as vLLM does: prometheus_client's
+multiprocess mode (each process writes its values to files in `PROMETHEUS_MULTIPROC_DIR`, which the
+launcher makes and sets before prometheus_client is imported there, and removes at exit), rendered
+through a `MultiProcessCollector`, which sums counters and histograms over the processes. Every
+process sees every engine step's stats, so the engine's own figures (its gauges, the preemption,
+prefix-cache, step-size and speculative-decoding counts) are kept by API server 0 alone, counted once;
+its gauges are read as the most recent value written (`multiprocess_mode="mostrecent"`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from prometheus_client import (
@@ -75,8 +85,16 @@ def _token_buckets(max_model_len: int) -> tuple[float, ...]:
 
 
 class ServingMetrics:
-    def __init__(self, model_name: str, prefix: str = DEFAULT_PREFIX, max_model_len: int = 2048):
+    def __init__(self, model_name: str, prefix: str = DEFAULT_PREFIX, max_model_len: int = 2048,
+                 api_server: int | None = None):
+        """`api_server`: this HTTP process's index among several sharing one engine (multiprocess
+        mode, see above); None: the only one."""
         disable_created_metrics()
+        if api_server is not None and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            raise RuntimeError("ServingMetrics(api_server=...) needs PROMETHEUS_MULTIPROC_DIR set before "
+                               "prometheus_client is imported")
+        self.api_server = api_server
+        self.engine_owner = api_server in (None, 0)  # keeps the engine's own figures (see above)
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
         self.prefix = prefix
@@ -85,7 +103,9 @@ class ServingMetrics:
         tokens = _token_buckets(max_model_len)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(p + name, doc, labels, registry=r)
+            if api_server is None:
+                return Gauge(p + name, doc, labels, registry=r)
+            return Gauge(p + name, doc, labels, registry=r, multiprocess_mode="mostrecent")
 
         def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
             return Counter(p + name, doc, labels + (extra or []), registry=r)
@@ -163,6 +183,8 @@ class ServingMetrics:
 
     def update_engine(self, stats) -> None:
         """Refresh gauges and counters from an EngineStats snapshot (after each engine step)."""
+        if not self.engine_owner:
+            return
         c = self.child
         c(self.running).set(stats.num_running)
         c(self.waiting).set(stats.num_waiting)
@@ -226,4 +248,10 @@ class ServingMetrics:
         self.child(self.max_generation_tokens).observe(max_generated)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.api_server is None:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        merged = CollectorRegistry()  # read afresh per scrape: every process's files, summed
+        multiprocess.MultiProcessCollector(merged)
+        return generate_latest(merged)

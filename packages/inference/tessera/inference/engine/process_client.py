@@ -6,6 +6,10 @@ CLI prints it and exits 2). After that, requests and aborts go down the pipe as 
 submitted, and a reader thread turns each step's outputs into stream deliveries and metrics.
 The tokenizer is loaded here too (prompts are tokenized, chat templates rendered and logprob
 tokens spelled in the HTTP process); the child detokenizes the output it generates.
+
+Under `tessera-serve --api-server-count N` (entrypoints/api_servers.py) a launcher starts the engine
+process with N pipes (`start_engine_process`) and hands one to each HTTP process, which wraps it with
+`ProcessEngine.connect`: the engine process is then the launcher's child, not this process's.
 """
 
 from __future__ import annotations
@@ -35,8 +39,47 @@ class EngineProcessError(EngineDead):
     """The engine process failed or exited; requests in flight fail with HTTP 500."""
 
 
+def start_engine_process(checkpoint: str, cfg: EngineConfig, threads: ThreadPlan | None = None,
+                         pipes: int = 1) -> tuple[subprocess.Popen, list[Connection], dict]:
+    """Start the engine process with `pipes` pipes to it and wait until its model is loaded (or raise
+    its error); returns the process, this side of each pipe and the model facts of its ready message.
+    `threads`: its torch threads and CPUs (worker/cpu_threads.py; None: torch's default)."""
+    pairs = [socket.socketpair() for _ in range(pipes)]
+    try:
+        fds = [theirs.fileno() for _, theirs in pairs]
+        proc = subprocess.Popen([sys.executable, "-m", "tessera.inference.engine.core_process", *map(str, fds)],
+                                pass_fds=fds)
+    finally:
+        for _, theirs in pairs:
+            theirs.close()
+    conns = [Connection(ours.detach()) for ours, _ in pairs]
+
+    def close_all() -> None:
+        for c in conns:
+            c.close()
+
+    conn = conns[0]  # the init and ready messages go over the first pipe
+    try:
+        conn.send_bytes(encode({"t": "init", "checkpoint": os.fspath(checkpoint), "engine": cfg.model_dump(),
+                                "threads": None if threads is None else threads.to_wire()}))
+        msg = decode(conn.recv_bytes())
+    except (EOFError, OSError):
+        code = proc.wait()
+        close_all()
+        raise EngineProcessError(f"the engine process exited (code {code}) before loading the model") from None
+    if msg["t"] != "ready":
+        proc.wait()
+        close_all()
+        if msg["t"] == "error" and msg.get("user"):
+            raise UserError(msg["message"])
+        raise EngineProcessError(f"the engine process failed to start: {msg.get('message')}")
+    return proc, conns, msg
+
+
 class ProcessEngine(EngineFrontend):
-    def __init__(self, proc: subprocess.Popen, conn: Connection, info: dict, max_waiting: int):
+    def __init__(self, proc: subprocess.Popen | None, conn: Connection, info: dict, max_waiting: int):
+        """`proc`: the engine process when it is this process's child; None when another process (the
+        api_servers launcher) started it and waits for it."""
         super().__init__(load_tokenizer(info["tokenizer_dir"]), int(info["max_model_len"]), int(info["vocab_size"]),
                          info["eos_ids"], max_waiting)
         self.info = info
@@ -59,35 +102,21 @@ class ProcessEngine(EngineFrontend):
     def launch(cls, checkpoint: str, cfg: EngineConfig, threads: ThreadPlan | None = None) -> ProcessEngine:
         """Start the engine process and wait until its model is loaded (or raise its error);
         `threads`: its torch threads and CPUs (worker/cpu_threads.py; None: torch's default)."""
-        ours, theirs = socket.socketpair()
-        try:
-            proc = subprocess.Popen([sys.executable, "-m", "tessera.inference.engine.core_process", str(theirs.fileno())],
-                                    pass_fds=[theirs.fileno()])
-        finally:
-            theirs.close()
-        conn = Connection(ours.detach())
-        try:
-            conn.send_bytes(encode({"t": "init", "checkpoint": os.fspath(checkpoint), "engine": cfg.model_dump(),
-                                    "threads": None if threads is None else threads.to_wire()}))
-            msg = decode(conn.recv_bytes())
-        except (EOFError, OSError):
-            code = proc.wait()
-            conn.close()
-            raise EngineProcessError(f"the engine process exited (code {code}) before loading the model") from None
-        if msg["t"] != "ready":
-            proc.wait()
-            conn.close()
-            if msg["t"] == "error" and msg.get("user"):
-                raise UserError(msg["message"])
-            raise EngineProcessError(f"the engine process failed to start: {msg.get('message')}")
-        return cls(proc, conn, msg, cfg.max_waiting)
+        proc, conns, info = start_engine_process(checkpoint, cfg, threads)
+        return cls(proc, conns[0], info, cfg.max_waiting)
+
+    @classmethod
+    def connect(cls, conn: Connection, info: dict, max_waiting: int) -> ProcessEngine:
+        """One pipe of an engine process another process started (its ready message's facts: `info`)."""
+        return cls(None, conn, info, max_waiting)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Nothing to do: the process runs from launch (the app's lifespan calls this)."""
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Let running requests finish (up to `timeout` s), then stop the engine process."""
+        """Let running requests finish (up to `timeout` s), then stop the engine process (when one
+        of several pipes: stop this pipe; the engine ends when every pipe has stopped)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.num_active() and self.healthy:
             time.sleep(0.05)
@@ -96,21 +125,23 @@ class ProcessEngine(EngineFrontend):
             self._send({"t": "stop"})
         except EngineProcessError:
             pass
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
         self._reader.join(timeout=5)
         self._conn.close()
 
     @property
     def healthy(self) -> bool:
-        return self._error is None and not self._stopping and self._proc.poll() is None
+        # Another process's child: its death reaches this one as the pipe's end (the reader's error).
+        return self._error is None and not self._stopping and (self._proc is None or self._proc.poll() is None)
 
     @property
-    def pid(self) -> int:
-        return self._proc.pid
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
 
     # ---- backend hooks ---------------------------------------------------------------------
     def _send(self, msg: dict) -> None:
@@ -160,7 +191,8 @@ class ProcessEngine(EngineFrontend):
                     self.metrics.update_engine(stats)
         except (EOFError, OSError):
             if not self._stopping:
-                error = EngineProcessError(f"the engine process exited unexpectedly (code {self._proc.poll()})")
+                code = "" if self._proc is None else f" (code {self._proc.poll()})"
+                error = EngineProcessError(f"the engine process exited unexpectedly{code}")
         except BaseException as exc:
             error = exc
         if error is not None:

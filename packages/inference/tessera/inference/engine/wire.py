@@ -10,6 +10,9 @@ HTTP process -> engine:  {"t": "add", "id", "prompt", "params"} | {"t": "abort",
                          (the first frame is {"t": "init", "checkpoint", "engine", "threads"})
 engine -> HTTP process:  {"t": "ready", ...model facts} | {"t": "error", "user": bool, "message"}
                          | {"t": "step", "outs": [...], "stats": {...}, "adds_seen"} | {"t": "failed", "message"}
+
+With several HTTP processes (one pipe each; init and ready on the first), a pipe's "step" holds only
+the outputs of the requests it added, and "adds_seen" counts its own adds; "stop" ends that pipe.
 """
 
 from __future__ import annotations

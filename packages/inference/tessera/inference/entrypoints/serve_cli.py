@@ -38,19 +38,19 @@ def _stop(signum: int, frame: object) -> None:
     raise _Stopped(signum)
 
 
-def _run_uvicorn(uvicorn, config, startup_line: str) -> None:
-    """uvicorn.run, printing `startup_line` once the server listens, with the port it bound: the
-    OS's choice under --port 0 (as uvicorn's own log line), read from the socket, not the flag."""
+def _run_uvicorn(uvicorn, config, on_listening, sockets=None) -> None:
+    """uvicorn.run (on `sockets` when given: a listening socket shared by several processes), calling
+    `on_listening(port)` once the server listens, with the port it bound: the OS's choice under
+    --port 0 (as uvicorn's own log line), read from the socket, not the flag."""
     from uvicorn.config import STARTUP_FAILURE
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
-            port = self.servers[0].sockets[0].getsockname()[1]
-            print(f"{startup_line}:{port}", file=sys.stderr, flush=True)
+            on_listening(self.servers[0].sockets[0].getsockname()[1])
 
     server = Server(config)
-    server.run()
+    server.run(sockets)
     if not server.started:  # as uvicorn.run: it logged why
         sys.exit(STARTUP_FAILURE)
 
@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_image_limit_args(s)
     s.add_argument("--quiet", action="store_true", help="Log warnings only (no access log).")
+    s.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
+                   help="HTTP server processes sharing the port in front of the one engine process (vLLM's "
+                        "flag): tokenizing, detokenized streaming and JSON then use N cores. Not with "
+                        "--no-engine-process (default: %(default)s).")
     s.add_argument("--no-engine-process", action="store_true",
                    help="Run the engine in a thread of the HTTP process instead of its own process "
                         "(slower under load: the two then share one GIL; for debugging).")
@@ -146,8 +150,8 @@ def grammar_limits_from_args(args: argparse.Namespace):
         raise UserError(f"{FLAGS[name]} {values[name]}: {err['msg']}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def check_args(args: argparse.Namespace, argv: list[str] | None):
+    """Every flag's check that needs no model (one line, exit 2): the engine config and grammar limits."""
     from tessera.inference.entrypoints.engine_args import engine_config_from_args
 
     cfg = engine_config_from_args(args)
@@ -169,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"--chat-template-timeout {args.chat_template_timeout}: must be a number of seconds > 0")
     if not (args.body_timeout > 0 and math.isfinite(args.body_timeout)):
         raise UserError(f"--body-timeout {args.body_timeout}: must be a number of seconds > 0")
+    if args.api_server_count < 1:
+        raise UserError(f"--api-server-count {args.api_server_count}: must be >= 1")
+    if args.api_server_count > 1 and args.no_engine_process:
+        # The engine in a thread of one HTTP process cannot be shared with another process.
+        raise UserError(f"--api-server-count {args.api_server_count}: needs the engine in its own process; "
+                        "drop --no-engine-process")
     if args.api_key is not None and not args.api_key.strip():
         # The README's `--api-key "$KEY"` with KEY unset would otherwise start an open server.
         given = argv if argv is not None else sys.argv[1:]
@@ -178,12 +188,88 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(args.checkpoint):
         raise UserError(f"{args.checkpoint}: checkpoint not found (pass a run dir, checkpoints dir, "
                         "iter_NNNNNNN dir or Hugging Face export dir)")
+    return cfg, grammar_limits
 
-    import uvicorn
 
+def build_server(args: argparse.Namespace, frontend, grammar_limits, name: str, api_server: int | None = None):
+    """The ASGI app of one HTTP process over `frontend` (its metrics: this process's share when one
+    of several, `api_server` its index)."""
     from tessera.inference.core.image_inputs import image_limits
     from tessera.inference.engine.metrics import ServingMetrics
     from tessera.inference.entrypoints.server import OpenAIServer, ServerLimits
+
+    metrics = ServingMetrics(name, args.metrics_prefix, frontend.max_model_len, api_server=api_server)
+    frontend.metrics = metrics
+    limits = ServerLimits(
+        max_prompt_tokens=args.max_prompt_tokens or frontend.max_model_len,
+        max_tokens=args.max_tokens_limit or frontend.max_model_len,
+        max_prompts=args.max_prompts_per_request, max_embedding_inputs=args.max_embedding_inputs,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout, body_timeout_s=args.body_timeout,
+        chat_template=RenderLimits(timeout_s=args.chat_template_timeout, max_iterations=args.chat_template_max_iterations,
+                                   max_chars=args.chat_template_max_chars, max_memory_mb=args.chat_template_max_memory),
+        grammar=grammar_limits, images=image_limits(args),
+    )
+    server = OpenAIServer(frontend, name, limits, metrics)
+    server.tool_call_parser = args.tool_call_parser
+    return server.build_app(api_key=args.api_key)
+
+
+def startup_line(args: argparse.Namespace, cfg, name: str, dtype, device, facts: dict, plan, max_model_len: int,
+                 pooling, generates: bool) -> str:
+    """The line printed once the server listens (the port is appended then)."""
+    from tessera.inference.worker.cpu_threads import describe_measured
+
+    quant = f", {cfg.quantization} weights" if cfg.quantization else ""
+    quant += f", tensor parallel {cfg.tensor_parallel}" if cfg.tensor_parallel > 1 else ""
+    quant += f", {cfg.kv_cache_dtype} KV cache" if cfg.kv_cache_dtype != "auto" else ""
+    quant += ", checksums not verified" if cfg.skip_checksum_verify else ""
+    quant += f", layers compiled in {facts['compile_s']:.1f} s" if facts.get("compile_s") else ""
+    if pooling is not None:  # /v1/embeddings is served (worker/pooling/spec.py)
+        mode = {"last": "last-token", "cls": "CLS"}.get(pooling.mode, pooling.mode)
+        quant += (f", embeddings by {mode} pooling{' (normalized)' if pooling.normalize else ''} of inputs up to "
+                  f"{pooling.max_input_tokens} tokens{'' if generates else ' only'}")
+    return (f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
+            f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, "
+            f"{facts['state_pool'] + ', ' if facts.get('state_pool') else ''}max_model_len {max_model_len}; "
+            f"{describe_measured(facts['threads'], plan)}; listening on http://{args.host}")
+
+
+def serve_app(args: argparse.Namespace, app, frontend, on_listening, sockets=None, close_engine=None) -> None:
+    """Run uvicorn until SIGTERM/SIGINT has drained it (a success), then stop `frontend`."""
+    import uvicorn
+
+    level = logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # uvicorn drains on SIGTERM/SIGINT, then raises the signal again under the handlers it found: these,
+    # so a stop ends here, through the cleanup below, with exit 0, not killed by SIGTERM's default
+    # action (which skips the cleanup). Once stopping, a repeated SIGTERM is ignored (schedulers
+    # repeat it) and a second Ctrl-C interrupts at once, as the trainer's (docs/operations.md).
+    found = _set_signal_handlers({signal.SIGINT: _stop, signal.SIGTERM: _stop})
+    freeze_heap()
+    try:
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+                                access_log=not args.quiet, timeout_graceful_shutdown=math.ceil(args.drain_timeout))
+        _run_uvicorn(uvicorn, config, on_listening, sockets)
+    except _Stopped:
+        pass  # drained and stopped: a success
+    finally:
+        if found:
+            _set_signal_handlers({signal.SIGTERM: signal.SIG_IGN, signal.SIGINT: signal.default_int_handler})
+        try:
+            if frontend.healthy:  # uvicorn never got to its shutdown (e.g. the port was taken)
+                frontend.shutdown(timeout=0)
+        finally:
+            try:
+                if close_engine is not None:  # stops tensor-parallel workers, even after a Ctrl-C in the above
+                    close_engine()
+            finally:
+                _set_signal_handlers(found)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg, grammar_limits = check_args(args, argv)
     from tessera.inference.worker.loader import resolve_device, resolve_dtype
 
     device = resolve_device(cfg.device)
@@ -201,17 +287,16 @@ def main(argv: list[str] | None = None) -> int:
 
     check_cuda_graphs(cfg, device)  # flags first, then what the checkpoint says
     serving_kind(read_model_facts(args.checkpoint)[0])  # a kind this server cannot run: before the engine starts
-    from tessera.inference.worker.cpu_threads import (
-        apply_binding,
-        describe_measured,
-        measure,
-        plan_for_this_machine,
-    )
+    from tessera.inference.worker.cpu_threads import apply_binding, measure, plan_for_this_machine
 
     # CPU compute threads and cores as vLLM's CPU build picks them, unless --torch-threads says (worker/cpu_threads.py).
     plan = None
     if device.type == "cpu" or args.torch_threads is not None:
         plan = plan_for_this_machine(cfg.tensor_parallel, not args.no_engine_process, args.torch_threads)
+    if args.api_server_count > 1:
+        from tessera.inference.entrypoints.api_servers import run_api_servers
+
+        return run_api_servers(args, list(argv) if argv is not None else sys.argv[1:], cfg, plan, dtype, device)
     if args.no_engine_process:
         from tessera.inference.engine.frontend import AsyncEngine
         from tessera.inference.engine.llm_engine import LLMEngine
@@ -232,61 +317,12 @@ def main(argv: list[str] | None = None) -> int:
         frontend = ProcessEngine.launch(args.checkpoint, cfg, plan)
         facts = {**frontend.info, "where": f"engine process {frontend.pid}"}
     name = args.served_model_name or facts["name"]
-    metrics = ServingMetrics(name, args.metrics_prefix, frontend.max_model_len)
-    frontend.metrics = metrics
-    limits = ServerLimits(
-        max_prompt_tokens=args.max_prompt_tokens or frontend.max_model_len,
-        max_tokens=args.max_tokens_limit or frontend.max_model_len,
-        max_prompts=args.max_prompts_per_request, max_embedding_inputs=args.max_embedding_inputs,
-        max_body_bytes=args.max_body_bytes,
-        drain_timeout_s=args.drain_timeout, body_timeout_s=args.body_timeout,
-        chat_template=RenderLimits(timeout_s=args.chat_template_timeout, max_iterations=args.chat_template_max_iterations,
-                                   max_chars=args.chat_template_max_chars, max_memory_mb=args.chat_template_max_memory),
-        grammar=grammar_limits, images=image_limits(args),
-    )
-    server = OpenAIServer(frontend, name, limits, metrics)
-    server.tool_call_parser = args.tool_call_parser
-    app = server.build_app(api_key=args.api_key)
-    level = logging.WARNING if args.quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    quant = f", {cfg.quantization} weights" if cfg.quantization else ""
-    quant += f", tensor parallel {cfg.tensor_parallel}" if cfg.tensor_parallel > 1 else ""
-    quant += f", {cfg.kv_cache_dtype} KV cache" if cfg.kv_cache_dtype != "auto" else ""
-    quant += ", checksums not verified" if cfg.skip_checksum_verify else ""
-    quant += f", layers compiled in {facts['compile_s']:.1f} s" if facts.get("compile_s") else ""
-    if frontend.pooling is not None:  # /v1/embeddings is served (worker/pooling/spec.py)
-        spec = frontend.pooling
-        mode = {"last": "last-token", "cls": "CLS"}.get(spec.mode, spec.mode)
-        quant += (f", embeddings by {mode} pooling{' (normalized)' if spec.normalize else ''} of inputs up to "
-                  f"{spec.max_input_tokens} tokens{'' if frontend.generates else ' only'}")
-    startup_line = (f"tessera-serve: model {name!r} ({facts['arch']}, {dtype}{quant}, {device}; {facts['where']}), "
-                    f"{facts['num_blocks']} KV blocks x {cfg.block_size} tokens, "
-                    f"{facts['state_pool'] + ', ' if facts.get('state_pool') else ''}max_model_len {frontend.max_model_len}; "
-                    f"{describe_measured(facts['threads'], plan)}; listening on http://{args.host}")
-    # uvicorn drains on SIGTERM/SIGINT, then raises the signal again under the handlers it found: these,
-    # so a stop ends here, through the cleanup below, with exit 0, not killed by SIGTERM's default
-    # action (which skips the cleanup). Once stopping, a repeated SIGTERM is ignored (schedulers
-    # repeat it) and a second Ctrl-C interrupts at once, as the trainer's (docs/operations.md).
-    found = _set_signal_handlers({signal.SIGINT: _stop, signal.SIGTERM: _stop})
-    freeze_heap()
-    try:
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
-                                access_log=not args.quiet, timeout_graceful_shutdown=math.ceil(args.drain_timeout))
-        _run_uvicorn(uvicorn, config, startup_line)
-    except _Stopped:
-        pass  # drained and stopped: a success
-    finally:
-        if found:
-            _set_signal_handlers({signal.SIGTERM: signal.SIG_IGN, signal.SIGINT: signal.default_int_handler})
-        try:
-            if frontend.healthy:  # uvicorn never got to its shutdown (e.g. the port was taken)
-                frontend.shutdown(timeout=0)
-        finally:
-            try:
-                if args.no_engine_process:  # stops tensor-parallel workers, even after a Ctrl-C in the above
-                    frontend.engine.close()  # (the engine thread closes it too; the engine process does so itself)
-            finally:
-                _set_signal_handlers(found)
+    app = build_server(args, frontend, grammar_limits, name)
+    line = startup_line(args, cfg, name, dtype, device, facts, plan, frontend.max_model_len, frontend.pooling,
+                        frontend.generates)
+    # (the engine thread closes the engine too; the engine process does so itself)
+    serve_app(args, app, frontend, lambda port: print(f"{line}:{port}", file=sys.stderr, flush=True),
+              close_engine=frontend.engine.close if args.no_engine_process else None)
     return 0
 
 
