@@ -86,9 +86,12 @@ PLAN: tuple[Step, ...] = (
     # 64 streams start, decode 64 wide and end together (two waves of 127 steps), not a batch that
     # shrinks and refills with prefills; the naive peer's 2 x 128 tokens cost what 4 x [8, 128] did.
     Step("serve1b", 2, 110, ("python3", "benchmarks/serving.py", "--preset", "llama-1b", *SERVE)),
-    # with --async-scheduling: at 160m the host's step is the TPOT (serve160m-sync below is the same without)
+    # at 160m the host's work is the TPOT: the engine's step overlapped with the forward
+    # (--async-scheduling) and the streams' HTTP work over 4 processes (--api-server-count; one took
+    # ~1.7 ms of CPU per 64 streamed tokens on the CPU box, more than a 160m step on an H100).
+    # serve160m-sync below is the same with neither; each log names the busiest server process.
     Step("serve160m", 2, 60, ("python3", "benchmarks/serving.py", "--preset", "llama-160m", *SERVE,
-                              "--async-scheduling")),
+                              "--async-scheduling", "--api-server-count", "4")),
 )
 
 # Outside the 15-minute plan, run by name (`--step NAME`) on a longer lease or a second one.
@@ -126,7 +129,9 @@ EXTRAS: tuple[Step, ...] = (
                            "--json", "{out}/torchtitan.json")),
     Step("serve160m-sync", 0, 60, ("python3", "benchmarks/serving.py", "--preset", "llama-160m", *SERVE)),
     Step("serve1b-async", 0, 110, ("python3", "benchmarks/serving.py", "--preset", "llama-1b", *SERVE,
-                                   "--async-scheduling")),
+                                   "--async-scheduling", "--api-server-count", "4")),
+    Step("serve160m-async-1", 0, 60, ("python3", "benchmarks/serving.py", "--preset", "llama-160m", *SERVE,
+                                      "--async-scheduling")),
     Step("serve-profile", 0, 300, ("python3", "benchmarks/serving_profile.py", "--device", "cuda", "--preset",
                                    "llama-160m", "--concurrency", "64", "--num-requests", "64",
                                    "--decode-steps", "64")),

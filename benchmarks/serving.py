@@ -269,6 +269,9 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true",
                     help="serve with --async-scheduling (each decode step planned and launched while the one "
                          "before runs)")
+    ap.add_argument("--api-server-count", type=int, default=1,
+                    help="serve with --api-server-count N (N HTTP processes in front of the engine process; "
+                         "each run prints every server process's share of a core)")
     ap.add_argument("--engine-thread", action="store_true",
                     help="serve with --no-engine-process (engine thread in the HTTP process) to compare")
     ap.add_argument("--structured", choices=["none", "json"], default="none",
@@ -314,7 +317,8 @@ def main() -> None:
            "--device", args.device, "--dtype", "bfloat16" if dtype == torch.bfloat16 else "float32"] \
         + ([] if args.defaults else ["--torch-threads", str(args.threads)]) \
         + (["--no-engine-process"] if args.engine_thread else []) + (["--enforce-eager"] if args.enforce_eager else []) \
-        + (["--async-scheduling"] if args.async_scheduling else [])
+        + (["--async-scheduling"] if args.async_scheduling else []) \
+        + (["--api-server-count", str(args.api_server_count)] if args.api_server_count != 1 else [])
     env = {**os.environ}
     if args.defaults:
         env.pop("OMP_NUM_THREADS", None)

@@ -157,3 +157,22 @@ def test_the_server_cpu_probe_names_a_spawned_worker_of_the_http_process_as_a_wo
     by_pid = {p["pid"]: p for p in server["processes"]}
     assert by_pid[root.pid]["role"] == "HTTP process"
     assert server["busiest_role"] == "tensor-parallel worker" and server["busiest_utilisation"] > 0.05
+
+
+def test_under_several_api_servers_the_root_is_named_the_launcher_and_each_child_an_http_process(client):
+    sleeper = "import time; time.sleep(60)"
+    root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                             f"for a in ('tessera.inference.entrypoints.api_servers', 'x.core_process'):\n"
+                             f"    subprocess.Popen([sys.executable, '-c', {sleeper!r}, a])\n"
+                             f"subprocess.Popen([sys.executable, '-c', {sleeper!r}, 'tessera.inference.entrypoints.api_servers'])\n"
+                             "time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 60
+        while len(tree := client.process_tree(root.pid)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        for pid in tree:
+            os.kill(pid, signal.SIGKILL)
+        root.wait()
+    assert tree[root.pid] == "launcher"
+    assert sorted(tree.values()) == ["HTTP process", "HTTP process", "engine process", "launcher"]
