@@ -297,3 +297,65 @@ def test_a_dead_http_process_stops_the_whole_server(servers):
     assert proc.returncode == 1, err[-3000:]
     assert re.search(rf"API server process 1 \(pid {kids[1].pid}\) exited \(code -9\)", err), err[-3000:]
     assert_gone(below, "tessera-serve after one of its HTTP processes died")
+
+
+class _OneStepEngine:
+    """The engine surface run_engine_loop drives: every request added finishes at the next step."""
+
+    def __init__(self):
+        self.pending: list[str] = []
+        self.aborted: list[str] = []
+
+    def add_request(self, rid, prompt, params) -> None:
+        self.pending.append(rid)
+
+    def abort(self, rid) -> None:
+        self.aborted.append(rid)
+        self.pending.remove(rid)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending)
+
+    def step(self):
+        from tessera.inference.engine.output_processor import RequestOutput
+
+        done, self.pending = self.pending, []
+        return [RequestOutput(rid, [7], "x", [], True, "length", 3, 1, 0) for rid in done]
+
+    def stats(self):
+        from tessera.inference.engine.llm_engine import EngineStats
+
+        return EngineStats(0, 0, 0, 64, 0, 0, 0)
+
+
+def test_an_abort_from_a_pipe_that_does_not_own_the_request_is_ignored():
+    """The engine process's routing (core_process._loop) over two pipes: pipe 1 aborting pipe 0's
+    request neither aborts it nor loses where its outputs go; pipe 0 still gets its output."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from tessera.inference.core.sampling_params import SamplingParams
+    from tessera.inference.engine.core_process import _loop
+    from tessera.inference.engine.wire import decode, encode
+
+    pairs = [socket.socketpair() for _ in range(2)]
+    ours = [Connection(a.detach()) for a, _ in pairs]
+    theirs = [Connection(b.detach()) for _, b in pairs]
+    engine = _OneStepEngine()
+    ours[0].send_bytes(encode({"t": "add", "id": "cmpl-0-1", "prompt": [5, 6, 7],
+                               "params": SamplingParams(max_tokens=1).model_dump(mode="json")}))
+    ours[1].send_bytes(encode({"t": "abort", "ids": ["cmpl-0-1"]}))
+    loop = threading.Thread(target=_loop, args=(theirs, engine), daemon=True)
+    loop.start()
+    try:
+        assert ours[0].poll(60)
+        step = decode(ours[0].recv_bytes())
+        assert [o[0] for o in step["outs"]] == ["cmpl-0-1"] and step["adds_seen"] == 1, step
+        assert engine.aborted == []
+    finally:
+        for c in ours:
+            c.send_bytes(encode({"t": "stop"}))
+        loop.join(60)
+        for c in ours + theirs:
+            c.close()
+    assert not loop.is_alive()

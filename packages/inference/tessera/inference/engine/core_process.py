@@ -125,7 +125,12 @@ def _loop(conns: list[Connection], engine) -> None:
                         owner[msg["id"]] = i
                     commands.append(("add", msg["id"], msg["prompt"], SamplingParams.model_validate(msg["params"])))
                 elif msg["t"] == "abort":
-                    commands.extend(("abort", rid) for rid in msg["ids"] if not routed or owner.pop(rid, None) == i)
+                    # Only the pipe that added a request aborts it; another pipe's abort of it (ids are
+                    # tagged per HTTP process, so a bug) is ignored and must not unroute its outputs.
+                    mine = [rid for rid in msg["ids"] if not routed or owner.get(rid) == i]
+                    for rid in mine if routed else ():
+                        del owner[rid]
+                    commands.extend(("abort", rid) for rid in mine)
                 elif msg["t"] == "stop":  # this HTTP process has drained: end its requests, stop reading it
                     theirs = [rid for rid, o in owner.items() if o == i]
                     for rid in theirs:
