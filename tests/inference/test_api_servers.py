@@ -267,6 +267,30 @@ def test_refusals_are_one_line_and_exit_2(tiny_ckpt, flags, words, capsys):
     assert err.count("\n") == 1 and words in err, err
 
 
+@pytest.mark.parametrize("count, make, words", [
+    ("2", True, "--api-server-count 2: PROMETHEUS_MULTIPROC_DIR is set"),
+    ("1", False, "not a directory (prometheus_client writes the metrics there)"),
+])
+def test_a_prometheus_multiproc_dir_set_beforehand_is_refused_in_one_line_before_the_model_loads(
+        tiny_ckpt, tmp_path, monkeypatch, capsys, count, make, words):
+    """Several processes: the launcher's own directory would silently replace the user's. One: a
+    missing directory was a traceback once the model had loaded (prometheus_client writes there)."""
+    from tessera.common.errors import run_cli
+    from tessera.inference.entrypoints.serve_cli import main
+
+    where = tmp_path / "prom"
+    if make:
+        where.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(where))
+    monkeypatch.setattr("tessera.inference.engine.process_client.start_engine_process",
+                        lambda *a, **k: pytest.fail("the engine was started"))
+    with pytest.raises(SystemExit) as stopped:
+        run_cli(main, ["--checkpoint", str(tiny_ckpt), *BASE, "--api-server-count", count])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err
+
+
 def test_a_checkpoint_the_engine_cannot_load_is_its_one_line_error_over_the_first_of_n_pipes(tiny_ckpt, tmp_path):
     """The engine process's own load error (a payload that fails its checksum) crosses the first of
     its N pipes as with one (the CLI prints the UserError in one line, exit 2), and nothing is left."""

@@ -267,9 +267,26 @@ def serve_app(args: argparse.Namespace, app, frontend, on_listening, sockets=Non
                 _set_signal_handlers(found)
 
 
+def check_metrics_dir(args: argparse.Namespace) -> None:
+    """`PROMETHEUS_MULTIPROC_DIR` set beforehand (not a flag, so not in check_args, which each HTTP
+    process of several runs under the launcher's own directory): prometheus_client writes every
+    metric into it, so a missing one failed only after the model loaded. Several HTTP processes
+    need a fresh directory (stale files would be summed in): the launcher makes and removes its own."""
+    where = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not where:
+        return
+    if args.api_server_count > 1:
+        raise UserError(f"--api-server-count {args.api_server_count}: PROMETHEUS_MULTIPROC_DIR is set ({where}); "
+                        "tessera-serve makes and removes its own metrics directory: unset it")
+    if not os.path.isdir(where):
+        raise UserError(f"PROMETHEUS_MULTIPROC_DIR={where}: not a directory (prometheus_client writes the metrics "
+                        "there); create it or unset it")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg, grammar_limits = check_args(args, argv)
+    check_metrics_dir(args)
     from tessera.inference.worker.loader import resolve_device, resolve_dtype
 
     device = resolve_device(cfg.device)
