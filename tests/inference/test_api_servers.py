@@ -383,3 +383,63 @@ def test_an_abort_from_a_pipe_that_does_not_own_the_request_is_ignored():
         for c in ours + theirs:
             c.close()
     assert not loop.is_alive()
+
+
+# An HTTP process stand-in for the launcher's supervision: reports "listening" after DELAY s and
+# records whether SIGTERM reached it before or after that.
+_STAND_IN = """
+import os, signal, sys, time
+from multiprocessing.connection import Connection
+control, delay, out = Connection(int(sys.argv[1])), float(sys.argv[2]), sys.argv[3]
+state = {"listening": False}
+def term(*_):
+    open(out, "w").write("after" if state["listening"] else "before")
+    os._exit(0)
+signal.signal(signal.SIGTERM, term)
+time.sleep(delay)
+state["listening"] = True
+control.send_bytes(b"listening")
+time.sleep(120)
+"""
+
+
+def test_a_stop_while_an_http_process_starts_reaches_it_once_it_listens(tmp_path):
+    """SIGTERM before uvicorn's handlers are in place would kill a starting HTTP process, end its pipe
+    without "stop" and so the engine under the others' draining requests: the launcher holds the
+    signal until the process says it listens (api_servers._Stopper, _supervise)."""
+    import socket
+    import sys
+    from multiprocessing.connection import Connection
+
+    from tessera.inference.entrypoints import api_servers
+
+    read, write = os.pipe()  # the engine stand-in ends once every HTTP process has (their ends of its pipe)
+    engine = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.buffer.read()"], stdin=read)
+    os.close(read)
+    children = []
+    for i, delay in enumerate((0.0, 4.0)):  # 4 s: time enough on a loaded machine to stop before it listens
+        ours, theirs = socket.socketpair()
+        proc = subprocess.Popen([sys.executable, "-c", _STAND_IN, str(theirs.fileno()), str(delay),
+                                 str(tmp_path / f"http{i}")], pass_fds=[theirs.fileno(), write])
+        theirs.close()
+        children.append(api_servers._Child(i, proc, Connection(ours.detach())))
+    os.close(write)
+    stop = api_servers._Stopper(children)
+    result: list = []
+    supervisor = threading.Thread(target=lambda: result.append(api_servers._supervise(
+        children, engine, os.pidfd_open(engine.pid), stop, "listening", 60)), daemon=True)
+    supervisor.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not children[0].listening and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert children[0].listening and not children[1].listening
+        stop.begin()  # process 1 is still starting
+        supervisor.join(90)
+        assert result == [None]  # a clean stop: every process drained, the engine ended by itself
+        assert [(tmp_path / f"http{i}").read_text() for i in range(2)] == ["after", "after"]
+    finally:
+        for c in children:
+            c.send(signal.SIGKILL)
+        engine.kill()
+        engine.wait()

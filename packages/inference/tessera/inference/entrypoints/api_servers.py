@@ -146,7 +146,10 @@ def _spawn(index: int, count: int, sock: socket.socket, conn: Connection, argv: 
 
 class _Stopper:
     """The launcher's SIGTERM/SIGINT handler: the first passes a SIGTERM on to every HTTP process
-    (each drains); later SIGTERMs are ignored; a later SIGINT is passed on (uvicorn then stops at once)."""
+    (each drains); later SIGTERMs are ignored; a later SIGINT is passed on (uvicorn then stops at once).
+    An HTTP process still starting gets its SIGTERM once it listens (`_supervise`): before uvicorn's
+    handlers are in place SIGTERM would kill it, its pipe would end without "stop", and the engine
+    would exit under the requests the other processes are draining."""
 
     def __init__(self, children: list[_Child]):
         self.children = children
@@ -162,7 +165,8 @@ class _Stopper:
     def begin(self) -> None:
         self.stopping = True
         for child in self.children:
-            child.send(signal.SIGTERM)
+            if child.listening:
+                child.send(signal.SIGTERM)
 
 
 def _supervise(children: list[_Child], engine: subprocess.Popen, engine_fd: int, stop: _Stopper, line: str,
@@ -197,6 +201,8 @@ def _supervise(children: list[_Child], engine: subprocess.Popen, engine_fd: int,
                     try:
                         child.control.recv_bytes()  # "listening"
                         child.listening = True
+                        if stop.stopping:  # the stop came while it started: it drains now
+                            child.send(signal.SIGTERM)
                     except (EOFError, OSError):
                         pass  # it died: its pidfd says so
                     if not printed and all(c.listening for c in children):
