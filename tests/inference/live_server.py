@@ -62,3 +62,32 @@ class LiveServer:
                 return True
             time.sleep(0.05)
         return False
+
+
+def streamed_with_and_without_async_scheduling(ckpt, bodies: list[dict]) -> dict[bool, list[tuple[str, str]]]:
+    """Each of `bodies` streamed at once through the `openai` client from a live server with and
+    without --async-scheduling (keyed by the flag): per body, its text and finish reason."""
+    import concurrent.futures as cf
+
+    from openai import OpenAI
+
+    def texts(server) -> list[tuple[str, str]]:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+        def one(body):
+            chunks = list(client.completions.create(model="tiny", stream=True, **body))
+            return "".join(c.choices[0].text for c in chunks if c.choices), next(
+                c.choices[0].finish_reason for c in reversed(chunks) if c.choices and c.choices[0].finish_reason)
+        with cf.ThreadPoolExecutor(len(bodies)) as pool:
+            return list(pool.map(one, bodies))
+
+    got = {}
+    for overlap in (True, False):
+        server = LiveServer(ckpt, block_size=4, num_kv_blocks=200, max_num_seqs=8, enforce_eager=True,
+                            async_scheduling=overlap)
+        try:
+            got[overlap] = texts(server)
+            assert server.wait_idle()
+        finally:
+            server.stop()
+    return got

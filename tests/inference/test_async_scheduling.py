@@ -6,12 +6,10 @@ flight), every block comes back, and the server answers the `openai` client as w
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-
 import pytest
 import torch
 from inference_helpers import generate_usage_error, make_engine
-from live_server import LiveServer
+from live_server import streamed_with_and_without_async_scheduling
 
 from tessera.inference.core.sampling_params import SamplingParams
 
@@ -177,31 +175,12 @@ def test_async_scheduling_is_refused_in_one_line_with_tensor_parallel_or_specula
 
 
 def test_a_server_with_async_scheduling_streams_the_openai_client_what_one_without_it_streams(tiny_ckpt):
-    from openai import OpenAI
 
     bodies = [dict(prompt=[5 + i, 17, 33 + 7 * i], max_tokens=24, **kind)
               for i, kind in enumerate([dict(temperature=0), dict(temperature=0.9, seed=11), dict(temperature=0, stop=["e"]),
                                         dict(temperature=0.8, top_p=0.9, seed=2), dict(temperature=0), dict(temperature=1.0, seed=4)])]
 
-    def texts(server) -> list[tuple[str, str]]:
-        client = OpenAI(base_url=server.url + "/v1", api_key="unused")
-
-        def one(body):
-            chunks = list(client.completions.create(model="tiny", stream=True, **body))
-            return "".join(c.choices[0].text for c in chunks if c.choices), next(
-                c.choices[0].finish_reason for c in reversed(chunks) if c.choices and c.choices[0].finish_reason)
-        with cf.ThreadPoolExecutor(len(bodies)) as pool:
-            return list(pool.map(one, bodies))
-
-    got = {}
-    for overlap in (True, False):
-        server = LiveServer(tiny_ckpt, block_size=4, num_kv_blocks=200, max_num_seqs=8, enforce_eager=True,
-                            async_scheduling=overlap)
-        try:
-            got[overlap] = texts(server)
-            assert server.wait_idle()
-        finally:
-            server.stop()
+    got = streamed_with_and_without_async_scheduling(tiny_ckpt, bodies)
     assert got[True] == got[False]
     assert all(text for text, _ in got[True])
 

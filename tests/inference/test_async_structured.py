@@ -7,12 +7,10 @@ raises touch only their own request."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-
 import pytest
 import torch
 from inference_helpers import make_checkpoint, make_engine, tiny_config
-from live_server import LiveServer
+from live_server import streamed_with_and_without_async_scheduling
 
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.structured_spec import StructuredSpec
@@ -183,7 +181,6 @@ def test_a_mask_that_raises_fails_its_own_request_only(tiny_ckpt):
 
 
 def test_a_server_with_async_scheduling_streams_json_mode_beside_plain_requests_as_one_without_it(tiny_ckpt):
-    from openai import OpenAI
 
     fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA}}
     bodies = [dict(prompt=[5 + i, 17, 33 + 7 * i], max_tokens=30, **kind) for i, kind in enumerate(
@@ -191,25 +188,7 @@ def test_a_server_with_async_scheduling_streams_json_mode_beside_plain_requests_
          dict(temperature=0, stop=["e"]), dict(temperature=0, extra_body={"guided_choice": ["red", "green"]}),
          dict(temperature=0.8, top_p=0.9, seed=2), dict(temperature=1.0, seed=4, extra_body={"response_format": fmt})])]
 
-    def texts(server) -> list[tuple[str, str]]:
-        client = OpenAI(base_url=server.url + "/v1", api_key="unused")
-
-        def one(body):
-            chunks = list(client.completions.create(model="tiny", stream=True, **body))
-            return "".join(c.choices[0].text for c in chunks if c.choices), next(
-                c.choices[0].finish_reason for c in reversed(chunks) if c.choices and c.choices[0].finish_reason)
-        with cf.ThreadPoolExecutor(len(bodies)) as pool:
-            return list(pool.map(one, bodies))
-
-    got = {}
-    for overlap in (True, False):
-        server = LiveServer(tiny_ckpt, block_size=4, num_kv_blocks=200, max_num_seqs=8, enforce_eager=True,
-                            async_scheduling=overlap)
-        try:
-            got[overlap] = texts(server)
-            assert server.wait_idle()
-        finally:
-            server.stop()
+    got = streamed_with_and_without_async_scheduling(tiny_ckpt, bodies)
     assert got[True] == got[False]
     assert got[True][3][0] in ("red", "green") and got[True][1][0].startswith("{")
 

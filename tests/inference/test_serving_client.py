@@ -98,6 +98,15 @@ def test_sse_events_are_counted_wherever_the_reads_split_them(client, separators
         sse.feed(_event({"error": "boom"}), 0.0)
 
 
+def _tree_with_roles(client, pid: int, want: list[str]) -> dict[int, str]:
+    """`client.process_tree(pid)` once its roles are `want` (sorted), or as it is after 60 s: between
+    fork and exec a child bears its parent's command line, and so, for a moment, its role."""
+    deadline = time.monotonic() + 60
+    while sorted((tree := client.process_tree(pid)).values()) != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return tree
+
+
 def test_the_server_cpu_probe_names_each_process_by_its_role_and_finds_the_busy_one(client):
     # A stand-in tree with tessera-serve's shape: the root (HTTP process) starts an "engine process"
     # (core_process in its command line) that spins, and that one starts a worker of its own (with the
@@ -107,11 +116,10 @@ def test_the_server_cpu_probe_names_each_process_by_its_role_and_finds_the_busy_
            "end = time.time() + 60\nwhile time.time() < end: pass\n"
     root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
                              f"subprocess.Popen([sys.executable, '-c', {spin!r}, 'core_process'])\ntime.sleep(60)"])
+    tree: dict[int, str] = {}
     try:
-        deadline = time.monotonic() + 60
-        while len(tree := client.process_tree(root.pid)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert sorted(tree.values()) == ["HTTP process", "engine process", "tensor-parallel worker"]
+        want = ["HTTP process", "engine process", "tensor-parallel worker"]
+        assert sorted((tree := _tree_with_roles(client, root.pid, want)).values()) == want
         probe = client.ServerCpu(root.pid)
         probe.start()
         time.sleep(1.0)
@@ -138,12 +146,8 @@ def test_the_server_cpu_probe_names_a_spawned_worker_of_the_http_process_as_a_wo
     root = subprocess.Popen([sys.executable, "-c", script])
     tree: dict[int, str] = {}
     try:
-        deadline = time.monotonic() + 60
         want = ["HTTP process", "HTTP process", "tensor-parallel worker"]  # the root, the resource tracker, the worker
-        # (until each child has exec'd: between fork and exec a child bears its parent's command line)
-        while sorted((tree := client.process_tree(root.pid)).values()) != want and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert sorted(tree.values()) == want
+        assert sorted((tree := _tree_with_roles(client, root.pid, want)).values()) == want
         probe = client.ServerCpu(root.pid)
         probe.start()
         time.sleep(1.0)
@@ -166,13 +170,13 @@ def test_under_several_api_servers_the_root_is_named_the_launcher_and_each_child
                              f"    subprocess.Popen([sys.executable, '-c', {sleeper!r}, a])\n"
                              f"subprocess.Popen([sys.executable, '-c', {sleeper!r}, 'tessera.inference.entrypoints.api_servers'])\n"
                              "time.sleep(60)"])
+    tree: dict[int, str] = {}
     try:
-        deadline = time.monotonic() + 60
-        while len(tree := client.process_tree(root.pid)) < 4 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        tree = _tree_with_roles(client, root.pid, ["HTTP process", "HTTP process", "engine process", "launcher"])
     finally:
         for pid in tree:
             os.kill(pid, signal.SIGKILL)
+        root.kill()
         root.wait()
     assert tree[root.pid] == "launcher"
     assert sorted(tree.values()) == ["HTTP process", "HTTP process", "engine process", "launcher"]
