@@ -107,6 +107,13 @@ def _tree_with_roles(client, pid: int, want: list[str]) -> dict[int, str]:
     return tree
 
 
+def _probe_for_a_second(client, pid: int) -> dict:
+    probe = client.ServerCpu(pid)
+    probe.start()
+    time.sleep(1.0)
+    return probe.stop()
+
+
 def test_the_server_cpu_probe_names_each_process_by_its_role_and_finds_the_busy_one(client):
     # A stand-in tree with tessera-serve's shape: the root (HTTP process) starts an "engine process"
     # (core_process in its command line) that spins, and that one starts a worker of its own (with the
@@ -120,10 +127,7 @@ def test_the_server_cpu_probe_names_each_process_by_its_role_and_finds_the_busy_
     try:
         want = ["HTTP process", "engine process", "tensor-parallel worker"]
         assert sorted((tree := _tree_with_roles(client, root.pid, want)).values()) == want
-        probe = client.ServerCpu(root.pid)
-        probe.start()
-        time.sleep(1.0)
-        server = probe.stop()
+        server = _probe_for_a_second(client, root.pid)
     finally:
         for pid in tree:
             os.kill(pid, signal.SIGKILL)
@@ -148,10 +152,7 @@ def test_the_server_cpu_probe_names_a_spawned_worker_of_the_http_process_as_a_wo
     try:
         want = ["HTTP process", "HTTP process", "tensor-parallel worker"]  # the root, the resource tracker, the worker
         assert sorted((tree := _tree_with_roles(client, root.pid, want)).values()) == want
-        probe = client.ServerCpu(root.pid)
-        probe.start()
-        time.sleep(1.0)
-        server = probe.stop()
+        server = _probe_for_a_second(client, root.pid)
     finally:
         for pid in tree:
             if pid != root.pid:
