@@ -304,7 +304,7 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
 def process_tree(pid: int) -> dict[int, str]:
     """`pid` (tessera-serve's HTTP process) and its descendants, each named by its role, from its
     command line: HTTP process (the root; under --api-server-count N the launcher, and its N HTTP
-    processes, entrypoints/api_servers.py), engine process, tokenizer process, tensor-parallel worker
+    processes, entrypoints/api_server_process.py), engine process, tokenizer process, tensor-parallel worker
     (executor.py's, started by multiprocessing's spawn: children of the engine process, or of the
     HTTP process with --no-engine-process); any other process (a grammar check, multiprocessing's
     resource tracker) is named as its parent, whose helper it is."""
@@ -317,12 +317,12 @@ def process_tree(pid: int) -> dict[int, str]:
                         for c in open(f"/proc/{p}/task/{task}/children").read().split()]
         except OSError:  # gone meanwhile
             continue
-        role = ("HTTP process" if p == pid or "entrypoints.api_servers" in cmd else "engine process"
+        role = ("HTTP process" if p == pid or "entrypoints.api_server_process" in cmd else "engine process"
                 if "core_process" in cmd else "tokenizer process" if "tokenizer_process" in cmd
                 else "tensor-parallel worker" if "--multiprocessing-fork" in cmd else parent)
         tree[p] = role
         todo += [(c, role) for c in children]
-        launcher |= p != pid and "entrypoints.api_servers" in cmd
+        launcher |= p != pid and "entrypoints.api_server_process" in cmd
     if launcher:  # --api-server-count N: the root serves nothing
         tree[pid] = "launcher"
     return tree

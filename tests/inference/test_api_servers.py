@@ -52,7 +52,7 @@ def _stop(proc) -> None:
 
 
 def _api_servers(proc) -> list[psutil.Process]:
-    found = [p for p in psutil.Process(proc.pid).children() if "entrypoints.api_servers" in " ".join(p.cmdline())]
+    found = [p for p in psutil.Process(proc.pid).children() if "entrypoints.api_server_process" in " ".join(p.cmdline())]
     return sorted(found, key=lambda p: p.pid)
 
 

@@ -167,9 +167,9 @@ def test_the_server_cpu_probe_names_a_spawned_worker_of_the_http_process_as_a_wo
 def test_under_several_api_servers_the_root_is_named_the_launcher_and_each_child_an_http_process(client):
     sleeper = "import time; time.sleep(60)"
     root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
-                             f"for a in ('tessera.inference.entrypoints.api_servers', 'x.core_process'):\n"
+                             f"for a in ('tessera.inference.entrypoints.api_server_process', 'x.core_process'):\n"
                              f"    subprocess.Popen([sys.executable, '-c', {sleeper!r}, a])\n"
-                             f"subprocess.Popen([sys.executable, '-c', {sleeper!r}, 'tessera.inference.entrypoints.api_servers'])\n"
+                             f"subprocess.Popen([sys.executable, '-c', {sleeper!r}, 'tessera.inference.entrypoints.api_server_process'])\n"
                              "time.sleep(60)"])
     tree: dict[int, str] = {}
     try:

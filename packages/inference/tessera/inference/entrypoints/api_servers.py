@@ -6,7 +6,7 @@ takes less than that per token, it bounds TPOT. So the launcher (the `tessera-se
 binds the listening socket once, starts the engine process with N pipes (core_process.py routes
 each request's outputs to the pipe that added it), waits until the model is loaded (a bad
 checkpoint: its one line, exit 2, as with one process), then starts N HTTP processes (this
-module's `child_main`), each serving the inherited socket with its own `ProcessEngine` over its
+api_server_process.py), each serving the inherited socket with its own `ProcessEngine` over its
 own pipe, its own tokenizer and its own share of the metrics (engine/metrics.py, multiprocess
 mode). The kernel hands each accepted connection to one of them.
 
@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 from tessera.common.errors import UserError
@@ -75,10 +76,11 @@ class _Child:
                 pass
 
 
-def run_api_servers(args: argparse.Namespace, argv: list[str], cfg, plan, dtype, device) -> int:
-    """The launcher: engine process, N HTTP processes, and then wait for them (see the module doc)."""
+def run_api_servers(args: argparse.Namespace, argv: list[str], cfg, plan, dtype, device,
+                    startup_line: Callable[..., str]) -> int:
+    """The launcher: engine process, N HTTP processes, and then wait for them (see the module doc).
+    `startup_line`: serve_cli's (passed in: serve_cli imports this module, not the other way)."""
     from tessera.inference.engine.process_client import start_engine_process
-    from tessera.inference.entrypoints.serve_cli import startup_line
     from tessera.inference.worker.pooling.spec import PoolingSpec
 
     n = args.api_server_count
@@ -133,7 +135,7 @@ def _spawn(index: int, count: int, sock: socket.socket, conn: Connection, argv: 
     fds = [sock.fileno(), conn.fileno(), theirs.fileno()]
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}  # read when prometheus_client is imported
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "tessera.inference.entrypoints.api_servers", *map(str, fds)],
+        proc = subprocess.Popen([sys.executable, "-m", "tessera.inference.entrypoints.api_server_process", *map(str, fds)],
                                 pass_fds=fds, env=env, process_group=0)
     finally:
         theirs.close()
@@ -229,43 +231,3 @@ def _supervise(children: list[_Child], engine: subprocess.Popen, engine_fd: int,
             c.control.close()
         os.close(engine_fd)
     return failure
-
-
-def child_main(argv: list[str]) -> int:
-    """One HTTP process: `python -m tessera.inference.entrypoints.api_servers LISTEN_FD ENGINE_FD CONTROL_FD`."""
-    from tessera.inference.engine.process_client import ProcessEngine
-    from tessera.inference.entrypoints.serve_cli import build_parser, build_server, check_args, serve_app
-    from tessera.inference.worker.executor import die_with_parent
-
-    listen_fd, engine_fd, control_fd = map(int, argv)
-    control = Connection(control_fd)
-    init = json.loads(control.recv_bytes())
-    die_with_parent(int(init["launcher"]))
-    args = build_parser().parse_args(init["argv"])
-    cfg, grammar_limits = check_args(args, init["argv"])
-    info = init["info"]
-    index = int(init["index"])
-    frontend = ProcessEngine.connect(Connection(engine_fd), info, cfg.max_waiting)
-    frontend.request_id_tag = str(index)
-    app = build_server(args, frontend, grammar_limits, args.served_model_name or info["name"], api_server=index)
-
-    def listening(port: int) -> None:
-        control.send_bytes(b"listening")
-
-    serve_app(args, app, frontend, listening, sockets=[socket.socket(fileno=listen_fd)])
-    return 0
-
-
-def _child_entry(argv: list[str] | None) -> int:
-    code = child_main(sys.argv[1:])
-    # Drained and closed: skip the interpreter's teardown, a full collection of every module that took
-    # seconds here with N processes ending at once (the launcher waits for each to exit).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    from tessera.common.errors import run_cli
-
-    run_cli(_child_entry)

@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.api_server_count > 1:
         from tessera.inference.entrypoints.api_servers import run_api_servers
 
-        return run_api_servers(args, list(argv) if argv is not None else sys.argv[1:], cfg, plan, dtype, device)
+        return run_api_servers(args, list(argv) if argv is not None else sys.argv[1:], cfg, plan, dtype, device,
+                               startup_line)
     if args.no_engine_process:
         from tessera.inference.engine.frontend import AsyncEngine
         from tessera.inference.engine.llm_engine import LLMEngine
