@@ -96,7 +96,7 @@ def run_api_servers(args: argparse.Namespace, argv: list[str], cfg, plan, dtype,
         found = {sig: signal.signal(sig, stop.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             for i, conn in enumerate(conns):
-                children.append(_spawn(i, n, sock, conn, argv, info, metrics_dir))
+                children.append(_spawn(i, sock, conn, argv, info, metrics_dir))
                 conn.close()  # the child's now: its death must reach the engine as this pipe's end
             sock.close()  # the children's now: once they all stop listening, connections are refused
             if stop.stopping:  # a signal came while they started: those started after it must stop too
@@ -129,7 +129,7 @@ def run_api_servers(args: argparse.Namespace, argv: list[str], cfg, plan, dtype,
     return 0
 
 
-def _spawn(index: int, count: int, sock: socket.socket, conn: Connection, argv: list[str], info: dict,
+def _spawn(index: int, sock: socket.socket, conn: Connection, argv: list[str], info: dict,
            metrics_dir: str) -> _Child:
     ours, theirs = socket.socketpair()
     fds = [sock.fileno(), conn.fileno(), theirs.fileno()]
@@ -141,7 +141,7 @@ def _spawn(index: int, count: int, sock: socket.socket, conn: Connection, argv: 
         theirs.close()
     control = Connection(ours.detach())
     # The flags travel over the pipe, not the command line, where --api-key would show in `ps`.
-    control.send_bytes(json.dumps({"argv": argv, "info": info, "index": index, "count": count,
+    control.send_bytes(json.dumps({"argv": argv, "info": info, "index": index,
                                    "launcher": os.getpid()}).encode())
     return _Child(index, proc, control)
 
