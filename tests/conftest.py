@@ -16,7 +16,19 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 os.environ.setdefault("TESSERA_CPU_COMPILE", "0")
 
 
+# Under pytest-xdist (make test) each worker takes the next test file when it runs dry. Handing out the
+# folders of multi-process launches first (longest first) leaves the short files to even out the end.
+_HEAVY_FIRST = ("tests/parallel/", "tests/trainer/", "tests/e2e/", "tests/ckpt_convert/", "tests/inference/")
+
+
+def _heaviness(item) -> int:
+    path = item.nodeid
+    return next((i for i, folder in enumerate(_HEAVY_FIRST) if path.startswith(folder)), len(_HEAVY_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=_heaviness)  # stable: a file's tests keep their order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
@@ -25,19 +37,38 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+# Under pytest-xdist the controller's children are the workers: each worker checks its own processes
+# and hands what it found to the controller (workeroutput), which reports it and fails the run.
+_LEFT_BY_WORKERS: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _LEFT_BY_WORKERS.extend(getattr(node, "workeroutput", {}).get("left_running", []))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """No process may outlive the tests: one still running here would hang pytest's exit
     (multiprocessing's exit handler joins its daemon children, and waits forever on one that
     ignores SIGTERM). Name each, kill it, and fail the run."""
     from process_tree import descendants, describe, kill, still_running
 
-    left = still_running(descendants(), timeout=5)
-    if not left:
+    config = session.config
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller reports
+        left = still_running(descendants(), timeout=5)
+        config.workeroutput["left_running"] = [describe(p) for p in left]
+        kill(left)
         return
-    names = "\n  ".join(describe(p) for p in left)
-    kill(left)
-    session.config.get_terminal_writer().line(
-        f"\nERROR: {len(left)} process(es) started by the tests were still running at the end (killed):\n  {names}",
-        red=True, bold=True)
+    if getattr(config.option, "numprocesses", None):
+        names = list(_LEFT_BY_WORKERS)
+    else:
+        left = still_running(descendants(), timeout=5)
+        names = [describe(p) for p in left]
+        kill(left)
+    if not names:
+        return
+    config.get_terminal_writer().line(
+        f"\nERROR: {len(names)} process(es) started by the tests were still running at the end (killed):\n  "
+        + "\n  ".join(names), red=True, bold=True)
     if session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
