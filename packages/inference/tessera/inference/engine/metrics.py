@@ -35,8 +35,9 @@ multiprocess mode (each process writes its values to files in `PROMETHEUS_MULTIP
 launcher makes and sets before prometheus_client is imported there, and removes at exit), rendered
 through a `MultiProcessCollector`, which sums counters and histograms over the processes. Every
 process sees every engine step's stats, so the engine's own figures (its gauges, the preemption,
-prefix-cache, step-size and speculative-decoding counts) are kept by API server 0 alone, counted once;
-its gauges are read as the most recent value written (`multiprocess_mode="mostrecent"`).
+prefix-cache, step-size and speculative-decoding counts) are kept by API server 0 alone, counted once.
+Its gauges are written by every process and read as the most recent value written
+(`multiprocess_mode="mostrecent"`), so they stay current while process 0 drains before the others.
 """
 
 from __future__ import annotations
@@ -183,18 +184,18 @@ class ServingMetrics:
 
     def update_engine(self, stats) -> None:
         """Refresh gauges and counters from an EngineStats snapshot (after each engine step)."""
-        if not self.engine_owner:
-            return
         c = self.child
-        c(self.running).set(stats.num_running)
+        c(self.running).set(stats.num_running)  # every process: the newest write is read (mostrecent)
         c(self.waiting).set(stats.num_waiting)
         c(self.kv_usage).set(stats.kv_blocks_used / max(1, stats.kv_blocks_total))
+        c(self.prefix_hit_rate).set(stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0)
+        if not self.engine_owner:
+            return
         c(self.preemptions).inc(stats.num_preemptions - self._last_preemptions)
         self._last_preemptions = stats.num_preemptions
         c(self.prefix_queries).inc(stats.prefix_queries - self._last_queries)
         c(self.prefix_hits).inc(stats.prefix_hits - self._last_hits)
         self._last_queries, self._last_hits = stats.prefix_queries, stats.prefix_hits
-        c(self.prefix_hit_rate).set(stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0)
         if stats.step_tokens:
             c(self.iteration_tokens).observe(stats.step_tokens)
         self._update_spec(stats)
