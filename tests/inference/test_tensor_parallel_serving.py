@@ -27,7 +27,7 @@ from tessera.common.models.causal_lm.config import MoEConfig
 from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.llm_engine import LLMEngine
-from tessera.inference.worker.executor import WorkerDied
+from tessera.inference.worker.executor import TensorParallelExecutor, WorkerDied
 from tessera.inference.worker.loader import load_for_serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -97,6 +97,44 @@ def test_tp2_seeded_sampling_and_logprobs_equal_one_process(gqa_ckpt):
     lp1 = [lp.logprob for o in outs[1]["s"] for lp in o.new_logprobs]
     lp2 = [lp.logprob for o in outs[2]["s"] for lp in o.new_logprobs]
     assert lp2 == pytest.approx(lp1, abs=1e-4)
+
+
+def test_tp2_logits_come_through_the_shared_buffer_and_a_step_over_it_through_the_pipe_alike(gqa_ckpt, monkeypatch):
+    """logits_mailbox.py: decode rows land in the buffer rank 0 shares with the driver; a step with
+    more rows than it holds (a prompt's logprobs, with room for 2 x 1 rows) still goes over the pipe.
+    Both give one process's tokens and logprobs, and the buffer's file is gone once rank 0 mapped it."""
+    heads: list[dict] = []
+    recv = TensorParallelExecutor._recv
+
+    def watched(self, rank, timeout=None):
+        msg = recv(self, rank, timeout)
+        if msg.get("t") == "logits":
+            heads.append(msg)
+        return msg
+
+    monkeypatch.setattr(TensorParallelExecutor, "_recv", watched)
+    scored = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=True, logprobs=2)
+    requests = {"p": (PROMPTS["a"], scored), "g": (PROMPTS["b"], GREEDY)}
+    outs = {}
+    for tp in (1, 2):
+        engine = engine_for(gqa_ckpt, tp, max_num_seqs=2)
+        try:
+            if tp == 2:
+                mailbox = engine.runner.executor.mailbox
+                assert mailbox is not None and mailbox.numel == 2 * 512
+                assert not os.path.exists(mailbox.path)
+            outs[tp] = run_all(engine, requests)
+        finally:
+            engine.close()
+    assert {h["mailbox"] for h in heads} == {True, False}
+    assert max(h["shape"][0] for h in heads if h["mailbox"]) <= 2 < max(h["shape"][0] for h in heads)
+    for rid in requests:
+        assert token_ids(outs[2][rid]) == token_ids(outs[1][rid]), rid
+    lps = {tp: [lp.logprob for o in outs[tp]["p"] for lp in o.new_logprobs] for tp in (1, 2)}
+    assert lps[2] == pytest.approx(lps[1], abs=1e-4)
+    prompt = {tp: [lp.logprob for o in outs[tp]["p"] for lp in (o.prompt_logprobs or []) if lp is not None]
+              for tp in (1, 2)}
+    assert len(prompt[1]) == len(PROMPTS["a"]) - 1 and prompt[2] == pytest.approx(prompt[1], abs=1e-4)
 
 
 def test_tp2_with_ngram_speculation_gives_the_greedy_tokens(gqa_ckpt):

@@ -268,10 +268,13 @@ class LLMEngine:
         from tessera.inference.worker.executor import TensorParallelExecutor, TensorParallelRunner
 
         assert loaded.path is not None
+        # a decode or verify step's rows come back through the shared buffer (worker/logits_mailbox.py)
+        verify = 1 + (cfg.speculative.num_speculative_tokens if cfg.speculative is not None else 0)
         executor = TensorParallelExecutor(loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, num_blocks,
                                           cfg.block_size, device, dtype, cfg.kv_cache_dtype, graphs,
                                           serving_prep(cfg), worker_threads,
-                                          expert_parallel=cfg.enable_expert_parallel)
+                                          expert_parallel=cfg.enable_expert_parallel,
+                                          logits_rows=cfg.max_num_seqs * verify)
         return TensorParallelRunner(executor, device)
 
     @property

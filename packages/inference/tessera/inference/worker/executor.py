@@ -6,7 +6,7 @@ driver (LLMEngine: scheduler, sampler, output processor)        workers (rank 0.
   TensorParallelRunner.execute(plan)                              ModelRunner over the rank's shard
     forward: plan -> [BatchSeq] + logits rows ══ pipe, JSON ══▶  every rank: forward (all-reduces
                                                                  over gloo / NCCL between ranks)
-    logits [R, vocab] ◀════════════ raw fp32 bytes ══ rank 0 ══  gather of the vocabulary slices
+    logits [R, vocab] ◀═ shared buffer, header on the pipe ═ rank 0  gather of the vocabulary slices
     (+ pooled rows [E, d] of the step's embed requests, pooling/runner.py)
     sample / verify / pool exactly as on one device
 ```
@@ -17,7 +17,9 @@ pick tokens exactly as one device does from the same logits (tensor parallel cha
 summation order inside the all-reduces). The workers are spawned by the engine, not torchrun, and
 form their own process group (gloo on CPU, NCCL on GPU: worker r on cuda:r); the driver is not in
 it and talks to each worker over its own pipe, in JSON (never pickle) one way and raw tensor bytes
-the other. A vision-language model's step carries the pixels of the images whose tokens its
+the other; the logits rows themselves land in a buffer the driver shares with rank 0
+(logits_mailbox.py: shared memory on CPU, CUDA IPC on a GPU), which spares each step copying tens of MB
+through the pipe. A vision-language model's step carries the pixels of the images whose tokens its
 prefill chunks hold (batch.images_to_wire); every rank runs the vision tower over them. With MTP
 drafts (spec_decode/mtp.py) each rank also keeps the step's hidden rows and runs the MTP's forwards
 (`mtp` commands, logits gathered as the target's).
@@ -79,6 +81,13 @@ from tessera.inference.worker.cuda_graphs import GraphSpec
 from tessera.inference.worker.kv_cache import kv_cache_dtype
 from tessera.inference.worker.latent.mtp import worker_drafter, worker_mtp
 from tessera.inference.worker.loader import DTYPES
+from tessera.inference.worker.logits_mailbox import (
+    LogitsMailbox,
+    open_mailbox,
+    receive_rows,
+    send_gathered,
+    send_rows,
+)
 from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.pooling.encoder import encoder_runner
 from tessera.inference.worker.pooling.runner import PoolingSteps
@@ -193,7 +202,8 @@ def die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-def _worker_main(rank: int, world: int, store_path: str, init: dict, conn: Connection) -> None:
+def _worker_main(rank: int, world: int, store_path: str, init: dict, conn: Connection,
+                 mailbox: torch.Tensor | None = None) -> None:
     die_with_parent(init["driver"])
     # The driver decides when to stop: a Ctrl-C sent to the whole group must not end a worker while
     # the server drains; the driver's death still does (above). SIGTERM keeps its default: the
@@ -202,7 +212,7 @@ def _worker_main(rank: int, world: int, store_path: str, init: dict, conn: Conne
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = 0
     try:
-        code = _worker(rank, world, store_path, init, conn)
+        code = _worker(rank, world, store_path, init, conn, mailbox)
     except (EOFError, OSError):
         code = 0  # the driver went away
     except UserError as exc:
@@ -222,7 +232,8 @@ def _reply(conn: Connection, msg: dict) -> None:
         pass
 
 
-def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection) -> int:
+def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection,
+            mailbox: torch.Tensor | None) -> int:
     import datetime
 
     import torch.distributed as dist
@@ -256,6 +267,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
     if init.get("graphs"):  # every rank captures the same buckets in the same order (NCCL all-reduces included)
         runner.use_decode_graphs(GraphSpec(**init["graphs"]))
     packed = sum(isinstance(m, PackedLinear) for m in model.modules())
+    mailbox = open_mailbox(init.get("mailbox"), mailbox) if rank == 0 else None  # (logits_mailbox.py)
     _reply(conn, {"t": "ready", "numel": numel, "kv_bytes": runner.kv.nbytes, "packed": packed,
                   "state": runner.state_summary(), "pools": hasattr(runner, "forward_pooled"),
                   "threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))})
@@ -273,7 +285,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
             with torch.inference_mode():
                 rows = worker_mtp(drafter, msg, world, tp_group)
             if rows is not None and rank == 0:
-                _send_rows(conn, rows)
+                send_rows(conn, [rows], mailbox)
             continue
         if msg["t"] == "pool":
             runner.pool_mode = msg["mode"]
@@ -290,31 +302,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
                 local = runner.forward_batch(batch, msg["rows"])  # [R, vocab rows / tp]
             if msg.get("hidden") is not None:  # the sequences' hidden rows, kept for the MTP's catch-up
                 drafter.record(msg["hidden"], batch, runner)
-            _send_gathered(conn, local, rank, world, tp_group, pooled)
-
-
-def _send_gathered(conn: Connection, local: torch.Tensor, rank: int, world: int, group,
-                   pooled: torch.Tensor | None = None) -> None:
-    """Rank 0 sends the logits rows gathered over the vocabulary slices (and the pooled rows)."""
-    import torch.distributed as dist
-
-    slices = [torch.empty_like(local) for _ in range(world)] if rank == 0 else None
-    dist.gather(local.contiguous(), slices, dst=0, group=group)
-    if rank == 0:
-        assert slices is not None
-        _send_rows(conn, torch.cat(slices, dim=-1), pooled)
-
-
-def _send_rows(conn: Connection, logits: torch.Tensor, pooled: torch.Tensor | None = None) -> None:
-    logits = logits.cpu()
-    head = {"t": "logits", "shape": list(logits.shape)}
-    if pooled is not None:
-        pooled = pooled.float().cpu()
-        head["pooled"] = list(pooled.shape)
-    conn.send_bytes(json.dumps(head).encode())
-    conn.send_bytes(logits.numpy().tobytes())
-    if pooled is not None:  # one row per embed request, after the logits
-        conn.send_bytes(pooled.numpy().tobytes())
+            send_gathered(conn, local, rank, world, tp_group, pooled, mailbox)
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -326,7 +314,10 @@ class TensorParallelExecutor:
     def __init__(self, path: Path, hf: bool, cfg: ModelConfig, tp: int, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, kv_dtype_name: str = "auto",
                  graphs: GraphSpec | None = None, prep: ServingPrep | None = None,
-                 bindings: tuple[Binding, ...] | None = None, pooling: bool = False, expert_parallel: bool = False):
+                 bindings: tuple[Binding, ...] | None = None, pooling: bool = False, expert_parallel: bool = False,
+                 logits_rows: int = 0):
+        """`logits_rows`: the most logits rows a step returns through the shared buffer
+        (logits_mailbox.py; 0: none, every step's rows go over the pipe)."""
         self.tp = tp
         # Each worker's threads and CPUs; by default the driver's thread count, unbound.
         bindings = bindings or (Binding(torch.get_num_threads()),) * tp
@@ -342,13 +333,18 @@ class TensorParallelExecutor:
                 "pooling": pooling,  # an encoder: the workers pool embed requests (`pool`), no KV cache
                 "expert_parallel": expert_parallel,  # each worker holds E / tp of every MoE layer's experts
                 "driver": os.getpid()}
+        self.mailbox = None
+        if logits_rows and not pooling:
+            self.mailbox = LogitsMailbox.make(logits_rows, getattr(cfg, "vocab_rows", cfg.vocab_size), device)
+            init["mailbox"] = None if self.mailbox is None else self.mailbox.spec()
         self._closing = threading.Lock()  # the engine thread and the CLI's cleanup may both shut down
         self.conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
         try:
             for rank in range(tp):
                 ours, theirs = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=_worker_main, args=(rank, tp, store, init, theirs), daemon=True,
+                shared = self.mailbox.tensor if self.mailbox is not None and rank == 0 else None  # CUDA IPC
+                proc = ctx.Process(target=_worker_main, args=(rank, tp, store, init, theirs, shared), daemon=True,
                                    name=f"tessera-tp-worker-{rank}")
                 proc.start()
                 theirs.close()
@@ -371,6 +367,8 @@ class TensorParallelExecutor:
                 if rank == 0 and msg.get("state"):
                     self.state = f"{msg['state']} on each of {tp} ranks"
                 self.pools = bool(msg.get("pools")) if rank == 0 else self.pools
+                if rank == 0 and self.mailbox is not None:
+                    self.mailbox.unlink()  # mapped by both now: nothing to leave behind
         except BaseException:
             self.shutdown(timeout=0)  # a worker still loading never reads `stop`: killed at once
             raise
@@ -441,15 +439,7 @@ class TensorParallelExecutor:
 
     def recv_logits(self, device: torch.device, pooling: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rank 0's logits rows of the last command (and pooled rows, with `pooling`)."""
-        head = self._recv(0)
-        data = self.conns[0].recv_bytes()
-        pooled = None
-        if pooling:
-            pooled = torch.frombuffer(bytearray(self.conns[0].recv_bytes()), dtype=torch.float32).view(*head["pooled"])
-        if not data:  # no row to sample this step (a prefill chunk short of its prompt's end): [0, vocab]
-            return torch.empty(*head["shape"], device=device), pooled
-        logits = torch.frombuffer(bytearray(data), dtype=torch.float32).view(*head["shape"])
-        return logits.to(device), pooled
+        return receive_rows(self._recv(0), self.conns[0], self.mailbox, device, pooling)
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -478,6 +468,8 @@ class TensorParallelExecutor:
             for conn in self.conns:
                 conn.close()
             self.conns, self.procs = [], []
+            if self.mailbox is not None:
+                self.mailbox.unlink()
             self._store_dir.cleanup()
 
 

@@ -1,0 +1,98 @@
+"""The buffer tensor-parallel rank 0 shares with the driver for each step's logits rows
+(worker/logits_mailbox.py), from another process as rank 0 writes it: rows come back exactly,
+rows over its size are left to the pipe, a tmpfs without room is a fallback and not a crash,
+and on a GPU the same holds over CUDA IPC."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from tessera.inference.worker import logits_mailbox
+from tessera.inference.worker.logits_mailbox import LogitsMailbox, open_mailbox, put_rows
+
+CPU = torch.device("cpu")
+
+
+def _rank0(spec: dict | None, tensor: torch.Tensor | None, seed: int, rows: int, world: int, conn) -> None:
+    """What rank 0 does: vocabulary slices joined into the shared buffer; says whether they fit."""
+    buffer = open_mailbox(spec, tensor)
+    g = torch.Generator().manual_seed(seed)
+    slices = [torch.randn(rows, 8, generator=g) for _ in range(world)]
+    device = buffer.device if buffer is not None else CPU
+    written = put_rows(buffer, [s.to(device) for s in slices])
+    conn.send(written is not None)
+    conn.close()
+
+
+def _round_trip(mailbox: LogitsMailbox, rows: int, world: int = 2, seed: int = 0) -> torch.Tensor | None:
+    ours, theirs = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_rank0, args=(mailbox.spec(), mailbox.tensor, seed, rows, world,
+                                                                 theirs))
+    proc.start()
+    fitted = ours.recv()
+    proc.join(60)
+    assert proc.exitcode == 0
+    if not fitted:
+        return None
+    return mailbox.take([rows, 8 * world], mailbox.device)
+
+
+def _expected(seed: int, rows: int, world: int = 2) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.cat([torch.randn(rows, 8, generator=g) for _ in range(world)], dim=-1)
+
+
+def test_rows_written_by_another_process_come_back_exactly_and_rows_over_the_size_are_refused():
+    mailbox = LogitsMailbox(rows=4, vocab_rows=16, device=CPU)
+    try:
+        assert mailbox.path.startswith(logits_mailbox.SHM_DIR) or not os.path.isdir(logits_mailbox.SHM_DIR)
+        first = _round_trip(mailbox, rows=3, seed=1)
+        assert torch.equal(first, _expected(1, 3))
+        second = _round_trip(mailbox, rows=4, seed=2)  # the next step overwrites the buffer ...
+        assert torch.equal(first, _expected(1, 3))  # ... not the rows the driver took
+        assert torch.equal(second, _expected(2, 4))
+        buffer = open_mailbox(mailbox.spec(), None)
+        assert put_rows(buffer, [torch.ones(5, 8)] * 2) is None  # 5 x 16 > 4 x 16: over the pipe
+        assert torch.equal(mailbox.take([4, 16], CPU), second)  # and the buffer untouched
+    finally:
+        mailbox.unlink()
+    assert not os.path.exists(mailbox.path)
+    mailbox.unlink()  # twice: shutdown after a start that already unlinked it
+
+
+def test_a_shared_memory_without_room_leaves_the_rows_to_the_pipe_with_a_warning(monkeypatch, caplog):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    before = set(os.listdir(logits_mailbox.SHM_DIR)) if os.path.isdir(logits_mailbox.SHM_DIR) else set()
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with caplog.at_level("WARNING", logger="tessera.inference"):
+        assert LogitsMailbox.make(64, 1 << 20, CPU) is None
+    assert "they go over the pipe" in caplog.text and "No space left" in caplog.text
+    after = set(os.listdir(logits_mailbox.SHM_DIR)) if os.path.isdir(logits_mailbox.SHM_DIR) else set()
+    assert after == before  # the file it began is removed
+
+
+def test_the_buffer_is_capped_and_larger_steps_go_over_the_pipe(monkeypatch):
+    monkeypatch.setattr(logits_mailbox, "MAX_BYTES", 1 << 20)  # (256 MiB: 523 rows of a 128k vocabulary)
+    mailbox = LogitsMailbox(rows=4096, vocab_rows=128256, device=CPU)  # 2.1 GB asked for
+    try:
+        assert mailbox.rows == 2
+        assert os.path.getsize(mailbox.path) == mailbox.numel * 4 <= logits_mailbox.MAX_BYTES
+    finally:
+        mailbox.unlink()
+
+
+@pytest.mark.gpu
+def test_over_cuda_ipc_rank_0_writes_on_the_device_and_the_driver_reads_the_rows():
+    device = torch.device("cuda", 0)
+    mailbox = LogitsMailbox(rows=4, vocab_rows=16, device=device)
+    assert mailbox.path is None and mailbox.tensor is not None
+    got = _round_trip(mailbox, rows=3, seed=5)
+    assert got.device == device and torch.equal(got.cpu(), _expected(5, 3))
+    assert _round_trip(mailbox, rows=5, seed=6) is None
