@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import multiprocessing as mp
 import os
+import signal
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ CPU = torch.device("cpu")
 
 def _rank0(spec: dict | None, tensor: torch.Tensor | None, seed: int, rows: int, world: int, conn) -> None:
     """What rank 0 does: vocabulary slices joined into the shared buffer; says whether they fit."""
-    buffer = open_mailbox(spec, tensor)
+    buffer, unmapped = open_mailbox(spec, tensor)
+    assert unmapped is None
     g = torch.Generator().manual_seed(seed)
     slices = [torch.randn(rows, 8, generator=g) for _ in range(world)]
     device = buffer.device if buffer is not None else CPU
@@ -50,19 +52,51 @@ def _expected(seed: int, rows: int, world: int = 2) -> torch.Tensor:
 def test_rows_written_by_another_process_come_back_exactly_and_rows_over_the_size_are_refused():
     mailbox = LogitsMailbox(rows=4, vocab_rows=16, device=CPU)
     try:
-        assert mailbox.path.startswith(logits_mailbox.SHM_DIR) or not os.path.isdir(logits_mailbox.SHM_DIR)
+        target = os.readlink(mailbox.path)  # the driver's descriptor: a tmpfs file with no name left
+        assert target.endswith(" (deleted)")
+        assert target.startswith(logits_mailbox.SHM_DIR) or not os.path.isdir(logits_mailbox.SHM_DIR)
         first = _round_trip(mailbox, rows=3, seed=1)
         assert torch.equal(first, _expected(1, 3))
         second = _round_trip(mailbox, rows=4, seed=2)  # the next step overwrites the buffer ...
         assert torch.equal(first, _expected(1, 3))  # ... not the rows the driver took
         assert torch.equal(second, _expected(2, 4))
-        buffer = open_mailbox(mailbox.spec(), None)
+        buffer, _ = open_mailbox(mailbox.spec(), None)
         assert put_rows(buffer, [torch.ones(5, 8)] * 2) is None  # 5 x 16 > 4 x 16: over the pipe
         assert torch.equal(mailbox.take([4, 16], CPU), second)  # and the buffer untouched
     finally:
-        mailbox.unlink()
-    assert not os.path.exists(mailbox.path)
-    mailbox.unlink()  # twice: shutdown after a start that already unlinked it
+        mailbox.release()
+    buffer[:3] = 9  # released: the file goes with its last mapping, which both still share until then
+    assert mailbox.path is None and torch.equal(mailbox.take([1, 3], CPU), torch.full((1, 3), 9.0))
+    mailbox.release()  # twice: shutdown after a start that already released it
+
+
+def _make_and_wait(shm_dir: str, conn) -> None:
+    """A driver that makes the buffer, then is killed before any rank 0 reports ready."""
+    logits_mailbox.SHM_DIR = shm_dir
+    mailbox = LogitsMailbox(rows=4, vocab_rows=16, device=CPU)
+    conn.send(mailbox.spec())
+    conn.recv()  # never comes: SIGKILL
+
+
+def test_a_driver_killed_before_rank_0_is_ready_leaves_no_file_behind(tmp_path):
+    """The file has no name from the start (rank 0 opens it through the driver's descriptor): a driver
+    killed while the workers load (minutes) would otherwise leave it in /dev/shm until a reboot."""
+    ours, theirs = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_make_and_wait, args=(str(tmp_path), theirs))
+    proc.start()
+    spec = ours.recv()
+    buffer, unmapped = open_mailbox(spec, None)  # rank 0 maps it while the driver lives
+    assert unmapped is None and buffer.numel() == 4 * 16
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(60)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rank_0_that_cannot_open_the_file_says_why_instead_of_failing_the_start(tmp_path):
+    buffer, unmapped = open_mailbox({"path": str(tmp_path / "gone"), "numel": 64, "vocab_rows": 16}, None)
+    assert buffer is None and unmapped and "\n" not in unmapped
+    assert list(tmp_path.iterdir()) == []  # not made afresh (a buffer the driver would never read)
+    assert open_mailbox(None, None) == (None, None)  # no buffer asked for: nothing to say
 
 
 def test_a_shared_memory_without_room_leaves_the_rows_to_the_pipe_with_a_warning(monkeypatch, caplog):
@@ -85,7 +119,7 @@ def test_the_buffer_is_capped_and_larger_steps_go_over_the_pipe(monkeypatch):
         assert mailbox.rows == 2
         assert os.path.getsize(mailbox.path) == mailbox.numel * 4 <= logits_mailbox.MAX_BYTES
     finally:
-        mailbox.unlink()
+        mailbox.release()
 
 
 @pytest.mark.gpu

@@ -29,6 +29,7 @@ from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.llm_engine import LLMEngine
 from tessera.inference.worker.executor import TensorParallelExecutor, WorkerDied
 from tessera.inference.worker.loader import load_for_serving
+from tessera.inference.worker.logits_mailbox import LogitsMailbox
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -102,7 +103,7 @@ def test_tp2_seeded_sampling_and_logprobs_equal_one_process(gqa_ckpt):
 def test_tp2_logits_come_through_the_shared_buffer_and_a_step_over_it_through_the_pipe_alike(gqa_ckpt, monkeypatch):
     """logits_mailbox.py: decode rows land in the buffer rank 0 shares with the driver; a step with
     more rows than it holds (a prompt's logprobs, with room for 2 x 1 rows) still goes over the pipe.
-    Both give one process's tokens and logprobs, and the buffer's file is gone once rank 0 mapped it."""
+    Both give one process's tokens and logprobs, and the driver lets go of the file once rank 0 mapped it."""
     heads: list[dict] = []
     recv = TensorParallelExecutor._recv
 
@@ -122,7 +123,7 @@ def test_tp2_logits_come_through_the_shared_buffer_and_a_step_over_it_through_th
             if tp == 2:
                 mailbox = engine.runner.executor.mailbox
                 assert mailbox is not None and mailbox.numel == 2 * 512
-                assert not os.path.exists(mailbox.path)
+                assert mailbox.path is None  # released once rank 0 mapped it
             outs[tp] = run_all(engine, requests)
         finally:
             engine.close()
@@ -135,6 +136,37 @@ def test_tp2_logits_come_through_the_shared_buffer_and_a_step_over_it_through_th
     prompt = {tp: [lp.logprob for o in outs[tp]["p"] for lp in (o.prompt_logprobs or []) if lp is not None]
               for tp in (1, 2)}
     assert len(prompt[1]) == len(PROMPTS["a"]) - 1 and prompt[2] == pytest.approx(prompt[1], abs=1e-4)
+
+
+def test_tp2_a_rank_0_that_cannot_map_the_shared_buffer_leaves_the_rows_to_the_pipe(gqa_ckpt, tmp_path,
+                                                                                    monkeypatch, caplog):
+    """logits_mailbox.open_mailbox: a rank 0 that cannot open the driver's file (here a path that does
+    not exist; a locked-down /proc in life) says why in its ready message; the driver warns, drops the
+    buffer, and every step's rows come over the pipe: the start does not fail, the tokens are one process's."""
+    heads: list[dict] = []
+    recv = TensorParallelExecutor._recv
+
+    def watched(self, rank, timeout=None):
+        msg = recv(self, rank, timeout)
+        if msg.get("t") == "logits":
+            heads.append(msg)
+        return msg
+
+    monkeypatch.setattr(TensorParallelExecutor, "_recv", watched)
+    monkeypatch.setattr(LogitsMailbox, "spec", lambda self: {"path": str(tmp_path / "gone"), "numel": self.numel,
+                                                             "vocab_rows": self.vocab_rows})
+    requests = {"a": (PROMPTS["a"], GREEDY)}
+    with caplog.at_level("WARNING", logger="tessera.inference"):
+        engine = engine_for(gqa_ckpt, 2, max_num_seqs=2)
+    try:
+        assert engine.runner.executor.mailbox is None
+        got = {rid: token_ids(o) for rid, o in run_all(engine, requests).items()}
+    finally:
+        engine.close()
+    assert "rank 0 cannot map the shared buffer" in caplog.text and "FileNotFoundError" in caplog.text
+    assert heads and not any(h["mailbox"] for h in heads)
+    assert not (tmp_path / "gone").exists()  # rank 0 made no file of its own
+    assert got == generate(gqa_ckpt, 1, requests)
 
 
 def test_tp2_with_ngram_speculation_gives_the_greedy_tokens(gqa_ckpt):

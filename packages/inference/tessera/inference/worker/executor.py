@@ -267,8 +267,8 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
     if init.get("graphs"):  # every rank captures the same buckets in the same order (NCCL all-reduces included)
         runner.use_decode_graphs(GraphSpec(**init["graphs"]))
     packed = sum(isinstance(m, PackedLinear) for m in model.modules())
-    mailbox = open_mailbox(init.get("mailbox"), mailbox) if rank == 0 else None  # (logits_mailbox.py)
-    _reply(conn, {"t": "ready", "numel": numel, "kv_bytes": runner.kv.nbytes, "packed": packed,
+    mailbox, unmapped = open_mailbox(init.get("mailbox"), mailbox) if rank == 0 else (None, None)  # (logits_mailbox.py)
+    _reply(conn, {"t": "ready", "numel": numel, "kv_bytes": runner.kv.nbytes, "packed": packed, "unmapped": unmapped,
                   "state": runner.state_summary(), "pools": hasattr(runner, "forward_pooled"),
                   "threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))})
     tp_group = groups.tp_group
@@ -368,7 +368,11 @@ class TensorParallelExecutor:
                     self.state = f"{msg['state']} on each of {tp} ranks"
                 self.pools = bool(msg.get("pools")) if rank == 0 else self.pools
                 if rank == 0 and self.mailbox is not None:
-                    self.mailbox.unlink()  # mapped by both now: nothing to leave behind
+                    self.mailbox.release()  # mapped by both now (or never by rank 0)
+                    if msg.get("unmapped"):
+                        log.warning("tensor parallel: rank 0 cannot map the shared buffer of logits rows (%s); "
+                                    "they go over the pipe", msg["unmapped"])
+                        self.mailbox = None
         except BaseException:
             self.shutdown(timeout=0)  # a worker still loading never reads `stop`: killed at once
             raise
@@ -469,7 +473,7 @@ class TensorParallelExecutor:
                 conn.close()
             self.conns, self.procs = [], []
             if self.mailbox is not None:
-                self.mailbox.unlink()
+                self.mailbox.release()
             self._store_dir.cleanup()
 
 

@@ -7,8 +7,11 @@ its device: milliseconds per step, more than a decode step of the model on a GPU
 share one float32 buffer instead, and the pipe carries only the header:
 
 - CPU: a file in /dev/shm that both map (`torch.from_file(shared=True)`), reserved whole when made
-  (`posix_fallocate`), so a full tmpfs is a start-up fallback to the pipe, never a SIGBUS mid-step;
-  unlinked once rank 0 has mapped it, so nothing is left behind.
+  (`posix_fallocate`), so a full tmpfs is a start-up fallback to the pipe, never a SIGBUS mid-step.
+  Its name is removed as soon as it is made: rank 0 opens it through the driver's descriptor
+  (/proc/<driver>/fd/<fd>), which the driver closes once rank 0 has mapped it. A name kept until
+  then would outlive a driver killed (SIGKILL, the OOM killer) while the workers load, as tmpfs
+  memory nothing frees. A rank 0 that cannot open it (a locked-down /proc) leaves the rows to the pipe.
 - CUDA: a tensor on the driver's device handed to rank 0 over CUDA IPC (torch.multiprocessing's
   reductions, in the spawn arguments only: the pipes stay JSON). Rank 0 writes into it on its device
   and synchronizes before it sends the header; the driver clones the rows and synchronizes before
@@ -43,7 +46,8 @@ class LogitsMailbox:
         rows = max(1, min(rows, MAX_BYTES // (4 * vocab_rows)))
         self.rows, self.vocab_rows, self.device = rows, vocab_rows, device
         self.numel = rows * vocab_rows
-        self.path: str | None = None
+        self.path: str | None = None  # CPU: where rank 0 opens the file, until `release`
+        self._fd: int | None = None
         self.tensor: torch.Tensor | None = None  # CUDA: shared with rank 0 over CUDA IPC
         if device.type == "cuda":
             from torch import multiprocessing  # noqa: F401 - registers the CUDA IPC reductions spawn uses
@@ -51,15 +55,16 @@ class LogitsMailbox:
             self.tensor = torch.empty(self.numel, dtype=torch.float32, device=device)
             self.buffer = self.tensor
             return
-        fd, self.path = tempfile.mkstemp(prefix="tessera-logits-", dir=SHM_DIR if os.path.isdir(SHM_DIR) else None)
+        fd, name = tempfile.mkstemp(prefix="tessera-logits-", dir=SHM_DIR if os.path.isdir(SHM_DIR) else None)
         try:
+            os.unlink(name)  # nameless from the start: nothing to leave behind, however the driver ends
             os.posix_fallocate(fd, 0, self.numel * 4)
-        except OSError:
+            self.path = f"/proc/{os.getpid()}/fd/{fd}"
+            self.buffer = torch.from_file(self.path, shared=True, size=self.numel, dtype=torch.float32)
+        except BaseException:
             os.close(fd)
-            self.unlink()
             raise
-        os.close(fd)
-        self.buffer = torch.from_file(self.path, shared=True, size=self.numel, dtype=torch.float32)
+        self._fd = fd
 
     @classmethod
     def make(cls, rows: int, vocab_rows: int, device: torch.device) -> LogitsMailbox | None:
@@ -75,13 +80,11 @@ class LogitsMailbox:
         """What rank 0's init message carries (JSON): the CPU file's path and size."""
         return {"path": self.path, "numel": self.numel, "vocab_rows": self.vocab_rows}
 
-    def unlink(self) -> None:
-        """Remove the CPU file (the mappings stay): once rank 0 has mapped it, and at shutdown."""
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+    def release(self) -> None:
+        """Close the CPU file's descriptor (the mappings stay): once rank 0 has mapped it, and at shutdown."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd, self.path = None, None
 
     def take(self, shape: list[int], device: torch.device) -> torch.Tensor:
         """The rows rank 0 has just written, copied out (the buffer is rank 0's again at the next command)."""
@@ -92,13 +95,20 @@ class LogitsMailbox:
         return out
 
 
-def open_mailbox(spec: dict | None, tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """Rank 0's side: the shared buffer (flat float32), from the init message or the spawn arguments."""
+def open_mailbox(spec: dict | None, tensor: torch.Tensor | None) -> tuple[torch.Tensor | None, str | None]:
+    """Rank 0's side: the shared buffer (flat float32), from the init message or the spawn arguments,
+    and None or why the file could not be mapped (the driver then warns and uses the pipe)."""
     if tensor is not None:
-        return tensor
+        return tensor, None
     if spec is None or spec.get("path") is None:
-        return None
-    return torch.from_file(spec["path"], shared=True, size=spec["numel"], dtype=torch.float32)
+        return None, None
+    try:
+        # from_file(shared=True) would make a missing file afresh, one the driver never reads: check first
+        if (size := os.path.getsize(spec["path"])) != spec["numel"] * 4:
+            raise OSError(f"{spec['path']} holds {size} bytes, not {spec['numel'] * 4}")
+        return torch.from_file(spec["path"], shared=True, size=spec["numel"], dtype=torch.float32), None
+    except (OSError, RuntimeError) as exc:
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
 def put_rows(buffer: torch.Tensor | None, slices: list[torch.Tensor]) -> torch.Tensor | None:
