@@ -6,6 +6,7 @@ and on a GPU the same holds over CUDA IPC."""
 from __future__ import annotations
 
 import errno
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -97,6 +98,33 @@ def test_a_rank_0_that_cannot_open_the_file_says_why_instead_of_failing_the_star
     assert buffer is None and unmapped and "\n" not in unmapped
     assert list(tmp_path.iterdir()) == []  # not made afresh (a buffer the driver would never read)
     assert open_mailbox(None, None) == (None, None)  # no buffer asked for: nothing to say
+
+
+def test_the_frames_read_are_the_ones_the_header_announces():
+    """send_rows / receive_rows over a pipe: logits in the buffer or in a frame, pooled rows after them.
+    A reply unlike the command (pooled rows nobody asked for, as the MTP's rows once came with the
+    buffer passed as `pooled`) raises with the pipe still in step: the next header reads as one."""
+    ours, theirs = mp.get_context("spawn").Pipe()
+    mailbox = LogitsMailbox(rows=2, vocab_rows=8, device=CPU)
+    try:
+        buffer, _ = open_mailbox(mailbox.spec(), None)
+        rows, pooled = torch.arange(16.0).view(2, 8), torch.full((1, 3), 0.5)
+        wide = torch.arange(24.0).view(3, 8)  # over the buffer: a frame of its own
+        for logits, fits in ((rows, True), (wide, False)):
+            logits_mailbox.send_rows(theirs, [logits[:, :4], logits[:, 4:]], pooled=pooled, mailbox=buffer)
+            head = json.loads(ours.recv_bytes())
+            assert head["mailbox"] is fits
+            got, got_pooled = logits_mailbox.receive_rows(head, ours, mailbox, CPU, pooling=True)
+            assert torch.equal(got, logits) and torch.equal(got_pooled, pooled)
+        logits_mailbox.send_rows(theirs, [rows], pooled=pooled, mailbox=buffer)
+        theirs.send_bytes(b'{"t": "next"}')
+        with pytest.raises(RuntimeError, match="with pooled rows"):
+            logits_mailbox.receive_rows(json.loads(ours.recv_bytes()), ours, mailbox, CPU, pooling=False)
+        assert json.loads(ours.recv_bytes()) == {"t": "next"}
+        with pytest.raises(TypeError):  # the buffer cannot be passed where the pooled rows go
+            logits_mailbox.send_rows(theirs, [rows], pooled, buffer)
+    finally:
+        mailbox.release()
 
 
 def test_a_shared_memory_without_room_leaves_the_rows_to_the_pipe_with_a_warning(monkeypatch, caplog):

@@ -285,7 +285,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
             with torch.inference_mode():
                 rows = worker_mtp(drafter, msg, world, tp_group)
             if rows is not None and rank == 0:
-                send_rows(conn, [rows], mailbox)
+                send_rows(conn, [rows], mailbox=mailbox)
             continue
         if msg["t"] == "pool":
             runner.pool_mode = msg["mode"]
@@ -302,7 +302,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
                 local = runner.forward_batch(batch, msg["rows"])  # [R, vocab rows / tp]
             if msg.get("hidden") is not None:  # the sequences' hidden rows, kept for the MTP's catch-up
                 drafter.record(msg["hidden"], batch, runner)
-            send_gathered(conn, local, rank, world, tp_group, pooled, mailbox)
+            send_gathered(conn, local, rank, world, tp_group, pooled=pooled, mailbox=mailbox)
 
 
 # ---- the driver ------------------------------------------------------------------------------

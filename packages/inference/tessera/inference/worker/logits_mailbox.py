@@ -126,7 +126,7 @@ def put_rows(buffer: torch.Tensor | None, slices: list[torch.Tensor]) -> torch.T
     return out
 
 
-def send_gathered(conn: Connection, local: torch.Tensor, rank: int, world: int, group,
+def send_gathered(conn: Connection, local: torch.Tensor, rank: int, world: int, group, *,
                   pooled: torch.Tensor | None = None, mailbox: torch.Tensor | None = None) -> None:
     """Every rank: its vocabulary slice of the rows to rank 0, which returns them (`send_rows`)."""
     import torch.distributed as dist
@@ -135,13 +135,14 @@ def send_gathered(conn: Connection, local: torch.Tensor, rank: int, world: int, 
     dist.gather(local.contiguous(), slices, dst=0, group=group)
     if rank == 0:
         assert slices is not None
-        send_rows(conn, slices, pooled, mailbox)
+        send_rows(conn, slices, pooled=pooled, mailbox=mailbox)
 
 
-def send_rows(conn: Connection, slices: list[torch.Tensor], pooled: torch.Tensor | None = None,
+def send_rows(conn: Connection, slices: list[torch.Tensor], *, pooled: torch.Tensor | None = None,
               mailbox: torch.Tensor | None = None) -> None:
     """Rank 0: the logits rows (their vocabulary slices, joined here) into the shared buffer, or where
-    they do not fit it, as raw fp32 bytes after the JSON header; then the pooled rows [E, d], if any."""
+    they do not fit it, as raw fp32 bytes after the JSON header; then the pooled rows [E, d], if any.
+    Keyword-only: both are tensors, and the buffer passed as `pooled` went over the pipe unasked."""
     written = put_rows(mailbox, slices)
     logits = written if written is not None else torch.cat(slices, dim=-1).cpu()
     head = {"t": "logits", "shape": list(logits.shape), "mailbox": written is not None}
@@ -157,11 +158,15 @@ def send_rows(conn: Connection, slices: list[torch.Tensor], pooled: torch.Tensor
 
 def receive_rows(head: dict, conn: Connection, mailbox: LogitsMailbox | None, device: torch.device,
                  pooling: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The driver: the rows `head` (rank 0's header, read) announces, and the pooled rows with `pooling`."""
+    """The driver: the rows `head` (rank 0's header, read) announces, and the pooled rows with `pooling`.
+    The frames read are the ones the header announces, so a reply unlike the command's raises here
+    with the pipe still in step (a frame left unread would be taken for the next header)."""
     data = b"" if head.get("mailbox") else conn.recv_bytes()
     pooled = None
-    if pooling:
+    if head.get("pooled") is not None:
         pooled = torch.frombuffer(bytearray(conn.recv_bytes()), dtype=torch.float32).view(*head["pooled"])
+    if pooling != (pooled is not None):
+        raise RuntimeError(f"tensor-parallel rank 0 replied {'without' if pooling else 'with'} pooled rows")
     if head.get("mailbox"):
         assert mailbox is not None
         return mailbox.take(head["shape"], device), pooled
