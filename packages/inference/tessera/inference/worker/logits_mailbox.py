@@ -12,13 +12,15 @@ share one float32 buffer instead, and the pipe carries only the header:
   (/proc/<driver>/fd/<fd>), which the driver closes once rank 0 has mapped it. A name kept until
   then would outlive a driver killed (SIGKILL, the OOM killer) while the workers load, as tmpfs
   memory nothing frees. A rank 0 that cannot open it (a locked-down /proc) leaves the rows to the pipe.
-- CUDA: a tensor on the driver's device handed to rank 0 over CUDA IPC (torch.multiprocessing's
-  reductions, in the spawn arguments only: the pipes stay JSON). Rank 0 writes into it on its device
+- CUDA: a tensor on the driver's device (cuda:0, rank 0's: loader.check_tensor_parallel refuses
+  another) handed to rank 0 over CUDA IPC (torch.multiprocessing's reductions, in the spawn
+  arguments only: the pipes stay JSON). Rank 0 writes into it on its device
   and synchronizes before it sends the header; the driver clones the rows and synchronizes before
   its next command, so rank 0 never overwrites rows the driver still reads.
 
 Rank 0 writes `torch.cat(slices, out=rows)` straight into the buffer. A step with more rows than the
-buffer holds (prompt logprobs over a long prompt) still goes over the pipe: the header says which.
+buffer holds (prompt logprobs over a long prompt) still goes over the pipe: the header says which, and
+which frames follow it (the rows, if not in the buffer; then the pooled rows of embed requests).
 The buffer holds `max_num_seqs x (1 + speculative tokens)` rows, every decode and verify step's, up
 to MAX_BYTES (523 rows of a 128k vocabulary): memory the KV pool does not know of, on rank 0's GPU.
 """
