@@ -4,6 +4,7 @@ chat, Megatron PUT /api, metrics, auth, limits and errors, and cancellation mid-
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -245,14 +246,41 @@ def test_api_key_and_queue_full(tiny_ckpt):
         auth = {"Authorization": f"Bearer {API_KEY}"}
         ok = httpx.post(url, json={"prompt": "a", "max_tokens": 2}, headers=auth, timeout=30)
         assert ok.status_code == 200
-        # One running + one waiting fill the server; the next request is refused with 429.
+        # One running + one waiting fill the server (max_num_seqs=1, max_waiting=1); the next request is
+        # refused with 429. The engine is held after the running one's first step until the refusal, so
+        # the three meet in the server however loaded the machine is (four racing posts once all ran
+        # one after another on a loaded CI machine).
         import concurrent.futures as cf
 
+        step, first, free, held = s.engine.step, threading.Semaphore(1), threading.Event(), threading.Event()
+
+        def held_step():
+            if not free.is_set() and not first.acquire(blocking=False):  # the first step runs ...
+                held.set()  # ... the next waits until freed
+                assert first.acquire(timeout=120)
+            return step()
+
+        s.engine.step = held_step
         long = {"prompt": "a", "max_tokens": 60, "ignore_eos": True}
-        with cf.ThreadPoolExecutor(4) as pool:
-            futs = [pool.submit(httpx.post, url, json=long, headers=auth, timeout=60) for _ in range(4)]
-            codes = sorted(f.result().status_code for f in futs)
-        assert 429 in codes and 200 in codes
+        try:
+            with httpx.stream("POST", url, json={**long, "stream": True}, headers=auth, timeout=60) as running:
+                lines = running.iter_lines()
+                assert held.wait(60)  # it runs (its first step done; its first chunk may hold no text yet)
+                with cf.ThreadPoolExecutor(1) as pool:
+                    waiting = pool.submit(httpx.post, url, json=long, headers=auth, timeout=60)
+                    deadline = time.monotonic() + 60
+                    while s.async_engine._num_waiting() < 1 and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    refused = httpx.post(url, json=long, headers=auth, timeout=30)
+                    assert refused.status_code == 429, refused.text
+                    assert "already waiting" in refused.text
+                    free.set()
+                    first.release()
+                    assert waiting.result().status_code == 200
+                assert "data: [DONE]" in list(lines)
+        finally:
+            free.set()
+            first.release()
         assert s.wait_idle()
     finally:
         s.stop()
