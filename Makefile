@@ -14,8 +14,9 @@ PACKAGES := -e packages/common -e kernels -e packages/data_prep -e packages/trai
 STAMP := $(VENV)/.tessera-installed
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist), one per core up to 4; each test file stays on one worker
-# (--dist loadfile) so module fixtures are built once, in tests/conftest.py's order (the long
-# multi-process folders first). PYTEST_WORKERS=0 runs in this process.
+# (--dist loadfile) so module fixtures are built once; files with the most tests go first (xdist's
+# default: handing out the multi-process folders first made both workers run process groups at
+# once and took longer). PYTEST_WORKERS=0 runs in this process.
 PYTEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))" 2>/dev/null || echo 2)
 
 .PHONY: setup test lint lint-imports demo bench clean
@@ -41,7 +42,7 @@ TRITON_ENV := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo TRITON_INTER
 test: $(STAMP)
 	@$(MAKE) --no-print-directory lint-imports
 	$(TRITON_ENV) $(VENV)/bin/pytest -q -p no:cacheprovider --timeout=600 --durations=30 \
-		-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+		-n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint-imports: $(STAMP)
 	@$(VENV)/bin/lint-imports --no-cache

@@ -16,19 +16,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 os.environ.setdefault("TESSERA_CPU_COMPILE", "0")
 
 
-# Under pytest-xdist (make test) each worker takes the next test file when it runs dry. Handing out the
-# folders of multi-process launches first (longest first) leaves the short files to even out the end.
-_HEAVY_FIRST = ("tests/parallel/", "tests/trainer/", "tests/e2e/", "tests/ckpt_convert/", "tests/inference/")
-
-
-def _heaviness(item) -> int:
-    path = item.nodeid
-    return next((i for i, folder in enumerate(_HEAVY_FIRST) if path.startswith(folder)), len(_HEAVY_FIRST))
-
-
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=_heaviness)  # stable: a file's tests keep their order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

@@ -100,10 +100,10 @@ def test_tp2_seeded_sampling_and_logprobs_equal_one_process(gqa_ckpt):
     assert lp2 == pytest.approx(lp1, abs=1e-4)
 
 
-def test_tp2_logits_come_through_the_shared_buffer_and_a_step_over_it_through_the_pipe_alike(gqa_ckpt, monkeypatch):
-    """logits_mailbox.py: decode rows land in the buffer rank 0 shares with the driver; a step with
-    more rows than it holds (a prompt's logprobs, with room for 2 x 1 rows) still goes over the pipe.
-    Both give one process's tokens and logprobs, and the driver lets go of the file once rank 0 mapped it."""
+@pytest.fixture
+def logits_heads(monkeypatch) -> list[dict]:
+    """The header of every logits reply the driver reads (logits_mailbox.send_rows): shape, and whether
+    the rows came through the shared buffer."""
     heads: list[dict] = []
     recv = TensorParallelExecutor._recv
 
@@ -114,6 +114,13 @@ def test_tp2_logits_come_through_the_shared_buffer_and_a_step_over_it_through_th
         return msg
 
     monkeypatch.setattr(TensorParallelExecutor, "_recv", watched)
+    return heads
+
+
+def test_tp2_logits_come_through_the_shared_buffer_and_a_step_over_it_through_the_pipe_alike(gqa_ckpt, logits_heads):
+    """logits_mailbox.py: decode rows land in the buffer rank 0 shares with the driver; a step with
+    more rows than it holds (a prompt's logprobs, with room for 2 x 1 rows) still goes over the pipe.
+    Both give one process's tokens and logprobs, and the driver lets go of the file once rank 0 mapped it."""
     scored = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=True, logprobs=2)
     requests = {"p": (PROMPTS["a"], scored), "g": (PROMPTS["b"], GREEDY)}
     outs = {}
@@ -127,8 +134,8 @@ def test_tp2_logits_come_through_the_shared_buffer_and_a_step_over_it_through_th
             outs[tp] = run_all(engine, requests)
         finally:
             engine.close()
-    assert {h["mailbox"] for h in heads} == {True, False}
-    assert max(h["shape"][0] for h in heads if h["mailbox"]) <= 2 < max(h["shape"][0] for h in heads)
+    assert {h["mailbox"] for h in logits_heads} == {True, False}
+    assert max(h["shape"][0] for h in logits_heads if h["mailbox"]) <= 2 < max(h["shape"][0] for h in logits_heads)
     for rid in requests:
         assert token_ids(outs[2][rid]) == token_ids(outs[1][rid]), rid
     lps = {tp: [lp.logprob for o in outs[tp]["p"] for lp in o.new_logprobs] for tp in (1, 2)}
@@ -138,21 +145,11 @@ def test_tp2_logits_come_through_the_shared_buffer_and_a_step_over_it_through_th
     assert len(prompt[1]) == len(PROMPTS["a"]) - 1 and prompt[2] == pytest.approx(prompt[1], abs=1e-4)
 
 
-def test_tp2_a_rank_0_that_cannot_map_the_shared_buffer_leaves_the_rows_to_the_pipe(gqa_ckpt, tmp_path,
+def test_tp2_a_rank_0_that_cannot_map_the_shared_buffer_leaves_the_rows_to_the_pipe(gqa_ckpt, tmp_path, logits_heads,
                                                                                     monkeypatch, caplog):
     """logits_mailbox.open_mailbox: a rank 0 that cannot open the driver's file (here a path that does
     not exist; a locked-down /proc in life) says why in its ready message; the driver warns, drops the
     buffer, and every step's rows come over the pipe: the start does not fail, the tokens are one process's."""
-    heads: list[dict] = []
-    recv = TensorParallelExecutor._recv
-
-    def watched(self, rank, timeout=None):
-        msg = recv(self, rank, timeout)
-        if msg.get("t") == "logits":
-            heads.append(msg)
-        return msg
-
-    monkeypatch.setattr(TensorParallelExecutor, "_recv", watched)
     monkeypatch.setattr(LogitsMailbox, "spec", lambda self: {"path": str(tmp_path / "gone"), "numel": self.numel,
                                                              "vocab_rows": self.vocab_rows})
     requests = {"a": (PROMPTS["a"], GREEDY)}
@@ -164,7 +161,7 @@ def test_tp2_a_rank_0_that_cannot_map_the_shared_buffer_leaves_the_rows_to_the_p
     finally:
         engine.close()
     assert "rank 0 cannot map the shared buffer" in caplog.text and "FileNotFoundError" in caplog.text
-    assert heads and not any(h["mailbox"] for h in heads)
+    assert logits_heads and not any(h["mailbox"] for h in logits_heads)
     assert not (tmp_path / "gone").exists()  # rank 0 made no file of its own
     assert got == generate(gqa_ckpt, 1, requests)
 
