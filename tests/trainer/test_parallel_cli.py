@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -173,7 +174,10 @@ def test_sigterm_to_torchrun_saves_and_workers_exit_cleanly(data_dir):
     step = read_pointer(run / "checkpoints")
     assert step is not None and step >= 1, out[-3000:]
     assert f"received SIGTERM: saved at step {step}, exiting" in out
-    assert "exitcode" not in out  # no worker failed (torchrun lists failed workers' exit codes)
+    # No worker failed: torchrun's failure summary lists each failed worker as `exitcode  : N (pid: P)`.
+    # (The bare word can appear in a traceback of torchrun's own signal handling, whose source line
+    # reads `exitcode = handler.proc.poll()`: that says nothing about the workers.)
+    assert not re.search(r"exitcode\s+:\s+-?\d", out), out[-3000:]
     assert max(records(run, "train")) == step
 
 
