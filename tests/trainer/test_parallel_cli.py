@@ -226,6 +226,28 @@ def test_a_layout_that_cannot_work_is_refused_by_the_cli_in_one_line_before_any_
     assert not (data_dir / name).exists()
 
 
+def test_a_rank_refuses_a_bad_layout_before_it_joins_the_group_so_it_never_waits_for_its_peers(data_dir):
+    """Rank 0 of a 2-rank job alone (torchrun's environment, no peer will come): it checks the config
+    before it joins the process group, so it exits 2 with its one line at once. Joining first, it would
+    wait for rank 1 until the group's timeout; under torchrun a peer still connecting failed with
+    gloo's traceback when the first rank to check exited (seen under the parallel suite)."""
+    import socket
+
+    with socket.socket() as s:  # a port for the store rank 0 would host (never reached when it checks first)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**ENV, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    proc = subprocess.run([str(BIN / "tessera-train"), "--config", str(write(data_dir, "lone")), "--quiet",
+                           "--data-shard", "4"], cwd=data_dir, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        line for line in proc.stderr.strip().splitlines() if "--data-shard 4 must divide the data-parallel size (2" in line]
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (data_dir / "lone").exists()
+
+
 def test_flags_override_the_parallel_section(data_dir, capsys):
     """`--tensor-parallel 2` in one process is refused with the layout line (exit 2), naming the flag's value."""
     from tessera.common.errors import run_cli

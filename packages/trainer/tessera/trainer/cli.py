@@ -78,17 +78,26 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(TrainConfig, args.config, overrides)  # a non-UTF-8 file is a UserError (read_yaml)
 
     # Heavy imports after argument validation keeps `--help` and bad-usage errors fast.
-    from tessera.trainer.components.distributed import finish_runtime, init_runtime, shutdown_runtime
+    from tessera.trainer.components.distributed import (
+        finish_runtime,
+        init_runtime,
+        select_device,
+        shutdown_runtime,
+    )
     from tessera.trainer.inputs import check_inputs
     from tessera.trainer.trainer import Trainer
 
-    runtime = init_runtime(cfg.training.device)
     # torchrun --max-restarts re-runs this same command after a rank died: the restarted attempt
     # continues from the newest checkpoint (Megatron and torchtitan resume the same way).
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     resume = args.resume or restart > 0
+    # Every rank checks the config before it joins the process group (torchrun's WORLD_SIZE): a refused
+    # one exits with its one line before any peer connects, instead of leaving a peer that was still
+    # connecting to fail with gloo's traceback (or to wait for it until the group's timeout).
+    select_device(cfg.training.device)  # first: a CUDA check must not open a context on GPU 0 per rank
+    inputs = check_inputs(cfg, int(os.environ.get("WORLD_SIZE", "1")), resume=resume)
+    runtime = init_runtime(cfg.training.device)
     try:
-        inputs = check_inputs(cfg, runtime.world_size, resume=resume)
         if restart and runtime.is_main:
             print(f"torchrun restart {restart}: resuming from "
                   f"{inputs.resume_from or 'step 0 (no checkpoint yet)'}", flush=True)

@@ -39,14 +39,20 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def select_device(requested_device: str) -> torch.device:
+    """This process's device (torchrun's LOCAL_RANK-th GPU), made current: before anything touches CUDA."""
+    device = pick_device(requested_device, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
 def init_runtime(requested_device: str) -> Runtime:
     """Join the torchrun process group when launched by torchrun; otherwise a single process."""
     if "WORLD_SIZE" not in os.environ:
         return Runtime(0, 1, 0, pick_device(requested_device, 0))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(requested_device, local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = select_device(requested_device)
     if not dist.is_initialized():
         join_torchrun_job("nccl" if device.type == "cuda" else "gloo")
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device)
