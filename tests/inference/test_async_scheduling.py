@@ -72,19 +72,22 @@ def _run(ckpt, overlap: bool, num_kv_blocks: int, abort_after: int | None = None
         max_tokens = 4 if kind in LATE else 12 + 4 * (i % 5)  # a late one holds the overlap back while it runs
         engine.add_request(f"r{i}", prompt, SamplingParams(**{"max_tokens": max_tokens, **kind}))
     steps = aborted_at = 0
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs[o.request_id].append((o.new_token_ids, o.new_text, o.finished, o.finish_reason, o.num_output_tokens,
-                                       [(lp.token_id, lp.logprob, *lp.top) for lp in o.new_logprobs]))
-        steps += 1
-        # Overlapped: the first step from `abort_after` on that leaves a row of r4 in flight.
-        if (abort_after is not None and steps >= abort_after and "r4" in engine.requests
-                and (not overlap or engine._inflight is not None
-                     and any(s.seq.request_id == "r4" for s in engine._inflight.plan.scheduled))):
-            assert engine.abort("r4")
-            abort_after = None
-            aborted_at = steps
-    assert engine.blocks.num_used == 0  # every block came back, the aborted request's included
+    try:
+        while engine.has_unfinished():
+            for o in engine.step():
+                outs[o.request_id].append((o.new_token_ids, o.new_text, o.finished, o.finish_reason, o.num_output_tokens,
+                                           [(lp.token_id, lp.logprob, *lp.top) for lp in o.new_logprobs]))
+            steps += 1
+            # Overlapped: the first step from `abort_after` on that leaves a row of r4 in flight.
+            if (abort_after is not None and steps >= abort_after and "r4" in engine.requests
+                    and (not overlap or engine._inflight is not None
+                         and any(s.seq.request_id == "r4" for s in engine._inflight.plan.scheduled))):
+                assert engine.abort("r4")
+                abort_after = None
+                aborted_at = steps
+        assert engine.blocks.num_used == 0  # every block came back, the aborted request's included
+    finally:
+        engine.close()  # tensor-parallel workers (nothing on one device)
     return outs, launched, engine.scheduler.num_preemptions, aborted_at, steps
 
 

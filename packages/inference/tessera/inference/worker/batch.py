@@ -200,6 +200,30 @@ def batch_seqs(plan: SchedulerOutput) -> list[BatchSeq]:
     return out
 
 
+@dataclass
+class DecodeUpdate:
+    """What one steady decode step changes in a `DecodeBatch` (`plan_update`), which `apply` turns
+    into the step's inputs: all a tensor-parallel worker is sent for such a step (`to_wire`), a few
+    ints per sequence instead of its whole block table (vLLM v1 sends its workers a diff of the
+    scheduler's output for the same reason)."""
+
+    tokens: list[int]  # each row's input: its sequence's newest token
+    starts: list[int]  # each row's position
+    fresh: list[int]  # the rows entering a new block at this position
+    fresh_blocks: list[int]  # their new table entries
+    # None: the same rows as the last step, each one position on (the tables stay). Else per row the
+    # last step's row it moves from, or -1 for a row written whole from `whole` (in order).
+    src: list[int] | None = None
+    whole: list[list[int]] = field(default_factory=list)
+
+    def to_wire(self) -> list:
+        return [self.tokens, self.starts, self.fresh, self.fresh_blocks, self.src, self.whole]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> DecodeUpdate:
+        return cls(*wire)
+
+
 class DecodeBatch:
     """The inputs of steady decode steps (`SchedulerOutput.single_token`: each sequence computes its
     newest token alone), kept across steps as vLLM v1's persistent input batch keeps them: one row
@@ -210,7 +234,11 @@ class DecodeBatch:
     its sequence is new to the batch or did not advance by exactly one (a failed step, a step between
     that was not a decode step). Any other plan (prefills, drafts) goes through `prepare` and empties
     the batch; so does a preemption (`SchedulerOutput.epoch`): a sequence's table changes only then
-    or there."""
+    or there.
+
+    Two halves: `plan_update` (which rows stay, what they need: from the plan and the rows of the
+    last step) and `apply` (the tables and the step's tensors). One device calls both (`inputs`);
+    under tensor parallel the driver plans the update and each worker applies it to its own copy."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
@@ -226,62 +254,81 @@ class DecodeBatch:
     def inputs(self, plan: SchedulerOutput, split: bool) -> StepInputs:
         """The step's inputs on the host (every row's logits: each samples); `split`: with the CPU
         decode grouping."""
+        return self.apply(self.plan_update(plan), split)
+
+    def plan_update(self, plan: SchedulerOutput) -> DecodeUpdate:
+        """The step's change to the batch; from here on the batch's rows are the plan's."""
         sched = plan.scheduled
-        n, bs = len(sched), self.block_size
+        bs = self.block_size
         seqs = [s.seq for s in sched]
         starts = [s.start for s in sched]
+        steady = (plan.epoch == self.epoch and len(seqs) == len(self.seqs) and starts == self.next_start
+                  and all(map(operator.is_, seqs, self.seqs)))
+        src, whole = None, []
+        if not steady:
+            # A row kept from the last step (same sequence, one position on, no preemption since)
+            # moves by one gather; any other is written whole from its block table.
+            kept = {id(seq): (r, p) for r, (seq, p) in enumerate(zip(self.seqs, self.next_start))} \
+                if plan.epoch == self.epoch else {}
+            src = []
+            for i, (seq, p) in enumerate(zip(seqs, starts)):
+                r, expected = kept.get(id(seq), (-1, -1))
+                if expected == p and self.seqs[r] is seq:
+                    src.append(r)
+                else:
+                    src.append(-1)
+                    whole.append(sched[i].block_table)
+        # One position on, a row needs a new table entry only where it enters a new block.
+        fresh = [i for i, p in enumerate(starts) if p % bs == 0]
+        self.seqs, self.epoch = seqs, plan.epoch
+        self.next_start = [p + 1 for p in starts]
+        return DecodeUpdate([(s.output_ids or s.prompt_ids)[-1] for s in seqs], starts, fresh,
+                            [sched[i].block_table[starts[i] // bs] for i in fresh], src, whole)
+
+    def apply(self, update: DecodeUpdate, split: bool) -> StepInputs:
+        """The step's inputs on the host, the tables brought up to `update`."""
+        starts, fresh = update.starts, update.fresh
+        n, bs = len(starts), self.block_size
         blocks_needed = max(starts) // bs + 1
         rows, cols = self.tables.shape
         if blocks_needed > cols or n > rows:
             grown = np.zeros((max(n, rows), max(blocks_needed, 2 * cols)), dtype=np.int32)
             grown[:rows, :cols] = self.tables
             self.tables = grown
-        steady = (plan.epoch == self.epoch and len(seqs) == len(self.seqs) and starts == self.next_start
-                  and all(map(operator.is_, seqs, self.seqs)))
-        if not steady:
-            self._rebuild(plan, seqs, starts)
-        # One position on, a row needs a new table entry only where it enters a new block.
-        fresh = [i for i, p in enumerate(starts) if p % bs == 0]
+        if update.src is not None:
+            self._rebuild(update.src, update.whole)
         if fresh:
-            self.tables[fresh, [starts[i] // bs for i in fresh]] = [sched[i].block_table[starts[i] // bs] for i in fresh]
-        self.seqs, self.epoch = seqs, plan.epoch
-        self.next_start = lens = [p + 1 for p in starts]
-        ids = torch.tensor([[(s.output_ids or s.prompt_ids)[-1] for s in seqs], starts,
-                            [s.block_table[p // bs] * bs + p % bs for s, p in zip(sched, starts)]], dtype=torch.long)
+            self.tables[fresh, [starts[i] // bs for i in fresh]] = update.fresh_blocks
+        pos = np.array(starts, dtype=np.int64)
+        slots = self.tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+        ids = torch.tensor([update.tokens, starts], dtype=torch.long)
+        lens = [p + 1 for p in starts]
         inputs = StepInputs(
-            tokens=ids[0:1], positions=ids[1:2], slot_mapping=ids[2],
+            tokens=ids[0:1], positions=ids[1:2], slot_mapping=torch.from_numpy(slots),
             block_tables=torch.from_numpy(np.ascontiguousarray(self.tables[:n, :blocks_needed])),
             seq_lens=torch.tensor(lens, dtype=torch.int32), query_start_loc=torch.arange(n + 1, dtype=torch.int32),
             logits_rows=None)
         if not split:
             self.split = None  # not advanced this step: rebuilt when next asked for
-        elif steady and self.split is not None:
+        elif update.src is None and self.split is not None:
             inputs.split = self.split.step(fresh, self.tables)
         else:
             self.split = SteadySplit(lens, self.tables, bs)
             inputs.split = self.split.split
         return inputs
 
-    def _rebuild(self, plan: SchedulerOutput, seqs: list, starts: list[int]) -> None:
-        """Rows in the plan's order: a row kept from the last step (same sequence, one position on,
-        no preemption since) moves by one gather; any other is written whole from its block table."""
-        kept = {id(seq): (r, p) for r, (seq, p) in enumerate(zip(self.seqs, self.next_start))} \
-            if plan.epoch == self.epoch else {}
-        src, whole = [], []
-        for i, (seq, p) in enumerate(zip(seqs, starts)):
-            r, expected = kept.get(id(seq), (-1, -1))
-            if expected == p and self.seqs[r] is seq:
-                src.append(r)
-            else:
-                src.append(0)
-                whole.append(i)
-        tables = self.tables[src]
+    def _rebuild(self, src: list[int], whole: list[list[int]]) -> None:
+        """Rows in the update's order: row i moves from the last step's row src[i], or (-1) is written
+        from the next of `whole`."""
+        tables = self.tables[[max(r, 0) for r in src]]
         width = tables.shape[1]
-        for i in whole:
-            row = plan.scheduled[i].block_table[:width]
-            tables[i, :len(row)] = row
-            tables[i, len(row):] = 0
-        self.tables[:len(seqs)] = tables
+        rows = iter(whole)
+        for i, r in enumerate(src):
+            if r < 0:
+                row = next(rows)[:width]
+                tables[i, :len(row)] = row
+                tables[i, len(row):] = 0
+        self.tables[:len(src)] = tables
 
 
 def _chunk_images(s: ScheduledSequence) -> tuple[ImageInput, ...]:

@@ -74,7 +74,14 @@ from tessera.common.layers.rope import reset_rotary_tables
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.sample.sampler import Sampler
-from tessera.inference.worker.batch import BatchSeq, batch_seqs, images_to_wire, with_wire_images
+from tessera.inference.worker.batch import (
+    BatchSeq,
+    DecodeUpdate,
+    ModelRunnerOutput,
+    batch_seqs,
+    images_to_wire,
+    with_wire_images,
+)
 from tessera.inference.worker.cpu_linear import PackedLinear
 from tessera.inference.worker.cpu_threads import Binding, apply_binding
 from tessera.inference.worker.cuda_graphs import GraphSpec
@@ -270,6 +277,7 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
     mailbox, unmapped = open_mailbox(init.get("mailbox"), mailbox) if rank == 0 else (None, None)  # (logits_mailbox.py)
     _reply(conn, {"t": "ready", "numel": numel, "kv_bytes": runner.kv.nbytes, "packed": packed, "unmapped": unmapped,
                   "state": runner.state_summary(), "pools": hasattr(runner, "forward_pooled"),
+                  "decode_batch": not init.get("pooling") and type(runner).keeps_decode_batch(),
                   "threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))})
     tp_group = groups.tp_group
     drafter = None  # the MTP's drafter over this shard (speculative method mtp: spec_decode/mtp.py)
@@ -292,6 +300,11 @@ def _worker(rank: int, world: int, store_path: str, init: dict, conn: Connection
             vectors = runner.pool_inputs([(rid, ids) for rid, ids in msg["inputs"]])
             if rank == 0:
                 _reply(conn, {"t": "pooled", "vectors": vectors})
+            continue
+        if msg["t"] == "decode":  # a steady decode step: the driver's update to this rank's persistent batch
+            with torch.inference_mode():
+                local = runner.decode_logits(DecodeUpdate.from_wire(msg["u"]))
+            send_gathered(conn, local, rank, world, tp_group, mailbox=mailbox)
             continue
         batch = with_wire_images([BatchSeq(*s) for s in msg["seqs"]], msg.get("images"))
         pooling, pooled = msg.get("pooling"), None  # embed requests' (mode, spans): pooling/runner.py
@@ -319,6 +332,7 @@ class TensorParallelExecutor:
         """`logits_rows`: the most logits rows a step returns through the shared buffer
         (logits_mailbox.py; 0: none, every step's rows go over the pipe)."""
         self.tp = tp
+        self.block_size = block_size
         # Each worker's threads and CPUs; by default the driver's thread count, unbound.
         bindings = bindings or (Binding(torch.get_num_threads()),) * tp
         ctx = mp.get_context("spawn")  # fork would copy the driver's threads and CUDA state
@@ -356,6 +370,9 @@ class TensorParallelExecutor:
             self.bindings: list[Binding] = []  # each worker's torch threads and CPUs, as it reports them
             self.state: str | None = None  # rank 0's per-sequence state pool (hybrid models), in words
             self.pools = False  # the workers' runner pools embed requests in a step (pooling/runner.py)
+            # The workers' runner keeps a persistent decode batch (batch.DecodeBatch): steady decode
+            # steps are sent as the update to it (`forward_decode`).
+            self.decode_batch = False
             for rank in range(tp):
                 msg = self._recv(rank, READY_TIMEOUT_S)
                 if msg.get("t") != "ready":
@@ -367,6 +384,7 @@ class TensorParallelExecutor:
                 if rank == 0 and msg.get("state"):
                     self.state = f"{msg['state']} on each of {tp} ranks"
                 self.pools = bool(msg.get("pools")) if rank == 0 else self.pools
+                self.decode_batch = bool(msg.get("decode_batch")) if rank == 0 else self.decode_batch
                 if rank == 0 and self.mailbox is not None:
                     self.mailbox.release()  # mapped by both now (or never by rank 0)
                     if msg.get("unmapped"):
@@ -441,6 +459,11 @@ class TensorParallelExecutor:
                                "hidden": hidden}).encode())
         return self.recv_logits(device, pooling is not None)
 
+    def forward_decode(self, update: DecodeUpdate, device: torch.device) -> torch.Tensor:
+        """A steady decode step's logits rows, the workers sent only its update to their batches."""
+        self._send(json.dumps({"t": "decode", "u": update.to_wire()}).encode())
+        return self.recv_logits(device)[0]
+
     def recv_logits(self, device: torch.device, pooling: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rank 0's logits rows of the last command (and pooled rows, with `pooling`)."""
         return receive_rows(self._recv(0), self.conns[0], self.mailbox, device, pooling)
@@ -485,6 +508,7 @@ class TensorParallelRunner(PoolingSteps, ModelRunner):
     def __init__(self, executor: TensorParallelExecutor, device: torch.device):  # noqa: D107 - no super(): no model
         self.executor = executor
         self.device = device
+        self.block_size = executor.block_size
         self.sampler = Sampler()
 
     @property
@@ -494,6 +518,19 @@ class TensorParallelRunner(PoolingSteps, ModelRunner):
     # Set by the MTP proposer (spec_decode/mtp.py): request id -> (start, rows) of the last step,
     # whose hidden rows the workers keep.
     step_rows: dict[str, tuple[int, int]] | None = None
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """A steady decode step goes as an update to the workers' persistent batches (unless the
+        MTP keeps hidden rows, which its `step` command carries); any other as its sequences."""
+        if plan.single_token and self.executor.decode_batch and self.step_rows is None:
+            return self._execute_single_token(plan)
+        return super().execute(plan)
+
+    def decode_logits(self, update: DecodeUpdate, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        # A step that fails on its way leaves the workers' batches behind the driver's: harmless, as
+        # a row is kept only when its sequence advanced by one, i.e. when the step before it ran.
+        assert tokens is None, "no async scheduling under tensor parallel"
+        return self.executor.forward_decode(update, self.device)
 
     def forward(self, plan: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
         hidden = None

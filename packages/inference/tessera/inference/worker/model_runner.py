@@ -32,6 +32,7 @@ from tessera.inference.worker.batch import (
     SAMPLING_FAILED,
     BatchSeq,
     DecodeBatch,
+    DecodeUpdate,
     LaunchedStep,
     ModelRunnerOutput,
     StepInputs,
@@ -283,10 +284,17 @@ class ModelRunner:
         `tokens` [rows] on the device replace the sequences' newest tokens (async scheduling)."""
         if self.decode_batch is None:
             self.decode_batch = DecodeBatch(self.block_size)
+        return self.decode_logits(self.decode_batch.plan_update(plan), tokens)
+
+    def decode_logits(self, update: DecodeUpdate, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """`_single_token_logits` from the step's update to the persistent batch (a tensor-parallel
+        worker gets it from the driver, which plans it: this rank's vocabulary slice then)."""
+        if self.decode_batch is None:
+            self.decode_batch = DecodeBatch(self.block_size)
         graphs, size = self.decode_graphs, None
         if graphs is not None:
-            size = graphs.step_bucket(len(plan.scheduled), max(s.start for s in plan.scheduled) // self.block_size + 1)
-        step = self.decode_batch.inputs(plan, split=self.batch_decodes and size is None)
+            size = graphs.step_bucket(len(update.starts), max(update.starts) // self.block_size + 1)
+        step = self.decode_batch.apply(update, split=self.batch_decodes and size is None)
         if tokens is not None:
             step.tokens = tokens.view(1, -1)
         if size is not None:

@@ -1,0 +1,88 @@
+"""Tensor-parallel serving with the persistent decode batch (batch.DecodeBatch, executor.py): the
+driver plans each steady decode step's update to the batch and sends only that; every worker keeps
+its copy of the batch's block tables and applies it. Whatever the steps do (sequences joining and
+leaving, crossing blocks, preemption, an abort), every request's output is one process's, and a
+steady step's frame carries no block table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_async_scheduling import _run, _same
+
+from tessera.inference.worker.executor import TensorParallelExecutor
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+@pytest.fixture
+def frames(monkeypatch) -> list[dict]:
+    """Every step command the driver sends the workers (decoded)."""
+    sent: list[dict] = []
+    send = TensorParallelExecutor._send
+
+    def watched(self, frame: bytes):
+        msg = json.loads(frame)
+        if msg["t"] in ("decode", "step"):
+            sent.append(msg)
+        return send(self, frame)
+
+    monkeypatch.setattr(TensorParallelExecutor, "_send", watched)
+    return sent
+
+
+@pytest.mark.parametrize("num_kv_blocks", [200, 24], ids=["roomy", "preempting"])
+def test_tp2_decode_steps_sent_as_updates_give_every_request_one_process_output(tiny_ckpt, frames, num_kv_blocks):
+    """The async-scheduling workload (test_async_scheduling._run, synchronous here): 14 requests of
+    mixed sampling, prompts in chunks beside decodes, blocks of 4 tokens, r4 aborted mid-way; with 24
+    blocks some sequences are preempted and readmitted with other block tables."""
+    outs, _, preemptions, aborted, _ = _run(tiny_ckpt, False, num_kv_blocks, abort_after=9, tensor_parallel=2)
+    reference, _, ref_preemptions, ref_aborted, _ = _run(tiny_ckpt, False, num_kv_blocks, abort_after=9)
+    _same(outs, reference)
+    assert (preemptions, aborted) == (ref_preemptions, ref_aborted)
+    assert (preemptions > 0) == (num_kv_blocks == 24)
+    updates = [json.loads(json.dumps(m["u"])) for m in frames if m["t"] == "decode"]
+    tokens, starts, fresh, fresh_blocks, src, whole = zip(*updates)
+    steady = [i for i, s in enumerate(src) if s is None]
+    moved = [i for i, s in enumerate(src) if s is not None and any(r >= 0 and r != j for j, r in enumerate(s))]
+    rebuilt = [i for i, s in enumerate(src) if s is not None and set(s) == {-1}]
+    assert steady and moved and rebuilt, "steady steps; kept rows moving up when one left; rows written whole"
+    assert all(not whole[i] for i in steady)  # a steady step sends no block table
+    assert all(len(whole[i]) == src[i].count(-1) for i in range(len(updates)) if src[i] is not None)
+    assert any(fresh[i] for i in steady)  # a row entered a new block: its one new entry went
+    assert all(len(fresh[i]) == len(fresh_blocks[i]) for i in range(len(updates)))
+    assert any(m["t"] == "step" for m in frames)  # prefill chunks still go as their sequences
+
+
+def test_tp2_a_decode_step_that_fails_on_its_way_is_retried_and_the_workers_batches_catch_up(tiny_ckpt, frames,
+                                                                                                monkeypatch):
+    """A decode step whose send fails before any worker got it (once): the engine retries each request
+    alone, as for any failed step, and the workers' batches, one step behind the driver's plan, catch up:
+    a row is kept only when its sequence advanced by one, which a failed step never does."""
+    from inference_helpers import make_engine, run_all, token_ids
+
+    from tessera.inference.core.sampling_params import SamplingParams
+
+    forward_decode = TensorParallelExecutor.forward_decode
+    calls = []
+
+    def flaky(self, update, device):
+        calls.append(len(update.starts))
+        if len(calls) == 3:
+            raise RuntimeError("injected: the frame never left")
+        return forward_decode(self, update, device)
+
+    monkeypatch.setattr(TensorParallelExecutor, "forward_decode", flaky)
+    greedy = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    requests = {"a": ([4, 9, 200, 31, 77], greedy), "b": ([17, 300, 2], greedy), "c": ([5] * 11, greedy)}
+    outs = {}
+    for tp in (2, 1):
+        engine = make_engine(tiny_ckpt, tensor_parallel=tp, block_size=4, num_kv_blocks=64, enforce_eager=True)
+        try:
+            outs[tp] = {rid: token_ids(o) for rid, o in run_all(engine, requests).items()}
+        finally:
+            engine.close()
+    assert outs[2] == outs[1]
+    assert calls[2] == 3 and calls[3:6] == [1, 1, 1]  # the failed step, then each request alone
+    assert frames[-1]["t"] == "decode"
