@@ -1,5 +1,5 @@
 """Tensor-parallel decode with each step's logits rows returned through the buffer rank 0 shares
-with the driver (worker/logits_mailbox.py) against the same engine returning them over the pipe as
+with the driver (worker/tensor_parallel/logits_mailbox.py) against the same engine returning them over the pipe as
 raw bytes (the path before it, still taken by a step whose rows exceed the buffer): same weights,
 prompts and workers' threads; the engines alternate which runs first each round and must give the
 same tokens (engine_race.py).
@@ -49,9 +49,9 @@ def main() -> int:
     from tessera.common.models.causal_lm.config import ModelConfig
     from tessera.inference.config import EngineConfig
     from tessera.inference.engine.llm_engine import LLMEngine
-    from tessera.inference.worker import logits_mailbox
     from tessera.inference.worker.cpu_threads import Binding
     from tessera.inference.worker.loader import load_for_serving
+    from tessera.inference.worker.tensor_parallel import logits_mailbox
 
     root = Path(tempfile.mkdtemp(prefix="tessera-tp-logits-")) / "run"
     heads = max(2, args.tensor_parallel)

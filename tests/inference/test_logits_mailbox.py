@@ -1,5 +1,5 @@
 """The buffer tensor-parallel rank 0 shares with the driver for each step's logits rows
-(worker/logits_mailbox.py), from another process as rank 0 writes it: rows come back exactly,
+(worker/tensor_parallel/logits_mailbox.py), from another process as rank 0 writes it: rows come back exactly,
 rows over its size are left to the pipe, a tmpfs without room is a fallback and not a crash,
 and on a GPU the same holds over CUDA IPC."""
 
@@ -14,8 +14,8 @@ import signal
 import pytest
 import torch
 
-from tessera.inference.worker import logits_mailbox
-from tessera.inference.worker.logits_mailbox import LogitsMailbox, open_mailbox, put_rows
+from tessera.inference.worker.tensor_parallel import logits_mailbox
+from tessera.inference.worker.tensor_parallel.logits_mailbox import LogitsMailbox, open_mailbox, put_rows
 
 CPU = torch.device("cpu")
 

@@ -27,9 +27,9 @@ from tessera.common.models.causal_lm.config import MoEConfig
 from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.llm_engine import LLMEngine
-from tessera.inference.worker.executor import TensorParallelExecutor, WorkerDied
 from tessera.inference.worker.loader import load_for_serving
-from tessera.inference.worker.logits_mailbox import LogitsMailbox
+from tessera.inference.worker.tensor_parallel.executor import TensorParallelExecutor, WorkerDied
+from tessera.inference.worker.tensor_parallel.logits_mailbox import LogitsMailbox
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

@@ -11,7 +11,7 @@ import json
 import pytest
 from test_async_scheduling import _run, _same
 
-from tessera.inference.worker.executor import TensorParallelExecutor
+from tessera.inference.worker.tensor_parallel.executor import TensorParallelExecutor
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

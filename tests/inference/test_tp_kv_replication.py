@@ -16,9 +16,9 @@ from tessera.common.errors import UserError
 from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.llm_engine import LLMEngine
-from tessera.inference.worker.executor import replicated_kv_config
 from tessera.inference.worker.kv_cache import kv_block_bytes
 from tessera.inference.worker.loader import check_tensor_parallel, load_for_serving
+from tessera.inference.worker.tensor_parallel.worker import replicated_kv_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

@@ -36,7 +36,7 @@ from tessera.common.errors import UserError
 from tessera.inference.engine.gc_heap import freeze_heap
 from tessera.inference.engine.wire import decode, encode, output_to_wire, stats_to_wire
 from tessera.inference.worker.cpu_threads import measure
-from tessera.inference.worker.executor import die_with_parent
+from tessera.inference.worker.tensor_parallel.worker import die_with_parent
 
 log = logging.getLogger("tessera.inference")
 

@@ -42,7 +42,6 @@ from tessera.inference.worker.cuda_graphs import (
     decode_graph_mode,
     default_capture_sizes,
 )
-from tessera.inference.worker.executor import WorkerDied
 from tessera.inference.worker.kinds import serving_kind
 from tessera.inference.worker.kv_cache import kv_cache_dtype
 from tessera.inference.worker.loader import LoadedModel, check_expert_parallel
@@ -50,6 +49,7 @@ from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.multimodal.info import vision_info
 from tessera.inference.worker.pooling.runner import check_pooling, embed_problem, embedding_spec
 from tessera.inference.worker.prepare import ServingPrep, serving_runner
+from tessera.inference.worker.tensor_parallel.executor import WorkerDied
 
 __all__ = ["EngineStats", "LLMEngine", "RequestOutput", "RequestRejected", "validate_request"]
 COMPUTE_FAILED = "internal error while computing this request"
@@ -247,8 +247,8 @@ class LLMEngine:
         kind = serving_kind(loaded.config)
         if not kind.generates:  # an encoder: no KV pool, no compiled stack (worker/pooling/encoder.py)
             if cfg.tensor_parallel > 1:  # the workers hold the shards and pool
-                from tessera.inference.worker.executor import TensorParallelExecutor
                 from tessera.inference.worker.pooling.encoder import TensorParallelEncoderRunner
+                from tessera.inference.worker.tensor_parallel.executor import TensorParallelExecutor
 
                 assert loaded.path is not None
                 return TensorParallelEncoderRunner(TensorParallelExecutor(
@@ -265,10 +265,11 @@ class LLMEngine:
             if graphs is not None:
                 runner.use_decode_graphs(graphs)
             return runner
-        from tessera.inference.worker.executor import TensorParallelExecutor, TensorParallelRunner
+        from tessera.inference.worker.tensor_parallel.executor import TensorParallelExecutor
+        from tessera.inference.worker.tensor_parallel.runner import TensorParallelRunner
 
         assert loaded.path is not None
-        # a decode or verify step's rows come back through the shared buffer (worker/logits_mailbox.py)
+        # a decode or verify step's rows come back through the shared buffer (worker/tensor_parallel/logits_mailbox.py)
         verify = 1 + (cfg.speculative.num_speculative_tokens if cfg.speculative is not None else 0)
         executor = TensorParallelExecutor(loaded.path, loaded.hf, loaded.config, cfg.tensor_parallel, num_blocks,
                                           cfg.block_size, device, dtype, cfg.kv_cache_dtype, graphs,

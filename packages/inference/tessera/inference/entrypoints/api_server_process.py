@@ -17,7 +17,7 @@ def child_main(argv: list[str]) -> int:
     """One HTTP process (see the module doc); `argv`: LISTEN_FD ENGINE_FD CONTROL_FD."""
     from tessera.inference.engine.process_client import ProcessEngine
     from tessera.inference.entrypoints.serve_cli import build_parser, build_server, check_args, serve_app
-    from tessera.inference.worker.executor import die_with_parent
+    from tessera.inference.worker.tensor_parallel.worker import die_with_parent
 
     listen_fd, engine_fd, control_fd = map(int, argv)
     control = Connection(control_fd)

@@ -6,7 +6,7 @@ pool, and `EncoderRunner` runs each step's sequences as one padded batch through
 bidirectional forward (padding masked, as transformers' BertModel takes it), then pools each.
 
 Under `--tensor-parallel N` the driver's `TensorParallelEncoderRunner` sends each step's inputs
-(request id, token ids) to the N workers of worker/executor.py; each runs an `EncoderRunner` over
+(request id, token ids) to the N workers of worker/tensor_parallel/executor.py; each runs an `EncoderRunner` over
 its shard (heads, MLP width and vocabulary split by the encoder's parallel plan, the row layers'
 all-reduces between them, so every rank holds the whole hidden states), and rank 0 sends the
 pooled vectors back.
@@ -137,7 +137,7 @@ def encoder_problem(tp: int, cfg) -> str | None:
 
 
 class TensorParallelEncoderRunner(EncoderRunner):
-    """The driver's encoder runner under --tensor-parallel: the workers (worker/executor.py) hold
+    """The driver's encoder runner under --tensor-parallel: the workers (worker/tensor_parallel/executor.py) hold
     the shards and pool; it holds no weights."""
 
     def __init__(self, executor, device: torch.device):  # noqa: D107 - no super(): no model

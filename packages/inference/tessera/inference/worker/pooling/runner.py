@@ -6,7 +6,7 @@ generation and embed requests side by side in one packed batch; the final-normed
 the embed requests' rows are pooled (last-token, mean or CLS). The vector goes back raw; the server
 truncates (Matryoshka `dimensions`) and normalizes it, as the model's modules declare (spec.py).
 
-Under tensor parallel (`PoolingSteps`, worker/executor.py) the driver sends the embed requests'
+Under tensor parallel (`PoolingSteps`, worker/tensor_parallel/executor.py) the driver sends the embed requests'
 row spans with the step; each worker's DecoderRunner pools them from the hidden states every rank
 holds whole after the final norm, and rank 0 sends back only the pooled rows [E, d] beside the
 logits, so the pipe carries one row per embed request, never a sequence's hidden states.

@@ -1,4 +1,4 @@
-"""How tensor-parallel rank 0 returns each step's logits rows to the driver (worker/executor.py).
+"""How tensor-parallel rank 0 returns each step's logits rows to the driver (executor.py).
 
 The driver samples, so every step it needs the gathered logits [R, vocab]: at 64 sequences and a
 128k vocabulary that is 33 MB of fp32. Sent as bytes over the pipe they cost a device-to-host copy
