@@ -64,9 +64,11 @@ class LiveServer:
         return False
 
 
-def streamed_with_and_without_async_scheduling(ckpt, bodies: list[dict]) -> dict[bool, list[tuple[str, str]]]:
+def streamed_with_and_without_async_scheduling(ckpt, bodies: list[dict], **engine_cfg
+                                               ) -> dict[bool, list[tuple[str, str]]]:
     """Each of `bodies` streamed at once through the `openai` client from a live server with and
-    without --async-scheduling (keyed by the flag): per body, its text and finish reason."""
+    without --async-scheduling (keyed by the flag): per body, its text and finish reason.
+    `engine_cfg`: more of the engine's settings (tensor_parallel)."""
     import concurrent.futures as cf
 
     from openai import OpenAI
@@ -84,7 +86,7 @@ def streamed_with_and_without_async_scheduling(ckpt, bodies: list[dict]) -> dict
     got = {}
     for overlap in (True, False):
         server = LiveServer(ckpt, block_size=4, num_kv_blocks=200, max_num_seqs=8, enforce_eager=True,
-                            async_scheduling=overlap)
+                            async_scheduling=overlap, **engine_cfg)
         try:
             got[overlap] = texts(server)
             assert server.wait_idle()

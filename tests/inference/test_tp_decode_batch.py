@@ -1,8 +1,9 @@
-"""Tensor-parallel serving with the persistent decode batch (batch.DecodeBatch, executor.py): the
-driver plans each steady decode step's update to the batch and sends only that; every worker keeps
-its copy of the batch's block tables and applies it. Whatever the steps do (sequences joining and
-leaving, crossing blocks, preemption, an abort), every request's output is one process's, and a
-steady step's frame carries no block table."""
+"""Tensor-parallel decode steps (worker/tensor_parallel/): with the persistent decode batch
+(batch.DecodeBatch) the driver plans each steady decode step's update to the batch and sends only
+that; every worker keeps its copy of the batch's block tables and applies it. With async scheduling
+(runner.PendingStep) each step is sent with the tokens of the one before while the driver applies
+that one. Whatever the steps do (sequences joining and leaving, crossing blocks, preemption, an
+abort), every request's output is one process's; a steady step's frame carries no block table."""
 
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ def frames(monkeypatch) -> list[dict]:
     sent: list[dict] = []
     send = TensorParallelExecutor._send
 
-    def watched(self, frame: bytes):
+    def watched(self, frame: bytes, reply: bool = False):
         msg = json.loads(frame)
         if msg["t"] in ("decode", "step"):
             sent.append(msg)
-        return send(self, frame)
+        return send(self, frame, reply)
 
     monkeypatch.setattr(TensorParallelExecutor, "_send", watched)
     return sent
@@ -86,3 +87,61 @@ def test_tp2_a_decode_step_that_fails_on_its_way_is_retried_and_the_workers_batc
     assert outs[2] == outs[1]
     assert calls[2] == 3 and calls[3:6] == [1, 1, 1]  # the failed step, then each request alone
     assert frames[-1]["t"] == "decode"
+
+
+# ---- async scheduling under tensor parallel (runner.PendingStep) --------------------------------
+
+@pytest.mark.parametrize("num_kv_blocks", [200, 24], ids=["roomy", "preempting"])
+def test_tp2_overlapped_steps_give_every_request_the_output_of_one_process_synchronous_steps(tiny_ckpt,
+                                                                                             num_kv_blocks):
+    """Launched under TP2 (each step sent with the tokens of the one before, sampled on the driver)
+    against one process stepping synchronously: the same outputs, seeded sampling, stops, penalties,
+    logprobs and preemption included."""
+    outs, launched, preemptions, _, steps = _run(tiny_ckpt, True, num_kv_blocks, tensor_parallel=2)
+    reference, _, ref_preemptions, _, _ = _run(tiny_ckpt, False, num_kv_blocks)
+    _same(outs, reference)
+    assert (preemptions > 0) == (ref_preemptions > 0) == (num_kv_blocks == 24)
+    assert len(launched) > steps / 2
+    # Steps mixing decode rows fed from the step before with prompt chunks went too.
+    assert any({j is None for *_, j in plan} == {True, False} for plan in launched)
+
+
+def test_tp2_the_driver_applies_a_step_while_the_workers_run_the_next(tiny_ckpt, monkeypatch):
+    """The point of it: while the engine applies a step's tokens (outputs, detokenizing) the next
+    step is already on the workers, its rows not read yet; and a request aborted in flight gets
+    nothing more while the others finish as one process's do."""
+    import test_async_scheduling
+
+    from tessera.inference.engine.output_processor import OutputProcessor
+
+    engines, in_flight = [], []
+    make_engine, update = test_async_scheduling.make_engine, OutputProcessor.update
+
+    def tracked(ckpt, **cfg):
+        engines.append(make_engine(ckpt, **cfg))
+        return engines[-1]
+
+    def watched(self, plan, result):
+        in_flight.append(engines[-1].runner.executor.unread)
+        return update(self, plan, result)
+
+    monkeypatch.setattr(test_async_scheduling, "make_engine", tracked)
+    monkeypatch.setattr(OutputProcessor, "update", watched)
+    outs, launched, _, aborted_at, _ = _run(tiny_ckpt, True, 200, abort_after=6, tensor_parallel=2)
+    monkeypatch.undo()
+    reference, *_ = _run(tiny_ckpt, False, 200, abort_after=aborted_at)
+    assert aborted_at > 0
+    _same(outs, reference)
+    assert outs["r4"] and not outs["r4"][-1][2]  # no end: nothing came after the abort
+    assert sum(in_flight) > len(in_flight) / 2, in_flight  # most updates ran beside the workers' next step
+
+
+def test_a_tp2_server_with_async_scheduling_streams_the_openai_client_what_one_without_it_streams(tiny_ckpt):
+    from live_server import streamed_with_and_without_async_scheduling
+
+    bodies = [dict(prompt=[5 + i, 17, 33 + 7 * i], max_tokens=16, **kind)
+              for i, kind in enumerate([dict(temperature=0), dict(temperature=0.9, seed=11), dict(temperature=0, stop=["e"]),
+                                        dict(temperature=0.8, top_p=0.9, seed=2)])]
+    got = streamed_with_and_without_async_scheduling(tiny_ckpt, bodies, tensor_parallel=2)
+    assert got[True] == got[False]
+    assert all(text for text, _ in got[True])

@@ -158,9 +158,9 @@ class EngineConfig(StrictModel):
         if self.enable_expert_parallel and self.tensor_parallel == 1:
             raise ValueError("enable_expert_parallel splits the experts over the tensor-parallel ranks: set "
                              "tensor_parallel > 1 or drop it")
-        if self.async_scheduling and (self.tensor_parallel > 1 or self.speculative is not None):
-            raise ValueError("async_scheduling overlaps one process's decode steps: it does not combine with "
-                             "tensor_parallel > 1 or speculative decoding yet; drop one of them")
+        if self.async_scheduling and self.speculative is not None:
+            raise ValueError("async_scheduling launches a step before the drafts of the one before are known: it "
+                             "does not combine with speculative decoding yet; drop one of them")
         env = os.environ.get(CPU_COMPILE_ENV)
         if env not in (None, "0", "1"):
             raise ValueError(f"environment variable {CPU_COMPILE_ENV}={env!r}: use 0 (eager) or 1 (compiled)")

@@ -223,10 +223,10 @@ class LLMEngine:
         if graphs != "off":
             graph_spec = GraphSpec(cfg.cuda_graph_sizes or default_capture_sizes(cfg.max_num_seqs), max_blocks=need,
                                    scratch_block=pool - 1, capture=graphs == "capture")
-        if cfg.async_scheduling and device.type != "cuda":
+        if cfg.async_scheduling and device.type != "cuda" and cfg.tensor_parallel == 1:
             log.warning("--async-scheduling on %s: the forward runs when a step is launched, so nothing overlaps "
                         "it and each output waits one step more; the flag is meant for CUDA", device.type)
-        elif cfg.async_scheduling and (reads := _forward_reads_back(loaded.config)):
+        elif cfg.async_scheduling and cfg.tensor_parallel == 1 and (reads := _forward_reads_back(loaded.config)):
             log.warning("--async-scheduling: this model's forward reads %s back to the host, which waits there "
                         "for the step before, so little overlaps and each output waits one step more", reads)
         self.runner = self._runner(loaded, cfg, pool, device, dtype, self.kv_dtype, graph_spec, worker_threads)

@@ -105,6 +105,7 @@ class TensorParallelExecutor:
         if logits_rows and not pooling:
             self.mailbox = LogitsMailbox.make(logits_rows, getattr(cfg, "vocab_rows", cfg.vocab_size), device)
             init["mailbox"] = None if self.mailbox is None else self.mailbox.spec()
+        self.unread = False  # a step's logits rows are on their way and not read yet (`_send`)
         self._closing = threading.Lock()  # the engine thread and the CLI's cleanup may both shut down
         self.conns: list[Connection] = []
         self.procs: list[mp.process.BaseProcess] = []
@@ -189,7 +190,13 @@ class TensorParallelExecutor:
         for rank in range(self.tp):
             self._recv(rank)
 
-    def _send(self, frame: bytes) -> None:
+    def _send(self, frame: bytes, reply: bool = False) -> None:
+        """`frame` to every worker; `reply`: a command whose rows `recv_logits` reads. Under async
+        scheduling a step is sent before the one before it is read: any command sent while rows are
+        unread would take them for its own answer, so it is refused."""
+        if self.unread:
+            raise RuntimeError("tensor parallel: a command sent before the last step's logits rows were read")
+        self.unread = reply
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(frame)
@@ -207,19 +214,29 @@ class TensorParallelExecutor:
         """The step's logits rows and, with `pooling` (mode, each embed request's (first row, rows)),
         its pooled rows [E, d] fp32 (on the CPU). `hidden`: the sequences' request ids, whose
         hidden rows the workers keep for the MTP (spec_decode/mtp.py)."""
+        self.send_step(batch, rows, pooling, hidden)
+        return self.recv_logits(device, pooling is not None)
+
+    def send_step(self, batch: list[BatchSeq], rows: list[int],
+                  pooling: tuple[str, list[tuple[int, int]]] | None = None, hidden: list[str] | None = None) -> None:
+        """`forward_pooled` without waiting for the rows (async scheduling: `recv_logits` later)."""
         self._send(json.dumps({"t": "step", "seqs": [[s.tokens, s.start, s.block_table, s.num_q, s.state_slot,
                                                       s.prompt_len] for s in batch],
                                "rows": rows, "pooling": pooling, "images": images_to_wire(batch),
-                               "hidden": hidden}).encode())
-        return self.recv_logits(device, pooling is not None)
+                               "hidden": hidden}).encode(), reply=True)
 
     def forward_decode(self, update: DecodeUpdate, device: torch.device) -> torch.Tensor:
         """A steady decode step's logits rows, the workers sent only its update to their batches."""
-        self._send(json.dumps({"t": "decode", "u": update.to_wire()}).encode())
+        self.send_decode(update)
         return self.recv_logits(device)[0]
+
+    def send_decode(self, update: DecodeUpdate) -> None:
+        """`forward_decode` without waiting for the rows (async scheduling: `recv_logits` later)."""
+        self._send(json.dumps({"t": "decode", "u": update.to_wire()}).encode(), reply=True)
 
     def recv_logits(self, device: torch.device, pooling: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rank 0's logits rows of the last command (and pooled rows, with `pooling`)."""
+        self.unread = False
         return receive_rows(self._recv(0), self.conns[0], self.mailbox, device, pooling)
 
     def alive(self) -> bool:
