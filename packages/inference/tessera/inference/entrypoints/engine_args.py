@@ -64,10 +64,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tokens read on the device (vLLM's flag): the host's per-step work (scheduling, inputs, "
                         "detokenizing, outputs) overlaps the forward. A request with a grammar is launched ahead too, "
                         "its rows sampled once the step before has advanced their matchers; a step with a "
-                        "request using prompt logprobs is planned as without it; not with "
-                        "--tensor-parallel > 1 or --speculative-config, nor for hybrid, vision-language, "
+                        "request using prompt logprobs is planned as without it. Under --tensor-parallel a step is "
+                        "sent with the tokens of the one before, and the driver applies that one while the workers "
+                        "run it. Not with --speculative-config, nor for hybrid, vision-language, "
                         "encoder-decoder or latent-attention models. Outputs are identical (greedy and seeded). "
-                        "For CUDA: on CPU nothing overlaps. Default: off.")
+                        "For CUDA or tensor parallel: on one CPU process nothing overlaps. Default: off.")
     g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block (default: %(default)s).")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
                    help="Bytes for the KV-cache pool, e.g. 512MiB or 4GB (default: 512MiB).")
