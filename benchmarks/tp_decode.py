@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="a tiny run that checks the script (seconds)")
     args = ap.parse_args()
     if args.smoke:
-        args.vocab, args.num_prompts, args.prompt_len, args.max_tokens, args.rounds = 512, 8, 40, 6, 1
+        args.vocab, args.num_prompts, args.prompt_len, args.max_tokens, args.rounds = 2048, 8, 40, 6, 1
     torch.set_num_threads(args.threads)
 
     from tessera.common.models.causal_lm.config import ModelConfig
