@@ -127,6 +127,20 @@ def test_the_frames_read_are_the_ones_the_header_announces():
         mailbox.release()
 
 
+def test_a_rank_0_gone_between_its_header_and_its_rows_ends_the_engine_as_a_dead_worker():
+    """The driver reads a header announcing rows over the pipe, then the pipe closes: WorkerDied
+    (which ends the engine and fails /health), not a bare EOFError from inside the step."""
+    from tessera.inference.worker.tensor_parallel.executor import TensorParallelExecutor, WorkerDied
+
+    ours, theirs = mp.get_context("spawn").Pipe()
+    executor = object.__new__(TensorParallelExecutor)  # the driver's reading side only: no workers
+    executor.conns, executor.procs, executor.mailbox, executor.unread = [ours], [], None, True
+    theirs.send_bytes(json.dumps({"t": "logits", "shape": [2, 8], "mailbox": False}).encode())
+    theirs.close()
+    with pytest.raises(WorkerDied, match="worker 0 closed its pipe in the middle of a reply"):
+        executor.recv_logits(CPU)
+
+
 def test_a_shared_memory_without_room_leaves_the_rows_to_the_pipe_with_a_warning(monkeypatch, caplog):
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")

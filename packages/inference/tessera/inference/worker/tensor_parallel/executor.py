@@ -237,7 +237,11 @@ class TensorParallelExecutor:
     def recv_logits(self, device: torch.device, pooling: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rank 0's logits rows of the last command (and pooled rows, with `pooling`)."""
         self.unread = False
-        return receive_rows(self._recv(0), self.conns[0], self.mailbox, device, pooling)
+        head = self._recv(0)
+        try:
+            return receive_rows(head, self.conns[0], self.mailbox, device, pooling)
+        except (EOFError, OSError):  # rank 0 died between the header and its data frames
+            raise WorkerDied("tensor-parallel worker 0 closed its pipe in the middle of a reply") from None
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
