@@ -154,6 +154,53 @@ def test_preempted_image_requests_recompute_their_features_and_give_the_same_tok
     assert not tight.runner.features  # every request's features dropped once its prefill passed them
 
 
+def test_image_requests_decode_from_the_persistent_batch_and_launch_ahead_once_their_images_are_computed(tmp_path):
+    """A vision-language model's decode steps are its language model's: they take their inputs from
+    the persistent decode batch, and with --async-scheduling a request with images is launched ahead
+    once its image tokens are computed (never a chunk that holds some). Greedy and seeded requests,
+    with and without images, give the synchronous engine's tokens."""
+    import torch
+    from inference_helpers import make_engine, run_all, token_ids
+
+    from tessera.inference.core.image_inputs import ImageInput
+    from tessera.inference.core.sampling_params import SamplingParams
+
+    directory = make_llava_dir(tmp_path, "clip")
+    n = 16  # image tokens per image
+    g = torch.Generator().manual_seed(1)
+    jobs = {}
+    for i in range(5):
+        params = dict(max_tokens=12, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=i)
+        if i == 4:  # text only
+            jobs["t"] = ([5, 9, 13, 21, 3], SamplingParams(**params))
+            continue
+        prompt = [5 + i, 7] + [0] * n + [9, 11, 13]
+        jobs[f"r{i}"] = (prompt, SamplingParams(**params, images=[ImageInput.of(torch.randn(3, 32, 32, generator=g),
+                                                                               2, n)]))
+    outs, launched = {}, []
+    for overlap in (False, True):
+        engine = make_engine(directory, num_kv_blocks=64, block_size=8, max_num_batched_tokens=48, max_num_seqs=8,
+                             async_scheduling=overlap)
+        image_id = engine.loaded.config.image_token_id
+        for prompt, _ in jobs.values():
+            prompt[2:2 + n] = [image_id if t == 0 else t for t in prompt[2:2 + n]]
+        assert type(engine.runner).keeps_decode_batch()
+        launch = engine.runner.launch
+
+        def spy(plan, previous=None, rows=None, launch=launch):
+            launched.append([(s.seq.request_id, s.start, s.num_new, j)
+                             for s, j in zip(plan.scheduled, rows or [None] * len(plan.scheduled))])
+            return launch(plan, previous, rows)
+        engine.runner.launch = spy
+        outs[overlap] = {rid: token_ids(o) for rid, o in run_all(engine, jobs).items()}
+        if not overlap:
+            assert engine.runner.decode_batch is not None  # steady decode steps went through it
+    assert outs[True] == outs[False]
+    rows = [row for plan in launched for row in plan]
+    assert any(rid.startswith("r") and j is not None for rid, _, _, j in rows)  # image requests fed ahead
+    assert all(start >= 2 + n for rid, start, _, _ in rows if rid.startswith("r"))  # never an image chunk
+
+
 def test_tessera_serve_refuses_a_tensor_parallel_size_the_vision_language_model_cannot_split_in_one_line(tmp_path,
                                                                                                       capsys):
     """The runner's tensor_parallel_problem, asked on the driver before any worker starts (the

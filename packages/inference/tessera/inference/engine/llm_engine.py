@@ -376,10 +376,12 @@ class LLMEngine:
     @staticmethod
     def _launchable(seq: Sequence) -> bool:
         """Whether a step with this sequence can be launched ahead (`ModelRunner.launch`): it samples,
-        and nothing but tokens comes back (no prompt logprobs, embedding, images or drafts). A grammar's
-        row is launched too: its sampling waits for its mask (`_finish_sampling`)."""
+        and nothing but tokens comes back (no prompt logprobs, embedding, image tokens still to compute
+        or drafts). A grammar's row is launched too: its sampling waits for its mask (`_finish_sampling`)."""
         p = seq.params
-        return p.max_tokens > 0 and not p.prompt_logprobs and not p.embed and not p.images and not seq.spec_token_ids
+        # A request with images once its image tokens are all computed: what is left is text.
+        return (p.max_tokens > 0 and not p.prompt_logprobs and not p.embed and not seq.spec_token_ids
+                and (not p.images or seq.num_computed >= max(im.end for im in p.images)))
 
     def _overlappable(self, plan: SchedulerOutput) -> bool:
         return all([self._launchable(s.seq) for s in plan.scheduled])

@@ -66,7 +66,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "its rows sampled once the step before has advanced their matchers; a step with a "
                         "request using prompt logprobs is planned as without it. Under --tensor-parallel a step is "
                         "sent with the tokens of the one before, and the driver applies that one while the workers "
-                        "run it. Not with --speculative-config, nor for hybrid, vision-language, "
+                        "run it. Not with --speculative-config, nor for hybrid, "
                         "encoder-decoder or latent-attention models. Outputs are identical (greedy and seeded). "
                         "For CUDA or tensor parallel: on one CPU process nothing overlaps. Default: off.")
     g.add_argument("--block-size", type=int, default=d.block_size, help="Tokens per KV-cache block (default: %(default)s).")

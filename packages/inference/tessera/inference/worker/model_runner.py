@@ -126,7 +126,8 @@ class ModelRunner:
     def keeps_decode_batch(cls) -> bool:
         """Whether single-token steps take their inputs from the persistent `DecodeBatch`: only when
         this runner forwards them as ModelRunner does (a runner that prepares or attends otherwise:
-        hybrid states, images, an encoder, latent attention, tensor-parallel workers, keeps `prepare`).
+        hybrid states, an encoder, latent attention, keeps `prepare`; the tensor-parallel driver asks
+        its workers' runner).
         An override tagged `same_single_token_forward` differs only on steps that are never single-token."""
         keeps = _KEEPS_DECODE_BATCH.get(cls)
         if keeps is None:

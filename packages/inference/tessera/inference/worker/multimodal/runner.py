@@ -81,6 +81,10 @@ class VisionLanguageRunner(DecoderRunner):
                 if s.start + s.num_new >= s.images[-1].end:
                     self.features.pop(s.request_id, None)  # its prefill is past its images
 
+    # A step without images (every decode step: an image's tokens are all in its prompt) is the
+    # language model's own, so steady decode steps take their inputs from the persistent batch.
+    forward_batch.same_single_token_forward = True  # type: ignore[attr-defined]
+
     def _encode(self, scheduled: list[BatchSeq]) -> None:
         """The features of every request here not kept yet, its images in one batch with the others'."""
         todo = [s for s in scheduled if s.request_id not in self.features]
@@ -118,6 +122,8 @@ class VisionLanguageRunner(DecoderRunner):
         hidden = self.model(self._embeds, positions=step.positions, attention_fn=partial(self._attention, step),
                             return_hidden=True)
         return self._pool_hidden(hidden)
+
+    _hidden.same_single_token_forward = True  # type: ignore[attr-defined]  # `_embeds` is set only with images
 
 
 def _row_starts(batch: list[BatchSeq]) -> list[int]:
