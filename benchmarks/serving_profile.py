@@ -174,8 +174,11 @@ def decode_step_profile(ckpt: Path, args, workload) -> None:
     loaded = load_for_serving(str(ckpt), device, dtype, None)
     modes = [("eager", True), ("CUDA graphs", False)] if cuda else [("eager", True)]
     model_runner.batch_seqs = timed("inputs: the plan as BatchSeqs", model_runner.batch_seqs)
-    if hasattr(batch_module, "DecodeBatch"):  # the persistent decode batch (absent in older code: an A/B peer)
-        batch_module.DecodeBatch.inputs = timed("inputs: tensors (prepare)", batch_module.DecodeBatch.inputs)
+    # The persistent decode batch (absent in older code: an A/B peer); since its split, its halves.
+    for name in ("plan_update", "apply") if hasattr(batch_module, "DecodeUpdate") else ("inputs",):
+        if hasattr(batch_module, "DecodeBatch"):
+            setattr(batch_module.DecodeBatch, name,
+                    timed("inputs: tensors (prepare)", getattr(batch_module.DecodeBatch, name)))
     forward_part = "forward call after its input preparation (CUDA: launches; CPU: compute)"
     stubs = [False, True] if args.stub_forward else [False]
     for conc, stub in ((c, st) for c in args.decode_concurrency or [args.concurrency] for st in stubs):

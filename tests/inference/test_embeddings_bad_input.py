@@ -36,7 +36,7 @@ def _serve_error(argv, capsys) -> str:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_tessera_serve_on_an_encoder_that_declares_no_pooling_is_refused_in_one_line_before_any_worker_starts(
         bert, capsys, monkeypatch, tp):
-    from tessera.inference.worker import executor
+    from tessera.inference.worker.tensor_parallel import executor
 
     def no_workers(*args, **kwargs):
         raise AssertionError("tensor-parallel workers started before the refusal")

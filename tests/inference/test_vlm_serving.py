@@ -243,8 +243,8 @@ def test_a_llava_directory_without_its_processor_file_is_refused_before_any_tens
     from tessera.common.errors import UserError
     from tessera.inference.config import EngineConfig
     from tessera.inference.engine.llm_engine import LLMEngine
-    from tessera.inference.worker import executor
     from tessera.inference.worker.loader import load_for_serving
+    from tessera.inference.worker.tensor_parallel import executor
 
     directory = make_llava_dir(tmp_path, "clip")
     (directory / "preprocessor_config.json").unlink()
