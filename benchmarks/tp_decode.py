@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_race import checked_race  # noqa: E402
-from serving import build_checkpoint  # noqa: E402
+from tp_logits import tp_arguments, tp_workload  # noqa: E402
 
 NAMES = ("full batch", "decode updates", "async")
 
@@ -45,35 +43,19 @@ def process_cpu(pid: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tensor-parallel", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--num-prompts", type=int, default=64, help="sequences decoding together")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    tp_arguments(ap, vocab=4096, prompt_len=512, max_tokens=48)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of the driver and of each worker")
-    ap.add_argument("--smoke", action="store_true", help="a tiny run that checks the script (seconds)")
     args = ap.parse_args()
     if args.smoke:
         args.vocab, args.num_prompts, args.prompt_len, args.max_tokens, args.rounds = 2048, 8, 40, 6, 1
     torch.set_num_threads(args.threads)
 
-    from tessera.common.models.causal_lm.config import ModelConfig
     from tessera.inference.config import EngineConfig
     from tessera.inference.engine.llm_engine import LLMEngine
     from tessera.inference.worker.cpu_threads import Binding
     from tessera.inference.worker.loader import load_for_serving
 
-    root = Path(tempfile.mkdtemp(prefix="tessera-tp-decode-")) / "run"
-    heads = max(2, args.tensor_parallel)
-    ckpt, _ = build_checkpoint(root, "custom", lambda _: ModelConfig(
-        arch="llama", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=heads,
-        num_kv_heads=heads, ffn_hidden_size=2 * args.hidden, max_seq_len=args.prompt_len + args.max_tokens + 16))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+    ckpt, prompts = tp_workload(args, "tessera-tp-decode-", args.prompt_len + args.max_tokens + 16)
     cpu = torch.device("cpu")
     workers = (Binding(args.threads),) * args.tensor_parallel
     engines, steps, cpu_s, walls, sent, decode_steps, worker_cpu = {}, {}, {}, {}, {}, {}, {}

@@ -29,37 +29,49 @@ from engine_race import checked_race  # noqa: E402
 from serving import build_checkpoint  # noqa: E402
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def tp_arguments(ap: argparse.ArgumentParser, *, vocab: int, prompt_len: int, max_tokens: int) -> None:
+    """The model and workload flags of the tensor-parallel serving benchmarks (this one, tp_decode.py)."""
     ap.add_argument("--tensor-parallel", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--vocab", type=int, default=vocab)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--num-prompts", type=int, default=64, help="sequences decoding together")
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=prompt_len)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the driver and of each worker")
     ap.add_argument("--smoke", action="store_true", help="a tiny run that checks the script (seconds)")
+
+
+def tp_workload(args, prefix: str, max_seq_len: int) -> tuple[Path, list[list[int]]]:
+    """A random Llama checkpoint of the flags' shape (as many heads as ranks, at least 2) and the
+    prompts: random token ids, the same every run."""
+    from tessera.common.models.causal_lm.config import ModelConfig
+
+    root = Path(tempfile.mkdtemp(prefix=prefix)) / "run"
+    heads = max(2, args.tensor_parallel)
+    ckpt, _ = build_checkpoint(root, "custom", lambda _: ModelConfig(
+        arch="llama", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=heads,
+        num_kv_heads=heads, ffn_hidden_size=2 * args.hidden, max_seq_len=max_seq_len))
+    rng = random.Random(0)
+    return ckpt, [[rng.randrange(1, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    tp_arguments(ap, vocab=128256, prompt_len=16, max_tokens=32)
     args = ap.parse_args()
     if args.smoke:
         args.vocab, args.num_prompts, args.max_tokens, args.rounds = 4096, 8, 4, 1
     torch.set_num_threads(args.threads)
 
-    from tessera.common.models.causal_lm.config import ModelConfig
     from tessera.inference.config import EngineConfig
     from tessera.inference.engine.llm_engine import LLMEngine
     from tessera.inference.worker.cpu_threads import Binding
     from tessera.inference.worker.loader import load_for_serving
     from tessera.inference.worker.tensor_parallel import logits_mailbox
 
-    root = Path(tempfile.mkdtemp(prefix="tessera-tp-logits-")) / "run"
-    heads = max(2, args.tensor_parallel)
-    ckpt, _ = build_checkpoint(root, "custom", lambda _: ModelConfig(
-        arch="llama", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=heads,
-        num_kv_heads=heads, ffn_hidden_size=2 * args.hidden, max_seq_len=1024))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+    ckpt, prompts = tp_workload(args, "tessera-tp-logits-", 1024)
     cpu = torch.device("cpu")
     cfg = EngineConfig(max_num_seqs=args.num_prompts, max_num_batched_tokens=max(256, args.num_prompts),
                        tensor_parallel=args.tensor_parallel, kv_cache_tokens=args.num_prompts * 128,
