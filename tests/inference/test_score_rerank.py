@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from embeddings_helpers import make_qwen3_dir, pooled_variant, sentences
+from embeddings_helpers import make_bert_dir, make_qwen3_dir, pooled_variant, sentences
 from inference_helpers import assert_alive_and_drained
 from live_server import LiveServer
 
@@ -175,3 +175,23 @@ def test_score_and_rerank_on_a_model_without_pooling_are_refused_in_one_line_and
     finally:
         srv.stop()
 
+
+
+def test_an_encoder_scores_and_reranks_as_sentence_transformers_and_names_them_when_refusing_completions(tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    directory = pooled_variant(make_bert_dir(tmp_path / "bert"), tmp_path / "bert-cls", "cls")
+    model = SentenceTransformer(str(directory), device="cpu")
+    texts = sentences(6)
+    srv = LiveServer(directory, limits=LIMITS)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as http:
+            got = http.post("/v1/score", json={"text_1": texts[0], "text_2": texts[1:]}).json()
+            _close([d["score"] for d in got["data"]], _st_scores(model, texts[:1], texts[1:], pairwise=False))
+            ranked = http.post("/rerank", json={"query": texts[0], "documents": texts[1:], "top_n": 2}).json()
+            want = _st_scores(model, texts[:1], texts[1:], pairwise=False)
+            assert [r["index"] for r in ranked["results"]] == sorted(range(5), key=lambda i: -want[i])[:2]
+            msg = _refused(http, "/v1/completions", {"prompt": "a"}, "model")
+            assert "/v1/score" in msg and "/v1/rerank" in msg
+    finally:
+        srv.stop()
