@@ -386,3 +386,82 @@ class EmbeddingRequest(_Body):
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             return [raw]  # type: ignore[list-item]
         return list(raw)  # type: ignore[arg-type]
+
+
+# Fields of vLLM's and Cohere's score/rerank requests that this server leaves out, with the values
+# that mean "off" (a client may send them as defaults). Any other value, or any other field, is a 400.
+_SCORE_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "priority": (None, 0), "mm_processor_kwargs": (None,), "use_activation": (None,), "activation": (None,),
+    "softmax": (None,), "max_tokens_per_doc": (None,), "relevant_spans": (None,), "rank_fields": (None,),
+}
+
+
+class _ScoreBody(_Body):
+    """Score and rerank bodies refuse every field they do not declare (not only UNSUPPORTED_FIELDS):
+    they are small, fixed APIs, and a client that sets a field (`use_activation`, `max_tokens_per_doc`,
+    multi-modal `data_1`) expects its effect, which a bi-encoder's cosine would silently drop."""
+
+    def unsupported_field(self) -> str | None:
+        for name, value in (self.model_extra or {}).items():
+            if not any(value == v and type(value) is type(v) for v in _SCORE_OFF_VALUES.get(name, ())):
+                return name
+        return None
+
+
+def _texts(v: Any, what: str) -> Any:
+    if not (isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))):
+        raise ValueError(f"must be {what}")
+    return v
+
+
+class ScoreRequest(_ScoreBody):
+    """POST /score, /v1/score as vLLM takes it for a bi-encoder: text_1 against text_2, 1-to-1, 1-to-N
+    (text_1 one text) or N-to-N (pairwise, equal lengths); each score the cosine of the two embeddings."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: Int | None = Field(
+        None, ge=-1, description="Keep the first k tokens of a longer text (-1: the longest this server embeds).")
+    user: str | None = None
+
+    @field_validator("text_1", "text_2", mode="before")
+    @classmethod
+    def _shape(cls, v: Any) -> Any:
+        return _texts(v, "a string or a list of strings")
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """(text_1, text_2) of each score, in order; FieldError for lengths that are not 1:1, 1:N or N:N."""
+        one = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
+        two = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
+        for name, texts in (("text_1", one), ("text_2", two)):
+            if not texts:
+                raise FieldError(name, "must not be empty")
+        if len(one) == 1:
+            return [(one[0], t) for t in two]
+        if len(one) != len(two):
+            raise FieldError("text_2", f"has {len(two)} texts and text_1 {len(one)}: send one text_1 (1-to-N) or "
+                                       "lists of equal length (N-to-N, pairwise)")
+        return list(zip(one, two))
+
+
+class RerankRequest(_ScoreBody):
+    """POST /rerank, /v1/rerank, /v2/rerank (Jina's and Cohere's shape, as vLLM serves it): documents
+    ranked by the cosine of their embedding with the query's, highest first, cut to top_n."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: Int | None = Field(None, ge=0, description="Return the best top_n documents (0 or absent: all).")
+    return_documents: Bool = Field(True, description="Echo each document's text in its result.")
+    truncate_prompt_tokens: Int | None = Field(
+        None, ge=-1, description="Keep the first k tokens of a longer text (-1: the longest this server embeds).")
+    user: str | None = None
+
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _documents(cls, v: Any) -> Any:
+        # vLLM also takes {"text": ...} objects (its multi_modal documents are not served here).
+        if isinstance(v, list):
+            v = [x["text"] if isinstance(x, dict) and set(x) == {"text"} else x for x in v]
+        return _texts(v if isinstance(v, list) else None, 'a list of strings or of {"text": string} objects')

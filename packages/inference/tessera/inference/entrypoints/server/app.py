@@ -19,12 +19,15 @@ from tessera.inference.entrypoints.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from tessera.inference.entrypoints.server import chat as chat_api
 from tessera.inference.entrypoints.server import completions as completions_api
 from tessera.inference.entrypoints.server import embeddings as embeddings_api
 from tessera.inference.entrypoints.server import megatron as megatron_api
+from tessera.inference.entrypoints.server import score as score_api
 from tessera.inference.entrypoints.server import tokenize as tokenize_api
 from tessera.inference.entrypoints.server.base import ServerBase
 from tessera.inference.entrypoints.server.errors import ApiError, _now, _validation_message, error_response
@@ -115,6 +118,18 @@ class OpenAIServer(ServerBase):
         @app.post("/v1/embeddings")
         async def embeddings_route(body: EmbeddingRequest, request: Request):
             return await embeddings_api.embeddings(self, body, request)
+
+        # vLLM's paths: /score and /rerank bare and under /v1, and /v2/rerank (Cohere's v2 client).
+        @app.post("/score")
+        @app.post("/v1/score")
+        async def score_route(body: ScoreRequest, request: Request):
+            return await score_api.score(self, body, request)
+
+        @app.post("/rerank")
+        @app.post("/v1/rerank")
+        @app.post("/v2/rerank")
+        async def rerank_route(body: RerankRequest, request: Request):
+            return await score_api.rerank(self, body, request)
 
         @app.post("/tokenize")
         async def tokenize_route(body: TokenizeRequest):

@@ -179,7 +179,7 @@ class ServerBase:
         """Why this server generates no text (an encoder serves /v1/embeddings only), or None."""
         if self.engine.generates:
             return None
-        return (f"model {self.model_name!r} is an encoder: it generates no text; it serves /v1/embeddings only")
+        return (f"model {self.model_name!r} is an encoder: it generates no text; it serves /v1/embeddings, /v1/score and /v1/rerank only")
 
     def _check_generates(self) -> None:
         problem = self._generation_problem()

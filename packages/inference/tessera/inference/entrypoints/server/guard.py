@@ -9,10 +9,12 @@ from tessera.inference.core.json_depth import depth_problem
 from tessera.inference.entrypoints.server.errors import error_response
 
 RAW_SEND = "tessera.raw_send"  # scope key
+# Paths outside /v1 and /v2 that the API key guards too (every request route but /health and /metrics).
+_KEYED = ("/api", "/tokenize", "/detokenize", "/score", "/rerank")
 
 
 class _GuardMiddleware:
-    """Pure ASGI, in front of every route: the API-key check on /v1, /api, /tokenize and /detokenize, then the whole
+    """Pure ASGI, in front of every route: the API-key check on /v1, /v2 and _KEYED, then the whole
     request body read here, bounded in size (400) and in time (408, connection closed: a client
     that stalls mid-body cannot hold a connection open), and refused (400) when it nests deeper
     than json_depth.MAX_JSON_DEPTH, before any handler parses it."""
@@ -25,7 +27,7 @@ class _GuardMiddleware:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
-        if self.api_key and (path.startswith("/v1") or path in ("/api", "/tokenize", "/detokenize")):
+        if self.api_key and (path.startswith(("/v1", "/v2")) or path in _KEYED):
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 resp = error_response(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
