@@ -145,3 +145,30 @@ def test_a_tp2_server_with_async_scheduling_streams_the_openai_client_what_one_w
     got = streamed_with_and_without_async_scheduling(tiny_ckpt, bodies, tensor_parallel=2)
     assert got[True] == got[False]
     assert all(text for text, _ in got[True])
+
+
+# ---- async scheduling under tensor parallel with structured output ----------------------------
+
+def test_tp2_overlapped_steps_with_grammar_rows_give_one_process_synchronous_outputs(tiny_ckpt):
+    """test_async_structured's workload (JSON, regex, choice grammars beside plain requests, seeded
+    sampling, penalties, logprobs) launched under TP2: a grammar row's token is sampled on the driver
+    once the step before has advanced its matcher (`PendingStep.finish_sampling`), and the step after
+    it is sent with that token."""
+    import test_async_structured as structured
+
+    outs, launched, _, _, steps = structured._run(tiny_ckpt, True, tensor_parallel=2)
+    reference, *_ = structured._run(tiny_ckpt, False)
+    structured._same(outs, reference)
+    assert all(v[-1][2] and v[-1][5] is None for v in outs.values())  # every request ended, none failed
+    assert sum(seq.matcher is not None and fed for plan in launched for seq, _, fed in plan) > 20
+    assert len(launched) > steps / 2
+
+
+def test_tp2_overlapped_a_mask_that_raises_fails_its_own_request_only(tiny_ckpt):
+    import test_async_structured as structured
+
+    outs, *_ = structured._run(tiny_ckpt, True, fail="r4", tensor_parallel=2)
+    reference, *_ = structured._run(tiny_ckpt, False, fail="r4")
+    structured._same(outs, reference)
+    assert {rid for rid, v in outs.items() if v[-1][5] is not None} == {"r4"}
+
