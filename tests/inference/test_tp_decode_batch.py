@@ -172,3 +172,46 @@ def test_tp2_overlapped_a_mask_that_raises_fails_its_own_request_only(tiny_ckpt)
     structured._same(outs, reference)
     assert {rid for rid, v in outs.items() if v[-1][5] is not None} == {"r4"}
 
+
+def test_tp2_overlapped_rows_whose_read_fails_fail_their_requests_and_the_pipe_stays_in_step(tiny_ckpt,
+                                                                                          monkeypatch):
+    """A launched step whose rows came back but could not be taken (injected after its frames were
+    read: a device copy that raises) fails its requests once; it is not read a second time, which
+    would wait for an answer no command asked for. The engine then serves a new request exactly as
+    one process does."""
+    from inference_helpers import make_engine, run_all, token_ids
+
+    from tessera.inference.core.sampling_params import SamplingParams
+    from tessera.inference.worker.tensor_parallel import executor
+
+    receive, recv, reads = executor.receive_rows, TensorParallelExecutor._recv, []
+
+    def failing(*args, **kwargs):
+        rows = receive(*args, **kwargs)
+        reads.append(1)
+        if len(reads) == 4:
+            raise RuntimeError("injected: the rows could not be copied to the device")
+        return rows
+
+    def bounded(self, rank, timeout=None):  # a read that nothing answers fails the test instead of hanging it
+        return recv(self, rank, 120.0 if timeout is None else timeout)
+
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    requests = {"a": ([4, 9, 200, 31, 77], greedy), "b": ([17, 300, 2], greedy), "c": ([5] * 11, greedy)}
+    later = {"d": ([8, 41, 3, 99], greedy)}
+    engine = make_engine(tiny_ckpt, tensor_parallel=2, block_size=4, num_kv_blocks=64, enforce_eager=True,
+                         async_scheduling=True)
+    try:
+        monkeypatch.setattr(executor, "receive_rows", failing)
+        monkeypatch.setattr(TensorParallelExecutor, "_recv", bounded)
+        outs = run_all(engine, requests)
+        monkeypatch.setattr(executor, "receive_rows", receive)
+        after = {rid: token_ids(o) for rid, o in run_all(engine, later).items()}
+    finally:
+        engine.close()
+    reference_engine = make_engine(tiny_ckpt, block_size=4, num_kv_blocks=64, enforce_eager=True)
+    reference = {rid: token_ids(o) for rid, o in run_all(reference_engine, {**requests, **later}).items()}
+    assert len(reads) >= 4
+    errors = {rid: v[-1].error for rid, v in outs.items()}
+    assert set(errors.values()) == {"internal error while sampling this request"}, errors  # the step's rows
+    assert after == {"d": reference["d"]}
