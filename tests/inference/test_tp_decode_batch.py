@@ -106,6 +106,16 @@ def test_tp2_overlapped_steps_give_every_request_the_output_of_one_process_synch
     assert any({j is None for *_, j in plan} == {True, False} for plan in launched)
 
 
+def test_tp2_overlapped_decode_updates_through_the_workers_padded_decode_forward_give_one_process_outputs(tiny_ckpt):
+    """Each worker replays its bucket (`DecodeGraphs.step_bucket`, run uncaptured on CPU) from the
+    update it applied; preempting pool: rows rebuilt whole, buckets changing as sequences join and leave."""
+    outs, launched, preemptions, _, steps = _run(tiny_ckpt, True, 24, tensor_parallel=2, enforce_eager=False,
+                                                 padded_decode=True, cuda_graph_sizes=[1, 2, 4, 8])
+    reference, *_ = _run(tiny_ckpt, False, 24)
+    _same(outs, reference)
+    assert preemptions > 0 and len(launched) > steps / 2
+
+
 def test_tp2_the_driver_applies_a_step_while_the_workers_run_the_next(tiny_ckpt, monkeypatch):
     """The point of it: while the engine applies a step's tokens (outputs, detokenizing) the next
     step is already on the workers, its rows not read yet; and a request aborted in flight gets
