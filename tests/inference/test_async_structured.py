@@ -90,10 +90,11 @@ def _run(ckpt, overlap: bool, num_kv_blocks: int = 200, abort: str | None = None
                     and any(s.seq.request_id == abort for s in inflight.plan.scheduled)):
                 assert engine.abort(abort)
                 aborted_at = steps
+        assert engine.blocks.num_used == 0  # every block came back
     finally:
         if fail is not None:
             structured._fill = fill
-    assert engine.blocks.num_used == 0  # every block came back
+        engine.close()  # tensor-parallel workers (nothing on one device)
     return outs, launched, engine.scheduler.num_preemptions, aborted_at, steps
 
 

@@ -106,6 +106,16 @@ def test_tp2_overlapped_steps_give_every_request_the_output_of_one_process_synch
     assert any({j is None for *_, j in plan} == {True, False} for plan in launched)
 
 
+def test_tp2_overlapped_decode_updates_through_the_workers_padded_decode_forward_give_one_process_outputs(tiny_ckpt):
+    """Each worker replays its bucket (`DecodeGraphs.step_bucket`, run uncaptured on CPU) from the
+    update it applied; preempting pool: rows rebuilt whole, buckets changing as sequences join and leave."""
+    outs, launched, preemptions, _, steps = _run(tiny_ckpt, True, 24, tensor_parallel=2, enforce_eager=False,
+                                                 padded_decode=True, cuda_graph_sizes=[1, 2, 4, 8])
+    reference, *_ = _run(tiny_ckpt, False, 24)
+    _same(outs, reference)
+    assert preemptions > 0 and len(launched) > steps / 2
+
+
 def test_tp2_the_driver_applies_a_step_while_the_workers_run_the_next(tiny_ckpt, monkeypatch):
     """The point of it: while the engine applies a step's tokens (outputs, detokenizing) the next
     step is already on the workers, its rows not read yet; and a request aborted in flight gets
@@ -145,3 +155,73 @@ def test_a_tp2_server_with_async_scheduling_streams_the_openai_client_what_one_w
     got = streamed_with_and_without_async_scheduling(tiny_ckpt, bodies, tensor_parallel=2)
     assert got[True] == got[False]
     assert all(text for text, _ in got[True])
+
+
+# ---- async scheduling under tensor parallel with structured output ----------------------------
+
+def test_tp2_overlapped_steps_with_grammar_rows_give_one_process_synchronous_outputs(tiny_ckpt):
+    """test_async_structured's workload (JSON, regex, choice grammars beside plain requests, seeded
+    sampling, penalties, logprobs) launched under TP2: a grammar row's token is sampled on the driver
+    once the step before has advanced its matcher (`PendingStep.finish_sampling`), and the step after
+    it is sent with that token."""
+    import test_async_structured as structured
+
+    outs, launched, _, _, steps = structured._run(tiny_ckpt, True, tensor_parallel=2)
+    reference, *_ = structured._run(tiny_ckpt, False)
+    structured._same(outs, reference)
+    assert all(v[-1][2] and v[-1][5] is None for v in outs.values())  # every request ended, none failed
+    assert sum(seq.matcher is not None and fed for plan in launched for seq, _, fed in plan) > 20
+    assert len(launched) > steps / 2
+
+
+def test_tp2_overlapped_a_mask_that_raises_fails_its_own_request_only(tiny_ckpt):
+    import test_async_structured as structured
+
+    outs, *_ = structured._run(tiny_ckpt, True, fail="r4", tensor_parallel=2)
+    reference, *_ = structured._run(tiny_ckpt, False, fail="r4")
+    structured._same(outs, reference)
+    assert {rid for rid, v in outs.items() if v[-1][5] is not None} == {"r4"}
+
+
+def test_tp2_overlapped_rows_whose_read_fails_fail_their_requests_and_the_pipe_stays_in_step(tiny_ckpt,
+                                                                                          monkeypatch):
+    """A launched step whose rows came back but could not be taken (injected after its frames were
+    read: a device copy that raises) fails its requests once; it is not read a second time, which
+    would wait for an answer no command asked for. The engine then serves a new request exactly as
+    one process does."""
+    from inference_helpers import make_engine, run_all, token_ids
+
+    from tessera.inference.core.sampling_params import SamplingParams
+    from tessera.inference.worker.tensor_parallel import executor
+
+    receive, recv, reads = executor.receive_rows, TensorParallelExecutor._recv, []
+
+    def failing(*args, **kwargs):
+        rows = receive(*args, **kwargs)
+        reads.append(1)
+        if len(reads) == 4:
+            raise RuntimeError("injected: the rows could not be copied to the device")
+        return rows
+
+    def bounded(self, rank, timeout=None):  # a read that nothing answers fails the test instead of hanging it
+        return recv(self, rank, 120.0 if timeout is None else timeout)
+
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    requests = {"a": ([4, 9, 200, 31, 77], greedy), "b": ([17, 300, 2], greedy), "c": ([5] * 11, greedy)}
+    later = {"d": ([8, 41, 3, 99], greedy)}
+    engine = make_engine(tiny_ckpt, tensor_parallel=2, block_size=4, num_kv_blocks=64, enforce_eager=True,
+                         async_scheduling=True)
+    try:
+        monkeypatch.setattr(executor, "receive_rows", failing)
+        monkeypatch.setattr(TensorParallelExecutor, "_recv", bounded)
+        outs = run_all(engine, requests)
+        monkeypatch.setattr(executor, "receive_rows", receive)
+        after = {rid: token_ids(o) for rid, o in run_all(engine, later).items()}
+    finally:
+        engine.close()
+    reference_engine = make_engine(tiny_ckpt, block_size=4, num_kv_blocks=64, enforce_eager=True)
+    reference = {rid: token_ids(o) for rid, o in run_all(reference_engine, {**requests, **later}).items()}
+    assert len(reads) >= 4
+    errors = {rid: v[-1].error for rid, v in outs.items()}
+    assert set(errors.values()) == {"internal error while sampling this request"}, errors  # the step's rows
+    assert after == {"d": reference["d"]}

@@ -30,7 +30,7 @@ from tessera.inference.worker.batch import (
 )
 from tessera.inference.worker.model_runner import ModelRunner
 from tessera.inference.worker.pooling.runner import PoolingSteps
-from tessera.inference.worker.tensor_parallel.executor import TensorParallelExecutor
+from tessera.inference.worker.tensor_parallel.executor import TensorParallelExecutor, WorkerDied
 
 log = logging.getLogger("tessera.inference")
 
@@ -151,11 +151,12 @@ class PendingStep:
     @torch.inference_mode()
     def resolve(self) -> LaunchedStep:
         """The launched step, its rows read from the workers and sampled (once). A sampling that
-        raises beyond one row's failure fails the step's requests, as `LaunchedStep.fail_deferred`."""
+        raises beyond one row's failure fails the step's requests, as `LaunchedStep.fail_deferred`; so
+        does a read that raises once its frames are taken (never read again: nothing would answer)."""
         if self._step is None:
             runner = self._runner
-            logits = runner.executor.recv_logits(runner.device)[0]  # a dead worker: WorkerDied, the engine ends
             try:
+                logits = runner.executor.recv_logits(runner.device)[0]
                 if not self.sampled:  # prompt chunks only: their K/V is written, nothing is sampled
                     self._step = LaunchedStep.start(self.plan, [], torch.empty(0, dtype=torch.long, device=runner.device))
                 else:
@@ -164,8 +165,10 @@ class PendingStep:
                     pending = [None if len(seq.output_ids) > held else token
                                for seq, held, token in zip(self._seqs, self._held, self._pending)]
                     self._step = runner._sample_launched(self.plan, self.sampled, self._seqs, logits.float(), pending)
+            except WorkerDied:
+                raise  # the engine ends
             except Exception:
-                log.exception("sampling a launched tensor-parallel step failed: its requests fail")
+                log.exception("reading or sampling a launched tensor-parallel step failed: its requests fail")
                 step = LaunchedStep.start(self.plan, self.sampled,
                                           torch.zeros(len(self.sampled), dtype=torch.long, device=runner.device))
                 step.failed = {self.plan.scheduled[i].seq.request_id: SAMPLING_FAILED for i in self.sampled}
