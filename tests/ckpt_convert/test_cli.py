@@ -58,3 +58,34 @@ def test_usage_errors_in_process(tmp_path, tokenizer_dir, capsys, argv, message)
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "y").exists()
+
+
+def _tree(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("argv", [
+    ["export", "--format", "hf", "--checkpoint", "CK", "--output", "CK"],
+    ["export", "--format", "trtllm", "--checkpoint", "CK", "--output", "CK"],
+    ["export", "--format", "megatron", "--checkpoint", "CK/iter_0000010", "--output", "ROOT"],
+    ["reshard", "--checkpoint", "CK", "--output", "CK", "--tensor-parallel", "1", "--pipeline-parallel", "1"],
+    ["import", "--format", "hf", "--input", "HF", "--output", "HF"],
+], ids=["export-hf-into-its-run", "export-trtllm-into-its-run", "export-megatron-above-its-run", "reshard-into-itself",
+        "import-into-itself"])
+def test_an_output_that_holds_the_input_is_refused_even_with_overwrite_and_the_input_is_kept(
+        tmp_path, tokenizer_dir, capsys, argv):
+    """--overwrite used to replace the run (every iteration) or the HF directory it read by the
+    conversion's output; the one line now names the input the output would delete."""
+    from ckpt_helpers import refused
+
+    from tessera.ckpt_convert.cli import run
+
+    root = tmp_path / "root"
+    make_checkpoint(root / "ck", tiny_llama(num_layers=1), tokenizer_dir)
+    run(["export", "--format", "hf", "--checkpoint", str(root / "ck"), "--output", str(root / "hf"), "--quiet"])
+    before = _tree(root)
+    names = {"CK": root / "ck", "HF": root / "hf", "ROOT": root}
+    argv = [str(names[a.split("/")[0]].joinpath(*a.split("/")[1:])) if a.split("/")[0] in names else a for a in argv]
+    err = refused(capsys, [*argv, "--overwrite", "--quiet"])
+    assert "holds the input" in err and "--output" in err, err
+    assert _tree(root) == before

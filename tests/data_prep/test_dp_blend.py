@@ -158,3 +158,19 @@ def test_a_bad_flag_is_reported_against_the_flag_not_the_yaml_file(tmp_path, sha
     config.write_text(config.read_text().replace("train_samples: 10", "train_samples: -1"))
     assert f"{config}: invalid config: train_samples" in user_error(["blend", "--config", config], capsys)
     assert not (tmp_path / "m").exists()
+
+
+def test_blend_over_the_folder_of_its_shards_is_refused_even_with_overwrite(tmp_path, base_shard, capsys):
+    """--overwrite replaced the folder holding the input shards by the mixture, which then pointed at
+    shards it had deleted; now one line names the shard and nothing is touched."""
+    import shutil
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for suffix in (".bin", ".idx", ".json"):
+        shutil.copy(f"{base_shard}{suffix}", folder / f"a{suffix}")
+    before = sorted(p.name for p in folder.iterdir())
+    err = user_error(["blend", "--data", folder / "a", "--seq-length", SEQ, "--train-samples", 4, "--output", folder,
+                      "--overwrite", "--quiet"], capsys)
+    assert f"--output {folder}: holds the input {folder / 'a.bin'}" in err, err
+    assert sorted(p.name for p in folder.iterdir()) == before

@@ -34,6 +34,7 @@ from tessera.common.fileio import (
     atomic_write_json,
     ensure_output_dir,
     names_os_errors,
+    refuse_replacing_inputs,
     sha256_file,
 )
 from tessera.common.indexed_dataset import IndexedDataset
@@ -251,6 +252,7 @@ def run_blend(cfg: BlendConfig) -> Path:
     if cfg.output.exists() and not cfg.output.is_dir():
         raise UserError(f"{cfg.output}: exists and is not a mixture directory; --overwrite replaces only a "
                         "mixture, choose another --output")
+    refuse_replacing_inputs(cfg.output, [Path(f"{s.prefix}.bin") for s in cfg.data])
     ensure_output_dir(cfg.output.parent, "--output")
     fractions = parse_split(cfg.split)
     datasets, manifests, fingerprints = _open_sources(cfg)
