@@ -100,7 +100,7 @@ class TrainingConfig(StrictModel):
     compile_scope: Literal["blocks", "model"] = Field("blocks", description="With compile: blocks = regional compilation (torchtitan's): each transformer block compiled in place, blocks of one kind sharing one compiled graph so compile time does not grow with depth, and the output head with the loss as one graph; model = the model forward and the loss as one graph (inductor sees across blocks; compile time grows with depth). Parallel layouts compile per block (model is refused there). The masked-LM and span objectives take both scopes (blocks: their blocks per kind, and the head with its loss as one graph).")
     retain_host_memory: bool = Field(True, description="CPU only: keep freed memory in the process (glibc malloc without mmap or trimming) so each step reuses mapped pages instead of page-faulting new ones; resident memory stays at its peak.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
-    threads: int | None = Field(None, gt=0, description="torch intra-op threads on CPU (default: torch's choice).")
+    threads: int | None = Field(None, gt=0, description="torch intra-op threads on CPU (default: torch's choice); at most the CPUs this process may use.")
     log_interval: int = Field(1, gt=0, description="Log a metrics line every N steps.")
     eval_interval: int = Field(0, ge=0, description="Evaluate on the valid split every N steps (and at the end); 0 disables.")
     eval_iters: int = Field(4, gt=0, description="Global batches per evaluation (Megatron's --eval-iters): always the first eval_iters x global_batch_size samples of the valid split, whatever the parallel layout, so evaluations compare.")

@@ -9,6 +9,7 @@ tensor-parallel size (`pad_vocabulary`), the resolved layout, the document maski
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,10 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
             raise UserError(problem)
     if problem := sdpa_backend_problem(t.attention_backend, pick_device(t.device, 0), "training.attention_backend"):
         raise UserError(problem)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if t.threads is not None and cpus and t.threads > cpus:  # 10^5 made torch start 10^5 threads and crash
+        raise UserError(f"training.threads ({t.threads}) is more than the {cpus} CPUs this process may use; set "
+                        "at most that, or leave it unset for torch's choice")
     layout = cfg.parallel.layout(world_size)
     readers = layout.batch_readers
     size = f"data-parallel size ({layout.data})" + (f" x expert-parallel size ({layout.expert})"
