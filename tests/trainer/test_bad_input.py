@@ -37,6 +37,9 @@ def run_expect_usage_error(argv, capsys) -> str:
     (["training.precision=fp8"], "training.precision"),
     (["optim.lr=-1"], "optim.lr"),
     (["training.bogus=1"], "training.bogus"),
+    # 10^12 sequences per step: the first step asked numpy for 7 TiB of sample numbers (a traceback).
+    (["training.global_batch_size=1000000000000", "training.micro_batch_size=1000000000000"],
+     "training.global_batch_size: Input should be less than or equal to 16777216"),
 ] + ([] if torch.cuda.is_available() else [(["training.device=cuda"], "no usable CUDA device")]))
 def test_impossible_config_is_refused(make_config, capsys, tmp_path, overrides, expected):
     err = run_expect_usage_error(["--config", str(make_config()), *overrides], capsys)

@@ -25,6 +25,11 @@ from tessera.trainer.kinds import check_options, check_trainable
 # the real vocab_size) has been read; no shape check depends on it.
 PLACEHOLDER_VOCAB = 1
 
+# Sequences per optimizer step, at most: ~16M, past every published run (the largest batches
+# are ~10^5 sequences). The step's sample numbers are one int64 array of that size, so an absurd
+# value (10^12 asked for 7 TiB at the first step, a traceback) is refused with the config.
+MAX_GLOBAL_BATCH = 2**24
+
 
 class DataConfig(StrictModel):
     """Where the tokens come from."""
@@ -81,7 +86,7 @@ class ScheduleConfig(StrictModel):
 class TrainingConfig(StrictModel):
     """Batch shape, length of the run, precision and speed options, intervals."""
 
-    global_batch_size: int = Field(8, gt=0, description="Sequences per optimizer step, over all data-parallel ranks.")
+    global_batch_size: int = Field(8, gt=0, le=MAX_GLOBAL_BATCH, description="Sequences per optimizer step, over all data-parallel ranks (at most 2^24).")
     micro_batch_size: int = Field(4, gt=0, description="Sequences per forward/backward; global / (micro x data-parallel) micro-batches are accumulated.")
     seq_length: int = Field(128, gt=0, description="Tokens per training sequence; at most the mixture's seq_length and the model's max_seq_len.")
     rampup_batch_size: tuple[int, int, int] | None = Field(None, description="Megatron's --rampup-batch-size [start, increment, samples]: the global batch starts at `start` sequences and grows by `increment` at even intervals over the first `samples` consumed samples, up to global_batch_size (tessera.trainer.objectives.batches.global_batch_size_at). Every size must be a multiple of micro_batch_size x data-parallel size.")
