@@ -108,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"{out_path}: is a directory; pass a file path for --output")
     if out_path.exists() and out_path.resolve() == Path(args.prompts).resolve():
         raise UserError(f"{out_path}: --output is the --prompts file; write the completions elsewhere")
+    if out_path.exists() and Path(args.checkpoint).resolve() in out_path.resolve().parents:
+        # e.g. --output <hf dir>/config.json replaced the model's config by the completions (exit 0)
+        raise UserError(f"{out_path}: --output is a file of the --checkpoint {args.checkpoint}; write the completions "
+                        "elsewhere")
     ensure_output_dir(out_path.parent, "--output")
 
     from tessera.common.chat_template import ChatTemplateError, render_chat
