@@ -89,3 +89,33 @@ def test_an_output_that_holds_the_input_is_refused_even_with_overwrite_and_the_i
     err = refused(capsys, [*argv, "--overwrite", "--quiet"])
     assert "holds the input" in err and "--output" in err, err
     assert _tree(root) == before
+
+
+def test_reshard_to_more_ranks_than_the_soft_open_file_limit_raises_it_and_past_the_hard_limit_is_refused(
+        tmp_path, tokenizer_dir, capsys, monkeypatch):
+    """reshard keeps one file per target rank open: under `ulimit -Sn 256`, --data-parallel 400 died
+    with EMFILE's traceback (and 10^8 did at any limit); now the soft limit is raised to what is
+    needed, and a layout past the hard limit is one line."""
+    import resource
+
+    from ckpt_helpers import refused
+
+    from tessera.ckpt_convert.cli import run
+
+    make_checkpoint(tmp_path / "ck", tiny_llama(num_layers=1), tokenizer_dir)
+    argv = ["reshard", "--checkpoint", str(tmp_path / "ck"), "--tensor-parallel", "1", "--pipeline-parallel", "1",
+            "--quiet"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 600:
+        pytest.skip(f"hard open-file limit {hard} leaves no room for 400 rank files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        assert run([*argv, "--data-parallel", "400", "--output", str(tmp_path / "dp400")]) == 0
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(list((tmp_path / "dp400").glob("iter_*/__*_0.distcp"))) == 400
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, 300))  # a hard limit of 300 files
+    err = refused(capsys, [*argv, "--data-parallel", "400", "--output", str(tmp_path / "over")])
+    assert "the target layout has 400 ranks" in err and "more than the 300 files this process may open" in err, err
+    assert not (tmp_path / "over").exists() and not list(tmp_path.glob(".over.tmp-*"))
