@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from tessera.common.checkpoint import read_sidecar, resolve_checkpoint
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.layers.sdpa_backend import sdpa_backend_problem
@@ -25,7 +27,7 @@ from tessera.common.mixture import (
     resolve_prefix,
 )
 from tessera.common.models.causal_lm.config import ModelConfig
-from tessera.common.shard import read_shard_manifest
+from tessera.common.shard import first_problem, read_shard_manifest
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
 from tessera.trainer.components.checkpoint.storage import latest_checkpoint
 from tessera.trainer.components.distributed import pick_device
@@ -107,7 +109,11 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
                                for split in (cfg.data.valid_split, cfg.data.test_split)):
         raise ArtifactError(f"{manifest_path}: training.eval_only has nothing to evaluate: no samples in "
                             f"data.valid_split ({cfg.data.valid_split}) or data.test_split ({cfg.data.test_split})")
-    model = cfg.resolve_model(manifest.vocab_size)
+    try:
+        model = cfg.resolve_model(manifest.vocab_size)
+    except ValidationError as exc:  # only the mixture's vocabulary is new here (the rest was validated)
+        raise ArtifactError(f"{manifest_path}: vocab_size {manifest.vocab_size} does not give a valid model "
+                            f"({first_problem(exc)}); blend shards of a smaller tokenizer") from None
     if model.vocab_size < manifest.vocab_size:
         raise UserError(f"model.vocab_size ({model.vocab_size}) is smaller than the mixture's vocabulary "
                         f"({manifest.vocab_size}, {manifest_path})")
