@@ -41,6 +41,15 @@ def test_an_output_that_is_a_file_of_the_checkpoint_is_refused_and_the_file_kept
     err = _usage_error(["--checkpoint", model, "--prompts", prompts, "--output", model / "config.json"], capsys)
     assert f"--output is a file of the --checkpoint {model}" in err, err
     assert (model / "config.json").read_text() == "{}"
+    # A hub snapshot: its files are links to blobs outside it (the write would replace the link).
+    blob = tmp_path / "blobs" / "cfg"
+    blob.parent.mkdir()
+    blob.write_text("{}")
+    (model / "tokenizer_config.json").symlink_to(blob)
+    err = _usage_error(["--checkpoint", model, "--prompts", prompts, "--output", model / "tokenizer_config.json"],
+                       capsys)
+    assert "--output is a file of the --checkpoint" in err, err
+    assert (model / "tokenizer_config.json").is_symlink() and blob.read_text() == "{}"
 
 
 def test_more_torch_threads_than_the_process_may_use_is_refused(tmp_path, capsys):
