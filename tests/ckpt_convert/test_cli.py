@@ -58,3 +58,64 @@ def test_usage_errors_in_process(tmp_path, tokenizer_dir, capsys, argv, message)
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "y").exists()
+
+
+def _tree(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("argv", [
+    ["export", "--format", "hf", "--checkpoint", "CK", "--output", "CK"],
+    ["export", "--format", "trtllm", "--checkpoint", "CK", "--output", "CK"],
+    ["export", "--format", "megatron", "--checkpoint", "CK/iter_0000010", "--output", "ROOT"],
+    ["reshard", "--checkpoint", "CK", "--output", "CK", "--tensor-parallel", "1", "--pipeline-parallel", "1"],
+    ["import", "--format", "hf", "--input", "HF", "--output", "HF"],
+], ids=["export-hf-into-its-run", "export-trtllm-into-its-run", "export-megatron-above-its-run", "reshard-into-itself",
+        "import-into-itself"])
+def test_an_output_that_holds_the_input_is_refused_even_with_overwrite_and_the_input_is_kept(
+        tmp_path, tokenizer_dir, capsys, argv):
+    """--overwrite used to replace the run (every iteration) or the HF directory it read by the
+    conversion's output; the one line now names the input the output would delete."""
+    from ckpt_helpers import refused
+
+    from tessera.ckpt_convert.cli import run
+
+    root = tmp_path / "root"
+    make_checkpoint(root / "ck", tiny_llama(num_layers=1), tokenizer_dir)
+    run(["export", "--format", "hf", "--checkpoint", str(root / "ck"), "--output", str(root / "hf"), "--quiet"])
+    before = _tree(root)
+    names = {"CK": root / "ck", "HF": root / "hf", "ROOT": root}
+    argv = [str(names[a.split("/")[0]].joinpath(*a.split("/")[1:])) if a.split("/")[0] in names else a for a in argv]
+    err = refused(capsys, [*argv, "--overwrite", "--quiet"])
+    assert "holds the input" in err and "--output" in err, err
+    assert _tree(root) == before
+
+
+def test_reshard_to_more_ranks_than_the_soft_open_file_limit_raises_it_and_past_the_hard_limit_is_refused(
+        tmp_path, tokenizer_dir, capsys, monkeypatch):
+    """reshard keeps one file per target rank open: under `ulimit -Sn 256`, --data-parallel 400 died
+    with EMFILE's traceback (and 10^8 did at any limit); now the soft limit is raised to what is
+    needed, and a layout past the hard limit is one line."""
+    import resource
+
+    from ckpt_helpers import refused
+
+    from tessera.ckpt_convert.cli import run
+
+    make_checkpoint(tmp_path / "ck", tiny_llama(num_layers=1), tokenizer_dir)
+    argv = ["reshard", "--checkpoint", str(tmp_path / "ck"), "--tensor-parallel", "1", "--pipeline-parallel", "1",
+            "--quiet"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 600:
+        pytest.skip(f"hard open-file limit {hard} leaves no room for 400 rank files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        assert run([*argv, "--data-parallel", "400", "--output", str(tmp_path / "dp400")]) == 0
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(list((tmp_path / "dp400").glob("iter_*/__*_0.distcp"))) == 400
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, 300))  # a hard limit of 300 files
+    err = refused(capsys, [*argv, "--data-parallel", "400", "--output", str(tmp_path / "over")])
+    assert "the target layout has 400 ranks" in err and "more than the 300 files this process may open" in err, err
+    assert not (tmp_path / "over").exists() and not list(tmp_path.glob(".over.tmp-*"))

@@ -4,7 +4,8 @@ A Hugging Face config.json claiming 10^12 positions or 10^6 layers made serving 
 64 TB and import, serve and generate grow past 3 GiB; one whose tokenizer is larger than its
 vocabulary was imported. A checkpoint storing q_proj as bool or uint8 passed verify and export.
 Each is now one line naming the file (and field), exit 2, nothing written, before any allocation
-sized by it. The checkpoint half of every reader is in tests/trainer/test_checkpoint_corruption_matrix.py.
+sized by it. A safetensors header giving two tensors the same bytes (q_proj's values loaded as o_proj) was
+accepted too. The checkpoint half of every reader is in tests/trainer/test_checkpoint_corruption_matrix.py.
 """
 
 from __future__ import annotations
@@ -67,11 +68,26 @@ def _larger_tokenizer(hf: Path) -> None:
     make_tokenizer(hf, vocab_size=512)  # tokenizer.json of 512 tokens over the 300-row model
 
 
+def _shared_bytes(hf: Path) -> None:
+    """o_proj's header entry points at q_proj's bytes (same shape): every other check passes."""
+    import struct
+
+    path = hf / "model.safetensors"
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header["model.layers.0.self_attn.o_proj.weight"]["data_offsets"] = \
+        header["model.layers.0.self_attn.q_proj.weight"]["data_offsets"]
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+
+
 HF_CASES = {
     "max_position_embeddings 10^12": (_config_field("max_position_embeddings", 10**12),
                                       "config.json: field 'max_position_embeddings'"),
     "num_hidden_layers 10^6": (_config_field("num_hidden_layers", 10**6), "config.json: field 'num_hidden_layers'"),
     "tokenizer larger than the vocabulary": (_larger_tokenizer, "tokenizer has 512 tokens but the model"),
+    "two tensors sharing bytes": (_shared_bytes, "'model.layers.0.self_attn.q_proj.weight' overlap in the file"),
 }
 
 

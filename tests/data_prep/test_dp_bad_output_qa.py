@@ -26,6 +26,24 @@ def test_prep_skipped_log_that_is_a_folder_is_refused_before_any_output(tmp_path
     assert not (tmp_path / "o").exists()
 
 
+def test_prep_skipped_log_or_tokenizer_output_over_an_input_is_refused_and_the_input_kept(tmp_path, tokenizer_dir,
+                                                                                          capsys):
+    """--skipped-log corpus.jsonl replaced the corpus by the log of its bad records, and
+    --tokenizer-output DIR --overwrite deleted the corpus in DIR; both now name the input."""
+    data = tmp_path / "data"
+    data.mkdir()
+    corpus = write_jsonl(data / "c.jsonl", [{"text": "hello world"}], raw_lines={0: b"{not json"})
+    before = corpus.read_bytes()
+    err = user_error(["prep", "--input", corpus, "--tokenizer", tokenizer_dir, "--output-prefix", tmp_path / "o/x",
+                      "--skipped-log", corpus, "--quiet"], capsys)
+    assert f"--skipped-log {corpus}: holds the input {corpus}" in err, err
+    err = user_error(["prep", "--input", data, "--train-tokenizer", "--vocab-size", 300, "--tokenizer-output", data,
+                      "--output-prefix", tmp_path / "o/y", "--overwrite", "--quiet"], capsys)
+    assert f"--tokenizer-output {data}: holds the input {corpus}" in err, err
+    assert corpus.read_bytes() == before and sorted(p.name for p in data.iterdir()) == ["c.jsonl"]
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
 def test_blend_output_problems(tmp_path, base_shard, capsys):
     common = ["blend", "--data", base_shard, "--seq-length", 16, "--train-samples", 2, "--quiet"]
     victim = tmp_path / "notes.txt"

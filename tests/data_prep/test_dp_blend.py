@@ -158,3 +158,34 @@ def test_a_bad_flag_is_reported_against_the_flag_not_the_yaml_file(tmp_path, sha
     config.write_text(config.read_text().replace("train_samples: 10", "train_samples: -1"))
     assert f"{config}: invalid config: train_samples" in user_error(["blend", "--config", config], capsys)
     assert not (tmp_path / "m").exists()
+
+
+def test_blend_over_the_folder_of_its_shards_is_refused_even_with_overwrite(tmp_path, base_shard, capsys):
+    """--overwrite replaced the folder holding the input shards by the mixture, which then pointed at
+    shards it had deleted; now one line names the shard and nothing is touched."""
+    import shutil
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for suffix in (".bin", ".idx", ".json"):
+        shutil.copy(f"{base_shard}{suffix}", folder / f"a{suffix}")
+    before = sorted(p.name for p in folder.iterdir())
+    err = user_error(["blend", "--data", folder / "a", "--seq-length", SEQ, "--train-samples", 4, "--output", folder,
+                      "--overwrite", "--quiet"], capsys)
+    assert f"--output {folder}: holds the input {folder / 'a.bin'}" in err, err
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_a_seq_length_whose_document_order_outgrows_memory_is_refused_before_building(tmp_path, shards, capsys,
+                                                                                      monkeypatch):
+    """--seq-length 10^12 over a small shard repeats its documents once per epoch, 10^9 entries: blend
+    was killed for memory after minutes. The machine is made to report 1 MiB so that the same refusal
+    shows on an index of a few MiB (without the check this blend succeeds)."""
+    from tessera.data_prep import blend
+
+    monkeypatch.setattr(blend, "physical_memory", lambda: 2**20)
+    seq = 2000 * int(blend.document_lengths(IndexedDataset(str(shards[0]))).sum()) // 10  # ~2000 epochs: > 1 MiB
+    err = user_error(["blend", "--data", shards[0], "--seq-length", seq, "--split", "1", "--train-samples", 10,
+                      "--output", tmp_path / "m"], capsys)
+    assert f"--seq-length {seq}: 10 train samples read the" in err and "more than the 0.0 GiB of memory" in err, err
+    assert "a shorter --seq-length" in err and not (tmp_path / "m").exists()

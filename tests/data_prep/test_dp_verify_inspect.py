@@ -57,6 +57,21 @@ def test_corruptions_are_named(copy, capsys):
     assert "s.idx" in (err := user_error(["verify", copy], capsys)) and "truncated" in err
 
 
+@pytest.mark.parametrize("vocab", [10**12, 0])
+def test_a_manifest_vocabulary_no_token_id_can_reach_is_refused_by_verify_and_blend(copy, capsys, tmp_path, vocab):
+    """The manifest is not covered by its checksums: vocab_size 10^12 (ids are int32 at most)
+    passed verify and blend, and the trainer reading the mixture failed with a traceback."""
+    import json
+
+    manifest = Path(f"{copy}.json")
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "vocab_size": vocab}))
+    for argv in (["verify", copy], ["blend", "--data", copy, "--seq-length", 16, "--train-samples", 2,
+                                     "--output", tmp_path / "m", "--quiet"]):
+        err = user_error(argv, capsys)
+        assert f"{manifest}: invalid shard manifest (vocab_size: Input should be" in err, err
+    assert not (tmp_path / "m").exists()
+
+
 def test_inspect_reports_and_decodes(base_shard, corpus_texts, capsys):
     run(["inspect", base_shard, "--docs", "0,3", "--max-chars", 100000])
     out = capsys.readouterr().out

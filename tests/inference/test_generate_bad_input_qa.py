@@ -29,3 +29,43 @@ def test_bad_output_path(tmp_path, capsys):
     blocker.write_text("x")
     err = _usage_error(["--checkpoint", tmp_path, "--prompts", prompts, "--output", blocker / "o.jsonl"], capsys)
     assert "cannot create the output folder" in err
+
+
+def test_an_output_that_is_a_file_of_the_checkpoint_is_refused_and_the_file_kept(tmp_path, capsys):
+    """--output <hf dir>/config.json used to replace the model's config by the completions (exit 0)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    err = _usage_error(["--checkpoint", model, "--prompts", prompts, "--output", model / "config.json"], capsys)
+    assert f"--output is a file of the --checkpoint {model}" in err, err
+    assert (model / "config.json").read_text() == "{}"
+    # A hub snapshot: its files are links to blobs outside it (the write would replace the link).
+    blob = tmp_path / "blobs" / "cfg"
+    blob.parent.mkdir()
+    blob.write_text("{}")
+    (model / "tokenizer_config.json").symlink_to(blob)
+    err = _usage_error(["--checkpoint", model, "--prompts", prompts, "--output", model / "tokenizer_config.json"],
+                       capsys)
+    assert "--output is a file of the --checkpoint" in err, err
+    assert (model / "tokenizer_config.json").is_symlink() and blob.read_text() == "{}"
+
+
+def test_more_torch_threads_than_the_process_may_use_is_refused(tmp_path, capsys):
+    """--torch-threads 100000 made torch start 10^5 threads and segfault (exit 139); one more than
+    the CPUs shows the refusal without that risk."""
+    import os
+
+    import torch
+
+    cpus = len(os.sched_getaffinity(0))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    before = torch.get_num_threads()
+    try:
+        err = _usage_error(["--checkpoint", tmp_path, "--prompts", prompts, "--output", tmp_path / "o.jsonl",
+                            "--torch-threads", cpus + 1], capsys)
+    finally:
+        torch.set_num_threads(before)
+    assert f"--torch-threads {cpus + 1}: more than the {cpus} CPUs this process may use" in err, err

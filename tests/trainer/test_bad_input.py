@@ -37,6 +37,9 @@ def run_expect_usage_error(argv, capsys) -> str:
     (["training.precision=fp8"], "training.precision"),
     (["optim.lr=-1"], "optim.lr"),
     (["training.bogus=1"], "training.bogus"),
+    # 10^12 sequences per step: the first step asked numpy for 7 TiB of sample numbers (a traceback).
+    (["training.global_batch_size=1000000000000", "training.micro_batch_size=1000000000000"],
+     "training.global_batch_size: Input should be less than or equal to 16777216"),
 ] + ([] if torch.cuda.is_available() else [(["training.device=cuda"], "no usable CUDA device")]))
 def test_impossible_config_is_refused(make_config, capsys, tmp_path, overrides, expected):
     err = run_expect_usage_error(["--config", str(make_config()), *overrides], capsys)
@@ -76,6 +79,26 @@ def test_mixture_of_another_tokenizer_is_refused(make_config, capsys, artifacts,
     err = run_expect_usage_error(
         ["--config", str(make_config()), f"data.tokenizer={other['tokenizer']}"], capsys)
     assert "another tokenizer" in err and "manifest.json" in err
+
+
+@pytest.mark.parametrize("vocab, expected", [
+    (2**25, "vocab_size 33554432 does not give a valid model (vocab_size: Input should be less than or equal to"),
+    (10**12, "invalid mixture manifest (vocab_size: Input should be less than or equal to 2147483648)"),
+])
+def test_a_mixture_manifest_whose_vocabulary_no_model_can_have_is_refused(make_config, capsys, artifacts, tmp_path,
+                                                                          vocab, expected):
+    """The manifest is not covered by its own checksums: vocab_size edited to 2^25 or 10^12 made
+    the trainer fail with pydantic's traceback. (check_inputs reads nothing else of the mixture
+    before the model is resolved, so the manifest alone stands for it.)"""
+    import json
+
+    mixture = tmp_path / "mix"
+    mixture.mkdir()
+    manifest = json.loads((artifacts["mixture"] / "manifest.json").read_text())
+    (mixture / "manifest.json").write_text(json.dumps({**manifest, "vocab_size": vocab}))
+    err = run_expect_usage_error(["--config", str(make_config()), f"data.mixture={mixture}"], capsys)
+    assert f"{mixture / 'manifest.json'}: " in err and expected in err, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_missing_mixture_is_refused(make_config, capsys, tmp_path):

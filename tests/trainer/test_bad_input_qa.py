@@ -25,3 +25,20 @@ def test_run_dir_that_cannot_be_created(make_config, capsys, tmp_path):
     err = run_expect_usage_error(["--config", str(make_config()), f"checkpoint.dir={blocker}/ckpt"], capsys)
     assert "checkpoint.dir" in err and "cannot create the output folder" in err
     assert blocker.read_text() == "x"
+
+
+def test_more_threads_than_the_process_may_use_is_refused_before_any_work(make_config, capsys, tmp_path):
+    """training.threads=100000 made torch start 10^5 threads: 'can't start new thread', then a
+    segfault (exit 139). One more than the CPUs shows the same refusal without risking that."""
+    import os
+
+    import torch
+
+    cpus = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    try:
+        err = run_expect_usage_error(["--config", str(make_config()), f"training.threads={cpus + 1}"], capsys)
+    finally:
+        torch.set_num_threads(before)  # the run, were the check missing, would change this process's setting
+    assert f"training.threads ({cpus + 1}) is more than the {cpus} CPUs this process may use" in err, err
+    assert not (tmp_path / "run").exists()

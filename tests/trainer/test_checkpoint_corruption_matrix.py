@@ -89,6 +89,29 @@ def pointer_to_missing_iteration(ckpt: Path) -> str:
     return POINTER
 
 
+def pointer_not_utf8(ckpt: Path) -> str:
+    """A pointer of bytes that are not UTF-8 (was UnicodeDecodeError's traceback in every reader)."""
+    (ckpt.parent / POINTER).write_bytes(b"\xff\xfe2\n")
+    return POINTER
+
+
+def pointer_superscript_digit(ckpt: Path) -> str:
+    """'²' passes str.isdigit() but not int() (was a ValueError traceback)."""
+    (ckpt.parent / POINTER).write_text("\u00b2\n")
+    return POINTER
+
+
+def pointer_is_a_folder(ckpt: Path) -> str:
+    """A folder under the pointer's name: read as 'no pointer', so --resume started over and the
+    first save died replacing it (IsADirectoryError's traceback)."""
+    (ckpt.parent / POINTER).unlink()
+    (ckpt.parent / POINTER).mkdir()
+    return POINTER
+
+
+POINTER_CORRUPTIONS = (pointer_to_missing_iteration, pointer_not_utf8, pointer_superscript_digit, pointer_is_a_folder)
+
+
 # ---- what the sidecar or the index says, against the files and the config (issues 28 and 35) ----
 # The damage below keeps every checksum the sidecar lists valid (recomputed where a file changed),
 # as an attacker who controls every file, or a tool that re-signs what it rewrote, would leave it.
@@ -208,7 +231,8 @@ def tokenizer_larger_than_model(ckpt: Path) -> str:
 
 CORRUPTIONS: list[Callable[[Path], str]] = [
     payload_byte_flip, truncated_payload, deleted_payload, sidecar_model_edited, sidecar_not_json,
-    metadata_truncated, metadata_garbage, pointer_to_missing_iteration,
+    metadata_truncated, metadata_garbage, pointer_to_missing_iteration, pointer_not_utf8, pointer_superscript_digit,
+    pointer_is_a_folder,
     unlisted_payload_flipped, empty_checksum_table, sidecar_lists_a_missing_file, q_proj_stored_as_int32,
     extra_model_tensor, index_claims_huge_embedding, index_shape_disagrees_with_config, sidecar_claims_100k_layers,
     sidecar_layer_count_wrong, tokenizer_larger_than_model,
@@ -310,12 +334,12 @@ def test_every_checkpoint_corruption_is_refused_by_every_reader(corruption, read
                                                                capsys, no_listening):
     run, damaged_file = damaged(corruption.__name__)
     out = tmp_path / "out"
-    command = _command(reader, trained[0], run, out, pointer=corruption is pointer_to_missing_iteration)
+    command = _command(reader, trained[0], run, out, pointer=corruption in POINTER_CORRUPTIONS)
     capsys.readouterr()
     if (corruption.__name__, reader) in NOT_READ:
         private = tmp_path / "private"  # a reader that succeeds may write (a resumed run saves)
         shutil.copytree(run, private)
-        command = _command(reader, trained[0], private, out, pointer=corruption is pointer_to_missing_iteration)
+        command = _command(reader, trained[0], private, out, pointer=corruption in POINTER_CORRUPTIONS)
         with pytest.raises(SystemExit) as exc:
             command()
         assert exc.value.code == 0, capsys.readouterr().err[-2000:]

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from tessera.ckpt_convert.mapped import Staging, exact, write_bytes
 from tessera.common.checkpoint import CHECKSUM_ALGORITHM
+from tessera.common.errors import UserError
 from tessera.common.fileio import HashingWriter
 
 ENTRY_ALIGNMENT = 64
@@ -86,6 +87,29 @@ def rank_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
+# Descriptors the process holds besides the rank files (interpreter, libraries, the source
+# checkpoint's mapped files, the hashing threads' pipes), with room to spare.
+OTHER_OPEN_FILES = 64
+
+
+def allow_open_files(ranks: int) -> None:
+    """The writer keeps one file per target rank open: raise the soft limit on open files toward
+    the hard one when that many need it, and refuse a layout past the hard limit in one line
+    (--data-parallel 10^8 failed at the 20,000th file with EMFILE's traceback)."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: nothing to ask
+        return
+    need = ranks + OTHER_OPEN_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and need > hard:
+        raise UserError(f"the target layout has {ranks:,} ranks, whose files are written at once: more than the "
+                        f"{hard:,} files this process may open (ulimit -Hn); choose a smaller layout or raise the limit")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
 class ShardedDcpWriter:
     """Streams tensors into per-rank DCP files; `close()` writes the `.metadata` index."""
 
@@ -93,8 +117,15 @@ class ShardedDcpWriter:
         """`sync`: fsync every file at close (early writeback while writing); False: neither."""
         self.directory = directory
         self.sync = sync
+        allow_open_files(world_size)
         directory.mkdir(parents=True, exist_ok=True)
-        self.raw: list[BinaryIO] = [open(directory / rank_file(r), "wb") for r in range(world_size)]
+        self.raw: list[BinaryIO] = []
+        try:
+            for r in range(world_size):
+                self.raw.append(open(directory / rank_file(r), "wb"))
+        except BaseException:
+            self.abort()  # the files opened so far
+            raise
         self.files = [HashingWriter(f, CHECKSUM_ALGORITHM, write=functools.partial(write_bytes, f, writeback=sync))
                       for f in self.raw]
         self.staging = Staging()

@@ -156,10 +156,14 @@ def write_pointer(checkpoints_root: str | os.PathLike, step: int, sync: bool = T
 def read_pointer(checkpoints_root: str | os.PathLike) -> int | None:
     path = artifact_path(checkpoints_root, POINTER)
     if not path.is_file():
+        if path.exists():  # a folder of that name: the next save could never replace it
+            raise ArtifactError(f"{path}: not a file; remove it (the pointer names the newest checkpoint)")
         return None
-    text = path.read_text().strip()
-    if not text.isdigit():
-        raise ArtifactError(f"{path}: expected a step number, found {text[:40]!r}")
+    # ASCII digits only: str.isdigit() also takes '²', which int() refuses (a traceback), and a
+    # non-UTF-8 pointer failed in read_text().
+    text = path.read_bytes().strip()
+    if not re.fullmatch(rb"[0-9]+", text):
+        raise ArtifactError(f"{path}: expected a step number, found {text.decode('utf-8', 'replace')[:40]!r}")
     return int(text)
 
 

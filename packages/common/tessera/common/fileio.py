@@ -179,6 +179,21 @@ def ensure_output_dir(directory: str | os.PathLike, what: str) -> None:
                         "choose a writable location") from None
 
 
+def refuse_replacing_inputs(output: str | os.PathLike, inputs: list, what: str = "--output") -> None:
+    """Refuse an output whose replacement (--overwrite) would delete an input: the output is an
+    input or a folder above one. atomic_directory swaps the old output out only at the end, but
+    the swap still deletes it, e.g. `export --checkpoint run --output run --overwrite` replaced a
+    whole run (every iteration) by its export. One line naming both (exit 2 through run_cli)."""
+    from tessera.common.errors import UserError
+
+    out = Path(output).resolve()
+    for given in inputs:
+        path = Path(given).resolve()
+        if path == out or out in path.parents:
+            raise UserError(f"{what} {output}: holds the input {given}, which writing there would delete; "
+                            "choose another output path")
+
+
 def fsync_tree(directory: Path, files: list[Path] | None = None) -> None:
     """fsync `files` (default: every file under `directory`) and `directory` itself, e.g. files
     copied into a durable output (shutil.copyfile does not fsync)."""

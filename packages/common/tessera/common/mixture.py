@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import artifact_path, read_json, sha256_file
 from tessera.common.indexed_dataset import IndexedDataset
-from tessera.common.shard import open_loss_mask, open_shard, shard_fingerprint
+from tessera.common.shard import MAX_VOCAB_IDS, first_problem, open_loss_mask, open_shard, shard_fingerprint
 
 MIXTURE_FORMAT = "tessera-mixture"
 MIXTURE_FORMAT_VERSION = 1
@@ -64,7 +64,7 @@ class MixtureManifest(BaseModel):
     seed: int
     split: list[float]
     tokenizer_fingerprint: str
-    vocab_size: int
+    vocab_size: int = Field(ge=1, le=MAX_VOCAB_IDS, description="The shards' vocabulary size.")
     datasets: list[MixtureDatasetEntry]
     splits: dict[str, MixtureSplitInfo]
     checksums: dict[str, str] = Field(default_factory=dict, description="Relative path of every .npy file -> sha256 hex.")
@@ -94,8 +94,8 @@ def read_mixture_manifest(directory: str | os.PathLike) -> MixtureManifest:
         raise ArtifactError(f"{path}: mixture format version {data.get('format_version')} is not supported")
     try:
         return MixtureManifest.model_validate(data)
-    except Exception as exc:
-        raise ArtifactError(f"{path}: invalid mixture manifest ({str(exc).splitlines()[0]})") from None
+    except ValidationError as exc:
+        raise ArtifactError(f"{path}: invalid mixture manifest ({first_problem(exc)})") from None
 
 
 def resolve_prefix(directory: Path, prefix: str) -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import read_json, sha256_file
@@ -35,6 +35,12 @@ SHARD_FORMAT = "tessera-shard"
 BLOCK_ALGORITHM = "xxh3-64"
 BLOCK_SIZE = 1 << 20  # 1 MiB: a JSON entry per MiB of tokens, ~0.2 ms to hash and range-check on first read
 SHARD_FORMAT_VERSION = 1
+
+
+# Ids are stored as int32 at most, so no vocabulary is larger. The manifest is not covered by
+# its own checksums: a vocab_size of 10^12 written into it passed verify and blend, and the
+# trainer then failed with a traceback.
+MAX_VOCAB_IDS = 2**31
 
 
 class ShardInput(BaseModel):
@@ -50,7 +56,7 @@ class ShardManifest(BaseModel):
     format: str = SHARD_FORMAT
     format_version: int = SHARD_FORMAT_VERSION
     tokenizer_fingerprint: str = Field(description="sha256 of the tokenizer.json that produced the tokens.")
-    vocab_size: int
+    vocab_size: int = Field(ge=1, le=MAX_VOCAB_IDS, description="Tokenizer vocabulary size: every id is below it.")
     dtype: str = Field(description="numpy dtype name of the tokens: uint16 or int32.")
     num_documents: int
     num_tokens: int
@@ -63,6 +69,13 @@ class ShardManifest(BaseModel):
     block_checksum_algorithm: str = Field(BLOCK_ALGORITHM, description="Algorithm of block_checksums.")
     block_checksums: list[str] = Field(default_factory=list, description="Hex digest of each block of `.bin` in order (the last block may be short).")
     loss_mask: bool = Field(False, description="`<prefix>.mask.bin` holds a uint8 per token: 1 where the loss counts the token as a target (sha256 in checksums['mask']).")
+
+
+def first_problem(exc: ValidationError) -> str:
+    """'field: what is wrong' of a manifest's first invalid field (pydantic's own first line names
+    only the model)."""
+    err = exc.errors()[0]
+    return f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
 
 
 def manifest_path(prefix: str | os.PathLike) -> Path:
@@ -122,8 +135,8 @@ def read_shard_manifest(prefix: str | os.PathLike) -> ShardManifest:
                             f"(expected {SHARD_FORMAT_VERSION})")
     try:
         return ShardManifest.model_validate(data)
-    except Exception as exc:
-        raise ArtifactError(f"{path}: invalid shard manifest ({str(exc).splitlines()[0]})") from None
+    except ValidationError as exc:
+        raise ArtifactError(f"{path}: invalid shard manifest ({first_problem(exc)})") from None
 
 
 class BlockHasher:

@@ -20,7 +20,7 @@ from pydantic import Field, field_validator
 
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
-from tessera.common.fileio import ensure_output_dir, tmp_name
+from tessera.common.fileio import ensure_output_dir, refuse_replacing_inputs, tmp_name
 from tessera.common.indexed_dataset import token_dtype_for_vocab
 from tessera.common.models.vision_language.processor import DEFAULT_MAX_PIXELS
 from tessera.common.progress import progress
@@ -200,6 +200,11 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
         check_inputs(inputs, cfg.json_keys, cfg.hf_split)
     if cfg.skipped_log is not None and cfg.skipped_log.is_dir():
         raise UserError(f"--skipped-log {cfg.skipped_log}: is a folder; give a file name")
+    # The log and a trained tokenizer replace what is there: never an input (--skipped-log
+    # corpus.jsonl overwrote the corpus; --tokenizer-output DIR --overwrite deleted a corpus in DIR).
+    input_paths = [i.path for i in inputs]
+    if cfg.skipped_log is not None:
+        refuse_replacing_inputs(cfg.skipped_log, input_paths, "--skipped-log")
     ensure_output_dir(cfg.output_prefix.parent, "--output-prefix")
     if cfg.skipped_log is not None:
         ensure_output_dir(cfg.skipped_log.parent, "--skipped-log")
@@ -210,6 +215,7 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
     tok_out = None
     if cfg.train_tokenizer or converting:
         tok_out = cfg.tokenizer_output or cfg.output_prefix.parent / "tokenizer"
+        refuse_replacing_inputs(tok_out, input_paths, "--tokenizer-output")
         if tok_out.exists() and not cfg.overwrite:
             raise UserError(f"{tok_out}: tokenizer directory already exists; reuse it with --tokenizer {tok_out}, "
                             "choose --tokenizer-output, or pass --overwrite")

@@ -25,6 +25,11 @@ from tessera.trainer.kinds import check_options, check_trainable
 # the real vocab_size) has been read; no shape check depends on it.
 PLACEHOLDER_VOCAB = 1
 
+# Sequences per optimizer step, at most: ~16M, past every published run (the largest batches
+# are ~10^5 sequences). The step's sample numbers are one int64 array of that size, so an absurd
+# value (10^12 asked for 7 TiB at the first step, a traceback) is refused with the config.
+MAX_GLOBAL_BATCH = 2**24
+
 
 class DataConfig(StrictModel):
     """Where the tokens come from."""
@@ -81,7 +86,7 @@ class ScheduleConfig(StrictModel):
 class TrainingConfig(StrictModel):
     """Batch shape, length of the run, precision and speed options, intervals."""
 
-    global_batch_size: int = Field(8, gt=0, description="Sequences per optimizer step, over all data-parallel ranks.")
+    global_batch_size: int = Field(8, gt=0, le=MAX_GLOBAL_BATCH, description="Sequences per optimizer step, over all data-parallel ranks (at most 2^24).")
     micro_batch_size: int = Field(4, gt=0, description="Sequences per forward/backward; global / (micro x data-parallel) micro-batches are accumulated.")
     seq_length: int = Field(128, gt=0, description="Tokens per training sequence; at most the mixture's seq_length and the model's max_seq_len.")
     rampup_batch_size: tuple[int, int, int] | None = Field(None, description="Megatron's --rampup-batch-size [start, increment, samples]: the global batch starts at `start` sequences and grows by `increment` at even intervals over the first `samples` consumed samples, up to global_batch_size (tessera.trainer.objectives.batches.global_batch_size_at). Every size must be a multiple of micro_batch_size x data-parallel size.")
@@ -100,7 +105,7 @@ class TrainingConfig(StrictModel):
     compile_scope: Literal["blocks", "model"] = Field("blocks", description="With compile: blocks = regional compilation (torchtitan's): each transformer block compiled in place, blocks of one kind sharing one compiled graph so compile time does not grow with depth, and the output head with the loss as one graph; model = the model forward and the loss as one graph (inductor sees across blocks; compile time grows with depth). Parallel layouts compile per block (model is refused there). The masked-LM and span objectives take both scopes (blocks: their blocks per kind, and the head with its loss as one graph).")
     retain_host_memory: bool = Field(True, description="CPU only: keep freed memory in the process (glibc malloc without mmap or trimming) so each step reuses mapped pages instead of page-faulting new ones; resident memory stays at its peak.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
-    threads: int | None = Field(None, gt=0, description="torch intra-op threads on CPU (default: torch's choice).")
+    threads: int | None = Field(None, gt=0, description="torch intra-op threads on CPU (default: torch's choice); at most the CPUs this process may use.")
     log_interval: int = Field(1, gt=0, description="Log a metrics line every N steps.")
     eval_interval: int = Field(0, ge=0, description="Evaluate on the valid split every N steps (and at the end); 0 disables.")
     eval_iters: int = Field(4, gt=0, description="Global batches per evaluation (Megatron's --eval-iters): always the first eval_iters x global_batch_size samples of the valid split, whatever the parallel layout, so evaluations compare.")

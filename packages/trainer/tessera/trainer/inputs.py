@@ -9,8 +9,11 @@ tensor-parallel size (`pad_vocabulary`), the resolved layout, the document maski
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from tessera.common.checkpoint import read_sidecar, resolve_checkpoint
 from tessera.common.errors import ArtifactError, UserError
@@ -24,7 +27,7 @@ from tessera.common.mixture import (
     resolve_prefix,
 )
 from tessera.common.models.causal_lm.config import ModelConfig
-from tessera.common.shard import read_shard_manifest
+from tessera.common.shard import first_problem, read_shard_manifest
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
 from tessera.trainer.components.checkpoint.storage import latest_checkpoint
 from tessera.trainer.components.distributed import pick_device
@@ -64,6 +67,10 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
             raise UserError(problem)
     if problem := sdpa_backend_problem(t.attention_backend, pick_device(t.device, 0), "training.attention_backend"):
         raise UserError(problem)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if t.threads is not None and cpus and t.threads > cpus:  # 10^5 made torch start 10^5 threads and crash
+        raise UserError(f"training.threads ({t.threads}) is more than the {cpus} CPUs this process may use; set "
+                        "at most that, or leave it unset for torch's choice")
     layout = cfg.parallel.layout(world_size)
     readers = layout.batch_readers
     size = f"data-parallel size ({layout.data})" + (f" x expert-parallel size ({layout.expert})"
@@ -102,7 +109,11 @@ def check_inputs(cfg: TrainConfig, world_size: int = 1, resume: bool = False) ->
                                for split in (cfg.data.valid_split, cfg.data.test_split)):
         raise ArtifactError(f"{manifest_path}: training.eval_only has nothing to evaluate: no samples in "
                             f"data.valid_split ({cfg.data.valid_split}) or data.test_split ({cfg.data.test_split})")
-    model = cfg.resolve_model(manifest.vocab_size)
+    try:
+        model = cfg.resolve_model(manifest.vocab_size)
+    except ValidationError as exc:  # only the mixture's vocabulary is new here (the rest was validated)
+        raise ArtifactError(f"{manifest_path}: vocab_size {manifest.vocab_size} does not give a valid model "
+                            f"({first_problem(exc)}); blend shards of a smaller tokenizer") from None
     if model.vocab_size < manifest.vocab_size:
         raise UserError(f"model.vocab_size ({model.vocab_size}) is smaller than the mixture's vocabulary "
                         f"({manifest.vocab_size}, {manifest_path})")

@@ -24,7 +24,12 @@ from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsSt
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.ckpt_convert.tokenizer_files import write_hf_tokenizer
 from tessera.common.errors import UserError
-from tessera.common.fileio import BackgroundFsync, atomic_directory, atomic_write_json
+from tessera.common.fileio import (
+    BackgroundFsync,
+    atomic_directory,
+    atomic_write_json,
+    refuse_replacing_inputs,
+)
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import model_tensor_shapes
 from tessera.common.models.registry import hf_adapter, kind_of
@@ -77,6 +82,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
     output = Path(output)
     if output.exists() and not opts.overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
+    refuse_replacing_inputs(output, [src.directory])
     cfg = src.sidecar.model
     check_convertible(cfg, "export --format hf")
     rules = hf_adapter(cfg).export_rules(cfg)  # their sources are the stored tensors: CheckpointSource checked them

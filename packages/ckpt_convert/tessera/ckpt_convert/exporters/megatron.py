@@ -29,7 +29,7 @@ from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
-from tessera.common.fileio import atomic_directory
+from tessera.common.fileio import atomic_directory, refuse_replacing_inputs
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.encoder.config import EncoderConfig
 from tessera.common.models.hybrid.config import HybridConfig
@@ -103,6 +103,7 @@ def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dty
     output = Path(output)
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
+    refuse_replacing_inputs(output, [src.directory])
     cfg = src.sidecar.model
     check_convertible(cfg, "export --format megatron")
     if cfg.kind == "encoder":

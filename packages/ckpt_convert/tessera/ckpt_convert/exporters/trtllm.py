@@ -62,7 +62,7 @@ from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, fsync
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
-from tessera.common.fileio import atomic_directory, atomic_write_json
+from tessera.common.fileio import atomic_directory, atomic_write_json, refuse_replacing_inputs
 from tessera.common.hf.architecture import HF_DTYPE_NAMES
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.hf.adapter import architecture_for, check_exportable
@@ -339,6 +339,7 @@ def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOption
     output = Path(output)
     if output.exists() and not opts.overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
+    refuse_replacing_inputs(output, [src.directory])
     cfg = src.sidecar.model
     check_convertible(cfg, "export --format trtllm")
     tp, pp = opts.tp, opts.pp

@@ -27,7 +27,7 @@ import torch
 from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.errors import UserError
-from tessera.common.fileio import artifact_path, atomic_directory, read_json
+from tessera.common.fileio import artifact_path, atomic_directory, read_json, refuse_replacing_inputs
 from tessera.common.hf.directory import CONFIG, SafetensorsWeights
 from tessera.common.hf.rules import check_import
 from tessera.common.models.vision_language.hf import adapter
@@ -89,6 +89,7 @@ def import_llava_parts(vision_dir: str | Path, language_dir: str | Path, output:
             raise UserError(f"{d}: input directory not found")
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
+    refuse_replacing_inputs(output, [vision_dir, language_dir])
     if not (language_dir / "tokenizer.json").is_file():
         raise UserError(f"{language_dir}: no tokenizer.json; the language model's tokenizer (with {image_token!r}) "
                         "is needed to write image-text data and to serve")

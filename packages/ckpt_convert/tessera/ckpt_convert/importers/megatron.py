@@ -46,7 +46,7 @@ from tessera.ckpt_convert.exporters import megatron_bert, megatron_hybrid, megat
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import artifact_path, atomic_directory
+from tessera.common.fileio import artifact_path, atomic_directory, refuse_replacing_inputs
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.encoder.config import EncoderConfig
 from tessera.common.models.hybrid.config import HybridConfig
@@ -194,6 +194,7 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
         raise UserError(f"{input_dir}: input directory not found")
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
+    refuse_replacing_inputs(output, [input_dir] + ([tokenizer] if tokenizer else []))
     check_torch_dist(input_dir)
     cfg = model_config if isinstance(model_config, BaseModel) else _load_model_config(model_config)
     check_convertible(cfg, "import --format megatron")

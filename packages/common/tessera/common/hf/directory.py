@@ -131,6 +131,12 @@ class SafetensorsFile:
                     raise ValueError(f"tensor {name!r} ends at byte {base + end}, past the end of the file "
                                      f"({size} bytes): truncated")
                 self.tensors[name] = StoredTensor(dtype, shape, base + start, end - start)
+            # Two tensors sharing bytes (the safetensors library refuses such a header) would load
+            # one tensor's values under another's name, e.g. q_proj read as o_proj, and pass every check.
+            spans = sorted((t.offset, t.offset + t.nbytes, n) for n, t in self.tensors.items() if t.nbytes)
+            for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+                if start_b < end_a:
+                    raise ValueError(f"tensors {a!r} and {b!r} overlap in the file (data_offsets)")
         except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
             raise ArtifactError(f"{path}: not a readable safetensors file ({str(exc).splitlines()[0][:200]}); "
                                 "it is corrupt or truncated") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 
 from pydantic import ValidationError
@@ -150,6 +151,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.torch_threads is not None:
         if args.torch_threads < 1:
             raise UserError(f"--torch-threads {args.torch_threads}: must be >= 1")
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if cpus and args.torch_threads > cpus:  # 10^5 made torch start 10^5 threads: a segfault (exit 139)
+            raise UserError(f"--torch-threads {args.torch_threads}: more than the {cpus} CPUs this process may use; "
+                            "pass at most that")
         import torch
 
         torch.set_num_threads(args.torch_threads)

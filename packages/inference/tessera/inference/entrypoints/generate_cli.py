@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"{out_path}: is a directory; pass a file path for --output")
     if out_path.exists() and out_path.resolve() == Path(args.prompts).resolve():
         raise UserError(f"{out_path}: --output is the --prompts file; write the completions elsewhere")
+    ckpt = Path(args.checkpoint)
+    # abspath too: a hub snapshot's files are links to its blobs, and the write replaces the link
+    if out_path.exists() and any(c in o.parents for c in (ckpt.resolve(), Path(os.path.abspath(ckpt)))
+                                 for o in (out_path.resolve(), Path(os.path.abspath(out_path)))):
+        # e.g. --output <hf dir>/config.json replaced the model's config by the completions (exit 0)
+        raise UserError(f"{out_path}: --output is a file of the --checkpoint {args.checkpoint}; write the completions "
+                        "elsewhere")
     ensure_output_dir(out_path.parent, "--output")
 
     from tessera.common.chat_template import ChatTemplateError, render_chat
