@@ -69,3 +69,16 @@ def test_more_torch_threads_than_the_process_may_use_is_refused(tmp_path, capsys
     finally:
         torch.set_num_threads(before)
     assert f"--torch-threads {cpus + 1}: more than the {cpus} CPUs this process may use" in err, err
+
+
+@pytest.mark.parametrize("flag, value", [("--num-kv-blocks", 10**11), ("--kv-cache-tokens", 10**12),
+                                         ("--kv-cache-memory", 10**15)])
+def test_a_kv_cache_larger_than_memory_is_refused_before_it_is_allocated(tiny_ckpt, tmp_path, capsys, flag, value):
+    """Each was a MemoryError traceback from the block manager's lists or the pool's allocation
+    (exit 1): now one line naming the flag, the pool's size and the memory, before anything is allocated."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    err = _usage_error(["--checkpoint", tiny_ckpt, "--prompts", prompts, "--output", tmp_path / "o.jsonl",
+                        flag, value], capsys)
+    assert f"error: {flag} {value}: a KV cache of " in err and "GiB of this machine's memory; lower it" in err, err
+    assert not (tmp_path / "o.jsonl").exists()
