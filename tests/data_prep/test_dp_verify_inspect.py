@@ -57,6 +57,20 @@ def test_corruptions_are_named(copy, capsys):
     assert "s.idx" in (err := user_error(["verify", copy], capsys)) and "truncated" in err
 
 
+def test_a_shard_of_float_tokens_without_a_manifest_is_refused(tmp_path, capsys):
+    """Megatron's .idx may declare float32 (code 7): verify used to say OK on such a shard without a
+    manifest (adopt refused it). Token ids are integers: one line naming the .idx."""
+    import numpy as np
+
+    from tessera.common.indexed_dataset import write_index
+
+    prefix = tmp_path / "f"
+    np.arange(12, dtype=np.float32).tofile(f"{prefix}.bin")
+    write_index(Path(f"{prefix}.idx"), np.dtype(np.float32), np.array([5, 7]), np.array([0, 1, 2]))
+    err = user_error(["verify", prefix], capsys)
+    assert f"{prefix}.idx: token dtype float32 is not an integer type" in err, err
+
+
 @pytest.mark.parametrize("vocab", [10**12, 0])
 def test_a_manifest_vocabulary_no_token_id_can_reach_is_refused_by_verify_and_blend(copy, capsys, tmp_path, vocab):
     """The manifest is not covered by its checksums: vocab_size 10^12 (ids are int32 at most)

@@ -56,6 +56,13 @@ def bin_path(prefix: str | os.PathLike) -> Path:
 SHARD_SUFFIXES = (".bin", ".idx", ".json", ".mask.bin")
 
 
+def check_token_dtype(ds: IndexedDataset, prefix: str | os.PathLike) -> None:
+    """Refuse a shard whose `.idx` declares a floating-point dtype: Megatron's format allows one (for
+    other data), but token ids are integers, and a float shard would be read as nonsense ids."""
+    if ds.dtype.kind not in "iu":
+        raise ArtifactError(f"{idx_path(prefix)}: token dtype {ds.dtype.name} is not an integer type")
+
+
 def check_shard_files(prefix: str | os.PathLike) -> None:
     """Refuse (one line) a shard whose files lead outside the prefix's folder (fileio.artifact_path),
     before any of them is read."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import atomic_write_json, sha256_file
-from tessera.common.indexed_dataset import IndexedDataset, bin_path, idx_path
+from tessera.common.indexed_dataset import IndexedDataset, bin_path, check_token_dtype, idx_path
 from tessera.common.progress import progress
 from tessera.common.shard import BLOCK_SIZE, BlockHasher, ShardInput, ShardManifest, manifest_path
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
@@ -94,8 +94,7 @@ def run_adopt(prefix: Path, tokenizer_dir: Path, eod: str = "auto", overwrite: b
         raise UserError(f"{mpath}: the shard already has a manifest; pass --overwrite to replace it")
     tokenizer = load_tokenizer(tokenizer_dir)
     ds = IndexedDataset(prefix)  # refuses a malformed index or a .bin of the wrong size
-    if ds.dtype.kind not in "iu":
-        raise ArtifactError(f"{idx_path(prefix)}: token dtype {ds.dtype.name} is not an integer type")
+    check_token_dtype(ds, prefix)
     eod_id = _end_of_document(ds, tokenizer, eod)  # reads one token per document: before the long scan
     bin_sha, blocks = _scan(ds, tokenizer.vocab_size, quiet)
     manifest = ShardManifest(

@@ -23,7 +23,13 @@ import numpy as np
 
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import sha256_file
-from tessera.common.indexed_dataset import IndexedDataset, bin_path, check_shard_files, idx_path
+from tessera.common.indexed_dataset import (
+    IndexedDataset,
+    bin_path,
+    check_shard_files,
+    check_token_dtype,
+    idx_path,
+)
 from tessera.common.shard import check_against_manifest, manifest_path, open_loss_mask, read_shard_manifest
 from tessera.data_prep.multimodal.image_text import verify_images
 
@@ -50,6 +56,7 @@ def verify_shard(prefix: str | Path, vocab_size: int | None = None, check_checks
         if not p.is_file():
             raise ArtifactError(f"{p}: not found (expected {prefix}.bin and {prefix}.idx)")
     ds = IndexedDataset(prefix)  # format, index structure and `.bin` size
+    check_token_dtype(ds, prefix)  # with or without a manifest (one records an integer dtype anyway)
     dtype, n, total = ds.dtype, len(ds), ds.num_tokens
     has_manifest = manifest_path(prefix).is_file()
     if has_manifest:
