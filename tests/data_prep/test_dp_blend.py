@@ -157,6 +157,11 @@ def test_a_bad_flag_is_reported_against_the_flag_not_the_yaml_file(tmp_path, sha
     assert "--seq-length 0: invalid config: seq_length" in err and "blend.yaml" not in err, err
     config.write_text(config.read_text().replace("train_samples: 10", "train_samples: -1"))
     assert f"{config}: invalid config: train_samples" in user_error(["blend", "--config", config], capsys)
+    # A `data:` list of weights and prefixes in the file is named as the file's, not as --data.
+    config.write_text(f"data: [0.5, {shards[0]}, {shards[1]}]\nseq_length: {SEQ}\ntrain_samples: 10\n"
+                      f"output: {tmp_path / 'm'}\n")
+    err = user_error(["blend", "--config", config], capsys)
+    assert f"error: {config}: data: expected WEIGHT PREFIX pairs" in err and "--data" not in err, err
     assert not (tmp_path / "m").exists()
 
 

@@ -168,8 +168,9 @@ def build_dataset_indices(doc_lengths: np.ndarray, first: int, last: int, num_sa
     return document_index, sample_index, shuffle_index
 
 
-def parse_data_args(values: list[str]) -> list[BlendSource]:
-    """`--data 0.7 A 0.3 B` (weight, prefix pairs) or `--data A B` (equal weights)."""
+def parse_data_args(values: list[str], where: str = "--data") -> list[BlendSource]:
+    """`--data 0.7 A 0.3 B` (weight, prefix pairs) or `--data A B` (equal weights); `where` names them
+    in an error (a YAML file's `data:` list is read here too)."""
 
     def is_number(s: str) -> bool:
         try:
@@ -181,12 +182,12 @@ def parse_data_args(values: list[str]) -> list[BlendSource]:
     if not any(is_number(v) for v in values):
         return [BlendSource(prefix=Path(v)) for v in values]
     if len(values) % 2 or not all(is_number(values[i]) for i in range(0, len(values), 2)):
-        raise UserError("--data: expected WEIGHT PREFIX pairs (e.g. --data 0.7 data/a 0.3 data/b) or only prefixes")
+        raise UserError(f"{where}: expected WEIGHT PREFIX pairs (e.g. 0.7 data/a 0.3 data/b) or only prefixes")
     out = []
     for i in range(0, len(values), 2):
         w = float(values[i])
         if not w > 0 or not np.isfinite(w):
-            raise UserError(f"--data: weight {values[i]} of {values[i + 1]} must be a positive number")
+            raise UserError(f"{where}: weight {values[i]} of {values[i + 1]} must be a positive number")
         out.append(BlendSource(prefix=Path(values[i + 1]), weight=w))
     return out
 
@@ -197,7 +198,7 @@ def load_blend_config(path: str | None, cli: dict) -> BlendConfig:
     if isinstance(data.get("data"), list):  # YAML may use [{prefix, weight}] or [weight, prefix, ...]
         items = data["data"]
         if items and not isinstance(items[0], dict):
-            data["data"] = [s.model_dump() for s in parse_data_args([str(x) for x in items])]
+            data["data"] = [s.model_dump() for s in parse_data_args([str(x) for x in items], f"{path}: data")]
     origins = {}  # a bad flag is reported against the flag, not the file
     for key, value in cli.items():
         if value is not None:
