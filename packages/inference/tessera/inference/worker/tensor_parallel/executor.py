@@ -31,7 +31,6 @@ and on Linux when the driver process dies (PR_SET_PDEATHSIG, also before the wor
 it), so stopping or killing the server, or a failed start, leaves no worker behind. Whoever drives
 the engine closes it when done: the engine process, or the server's engine thread (frontend.py).
 
-
 The worker's side: worker.py; the driver's model runner: runner.py.
 """
 

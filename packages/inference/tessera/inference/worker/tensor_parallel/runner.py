@@ -73,8 +73,7 @@ class TensorParallelRunner(PoolingSteps, ModelRunner):
         """`ModelRunner.launch` under tensor parallel: `previous` is finished first (its rows read and
         sampled), row i's input is then the token it sampled at index rows[i] (None: tokens the host
         knows), and the step is sent without waiting for its rows (module docstring)."""
-        fed = None if previous is None else previous.resolve().tokens
-        host = None if fed is None else fed.tolist()
+        host = None if previous is None else previous.resolve().tokens.tolist()
         rows = rows or [None] * len(plan.scheduled)
         if plan.single_token and self.executor.decode_batch:
             if self.decode_batch is None:
@@ -100,10 +99,8 @@ class TensorParallelRunner(PoolingSteps, ModelRunner):
                 offset += s.num_new
             seqs = [plan.scheduled[i].seq for i in sampled]
             send = partial(self.executor.send_step, batch, logits_rows)
-        # As on one device, the sampler is told each row's token in flight (penalties, min_tokens).
-        pending = [None if rows[i] is None else fed[rows[i]:rows[i] + 1] for i in sampled]
         send()  # last: a launch that raised after it would leave the workers' answer unread
-        return PendingStep(self, plan, sampled, seqs, pending)
+        return PendingStep(self, plan, sampled, seqs)
 
     def forward(self, plan: SchedulerOutput, logits_rows: list[int]) -> torch.Tensor:
         hidden = None
@@ -139,11 +136,9 @@ class PendingStep:
     tensor parallel): the engine uses it as the `LaunchedStep` it becomes once they are read and
     sampled (`resolve`), which what needs its tokens waits for."""
 
-    def __init__(self, runner: TensorParallelRunner, plan: SchedulerOutput, sampled: list[int], seqs: list[Sequence],
-                 pending: list[torch.Tensor | None]):
+    def __init__(self, runner: TensorParallelRunner, plan: SchedulerOutput, sampled: list[int], seqs: list[Sequence]):
         self.plan, self.sampled = plan, sampled
-        self._runner, self._seqs, self._pending = runner, seqs, pending
-        self._held = [len(seq.output_ids) for seq in seqs]  # tokens each sequence held when launched
+        self._runner, self._seqs = runner, seqs
         self._step: LaunchedStep | None = None
         waiting = [seq for seq in seqs if not samples_ahead(seq)]
         self._waiting = WaitingRows(waiting) if waiting else None
@@ -160,11 +155,11 @@ class PendingStep:
                 if not self.sampled:  # prompt chunks only: their K/V is written, nothing is sampled
                     self._step = LaunchedStep.start(self.plan, [], torch.empty(0, dtype=torch.long, device=runner.device))
                 else:
-                    # Sampled later than on one device: by now the engine has usually applied the step
-                    # before, so a sequence may hold the token that was in flight at launch.
-                    pending = [None if len(seq.output_ids) > held else token
-                               for seq, held, token in zip(self._seqs, self._held, self._pending)]
-                    self._step = runner._sample_launched(self.plan, self.sampled, self._seqs, logits.float(), pending)
+                    # Sampled later than on one device, which samples at launch: a step is resolved only
+                    # once the engine has applied the step before it, so every sequence already holds the
+                    # token it was fed, and none is in flight for penalties or min_tokens to count.
+                    self._step = runner._sample_launched(self.plan, self.sampled, self._seqs, logits.float(),
+                                                         [None] * len(self.sampled))
             except WorkerDied:
                 raise  # the engine ends
             except Exception:
