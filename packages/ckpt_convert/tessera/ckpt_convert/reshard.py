@@ -25,14 +25,16 @@ from tessera.ckpt_convert.partition import match_param, model_chunks, state_chun
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.checkpoint import (
+    CHECKPOINT_KIND,
     MODEL_PREFIX,
     TOKENIZER_DIR,
     finalize_checkpoint,
+    is_checkpoint_output,
     iter_dir_name,
     write_pointer,
 )
 from tessera.common.errors import UserError
-from tessera.common.fileio import atomic_directory, fsync_tree, refuse_replacing_inputs
+from tessera.common.fileio import atomic_directory, check_replaceable, fsync_tree, refuse_replacing_inputs
 from tessera.common.layout import ParallelLayout, validate_layout
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.hf.adapter import VOCAB_PARAMS
@@ -83,6 +85,7 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     refuse_replacing_inputs(output, [src.directory])
+    check_replaceable(output, CHECKPOINT_KIND, is_checkpoint_output)
     # Megatron re-pads the vocabulary for each tensor-parallel size; here the rows are kept wherever
     # the new size divides them (a checkpoint stays layout-free) and re-padded when it does not.
     check_convertible(src.sidecar.model, "reshard")

@@ -61,6 +61,7 @@ SIDECAR = "tessera_checkpoint.json"
 POINTER = "latest_checkpointed_iteration.txt"
 TOKENIZER_DIR = "tokenizer"
 MODEL_PREFIX = "model."
+CHECKPOINT_KIND = "Tessera checkpoint (a checkpoints directory or an iter_NNNNNNN/ with its sidecar)"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -109,6 +110,16 @@ def iter_dir_name(step: int) -> str:
 def checkpoint_files(directory: Path) -> list[Path]:
     """The DCP payload files of a checkpoint directory (not the sidecar or tokenizer)."""
     return [p for p in artifact_files(directory) if p.name != SIDECAR]
+
+
+def is_checkpoint_output(path: Path) -> bool:
+    """A checkpoints directory (the pointer, or an iter_NNNNNNN/ with its sidecar) or one iteration
+    directory (its sidecar): what reshard, import and the trainer write, so what their --overwrite
+    may replace (fileio.check_replaceable). An interrupted converter leaves only a hidden sibling;
+    an interrupted trainer save leaves an iter_ folder without sidecar beside the pointer."""
+    if (path / SIDECAR).is_file() or (path / POINTER).is_file():
+        return True
+    return any(_ITER_RE.match(p.name) and (p / SIDECAR).is_file() for p in path.iterdir())
 
 
 def checkpoint_tokenizer_dir(directory: str | os.PathLike) -> Path:

@@ -21,7 +21,7 @@ import shutil
 import stat
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -192,6 +192,50 @@ def refuse_replacing_inputs(output: str | os.PathLike, inputs: list, what: str =
         if path == out or out in path.parents:
             raise UserError(f"{what} {output}: holds the input {given}, which writing there would delete; "
                             "choose another output path")
+
+
+def check_replaceable(output: str | os.PathLike, kind: str, is_kind: Callable[[Path], bool],
+                      what: str = "--output") -> None:
+    """The one --overwrite policy, checked before any work: an existing output is replaced only
+    when it is an empty folder or a `kind` artifact (`is_kind`, the recogniser kept beside that
+    format's reader), e.g. `export --output ~/ --overwrite` deleted the home folder once the export
+    was written. A link is never replaced: the swap would move the link, not what it leads to, and
+    the recogniser would have judged the target. A file where a folder goes is refused too. One
+    line naming the path and what it holds (exit 2 through run_cli)."""
+    from tessera.common.errors import UserError
+
+    output = Path(output)
+    if not os.path.lexists(output):
+        return
+    hint = f"remove it yourself or choose another {what}"
+    if output.is_symlink():
+        raise UserError(f"{what} {output}: is a symbolic link (to {os.readlink(output)}); --overwrite never replaces "
+                        f"through a link; {hint}")
+    if not output.is_dir():
+        raise UserError(f"{what} {output}: is a file, not a {kind}; {hint}")
+    try:
+        entries = os.listdir(output)
+    except OSError as exc:
+        raise UserError(f"{what} {output}: cannot be listed ({exc.strerror}); {hint}") from None
+    if entries and not is_kind(output):
+        raise UserError(f"{what} {output}: holds {len(entries)} files or folders that are not a {kind}; {hint}")
+
+
+def check_replaceable_files(files: list[Path], kind: str, is_kind: Callable[[Path], bool],
+                            what: str = "--output-prefix") -> None:
+    """check_replaceable for outputs that are files beside others (shards, a shard's manifest):
+    each existing file must be a link-free `kind` file, so `--output-prefix data/corpus
+    --overwrite` never deletes a `data/corpus.json` of the user's."""
+    from tessera.common.errors import UserError
+
+    for f in files:
+        hint = f"remove it yourself or choose another {what}"
+        if not os.path.lexists(f):
+            continue
+        if f.is_symlink():
+            raise UserError(f"{what}: {f} is a symbolic link; --overwrite never replaces through a link; {hint}")
+        if not f.is_file() or not is_kind(f):
+            raise UserError(f"{what}: {f} exists and is not a {kind} file; {hint}")
 
 
 def fsync_tree(directory: Path, files: list[Path] | None = None) -> None:

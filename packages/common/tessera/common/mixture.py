@@ -22,6 +22,7 @@ Dataset paths in the manifest are relative to the mixture directory when they ca
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,7 @@ from tessera.common.shard import MAX_VOCAB_IDS, first_problem, open_loss_mask, o
 MIXTURE_FORMAT = "tessera-mixture"
 MIXTURE_FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+MIXTURE_KIND = "mixture directory (manifest.json of format tessera-mixture)"
 SPLITS = ("train", "valid", "test")
 
 
@@ -81,6 +83,15 @@ def dataset_file(split: str, k: int, kind: str) -> str:
 
 def mixture_fingerprint(directory: str | os.PathLike) -> str:
     return "sha256:" + sha256_file(artifact_path(directory, MANIFEST))
+
+
+def is_mixture_directory(path: Path) -> bool:
+    """A folder whose manifest.json says it is a mixture: what `tessera-data blend --overwrite`
+    may replace (written last by an atomic rename, so an interrupted blend leaves no folder)."""
+    try:
+        return json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("format") == MIXTURE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def read_mixture_manifest(directory: str | os.PathLike) -> MixtureManifest:

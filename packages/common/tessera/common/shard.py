@@ -20,6 +20,7 @@ readers never open it, so to them the shard is plain tokens.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tessera.common.errors import ArtifactError
 from tessera.common.fileio import read_json, sha256_file
-from tessera.common.indexed_dataset import IndexedDataset, bin_path, check_shard_files, idx_path
+from tessera.common.indexed_dataset import MAGIC, IndexedDataset, bin_path, check_shard_files, idx_path
 
 SHARD_FORMAT = "tessera-shard"
 BLOCK_ALGORITHM = "xxh3-64"
 BLOCK_SIZE = 1 << 20  # 1 MiB: a JSON entry per MiB of tokens, ~0.2 ms to hash and range-check on first read
 SHARD_FORMAT_VERSION = 1
+SHARD_KIND = "shard (.idx of Megatron's format, its .bin, or a tessera-shard manifest)"
 
 
 # Ids are stored as int32 at most, so no vocabulary is larger. The manifest is not covered by
@@ -108,6 +110,30 @@ def open_loss_mask(prefix: str | os.PathLike, num_tokens: int, verify: str = "fi
         raise ArtifactError(f"{mpath}: sha256 does not match checksums['mask'] in {path.name}; the loss mask is "
                             "corrupt or was changed after prep")
     return np.memmap(mpath, dtype=np.uint8, mode="r") if num_tokens else np.zeros(0, dtype=np.uint8)
+
+
+def is_shard_file(path: Path) -> bool:
+    """One of a shard's files, recognised by content: an `.idx` with Megatron's magic, a manifest
+    of format tessera-shard, or a `.bin` / `.mask.bin` beside such an `.idx` or manifest. What a
+    writer's --overwrite may replace (fileio.check_replaceable_files). Writers publish the `.idx`
+    before the `.bin` and remove it last, so what an interrupted run leaves is recognised."""
+    name = path.name
+    if name.endswith(".idx"):
+        try:
+            with open(path, "rb") as f:
+                return f.read(len(MAGIC)) == MAGIC
+        except OSError:
+            return False
+    if name.endswith(".json"):
+        try:
+            return json.loads(path.read_text(encoding="utf-8")).get("format") == SHARD_FORMAT
+        except (OSError, ValueError, AttributeError):
+            return False
+    for suffix in (MASK_SUFFIX, ".bin"):
+        if name.endswith(suffix):
+            prefix = path.with_name(name[:-len(suffix)])
+            return is_shard_file(idx_path(prefix)) or is_shard_file(manifest_path(prefix))
+    return False
 
 
 def shard_fingerprint(prefix: str | os.PathLike) -> str:

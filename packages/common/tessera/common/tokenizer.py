@@ -23,6 +23,7 @@ from tessera.common.fileio import artifact_path, read_json, sha256_file
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_KIND = "tokenizer folder (tokenizer.json)"
 # vocab.txt: a WordPiece (BERT) tokenizer's own vocabulary, carried along for tools that read it;
 # spiece.model: T5's SentencePiece model likewise (copied as bytes, never parsed here).
 # preprocessor_config.json: a vision-language model's image processor (tessera.common.models.
@@ -118,6 +119,11 @@ def check_tokenizer_files(directory: str | os.PathLike) -> None:
     before any is read."""
     for name in TOKENIZER_FILES:
         artifact_path(directory, name)
+
+
+def is_tokenizer_directory(path: Path) -> bool:
+    """A folder with a tokenizer.json: what a trained tokenizer's --overwrite may replace."""
+    return (path / TOKENIZER_JSON).is_file()
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:

@@ -24,10 +24,18 @@ from pathlib import Path
 import numpy as np
 
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import atomic_write_json, sha256_file
+from tessera.common.fileio import atomic_write_json, check_replaceable_files, sha256_file
 from tessera.common.indexed_dataset import IndexedDataset, bin_path, check_token_dtype, idx_path
 from tessera.common.progress import progress
-from tessera.common.shard import BLOCK_SIZE, BlockHasher, ShardInput, ShardManifest, manifest_path
+from tessera.common.shard import (
+    BLOCK_SIZE,
+    SHARD_KIND,
+    BlockHasher,
+    ShardInput,
+    ShardManifest,
+    is_shard_file,
+    manifest_path,
+)
 from tessera.common.tokenizer import Tokenizer, load_tokenizer
 from tessera.data_prep.prep import end_of_document_id
 
@@ -92,6 +100,7 @@ def run_adopt(prefix: Path, tokenizer_dir: Path, eod: str = "auto", overwrite: b
     mpath = manifest_path(prefix)
     if mpath.exists() and not overwrite:
         raise UserError(f"{mpath}: the shard already has a manifest; pass --overwrite to replace it")
+    check_replaceable_files([mpath], SHARD_KIND, is_shard_file, "PREFIX")
     tokenizer = load_tokenizer(tokenizer_dir)
     ds = IndexedDataset(prefix)  # refuses a malformed index or a .bin of the wrong size
     check_token_dtype(ds, prefix)

@@ -32,6 +32,7 @@ from tessera.common.errors import UserError
 from tessera.common.fileio import (
     atomic_directory,
     atomic_write_json,
+    check_replaceable,
     ensure_output_dir,
     names_os_errors,
     refuse_replacing_inputs,
@@ -40,11 +41,13 @@ from tessera.common.fileio import (
 from tessera.common.indexed_dataset import IndexedDataset
 from tessera.common.mixture import (
     MANIFEST,
+    MIXTURE_KIND,
     SPLITS,
     MixtureDatasetEntry,
     MixtureManifest,
     MixtureSplitInfo,
     dataset_file,
+    is_mixture_directory,
     split_file,
 )
 from tessera.common.progress import progress
@@ -286,10 +289,8 @@ def run_blend(cfg: BlendConfig) -> Path:
     """Validate everything, then build and atomically publish the mixture directory."""
     if cfg.output.exists() and not cfg.overwrite:
         raise UserError(f"{cfg.output}: already exists; choose another --output or pass --overwrite")
-    if cfg.output.exists() and not cfg.output.is_dir():
-        raise UserError(f"{cfg.output}: exists and is not a mixture directory; --overwrite replaces only a "
-                        "mixture, choose another --output")
     refuse_replacing_inputs(cfg.output, [Path(f"{s.prefix}.bin") for s in cfg.data])
+    check_replaceable(cfg.output, MIXTURE_KIND, is_mixture_directory)
     ensure_output_dir(cfg.output.parent, "--output")
     fractions = parse_split(cfg.split)
     datasets, manifests, fingerprints = _open_sources(cfg)

@@ -16,12 +16,21 @@ from pathlib import Path
 import numpy as np
 
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import atomic_write_json, ensure_output_dir, names_os_errors, sha256_file, tmp_name
+from tessera.common.fileio import (
+    atomic_write_json,
+    check_replaceable_files,
+    ensure_output_dir,
+    names_os_errors,
+    sha256_file,
+    tmp_name,
+)
 from tessera.common.indexed_dataset import bin_path, check_shard_files, idx_path, write_index_chunks
 from tessera.common.shard import (
     BLOCK_SIZE,
+    SHARD_KIND,
     BlockHasher,
     ShardManifest,
+    is_shard_file,
     manifest_path,
     mask_path,
     open_loss_mask,
@@ -53,6 +62,8 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
     for suffix in (".bin", ".idx", ".json"):
         if Path(f"{output}{suffix}").exists() and not overwrite:
             raise UserError(f"{output}{suffix}: already exists; choose another --output-prefix or pass --overwrite")
+    check_replaceable_files([p for p in (bin_path(output), idx_path(output), manifest_path(output), mask_path(output))
+                             if os.path.lexists(p)], SHARD_KIND, is_shard_file)
     ensure_output_dir(output.parent, "--output-prefix")
     manifests = [read_shard_manifest(p) for p in inputs]
     for p, m in zip(inputs, manifests):
@@ -122,8 +133,8 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
         for old in (manifest_path(output),):
             with contextlib.suppress(FileNotFoundError):
                 old.unlink()  # the manifest goes last; never leave an old one beside new data
+        os.replace(idx_path(staging), idx_path(output))  # the .idx first: what --overwrite recognises
         os.replace(bin_path(staging), bin_path(output))
-        os.replace(idx_path(staging), idx_path(output))
         if loss_mask:
             os.replace(mask_path(staging), mask_path(output))
         atomic_write_json(manifest_path(output), manifest.model_dump(mode="json"))

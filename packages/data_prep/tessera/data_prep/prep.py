@@ -20,12 +20,24 @@ from pydantic import Field, field_validator
 
 from tessera.common.config import StrictModel
 from tessera.common.errors import UserError
-from tessera.common.fileio import ensure_output_dir, refuse_replacing_inputs, tmp_name
+from tessera.common.fileio import (
+    check_replaceable,
+    check_replaceable_files,
+    ensure_output_dir,
+    refuse_replacing_inputs,
+    tmp_name,
+)
 from tessera.common.indexed_dataset import token_dtype_for_vocab
 from tessera.common.models.vision_language.processor import DEFAULT_MAX_PIXELS
 from tessera.common.progress import progress
-from tessera.common.shard import ShardInput
-from tessera.common.tokenizer import TOKENIZER_JSON, Tokenizer, load_tokenizer
+from tessera.common.shard import SHARD_KIND, ShardInput, is_shard_file
+from tessera.common.tokenizer import (
+    TOKENIZER_JSON,
+    TOKENIZER_KIND,
+    Tokenizer,
+    is_tokenizer_directory,
+    load_tokenizer,
+)
 from tessera.data_prep.encode import BatchEncoder, EncodedBatch, OrderedEncoder
 from tessera.data_prep.multimodal.image_text import write_image_text_shards
 from tessera.data_prep.sentences import check_splitter
@@ -212,6 +224,7 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
         existing = output_prefixes(shard_base(cfg.output_prefix, key))
         if existing and not cfg.overwrite:
             raise UserError(f"{existing[0]}: output already exists; choose another --output-prefix or pass --overwrite")
+        check_replaceable_files(existing, SHARD_KIND, is_shard_file)
     tok_out = None
     if cfg.train_tokenizer or converting:
         tok_out = cfg.tokenizer_output or cfg.output_prefix.parent / "tokenizer"
@@ -219,6 +232,7 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
         if tok_out.exists() and not cfg.overwrite:
             raise UserError(f"{tok_out}: tokenizer directory already exists; reuse it with --tokenizer {tok_out}, "
                             "choose --tokenizer-output, or pass --overwrite")
+        check_replaceable(tok_out, TOKENIZER_KIND, is_tokenizer_directory, "--tokenizer-output")
         if cfg.vocab_size >= 2**31:
             raise UserError(f"--vocab-size {cfg.vocab_size}: too large")
         if cfg.train_tokenizer and cfg.tokenizer_type == "bpe" and cfg.vocab_size - cfg.extra_ids < 258:

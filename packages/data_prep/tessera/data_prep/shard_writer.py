@@ -191,12 +191,14 @@ class ShardSetWriter:
         if self._writer is not None or not self._staged:
             self._open()  # an empty output still gets one (empty) shard
             self._close_current()
-        for old in output_prefixes(self.base):
-            old.unlink()  # leftovers of an earlier run (only reachable with --overwrite)
+        # Leftovers of an earlier run (only reachable with --overwrite). The .idx goes last and comes
+        # first, so what an interrupted run leaves is still recognised as a shard (shard.is_shard_file).
+        for old in sorted(output_prefixes(self.base), key=lambda p: p.suffix == ".idx"):
+            old.unlink()
         published = []
         for i, s in enumerate(self._staged):
-            os.replace(bin_path(s.staging), bin_path(s.final))
             os.replace(idx_path(s.staging), idx_path(s.final))
+            os.replace(bin_path(s.staging), bin_path(s.final))
             checksums = {"bin": s.bin_sha256, "idx": sha256_file(idx_path(s.final))}
             if s.mask_sha256 is not None:
                 os.replace(mask_path(s.staging), mask_path(s.final))

@@ -28,8 +28,10 @@ from tessera.common.fileio import (
     BackgroundFsync,
     atomic_directory,
     atomic_write_json,
+    check_replaceable,
     refuse_replacing_inputs,
 )
+from tessera.common.hf.directory import is_hf_directory
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import model_tensor_shapes
 from tessera.common.models.registry import hf_adapter, kind_of
@@ -83,6 +85,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
     if output.exists() and not opts.overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     refuse_replacing_inputs(output, [src.directory])
+    check_replaceable(output, "Hugging Face model directory (config.json + safetensors)", is_hf_directory)
     cfg = src.sidecar.model
     check_convertible(cfg, "export --format hf")
     rules = hf_adapter(cfg).export_rules(cfg)  # their sources are the stored tensors: CheckpointSource checked them

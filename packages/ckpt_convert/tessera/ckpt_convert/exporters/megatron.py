@@ -25,11 +25,12 @@ import torch
 from tessera.ckpt_convert.dcp_writer import ShardedDcpWriter, whole
 from tessera.ckpt_convert.exporters import megatron_bert, megatron_hybrid, megatron_mla
 from tessera.ckpt_convert.exporters.hf import expected_model_shapes
+from tessera.ckpt_convert.importers.megatron import is_torch_dist_checkpoint
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
-from tessera.common.fileio import atomic_directory, refuse_replacing_inputs
+from tessera.common.fileio import atomic_directory, check_replaceable, refuse_replacing_inputs
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.encoder.config import EncoderConfig
 from tessera.common.models.hybrid.config import HybridConfig
@@ -104,6 +105,7 @@ def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dty
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     refuse_replacing_inputs(output, [src.directory])
+    check_replaceable(output, "Megatron-Core torch_dist checkpoint (metadata.json)", is_torch_dist_checkpoint)
     cfg = src.sidecar.model
     check_convertible(cfg, "export --format megatron")
     if cfg.kind == "encoder":

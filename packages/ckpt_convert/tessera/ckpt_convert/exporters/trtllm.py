@@ -49,6 +49,7 @@ Qwen3 with attention biases, Qwen3-MoE with dense layers (the converter makes ev
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +63,12 @@ from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter, fsync
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
-from tessera.common.fileio import atomic_directory, atomic_write_json, refuse_replacing_inputs
+from tessera.common.fileio import (
+    atomic_directory,
+    atomic_write_json,
+    check_replaceable,
+    refuse_replacing_inputs,
+)
 from tessera.common.hf.architecture import HF_DTYPE_NAMES
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.hf.adapter import architecture_for, check_exportable
@@ -334,12 +340,20 @@ def trtllm_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int) -> dic
     return c
 
 
+def is_trtllm_checkpoint(path: Path) -> bool:
+    """config.json beside rank{R}.safetensors: what this exporter writes, so what its --overwrite
+    may replace (written in a hidden sibling and renamed whole, so nothing else is left behind)."""
+    return (path / "config.json").is_file() and any(re.fullmatch(r"rank\d+\.safetensors", p.name)
+                                                    for p in path.iterdir())
+
+
 def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOptions) -> Path:
     src = CheckpointSource(checkpoint)
     output = Path(output)
     if output.exists() and not opts.overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     refuse_replacing_inputs(output, [src.directory])
+    check_replaceable(output, "TensorRT-LLM checkpoint (config.json + rank*.safetensors)", is_trtllm_checkpoint)
     cfg = src.sidecar.model
     check_convertible(cfg, "export --format trtllm")
     tp, pp = opts.tp, opts.pp

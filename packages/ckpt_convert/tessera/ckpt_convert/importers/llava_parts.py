@@ -26,8 +26,15 @@ import torch
 
 from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
 from tessera.ckpt_convert.progress import Progress
+from tessera.common.checkpoint import CHECKPOINT_KIND, is_checkpoint_output
 from tessera.common.errors import UserError
-from tessera.common.fileio import artifact_path, atomic_directory, read_json, refuse_replacing_inputs
+from tessera.common.fileio import (
+    artifact_path,
+    atomic_directory,
+    check_replaceable,
+    read_json,
+    refuse_replacing_inputs,
+)
 from tessera.common.hf.directory import CONFIG, SafetensorsWeights
 from tessera.common.hf.rules import check_import
 from tessera.common.models.vision_language.hf import adapter
@@ -90,6 +97,7 @@ def import_llava_parts(vision_dir: str | Path, language_dir: str | Path, output:
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     refuse_replacing_inputs(output, [vision_dir, language_dir])
+    check_replaceable(output, CHECKPOINT_KIND, is_checkpoint_output)
     if not (language_dir / "tokenizer.json").is_file():
         raise UserError(f"{language_dir}: no tokenizer.json; the language model's tokenizer (with {image_token!r}) "
                         "is needed to write image-text data and to serve")

@@ -45,8 +45,9 @@ from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
 from tessera.ckpt_convert.exporters import megatron_bert, megatron_hybrid, megatron_mla
 from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
+from tessera.common.checkpoint import CHECKPOINT_KIND, is_checkpoint_output
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import artifact_path, atomic_directory, refuse_replacing_inputs
+from tessera.common.fileio import artifact_path, atomic_directory, check_replaceable, refuse_replacing_inputs
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.encoder.config import EncoderConfig
 from tessera.common.models.hybrid.config import HybridConfig
@@ -72,6 +73,15 @@ def check_torch_dist(directory: Path) -> None:
         raise ArtifactError(f"{meta}: not valid JSON") from None
     if backend != "torch_dist":
         raise ArtifactError(f"{meta}: sharded_backend {backend!r}; only torch_dist checkpoints are read")
+
+
+def is_torch_dist_checkpoint(path: Path) -> bool:
+    """A metadata.json naming the torch_dist backend: what `export --format megatron` writes, so
+    what its --overwrite may replace."""
+    try:
+        return json.loads((path / "metadata.json").read_text()).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def megatron_to_tessera(cfg: ModelConfig, get) -> dict[str, torch.Tensor]:
@@ -195,6 +205,7 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
     if output.exists() and not overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     refuse_replacing_inputs(output, [input_dir] + ([tokenizer] if tokenizer else []))
+    check_replaceable(output, CHECKPOINT_KIND, is_checkpoint_output)
     check_torch_dist(input_dir)
     cfg = model_config if isinstance(model_config, BaseModel) else _load_model_config(model_config)
     check_convertible(cfg, "import --format megatron")
