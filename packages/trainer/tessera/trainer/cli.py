@@ -12,7 +12,7 @@ import os
 import textwrap
 
 from tessera.common.config import describe_fields, load_config
-from tessera.common.errors import run_cli
+from tessera.common.errors import out_of_memory, run_cli
 from tessera.common.fileio import ensure_output_dir
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.trainer.config import TrainConfig
@@ -78,12 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(TrainConfig, args.config, overrides)  # a non-UTF-8 file is a UserError (read_yaml)
 
     # Heavy imports after argument validation keeps `--help` and bad-usage errors fast.
+    from tessera.trainer.components.checkpoint.storage import latest_checkpoint
     from tessera.trainer.components.distributed import (
         finish_runtime,
         init_runtime,
         select_device,
         shutdown_runtime,
     )
+    from tessera.trainer.components.observability.out_of_memory import out_of_memory_error
     from tessera.trainer.inputs import check_inputs
     from tessera.trainer.trainer import Trainer
 
@@ -104,7 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         _check_output_dirs(cfg)
         if args.resume and inputs.resume_from is None and runtime.is_main:
             print(f"--resume: no checkpoint in {cfg.checkpoint_dir} yet; starting from step 0", flush=True)
-        Trainer(cfg, inputs, runtime, quiet=args.quiet).train()
+        try:
+            trainer = Trainer(cfg, inputs, runtime, quiet=args.quiet)
+        except BaseException as exc:  # building the model and optimizer: out of memory is one line too
+            oom = out_of_memory(exc)
+            if oom is None:
+                raise
+            raise out_of_memory_error(oom, cfg, inputs.layout, "setting up the model", 0, runtime.rank,
+                                      runtime.is_main, runtime.device, latest_checkpoint(cfg.checkpoint_dir)) from None
+        trainer.train()
         finish_runtime()
     finally:
         shutdown_runtime()

@@ -28,7 +28,7 @@ import yaml
 from tqdm import tqdm
 
 from tessera.common.checkpoint import CheckpointSidecar, read_sidecar
-from tessera.common.errors import RunError
+from tessera.common.errors import RunError, out_of_memory
 from tessera.common.faults import fault_point
 from tessera.common.fileio import atomic_write_text
 from tessera.common.layers.sdpa_backend import sdpa_backend
@@ -45,6 +45,7 @@ from tessera.trainer.components.observability.metrics import (
     resolve_peak_tflops,
     step_time_spread,
 )
+from tessera.trainer.components.observability.out_of_memory import STEP, out_of_memory_error
 from tessera.trainer.components.observability.profiling import StepProfiler
 from tessera.trainer.components.observability.signals import StopRequest
 from tessera.trainer.components.observability.watchdog import StepWatchdog
@@ -127,6 +128,7 @@ class Trainer:
         self.router_metrics: dict[str, float] = {}  # MoE router statistics of the last step
         self.flops_per_token = kind_of(inputs.model).flops_per_token(inputs.model, t.seq_length)
         self.peak_tflops: float | None = None
+        self.phase, self.compiling = "setting up", False  # what an out-of-memory line names
 
     # ---- output ------------------------------------------------------------------------------
     def say(self, line: str) -> None:
@@ -211,6 +213,7 @@ class Trainer:
         # RNGs the checkpoint does not restore.
         self.engine.seed(t.seed)
         if self.inputs.resume_from is not None:
+            self.phase = "loading the checkpoint"
             self.load(self.inputs.resume_from)
             self.say(f"resumed from {self.inputs.resume_from} at step {self.state.step} "
                      f"({self.state.consumed_samples} samples consumed)")
@@ -235,9 +238,26 @@ class Trainer:
             self.say(f"MFU reference: {self.peak_tflops:.3f} TFLOP/s ({peak_source})")
 
     def train(self) -> TrainState:
+        """Run the loop; running out of memory anywhere in it is one line naming what to change."""
+        try:
+            return self._train()
+        except BaseException as exc:
+            oom = out_of_memory(exc)
+            if oom is None or isinstance(exc, RunError):
+                raise
+            raise self.out_of_memory(oom) from None
+
+    def out_of_memory(self, oom: BaseException) -> RunError:
+        self.checkpoints.finish(failing=True)  # a save in flight is of an earlier step: let it land
+        step = self.state.step + (1 if self.phase == STEP else 0)
+        return out_of_memory_error(oom, self.cfg, self.inputs.layout, self.phase, step, self.rt.rank, self.rt.is_main,
+                                   self.rt.device, latest_checkpoint(self.cfg.checkpoint_dir), self.compiling)
+
+    def _train(self) -> TrainState:
         cfg, t = self.cfg, self.cfg.training
         self.start()
         if t.eval_only:
+            self.phase = "evaluation"
             return self.evaluate_only()
         if self.state.step >= t.steps:
             self.say(f"nothing to do: already at step {self.state.step} of {t.steps}")
@@ -262,7 +282,9 @@ class Trainer:
                 fault_point("train.step")
                 profiler.before_step(self.state.step + 1)
                 step_start = time.perf_counter()
+                self.phase, self.compiling = STEP, compiling
                 loss, grad_norm, stepped = self.train_step()
+                self.compiling = False
                 step_time = time.perf_counter() - step_start
                 profiler.after_step(self.state.step)
                 if compiling:  # the first step compiles: report it, keep it out of throughput
@@ -287,13 +309,16 @@ class Trainer:
                     window_steps, window_time, window_samples = 0, 0.0, 0
                 if self.data.valid is not None and (self.state.step % t.eval_interval == 0 or self.state.step == t.steps):
                     watchdog.beat(f"evaluating at step {self.state.step}")
+                    self.phase = "evaluation"
                     self.sink.log({"kind": "eval", "step": self.state.step, **eval_record(self.evaluate())})
                 if self.data.test is not None and self.state.step == t.steps:
+                    self.phase = "evaluation"
                     self.sink.log({"kind": "test", "step": self.state.step,
                                    **eval_record(self.evaluate(self.data.test), "test")})
                 time_up = (t.exit_after_minutes is not None
                            and time.monotonic() - self.started >= 60 * t.exit_after_minutes)
                 stop_now = self._agree_on_stop(stop.requested or time_up) or self.state.step == exit_at
+                self.phase = "checkpoint save"
                 self.checkpoints.poll()
                 last_step = self.state.step == t.steps or stop_now
                 if (t.save_interval and self.state.step % t.save_interval == 0) or last_step:
