@@ -91,3 +91,21 @@ def test_the_verbs_own_earlier_output_and_an_empty_folder_are_replaced(tmp_path,
     empty.mkdir()
     assert run([*argv(verb, inputs, empty), "--overwrite"]) == 0
     assert names(empty) == first
+
+
+def test_the_checkpoint_recogniser_takes_each_form_a_checkpoint_output_has(tmp_path, inputs):
+    """A checkpoints directory with its pointer, one without it (pointer lost, iterations kept), an
+    iteration directory alone; not a folder whose iteration never got its sidecar (a save cut short)."""
+    import shutil
+
+    from tessera.common.checkpoint import POINTER, SIDECAR, is_checkpoint_output
+
+    whole = tmp_path / "whole"
+    shutil.copytree(inputs["CK"], whole)
+    assert is_checkpoint_output(whole) and is_checkpoint_output(whole / "iter_0000010")
+    (whole / POINTER).unlink()
+    assert is_checkpoint_output(whole)
+    (whole / "iter_0000010" / SIDECAR).unlink()
+    assert not is_checkpoint_output(whole) and not is_checkpoint_output(whole / "iter_0000010")
+    (whole / POINTER).write_text("10\n")
+    assert is_checkpoint_output(whole)

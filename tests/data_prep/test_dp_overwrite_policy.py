@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 from dp_helpers import run, user_error, write_jsonl
 
 from tessera.common.shard import read_shard_manifest
@@ -118,3 +119,30 @@ def test_adopt_refuses_replacing_a_json_that_is_not_a_manifest_and_replaces_its_
     theirs.write_text(json.dumps(json.loads(Path(f"{base_shard}.json").read_text())))  # a manifest: replaced
     run(["adopt", prefix, "--tokenizer", tokenizer_dir, "--overwrite", "--quiet"])
     assert read_shard_manifest(prefix).created_by == "tessera-data adopt"
+
+
+def test_a_publish_cut_short_leaves_what_the_next_overwrite_recognises(tmp_path, tokenizer_dir, corpus_texts,
+                                                                      monkeypatch):
+    """The process dies between a shard's two renames: the .idx is published first, so what is left
+    is recognised as a shard and the rerun with --overwrite replaces it (a lone .bin would not be)."""
+    import os
+
+    from tessera.data_prep import shard_writer
+
+    class DiesAfterOneRename:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def replace(self, src, dst):
+            os.replace(src, dst)
+            raise KeyboardInterrupt
+
+    corpus = _corpus(tmp_path, corpus_texts)
+    prep = ["prep", "--input", corpus, "--tokenizer", tokenizer_dir, "--output-prefix", tmp_path / "o/x", "--quiet"]
+    with monkeypatch.context() as patched:
+        patched.setattr(shard_writer, "os", DiesAfterOneRename())
+        with pytest.raises((KeyboardInterrupt, SystemExit)):
+            run(prep)
+    assert sorted(p.name for p in (tmp_path / "o").iterdir() if not p.name.startswith(".")) == ["x_text_document.idx"]
+    run([*prep, "--overwrite"])
+    run(["verify", tmp_path / "o/x_text_document"])
