@@ -202,3 +202,21 @@ def test_a_webdataset_sample_keeps_several_images_in_order_and_a_malformed_one_i
                        "--output-prefix", tmp_path / "again", "--on-error", "fail", "--quiet"], capsys)
     assert f"{tar}:2: KEY.json is not JSON" in line and "(b)" in line
     assert not list(tmp_path.glob("again*"))
+
+
+def test_overwrite_replaces_an_image_store_only_when_it_is_one(vlm_tokenizer, tmp_path, capsys):
+    """The image store beside an image-text shard is part of prep's output: a file of the user's at
+    its name is refused (with --overwrite too) and kept; prep's own store is replaced."""
+    llava = _llava(tmp_path, {"r.png": _png("red")}, [{"image": "r.png", "conversations": _turns("<image>", "red")}])
+    prep = ["prep", "--format", "image-text", "--input", llava, "--tokenizer", vlm_tokenizer,
+            "--output-prefix", tmp_path / "vl", "--quiet"]
+    theirs = bin_path(image_store_prefix(tmp_path / "vl_conversations_document"))
+    theirs.write_bytes(b"my photos")
+    assert "already exists" in user_error(prep, capsys)
+    line = user_error([*prep, "--overwrite"], capsys)
+    assert f"{theirs} exists and is not a shard" in line, line
+    assert theirs.read_bytes() == b"my photos" and not (tmp_path / "vl_conversations_document.json").exists()
+    theirs.unlink()
+    assert run(prep) == 0
+    assert run([*prep, "--overwrite"]) == 0
+    assert run(["verify", tmp_path / "vl_conversations_document"]) == 0

@@ -27,7 +27,8 @@ from tessera.common.fileio import (
     refuse_replacing_inputs,
     tmp_name,
 )
-from tessera.common.indexed_dataset import token_dtype_for_vocab
+from tessera.common.indexed_dataset import bin_path, idx_path, token_dtype_for_vocab
+from tessera.common.models.vision_language.image_shard import image_store_prefix
 from tessera.common.models.vision_language.processor import DEFAULT_MAX_PIXELS
 from tessera.common.progress import progress
 from tessera.common.shard import SHARD_KIND, ShardInput, is_shard_file
@@ -222,6 +223,9 @@ def validate(cfg: PrepConfig) -> tuple[list[InputFile], Path | None]:
         ensure_output_dir(cfg.skipped_log.parent, "--skipped-log")
     for key in output_keys(cfg):
         existing = output_prefixes(shard_base(cfg.output_prefix, key))
+        if cfg.format == "image-text":  # its image store (an indexed dataset of bytes) is replaced too
+            store = image_store_prefix(shard_base(cfg.output_prefix, key))
+            existing += [p for p in (idx_path(store), bin_path(store)) if os.path.lexists(p)]
         if existing and not cfg.overwrite:
             raise UserError(f"{existing[0]}: output already exists; choose another --output-prefix or pass --overwrite")
         check_replaceable_files(existing, SHARD_KIND, is_shard_file)

@@ -67,7 +67,7 @@ class _ImageStoreWriter:
                                   block_size=BLOCK_SIZE, block_checksums=self.blocks.finish())
 
     def publish(self) -> None:
-        for path in (bin_path, idx_path):
+        for path in (idx_path, bin_path):  # the .idx first: what --overwrite recognises (shard.is_shard_file)
             os.replace(path(self.staging), path(self.final))
 
     def abort(self) -> None:
