@@ -109,3 +109,22 @@ def test_the_checkpoint_recogniser_takes_each_form_a_checkpoint_output_has(tmp_p
     assert not is_checkpoint_output(whole) and not is_checkpoint_output(whole / "iter_0000010")
     (whole / POINTER).write_text("10\n")
     assert is_checkpoint_output(whole)
+
+
+def test_import_hf_llava_parts_refuses_a_folder_of_other_files_and_replaces_its_own(tmp_path, tokenizer_dir, capsys):
+    from test_vlm_llava_parts import _parts
+
+    _parts(tmp_path, tokenizer_dir, "clip")
+    verb = ["import", "--format", "hf-llava-parts", "--vision", str(tmp_path / "vision"), "--language",
+            str(tmp_path / "lm"), "--quiet", "--output"]
+    victim = tmp_path / "home"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("keep me")
+    before = tree(tmp_path)
+    err = refused(capsys, [*verb, str(victim), "--overwrite"])
+    assert f"--output {victim}: holds 1 files or folders that are not a Tessera checkpoint" in err, err
+    assert tree(tmp_path) == before
+    assert run([*verb, str(tmp_path / "out")]) == 0
+    first = names(tmp_path / "out")
+    assert run([*verb, str(tmp_path / "out"), "--overwrite"]) == 0
+    assert names(tmp_path / "out") == first

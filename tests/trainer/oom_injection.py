@@ -30,8 +30,9 @@ def raise_host() -> None:
     raise AssertionError("a 64 TiB allocation succeeded")
 
 
-def inject(patch, phase: str, raise_error=raise_device) -> None:
-    """`patch(owner, name, value)` (monkeypatch.setattr or setattr) the component of `phase`."""
+def inject(patch, phase: str, raise_error=raise_device, from_step: int = 2) -> None:
+    """`patch(owner, name, value)` (monkeypatch.setattr or setattr) the component of `phase`, to
+    raise from step `from_step` on."""
     from tessera.common.layers.mlp import MLP
     from tessera.trainer import trainer as trainer_module
     from tessera.trainer.components.checkpoint import storage
@@ -48,7 +49,7 @@ def inject(patch, phase: str, raise_error=raise_device) -> None:
 
     def from_step_2(real):
         def wrapper(*args, **kwargs):
-            if started[0] >= 2:
+            if started[0] >= from_step:
                 raise_error()
             return real(*args, **kwargs)
         return wrapper
@@ -62,7 +63,7 @@ def inject(patch, phase: str, raise_error=raise_device) -> None:
     elif phase == "checkpoint save":
         patch(storage, "finalize_checkpoint", from_step_2(storage.finalize_checkpoint))
     elif phase == "setting up the model":
-        started[0] = 2
+        started[0] = from_step
         patch(trainer_module, "build_engine", from_step_2(trainer_module.build_engine))
     else:
         raise ValueError(phase)

@@ -74,6 +74,17 @@ def test_out_of_memory_while_building_the_model_is_one_line_too(make_config, cap
     assert "step 0 (setting up the model) on cpu: out of device memory" in err and "no checkpoint was saved yet" in err, err
 
 
+def test_the_first_compiled_step_says_it_was_compiling(make_config, capsys, monkeypatch):
+    """training.compile's first step compiles as it runs (torch.compile's own frames are in every
+    compiled step, so the loop tells it); compilation itself is stood in for here (eager)."""
+    import torch
+
+    monkeypatch.setattr(torch, "compile", lambda fn=None, *args, **kwargs: fn if fn is not None else (lambda f: f))
+    inject(monkeypatch.setattr, "forward", from_step=1)
+    err = one_line_exit_1(capsys, ["--config", str(make_config()), "--quiet", "training.compile=true"])
+    assert "step 1 (forward, the first step, compiling) on cpu: out of device memory" in err, err
+
+
 def test_another_error_still_raises_as_it_is(make_config, monkeypatch):
     from tessera.common.layers.mlp import MLP
 
