@@ -121,10 +121,11 @@ def test_adopt_refuses_replacing_a_json_that_is_not_a_manifest_and_replaces_its_
     assert read_shard_manifest(prefix).created_by == "tessera-data adopt"
 
 
-def test_a_publish_cut_short_leaves_what_the_next_overwrite_recognises(tmp_path, tokenizer_dir, corpus_texts,
-                                                                      monkeypatch):
-    """The process dies between a shard's two renames: the .idx is published first, so what is left
-    is recognised as a shard and the rerun with --overwrite replaces it (a lone .bin would not be)."""
+def test_a_publish_cut_short_between_its_renames_leaves_no_index_and_its_lone_bin_is_refused(
+        tmp_path, tokenizer_dir, corpus_texts, monkeypatch, capsys):
+    """The process dies between a shard's two renames: the .bin is published first, so no reader
+    meets an index without its data; the lone .bin left could be anyone's, so --overwrite names it
+    rather than deleting it, and once it is removed the rerun writes the shard."""
     import os
 
     from tessera.data_prep import shard_writer
@@ -143,6 +144,63 @@ def test_a_publish_cut_short_leaves_what_the_next_overwrite_recognises(tmp_path,
         patched.setattr(shard_writer, "os", DiesAfterOneRename())
         with pytest.raises((KeyboardInterrupt, SystemExit)):
             run(prep)
-    assert sorted(p.name for p in (tmp_path / "o").iterdir() if not p.name.startswith(".")) == ["x_text_document.idx"]
-    run([*prep, "--overwrite"])
+    lone = tmp_path / "o/x_text_document.bin"
+    assert sorted(p.name for p in (tmp_path / "o").iterdir() if not p.name.startswith(".")) == [lone.name]
+    kept = lone.read_bytes()
+    err = user_error([*prep, "--overwrite"], capsys)
+    assert f"{lone} exists and is not a shard" in err and lone.read_bytes() == kept, err
+    lone.unlink()
+    run(prep)
     run(["verify", tmp_path / "o/x_text_document"])
+
+
+def _watch_final_names(monkeypatch, directory: Path) -> list[str]:
+    """After every rename and removal while a writer publishes: each .idx under a final name in
+    `directory` must open with the .bin beside it (IndexedDataset checks the .bin is there and of
+    the size the index says), i.e. a reader never meets an index without its data."""
+    import os
+
+    from tessera.common.indexed_dataset import IndexedDataset
+
+    seen: list[str] = []
+    real_replace, real_unlink = os.replace, Path.unlink
+
+    def check(what: str) -> None:
+        for idx in directory.glob("*.idx"):
+            if not idx.name.startswith("."):  # staging names: no reader opens them
+                IndexedDataset(idx.with_suffix(""))
+        seen.append(what)
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        check(f"replace {Path(dst).name}")
+
+    def unlink(self, missing_ok=False):
+        real_unlink(self, missing_ok=missing_ok)
+        check(f"unlink {self.name}")
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    return seen
+
+
+def test_prep_overwriting_its_shards_never_shows_an_idx_without_its_bin(tmp_path, tokenizer_dir, corpus_texts,
+                                                                       monkeypatch):
+    corpus = _corpus(tmp_path, corpus_texts)
+    prep = ["prep", "--input", corpus, "--tokenizer", tokenizer_dir, "--output-prefix", tmp_path / "o/x", "--quiet"]
+    run(prep)
+    write_jsonl(corpus, [{"text": t} for t in corpus_texts[6:9]])  # another size: an old .bin would not fit
+    with monkeypatch.context() as patched:
+        seen = _watch_final_names(patched, tmp_path / "o")
+        run([*prep, "--overwrite"])
+    assert "unlink x_text_document.bin" in seen and "replace x_text_document.idx" in seen, seen
+    run(["verify", tmp_path / "o/x_text_document"])
+
+
+def test_merge_overwriting_its_output_never_shows_an_idx_without_its_bin(tmp_path, base_shard, monkeypatch):
+    run(["merge", "--inputs", base_shard, "--output-prefix", tmp_path / "m", "--quiet"])
+    with monkeypatch.context() as patched:
+        seen = _watch_final_names(patched, tmp_path)
+        run(["merge", "--inputs", base_shard, base_shard, "--output-prefix", tmp_path / "m", "--overwrite", "--quiet"])
+    assert "replace m.idx" in seen and "replace m.bin" in seen, seen
+    run(["verify", tmp_path / "m"])

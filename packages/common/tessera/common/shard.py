@@ -115,8 +115,10 @@ def open_loss_mask(prefix: str | os.PathLike, num_tokens: int, verify: str = "fi
 def is_shard_file(path: Path) -> bool:
     """One of a shard's files, recognised by content: an `.idx` with Megatron's magic, a manifest
     of format tessera-shard, or a `.bin` / `.mask.bin` beside such an `.idx` or manifest. What a
-    writer's --overwrite may replace (fileio.check_replaceable_files). Writers publish the `.idx`
-    before the `.bin` and remove it last, so what an interrupted run leaves is recognised."""
+    writer's --overwrite may replace (fileio.check_replaceable_files). Writers remove an old `.idx`
+    first and its manifest last, so what an interrupted removal leaves is recognised; they publish
+    an `.idx` after its `.bin` (a reader never meets an index without its data), so a publish cut
+    between the two leaves a lone `.bin`, which is refused (it could be anyone's)."""
     name = path.name
     if name.endswith(".idx"):
         try:

@@ -130,13 +130,16 @@ def run_merge(inputs: list[Path], output: Path, overwrite: bool = False, quiet: 
             tokenizer=_tokenizer_rel(inputs[0], first, output),
             merged_from=[{"prefix": str(p), "fingerprint": shard_fingerprint(p), "num_documents": ds.num_documents}
                          for p, ds in zip(inputs, datasets)])
-        for old in (manifest_path(output),):
+        # The earlier output (--overwrite) goes before anything new is published, so no old file sits
+        # beside new data: its .idx first (no reader meets an index without its data), its manifest
+        # last (what an interrupted removal leaves is still recognised, shard.is_shard_file).
+        for old in (idx_path(output), bin_path(output), mask_path(output), manifest_path(output)):
             with contextlib.suppress(FileNotFoundError):
-                old.unlink()  # the manifest goes last; never leave an old one beside new data
-        os.replace(idx_path(staging), idx_path(output))  # the .idx first: what --overwrite recognises
+                old.unlink()
         os.replace(bin_path(staging), bin_path(output))
         if loss_mask:
             os.replace(mask_path(staging), mask_path(output))
+        os.replace(idx_path(staging), idx_path(output))  # after its data: an .idx always has its .bin beside it
         atomic_write_json(manifest_path(output), manifest.model_dump(mode="json"))
     finally:
         for p in (bin_path(staging), idx_path(staging), mask_path(staging)):

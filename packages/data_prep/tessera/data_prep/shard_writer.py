@@ -50,6 +50,11 @@ def output_prefixes(base: Path) -> list[Path]:
     return sorted(p for p in base.parent.iterdir() if pattern.fullmatch(p.name))
 
 
+def _removal_order(path: Path) -> int:
+    """The .idx first (a reader stops finding the shard), the manifest last (see commit)."""
+    return 0 if path.suffix == ".idx" else 2 if path.suffix == ".json" else 1
+
+
 @dataclass
 class _Staged:
     staging: Path  # hidden prefix the shard was written to
@@ -191,18 +196,19 @@ class ShardSetWriter:
         if self._writer is not None or not self._staged:
             self._open()  # an empty output still gets one (empty) shard
             self._close_current()
-        # Leftovers of an earlier run (only reachable with --overwrite). The .idx goes last and comes
-        # first, so what an interrupted run leaves is still recognised as a shard (shard.is_shard_file).
-        for old in sorted(output_prefixes(self.base), key=lambda p: p.suffix == ".idx"):
+        # Leftovers of an earlier run (only reachable with --overwrite): the .idx first, so no reader
+        # meets an index without its data, the manifest last, so what an interrupted removal leaves
+        # is still recognised as a shard (shard.is_shard_file).
+        for old in sorted(output_prefixes(self.base), key=_removal_order):
             old.unlink()
         published = []
         for i, s in enumerate(self._staged):
-            os.replace(idx_path(s.staging), idx_path(s.final))
             os.replace(bin_path(s.staging), bin_path(s.final))
-            checksums = {"bin": s.bin_sha256, "idx": sha256_file(idx_path(s.final))}
+            checksums = {"bin": s.bin_sha256, "idx": sha256_file(idx_path(s.staging))}
             if s.mask_sha256 is not None:
                 os.replace(mask_path(s.staging), mask_path(s.final))
                 checksums["mask"] = s.mask_sha256
+            os.replace(idx_path(s.staging), idx_path(s.final))  # last: an .idx has its .bin (and mask) beside it
             fields = dict(manifest_fields)
             fields.update(num_documents=s.num_documents, num_tokens=s.num_tokens, dtype=self.dtype.name,
                           checksums=checksums, block_size=BLOCK_SIZE, block_checksums=s.block_checksums,

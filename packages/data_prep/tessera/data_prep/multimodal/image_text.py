@@ -67,7 +67,10 @@ class _ImageStoreWriter:
                                   block_size=BLOCK_SIZE, block_checksums=self.blocks.finish())
 
     def publish(self) -> None:
-        for path in (idx_path, bin_path):  # the .idx first: what --overwrite recognises (shard.is_shard_file)
+        # An earlier store's .idx goes first and the new one comes last: an .idx always has its .bin.
+        with contextlib.suppress(FileNotFoundError):
+            idx_path(self.final).unlink()
+        for path in (bin_path, idx_path):
             os.replace(path(self.staging), path(self.final))
 
     def abort(self) -> None:
