@@ -84,13 +84,25 @@ def test_the_verbs_own_earlier_output_and_an_empty_folder_are_replaced(tmp_path,
     out = tmp_path / "out"
     assert run(argv(verb, inputs, out)) == 0
     first = names(out)
-    (out / "left-over").write_text("from the earlier run")
     assert run([*argv(verb, inputs, out), "--overwrite"]) == 0
     assert names(out) == first
     empty = tmp_path / "empty"
     empty.mkdir()
     assert run([*argv(verb, inputs, empty), "--overwrite"]) == 0
     assert names(empty) == first
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_the_verbs_own_output_with_a_users_file_put_in_it_is_refused_and_kept(tmp_path, inputs, capsys, verb):
+    """Replacing deletes the whole folder, so a folder holding the artifact and anything else
+    (a checkpoint_dir that was the user's project folder, notes beside an export) is not the artifact."""
+    out = tmp_path / "out"
+    assert run(argv(verb, inputs, out)) == 0
+    (out / "notes.txt").write_text("keep me")
+    before = tree(tmp_path)
+    err = refused(capsys, [*argv(verb, inputs, out), "--overwrite"])
+    assert f"--output {out}: holds {len(list(out.iterdir()))} files or folders that are not a " in err, err
+    assert tree(tmp_path) == before
 
 
 def test_the_checkpoint_recogniser_takes_each_form_a_checkpoint_output_has(tmp_path, inputs):
@@ -109,6 +121,12 @@ def test_the_checkpoint_recogniser_takes_each_form_a_checkpoint_output_has(tmp_p
     assert not is_checkpoint_output(whole) and not is_checkpoint_output(whole / "iter_0000010")
     (whole / POINTER).write_text("10\n")
     assert is_checkpoint_output(whole)
+    # What a trainer's save in progress leaves beside them is the checkpoint's; anything else is not.
+    (whole / ".iter_0000011.partial").mkdir()
+    (whole / f".{POINTER}.tmp-123-0123abcd").write_text("11\n")
+    assert is_checkpoint_output(whole)
+    (whole / "train.py").write_text("print('mine')\n")
+    assert not is_checkpoint_output(whole)
 
 
 def test_import_hf_llava_parts_refuses_a_folder_of_other_files_and_replaces_its_own(tmp_path, tokenizer_dir, capsys):

@@ -63,9 +63,13 @@ def test_prep_tokenizer_output_of_other_files_is_refused_and_its_own_tokenizer_r
     assert [p.name for p in notes.iterdir()] == ["todo.txt"] and (notes / "todo.txt").read_text() == "keep me"
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
     run([*train, "--tokenizer-output", tmp_path / "tok"])
-    (tmp_path / "tok" / "left-over").write_text("x")
+    (tmp_path / "tok" / "todo.txt").write_text("keep me")  # a tokenizer and a user's file: not replaced whole
+    err = user_error([*train, "--tokenizer-output", tmp_path / "tok", "--overwrite"], capsys)
+    assert f"--tokenizer-output {tmp_path / 'tok'}: holds 4 files or folders that are not a tokenizer folder" in err, err
+    assert (tmp_path / "tok" / "todo.txt").read_text() == "keep me"
+    (tmp_path / "tok" / "todo.txt").unlink()
     run([*train, "--tokenizer-output", tmp_path / "tok", "--overwrite"])
-    assert (tmp_path / "tok" / "tokenizer.json").is_file() and not (tmp_path / "tok" / "left-over").exists()
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()
 
 
 def test_blend_refuses_a_folder_of_other_files_and_replaces_its_own_mixture(tmp_path, base_shard, capsys):
@@ -84,9 +88,13 @@ def test_blend_refuses_a_folder_of_other_files_and_replaces_its_own_mixture(tmp_
 
     run([*blend, "--output", tmp_path / "mix"])
     first = (tmp_path / "mix/manifest.json").read_bytes()
-    (tmp_path / "mix/left-over").write_text("x")
+    (tmp_path / "mix/a.txt").write_bytes(MINE)  # a mixture and a user's file: not replaced whole
+    err = user_error([*blend, "--output", tmp_path / "mix", "--overwrite"], capsys)
+    assert f"--output {tmp_path / 'mix'}: holds " in err and "not a mixture directory" in err, err
+    assert (tmp_path / "mix/a.txt").read_bytes() == MINE
+    (tmp_path / "mix/a.txt").unlink()
     run([*blend, "--output", tmp_path / "mix", "--overwrite"])
-    assert (tmp_path / "mix/manifest.json").read_bytes() == first and not (tmp_path / "mix/left-over").exists()
+    assert (tmp_path / "mix/manifest.json").read_bytes() == first
     (tmp_path / "empty").mkdir()
     run([*blend, "--output", tmp_path / "empty", "--overwrite"])
     assert (tmp_path / "empty/manifest.json").read_bytes() == first

@@ -41,6 +41,7 @@ from tessera.common.fileio import (
     atomic_write_json,
     atomic_write_text,
     file_digest,
+    holds_only,
     read_json,
 )
 from tessera.common.layout import ParallelLayout
@@ -63,6 +64,10 @@ TOKENIZER_DIR = "tokenizer"
 MODEL_PREFIX = "model."
 CHECKPOINT_KIND = "Tessera checkpoint (a checkpoints directory or an iter_NNNNNNN/ with its sidecar)"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
+# What a checkpoints directory holds: the pointer, iterations, and what a save in progress leaves
+# (the trainer's `.iter_N.partial/`, the pointer's temporary name, fileio.tmp_name).
+_CHECKPOINTS_ENTRY_RE = re.compile(r"^(iter_\d{7,}|\.iter_\d{7,}\.partial|" + re.escape(POINTER) + r"|\." + re.escape(POINTER)
+                                   + r"\.tmp-.+)$")
 
 
 class CheckpointSidecar(BaseModel):
@@ -116,10 +121,13 @@ def is_checkpoint_output(path: Path) -> bool:
     """A checkpoints directory (the pointer, or an iter_NNNNNNN/ with its sidecar) or one iteration
     directory (its sidecar): what reshard, import and the trainer write, so what their --overwrite
     may replace (fileio.check_replaceable). An interrupted converter leaves only a hidden sibling;
-    an interrupted trainer save leaves an iter_ folder without sidecar beside the pointer."""
-    if (path / SIDECAR).is_file() or (path / POINTER).is_file():
-        return True
-    return any(_ITER_RE.match(p.name) and (p / SIDECAR).is_file() for p in path.iterdir())
+    an interrupted trainer save a `.iter_N.partial/` beside the pointer. A checkpoints directory
+    holding anything else (a checkpoint_dir that was the user's folder) is not replaced whole."""
+    if (path / SIDECAR).is_file():
+        return True  # one iteration directory: only ever made whole, by a rename
+    if not holds_only(path, _CHECKPOINTS_ENTRY_RE.match):
+        return False
+    return (path / POINTER).is_file() or any(_ITER_RE.match(p.name) and (p / SIDECAR).is_file() for p in path.iterdir())
 
 
 def checkpoint_tokenizer_dir(directory: str | os.PathLike) -> Path:

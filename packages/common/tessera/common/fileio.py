@@ -197,8 +197,8 @@ def refuse_replacing_inputs(output: str | os.PathLike, inputs: list, what: str =
 def check_replaceable(output: str | os.PathLike, kind: str, is_kind: Callable[[Path], bool],
                       what: str = "--output") -> None:
     """The one --overwrite policy, checked before any work: an existing output is replaced only
-    when it is an empty folder or a `kind` artifact (`is_kind`, the recogniser kept beside that
-    format's reader), e.g. `export --output ~/ --overwrite` deleted the home folder once the export
+    when it is an empty folder or a `kind` artifact and nothing else (`is_kind`, the recogniser kept
+    beside that format's reader, checks both: see holds_only), e.g. `export --output ~/ --overwrite` deleted the home folder once the export
     was written. A link is never replaced: the swap would move the link, not what it leads to, and
     the recogniser would have judged the target. A file where a folder goes is refused too. One
     line naming the path and what it holds (exit 2 through run_cli)."""
@@ -219,6 +219,16 @@ def check_replaceable(output: str | os.PathLike, kind: str, is_kind: Callable[[P
         raise UserError(f"{what} {output}: cannot be listed ({exc.strerror}); {hint}") from None
     if entries and not is_kind(output):
         raise UserError(f"{what} {output}: holds {len(entries)} files or folders that are not a {kind}; {hint}")
+
+
+def holds_only(path: Path, belongs: Callable[[str], bool]) -> bool:
+    """Every entry of folder `path` is one its writer writes (`belongs(name)`): a recogniser's
+    second half. Replacing deletes the whole folder, so a user's file beside an artifact (a
+    checkpoint_dir that was a project folder, notes put in an export) makes it not the artifact."""
+    try:
+        return all(belongs(name) for name in os.listdir(path))
+    except OSError:
+        return False
 
 
 def check_replaceable_files(files: list[Path], kind: str, is_kind: Callable[[Path], bool],

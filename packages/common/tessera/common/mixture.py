@@ -32,7 +32,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import artifact_path, read_json, sha256_file
+from tessera.common.fileio import artifact_path, holds_only, read_json, sha256_file
 from tessera.common.indexed_dataset import IndexedDataset
 from tessera.common.shard import MAX_VOCAB_IDS, first_problem, open_loss_mask, open_shard, shard_fingerprint
 
@@ -87,11 +87,13 @@ def mixture_fingerprint(directory: str | os.PathLike) -> str:
 
 def is_mixture_directory(path: Path) -> bool:
     """A folder whose manifest.json says it is a mixture: what `tessera-data blend --overwrite`
-    may replace (written last by an atomic rename, so an interrupted blend leaves no folder)."""
+    may replace (written last by an atomic rename, so an interrupted blend leaves no folder), when
+    it holds nothing but the manifest and its split folders."""
     try:
-        return json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("format") == MIXTURE_FORMAT
+        is_mixture = json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("format") == MIXTURE_FORMAT
     except (OSError, ValueError, AttributeError):
         return False
+    return is_mixture and holds_only(path, lambda name: name == MANIFEST or name in SPLITS)
 
 
 def read_mixture_manifest(directory: str | os.PathLike) -> MixtureManifest:

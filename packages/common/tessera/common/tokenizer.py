@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import artifact_path, read_json, sha256_file
+from tessera.common.fileio import artifact_path, holds_only, read_json, sha256_file
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -122,8 +122,9 @@ def check_tokenizer_files(directory: str | os.PathLike) -> None:
 
 
 def is_tokenizer_directory(path: Path) -> bool:
-    """A folder with a tokenizer.json: what a trained tokenizer's --overwrite may replace."""
-    return (path / TOKENIZER_JSON).is_file()
+    """A folder with a tokenizer.json and nothing but tokenizer files: what a trained tokenizer's
+    --overwrite may replace."""
+    return (path / TOKENIZER_JSON).is_file() and holds_only(path, lambda name: name in TOKENIZER_FILES)
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:

@@ -10,6 +10,7 @@ that needs no change is written straight from the checkpoint's memory-mapped fil
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +30,19 @@ from tessera.common.fileio import (
     atomic_directory,
     atomic_write_json,
     check_replaceable,
+    holds_only,
     refuse_replacing_inputs,
 )
 from tessera.common.hf.directory import is_hf_directory
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import model_tensor_shapes
 from tessera.common.models.registry import hf_adapter, kind_of
-from tessera.common.tokenizer import Tokenizer
+from tessera.common.tokenizer import TOKENIZER_FILES, Tokenizer
 
 ST_METADATA = {"format": "pt"}
 INDEX_FILE = "model.safetensors.index.json"
+_EXPORT_FILE_RE = re.compile(r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
+                             + re.escape(INDEX_FILE) + ")$")
 
 
 @dataclass(frozen=True)
@@ -79,13 +83,20 @@ def shard_names(n: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
+def is_hf_export(path: Path) -> bool:
+    """An HF model directory holding nothing but what export_hf writes (config files, safetensors
+    shards and index, tokenizer files): what its --overwrite may replace."""
+    return is_hf_directory(path) and holds_only(path, lambda name: bool(_EXPORT_FILE_RE.match(name))
+                                                or name in TOKENIZER_FILES)
+
+
 def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -> Path:
     src = CheckpointSource(checkpoint)
     output = Path(output)
     if output.exists() and not opts.overwrite:
         raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
     refuse_replacing_inputs(output, [src.directory])
-    check_replaceable(output, "Hugging Face model directory (config.json + safetensors)", is_hf_directory)
+    check_replaceable(output, "Hugging Face model directory (config.json + safetensors)", is_hf_export)
     cfg = src.sidecar.model
     check_convertible(cfg, "export --format hf")
     rules = hf_adapter(cfg).export_rules(cfg)  # their sources are the stored tensors: CheckpointSource checked them

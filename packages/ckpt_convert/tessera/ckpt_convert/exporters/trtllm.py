@@ -67,6 +67,7 @@ from tessera.common.fileio import (
     atomic_directory,
     atomic_write_json,
     check_replaceable,
+    holds_only,
     refuse_replacing_inputs,
 )
 from tessera.common.hf.architecture import HF_DTYPE_NAMES
@@ -341,10 +342,11 @@ def trtllm_config(cfg: ModelConfig, dtype: torch.dtype, tp: int, pp: int) -> dic
 
 
 def is_trtllm_checkpoint(path: Path) -> bool:
-    """config.json beside rank{R}.safetensors: what this exporter writes, so what its --overwrite
-    may replace (written in a hidden sibling and renamed whole, so nothing else is left behind)."""
-    return (path / "config.json").is_file() and any(re.fullmatch(r"rank\d+\.safetensors", p.name)
-                                                    for p in path.iterdir())
+    """config.json beside rank{R}.safetensors and nothing else: what this exporter writes, so what
+    its --overwrite may replace (written in a hidden sibling and renamed whole)."""
+    return ((path / "config.json").is_file() and any(re.fullmatch(r"rank\d+\.safetensors", p.name)
+                                                     for p in path.iterdir())
+            and holds_only(path, lambda name: bool(re.fullmatch(r"config\.json|rank\d+\.safetensors", name))))
 
 
 def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOptions) -> Path:

@@ -47,7 +47,13 @@ from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.checkpoint import CHECKPOINT_KIND, is_checkpoint_output
 from tessera.common.errors import ArtifactError, UserError
-from tessera.common.fileio import artifact_path, atomic_directory, check_replaceable, refuse_replacing_inputs
+from tessera.common.fileio import (
+    artifact_path,
+    atomic_directory,
+    check_replaceable,
+    holds_only,
+    refuse_replacing_inputs,
+)
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.encoder.config import EncoderConfig
 from tessera.common.models.hybrid.config import HybridConfig
@@ -76,12 +82,14 @@ def check_torch_dist(directory: Path) -> None:
 
 
 def is_torch_dist_checkpoint(path: Path) -> bool:
-    """A metadata.json naming the torch_dist backend: what `export --format megatron` writes, so
-    what its --overwrite may replace."""
+    """A metadata.json naming the torch_dist backend, beside nothing but DCP's files and common.pt:
+    what `export --format megatron` writes, so what its --overwrite may replace."""
     try:
-        return json.loads((path / "metadata.json").read_text()).get("sharded_backend") == "torch_dist"
+        is_torch_dist = json.loads((path / "metadata.json").read_text()).get("sharded_backend") == "torch_dist"
     except (OSError, ValueError, AttributeError):
         return False
+    return is_torch_dist and holds_only(path, lambda name: name in ("metadata.json", "common.pt", ".metadata")
+                                        or name.endswith(".distcp"))
 
 
 def megatron_to_tessera(cfg: ModelConfig, get) -> dict[str, torch.Tensor]:
