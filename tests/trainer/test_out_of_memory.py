@@ -85,6 +85,28 @@ def test_the_first_compiled_step_says_it_was_compiling(make_config, capsys, monk
     assert "step 1 (forward, the first step, compiling) on cpu: out of device memory" in err, err
 
 
+@pytest.mark.parametrize("hook", ["after_step", "before_step"])
+def test_out_of_memory_in_a_hook_between_steps_names_the_step_it_belongs_to(make_config, capsys, monkeypatch, hook):
+    """The profiler's hooks run after step 2 completed (a trace export, in host memory) and before
+    step 2 starts (the profiler's buffers): neither is step 3, which never started, nor step 1's
+    checkpoint save, which completed."""
+    from tessera.trainer.components.observability.profiling import StepProfiler
+
+    real = getattr(StepProfiler, hook)
+
+    def failing(self, step):
+        if step >= 2:
+            raise MemoryError()
+        return real(self, step)
+
+    monkeypatch.setattr(StepProfiler, hook, failing)
+    err = one_line_exit_1(capsys, ["--config", str(make_config()), "--quiet", "training.save_interval=1"])
+    assert "step 2 (" in err and "step 3" not in err and "checkpoint save" not in err, err
+    if hook == "after_step":
+        assert "step 2 (after the step) on cpu: out of host memory" in err, err
+        assert "training.micro_batch_size" not in err and "async_save" not in err, err
+
+
 def test_another_error_still_raises_as_it_is(make_config, monkeypatch):
     from tessera.common.layers.mlp import MLP
 

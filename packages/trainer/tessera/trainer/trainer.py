@@ -45,7 +45,7 @@ from tessera.trainer.components.observability.metrics import (
     resolve_peak_tflops,
     step_time_spread,
 )
-from tessera.trainer.components.observability.out_of_memory import STEP, out_of_memory_error
+from tessera.trainer.components.observability.out_of_memory import AFTER_STEP, STEP, out_of_memory_error
 from tessera.trainer.components.observability.profiling import StepProfiler
 from tessera.trainer.components.observability.signals import StopRequest
 from tessera.trainer.components.observability.watchdog import StepWatchdog
@@ -277,14 +277,16 @@ class Trainer:
             window_steps, window_time, window_samples = 0, 0.0, 0
             compiling = t.compile
             while self.state.step < t.steps:
+                # Step N+1 from here (its hooks included) until it returns: an error after that is
+                # step N's, and not its forward (AFTER_STEP), nor the previous save.
+                self.phase, self.compiling = STEP, compiling
                 if self.state.step > first_step:  # armed after the first step, which may compile
                     watchdog.beat(f"in step {self.state.step + 1}")
                 fault_point("train.step")
                 profiler.before_step(self.state.step + 1)
                 step_start = time.perf_counter()
-                self.phase, self.compiling = STEP, compiling
                 loss, grad_norm, stepped = self.train_step()
-                self.compiling = False
+                self.phase, self.compiling = AFTER_STEP, False
                 step_time = time.perf_counter() - step_start
                 profiler.after_step(self.state.step)
                 if compiling:  # the first step compiles: report it, keep it out of throughput

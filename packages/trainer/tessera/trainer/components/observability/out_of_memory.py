@@ -22,6 +22,7 @@ from tessera.common.errors import RunError, describe_out_of_memory
 from tessera.trainer.config import TrainConfig
 
 STEP = "step"  # the loop's phase while it runs a training step; refined from the traceback
+AFTER_STEP = "after the step"  # its logging and profiler hooks: neither activations nor the state's memory
 _OPTIMIZER_FILES = ("/torch/optim/", "/trainer/components/optimizer/", "/trainer/parallel/optimizer.py",
                     "/trainer/parallel/fsdp.py")
 _ACTIVATION_PHASES = ("forward", "backward", "evaluation")
@@ -57,7 +58,7 @@ def levers(cfg: TrainConfig, layout, phase: str, device_type: str) -> list[str]:
             out.append("training.precision=bf16 (now fp32)")
         elif t.precision == "bf16" and device_type == "cuda":
             out.append("training.precision=fp8 (now bf16; GPUs of compute capability 8.9+)")
-    else:  # weights, gradients and optimizer state: the step, a save's copy, the model's set-up
+    elif phase != AFTER_STEP:  # weights, gradients and optimizer state: the step, a save's copy, the model's set-up
         if layout.data > 1 and layout.data_shard == 1 and not p.distributed_optimizer:
             out.append("parallel.distributed_optimizer=true (optimizer state sharded over the "
                        f"{layout.data} data-parallel ranks)")
