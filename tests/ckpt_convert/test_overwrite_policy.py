@@ -146,3 +146,15 @@ def test_import_hf_llava_parts_refuses_a_folder_of_other_files_and_replaces_its_
     first = names(tmp_path / "out")
     assert run([*verb, str(tmp_path / "out"), "--overwrite"]) == 0
     assert names(tmp_path / "out") == first
+
+
+@pytest.mark.parametrize("verb, inside, given", [("export-hf", ".", "."), ("import-hf", "iter_0000000", "..")])
+def test_an_output_given_as_dot_or_dotdot_is_the_folder_it_names(tmp_path, inputs, monkeypatch, verb, inside, given):
+    """`--output . --overwrite` from inside the verb's earlier output (or `..` from inside its
+    iteration) replaces that folder: `.` and `..` are no names to stage a sibling under or rename."""
+    out = tmp_path / "out"
+    assert run(argv(verb, inputs, out)) == 0
+    first = names(out)
+    monkeypatch.chdir(out / inside)
+    assert run([*argv(verb, inputs, Path(given)), "--overwrite"]) == 0
+    assert names(out) == first and sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -350,6 +350,8 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False, sync: boo
     wrote. `sync=False`: no fsync (the rename still happens only when the block completes).
     """
     path = Path(path)
+    if path.name in ("", ".."):  # `.` or `..` (`--output . --overwrite`): no name to stage beside or rename
+        path = path.resolve()
     if path.exists() and not overwrite:
         raise FileExistsError(path)
     path.parent.mkdir(parents=True, exist_ok=True)
