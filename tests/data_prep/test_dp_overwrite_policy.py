@@ -212,3 +212,21 @@ def test_merge_overwriting_its_output_never_shows_an_idx_without_its_bin(tmp_pat
         run(["merge", "--inputs", base_shard, base_shard, "--output-prefix", tmp_path / "m", "--overwrite", "--quiet"])
     assert "replace m.idx" in seen and "replace m.bin" in seen, seen
     run(["verify", tmp_path / "m"])
+
+
+def test_converting_a_tokenizer_file_over_an_earlier_tokenizer_replaces_it_whole(tmp_path, tokenizer_dir,
+                                                                                corpus_texts):
+    """`prep --tokenizer vocab.txt --tokenizer-output tok --overwrite` over a tokenizer folder that
+    had a chat template: the converted tokenizer must not inherit the earlier one's files (its
+    chat_template.jinja would be read as the new tokenizer's template)."""
+    from tessera.common.tokenizer import load_tokenizer
+
+    tok = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok)
+    (tok / "chat_template.jinja").write_text("{{ messages }}")
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "##s"]) + "\n")
+    run(["prep", "--input", _corpus(tmp_path, corpus_texts), "--tokenizer", vocab, "--tokenizer-output", tok,
+         "--no-append-eod", "--output-prefix", tmp_path / "o/x", "--overwrite", "--quiet"])
+    assert sorted(p.name for p in tok.iterdir()) == ["tokenizer.json", "tokenizer_config.json", "vocab.txt"]
+    assert load_tokenizer(tok).chat_template is None

@@ -34,7 +34,7 @@ import json
 from pathlib import Path
 
 from tessera.common.errors import UserError
-from tessera.common.fileio import ensure_output_dir
+from tessera.common.fileio import atomic_directory, ensure_output_dir
 from tessera.data_prep.tokenizer_train import add_sentinels
 
 EOD_TOKEN = "<|endoftext|>"
@@ -193,11 +193,15 @@ def convert_tokenizer(source: Path, out: Path, model_max_length: int, pattern: s
         backend, fields = convert_sentencepiece(source)
         kind = "sentencepiece"
     add_sentinels(backend, extra_ids)
-    ensure_output_dir(out, "--tokenizer-output")
-    backend.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length, **fields,
-        "converted_from": {"path": str(source), "format": kind}}, indent=2, sort_keys=True) + "\n")
-    if kind == "wordpiece":  # BERT's own file beside it, as transformers saves a BertTokenizer
-        (out / "vocab.txt").write_text("".join(t + "\n" for t in vocab or []), encoding="utf-8")
+    ensure_output_dir(out.parent, "--tokenizer-output")
+    # Written whole and swapped in: with --overwrite (prep checked `out` is a tokenizer folder) an
+    # earlier tokenizer's other files (its chat_template.jinja, special_tokens_map.json) must not
+    # stay beside the converted one and be read as its own.
+    with atomic_directory(out, overwrite=True) as tmp:
+        backend.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length, **fields,
+            "converted_from": {"path": str(source), "format": kind}}, indent=2, sort_keys=True) + "\n")
+        if kind == "wordpiece":  # BERT's own file beside it, as transformers saves a BertTokenizer
+            (tmp / "vocab.txt").write_text("".join(t + "\n" for t in vocab or []), encoding="utf-8")
     return out
