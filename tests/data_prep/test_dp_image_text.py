@@ -220,3 +220,36 @@ def test_overwrite_replaces_an_image_store_only_when_it_is_one(vlm_tokenizer, tm
     assert run(prep) == 0
     assert run([*prep, "--overwrite"]) == 0
     assert run(["verify", tmp_path / "vl_conversations_document"]) == 0
+
+
+def test_overwrite_never_leaves_the_earlier_shard_beside_the_new_image_store(vlm_tokenizer, tmp_path, monkeypatch):
+    """While prep --overwrite publishes, a token shard under its final name is never the earlier
+    run's beside the new image store: its manifest's image checksum is that of the store there."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    llava = _llava(tmp_path, {"r.png": _png("red"), "g.png": _png("green")},
+                   [{"image": "r.png", "conversations": _turns("<image>", "red")}])
+    prep = ["prep", "--format", "image-text", "--input", llava, "--tokenizer", vlm_tokenizer,
+            "--output-prefix", tmp_path / "vl", "--quiet"]
+    assert run(prep) == 0
+    _llava(tmp_path, {"r.png": _png("red"), "g.png": _png("green")},
+           [{"image": "g.png", "conversations": _turns("<image>", "green")}])  # the same files, another image
+    shard = tmp_path / "vl_conversations_document"
+    store_bin = bin_path(image_store_prefix(shard))
+    checked, real_replace = [], os.replace
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        manifest = Path(f"{shard}.json")
+        if manifest.exists() and store_bin.exists():
+            wanted = json.loads(manifest.read_text())["images"]["checksums"]["bin"]
+            assert hashlib.sha256(store_bin.read_bytes()).hexdigest() == wanted, f"after replacing {dst}"
+        checked.append(Path(dst).name)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert run([*prep, "--overwrite"]) == 0
+    assert store_bin.name in checked, checked
+    monkeypatch.undo()
+    assert run(["verify", shard]) == 0

@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,8 +192,10 @@ class ShardSetWriter:
             if self._writer is not None and self._writer.num_tokens >= self.max_tokens:
                 self._close_current()
 
-    def commit(self, manifest_fields: dict[str, Any]) -> list[Path]:
-        """Finish the last shard, publish every shard, then write each manifest. Returns prefixes."""
+    def commit(self, manifest_fields: dict[str, Any], before_publish: Callable[[], None] | None = None) -> list[Path]:
+        """Finish the last shard, publish every shard, then write each manifest. Returns prefixes.
+        `before_publish`: runs once the earlier run's shards are gone, before these appear (an
+        image-text shard's image store: never the new store beside the old shard)."""
         if self._writer is not None or not self._staged:
             self._open()  # an empty output still gets one (empty) shard
             self._close_current()
@@ -201,6 +204,8 @@ class ShardSetWriter:
         # is still recognised as a shard (shard.is_shard_file).
         for old in sorted(output_prefixes(self.base), key=_removal_order):
             old.unlink()
+        if before_publish is not None:
+            before_publish()
         published = []
         for i, s in enumerate(self._staged):
             os.replace(bin_path(s.staging), bin_path(s.final))

@@ -92,8 +92,9 @@ class ImageTextWriter:
 
     def commit(self, fields: dict[str, Any]) -> list[Path]:
         store = self.images.finish(self.image_token, self.image_token_id)
-        self.images.publish()  # the manifest, written last by the token writer, is what makes the shard whole
-        return self.tokens.commit({**fields, "images": store.model_dump(mode="json")})
+        # The store is published once the earlier shard is gone and before the new one appears; the
+        # manifest, written last by the token writer, is what makes the shard whole.
+        return self.tokens.commit({**fields, "images": store.model_dump(mode="json")}, self.images.publish)
 
     def abort(self) -> None:
         self.images.abort()
