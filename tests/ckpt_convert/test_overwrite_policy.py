@@ -106,15 +106,17 @@ def test_the_verbs_own_output_with_a_users_file_put_in_it_is_refused_and_kept(tm
 
 
 def test_the_checkpoint_recogniser_takes_each_form_a_checkpoint_output_has(tmp_path, inputs):
-    """A checkpoints directory with its pointer, one without it (pointer lost, iterations kept), an
-    iteration directory alone; not a folder whose iteration never got its sidecar (a save cut short)."""
+    """A checkpoints directory with its pointer, one without it (pointer lost, iterations kept); not
+    a folder whose iteration never got its sidecar (a save cut short), nor one iteration directory:
+    the verbs write a checkpoints directory, and one put in place of a run's iteration would leave
+    that run's pointer on a folder with no sidecar (its resume broken, the iteration lost)."""
     import shutil
 
     from tessera.common.checkpoint import POINTER, SIDECAR, is_checkpoint_output
 
     whole = tmp_path / "whole"
     shutil.copytree(inputs["CK"], whole)
-    assert is_checkpoint_output(whole) and is_checkpoint_output(whole / "iter_0000010")
+    assert is_checkpoint_output(whole) and not is_checkpoint_output(whole / "iter_0000010")
     (whole / POINTER).unlink()
     assert is_checkpoint_output(whole)
     (whole / "iter_0000010" / SIDECAR).unlink()
@@ -158,3 +160,15 @@ def test_an_output_given_as_dot_or_dotdot_is_the_folder_it_names(tmp_path, input
     monkeypatch.chdir(out / inside)
     assert run([*argv(verb, inputs, Path(given)), "--overwrite"]) == 0
     assert names(out) == first and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_an_iteration_directory_of_another_run_is_not_replaced_by_a_checkpoints_directory(tmp_path, inputs, capsys):
+    import shutil
+
+    run_b = tmp_path / "b" / "checkpoints"
+    shutil.copytree(inputs["CK"], run_b)
+    iteration = run_b / "iter_0000010"
+    before = tree(tmp_path / "b")
+    err = refused(capsys, [*argv("reshard", inputs, iteration), "--overwrite"])
+    assert f"--output {iteration}: holds " in err and "not a Tessera checkpoint" in err, err
+    assert tree(tmp_path / "b") == before

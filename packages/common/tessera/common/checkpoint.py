@@ -62,7 +62,7 @@ SIDECAR = "tessera_checkpoint.json"
 POINTER = "latest_checkpointed_iteration.txt"
 TOKENIZER_DIR = "tokenizer"
 MODEL_PREFIX = "model."
-CHECKPOINT_KIND = "Tessera checkpoint (a checkpoints directory or an iter_NNNNNNN/ with its sidecar)"
+CHECKPOINT_KIND = "Tessera checkpoint (a checkpoints directory: its pointer, iter_NNNNNNN/ with their sidecars)"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 # What a checkpoints directory holds: the pointer, iterations, and what a save in progress leaves
 # (the trainer's `.iter_N.partial/`, the pointer's temporary name, fileio.tmp_name).
@@ -118,13 +118,12 @@ def checkpoint_files(directory: Path) -> list[Path]:
 
 
 def is_checkpoint_output(path: Path) -> bool:
-    """A checkpoints directory (the pointer, or an iter_NNNNNNN/ with its sidecar) or one iteration
-    directory (its sidecar): what reshard, import and the trainer write, so what their --overwrite
-    may replace (fileio.check_replaceable). An interrupted converter leaves only a hidden sibling;
-    an interrupted trainer save a `.iter_N.partial/` beside the pointer. A checkpoints directory
-    holding anything else (a checkpoint_dir that was the user's folder) is not replaced whole."""
-    if (path / SIDECAR).is_file():
-        return True  # one iteration directory: only ever made whole, by a rename
+    """A checkpoints directory (the pointer, or an iter_NNNNNNN/ with its sidecar) holding nothing
+    else: what reshard and import write (and the trainer), so what their --overwrite may replace
+    (fileio.check_replaceable). An interrupted converter leaves only a hidden sibling; an
+    interrupted trainer save a `.iter_N.partial/` beside the pointer. Not one iteration directory:
+    a checkpoints directory put in place of a run's iteration leaves that run's pointer on a folder
+    without sidecar. Nor one holding anything else (a checkpoint_dir that was the user's folder)."""
     if not holds_only(path, _CHECKPOINTS_ENTRY_RE.match):
         return False
     return (path / POINTER).is_file() or any(_ITER_RE.match(p.name) and (p / SIDECAR).is_file() for p in path.iterdir())
