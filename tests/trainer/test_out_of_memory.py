@@ -135,3 +135,12 @@ def test_under_torchrun_rank_0_prints_the_line_and_the_other_rank_at_most_a_shor
     short = [line for line in proc.stderr.splitlines() if "rank 1: step 2 (forward)" in line]
     assert len(short) <= 1 and all("rank 0's line" in line for line in short), proc.stderr[-3000:]
     assert read_pointer(tmp_path / "run" / "checkpoints") == 1
+
+
+def test_the_micro_batch_it_suggests_divides_the_global_batch(make_config, capsys, monkeypatch):
+    """micro-batch 5 of a global batch of 5: half of it (2) would be refused by the next run
+    (the global batch must be a multiple of it); its largest proper divisor, 1, is not."""
+    inject(monkeypatch.setattr, "forward", from_step=1)
+    err = one_line_exit_1(capsys, ["--config", str(make_config()), "--quiet", "training.micro_batch_size=5",
+                                   "training.global_batch_size=5"])
+    assert "training.micro_batch_size=1 (now 5;" in err, err

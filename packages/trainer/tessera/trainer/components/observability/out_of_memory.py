@@ -46,7 +46,10 @@ def levers(cfg: TrainConfig, layout, phase: str, device_type: str) -> list[str]:
     out: list[str] = []
     if phase in _ACTIVATION_PHASES:
         if t.micro_batch_size > 1:
-            out.append(f"training.micro_batch_size={max(t.micro_batch_size // 2, 1)} (now {t.micro_batch_size}; "
+            # Its largest proper divisor: whatever the global batch (and a ramp-up's sizes) was a
+            # multiple of stays one (half of an odd size would be refused by the next run).
+            smaller = max(d for d in range(1, t.micro_batch_size) if t.micro_batch_size % d == 0)
+            out.append(f"training.micro_batch_size={smaller} (now {t.micro_batch_size}; "
                        f"the global batch of {t.global_batch_size} is kept by accumulating more micro-batches)")
         if phase != "evaluation" and t.recompute != "full" and not (t.precision == "fp8" and t.fp8_backend == "te"):
             out.append(f"training.recompute={'selective' if t.recompute == 'none' else 'full'} (now {t.recompute})")
