@@ -31,13 +31,28 @@ def build_parser() -> argparse.ArgumentParser:
     io = p.add_argument_group("input/output")
     io.add_argument("--prompts", required=True, help="JSONL file of prompts (see above).")
     io.add_argument("--output", required=True, help="JSONL file to write (replaced atomically when complete).")
-    s = p.add_argument_group("default sampling (a line's own fields win)")
-    s.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt (default: %(default)s).")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s).")
-    s.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (default: %(default)s).")
-    s.add_argument("--top-k", type=int, default=0, help="Top-k sampling, 0 = off (default: %(default)s).")
+    s = p.add_argument_group("default sampling (a line's own fields win; then these flags; then the model's "
+                             "generation_config defaults, see --generation-config; then the built-in ones below)")
+    s.add_argument("--max-tokens", type=int, default=None, help="Tokens to generate per prompt (built-in: 64).")
+    s.add_argument("--temperature", type=float, default=None, help="0 = greedy (built-in: 0).")
+    s.add_argument("--top-p", type=float, default=None, help="Nucleus sampling mass (built-in: 1).")
+    s.add_argument("--top-k", type=int, default=None, help="Top-k sampling, 0 = off (built-in: 0).")
     p.add_argument("--quiet", action="store_true", help="No progress bar.")
     return p
+
+
+# tessera-generate's own defaults where neither a line, a flag nor the model's settings say.
+BUILT_IN = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+
+def generation_defaults(checkpoint: str, cfg):
+    """The model's request defaults under --generation-config / --override-generation-config (read
+    from the generation_config.json or sidecar record alone, before any weight loads)."""
+    from tessera.inference.core.generation_defaults import resolve_defaults
+    from tessera.inference.worker.loader import read_generation
+
+    record, source = read_generation(checkpoint, cfg.generation_config)
+    return resolve_defaults(record, cfg.generation_config, cfg.override_generation_config, source)
 
 
 def read_prompts(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any]]:
@@ -101,9 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.inference.entrypoints.engine_args import engine_config_from_args
 
     cfg = engine_config_from_args(args)
-    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                "top_k": args.top_k}
+    model_defaults = generation_defaults(args.checkpoint, cfg)
+    flags = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    defaults = {**BUILT_IN, **model_defaults.values, **{k: v for k, v in flags.items() if v is not None}}
     jobs = read_prompts(Path(args.prompts), defaults)
+    if model_defaults.max_tokens_cap is not None:  # vLLM's cap (--override-generation-config's max_new_tokens)
+        jobs = [(rid, {**f, "max_tokens": min(f["max_tokens"], model_defaults.max_tokens_cap)}, src)
+                for rid, f, src in jobs]
     out_path = Path(args.output)
     if out_path.is_dir():
         raise UserError(f"{out_path}: is a directory; pass a file path for --output")
@@ -133,8 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(cfg.dtype, device)
     check_cuda_graphs(cfg, device)
     loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization, cfg.tensor_parallel,
-                              kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
+                              kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify,
+                              generation_config=cfg.generation_config)
     engine = LLMEngine(loaded, cfg, device, dtype)
+    if not args.quiet and (model_defaults.values or model_defaults.max_tokens_cap is not None):
+        print(f"tessera-generate: {model_defaults.describe()}")
     try:
         tok = loaded.tokenizer
         results: dict[str, dict[str, Any]] = {}
