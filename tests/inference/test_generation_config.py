@@ -170,7 +170,8 @@ def test_bad_generation_flags_are_one_line_and_exit_2(tiny_ckpt, tmp_path, capsy
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
-    main, extra = ((serve_cli.main, []) if cli == "tessera-serve" else
+    # (--port -1, refused after the engine flags: a flag wrongly accepted fails here, not by starting a server)
+    main, extra = ((serve_cli.main, ["--port", "-1"]) if cli == "tessera-serve" else
                    (generate_cli.main, ["--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")]))
     with pytest.raises(SystemExit) as exc:
         run_cli(main, ["--checkpoint", str(tiny_ckpt), *extra, *flags])
