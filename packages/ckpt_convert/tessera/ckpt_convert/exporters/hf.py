@@ -145,16 +145,17 @@ def write_config_files(out: Path, cfg: Any, dtype: torch.dtype, tok: Tokenizer |
     adapter = hf_adapter(cfg)
     atomic_write_json(out / "config.json", adapter.hf_config(cfg, dtype, bos, eos, pad), sync=sync)
     extra = generation.to_hf() if generation is not None else {}
+    gen = None
     if hasattr(adapter, "generation_config"):  # a kind whose transformers class writes its own (T5)
         gen = adapter.generation_config(cfg)
-        if extra:  # transformers' meaning of the flag: the file holds more than the model config's ids
-            gen = {**gen, "_from_model_config": False, **extra}
-        atomic_write_json(out / "generation_config.json", gen, sync=sync)
     elif getattr(adapter, "GENERATES", True):  # an encoder's classes have no generation config
-        # _from_model_config only when nothing but the model config's ids is in it (transformers' meaning).
-        gen = {"_from_model_config": not extra, "bos_token_id": bos, "eos_token_id": eos}
+        gen = {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos}
         if pad is not None:
             gen["pad_token_id"] = pad
-        atomic_write_json(out / "generation_config.json", {**gen, **extra}, sync=sync)
+    if gen is not None:
+        # transformers' flag: true only while the file holds nothing beyond what the model config gives.
+        if any(gen.get(k) != v for k, v in extra.items()):
+            gen = {**gen, "_from_model_config": False, **extra}
+        atomic_write_json(out / "generation_config.json", gen, sync=sync)
     if tok is not None:
         write_hf_tokenizer(tok, out, sync=sync)
