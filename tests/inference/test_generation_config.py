@@ -153,6 +153,28 @@ def test_generation_config_folder_replaces_the_models_file(sampled_hf, tmp_path)
         server.stop()
 
 
+def test_tessera_generate_takes_the_models_defaults_below_its_flags_and_a_lines_fields(sampled_hf, tmp_path):
+    from tessera.inference.entrypoints.generate_cli import main as generate_main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(line) for line in [
+        {"id": "model", "prompt": PROMPT, "ignore_eos": True},  # the model's: greedy, 3 tokens
+        {"id": "greedy", "prompt": PROMPT, "ignore_eos": True, "temperature": 0.0, "max_tokens": 3},
+        {"id": "own", "prompt": PROMPT, "ignore_eos": True, "max_tokens": 5}]) + "\n")
+
+    def generate(*flags) -> dict[str, dict]:
+        out = tmp_path / "o.jsonl"
+        assert generate_main(["--checkpoint", str(sampled_hf), "--prompts", str(prompts), "--output", str(out),
+                              "--num-kv-blocks", "64", "--quiet", *flags]) == 0
+        return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+    rows = generate()
+    assert rows["model"]["token_ids"] == rows["greedy"]["token_ids"] and len(rows["model"]["token_ids"]) == 3
+    assert len(rows["own"]["token_ids"]) == 5
+    assert len(generate("--max-tokens", "4")["model"]["token_ids"]) == 4  # a flag wins over the model
+    assert len(generate("--generation-config", "vllm")["model"]["token_ids"]) == 64  # tessera-generate's own
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--override-generation-config", '{"eos_token_id": 3}'],
      "--override-generation-config: field 'eos_token_id' is not supported; use temperature, top_p, top_k, min_p, "
