@@ -175,6 +175,34 @@ def test_tessera_generate_takes_the_models_defaults_below_its_flags_and_a_lines_
     assert len(generate("--generation-config", "vllm")["model"]["token_ids"]) == 64  # tessera-generate's own
 
 
+@pytest.mark.slow
+def test_the_engine_process_resolves_a_folder_and_the_override_and_hands_them_to_the_http_side(
+        sampled_hf, tmp_path, monkeypatch):
+    from tessera.inference.config import EngineConfig
+    from tessera.inference.engine.process_client import ProcessEngine
+
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 11, "top_p": 0.9}))
+    monkeypatch.chdir(tmp_path)  # a relative folder: the flag makes it absolute for the engine process
+    from tessera.inference.entrypoints.engine_args import engine_config_from_args
+    from tessera.inference.entrypoints.serve_cli import build_parser
+
+    cfg = engine_config_from_args(build_parser().parse_args([
+        "--checkpoint", str(sampled_hf), "--num-kv-blocks", "64", "--generation-config", "gen",
+        "--override-generation-config", '{"min_p": 0.05}']))
+    assert isinstance(cfg, EngineConfig) and cfg.generation_config == str(folder)
+    frontend = ProcessEngine.launch(str(sampled_hf), cfg)
+    try:
+        assert 11 in frontend.eos_ids  # the folder's end id, not only config.json's and the tokenizer's
+        d = frontend.generation_defaults
+        assert d.values == {"top_p": 0.9, "min_p": 0.05} and d.max_tokens_cap is None
+        assert "generation_config.json and --override-generation-config" in d.describe()
+    finally:
+        frontend.shutdown(timeout=0)
+        frontend._proc.wait(timeout=60)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--override-generation-config", '{"eos_token_id": 3}'],
      "--override-generation-config: field 'eos_token_id' is not supported; use temperature, top_p, top_k, min_p, "
