@@ -249,3 +249,20 @@ def test_the_request_fields_it_sets_win_over_the_defaults_and_those_it_leaves_ou
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.7, 0.5, 0, 0.1, 1.2)
     plain = body.sampling_params(10, None)  # no defaults: SamplingParams' own
     assert (plain.top_p, plain.top_k, plain.min_p, plain.repetition_penalty) == (1.0, 0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("mode, override, values, cap", [
+    # auto: the file's fields (transformers' own defaults dropped, as vLLM's to_diff_dict does); top_k -1 -> 0 (off)
+    ("auto", {}, {"temperature": 0.6, "top_k": 0, "max_tokens": 9}, None),
+    ("vllm", {}, {}, None),  # none of the model's
+    ("vllm", {"top_p": 0.5}, {"top_p": 0.5}, None),  # the override applies under vllm too
+    ("auto", {"temperature": 1.0, "max_new_tokens": 4}, {"temperature": 1.0, "top_k": 0, "max_tokens": 4}, 4),
+    ("/folder", {}, {"temperature": 0.6, "top_k": 0, "max_tokens": 9}, 9),  # a folder's max_new_tokens caps
+])
+def test_resolution_follows_vllms_rules(mode, override, values, cap):
+    from tessera.common.hf.generation import GenerationSettings
+    from tessera.inference.core.generation_defaults import resolve_defaults
+
+    record = GenerationSettings(temperature=0.6, top_p=1.0, top_k=-1, repetition_penalty=1.0, max_new_tokens=9)
+    d = resolve_defaults(record, mode, override, "g.json")
+    assert (d.values, d.max_tokens_cap) == (values, cap)

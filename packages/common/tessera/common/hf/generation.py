@@ -106,8 +106,8 @@ def generation_settings(data: Any, where: str, allowed: tuple[str, ...] | None =
         values[name] = float(v) if name not in ("top_k", "max_new_tokens", "do_sample") else v
     eos = data.get("eos_token_id")
     if eos is not None:
-        ids = eos if isinstance(eos, list) else [eos]
-        if not ids or not all(_integer(i) and i >= 0 for i in ids):
+        ids = eos if isinstance(eos, list) else [eos]  # [] is no end id, as in transformers
+        if not all(_integer(i) and i >= 0 for i in ids):
             raise ArtifactError(f"{where}: field eos_token_id is {eos!r}; expected a token id or a list of them")
         values["eos_token_ids"] = list(dict.fromkeys(ids))  # order kept (the export writes it back), no repeats
     return GenerationSettings(**values)
