@@ -266,3 +266,22 @@ def test_resolution_follows_vllms_rules(mode, override, values, cap):
     record = GenerationSettings(temperature=0.6, top_p=1.0, top_k=-1, repetition_penalty=1.0, max_new_tokens=9)
     d = resolve_defaults(record, mode, override, "g.json")
     assert (d.values, d.max_tokens_cap) == (values, cap)
+
+
+@pytest.mark.slow
+def test_tessera_serve_logs_the_defaults_it_applies_and_serves_them_from_the_engine_process(sampled_hf):
+    from ports import SERVE, start_serve
+
+    proc, url, lines = start_serve(SERVE, "--checkpoint", sampled_hf, "--num-kv-blocks", "16",
+                                   "--override-generation-config", '{"top_p": 0.5}')
+    try:
+        line = next(x for x in lines if "sampling defaults" in x)
+        assert (f"tessera-serve: sampling defaults from {sampled_hf / 'generation_config.json'} and "
+                "--override-generation-config: temperature=0.0, top_p=0.5, max_tokens=3 (a request's own values "
+                "win; --generation-config vllm ignores the model's)") == line.strip()
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    finally:
+        proc.kill()
+        proc.wait()
