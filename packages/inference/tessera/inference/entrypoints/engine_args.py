@@ -175,10 +175,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise UserError(f"--kv-cache-dtype {args.kv_cache_dtype!r}: not a KV-cache dtype; use one of "
                         f"{', '.join(KV_CACHE_DTYPE_NAMES)}")
     override = parse_override(args.override_generation_config)
-    if args.generation_config not in MODES:  # a folder: its file read and checked before any model loads
+    generation_config = args.generation_config
+    if generation_config not in MODES:  # a folder: its file read and checked before any model loads
         from tessera.inference.worker.loader import read_generation
 
-        read_generation(args.checkpoint, args.generation_config)
+        generation_config = os.path.abspath(generation_config)  # the engine process reads it too
+        read_generation(args.checkpoint, generation_config)
     sizes = None
     if args.cuda_graph_sizes is not None:
         from tessera.inference.worker.cuda_graphs import parse_capture_sizes
@@ -194,7 +196,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_expert_parallel=args.enable_expert_parallel, async_scheduling=args.async_scheduling,
             kv_cache_dtype=args.kv_cache_dtype, skip_checksum_verify=args.skip_checksum_verify,
             enforce_eager=args.enforce_eager, cuda_graph_sizes=sizes,
-            generation_config=args.generation_config, override_generation_config=override,
+            generation_config=generation_config, override_generation_config=override,
         )
     except ValidationError as exc:
         msg = format_validation_error(exc, "engine flags")

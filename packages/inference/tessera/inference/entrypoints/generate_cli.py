@@ -116,13 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.inference.entrypoints.engine_args import engine_config_from_args
 
     cfg = engine_config_from_args(args)
-    model_defaults = generation_defaults(args.checkpoint, cfg)
-    flags = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
-    defaults = {**BUILT_IN, **model_defaults.values, **{k: v for k, v in flags.items() if v is not None}}
-    jobs = read_prompts(Path(args.prompts), defaults)
-    if model_defaults.max_tokens_cap is not None:  # vLLM's cap (--override-generation-config's max_new_tokens)
-        jobs = [(rid, {**f, "max_tokens": min(f["max_tokens"], model_defaults.max_tokens_cap)}, src)
-                for rid, f, src in jobs]
+    flags = {k: v for k, v in {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                                "top_k": args.top_k}.items() if v is not None}
+    jobs = read_prompts(Path(args.prompts), {**BUILT_IN, **flags})  # the file's own problems first
     out_path = Path(args.output)
     if out_path.is_dir():
         raise UserError(f"{out_path}: is a directory; pass a file path for --output")
@@ -136,6 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"{out_path}: --output is a file of the --checkpoint {args.checkpoint}; write the completions "
                         "elsewhere")
     ensure_output_dir(out_path.parent, "--output")
+    # The model's request defaults: read from its generation settings alone, before any weight loads.
+    model_defaults = generation_defaults(args.checkpoint, cfg)
+    if model_defaults.values:  # read again under them (a line's min_tokens against the model's max_tokens)
+        jobs = read_prompts(Path(args.prompts), {**BUILT_IN, **model_defaults.values, **flags})
+    if model_defaults.max_tokens_cap is not None:  # vLLM's cap (--override-generation-config's max_new_tokens)
+        cap = model_defaults.max_tokens_cap
+        jobs = [(rid, {**f, "max_tokens": min(f["max_tokens"], cap), "min_tokens": min(f.get("min_tokens", 0), cap)},
+                 src) for rid, f, src in jobs]
 
     from tessera.common.chat_template import ChatTemplateError, render_chat
     from tessera.common.fileio import atomic_file
