@@ -230,12 +230,41 @@ def test_bad_generation_flags_are_one_line_and_exit_2(tiny_ckpt, tmp_path, capsy
     assert len(err.splitlines()) == 1 and message in err, err
 
 
-def test_a_malformed_generation_config_is_one_line_naming_the_file_and_field(hf_dir, tmp_path):
+def test_a_default_vllms_sampler_refuses_too_is_one_line_naming_the_file_field_and_way_out(hf_dir, tmp_path):
     from tessera.common.errors import ArtifactError
 
     hf = _with_generation_config(hf_dir, tmp_path / "hf", {"top_p": 1.5})
-    with pytest.raises(ArtifactError, match=r"generation_config.json: field top_p is 1.5; expected a number in \(0, 1\]"):
+    with pytest.raises(ArtifactError, match=r"generation_config.json: field top_p is 1.5; expected a number in "
+                                            r"\(0, 1\] .*serve with --generation-config vllm"):
         make_engine(hf, num_kv_blocks=64)
+
+
+def test_an_odd_generation_config_vllm_serves_is_served_under_vllm_and_imported(hf_dir, tmp_path, capsys):
+    from tessera.ckpt_convert.inspect import info, info_text
+
+    # as real repositories ship them: top_p 0, greedy with do_sample false, top_k 0, a string, a null end id
+    odd = {"top_p": 0, "temperature": 0, "do_sample": False, "top_k": 0, "min_p": "0.05", "eos_token_id": None}
+    hf = _with_generation_config(hf_dir, tmp_path / "hf", odd)
+    engine = make_engine(hf, num_kv_blocks=64, generation_config="vllm")
+    try:
+        assert engine.generation_defaults.values == {}
+        out = run_all(engine, {"a": (PROMPT, SamplingParams(max_tokens=2, temperature=0))})["a"]
+        assert len(token_ids(out)) == 2
+    finally:
+        engine.close()
+    assert ckpt_run(["import", "--format", "hf", "--input", str(hf), "--output", str(tmp_path / "ckpt"),
+                     "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "field top_p is 0, which the sampler cannot take" in err and "field min_p is '0.05'" in err
+    g = read_sidecar(resolve_checkpoint(tmp_path / "ckpt")).generation
+    assert (g.temperature, g.top_k, g.top_p, g.min_p, g.ignored) == (0.0, 0, None, None, {"top_p": 0, "min_p": "0.05"})
+    line = next(x for x in info_text(info(tmp_path / "ckpt")).splitlines() if x.startswith("generation"))
+    assert "ignored top_p 0" in line and "ignored min_p '0.05'" in line, line
+    engine = make_engine(tmp_path / "ckpt", num_kv_blocks=64)  # the checkpoint serves its kept defaults
+    try:
+        assert engine.generation_defaults.values == {"temperature": 0.0, "top_k": 0}
+    finally:
+        engine.close()
 
 
 def test_the_request_fields_it_sets_win_over_the_defaults_and_those_it_leaves_out_take_them():

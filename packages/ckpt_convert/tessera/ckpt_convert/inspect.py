@@ -94,5 +94,7 @@ def _generation_text(g: dict[str, Any] | None) -> str:
     if not g:
         return "-"
     parts = [f"end ids {g['eos_token_ids']}"] if g.get("eos_token_ids") else []
-    parts += [f"{k} {v}" for k, v in g.items() if k != "eos_token_ids"]
+    parts += [f"{k} {v}" for k, v in g.items() if k not in ("eos_token_ids", "ignored")]
+    # the source file's values the sampler cannot take, left out at import
+    parts += [f"ignored {k} {v!r}" for k, v in (g.get("ignored") or {}).items()]
     return ", ".join(parts) or "-"

@@ -25,7 +25,7 @@ from tessera.ckpt_convert.progress import Progress
 from tessera.common.errors import UserError
 from tessera.common.fileio import artifact_path, atomic_directory, refuse_replacing_inputs
 from tessera.common.hf.directory import CONFIG, SafetensorsWeights, read_hf_config
-from tessera.common.hf.generation import read_generation_config
+from tessera.common.hf.generation import GENERATION_CONFIG, read_generation_config
 from tessera.common.hf.rules import check_import
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.registry import hf_adapter
@@ -46,6 +46,10 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     cfg, _ = read_hf_config(input_dir)  # the one HF adapter, shared with tessera-serve
     check_convertible(cfg, "import --format hf")
     generation = read_generation_config(input_dir)  # end ids and sampling defaults, kept in the sidecar
+    for name, value in (generation.ignored or {}).items() if generation is not None else ():
+        # Real repositories ship such files (top_p 0, a string); the model imports, the value does not.
+        print(f"warning: {input_dir / GENERATION_CONFIG}: field {name} is {value!r}, which the sampler cannot "
+              "take; left out of the checkpoint's generation settings (tessera-ckpt info lists it)", file=sys.stderr)
     if isinstance(cfg, ModelConfig):
         # Megatron's vocabulary padding at tensor parallel 1 (zero rows; reshard re-pads for larger sizes).
         multiple = 128 if vocab_size_divisible_by is None else vocab_size_divisible_by

@@ -10,7 +10,10 @@ Kept: `eos_token_id` (an int or a list: Llama-3-Instruct lists <|eot_id|> only h
 fields vLLM applies (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) and
 `do_sample` (serving ignores it, as vLLM does; kept so an export's `generate` samples as the
 original's did). Every other key is ignored; null means absent (transformers writes full dumps
-with nulls). A value of the wrong type or out of range is one line naming the file and the field.
+with nulls). Real repositories ship odd files (`top_p: 0`, a string, an end id of -1): reading one
+never fails. A value the server's sampler cannot take is left out of the record and kept, as found,
+in `ignored` (import warns, `tessera-ckpt info` shows it); serving decides what to do with it
+(`for_serving`: as vLLM would). Only --override-generation-config, a flag, is refused outright.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class GenerationSettings(BaseModel):
     repetition_penalty: float | None = None
     max_new_tokens: int | None = Field(None, description="The default max_tokens of a request that sets none.")
     do_sample: bool | None = Field(None, description="Written back on export; serving ignores it (as vLLM).")
+    ignored: dict[str, Any] | None = Field(None, description=(
+        "Fields of the source file left out for a value the sampler cannot take, as found (not written back)."))
 
     @model_validator(mode="after")
     def _in_range(self) -> GenerationSettings:
@@ -88,34 +93,83 @@ _CHECKS = {
 
 
 def generation_settings(data: Any, where: str, allowed: tuple[str, ...] | None = None) -> GenerationSettings:
-    """A generation_config.json's mapping as a record; ArtifactError naming `where` and the field.
-    `allowed`: the only keys accepted (any other is refused), for --override-generation-config."""
+    """A mapping of generation fields as a record, every value checked: ArtifactError naming `where`
+    and the field. `allowed`: the only keys accepted (any other is refused), for
+    --override-generation-config."""
     if not isinstance(data, dict):
         raise ArtifactError(f"{where}: expected a JSON object")
     if allowed is not None:
         extra = sorted(k for k in data if k not in allowed)
         if extra:
             raise ArtifactError(f"{where}: field {extra[0]!r} is not supported; use {', '.join(allowed)}")
+    record = lenient_generation_settings(data, where)
+    if record.ignored:
+        name, value = next(iter(record.ignored.items()))
+        raise ArtifactError(f"{where}: field {name} is {value!r}; {_what(name)}")
+    return record
+
+
+def lenient_generation_settings(data: Any, where: str) -> GenerationSettings:
+    """A generation_config.json's mapping as a record that never fails on a value: one the sampler
+    cannot take (an end id that is no token id included) is left out and kept in `ignored`."""
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{where}: expected a JSON object")
     values: dict[str, Any] = {}
-    for name, (ok, what) in _CHECKS.items():
+    ignored: dict[str, Any] = {}
+    for name, (ok, _) in _CHECKS.items():
         v = data.get(name)
         if v is None:
             continue
         if not ok(v):
-            raise ArtifactError(f"{where}: field {name} is {v!r}; expected {what}")
+            ignored[name] = v
+            continue
         values[name] = float(v) if name not in ("top_k", "max_new_tokens", "do_sample") else v
     eos = data.get("eos_token_id")
     if eos is not None:
         ids = eos if isinstance(eos, list) else [eos]  # [] is no end id, as in transformers
-        if not all(_integer(i) and i >= 0 for i in ids):
-            raise ArtifactError(f"{where}: field eos_token_id is {eos!r}; expected a token id or a list of them")
-        values["eos_token_ids"] = list(dict.fromkeys(ids))  # order kept (the export writes it back), no repeats
-    return GenerationSettings(**values)
+        good = [i for i in ids if _integer(i) and i >= 0]
+        if len(good) != len(ids):
+            ignored["eos_token_id"] = eos  # the good ids still end generation (vLLM never matches a bad one)
+        values["eos_token_ids"] = list(dict.fromkeys(good))  # order kept (the export writes it back), no repeats
+    return GenerationSettings(**values, ignored=ignored or None)
+
+
+# field -> what vLLM's SamplingParams also accepts. A default outside it fails every vLLM request that
+# leaves the field out; one inside it that the server's sampler cannot take (temperature 150,
+# repetition_penalty 20) vLLM serves, so it is dropped here with a warning, never refused.
+_VLLM_TAKES = {
+    "temperature": lambda v: _number(v) and v >= 0,
+    "repetition_penalty": lambda v: _number(v) and v > 0,
+}
+
+
+def for_serving(record: GenerationSettings | None, mode: str, where: str,
+                warn: Any = None) -> GenerationSettings | None:
+    """The record a server uses under --generation-config `mode` (auto, vllm or a folder), as vLLM
+    treats the same file: under vllm the sampling fields are not read (the end ids are); otherwise a
+    field vLLM's sampler refuses too is one line naming the file, the field and the way out, and any
+    other ignored value is dropped with a `warn(message)`."""
+    if record is None:
+        return None
+    for name, value in (record.ignored or {}).items():
+        if name == "do_sample" or (mode == "vllm" and name in SAMPLING_FIELDS):
+            continue  # not read when serving (do_sample never is, as in vLLM)
+        if name in SAMPLING_FIELDS and not _VLLM_TAKES.get(name, lambda v: False)(value):
+            raise ArtifactError(f"{where}: field {name} is {value!r}; {_what(name)} (vLLM's sampler "
+                                "refuses it too); serve with --generation-config vllm to leave the file's sampling "
+                                "defaults out")
+        if warn is not None:
+            warn(f"{where}: field {name} is {value!r}; ignored ({_what(name)})")
+    return GenerationSettings(eos_token_ids=record.eos_token_ids) if mode == "vllm" else record
+
+
+def _what(name: str) -> str:
+    return f"expected {_CHECKS[name][1]}" if name in _CHECKS else "expected a token id or a list of them"
 
 
 def read_generation_config(directory: str | os.PathLike) -> GenerationSettings | None:
-    """The record of `directory`/generation_config.json; None when there is none."""
+    """The record of `directory`/generation_config.json (odd values in `ignored`); None when there is none."""
     path = artifact_path(directory, GENERATION_CONFIG)
     if not path.is_file():
         return None
-    return generation_settings(read_json(path, "generation config"), str(path))
+    return lenient_generation_settings(read_json(path, "generation config"), str(path))

@@ -27,7 +27,12 @@ from tessera.common.hf.directory import (
     is_hf_directory,
     read_hf_config,
 )
-from tessera.common.hf.generation import GENERATION_CONFIG, GenerationSettings, read_generation_config
+from tessera.common.hf.generation import (
+    GENERATION_CONFIG,
+    GenerationSettings,
+    for_serving,
+    read_generation_config,
+)
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.models.registry import kind_of
@@ -65,12 +70,17 @@ def read_generation(path: str | os.PathLike, mode: str = "auto") -> tuple[Genera
         if not (folder / GENERATION_CONFIG).is_file():
             raise UserError(f"--generation-config {mode}: no {GENERATION_CONFIG} in that folder; pass a folder "
                             "holding one, auto (the model's) or vllm (none)")
-        return read_generation_config(folder), str(folder / GENERATION_CONFIG)
+        return _served(folder, mode), str(folder / GENERATION_CONFIG)
     path = Path(path)
     if path.is_dir() and is_hf_directory(path) and not (path / SIDECAR).is_file():
-        return read_generation_config(path), str(path / GENERATION_CONFIG)
+        return _served(path, mode), str(path / GENERATION_CONFIG)
     ckpt = resolve_checkpoint(path)
     return read_sidecar(ckpt).generation, f"{ckpt / SIDECAR} (generation)"
+
+
+def _served(directory: Path, mode: str) -> GenerationSettings | None:
+    """`directory`'s generation_config.json as served under `mode` (odd values: for_serving)."""
+    return for_serving(read_generation_config(directory), mode, str(directory / GENERATION_CONFIG), log.warning)
 
 
 def resolve_device(device: str) -> torch.device:
