@@ -175,6 +175,27 @@ def test_tessera_generate_takes_the_models_defaults_below_its_flags_and_a_lines_
     assert len(generate("--generation-config", "vllm")["model"]["token_ids"]) == 64  # tessera-generate's own
 
 
+def test_tessera_generate_clamps_the_models_max_tokens_default_to_the_context_left(sampled_hf, tmp_path):
+    # Models ship max_new_tokens larger than a short --max-model-len leaves (vLLM takes the smaller):
+    # a default, unlike a line's own max_tokens, must fit the room left, as the server clamps it.
+    from tessera.common.errors import UserError
+    from tessera.inference.entrypoints.generate_cli import main as generate_main
+
+    hf = tmp_path / "hf"
+    shutil.copytree(sampled_hf, hf)
+    (hf / "generation_config.json").write_text(json.dumps({"max_new_tokens": 4096}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": PROMPT, "ignore_eos": True}) + "\n")
+    out = tmp_path / "o.jsonl"
+    args = ["--checkpoint", str(hf), "--prompts", str(prompts), "--output", str(out), "--num-kv-blocks", "64",
+            "--max-model-len", "16", "--quiet"]
+    assert generate_main(args) == 0
+    assert json.loads(out.read_text())["completion_tokens"] == 16 - len(PROMPT)
+    prompts.write_text(json.dumps({"id": "a", "prompt": PROMPT, "max_tokens": 4096}) + "\n")
+    with pytest.raises(UserError, match="maximum context length is 16 tokens"):  # a line's own: refused as before
+        generate_main(args)
+
+
 @pytest.mark.slow
 def test_the_engine_process_resolves_a_folder_and_the_override_and_hands_them_to_the_http_side(
         sampled_hf, tmp_path, monkeypatch):

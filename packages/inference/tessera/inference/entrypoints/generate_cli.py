@@ -55,8 +55,9 @@ def generation_defaults(checkpoint: str, cfg):
     return resolve_defaults(record, cfg.generation_config, cfg.override_generation_config, source)
 
 
-def read_prompts(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any]]:
-    """(id, sampling fields, prompt-or-messages) per line, all validated before any work."""
+def read_prompts(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any, bool]]:
+    """(id, sampling fields, prompt-or-messages, whether the line sets max_tokens) per line, all
+    validated before any work."""
     if not path.is_file():
         raise UserError(f"{path}: prompts file not found")
     try:
@@ -68,7 +69,7 @@ def read_prompts(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[s
     return jobs
 
 
-def _read_lines(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any]]:
+def _read_lines(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any, bool]]:
     from tessera.inference.core.sampling_params import SamplingParams
 
     jobs = []
@@ -107,7 +108,7 @@ def _read_lines(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[st
                 err = exc.errors()[0]
                 loc = ".".join(str(x) for x in err["loc"]) or "sampling"
                 raise UserError(f"{where}: {loc}: {err['msg']}") from None
-            jobs.append((rid, fields, source))
+            jobs.append((rid, fields, source, "max_tokens" in obj))
     return jobs
 
 
@@ -139,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     if model_defaults.max_tokens_cap is not None:  # vLLM's cap (--override-generation-config's max_new_tokens)
         cap = model_defaults.max_tokens_cap
         jobs = [(rid, {**f, "max_tokens": min(f["max_tokens"], cap), "min_tokens": min(f.get("min_tokens", 0), cap)},
-                 src) for rid, f, src in jobs]
+                 src, own) for rid, f, src, own in jobs]
+    # The model's max_tokens is a default: like the server (and vLLM), it never asks for more than the
+    # context leaves; a line's own value or --max-tokens is refused when too long, as before.
+    room_default = "max_tokens" not in flags and "max_tokens" in model_defaults.values
 
     from tessera.common.chat_template import ChatTemplateError, render_chat
     from tessera.common.fileio import atomic_file
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tok = loaded.tokenizer
         results: dict[str, dict[str, Any]] = {}
-        for n, (rid, fields, (kind, value)) in enumerate(jobs):
+        for n, (rid, fields, (kind, value), own_max_tokens) in enumerate(jobs):
             if kind == "prompt":
                 ids = tok.backend.encode(value, add_special_tokens=True).ids if isinstance(value, str) else value
             else:
@@ -173,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                 except ChatTemplateError as exc:
                     raise UserError(f"{args.prompts}: prompt {rid}: {exc}") from None
             key = f"{n}:{rid}"
+            if room_default and not own_max_tokens:
+                room = max(1, engine.max_model_len - len(ids))  # a prompt too long is still refused below
+                fields = {**fields, "max_tokens": min(fields["max_tokens"], room),
+                          "min_tokens": min(fields.get("min_tokens", 0), room)}
             try:
                 engine.add_request(key, ids, SamplingParams(**fields))
             except RequestRejected as exc:
