@@ -288,6 +288,20 @@ def test_an_odd_generation_config_vllm_serves_is_served_under_vllm_and_imported(
         engine.close()
 
 
+def test_an_end_id_past_the_vocabulary_is_dropped_and_a_min_tokens_request_still_samples(hf_dir, greedy, tmp_path):
+    # Such an id is never generated; kept, the min_tokens mask indexed the logits with it ("sampling failed").
+    tokens, eos = greedy
+    hf = _with_generation_config(hf_dir, tmp_path / "hf", {"eos_token_id": [*sorted(eos), 100000]})
+    engine = make_engine(hf, num_kv_blocks=64)
+    try:
+        assert set(engine.eos_ids) == eos
+        out = run_all(engine, {"a": (PROMPT, SamplingParams(max_tokens=4, min_tokens=2, temperature=0,
+                                                            ignore_eos=True))})["a"]
+        assert token_ids(out) == tokens[:4]
+    finally:
+        engine.close()
+
+
 def test_the_request_fields_it_sets_win_over_the_defaults_and_those_it_leaves_out_take_them():
     from tessera.inference.core.generation_defaults import GenerationDefaults
     from tessera.inference.entrypoints.protocol import ChatCompletionRequest

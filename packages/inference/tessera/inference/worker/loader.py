@@ -218,6 +218,12 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
             given_name = ckpt.parent.parent.name
     check_tokenizer_fits(tokenizer, cfg.vocab_size, str(path / CONFIG if hf else ckpt / SIDECAR))
     eos_ids = sorted(set(eos) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
+    if eos_ids and eos_ids[-1] >= cfg.vocab_size:
+        # No such token is ever generated (vLLM never matches one either); kept, the min_tokens mask
+        # would index the logits with it and fail the request.
+        log.warning("%s: end ids %s are past the vocabulary (%d tokens); ignored", generation_source or path,
+                    [i for i in eos_ids if i >= cfg.vocab_size], cfg.vocab_size)
+        eos_ids = [i for i in eos_ids if i < cfg.vocab_size]
     if tensor_parallel > 1:
         if not isinstance(cfg, ModelConfig):  # another kind (hybrid): its plan, then what it splits
             if hf and hasattr(cfg, "refit_for"):  # (an encoder's vocabulary is padded as a decoder's)
