@@ -302,6 +302,20 @@ def test_an_end_id_past_the_vocabulary_is_dropped_and_a_min_tokens_request_still
         engine.close()
 
 
+def test_a_draft_models_generation_config_is_not_read_for_sampling_defaults(hf_dir, greedy, tmp_path):
+    # Only the target's file gives defaults (as in vLLM): a draft's odd file must not refuse the server.
+    from tessera.inference.config import SpeculativeConfig
+
+    draft = _with_generation_config(hf_dir, tmp_path / "draft", {"top_p": 0, "temperature": "0.7"})
+    engine = make_engine(hf_dir, num_kv_blocks=64, speculative=SpeculativeConfig(model=str(draft),
+                                                                                  num_speculative_tokens=2))
+    try:
+        out = run_all(engine, {"a": (PROMPT, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))})["a"]
+        assert token_ids(out) == greedy[0][:4]
+    finally:
+        engine.close()
+
+
 def test_the_request_fields_it_sets_win_over_the_defaults_and_those_it_leaves_out_take_them():
     from tessera.inference.core.generation_defaults import GenerationDefaults
     from tessera.inference.entrypoints.protocol import ChatCompletionRequest
