@@ -100,3 +100,18 @@ def test_under_auto_a_default_vllm_takes_but_the_sampler_cannot_is_dropped_with_
     g = for_serving(lenient_generation_settings({"temperature": 0, "do_sample": False, "top_k": 0,
                                                  "eos_token_id": None}, "/m/g.json"), "auto", "/m/g.json")
     assert g == GenerationSettings(temperature=0.0, top_k=0, do_sample=False)
+
+
+def test_a_generation_config_that_is_not_json_is_read_as_absent_with_a_warning(tmp_path):
+    # transformers raises OSError for it and vLLM then serves without the file; a trailing comma is
+    # enough (real repositories have shipped one).
+    from tessera.common.hf.generation import read_generation_config
+
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2, "temperature": 0.6,}')
+    warned: list[str] = []
+    assert read_generation_config(tmp_path, warn=warned.append) is None
+    assert len(warned) == 1 and warned[0].startswith(f"{tmp_path / 'generation_config.json'}: not valid JSON")
+    assert "ignored" in warned[0]
+    (tmp_path / "generation_config.json").write_text("[2]")  # JSON, not an object: transformers fails on it too
+    with pytest.raises(ArtifactError, match="expected a JSON object"):
+        read_generation_config(tmp_path, warn=warned.append)

@@ -316,6 +316,20 @@ def test_a_draft_models_generation_config_is_not_read_for_sampling_defaults(hf_d
         engine.close()
 
 
+def test_a_generation_config_that_is_not_json_serves_and_imports_without_it(hf_dir, greedy, tmp_path):
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_dir, hf)
+    (hf / "generation_config.json").write_text('{"eos_token_id": [0, 9], "temperature": 0.6,}')  # trailing comma
+    engine = make_engine(hf, num_kv_blocks=64)
+    try:
+        assert set(engine.eos_ids) == greedy[1] and engine.generation_defaults.values == {}
+    finally:
+        engine.close()
+    assert ckpt_run(["import", "--format", "hf", "--input", str(hf), "--output", str(tmp_path / "ckpt"),
+                     "--quiet"]) == 0
+    assert read_sidecar(resolve_checkpoint(tmp_path / "ckpt")).generation is None
+
+
 def test_the_request_fields_it_sets_win_over_the_defaults_and_those_it_leaves_out_take_them():
     from tessera.inference.core.generation_defaults import GenerationDefaults
     from tessera.inference.entrypoints.protocol import ChatCompletionRequest

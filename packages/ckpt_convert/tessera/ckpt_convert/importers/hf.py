@@ -45,7 +45,8 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     config_path = artifact_path(input_dir, CONFIG)
     cfg, _ = read_hf_config(input_dir)  # the one HF adapter, shared with tessera-serve
     check_convertible(cfg, "import --format hf")
-    generation = read_generation_config(input_dir)  # end ids and sampling defaults, kept in the sidecar
+    generation = read_generation_config(  # end ids and sampling defaults, kept in the sidecar
+        input_dir, lambda message: print(f"warning: {message}", file=sys.stderr))
     for name, value in (generation.ignored or {}).items() if generation is not None else ():
         # Real repositories ship such files (top_p 0, a string); the model imports, the value does not.
         print(f"warning: {input_dir / GENERATION_CONFIG}: field {name} is {value!r}, which the sampler cannot "

@@ -18,6 +18,7 @@ in `ignored` (import warns, `tessera-ckpt info` shows it); serving decides what 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tessera.common.errors import ArtifactError
-from tessera.common.fileio import artifact_path, read_json
+from tessera.common.fileio import artifact_path
 
 GENERATION_CONFIG = "generation_config.json"
 # The fields vLLM takes from generation_config.json as request defaults (its `available_params`).
@@ -167,9 +168,18 @@ def _what(name: str) -> str:
     return f"expected {_CHECKS[name][1]}" if name in _CHECKS else "expected a token id or a list of them"
 
 
-def read_generation_config(directory: str | os.PathLike) -> GenerationSettings | None:
-    """The record of `directory`/generation_config.json (odd values in `ignored`); None when there is none."""
+def read_generation_config(directory: str | os.PathLike, warn: Any = None) -> GenerationSettings | None:
+    """The record of `directory`/generation_config.json (odd values in `ignored`); None when there is
+    none, or when it is not valid JSON (then `warn(message)`): transformers raises OSError for such a
+    file and vLLM serves without it."""
     path = artifact_path(directory, GENERATION_CONFIG)
     if not path.is_file():
         return None
-    return lenient_generation_settings(read_json(path, "generation config"), str(path))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        if warn is not None:
+            warn(f"{path}: not valid JSON ({getattr(exc, 'msg', exc)}); ignored, as vLLM ignores it (no end ids "
+                 "or sampling defaults from it)")
+        return None
+    return lenient_generation_settings(data, str(path))

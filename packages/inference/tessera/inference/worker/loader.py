@@ -80,7 +80,8 @@ def read_generation(path: str | os.PathLike, mode: str = "auto") -> tuple[Genera
 
 def _served(directory: Path, mode: str) -> GenerationSettings | None:
     """`directory`'s generation_config.json as served under `mode` (odd values: for_serving)."""
-    return for_serving(read_generation_config(directory), mode, str(directory / GENERATION_CONFIG), log.warning)
+    return for_serving(read_generation_config(directory, log.warning), mode, str(directory / GENERATION_CONFIG),
+                       log.warning)
 
 
 def resolve_device(device: str) -> torch.device:
