@@ -108,7 +108,8 @@ def make_engine(ckpt: Path, **cfg):
     from tessera.inference.worker.loader import load_for_serving
 
     # As tessera-serve loads: under tensor parallel the loader reads no weights (the workers do).
-    loaded = load_for_serving(ckpt, torch.device("cpu"), torch.float32, tensor_parallel=cfg.get("tensor_parallel", 1))
+    loaded = load_for_serving(ckpt, torch.device("cpu"), torch.float32, tensor_parallel=cfg.get("tensor_parallel", 1),
+                              generation_config=cfg.get("generation_config", "auto"))
     return LLMEngine(loaded, EngineConfig(**cfg), torch.device("cpu"), torch.float32)
 
 

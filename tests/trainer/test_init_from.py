@@ -59,6 +59,28 @@ def test_from_a_hugging_face_round_trip(make_config, trained, tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+def test_the_imported_models_generation_settings_pass_to_the_new_runs_checkpoints(make_config, trained, tmp_path):
+    import json
+
+    from tessera.common.checkpoint import read_sidecar
+
+    hf, imported = tmp_path / "hf", tmp_path / "imported"
+    with pytest.raises(SystemExit):
+        ckpt_main(["export", "--format", "hf", "--checkpoint", str(trained), "--output", str(hf), "--quiet"])
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 9], "temperature": 0.6}))
+    with pytest.raises(SystemExit):
+        ckpt_main(["import", "--format", "hf", "--input", str(hf), "--output", str(imported), "--quiet"])
+    expected = read_sidecar(latest_checkpoint(imported)).generation
+    assert expected.eos_token_ids == [1, 9] and expected.temperature == 0.6
+    path = make_config("tuned")
+    args = ["--config", str(path), "--quiet", f"checkpoint.init_from={imported}", *FROZEN]
+    assert main([*args, "training.steps=1"]) == 0  # from the import (init_from)
+    assert read_sidecar(latest_checkpoint(tmp_path / "tuned" / "checkpoints")).generation == expected
+    assert main([*args, "training.steps=2", "--resume"]) == 0  # from its own checkpoint (resume)
+    last = latest_checkpoint(tmp_path / "tuned" / "checkpoints")
+    assert last.name == "iter_0000002" and read_sidecar(last).generation == expected
+
+
 def test_dropout_and_init_scale_are_the_new_runs_choice(make_config, trained):
     path = make_config("new")
     assert main(["--config", str(path), "--quiet", f"checkpoint.init_from={trained}", "training.steps=1",

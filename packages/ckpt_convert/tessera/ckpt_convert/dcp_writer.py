@@ -199,11 +199,13 @@ class ShardedDcpWriter:
 
 
 def write_imported_checkpoint(tmp: Path, tensors: Iterator[tuple[str, torch.Tensor]], cfg: Any, tokenizer: Any,
-                              out_dtype: torch.dtype, imported_from: dict, bar: Any, sync: bool) -> None:
+                              out_dtype: torch.dtype, imported_from: dict, bar: Any, sync: bool,
+                              generation: Any = None) -> None:
     """An imported model as a one-rank checkpoints directory under `tmp` (renamed by the caller's
     atomic_directory): every (name, global tensor) written as `model.<name>` in `out_dtype`, hashed as
-    written, then the tokenizer, the sidecar (last; `imported_from` recorded) and the pointer. Shared by
-    `import --format hf` and `--format megatron`."""
+    written, then the tokenizer, the sidecar (last; `imported_from` recorded, and `generation`: the
+    model's generation settings, when its source has them) and the pointer. Shared by `import --format
+    hf` and `--format megatron`."""
     from tessera.common.checkpoint import CheckpointSidecar, finalize_checkpoint, iter_dir_name, write_pointer
     from tessera.common.fileio import fsync_tree
 
@@ -224,7 +226,7 @@ def write_imported_checkpoint(tmp: Path, tensors: Iterator[tuple[str, torch.Tens
         if sync:
             fsync_tree(target / "tokenizer")
     sidecar = CheckpointSidecar(model=cfg, tokenizer_fingerprint=tokenizer.fingerprint if tokenizer else None,
-                                params_dtype=str(out_dtype).removeprefix("torch."))
+                                params_dtype=str(out_dtype).removeprefix("torch."), generation=generation)
     sidecar.imported_from = imported_from  # type: ignore[attr-defined]  # extra field, kept by the sidecar model
     finalize_checkpoint(target, sidecar, checksums, sync=sync)  # rank files hashed as written; .metadata here
     write_pointer(tmp, 0, sync=sync)

@@ -57,6 +57,7 @@ def info(checkpoint: str | os.PathLike) -> dict[str, Any]:
         "payload_files": len([p for p in src.directory.iterdir() if p.suffix == ".distcp"]),
         "size_on_disk_bytes": _dir_size(src.directory),
         "tokenizer_fingerprint": sc.tokenizer_fingerprint,
+        "generation": None if sc.generation is None else sc.generation.model_dump(exclude_none=True),
         "created_at": sc.created_at,
         "tessera_version": sc.tessera_version,
     }
@@ -84,4 +85,16 @@ def info_text(s: dict[str, Any]) -> str:
         f"contents     {', '.join(s['contents'])} ({s['tensors']} tensors)",
         f"size         {_human(s['size_on_disk_bytes'])}",
         f"tokenizer    {s['tokenizer_fingerprint'] or '-'}",
+        f"generation   {_generation_text(s['generation'])}",
     ])
+
+
+def _generation_text(g: dict[str, Any] | None) -> str:
+    """The recorded generation settings on one line ('-': none recorded)."""
+    if not g:
+        return "-"
+    parts = [f"end ids {g['eos_token_ids']}"] if g.get("eos_token_ids") else []
+    parts += [f"{k} {v}" for k, v in g.items() if k not in ("eos_token_ids", "ignored")]
+    # the source file's values the sampler cannot take, left out at import
+    parts += [f"ignored {k} {v!r}" for k, v in (g.get("ignored") or {}).items()]
+    return ", ".join(parts) or "-"

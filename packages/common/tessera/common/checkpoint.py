@@ -44,6 +44,7 @@ from tessera.common.fileio import (
     holds_only,
     read_json,
 )
+from tessera.common.hf.generation import GenerationSettings
 from tessera.common.layout import ParallelLayout
 from tessera.common.models.registry import DEFAULT_KIND, kind_of, model_config, model_kind
 from tessera.common.safe_dcp import METADATA_FILE, dcp_load, read_dcp_metadata
@@ -91,6 +92,10 @@ class CheckpointSidecar(BaseModel):
     checksum_algorithm: str = Field(default=CHECKSUM_ALGORITHM,
                                     description="Algorithm of `checksums`: xxh3-128, or sha256 (format version 1).")
     checksums: dict[str, str] = Field(default_factory=dict, description="File name (DCP files) -> hex digest.")
+    generation: GenerationSettings | None = Field(None, description=(
+        "The model's generation settings (end ids, sampling defaults) from the generation_config.json it was "
+        "imported with; carried by reshard and training, written back by export, applied by the server. "
+        "Absent: none recorded (sidecars written before it, models trained from scratch)."))
     created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     tessera_version: str = __version__
 

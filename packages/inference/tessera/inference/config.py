@@ -7,7 +7,7 @@ One typed config drives the engine whether it runs behind the HTTP server or off
 from __future__ import annotations
 
 import os
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
@@ -116,6 +116,14 @@ class EngineConfig(StrictModel):
     skip_checksum_verify: bool = Field(
         False, description="Skip hashing every checkpoint payload file against the sidecar's checksums at start "
                            "(for trusted large checkpoints); metadata is still read by the restricted unpickler.")
+    # The model's generation settings as request defaults (core/generation_defaults.py), as vLLM's flags.
+    generation_config: str = Field(
+        "auto", description="auto: the model's generation_config.json (an HF dir's, or the one a checkpoint recorded) "
+                            "gives the sampling defaults and end ids; vllm: no model sampling defaults (end ids "
+                            "still apply); a folder: its generation_config.json instead of the model's.")
+    override_generation_config: dict[str, Any] = Field(
+        default_factory=dict, description="Sampling defaults over those of generation_config (temperature, top_p, "
+                                          "top_k, min_p, repetition_penalty, max_new_tokens).")
     # CUDA graphs for decode steps (cuda_graphs.py).
     enforce_eager: bool = Field(False, description="Run every step eagerly (vLLM's flag): no CUDA graphs on CUDA, "
                                                    "no compiled layer stack on CPU.")

@@ -115,8 +115,12 @@ class Trainer:
         self.sink = MetricsSink.for_run(cfg.logging, cfg.run_dir, cfg.model_dump(mode="json"), self.say,
                                         runtime.is_main)
         self.started = time.monotonic()  # training.exit_after_minutes counts from here
+        # The model's generation settings (end ids, sampling defaults: tessera.common.hf.generation)
+        # pass from the checkpoint it starts from to its own, so an imported model keeps them.
+        source = inputs.resume_from or inputs.init_from
         sidecar = CheckpointSidecar(model=inputs.model, tokenizer_fingerprint=inputs.tokenizer.fingerprint,
                                     layout=inputs.layout, mixture_fingerprint=inputs.mixture_fingerprint,
+                                    generation=read_sidecar(source).generation if source is not None else None,
                                     params_dtype="float32", precision=t.precision,
                                     # consumed_samples counts rows of this length when packed (inputs.py)
                                     packed_seq_length=t.seq_length if cfg.data.pack_samples else None)

@@ -34,6 +34,7 @@ from tessera.common.fileio import (
     refuse_replacing_inputs,
 )
 from tessera.common.hf.directory import is_hf_directory
+from tessera.common.hf.generation import GenerationSettings
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import model_tensor_shapes
 from tessera.common.models.registry import hf_adapter, kind_of
@@ -142,24 +143,33 @@ def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -
                 "metadata": {"total_size": sum(t.nbytes for t in planned)},
                 "weight_map": {t.name: fname for shard, fname in zip(shards, names) for t in shard},
             }, sync=opts.sync)
-        write_config_files(tmp, cfg, dtype, tok, sync=opts.sync)
+        write_config_files(tmp, cfg, dtype, tok, sync=opts.sync, generation=src.sidecar.generation)
         checksums.wait()  # the input's checksums must match before the output is committed
     return output
 
 
 def write_config_files(out: Path, cfg: Any, dtype: torch.dtype, tok: Tokenizer | None,
-                       sync: bool = True) -> None:
+                       sync: bool = True, generation: GenerationSettings | None = None) -> None:
+    """config.json, generation_config.json and the tokenizer files. generation_config.json: the ids
+    of the tokenizer (or the kind's own fields), then the checkpoint's generation settings over them
+    (its end ids, do_sample and sampling defaults, as the imported model's file had them)."""
     bos = tok.bos_id if tok else None
     eos = tok.eos_id if tok else None
     pad = tok.pad_id if tok else None
     adapter = hf_adapter(cfg)
     atomic_write_json(out / "config.json", adapter.hf_config(cfg, dtype, bos, eos, pad), sync=sync)
+    extra = generation.to_hf() if generation is not None else {}
+    gen = None
     if hasattr(adapter, "generation_config"):  # a kind whose transformers class writes its own (T5)
-        atomic_write_json(out / "generation_config.json", adapter.generation_config(cfg), sync=sync)
+        gen = adapter.generation_config(cfg)
     elif getattr(adapter, "GENERATES", True):  # an encoder's classes have no generation config
         gen = {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos}
         if pad is not None:
             gen["pad_token_id"] = pad
+    if gen is not None:
+        # transformers' flag: true only while the file holds nothing beyond what the model config gives.
+        if any(gen.get(k) != v for k, v in extra.items()):
+            gen = {**gen, "_from_model_config": False, **extra}
         atomic_write_json(out / "generation_config.json", gen, sync=sync)
     if tok is not None:
         write_hf_tokenizer(tok, out, sync=sync)

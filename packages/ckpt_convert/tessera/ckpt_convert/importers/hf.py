@@ -5,7 +5,8 @@ Reads config.json (-> ModelConfig, unsupported architectures refused) and the sa
 weights (one file, or shards listed in model.safetensors.index.json; pickled `.bin` weights are
 refused, never unpickled), maps names and layouts back (the one HF adapter, tessera.common.hf,
 which the server uses too), and writes a single-rank DCP payload tensor by tensor, the sidecar,
-and the tokenizer when the directory has one (chat_template.jinja included). The output is a
+and the tokenizer when the directory has one (chat_template.jinja included); generation_config.json's
+end ids and sampling defaults go into the sidecar (`generation`). The output is a
 checkpoints directory (iter_0000000/ + pointer): the trainer resumes from its weights, the server
 loads it.
 """
@@ -25,6 +26,7 @@ from tessera.common.checkpoint import CHECKPOINT_KIND, is_checkpoint_output
 from tessera.common.errors import UserError
 from tessera.common.fileio import artifact_path, atomic_directory, check_replaceable, refuse_replacing_inputs
 from tessera.common.hf.directory import CONFIG, SafetensorsWeights, read_hf_config
+from tessera.common.hf.generation import GENERATION_CONFIG, read_generation_config
 from tessera.common.hf.rules import check_import
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.registry import hf_adapter
@@ -45,6 +47,12 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     config_path = artifact_path(input_dir, CONFIG)
     cfg, _ = read_hf_config(input_dir)  # the one HF adapter, shared with tessera-serve
     check_convertible(cfg, "import --format hf")
+    generation = read_generation_config(  # end ids and sampling defaults, kept in the sidecar
+        input_dir, lambda message: print(f"warning: {message}", file=sys.stderr))
+    for name, value in (generation.ignored or {}).items() if generation is not None else ():
+        # Real repositories ship such files (top_p 0, a string); the model imports, the value does not.
+        print(f"warning: {input_dir / GENERATION_CONFIG}: field {name} is {value!r}, which the sampler cannot "
+              "take; left out of the checkpoint's generation settings (tessera-ckpt info lists it)", file=sys.stderr)
     if isinstance(cfg, ModelConfig):
         # Megatron's vocabulary padding at tensor parallel 1 (zero rows; reshard re-pads for larger sizes).
         multiple = 128 if vocab_size_divisible_by is None else vocab_size_divisible_by
@@ -72,7 +80,7 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
         tensors = ((rule.target, rule.apply([weights.get(s) for s in rule.sources])) for rule in rules)
         write_imported_checkpoint(tmp, tensors, cfg, tok, out_dtype, {
             "path": str(input_dir.resolve()), "format": "hf",
-            "config_sha256": hashlib.sha256(config_path.read_bytes()).hexdigest()}, bar, sync)
+            "config_sha256": hashlib.sha256(config_path.read_bytes()).hexdigest()}, bar, sync, generation)
     return output
 
 

@@ -29,11 +29,11 @@ import torch
 from tessera.common.errors import ArtifactError
 from tessera.common.file_map import map_tensor
 from tessera.common.fileio import artifact_path, read_json
+from tessera.common.hf.generation import GenerationSettings, read_generation_config
 from tessera.common.hf.rules import check_import
 from tessera.common.models.registry import hf_adapter, model_config_from_hf
 
 CONFIG = "config.json"
-GENERATION_CONFIG = "generation_config.json"
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # safetensors dtype names -> torch (those torch has); anything else is refused by name.
@@ -199,14 +199,15 @@ def load_hf_weights(directory: str | os.PathLike, cfg: Any) -> dict[str, torch.T
     return imported_tensors(*checked_hf_weights(directory, cfg))
 
 
-def eos_token_ids(directory: str | os.PathLike, config: dict[str, Any]) -> list[int]:
-    """Every id that ends generation per config.json and generation_config.json (an int or a list)."""
+def eos_token_ids(directory: str | os.PathLike, config: dict[str, Any],
+                  generation: GenerationSettings | None = None) -> list[int]:
+    """Every id that ends generation per config.json (an int or a list) and the generation
+    settings (`generation`: generation_config.json's, read here when not given)."""
     eos: set[int] = set()
-    gen_path = artifact_path(directory, GENERATION_CONFIG)
-    gen = read_json(gen_path, "generation config") if gen_path.is_file() else {}
-    for source in (config, gen if isinstance(gen, dict) else {}):
-        value = source.get("eos_token_id")
-        for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, int) and not isinstance(v, bool):
-                eos.add(v)
-    return sorted(eos)
+    value = config.get("eos_token_id")
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, int) and not isinstance(v, bool):
+            eos.add(v)
+    if generation is None:
+        generation = read_generation_config(directory)
+    return sorted(eos | set(generation.eos_token_ids if generation is not None else ()))

@@ -54,7 +54,8 @@ def _load(init: dict):
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     loaded = load_for_serving(init["checkpoint"], device, dtype, cfg.quantization, cfg.tensor_parallel,
-                              kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
+                              kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify,
+                              generation_config=cfg.generation_config)
     workers = plan.workers if plan is not None and plan.workers else None
     return LLMEngine(loaded, cfg, device, dtype, workers), device, dtype
 
@@ -80,6 +81,7 @@ def serve(conns: list[Connection]) -> int:
         "tokenizer_dir": str(loaded.tokenizer.directory), "compile_s": engine.compile_seconds,
         "threads": measure(engine), "pooling": None if engine.pooling is None else engine.pooling.to_wire(),
         "generates": engine.generates, "scores_prompts": engine.scores_prompts, "vision": engine.vision,
+        "generation_defaults": engine.generation_defaults.to_wire(),
     }))
     freeze_heap()  # the model and everything loaded with it: no collection walks them again
     try:

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from tessera.inference.core.generation_defaults import GenerationDefaults
 from tessera.inference.core.image_inputs import check_image_spans
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.llm_engine import LLMEngine, RequestOutput, RequestRejected, validate_request
@@ -106,6 +107,7 @@ class EngineFrontend:
     generates: bool = True  # False: an encoder, served as embeddings only
     vision: dict | None = None  # a vision-language model's image facts (worker/multimodal/info.py); None: text only
     scores_prompts: bool = True  # False: prompt logprobs are refused (an encoder-decoder's prompt is its encoder input)
+    generation_defaults: GenerationDefaults = GenerationDefaults()  # request defaults (--generation-config)
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_ids, max_waiting: int,
                  metrics: ServingMetrics | None = None):
@@ -274,6 +276,7 @@ class AsyncEngine(EngineFrontend):
         self.generates = engine.generates
         self.vision = engine.vision
         self.scores_prompts = engine.scores_prompts
+        self.generation_defaults = engine.generation_defaults
         self._inbox: list[tuple] = []  # commands for the engine loop, in arrival order
         self._num_adds_queued = 0
         self._stop = False

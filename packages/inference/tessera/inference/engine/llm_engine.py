@@ -27,6 +27,7 @@ from tessera.common.fileio import artifact_path
 from tessera.common.tokenizer import TOKENIZER_JSON
 from tessera.inference.config import EngineConfig
 from tessera.inference.core.detokenizer import IncrementalDetokenizer
+from tessera.inference.core.generation_defaults import resolve_defaults
 from tessera.inference.core.image_inputs import check_image_spans
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.scheduler import Scheduler, SchedulerOutput
@@ -234,6 +235,9 @@ class LLMEngine:
             self.proposer = build_proposer(cfg.speculative, self.max_model_len, num_blocks, cfg.block_size, device,
                                            dtype, serving_prep(cfg), skip_checksum_verify=cfg.skip_checksum_verify)
         self.eos_ids = frozenset(loaded.eos_ids)
+        # What the HTTP server fills into requests that leave sampling fields out (--generation-config).
+        self.generation_defaults = resolve_defaults(loaded.generation, cfg.generation_config,
+                                                    cfg.override_generation_config, loaded.generation_source)
         self.requests: dict[str, Sequence] = {}
         self._seeds = random.Random(cfg.seed)  # seeds for requests that bring none
         self._step_tokens = 0

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from tessera.common.errors import UserError
 from tessera.common.tokenizer import load_tokenizer
 from tessera.inference.config import EngineConfig
+from tessera.inference.core.generation_defaults import GenerationDefaults
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.frontend import EngineDead, EngineFrontend
 from tessera.inference.engine.wire import decode, encode, output_from_wire, stats_from_wire
@@ -87,6 +88,7 @@ class ProcessEngine(EngineFrontend):
         self.generates = bool(info.get("generates", True))
         self.vision = info.get("vision")
         self.scores_prompts = bool(info.get("scores_prompts", True))
+        self.generation_defaults = GenerationDefaults.from_wire(info.get("generation_defaults"))
         self._proc = proc
         self._conn = conn
         self._adds_sent = 0

@@ -80,6 +80,7 @@ def run_api_servers(args: argparse.Namespace, argv: list[str], cfg, plan, dtype,
                     startup_line: Callable[..., str]) -> int:
     """The launcher: engine process, N HTTP processes, and then wait for them (see the module doc).
     `startup_line`: serve_cli's (passed in: serve_cli imports this module, not the other way)."""
+    from tessera.inference.core.generation_defaults import GenerationDefaults
     from tessera.inference.engine.process_client import start_engine_process
     from tessera.inference.worker.pooling.spec import PoolingSpec
 
@@ -107,6 +108,9 @@ def run_api_servers(args: argparse.Namespace, argv: list[str], cfg, plan, dtype,
             pooling = None if info.get("pooling") is None else PoolingSpec.from_wire(info["pooling"])
             line = startup_line(args, cfg, name, dtype, device, facts, plan, int(info["max_model_len"]), pooling,
                                 bool(info.get("generates", True)))
+            if info.get("generates", True):  # the request defaults, as one HTTP process prints them
+                defaults = GenerationDefaults.from_wire(info.get("generation_defaults"))
+                print(f"tessera-serve: {defaults.describe()}", file=sys.stderr, flush=True)
             failure = _supervise(children, engine, engine_fd, stop, f"{line}:{port}",
                                  2 * args.drain_timeout + 30)
         finally:

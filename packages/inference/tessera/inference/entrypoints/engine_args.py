@@ -17,6 +17,7 @@ from tessera.inference.config import (
     EngineConfig,
     SpeculativeConfig,
 )
+from tessera.inference.core.generation_defaults import MODES, parse_override
 from tessera.inference.core.json_depth import JsonTooDeep, loads
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -110,6 +111,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Do not hash every checkpoint payload file against the sidecar's checksums at start "
                         "(a trusted large checkpoint on fast storage; the log says it was skipped). Metadata is "
                         "still read by the restricted unpickler. Default: verify.")
+    g.add_argument("--generation-config", default=d.generation_config, metavar="{auto,vllm,FOLDER}",
+                   help="Request defaults from the model's generation_config.json, as vLLM's flag: auto (default) "
+                        "takes temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (the default "
+                        "max_tokens) from the model's file (an HF dir's own; the one a checkpoint recorded at import) "
+                        "for requests that leave them out; vllm ignores them (the model's end ids still apply); a "
+                        "FOLDER reads its generation_config.json instead of the model's (end ids included).")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="Sampling defaults over generation_config's, as vLLM's flag, e.g. '{\"temperature\": 0.5, "
+                        "\"max_new_tokens\": 128}' (its max_new_tokens also caps every request's max_tokens). "
+                        "Fields: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; any other "
+                        "is refused.")
     # CUDA graphs for decode steps (cuda_graphs.py).
     g.add_argument("--enforce-eager", action="store_true",
                    help="Run every step eagerly: no CUDA graphs (default on CUDA: decode steps replay graphs "
@@ -162,6 +174,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:  # checked here, not by argparse: one line, no usage
         raise UserError(f"--kv-cache-dtype {args.kv_cache_dtype!r}: not a KV-cache dtype; use one of "
                         f"{', '.join(KV_CACHE_DTYPE_NAMES)}")
+    override = parse_override(args.override_generation_config)
+    generation_config = args.generation_config
+    if generation_config not in MODES:  # a folder: its file read and checked before any model loads
+        from tessera.inference.worker.loader import read_generation
+
+        generation_config = os.path.abspath(generation_config)  # the engine process reads it too
+        read_generation(args.checkpoint, generation_config)
     sizes = None
     if args.cuda_graph_sizes is not None:
         from tessera.inference.worker.cuda_graphs import parse_capture_sizes
@@ -177,6 +196,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_expert_parallel=args.enable_expert_parallel, async_scheduling=args.async_scheduling,
             kv_cache_dtype=args.kv_cache_dtype, skip_checksum_verify=args.skip_checksum_verify,
             enforce_eager=args.enforce_eager, cuda_graph_sizes=sizes,
+            generation_config=generation_config, override_generation_config=override,
         )
     except ValidationError as exc:
         msg = format_validation_error(exc, "engine flags")

@@ -31,17 +31,33 @@ def build_parser() -> argparse.ArgumentParser:
     io = p.add_argument_group("input/output")
     io.add_argument("--prompts", required=True, help="JSONL file of prompts (see above).")
     io.add_argument("--output", required=True, help="JSONL file to write (replaced atomically when complete).")
-    s = p.add_argument_group("default sampling (a line's own fields win)")
-    s.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt (default: %(default)s).")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s).")
-    s.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (default: %(default)s).")
-    s.add_argument("--top-k", type=int, default=0, help="Top-k sampling, 0 = off (default: %(default)s).")
+    s = p.add_argument_group("default sampling (a line's own fields win; then these flags; then the model's "
+                             "generation_config defaults, see --generation-config; then the built-in ones below)")
+    s.add_argument("--max-tokens", type=int, default=None, help="Tokens to generate per prompt (built-in: 64).")
+    s.add_argument("--temperature", type=float, default=None, help="0 = greedy (built-in: 0).")
+    s.add_argument("--top-p", type=float, default=None, help="Nucleus sampling mass (built-in: 1).")
+    s.add_argument("--top-k", type=int, default=None, help="Top-k sampling, 0 = off (built-in: 0).")
     p.add_argument("--quiet", action="store_true", help="No progress bar.")
     return p
 
 
-def read_prompts(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any]]:
-    """(id, sampling fields, prompt-or-messages) per line, all validated before any work."""
+# tessera-generate's own defaults where neither a line, a flag nor the model's settings say.
+BUILT_IN = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+
+def generation_defaults(checkpoint: str, cfg):
+    """The model's request defaults under --generation-config / --override-generation-config (read
+    from the generation_config.json or sidecar record alone, before any weight loads)."""
+    from tessera.inference.core.generation_defaults import resolve_defaults
+    from tessera.inference.worker.loader import read_generation
+
+    record, source = read_generation(checkpoint, cfg.generation_config)
+    return resolve_defaults(record, cfg.generation_config, cfg.override_generation_config, source)
+
+
+def read_prompts(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any, bool]]:
+    """(id, sampling fields, prompt-or-messages, whether the line sets max_tokens) per line, all
+    validated before any work."""
     if not path.is_file():
         raise UserError(f"{path}: prompts file not found")
     try:
@@ -53,7 +69,7 @@ def read_prompts(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[s
     return jobs
 
 
-def _read_lines(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any]]:
+def _read_lines(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[str, Any], Any, bool]]:
     from tessera.inference.core.sampling_params import SamplingParams
 
     jobs = []
@@ -92,7 +108,7 @@ def _read_lines(path: Path, defaults: dict[str, Any]) -> list[tuple[str, dict[st
                 err = exc.errors()[0]
                 loc = ".".join(str(x) for x in err["loc"]) or "sampling"
                 raise UserError(f"{where}: {loc}: {err['msg']}") from None
-            jobs.append((rid, fields, source))
+            jobs.append((rid, fields, source, "max_tokens" in obj))
     return jobs
 
 
@@ -101,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     from tessera.inference.entrypoints.engine_args import engine_config_from_args
 
     cfg = engine_config_from_args(args)
-    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                "top_k": args.top_k}
-    jobs = read_prompts(Path(args.prompts), defaults)
+    flags = {k: v for k, v in {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                                "top_k": args.top_k}.items() if v is not None}
+    jobs = read_prompts(Path(args.prompts), {**BUILT_IN, **flags})  # the file's own problems first
     out_path = Path(args.output)
     if out_path.is_dir():
         raise UserError(f"{out_path}: is a directory; pass a file path for --output")
@@ -117,6 +133,17 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"{out_path}: --output is a file of the --checkpoint {args.checkpoint}; write the completions "
                         "elsewhere")
     ensure_output_dir(out_path.parent, "--output")
+    # The model's request defaults: read from its generation settings alone, before any weight loads.
+    model_defaults = generation_defaults(args.checkpoint, cfg)
+    if model_defaults.values:  # read again under them (a line's min_tokens against the model's max_tokens)
+        jobs = read_prompts(Path(args.prompts), {**BUILT_IN, **model_defaults.values, **flags})
+    if model_defaults.max_tokens_cap is not None:  # vLLM's cap (--override-generation-config's max_new_tokens)
+        cap = model_defaults.max_tokens_cap
+        jobs = [(rid, {**f, "max_tokens": min(f["max_tokens"], cap), "min_tokens": min(f.get("min_tokens", 0), cap)},
+                 src, own) for rid, f, src, own in jobs]
+    # The model's max_tokens is a default: like the server (and vLLM), it never asks for more than the
+    # context leaves; a line's own value or --max-tokens is refused when too long, as before.
+    room_default = "max_tokens" not in flags and "max_tokens" in model_defaults.values
 
     from tessera.common.chat_template import ChatTemplateError, render_chat
     from tessera.common.fileio import atomic_file
@@ -133,12 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(cfg.dtype, device)
     check_cuda_graphs(cfg, device)
     loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization, cfg.tensor_parallel,
-                              kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
+                              kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify,
+                              generation_config=cfg.generation_config)
     engine = LLMEngine(loaded, cfg, device, dtype)
+    if not args.quiet and (model_defaults.values or model_defaults.max_tokens_cap is not None):
+        print(f"tessera-generate: {model_defaults.describe()}")
     try:
         tok = loaded.tokenizer
         results: dict[str, dict[str, Any]] = {}
-        for n, (rid, fields, (kind, value)) in enumerate(jobs):
+        for n, (rid, fields, (kind, value), own_max_tokens) in enumerate(jobs):
             if kind == "prompt":
                 ids = tok.backend.encode(value, add_special_tokens=True).ids if isinstance(value, str) else value
             else:
@@ -147,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                 except ChatTemplateError as exc:
                     raise UserError(f"{args.prompts}: prompt {rid}: {exc}") from None
             key = f"{n}:{rid}"
+            if room_default and not own_max_tokens:
+                room = max(1, engine.max_model_len - len(ids))  # a prompt too long is still refused below
+                fields = {**fields, "max_tokens": min(fields["max_tokens"], room),
+                          "min_tokens": min(fields.get("min_tokens", 0), room)}
             try:
                 engine.add_request(key, ids, SamplingParams(**fields))
             except RequestRejected as exc:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
 
+from tessera.inference.core.generation_defaults import GenerationDefaults
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.core.structured_spec import StructuredSpec
 
@@ -191,17 +192,22 @@ class _SamplingFields(_Body):
         return found[0] if found else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0,
-                        prompt_logprobs: bool = False, structured: StructuredSpec | None = None) -> SamplingParams:
+                        prompt_logprobs: bool = False, structured: StructuredSpec | None = None,
+                        defaults: GenerationDefaults | None = None) -> SamplingParams:
         """Build (and validate) the engine's SamplingParams; pydantic errors surface as 400s.
 
         With n > 1 and a seed, completion i uses seed + i so the n choices differ reproducibly.
+        A sampling field the request leaves out (None) takes the model's default from `defaults`
+        (--generation-config), else SamplingParams' own.
         """
+        d = defaults or GenerationDefaults()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         seed = None if self.seed is None else self.seed + index
         values: dict[str, Any] = dict(
-            max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
-            top_p=self.top_p, top_k=None if self.top_k is None else max(self.top_k, 0), min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=d.get("temperature", self.temperature),
+            top_p=d.get("top_p", self.top_p), top_k=d.get("top_k", None if self.top_k is None else max(self.top_k, 0)),
+            min_p=d.get("min_p", self.min_p),
+            repetition_penalty=d.get("repetition_penalty", self.repetition_penalty), presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=seed, stop=stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias, prompt_logprobs=prompt_logprobs,

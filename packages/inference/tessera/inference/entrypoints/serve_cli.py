@@ -323,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         if plan is not None:
             apply_binding(plan.engine)
         loaded = load_for_serving(args.checkpoint, device, dtype, cfg.quantization, cfg.tensor_parallel,
-                                  kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify)
+                                  kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify,
+                                  generation_config=cfg.generation_config)
         engine = LLMEngine(loaded, cfg, device, dtype, plan.workers if plan is not None and plan.workers else None)
         frontend = AsyncEngine(engine)
         facts = {"name": loaded.name, "arch": loaded.config.arch, "num_blocks": engine.blocks.num_blocks,
@@ -338,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     app = build_server(args, frontend, grammar_limits, name)
     line = startup_line(args, cfg, name, dtype, device, facts, plan, frontend.max_model_len, frontend.pooling,
                         frontend.generates)
+    if frontend.generates:  # which request defaults the model's generation settings gave (vLLM logs them too)
+        print(f"tessera-serve: {frontend.generation_defaults.describe()}", file=sys.stderr, flush=True)
     # (the engine thread closes the engine too; the engine process does so itself)
     serve_app(args, app, frontend, lambda port: print(f"{line}:{port}", file=sys.stderr, flush=True),
               close_engine=frontend.engine.close if args.no_engine_process else None)

@@ -231,7 +231,9 @@ def build_proposer(cfg: SpeculativeConfig, max_model_len: int, num_blocks: int, 
     from tessera.inference.worker.loader import load_for_serving
 
     assert cfg.model is not None
-    draft = load_for_serving(cfg.model, device, dtype, skip_checksum_verify=skip_checksum_verify)
+    # Only the target's generation settings give request defaults (as in vLLM): the draft's are not read.
+    draft = load_for_serving(cfg.model, device, dtype, skip_checksum_verify=skip_checksum_verify,
+                             generation_config="vllm")
     if draft.config.max_seq_len < max_model_len:
         raise UserError(f"--speculative-config model {cfg.model}: the draft model's max_seq_len "
                         f"({draft.config.max_seq_len}) is below max_model_len ({max_model_len}); lower "

@@ -27,6 +27,12 @@ from tessera.common.hf.directory import (
     is_hf_directory,
     read_hf_config,
 )
+from tessera.common.hf.generation import (
+    GENERATION_CONFIG,
+    GenerationSettings,
+    for_serving,
+    read_generation_config,
+)
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.model import Transformer
 from tessera.common.models.registry import kind_of
@@ -51,6 +57,31 @@ class LoadedModel:
     path: Path | None = None  # the resolved checkpoint iteration dir or HF dir the weights come from
     hf: bool = False  # path is an HF directory
     pooling: PoolingSpec | None = None  # the pooling its sentence-transformers files declare (embeddings)
+    generation: GenerationSettings | None = None  # its generation settings (--generation-config's choice)
+    generation_source: str = ""  # the file they came from (the startup log names it)
+
+
+def read_generation(path: str | os.PathLike, mode: str = "auto") -> tuple[GenerationSettings | None, str]:
+    """(the generation settings serving `path` uses, the file they come from): an HF directory's
+    generation_config.json, a checkpoint's sidecar record, or under --generation-config FOLDER that
+    folder's generation_config.json (refused in one line when it has none). No weight is read."""
+    if mode not in ("auto", "vllm"):
+        folder = Path(mode)
+        if not (folder / GENERATION_CONFIG).is_file():
+            raise UserError(f"--generation-config {mode}: no {GENERATION_CONFIG} in that folder; pass a folder "
+                            "holding one, auto (the model's) or vllm (none)")
+        return _served(folder, mode), str(folder / GENERATION_CONFIG)
+    path = Path(path)
+    if path.is_dir() and is_hf_directory(path) and not (path / SIDECAR).is_file():
+        return _served(path, mode), str(path / GENERATION_CONFIG)
+    ckpt = resolve_checkpoint(path)
+    return read_sidecar(ckpt).generation, f"{ckpt / SIDECAR} (generation)"
+
+
+def _served(directory: Path, mode: str) -> GenerationSettings | None:
+    """`directory`'s generation_config.json as served under `mode` (odd values: for_serving)."""
+    return for_serving(read_generation_config(directory, log.warning), mode, str(directory / GENERATION_CONFIG),
+                       log.warning)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -135,7 +166,7 @@ def check_kind_tensor_parallel(tp: int, cfg, where: str, quantization: str | Non
 
 def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch.dtype,
                      quantization: str | None = None, tensor_parallel: int = 1, *, kv_cache_dtype: str = "auto",
-                     skip_checksum_verify: bool = False) -> LoadedModel:
+                     skip_checksum_verify: bool = False, generation_config: str = "auto") -> LoadedModel:
     """Accepts a checkpoint (iteration dir, checkpoints dir with pointer, or run dir) or an HF export dir.
 
     With `quantization` ("int8", "fp8") the Linear weights are quantized after they load
@@ -145,6 +176,8 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
     (executor.py); a size the model cannot be split by is refused first. A `kv_cache_dtype` the
     device cannot run is refused first too. `skip_checksum_verify` skips hashing a Tessera
     checkpoint's payload files (logged); its metadata is read by the restricted unpickler either way.
+    `generation_config` (auto, vllm or a folder): whose generation settings are served (`read_generation`);
+    their end ids join config.json's and the tokenizer's.
     """
     check_quantization(quantization, device)
     kv_cache_dtype_of(kv_cache_dtype, torch.float32, device)
@@ -159,7 +192,8 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
         # Headers only, parsed and checked once (the tensors below come from this): bad weights are
         # refused before anything else, and under tensor parallel before any worker starts.
         hf_weights = checked_hf_weights(path, cfg)
-        eos = eos_token_ids(path, hf_config)
+        generation, generation_source = read_generation(path, generation_config)
+        eos = eos_token_ids(path, hf_config, generation or GenerationSettings())
         tokenizer = load_tokenizer(path)
         pooling = read_pooling_spec(path, serving_kind(cfg).hidden_size(cfg), hf_config)
     else:
@@ -176,25 +210,35 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
             verify_checksums(ckpt, sidecar)
         check_checkpoint(ckpt, sidecar)  # index sizes and model tensors against the config, before any allocation
         tokenizer = load_tokenizer(checkpoint_tokenizer_dir(ckpt))
-        eos = []
+        generation, generation_source = ((sidecar.generation, f"{ckpt / SIDECAR} (generation)")
+                                         if generation_config in ("auto", "vllm") else read_generation(ckpt, generation_config))
+        eos = list(generation.eos_token_ids) if generation is not None else []
         pooling = None
         path = ckpt
         if given_name in ("checkpoints",):
             given_name = ckpt.parent.parent.name
     check_tokenizer_fits(tokenizer, cfg.vocab_size, str(path / CONFIG if hf else ckpt / SIDECAR))
     eos_ids = sorted(set(eos) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
+    if eos_ids and eos_ids[-1] >= cfg.vocab_size:
+        # No such token is ever generated (vLLM never matches one either); kept, the min_tokens mask
+        # would index the logits with it and fail the request.
+        log.warning("%s: end ids %s are past the vocabulary (%d tokens); ignored", generation_source or path,
+                    [i for i in eos_ids if i >= cfg.vocab_size], cfg.vocab_size)
+        eos_ids = [i for i in eos_ids if i < cfg.vocab_size]
     if tensor_parallel > 1:
         if not isinstance(cfg, ModelConfig):  # another kind (hybrid): its plan, then what it splits
             if hf and hasattr(cfg, "refit_for"):  # (an encoder's vocabulary is padded as a decoder's)
                 cfg = cfg.refit_for(tensor_parallel)
             check_kind_tensor_parallel(tensor_parallel, cfg, str(path), quantization, device)
             return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids,
-                               path=path, hf=hf, pooling=pooling)
+                               path=path, hf=hf, pooling=pooling, generation=generation,
+                               generation_source=generation_source)
         if hf:  # zero rows up to a multiple of the size (as a new model is padded); their logits are -inf
             cfg = cfg.refit_for(tensor_parallel)
         check_tensor_parallel(tensor_parallel, cfg, str(path), quantization, device)
         return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids,
-                           path=path, hf=hf, pooling=pooling)
+                           path=path, hf=hf, pooling=pooling, generation=generation,
+                           generation_source=generation_source)
     tensors = imported_tensors(*hf_weights) if hf else load_model_tensors(path)
     model = kind_of(cfg).build(cfg, device=device, dtype=torch.float32, seed=None)
     expected = dict(model.state_dict())
@@ -210,4 +254,4 @@ def load_for_serving(path: str | os.PathLike, device: torch.device, dtype: torch
     model.load_state_dict(tensors, strict=True)
     model = quantize_model(model.to(dtype=dtype).eval(), quantization)
     return LoadedModel(model=model, config=cfg, tokenizer=tokenizer, name=given_name, eos_ids=eos_ids,
-                       path=path, hf=hf, pooling=pooling)
+                       path=path, hf=hf, pooling=pooling, generation=generation, generation_source=generation_source)

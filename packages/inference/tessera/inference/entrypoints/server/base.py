@@ -138,6 +138,7 @@ class ServerBase:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.generation_defaults = engine.generation_defaults  # the model's request defaults (--generation-config)
         self.vision = VisionFacts.from_wire(engine.vision)  # None: a text-only model (server/images.py)
         # How "auto" tool calls are read from generated text (tools.py): hermes, llama3_json, or
         # auto (from the chat template: hermes when it teaches <tool_call>).
@@ -254,8 +255,16 @@ class ServerBase:
                            f"{self.limits.max_prompt_tokens}", param="prompt", code="prompt_too_long")
 
     def _resolve_max_tokens(self, requested: int | None, prompt_len: int, allow_zero: bool = False) -> int:
+        """A request's max_tokens: its own (checked), else the model's default (generation_config's
+        max_new_tokens), else the room left in the context; capped as vLLM caps it
+        (--override-generation-config's max_new_tokens: core/generation_defaults.py)."""
+        cap = self.generation_defaults.max_tokens_cap
         if requested is None:
-            return max(1, min(self.limits.max_tokens, self.max_model_len - prompt_len))
+            room = min(self.limits.max_tokens, self.max_model_len - prompt_len)
+            default = self.generation_defaults.values.get("max_tokens")
+            return max(1, min([room, *(v for v in (default, cap) if v is not None)]))
+        if cap is not None:
+            requested = min(requested, cap)
         if requested > self.limits.max_tokens:
             raise ApiError(400, f"max_tokens {requested} exceeds this server's limit of {self.limits.max_tokens}",
                            param="max_tokens")

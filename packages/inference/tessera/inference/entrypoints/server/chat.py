@@ -145,8 +145,9 @@ async def chat(srv: ServerBase, body: ChatCompletionRequest, request: Request):
 
     def tool_stream() -> ToolCallStream:
         return ToolCallStream(mode, parser, function)  # type: ignore[arg-type]
-    jobs = [(ids, body.sampling_params(max_tokens, top, index=j, structured=structured).model_copy(
-        update={"images": images})) for j in range(body.n)]
+    jobs = [(ids, body.sampling_params(max_tokens, top, index=j, structured=structured,
+                                       defaults=srv.generation_defaults).model_copy(update={"images": images}))
+            for j in range(body.n)]
     submitted = srv._submit_all("chat", jobs, body.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = _now()

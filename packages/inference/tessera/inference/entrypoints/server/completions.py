@@ -80,7 +80,7 @@ async def completions(srv: ServerBase, body: CompletionRequest, request: Request
         for j in range(body.n):
             params = body.sampling_params(max_tokens, body.logprobs, index=j,
                                           prompt_logprobs=body.echo and (body.logprobs is not None or max_tokens == 0),
-                                          structured=structured)
+                                          structured=structured, defaults=srv.generation_defaults)
             jobs.append((ids, params))
     submitted = srv._submit_all("cmpl", jobs, body.n)
     rid = f"cmpl-{uuid.uuid4().hex}"
