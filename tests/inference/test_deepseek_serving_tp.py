@@ -14,7 +14,6 @@ from inference_helpers import hf_greedy, run_all, token_ids
 from test_async_scheduling import _run, _same
 from test_deepseek_serving import MODELS, _prompts, mtp_export, record_drafts
 from test_hf_serving import _save
-from test_tp_decode_batch import frames  # noqa: F401 - the fixture
 
 from tessera.common.errors import UserError
 from tessera.common.tokenizer import load_tokenizer
@@ -144,20 +143,24 @@ def deepseek_export(tiny_ckpt, tmp_path_factory):
 
 
 def test_tp2_latent_decode_steps_sent_as_updates_give_one_process_outputs_synchronous_and_async(deepseek_export,
-                                                                                                  frames):
+                                                                                                  monkeypatch):
     """test_async_scheduling's workload (mixed sampling, prompts in chunks beside decodes, preemption in
     24 blocks of 4 tokens, r4 aborted mid-way): the workers' latent runners keep the persistent decode
     batch, so steady decode steps go as DecodeUpdates (no block table), synchronous and overlapped."""
+    from tessera.inference.worker.tensor_parallel.executor import TensorParallelExecutor
+
+    updates = []
+    send = TensorParallelExecutor.send_decode
+    monkeypatch.setattr(TensorParallelExecutor, "send_decode", lambda self, u: updates.append(u) or send(self, u))
     reference, _, ref_preemptions, ref_aborted, _ = _run(deepseek_export, False, 24, abort_after=9)
     outs, _, preemptions, aborted, _ = _run(deepseek_export, False, 24, abort_after=9, tensor_parallel=2)
     _same(outs, reference)
     assert (preemptions, aborted) == (ref_preemptions, ref_aborted) and preemptions > 0
-    updates = [m["u"] for m in frames if m["t"] == "decode"]
-    assert updates and any(u[4] is None and not u[5] for u in updates)  # steady steps: no table sent
-    frames.clear()
+    assert any(u.src is None and not u.whole for u in updates)  # steady steps: no block table sent
+    updates.clear()
     overlapped, launched, *_ = _run(deepseek_export, True, 24, tensor_parallel=2)
     _same(overlapped, _run(deepseek_export, False, 24)[0])
-    assert launched and any(m["t"] == "decode" for m in frames)
+    assert launched and updates
 
 
 def test_tp2_mtp_with_padded_decode_steps_between_drafts_gives_the_one_process_drafts(tiny_ckpt, tmp_path,
