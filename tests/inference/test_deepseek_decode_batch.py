@@ -7,6 +7,8 @@ padded) still read the target's hidden rows of those steps. The gpu test capture
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from deepseek_hf import build_hf
@@ -18,6 +20,7 @@ from test_hf_serving import _save
 
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.worker.batch import BatchSeq
+from tessera.kernels._dispatch import triton_available
 
 SIZES = [1, 4]  # 3 (and 2) running sequences pad to 4
 
@@ -92,6 +95,28 @@ def test_padding_rows_write_only_the_scratch_block_and_the_logits_equal_the_unpa
     # The same latents as the unpadded step wrote (to GEMM rounding: another batch shape)
     assert (after[:, pool] - runner.kv[:, pool]).norm() / runner.kv[:, pool].norm() < 1e-6
     assert ((padded_logits - eager_logits).norm() / eager_logits.norm()) < 1e-5
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not triton_available(),
+                    reason="needs Triton's interpreter (TRITON_INTERPRET=1, as make test sets)")
+def test_the_padded_latent_step_through_the_triton_kernel_equals_the_reference(export, monkeypatch):
+    """What a captured graph runs on CUDA: absorbed queries over the latent pool through the Triton
+    paged-attention kernel, its tables padded to max_model_len / block_size, padding rows on the
+    scratch block."""
+    _, padded = _engines(export)
+    runner = padded.runner
+    batch = [BatchSeq([11], 4, [7], 1), BatchSeq([12], 12, [3, 5], 1), BatchSeq([13], 19, [2, 4, 6], 1)]
+    with torch.no_grad():
+        runner.kv.copy_(torch.randn(runner.kv.shape, generator=torch.Generator().manual_seed(1)))
+    start = runner.kv.clone()
+    with torch.inference_mode():
+        reference = runner.forward_batch(batch, [0, 1, 2])
+        runner.kv.copy_(start)
+        monkeypatch.setenv("TESSERA_FORCE_TRITON", "1")
+        monkeypatch.delenv("TESSERA_DISABLE_TRITON", raising=False)
+        kernel = runner.forward_batch(batch, [0, 1, 2])
+    assert runner.decode_graphs.block_tables.shape[1] == 48 // 8  # max_model_len / block_size
+    assert ((kernel - reference).norm() / reference.norm()) < 1e-5
 
 
 def test_async_scheduling_gives_the_synchronous_outputs(export):
@@ -192,7 +217,7 @@ def test_on_cuda_captured_latent_decode_graphs_replay_the_eager_outputs(tiny_ckp
     dev = torch.device("cuda")
 
     def engine(**over):
-        cfg = EngineConfig(device="cuda", block_size=8, num_kv_blocks=32, max_model_len=48, max_num_seqs=3,
+        cfg = EngineConfig(device="cuda", block_size=8, num_kv_blocks=32, max_model_len=48, max_num_seqs=4,
                            max_num_batched_tokens=32, seed=0, **over)
         return LLMEngine(load_for_serving(export, dev, torch.float32), cfg, dev, torch.float32)
     captured = engine(cuda_graph_sizes=SIZES)
@@ -201,3 +226,46 @@ def test_on_cuda_captured_latent_decode_graphs_replay_the_eager_outputs(tiny_ckp
     requests = workload(sampled=False) | {f"s{k}": v for k, v in workload(sampled=True).items()}
     assert_same(outputs(captured, requests), outputs(engine(enforce_eager=True), requests))
     assert graphs.replays[4] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_mtp_drafts_after_replayed_plain_steps_equal_the_eager_engines(tiny_ckpt, tmp_path, monkeypatch):
+    """The same all-dense target with an MTP depth: two steps in three draft nothing, so they replay
+    a captured graph, whose hidden rows the MTP reads from the static buffer written inside it; the
+    drafts and tokens equal the eager CUDA engine's."""
+    from deepseek_hf import save_with_mtp
+    from test_deepseek_serving import record_drafts
+
+    from tessera.inference.config import EngineConfig, SpeculativeConfig
+    from tessera.inference.engine.llm_engine import LLMEngine
+    from tessera.inference.spec_decode import mtp
+    from tessera.inference.spec_decode.proposers import MTPProposer
+    from tessera.inference.worker.loader import load_for_serving
+
+    hf = build_hf(**MODELS["q-lora"], first_k_dense_replace=2)
+    with torch.no_grad():
+        hf.get_output_embeddings().weight.mul_(8.0)
+    export = _save(hf, tiny_ckpt, tmp_path / "dense-mtp")
+    save_with_mtp(hf, export)
+    calls = []
+    propose, drafts_for = MTPProposer.propose, mtp.num_drafts_for
+    monkeypatch.setattr(MTPProposer, "propose", lambda self, running: calls.append(1) or propose(self, running))
+    monkeypatch.setattr(mtp, "num_drafts_for", lambda seq, k: drafts_for(seq, k) if len(calls) % 3 == 0 else 0)
+    drafts = record_drafts(monkeypatch)
+    dev = torch.device("cuda")
+    requests = {str(i): (p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+                for i, p in enumerate(_prompts(3, 14))}
+    runs = []
+    for over in (dict(cuda_graph_sizes=SIZES), dict(enforce_eager=True)):
+        calls.clear()
+        drafts.clear()
+        cfg = EngineConfig(device="cuda", block_size=8, num_kv_blocks=24, max_model_len=48, max_num_seqs=4,
+                           max_num_batched_tokens=32, enable_prefix_caching=False,
+                           speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2), **over)
+        engine = LLMEngine(load_for_serving(export, dev, torch.float32), cfg, dev, torch.float32)
+        runs.append(({rid: token_ids(o) for rid, o in run_all(engine, requests).items()}, list(drafts),
+                     engine.runner.decode_graphs))
+    (captured, captured_drafts, graphs), (eager, eager_drafts, _) = runs
+    assert graphs is not None and graphs.capture and sum(graphs.replays.values()) > 0
+    assert len(eager_drafts) >= 6 and captured == eager and captured_drafts == eager_drafts
