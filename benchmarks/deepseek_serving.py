@@ -16,7 +16,8 @@
     (`--moe-ffn` widens the experts so that they weigh in the step as at full size);
   - with `--decode-batch-ab`: another engine that builds every decode step with `prepare` (its
     sequences' block tables packed and grouped from scratch each step, as MLA steps were built
-    before they took their inputs from the persistent decode batch), outputs checked equal.
+    before they took their inputs from the persistent decode batch), outputs checked equal, and
+    each engine's host time per step (the step's wall time less its layer stack's).
 
 The model is random, DeepSeek-V3's structure scaled down for a 2-core CPU (first layer dense, then
 group-limited sigmoid MoE with a shared expert; q-lora; YaRN off; one MTP depth), fp32. Random MTP
@@ -124,6 +125,7 @@ def main() -> int:
             engines["prepare"].runner.keeps_decode_batch = lambda: False  # ModelRunner.execute asks the instance
 
         trips = {name: count_round_trips(engine) for name, engine in engines.items()}
+        host = {name: time_host(engines[name]) for name in ("plain", "prepare") if name in engines}
         runner = engines["plain"].runner
         if args.tensor_parallel > 1:
             return race_tensor_parallel(args, engines, prompts, trips)
@@ -141,6 +143,8 @@ def main() -> int:
 
         for engine in engines.values():  # warm-up (oneDNN primitives, allocator), not timed
             run_engine(engine, [q[:16] for q in prompts[:4]], 4)
+        for h in host.values():
+            h.update(steps=0, step_s=0.0, forward_s=0.0)
         raced = checked_race("deepseek_serving", engines, prompts, args.max_tokens, args.rounds, ("plain", "spec"))
         if raced is None:
             return 1
@@ -162,12 +166,41 @@ def main() -> int:
             same = outputs["plain"] == outputs["prepare"]
             print(f"  decode batch {best['plain'] / best['prepare']:.2f}x the per-step prepare (medians); outputs "
                   f"{'identical' if same else 'DIFFER'} in the last round")
+            for name, h in host.items():
+                print(f"  {name:7s} host ms per engine step (its wall less the layer stack's), over all rounds: "
+                      f"{1e3 * (h['step_s'] - h['forward_s']) / h['steps']:.3f} ({h['steps']} steps)")
             if not same:
                 return 1
         if "spec" in engines:
             print(f"  speedup {best['spec'] / best['plain']:.2f}x (medians; outputs identical); "
                   + spec_summary(engines["spec"]))
     return 0
+
+
+def time_host(engine) -> dict:
+    """From now on, the engine's steps, their seconds, and the seconds of its runner's layer stack
+    (`_logits`: the forward and the head); the rest of a step is host work."""
+    import time
+
+    counts = {"steps": 0, "step_s": 0.0, "forward_s": 0.0}
+    step, logits = engine.step, engine.runner._logits
+
+    def timed_step():
+        t = time.perf_counter()
+        try:
+            return step()
+        finally:
+            counts["steps"] += 1
+            counts["step_s"] += time.perf_counter() - t
+
+    def timed_logits(*a, **k):
+        t = time.perf_counter()
+        try:
+            return logits(*a, **k)
+        finally:
+            counts["forward_s"] += time.perf_counter() - t
+    engine.step, engine.runner._logits = timed_step, timed_logits
+    return counts
 
 
 def count_round_trips(engine) -> dict[str, int]:
