@@ -71,6 +71,14 @@ def test_padded_decode_gives_the_eager_engines_outputs_with_preemption_and_prefi
         assert engine.blocks.num_used == 0
 
 
+def test_padded_decode_over_an_fp8_latent_cache_equals_eager_fp8(export):
+    eager, padded = _engines(export, kv_cache_dtype="fp8")
+    assert padded.runner.kv.dtype == torch.float8_e4m3fn
+    requests = workload(sampled=False)
+    assert_same(outputs(padded, requests), outputs(eager, requests))
+    assert padded.runner.decode_graphs.replays[4] > 0
+
+
 def test_padding_rows_write_only_the_scratch_block_and_the_logits_equal_the_unpadded_steps(export):
     _, padded = _engines(export)
     runner, graphs = padded.runner, padded.runner.decode_graphs
