@@ -3,7 +3,8 @@
 here, `--padded-decode`): outputs, greedy and seeded-sampled, equal the eager engine's with batches
 padded to a bucket, preemption and prefix-cache hits; padding rows write only the scratch block;
 `--async-scheduling` gives the synchronous outputs; MTP drafts after plain decode steps (eager,
-padded) still read the target's hidden rows of those steps. The gpu test captures and replays."""
+padded) still read the target's hidden rows of those steps, and after a step that raised past its
+forward, never that step's. The gpu test captures and replays."""
 
 from __future__ import annotations
 
@@ -149,7 +150,6 @@ def test_mtp_drafts_after_plain_decode_steps_read_those_steps_hidden_rows(tiny_c
     from tessera.inference.spec_decode.proposers import MTPProposer
     from tessera.inference.worker.latent.mtp import MTPDrafter
     from tessera.inference.worker.latent.runner import LatentRunner
-    from tessera.inference.worker.loader import load_for_serving
 
     hf, export = mtp_export(tiny_ckpt, tmp_path / "mtp")
     proposed: list[tuple[list[int], torch.Tensor]] = []  # (the sequence's tokens, its first draft's logits)
@@ -187,13 +187,77 @@ def test_mtp_drafts_after_plain_decode_steps_read_those_steps_hidden_rows(tiny_c
     assert len(plain) >= 4 and len(proposed) >= 6
     if padded:
         assert sum(engine.runner.decode_graphs.replays.values()) >= len(plain)
-    model = load_for_serving(export, torch.device("cpu"), torch.float32).model  # the plain model, run whole
+    assert_first_drafts_read_the_model_run_whole(export, proposed)
+
+
+def assert_first_drafts_read_the_model_run_whole(export, proposed: list[tuple[list[int], torch.Tensor]]) -> None:
+    """Each (tokens, first draft's MTP logits): the MTP depth over the hidden states of the plain
+    model run whole over the tokens."""
+    from tessera.inference.worker.loader import load_for_serving
+
+    model = load_for_serving(export, torch.device("cpu"), torch.float32).model
     with torch.no_grad():
         for tokens, logits in proposed:
             ids = torch.tensor([tokens])
             hidden = model(ids, return_hidden=True)
             whole = model.logits(model.mtp_hidden(0, hidden[:, :-1], ids[:, 1:])[0, -1]).float()
             assert (logits - whole).norm() / whole.norm() < 1e-5, len(tokens)  # measured: at most 2.3e-7
+
+
+def test_after_a_step_that_raised_past_its_forward_the_retried_sequences_drafts_read_their_own_hidden_rows(
+        tiny_ckpt, tmp_path, monkeypatch):
+    """A plan that raises after its layer stack ran (the "bad" request: an error in the head or the
+    sampler) is retried one sequence at a time (LLMEngine._execute). Five running sequences exceed
+    the largest bucket (4), so the failed step is eager and keeps its hidden rows; the retries of
+    single decode rows replay the padded forward. No retry may take the failed step's rows (nor the
+    bad request's retry's) as its own: every first draft's MTP logits equal the model's run whole."""
+    from tessera.inference.config import SpeculativeConfig
+    from tessera.inference.spec_decode import mtp
+    from tessera.inference.spec_decode.proposers import MTPProposer
+    from tessera.inference.worker.latent.mtp import MTPDrafter
+
+    hf, export = mtp_export(tiny_ckpt, tmp_path / "mtp")
+    calls = []
+    propose, drafts_for = MTPProposer.propose, mtp.num_drafts_for
+    monkeypatch.setattr(MTPProposer, "propose", lambda self, running: calls.append(1) or propose(self, running))
+    # Two steps in three draft nothing: plain decode steps of all five sequences (no bucket holds them).
+    monkeypatch.setattr(mtp, "num_drafts_for", lambda seq, k: drafts_for(seq, k) if len(calls) % 3 == 0 else 0)
+    engine = make_engine(export, block_size=8, num_kv_blocks=40, max_model_len=48, max_num_batched_tokens=32,
+                         max_num_seqs=16, enable_prefix_caching=False, padded_decode=True, cuda_graph_sizes=SIZES,
+                         speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2))
+    runner = engine.runner
+    faults = []
+
+    def raises_after(run, seqs_of):
+        def faulty(*args):
+            out = run(*args)  # the forward ran (hidden rows kept), then the step fails
+            if any(s.request_id == "bad" and len(s.output_ids) >= 3 and not s.spec_token_ids for s in seqs_of(*args)):
+                faults.append(1)
+                raise RuntimeError("injected fault after the forward")
+            return out
+        return faulty
+    runner.forward = raises_after(runner.forward, lambda plan, rows: plan.seqs)
+    runner.decode_logits = raises_after(runner.decode_logits, lambda *a: runner.decode_batch.seqs)
+    proposed: list[tuple[list[int], torch.Tensor]] = []
+    draft = MTPDrafter.draft
+
+    def spy_draft(self, ops, drop, batch, rids, catch_up, logits_rows):
+        logits = draft(self, ops, drop, batch, rids, catch_up, logits_rows)
+        if catch_up:
+            seqs = {s.request_id: s for s in engine.scheduler.running}
+            proposed.extend((seqs[r].tokens(0, seqs[r].num_tokens), row) for r, row in zip(rids, logits))
+        return logits
+    monkeypatch.setattr(MTPDrafter, "draft", spy_draft)
+    prompts = _prompts(5, 12)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    names = ["bad", "1", "2", "3", "4"]
+    got = run_all(engine, {name: (p, params) for name, p in zip(names, prompts)})
+    assert faults and got["bad"][-1].error
+    for name, p in zip(names[1:], prompts[1:]):
+        assert token_ids(got[name]) == hf_greedy(hf, p, 10), name
+    assert runner.decode_graphs.replays[1] > 0 and len(proposed) >= 8  # the retries replayed bucket 1
+    # (Taking the failed step's first row as sequence "1"'s was 4.4e-4 off in the draft after it.)
+    assert_first_drafts_read_the_model_run_whole(export, proposed)
 
 
 def test_a_mixture_of_experts_config_whose_layers_are_all_dense_can_be_captured():

@@ -87,6 +87,11 @@ class LatentRunner(ModelRunner):
         return cfg.num_layers
 
     def execute(self, plan):
+        # A step that raised after its forward (the engine then retries its sequences one at a
+        # time) left its hidden rows behind: no later step may take them as its own.
+        self._kept = None
+        if self.decode_graphs is not None:
+            self.decode_graphs.rows = 0
         out = super().execute(plan)
         if self.step_hidden is not None and (kept := self.take_hidden()) is not None:
             offset = 0
