@@ -272,6 +272,33 @@ def test_a_mixture_of_experts_config_whose_layers_are_all_dense_can_be_captured(
     assert "mixture-of-experts" in uncapturable(tiny_config(moe=dict(moe, first_k_dense=1)))
 
 
+
+def test_models_with_moe_layers_still_decode_uncaptured_and_warn_under_async_scheduling(export):
+    """Mixtral, Qwen3-MoE (its first layer dense) and the DeepSeek-V3 export (a dense layer, then
+    MoE): on CUDA decode steps stay eager by default, --cuda-graph-sizes is refused in one line and
+    --async-scheduling names the expert counts read back; their all-dense twins are capturable."""
+    from inference_helpers import tiny_config
+
+    from tessera.common.errors import UserError
+    from tessera.inference.config import EngineConfig
+    from tessera.inference.engine.llm_engine import _forward_reads_back
+    from tessera.inference.worker.cuda_graphs import check_cuda_graphs, decode_graph_mode
+    from tessera.inference.worker.loader import load_for_serving
+
+    cuda = torch.device("cuda")  # the decisions read the device's type only
+    moe = dict(num_experts=4, top_k=2, ffn_hidden_size=16)
+    deepseek = load_for_serving(export, torch.device("cpu"), torch.float32).config
+    assert deepseek.mla is not None and deepseek.moe.first_k_dense == 1
+    for cfg in (tiny_config(arch="mixtral", moe=moe), tiny_config(arch="qwen3_moe", moe=dict(moe, first_k_dense=1)),
+                deepseek):
+        assert decode_graph_mode(EngineConfig(), cuda, cfg) == "off", cfg.arch
+        with pytest.raises(UserError, match=r"--cuda-graph-sizes: this model cannot be captured \(the mixture-of-exp"):
+            check_cuda_graphs(EngineConfig(cuda_graph_sizes=[1, 2]), cuda, cfg)
+        assert "experts' token counts" in _forward_reads_back(cfg), cfg.arch
+        dense = cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"first_k_dense": cfg.num_layers})})
+        assert decode_graph_mode(EngineConfig(), cuda, dense) == "capture" and _forward_reads_back(dense) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_captured_latent_decode_graphs_replay_the_eager_outputs(tiny_ckpt, tmp_path):
