@@ -145,8 +145,9 @@ def deepseek_export(tiny_ckpt, tmp_path_factory):
 def test_tp2_latent_decode_steps_sent_as_updates_give_one_process_outputs_synchronous_and_async(deepseek_export,
                                                                                                   monkeypatch):
     """test_async_scheduling's workload (mixed sampling, prompts in chunks beside decodes, preemption in
-    24 blocks of 4 tokens, r4 aborted mid-way): the workers' latent runners keep the persistent decode
-    batch, so steady decode steps go as DecodeUpdates (no block table), synchronous and overlapped."""
+    24 blocks of 4 tokens, r4 aborted mid-way, overlapped: while a row of it is in flight): the workers'
+    latent runners keep the persistent decode batch, so steady decode steps go as DecodeUpdates (no
+    block table), synchronous and overlapped."""
     from tessera.inference.worker.tensor_parallel.executor import TensorParallelExecutor
 
     updates = []
@@ -158,9 +159,10 @@ def test_tp2_latent_decode_steps_sent_as_updates_give_one_process_outputs_synchr
     assert (preemptions, aborted) == (ref_preemptions, ref_aborted) and preemptions > 0
     assert any(u.src is None and not u.whole for u in updates)  # steady steps: no block table sent
     updates.clear()
-    overlapped, launched, *_ = _run(deepseek_export, True, 24, tensor_parallel=2)
-    _same(overlapped, _run(deepseek_export, False, 24)[0])
-    assert launched and updates
+    overlapped, launched, _, aborted, _ = _run(deepseek_export, True, 24, abort_after=9, tensor_parallel=2)
+    one, _, _, one_aborted, _ = _run(deepseek_export, True, 24, abort_after=9)  # aborted with a row in flight
+    _same(overlapped, one)
+    assert launched and updates and aborted == one_aborted > 0
 
 
 def test_tp2_mtp_with_padded_decode_steps_between_drafts_gives_the_one_process_drafts(tiny_ckpt, tmp_path,
