@@ -13,7 +13,11 @@
     engine step; with MTP a third engine drafts one round trip per draft (greedy drafts otherwise
     chain on the workers: spec_decode/mtp.py); with `--expert-parallel` another engine splits the
     routed experts over the workers (`--enable-expert-parallel`) instead of replicating them
-    (`--moe-ffn` widens the experts so that they weigh in the step as at full size).
+    (`--moe-ffn` widens the experts so that they weigh in the step as at full size);
+  - with `--decode-batch-ab`: another engine that builds every decode step with `prepare` (its
+    sequences' block tables packed and grouped from scratch each step, as MLA steps were built
+    before they took their inputs from the persistent decode batch), outputs checked equal, and
+    each engine's host time per step (the step's wall time less its layer stack's).
 
 The model is random, DeepSeek-V3's structure scaled down for a 2-core CPU (first layer dense, then
 group-limited sigmoid MoE with a shared expert; q-lora; YaRN off; one MTP depth), fp32. Random MTP
@@ -74,6 +78,8 @@ def main() -> int:
     p.add_argument("--expert-parallel", action="store_true",
                    help="With --tensor-parallel: also an engine with the routed experts split over the workers.")
     p.add_argument("--moe-ffn", type=int, default=None, help="Each routed expert's inner width (default: the shape's 128).")
+    p.add_argument("--decode-batch-ab", action="store_true",
+                   help="Also time an engine building every decode step with prepare (no persistent decode batch).")
     p.add_argument("--rounds", type=int, default=5, help="Timed rounds per engine (the median is reported).")
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--smoke", action="store_true", help="4 prompts x 8 tokens, one round (seconds).")
@@ -114,8 +120,12 @@ def main() -> int:
         if args.unabsorbed:
             engines["unabs"] = LLMEngine(loaded, EngineConfig(**base), dev, dtype)
             engines["unabs"].runner.batch_decodes = False  # no decode groups: every row takes the prefill path
+        if args.decode_batch_ab:
+            engines["prepare"] = LLMEngine(loaded, EngineConfig(**base), dev, dtype)
+            engines["prepare"].runner.keeps_decode_batch = lambda: False  # ModelRunner.execute asks the instance
 
         trips = {name: count_round_trips(engine) for name, engine in engines.items()}
+        host = {name: time_host(engines[name]) for name in ("plain", "prepare") if name in engines}
         runner = engines["plain"].runner
         if args.tensor_parallel > 1:
             return race_tensor_parallel(args, engines, prompts, trips)
@@ -133,6 +143,8 @@ def main() -> int:
 
         for engine in engines.values():  # warm-up (oneDNN primitives, allocator), not timed
             run_engine(engine, [q[:16] for q in prompts[:4]], 4)
+        for h in host.values():
+            h.update(steps=0, step_s=0.0, forward_s=0.0)
         raced = checked_race("deepseek_serving", engines, prompts, args.max_tokens, args.rounds, ("plain", "spec"))
         if raced is None:
             return 1
@@ -150,10 +162,45 @@ def main() -> int:
             same = sum(a == b for x, y in zip(outputs["plain"], outputs["unabs"]) for a, b in zip(x, y))
             print(f"  absorbed decode {best['plain'] / best['unabs']:.2f}x the up-projected one (medians); "
                   f"{same} of {per_round} greedy tokens the same in the last round")
+        if "prepare" in engines:
+            same = outputs["plain"] == outputs["prepare"]
+            print(f"  decode batch {best['plain'] / best['prepare']:.2f}x the per-step prepare (medians); outputs "
+                  f"{'identical' if same else 'DIFFER'} in the last round")
+            for name, h in host.items():
+                print(f"  {name:7s} host ms per engine step (its wall less the layer stack's), over all rounds: "
+                      f"{1e3 * (h['step_s'] - h['forward_s']) / h['steps']:.3f} ({h['steps']} steps)")
+            if not same:
+                return 1
         if "spec" in engines:
             print(f"  speedup {best['spec'] / best['plain']:.2f}x (medians; outputs identical); "
                   + spec_summary(engines["spec"]))
     return 0
+
+
+def time_host(engine) -> dict:
+    """From now on, the engine's steps, their seconds, and the seconds of its runner's layer stack
+    (`_logits`: the forward and the head); the rest of a step is host work."""
+    import time
+
+    counts = {"steps": 0, "step_s": 0.0, "forward_s": 0.0}
+    step, logits = engine.step, engine.runner._logits
+
+    def timed_step():
+        t = time.perf_counter()
+        try:
+            return step()
+        finally:
+            counts["steps"] += 1
+            counts["step_s"] += time.perf_counter() - t
+
+    def timed_logits(*a, **k):
+        t = time.perf_counter()
+        try:
+            return logits(*a, **k)
+        finally:
+            counts["forward_s"] += time.perf_counter() - t
+    engine.step, engine.runner._logits = timed_step, timed_logits
+    return counts
 
 
 def count_round_trips(engine) -> dict[str, int]:

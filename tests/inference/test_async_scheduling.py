@@ -177,6 +177,17 @@ def test_async_scheduling_is_refused_in_one_line_with_speculation(tiny_ckpt, tmp
     assert "async-scheduling" in line and "speculative decoding" in line
 
 
+def test_which_kinds_build_decode_steps_from_the_persistent_batch_that_async_scheduling_feeds():
+    """The engine refuses --async-scheduling for a kind whose runner builds its decode steps otherwise
+    (`keeps_decode_batch`): hybrid states, an encoder, an encoder-decoder; the latent runner (MLA)
+    and the vision-language one take theirs from the batch, as the decoder does."""
+    from tessera.inference.worker.kinds import RUNNERS
+
+    keeps = {kind: runner.keeps_decode_batch() for kind, runner in RUNNERS.items()}
+    assert keeps == {"decoder": True, "vision_language": True, "latent": True, "hybrid": False, "pooling": False,
+                     "encoder_decoder": False}
+
+
 def test_a_server_with_async_scheduling_streams_the_openai_client_what_one_without_it_streams(tiny_ckpt):
 
     bodies = [dict(prompt=[5 + i, 17, 33 + 7 * i], max_tokens=24, **kind)

@@ -149,22 +149,6 @@ def test_the_startup_line_says_how_many_tokens_the_latent_cache_holds_against_fu
            "85 with full K/V (6.0x)" in line, line
 
 
-def test_padded_decode_is_refused_in_one_line_for_latent_attention(exports):
-    from tessera.common.errors import UserError
-
-    _, export = exports("q-lora")
-    with pytest.raises(UserError, match=r"--padded-decode / --cuda-graph-sizes: multi-head latent attention"):
-        make_engine(export, block_size=8, num_kv_blocks=16, max_model_len=48, padded_decode=True)
-
-
-def test_async_scheduling_is_refused_in_one_line_for_latent_attention(exports):
-    from tessera.common.errors import UserError
-
-    _, export = exports("q-lora")
-    with pytest.raises(UserError, match=r"--async-scheduling: model kind 'causal_lm' \(multi-head latent attention\) builds"):
-        make_engine(export, block_size=8, num_kv_blocks=16, max_model_len=48, async_scheduling=True)
-
-
 def test_bf16_serving_with_packed_linear_layers_completes_and_starts_as_fp32_transformers(exports):
     """bf16 weights (oneDNN-packed) over fp32 RoPE tables: queries and latents are cast back to the
     model's dtype before the cache and the packed GEMMs see them. Each first token is fp32

@@ -2,7 +2,8 @@
 holding half the heads of q_b_proj / kv_b_proj / o_proj (the causal LM's plan, split_mla) and the
 whole latent KV cache, give transformers' greedy tokens under chunked prefill and preemption; with
 MTP drafts (the MTP forward on the workers, spec_decode/mtp.py) the one-process MTP path's drafts
-and tokens."""
+and tokens. Steady decode steps go to the workers as DecodeUpdates (synchronous and async), and
+plain steps between MTP drafts keep their hidden rows on the workers through the padded forward."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from deepseek_hf import build_hf
 from inference_helpers import hf_greedy, run_all, token_ids
+from test_async_scheduling import _run, _same
 from test_deepseek_serving import MODELS, _prompts, mtp_export, record_drafts
 from test_hf_serving import _save
 
@@ -130,3 +132,66 @@ def test_tp2_mtp_drafts_through_the_openai_client_like_one_process_and_a_worker_
         assert httpx.get(server.url + "/health", timeout=10).status_code == 503
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def deepseek_export(tiny_ckpt, tmp_path_factory):
+    hf = build_hf(**MODELS["no-q-lora-yarn"])
+    with torch.no_grad():
+        hf.get_output_embeddings().weight.mul_(8.0)
+    return _save(hf, tiny_ckpt, tmp_path_factory.mktemp("hf") / "deepseek")
+
+
+def test_tp2_latent_decode_steps_sent_as_updates_give_one_process_outputs_synchronous_and_async(deepseek_export,
+                                                                                                  monkeypatch):
+    """test_async_scheduling's workload (mixed sampling, prompts in chunks beside decodes, preemption in
+    24 blocks of 4 tokens, r4 aborted mid-way, overlapped: while a row of it is in flight): the workers'
+    latent runners keep the persistent decode batch, so steady decode steps go as DecodeUpdates (no
+    block table), synchronous and overlapped."""
+    from tessera.inference.worker.tensor_parallel.executor import TensorParallelExecutor
+
+    updates = []
+    send = TensorParallelExecutor.send_decode
+    monkeypatch.setattr(TensorParallelExecutor, "send_decode", lambda self, u: updates.append(u) or send(self, u))
+    reference, _, ref_preemptions, ref_aborted, _ = _run(deepseek_export, False, 24, abort_after=9)
+    outs, _, preemptions, aborted, _ = _run(deepseek_export, False, 24, abort_after=9, tensor_parallel=2)
+    _same(outs, reference)
+    assert (preemptions, aborted) == (ref_preemptions, ref_aborted) and preemptions > 0
+    assert any(u.src is None and not u.whole for u in updates)  # steady steps: no block table sent
+    updates.clear()
+    overlapped, launched, _, aborted, _ = _run(deepseek_export, True, 24, abort_after=9, tensor_parallel=2)
+    one, _, _, one_aborted, _ = _run(deepseek_export, True, 24, abort_after=9)  # aborted with a row in flight
+    _same(overlapped, one)
+    assert launched and updates and aborted == one_aborted > 0
+
+
+def test_tp2_mtp_with_padded_decode_steps_between_drafts_gives_the_one_process_drafts(tiny_ckpt, tmp_path,
+                                                                                       monkeypatch):
+    """Two steps in three draft nothing: under tensor parallel those plain steps go as `step` commands
+    whose hidden rows each worker keeps, here from its padded forward's static buffer (DecodeGraphs
+    replays run no Python); the drafts and tokens are the one-process engine's without padding."""
+    from inference_helpers import make_engine
+
+    from tessera.inference.spec_decode import mtp
+    from tessera.inference.spec_decode.proposers import MTPProposer
+
+    _, export = mtp_export(tiny_ckpt, tmp_path / "mtp")
+    calls = []
+    propose, drafts_for = MTPProposer.propose, mtp.num_drafts_for
+    monkeypatch.setattr(MTPProposer, "propose", lambda self, running: calls.append(1) or propose(self, running))
+    monkeypatch.setattr(mtp, "num_drafts_for", lambda seq, k: drafts_for(seq, k) if len(calls) % 3 == 0 else 0)
+    drafts = record_drafts(monkeypatch)
+    cfg = dict(block_size=8, num_kv_blocks=24, max_model_len=48, max_num_batched_tokens=32, max_num_seqs=16,
+               enable_prefix_caching=False, speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2))
+    requests = {str(i): (p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+                for i, p in enumerate(_prompts(3, 14))}
+    one = {rid: token_ids(o) for rid, o in run_all(make_engine(export, **cfg), requests).items()}
+    one_drafts = list(drafts)
+    drafts.clear()
+    calls.clear()
+    engine = make_engine(export, tensor_parallel=2, padded_decode=True, cuda_graph_sizes=[1, 4], **cfg)
+    try:
+        tp = {rid: token_ids(o) for rid, o in run_all(engine, requests).items()}
+    finally:
+        engine.close()
+    assert len(one_drafts) >= 6 and tp == one and drafts == one_drafts

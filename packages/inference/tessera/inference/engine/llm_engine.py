@@ -146,7 +146,7 @@ def check_pool_fits(cfg: EngineConfig, loaded: LoadedModel, blocks: int, kv_dtyp
 def _forward_reads_back(config) -> str | None:
     """What a model's own forward reads back to the host each step (None: nothing), which stalls a
     launched step (async scheduling)."""
-    if getattr(config, "moe", None) is not None:
+    if getattr(config, "moe", None) is not None and any(config.is_moe_layer(i) for i in range(config.num_layers)):
         return "its experts' token counts (mixture of experts)"
     scaling = getattr(config, "rope_scaling", None)
     if scaling is not None and scaling.rope_type == "dynamic":
@@ -225,8 +225,7 @@ class LLMEngine:
         self.blocks = kind.cache(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.prefix_cache_hash,
                                  **kind.cache.engine_kwargs(cfg))
         if cfg.async_scheduling and not kind.runner.keeps_decode_batch():
-            what = " (multi-head latent attention)" if getattr(loaded.config, "mla", None) is not None else ""
-            raise UserError(f"--async-scheduling: model kind {loaded.config.kind!r}{what} builds its decode steps "
+            raise UserError(f"--async-scheduling: model kind {loaded.config.kind!r} builds its decode steps "
                             "otherwise than from the persistent decode batch that async scheduling feeds; drop the flag")
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self.processor = OutputProcessor(self.scheduler, self.blocks)

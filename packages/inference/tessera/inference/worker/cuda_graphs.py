@@ -115,7 +115,7 @@ def uncapturable(model_cfg: ModelConfig | None) -> str | None:
         return None
     if getattr(model_cfg, "kind", "causal_lm") != "causal_lm":  # hybrid: its Mamba decode step is not captured yet
         return f"model kind {model_cfg.kind!r} has no CUDA-graph decode path yet"
-    if model_cfg.moe is not None:
+    if any(model_cfg.is_moe_layer(i) for i in range(model_cfg.num_layers)):  # (a moe config may leave all dense)
         return "the mixture-of-experts layers group tokens by expert on the host (counts read back)"
     scaling = model_cfg.rope_scaling
     if scaling is not None and scaling.rope_type == "dynamic":
@@ -161,6 +161,7 @@ class DecodeGraphs:
         self.max_blocks = spec.max_blocks
         self.capture = spec.capture
         self.replays: Counter[int] = Counter()  # bucket -> decode steps it served (replayed or padded eager)
+        self.rows = 0  # the real rows of the last step served (a runner that reads more than logits: latent/)
         dev, biggest, bs = device, self.sizes[-1], block_size
         # Static inputs, sized for the largest bucket; a padding row is token 0 at position 0 whose
         # K/V go to the scratch block's first slot and whose table is the scratch block.
@@ -228,6 +229,7 @@ class DecodeGraphs:
         """fp32 logits of every row of a host-built single-token step, replayed in bucket `size`."""
         self.prepare_step(step, size)
         self._replay(size)
+        self.rows = step.seq_lens.shape[0]
         return self.logits[:step.seq_lens.shape[0]].clone()  # a copy: the next step overwrites the buffer
 
     def _replay(self, size: int) -> None:
@@ -243,6 +245,7 @@ class DecodeGraphs:
         assert size is not None
         self.prepare(batch, size)
         self._replay(size)
+        self.rows = len(batch)
         if len(logits_rows) == len(batch) and logits_rows == list(range(len(batch))):
             return self.logits[:len(batch)].clone()  # every row in order (no index to send the device)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.logits.device)

@@ -126,9 +126,10 @@ class ModelRunner:
     def keeps_decode_batch(cls) -> bool:
         """Whether single-token steps take their inputs from the persistent `DecodeBatch`: only when
         this runner forwards them as ModelRunner does (a runner that prepares or attends otherwise:
-        hybrid states, an encoder, latent attention, keeps `prepare`; the tensor-parallel driver asks
-        its workers' runner).
-        An override tagged `same_single_token_forward` differs only on steps that are never single-token."""
+        hybrid states, an encoder, keeps `prepare`; the tensor-parallel driver asks its workers' runner).
+        An override tagged `same_single_token_forward` differs only on steps that are never
+        single-token, or takes a single-token step's StepInputs as DecodeBatch and DecodeGraphs build
+        them (with the CPU split or none: latent attention's)."""
         keeps = _KEEPS_DECODE_BATCH.get(cls)
         if keeps is None:
             keeps = _KEEPS_DECODE_BATCH[cls] = all(
@@ -295,7 +296,9 @@ class ModelRunner:
         graphs, size = self.decode_graphs, None
         if graphs is not None:
             size = graphs.step_bucket(len(update.starts), max(update.starts) // self.block_size + 1)
-        step = self.decode_batch.apply(update, split=self.batch_decodes and size is None)
+        # The CPU grouping only (SteadySplit keeps host tensors); a runner that splits on CUDA too
+        # (latent/) attends a step without a split through the kernel.
+        step = self.decode_batch.apply(update, split=self.batch_decodes and size is None and self.device.type == "cpu")
         if tokens is not None:
             step.tokens = tokens.view(1, -1)
         if size is not None:

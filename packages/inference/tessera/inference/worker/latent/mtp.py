@@ -64,7 +64,7 @@ class MTPDrafter:
 
     def record(self, rids: list[str], batch: list[BatchSeq], target: LatentRunner) -> None:
         """A worker's target step: the packed hidden rows [T, d] its runner kept, by sequence (until `update`)."""
-        hidden, target._kept = target._kept, None
+        hidden = target.take_hidden()
         assert hidden is not None, "the target runner keeps its hidden rows once step_hidden is set"
         offset = 0
         for rid, s in zip(rids, batch):

@@ -13,6 +13,10 @@ Attention (attention.py computes the projections):
     on CPU through the grouped gather + SDPA path (decode_attention.py), on CUDA through the
     Triton paged-attention kernel, which takes a value width equal to the key width, so its
     output's RoPE columns are dropped;
+  - a single-token step built without a split (the persistent decode batch on CUDA, the padded
+    forward that cuda_graphs.py replays or runs uncaptured) is all decode rows: one
+    paged-attention call over the step's own tables, lengths and slots, fixed shapes and no host
+    read, so it can be captured; padding rows attend over the scratch block only;
   - prefill chunks up-project their sequence's cached latents (earlier chunks and the new one) to
     full heads and attend causally, one sequence at a time (PyTorch SDPA on either device).
 """
@@ -22,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tessera.common.errors import UserError
 from tessera.inference.worker.batch import BatchSeq, StepInputs
+from tessera.inference.worker.cuda_graphs import DecodeGraphs, GraphSpec
 from tessera.inference.worker.decode_attention import DecodeSplit, decode_attention, decode_split
 from tessera.inference.worker.kv_cache import dequantize_kv, store_kv
 from tessera.inference.worker.latent.attention import LatentAttention, install
@@ -83,26 +87,64 @@ class LatentRunner(ModelRunner):
         return cfg.num_layers
 
     def execute(self, plan):
+        # A step that raised after its forward (the engine then retries its sequences one at a
+        # time) left its hidden rows behind: no later step may take them as its own.
+        self._kept = None
+        if self.decode_graphs is not None:
+            self.decode_graphs.rows = 0
         out = super().execute(plan)
-        if self.step_hidden is not None and self._kept is not None:
+        if self.step_hidden is not None and (kept := self.take_hidden()) is not None:
             offset = 0
             for s in plan.scheduled:
-                self.step_hidden[s.seq.request_id] = (s.start, self._kept[offset:offset + s.num_new])
+                self.step_hidden[s.seq.request_id] = (s.start, kept[offset:offset + s.num_new])
                 offset += s.num_new
-            self._kept = None
         return out
 
     _kept: torch.Tensor | None = None
+    # With decode graphs and MTP modules: the final-normed hidden rows of the padded forward, a
+    # static buffer written inside it (a replayed graph runs no Python, so `_hidden` cannot keep them).
+    _graph_hidden: torch.Tensor | None = None
+    _in_graph = False
+
+    def take_hidden(self) -> torch.Tensor | None:
+        """The last step's final-normed hidden rows [T, d] in its packed order (once step_hidden is
+        set): an eager forward's own, or a replayed one's copied out of the static buffer; None
+        when it kept none."""
+        kept, self._kept = self._kept, None
+        graphs = self.decode_graphs
+        if kept is None and graphs is not None and graphs.rows:
+            kept = self._graph_hidden[:graphs.rows].clone()  # the next replay overwrites the buffer
+        if graphs is not None:
+            graphs.rows = 0
+        return kept
 
     def _hidden(self, step: StepInputs) -> torch.Tensor:
         hidden = super()._hidden(step)
-        if self.step_hidden is not None:
+        if self._in_graph:
+            if self._graph_hidden is not None:
+                self._graph_hidden[:hidden.shape[1]].copy_(hidden[0])
+        elif self.step_hidden is not None:
             self._kept = hidden[0]
         return hidden
 
-    def use_decode_graphs(self, spec) -> None:
-        raise UserError("--padded-decode / --cuda-graph-sizes: multi-head latent attention (model.mla) has no padded "
-                        "or CUDA-graph decode path yet; drop the flag")
+    _hidden.same_single_token_forward = True  # type: ignore[attr-defined]  # keeps what it returns, changes nothing
+
+    def use_decode_graphs(self, spec: GraphSpec) -> None:
+        """ModelRunner's decode graphs, over `_graph_logits`: with MTP modules (a draft reads the
+        target's hidden rows) the padded forward also writes its hidden rows to a static buffer."""
+        if getattr(self.cfg, "mtp", None) is not None:
+            self._graph_hidden = torch.zeros(max(spec.sizes), self.cfg.hidden_size, device=self.device,
+                                             dtype=self.dtype)
+        self.decode_graphs = DecodeGraphs(spec, self.device, self.block_size, self.model.output_weight().shape[0],
+                                          self._graph_logits)
+
+    def _graph_logits(self, step: StepInputs) -> torch.Tensor:
+        """The padded forward DecodeGraphs runs (and captures)."""
+        self._in_graph = True
+        try:
+            return self._logits(step)
+        finally:
+            self._in_graph = False
 
     def state_summary(self) -> str:
         """The startup line's cache words: how many tokens the latent pool holds, and how many the
@@ -122,6 +164,8 @@ class LatentRunner(ModelRunner):
                                         self.block_size)
         return inputs
 
+    prepare.same_single_token_forward = True  # type: ignore[attr-defined]  # adds a split to prefill-only steps
+
     def _layer_latent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's pool [blocks, block_size, 1, L + R] and as slots [slots, 1, L + R] (made
         outside inference mode, as ModelRunner._layer_kv says why)."""
@@ -136,12 +180,16 @@ class LatentRunner(ModelRunner):
         """The new tokens' latents into their slots, then attention of every row: [T, H, v]."""
         cache, flat = self._layer_latent(layer)
         store_kv(flat, step.slot_mapping, latent[:, None])
-        split: DecodeSplit = step.split
+        rank = attn.m.kv_lora_rank
+        split: DecodeSplit | None = step.split
+        if split is None:  # a single-token step, every row one decode token (module docstring)
+            o = paged_attention(attn.absorb(q_nope, q_rope), cache, cache, step.block_tables, step.seq_lens,
+                                step.query_start_loc, attn.scale)
+            return attn.unabsorb(o[..., :rank])
         if split.order is not None:
             q_nope, q_rope = q_nope.index_select(0, split.order), q_rope.index_select(0, split.order)
         outs = []
         start = 0
-        rank = attn.m.kv_lora_rank
         for group in split.decode_groups:
             end = start + group.num_rows
             q = attn.absorb(q_nope[start:end], q_rope[start:end])
@@ -157,6 +205,10 @@ class LatentRunner(ModelRunner):
             outs.append(self._prefill(cache, attn, q_nope[start:], q_rope[start:], split))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out if split.inverse is None else out.index_select(0, split.inverse)
+
+    # Latent attention of the same StepInputs: DecodeBatch's (with its CPU split or none) and the
+    # padded ones of DecodeGraphs, so steady decode steps take their inputs from the persistent batch.
+    _attention.same_single_token_forward = True  # type: ignore[attr-defined]
 
     def _prefill(self, cache: torch.Tensor, attn: LatentAttention, q_nope: torch.Tensor, q_rope: torch.Tensor,
                  split: DecodeSplit) -> torch.Tensor:
