@@ -54,8 +54,13 @@ def workload(sampled: bool) -> dict[str, tuple[list[int], SamplingParams]]:
     g = torch.Generator().manual_seed(3)
     shared = torch.randint(3, 500, (17,), generator=g).tolist()
     prompts = [shared + [5], shared + [6, 7], *(torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 9, 1))]
+    return requests_of(prompts, (3, 12, 6, 9, 14), sampled)
+
+
+def requests_of(prompts: list[list[int]], lengths, sampled: bool) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Request r<i>: prompt i, lengths[i] tokens past EOS, greedy or sampled with seed 100 + i; logprobs on."""
     out = {}
-    for i, (prompt, n) in enumerate(zip(prompts, (3, 12, 6, 9, 14))):
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         params = (SamplingParams(max_tokens=n, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True, logprobs=0)
                   if sampled else SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0))
         out[f"r{i}"] = (prompt, params)
@@ -170,8 +175,14 @@ def test_padded_decode_through_the_triton_kernel_equals_the_reference(engines, m
     # What a captured graph runs on CUDA: the paged-attention Triton kernel over block tables
     # padded to max_model_len / block_size, with padding rows on the scratch block.
     _, padded = engines
-    runner = padded.runner
-    batch = [BatchSeq([11], 4, [7], 1), BatchSeq([12], 12, [3, 9], 1), BatchSeq([13], 19, [20, 21, 22], 1)]
+    kernel_matches_reference(padded.runner, [[7], [3, 9], [20, 21, 22]], monkeypatch)
+    assert padded.runner.decode_graphs.block_tables.shape[1] == 256 // 8  # max_model_len / block_size
+
+
+def kernel_matches_reference(runner, tables: list[list[int]], monkeypatch) -> None:
+    """Three decode rows (positions 4, 12, 19 over `tables`) through the padded forward twice, over
+    the same random pool: the reference attention, then the Triton kernel; outputs equal."""
+    batch = [BatchSeq([11], 4, tables[0], 1), BatchSeq([12], 12, tables[1], 1), BatchSeq([13], 19, tables[2], 1)]
     with torch.no_grad():
         runner.kv.copy_(torch.randn(runner.kv.shape, generator=torch.Generator().manual_seed(1)))
     start = runner.kv.clone()
@@ -181,7 +192,6 @@ def test_padded_decode_through_the_triton_kernel_equals_the_reference(engines, m
         monkeypatch.setenv("TESSERA_FORCE_TRITON", "1")
         monkeypatch.delenv("TESSERA_DISABLE_TRITON", raising=False)
         kernel = runner.forward_batch(batch, [0, 1, 2])
-    assert runner.decode_graphs.block_tables.shape[1] == 256 // 8  # max_model_len / block_size
     assert ((kernel - reference).norm() / reference.norm()) < 1e-5
 
 

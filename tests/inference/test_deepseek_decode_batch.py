@@ -15,7 +15,7 @@ import torch
 from deepseek_hf import build_hf
 from inference_helpers import hf_greedy, make_engine, run_all, token_ids
 from test_async_scheduling import _run, _same
-from test_cuda_graphs import assert_same, outputs
+from test_cuda_graphs import assert_same, kernel_matches_reference, outputs, requests_of
 from test_deepseek_serving import MODELS, _prompts, mtp_export
 from test_hf_serving import _save
 
@@ -49,12 +49,7 @@ def workload(sampled: bool) -> dict[str, tuple[list[int], SamplingParams]]:
     shared = torch.randint(3, 500, (17,), generator=g).tolist()
     prompts = [shared + [5], shared + [6, 7], shared + [8], shared + [9, 10, 11],
                torch.randint(3, 500, (9,), generator=g).tolist()]
-    out = {}
-    for i, (prompt, n) in enumerate(zip(prompts, (14, 18, 9, 16, 12))):
-        params = (SamplingParams(max_tokens=n, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True, logprobs=0)
-                  if sampled else SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0))
-        out[f"r{i}"] = (prompt, params)
-    return out
+    return requests_of(prompts, (14, 18, 9, 16, 12), sampled)
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampled"])
@@ -113,19 +108,8 @@ def test_the_padded_latent_step_through_the_triton_kernel_equals_the_reference(e
     paged-attention kernel, its tables padded to max_model_len / block_size, padding rows on the
     scratch block."""
     _, padded = _engines(export)
-    runner = padded.runner
-    batch = [BatchSeq([11], 4, [7], 1), BatchSeq([12], 12, [3, 5], 1), BatchSeq([13], 19, [2, 4, 6], 1)]
-    with torch.no_grad():
-        runner.kv.copy_(torch.randn(runner.kv.shape, generator=torch.Generator().manual_seed(1)))
-    start = runner.kv.clone()
-    with torch.inference_mode():
-        reference = runner.forward_batch(batch, [0, 1, 2])
-        runner.kv.copy_(start)
-        monkeypatch.setenv("TESSERA_FORCE_TRITON", "1")
-        monkeypatch.delenv("TESSERA_DISABLE_TRITON", raising=False)
-        kernel = runner.forward_batch(batch, [0, 1, 2])
-    assert runner.decode_graphs.block_tables.shape[1] == 48 // 8  # max_model_len / block_size
-    assert ((kernel - reference).norm() / reference.norm()) < 1e-5
+    kernel_matches_reference(padded.runner, [[7], [3, 5], [2, 4, 6]], monkeypatch)
+    assert padded.runner.decode_graphs.block_tables.shape[1] == 48 // 8  # max_model_len / block_size
 
 
 def test_async_scheduling_gives_the_synchronous_outputs(export):
