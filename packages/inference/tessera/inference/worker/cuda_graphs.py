@@ -113,11 +113,12 @@ def uncapturable(model_cfg: ModelConfig | None) -> str | None:
     """Why this model's decode forward cannot be captured (it reads values back on the host), or None."""
     if model_cfg is None:
         return None
-    if getattr(model_cfg, "kind", "causal_lm") != "causal_lm":  # hybrid: its Mamba decode step is not captured yet
-        return f"model kind {model_cfg.kind!r} has no CUDA-graph decode path yet"
+    kind = getattr(model_cfg, "kind", "causal_lm")
+    if kind not in ("causal_lm", "hybrid"):  # hybrid: its Mamba layers gather states by slot (state/runner.py)
+        return f"model kind {kind!r} has no CUDA-graph decode path yet"
     if model_cfg.moe is not None:
         return "the mixture-of-experts layers group tokens by expert on the host (counts read back)"
-    scaling = model_cfg.rope_scaling
+    scaling = getattr(model_cfg, "rope_scaling", None)
     if scaling is not None and scaling.rope_type == "dynamic":
         return "dynamic RoPE scaling reads the longest position back on the host"
     return None
