@@ -7,7 +7,7 @@ preemption (a preempted sequence's state is recomputed) and an abort, for Nemotr
 attention, MLP and MoE layers) and Mamba2. A padded decode step that fails after its forward
 leaves the state pool as it was, and the engine's retry gives the outputs of a run without the
 failure. Padding rows write the scratch slot (the state of token 0 at position 0) and nothing
-else. The gpu test captures and replays on CUDA.
+else. TP2 workers on gloo pad like one eager process. The gpu test captures and replays on CUDA.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from inference_helpers import make_engine, run_all, token_ids
 from test_hf_serving import _save
 from test_hybrid_serving import hf_model
 
+from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
+from tessera.inference.engine.llm_engine import LLMEngine
+from tessera.inference.worker.loader import load_for_serving
 
 SIZES = [1, 4]
 ENGINE = dict(block_size=8, num_kv_blocks=12, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, seed=0)
@@ -104,7 +107,7 @@ def test_a_padded_decode_step_that_fails_after_its_forward_leaves_the_pool_and_t
     """Sampling raises once, in the first padded step of three rows (its forward has advanced the
     copies): the pool's tensors are those from before the step, and the engine's retry (each
     sequence alone, bucket 1) gives the tokens and logprobs of a run without the failure."""
-    export = exports("nemotron_h")
+    export = exports("mamba2")
     requests = workload(sampled=False)
     want = run(engine(export, True), requests, abort=False)
     eng = engine(export, True)
@@ -162,13 +165,24 @@ def test_padding_rows_write_the_scratch_slot_and_no_other(exports):
             torch.testing.assert_close(got[8], exp[0], rtol=1e-5, atol=1e-6)
 
 
+def test_tp2_workers_pad_hybrid_decode_steps_like_one_eager_process(exports):
+    """Each worker pads over its shard and its share of the state pool, and writes its states back
+    when its forward returns (state/runner.py)."""
+    export = exports("mamba2")
+    cpu = torch.device("cpu")
+    loaded = load_for_serving(export, cpu, torch.float32, tensor_parallel=2)
+    tp2 = LLMEngine(loaded, EngineConfig(tensor_parallel=2, padded_decode=True, cuda_graph_sizes=SIZES, **ENGINE),
+                    cpu, torch.float32)
+    try:
+        got = run(tp2, workload(sampled=False))
+    finally:
+        tp2.close()
+    assert_same(got, run(engine(export, False), workload(sampled=False)))
+
+
 @pytest.mark.gpu
 def test_captured_hybrid_decode_graphs_replay_the_eager_engines_outputs(exports):
     """Mamba2 (NemotronH's MoE layers read expert counts back and decode eagerly on CUDA)."""
-    from tessera.inference.config import EngineConfig
-    from tessera.inference.engine.llm_engine import LLMEngine
-    from tessera.inference.worker.loader import load_for_serving
-
     export = exports("mamba2")
     dev = torch.device("cuda")
 
