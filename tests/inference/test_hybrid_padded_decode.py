@@ -18,9 +18,12 @@ from inference_helpers import make_engine, run_all, token_ids
 from test_hf_serving import _save
 from test_hybrid_serving import hf_model
 
+from tessera.common.errors import UserError
+from tessera.common.hf.directory import read_hf_config
 from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.llm_engine import LLMEngine
+from tessera.inference.worker.cuda_graphs import check_cuda_graphs, decode_graph_mode
 from tessera.inference.worker.loader import load_for_serving
 
 SIZES = [1, 4]
@@ -180,6 +183,18 @@ def test_tp2_workers_pad_hybrid_decode_steps_like_one_eager_process(exports):
     assert_same(got, run(engine(export, False), workload(sampled=False)))
 
 
+def test_on_cuda_hybrid_decode_steps_are_captured_when_sizes_are_given_and_moe_is_refused(exports):
+    """No GPU needed: the mode and the refusal read the engine config, the device type and the model's."""
+    cuda = torch.device("cuda")
+    mamba2, nemotron_h = (read_hf_config(exports(f))[0] for f in ("mamba2", "nemotron_h"))
+    assert decode_graph_mode(EngineConfig(), cuda, mamba2) == "off"  # not the default until measured on a GPU
+    assert decode_graph_mode(EngineConfig(cuda_graph_sizes=[1, 4]), cuda, mamba2) == "capture"
+    assert decode_graph_mode(EngineConfig(cuda_graph_sizes=[1, 4]), cuda, nemotron_h) == "off"  # its MoE layer
+    with pytest.raises(UserError, match="--cuda-graph-sizes: this model cannot be captured .the mixture-of-experts"):
+        check_cuda_graphs(EngineConfig(cuda_graph_sizes=[1, 4]), cuda, nemotron_h)
+    check_cuda_graphs(EngineConfig(cuda_graph_sizes=[1, 4]), cuda, mamba2)
+
+
 @pytest.mark.gpu
 def test_captured_hybrid_decode_graphs_replay_the_eager_engines_outputs(exports):
     """Mamba2 (NemotronH's MoE layers read expert counts back and decode eagerly on CUDA)."""
@@ -190,6 +205,7 @@ def test_captured_hybrid_decode_graphs_replay_the_eager_engines_outputs(exports)
         loaded = load_for_serving(export, dev, torch.float32)
         return LLMEngine(loaded, EngineConfig(**ENGINE, device="cuda", dtype="float32", **over), dev, torch.float32)
     eager, graphed = build(enforce_eager=True), build(cuda_graph_sizes=SIZES)
+    assert graphed.runner.states.scratch == ENGINE["max_num_seqs"]
     graphs = graphed.runner.decode_graphs
     assert graphs.capture and sorted(graphs.graphs) == SIZES
     for sampled in (False, True):
