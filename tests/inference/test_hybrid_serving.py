@@ -142,7 +142,6 @@ def test_prefix_caching_is_switched_off_for_hybrid_models_in_one_line(hybrid, ca
 @pytest.mark.parametrize("cfg, message", [
     ({"speculative": {"method": "ngram", "num_speculative_tokens": 2}}, "--speculative-config: model kind 'hybrid'"),
     ({"cpu_compile": True}, r"cpu_compile: model cannot be compiled \(the hybrid stack runs its Mamba layers"),
-    ({"padded_decode": True}, "--padded-decode / CUDA graphs: hybrid models have no padded or captured decode"),
 ])
 def test_engine_settings_hybrid_models_cannot_honour_are_refused_naming_the_flag(hybrid, cfg, message):
     with pytest.raises(UserError, match=message):

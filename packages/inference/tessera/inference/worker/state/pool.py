@@ -34,6 +34,7 @@ def state_bytes_per_sequence(cfg: HybridConfig, dtype: torch.dtype) -> int:
 class StatePool:
     def __init__(self, model: nn.Module, slots: int, device: torch.device, dtype: torch.dtype):
         self.slots = slots
+        self.scratch: int | None = None  # add_scratch_slot
         # Global layer number -> that Mamba layer's states of every slot.
         self.layers: dict[int, MambaState] = {
             int(name): block.mixer.new_state(slots, dtype, device)
@@ -48,10 +49,20 @@ class StatePool:
         pool = self.layers[layer]
         conv = {k: v.index_select(0, slots) for k, v in pool.conv.items()}
         ssm = pool.ssm.index_select(0, slots)
-        if fresh is not None:
+        if fresh is not None:  # a broadcast mask, not t[fresh]: no host sync, so a CUDA graph can hold it
             for t in (*conv.values(), ssm):
-                t[fresh] = 0
+                t.masked_fill_(fresh.view(-1, *(1,) * (t.dim() - 1)), 0)
         return MambaState(conv, ssm)
+
+    def add_scratch_slot(self) -> int:
+        """One slot more, past those the state manager hands out, for the padding rows of padded
+        decode steps (cuda_graphs.py) to read and write; returns its index."""
+        if self.scratch is None:
+            for state in self.layers.values():
+                state.conv = {k: torch.cat([v, torch.zeros_like(v[:1])]) for k, v in state.conv.items()}
+                state.ssm = torch.cat([state.ssm, torch.zeros_like(state.ssm[:1])])
+            self.scratch = self.slots  # `slots` stays the sequences' count
+        return self.scratch
 
     def scatter(self, layer: int, slots: torch.Tensor, state: MambaState) -> None:
         pool = self.layers[layer]

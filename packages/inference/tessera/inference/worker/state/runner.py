@@ -11,10 +11,16 @@ prefill carries the state from chunk to chunk. The states are written back to th
 step succeeds (see pool.py). A tensor-parallel worker writes them back when its forward returns
 (the sampler is on the driver; a worker that fails ends the engine, executor.py).
 
+Pure decode steps go through the bucket-padded forward of cuda_graphs.py (`--padded-decode`;
+captured as CUDA graphs on a GPU): every row one token, attention through the paged kernel, and
+each Mamba layer gathers its rows' states from the pool by a static slot-index buffer (padding
+rows: the pool's scratch slot, read as zeros) and advances the copies inside the forward. The
+copies of every row are scattered back after sampling succeeds, as in the eager path, so a failed
+step leaves the pool as it was; padding rows write the scratch slot and nothing else.
+
 Speculative decoding is refused for hybrid models (llm_engine.py): a rejected draft would have
 advanced the Mamba states past the accepted tokens. The forward is not compiled on CPU
-(`eager_reason`) and pure decode steps are not captured as CUDA graphs (cuda_graphs.py), both to
-be built with the Mamba decode step inside the traced region.
+(`eager_reason`).
 """
 
 from __future__ import annotations
@@ -25,12 +31,12 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from tessera.common.errors import UserError
 from tessera.common.models.hybrid.config import HybridConfig
 from tessera.common.models.hybrid.mamba import MambaMixer, MambaState
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.sample.sampler import Sampler
-from tessera.inference.worker.batch import BatchSeq, ModelRunnerOutput, StepInputs
+from tessera.inference.worker.batch import BatchSeq, ModelRunnerOutput, StepInputs, copy_in
+from tessera.inference.worker.cuda_graphs import DecodeGraphs, GraphSpec
 from tessera.inference.worker.model_runner import ModelRunner, undivided
 from tessera.inference.worker.state.pool import StatePool, state_bytes_per_sequence
 
@@ -103,9 +109,17 @@ class HybridRunner(ModelRunner):
     def serving_kwargs(cls, prep) -> dict:
         return {"state_slots": prep.batch_hint}  # max_num_seqs: one slot per sequence that can run
 
-    def use_decode_graphs(self, spec) -> None:
-        raise UserError("--padded-decode / CUDA graphs: hybrid models have no padded or captured decode path yet; "
-                        "drop the flag")
+    def use_decode_graphs(self, spec: GraphSpec) -> None:
+        """Pure decode steps through bucket-padded forwards (`_padded_logits`, captured on CUDA)."""
+        scratch = self.states.add_scratch_slot()
+        biggest = max(spec.sizes)
+        # Static per-row inputs of the Mamba layers, beside DecodeGraphs' own: the rows' state slots
+        # and whether each starts at position 0 (reads zeros). Padding rows: the scratch slot, fresh.
+        self._graph_slots = torch.full((biggest,), scratch, dtype=torch.long, device=self.device)
+        self._graph_fresh = torch.ones(biggest, dtype=torch.bool, device=self.device)
+        self._graph_states: dict[int, list[tuple[int, MambaState]]] = {}  # bucket -> advanced copies per layer
+        self.decode_graphs = DecodeGraphs(spec, self.device, self.block_size, self.model.output_weight().shape[0],
+                                          self._padded_logits)
 
     def state_summary(self) -> str:
         return (f"state pool {self.states.slots} sequences x {self.state_bytes / 1024:.1f} KiB "
@@ -127,24 +141,65 @@ class HybridRunner(ModelRunner):
         self._pending = None
 
     def forward_batch(self, batch: list[BatchSeq], logits_rows: list[int]) -> torch.Tensor:
+        if any(s.state_slot < 0 for s in batch) and self.states.layers:
+            raise ValueError("a sequence of a hybrid model was scheduled without a state slot")
+        graphs = self.decode_graphs
+        size = None if graphs is None else graphs.bucket(batch)
+        if size is not None:  # a pure decode step: padded (and replayed on CUDA)
+            pad = size - len(batch)
+            copy_in(self._graph_slots[:size], torch.tensor([s.state_slot for s in batch] + [self.states.scratch] * pad))
+            copy_in(self._graph_fresh[:size], torch.tensor([s.start == 0 for s in batch] + [True] * pad))
+            logits = graphs.forward(batch, logits_rows)
+            slots = self._graph_slots[:size]  # every row's, padding rows' too: fixed shapes
+            self._pending = [(layer, slots, state) for layer, state in self._graph_states[size]]
+        else:
+            logits = self._eager_logits(batch, logits_rows)
+        if not self._defer:  # called alone (not through execute): the step is done
+            self._commit()
+        return logits
+
+    def _eager_logits(self, batch: list[BatchSeq], logits_rows: list[int]) -> torch.Tensor:
         step = self.prepare(batch, logits_rows)
-        model = self.model
-        attention = partial(self._attention, step)
         qsl = step.query_start_loc.tolist()
         slots = torch.tensor([s.state_slot for s in batch], dtype=torch.long, device=self.device)
-        if self.states.layers and int(slots.min()) < 0:
-            raise ValueError("a sequence of a hybrid model was scheduled without a state slot")
         fresh = [s.start == 0 for s in batch]
         fresh_mask = torch.tensor(fresh, device=self.device) if any(fresh) else None
         decodes = [i for i, s in enumerate(batch) if s.num_new == 1]
         pending = []
+
+        def mamba(layer: int, mixer: MambaMixer, x: torch.Tensor) -> torch.Tensor:
+            state = self.states.gather(layer, slots, fresh_mask)
+            pending.append((layer, slots, state))
+            return self._mamba(mixer, x, state, qsl, decodes)
+        logits = self._stack(step, mamba)
+        self._pending = pending
+        return logits
+
+    def _padded_logits(self, step: StepInputs) -> torch.Tensor:
+        """fp32 logits of every row of a padded decode step (what DecodeGraphs runs and captures):
+        no host reads; the Mamba layers' advanced copies are kept by bucket for `_commit`."""
+        size = step.seq_lens.shape[0]
+        slots, fresh = self._graph_slots[:size], self._graph_fresh[:size]
+        advanced = []
+
+        def mamba(layer: int, mixer: MambaMixer, x: torch.Tensor) -> torch.Tensor:
+            state = self.states.gather(layer, slots, fresh)
+            advanced.append((layer, state))
+            return mixer.step(x[0], state).unsqueeze(0)
+        logits = self._stack(step, mamba)
+        self._graph_states[size] = advanced  # on CUDA the captured run's: the tensors each replay writes
+        return logits
+
+    def _stack(self, step: StepInputs, mamba) -> torch.Tensor:
+        """The layer stack over the step, Mamba layers through `mamba(layer, mixer, x)`; fp32 logits
+        of step.logits_rows (None: every row)."""
+        model = self.model
+        attention = partial(self._attention, step)
         h = model.embed_tokens(step.tokens)
         for name, block in model.layers.items():
             x = block.norm(h.to(block.norm.weight.dtype))
             if block.symbol == "M":
-                state = self.states.gather(int(name), slots, fresh_mask)
-                out = self._mamba(block.mixer, x, state, qsl, decodes)
-                pending.append((int(name), slots, state))
+                out = mamba(int(name), block.mixer, x)
             elif block.symbol == "*":
                 out = block.mixer(x, None, attention, None)
             else:
@@ -152,11 +207,7 @@ class HybridRunner(ModelRunner):
             h = (h.float() if block.residual_in_fp32 else h) + out
         h = model.final_norm(h.to(model.final_norm.weight.dtype))
         rows = h[0] if step.logits_rows is None else h[0].index_select(0, step.logits_rows)
-        logits = F.linear(rows, model.output_weight()).float()
-        self._pending = pending
-        if not self._defer:  # called alone (not through execute): the step is done
-            self._commit()
-        return logits
+        return F.linear(rows, model.output_weight()).float()
 
     @staticmethod
     def _mamba(mixer: MambaMixer, x: torch.Tensor, state: MambaState, qsl: list[int],
