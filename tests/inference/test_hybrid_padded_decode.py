@@ -22,7 +22,7 @@ from tessera.common.errors import UserError
 from tessera.common.hf.directory import read_hf_config
 from tessera.inference.config import EngineConfig
 from tessera.inference.core.sampling_params import SamplingParams
-from tessera.inference.engine.llm_engine import LLMEngine
+from tessera.inference.engine.llm_engine import LLMEngine, _forward_reads_back
 from tessera.inference.worker.cuda_graphs import check_cuda_graphs, decode_graph_mode
 from tessera.inference.worker.loader import load_for_serving
 
@@ -193,6 +193,9 @@ def test_on_cuda_hybrid_decode_steps_are_captured_when_sizes_are_given_and_moe_i
     with pytest.raises(UserError, match="--cuda-graph-sizes: this model cannot be captured .the mixture-of-experts"):
         check_cuda_graphs(EngineConfig(cuda_graph_sizes=[1, 4]), cuda, nemotron_h)
     check_cuda_graphs(EngineConfig(cuda_graph_sizes=[1, 4]), cuda, mamba2)
+    # The async-scheduling warning asks the same question of a hybrid config (which has no is_moe_layer).
+    assert _forward_reads_back(nemotron_h) == "its experts' token counts (mixture of experts)"
+    assert _forward_reads_back(mamba2) is None
 
 
 @pytest.mark.gpu

@@ -43,6 +43,7 @@ from tessera.inference.worker.cuda_graphs import (
     check_cuda_graphs,
     decode_graph_mode,
     default_capture_sizes,
+    has_moe_layers,
 )
 from tessera.inference.worker.kinds import serving_kind
 from tessera.inference.worker.kv_cache import kv_cache_dtype
@@ -146,7 +147,7 @@ def check_pool_fits(cfg: EngineConfig, loaded: LoadedModel, blocks: int, kv_dtyp
 def _forward_reads_back(config) -> str | None:
     """What a model's own forward reads back to the host each step (None: nothing), which stalls a
     launched step (async scheduling)."""
-    if getattr(config, "moe", None) is not None and any(config.is_moe_layer(i) for i in range(config.num_layers)):
+    if has_moe_layers(config):
         return "its experts' token counts (mixture of experts)"
     scaling = getattr(config, "rope_scaling", None)
     if scaling is not None and scaling.rope_type == "dynamic":

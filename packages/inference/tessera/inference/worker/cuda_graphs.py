@@ -116,6 +116,17 @@ def decode_graph_mode(cfg: EngineConfig, device: torch.device, model_cfg: ModelC
     return "capture"
 
 
+def has_moe_layers(model_cfg) -> bool:
+    """Whether any layer routes tokens to experts (which groups them by expert on the host). A causal
+    LM's moe config may leave every layer dense (DeepSeek's first_k_dense); a hybrid pattern places
+    its MoE layers (E), and any moe section of it is taken as having them."""
+    if getattr(model_cfg, "moe", None) is None:
+        return False
+    if not hasattr(model_cfg, "is_moe_layer"):
+        return True
+    return any(model_cfg.is_moe_layer(i) for i in range(model_cfg.num_layers))
+
+
 def uncapturable(model_cfg: ModelConfig | None) -> str | None:
     """Why this model's decode forward cannot be captured (it reads values back on the host), or None."""
     if model_cfg is None:
@@ -123,10 +134,7 @@ def uncapturable(model_cfg: ModelConfig | None) -> str | None:
     kind = getattr(model_cfg, "kind", "causal_lm")
     if kind not in ("causal_lm", "hybrid"):  # hybrid: its Mamba layers gather states by slot (state/runner.py)
         return f"model kind {kind!r} has no CUDA-graph decode path yet"
-    # A causal LM's moe config may leave every layer dense (DeepSeek's first_k_dense); a hybrid
-    # pattern places its MoE layers (E), and any moe section is taken as having them.
-    if (model_cfg.moe is not None if kind == "hybrid"
-            else any(model_cfg.is_moe_layer(i) for i in range(model_cfg.num_layers))):
+    if has_moe_layers(model_cfg):
         return "the mixture-of-experts layers group tokens by expert on the host (counts read back)"
     scaling = getattr(model_cfg, "rope_scaling", None)
     if scaling is not None and scaling.rope_type == "dynamic":
