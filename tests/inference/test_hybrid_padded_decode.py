@@ -168,6 +168,20 @@ def test_padding_rows_write_the_scratch_slot_and_no_other(exports):
             torch.testing.assert_close(got[8], exp[0], rtol=1e-5, atol=1e-6)
 
 
+def test_the_state_copies_of_every_bucket_share_one_buffer_of_the_largest_buckets_rows(exports):
+    """The copies a padded forward advances stay alive after it (on CUDA a captured graph's own
+    tensors), so one buffer per bucket would hold sum(sizes) sequences' states beside the pool
+    (4231 with the default sizes at --max-num-seqs 256): every bucket's copies are rows of one
+    buffer of max(sizes) rows, as large as the largest step's copies in the eager path."""
+    eng = engine(exports("mamba2"), True)
+    run(eng, workload(sampled=False))
+    runner = eng.runner
+    assert runner.decode_graphs.replays[1] > 0 and runner.decode_graphs.replays[4] > 0
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for states in runner._graph_states.values() for _, s in states for t in (*s.conv.values(), s.ssm)}
+    assert sum(storages.values()) == max(SIZES) * runner.state_bytes
+
+
 def test_tp2_workers_pad_hybrid_decode_steps_like_one_eager_process(exports):
     """Each worker pads over its shard and its share of the state pool, and writes its states back
     when its forward returns (state/runner.py)."""
