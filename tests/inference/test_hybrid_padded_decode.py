@@ -25,6 +25,8 @@ from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.llm_engine import LLMEngine
 from tessera.inference.worker.cuda_graphs import check_cuda_graphs, decode_graph_mode
 from tessera.inference.worker.loader import load_for_serving
+from tessera.inference.worker.state.pool import state_bytes_per_sequence
+from tessera.inference.worker.state.runner import hybrid_block_bytes
 
 SIZES = [1, 4]
 ENGINE = dict(block_size=8, num_kv_blocks=12, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, seed=0)
@@ -180,6 +182,22 @@ def test_the_state_copies_of_every_bucket_share_one_buffer_of_the_largest_bucket
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for states in runner._graph_states.values() for _, s in states for t in (*s.conv.values(), s.ssm)}
     assert sum(storages.values()) == max(SIZES) * runner.state_bytes
+
+
+def test_with_padded_decode_the_kv_blocks_and_the_state_pool_with_its_scratch_slot_fit_the_kv_cache_memory(exports):
+    """--kv-cache-memory is the budget of both caches (test_hybrid_serving); padded decode adds the
+    padding rows' scratch slot to the state pool, which comes out of the same budget."""
+    export = exports("nemotron_h")
+    cfg = read_hf_config(export)[0]
+    slot = state_bytes_per_sequence(cfg, torch.float32)
+    budget = 4 * slot + 100 * hybrid_block_bytes(cfg, 8, torch.float32)  # the eager engine fills it exactly
+    for padded in (False, True):
+        extra = dict(padded_decode=True, cuda_graph_sizes=SIZES) if padded else {}
+        runner = make_engine(export, block_size=8, kv_cache_memory=budget, max_model_len=64, max_num_seqs=4,
+                             **extra).runner
+        assert runner.states.nbytes == (4 + padded) * slot
+        assert budget - slot < runner.kv.nbytes + runner.states.nbytes <= budget
+        assert ("+ 1 scratch slot" in runner.state_summary()) == padded
 
 
 def test_tp2_workers_pad_hybrid_decode_steps_like_one_eager_process(exports):

@@ -127,7 +127,8 @@ class HybridRunner(ModelRunner):
                                           self._padded_logits)
 
     def state_summary(self) -> str:
-        return (f"state pool {self.states.slots} sequences x {self.state_bytes / 1024:.1f} KiB "
+        scratch = "" if self.states.scratch is None else " + 1 scratch slot (padded decode)"
+        return (f"state pool {self.states.slots} sequences{scratch} x {self.state_bytes / 1024:.1f} KiB "
                 f"({len(self.states.layers)} Mamba layers; fixed per sequence)")
 
     @torch.inference_mode()
