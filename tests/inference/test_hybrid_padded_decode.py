@@ -25,6 +25,8 @@ from tessera.inference.core.sampling_params import SamplingParams
 from tessera.inference.engine.llm_engine import LLMEngine, _forward_reads_back
 from tessera.inference.worker.cuda_graphs import check_cuda_graphs, decode_graph_mode
 from tessera.inference.worker.loader import load_for_serving
+from tessera.inference.worker.state.pool import state_bytes_per_sequence
+from tessera.inference.worker.state.runner import hybrid_block_bytes
 
 SIZES = [1, 4]
 ENGINE = dict(block_size=8, num_kv_blocks=12, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=4, seed=0)
@@ -166,6 +168,36 @@ def test_padding_rows_write_the_scratch_slot_and_no_other(exports):
         for got, exp in zip((*state.conv.values(), state.ssm), (*want.conv.values(), want.ssm)):
             assert exp[0].abs().max() > 0  # token 0 leaves a state that is not zero
             torch.testing.assert_close(got[8], exp[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_state_copies_of_every_bucket_share_one_buffer_of_the_largest_buckets_rows(exports):
+    """The copies a padded forward advances stay alive after it (on CUDA a captured graph's own
+    tensors), so one buffer per bucket would hold sum(sizes) sequences' states beside the pool
+    (4231 with the default sizes at --max-num-seqs 256): every bucket's copies are rows of one
+    buffer of max(sizes) rows, as large as the largest step's copies in the eager path."""
+    eng = engine(exports("mamba2"), True)
+    run(eng, workload(sampled=False))
+    runner = eng.runner
+    assert runner.decode_graphs.replays[1] > 0 and runner.decode_graphs.replays[4] > 0
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for states in runner._graph_states.values() for _, s in states for t in (*s.conv.values(), s.ssm)}
+    assert sum(storages.values()) == max(SIZES) * runner.state_bytes
+
+
+def test_with_padded_decode_the_kv_blocks_and_the_state_pool_with_its_scratch_slot_fit_the_kv_cache_memory(exports):
+    """--kv-cache-memory is the budget of both caches (test_hybrid_serving); padded decode adds the
+    padding rows' scratch slot to the state pool, which comes out of the same budget."""
+    export = exports("nemotron_h")
+    cfg = read_hf_config(export)[0]
+    slot = state_bytes_per_sequence(cfg, torch.float32)
+    budget = 4 * slot + 100 * hybrid_block_bytes(cfg, 8, torch.float32)  # the eager engine fills it exactly
+    for padded in (False, True):
+        extra = dict(padded_decode=True, cuda_graph_sizes=SIZES) if padded else {}
+        runner = make_engine(export, block_size=8, kv_cache_memory=budget, max_model_len=64, max_num_seqs=4,
+                             **extra).runner
+        assert runner.states.nbytes == (4 + padded) * slot
+        assert budget - slot < runner.kv.nbytes + runner.states.nbytes <= budget
+        assert ("+ 1 scratch slot" in runner.state_summary()) == padded
 
 
 def test_tp2_workers_pad_hybrid_decode_steps_like_one_eager_process(exports):

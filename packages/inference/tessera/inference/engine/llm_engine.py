@@ -92,9 +92,10 @@ def serving_prep(cfg: EngineConfig) -> ServingPrep:
 
 
 def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype, dtype: torch.dtype | None = None,
-                drafter_bytes: int = 0) -> int:
+                drafter_bytes: int = 0, scratch_slot: bool = False) -> int:
     """Blocks of the KV pool. Sized by kv_cache_memory, a per-sequence state pool (hybrid models:
-    max_num_seqs slots, states in the model's `dtype`) comes out of the same budget first, and each
+    max_num_seqs slots, one more with `scratch_slot`, the padding rows' of padded decode steps;
+    states in the model's `dtype`) comes out of the same budget first, and each
     block also pays for its twin in the speculative drafter's cache (`drafter_bytes` per block:
     proposers.drafter_block_bytes), which has as many blocks."""
     if cfg.num_kv_blocks is not None:
@@ -105,12 +106,14 @@ def pool_blocks(cfg: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype, d
     # (one, replicated, when tp > kv_heads); fp8 (--kv-cache-dtype) fits 4x fp32's blocks.
     runner = serving_kind(loaded.config).runner
     per_rank = runner.block_bytes(loaded.config, cfg.block_size, kv_dtype, cfg.tensor_parallel) + drafter_bytes
-    states = cfg.max_num_seqs * runner.state_bytes_per_sequence(loaded.config, dtype or kv_dtype, cfg.tensor_parallel)
+    slots = cfg.max_num_seqs + scratch_slot
+    states = slots * runner.state_bytes_per_sequence(loaded.config, dtype or kv_dtype, cfg.tensor_parallel)
     budget = cfg.kv_cache_memory - states
     if states and budget < max(per_rank, 1):
+        scratch = " and the padding rows' scratch slot" if scratch_slot else ""
         raise UserError(f"--kv-cache-memory {cfg.kv_cache_memory}: the state pool of this hybrid model's Mamba layers "
-                        f"takes {states} bytes ({cfg.max_num_seqs} sequences, --max-num-seqs) and leaves no room for "
-                        "KV blocks; raise --kv-cache-memory or lower --max-num-seqs")
+                        f"takes {states} bytes ({cfg.max_num_seqs} sequences, --max-num-seqs{scratch}) and leaves no "
+                        "room for KV blocks; raise --kv-cache-memory or lower --max-num-seqs")
     if per_rank == 0:  # no attention layer (an all-Mamba model): blocks are bookkeeping only, and free
         return cfg.max_num_seqs * -(-loaded.config.max_seq_len // cfg.block_size)
     return max(1, budget // per_rank)
@@ -205,7 +208,7 @@ class LLMEngine:
         graphs = decode_graph_mode(cfg, device, loaded.config) if self.generates else "off"
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
         drafter = drafter_block_bytes(cfg.speculative, loaded.config, cfg.block_size, self.kv_dtype, dtype)
-        pool = pool_blocks(cfg, loaded, self.kv_dtype, dtype, drafter)
+        pool = pool_blocks(cfg, loaded, self.kv_dtype, dtype, drafter, scratch_slot=graphs != "off")
         check_pool_fits(cfg, loaded, pool, self.kv_dtype, drafter, device)
         # With decode graphs the pool's last block is the padding rows' scratch block: never handed out.
         num_blocks = pool - (graphs != "off")

@@ -44,15 +44,27 @@ class StatePool:
     def nbytes(self) -> int:
         return sum(t.nbytes for s in self.layers.values() for t in (*s.conv.values(), s.ssm))
 
-    def gather(self, layer: int, slots: torch.Tensor, fresh: torch.Tensor | None) -> MambaState:
-        """Copies of `slots`' states of `layer` (a batch in slot order); zeros where `fresh` [b] (bool)."""
+    def gather(self, layer: int, slots: torch.Tensor, fresh: torch.Tensor | None,
+               out: MambaState | None = None) -> MambaState:
+        """Copies of `slots`' states of `layer` (a batch in slot order); zeros where `fresh` [b] (bool).
+        With `out` (rows of `buffers`), the copies are written there and it is returned."""
         pool = self.layers[layer]
-        conv = {k: v.index_select(0, slots) for k, v in pool.conv.items()}
-        ssm = pool.ssm.index_select(0, slots)
+        if out is None:
+            conv = {k: v.index_select(0, slots) for k, v in pool.conv.items()}
+            ssm = pool.ssm.index_select(0, slots)
+        else:
+            conv = {k: torch.index_select(v, 0, slots, out=out.conv[k]) for k, v in pool.conv.items()}
+            ssm = torch.index_select(pool.ssm, 0, slots, out=out.ssm)
         if fresh is not None:  # a broadcast mask, not t[fresh]: no host sync, so a CUDA graph can hold it
             for t in (*conv.values(), ssm):
                 t.masked_fill_(fresh.view(-1, *(1,) * (t.dim() - 1)), 0)
         return MambaState(conv, ssm)
+
+    def buffers(self, rows: int) -> dict[int, MambaState]:
+        """Per Mamba layer, a state buffer of `rows` sequences (the pool's dtypes) for `gather(out=)`."""
+        return {layer: MambaState({k: v.new_zeros(rows, *v.shape[1:]) for k, v in s.conv.items()},
+                                  s.ssm.new_zeros(rows, *s.ssm.shape[1:]))
+                for layer, s in self.layers.items()}
 
     def add_scratch_slot(self) -> int:
         """One slot more, past those the state manager hands out, for the padding rows of padded

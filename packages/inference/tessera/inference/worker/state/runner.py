@@ -14,9 +14,10 @@ step succeeds (see pool.py). A tensor-parallel worker writes them back when its 
 Pure decode steps go through the bucket-padded forward of cuda_graphs.py (`--padded-decode`;
 captured as CUDA graphs on a GPU): every row one token, attention through the paged kernel, and
 each Mamba layer gathers its rows' states from the pool by a static slot-index buffer (padding
-rows: the pool's scratch slot, read as zeros) and advances the copies inside the forward. The
-copies of every row are scattered back after sampling succeeds, as in the eager path, so a failed
-step leaves the pool as it was; padding rows write the scratch slot and nothing else.
+rows: the pool's scratch slot, read as zeros) into one buffer of the largest bucket's rows, which
+every bucket shares, and advances the copies inside the forward. The copies of every row are
+scattered back after sampling succeeds, as in the eager path, so a failed step leaves the pool as
+it was; padding rows write the scratch slot and nothing else.
 
 Speculative decoding is refused for hybrid models (llm_engine.py): a rejected draft would have
 advanced the Mamba states past the accepted tokens. The forward is not compiled on CPU
@@ -117,12 +118,17 @@ class HybridRunner(ModelRunner):
         # and whether each starts at position 0 (reads zeros). Padding rows: the scratch slot, fresh.
         self._graph_slots = torch.full((biggest,), scratch, dtype=torch.long, device=self.device)
         self._graph_fresh = torch.ones(biggest, dtype=torch.bool, device=self.device)
+        # The copies every bucket's forward advances, as rows of one buffer of the largest bucket's
+        # rows: a captured graph's tensors stay alive, so a buffer per bucket would hold sum(sizes)
+        # sequences' states beside the pool.
+        self._graph_buffers = self.states.buffers(biggest)
         self._graph_states: dict[int, list[tuple[int, MambaState]]] = {}  # bucket -> advanced copies per layer
         self.decode_graphs = DecodeGraphs(spec, self.device, self.block_size, self.model.output_weight().shape[0],
                                           self._padded_logits)
 
     def state_summary(self) -> str:
-        return (f"state pool {self.states.slots} sequences x {self.state_bytes / 1024:.1f} KiB "
+        scratch = "" if self.states.scratch is None else " + 1 scratch slot (padded decode)"
+        return (f"state pool {self.states.slots} sequences{scratch} x {self.state_bytes / 1024:.1f} KiB "
                 f"({len(self.states.layers)} Mamba layers; fixed per sequence)")
 
     @torch.inference_mode()
@@ -183,7 +189,9 @@ class HybridRunner(ModelRunner):
         advanced = []
 
         def mamba(layer: int, mixer: MambaMixer, x: torch.Tensor) -> torch.Tensor:
-            state = self.states.gather(layer, slots, fresh)
+            buf = self._graph_buffers[layer]
+            rows = MambaState({k: v[:size] for k, v in buf.conv.items()}, buf.ssm[:size])
+            state = self.states.gather(layer, slots, fresh, out=rows)
             advanced.append((layer, state))
             return mixer.step(x[0], state).unsqueeze(0)
         logits = self._stack(step, mamba)
