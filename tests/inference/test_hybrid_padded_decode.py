@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from inference_helpers import make_engine, run_all, token_ids
+from inference_helpers import make_engine, run_all
+from test_cuda_graphs import assert_same, tokens_and_logprobs
 from test_hf_serving import _save
 from test_hybrid_serving import hf_model
 
@@ -80,16 +81,7 @@ def run(eng, requests, abort: bool = True) -> dict:
         for o in eng.step():
             outs[o.request_id].append(o)
         steps += 1
-    got: dict = {rid: token_ids(o) for rid, o in outs.items()}
-    got["logprobs"] = torch.tensor([lp.logprob for rid in sorted(outs) for o in outs[rid] for lp in o.new_logprobs])
-    return got
-
-
-def assert_same(ours: dict, theirs: dict) -> None:
-    lp, ref = ours.pop("logprobs"), theirs.pop("logprobs")
-    assert ours == theirs
-    # Padding changes only the matmuls' row count (fp32, deterministic on CPU): measured up to 3.7e-6.
-    assert lp.shape == ref.shape and (lp - ref).norm() / ref.norm() < 1e-5
+    return tokens_and_logprobs(outs)
 
 
 def pool_tensors(eng) -> list[torch.Tensor]:
