@@ -40,9 +40,12 @@ class GenerationDefaults:
         """The request's value when it has one, else this default (None: the built-in one)."""
         return request_value if request_value is not None else self.values.get(name)
 
+    @property
+    def applies(self) -> bool:
+        """Whether any default or cap comes from the model (or the flags); the startup log says so only then, as vLLM's does."""
+        return bool(self.values) or self.max_tokens_cap is not None
+
     def describe(self) -> str:
-        if not self.values and self.max_tokens_cap is None:
-            return "sampling defaults: vLLM's (none from the model)"
         shown = ", ".join(f"{k}={v}" for k, v in self.values.items())
         cap = f"; max_tokens capped at {self.max_tokens_cap}" if self.max_tokens_cap is not None else ""
         return (f"sampling defaults from {self.source}: {shown or 'none'}{cap} (a request's own values win; "

@@ -110,7 +110,8 @@ def run_api_servers(args: argparse.Namespace, argv: list[str], cfg, plan, dtype,
                                 bool(info.get("generates", True)))
             if info.get("generates", True):  # the request defaults, as one HTTP process prints them
                 defaults = GenerationDefaults.from_wire(info.get("generation_defaults"))
-                print(f"tessera-serve: {defaults.describe()}", file=sys.stderr, flush=True)
+                if defaults.applies:
+                    print(f"tessera-serve: {defaults.describe()}", file=sys.stderr, flush=True)
             failure = _supervise(children, engine, engine_fd, stop, f"{line}:{port}",
                                  2 * args.drain_timeout + 30)
         finally:

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                               kv_cache_dtype=cfg.kv_cache_dtype, skip_checksum_verify=cfg.skip_checksum_verify,
                               generation_config=cfg.generation_config)
     engine = LLMEngine(loaded, cfg, device, dtype)
-    if not args.quiet and (model_defaults.values or model_defaults.max_tokens_cap is not None):
+    if not args.quiet and model_defaults.applies:
         print(f"tessera-generate: {model_defaults.describe()}")
     try:
         tok = loaded.tokenizer

@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_server(args, frontend, grammar_limits, name)
     line = startup_line(args, cfg, name, dtype, device, facts, plan, frontend.max_model_len, frontend.pooling,
                         frontend.generates)
-    if frontend.generates:  # which request defaults the model's generation settings gave (vLLM logs them too)
+    if frontend.generates and frontend.generation_defaults.applies:  # the model's request defaults (vLLM logs them too)
         print(f"tessera-serve: {frontend.generation_defaults.describe()}", file=sys.stderr, flush=True)
     # (the engine thread closes the engine too; the engine process does so itself)
     serve_app(args, app, frontend, lambda port: print(f"{line}:{port}", file=sys.stderr, flush=True),
