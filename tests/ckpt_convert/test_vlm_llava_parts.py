@@ -51,10 +51,15 @@ def test_a_llava_imported_from_a_separate_vision_model_and_lm_computes_what_each
     from tessera.common.models.vision_language.model import build_model
 
     vision, lm = _parts(tmp_path, tokenizer_dir, tower)
+    # An instruct LM's own end of turn and sampling defaults: the LLaVA built on it keeps them.
+    (tmp_path / "lm" / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [2, 7], "temperature": 0.6, "top_p": 0.9, "do_sample": True}))
     assert run(["import", "--format", "hf-llava-parts", "--vision", str(tmp_path / "vision"), "--language",
                 str(tmp_path / "lm"), "--output", str(tmp_path / "ckpt"), "--quiet"]) == 0
     ckpt = resolve_checkpoint(tmp_path / "ckpt")
     cfg = read_sidecar(ckpt).model
+    generation = read_sidecar(ckpt).generation
+    assert (generation.eos_token_ids, generation.temperature, generation.top_p) == ([2, 7], 0.6, 0.9)
     assert cfg.kind == "vision_language" and cfg.vision.arch == tower and cfg.vision_feature_layer == -2
     model = build_model(cfg, seed=None)
     tensors = load_model_tensors(ckpt)

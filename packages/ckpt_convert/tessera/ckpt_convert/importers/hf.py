@@ -33,6 +33,16 @@ from tessera.common.models.registry import hf_adapter
 from tessera.common.tokenizer import check_tokenizer_fits, load_tokenizer
 
 
+def imported_generation(input_dir: Path):
+    """generation_config.json's end ids and sampling defaults, for the sidecar (None without the file).
+    Real repositories ship odd values (top_p 0, a string): the model imports, such a value does not."""
+    generation = read_generation_config(input_dir, lambda message: print(f"warning: {message}", file=sys.stderr))
+    for name, value in (generation.ignored or {}).items() if generation is not None else ():
+        print(f"warning: {input_dir / GENERATION_CONFIG}: field {name} is {value!r}, which the sampler cannot "
+              "take; left out of the checkpoint's generation settings (tessera-ckpt info lists it)", file=sys.stderr)
+    return generation
+
+
 def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | None = None,
               vocab_size_divisible_by: int | None = None, overwrite: bool = False, quiet: bool = False, sync: bool = True) -> Path:
     """`vocab_size_divisible_by`: the causal LM's vocabulary padding (None: 128); hybrid models are
@@ -47,12 +57,7 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     config_path = artifact_path(input_dir, CONFIG)
     cfg, _ = read_hf_config(input_dir)  # the one HF adapter, shared with tessera-serve
     check_convertible(cfg, "import --format hf")
-    generation = read_generation_config(  # end ids and sampling defaults, kept in the sidecar
-        input_dir, lambda message: print(f"warning: {message}", file=sys.stderr))
-    for name, value in (generation.ignored or {}).items() if generation is not None else ():
-        # Real repositories ship such files (top_p 0, a string); the model imports, the value does not.
-        print(f"warning: {input_dir / GENERATION_CONFIG}: field {name} is {value!r}, which the sampler cannot "
-              "take; left out of the checkpoint's generation settings (tessera-ckpt info lists it)", file=sys.stderr)
+    generation = imported_generation(input_dir)
     if isinstance(cfg, ModelConfig):
         # Megatron's vocabulary padding at tensor parallel 1 (zero rows; reshard re-pads for larger sizes).
         multiple = 128 if vocab_size_divisible_by is None else vocab_size_divisible_by

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tessera.ckpt_convert.dcp_writer import write_imported_checkpoint
+from tessera.ckpt_convert.importers.hf import imported_generation
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.checkpoint import CHECKPOINT_KIND, is_checkpoint_output
 from tessera.common.errors import UserError
@@ -141,5 +142,5 @@ def import_llava_parts(vision_dir: str | Path, language_dir: str | Path, output:
                 shutil.copyfile(vision_dir / PREPROCESSOR_CONFIG, Path(staged) / PREPROCESSOR_CONFIG)
             write_imported_checkpoint(tmp, tensors, cfg, load_tokenizer(staged), out_dtype, {
                 "path": f"{vision_dir.resolve()} + {language_dir.resolve()}", "format": "hf-llava-parts",
-                "config_sha256": digest.hexdigest()}, bar, sync)
+                "config_sha256": digest.hexdigest()}, bar, sync, imported_generation(language_dir))
     return output
