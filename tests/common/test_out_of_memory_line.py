@@ -3,6 +3,8 @@ what was asked and what was free (tessera-train adds where and what to change)."
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ def _host_allocation() -> None:
     (_host_allocation, "out of host memory: tried to allocate 65536.00 GiB, "),
     (lambda: (_ for _ in ()).throw(torch.OutOfMemoryError(CUDA)),
      "out of device memory: tried to allocate 20.00 MiB, 4.06 MiB free of 139.72 GiB"),
+    (lambda: (_ for _ in ()).throw(OSError(errno.ENOMEM, "Cannot allocate memory")), "out of host memory"),
 ])
 def test_a_cli_out_of_memory_is_one_line_exit_1(capsys, raise_it, line):
     def main(argv):
@@ -38,4 +41,5 @@ def test_a_cli_out_of_memory_is_one_line_exit_1(capsys, raise_it, line):
 def test_other_errors_are_not_taken_for_memory():
     assert out_of_memory(RuntimeError("shape mismatch: tried to allocate nothing")) is None
     assert out_of_memory(ValueError("DefaultCPUAllocator")) is None
+    assert out_of_memory(OSError(errno.ENOSPC, "No space left on device")) is None
     assert describe_out_of_memory(torch.OutOfMemoryError("CUDA out of memory.")) == "out of device memory"

@@ -77,10 +77,12 @@ _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 def out_of_memory(exc: BaseException) -> BaseException | None:
     """The out-of-memory error inside `exc`, if there is one: torch.OutOfMemoryError (a device's
     allocator), the CPU allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory",
-    the same condition in host memory, which torch raises as a plain RuntimeError), or Python's
-    MemoryError. Found through causes and DCP's per-rank failures, as storage_exhausted is."""
+    the same condition in host memory, which torch raises as a plain RuntimeError), Python's
+    MemoryError, or an OSError ENOMEM (a fork, an mmap, a pinned buffer the kernel refused). Found
+    through causes and DCP's per-rank failures, as storage_exhausted is."""
     def oom(e: BaseException) -> bool:
         return (type(e).__name__ == "OutOfMemoryError" or isinstance(e, MemoryError)
+                or (isinstance(e, OSError) and e.errno == errno.ENOMEM)
                 or (isinstance(e, RuntimeError) and "DefaultCPUAllocator" in str(e) and "allocate" in str(e)))
 
     return _find(exc, oom)
