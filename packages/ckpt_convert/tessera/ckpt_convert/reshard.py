@@ -33,8 +33,7 @@ from tessera.common.checkpoint import (
     iter_dir_name,
     write_pointer,
 )
-from tessera.common.errors import UserError
-from tessera.common.fileio import atomic_directory, check_replaceable, fsync_tree, refuse_replacing_inputs
+from tessera.common.fileio import atomic_directory, check_output_directory, fsync_tree
 from tessera.common.layout import ParallelLayout, validate_layout
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.causal_lm.hf.adapter import VOCAB_PARAMS
@@ -82,10 +81,7 @@ def reshard(checkpoint: str | Path, output: str | Path, layout: ParallelLayout, 
     """`sync=False`: no fsync of the output (see options.NO_SYNC_HELP); still renamed when whole."""
     src = CheckpointSource(checkpoint)
     output = Path(output)
-    if output.exists() and not overwrite:
-        raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
-    refuse_replacing_inputs(output, [src.directory])
-    check_replaceable(output, CHECKPOINT_KIND, is_checkpoint_output)
+    check_output_directory(output, overwrite, [src.directory], CHECKPOINT_KIND, is_checkpoint_output)
     # Megatron re-pads the vocabulary for each tensor-parallel size; here the rows are kept wherever
     # the new size divides them (a checkpoint stays layout-free) and re-padded when it does not.
     check_convertible(src.sidecar.model, "reshard")

@@ -194,14 +194,28 @@ def refuse_replacing_inputs(output: str | os.PathLike, inputs: list, what: str =
                             "choose another output path")
 
 
+def check_output_directory(output: str | os.PathLike, overwrite: bool, inputs: list, kind: str,
+                           is_kind: Callable[[Path], bool], what: str = "--output") -> None:
+    """Before any work, an output folder a command will write with atomic_directory: refused when it
+    exists without --overwrite, when replacing it would delete an input, or when it is not
+    replaceable (check_replaceable)."""
+    from tessera.common.errors import UserError
+
+    if os.path.lexists(output) and not overwrite:
+        raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
+    refuse_replacing_inputs(output, inputs, what)
+    check_replaceable(output, kind, is_kind, what)
+
+
 def check_replaceable(output: str | os.PathLike, kind: str, is_kind: Callable[[Path], bool],
                       what: str = "--output") -> None:
     """The one --overwrite policy, checked before any work: an existing output is replaced only
     when it is an empty folder or a `kind` artifact and nothing else (`is_kind`, the recogniser kept
-    beside that format's reader, checks both: see holds_only), e.g. `export --output ~/ --overwrite` deleted the home folder once the export
-    was written. A link is never replaced: the swap would move the link, not what it leads to, and
-    the recogniser would have judged the target. A file where a folder goes is refused too. One
-    line naming the path and what it holds (exit 2 through run_cli)."""
+    beside that format's reader, checks both: see holds_only), so `export --output ~/ --overwrite`
+    cannot delete the home folder once the export is written. A link is never replaced: the swap
+    would move the link, not what it leads to, and the recogniser would have judged the target. A
+    file where a folder goes is refused too. One line naming the path and what it holds (exit 2
+    through run_cli)."""
     from tessera.common.errors import UserError
 
     output = Path(output)

@@ -24,14 +24,12 @@ from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.safetensors_stream import PlannedTensor, SafetensorsStreamWriter
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.ckpt_convert.tokenizer_files import write_hf_tokenizer
-from tessera.common.errors import UserError
 from tessera.common.fileio import (
     BackgroundFsync,
     atomic_directory,
     atomic_write_json,
-    check_replaceable,
+    check_output_directory,
     holds_only,
-    refuse_replacing_inputs,
 )
 from tessera.common.hf.directory import is_hf_directory
 from tessera.common.hf.generation import GenerationSettings
@@ -94,10 +92,8 @@ def is_hf_export(path: Path) -> bool:
 def export_hf(checkpoint: str | Path, output: str | Path, opts: ExportOptions) -> Path:
     src = CheckpointSource(checkpoint)
     output = Path(output)
-    if output.exists() and not opts.overwrite:
-        raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
-    refuse_replacing_inputs(output, [src.directory])
-    check_replaceable(output, "Hugging Face model directory (config.json + safetensors)", is_hf_export)
+    check_output_directory(output, opts.overwrite, [src.directory],
+                           "Hugging Face model directory (config.json + safetensors)", is_hf_export)
     cfg = src.sidecar.model
     check_convertible(cfg, "export --format hf")
     rules = hf_adapter(cfg).export_rules(cfg)  # their sources are the stored tensors: CheckpointSource checked them

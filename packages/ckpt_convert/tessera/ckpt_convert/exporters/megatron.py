@@ -30,7 +30,7 @@ from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
 from tessera.ckpt_convert.source import CheckpointSource
 from tessera.common.errors import UserError
-from tessera.common.fileio import atomic_directory, check_replaceable, refuse_replacing_inputs
+from tessera.common.fileio import atomic_directory, check_output_directory
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.encoder.config import EncoderConfig
 from tessera.common.models.hybrid.config import HybridConfig
@@ -102,10 +102,8 @@ def export_megatron(checkpoint: str | Path, output: str | Path, tp: int = 1, dty
                     overwrite: bool = False, quiet: bool = False, sync: bool = True) -> Path:
     src = CheckpointSource(checkpoint)
     output = Path(output)
-    if output.exists() and not overwrite:
-        raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
-    refuse_replacing_inputs(output, [src.directory])
-    check_replaceable(output, "Megatron-Core torch_dist checkpoint (metadata.json)", is_torch_dist_checkpoint)
+    check_output_directory(output, overwrite, [src.directory], "Megatron-Core torch_dist checkpoint (metadata.json)",
+                           is_torch_dist_checkpoint)
     cfg = src.sidecar.model
     check_convertible(cfg, "export --format megatron")
     if cfg.kind == "encoder":

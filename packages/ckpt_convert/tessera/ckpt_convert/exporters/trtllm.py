@@ -66,9 +66,8 @@ from tessera.common.errors import UserError
 from tessera.common.fileio import (
     atomic_directory,
     atomic_write_json,
-    check_replaceable,
+    check_output_directory,
     holds_only,
-    refuse_replacing_inputs,
 )
 from tessera.common.hf.architecture import HF_DTYPE_NAMES
 from tessera.common.models.causal_lm.config import ModelConfig
@@ -352,10 +351,8 @@ def is_trtllm_checkpoint(path: Path) -> bool:
 def export_trtllm(checkpoint: str | Path, output: str | Path, opts: TrtllmOptions) -> Path:
     src = CheckpointSource(checkpoint)
     output = Path(output)
-    if output.exists() and not opts.overwrite:
-        raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
-    refuse_replacing_inputs(output, [src.directory])
-    check_replaceable(output, "TensorRT-LLM checkpoint (config.json + rank*.safetensors)", is_trtllm_checkpoint)
+    check_output_directory(output, opts.overwrite, [src.directory],
+                           "TensorRT-LLM checkpoint (config.json + rank*.safetensors)", is_trtllm_checkpoint)
     cfg = src.sidecar.model
     check_convertible(cfg, "export --format trtllm")
     tp, pp = opts.tp, opts.pp

@@ -24,7 +24,7 @@ from tessera.ckpt_convert.kinds import check_convertible
 from tessera.ckpt_convert.progress import Progress
 from tessera.common.checkpoint import CHECKPOINT_KIND, is_checkpoint_output
 from tessera.common.errors import UserError
-from tessera.common.fileio import artifact_path, atomic_directory, check_replaceable, refuse_replacing_inputs
+from tessera.common.fileio import artifact_path, atomic_directory, check_output_directory
 from tessera.common.hf.directory import CONFIG, SafetensorsWeights, read_hf_config
 from tessera.common.hf.generation import GENERATION_CONFIG, read_generation_config
 from tessera.common.hf.rules import check_import
@@ -50,10 +50,7 @@ def import_hf(input_dir: str | Path, output: str | Path, dtype: torch.dtype | No
     input_dir, output = Path(input_dir), Path(output)
     if not input_dir.is_dir():
         raise UserError(f"{input_dir}: input directory not found")
-    if output.exists() and not overwrite:
-        raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
-    refuse_replacing_inputs(output, [input_dir])
-    check_replaceable(output, CHECKPOINT_KIND, is_checkpoint_output)
+    check_output_directory(output, overwrite, [input_dir], CHECKPOINT_KIND, is_checkpoint_output)
     config_path = artifact_path(input_dir, CONFIG)
     cfg, _ = read_hf_config(input_dir)  # the one HF adapter, shared with tessera-serve
     check_convertible(cfg, "import --format hf")

@@ -32,9 +32,8 @@ from tessera.common.errors import UserError
 from tessera.common.fileio import (
     artifact_path,
     atomic_directory,
-    check_replaceable,
+    check_output_directory,
     read_json,
-    refuse_replacing_inputs,
 )
 from tessera.common.hf.directory import CONFIG, SafetensorsWeights
 from tessera.common.hf.rules import check_import
@@ -95,10 +94,7 @@ def import_llava_parts(vision_dir: str | Path, language_dir: str | Path, output:
     for d in (vision_dir, language_dir):
         if not d.is_dir():
             raise UserError(f"{d}: input directory not found")
-    if output.exists() and not overwrite:
-        raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
-    refuse_replacing_inputs(output, [vision_dir, language_dir])
-    check_replaceable(output, CHECKPOINT_KIND, is_checkpoint_output)
+    check_output_directory(output, overwrite, [vision_dir, language_dir], CHECKPOINT_KIND, is_checkpoint_output)
     if not (language_dir / "tokenizer.json").is_file():
         raise UserError(f"{language_dir}: no tokenizer.json; the language model's tokenizer (with {image_token!r}) "
                         "is needed to write image-text data and to serve")

@@ -50,9 +50,8 @@ from tessera.common.errors import ArtifactError, UserError
 from tessera.common.fileio import (
     artifact_path,
     atomic_directory,
-    check_replaceable,
+    check_output_directory,
     holds_only,
-    refuse_replacing_inputs,
 )
 from tessera.common.models.causal_lm.config import ModelConfig
 from tessera.common.models.encoder.config import EncoderConfig
@@ -210,10 +209,8 @@ def import_megatron(input_dir: str | Path, output: str | Path, model_config: str
     input_dir, output = Path(input_dir), Path(output)
     if not input_dir.is_dir():
         raise UserError(f"{input_dir}: input directory not found")
-    if output.exists() and not overwrite:
-        raise UserError(f"{output}: output already exists; choose another path or pass --overwrite")
-    refuse_replacing_inputs(output, [input_dir] + ([tokenizer] if tokenizer else []))
-    check_replaceable(output, CHECKPOINT_KIND, is_checkpoint_output)
+    check_output_directory(output, overwrite, [input_dir] + ([tokenizer] if tokenizer else []), CHECKPOINT_KIND,
+                           is_checkpoint_output)
     check_torch_dist(input_dir)
     cfg = model_config if isinstance(model_config, BaseModel) else _load_model_config(model_config)
     check_convertible(cfg, "import --format megatron")
