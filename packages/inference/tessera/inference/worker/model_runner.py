@@ -140,8 +140,11 @@ class ModelRunner:
 
     def use_decode_graphs(self, spec: GraphSpec) -> None:
         """Pure decode steps from now on through bucket-padded graphs of this runner's forward."""
-        self.decode_graphs = DecodeGraphs(spec, self.device, self.block_size, self.model.output_weight().shape[0],
-                                          self._logits)
+        self.decode_graphs = self._graphs_of(spec, self._logits)
+
+    def _graphs_of(self, spec: GraphSpec, forward) -> DecodeGraphs:
+        """DecodeGraphs over `forward(step) -> fp32 logits` (a subclass's padded forward)."""
+        return DecodeGraphs(spec, self.device, self.block_size, self.model.output_weight().shape[0], forward)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.inference.worker.batch import BatchSeq, StepInputs
-from tessera.inference.worker.cuda_graphs import DecodeGraphs, GraphSpec
+from tessera.inference.worker.cuda_graphs import GraphSpec
 from tessera.inference.worker.decode_attention import DecodeSplit, decode_attention, decode_split
 from tessera.inference.worker.kv_cache import dequantize_kv, store_kv
 from tessera.inference.worker.latent.attention import LatentAttention, install
@@ -135,8 +135,7 @@ class LatentRunner(ModelRunner):
         if getattr(self.cfg, "mtp", None) is not None:
             self._graph_hidden = torch.zeros(max(spec.sizes), self.cfg.hidden_size, device=self.device,
                                              dtype=self.dtype)
-        self.decode_graphs = DecodeGraphs(spec, self.device, self.block_size, self.model.output_weight().shape[0],
-                                          self._graph_logits)
+        self.decode_graphs = self._graphs_of(spec, self._graph_logits)
 
     def _graph_logits(self, step: StepInputs) -> torch.Tensor:
         """The padded forward DecodeGraphs runs (and captures)."""

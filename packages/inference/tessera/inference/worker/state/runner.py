@@ -37,7 +37,7 @@ from tessera.common.models.hybrid.mamba import MambaMixer, MambaState
 from tessera.inference.core.scheduler import SchedulerOutput
 from tessera.inference.sample.sampler import Sampler
 from tessera.inference.worker.batch import BatchSeq, ModelRunnerOutput, StepInputs, copy_in
-from tessera.inference.worker.cuda_graphs import DecodeGraphs, GraphSpec
+from tessera.inference.worker.cuda_graphs import GraphSpec
 from tessera.inference.worker.model_runner import ModelRunner, undivided
 from tessera.inference.worker.state.pool import StatePool, state_bytes_per_sequence
 
@@ -123,8 +123,7 @@ class HybridRunner(ModelRunner):
         # sequences' states beside the pool.
         self._graph_buffers = self.states.buffers(biggest)
         self._graph_states: dict[int, list[tuple[int, MambaState]]] = {}  # bucket -> advanced copies per layer
-        self.decode_graphs = DecodeGraphs(spec, self.device, self.block_size, self.model.output_weight().shape[0],
-                                          self._padded_logits)
+        self.decode_graphs = self._graphs_of(spec, self._padded_logits)
 
     def state_summary(self) -> str:
         scratch = "" if self.states.scratch is None else " + 1 scratch slot (padded decode)"
